@@ -1,0 +1,41 @@
+// flatshardctl: the command-line tool of flatshard. Each subcommand lives in its own file.
+
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "client/cli/plan_command.h"
+#include "common/config.h"
+
+namespace {
+
+constexpr char kUsage[] =
+    "Usage: flatshardctl [--help] [--version] COMMAND [FLAGS]\n"
+    "\n"
+    "Commands:\n"
+    "  plan   cut a module tree into flat-parameter units as PyTorch FSDP would; print the plan\n"
+    "\n"
+    "Run 'flatshardctl COMMAND --help' for a command's flags.\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty()) {
+    std::cerr << kUsage;
+    return 2;
+  }
+  const std::string command = args.front();
+  args.erase(args.begin());
+  if (command == "--help" || command == "-h" || command == "help") {
+    std::cout << kUsage;
+    return 0;
+  }
+  if (command == "--version") {
+    std::cout << "flatshardctl " << FS_VERSION_STRING << "\n";
+    return 0;
+  }
+  if (command == "plan") return flatshard::cli::RunPlanCommand(args);
+  std::cerr << "flatshardctl: unknown command '" << command << "' (see flatshardctl --help)\n";
+  return 2;
+}

@@ -1,0 +1,231 @@
+#include "common/json_util.h"
+
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/match.h"
+
+namespace flatshard {
+namespace {
+
+absl::string_view TypeName(const Json& v) {
+  switch (v.type()) {
+    case Json::value_t::null: return "null";
+    case Json::value_t::object: return "an object";
+    case Json::value_t::array: return "an array";
+    case Json::value_t::string: return "a string";
+    case Json::value_t::boolean: return "a boolean";
+    case Json::value_t::number_integer:
+    case Json::value_t::number_unsigned: return "an integer";
+    case Json::value_t::number_float: return "a number with a fraction or exponent";
+    default: return "an unsupported value";
+  }
+}
+
+// Depth of bracket nesting outside strings; stops counting once past the limit.
+int MaxDepth(absl::string_view text) {
+  int depth = 0, max_depth = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') in_string = true;
+    else if (c == '[' || c == '{') {
+      if (++depth > max_depth) max_depth = depth;
+      if (max_depth > kMaxJsonDepth) return max_depth;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return max_depth;
+}
+
+}  // namespace
+
+std::string Quote(absl::string_view s) {
+  // dump() escapes control characters and quotes; error_handler replace keeps bad UTF-8 printable.
+  return Json(std::string(s)).dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+JsonPath JsonPath::Key(absl::string_view key) const {
+  return JsonPath(doc_, absl::StrCat(path_, ".", key));
+}
+
+JsonPath JsonPath::Index(size_t i) const {
+  return JsonPath(doc_, absl::StrCat(path_, "[", i, "]"));
+}
+
+absl::Status JsonPath::Error(absl::string_view what) const {
+  return absl::InvalidArgumentError(absl::StrCat(doc_, ": ", path_, ": ", what));
+}
+
+absl::StatusOr<Json> ParseJson(absl::string_view text, absl::string_view doc) {
+  if (text.size() > kMaxJsonBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(doc, ": document is ", text.size(), " bytes, more than the limit of ",
+                     kMaxJsonBytes));
+  }
+  if (MaxDepth(text) > kMaxJsonDepth) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(doc, ": JSON nests deeper than ", kMaxJsonDepth, " levels"));
+  }
+  // Duplicate keys are silently merged by nlohmann; catch them with the parse callback.
+  std::vector<std::set<std::string>> open_objects;
+  std::string duplicate;
+  auto callback = [&](int /*depth*/, Json::parse_event_t event, Json& parsed) {
+    if (event == Json::parse_event_t::object_start) {
+      open_objects.emplace_back();
+    } else if (event == Json::parse_event_t::object_end) {
+      if (!open_objects.empty()) open_objects.pop_back();
+    } else if (event == Json::parse_event_t::key && !open_objects.empty()) {
+      if (!open_objects.back().insert(parsed.get<std::string>()).second && duplicate.empty()) {
+        duplicate = parsed.get<std::string>();
+      }
+    }
+    return true;
+  };
+  Json value;
+  try {
+    value = Json::parse(text.begin(), text.end(), callback, /*allow_exceptions=*/true,
+                        /*ignore_comments=*/false);
+  } catch (const Json::exception& e) {
+    // Drop nlohmann's "[json.exception.parse_error.101] " prefix.
+    absl::string_view what = e.what();
+    if (auto pos = what.find("] "); absl::StartsWith(what, "[json.exception") && pos != what.npos) {
+      what.remove_prefix(pos + 2);
+    }
+    return absl::InvalidArgumentError(absl::StrCat(doc, ": malformed JSON: ", what));
+  }
+  if (!duplicate.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(doc, ": duplicate key ", Quote(duplicate), " in an object"));
+  }
+  return value;
+}
+
+absl::Status ExpectObject(const Json& v, const JsonPath& path,
+                          std::initializer_list<absl::string_view> allowed) {
+  if (!v.is_object()) return path.Error(absl::StrCat("must be an object, got ", TypeName(v)));
+  for (const auto& [key, unused] : v.items()) {
+    bool known = false;
+    for (absl::string_view a : allowed) known = known || key == a;
+    if (!known) {
+      return path.Error(absl::StrCat("unknown key ", Quote(key), " (allowed: ",
+                                     absl::StrJoin(allowed, ", "), ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExpectArray(const Json& v, const JsonPath& path) {
+  if (!v.is_array()) return path.Error(absl::StrCat("must be an array, got ", TypeName(v)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> AsString(const Json& v, const JsonPath& path) {
+  if (!v.is_string()) return path.Error(absl::StrCat("must be a string, got ", TypeName(v)));
+  return v.get<std::string>();
+}
+
+absl::StatusOr<int64_t> AsInt(const Json& v, const JsonPath& path, int64_t min, int64_t max) {
+  int64_t value = 0;
+  if (v.is_number_unsigned()) {
+    uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return path.Error(absl::StrCat("integer ", u, " overflows int64"));
+    }
+    value = static_cast<int64_t>(u);
+  } else if (v.is_number_integer()) {
+    value = v.get<int64_t>();
+  } else if (v.is_number_float()) {
+    return path.Error(absl::StrCat("must be an integer, got ", v.dump(),
+                                   " (too large, or has a fraction or exponent)"));
+  } else {
+    return path.Error(absl::StrCat("must be an integer, got ", TypeName(v)));
+  }
+  if (value < min || value > max) {
+    if (max == std::numeric_limits<int64_t>::max()) {
+      return path.Error(absl::StrCat("must be at least ", min, ", got ", value));
+    }
+    return path.Error(absl::StrCat("must be in [", min, ", ", max, "], got ", value));
+  }
+  return value;
+}
+
+absl::StatusOr<std::string> GetString(const Json& obj, absl::string_view key,
+                                      const JsonPath& path) {
+  auto it = obj.find(key);
+  if (it == obj.end()) return path.Error(absl::StrCat("missing required key ", Quote(key)));
+  return AsString(*it, path.Key(key));
+}
+
+absl::Status GetOptionalString(const Json& obj, absl::string_view key, const JsonPath& path,
+                               std::string* out) {
+  auto it = obj.find(key);
+  if (it == obj.end()) return absl::OkStatus();
+  auto s = AsString(*it, path.Key(key));
+  if (!s.ok()) return s.status();
+  *out = *std::move(s);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> GetInt(const Json& obj, absl::string_view key, const JsonPath& path,
+                               int64_t min, int64_t max) {
+  auto it = obj.find(key);
+  if (it == obj.end()) return path.Error(absl::StrCat("missing required key ", Quote(key)));
+  return AsInt(*it, path.Key(key), min, max);
+}
+
+absl::Status GetOptionalInt(const Json& obj, absl::string_view key, const JsonPath& path,
+                            int64_t min, int64_t max, int64_t* out) {
+  auto it = obj.find(key);
+  if (it == obj.end()) return absl::OkStatus();
+  auto v = AsInt(*it, path.Key(key), min, max);
+  if (!v.ok()) return v.status();
+  *out = *v;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> GetBool(const Json& obj, absl::string_view key, const JsonPath& path) {
+  auto it = obj.find(key);
+  if (it == obj.end()) return path.Error(absl::StrCat("missing required key ", Quote(key)));
+  if (!it->is_boolean()) {
+    return path.Key(key).Error(absl::StrCat("must be true or false, got ", TypeName(*it)));
+  }
+  return it->get<bool>();
+}
+
+absl::Status GetOptionalBool(const Json& obj, absl::string_view key, const JsonPath& path,
+                             bool* out) {
+  if (!obj.contains(key)) return absl::OkStatus();
+  auto v = GetBool(obj, key, path);
+  if (!v.ok()) return v.status();
+  *out = *v;
+  return absl::OkStatus();
+}
+
+absl::Status GetOptionalStringList(const Json& obj, absl::string_view key, const JsonPath& path,
+                                   std::vector<std::string>* out) {
+  auto it = obj.find(key);
+  if (it == obj.end()) return absl::OkStatus();
+  JsonPath list_path = path.Key(key);
+  if (!it->is_array()) {
+    return list_path.Error(absl::StrCat("must be an array of strings, got ", TypeName(*it)));
+  }
+  std::vector<std::string> values;
+  values.reserve(it->size());
+  for (size_t i = 0; i < it->size(); ++i) {
+    auto s = AsString((*it)[i], list_path.Index(i));
+    if (!s.ok()) return s.status();
+    values.push_back(*std::move(s));
+  }
+  *out = std::move(values);
+  return absl::OkStatus();
+}
+
+}  // namespace flatshard

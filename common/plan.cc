@@ -1,0 +1,246 @@
+#include "common/plan.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/sha256.h"
+#include "common/status_macros.h"
+
+namespace flatshard {
+
+int32_t Plan::ShardRank(int32_t rank) const {
+  FS_CHECK(rank >= 0 && rank < world_size) << "rank " << rank << " of " << world_size;
+  // HYBRID_SHARD shards over consecutive ranks of one node and replicates across nodes.
+  return rank % shard_world_size;
+}
+
+absl::StatusOr<FlatLayout> UnitLayout(const Plan& plan, const PlanUnit& unit) {
+  std::vector<int64_t> numels;
+  numels.reserve(unit.params.size());
+  for (const PlanParam& p : unit.params) numels.push_back(p.numel);
+  FlatLayoutOptions options;
+  options.dtype = unit.dtype;
+  options.align = plan.use_orig_params;
+  options.shard_world_size = plan.shard_world_size;
+  options.pad_world_size = plan.sharding_strategy == ShardingStrategy::kNoShard
+                               ? plan.world_size
+                               : plan.shard_world_size;
+  return FlatLayout::Create(numels, options);
+}
+
+PlanMemory SummarizeMemory(const Plan& plan) {
+  PlanMemory m;
+  for (const PlanUnit& u : plan.units) {
+    m.shard_bytes += u.shard_numel * ItemSize(u.dtype);
+    m.unsharded_bytes += u.padded_numel * ItemSize(u.dtype);
+  }
+  m.peak_summon_bytes = m.shard_bytes;
+  if (plan.sharding_strategy != ShardingStrategy::kNoShard) m.peak_summon_bytes += m.unsharded_bytes;
+  return m;
+}
+
+std::string Fingerprint(const Plan& plan) {
+  // One line per fact, fields separated by a byte that cannot occur in JSON text unescaped.
+  std::string text;
+  absl::StrAppend(&text, kPlanFormat, "\n", plan.world_size, "\x1f",
+                  ShardingStrategyName(plan.sharding_strategy), "\x1f", plan.shard_world_size,
+                  "\x1f", plan.use_orig_params ? 1 : 0, "\n");
+  for (const PlanUnit& u : plan.units) {
+    absl::StrAppend(&text, "unit\x1f", u.index, "\x1f", u.module, "\x1f", u.module_type, "\x1f",
+                    DTypeName(u.dtype), "\x1f", u.requires_grad ? 1 : 0, "\x1f", u.numel, "\x1f",
+                    u.padded_numel, "\x1f", u.shard_numel, "\n");
+    for (const PlanParam& p : u.params) {
+      absl::StrAppend(&text, "param\x1f", p.fqn, "\x1f", absl::StrJoin(p.shape, ","), "\x1f",
+                      p.numel, "\x1f", p.offset, "\n");
+    }
+    for (const SharedParam& s : u.shared) {
+      absl::StrAppend(&text, "shared\x1f", s.fqn, "\x1f", s.same_as, "\n");
+    }
+  }
+  for (const std::string& fqn : plan.ignored_params) absl::StrAppend(&text, "ignored\x1f", fqn, "\n");
+  return Sha256Hex(text);
+}
+
+nlohmann::ordered_json PlanToJson(const Plan& plan) {
+  using OJson = nlohmann::ordered_json;
+  OJson units = OJson::array();
+  for (const PlanUnit& u : plan.units) {
+    OJson params = OJson::array();
+    for (const PlanParam& p : u.params) {
+      params.push_back(
+          {{"fqn", p.fqn}, {"shape", p.shape}, {"numel", p.numel}, {"offset", p.offset}});
+    }
+    OJson shared = OJson::array();
+    for (const SharedParam& s : u.shared) {
+      shared.push_back({{"fqn", s.fqn}, {"same_as", s.same_as}});
+    }
+    units.push_back({{"index", u.index},
+                     {"module", u.module},
+                     {"module_type", u.module_type},
+                     {"dtype", std::string(DTypeName(u.dtype))},
+                     {"requires_grad", u.requires_grad},
+                     {"params", std::move(params)},
+                     {"shared", std::move(shared)},
+                     {"numel", u.numel},
+                     {"padded_numel", u.padded_numel},
+                     {"shard_numel", u.shard_numel}});
+  }
+  return OJson{{"format", std::string(kPlanFormat)},
+               {"world_size", plan.world_size},
+               {"sharding_strategy", std::string(ShardingStrategyName(plan.sharding_strategy))},
+               {"shard_world_size", plan.shard_world_size},
+               {"use_orig_params", plan.use_orig_params},
+               {"units", std::move(units)},
+               {"ignored_params", plan.ignored_params},
+               {"warnings", plan.warnings},
+               {"fingerprint", plan.fingerprint}};
+}
+
+namespace {
+
+absl::StatusOr<std::vector<int64_t>> GetShape(const Json& obj, const JsonPath& path) {
+  auto it = obj.find("shape");
+  if (it == obj.end()) return path.Error("missing required key \"shape\"");
+  JsonPath shape_path = path.Key("shape");
+  FS_RETURN_IF_ERROR(ExpectArray(*it, shape_path));
+  std::vector<int64_t> shape;
+  for (size_t i = 0; i < it->size(); ++i) {
+    FS_ASSIGN_OR_RETURN(int64_t d, AsInt((*it)[i], shape_path.Index(i), 0,
+                                         std::numeric_limits<int64_t>::max()));
+    shape.push_back(d);
+  }
+  return shape;
+}
+
+absl::StatusOr<PlanUnit> ParseUnit(const Json& v, const JsonPath& path) {
+  FS_RETURN_IF_ERROR(ExpectObject(v, path,
+                                  {"index", "module", "module_type", "dtype", "requires_grad",
+                                   "params", "shared", "numel", "padded_numel", "shard_numel"}));
+  PlanUnit u;
+  const int64_t kMax = std::numeric_limits<int64_t>::max();
+  FS_ASSIGN_OR_RETURN(int64_t index, GetInt(v, "index", path, 0, INT32_MAX));
+  u.index = static_cast<int32_t>(index);
+  FS_ASSIGN_OR_RETURN(u.module, GetString(v, "module", path));
+  FS_ASSIGN_OR_RETURN(u.module_type, GetString(v, "module_type", path));
+  FS_ASSIGN_OR_RETURN(std::string dtype, GetString(v, "dtype", path));
+  auto parsed = ParseDType(dtype);
+  if (!parsed || !IsFloatingPoint(*parsed)) {
+    return path.Key("dtype").Error(absl::StrCat("unknown floating dtype ", Quote(dtype)));
+  }
+  u.dtype = *parsed;
+  FS_ASSIGN_OR_RETURN(u.requires_grad, GetBool(v, "requires_grad", path));
+  auto params = v.find("params");
+  if (params == v.end()) return path.Error("missing required key \"params\"");
+  FS_RETURN_IF_ERROR(ExpectArray(*params, path.Key("params")));
+  for (size_t i = 0; i < params->size(); ++i) {
+    JsonPath ppath = path.Key("params").Index(i);
+    const Json& pj = (*params)[i];
+    FS_RETURN_IF_ERROR(ExpectObject(pj, ppath, {"fqn", "shape", "numel", "offset"}));
+    PlanParam p;
+    FS_ASSIGN_OR_RETURN(p.fqn, GetString(pj, "fqn", ppath));
+    FS_ASSIGN_OR_RETURN(p.shape, GetShape(pj, ppath));
+    FS_ASSIGN_OR_RETURN(p.numel, GetInt(pj, "numel", ppath, 0, kMax));
+    FS_ASSIGN_OR_RETURN(p.offset, GetInt(pj, "offset", ppath, 0, kMax));
+    int64_t numel = 1;
+    for (int64_t d : p.shape) {
+      if (__builtin_mul_overflow(numel, d, &numel)) numel = -1;
+    }
+    if (numel != p.numel) {
+      return ppath.Key("numel").Error(
+          absl::StrCat("numel ", p.numel, " does not match shape [", absl::StrJoin(p.shape, ", "),
+                       "]"));
+    }
+    u.params.push_back(std::move(p));
+  }
+  if (auto shared = v.find("shared"); shared != v.end()) {
+    FS_RETURN_IF_ERROR(ExpectArray(*shared, path.Key("shared")));
+    for (size_t i = 0; i < shared->size(); ++i) {
+      JsonPath spath = path.Key("shared").Index(i);
+      FS_RETURN_IF_ERROR(ExpectObject((*shared)[i], spath, {"fqn", "same_as"}));
+      SharedParam s;
+      FS_ASSIGN_OR_RETURN(s.fqn, GetString((*shared)[i], "fqn", spath));
+      FS_ASSIGN_OR_RETURN(s.same_as, GetString((*shared)[i], "same_as", spath));
+      u.shared.push_back(std::move(s));
+    }
+  }
+  FS_ASSIGN_OR_RETURN(u.numel, GetInt(v, "numel", path, 0, kMax));
+  FS_ASSIGN_OR_RETURN(u.padded_numel, GetInt(v, "padded_numel", path, 0, kMax));
+  FS_ASSIGN_OR_RETURN(u.shard_numel, GetInt(v, "shard_numel", path, 0, kMax));
+  return u;
+}
+
+}  // namespace
+
+absl::StatusOr<Plan> PlanFromJsonValue(const Json& doc) {
+  JsonPath path("plan");
+  FS_RETURN_IF_ERROR(ExpectObject(doc, path,
+                                  {"format", "world_size", "sharding_strategy", "shard_world_size",
+                                   "use_orig_params", "units", "ignored_params", "warnings",
+                                   "fingerprint"}));
+  FS_ASSIGN_OR_RETURN(std::string format, GetString(doc, "format", path));
+  if (format != kPlanFormat) {
+    return path.Key("format").Error(
+        absl::StrCat("unknown format ", Quote(format), ", expected ", Quote(kPlanFormat)));
+  }
+  Plan plan;
+  FS_ASSIGN_OR_RETURN(int64_t world_size, GetInt(doc, "world_size", path, 1, INT32_MAX));
+  plan.world_size = static_cast<int32_t>(world_size);
+  std::string strategy(ShardingStrategyName(plan.sharding_strategy));
+  FS_RETURN_IF_ERROR(GetOptionalString(doc, "sharding_strategy", path, &strategy));
+  auto parsed = ParseShardingStrategy(strategy);
+  if (!parsed) {
+    return path.Key("sharding_strategy")
+        .Error(absl::StrCat("unknown sharding strategy ", Quote(strategy)));
+  }
+  plan.sharding_strategy = *parsed;
+  int64_t shard_world = plan.sharding_strategy == ShardingStrategy::kNoShard ? 1 : world_size;
+  FS_RETURN_IF_ERROR(GetOptionalInt(doc, "shard_world_size", path, 1, world_size, &shard_world));
+  if (world_size % shard_world != 0) {
+    return path.Key("shard_world_size")
+        .Error(absl::StrCat(shard_world, " does not divide world_size ", world_size));
+  }
+  plan.shard_world_size = static_cast<int32_t>(shard_world);
+  FS_RETURN_IF_ERROR(GetOptionalBool(doc, "use_orig_params", path, &plan.use_orig_params));
+  auto units = doc.find("units");
+  if (units == doc.end()) return path.Error("missing required key \"units\"");
+  FS_RETURN_IF_ERROR(ExpectArray(*units, path.Key("units")));
+  for (size_t i = 0; i < units->size(); ++i) {
+    JsonPath upath = path.Key("units").Index(i);
+    FS_ASSIGN_OR_RETURN(PlanUnit u, ParseUnit((*units)[i], upath));
+    if (u.index != static_cast<int32_t>(i)) {
+      return upath.Key("index").Error(absl::StrCat("must be ", i, ", got ", u.index));
+    }
+    FS_ASSIGN_OR_RETURN(FlatLayout layout, UnitLayout(plan, u));
+    for (size_t p = 0; p < u.params.size(); ++p) {
+      if (u.params[p].offset != layout.offsets()[p]) {
+        return upath.Key("params").Index(p).Key("offset").Error(absl::StrCat(
+            "offset ", u.params[p].offset, " does not match the layout rules (want ",
+            layout.offsets()[p], ")"));
+      }
+    }
+    if (u.numel != layout.numel() || u.padded_numel != layout.padded_numel() ||
+        u.shard_numel != layout.shard_numel()) {
+      return upath.Error(absl::StrCat("numel/padded_numel/shard_numel ", u.numel, "/",
+                                      u.padded_numel, "/", u.shard_numel,
+                                      " do not match the layout rules (want ", layout.numel(),
+                                      "/", layout.padded_numel(), "/", layout.shard_numel(), ")"));
+    }
+    plan.units.push_back(std::move(u));
+  }
+  FS_RETURN_IF_ERROR(GetOptionalStringList(doc, "ignored_params", path, &plan.ignored_params));
+  FS_RETURN_IF_ERROR(GetOptionalStringList(doc, "warnings", path, &plan.warnings));
+  FS_ASSIGN_OR_RETURN(plan.fingerprint, GetString(doc, "fingerprint", path));
+  if (std::string want = Fingerprint(plan); plan.fingerprint != want) {
+    return path.Key("fingerprint")
+        .Error(absl::StrCat("fingerprint ", Quote(plan.fingerprint),
+                            " does not match the plan's content (", want, ")"));
+  }
+  return plan;
+}
+
+absl::StatusOr<Plan> PlanFromJson(absl::string_view text) {
+  FS_ASSIGN_OR_RETURN(Json doc, ParseJson(text, "plan"));
+  return PlanFromJsonValue(doc);
+}
+
+}  // namespace flatshard

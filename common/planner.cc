@@ -1,0 +1,543 @@
+#include "common/planner.h"
+
+#include <algorithm>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/flat_layout.h"
+#include "common/status_macros.h"
+
+namespace flatshard {
+namespace {
+
+std::string JoinPath(absl::string_view prefix, absl::string_view name) {
+  return prefix.empty() ? std::string(name) : absl::StrCat(prefix, ".", name);
+}
+
+// Python's repr of a list of strings, as FSDP's messages print FQN lists.
+std::string PyList(const std::vector<std::string>& items) {
+  return absl::StrCat("[",
+                      absl::StrJoin(items, ", ",
+                                    [](std::string* out, const std::string& s) {
+                                      absl::StrAppend(out, "'", s, "'");
+                                    }),
+                      "]");
+}
+
+std::string ModuleName(absl::string_view path) {
+  return path.empty() ? std::string("the root module") : absl::StrCat("module ", Quote(path));
+}
+
+bool IsInstanceOfAny(const ModuleDecl& m, const std::vector<std::string>& types) {
+  for (const std::string& t : types) {
+    if (m.IsInstanceOf(t)) return true;
+  }
+  return false;
+}
+
+// One distinct tensor (parameter identity) of the manifest.
+struct TensorInfo {
+  int64_t numel = 0;
+  DType dtype = DType::kFloat32;
+  bool requires_grad = true;
+  bool ignored = false;
+  int32_t unit = -1;  // formation index of the unit that holds it
+  uint32_t stamp = 0;  // epoch marker for distinct counting
+};
+
+// A unit as formed (post-order); sorted into pre-order at the end.
+struct FormedUnit {
+  int32_t module = 0;
+  std::string path;
+  std::vector<int32_t> tensors;  // distinct, flat order
+  PlanUnit unit;
+};
+
+class Planner {
+ public:
+  Planner(const Manifest& manifest, const Policy& policy, const PlanOptions& options)
+      : manifest_(manifest), policy_(policy), options_(options) {}
+
+  absl::StatusOr<Plan> Run() {
+    FS_RETURN_IF_ERROR(CheckOptions());
+    FS_RETURN_IF_ERROR(IndexTensors());
+    FS_RETURN_IF_ERROR(CheckExpandedSize());
+    FS_RETURN_IF_ERROR(ResolveIgnored());
+    FS_RETURN_IF_ERROR(ResolveExplicitPaths(policy_.auto_wrap, "policy: $.auto_wrap"));
+    SetUpEffectivePolicy();
+
+    const int32_t root = 0;
+    is_unit_.assign(manifest_.modules.size(), false);
+    if (policy_.auto_wrap.kind != AutoWrapKind::kNone && !module_ignored_[root]) {
+      FS_RETURN_IF_ERROR(Wrap(root, "", /*only_children=*/true).status());
+    }
+    if (!module_ignored_[root]) FS_RETURN_IF_ERROR(FormUnit(root, ""));
+    return Finish();
+  }
+
+ private:
+  absl::Status CheckOptions() {
+    if (options_.world_size < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("world size must be at least 1, got ", options_.world_size));
+    }
+    plan_.world_size = options_.world_size;
+    plan_.sharding_strategy = policy_.sharding_strategy;
+    plan_.use_orig_params = policy_.use_orig_params;
+    switch (policy_.sharding_strategy) {
+      case ShardingStrategy::kNoShard:
+        plan_.shard_world_size = 1;
+        break;
+      case ShardingStrategy::kHybridShard: {
+        int32_t per_node = options_.ranks_per_node == 0 ? options_.world_size
+                                                        : options_.ranks_per_node;
+        if (per_node < 1 || options_.world_size % per_node != 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "HYBRID_SHARD: ranks per node ", per_node, " must be >= 1 and divide world size ",
+              options_.world_size));
+        }
+        plan_.shard_world_size = per_node;
+        break;
+      }
+      default:
+        plan_.shard_world_size = options_.world_size;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status IndexTensors() {
+    const size_t n = manifest_.modules.size();
+    if (n == 0) return absl::InvalidArgumentError("manifest: no root module");
+    param_tensor_.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      for (const TensorDecl& p : manifest_.modules[i].params) {
+        auto [it, inserted] = tensor_of_id_.try_emplace(p.id, static_cast<int32_t>(tensors_.size()));
+        if (inserted) {
+          tensors_.push_back(TensorInfo{p.numel, p.dtype, p.requires_grad});
+        }
+        param_tensor_[i].push_back(it->second);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Refs can make the expanded tree exponential in the manifest's size; every traversal below
+  // is bounded by its size, so check it first.
+  absl::Status CheckExpandedSize() {
+    const size_t n = manifest_.modules.size();
+    std::vector<int64_t> paths(n, -1);
+    const int64_t limit = options_.max_module_paths;
+    // Children complete before parents (refs only name completed modules), so a memoized DFS
+    // terminates; iterative to stay off the stack.
+    std::vector<std::pair<int32_t, size_t>> stack = {{0, 0}};
+    std::vector<int64_t> acc(n, 1);
+    while (!stack.empty()) {
+      auto& [m, next] = stack.back();
+      const auto& children = manifest_.modules[m].children;
+      if (next < children.size()) {
+        int32_t c = children[next].module;
+        if (paths[c] < 0) {
+          stack.emplace_back(c, 0);
+          continue;
+        }
+        acc[m] = std::min(limit + 1, acc[m] + paths[c]);
+        ++next;
+        continue;
+      }
+      paths[m] = acc[m];
+      stack.pop_back();
+    }
+    if (paths[0] > limit) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "manifest: the module tree has more than ", limit,
+          " module paths once shared modules (refs) are expanded at every path"));
+    }
+    return absl::OkStatus();
+  }
+
+  // Finds the module instance at `path` ("" is the root).
+  std::optional<int32_t> FindModule(absl::string_view path) const {
+    int32_t m = 0;
+    if (path.empty()) return m;
+    for (absl::string_view name : absl::StrSplit(path, '.')) {
+      bool found = false;
+      for (const ChildDecl& c : manifest_.modules[m].children) {
+        if (c.name == name) {
+          m = c.module;
+          found = true;
+          break;
+        }
+      }
+      if (!found) return std::nullopt;
+    }
+    return m;
+  }
+
+  absl::Status ResolveIgnored() {
+    const size_t n = manifest_.modules.size();
+    module_ignored_.assign(n, false);
+    for (size_t i = 0; i < policy_.ignored_modules.size(); ++i) {
+      const std::string& path = policy_.ignored_modules[i];
+      auto m = FindModule(path);
+      if (!m) {
+        return absl::InvalidArgumentError(absl::StrCat("policy: $.ignored_modules[", i,
+                                                       "]: no module at path ", Quote(path)));
+      }
+      if (*m == 0) {
+        plan_.warnings.push_back(
+            "Trying to ignore the top-level module passed into the FSDP constructor itself will "
+            "result in all parameters being ignored and is not well-supported");
+      }
+      // The instance and its whole subtree, wherever else they are registered.
+      std::vector<int32_t> stack = {*m};
+      while (!stack.empty()) {
+        int32_t x = stack.back();
+        stack.pop_back();
+        if (module_ignored_[x]) continue;
+        module_ignored_[x] = true;
+        for (int32_t t : param_tensor_[x]) tensors_[t].ignored = true;
+        for (const ChildDecl& c : manifest_.modules[x].children) stack.push_back(c.module);
+      }
+    }
+    for (size_t i = 0; i < policy_.ignored_params.size(); ++i) {
+      const std::string& fqn = policy_.ignored_params[i];
+      size_t dot = fqn.rfind('.');
+      absl::string_view module_path = dot == std::string::npos ? "" : absl::string_view(fqn).substr(0, dot);
+      absl::string_view name = dot == std::string::npos ? absl::string_view(fqn) : absl::string_view(fqn).substr(dot + 1);
+      auto m = FindModule(module_path);
+      bool found = false;
+      if (m) {
+        const auto& params = manifest_.modules[*m].params;
+        for (size_t p = 0; p < params.size(); ++p) {
+          if (params[p].name == name) {
+            tensors_[param_tensor_[*m][p]].ignored = true;
+            found = true;
+            break;
+          }
+        }
+      }
+      if (!found) {
+        return absl::InvalidArgumentError(absl::StrCat("policy: $.ignored_params[", i,
+                                                       "]: no parameter ", Quote(fqn)));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ResolveExplicitPaths(const AutoWrapPolicy& p, const std::string& where) {
+    if (p.kind == AutoWrapKind::kExplicit) {
+      for (size_t i = 0; i < p.paths.size(); ++i) {
+        auto m = FindModule(p.paths[i]);
+        if (!m) {
+          return absl::InvalidArgumentError(absl::StrCat(where, ".paths[", i,
+                                                         "]: no module at path ",
+                                                         Quote(p.paths[i])));
+        }
+        explicit_modules_[&p].push_back(*m);
+      }
+    }
+    for (size_t i = 0; i < p.policies.size(); ++i) {
+      FS_RETURN_IF_ERROR(
+          ResolveExplicitPaths(p.policies[i], absl::StrCat(where, ".policies[", i, "]")));
+    }
+    return absl::OkStatus();
+  }
+
+  // FSDP wraps modules of MixedPrecision._module_classes_to_ignore separately (as
+  // `_or_policy(policy, _wrap_module_cls_individually)`), but only with an auto-wrap policy.
+  void SetUpEffectivePolicy() {
+    effective_ = &policy_.auto_wrap;
+    if (policy_.auto_wrap.kind == AutoWrapKind::kNone || !policy_.mixed_precision ||
+        policy_.mixed_precision->module_types_to_ignore.empty()) {
+      return;
+    }
+    const auto& types = policy_.mixed_precision->module_types_to_ignore;
+    mp_override_.kind = AutoWrapKind::kAny;
+    mp_override_.policies.push_back(policy_.auto_wrap);
+    AutoWrapPolicy individually;
+    individually.kind = AutoWrapKind::kModuleTypes;
+    individually.types = types;
+    mp_override_.policies.push_back(std::move(individually));
+    // The copy's explicit members must resolve like the original's.
+    CopyExplicit(policy_.auto_wrap, mp_override_.policies[0]);
+    effective_ = &mp_override_;
+    std::vector<std::string> overridden;  // type(m) of every module that is such an instance
+    for (const ModuleDecl& m : manifest_.modules) {
+      if (IsInstanceOfAny(m, types) &&
+          std::find(overridden.begin(), overridden.end(), m.type) == overridden.end()) {
+        overridden.push_back(m.type);
+      }
+    }
+    if (!overridden.empty()) {
+      std::sort(overridden.begin(), overridden.end());
+      plan_.warnings.push_back(absl::StrCat(
+          "Both mixed precision and an auto_wrap_policy were specified, where the wrapped "
+          "module has submodules of type: {",
+          absl::StrJoin(overridden, ", "),
+          "}. These modules will be wrapped as separate units with mixed precision disabled."));
+    }
+  }
+
+  void CopyExplicit(const AutoWrapPolicy& from, const AutoWrapPolicy& to) {
+    if (auto it = explicit_modules_.find(&from); it != explicit_modules_.end()) {
+      explicit_modules_[&to] = it->second;
+    }
+    for (size_t i = 0; i < from.policies.size(); ++i) CopyExplicit(from.policies[i], to.policies[i]);
+  }
+
+  // The policy callable of FSDP: `recurse=true` asks whether to descend, `recurse=false`
+  // whether to wrap given the not-yet-wrapped numel.
+  bool Evaluate(const AutoWrapPolicy& p, int32_t m, bool recurse, int64_t numel) const {
+    const ModuleDecl& mod = manifest_.modules[m];
+    switch (p.kind) {
+      case AutoWrapKind::kNone:
+        return false;
+      case AutoWrapKind::kAlways:
+        return true;
+      case AutoWrapKind::kSizeBased: {
+        const bool is_large = numel >= p.min_num_params;
+        return is_large && !IsInstanceOfAny(mod, recurse ? p.force_leaf_types
+                                                         : p.exclude_wrap_types);
+      }
+      case AutoWrapKind::kModuleTypes:
+        return recurse || IsInstanceOfAny(mod, p.types);
+      case AutoWrapKind::kExplicit: {
+        if (recurse) return true;
+        auto it = explicit_modules_.find(&p);
+        return it != explicit_modules_.end() &&
+               std::find(it->second.begin(), it->second.end(), m) != it->second.end();
+      }
+      case AutoWrapKind::kAny:
+        for (const AutoWrapPolicy& member : p.policies) {
+          if (Evaluate(member, m, recurse, numel)) return true;
+        }
+        return false;
+    }
+    return false;
+  }
+
+  // Numel of the distinct tensors under `m` that are neither ignored nor in a unit.
+  int64_t UnwrappedNumel(int32_t m) {
+    ++epoch_;
+    int64_t total = 0;
+    std::vector<int32_t> stack = {m};
+    module_stamp_.resize(manifest_.modules.size(), 0);
+    while (!stack.empty()) {
+      int32_t x = stack.back();
+      stack.pop_back();
+      if (module_stamp_[x] == epoch_ || module_ignored_[x] || (x != m && is_unit_[x])) continue;
+      module_stamp_[x] = epoch_;
+      for (int32_t t : param_tensor_[x]) {
+        TensorInfo& info = tensors_[t];
+        if (info.stamp == epoch_ || info.ignored || info.unit >= 0) continue;
+        info.stamp = epoch_;
+        total += info.numel;  // total numel of distinct tensors fits: checked in FormUnit
+        if (total < 0) total = std::numeric_limits<int64_t>::max();
+      }
+      for (const ChildDecl& c : manifest_.modules[x].children) stack.push_back(c.module);
+    }
+    return total;
+  }
+
+  // FSDP's `_recursive_wrap`; returns the numel it wrapped.
+  absl::StatusOr<int64_t> Wrap(int32_t m, const std::string& path, bool only_children) {
+    if (is_unit_[m]) return 0;
+    const int64_t numel = UnwrappedNumel(m);
+    if (!Evaluate(*effective_, m, /*recurse=*/true, numel)) return 0;
+    int64_t wrapped = 0;
+    for (const ChildDecl& c : manifest_.modules[m].children) {
+      if (module_ignored_[c.module]) continue;
+      FS_ASSIGN_OR_RETURN(int64_t w, Wrap(c.module, JoinPath(path, c.name), false));
+      wrapped += w;
+    }
+    if (!only_children && Evaluate(*effective_, m, /*recurse=*/false, numel - wrapped)) {
+      FS_RETURN_IF_ERROR(FormUnit(m, path));
+      return numel;
+    }
+    return wrapped;
+  }
+
+  // Marks `m` (reached at `path`) as a unit and flattens what its subtree still holds.
+  absl::Status FormUnit(int32_t m, const std::string& path) {
+    is_unit_[m] = true;
+    FormedUnit formed;
+    formed.module = m;
+    formed.path = path;
+    PlanUnit& unit = formed.unit;
+    unit.module = path;
+    unit.module_type = manifest_.modules[m].type;
+    const int32_t unit_id = static_cast<int32_t>(formed_.size());
+    // named_modules(remove_duplicate=False) pre-order: a shared instance is walked at every
+    // path, so later FQNs of a tensor in this unit become `shared` entries.
+    absl::flat_hash_map<int32_t, size_t> first_fqn;  // tensor -> index into unit.params
+    struct Frame {
+      int32_t module;
+      std::string path;
+    };
+    std::vector<Frame> stack = {{m, path}};
+    while (!stack.empty()) {
+      Frame f = std::move(stack.back());
+      stack.pop_back();
+      if (module_ignored_[f.module] || (f.module != m && is_unit_[f.module])) continue;
+      const ModuleDecl& mod = manifest_.modules[f.module];
+      for (size_t p = 0; p < mod.params.size(); ++p) {
+        const int32_t t = param_tensor_[f.module][p];
+        TensorInfo& info = tensors_[t];
+        if (info.ignored || (info.unit >= 0 && info.unit != unit_id)) continue;
+        std::string fqn = JoinPath(f.path, mod.params[p].name);
+        if (info.unit == unit_id) {
+          unit.shared.push_back(SharedParam{std::move(fqn), unit.params[first_fqn[t]].fqn});
+          continue;
+        }
+        info.unit = unit_id;
+        first_fqn[t] = unit.params.size();
+        formed.tensors.push_back(t);
+        unit.params.push_back(PlanParam{std::move(fqn), mod.params[p].shape, info.numel, 0});
+      }
+      for (auto c = mod.children.rbegin(); c != mod.children.rend(); ++c) {
+        stack.push_back(Frame{c->module, JoinPath(f.path, c->name)});
+      }
+    }
+    if (unit.params.empty()) return absl::OkStatus();  // FSDP makes no FlatParameter
+    FS_RETURN_IF_ERROR(CheckFlattenable(formed));
+    formed_.push_back(std::move(formed));
+    return absl::OkStatus();
+  }
+
+  // FlatParamHandle's `_validate_tensors_to_flatten` and FSDP's `_validate_frozen_params`.
+  absl::Status CheckFlattenable(FormedUnit& formed) {
+    PlanUnit& unit = formed.unit;
+    const std::string where = absl::StrCat("unit of ", ModuleName(formed.path));
+    const TensorInfo& first = tensors_[formed.tensors[0]];
+    std::vector<std::string> trainable, frozen;
+    int64_t trainable_numel = 0, frozen_numel = 0;
+    for (size_t i = 0; i < formed.tensors.size(); ++i) {
+      const TensorInfo& info = tensors_[formed.tensors[i]];
+      const std::string& fqn = unit.params[i].fqn;
+      if (!IsFloatingPoint(info.dtype)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": Cannot flatten integer dtype tensors: parameter ", fqn,
+                         " has dtype ", DTypeName(info.dtype)));
+      }
+      if (info.dtype != first.dtype) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            where, ": Must flatten tensors with uniform dtype but got ", DTypeName(first.dtype),
+            " (", unit.params[0].fqn, ") and ", DTypeName(info.dtype), " (", fqn, ")"));
+      }
+      (info.requires_grad ? trainable : frozen).push_back(fqn);
+      (info.requires_grad ? trainable_numel : frozen_numel) += info.numel;
+    }
+    unit.dtype = first.dtype;
+    unit.requires_grad = !trainable.empty();
+    if (!trainable.empty() && !frozen.empty()) {
+      std::string msg = absl::StrCat(
+          formed.path.empty() ? "The root module" : Quote(formed.path),
+          " has both parameters with requires_grad=True and False.");
+      if (policy_.use_orig_params) {
+        absl::StrAppend(&msg,
+                        " We do not recommend wrapping such modules since the gradient memory "
+                        "usage will be higher than expected (",
+                        trainable_numel + frozen_numel, " numel instead of ", trainable_numel,
+                        " numel before sharding via reduce-scatter; ", frozen_numel,
+                        " extra gradient numel).");
+      } else {
+        absl::StrAppend(&msg,
+                        " FSDP does not support wrapping such modules when "
+                        "use_orig_params=False.");
+      }
+      absl::StrAppend(&msg,
+                      " If possible, wrap the frozen parameters with FSDP separately. The "
+                      "following parameters have requires_grad=True: ",
+                      PyList(trainable), " The following parameters have requires_grad=False: ",
+                      PyList(frozen));
+      if (!policy_.use_orig_params) return absl::InvalidArgumentError(msg);
+      plan_.warnings.push_back(std::move(msg));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<Plan> Finish() {
+    // Pre-order of first occurrence (modules() order) of every instance.
+    std::vector<int32_t> preorder(manifest_.modules.size(), -1);
+    int32_t next = 0;
+    std::vector<int32_t> stack = {0};
+    while (!stack.empty()) {
+      int32_t x = stack.back();
+      stack.pop_back();
+      if (preorder[x] >= 0) continue;
+      preorder[x] = next++;
+      const auto& children = manifest_.modules[x].children;
+      for (auto c = children.rbegin(); c != children.rend(); ++c) stack.push_back(c->module);
+    }
+    std::sort(formed_.begin(), formed_.end(), [&](const FormedUnit& a, const FormedUnit& b) {
+      return preorder[a.module] < preorder[b.module];
+    });
+    for (size_t i = 0; i < formed_.size(); ++i) {
+      PlanUnit& unit = formed_[i].unit;
+      unit.index = static_cast<int32_t>(i);
+      FS_ASSIGN_OR_RETURN(FlatLayout layout, UnitLayout(plan_, unit));
+      for (size_t p = 0; p < unit.params.size(); ++p) unit.params[p].offset = layout.offsets()[p];
+      unit.numel = layout.numel();
+      unit.padded_numel = layout.padded_numel();
+      unit.shard_numel = layout.shard_numel();
+      plan_.units.push_back(std::move(unit));
+    }
+    // Ignored parameters by canonical FQN, in named_parameters() order (each tensor once).
+    std::vector<bool> listed(tensors_.size(), false);
+    struct Frame {
+      int32_t module;
+      std::string path;
+    };
+    std::vector<bool> visited(manifest_.modules.size(), false);
+    std::vector<Frame> frames = {{0, ""}};
+    while (!frames.empty()) {
+      Frame f = std::move(frames.back());
+      frames.pop_back();
+      if (visited[f.module]) continue;
+      visited[f.module] = true;
+      const ModuleDecl& mod = manifest_.modules[f.module];
+      for (size_t p = 0; p < mod.params.size(); ++p) {
+        int32_t t = param_tensor_[f.module][p];
+        if (!tensors_[t].ignored || listed[t]) continue;
+        listed[t] = true;
+        plan_.ignored_params.push_back(JoinPath(f.path, mod.params[p].name));
+      }
+      for (auto c = mod.children.rbegin(); c != mod.children.rend(); ++c) {
+        frames.push_back(Frame{c->module, JoinPath(f.path, c->name)});
+      }
+    }
+    plan_.fingerprint = Fingerprint(plan_);
+    return std::move(plan_);
+  }
+
+  const Manifest& manifest_;
+  const Policy& policy_;
+  const PlanOptions& options_;
+
+  std::vector<TensorInfo> tensors_;
+  absl::flat_hash_map<int64_t, int32_t> tensor_of_id_;
+  std::vector<std::vector<int32_t>> param_tensor_;  // module -> tensor index per param
+  std::vector<bool> module_ignored_;
+  std::vector<bool> is_unit_;
+  std::vector<uint32_t> module_stamp_;
+  uint32_t epoch_ = 0;
+  absl::flat_hash_map<const AutoWrapPolicy*, std::vector<int32_t>> explicit_modules_;
+  AutoWrapPolicy mp_override_;
+  const AutoWrapPolicy* effective_ = nullptr;
+  std::vector<FormedUnit> formed_;
+  Plan plan_;
+};
+
+}  // namespace
+
+absl::StatusOr<Plan> BuildPlan(const Manifest& manifest, const Policy& policy,
+                               const PlanOptions& options) {
+  return Planner(manifest, policy, options).Run();
+}
+
+}  // namespace flatshard

@@ -1,0 +1,34 @@
+#pragma once
+// The Planner: manifest + policy -> plan, exactly as PyTorch FSDP's auto-wrap and
+// FlatParamHandle would cut and lay out the same module tree (semantics.md §1–2).
+//
+// Planning is deterministic: equal inputs give equal plans and fingerprints on every rank.
+// Thread-safe: a pure function of its arguments.
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "common/manifest.h"
+#include "common/plan.h"
+#include "common/policy.h"
+
+namespace flatshard {
+
+struct PlanOptions {
+  // Ranks of the group. REQUIRES: >= 1.
+  int32_t world_size = 1;
+  // HYBRID_SHARD only: ranks per node, the group a unit is sharded over (must divide
+  // world_size). 0 means world_size (one node).
+  int32_t ranks_per_node = 0;
+  // Refuse manifests whose module tree, with every shared instance expanded at each path it is
+  // registered at, has more module paths than this (refs can make that exponential).
+  int64_t max_module_paths = 1'000'000;
+};
+
+// Plans `manifest` under `policy`. Errors (INVALID_ARGUMENT) name the module, parameters and
+// rule: unknown paths in the policy, integer or mixed dtypes in a unit, mixed requires_grad
+// with use_orig_params=false, a bad world size.
+absl::StatusOr<Plan> BuildPlan(const Manifest& manifest, const Policy& policy,
+                               const PlanOptions& options);
+
+}  // namespace flatshard
