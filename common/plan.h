@@ -57,7 +57,7 @@ struct Plan {
   int32_t shard_world_size = 1;
   bool use_orig_params = false;
   std::vector<PlanUnit> units;
-  std::vector<std::string> ignored_params;  // canonical FQNs, named_parameters() order
+  std::vector<std::string> ignored_params;  // every FQN of every ignored tensor, pre-order
   std::vector<std::string> warnings;
   std::string fingerprint;  // Fingerprint(*this) once built
 

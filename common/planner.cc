@@ -487,25 +487,21 @@ class Planner {
       unit.shard_numel = layout.shard_numel();
       plan_.units.push_back(std::move(unit));
     }
-    // Ignored parameters by canonical FQN, in named_parameters() order (each tensor once).
-    std::vector<bool> listed(tensors_.size(), false);
+    // Ignored parameters by every FQN they have, in named_parameters(remove_duplicate=False)
+    // order: those are the state-dict keys the trainer keeps for itself.
     struct Frame {
       int32_t module;
       std::string path;
     };
-    std::vector<bool> visited(manifest_.modules.size(), false);
     std::vector<Frame> frames = {{0, ""}};
     while (!frames.empty()) {
       Frame f = std::move(frames.back());
       frames.pop_back();
-      if (visited[f.module]) continue;
-      visited[f.module] = true;
       const ModuleDecl& mod = manifest_.modules[f.module];
       for (size_t p = 0; p < mod.params.size(); ++p) {
-        int32_t t = param_tensor_[f.module][p];
-        if (!tensors_[t].ignored || listed[t]) continue;
-        listed[t] = true;
-        plan_.ignored_params.push_back(JoinPath(f.path, mod.params[p].name));
+        if (tensors_[param_tensor_[f.module][p]].ignored) {
+          plan_.ignored_params.push_back(JoinPath(f.path, mod.params[p].name));
+        }
       }
       for (auto c = mod.children.rbegin(); c != mod.children.rend(); ++c) {
         frames.push_back(Frame{c->module, JoinPath(f.path, c->name)});
