@@ -51,14 +51,17 @@ class ManifestParser {
     if (root->is_object() && root->contains("ref")) {
       return path.Key("root").Error("the root module cannot be a ref");
     }
-    FS_RETURN_IF_ERROR(ParseModule(*root, path.Key("root")).status());
+    FS_RETURN_IF_ERROR(ParseModule(*root, path.Key("root"), 1).status());
     // Tied tensors were checked against their first declaration while parsing.
     return std::move(manifest_);
   }
 
  private:
-  absl::StatusOr<int32_t> ParseModule(const Json& v, const JsonPath& path) {
+  absl::StatusOr<int32_t> ParseModule(const Json& v, const JsonPath& path, int depth) {
     if (v.is_object() && v.contains("ref")) return ParseRef(v, path);
+    if (depth > kMaxModuleDepth) {
+      return path.Error(absl::StrCat("module tree is deeper than ", kMaxModuleDepth, " levels"));
+    }
     FS_RETURN_IF_ERROR(
         ExpectObject(v, path, {"id", "type", "bases", "params", "buffers", "children"}));
     FS_ASSIGN_OR_RETURN(int64_t id, GetInt(v, "id", path));
@@ -98,7 +101,7 @@ class ManifestParser {
         }
         auto mod = c.find("module");
         if (mod == c.end()) return child_path.Error("missing required key \"module\"");
-        FS_ASSIGN_OR_RETURN(child.module, ParseModule(*mod, child_path.Key("module")));
+        FS_ASSIGN_OR_RETURN(child.module, ParseModule(*mod, child_path.Key("module"), depth + 1));
         m.children.push_back(std::move(child));
       }
     }
@@ -286,6 +289,39 @@ absl::Status ValidateManifest(const Manifest& manifest) {
     if (color[child] == 0) {
       color[child] = 1;
       stack.emplace_back(child, 0);
+    }
+  }
+  // Longest path from the root, in reverse completion order (children finish first), so the
+  // recursive JSON round trip below cannot run out of stack.
+  {
+    std::vector<int> depth(manifest.modules.size(), 0);
+    std::vector<int32_t> order;  // post-order
+    std::vector<bool> seen(manifest.modules.size(), false);
+    std::vector<std::pair<int32_t, size_t>> walk = {{0, 0}};
+    seen[0] = true;
+    while (!walk.empty()) {
+      auto& [index, next] = walk.back();
+      const auto& children = manifest.modules[index].children;
+      if (next < children.size()) {
+        int32_t child = children[next++].module;
+        if (!seen[child]) {
+          seen[child] = true;
+          walk.emplace_back(child, 0);
+        }
+        continue;
+      }
+      order.push_back(index);
+      walk.pop_back();
+    }
+    depth[0] = 1;
+    for (auto it = order.rbegin(); it != order.rend(); ++it) {
+      for (const ChildDecl& c : manifest.modules[*it].children) {
+        depth[c.module] = std::max(depth[c.module], depth[*it] + 1);
+        if (depth[c.module] > kMaxModuleDepth) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "manifest: module tree is deeper than ", kMaxModuleDepth, " levels"));
+        }
+      }
     }
   }
   FS_ASSIGN_OR_RETURN(Manifest reparsed, ManifestFromJsonValue(ManifestToJson(manifest)));

@@ -20,6 +20,9 @@
 namespace flatshard {
 
 inline constexpr absl::string_view kManifestFormat = "flatshard.manifest/1";
+// Deeper module trees are refused (real models nest a few dozen levels; the JSON depth limit
+// alone would allow about 170).
+inline constexpr int kMaxModuleDepth = 160;
 
 // One registration of a parameter or buffer on a module (`recurse=False`).
 struct TensorDecl {

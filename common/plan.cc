@@ -39,25 +39,47 @@ PlanMemory SummarizeMemory(const Plan& plan) {
   return m;
 }
 
+namespace {
+
+// Appends one field, length-prefixed so that no content can imitate a field boundary.
+void Field(std::string* out, absl::string_view s) { absl::StrAppend(out, s.size(), ":", s, ";"); }
+void Field(std::string* out, int64_t v) { absl::StrAppend(out, v, ";"); }
+
+}  // namespace
+
 std::string Fingerprint(const Plan& plan) {
-  // One line per fact, fields separated by a byte that cannot occur in JSON text unescaped.
   std::string text;
-  absl::StrAppend(&text, kPlanFormat, "\n", plan.world_size, "\x1f",
-                  ShardingStrategyName(plan.sharding_strategy), "\x1f", plan.shard_world_size,
-                  "\x1f", plan.use_orig_params ? 1 : 0, "\n");
+  Field(&text, kPlanFormat);
+  Field(&text, plan.world_size);
+  Field(&text, ShardingStrategyName(plan.sharding_strategy));
+  Field(&text, plan.shard_world_size);
+  Field(&text, plan.use_orig_params ? 1 : 0);
+  Field(&text, static_cast<int64_t>(plan.units.size()));
   for (const PlanUnit& u : plan.units) {
-    absl::StrAppend(&text, "unit\x1f", u.index, "\x1f", u.module, "\x1f", u.module_type, "\x1f",
-                    DTypeName(u.dtype), "\x1f", u.requires_grad ? 1 : 0, "\x1f", u.numel, "\x1f",
-                    u.padded_numel, "\x1f", u.shard_numel, "\n");
+    Field(&text, u.index);
+    Field(&text, u.module);
+    Field(&text, u.module_type);
+    Field(&text, DTypeName(u.dtype));
+    Field(&text, u.requires_grad ? 1 : 0);
+    Field(&text, u.numel);
+    Field(&text, u.padded_numel);
+    Field(&text, u.shard_numel);
+    Field(&text, static_cast<int64_t>(u.params.size()));
     for (const PlanParam& p : u.params) {
-      absl::StrAppend(&text, "param\x1f", p.fqn, "\x1f", absl::StrJoin(p.shape, ","), "\x1f",
-                      p.numel, "\x1f", p.offset, "\n");
+      Field(&text, p.fqn);
+      Field(&text, static_cast<int64_t>(p.shape.size()));
+      for (int64_t d : p.shape) Field(&text, d);
+      Field(&text, p.numel);
+      Field(&text, p.offset);
     }
+    Field(&text, static_cast<int64_t>(u.shared.size()));
     for (const SharedParam& s : u.shared) {
-      absl::StrAppend(&text, "shared\x1f", s.fqn, "\x1f", s.same_as, "\n");
+      Field(&text, s.fqn);
+      Field(&text, s.same_as);
     }
   }
-  for (const std::string& fqn : plan.ignored_params) absl::StrAppend(&text, "ignored\x1f", fqn, "\n");
+  Field(&text, static_cast<int64_t>(plan.ignored_params.size()));
+  for (const std::string& fqn : plan.ignored_params) Field(&text, fqn);
   return Sha256Hex(text);
 }
 
@@ -195,9 +217,24 @@ absl::StatusOr<Plan> PlanFromJsonValue(const Json& doc) {
   plan.sharding_strategy = *parsed;
   int64_t shard_world = plan.sharding_strategy == ShardingStrategy::kNoShard ? 1 : world_size;
   FS_RETURN_IF_ERROR(GetOptionalInt(doc, "shard_world_size", path, 1, world_size, &shard_world));
-  if (world_size % shard_world != 0) {
-    return path.Key("shard_world_size")
-        .Error(absl::StrCat(shard_world, " does not divide world_size ", world_size));
+  switch (plan.sharding_strategy) {
+    case ShardingStrategy::kNoShard:
+      if (shard_world != 1) {
+        return path.Key("shard_world_size").Error("must be 1 for NO_SHARD");
+      }
+      break;
+    case ShardingStrategy::kHybridShard:
+      if (world_size % shard_world != 0) {
+        return path.Key("shard_world_size")
+            .Error(absl::StrCat(shard_world, " does not divide world_size ", world_size));
+      }
+      break;
+    default:
+      if (shard_world != world_size) {
+        return path.Key("shard_world_size")
+            .Error(absl::StrCat("must equal world_size ", world_size, " for ",
+                                ShardingStrategyName(plan.sharding_strategy)));
+      }
   }
   plan.shard_world_size = static_cast<int32_t>(shard_world);
   FS_RETURN_IF_ERROR(GetOptionalBool(doc, "use_orig_params", path, &plan.use_orig_params));
@@ -210,7 +247,9 @@ absl::StatusOr<Plan> PlanFromJsonValue(const Json& doc) {
     if (u.index != static_cast<int32_t>(i)) {
       return upath.Key("index").Error(absl::StrCat("must be ", i, ", got ", u.index));
     }
-    FS_ASSIGN_OR_RETURN(FlatLayout layout, UnitLayout(plan, u));
+    absl::StatusOr<FlatLayout> made = UnitLayout(plan, u);
+    if (!made.ok()) return upath.Error(made.status().message());
+    const FlatLayout& layout = *made;
     for (size_t p = 0; p < u.params.size(); ++p) {
       if (u.params[p].offset != layout.offsets()[p]) {
         return upath.Key("params").Index(p).Key("offset").Error(absl::StrCat(

@@ -480,7 +480,12 @@ class Planner {
     for (size_t i = 0; i < formed_.size(); ++i) {
       PlanUnit& unit = formed_[i].unit;
       unit.index = static_cast<int32_t>(i);
-      FS_ASSIGN_OR_RETURN(FlatLayout layout, UnitLayout(plan_, unit));
+      absl::StatusOr<FlatLayout> made = UnitLayout(plan_, unit);
+      if (!made.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("unit of ", ModuleName(unit.module), ": ", made.status().message()));
+      }
+      const FlatLayout& layout = *made;
       for (size_t p = 0; p < unit.params.size(); ++p) unit.params[p].offset = layout.offsets()[p];
       unit.numel = layout.numel();
       unit.padded_numel = layout.padded_numel();

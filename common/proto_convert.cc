@@ -61,7 +61,10 @@ v1::AutoWrapPolicy AutoWrapToProto(const AutoWrapPolicy& p) {
 }
 
 absl::StatusOr<AutoWrapPolicy> AutoWrapFromProto(const v1::AutoWrapPolicy& p, int depth) {
-  if (depth > kMaxJsonDepth) return absl::InvalidArgumentError("policy: auto_wrap nests too deep");
+  // Each `any` level is two JSON levels; deeper is refused as the JSON form would be.
+  if (depth > kMaxJsonDepth / 2) {
+    return absl::InvalidArgumentError("policy: auto_wrap policies nest too deep");
+  }
   if (p.kind() <= v1::AUTO_WRAP_KIND_UNSPECIFIED || p.kind() > v1::AUTO_WRAP_KIND_ANY) {
     return absl::InvalidArgumentError("policy: auto_wrap.kind is unspecified or unknown");
   }
@@ -185,8 +188,10 @@ absl::StatusOr<Policy> FromProto(const v1::Policy& proto) {
                                      p.module_types_to_ignore().end());
     policy.mixed_precision = std::move(mp);
   }
-  // Same rules as the JSON form (non-negative sizes, floating mixed-precision dtypes, ...).
-  FS_RETURN_IF_ERROR(PolicyFromJsonValue(PolicyToJson(policy)).status());
+  // Same rules as the JSON form, nesting limits included: check the text it would be.
+  FS_RETURN_IF_ERROR(
+      PolicyFromJson(PolicyToJson(policy).dump(-1, ' ', false, Json::error_handler_t::replace))
+          .status());
   return policy;
 }
 
@@ -256,8 +261,14 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
   plan.ignored_params.assign(proto.ignored_params().begin(), proto.ignored_params().end());
   plan.warnings.assign(proto.warnings().begin(), proto.warnings().end());
   plan.fingerprint = proto.fingerprint();
-  // One set of consistency rules: those of the JSON reader.
-  FS_RETURN_IF_ERROR(PlanFromJson(PlanToJson(plan).dump()).status());
+  // One set of consistency rules: those of the JSON reader. Invalid UTF-8 is replaced in the
+  // text, so the plan read back differs and is refused.
+  FS_ASSIGN_OR_RETURN(
+      Plan reparsed,
+      PlanFromJson(PlanToJson(plan).dump(-1, ' ', false, Json::error_handler_t::replace)));
+  if (!(reparsed == plan)) {
+    return absl::InvalidArgumentError("plan: strings must be valid UTF-8");
+  }
   return plan;
 }
 

@@ -36,6 +36,10 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (command == "plan") return flatshard::cli::RunPlanCommand(args);
-  std::cerr << "flatshardctl: unknown command '" << command << "' (see flatshardctl --help)\n";
+  std::string shown = command;
+  for (char& c : shown) {
+    if (c == '\n' || c == '\r') c = ' ';  // errors stay on one line
+  }
+  std::cerr << "flatshardctl: unknown command '" << shown << "' (see flatshardctl --help)\n";
   return 2;
 }

@@ -167,7 +167,7 @@ std::string FormatPlanTable(const Plan& plan) {
 int RunPlanCommand(const std::vector<std::string>& args) {
   absl::StatusOr<ParsedFlags> flags = ParseFlags(PlanFlags(), args);
   if (!flags.ok()) {
-    std::cerr << "flatshardctl plan: " << flags.status().message()
+    std::cerr << "flatshardctl plan: " << OneLine(flags.status().message())
               << " (see flatshardctl plan --help)\n";
     return 2;
   }
@@ -177,7 +177,7 @@ int RunPlanCommand(const std::vector<std::string>& args) {
   }
   absl::StatusOr<PlanRequest> request = ParseRequest(*flags);
   if (!request.ok()) {
-    std::cerr << "flatshardctl plan: " << request.status().message()
+    std::cerr << "flatshardctl plan: " << OneLine(request.status().message())
               << " (see flatshardctl plan --help)\n";
     return 2;
   }
