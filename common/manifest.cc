@@ -58,7 +58,7 @@ class ManifestParser {
 
  private:
   absl::StatusOr<int32_t> ParseModule(const Json& v, const JsonPath& path, int depth) {
-    if (v.is_object() && v.contains("ref")) return ParseRef(v, path);
+    if (v.is_object() && v.contains("ref")) return ParseRef(v, path, depth);
     if (depth > kMaxModuleDepth) {
       return path.Error(absl::StrCat("module tree is deeper than ", kMaxModuleDepth, " levels"));
     }
@@ -73,6 +73,7 @@ class ManifestParser {
     }
     const int32_t index = static_cast<int32_t>(manifest_.modules.size());
     manifest_.modules.emplace_back();
+    height_.push_back(0);
     index_of_id_[id] = index;
     id_path_[id] = path.str();
     open_.insert(index);
@@ -106,11 +107,14 @@ class ManifestParser {
       }
     }
     open_.erase(index);
+    int height = 1;
+    for (const ChildDecl& c : m.children) height = std::max(height, 1 + height_[c.module]);
+    height_[index] = height;
     manifest_.modules[index] = std::move(m);
     return index;
   }
 
-  absl::StatusOr<int32_t> ParseRef(const Json& v, const JsonPath& path) {
+  absl::StatusOr<int32_t> ParseRef(const Json& v, const JsonPath& path, int depth) {
     if (v.size() != 1) {
       return path.Error("a {\"ref\": ID} module must have no other keys");
     }
@@ -126,6 +130,11 @@ class ManifestParser {
       return path.Key("ref").Error(absl::StrCat("cyclic ref: module id ", id,
                                                 " is an ancestor of this position (",
                                                 id_path_[id], ")"));
+    }
+    // Chains of refs can nest deeper than the JSON does: bound the expanded tree's depth.
+    if (depth - 1 + height_[it->second] > kMaxModuleDepth) {
+      return path.Key("ref").Error(absl::StrCat("module tree is deeper than ", kMaxModuleDepth,
+                                                " levels through shared module id ", id));
     }
     return it->second;
   }
@@ -202,6 +211,7 @@ class ManifestParser {
   absl::flat_hash_map<int64_t, int32_t> index_of_id_;
   absl::flat_hash_map<int64_t, std::string> id_path_;
   std::unordered_set<int32_t> open_;
+  std::vector<int> height_;  // levels of each completed module's subtree, itself included
   std::unordered_map<int64_t, FirstDecl> params_seen_;
   std::unordered_map<int64_t, FirstDecl> buffers_seen_;
 };

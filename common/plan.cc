@@ -1,5 +1,7 @@
 #include "common/plan.h"
 
+#include <limits>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
@@ -28,14 +30,31 @@ absl::StatusOr<FlatLayout> UnitLayout(const Plan& plan, const PlanUnit& unit) {
   return FlatLayout::Create(numels, options);
 }
 
+namespace {
+
+// Byte totals saturate at INT64_MAX: a plan that large is refused by any daemon anyway.
+int64_t SaturatingAdd(int64_t a, int64_t b) {
+  int64_t out;
+  return __builtin_add_overflow(a, b, &out) ? std::numeric_limits<int64_t>::max() : out;
+}
+int64_t SaturatingMul(int64_t a, int64_t b) {
+  int64_t out;
+  return __builtin_mul_overflow(a, b, &out) ? std::numeric_limits<int64_t>::max() : out;
+}
+
+}  // namespace
+
 PlanMemory SummarizeMemory(const Plan& plan) {
   PlanMemory m;
   for (const PlanUnit& u : plan.units) {
-    m.shard_bytes += u.shard_numel * ItemSize(u.dtype);
-    m.unsharded_bytes += u.padded_numel * ItemSize(u.dtype);
+    m.shard_bytes = SaturatingAdd(m.shard_bytes, SaturatingMul(u.shard_numel, ItemSize(u.dtype)));
+    m.unsharded_bytes =
+        SaturatingAdd(m.unsharded_bytes, SaturatingMul(u.padded_numel, ItemSize(u.dtype)));
   }
   m.peak_summon_bytes = m.shard_bytes;
-  if (plan.sharding_strategy != ShardingStrategy::kNoShard) m.peak_summon_bytes += m.unsharded_bytes;
+  if (plan.sharding_strategy != ShardingStrategy::kNoShard) {
+    m.peak_summon_bytes = SaturatingAdd(m.peak_summon_bytes, m.unsharded_bytes);
+  }
   return m;
 }
 

@@ -336,8 +336,10 @@ class Planner {
         TensorInfo& info = tensors_[t];
         if (info.stamp == epoch_ || info.ignored || info.unit >= 0) continue;
         info.stamp = epoch_;
-        total += info.numel;  // total numel of distinct tensors fits: checked in FormUnit
-        if (total < 0) total = std::numeric_limits<int64_t>::max();
+        // Saturates: past 2^63 every size policy's answer is the same anyway.
+        if (__builtin_add_overflow(total, info.numel, &total)) {
+          total = std::numeric_limits<int64_t>::max();
+        }
       }
       for (const ChildDecl& c : manifest_.modules[x].children) stack.push_back(c.module);
     }
@@ -353,7 +355,9 @@ class Planner {
     for (const ChildDecl& c : manifest_.modules[m].children) {
       if (module_ignored_[c.module]) continue;
       FS_ASSIGN_OR_RETURN(int64_t w, Wrap(c.module, JoinPath(path, c.name), false));
-      wrapped += w;
+      if (__builtin_add_overflow(wrapped, w, &wrapped)) {
+        wrapped = std::numeric_limits<int64_t>::max();  // saturates, like UnwrappedNumel
+      }
     }
     if (!only_children && Evaluate(*effective_, m, /*recurse=*/false, numel - wrapped)) {
       FS_RETURN_IF_ERROR(FormUnit(m, path));
@@ -430,7 +434,16 @@ class Planner {
             " (", unit.params[0].fqn, ") and ", DTypeName(info.dtype), " (", fqn, ")"));
       }
       (info.requires_grad ? trainable : frozen).push_back(fqn);
-      (info.requires_grad ? trainable_numel : frozen_numel) += info.numel;
+      int64_t& sum = info.requires_grad ? trainable_numel : frozen_numel;
+      if (__builtin_add_overflow(sum, info.numel, &sum)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": flat buffer would exceed 2^63 elements"));
+      }
+    }
+    int64_t total_numel = 0;
+    if (__builtin_add_overflow(trainable_numel, frozen_numel, &total_numel)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": flat buffer would exceed 2^63 elements"));
     }
     unit.dtype = first.dtype;
     unit.requires_grad = !trainable.empty();
@@ -442,7 +455,7 @@ class Planner {
         absl::StrAppend(&msg,
                         " We do not recommend wrapping such modules since the gradient memory "
                         "usage will be higher than expected (",
-                        trainable_numel + frozen_numel, " numel instead of ", trainable_numel,
+                        total_numel, " numel instead of ", trainable_numel,
                         " numel before sharding via reduce-scatter; ", frozen_numel,
                         " extra gradient numel).");
       } else {
