@@ -1,6 +1,7 @@
 #include "common/json_util.h"
 
-#include <set>
+#include <algorithm>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -75,16 +76,24 @@ absl::StatusOr<Json> ParseJson(absl::string_view text, absl::string_view doc) {
         absl::StrCat(doc, ": JSON nests deeper than ", kMaxJsonDepth, " levels"));
   }
   // Duplicate keys are silently merged by nlohmann; catch them with the parse callback.
-  std::vector<std::set<std::string>> open_objects;
+  // Keys of each open object; objects here have a handful of keys, so a linear scan wins.
+  // Levels are cleared, not freed, to reuse their memory.
+  std::vector<std::vector<std::string>> open_objects;
+  size_t depth = 0;
   std::string duplicate;
   auto callback = [&](int /*depth*/, Json::parse_event_t event, Json& parsed) {
     if (event == Json::parse_event_t::object_start) {
-      open_objects.emplace_back();
+      if (open_objects.size() <= depth) open_objects.emplace_back();
+      open_objects[depth++].clear();
     } else if (event == Json::parse_event_t::object_end) {
-      if (!open_objects.empty()) open_objects.pop_back();
-    } else if (event == Json::parse_event_t::key && !open_objects.empty()) {
-      if (!open_objects.back().insert(parsed.get<std::string>()).second && duplicate.empty()) {
-        duplicate = parsed.get<std::string>();
+      if (depth > 0) --depth;
+    } else if (event == Json::parse_event_t::key && depth > 0) {
+      auto& keys = open_objects[depth - 1];
+      const std::string& key = parsed.get_ref<const std::string&>();
+      if (std::find(keys.begin(), keys.end(), key) != keys.end()) {
+        if (duplicate.empty()) duplicate = key;
+      } else {
+        keys.push_back(key);
       }
     }
     return true;

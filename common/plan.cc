@@ -173,8 +173,9 @@ absl::StatusOr<PlanUnit> ParseUnit(const Json& v, const JsonPath& path) {
   auto params = v.find("params");
   if (params == v.end()) return path.Error("missing required key \"params\"");
   FS_RETURN_IF_ERROR(ExpectArray(*params, path.Key("params")));
+  const JsonPath params_path = path.Key("params");
   for (size_t i = 0; i < params->size(); ++i) {
-    JsonPath ppath = path.Key("params").Index(i);
+    JsonPath ppath = params_path.Index(i);
     const Json& pj = (*params)[i];
     FS_RETURN_IF_ERROR(ExpectObject(pj, ppath, {"fqn", "shape", "numel", "offset"}));
     PlanParam p;
@@ -195,8 +196,9 @@ absl::StatusOr<PlanUnit> ParseUnit(const Json& v, const JsonPath& path) {
   }
   if (auto shared = v.find("shared"); shared != v.end()) {
     FS_RETURN_IF_ERROR(ExpectArray(*shared, path.Key("shared")));
+    const JsonPath shared_path = path.Key("shared");
     for (size_t i = 0; i < shared->size(); ++i) {
-      JsonPath spath = path.Key("shared").Index(i);
+      JsonPath spath = shared_path.Index(i);
       FS_RETURN_IF_ERROR(ExpectObject((*shared)[i], spath, {"fqn", "same_as"}));
       SharedParam s;
       FS_ASSIGN_OR_RETURN(s.fqn, GetString((*shared)[i], "fqn", spath));
@@ -260,8 +262,9 @@ absl::StatusOr<Plan> PlanFromJsonValue(const Json& doc) {
   auto units = doc.find("units");
   if (units == doc.end()) return path.Error("missing required key \"units\"");
   FS_RETURN_IF_ERROR(ExpectArray(*units, path.Key("units")));
+  const JsonPath units_path = path.Key("units");
   for (size_t i = 0; i < units->size(); ++i) {
-    JsonPath upath = path.Key("units").Index(i);
+    JsonPath upath = units_path.Index(i);
     FS_ASSIGN_OR_RETURN(PlanUnit u, ParseUnit((*units)[i], upath));
     if (u.index != static_cast<int32_t>(i)) {
       return upath.Key("index").Error(absl::StrCat("must be ", i, ", got ", u.index));
