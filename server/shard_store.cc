@@ -1,0 +1,250 @@
+#include "server/shard_store.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+
+namespace flatshard::server {
+namespace internal {
+
+// The accounting of one ShardStore, shared with its Buffers so that a Buffer dropped after
+// the store is gone still has somewhere to return its bytes.
+class StoreState {
+ public:
+  explicit StoreState(int64_t limit_bytes) : limit_bytes_(limit_bytes) {}
+
+  // Adds `bytes` of `kind` unless that would exceed the limit or the store is shut down.
+  // `recommit`: the bytes belong to a decommitted buffer being committed again.
+  absl::Status Charge(BufferKind kind, int64_t bytes, absl::string_view label, bool recommit)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (shutdown_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot allocate ", bytes, " bytes of ", BufferKindName(kind), " memory",
+                       LabelSuffix(label), ": the shard store is shut down"));
+    }
+    if (bytes > limit_bytes_ - total_bytes_) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate ", bytes, " bytes of ", BufferKindName(kind), " memory",
+                       LabelSuffix(label), ": ", total_bytes_, " bytes in use, limit ",
+                       limit_bytes_, " (", UsageLocked().DebugString(), ")"));
+    }
+    bytes_by_kind_[static_cast<int>(kind)] += bytes;
+    total_bytes_ += bytes;
+    if (recommit) --decommitted_buffers_;
+    return absl::OkStatus();
+  }
+
+  // Undoes Charge; `to_decommitted`: the buffer is (again) decommitted.
+  void Uncharge(BufferKind kind, int64_t bytes, bool to_decommitted) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    bytes_by_kind_[static_cast<int>(kind)] -= bytes;
+    total_bytes_ -= bytes;
+    if (to_decommitted) ++decommitted_buffers_;
+  }
+
+  // Records a new live segment. FAILED_PRECONDITION when Shutdown() ran since Charge: the
+  // caller then drops the segment (which unlinks it) and uncharges.
+  absl::Status Register(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (shutdown_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("shm segment ", name, ": the shard store shut down meanwhile"));
+    }
+    live_segments_.insert(name);
+    return absl::OkStatus();
+  }
+
+  // A buffer is gone: forget its segment and return its committed bytes.
+  void Release(const std::string& name, BufferKind kind, int64_t committed_bytes, bool decommitted)
+      ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    live_segments_.erase(name);
+    bytes_by_kind_[static_cast<int>(kind)] -= committed_bytes;
+    total_bytes_ -= committed_bytes;
+    if (decommitted) --decommitted_buffers_;
+  }
+
+  MemoryUsage Usage() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return UsageLocked();
+  }
+
+  // Marks the store shut down and returns the names still alive.
+  std::vector<std::string> Shutdown() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    shutdown_ = true;
+    return std::vector<std::string>(live_segments_.begin(), live_segments_.end());
+  }
+
+ private:
+  static std::string LabelSuffix(absl::string_view label) {
+    return label.empty() ? "" : absl::StrCat(" (", label, ")");
+  }
+
+  MemoryUsage UsageLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    MemoryUsage usage;
+    usage.bytes_by_kind = bytes_by_kind_;
+    usage.total_bytes = total_bytes_;
+    usage.limit_bytes = limit_bytes_;
+    usage.buffers = static_cast<int64_t>(live_segments_.size());
+    usage.decommitted_buffers = decommitted_buffers_;
+    return usage;
+  }
+
+  const int64_t limit_bytes_;
+  mutable absl::Mutex mu_;
+  std::array<int64_t, kNumBufferKinds> bytes_by_kind_ ABSL_GUARDED_BY(mu_){};
+  int64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t decommitted_buffers_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_set<std::string> live_segments_ ABSL_GUARDED_BY(mu_);
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace internal
+
+absl::string_view BufferKindName(BufferKind kind) {
+  switch (kind) {
+    case BufferKind::kShard:
+      return "shard";
+    case BufferKind::kGradShard:
+      return "grad_shard";
+    case BufferKind::kUnsharded:
+      return "unsharded";
+    case BufferKind::kStaging:
+      return "staging";
+  }
+  return "unknown";
+}
+
+std::string MemoryUsage::DebugString() const {
+  std::string out;
+  for (int k = 0; k < kNumBufferKinds; ++k) {
+    absl::StrAppend(&out, BufferKindName(static_cast<BufferKind>(k)), "=", bytes_by_kind[k], " ");
+  }
+  absl::StrAppend(&out, "total=", total_bytes, " limit=", limit_bytes, " buffers=", buffers);
+  if (decommitted_buffers > 0) absl::StrAppend(&out, " decommitted=", decommitted_buffers);
+  return out;
+}
+
+Buffer::~Buffer() {
+  bool committed;
+  {
+    absl::MutexLock lock(&mu_);
+    committed = committed_;
+  }
+  // Forget the name first: a concurrent Shutdown() then no longer unlinks it, and the
+  // segment's destructor below does (ENOENT, silently, if Shutdown() got there first).
+  state_->Release(segment_.name(), kind_, committed ? bytes() : 0, !committed);
+  FS_VLOG(2) << "freed kind=" << BufferKindName(kind_) << " bytes=" << bytes()
+             << " segment=" << segment_.name() << " " << label_;
+}
+
+bool Buffer::committed() const {
+  absl::MutexLock lock(&mu_);
+  return committed_;
+}
+
+absl::Status Buffer::Decommit() {
+  if (kind_ != BufferKind::kUnsharded && kind_ != BufferKind::kStaging) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot decommit a ", BufferKindName(kind_), " buffer (", label_,
+                     "): only unsharded and staging buffers give their pages back"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (!committed_) return absl::OkStatus();
+  absl::Status status = segment_.Decommit(0, segment_.size());
+  if (!status.ok()) {
+    return absl::Status(status.code(), absl::StrCat("decommit ", BufferKindName(kind_), " buffer (",
+                                                    label_, "): ", status.message()));
+  }
+  committed_ = false;
+  state_->Uncharge(kind_, bytes(), /*to_decommitted=*/true);
+  return absl::OkStatus();
+}
+
+absl::Status Buffer::Commit() {
+  absl::MutexLock lock(&mu_);
+  if (committed_) return absl::OkStatus();
+  FS_RETURN_IF_ERROR(state_->Charge(kind_, bytes(), label_, /*recommit=*/true));
+  absl::Status status = segment_.Commit(0, segment_.size());
+  if (!status.ok()) {
+    state_->Uncharge(kind_, bytes(), /*to_decommitted=*/true);
+    return absl::Status(status.code(), absl::StrCat("commit ", BufferKindName(kind_), " buffer (",
+                                                    label_, "): ", status.message()));
+  }
+  committed_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status ShardStore::ValidateOptions(const ShardStoreOptions& options) {
+  FS_RETURN_IF_ERROR(ValidateSegmentPrefix(options.segment_prefix));
+  if (options.memory_limit_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("memory limit must be >= 0 bytes, got ", options.memory_limit_bytes));
+  }
+  return absl::OkStatus();
+}
+
+ShardStore::ShardStore(ShardStoreOptions options)
+    : options_(std::move(options)),
+      options_status_(ValidateOptions(options_)),
+      state_(std::make_shared<internal::StoreState>(options_.memory_limit_bytes)) {}
+
+ShardStore::~ShardStore() = default;
+
+absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, int64_t bytes,
+                                                             absl::string_view label) {
+  FS_RETURN_IF_ERROR(options_status_);
+  if (bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot allocate ", bytes, " bytes of ",
+                                                   BufferKindName(kind), " memory (", label,
+                                                   "): negative size"));
+  }
+  // Charge first so concurrent allocations can never overshoot the limit together; the
+  // syscalls (fallocate of a large segment is slow) then run without the lock.
+  FS_RETURN_IF_ERROR(state_->Charge(kind, bytes, label, /*recommit=*/false));
+  absl::StatusOr<ShmSegment> segment =
+      ShmSegment::Create(MakeSegmentName(options_.segment_prefix), static_cast<size_t>(bytes));
+  if (!segment.ok()) {
+    state_->Uncharge(kind, bytes, /*to_decommitted=*/false);
+    return absl::Status(segment.status().code(),
+                        absl::StrCat("cannot allocate ", bytes, " bytes of ", BufferKindName(kind),
+                                     " memory (", label, "): ", segment.status().message()));
+  }
+  if (absl::Status status = state_->Register(segment->name()); !status.ok()) {
+    state_->Uncharge(kind, bytes, /*to_decommitted=*/false);
+    return status;  // `segment` goes out of scope: unmapped and unlinked
+  }
+  FS_VLOG(2) << "allocated kind=" << BufferKindName(kind) << " bytes=" << bytes
+             << " segment=" << segment->name() << " " << label;
+  return std::shared_ptr<Buffer>(new Buffer(state_, kind, *std::move(segment), std::string(label)));
+}
+
+MemoryUsage ShardStore::Usage() const { return state_->Usage(); }
+
+void ShardStore::Shutdown() {
+  const std::vector<std::string> names = state_->Shutdown();
+  int unlinked = 0;
+  for (const std::string& name : names) {
+    // ENOENT: the buffer was dropped meanwhile and unlinked its own name.
+    if (::shm_unlink(name.c_str()) == 0) {
+      ++unlinked;
+    } else if (errno != ENOENT) {
+      FS_LOG(WARNING) << "shm_unlink " << name << " at shutdown: errno " << errno;
+    }
+  }
+  FS_LOG(INFO) << "shard store shut down: unlinked " << unlinked
+               << " shm segments with prefix=" << options_.segment_prefix << "; "
+               << state_->Usage().DebugString();
+}
+
+}  // namespace flatshard::server

@@ -1,0 +1,171 @@
+#pragma once
+// ShardStore owns all of the daemon's host memory, for every group: shards, gradient shards,
+// unsharded buffers and staging buffers (DESIGN "Data paths"). Each buffer lives in its own
+// shared-memory segment (common/shm_segment.h) that clients map by name; replies carry
+// (segment name, offset, bytes) and parameter bytes never travel in gRPC messages.
+//
+//   ShardStore store({.segment_prefix = "flatshard", .memory_limit_bytes = 64 << 30});
+//   FS_ASSIGN_OR_RETURN(std::shared_ptr<Buffer> shard,
+//                       store.Allocate(BufferKind::kShard, bytes, "group=g unit=3 rank=1"));
+//   ... reply {shard->segment_name(), shard->offset(), shard->bytes()} ...
+//   shard.reset();  // the last reference frees: munmap, unlink, accounting
+//
+// Accounting: every committed buffer counts its `bytes` (as requested, not page-rounded) for
+// its kind; the sum never exceeds `memory_limit_bytes`. An allocation that would exceed it
+// fails with RESOURCE_EXHAUSTED and changes nothing.
+//
+// Steady-state summons without mmap: a client caches one mapping per segment, so a unit's
+// unsharded buffer should keep its segment across summons. Keep the Buffer and Decommit() it
+// on reshard (its pages go back to the kernel, accounting drops, clients' mappings stay valid
+// and read zeros), then Commit() it on the next unshard (re-checked against the limit). Only
+// kUnsharded and kStaging buffers may be decommitted; shards never lose their bytes that way.
+//
+// Lifetime: buffers may outlive the ShardStore (they share its accounting state). Shutdown()
+// unlinks every live segment's name (daemon SIGTERM) so nothing is left in /dev/shm even if
+// buffers are still referenced; their mappings stay valid until they are dropped.
+//
+// Thread safety: ShardStore and Buffer are thread-safe. A Buffer's bytes are not synchronized:
+// who reads or writes them when is the caller's (GroupManager's) business.
+
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "common/shm_segment.h"
+
+namespace flatshard::server {
+
+enum class BufferKind {
+  kShard = 0,      // a rank's slice of a unit's flat buffer; lives as long as the registration
+  kGradShard = 1,  // reduce-scattered gradients of a shard
+  kUnsharded = 2,  // a unit's full flat buffer (all-gather target), mapped by clients
+  kStaging = 3,    // transient buffers (incoming writeback, collective scratch)
+};
+inline constexpr int kNumBufferKinds = 4;
+
+// "shard", "grad_shard", "unsharded", "staging".
+absl::string_view BufferKindName(BufferKind kind);
+
+struct ShardStoreOptions {
+  // Segment names are "/<segment_prefix>.<pid>.<counter>" (MakeSegmentName).
+  std::string segment_prefix = "flatshard";
+  // Upper bound for the committed bytes of all kinds together. 0 refuses every non-empty
+  // allocation; the default is effectively unlimited.
+  int64_t memory_limit_bytes = std::numeric_limits<int64_t>::max();
+};
+
+// A snapshot of the accounting.
+struct MemoryUsage {
+  std::array<int64_t, kNumBufferKinds> bytes_by_kind{};  // committed bytes per kind
+  int64_t total_bytes = 0;  // sum of bytes_by_kind; includes allocations still in flight
+  int64_t limit_bytes = 0;
+  int64_t buffers = 0;              // live buffers, committed or not (= live segments)
+  int64_t decommitted_buffers = 0;  // of which decommitted
+
+  int64_t bytes(BufferKind kind) const { return bytes_by_kind[static_cast<int>(kind)]; }
+  // "shard=1024 grad_shard=0 unsharded=4096 staging=0 total=5120 limit=1048576 buffers=2".
+  std::string DebugString() const;
+};
+
+namespace internal {
+class StoreState;  // accounting shared by a ShardStore and its Buffers; shard_store.cc
+}  // namespace internal
+
+// One block of daemon memory, always in its own segment at offset 0 for now (offset() exists
+// so that small buffers can later share a segment without changing callers). Created by
+// ShardStore::Allocate, zero-filled, freed when the last shared_ptr drops.
+class Buffer {
+ public:
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  // Unmaps and unlinks the segment and returns the bytes to the accounting.
+  ~Buffer();
+
+  BufferKind kind() const { return kind_; }
+  // The shm name a client passes to ShmSegment::Open (with its leading "/").
+  const std::string& segment_name() const { return segment_.name(); }
+  // Where the buffer starts in the segment; the client maps offset() + bytes() at least.
+  int64_t offset() const { return 0; }
+  int64_t bytes() const { return static_cast<int64_t>(segment_.size()); }
+  // The daemon's mapping; nullptr when bytes() is 0. Valid until the Buffer is destroyed.
+  void* data() const { return segment_.data(); }
+  // Free text given to Allocate ("group=g unit=3 rank=1"), used in logs and errors.
+  const std::string& label() const { return label_; }
+
+  // False between Decommit() and Commit().
+  bool committed() const;
+  // Returns the pages to the kernel and the bytes to the accounting; the bytes read as zero
+  // afterwards, here and in every client mapping, which all stay valid. No-op when already
+  // decommitted. Nobody may write the buffer until Commit(): such writes would use memory the
+  // accounting does not see.
+  // Errors: FAILED_PRECONDITION for kShard and kGradShard buffers; the segment's error when
+  // the kernel refuses (the buffer then stays committed).
+  absl::Status Decommit();
+  // Charges the bytes again and reserves the pages; the buffer is zero. No-op when committed.
+  // Errors: RESOURCE_EXHAUSTED over the limit or when /dev/shm is full; FAILED_PRECONDITION
+  // after ShardStore::Shutdown(). On error the buffer stays decommitted.
+  absl::Status Commit();
+
+ private:
+  friend class ShardStore;
+  Buffer(std::shared_ptr<internal::StoreState> state, BufferKind kind, ShmSegment segment,
+         std::string label)
+      : state_(std::move(state)),
+        kind_(kind),
+        segment_(std::move(segment)),
+        label_(std::move(label)) {}
+
+  const std::shared_ptr<internal::StoreState> state_;
+  const BufferKind kind_;
+  // Immutable after construction except for its pages (Commit/Decommit, under mu_).
+  ShmSegment segment_;
+  const std::string label_;
+  mutable absl::Mutex mu_;  // serializes Commit/Decommit of this buffer
+  bool committed_ ABSL_GUARDED_BY(mu_) = true;
+};
+
+class ShardStore {
+ public:
+  // OK when `options` are usable: INVALID_ARGUMENT for a bad segment_prefix
+  // (ValidateSegmentPrefix) or a negative memory_limit_bytes. Daemon config validation calls
+  // it; a store built from bad options refuses every Allocate with the same error.
+  static absl::Status ValidateOptions(const ShardStoreOptions& options);
+
+  explicit ShardStore(ShardStoreOptions options);
+  ShardStore(const ShardStore&) = delete;
+  ShardStore& operator=(const ShardStore&) = delete;
+  // Does not free live buffers (they own their memory); see Shutdown().
+  ~ShardStore();
+
+  // A new zero-filled, committed buffer of `bytes` bytes (0 is allowed) in a fresh segment
+  // named with the store's prefix, mode 0600. `label` is kept for logs and errors.
+  // Errors: INVALID_ARGUMENT for bytes < 0 or bad options; RESOURCE_EXHAUSTED when the limit
+  // would be exceeded (naming the kind, bytes requested, bytes in use and the limit) or when
+  // /dev/shm, memory or descriptors run out; FAILED_PRECONDITION after Shutdown(). A failed
+  // allocation changes nothing.
+  absl::StatusOr<std::shared_ptr<Buffer>> Allocate(BufferKind kind, int64_t bytes,
+                                                   absl::string_view label = "");
+
+  MemoryUsage Usage() const;
+
+  // Unlinks the name of every live segment and refuses later allocations and commits. The
+  // buffers' mappings stay valid until they are dropped. Idempotent. Logs what it removed.
+  void Shutdown();
+
+  const ShardStoreOptions& options() const { return options_; }
+
+ private:
+  const ShardStoreOptions options_;
+  const absl::Status options_status_;  // ValidateOptions(options_)
+  const std::shared_ptr<internal::StoreState> state_;
+};
+
+}  // namespace flatshard::server
