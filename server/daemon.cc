@@ -1,0 +1,109 @@
+#include "server/daemon.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/shm_segment.h"
+#include "common/status_macros.h"
+#include "server/group_manager.h"
+#include "server/service/shard_service_impl.h"
+#include "server/shard_store.h"
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
+
+namespace flatshard::server {
+namespace {
+
+// Removes a socket left by a daemon that did not shut down cleanly; refuses other files.
+absl::Status PrepareSocketPath(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::path p(path);
+  if (p.has_parent_path() && !std::filesystem::exists(p.parent_path(), ec)) {
+    std::filesystem::create_directories(p.parent_path(), ec);
+    if (ec) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot create the socket directory ", p.parent_path().string(), ": ", ec.message()));
+    }
+  }
+  struct stat st;
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, " exists and is not a socket; refusing to replace it"));
+    }
+    if (::unlink(path.c_str()) != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot remove the stale socket ", path, ": ", std::strerror(errno)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Daemon::Daemon(DaemonConfig config) : config_(std::move(config)) {}
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& config) {
+  if (config.socket_path.empty()) return absl::InvalidArgumentError("--socket must not be empty");
+  ShardStoreOptions store_options;
+  store_options.segment_prefix = config.segment_prefix;
+  store_options.memory_limit_bytes = config.memory_limit_bytes;
+  FS_RETURN_IF_ERROR(ShardStore::ValidateOptions(store_options));
+  FS_RETURN_IF_ERROR(PrepareSocketPath(config.socket_path));
+  FS_RETURN_IF_ERROR(UnlinkSegmentsWithPrefix(config.segment_prefix));
+
+  std::unique_ptr<Daemon> d(new Daemon(config));
+  d->store_ = std::make_unique<ShardStore>(store_options);
+  d->groups_ = std::make_unique<GroupManager>(d->store_.get());
+  d->shard_service_ = std::make_unique<ShardServiceImpl>(d->groups_.get(), config.default_wait);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + config.socket_path, grpc::InsecureServerCredentials());
+  int tcp_port = 0;
+  if (!config.tcp_address.empty()) {
+    builder.AddListeningPort(config.tcp_address, grpc::InsecureServerCredentials(), &tcp_port);
+  }
+  builder.RegisterService(d->shard_service_.get());
+  d->server_ = builder.BuildAndStart();
+  if (d->server_ == nullptr || (!config.tcp_address.empty() && tcp_port == 0)) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on unix:", config.socket_path,
+        config.tcp_address.empty() ? "" : absl::StrCat(" and ", config.tcp_address)));
+  }
+  // Trainers of the daemon's group may connect; others may not (issue: 0660).
+  ::chmod(config.socket_path.c_str(), 0660);
+  FS_LOG(INFO) << "flatshardd listening on unix:" << config.socket_path
+               << (config.tcp_address.empty() ? "" : " and " + config.tcp_address)
+               << ", segments /dev/shm/" << config.segment_prefix << ".*";
+  return d;
+}
+
+Daemon::~Daemon() { Shutdown(); }
+
+void Daemon::Wait() { server_->Wait(); }
+
+void Daemon::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
+  FS_LOG(INFO) << "flatshardd shutting down (grace " << config_.shutdown_grace << ")";
+  if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
+  groups_->Shutdown();  // pending collectives finish with UNAVAILABLE
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    absl::ToChronoNanoseconds(config_.shutdown_grace));
+  store_->Shutdown();
+  ::unlink(config_.socket_path.c_str());
+  FS_LOG(INFO) << "flatshardd stopped: socket and segments removed";
+}
+
+}  // namespace flatshard::server

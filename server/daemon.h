@@ -1,0 +1,58 @@
+#pragma once
+// Daemon: owns and orders the parts of flatshardd: the ShardStore (memory), the GroupManager
+// (groups, sessions, registrations) and the gRPC server (Unix socket, optional TCP, the
+// standard health service). Shutdown fails pending waits, stops the server within a grace
+// period, and removes the socket and every shared-memory segment.
+// Thread-safe: Shutdown may be called from any thread, once or more.
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include <grpcpp/server.h>
+
+namespace flatshard::server {
+
+class GroupManager;
+class ShardServiceImpl;
+class ShardStore;
+
+struct DaemonConfig {
+  std::string socket_path = "/run/flatshard/flatshardd.sock";
+  std::string tcp_address;  // e.g. "127.0.0.1:7450"; empty: Unix socket only
+  std::string segment_prefix = "flatshard";
+  int64_t memory_limit_bytes = INT64_MAX;
+  absl::Duration default_wait = absl::Seconds(60);  // collective waits without an RPC deadline
+  absl::Duration shutdown_grace = absl::Seconds(5);
+};
+
+class Daemon {
+ public:
+  // Creates the socket's directory if needed, removes a stale socket and leftover segments of
+  // a crashed daemon with the same prefix, and starts serving.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Create(const DaemonConfig& config);
+  ~Daemon();
+
+  // Blocks until the server has shut down.
+  void Wait();
+  // Stops accepting work, fails pending collectives with UNAVAILABLE, waits up to the grace
+  // period for in-flight RPCs, then removes the socket and all segments.
+  void Shutdown();
+
+  const DaemonConfig& config() const { return config_; }
+
+ private:
+  explicit Daemon(DaemonConfig config);
+
+  DaemonConfig config_;
+  std::unique_ptr<ShardStore> store_;
+  std::unique_ptr<GroupManager> groups_;
+  std::unique_ptr<ShardServiceImpl> shard_service_;
+  std::unique_ptr<grpc::Server> server_;
+  absl::Mutex mu_;
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace flatshard::server

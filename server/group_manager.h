@@ -1,0 +1,141 @@
+#pragma once
+// GroupManager: the groups a daemon hosts, their membership, sessions and registered models.
+//
+// A group is one training job: `world_size` ranks, an id and a token. In this milestone every
+// rank of a group is hosted by this daemon. Join and RegisterModule are collective: a call
+// waits (asynchronously, through its callback) until every rank made the matching call or its
+// deadline passes. Shards are allocated in the ShardStore when a registration completes and
+// outlive the trainer sessions that made them: a restarted trainer joins the same rank again
+// and re-attaches to them.
+//
+// Thread-safe. Callbacks run exactly once, never under the manager's lock, on the calling
+// thread or on the manager's deadline thread.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/manifest.h"
+#include "common/plan.h"
+#include "common/policy.h"
+#include "server/shard_store.h"
+
+namespace flatshard::server {
+
+// Identifies the caller of every RPC after JoinGroup.
+struct Caller {
+  std::string group;
+  int32_t rank = 0;
+  std::string token;
+  uint64_t session = 0;
+};
+
+struct JoinArgs {
+  std::string group;
+  int32_t world_size = 0;
+  int32_t rank = 0;
+  std::string token;
+};
+
+struct JoinResult {
+  uint64_t session = 0;
+  std::vector<std::string> registered_modules;  // re-attach targets
+};
+
+enum class InitMode { kZeros, kFromEveryRank, kFromRank0 };
+
+// One rank's memory for one unit.
+struct UnitShard {
+  int32_t unit = 0;
+  std::shared_ptr<Buffer> shard;
+  std::shared_ptr<Buffer> grad;  // null until a gradient exists
+};
+
+struct RegisterResult {
+  Plan plan;
+  std::vector<UnitShard> shards;  // the caller's rank, one per unit
+};
+
+using JoinCallback = absl::AnyInvocable<void(absl::StatusOr<JoinResult>)>;
+using RegisterCallback = absl::AnyInvocable<void(absl::StatusOr<RegisterResult>)>;
+
+class GroupManager {
+ public:
+  explicit GroupManager(ShardStore* store);
+  // Fails every pending wait with UNAVAILABLE.
+  ~GroupManager();
+  GroupManager(const GroupManager&) = delete;
+  GroupManager& operator=(const GroupManager&) = delete;
+
+  // Joins `args.rank`; `done` runs when all ranks are joined (OK with a new session) or at
+  // `deadline` (DEADLINE_EXCEEDED naming the missing ranks). The first joiner creates the
+  // group; later ones must agree on world_size (INVALID_ARGUMENT) and token
+  // (PERMISSION_DENIED). A rank with a live session cannot join twice (ALREADY_EXISTS).
+  void Join(const JoinArgs& args, absl::Time deadline, JoinCallback done);
+
+  // OK when `caller` names a joined rank of an existing group with the right token and its
+  // current session. NOT_FOUND (group), PERMISSION_DENIED (token), FAILED_PRECONDITION
+  // (stale or unknown session), INVALID_ARGUMENT (rank out of range).
+  absl::Status CheckCaller(const Caller& caller) const;
+
+  // Collective over the group's ranks. Each rank plans `manifest` under `policy`; when all
+  // ranks arrived, their plans must be equal (else every rank gets INVALID_ARGUMENT naming
+  // the first differing unit and the ranks), then every rank's shards are allocated (zeros).
+  // ALREADY_EXISTS for a path already registered; INVALID_ARGUMENT for a path nested in (or
+  // containing) a registered one ("already has flatshard applied").
+  // A refused manifest or policy still arrives, so the other ranks fail at once too.
+  void Register(const Caller& caller, const std::string& module,
+                const absl::StatusOr<Manifest>& manifest, const absl::StatusOr<Policy>& policy,
+                InitMode init, absl::Time deadline, RegisterCallback done);
+
+  // The caller's shards of a registered model (re-attach, optimizer step).
+  absl::StatusOr<RegisterResult> GetShards(const Caller& caller, const std::string& module) const;
+
+  // Ends the caller's session; its rank can join again. Shards stay.
+  absl::Status Leave(const Caller& caller);
+  // The session's lease ended (stream closed, client died): as Leave, without a caller check.
+  void EndSession(const std::string& group, uint64_t session);
+
+  // Fails every pending wait with UNAVAILABLE and refuses new work; idempotent.
+  void Shutdown();
+
+  // Groups and their joined ranks, for status output and tests.
+  struct GroupInfo {
+    std::string group;
+    int32_t world_size = 0;
+    std::vector<int32_t> joined_ranks;
+    std::vector<std::string> registered_modules;
+  };
+  std::vector<GroupInfo> ListGroups() const;
+
+ private:
+  struct Group;
+  struct PendingJoin;
+  struct PendingRegister;
+  struct Registered;
+
+  void DeadlineLoop();
+  // Completes the group's pending joins if every rank is joined.
+  void MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeCompleteRegister(Group& g, const std::string& module,
+                             std::vector<absl::AnyInvocable<void()>>* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckCallerLocked(const Caller& caller) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
+  ShardStore* const store_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::unique_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread deadline_thread_;
+};
+
+}  // namespace flatshard::server

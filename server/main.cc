@@ -1,0 +1,76 @@
+// flatshardd: parses flags, runs the Daemon until SIGTERM or SIGINT. Nothing else.
+
+#include <pthread.h>
+#include <signal.h>
+
+#include <iostream>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/time/time.h"
+#include "common/config.h"
+#include "common/logging.h"
+#include "server/daemon.h"
+
+ABSL_FLAG(std::string, socket, "/run/flatshard/flatshardd.sock",
+          "Unix socket trainers and flatshardctl connect to");
+ABSL_FLAG(std::string, tcp_address, "",
+          "optional TCP address for remote clients, e.g. 127.0.0.1:7450 (empty: none)");
+ABSL_FLAG(std::string, segment_prefix, "flatshard",
+          "name prefix of the daemon's shared-memory segments in /dev/shm");
+ABSL_FLAG(int64_t, memory_limit_mib, 0, "limit on shard and buffer memory in MiB (0: none)");
+ABSL_FLAG(absl::Duration, default_wait, absl::Seconds(60),
+          "how long a collective call without a deadline waits for the other ranks");
+ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
+          "how long in-flight calls may take to finish on SIGTERM");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "flatshardd: the flatshard per-node daemon. Owns the shards of training jobs' flattened "
+      "parameters in shared memory and serves trainers over gRPC.\n"
+      "Usage: flatshardd [--socket PATH] [--tcp_address HOST:PORT] [--segment_prefix P] "
+      "[--memory_limit_mib N]");
+  absl::FlagsUsageConfig usage;
+  // --help lists this binary's flags, not those of every library linked in.
+  usage.contains_help_flags = [](absl::string_view file) {
+    return file.find("server/main.cc") != absl::string_view::npos;
+  };
+  usage.version_string = [] { return std::string("flatshardd ") + FS_VERSION_STRING + "\n"; };
+  absl::SetFlagsUsageConfig(usage);
+  absl::ParseCommandLine(argc, argv);
+
+  // Signals go to one thread that stops the daemon; block them before any thread starts.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  flatshard::server::DaemonConfig config;
+  config.socket_path = absl::GetFlag(FLAGS_socket);
+  config.tcp_address = absl::GetFlag(FLAGS_tcp_address);
+  config.segment_prefix = absl::GetFlag(FLAGS_segment_prefix);
+  if (int64_t mib = absl::GetFlag(FLAGS_memory_limit_mib); mib > 0) {
+    config.memory_limit_bytes = mib << 20;
+  }
+  config.default_wait = absl::GetFlag(FLAGS_default_wait);
+  config.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
+
+  auto daemon = flatshard::server::Daemon::Create(config);
+  if (!daemon.ok()) {
+    std::cerr << "flatshardd: " << daemon.status().message() << "\n";
+    return 1;
+  }
+  std::thread signal_thread([&] {
+    int sig = 0;
+    sigwait(&signals, &sig);
+    FS_LOG(INFO) << "received signal " << sig;
+    (*daemon)->Shutdown();
+  });
+  (*daemon)->Wait();
+  signal_thread.join();
+  return 0;
+}

@@ -1,0 +1,160 @@
+#include "server/service/shard_service_impl.h"
+
+#include <atomic>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "common/proto_convert.h"
+
+namespace flatshard::server {
+namespace {
+
+Caller FromProto(const v1::Caller& c) { return Caller{c.group(), c.rank(), c.token(), c.session()}; }
+
+void FillHandle(const Buffer& b, v1::MemoryHandle* h) {
+  h->set_segment(b.segment_name());
+  h->set_segment_bytes(static_cast<uint64_t>(b.offset() + b.bytes()));
+  h->set_offset(static_cast<uint64_t>(b.offset()));
+  h->set_bytes(static_cast<uint64_t>(b.bytes()));
+}
+
+void FillShards(const std::vector<UnitShard>& shards,
+                google::protobuf::RepeatedPtrField<v1::UnitShard>* out) {
+  for (const UnitShard& s : shards) {
+    v1::UnitShard* u = out->Add();
+    u->set_unit(s.unit);
+    FillHandle(*s.shard, u->mutable_shard());
+    if (s.grad) FillHandle(*s.grad, u->mutable_grad());
+  }
+}
+
+// Holds the session's lease: the stream stays open while the client lives. Its end, however it
+// comes (half-close, broken connection, cancellation), ends the session exactly once.
+class LeaseReactor final : public grpc::ServerBidiReactor<v1::LeaseRequest, v1::LeaseResponse> {
+ public:
+  explicit LeaseReactor(GroupManager* groups) : groups_(groups) { StartRead(&request_); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      End(grpc::Status::OK);
+      return;
+    }
+    if (!attached_) {
+      caller_ = FromProto(request_.caller());
+      absl::Status s = groups_->CheckCaller(caller_);
+      if (!s.ok()) {
+        if (!finished_.exchange(true)) Finish(ToGrpcStatus(s));
+        return;
+      }
+      attached_ = true;
+    }
+    StartRead(&request_);
+  }
+  void OnCancel() override { End(grpc::Status::CANCELLED); }
+  void OnDone() override {
+    EndSession();
+    delete this;
+  }
+
+ private:
+  void End(const grpc::Status& status) {
+    EndSession();
+    if (!finished_.exchange(true)) Finish(status);
+  }
+  void EndSession() {
+    if (attached_ && !ended_.exchange(true)) groups_->EndSession(caller_.group, caller_.session);
+  }
+
+  GroupManager* const groups_;
+  v1::LeaseRequest request_;
+  Caller caller_;
+  bool attached_ = false;  // touched by the reactor's serialized callbacks only
+  std::atomic<bool> ended_{false};
+  std::atomic<bool> finished_{false};
+};
+
+}  // namespace
+
+absl::Time ShardServiceImpl::WaitDeadline(const grpc::CallbackServerContext* ctx) const {
+  const absl::Time now = absl::Now();
+  const absl::Time fallback = now + default_wait_;
+  absl::Time client = absl::FromChrono(ctx->deadline());
+  // Answer a little before the client gives up, so it gets our message naming the missing
+  // ranks rather than a bare "Deadline Exceeded".
+  if (client < fallback) client -= std::min(absl::Milliseconds(100), (client - now) / 10);
+  return std::min(client, fallback);
+}
+
+grpc::ServerUnaryReactor* ShardServiceImpl::JoinGroup(grpc::CallbackServerContext* ctx,
+                                                      const v1::JoinGroupRequest* request,
+                                                      v1::JoinGroupResponse* response) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  JoinArgs args{request->group(), request->world_size(), request->rank(), request->token()};
+  groups_->Join(args, WaitDeadline(ctx),
+                [reactor, response](absl::StatusOr<JoinResult> result) {
+                  if (result.ok()) {
+                    response->set_session(result->session);
+                    for (const auto& m : result->registered_modules) {
+                      response->add_registered_modules(m);
+                    }
+                  }
+                  reactor->Finish(ToGrpcStatus(result.status()));
+                });
+  return reactor;
+}
+
+grpc::ServerBidiReactor<v1::LeaseRequest, v1::LeaseResponse>* ShardServiceImpl::Lease(
+    grpc::CallbackServerContext*) {
+  return new LeaseReactor(groups_);
+}
+
+grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(
+    grpc::CallbackServerContext* ctx, const v1::RegisterModuleRequest* request,
+    v1::RegisterModuleResponse* response) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  absl::StatusOr<Manifest> manifest = flatshard::FromProto(request->manifest());
+  absl::StatusOr<Policy> policy = flatshard::FromProto(request->policy());
+  InitMode init;
+  switch (request->init()) {
+    case v1::INIT_MODE_ZEROS: init = InitMode::kZeros; break;
+    case v1::INIT_MODE_FROM_EVERY_RANK: init = InitMode::kFromEveryRank; break;
+    case v1::INIT_MODE_FROM_RANK0: init = InitMode::kFromRank0; break;
+    default:
+      reactor->Finish(ToGrpcStatus(
+          absl::InvalidArgumentError("RegisterModule: init mode is unspecified or unknown")));
+      return reactor;
+  }
+  groups_->Register(FromProto(request->caller()), request->module(), manifest, policy, init,
+                    WaitDeadline(ctx),
+                    [reactor, response](absl::StatusOr<RegisterResult> result) {
+                      if (result.ok()) {
+                        *response->mutable_plan() = flatshard::ToProto(result->plan);
+                        FillShards(result->shards, response->mutable_shards());
+                      }
+                      reactor->Finish(ToGrpcStatus(result.status()));
+                    });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ShardServiceImpl::GetShardViews(grpc::CallbackServerContext* ctx,
+                                                          const v1::GetShardViewsRequest* request,
+                                                          v1::GetShardViewsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  absl::StatusOr<RegisterResult> result =
+      groups_->GetShards(FromProto(request->caller()), request->registered_module());
+  if (result.ok()) FillShards(result->shards, response->mutable_shards());
+  reactor->Finish(ToGrpcStatus(result.status()));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ShardServiceImpl::Leave(grpc::CallbackServerContext* ctx,
+                                                  const v1::LeaveRequest* request,
+                                                  v1::LeaveResponse*) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(groups_->Leave(FromProto(request->caller()))));
+  return reactor;
+}
+
+}  // namespace flatshard::server

@@ -1,0 +1,42 @@
+#pragma once
+// ShardService over gRPC's callback API: validate, convert, call GroupManager, finish.
+// Collective calls (JoinGroup, RegisterModule) finish from the manager's completion callback,
+// so no gRPC thread blocks while ranks gather. Summon, EndSummon and ReduceScatterGrads are
+// not served yet (gRPC answers UNIMPLEMENTED for them).
+// Thread-safe.
+
+#include "absl/time/time.h"
+#include "flatshard/v1/shard_service.grpc.pb.h"
+#include "server/group_manager.h"
+
+namespace flatshard::server {
+
+class ShardServiceImpl final : public v1::ShardService::CallbackService {
+ public:
+  // `default_wait` bounds collective waits whose RPC carries no deadline.
+  ShardServiceImpl(GroupManager* groups, absl::Duration default_wait)
+      : groups_(groups), default_wait_(default_wait) {}
+
+  grpc::ServerUnaryReactor* JoinGroup(grpc::CallbackServerContext* ctx,
+                                      const v1::JoinGroupRequest* request,
+                                      v1::JoinGroupResponse* response) override;
+  grpc::ServerBidiReactor<v1::LeaseRequest, v1::LeaseResponse>* Lease(
+      grpc::CallbackServerContext* ctx) override;
+  grpc::ServerUnaryReactor* RegisterModule(grpc::CallbackServerContext* ctx,
+                                           const v1::RegisterModuleRequest* request,
+                                           v1::RegisterModuleResponse* response) override;
+  grpc::ServerUnaryReactor* GetShardViews(grpc::CallbackServerContext* ctx,
+                                          const v1::GetShardViewsRequest* request,
+                                          v1::GetShardViewsResponse* response) override;
+  grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* ctx,
+                                  const v1::LeaveRequest* request,
+                                  v1::LeaveResponse* response) override;
+
+ private:
+  absl::Time WaitDeadline(const grpc::CallbackServerContext* ctx) const;
+
+  GroupManager* const groups_;
+  const absl::Duration default_wait_;
+};
+
+}  // namespace flatshard::server
