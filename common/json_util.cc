@@ -46,6 +46,45 @@ int MaxDepth(absl::string_view text) {
   return max_depth;
 }
 
+// SAX handler that records the first key repeated within one object. Objects here have a
+// handful of keys, so a linear scan per key is cheapest; levels are reused, not freed.
+struct DuplicateKeyFinder {
+  std::vector<std::vector<std::string>> open_objects;
+  size_t depth = 0;
+  std::string duplicate;
+
+  bool null() { return true; }
+  bool boolean(bool) { return true; }
+  bool number_integer(Json::number_integer_t) { return true; }
+  bool number_unsigned(Json::number_unsigned_t) { return true; }
+  bool number_float(Json::number_float_t, const std::string&) { return true; }
+  bool string(std::string&) { return true; }
+  bool binary(Json::binary_t&) { return true; }
+  bool start_object(size_t) {
+    if (open_objects.size() <= depth) open_objects.emplace_back();
+    open_objects[depth++].clear();
+    return true;
+  }
+  bool key(std::string& k) {
+    auto& keys = open_objects[depth - 1];
+    if (std::find(keys.begin(), keys.end(), k) != keys.end()) {
+      duplicate = k;
+      return false;  // stop: one is enough
+    }
+    keys.push_back(k);
+    return true;
+  }
+  bool end_object() {
+    --depth;
+    return true;
+  }
+  bool start_array(size_t) { return true; }
+  bool end_array() { return true; }
+  bool parse_error(size_t, const std::string&, const nlohmann::detail::exception&) {
+    return false;  // the full parse reports it with its position
+  }
+};
+
 }  // namespace
 
 std::string Quote(absl::string_view s) {
@@ -75,32 +114,19 @@ absl::StatusOr<Json> ParseJson(absl::string_view text, absl::string_view doc) {
     return absl::InvalidArgumentError(
         absl::StrCat(doc, ": JSON nests deeper than ", kMaxJsonDepth, " levels"));
   }
-  // Duplicate keys are silently merged by nlohmann; catch them with the parse callback.
-  // Keys of each open object; objects here have a handful of keys, so a linear scan wins.
-  // Levels are cleared, not freed, to reuse their memory.
-  std::vector<std::vector<std::string>> open_objects;
-  size_t depth = 0;
-  std::string duplicate;
-  auto callback = [&](int /*depth*/, Json::parse_event_t event, Json& parsed) {
-    if (event == Json::parse_event_t::object_start) {
-      if (open_objects.size() <= depth) open_objects.emplace_back();
-      open_objects[depth++].clear();
-    } else if (event == Json::parse_event_t::object_end) {
-      if (depth > 0) --depth;
-    } else if (event == Json::parse_event_t::key && depth > 0) {
-      auto& keys = open_objects[depth - 1];
-      const std::string& key = parsed.get_ref<const std::string&>();
-      if (std::find(keys.begin(), keys.end(), key) != keys.end()) {
-        if (duplicate.empty()) duplicate = key;
-      } else {
-        keys.push_back(key);
-      }
-    }
-    return true;
-  };
+  // nlohmann merges duplicate keys silently, and its parse callback rescans the parent on
+  // every object end (quadratic). So one linear SAX pass finds duplicates, then a plain parse
+  // builds the value.
+  DuplicateKeyFinder finder;
+  Json::sax_parse(text.begin(), text.end(), &finder, nlohmann::detail::input_format_t::json,
+                  /*strict=*/true, /*ignore_comments=*/false);
+  if (!finder.duplicate.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(doc, ": duplicate key ", Quote(finder.duplicate), " in an object"));
+  }
   Json value;
   try {
-    value = Json::parse(text.begin(), text.end(), callback, /*allow_exceptions=*/true,
+    value = Json::parse(text.begin(), text.end(), /*cb=*/nullptr, /*allow_exceptions=*/true,
                         /*ignore_comments=*/false);
   } catch (const Json::exception& e) {
     // Drop nlohmann's "[json.exception.parse_error.101] " prefix.
@@ -109,10 +135,6 @@ absl::StatusOr<Json> ParseJson(absl::string_view text, absl::string_view doc) {
       what.remove_prefix(pos + 2);
     }
     return absl::InvalidArgumentError(absl::StrCat(doc, ": malformed JSON: ", what));
-  }
-  if (!duplicate.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(doc, ": duplicate key ", Quote(duplicate), " in an object"));
   }
   return value;
 }

@@ -129,33 +129,72 @@ class Planner {
   // Refs can make the expanded tree exponential in the manifest's size; every traversal below
   // is bounded by its size, so check it first.
   absl::Status CheckExpandedSize() {
+    // Per module, over its expanded subtree (itself included): how many module paths, and how
+    // many bytes of relative module paths and parameter FQNs the planner will build. Children
+    // complete before parents (refs only name completed modules), so a memoized DFS
+    // terminates; iterative to stay off the stack. Sums saturate just past the limits.
+    struct Size {
+      int64_t paths = -1;       // module paths
+      int64_t path_bytes = 0;   // bytes of the relative module paths
+      int64_t params = 0;       // parameter occurrences
+      int64_t param_bytes = 0;  // bytes of the relative parameter FQNs
+    };
     const size_t n = manifest_.modules.size();
-    std::vector<int64_t> paths(n, -1);
-    const int64_t limit = options_.max_module_paths;
-    // Children complete before parents (refs only name completed modules), so a memoized DFS
-    // terminates; iterative to stay off the stack.
+    const int64_t path_limit = options_.max_module_paths;
+    const int64_t byte_limit = options_.max_name_bytes;
+    auto add = [](int64_t a, int64_t b, int64_t cap) {
+      int64_t out;
+      return __builtin_add_overflow(a, b, &out) || out > cap ? cap + 1 : out;
+    };
+    auto mul = [](int64_t a, int64_t b, int64_t cap) {
+      int64_t out;
+      return __builtin_mul_overflow(a, b, &out) || out > cap ? cap + 1 : out;
+    };
+    std::vector<Size> size(n);
+    std::vector<Size> acc(n);
+    auto enter = [&](int32_t m) {
+      const ModuleDecl& mod = manifest_.modules[m];
+      acc[m] = Size{1, 0, static_cast<int64_t>(mod.params.size()), 0};
+      for (const TensorDecl& p : mod.params) {
+        acc[m].param_bytes = add(acc[m].param_bytes, p.name.size(), byte_limit);
+      }
+    };
     std::vector<std::pair<int32_t, size_t>> stack = {{0, 0}};
-    std::vector<int64_t> acc(n, 1);
+    enter(0);
     while (!stack.empty()) {
       auto& [m, next] = stack.back();
-      const auto& children = manifest_.modules[m].children;
-      if (next < children.size()) {
-        int32_t c = children[next].module;
-        if (paths[c] < 0) {
-          stack.emplace_back(c, 0);
+      const ModuleDecl& mod = manifest_.modules[m];
+      if (next < mod.children.size()) {
+        const ChildDecl& child = mod.children[next];
+        const Size& c = size[child.module];
+        if (c.paths < 0) {
+          enter(child.module);
+          stack.emplace_back(child.module, 0);
           continue;
         }
-        acc[m] = std::min(limit + 1, acc[m] + paths[c]);
+        const int64_t prefix = static_cast<int64_t>(child.name.size()) + 1;  // "name."
+        Size& a = acc[m];
+        a.paths = add(a.paths, c.paths, path_limit);
+        a.path_bytes = add(a.path_bytes, add(c.path_bytes, mul(c.paths, prefix, byte_limit),
+                                             byte_limit), byte_limit);
+        a.params = add(a.params, c.params, path_limit);
+        a.param_bytes = add(a.param_bytes, add(c.param_bytes, mul(c.params, prefix, byte_limit),
+                                               byte_limit), byte_limit);
         ++next;
         continue;
       }
-      paths[m] = acc[m];
+      size[m] = acc[m];
       stack.pop_back();
     }
-    if (paths[0] > limit) {
+    if (size[0].paths > path_limit || size[0].params > path_limit) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "manifest: the module tree has more than ", limit,
+          "manifest: the module tree has more than ", path_limit,
           " module paths once shared modules (refs) are expanded at every path"));
+    }
+    if (size[0].path_bytes > byte_limit || size[0].param_bytes > byte_limit) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "manifest: module paths and parameter names take more than ", byte_limit,
+          " bytes once shared modules (refs) are expanded at every path"));
     }
     return absl::OkStatus();
   }

@@ -23,6 +23,9 @@ struct PlanOptions {
   // Refuse manifests whose module tree, with every shared instance expanded at each path it is
   // registered at, has more module paths than this (refs can make that exponential).
   int64_t max_module_paths = 1'000'000;
+  // Likewise for the bytes of all module paths and of all parameter FQNs the plan would hold
+  // (long names times many paths).
+  int64_t max_name_bytes = int64_t{256} << 20;
 };
 
 // Plans `manifest` under `policy`. Errors (INVALID_ARGUMENT) name the module, parameters and
