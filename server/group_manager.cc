@@ -1,12 +1,16 @@
 #include "server/group_manager.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/logging.h"
 #include "common/planner.h"
 #include "common/status_macros.h"
+#include "server/collective/inproc/inproc_backend.h"
+#include "server/collective/reduce.h"
 
 namespace flatshard::server {
 namespace {
@@ -70,15 +74,43 @@ struct GroupManager::PendingJoin {
 struct GroupManager::PendingRegister {
   struct Arrival {
     absl::StatusOr<Plan> plan;
+    Manifest manifest;
     absl::Time deadline;
     RegisterCallback done;
   };
   std::map<int32_t, Arrival> arrivals;
 };
 
+// The k-th summon of every rank of a module: the buffers its ranks share.
+struct GroupManager::SummonSlot {
+  std::map<int32_t, std::shared_ptr<Buffer>> shared_params;  // writeback=false: one per node
+  std::map<int32_t, std::shared_ptr<Buffer>> shared_grads;
+  std::map<int32_t, std::shared_ptr<Buffer>> rank0_params;  // rank0_only: rank 0's buffers
+  std::map<int32_t, std::shared_ptr<Buffer>> rank0_grads;
+  int32_t ended = 0;
+};
+
+struct GroupManager::OpenSummon {
+  uint64_t id = 0;
+  int32_t rank = 0;
+  uint64_t k = 0;
+  std::string module;
+  SummonOptions options;
+  std::vector<int32_t> units;
+  std::vector<SummonedUnit> views;  // this rank's buffers, one per unit (null entries allowed)
+  std::shared_ptr<SummonSlot> slot;
+  bool ready = false;   // the unshard completed
+  bool ending = false;  // EndSummon under way
+};
+
 struct GroupManager::Registered {
   Plan plan;
+  Manifest manifest;
   std::vector<std::vector<UnitShard>> shards_by_rank;
+  std::vector<std::vector<bool>> summoned;  // [rank][unit]
+  std::vector<uint64_t> summon_count;       // per rank: k of its last summon
+  std::map<uint64_t, std::shared_ptr<SummonSlot>> slots;
+  std::map<std::pair<int32_t, int32_t>, std::shared_ptr<Buffer>> grad_staging;  // (rank, unit)
 };
 
 struct GroupManager::Group {
@@ -89,6 +121,9 @@ struct GroupManager::Group {
   std::vector<PendingJoin> pending_joins;
   std::map<std::string, Registered> registered;
   std::map<std::string, PendingRegister> pending_registers;
+  std::map<uint64_t, OpenSummon> open_summons;
+  uint64_t next_summon = 1;
+  std::shared_ptr<collective::CollectiveGroup> coll;
 
   std::vector<int32_t> MissingRanks() const {
     std::vector<int32_t> missing;
@@ -99,12 +134,16 @@ struct GroupManager::Group {
   }
   bool Idle() const {
     return registered.empty() && pending_registers.empty() && pending_joins.empty() &&
+           open_summons.empty() &&
            std::all_of(session_of_rank.begin(), session_of_rank.end(),
                        [](uint64_t s) { return s == 0; });
   }
 };
 
 GroupManager::GroupManager(ShardStore* store) : store_(store) {
+  auto backend = collective::CreateInprocBackend();
+  FS_CHECK(backend.ok()) << backend.status();
+  inproc_ = *std::move(backend);
   deadline_thread_ = std::thread([this] { DeadlineLoop(); });
 }
 
@@ -140,7 +179,7 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
   std::vector<absl::AnyInvocable<void()>> run;
   absl::Status error;
   {
-    absl::MutexLock lock(&mu_);
+    absl::ReleasableMutexLock lock(&mu_);
     if (shutdown_) {
       error = absl::UnavailableError("flatshardd is shutting down");
     } else if (args.group.empty()) {
@@ -160,6 +199,12 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
         slot->world_size = args.world_size;
         slot->token = args.token;
         slot->session_of_rank.assign(args.world_size, 0);
+        if (absl::Status s = ConnectCollectives(*slot); !s.ok()) {
+          groups_.erase(args.group);
+          lock.Release();
+          done(s);
+          return;
+        }
         FS_LOG(INFO) << "group=" << args.group << " created, world_size=" << args.world_size;
       }
       Group& g = *slot;
@@ -189,8 +234,28 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
   for (auto& f : run) f();
 }
 
+absl::Status GroupManager::ConnectCollectives(Group& g) {
+  if (g.coll) engine_.RemoveGroup(g.id, absl::AbortedError("communicator re-formed")).IgnoreError();
+  const collective::GroupSpec spec = collective::GroupSpec::AllLocal(g.id, g.world_size);
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<collective::Communicator> comm, inproc_->Connect(spec));
+  FS_ASSIGN_OR_RETURN(g.coll, engine_.AddGroup(spec, std::move(comm)));
+  return absl::OkStatus();
+}
+
 void GroupManager::MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
   if (!g.MissingRanks().empty()) return;
+  if (!g.coll->status().ok()) {
+    // Every rank is back after a failure: start the op sequence afresh.
+    FS_LOG(INFO) << "group=" << g.id << " re-forms its communicator after: " << g.coll->status();
+    if (absl::Status s = ConnectCollectives(g); !s.ok()) {
+      for (PendingJoin& j : g.pending_joins) {
+        g.session_of_rank[j.rank] = 0;
+        run->push_back([done = std::move(j.done), s]() mutable { done(s); });
+      }
+      g.pending_joins.clear();
+      return;
+    }
+  }
   std::vector<std::string> modules;
   for (const auto& [module, r] : g.registered) modules.push_back(module);
   for (PendingJoin& j : g.pending_joins) {
@@ -280,8 +345,8 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
             Display(module)));
       }
       if (error.ok()) {
-        pending.arrivals[caller.rank] =
-            PendingRegister::Arrival{std::move(plan), deadline, std::move(done)};
+        pending.arrivals[caller.rank] = PendingRegister::Arrival{
+            std::move(plan), manifest.ok() ? *manifest : Manifest{}, deadline, std::move(done)};
         MaybeCompleteRegister(g, module, &run);
       } else if (pending.arrivals.empty()) {
         g.pending_registers.erase(module);
@@ -329,6 +394,9 @@ void GroupManager::MaybeCompleteRegister(Group& g, const std::string& module,
   Registered registered;
   if (shared_error.ok()) {
     registered.plan = *first;
+    registered.manifest = pending.arrivals.begin()->second.manifest;
+    registered.summoned.assign(g.world_size, std::vector<bool>(registered.plan.units.size(), false));
+    registered.summon_count.assign(g.world_size, 0);
     registered.shards_by_rank.resize(g.world_size);
     for (int32_t rank = 0; rank < g.world_size && shared_error.ok(); ++rank) {
       for (const PlanUnit& u : registered.plan.units) {
@@ -381,9 +449,13 @@ absl::Status GroupManager::Leave(const Caller& caller) {
   absl::MutexLock lock(&mu_);
   FS_RETURN_IF_ERROR(CheckCallerLocked(caller));
   Group& g = *groups_.at(caller.group);
+  DropSummons(g, caller.rank);
   g.session_of_rank[caller.rank] = 0;
   FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " left";
-  if (g.Idle()) groups_.erase(caller.group);
+  if (g.Idle()) {
+    engine_.RemoveGroup(g.id, absl::AbortedError("group removed")).IgnoreError();
+    groups_.erase(caller.group);
+  }
   return absl::OkStatus();
 }
 
@@ -394,12 +466,490 @@ void GroupManager::EndSession(const std::string& group, uint64_t session) {
   Group& g = *it->second;
   for (int32_t r = 0; r < g.world_size; ++r) {
     if (g.session_of_rank[r] == session) {
+      // Its summons end without writeback; collectives waiting for it fail now rather than
+      // at their deadline (the communicator re-forms once every rank joined again).
+      DropSummons(g, r);
+      if (!g.coll->PendingOps().empty()) {
+        g.coll->Abort(absl::UnavailableError(absl::StrCat(
+            "group ", g.id, ": rank ", r, "'s session ended (client gone) during a collective")));
+      }
       g.session_of_rank[r] = 0;
       FS_LOG(INFO) << "group=" << g.id << " rank=" << r << " lease ended (session=" << session
                    << ")";
     }
   }
-  if (g.Idle()) groups_.erase(it);
+  if (g.Idle()) {
+    engine_.RemoveGroup(g.id, absl::AbortedError("group removed")).IgnoreError();
+    groups_.erase(it);
+  }
+}
+
+namespace {
+
+// Units of `plan` whose module is `path` (recurse=false) or in its subtree (recurse=true).
+std::vector<int32_t> SelectUnits(const Plan& plan, const std::string& path, bool recurse) {
+  std::vector<int32_t> units;
+  for (const PlanUnit& u : plan.units) {
+    const bool exact = u.module == path;
+    const bool below = path.empty() || (u.module.size() > path.size() &&
+                                        u.module.compare(0, path.size(), path) == 0 &&
+                                        u.module[path.size()] == '.');
+    if (exact || (recurse && below)) units.push_back(u.index);
+  }
+  return units;
+}
+
+bool ModulePathExists(const Manifest& m, const std::string& path) {
+  if (path.empty()) return true;
+  int32_t at = 0;
+  for (absl::string_view name : absl::StrSplit(path, '.')) {
+    bool found = false;
+    for (const ChildDecl& c : m.modules[at].children) {
+      if (c.name == name) {
+        at = c.module;
+        found = true;
+        break;
+      }
+    }
+    if (!found) return false;
+  }
+  return true;
+}
+
+collective::ConstBuffer ConstOf(const Buffer& b, DType dtype) {
+  return collective::ConstBuffer{b.data(), static_cast<size_t>(b.bytes()), dtype};
+}
+collective::MutableBuffer MutableOf(const Buffer* b, DType dtype) {
+  if (b == nullptr) return collective::MutableBuffer{nullptr, 0, dtype};
+  return collective::MutableBuffer{b->data(), static_cast<size_t>(b->bytes()), dtype};
+}
+
+// Copies shard rank `r`'s unpadded range of the full buffer into its shard.
+void CopyOwnRange(const Plan& plan, const PlanUnit& unit, int32_t r, const Buffer& full,
+                  Buffer& shard) {
+  absl::StatusOr<FlatLayout> layout = UnitLayout(plan, unit);
+  FS_CHECK(layout.ok()) << layout.status();  // the plan was validated when it was made
+  const ElementRange range = layout->UnpaddedShardRange(r);
+  if (range.empty()) return;
+  const int64_t item = ItemSize(unit.dtype);
+  std::memcpy(static_cast<char*>(shard.data()) + (range.begin - layout->ShardRange(r).begin) * item,
+              static_cast<const char*>(full.data()) + range.begin * item, range.size() * item);
+}
+
+// Counts one request's collectives; the last completion reports the first error.
+struct OpJoin {
+  absl::Mutex mu;
+  int remaining ABSL_GUARDED_BY(mu) = 0;
+  absl::Status first ABSL_GUARDED_BY(mu);
+  absl::AnyInvocable<void(absl::Status)> done;
+};
+
+collective::DoneCallback Arrive(const std::shared_ptr<OpJoin>& join) {
+  return [join](absl::Status s) {
+    bool last = false;
+    absl::Status first;
+    {
+      absl::MutexLock lock(&join->mu);
+      if (!s.ok() && join->first.ok()) join->first = s;
+      last = --join->remaining == 0;
+      first = join->first;
+    }
+    if (last) join->done(first);
+  };
+}
+
+// Runs `ops` on `coll` for `rank` and calls `done` once all completed.
+void SubmitAll(const std::shared_ptr<collective::CollectiveGroup>& coll, int32_t rank,
+               std::vector<collective::CollectiveOp> ops, absl::Time deadline,
+               absl::AnyInvocable<void(absl::Status)> done) {
+  if (ops.empty()) {
+    done(absl::OkStatus());
+    return;
+  }
+  auto join = std::make_shared<OpJoin>();
+  join->done = std::move(done);
+  {
+    absl::MutexLock lock(&join->mu);
+    join->remaining = static_cast<int>(ops.size());
+  }
+  const absl::Duration timeout = std::max(absl::ZeroDuration(), deadline - absl::Now());
+  for (collective::CollectiveOp& op : ops) {
+    op.timeout = timeout;
+    coll->Submit(rank, std::move(op), Arrive(join));
+  }
+}
+
+constexpr char kAlreadyUnsharding[] =
+    "Cannot manually unshard parameters when already unsharding parameters";
+
+}  // namespace
+
+void GroupManager::Summon(const Caller& caller, const std::string& module,
+                          const std::string& path, const SummonOptions& options,
+                          absl::Time deadline, SummonCallback done) {
+  absl::Status error;
+  SummonResult result;
+  std::vector<collective::CollectiveOp> ops;
+  std::shared_ptr<collective::CollectiveGroup> coll;
+  {
+    absl::MutexLock lock(&mu_);
+    error = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
+                      : CheckCallerLocked(caller);
+    Group* g = error.ok() ? groups_.at(caller.group).get() : nullptr;
+    Registered* reg = nullptr;
+    if (error.ok()) {
+      auto it = g->registered.find(module);
+      if (it == g->registered.end()) {
+        error = absl::NotFoundError(
+            absl::StrCat("group ", g->id, ": module ", Display(module), " is not registered"));
+      } else {
+        reg = &it->second;
+        if (!ModulePathExists(reg->manifest, path)) {
+          error = absl::NotFoundError(absl::StrCat("module ", Display(module), " has no submodule ",
+                                                   Display(path)));
+        }
+      }
+    }
+    const int32_t rank = caller.rank;
+    if (error.ok()) {
+      result.units = SelectUnits(reg->plan, path, options.recurse);
+      for (int32_t u : result.units) {
+        if (reg->summoned[rank][u]) {
+          error = absl::FailedPreconditionError(absl::StrCat(
+              kAlreadyUnsharding, " (unit ", u, " ", Display(reg->plan.units[u].module), ")"));
+          break;
+        }
+      }
+    }
+    if (error.ok()) {
+      const uint64_t k = ++reg->summon_count[rank];
+      std::shared_ptr<SummonSlot>& slot = reg->slots[k];
+      if (!slot) slot = std::make_shared<SummonSlot>();
+      const bool sharded = reg->plan.shard_world_size > 1;
+      const bool shared = !options.writeback && !options.rank0_only && sharded;
+      OpenSummon open;
+      open.id = g->next_summon++;
+      open.rank = rank;
+      open.k = k;
+      open.module = module;
+      open.options = options;
+      open.units = result.units;
+      open.slot = slot;
+      // Buffers this rank sees: shared per node (read-only use), rank 0's only, or private.
+      auto buffer_for = [&](std::map<int32_t, std::shared_ptr<Buffer>>& shared_map,
+                            std::map<int32_t, std::shared_ptr<Buffer>>& rank0_map, int32_t u,
+                            absl::string_view what) -> absl::StatusOr<std::shared_ptr<Buffer>> {
+        const PlanUnit& unit = reg->plan.units[u];
+        const int64_t bytes = unit.padded_numel * ItemSize(unit.dtype);
+        const std::string label = absl::StrCat("group=", g->id, " unit=", u, " ", what);
+        if (options.rank0_only) {
+          if (rank != 0) return std::shared_ptr<Buffer>();
+          FS_ASSIGN_OR_RETURN(rank0_map[u], store_->Allocate(BufferKind::kUnsharded, bytes, label));
+          return rank0_map[u];
+        }
+        if (shared) {
+          if (!shared_map[u]) {
+            FS_ASSIGN_OR_RETURN(shared_map[u], store_->Allocate(BufferKind::kUnsharded, bytes, label));
+          }
+          return shared_map[u];
+        }
+        return store_->Allocate(BufferKind::kUnsharded, bytes, absl::StrCat(label, " rank=", rank));
+      };
+      for (int32_t u : result.units) {
+        const PlanUnit& unit = reg->plan.units[u];
+        const UnitShard& shard = reg->shards_by_rank[rank][u];
+        SummonedUnit view{u, nullptr, nullptr};
+        absl::StatusOr<std::shared_ptr<Buffer>> params =
+            buffer_for(slot->shared_params, slot->rank0_params, u, "params");
+        if (!params.ok()) {
+          error = params.status();
+          break;
+        }
+        view.params = *params;
+        if (sharded) {
+          ops.push_back(options.rank0_only
+                            ? collective::CollectiveOp::Gather(
+                                  u, ConstOf(*shard.shard, unit.dtype),
+                                  MutableOf(view.params.get(), unit.dtype), 0)
+                            : collective::CollectiveOp::AllGather(
+                                  u, ConstOf(*shard.shard, unit.dtype),
+                                  MutableOf(view.params.get(), unit.dtype)));
+        } else if (view.params) {  // NO_SHARD: the shard is the whole buffer
+          std::memcpy(view.params->data(), shard.shard->data(), shard.shard->bytes());
+        }
+        // Gradients exist for every rank of a unit or for none (made by one collective).
+        if (options.with_grads && shard.grad) {
+          absl::StatusOr<std::shared_ptr<Buffer>> grads =
+              buffer_for(slot->shared_grads, slot->rank0_grads, u, "grads");
+          if (!grads.ok()) {
+            error = grads.status();
+            break;
+          }
+          view.grads = *grads;
+          if (sharded) {
+            ops.push_back(options.rank0_only
+                              ? collective::CollectiveOp::Gather(
+                                    u, ConstOf(*shard.grad, unit.dtype),
+                                    MutableOf(view.grads.get(), unit.dtype), 0)
+                              : collective::CollectiveOp::AllGather(
+                                    u, ConstOf(*shard.grad, unit.dtype),
+                                    MutableOf(view.grads.get(), unit.dtype)));
+          } else if (view.grads) {
+            std::memcpy(view.grads->data(), shard.grad->data(), shard.grad->bytes());
+          }
+        }
+        open.views.push_back(std::move(view));
+      }
+      if (error.ok()) {
+        for (int32_t u : result.units) reg->summoned[rank][u] = true;
+        result.summon = open.id;
+        if (result.units.empty()) result.note = absl::StrCat(Display(path), " is not a unit root: nothing unsharded");
+        if (!options.rank0_only || rank == 0) result.views = open.views;
+        g->open_summons.emplace(open.id, std::move(open));
+        coll = g->coll;
+      } else {
+        --reg->summon_count[rank];
+        if (slot->shared_params.empty() && slot->rank0_params.empty()) reg->slots.erase(k);
+        ops.clear();
+      }
+    }
+  }
+  if (!error.ok()) {
+    done(error);
+    return;
+  }
+  const uint64_t id = result.summon;
+  SubmitAll(coll, caller.rank, std::move(ops), deadline,
+            [this, caller, id, result = std::move(result),
+             done = std::move(done)](absl::Status s) mutable {
+              if (!s.ok()) {
+                // Nothing was handed out: end the summon without writeback.
+                FinishEnd(caller, id, s, [done = std::move(done), s](absl::Status) mutable {
+                  done(s);
+                });
+                return;
+              }
+              {
+                absl::MutexLock lock(&mu_);
+                auto g = groups_.find(caller.group);
+                if (g != groups_.end()) {
+                  auto it = g->second->open_summons.find(id);
+                  if (it != g->second->open_summons.end()) it->second.ready = true;
+                }
+              }
+              done(std::move(result));
+            });
+}
+
+void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time deadline,
+                             StatusCallback done) {
+  absl::Status error;
+  OpenSummon copy;
+  const Plan* plan = nullptr;
+  std::shared_ptr<collective::CollectiveGroup> coll;
+  std::vector<UnitShard> shards;
+  {
+    absl::MutexLock lock(&mu_);
+    error = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
+                      : CheckCallerLocked(caller);
+    if (error.ok()) {
+      Group& g = *groups_.at(caller.group);
+      auto it = g.open_summons.find(summon);
+      if (it == g.open_summons.end() || it->second.rank != caller.rank) {
+        error = absl::NotFoundError(absl::StrCat("group ", g.id, " rank ", caller.rank,
+                                                 ": no open summon ", summon));
+      } else if (it->second.ending || !it->second.ready) {
+        error = absl::FailedPreconditionError(
+            absl::StrCat("summon ", summon, " is ", it->second.ending ? "already ending" : "not ready"));
+      } else {
+        it->second.ending = true;
+        copy = it->second;
+        const Registered& reg = g.registered.at(copy.module);
+        plan = &reg.plan;  // registrations are never removed while the group lives
+        shards = reg.shards_by_rank[caller.rank];
+        coll = g.coll;
+      }
+    }
+  }
+  if (!error.ok()) {
+    done(error);
+    return;
+  }
+  auto write_back = [plan, copy, shards, caller]() {
+    const int32_t r = plan->ShardRank(caller.rank);
+    for (size_t i = 0; i < copy.units.size(); ++i) {
+      const PlanUnit& unit = plan->units[copy.units[i]];
+      const UnitShard& shard = shards[copy.units[i]];
+      const bool from_rank0 = copy.options.rank0_only;
+      const Buffer* params = from_rank0 ? copy.slot->rank0_params.at(copy.units[i]).get()
+                                        : copy.views[i].params.get();
+      CopyOwnRange(*plan, unit, r, *params, *shard.shard);
+      const auto& grads_map = copy.slot->rank0_grads;
+      const Buffer* grads = from_rank0
+                                ? (grads_map.contains(copy.units[i]) ? grads_map.at(copy.units[i]).get() : nullptr)
+                                : copy.views[i].grads.get();
+      if (grads != nullptr && shard.grad) CopyOwnRange(*plan, unit, r, *grads, *shard.grad);
+    }
+  };
+  if (!copy.options.writeback) {
+    FinishEnd(caller, summon, absl::OkStatus(), std::move(done));
+    return;
+  }
+  if (!copy.options.rank0_only) {
+    write_back();
+    FinishEnd(caller, summon, absl::OkStatus(), std::move(done));
+    return;
+  }
+  // beyond FSDP: rank 0's edits reach every shard. Every rank waits for rank 0 to end (a
+  // zero-byte broadcast from rank 0 is the barrier), then takes its range from rank 0's buffer.
+  std::vector<collective::CollectiveOp> barrier;
+  barrier.push_back(collective::CollectiveOp::Broadcast(-1, collective::MutableBuffer{}, 0));
+  SubmitAll(coll, caller.rank, std::move(barrier), deadline,
+            [this, caller, summon, write_back, done = std::move(done)](absl::Status s) mutable {
+              if (s.ok()) write_back();
+              FinishEnd(caller, summon, s, std::move(done));
+            });
+}
+
+void GroupManager::FinishEnd(const Caller& caller, uint64_t summon, absl::Status status,
+                             StatusCallback done) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(caller.group);
+    if (g != groups_.end()) {
+      Group& group = *g->second;
+      auto it = group.open_summons.find(summon);
+      if (it != group.open_summons.end()) {
+        OpenSummon& open = it->second;
+        Registered& reg = group.registered.at(open.module);
+        for (int32_t u : open.units) reg.summoned[open.rank][u] = false;
+        if (++open.slot->ended == group.world_size) reg.slots.erase(open.k);
+        group.open_summons.erase(it);  // drops this rank's references to the buffers
+      }
+    }
+  }
+  done(status);
+}
+
+void GroupManager::DropSummons(Group& g, int32_t rank) {
+  for (auto it = g.open_summons.begin(); it != g.open_summons.end();) {
+    OpenSummon& open = it->second;
+    if (open.rank != rank) {
+      ++it;
+      continue;
+    }
+    Registered& reg = g.registered.at(open.module);
+    for (int32_t u : open.units) reg.summoned[rank][u] = false;
+    if (++open.slot->ended == g.world_size) reg.slots.erase(open.k);
+    FS_LOG(WARNING) << "group=" << g.id << " rank=" << rank << " summon " << open.id
+                    << " ended without writeback (session ended)";
+    it = g.open_summons.erase(it);
+  }
+  for (auto& [module, reg] : g.registered) {
+    for (auto s = reg.grad_staging.begin(); s != reg.grad_staging.end();) {
+      s = s->first.first == rank ? reg.grad_staging.erase(s) : std::next(s);
+    }
+  }
+}
+
+absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::BeginReduceScatter(
+    const Caller& caller, const std::string& module, int32_t unit) {
+  absl::MutexLock lock(&mu_);
+  FS_RETURN_IF_ERROR(CheckCallerLocked(caller));
+  Group& g = *groups_.at(caller.group);
+  auto it = g.registered.find(module);
+  if (it == g.registered.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("group ", g.id, ": module ", Display(module), " is not registered"));
+  }
+  Registered& reg = it->second;
+  if (unit < 0 || unit >= static_cast<int32_t>(reg.plan.units.size())) {
+    return absl::NotFoundError(absl::StrCat("module ", Display(module), " has no unit ", unit,
+                                            " (it has ", reg.plan.units.size(), ")"));
+  }
+  if (reg.plan.sharding_strategy == ShardingStrategy::kNoShard) {
+    return absl::FailedPreconditionError(
+        "ReduceScatterGrads on a NO_SHARD model needs an all-reduce, which this daemon does "
+        "not serve yet");
+  }
+  const PlanUnit& u = reg.plan.units[unit];
+  const int64_t item = ItemSize(u.dtype);
+  // Gradient shards appear for every rank at once, so `with_grads` sees the same on all ranks.
+  if (!reg.shards_by_rank[caller.rank][unit].grad) {
+    std::vector<std::shared_ptr<Buffer>> grads;
+    for (int32_t r = 0; r < g.world_size; ++r) {
+      FS_ASSIGN_OR_RETURN(std::shared_ptr<Buffer> b,
+                          store_->Allocate(BufferKind::kGradShard, u.shard_numel * item,
+                                           absl::StrCat("group=", g.id, " unit=", unit,
+                                                        " rank=", r, " grad")));
+      grads.push_back(std::move(b));
+    }
+    for (int32_t r = 0; r < g.world_size; ++r) reg.shards_by_rank[r][unit].grad = grads[r];
+  }
+  auto& staging = reg.grad_staging[{caller.rank, unit}];
+  if (!staging) {
+    FS_ASSIGN_OR_RETURN(staging, store_->Allocate(BufferKind::kStaging, u.padded_numel * item,
+                                                  absl::StrCat("group=", g.id, " unit=", unit,
+                                                               " rank=", caller.rank,
+                                                               " full grad")));
+  }
+  return staging;
+}
+
+void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& module,
+                                       int32_t unit, GradReduce op, bool accumulate,
+                                       absl::Time deadline, StatusCallback done) {
+  absl::Status error;
+  std::shared_ptr<Buffer> staging, grad;
+  DType dtype = DType::kFloat32;
+  std::shared_ptr<collective::CollectiveGroup> coll;
+  int32_t world = 1;
+  {
+    absl::MutexLock lock(&mu_);
+    error = CheckCallerLocked(caller);
+    if (error.ok()) {
+      Group& g = *groups_.at(caller.group);
+      auto it = g.registered.find(module);
+      auto s = it == g.registered.end() ? decltype(it->second.grad_staging)::iterator{}
+                                        : it->second.grad_staging.find({caller.rank, unit});
+      if (it == g.registered.end() || s == it->second.grad_staging.end()) {
+        error = absl::FailedPreconditionError(absl::StrCat(
+            "group ", g.id, " rank ", caller.rank, ": no gradient buffer for unit ", unit,
+            " of module ", Display(module), " (begin the reduce-scatter first)"));
+      } else {
+        staging = s->second;
+        it->second.grad_staging.erase(s);
+        grad = it->second.shards_by_rank[caller.rank][unit].grad;
+        dtype = it->second.plan.units[unit].dtype;
+        coll = g.coll;
+        world = g.world_size;
+      }
+    }
+  }
+  if (!error.ok()) {
+    done(error);
+    return;
+  }
+  // Accumulating reduces into a scratch shard first, then adds it to the gradient shard.
+  auto scratch = accumulate ? std::make_shared<std::vector<char>>(grad->bytes()) : nullptr;
+  collective::MutableBuffer out =
+      accumulate ? collective::MutableBuffer{scratch->data(), scratch->size(), dtype}
+                 : MutableOf(grad.get(), dtype);
+  std::vector<collective::CollectiveOp> ops;
+  ops.push_back(collective::CollectiveOp::ReduceScatter(
+      unit, ConstOf(*staging, dtype), out,
+      op == GradReduce::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum));
+  (void)world;
+  SubmitAll(coll, caller.rank, std::move(ops), deadline,
+            [staging, grad, scratch, dtype, done = std::move(done)](absl::Status s) mutable {
+              if (s.ok() && scratch) {
+                const void* srcs[] = {grad->data(), scratch->data()};
+                collective::ReduceInto(dtype, srcs, grad->data(),
+                                       grad->bytes() / ItemSize(dtype), collective::ReduceOp::kSum,
+                                       1);
+              }
+              done(s);
+            });
 }
 
 std::vector<GroupManager::GroupInfo> GroupManager::ListGroups() const {
@@ -458,7 +1008,12 @@ void GroupManager::DeadlineLoop() {
           }
           p = p->second.arrivals.empty() ? g.pending_registers.erase(p) : std::next(p);
         }
-        it = g.Idle() ? groups_.erase(it) : std::next(it);
+        if (g.Idle()) {
+          engine_.RemoveGroup(g.id, absl::AbortedError("group removed")).IgnoreError();
+          it = groups_.erase(it);
+        } else {
+          ++it;
+        }
       }
     }
     for (auto& f : run) f();

@@ -25,6 +25,7 @@
 #include "common/manifest.h"
 #include "common/plan.h"
 #include "common/policy.h"
+#include "server/collective/collective_engine.h"
 #include "server/shard_store.h"
 
 namespace flatshard::server {
@@ -63,7 +64,34 @@ struct RegisterResult {
   std::vector<UnitShard> shards;  // the caller's rank, one per unit
 };
 
+// semantics.md §3.
+struct SummonOptions {
+  bool recurse = true;
+  bool writeback = true;
+  bool rank0_only = false;
+  bool offload_to_cpu = false;  // host memory is the only memory here: always "offloaded"
+  bool with_grads = false;
+};
+
+// What one rank sees of one summoned unit.
+struct SummonedUnit {
+  int32_t unit = 0;
+  std::shared_ptr<Buffer> params;  // the full padded buffer; null on ranks != 0 (rank0_only)
+  std::shared_ptr<Buffer> grads;   // with_grads and the unit has a gradient; else null
+};
+
+struct SummonResult {
+  uint64_t summon = 0;
+  std::vector<int32_t> units;       // selected units (every rank)
+  std::vector<SummonedUnit> views;  // empty on ranks != 0 under rank0_only
+  std::string note;
+};
+
+enum class GradReduce { kSum, kAvg };
+
 using JoinCallback = absl::AnyInvocable<void(absl::StatusOr<JoinResult>)>;
+using SummonCallback = absl::AnyInvocable<void(absl::StatusOr<SummonResult>)>;
+using StatusCallback = absl::AnyInvocable<void(absl::Status)>;
 using RegisterCallback = absl::AnyInvocable<void(absl::StatusOr<RegisterResult>)>;
 
 class GroupManager {
@@ -95,6 +123,28 @@ class GroupManager {
                 const absl::StatusOr<Manifest>& manifest, const absl::StatusOr<Policy>& policy,
                 InitMode init, absl::Time deadline, RegisterCallback done);
 
+  // Collective: unshards the units of `module` selected by `path` and `options` (all-gather,
+  // or gather to rank 0 under rank0_only) and returns the buffers this rank may map. Units
+  // already summoned by this rank: FAILED_PRECONDITION with FSDP's wording. With
+  // writeback=false and rank0_only=false all local ranks share one read-only copy per unit.
+  void Summon(const Caller& caller, const std::string& module, const std::string& path,
+              const SummonOptions& options, absl::Time deadline, SummonCallback done);
+  // Ends summon `summon` of the caller's rank: writes back its own unpadded range (from rank
+  // 0's buffer under rank0_only, after rank 0 ended) when the summon asked for it, then
+  // frees the buffers and returns the units to IDLE.
+  void EndSummon(const Caller& caller, uint64_t summon, absl::Time deadline, StatusCallback done);
+
+  // Phase 1 of ReduceScatterGrads: a private buffer the caller writes the unit's full padded
+  // gradient into.
+  absl::StatusOr<std::shared_ptr<Buffer>> BeginReduceScatter(const Caller& caller,
+                                                             const std::string& module,
+                                                             int32_t unit);
+  // Phase 2 (collective): reduce-scatters what was written; each rank's gradient shard gets
+  // its slice (SUM or AVG), added to it when `accumulate`, else replacing it.
+  void FinishReduceScatter(const Caller& caller, const std::string& module, int32_t unit,
+                           GradReduce op, bool accumulate, absl::Time deadline,
+                           StatusCallback done);
+
   // The caller's shards of a registered model (re-attach, optimizer step).
   absl::StatusOr<RegisterResult> GetShards(const Caller& caller, const std::string& module) const;
 
@@ -120,6 +170,8 @@ class GroupManager {
   struct PendingJoin;
   struct PendingRegister;
   struct Registered;
+  struct OpenSummon;
+  struct SummonSlot;
 
   void DeadlineLoop();
   // Completes the group's pending joins if every rank is joined.
@@ -130,7 +182,16 @@ class GroupManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckCallerLocked(const Caller& caller) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
+  // Ends every open summon of `rank` in `g` without writeback (lease ended, leave).
+  void DropSummons(Group& g, int32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishEnd(const Caller& caller, uint64_t summon, absl::Status status, StatusCallback done);
+
   ShardStore* const store_;
+  std::unique_ptr<collective::CollectiveBackend> inproc_;
+  collective::CollectiveEngine engine_;
+  // (Re)creates the group's communicator: at creation and after a failure once every rank
+  // joined again (a failed communicator stays failed: errors are sticky).
+  absl::Status ConnectCollectives(Group& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;

@@ -138,6 +138,71 @@ grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(
   return reactor;
 }
 
+grpc::ServerUnaryReactor* ShardServiceImpl::Summon(grpc::CallbackServerContext* ctx,
+                                                   const v1::SummonRequest* request,
+                                                   v1::SummonResponse* response) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  SummonOptions options;
+  options.recurse = request->options().recurse();
+  options.writeback = request->options().writeback();
+  options.rank0_only = request->options().rank0_only();
+  options.offload_to_cpu = request->options().offload_to_cpu();
+  options.with_grads = request->options().with_grads();
+  groups_->Summon(FromProto(request->caller()), request->registered_module(), request->path(),
+                  options, WaitDeadline(ctx),
+                  [reactor, response](absl::StatusOr<SummonResult> result) {
+                    if (result.ok()) {
+                      response->set_summon(result->summon);
+                      for (int32_t u : result->units) response->add_unit_indices(u);
+                      for (const SummonedUnit& v : result->views) {
+                        v1::UnitView* view = response->add_units();
+                        view->set_unit(v.unit);
+                        if (v.params) FillHandle(*v.params, view->mutable_params());
+                        if (v.grads) FillHandle(*v.grads, view->mutable_grads());
+                      }
+                      response->set_note(result->note);
+                    }
+                    reactor->Finish(ToGrpcStatus(result.status()));
+                  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ShardServiceImpl::EndSummon(grpc::CallbackServerContext* ctx,
+                                                      const v1::EndSummonRequest* request,
+                                                      v1::EndSummonResponse*) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  groups_->EndSummon(FromProto(request->caller()), request->summon(), WaitDeadline(ctx),
+                     [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ShardServiceImpl::ReduceScatterGrads(
+    grpc::CallbackServerContext* ctx, const v1::ReduceScatterGradsRequest* request,
+    v1::ReduceScatterGradsResponse* response) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  const Caller caller = FromProto(request->caller());
+  if (request->begin()) {
+    absl::StatusOr<std::shared_ptr<Buffer>> buffer =
+        groups_->BeginReduceScatter(caller, request->registered_module(), request->unit());
+    if (buffer.ok()) FillHandle(**buffer, response->mutable_full_grad());
+    reactor->Finish(ToGrpcStatus(buffer.status()));
+    return reactor;
+  }
+  GradReduce op;
+  switch (request->op()) {
+    case v1::REDUCE_OP_SUM: op = GradReduce::kSum; break;
+    case v1::REDUCE_OP_AVG: op = GradReduce::kAvg; break;
+    default:
+      reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError(
+          "ReduceScatterGrads: op must be REDUCE_OP_SUM or REDUCE_OP_AVG")));
+      return reactor;
+  }
+  groups_->FinishReduceScatter(caller, request->registered_module(), request->unit(), op,
+                               request->accumulate(), WaitDeadline(ctx),
+                               [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); });
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* ShardServiceImpl::GetShardViews(grpc::CallbackServerContext* ctx,
                                                           const v1::GetShardViewsRequest* request,
                                                           v1::GetShardViewsResponse* response) {

@@ -1,8 +1,7 @@
 #pragma once
 // ShardService over gRPC's callback API: validate, convert, call GroupManager, finish.
-// Collective calls (JoinGroup, RegisterModule) finish from the manager's completion callback,
-// so no gRPC thread blocks while ranks gather. Summon, EndSummon and ReduceScatterGrads are
-// not served yet (gRPC answers UNIMPLEMENTED for them).
+// Collective calls (JoinGroup, RegisterModule, Summon, EndSummon, ReduceScatterGrads) finish
+// from the manager's completion callback, so no gRPC thread blocks while ranks gather.
 // Thread-safe.
 
 #include "absl/time/time.h"
@@ -25,6 +24,15 @@ class ShardServiceImpl final : public v1::ShardService::CallbackService {
   grpc::ServerUnaryReactor* RegisterModule(grpc::CallbackServerContext* ctx,
                                            const v1::RegisterModuleRequest* request,
                                            v1::RegisterModuleResponse* response) override;
+  grpc::ServerUnaryReactor* Summon(grpc::CallbackServerContext* ctx,
+                                   const v1::SummonRequest* request,
+                                   v1::SummonResponse* response) override;
+  grpc::ServerUnaryReactor* EndSummon(grpc::CallbackServerContext* ctx,
+                                      const v1::EndSummonRequest* request,
+                                      v1::EndSummonResponse* response) override;
+  grpc::ServerUnaryReactor* ReduceScatterGrads(grpc::CallbackServerContext* ctx,
+                                               const v1::ReduceScatterGradsRequest* request,
+                                               v1::ReduceScatterGradsResponse* response) override;
   grpc::ServerUnaryReactor* GetShardViews(grpc::CallbackServerContext* ctx,
                                           const v1::GetShardViewsRequest* request,
                                           v1::GetShardViewsResponse* response) override;

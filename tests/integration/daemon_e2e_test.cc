@@ -9,12 +9,14 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/shm_segment.h"
 #include "common/manifest.h"
 #include "common/planner.h"
 #include "common/policy.h"
@@ -376,6 +378,225 @@ TEST(DaemonE2ETest, KilledClientFreesItsRankAndShardsOutliveIt) {
   v1::GetShardViewsResponse resp;
   ASSERT_TRUE(stub->GetShardViews(&ctx, req, &resp).ok());
   EXPECT_EQ(resp.shards(0).shard().segment(), shard_segment) << "re-attached to the same shard";
+}
+
+
+// ---- Summon, write back, gradients ----
+
+v1::SummonOptions Options(bool writeback, bool rank0_only = false, bool with_grads = false,
+                          bool recurse = true) {
+  v1::SummonOptions o;
+  o.set_recurse(recurse);
+  o.set_writeback(writeback);
+  o.set_rank0_only(rank0_only);
+  o.set_with_grads(with_grads);
+  return o;
+}
+
+struct Summoned {
+  grpc::Status status;
+  v1::SummonResponse response;
+};
+
+// Every rank summons `path` of module "" concurrently.
+std::vector<Summoned> SummonAll(DaemonProcess& d, const std::vector<v1::Caller>& callers,
+                                const v1::SummonOptions& options, const std::string& path = "") {
+  std::vector<std::future<Summoned>> futures;
+  for (const v1::Caller& c : callers) {
+    futures.push_back(std::async(std::launch::async, [&d, c, options, path] {
+      auto stub = d.Stub();
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      v1::SummonRequest req;
+      *req.mutable_caller() = c;
+      req.set_path(path);
+      *req.mutable_options() = options;
+      Summoned out;
+      out.status = stub->Summon(&ctx, req, &out.response);
+      return out;
+    }));
+  }
+  std::vector<Summoned> out;
+  for (auto& f : futures) out.push_back(f.get());
+  return out;
+}
+
+std::vector<grpc::Status> EndAll(DaemonProcess& d, const std::vector<v1::Caller>& callers,
+                                 const std::vector<Summoned>& summons) {
+  std::vector<std::future<grpc::Status>> futures;
+  for (size_t r = 0; r < callers.size(); ++r) {
+    futures.push_back(std::async(std::launch::async, [&d, &callers, &summons, r] {
+      auto stub = d.Stub();
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      v1::EndSummonRequest req;
+      *req.mutable_caller() = callers[r];
+      req.set_summon(summons[r].response.summon());
+      v1::EndSummonResponse resp;
+      return stub->EndSummon(&ctx, req, &resp);
+    }));
+  }
+  std::vector<grpc::Status> out;
+  for (auto& f : futures) out.push_back(f.get());
+  return out;
+}
+
+// Maps a handle and returns its floats.
+float* MapFloats(const v1::MemoryHandle& h, std::vector<ShmSegment>* keep) {
+  absl::StatusOr<ShmSegment> seg = ShmSegment::Open(h.segment(), h.segment_bytes(), true);
+  EXPECT_TRUE(seg.ok()) << seg.status();
+  keep->push_back(*std::move(seg));
+  return reinterpret_cast<float*>(static_cast<char*>(keep->back().data()) + h.offset());
+}
+
+// A group of `world` ranks with examples/models/<model> registered (zeros).
+struct Fixture {
+  std::vector<v1::Caller> callers;
+  Plan plan;
+};
+
+Fixture JoinAndRegister(DaemonProcess& d, int world, const std::string& model = "gpt_tied") {
+  Fixture f;
+  std::vector<uint64_t> s = JoinAll(d, "g", world);
+  std::vector<v1::RegisterModuleRequest> reqs;
+  for (int r = 0; r < world; ++r) {
+    f.callers.push_back(MakeCaller("g", r, s[r]));
+    reqs.push_back(RegisterRequest(f.callers.back(), model));
+  }
+  std::vector<Registered> out = RegisterAll(d, reqs);
+  EXPECT_TRUE(out[0].status.ok()) << out[0].status.error_message();
+  f.plan = *FromProto(out[0].response.plan());
+  return f;
+}
+
+TEST(DaemonSummonTest, WritebackPersistsOnlyEachRanksOwnRange) {
+  DaemonProcess d;
+  Fixture f = JoinAndRegister(d, 2);
+  std::vector<Summoned> s = SummonAll(d, f.callers, Options(/*writeback=*/true));
+  ASSERT_TRUE(s[0].status.ok() && s[1].status.ok()) << s[0].status.error_message();
+  ASSERT_EQ(s[0].response.units_size(), static_cast<int>(f.plan.units.size()));
+  std::vector<ShmSegment> keep;
+  for (int r = 0; r < 2; ++r) {
+    for (const v1::UnitView& v : s[r].response.units()) {
+      float* p = MapFloats(v.params(), &keep);
+      const int64_t n = f.plan.units[v.unit()].padded_numel;
+      for (int64_t i = 0; i < n; ++i) p[i] = 1.0f + r;  // rank r writes r+1 everywhere
+    }
+  }
+  EXPECT_NE(s[0].response.units(0).params().segment(), s[1].response.units(0).params().segment());
+  for (const grpc::Status& st : EndAll(d, f.callers, s)) EXPECT_TRUE(st.ok()) << st.error_message();
+
+  // A read-only summon: one copy per node, shared by both ranks.
+  s = SummonAll(d, f.callers, Options(/*writeback=*/false));
+  ASSERT_TRUE(s[0].status.ok() && s[1].status.ok());
+  EXPECT_EQ(s[0].response.units(0).params().segment(), s[1].response.units(0).params().segment());
+  for (const v1::UnitView& v : s[0].response.units()) {
+    const PlanUnit& u = f.plan.units[v.unit()];
+    float* p = MapFloats(v.params(), &keep);
+    for (int64_t i = 0; i < u.numel; ++i) {
+      const float want = i < u.shard_numel ? 1.0f : 2.0f;  // rank 0's range, then rank 1's
+      ASSERT_EQ(p[i], want) << "unit " << u.index << " element " << i;
+    }
+  }
+  for (const grpc::Status& st : EndAll(d, f.callers, s)) EXPECT_TRUE(st.ok());
+}
+
+TEST(DaemonSummonTest, SummoningTwiceIsRefusedWithFsdpWording) {
+  DaemonProcess d;
+  Fixture f = JoinAndRegister(d, 1);
+  std::vector<Summoned> s = SummonAll(d, f.callers, Options(false));
+  ASSERT_TRUE(s[0].status.ok());
+  std::vector<Summoned> again = SummonAll(d, f.callers, Options(false), "h.0");
+  EXPECT_EQ(again[0].status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(again[0].status.error_message(),
+              HasSubstr("Cannot manually unshard parameters when already unsharding parameters"));
+  EXPECT_TRUE(EndAll(d, f.callers, s)[0].ok());
+  // recurse=false on a path that is not a unit root unshards nothing and says so.
+  std::vector<Summoned> none = SummonAll(d, f.callers, Options(false, false, false, false), "h");
+  ASSERT_TRUE(none[0].status.ok());
+  EXPECT_EQ(none[0].response.units_size(), 0);
+  EXPECT_THAT(none[0].response.note(), HasSubstr("not a unit root"));
+  EXPECT_TRUE(EndAll(d, f.callers, none)[0].ok());
+  std::vector<Summoned> missing = SummonAll(d, f.callers, Options(false), "h.7");
+  EXPECT_EQ(missing[0].status.error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST(DaemonSummonTest, Rank0OnlyWritebackReachesEveryShard) {
+  DaemonProcess d;
+  Fixture f = JoinAndRegister(d, 3);
+  std::vector<Summoned> s = SummonAll(d, f.callers, Options(/*writeback=*/true, /*rank0_only=*/true));
+  for (const Summoned& x : s) ASSERT_TRUE(x.status.ok()) << x.status.error_message();
+  EXPECT_GT(s[0].response.units_size(), 0);
+  EXPECT_EQ(s[1].response.units_size(), 0);  // other ranks get (and allocate) nothing
+  EXPECT_EQ(s[2].response.units_size(), 0);
+  EXPECT_EQ(s[1].response.unit_indices_size(), s[0].response.units_size());
+  std::vector<ShmSegment> keep;
+  for (const v1::UnitView& v : s[0].response.units()) {
+    float* p = MapFloats(v.params(), &keep);
+    for (int64_t i = 0; i < f.plan.units[v.unit()].padded_numel; ++i) p[i] = 7.0f;
+  }
+  for (const grpc::Status& st : EndAll(d, f.callers, s)) EXPECT_TRUE(st.ok()) << st.error_message();
+  s = SummonAll(d, f.callers, Options(false));
+  for (const v1::UnitView& v : s[2].response.units()) {
+    float* p = MapFloats(v.params(), &keep);
+    for (int64_t i = 0; i < f.plan.units[v.unit()].numel; ++i) ASSERT_EQ(p[i], 7.0f) << i;
+  }
+  EndAll(d, f.callers, s);
+}
+
+// Every rank begins, writes `value(rank)` into its full gradient, and finishes.
+void ReduceScatterAll(DaemonProcess& d, const Fixture& f, int32_t unit, v1::ReduceOp op,
+                      bool accumulate, const std::function<float(int)>& value) {
+  std::vector<std::future<void>> futures;
+  for (size_t r = 0; r < f.callers.size(); ++r) {
+    futures.push_back(std::async(std::launch::async, [&, r] {
+      auto stub = d.Stub();
+      v1::ReduceScatterGradsRequest req;
+      *req.mutable_caller() = f.callers[r];
+      req.set_unit(unit);
+      req.set_begin(true);
+      v1::ReduceScatterGradsResponse resp;
+      grpc::ClientContext ctx1;
+      ASSERT_TRUE(stub->ReduceScatterGrads(&ctx1, req, &resp).ok());
+      std::vector<ShmSegment> keep;
+      float* p = MapFloats(resp.full_grad(), &keep);
+      for (int64_t i = 0; i < f.plan.units[unit].padded_numel; ++i) p[i] = value(r);
+      req.set_begin(false);
+      req.set_op(op);
+      req.set_accumulate(accumulate);
+      grpc::ClientContext ctx2;
+      ctx2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+      grpc::Status st = stub->ReduceScatterGrads(&ctx2, req, &resp);
+      ASSERT_TRUE(st.ok()) << st.error_message();
+    }));
+  }
+  for (auto& fut : futures) fut.get();
+}
+
+TEST(DaemonGradTest, ReduceScatterSumAvgAccumulateAndWithGrads) {
+  DaemonProcess d;
+  Fixture f = JoinAndRegister(d, 3);  // uneven: unit sizes are not multiples of 3
+  const int32_t unit = 1;
+  // Before any gradient: with_grads reports none.
+  std::vector<Summoned> s = SummonAll(d, f.callers, Options(false, false, true));
+  EXPECT_FALSE(s[0].response.units(unit).has_grads());
+  EndAll(d, f.callers, s);
+
+  auto check = [&](float want) {
+    std::vector<Summoned> g = SummonAll(d, f.callers, Options(false, false, true));
+    ASSERT_TRUE(g[0].status.ok()) << g[0].status.error_message();
+    ASSERT_TRUE(g[0].response.units(unit).has_grads());
+    std::vector<ShmSegment> keep;
+    float* p = MapFloats(g[0].response.units(unit).grads(), &keep);
+    for (int64_t i = 0; i < f.plan.units[unit].numel; ++i) ASSERT_FLOAT_EQ(p[i], want) << i;
+    EndAll(d, f.callers, g);
+  };
+  ReduceScatterAll(d, f, unit, v1::REDUCE_OP_SUM, false, [](int r) { return 1.0f + r; });
+  check(6.0f);  // 1 + 2 + 3
+  ReduceScatterAll(d, f, unit, v1::REDUCE_OP_AVG, false, [](int r) { return 1.0f + r; });
+  check(2.0f);
+  ReduceScatterAll(d, f, unit, v1::REDUCE_OP_SUM, true, [](int) { return 0.5f; });
+  check(3.5f);  // 2 + 1.5
 }
 
 // Runs only as the child of KilledClientFreesItsRankAndShardsOutliveIt: joins rank 0 of group

@@ -1,0 +1,759 @@
+#include "flatshard/client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <random>
+#include <thread>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "client/segment_cache.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "common/manifest.h"
+#include "common/plan.h"
+#include "common/policy.h"
+#include "common/proto_convert.h"
+#include "common/status_macros.h"
+#include "flatshard/v1/shard_service.grpc.pb.h"
+
+namespace flatshard::client {
+namespace internal {
+namespace {
+
+using Stub = v1::ShardService::Stub;
+
+SegmentRange ToRange(const v1::MemoryHandle& h) {
+  SegmentRange r;
+  r.segment = h.segment();
+  r.segment_bytes = h.segment_bytes();
+  r.offset = h.offset();
+  r.bytes = h.bytes();
+  return r;
+}
+
+v1::InitMode ToProto(InitMode mode) {
+  switch (mode) {
+    case InitMode::kZeros:
+      return v1::INIT_MODE_ZEROS;
+    case InitMode::kFromEveryRank:
+      return v1::INIT_MODE_FROM_EVERY_RANK;
+    case InitMode::kFromRank0:
+      return v1::INIT_MODE_FROM_RANK0;
+  }
+  return v1::INIT_MODE_UNSPECIFIED;
+}
+
+v1::ReduceOp ToProto(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return v1::REDUCE_OP_SUM;
+    case ReduceOp::kAvg:
+      return v1::REDUCE_OP_AVG;
+  }
+  return v1::REDUCE_OP_UNSPECIFIED;
+}
+
+v1::SummonOptions ToProto(const SummonOptions& o) {
+  v1::SummonOptions p;
+  p.set_recurse(o.recurse);
+  p.set_writeback(o.writeback);
+  p.set_rank0_only(o.rank0_only);
+  p.set_offload_to_cpu(o.offload_to_cpu);
+  p.set_with_grads(o.with_grads);
+  return p;
+}
+
+// A fraction in [0.5, 1] of `backoff`, so that ranks retrying together spread out.
+absl::Duration Jittered(absl::Duration backoff) {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  return backoff * std::uniform_real_distribution<double>(0.5, 1.0)(rng);
+}
+
+std::string SessionLabel(const v1::Caller& c) {
+  return absl::StrCat("group=", c.group(), " rank=", c.rank(), " session=", c.session());
+}
+
+}  // namespace
+
+// The session's Lease stream, read on its own thread until the daemon ends it or Stop().
+// The stream has no deadline: it lives as long as the session, and its end is the signal.
+class LeaseStream {
+ public:
+  LeaseStream(Stub* stub, v1::Caller caller)
+      : stub_(stub), caller_(std::move(caller)), thread_([this] { Run(); }) {}
+  LeaseStream(const LeaseStream&) = delete;
+  LeaseStream& operator=(const LeaseStream&) = delete;
+  ~LeaseStream() { Stop(); }
+
+  // OK once the first message (the Caller) is on its way to the daemon; the end status when
+  // the stream ended first (e.g. the daemon refused the caller); DEADLINE_EXCEEDED after
+  // `timeout`. A refusal that arrives later ends the lease: see status().
+  absl::Status WaitStarted(absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return written_ || done_; };
+    mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
+    if (done_) return end_status_;
+    if (written_) return absl::OkStatus();
+    return absl::DeadlineExceededError(absl::StrCat("could not open the lease of ",
+                                                    SessionLabel(caller_), " within ",
+                                                    absl::FormatDuration(timeout)));
+  }
+
+  // OK while the stream is open; why it ended afterwards.
+  absl::Status status() const {
+    absl::MutexLock lock(&mu_);
+    return done_ ? end_status_ : absl::OkStatus();
+  }
+
+  // Cancels the stream and joins the thread. Idempotent; not concurrently with itself.
+  void Stop() {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    context_.TryCancel();  // before the call started: cancels it when it starts
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void Run() {
+    std::unique_ptr<grpc::ClientReaderWriter<v1::LeaseRequest, v1::LeaseResponse>> stream =
+        stub_->Lease(&context_);
+    v1::LeaseRequest first;
+    *first.mutable_caller() = caller_;
+    if (stream->Write(first)) {
+      {
+        absl::MutexLock lock(&mu_);
+        written_ = true;
+      }
+      // The daemon sends nothing, or acknowledgements we need not act on; Read returns false
+      // when the stream ends (the daemon finished it, the connection broke, or Stop()).
+      v1::LeaseResponse response;
+      while (stream->Read(&response)) {
+      }
+    }
+    const grpc::Status s = stream->Finish();
+    absl::MutexLock lock(&mu_);
+    done_ = true;
+    if (stopping_) {
+      end_status_ = absl::FailedPreconditionError("the lease was closed by this client");
+    } else if (s.ok()) {
+      end_status_ = absl::UnavailableError("the daemon closed the lease");
+    } else {
+      end_status_ = FromGrpcStatus(s);
+    }
+    if (!stopping_) {
+      FS_LOG(WARNING) << "lease of " << SessionLabel(caller_) << " ended: " << end_status_;
+    }
+  }
+
+  Stub* const stub_;
+  const v1::Caller caller_;
+  grpc::ClientContext context_;
+  mutable absl::Mutex mu_;
+  bool written_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status end_status_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;  // last: starts after everything it uses exists
+};
+
+// The Client's state, shared with the objects it hands out (as weak_ptr), so that those
+// may outlive it. Thread-safe. Locks: mu_, then LeaseStream::mu_ (never the reverse).
+class ClientCore : public std::enable_shared_from_this<ClientCore> {
+ public:
+  ClientCore(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
+      : options_(std::move(options)),
+        channel_(std::move(channel)),
+        stub_(v1::ShardService::NewStub(channel_)) {}
+  ~ClientCore() { Shutdown(); }
+
+  const ClientOptions& options() const { return options_; }
+  int64_t map_calls() const { return cache_.map_calls(); }
+
+  // Ends the session locally: closes the lease, forgets modules. No RPC.
+  void Shutdown() {
+    std::unique_ptr<LeaseStream> lease;
+    {
+      absl::MutexLock lock(&mu_);
+      lease = std::move(lease_);
+      state_ = State::kIdle;
+      modules_.clear();
+    }
+    if (lease != nullptr) lease->Stop();
+  }
+
+  absl::Status Join(std::string group, int world_size, int rank, std::string token) {
+    if (group.empty()) return absl::InvalidArgumentError("Join: empty group name");
+    if (world_size < 1 || rank < 0 || rank >= world_size) {
+      return absl::InvalidArgumentError(absl::StrCat("Join: rank ", rank, " of world_size ",
+                                                     world_size, ": want 0 <= rank < world_size"));
+    }
+    std::unique_ptr<LeaseStream> broken;
+    {
+      absl::MutexLock lock(&mu_);
+      const bool lease_alive = lease_ != nullptr && lease_->status().ok();
+      if (state_ == State::kJoining || state_ == State::kLeaving ||
+          (state_ == State::kJoined && lease_alive)) {
+        return absl::FailedPreconditionError(absl::StrCat("Join: already joined or joining (",
+                                                          SessionLabel(caller_), "); Leave first"));
+      }
+      // A session whose lease broke is over at the daemon: joining again replaces it.
+      broken = std::move(lease_);
+      state_ = State::kJoining;
+      modules_.clear();
+    }
+    if (broken != nullptr) broken->Stop();
+    absl::Status status = JoinAndLease(std::move(group), world_size, rank, std::move(token));
+    if (!status.ok()) {
+      absl::MutexLock lock(&mu_);
+      state_ = State::kIdle;
+    }
+    return status;
+  }
+
+  std::vector<std::string> registered_modules() const {
+    absl::MutexLock lock(&mu_);
+    return registered_modules_;
+  }
+
+  absl::StatusOr<RegisteredModule> Register(std::string module, absl::string_view manifest_json,
+                                            absl::string_view policy_json, InitMode init) {
+    // Parsing here gives bad input the exact messages of the JSON readers, before any RPC.
+    FS_ASSIGN_OR_RETURN(Manifest manifest, ManifestFromJson(manifest_json));
+    FS_ASSIGN_OR_RETURN(Policy policy, PolicyFromJson(policy_json));
+    FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
+    v1::RegisterModuleRequest request;
+    *request.mutable_caller() = caller;
+    request.set_module(module);
+    *request.mutable_manifest() = flatshard::ToProto(manifest);
+    *request.mutable_policy() = flatshard::ToProto(policy);
+    request.set_init(internal::ToProto(init));
+    v1::RegisterModuleResponse response;
+    FS_RETURN_IF_ERROR(
+        Call("RegisterModule", &Stub::RegisterModule, request, &response, options_.call_timeout));
+
+    absl::StatusOr<Plan> plan = flatshard::FromProto(response.plan());
+    if (!plan.ok()) {
+      return absl::InternalError(absl::StrCat(
+          "module \"", module, "\": the daemon sent an invalid plan: ", plan.status().message()));
+    }
+    absl::StatusOr<std::shared_ptr<const ModuleLayout>> layout =
+        ModuleLayout::Create(std::make_shared<const Plan>(*std::move(plan)));
+    if (!layout.ok()) {
+      return absl::InternalError(
+          absl::StrCat("module \"", module, "\": unusable plan: ", layout.status().message()));
+    }
+    {
+      // Registered at the daemon: Summon works from now on, even if building views fails.
+      absl::MutexLock lock(&mu_);
+      if (state_ == State::kJoined && caller_.session() == caller.session()) {
+        modules_[module] = *layout;
+      }
+    }
+    RegisteredModule out;
+    out.module = module;
+    out.plan = (*layout)->shared_plan();
+    // The init summon first: if the shard views fail, its destructor still ends it.
+    if (response.has_init_summon()) {
+      FS_ASSIGN_OR_RETURN(out.init_summon,
+                          MakeSummoned(*layout, caller, module, response.init_summon(),
+                                       /*writable=*/true));
+    }
+    FS_ASSIGN_OR_RETURN(out.shards, MakeShardViews(**layout, caller.rank(), response.shards()));
+    return out;
+  }
+
+  absl::StatusOr<std::unique_ptr<SummonedParams>> Summon(const std::string& module,
+                                                         const std::string& path,
+                                                         const SummonOptions& options) {
+    FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
+    FS_ASSIGN_OR_RETURN(std::shared_ptr<const ModuleLayout> layout, FindModule(module));
+    v1::SummonRequest request;
+    *request.mutable_caller() = caller;
+    request.set_registered_module(module);
+    request.set_path(path);
+    *request.mutable_options() = internal::ToProto(options);
+    v1::SummonResponse response;
+    FS_RETURN_IF_ERROR(Call("Summon", &Stub::Summon, request, &response, options_.call_timeout));
+    FS_VLOG(2) << "summon=" << response.summon() << " module=\"" << module << "\" path=\"" << path
+               << "\" units=" << response.unit_indices_size();
+    return MakeSummoned(layout, caller, module, response, options.writeback);
+  }
+
+  absl::Status EndSummon(uint64_t session, const std::string& module, uint64_t summon) {
+    FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(session));
+    v1::EndSummonRequest request;
+    *request.mutable_caller() = caller;
+    request.set_summon(summon);
+    v1::EndSummonResponse response;
+    absl::Status s = Call("EndSummon", &Stub::EndSummon, request, &response, options_.call_timeout);
+    FS_VLOG(2) << "end summon=" << summon << " module=\"" << module << "\": " << s;
+    return s;
+  }
+
+  absl::StatusOr<std::unique_ptr<PendingReduceScatter>> BeginReduceScatter(
+      const std::string& module, int32_t unit, ReduceOp op, bool accumulate) {
+    FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
+    FS_ASSIGN_OR_RETURN(std::shared_ptr<const ModuleLayout> layout, FindModule(module));
+    const UnitTemplate* tmpl = layout->FindUnit(unit);
+    if (tmpl == nullptr) {
+      return absl::NotFoundError(absl::StrCat("module \"", module, "\" has no unit ", unit));
+    }
+    v1::ReduceScatterGradsRequest request =
+        ReduceScatterRequest(caller, module, unit, op, accumulate, /*begin=*/true);
+    v1::ReduceScatterGradsResponse response;
+    FS_RETURN_IF_ERROR(Call("ReduceScatterGrads(begin)", &Stub::ReduceScatterGrads, request,
+                            &response, options_.call_timeout));
+    FS_ASSIGN_OR_RETURN(MappedRange range,
+                        cache_.Map(ToRange(response.full_grad()), /*writable=*/true));
+    FS_RETURN_IF_ERROR(CheckRangeHolds(range, tmpl->padded_numel, tmpl->dtype,
+                                       absl::StrCat("unit ", unit, " full gradient")));
+    ViewBuilder builder(layout);
+    FS_RETURN_IF_ERROR(builder.AddUnit(unit, range));
+    std::unique_ptr<PendingReduceScatter> pending(
+        new PendingReduceScatter(weak_from_this(), caller.session(), module, unit, op, accumulate));
+    pending->dtype_ = tmpl->dtype;
+    pending->data_ = range.data;
+    pending->numel_ = tmpl->padded_numel;
+    pending->grads_ = builder.Build();
+    return pending;
+  }
+
+  absl::Status FinishReduceScatter(uint64_t session, const std::string& module, int32_t unit,
+                                   ReduceOp op, bool accumulate) {
+    FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(session));
+    v1::ReduceScatterGradsRequest request =
+        ReduceScatterRequest(caller, module, unit, op, accumulate, /*begin=*/false);
+    v1::ReduceScatterGradsResponse response;
+    return Call("ReduceScatterGrads", &Stub::ReduceScatterGrads, request, &response,
+                options_.call_timeout);
+  }
+
+  absl::StatusOr<ShardViews> GetShardViews(const std::string& module) {
+    FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
+    FS_ASSIGN_OR_RETURN(std::shared_ptr<const ModuleLayout> layout, FindModule(module));
+    v1::GetShardViewsRequest request;
+    *request.mutable_caller() = caller;
+    request.set_registered_module(module);
+    v1::GetShardViewsResponse response;
+    FS_RETURN_IF_ERROR(
+        Call("GetShardViews", &Stub::GetShardViews, request, &response, options_.call_timeout));
+    return MakeShardViews(*layout, caller.rank(), response.shards());
+  }
+
+  absl::Status Leave() {
+    std::unique_ptr<LeaseStream> lease;
+    v1::Caller caller;
+    {
+      absl::MutexLock lock(&mu_);
+      if (state_ != State::kJoined) {
+        return absl::FailedPreconditionError("Leave: not joined to a group");
+      }
+      state_ = State::kLeaving;
+      caller = caller_;
+      lease = std::move(lease_);
+    }
+    v1::LeaveRequest request;
+    *request.mutable_caller() = caller;
+    v1::LeaveResponse response;
+    const absl::Status status =
+        Call("Leave", &Stub::Leave, request, &response, options_.call_timeout);
+    if (lease != nullptr) lease->Stop();
+    {
+      absl::MutexLock lock(&mu_);
+      state_ = State::kIdle;
+      modules_.clear();
+    }
+    cache_.Clear();
+    FS_LOG(INFO) << "left " << SessionLabel(caller) << ": " << status;
+    return status;
+  }
+
+  bool joined() const {
+    absl::MutexLock lock(&mu_);
+    return state_ == State::kJoined;
+  }
+
+  absl::Status lease_status() const {
+    absl::MutexLock lock(&mu_);
+    return lease_ == nullptr ? absl::OkStatus() : lease_->status();
+  }
+
+ private:
+  enum class State { kIdle, kJoining, kJoined, kLeaving };
+
+  template <typename Request, typename Response>
+  using UnaryMethod = grpc::Status (Stub::*)(grpc::ClientContext*, const Request&, Response*);
+
+  // One RPC under one deadline; UNAVAILABLE attempts are retried with backoff.
+  template <typename Request, typename Response>
+  absl::Status Call(absl::string_view name, UnaryMethod<Request, Response> method,
+                    const Request& request, Response* response, absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    absl::Duration backoff = options_.initial_backoff;
+    for (int attempt = 1;; ++attempt) {
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(deadline));
+      const absl::Status status =
+          FromGrpcStatus((stub_.get()->*method)(&context, request, response));
+      if (status.ok() || status.code() != absl::StatusCode::kUnavailable ||
+          attempt >= options_.max_attempts) {
+        return status;
+      }
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) return status;
+      FS_VLOG(1) << name << " attempt " << attempt << " failed, retrying: " << status;
+      absl::SleepFor(std::min(Jittered(backoff), left));
+      backoff = std::min(backoff * 2, options_.max_backoff);
+      response->Clear();
+    }
+  }
+
+  absl::Status JoinAndLease(std::string group, int world_size, int rank, std::string token) {
+    v1::JoinGroupRequest request;
+    request.set_group(group);
+    request.set_world_size(world_size);
+    request.set_rank(rank);
+    request.set_token(token);
+    v1::JoinGroupResponse response;
+    FS_RETURN_IF_ERROR(
+        Call("JoinGroup", &Stub::JoinGroup, request, &response, options_.join_timeout));
+    v1::Caller caller;
+    caller.set_group(std::move(group));
+    caller.set_rank(rank);
+    caller.set_token(std::move(token));
+    caller.set_session(response.session());
+    auto lease = std::make_unique<LeaseStream>(stub_.get(), caller);
+    if (absl::Status s = lease->WaitStarted(options_.call_timeout); !s.ok()) {
+      lease->Stop();
+      // Without a lease the daemon may keep the session until its own timeout: say goodbye.
+      v1::LeaveRequest leave;
+      *leave.mutable_caller() = caller;
+      v1::LeaveResponse ignored;
+      const absl::Status left = Call("Leave", &Stub::Leave, leave, &ignored, options_.call_timeout);
+      if (!left.ok()) FS_LOG(WARNING) << "leaving " << SessionLabel(caller) << ": " << left;
+      return s;
+    }
+    cache_.Clear();  // a new session may come from a restarted daemon
+    {
+      absl::MutexLock lock(&mu_);
+      caller_ = caller;
+      lease_ = std::move(lease);
+      registered_modules_.assign(response.registered_modules().begin(),
+                                 response.registered_modules().end());
+      state_ = State::kJoined;
+    }
+    FS_LOG(INFO) << "joined " << SessionLabel(caller) << " world_size=" << world_size << " via "
+                 << options_.address;
+    return absl::OkStatus();
+  }
+
+  // The caller of the current session. `session` != 0: only if that session is current.
+  absl::StatusOr<v1::Caller> CurrentCaller(uint64_t session) const {
+    absl::MutexLock lock(&mu_);
+    if (state_ != State::kJoined) {
+      return absl::FailedPreconditionError(
+          session == 0 ? "not joined to a group: call Join first"
+                       : absl::StrCat("session ", session, " is over (Leave or Client gone)"));
+    }
+    if (session != 0 && caller_.session() != session) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("session ", session, " is over; the current one is ", caller_.session()));
+    }
+    if (lease_ != nullptr) {
+      if (absl::Status lease = lease_->status(); !lease.ok()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the lease of ", SessionLabel(caller_),
+            " ended, so the daemon ended the session (Join again): ", lease.ToString()));
+      }
+    }
+    return caller_;
+  }
+
+  absl::StatusOr<std::shared_ptr<const ModuleLayout>> FindModule(const std::string& module) const {
+    absl::MutexLock lock(&mu_);
+    const auto it = modules_.find(module);
+    if (it == modules_.end()) {
+      return absl::NotFoundError(absl::StrCat(
+          "module \"", module, "\" was not registered by this client in this session"));
+    }
+    return it->second;
+  }
+
+  static v1::ReduceScatterGradsRequest ReduceScatterRequest(const v1::Caller& caller,
+                                                            const std::string& module, int32_t unit,
+                                                            ReduceOp op, bool accumulate,
+                                                            bool begin) {
+    v1::ReduceScatterGradsRequest request;
+    *request.mutable_caller() = caller;
+    request.set_registered_module(module);
+    request.set_unit(unit);
+    request.set_op(internal::ToProto(op));
+    request.set_accumulate(accumulate);
+    request.set_begin(begin);
+    return request;
+  }
+
+  absl::StatusOr<std::unique_ptr<SummonedParams>> MakeSummoned(
+      std::shared_ptr<const ModuleLayout> layout, const v1::Caller& caller,
+      const std::string& module, const v1::SummonResponse& response, bool writable) {
+    std::unique_ptr<SummonedParams> summoned(
+        new SummonedParams(weak_from_this(), caller.session(), module, response.summon()));
+    summoned->units_.assign(response.unit_indices().begin(), response.unit_indices().end());
+    summoned->note_ = response.note();
+    ViewBuilder params(layout);
+    ViewBuilder grads(layout);
+    absl::Status built = absl::OkStatus();
+    for (const v1::UnitView& unit : response.units()) {
+      absl::StatusOr<MappedRange> p = cache_.Map(ToRange(unit.params()), writable);
+      built = p.ok() ? params.AddUnit(unit.unit(), *p) : p.status();
+      if (built.ok() && unit.has_grads()) {
+        absl::StatusOr<MappedRange> g = cache_.Map(ToRange(unit.grads()), writable);
+        built = g.ok() ? grads.AddUnit(unit.unit(), *g) : g.status();
+      }
+      if (!built.ok()) break;
+    }
+    if (!built.ok()) {
+      // The daemon holds the units summoned until EndSummon: end it before failing.
+      const absl::Status ended = summoned->End();
+      if (!ended.ok()) {
+        FS_LOG(ERROR) << "summon=" << response.summon() << " module=\"" << module
+                      << "\": ending it after a failed view setup: " << ended;
+      }
+      return built;
+    }
+    summoned->params_ = params.Build();
+    summoned->grads_ = grads.Build();
+    return summoned;
+  }
+
+  absl::StatusOr<ShardViews> MakeShardViews(
+      const ModuleLayout& layout, int32_t rank,
+      const google::protobuf::RepeatedPtrField<v1::UnitShard>& shards) {
+    const Plan& plan = layout.plan();
+    if (rank < 0 || rank >= plan.world_size || plan.shard_world_size < 1) {
+      return absl::InternalError(absl::StrCat("the plan (world_size=", plan.world_size,
+                                              " shard_world_size=", plan.shard_world_size,
+                                              ") does not fit rank ", rank));
+    }
+    const int64_t shard_rank = plan.ShardRank(rank);
+    ShardViews out;
+    out.units_.reserve(shards.size());
+    for (const v1::UnitShard& s : shards) {
+      const UnitTemplate* unit = layout.FindUnit(s.unit());
+      if (unit == nullptr) {
+        return absl::InternalError(absl::StrCat("the daemon's reply names unit ", s.unit(),
+                                                ", which the plan does not have"));
+      }
+      UnitShardView view;
+      view.unit = unit->index;
+      view.dtype = unit->dtype;
+      view.shard_numel = unit->shard_numel;
+      view.shard_offset = shard_rank * unit->shard_numel;
+      FS_ASSIGN_OR_RETURN(MappedRange shard, cache_.Map(ToRange(s.shard()), /*writable=*/true));
+      FS_RETURN_IF_ERROR(CheckRangeHolds(shard, unit->shard_numel, unit->dtype,
+                                         absl::StrCat("unit ", unit->index, " shard")));
+      view.data = shard.data;
+      out.keepalive_.push_back(std::move(shard.mapping));
+      if (s.has_grad()) {
+        FS_ASSIGN_OR_RETURN(MappedRange grad, cache_.Map(ToRange(s.grad()), /*writable=*/true));
+        FS_RETURN_IF_ERROR(CheckRangeHolds(grad, unit->shard_numel, unit->dtype,
+                                           absl::StrCat("unit ", unit->index, " grad shard")));
+        view.grad = grad.data;
+        out.keepalive_.push_back(std::move(grad.mapping));
+      }
+      out.units_.push_back(view);
+    }
+    std::sort(out.units_.begin(), out.units_.end(),
+              [](const UnitShardView& a, const UnitShardView& b) { return a.unit < b.unit; });
+    for (size_t i = 1; i < out.units_.size(); ++i) {
+      if (out.units_[i].unit == out.units_[i - 1].unit) {
+        return absl::InternalError(
+            absl::StrCat("the daemon's reply names unit ", out.units_[i].unit, " twice"));
+      }
+    }
+    return out;
+  }
+
+  const ClientOptions options_;
+  const std::shared_ptr<grpc::Channel> channel_;
+  const std::unique_ptr<Stub> stub_;  // thread-safe; reused by every call
+  SegmentCache cache_;
+
+  mutable absl::Mutex mu_;
+  State state_ ABSL_GUARDED_BY(mu_) = State::kIdle;
+  v1::Caller caller_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<LeaseStream> lease_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> registered_modules_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<const ModuleLayout>> modules_
+      ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace internal
+
+// --- SummonedParams -------------------------------------------------------------------------
+
+SummonedParams::SummonedParams(std::weak_ptr<internal::ClientCore> core, uint64_t session,
+                               std::string module, uint64_t id)
+    : core_(std::move(core)), session_(session), module_(std::move(module)), id_(id) {}
+
+SummonedParams::~SummonedParams() {
+  if (ended_) return;
+  const absl::Status s = End();
+  if (!s.ok()) {
+    FS_LOG(ERROR) << "summon=" << id_ << " module=\"" << module_
+                  << "\": ending it on destruction failed: " << s;
+  }
+}
+
+absl::Status SummonedParams::End() {
+  if (ended_) return end_status_;
+  ended_ = true;
+  if (std::shared_ptr<internal::ClientCore> core = core_.lock()) {
+    end_status_ = core->EndSummon(session_, module_, id_);
+  } else {
+    end_status_ = absl::FailedPreconditionError(
+        absl::StrCat("summon ", id_, " of module \"", module_,
+                     "\": the Client is gone; the daemon ended the summon without writeback"));
+  }
+  params_ = ParamViews();
+  grads_ = ParamViews();
+  return end_status_;
+}
+
+// --- PendingReduceScatter -------------------------------------------------------------------
+
+PendingReduceScatter::PendingReduceScatter(std::weak_ptr<internal::ClientCore> core,
+                                           uint64_t session, std::string module, int32_t unit,
+                                           ReduceOp op, bool accumulate)
+    : core_(std::move(core)),
+      session_(session),
+      module_(std::move(module)),
+      unit_(unit),
+      op_(op),
+      accumulate_(accumulate) {}
+
+PendingReduceScatter::~PendingReduceScatter() {
+  if (!finished_) {
+    FS_LOG(ERROR) << "module=\"" << module_ << "\" unit=" << unit_
+                  << ": gradient reduce-scatter begun but never finished; nothing was reduced";
+  }
+}
+
+absl::Status PendingReduceScatter::Finish() {
+  if (finished_) return finish_status_;
+  finished_ = true;
+  if (std::shared_ptr<internal::ClientCore> core = core_.lock()) {
+    finish_status_ = core->FinishReduceScatter(session_, module_, unit_, op_, accumulate_);
+  } else {
+    finish_status_ = absl::FailedPreconditionError(
+        absl::StrCat("module \"", module_, "\" unit ", unit_, ": the Client is gone"));
+  }
+  return finish_status_;
+}
+
+// --- ShardViews -----------------------------------------------------------------------------
+
+ShardViews::ShardViews() = default;
+ShardViews::ShardViews(ShardViews&&) noexcept = default;
+ShardViews& ShardViews::operator=(ShardViews&&) noexcept = default;
+ShardViews::~ShardViews() = default;
+
+const UnitShardView* ShardViews::Find(int32_t unit) const {
+  const auto it = std::lower_bound(units_.begin(), units_.end(), unit,
+                                   [](const UnitShardView& v, int32_t u) { return v.unit < u; });
+  return it != units_.end() && it->unit == unit ? &*it : nullptr;
+}
+
+// --- Client ---------------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
+  if (options.address.empty()) return absl::InvalidArgumentError("Connect: empty address");
+  if (options.call_timeout <= absl::ZeroDuration() ||
+      options.join_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Connect: timeouts must be positive, got call_timeout=",
+                     absl::FormatDuration(options.call_timeout),
+                     " join_timeout=", absl::FormatDuration(options.join_timeout)));
+  }
+  if (options.max_attempts < 1 || options.initial_backoff < absl::ZeroDuration() ||
+      options.max_backoff < options.initial_backoff) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Connect: want max_attempts >= 1 and 0 <= initial_backoff <= max_backoff, got ",
+        options.max_attempts, ", ", absl::FormatDuration(options.initial_backoff), ", ",
+        absl::FormatDuration(options.max_backoff)));
+  }
+  grpc::ChannelArguments args;
+  // Plans and manifests of large models exceed gRPC's 4 MiB default.
+  args.SetMaxReceiveMessageSize(-1);
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+  if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.call_timeout))) {
+    return absl::UnavailableError(absl::StrCat("cannot reach flatshardd at ", options.address,
+                                               " within ",
+                                               absl::FormatDuration(options.call_timeout)));
+  }
+  auto core = std::make_shared<internal::ClientCore>(std::move(options), std::move(channel));
+  return std::unique_ptr<Client>(new Client(std::move(core)));
+}
+
+Client::Client(std::shared_ptr<internal::ClientCore> core) : core_(std::move(core)) {}
+
+Client::~Client() {
+  // Objects handed out may still hold the core; the session ends now regardless.
+  core_->Shutdown();
+}
+
+absl::Status Client::Join(std::string group, int world_size, int rank, std::string token) {
+  return core_->Join(std::move(group), world_size, rank, std::move(token));
+}
+
+std::vector<std::string> Client::registered_modules() const { return core_->registered_modules(); }
+
+absl::StatusOr<RegisteredModule> Client::Register(std::string module,
+                                                  absl::string_view manifest_json,
+                                                  absl::string_view policy_json, InitMode init) {
+  return core_->Register(std::move(module), manifest_json, policy_json, init);
+}
+
+absl::StatusOr<std::unique_ptr<SummonedParams>> Client::Summon(const std::string& registered_module,
+                                                               const std::string& path,
+                                                               const SummonOptions& options) {
+  return core_->Summon(registered_module, path, options);
+}
+
+absl::StatusOr<std::unique_ptr<PendingReduceScatter>> Client::BeginReduceScatter(
+    const std::string& registered_module, int32_t unit, ReduceOp op, bool accumulate) {
+  return core_->BeginReduceScatter(registered_module, unit, op, accumulate);
+}
+
+absl::Status Client::ReduceScatterGrads(
+    const std::string& registered_module, int32_t unit, ReduceOp op, bool accumulate,
+    absl::FunctionRef<absl::Status(PendingReduceScatter&)> fill) {
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<PendingReduceScatter> pending,
+                      BeginReduceScatter(registered_module, unit, op, accumulate));
+  FS_RETURN_IF_ERROR(fill(*pending));
+  return pending->Finish();
+}
+
+absl::StatusOr<ShardViews> Client::GetShardViews(const std::string& registered_module) {
+  return core_->GetShardViews(registered_module);
+}
+
+absl::Status Client::Leave() { return core_->Leave(); }
+
+bool Client::joined() const { return core_->joined(); }
+
+absl::Status Client::lease_status() const { return core_->lease_status(); }
+
+int64_t Client::segment_map_calls() const { return core_->map_calls(); }
+
+const ClientOptions& Client::options() const { return core_->options(); }
+
+}  // namespace flatshard::client

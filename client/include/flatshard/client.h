@@ -1,0 +1,381 @@
+#pragma once
+// flatshard client library: the one public header. C++17 and later.
+//
+// A trainer process links `flatshard_client`, connects to its node's daemon (flatshardd),
+// joins a group, registers its model and then summons (unshards) parameters, reduce-scatters
+// gradients and reads its shards. Parameter bytes never travel over gRPC: the daemon keeps
+// them in shared-memory segments and the client maps each segment once, caches the mapping
+// and hands out views (pointer, shape, dtype) into it. In steady state a summon makes no
+// mmap call and copies no parameter bytes.
+//
+//   flatshard::client::ClientOptions options;
+//   options.address = "unix:/run/flatshard/flatshardd.sock";  // or "host:port"
+//   FS_ASSIGN_OR_RETURN(std::unique_ptr<Client> client, Client::Connect(options));
+//   FS_RETURN_IF_ERROR(client->Join("job-17", world_size, rank, token));
+//   FS_ASSIGN_OR_RETURN(RegisteredModule model,
+//                       client->Register("", manifest_json, policy_json, InitMode::kZeros));
+//   {
+//     FS_ASSIGN_OR_RETURN(std::unique_ptr<SummonedParams> full,
+//                         client->Summon("", "layers.0", SummonOptions()));
+//     if (const ParamView* w = full->Find("layers.0.weight")) { ... edit w->data ... }
+//     FS_RETURN_IF_ERROR(full->End());  // writes back and reshards; or let it go out of scope
+//   }
+//
+// Errors: every method returns absl::Status or absl::StatusOr. An error of an RPC arrives with
+// the gRPC code and message the daemon (or the gRPC runtime) gave, unchanged; the codes are
+// those of spec/semantics.md §4. Each RPC has one deadline (ClientOptions::call_timeout, or
+// join_timeout for Join); an attempt that fails with UNAVAILABLE is retried with exponential
+// backoff, up to max_attempts and within that same deadline. Nothing else is retried.
+//
+// Sessions and leases: Join opens a `Lease` stream that stays open until Leave or the
+// Client's destruction; the daemon ends the session's summons without writeback when it
+// closes, also when this process dies. If the lease breaks (the daemon went away), later
+// calls fail with FAILED_PRECONDITION quoting why, and the client may Join again.
+//
+// Thread safety: Client is thread-safe. SummonedParams, PendingReduceScatter, ParamViews and
+// ShardViews are thread-compatible: their const methods may run concurrently, End() and
+// Finish() need exclusive access. Reads and writes of the mapped bytes are the caller's
+// business (the daemon does not touch a summoned buffer until End).
+//
+// Lifetime: a view's pointer stays mapped while the object that handed it out holds the view
+// (it keeps the mapping alive, even past Leave or the Client's destruction). End() drops the
+// views: the bytes are the daemon's again, and writes after End are lost. Objects may outlive
+// their Client; End() then fails (see SummonedParams::End).
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "common/dtype.h"
+
+namespace flatshard {
+
+// The planner's output (common/plan.h). That header needs C++20; C++17 code can hold a plan
+// but reads parameters through the views below.
+struct Plan;
+
+namespace client {
+
+namespace internal {
+class ClientCore;
+class ModuleLayout;
+class ViewBuilder;
+}  // namespace internal
+
+struct ClientOptions {
+  // The daemon's gRPC address: "unix:/path/to.sock" or "host:port".
+  std::string address;
+  // Deadline of every call but Join, retries included. Collective calls (Register, Summon,
+  // End, ReduceScatter) wait for the slowest rank within it.
+  absl::Duration call_timeout = absl::Seconds(30);
+  // Deadline of JoinGroup, which waits until every rank of the group has joined.
+  absl::Duration join_timeout = absl::Seconds(60);
+  // Attempts per call when the call fails with UNAVAILABLE (1 = no retry).
+  int max_attempts = 5;
+  // Backoff between attempts: doubles from initial_backoff up to max_backoff, with jitter.
+  absl::Duration initial_backoff = absl::Milliseconds(50);
+  absl::Duration max_backoff = absl::Seconds(1);
+};
+
+// How a registration fills the shards (proto InitMode).
+enum class InitMode {
+  kZeros,          // shards start at zero
+  kFromEveryRank,  // every rank writes the full values into RegisteredModule::init_summon
+  kFromRank0,      // rank 0 writes them; the daemons broadcast (FSDP sync_module_states)
+};
+
+enum class ReduceOp { kSum, kAvg };
+
+// summon_full_params options; defaults as spec/semantics.md §3.
+struct SummonOptions {
+  bool recurse = true;
+  bool writeback = true;
+  bool rank0_only = false;
+  bool offload_to_cpu = false;
+  bool with_grads = false;
+};
+
+// One parameter (or its gradient) inside a mapped flat buffer.
+struct ParamView {
+  // First element. Valid while the object that handed out the view lives. Writable only when
+  // `writable` (a summon without writeback maps its buffers read-only: writes would fault).
+  void* data = nullptr;
+  std::vector<int64_t> shape;  // empty for a scalar
+  DType dtype = DType::kFloat32;
+  int64_t numel = 0;
+  std::string fqn;
+  int32_t unit = -1;  // index of the plan unit holding it
+  bool writable = false;
+};
+
+// The views of a set of units, looked up by FQN. Tied FQNs (PlanUnit::shared) are views of
+// their own that alias the first FQN's pointer. Keeps the mappings it points into alive.
+// Thread-compatible; immutable once built.
+class ParamViews {
+ public:
+  using const_iterator = std::vector<ParamView>::const_iterator;
+
+  ParamViews();  // empty
+  ParamViews(ParamViews&&) noexcept;
+  ParamViews& operator=(ParamViews&&) noexcept;
+  ParamViews(const ParamViews&) = delete;
+  ParamViews& operator=(const ParamViews&) = delete;
+  ~ParamViews();
+
+  // The view of `fqn`; nullptr when it is in none of these units (or the set is empty).
+  // Constant time: the FQN index is built once per registered module, not per summon.
+  const ParamView* Find(absl::string_view fqn) const;
+
+  bool empty() const { return views_.empty(); }
+  size_t size() const { return views_.size(); }
+  const ParamView& operator[](size_t i) const { return views_[i]; }
+  // Unit by unit in the order the daemon returned them; within a unit, flat order, then the
+  // tied aliases.
+  const_iterator begin() const { return views_.begin(); }
+  const_iterator end() const { return views_.end(); }
+
+ private:
+  friend class internal::ViewBuilder;
+
+  std::shared_ptr<const internal::ModuleLayout> layout_;
+  std::vector<int32_t> first_view_;  // per plan unit position: index into views_, or -1
+  std::vector<ParamView> views_;
+  std::vector<std::shared_ptr<const void>> keepalive_;  // the mappings views_ point into
+};
+
+// A summon in progress (RAII): the full parameters of the summoned units, and their
+// gradients under with_grads. Ends the summon exactly once: End(), or else the destructor.
+class SummonedParams {
+ public:
+  SummonedParams(const SummonedParams&) = delete;
+  SummonedParams& operator=(const SummonedParams&) = delete;
+  // Calls End() unless it was called; logs its error (use End() to see it).
+  ~SummonedParams();
+
+  // The parameter `fqn`; nullptr when no summoned unit holds it, on ranks without views, or
+  // after End().
+  const ParamView* Find(absl::string_view fqn) const { return params_.Find(fqn); }
+  // Its gradient; nullptr also without with_grads or while the unit has no gradient yet.
+  const ParamView* FindGrad(absl::string_view fqn) const { return grads_.Find(fqn); }
+  const ParamViews& params() const { return params_; }
+  const ParamViews& grads() const { return grads_; }
+  ParamViews::const_iterator begin() const { return params_.begin(); }
+  ParamViews::const_iterator end() const { return params_.end(); }
+
+  // False on ranks other than 0 under rank0_only, when nothing was unsharded (see note()),
+  // and after End().
+  bool has_views() const { return !params_.empty(); }
+  // Plan unit indices summoned, also on ranks without views.
+  const std::vector<int32_t>& units() const { return units_; }
+  // The daemon's remark, e.g. "path is not a unit root: nothing unsharded"; often empty.
+  const std::string& note() const { return note_; }
+  uint64_t id() const { return id_; }
+  const std::string& registered_module() const { return module_; }
+
+  // Ends the summon (collective: every rank ends it): the daemon writes back if the summon
+  // asked for it, then reshards. Drops the views. Called twice, returns the first result
+  // without calling the daemon again.
+  // Errors: the RPC's (e.g. DEADLINE_EXCEEDED naming missing ranks, ABORTED); a failed
+  // writeback leaves the old shards intact. FAILED_PRECONDITION when the Client was destroyed
+  // or left first (the daemon then ended the summon without writeback) or the lease broke.
+  absl::Status End();
+
+ private:
+  friend class internal::ClientCore;
+  SummonedParams(std::weak_ptr<internal::ClientCore> core, uint64_t session, std::string module,
+                 uint64_t id);
+
+  std::weak_ptr<internal::ClientCore> core_;
+  uint64_t session_ = 0;  // the session that summoned; End fails in a later one
+  std::string module_;
+  uint64_t id_ = 0;
+  ParamViews params_;
+  ParamViews grads_;
+  std::vector<int32_t> units_;
+  std::string note_;
+  bool ended_ = false;
+  absl::Status end_status_;
+};
+
+// Phase one of a gradient reduce-scatter: a writable view of the unit's full (padded) flat
+// gradient buffer. Write the gradient, then Finish() reduce-scatters it into the sharded
+// gradient.
+class PendingReduceScatter {
+ public:
+  PendingReduceScatter(const PendingReduceScatter&) = delete;
+  PendingReduceScatter& operator=(const PendingReduceScatter&) = delete;
+  // Without Finish(): logs an error and reduces nothing (the proto has no cancel; the daemon
+  // drops the staged gradient with the next Begin for the unit or the session).
+  ~PendingReduceScatter();
+
+  int32_t unit() const { return unit_; }
+  DType dtype() const { return dtype_; }
+  // The whole flat buffer: padded_numel elements; padding is reduced too.
+  void* data() const { return data_; }
+  int64_t numel() const { return numel_; }
+  // Per-parameter views into data(); tied FQNs alias.
+  const ParamView* Find(absl::string_view fqn) const { return grads_.Find(fqn); }
+  const ParamViews& grads() const { return grads_; }
+
+  // Phase two (collective: every rank of the unit's group calls it): reduce-scatters what was
+  // written. Once; a second call returns the first result.
+  // Errors: the RPC's; FAILED_PRECONDITION when the Client is gone or the lease broke.
+  absl::Status Finish();
+
+ private:
+  friend class internal::ClientCore;
+  PendingReduceScatter(std::weak_ptr<internal::ClientCore> core, uint64_t session,
+                       std::string module, int32_t unit, ReduceOp op, bool accumulate);
+
+  std::weak_ptr<internal::ClientCore> core_;
+  uint64_t session_ = 0;
+  std::string module_;
+  int32_t unit_ = -1;
+  ReduceOp op_ = ReduceOp::kSum;
+  bool accumulate_ = false;
+  DType dtype_ = DType::kFloat32;
+  void* data_ = nullptr;
+  int64_t numel_ = 0;
+  ParamViews grads_;
+  bool finished_ = false;
+  absl::Status finish_status_;
+};
+
+// One unit's shard on this rank: shard_numel elements of the unit's padded flat buffer,
+// starting at element shard_offset. Writable (the optimizer updates shards in place).
+struct UnitShardView {
+  int32_t unit = -1;
+  DType dtype = DType::kFloat32;
+  int64_t shard_numel = 0;
+  int64_t shard_offset = 0;  // ShardRank(rank) * shard_numel
+  void* data = nullptr;
+  void* grad = nullptr;  // the gradient shard; nullptr until a gradient exists
+};
+
+// This rank's shards of a registered module, sorted by unit. Keeps the mappings alive.
+class ShardViews {
+ public:
+  ShardViews();
+  ShardViews(ShardViews&&) noexcept;
+  ShardViews& operator=(ShardViews&&) noexcept;
+  ShardViews(const ShardViews&) = delete;
+  ShardViews& operator=(const ShardViews&) = delete;
+  ~ShardViews();
+
+  // nullptr when this rank holds no shard of `unit`.
+  const UnitShardView* Find(int32_t unit) const;
+  const std::vector<UnitShardView>& units() const { return units_; }
+  std::vector<UnitShardView>::const_iterator begin() const { return units_.begin(); }
+  std::vector<UnitShardView>::const_iterator end() const { return units_.end(); }
+
+ private:
+  friend class internal::ClientCore;
+  std::vector<UnitShardView> units_;
+  std::vector<std::shared_ptr<const void>> keepalive_;
+};
+
+struct RegisteredModule {
+  std::string module;  // the path given to Register
+  // The plan every rank agreed on (fingerprints compared by the daemons).
+  std::shared_ptr<const Plan> plan;
+  ShardViews shards;
+  // kFromEveryRank, kFromRank0: the registration left an init summon open (writeback on):
+  // fill the views (on rank 0 only, for kFromRank0), then End() it on every rank. nullptr
+  // for kZeros.
+  std::unique_ptr<SummonedParams> init_summon;
+};
+
+// A connection to one daemon. Thread-safe. One gRPC channel and stub per Client, one
+// session (group, rank) at a time.
+class Client {
+ public:
+  // Creates the channel and waits up to call_timeout until it connects.
+  // Errors: INVALID_ARGUMENT for an empty address, non-positive timeouts or max_attempts < 1;
+  // UNAVAILABLE when the daemon cannot be reached in time.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
+
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+  // Closes the lease (the daemon ends the session's open summons without writeback; the
+  // shards stay). Does not wait for, or call, the daemon otherwise.
+  ~Client();
+
+  // Joins rank `rank` of `group`; waits (join_timeout) until every rank has joined, then
+  // opens the lease, whose first message carries the session's Caller. Forgets the cached
+  // mappings of an earlier session. A daemon that refuses the lease later ends it: later
+  // calls then fail as described at the top.
+  // Errors: INVALID_ARGUMENT for an empty group, world_size < 1 or rank outside
+  // [0, world_size); FAILED_PRECONDITION when already joined (Leave first); the RPC's,
+  // e.g. DEADLINE_EXCEEDED naming the missing ranks, PERMISSION_DENIED for a bad token; the
+  // lease's when the daemon refused it at once.
+  absl::Status Join(std::string group, int world_size, int rank, std::string token);
+
+  // Module paths the group had registered before this session joined (re-attach after a
+  // crash: Register them again to get their plans and views). Empty before Join.
+  std::vector<std::string> registered_modules() const;
+
+  // Collective: registers a model at `module` ("" = whole model) with a manifest and policy
+  // in their JSON forms (spec/formats.md). Both are parsed here first, so bad input fails
+  // with the same INVALID_ARGUMENT message as `flatshardctl plan`, before any RPC.
+  // Errors: INVALID_ARGUMENT for bad JSON; FAILED_PRECONDITION when not joined; the RPC's
+  // (ALREADY_EXISTS, plan mismatch across ranks, RESOURCE_EXHAUSTED, ...); INTERNAL when the
+  // daemon's reply is unusable (bad plan or memory handles).
+  absl::StatusOr<RegisteredModule> Register(std::string module, absl::string_view manifest_json,
+                                            absl::string_view policy_json, InitMode init);
+
+  // Collective: unshards the units at `path` inside `registered_module` (spec/semantics.md
+  // §3) and returns their views. The result ends the summon when destroyed.
+  // REQUIRES: this client registered `registered_module` in the current session.
+  // Errors: NOT_FOUND for a module this client did not register; FAILED_PRECONDITION when
+  // not joined, or from the daemon (unit in forward/backward, already summoned); the RPC's;
+  // errors mapping the daemon's segments (the summon is then ended before returning).
+  absl::StatusOr<std::unique_ptr<SummonedParams>> Summon(const std::string& registered_module,
+                                                         const std::string& path,
+                                                         const SummonOptions& options = {});
+
+  // Phase one of a gradient reduce-scatter for plan unit `unit`: returns where to write the
+  // full gradient. `op` and `accumulate` (add into the sharded gradient instead of
+  // overwriting it) are sent with both phases.
+  // Errors: NOT_FOUND for an unknown module or unit; FAILED_PRECONDITION when not joined;
+  // the RPC's.
+  absl::StatusOr<std::unique_ptr<PendingReduceScatter>> BeginReduceScatter(
+      const std::string& registered_module, int32_t unit, ReduceOp op, bool accumulate);
+
+  // Both phases: BeginReduceScatter, `fill` writes the gradient, Finish. When `fill` fails,
+  // returns its error and does not reduce (see ~PendingReduceScatter).
+  absl::Status ReduceScatterGrads(const std::string& registered_module, int32_t unit, ReduceOp op,
+                                  bool accumulate,
+                                  absl::FunctionRef<absl::Status(PendingReduceScatter&)> fill);
+
+  // Local: this rank's shards and gradient shards of `registered_module`, for the optimizer.
+  // Errors: as BeginReduceScatter.
+  absl::StatusOr<ShardViews> GetShardViews(const std::string& registered_module);
+
+  // Leaves the group (the shards stay; the rank can join again) and closes the lease. The
+  // session is over even when the RPC fails; its error is returned.
+  // Errors: FAILED_PRECONDITION when not joined; the RPC's.
+  absl::Status Leave();
+
+  // True between a successful Join and Leave, also when the lease has since broken.
+  bool joined() const;
+  // OK while the lease is open (or before Join); why it ended otherwise.
+  absl::Status lease_status() const;
+  // Segments mapped by this client so far (an mmap each). Steady state: constant.
+  int64_t segment_map_calls() const;
+  const ClientOptions& options() const;
+
+ private:
+  explicit Client(std::shared_ptr<internal::ClientCore> core);
+
+  std::shared_ptr<internal::ClientCore> core_;
+};
+
+}  // namespace client
+}  // namespace flatshard

@@ -1,0 +1,238 @@
+#include "client/segment_cache.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace flatshard::client {
+
+// ParamViews lives in the public header; its lookup needs ModuleLayout, defined here.
+ParamViews::ParamViews() = default;
+ParamViews::ParamViews(ParamViews&&) noexcept = default;
+ParamViews& ParamViews::operator=(ParamViews&&) noexcept = default;
+ParamViews::~ParamViews() = default;
+
+const ParamView* ParamViews::Find(absl::string_view fqn) const {
+  if (layout_ == nullptr) return nullptr;
+  const std::pair<int32_t, int32_t>* where = layout_->FindFqn(fqn);
+  if (where == nullptr) return nullptr;
+  const int32_t first = first_view_[where->first];
+  if (first < 0) return nullptr;
+  return &views_[first + where->second];
+}
+
+namespace internal {
+
+SegmentCache::SegmentCache(size_t max_entries)
+    : max_entries_(max_entries), evict_above_(max_entries) {}
+
+absl::StatusOr<MappedRange> SegmentCache::Map(const SegmentRange& range, bool writable) {
+  if (range.segment.empty()) return absl::InternalError("memory handle names no segment");
+  if (range.bytes > range.segment_bytes || range.offset > range.segment_bytes - range.bytes) {
+    return absl::InternalError(absl::StrCat("memory handle [", range.offset, ", +", range.bytes,
+                                            ") does not fit in segment ", range.segment, " of ",
+                                            range.segment_bytes, " bytes"));
+  }
+  std::shared_ptr<const ShmSegment> mapping;
+  {
+    // Mapping under the lock makes concurrent first uses of a segment map it once; it only
+    // happens the first time a segment shows up.
+    absl::MutexLock lock(&mu_);
+    Entry& entry = entries_[range.segment];
+    std::shared_ptr<const ShmSegment>& slot = writable ? entry.read_write : entry.read_only;
+    if (slot == nullptr || slot->size() < range.segment_bytes) {
+      absl::StatusOr<ShmSegment> opened =
+          ShmSegment::Open(range.segment, range.segment_bytes, writable);
+      if (!opened.ok()) {
+        if (entry.read_only == nullptr && entry.read_write == nullptr) {
+          entries_.erase(range.segment);
+        }
+        return opened.status();
+      }
+      // A smaller cached mapping stays valid for the ranges that hold it.
+      slot = std::make_shared<const ShmSegment>(*std::move(opened));
+      ++map_calls_;
+    }
+    mapping = slot;
+    if (entries_.size() > evict_above_) EvictUnusedLocked();
+  }
+  MappedRange mapped;
+  mapped.data = mapping->data() == nullptr || range.bytes == 0
+                    ? nullptr
+                    : static_cast<char*>(mapping->data()) + range.offset;
+  mapped.bytes = range.bytes;
+  mapped.writable = writable;
+  mapped.mapping = std::move(mapping);
+  return mapped;
+}
+
+void SegmentCache::EvictUnusedLocked() {
+  // use_count() == 1: only the cache holds it. A count can only grow through the cache (under
+  // mu_), so a mapping seen unused here cannot be in use by the time it is dropped.
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    Entry& e = it->second;
+    if (e.read_only != nullptr && e.read_only.use_count() == 1) e.read_only.reset();
+    if (e.read_write != nullptr && e.read_write.use_count() == 1) e.read_write.reset();
+    if (e.read_only == nullptr && e.read_write == nullptr) {
+      entries_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  // Everything may still be in use: sweep again only after the cache doubled.
+  evict_above_ = std::max(max_entries_, entries_.size() * 2);
+}
+
+void SegmentCache::Clear() {
+  absl::MutexLock lock(&mu_);
+  entries_.clear();
+  evict_above_ = max_entries_;
+}
+
+int64_t SegmentCache::map_calls() const {
+  absl::MutexLock lock(&mu_);
+  return map_calls_;
+}
+
+size_t SegmentCache::size() const {
+  absl::MutexLock lock(&mu_);
+  return entries_.size();
+}
+
+absl::StatusOr<std::shared_ptr<const ModuleLayout>> ModuleLayout::Create(
+    std::shared_ptr<const Plan> plan) {
+  if (plan == nullptr) return absl::InvalidArgumentError("no plan");
+  std::shared_ptr<ModuleLayout> layout(new ModuleLayout());
+  layout->units_.reserve(plan->units.size());
+  for (size_t pos = 0; pos < plan->units.size(); ++pos) {
+    const PlanUnit& unit = plan->units[pos];
+    const auto where = [&unit] { return absl::StrCat("plan unit ", unit.index); };
+    if (!layout->position_by_index_.emplace(unit.index, static_cast<int32_t>(pos)).second) {
+      return absl::InvalidArgumentError(absl::StrCat(where(), " appears twice"));
+    }
+    UnitTemplate t;
+    t.index = unit.index;
+    t.position = static_cast<int32_t>(pos);
+    t.dtype = unit.dtype;
+    t.item_size = ItemSize(unit.dtype);
+    t.numel = unit.numel;
+    t.padded_numel = unit.padded_numel;
+    t.shard_numel = unit.shard_numel;
+    if (unit.numel < 0 || unit.padded_numel < unit.numel || unit.shard_numel < 0 ||
+        unit.padded_numel > std::numeric_limits<int64_t>::max() / t.item_size) {
+      return absl::InvalidArgumentError(absl::StrCat(where(), ": bad sizes numel=", unit.numel,
+                                                     " padded_numel=", unit.padded_numel,
+                                                     " shard_numel=", unit.shard_numel));
+    }
+    // padded_numel * item_size fits in int64, so every offset below does too.
+    t.views.reserve(unit.params.size() + unit.shared.size());
+    for (const PlanParam& p : unit.params) {
+      if (p.offset < 0 || p.numel < 0 || p.numel > unit.padded_numel ||
+          p.offset > unit.padded_numel - p.numel) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where(), ": param \"", p.fqn, "\" at [", p.offset, ", +", p.numel,
+                         ") lies outside the unit's ", unit.padded_numel, " elements"));
+      }
+      const auto [it, inserted] = layout->by_fqn_.try_emplace(p.fqn, static_cast<int32_t>(pos),
+                                                              static_cast<int32_t>(t.views.size()));
+      if (!inserted) {
+        return absl::InvalidArgumentError(absl::StrCat(where(), ": FQN \"", p.fqn,
+                                                       "\" is already in plan unit ",
+                                                       plan->units[it->second.first].index));
+      }
+      t.views.push_back({p.fqn, p.shape, p.numel, p.offset * t.item_size});
+      t.extent_bytes = std::max(t.extent_bytes, (p.offset + p.numel) * t.item_size);
+    }
+    for (const SharedParam& s : unit.shared) {
+      // `same_as` is a param of this unit or an earlier tied FQN of it (already indexed).
+      const auto target = layout->by_fqn_.find(s.same_as);
+      if (target == layout->by_fqn_.end() || target->second.first != static_cast<int32_t>(pos)) {
+        return absl::InvalidArgumentError(absl::StrCat(where(), ": tied param \"", s.fqn,
+                                                       "\" aliases \"", s.same_as,
+                                                       "\", which is not in the unit"));
+      }
+      ViewTemplate alias = t.views[target->second.second];
+      alias.fqn = s.fqn;
+      const auto [it, inserted] = layout->by_fqn_.try_emplace(s.fqn, static_cast<int32_t>(pos),
+                                                              static_cast<int32_t>(t.views.size()));
+      if (!inserted) {
+        return absl::InvalidArgumentError(absl::StrCat(where(), ": FQN \"", s.fqn,
+                                                       "\" is already in plan unit ",
+                                                       plan->units[it->second.first].index));
+      }
+      t.views.push_back(std::move(alias));
+    }
+    layout->units_.push_back(std::move(t));
+  }
+  layout->plan_ = std::move(plan);
+  return std::shared_ptr<const ModuleLayout>(std::move(layout));
+}
+
+const UnitTemplate* ModuleLayout::FindUnit(int32_t index) const {
+  const auto it = position_by_index_.find(index);
+  return it == position_by_index_.end() ? nullptr : &units_[it->second];
+}
+
+const std::pair<int32_t, int32_t>* ModuleLayout::FindFqn(absl::string_view fqn) const {
+  const auto it = by_fqn_.find(fqn);
+  return it == by_fqn_.end() ? nullptr : &it->second;
+}
+
+ViewBuilder::ViewBuilder(std::shared_ptr<const ModuleLayout> layout) {
+  views_.first_view_.assign(layout->units().size(), -1);
+  views_.layout_ = std::move(layout);
+}
+
+absl::Status ViewBuilder::AddUnit(int32_t index, const MappedRange& range) {
+  const UnitTemplate* unit = views_.layout_->FindUnit(index);
+  if (unit == nullptr) {
+    return absl::InternalError(
+        absl::StrCat("the daemon's reply names unit ", index, ", which the plan does not have"));
+  }
+  int32_t& first = views_.first_view_[unit->position];
+  if (first >= 0) {
+    return absl::InternalError(absl::StrCat("the daemon's reply names unit ", index, " twice"));
+  }
+  if (range.bytes < static_cast<uint64_t>(unit->extent_bytes)) {
+    return absl::InternalError(absl::StrCat("unit ", index, ": the daemon's buffer has ",
+                                            range.bytes, " bytes, its parameters need ",
+                                            unit->extent_bytes));
+  }
+  first = static_cast<int32_t>(views_.views_.size());
+  char* const base = static_cast<char*>(range.data);
+  for (const ViewTemplate& t : unit->views) {
+    ParamView v;
+    v.data = base == nullptr ? nullptr : base + t.byte_offset;
+    v.shape = t.shape;
+    v.dtype = unit->dtype;
+    v.numel = t.numel;
+    v.fqn = t.fqn;
+    v.unit = index;
+    v.writable = range.writable;
+    views_.views_.push_back(std::move(v));
+  }
+  // Units of one summon usually share few segments; keep each mapping once per run.
+  if (views_.keepalive_.empty() || views_.keepalive_.back() != range.mapping) {
+    views_.keepalive_.push_back(range.mapping);
+  }
+  return absl::OkStatus();
+}
+
+ParamViews ViewBuilder::Build() { return std::move(views_); }
+
+absl::Status CheckRangeHolds(const MappedRange& mapped, int64_t elements, DType dtype,
+                             absl::string_view what) {
+  const int64_t item = ItemSize(dtype);
+  if (elements < 0 || elements > std::numeric_limits<int64_t>::max() / item ||
+      static_cast<uint64_t>(elements * item) > mapped.bytes) {
+    return absl::InternalError(absl::StrCat(what, ": the daemon's buffer has ", mapped.bytes,
+                                            " bytes, want ", elements, " elements of ",
+                                            DTypeName(dtype)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace internal
+}  // namespace flatshard::client

@@ -1,0 +1,92 @@
+#include "server/collective/backend_registry.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/config.h"
+#include "common/status_macros.h"
+#include "server/collective/inproc/inproc_backend.h"
+
+namespace flatshard::collective {
+namespace {
+
+absl::StatusOr<int64_t> ParseInt(absl::string_view backend, absl::string_view key,
+                                 absl::string_view value, int64_t min) {
+  int64_t v = 0;
+  if (!absl::SimpleAtoi(value, &v) || v < min) {
+    return absl::InvalidArgumentError(absl::StrCat(backend, " backend: ", key, " must be an ",
+                                                   "integer >= ", min, ", got '", value, "'"));
+  }
+  return v;
+}
+
+absl::StatusOr<std::unique_ptr<CollectiveBackend>> MakeInproc(const BackendParams& params) {
+  InprocBackendOptions options;
+  for (const auto& [key, value] : params) {
+    if (key == "copy_threads") {
+      FS_ASSIGN_OR_RETURN(int64_t v, ParseInt("inproc", key, value, -1));
+      options.copy_threads = static_cast<int>(std::min<int64_t>(v, 256));
+    } else if (key == "parallel_min_bytes") {
+      FS_ASSIGN_OR_RETURN(int64_t v, ParseInt("inproc", key, value, 0));
+      options.parallel_min_bytes = static_cast<size_t>(v);
+    } else if (key == "piece_bytes") {
+      FS_ASSIGN_OR_RETURN(int64_t v, ParseInt("inproc", key, value, 4096));
+      options.piece_bytes = static_cast<size_t>(v);
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("inproc backend: unknown parameter '", key,
+                       "' (known: copy_threads, parallel_min_bytes, piece_bytes)"));
+    }
+  }
+  return CreateInprocBackend(options);
+}
+
+}  // namespace
+
+absl::Status BackendRegistry::Register(std::string name, BackendFactory factory) {
+  if (name.empty() || factory == nullptr) {
+    return absl::InvalidArgumentError("backend registration needs a name and a factory");
+  }
+  if (factories_.count(name) > 0) {
+    return absl::AlreadyExistsError(absl::StrCat("backend ", name, " is already registered"));
+  }
+  factories_.emplace(std::move(name), std::move(factory));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<CollectiveBackend>> BackendRegistry::Create(
+    absl::string_view name, const BackendParams& params) const {
+  auto it = factories_.find(name);
+  if (it == factories_.end()) {
+    return absl::NotFoundError(absl::StrCat("unknown collective backend '", name,
+                                            "' (registered: ", absl::StrJoin(Names(), ", "), ")"));
+  }
+  return it->second(params);
+}
+
+bool BackendRegistry::Has(absl::string_view name) const {
+  return factories_.find(name) != factories_.end();
+}
+
+std::vector<std::string> BackendRegistry::Names() const {
+  std::vector<std::string> names;
+  for (const auto& [name, f] : factories_) names.push_back(name);
+  return names;
+}
+
+absl::Status RegisterBuiltinBackends(BackendRegistry& registry) {
+  FS_RETURN_IF_ERROR(registry.Register("inproc", MakeInproc));
+  // #if FS_HAVE_UCX
+  //   FS_RETURN_IF_ERROR(registry.Register("ucx", MakeUcx));    // ucx/ucx_backend.h (next
+  //   milestone)
+  // #endif
+  // #if FS_HAVE_NCCL
+  //   FS_RETURN_IF_ERROR(registry.Register("nccl", MakeNccl));  // nccl/nccl_backend.h
+  // #endif
+  return absl::OkStatus();
+}
+
+}  // namespace flatshard::collective

@@ -1,0 +1,584 @@
+#include "server/collective/ring_algorithms.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/collective/op_descriptor.h"
+#include "server/collective/reduce.h"
+
+namespace flatshard::collective {
+namespace {
+
+// Message sub-tags: data messages use the step or chunk index, the fingerprint its own value.
+constexpr uint32_t kFingerprintSub = 0x80000000u;
+
+int Mod(int a, int n) { return ((a % n) + n) % n; }
+
+class RingCore;
+
+// One transfer of a step.
+struct Xfer {
+  bool send = false;
+  int peer = 0;
+  uint32_t sub = 0;
+  ConstBuffer src;    // send
+  MutableBuffer dst;  // recv
+  bool fingerprint = false;
+};
+
+// One local rank's part of one op: a small state machine that runs step after step. Steps
+// are sequential, so the step fields are only touched by whichever thread drives the current
+// step; completion of a step is handed over through `outstanding`.
+class RankOp : public std::enable_shared_from_this<RankOp> {
+ public:
+  RankOp(std::shared_ptr<RingCore> core, int rank, int world, OpCall call, const OpOptions& o,
+         bool fingerprints, size_t chunk_bytes, DoneCallback done)
+      : core_(std::move(core)),
+        rank_(rank),
+        world_(world),
+        op_seq_(o.op_seq),
+        call_(call),
+        name_(o.name),
+        arrived_at_(absl::Now()),
+        deadline_(o.deadline),
+        fingerprints_(fingerprints && world > 1),
+        chunk_bytes_(std::max<size_t>(chunk_bytes, 1)),
+        done_(std::move(done)),
+        got_(world, false) {
+    got_[rank] = true;
+    mine_ = EncodeDescriptor(op_seq_, call_.desc);
+    theirs_.resize(world);
+  }
+
+  uint64_t op_seq() const { return op_seq_; }
+  int rank() const { return rank_; }
+  RingCore& core() const { return *core_; }
+  const OpDescriptor& desc() const { return call_.desc; }
+  const std::string& name() const { return name_; }
+  absl::Time arrived_at() const { return arrived_at_; }
+  absl::Time deadline() const { return deadline_; }
+
+  void set_timer(DeadlineTimer::TimerId id) {
+    absl::MutexLock lock(&mu_);
+    timer_ = id;
+  }
+  // Ranks known to have arrived (fingerprint received), and whether all have.
+  std::vector<bool> Arrived(bool* all) const {
+    absl::MutexLock lock(&mu_);
+    *all = fingerprints_done_ || !fingerprints_;
+    return got_;
+  }
+
+  // Runs steps until one has to wait for the transport or the op ends.
+  void Drive();
+  // The status an expired deadline reports, or OK when the op already finished.
+  absl::Status DeadlineStatus() const;
+  void Finish(absl::Status status);
+
+ private:
+  // Fills `xfers` for step `step_` and does its local work; false when no step is left.
+  bool BuildStep(std::vector<Xfer>* xfers);
+  // Local work after every transfer of step `step_` succeeded.
+  absl::Status AfterStep();
+  void OnXferDone(const Xfer& x, absl::Status status);
+  // The step's transfers are done: check, post-process, advance. Returns whether to go on.
+  bool CompleteStep();
+
+  int AlgorithmStep() const { return step_ - (fingerprints_ ? 1 : 0); }
+  uint8_t* OutBlock(int b) const { return call_.out.begin() + b * call_.desc.bytes; }
+  const uint8_t* InBlock(int b) const { return call_.in.begin() + b * call_.desc.bytes; }
+  void CopyOwn(uint8_t* dst) const {
+    if (call_.desc.bytes > 0 && dst != call_.in.begin()) {
+      std::memcpy(dst, call_.in.begin(), call_.desc.bytes);
+    }
+  }
+
+  const std::shared_ptr<RingCore> core_;
+  const int rank_;
+  const int world_;
+  const uint64_t op_seq_;
+  const OpCall call_;
+  const std::string name_;
+  const absl::Time arrived_at_;
+  const absl::Time deadline_;
+  const bool fingerprints_;
+  const size_t chunk_bytes_;
+
+  mutable absl::Mutex mu_;
+  DoneCallback done_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  DeadlineTimer::TimerId timer_ ABSL_GUARDED_BY(mu_) = DeadlineTimer::kNoTimer;
+  absl::Status step_error_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> got_ ABSL_GUARDED_BY(mu_);
+  bool fingerprints_done_ ABSL_GUARDED_BY(mu_) = false;
+
+  // Step state (see the class comment).
+  int step_ = 0;
+  std::atomic<int> outstanding_{0};
+  WireDescriptor mine_;
+  std::vector<WireDescriptor> theirs_;
+  std::vector<uint8_t> send_tmp_, recv_tmp_;
+};
+
+// Shared by the Communicator, its ops and timer callbacks.
+class RingCore : public std::enable_shared_from_this<RingCore> {
+ public:
+  RingCore(GroupSpec spec, std::shared_ptr<Transport> transport, RingOptions options)
+      : spec_(std::move(spec)),
+        transport_(std::move(transport)),
+        options_(std::move(options)),
+        last_seq_(spec_.world_size) {
+    if (options_.timer == nullptr) options_.timer = std::make_shared<DeadlineTimer>();
+  }
+
+  const GroupSpec& spec() const { return spec_; }
+  Transport& transport() { return *transport_; }
+
+  void Start(int rank, OpCall call, const OpOptions& o, DoneCallback done);
+  // `quiet`: no warning unless ops were in flight (the communicator is being destroyed).
+  void Abort(absl::Status reason, bool quiet = false);
+  absl::Status status() const {
+    absl::MutexLock lock(&mu_);
+    return sticky_;
+  }
+  std::vector<PendingOpInfo> PendingOps() const;
+  void Remove(const RankOp* op);
+  void CancelTimer(DeadlineTimer::TimerId id) { options_.timer->Cancel(id); }
+
+ private:
+  const GroupSpec spec_;
+  const std::shared_ptr<Transport> transport_;
+  RingOptions options_;
+
+  mutable absl::Mutex mu_;
+  absl::Status sticky_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::optional<uint64_t>> last_seq_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::vector<std::shared_ptr<RankOp>>> live_ ABSL_GUARDED_BY(mu_);
+};
+
+// --- RankOp ---------------------------------------------------------------------------------
+
+bool RankOp::BuildStep(std::vector<Xfer>* xfers) {
+  if (fingerprints_ && step_ == 0) {
+    for (int k = 0; k < world_; ++k) {
+      if (k == rank_) continue;
+      Xfer s;
+      s.send = true;
+      s.peer = k;
+      s.sub = kFingerprintSub;
+      s.src = ConstBuffer{&mine_, sizeof(mine_)};
+      xfers->push_back(s);
+      Xfer r;
+      r.peer = k;
+      r.sub = kFingerprintSub;
+      r.dst = MutableBuffer{&theirs_[k], sizeof(WireDescriptor)};
+      r.fingerprint = true;
+      xfers->push_back(r);
+    }
+    return true;
+  }
+  const int s = AlgorithmStep();
+  const OpDescriptor& d = call_.desc;
+  const size_t bytes = d.bytes;
+  const int next = Mod(rank_ + 1, world_);
+  const int prev = Mod(rank_ - 1, world_);
+  switch (d.kind) {
+    case CollectiveKind::kAllGather: {
+      if (s == 0) CopyOwn(OutBlock(rank_));
+      if (world_ == 1 || bytes == 0 || s >= world_ - 1) return false;
+      Xfer x;
+      x.send = true;
+      x.peer = next;
+      x.sub = static_cast<uint32_t>(s);
+      x.src = ConstBuffer{OutBlock(Mod(rank_ - s, world_)), bytes};
+      xfers->push_back(x);
+      Xfer r;
+      r.peer = prev;
+      r.sub = static_cast<uint32_t>(s);
+      r.dst = MutableBuffer{OutBlock(Mod(rank_ - s - 1, world_)), bytes};
+      xfers->push_back(r);
+      return true;
+    }
+    case CollectiveKind::kReduceScatter: {
+      if (bytes == 0) return false;
+      if (world_ == 1) {
+        if (s == 0) {
+          const void* src = call_.in.data;
+          ReduceInto(d.dtype, absl::MakeConstSpan(&src, 1), call_.out.data,
+                     bytes / ItemSize(d.dtype), d.reduce_op, 1);
+        }
+        return false;
+      }
+      if (s >= world_ - 1) return false;
+      if (s == 0) {
+        send_tmp_.resize(bytes);
+        recv_tmp_.resize(bytes);
+      }
+      Xfer x;
+      x.send = true;
+      x.peer = next;
+      x.sub = static_cast<uint32_t>(s);
+      x.src = ConstBuffer{s == 0 ? InBlock(Mod(rank_ - 1, world_)) : send_tmp_.data(), bytes};
+      xfers->push_back(x);
+      Xfer r;
+      r.peer = prev;
+      r.sub = static_cast<uint32_t>(s);
+      r.dst = MutableBuffer{recv_tmp_.data(), bytes};
+      xfers->push_back(r);
+      return true;
+    }
+    case CollectiveKind::kBroadcast: {
+      if (world_ == 1 || bytes == 0) return false;
+      // Position p in the chain receives chunk t-p+1 and sends chunk t-p at step t.
+      const int p = Mod(rank_ - d.root, world_);
+      const int64_t chunks = static_cast<int64_t>((bytes + chunk_bytes_ - 1) / chunk_bytes_);
+      if (s >= chunks + world_ - 2) return false;
+      auto chunk = [&](int64_t c) {
+        const size_t off = static_cast<size_t>(c) * chunk_bytes_;
+        return MutableBuffer{call_.out.begin() + off, std::min(chunk_bytes_, bytes - off)};
+      };
+      const int64_t recv_chunk = s - p + 1;
+      if (p > 0 && recv_chunk >= 0 && recv_chunk < chunks) {
+        Xfer r;
+        r.peer = prev;
+        r.sub = static_cast<uint32_t>(recv_chunk);
+        r.dst = chunk(recv_chunk);
+        xfers->push_back(r);
+      }
+      const int64_t send_chunk = s - p;
+      if (p < world_ - 1 && send_chunk >= 0 && send_chunk < chunks) {
+        Xfer x;
+        x.send = true;
+        x.peer = next;
+        x.sub = static_cast<uint32_t>(send_chunk);
+        x.src = chunk(send_chunk).AsConst();
+        xfers->push_back(x);
+      }
+      return true;
+    }
+    case CollectiveKind::kGather: {
+      if (s > 0) return false;
+      if (rank_ == d.root) CopyOwn(OutBlock(rank_));
+      if (world_ == 1 || bytes == 0) return false;
+      if (rank_ == d.root) {
+        for (int k = 0; k < world_; ++k) {
+          if (k == rank_) continue;
+          Xfer r;
+          r.peer = k;
+          r.dst = MutableBuffer{OutBlock(k), bytes};
+          xfers->push_back(r);
+        }
+      } else {
+        Xfer x;
+        x.send = true;
+        x.peer = d.root;
+        x.src = ConstBuffer{call_.in.data, bytes};
+        xfers->push_back(x);
+      }
+      return true;
+    }
+  }
+  return false;
+}
+
+absl::Status RankOp::AfterStep() {
+  if (fingerprints_ && step_ == 0) {
+    // Every rank compares against rank 0, so every rank reports the same mismatch.
+    std::vector<OpDescriptor> descs(world_);
+    for (int k = 0; k < world_; ++k) {
+      if (k == rank_) {
+        descs[k] = call_.desc;
+        continue;
+      }
+      std::optional<OpDescriptor> d = DecodeDescriptor(theirs_[k]);
+      if (!d || theirs_[k].op_seq != op_seq_) {
+        return absl::InternalError(
+            absl::StrCat("op_seq ", op_seq_, ": rank ", k, " sent a malformed fingerprint"));
+      }
+      descs[k] = *d;
+    }
+    for (int k = 1; k < world_; ++k) {
+      if (descs[k] != descs[0]) return MismatchError(op_seq_, 0, descs[0], k, descs[k]);
+    }
+    absl::MutexLock lock(&mu_);
+    fingerprints_done_ = true;
+    return absl::OkStatus();
+  }
+  const OpDescriptor& d = call_.desc;
+  if (d.kind == CollectiveKind::kReduceScatter) {
+    const int s = AlgorithmStep();
+    const int block = Mod(rank_ - s - 2, world_);
+    const void* srcs[2] = {recv_tmp_.data(), InBlock(block)};
+    const size_t count = d.bytes / ItemSize(d.dtype);
+    if (s < world_ - 2) {
+      ReduceInto(d.dtype, srcs, send_tmp_.data(), count, ReduceOp::kSum, 1);
+    } else {
+      ReduceInto(d.dtype, srcs, call_.out.data, count, d.reduce_op, world_);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void RankOp::Drive() {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_) return;
+    }
+    std::vector<Xfer> xfers;
+    if (!BuildStep(&xfers)) {
+      Finish(absl::OkStatus());
+      return;
+    }
+    // One extra count so the step cannot complete while transfers are still being posted.
+    outstanding_.store(static_cast<int>(xfers.size()) + 1);
+    std::shared_ptr<RankOp> self = shared_from_this();
+    for (const Xfer& x : xfers) {
+      auto cb = [self, x](absl::Status s) { self->OnXferDone(x, std::move(s)); };
+      if (x.send) {
+        core_->transport().Send(rank_, x.peer, MessageTag{op_seq_, x.sub}, x.src, cb);
+      } else {
+        core_->transport().Recv(rank_, x.peer, MessageTag{op_seq_, x.sub}, x.dst, cb);
+      }
+    }
+    if (outstanding_.fetch_sub(1) != 1) return;  // the last transfer callback continues
+    if (!CompleteStep()) return;
+  }
+}
+
+void RankOp::OnXferDone(const Xfer& x, absl::Status status) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!status.ok() && step_error_.ok()) step_error_ = std::move(status);
+    if (status.ok() && x.fingerprint) got_[x.peer] = true;
+  }
+  if (outstanding_.fetch_sub(1) != 1) return;
+  if (CompleteStep()) Drive();
+}
+
+bool RankOp::CompleteStep() {
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    status = step_error_;
+  }
+  if (status.ok()) status = AfterStep();
+  if (!status.ok()) {
+    Finish(std::move(status));
+    return false;
+  }
+  ++step_;
+  return true;
+}
+
+absl::Status RankOp::DeadlineStatus() const {
+  absl::MutexLock lock(&mu_);
+  if (finished_) return absl::OkStatus();
+  if (fingerprints_ && !fingerprints_done_) {
+    std::vector<int> missing;
+    for (int k = 0; k < world_; ++k) {
+      if (!got_[k]) missing.push_back(k);
+    }
+    if (!missing.empty()) {
+      return MissingRanksError(op_seq_, call_.desc, missing, deadline_ - arrived_at_);
+    }
+  }
+  return absl::DeadlineExceededError(absl::StrCat(
+      "op_seq ", op_seq_, " ", FormatOp(call_.desc), ": rank ", rank_,
+      " did not finish moving data within ",
+      absl::FormatDuration(absl::Ceil(deadline_ - arrived_at_, absl::Milliseconds(1)))));
+}
+
+void RankOp::Finish(absl::Status status) {
+  DoneCallback done;
+  DeadlineTimer::TimerId timer;
+  {
+    absl::MutexLock lock(&mu_);
+    if (finished_) return;
+    finished_ = true;
+    done = std::move(done_);
+    timer = timer_;
+  }
+  core_->CancelTimer(timer);
+  core_->Remove(this);
+  if (!status.ok()) {
+    // The first error of the communicator is what every op reports.
+    core_->Abort(status);
+    status = core_->status();
+  }
+  FS_VLOG(2) << "group=" << core_->spec().group_id << " rank=" << rank_ << " op_seq=" << op_seq_
+             << " " << FormatOp(call_.desc) << " done: " << status;
+  std::move(done)(std::move(status));
+}
+
+// --- RingCore -------------------------------------------------------------------------------
+
+void RingCore::Start(int rank, OpCall call, const OpOptions& o, DoneCallback done) {
+  if (absl::Status s = CheckRank(rank, spec_); !s.ok()) {
+    std::move(done)(s);
+    return;
+  }
+  if (absl::Status s =
+          ValidateCall(call, rank, spec_.world_size, o.op_seq, options_.host_memory_only);
+      !s.ok()) {
+    Abort(s);
+    std::move(done)(status());
+    return;
+  }
+  std::shared_ptr<RankOp> op;
+  absl::Status failed;
+  {
+    absl::MutexLock lock(&mu_);
+    if (sticky_.ok() && last_seq_[rank] && o.op_seq <= *last_seq_[rank]) {
+      failed = absl::InvalidArgumentError(absl::StrCat("rank ", rank, " issued op_seq ", o.op_seq,
+                                                       " ", FormatOp(call.desc), " after op_seq ",
+                                                       *last_seq_[rank]));
+    } else if (!sticky_.ok()) {
+      failed = sticky_;
+    } else {
+      last_seq_[rank] = o.op_seq;
+      op = std::make_shared<RankOp>(shared_from_this(), rank, spec_.world_size, call, o,
+                                    options_.check_fingerprints, options_.chunk_bytes,
+                                    std::move(done));
+      live_[o.op_seq].push_back(op);
+    }
+  }
+  if (!failed.ok()) {
+    Abort(failed);
+    std::move(done)(status());
+    return;
+  }
+  FS_VLOG(2) << "group=" << spec_.group_id << " rank=" << rank << " op_seq=" << o.op_seq << " "
+             << FormatOp(call.desc) << " started";
+  if (spec_.world_size > 1) {
+    op->set_timer(options_.timer->Schedule(o.deadline, [weak = std::weak_ptr<RankOp>(op)] {
+      std::shared_ptr<RankOp> op = weak.lock();
+      if (op == nullptr) return;
+      // Aborting fails the transfers this op waits for, and so the op, with the sticky
+      // status. The op itself is not finished here: a transfer may be copying into its
+      // buffers right now, and only its callback may release them.
+      absl::Status s = op->DeadlineStatus();
+      if (!s.ok()) op->core().Abort(std::move(s));
+    }));
+  }
+  op->Drive();
+}
+
+void RingCore::Abort(absl::Status reason, bool quiet) {
+  if (reason.ok()) reason = absl::AbortedError("aborted");
+  absl::Status status;
+  bool busy = false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!sticky_.ok()) return;
+    sticky_ = std::move(reason);
+    status = sticky_;
+    busy = !live_.empty();
+  }
+  if (!quiet || busy) {
+    FS_LOG(WARNING) << "group=" << spec_.group_id << " ring communicator failed: " << status;
+  }
+  // Fails every transfer still waiting; their ops finish with the sticky status.
+  transport_->Abort(status);
+}
+
+void RingCore::Remove(const RankOp* op) {
+  absl::MutexLock lock(&mu_);
+  auto it = live_.find(op->op_seq());
+  if (it == live_.end()) return;
+  auto& ops = it->second;
+  ops.erase(std::remove_if(ops.begin(), ops.end(),
+                           [op](const std::shared_ptr<RankOp>& p) { return p.get() == op; }),
+            ops.end());
+  if (ops.empty()) live_.erase(it);
+}
+
+std::vector<PendingOpInfo> RingCore::PendingOps() const {
+  std::vector<PendingOpInfo> out;
+  const absl::Time now = absl::Now();
+  absl::MutexLock lock(&mu_);
+  for (const auto& [op_seq, ops] : live_) {
+    PendingOpInfo& p = out.emplace_back();
+    p.op_seq = op_seq;
+    const RankOp& first = *ops.front();
+    p.kind = first.desc().kind;
+    p.unit = first.desc().unit;
+    p.bytes = first.desc().bytes;
+    p.name = first.name();
+    absl::Time earliest = first.arrived_at();
+    std::vector<bool> arrived(spec_.world_size, false);
+    bool all = false;
+    for (const std::shared_ptr<RankOp>& op : ops) {
+      earliest = std::min(earliest, op->arrived_at());
+      bool op_all = false;
+      std::vector<bool> got = op->Arrived(&op_all);
+      all = all || op_all;
+      for (int r = 0; r < spec_.world_size; ++r) arrived[r] = arrived[r] || got[r];
+    }
+    p.age = now - earliest;
+    p.running = all;
+    for (int r = 0; r < spec_.world_size; ++r) {
+      (all || arrived[r] ? p.arrived_ranks : p.missing_ranks).push_back(r);
+    }
+  }
+  return out;
+}
+
+// --- Communicator ---------------------------------------------------------------------------
+
+class RingCommunicator final : public Communicator {
+ public:
+  explicit RingCommunicator(std::shared_ptr<RingCore> core) : core_(std::move(core)) {}
+  ~RingCommunicator() override {
+    core_->Abort(absl::AbortedError("ring communicator destroyed"), /*quiet=*/true);
+  }
+
+  void AllGather(ConstBuffer in, MutableBuffer out, const OpOptions& o,
+                 DoneCallback done) override {
+    core_->Start(o.rank, AllGatherCall(in, out, o.unit), o, std::move(done));
+  }
+  void ReduceScatter(ConstBuffer in, MutableBuffer out, ReduceOp op, const OpOptions& o,
+                     DoneCallback done) override {
+    core_->Start(o.rank, ReduceScatterCall(in, out, op, o.unit), o, std::move(done));
+  }
+  void Broadcast(MutableBuffer buf, int root, const OpOptions& o, DoneCallback done) override {
+    core_->Start(o.rank, BroadcastCall(buf, root, o.unit), o, std::move(done));
+  }
+  void Gather(ConstBuffer in, MutableBuffer out, int root, const OpOptions& o,
+              DoneCallback done) override {
+    core_->Start(o.rank, GatherCall(in, out, root, o.unit), o, std::move(done));
+  }
+  void Abort(absl::Status reason) override { core_->Abort(std::move(reason)); }
+  absl::Status status() const override { return core_->status(); }
+  std::vector<PendingOpInfo> PendingOps() const override { return core_->PendingOps(); }
+
+ private:
+  std::shared_ptr<RingCore> core_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Communicator>> NewRingCommunicator(
+    const GroupSpec& group, std::shared_ptr<Transport> transport, RingOptions options) {
+  FS_RETURN_IF_ERROR(CheckGroupSpec(group));
+  if (transport == nullptr || transport->world_size() != group.world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("group ", group.group_id, ": transport world_size ",
+                     transport == nullptr ? 0 : transport->world_size(), " != ", group.world_size));
+  }
+  return std::make_unique<RingCommunicator>(
+      std::make_shared<RingCore>(group, std::move(transport), std::move(options)));
+}
+
+}  // namespace flatshard::collective

@@ -1,0 +1,55 @@
+#pragma once
+// The collective algorithms, written once over Transport (as in gloo): any Transport becomes
+// a Communicator. The UCX backend will use this for ranks in different daemons; tests run it
+// over InprocTransport.
+//
+// Every op of a group with world_size > 1 proceeds in two phases:
+// 1. Fingerprint exchange (RingOptions::check_fingerprints): each rank sends its 32-byte
+//    descriptor (op_seq, kind, unit, bytes, dtype, reduce op, root) to every other rank. Every
+//    rank then compares all descriptors with rank 0's, so all ranks reach the same verdict:
+//    ABORTED "collective mismatch at op_seq N: rank 0 called X but rank k called Y". A rank
+//    whose deadline passes in this phase knows exactly who has not arrived:
+//    DEADLINE_EXCEEDED "op_seq N X: ranks 1, 3 did not arrive within 5s".
+// 2. Data, with S the shard bytes and W the world size:
+//    - AllGather: ring, W-1 steps; step s sends block (r-s) to r+1 and receives block
+//      (r-s-1) from r-1, straight into `out` (no staging).
+//    - ReduceScatter: ring, W-1 steps with two S-byte staging buffers; partial sums travel
+//      in the buffer's dtype (half types round at every step), the last step adds the own
+//      block, divides for kAvg and writes `out`.
+//    - Broadcast: a pipelined chain root -> root+1 -> ... in RingOptions::chunk_bytes pieces.
+//    - Gather: direct; every rank sends its shard to root.
+// Each step waits for its sends and receives before the next starts; any failure aborts the
+// communicator (sticky) and with it the Transport.
+//
+// Thread safety: the returned Communicator is thread-safe and follows the contract in
+// backend.h. Callbacks run on whatever thread completes the last transfer of an op (for
+// InprocTransport, another rank's calling thread).
+
+#include <cstddef>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "server/collective/backend.h"
+#include "server/collective/deadline_timer.h"
+#include "server/collective/transport.h"
+
+namespace flatshard::collective {
+
+struct RingOptions {
+  // Exchange descriptors before moving data (mismatch detection, missing-rank deadlines).
+  bool check_fingerprints = true;
+  // Refuse CUDA buffers (the transport moves host memory only).
+  bool host_memory_only = true;
+  // Broadcast pipeline piece.
+  size_t chunk_bytes = size_t{1} << 20;
+  // Deadline watchdog; null: the communicator starts its own.
+  std::shared_ptr<DeadlineTimer> timer;
+};
+
+// A Communicator for `group`'s local ranks over `transport`, which the communicator aborts
+// when it fails and keeps alive while it needs it. INVALID_ARGUMENT for a malformed spec or a
+// transport of a different world size.
+absl::StatusOr<std::unique_ptr<Communicator>> NewRingCommunicator(
+    const GroupSpec& group, std::shared_ptr<Transport> transport, RingOptions options = {});
+
+}  // namespace flatshard::collective
