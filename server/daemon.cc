@@ -72,6 +72,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
     builder.AddListeningPort(config.tcp_address, grpc::InsecureServerCredentials(), &tcp_port);
   }
   builder.RegisterService(d->shard_service_.get());
+  // Plans of large models exceed gRPC's 4 MiB default; bytes never travel here anyway.
+  builder.SetMaxReceiveMessageSize(-1);
+  builder.SetMaxSendMessageSize(-1);
   d->server_ = builder.BuildAndStart();
   if (d->server_ == nullptr || (!config.tcp_address.empty() && tcp_port == 0)) {
     return absl::UnavailableError(absl::StrCat(

@@ -214,6 +214,13 @@ grpc::ServerUnaryReactor* ShardServiceImpl::GetShardViews(grpc::CallbackServerCo
   return reactor;
 }
 
+grpc::ServerUnaryReactor* ShardServiceImpl::Ping(grpc::CallbackServerContext* ctx,
+                                                 const v1::PingRequest*, v1::PingResponse*) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* ShardServiceImpl::Leave(grpc::CallbackServerContext* ctx,
                                                   const v1::LeaveRequest* request,
                                                   v1::LeaveResponse*) {

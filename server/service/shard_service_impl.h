@@ -36,6 +36,8 @@ class ShardServiceImpl final : public v1::ShardService::CallbackService {
   grpc::ServerUnaryReactor* GetShardViews(grpc::CallbackServerContext* ctx,
                                           const v1::GetShardViewsRequest* request,
                                           v1::GetShardViewsResponse* response) override;
+  grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext* ctx, const v1::PingRequest* request,
+                                 v1::PingResponse* response) override;
   grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* ctx,
                                   const v1::LeaveRequest* request,
                                   v1::LeaveResponse* response) override;
