@@ -75,6 +75,7 @@ struct GroupManager::PendingRegister {
   struct Arrival {
     absl::StatusOr<Plan> plan;
     Manifest manifest;
+    InitMode init = InitMode::kZeros;
     absl::Time deadline;
     RegisterCallback done;
   };
@@ -295,12 +296,6 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
                             const absl::StatusOr<Manifest>& manifest,
                             const absl::StatusOr<Policy>& policy, InitMode init,
                             absl::Time deadline, RegisterCallback done) {
-  if (init != InitMode::kZeros) {
-    done(absl::InvalidArgumentError(
-        "init modes FROM_EVERY_RANK and FROM_RANK0 write values through a summon, which this "
-        "daemon does not serve yet; register with INIT_MODE_ZEROS"));
-    return;
-  }
   int32_t world_size = 0;
   {
     absl::ReaderMutexLock lock(&mu_);
@@ -345,8 +340,9 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
             Display(module)));
       }
       if (error.ok()) {
-        pending.arrivals[caller.rank] = PendingRegister::Arrival{
-            std::move(plan), manifest.ok() ? *manifest : Manifest{}, deadline, std::move(done)};
+        pending.arrivals[caller.rank] =
+            PendingRegister::Arrival{std::move(plan), manifest.ok() ? *manifest : Manifest{},
+                                     init, deadline, std::move(done)};
         MaybeCompleteRegister(g, module, &run);
       } else if (pending.arrivals.empty()) {
         g.pending_registers.erase(module);
@@ -385,6 +381,9 @@ void GroupManager::MaybeCompleteRegister(Group& g, const std::string& module,
       continue;
     }
     std::string diff = FirstDifference(*first, first_rank, *a.plan, rank);
+    if (diff.empty() && a.init != pending.arrivals.begin()->second.init) {
+      diff = absl::StrCat("rank ", first_rank, " and rank ", rank, " asked for different init modes");
+    }
     if (!diff.empty()) {
       shared_error = absl::InvalidArgumentError(absl::StrCat(
           "group ", g.id, ": ranks registered different models for module ", Display(module),
@@ -411,12 +410,61 @@ void GroupManager::MaybeCompleteRegister(Group& g, const std::string& module,
       }
     }
   }
+  // Initial values come through a summon that is already open: each rank (or rank 0) fills
+  // its private full buffers and ends it with writeback. The shards are zeros, so there is
+  // nothing to all-gather first.
+  const InitMode init = pending.arrivals.begin()->second.init;
+  std::vector<std::optional<SummonResult>> init_summons(g.world_size);
+  std::vector<OpenSummon> opened;
+  if (shared_error.ok() && init != InitMode::kZeros) {
+    auto slot = std::make_shared<SummonSlot>();
+    const bool rank0_only = init == InitMode::kFromRank0;
+    for (int32_t rank = 0; rank < g.world_size && shared_error.ok(); ++rank) {
+      OpenSummon open;
+      open.id = g.next_summon++;
+      open.rank = rank;
+      open.k = 1;
+      open.module = module;
+      open.options = SummonOptions{true, true, rank0_only, false, false};
+      open.slot = slot;
+      open.ready = true;
+      for (const PlanUnit& u : registered.plan.units) {
+        open.units.push_back(u.index);
+        SummonedUnit view{u.index, nullptr, nullptr};
+        if (!rank0_only || rank == 0) {
+          absl::StatusOr<std::shared_ptr<Buffer>> b = store_->Allocate(
+              BufferKind::kUnsharded, u.padded_numel * ItemSize(u.dtype),
+              absl::StrCat("group=", g.id, " unit=", u.index, " rank=", rank, " init"));
+          if (!b.ok()) {
+            shared_error = b.status();
+            break;
+          }
+          view.params = *b;
+          if (rank0_only) slot->rank0_params[u.index] = *b;
+        }
+        open.views.push_back(std::move(view));
+      }
+      SummonResult r{open.id, open.units, {}, ""};
+      if (!rank0_only || rank == 0) r.views = open.views;
+      init_summons[rank] = std::move(r);
+      opened.push_back(std::move(open));
+    }
+  }
+  if (shared_error.ok()) {
+    for (OpenSummon& open : opened) {
+      for (int32_t u : open.units) registered.summoned[open.rank][u] = true;
+      registered.summon_count[open.rank] = 1;
+      registered.slots[1] = open.slot;
+      g.open_summons.emplace(open.id, std::move(open));
+    }
+  }
   for (auto& [rank, a] : pending.arrivals) {
     absl::StatusOr<RegisterResult> result =
         !a.plan.ok() ? absl::StatusOr<RegisterResult>(a.plan.status())
         : !shared_error.ok()
             ? absl::StatusOr<RegisterResult>(shared_error)
-            : RegisterResult{registered.plan, registered.shards_by_rank[rank]};
+            : RegisterResult{registered.plan, registered.shards_by_rank[rank],
+                             init_summons[rank]};
     run->push_back([done = std::move(a.done), result = std::move(result)]() mutable {
       done(std::move(result));
     });
@@ -442,7 +490,7 @@ absl::StatusOr<RegisterResult> GroupManager::GetShards(const Caller& caller,
     return absl::NotFoundError(
         absl::StrCat("group ", g.id, ": module ", Display(module), " is not registered"));
   }
-  return RegisterResult{it->second.plan, it->second.shards_by_rank[caller.rank]};
+  return RegisterResult{it->second.plan, it->second.shards_by_rank[caller.rank], std::nullopt};
 }
 
 absl::Status GroupManager::Leave(const Caller& caller) {

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -59,11 +60,6 @@ struct UnitShard {
   std::shared_ptr<Buffer> grad;  // null until a gradient exists
 };
 
-struct RegisterResult {
-  Plan plan;
-  std::vector<UnitShard> shards;  // the caller's rank, one per unit
-};
-
 // semantics.md §3.
 struct SummonOptions {
   bool recurse = true;
@@ -85,6 +81,14 @@ struct SummonResult {
   std::vector<int32_t> units;       // selected units (every rank)
   std::vector<SummonedUnit> views;  // empty on ranks != 0 under rank0_only
   std::string note;
+};
+
+struct RegisterResult {
+  Plan plan;
+  std::vector<UnitShard> shards;  // the caller's rank, one per unit
+  // INIT_MODE_FROM_EVERY_RANK / FROM_RANK0: an open summon (writeback on) the client fills
+  // with the initial values and ends; on ranks != 0 under FROM_RANK0 it has no views.
+  std::optional<SummonResult> init_summon;
 };
 
 enum class GradReduce { kSum, kAvg };
@@ -115,7 +119,8 @@ class GroupManager {
 
   // Collective over the group's ranks. Each rank plans `manifest` under `policy`; when all
   // ranks arrived, their plans must be equal (else every rank gets INVALID_ARGUMENT naming
-  // the first differing unit and the ranks), then every rank's shards are allocated (zeros).
+  // the first differing unit and the ranks), then every rank's shards are allocated (zeros)
+  // and, for the FROM_* init modes, an init summon is opened on every rank.
   // ALREADY_EXISTS for a path already registered; INVALID_ARGUMENT for a path nested in (or
   // containing) a registered one ("already has flatshard applied").
   // A refused manifest or policy still arrives, so the other ranks fail at once too.

@@ -30,6 +30,18 @@ void FillShards(const std::vector<UnitShard>& shards,
   }
 }
 
+void FillSummon(const SummonResult& result, v1::SummonResponse* response) {
+  response->set_summon(result.summon);
+  for (int32_t u : result.units) response->add_unit_indices(u);
+  for (const SummonedUnit& v : result.views) {
+    v1::UnitView* view = response->add_units();
+    view->set_unit(v.unit);
+    if (v.params) FillHandle(*v.params, view->mutable_params());
+    if (v.grads) FillHandle(*v.grads, view->mutable_grads());
+  }
+  response->set_note(result.note);
+}
+
 // Holds the session's lease: the stream stays open while the client lives. Its end, however it
 // comes (half-close, broken connection, cancellation), ends the session exactly once.
 class LeaseReactor final : public grpc::ServerBidiReactor<v1::LeaseRequest, v1::LeaseResponse> {
@@ -132,6 +144,9 @@ grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(
                       if (result.ok()) {
                         *response->mutable_plan() = flatshard::ToProto(result->plan);
                         FillShards(result->shards, response->mutable_shards());
+                        if (result->init_summon) {
+                          FillSummon(*result->init_summon, response->mutable_init_summon());
+                        }
                       }
                       reactor->Finish(ToGrpcStatus(result.status()));
                     });
@@ -151,17 +166,7 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Summon(grpc::CallbackServerContext* 
   groups_->Summon(FromProto(request->caller()), request->registered_module(), request->path(),
                   options, WaitDeadline(ctx),
                   [reactor, response](absl::StatusOr<SummonResult> result) {
-                    if (result.ok()) {
-                      response->set_summon(result->summon);
-                      for (int32_t u : result->units) response->add_unit_indices(u);
-                      for (const SummonedUnit& v : result->views) {
-                        v1::UnitView* view = response->add_units();
-                        view->set_unit(v.unit);
-                        if (v.params) FillHandle(*v.params, view->mutable_params());
-                        if (v.grads) FillHandle(*v.grads, view->mutable_grads());
-                      }
-                      response->set_note(result->note);
-                    }
+                    if (result.ok()) FillSummon(*result, response);
                     reactor->Finish(ToGrpcStatus(result.status()));
                   });
   return reactor;
@@ -209,7 +214,10 @@ grpc::ServerUnaryReactor* ShardServiceImpl::GetShardViews(grpc::CallbackServerCo
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   absl::StatusOr<RegisterResult> result =
       groups_->GetShards(FromProto(request->caller()), request->registered_module());
-  if (result.ok()) FillShards(result->shards, response->mutable_shards());
+  if (result.ok()) {
+    FillShards(result->shards, response->mutable_shards());
+    *response->mutable_plan() = flatshard::ToProto(result->plan);
+  }
   reactor->Finish(ToGrpcStatus(result.status()));
   return reactor;
 }

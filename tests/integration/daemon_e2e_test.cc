@@ -544,6 +544,48 @@ TEST(DaemonSummonTest, Rank0OnlyWritebackReachesEveryShard) {
   EndAll(d, f.callers, s);
 }
 
+TEST(DaemonSummonTest, InitialValuesFromEveryRankAndFromRank0) {
+  for (v1::InitMode mode : {v1::INIT_MODE_FROM_EVERY_RANK, v1::INIT_MODE_FROM_RANK0}) {
+    DaemonProcess d;
+    std::vector<uint64_t> sessions = JoinAll(d, "g", 2);
+    std::vector<v1::Caller> callers = {MakeCaller("g", 0, sessions[0]), MakeCaller("g", 1, sessions[1])};
+    std::vector<v1::RegisterModuleRequest> reqs;
+    for (const v1::Caller& c : callers) {
+      reqs.push_back(RegisterRequest(c, "gpt_tied"));
+      reqs.back().set_init(mode);
+    }
+    std::vector<Registered> out = RegisterAll(d, reqs);
+    ASSERT_TRUE(out[0].status.ok() && out[1].status.ok()) << out[0].status.error_message();
+    const Plan plan = *FromProto(out[0].response.plan());
+    const bool rank0 = mode == v1::INIT_MODE_FROM_RANK0;
+    EXPECT_EQ(out[1].response.init_summon().units_size(), rank0 ? 0 : static_cast<int>(plan.units.size()));
+    std::vector<ShmSegment> keep;
+    std::vector<Summoned> init(2);
+    for (int r = 0; r < 2; ++r) {
+      init[r].response = out[r].response.init_summon();
+      for (const v1::UnitView& v : init[r].response.units()) {
+        float* p = MapFloats(v.params(), &keep);
+        for (int64_t i = 0; i < plan.units[v.unit()].padded_numel; ++i) p[i] = rank0 ? 5.0f : 1.0f + r;
+      }
+    }
+    // The init summon is open: summoning again first is refused.
+    EXPECT_EQ(SummonAll(d, {callers[0]}, Options(false))[0].status.error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+    for (const grpc::Status& st : EndAll(d, callers, init)) EXPECT_TRUE(st.ok()) << st.error_message();
+    std::vector<Summoned> s = SummonAll(d, callers, Options(false));
+    ASSERT_TRUE(s[1].status.ok());
+    for (const v1::UnitView& v : s[1].response.units()) {
+      const PlanUnit& u = plan.units[v.unit()];
+      float* p = MapFloats(v.params(), &keep);
+      for (int64_t i = 0; i < u.numel; ++i) {
+        const float want = rank0 ? 5.0f : (i < u.shard_numel ? 1.0f : 2.0f);
+        ASSERT_EQ(p[i], want) << "mode " << mode << " unit " << u.index << " element " << i;
+      }
+    }
+    EndAll(d, callers, s);
+  }
+}
+
 // Every rank begins, writes `value(rank)` into its full gradient, and finishes.
 void ReduceScatterAll(DaemonProcess& d, const Fixture& f, int32_t unit, v1::ReduceOp op,
                       bool accumulate, const std::function<float(int)>& value) {
