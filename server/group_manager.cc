@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -112,6 +113,10 @@ struct GroupManager::Registered {
   std::vector<uint64_t> summon_count;       // per rank: k of its last summon
   std::map<uint64_t, std::shared_ptr<SummonSlot>> slots;
   std::map<std::pair<int32_t, int32_t>, std::shared_ptr<Buffer>> grad_staging;  // (rank, unit)
+  // Unsharded and staging buffers kept across summons, decommitted while unused, so a
+  // trainer maps each segment once (steady state: no mmap per summon). Key: (owner, unit,
+  // what) with owner = rank, or -1 for the node's shared read-only copy.
+  std::map<std::tuple<int32_t, int32_t, int>, std::shared_ptr<Buffer>> kept;
 };
 
 struct GroupManager::Group {
@@ -632,6 +637,28 @@ constexpr char kAlreadyUnsharding[] =
 
 }  // namespace
 
+absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::KeptBuffer(
+    Group&, Registered& reg, int32_t owner, int32_t unit, int what, BufferKind kind,
+    int64_t bytes, const std::string& label) {
+  std::shared_ptr<Buffer>& kept = reg.kept[{owner, unit, what}];
+  if (kept && kept.use_count() == 1) {  // only this map holds it: free to reuse
+    if (!kept->committed()) FS_RETURN_IF_ERROR(kept->Commit());
+    return kept;
+  }
+  FS_ASSIGN_OR_RETURN(std::shared_ptr<Buffer> fresh, store_->Allocate(kind, bytes, label));
+  if (!kept) kept = fresh;
+  return fresh;
+}
+
+void GroupManager::ReleaseKept(Registered& reg) {
+  for (auto& [key, buffer] : reg.kept) {
+    if (buffer.use_count() == 1 && buffer->committed()) {
+      absl::Status s = buffer->Decommit();
+      if (!s.ok()) FS_LOG(WARNING) << "decommit of " << buffer->segment_name() << ": " << s;
+    }
+  }
+}
+
 void GroupManager::Summon(const Caller& caller, const std::string& module,
                           const std::string& path, const SummonOptions& options,
                           absl::Time deadline, SummonCallback done) {
@@ -690,18 +717,22 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
         const PlanUnit& unit = reg->plan.units[u];
         const int64_t bytes = unit.padded_numel * ItemSize(unit.dtype);
         const std::string label = absl::StrCat("group=", g->id, " unit=", u, " ", what);
+        const int kind = what == "params" ? 0 : 1;
         if (options.rank0_only) {
           if (rank != 0) return std::shared_ptr<Buffer>();
-          FS_ASSIGN_OR_RETURN(rank0_map[u], store_->Allocate(BufferKind::kUnsharded, bytes, label));
+          FS_ASSIGN_OR_RETURN(rank0_map[u], KeptBuffer(*g, *reg, 0, u, kind, BufferKind::kUnsharded,
+                                                       bytes, absl::StrCat(label, " rank=0")));
           return rank0_map[u];
         }
         if (shared) {
           if (!shared_map[u]) {
-            FS_ASSIGN_OR_RETURN(shared_map[u], store_->Allocate(BufferKind::kUnsharded, bytes, label));
+            FS_ASSIGN_OR_RETURN(shared_map[u], KeptBuffer(*g, *reg, -1, u, kind,
+                                                          BufferKind::kUnsharded, bytes, label));
           }
           return shared_map[u];
         }
-        return store_->Allocate(BufferKind::kUnsharded, bytes, absl::StrCat(label, " rank=", rank));
+        return KeptBuffer(*g, *reg, rank, u, kind, BufferKind::kUnsharded, bytes,
+                          absl::StrCat(label, " rank=", rank));
       };
       for (int32_t u : result.units) {
         const PlanUnit& unit = reg->plan.units[u];
@@ -873,6 +904,7 @@ void GroupManager::FinishEnd(const Caller& caller, uint64_t summon, absl::Status
         for (int32_t u : open.units) reg.summoned[open.rank][u] = false;
         if (++open.slot->ended == group.world_size) reg.slots.erase(open.k);
         group.open_summons.erase(it);  // drops this rank's references to the buffers
+        ReleaseKept(reg);
       }
     }
   }
@@ -897,6 +929,7 @@ void GroupManager::DropSummons(Group& g, int32_t rank) {
     for (auto s = reg.grad_staging.begin(); s != reg.grad_staging.end();) {
       s = s->first.first == rank ? reg.grad_staging.erase(s) : std::next(s);
     }
+    ReleaseKept(reg);
   }
 }
 
@@ -936,10 +969,10 @@ absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::BeginReduceScatter(
   }
   auto& staging = reg.grad_staging[{caller.rank, unit}];
   if (!staging) {
-    FS_ASSIGN_OR_RETURN(staging, store_->Allocate(BufferKind::kStaging, u.padded_numel * item,
-                                                  absl::StrCat("group=", g.id, " unit=", unit,
-                                                               " rank=", caller.rank,
-                                                               " full grad")));
+    FS_ASSIGN_OR_RETURN(staging, KeptBuffer(g, reg, caller.rank, unit, 2, BufferKind::kStaging,
+                                            u.padded_numel * item,
+                                            absl::StrCat("group=", g.id, " unit=", unit,
+                                                         " rank=", caller.rank, " full grad")));
   }
   return staging;
 }
@@ -989,12 +1022,22 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
       op == GradReduce::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum));
   (void)world;
   SubmitAll(coll, caller.rank, std::move(ops), deadline,
-            [staging, grad, scratch, dtype, done = std::move(done)](absl::Status s) mutable {
+            [this, caller, module, staging, grad, scratch, dtype,
+             done = std::move(done)](absl::Status s) mutable {
               if (s.ok() && scratch) {
                 const void* srcs[] = {grad->data(), scratch->data()};
                 collective::ReduceInto(dtype, srcs, grad->data(),
                                        grad->bytes() / ItemSize(dtype), collective::ReduceOp::kSum,
                                        1);
+              }
+              staging.reset();  // the staging buffer's pages go back until the next step
+              {
+                absl::MutexLock lock(&mu_);
+                auto g = groups_.find(caller.group);
+                if (g != groups_.end()) {
+                  auto reg = g->second->registered.find(module);
+                  if (reg != g->second->registered.end()) ReleaseKept(reg->second);
+                }
               }
               done(s);
             });

@@ -187,6 +187,14 @@ class GroupManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckCallerLocked(const Caller& caller) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
+  // A kept buffer of `reg` for (owner, unit, what), committed and not in use by anyone else;
+  // a fresh one when the kept one is still in use (e.g. read by a slower rank).
+  absl::StatusOr<std::shared_ptr<Buffer>> KeptBuffer(Group& g, Registered& reg, int32_t owner,
+                                                     int32_t unit, int what, BufferKind kind,
+                                                     int64_t bytes, const std::string& label)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Decommits kept buffers nobody uses any more.
+  void ReleaseKept(Registered& reg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends every open summon of `rank` in `g` without writeback (lease ended, leave).
   void DropSummons(Group& g, int32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishEnd(const Caller& caller, uint64_t summon, absl::Status status, StatusCallback done);

@@ -1,0 +1,695 @@
+// End-to-end tests of the C++ client library against real flatshardd processes: real gRPC over
+// a real Unix socket, real shared-memory segments. Ranks are threads, each with its own Client;
+// a client that must die is a separate process (this binary again, running only
+// ClientE2EChild.*: gRPC must not be used across fork).
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/plan.h"
+#include "flatshard/client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace flatshard::client {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+constexpr char kToken[] = "t0k";
+
+std::string ReadFile(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string ModelFile(const std::string& model, const std::string& kind) {
+  return ReadFile(fs::path(FS_SOURCE_DIR) / "examples" / "models" /
+                  (model + "." + kind + ".json"));
+}
+
+bool SegmentExists(const std::string& name) { return fs::exists("/dev/shm" + name); }
+
+// The shared-memory segment ("/name") mapped at `p` in this process, from /proc/self/maps;
+// "" when `p` is in no /dev/shm mapping.
+std::string SegmentOf(const void* p) {
+  std::ifstream maps("/proc/self/maps");
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  std::string line;
+  while (std::getline(maps, line)) {
+    unsigned long begin = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx", &begin, &end) != 2) continue;
+    if (addr < begin || addr >= end) continue;
+    const size_t at = line.find("/dev/shm/");
+    return at == std::string::npos ? "" : line.substr(at + 8);
+  }
+  return "";
+}
+
+// A flatshardd process on a private socket and segment prefix, killed (SIGKILL) at the end.
+class DaemonProcess {
+ public:
+  DaemonProcess() {
+    static int counter = 0;
+    tag_ = absl::StrCat("fscli", getpid(), "x", counter++);
+    dir_ = fs::temp_directory_path() / tag_;
+    fs::create_directories(dir_);
+    socket_ = (dir_ / "flatshardd.sock").string();
+    pid_ = fork();
+    if (pid_ == 0) {
+      const std::string bin = std::string(FS_BINARY_DIR) + "/server/flatshardd";
+      const std::string socket_flag = "--socket=" + socket_;
+      const std::string prefix_flag = "--segment_prefix=" + tag_;
+      execl(bin.c_str(), bin.c_str(), socket_flag.c_str(), prefix_flag.c_str(),
+            "--default_wait=10s", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    for (int i = 0; i < 2000 && !fs::exists(socket_); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_TRUE(fs::exists(socket_)) << "flatshardd did not come up on " << socket_;
+  }
+  ~DaemonProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    for (const auto& e : fs::directory_iterator("/dev/shm")) {
+      if (e.path().filename().string().rfind(tag_ + ".", 0) == 0) fs::remove(e.path());
+    }
+    fs::remove_all(dir_);
+  }
+  std::string address() const { return "unix:" + socket_; }
+  const std::string& socket() const { return socket_; }
+
+ private:
+  std::string tag_;
+  fs::path dir_;
+  std::string socket_;
+  pid_t pid_ = -1;
+};
+
+std::unique_ptr<Client> Connect(const std::string& address) {
+  ClientOptions options;
+  options.address = address;
+  options.call_timeout = absl::Seconds(10);
+  options.join_timeout = absl::Seconds(10);
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  EXPECT_TRUE(client.ok()) << client.status();
+  return client.ok() ? *std::move(client) : nullptr;
+}
+
+// Runs fn(rank) for every rank on its own thread and waits for all.
+void ForEachRank(int world, const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) threads.emplace_back(fn, r);
+  for (std::thread& t : threads) t.join();
+}
+
+// One rank: its Client and its registration of the whole model (module "").
+struct Rank {
+  std::unique_ptr<Client> client;
+  RegisteredModule model;
+};
+
+// Connects `world` clients, joins them to `group` and registers examples/models/<model>
+// (zeros) on every rank.
+std::vector<Rank> JoinAndRegister(const DaemonProcess& d, const std::string& group, int world,
+                                  const std::string& model = "gpt_tied") {
+  std::vector<Rank> ranks(world);
+  const std::string manifest = ModelFile(model, "manifest");
+  const std::string policy = ModelFile(model, "policy");
+  ForEachRank(world, [&](int r) {
+    ranks[r].client = Connect(d.address());
+    ASSERT_NE(ranks[r].client, nullptr);
+    absl::Status joined = ranks[r].client->Join(group, world, r, kToken);
+    ASSERT_TRUE(joined.ok()) << joined;
+    absl::StatusOr<RegisteredModule> registered =
+        ranks[r].client->Register("", manifest, policy, InitMode::kZeros);
+    ASSERT_TRUE(registered.ok()) << registered.status();
+    ranks[r].model = *std::move(registered);
+  });
+  return ranks;
+}
+
+using Summons = std::vector<std::unique_ptr<SummonedParams>>;
+
+// Every rank summons `path` with `options`; a failed rank's entry is null (and the test fails).
+Summons SummonAll(std::vector<Rank>& ranks, const SummonOptions& options,
+                  const std::string& path = "") {
+  Summons out(ranks.size());
+  ForEachRank(static_cast<int>(ranks.size()), [&](int r) {
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", path, options);
+    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+    out[r] = *std::move(s);
+  });
+  return out;
+}
+
+// Every rank ends its summon (concurrently: a rank0_only writeback waits for rank 0).
+void EndAll(Summons& summons) {
+  ForEachRank(static_cast<int>(summons.size()), [&](int r) {
+    if (summons[r] == nullptr) return;
+    absl::Status s = summons[r]->End();
+    EXPECT_TRUE(s.ok()) << "rank " << r << ": " << s;
+  });
+}
+
+SummonOptions ReadOnly(bool with_grads = false) {
+  SummonOptions o;
+  o.writeback = false;
+  o.with_grads = with_grads;
+  return o;
+}
+
+// Deterministic values: element i of parameter `fqn`, exact in float32.
+float Value(const std::string& fqn, int64_t i) {
+  uint32_t h = 2166136261u;
+  for (unsigned char c : fqn) h = (h ^ c) * 16777619u;
+  return static_cast<float>(1 + h % 61) + static_cast<float>(i % 64) * 0.25f;
+}
+
+// Writes Value() into every parameter of a writable summon.
+void Fill(const Plan& plan, const SummonedParams& s) {
+  for (const PlanUnit& u : plan.units) {
+    for (const PlanParam& p : u.params) {
+      const ParamView* v = s.Find(p.fqn);
+      ASSERT_NE(v, nullptr) << p.fqn;
+      ASSERT_TRUE(v->writable) << p.fqn;
+      float* data = static_cast<float*>(v->data);
+      for (int64_t i = 0; i < p.numel; ++i) data[i] = Value(p.fqn, i);
+    }
+  }
+}
+
+// Checks every parameter of a summon against Value().
+void ExpectValues(const Plan& plan, const SummonedParams& s) {
+  for (const PlanUnit& u : plan.units) {
+    for (const PlanParam& p : u.params) {
+      const ParamView* v = s.Find(p.fqn);
+      ASSERT_NE(v, nullptr) << p.fqn;
+      const float* data = static_cast<const float*>(v->data);
+      for (int64_t i = 0; i < p.numel; ++i) {
+        ASSERT_EQ(data[i], Value(p.fqn, i)) << p.fqn << "[" << i << "]";
+      }
+    }
+  }
+}
+
+// Every rank writes Value() into its full views and ends with writeback: each keeps its range.
+void InitValues(std::vector<Rank>& ranks) {
+  SummonOptions writeback;
+  writeback.writeback = true;
+  Summons s = SummonAll(ranks, writeback);
+  ForEachRank(static_cast<int>(ranks.size()), [&](int r) {
+    if (s[r] != nullptr) Fill(*ranks[r].model.plan, *s[r]);
+  });
+  EndAll(s);
+}
+
+// Every rank reduce-scatters a gradient for `unit`, writing value(rank) everywhere.
+void ReduceScatterAll(std::vector<Rank>& ranks, int32_t unit, ReduceOp op, bool accumulate,
+                      const std::function<float(int)>& value) {
+  ForEachRank(static_cast<int>(ranks.size()), [&](int r) {
+    absl::Status s = ranks[r].client->ReduceScatterGrads(
+        "", unit, op, accumulate, [&](PendingReduceScatter& pending) {
+          float* data = static_cast<float*>(pending.data());
+          for (int64_t i = 0; i < pending.numel(); ++i) data[i] = value(r);
+          return absl::OkStatus();
+        });
+    EXPECT_TRUE(s.ok()) << "rank " << r << " unit " << unit << ": " << s;
+  });
+}
+
+// A copy of a rank's shards and gradient shards (GetShardViews: local, no collective).
+std::vector<std::vector<float>> SnapshotShards(Rank& rank) {
+  absl::StatusOr<ShardViews> views = rank.client->GetShardViews("");
+  EXPECT_TRUE(views.ok()) << views.status();
+  std::vector<std::vector<float>> out;
+  if (!views.ok()) return out;
+  for (const UnitShardView& u : *views) {
+    const float* data = static_cast<const float*>(u.data);
+    out.emplace_back(data, data + u.shard_numel);
+    const float* grad = static_cast<const float*>(u.grad);
+    out.push_back(grad == nullptr ? std::vector<float>() : std::vector<float>(grad, grad + u.shard_numel));
+  }
+  return out;
+}
+
+// ---- Views ----
+
+TEST(ClientE2ETest, TiedFqnsAliasOneView) {
+  DaemonProcess d;
+  std::vector<Rank> ranks = JoinAndRegister(d, "tied", 2);
+  SummonOptions writeback;
+  writeback.writeback = true;
+  Summons s = SummonAll(ranks, writeback);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_NE(s[r], nullptr);
+    const ParamView* wte = s[r]->Find("wte.weight");
+    const ParamView* head = s[r]->Find("lm_head.weight");
+    ASSERT_NE(wte, nullptr);
+    ASSERT_NE(head, nullptr);
+    EXPECT_EQ(head->data, wte->data) << "rank " << r;
+    EXPECT_EQ(head->unit, wte->unit);
+    EXPECT_THAT(head->shape, ElementsAre(64, 16));
+    EXPECT_EQ(head->numel, 1024);
+    EXPECT_TRUE(head->writable);
+    // An edit through one FQN is an edit of the other.
+    static_cast<float*>(head->data)[5] = 42.0f + r;
+    EXPECT_EQ(static_cast<const float*>(wte->data)[5], 42.0f + r);
+  }
+  EndAll(s);
+
+  // The alias holds in read-only summons, in gradient views and in the full-gradient buffer.
+  ReduceScatterAll(ranks, ranks[0].model.shards.units()[0].unit, ReduceOp::kSum, false,
+                   [](int) { return 1.0f; });
+  s = SummonAll(ranks, ReadOnly(/*with_grads=*/true));
+  ASSERT_NE(s[0], nullptr);
+  EXPECT_EQ(s[0]->Find("lm_head.weight")->data, s[0]->Find("wte.weight")->data);
+  EXPECT_FALSE(s[0]->Find("lm_head.weight")->writable);
+  ASSERT_NE(s[0]->FindGrad("wte.weight"), nullptr);
+  EXPECT_EQ(s[0]->FindGrad("lm_head.weight")->data, s[0]->FindGrad("wte.weight")->data);
+  EXPECT_EQ(static_cast<const float*>(s[0]->FindGrad("lm_head.weight")->data)[5], 2.0f);
+  // Only each rank's own range persisted: element 5 lies in rank 0's range of the root unit.
+  EXPECT_EQ(static_cast<const float*>(s[1]->Find("wte.weight")->data)[5], 42.0f);
+  EndAll(s);
+  absl::StatusOr<std::unique_ptr<PendingReduceScatter>> pending =
+      ranks[0].client->BeginReduceScatter("", 0, ReduceOp::kSum, false);
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  ASSERT_NE((*pending)->Find("lm_head.weight"), nullptr);
+  EXPECT_EQ((*pending)->Find("lm_head.weight")->data, (*pending)->Find("wte.weight")->data);
+  // Finish it on both ranks so that nothing is left staged.
+  absl::StatusOr<std::unique_ptr<PendingReduceScatter>> other =
+      ranks[1].client->BeginReduceScatter("", 0, ReduceOp::kSum, false);
+  ASSERT_TRUE(other.ok()) << other.status();
+  std::thread t([&] { EXPECT_TRUE((*other)->Finish().ok()); });
+  EXPECT_TRUE((*pending)->Finish().ok());
+  t.join();
+}
+
+TEST(ClientE2ETest, Rank0OnlyRanksGetNoViews) {
+  DaemonProcess d;
+  std::vector<Rank> ranks = JoinAndRegister(d, "r0", 3);
+  InitValues(ranks);
+  for (bool writeback : {false, true}) {
+    SummonOptions options;
+    options.rank0_only = true;
+    options.writeback = writeback;
+    Summons s = SummonAll(ranks, options);
+    ASSERT_NE(s[0], nullptr);
+    EXPECT_TRUE(s[0]->has_views());
+    ExpectValues(*ranks[0].model.plan, *s[0]);
+    for (int r = 1; r < 3; ++r) {
+      ASSERT_NE(s[r], nullptr);
+      EXPECT_FALSE(s[r]->has_views()) << "rank " << r << " writeback=" << writeback;
+      EXPECT_EQ(s[r]->Find("wte.weight"), nullptr);
+      EXPECT_EQ(s[r]->params().size(), 0u);
+      EXPECT_EQ(s[r]->units(), s[0]->units()) << "every rank learns which units were summoned";
+    }
+    EXPECT_EQ(s[0]->units().size(), ranks[0].model.plan->units.size());
+    EndAll(s);
+  }
+}
+
+TEST(ClientE2ETest, WithGradsAfterReduceScatter) {
+  DaemonProcess d;
+  std::vector<Rank> ranks = JoinAndRegister(d, "grads", 3);  // unit sizes are not multiples of 3
+  const Plan& plan = *ranks[0].model.plan;
+  // Before any gradient: with_grads gives parameter views and no gradient views.
+  Summons s = SummonAll(ranks, ReadOnly(/*with_grads=*/true));
+  ASSERT_NE(s[0], nullptr);
+  EXPECT_TRUE(s[0]->has_views());
+  EXPECT_EQ(s[0]->FindGrad("wte.weight"), nullptr);
+  EXPECT_TRUE(s[0]->grads().empty());
+  EndAll(s);
+
+  for (const PlanUnit& u : plan.units) {
+    ReduceScatterAll(ranks, u.index, ReduceOp::kSum, false, [](int r) { return 1.0f + r; });
+  }
+  auto expect_grads = [&](float want) {
+    Summons g = SummonAll(ranks, ReadOnly(/*with_grads=*/true));
+    for (int r = 0; r < 3; ++r) {
+      ASSERT_NE(g[r], nullptr);
+      for (const PlanUnit& u : plan.units) {
+        for (const PlanParam& p : u.params) {
+          const ParamView* v = g[r]->FindGrad(p.fqn);
+          ASSERT_NE(v, nullptr) << p.fqn;
+          EXPECT_EQ(v->numel, p.numel);
+          const float* data = static_cast<const float*>(v->data);
+          for (int64_t i = 0; i < p.numel; ++i) {
+            ASSERT_EQ(data[i], want) << "rank " << r << " " << p.fqn << "[" << i << "]";
+          }
+        }
+      }
+    }
+    EndAll(g);
+  };
+  expect_grads(6.0f);  // 1 + 2 + 3
+  ReduceScatterAll(ranks, 0, ReduceOp::kAvg, /*accumulate=*/true, [](int r) { return 1.0f + r; });
+  for (const PlanUnit& u : plan.units) {
+    if (u.index == 0) continue;
+    ReduceScatterAll(ranks, u.index, ReduceOp::kSum, /*accumulate=*/true,
+                     [](int) { return 2.0f / 3.0f; });
+  }
+  // Unit 0: 6 + avg(1, 2, 3); the others: 6 + 3 * (2/3), both 8 up to rounding.
+  Summons g = SummonAll(ranks, ReadOnly(/*with_grads=*/true));
+  ASSERT_NE(g[2], nullptr);
+  EXPECT_FLOAT_EQ(static_cast<const float*>(g[2]->FindGrad("wte.weight")->data)[1000], 8.0f);
+  EXPECT_FLOAT_EQ(static_cast<const float*>(g[2]->FindGrad("h.1.mlp.c_fc.bias")->data)[63], 8.0f);
+  EndAll(g);
+  // The optimizer's view: every rank's gradient shard holds its slice.
+  for (int r = 0; r < 3; ++r) {
+    absl::StatusOr<ShardViews> views = ranks[r].client->GetShardViews("");
+    ASSERT_TRUE(views.ok()) << views.status();
+    for (const UnitShardView& u : *views) {
+      ASSERT_NE(u.grad, nullptr) << "unit " << u.unit;
+      EXPECT_FLOAT_EQ(static_cast<const float*>(u.grad)[0], 8.0f);
+    }
+  }
+}
+
+TEST(ClientE2ETest, SteadyStateSummonsMakeNoMmapCalls) {
+  DaemonProcess d;
+  std::vector<Rank> ranks = JoinAndRegister(d, "steady", 2);
+  InitValues(ranks);
+  ReduceScatterAll(ranks, 0, ReduceOp::kSum, false, [](int) { return 1.0f; });
+  SummonOptions writeback;
+  writeback.writeback = true;
+  const std::vector<SummonOptions> kinds = {ReadOnly(), writeback, ReadOnly(/*with_grads=*/true)};
+  // The first summon of each kind maps its segments (read-only and writable mappings differ).
+  for (const SummonOptions& o : kinds) {
+    Summons s = SummonAll(ranks, o);
+    EndAll(s);
+  }
+  const int64_t warm0 = ranks[0].client->segment_map_calls();
+  const int64_t warm1 = ranks[1].client->segment_map_calls();
+  for (int round = 0; round < 3; ++round) {
+    for (const SummonOptions& o : kinds) {
+      Summons s = SummonAll(ranks, o);
+      ASSERT_NE(s[0], nullptr);
+      ExpectValues(*ranks[0].model.plan, *s[0]);
+      EndAll(s);
+      EXPECT_EQ(ranks[0].client->segment_map_calls(), warm0)
+          << "round " << round << " writeback=" << o.writeback << " with_grads=" << o.with_grads;
+      EXPECT_EQ(ranks[1].client->segment_map_calls(), warm1);
+    }
+  }
+}
+
+// ---- Refused requests ----
+
+TEST(ClientE2ETest, UnknownUnitPathOrModuleIsRefusedAndChangesNothing) {
+  DaemonProcess d;
+  std::vector<Rank> ranks = JoinAndRegister(d, "bad", 2);
+  InitValues(ranks);
+  ReduceScatterAll(ranks, 1, ReduceOp::kSum, false, [](int r) { return 1.0f + r; });
+  const auto before0 = SnapshotShards(ranks[0]);
+  const auto before1 = SnapshotShards(ranks[1]);
+
+  ForEachRank(2, [&](int r) {
+    Client& c = *ranks[r].client;
+    // Unknown unit: NOT_FOUND; the fill callback never runs.
+    bool filled = false;
+    absl::Status s = c.ReduceScatterGrads("", 99, ReduceOp::kSum, false,
+                                          [&](PendingReduceScatter&) {
+                                            filled = true;
+                                            return absl::OkStatus();
+                                          });
+    EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+    EXPECT_THAT(s.message(), HasSubstr("no unit 99"));
+    EXPECT_FALSE(filled);
+    EXPECT_EQ(c.BeginReduceScatter("", -1, ReduceOp::kSum, false).status().code(),
+              absl::StatusCode::kNotFound);
+    // Unknown module path inside the model: NOT_FOUND from the daemon.
+    absl::StatusOr<std::unique_ptr<SummonedParams>> p = c.Summon("", "h.7", ReadOnly());
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kNotFound) << p.status();
+    EXPECT_THAT(p.status().message(), HasSubstr("h.7"));
+    // Unknown registered module: NOT_FOUND.
+    p = c.Summon("enc", "", ReadOnly());
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kNotFound) << p.status();
+    EXPECT_EQ(c.GetShardViews("enc").status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(c.BeginReduceScatter("enc", 0, ReduceOp::kSum, false).status().code(),
+              absl::StatusCode::kNotFound);
+  });
+
+  // Nothing changed: the shards and gradient shards are as before, no unit is left summoned
+  // and no collective was consumed (the next collective summon and reduce-scatter line up).
+  EXPECT_EQ(SnapshotShards(ranks[0]), before0);
+  EXPECT_EQ(SnapshotShards(ranks[1]), before1);
+  Summons s = SummonAll(ranks, ReadOnly(/*with_grads=*/true));
+  ASSERT_NE(s[1], nullptr);
+  ExpectValues(*ranks[1].model.plan, *s[1]);
+  EXPECT_EQ(static_cast<const float*>(s[1]->FindGrad("h.0.ln_1.weight")->data)[0], 3.0f);
+  EndAll(s);
+  ReduceScatterAll(ranks, 1, ReduceOp::kSum, true, [](int) { return 1.0f; });
+  s = SummonAll(ranks, ReadOnly(/*with_grads=*/true));
+  ASSERT_NE(s[0], nullptr);
+  EXPECT_EQ(static_cast<const float*>(s[0]->FindGrad("h.0.ln_1.weight")->data)[0], 5.0f);
+  EndAll(s);
+}
+
+// The gradient buffer's size is the daemon's (two-phase protocol), so a gradient of the wrong
+// size can only come from ranks that disagree: here rank 0 reduce-scatters unit 0 while rank 1
+// reduce-scatters unit 1 (of another size). Both fail with the collective mismatch, and no
+// shard or gradient shard changes.
+TEST(ClientE2ETest, GradientOfTheWrongSizeFailsEveryRankAndChangesNothing) {
+  DaemonProcess d;
+  std::vector<Rank> ranks = JoinAndRegister(d, "size", 2);
+  InitValues(ranks);
+  const Plan& plan = *ranks[0].model.plan;
+  ASSERT_NE(plan.units[0].padded_numel, plan.units[1].padded_numel);
+  for (const PlanUnit& u : plan.units) {
+    ReduceScatterAll(ranks, u.index, ReduceOp::kSum, false, [](int r) { return 1.0f + r; });
+  }
+  const auto before0 = SnapshotShards(ranks[0]);
+  const auto before1 = SnapshotShards(ranks[1]);
+  absl::Status status[2];
+  ForEachRank(2, [&](int r) {
+    status[r] = ranks[r].client->ReduceScatterGrads(
+        "", /*unit=*/r, ReduceOp::kSum, false, [&](PendingReduceScatter& pending) {
+          float* data = static_cast<float*>(pending.data());
+          for (int64_t i = 0; i < pending.numel(); ++i) data[i] = 100.0f;
+          return absl::OkStatus();
+        });
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(status[r].code(), absl::StatusCode::kAborted) << status[r];
+    EXPECT_THAT(status[r].message(), HasSubstr("mismatch")) << status[r];
+  }
+  EXPECT_EQ(SnapshotShards(ranks[0]), before0);
+  EXPECT_EQ(SnapshotShards(ranks[1]), before1);
+}
+
+// ---- A client killed mid-summon ----
+
+// Environment of the child process (ClientE2EChild.HoldSummonUntilKilled).
+constexpr char kChildSocketEnv[] = "FS_CLIENT_E2E_SOCKET";
+constexpr char kChildFdEnv[] = "FS_CLIENT_E2E_FD";
+
+// Reads one line from `fd` within `timeout`; "" on timeout or EOF.
+std::string ReadLine(int fd, absl::Duration timeout) {
+  std::string line;
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    const int left_ms = static_cast<int>(absl::ToInt64Milliseconds(deadline - absl::Now()));
+    if (poll(&p, 1, std::max(left_ms, 1)) <= 0) continue;
+    char c = 0;
+    if (read(fd, &c, 1) != 1) return "";
+    if (c == '\n') return line;
+    line.push_back(c);
+  }
+  return "";
+}
+
+// The values of segment "/name" as a file (a read: no mapping kept).
+std::vector<char> SegmentBytes(const std::string& name) {
+  const std::string bytes = ReadFile("/dev/shm" + name);
+  return std::vector<char>(bytes.begin(), bytes.end());
+}
+
+TEST(ClientE2ETest, ClientKilledMidSummonEndsWithoutWritebackAndRankReattaches) {
+  DaemonProcess d;
+  // Rank 1 is a child process: it joins, registers, initializes its range, opens a summon with
+  // writeback, scribbles over its full buffers, reports its segments and waits to be killed.
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  const pid_t child = fork();
+  if (child == 0) {
+    close(pipe_fds[0]);
+    setenv(kChildSocketEnv, d.socket().c_str(), 1);
+    setenv(kChildFdEnv, std::to_string(pipe_fds[1]).c_str(), 1);
+    execl("/proc/self/exe", "client_e2e_test", "--gtest_filter=ClientE2EChild.HoldSummonUntilKilled",
+          static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(pipe_fds[1]);
+  struct Reaper {  // the child never outlives the test
+    pid_t pid;
+    ~Reaper() {
+      if (pid > 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, nullptr, 0);
+      }
+    }
+  } reaper{child};
+
+  // Rank 0, here: the same steps up to the open summon.
+  std::unique_ptr<Client> c0 = Connect(d.address());
+  ASSERT_NE(c0, nullptr);
+  ASSERT_TRUE(c0->Join("kill", 2, 0, kToken).ok());
+  absl::StatusOr<RegisteredModule> m0 = c0->Register("", ModelFile("gpt_tied", "manifest"),
+                                                     ModelFile("gpt_tied", "policy"),
+                                                     InitMode::kZeros);
+  ASSERT_TRUE(m0.ok()) << m0.status();
+  const Plan& plan = *m0->plan;
+  SummonOptions writeback;
+  writeback.writeback = true;
+  {
+    absl::StatusOr<std::unique_ptr<SummonedParams>> init = c0->Summon("", "", writeback);
+    ASSERT_TRUE(init.ok()) << init.status();
+    Fill(plan, **init);
+    ASSERT_TRUE((*init)->End().ok());
+  }
+  absl::StatusOr<std::unique_ptr<SummonedParams>> open = c0->Summon("", "", writeback);
+  ASSERT_TRUE(open.ok()) << open.status();
+
+  // "unsharded=/a,/b shards=/x,/y": the child's full buffers and shards.
+  const std::string report = ReadLine(pipe_fds[0], absl::Seconds(30));
+  close(pipe_fds[0]);
+  ASSERT_THAT(report, HasSubstr("shards=")) << "the child did not report: \"" << report << "\"";
+  std::vector<std::string> unsharded, shards;
+  for (absl::string_view field : absl::StrSplit(report, ' ')) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(field, '=');
+    std::vector<std::string> names = absl::StrSplit(kv.second, ',', absl::SkipEmpty());
+    (kv.first == "unsharded" ? unsharded : shards) = names;
+  }
+  ASSERT_EQ(unsharded.size(), plan.units.size());
+  ASSERT_EQ(shards.size(), plan.units.size());
+  std::vector<std::vector<char>> shard_bytes;
+  for (const std::string& s : shards) shard_bytes.push_back(SegmentBytes(s));
+  for (const std::string& s : unsharded) ASSERT_TRUE(SegmentExists(s)) << s;
+
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  reaper.pid = -1;
+  const absl::Time killed = absl::Now();
+
+  // Within 2 s the daemon ends the summon without writeback: the full buffers are freed...
+  auto any_left = [&] {
+    for (const std::string& s : unsharded) {
+      if (SegmentExists(s)) return true;
+    }
+    return false;
+  };
+  while (any_left() && absl::Now() - killed < absl::Seconds(2)) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_FALSE(any_left()) << "the killed client's unsharded buffers still exist 2 s later: "
+                           << absl::StrJoin(unsharded, ", ");
+  // ... and the rank is free again: a restarted client joins it.
+  std::unique_ptr<Client> c1 = Connect(d.address());
+  ASSERT_NE(c1, nullptr);
+  absl::Status joined;
+  do {
+    joined = c1->Join("kill", 2, 1, kToken);
+    if (!joined.ok()) absl::SleepFor(absl::Milliseconds(20));
+  } while (!joined.ok() && absl::Now() - killed < absl::Seconds(2));
+  ASSERT_TRUE(joined.ok()) << "rank 1 could not join again within 2 s: " << joined;
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(2));
+  EXPECT_THAT(c1->registered_modules(), ElementsAre(""));
+  // The shards kept their bytes: the scribbles in the full buffer were not written back.
+  for (size_t i = 0; i < shards.size(); ++i) {
+    EXPECT_EQ(SegmentBytes(shards[i]), shard_bytes[i]) << "shard " << shards[i] << " changed";
+  }
+  // Rank 0 ends its own summon normally (the killed rank's end does not hold it up).
+  EXPECT_TRUE((*open)->End().ok());
+
+  // Re-attach: registering the same model again hands back the same shards.
+  absl::StatusOr<RegisteredModule> m1 = c1->Register("", ModelFile("gpt_tied", "manifest"),
+                                                     ModelFile("gpt_tied", "policy"),
+                                                     InitMode::kZeros);
+  ASSERT_TRUE(m1.ok()) << "re-attach by registering again: " << m1.status();
+  EXPECT_EQ(m1->plan->fingerprint, plan.fingerprint);
+  ASSERT_EQ(m1->shards.units().size(), shards.size());
+  for (size_t i = 0; i < shards.size(); ++i) {
+    EXPECT_EQ(SegmentOf(m1->shards.units()[i].data), shards[i]) << "unit " << i;
+  }
+  // Both ranks summon: every element is the initial value (rank 1's range included).
+  std::vector<Rank> ranks(2);
+  ranks[0].client = std::move(c0);
+  ranks[0].model = *std::move(m0);
+  ranks[1].client = std::move(c1);
+  ranks[1].model = *std::move(m1);
+  Summons s = SummonAll(ranks, ReadOnly());
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_NE(s[r], nullptr);
+    ExpectValues(plan, *s[r]);
+  }
+  EndAll(s);
+}
+
+// Runs only as the child of ClientKilledMidSummon...: rank 1 of group "kill".
+TEST(ClientE2EChild, HoldSummonUntilKilled) {
+  const char* socket = getenv(kChildSocketEnv);
+  const char* fd = getenv(kChildFdEnv);
+  if (socket == nullptr || fd == nullptr) GTEST_SKIP() << "runs only as a child process";
+  std::unique_ptr<Client> c = Connect(std::string("unix:") + socket);
+  if (c == nullptr || !c->Join("kill", 2, 1, kToken).ok()) _exit(2);
+  absl::StatusOr<RegisteredModule> m = c->Register("", ModelFile("gpt_tied", "manifest"),
+                                                   ModelFile("gpt_tied", "policy"),
+                                                   InitMode::kZeros);
+  if (!m.ok()) _exit(3);
+  SummonOptions writeback;
+  writeback.writeback = true;
+  {
+    absl::StatusOr<std::unique_ptr<SummonedParams>> init = c->Summon("", "", writeback);
+    if (!init.ok()) _exit(4);
+    Fill(*m->plan, **init);
+    if (!(*init)->End().ok()) _exit(5);
+  }
+  absl::StatusOr<std::unique_ptr<SummonedParams>> open = c->Summon("", "", writeback);
+  if (!open.ok()) _exit(6);
+  std::vector<std::string> unsharded, shards;
+  std::set<int32_t> seen;
+  for (const ParamView& v : **open) {
+    std::fill_n(static_cast<float*>(v.data), v.numel, -7.0f);  // never to be written back
+    if (seen.insert(v.unit).second) unsharded.push_back(SegmentOf(v.data));
+  }
+  for (const UnitShardView& u : m->shards) shards.push_back(SegmentOf(u.data));
+  const std::string line = absl::StrCat("unsharded=", absl::StrJoin(unsharded, ","),
+                                        " shards=", absl::StrJoin(shards, ","), "\n");
+  if (write(atoi(fd), line.data(), line.size()) != static_cast<ssize_t>(line.size())) _exit(7);
+  pause();
+  _exit(0);
+}
+
+}  // namespace
+}  // namespace flatshard::client
