@@ -117,6 +117,9 @@ struct GroupManager::Registered {
   // trainer maps each segment once (steady state: no mmap per summon). Key: (owner, unit,
   // what) with owner = rank, or -1 for the node's shared read-only copy.
   std::map<std::tuple<int32_t, int32_t, int>, std::shared_ptr<Buffer>> kept;
+  // The session each rank registered or re-attached in; a rank whose session changed (a
+  // restarted trainer) may register the same model again to re-attach.
+  std::vector<uint64_t> attached_session;
 };
 
 struct GroupManager::Group {
@@ -327,30 +330,49 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
                       : CheckCallerLocked(caller);
     if (error.ok()) {
       Group& g = *groups_.at(caller.group);
-      if (g.registered.contains(module)) {
-        error = absl::AlreadyExistsError(absl::StrCat(
-            "group ", g.id, ": module ", Display(module), " is already registered"));
+      if (auto reg = g.registered.find(module); reg != g.registered.end()) {
+        Registered& r = reg->second;
+        if (r.attached_session[caller.rank] != caller.session && plan.ok() &&
+            plan->fingerprint == r.plan.fingerprint) {
+          // A restarted trainer re-attaches: same model, new session; no collective.
+          r.attached_session[caller.rank] = caller.session;
+          FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " re-attached to module "
+                       << Display(module);
+          RegisterResult result{r.plan, r.shards_by_rank[caller.rank], std::nullopt};
+          run.push_back([done = std::move(done), result = std::move(result)]() mutable {
+            done(std::move(result));
+          });
+        } else {
+          error = absl::AlreadyExistsError(absl::StrCat(
+              "group ", g.id, ": module ", Display(module), " is already registered",
+              plan.ok() && plan->fingerprint != r.plan.fingerprint
+                  ? " (with a different model)"
+                  : " by this session"));
+        }
       }
+      const bool reattached = !run.empty();
       for (const auto& [other, r] : g.registered) {
-        if (error.ok() && Nested(other, module)) {
+        if (error.ok() && !reattached && Nested(other, module)) {
           error = absl::InvalidArgumentError(absl::StrCat(
               "group ", g.id, ": module ", Display(module), " already has flatshard applied: ",
               "it overlaps the registered module ", Display(other)));
         }
       }
-      PendingRegister& pending = g.pending_registers[module];
-      if (error.ok() && pending.arrivals.contains(caller.rank)) {
-        error = absl::FailedPreconditionError(absl::StrCat(
-            "group ", g.id, " rank ", caller.rank, " is already registering module ",
-            Display(module)));
-      }
-      if (error.ok()) {
-        pending.arrivals[caller.rank] =
-            PendingRegister::Arrival{std::move(plan), manifest.ok() ? *manifest : Manifest{},
-                                     init, deadline, std::move(done)};
-        MaybeCompleteRegister(g, module, &run);
-      } else if (pending.arrivals.empty()) {
-        g.pending_registers.erase(module);
+      if (!reattached) {
+        PendingRegister& pending = g.pending_registers[module];
+        if (error.ok() && pending.arrivals.contains(caller.rank)) {
+          error = absl::FailedPreconditionError(absl::StrCat(
+              "group ", g.id, " rank ", caller.rank, " is already registering module ",
+              Display(module)));
+        }
+        if (error.ok()) {
+          pending.arrivals[caller.rank] =
+              PendingRegister::Arrival{std::move(plan), manifest.ok() ? *manifest : Manifest{},
+                                       init, deadline, std::move(done)};
+          MaybeCompleteRegister(g, module, &run);
+        } else if (pending.arrivals.empty()) {
+          g.pending_registers.erase(module);
+        }
       }
     }
   }
@@ -401,6 +423,10 @@ void GroupManager::MaybeCompleteRegister(Group& g, const std::string& module,
     registered.manifest = pending.arrivals.begin()->second.manifest;
     registered.summoned.assign(g.world_size, std::vector<bool>(registered.plan.units.size(), false));
     registered.summon_count.assign(g.world_size, 0);
+    registered.attached_session.assign(g.world_size, 0);
+    for (const auto& [rank, a] : pending.arrivals) {
+      registered.attached_session[rank] = g.session_of_rank[rank];
+    }
     registered.shards_by_rank.resize(g.world_size);
     for (int32_t rank = 0; rank < g.world_size && shared_error.ok(); ++rank) {
       for (const PlanUnit& u : registered.plan.units) {

@@ -95,7 +95,10 @@ absl::Time ShardServiceImpl::WaitDeadline(const grpc::CallbackServerContext* ctx
   absl::Time client = absl::FromChrono(ctx->deadline());
   // Answer a little before the client gives up, so it gets our message naming the missing
   // ranks rather than a bare "Deadline Exceeded".
-  if (client < fallback) client -= std::min(absl::Milliseconds(100), (client - now) / 10);
+  // gRPC rounds the timeout it sends, so the margin grows with the wait (up to a second).
+  if (client < fallback) {
+    client -= std::min(absl::Seconds(1), std::max(absl::Milliseconds(30), (client - now) / 10));
+  }
   return std::min(client, fallback);
 }
 

@@ -1,0 +1,981 @@
+// flatshardd benchmarks against a real daemon process (never part of the default test run).
+//
+//   build/tests/bench/flatshard_daemon_benchmark [--bytes N] [--iters N] [--world_sizes 2,4]
+//                                                [--skip_latency] [--skip_unshard]
+//
+// Starts flatshardd on a private socket and segment prefix, then measures, side by side in the
+// same run (DESIGN.md "Performance targets"):
+//
+// 1. Latency. One rank registers a model whose single unit is 4 KiB of float32; then --iters
+//    iterations (after --warmup) of Summon(writeback=false) + End, alternated A/B, B/A with the
+//    same number of empty `Ping` RPCs to the same socket (two per iteration: Summon+End is two
+//    RPCs). Once through the client library (what a trainer sees: RPC + segment mapping + views;
+//    its Pings go over a raw stub on a channel with the library's arguments), once through raw
+//    stubs (RPCs only, Pings on the same channel). Prints p50/p99 of each RPC and the ratios to
+//    Ping (target: p50 <= 1.2x, p99 <= 1.5x).
+// 2. Unshard bandwidth. For each world size, every rank a thread with its own channel: one unit
+//    of --bytes float32 (default 1 GiB; shrunk with a note when /dev/shm or memory is short).
+//    Summon(writeback=false) (the all-gather into one shared node copy) as seen by the clients:
+//    the max over ranks of Summon RPC + mapping the returned segment; median of --reps after one
+//    warm-up. Summon(writeback=true) (a private copy per rank) reported separately, and End for
+//    both. Baseline: single-thread memcpy of the same bytes on touched buffers (median of 5),
+//    measured in the same run just before. Rows in nccl-tests columns, busbw = algbw * (n-1)/n,
+//    and the ratio to memcpy (target <= 1.2 for the shared copy). Context rows decompose what
+//    the daemon's unshard path costs on one thread: memcpy into fresh pages, creating a
+//    fallocated shm segment, and both together.
+//
+// The unshard part maps segments itself (common/shm_segment.h, as the client library does)
+// rather than through flatshard::client::Client: the library's SegmentCache keeps every
+// segment it mapped until 4096 are cached, and whenever the daemon hands out a new segment (per
+// summon before it kept buffers; still when a kept buffer is busy) repeated 1 GiB summons
+// through it would keep gigabytes of unlinked shm alive. The latency part reports the library's
+// mmaps per summon and how many unlinked segments it still maps; the unshard part reports the
+// daemon's /dev/shm footprint once every End returned.
+//
+// Usage: --flatshardd PATH runs another daemon build (e.g. an older commit) against the same
+// client code.
+//
+// Exits non-zero with a message on any error. The daemon, its socket directory and every
+// /dev/shm/<prefix>.* are removed at exit (also on error and on SIGINT/SIGTERM; the daemon gets
+// SIGTERM if this process dies).
+
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/grpc_status.h"
+#include "common/manifest.h"
+#include "common/policy.h"
+#include "common/proto_convert.h"
+#include "common/shm_segment.h"
+#include "common/status_macros.h"
+#include "flatshard/client.h"
+#include "flatshard/v1/shard_service.grpc.pb.h"
+
+ABSL_FLAG(int64_t, bytes, int64_t{1} << 30,
+          "bytes of the unit in the unshard benchmark (float32; rounded down to whole elements)");
+ABSL_FLAG(int32_t, iters, 2000, "measured iterations of the latency benchmark");
+ABSL_FLAG(int32_t, warmup, 200, "warm-up iterations of the latency benchmark");
+ABSL_FLAG(int32_t, reps, 5, "measured repetitions per unshard row (after one warm-up)");
+ABSL_FLAG(std::vector<std::string>, world_sizes, std::vector<std::string>({"2", "4"}),
+          "world sizes of the unshard benchmark (all ranks local), comma-separated");
+ABSL_FLAG(bool, skip_latency, false, "skip the Summon+End vs Ping latency benchmark");
+ABSL_FLAG(bool, skip_unshard, false, "skip the unshard bandwidth benchmark");
+ABSL_FLAG(std::string, flatshardd, FS_BINARY_DIR "/server/flatshardd", "the daemon binary");
+
+namespace flatshard {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using Stub = v1::ShardService::Stub;
+
+double MicrosSince(Clock::time_point t0, Clock::time_point t1) {
+  return std::chrono::duration<double, std::micro>(t1 - t0).count();
+}
+
+std::string ReadText(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string Tail(const std::string& s, size_t n) {
+  return s.size() <= n ? s : s.substr(s.size() - n);
+}
+
+// ---- The daemon process -----------------------------------------------------------------------
+
+std::vector<fs::path> SegmentsWithPrefix(const std::string& prefix) {
+  std::vector<fs::path> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/dev/shm", ec)) {
+    if (e.path().filename().string().rfind(prefix + ".", 0) == 0) out.push_back(e.path());
+  }
+  return out;
+}
+
+// flatshardd on a private socket and segment prefix; its log goes to <dir>/flatshardd.log.
+class DaemonProcess {
+ public:
+  DaemonProcess() = default;
+  DaemonProcess(const DaemonProcess&) = delete;
+  DaemonProcess& operator=(const DaemonProcess&) = delete;
+  ~DaemonProcess() { Stop(); }
+
+  absl::Status Start(const std::string& binary) {
+    if (::access(binary.c_str(), X_OK) != 0) {
+      return absl::NotFoundError(absl::StrCat("flatshardd binary ", binary,
+                                              " is missing or not executable (build the "
+                                              "flatshardd target, or pass --flatshardd)"));
+    }
+    tag_ = absl::StrCat("fsbench", ::getpid());
+    dir_ = fs::temp_directory_path() / tag_;
+    std::error_code ec;
+    fs::create_directories(dir_, ec);
+    if (ec) return absl::InternalError(absl::StrCat("mkdir ", dir_.string(), ": ", ec.message()));
+    socket_ = (dir_ / "flatshardd.sock").string();
+    log_ = dir_ / "flatshardd.log";
+    const pid_t parent = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
+    if (pid == 0) {
+      // main() blocked SIGINT and SIGTERM for its signal thread; the daemon handles its own.
+      sigset_t none;
+      sigemptyset(&none);
+      ::sigprocmask(SIG_SETMASK, &none, nullptr);
+      // If the benchmark dies (even by SIGKILL), the daemon cleans up after itself.
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (::getppid() != parent) _exit(126);
+      const int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+      if (fd >= 0) {
+        ::dup2(fd, STDOUT_FILENO);
+        ::dup2(fd, STDERR_FILENO);
+      }
+      const std::string socket_flag = "--socket=" + socket_;
+      const std::string prefix_flag = "--segment_prefix=" + tag_;
+      ::execl(binary.c_str(), binary.c_str(), socket_flag.c_str(), prefix_flag.c_str(),
+              "--default_wait=120s", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    pid_ = pid;
+    // Wait for the socket to accept connections (or the daemon to die).
+    auto channel = grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials());
+    const auto give_up = Clock::now() + std::chrono::seconds(30);
+    while (Clock::now() < give_up) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return absl::UnavailableError(
+            absl::StrCat("flatshardd exited at startup (",
+                         WIFEXITED(status) ? absl::StrCat("exit code ", WEXITSTATUS(status))
+                                           : absl::StrCat("signal ", WTERMSIG(status)),
+                         "); its log:\n", Tail(ReadText(log_), 4000)));
+      }
+      if (channel->WaitForConnected(std::chrono::system_clock::now() +
+                                    std::chrono::milliseconds(200))) {
+        return absl::OkStatus();
+      }
+    }
+    return absl::UnavailableError(absl::StrCat("flatshardd did not come up on ", socket_,
+                                               " within 30 s; its log:\n",
+                                               Tail(ReadText(log_), 4000)));
+  }
+
+  // SIGTERM (the daemon removes its socket and segments), SIGKILL after 20 s; then removes
+  // whatever is left: /dev/shm/<prefix>.* (also this process's own) and the socket directory.
+  // Idempotent; thread-safe (the signal thread may call it while the main thread runs).
+  void Stop() {
+    absl::MutexLock lock(&stop_mu_);
+    if (pid_ > 0) {
+      ::kill(pid_, SIGTERM);
+      bool exited = false;
+      for (int i = 0; i < 2000 && !exited; ++i) {
+        exited = ::waitpid(pid_, nullptr, WNOHANG) == pid_;
+        if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      if (!exited) {
+        std::fprintf(stderr, "flatshardd did not stop within 20 s of SIGTERM: SIGKILL\n");
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, nullptr, 0);
+      }
+      pid_ = -1;
+    }
+    if (!tag_.empty()) {
+      std::error_code ec;
+      for (const fs::path& s : SegmentsWithPrefix(tag_)) fs::remove(s, ec);
+      if (!dir_.empty()) fs::remove_all(dir_, ec);
+      tag_.clear();
+    }
+  }
+
+  std::string address() const { return "unix:" + socket_; }
+  const std::string& tag() const { return tag_; }
+  std::string LogTail() const { return Tail(ReadText(log_), 4000); }
+
+ private:
+  absl::Mutex stop_mu_;
+  std::string tag_;
+  fs::path dir_;
+  std::string socket_;
+  fs::path log_;
+  pid_t pid_ = -1;
+};
+
+// ---- Helpers ----------------------------------------------------------------------------------
+
+// The channel arguments of flatshard::client::Client::Connect; `rank_tag` >= 0 gives a channel
+// its own connection (gRPC shares subchannels between channels with equal arguments).
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, int rank_tag = -1) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  if (rank_tag >= 0) args.SetInt("flatshard.bench.rank", rank_tag);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+void SetDeadline(grpc::ClientContext* ctx, std::chrono::seconds s) {
+  ctx->set_deadline(std::chrono::system_clock::now() + s);
+}
+
+absl::Status RpcError(absl::string_view what, const grpc::Status& s) {
+  const absl::Status st = FromGrpcStatus(s);
+  return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
+}
+
+// One module (type Linear) with one float32 param "weight" of `numel` elements; the root is the
+// only unit.
+std::string ManifestJson(int64_t numel) {
+  return absl::StrCat(R"({"format": "flatshard.manifest/1", "root": {"id": 0, "type": "Linear", )",
+                      R"("bases": ["Module"], "params": [{"name": "weight", "id": 0, "shape": [)",
+                      numel, R"(], "dtype": "float32", "requires_grad": true}], "children": []}})");
+}
+constexpr char kPolicyJson[] = "{}";
+
+v1::Caller MakeCaller(const std::string& group, int rank, uint64_t session) {
+  v1::Caller c;
+  c.set_group(group);
+  c.set_rank(rank);
+  c.set_token("bench");
+  c.set_session(session);
+  return c;
+}
+
+absl::StatusOr<uint64_t> RawJoin(Stub* stub, const std::string& group, int world, int rank) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, std::chrono::seconds(60));
+  v1::JoinGroupRequest req;
+  req.set_group(group);
+  req.set_world_size(world);
+  req.set_rank(rank);
+  req.set_token("bench");
+  v1::JoinGroupResponse resp;
+  if (grpc::Status s = stub->JoinGroup(&ctx, req, &resp); !s.ok()) {
+    return RpcError(absl::StrCat("JoinGroup ", group, " rank ", rank), s);
+  }
+  return resp.session();
+}
+
+absl::StatusOr<v1::RegisterModuleResponse> RawRegister(Stub* stub, const v1::Caller& caller,
+                                                       int64_t numel) {
+  FS_ASSIGN_OR_RETURN(Manifest manifest, ManifestFromJson(ManifestJson(numel)));
+  FS_ASSIGN_OR_RETURN(Policy policy, PolicyFromJson(kPolicyJson));
+  v1::RegisterModuleRequest req;
+  *req.mutable_caller() = caller;
+  req.set_module("");
+  *req.mutable_manifest() = ToProto(manifest);
+  *req.mutable_policy() = ToProto(policy);
+  req.set_init(v1::INIT_MODE_ZEROS);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, std::chrono::seconds(120));
+  v1::RegisterModuleResponse resp;
+  if (grpc::Status s = stub->RegisterModule(&ctx, req, &resp); !s.ok()) {
+    return RpcError(absl::StrCat("RegisterModule rank ", caller.rank()), s);
+  }
+  if (resp.plan().units_size() != 1 || resp.shards_size() != 1) {
+    return absl::InternalError(absl::StrCat("expected one unit, the plan has ",
+                                            resp.plan().units_size(), " and ", resp.shards_size(),
+                                            " shards"));
+  }
+  return resp;
+}
+
+absl::StatusOr<v1::SummonResponse> RawSummon(Stub* stub, const v1::Caller& caller, bool writeback,
+                                             std::chrono::seconds deadline) {
+  v1::SummonRequest req;
+  *req.mutable_caller() = caller;
+  req.mutable_options()->set_recurse(true);
+  req.mutable_options()->set_writeback(writeback);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, deadline);
+  v1::SummonResponse resp;
+  if (grpc::Status s = stub->Summon(&ctx, req, &resp); !s.ok()) {
+    return RpcError(absl::StrCat("Summon rank ", caller.rank()), s);
+  }
+  return resp;
+}
+
+absl::Status RawEnd(Stub* stub, const v1::Caller& caller, uint64_t summon,
+                    std::chrono::seconds deadline) {
+  v1::EndSummonRequest req;
+  *req.mutable_caller() = caller;
+  req.set_summon(summon);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, deadline);
+  v1::EndSummonResponse resp;
+  if (grpc::Status s = stub->EndSummon(&ctx, req, &resp); !s.ok()) {
+    return RpcError(absl::StrCat("EndSummon rank ", caller.rank()), s);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RawPing(Stub* stub) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, std::chrono::seconds(10));
+  v1::PingRequest req;
+  v1::PingResponse resp;
+  if (grpc::Status s = stub->Ping(&ctx, req, &resp); !s.ok()) return RpcError("Ping", s);
+  return absl::OkStatus();
+}
+
+// Nearest-rank percentile, p in [0, 100].
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  const double rank = std::ceil(p / 100.0 * static_cast<double>(v.size()));
+  const size_t i = static_cast<size_t>(std::clamp(rank, 1.0, static_cast<double>(v.size()))) - 1;
+  return v[i];
+}
+double Median(const std::vector<double>& v) { return Percentile(v, 50); }
+
+std::string LoadAverage() {
+  std::string s = ReadText("/proc/loadavg");
+  while (!s.empty() && s.back() == '\n') s.pop_back();
+  return s;
+}
+
+// MemAvailable from /proc/meminfo, in bytes (-1 if unknown).
+int64_t MemAvailableBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return -1;
+}
+
+// Mappings of /dev/shm/<prefix>.* in this process whose segment was unlinked: count and bytes.
+std::pair<int64_t, int64_t> RetainedDeletedMappings(const std::string& prefix) {
+  std::ifstream in("/proc/self/maps");
+  std::string line;
+  int64_t count = 0, bytes = 0;
+  const std::string needle = "/dev/shm/" + prefix + ".";
+  while (std::getline(in, line)) {
+    if (line.find(needle) == std::string::npos || line.find("(deleted)") == std::string::npos) {
+      continue;
+    }
+    uint64_t lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%" SCNx64 "-%" SCNx64, &lo, &hi) == 2) {
+      ++count;
+      bytes += static_cast<int64_t>(hi - lo);
+    }
+  }
+  return {count, bytes};
+}
+
+// ---- 1. Latency -------------------------------------------------------------------------------
+
+struct LatencySamples {
+  std::vector<double> summon, end, summon_end;  // one per iteration
+  std::vector<double> ping;                     // two per iteration
+  std::vector<double> ping_pair;                // one per iteration
+};
+
+void PrintLatency(absl::string_view variant, const LatencySamples& s, int64_t unit_bytes) {
+  const double ping50 = Percentile(s.ping, 50), ping99 = Percentile(s.ping, 99);
+  const double pair50 = Percentile(s.ping_pair, 50), pair99 = Percentile(s.ping_pair, 99);
+  auto row = [&](absl::string_view what, const std::vector<double>& v, double base50, double base99,
+                 absl::string_view base) {
+    const double p50 = Percentile(v, 50), p99 = Percentile(v, 99);
+    const double r50 = p50 / base50, r99 = p99 / base99;
+    std::printf("%-8s %-14s %8" PRId64 " %8zu %10.1f %10.1f %9.2f %9.2f  %-10s %s\n",
+                std::string(variant).c_str(), std::string(what).c_str(), unit_bytes, v.size(), p50,
+                p99, r50, r99, std::string(base).c_str(),
+                base.empty() ? "" : (r50 <= 1.2 && r99 <= 1.5 ? "ok" : "MISS"));
+  };
+  row("Ping", s.ping, ping50, ping99, "");
+  row("Ping+Ping", s.ping_pair, pair50, pair99, "");
+  row("Summon", s.summon, ping50, ping99, "Ping");
+  row("End", s.end, ping50, ping99, "Ping");
+  row("Summon+End", s.summon_end, pair50, pair99, "Ping+Ping");
+  // The literal reading of the issue: two RPCs against one echo.
+  row("Summon+End", s.summon_end, ping50, ping99, "Ping(1)");
+}
+
+void PrintLatencyHeader() {
+  std::printf("%-8s %-14s %8s %8s %10s %10s %9s %9s  %-10s %s\n", "#variant", "rpc", "size",
+              "samples", "p50(us)", "p99(us)", "p50/base", "p99/base", "base", "target");
+}
+
+// Runs `a` and `b` alternately (A,B then B,A) for warmup + iters iterations.
+absl::Status Alternate(int warmup, int iters, const std::function<absl::Status(bool)>& a,
+                       const std::function<absl::Status(bool)>& b) {
+  for (int i = 0; i < warmup + iters; ++i) {
+    const bool record = i >= warmup;
+    if (i % 2 == 0) {
+      FS_RETURN_IF_ERROR(a(record));
+      FS_RETURN_IF_ERROR(b(record));
+    } else {
+      FS_RETURN_IF_ERROR(b(record));
+      FS_RETURN_IF_ERROR(a(record));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Two Pings, timed each and together.
+absl::Status PingPair(Stub* stub, bool record, LatencySamples* s) {
+  const auto t0 = Clock::now();
+  FS_RETURN_IF_ERROR(RawPing(stub));
+  const auto t1 = Clock::now();
+  FS_RETURN_IF_ERROR(RawPing(stub));
+  const auto t2 = Clock::now();
+  if (record) {
+    s->ping.push_back(MicrosSince(t0, t1));
+    s->ping.push_back(MicrosSince(t1, t2));
+    s->ping_pair.push_back(MicrosSince(t0, t2));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LatencyWithClientLibrary(const DaemonProcess& d, int warmup, int iters,
+                                      LatencySamples* out, int64_t* map_calls,
+                                      std::pair<int64_t, int64_t>* retained) {
+  client::ClientOptions options;
+  options.address = d.address();
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> c, client::Client::Connect(options));
+  FS_RETURN_IF_ERROR(c->Join("latency-lib", 1, 0, "bench"));
+  FS_ASSIGN_OR_RETURN(client::RegisteredModule model,
+                      c->Register("", ManifestJson(1024), kPolicyJson, client::InitMode::kZeros));
+  // The Pings: same socket, a channel with the library's arguments (so gRPC may share the
+  // library's connection; the library does not expose its channel).
+  std::shared_ptr<grpc::Channel> channel = MakeChannel(d.address());
+  std::unique_ptr<Stub> stub = v1::ShardService::NewStub(channel);
+
+  client::SummonOptions so;
+  so.writeback = false;
+  {
+    // One checked summon: the view is the 1024 zeros of "weight".
+    FS_ASSIGN_OR_RETURN(std::unique_ptr<client::SummonedParams> s, c->Summon("", "", so));
+    const client::ParamView* w = s->Find("weight");
+    if (w == nullptr || w->numel != 1024 || w->data == nullptr ||
+        static_cast<const float*>(w->data)[1023] != 0.0f) {
+      return absl::InternalError("client library summon: no readable 1024-element view \"weight\"");
+    }
+    FS_RETURN_IF_ERROR(s->End());
+  }
+  auto summon_end = [&](bool record) -> absl::Status {
+    const auto t0 = Clock::now();
+    FS_ASSIGN_OR_RETURN(std::unique_ptr<client::SummonedParams> s, c->Summon("", "", so));
+    const auto t1 = Clock::now();
+    FS_RETURN_IF_ERROR(s->End());
+    const auto t2 = Clock::now();
+    if (record) {
+      out->summon.push_back(MicrosSince(t0, t1));
+      out->end.push_back(MicrosSince(t1, t2));
+      out->summon_end.push_back(MicrosSince(t0, t2));
+    }
+    return absl::OkStatus();
+  };
+  auto pings = [&](bool record) { return PingPair(stub.get(), record, out); };
+  FS_RETURN_IF_ERROR(Alternate(warmup, 0, summon_end, pings));
+  const int64_t maps_before = c->segment_map_calls();
+  FS_RETURN_IF_ERROR(Alternate(0, iters, summon_end, pings));
+  *map_calls = c->segment_map_calls() - maps_before;
+  *retained = RetainedDeletedMappings(d.tag());
+  return c->Leave();
+}
+
+absl::Status LatencyWithRawStubs(const DaemonProcess& d, int warmup, int iters,
+                                 LatencySamples* out) {
+  std::shared_ptr<grpc::Channel> channel = MakeChannel(d.address());
+  std::unique_ptr<Stub> stub = v1::ShardService::NewStub(channel);
+  FS_ASSIGN_OR_RETURN(uint64_t session, RawJoin(stub.get(), "latency-raw", 1, 0));
+  const v1::Caller caller = MakeCaller("latency-raw", 0, session);
+  FS_RETURN_IF_ERROR(RawRegister(stub.get(), caller, 1024).status());
+  auto summon_end = [&](bool record) -> absl::Status {
+    const auto t0 = Clock::now();
+    FS_ASSIGN_OR_RETURN(v1::SummonResponse r,
+                        RawSummon(stub.get(), caller, false, std::chrono::seconds(10)));
+    const auto t1 = Clock::now();
+    FS_RETURN_IF_ERROR(RawEnd(stub.get(), caller, r.summon(), std::chrono::seconds(10)));
+    const auto t2 = Clock::now();
+    if (record) {
+      out->summon.push_back(MicrosSince(t0, t1));
+      out->end.push_back(MicrosSince(t1, t2));
+      out->summon_end.push_back(MicrosSince(t0, t2));
+    }
+    return absl::OkStatus();
+  };
+  auto pings = [&](bool record) { return PingPair(stub.get(), record, out); };
+  FS_RETURN_IF_ERROR(Alternate(warmup, iters, summon_end, pings));
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, std::chrono::seconds(10));
+  v1::LeaveRequest req;
+  *req.mutable_caller() = caller;
+  v1::LeaveResponse resp;
+  if (grpc::Status s = stub->Leave(&ctx, req, &resp); !s.ok()) return RpcError("Leave", s);
+  return absl::OkStatus();
+}
+
+absl::Status RunLatency(const DaemonProcess& d, int warmup, int iters) {
+  std::printf(
+      "\n## Latency: Summon(writeback=false)+End of a 4096-byte unit (1 rank) vs Ping; "
+      "%d iterations after %d warm-up, A/B alternated\n",
+      iters, warmup);
+  std::printf(
+      "# lib: flatshard::client (RPC + segment mapping + views); Pings on a raw stub, "
+      "same socket. raw: raw stubs, one channel for all.\n");
+  std::printf(
+      "# targets: p50 <= 1.2x, p99 <= 1.5x the base (per RPC: base Ping; the pair: two "
+      "Pings). load: %s\n",
+      LoadAverage().c_str());
+  LatencySamples lib, raw;
+  int64_t map_calls = 0;
+  std::pair<int64_t, int64_t> retained;
+  FS_RETURN_IF_ERROR(LatencyWithClientLibrary(d, warmup, iters, &lib, &map_calls, &retained));
+  FS_RETURN_IF_ERROR(LatencyWithRawStubs(d, warmup, iters, &raw));
+  PrintLatencyHeader();
+  PrintLatency("lib", lib, 4096);
+  PrintLatency("raw", raw, 4096);
+  std::printf(
+      "# lib: %" PRId64
+      " segment mmaps in %d measured summons (%.2f per summon); after "
+      "them the client still mapped %" PRId64 " unlinked daemon segments (%" PRId64 " bytes)\n",
+      map_calls, iters, static_cast<double>(map_calls) / iters, retained.first, retained.second);
+  return absl::OkStatus();
+}
+
+// ---- 2. Unshard bandwidth ---------------------------------------------------------------------
+
+// Single-thread copies on this process: the baseline and the pieces of the daemon's path.
+struct CopyBaseline {
+  double memcpy_us = 0;           // touched src and dst (the baseline)
+  double memcpy_fresh_us = 0;     // dst freshly mmapped (page faults included)
+  double shm_create_us = 0;       // ShmSegment::Create (shm_open + ftruncate + fallocate + mmap)
+  double shm_create_copy_us = 0;  // Create + memcpy into it: what the daemon does per summon
+};
+
+// An anonymous private mapping, unmapped on destruction.
+class AnonBuffer {
+ public:
+  explicit AnonBuffer(size_t bytes) : bytes_(bytes) {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    data_ = p == MAP_FAILED ? nullptr : static_cast<char*>(p);
+  }
+  ~AnonBuffer() {
+    if (data_ != nullptr) ::munmap(data_, bytes_);
+  }
+  AnonBuffer(const AnonBuffer&) = delete;
+  AnonBuffer& operator=(const AnonBuffer&) = delete;
+  char* data() const { return data_; }
+
+ private:
+  size_t bytes_;
+  char* data_;
+};
+
+absl::StatusOr<CopyBaseline> MeasureCopies(size_t bytes, const std::string& prefix) {
+  constexpr int kReps = 5;
+  CopyBaseline out;
+  std::vector<double> t_memcpy, t_fresh, t_create, t_create_copy;
+  {
+    AnonBuffer src(bytes), dst(bytes);
+    if (src.data() == nullptr || dst.data() == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("cannot map 2 x ", bytes, " bytes"));
+    }
+    std::memset(src.data(), 1, bytes);
+    std::memset(dst.data(), 2, bytes);
+    std::memcpy(dst.data(), src.data(), bytes);  // warm-up
+    for (int i = 0; i < kReps; ++i) {
+      const auto t0 = Clock::now();
+      std::memcpy(dst.data(), src.data(), bytes);
+      t_memcpy.push_back(MicrosSince(t0, Clock::now()));
+    }
+    for (int i = 0; i < kReps; ++i) {
+      const auto t0 = Clock::now();
+      AnonBuffer fresh(bytes);
+      if (fresh.data() == nullptr) return absl::ResourceExhaustedError("cannot map a fresh buffer");
+      std::memcpy(fresh.data(), src.data(), bytes);
+      t_fresh.push_back(MicrosSince(t0, Clock::now()));
+    }
+    for (int i = 0; i < kReps; ++i) {
+      const auto t0 = Clock::now();
+      FS_ASSIGN_OR_RETURN(ShmSegment seg, ShmSegment::Create(MakeSegmentName(prefix), bytes));
+      t_create.push_back(MicrosSince(t0, Clock::now()));
+    }
+    for (int i = 0; i < kReps; ++i) {
+      const auto t0 = Clock::now();
+      FS_ASSIGN_OR_RETURN(ShmSegment seg, ShmSegment::Create(MakeSegmentName(prefix), bytes));
+      std::memcpy(seg.data(), src.data(), bytes);
+      t_create_copy.push_back(MicrosSince(t0, Clock::now()));
+    }
+  }
+  out.memcpy_us = Median(t_memcpy);
+  out.memcpy_fresh_us = Median(t_fresh);
+  out.shm_create_us = Median(t_create);
+  out.shm_create_copy_us = Median(t_create_copy);
+  return out;
+}
+
+struct RankTimes {
+  // [phase][rep]: phase 0 = writeback=false, 1 = writeback=true.
+  std::vector<double> summon[2];
+  std::vector<double> end[2];
+  // Rank 0 only: the most /dev/shm/<prefix>.* held once every rank's End returned, per phase.
+  int64_t resident_after_end[2] = {0, 0};
+};
+
+// Bytes of /dev/shm/<prefix>.* actually allocated (st_blocks), i.e. resident in tmpfs.
+int64_t ShmResidentBytes(const std::string& prefix) {
+  int64_t total = 0;
+  for (const fs::path& p : SegmentsWithPrefix(prefix)) {
+    struct stat st;
+    if (::stat(p.c_str(), &st) == 0) total += static_cast<int64_t>(st.st_blocks) * 512;
+  }
+  return total;
+}
+
+// A rank's part: join, register, fill its shard with rank+1, then for each phase warm-up + reps
+// of (barrier, Summon + map, barrier, End). Rank 0 checks the gathered values on the first rep.
+void RankMain(const std::string& address, const std::string& prefix, const std::string& group,
+              int world, int rank, int64_t numel, int reps, std::barrier<>* sync,
+              std::atomic<bool>* failed, RankTimes* times, absl::Status* status) {
+  auto run = [&]() -> absl::Status {
+    std::shared_ptr<grpc::Channel> channel = MakeChannel(address, rank);
+    std::unique_ptr<Stub> stub = v1::ShardService::NewStub(channel);
+    FS_ASSIGN_OR_RETURN(uint64_t session, RawJoin(stub.get(), group, world, rank));
+    const v1::Caller caller = MakeCaller(group, rank, session);
+    FS_ASSIGN_OR_RETURN(v1::RegisterModuleResponse reg, RawRegister(stub.get(), caller, numel));
+    const v1::PlanUnit& unit = reg.plan().units(0);
+    {
+      const v1::MemoryHandle& h = reg.shards(0).shard();
+      FS_ASSIGN_OR_RETURN(ShmSegment shard, ShmSegment::Open(h.segment(), h.segment_bytes(), true));
+      float* p = reinterpret_cast<float*>(static_cast<char*>(shard.data()) + h.offset());
+      std::fill(p, p + h.bytes() / sizeof(float), static_cast<float>(rank + 1));
+    }
+    const auto deadline = std::chrono::seconds(300);
+    for (int phase = 0; phase < 2; ++phase) {
+      const bool writeback = phase == 1;
+      for (int rep = 0; rep < 1 + reps; ++rep) {
+        sync->arrive_and_wait();
+        if (failed->load()) return absl::OkStatus();
+        const auto t0 = Clock::now();
+        FS_ASSIGN_OR_RETURN(v1::SummonResponse r,
+                            RawSummon(stub.get(), caller, writeback, deadline));
+        if (r.units_size() != 1) {
+          return absl::InternalError(absl::StrCat("Summon returned ", r.units_size(), " views"));
+        }
+        const v1::MemoryHandle& h = r.units(0).params();
+        FS_ASSIGN_OR_RETURN(ShmSegment view,
+                            ShmSegment::Open(h.segment(), h.segment_bytes(), writeback));
+        const auto t1 = Clock::now();
+        if (rep == 0) {
+          // Shard k holds k+1: check both ends of every shard's unpadded range.
+          const float* p =
+              reinterpret_cast<const float*>(static_cast<const char*>(view.data()) + h.offset());
+          for (int64_t k = 0; k < world; ++k) {
+            const int64_t first = k * unit.shard_numel();
+            const int64_t last = std::min(unit.numel(), (k + 1) * unit.shard_numel()) - 1;
+            for (int64_t i : {first, last}) {
+              if (i < 0 || i >= unit.numel()) continue;
+              if (p[i] != static_cast<float>(k + 1)) {
+                return absl::InternalError(absl::StrCat("rank ", rank, " writeback=", writeback,
+                                                        ": element ", i, " is ", p[i], ", want ",
+                                                        k + 1));
+              }
+            }
+          }
+        }
+        sync->arrive_and_wait();
+        if (failed->load()) return absl::OkStatus();
+        const auto t2 = Clock::now();
+        FS_RETURN_IF_ERROR(RawEnd(stub.get(), caller, r.summon(), deadline));
+        const auto t3 = Clock::now();
+        if (rep > 0) {
+          times->summon[phase].push_back(MicrosSince(t0, t1));
+          times->end[phase].push_back(MicrosSince(t2, t3));
+        }
+        sync->arrive_and_wait();  // every End returned: what does the daemon still hold?
+        if (failed->load()) return absl::OkStatus();
+        if (rank == 0) {
+          times->resident_after_end[phase] =
+              std::max(times->resident_after_end[phase], ShmResidentBytes(prefix));
+        }
+      }
+    }
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, std::chrono::seconds(10));
+    v1::LeaveRequest req;
+    *req.mutable_caller() = caller;
+    v1::LeaveResponse resp;
+    if (grpc::Status s = stub->Leave(&ctx, req, &resp); !s.ok()) return RpcError("Leave", s);
+    return absl::OkStatus();
+  };
+  *status = run();
+  if (!status->ok()) failed->store(true);
+  // Leaving the barrier lets the other ranks pass; they see `failed` and stop.
+  sync->arrive_and_drop();
+}
+
+void PrintBandwidthRow(int world, absl::string_view op, int64_t size, double time_us,
+                       double memcpy_us, double bus_factor, absl::string_view note) {
+  const double algbw = static_cast<double>(size) / (time_us * 1e3);  // GB/s
+  std::printf("%5d  %-22s %12" PRId64 " %12.1f %11.2f %11.2f %9.2f  %s\n", world,
+              std::string(op).c_str(), size, time_us, algbw, algbw * bus_factor,
+              time_us / memcpy_us, std::string(note).c_str());
+}
+
+// Shrinks `bytes` (halving) until the peak need fits /dev/shm and available memory.
+int64_t FitBytes(int64_t bytes, int num_worlds, int max_world) {
+  struct statvfs sv;
+  const int64_t shm_free =
+      ::statvfs("/dev/shm", &sv) == 0 ? static_cast<int64_t>(sv.f_bavail) * sv.f_frsize : -1;
+  const int64_t mem_free = MemAvailableBytes();
+  // Peak, with 10% slack: the shards of every world size (1x each: a group's registration
+  // outlives its sessions) plus a private copy per rank (writeback=true); the memcpy baseline
+  // (3x: src, dst, a fresh dst or segment) runs while the earlier world sizes' shards exist.
+  auto need_shm = [&](int64_t b) { return b * (num_worlds + max_world) * 11 / 10; };
+  auto need_mem = [&](int64_t b) {
+    return std::max(need_shm(b), b * (num_worlds - 1 + 3) * 11 / 10);
+  };
+  int64_t fit = bytes;
+  while (fit > (int64_t{1} << 20) && ((shm_free >= 0 && need_shm(fit) > shm_free) ||
+                                      (mem_free >= 0 && need_mem(fit) > mem_free))) {
+    fit /= 2;
+  }
+  if (fit != bytes) {
+    std::printf("# NOTE: --bytes %" PRId64 " needs about %" PRId64
+                " bytes of /dev/shm (free %" PRId64 ") and %" PRId64
+                " of memory (available %" PRId64 "): shrunk to %" PRId64 "\n",
+                bytes, need_shm(bytes), shm_free, need_mem(bytes), mem_free, fit);
+  }
+  return fit;
+}
+
+absl::Status RunUnshard(const DaemonProcess& d, int64_t bytes, const std::vector<int>& worlds,
+                        int reps) {
+  const int max_world = *std::max_element(worlds.begin(), worlds.end());
+  bytes = FitBytes(bytes, static_cast<int>(worlds.size()), max_world);
+  const int64_t numel = bytes / static_cast<int64_t>(sizeof(float));
+  if (numel < max_world) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--bytes ", bytes, " is fewer than ", max_world, " float32 elements"));
+  }
+  std::printf("\n## Unshard: one unit of %" PRId64 " float32 (%" PRId64
+              " bytes), all ranks local "
+              "(threads, one channel each); median of %d reps after 1 warm-up; time = max over "
+              "ranks of (Summon RPC + mmap of the returned segment)\n",
+              numel, numel * 4, reps);
+  std::printf(
+      "# busbw = algbw * (n-1)/n; vs_memcpy = time / single-thread memcpy of the same "
+      "bytes (target <= 1.20 for writeback=0). load: %s\n",
+      LoadAverage().c_str());
+  std::printf("%5s  %-22s %12s %12s %11s %11s %9s  %s\n", "#n", "op", "size", "time(us)",
+              "algbw(GB/s)", "busbw(GB/s)", "vs_memcpy", "note");
+  int64_t shard_bytes = ShmResidentBytes(d.tag());  // the latency part's
+  for (int world : worlds) {
+    // The baseline first, while the daemon holds nothing of this world size.
+    FS_ASSIGN_OR_RETURN(CopyBaseline base, MeasureCopies(static_cast<size_t>(numel) * 4, d.tag()));
+    const int64_t size = numel * 4;
+    PrintBandwidthRow(world, "memcpy 1-thread", size, base.memcpy_us, base.memcpy_us, 1.0,
+                      "baseline: touched buffers");
+    PrintBandwidthRow(world, "memcpy fresh dst", size, base.memcpy_fresh_us, base.memcpy_us, 1.0,
+                      "context: + page faults of a new anonymous dst");
+    PrintBandwidthRow(world, "shm create", size, base.shm_create_us, base.memcpy_us, 1.0,
+                      "context: shm_open+ftruncate+fallocate+mmap");
+    PrintBandwidthRow(world, "shm create+memcpy", size, base.shm_create_copy_us, base.memcpy_us,
+                      1.0, "context: the daemon's per-summon work on 1 thread");
+
+    const std::string group = absl::StrCat("unshard", world);
+    std::barrier<> sync(world);
+    std::atomic<bool> failed{false};
+    std::vector<RankTimes> times(world);
+    std::vector<absl::Status> status(world);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back(RankMain, d.address(), d.tag(), group, world, r, numel, reps, &sync,
+                           &failed, &times[r], &status[r]);
+    }
+    for (std::thread& t : threads) t.join();
+    for (int r = 0; r < world; ++r) {
+      if (!status[r].ok()) {
+        return absl::Status(status[r].code(), absl::StrCat("unshard world_size=", world, ": rank ",
+                                                           r, ": ", status[r].message()));
+      }
+    }
+    const double bus = static_cast<double>(world - 1) / world;
+    shard_bytes += size;  // registrations outlive their sessions: the shards stay
+    for (int phase = 0; phase < 2; ++phase) {
+      std::vector<double> summon_max, end_max;
+      for (int rep = 0; rep < reps; ++rep) {
+        double s = 0, e = 0;
+        for (int r = 0; r < world; ++r) {
+          s = std::max(s, times[r].summon[phase][rep]);
+          e = std::max(e, times[r].end[phase][rep]);
+        }
+        summon_max.push_back(s);
+        end_max.push_back(e);
+      }
+      const double summon_us = Median(summon_max), end_us = Median(end_max);
+      std::string reps_text;
+      for (double v : summon_max)
+        absl::StrAppend(&reps_text, reps_text.empty() ? "" : " ", static_cast<int64_t>(v));
+      if (phase == 0) {
+        const double ratio = summon_us / base.memcpy_us;
+        PrintBandwidthRow(world, "summon writeback=0", size, summon_us, base.memcpy_us, bus,
+                          absl::StrCat("one shared copy; target <= 1.20: ",
+                                       ratio <= 1.2 ? "ok" : "MISS", "; reps(us): ", reps_text));
+        PrintBandwidthRow(
+            world, "end writeback=0", size, end_us, base.memcpy_us, bus,
+            absl::StrCat("reshard; daemon shm after End: ", times[0].resident_after_end[0] >> 20,
+                         " MiB (shards: ", shard_bytes >> 20, " MiB)"));
+      } else {
+        PrintBandwidthRow(world, "summon writeback=1", size, summon_us, base.memcpy_us, bus,
+                          absl::StrCat("a private copy per rank (", world, " x ", size,
+                                       " bytes written); reps(us): ", reps_text));
+        PrintBandwidthRow(world, "end writeback=1", size, end_us, base.memcpy_us, bus,
+                          absl::StrCat("write back own ranges; daemon shm after End: ",
+                                       times[0].resident_after_end[1] >> 20,
+                                       " MiB (shards: ", shard_bytes >> 20, " MiB)"));
+      }
+    }
+    std::fflush(stdout);
+  }
+  return absl::OkStatus();
+}
+
+// The running daemon, for the signal thread.
+std::atomic<bool> g_interrupted{false};
+absl::Mutex g_daemon_mu;
+DaemonProcess* g_daemon ABSL_GUARDED_BY(g_daemon_mu) = nullptr;
+
+// SIGINT and SIGTERM are blocked in every thread; this one waits for them, stops the daemon,
+// removes the segments and the socket directory, and exits 128 + signal.
+void SignalThread(sigset_t signals) {
+  int sig = 0;
+  if (sigwait(&signals, &sig) != 0) return;
+  g_interrupted = true;
+  std::fprintf(stderr, "flatshard_daemon_benchmark: signal %d: stopping flatshardd\n", sig);
+  {
+    absl::MutexLock lock(&g_daemon_mu);
+    if (g_daemon != nullptr) g_daemon->Stop();
+  }
+  _exit(128 + sig);
+}
+
+absl::StatusOr<std::vector<int>> ParseWorlds(const std::vector<std::string>& items) {
+  std::vector<int> out;
+  for (const std::string& item : items) {
+    int w = 0;
+    if (!absl::SimpleAtoi(item, &w) || w < 2 || w > 64) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--world_sizes: \"", item, "\" is not a world size in [2, 64]"));
+    }
+    out.push_back(w);
+  }
+  if (out.empty()) return absl::InvalidArgumentError("--world_sizes is empty");
+  return out;
+}
+
+absl::Status Run() {
+  const int iters = absl::GetFlag(FLAGS_iters);
+  const int warmup = absl::GetFlag(FLAGS_warmup);
+  const int reps = absl::GetFlag(FLAGS_reps);
+  const int64_t bytes = absl::GetFlag(FLAGS_bytes);
+  if (iters < 1 || warmup < 0 || reps < 1) {
+    return absl::InvalidArgumentError("want --iters >= 1, --warmup >= 0 and --reps >= 1");
+  }
+  if (bytes < 4) return absl::InvalidArgumentError("--bytes must be at least 4");
+  FS_ASSIGN_OR_RETURN(std::vector<int> worlds, ParseWorlds(absl::GetFlag(FLAGS_world_sizes)));
+
+  DaemonProcess daemon;
+  {
+    absl::MutexLock lock(&g_daemon_mu);
+    g_daemon = &daemon;
+  }
+  // Forget the daemon before it is destroyed, also on early returns.
+  struct Forget {
+    ~Forget() {
+      absl::MutexLock lock(&g_daemon_mu);
+      g_daemon = nullptr;
+    }
+  } forget;
+  FS_RETURN_IF_ERROR(daemon.Start(absl::GetFlag(FLAGS_flatshardd)));
+  std::printf(
+      "# flatshard daemon benchmark: flatshardd at %s, segments /dev/shm/%s.*; %u "
+      "hardware threads; load %s\n",
+      daemon.address().c_str(), daemon.tag().c_str(), std::thread::hardware_concurrency(),
+      LoadAverage().c_str());
+  absl::Status status = absl::OkStatus();
+  if (!absl::GetFlag(FLAGS_skip_latency)) status = RunLatency(daemon, warmup, iters);
+  std::fflush(stdout);
+  if (status.ok() && !absl::GetFlag(FLAGS_skip_unshard)) {
+    status = RunUnshard(daemon, bytes, worlds, reps);
+  }
+  std::fflush(stdout);
+  if (!status.ok()) {
+    status = absl::Status(
+        status.code(),
+        absl::StrCat(status.message(), "\n-- flatshardd log tail:\n", daemon.LogTail()));
+  }
+  daemon.Stop();
+  return status;
+}
+
+}  // namespace
+}  // namespace flatshard
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "flatshardd benchmarks: Summon+End latency vs Ping, unshard bandwidth vs memcpy.\n"
+      "Usage: flatshard_daemon_benchmark [--bytes N] [--iters N] [--world_sizes 2,4] "
+      "[--skip_latency] [--skip_unshard]");
+  absl::ParseCommandLine(argc, argv);
+  // Before any thread starts, so that every thread inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  std::thread(flatshard::SignalThread, signals).detach();
+  const absl::Status status = flatshard::Run();
+  // Interrupted: the signal thread stops the daemon and exits; the errors that caused here
+  // are not worth reporting.
+  while (flatshard::g_interrupted) pause();
+  if (!status.ok()) {
+    std::fprintf(stderr, "flatshard_daemon_benchmark: FAILED: %s\n", status.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
