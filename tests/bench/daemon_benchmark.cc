@@ -667,7 +667,8 @@ int64_t ShmResidentBytes(const std::string& prefix) {
 }
 
 // A rank's part: join, register, fill its shard with rank+1, then for each phase warm-up + reps
-// of (barrier, Summon + map, barrier, End). Rank 0 checks the gathered values on the first rep.
+// of (barrier, Summon + map, barrier, End, barrier). Every rank checks the gathered values on its
+// first rep (untimed): both ends of each shard range hold shard rank + 1.
 void RankMain(const std::string& address, const std::string& prefix, const std::string& group,
               int world, int rank, int64_t numel, int reps, std::barrier<>* sync,
               std::atomic<bool>* failed, RankTimes* times, absl::Status* status) {
@@ -960,7 +961,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "flatshardd benchmarks: Summon+End latency vs Ping, unshard bandwidth vs memcpy.\n"
       "Usage: flatshard_daemon_benchmark [--bytes N] [--iters N] [--world_sizes 2,4] "
-      "[--skip_latency] [--skip_unshard]");
+      "[--warmup N] [--reps N] [--skip_latency] [--skip_unshard] [--flatshardd PATH]");
   absl::ParseCommandLine(argc, argv);
   // Before any thread starts, so that every thread inherits the mask.
   sigset_t signals;

@@ -35,6 +35,7 @@
 #include "flatshard/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/daemon_process.h"
 
 namespace flatshard::client {
 namespace {
@@ -75,48 +76,7 @@ std::string SegmentOf(const void* p) {
   return "";
 }
 
-// A flatshardd process on a private socket and segment prefix, killed (SIGKILL) at the end.
-class DaemonProcess {
- public:
-  DaemonProcess() {
-    static int counter = 0;
-    tag_ = absl::StrCat("fscli", getpid(), "x", counter++);
-    dir_ = fs::temp_directory_path() / tag_;
-    fs::create_directories(dir_);
-    socket_ = (dir_ / "flatshardd.sock").string();
-    pid_ = fork();
-    if (pid_ == 0) {
-      const std::string bin = std::string(FS_BINARY_DIR) + "/server/flatshardd";
-      const std::string socket_flag = "--socket=" + socket_;
-      const std::string prefix_flag = "--segment_prefix=" + tag_;
-      execl(bin.c_str(), bin.c_str(), socket_flag.c_str(), prefix_flag.c_str(),
-            "--default_wait=10s", static_cast<char*>(nullptr));
-      _exit(127);
-    }
-    for (int i = 0; i < 2000 && !fs::exists(socket_); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    EXPECT_TRUE(fs::exists(socket_)) << "flatshardd did not come up on " << socket_;
-  }
-  ~DaemonProcess() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    for (const auto& e : fs::directory_iterator("/dev/shm")) {
-      if (e.path().filename().string().rfind(tag_ + ".", 0) == 0) fs::remove(e.path());
-    }
-    fs::remove_all(dir_);
-  }
-  std::string address() const { return "unix:" + socket_; }
-  const std::string& socket() const { return socket_; }
-
- private:
-  std::string tag_;
-  fs::path dir_;
-  std::string socket_;
-  pid_t pid_ = -1;
-};
+using DaemonProcess = ::flatshard::testing::DaemonProcess;
 
 std::unique_ptr<Client> Connect(const std::string& address) {
   ClientOptions options;

@@ -24,6 +24,7 @@
 #include "flatshard/v1/shard_service.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/daemon_process.h"
 #include <grpcpp/grpcpp.h>
 
 namespace flatshard {
@@ -39,67 +40,16 @@ std::string ReadFile(const fs::path& p) {
   return ss.str();
 }
 
-std::vector<std::string> SegmentsWithPrefix(const std::string& prefix) {
-  std::vector<std::string> out;
-  for (const auto& e : fs::directory_iterator("/dev/shm")) {
-    if (e.path().filename().string().rfind(prefix + ".", 0) == 0) out.push_back(e.path());
-  }
-  return out;
-}
 
-// A flatshardd process on a private socket and segment prefix.
-class DaemonProcess {
+// A flatshardd process (tests/testing/daemon_process.h) with raw ShardService stubs.
+class DaemonProcess : public ::flatshard::testing::DaemonProcess {
  public:
-  DaemonProcess() {
-    static int counter = 0;
-    tag_ = absl::StrCat("fse2e", getpid(), "x", counter++);
-    dir_ = fs::temp_directory_path() / tag_;
-    fs::create_directories(dir_);
-    socket_ = (dir_ / "flatshardd.sock").string();
-    pid_ = fork();
-    if (pid_ == 0) {
-      const std::string bin = std::string(FS_BINARY_DIR) + "/server/flatshardd";
-      const std::string socket_flag = "--socket=" + socket_;
-      const std::string prefix_flag = "--segment_prefix=" + tag_;
-      execl(bin.c_str(), bin.c_str(), socket_flag.c_str(), prefix_flag.c_str(),
-            "--default_wait=10s", static_cast<char*>(nullptr));
-      _exit(127);
-    }
-    channel_ = grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials());
-    const bool up = channel_->WaitForConnected(std::chrono::system_clock::now() +
-                                               std::chrono::seconds(20));
-    EXPECT_TRUE(up) << "flatshardd did not come up on " << socket_;
-  }
-  ~DaemonProcess() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    for (const auto& s : SegmentsWithPrefix(tag_)) fs::remove(s);
-    fs::remove_all(dir_);
-  }
+  DaemonProcess()
+      : ::flatshard::testing::DaemonProcess("fse2e"),
+        channel_(grpc::CreateChannel(address(), grpc::InsecureChannelCredentials())) {}
   std::unique_ptr<v1::ShardService::Stub> Stub() { return v1::ShardService::NewStub(channel_); }
-  // Sends SIGTERM and returns the exit status (or -1 after a 20 s wait).
-  int Terminate() {
-    kill(pid_, SIGTERM);
-    for (int i = 0; i < 2000; ++i) {
-      int status = 0;
-      if (waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return -1;
-  }
-  const std::string& socket() const { return socket_; }
-  const std::string& tag() const { return tag_; }
 
  private:
-  std::string tag_;
-  fs::path dir_;
-  std::string socket_;
-  pid_t pid_ = -1;
   std::shared_ptr<grpc::Channel> channel_;
 };
 
@@ -696,7 +646,7 @@ TEST(DaemonE2ETest, SigtermRemovesSocketAndSegments) {
   std::vector<Registered> out =
       RegisterAll(d, {RegisterRequest(MakeCaller("g", 0, s[0]), "gpt_tied")});
   ASSERT_TRUE(out[0].status.ok());
-  EXPECT_FALSE(SegmentsWithPrefix(d.tag()).empty());
+  EXPECT_FALSE(d.Segments().empty());
   // A join that waits for a missing rank is failed, not left hanging, by the shutdown.
   auto stub = d.Stub();
   auto waiting = std::async(std::launch::async, [&] { return Join(stub.get(), "h", 2, 0); });
@@ -705,7 +655,7 @@ TEST(DaemonE2ETest, SigtermRemovesSocketAndSegments) {
   Joined j = waiting.get();
   EXPECT_FALSE(j.status.ok());
   EXPECT_FALSE(fs::exists(d.socket()));
-  EXPECT_TRUE(SegmentsWithPrefix(d.tag()).empty());
+  EXPECT_TRUE(d.Segments().empty());
 }
 
 }  // namespace
