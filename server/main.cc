@@ -1,7 +1,10 @@
 // flatshardd: parses flags, runs the Daemon until SIGTERM or SIGINT. Nothing else.
 
-#include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <iostream>
 #include <thread>
@@ -27,6 +30,20 @@ ABSL_FLAG(absl::Duration, default_wait, absl::Seconds(60),
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
           "how long in-flight calls may take to finish on SIGTERM");
 
+namespace {
+
+int g_signal_pipe[2] = {-1, -1};
+
+void OnSignal(int sig) {
+  // Async-signal-safe: one write(); a second signal while shutting down is ignored.
+  const int saved = errno;
+  ssize_t ignored = write(g_signal_pipe[1], &sig, sizeof(sig));
+  (void)ignored;
+  errno = saved;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "flatshardd: the flatshard per-node daemon. Owns the shards of training jobs' flattened "
@@ -41,13 +58,6 @@ int main(int argc, char** argv) {
   usage.version_string = [] { return std::string("flatshardd ") + FS_VERSION_STRING + "\n"; };
   absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
-
-  // Signals go to one thread that stops the daemon; block them before any thread starts.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   flatshard::server::DaemonConfig config;
   config.socket_path = absl::GetFlag(FLAGS_socket);
@@ -64,9 +74,22 @@ int main(int argc, char** argv) {
     std::cerr << "flatshardd: " << daemon.status().message() << "\n";
     return 1;
   }
+  // gRPC's static initialisers may start threads before main, so masking signals here
+  // cannot route them to one thread; a handler works on whichever thread the kernel picks.
+  // It only writes the signal number to a pipe; a thread reads it and shuts the daemon down.
+  if (pipe(g_signal_pipe) != 0) {
+    std::cerr << "flatshardd: pipe: " << std::strerror(errno) << "\n";
+    return 1;
+  }
+  struct sigaction action = {};
+  action.sa_handler = OnSignal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGINT, &action, nullptr);
   std::thread signal_thread([&] {
     int sig = 0;
-    sigwait(&signals, &sig);
+    while (read(g_signal_pipe[0], &sig, sizeof(sig)) < 0 && errno == EINTR) {
+    }
     FS_LOG(INFO) << "received signal " << sig;
     (*daemon)->Shutdown();
   });
