@@ -116,7 +116,11 @@ struct GroupManager::Registered {
   // Unsharded and staging buffers kept across summons, decommitted while unused, so a
   // trainer maps each segment once (steady state: no mmap per summon). Key: (owner, unit,
   // what) with owner = rank, or -1 for the node's shared read-only copy.
-  std::map<std::tuple<int32_t, int32_t, int>, std::shared_ptr<Buffer>> kept;
+  struct Kept {
+    std::shared_ptr<Buffer> buffer;
+    absl::Time idle_since = absl::InfiniteFuture();  // in use until ReleaseKept says otherwise
+  };
+  std::map<std::tuple<int32_t, int32_t, int>, Kept> kept;
   // The session each rank registered or re-attached in; a rank whose session changed (a
   // restarted trainer) may register the same model again to re-attach.
   std::vector<uint64_t> attached_session;
@@ -658,6 +662,10 @@ void SubmitAll(const std::shared_ptr<collective::CollectiveGroup>& coll, int32_t
   }
 }
 
+// A kept buffer idle this long gives its pages back: a training loop that summons every step
+// keeps its pages (no page faults per step), an idle job holds only its shards.
+constexpr absl::Duration kKeptIdleRelease = absl::Seconds(1);
+
 constexpr char kAlreadyUnsharding[] =
     "Cannot manually unshard parameters when already unsharding parameters";
 
@@ -666,21 +674,51 @@ constexpr char kAlreadyUnsharding[] =
 absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::KeptBuffer(
     Group&, Registered& reg, int32_t owner, int32_t unit, int what, BufferKind kind,
     int64_t bytes, const std::string& label) {
-  std::shared_ptr<Buffer>& kept = reg.kept[{owner, unit, what}];
-  if (kept && kept.use_count() == 1) {  // only this map holds it: free to reuse
-    if (!kept->committed()) FS_RETURN_IF_ERROR(kept->Commit());
-    return kept;
+  Registered::Kept& kept = reg.kept[{owner, unit, what}];
+  if (kept.buffer && kept.buffer.use_count() == 1) {  // only this map holds it: free to reuse
+    if (!kept.buffer->committed()) {
+      absl::Status s = kept.buffer->Commit();
+      if (absl::IsResourceExhausted(s)) {
+        DecommitIdle(absl::InfiniteFuture());  // make room from other idle buffers, then retry
+        s = kept.buffer->Commit();
+      }
+      FS_RETURN_IF_ERROR(s);
+    }
+    kept.idle_since = absl::InfiniteFuture();
+    return kept.buffer;
   }
-  FS_ASSIGN_OR_RETURN(std::shared_ptr<Buffer> fresh, store_->Allocate(kind, bytes, label));
-  if (!kept) kept = fresh;
-  return fresh;
+  absl::StatusOr<std::shared_ptr<Buffer>> fresh = store_->Allocate(kind, bytes, label);
+  if (absl::IsResourceExhausted(fresh.status())) {
+    DecommitIdle(absl::InfiniteFuture());
+    fresh = store_->Allocate(kind, bytes, label);
+  }
+  if (!fresh.ok()) return fresh.status();
+  if (!kept.buffer) kept.buffer = *fresh;
+  return *fresh;
 }
 
 void GroupManager::ReleaseKept(Registered& reg) {
-  for (auto& [key, buffer] : reg.kept) {
-    if (buffer.use_count() == 1 && buffer->committed()) {
-      absl::Status s = buffer->Decommit();
-      if (!s.ok()) FS_LOG(WARNING) << "decommit of " << buffer->segment_name() << ": " << s;
+  const absl::Time now = absl::Now();
+  for (auto& [key, kept] : reg.kept) {
+    if (kept.buffer.use_count() == 1 && kept.idle_since == absl::InfiniteFuture()) {
+      kept.idle_since = now;
+    }
+  }
+}
+
+void GroupManager::DecommitIdle(absl::Time now) {
+  for (auto& [id, g] : groups_) {
+    for (auto& [module, reg] : g->registered) {
+      for (auto& [key, kept] : reg.kept) {
+        if (kept.buffer.use_count() != 1 || !kept.buffer->committed()) continue;
+        const bool all = now == absl::InfiniteFuture();
+        if (!all && (kept.idle_since == absl::InfiniteFuture() ||
+                     now - kept.idle_since < kKeptIdleRelease)) {
+          continue;
+        }
+        absl::Status s = kept.buffer->Decommit();
+        if (!s.ok()) FS_LOG(WARNING) << "decommit of " << kept.buffer->segment_name() << ": " << s;
+      }
     }
   }
 }
@@ -880,28 +918,34 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
     done(error);
     return;
   }
-  auto write_back = [plan, copy, shards, caller]() {
+  // Writes back this rank's ranges. Takes the copy and lets its buffer references go, so
+  // FinishEnd sees which kept buffers nobody uses any more.
+  auto write_back = [plan, shards, caller](std::unique_ptr<OpenSummon> copy) {
     const int32_t r = plan->ShardRank(caller.rank);
-    for (size_t i = 0; i < copy.units.size(); ++i) {
-      const PlanUnit& unit = plan->units[copy.units[i]];
-      const UnitShard& shard = shards[copy.units[i]];
-      const bool from_rank0 = copy.options.rank0_only;
-      const Buffer* params = from_rank0 ? copy.slot->rank0_params.at(copy.units[i]).get()
-                                        : copy.views[i].params.get();
+    for (size_t i = 0; i < copy->units.size(); ++i) {
+      const PlanUnit& unit = plan->units[copy->units[i]];
+      const UnitShard& shard = shards[copy->units[i]];
+      const bool from_rank0 = copy->options.rank0_only;
+      const Buffer* params = from_rank0 ? copy->slot->rank0_params.at(copy->units[i]).get()
+                                        : copy->views[i].params.get();
       CopyOwnRange(*plan, unit, r, *params, *shard.shard);
-      const auto& grads_map = copy.slot->rank0_grads;
-      const Buffer* grads = from_rank0
-                                ? (grads_map.contains(copy.units[i]) ? grads_map.at(copy.units[i]).get() : nullptr)
-                                : copy.views[i].grads.get();
+      const auto& grads_map = copy->slot->rank0_grads;
+      const Buffer* grads =
+          from_rank0 ? (grads_map.contains(copy->units[i]) ? grads_map.at(copy->units[i]).get()
+                                                           : nullptr)
+                     : copy->views[i].grads.get();
       if (grads != nullptr && shard.grad) CopyOwnRange(*plan, unit, r, *grads, *shard.grad);
     }
   };
-  if (!copy.options.writeback) {
+  const SummonOptions options = copy.options;
+  auto owned = std::make_unique<OpenSummon>(std::move(copy));
+  if (!options.writeback) {
+    owned.reset();
     FinishEnd(caller, summon, absl::OkStatus(), std::move(done));
     return;
   }
-  if (!copy.options.rank0_only) {
-    write_back();
+  if (!options.rank0_only) {
+    write_back(std::move(owned));
     FinishEnd(caller, summon, absl::OkStatus(), std::move(done));
     return;
   }
@@ -910,8 +954,13 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
   std::vector<collective::CollectiveOp> barrier;
   barrier.push_back(collective::CollectiveOp::Broadcast(-1, collective::MutableBuffer{}, 0));
   SubmitAll(coll, caller.rank, std::move(barrier), deadline,
-            [this, caller, summon, write_back, done = std::move(done)](absl::Status s) mutable {
-              if (s.ok()) write_back();
+            [this, caller, summon, write_back, owned = std::move(owned),
+             done = std::move(done)](absl::Status s) mutable {
+              if (s.ok()) {
+                write_back(std::move(owned));
+              } else {
+                owned.reset();
+              }
               FinishEnd(caller, summon, s, std::move(done));
             });
 }
@@ -1092,6 +1141,7 @@ void GroupManager::DeadlineLoop() {
       mu_.AwaitWithTimeout(absl::Condition(&shutdown_), absl::Milliseconds(20));
       if (shutdown_) return;
       const absl::Time now = absl::Now();
+      DecommitIdle(now);
       for (auto it = groups_.begin(); it != groups_.end();) {
         Group& g = *it->second;
         std::vector<int32_t> missing = g.MissingRanks();

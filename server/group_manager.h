@@ -193,8 +193,10 @@ class GroupManager {
                                                      int32_t unit, int what, BufferKind kind,
                                                      int64_t bytes, const std::string& label)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Decommits kept buffers nobody uses any more.
+  // Marks kept buffers nobody uses any more as idle from now.
   void ReleaseKept(Registered& reg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Decommits kept buffers idle for a while (all idle ones when `now` is InfiniteFuture).
+  void DecommitIdle(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends every open summon of `rank` in `g` without writeback (lease ended, leave).
   void DropSummons(Group& g, int32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishEnd(const Caller& caller, uint64_t summon, absl::Status status, StatusCallback done);

@@ -231,6 +231,23 @@ class DaemonProcess {
   const std::string& tag() const { return tag_; }
   std::string LogTail() const { return Tail(ReadText(log_), 4000); }
 
+  // "" while the daemon runs; how it ended if it exited (e.g. a SIGTERM from outside).
+  std::string ExitNote() {
+    absl::MutexLock lock(&stop_mu_);
+    if (pid_ <= 0) return "";
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) != pid_) return "";
+    pid_ = -1;
+    // The benchmark stops the daemon only after this point: whatever ended it came from outside.
+    if (WIFEXITED(status)) {
+      return absl::StrCat("flatshardd exited with code ", WEXITSTATUS(status),
+                          " while the benchmark ran",
+                          WEXITSTATUS(status) == 0 ? " (a SIGTERM or SIGINT from elsewhere)" : "");
+    }
+    return absl::StrCat("flatshardd was killed by signal ", WTERMSIG(status),
+                        " while the benchmark ran");
+  }
+
  private:
   absl::Mutex stop_mu_;
   std::string tag_;
@@ -666,6 +683,18 @@ int64_t ShmResidentBytes(const std::string& prefix) {
   return total;
 }
 
+// `segment` with what was being done and the daemon's segments that exist now, on error.
+absl::StatusOr<ShmSegment> Annotate(absl::StatusOr<ShmSegment> segment, absl::string_view what,
+                                    const std::string& prefix) {
+  if (segment.ok()) return segment;
+  std::vector<std::string> names;
+  for (const fs::path& p : SegmentsWithPrefix(prefix)) names.push_back(p.filename().string());
+  std::sort(names.begin(), names.end());
+  return absl::Status(segment.status().code(),
+                      absl::StrCat(what, ": ", segment.status().message(), " (/dev/shm has ",
+                                   absl::StrJoin(names, " "), ")"));
+}
+
 // A rank's part: join, register, fill its shard with rank+1, then for each phase warm-up + reps
 // of (barrier, Summon + map, barrier, End, barrier). Every rank checks the gathered values on its
 // first rep (untimed): both ends of each shard range hold shard rank + 1.
@@ -681,7 +710,9 @@ void RankMain(const std::string& address, const std::string& prefix, const std::
     const v1::PlanUnit& unit = reg.plan().units(0);
     {
       const v1::MemoryHandle& h = reg.shards(0).shard();
-      FS_ASSIGN_OR_RETURN(ShmSegment shard, ShmSegment::Open(h.segment(), h.segment_bytes(), true));
+      FS_ASSIGN_OR_RETURN(ShmSegment shard,
+                          Annotate(ShmSegment::Open(h.segment(), h.segment_bytes(), true),
+                                   "mapping the rank's shard", prefix));
       float* p = reinterpret_cast<float*>(static_cast<char*>(shard.data()) + h.offset());
       std::fill(p, p + h.bytes() / sizeof(float), static_cast<float>(rank + 1));
     }
@@ -699,7 +730,10 @@ void RankMain(const std::string& address, const std::string& prefix, const std::
         }
         const v1::MemoryHandle& h = r.units(0).params();
         FS_ASSIGN_OR_RETURN(ShmSegment view,
-                            ShmSegment::Open(h.segment(), h.segment_bytes(), writeback));
+                            Annotate(ShmSegment::Open(h.segment(), h.segment_bytes(), writeback),
+                                     absl::StrCat("mapping the view of summon ", r.summon(),
+                                                  " (writeback=", writeback, ", rep ", rep, ")"),
+                                     prefix));
         const auto t1 = Clock::now();
         if (rep == 0) {
           // Shard k holds k+1: check both ends of every shard's unpadded range.
@@ -946,9 +980,11 @@ absl::Status Run() {
   }
   std::fflush(stdout);
   if (!status.ok()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // a dying daemon: let it go
+    const std::string exit_note = daemon.ExitNote();
     status = absl::Status(
-        status.code(),
-        absl::StrCat(status.message(), "\n-- flatshardd log tail:\n", daemon.LogTail()));
+        status.code(), absl::StrCat(status.message(), exit_note.empty() ? "" : "\n-- ", exit_note,
+                                    "\n-- flatshardd log tail:\n", daemon.LogTail()));
   }
   daemon.Stop();
   return status;
