@@ -7,6 +7,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/status_macros.h"
 
 namespace flatshard {
@@ -249,6 +250,20 @@ Json ModuleToJson(const Manifest& manifest, int32_t index, std::vector<bool>& wr
 
 bool ModuleDecl::IsInstanceOf(absl::string_view type_name) const {
   return type == type_name || std::find(bases.begin(), bases.end(), type_name) != bases.end();
+}
+
+std::optional<int32_t> FindModulePath(const Manifest& manifest, absl::string_view path) {
+  if (manifest.modules.empty()) return std::nullopt;
+  int32_t m = 0;
+  if (path.empty()) return m;
+  for (absl::string_view name : absl::StrSplit(path, '.')) {
+    const auto& children = manifest.modules[m].children;
+    auto it = std::find_if(children.begin(), children.end(),
+                           [&](const ChildDecl& c) { return c.name == name; });
+    if (it == children.end()) return std::nullopt;
+    m = it->module;
+  }
+  return m;
 }
 
 absl::StatusOr<Manifest> ManifestFromJsonValue(const Json& doc) {

@@ -8,6 +8,7 @@
 // and every numel fits in int64. Thread-safe for concurrent reads.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -62,6 +63,10 @@ struct Manifest {
   const ModuleDecl& root() const { return modules.front(); }
   friend bool operator==(const Manifest&, const Manifest&) = default;
 };
+
+// The module instance registered at `path` (a `.`-joined module FQN; "" is the root), or
+// nullopt when no such path exists.
+std::optional<int32_t> FindModulePath(const Manifest& manifest, absl::string_view path);
 
 // Parses and validates a manifest document. INVALID_ARGUMENT names the JSON path and rule.
 absl::StatusOr<Manifest> ManifestFromJson(absl::string_view text);

@@ -199,30 +199,12 @@ class Planner {
     return absl::OkStatus();
   }
 
-  // Finds the module instance at `path` ("" is the root).
-  std::optional<int32_t> FindModule(absl::string_view path) const {
-    int32_t m = 0;
-    if (path.empty()) return m;
-    for (absl::string_view name : absl::StrSplit(path, '.')) {
-      bool found = false;
-      for (const ChildDecl& c : manifest_.modules[m].children) {
-        if (c.name == name) {
-          m = c.module;
-          found = true;
-          break;
-        }
-      }
-      if (!found) return std::nullopt;
-    }
-    return m;
-  }
-
   absl::Status ResolveIgnored() {
     const size_t n = manifest_.modules.size();
     module_ignored_.assign(n, false);
     for (size_t i = 0; i < policy_.ignored_modules.size(); ++i) {
       const std::string& path = policy_.ignored_modules[i];
-      auto m = FindModule(path);
+      auto m = FindModulePath(manifest_, path);
       if (!m) {
         return absl::InvalidArgumentError(absl::StrCat("policy: $.ignored_modules[", i,
                                                        "]: no module at path ", Quote(path)));
@@ -248,7 +230,7 @@ class Planner {
       size_t dot = fqn.rfind('.');
       absl::string_view module_path = dot == std::string::npos ? "" : absl::string_view(fqn).substr(0, dot);
       absl::string_view name = dot == std::string::npos ? absl::string_view(fqn) : absl::string_view(fqn).substr(dot + 1);
-      auto m = FindModule(module_path);
+      auto m = FindModulePath(manifest_, module_path);
       bool found = false;
       if (m) {
         const auto& params = manifest_.modules[*m].params;
@@ -271,7 +253,7 @@ class Planner {
   absl::Status ResolveExplicitPaths(const AutoWrapPolicy& p, const std::string& where) {
     if (p.kind == AutoWrapKind::kExplicit) {
       for (size_t i = 0; i < p.paths.size(); ++i) {
-        auto m = FindModule(p.paths[i]);
+        auto m = FindModulePath(manifest_, p.paths[i]);
         if (!m) {
           return absl::InvalidArgumentError(absl::StrCat(where, ".paths[", i,
                                                          "]: no module at path ",

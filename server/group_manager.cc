@@ -582,23 +582,6 @@ std::vector<int32_t> SelectUnits(const Plan& plan, const std::string& path, bool
   return units;
 }
 
-bool ModulePathExists(const Manifest& m, const std::string& path) {
-  if (path.empty()) return true;
-  int32_t at = 0;
-  for (absl::string_view name : absl::StrSplit(path, '.')) {
-    bool found = false;
-    for (const ChildDecl& c : m.modules[at].children) {
-      if (c.name == name) {
-        at = c.module;
-        found = true;
-        break;
-      }
-    }
-    if (!found) return false;
-  }
-  return true;
-}
-
 collective::ConstBuffer ConstOf(const Buffer& b, DType dtype) {
   return collective::ConstBuffer{b.data(), static_cast<size_t>(b.bytes()), dtype};
 }
@@ -743,7 +726,7 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
             absl::StrCat("group ", g->id, ": module ", Display(module), " is not registered"));
       } else {
         reg = &it->second;
-        if (!ModulePathExists(reg->manifest, path)) {
+        if (!FindModulePath(reg->manifest, path)) {
           error = absl::NotFoundError(absl::StrCat("module ", Display(module), " has no submodule ",
                                                    Display(path)));
         }

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/shm_testing.h"
 
 namespace flatshard {
 namespace {
@@ -27,24 +28,8 @@ using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::UnorderedElementsAre;
 
-// Names in /dev/shm (without the leading "/") that start with "<prefix>.".
-std::vector<std::string> ListSegments(const std::string& prefix) {
-  std::vector<std::string> names;
-  DIR* dir = opendir("/dev/shm");
-  if (dir == nullptr) return names;
-  while (const dirent* entry = readdir(dir)) {
-    if (absl::StartsWith(entry->d_name, prefix + ".")) names.push_back(entry->d_name);
-  }
-  closedir(dir);
-  return names;
-}
-
-bool SegmentExists(const std::string& name) {
-  const int fd = shm_open(name.c_str(), O_RDONLY, 0);
-  if (fd < 0) return false;
-  close(fd);
-  return true;
-}
+using ::flatshard::testing::ListSegments;
+using ::flatshard::testing::SegmentExists;
 
 // A leftover as a crashed daemon would leave it: created and never unlinked.
 void CreateRaw(const std::string& name) {

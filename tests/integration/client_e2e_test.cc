@@ -36,6 +36,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/shm_testing.h"
 
 namespace flatshard::client {
 namespace {
@@ -58,7 +59,7 @@ std::string ModelFile(const std::string& model, const std::string& kind) {
                   (model + "." + kind + ".json"));
 }
 
-bool SegmentExists(const std::string& name) { return fs::exists("/dev/shm" + name); }
+using ::flatshard::testing::SegmentExists;
 
 // The shared-memory segment ("/name") mapped at `p` in this process, from /proc/self/maps;
 // "" when `p` is in no /dev/shm mapping.

@@ -21,6 +21,7 @@
 #include "common/shm_segment.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/shm_testing.h"
 
 namespace flatshard::server {
 namespace {
@@ -29,23 +30,8 @@ using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::SizeIs;
 
-std::vector<std::string> ListSegments(const std::string& prefix) {
-  std::vector<std::string> names;
-  DIR* dir = opendir("/dev/shm");
-  if (dir == nullptr) return names;
-  while (const dirent* entry = readdir(dir)) {
-    if (absl::StartsWith(entry->d_name, prefix + ".")) names.push_back(entry->d_name);
-  }
-  closedir(dir);
-  return names;
-}
-
-bool SegmentExists(const std::string& name) {
-  const int fd = shm_open(name.c_str(), O_RDONLY, 0);
-  if (fd < 0) return false;
-  close(fd);
-  return true;
-}
+using ::flatshard::testing::ListSegments;
+using ::flatshard::testing::SegmentExists;
 
 bool AllZero(const void* data, size_t bytes) {
   const auto* p = static_cast<const uint8_t*>(data);

@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/testing/shm_testing.h"
 
 namespace flatshard::testing {
 
@@ -69,9 +70,7 @@ class DaemonProcess {
   // The daemon's segments still in /dev/shm.
   std::vector<std::string> Segments() const {
     std::vector<std::string> out;
-    for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
-      if (e.path().filename().string().rfind(tag_ + ".", 0) == 0) out.push_back(e.path());
-    }
+    for (const std::string& name : ListSegments(tag_)) out.push_back("/dev/shm/" + name);
     return out;
   }
   std::string address() const { return "unix:" + socket_; }
