@@ -20,6 +20,7 @@
 #include "common/policy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/files.h"
 
 namespace flatshard {
 namespace {
@@ -39,12 +40,7 @@ struct Result {
   std::string err;
 };
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using ::flatshard::testing::ReadFile;
 
 // Runs flatshardctl with `args`; stdout and stderr are captured separately through files.
 Result RunCtl(const std::vector<std::string>& args) {

@@ -19,6 +19,7 @@
 #include "common/policy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/files.h"
 
 namespace flatshard {
 namespace {
@@ -27,12 +28,7 @@ namespace fs = std::filesystem;
 
 const fs::path kDataDir = fs::path(FS_SOURCE_DIR) / "tests" / "data" / "fsdp";
 
-std::string ReadFile(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using ::flatshard::testing::ReadFile;
 
 std::vector<std::string> ListCases() {
   std::vector<std::string> cases;

@@ -16,6 +16,7 @@
 #include "common/policy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/files.h"
 
 namespace flatshard {
 namespace {
@@ -28,13 +29,7 @@ using OJson = nlohmann::ordered_json;
 
 std::string Msg(const absl::Status& s) { return std::string(s.message()); }
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  EXPECT_TRUE(in.good()) << path;
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using ::flatshard::testing::ReadFile;
 
 std::string ExamplePath(const std::string& name) {
   return std::string(FS_SOURCE_DIR) + "/examples/models/" + name;

@@ -35,6 +35,7 @@
 #include "flatshard/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/files.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/shm_testing.h"
 
@@ -47,17 +48,9 @@ using ::testing::HasSubstr;
 
 constexpr char kToken[] = "t0k";
 
-std::string ReadFile(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using ::flatshard::testing::ReadFile;
 
-std::string ModelFile(const std::string& model, const std::string& kind) {
-  return ReadFile(fs::path(FS_SOURCE_DIR) / "examples" / "models" /
-                  (model + "." + kind + ".json"));
-}
+using ::flatshard::testing::ExampleModelFile;
 
 using ::flatshard::testing::SegmentExists;
 
@@ -107,8 +100,8 @@ struct Rank {
 std::vector<Rank> JoinAndRegister(const DaemonProcess& d, const std::string& group, int world,
                                   const std::string& model = "gpt_tied") {
   std::vector<Rank> ranks(world);
-  const std::string manifest = ModelFile(model, "manifest");
-  const std::string policy = ModelFile(model, "policy");
+  const std::string manifest = ExampleModelFile(model, "manifest");
+  const std::string policy = ExampleModelFile(model, "policy");
   ForEachRank(world, [&](int r) {
     ranks[r].client = Connect(d.address());
     ASSERT_NE(ranks[r].client, nullptr);
@@ -530,8 +523,8 @@ TEST(ClientE2ETest, ClientKilledMidSummonEndsItWithoutWriteback) {
   std::unique_ptr<Client> c0 = Connect(d.address());
   ASSERT_NE(c0, nullptr);
   ASSERT_TRUE(c0->Join("kill", 2, 0, kToken).ok());
-  absl::StatusOr<RegisteredModule> m0 = c0->Register("", ModelFile("gpt_tied", "manifest"),
-                                                     ModelFile("gpt_tied", "policy"),
+  absl::StatusOr<RegisteredModule> m0 = c0->Register("", ExampleModelFile("gpt_tied", "manifest"),
+                                                     ExampleModelFile("gpt_tied", "policy"),
                                                      InitMode::kZeros);
   ASSERT_TRUE(m0.ok()) << m0.status();
   const Plan& plan = *m0->plan;
@@ -633,7 +626,7 @@ TEST(ClientE2ETest, RestartedClientReattachesByRegisteringAgain) {
   EXPECT_THAT(ranks[1].client->registered_modules(), ElementsAre(""));
 
   absl::StatusOr<RegisteredModule> again = ranks[1].client->Register(
-      "", ModelFile("gpt_tied", "manifest"), ModelFile("gpt_tied", "policy"), InitMode::kZeros);
+      "", ExampleModelFile("gpt_tied", "manifest"), ExampleModelFile("gpt_tied", "policy"), InitMode::kZeros);
   ASSERT_TRUE(again.ok()) << "re-attach by registering again: " << again.status();
   EXPECT_EQ(again->plan->fingerprint, plan.fingerprint);
   EXPECT_EQ(again->init_summon, nullptr);
@@ -657,8 +650,8 @@ TEST(ClientE2EChild, HoldSummonUntilKilled) {
   if (socket == nullptr || fd == nullptr) GTEST_SKIP() << "runs only as a child process";
   std::unique_ptr<Client> c = Connect(std::string("unix:") + socket);
   if (c == nullptr || !c->Join("kill", 2, 1, kToken).ok()) _exit(2);
-  absl::StatusOr<RegisteredModule> m = c->Register("", ModelFile("gpt_tied", "manifest"),
-                                                   ModelFile("gpt_tied", "policy"),
+  absl::StatusOr<RegisteredModule> m = c->Register("", ExampleModelFile("gpt_tied", "manifest"),
+                                                   ExampleModelFile("gpt_tied", "policy"),
                                                    InitMode::kZeros);
   if (!m.ok()) _exit(3);
   SummonOptions writeback;

@@ -24,6 +24,7 @@
 #include "flatshard/v1/shard_service.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/files.h"
 #include "tests/testing/daemon_process.h"
 #include <grpcpp/grpcpp.h>
 
@@ -33,12 +34,7 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-std::string ReadFile(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using ::flatshard::testing::ReadFile;
 
 
 // A flatshardd process (tests/testing/daemon_process.h) with raw ShardService stubs.
