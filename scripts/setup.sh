@@ -9,6 +9,7 @@ PACKAGES=(
   libucx-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev   # libFuzzer for the JSON reader's fuzz target
+  ucx-utils openmpi-bin libopenmpi-dev   # baselines: ucx_perftest, MPI_Allgather
 )
 
 missing=()

@@ -69,6 +69,12 @@ struct GroupSpec {
   int world_size = 1;
   // The global ranks this daemon hosts, ascending. The inproc backend needs all of them.
   std::vector<int> local_ranks;
+  // Multi-daemon groups: for every rank, the address (CollectiveBackend::LocalAddress) of the
+  // backend in the daemon that hosts it; empty when every rank is local.
+  std::vector<std::string> rank_addresses;
+  // The group's rendezvous epoch: a group re-formed under the same id gets a new epoch, and
+  // messages of different epochs never match.
+  uint64_t epoch = 0;
 
   // A spec whose every rank 0..world_size-1 is local.
   static GroupSpec AllLocal(std::string group_id, int world_size);
@@ -144,6 +150,9 @@ class CollectiveBackend {
   virtual bool IsViable() const = 0;
   // Whether ops on buffers of `kind` are possible.
   virtual bool Supports(MemoryKind kind) const = 0;
+  // What peers need to reach this backend (the UCX worker address), published at rendezvous
+  // as GroupSpec::rank_addresses; empty for backends without remote peers.
+  virtual std::string LocalAddress() const { return ""; }
   // A Communicator for `group`'s local ranks. INVALID_ARGUMENT for a malformed spec,
   // FAILED_PRECONDITION when this backend cannot host the group (e.g. inproc with remote ranks).
   virtual absl::StatusOr<std::unique_ptr<Communicator>> Connect(const GroupSpec& group) = 0;
