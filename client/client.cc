@@ -188,7 +188,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     if (lease != nullptr) lease->Stop();
   }
 
-  absl::Status Join(std::string group, int world_size, int rank, std::string token) {
+  absl::Status Join(std::string group, int world_size, int rank, std::string token,
+                    std::string coordinator) {
     if (group.empty()) return absl::InvalidArgumentError("Join: empty group name");
     if (world_size < 1 || rank < 0 || rank >= world_size) {
       return absl::InvalidArgumentError(absl::StrCat("Join: rank ", rank, " of world_size ",
@@ -209,7 +210,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       modules_.clear();
     }
     if (broken != nullptr) broken->Stop();
-    absl::Status status = JoinAndLease(std::move(group), world_size, rank, std::move(token));
+    absl::Status status = JoinAndLease(std::move(group), world_size, rank, std::move(token),
+                                       std::move(coordinator));
     if (!status.ok()) {
       absl::MutexLock lock(&mu_);
       state_ = State::kIdle;
@@ -415,8 +417,10 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     }
   }
 
-  absl::Status JoinAndLease(std::string group, int world_size, int rank, std::string token) {
+  absl::Status JoinAndLease(std::string group, int world_size, int rank, std::string token,
+                            std::string coordinator) {
     v1::JoinGroupRequest request;
+    request.set_coordinator(std::move(coordinator));
     request.set_group(group);
     request.set_world_size(world_size);
     request.set_rank(rank);
@@ -710,8 +714,9 @@ Client::~Client() {
   core_->Shutdown();
 }
 
-absl::Status Client::Join(std::string group, int world_size, int rank, std::string token) {
-  return core_->Join(std::move(group), world_size, rank, std::move(token));
+absl::Status Client::Join(std::string group, int world_size, int rank, std::string token,
+                          std::string coordinator) {
+  return core_->Join(std::move(group), world_size, rank, std::move(token), std::move(coordinator));
 }
 
 std::vector<std::string> Client::registered_modules() const { return core_->registered_modules(); }

@@ -11,7 +11,10 @@
 #include "common/logging.h"
 #include "common/shm_segment.h"
 #include "common/status_macros.h"
+#include "server/collective/backend_registry.h"
 #include "server/group_manager.h"
+#include "server/peer/peer_service_impl.h"
+#include "server/service/admin_service_impl.h"
 #include "server/service/shard_service_impl.h"
 #include "server/shard_store.h"
 #include <grpcpp/health_check_service_interface.h>
@@ -61,8 +64,47 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
 
   std::unique_ptr<Daemon> d(new Daemon(config));
   d->store_ = std::make_unique<ShardStore>(store_options);
-  d->groups_ = std::make_unique<GroupManager>(d->store_.get());
+
+  GroupManagerOptions group_options;
+  if (!config.peer_address.empty()) {
+    // The coordinator role: other daemons (and this one) meet here for groups whose ranks
+    // name this daemon's peer address.
+    peer::PeerOptions peer_options;
+    peer_options.heartbeat_interval = config.heartbeat_interval;
+    peer_options.peer_timeout = config.peer_timeout;
+    d->peer_service_ = std::make_unique<peer::PeerServiceImpl>(peer_options);
+    grpc::ServerBuilder peer_builder;
+    int peer_port = 0;
+    peer_builder.AddListeningPort(config.peer_address, grpc::InsecureServerCredentials(),
+                                  &peer_port);
+    peer_builder.RegisterService(d->peer_service_.get());
+    d->peer_server_ = peer_builder.BuildAndStart();
+    if (d->peer_server_ == nullptr || peer_port == 0) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on --peer_address ", config.peer_address));
+    }
+    const size_t colon = config.peer_address.rfind(':');
+    d->peer_address_ = absl::StrCat(config.peer_address.substr(0, colon), ":", peer_port);
+
+    collective::BackendRegistry registry;
+    FS_RETURN_IF_ERROR(collective::RegisterBuiltinBackends(registry));
+    absl::StatusOr<std::unique_ptr<collective::CollectiveBackend>> ucx = registry.Create("ucx");
+    if (!ucx.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--peer_address needs the UCX backend, which this build lacks: ", ucx.status().message()));
+    }
+    group_options.remote_backend = *std::move(ucx);
+    char host[256] = {};
+    ::gethostname(host, sizeof(host) - 1);
+    group_options.self.node = config.node_name.empty() ? std::string(host) : config.node_name;
+    group_options.self.daemon_id = absl::StrCat(group_options.self.node, "/", ::getpid(), "/",
+                                                absl::ToUnixMicros(absl::Now()));
+    group_options.self.peer_address = d->peer_address_;
+    group_options.peer = peer_options;
+  }
+  d->groups_ = std::make_unique<GroupManager>(d->store_.get(), std::move(group_options));
   d->shard_service_ = std::make_unique<ShardServiceImpl>(d->groups_.get(), config.default_wait);
+  d->admin_service_ = std::make_unique<AdminServiceImpl>(d->groups_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
@@ -72,6 +114,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
     builder.AddListeningPort(config.tcp_address, grpc::InsecureServerCredentials(), &tcp_port);
   }
   builder.RegisterService(d->shard_service_.get());
+  builder.RegisterService(d->admin_service_.get());
   // Plans of large models exceed gRPC's 4 MiB default; bytes never travel here anyway.
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(-1);
@@ -85,7 +128,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   ::chmod(config.socket_path.c_str(), 0660);
   FS_LOG(INFO) << "flatshardd listening on unix:" << config.socket_path
                << (config.tcp_address.empty() ? "" : " and " + config.tcp_address)
-               << ", segments /dev/shm/" << config.segment_prefix << ".*";
+               << ", segments /dev/shm/" << config.segment_prefix << ".*"
+               << (d->peer_address_.empty() ? "" : ", peers on " + d->peer_address_);
   return d;
 }
 
@@ -102,8 +146,11 @@ void Daemon::Shutdown() {
   FS_LOG(INFO) << "flatshardd shutting down (grace " << config_.shutdown_grace << ")";
   if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
   groups_->Shutdown();  // pending collectives finish with UNAVAILABLE
-  server_->Shutdown(std::chrono::system_clock::now() +
-                    absl::ToChronoNanoseconds(config_.shutdown_grace));
+  const auto deadline =
+      std::chrono::system_clock::now() + absl::ToChronoNanoseconds(config_.shutdown_grace);
+  if (peer_service_) peer_service_->Shutdown();  // pending rendezvous fail, streams end
+  if (peer_server_) peer_server_->Shutdown(deadline);
+  server_->Shutdown(deadline);
   store_->Shutdown();
   ::unlink(config_.socket_path.c_str());
   FS_LOG(INFO) << "flatshardd stopped: socket and segments removed";

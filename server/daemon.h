@@ -1,7 +1,8 @@
 #pragma once
 // Daemon: owns and orders the parts of flatshardd: the ShardStore (memory), the GroupManager
-// (groups, sessions, registrations) and the gRPC server (Unix socket, optional TCP, the
-// standard health service). Shutdown fails pending waits, stops the server within a grace
+// (groups, sessions, registrations), the gRPC server for trainers and operators (Unix socket,
+// optional TCP, the standard health service) and, for multi-daemon groups, the PeerService on
+// its own TCP port with the UCX backend. Shutdown fails pending waits, stops the server within a grace
 // period, and removes the socket and every shared-memory segment.
 // Thread-safe: Shutdown may be called from any thread, once or more.
 
@@ -15,9 +16,13 @@
 
 namespace flatshard::server {
 
+class AdminServiceImpl;
 class GroupManager;
 class ShardServiceImpl;
 class ShardStore;
+namespace peer {
+class PeerServiceImpl;
+}
 
 struct DaemonConfig {
   std::string socket_path = "/run/flatshard/flatshardd.sock";
@@ -26,6 +31,12 @@ struct DaemonConfig {
   int64_t memory_limit_bytes = INT64_MAX;
   absl::Duration default_wait = absl::Seconds(60);  // collective waits without an RPC deadline
   absl::Duration shutdown_grace = absl::Seconds(5);
+  // Multi-daemon groups: where this daemon's PeerService listens (host:port; port 0 picks a
+  // free one) and what peers call it. Empty: local groups only.
+  std::string peer_address;
+  std::string node_name;  // empty: the host name
+  absl::Duration heartbeat_interval = absl::Milliseconds(500);
+  absl::Duration peer_timeout = absl::Seconds(3);
 };
 
 class Daemon {
@@ -42,14 +53,20 @@ class Daemon {
   void Shutdown();
 
   const DaemonConfig& config() const { return config_; }
+  // The PeerService's address with the port it got; empty without --peer_address.
+  const std::string& peer_address() const { return peer_address_; }
 
  private:
   explicit Daemon(DaemonConfig config);
 
   DaemonConfig config_;
+  std::string peer_address_;
   std::unique_ptr<ShardStore> store_;
+  std::unique_ptr<peer::PeerServiceImpl> peer_service_;
+  std::unique_ptr<grpc::Server> peer_server_;  // PeerService only, on its own TCP port
   std::unique_ptr<GroupManager> groups_;
   std::unique_ptr<ShardServiceImpl> shard_service_;
+  std::unique_ptr<AdminServiceImpl> admin_service_;
   std::unique_ptr<grpc::Server> server_;
   absl::Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;

@@ -1,12 +1,20 @@
 #pragma once
 // GroupManager: the groups a daemon hosts, their membership, sessions and registered models.
 //
-// A group is one training job: `world_size` ranks, an id and a token. In this milestone every
-// rank of a group is hosted by this daemon. Join and RegisterModule are collective: a call
+// A group is one training job: `world_size` ranks, an id and a token. Either every rank joins
+// this daemon (a local group: collectives move bytes by memcpy), or the ranks are spread over
+// several daemons (a multi-daemon group: each rank's join names the group's coordinator; the
+// daemons meet there through PeerClient, learn the peer table and connect the remote backend,
+// UCX). Join, RegisterModule, Summon, EndSummon and FinishReduceScatter are collective: a call
 // waits (asynchronously, through its callback) until every rank made the matching call or its
-// deadline passes. Shards are allocated in the ShardStore when a registration completes and
-// outlive the trainer sessions that made them: a restarted trainer joins the same rank again
-// and re-attaches to them.
+// deadline passes. RegisterModule agrees through an exchange over the group's collectives (plan
+// fingerprints, init mode, allocation outcome), so the same rules hold on one daemon or many.
+// Shards are allocated in the ShardStore when a registration completes and outlive the trainer
+// sessions that made them: a restarted trainer joins the same rank again and re-attaches.
+//
+// Failures of a multi-daemon group's collectives are reported to its coordinator, which tells
+// the other daemons (PeerEvents); they fail every pending and later op of the group with one
+// sticky status until every rank joins again and the group re-forms at a new epoch.
 //
 // Thread-safe. Callbacks run exactly once, never under the manager's lock, on the calling
 // thread or on the manager's deadline thread.
@@ -27,6 +35,7 @@
 #include "common/plan.h"
 #include "common/policy.h"
 #include "server/collective/collective_engine.h"
+#include "server/peer/peer_client.h"
 #include "server/shard_store.h"
 
 namespace flatshard::server {
@@ -44,6 +53,16 @@ struct JoinArgs {
   int32_t world_size = 0;
   int32_t rank = 0;
   std::string token;
+  std::string coordinator;  // peer address of the coordinator; empty: a local group
+};
+
+struct GroupManagerOptions {
+  // This daemon as peers see it. An empty `self.peer_address` refuses multi-daemon groups;
+  // `self.backend_address` is filled in from `remote_backend`.
+  peer::DaemonIdentity self;
+  peer::PeerOptions peer;
+  // Moves bytes between daemons (UCX). Required for multi-daemon groups.
+  std::unique_ptr<collective::CollectiveBackend> remote_backend;
 };
 
 struct JoinResult {
@@ -98,11 +117,11 @@ using SummonCallback = absl::AnyInvocable<void(absl::StatusOr<SummonResult>)>;
 using StatusCallback = absl::AnyInvocable<void(absl::Status)>;
 using RegisterCallback = absl::AnyInvocable<void(absl::StatusOr<RegisterResult>)>;
 
-class GroupManager {
+class GroupManager : public peer::PeerEvents {
  public:
-  explicit GroupManager(ShardStore* store);
+  explicit GroupManager(ShardStore* store, GroupManagerOptions options = {});
   // Fails every pending wait with UNAVAILABLE.
-  ~GroupManager();
+  ~GroupManager() override;
   GroupManager(const GroupManager&) = delete;
   GroupManager& operator=(const GroupManager&) = delete;
 
@@ -170,10 +189,27 @@ class GroupManager {
   };
   std::vector<GroupInfo> ListGroups() const;
 
+  // Each group's collectives that have not completed (for `flatshardctl pending`).
+  struct GroupCollectives {
+    std::string group;
+    int32_t world_size = 0;
+    uint64_t epoch = 0;
+    std::vector<int32_t> local_ranks;
+    absl::Status status;  // the sticky error, if any
+    std::vector<collective::PendingOpInfo> pending;
+  };
+  std::vector<GroupCollectives> ListCollectives(const std::string& group) const;
+
+  // peer::PeerEvents (called by the PeerClient's threads).
+  void OnTable(const std::string& coordinator, const peer::PeerTable& table) override;
+  void OnGroupFailed(const std::string& coordinator, const std::string& group, uint64_t epoch,
+                     const absl::Status& status) override;
+  void OnCoordinatorLost(const std::string& coordinator, const absl::Status& status) override;
+
  private:
   struct Group;
   struct PendingJoin;
-  struct PendingRegister;
+  struct RegisterExchange;
   struct Registered;
   struct OpenSummon;
   struct SummonSlot;
@@ -182,9 +218,18 @@ class GroupManager {
   // Completes the group's pending joins if every rank is joined.
   void MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void MaybeCompleteRegister(Group& g, const std::string& module,
-                             std::vector<absl::AnyInvocable<void()>>* run)
+  // A multi-daemon rank's rendezvous ended: connect (or re-form) and finish its join.
+  void OnRendezvous(const std::string& group, int32_t rank, uint64_t session,
+                    absl::StatusOr<peer::PeerTable> table);
+  // Connects the group's communicator for `table` unless it already runs at that epoch.
+  absl::Status ApplyTable(Group& g, const peer::PeerTable& table)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes `g` if nothing uses it any more; queues the peer calls that go with it.
+  void MaybeRemoveGroup(const std::string& id, std::vector<absl::AnyInvocable<void()>>* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The steps of a registration's agreement exchange (RegisterExchange).
+  void RegisterStep(std::shared_ptr<RegisterExchange> x);
+  void FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status);
   absl::Status CheckCallerLocked(const Caller& caller) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   // A kept buffer of `reg` for (owner, unit, what), committed and not in use by anyone else;
@@ -197,12 +242,17 @@ class GroupManager {
   void ReleaseKept(Registered& reg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Decommits kept buffers idle for a while (all idle ones when `now` is InfiniteFuture).
   void DecommitIdle(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The rank's session is over here (leave, lease ended); tells the coordinator.
+  void EndRank(Group& g, int32_t rank, std::vector<absl::AnyInvocable<void()>>* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends every open summon of `rank` in `g` without writeback (lease ended, leave).
   void DropSummons(Group& g, int32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishEnd(const Caller& caller, uint64_t summon, absl::Status status, StatusCallback done);
 
   ShardStore* const store_;
+  peer::DaemonIdentity self_;
   std::unique_ptr<collective::CollectiveBackend> inproc_;
+  std::unique_ptr<collective::CollectiveBackend> remote_;
   collective::CollectiveEngine engine_;
   // (Re)creates the group's communicator: at creation and after a failure once every rank
   // joined again (a failed communicator stays failed: errors are sticky).
@@ -212,6 +262,8 @@ class GroupManager {
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   std::thread deadline_thread_;
+  // Last: destroyed first, so no PeerEvents arrive while the rest is torn down.
+  std::unique_ptr<peer::PeerClient> peer_;
 };
 
 }  // namespace flatshard::server

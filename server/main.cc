@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <thread>
 
@@ -29,6 +31,19 @@ ABSL_FLAG(absl::Duration, default_wait, absl::Seconds(60),
           "how long a collective call without a deadline waits for the other ranks");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
           "how long in-flight calls may take to finish on SIGTERM");
+ABSL_FLAG(std::string, peer_address, "",
+          "TCP address (host:port) of this daemon's PeerService, for groups whose ranks live on "
+          "several daemons; trainers name the coordinator daemon's address when they join, and "
+          "peers reach this daemon at it (so use a routable host, not 0.0.0.0). Empty: local "
+          "groups only. Port 0 picks a free port");
+ABSL_FLAG(std::string, peer_address_file, "",
+          "once listening, write the PeerService's address (with the port it got) to this file "
+          "(for scripts and tests that start daemons on port 0)");
+ABSL_FLAG(std::string, node_name, "", "this daemon's node name in peer tables (empty: host name)");
+ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Milliseconds(500),
+          "heartbeats between daemons of multi-daemon groups");
+ABSL_FLAG(absl::Duration, peer_timeout, absl::Seconds(3),
+          "a peer daemon silent this long is declared dead and its groups' collectives fail");
 
 namespace {
 
@@ -49,7 +64,7 @@ int main(int argc, char** argv) {
       "flatshardd: the flatshard per-node daemon. Owns the shards of training jobs' flattened "
       "parameters in shared memory and serves trainers over gRPC.\n"
       "Usage: flatshardd [--socket PATH] [--tcp_address HOST:PORT] [--segment_prefix P] "
-      "[--memory_limit_mib N]");
+      "[--memory_limit_mib N] [--peer_address HOST:PORT --node_name NAME]");
   absl::FlagsUsageConfig usage;
   // --help lists this binary's flags, not those of every library linked in.
   usage.contains_help_flags = [](absl::string_view file) {
@@ -68,11 +83,24 @@ int main(int argc, char** argv) {
   }
   config.default_wait = absl::GetFlag(FLAGS_default_wait);
   config.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
+  config.peer_address = absl::GetFlag(FLAGS_peer_address);
+  config.node_name = absl::GetFlag(FLAGS_node_name);
+  config.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
+  config.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
 
   auto daemon = flatshard::server::Daemon::Create(config);
   if (!daemon.ok()) {
     std::cerr << "flatshardd: " << daemon.status().message() << "\n";
     return 1;
+  }
+  if (const std::string file = absl::GetFlag(FLAGS_peer_address_file); !file.empty()) {
+    // Written to a temporary name and renamed, so a reader never sees half an address.
+    const std::string tmp = file + ".tmp";
+    std::ofstream(tmp) << (*daemon)->peer_address() << "\n";
+    if (std::rename(tmp.c_str(), file.c_str()) != 0) {
+      std::cerr << "flatshardd: cannot write " << file << ": " << std::strerror(errno) << "\n";
+      return 1;
+    }
   }
   // gRPC's static initialisers may start threads before main, so masking signals here
   // cannot route them to one thread; a handler works on whichever thread the kernel picks.

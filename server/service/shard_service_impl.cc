@@ -106,7 +106,8 @@ grpc::ServerUnaryReactor* ShardServiceImpl::JoinGroup(grpc::CallbackServerContex
                                                       const v1::JoinGroupRequest* request,
                                                       v1::JoinGroupResponse* response) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  JoinArgs args{request->group(), request->world_size(), request->rank(), request->token()};
+  JoinArgs args{request->group(), request->world_size(), request->rank(), request->token(),
+                request->coordinator()};
   groups_->Join(args, WaitDeadline(ctx),
                 [reactor, response](absl::StatusOr<JoinResult> result) {
                   if (result.ok()) {

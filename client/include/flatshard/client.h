@@ -315,7 +315,12 @@ class Client {
   // [0, world_size); FAILED_PRECONDITION when already joined (Leave first); the RPC's,
   // e.g. DEADLINE_EXCEEDED naming the missing ranks, PERMISSION_DENIED for a bad token; the
   // lease's when the daemon refused it at once.
-  absl::Status Join(std::string group, int world_size, int rank, std::string token);
+  // Multi-daemon groups (ranks on several nodes, each joining through its node's daemon):
+  // `coordinator` is the peer address (host:port, the daemon's --peer_address) of the
+  // group's coordinator daemon, normally rank 0's, the same on every rank. Empty: every rank
+  // of the group joins this client's daemon.
+  absl::Status Join(std::string group, int world_size, int rank, std::string token,
+                    std::string coordinator = "");
 
   // Module paths the group had registered before this session joined (re-attach after a
   // crash: Register them again to get their plans and views). Empty before Join.
