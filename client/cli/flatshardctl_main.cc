@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "client/cli/pending_command.h"
 #include "client/cli/plan_command.h"
 #include "common/config.h"
 
@@ -13,7 +14,8 @@ constexpr char kUsage[] =
     "Usage: flatshardctl [--help] [--version] COMMAND [FLAGS]\n"
     "\n"
     "Commands:\n"
-    "  plan   cut a module tree into flat-parameter units as PyTorch FSDP would; print the plan\n"
+    "  plan      cut a module tree into flat-parameter units as PyTorch FSDP would; print the plan\n"
+    "  pending   list a daemon's collectives that have not completed, with missing ranks\n"
     "\n"
     "Run 'flatshardctl COMMAND --help' for a command's flags.\n";
 
@@ -36,6 +38,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (command == "plan") return flatshard::cli::RunPlanCommand(args);
+  if (command == "pending") return flatshard::cli::RunPendingCommand(args);
   std::string shown = command;
   for (char& c : shown) {
     if (c == '\n' || c == '\r') c = ' ';  // errors stay on one line
