@@ -88,6 +88,7 @@
 #include "common/status_macros.h"
 #include "flatshard/client.h"
 #include "flatshard/v1/shard_service.grpc.pb.h"
+#include "tests/bench/bench_support.h"
 
 ABSL_FLAG(int64_t, bytes, int64_t{1} << 30,
           "bytes of the unit in the unshard benchmark (float32; rounded down to whole elements)");
@@ -104,158 +105,17 @@ namespace flatshard {
 namespace {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
+using bench::Clock;
+using bench::LoadAverage;
+using bench::ManifestJson;
+using bench::Median;
+using bench::MemAvailableBytes;
+using bench::MicrosSince;
+using bench::Percentile;
+using bench::SegmentsWithPrefix;
+using DaemonProcess = bench::BenchDaemon;
 using Stub = v1::ShardService::Stub;
-
-double MicrosSince(Clock::time_point t0, Clock::time_point t1) {
-  return std::chrono::duration<double, std::micro>(t1 - t0).count();
-}
-
-std::string ReadText(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::string Tail(const std::string& s, size_t n) {
-  return s.size() <= n ? s : s.substr(s.size() - n);
-}
-
-// ---- The daemon process -----------------------------------------------------------------------
-
-std::vector<fs::path> SegmentsWithPrefix(const std::string& prefix) {
-  std::vector<fs::path> out;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator("/dev/shm", ec)) {
-    if (e.path().filename().string().rfind(prefix + ".", 0) == 0) out.push_back(e.path());
-  }
-  return out;
-}
-
-// flatshardd on a private socket and segment prefix; its log goes to <dir>/flatshardd.log.
-class DaemonProcess {
- public:
-  DaemonProcess() = default;
-  DaemonProcess(const DaemonProcess&) = delete;
-  DaemonProcess& operator=(const DaemonProcess&) = delete;
-  ~DaemonProcess() { Stop(); }
-
-  absl::Status Start(const std::string& binary) {
-    if (::access(binary.c_str(), X_OK) != 0) {
-      return absl::NotFoundError(absl::StrCat("flatshardd binary ", binary,
-                                              " is missing or not executable (build the "
-                                              "flatshardd target, or pass --flatshardd)"));
-    }
-    tag_ = absl::StrCat("fsbench", ::getpid());
-    dir_ = fs::temp_directory_path() / tag_;
-    std::error_code ec;
-    fs::create_directories(dir_, ec);
-    if (ec) return absl::InternalError(absl::StrCat("mkdir ", dir_.string(), ": ", ec.message()));
-    socket_ = (dir_ / "flatshardd.sock").string();
-    log_ = dir_ / "flatshardd.log";
-    const pid_t parent = ::getpid();
-    const pid_t pid = ::fork();
-    if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
-    if (pid == 0) {
-      // main() blocked SIGINT and SIGTERM for its signal thread; the daemon handles its own.
-      sigset_t none;
-      sigemptyset(&none);
-      ::sigprocmask(SIG_SETMASK, &none, nullptr);
-      // If the benchmark dies (even by SIGKILL), the daemon cleans up after itself.
-      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-      if (::getppid() != parent) _exit(126);
-      const int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-      if (fd >= 0) {
-        ::dup2(fd, STDOUT_FILENO);
-        ::dup2(fd, STDERR_FILENO);
-      }
-      const std::string socket_flag = "--socket=" + socket_;
-      const std::string prefix_flag = "--segment_prefix=" + tag_;
-      ::execl(binary.c_str(), binary.c_str(), socket_flag.c_str(), prefix_flag.c_str(),
-              "--default_wait=120s", static_cast<char*>(nullptr));
-      _exit(127);
-    }
-    pid_ = pid;
-    // Wait for the socket to accept connections (or the daemon to die).
-    auto channel = grpc::CreateChannel("unix:" + socket_, grpc::InsecureChannelCredentials());
-    const auto give_up = Clock::now() + std::chrono::seconds(30);
-    while (Clock::now() < give_up) {
-      int status = 0;
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = -1;
-        return absl::UnavailableError(
-            absl::StrCat("flatshardd exited at startup (",
-                         WIFEXITED(status) ? absl::StrCat("exit code ", WEXITSTATUS(status))
-                                           : absl::StrCat("signal ", WTERMSIG(status)),
-                         "); its log:\n", Tail(ReadText(log_), 4000)));
-      }
-      if (channel->WaitForConnected(std::chrono::system_clock::now() +
-                                    std::chrono::milliseconds(200))) {
-        return absl::OkStatus();
-      }
-    }
-    return absl::UnavailableError(absl::StrCat("flatshardd did not come up on ", socket_,
-                                               " within 30 s; its log:\n",
-                                               Tail(ReadText(log_), 4000)));
-  }
-
-  // SIGTERM (the daemon removes its socket and segments), SIGKILL after 20 s; then removes
-  // whatever is left: /dev/shm/<prefix>.* (also this process's own) and the socket directory.
-  // Idempotent; thread-safe (the signal thread may call it while the main thread runs).
-  void Stop() {
-    absl::MutexLock lock(&stop_mu_);
-    if (pid_ > 0) {
-      ::kill(pid_, SIGTERM);
-      bool exited = false;
-      for (int i = 0; i < 2000 && !exited; ++i) {
-        exited = ::waitpid(pid_, nullptr, WNOHANG) == pid_;
-        if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-      if (!exited) {
-        std::fprintf(stderr, "flatshardd did not stop within 20 s of SIGTERM: SIGKILL\n");
-        ::kill(pid_, SIGKILL);
-        ::waitpid(pid_, nullptr, 0);
-      }
-      pid_ = -1;
-    }
-    if (!tag_.empty()) {
-      std::error_code ec;
-      for (const fs::path& s : SegmentsWithPrefix(tag_)) fs::remove(s, ec);
-      if (!dir_.empty()) fs::remove_all(dir_, ec);
-      tag_.clear();
-    }
-  }
-
-  std::string address() const { return "unix:" + socket_; }
-  const std::string& tag() const { return tag_; }
-  std::string LogTail() const { return Tail(ReadText(log_), 4000); }
-
-  // "" while the daemon runs; how it ended if it exited (e.g. a SIGTERM from outside).
-  std::string ExitNote() {
-    absl::MutexLock lock(&stop_mu_);
-    if (pid_ <= 0) return "";
-    int status = 0;
-    if (::waitpid(pid_, &status, WNOHANG) != pid_) return "";
-    pid_ = -1;
-    // The benchmark stops the daemon only after this point: whatever ended it came from outside.
-    if (WIFEXITED(status)) {
-      return absl::StrCat("flatshardd exited with code ", WEXITSTATUS(status),
-                          " while the benchmark ran",
-                          WEXITSTATUS(status) == 0 ? " (a SIGTERM or SIGINT from elsewhere)" : "");
-    }
-    return absl::StrCat("flatshardd was killed by signal ", WTERMSIG(status),
-                        " while the benchmark ran");
-  }
-
- private:
-  absl::Mutex stop_mu_;
-  std::string tag_;
-  fs::path dir_;
-  std::string socket_;
-  fs::path log_;
-  pid_t pid_ = -1;
-};
+constexpr const char* kPolicyJson = bench::kPolicyJson;
 
 // ---- Helpers ----------------------------------------------------------------------------------
 
@@ -276,15 +136,6 @@ absl::Status RpcError(absl::string_view what, const grpc::Status& s) {
   const absl::Status st = FromGrpcStatus(s);
   return absl::Status(st.code(), absl::StrCat(what, ": ", st.message()));
 }
-
-// One module (type Linear) with one float32 param "weight" of `numel` elements; the root is the
-// only unit.
-std::string ManifestJson(int64_t numel) {
-  return absl::StrCat(R"({"format": "flatshard.manifest/1", "root": {"id": 0, "type": "Linear", )",
-                      R"("bases": ["Module"], "params": [{"name": "weight", "id": 0, "shape": [)",
-                      numel, R"(], "dtype": "float32", "requires_grad": true}], "children": []}})");
-}
-constexpr char kPolicyJson[] = "{}";
 
 v1::Caller MakeCaller(const std::string& group, int rank, uint64_t session) {
   v1::Caller c;
@@ -370,35 +221,6 @@ absl::Status RawPing(Stub* stub) {
   v1::PingResponse resp;
   if (grpc::Status s = stub->Ping(&ctx, req, &resp); !s.ok()) return RpcError("Ping", s);
   return absl::OkStatus();
-}
-
-// Nearest-rank percentile, p in [0, 100].
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return NAN;
-  std::sort(v.begin(), v.end());
-  const double rank = std::ceil(p / 100.0 * static_cast<double>(v.size()));
-  const size_t i = static_cast<size_t>(std::clamp(rank, 1.0, static_cast<double>(v.size()))) - 1;
-  return v[i];
-}
-double Median(const std::vector<double>& v) { return Percentile(v, 50); }
-
-std::string LoadAverage() {
-  std::string s = ReadText("/proc/loadavg");
-  while (!s.empty() && s.back() == '\n') s.pop_back();
-  return s;
-}
-
-// MemAvailable from /proc/meminfo, in bytes (-1 if unknown).
-int64_t MemAvailableBytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  int64_t kib = 0;
-  std::string unit;
-  while (in >> key >> kib) {
-    std::getline(in, unit);
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  return -1;
 }
 
 // Mappings of /dev/shm/<prefix>.* in this process whose segment was unlinked: count and bytes.
@@ -966,7 +788,8 @@ absl::Status Run() {
       g_daemon = nullptr;
     }
   } forget;
-  FS_RETURN_IF_ERROR(daemon.Start(absl::GetFlag(FLAGS_flatshardd)));
+  FS_RETURN_IF_ERROR(
+      daemon.Start(absl::GetFlag(FLAGS_flatshardd), absl::StrCat("fsbench", ::getpid())));
   std::printf(
       "# flatshard daemon benchmark: flatshardd at %s, segments /dev/shm/%s.*; %u "
       "hardware threads; load %s\n",
@@ -982,9 +805,12 @@ absl::Status Run() {
   if (!status.ok()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));  // a dying daemon: let it go
     const std::string exit_note = daemon.ExitNote();
+    // The benchmark stops the daemon only after this point: whatever ended it came from outside.
     status = absl::Status(
-        status.code(), absl::StrCat(status.message(), exit_note.empty() ? "" : "\n-- ", exit_note,
-                                    "\n-- flatshardd log tail:\n", daemon.LogTail()));
+        status.code(),
+        absl::StrCat(status.message(), exit_note.empty() ? "" : "\n-- flatshardd ", exit_note,
+                     exit_note.empty() ? "" : " while the benchmark ran",
+                     "\n-- flatshardd log tail:\n", daemon.LogTail()));
   }
   daemon.Stop();
   return status;

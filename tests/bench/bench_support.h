@@ -1,0 +1,301 @@
+#pragma once
+// Helpers shared by the benchmarks that run real flatshardd processes (daemon_benchmark.cc,
+// multi_daemon_benchmark.cc): a daemon process with private socket and segment prefix, the
+// one-unit manifest they register, percentiles and a few /proc readers. Header-only; not a
+// test fixture (no gtest).
+//
+// Thread safety: the free functions are thread-safe. BenchDaemon is thread-compatible, except
+// that Stop() and ExitNote() may run concurrently with anything (a signal thread stops
+// daemons while the main thread uses them).
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+
+extern char** environ;
+
+namespace flatshard::bench {
+
+using Clock = std::chrono::steady_clock;
+
+inline double MicrosSince(Clock::time_point t0, Clock::time_point t1) {
+  return std::chrono::duration<double, std::micro>(t1 - t0).count();
+}
+
+inline std::string ReadText(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+inline std::string Tail(const std::string& s, size_t n) {
+  return s.size() <= n ? s : s.substr(s.size() - n);
+}
+
+// Nearest-rank percentile, p in [0, 100].
+inline double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  const double rank = std::ceil(p / 100.0 * static_cast<double>(v.size()));
+  const size_t i = static_cast<size_t>(std::clamp(rank, 1.0, static_cast<double>(v.size()))) - 1;
+  return v[i];
+}
+inline double Median(const std::vector<double>& v) { return Percentile(v, 50); }
+
+inline std::string LoadAverage() {
+  std::string s = ReadText("/proc/loadavg");
+  while (!s.empty() && s.back() == '\n') s.pop_back();
+  return s;
+}
+
+// MemAvailable from /proc/meminfo, in bytes (-1 if unknown).
+inline int64_t MemAvailableBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return -1;
+}
+
+inline std::vector<std::filesystem::path> SegmentsWithPrefix(const std::string& prefix) {
+  std::vector<std::filesystem::path> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    if (e.path().filename().string().rfind(prefix + ".", 0) == 0) out.push_back(e.path());
+  }
+  return out;
+}
+
+// One module (type Linear) with one float32 param "weight" of `numel` elements; with
+// kPolicyJson the root is the only unit.
+inline std::string ManifestJson(int64_t numel) {
+  return absl::StrCat(R"({"format": "flatshard.manifest/1", "root": {"id": 0, "type": "Linear", )",
+                      R"("bases": ["Module"], "params": [{"name": "weight", "id": 0, "shape": [)",
+                      numel, R"(], "dtype": "float32", "requires_grad": true}], "children": []}})");
+}
+inline constexpr char kPolicyJson[] = "{}";
+
+// Whether a connect() to `addr` succeeds now (a listening socket).
+inline bool CanConnect(const sockaddr* addr, socklen_t len, int family) {
+  const int fd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const bool ok = ::connect(fd, addr, len) == 0;
+  ::close(fd);
+  return ok;
+}
+
+inline bool UnixSocketAccepts(const std::string& path) {
+  sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) return false;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  return CanConnect(reinterpret_cast<const sockaddr*>(&addr), sizeof(addr), AF_UNIX);
+}
+
+inline bool LoopbackPortAccepts(int port) {
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  return CanConnect(reinterpret_cast<const sockaddr*>(&addr), sizeof(addr), AF_INET);
+}
+
+// A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released); the
+// caller retries when someone else took it meanwhile. -1 on error.
+inline int PickFreeLoopbackPort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = -1;
+  if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+inline std::string DescribeWaitStatus(int status) {
+  return WIFEXITED(status) ? absl::StrCat("exit code ", WEXITSTATUS(status))
+                           : absl::StrCat("signal ", WTERMSIG(status));
+}
+
+// flatshardd on a private socket (<tmp>/<tag>/flatshardd.sock) and segment prefix (<tag>); its
+// stdout and stderr go to <tmp>/<tag>/flatshardd.log. The daemon gets SIGTERM if this process
+// dies (even by SIGKILL). Start() returns once the socket accepts connections (and, with
+// `wait_port` > 0, 127.0.0.1:<wait_port> too). Stop() (also the destructor) ends it and removes
+// its segments and directory.
+class BenchDaemon {
+ public:
+  BenchDaemon() = default;
+  BenchDaemon(const BenchDaemon&) = delete;
+  BenchDaemon& operator=(const BenchDaemon&) = delete;
+  ~BenchDaemon() { Stop(); }
+
+  // `extra_flags` are appended to --socket, --segment_prefix and --default_wait=120s;
+  // `extra_env` ("NAME=value") to this process's environment. The process must not have
+  // started another daemon with this object (Stop() first).
+  absl::Status Start(const std::string& binary, const std::string& tag,
+                     const std::vector<std::string>& extra_flags = {},
+                     const std::vector<std::string>& extra_env = {}, int wait_port = 0) {
+    if (::access(binary.c_str(), X_OK) != 0) {
+      return absl::NotFoundError(absl::StrCat("flatshardd binary ", binary,
+                                              " is missing or not executable (build the "
+                                              "flatshardd target, or pass --flatshardd)"));
+    }
+    dir_ = std::filesystem::temp_directory_path() / tag;
+    std::error_code ec;
+    std::filesystem::create_directories(dir_, ec);
+    if (ec) return absl::InternalError(absl::StrCat("mkdir ", dir_.string(), ": ", ec.message()));
+    {
+      absl::MutexLock lock(&stop_mu_);
+      tag_ = tag;
+    }
+    socket_ = (dir_ / "flatshardd.sock").string();
+    log_ = dir_ / "flatshardd.log";
+    // Everything exec needs is built before fork: the child only calls async-signal-safe
+    // functions.
+    std::vector<std::string> args = {binary, "--socket=" + socket_, "--segment_prefix=" + tag,
+                                     "--default_wait=120s"};
+    args.insert(args.end(), extra_flags.begin(), extra_flags.end());
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    std::vector<std::string> env_strings = extra_env;
+    std::vector<char*> envp;
+    for (char** e = environ; *e != nullptr; ++e) envp.push_back(*e);
+    for (std::string& e : env_strings) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    const std::string log_path = log_.string();
+    const pid_t parent = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
+    if (pid == 0) {
+      // The benchmarks block SIGINT and SIGTERM for a signal thread; the daemon handles its own.
+      sigset_t none;
+      sigemptyset(&none);
+      ::sigprocmask(SIG_SETMASK, &none, nullptr);
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (::getppid() != parent) _exit(126);
+      const int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+      if (fd >= 0) {
+        ::dup2(fd, STDOUT_FILENO);
+        ::dup2(fd, STDERR_FILENO);
+      }
+      ::execve(argv[0], argv.data(), envp.data());
+      _exit(127);
+    }
+    {
+      absl::MutexLock lock(&stop_mu_);
+      pid_ = pid;
+    }
+    const auto give_up = Clock::now() + std::chrono::seconds(30);
+    while (Clock::now() < give_up) {
+      if (const std::string note = ExitNote(); !note.empty()) {
+        return absl::UnavailableError(
+            absl::StrCat("flatshardd ", note, " at startup; its log:\n", LogTail()));
+      }
+      if (UnixSocketAccepts(socket_) && (wait_port <= 0 || LoopbackPortAccepts(wait_port))) {
+        return absl::OkStatus();
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return absl::UnavailableError(
+        absl::StrCat("flatshardd did not come up on ", socket_,
+                     wait_port > 0 ? absl::StrCat(" and 127.0.0.1:", wait_port) : "",
+                     " within 30 s; its log:\n", LogTail()));
+  }
+
+  // SIGTERM (the daemon removes its socket and segments), SIGKILL after 20 s; then removes
+  // whatever is left: /dev/shm/<tag>.* and the socket directory. Idempotent.
+  void Stop() {
+    absl::MutexLock lock(&stop_mu_);
+    if (pid_ > 0) {
+      ::kill(pid_, SIGTERM);
+      bool exited = false;
+      for (int i = 0; i < 2000 && !exited; ++i) {
+        exited = ::waitpid(pid_, nullptr, WNOHANG) == pid_;
+        if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      if (!exited) {
+        std::fprintf(stderr, "flatshardd %s did not stop within 20 s of SIGTERM: SIGKILL\n",
+                     tag_.c_str());
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, nullptr, 0);
+      }
+      pid_ = -1;
+    }
+    if (!tag_.empty()) {
+      std::error_code ec;
+      for (const std::filesystem::path& s : SegmentsWithPrefix(tag_)) {
+        std::filesystem::remove(s, ec);
+      }
+      if (!dir_.empty()) std::filesystem::remove_all(dir_, ec);
+      tag_.clear();
+    }
+  }
+
+  std::string address() const { return "unix:" + socket_; }
+  const std::string& socket() const { return socket_; }
+  std::string tag() const {
+    absl::MutexLock lock(&stop_mu_);
+    return tag_;
+  }
+  std::string Log() const { return ReadText(log_); }
+  std::string LogTail() const { return Tail(Log(), 4000); }
+
+  // "" while the daemon runs (or was never started); how it ended if it exited on its own.
+  std::string ExitNote() {
+    absl::MutexLock lock(&stop_mu_);
+    if (pid_ <= 0) return "";
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) != pid_) return "";
+    pid_ = -1;
+    return absl::StrCat("exited (", DescribeWaitStatus(status), ")");
+  }
+
+ private:
+  mutable absl::Mutex stop_mu_;
+  std::string tag_ ABSL_GUARDED_BY(stop_mu_);
+  pid_t pid_ ABSL_GUARDED_BY(stop_mu_) = -1;
+  std::filesystem::path dir_;
+  std::string socket_;
+  std::filesystem::path log_;
+};
+
+}  // namespace flatshard::bench

@@ -1,0 +1,1239 @@
+// flatshard's multi-daemon unshard against its baselines (never part of the default test run).
+//
+//   build/tests/bench/flatshard_multi_daemon_benchmark [--bytes N] [--daemons 2,4] [--iters N]
+//       [--warmup N] [--transfer_bytes N] [--ucx_tls TLS] [--skip_mpi] [--skip_ucx_perftest]
+//       [--skip_flatshard] [--skip_transfer]
+//
+// Several flatshardd processes on this host stand in for nodes: each has its own Unix socket,
+// segment prefix, node name and PeerService port (127.0.0.1, picked free here); bytes move
+// between them over UCX. Measured side by side in one run (DESIGN.md "Performance targets"):
+//
+// 1. All-gather. For each D in --daemons: D daemons, one trainer process per daemon (fork;
+//    flatshard::client, joining with daemon 0's peer address as coordinator). Every rank
+//    registers one unit of --bytes float32 (default 1 GiB) and fills its shard with rank + 1;
+//    then --warmup + --iters iterations of (barrier, Summon(writeback=false), End) timed on
+//    every rank. An iteration's time is the max over ranks; rows show the median over
+//    iterations of Summon alone (the unshard, what DESIGN's target compares) and of Summon+End.
+//    Baseline: `mpirun --oversubscribe -np D flatshard_mpi_allgather_baseline` with the same
+//    total bytes, iterations and method (max over ranks, median), launched by this benchmark
+//    right before the daemons start. Target: flatshard Summon <= 1.10x MPI_Allgather.
+// 2. Daemon-to-daemon transfer. 2 daemons x 1 rank, one unit of 2 x --transfer_bytes (default
+//    2 x 64 MiB) summoned with rank0_only=true: rank 1's shard travels to rank 0's daemon over
+//    UCX. Time: max over ranks of Summon (median). Baseline: `ucx_perftest -t tag_bw -s
+//    <transfer_bytes>` between a server and a client process on 127.0.0.1 (average time per
+//    message over --iters after --warmup). Both sides run with the same UCX_TLS: unset (UCX's
+//    default selection) unless --ucx_tls is given.
+//
+// Tables use nccl-tests columns: size (bytes gathered: the unit), time, algbw = size/time and
+// busbw = algbw * (n-1)/n. The transports each side used are reported: Open MPI's PML and BTL
+// (from its verbose selection output), UCX's endpoint configurations (ep_cfg lines at
+// UCX_LOG_LEVEL=info, from ucx_perftest's output and from the daemons' logs).
+//
+// Every daemon, trainer, mpirun and ucx_perftest process is a child of this one and is ended
+// on every exit path: normal, error, SIGINT/SIGTERM (a signal thread cleans up), and this
+// process's death (PR_SET_PDEATHSIG). Daemon segments (/dev/shm/<prefix>.*) and temporary
+// directories are removed; /dev/shm entries that appeared during the run and are still there
+// at the end are reported. Exits non-zero when a part failed (the other parts still run).
+
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/statvfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cinttypes>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/status_macros.h"
+#include "flatshard/client.h"
+#include "tests/bench/bench_support.h"
+
+ABSL_FLAG(int64_t, bytes, int64_t{1} << 30,
+          "bytes of the all-gathered unit (float32; rounded down to whole elements)");
+ABSL_FLAG(std::vector<std::string>, daemons, std::vector<std::string>({"2", "4"}),
+          "numbers of daemons (one rank each) of the all-gather rows, comma-separated");
+ABSL_FLAG(int32_t, iters, 20, "measured iterations of every row");
+ABSL_FLAG(int32_t, warmup, 3, "warm-up iterations of every row");
+ABSL_FLAG(int64_t, transfer_bytes, int64_t{64} << 20,
+          "bytes of the daemon-to-daemon transfer (rank 1's shard; the unit is twice that)");
+ABSL_FLAG(std::string, ucx_tls, "",
+          "UCX_TLS for the daemons and ucx_perftest alike (empty: unset, UCX's default "
+          "selection; an UCX_TLS already in the environment is passed on to both)");
+ABSL_FLAG(bool, skip_mpi, false, "skip the MPI_Allgather baseline");
+ABSL_FLAG(bool, skip_ucx_perftest, false, "skip the ucx_perftest tag_bw baseline");
+ABSL_FLAG(bool, skip_flatshard, false,
+          "skip every flatshard measurement (run only the baselines, e.g. with a flatshardd "
+          "that has no multi-daemon groups)");
+ABSL_FLAG(bool, skip_transfer, false, "skip the 2-daemon transfer rows (both sides)");
+ABSL_FLAG(absl::Duration, part_timeout, absl::Seconds(600),
+          "limit on each part (one row's processes); past it they are killed and the part fails");
+ABSL_FLAG(std::string, flatshardd, FS_BINARY_DIR "/server/flatshardd", "the daemon binary");
+ABSL_FLAG(std::string, mpirun, FS_MPIEXEC, "mpirun (empty: none; the MPI rows are skipped)");
+ABSL_FLAG(std::string, mpi_baseline, FS_MPI_BASELINE,
+          "the flatshard_mpi_allgather_baseline binary (empty: not built)");
+ABSL_FLAG(std::string, ucx_perftest, "ucx_perftest", "the ucx_perftest binary (PATH is searched)");
+
+namespace flatshard {
+namespace {
+
+namespace fs = std::filesystem;
+using bench::BenchDaemon;
+using bench::Clock;
+using bench::Median;
+using bench::MicrosSince;
+
+constexpr char kToken[] = "bench";
+
+// ---- Child processes and cleanup --------------------------------------------------------------
+
+// Every process this benchmark started, for the signal thread. Daemons are stopped through
+// their BenchDaemon; ranks get SIGKILL; tools (mpirun, ucx_perftest) run in their own process
+// groups and get SIGTERM, then SIGKILL.
+struct Children {
+  absl::Mutex mu;
+  std::set<BenchDaemon*> daemons ABSL_GUARDED_BY(mu);
+  std::set<pid_t> ranks ABSL_GUARDED_BY(mu);
+  std::set<pid_t> tool_groups ABSL_GUARDED_BY(mu);
+  fs::path temp_dir ABSL_GUARDED_BY(mu);  // tool logs; removed at exit
+};
+Children& children() {
+  static Children* c = new Children;
+  return *c;
+}
+std::atomic<bool> g_interrupted{false};
+
+// Sends SIGTERM to the process group `pgid`, SIGKILL after `grace`, and reaps its leader.
+void EndToolGroup(pid_t pgid, absl::Duration grace) {
+  ::kill(-pgid, SIGTERM);
+  const absl::Time give_up = absl::Now() + grace;
+  while (absl::Now() < give_up) {
+    if (::waitpid(pgid, nullptr, WNOHANG) == pgid) {
+      ::kill(-pgid, SIGKILL);  // stragglers of the group, if any
+      return;
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ::kill(-pgid, SIGKILL);
+  ::waitpid(pgid, nullptr, 0);
+}
+
+// SIGINT and SIGTERM are blocked in every thread; this one waits for them, ends every child,
+// removes the daemons' segments and directories, and exits 128 + signal.
+void SignalThread(sigset_t signals) {
+  int sig = 0;
+  if (sigwait(&signals, &sig) != 0) return;
+  g_interrupted = true;
+  std::fprintf(stderr, "flatshard_multi_daemon_benchmark: signal %d: ending child processes\n",
+               sig);
+  Children& c = children();
+  absl::MutexLock lock(&c.mu);
+  for (pid_t pid : c.ranks) ::kill(pid, SIGKILL);
+  for (pid_t pid : c.ranks) ::waitpid(pid, nullptr, 0);
+  for (pid_t pgid : c.tool_groups) EndToolGroup(pgid, absl::Seconds(3));
+  for (BenchDaemon* d : c.daemons) d->Stop();
+  if (!c.temp_dir.empty()) {
+    std::error_code ec;
+    fs::remove_all(c.temp_dir, ec);
+  }
+  _exit(128 + sig);
+}
+
+// The daemons of one part, registered for the signal thread; stopped (segments removed) when
+// destroyed.
+class DaemonSet {
+ public:
+  DaemonSet() = default;
+  DaemonSet(const DaemonSet&) = delete;
+  DaemonSet& operator=(const DaemonSet&) = delete;
+  ~DaemonSet() {
+    Children& c = children();
+    absl::MutexLock lock(&c.mu);
+    for (auto& d : daemons_) {
+      c.daemons.erase(d.get());
+      d->Stop();
+    }
+  }
+
+  // Starts daemon `index` ("node<index>") with a fresh peer port; a few tries, since a port
+  // picked free may be taken before the daemon binds it.
+  absl::Status StartOne(const std::string& binary, const std::string& tag_base, int index,
+                        const std::vector<std::string>& env) {
+    absl::Status last;
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      const int port = bench::PickFreeLoopbackPort();
+      if (port <= 0) return absl::InternalError("no free TCP port on 127.0.0.1");
+      auto d = std::make_unique<BenchDaemon>();
+      {
+        Children& c = children();
+        absl::MutexLock lock(&c.mu);
+        c.daemons.insert(d.get());
+      }
+      const std::string peer = absl::StrCat("127.0.0.1:", port);
+      last = d->Start(binary, absl::StrCat(tag_base, "n", index, "a", attempt),
+                      {"--peer_address=" + peer, absl::StrCat("--node_name=node", index)}, env,
+                      port);
+      if (last.ok()) {
+        daemons_.push_back(std::move(d));
+        peer_addresses_.push_back(peer);
+        return absl::OkStatus();
+      }
+      Children& c = children();
+      absl::MutexLock lock(&c.mu);
+      c.daemons.erase(d.get());
+      d->Stop();
+    }
+    return absl::Status(last.code(), absl::StrCat("daemon ", index, ": ", last.message()));
+  }
+
+  size_t size() const { return daemons_.size(); }
+  BenchDaemon& operator[](size_t i) { return *daemons_[i]; }
+  const std::string& peer_address(size_t i) const { return peer_addresses_[i]; }
+
+  // "" while every daemon runs; which one ended and how otherwise.
+  std::string ExitNotes() {
+    std::string out;
+    for (size_t i = 0; i < daemons_.size(); ++i) {
+      if (std::string note = daemons_[i]->ExitNote(); !note.empty()) {
+        absl::StrAppend(&out, out.empty() ? "" : "; ", "daemon ", i, " ", note);
+      }
+    }
+    return out;
+  }
+
+  std::string LogTails() const {
+    std::string out;
+    for (size_t i = 0; i < daemons_.size(); ++i) {
+      absl::StrAppend(&out, "\n-- daemon ", i, " log tail:\n", bench::Tail(daemons_[i]->Log(), 2000));
+    }
+    return out;
+  }
+
+ private:
+  std::vector<std::unique_ptr<BenchDaemon>> daemons_;
+  std::vector<std::string> peer_addresses_;
+};
+
+// The distinct UCX endpoint configurations in `log` ("tag(sysv/memory cma/memory)"), from the
+// ep_cfg lines UCX prints at UCX_LOG_LEVEL=info.
+std::set<std::string> UcxEndpointConfigs(absl::string_view log) {
+  std::set<std::string> out;
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    const size_t at = line.find("ep_cfg[");
+    if (at == absl::string_view::npos) continue;
+    const size_t colon = line.find(": ", at);
+    if (colon == absl::string_view::npos) continue;
+    std::string cfg(line.substr(colon + 2));
+    while (!cfg.empty() && (cfg.back() == '\r' || cfg.back() == ' ')) cfg.pop_back();
+    out.insert(cfg);
+  }
+  return out;
+}
+
+std::string JoinOrNone(const std::set<std::string>& s) {
+  return s.empty() ? "(none reported)" : absl::StrJoin(s, ", ");
+}
+
+// ---- Tools: mpirun, ucx_perftest ------------------------------------------------------------
+
+// A tool in its own process group, stdout and stderr to `log_path`; registered for cleanup.
+absl::StatusOr<pid_t> SpawnTool(const std::vector<std::string>& argv_in,
+                                const std::vector<std::string>& env_in,
+                                const std::string& log_path) {
+  std::vector<std::string> args = argv_in;
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env_strings = env_in;
+  std::vector<char*> envp;
+  for (char** e = environ; *e != nullptr; ++e) envp.push_back(*e);
+  for (std::string& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  const pid_t parent = ::getpid();
+  Children& c = children();
+  absl::MutexLock lock(&c.mu);  // registered before the signal thread could miss it
+  const pid_t pid = ::fork();
+  if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) _exit(126);
+    const int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd >= 0) {
+      ::dup2(fd, STDOUT_FILENO);
+      ::dup2(fd, STDERR_FILENO);
+    }
+    ::execvpe(argv[0], argv.data(), envp.data());
+    _exit(127);
+  }
+  ::setpgid(pid, pid);  // also here: no window in which a kill(-pid) misses the child
+  c.tool_groups.insert(pid);
+  return pid;
+}
+
+// Waits for the tool until `deadline`; past it, ends its group. The wait status.
+absl::StatusOr<int> WaitTool(pid_t pid, absl::Time deadline, absl::string_view what) {
+  int status = 0;
+  pid_t got = 0;
+  while ((got = ::waitpid(pid, &status, WNOHANG)) == 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  Children& c = children();
+  absl::MutexLock lock(&c.mu);
+  c.tool_groups.erase(pid);
+  if (got == pid) {
+    ::kill(-pid, SIGKILL);  // whatever it left in its group
+    return status;
+  }
+  EndToolGroup(pid, absl::Seconds(3));
+  return absl::DeadlineExceededError(absl::StrCat(what, " did not finish in time: killed"));
+}
+
+// Ends a tool early (error paths).
+void KillTool(pid_t pid) {
+  Children& c = children();
+  absl::MutexLock lock(&c.mu);
+  if (c.tool_groups.erase(pid) > 0) EndToolGroup(pid, absl::Seconds(3));
+}
+
+// Whether `name` is an executable file (a path) or one on $PATH.
+bool FindInPath(const std::string& name) {
+  if (name.find('/') != std::string::npos) return ::access(name.c_str(), X_OK) == 0;
+  const char* path = std::getenv("PATH");
+  for (absl::string_view d : absl::StrSplit(path != nullptr ? path : "", ':', absl::SkipEmpty())) {
+    if (::access(absl::StrCat(d, "/", name).c_str(), X_OK) == 0) return true;
+  }
+  return false;
+}
+
+struct MpiResult {
+  double median_s = 0;
+  int64_t bytes = 0;
+  std::string pml, btl, single_copy;
+};
+
+// `ompi_info`'s btl_vader_single_copy_mechanism ("" when unknown).
+std::string VaderSingleCopy(const fs::path& dir) {
+  const std::string log = (dir / "ompi_info.log").string();
+  absl::StatusOr<pid_t> pid = SpawnTool({"ompi_info", "--param", "btl", "vader", "--level", "3"},
+                                        {}, log);
+  if (!pid.ok()) return "";
+  absl::StatusOr<int> st = WaitTool(*pid, absl::Now() + absl::Seconds(30), "ompi_info");
+  if (!st.ok()) return "";
+  for (absl::string_view line : absl::StrSplit(bench::ReadText(log), '\n')) {
+    if (!absl::StrContains(line, "btl_vader_single_copy_mechanism")) continue;
+    const size_t at = line.find("current value: \"");
+    if (at == absl::string_view::npos) continue;
+    absl::string_view rest = line.substr(at + 16);
+    return std::string(rest.substr(0, rest.find('"')));
+  }
+  return "";
+}
+
+absl::StatusOr<MpiResult> RunMpi(int np, int64_t bytes, int iters, int warmup,
+                                 const fs::path& dir, absl::Duration timeout) {
+  const std::string mpirun = absl::GetFlag(FLAGS_mpirun);
+  const std::string baseline = absl::GetFlag(FLAGS_mpi_baseline);
+  if (mpirun.empty() || !FindInPath(mpirun) || baseline.empty() ||
+      ::access(baseline.c_str(), X_OK) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no MPI baseline (mpirun \"", mpirun, "\", baseline \"", baseline,
+        "\"): install libopenmpi-dev and build flatshard_mpi_allgather_baseline"));
+  }
+  std::vector<std::string> launch = {mpirun, "--oversubscribe"};
+  if (::geteuid() == 0) launch.push_back("--allow-run-as-root");
+  launch.insert(launch.end(), {"-np", absl::StrCat(np)});
+  // Which PML and BTL carry the bytes: a tiny probe run with verbose selection output (the same
+  // per-peer choice as the timed run, which runs without the verbosity).
+  std::vector<std::string> probe = launch;
+  probe.insert(probe.end(), {"--mca", "pml_base_verbose", "10", "--mca", "btl_base_verbose",
+                             "100", baseline, absl::StrCat("--bytes=", 4096 * np), "--iters=1",
+                             "--warmup=0"});
+  std::vector<std::string> timed = launch;
+  timed.insert(timed.end(), {baseline, absl::StrCat("--bytes=", bytes),
+                             absl::StrCat("--iters=", iters), absl::StrCat("--warmup=", warmup)});
+  const absl::Time deadline = absl::Now() + timeout;
+  auto run = [&](const std::vector<std::string>& argv,
+                 absl::string_view name) -> absl::StatusOr<std::string> {
+    const std::string log = (dir / absl::StrCat("mpi_np", np, "_", name, ".log")).string();
+    FS_ASSIGN_OR_RETURN(pid_t pid, SpawnTool(argv, {}, log));
+    FS_ASSIGN_OR_RETURN(int status, WaitTool(pid, deadline, "mpirun"));
+    std::string out = bench::ReadText(log);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      return absl::InternalError(absl::StrCat(absl::StrJoin(argv, " "), ": ",
+                                              bench::DescribeWaitStatus(status), "; output:\n",
+                                              bench::Tail(out, 3000)));
+    }
+    return out;
+  };
+  FS_ASSIGN_OR_RETURN(const std::string probe_out, run(probe, "probe"));
+  FS_ASSIGN_OR_RETURN(const std::string out, run(timed, "timed"));
+  MpiResult r;
+  std::set<std::string> pmls, btls;
+  for (absl::string_view line : absl::StrSplit(probe_out, '\n')) {
+    // "[host:pid] select: component ob1 selected"
+    if (size_t at = line.find("select: component "); at != absl::string_view::npos &&
+                                                     absl::EndsWith(line, " selected")) {
+      absl::string_view rest = line.substr(at + 18);
+      pmls.insert(std::string(rest.substr(0, rest.find(' '))));
+    }
+    // "[host:pid] mca: bml: Using vader btl for send to [[...],1] on node host"
+    if (size_t at = line.find("bml: Using "); at != absl::string_view::npos) {
+      absl::string_view rest = line.substr(at + 11);
+      std::string btl(rest.substr(0, rest.find(' ')));
+      if (btl != "self") btls.insert(btl);  // self: a rank to itself
+    }
+  }
+  for (absl::string_view line : absl::StrSplit(out, '\n')) {
+    if (!absl::StartsWith(line, "mpi_allgather ")) continue;
+    for (absl::string_view kv : absl::StrSplit(line, ' ')) {
+      if (absl::ConsumePrefix(&kv, "median_s=")) {
+        if (!absl::SimpleAtod(kv, &r.median_s)) r.median_s = 0;
+      } else if (absl::ConsumePrefix(&kv, "bytes=")) {
+        if (!absl::SimpleAtoi(kv, &r.bytes)) r.bytes = 0;
+      }
+    }
+  }
+  if (r.median_s <= 0) {
+    return absl::InternalError(
+        absl::StrCat("no median_s in the MPI baseline's output:\n", bench::Tail(out, 3000)));
+  }
+  r.pml = pmls.empty() ? "?" : absl::StrJoin(pmls, "+");
+  r.btl = btls.empty() ? "?" : absl::StrJoin(btls, "+");
+  r.single_copy = VaderSingleCopy(dir);
+  return r;
+}
+
+// Whether something listens on TCP `port` (IPv4 or IPv6, any address), from /proc/net: a probe
+// connection would count as ucx_perftest's one client.
+bool PortListening(int port) {
+  const std::string hex_port = absl::StrCat(":", absl::Hex(port, absl::kZeroPad4));
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      // sl local_address rem_address st ...; st 0A = LISTEN
+      if (f.size() > 3 && f[3] == "0A" && absl::EndsWith(absl::AsciiStrToUpper(f[1]),
+                                                         absl::AsciiStrToUpper(hex_port))) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+struct UcxPerfResult {
+  double time_us = 0;  // per message, averaged over the measured iterations
+  std::set<std::string> server_cfg, client_cfg;
+};
+
+absl::StatusOr<UcxPerfResult> RunUcxPerftest(int64_t size, int iters, int warmup,
+                                             const std::vector<std::string>& env,
+                                             const fs::path& dir, absl::Duration timeout) {
+  const std::string bin = absl::GetFlag(FLAGS_ucx_perftest);
+  if (!FindInPath(bin)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(bin, " not found (install ucx-utils, or pass --ucx_perftest)"));
+  }
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Status last;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const int port = bench::PickFreeLoopbackPort();
+    if (port <= 0) return absl::InternalError("no free TCP port on 127.0.0.1");
+    const std::string server_log = (dir / "ucx_perftest_server.log").string();
+    const std::string client_log = (dir / "ucx_perftest_client.log").string();
+    FS_ASSIGN_OR_RETURN(pid_t server, SpawnTool({bin, "-p", absl::StrCat(port)}, env, server_log));
+    while (!PortListening(port) && absl::Now() < deadline) {
+      int st = 0;
+      if (::waitpid(server, &st, WNOHANG) == server) break;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    if (!PortListening(port)) {
+      KillTool(server);
+      last = absl::UnavailableError(absl::StrCat("ucx_perftest server did not listen on port ",
+                                                 port, "; its output:\n",
+                                                 bench::Tail(bench::ReadText(server_log), 2000)));
+      continue;
+    }
+    absl::StatusOr<pid_t> client =
+        SpawnTool({bin, "127.0.0.1", "-p", absl::StrCat(port), "-t", "tag_bw", "-s",
+                   absl::StrCat(size), "-n", absl::StrCat(iters), "-w", absl::StrCat(warmup)},
+                  env, client_log);
+    if (!client.ok()) {
+      KillTool(server);
+      return client.status();
+    }
+    absl::StatusOr<int> cst = WaitTool(*client, deadline, "ucx_perftest client");
+    absl::StatusOr<int> sst = WaitTool(server, absl::Now() + absl::Seconds(20),
+                                       "ucx_perftest server");
+    const std::string cout_text = bench::ReadText(client_log);
+    const std::string sout_text = bench::ReadText(server_log);
+    if (!cst.ok() || !WIFEXITED(*cst) || WEXITSTATUS(*cst) != 0) {
+      return absl::InternalError(absl::StrCat(
+          "ucx_perftest client failed (",
+          cst.ok() ? bench::DescribeWaitStatus(*cst) : std::string(cst.status().message()),
+          "); its output:\n", bench::Tail(cout_text, 2000), "\n-- server:\n",
+          bench::Tail(sout_text, 1000)));
+    }
+    (void)sst;  // the server's exit does not change the client's figure
+    UcxPerfResult r;
+    // "Final:   <iters> <p50> <avg overhead us> <overall overhead us> <bw avg> <bw overall>
+    //  <msgrate avg> <msgrate overall>": the overall overhead is the time per message over
+    // every measured iteration.
+    for (absl::string_view line : absl::StrSplit(cout_text, '\n')) {
+      if (!absl::StartsWith(line, "Final:")) continue;
+      std::vector<absl::string_view> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      if (f.size() >= 5 && !absl::SimpleAtod(f[4], &r.time_us)) r.time_us = 0;
+    }
+    if (r.time_us <= 0) {
+      return absl::InternalError(absl::StrCat("no \"Final:\" line in ucx_perftest's output:\n",
+                                              bench::Tail(cout_text, 2000)));
+    }
+    r.client_cfg = UcxEndpointConfigs(cout_text);
+    r.server_cfg = UcxEndpointConfigs(sout_text);
+    return r;
+  }
+  return last;
+}
+
+// ---- Ranks -------------------------------------------------------------------------------------
+
+// Client::Join with the coordinator argument of multi-daemon groups, where this client library
+// has it (detected at compile time, so that this file builds before and after it landed).
+template <typename C>
+absl::Status JoinWithCoordinator(C& c, const std::string& group, int world, int rank,
+                                 const std::string& coordinator) {
+  if constexpr (requires(C& x) { x.Join(group, world, rank, group, coordinator); }) {
+    return c.Join(group, world, rank, kToken, coordinator);
+  } else {
+    return absl::FailedPreconditionError(
+        "this client library's Join has no coordinator argument: multi-daemon groups are not "
+        "built in (run with --skip_flatshard for the baselines alone)");
+  }
+}
+
+// Mappings of /dev/shm/<prefix>.* in this process whose segment was unlinked: bytes.
+int64_t RetainedDeletedBytes(const std::string& prefix_base) {
+  std::ifstream in("/proc/self/maps");
+  std::string line;
+  int64_t bytes = 0;
+  const std::string needle = "/dev/shm/" + prefix_base;
+  while (std::getline(in, line)) {
+    if (line.find(needle) == std::string::npos || line.find("(deleted)") == std::string::npos) {
+      continue;
+    }
+    uint64_t lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%" SCNx64 "-%" SCNx64, &lo, &hi) == 2) {
+      bytes += static_cast<int64_t>(hi - lo);
+    }
+  }
+  return bytes;
+}
+
+struct RankJob {
+  std::string address;      // this rank's daemon
+  std::string coordinator;  // daemon 0's peer address
+  std::string group;
+  std::string segment_prefix_base;  // of every daemon of the part
+  int world = 0;
+  int rank = 0;
+  int64_t numel = 0;
+  bool rank0_only = false;
+  int warmup = 0;
+  int iters = 0;
+  absl::Duration call_timeout;
+};
+
+// The rank's side of the parent's pipes: "B\n" arrives at a barrier and waits for 'G' (go);
+// 'X' or EOF aborts. Results: "T <summon_us> <end_us>\n" per measured iteration, "M <mmaps>
+// <retained bytes>\n", then "D\n"; an error: "F <message>\n".
+class RankPipe {
+ public:
+  RankPipe(int up, int down) : up_(up), down_(down) {}
+  absl::Status Send(absl::string_view line) {
+    std::string s(line);
+    s.push_back('\n');
+    size_t off = 0;
+    while (off < s.size()) {
+      const ssize_t n = ::write(up_, s.data() + off, s.size() - off);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return absl::UnavailableError("the benchmark's pipe closed");
+      off += static_cast<size_t>(n);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status Barrier() {
+    FS_RETURN_IF_ERROR(Send("B"));
+    char c = 0;
+    ssize_t n = 0;
+    while ((n = ::read(down_, &c, 1)) < 0 && errno == EINTR) {
+    }
+    if (n == 1 && c == 'G') return absl::OkStatus();
+    return absl::AbortedError("aborted by the benchmark (another rank or a daemon failed)");
+  }
+
+ private:
+  int up_, down_;
+};
+
+absl::Status RankBody(const RankJob& job, RankPipe& pipe) {
+  client::ClientOptions options;
+  options.address = job.address;
+  options.call_timeout = job.call_timeout;
+  options.join_timeout = absl::Seconds(120);
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> c, client::Client::Connect(options));
+  FS_RETURN_IF_ERROR(JoinWithCoordinator(*c, job.group, job.world, job.rank, job.coordinator));
+  FS_ASSIGN_OR_RETURN(
+      client::RegisteredModule model,
+      c->Register("", bench::ManifestJson(job.numel), bench::kPolicyJson, client::InitMode::kZeros));
+  if (model.shards.units().size() != 1) {
+    return absl::InternalError(
+        absl::StrCat("expected one shard of one unit, got ", model.shards.units().size()));
+  }
+  const client::UnitShardView& shard = model.shards.units()[0];
+  if (shard.dtype != DType::kFloat32 || shard.data == nullptr) {
+    return absl::InternalError("the shard is not a mapped float32 buffer");
+  }
+  std::fill_n(static_cast<float*>(shard.data), shard.shard_numel,
+              static_cast<float>(job.rank + 1));
+  const int64_t shard_numel = shard.shard_numel;
+
+  client::SummonOptions so;
+  so.writeback = false;
+  so.rank0_only = job.rank0_only;
+  std::vector<std::pair<double, double>> times;
+  int64_t maps_before = 0;
+  for (int i = 0; i < job.warmup + job.iters; ++i) {
+    if (i == job.warmup) maps_before = c->segment_map_calls();
+    FS_RETURN_IF_ERROR(pipe.Barrier());
+    const auto t0 = Clock::now();
+    FS_ASSIGN_OR_RETURN(std::unique_ptr<client::SummonedParams> s, c->Summon("", "", so));
+    const auto t1 = Clock::now();
+    const bool want_views = !job.rank0_only || job.rank == 0;
+    if (s->has_views() != want_views) {
+      return absl::InternalError(absl::StrCat("summon ", i, ": has_views() is ", s->has_views(),
+                                              ", want ", want_views));
+    }
+    if (i == 0 && want_views) {
+      // Shard k holds k + 1: check both ends of every shard's unpadded range.
+      const client::ParamView* w = s->Find("weight");
+      if (w == nullptr || w->numel != job.numel || w->data == nullptr) {
+        return absl::InternalError("the summon has no view \"weight\" of the unit's size");
+      }
+      const float* p = static_cast<const float*>(w->data);
+      for (int64_t k = 0; k < job.world; ++k) {
+        const int64_t first = k * shard_numel;
+        const int64_t last = std::min(job.numel, (k + 1) * shard_numel) - 1;
+        for (int64_t e : {first, last}) {
+          if (e < 0 || e >= job.numel) continue;
+          if (p[e] != static_cast<float>(k + 1)) {
+            return absl::InternalError(absl::StrCat("gathered element ", e, " is ", p[e],
+                                                    ", want ", k + 1, " (shard ", k, ")"));
+          }
+        }
+      }
+    }
+    const auto t2 = Clock::now();
+    FS_RETURN_IF_ERROR(s->End());
+    const auto t3 = Clock::now();
+    if (i >= job.warmup) times.emplace_back(MicrosSince(t0, t1), MicrosSince(t2, t3));
+    // A client that kept every segment it mapped would fill /dev/shm: stop before that.
+    const int64_t retained = RetainedDeletedBytes(job.segment_prefix_base);
+    if (retained > 4 * job.numel * static_cast<int64_t>(sizeof(float))) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "after summon ", i, " this client still maps ", retained,
+          " bytes of unlinked daemon segments: the run would exhaust /dev/shm"));
+    }
+  }
+  const int64_t maps = c->segment_map_calls() - maps_before;
+  const int64_t retained = RetainedDeletedBytes(job.segment_prefix_base);
+  FS_RETURN_IF_ERROR(c->Leave());
+  for (const auto& [summon_us, end_us] : times) {
+    FS_RETURN_IF_ERROR(pipe.Send(absl::StrCat("T ", summon_us, " ", end_us)));
+  }
+  FS_RETURN_IF_ERROR(pipe.Send(absl::StrCat("M ", maps, " ", retained)));
+  return pipe.Send("D");
+}
+
+// In the forked child: runs the rank and exits (never returns).
+[[noreturn]] void RankProcess(const RankJob& job, int up, int down) {
+  RankPipe pipe(up, down);
+  const absl::Status st = RankBody(job, pipe);
+  if (!st.ok()) {
+    std::string msg(st.ToString());
+    absl::StrReplaceAll({{"\n", " | "}}, &msg);
+    (void)pipe.Send("F " + msg);
+  }
+  std::fflush(stdout);
+  std::fflush(stderr);
+  _exit(st.ok() ? 0 : 1);
+}
+
+struct RankResult {
+  std::vector<double> summon_us, end_us;
+  int64_t maps = -1, retained = -1;
+  bool done = false;
+  std::string error;
+  std::string buffer;  // partial line
+  bool eof = false;
+};
+
+struct PartResult {
+  std::vector<double> summon_max_us, summon_end_max_us;  // per measured iteration
+  int64_t maps = 0, retained = 0;                         // summed over ranks
+};
+
+// Forks one rank per job, releases their barriers, collects their results. Every rank is
+// reaped before this returns; on a failure (a rank's error, a rank or daemon dying, the
+// deadline) the others are aborted (then killed).
+absl::StatusOr<PartResult> RunRanks(const std::vector<RankJob>& jobs, DaemonSet& daemons,
+                                    absl::Time deadline) {
+  const int n = static_cast<int>(jobs.size());
+  std::vector<int> up_read(n, -1), down_write(n, -1);
+  std::vector<pid_t> pids;
+  std::vector<RankResult> results(n);
+  auto close_all = [&] {
+    for (int& fd : up_read) {
+      if (fd >= 0) ::close(fd);
+      fd = -1;
+    }
+    for (int& fd : down_write) {
+      if (fd >= 0) ::close(fd);
+      fd = -1;
+    }
+  };
+  // Kills and reaps every rank still running.
+  auto end_ranks = [&](bool kill_now) {
+    Children& c = children();
+    if (!kill_now) {
+      // Closing the pipes aborts ranks at their next barrier; give them a moment to leave.
+      for (int& fd : down_write) {
+        if (fd >= 0) ::close(fd);
+        fd = -1;
+      }
+    }
+    const absl::Time give_up = absl::Now() + (kill_now ? absl::ZeroDuration() : absl::Seconds(5));
+    for (pid_t pid : pids) {
+      while (absl::Now() < give_up && ::waitpid(pid, nullptr, WNOHANG) == 0) {
+        absl::SleepFor(absl::Milliseconds(10));
+      }
+    }
+    absl::MutexLock lock(&c.mu);
+    for (pid_t pid : pids) {
+      if (c.ranks.erase(pid) > 0) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, nullptr, 0);
+      }
+    }
+    close_all();
+  };
+  const pid_t parent = ::getpid();
+  for (int r = 0; r < n; ++r) {
+    int up[2], down[2];
+    if (::pipe2(up, O_CLOEXEC) != 0 || ::pipe2(down, O_CLOEXEC) != 0) {
+      end_ranks(true);
+      return absl::InternalError(absl::StrCat("pipe: ", std::strerror(errno)));
+    }
+    Children& c = children();
+    c.mu.Lock();  // registered before the signal thread could miss it
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      const int fork_errno = errno;
+      c.mu.Unlock();
+      ::close(up[0]), ::close(up[1]), ::close(down[0]), ::close(down[1]);
+      end_ranks(true);
+      return absl::InternalError(absl::StrCat("fork: ", std::strerror(fork_errno)));
+    }
+    if (pid == 0) {
+      sigset_t none;
+      sigemptyset(&none);
+      ::sigprocmask(SIG_SETMASK, &none, nullptr);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) _exit(126);
+      // Only this rank's ends: a rank must see EOF when the parent closes its pipe.
+      for (int fd : up_read) {
+        if (fd >= 0) ::close(fd);
+      }
+      for (int fd : down_write) {
+        if (fd >= 0) ::close(fd);
+      }
+      ::close(up[0]);
+      ::close(down[1]);
+      RankProcess(jobs[r], up[1], down[0]);
+    }
+    c.ranks.insert(pid);
+    c.mu.Unlock();
+    pids.push_back(pid);
+    ::close(up[1]);
+    ::close(down[0]);
+    up_read[r] = up[0];
+    down_write[r] = down[1];
+  }
+
+  std::string failure;
+  int arrived = 0, finished = 0;
+  auto broadcast = [&](char c) {
+    for (int& fd : down_write) {
+      if (fd >= 0 && ::write(fd, &c, 1) != 1) {
+        ::close(fd);
+        fd = -1;
+      }
+    }
+  };
+  while (finished < n && failure.empty()) {
+    std::vector<pollfd> pfds;
+    std::vector<int> who;
+    for (int r = 0; r < n; ++r) {
+      if (up_read[r] >= 0) {
+        pfds.push_back({up_read[r], POLLIN, 0});
+        who.push_back(r);
+      }
+    }
+    const int ready = ::poll(pfds.data(), pfds.size(), 100);
+    if (ready < 0 && errno != EINTR) {
+      failure = absl::StrCat("poll: ", std::strerror(errno));
+      break;
+    }
+    for (size_t i = 0; i < pfds.size() && ready > 0; ++i) {
+      if ((pfds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+      const int r = who[i];
+      RankResult& res = results[r];
+      char buf[4096];
+      const ssize_t got = ::read(up_read[r], buf, sizeof(buf));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) {
+        ::close(up_read[r]);
+        up_read[r] = -1;
+        res.eof = true;
+        ++finished;
+        if (!res.done && res.error.empty()) {
+          int st = 0;
+          const std::string how = ::waitpid(pids[r], &st, WNOHANG) == pids[r]
+                                      ? bench::DescribeWaitStatus(st)
+                                      : std::string("still running");
+          res.error = absl::StrCat("exited without a result (", how, ")");
+        }
+        if (!res.error.empty() && failure.empty()) {
+          failure = absl::StrCat("rank ", r, ": ", res.error);
+        }
+        continue;
+      }
+      res.buffer.append(buf, static_cast<size_t>(got));
+      size_t nl;
+      while ((nl = res.buffer.find('\n')) != std::string::npos) {
+        const std::string line = res.buffer.substr(0, nl);
+        res.buffer.erase(0, nl + 1);
+        std::vector<absl::string_view> f = absl::StrSplit(line, ' ');
+        if (line == "B") {
+          if (++arrived == n) {
+            arrived = 0;
+            broadcast('G');
+          }
+        } else if (f[0] == "T" && f.size() == 3) {
+          double s = 0, e = 0;
+          if (absl::SimpleAtod(f[1], &s) && absl::SimpleAtod(f[2], &e)) {
+            res.summon_us.push_back(s);
+            res.end_us.push_back(e);
+          }
+        } else if (f[0] == "M" && f.size() == 3) {
+          if (!absl::SimpleAtoi(f[1], &res.maps) || !absl::SimpleAtoi(f[2], &res.retained)) {
+            res.maps = res.retained = -1;
+          }
+        } else if (line == "D") {
+          res.done = true;
+        } else if (f[0] == "F") {
+          res.error = line.substr(2);
+          if (failure.empty()) failure = absl::StrCat("rank ", r, ": ", res.error);
+        }
+      }
+    }
+    if (failure.empty()) {
+      if (std::string notes = daemons.ExitNotes(); !notes.empty()) {
+        failure = absl::StrCat(notes, " while the ranks ran");
+      } else if (absl::Now() > deadline) {
+        failure = "the part ran past --part_timeout";
+      }
+    }
+  }
+  if (!failure.empty()) {
+    broadcast('X');
+    end_ranks(absl::Now() > deadline);
+    return absl::InternalError(failure);
+  }
+  end_ranks(false);
+  PartResult out;
+  for (int r = 0; r < n; ++r) {
+    if (results[r].summon_us.size() != static_cast<size_t>(jobs[r].iters)) {
+      return absl::InternalError(absl::StrCat("rank ", r, " reported ",
+                                              results[r].summon_us.size(), " iterations, want ",
+                                              jobs[r].iters));
+    }
+    out.maps += results[r].maps;
+    out.retained += results[r].retained;
+  }
+  for (int i = 0; i < jobs[0].iters; ++i) {
+    double s = 0, se = 0;
+    for (int r = 0; r < n; ++r) {
+      s = std::max(s, results[r].summon_us[i]);
+      se = std::max(se, results[r].summon_us[i] + results[r].end_us[i]);
+    }
+    out.summon_max_us.push_back(s);
+    out.summon_end_max_us.push_back(se);
+  }
+  return out;
+}
+
+struct FlatshardResult {
+  PartResult part;
+  std::set<std::string> ucx_cfg;  // the daemons' UCX endpoint configurations
+  int64_t unit_bytes = 0;
+};
+
+// D daemons, one rank each, one unit of `numel` float32.
+absl::StatusOr<FlatshardResult> RunFlatshard(int d, int64_t numel, bool rank0_only, int iters,
+                                             int warmup, const std::vector<std::string>& env,
+                                             const std::string& tag_base,
+                                             absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  DaemonSet daemons;
+  for (int i = 0; i < d; ++i) {
+    FS_RETURN_IF_ERROR(daemons.StartOne(absl::GetFlag(FLAGS_flatshardd), tag_base, i, env));
+  }
+  std::vector<RankJob> jobs;
+  for (int r = 0; r < d; ++r) {
+    RankJob job;
+    job.address = daemons[r].address();
+    job.coordinator = daemons.peer_address(0);
+    job.group = absl::StrCat(rank0_only ? "transfer" : "allgather", d);
+    job.segment_prefix_base = tag_base;
+    job.world = d;
+    job.rank = r;
+    job.numel = numel;
+    job.rank0_only = rank0_only;
+    job.warmup = warmup;
+    job.iters = iters;
+    job.call_timeout = std::max(absl::Seconds(30), deadline - absl::Now());
+    jobs.push_back(job);
+  }
+  absl::StatusOr<PartResult> part = RunRanks(jobs, daemons, deadline);
+  if (!part.ok()) {
+    absl::SleepFor(absl::Milliseconds(200));  // a dying daemon: let it go
+    const std::string notes = daemons.ExitNotes();
+    return absl::Status(part.status().code(),
+                        absl::StrCat(part.status().message(), notes.empty() ? "" : "; ", notes,
+                                     daemons.LogTails()));
+  }
+  FlatshardResult out;
+  out.part = *std::move(part);
+  out.unit_bytes = numel * static_cast<int64_t>(sizeof(float));
+  for (size_t i = 0; i < daemons.size(); ++i) {
+    for (const std::string& cfg : UcxEndpointConfigs(daemons[i].Log())) out.ucx_cfg.insert(cfg);
+  }
+  return out;
+}
+
+// ---- Output ------------------------------------------------------------------------------------
+
+void PrintHeader() {
+  std::printf("%-4s %-26s %12s %12s %11s %11s %8s  %s\n", "#n", "impl", "size", "time(us)",
+              "algbw(GB/s)", "busbw(GB/s)", "ratio", "note");
+}
+
+// `ratio_to`: the baseline's time (0: none).
+void PrintRow(int n, absl::string_view impl, int64_t size, double time_us, double bus_factor,
+              double ratio_to, absl::string_view note) {
+  const double algbw = static_cast<double>(size) / (time_us * 1e3);  // GB/s
+  const std::string ratio = ratio_to > 0 ? absl::StrFormat("%.3f", time_us / ratio_to) : "-";
+  std::printf("%-4d %-26s %12" PRId64 " %12.1f %11.3f %11.3f %8s  %s\n", n,
+              std::string(impl).c_str(), size, time_us, algbw, algbw * bus_factor, ratio.c_str(),
+              std::string(note).c_str());
+}
+
+std::string Millis(const std::vector<double>& us) {
+  std::vector<std::string> parts;
+  for (double v : us) parts.push_back(absl::StrFormat("%.1f", v / 1e3));
+  return absl::StrJoin(parts, " ");
+}
+
+absl::StatusOr<std::vector<int>> ParseDaemons(const std::vector<std::string>& items) {
+  std::vector<int> out;
+  for (const std::string& item : items) {
+    int d = 0;
+    if (!absl::SimpleAtoi(item, &d) || d < 2 || d > 16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--daemons: \"", item, "\" is not a number of daemons in [2, 16]"));
+    }
+    out.push_back(d);
+  }
+  if (out.empty()) return absl::InvalidArgumentError("--daemons is empty");
+  return out;
+}
+
+std::set<std::string> ShmEntries() {
+  std::set<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/dev/shm", ec)) {
+    out.insert(e.path().filename().string());
+  }
+  return out;
+}
+
+int64_t ShmFreeBytes() {
+  struct statvfs sv;
+  return ::statvfs("/dev/shm", &sv) == 0 ? static_cast<int64_t>(sv.f_bavail) * sv.f_frsize : -1;
+}
+
+absl::Status Run() {
+  const int iters = absl::GetFlag(FLAGS_iters);
+  const int warmup = absl::GetFlag(FLAGS_warmup);
+  const int64_t bytes = absl::GetFlag(FLAGS_bytes);
+  const int64_t transfer_bytes = absl::GetFlag(FLAGS_transfer_bytes);
+  const absl::Duration timeout = absl::GetFlag(FLAGS_part_timeout);
+  if (iters < 1 || warmup < 0) return absl::InvalidArgumentError("want --iters >= 1, --warmup >= 0");
+  if (timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("want --part_timeout > 0");
+  FS_ASSIGN_OR_RETURN(std::vector<int> daemon_counts, ParseDaemons(absl::GetFlag(FLAGS_daemons)));
+  const int max_d = *std::max_element(daemon_counts.begin(), daemon_counts.end());
+  if (bytes < int64_t{4} * max_d * 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("--bytes ", bytes, " is too small"));
+  }
+  if (transfer_bytes < 4096) return absl::InvalidArgumentError("--transfer_bytes is too small");
+
+  // Same UCX_TLS for the daemons and ucx_perftest; UCX's info log says what they picked.
+  std::vector<std::string> ucx_env = {"UCX_LOG_LEVEL=info"};
+  std::string tls = absl::GetFlag(FLAGS_ucx_tls);
+  if (!tls.empty()) {
+    ucx_env.push_back("UCX_TLS=" + tls);
+  } else if (const char* e = std::getenv("UCX_TLS"); e != nullptr) {
+    tls = e;  // inherited by both
+  }
+  const std::string tls_note = tls.empty() ? "unset (UCX default selection)" : tls;
+
+  const std::string tag_base = absl::StrCat("fsmd", ::getpid());
+  const fs::path dir = fs::temp_directory_path() / tag_base;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("mkdir ", dir.string(), ": ", ec.message()));
+  {
+    absl::MutexLock lock(&children().mu);
+    children().temp_dir = dir;
+  }
+  struct RemoveDir {
+    ~RemoveDir() {
+      absl::MutexLock lock(&children().mu);
+      std::error_code ec;
+      fs::remove_all(children().temp_dir, ec);
+      children().temp_dir.clear();
+    }
+  } remove_dir;
+  const std::set<std::string> shm_before = ShmEntries();
+
+  std::printf("# flatshard multi-daemon benchmark: %u hardware threads; load %s; memory "
+              "available %" PRId64 " MiB; /dev/shm free %" PRId64 " MiB\n",
+              std::thread::hardware_concurrency(), bench::LoadAverage().c_str(),
+              bench::MemAvailableBytes() >> 20, ShmFreeBytes() >> 20);
+  std::printf("# %d iterations after %d warm-up per row; time = median over iterations of the "
+              "max over ranks; busbw = algbw * (n-1)/n; UCX_TLS: %s\n",
+              iters, warmup, tls_note.c_str());
+  std::fflush(stdout);
+
+  std::vector<std::string> failures;
+  auto fail = [&](absl::string_view part, const absl::Status& st) {
+    if (st.code() == absl::StatusCode::kFailedPrecondition && !absl::StartsWith(part, "flatshard")) {
+      // A baseline tool is not installed: the row is skipped, not failed.
+      std::printf("# SKIPPED %s: %s\n", std::string(part).c_str(),
+                  std::string(st.message()).c_str());
+      std::fflush(stdout);
+      return;
+    }
+    std::printf("# FAILED %s: %s\n", std::string(part).c_str(), std::string(st.message()).c_str());
+    std::fflush(stdout);
+    failures.push_back(std::string(part));
+  };
+  std::vector<std::string> summary;
+  const int64_t numel = bytes / static_cast<int64_t>(sizeof(float));
+
+  for (int d : daemon_counts) {
+    // Whole elements per rank on both sides: the same bytes gathered.
+    const int64_t row_numel = numel / d * d;
+    const int64_t size = row_numel * static_cast<int64_t>(sizeof(float));
+    const double bus = static_cast<double>(d - 1) / d;
+    std::printf("\n## All-gather of %" PRId64 " bytes by %d ranks (%d daemons x 1 rank; MPI: "
+                "%d processes)\n",
+                size, d, d, d);
+    PrintHeader();
+    std::fflush(stdout);
+    std::optional<MpiResult> mpi;
+    if (!absl::GetFlag(FLAGS_skip_mpi)) {
+      absl::StatusOr<MpiResult> m = RunMpi(d, size, iters, warmup, dir, timeout);
+      if (m.ok()) {
+        mpi = *m;
+        const std::string note = absl::StrCat(
+            "MPI_Allgather; pml ", m->pml, ", btl ", m->btl,
+            m->single_copy.empty() ? "" : absl::StrCat(" (single copy: ", m->single_copy, ")"));
+        PrintRow(d, "mpi MPI_Allgather", m->bytes, m->median_s * 1e6, bus, 0, note);
+        summary.push_back(absl::StrFormat("n=%d mpi   size=%d time_us=%.1f  (%s)", d, m->bytes,
+                                          m->median_s * 1e6, note));
+      } else {
+        fail(absl::StrCat("mpi n=", d), m.status());
+      }
+      std::fflush(stdout);
+    }
+    if (!absl::GetFlag(FLAGS_skip_flatshard)) {
+      absl::StatusOr<FlatshardResult> f =
+          RunFlatshard(d, row_numel, false, iters, warmup, ucx_env, tag_base, timeout);
+      if (f.ok()) {
+        const double summon = Median(f->part.summon_max_us);
+        const double summon_end = Median(f->part.summon_end_max_us);
+        const double base = mpi ? mpi->median_s * 1e6 : 0;
+        const std::string verdict =
+            base > 0 ? absl::StrCat("target <= 1.10: ", summon / base <= 1.10 ? "ok" : "MISS")
+                     : "no MPI baseline";
+        PrintRow(d, "flatshard Summon", size, summon, bus, base,
+                 absl::StrCat("unshard, writeback=0; ", verdict,
+                              "; per iter (ms): ", Millis(f->part.summon_max_us)));
+        PrintRow(d, "flatshard Summon+End", size, summon_end, bus, base,
+                 absl::StrCat("mmaps in measured summons (all ranks): ", f->part.maps,
+                              "; unlinked shm still mapped: ", f->part.retained >> 20, " MiB"));
+        std::printf("# n=%d daemons' UCX endpoints: %s\n", d, JoinOrNone(f->ucx_cfg).c_str());
+        summary.push_back(absl::StrFormat(
+            "n=%d flatshard size=%d Summon time_us=%.1f Summon+End time_us=%.1f ratio "
+            "Summon/MPI=%s Summon+End/MPI=%s",
+            d, size, summon, summon_end,
+            base > 0 ? absl::StrFormat("%.3f", summon / base) : "-",
+            base > 0 ? absl::StrFormat("%.3f", summon_end / base) : "-"));
+      } else {
+        fail(absl::StrCat("flatshard n=", d), f.status());
+      }
+      std::fflush(stdout);
+    }
+  }
+
+  if (!absl::GetFlag(FLAGS_skip_transfer)) {
+    const int64_t tnumel = transfer_bytes / static_cast<int64_t>(sizeof(float));
+    const int64_t tsize = tnumel * static_cast<int64_t>(sizeof(float));
+    std::printf("\n## Daemon-to-daemon transfer of %" PRId64
+                " bytes (flatshard: 2 daemons x 1 rank, a unit of %" PRId64
+                " bytes summoned rank0_only: rank 1's shard goes to rank 0's daemon over UCX; "
+                "ucx_perftest tag_bw between two processes on 127.0.0.1). UCX_TLS: %s\n",
+                tsize, 2 * tsize, tls_note.c_str());
+    std::printf("# size = bytes moved between processes; busbw = algbw (point to point)\n");
+    PrintHeader();
+    std::fflush(stdout);
+    std::optional<UcxPerfResult> ucx;
+    if (!absl::GetFlag(FLAGS_skip_ucx_perftest)) {
+      absl::StatusOr<UcxPerfResult> u =
+          RunUcxPerftest(tsize, std::max(iters, 10), warmup, ucx_env, dir, timeout);
+      if (u.ok()) {
+        ucx = *u;
+        const std::string note =
+            absl::StrCat("average per message; UCX endpoints: client ", JoinOrNone(u->client_cfg),
+                         "; server ", JoinOrNone(u->server_cfg));
+        PrintRow(2, "ucx_perftest tag_bw", tsize, u->time_us, 1.0, 0, note);
+        summary.push_back(absl::StrFormat("transfer ucx_perftest size=%d time_us=%.1f (%s)", tsize,
+                                          u->time_us, note));
+      } else {
+        fail("ucx_perftest", u.status());
+      }
+      std::fflush(stdout);
+    }
+    if (!absl::GetFlag(FLAGS_skip_flatshard)) {
+      absl::StatusOr<FlatshardResult> f =
+          RunFlatshard(2, 2 * tnumel, true, iters, warmup, ucx_env, tag_base, timeout);
+      if (f.ok()) {
+        const double summon = Median(f->part.summon_max_us);
+        const double base = ucx ? ucx->time_us : 0;
+        PrintRow(2, "flatshard Summon rank0_only", tsize, summon, 1.0, base,
+                 absl::StrCat("unit of ", 2 * tsize, " bytes; daemons' UCX endpoints: ",
+                              JoinOrNone(f->ucx_cfg), "; per iter (ms): ",
+                              Millis(f->part.summon_max_us)));
+        summary.push_back(absl::StrFormat(
+            "transfer flatshard size=%d time_us=%.1f ratio flatshard/ucx_perftest=%s", tsize,
+            summon, base > 0 ? absl::StrFormat("%.3f", summon / base) : "-"));
+      } else {
+        fail("flatshard transfer", f.status());
+      }
+      std::fflush(stdout);
+    }
+  }
+
+  std::printf("\n## Summary\n");
+  for (const std::string& s : summary) std::printf("# %s\n", s.c_str());
+  std::vector<std::string> leftovers;
+  for (const std::string& e : ShmEntries()) {
+    if (shm_before.count(e) == 0) leftovers.push_back(e);
+  }
+  std::printf("# /dev/shm entries created during the run and still present: %s\n",
+              leftovers.empty() ? "none" : absl::StrJoin(leftovers, " ").c_str());
+  std::fflush(stdout);
+  if (!failures.empty()) {
+    return absl::InternalError(absl::StrCat("failed: ", absl::StrJoin(failures, ", ")));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace flatshard
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "flatshard multi-daemon unshard vs MPI_Allgather, daemon-to-daemon transfer vs "
+      "ucx_perftest.\nUsage: flatshard_multi_daemon_benchmark [--bytes N] [--daemons 2,4] "
+      "[--iters N] [--warmup N] [--transfer_bytes N] [--ucx_tls TLS] [--skip_mpi] "
+      "[--skip_ucx_perftest] [--skip_flatshard] [--skip_transfer]");
+  absl::ParseCommandLine(argc, argv);
+  // Before any thread starts, so that every thread inherits the mask. No gRPC in this process:
+  // the ranks are forked from it and start gRPC themselves.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  std::thread(flatshard::SignalThread, signals).detach();
+  const absl::Status status = flatshard::Run();
+  while (flatshard::g_interrupted) pause();
+  if (!status.ok()) {
+    std::fprintf(stderr, "flatshard_multi_daemon_benchmark: FAILED: %s\n",
+                 status.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
