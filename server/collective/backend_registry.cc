@@ -9,6 +9,9 @@
 #include "common/config.h"
 #include "common/status_macros.h"
 #include "server/collective/inproc/inproc_backend.h"
+#if FS_HAVE_UCX
+#include "server/collective/ucx/ucx_backend.h"
+#endif
 
 namespace flatshard::collective {
 namespace {
@@ -43,6 +46,36 @@ absl::StatusOr<std::unique_ptr<CollectiveBackend>> MakeInproc(const BackendParam
   }
   return CreateInprocBackend(options);
 }
+
+#if FS_HAVE_UCX
+// Keys: tls, net_devices (UCX_TLS / UCX_NET_DEVICES, overriding the environment),
+// poll_before_sleep_us, drain_for_ms, broadcast_chunk_bytes; see UcxBackendOptions.
+absl::StatusOr<std::unique_ptr<CollectiveBackend>> MakeUcx(const BackendParams& params) {
+  UcxBackendOptions options;
+  for (const auto& [key, value] : params) {
+    if (key == "tls") {
+      options.ucx_config["TLS"] = value;
+    } else if (key == "net_devices") {
+      options.ucx_config["NET_DEVICES"] = value;
+    } else if (key == "poll_before_sleep_us") {
+      FS_ASSIGN_OR_RETURN(int64_t v, ParseInt("ucx", key, value, 0));
+      options.poll_before_sleep = absl::Microseconds(v);
+    } else if (key == "drain_for_ms") {
+      FS_ASSIGN_OR_RETURN(int64_t v, ParseInt("ucx", key, value, 0));
+      options.drain_for = absl::Milliseconds(v);
+    } else if (key == "broadcast_chunk_bytes") {
+      FS_ASSIGN_OR_RETURN(int64_t v, ParseInt("ucx", key, value, 4096));
+      options.broadcast_chunk_bytes = static_cast<size_t>(v);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ucx backend: unknown parameter '", key,
+          "' (known: tls, net_devices, poll_before_sleep_us, drain_for_ms, "
+          "broadcast_chunk_bytes)"));
+    }
+  }
+  return CreateUcxBackend(options);
+}
+#endif
 
 }  // namespace
 
@@ -79,10 +112,9 @@ std::vector<std::string> BackendRegistry::Names() const {
 
 absl::Status RegisterBuiltinBackends(BackendRegistry& registry) {
   FS_RETURN_IF_ERROR(registry.Register("inproc", MakeInproc));
-  // #if FS_HAVE_UCX
-  //   FS_RETURN_IF_ERROR(registry.Register("ucx", MakeUcx));    // ucx/ucx_backend.h (next
-  //   milestone)
-  // #endif
+#if FS_HAVE_UCX
+  FS_RETURN_IF_ERROR(registry.Register("ucx", MakeUcx));
+#endif
   // #if FS_HAVE_NCCL
   //   FS_RETURN_IF_ERROR(registry.Register("nccl", MakeNccl));  // nccl/nccl_backend.h
   // #endif

@@ -2,6 +2,7 @@
 
 #include "server/collective/backend_registry.h"
 
+#include "common/config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -26,7 +27,11 @@ TEST(BackendRegistryTest, UnknownNamesListWhatExists) {
   ASSERT_TRUE(RegisterBuiltinBackends(registry).ok());
   absl::Status s = registry.Create("verbs").status();
   EXPECT_TRUE(absl::IsNotFound(s));
+#if FS_HAVE_UCX
+  EXPECT_EQ(s.message(), "unknown collective backend 'verbs' (registered: inproc, ucx)");
+#else
   EXPECT_EQ(s.message(), "unknown collective backend 'verbs' (registered: inproc)");
+#endif
 }
 
 TEST(BackendRegistryTest, InprocParamsAreParsedAndChecked) {
@@ -39,6 +44,24 @@ TEST(BackendRegistryTest, InprocParamsAreParsedAndChecked) {
   absl::Status unknown = registry.Create("inproc", {{"threads", "2"}}).status();
   EXPECT_THAT(std::string(unknown.message()), HasSubstr("unknown parameter 'threads'"));
 }
+
+#if FS_HAVE_UCX
+TEST(BackendRegistryTest, UcxIsRegisteredAndItsParamsAreChecked) {
+  BackendRegistry registry;
+  ASSERT_TRUE(RegisterBuiltinBackends(registry).ok());
+  absl::StatusOr<std::unique_ptr<CollectiveBackend>> b =
+      registry.Create("ucx", {{"poll_before_sleep_us", "50"}});
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ((*b)->Name(), "ucx");
+  EXPECT_FALSE((*b)->LocalAddress().empty());
+  absl::Status bad = registry.Create("ucx", {{"drain_for_ms", "-1"}}).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(bad)) << bad;
+  absl::Status unknown = registry.Create("ucx", {{"rails", "2"}}).status();
+  EXPECT_THAT(std::string(unknown.message()), HasSubstr("unknown parameter 'rails'"));
+  absl::Status bad_tls = registry.Create("ucx", {{"tls", "no-such-transport"}}).status();
+  EXPECT_TRUE(absl::IsUnavailable(bad_tls)) << bad_tls;
+}
+#endif
 
 TEST(BackendRegistryTest, RegisterChecksNamesAndFactories) {
   BackendRegistry registry;

@@ -1,0 +1,79 @@
+#pragma once
+// The UCX backend: collectives between ranks hosted by different daemons, over UCX's tag API.
+//
+// One backend per daemon owns one UCX context, one worker and one progress thread. Its
+// LocalAddress() (the worker address, binary) is published at rendezvous; every daemon then
+// connects a group with GroupSpec::rank_addresses[r] = the LocalAddress of the backend hosting
+// rank r. Connect returns the ring algorithms (ring_algorithms.h) over a per-group Transport:
+// messages between two local ranks are copied with memcpy (InprocTransport); messages to or
+// from remote ranks go straight from and into the caller's buffers with ucp_tag_send_nbx /
+// ucp_tag_recv_nbx (eager for small messages, UCX rendezvous for large ones; no staging).
+//
+// UCX configuration comes from the environment as UCX itself reads it (UCX_TLS,
+// UCX_NET_DEVICES, ...); UcxBackendOptions::ucx_config overrides single keys. The default
+// works between processes of one host (shared memory, CMA, TCP over loopback).
+//
+// Endpoints: one per remote worker address, created on first use and shared by every group,
+// with peer error handling: when a peer fails (its daemon died, the connection reset), every
+// group using that endpoint is aborted with UNAVAILABLE "UCX peer of ranks 2, 3 failed: ...".
+//
+// Wire tags (64 bits, see ucx_tag.h): 16 bits hash(group_id, epoch) | 10 bits src rank |
+// 10 bits dst rank | 16 bits op_seq | 12 bits sub. Groups (or epochs of one group) whose hash
+// collides with a live group on this backend are refused, so live groups never see each
+// other's messages.
+//
+// Thread safety: thread-safe. All UCX calls and all transport state changes happen on the
+// progress thread; public methods post work to it. Transfer callbacks (and so op callbacks)
+// run on the progress thread or on a local rank's calling thread. The backend must not be
+// destroyed from one of its own callbacks. Communicators may outlive the backend: their ops
+// then fail with UNAVAILABLE.
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "server/collective/backend.h"
+
+namespace flatshard::collective {
+
+struct UcxBackendOptions {
+  // UCX settings applied over the environment's, without the UCX_ prefix, e.g.
+  // {"TLS", "tcp"} or {"NET_DEVICES", "lo"}. Empty: the environment alone decides.
+  std::map<std::string, std::string> ucx_config;
+  // While transfers are in flight the progress thread polls the worker; after this long
+  // without progress it sleeps on the worker's event fd (woken by arrivals) instead.
+  absl::Duration poll_before_sleep = absl::Microseconds(200);
+  // How long messages of an aborted or closed group are still received and dropped, so that
+  // peers blocked in a rendezvous send to it complete instead of hanging.
+  absl::Duration drain_for = absl::Seconds(30);
+  // Broadcast pipeline piece (RingOptions::chunk_bytes).
+  size_t broadcast_chunk_bytes = size_t{1} << 20;
+};
+
+// Counters for diagnostics and tests; a snapshot taken on the progress thread.
+struct UcxBackendStats {
+  size_t endpoints = 0;          // live endpoints to remote workers
+  size_t live_groups = 0;        // transports alive (connected and not destroyed)
+  size_t draining_groups = 0;    // aborted or closed groups whose stray messages are dropped
+  size_t inflight_requests = 0;  // UCX sends and receives not completed yet
+  size_t dropped_messages = 0;   // stray messages drained so far
+};
+
+// The concrete backend, for callers that want its stats. Name() is "ucx".
+class UcxBackend : public CollectiveBackend {
+ public:
+  // UNAVAILABLE once the backend is shutting down.
+  virtual absl::StatusOr<UcxBackendStats> Stats() const = 0;
+};
+
+// Creates the UCX context, worker and progress thread. UNAVAILABLE when UCX cannot be
+// initialised (no usable transport, bad UCX_* settings); INVALID_ARGUMENT for a bad
+// `ucx_config` key or value. The result is a UcxBackend.
+absl::StatusOr<std::unique_ptr<CollectiveBackend>> CreateUcxBackend(
+    const UcxBackendOptions& options = {});
+
+}  // namespace flatshard::collective
