@@ -1,0 +1,46 @@
+#include "server/peer/peer_proto.h"
+
+namespace flatshard::server::peer::internal {
+
+void ToProto(const DaemonIdentity& d, v1::DaemonInfo* out) {
+  out->set_node(d.node);
+  out->set_daemon_id(d.daemon_id);
+  out->set_peer_address(d.peer_address);
+  out->set_backend_address(d.backend_address);
+}
+
+DaemonIdentity FromProto(const v1::DaemonInfo& d) {
+  return DaemonIdentity{d.node(), d.daemon_id(), d.peer_address(), d.backend_address()};
+}
+
+void ToProto(const PeerTable& t, v1::PeerTable* out) {
+  out->set_group(t.group);
+  out->set_epoch(t.epoch);
+  for (const DaemonIdentity& d : t.rank_daemons) ToProto(d, out->add_rank_daemons());
+}
+
+PeerTable FromProto(const v1::PeerTable& t) {
+  PeerTable table;
+  table.group = t.group();
+  table.epoch = t.epoch();
+  table.rank_daemons.reserve(t.rank_daemons_size());
+  for (const v1::DaemonInfo& d : t.rank_daemons()) table.rank_daemons.push_back(FromProto(d));
+  return table;
+}
+
+void ToProto(const std::string& group, uint64_t epoch, const absl::Status& status,
+             v1::GroupFailure* out) {
+  out->set_group(group);
+  out->set_epoch(epoch);
+  out->set_code(static_cast<int32_t>(status.code()));
+  out->set_message(std::string(status.message()));
+}
+
+absl::Status StatusFromProto(const v1::GroupFailure& f) {
+  int code = f.code();
+  // 1..16 are the canonical error codes; OK or garbage would make the failure vanish.
+  if (code < 1 || code > 16) code = static_cast<int>(absl::StatusCode::kUnknown);
+  return absl::Status(static_cast<absl::StatusCode>(code), f.message());
+}
+
+}  // namespace flatshard::server::peer::internal
