@@ -807,10 +807,9 @@ absl::Status Run() {
     const std::string exit_note = daemon.ExitNote();
     // The benchmark stops the daemon only after this point: whatever ended it came from outside.
     status = absl::Status(
-        status.code(),
-        absl::StrCat(status.message(), exit_note.empty() ? "" : "\n-- flatshardd ", exit_note,
-                     exit_note.empty() ? "" : " while the benchmark ran",
-                     "\n-- flatshardd log tail:\n", daemon.LogTail()));
+        status.code(), absl::StrCat(status.message(), exit_note.empty() ? "" : "\n-- flatshardd ",
+                                    exit_note, exit_note.empty() ? "" : " while the benchmark ran",
+                                    "\n-- flatshardd log tail:\n", daemon.LogTail()));
   }
   daemon.Stop();
   return status;

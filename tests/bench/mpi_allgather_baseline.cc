@@ -102,7 +102,8 @@ int main(int argc, char** argv) {
     std::sort(times.begin(), times.end());
     // Nearest-rank median, as the flatshard benchmarks take it.
     const double median = times[(times.size() + 1) / 2 - 1];
-    std::printf("# MPI_Allgather: %d ranks x %" PRId64 " bytes (float32), %d iterations after %d "
+    std::printf("# MPI_Allgather: %d ranks x %" PRId64
+                " bytes (float32), %d iterations after %d "
                 "warm-up; time = max over ranks per iteration\n",
                 world, per_rank_bytes, iters, warmup);
     std::printf("mpi_allgather np=%d bytes=%" PRId64 " per_rank_bytes=%" PRId64

@@ -204,9 +204,9 @@ class DaemonSet {
         c.daemons.insert(d.get());
       }
       const std::string peer = absl::StrCat("127.0.0.1:", port);
-      last = d->Start(binary, absl::StrCat(tag_base, "n", index, "a", attempt),
-                      {"--peer_address=" + peer, absl::StrCat("--node_name=node", index)}, env,
-                      port);
+      last =
+          d->Start(binary, absl::StrCat(tag_base, "n", index, "a", attempt),
+                   {"--peer_address=" + peer, absl::StrCat("--node_name=node", index)}, env, port);
       if (last.ok()) {
         daemons_.push_back(std::move(d));
         peer_addresses_.push_back(peer);
@@ -238,7 +238,8 @@ class DaemonSet {
   std::string LogTails() const {
     std::string out;
     for (size_t i = 0; i < daemons_.size(); ++i) {
-      absl::StrAppend(&out, "\n-- daemon ", i, " log tail:\n", bench::Tail(daemons_[i]->Log(), 2000));
+      absl::StrAppend(&out, "\n-- daemon ", i, " log tail:\n",
+                      bench::Tail(daemons_[i]->Log(), 2000));
     }
     return out;
   }
@@ -352,8 +353,8 @@ struct MpiResult {
 // `ompi_info`'s btl_vader_single_copy_mechanism ("" when unknown).
 std::string VaderSingleCopy(const fs::path& dir) {
   const std::string log = (dir / "ompi_info.log").string();
-  absl::StatusOr<pid_t> pid = SpawnTool({"ompi_info", "--param", "btl", "vader", "--level", "3"},
-                                        {}, log);
+  absl::StatusOr<pid_t> pid =
+      SpawnTool({"ompi_info", "--param", "btl", "vader", "--level", "3"}, {}, log);
   if (!pid.ok()) return "";
   absl::StatusOr<int> st = WaitTool(*pid, absl::Now() + absl::Seconds(30), "ompi_info");
   if (!st.ok()) return "";
@@ -367,15 +368,15 @@ std::string VaderSingleCopy(const fs::path& dir) {
   return "";
 }
 
-absl::StatusOr<MpiResult> RunMpi(int np, int64_t bytes, int iters, int warmup,
-                                 const fs::path& dir, absl::Duration timeout) {
+absl::StatusOr<MpiResult> RunMpi(int np, int64_t bytes, int iters, int warmup, const fs::path& dir,
+                                 absl::Duration timeout) {
   const std::string mpirun = absl::GetFlag(FLAGS_mpirun);
   const std::string baseline = absl::GetFlag(FLAGS_mpi_baseline);
   if (mpirun.empty() || !FindInPath(mpirun) || baseline.empty() ||
       ::access(baseline.c_str(), X_OK) != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "no MPI baseline (mpirun \"", mpirun, "\", baseline \"", baseline,
-        "\"): install libopenmpi-dev and build flatshard_mpi_allgather_baseline"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("no MPI baseline (mpirun \"", mpirun, "\", baseline \"", baseline,
+                     "\"): install libopenmpi-dev and build flatshard_mpi_allgather_baseline"));
   }
   std::vector<std::string> launch = {mpirun, "--oversubscribe"};
   if (::geteuid() == 0) launch.push_back("--allow-run-as-root");
@@ -383,9 +384,9 @@ absl::StatusOr<MpiResult> RunMpi(int np, int64_t bytes, int iters, int warmup,
   // Which PML and BTL carry the bytes: a tiny probe run with verbose selection output (the same
   // per-peer choice as the timed run, which runs without the verbosity).
   std::vector<std::string> probe = launch;
-  probe.insert(probe.end(), {"--mca", "pml_base_verbose", "10", "--mca", "btl_base_verbose",
-                             "100", baseline, absl::StrCat("--bytes=", 4096 * np), "--iters=1",
-                             "--warmup=0"});
+  probe.insert(probe.end(),
+               {"--mca", "pml_base_verbose", "10", "--mca", "btl_base_verbose", "100", baseline,
+                absl::StrCat("--bytes=", 4096 * np), "--iters=1", "--warmup=0"});
   std::vector<std::string> timed = launch;
   timed.insert(timed.end(), {baseline, absl::StrCat("--bytes=", bytes),
                              absl::StrCat("--iters=", iters), absl::StrCat("--warmup=", warmup)});
@@ -409,8 +410,8 @@ absl::StatusOr<MpiResult> RunMpi(int np, int64_t bytes, int iters, int warmup,
   std::set<std::string> pmls, btls;
   for (absl::string_view line : absl::StrSplit(probe_out, '\n')) {
     // "[host:pid] select: component ob1 selected"
-    if (size_t at = line.find("select: component "); at != absl::string_view::npos &&
-                                                     absl::EndsWith(line, " selected")) {
+    if (size_t at = line.find("select: component ");
+        at != absl::string_view::npos && absl::EndsWith(line, " selected")) {
       absl::string_view rest = line.substr(at + 18);
       pmls.insert(std::string(rest.substr(0, rest.find(' '))));
     }
@@ -452,8 +453,8 @@ bool PortListening(int port) {
     while (std::getline(in, line)) {
       std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
       // sl local_address rem_address st ...; st 0A = LISTEN
-      if (f.size() > 3 && f[3] == "0A" && absl::EndsWith(absl::AsciiStrToUpper(f[1]),
-                                                         absl::AsciiStrToUpper(hex_port))) {
+      if (f.size() > 3 && f[3] == "0A" &&
+          absl::EndsWith(absl::AsciiStrToUpper(f[1]), absl::AsciiStrToUpper(hex_port))) {
         return true;
       }
     }
@@ -503,8 +504,8 @@ absl::StatusOr<UcxPerfResult> RunUcxPerftest(int64_t size, int iters, int warmup
       return client.status();
     }
     absl::StatusOr<int> cst = WaitTool(*client, deadline, "ucx_perftest client");
-    absl::StatusOr<int> sst = WaitTool(server, absl::Now() + absl::Seconds(20),
-                                       "ucx_perftest server");
+    absl::StatusOr<int> sst =
+        WaitTool(server, absl::Now() + absl::Seconds(20), "ucx_perftest server");
     const std::string cout_text = bench::ReadText(client_log);
     const std::string sout_text = bench::ReadText(server_log);
     if (!cst.ok() || !WIFEXITED(*cst) || WEXITSTATUS(*cst) != 0) {
@@ -542,7 +543,7 @@ absl::StatusOr<UcxPerfResult> RunUcxPerftest(int64_t size, int iters, int warmup
 template <typename C>
 absl::Status JoinWithCoordinator(C& c, const std::string& group, int world, int rank,
                                  const std::string& coordinator) {
-  if constexpr (requires(C& x) { x.Join(group, world, rank, group, coordinator); }) {
+  if constexpr (requires(C & x) { x.Join(group, world, rank, group, coordinator); }) {
     return c.Join(group, world, rank, kToken, coordinator);
   } else {
     return absl::FailedPreconditionError(
@@ -581,6 +582,7 @@ struct RankJob {
   int warmup = 0;
   int iters = 0;
   absl::Duration call_timeout;
+  std::string log_path;  // the rank's stdout and stderr (the client library logs there)
 };
 
 // The rank's side of the parent's pipes: "B\n" arrives at a barrier and waits for 'G' (go);
@@ -622,9 +624,9 @@ absl::Status RankBody(const RankJob& job, RankPipe& pipe) {
   options.join_timeout = absl::Seconds(120);
   FS_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> c, client::Client::Connect(options));
   FS_RETURN_IF_ERROR(JoinWithCoordinator(*c, job.group, job.world, job.rank, job.coordinator));
-  FS_ASSIGN_OR_RETURN(
-      client::RegisteredModule model,
-      c->Register("", bench::ManifestJson(job.numel), bench::kPolicyJson, client::InitMode::kZeros));
+  FS_ASSIGN_OR_RETURN(client::RegisteredModule model,
+                      c->Register("", bench::ManifestJson(job.numel), bench::kPolicyJson,
+                                  client::InitMode::kZeros));
   if (model.shards.units().size() != 1) {
     return absl::InternalError(
         absl::StrCat("expected one shard of one unit, got ", model.shards.units().size()));
@@ -633,8 +635,7 @@ absl::Status RankBody(const RankJob& job, RankPipe& pipe) {
   if (shard.dtype != DType::kFloat32 || shard.data == nullptr) {
     return absl::InternalError("the shard is not a mapped float32 buffer");
   }
-  std::fill_n(static_cast<float*>(shard.data), shard.shard_numel,
-              static_cast<float>(job.rank + 1));
+  std::fill_n(static_cast<float*>(shard.data), shard.shard_numel, static_cast<float>(job.rank + 1));
   const int64_t shard_numel = shard.shard_numel;
 
   client::SummonOptions so;
@@ -650,8 +651,8 @@ absl::Status RankBody(const RankJob& job, RankPipe& pipe) {
     const auto t1 = Clock::now();
     const bool want_views = !job.rank0_only || job.rank == 0;
     if (s->has_views() != want_views) {
-      return absl::InternalError(absl::StrCat("summon ", i, ": has_views() is ", s->has_views(),
-                                              ", want ", want_views));
+      return absl::InternalError(
+          absl::StrCat("summon ", i, ": has_views() is ", s->has_views(), ", want ", want_views));
     }
     if (i == 0 && want_views) {
       // Shard k holds k + 1: check both ends of every shard's unpadded range.
@@ -666,8 +667,8 @@ absl::Status RankBody(const RankJob& job, RankPipe& pipe) {
         for (int64_t e : {first, last}) {
           if (e < 0 || e >= job.numel) continue;
           if (p[e] != static_cast<float>(k + 1)) {
-            return absl::InternalError(absl::StrCat("gathered element ", e, " is ", p[e],
-                                                    ", want ", k + 1, " (shard ", k, ")"));
+            return absl::InternalError(absl::StrCat("gathered element ", e, " is ", p[e], ", want ",
+                                                    k + 1, " (shard ", k, ")"));
           }
         }
       }
@@ -679,9 +680,9 @@ absl::Status RankBody(const RankJob& job, RankPipe& pipe) {
     // A client that kept every segment it mapped would fill /dev/shm: stop before that.
     const int64_t retained = RetainedDeletedBytes(job.segment_prefix_base);
     if (retained > 4 * job.numel * static_cast<int64_t>(sizeof(float))) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "after summon ", i, " this client still maps ", retained,
-          " bytes of unlinked daemon segments: the run would exhaust /dev/shm"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("after summon ", i, " this client still maps ", retained,
+                       " bytes of unlinked daemon segments: the run would exhaust /dev/shm"));
     }
   }
   const int64_t maps = c->segment_map_calls() - maps_before;
@@ -719,7 +720,7 @@ struct RankResult {
 
 struct PartResult {
   std::vector<double> summon_max_us, summon_end_max_us;  // per measured iteration
-  int64_t maps = 0, retained = 0;                         // summed over ranks
+  int64_t maps = 0, retained = 0;                        // summed over ranks
 };
 
 // Forks one rank per job, releases their barriers, collects their results. Every rank is
@@ -798,6 +799,12 @@ absl::StatusOr<PartResult> RunRanks(const std::vector<RankJob>& jobs, DaemonSet&
       }
       ::close(up[0]);
       ::close(down[1]);
+      const int log_fd =
+          ::open(jobs[r].log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+      if (log_fd >= 0) {
+        ::dup2(log_fd, STDOUT_FILENO);
+        ::dup2(log_fd, STDERR_FILENO);
+      }
       RankProcess(jobs[r], up[1], down[0]);
     }
     c.ranks.insert(pid);
@@ -897,15 +904,18 @@ absl::StatusOr<PartResult> RunRanks(const std::vector<RankJob>& jobs, DaemonSet&
   if (!failure.empty()) {
     broadcast('X');
     end_ranks(absl::Now() > deadline);
+    for (int r = 0; r < n; ++r) {
+      absl::StrAppend(&failure, "\n-- rank ", r, " log tail:\n",
+                      bench::Tail(bench::ReadText(jobs[r].log_path), 1500));
+    }
     return absl::InternalError(failure);
   }
   end_ranks(false);
   PartResult out;
   for (int r = 0; r < n; ++r) {
     if (results[r].summon_us.size() != static_cast<size_t>(jobs[r].iters)) {
-      return absl::InternalError(absl::StrCat("rank ", r, " reported ",
-                                              results[r].summon_us.size(), " iterations, want ",
-                                              jobs[r].iters));
+      return absl::InternalError(absl::StrCat("rank ", r, " reported ", results[r].summon_us.size(),
+                                              " iterations, want ", jobs[r].iters));
     }
     out.maps += results[r].maps;
     out.retained += results[r].retained;
@@ -931,7 +941,7 @@ struct FlatshardResult {
 // D daemons, one rank each, one unit of `numel` float32.
 absl::StatusOr<FlatshardResult> RunFlatshard(int d, int64_t numel, bool rank0_only, int iters,
                                              int warmup, const std::vector<std::string>& env,
-                                             const std::string& tag_base,
+                                             const std::string& tag_base, const fs::path& dir,
                                              absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   DaemonSet daemons;
@@ -952,6 +962,7 @@ absl::StatusOr<FlatshardResult> RunFlatshard(int d, int64_t numel, bool rank0_on
     job.warmup = warmup;
     job.iters = iters;
     job.call_timeout = std::max(absl::Seconds(30), deadline - absl::Now());
+    job.log_path = (dir / absl::StrCat(job.group, "_rank", r, ".log")).string();
     jobs.push_back(job);
   }
   absl::StatusOr<PartResult> part = RunRanks(jobs, daemons, deadline);
@@ -1028,7 +1039,8 @@ absl::Status Run() {
   const int64_t bytes = absl::GetFlag(FLAGS_bytes);
   const int64_t transfer_bytes = absl::GetFlag(FLAGS_transfer_bytes);
   const absl::Duration timeout = absl::GetFlag(FLAGS_part_timeout);
-  if (iters < 1 || warmup < 0) return absl::InvalidArgumentError("want --iters >= 1, --warmup >= 0");
+  if (iters < 1 || warmup < 0)
+    return absl::InvalidArgumentError("want --iters >= 1, --warmup >= 0");
   if (timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("want --part_timeout > 0");
   FS_ASSIGN_OR_RETURN(std::vector<int> daemon_counts, ParseDaemons(absl::GetFlag(FLAGS_daemons)));
   const int max_d = *std::max_element(daemon_counts.begin(), daemon_counts.end());
@@ -1066,18 +1078,21 @@ absl::Status Run() {
   } remove_dir;
   const std::set<std::string> shm_before = ShmEntries();
 
-  std::printf("# flatshard multi-daemon benchmark: %u hardware threads; load %s; memory "
-              "available %" PRId64 " MiB; /dev/shm free %" PRId64 " MiB\n",
-              std::thread::hardware_concurrency(), bench::LoadAverage().c_str(),
-              bench::MemAvailableBytes() >> 20, ShmFreeBytes() >> 20);
-  std::printf("# %d iterations after %d warm-up per row; time = median over iterations of the "
-              "max over ranks; busbw = algbw * (n-1)/n; UCX_TLS: %s\n",
-              iters, warmup, tls_note.c_str());
+  std::printf(
+      "# flatshard multi-daemon benchmark: %u hardware threads; load %s; memory "
+      "available %" PRId64 " MiB; /dev/shm free %" PRId64 " MiB\n",
+      std::thread::hardware_concurrency(), bench::LoadAverage().c_str(),
+      bench::MemAvailableBytes() >> 20, ShmFreeBytes() >> 20);
+  std::printf(
+      "# %d iterations after %d warm-up per row; time = median over iterations of the "
+      "max over ranks; busbw = algbw * (n-1)/n; UCX_TLS: %s\n",
+      iters, warmup, tls_note.c_str());
   std::fflush(stdout);
 
   std::vector<std::string> failures;
   auto fail = [&](absl::string_view part, const absl::Status& st) {
-    if (st.code() == absl::StatusCode::kFailedPrecondition && !absl::StartsWith(part, "flatshard")) {
+    if (st.code() == absl::StatusCode::kFailedPrecondition &&
+        !absl::StartsWith(part, "flatshard")) {
       // A baseline tool is not installed: the row is skipped, not failed.
       std::printf("# SKIPPED %s: %s\n", std::string(part).c_str(),
                   std::string(st.message()).c_str());
@@ -1096,7 +1111,8 @@ absl::Status Run() {
     const int64_t row_numel = numel / d * d;
     const int64_t size = row_numel * static_cast<int64_t>(sizeof(float));
     const double bus = static_cast<double>(d - 1) / d;
-    std::printf("\n## All-gather of %" PRId64 " bytes by %d ranks (%d daemons x 1 rank; MPI: "
+    std::printf("\n## All-gather of %" PRId64
+                " bytes by %d ranks (%d daemons x 1 rank; MPI: "
                 "%d processes)\n",
                 size, d, d, d);
     PrintHeader();
@@ -1119,7 +1135,7 @@ absl::Status Run() {
     }
     if (!absl::GetFlag(FLAGS_skip_flatshard)) {
       absl::StatusOr<FlatshardResult> f =
-          RunFlatshard(d, row_numel, false, iters, warmup, ucx_env, tag_base, timeout);
+          RunFlatshard(d, row_numel, false, iters, warmup, ucx_env, tag_base, dir, timeout);
       if (f.ok()) {
         const double summon = Median(f->part.summon_max_us);
         const double summon_end = Median(f->part.summon_end_max_us);
@@ -1137,8 +1153,7 @@ absl::Status Run() {
         summary.push_back(absl::StrFormat(
             "n=%d flatshard size=%d Summon time_us=%.1f Summon+End time_us=%.1f ratio "
             "Summon/MPI=%s Summon+End/MPI=%s",
-            d, size, summon, summon_end,
-            base > 0 ? absl::StrFormat("%.3f", summon / base) : "-",
+            d, size, summon, summon_end, base > 0 ? absl::StrFormat("%.3f", summon / base) : "-",
             base > 0 ? absl::StrFormat("%.3f", summon_end / base) : "-"));
       } else {
         fail(absl::StrCat("flatshard n=", d), f.status());
@@ -1177,14 +1192,14 @@ absl::Status Run() {
     }
     if (!absl::GetFlag(FLAGS_skip_flatshard)) {
       absl::StatusOr<FlatshardResult> f =
-          RunFlatshard(2, 2 * tnumel, true, iters, warmup, ucx_env, tag_base, timeout);
+          RunFlatshard(2, 2 * tnumel, true, iters, warmup, ucx_env, tag_base, dir, timeout);
       if (f.ok()) {
         const double summon = Median(f->part.summon_max_us);
         const double base = ucx ? ucx->time_us : 0;
         PrintRow(2, "flatshard Summon rank0_only", tsize, summon, 1.0, base,
-                 absl::StrCat("unit of ", 2 * tsize, " bytes; daemons' UCX endpoints: ",
-                              JoinOrNone(f->ucx_cfg), "; per iter (ms): ",
-                              Millis(f->part.summon_max_us)));
+                 absl::StrCat("unit of ", 2 * tsize,
+                              " bytes; daemons' UCX endpoints: ", JoinOrNone(f->ucx_cfg),
+                              "; per iter (ms): ", Millis(f->part.summon_max_us)));
         summary.push_back(absl::StrFormat(
             "transfer flatshard size=%d time_us=%.1f ratio flatshard/ucx_perftest=%s", tsize,
             summon, base > 0 ? absl::StrFormat("%.3f", summon / base) : "-"));
