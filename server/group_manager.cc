@@ -832,7 +832,8 @@ void GroupManager::RegisterStep(std::shared_ptr<RegisterExchange> x) {
 
 void GroupManager::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status) {
   const Caller& caller = x->caller;
-  absl::StatusOr<RegisterResult> result = status;
+  absl::StatusOr<RegisterResult> result =
+      status.ok() ? absl::StatusOr<RegisterResult>(absl::InternalError("unset")) : status;
   {
     absl::MutexLock lock(&mu_);
     auto it = groups_.find(caller.group);
