@@ -41,7 +41,8 @@ void Coordinator::Effects::Run(Coordinator* c) {
 
 Coordinator::Coordinator(CoordinatorOptions options)
     : peer_timeout_(options.peer_timeout),
-      clock_(options.clock ? std::move(options.clock) : [] { return absl::Now(); }) {}
+      clock_(options.clock ? std::move(options.clock) : [] { return absl::Now(); }),
+      last_epoch_(options.epoch_base) {}
 
 Coordinator::~Coordinator() { Shutdown(); }
 
@@ -169,7 +170,8 @@ void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
 
 void Coordinator::CompleteLocked(Group& g, Effects& fx) {
   if (g.dirty || g.epoch == 0) {
-    ++g.epoch;
+    // One counter for every group (CoordinatorOptions::epoch_base).
+    g.epoch = ++last_epoch_;
     g.dirty = false;
     g.failure_forwarded_epoch.reset();
   }

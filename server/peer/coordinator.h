@@ -65,6 +65,11 @@ struct CoordinatorOptions {
   absl::Duration peer_timeout = absl::Seconds(3);
   // Time source; null: absl::Now. Tests pass a fake clock.
   std::function<absl::Time()> clock;
+  // Epochs handed out are above this and never repeat (one counter for all groups), so a
+  // group forgotten and formed again never reuses an epoch a daemon may still run. The
+  // service passes its start time in microseconds, which also keeps a restarted
+  // coordinator's epochs above its predecessor's.
+  uint64_t epoch_base = 0;
 };
 
 struct GroupSnapshot {
@@ -211,6 +216,8 @@ class Coordinator {
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<std::string, Group> groups_ ABSL_GUARDED_BY(mu_);
+  // The last epoch handed out by any group (see CompleteLocked).
+  uint64_t last_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, Watcher> watchers_ ABSL_GUARDED_BY(mu_);  // by daemon_id
   absl::flat_hash_map<WatcherId, std::string> watcher_daemon_ ABSL_GUARDED_BY(mu_);
 };

@@ -185,7 +185,8 @@ class PeerServiceImpl::WatchReactor final
 
 PeerServiceImpl::PeerServiceImpl(PeerOptions options)
     : options_(std::move(options)),
-      coordinator_(CoordinatorOptions{options_.peer_timeout, nullptr}) {
+      coordinator_(CoordinatorOptions{options_.peer_timeout, nullptr,
+                                      static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()))}) {
   timer_ = std::thread([this] { TimerLoop(); });
 }
 
