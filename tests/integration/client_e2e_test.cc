@@ -2,6 +2,9 @@
 // a real Unix socket, real shared-memory segments. Ranks are threads, each with its own Client;
 // a client that must die is a separate process (this binary again, running only
 // ClientE2EChild.*: gRPC must not be used across fork).
+// Every test runs in each Layout of tests/testing/cluster.h: one daemon (a local group), or
+// several daemons on this host standing in for nodes, each rank's Client connected to its own
+// rank's daemon and joining with daemon 0 as the coordinator.
 
 #include <fcntl.h>
 #include <poll.h>
@@ -35,8 +38,9 @@
 #include "flatshard/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
-#include "tests/testing/daemon_process.h"
+#include "tests/testing/rank_group.h"
 #include "tests/testing/shm_testing.h"
 
 namespace flatshard::client {
@@ -70,7 +74,18 @@ std::string SegmentOf(const void* p) {
   return "";
 }
 
-using DaemonProcess = ::flatshard::testing::DaemonProcess;
+using ::flatshard::testing::Cluster;
+using ::flatshard::testing::Layout;
+
+// Every test runs once per layout; rank r's Client connects to the cluster's AddressFor(r).
+class ClientE2ETest : public ::testing::TestWithParam<Layout> {
+ protected:
+  static ::flatshard::testing::ClusterOptions Options() {
+    ::flatshard::testing::ClusterOptions o;
+    o.tag_prefix = "fscl";
+    return o;
+  }
+};
 
 std::unique_ptr<Client> Connect(const std::string& address) {
   ClientOptions options;
@@ -97,15 +112,15 @@ struct Rank {
 
 // Connects `world` clients, joins them to `group` and registers examples/models/<model>
 // (zeros) on every rank.
-std::vector<Rank> JoinAndRegister(const DaemonProcess& d, const std::string& group, int world,
+std::vector<Rank> JoinAndRegister(const Cluster& d, const std::string& group, int world,
                                   const std::string& model = "gpt_tied") {
   std::vector<Rank> ranks(world);
   const std::string manifest = ExampleModelFile(model, "manifest");
   const std::string policy = ExampleModelFile(model, "policy");
   ForEachRank(world, [&](int r) {
-    ranks[r].client = Connect(d.address());
+    ranks[r].client = Connect(d.AddressFor(r));
     ASSERT_NE(ranks[r].client, nullptr);
-    absl::Status joined = ranks[r].client->Join(group, world, r, kToken);
+    absl::Status joined = ranks[r].client->Join(group, world, r, kToken, d.coordinator());
     ASSERT_TRUE(joined.ok()) << joined;
     absl::StatusOr<RegisteredModule> registered =
         ranks[r].client->Register("", manifest, policy, InitMode::kZeros);
@@ -222,8 +237,8 @@ std::vector<std::vector<float>> SnapshotShards(Rank& rank) {
 
 // ---- Views ----
 
-TEST(ClientE2ETest, TiedFqnsAliasOneView) {
-  DaemonProcess d;
+TEST_P(ClientE2ETest, TiedFqnsAliasOneView) {
+  Cluster d(GetParam(), Options());
   std::vector<Rank> ranks = JoinAndRegister(d, "tied", 2);
   SummonOptions writeback;
   writeback.writeback = true;
@@ -272,8 +287,8 @@ TEST(ClientE2ETest, TiedFqnsAliasOneView) {
   t.join();
 }
 
-TEST(ClientE2ETest, Rank0OnlyRanksGetNoViews) {
-  DaemonProcess d;
+TEST_P(ClientE2ETest, Rank0OnlyRanksGetNoViews) {
+  Cluster d(GetParam(), Options());
   std::vector<Rank> ranks = JoinAndRegister(d, "r0", 3);
   InitValues(ranks);
   for (bool writeback : {false, true}) {
@@ -296,8 +311,8 @@ TEST(ClientE2ETest, Rank0OnlyRanksGetNoViews) {
   }
 }
 
-TEST(ClientE2ETest, WithGradsAfterReduceScatter) {
-  DaemonProcess d;
+TEST_P(ClientE2ETest, WithGradsAfterReduceScatter) {
+  Cluster d(GetParam(), Options());
   std::vector<Rank> ranks = JoinAndRegister(d, "grads", 3);  // unit sizes are not multiples of 3
   const Plan& plan = *ranks[0].model.plan;
   // Before any gradient: with_grads gives parameter views and no gradient views.
@@ -353,8 +368,8 @@ TEST(ClientE2ETest, WithGradsAfterReduceScatter) {
   }
 }
 
-TEST(ClientE2ETest, SteadyStateSummonsMakeNoMmapCalls) {
-  DaemonProcess d;
+TEST_P(ClientE2ETest, SteadyStateSummonsMakeNoMmapCalls) {
+  Cluster d(GetParam(), Options());
   std::vector<Rank> ranks = JoinAndRegister(d, "steady", 2);
   InitValues(ranks);
   ReduceScatterAll(ranks, 0, ReduceOp::kSum, false, [](int) { return 1.0f; });
@@ -383,8 +398,8 @@ TEST(ClientE2ETest, SteadyStateSummonsMakeNoMmapCalls) {
 
 // ---- Refused requests ----
 
-TEST(ClientE2ETest, UnknownUnitPathOrModuleIsRefusedAndChangesNothing) {
-  DaemonProcess d;
+TEST_P(ClientE2ETest, UnknownUnitPathOrModuleIsRefusedAndChangesNothing) {
+  Cluster d(GetParam(), Options());
   std::vector<Rank> ranks = JoinAndRegister(d, "bad", 2);
   InitValues(ranks);
   ReduceScatterAll(ranks, 1, ReduceOp::kSum, false, [](int r) { return 1.0f + r; });
@@ -437,8 +452,8 @@ TEST(ClientE2ETest, UnknownUnitPathOrModuleIsRefusedAndChangesNothing) {
 // size can only come from ranks that disagree: here rank 0 reduce-scatters unit 0 while rank 1
 // reduce-scatters unit 1 (of another size). Both fail with the collective mismatch, and no
 // shard or gradient shard changes.
-TEST(ClientE2ETest, GradientOfTheWrongSizeFailsEveryRankAndChangesNothing) {
-  DaemonProcess d;
+TEST_P(ClientE2ETest, GradientOfTheWrongSizeFailsEveryRankAndChangesNothing) {
+  Cluster d(GetParam(), Options());
   std::vector<Rank> ranks = JoinAndRegister(d, "size", 2);
   InitValues(ranks);
   const Plan& plan = *ranks[0].model.plan;
@@ -470,6 +485,7 @@ TEST(ClientE2ETest, GradientOfTheWrongSizeFailsEveryRankAndChangesNothing) {
 // Environment of the child process (ClientE2EChild.HoldSummonUntilKilled).
 constexpr char kChildSocketEnv[] = "FS_CLIENT_E2E_SOCKET";
 constexpr char kChildFdEnv[] = "FS_CLIENT_E2E_FD";
+constexpr char kChildCoordinatorEnv[] = "FS_CLIENT_E2E_COORDINATOR";
 
 // Reads one line from `fd` within `timeout`; "" on timeout or EOF.
 std::string ReadLine(int fd, absl::Duration timeout) {
@@ -493,21 +509,18 @@ std::vector<char> SegmentBytes(const std::string& name) {
   return std::vector<char>(bytes.begin(), bytes.end());
 }
 
-TEST(ClientE2ETest, ClientKilledMidSummonEndsItWithoutWriteback) {
-  DaemonProcess d;
+TEST_P(ClientE2ETest, ClientKilledMidSummonEndsItWithoutWriteback) {
+  Cluster d(GetParam(), Options());
   // Rank 1 is a child process: it joins, registers, initializes its range, opens a summon with
   // writeback, scribbles over its full buffers, reports its segments and waits to be killed.
   int pipe_fds[2];
   ASSERT_EQ(pipe(pipe_fds), 0);
-  const pid_t child = fork();
-  if (child == 0) {
-    close(pipe_fds[0]);
-    setenv(kChildSocketEnv, d.socket().c_str(), 1);
-    setenv(kChildFdEnv, std::to_string(pipe_fds[1]).c_str(), 1);
-    execl("/proc/self/exe", "client_e2e_test", "--gtest_filter=ClientE2EChild.HoldSummonUntilKilled",
-          static_cast<char*>(nullptr));
-    _exit(127);
-  }
+  const pid_t child = ::flatshard::testing::SpawnSelf(
+      "ClientE2EChild.HoldSummonUntilKilled",
+      {absl::StrCat(kChildSocketEnv, "=", d.SocketFor(1)),
+       absl::StrCat(kChildFdEnv, "=", pipe_fds[1]),
+       absl::StrCat(kChildCoordinatorEnv, "=", d.coordinator())});
+  ASSERT_GT(child, 0);
   close(pipe_fds[1]);
   struct Reaper {  // the child never outlives the test
     pid_t pid;
@@ -520,9 +533,10 @@ TEST(ClientE2ETest, ClientKilledMidSummonEndsItWithoutWriteback) {
   } reaper{child};
 
   // Rank 0, here: the same steps up to the open summon.
-  std::unique_ptr<Client> c0 = Connect(d.address());
+  std::unique_ptr<Client> c0 = Connect(d.AddressFor(0));
   ASSERT_NE(c0, nullptr);
-  ASSERT_TRUE(c0->Join("kill", 2, 0, kToken).ok());
+  const absl::Status joined0 = c0->Join("kill", 2, 0, kToken, d.coordinator());
+  ASSERT_TRUE(joined0.ok()) << joined0;
   absl::StatusOr<RegisteredModule> m0 = c0->Register("", ExampleModelFile("gpt_tied", "manifest"),
                                                      ExampleModelFile("gpt_tied", "policy"),
                                                      InitMode::kZeros);
@@ -576,11 +590,11 @@ TEST(ClientE2ETest, ClientKilledMidSummonEndsItWithoutWriteback) {
                               "later: "
                            << absl::StrJoin(unsharded, ", ");
   // ... and the rank is free again: a restarted client joins it.
-  std::unique_ptr<Client> c1 = Connect(d.address());
+  std::unique_ptr<Client> c1 = Connect(d.AddressFor(1));
   ASSERT_NE(c1, nullptr);
   absl::Status joined;
   do {
-    joined = c1->Join("kill", 2, 1, kToken);
+    joined = c1->Join("kill", 2, 1, kToken, d.coordinator());
     if (!joined.ok()) absl::SleepFor(absl::Milliseconds(20));
   } while (!joined.ok() && absl::Now() - killed < absl::Seconds(2));
   ASSERT_TRUE(joined.ok()) << "rank 1 could not join again within 2 s: " << joined;
@@ -591,14 +605,15 @@ TEST(ClientE2ETest, ClientKilledMidSummonEndsItWithoutWriteback) {
     EXPECT_EQ(SegmentBytes(shards[i]), shard_bytes[i]) << "shard " << shards[i] << " changed";
   }
   // Rank 0 ends its own summon normally (the killed rank's end does not hold it up).
-  EXPECT_TRUE((*open)->End().ok());
+  const absl::Status ended = (*open)->End();
+  EXPECT_TRUE(ended.ok()) << ended;
 }
 
 // A restarted trainer (here: a new Client after the old one went away with a summon open)
 // joins its rank again and re-attaches by registering the same model: same plan, same shards,
 // their values intact, and it takes part in collectives again.
-TEST(ClientE2ETest, RestartedClientReattachesByRegisteringAgain) {
-  DaemonProcess d;
+TEST_P(ClientE2ETest, RestartedClientReattachesByRegisteringAgain) {
+  Cluster d(GetParam(), Options());
   std::vector<Rank> ranks = JoinAndRegister(d, "again", 2);
   InitValues(ranks);
   const Plan& plan = *ranks[0].model.plan;
@@ -612,14 +627,15 @@ TEST(ClientE2ETest, RestartedClientReattachesByRegisteringAgain) {
     for (const ParamView& v : *open[1]) std::fill_n(static_cast<float*>(v.data), v.numel, -7.0f);
     ranks[1] = Rank();  // rank 1's client goes away; its summon's End then fails, as documented
     EXPECT_EQ(open[1]->End().code(), absl::StatusCode::kFailedPrecondition);
-    EXPECT_TRUE(open[0]->End().ok());
+    const absl::Status ended = open[0]->End();
+    EXPECT_TRUE(ended.ok()) << ended;
   }
-  ranks[1].client = Connect(d.address());
+  ranks[1].client = Connect(d.AddressFor(1));
   ASSERT_NE(ranks[1].client, nullptr);
   absl::Status joined;
   const absl::Time start = absl::Now();
   do {
-    joined = ranks[1].client->Join("again", 2, 1, kToken);
+    joined = ranks[1].client->Join("again", 2, 1, kToken, d.coordinator());
     if (!joined.ok()) absl::SleepFor(absl::Milliseconds(20));
   } while (!joined.ok() && absl::Now() - start < absl::Seconds(2));
   ASSERT_TRUE(joined.ok()) << joined;
@@ -648,8 +664,11 @@ TEST(ClientE2EChild, HoldSummonUntilKilled) {
   const char* socket = getenv(kChildSocketEnv);
   const char* fd = getenv(kChildFdEnv);
   if (socket == nullptr || fd == nullptr) GTEST_SKIP() << "runs only as a child process";
+  const char* coordinator = getenv(kChildCoordinatorEnv);
   std::unique_ptr<Client> c = Connect(std::string("unix:") + socket);
-  if (c == nullptr || !c->Join("kill", 2, 1, kToken).ok()) _exit(2);
+  if (c == nullptr || !c->Join("kill", 2, 1, kToken, coordinator == nullptr ? "" : coordinator).ok()) {
+    _exit(2);
+  }
   absl::StatusOr<RegisteredModule> m = c->Register("", ExampleModelFile("gpt_tied", "manifest"),
                                                    ExampleModelFile("gpt_tied", "policy"),
                                                    InitMode::kZeros);
@@ -677,6 +696,10 @@ TEST(ClientE2EChild, HoldSummonUntilKilled) {
   pause();
   _exit(0);
 }
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ClientE2ETest,
+                         ::testing::ValuesIn(::flatshard::testing::AllLayouts()),
+                         ::flatshard::testing::LayoutParamName());
 
 }  // namespace
 }  // namespace flatshard::client

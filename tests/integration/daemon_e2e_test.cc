@@ -1,5 +1,8 @@
-// End-to-end tests of flatshardd: a real daemon process, real gRPC over a real Unix socket,
+// End-to-end tests of flatshardd: real daemon processes, real gRPC over real Unix sockets,
 // real shared-memory segments. Ranks are threads (or forked processes where a client must die).
+// Every test but the SIGTERM one runs in each Layout of tests/testing/cluster.h: one daemon
+// (a local group), or several daemons on this host standing in for nodes, each rank's stubs
+// talking to its own rank's daemon and every join naming daemon 0 as the coordinator.
 
 #include <signal.h>
 #include <sys/stat.h>
@@ -24,8 +27,9 @@
 #include "flatshard/v1/shard_service.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
-#include "tests/testing/daemon_process.h"
+#include "tests/testing/rank_group.h"
 #include <grpcpp/grpcpp.h>
 
 namespace flatshard {
@@ -35,19 +39,35 @@ namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
 using ::flatshard::testing::ReadFile;
+using ::flatshard::testing::Layout;
 
-
-// A flatshardd process (tests/testing/daemon_process.h) with raw ShardService stubs.
-class DaemonProcess : public ::flatshard::testing::DaemonProcess {
+// The daemons of a Layout (tests/testing/cluster.h) with raw ShardService stubs: Stub(rank)
+// talks to rank `rank`'s daemon.
+class DaemonProcess : public ::flatshard::testing::Cluster {
  public:
-  DaemonProcess()
-      : ::flatshard::testing::DaemonProcess("fse2e"),
-        channel_(grpc::CreateChannel(address(), grpc::InsecureChannelCredentials())) {}
-  std::unique_ptr<v1::ShardService::Stub> Stub() { return v1::ShardService::NewStub(channel_); }
+  explicit DaemonProcess(Layout layout) : ::flatshard::testing::Cluster(layout, Options()) {
+    for (int i = 0; i < daemon_count(); ++i) {
+      channels_.push_back(
+          grpc::CreateChannel(daemon(i).address(), grpc::InsecureChannelCredentials()));
+    }
+  }
+  std::unique_ptr<v1::ShardService::Stub> Stub(int rank) {
+    return v1::ShardService::NewStub(channels_[DaemonOf(rank)]);
+  }
 
  private:
-  std::shared_ptr<grpc::Channel> channel_;
+  static ::flatshard::testing::ClusterOptions Options() {
+    ::flatshard::testing::ClusterOptions o;
+    o.tag_prefix = "fse2e";
+    return o;
+  }
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
 };
+
+// Every test suite but the SIGTERM test runs once per layout.
+class DaemonE2ETest : public ::testing::TestWithParam<Layout> {};
+class DaemonSummonTest : public ::testing::TestWithParam<Layout> {};
+class DaemonGradTest : public ::testing::TestWithParam<Layout> {};
 
 struct Joined {
   grpc::Status status;
@@ -55,7 +75,8 @@ struct Joined {
 };
 
 Joined Join(v1::ShardService::Stub* stub, const std::string& group, int world, int rank,
-            const std::string& token = "t0k", int timeout_ms = 10000) {
+            const std::string& token = "t0k", int timeout_ms = 10000,
+            const std::string& coordinator = "") {
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
   v1::JoinGroupRequest req;
@@ -63,9 +84,17 @@ Joined Join(v1::ShardService::Stub* stub, const std::string& group, int world, i
   req.set_world_size(world);
   req.set_rank(rank);
   req.set_token(token);
+  req.set_coordinator(coordinator);
   Joined out;
   out.status = stub->JoinGroup(&ctx, req, &out.response);
   return out;
+}
+
+// Joins `rank` at its own daemon, naming the cluster's coordinator.
+Joined JoinAt(DaemonProcess& d, const std::string& group, int world, int rank,
+              const std::string& token = "t0k", int timeout_ms = 10000) {
+  auto stub = d.Stub(rank);
+  return Join(stub.get(), group, world, rank, token, timeout_ms, d.coordinator());
 }
 
 // Joins ranks 0..world-1 concurrently; returns their sessions.
@@ -73,8 +102,7 @@ std::vector<uint64_t> JoinAll(DaemonProcess& d, const std::string& group, int wo
   std::vector<std::future<Joined>> futures;
   for (int r = 0; r < world; ++r) {
     futures.push_back(std::async(std::launch::async, [&d, group, world, r] {
-      auto stub = d.Stub();
-      return Join(stub.get(), group, world, r);
+      return JoinAt(d, group, world, r);
     }));
   }
   std::vector<uint64_t> sessions;
@@ -119,7 +147,7 @@ std::vector<Registered> RegisterAll(DaemonProcess& d,
   std::vector<std::future<Registered>> futures;
   for (size_t r = 0; r < requests.size(); ++r) {
     futures.push_back(std::async(std::launch::async, [&d, &requests, r] {
-      auto stub = d.Stub();
+      auto stub = d.Stub(requests[r].caller().rank());
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
       Registered out;
@@ -132,18 +160,25 @@ std::vector<Registered> RegisterAll(DaemonProcess& d,
   return out;
 }
 
-TEST(DaemonE2ETest, JoinWaitsForEveryRank) {
-  DaemonProcess d;
+TEST_P(DaemonE2ETest, JoinWaitsForEveryRank) {
+  DaemonProcess d(GetParam());
   std::vector<uint64_t> sessions = JoinAll(d, "g", 3);
   ASSERT_EQ(sessions.size(), 3u);
-  EXPECT_NE(sessions[0], sessions[1]);
-  EXPECT_NE(sessions[1], sessions[2]);
+  // Sessions are a daemon's own: distinct among the ranks of one daemon.
+  for (int a = 0; a < 3; ++a) {
+    EXPECT_NE(sessions[a], 0u) << "rank " << a;
+    for (int b = a + 1; b < 3; ++b) {
+      if (d.SameDaemon(a, b)) {
+        EXPECT_NE(sessions[a], sessions[b]) << "ranks " << a << ", " << b;
+      }
+    }
+  }
 }
 
-TEST(DaemonE2ETest, JoinDeadlineNamesMissingRanks) {
-  DaemonProcess d;
-  auto stub = d.Stub();
-  Joined j = Join(stub.get(), "g", 4, 1, "t0k", 300);
+TEST_P(DaemonE2ETest, JoinDeadlineNamesMissingRanks) {
+  DaemonProcess d(GetParam());
+  // Across daemons the answer comes from the coordinator: allow for the round trips.
+  Joined j = JoinAt(d, "g", 4, 1, "t0k", d.multi() ? 1000 : 300);
   EXPECT_EQ(j.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_THAT(j.status.error_message(), HasSubstr("ranks 0, 2, 3 of 4 did not join"));
   // The failed join left no trace: the rank can join again.
@@ -151,28 +186,33 @@ TEST(DaemonE2ETest, JoinDeadlineNamesMissingRanks) {
   EXPECT_EQ(sessions.size(), 4u);
 }
 
-TEST(DaemonE2ETest, BadJoinsAreRefusedAndChangeNothing) {
-  DaemonProcess d;
-  auto stub = d.Stub();
-  auto first = std::async(std::launch::async, [&] { return Join(stub.get(), "g", 2, 0); });
+// In the multi-daemon layouts rank 1 joins another daemon than rank 0: its token and world
+// size are checked against the group at the coordinator.
+TEST_P(DaemonE2ETest, BadJoinsAreRefusedAndChangeNothing) {
+  DaemonProcess d(GetParam());
+  auto first = std::async(std::launch::async, [&] { return JoinAt(d, "g", 2, 0); });
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  Joined wrong_token = Join(stub.get(), "g", 2, 1, "nope");
-  EXPECT_EQ(wrong_token.status.error_code(), grpc::StatusCode::PERMISSION_DENIED);
-  Joined wrong_world = Join(stub.get(), "g", 3, 1);
-  EXPECT_EQ(wrong_world.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  Joined wrong_token = JoinAt(d, "g", 2, 1, "nope");
+  EXPECT_EQ(wrong_token.status.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+      << wrong_token.status.error_message();
+  Joined wrong_world = JoinAt(d, "g", 3, 1);
+  EXPECT_EQ(wrong_world.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      << wrong_world.status.error_message();
   EXPECT_THAT(wrong_world.status.error_message(), HasSubstr("has world_size 2"));
-  Joined bad_rank = Join(stub.get(), "g", 2, 2);
+  Joined bad_rank = JoinAt(d, "g", 2, 2);
   EXPECT_EQ(bad_rank.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(bad_rank.status.error_message(), HasSubstr("rank 2 is out of range [0, 2)"));
-  Joined ok = Join(stub.get(), "g", 2, 1);
+  Joined ok = JoinAt(d, "g", 2, 1);
   EXPECT_TRUE(ok.status.ok()) << ok.status.error_message();
-  EXPECT_TRUE(first.get().status.ok());
-  Joined twice = Join(stub.get(), "g", 2, 1);
-  EXPECT_EQ(twice.status.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  Joined first_joined = first.get();
+  EXPECT_TRUE(first_joined.status.ok()) << first_joined.status.error_message();
+  Joined twice = JoinAt(d, "g", 2, 1);
+  EXPECT_EQ(twice.status.error_code(), grpc::StatusCode::ALREADY_EXISTS)
+      << twice.status.error_message();
 }
 
-TEST(DaemonE2ETest, RegisterPlansLikeThePlannerAndAllocatesPrivateShards) {
-  DaemonProcess d;
+TEST_P(DaemonE2ETest, RegisterPlansLikeThePlannerAndAllocatesPrivateShards) {
+  DaemonProcess d(GetParam());
   std::vector<uint64_t> s = JoinAll(d, "g", 2);
   std::vector<v1::RegisterModuleRequest> reqs = {RegisterRequest(MakeCaller("g", 0, s[0]), "gpt_tied"),
                                                  RegisterRequest(MakeCaller("g", 1, s[1]), "gpt_tied")};
@@ -201,8 +241,8 @@ TEST(DaemonE2ETest, RegisterPlansLikeThePlannerAndAllocatesPrivateShards) {
   }
 }
 
-TEST(DaemonE2ETest, MismatchedModelsFailEveryRankNamingTheUnit) {
-  DaemonProcess d;
+TEST_P(DaemonE2ETest, MismatchedModelsFailEveryRankNamingTheUnit) {
+  DaemonProcess d(GetParam());
   std::vector<uint64_t> s = JoinAll(d, "g", 2);
   std::vector<v1::RegisterModuleRequest> reqs = {RegisterRequest(MakeCaller("g", 0, s[0]), "gpt_tied"),
                                                  RegisterRequest(MakeCaller("g", 1, s[1]), "gpt_tied")};
@@ -210,7 +250,7 @@ TEST(DaemonE2ETest, MismatchedModelsFailEveryRankNamingTheUnit) {
   reqs[1].mutable_policy()->mutable_auto_wrap()->set_kind(v1::AUTO_WRAP_KIND_ALWAYS);
   std::vector<Registered> out = RegisterAll(d, reqs);
   for (const Registered& r : out) {
-    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << r.status.error_message();
     EXPECT_THAT(r.status.error_message(),
                 HasSubstr("ranks registered different models for module \"\" (the root): first "
                           "difference at unit 0: rank 0 has"));
@@ -235,84 +275,96 @@ TEST(DaemonE2ETest, MismatchedModelsFailEveryRankNamingTheUnit) {
   EXPECT_THAT(out[0].status.error_message(), HasSubstr("already has flatshard applied"));
 }
 
-TEST(DaemonE2ETest, BadCallersAreRefused) {
-  DaemonProcess d;
-  std::vector<uint64_t> s = JoinAll(d, "g", 1);
-  auto stub = d.Stub();
-  struct Case {
-    v1::Caller caller;
-    grpc::StatusCode code;
-    std::string text;
-  };
-  std::vector<Case> cases = {
-      {MakeCaller("nope", 0, s[0]), grpc::StatusCode::NOT_FOUND, "unknown group nope"},
-      {MakeCaller("g", 0, s[0], "bad"), grpc::StatusCode::PERMISSION_DENIED, "wrong token"},
-      {MakeCaller("g", 0, s[0] + 100), grpc::StatusCode::FAILED_PRECONDITION, "not the rank's current session"},
-      {MakeCaller("g", 5, s[0]), grpc::StatusCode::INVALID_ARGUMENT, "rank 5 is out of range"},
-  };
-  for (const Case& c : cases) {
+// One rank per daemon (world 1 in Single); every rank's daemon refuses the bad callers.
+TEST_P(DaemonE2ETest, BadCallersAreRefused) {
+  DaemonProcess d(GetParam());
+  const int world = d.spanning_world();
+  std::vector<uint64_t> s = JoinAll(d, "g", world);
+  ASSERT_EQ(s.size(), static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    auto stub = d.Stub(r);
+    struct Case {
+      v1::Caller caller;
+      grpc::StatusCode code;
+      std::string text;
+    };
+    std::vector<Case> cases = {
+        {MakeCaller("nope", r, s[r]), grpc::StatusCode::NOT_FOUND, "unknown group nope"},
+        {MakeCaller("g", r, s[r], "bad"), grpc::StatusCode::PERMISSION_DENIED, "wrong token"},
+        {MakeCaller("g", r, s[r] + 100), grpc::StatusCode::FAILED_PRECONDITION, "not the rank's current session"},
+        {MakeCaller("g", 5, s[r]), grpc::StatusCode::INVALID_ARGUMENT, "rank 5 is out of range"},
+    };
+    for (const Case& c : cases) {
+      grpc::ClientContext ctx;
+      v1::GetShardViewsRequest req;
+      *req.mutable_caller() = c.caller;
+      v1::GetShardViewsResponse resp;
+      grpc::Status st = stub->GetShardViews(&ctx, req, &resp);
+      EXPECT_EQ(st.error_code(), c.code) << st.error_message();
+      EXPECT_THAT(st.error_message(), HasSubstr(c.text));
+    }
     grpc::ClientContext ctx;
     v1::GetShardViewsRequest req;
-    *req.mutable_caller() = c.caller;
+    *req.mutable_caller() = MakeCaller("g", r, s[r]);
+    req.set_registered_module("enc");
     v1::GetShardViewsResponse resp;
     grpc::Status st = stub->GetShardViews(&ctx, req, &resp);
-    EXPECT_EQ(st.error_code(), c.code) << st.error_message();
-    EXPECT_THAT(st.error_message(), HasSubstr(c.text));
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_THAT(st.error_message(), HasSubstr("module \"enc\" is not registered"));
   }
-  grpc::ClientContext ctx;
-  v1::GetShardViewsRequest req;
-  *req.mutable_caller() = MakeCaller("g", 0, s[0]);
-  req.set_registered_module("enc");
-  v1::GetShardViewsResponse resp;
-  grpc::Status st = stub->GetShardViews(&ctx, req, &resp);
-  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
-  EXPECT_THAT(st.error_message(), HasSubstr("module \"enc\" is not registered"));
 }
 
-TEST(DaemonE2ETest, KilledClientFreesItsRankAndShardsOutliveIt) {
-  DaemonProcess d;
-  std::vector<uint64_t> s = JoinAll(d, "g", 1);
-  std::vector<Registered> out =
-      RegisterAll(d, {RegisterRequest(MakeCaller("g", 0, s[0]), "gpt_tied")});
-  ASSERT_TRUE(out[0].status.ok()) << out[0].status.error_message();
-  const std::string shard_segment = out[0].response.shards(0).shard().segment();
-  // Leave, then a child process joins rank 0, holds its lease and is killed with SIGKILL.
+// One rank per daemon (world 1 in Single); the last rank (on the last daemon) is the victim:
+// it leaves, a child process joins it again, holds its lease and is killed with SIGKILL.
+TEST_P(DaemonE2ETest, KilledClientFreesItsRankAndShardsOutliveIt) {
+  DaemonProcess d(GetParam());
+  const int world = d.spanning_world();
+  const int victim = world - 1;
+  std::vector<uint64_t> s = JoinAll(d, "g", world);
+  std::vector<v1::RegisterModuleRequest> reqs;
+  for (int r = 0; r < world; ++r) reqs.push_back(RegisterRequest(MakeCaller("g", r, s[r]), "gpt_tied"));
+  std::vector<Registered> out = RegisterAll(d, reqs);
+  for (const Registered& r : out) ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  const std::string shard_segment = out[victim].response.shards(0).shard().segment();
   {
-    auto stub = d.Stub();
+    auto stub = d.Stub(victim);
     grpc::ClientContext ctx;
     v1::LeaveRequest req;
-    *req.mutable_caller() = MakeCaller("g", 0, s[0]);
+    *req.mutable_caller() = MakeCaller("g", victim, s[victim]);
     v1::LeaveResponse resp;
-    ASSERT_TRUE(stub->Leave(&ctx, req, &resp).ok());
+    grpc::Status left = stub->Leave(&ctx, req, &resp);
+    ASSERT_TRUE(left.ok()) << left.error_message();
   }
   // The client runs in a fresh process (gRPC must not be used across fork): this test binary,
   // running only LeaseHolderChild.HoldLease.
   int ready[2];
   ASSERT_EQ(pipe(ready), 0);
-  pid_t child = fork();
-  if (child == 0) {
-    close(ready[0]);
-    const std::string socket_env = "FS_E2E_SOCKET=" + d.socket();
-    const std::string fd_env = absl::StrCat("FS_E2E_READY_FD=", ready[1]);
-    putenv(const_cast<char*>(socket_env.c_str()));
-    putenv(const_cast<char*>(fd_env.c_str()));
-    execl("/proc/self/exe", "daemon_e2e_test", "--gtest_filter=LeaseHolderChild.HoldLease",
-          static_cast<char*>(nullptr));
-    _exit(127);
-  }
+  pid_t child = ::flatshard::testing::SpawnSelf(
+      "LeaseHolderChild.HoldLease",
+      {"FS_E2E_SOCKET=" + d.SocketFor(victim), absl::StrCat("FS_E2E_READY_FD=", ready[1]),
+       absl::StrCat("FS_E2E_WORLD=", world), absl::StrCat("FS_E2E_RANK=", victim),
+       "FS_E2E_COORDINATOR=" + d.coordinator()});
+  ASSERT_GT(child, 0);
   close(ready[1]);
   char c = 0;
-  ASSERT_EQ(read(ready[0], &c, 1), 1) << "the lease-holding child did not start";
-  auto stub = d.Stub();
+  const bool started = read(ready[0], &c, 1) == 1;
+  close(ready[0]);
+  if (!started) {
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+    FAIL() << "the lease-holding child did not start";
+  }
+  auto stub = d.Stub(victim);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  EXPECT_EQ(Join(stub.get(), "g", 1, 0, "t0k", 200).status.error_code(),
-            grpc::StatusCode::ALREADY_EXISTS);
+  Joined held = Join(stub.get(), "g", world, victim, "t0k", 200, d.coordinator());
+  EXPECT_EQ(held.status.error_code(), grpc::StatusCode::ALREADY_EXISTS) << held.status.error_message();
   kill(child, SIGKILL);
   waitpid(child, nullptr, 0);
   // The lease ends with the connection; the rank is free again within 2 s.
   Joined again;
   for (int i = 0; i < 40; ++i) {
-    again = Join(stub.get(), "g", 1, 0, "t0k", 1000);
+    again = Join(stub.get(), "g", world, victim, "t0k", 1000, d.coordinator());
     if (again.status.ok()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
@@ -320,9 +372,10 @@ TEST(DaemonE2ETest, KilledClientFreesItsRankAndShardsOutliveIt) {
   EXPECT_THAT(again.response.registered_modules(), ::testing::ElementsAre(""));
   grpc::ClientContext ctx;
   v1::GetShardViewsRequest req;
-  *req.mutable_caller() = MakeCaller("g", 0, again.response.session());
+  *req.mutable_caller() = MakeCaller("g", victim, again.response.session());
   v1::GetShardViewsResponse resp;
-  ASSERT_TRUE(stub->GetShardViews(&ctx, req, &resp).ok());
+  grpc::Status views = stub->GetShardViews(&ctx, req, &resp);
+  ASSERT_TRUE(views.ok()) << views.error_message();
   EXPECT_EQ(resp.shards(0).shard().segment(), shard_segment) << "re-attached to the same shard";
 }
 
@@ -350,7 +403,7 @@ std::vector<Summoned> SummonAll(DaemonProcess& d, const std::vector<v1::Caller>&
   std::vector<std::future<Summoned>> futures;
   for (const v1::Caller& c : callers) {
     futures.push_back(std::async(std::launch::async, [&d, c, options, path] {
-      auto stub = d.Stub();
+      auto stub = d.Stub(c.rank());
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
       v1::SummonRequest req;
@@ -372,7 +425,7 @@ std::vector<grpc::Status> EndAll(DaemonProcess& d, const std::vector<v1::Caller>
   std::vector<std::future<grpc::Status>> futures;
   for (size_t r = 0; r < callers.size(); ++r) {
     futures.push_back(std::async(std::launch::async, [&d, &callers, &summons, r] {
-      auto stub = d.Stub();
+      auto stub = d.Stub(callers[r].rank());
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
       v1::EndSummonRequest req;
@@ -410,13 +463,18 @@ Fixture JoinAndRegister(DaemonProcess& d, int world, const std::string& model = 
     reqs.push_back(RegisterRequest(f.callers.back(), model));
   }
   std::vector<Registered> out = RegisterAll(d, reqs);
-  EXPECT_TRUE(out[0].status.ok()) << out[0].status.error_message();
-  f.plan = *FromProto(out[0].response.plan());
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(out[r].status.ok()) << "rank " << r << ": " << out[r].status.error_message();
+  }
+  // A failed registration leaves the plan empty; the test's next collective then fails.
+  if (absl::StatusOr<Plan> plan = FromProto(out[0].response.plan()); plan.ok()) {
+    f.plan = *std::move(plan);
+  }
   return f;
 }
 
-TEST(DaemonSummonTest, WritebackPersistsOnlyEachRanksOwnRange) {
-  DaemonProcess d;
+TEST_P(DaemonSummonTest, WritebackPersistsOnlyEachRanksOwnRange) {
+  DaemonProcess d(GetParam());
   Fixture f = JoinAndRegister(d, 2);
   std::vector<Summoned> s = SummonAll(d, f.callers, Options(/*writeback=*/true));
   ASSERT_TRUE(s[0].status.ok() && s[1].status.ok()) << s[0].status.error_message();
@@ -432,10 +490,14 @@ TEST(DaemonSummonTest, WritebackPersistsOnlyEachRanksOwnRange) {
   EXPECT_NE(s[0].response.units(0).params().segment(), s[1].response.units(0).params().segment());
   for (const grpc::Status& st : EndAll(d, f.callers, s)) EXPECT_TRUE(st.ok()) << st.error_message();
 
-  // A read-only summon: one copy per node, shared by both ranks.
+  // A read-only summon: one copy per node, shared by the ranks of a daemon.
   s = SummonAll(d, f.callers, Options(/*writeback=*/false));
-  ASSERT_TRUE(s[0].status.ok() && s[1].status.ok());
-  EXPECT_EQ(s[0].response.units(0).params().segment(), s[1].response.units(0).params().segment());
+  ASSERT_TRUE(s[0].status.ok() && s[1].status.ok()) << s[0].status.error_message();
+  if (d.SameDaemon(0, 1)) {
+    EXPECT_EQ(s[0].response.units(0).params().segment(), s[1].response.units(0).params().segment());
+  } else {
+    EXPECT_NE(s[0].response.units(0).params().segment(), s[1].response.units(0).params().segment());
+  }
   for (const v1::UnitView& v : s[0].response.units()) {
     const PlanUnit& u = f.plan.units[v.unit()];
     float* p = MapFloats(v.params(), &keep);
@@ -447,28 +509,37 @@ TEST(DaemonSummonTest, WritebackPersistsOnlyEachRanksOwnRange) {
   for (const grpc::Status& st : EndAll(d, f.callers, s)) EXPECT_TRUE(st.ok());
 }
 
-TEST(DaemonSummonTest, SummoningTwiceIsRefusedWithFsdpWording) {
-  DaemonProcess d;
-  Fixture f = JoinAndRegister(d, 1);
+// One rank per daemon (world 1 in Single); every rank sees the same refusals.
+TEST_P(DaemonSummonTest, SummoningTwiceIsRefusedWithFsdpWording) {
+  DaemonProcess d(GetParam());
+  const int world = d.spanning_world();
+  Fixture f = JoinAndRegister(d, world);
   std::vector<Summoned> s = SummonAll(d, f.callers, Options(false));
-  ASSERT_TRUE(s[0].status.ok());
+  for (const Summoned& x : s) ASSERT_TRUE(x.status.ok()) << x.status.error_message();
   std::vector<Summoned> again = SummonAll(d, f.callers, Options(false), "h.0");
-  EXPECT_EQ(again[0].status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_THAT(again[0].status.error_message(),
-              HasSubstr("Cannot manually unshard parameters when already unsharding parameters"));
-  EXPECT_TRUE(EndAll(d, f.callers, s)[0].ok());
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(again[r].status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << "rank " << r;
+    EXPECT_THAT(again[r].status.error_message(),
+                HasSubstr("Cannot manually unshard parameters when already unsharding parameters"));
+  }
+  for (const grpc::Status& st : EndAll(d, f.callers, s)) EXPECT_TRUE(st.ok()) << st.error_message();
   // recurse=false on a path that is not a unit root unshards nothing and says so.
   std::vector<Summoned> none = SummonAll(d, f.callers, Options(false, false, false, false), "h");
-  ASSERT_TRUE(none[0].status.ok());
-  EXPECT_EQ(none[0].response.units_size(), 0);
-  EXPECT_THAT(none[0].response.note(), HasSubstr("not a unit root"));
-  EXPECT_TRUE(EndAll(d, f.callers, none)[0].ok());
+  for (int r = 0; r < world; ++r) {
+    ASSERT_TRUE(none[r].status.ok()) << "rank " << r << ": " << none[r].status.error_message();
+    EXPECT_EQ(none[r].response.units_size(), 0);
+    EXPECT_THAT(none[r].response.note(), HasSubstr("not a unit root"));
+  }
+  for (const grpc::Status& st : EndAll(d, f.callers, none)) EXPECT_TRUE(st.ok()) << st.error_message();
   std::vector<Summoned> missing = SummonAll(d, f.callers, Options(false), "h.7");
-  EXPECT_EQ(missing[0].status.error_code(), grpc::StatusCode::NOT_FOUND);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(missing[r].status.error_code(), grpc::StatusCode::NOT_FOUND)
+        << "rank " << r << ": " << missing[r].status.error_message();
+  }
 }
 
-TEST(DaemonSummonTest, Rank0OnlyWritebackReachesEveryShard) {
-  DaemonProcess d;
+TEST_P(DaemonSummonTest, Rank0OnlyWritebackReachesEveryShard) {
+  DaemonProcess d(GetParam());
   Fixture f = JoinAndRegister(d, 3);
   std::vector<Summoned> s = SummonAll(d, f.callers, Options(/*writeback=*/true, /*rank0_only=*/true));
   for (const Summoned& x : s) ASSERT_TRUE(x.status.ok()) << x.status.error_message();
@@ -483,6 +554,8 @@ TEST(DaemonSummonTest, Rank0OnlyWritebackReachesEveryShard) {
   }
   for (const grpc::Status& st : EndAll(d, f.callers, s)) EXPECT_TRUE(st.ok()) << st.error_message();
   s = SummonAll(d, f.callers, Options(false));
+  ASSERT_TRUE(s[2].status.ok()) << s[2].status.error_message();
+  EXPECT_GT(s[2].response.units_size(), 0);
   for (const v1::UnitView& v : s[2].response.units()) {
     float* p = MapFloats(v.params(), &keep);
     for (int64_t i = 0; i < f.plan.units[v.unit()].numel; ++i) ASSERT_EQ(p[i], 7.0f) << i;
@@ -490,14 +563,14 @@ TEST(DaemonSummonTest, Rank0OnlyWritebackReachesEveryShard) {
   EndAll(d, f.callers, s);
 }
 
-TEST(DaemonSummonTest, BuffersKeepTheirSegmentsAndGiveMemoryBackBetweenSummons) {
-  DaemonProcess d;
+TEST_P(DaemonSummonTest, BuffersKeepTheirSegmentsAndGiveMemoryBackBetweenSummons) {
+  DaemonProcess d(GetParam());
   Fixture f = JoinAndRegister(d, 2);
   std::vector<std::string> first;
   for (int round = 0; round < 3; ++round) {
     for (bool writeback : {true, false}) {
       std::vector<Summoned> s = SummonAll(d, f.callers, Options(writeback));
-      ASSERT_TRUE(s[0].status.ok() && s[1].status.ok());
+      ASSERT_TRUE(s[0].status.ok() && s[1].status.ok()) << s[0].status.error_message();
       std::vector<std::string> names;
       for (const Summoned& x : s) {
         for (const v1::UnitView& v : x.response.units()) names.push_back(v.params().segment());
@@ -526,9 +599,9 @@ TEST(DaemonSummonTest, BuffersKeepTheirSegmentsAndGiveMemoryBackBetweenSummons) 
   EXPECT_EQ(resident(), 0);
 }
 
-TEST(DaemonSummonTest, InitialValuesFromEveryRankAndFromRank0) {
+TEST_P(DaemonSummonTest, InitialValuesFromEveryRankAndFromRank0) {
   for (v1::InitMode mode : {v1::INIT_MODE_FROM_EVERY_RANK, v1::INIT_MODE_FROM_RANK0}) {
-    DaemonProcess d;
+    DaemonProcess d(GetParam());
     std::vector<uint64_t> sessions = JoinAll(d, "g", 2);
     std::vector<v1::Caller> callers = {MakeCaller("g", 0, sessions[0]), MakeCaller("g", 1, sessions[1])};
     std::vector<v1::RegisterModuleRequest> reqs;
@@ -555,7 +628,7 @@ TEST(DaemonSummonTest, InitialValuesFromEveryRankAndFromRank0) {
               grpc::StatusCode::FAILED_PRECONDITION);
     for (const grpc::Status& st : EndAll(d, callers, init)) EXPECT_TRUE(st.ok()) << st.error_message();
     std::vector<Summoned> s = SummonAll(d, callers, Options(false));
-    ASSERT_TRUE(s[1].status.ok());
+    ASSERT_TRUE(s[1].status.ok()) << s[1].status.error_message();
     for (const v1::UnitView& v : s[1].response.units()) {
       const PlanUnit& u = plan.units[v.unit()];
       float* p = MapFloats(v.params(), &keep);
@@ -574,14 +647,15 @@ void ReduceScatterAll(DaemonProcess& d, const Fixture& f, int32_t unit, v1::Redu
   std::vector<std::future<void>> futures;
   for (size_t r = 0; r < f.callers.size(); ++r) {
     futures.push_back(std::async(std::launch::async, [&, r] {
-      auto stub = d.Stub();
+      auto stub = d.Stub(f.callers[r].rank());
       v1::ReduceScatterGradsRequest req;
       *req.mutable_caller() = f.callers[r];
       req.set_unit(unit);
       req.set_begin(true);
       v1::ReduceScatterGradsResponse resp;
       grpc::ClientContext ctx1;
-      ASSERT_TRUE(stub->ReduceScatterGrads(&ctx1, req, &resp).ok());
+      grpc::Status begun = stub->ReduceScatterGrads(&ctx1, req, &resp);
+      ASSERT_TRUE(begun.ok()) << begun.error_message();
       std::vector<ShmSegment> keep;
       float* p = MapFloats(resp.full_grad(), &keep);
       for (int64_t i = 0; i < f.plan.units[unit].padded_numel; ++i) p[i] = value(r);
@@ -597,8 +671,8 @@ void ReduceScatterAll(DaemonProcess& d, const Fixture& f, int32_t unit, v1::Redu
   for (auto& fut : futures) fut.get();
 }
 
-TEST(DaemonGradTest, ReduceScatterSumAvgAccumulateAndWithGrads) {
-  DaemonProcess d;
+TEST_P(DaemonGradTest, ReduceScatterSumAvgAccumulateAndWithGrads) {
+  DaemonProcess d(GetParam());
   Fixture f = JoinAndRegister(d, 3);  // uneven: unit sizes are not multiples of 3
   const int32_t unit = 1;
   // Before any gradient: with_grads reports none.
@@ -623,20 +697,26 @@ TEST(DaemonGradTest, ReduceScatterSumAvgAccumulateAndWithGrads) {
   check(3.5f);  // 2 + 1.5
 }
 
-// Runs only as the child of KilledClientFreesItsRankAndShardsOutliveIt: joins rank 0 of group
-// "g", opens its lease, reports through the pipe, and waits to be killed.
+// Runs only as the child of KilledClientFreesItsRankAndShardsOutliveIt: joins rank
+// FS_E2E_RANK of group "g" (world FS_E2E_WORLD, coordinator FS_E2E_COORDINATOR), opens its
+// lease, reports through the pipe, and waits to be killed.
 TEST(LeaseHolderChild, HoldLease) {
   const char* socket = getenv("FS_E2E_SOCKET");
   const char* fd = getenv("FS_E2E_READY_FD");
   if (socket == nullptr || fd == nullptr) GTEST_SKIP() << "runs only as a child process";
+  const char* world = getenv("FS_E2E_WORLD");
+  const char* rank = getenv("FS_E2E_RANK");
+  const char* coordinator = getenv("FS_E2E_COORDINATOR");
+  const int w = world == nullptr ? 1 : atoi(world);
+  const int r = rank == nullptr ? 0 : atoi(rank);
   auto channel = grpc::CreateChannel(std::string("unix:") + socket, grpc::InsecureChannelCredentials());
   auto stub = v1::ShardService::NewStub(channel);
-  Joined j = Join(stub.get(), "g", 1, 0);
+  Joined j = Join(stub.get(), "g", w, r, "t0k", 10000, coordinator == nullptr ? "" : coordinator);
   if (!j.status.ok()) _exit(2);
   grpc::ClientContext ctx;
   auto lease = stub->Lease(&ctx);
   v1::LeaseRequest first;
-  *first.mutable_caller() = MakeCaller("g", 0, j.response.session());
+  *first.mutable_caller() = MakeCaller("g", r, j.response.session());
   if (!lease->Write(first)) _exit(3);
   char c = 1;
   if (write(atoi(fd), &c, 1) != 1) _exit(4);
@@ -644,23 +724,36 @@ TEST(LeaseHolderChild, HoldLease) {
   _exit(0);
 }
 
-TEST(DaemonE2ETest, SigtermRemovesSocketAndSegments) {
-  DaemonProcess d;
+// Single daemon only: this is about SIGTERM of *the* daemon of a local group (its socket, its
+// segments, its waiting joins). What a dying daemon does to the other daemons of a group is
+// in multi_daemon_test.cc.
+TEST(DaemonSigtermTest, SigtermRemovesSocketAndSegments) {
+  DaemonProcess d(Layout::kSingle);
   std::vector<uint64_t> s = JoinAll(d, "g", 1);
   std::vector<Registered> out =
       RegisterAll(d, {RegisterRequest(MakeCaller("g", 0, s[0]), "gpt_tied")});
   ASSERT_TRUE(out[0].status.ok());
-  EXPECT_FALSE(d.Segments().empty());
+  EXPECT_FALSE(d.daemon(0).Segments().empty());
   // A join that waits for a missing rank is failed, not left hanging, by the shutdown.
-  auto stub = d.Stub();
+  auto stub = d.Stub(0);
   auto waiting = std::async(std::launch::async, [&] { return Join(stub.get(), "h", 2, 0); });
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  EXPECT_EQ(d.Terminate(), 0);
+  EXPECT_EQ(d.daemon(0).Terminate(), 0);
   Joined j = waiting.get();
   EXPECT_FALSE(j.status.ok());
-  EXPECT_FALSE(fs::exists(d.socket()));
-  EXPECT_TRUE(d.Segments().empty());
+  EXPECT_FALSE(fs::exists(d.daemon(0).socket()));
+  EXPECT_TRUE(d.daemon(0).Segments().empty());
 }
+
+INSTANTIATE_TEST_SUITE_P(Layouts, DaemonE2ETest,
+                         ::testing::ValuesIn(::flatshard::testing::AllLayouts()),
+                         ::flatshard::testing::LayoutParamName());
+INSTANTIATE_TEST_SUITE_P(Layouts, DaemonSummonTest,
+                         ::testing::ValuesIn(::flatshard::testing::AllLayouts()),
+                         ::flatshard::testing::LayoutParamName());
+INSTANTIATE_TEST_SUITE_P(Layouts, DaemonGradTest,
+                         ::testing::ValuesIn(::flatshard::testing::AllLayouts()),
+                         ::flatshard::testing::LayoutParamName());
 
 }  // namespace
 }  // namespace flatshard

@@ -1,8 +1,13 @@
 #pragma once
 // Test helpers for collectives: RunRanks runs one function per rank on its own thread (ranks
 // of one daemon, as the inproc backend sees them); DoneRecorder captures a DoneCallback's
-// status, counts how often it ran and lets the test wait for it.
-// Thread safety: both are safe to use from the rank threads and the test thread.
+// status, counts how often it ran and lets the test wait for it; SpawnSelf starts this test
+// binary again as a separate process running one test (a rank that must die: gRPC must not be
+// used across fork).
+// Thread safety: RunRanks and DoneRecorder are safe to use from the rank threads and the test
+// thread; SpawnSelf from any thread.
+
+#include <unistd.h>
 
 #include <functional>
 #include <string>
@@ -22,6 +27,26 @@ inline void RunRanks(int world_size, const std::function<void(int rank)>& fn) {
   threads.reserve(world_size);
   for (int r = 0; r < world_size; ++r) threads.emplace_back([&fn, r] { fn(r); });
   for (std::thread& t : threads) t.join();
+}
+
+// Starts "/proc/self/exe --gtest_filter=<test>" with `env` ("NAME=value") added to this
+// process's environment; returns the child's pid (-1 if fork failed). Everything is built
+// before fork(): the child only calls async-signal-safe functions. The caller reaps it.
+inline pid_t SpawnSelf(const std::string& test, const std::vector<std::string>& env) {
+  std::vector<std::string> args = {"/proc/self/exe", "--gtest_filter=" + test};
+  std::vector<std::string> vars = env;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) vars.emplace_back(*e);
+  std::vector<char*> argv, envp;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (std::string& v : vars) envp.push_back(v.data());
+  envp.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    execve(argv[0], argv.data(), envp.data());
+    _exit(127);
+  }
+  return pid;
 }
 
 // Records the outcome of one async op. Must outlive the callbacks it hands out.
