@@ -261,6 +261,7 @@ class BenchDaemon {
       pid_ = -1;
     }
     if (!tag_.empty()) {
+      final_log_ = ReadText(log_);  // complete now: the daemon flushed its stdio at exit
       std::error_code ec;
       for (const std::filesystem::path& s : SegmentsWithPrefix(tag_)) {
         std::filesystem::remove(s, ec);
@@ -276,7 +277,14 @@ class BenchDaemon {
     absl::MutexLock lock(&stop_mu_);
     return tag_;
   }
-  std::string Log() const { return ReadText(log_); }
+  // The log so far; after Stop(), the whole log as it was when the daemon ended.
+  std::string Log() const {
+    {
+      absl::MutexLock lock(&stop_mu_);
+      if (tag_.empty() && !final_log_.empty()) return final_log_;
+    }
+    return ReadText(log_);
+  }
   std::string LogTail() const { return Tail(Log(), 4000); }
 
   // "" while the daemon runs (or was never started); how it ended if it exited on its own.
@@ -293,6 +301,7 @@ class BenchDaemon {
   mutable absl::Mutex stop_mu_;
   std::string tag_ ABSL_GUARDED_BY(stop_mu_);
   pid_t pid_ ABSL_GUARDED_BY(stop_mu_) = -1;
+  std::string final_log_ ABSL_GUARDED_BY(stop_mu_);
   std::filesystem::path dir_;
   std::string socket_;
   std::filesystem::path log_;

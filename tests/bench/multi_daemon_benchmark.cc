@@ -19,10 +19,13 @@
 //    right before the daemons start. Target: flatshard Summon <= 1.10x MPI_Allgather.
 // 2. Daemon-to-daemon transfer. 2 daemons x 1 rank, one unit of 2 x --transfer_bytes (default
 //    2 x 64 MiB) summoned with rank0_only=true: rank 1's shard travels to rank 0's daemon over
-//    UCX. Time: max over ranks of Summon (median). Baseline: `ucx_perftest -t tag_bw -s
+//    UCX. Time: max over ranks of Summon (median). Baselines: `ucx_perftest -t tag_bw -s
 //    <transfer_bytes>` between a server and a client process on 127.0.0.1 (average time per
-//    message over --iters after --warmup). Both sides run with the same UCX_TLS: unset (UCX's
-//    default selection) unless --ucx_tls is given.
+//    message over max(--iters, 10) after --warmup), twice: with `-e` (endpoints with peer error
+//    handling, as the daemons create theirs; with UCX 1.13 that limits one host to tcp/lo) and
+//    plain (UCX's default: shared memory and CMA). The ratio column is against the run whose
+//    UCX endpoint configuration equals the daemons'; the note gives both ratios. All of them
+//    run with the same UCX_TLS: unset (UCX's default selection) unless --ucx_tls is given.
 //
 // Tables use nccl-tests columns: size (bytes gathered: the unit), time, algbw = size/time and
 // busbw = algbw * (n-1)/n. The transports each side used are reported: Open MPI's PML and BTL
@@ -467,7 +470,10 @@ struct UcxPerfResult {
   std::set<std::string> server_cfg, client_cfg;
 };
 
+// `error_handling`: endpoints with peer error handling (-e), as the daemons create theirs; UCX
+// then selects from the transports that support it (UCX 1.13 on one host: tcp, not shm/cma).
 absl::StatusOr<UcxPerfResult> RunUcxPerftest(int64_t size, int iters, int warmup,
+                                             bool error_handling,
                                              const std::vector<std::string>& env,
                                              const fs::path& dir, absl::Duration timeout) {
   const std::string bin = absl::GetFlag(FLAGS_ucx_perftest);
@@ -495,10 +501,11 @@ absl::StatusOr<UcxPerfResult> RunUcxPerftest(int64_t size, int iters, int warmup
                                                  bench::Tail(bench::ReadText(server_log), 2000)));
       continue;
     }
-    absl::StatusOr<pid_t> client =
-        SpawnTool({bin, "127.0.0.1", "-p", absl::StrCat(port), "-t", "tag_bw", "-s",
-                   absl::StrCat(size), "-n", absl::StrCat(iters), "-w", absl::StrCat(warmup)},
-                  env, client_log);
+    std::vector<std::string> args = {
+        bin,  "127.0.0.1",        "-p", absl::StrCat(port),  "-t", "tag_bw",
+        "-s", absl::StrCat(size), "-n", absl::StrCat(iters), "-w", absl::StrCat(warmup)};
+    if (error_handling) args.push_back("-e");
+    absl::StatusOr<pid_t> client = SpawnTool(args, env, client_log);
     if (!client.ok()) {
       KillTool(server);
       return client.status();
@@ -976,6 +983,8 @@ absl::StatusOr<FlatshardResult> RunFlatshard(int d, int64_t numel, bool rank0_on
   FlatshardResult out;
   out.part = *std::move(part);
   out.unit_bytes = numel * static_cast<int64_t>(sizeof(float));
+  // UCX logs through stdio, which a daemon flushes when it exits: stop them, then read.
+  for (size_t i = 0; i < daemons.size(); ++i) daemons[i].Stop();
   for (size_t i = 0; i < daemons.size(); ++i) {
     for (const std::string& cfg : UcxEndpointConfigs(daemons[i].Log())) out.ucx_cfg.insert(cfg);
   }
@@ -1059,7 +1068,7 @@ absl::Status Run() {
   }
   const std::string tls_note = tls.empty() ? "unset (UCX default selection)" : tls;
 
-  const std::string tag_base = absl::StrCat("fsmd", ::getpid());
+  const std::string tag_base = absl::StrCat("fsmdbench", ::getpid());
   const fs::path dir = fs::temp_directory_path() / tag_base;
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -1173,36 +1182,59 @@ absl::Status Run() {
     std::printf("# size = bytes moved between processes; busbw = algbw (point to point)\n");
     PrintHeader();
     std::fflush(stdout);
-    std::optional<UcxPerfResult> ucx;
+    // Two baselines: endpoints with error handling as the daemons create theirs (-e: the same
+    // transports, the ratio's base when UCX picked the same for both), and UCX's plain default
+    // (shared memory and CMA on one host), for context.
+    struct UcxRow {
+      const char* name;
+      bool error_handling;
+      std::optional<UcxPerfResult> result;
+    };
+    UcxRow ucx_rows[] = {{"ucx_perftest tag_bw -e", true, std::nullopt},
+                         {"ucx_perftest tag_bw", false, std::nullopt}};
     if (!absl::GetFlag(FLAGS_skip_ucx_perftest)) {
-      absl::StatusOr<UcxPerfResult> u =
-          RunUcxPerftest(tsize, std::max(iters, 10), warmup, ucx_env, dir, timeout);
-      if (u.ok()) {
-        ucx = *u;
-        const std::string note =
-            absl::StrCat("average per message; UCX endpoints: client ", JoinOrNone(u->client_cfg),
-                         "; server ", JoinOrNone(u->server_cfg));
-        PrintRow(2, "ucx_perftest tag_bw", tsize, u->time_us, 1.0, 0, note);
-        summary.push_back(absl::StrFormat("transfer ucx_perftest size=%d time_us=%.1f (%s)", tsize,
-                                          u->time_us, note));
-      } else {
-        fail("ucx_perftest", u.status());
+      for (UcxRow& row : ucx_rows) {
+        absl::StatusOr<UcxPerfResult> u = RunUcxPerftest(tsize, std::max(iters, 10), warmup,
+                                                         row.error_handling, ucx_env, dir, timeout);
+        if (u.ok()) {
+          row.result = *u;
+          const std::string note = absl::StrCat(
+              row.error_handling ? "endpoints with peer error handling (as the daemons'); "
+                                 : "plain endpoints; ",
+              "average per message; UCX endpoints: client ", JoinOrNone(u->client_cfg), "; server ",
+              JoinOrNone(u->server_cfg));
+          PrintRow(2, row.name, tsize, u->time_us, 1.0, 0, note);
+          summary.push_back(absl::StrFormat("transfer %s size=%d time_us=%.1f (%s)", row.name,
+                                            tsize, u->time_us, note));
+        } else {
+          fail(row.name, u.status());
+        }
+        std::fflush(stdout);
       }
-      std::fflush(stdout);
     }
     if (!absl::GetFlag(FLAGS_skip_flatshard)) {
       absl::StatusOr<FlatshardResult> f =
           RunFlatshard(2, 2 * tnumel, true, iters, warmup, ucx_env, tag_base, dir, timeout);
       if (f.ok()) {
         const double summon = Median(f->part.summon_max_us);
-        const double base = ucx ? ucx->time_us : 0;
-        PrintRow(2, "flatshard Summon rank0_only", tsize, summon, 1.0, base,
-                 absl::StrCat("unit of ", 2 * tsize,
-                              " bytes; daemons' UCX endpoints: ", JoinOrNone(f->ucx_cfg),
+        // The ratio's base: the baseline whose endpoints used the daemons' transports.
+        const UcxRow* same = nullptr;
+        std::string ratios;
+        for (const UcxRow& row : ucx_rows) {
+          if (!row.result) continue;
+          const bool same_tls = row.result->client_cfg == f->ucx_cfg;
+          if (same_tls && same == nullptr) same = &row;
+          absl::StrAppend(&ratios, ratios.empty() ? "" : ", ",
+                          absl::StrFormat("%.3f vs %s (%s)", summon / row.result->time_us, row.name,
+                                          same_tls ? "same UCX transports" : "other transports"));
+        }
+        PrintRow(2, "flatshard Summon rank0_only", tsize, summon, 1.0,
+                 same != nullptr ? same->result->time_us : 0,
+                 absl::StrCat("unit of ", 2 * tsize, " bytes; daemons' UCX endpoints: ",
+                              JoinOrNone(f->ucx_cfg), "; ratios: ", ratios.empty() ? "-" : ratios,
                               "; per iter (ms): ", Millis(f->part.summon_max_us)));
-        summary.push_back(absl::StrFormat(
-            "transfer flatshard size=%d time_us=%.1f ratio flatshard/ucx_perftest=%s", tsize,
-            summon, base > 0 ? absl::StrFormat("%.3f", summon / base) : "-"));
+        summary.push_back(absl::StrFormat("transfer flatshard size=%d time_us=%.1f ratios %s",
+                                          tsize, summon, ratios.empty() ? "-" : ratios));
       } else {
         fail("flatshard transfer", f.status());
       }
@@ -1212,12 +1244,23 @@ absl::Status Run() {
 
   std::printf("\n## Summary\n");
   for (const std::string& s : summary) std::printf("# %s\n", s.c_str());
+  // This run's: its daemons' segments and what its MPI and UCX processes create. Other new
+  // entries belong to other processes on this host.
   std::vector<std::string> leftovers;
+  int others = 0;
   for (const std::string& e : ShmEntries()) {
-    if (shm_before.count(e) == 0) leftovers.push_back(e);
+    if (shm_before.count(e) > 0) continue;
+    if (absl::StartsWith(e, tag_base) || absl::StrContains(e, "vader") ||
+        absl::StrContains(e, "ucx")) {
+      leftovers.push_back(e);
+    } else {
+      ++others;
+    }
   }
-  std::printf("# /dev/shm entries created during the run and still present: %s\n",
-              leftovers.empty() ? "none" : absl::StrJoin(leftovers, " ").c_str());
+  std::printf(
+      "# /dev/shm entries of this run still present: %s (new entries of other processes: "
+      "%d)\n",
+      leftovers.empty() ? "none" : absl::StrJoin(leftovers, " ").c_str(), others);
   std::fflush(stdout);
   if (!failures.empty()) {
     return absl::InternalError(absl::StrCat("failed: ", absl::StrJoin(failures, ", ")));
