@@ -177,6 +177,9 @@ struct GroupManager::Registered {
   std::vector<uint64_t> summon_count;       // per rank: k of its last summon
   std::map<uint64_t, std::shared_ptr<SummonSlot>> slots;
   std::map<std::pair<int32_t, int32_t>, std::shared_ptr<Buffer>> grad_staging;  // (rank, unit)
+  // Gradient shards allocated by BeginReduceScatter for a unit that has none yet; installed
+  // in shards_by_rank only when the reduce-scatter succeeds (a failed one changes nothing).
+  std::map<std::pair<int32_t, int32_t>, std::shared_ptr<Buffer>> new_grads;  // (rank, unit)
   // Unsharded and staging buffers kept across summons, decommitted while unused, so a
   // trainer maps each segment once (steady state: no mmap per summon). Key: (owner, unit,
   // what) with owner = rank, or -1 for the node's shared read-only copy.
@@ -264,6 +267,7 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
   std::vector<absl::AnyInvocable<void()>> run;
   absl::Status error;
   uint64_t session = 0;
+  uint64_t failed_epoch = 0;
   {
     absl::ReleasableMutexLock lock(&mu_);
     if (shutdown_) {
@@ -324,6 +328,7 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
         g.pending_joins.push_back(PendingJoin{args.rank, session, deadline, std::move(done)});
         FS_LOG(INFO) << "group=" << g.id << " rank=" << args.rank << " joined, session=" << session;
         if (!g.multi()) MaybeCompleteJoins(g, &run);
+        if (g.multi() && g.coll && !g.coll->status().ok()) failed_epoch = g.epoch;
       }
       if (!error.ok()) MaybeRemoveGroup(args.group, &run);
     }
@@ -341,7 +346,8 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
                       [this, group = args.group, rank = args.rank,
                        session](absl::StatusOr<peer::PeerTable> table) {
                         OnRendezvous(group, rank, session, std::move(table));
-                      });
+                      },
+                      failed_epoch);
   }
 }
 
@@ -1325,6 +1331,9 @@ void GroupManager::DropSummons(Group& g, int32_t rank) {
     for (auto s = reg.grad_staging.begin(); s != reg.grad_staging.end();) {
       s = s->first.first == rank ? reg.grad_staging.erase(s) : std::next(s);
     }
+    for (auto s = reg.new_grads.begin(); s != reg.new_grads.end();) {
+      s = s->first.first == rank ? reg.new_grads.erase(s) : std::next(s);
+    }
     ReleaseKept(reg);
   }
 }
@@ -1351,20 +1360,13 @@ absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::BeginReduceScatter(
   }
   const PlanUnit& u = reg.plan.units[unit];
   const int64_t item = ItemSize(u.dtype);
-  // Gradient shards appear for every rank at once, so `with_grads` sees the same on all ranks.
-  if (!reg.shards_by_rank[caller.rank][unit].grad) {
-    std::vector<std::shared_ptr<Buffer>> grads;
-    for (int32_t r : g.local_ranks) {
-      FS_ASSIGN_OR_RETURN(std::shared_ptr<Buffer> b,
-                          store_->Allocate(BufferKind::kGradShard, u.shard_numel * item,
-                                           absl::StrCat("group=", g.id, " unit=", unit,
-                                                        " rank=", r, " grad")));
-      grads.push_back(std::move(b));
-    }
-    for (size_t i = 0; i < g.local_ranks.size(); ++i) {
-      std::vector<UnitShard>& rank_shards = reg.shards_by_rank[g.local_ranks[i]];
-      if (!rank_shards.empty()) rank_shards[unit].grad = grads[i];
-    }
+  if (!reg.shards_by_rank[caller.rank][unit].grad && !reg.new_grads.contains({caller.rank, unit})) {
+    absl::StatusOr<std::shared_ptr<Buffer>> grad =
+        store_->Allocate(BufferKind::kGradShard, u.shard_numel * item,
+                         absl::StrCat("group=", g.id, " unit=", unit, " rank=", caller.rank,
+                                      " grad"));
+    if (!grad.ok()) return grad.status();
+    reg.new_grads[{caller.rank, unit}] = *std::move(grad);
   }
   auto& staging = reg.grad_staging[{caller.rank, unit}];
   if (!staging) {
@@ -1381,9 +1383,9 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
                                        absl::Time deadline, StatusCallback done) {
   absl::Status error;
   std::shared_ptr<Buffer> staging, grad;
+  bool fresh = false;  // the unit had no gradient shard: `grad` is installed on success
   DType dtype = DType::kFloat32;
   std::shared_ptr<collective::CollectiveGroup> coll;
-  int32_t world = 1;
   {
     absl::MutexLock lock(&mu_);
     error = CheckCallerLocked(caller);
@@ -1397,12 +1399,16 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
             "group ", g.id, " rank ", caller.rank, ": no gradient buffer for unit ", unit,
             " of module ", Display(module), " (begin the reduce-scatter first)"));
       } else {
+        Registered& reg = it->second;
         staging = s->second;
-        it->second.grad_staging.erase(s);
-        grad = it->second.shards_by_rank[caller.rank][unit].grad;
-        dtype = it->second.plan.units[unit].dtype;
+        reg.grad_staging.erase(s);
+        grad = reg.shards_by_rank[caller.rank][unit].grad;
+        if (!grad) {
+          fresh = true;
+          grad = reg.new_grads.at({caller.rank, unit});
+        }
+        dtype = reg.plan.units[unit].dtype;
         coll = g.coll;
-        world = g.world_size;
       }
     }
   }
@@ -1410,24 +1416,27 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
     done(error);
     return;
   }
-  // Accumulating reduces into a scratch shard first, then adds it to the gradient shard.
-  auto scratch = accumulate ? std::make_shared<std::vector<char>>(grad->bytes()) : nullptr;
-  collective::MutableBuffer out =
-      accumulate ? collective::MutableBuffer{scratch->data(), scratch->size(), dtype}
-                 : MutableOf(grad.get(), dtype);
+  // The collective reduces into a scratch shard; the gradient shard changes only once it
+  // succeeded (replaced, or accumulated into), so a failed reduce-scatter changes nothing.
+  auto scratch = std::make_shared<std::vector<char>>(grad->bytes());
   std::vector<collective::CollectiveOp> ops;
   ops.push_back(collective::CollectiveOp::ReduceScatter(
-      unit, ConstOf(*staging, dtype), out,
+      unit, ConstOf(*staging, dtype),
+      collective::MutableBuffer{scratch->data(), scratch->size(), dtype},
       op == GradReduce::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum));
-  (void)world;
+  ops.back().name = "grads";
   SubmitAll(coll, caller.rank, std::move(ops), deadline,
-            [this, caller, module, staging, grad, scratch, dtype,
+            [this, caller, module, unit, staging, grad, fresh, scratch, dtype, accumulate,
              done = std::move(done)](absl::Status s) mutable {
-              if (s.ok() && scratch) {
-                const void* srcs[] = {grad->data(), scratch->data()};
-                collective::ReduceInto(dtype, srcs, grad->data(),
-                                       grad->bytes() / ItemSize(dtype), collective::ReduceOp::kSum,
-                                       1);
+              if (s.ok()) {
+                if (accumulate && !fresh) {
+                  const void* srcs[] = {grad->data(), scratch->data()};
+                  collective::ReduceInto(dtype, srcs, grad->data(),
+                                         grad->bytes() / ItemSize(dtype),
+                                         collective::ReduceOp::kSum, 1);
+                } else {
+                  std::memcpy(grad->data(), scratch->data(), scratch->size());
+                }
               }
               staging.reset();  // the staging buffer's pages go back until the next step
               {
@@ -1435,25 +1444,17 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
                 auto g = groups_.find(caller.group);
                 if (g != groups_.end()) {
                   auto reg = g->second->registered.find(module);
-                  if (reg != g->second->registered.end()) ReleaseKept(reg->second);
+                  if (reg != g->second->registered.end()) {
+                    if (fresh) {
+                      reg->second.new_grads.erase({caller.rank, unit});
+                      if (s.ok()) reg->second.shards_by_rank[caller.rank][unit].grad = grad;
+                    }
+                    ReleaseKept(reg->second);
+                  }
                 }
               }
               done(s);
             });
-}
-
-std::vector<GroupManager::GroupInfo> GroupManager::ListGroups() const {
-  absl::ReaderMutexLock lock(&mu_);
-  std::vector<GroupInfo> out;
-  for (const auto& [id, g] : groups_) {
-    GroupInfo info{id, g->world_size, {}, {}};
-    for (int32_t r = 0; r < g->world_size; ++r) {
-      if (g->session_of_rank[r] != 0) info.joined_ranks.push_back(r);
-    }
-    for (const auto& [module, reg] : g->registered) info.registered_modules.push_back(module);
-    out.push_back(std::move(info));
-  }
-  return out;
 }
 
 std::vector<GroupManager::GroupCollectives> GroupManager::ListCollectives(

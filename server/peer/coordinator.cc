@@ -123,9 +123,10 @@ void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
     } else if (!TokensEqual(it->second.token, args.token)) {
       refused = WrongToken(args.group);
     } else if (it->second.world_size != args.world_size) {
-      refused = absl::InvalidArgumentError(absl::StrCat("group ", args.group, ": rank ", args.rank,
-                                                        " says world_size ", args.world_size,
-                                                        ", the group has ", it->second.world_size));
+      // Worded as GroupManager words it, so a trainer sees one message on one daemon or many.
+      refused = absl::InvalidArgumentError(
+          absl::StrCat("group ", args.group, " has world_size ", it->second.world_size, ", rank ",
+                       args.rank, " joined with world_size ", args.world_size));
     }
     if (!refused.ok()) {
       fx.calls.push_back([done = std::move(done), refused]() mutable { done(refused); });
@@ -143,6 +144,7 @@ void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
         fx.calls.push_back([done = std::move(p->done), s]() mutable { done(s); });
         p = g.pending.erase(p);
       }
+      if (args.failed_epoch != 0 && args.failed_epoch == g.epoch) g.dirty = true;
       std::optional<DaemonIdentity>& slot = g.members[args.rank];
       if (slot.has_value() && slot->daemon_id != args.daemon.daemon_id) {
         FS_LOG(INFO) << "group=" << g.name << " rank=" << args.rank << " moved from daemon "

@@ -58,6 +58,7 @@ struct RendezvousArgs {
   int world_size = 0;
   int rank = -1;
   DaemonIdentity daemon;
+  uint64_t failed_epoch = 0;  // the caller's copy of the group failed at this epoch (0: none)
 };
 
 struct CoordinatorOptions {

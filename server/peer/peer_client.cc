@@ -399,7 +399,8 @@ PeerClient::~PeerClient() = default;
 
 void PeerClient::Rendezvous(const std::string& coordinator, const std::string& group,
                             const std::string& token, int world_size, int rank, absl::Time deadline,
-                            absl::AnyInvocable<void(absl::StatusOr<PeerTable>)> done) {
+                            absl::AnyInvocable<void(absl::StatusOr<PeerTable>)> done,
+                            uint64_t failed_epoch) {
   auto call = std::make_shared<UnaryCall>();
   call->done = std::move(done);
   v1::RendezvousRequest& req = call->rendezvous_request;
@@ -407,6 +408,7 @@ void PeerClient::Rendezvous(const std::string& coordinator, const std::string& g
   req.set_token(token);
   req.set_world_size(world_size);
   req.set_rank(rank);
+  req.set_failed_epoch(failed_epoch);
   internal::ToProto(self_, req.mutable_daemon());
   call->ctx.set_deadline(absl::ToChronoTime(deadline));
 

@@ -82,10 +82,13 @@ class PeerClient {
   // coordinator first if none is open. `done` gets the table once every rank arrived, or the
   // coordinator's error (DEADLINE_EXCEEDED naming missing ranks, PERMISSION_DENIED for a
   // wrong token, INVALID_ARGUMENT for a world_size that differs), or UNAVAILABLE naming the
-  // coordinator when it cannot be reached.
+  // coordinator when it cannot be reached. `failed_epoch`: the epoch at which this daemon's
+  // copy of the group failed (0: none), so the coordinator re-forms the group even when the
+  // failure report is still on its way.
   void Rendezvous(const std::string& coordinator, const std::string& group,
                   const std::string& token, int world_size, int rank, absl::Time deadline,
-                  absl::AnyInvocable<void(absl::StatusOr<PeerTable>)> done);
+                  absl::AnyInvocable<void(absl::StatusOr<PeerTable>)> done,
+                  uint64_t failed_epoch = 0);
 
   // Best effort, asynchronous: the rank's session ended here.
   void Depart(const std::string& coordinator, const std::string& group, const std::string& token,

@@ -258,6 +258,7 @@ grpc::ServerUnaryReactor* PeerServiceImpl::Rendezvous(grpc::CallbackServerContex
   args.token = request->token();
   args.world_size = request->world_size();
   args.rank = request->rank();
+  args.failed_epoch = request->failed_epoch();
   args.daemon = internal::FromProto(request->daemon());
   coordinator_.Rendezvous(args, deadline, [reactor, response](absl::StatusOr<PeerTable> table) {
     if (table.ok()) internal::ToProto(*table, response->mutable_table());

@@ -184,7 +184,7 @@ TEST_F(CoordinatorTest, RejectsInvalidArguments) {
   ASSERT_TRUE(other.answered());
   EXPECT_EQ(other.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(other.status().message(),
-              HasSubstr("group g: rank 1 says world_size 3, the group has 2"));
+              HasSubstr("group g has world_size 2, rank 1 joined with world_size 3"));
   EXPECT_FALSE(first.answered());
   EXPECT_FALSE(Group("g")->members[1].has_value());
 }

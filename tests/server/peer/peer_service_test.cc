@@ -252,7 +252,7 @@ TEST_F(PeerServiceTest, WorldSizeDisagreementIsInvalidArgument) {
   ASSERT_TRUE(Eventually([&] { return !service_->coordinator().Snapshot().groups.empty(); }));
   absl::Status s = Join(*b, address_, 3, 1)->Get().status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-  EXPECT_THAT(s.message(), HasSubstr("world_size 3, the group has 2"));
+  EXPECT_THAT(s.message(), HasSubstr("group g has world_size 2, rank 1 joined with world_size 3"));
 }
 
 TEST_F(PeerServiceTest, RestartedDaemonGivesANewEpochPushedToTheOthers) {
