@@ -97,6 +97,9 @@ ABSL_FLAG(int64_t, transfer_bytes, int64_t{64} << 20,
 ABSL_FLAG(std::string, ucx_tls, "",
           "UCX_TLS for the daemons and ucx_perftest alike (empty: unset, UCX's default "
           "selection; an UCX_TLS already in the environment is passed on to both)");
+ABSL_FLAG(int32_t, settle_ms, 0,
+          "untimed pause of every rank after each End (0: none; summons back to back as in a "
+          "training loop)");
 ABSL_FLAG(bool, skip_mpi, false, "skip the MPI_Allgather baseline");
 ABSL_FLAG(bool, skip_ucx_perftest, false, "skip the ucx_perftest tag_bw baseline");
 ABSL_FLAG(bool, skip_flatshard, false,
@@ -588,6 +591,8 @@ struct RankJob {
   bool rank0_only = false;
   int warmup = 0;
   int iters = 0;
+  absl::Duration settle;       // untimed pause after each End
+  int64_t retained_limit = 0;  // most unlinked daemon shm this rank may keep mapped
   absl::Duration call_timeout;
   std::string log_path;  // the rank's stdout and stderr (the client library logs there)
 };
@@ -684,13 +689,17 @@ absl::Status RankBody(const RankJob& job, RankPipe& pipe) {
     FS_RETURN_IF_ERROR(s->End());
     const auto t3 = Clock::now();
     if (i >= job.warmup) times.emplace_back(MicrosSince(t0, t1), MicrosSince(t2, t3));
-    // A client that kept every segment it mapped would fill /dev/shm: stop before that.
+    // The client library keeps every segment it mapped; a daemon that hands out a fresh
+    // buffer (its kept one still referenced) makes it hold another unit's worth of unlinked
+    // shm each time. Stop before that fills /dev/shm.
     const int64_t retained = RetainedDeletedBytes(job.segment_prefix_base);
-    if (retained > 4 * job.numel * static_cast<int64_t>(sizeof(float))) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("after summon ", i, " this client still maps ", retained,
-                       " bytes of unlinked daemon segments: the run would exhaust /dev/shm"));
+    if (retained > job.retained_limit) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "after summon ", i, " this client still maps ", retained,
+          " bytes of unlinked daemon segments (", c->segment_map_calls(),
+          " segments mapped so far): the run would exhaust /dev/shm (try --settle_ms)"));
     }
+    if (job.settle > absl::ZeroDuration()) absl::SleepFor(job.settle);
   }
   const int64_t maps = c->segment_map_calls() - maps_before;
   const int64_t retained = RetainedDeletedBytes(job.segment_prefix_base);
@@ -939,6 +948,11 @@ absl::StatusOr<PartResult> RunRanks(const std::vector<RankJob>& jobs, DaemonSet&
   return out;
 }
 
+int64_t ShmFreeBytes() {
+  struct statvfs sv;
+  return ::statvfs("/dev/shm", &sv) == 0 ? static_cast<int64_t>(sv.f_bavail) * sv.f_frsize : -1;
+}
+
 struct FlatshardResult {
   PartResult part;
   std::set<std::string> ucx_cfg;  // the daemons' UCX endpoint configurations
@@ -968,6 +982,10 @@ absl::StatusOr<FlatshardResult> RunFlatshard(int d, int64_t numel, bool rank0_on
     job.rank0_only = rank0_only;
     job.warmup = warmup;
     job.iters = iters;
+    job.settle = absl::Milliseconds(absl::GetFlag(FLAGS_settle_ms));
+    // A third of /dev/shm's free space, shared by the ranks, at most 4 units each.
+    job.retained_limit = std::min(4 * numel * static_cast<int64_t>(sizeof(float)),
+                                  std::max<int64_t>(ShmFreeBytes() / 3 / d, 0));
     job.call_timeout = std::max(absl::Seconds(30), deadline - absl::Now());
     job.log_path = (dir / absl::StrCat(job.group, "_rank", r, ".log")).string();
     jobs.push_back(job);
@@ -1035,11 +1053,6 @@ std::set<std::string> ShmEntries() {
     out.insert(e.path().filename().string());
   }
   return out;
-}
-
-int64_t ShmFreeBytes() {
-  struct statvfs sv;
-  return ::statvfs("/dev/shm", &sv) == 0 ? static_cast<int64_t>(sv.f_bavail) * sv.f_frsize : -1;
 }
 
 absl::Status Run() {
