@@ -260,6 +260,9 @@ void RejoinAndReattach(const Cluster& c, std::vector<Rank>& ranks, const std::st
 struct KillCase {
   std::string name;
   int victim;  // the daemon killed: 0 is the coordinator
+  // SIGKILL: the process is gone and its connections close at once. SIGSTOP: it hangs with its
+  // connections open (an unreachable peer), found only by missed heartbeats (--peer_timeout).
+  int signal = SIGKILL;
 };
 
 void PrintTo(const KillCase& c, std::ostream* os) { *os << c.name; }
@@ -308,7 +311,11 @@ TEST_P(KilledDaemonTest, SurvivorsFailWithinFiveSecondsAndLeakNothing) {
   }
   EXPECT_TRUE(pending) << "the survivors' summon never showed up as pending";
   const absl::Time killed = absl::Now();
-  c.Kill(victim);
+  if (GetParam().signal == SIGKILL) {
+    c.Kill(victim);
+  } else {
+    ASSERT_EQ(::kill(c.daemon(victim).pid(), GetParam().signal), 0);
+  }
   threads.Join();
   for (int r : survivors) {
     EXPECT_EQ(status[r].code(), absl::StatusCode::kUnavailable) << "rank " << r << ": " << status[r];
@@ -341,13 +348,16 @@ TEST_P(KilledDaemonTest, SurvivorsFailWithinFiveSecondsAndLeakNothing) {
 
   // No leaked segments once the surviving daemon exits (the victim's stay, as after a crash;
   // the Cluster removes them).
+  if (GetParam().signal != SIGKILL) c.Kill(victim);
   ranks.clear();
   EXPECT_EQ(c.daemon(survivor).Terminate(), 0);
   EXPECT_THAT(c.daemon(survivor).Segments(), ::testing::IsEmpty());
 }
 
 INSTANTIATE_TEST_SUITE_P(Kill, KilledDaemonTest,
-                         ::testing::Values(KillCase{"Coordinator", 0}, KillCase{"Peer", 1}),
+                         ::testing::Values(KillCase{"Coordinator", 0}, KillCase{"Peer", 1},
+                                           KillCase{"CoordinatorHangs", 0, SIGSTOP},
+                                           KillCase{"PeerHangs", 1, SIGSTOP}),
                          [](const ::testing::TestParamInfo<KillCase>& info) {
                            return info.param.name;
                          });
