@@ -210,6 +210,7 @@ class BenchDaemon {
       sigset_t none;
       sigemptyset(&none);
       ::sigprocmask(SIG_SETMASK, &none, nullptr);
+      ::signal(SIGPIPE, SIG_DFL);  // an ignored SIGPIPE would survive exec
       ::prctl(PR_SET_PDEATHSIG, SIGTERM);
       if (::getppid() != parent) _exit(126);
       const int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
