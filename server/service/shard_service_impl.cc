@@ -171,7 +171,12 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Summon(grpc::CallbackServerContext* 
                   options, WaitDeadline(ctx),
                   [reactor, response](absl::StatusOr<SummonResult> result) {
                     if (result.ok()) FillSummon(*result, response);
-                    reactor->Finish(ToGrpcStatus(result.status()));
+                    const grpc::Status status = ToGrpcStatus(result.status());
+                    // Drop the buffer references before answering: a client that ends and
+                    // summons again at once must find the kept buffers free, or the daemon
+                    // allocates fresh segments.
+                    result = absl::CancelledError();
+                    reactor->Finish(status);
                   });
   return reactor;
 }
@@ -194,7 +199,9 @@ grpc::ServerUnaryReactor* ShardServiceImpl::ReduceScatterGrads(
     absl::StatusOr<std::shared_ptr<Buffer>> buffer =
         groups_->BeginReduceScatter(caller, request->registered_module(), request->unit());
     if (buffer.ok()) FillHandle(**buffer, response->mutable_full_grad());
-    reactor->Finish(ToGrpcStatus(buffer.status()));
+    const grpc::Status status = ToGrpcStatus(buffer.status());
+    buffer = absl::CancelledError();  // as in Summon: no reference outlives the answer
+    reactor->Finish(status);
     return reactor;
   }
   GradReduce op;
