@@ -66,11 +66,17 @@ absl::StatusOr<std::unique_ptr<CollectiveBackend>> MakeUcx(const BackendParams& 
     } else if (key == "broadcast_chunk_bytes") {
       FS_ASSIGN_OR_RETURN(int64_t v, ParseInt("ucx", key, value, 4096));
       options.broadcast_chunk_bytes = static_cast<size_t>(v);
+    } else if (key == "error_handling") {
+      if (value != "peer" && value != "none") {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "ucx backend: error_handling must be 'peer' or 'none', got '", value, "'"));
+      }
+      options.peer_error_handling = value == "peer";
     } else {
       return absl::InvalidArgumentError(absl::StrCat(
           "ucx backend: unknown parameter '", key,
           "' (known: tls, net_devices, poll_before_sleep_us, drain_for_ms, "
-          "broadcast_chunk_bytes)"));
+          "broadcast_chunk_bytes, error_handling)"));
     }
   }
   return CreateUcxBackend(options);

@@ -104,6 +104,9 @@ ABSL_FLAG(int64_t, transfer_bytes, int64_t{64} << 20,
 ABSL_FLAG(std::string, ucx_tls, "",
           "UCX_TLS for the daemons and ucx_perftest alike (empty: unset, UCX's default "
           "selection; an UCX_TLS already in the environment is passed on to both)");
+ABSL_FLAG(std::string, ucx_error_handling, "peer",
+          "the daemons' --ucx_error_handling: 'peer' (UCX 1.13 then uses TCP loopback between "
+          "daemons on one host) or 'none' (shared memory and CMA, dead peers found by heartbeats)");
 ABSL_FLAG(int32_t, settle_ms, 0,
           "untimed pause of every rank after each End (0: none; summons back to back as in a "
           "training loop)");
@@ -219,7 +222,9 @@ class DaemonSet {
       const std::string peer = absl::StrCat("127.0.0.1:", port);
       last =
           d->Start(binary, absl::StrCat(tag_base, "n", index, "a", attempt),
-                   {"--peer_address=" + peer, absl::StrCat("--node_name=node", index)}, env, port);
+                   {"--peer_address=" + peer, absl::StrCat("--node_name=node", index),
+                    "--ucx_error_handling=" + absl::GetFlag(FLAGS_ucx_error_handling)},
+                   env, port);
       if (last.ok()) {
         daemons_.push_back(std::move(d));
         peer_addresses_.push_back(peer);

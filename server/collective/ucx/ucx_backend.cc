@@ -489,12 +489,15 @@ absl::StatusOr<std::shared_ptr<Peer>> Worker::PeerFor(const std::string& address
   peer->worker = this;
   peer->address = address;
   ucp_ep_params_t p{};
-  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                 UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
   p.address = reinterpret_cast<const ucp_address_t*>(address.data());
-  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-  p.err_handler.cb = &Worker::EndpointError;
-  p.err_handler.arg = peer.get();
+  p.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+  if (options_.peer_error_handling) {
+    p.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = &Worker::EndpointError;
+    p.err_handler.arg = peer.get();
+  }
   ucs_status_t s = ucp_ep_create(worker_, &p, &peer->ep);
   if (s != UCS_OK) {
     return absl::UnavailableError(

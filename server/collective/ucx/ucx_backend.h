@@ -52,6 +52,14 @@ struct UcxBackendOptions {
   absl::Duration drain_for = absl::Seconds(30);
   // Broadcast pipeline piece (RingOptions::chunk_bytes).
   size_t broadcast_chunk_bytes = size_t{1} << 20;
+  // Endpoints with UCP_ERR_HANDLING_MODE_PEER: UCX itself reports a dead peer (and fails the
+  // transfers to it). UCX 1.13's shared-memory transports cannot do that, so daemons on one
+  // host then talk over TCP loopback. Off: they may use shared memory and CMA (single copy),
+  // and a dead peer is found by the daemons' heartbeats alone (the coordinator aborts the
+  // group); a large send to a peer that died mid-transfer then completes only at the op's
+  // deadline (the engine's watchdog) or when the backend closes. Between nodes the default
+  // transports (TCP, RDMA) support peer error handling either way.
+  bool peer_error_handling = true;
 };
 
 // Counters for diagnostics and tests; a snapshot taken on the progress thread.
