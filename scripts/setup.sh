@@ -10,6 +10,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev   # libFuzzer for the JSON reader's fuzz target
   ucx-utils openmpi-bin libopenmpi-dev   # baselines: ucx_perftest, MPI_Allgather
+  python3 python3-yaml systemd   # tests/deploy: manifests' checks, systemd-analyze verify
 )
 
 missing=()
