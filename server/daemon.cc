@@ -13,6 +13,9 @@
 #include "common/status_macros.h"
 #include "server/collective/backend_registry.h"
 #include "server/group_manager.h"
+#include "server/metrics/daemon_gauges.h"
+#include "server/metrics/daemon_metrics.h"
+#include "server/metrics/http_server.h"
 #include "server/peer/peer_service_impl.h"
 #include "server/service/admin_service_impl.h"
 #include "server/service/shard_service_impl.h"
@@ -124,6 +127,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
         "cannot listen on unix:", config.socket_path,
         config.tcp_address.empty() ? "" : absl::StrCat(" and ", config.tcp_address)));
   }
+  if (!config.metrics_address.empty()) {
+    metrics::GetDaemonMetrics();  // every family shows (at 0) from the first scrape
+    Daemon* daemon = d.get();
+    FS_ASSIGN_OR_RETURN(d->metrics_server_,
+                        metrics::MetricsServer::Start(config.metrics_address, [daemon] {
+                          UpdateDaemonGauges(*daemon->store_, *daemon->groups_);
+                          return metrics::DefaultRegistry().Render();
+                        }));
+    FS_LOG(INFO) << "metrics on http://" << d->metrics_server_->address() << "/metrics";
+  }
   // Trainers of the daemon's group may connect; others may not (issue: 0660).
   ::chmod(config.socket_path.c_str(), 0660);
   FS_LOG(INFO) << "flatshardd listening on unix:" << config.socket_path
@@ -135,6 +148,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
 
 Daemon::~Daemon() { Shutdown(); }
 
+std::string Daemon::metrics_address() const {
+  return metrics_server_ ? metrics_server_->address() : std::string();
+}
+
 void Daemon::Wait() { server_->Wait(); }
 
 void Daemon::Shutdown() {
@@ -145,6 +162,7 @@ void Daemon::Shutdown() {
   }
   FS_LOG(INFO) << "flatshardd shutting down (grace " << config_.shutdown_grace << ")";
   if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
+  metrics_server_.reset();  // its render reads the store and the groups
   groups_->Shutdown();  // pending collectives finish with UNAVAILABLE
   const auto deadline =
       std::chrono::system_clock::now() + absl::ToChronoNanoseconds(config_.shutdown_grace);

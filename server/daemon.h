@@ -23,6 +23,11 @@ class ShardStore;
 namespace peer {
 class PeerServiceImpl;
 }
+}  // namespace flatshard::server
+namespace flatshard::metrics {
+class MetricsServer;
+}  // namespace flatshard::metrics
+namespace flatshard::server {
 
 struct DaemonConfig {
   std::string socket_path = "/run/flatshard/flatshardd.sock";
@@ -37,6 +42,8 @@ struct DaemonConfig {
   std::string node_name;  // empty: the host name
   absl::Duration heartbeat_interval = absl::Milliseconds(500);
   absl::Duration peer_timeout = absl::Seconds(3);
+  // Prometheus /metrics over HTTP (host:port; port 0 picks a free one). Empty: off.
+  std::string metrics_address;
 };
 
 class Daemon {
@@ -55,6 +62,8 @@ class Daemon {
   const DaemonConfig& config() const { return config_; }
   // The PeerService's address with the port it got; empty without --peer_address.
   const std::string& peer_address() const { return peer_address_; }
+  // The metrics endpoint's host:port with the port it got; empty without --metrics_address.
+  std::string metrics_address() const;
 
  private:
   explicit Daemon(DaemonConfig config);
@@ -68,6 +77,7 @@ class Daemon {
   std::unique_ptr<ShardServiceImpl> shard_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<metrics::MetricsServer> metrics_server_;  // stopped first in Shutdown
   absl::Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
 };

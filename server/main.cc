@@ -15,10 +15,12 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/config.h"
 #include "common/logging.h"
 #include "server/daemon.h"
+#include "server/systemd_notify.h"
 
 ABSL_FLAG(std::string, socket, "/run/flatshard/flatshardd.sock",
           "Unix socket trainers and flatshardctl connect to");
@@ -45,7 +47,30 @@ ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Milliseconds(500),
 ABSL_FLAG(absl::Duration, peer_timeout, absl::Seconds(3),
           "a peer daemon silent this long is declared dead and its groups' collectives fail");
 
+ABSL_FLAG(std::string, metrics_address, "",
+          "serve Prometheus metrics at http://HOST:PORT/metrics, e.g. 127.0.0.1:9450 (empty: "
+          "off). Port 0 picks a free port");
+ABSL_FLAG(std::string, metrics_address_file, "",
+          "once listening, write the metrics endpoint's host:port to this file");
+ABSL_FLAG(std::string, log_level, "info",
+          "lowest severity logged: info, warning or error (changeable at run time)");
+ABSL_FLAG(int, v, 0, "verbose logging level (per-op lines at 2)");
+ABSL_FLAG(std::string, log_format, "text",
+          "text: one line per record with key=value ids; json: one JSON object per line");
+
 namespace {
+
+// Writes `content` to `file` under a temporary name and renames it, so a reader never sees
+// half of it. False (with a message on stderr) on failure.
+bool WriteFileAtomically(const std::string& file, const std::string& content) {
+  const std::string tmp = file + ".tmp";
+  std::ofstream(tmp) << content << "\n";
+  if (std::rename(tmp.c_str(), file.c_str()) != 0) {
+    std::cerr << "flatshardd: cannot write " << file << ": " << std::strerror(errno) << "\n";
+    return false;
+  }
+  return true;
+}
 
 int g_signal_pipe[2] = {-1, -1};
 
@@ -73,6 +98,17 @@ int main(int argc, char** argv) {
   usage.version_string = [] { return std::string("flatshardd ") + FS_VERSION_STRING + "\n"; };
   absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
+  if (absl::Status s = flatshard::SetLogLevel(absl::GetFlag(FLAGS_log_level)); !s.ok()) {
+    std::cerr << "flatshardd: --log_level: " << s.message() << "\n";
+    return 1;
+  }
+  flatshard::SetVerbosity(absl::GetFlag(FLAGS_v));
+  if (auto format = flatshard::ParseLogFormat(absl::GetFlag(FLAGS_log_format)); format.ok()) {
+    flatshard::SetLogFormat(*format);
+  } else {
+    std::cerr << "flatshardd: --log_format: " << format.status().message() << "\n";
+    return 1;
+  }
 
   flatshard::server::DaemonConfig config;
   config.socket_path = absl::GetFlag(FLAGS_socket);
@@ -87,6 +123,7 @@ int main(int argc, char** argv) {
   config.node_name = absl::GetFlag(FLAGS_node_name);
   config.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   config.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
+  config.metrics_address = absl::GetFlag(FLAGS_metrics_address);
 
   auto daemon = flatshard::server::Daemon::Create(config);
   if (!daemon.ok()) {
@@ -102,6 +139,21 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  if (const std::string file = absl::GetFlag(FLAGS_metrics_address_file); !file.empty()) {
+    if (!WriteFileAtomically(file, (*daemon)->metrics_address())) return 1;
+  }
+  // systemd (Type=notify): ready once every socket listens; keep-alives when WatchdogSec= is
+  // set. Without $NOTIFY_SOCKET these are no-ops.
+  flatshard::server::SystemdNotifier notifier = flatshard::server::SystemdNotifier::FromEnvironment();
+  if (absl::Status s = notifier.Notify(absl::StrCat(
+          "READY=1\nSTATUS=serving on unix:", config.socket_path,
+          config.tcp_address.empty() ? "" : " and " + config.tcp_address,
+          (*daemon)->metrics_address().empty() ? "" : ", metrics on " + (*daemon)->metrics_address(),
+          "\nMAINPID=", getpid()));
+      !s.ok()) {
+    FS_LOG(WARNING) << s;
+  }
+  notifier.StartWatchdog();
   // gRPC's static initialisers may start threads before main, so masking signals here
   // cannot route them to one thread; a handler works on whichever thread the kernel picks.
   // It only writes the signal number to a pipe; a thread reads it and shuts the daemon down.
@@ -119,9 +171,11 @@ int main(int argc, char** argv) {
     while (read(g_signal_pipe[0], &sig, sizeof(sig)) < 0 && errno == EINTR) {
     }
     FS_LOG(INFO) << "received signal " << sig;
+    notifier.Notify("STOPPING=1\nSTATUS=shutting down").IgnoreError();
     (*daemon)->Shutdown();
   });
   (*daemon)->Wait();
   signal_thread.join();
+  notifier.StopWatchdog();
   return 0;
 }

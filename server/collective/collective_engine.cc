@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/metrics/daemon_metrics.h"
 #include "server/collective/op_descriptor.h"
 
 namespace flatshard::collective {
@@ -18,6 +19,7 @@ struct CollectiveGroup::OpRecord {
   CollectiveOp op;
   absl::Time deadline;
   DeadlineTimer::TimerId watchdog = DeadlineTimer::kNoTimer;
+  absl::string_view backend = "inproc";  // the metrics' backend label
 
   absl::Mutex mu;
   DoneCallback done ABSL_GUARDED_BY(mu);
@@ -31,7 +33,11 @@ struct CollectiveGroup::OpRecord {
     return std::move(done);
   }
   void Complete(absl::Status status) {
-    if (std::optional<DoneCallback> d = Take()) std::move (*d)(std::move(status));
+    if (std::optional<DoneCallback> d = Take()) {
+      metrics::RecordCollective(CollectiveKindName(op.kind), status.code(), backend,
+                                std::max(op.input.bytes, op.output.bytes));
+      std::move (*d)(std::move(status));
+    }
   }
 };
 
@@ -111,6 +117,9 @@ void CollectiveGroup::Submit(int rank, CollectiveOp op, DoneCallback done) {
   auto rec = std::make_shared<OpRecord>();
   rec->rank = rank;
   rec->op = std::move(op);
+  // The daemon connects all-local groups over inproc and the others over its remote backend
+  // (UCX); the communicator does not name its backend.
+  rec->backend = spec_.rank_addresses.empty() ? "inproc" : "ucx";
   rec->deadline = absl::Now() + rec->op.timeout.value_or(options_.default_timeout);
   {
     absl::MutexLock lock(&rec->mu);
@@ -206,6 +215,7 @@ void CollectiveGroup::OnDone(const std::shared_ptr<OpRecord>& rec, absl::Status 
   }
   timer_->Cancel(rec->watchdog);
   if (first_error) {
+    metrics::RecordAbortedCollectives();
     FS_LOG(WARNING) << "group=" << spec_.group_id << " rank=" << rec->rank
                     << " op_seq=" << rec->op_seq << " unit=" << rec->op.unit
                     << " failed; group aborted: " << status;
@@ -223,6 +233,7 @@ void CollectiveGroup::OnWatchdog(int rank, uint64_t op_seq) {
     if (it == in_flight_.end()) return;
     rec = it->second;
     if (sticky_.ok()) {
+      metrics::RecordAbortedCollectives();
       const CollectiveOp& op = rec->op;
       sticky_ = absl::DeadlineExceededError(
           absl::StrCat("op_seq ", op_seq, " ", CollectiveKindName(op.kind), "(unit ", op.unit,
@@ -253,7 +264,10 @@ absl::Status CollectiveGroup::SetSticky(absl::Status reason) {
     if (first) sticky_ = std::move(reason);
     status = sticky_;
   }
-  if (first) FS_LOG(WARNING) << "group=" << spec_.group_id << " aborted: " << status;
+  if (first) {
+    metrics::RecordAbortedCollectives();
+    FS_LOG(WARNING) << "group=" << spec_.group_id << " aborted: " << status;
+  }
   return status;
 }
 

@@ -7,6 +7,7 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/proto_convert.h"
+#include "server/metrics/metered_reactor.h"
 
 namespace flatshard::server {
 namespace {
@@ -105,7 +106,7 @@ absl::Time ShardServiceImpl::WaitDeadline(const grpc::CallbackServerContext* ctx
 grpc::ServerUnaryReactor* ShardServiceImpl::JoinGroup(grpc::CallbackServerContext* ctx,
                                                       const v1::JoinGroupRequest* request,
                                                       v1::JoinGroupResponse* response) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "JoinGroup");
   JoinArgs args{request->group(), request->world_size(), request->rank(), request->token(),
                 request->coordinator()};
   groups_->Join(args, WaitDeadline(ctx),
@@ -129,7 +130,7 @@ grpc::ServerBidiReactor<v1::LeaseRequest, v1::LeaseResponse>* ShardServiceImpl::
 grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(
     grpc::CallbackServerContext* ctx, const v1::RegisterModuleRequest* request,
     v1::RegisterModuleResponse* response) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "RegisterModule");
   absl::StatusOr<Manifest> manifest = flatshard::FromProto(request->manifest());
   absl::StatusOr<Policy> policy = flatshard::FromProto(request->policy());
   InitMode init;
@@ -160,7 +161,7 @@ grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(
 grpc::ServerUnaryReactor* ShardServiceImpl::Summon(grpc::CallbackServerContext* ctx,
                                                    const v1::SummonRequest* request,
                                                    v1::SummonResponse* response) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "Summon");
   SummonOptions options;
   options.recurse = request->options().recurse();
   options.writeback = request->options().writeback();
@@ -184,7 +185,7 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Summon(grpc::CallbackServerContext* 
 grpc::ServerUnaryReactor* ShardServiceImpl::EndSummon(grpc::CallbackServerContext* ctx,
                                                       const v1::EndSummonRequest* request,
                                                       v1::EndSummonResponse*) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "EndSummon");
   groups_->EndSummon(FromProto(request->caller()), request->summon(), WaitDeadline(ctx),
                      [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); });
   return reactor;
@@ -193,7 +194,7 @@ grpc::ServerUnaryReactor* ShardServiceImpl::EndSummon(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* ShardServiceImpl::ReduceScatterGrads(
     grpc::CallbackServerContext* ctx, const v1::ReduceScatterGradsRequest* request,
     v1::ReduceScatterGradsResponse* response) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "ReduceScatterGrads");
   const Caller caller = FromProto(request->caller());
   if (request->begin()) {
     absl::StatusOr<std::shared_ptr<Buffer>> buffer =
@@ -222,7 +223,7 @@ grpc::ServerUnaryReactor* ShardServiceImpl::ReduceScatterGrads(
 grpc::ServerUnaryReactor* ShardServiceImpl::GetShardViews(grpc::CallbackServerContext* ctx,
                                                           const v1::GetShardViewsRequest* request,
                                                           v1::GetShardViewsResponse* response) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "GetShardViews");
   absl::StatusOr<RegisterResult> result =
       groups_->GetShards(FromProto(request->caller()), request->registered_module());
   if (result.ok()) {
@@ -235,7 +236,7 @@ grpc::ServerUnaryReactor* ShardServiceImpl::GetShardViews(grpc::CallbackServerCo
 
 grpc::ServerUnaryReactor* ShardServiceImpl::Ping(grpc::CallbackServerContext* ctx,
                                                  const v1::PingRequest*, v1::PingResponse*) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "Ping");
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
@@ -243,7 +244,7 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Ping(grpc::CallbackServerContext* ct
 grpc::ServerUnaryReactor* ShardServiceImpl::Leave(grpc::CallbackServerContext* ctx,
                                                   const v1::LeaveRequest* request,
                                                   v1::LeaveResponse*) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "Leave");
   reactor->Finish(ToGrpcStatus(groups_->Leave(FromProto(request->caller()))));
   return reactor;
 }

@@ -1,0 +1,191 @@
+// A real flatshardd with --metrics_address: a group joins, registers and summons through the
+// client library; scrapes over a plain socket show the RPCs, collectives, memory, groups and
+// clients move. Also checks --log_format=json lines and the daemon's log level flag.
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "flatshard/client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/daemon_process.h"
+#include "tests/testing/files.h"
+
+namespace flatshard {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string Scrape(const std::string& host_port) {
+  const size_t colon = host_port.rfind(':');
+  int port = 0;
+  if (!absl::SimpleAtoi(host_port.substr(colon + 1), &port)) return "";
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string out;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string req = "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n";
+    ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
+    char buf[8192];
+    ssize_t n;
+    while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return out;
+}
+
+// Sample name with labels -> value, from an exposition body.
+std::map<std::string, double> Parse(const std::string& text) {
+  std::map<std::string, double> out;
+  const size_t body = text.find("\r\n\r\n");
+  for (absl::string_view line : absl::StrSplit(text.substr(body + 4), '\n', absl::SkipEmpty())) {
+    if (line[0] == '#') continue;
+    const size_t sp = line.rfind(' ');
+    double v = 0;
+    if (absl::SimpleAtod(line.substr(sp + 1), &v)) out[std::string(line.substr(0, sp))] = v;
+  }
+  return out;
+}
+
+void ForEachRank(int world, const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) threads.emplace_back(fn, r);
+  for (std::thread& t : threads) t.join();
+}
+
+TEST(MetricsDaemonTest, ScrapesShowRpcsCollectivesMemoryGroupsAndClients) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / absl::StrCat("fsmetrics", ::getpid());
+  std::filesystem::create_directories(dir);
+  const std::string address_file = (dir / "metrics_address").string();
+  testing::DaemonOptions options;
+  options.tag_prefix = "fsmetrics";
+  options.extra_flags = {"--metrics_address=127.0.0.1:0",
+                         "--metrics_address_file=" + address_file, "--log_format=json"};
+  testing::DaemonProcess daemon(options);
+  ASSERT_TRUE(daemon.running());
+  for (int i = 0; i < 500 && !std::filesystem::exists(address_file); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::string metrics_address;
+  std::getline(std::ifstream(address_file), metrics_address);
+  ASSERT_THAT(metrics_address, ::testing::StartsWith("127.0.0.1:"));
+
+  const std::string before_text = Scrape(metrics_address);
+  ASSERT_THAT(before_text, ::testing::StartsWith("HTTP/1.1 200 OK"));
+  ASSERT_THAT(before_text, HasSubstr("text/plain; version=0.0.4"));
+  std::map<std::string, double> before = Parse(before_text);
+  EXPECT_EQ(before["flatshard_groups"], 0);
+  EXPECT_EQ(before["flatshard_clients"], 0);
+  EXPECT_EQ(before["flatshard_memory_bytes{kind=\"shard\"}"], 0);
+  EXPECT_EQ(before.count("flatshard_aborted_collectives_total"), 1u);
+
+  constexpr int kWorld = 2;
+  const std::string manifest = testing::ExampleModelFile("gpt_tied", "manifest");
+  const std::string policy = testing::ExampleModelFile("gpt_tied", "policy");
+  std::vector<std::unique_ptr<client::Client>> clients(kWorld);
+  ForEachRank(kWorld, [&](int r) {
+    client::ClientOptions o;
+    o.address = daemon.address();
+    o.call_timeout = absl::Seconds(10);
+    o.join_timeout = absl::Seconds(10);
+    absl::StatusOr<std::unique_ptr<client::Client>> c = client::Client::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    clients[r] = *std::move(c);
+    ASSERT_TRUE(clients[r]->Join("metrics-job", kWorld, r, "tok").ok());
+    absl::StatusOr<client::RegisteredModule> m =
+        clients[r]->Register("", manifest, policy, client::InitMode::kZeros);
+    ASSERT_TRUE(m.ok()) << m.status();
+    absl::StatusOr<std::unique_ptr<client::SummonedParams>> s =
+        clients[r]->Summon("", "", client::SummonOptions());
+    ASSERT_TRUE(s.ok()) << s.status();
+    ASSERT_TRUE((*s)->End().ok());
+  });
+  ASSERT_FALSE(::testing::Test::HasFailure());
+
+  std::map<std::string, double> after = Parse(Scrape(metrics_address));
+  EXPECT_EQ(after["flatshard_rpcs_total{method=\"JoinGroup\",code=\"OK\"}"], kWorld);
+  EXPECT_EQ(after["flatshard_rpcs_total{method=\"RegisterModule\",code=\"OK\"}"], kWorld);
+  EXPECT_EQ(after["flatshard_rpcs_total{method=\"Summon\",code=\"OK\"}"], kWorld);
+  EXPECT_EQ(after["flatshard_rpc_latency_seconds_count{method=\"Summon\"}"], kWorld);
+  EXPECT_GT(after["flatshard_collectives_total{kind=\"AllGather\",status=\"OK\"}"], 0);
+  EXPECT_GT(after["flatshard_collective_bytes_total{backend=\"inproc\"}"], 0);
+  EXPECT_GT(after["flatshard_memory_bytes{kind=\"shard\"}"], 0);
+  EXPECT_EQ(after["flatshard_groups"], 1);
+  EXPECT_EQ(after["flatshard_clients"], kWorld);
+  EXPECT_EQ(after["flatshard_memory_limit_bytes"], 0);
+
+  // A refused call is counted with its code.
+  EXPECT_FALSE(clients[0]->Summon("", "no.such.unit", client::SummonOptions()).ok());
+  std::map<std::string, double> refused = Parse(Scrape(metrics_address));
+  double refused_calls = 0;
+  for (const auto& [name, v] : refused) {
+    if (name.rfind("flatshard_rpcs_total{method=\"Summon\"", 0) == 0 &&
+        name.find("code=\"OK\"") == std::string::npos) {
+      refused_calls += v;
+    }
+  }
+  EXPECT_EQ(refused_calls, 1);
+
+  clients.clear();  // leases end
+  for (int i = 0; i < 200; ++i) {
+    if (Parse(Scrape(metrics_address))["flatshard_clients"] == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(Parse(Scrape(metrics_address))["flatshard_clients"], 0);
+
+  EXPECT_EQ(daemon.Terminate(), 0);
+  // --log_format=json: every line of the log is one JSON object; ids have their own keys.
+  const std::string log = daemon.Log();
+  bool saw_group_field = false;
+  int json_lines = 0;
+  for (absl::string_view line : absl::StrSplit(log, '\n', absl::SkipEmpty())) {
+    // (gRPC's own messages, if any, keep gRPC's format; ours are all JSON.)
+    EXPECT_FALSE(line.size() > 5 && absl::StrContains("IWEF", line.substr(0, 1)) &&
+                 absl::ascii_isdigit(line[1]) && absl::ascii_isdigit(line[4]) && line[5] == '-')
+        << "a text-format line: " << line;
+    if (!absl::StartsWith(line, "{\"ts\":")) continue;
+    ++json_lines;
+    EXPECT_EQ(line.back(), '}') << line;
+    if (absl::StrContains(line, "\"group\":\"metrics-job\"")) saw_group_field = true;
+  }
+  EXPECT_GT(json_lines, 2);
+  EXPECT_TRUE(saw_group_field) << log;
+  std::filesystem::remove_all(dir);
+}
+
+TEST(MetricsDaemonTest, BadFlagsAreRefusedAtStartup) {
+  const std::string bin = std::string(FS_BINARY_DIR) + "/server/flatshardd";
+  const std::string sock =
+      (std::filesystem::temp_directory_path() / absl::StrCat("fsmbad", ::getpid(), ".sock"))
+          .string();
+  for (const char* flag :
+       {"--metrics_address=nonsense", "--log_level=loud", "--log_format=xml"}) {
+    const std::string cmd =
+        absl::StrCat(bin, " --socket=", sock, " ", flag, " --segment_prefix=fsmbad 2>/dev/null");
+    EXPECT_NE(std::system(cmd.c_str()), 0) << flag;
+  }
+}
+
+}  // namespace
+}  // namespace flatshard
