@@ -46,7 +46,7 @@ def daemon_flags(src, binary):
         out = subprocess.run([binary, "--helpfull"], capture_output=True, text=True, timeout=30)
         text = out.stdout + out.stderr
         # absl: `    --name (help...); default: "value";` (help may span lines).
-        for m in re.finditer(r"--([A-Za-z0-9_]+) \(.*?\); default: (\"(?:[^\"\\]|\\.)*\"|[^;]*);",
+        for m in re.finditer(r"--([A-Za-z0-9_]+) \(.*?\);\s+default: (\"(?:[^\"\\]|\\.)*\"|[^;]*);",
                              text, re.S):
             flags[m.group(1)] = m.group(2).strip('"')
         check("socket" in flags, f"{binary} --helpfull lists no --socket flag:\n{text[:2000]}")
