@@ -3,7 +3,9 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <thread>
 #include <utility>
 
@@ -677,6 +679,31 @@ const UnitShardView* ShardViews::Find(int32_t unit) const {
 
 // --- Client ---------------------------------------------------------------------------------
 
+namespace {
+
+// ClientOptions::tls_*: all three PEM files, read now (INVALID_ARGUMENT naming a missing one).
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsCredentials(
+    const ClientOptions& options) {
+  auto read = [](const std::string& path, const char* field) -> absl::StatusOr<std::string> {
+    if (path.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Connect: TLS needs tls_ca_file, tls_cert_file and tls_key_file; ", field, " is empty"));
+    }
+    std::ifstream in(path, std::ios::binary);
+    if (!in) return absl::InvalidArgumentError(absl::StrCat("Connect: cannot read ", field, " ", path));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  grpc::SslCredentialsOptions ssl;
+  FS_ASSIGN_OR_RETURN(ssl.pem_root_certs, read(options.tls_ca_file, "tls_ca_file"));
+  FS_ASSIGN_OR_RETURN(ssl.pem_cert_chain, read(options.tls_cert_file, "tls_cert_file"));
+  FS_ASSIGN_OR_RETURN(ssl.pem_private_key, read(options.tls_key_file, "tls_key_file"));
+  return grpc::SslCredentials(ssl);
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   if (options.address.empty()) return absl::InvalidArgumentError("Connect: empty address");
   if (options.call_timeout <= absl::ZeroDuration() ||
@@ -696,8 +723,14 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   grpc::ChannelArguments args;
   // Plans and manifests of large models exceed gRPC's 4 MiB default.
   args.SetMaxReceiveMessageSize(-1);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  const bool tls = !options.tls_ca_file.empty() || !options.tls_cert_file.empty() ||
+                   !options.tls_key_file.empty();
+  if (tls && options.address.rfind("unix:", 0) != 0) {
+    FS_ASSIGN_OR_RETURN(credentials, TlsCredentials(options));
+  }
   std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomChannel(options.address, grpc::InsecureChannelCredentials(), args);
+      grpc::CreateCustomChannel(options.address, credentials, args);
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.call_timeout))) {
     return absl::UnavailableError(absl::StrCat("cannot reach flatshardd at ", options.address,
                                                " within ",

@@ -11,6 +11,9 @@
 #include "common/logging.h"
 #include "common/shm_segment.h"
 #include "common/status_macros.h"
+#include "server/access/access_control.h"
+#include "server/access/tls_config.h"
+#include "server/access/unix_socket_acceptor.h"
 #include "server/collective/backend_registry.h"
 #include "server/group_manager.h"
 #include "server/metrics/daemon_gauges.h"
@@ -58,11 +61,29 @@ Daemon::Daemon(DaemonConfig config) : config_(std::move(config)) {}
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& config) {
   if (config.socket_path.empty()) return absl::InvalidArgumentError("--socket must not be empty");
+  // Access control (README "Access control"): TCP ports use mutual TLS when configured and
+  // stay on loopback otherwise (unless --allow_insecure_tcp); checked before anything starts.
+  std::shared_ptr<grpc::ServerCredentials> tcp_credentials;
+  std::shared_ptr<grpc::ServerCredentials> peer_credentials;
+  if (!config.tcp_address.empty()) {
+    FS_ASSIGN_OR_RETURN(tcp_credentials,
+                        access::ServerCredentialsFor(config.tls, config.allow_insecure_tcp,
+                                                     "--tcp_address", config.tcp_address));
+  }
+  if (!config.peer_address.empty()) {
+    FS_ASSIGN_OR_RETURN(peer_credentials,
+                        access::ServerCredentialsFor(config.tls, config.allow_insecure_tcp,
+                                                     "--peer_address", config.peer_address));
+  }
   ShardStoreOptions store_options;
   store_options.segment_prefix = config.segment_prefix;
   store_options.memory_limit_bytes = config.memory_limit_bytes;
   FS_RETURN_IF_ERROR(ShardStore::ValidateOptions(store_options));
   FS_RETURN_IF_ERROR(PrepareSocketPath(config.socket_path));
+  // The Unix socket is accepted by hand to learn each client's uid (SO_PEERCRED); it listens
+  // now, before anything can fail half-built, and serves once the gRPC server runs.
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<access::UnixSocketAcceptor> acceptor,
+                      access::UnixSocketAcceptor::Listen(config.socket_path, config.socket_group));
   FS_RETURN_IF_ERROR(UnlinkSegmentsWithPrefix(config.segment_prefix));
 
   std::unique_ptr<Daemon> d(new Daemon(config));
@@ -75,11 +96,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
     peer::PeerOptions peer_options;
     peer_options.heartbeat_interval = config.heartbeat_interval;
     peer_options.peer_timeout = config.peer_timeout;
+    FS_ASSIGN_OR_RETURN(peer_options.credentials, access::PeerChannelCredentials(config.tls));
     d->peer_service_ = std::make_unique<peer::PeerServiceImpl>(peer_options);
     grpc::ServerBuilder peer_builder;
     int peer_port = 0;
-    peer_builder.AddListeningPort(config.peer_address, grpc::InsecureServerCredentials(),
-                                  &peer_port);
+    peer_builder.AddListeningPort(config.peer_address, peer_credentials, &peer_port);
     peer_builder.RegisterService(d->peer_service_.get());
     d->peer_server_ = peer_builder.BuildAndStart();
     if (d->peer_server_ == nullptr || peer_port == 0) {
@@ -106,15 +127,17 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
     group_options.peer = peer_options;
   }
   d->groups_ = std::make_unique<GroupManager>(d->store_.get(), std::move(group_options));
-  d->shard_service_ = std::make_unique<ShardServiceImpl>(d->groups_.get(), config.default_wait);
+  d->acceptor_ = std::move(acceptor);
+  d->access_ = std::make_unique<access::AccessControl>(d->acceptor_.get(), config.allowed_uids);
+  d->shard_service_ = std::make_unique<ShardServiceImpl>(d->groups_.get(), config.default_wait,
+                                                         d->access_.get());
   d->admin_service_ = std::make_unique<AdminServiceImpl>(d->groups_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + config.socket_path, grpc::InsecureServerCredentials());
   int tcp_port = 0;
   if (!config.tcp_address.empty()) {
-    builder.AddListeningPort(config.tcp_address, grpc::InsecureServerCredentials(), &tcp_port);
+    builder.AddListeningPort(config.tcp_address, tcp_credentials, &tcp_port);
   }
   builder.RegisterService(d->shard_service_.get());
   builder.RegisterService(d->admin_service_.get());
@@ -137,8 +160,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
                         }));
     FS_LOG(INFO) << "metrics on http://" << d->metrics_server_->address() << "/metrics";
   }
-  // Trainers of the daemon's group may connect; others may not (issue: 0660).
-  ::chmod(config.socket_path.c_str(), 0660);
+  // The socket is 0660 (group: --socket_group) since UnixSocketAcceptor::Listen.
+  d->acceptor_->Start(d->server_.get());
   FS_LOG(INFO) << "flatshardd listening on unix:" << config.socket_path
                << (config.tcp_address.empty() ? "" : " and " + config.tcp_address)
                << ", segments /dev/shm/" << config.segment_prefix << ".*"
@@ -168,6 +191,7 @@ void Daemon::Shutdown() {
       std::chrono::system_clock::now() + absl::ToChronoNanoseconds(config_.shutdown_grace);
   if (peer_service_) peer_service_->Shutdown();  // pending rendezvous fail, streams end
   if (peer_server_) peer_server_->Shutdown(deadline);
+  if (acceptor_) acceptor_->Stop();  // no new connections while the server drains
   server_->Shutdown(deadline);
   store_->Shutdown();
   ::unlink(config_.socket_path.c_str());

@@ -6,12 +6,16 @@
 // period, and removes the socket and every shared-memory segment.
 // Thread-safe: Shutdown may be called from any thread, once or more.
 
+#include <sys/types.h>
+
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/access/tls_config.h"
 #include <grpcpp/server.h>
 
 namespace flatshard::server {
@@ -20,6 +24,10 @@ class AdminServiceImpl;
 class GroupManager;
 class ShardServiceImpl;
 class ShardStore;
+namespace access {
+class AccessControl;
+class UnixSocketAcceptor;
+}  // namespace access
 namespace peer {
 class PeerServiceImpl;
 }
@@ -42,6 +50,14 @@ struct DaemonConfig {
   std::string node_name;  // empty: the host name
   absl::Duration heartbeat_interval = absl::Milliseconds(500);
   absl::Duration peer_timeout = absl::Seconds(3);
+  // Access control (README "Access control"). The socket's group (empty: the daemon's).
+  std::string socket_group;
+  // Uids that may use the Unix socket besides the daemon's own; empty: any that can open it.
+  std::vector<uid_t> allowed_uids;
+  // Mutual TLS on --tcp_address and --peer_address and for peer channels; none: insecure,
+  // loopback addresses only unless allow_insecure_tcp.
+  access::TlsFiles tls;
+  bool allow_insecure_tcp = false;
   // Prometheus /metrics over HTTP (host:port; port 0 picks a free one). Empty: off.
   std::string metrics_address;
 };
@@ -74,6 +90,9 @@ class Daemon {
   std::unique_ptr<peer::PeerServiceImpl> peer_service_;
   std::unique_ptr<grpc::Server> peer_server_;  // PeerService only, on its own TCP port
   std::unique_ptr<GroupManager> groups_;
+  // Before the services and server_: handlers ask access_, which asks acceptor_.
+  std::unique_ptr<access::UnixSocketAcceptor> acceptor_;
+  std::unique_ptr<access::AccessControl> access_;
   std::unique_ptr<ShardServiceImpl> shard_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;
   std::unique_ptr<grpc::Server> server_;

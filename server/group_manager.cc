@@ -31,6 +31,17 @@ bool TokensEqual(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
+// Access control (README "Access control"): a group answers only callers of the uid that
+// created it; remote (TCP) callers have uid -1 and share the groups created over TCP.
+template <typename G>
+absl::Status CheckUid(const G& g, int64_t uid) {
+  if (uid == g.owner_uid) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      "group ", g.id, ": uid ", uid < 0 ? std::string("(remote)") : absl::StrCat(uid),
+      " is not admitted (the group belongs to uid ",
+      g.owner_uid < 0 ? std::string("(remote)") : absl::StrCat(g.owner_uid), ")"));
+}
+
 std::string UnitSummary(const PlanUnit& u) {
   return absl::StrCat("\"", u.module, "\" (", u.module_type, ", ", u.params.size(), " params, ",
                       u.numel, " elements, ", DTypeName(u.dtype), ")");
@@ -197,6 +208,7 @@ struct GroupManager::Group {
   std::string id;
   int32_t world_size = 0;
   std::string token;
+  int64_t owner_uid = -1;   // the creator's uid (Caller::uid); only it is admitted
   std::string coordinator;  // empty: a local group
   uint64_t epoch = 0;       // of the peer table the communicator runs (multi-daemon)
   uint64_t reported_epoch = 0;  // the last epoch whose failure went to the coordinator
@@ -293,6 +305,7 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
         slot->id = args.group;
         slot->world_size = args.world_size;
         slot->token = args.token;
+        slot->owner_uid = args.uid;
         slot->coordinator = args.coordinator;
         slot->session_of_rank.assign(args.world_size, 0);
         if (!slot->multi()) {
@@ -308,7 +321,9 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
                      << (slot->multi() ? absl::StrCat(", coordinator=", args.coordinator) : "");
       }
       Group& g = *slot;
-      if (!TokensEqual(g.token, args.token)) {
+      if (absl::Status s = CheckUid(g, args.uid); !s.ok()) {
+        error = std::move(s);
+      } else if (!TokensEqual(g.token, args.token)) {
         error = absl::PermissionDeniedError(absl::StrCat("group ", g.id, ": wrong token"));
       } else if (g.world_size != args.world_size) {
         error = absl::InvalidArgumentError(absl::StrCat(
@@ -503,6 +518,7 @@ absl::Status GroupManager::CheckCallerLocked(const Caller& caller) const {
   auto it = groups_.find(caller.group);
   if (it == groups_.end()) return absl::NotFoundError(absl::StrCat("unknown group ", caller.group));
   const Group& g = *it->second;
+  FS_RETURN_IF_ERROR(CheckUid(g, caller.uid));
   if (!TokensEqual(g.token, caller.token)) {
     return absl::PermissionDeniedError(absl::StrCat("group ", g.id, ": wrong token"));
   }
@@ -673,7 +689,8 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
       absl::StatusOr<std::shared_ptr<Buffer>> shard = store_->Allocate(
           BufferKind::kShard, u.shard_numel * ItemSize(u.dtype),
           absl::StrCat("group=", caller.group, " module=", module, " unit=", u.index,
-                       " rank=", caller.rank));
+                       " rank=", caller.rank),
+          caller.uid);
       if (!shard.ok()) {
         alloc = shard.status();
         break;
@@ -684,7 +701,8 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
         absl::StatusOr<std::shared_ptr<Buffer>> b = store_->Allocate(
             BufferKind::kUnsharded, u.padded_numel * ItemSize(u.dtype),
             absl::StrCat("group=", caller.group, " unit=", u.index, " rank=", caller.rank,
-                         " init"));
+                         " init"),
+            caller.uid);
         if (!b.ok()) {
           alloc = b.status();
           break;
@@ -973,7 +991,7 @@ void GroupManager::EndRank(Group& g, int32_t rank, std::vector<absl::AnyInvocabl
 }
 
 absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::KeptBuffer(
-    Group&, Registered& reg, int32_t owner, int32_t unit, int what, BufferKind kind,
+    Group& g, Registered& reg, int32_t owner, int32_t unit, int what, BufferKind kind,
     int64_t bytes, const std::string& label) {
   Registered::Kept& kept = reg.kept[{owner, unit, what}];
   if (kept.buffer && kept.buffer.use_count() == 1) {  // only this map holds it: free to reuse
@@ -988,10 +1006,10 @@ absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::KeptBuffer(
     kept.idle_since = absl::InfiniteFuture();
     return kept.buffer;
   }
-  absl::StatusOr<std::shared_ptr<Buffer>> fresh = store_->Allocate(kind, bytes, label);
+  absl::StatusOr<std::shared_ptr<Buffer>> fresh = store_->Allocate(kind, bytes, label, g.owner_uid);
   if (absl::IsResourceExhausted(fresh.status())) {
     DecommitIdle(absl::InfiniteFuture());
-    fresh = store_->Allocate(kind, bytes, label);
+    fresh = store_->Allocate(kind, bytes, label, g.owner_uid);
   }
   if (!fresh.ok()) return fresh.status();
   if (!kept.buffer) kept.buffer = *fresh;
@@ -1364,7 +1382,8 @@ absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::BeginReduceScatter(
     absl::StatusOr<std::shared_ptr<Buffer>> grad =
         store_->Allocate(BufferKind::kGradShard, u.shard_numel * item,
                          absl::StrCat("group=", g.id, " unit=", unit, " rank=", caller.rank,
-                                      " grad"));
+                                      " grad"),
+                         g.owner_uid);
     if (!grad.ok()) return grad.status();
     reg.new_grads[{caller.rank, unit}] = *std::move(grad);
   }

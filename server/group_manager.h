@@ -46,6 +46,9 @@ struct Caller {
   int32_t rank = 0;
   std::string token;
   uint64_t session = 0;
+  // Who is calling: the uid the kernel reported for a Unix-socket caller, or -1 (remote
+  // callers over TCP; unit tests). A group answers only callers of the uid that created it.
+  int64_t uid = -1;
 };
 
 struct JoinArgs {
@@ -54,6 +57,7 @@ struct JoinArgs {
   int32_t rank = 0;
   std::string token;
   std::string coordinator;  // peer address of the coordinator; empty: a local group
+  int64_t uid = -1;          // as Caller::uid; the first joiner's uid owns a new group
 };
 
 struct GroupManagerOptions {

@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "common/config.h"
 #include "common/logging.h"
+#include "server/access/access_control.h"
 #include "server/daemon.h"
 #include "server/systemd_notify.h"
 
@@ -46,6 +47,22 @@ ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Milliseconds(500),
           "heartbeats between daemons of multi-daemon groups");
 ABSL_FLAG(absl::Duration, peer_timeout, absl::Seconds(3),
           "a peer daemon silent this long is declared dead and its groups' collectives fail");
+// Access control (README "Access control").
+ABSL_FLAG(std::string, socket_group, "",
+          "group (name or gid) the Unix socket is chown'ed to; the socket is mode 0660, so "
+          "members of this group may connect (empty: the daemon's own group)");
+ABSL_FLAG(std::string, allowed_uids, "",
+          "comma-separated uids that may use the Unix socket besides the daemon's own uid "
+          "(empty: every uid that can open the socket). Groups are kept apart by uid anyway");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate (chain) of this daemon for mutual TLS on --tcp_address and "
+          "--peer_address and for channels to peer daemons");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA certificate(s): clients and peers must present a certificate it signed");
+ABSL_FLAG(bool, allow_insecure_tcp, false,
+          "without TLS, serve --tcp_address / --peer_address on non-loopback addresses anyway "
+          "(unauthenticated: anyone who can reach the port and guess a token gets in)");
 
 ABSL_FLAG(std::string, metrics_address, "",
           "serve Prometheus metrics at http://HOST:PORT/metrics, e.g. 127.0.0.1:9450 (empty: "
@@ -124,6 +141,18 @@ int main(int argc, char** argv) {
   config.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   config.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
   config.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  config.socket_group = absl::GetFlag(FLAGS_socket_group);
+  if (auto uids = flatshard::server::access::ParseUidList(absl::GetFlag(FLAGS_allowed_uids));
+      uids.ok()) {
+    config.allowed_uids = *std::move(uids);
+  } else {
+    std::cerr << "flatshardd: " << uids.status().message() << "\n";
+    return 1;
+  }
+  config.tls.cert = absl::GetFlag(FLAGS_tls_cert);
+  config.tls.key = absl::GetFlag(FLAGS_tls_key);
+  config.tls.ca = absl::GetFlag(FLAGS_tls_ca);
+  config.allow_insecure_tcp = absl::GetFlag(FLAGS_allow_insecure_tcp);
 
   auto daemon = flatshard::server::Daemon::Create(config);
   if (!daemon.ok()) {

@@ -1,8 +1,10 @@
 #include "server/shard_store.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -202,7 +204,8 @@ ShardStore::ShardStore(ShardStoreOptions options)
 ShardStore::~ShardStore() = default;
 
 absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, int64_t bytes,
-                                                             absl::string_view label) {
+                                                             absl::string_view label,
+                                                             int64_t owner_uid) {
   FS_RETURN_IF_ERROR(options_status_);
   if (bytes < 0) {
     return absl::InvalidArgumentError(absl::StrCat("cannot allocate ", bytes, " bytes of ",
@@ -219,6 +222,15 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, in
     return absl::Status(segment.status().code(),
                         absl::StrCat("cannot allocate ", bytes, " bytes of ", BufferKindName(kind),
                                      " memory (", label, "): ", segment.status().message()));
+  }
+  if (owner_uid >= 0 && static_cast<uid_t>(owner_uid) != ::geteuid() &&
+      ::fchown(segment->fd(), static_cast<uid_t>(owner_uid), static_cast<gid_t>(-1)) != 0) {
+    const int err = errno;
+    state_->Uncharge(kind, bytes, /*to_decommitted=*/false);
+    return absl::PermissionDeniedError(absl::StrCat(
+        "cannot give segment ", segment->name(), " (", label, ") to uid ", owner_uid,
+        ": fchown: ", std::strerror(err), " (flatshardd needs CAP_CHOWN to serve trainers of "
+        "another uid; run it as root or run the trainers as uid ", ::geteuid(), ")"));
   }
   if (absl::Status status = state_->Register(segment->name()); !status.ok()) {
     state_->Uncharge(kind, bytes, /*to_decommitted=*/false);

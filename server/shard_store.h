@@ -151,8 +151,12 @@ class ShardStore {
   // would be exceeded (naming the kind, bytes requested, bytes in use and the limit) or when
   // /dev/shm, memory or descriptors run out; FAILED_PRECONDITION after Shutdown(). A failed
   // allocation changes nothing.
+  // `owner_uid` >= 0 and not the daemon's uid: the segment is given to that uid (fchown, mode
+  // still 0600), so a trainer running as another user can map it and nobody else can; needs
+  // CAP_CHOWN (PERMISSION_DENIED otherwise). -1: the daemon's uid keeps it.
   absl::StatusOr<std::shared_ptr<Buffer>> Allocate(BufferKind kind, int64_t bytes,
-                                                   absl::string_view label = "");
+                                                   absl::string_view label = "",
+                                                   int64_t owner_uid = -1);
 
   MemoryUsage Usage() const;
 

@@ -7,12 +7,20 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/proto_convert.h"
+#include "server/access/access_control.h"
 #include "server/metrics/metered_reactor.h"
 
 namespace flatshard::server {
 namespace {
 
 Caller FromProto(const v1::Caller& c) { return Caller{c.group(), c.rank(), c.token(), c.session()}; }
+
+// Answers a call its caller may not make (access control) and returns the reactor.
+template <typename Reactor>
+Reactor* Refuse(Reactor* reactor, const absl::Status& status) {
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
 
 void FillHandle(const Buffer& b, v1::MemoryHandle* h) {
   h->set_segment(b.segment_name());
@@ -47,7 +55,11 @@ void FillSummon(const SummonResult& result, v1::SummonResponse* response) {
 // comes (half-close, broken connection, cancellation), ends the session exactly once.
 class LeaseReactor final : public grpc::ServerBidiReactor<v1::LeaseRequest, v1::LeaseResponse> {
  public:
-  explicit LeaseReactor(GroupManager* groups) : groups_(groups) { StartRead(&request_); }
+  // `uid`: the caller's uid, or why it may not call (answered to its first message).
+  LeaseReactor(GroupManager* groups, absl::StatusOr<int64_t> uid)
+      : groups_(groups), uid_(std::move(uid)) {
+    StartRead(&request_);
+  }
 
   void OnReadDone(bool ok) override {
     if (!ok) {
@@ -56,7 +68,8 @@ class LeaseReactor final : public grpc::ServerBidiReactor<v1::LeaseRequest, v1::
     }
     if (!attached_) {
       caller_ = FromProto(request_.caller());
-      absl::Status s = groups_->CheckCaller(caller_);
+      caller_.uid = uid_.ok() ? *uid_ : access::kRemoteUid;
+      absl::Status s = uid_.ok() ? groups_->CheckCaller(caller_) : uid_.status();
       if (!s.ok()) {
         if (!finished_.exchange(true)) Finish(ToGrpcStatus(s));
         return;
@@ -81,6 +94,7 @@ class LeaseReactor final : public grpc::ServerBidiReactor<v1::LeaseRequest, v1::
   }
 
   GroupManager* const groups_;
+  const absl::StatusOr<int64_t> uid_;
   v1::LeaseRequest request_;
   Caller caller_;
   bool attached_ = false;  // touched by the reactor's serialized callbacks only
@@ -89,6 +103,20 @@ class LeaseReactor final : public grpc::ServerBidiReactor<v1::LeaseRequest, v1::
 };
 
 }  // namespace
+
+absl::StatusOr<int64_t> ShardServiceImpl::CallerUid(const grpc::CallbackServerContext* ctx) const {
+  if (access_ == nullptr) return access::kRemoteUid;
+  return access_->CallerUid(ctx->peer());
+}
+
+absl::StatusOr<Caller> ShardServiceImpl::CallerOf(const grpc::CallbackServerContext* ctx,
+                                                  const v1::Caller& c) const {
+  absl::StatusOr<int64_t> uid = CallerUid(ctx);
+  if (!uid.ok()) return uid.status();
+  Caller caller = FromProto(c);
+  caller.uid = *uid;
+  return caller;
+}
 
 absl::Time ShardServiceImpl::WaitDeadline(const grpc::CallbackServerContext* ctx) const {
   const absl::Time now = absl::Now();
@@ -109,6 +137,11 @@ grpc::ServerUnaryReactor* ShardServiceImpl::JoinGroup(grpc::CallbackServerContex
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "JoinGroup");
   JoinArgs args{request->group(), request->world_size(), request->rank(), request->token(),
                 request->coordinator()};
+  if (absl::StatusOr<int64_t> uid = CallerUid(ctx); uid.ok()) {
+    args.uid = *uid;
+  } else {
+    return Refuse(reactor, uid.status());
+  }
   groups_->Join(args, WaitDeadline(ctx),
                 [reactor, response](absl::StatusOr<JoinResult> result) {
                   if (result.ok()) {
@@ -123,8 +156,8 @@ grpc::ServerUnaryReactor* ShardServiceImpl::JoinGroup(grpc::CallbackServerContex
 }
 
 grpc::ServerBidiReactor<v1::LeaseRequest, v1::LeaseResponse>* ShardServiceImpl::Lease(
-    grpc::CallbackServerContext*) {
-  return new LeaseReactor(groups_);
+    grpc::CallbackServerContext* ctx) {
+  return new LeaseReactor(groups_, CallerUid(ctx));
 }
 
 grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(
@@ -143,7 +176,9 @@ grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(
           absl::InvalidArgumentError("RegisterModule: init mode is unspecified or unknown")));
       return reactor;
   }
-  groups_->Register(FromProto(request->caller()), request->module(), manifest, policy, init,
+  absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
+  if (!caller.ok()) return Refuse(reactor, caller.status());
+  groups_->Register(*caller, request->module(), manifest, policy, init,
                     WaitDeadline(ctx),
                     [reactor, response](absl::StatusOr<RegisterResult> result) {
                       if (result.ok()) {
@@ -168,7 +203,9 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Summon(grpc::CallbackServerContext* 
   options.rank0_only = request->options().rank0_only();
   options.offload_to_cpu = request->options().offload_to_cpu();
   options.with_grads = request->options().with_grads();
-  groups_->Summon(FromProto(request->caller()), request->registered_module(), request->path(),
+  absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
+  if (!caller.ok()) return Refuse(reactor, caller.status());
+  groups_->Summon(*caller, request->registered_module(), request->path(),
                   options, WaitDeadline(ctx),
                   [reactor, response](absl::StatusOr<SummonResult> result) {
                     if (result.ok()) FillSummon(*result, response);
@@ -186,7 +223,9 @@ grpc::ServerUnaryReactor* ShardServiceImpl::EndSummon(grpc::CallbackServerContex
                                                       const v1::EndSummonRequest* request,
                                                       v1::EndSummonResponse*) {
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "EndSummon");
-  groups_->EndSummon(FromProto(request->caller()), request->summon(), WaitDeadline(ctx),
+  absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
+  if (!caller.ok()) return Refuse(reactor, caller.status());
+  groups_->EndSummon(*caller, request->summon(), WaitDeadline(ctx),
                      [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); });
   return reactor;
 }
@@ -195,7 +234,9 @@ grpc::ServerUnaryReactor* ShardServiceImpl::ReduceScatterGrads(
     grpc::CallbackServerContext* ctx, const v1::ReduceScatterGradsRequest* request,
     v1::ReduceScatterGradsResponse* response) {
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "ReduceScatterGrads");
-  const Caller caller = FromProto(request->caller());
+  absl::StatusOr<Caller> checked = CallerOf(ctx, request->caller());
+  if (!checked.ok()) return Refuse(reactor, checked.status());
+  const Caller caller = *std::move(checked);
   if (request->begin()) {
     absl::StatusOr<std::shared_ptr<Buffer>> buffer =
         groups_->BeginReduceScatter(caller, request->registered_module(), request->unit());
@@ -224,8 +265,9 @@ grpc::ServerUnaryReactor* ShardServiceImpl::GetShardViews(grpc::CallbackServerCo
                                                           const v1::GetShardViewsRequest* request,
                                                           v1::GetShardViewsResponse* response) {
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "GetShardViews");
-  absl::StatusOr<RegisterResult> result =
-      groups_->GetShards(FromProto(request->caller()), request->registered_module());
+  absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
+  if (!caller.ok()) return Refuse(reactor, caller.status());
+  absl::StatusOr<RegisterResult> result = groups_->GetShards(*caller, request->registered_module());
   if (result.ok()) {
     FillShards(result->shards, response->mutable_shards());
     *response->mutable_plan() = flatshard::ToProto(result->plan);
@@ -245,7 +287,9 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Leave(grpc::CallbackServerContext* c
                                                   const v1::LeaveRequest* request,
                                                   v1::LeaveResponse*) {
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "Leave");
-  reactor->Finish(ToGrpcStatus(groups_->Leave(FromProto(request->caller()))));
+  absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
+  if (!caller.ok()) return Refuse(reactor, caller.status());
+  reactor->Finish(ToGrpcStatus(groups_->Leave(*caller)));
   return reactor;
 }
 

@@ -10,11 +10,18 @@
 
 namespace flatshard::server {
 
+namespace access {
+class AccessControl;
+}
+
 class ShardServiceImpl final : public v1::ShardService::CallbackService {
  public:
   // `default_wait` bounds collective waits whose RPC carries no deadline.
-  ShardServiceImpl(GroupManager* groups, absl::Duration default_wait)
-      : groups_(groups), default_wait_(default_wait) {}
+  // `access` (may be null: every caller has uid -1) tells each call's uid; it must outlive
+  // the service.
+  ShardServiceImpl(GroupManager* groups, absl::Duration default_wait,
+                   const access::AccessControl* access = nullptr)
+      : groups_(groups), default_wait_(default_wait), access_(access) {}
 
   grpc::ServerUnaryReactor* JoinGroup(grpc::CallbackServerContext* ctx,
                                       const v1::JoinGroupRequest* request,
@@ -44,9 +51,14 @@ class ShardServiceImpl final : public v1::ShardService::CallbackService {
 
  private:
   absl::Time WaitDeadline(const grpc::CallbackServerContext* ctx) const;
+  // The calling process's uid (access::AccessControl), or why it may not call.
+  absl::StatusOr<int64_t> CallerUid(const grpc::CallbackServerContext* ctx) const;
+  // `c` with the caller's uid.
+  absl::StatusOr<Caller> CallerOf(const grpc::CallbackServerContext* ctx, const v1::Caller& c) const;
 
   GroupManager* const groups_;
   const absl::Duration default_wait_;
+  const access::AccessControl* const access_;
 };
 
 }  // namespace flatshard::server

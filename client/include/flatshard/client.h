@@ -82,6 +82,13 @@ struct ClientOptions {
   // Backoff between attempts: doubles from initial_backoff up to max_backoff, with jitter.
   absl::Duration initial_backoff = absl::Milliseconds(50);
   absl::Duration max_backoff = absl::Seconds(1);
+  // Mutual TLS for TCP addresses of a daemon started with --tls_cert/--tls_key/--tls_ca:
+  // PEM files of the CA that signed the daemon's certificate, and of this client's
+  // certificate and key (signed by the CA the daemon trusts). All empty: plaintext. Not used
+  // for "unix:" addresses (the daemon learns a local client's uid from the kernel instead).
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
 };
 
 // How a registration fills the shards (proto InitMode).
