@@ -131,7 +131,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   d->access_ = std::make_unique<access::AccessControl>(d->acceptor_.get(), config.allowed_uids);
   d->shard_service_ = std::make_unique<ShardServiceImpl>(d->groups_.get(), config.default_wait,
                                                          d->access_.get());
-  d->admin_service_ = std::make_unique<AdminServiceImpl>(d->groups_.get());
+  AdminServiceOptions admin_options;
+  admin_options.store = d->store_.get();
+  admin_options.peer_address = d->peer_address_;
+  admin_options.node = config.node_name;
+  // Draining: health checks answer NOT_SERVING (readiness probes take the node out).
+  admin_options.on_drain = [daemon = d.get()] {
+    if (daemon->server_ == nullptr) return;
+    if (auto* health = daemon->server_->GetHealthCheckService()) health->SetServingStatus(false);
+  };
+  d->admin_service_ = std::make_unique<AdminServiceImpl>(d->groups_.get(), std::move(admin_options));
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;

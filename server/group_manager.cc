@@ -202,6 +202,16 @@ struct GroupManager::Registered {
   // The session each rank registered or re-attached in; a rank whose session changed (a
   // restarted trainer) may register the same model again to re-attach.
   std::vector<uint64_t> attached_session;
+  // Per unit: its last summon, end or reduce-scatter here (`flatshardctl units`).
+  std::vector<UnitOp> last_op;
+
+  void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok) {
+    last_op.resize(plan.units.size());
+    const absl::Time now = absl::Now();
+    for (int32_t u : units) {
+      if (u >= 0 && u < static_cast<int32_t>(last_op.size())) last_op[u] = UnitOp{op, rank, now, ok};
+    }
+  }
 };
 
 struct GroupManager::Group {
@@ -284,6 +294,8 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
     absl::ReleasableMutexLock lock(&mu_);
     if (shutdown_) {
       error = absl::UnavailableError("flatshardd is shutting down");
+    } else if (draining_) {
+      error = absl::UnavailableError("flatshardd is draining");
     } else if (args.group.empty()) {
       error = absl::InvalidArgumentError("group id must not be empty");
     } else if (args.world_size < 1) {
@@ -1164,6 +1176,7 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
       }
       if (error.ok()) {
         for (int32_t u : result.units) reg->summoned[rank][u] = true;
+        reg->NoteOp(result.units, "summon", rank, true);
         result.summon = open.id;
         if (result.units.empty()) result.note = absl::StrCat(Display(path), " is not a unit root: nothing unsharded");
         if (!options.rank0_only || rank == 0) result.views = open.views;
@@ -1320,6 +1333,8 @@ void GroupManager::FinishEnd(const Caller& caller, uint64_t summon, absl::Status
         OpenSummon& open = it->second;
         Registered& reg = group.registered.at(open.module);
         for (int32_t u : open.units) reg.summoned[open.rank][u] = false;
+        // A summon that never became ready failed before anything was handed out.
+        reg.NoteOp(open.units, open.ready ? "end" : "summon", open.rank, status.ok());
         if (++open.slot->ended == static_cast<int32_t>(group.local_ranks.size())) {
           reg.slots.erase(open.k);
         }
@@ -1468,6 +1483,7 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
                       reg->second.new_grads.erase({caller.rank, unit});
                       if (s.ok()) reg->second.shards_by_rank[caller.rank][unit].grad = grad;
                     }
+                    reg->second.NoteOp({unit}, "reduce_scatter", caller.rank, s.ok());
                     ReleaseKept(reg->second);
                   }
                 }
@@ -1499,6 +1515,114 @@ std::vector<GroupManager::GroupCollectives> GroupManager::ListCollectives(
       info.pending = coll->PendingOps();
     }
     out.push_back(std::move(info));
+  }
+  return out;
+}
+
+std::vector<GroupManager::GroupInfo> GroupManager::ListGroups() const {
+  std::vector<std::pair<GroupInfo, std::shared_ptr<collective::CollectiveGroup>>> found;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (const auto& [id, g] : groups_) {
+      GroupInfo info;
+      info.group = id;
+      info.world_size = g->world_size;
+      info.epoch = g->epoch;
+      info.coordinator = g->coordinator;
+      info.local_ranks = g->local_ranks;
+      for (int32_t r : g->local_ranks) {
+        if (r < static_cast<int32_t>(g->session_of_rank.size()) && g->session_of_rank[r] != 0) {
+          info.joined_ranks.push_back(r);
+        }
+      }
+      for (const auto& [module, reg] : g->registered) info.registered_modules.push_back(module);
+      found.emplace_back(std::move(info), g->coll);
+    }
+  }
+  std::vector<GroupInfo> out;
+  for (auto& [info, coll] : found) {
+    if (coll) info.status = coll->status();  // outside the manager's lock, as ListCollectives
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+void GroupManager::StartDrain() {
+  absl::MutexLock lock(&mu_);
+  if (!draining_) FS_LOG(INFO) << "draining: new groups and joins are refused from now on";
+  draining_ = true;
+}
+
+GroupManager::Stats GroupManager::GetStats() const {
+  Stats stats;
+  std::vector<std::shared_ptr<collective::CollectiveGroup>> colls;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    stats.draining = draining_;
+    stats.shutting_down = shutdown_;
+    stats.groups = static_cast<int32_t>(groups_.size());
+    for (const auto& [id, g] : groups_) {
+      for (uint64_t s : g->session_of_rank) stats.sessions += s != 0;
+      stats.open_summons += static_cast<int32_t>(g->open_summons.size());
+      stats.pending_joins += static_cast<int32_t>(g->pending_joins.size());
+      if (g->coll) colls.push_back(g->coll);
+    }
+  }
+  for (const auto& coll : colls) {
+    stats.pending_collectives += static_cast<int32_t>(coll->PendingOps().size());
+  }
+  return stats;
+}
+
+absl::StatusOr<std::vector<GroupManager::ModuleUnits>> GroupManager::ListUnits(
+    const std::string& group, const std::optional<std::string>& module) const {
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = groups_.find(group);
+  if (it == groups_.end()) {
+    return absl::NotFoundError(absl::StrCat("this daemon hosts no group ", group));
+  }
+  const Group& g = *it->second;
+  if (module && !g.registered.contains(*module)) {
+    return absl::NotFoundError(
+        absl::StrCat("group ", g.id, ": module ", Display(*module), " is not registered"));
+  }
+  std::vector<ModuleUnits> out;
+  for (const auto& [path, reg] : g.registered) {
+    if (module && path != *module) continue;
+    ModuleUnits m;
+    m.module = path;
+    for (const PlanUnit& pu : reg.plan.units) {
+      const int32_t u = pu.index;
+      UnitInfo info;
+      info.unit = u;
+      info.module = pu.module;
+      if (u < static_cast<int32_t>(reg.last_op.size())) info.last_op = reg.last_op[u];
+      for (int32_t r : g.local_ranks) {
+        UnitRankInfo ri;
+        ri.rank = r;
+        if (r < static_cast<int32_t>(reg.summoned.size()) &&
+            u < static_cast<int32_t>(reg.summoned[r].size())) {
+          ri.summoned = reg.summoned[r][u];
+        }
+        if (r < static_cast<int32_t>(reg.shards_by_rank.size()) &&
+            u < static_cast<int32_t>(reg.shards_by_rank[r].size())) {
+          const UnitShard& shard = reg.shards_by_rank[r][u];
+          if (shard.shard) ri.shard_bytes = shard.shard->bytes();
+          if (shard.grad) ri.grad_bytes = shard.grad->bytes();
+        }
+        for (const auto& [id, open] : g.open_summons) {
+          if (open.rank != r || open.module != path) continue;
+          for (size_t i = 0; i < open.units.size() && i < open.views.size(); ++i) {
+            if (open.units[i] != u) continue;
+            if (open.views[i].params) ri.unsharded_bytes += open.views[i].params->bytes();
+            if (open.views[i].grads) ri.unsharded_bytes += open.views[i].grads->bytes();
+          }
+        }
+        info.ranks.push_back(ri);
+      }
+      m.units.push_back(std::move(info));
+    }
+    out.push_back(std::move(m));
   }
   return out;
 }

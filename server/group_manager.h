@@ -190,6 +190,10 @@ class GroupManager : public peer::PeerEvents {
     int32_t world_size = 0;
     std::vector<int32_t> joined_ranks;
     std::vector<std::string> registered_modules;
+    uint64_t epoch = 0;
+    std::string coordinator;  // empty: a local group
+    std::vector<int32_t> local_ranks;
+    absl::Status status;  // the sticky error of the group's collectives, if any
   };
   std::vector<GroupInfo> ListGroups() const;
 
@@ -203,6 +207,51 @@ class GroupManager : public peer::PeerEvents {
     std::vector<collective::PendingOpInfo> pending;
   };
   std::vector<GroupCollectives> ListCollectives(const std::string& group) const;
+
+  // From now on Join fails with UNAVAILABLE "flatshardd is draining": no new groups, no new
+  // or returning ranks. Everything else goes on. Idempotent; lasts as long as the manager.
+  void StartDrain();
+
+  // Counts over every group (`flatshardctl status`, drain progress).
+  struct Stats {
+    int32_t groups = 0;
+    int32_t sessions = 0;  // ranks with a live session
+    int32_t open_summons = 0;
+    int32_t pending_joins = 0;
+    int32_t pending_collectives = 0;
+    bool draining = false;
+    bool shutting_down = false;
+  };
+  Stats GetStats() const;
+
+  // One group's registered modules unit by unit and local rank by rank (`flatshardctl units`).
+  struct UnitRankInfo {
+    int32_t rank = 0;
+    bool summoned = false;
+    int64_t shard_bytes = 0;
+    int64_t grad_bytes = 0;
+    int64_t unsharded_bytes = 0;  // full buffers this rank's open summons hold for the unit
+  };
+  // The last summon, end or reduce-scatter of a unit on this daemon.
+  struct UnitOp {
+    std::string op;  // "summon", "end", "reduce_scatter"; empty: none yet
+    int32_t rank = -1;
+    absl::Time at = absl::InfinitePast();
+    bool ok = true;
+  };
+  struct UnitInfo {
+    int32_t unit = 0;
+    std::string module;  // the unit's module path in the model
+    std::vector<UnitRankInfo> ranks;
+    UnitOp last_op;
+  };
+  struct ModuleUnits {
+    std::string module;  // the registered path
+    std::vector<UnitInfo> units;
+  };
+  // NOT_FOUND for an unknown group, or an unregistered `module` when one is given.
+  absl::StatusOr<std::vector<ModuleUnits>> ListUnits(
+      const std::string& group, const std::optional<std::string>& module) const;
 
   // peer::PeerEvents (called by the PeerClient's threads).
   void OnTable(const std::string& coordinator, const peer::PeerTable& table) override;
@@ -265,6 +314,7 @@ class GroupManager : public peer::PeerEvents {
   std::map<std::string, std::unique_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
   std::thread deadline_thread_;
   // Last: destroyed first, so no PeerEvents arrive while the rest is torn down.
   std::unique_ptr<peer::PeerClient> peer_;

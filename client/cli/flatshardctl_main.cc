@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "client/cli/admin_commands.h"
 #include "client/cli/pending_command.h"
 #include "client/cli/plan_command.h"
 #include "common/config.h"
@@ -14,8 +15,16 @@ constexpr char kUsage[] =
     "Usage: flatshardctl [--help] [--version] COMMAND [FLAGS]\n"
     "\n"
     "Commands:\n"
-    "  plan      cut a module tree into flat-parameter units as PyTorch FSDP would; print the plan\n"
-    "  pending   list a daemon's collectives that have not completed, with missing ranks\n"
+    "  plan       cut a module tree into flat-parameter units as PyTorch FSDP would; print the plan\n"
+    "\n"
+    "Commands that ask a running flatshardd (--socket PATH, default\n"
+    "/run/flatshard/flatshardd.sock, or --address HOST:PORT; --json for JSON):\n"
+    "  status     version, uptime, backends, memory in use and limit, groups, clients, draining\n"
+    "  groups     the groups it hosts: world size, epoch, ranks, registered modules, errors\n"
+    "  units      a group's units per rank: state, shard/gradient/unsharded bytes, last op\n"
+    "  pending    its collectives that have not completed, with missing ranks\n"
+    "  drain      refuse new groups and joins, wait for in-flight work (or a timeout)\n"
+    "  log-level  set or show its log level\n"
     "\n"
     "Run 'flatshardctl COMMAND --help' for a command's flags.\n";
 
@@ -39,6 +48,11 @@ int main(int argc, char** argv) {
   }
   if (command == "plan") return flatshard::cli::RunPlanCommand(args);
   if (command == "pending") return flatshard::cli::RunPendingCommand(args);
+  if (command == "status") return flatshard::cli::RunStatusCommand(args);
+  if (command == "groups") return flatshard::cli::RunGroupsCommand(args);
+  if (command == "units") return flatshard::cli::RunUnitsCommand(args);
+  if (command == "drain") return flatshard::cli::RunDrainCommand(args);
+  if (command == "log-level") return flatshard::cli::RunLogLevelCommand(args);
   std::string shown = command;
   for (char& c : shown) {
     if (c == '\n' || c == '\r') c = ' ';  // errors stay on one line

@@ -1,22 +1,172 @@
 #include "server/service/admin_service_impl.h"
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <memory>
 #include <string>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/config.h"
 #include "common/grpc_status.h"
+#include "common/logging.h"
+#include "server/collective/backend_registry.h"
+#include <grpcpp/alarm.h>
 
 namespace flatshard::server {
+namespace {
+
+grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* ctx, const absl::Status& status) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+std::string StatusText(const absl::Status& status) {
+  return status.ok() ? std::string("OK") : status.ToString();
+}
+
+struct LogLevel {
+  LogSeverity severity = LogSeverity::kInfo;
+  int verbosity = 0;
+};
+
+// In SetLogLevel's words: "error", "warning", "info", "debug" or "vN".
+std::string LogLevelName(LogLevel level) {
+  switch (level.severity) {
+    case LogSeverity::kFatal:
+      return "fatal";
+    case LogSeverity::kError:
+      return "error";
+    case LogSeverity::kWarning:
+      return "warning";
+    case LogSeverity::kInfo:
+      break;
+  }
+  if (level.verbosity <= 0) return "info";
+  if (level.verbosity == 1) return "debug";
+  return absl::StrCat("v", level.verbosity);
+}
+
+// Severity names as common/logging.h parses them; "debug" and "vN" also raise the verbosity.
+absl::StatusOr<LogLevel> ParseLogLevel(const std::string& given) {
+  const std::string name = absl::AsciiStrToLower(given);
+  if (name == "debug") return LogLevel{LogSeverity::kInfo, 1};
+  if (name.size() == 2 && name[0] == 'v' && absl::ascii_isdigit(name[1])) {
+    return LogLevel{LogSeverity::kInfo, name[1] - '0'};
+  }
+  absl::StatusOr<LogSeverity> severity = ParseLogSeverity(name);
+  if (!severity.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "log level must be error, warning, info, debug or v0..v9, got '", given, "'"));
+  }
+  return LogLevel{*severity, 0};
+}
+
+// Streams the work in flight every poll until none is left or the deadline passes. One
+// operation (a write or an alarm) is outstanding at a time; Finish ends it.
+class DrainReactor final : public grpc::ServerWriteReactor<v1::DrainProgress> {
+ public:
+  DrainReactor(GroupManager* groups, absl::Duration timeout, absl::Duration poll)
+      : groups_(groups), start_(absl::Now()), deadline_(start_ + timeout), poll_(poll) {
+    Next();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+      return;
+    }
+    if (finishing_) {
+      Finish(grpc::Status::OK);
+      return;
+    }
+    Wait();
+  }
+  void OnCancel() override { cancelled_ = true; }
+  void OnDone() override { delete this; }
+
+ private:
+  // The next look after `poll_`; a fresh alarm each time (the fired one may still be running
+  // its callback, which holds its own reference).
+  void Wait() {
+    alarm_ = std::make_unique<grpc::Alarm>();
+    alarm_->Set(absl::ToChronoTime(absl::Now() + poll_), [this](bool) { Next(); });
+  }
+
+  void Next() {
+    if (cancelled_) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "drain cancelled by the client"));
+      return;
+    }
+    const GroupManager::Stats stats = groups_->GetStats();
+    if (stats.shutting_down) {
+      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "flatshardd is shutting down"));
+      return;
+    }
+    const absl::Time now = absl::Now();
+    const bool done =
+        stats.open_summons == 0 && stats.pending_collectives == 0 && stats.pending_joins == 0;
+    const bool timed_out = !done && now >= deadline_;
+    const bool changed = !written_ || stats.open_summons != progress_.open_summons() ||
+                         stats.pending_collectives != progress_.pending_collectives() ||
+                         stats.pending_joins != progress_.pending_joins();
+    progress_.set_open_summons(stats.open_summons);
+    progress_.set_pending_collectives(stats.pending_collectives);
+    progress_.set_pending_joins(stats.pending_joins);
+    progress_.set_elapsed_seconds(absl::ToDoubleSeconds(now - start_));
+    progress_.set_done(done);
+    progress_.set_timed_out(timed_out);
+    finishing_ = done || timed_out;
+    // A message when something changed, at the end, and at least every second otherwise.
+    if (finishing_ || changed || now - last_write_ >= absl::Seconds(1)) {
+      written_ = true;
+      last_write_ = now;
+      StartWrite(&progress_);
+      return;
+    }
+    Wait();
+  }
+
+  GroupManager* const groups_;
+  const absl::Time start_;
+  const absl::Time deadline_;
+  const absl::Duration poll_;
+  std::atomic<bool> cancelled_{false};
+  // Touched by one callback at a time (the single outstanding operation orders them).
+  v1::DrainProgress progress_;
+  bool written_ = false;
+  bool finishing_ = false;
+  absl::Time last_write_ = absl::InfinitePast();
+  std::unique_ptr<grpc::Alarm> alarm_;
+};
+
+}  // namespace
+
+AdminServiceImpl::AdminServiceImpl(GroupManager* groups, AdminServiceOptions options)
+    : groups_(groups), options_(std::move(options)) {
+  collective::BackendRegistry registry;
+  if (collective::RegisterBuiltinBackends(registry).ok()) backends_ = registry.Names();
+  node_ = options_.node;
+  if (node_.empty()) {
+    char host[256] = {};
+    ::gethostname(host, sizeof(host) - 1);
+    node_ = host;
+  }
+}
 
 grpc::ServerUnaryReactor* AdminServiceImpl::ListPendingCollectives(
     grpc::CallbackServerContext* ctx, const v1::ListPendingCollectivesRequest* request,
     v1::ListPendingCollectivesResponse* response) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   std::vector<GroupManager::GroupCollectives> groups = groups_->ListCollectives(request->group());
   if (!request->group().empty() && groups.empty()) {
-    reactor->Finish(ToGrpcStatus(
-        absl::NotFoundError(absl::StrCat("this daemon hosts no group ", request->group()))));
-    return reactor;
+    return Answer(ctx,
+                  absl::NotFoundError(absl::StrCat("this daemon hosts no group ", request->group())));
   }
   for (const GroupManager::GroupCollectives& g : groups) {
     v1::GroupCollectives* out = response->add_groups();
@@ -24,7 +174,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ListPendingCollectives(
     out->set_world_size(g.world_size);
     out->set_epoch(g.epoch);
     for (int32_t r : g.local_ranks) out->add_local_ranks(r);
-    out->set_status(g.status.ok() ? std::string("OK") : g.status.ToString());
+    out->set_status(StatusText(g.status));
     for (const collective::PendingOpInfo& op : g.pending) {
       v1::PendingCollective* p = out->add_pending();
       p->set_op_seq(op.op_seq);
@@ -38,8 +188,119 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ListPendingCollectives(
       p->set_running(op.running);
     }
   }
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return Answer(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContext* ctx,
+                                                      const v1::GetStatusRequest* /*request*/,
+                                                      v1::GetStatusResponse* response) {
+  response->set_version(FS_VERSION_STRING);
+  response->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - options_.start_time));
+  for (const std::string& b : backends_) response->add_backends(b);
+  response->set_peer_address(options_.peer_address);
+  response->set_node(node_);
+  response->set_pid(::getpid());
+  MemoryUsage usage;
+  usage.limit_bytes = std::numeric_limits<int64_t>::max();
+  if (options_.store != nullptr) usage = options_.store->Usage();
+  for (int k = 0; k < kNumBufferKinds; ++k) {
+    v1::MemoryKindUsage* m = response->add_memory();
+    m->set_kind(std::string(BufferKindName(static_cast<BufferKind>(k))));
+    m->set_bytes(usage.bytes_by_kind[k]);
+  }
+  response->set_memory_total_bytes(usage.total_bytes);
+  response->set_memory_limit_bytes(
+      usage.limit_bytes == std::numeric_limits<int64_t>::max() ? -1 : usage.limit_bytes);
+  response->set_buffers(usage.buffers);
+  const GroupManager::Stats stats = groups_->GetStats();
+  response->set_groups(stats.groups);
+  response->set_clients(stats.sessions);
+  response->set_draining(stats.draining);
+  return Answer(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::ListGroups(grpc::CallbackServerContext* ctx,
+                                                       const v1::ListGroupsRequest* /*request*/,
+                                                       v1::ListGroupsResponse* response) {
+  for (const GroupManager::GroupInfo& g : groups_->ListGroups()) {
+    v1::GroupInfo* out = response->add_groups();
+    out->set_group(g.group);
+    out->set_world_size(g.world_size);
+    out->set_epoch(g.epoch);
+    out->set_coordinator(g.coordinator);
+    for (int32_t r : g.local_ranks) out->add_local_ranks(r);
+    for (int32_t r : g.joined_ranks) out->add_joined_ranks(r);
+    for (const std::string& m : g.registered_modules) out->add_registered_modules(m);
+    out->set_status(StatusText(g.status));
+  }
+  return Answer(ctx, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::ListUnits(grpc::CallbackServerContext* ctx,
+                                                      const v1::ListUnitsRequest* request,
+                                                      v1::ListUnitsResponse* response) {
+  if (request->group().empty()) {
+    return Answer(ctx, absl::InvalidArgumentError("ListUnits needs a group"));
+  }
+  absl::StatusOr<std::vector<GroupManager::ModuleUnits>> modules = groups_->ListUnits(
+      request->group(),
+      request->has_module() ? std::optional<std::string>(request->module()) : std::nullopt);
+  if (!modules.ok()) return Answer(ctx, modules.status());
+  const absl::Time now = absl::Now();
+  response->set_group(request->group());
+  for (const GroupManager::ModuleUnits& m : *modules) {
+    v1::ModuleUnits* out = response->add_modules();
+    out->set_module(m.module);
+    for (const GroupManager::UnitInfo& u : m.units) {
+      v1::UnitStatus* unit = out->add_units();
+      unit->set_unit(u.unit);
+      unit->set_module(u.module);
+      for (const GroupManager::UnitRankInfo& r : u.ranks) {
+        v1::UnitRank* rank = unit->add_ranks();
+        rank->set_rank(r.rank);
+        rank->set_state(r.summoned ? "SUMMONED" : "IDLE");
+        rank->set_shard_bytes(r.shard_bytes);
+        rank->set_grad_bytes(r.grad_bytes);
+        rank->set_unsharded_bytes(r.unsharded_bytes);
+      }
+      if (!u.last_op.op.empty()) {
+        unit->set_last_op(u.last_op.op);
+        unit->set_last_op_rank(u.last_op.rank);
+        unit->set_last_op_age_seconds(absl::ToDoubleSeconds(now - u.last_op.at));
+        unit->set_last_op_ok(u.last_op.ok);
+      }
+    }
+  }
+  return Answer(ctx, absl::OkStatus());
+}
+
+grpc::ServerWriteReactor<v1::DrainProgress>* AdminServiceImpl::Drain(
+    grpc::CallbackServerContext* /*ctx*/, const v1::DrainRequest* request) {
+  groups_->StartDrain();
+  std::call_once(drain_once_, [this] {
+    if (options_.on_drain) options_.on_drain();
+  });
+  const absl::Duration timeout = absl::Milliseconds(std::max<int64_t>(0, request->timeout_ms()));
+  return new DrainReactor(groups_, timeout, options_.drain_poll);
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::SetLogLevel(grpc::CallbackServerContext* ctx,
+                                                        const v1::SetLogLevelRequest* request,
+                                                        v1::SetLogLevelResponse* response) {
+  const std::string previous = LogLevelName({MinLogSeverity(), Verbosity()});
+  response->set_previous(previous);
+  response->set_level(previous);
+  if (request->level().empty()) return Answer(ctx, absl::OkStatus());
+  absl::StatusOr<LogLevel> level = ParseLogLevel(request->level());
+  if (!level.ok()) return Answer(ctx, level.status());
+  response->set_level(LogLevelName(*level));
+  // The change is logged under whichever of the two levels shows it.
+  const bool shown_before = MinLogSeverity() <= LogSeverity::kInfo;
+  if (shown_before) FS_LOG(INFO) << "log level " << previous << " -> " << response->level();
+  SetMinLogSeverity(level->severity);
+  SetVerbosity(level->verbosity);
+  if (!shown_before) FS_LOG(INFO) << "log level " << previous << " -> " << response->level();
+  return Answer(ctx, absl::OkStatus());
 }
 
 }  // namespace flatshard::server

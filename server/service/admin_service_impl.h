@@ -1,22 +1,59 @@
 #pragma once
-// AdminService over gRPC's callback API: read-only views of the daemon for operators
-// (`flatshardctl pending`). Answers from snapshots; never waits on other ranks. Thread-safe.
+// AdminService over gRPC's callback API: views of the daemon for operators (`flatshardctl
+// status`, `groups`, `units`, `pending`) and two levers (`drain`, `log-level`). The views answer
+// from snapshots and never wait on other ranks. Thread-safe.
 
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
 #include "flatshard/v1/admin_service.grpc.pb.h"
 #include "server/group_manager.h"
+#include "server/shard_store.h"
 
 namespace flatshard::server {
 
+struct AdminServiceOptions {
+  ShardStore* store = nullptr;  // memory in GetStatus; null: reported as empty
+  std::string peer_address;     // this daemon's PeerService ("" without one)
+  std::string node;             // its node name in peer tables
+  absl::Time start_time = absl::Now();
+  // Called once when the first Drain starts (the daemon marks its health NOT_SERVING).
+  std::function<void()> on_drain;
+  // How often Drain looks at the work in flight.
+  absl::Duration drain_poll = absl::Milliseconds(100);
+};
+
 class AdminServiceImpl final : public v1::AdminService::CallbackService {
  public:
-  explicit AdminServiceImpl(GroupManager* groups) : groups_(groups) {}
+  explicit AdminServiceImpl(GroupManager* groups, AdminServiceOptions options = {});
 
   grpc::ServerUnaryReactor* ListPendingCollectives(
       grpc::CallbackServerContext* ctx, const v1::ListPendingCollectivesRequest* request,
       v1::ListPendingCollectivesResponse* response) override;
+  grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* ctx,
+                                      const v1::GetStatusRequest* request,
+                                      v1::GetStatusResponse* response) override;
+  grpc::ServerUnaryReactor* ListGroups(grpc::CallbackServerContext* ctx,
+                                       const v1::ListGroupsRequest* request,
+                                       v1::ListGroupsResponse* response) override;
+  grpc::ServerUnaryReactor* ListUnits(grpc::CallbackServerContext* ctx,
+                                      const v1::ListUnitsRequest* request,
+                                      v1::ListUnitsResponse* response) override;
+  grpc::ServerWriteReactor<v1::DrainProgress>* Drain(grpc::CallbackServerContext* ctx,
+                                                     const v1::DrainRequest* request) override;
+  grpc::ServerUnaryReactor* SetLogLevel(grpc::CallbackServerContext* ctx,
+                                        const v1::SetLogLevelRequest* request,
+                                        v1::SetLogLevelResponse* response) override;
 
  private:
   GroupManager* const groups_;
+  const AdminServiceOptions options_;
+  std::vector<std::string> backends_;
+  std::string node_;  // options_.node, or the host name
+  std::once_flag drain_once_;
 };
 
 }  // namespace flatshard::server

@@ -20,6 +20,7 @@
 #include "common/policy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/cli/ctl_runner.h"
 #include "tests/testing/files.h"
 
 namespace flatshard {
@@ -30,67 +31,14 @@ using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::StartsWith;
 
-const std::string kCtl = std::string(FS_BINARY_DIR) + "/client/flatshardctl";
 const std::string kExamples = std::string(FS_SOURCE_DIR) + "/examples/models/";
 const std::string kData = std::string(FS_SOURCE_DIR) + "/tests/cli/data/";
 
-struct Result {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
+using Result = ::flatshard::testing::CtlResult;
+using ::flatshard::testing::CtlPath;
+using ::flatshard::testing::Lines;
 using ::flatshard::testing::ReadFile;
-
-// Runs flatshardctl with `args`; stdout and stderr are captured separately through files.
-Result RunCtl(const std::vector<std::string>& args) {
-  Result r;
-  const std::string dir = ::testing::TempDir();
-  std::string out_path = dir + "/flatshardctl_out_XXXXXX";
-  std::string err_path = dir + "/flatshardctl_err_XXXXXX";
-  int out_fd = mkstemp(out_path.data());
-  int err_fd = mkstemp(err_path.data());
-  if (out_fd < 0 || err_fd < 0) {
-    ADD_FAILURE() << "mkstemp failed in " << dir;
-    return r;
-  }
-  std::vector<char*> argv;
-  argv.push_back(const_cast<char*>(kCtl.c_str()));
-  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  pid_t pid = fork();
-  if (pid == 0) {
-    dup2(out_fd, STDOUT_FILENO);
-    dup2(err_fd, STDERR_FILENO);
-    int null_fd = open("/dev/null", O_RDONLY);
-    if (null_fd >= 0) dup2(null_fd, STDIN_FILENO);
-    execv(kCtl.c_str(), argv.data());
-    _exit(127);
-  }
-  close(out_fd);
-  close(err_fd);
-  int status = 0;
-  if (pid < 0 || waitpid(pid, &status, 0) != pid) {
-    ADD_FAILURE() << "fork/waitpid failed";
-  } else if (WIFEXITED(status)) {
-    r.exit_code = WEXITSTATUS(status);
-  } else {
-    ADD_FAILURE() << "flatshardctl died with signal " << WTERMSIG(status);
-  }
-  r.out = ReadFile(out_path);
-  r.err = ReadFile(err_path);
-  unlink(out_path.c_str());
-  unlink(err_path.c_str());
-  return r;
-}
-
-std::vector<std::string> Lines(const std::string& text) {
-  std::vector<std::string> lines;
-  std::string line;
-  std::istringstream in(text);
-  while (std::getline(in, line)) lines.push_back(line);
-  return lines;
-}
+using ::flatshard::testing::RunCtl;
 
 // The refusal contract: exit 2, empty stdout, exactly one newline-terminated line on stderr.
 void ExpectRefused(const std::vector<std::string>& args, const std::vector<std::string>& parts) {
@@ -109,7 +57,7 @@ void ExpectRefused(const std::vector<std::string>& args, const std::vector<std::
 }
 
 TEST(FlatshardctlPlanTest, BinaryExists) {
-  ASSERT_EQ(access(kCtl.c_str(), X_OK), 0) << kCtl;
+  ASSERT_EQ(access(CtlPath().c_str(), X_OK), 0) << CtlPath();
 }
 
 class ExamplePlanTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
