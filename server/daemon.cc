@@ -112,7 +112,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
 
     collective::BackendRegistry registry;
     FS_RETURN_IF_ERROR(collective::RegisterBuiltinBackends(registry));
-    absl::StatusOr<std::unique_ptr<collective::CollectiveBackend>> ucx = registry.Create("ucx");
+    absl::StatusOr<std::unique_ptr<collective::CollectiveBackend>> ucx = registry.Create("ucx", {{"error_handling", config.ucx_error_handling}});
     if (!ucx.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "--peer_address needs the UCX backend, which this build lacks: ", ucx.status().message()));

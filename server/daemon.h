@@ -60,6 +60,7 @@ struct DaemonConfig {
   bool allow_insecure_tcp = false;
   // Prometheus /metrics over HTTP (host:port; port 0 picks a free one). Empty: off.
   std::string metrics_address;
+  std::string ucx_error_handling = "peer";  // UcxBackendOptions::peer_error_handling
 };
 
 class Daemon {

@@ -43,6 +43,10 @@ ABSL_FLAG(std::string, peer_address_file, "",
           "once listening, write the PeerService's address (with the port it got) to this file "
           "(for scripts and tests that start daemons on port 0)");
 ABSL_FLAG(std::string, node_name, "", "this daemon's node name in peer tables (empty: host name)");
+ABSL_FLAG(std::string, ucx_error_handling, "peer",
+          "'peer': UCX detects dead peers itself (on one host UCX 1.13 then uses TCP loopback "
+          "between daemons); 'none': daemons on one host may use shared memory and CMA, and dead "
+          "peers are found by heartbeats alone");
 ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Milliseconds(500),
           "heartbeats between daemons of multi-daemon groups");
 ABSL_FLAG(absl::Duration, peer_timeout, absl::Seconds(3),
@@ -141,6 +145,7 @@ int main(int argc, char** argv) {
   config.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);
   config.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
   config.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  config.ucx_error_handling = absl::GetFlag(FLAGS_ucx_error_handling);
   config.socket_group = absl::GetFlag(FLAGS_socket_group);
   if (auto uids = flatshard::server::access::ParseUidList(absl::GetFlag(FLAGS_allowed_uids));
       uids.ok()) {
