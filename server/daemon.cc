@@ -135,6 +135,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   admin_options.store = d->store_.get();
   admin_options.peer_address = d->peer_address_;
   admin_options.node = config.node_name;
+  admin_options.access = d->access_.get();
   // Draining: health checks answer NOT_SERVING (readiness probes take the node out).
   admin_options.on_drain = [daemon = d.get()] {
     if (daemon->server_ == nullptr) return;

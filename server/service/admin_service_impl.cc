@@ -27,6 +27,27 @@ grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* ctx, const absl::S
   return reactor;
 }
 
+// A Drain refused before it starts.
+class RefusedDrain final : public grpc::ServerWriteReactor<v1::DrainProgress> {
+ public:
+  explicit RefusedDrain(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
+};
+
+// OK when the caller may change the daemon (AdminServiceOptions::access).
+absl::Status CheckOperator(const access::AccessControl* access, grpc::CallbackServerContext* ctx,
+                           absl::string_view what) {
+  if (access == nullptr) return absl::OkStatus();
+  absl::StatusOr<int64_t> uid = access->CallerUid(ctx->peer());
+  if (!uid.ok()) return uid.status();
+  if (*uid == access::kRemoteUid || *uid == 0 || *uid == static_cast<int64_t>(::geteuid())) {
+    return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(absl::StrCat("uid ", *uid, " may not ", what,
+                                                  " (only root and the daemon's uid ",
+                                                  ::geteuid(), " may)"));
+}
+
 std::string StatusText(const absl::Status& status) {
   return status.ok() ? std::string("OK") : status.ToString();
 }
@@ -275,7 +296,10 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ListUnits(grpc::CallbackServerContex
 }
 
 grpc::ServerWriteReactor<v1::DrainProgress>* AdminServiceImpl::Drain(
-    grpc::CallbackServerContext* /*ctx*/, const v1::DrainRequest* request) {
+    grpc::CallbackServerContext* ctx, const v1::DrainRequest* request) {
+  if (absl::Status s = CheckOperator(options_.access, ctx, "drain flatshardd"); !s.ok()) {
+    return new RefusedDrain(s);
+  }
   groups_->StartDrain();
   std::call_once(drain_once_, [this] {
     if (options_.on_drain) options_.on_drain();
@@ -291,6 +315,9 @@ grpc::ServerUnaryReactor* AdminServiceImpl::SetLogLevel(grpc::CallbackServerCont
   response->set_previous(previous);
   response->set_level(previous);
   if (request->level().empty()) return Answer(ctx, absl::OkStatus());
+  if (absl::Status s = CheckOperator(options_.access, ctx, "change the log level"); !s.ok()) {
+    return Answer(ctx, s);
+  }
   absl::StatusOr<LogLevel> level = ParseLogLevel(request->level());
   if (!level.ok()) return Answer(ctx, level.status());
   response->set_level(LogLevelName(*level));

@@ -10,6 +10,7 @@
 
 #include "absl/time/time.h"
 #include "flatshard/v1/admin_service.grpc.pb.h"
+#include "server/access/access_control.h"
 #include "server/group_manager.h"
 #include "server/shard_store.h"
 
@@ -24,6 +25,9 @@ struct AdminServiceOptions {
   std::function<void()> on_drain;
   // How often Drain looks at the work in flight.
   absl::Duration drain_poll = absl::Milliseconds(100);
+  // Who may change the daemon (Drain, SetLogLevel): over the Unix socket only root and the
+  // daemon's own uid; over TCP whoever got through (loopback, or mutual TLS). Null: anyone.
+  const access::AccessControl* access = nullptr;
 };
 
 class AdminServiceImpl final : public v1::AdminService::CallbackService {

@@ -40,6 +40,7 @@
 #include "absl/time/time.h"
 #include "flatshard/client.h"
 #include "flatshard/v1/shard_service.grpc.pb.h"
+#include "flatshard/v1/admin_service.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/daemon_process.h"
@@ -175,6 +176,36 @@ TEST(OtherUidChild, DISABLED_Run) {
   ASSERT_TRUE((*full)->End().ok());
   absl::StatusOr<ShardViews> shards = client->GetShardViews("");
   ASSERT_TRUE(shards.ok()) << shards.status();
+  // An operator's changes are root's and the daemon's uid's alone; reading is open.
+  auto admin = v1::AdminService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext ctx;
+    v1::SetLogLevelRequest req;
+    req.set_level("error");
+    v1::SetLogLevelResponse resp;
+    const grpc::Status s = admin->SetLogLevel(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(absl::StrCat("uid ", uid)));
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::DrainRequest req;
+    req.set_timeout_ms(100);
+    std::unique_ptr<grpc::ClientReader<v1::DrainProgress>> reader = admin->Drain(&ctx, req);
+    v1::DrainProgress progress;
+    while (reader->Read(&progress)) {
+    }
+    const grpc::Status s = reader->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::GetStatusResponse resp;
+    const grpc::Status s = admin->GetStatus(&ctx, v1::GetStatusRequest(), &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    EXPECT_FALSE(resp.draining());
+  }
 }
 
 // Creates kTestUser (with its own group) unless it exists; its uid and gid.
