@@ -70,6 +70,23 @@ inline double Percentile(std::vector<double> v, double p) {
 }
 inline double Median(const std::vector<double>& v) { return Percentile(v, 50); }
 
+// Parses a list flag of counts (--world_sizes, --daemons): each an integer in [min, max].
+inline absl::StatusOr<std::vector<int>> ParseCounts(const std::string& flag,
+                                                     const std::vector<std::string>& items,
+                                                     int min, int max, const std::string& what) {
+  std::vector<int> out;
+  for (const std::string& item : items) {
+    int n = 0;
+    if (!absl::SimpleAtoi(item, &n) || n < min || n > max) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": \"", item, "\" is not a ",
+                                                     what, " in [", min, ", ", max, "]"));
+    }
+    out.push_back(n);
+  }
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat("--", flag, " is empty"));
+  return out;
+}
+
 inline std::string LoadAverage() {
   std::string s = ReadText("/proc/loadavg");
   while (!s.empty() && s.back() == '\n') s.pop_back();

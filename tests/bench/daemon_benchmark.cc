@@ -751,20 +751,6 @@ void SignalThread(sigset_t signals) {
   _exit(128 + sig);
 }
 
-absl::StatusOr<std::vector<int>> ParseWorlds(const std::vector<std::string>& items) {
-  std::vector<int> out;
-  for (const std::string& item : items) {
-    int w = 0;
-    if (!absl::SimpleAtoi(item, &w) || w < 2 || w > 64) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--world_sizes: \"", item, "\" is not a world size in [2, 64]"));
-    }
-    out.push_back(w);
-  }
-  if (out.empty()) return absl::InvalidArgumentError("--world_sizes is empty");
-  return out;
-}
-
 absl::Status Run() {
   const int iters = absl::GetFlag(FLAGS_iters);
   const int warmup = absl::GetFlag(FLAGS_warmup);
@@ -774,7 +760,9 @@ absl::Status Run() {
     return absl::InvalidArgumentError("want --iters >= 1, --warmup >= 0 and --reps >= 1");
   }
   if (bytes < 4) return absl::InvalidArgumentError("--bytes must be at least 4");
-  FS_ASSIGN_OR_RETURN(std::vector<int> worlds, ParseWorlds(absl::GetFlag(FLAGS_world_sizes)));
+  FS_ASSIGN_OR_RETURN(std::vector<int> worlds,
+                      bench::ParseCounts("world_sizes", absl::GetFlag(FLAGS_world_sizes), 2, 64,
+                                         "world size"));
 
   DaemonProcess daemon;
   {

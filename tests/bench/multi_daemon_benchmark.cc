@@ -1045,20 +1045,6 @@ std::string Millis(const std::vector<double>& us) {
   return absl::StrJoin(parts, " ");
 }
 
-absl::StatusOr<std::vector<int>> ParseDaemons(const std::vector<std::string>& items) {
-  std::vector<int> out;
-  for (const std::string& item : items) {
-    int d = 0;
-    if (!absl::SimpleAtoi(item, &d) || d < 2 || d > 16) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--daemons: \"", item, "\" is not a number of daemons in [2, 16]"));
-    }
-    out.push_back(d);
-  }
-  if (out.empty()) return absl::InvalidArgumentError("--daemons is empty");
-  return out;
-}
-
 std::set<std::string> ShmEntries() {
   std::set<std::string> out;
   std::error_code ec;
@@ -1077,7 +1063,9 @@ absl::Status Run() {
   if (iters < 1 || warmup < 0)
     return absl::InvalidArgumentError("want --iters >= 1, --warmup >= 0");
   if (timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("want --part_timeout > 0");
-  FS_ASSIGN_OR_RETURN(std::vector<int> daemon_counts, ParseDaemons(absl::GetFlag(FLAGS_daemons)));
+  FS_ASSIGN_OR_RETURN(std::vector<int> daemon_counts,
+                      bench::ParseCounts("daemons", absl::GetFlag(FLAGS_daemons), 2, 16,
+                                         "number of daemons"));
   const int max_d = *std::max_element(daemon_counts.begin(), daemon_counts.end());
   if (bytes < int64_t{4} * max_d * 1024) {
     return absl::InvalidArgumentError(absl::StrCat("--bytes ", bytes, " is too small"));

@@ -40,11 +40,14 @@
 #include "gtest/gtest.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
+#include "tests/testing/shard_snapshot.h"
 #include "tests/testing/rank_group.h"
 #include "tests/testing/shm_testing.h"
 
 namespace flatshard::client {
 namespace {
+
+using ::flatshard::testing::SnapshotShards;
 
 namespace fs = std::filesystem;
 using ::testing::ElementsAre;
@@ -219,22 +222,6 @@ void ReduceScatterAll(std::vector<Rank>& ranks, int32_t unit, ReduceOp op, bool 
   });
 }
 
-// A copy of a rank's shards and gradient shards (GetShardViews: local, no collective).
-std::vector<std::vector<float>> SnapshotShards(Rank& rank) {
-  absl::StatusOr<ShardViews> views = rank.client->GetShardViews("");
-  EXPECT_TRUE(views.ok()) << views.status();
-  std::vector<std::vector<float>> out;
-  if (!views.ok()) return out;
-  for (const UnitShardView& u : *views) {
-    const float* data = static_cast<const float*>(u.data);
-    out.emplace_back(data, data + u.shard_numel);
-    const float* grad = static_cast<const float*>(u.grad);
-    out.push_back(grad == nullptr ? std::vector<float>()
-                                  : std::vector<float>(grad, grad + u.shard_numel));
-  }
-  return out;
-}
-
 // ---- Views ----
 
 TEST_P(ClientE2ETest, TiedFqnsAliasOneView) {
@@ -403,8 +390,8 @@ TEST_P(ClientE2ETest, UnknownUnitPathOrModuleIsRefusedAndChangesNothing) {
   std::vector<Rank> ranks = JoinAndRegister(d, "bad", 2);
   InitValues(ranks);
   ReduceScatterAll(ranks, 1, ReduceOp::kSum, false, [](int r) { return 1.0f + r; });
-  const auto before0 = SnapshotShards(ranks[0]);
-  const auto before1 = SnapshotShards(ranks[1]);
+  const auto before0 = SnapshotShards(*ranks[0].client);
+  const auto before1 = SnapshotShards(*ranks[1].client);
 
   ForEachRank(2, [&](int r) {
     Client& c = *ranks[r].client;
@@ -434,8 +421,8 @@ TEST_P(ClientE2ETest, UnknownUnitPathOrModuleIsRefusedAndChangesNothing) {
 
   // Nothing changed: the shards and gradient shards are as before, no unit is left summoned
   // and no collective was consumed (the next collective summon and reduce-scatter line up).
-  EXPECT_EQ(SnapshotShards(ranks[0]), before0);
-  EXPECT_EQ(SnapshotShards(ranks[1]), before1);
+  EXPECT_EQ(SnapshotShards(*ranks[0].client), before0);
+  EXPECT_EQ(SnapshotShards(*ranks[1].client), before1);
   Summons s = SummonAll(ranks, ReadOnly(/*with_grads=*/true));
   ASSERT_NE(s[1], nullptr);
   ExpectValues(*ranks[1].model.plan, *s[1]);
@@ -461,8 +448,8 @@ TEST_P(ClientE2ETest, GradientOfTheWrongSizeFailsEveryRankAndChangesNothing) {
   for (const PlanUnit& u : plan.units) {
     ReduceScatterAll(ranks, u.index, ReduceOp::kSum, false, [](int r) { return 1.0f + r; });
   }
-  const auto before0 = SnapshotShards(ranks[0]);
-  const auto before1 = SnapshotShards(ranks[1]);
+  const auto before0 = SnapshotShards(*ranks[0].client);
+  const auto before1 = SnapshotShards(*ranks[1].client);
   absl::Status status[2];
   ForEachRank(2, [&](int r) {
     status[r] = ranks[r].client->ReduceScatterGrads(
@@ -476,8 +463,8 @@ TEST_P(ClientE2ETest, GradientOfTheWrongSizeFailsEveryRankAndChangesNothing) {
     EXPECT_EQ(status[r].code(), absl::StatusCode::kAborted) << status[r];
     EXPECT_THAT(status[r].message(), HasSubstr("mismatch")) << status[r];
   }
-  EXPECT_EQ(SnapshotShards(ranks[0]), before0);
-  EXPECT_EQ(SnapshotShards(ranks[1]), before1);
+  EXPECT_EQ(SnapshotShards(*ranks[0].client), before0);
+  EXPECT_EQ(SnapshotShards(*ranks[1].client), before1);
 }
 
 // ---- A client killed mid-summon ----

@@ -28,12 +28,15 @@
 #include "gtest/gtest.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
+#include "tests/testing/shard_snapshot.h"
 #include "tests/testing/rank_group.h"
 #include "tests/testing/shm_testing.h"
 #include <grpcpp/grpcpp.h>
 
 namespace flatshard::client {
 namespace {
+
+using ::flatshard::testing::SnapshotShards;
 
 using ::flatshard::testing::Cluster;
 using ::flatshard::testing::ExampleModelFile;
@@ -169,22 +172,6 @@ void ExpectValuesEverywhere(std::vector<Rank>& ranks) {
     absl::Status ended = (*s)->End();
     EXPECT_TRUE(ended.ok()) << "rank " << r << ": " << ended;
   });
-}
-
-// A copy of a rank's shards and gradient shards (local, no collective).
-std::vector<std::vector<float>> SnapshotShards(Rank& rank) {
-  absl::StatusOr<ShardViews> views = rank.client->GetShardViews("");
-  EXPECT_TRUE(views.ok()) << views.status();
-  std::vector<std::vector<float>> out;
-  if (!views.ok()) return out;
-  for (const UnitShardView& u : *views) {
-    const float* data = static_cast<const float*>(u.data);
-    out.emplace_back(data, data + u.shard_numel);
-    const float* grad = static_cast<const float*>(u.grad);
-    out.push_back(grad == nullptr ? std::vector<float>()
-                                  : std::vector<float>(grad, grad + u.shard_numel));
-  }
-  return out;
 }
 
 // Names the first difference between two SnapshotShards() results ("" when equal).
@@ -380,7 +367,7 @@ TEST_P(MismatchTest, DifferentUnitsAbortEveryRankAndChangeNothing) {
   const int32_t h0 = UnitOf(plan, "h.0");
   const int32_t h1 = UnitOf(plan, "h.1");
   std::vector<std::vector<std::vector<float>>> before(world);
-  for (int r = 0; r < world; ++r) before[r] = SnapshotShards(ranks[r]);
+  for (int r = 0; r < world; ++r) before[r] = SnapshotShards(*ranks[r].client);
 
   std::vector<absl::Status> status(world);
   RunRanks(world, [&](int r) {
@@ -394,7 +381,9 @@ TEST_P(MismatchTest, DifferentUnitsAbortEveryRankAndChangeNothing) {
                       HasSubstr(absl::StrCat(" called AllGather(unit ", h0, ","))))
         << "rank " << r;
   }
-  for (int r = 0; r < world; ++r) EXPECT_EQ(SnapshotDiff(SnapshotShards(ranks[r]), before[r]), "") << "rank " << r;
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(SnapshotDiff(SnapshotShards(*ranks[r].client), before[r]), "") << "rank " << r;
+  }
   RejoinAndReattach(c, ranks, "g");
   ExpectValuesEverywhere(ranks);
 }
@@ -409,7 +398,7 @@ TEST_P(MismatchTest, SummonVersusReduceScatterAbortsEveryRankAndChangesNothing) 
   InitValues(ranks);
   const int32_t h0 = UnitOf(*ranks[0].model.plan, "h.0");
   std::vector<std::vector<std::vector<float>>> before(kWorld);
-  for (int r = 0; r < kWorld; ++r) before[r] = SnapshotShards(ranks[r]);
+  for (int r = 0; r < kWorld; ++r) before[r] = SnapshotShards(*ranks[r].client);
 
   std::vector<absl::Status> status(kWorld);
   RunRanks(kWorld, [&](int r) {
@@ -432,11 +421,13 @@ TEST_P(MismatchTest, SummonVersusReduceScatterAbortsEveryRankAndChangesNothing) 
                       HasSubstr(absl::StrCat("but rank 1 called ReduceScatter(unit ", h0, ","))))
         << "rank " << r;
   }
-  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(SnapshotDiff(SnapshotShards(ranks[r]), before[r]), "") << "rank " << r;
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(SnapshotDiff(SnapshotShards(*ranks[r].client), before[r]), "") << "rank " << r;
+  }
   RejoinAndReattach(c, ranks, "g");
   ExpectValuesEverywhere(ranks);
   for (int r = 0; r < kWorld; ++r) {
-    EXPECT_EQ(SnapshotDiff(SnapshotShards(ranks[r]), before[r]), "") << "rank " << r << " after re-forming";
+    EXPECT_EQ(SnapshotDiff(SnapshotShards(*ranks[r].client), before[r]), "") << "rank " << r << " after re-forming";
   }
   // No gradient was ever reduced: a with_grads summon works on every rank and shows none
   // (gradients exist on every rank of a unit or on none).
