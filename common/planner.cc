@@ -82,9 +82,11 @@ class Planner {
 
  private:
   absl::Status CheckOptions() {
-    if (options_.world_size < 1) {
+    if (options_.world_size < 1 || options_.world_size > kMaxWorldSize) {
       return absl::InvalidArgumentError(
-          absl::StrCat("world size must be at least 1, got ", options_.world_size));
+          absl::StrCat(options_.world_size < 1 ? "world size must be at least 1, got "
+                                               : "world size must be at most 1048576, got ",
+                       options_.world_size));
     }
     plan_.world_size = options_.world_size;
     plan_.sharding_strategy = policy_.sharding_strategy;

@@ -14,8 +14,12 @@
 
 namespace flatshard {
 
+// The largest group anything in flatshard accepts (planner, daemon, coordinator): per-rank
+// state is sized by it, so a bad request must not make it allocate gigabytes.
+inline constexpr int32_t kMaxWorldSize = 1 << 20;
+
 struct PlanOptions {
-  // Ranks of the group. REQUIRES: >= 1.
+  // Ranks of the group, in [1, kMaxWorldSize].
   int32_t world_size = 1;
   // HYBRID_SHARD only: ranks per node, the group a unit is sharded over (must divide
   // world_size). 0 means world_size (one node).

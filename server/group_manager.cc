@@ -140,6 +140,9 @@ void SubmitAll(const std::shared_ptr<collective::CollectiveGroup>& coll, int32_t
   }
 }
 
+// A coordinator no group has used for this long gets its watch stream closed.
+constexpr absl::Duration kUnwatchAfter = absl::Seconds(10);
+
 // A kept buffer idle this long gives its pages back: a training loop that summons every step
 // keeps its pages (no page faults per step), an idle job holds only its shards.
 constexpr absl::Duration kKeptIdleRelease = absl::Seconds(1);
@@ -298,9 +301,10 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
       error = absl::UnavailableError("flatshardd is draining");
     } else if (args.group.empty()) {
       error = absl::InvalidArgumentError("group id must not be empty");
-    } else if (args.world_size < 1) {
-      error = absl::InvalidArgumentError(
-          absl::StrCat("group ", args.group, ": world_size must be at least 1, got ", args.world_size));
+    } else if (args.world_size < 1 || args.world_size > kMaxWorldSize) {
+      error = absl::InvalidArgumentError(absl::StrCat("group ", args.group,
+                                                      ": world_size must be in [1, ", kMaxWorldSize,
+                                                      "], got ", args.world_size));
     } else if (args.rank < 0 || args.rank >= args.world_size) {
       error = absl::InvalidArgumentError(absl::StrCat("group ", args.group, ": rank ", args.rank,
                                                       " is out of range [0, ", args.world_size, ")"));
@@ -357,7 +361,7 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
         if (!g.multi()) MaybeCompleteJoins(g, &run);
         if (g.multi() && g.coll && !g.coll->status().ok()) failed_epoch = g.epoch;
       }
-      if (!error.ok()) MaybeRemoveGroup(args.group, &run);
+      if (!error.ok()) MaybeRemoveGroup(args.group);
     }
   }
   if (!error.ok()) {
@@ -407,7 +411,7 @@ void GroupManager::OnRendezvous(const std::string& group, int32_t rank, uint64_t
       run.push_back([done = std::move(j->done), s]() mutable { done(s); });
     }
     g.pending_joins.erase(j);
-    if (!s.ok()) MaybeRemoveGroup(group, &run);
+    if (!s.ok()) MaybeRemoveGroup(group);
   }
   for (auto& f : run) f();
 }
@@ -438,18 +442,16 @@ absl::Status GroupManager::ApplyTable(Group& g, const peer::PeerTable& table) {
   return absl::OkStatus();
 }
 
-void GroupManager::MaybeRemoveGroup(const std::string& id,
-                                    std::vector<absl::AnyInvocable<void()>>* run) {
+void GroupManager::MaybeRemoveGroup(const std::string& id) {
   auto it = groups_.find(id);
   if (it == groups_.end() || !it->second->Idle()) return;
   const std::string coordinator = it->second->coordinator;
   engine_.RemoveGroup(id, absl::AbortedError("group removed")).IgnoreError();
   groups_.erase(it);
-  if (coordinator.empty()) return;
-  for (const auto& [other, g] : groups_) {
-    if (g->coordinator == coordinator) return;
-  }
-  run->push_back([this, coordinator] { peer_->Unwatch(coordinator); });
+  // Its coordinator's watch stream is closed by DeadlineLoop once no group has used it for a
+  // while: a job that leaves and joins again (or a refused join followed by a good one) keeps
+  // the stream instead of racing its close.
+  if (!coordinator.empty()) coordinator_idle_since_.try_emplace(coordinator, absl::Now());
 }
 
 absl::Status GroupManager::ConnectCollectives(Group& g) {
@@ -788,6 +790,16 @@ void GroupManager::RegisterStep(std::shared_ptr<RegisterExchange> x) {
                       TextOf(x->all[k].text, sizeof(x->all[k].text)))));
         return;
       }
+      for (int32_t k = 0; k < x->world_size; ++k) {
+        // Units come from plans, which have at most one per module path; a larger count is a
+        // corrupt record and must not size the digest exchange.
+        if (x->all[k].units <= PlanOptions().max_module_paths) continue;
+        FinishRegister(std::move(x), absl::InternalError(absl::StrCat(
+                                         "group ", x->caller.group, ": rank ", k,
+                                         "'s registration record claims ", x->all[k].units,
+                                         " units")));
+        return;
+      }
       const RegisterRecord& first = x->all[0];
       for (int32_t k = 1; k < x->world_size; ++k) {
         if (std::memcmp(first.fingerprint, x->all[k].fingerprint, sizeof(first.fingerprint)) != 0) {
@@ -962,7 +974,7 @@ absl::Status GroupManager::Leave(const Caller& caller) {
     DropSummons(g, caller.rank);
     EndRank(g, caller.rank, &run);
     FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " left";
-    MaybeRemoveGroup(caller.group, &run);
+    MaybeRemoveGroup(caller.group);
   }
   for (auto& f : run) f();
   return absl::OkStatus();
@@ -988,7 +1000,7 @@ void GroupManager::EndSession(const std::string& group, uint64_t session) {
       FS_LOG(INFO) << "group=" << g.id << " rank=" << r << " lease ended (session=" << session
                    << ")";
     }
-    MaybeRemoveGroup(group, &run);
+    MaybeRemoveGroup(group);
   }
   for (auto& f : run) f();
 }
@@ -1669,7 +1681,21 @@ void GroupManager::DeadlineLoop() {
             peer_->ReportFailure(coordinator, group, token, epoch, status);
           });
         }
-        MaybeRemoveGroup(id, &run);
+        MaybeRemoveGroup(id);
+      }
+      for (auto c = coordinator_idle_since_.begin(); c != coordinator_idle_since_.end();) {
+        const std::string& coordinator = c->first;
+        const bool used = std::any_of(groups_.begin(), groups_.end(), [&](const auto& g) {
+          return g.second->coordinator == coordinator;
+        });
+        if (used) {
+          c = coordinator_idle_since_.erase(c);
+        } else if (now - c->second >= kUnwatchAfter) {
+          run.push_back([this, coordinator] { peer_->Unwatch(coordinator); });
+          c = coordinator_idle_since_.erase(c);
+        } else {
+          ++c;
+        }
       }
     }
     for (auto& f : run) f();

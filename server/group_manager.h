@@ -277,9 +277,8 @@ class GroupManager : public peer::PeerEvents {
   // Connects the group's communicator for `table` unless it already runs at that epoch.
   absl::Status ApplyTable(Group& g, const peer::PeerTable& table)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Removes `g` if nothing uses it any more; queues the peer calls that go with it.
-  void MaybeRemoveGroup(const std::string& id, std::vector<absl::AnyInvocable<void()>>* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes `g` if nothing uses it any more.
+  void MaybeRemoveGroup(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The steps of a registration's agreement exchange (RegisterExchange).
   void RegisterStep(std::shared_ptr<RegisterExchange> x);
   void FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status);
@@ -313,6 +312,8 @@ class GroupManager : public peer::PeerEvents {
   mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
+  // Coordinators whose last group went away, and since when (DeadlineLoop unwatches them).
+  std::map<std::string, absl::Time> coordinator_idle_since_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   std::thread deadline_thread_;

@@ -75,7 +75,7 @@ absl::StatusOr<PlanRequest> ParseRequest(const ParsedFlags& flags) {
   r.manifest_path = *manifest;
   r.policy_path = flags.Get("policy").value_or("");
   if (!flags.Has("world-size")) return absl::InvalidArgumentError("--world-size N is required");
-  FS_ASSIGN_OR_RETURN(int64_t world, flags.GetInt("world-size", 1, 1 << 20));
+  FS_ASSIGN_OR_RETURN(int64_t world, flags.GetInt("world-size", 1, kMaxWorldSize));
   r.options.world_size = static_cast<int32_t>(world);
   if (flags.Has("ranks-per-node")) {
     FS_ASSIGN_OR_RETURN(int64_t per_node, flags.GetInt("ranks-per-node", 1, 1 << 20));

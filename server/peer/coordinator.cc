@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
+#include "common/planner.h"
 
 namespace flatshard::server::peer {
 namespace {
@@ -91,9 +92,10 @@ void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
   absl::Status invalid;
   if (args.group.empty()) {
     invalid = absl::InvalidArgumentError("rendezvous: empty group name");
-  } else if (args.world_size < 1) {
-    invalid = absl::InvalidArgumentError(
-        absl::StrCat("group ", args.group, ": world_size ", args.world_size, " < 1"));
+  } else if (args.world_size < 1 || args.world_size > kMaxWorldSize) {
+    invalid = absl::InvalidArgumentError(absl::StrCat(
+        "group ", args.group, ": world_size ", args.world_size, " is not in [1, ", kMaxWorldSize,
+        "]"));
   } else if (args.rank < 0 || args.rank >= args.world_size) {
     invalid = absl::InvalidArgumentError(absl::StrCat("group ", args.group, ": rank ", args.rank,
                                                       " out of range [0, ", args.world_size, ")"));

@@ -47,6 +47,7 @@ class CallbackScope {
 
 // A unary call in flight: gRPC needs its context and messages until the callback runs.
 struct UnaryCall {
+  std::string rendezvous_with;  // the coordinator of a pending Rendezvous; "" for other calls
   grpc::ClientContext ctx;
   v1::RendezvousRequest rendezvous_request;
   v1::RendezvousResponse rendezvous_response;
@@ -411,13 +412,16 @@ void PeerClient::Rendezvous(const std::string& coordinator, const std::string& g
   req.set_failed_epoch(failed_epoch);
   internal::ToProto(self_, req.mutable_daemon());
   call->ctx.set_deadline(absl::ToChronoTime(deadline));
+  call->rendezvous_with = coordinator;
 
-  impl_->EnsureWatch(coordinator);  // first, so the coordinator can push what follows
+  // Registered before the watch is ensured, so a concurrent Unwatch either ran before (and the
+  // watch is opened again here) or sees this call and keeps the stream.
   v1::PeerService::Stub* stub = impl_->Begin(coordinator, call);
   if (stub == nullptr) {
     call->done(Unreachable(coordinator, "peer client shutting down"));
     return;
   }
+  impl_->EnsureWatch(coordinator);  // before the call, so the coordinator can push what follows
   std::shared_ptr<ClientState> state = impl_->state_;
   stub->async()->Rendezvous(
       &call->ctx, &call->rendezvous_request, &call->rendezvous_response,
@@ -501,6 +505,10 @@ void PeerClient::Unwatch(const std::string& coordinator) {
     absl::MutexLock lock(&impl_->state_->mu);
     auto it = impl_->state_->watches.find(coordinator);
     if (it == impl_->state_->watches.end()) return;
+    // A rendezvous with it is under way (a group being formed again): the stream is in use.
+    for (const auto& call : impl_->state_->calls) {
+      if (call->rendezvous_with == coordinator) return;
+    }
     stream = it->second;
   }
   stream->CloseQuietly();

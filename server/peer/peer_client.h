@@ -99,7 +99,7 @@ class PeerClient {
                      const std::string& token, uint64_t epoch, const absl::Status& status);
 
   // No group of this daemon uses `coordinator` any more: close its Watch stream quietly (no
-  // OnCoordinatorLost).
+  // OnCoordinatorLost). Does nothing while a Rendezvous with it is pending.
   void Unwatch(const std::string& coordinator);
 
  private:

@@ -398,6 +398,9 @@ TEST(PlannerTest, WorldSizeMustBePositive) {
   auto plan = PlanWith(SmallTree(), "{}", 0);
   ASSERT_FALSE(plan.ok());
   EXPECT_THAT(plan.status().message(), HasSubstr("world size must be at least 1, got 0"));
+  plan = PlanWith(SmallTree(), "{}", kMaxWorldSize + 1);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_THAT(plan.status().message(), HasSubstr("world size must be at most 1048576, got 1048577"));
 }
 
 TEST(PlannerTest, FingerprintIsStableAndSensitive) {

@@ -199,6 +199,11 @@ TEST_P(DaemonE2ETest, BadJoinsAreRefusedAndChangeNothing) {
   EXPECT_EQ(wrong_world.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
       << wrong_world.status.error_message();
   EXPECT_THAT(wrong_world.status.error_message(), HasSubstr("has world_size 2"));
+  // A huge world_size is refused before anything is sized by it (not a multi-GiB allocation).
+  Joined huge = JoinAt(d, "huge", 2147483647, 0);
+  EXPECT_EQ(huge.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      << huge.status.error_message();
+  EXPECT_THAT(huge.status.error_message(), HasSubstr("world_size must be in [1, 1048576]"));
   Joined bad_rank = JoinAt(d, "g", 2, 2);
   EXPECT_EQ(bad_rank.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(bad_rank.status.error_message(), HasSubstr("rank 2 is out of range [0, 2)"));

@@ -164,7 +164,8 @@ TEST_F(CoordinatorTest, RejectsInvalidArguments) {
     const char* says;
   } cases[] = {
       {{"", "t", 2, 0, kA}, "empty group"},
-      {{"g", "t", 0, 0, kA}, "world_size 0 < 1"},
+      {{"g", "t", 0, 0, kA}, "world_size 0 is not in [1, 1048576]"},
+      {{"g", "t", 2147483647, 0, kA}, "world_size 2147483647 is not in [1, 1048576]"},
       {{"g", "t", 2, -1, kA}, "rank -1 out of range [0, 2)"},
       {{"g", "t", 2, 2, kA}, "rank 2 out of range [0, 2)"},
       {{"g", "t", 2, 0, Daemon("a", "")}, "empty daemon_id"},
