@@ -87,6 +87,12 @@ Coordinator::Watcher* Coordinator::FindWatcher(const std::string& daemon_id) {
   return it == watchers_.end() ? nullptr : &it->second;
 }
 
+namespace {
+// Bounds on what one rendezvous may make the coordinator store and hand to every daemon.
+constexpr size_t kMaxNameBytes = 1024;
+constexpr size_t kMaxBackendAddressBytes = 64 << 10;  // UCX worker addresses are ~100s of bytes
+}  // namespace
+
 void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
                              RendezvousCallback done) {
   absl::Status invalid;
@@ -99,6 +105,15 @@ void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
   } else if (args.rank < 0 || args.rank >= args.world_size) {
     invalid = absl::InvalidArgumentError(absl::StrCat("group ", args.group, ": rank ", args.rank,
                                                       " out of range [0, ", args.world_size, ")"));
+  } else if (args.daemon.backend_address.size() > kMaxBackendAddressBytes ||
+             args.daemon.node.size() > kMaxNameBytes ||
+             args.daemon.daemon_id.size() > kMaxNameBytes ||
+             args.daemon.peer_address.size() > kMaxNameBytes || args.group.size() > kMaxNameBytes) {
+    // Every daemon of the group gets these in its table (and hands the address to UCX).
+    invalid = absl::InvalidArgumentError(absl::StrCat(
+        "group ", args.group.substr(0, 64), " rank ", args.rank,
+        ": oversized daemon identity (names over ", kMaxNameBytes, " bytes or a backend address "
+        "over ", kMaxBackendAddressBytes, " bytes)"));
   } else if (args.daemon.daemon_id.empty()) {
     invalid = absl::InvalidArgumentError(
         absl::StrCat("group ", args.group, " rank ", args.rank, ": empty daemon_id"));

@@ -169,7 +169,19 @@ TEST_F(CoordinatorTest, RejectsInvalidArguments) {
       {{"g", "t", 2, -1, kA}, "rank -1 out of range [0, 2)"},
       {{"g", "t", 2, 2, kA}, "rank 2 out of range [0, 2)"},
       {{"g", "t", 2, 0, Daemon("a", "")}, "empty daemon_id"},
+      {{"g", "t", 2, 0, Daemon(std::string(2000, 'n'), "a-1")}, "oversized daemon identity"},
+      {{std::string(2000, 'g'), "t", 2, 0, kA}, "oversized daemon identity"},
   };
+  DaemonIdentity huge_address = kA;
+  huge_address.backend_address.assign(1 << 20, 'x');
+  {
+    Result r;
+    coordinator_.Rendezvous({"g", "t", 2, 0, huge_address}, Now() + absl::Seconds(1),
+                            r.Callback());
+    ASSERT_EQ(r.calls(), 1);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    EXPECT_THAT(r.status().message(), HasSubstr("backend address over 65536 bytes"));
+  }
   for (Case& c : cases) {
     Result r;
     coordinator_.Rendezvous(c.args, Now() + absl::Seconds(1), r.Callback());
