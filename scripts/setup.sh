@@ -11,6 +11,7 @@ PACKAGES=(
   clang libclang-rt-14-dev   # libFuzzer for the JSON reader's fuzz target
   ucx-utils openmpi-bin libopenmpi-dev   # baselines: ucx_perftest, MPI_Allgather
   python3 python3-yaml systemd   # tests/deploy: manifests' checks, systemd-analyze verify
+  patchelf   # scripts/package.sh: RPATH $ORIGIN/../lib on the bundled binaries
 )
 
 missing=()
