@@ -136,10 +136,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   admin_options.peer_address = d->peer_address_;
   admin_options.node = config.node_name;
   admin_options.access = d->access_.get();
-  // Draining: health checks answer NOT_SERVING (readiness probes take the node out).
+  // Draining: the overall health ("") answers NOT_SERVING, so readiness probes take the node
+  // out; kLivenessHealthService stays SERVING, so liveness probes do not restart it meanwhile.
   admin_options.on_drain = [daemon = d.get()] {
     if (daemon->server_ == nullptr) return;
-    if (auto* health = daemon->server_->GetHealthCheckService()) health->SetServingStatus(false);
+    if (auto* health = daemon->server_->GetHealthCheckService()) {
+      health->SetServingStatus("", false);
+    }
   };
   d->admin_service_ = std::make_unique<AdminServiceImpl>(d->groups_.get(), std::move(admin_options));
 
@@ -159,6 +162,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
     return absl::UnavailableError(absl::StrCat(
         "cannot listen on unix:", config.socket_path,
         config.tcp_address.empty() ? "" : absl::StrCat(" and ", config.tcp_address)));
+  }
+  if (auto* health = d->server_->GetHealthCheckService()) {
+    health->SetServingStatus(kLivenessHealthService, true);
   }
   if (!config.metrics_address.empty()) {
     metrics::GetDaemonMetrics();  // every family shows (at 0) from the first scrape

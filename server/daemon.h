@@ -63,6 +63,10 @@ struct DaemonConfig {
   std::string ucx_error_handling = "peer";  // UcxBackendOptions::peer_error_handling
 };
 
+// The gRPC health service name that answers SERVING as long as the process serves, also while
+// draining (liveness); the overall status ("") turns NOT_SERVING on drain (readiness).
+inline constexpr char kLivenessHealthService[] = "flatshard.liveness";
+
 class Daemon {
  public:
   // Creates the socket's directory if needed, removes a stale socket and leftover segments of

@@ -63,13 +63,21 @@ nlohmann::json Json(const CtlResult& r) {
   return j;
 }
 
-// The daemon's gRPC health ("" service): 1 SERVING, 2 NOT_SERVING, -1 when the call failed.
-int Health(const std::string& target) {
+// The daemon's gRPC health of `service` ("": overall): 1 SERVING, 2 NOT_SERVING, -1 when the
+// call failed.
+int Health(const std::string& target, const std::string& service = "") {
   grpc::GenericStub stub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-  grpc::Slice empty(std::string{});  // HealthCheckRequest{service: ""} has no bytes
-  grpc::ByteBuffer request(&empty, 1), response;
+  // HealthCheckRequest{service}: field 1, length-delimited (empty for "").
+  std::string encoded;
+  if (!service.empty()) {
+    encoded.push_back(0x0a);
+    encoded.push_back(static_cast<char>(service.size()));
+    encoded += service;
+  }
+  grpc::Slice body(encoded);
+  grpc::ByteBuffer request(&body, 1), response;
   std::promise<grpc::Status> done;
   stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
                  [&done](grpc::Status s) { done.set_value(std::move(s)); });
@@ -326,6 +334,8 @@ TEST_F(FlatshardctlAdminTest, DrainRefusesJoinsAndFinishesWhenTheSummonEnds) {
                          "drain timed out after [0-9]+\\.[0-9]s: 2 open summons, 0 pending "
                          "collectives, 0 pending joins still in flight\n"));
   EXPECT_EQ(Health(daemon_.address()), 2);  // NOT_SERVING
+  // Liveness stays SERVING while draining: a drain must not get the daemon restarted.
+  EXPECT_EQ(Health(daemon_.address(), "flatshard.liveness"), 1);
   EXPECT_EQ(Json(Ctl({"status", "--json"}))["draining"], true);
 
   // No new groups, no new joins.

@@ -195,6 +195,17 @@ def main():
         port = ports.get(port, port)
         check(port == tcp_port, f"{probe_name} port {port} != --tcp_address port {tcp_port}")
     check(ports.get("grpc") == tcp_port, f"container port grpc {ports.get('grpc')} != {tcp_port}")
+    # Liveness asks the health service name that stays SERVING while draining (server/daemon.h);
+    # readiness asks the overall status, which a drain turns NOT_SERVING.
+    daemon_h = read(os.path.join(src, "server", "daemon.h"))
+    liveness = re.search(r'kLivenessHealthService\[\] = "([^"]+)"', daemon_h)
+    check(liveness is not None, "server/daemon.h: kLivenessHealthService not found")
+    if liveness:
+        service = c.get("livenessProbe", {}).get("grpc", {}).get("service")
+        check(service == liveness.group(1),
+              f"livenessProbe service {service!r} != {liveness.group(1)!r} (server/daemon.h)")
+    check(not c.get("readinessProbe", {}).get("grpc", {}).get("service"),
+          "readinessProbe must ask the overall health (no service), which a drain turns off")
 
     svc_ports = {p["name"]: p for p in svc["spec"]["ports"]}
     check("peer_address" in k8s_flags, "k8s: --peer_address is not set")
