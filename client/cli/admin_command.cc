@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <iostream>
+#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -14,6 +16,36 @@ namespace flatshard::cli {
 namespace {
 
 constexpr char kDefaultSocket[] = "/run/flatshard/flatshardd.sock";
+
+// --tls-ca/--tls-cert/--tls-key: mutual TLS to a daemon's --tcp_address (started with
+// --tls_cert/--tls_key/--tls_ca). None given: plaintext. Errors name the flag.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
+    const ParsedFlags& flags) {
+  const bool any = flags.Has("tls-ca") || flags.Has("tls-cert") || flags.Has("tls-key");
+  if (!any) return grpc::InsecureChannelCredentials();
+  if (!flags.Has("address")) {
+    return absl::InvalidArgumentError("--tls-ca/--tls-cert/--tls-key go with --address");
+  }
+  grpc::SslCredentialsOptions ssl;
+  for (auto [flag, pem] : {std::pair<const char*, std::string*>{"tls-ca", &ssl.pem_root_certs},
+                           {"tls-cert", &ssl.pem_cert_chain},
+                           {"tls-key", &ssl.pem_private_key}}) {
+    const std::optional<std::string> path = flags.Get(flag);
+    if (!path) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("mutual TLS needs --tls-ca, --tls-cert and --tls-key; --", flag,
+                       " is missing"));
+    }
+    std::ifstream in(*path, std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    if (!in || text.str().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": cannot read '", *path, "'"));
+    }
+    *pem = text.str();
+  }
+  return grpc::SslCredentials(ssl);
+}
 
 std::string OneLine(std::string text) {
   for (char& c : text) {
@@ -27,6 +59,9 @@ std::vector<FlagSpec> AllFlags(const AdminCommandSpec& spec) {
   flags.push_back({"socket", "PATH", absl::StrCat("the daemon's Unix socket (default ",
                                                   kDefaultSocket, ")")});
   flags.push_back({"address", "HOST:PORT", "the daemon's TCP address instead of its socket"});
+  flags.push_back({"tls-ca", "PEM", "with --address: the CA that signed the daemon's certificate"});
+  flags.push_back({"tls-cert", "PEM", "with --address: this client's certificate (mutual TLS)"});
+  flags.push_back({"tls-key", "PEM", "with --address: this client's private key"});
   flags.push_back({"timeout-ms", "N",
                    spec.timeout_help.empty()
                        ? absl::StrCat("how long to wait for the daemon's answer (default ",
@@ -125,8 +160,10 @@ int RunAdminCommand(const AdminCommandSpec& spec, const std::vector<std::string>
   call.target_ = call.flags_.Has("address")
                      ? *call.flags_.Get("address")
                      : absl::StrCat("unix:", call.flags_.Get("socket").value_or(kDefaultSocket));
-  call.stub_ = v1::AdminService::NewStub(
-      grpc::CreateChannel(call.target_, grpc::InsecureChannelCredentials()));
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      ChannelCredentialsFor(call.flags_);
+  if (!credentials.ok()) return call.Error(std::string(credentials.status().message()), 2);
+  call.stub_ = v1::AdminService::NewStub(grpc::CreateChannel(call.target_, *credentials));
   return body(call);
 }
 

@@ -444,6 +444,16 @@ TEST_F(TlsTest, ClientCertificateOfTheCaWorksOthersAreRefused) {
   absl::StatusOr<std::unique_ptr<SummonedParams>> full = client->Summon("", "", read_only);
   ASSERT_TRUE(full.ok()) << full.status();
   EXPECT_TRUE((*full)->End().ok());
+  // flatshardctl over the TLS port: with the client certificate it answers; without, one line
+  // and exit 1.
+  const std::string ctl = absl::StrCat(FS_BINARY_DIR, "/client/flatshardctl status --address ",
+                                       tcp, " --timeout-ms 3000");
+  const std::string tls_flags = absl::StrCat(" --tls-ca ", File("ca.pem"), " --tls-cert ",
+                                             File("client.pem"), " --tls-key ", File("client.key"));
+  int status = std::system((ctl + tls_flags + " >/dev/null 2>&1").c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << ctl << tls_flags;
+  status = std::system((ctl + " >/dev/null 2>&1").c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << ctl;
   // A Unix-socket caller (a uid) is not a remote caller: the TCP group is not its.
   std::unique_ptr<Client> local = Connect(d.address());
   ASSERT_NE(local, nullptr);
