@@ -1,0 +1,255 @@
+#pragma once
+// Internals of GroupManager shared by its source files (group_manager.cc: groups, joins,
+// peers; group_manager_register.cc: registration; group_manager_summon.cc: summons, kept
+// buffers, gradients; group_manager_admin.cc: views for operators). Not for other users.
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/logging.h"
+#include "server/group_manager.h"
+
+namespace flatshard::server {
+namespace internal {
+
+
+// Token comparison that takes the same time wherever the first difference is.
+inline bool TokensEqual(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  const size_t n = std::max(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? a[i] : 0;
+    const unsigned char y = i < b.size() ? b[i] : 0;
+    diff |= x ^ y;
+  }
+  return diff == 0;
+}
+
+// Access control (README "Access control"): a group answers only callers of the uid that
+// created it; remote (TCP) callers have uid -1 and share the groups created over TCP.
+template <typename G>
+inline absl::Status CheckUid(const G& g, int64_t uid) {
+  if (uid == g.owner_uid) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      "group ", g.id, ": uid ", uid < 0 ? std::string("(remote)") : absl::StrCat(uid),
+      " is not admitted (the group belongs to uid ",
+      g.owner_uid < 0 ? std::string("(remote)") : absl::StrCat(g.owner_uid), ")"));
+}
+
+inline std::string UnitSummary(const PlanUnit& u) {
+  return absl::StrCat("\"", u.module, "\" (", u.module_type, ", ", u.params.size(), " params, ",
+                      u.numel, " elements, ", DTypeName(u.dtype), ")");
+}
+
+// True when registering `b` would nest FSDP units inside those of `a` or the other way round.
+inline bool Nested(const std::string& a, const std::string& b) {
+  auto inside = [](const std::string& outer, const std::string& inner) {
+    return outer.empty() || (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
+                             inner[outer.size()] == '.');
+  };
+  return inside(a, b) || inside(b, a);
+}
+
+inline std::string Display(const std::string& module) {
+  return module.empty() ? std::string("\"\" (the root)") : absl::StrCat("\"", module, "\"");
+}
+
+
+
+// Units of `plan` whose module is `path` (recurse=false) or in its subtree (recurse=true).
+inline std::vector<int32_t> SelectUnits(const Plan& plan, const std::string& path, bool recurse) {
+  std::vector<int32_t> units;
+  for (const PlanUnit& u : plan.units) {
+    const bool exact = u.module == path;
+    const bool below = path.empty() || (u.module.size() > path.size() &&
+                                        u.module.compare(0, path.size(), path) == 0 &&
+                                        u.module[path.size()] == '.');
+    if (exact || (recurse && below)) units.push_back(u.index);
+  }
+  return units;
+}
+
+inline collective::ConstBuffer ConstOf(const Buffer& b, DType dtype) {
+  return collective::ConstBuffer{b.data(), static_cast<size_t>(b.bytes()), dtype};
+}
+inline collective::MutableBuffer MutableOf(const Buffer* b, DType dtype) {
+  if (b == nullptr) return collective::MutableBuffer{nullptr, 0, dtype};
+  return collective::MutableBuffer{b->data(), static_cast<size_t>(b->bytes()), dtype};
+}
+
+// Copies shard rank `r`'s unpadded range of the full buffer into its shard.
+inline void CopyOwnRange(const Plan& plan, const PlanUnit& unit, int32_t r, const Buffer& full,
+                  Buffer& shard) {
+  absl::StatusOr<FlatLayout> layout = UnitLayout(plan, unit);
+  FS_CHECK(layout.ok()) << layout.status();  // the plan was validated when it was made
+  const ElementRange range = layout->UnpaddedShardRange(r);
+  if (range.empty()) return;
+  const int64_t item = ItemSize(unit.dtype);
+  std::memcpy(static_cast<char*>(shard.data()) + (range.begin - layout->ShardRange(r).begin) * item,
+              static_cast<const char*>(full.data()) + range.begin * item, range.size() * item);
+}
+
+// Counts one request's collectives; the last completion reports the first error.
+struct OpJoin {
+  absl::Mutex mu;
+  int remaining ABSL_GUARDED_BY(mu) = 0;
+  absl::Status first ABSL_GUARDED_BY(mu);
+  absl::AnyInvocable<void(absl::Status)> done;
+};
+
+inline collective::DoneCallback Arrive(const std::shared_ptr<OpJoin>& join) {
+  return [join](absl::Status s) {
+    bool last = false;
+    absl::Status first;
+    {
+      absl::MutexLock lock(&join->mu);
+      if (!s.ok() && join->first.ok()) join->first = s;
+      last = --join->remaining == 0;
+      first = join->first;
+    }
+    if (last) join->done(first);
+  };
+}
+
+// Runs `ops` on `coll` for `rank` and calls `done` once all completed.
+inline void SubmitAll(const std::shared_ptr<collective::CollectiveGroup>& coll, int32_t rank,
+               std::vector<collective::CollectiveOp> ops, absl::Time deadline,
+               absl::AnyInvocable<void(absl::Status)> done) {
+  if (ops.empty()) {
+    done(absl::OkStatus());
+    return;
+  }
+  auto join = std::make_shared<OpJoin>();
+  join->done = std::move(done);
+  {
+    absl::MutexLock lock(&join->mu);
+    join->remaining = static_cast<int>(ops.size());
+  }
+  const absl::Duration timeout = std::max(absl::ZeroDuration(), deadline - absl::Now());
+  for (collective::CollectiveOp& op : ops) {
+    op.timeout = timeout;
+    coll->Submit(rank, std::move(op), Arrive(join));
+  }
+}
+
+// A coordinator no group has used for this long gets its watch stream closed.
+inline constexpr absl::Duration kUnwatchAfter = absl::Seconds(10);
+
+// A kept buffer idle this long gives its pages back: a training loop that summons every step
+// keeps its pages (no page faults per step), an idle job holds only its shards.
+inline constexpr absl::Duration kKeptIdleRelease = absl::Seconds(1);
+
+inline constexpr char kAlreadyUnsharding[] =
+    "Cannot manually unshard parameters when already unsharding parameters";
+
+
+}  // namespace internal
+
+struct GroupManager::PendingJoin {
+  int32_t rank = 0;
+  uint64_t session = 0;
+  absl::Time deadline;
+  JoinCallback done;
+};
+
+// The k-th summon of every rank of a module: the buffers its ranks share.
+struct GroupManager::SummonSlot {
+  std::map<int32_t, std::shared_ptr<Buffer>> shared_params;  // writeback=false: one per node
+  std::map<int32_t, std::shared_ptr<Buffer>> shared_grads;
+  // rank0_only: rank 0's buffers where rank 0 is local; elsewhere the node's copy of them,
+  // received by the writeback broadcast.
+  std::map<int32_t, std::shared_ptr<Buffer>> rank0_params;
+  std::map<int32_t, std::shared_ptr<Buffer>> rank0_grads;
+  int32_t ended = 0;  // local ranks that ended this summon
+};
+
+struct GroupManager::OpenSummon {
+  uint64_t id = 0;
+  int32_t rank = 0;
+  uint64_t k = 0;
+  std::string module;
+  SummonOptions options;
+  std::vector<int32_t> units;
+  std::vector<SummonedUnit> views;  // this rank's buffers, one per unit (null entries allowed)
+  std::shared_ptr<SummonSlot> slot;
+  bool ready = false;   // the unshard completed
+  bool ending = false;  // EndSummon under way
+};
+
+struct GroupManager::Registered {
+  Plan plan;
+  Manifest manifest;
+  std::vector<std::vector<UnitShard>> shards_by_rank;
+  std::vector<std::vector<bool>> summoned;  // [rank][unit]
+  std::vector<uint64_t> summon_count;       // per rank: k of its last summon
+  std::map<uint64_t, std::shared_ptr<SummonSlot>> slots;
+  std::map<std::pair<int32_t, int32_t>, std::shared_ptr<Buffer>> grad_staging;  // (rank, unit)
+  // Gradient shards allocated by BeginReduceScatter for a unit that has none yet; installed
+  // in shards_by_rank only when the reduce-scatter succeeds (a failed one changes nothing).
+  std::map<std::pair<int32_t, int32_t>, std::shared_ptr<Buffer>> new_grads;  // (rank, unit)
+  // Unsharded and staging buffers kept across summons, decommitted while unused, so a
+  // trainer maps each segment once (steady state: no mmap per summon). Key: (owner, unit,
+  // what) with owner = rank, or -1 for the node's shared read-only copy.
+  struct Kept {
+    std::shared_ptr<Buffer> buffer;
+    absl::Time idle_since = absl::InfiniteFuture();  // in use until ReleaseKept says otherwise
+  };
+  std::map<std::tuple<int32_t, int32_t, int>, Kept> kept;
+  // The session each rank registered or re-attached in; a rank whose session changed (a
+  // restarted trainer) may register the same model again to re-attach.
+  std::vector<uint64_t> attached_session;
+  // Per unit: its last summon, end or reduce-scatter here (`flatshardctl units`).
+  std::vector<UnitOp> last_op;
+
+  void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok) {
+    last_op.resize(plan.units.size());
+    const absl::Time now = absl::Now();
+    for (int32_t u : units) {
+      if (u >= 0 && u < static_cast<int32_t>(last_op.size())) last_op[u] = UnitOp{op, rank, now, ok};
+    }
+  }
+};
+
+struct GroupManager::Group {
+  std::string id;
+  int32_t world_size = 0;
+  std::string token;
+  int64_t owner_uid = -1;   // the creator's uid (Caller::uid); only it is admitted
+  std::string coordinator;  // empty: a local group
+  uint64_t epoch = 0;       // of the peer table the communicator runs (multi-daemon)
+  uint64_t reported_epoch = 0;  // the last epoch whose failure went to the coordinator
+  std::vector<int32_t> local_ranks;  // the ranks this daemon hosts, ascending
+  std::vector<uint64_t> session_of_rank;  // 0: not joined
+  std::vector<PendingJoin> pending_joins;
+  std::map<std::string, Registered> registered;
+  std::set<std::pair<std::string, int32_t>> registering;  // (module, rank) mid-registration
+  std::map<uint64_t, OpenSummon> open_summons;
+  uint64_t next_summon = 1;
+  std::shared_ptr<collective::CollectiveGroup> coll;
+
+  bool multi() const { return !coordinator.empty(); }
+
+  std::vector<int32_t> MissingRanks() const {
+    std::vector<int32_t> missing;
+    for (int32_t r = 0; r < world_size; ++r) {
+      if (session_of_rank[r] == 0) missing.push_back(r);
+    }
+    return missing;
+  }
+  bool Idle() const {
+    return registered.empty() && registering.empty() && pending_joins.empty() &&
+           open_summons.empty() &&
+           std::all_of(session_of_rank.begin(), session_of_rank.end(),
+                       [](uint64_t s) { return s == 0; });
+  }
+};
+
+}  // namespace flatshard::server
