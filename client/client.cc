@@ -3,9 +3,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
-#include <fstream>
 #include <random>
-#include <sstream>
 #include <thread>
 #include <utility>
 
@@ -14,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/segment_cache.h"
+#include "common/file_util.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/manifest.h"
@@ -689,11 +688,12 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsCredentials(
       return absl::InvalidArgumentError(absl::StrCat(
           "Connect: TLS needs tls_ca_file, tls_cert_file and tls_key_file; ", field, " is empty"));
     }
-    std::ifstream in(path, std::ios::binary);
-    if (!in) return absl::InvalidArgumentError(absl::StrCat("Connect: cannot read ", field, " ", path));
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
+    absl::StatusOr<std::string> text = ReadWholeFile(path);
+    if (!text.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("Connect: cannot read ", field, " ", path,
+                                                     " (", text.status().message(), ")"));
+    }
+    return text;
   };
   grpc::SslCredentialsOptions ssl;
   FS_ASSIGN_OR_RETURN(ssl.pem_root_certs, read(options.tls_ca_file, "tls_ca_file"));

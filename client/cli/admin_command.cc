@@ -2,15 +2,14 @@
 
 #include <algorithm>
 #include <chrono>
-#include <fstream>
 #include <iostream>
-#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/file_util.h"
 
 namespace flatshard::cli {
 namespace {
@@ -36,13 +35,13 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
           absl::StrCat("mutual TLS needs --tls-ca, --tls-cert and --tls-key; --", flag,
                        " is missing"));
     }
-    std::ifstream in(*path, std::ios::binary);
-    std::stringstream text;
-    text << in.rdbuf();
-    if (!in || text.str().empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": cannot read '", *path, "'"));
+    absl::StatusOr<std::string> text = ReadWholeFile(*path);
+    if (!text.ok() || text->empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--", flag, ": cannot read '", *path, "'",
+          text.ok() ? " (empty)" : absl::StrCat(" (", text.status().message(), ")")));
     }
-    *pem = text.str();
+    *pem = *std::move(text);
   }
   return grpc::SslCredentials(ssl);
 }

@@ -1,13 +1,12 @@
 #include "client/cli/plan_command.h"
 
-#include <fstream>
 #include <iostream>
-#include <sstream>
 
 #include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/cli/flags.h"
+#include "common/file_util.h"
 #include "common/manifest.h"
 #include "common/planner.h"
 #include "common/policy.h"
@@ -42,17 +41,12 @@ std::string Usage() {
 }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
+  absl::StatusOr<std::string> text = ReadWholeFile(path);
+  if (!text.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("cannot read ", what, " file '", path, "': ", std::strerror(errno)));
+        absl::StrCat("cannot read ", what, " file '", path, "': ", text.status().message()));
   }
-  std::ostringstream buffer;
-  buffer << in.rdbuf();
-  if (in.bad()) {
-    return absl::InvalidArgumentError(absl::StrCat("error reading ", what, " file '", path, "'"));
-  }
-  return buffer.str();
+  return text;
 }
 
 // Prefixes a document error with the file it came from.

@@ -1,11 +1,10 @@
 #include "server/access/tls_config.h"
 
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/file_util.h"
 
 namespace flatshard::server::access {
 namespace {
@@ -16,14 +15,15 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view f
         absl::StrCat("TLS needs --tls_cert, --tls_key and --tls_ca together; ", flag,
                      " is missing"));
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read ", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (ss.str().find("-----BEGIN") == std::string::npos) {
+  absl::StatusOr<std::string> text = ReadWholeFile(path);
+  if (!text.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": cannot read ", path, " (", text.status().message(), ")"));
+  }
+  if (text->find("-----BEGIN") == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat(flag, ": ", path, " is not a PEM file"));
   }
-  return ss.str();
+  return text;
 }
 
 struct Pems {
