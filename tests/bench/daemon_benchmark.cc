@@ -248,6 +248,13 @@ struct LatencySamples {
   std::vector<double> summon, end, summon_end;  // one per iteration
   std::vector<double> ping;                     // two per iteration
   std::vector<double> ping_pair;                // one per iteration
+
+  // One Summon (t0..t1) and End (t1..t2).
+  void RecordSummonEnd(Clock::time_point t0, Clock::time_point t1, Clock::time_point t2) {
+    summon.push_back(MicrosSince(t0, t1));
+    end.push_back(MicrosSince(t1, t2));
+    summon_end.push_back(MicrosSince(t0, t2));
+  }
 };
 
 void PrintLatency(absl::string_view variant, const LatencySamples& s, int64_t unit_bytes) {
@@ -339,11 +346,7 @@ absl::Status LatencyWithClientLibrary(const DaemonProcess& d, int warmup, int it
     const auto t1 = Clock::now();
     FS_RETURN_IF_ERROR(s->End());
     const auto t2 = Clock::now();
-    if (record) {
-      out->summon.push_back(MicrosSince(t0, t1));
-      out->end.push_back(MicrosSince(t1, t2));
-      out->summon_end.push_back(MicrosSince(t0, t2));
-    }
+    if (record) out->RecordSummonEnd(t0, t1, t2);
     return absl::OkStatus();
   };
   auto pings = [&](bool record) { return PingPair(stub.get(), record, out); };
@@ -369,11 +372,7 @@ absl::Status LatencyWithRawStubs(const DaemonProcess& d, int warmup, int iters,
     const auto t1 = Clock::now();
     FS_RETURN_IF_ERROR(RawEnd(stub.get(), caller, r.summon(), std::chrono::seconds(10)));
     const auto t2 = Clock::now();
-    if (record) {
-      out->summon.push_back(MicrosSince(t0, t1));
-      out->end.push_back(MicrosSince(t1, t2));
-      out->summon_end.push_back(MicrosSince(t0, t2));
-    }
+    if (record) out->RecordSummonEnd(t0, t1, t2);
     return absl::OkStatus();
   };
   auto pings = [&](bool record) { return PingPair(stub.get(), record, out); };
