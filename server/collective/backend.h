@@ -75,6 +75,14 @@ struct GroupSpec {
   // The group's rendezvous epoch: a group re-formed under the same id gets a new epoch, and
   // messages of different epochs never match.
   uint64_t epoch = 0;
+  // GPU groups: the CUDA device ordinal of each local rank, in the order of `local_ranks`;
+  // empty for host-memory groups. Two local ranks may share a device only on backends that
+  // stage device memory through the host (NCCL refuses that).
+  std::vector<int> local_devices;
+  // NCCL groups: the ncclUniqueId (NCCL_UNIQUE_ID_BYTES bytes) rank 0's daemon made for this
+  // epoch and the rendezvous handed to every daemon; empty for a group whose every rank is
+  // local (the backend then makes one itself).
+  std::string nccl_unique_id;
 
   // A spec whose every rank 0..world_size-1 is local.
   static GroupSpec AllLocal(std::string group_id, int world_size);

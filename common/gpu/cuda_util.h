@@ -1,0 +1,74 @@
+#pragma once
+// The CUDA runtime as the rest of flatshard sees it: errors as absl::Status, the machine's GPUs
+// by uuid, the current device scoped, IPC handles as bytes. Daemon and client both use it.
+//
+// Builds without CUDA (FS_HAVE_CUDA == 0) compile this too: ListGpus() then fails with
+// FAILED_PRECONDITION "built without CUDA", so callers need no #if of their own to report it.
+// Code that calls the CUDA runtime itself includes <cuda_runtime.h> under #if FS_HAVE_CUDA.
+//
+// A machine without a GPU or driver is normal (CI, the default host-memory daemon): ListGpus()
+// says why there is none and nothing here aborts.
+//
+// Thread safety: all functions are thread-safe. ScopedCudaDevice changes the calling thread's
+// current device only.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace flatshard::gpu {
+
+// Bytes of a cudaIpcMemHandle_t / cudaIpcEventHandle_t (CUDA_IPC_HANDLE_SIZE).
+inline constexpr size_t kIpcHandleBytes = 64;
+
+// `err` (a cudaError_t) as a status: OK for cudaSuccess; RESOURCE_EXHAUSTED for out of memory;
+// FAILED_PRECONDITION for a missing driver or device; INVALID_ARGUMENT for invalid values or
+// handles; UNAVAILABLE for a device that fell off the bus or a context that is gone; INTERNAL
+// otherwise. The message is "<what>: <cudaGetErrorName> (<cudaGetErrorString>)".
+absl::Status CudaStatus(int err, absl::string_view what);
+
+// Evaluates a CUDA runtime call and returns CudaStatus(its result, what) from the enclosing
+// function when it failed.
+#define FS_CUDA_RETURN_IF_ERROR(call, what)                                   \
+  do {                                                                         \
+    const int fs_cuda_err_ = static_cast<int>(call);                           \
+    if (fs_cuda_err_ != 0) return ::flatshard::gpu::CudaStatus(fs_cuda_err_, what); \
+  } while (0)
+
+struct GpuDevice {
+  int ordinal = -1;          // as this process sees it (after CUDA_VISIBLE_DEVICES)
+  std::string uuid;          // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (nvidia-smi's form)
+  std::string name;          // "NVIDIA H100 80GB HBM3"
+  int64_t total_bytes = 0;   // device memory
+  std::string pci_bus_id;    // "0000:1b:00.0"
+};
+
+// The GPUs this process can use, by ordinal.
+// Errors: FAILED_PRECONDITION saying why there are none: built without CUDA, no driver
+// (cudaErrorInsufficientDriver, cudaErrorNoDevice), or the runtime's error.
+absl::StatusOr<std::vector<GpuDevice>> ListGpus();
+
+// The ordinal of the GPU with `uuid` in this process. NOT_FOUND when this process cannot see
+// it (another CUDA_VISIBLE_DEVICES, another machine); ListGpus' errors.
+absl::StatusOr<int> DeviceForUuid(absl::string_view uuid);
+
+// Makes `device` the calling thread's current device and restores the previous one when it
+// goes out of scope. status() says whether cudaSetDevice succeeded.
+class ScopedCudaDevice {
+ public:
+  explicit ScopedCudaDevice(int device);
+  ~ScopedCudaDevice();
+  ScopedCudaDevice(const ScopedCudaDevice&) = delete;
+  ScopedCudaDevice& operator=(const ScopedCudaDevice&) = delete;
+  const absl::Status& status() const { return status_; }
+
+ private:
+  int previous_ = -1;
+  absl::Status status_;
+};
+
+}  // namespace flatshard::gpu
