@@ -3,11 +3,15 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "common/gpu/cuda_util.h"
 #include "common/logging.h"
 #include "common/shm_segment.h"
 #include "common/status_macros.h"
@@ -15,6 +19,8 @@
 #include "server/access/tls_config.h"
 #include "server/access/unix_socket_acceptor.h"
 #include "server/collective/backend_registry.h"
+#include "server/collective/staging/staging_communicator.h"
+#include "server/gpu/device_context.h"
 #include "server/group_manager.h"
 #include "server/metrics/daemon_gauges.h"
 #include "server/metrics/daemon_metrics.h"
@@ -59,6 +65,90 @@ absl::Status PrepareSocketPath(const std::string& path) {
 
 Daemon::Daemon(DaemonConfig config) : config_(std::move(config)) {}
 
+namespace {
+
+// --gpus: a DeviceContext (pool, stream, events) per GPU, their pools in the store, and NCCL
+// when it can run. Without --gpus nothing here touches CUDA.
+absl::Status SetUpGpus(const DaemonConfig& config, ShardStoreOptions* store_options,
+                       GroupManagerOptions* group_options) {
+  if (config.gpus.empty() || config.gpus == "none") return absl::OkStatus();
+  if (config.gpu_collectives != "auto" && config.gpu_collectives != "nccl" &&
+      config.gpu_collectives != "host") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--gpu_collectives must be auto, nccl or host, got '", config.gpu_collectives, "'"));
+  }
+  if (config.gpu_memory_limit_bytes < 0) {
+    return absl::InvalidArgumentError("--gpu_memory_limit_mib must be >= 0");
+  }
+  absl::StatusOr<std::vector<gpu::GpuDevice>> gpus = gpu::ListGpus();
+  if (!gpus.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--gpus=", config.gpus, ": ", gpus.status().message()));
+  }
+  std::vector<int> ordinals;
+  if (config.gpus == "all") {
+    for (const gpu::GpuDevice& g : *gpus) ordinals.push_back(g.ordinal);
+  } else {
+    for (absl::string_view part : absl::StrSplit(config.gpus, ',')) {
+      int ordinal = -1;
+      if (!absl::SimpleAtoi(part, &ordinal) || ordinal < 0 ||
+          ordinal >= static_cast<int>(gpus->size())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--gpus: '", part, "' is not a GPU of this machine (it has ", gpus->size(),
+            "; ordinals 0..", gpus->size() - 1, ", or 'all')"));
+      }
+      if (std::find(ordinals.begin(), ordinals.end(), ordinal) != ordinals.end()) {
+        return absl::InvalidArgumentError(absl::StrCat("--gpus names GPU ", ordinal, " twice"));
+      }
+      ordinals.push_back(ordinal);
+    }
+  }
+  store_options->device_pools.resize(gpus->size());
+  for (int ordinal : ordinals) {
+    const gpu::GpuDevice& device = (*gpus)[ordinal];
+    gpu::DevicePoolOptions pool;
+    pool.device = ordinal;
+    pool.device_uuid = device.uuid;
+    pool.limit_bytes = config.gpu_memory_limit_bytes;
+    absl::StatusOr<std::unique_ptr<gpu::DeviceContext>> context =
+        gpu::DeviceContext::Create(device, pool);
+    if (!context.ok()) {
+      return absl::Status(context.status().code(),
+                          absl::StrCat("GPU ", ordinal, " (", device.uuid, "): ",
+                                       context.status().message()));
+    }
+    std::shared_ptr<gpu::DeviceContext> shared = *std::move(context);
+    store_options->device_pools[ordinal] = shared->pool();
+    group_options->gpus.push_back(std::move(shared));
+    FS_LOG(INFO) << "GPU " << ordinal << ": " << device.name << " " << device.uuid << " "
+                 << (device.total_bytes >> 20) << " MiB, pool limit "
+                 << (config.gpu_memory_limit_bytes == INT64_MAX
+                         ? std::string("none")
+                         : absl::StrCat(config.gpu_memory_limit_bytes >> 20, " MiB"));
+  }
+  group_options->copier = collective::MakeCudaDeviceCopier();
+  if (config.gpu_collectives != "host") {
+    collective::BackendRegistry registry;
+    FS_RETURN_IF_ERROR(collective::RegisterBuiltinBackends(registry));
+    absl::StatusOr<std::unique_ptr<collective::CollectiveBackend>> nccl =
+        registry.Create("nccl", {});
+    if (nccl.ok() && (*nccl)->IsViable()) {
+      group_options->nccl_backend = *std::move(nccl);
+    } else if (config.gpu_collectives == "nccl") {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--gpu_collectives=nccl: NCCL cannot run here: ",
+          nccl.ok() ? "the backend is not viable" : nccl.status().message()));
+    } else {
+      FS_LOG(WARNING) << "NCCL unavailable ("
+                      << (nccl.ok() ? "not viable" : nccl.status().message())
+                      << "): device memory moves staged through host memory";
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& config) {
   if (config.socket_path.empty()) return absl::InvalidArgumentError("--socket must not be empty");
   // Access control (README "Access control"): TCP ports use mutual TLS when configured and
@@ -86,10 +176,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
                       access::UnixSocketAcceptor::Listen(config.socket_path, config.socket_group));
   FS_RETURN_IF_ERROR(UnlinkSegmentsWithPrefix(config.segment_prefix));
 
+  GroupManagerOptions group_options;
+  FS_RETURN_IF_ERROR(SetUpGpus(config, &store_options, &group_options));
+
   std::unique_ptr<Daemon> d(new Daemon(config));
   d->store_ = std::make_unique<ShardStore>(store_options);
 
-  GroupManagerOptions group_options;
   if (!config.peer_address.empty()) {
     // The coordinator role: other daemons (and this one) meet here for groups whose ranks
     // name this daemon's peer address.

@@ -61,6 +61,14 @@ struct DaemonConfig {
   // Prometheus /metrics over HTTP (host:port; port 0 picks a free one). Empty: off.
   std::string metrics_address;
   std::string ucx_error_handling = "peer";  // UcxBackendOptions::peer_error_handling
+  // GPU backend (README "GPU nodes"): the GPUs ranks live on: "" (none: host memory, the
+  // default), "all", or device ordinals "0,1,3". Rank r of a group uses the (r mod n)-th.
+  std::string gpus;
+  // Per GPU: device memory the daemon's pool may reserve (slabs). INT64_MAX: no limit.
+  int64_t gpu_memory_limit_bytes = INT64_MAX;
+  // How device memory moves: "auto" (NCCL where every rank has its own GPU, else staged
+  // through host memory), "nccl" (refuse to start without NCCL), "host" (never NCCL).
+  std::string gpu_collectives = "auto";
 };
 
 // The gRPC health service name that answers SERVING as long as the process serves, also while

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -14,7 +15,11 @@
 #include "common/logging.h"
 #include "common/planner.h"
 #include "common/status_macros.h"
+#include "common/config.h"
 #include "server/collective/inproc/inproc_backend.h"
+#if FS_HAVE_NCCL
+#include "server/collective/nccl/nccl_backend.h"
+#endif
 
 #include "server/group_manager_internal.h"
 
@@ -26,12 +31,19 @@ using internal::kUnwatchAfter;
 using internal::TokensEqual;
 
 GroupManager::GroupManager(ShardStore* store, GroupManagerOptions options)
-    : store_(store), self_(std::move(options.self)), remote_(std::move(options.remote_backend)) {
+    : store_(store),
+      self_(std::move(options.self)),
+      gpus_(std::move(options.gpus)),
+      nccl_(std::move(options.nccl_backend)),
+      copier_(std::move(options.copier)),
+      remote_(std::move(options.remote_backend)) {
+  FS_CHECK(gpus_.empty() || copier_ != nullptr) << "a GPU daemon needs a DeviceCopier";
   auto backend = collective::CreateInprocBackend();
   FS_CHECK(backend.ok()) << backend.status();
   inproc_ = *std::move(backend);
   if (!self_.peer_address.empty() && remote_ != nullptr) {
     self_.backend_address = remote_->LocalAddress();
+    self_.nccl = nccl_ != nullptr;
     peer_ = std::make_unique<peer::PeerClient>(self_, std::move(options.peer), this);
   }
   deadline_thread_ = std::thread([this] { DeadlineLoop(); });
@@ -146,13 +158,27 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
   for (auto& f : run) f();
   if (!args.coordinator.empty()) {
     // The daemons meet at the coordinator; the join completes when every rank arrived there.
+    // GPU ranks say where they live; rank 0 brings a fresh NCCL id for this round.
+    const gpu::DeviceContext* device = DeviceOf(args.rank);
+    std::string nccl_id;
+#if FS_HAVE_NCCL
+    if (nccl_ != nullptr && args.rank == 0) {
+      absl::StatusOr<std::string> id = collective::MakeNcclUniqueId();
+      if (id.ok()) {
+        nccl_id = *std::move(id);
+      } else {
+        FS_LOG(WARNING) << "group=" << args.group << ": no NCCL unique id (" << id.status()
+                        << "): device memory will be staged through the host path";
+      }
+    }
+#endif
     peer_->Rendezvous(args.coordinator, args.group, args.token, args.world_size, args.rank,
                       deadline,
                       [this, group = args.group, rank = args.rank,
                        session](absl::StatusOr<peer::PeerTable> table) {
                         OnRendezvous(group, rank, session, std::move(table));
                       },
-                      failed_epoch);
+                      failed_epoch, device == nullptr ? std::string() : device->uuid(), nccl_id);
   }
 }
 
@@ -202,7 +228,11 @@ absl::Status GroupManager::ApplyTable(Group& g, const peer::PeerTable& table) {
     if (d.daemon_id == self_.daemon_id) spec.local_ranks.push_back(r);
     spec.rank_addresses.push_back(d.backend_address);
   }
-  FS_ASSIGN_OR_RETURN(std::unique_ptr<collective::Communicator> comm, remote_->Connect(spec));
+  const bool nccl = table.device_transport == "nccl" && nccl_ != nullptr;
+  if (nccl) spec.nccl_unique_id = table.nccl_unique_id;
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<collective::Communicator> comm,
+                      nccl ? ConnectBackend(*nccl_, collective::MemoryKind::kCuda, spec)
+                           : ConnectBackend(*remote_, collective::MemoryKind::kHost, spec));
   if (g.coll) {
     engine_.RemoveGroup(g.id, absl::AbortedError(absl::StrCat(
                                   "group ", g.id, " re-formed at epoch ", table.epoch)))
@@ -212,7 +242,9 @@ absl::Status GroupManager::ApplyTable(Group& g, const peer::PeerTable& table) {
   g.epoch = table.epoch;
   g.local_ranks.assign(spec.local_ranks.begin(), spec.local_ranks.end());
   FS_LOG(INFO) << "group=" << g.id << " epoch=" << g.epoch << " formed over " << g.world_size
-               << " ranks, local ranks " << absl::StrJoin(g.local_ranks, ",");
+               << " ranks, local ranks " << absl::StrJoin(g.local_ranks, ",")
+               << (gpus_.empty() ? "" : nccl ? ", device memory over NCCL"
+                                             : ", device memory staged over the host path");
   return absl::OkStatus();
 }
 
@@ -230,10 +262,85 @@ void GroupManager::MaybeRemoveGroup(const std::string& id) {
 
 absl::Status GroupManager::ConnectCollectives(Group& g) {
   if (g.coll) engine_.RemoveGroup(g.id, absl::AbortedError("communicator re-formed")).IgnoreError();
-  const collective::GroupSpec spec = collective::GroupSpec::AllLocal(g.id, g.world_size);
-  FS_ASSIGN_OR_RETURN(std::unique_ptr<collective::Communicator> comm, inproc_->Connect(spec));
+  collective::GroupSpec spec = collective::GroupSpec::AllLocal(g.id, g.world_size);
+  // NCCL when every rank has a GPU of its own; else memcpy between the ranks (staged).
+  bool nccl = nccl_ != nullptr;
+  std::set<int> devices;
+  for (int32_t r = 0; r < g.world_size && nccl; ++r) nccl = devices.insert(DeviceOf(r)->device()).second;
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<collective::Communicator> comm,
+                      nccl ? ConnectBackend(*nccl_, collective::MemoryKind::kCuda, spec)
+                           : ConnectBackend(*inproc_, collective::MemoryKind::kHost, spec));
   FS_ASSIGN_OR_RETURN(g.coll, engine_.AddGroup(spec, std::move(comm)));
+  if (!gpus_.empty()) {
+    FS_LOG(INFO) << "group=" << g.id << " moves device memory "
+                 << (nccl ? "over NCCL" : "by staged copies between its ranks");
+  }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<collective::Communicator>> GroupManager::ConnectBackend(
+    collective::CollectiveBackend& backend, collective::MemoryKind backend_kind,
+    collective::GroupSpec& spec) {
+  if (gpus_.empty()) return backend.Connect(spec);
+  spec.local_devices.clear();
+  for (int r : spec.local_ranks) spec.local_devices.push_back(DeviceOf(r)->device());
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<collective::Communicator> inner, backend.Connect(spec));
+  return collective::MakeStagingCommunicator(std::move(inner), backend_kind, spec, copier_);
+}
+
+gpu::DeviceContext* GroupManager::DeviceOf(int32_t rank) const {
+  if (gpus_.empty()) return nullptr;
+  return gpus_[static_cast<size_t>(rank) % gpus_.size()].get();
+}
+
+Placement GroupManager::PlacementOf(int32_t rank) const {
+  const gpu::DeviceContext* d = DeviceOf(rank);
+  return d == nullptr ? Placement::Host() : Placement::Device(d->device());
+}
+
+absl::Status GroupManager::WaitForTrainer(int32_t rank, const gpu::IpcEventRef& written) const {
+  gpu::DeviceContext* d = DeviceOf(rank);
+  if (d == nullptr || written.id == 0) return absl::OkStatus();
+  // The collectives run on the backend's streams, so the host waits here for the trainer's
+  // writes (in the daemon: no round trip to the trainer).
+  FS_RETURN_IF_ERROR(d->WaitFor(written));
+  return d->Synchronize();
+}
+
+gpu::IpcEventRef GroupManager::RecordReady(int32_t rank) {
+  gpu::DeviceContext* d = DeviceOf(rank);
+  if (d == nullptr) return {};
+  absl::StatusOr<gpu::IpcEventRef> ready = d->RecordReady();
+  if (!ready.ok()) {
+    // The collective already completed on the host's watch, so the bytes are in place; the
+    // trainer only loses the device-side ordering hint.
+    FS_LOG(WARNING) << "rank " << rank << ": recording the ready event: " << ready.status();
+    return {};
+  }
+  return *ready;
+}
+
+absl::Status GroupManager::CopyBytes(int32_t rank, void* dst, const void* src,
+                                     size_t bytes) const {
+  if (bytes == 0) return absl::OkStatus();
+  gpu::DeviceContext* d = DeviceOf(rank);
+  if (d == nullptr) {
+    std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+  return d->Copy(dst, src, bytes);  // cudaMemcpy with the default kind: any direction
+}
+
+absl::Status GroupManager::CopyOwnRange(int32_t rank, const Plan& plan, const PlanUnit& unit,
+                                        int32_t r, const Buffer& full, const Buffer& shard) const {
+  absl::StatusOr<FlatLayout> layout = UnitLayout(plan, unit);
+  FS_CHECK(layout.ok()) << layout.status();  // the plan was validated when it was made
+  const ElementRange range = layout->UnpaddedShardRange(r);
+  if (range.empty()) return absl::OkStatus();
+  const int64_t item = ItemSize(unit.dtype);
+  return CopyBytes(
+      rank, static_cast<char*>(shard.data()) + (range.begin - layout->ShardRange(r).begin) * item,
+      static_cast<const char*>(full.data()) + range.begin * item, range.size() * item);
 }
 
 void GroupManager::MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {

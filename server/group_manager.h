@@ -35,6 +35,8 @@
 #include "common/plan.h"
 #include "common/policy.h"
 #include "server/collective/collective_engine.h"
+#include "server/collective/staging/staging_communicator.h"
+#include "server/gpu/device_context.h"
 #include "server/peer/peer_client.h"
 #include "server/shard_store.h"
 
@@ -67,6 +69,15 @@ struct GroupManagerOptions {
   peer::PeerOptions peer;
   // Moves bytes between daemons (UCX). Required for multi-daemon groups.
   std::unique_ptr<collective::CollectiveBackend> remote_backend;
+  // GPU daemons (--gpus): rank r of every group lives on gpus[r % gpus.size()] (its shards,
+  // gradients and unsharded buffers are device memory there; the ShardStore has the same
+  // contexts' pools). Empty: host memory only (the default).
+  std::vector<std::shared_ptr<gpu::DeviceContext>> gpus;
+  // NCCL for groups whose local ranks are each on their own GPU; null (no NCCL build, or
+  // --gpu_collectives=host): device groups move bytes over the host path, staged.
+  std::unique_ptr<collective::CollectiveBackend> nccl_backend;
+  // Host <-> device copies for staging; required with `gpus`.
+  std::shared_ptr<collective::DeviceCopier> copier;
 };
 
 struct JoinResult {
@@ -88,7 +99,9 @@ struct SummonOptions {
   bool recurse = true;
   bool writeback = true;
   bool rank0_only = false;
-  bool offload_to_cpu = false;  // host memory is the only memory here: always "offloaded"
+  // GPU daemons: the views are pinned host memory (the all-gather still runs on the GPU).
+  // Host daemons: host memory is the only memory, so views are always "offloaded".
+  bool offload_to_cpu = false;
   bool with_grads = false;
 };
 
@@ -104,6 +117,8 @@ struct SummonResult {
   std::vector<int32_t> units;       // selected units (every rank)
   std::vector<SummonedUnit> views;  // empty on ranks != 0 under rank0_only
   std::string note;
+  // GPU ranks: recorded on the rank's device after the views' bytes are in place (id 0: none).
+  gpu::IpcEventRef ready;
 };
 
 struct RegisterResult {
@@ -155,12 +170,17 @@ class GroupManager : public peer::PeerEvents {
   // or gather to rank 0 under rank0_only) and returns the buffers this rank may map. Units
   // already summoned by this rank: FAILED_PRECONDITION with FSDP's wording. With
   // writeback=false and rank0_only=false all local ranks share one read-only copy per unit.
+  // `written` (GPU ranks): the trainer's event after its last write to its shards; the
+  // daemon waits for it before the all-gather reads them (EndSummon and FinishReduceScatter
+  // alike for the views and the full gradient).
   void Summon(const Caller& caller, const std::string& module, const std::string& path,
-              const SummonOptions& options, absl::Time deadline, SummonCallback done);
+              const SummonOptions& options, absl::Time deadline, SummonCallback done,
+              const gpu::IpcEventRef& written = {});
   // Ends summon `summon` of the caller's rank: writes back its own unpadded range (from rank
   // 0's buffer under rank0_only, after rank 0 ended) when the summon asked for it, then
   // frees the buffers and returns the units to IDLE.
-  void EndSummon(const Caller& caller, uint64_t summon, absl::Time deadline, StatusCallback done);
+  void EndSummon(const Caller& caller, uint64_t summon, absl::Time deadline, StatusCallback done,
+                 const gpu::IpcEventRef& written = {});
 
   // Phase 1 of ReduceScatterGrads: a private buffer the caller writes the unit's full padded
   // gradient into.
@@ -171,7 +191,10 @@ class GroupManager : public peer::PeerEvents {
   // its slice (SUM or AVG), added to it when `accumulate`, else replacing it.
   void FinishReduceScatter(const Caller& caller, const std::string& module, int32_t unit,
                            GradReduce op, bool accumulate, absl::Time deadline,
-                           StatusCallback done);
+                           StatusCallback done, const gpu::IpcEventRef& written = {});
+  // GPU ranks: an event recorded on `rank`'s device now (after its gradient shard update, for
+  // the reply of FinishReduceScatter). id 0 for host ranks.
+  gpu::IpcEventRef RecordReady(int32_t rank);
 
   // The caller's shards of a registered model (re-attach, optimizer step).
   absl::StatusOr<RegisterResult> GetShards(const Caller& caller, const std::string& module) const;
@@ -288,7 +311,8 @@ class GroupManager : public peer::PeerEvents {
   // a fresh one when the kept one is still in use (e.g. read by a slower rank).
   absl::StatusOr<std::shared_ptr<Buffer>> KeptBuffer(Group& g, Registered& reg, int32_t owner,
                                                      int32_t unit, int what, BufferKind kind,
-                                                     int64_t bytes, const std::string& label)
+                                                     int64_t bytes, const std::string& label,
+                                                     Placement placement)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks kept buffers nobody uses any more as idle from now.
   void ReleaseKept(Registered& reg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -301,8 +325,30 @@ class GroupManager : public peer::PeerEvents {
   void DropSummons(Group& g, int32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishEnd(const Caller& caller, uint64_t summon, absl::Status status, StatusCallback done);
 
+  // GPU daemons: the context rank `rank` lives on; null for host-memory daemons.
+  gpu::DeviceContext* DeviceOf(int32_t rank) const;
+  // Where `rank`'s buffers go (host, or its GPU).
+  Placement PlacementOf(int32_t rank) const;
+  // Makes `rank`'s GPU wait for the trainer's `written` event (no-op for id 0 / host ranks).
+  absl::Status WaitForTrainer(int32_t rank, const gpu::IpcEventRef& written) const;
+  // Copies between buffers of any placement (memcpy, or a device copy on `device`'s stream).
+  absl::Status CopyBytes(int32_t rank, void* dst, const void* src, size_t bytes) const;
+  // Writes rank `r`'s unpadded range of `full` into `shard` (any placements).
+  absl::Status CopyOwnRange(int32_t rank, const Plan& plan, const PlanUnit& unit, int32_t r,
+                            const Buffer& full, const Buffer& shard) const;
+  // The reduced shard `reduced` into the gradient shard: copied, or added when `accumulate`.
+  absl::Status ApplyReducedGrad(int32_t rank, collective::ConstBuffer reduced, Buffer& grad,
+                                DType dtype, bool accumulate) const;
+  // The communicator of a group: `backend` for `spec`, staged when this daemon has GPUs.
+  absl::StatusOr<std::unique_ptr<collective::Communicator>> ConnectBackend(
+      collective::CollectiveBackend& backend, collective::MemoryKind backend_kind,
+      collective::GroupSpec& spec);
+
   ShardStore* const store_;
   peer::DaemonIdentity self_;
+  const std::vector<std::shared_ptr<gpu::DeviceContext>> gpus_;
+  std::unique_ptr<collective::CollectiveBackend> nccl_;
+  const std::shared_ptr<collective::DeviceCopier> copier_;
   std::unique_ptr<collective::CollectiveBackend> inproc_;
   std::unique_ptr<collective::CollectiveBackend> remote_;
   collective::CollectiveEngine engine_;

@@ -78,23 +78,11 @@ inline std::vector<int32_t> SelectUnits(const Plan& plan, const std::string& pat
 }
 
 inline collective::ConstBuffer ConstOf(const Buffer& b, DType dtype) {
-  return collective::ConstBuffer{b.data(), static_cast<size_t>(b.bytes()), dtype};
+  return b.view(dtype).AsConst();
 }
 inline collective::MutableBuffer MutableOf(const Buffer* b, DType dtype) {
   if (b == nullptr) return collective::MutableBuffer{nullptr, 0, dtype};
-  return collective::MutableBuffer{b->data(), static_cast<size_t>(b->bytes()), dtype};
-}
-
-// Copies shard rank `r`'s unpadded range of the full buffer into its shard.
-inline void CopyOwnRange(const Plan& plan, const PlanUnit& unit, int32_t r, const Buffer& full,
-                  Buffer& shard) {
-  absl::StatusOr<FlatLayout> layout = UnitLayout(plan, unit);
-  FS_CHECK(layout.ok()) << layout.status();  // the plan was validated when it was made
-  const ElementRange range = layout->UnpaddedShardRange(r);
-  if (range.empty()) return;
-  const int64_t item = ItemSize(unit.dtype);
-  std::memcpy(static_cast<char*>(shard.data()) + (range.begin - layout->ShardRange(r).begin) * item,
-              static_cast<const char*>(full.data()) + range.begin * item, range.size() * item);
+  return b->view(dtype);
 }
 
 // Counts one request's collectives; the last completion reports the first error.
@@ -180,6 +168,9 @@ struct GroupManager::OpenSummon {
   std::vector<int32_t> units;
   std::vector<SummonedUnit> views;  // this rank's buffers, one per unit (null entries allowed)
   std::shared_ptr<SummonSlot> slot;
+  // GPU ranks under rank0_only writeback: rank 0's broadcast copy on this rank's device,
+  // by (unit, 0 params / 1 grads).
+  std::map<std::pair<int32_t, int>, std::shared_ptr<Buffer>> own_rank0;
   bool ready = false;   // the unshard completed
   bool ending = false;  // EndSummon under way
 };

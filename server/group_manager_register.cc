@@ -181,7 +181,7 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
           BufferKind::kShard, u.shard_numel * ItemSize(u.dtype),
           absl::StrCat("group=", caller.group, " module=", module, " unit=", u.index,
                        " rank=", caller.rank),
-          caller.uid);
+          caller.uid, PlacementOf(caller.rank));
       if (!shard.ok()) {
         alloc = shard.status();
         break;
@@ -193,7 +193,7 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
             BufferKind::kUnsharded, u.padded_numel * ItemSize(u.dtype),
             absl::StrCat("group=", caller.group, " unit=", u.index, " rank=", caller.rank,
                          " init"),
-            caller.uid);
+            caller.uid, PlacementOf(caller.rank));
         if (!b.ok()) {
           alloc = b.status();
           break;
@@ -412,7 +412,7 @@ void GroupManager::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Sta
             reg.summoned[caller.rank][u.index] = true;
           }
           reg.summon_count[caller.rank] = 1;
-          SummonResult init{open.id, open.units, {}, ""};
+          SummonResult init{open.id, open.units, {}, "", {}};
           if (!rank0_only || caller.rank == 0) init.views = open.views;
           r.init_summon = std::move(init);
           g.open_summons.emplace(open.id, std::move(open));

@@ -19,7 +19,6 @@
 namespace flatshard::server {
 
 using internal::ConstOf;
-using internal::CopyOwnRange;
 using internal::Display;
 using internal::kAlreadyUnsharding;
 using internal::kKeptIdleRelease;
@@ -29,8 +28,12 @@ using internal::SubmitAll;
 
 absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::KeptBuffer(
     Group& g, Registered& reg, int32_t owner, int32_t unit, int what, BufferKind kind,
-    int64_t bytes, const std::string& label) {
+    int64_t bytes, const std::string& label, Placement placement) {
   Registered::Kept& kept = reg.kept[{owner, unit, what}];
+  if (kept.buffer && kept.buffer->placement() != placement) {
+    // offload_to_cpu toggled between summons: the other placement's buffer goes.
+    if (kept.buffer.use_count() == 1) kept.buffer.reset();
+  }
   if (kept.buffer && kept.buffer.use_count() == 1) {  // only this map holds it: free to reuse
     if (!kept.buffer->committed()) {
       absl::Status s = kept.buffer->Commit();
@@ -43,10 +46,11 @@ absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::KeptBuffer(
     kept.idle_since = absl::InfiniteFuture();
     return kept.buffer;
   }
-  absl::StatusOr<std::shared_ptr<Buffer>> fresh = store_->Allocate(kind, bytes, label, g.owner_uid);
+  absl::StatusOr<std::shared_ptr<Buffer>> fresh =
+      store_->Allocate(kind, bytes, label, g.owner_uid, placement);
   if (absl::IsResourceExhausted(fresh.status())) {
     DecommitIdle(absl::InfiniteFuture());
-    fresh = store_->Allocate(kind, bytes, label, g.owner_uid);
+    fresh = store_->Allocate(kind, bytes, label, g.owner_uid, placement);
   }
   if (!fresh.ok()) return fresh.status();
   if (!kept.buffer) kept.buffer = *fresh;
@@ -81,7 +85,13 @@ void GroupManager::DecommitIdle(absl::Time now) {
 
 void GroupManager::Summon(const Caller& caller, const std::string& module,
                           const std::string& path, const SummonOptions& options,
-                          absl::Time deadline, SummonCallback done) {
+                          absl::Time deadline, SummonCallback done,
+                          const gpu::IpcEventRef& written) {
+  // The trainer's last writes to its shards (an optimizer step) land before they are read.
+  if (absl::Status s = WaitForTrainer(caller.rank, written); !s.ok()) {
+    done(s);
+    return;
+  }
   absl::Status error;
   SummonResult result;
   std::vector<collective::CollectiveOp> ops;
@@ -121,7 +131,13 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
       std::shared_ptr<SummonSlot>& slot = reg->slots[k];
       if (!slot) slot = std::make_shared<SummonSlot>();
       const bool sharded = reg->plan.shard_world_size > 1;
-      const bool shared = !options.writeback && !options.rank0_only && sharded;
+      // One read-only copy per node; GPU ranks each need theirs on their own device.
+      const bool shared = !options.writeback && !options.rank0_only && sharded && gpus_.empty();
+      // GPU ranks: device views, or pinned host views under offload_to_cpu (the collective
+      // stages them through the device).
+      const Placement view_placement = gpus_.empty() || !options.offload_to_cpu
+                                           ? PlacementOf(rank)
+                                           : Placement::Pinned();
       OpenSummon open;
       open.id = g->next_summon++;
       open.rank = rank;
@@ -140,19 +156,21 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
         const int kind = what == "params" ? 0 : 1;
         if (options.rank0_only) {
           if (rank != 0) return std::shared_ptr<Buffer>();
-          FS_ASSIGN_OR_RETURN(rank0_map[u], KeptBuffer(*g, *reg, 0, u, kind, BufferKind::kUnsharded,
-                                                       bytes, absl::StrCat(label, " rank=0")));
+          FS_ASSIGN_OR_RETURN(rank0_map[u],
+                              KeptBuffer(*g, *reg, 0, u, kind, BufferKind::kUnsharded, bytes,
+                                         absl::StrCat(label, " rank=0"), view_placement));
           return rank0_map[u];
         }
         if (shared) {
           if (!shared_map[u]) {
             FS_ASSIGN_OR_RETURN(shared_map[u], KeptBuffer(*g, *reg, -1, u, kind,
-                                                          BufferKind::kUnsharded, bytes, label));
+                                                          BufferKind::kUnsharded, bytes, label,
+                                                          view_placement));
           }
           return shared_map[u];
         }
         return KeptBuffer(*g, *reg, rank, u, kind, BufferKind::kUnsharded, bytes,
-                          absl::StrCat(label, " rank=", rank));
+                          absl::StrCat(label, " rank=", rank), view_placement);
       };
       for (int32_t u : result.units) {
         const PlanUnit& unit = reg->plan.units[u];
@@ -174,7 +192,8 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
                                   u, ConstOf(*shard.shard, unit.dtype),
                                   MutableOf(view.params.get(), unit.dtype)));
         } else if (view.params) {  // NO_SHARD: the shard is the whole buffer
-          std::memcpy(view.params->data(), shard.shard->data(), shard.shard->bytes());
+          error = CopyBytes(rank, view.params->data(), shard.shard->data(), shard.shard->bytes());
+          if (!error.ok()) break;
         }
         // Gradients exist for every rank of a unit or for none (made by one collective).
         if (options.with_grads && shard.grad) {
@@ -194,7 +213,8 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
                                     u, ConstOf(*shard.grad, unit.dtype),
                                     MutableOf(view.grads.get(), unit.dtype)));
           } else if (view.grads) {
-            std::memcpy(view.grads->data(), shard.grad->data(), shard.grad->bytes());
+            error = CopyBytes(rank, view.grads->data(), shard.grad->data(), shard.grad->bytes());
+            if (!error.ok()) break;
           }
         }
         open.views.push_back(std::move(view));
@@ -237,13 +257,15 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
                   if (it != g->second->open_summons.end()) it->second.ready = true;
                 }
               }
+              result.ready = RecordReady(caller.rank);
               done(std::move(result));
             });
 }
 
 void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time deadline,
-                             StatusCallback done) {
-  absl::Status error;
+                             StatusCallback done, const gpu::IpcEventRef& written) {
+  // The trainer's writes to the views land before they are written back.
+  absl::Status error = WaitForTrainer(caller.rank, written);
   OpenSummon copy;
   const Plan* plan = nullptr;
   std::shared_ptr<collective::CollectiveGroup> coll;
@@ -251,8 +273,10 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
   std::vector<collective::CollectiveOp> broadcasts;
   {
     absl::MutexLock lock(&mu_);
-    error = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
-                      : CheckCallerLocked(caller);
+    if (error.ok()) {
+      error = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
+                        : CheckCallerLocked(caller);
+    }
     if (error.ok()) {
       Group& g = *groups_.at(caller.group);
       auto it = g.open_summons.find(summon);
@@ -279,19 +303,26 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
             for (int what : {0, 1}) {
               if (what == 1 && !(copy.options.with_grads && shards[u].grad)) continue;
               auto& map = what == 0 ? copy.slot->rank0_params : copy.slot->rank0_grads;
-              if (!map[u]) {
-                absl::StatusOr<std::shared_ptr<Buffer>> b =
-                    KeptBuffer(g, reg, -2, u, what, BufferKind::kUnsharded, bytes,
-                               absl::StrCat("group=", g.id, " unit=", u, " rank 0's copy"));
+              // GPU ranks each receive rank 0's copy on their own device (rank 0 broadcasts
+              // from its own buffer), host ranks share one per node.
+              std::shared_ptr<Buffer> own;
+              std::shared_ptr<Buffer>& target = gpus_.empty() || caller.rank == 0 ? map[u] : own;
+              if (!target) {
+                absl::StatusOr<std::shared_ptr<Buffer>> b = KeptBuffer(
+                    g, reg, gpus_.empty() ? -2 : -3 - caller.rank, u, what,
+                    BufferKind::kUnsharded, bytes,
+                    absl::StrCat("group=", g.id, " unit=", u, " rank 0's copy"),
+                    PlacementOf(caller.rank));
                 if (!b.ok()) {
                   error = b.status();
                   break;
                 }
-                map[u] = *b;
+                target = *b;
               }
               broadcasts.push_back(collective::CollectiveOp::Broadcast(
-                  u, MutableOf(map[u].get(), unit.dtype), 0));
+                  u, MutableOf(target.get(), unit.dtype), 0));
               broadcasts.back().name = "writeback";
+              if (own) copy.own_rank0[{u, what}] = std::move(own);
             }
           }
           if (!error.ok()) it->second.ending = false;
@@ -305,22 +336,32 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
   }
   // Writes back this rank's ranges. Takes the copy and lets its buffer references go, so
   // FinishEnd sees which kept buffers nobody uses any more.
-  auto write_back = [plan, shards, caller](std::unique_ptr<OpenSummon> copy) {
+  auto write_back = [this, plan, shards, caller](std::unique_ptr<OpenSummon> copy) {
     const int32_t r = plan->ShardRank(caller.rank);
-    for (size_t i = 0; i < copy->units.size(); ++i) {
-      const PlanUnit& unit = plan->units[copy->units[i]];
-      const UnitShard& shard = shards[copy->units[i]];
+    absl::Status status;
+    for (size_t i = 0; i < copy->units.size() && status.ok(); ++i) {
+      const int32_t u = copy->units[i];
+      const PlanUnit& unit = plan->units[u];
+      const UnitShard& shard = shards[u];
       const bool from_rank0 = copy->options.rank0_only;
-      const Buffer* params = from_rank0 ? copy->slot->rank0_params.at(copy->units[i]).get()
-                                        : copy->views[i].params.get();
-      CopyOwnRange(*plan, unit, r, *params, *shard.shard);
-      const auto& grads_map = copy->slot->rank0_grads;
-      const Buffer* grads =
-          from_rank0 ? (grads_map.contains(copy->units[i]) ? grads_map.at(copy->units[i]).get()
-                                                           : nullptr)
-                     : copy->views[i].grads.get();
-      if (grads != nullptr && shard.grad) CopyOwnRange(*plan, unit, r, *grads, *shard.grad);
+      auto rank0_copy = [&](int what) -> const Buffer* {
+        auto own = copy->own_rank0.find({u, what});
+        if (own != copy->own_rank0.end()) return own->second.get();
+        const auto& map = what == 0 ? copy->slot->rank0_params : copy->slot->rank0_grads;
+        return map.contains(u) ? map.at(u).get() : nullptr;
+      };
+      const Buffer* params = from_rank0 ? rank0_copy(0) : copy->views[i].params.get();
+      status = CopyOwnRange(caller.rank, *plan, unit, r, *params, *shard.shard);
+      const Buffer* grads = from_rank0 ? rank0_copy(1) : copy->views[i].grads.get();
+      if (status.ok() && grads != nullptr && shard.grad) {
+        status = CopyOwnRange(caller.rank, *plan, unit, r, *grads, *shard.grad);
+      }
     }
+    if (!status.ok()) {
+      FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank
+                    << ": writeback failed: " << status;
+    }
+    return status;
   };
   const SummonOptions options = copy.options;
   auto owned = std::make_unique<OpenSummon>(std::move(copy));
@@ -330,15 +371,15 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
     return;
   }
   if (!options.rank0_only) {
-    write_back(std::move(owned));
-    FinishEnd(caller, summon, absl::OkStatus(), std::move(done));
+    absl::Status s = write_back(std::move(owned));
+    FinishEnd(caller, summon, std::move(s), std::move(done));
     return;
   }
   SubmitAll(coll, caller.rank, std::move(broadcasts), deadline,
             [this, caller, summon, write_back, owned = std::move(owned),
              done = std::move(done)](absl::Status s) mutable {
               if (s.ok()) {
-                write_back(std::move(owned));
+                s = write_back(std::move(owned));
               } else {
                 owned.reset();
               }
@@ -423,7 +464,7 @@ absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::BeginReduceScatter(
         store_->Allocate(BufferKind::kGradShard, u.shard_numel * item,
                          absl::StrCat("group=", g.id, " unit=", unit, " rank=", caller.rank,
                                       " grad"),
-                         g.owner_uid);
+                         g.owner_uid, PlacementOf(caller.rank));
     if (!grad.ok()) return grad.status();
     reg.new_grads[{caller.rank, unit}] = *std::move(grad);
   }
@@ -432,14 +473,21 @@ absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::BeginReduceScatter(
     FS_ASSIGN_OR_RETURN(staging, KeptBuffer(g, reg, caller.rank, unit, 2, BufferKind::kStaging,
                                             u.padded_numel * item,
                                             absl::StrCat("group=", g.id, " unit=", unit,
-                                                         " rank=", caller.rank, " full grad")));
+                                                         " rank=", caller.rank, " full grad"),
+                                            PlacementOf(caller.rank)));
   }
   return staging;
 }
 
 void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& module,
                                        int32_t unit, GradReduce op, bool accumulate,
-                                       absl::Time deadline, StatusCallback done) {
+                                       absl::Time deadline, StatusCallback done,
+                                       const gpu::IpcEventRef& written) {
+  // The trainer's gradient is written before it is reduced.
+  if (absl::Status s = WaitForTrainer(caller.rank, written); !s.ok()) {
+    done(s);
+    return;
+  }
   absl::Status error;
   std::shared_ptr<Buffer> staging, grad;
   bool fresh = false;  // the unit had no gradient shard: `grad` is installed on success
@@ -477,26 +525,40 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
   }
   // The collective reduces into a scratch shard; the gradient shard changes only once it
   // succeeded (replaced, or accumulated into), so a failed reduce-scatter changes nothing.
-  auto scratch = std::make_shared<std::vector<char>>(grad->bytes());
+  // Host ranks reduce into private memory; GPU ranks into device memory of the pool.
+  std::shared_ptr<Buffer> scratch_buffer;
+  std::shared_ptr<std::vector<char>> scratch_host;
+  collective::MutableBuffer scratch{nullptr, static_cast<size_t>(grad->bytes()), dtype};
+  if (grad->on_device()) {
+    absl::StatusOr<std::shared_ptr<Buffer>> b =
+        store_->Allocate(BufferKind::kStaging, grad->bytes(),
+                         absl::StrCat("group=", caller.group, " unit=", unit, " rank=",
+                                      caller.rank, " reduce-scatter scratch"),
+                         -1, grad->placement());
+    if (!b.ok()) {
+      done(b.status());
+      return;
+    }
+    scratch_buffer = *std::move(b);
+    scratch = MutableOf(scratch_buffer.get(), dtype);
+  } else {
+    scratch_host = std::make_shared<std::vector<char>>(grad->bytes());
+    scratch.data = scratch_host->data();
+  }
   std::vector<collective::CollectiveOp> ops;
   ops.push_back(collective::CollectiveOp::ReduceScatter(
-      unit, ConstOf(*staging, dtype),
-      collective::MutableBuffer{scratch->data(), scratch->size(), dtype},
+      unit, ConstOf(*staging, dtype), scratch,
       op == GradReduce::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum));
   ops.back().name = "grads";
   SubmitAll(coll, caller.rank, std::move(ops), deadline,
-            [this, caller, module, unit, staging, grad, fresh, scratch, dtype, accumulate,
-             done = std::move(done)](absl::Status s) mutable {
+            [this, caller, module, unit, staging, grad, fresh, scratch, scratch_buffer,
+             scratch_host, dtype, accumulate, done = std::move(done)](absl::Status s) mutable {
               if (s.ok()) {
-                if (accumulate && !fresh) {
-                  const void* srcs[] = {grad->data(), scratch->data()};
-                  collective::ReduceInto(dtype, srcs, grad->data(),
-                                         grad->bytes() / ItemSize(dtype),
-                                         collective::ReduceOp::kSum, 1);
-                } else {
-                  std::memcpy(grad->data(), scratch->data(), scratch->size());
-                }
+                s = ApplyReducedGrad(caller.rank, scratch.AsConst(), *grad, dtype,
+                                     accumulate && !fresh);
               }
+              scratch_buffer.reset();
+              scratch_host.reset();
               staging.reset();  // the staging buffer's pages go back until the next step
               {
                 absl::MutexLock lock(&mu_);
@@ -515,6 +577,26 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
               }
               done(s);
             });
+}
+
+absl::Status GroupManager::ApplyReducedGrad(int32_t rank, collective::ConstBuffer reduced,
+                                            Buffer& grad, DType dtype, bool accumulate) const {
+  const size_t bytes = static_cast<size_t>(grad.bytes());
+  if (!accumulate) return CopyBytes(rank, grad.data(), reduced.data, bytes);
+  if (!grad.on_device()) {
+    const void* srcs[] = {grad.data(), reduced.data};
+    collective::ReduceInto(dtype, srcs, grad.data(), bytes / ItemSize(dtype),
+                           collective::ReduceOp::kSum, 1);
+    return absl::OkStatus();
+  }
+  // Device shards accumulate through host memory: correct, not fast (no device kernels yet).
+  std::vector<char> sum(bytes), add(bytes);
+  FS_RETURN_IF_ERROR(CopyBytes(rank, sum.data(), grad.data(), bytes));
+  FS_RETURN_IF_ERROR(CopyBytes(rank, add.data(), reduced.data, bytes));
+  const void* srcs[] = {sum.data(), add.data()};
+  collective::ReduceInto(dtype, srcs, sum.data(), bytes / ItemSize(dtype),
+                         collective::ReduceOp::kSum, 1);
+  return CopyBytes(rank, grad.data(), sum.data(), bytes);
 }
 
 }  // namespace flatshard::server

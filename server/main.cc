@@ -73,6 +73,14 @@ ABSL_FLAG(std::string, metrics_address, "",
           "off). Port 0 picks a free port");
 ABSL_FLAG(std::string, metrics_address_file, "",
           "once listening, write the metrics endpoint's host:port to this file");
+ABSL_FLAG(std::string, gpus, "",
+          "GPUs that host ranks: empty or 'none' (host memory, the default), 'all', or ordinals "
+          "'0,1'; rank r of a group lives on the (r mod n)-th");
+ABSL_FLAG(int64_t, gpu_memory_limit_mib, 0,
+          "per GPU: device memory the daemon's pool may reserve, in MiB (0: no limit)");
+ABSL_FLAG(std::string, gpu_collectives, "auto",
+          "how device memory moves: auto (NCCL where every rank has its own GPU, else staged "
+          "through host memory), nccl (fail without NCCL), host (never NCCL)");
 ABSL_FLAG(std::string, log_level, "info",
           "lowest severity logged: info, warning or error (changeable at run time)");
 ABSL_FLAG(int, v, 0, "verbose logging level (per-op lines at 2)");
@@ -146,6 +154,14 @@ int main(int argc, char** argv) {
   config.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
   config.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   config.ucx_error_handling = absl::GetFlag(FLAGS_ucx_error_handling);
+  config.gpus = absl::GetFlag(FLAGS_gpus);
+  if (const int64_t mib = absl::GetFlag(FLAGS_gpu_memory_limit_mib); mib > 0) {
+    config.gpu_memory_limit_bytes = mib << 20;
+  } else if (mib < 0) {
+    std::cerr << "flatshardd: --gpu_memory_limit_mib must be >= 0, got " << mib << "\n";
+    return 1;
+  }
+  config.gpu_collectives = absl::GetFlag(FLAGS_gpu_collectives);
   config.socket_group = absl::GetFlag(FLAGS_socket_group);
   if (auto uids = flatshard::server::access::ParseUidList(absl::GetFlag(FLAGS_allowed_uids));
       uids.ok()) {

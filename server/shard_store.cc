@@ -13,6 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/gpu/device_context.h"
+#include "server/gpu/device_pool.h"
 
 namespace flatshard::server {
 namespace internal {
@@ -80,6 +82,17 @@ class StoreState {
     return UsageLocked();
   }
 
+  // Device buffers: counted here for Usage(), limited by their pool.
+  void AddDevice(int64_t bytes, int64_t buffers) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    device_bytes_ += bytes;
+    device_buffers_ += buffers;
+  }
+  bool shut_down() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return shutdown_;
+  }
+
   // Marks the store shut down and returns the names still alive.
   std::vector<std::string> Shutdown() ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
@@ -97,7 +110,8 @@ class StoreState {
     usage.bytes_by_kind = bytes_by_kind_;
     usage.total_bytes = total_bytes_;
     usage.limit_bytes = limit_bytes_;
-    usage.buffers = static_cast<int64_t>(live_segments_.size());
+    usage.buffers = static_cast<int64_t>(live_segments_.size()) + device_buffers_;
+    usage.device_bytes = device_bytes_;
     usage.decommitted_buffers = decommitted_buffers_;
     return usage;
   }
@@ -107,6 +121,8 @@ class StoreState {
   std::array<int64_t, kNumBufferKinds> bytes_by_kind_ ABSL_GUARDED_BY(mu_){};
   int64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t decommitted_buffers_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t device_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t device_buffers_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_set<std::string> live_segments_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
 };
@@ -133,21 +149,83 @@ std::string MemoryUsage::DebugString() const {
     absl::StrAppend(&out, BufferKindName(static_cast<BufferKind>(k)), "=", bytes_by_kind[k], " ");
   }
   absl::StrAppend(&out, "total=", total_bytes, " limit=", limit_bytes, " buffers=", buffers);
+  if (device_bytes > 0) absl::StrAppend(&out, " device=", device_bytes);
   if (decommitted_buffers > 0) absl::StrAppend(&out, " decommitted=", decommitted_buffers);
   return out;
 }
+
+Buffer::Buffer(std::shared_ptr<internal::StoreState> state, BufferKind kind, Placement placement,
+               int64_t bytes, ShmSegment segment, std::shared_ptr<gpu::DeviceBlock> block,
+               std::shared_ptr<gpu::DevicePool> pool, std::string label)
+    : state_(std::move(state)),
+      kind_(kind),
+      placement_(placement),
+      bytes_(bytes),
+      segment_(std::move(segment)),
+      pinned_(placement.kind == collective::MemoryKind::kHostPinned && segment_.data() != nullptr),
+      pool_(std::move(pool)),
+      label_(std::move(label)),
+      block_(std::move(block)) {}
 
 Buffer::~Buffer() {
   bool committed;
   {
     absl::MutexLock lock(&mu_);
     committed = committed_;
+    block_.reset();  // back to its pool
   }
+  if (on_device()) {
+    state_->AddDevice(committed ? -bytes_ : 0, -1);
+    FS_VLOG(2) << "freed kind=" << BufferKindName(kind_) << " bytes=" << bytes_ << " device="
+               << placement_.device << " " << label_;
+    return;
+  }
+  if (pinned_) gpu::UnpinHostMemory(segment_.data());
   // Forget the name first: a concurrent Shutdown() then no longer unlinks it, and the
   // segment's destructor below does (ENOENT, silently, if Shutdown() got there first).
   state_->Release(segment_.name(), kind_, committed ? bytes() : 0, !committed);
   FS_VLOG(2) << "freed kind=" << BufferKindName(kind_) << " bytes=" << bytes()
              << " segment=" << segment_.name() << " " << label_;
+}
+
+collective::MutableBuffer Buffer::view(DType dtype) const {
+  return collective::MutableBuffer{data(), static_cast<size_t>(bytes_), dtype, placement_.kind};
+}
+
+std::string Buffer::segment_name() const {
+  if (!on_device()) return segment_.name();
+  absl::MutexLock lock(&mu_);
+  return block_ == nullptr ? std::string() : absl::StrCat("cuda-slab-", block_->slab_id());
+}
+
+int64_t Buffer::segment_bytes() const {
+  if (!on_device()) return bytes_;
+  absl::MutexLock lock(&mu_);
+  return block_ == nullptr ? 0 : static_cast<int64_t>(block_->slab_bytes());
+}
+
+int64_t Buffer::offset() const {
+  if (!on_device()) return 0;
+  absl::MutexLock lock(&mu_);
+  return block_ == nullptr ? 0 : static_cast<int64_t>(block_->offset());
+}
+
+void* Buffer::data() const {
+  if (!on_device()) return segment_.data();
+  absl::MutexLock lock(&mu_);
+  return block_ == nullptr ? nullptr : block_->data();
+}
+
+std::string Buffer::ipc_handle() const {
+  if (!on_device()) return "";
+  absl::MutexLock lock(&mu_);
+  return block_ == nullptr ? std::string() : block_->ipc_handle();
+}
+
+std::string Buffer::device_uuid() const {
+  if (!on_device()) return "";
+  absl::MutexLock lock(&mu_);
+  return block_ == nullptr ? std::string() : block_->device_uuid();
 }
 
 bool Buffer::committed() const {
@@ -163,6 +241,12 @@ absl::Status Buffer::Decommit() {
   }
   absl::MutexLock lock(&mu_);
   if (!committed_) return absl::OkStatus();
+  if (on_device()) {
+    block_.reset();  // the slab stays in the pool: trainers' IPC mappings stay valid
+    committed_ = false;
+    state_->AddDevice(-bytes_, 0);
+    return absl::OkStatus();
+  }
   absl::Status status = segment_.Decommit(0, segment_.size());
   if (!status.ok()) {
     return absl::Status(status.code(), absl::StrCat("decommit ", BufferKindName(kind_), " buffer (",
@@ -176,6 +260,19 @@ absl::Status Buffer::Decommit() {
 absl::Status Buffer::Commit() {
   absl::MutexLock lock(&mu_);
   if (committed_) return absl::OkStatus();
+  if (on_device()) {
+    if (state_->shut_down()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "commit ", BufferKindName(kind_), " buffer (", label_, "): the shard store is shut down"));
+    }
+    absl::StatusOr<std::shared_ptr<gpu::DeviceBlock>> block =
+        pool_->Allocate(static_cast<size_t>(bytes_), label_);
+    if (!block.ok()) return block.status();
+    block_ = *std::move(block);
+    committed_ = true;
+    state_->AddDevice(bytes_, 0);
+    return absl::OkStatus();
+  }
   FS_RETURN_IF_ERROR(state_->Charge(kind_, bytes(), label_, /*recommit=*/true));
   absl::Status status = segment_.Commit(0, segment_.size());
   if (!status.ok()) {
@@ -205,13 +302,15 @@ ShardStore::~ShardStore() = default;
 
 absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, int64_t bytes,
                                                              absl::string_view label,
-                                                             int64_t owner_uid) {
+                                                             int64_t owner_uid,
+                                                             Placement placement) {
   FS_RETURN_IF_ERROR(options_status_);
   if (bytes < 0) {
     return absl::InvalidArgumentError(absl::StrCat("cannot allocate ", bytes, " bytes of ",
                                                    BufferKindName(kind), " memory (", label,
                                                    "): negative size"));
   }
+  if (placement.on_device()) return AllocateOnDevice(kind, bytes, label, placement);
   // Charge first so concurrent allocations can never overshoot the limit together; the
   // syscalls (fallocate of a large segment is slow) then run without the lock.
   FS_RETURN_IF_ERROR(state_->Charge(kind, bytes, label, /*recommit=*/false));
@@ -232,13 +331,53 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, in
         ": fchown: ", std::strerror(err), " (flatshardd needs CAP_CHOWN to serve trainers of "
         "another uid; run it as root or run the trainers as uid ", ::geteuid(), ")"));
   }
+  if (placement.kind == collective::MemoryKind::kHostPinned && bytes > 0) {
+    // Page-locked so the device copies of offload_to_cpu run at DMA speed.
+    if (absl::Status pin = gpu::PinHostMemory(segment->data(), static_cast<size_t>(bytes));
+        !pin.ok()) {
+      state_->Uncharge(kind, bytes, /*to_decommitted=*/false);
+      return absl::Status(pin.code(), absl::StrCat("cannot pin ", bytes, " bytes of ",
+                                                   BufferKindName(kind), " memory (", label,
+                                                   "): ", pin.message()));
+    }
+  }
   if (absl::Status status = state_->Register(segment->name()); !status.ok()) {
+    if (placement.kind == collective::MemoryKind::kHostPinned && bytes > 0) {
+      gpu::UnpinHostMemory(segment->data());
+    }
     state_->Uncharge(kind, bytes, /*to_decommitted=*/false);
     return status;  // `segment` goes out of scope: unmapped and unlinked
   }
   FS_VLOG(2) << "allocated kind=" << BufferKindName(kind) << " bytes=" << bytes
              << " segment=" << segment->name() << " " << label;
-  return std::shared_ptr<Buffer>(new Buffer(state_, kind, *std::move(segment), std::string(label)));
+  return std::shared_ptr<Buffer>(new Buffer(state_, kind, placement, bytes, *std::move(segment),
+                                            nullptr, nullptr, std::string(label)));
+}
+
+absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::AllocateOnDevice(BufferKind kind,
+                                                                     int64_t bytes,
+                                                                     absl::string_view label,
+                                                                     Placement placement) {
+  const int device = placement.device;
+  if (device < 0 || device >= static_cast<int>(options_.device_pools.size()) ||
+      options_.device_pools[device] == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot allocate ", bytes, " bytes of ", BufferKindName(kind), " memory (", label,
+        ") on GPU ", device, ": this daemon does not use that GPU (see --gpus)"));
+  }
+  if (state_->shut_down()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot allocate ", bytes, " bytes of ", BufferKindName(kind), " memory (",
+                     label, "): the shard store is shut down"));
+  }
+  const std::shared_ptr<gpu::DevicePool>& pool = options_.device_pools[device];
+  FS_ASSIGN_OR_RETURN(std::shared_ptr<gpu::DeviceBlock> block,
+                      pool->Allocate(static_cast<size_t>(bytes), label));
+  state_->AddDevice(bytes, 1);
+  FS_VLOG(2) << "allocated kind=" << BufferKindName(kind) << " bytes=" << bytes << " device="
+             << device << " slab=" << block->slab_id() << "+" << block->offset() << " " << label;
+  return std::shared_ptr<Buffer>(new Buffer(state_, kind, placement, bytes, ShmSegment(),
+                                            std::move(block), pool, std::string(label)));
 }
 
 MemoryUsage ShardStore::Usage() const { return state_->Usage(); }

@@ -20,6 +20,15 @@
 // and read zeros), then Commit() it on the next unshard (re-checked against the limit). Only
 // kUnsharded and kStaging buffers may be decommitted; shards never lose their bytes that way.
 //
+// Placement (GPU daemons, issue "GPU backend"): a buffer lives in host shared memory (the
+// default), in host shared memory page-locked for DMA (kHostPinned: offload_to_cpu copies), or
+// in device memory of one GPU (kCuda: a block of that GPU's DevicePool, opened by trainers
+// through CUDA IPC once per pool slab). Device bytes are accounted by the pool against its own
+// limit (--gpu_memory_limit), not against memory_limit_bytes, which covers host memory only.
+// Decommit() of a device buffer returns its block to the pool (the slab stays, so trainers'
+// IPC mappings stay valid) and Commit() takes a fresh zeroed block, possibly at another
+// offset: read data()/offset() after Commit.
+//
 // Lifetime: buffers may outlive the ShardStore (they share its accounting state). Shutdown()
 // unlinks every live segment's name (daemon SIGTERM) so nothing is left in /dev/shm even if
 // buffers are still referenced; their mappings stay valid until they are dropped.
@@ -33,6 +42,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -40,6 +50,12 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "common/shm_segment.h"
+#include "server/collective/buffer.h"
+
+namespace flatshard::gpu {
+class DevicePool;
+class DeviceBlock;
+}  // namespace flatshard::gpu
 
 namespace flatshard::server {
 
@@ -60,6 +76,21 @@ struct ShardStoreOptions {
   // Upper bound for the committed bytes of all kinds together. 0 refuses every non-empty
   // allocation; the default is effectively unlimited.
   int64_t memory_limit_bytes = std::numeric_limits<int64_t>::max();
+  // GPU daemons: the pool of each device ordinal Allocate may place buffers on (null entries
+  // for devices this daemon does not use). Empty: host memory only.
+  std::vector<std::shared_ptr<gpu::DevicePool>> device_pools{};
+};
+
+// Where Allocate puts a buffer.
+struct Placement {
+  collective::MemoryKind kind = collective::MemoryKind::kHost;
+  int device = -1;  // kCuda: the device ordinal (an index into device_pools)
+
+  static Placement Host() { return {}; }
+  static Placement Pinned() { return {collective::MemoryKind::kHostPinned, -1}; }
+  static Placement Device(int device) { return {collective::MemoryKind::kCuda, device}; }
+  bool on_device() const { return kind == collective::MemoryKind::kCuda; }
+  friend bool operator==(const Placement&, const Placement&) = default;
 };
 
 // A snapshot of the accounting.
@@ -69,6 +100,7 @@ struct MemoryUsage {
   int64_t limit_bytes = 0;
   int64_t buffers = 0;              // live buffers, committed or not (= live segments)
   int64_t decommitted_buffers = 0;  // of which decommitted
+  int64_t device_bytes = 0;         // committed device buffers (not in total_bytes)
 
   int64_t bytes(BufferKind kind) const { return bytes_by_kind[static_cast<int>(kind)]; }
   // "shard=1024 grad_shard=0 unsharded=4096 staging=0 total=5120 limit=1048576 buffers=2".
@@ -79,9 +111,9 @@ namespace internal {
 class StoreState;  // accounting shared by a ShardStore and its Buffers; shard_store.cc
 }  // namespace internal
 
-// One block of daemon memory, always in its own segment at offset 0 for now (offset() exists
-// so that small buffers can later share a segment without changing callers). Created by
-// ShardStore::Allocate, zero-filled, freed when the last shared_ptr drops.
+// One block of daemon memory: host memory in its own segment at offset 0, or a device block
+// inside a pool slab at offset(). Created by ShardStore::Allocate, zero-filled, freed when the
+// last shared_ptr drops.
 class Buffer {
  public:
   Buffer(const Buffer&) = delete;
@@ -90,13 +122,24 @@ class Buffer {
   ~Buffer();
 
   BufferKind kind() const { return kind_; }
-  // The shm name a client passes to ShmSegment::Open (with its leading "/").
-  const std::string& segment_name() const { return segment_.name(); }
-  // Where the buffer starts in the segment; the client maps offset() + bytes() at least.
-  int64_t offset() const { return 0; }
-  int64_t bytes() const { return static_cast<int64_t>(segment_.size()); }
-  // The daemon's mapping; nullptr when bytes() is 0. Valid until the Buffer is destroyed.
-  void* data() const { return segment_.data(); }
+  const Placement& placement() const { return placement_; }
+  bool on_device() const { return placement_.on_device(); }
+  // The memory as collectives see it.
+  collective::MutableBuffer view(DType dtype) const;
+  // Host: the shm name a client passes to ShmSegment::Open (with its leading "/"). Device:
+  // "cuda-slab-<id>" of the current block's slab.
+  std::string segment_name() const;
+  // Bytes of the segment (host) or slab (device) the client maps or opens.
+  int64_t segment_bytes() const;
+  // Where the buffer starts in the segment or slab.
+  int64_t offset() const;
+  int64_t bytes() const { return bytes_; }
+  // The daemon's pointer (a device pointer for kCuda); nullptr when bytes() is 0 or a device
+  // buffer is decommitted. Host: valid until the Buffer is destroyed; device: until Decommit.
+  void* data() const;
+  // Device buffers: the slab's cudaIpcMemHandle_t bytes and the GPU's uuid; empty otherwise.
+  std::string ipc_handle() const;
+  std::string device_uuid() const;
   // Free text given to Allocate ("group=g unit=3 rank=1"), used in logs and errors.
   const std::string& label() const { return label_; }
 
@@ -116,20 +159,22 @@ class Buffer {
 
  private:
   friend class ShardStore;
-  Buffer(std::shared_ptr<internal::StoreState> state, BufferKind kind, ShmSegment segment,
-         std::string label)
-      : state_(std::move(state)),
-        kind_(kind),
-        segment_(std::move(segment)),
-        label_(std::move(label)) {}
+  Buffer(std::shared_ptr<internal::StoreState> state, BufferKind kind, Placement placement,
+         int64_t bytes, ShmSegment segment, std::shared_ptr<gpu::DeviceBlock> block,
+         std::shared_ptr<gpu::DevicePool> pool, std::string label);
 
   const std::shared_ptr<internal::StoreState> state_;
   const BufferKind kind_;
-  // Immutable after construction except for its pages (Commit/Decommit, under mu_).
+  const Placement placement_;
+  const int64_t bytes_;
+  // Host: immutable after construction except for its pages (Commit/Decommit, under mu_).
   ShmSegment segment_;
+  bool pinned_ = false;  // segment_ is page-locked (cudaHostRegister)
+  const std::shared_ptr<gpu::DevicePool> pool_;  // device buffers
   const std::string label_;
   mutable absl::Mutex mu_;  // serializes Commit/Decommit of this buffer
   bool committed_ ABSL_GUARDED_BY(mu_) = true;
+  std::shared_ptr<gpu::DeviceBlock> block_ ABSL_GUARDED_BY(mu_);  // device; null decommitted
 };
 
 class ShardStore {
@@ -154,9 +199,14 @@ class ShardStore {
   // `owner_uid` >= 0 and not the daemon's uid: the segment is given to that uid (fchown, mode
   // still 0600), so a trainer running as another user can map it and nobody else can; needs
   // CAP_CHOWN (PERMISSION_DENIED otherwise). -1: the daemon's uid keeps it.
+  // `placement`: host (default), pinned host (needs CUDA: FAILED_PRECONDITION without) or a
+  // device of options().device_pools (FAILED_PRECONDITION for a device without a pool; the
+  // pool's RESOURCE_EXHAUSTED over its limit). owner_uid applies to host segments only (CUDA
+  // IPC has no owner; the daemon's socket admission is the check there).
   absl::StatusOr<std::shared_ptr<Buffer>> Allocate(BufferKind kind, int64_t bytes,
                                                    absl::string_view label = "",
-                                                   int64_t owner_uid = -1);
+                                                   int64_t owner_uid = -1,
+                                                   Placement placement = {});
 
   MemoryUsage Usage() const;
 
@@ -167,6 +217,10 @@ class ShardStore {
   const ShardStoreOptions& options() const { return options_; }
 
  private:
+  absl::StatusOr<std::shared_ptr<Buffer>> AllocateOnDevice(BufferKind kind, int64_t bytes,
+                                                           absl::string_view label,
+                                                           Placement placement);
+
   const ShardStoreOptions options_;
   const absl::Status options_status_;  // ValidateOptions(options_)
   const std::shared_ptr<internal::StoreState> state_;

@@ -172,6 +172,9 @@ void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
         g.dirty = true;
       }
       slot = args.daemon;
+      g.devices.resize(g.world_size);
+      g.devices[args.rank] = args.device_uuid;
+      if (args.rank == 0) g.nccl_unique_id = args.nccl_unique_id;
       g.gave_up.erase(args.rank);
       g.pending.push_back(
           Pending{next_id_++, args.rank, args.daemon.daemon_id, deadline, std::move(done)});
@@ -200,6 +203,27 @@ void Coordinator::CompleteLocked(Group& g, Effects& fx) {
   table.rank_daemons.reserve(g.members.size());
   for (const auto& m : g.members) table.rank_daemons.push_back(*m);
   g.last_table = table.rank_daemons;
+  table.rank_devices = g.devices;
+  table.rank_devices.resize(g.world_size);
+  // Device memory moves over NCCL only when it can: every rank on a GPU of its own (NCCL
+  // cannot put two ranks on one GPU, e.g. two daemons sharing it), every daemon able to run
+  // NCCL, and an id rank 0 made for this very round (an id serves one communicator).
+  const bool any_gpu = std::any_of(table.rank_devices.begin(), table.rank_devices.end(),
+                                   [](const std::string& d) { return !d.empty(); });
+  if (any_gpu) {
+    std::set<std::string> distinct;
+    bool nccl = !g.nccl_unique_id.empty() &&
+                std::any_of(g.pending.begin(), g.pending.end(),
+                            [](const Pending& p) { return p.rank == 0; });
+    for (int r = 0; r < g.world_size && nccl; ++r) {
+      nccl = !table.rank_devices[r].empty() && table.rank_daemons[r].nccl &&
+             distinct.insert(table.rank_devices[r]).second;
+    }
+    table.device_transport = nccl ? "nccl" : "host";
+    if (nccl) table.nccl_unique_id = g.nccl_unique_id;
+    g.nccl_unique_id.clear();  // used once
+  }
+  g.last_full = table;
   g.gave_up.clear();
   FS_LOG(INFO) << "group=" << g.name << " epoch=" << g.epoch << ": peer table complete ("
                << g.world_size << " ranks)";
@@ -396,7 +420,7 @@ absl::StatusOr<Coordinator::WatcherId> Coordinator::Watch(const DaemonIdentity& 
       if (known >= g.epoch) continue;
       Outgoing out;
       out.kind = Outgoing::Kind::kTable;
-      out.table = PeerTable{name, g.epoch, g.last_table};
+      out.table = g.last_full;
       Enqueue(w, std::move(out), fx);
       known = g.epoch;
     }

@@ -59,6 +59,8 @@ struct RendezvousArgs {
   int rank = -1;
   DaemonIdentity daemon;
   uint64_t failed_epoch = 0;  // the caller's copy of the group failed at this epoch (0: none)
+  std::string device_uuid{};     // GPU daemons: the rank's GPU
+  std::string nccl_unique_id{};  // rank 0's NCCL-capable daemon: fresh for this rendezvous
 };
 
 struct CoordinatorOptions {
@@ -188,6 +190,9 @@ class Coordinator {
     uint64_t epoch = 0;
     bool dirty = false;
     std::vector<DaemonIdentity> last_table;  // empty until the first table
+    std::vector<std::string> devices;        // index: rank; RendezvousArgs::device_uuid
+    std::string nccl_unique_id;              // rank 0's, from its latest rendezvous
+    PeerTable last_full;                     // the last table handed out
     std::optional<uint64_t> failure_forwarded_epoch;
     absl::flat_hash_map<std::string, uint64_t> known_epoch;  // daemon_id -> epoch it has
     std::vector<Pending> pending;

@@ -401,7 +401,8 @@ PeerClient::~PeerClient() = default;
 void PeerClient::Rendezvous(const std::string& coordinator, const std::string& group,
                             const std::string& token, int world_size, int rank, absl::Time deadline,
                             absl::AnyInvocable<void(absl::StatusOr<PeerTable>)> done,
-                            uint64_t failed_epoch) {
+                            uint64_t failed_epoch, const std::string& device_uuid,
+                            const std::string& nccl_unique_id) {
   auto call = std::make_shared<UnaryCall>();
   call->done = std::move(done);
   v1::RendezvousRequest& req = call->rendezvous_request;
@@ -410,6 +411,8 @@ void PeerClient::Rendezvous(const std::string& coordinator, const std::string& g
   req.set_world_size(world_size);
   req.set_rank(rank);
   req.set_failed_epoch(failed_epoch);
+  req.set_device_uuid(device_uuid);
+  req.set_nccl_unique_id(nccl_unique_id);
   internal::ToProto(self_, req.mutable_daemon());
   call->ctx.set_deadline(absl::ToChronoTime(deadline));
   call->rendezvous_with = coordinator;

@@ -30,6 +30,7 @@ struct DaemonIdentity {
   std::string daemon_id;        // unique per process: node, pid, start time
   std::string peer_address;     // host:port its PeerService listens on
   std::string backend_address;  // CollectiveBackend::LocalAddress (UCX worker address bytes)
+  bool nccl = false;            // hosts GPU ranks and can run NCCL communicators
 
   friend bool operator==(const DaemonIdentity&, const DaemonIdentity&) = default;
 };
@@ -39,6 +40,11 @@ struct PeerTable {
   std::string group;
   uint64_t epoch = 0;
   std::vector<DaemonIdentity> rank_daemons;  // index: rank
+  // GPU groups (proto PeerTable): each rank's GPU uuid, "nccl" or "host" (how device memory
+  // moves between the daemons, decided by the coordinator), and NCCL's unique id.
+  std::vector<std::string> rank_devices{};
+  std::string device_transport{};
+  std::string nccl_unique_id{};
 };
 
 struct PeerOptions {
@@ -84,11 +90,13 @@ class PeerClient {
   // wrong token, INVALID_ARGUMENT for a world_size that differs), or UNAVAILABLE naming the
   // coordinator when it cannot be reached. `failed_epoch`: the epoch at which this daemon's
   // copy of the group failed (0: none), so the coordinator re-forms the group even when the
-  // failure report is still on its way.
+  // failure report is still on its way. GPU daemons: `device_uuid` is the rank's GPU, and
+  // rank 0's daemon sends a fresh `nccl_unique_id` (RendezvousRequest).
   void Rendezvous(const std::string& coordinator, const std::string& group,
                   const std::string& token, int world_size, int rank, absl::Time deadline,
                   absl::AnyInvocable<void(absl::StatusOr<PeerTable>)> done,
-                  uint64_t failed_epoch = 0);
+                  uint64_t failed_epoch = 0, const std::string& device_uuid = "",
+                  const std::string& nccl_unique_id = "");
 
   // Best effort, asynchronous: the rank's session ended here.
   void Depart(const std::string& coordinator, const std::string& group, const std::string& token,

@@ -7,16 +7,20 @@ void ToProto(const DaemonIdentity& d, v1::DaemonInfo* out) {
   out->set_daemon_id(d.daemon_id);
   out->set_peer_address(d.peer_address);
   out->set_backend_address(d.backend_address);
+  out->set_nccl(d.nccl);
 }
 
 DaemonIdentity FromProto(const v1::DaemonInfo& d) {
-  return DaemonIdentity{d.node(), d.daemon_id(), d.peer_address(), d.backend_address()};
+  return DaemonIdentity{d.node(), d.daemon_id(), d.peer_address(), d.backend_address(), d.nccl()};
 }
 
 void ToProto(const PeerTable& t, v1::PeerTable* out) {
   out->set_group(t.group);
   out->set_epoch(t.epoch);
   for (const DaemonIdentity& d : t.rank_daemons) ToProto(d, out->add_rank_daemons());
+  for (const std::string& uuid : t.rank_devices) out->add_rank_devices(uuid);
+  out->set_device_transport(t.device_transport);
+  out->set_nccl_unique_id(t.nccl_unique_id);
 }
 
 PeerTable FromProto(const v1::PeerTable& t) {
@@ -25,6 +29,9 @@ PeerTable FromProto(const v1::PeerTable& t) {
   table.epoch = t.epoch();
   table.rank_daemons.reserve(t.rank_daemons_size());
   for (const v1::DaemonInfo& d : t.rank_daemons()) table.rank_daemons.push_back(FromProto(d));
+  table.rank_devices.assign(t.rank_devices().begin(), t.rank_devices().end());
+  table.device_transport = t.device_transport();
+  table.nccl_unique_id = t.nccl_unique_id();
   return table;
 }
 

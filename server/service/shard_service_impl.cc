@@ -24,9 +24,25 @@ Reactor* Refuse(Reactor* reactor, const absl::Status& status) {
 
 void FillHandle(const Buffer& b, v1::MemoryHandle* h) {
   h->set_segment(b.segment_name());
-  h->set_segment_bytes(static_cast<uint64_t>(b.offset() + b.bytes()));
+  h->set_segment_bytes(static_cast<uint64_t>(b.segment_bytes()));
   h->set_offset(static_cast<uint64_t>(b.offset()));
   h->set_bytes(static_cast<uint64_t>(b.bytes()));
+  if (b.on_device()) {
+    v1::CudaMemory* cuda = h->mutable_cuda();
+    cuda->set_ipc_handle(b.ipc_handle());
+    cuda->set_device_uuid(b.device_uuid());
+    cuda->set_device(b.placement().device);
+  }
+}
+
+void FillEvent(const gpu::IpcEventRef& e, v1::CudaEvent* out) {
+  out->set_id(e.id);
+  out->set_ipc_handle(e.ipc_handle);
+  out->set_device_uuid(e.device_uuid);
+}
+
+gpu::IpcEventRef EventOf(const v1::CudaEvent& e) {
+  return gpu::IpcEventRef{e.id(), e.ipc_handle(), e.device_uuid()};
 }
 
 void FillShards(const std::vector<UnitShard>& shards,
@@ -49,6 +65,7 @@ void FillSummon(const SummonResult& result, v1::SummonResponse* response) {
     if (v.grads) FillHandle(*v.grads, view->mutable_grads());
   }
   response->set_note(result.note);
+  if (result.ready.id != 0) FillEvent(result.ready, response->mutable_ready());
 }
 
 // Holds the session's lease: the stream stays open while the client lives. Its end, however it
@@ -215,7 +232,8 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Summon(grpc::CallbackServerContext* 
                     // allocates fresh segments.
                     result = absl::CancelledError();
                     reactor->Finish(status);
-                  });
+                  },
+                  EventOf(request->written()));
   return reactor;
 }
 
@@ -226,7 +244,8 @@ grpc::ServerUnaryReactor* ShardServiceImpl::EndSummon(grpc::CallbackServerContex
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
   groups_->EndSummon(*caller, request->summon(), WaitDeadline(ctx),
-                     [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); });
+                     [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); },
+                     EventOf(request->written()));
   return reactor;
 }
 
@@ -257,7 +276,14 @@ grpc::ServerUnaryReactor* ShardServiceImpl::ReduceScatterGrads(
   }
   groups_->FinishReduceScatter(caller, request->registered_module(), request->unit(), op,
                                request->accumulate(), WaitDeadline(ctx),
-                               [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); });
+                               [this, reactor, response, rank = caller.rank](absl::Status s) {
+                                 if (s.ok()) {
+                                   const gpu::IpcEventRef ready = groups_->RecordReady(rank);
+                                   if (ready.id != 0) FillEvent(ready, response->mutable_ready());
+                                 }
+                                 reactor->Finish(ToGrpcStatus(s));
+                               },
+                               EventOf(request->written()));
   return reactor;
 }
 

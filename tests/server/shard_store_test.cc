@@ -19,6 +19,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/shm_segment.h"
+#include "server/gpu/device_pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/shm_testing.h"
@@ -371,6 +372,107 @@ TEST_F(ShardStoreTest, InvalidRequestsAndOptions) {
   absl::StatusOr<std::shared_ptr<Buffer>> buf = bad.Allocate(BufferKind::kShard, 1);
   EXPECT_EQ(buf.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(buf.status().message(), HasSubstr("no/slash"));
+}
+
+
+// Device placement, over a DevicePool whose slabs are host memory (no GPU needed): what the
+// store does with device buffers, not what CUDA does.
+class FakeSlabs final : public gpu::SlabAllocator {
+ public:
+  absl::StatusOr<gpu::Slab> Allocate(size_t bytes) override {
+    gpu::Slab slab;
+    slab.base = std::malloc(bytes);
+    slab.bytes = bytes;
+    slab.ipc_handle = std::string(gpu::kIpcHandleBytes, static_cast<char>('a' + allocs_++ % 26));
+    return slab;
+  }
+  void Free(const gpu::Slab& slab) override { std::free(slab.base); }
+  absl::Status Zero(void* p, size_t bytes) override {
+    std::memset(p, 0, bytes);
+    return absl::OkStatus();
+  }
+
+ private:
+  int allocs_ = 0;
+};
+
+class ShardStoreDeviceTest : public ShardStoreTest {
+ protected:
+  ShardStoreOptions DeviceOptions(int64_t device_limit) {
+    gpu::DevicePoolOptions pool;
+    pool.device = 1;
+    pool.device_uuid = "GPU-fake-1";
+    pool.limit_bytes = device_limit;
+    pool.slab_bytes = 1 << 20;
+    ShardStoreOptions o = Options();
+    o.device_pools.resize(2);
+    o.device_pools[1] = gpu::DevicePool::Create(pool, std::make_unique<FakeSlabs>());
+    return o;
+  }
+};
+
+TEST_F(ShardStoreDeviceTest, DeviceBuffersLiveInPoolSlabsAndAreAccountedApart) {
+  ShardStore store(DeviceOptions(8 << 20));
+  absl::StatusOr<std::shared_ptr<Buffer>> b =
+      store.Allocate(BufferKind::kShard, 4096, "unit=0", -1, Placement::Device(1));
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_TRUE((*b)->on_device());
+  EXPECT_EQ((*b)->view(DType::kFloat32).kind, collective::MemoryKind::kCuda);
+  EXPECT_TRUE(absl::StartsWith((*b)->segment_name(), "cuda-slab-")) << (*b)->segment_name();
+  EXPECT_EQ((*b)->segment_bytes(), 1 << 20);
+  EXPECT_EQ((*b)->ipc_handle().size(), gpu::kIpcHandleBytes);
+  EXPECT_EQ((*b)->device_uuid(), "GPU-fake-1");
+  ASSERT_NE((*b)->data(), nullptr);
+  EXPECT_TRUE(AllZero((*b)->data(), 4096));
+  EXPECT_THAT(ListSegments(prefix_), IsEmpty()) << "device buffers make no shm segments";
+  MemoryUsage usage = store.Usage();
+  EXPECT_EQ(usage.device_bytes, 4096);
+  EXPECT_EQ(usage.total_bytes, 0);
+  EXPECT_EQ(usage.buffers, 1);
+  b->reset();
+  usage = store.Usage();
+  EXPECT_EQ(usage.device_bytes, 0);
+  EXPECT_EQ(usage.buffers, 0);
+}
+
+TEST_F(ShardStoreDeviceTest, DecommitReturnsTheBlockAndCommitReusesTheSlab) {
+  ShardStore store(DeviceOptions(8 << 20));
+  absl::StatusOr<std::shared_ptr<Buffer>> b =
+      store.Allocate(BufferKind::kUnsharded, 8192, "full", -1, Placement::Device(1));
+  ASSERT_TRUE(b.ok()) << b.status();
+  const std::string slab = (*b)->segment_name();
+  std::memset((*b)->data(), 7, 8192);
+  ASSERT_TRUE((*b)->Decommit().ok());
+  EXPECT_FALSE((*b)->committed());
+  EXPECT_EQ((*b)->data(), nullptr);
+  EXPECT_EQ(store.Usage().device_bytes, 0);
+  ASSERT_TRUE((*b)->Commit().ok());
+  EXPECT_EQ((*b)->segment_name(), slab) << "the slab stays: trainers keep their IPC mapping";
+  EXPECT_TRUE(AllZero((*b)->data(), 8192));
+  EXPECT_EQ(store.Usage().device_bytes, 8192);
+}
+
+TEST_F(ShardStoreDeviceTest, RefusalsNameTheDeviceAndChangeNothing) {
+  ShardStore store(DeviceOptions(1 << 20));
+  absl::StatusOr<std::shared_ptr<Buffer>> none =
+      store.Allocate(BufferKind::kShard, 64, "unit=3", -1, Placement::Device(0));
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(none.status().message(), HasSubstr("GPU 0"));
+  absl::StatusOr<std::shared_ptr<Buffer>> big =
+      store.Allocate(BufferKind::kShard, 4 << 20, "unit=4", -1, Placement::Device(1));
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();
+  EXPECT_EQ(store.Usage().device_bytes, 0);
+  EXPECT_EQ(store.Usage().buffers, 0);
+}
+
+TEST_F(ShardStoreTest, PinnedHostMemoryNeedsCudaAndLeavesNothingWithout) {
+  ShardStore store(Options());
+  absl::StatusOr<std::shared_ptr<Buffer>> b =
+      store.Allocate(BufferKind::kUnsharded, 4096, "offload", -1, Placement::Pinned());
+  if (b.ok()) GTEST_SKIP() << "this machine can pin host memory (it has a GPU)";
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition) << b.status();
+  EXPECT_THAT(b.status().message(), HasSubstr("cannot pin 4096 bytes"));
+  EXPECT_EQ(store.Usage().total_bytes, 0);
 }
 
 TEST(BufferKindTest, Names) {

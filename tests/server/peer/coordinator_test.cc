@@ -575,5 +575,87 @@ TEST_F(CoordinatorTest, CallbacksMayCallBackIntoTheCoordinator) {
   EXPECT_EQ(seen_groups, 1);
 }
 
+
+// GPU groups: how device memory moves is decided once, at the coordinator, so every daemon
+// connects the same backend.
+class CoordinatorDeviceTest : public CoordinatorTest {
+ protected:
+  static DaemonIdentity Gpu(const std::string& node, const std::string& id, bool nccl = true) {
+    DaemonIdentity d = Daemon(node, id);
+    d.nccl = nccl;
+    return d;
+  }
+  void JoinOn(Result& r, const DaemonIdentity& daemon, int rank, const std::string& device,
+              const std::string& nccl_id = "", int world = 2) {
+    RendezvousArgs args{"g", "t", world, rank, daemon};
+    args.device_uuid = device;
+    args.nccl_unique_id = nccl_id;
+    coordinator_.Rendezvous(args, Now() + absl::Seconds(10), r.Callback());
+  }
+};
+
+TEST_F(CoordinatorDeviceTest, DistinctGpusOnNcclDaemonsGetNcclAndRank0sId) {
+  Result r0, r1;
+  JoinOn(r0, Gpu("a", "a-1"), 0, "GPU-a", "id-from-rank-0");
+  JoinOn(r1, Gpu("b", "b-1"), 1, "GPU-b");
+  ASSERT_TRUE(r1.answered() && r1.value().ok()) << r1.status();
+  for (const Result* r : {&r0, &r1}) {
+    EXPECT_EQ(r->value()->device_transport, "nccl");
+    EXPECT_EQ(r->value()->nccl_unique_id, "id-from-rank-0");
+    EXPECT_THAT(r->value()->rank_devices, ElementsAre("GPU-a", "GPU-b"));
+  }
+}
+
+TEST_F(CoordinatorDeviceTest, TwoDaemonsOnOneGpuAreStagedThroughTheHost) {
+  Result r0, r1;
+  JoinOn(r0, Gpu("a", "a-1"), 0, "GPU-same", "id");
+  JoinOn(r1, Gpu("a", "a-2"), 1, "GPU-same");
+  ASSERT_TRUE(r0.answered() && r0.value().ok()) << r0.status();
+  EXPECT_EQ(r0.value()->device_transport, "host");
+  EXPECT_EQ(r1.value()->device_transport, "host");
+  EXPECT_EQ(r0.value()->nccl_unique_id, "");
+}
+
+TEST_F(CoordinatorDeviceTest, ADaemonWithoutNcclOrAMissingIdMeansHost) {
+  Result r0, r1;
+  JoinOn(r0, Gpu("a", "a-1"), 0, "GPU-a", "id");
+  JoinOn(r1, Gpu("b", "b-1", /*nccl=*/false), 1, "GPU-b");
+  ASSERT_TRUE(r1.answered() && r1.value().ok()) << r1.status();
+  EXPECT_EQ(r1.value()->device_transport, "host");
+
+  Result s0, s1;  // a new group: no id from rank 0
+  RendezvousArgs a0{"h", "t", 2, 0, Gpu("a", "a-1")};
+  a0.device_uuid = "GPU-a";
+  RendezvousArgs a1{"h", "t", 2, 1, Gpu("b", "b-1")};
+  a1.device_uuid = "GPU-b";
+  coordinator_.Rendezvous(a0, Now() + absl::Seconds(10), s0.Callback());
+  coordinator_.Rendezvous(a1, Now() + absl::Seconds(10), s1.Callback());
+  ASSERT_TRUE(s1.answered() && s1.value().ok()) << s1.status();
+  EXPECT_EQ(s1.value()->device_transport, "host");
+}
+
+TEST_F(CoordinatorDeviceTest, AnIdIsHandedOutForOneRoundOnly) {
+  Result r0, r1;
+  JoinOn(r0, Gpu("a", "a-1"), 0, "GPU-a", "id-1");
+  JoinOn(r1, Gpu("b", "b-1"), 1, "GPU-b");
+  ASSERT_TRUE(r1.answered() && r1.value().ok());
+  ASSERT_EQ(r1.value()->device_transport, "nccl");
+  // Rank 1's daemon restarts: a new epoch, but rank 0 did not bring a new id this round.
+  Result again;
+  JoinOn(again, Gpu("b", "b-2"), 1, "GPU-b");
+  ASSERT_TRUE(again.answered() && again.value().ok()) << again.status();
+  EXPECT_GT(again.value()->epoch, r1.value()->epoch);
+  EXPECT_EQ(again.value()->device_transport, "host");
+  EXPECT_EQ(again.value()->nccl_unique_id, "");
+}
+
+TEST_F(CoordinatorDeviceTest, HostGroupsSayNothingAboutDevices) {
+  Result r0, r1;
+  Join(r0, kA, 0);
+  Join(r1, kB, 1);
+  ASSERT_TRUE(r1.answered() && r1.value().ok());
+  EXPECT_EQ(r1.value()->device_transport, "");
+}
+
 }  // namespace
 }  // namespace flatshard::server::peer

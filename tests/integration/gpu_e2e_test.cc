@@ -1,0 +1,304 @@
+// The GPU backend end to end (CTest label "gpu"): real flatshardd processes started with
+// --gpus=0, trainers as threads with their own Clients opening the daemons' device memory
+// through CUDA IPC (another process, as in production), reading and writing it with
+// cudaMemcpy. Layouts: one daemon (world 1 over NCCL, world 2 with both ranks on GPU 0 staged
+// between them), and two daemons sharing GPU 0 (device memory staged over UCX: NCCL cannot
+// put two ranks of one communicator on one GPU).
+//
+// Every test skips where no GPU is usable (CI, the development machines).
+
+#include <cuda_runtime.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/gpu/cuda_util.h"
+#include "common/plan.h"
+#include "flatshard/client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/cluster.h"
+#include "tests/testing/files.h"
+
+namespace flatshard::client {
+namespace {
+
+using ::flatshard::testing::Cluster;
+using ::flatshard::testing::ExampleModelFile;
+using ::flatshard::testing::Layout;
+using ::testing::HasSubstr;
+
+constexpr char kToken[] = "gpu-t0k";
+
+#define SKIP_WITHOUT_GPU()                                                       \
+  do {                                                                           \
+    absl::StatusOr<std::vector<gpu::GpuDevice>> gpus = gpu::ListGpus();          \
+    if (!gpus.ok()) GTEST_SKIP() << "no GPU: " << gpus.status().message();       \
+  } while (0)
+
+::flatshard::testing::ClusterOptions GpuOptions(std::vector<std::string> more = {}) {
+  ::flatshard::testing::ClusterOptions o;
+  o.tag_prefix = "fsgpu";
+  o.extra_flags = {"--gpus=0"};
+  for (std::string& f : more) o.extra_flags.push_back(std::move(f));
+  return o;
+}
+
+void ForEachRank(int world, const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) threads.emplace_back(fn, r);
+  for (std::thread& t : threads) t.join();
+}
+
+std::vector<float> Read(const void* data, int device, int64_t numel) {
+  std::vector<float> out(static_cast<size_t>(numel));
+  if (device < 0) {
+    std::memcpy(out.data(), data, out.size() * sizeof(float));
+  } else {
+    EXPECT_EQ(cudaSetDevice(device), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(out.data(), data, out.size() * sizeof(float), cudaMemcpyDefault),
+              cudaSuccess);
+  }
+  return out;
+}
+
+void Fill(const ParamView& v, const std::function<float(int64_t)>& value) {
+  std::vector<float> host(static_cast<size_t>(v.numel));
+  for (int64_t i = 0; i < v.numel; ++i) host[i] = value(i);
+  if (v.device < 0) {
+    std::memcpy(v.data, host.data(), host.size() * sizeof(float));
+    return;
+  }
+  ASSERT_EQ(cudaSetDevice(v.device), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(v.data, host.data(), host.size() * sizeof(float), cudaMemcpyDefault),
+            cudaSuccess);
+}
+
+// A value that differs per parameter and element.
+float ValueOf(const std::string& fqn, int64_t i, float scale = 1.0f) {
+  return scale * (static_cast<float>(std::hash<std::string>{}(fqn) % 97) + 0.25f * (i % 13));
+}
+
+struct Rank {
+  std::unique_ptr<Client> client;
+  RegisteredModule model;
+};
+
+// Joins `world` ranks and registers gpt_tied with FROM_EVERY_RANK init values ValueOf(scale).
+std::vector<Rank> JoinAndInit(const Cluster& d, const std::string& group, int world,
+                              float scale = 1.0f) {
+  std::vector<Rank> ranks(world);
+  const std::string manifest = ExampleModelFile("gpt_tied", "manifest");
+  const std::string policy = ExampleModelFile("gpt_tied", "policy");
+  ForEachRank(world, [&](int r) {
+    ClientOptions options;
+    options.address = d.AddressFor(r);
+    options.call_timeout = absl::Seconds(30);
+    options.join_timeout = absl::Seconds(30);
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    ranks[r].client = *std::move(client);
+    ASSERT_TRUE(ranks[r].client->Join(group, world, r, kToken, d.coordinator()).ok());
+    absl::StatusOr<RegisteredModule> reg =
+        ranks[r].client->Register("", manifest, policy, InitMode::kFromEveryRank);
+    ASSERT_TRUE(reg.ok()) << reg.status();
+    ranks[r].model = *std::move(reg);
+    ASSERT_NE(ranks[r].model.init_summon, nullptr);
+    for (const ParamView& v : ranks[r].model.init_summon->params()) {
+      EXPECT_GE(v.device, 0) << v.fqn << ": init views live on the GPU";
+      Fill(v, [&](int64_t i) { return ValueOf(v.fqn, i, scale); });
+    }
+    absl::Status ended = ranks[r].model.init_summon->End();
+    ASSERT_TRUE(ended.ok()) << ended;
+  });
+  return ranks;
+}
+
+// Every rank summons the whole model with `options` and checks each view against `want`.
+void ExpectValues(std::vector<Rank>& ranks, SummonOptions options,
+                  const std::function<float(const std::string&, int64_t)>& want) {
+  ForEachRank(static_cast<int>(ranks.size()), [&](int r) {
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", options);
+    ASSERT_TRUE(s.ok()) << s.status();
+    if (options.rank0_only && r != 0) {
+      EXPECT_FALSE((*s)->has_views());
+    } else {
+      for (const ParamView& v : (*s)->params()) {
+        EXPECT_EQ(v.device < 0, options.offload_to_cpu) << v.fqn;
+        const std::vector<float> got = Read(v.data, v.device, v.numel);
+        for (int64_t i = 0; i < v.numel; ++i) {
+          ASSERT_EQ(got[i], want(v.fqn, i)) << "rank " << r << " " << v.fqn << "[" << i << "]";
+        }
+      }
+    }
+    ASSERT_TRUE((*s)->End().ok());
+  });
+}
+
+class GpuE2ETest : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(GpuE2ETest, InitValuesComeBackOnTheDeviceAndOffloaded) {
+  SKIP_WITHOUT_GPU();
+  Cluster d(GetParam(), GpuOptions());
+  std::vector<Rank> ranks = JoinAndInit(d, "init", 2);
+  auto want = [](const std::string& fqn, int64_t i) { return ValueOf(fqn, i); };
+  SummonOptions read_only;
+  read_only.writeback = false;
+  ExpectValues(ranks, read_only, want);
+  SummonOptions offload = read_only;
+  offload.offload_to_cpu = true;  // pinned host views, all-gathered on the GPU
+  ExpectValues(ranks, offload, want);
+  SummonOptions rank0 = read_only;
+  rank0.rank0_only = true;
+  ExpectValues(ranks, rank0, want);
+}
+
+TEST_P(GpuE2ETest, WritebackFromDeviceAndFromOffloadedViewsReachesTheShards) {
+  SKIP_WITHOUT_GPU();
+  Cluster d(GetParam(), GpuOptions());
+  std::vector<Rank> ranks = JoinAndInit(d, "writeback", 2);
+  for (bool offload : {false, true}) {
+    const float scale = offload ? 3.0f : 2.0f;
+    ForEachRank(2, [&](int r) {
+      SummonOptions o;
+      o.offload_to_cpu = offload;
+      absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", o);
+      ASSERT_TRUE(s.ok()) << s.status();
+      for (const ParamView& v : (*s)->params()) {
+        Fill(v, [&](int64_t i) { return ValueOf(v.fqn, i, scale); });
+      }
+      ASSERT_TRUE((*s)->End().ok());
+    });
+    SummonOptions read_only;
+    read_only.writeback = false;
+    ExpectValues(ranks, read_only,
+                 [&](const std::string& fqn, int64_t i) { return ValueOf(fqn, i, scale); });
+  }
+}
+
+TEST_P(GpuE2ETest, Rank0OnlyWritebackReachesEveryRank) {
+  SKIP_WITHOUT_GPU();
+  Cluster d(GetParam(), GpuOptions());
+  std::vector<Rank> ranks = JoinAndInit(d, "rank0", 2);
+  ForEachRank(2, [&](int r) {
+    SummonOptions o;
+    o.rank0_only = true;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    if (r == 0) {
+      for (const ParamView& v : (*s)->params()) {
+        Fill(v, [&](int64_t i) { return ValueOf(v.fqn, i, 5.0f); });
+      }
+    }
+    ASSERT_TRUE((*s)->End().ok());
+  });
+  SummonOptions read_only;
+  read_only.writeback = false;
+  ExpectValues(ranks, read_only,
+               [](const std::string& fqn, int64_t i) { return ValueOf(fqn, i, 5.0f); });
+}
+
+TEST_P(GpuE2ETest, ReduceScatterSumsAveragesAndAccumulatesOnTheDevice) {
+  SKIP_WITHOUT_GPU();
+  Cluster d(GetParam(), GpuOptions());
+  std::vector<Rank> ranks = JoinAndInit(d, "grads", 2);
+  const Plan& plan = *ranks[0].model.plan;
+  auto reduce = [&](ReduceOp op, bool accumulate) {
+    for (const PlanUnit& u : plan.units) {
+      ForEachRank(2, [&](int r) {
+        absl::Status s = ranks[r].client->ReduceScatterGrads(
+            "", u.index, op, accumulate, [&](PendingReduceScatter& p) -> absl::Status {
+              EXPECT_GE(p.device(), 0);
+              std::vector<float> g(static_cast<size_t>(p.numel()), 1.0f + r);
+              if (cudaMemcpy(p.data(), g.data(), g.size() * sizeof(float), cudaMemcpyDefault) !=
+                  cudaSuccess) {
+                return absl::InternalError("cudaMemcpy of the gradient failed");
+              }
+              return absl::OkStatus();
+            });
+        ASSERT_TRUE(s.ok()) << s;
+      });
+    }
+  };
+  reduce(ReduceOp::kSum, false);      // 1 + 2 = 3
+  reduce(ReduceOp::kAvg, true);       // + 1.5 = 4.5
+  for (int r = 0; r < 2; ++r) {
+    absl::StatusOr<ShardViews> views = ranks[r].client->GetShardViews("");
+    ASSERT_TRUE(views.ok()) << views.status();
+    for (const UnitShardView& u : *views) {
+      ASSERT_NE(u.grad, nullptr) << "unit " << u.unit;
+      ASSERT_GE(u.device, 0);
+      const std::vector<float> g = Read(u.grad, u.device, u.shard_numel);
+      EXPECT_FLOAT_EQ(g.front(), 4.5f) << "rank " << r << " unit " << u.unit;
+    }
+  }
+  SummonOptions o;
+  o.writeback = false;
+  o.with_grads = true;
+  ForEachRank(2, [&](int r) {
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    const ParamView* g = (*s)->FindGrad("wte.weight");
+    ASSERT_NE(g, nullptr);
+    const std::vector<float> got = Read(g->data, g->device, g->numel);
+    EXPECT_FLOAT_EQ(got[got.size() / 2], 4.5f);
+    ASSERT_TRUE((*s)->End().ok());
+  });
+}
+
+TEST_P(GpuE2ETest, SteadyStateSummonsOpenNoIpcHandles) {
+  SKIP_WITHOUT_GPU();
+  Cluster d(GetParam(), GpuOptions());
+  std::vector<Rank> ranks = JoinAndInit(d, "steady", 2);
+  SummonOptions o;
+  o.writeback = false;
+  std::vector<int64_t> after_first(2);
+  for (int step = 0; step < 6; ++step) {
+    ForEachRank(2, [&](int r) {
+      absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", o);
+      ASSERT_TRUE(s.ok()) << s.status();
+      ASSERT_TRUE((*s)->End().ok());
+      if (step == 0) after_first[r] = ranks[r].client->ipc_open_calls();
+    });
+  }
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_GT(after_first[r], 0);
+    EXPECT_EQ(ranks[r].client->ipc_open_calls(), after_first[r]) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, GpuE2ETest,
+                         ::testing::Values(Layout::kSingle, Layout::kTwoDaemons),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           return ::flatshard::testing::LayoutName(info.param);
+                         });
+
+TEST(GpuE2E, WorldOneOverNcclRoundTrips) {
+  SKIP_WITHOUT_GPU();
+  Cluster d(Layout::kSingle, GpuOptions({"--gpu_collectives=nccl"}));
+  std::vector<Rank> ranks = JoinAndInit(d, "nccl1", 1, 7.0f);
+  SummonOptions o;
+  o.writeback = false;
+  ExpectValues(ranks, o, [](const std::string& fqn, int64_t i) { return ValueOf(fqn, i, 7.0f); });
+}
+
+TEST(GpuE2E, MissingRankFailsTheSummonAtItsDeadlineAndTheGroupRecovers) {
+  SKIP_WITHOUT_GPU();
+  Cluster d(Layout::kSingle, GpuOptions());
+  std::vector<Rank> ranks = JoinAndInit(d, "deadline", 2);
+  // Rank 1 never summons: rank 0's all-gather waits for it until the deadline (the
+  // daemon's --default_wait of 10 s comes before the client's 30 s).
+  absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[0].client->Summon("", "", {});
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kDeadlineExceeded) << s.status();
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("1"));
+}
+
+}  // namespace
+}  // namespace flatshard::client
