@@ -139,9 +139,8 @@ struct State {
       for (const CopyOut& c : call->outs) {
         absl::Status copied = Copy(c, call->device);
         if (!copied.ok()) {
-          s = absl::Status(copied.code(), absl::StrCat("copying out ", c.bytes,
-                                                       " bytes after the collective: ",
-                                                       copied.message()));
+          s = absl::Status(copied.code(), absl::StrCat("copying out the ", c.bytes,
+                                                       "-byte output: ", copied.message()));
           SetPendingAbort(s);
           break;
         }
@@ -169,9 +168,13 @@ struct State {
     if (result.ok() && stage->copy_out) {
       absl::Status copied = Copy(stage->out, stage->device);
       if (!copied.ok()) {
-        result = absl::Status(copied.code(), absl::StrCat("copying out the shared ",
-                                                          stage->out.bytes, "-byte output: ",
-                                                          copied.message()));
+        result = absl::Status(copied.code(), absl::StrCat(
+                                            "copying out the ", stage->out.bytes, "-byte output",
+                                            stage->members > 1
+                                                ? absl::StrCat(" (shared by ", stage->members,
+                                                               " ranks)")
+                                                : "",
+                                            ": ", copied.message()));
         SetPendingAbort(result);
       }
     }
