@@ -116,10 +116,12 @@ DeviceContext::~DeviceContext() {
     absl::Status drained = Synchronize();
     if (!drained.ok()) FS_LOG(WARNING) << "destroying GPU context: " << drained;
   }
+  absl::flat_hash_map<uint64_t, std::shared_ptr<OpenedEvent>> opened;
   {
     absl::MutexLock lock(&mu_);
-    opened_.clear();
+    opened.swap(opened_);
   }
+  opened.clear();  // cudaEventDestroy, outside the lock
   ScopedCudaDevice scoped(gpu_.ordinal);
   if (ready_event_ != nullptr && cudaEventDestroy(AsEvent(ready_event_)) != cudaSuccess) {
     cudaGetLastError();
