@@ -146,6 +146,7 @@ class NcclCore {
       : spec_(std::move(spec)),
         unique_id_(std::move(unique_id)),
         options_(options),
+        comm_name_(absl::StrCat("flatshard:", spec_.group_id, " epoch ", spec_.epoch)),
         init_deadline_(absl::Now() + options.init_timeout),
         last_seq_(spec_.local_ranks.size()) {}
 
@@ -213,6 +214,8 @@ class NcclCore {
   const GroupSpec spec_;
   const std::string unique_id_;
   const NcclBackendOptions options_;
+  // ncclConfig_t::commName; kept for the communicators' lifetime since init runs on.
+  const std::string comm_name_;
   const absl::Time init_deadline_;
   std::thread thread_;
   std::vector<Device> devices_;  // by local index; the thread's
@@ -491,10 +494,9 @@ absl::Status NcclCore::InitDevices() {
 absl::Status NcclCore::InitComms() {
   ncclUniqueId id;
   std::memcpy(id.internal, unique_id_.data(), NCCL_UNIQUE_ID_BYTES);
-  const std::string comm_name = absl::StrCat("flatshard:", GroupName());
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // never block this thread: deadlines and Abort must stay responsive
-  config.commName = comm_name.c_str();
+  config.commName = comm_name_.c_str();
   FS_RETURN_IF_ERROR(NcclCheck(ncclGroupStart(), "ncclGroupStart for init"));
   absl::Status first;
   for (Device& d : devices_) {

@@ -35,7 +35,9 @@ class DeviceBuffer {
   DeviceBuffer(int device, size_t bytes) : device_(device), bytes_(bytes) {
     gpu::ScopedCudaDevice on(device);
     EXPECT_TRUE(on.status().ok()) << on.status();
-    if (bytes > 0) EXPECT_EQ(cudaMalloc(&data_, bytes), cudaSuccess);
+    if (bytes > 0) {
+      EXPECT_EQ(cudaMalloc(&data_, bytes), cudaSuccess);
+    }
   }
   ~DeviceBuffer() {
     if (data_ != nullptr) cudaFree(data_);
@@ -111,6 +113,11 @@ class NcclBackendTest : public ::testing::TestWithParam<bool> {
   int gpus_ = 0;
   std::unique_ptr<CollectiveBackend> backend_;
 };
+
+// The shared suites pass host buffers, which NCCL refuses; the focused tests below cover the
+// same contract on device memory.
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(BackendConformanceTest);
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(BackendFailureTest);
 
 INSTANTIATE_TEST_SUITE_P(Fingerprint, NcclBackendTest, ::testing::Bool(),
                          [](const ::testing::TestParamInfo<bool>& info) {
@@ -238,11 +245,11 @@ TEST_P(NcclBackendTest, TwoGpusAllGatherAndReduceScatterInOneGroupedLaunch) {
   }
 }
 
-TEST_P(NcclBackendTest, TwoGpusSharingOneOutputAreRefused) {
+TEST_P(NcclBackendTest, TwoGpusRefuseABufferOnAnotherRanksGpu) {
   if (gpus_ < 2) GTEST_SKIP() << "needs 2 GPUs";
   auto comm = ConnectAllLocal(2);
   ASSERT_NE(comm, nullptr);
-  DeviceBuffer b0(0, 64), b1(1, 64);
+  DeviceBuffer b0(0, 64);
   DoneRecorder done[2];
   comm->Broadcast(b0.Out(DType::kFloat32), 0, Opts(0, 1), done[0].Callback());
   comm->Broadcast(b0.Out(DType::kFloat32), 0, Opts(1, 1), done[1].Callback());
