@@ -9,6 +9,9 @@
 #include "common/config.h"
 #include "common/status_macros.h"
 #include "server/collective/inproc/inproc_backend.h"
+#if FS_HAVE_NCCL
+#include "server/collective/nccl/nccl_backend.h"
+#endif
 #if FS_HAVE_UCX
 #include "server/collective/ucx/ucx_backend.h"
 #endif
@@ -83,6 +86,37 @@ absl::StatusOr<std::unique_ptr<CollectiveBackend>> MakeUcx(const BackendParams& 
 }
 #endif
 
+#if FS_HAVE_NCCL
+// Keys: init_timeout_ms, finalize_timeout_ms, poll_interval_us, fingerprint (on|off); see
+// NcclBackendOptions.
+absl::StatusOr<std::unique_ptr<CollectiveBackend>> MakeNccl(const BackendParams& params) {
+  NcclBackendOptions options;
+  for (const auto& [key, value] : params) {
+    if (key == "init_timeout_ms") {
+      FS_ASSIGN_OR_RETURN(int64_t v, ParseInt("nccl", key, value, 1));
+      options.init_timeout = absl::Milliseconds(v);
+    } else if (key == "finalize_timeout_ms") {
+      FS_ASSIGN_OR_RETURN(int64_t v, ParseInt("nccl", key, value, 0));
+      options.finalize_timeout = absl::Milliseconds(v);
+    } else if (key == "poll_interval_us") {
+      FS_ASSIGN_OR_RETURN(int64_t v, ParseInt("nccl", key, value, 0));
+      options.poll_interval = absl::Microseconds(v);
+    } else if (key == "fingerprint") {
+      if (value != "on" && value != "off") {
+        return absl::InvalidArgumentError(
+            absl::StrCat("nccl backend: fingerprint must be 'on' or 'off', got '", value, "'"));
+      }
+      options.fingerprint = value == "on";
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "nccl backend: unknown parameter '", key,
+          "' (known: init_timeout_ms, finalize_timeout_ms, poll_interval_us, fingerprint)"));
+    }
+  }
+  return CreateNcclBackend(options);
+}
+#endif
+
 }  // namespace
 
 absl::Status BackendRegistry::Register(std::string name, BackendFactory factory) {
@@ -121,9 +155,9 @@ absl::Status RegisterBuiltinBackends(BackendRegistry& registry) {
 #if FS_HAVE_UCX
   FS_RETURN_IF_ERROR(registry.Register("ucx", MakeUcx));
 #endif
-  // #if FS_HAVE_NCCL
-  //   FS_RETURN_IF_ERROR(registry.Register("nccl", MakeNccl));  // nccl/nccl_backend.h
-  // #endif
+#if FS_HAVE_NCCL
+  FS_RETURN_IF_ERROR(registry.Register("nccl", MakeNccl));
+#endif
   return absl::OkStatus();
 }
 

@@ -19,6 +19,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/shm_segment.h"
+#include "common/gpu/cuda_util.h"
 #include "server/gpu/device_pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
