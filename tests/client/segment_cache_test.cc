@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -78,8 +79,9 @@ TEST(SegmentCacheTest, ReadOnlyAndWritableAreSeparateMappingsEachMadeOnce) {
   ASSERT_TRUE(ro.ok()) << ro.status();
   ASSERT_TRUE(rw.ok()) << rw.status();
   EXPECT_FALSE(ro->writable);
-  EXPECT_FALSE(ro->mapping->writable());
-  EXPECT_TRUE(rw->mapping->writable());
+  // Host ranges hold their ShmSegment.
+  EXPECT_FALSE(std::static_pointer_cast<const ShmSegment>(ro->mapping)->writable());
+  EXPECT_TRUE(std::static_pointer_cast<const ShmSegment>(rw->mapping)->writable());
   EXPECT_NE(ro->data, rw->data);
   EXPECT_EQ(cache.map_calls(), 2);
   static_cast<char*>(rw->data)[3] = 7;  // both map the same pages
@@ -206,6 +208,7 @@ TEST(SegmentCacheTest, ZeroByteRangeHasNoPointer) {
 
 // --- Device segments (CUDA IPC), through FakeDeviceMemoryOpener ------------------------------
 
+namespace flatshard::client::internal {
 namespace device {
 
 using testing::FakeDeviceMemoryOpener;
@@ -404,3 +407,4 @@ TEST(RealDeviceOpenerTest, FailsCleanlyForAGpuThisProcessCannotUse) {
 }
 
 }  // namespace device
+}  // namespace flatshard::client::internal
