@@ -559,6 +559,9 @@ TEST_F(ClientTest, ConcurrentSummonsFromManyThreads) {
 
 // --- GPU memory: wiring checked with FakeDeviceMemoryOpener and FakeCudaEventApi -------------
 
+namespace flatshard::client {
+namespace {
+
 class ClientGpuTest : public ClientTest {
  protected:
   static constexpr uintptr_t kStream = 0x77;  // logged as "stream 119"
@@ -734,3 +737,6 @@ TEST_F(ClientGpuTest, DeviceMemoryWithoutAUsableGpuFailsCleanly) {
     EXPECT_EQ(m.status().code(), absl::StatusCode::kNotFound) << m.status();  // a GPU host
   }
 }
+
+}  // namespace
+}  // namespace flatshard::client
