@@ -214,9 +214,13 @@ class SummonedParams {
   // Ends the summon (collective: every rank ends it): the daemon writes back if the summon
   // asked for it, then reshards. Drops the views. Called twice, returns the first result
   // without calling the daemon again.
+  // Device views: first records the trainer's event on ClientOptions::cuda_stream and sends
+  // it, so the daemon writes back only after the writes enqueued there.
   // Errors: the RPC's (e.g. DEADLINE_EXCEEDED naming missing ranks, ABORTED); a failed
   // writeback leaves the old shards intact. FAILED_PRECONDITION when the Client was destroyed
   // or left first (the daemon then ended the summon without writeback) or the lease broke.
+  // A failed event record (CUDA's error) is returned without calling the daemon: writing back
+  // unordered bytes would be worse; the summon then ends with the session.
   absl::Status End();
 
  private:
@@ -260,8 +264,11 @@ class PendingReduceScatter {
   const ParamViews& grads() const { return grads_; }
 
   // Phase two (collective: every rank of the unit's group calls it): reduce-scatters what was
-  // written. Once; a second call returns the first result.
-  // Errors: the RPC's; FAILED_PRECONDITION when the Client is gone or the lease broke.
+  // written. Once; a second call returns the first result. Device memory: sends the
+  // trainer's event recorded on cuda_stream, and on return cuda_stream waits for the daemon's
+  // `ready` (the gradient shard is updated for work enqueued there next).
+  // Errors: the RPC's; FAILED_PRECONDITION when the Client is gone or the lease broke; CUDA's
+  // (recording or waiting on the events), naming the unit.
   absl::Status Finish();
 
  private:
@@ -377,7 +384,9 @@ class Client {
   // REQUIRES: this client registered `registered_module` in the current session.
   // Errors: NOT_FOUND for a module this client did not register; FAILED_PRECONDITION when
   // not joined, or from the daemon (unit in forward/backward, already summoned); the RPC's;
-  // errors mapping the daemon's segments (the summon is then ended before returning).
+  // errors mapping the daemon's segments (the summon is then ended before returning);
+  // device memory: FAILED_PRECONDITION / NOT_FOUND naming the GPU this process cannot use,
+  // and CUDA's errors recording `written` (before the RPC) or waiting on `ready`.
   absl::StatusOr<std::unique_ptr<SummonedParams>> Summon(const std::string& registered_module,
                                                          const std::string& path,
                                                          const SummonOptions& options = {});
