@@ -37,12 +37,12 @@ extern char** environ;
 namespace flatshard::client::internal {
 namespace {
 
+#if FS_HAVE_CUDA
+
 constexpr size_t kBytes = 8 << 20;
 constexpr uint64_t kOffset = 4096;  // the child maps [kOffset, kBytes) of the "slab"
 
 uint8_t Pattern(size_t i) { return static_cast<uint8_t>(i * 7 + 3); }
-
-#if FS_HAVE_CUDA
 
 #define ASSERT_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call
 
