@@ -11,6 +11,8 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "client/client_internal.h"
+#include "client/cuda_events.h"
 #include "client/segment_cache.h"
 #include "common/file_util.h"
 #include "common/grpc_status.h"
@@ -34,7 +36,26 @@ SegmentRange ToRange(const v1::MemoryHandle& h) {
   r.segment_bytes = h.segment_bytes();
   r.offset = h.offset();
   r.bytes = h.bytes();
+  if (h.has_cuda()) {
+    r.cuda = true;
+    r.cuda_ipc_handle = h.cuda().ipc_handle();
+    r.device_uuid = h.cuda().device_uuid();
+  }
   return r;
+}
+
+IpcEvent FromProto(const v1::CudaEvent& e) {
+  IpcEvent out;
+  out.id = e.id();
+  out.ipc_handle = e.ipc_handle();
+  out.device_uuid = e.device_uuid();
+  return out;
+}
+
+void ToProto(const IpcEvent& e, v1::CudaEvent* out) {
+  out->set_id(e.id);
+  out->set_ipc_handle(e.ipc_handle);
+  out->set_device_uuid(e.device_uuid);
 }
 
 v1::InitMode ToProto(InitMode mode) {
@@ -168,14 +189,21 @@ class LeaseStream {
 // may outlive it. Thread-safe. Locks: mu_, then LeaseStream::mu_ (never the reverse).
 class ClientCore : public std::enable_shared_from_this<ClientCore> {
  public:
-  ClientCore(ClientOptions options, std::shared_ptr<grpc::Channel> channel)
+  ClientCore(ClientOptions options, std::shared_ptr<grpc::Channel> channel, GpuApis apis)
       : options_(std::move(options)),
         channel_(std::move(channel)),
-        stub_(v1::ShardService::NewStub(channel_)) {}
+        stub_(v1::ShardService::NewStub(channel_)),
+        cache_(/*max_entries=*/4096, std::move(apis.opener)),
+        events_(std::move(apis.events)) {}
   ~ClientCore() { Shutdown(); }
+
+  static std::unique_ptr<Client> NewClient(std::shared_ptr<ClientCore> core) {
+    return std::unique_ptr<Client>(new Client(std::move(core)));
+  }
 
   const ClientOptions& options() const { return options_; }
   int64_t map_calls() const { return cache_.map_calls(); }
+  int64_t ipc_open_calls() const { return cache_.ipc_open_calls(); }
 
   // Ends the session locally: closes the lease, forgets modules. No RPC.
   void Shutdown() {
@@ -185,6 +213,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       lease = std::move(lease_);
       state_ = State::kIdle;
       modules_.clear();
+      shard_device_ = -1;
     }
     if (lease != nullptr) lease->Stop();
   }
@@ -209,6 +238,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       broken = std::move(lease_);
       state_ = State::kJoining;
       modules_.clear();
+      shard_device_ = -1;
     }
     if (broken != nullptr) broken->Stop();
     absl::Status status = JoinAndLease(std::move(group), world_size, rank, std::move(token),
@@ -268,7 +298,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
                           MakeSummoned(*layout, caller, module, response.init_summon(),
                                        /*writable=*/true));
     }
-    FS_ASSIGN_OR_RETURN(out.shards, MakeShardViews(**layout, caller.rank(), response.shards()));
+    FS_ASSIGN_OR_RETURN(out.shards, MakeShardViews(**layout, caller, response.shards()));
     return out;
   }
 
@@ -282,6 +312,17 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     request.set_registered_module(module);
     request.set_path(path);
     *request.mutable_options() = internal::ToProto(options);
+    // Device shards may have been written on the trainer's stream (an optimizer step) since
+    // the last call: the daemon's all-gather must wait for that.
+    if (const int device = ShardDevice(); device >= 0) {
+      absl::StatusOr<IpcEvent> written = events_.RecordWritten(device, options_.cuda_stream);
+      if (!written.ok()) {
+        return absl::Status(written.status().code(),
+                            absl::StrCat("Summon of module \"", module, "\" path \"", path,
+                                         "\": ", written.status().message()));
+      }
+      ToProto(*written, request.mutable_written());
+    }
     v1::SummonResponse response;
     FS_RETURN_IF_ERROR(Call("Summon", &Stub::Summon, request, &response, options_.call_timeout));
     FS_VLOG(2) << "summon=" << response.summon() << " module=\"" << module << "\" path=\"" << path
@@ -289,11 +330,24 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     return MakeSummoned(layout, caller, module, response, options.writeback);
   }
 
-  absl::Status EndSummon(uint64_t session, const std::string& module, uint64_t summon) {
+  // `device` >= 0: the summon's views are device memory on that GPU.
+  absl::Status EndSummon(uint64_t session, const std::string& module, uint64_t summon,
+                         int device) {
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(session));
     v1::EndSummonRequest request;
     *request.mutable_caller() = caller;
     request.set_summon(summon);
+    if (device >= 0) {
+      // Without the event the daemon could write back before the trainer's writes landed;
+      // better to fail (the summon then ends with the session) than to write back garbage.
+      absl::StatusOr<IpcEvent> written = events_.RecordWritten(device, options_.cuda_stream);
+      if (!written.ok()) {
+        return absl::Status(written.status().code(),
+                            absl::StrCat("EndSummon of summon ", summon, " module \"", module,
+                                         "\": ", written.status().message()));
+      }
+      ToProto(*written, request.mutable_written());
+    }
     v1::EndSummonResponse response;
     absl::Status s = Call("EndSummon", &Stub::EndSummon, request, &response, options_.call_timeout);
     FS_VLOG(2) << "end summon=" << summon << " module=\"" << module << "\": " << s;
@@ -324,18 +378,39 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     pending->dtype_ = tmpl->dtype;
     pending->data_ = range.data;
     pending->numel_ = tmpl->padded_numel;
+    pending->device_ = range.device;
     pending->grads_ = builder.Build();
     return pending;
   }
 
+  // `device` >= 0: the full gradient buffer is device memory on that GPU.
   absl::Status FinishReduceScatter(uint64_t session, const std::string& module, int32_t unit,
-                                   ReduceOp op, bool accumulate) {
+                                   ReduceOp op, bool accumulate, int device) {
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(session));
     v1::ReduceScatterGradsRequest request =
         ReduceScatterRequest(caller, module, unit, op, accumulate, /*begin=*/false);
+    const auto where = [&] {
+      return absl::StrCat("ReduceScatterGrads of module \"", module, "\" unit ", unit, ": ");
+    };
+    if (device >= 0) {
+      absl::StatusOr<IpcEvent> written = events_.RecordWritten(device, options_.cuda_stream);
+      if (!written.ok()) {
+        return absl::Status(written.status().code(),
+                            absl::StrCat(where(), written.status().message()));
+      }
+      ToProto(*written, request.mutable_written());
+    }
     v1::ReduceScatterGradsResponse response;
-    return Call("ReduceScatterGrads", &Stub::ReduceScatterGrads, request, &response,
-                options_.call_timeout);
+    FS_RETURN_IF_ERROR(Call("ReduceScatterGrads", &Stub::ReduceScatterGrads, request, &response,
+                            options_.call_timeout));
+    // The optimizer reads the gradient shard on the trainer's stream next.
+    if (device >= 0 && response.has_ready()) {
+      if (absl::Status s = events_.WaitReady(FromProto(response.ready()), options_.cuda_stream);
+          !s.ok()) {
+        return absl::Status(s.code(), absl::StrCat(where(), s.message()));
+      }
+    }
+    return absl::OkStatus();
   }
 
   absl::StatusOr<ShardViews> GetShardViews(const std::string& module) {
@@ -347,7 +422,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     v1::GetShardViewsResponse response;
     FS_RETURN_IF_ERROR(
         Call("GetShardViews", &Stub::GetShardViews, request, &response, options_.call_timeout));
-    return MakeShardViews(*layout, caller.rank(), response.shards());
+    return MakeShardViews(*layout, caller, response.shards());
   }
 
   absl::Status Leave() {
@@ -372,8 +447,10 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       absl::MutexLock lock(&mu_);
       state_ = State::kIdle;
       modules_.clear();
+      shard_device_ = -1;
     }
     cache_.Clear();
+    events_.ForgetOpened();
     FS_LOG(INFO) << "left " << SessionLabel(caller) << ": " << status;
     return status;
   }
@@ -446,6 +523,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       return s;
     }
     cache_.Clear();  // a new session may come from a restarted daemon
+    events_.ForgetOpened();
     {
       absl::MutexLock lock(&mu_);
       caller_ = caller;
@@ -481,6 +559,12 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     return caller_;
   }
 
+  // The GPU of the session's device shards; -1 when it has none (host memory).
+  int ShardDevice() const {
+    absl::MutexLock lock(&mu_);
+    return shard_device_;
+  }
+
   absl::StatusOr<std::shared_ptr<const ModuleLayout>> FindModule(const std::string& module) const {
     absl::MutexLock lock(&mu_);
     const auto it = modules_.find(module);
@@ -514,18 +598,27 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     summoned->note_ = response.note();
     ViewBuilder params(layout);
     ViewBuilder grads(layout);
+    int device = -1;  // of the device views, if any
     absl::Status built = absl::OkStatus();
     for (const v1::UnitView& unit : response.units()) {
       absl::StatusOr<MappedRange> p = cache_.Map(ToRange(unit.params()), writable);
       built = p.ok() ? params.AddUnit(unit.unit(), *p) : p.status();
+      if (built.ok() && p->device >= 0) device = p->device;
       if (built.ok() && unit.has_grads()) {
         absl::StatusOr<MappedRange> g = cache_.Map(ToRange(unit.grads()), writable);
         built = g.ok() ? grads.AddUnit(unit.unit(), *g) : g.status();
+        if (built.ok() && g->device >= 0) device = g->device;
       }
       if (!built.ok()) break;
     }
+    // Device views: the trainer's stream must not read them before the daemon's all-gather
+    // has filled them. Host-only summons never touch CUDA.
+    if (built.ok() && device >= 0 && response.has_ready()) {
+      built = events_.WaitReady(FromProto(response.ready()), options_.cuda_stream);
+    }
     if (!built.ok()) {
-      // The daemon holds the units summoned until EndSummon: end it before failing.
+      // The daemon holds the units summoned until EndSummon: end it before failing. The
+      // trainer wrote nothing, so End sends no `written` (device_ is still -1).
       const absl::Status ended = summoned->End();
       if (!ended.ok()) {
         FS_LOG(ERROR) << "summon=" << response.summon() << " module=\"" << module
@@ -533,14 +626,16 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       }
       return built;
     }
+    summoned->device_ = device;
     summoned->params_ = params.Build();
     summoned->grads_ = grads.Build();
     return summoned;
   }
 
   absl::StatusOr<ShardViews> MakeShardViews(
-      const ModuleLayout& layout, int32_t rank,
+      const ModuleLayout& layout, const v1::Caller& caller,
       const google::protobuf::RepeatedPtrField<v1::UnitShard>& shards) {
+    const int32_t rank = caller.rank();
     const Plan& plan = layout.plan();
     if (rank < 0 || rank >= plan.world_size || plan.shard_world_size < 1) {
       return absl::InternalError(absl::StrCat("the plan (world_size=", plan.world_size,
@@ -565,6 +660,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       FS_RETURN_IF_ERROR(CheckRangeHolds(shard, unit->shard_numel, unit->dtype,
                                          absl::StrCat("unit ", unit->index, " shard")));
       view.data = shard.data;
+      view.device = shard.device;
       out.keepalive_.push_back(std::move(shard.mapping));
       if (s.has_grad()) {
         FS_ASSIGN_OR_RETURN(MappedRange grad, cache_.Map(ToRange(s.grad()), /*writable=*/true));
@@ -574,6 +670,16 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
         out.keepalive_.push_back(std::move(grad.mapping));
       }
       out.units_.push_back(view);
+    }
+    // From now on the trainer may write device shards (optimizer steps): Summon sends
+    // `written` so the daemon reads them only after those writes.
+    for (const UnitShardView& view : out.units_) {
+      if (view.device < 0) continue;
+      absl::MutexLock lock(&mu_);
+      if (state_ == State::kJoined && caller_.session() == caller.session()) {
+        shard_device_ = view.device;
+      }
+      break;
     }
     std::sort(out.units_.begin(), out.units_.end(),
               [](const UnitShardView& a, const UnitShardView& b) { return a.unit < b.unit; });
@@ -590,12 +696,14 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   const std::shared_ptr<grpc::Channel> channel_;
   const std::unique_ptr<Stub> stub_;  // thread-safe; reused by every call
   SegmentCache cache_;
+  StreamEvents events_;
 
   mutable absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kIdle;
   v1::Caller caller_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<LeaseStream> lease_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> registered_modules_ ABSL_GUARDED_BY(mu_);
+  int shard_device_ ABSL_GUARDED_BY(mu_) = -1;  // see ShardDevice()
   absl::flat_hash_map<std::string, std::shared_ptr<const ModuleLayout>> modules_
       ABSL_GUARDED_BY(mu_);
 };
@@ -621,7 +729,7 @@ absl::Status SummonedParams::End() {
   if (ended_) return end_status_;
   ended_ = true;
   if (std::shared_ptr<internal::ClientCore> core = core_.lock()) {
-    end_status_ = core->EndSummon(session_, module_, id_);
+    end_status_ = core->EndSummon(session_, module_, id_, device_);
   } else {
     end_status_ = absl::FailedPreconditionError(
         absl::StrCat("summon ", id_, " of module \"", module_,
@@ -655,7 +763,8 @@ absl::Status PendingReduceScatter::Finish() {
   if (finished_) return finish_status_;
   finished_ = true;
   if (std::shared_ptr<internal::ClientCore> core = core_.lock()) {
-    finish_status_ = core->FinishReduceScatter(session_, module_, unit_, op_, accumulate_);
+    finish_status_ =
+        core->FinishReduceScatter(session_, module_, unit_, op_, accumulate_, device_);
   } else {
     finish_status_ = absl::FailedPreconditionError(
         absl::StrCat("module \"", module_, "\" unit ", unit_, ": the Client is gone"));
@@ -705,6 +814,12 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsCredentials(
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
+  return internal::ConnectWithGpuApis(std::move(options), internal::GpuApis());
+}
+
+namespace internal {
+
+absl::StatusOr<std::unique_ptr<Client>> ConnectWithGpuApis(ClientOptions options, GpuApis apis) {
   if (options.address.empty()) return absl::InvalidArgumentError("Connect: empty address");
   if (options.call_timeout <= absl::ZeroDuration() ||
       options.join_timeout <= absl::ZeroDuration()) {
@@ -736,9 +851,12 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
                                                " within ",
                                                absl::FormatDuration(options.call_timeout)));
   }
-  auto core = std::make_shared<internal::ClientCore>(std::move(options), std::move(channel));
-  return std::unique_ptr<Client>(new Client(std::move(core)));
+  auto core =
+      std::make_shared<ClientCore>(std::move(options), std::move(channel), std::move(apis));
+  return ClientCore::NewClient(std::move(core));
 }
+
+}  // namespace internal
 
 Client::Client(std::shared_ptr<internal::ClientCore> core) : core_(std::move(core)) {}
 
@@ -791,6 +909,8 @@ bool Client::joined() const { return core_->joined(); }
 absl::Status Client::lease_status() const { return core_->lease_status(); }
 
 int64_t Client::segment_map_calls() const { return core_->map_calls(); }
+
+int64_t Client::ipc_open_calls() const { return core_->ipc_open_calls(); }
 
 const ClientOptions& Client::options() const { return core_->options(); }
 

@@ -5,6 +5,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "common/gpu/cuda_util.h"
 
 namespace flatshard::client {
 
@@ -25,17 +27,31 @@ const ParamView* ParamViews::Find(absl::string_view fqn) const {
 
 namespace internal {
 
-SegmentCache::SegmentCache(size_t max_entries)
-    : max_entries_(max_entries), evict_above_(max_entries) {}
+SegmentCache::SegmentCache(size_t max_entries, std::unique_ptr<DeviceMemoryOpener> opener)
+    : max_entries_(max_entries),
+      opener_(opener != nullptr ? std::move(opener) : NewCudaIpcOpener()),
+      evict_above_(max_entries) {}
+
+SegmentCache::~SegmentCache() {
+  // Device mappings close (a CUDA call) as their last holder drops them; none is held by a
+  // thread still inside Map, since Map cannot run concurrently with destruction.
+  Clear();
+}
 
 absl::StatusOr<MappedRange> SegmentCache::Map(const SegmentRange& range, bool writable) {
   if (range.segment.empty()) return absl::InternalError("memory handle names no segment");
   if (range.bytes > range.segment_bytes || range.offset > range.segment_bytes - range.bytes) {
     return absl::InternalError(absl::StrCat("memory handle [", range.offset, ", +", range.bytes,
-                                            ") does not fit in segment ", range.segment, " of ",
+                                            ") does not fit in ", range.cuda ? "device " : "",
+                                            "segment ", range.segment, " of ",
                                             range.segment_bytes, " bytes"));
   }
+  return range.cuda ? MapDevice(range, writable) : MapHost(range, writable);
+}
+
+absl::StatusOr<MappedRange> SegmentCache::MapHost(const SegmentRange& range, bool writable) {
   std::shared_ptr<const ShmSegment> mapping;
+  std::vector<std::shared_ptr<const void>> dropped;  // destroyed after unlocking
   {
     // Mapping under the lock makes concurrent first uses of a segment map it once; it only
     // happens the first time a segment shows up.
@@ -56,7 +72,7 @@ absl::StatusOr<MappedRange> SegmentCache::Map(const SegmentRange& range, bool wr
       ++map_calls_;
     }
     mapping = slot;
-    if (entries_.size() > evict_above_) EvictUnusedLocked();
+    if (entries_.size() + device_entries_.size() > evict_above_) EvictUnusedLocked(dropped);
   }
   MappedRange mapped;
   mapped.data = mapping->data() == nullptr || range.bytes == 0
@@ -68,7 +84,68 @@ absl::StatusOr<MappedRange> SegmentCache::Map(const SegmentRange& range, bool wr
   return mapped;
 }
 
-void SegmentCache::EvictUnusedLocked() {
+absl::StatusOr<MappedRange> SegmentCache::MapDevice(const SegmentRange& range, bool writable) {
+  const auto where = [&range] {
+    return absl::StrCat("device segment ", range.segment, " on GPU ", range.device_uuid, ": ");
+  };
+  if (range.cuda_ipc_handle.size() != gpu::kIpcHandleBytes) {
+    return absl::InternalError(absl::StrCat(where(), "CUDA IPC handle has the wrong size: ",
+                                            range.cuda_ipc_handle.size(), " bytes, want ",
+                                            gpu::kIpcHandleBytes));
+  }
+  // Opening is a CUDA call, so it runs outside mu_; `opening_` makes other threads wanting
+  // the same slab wait for it rather than open it a second time.
+  constexpr absl::Duration kOpenWait = absl::Minutes(1);
+  std::shared_ptr<const DeviceMapping> mapping;
+  std::shared_ptr<const void> replaced;  // destroyed after unlocking
+  {
+    absl::MutexLock lock(&mu_);
+    const auto not_opening = [this, &range]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return std::find(opening_.begin(), opening_.end(), range.segment) == opening_.end();
+    };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&not_opening), kOpenWait)) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          where(), "another thread's CUDA IPC open did not finish within ",
+          absl::FormatDuration(kOpenWait)));
+    }
+    const auto it = device_entries_.find(range.segment);
+    if (it != device_entries_.end() && it->second.ipc_handle == range.cuda_ipc_handle) {
+      mapping = it->second.mapping;
+    } else {
+      opening_.push_back(range.segment);
+    }
+  }
+  if (mapping == nullptr) {
+    absl::StatusOr<std::unique_ptr<DeviceMapping>> opened =
+        opener_->Open(range.cuda_ipc_handle, range.device_uuid);
+    std::vector<std::shared_ptr<const void>> dropped;
+    absl::MutexLock lock(&mu_);
+    opening_.erase(std::find(opening_.begin(), opening_.end(), range.segment));
+    if (!opened.ok()) {
+      return absl::Status(opened.status().code(),
+                          absl::StrCat(where(), opened.status().message()));
+    }
+    mapping = std::shared_ptr<const DeviceMapping>(*std::move(opened));
+    ++ipc_open_calls_;
+    // A slab id seen with another handle: ranges already handed out keep the old mapping.
+    DeviceEntry& entry = device_entries_[range.segment];
+    replaced = std::move(entry.mapping);
+    entry.ipc_handle = range.cuda_ipc_handle;
+    entry.mapping = mapping;
+    if (entries_.size() + device_entries_.size() > evict_above_) EvictUnusedLocked(dropped);
+  }
+  MappedRange mapped;
+  mapped.data = mapping->data() == nullptr || range.bytes == 0
+                    ? nullptr
+                    : static_cast<char*>(mapping->data()) + range.offset;
+  mapped.bytes = range.bytes;
+  mapped.writable = writable;
+  mapped.device = mapping->device();
+  mapped.mapping = std::move(mapping);
+  return mapped;
+}
+
+void SegmentCache::EvictUnusedLocked(std::vector<std::shared_ptr<const void>>& dropped) {
   // use_count() == 1: only the cache holds it. A count can only grow through the cache (under
   // mu_), so a mapping seen unused here cannot be in use by the time it is dropped.
   for (auto it = entries_.begin(); it != entries_.end();) {
@@ -81,13 +158,23 @@ void SegmentCache::EvictUnusedLocked() {
       ++it;
     }
   }
+  for (auto it = device_entries_.begin(); it != device_entries_.end();) {
+    if (it->second.mapping.use_count() == 1) {
+      dropped.push_back(std::move(it->second.mapping));
+      device_entries_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
   // Everything may still be in use: sweep again only after the cache doubled.
-  evict_above_ = std::max(max_entries_, entries_.size() * 2);
+  evict_above_ = std::max(max_entries_, (entries_.size() + device_entries_.size()) * 2);
 }
 
 void SegmentCache::Clear() {
+  absl::flat_hash_map<std::string, DeviceEntry> devices;  // closed after unlocking
   absl::MutexLock lock(&mu_);
   entries_.clear();
+  devices.swap(device_entries_);
   evict_above_ = max_entries_;
 }
 
@@ -96,9 +183,14 @@ int64_t SegmentCache::map_calls() const {
   return map_calls_;
 }
 
+int64_t SegmentCache::ipc_open_calls() const {
+  absl::MutexLock lock(&mu_);
+  return ipc_open_calls_;
+}
+
 size_t SegmentCache::size() const {
   absl::MutexLock lock(&mu_);
-  return entries_.size();
+  return entries_.size() + device_entries_.size();
 }
 
 absl::StatusOr<std::shared_ptr<const ModuleLayout>> ModuleLayout::Create(
@@ -211,6 +303,7 @@ absl::Status ViewBuilder::AddUnit(int32_t index, const MappedRange& range) {
     v.fqn = t.fqn;
     v.unit = index;
     v.writable = range.writable;
+    v.device = range.device;
     views_.views_.push_back(std::move(v));
   }
   // Units of one summon usually share few segments; keep each mapping once per run.

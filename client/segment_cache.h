@@ -3,7 +3,9 @@
 // them (DESIGN "Data paths": map each segment once, then only pointer arithmetic).
 //
 //   SegmentCache       maps a segment the first time a reply names it, then returns the same
-//                      mapping: a steady-state summon makes no mmap call.
+//                      mapping: a steady-state summon makes no mmap call. Device segments (the
+//                      daemon's GPU pool slabs) are opened through CUDA IPC once per slab in
+//                      the same way (DeviceMemoryOpener, client/cuda_ipc.h).
 //   ModuleLayout       computed once per registered module from its plan: each unit's
 //                      parameters as (FQN, shape, byte offset), tied FQNs resolved, an FQN
 //                      index; so building a summon's views is pointer arithmetic.
@@ -29,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "client/cuda_ipc.h"
 #include "common/dtype.h"
 #include "common/plan.h"
 #include "common/shm_segment.h"
@@ -38,45 +41,65 @@ namespace flatshard::client::internal {
 
 // A byte range of a daemon segment: the domain form of proto MemoryHandle.
 struct SegmentRange {
-  std::string segment;         // shm name, with its leading "/"
-  uint64_t segment_bytes = 0;  // bytes to map (the whole segment)
+  std::string segment;         // shm name, with its leading "/"; device: the slab's id
+  uint64_t segment_bytes = 0;  // bytes to map (the whole segment or slab)
   uint64_t offset = 0;         // start of the range in the segment
   uint64_t bytes = 0;
+  // Device memory (proto MemoryHandle.cuda set): the slab's cudaIpcMemHandle_t bytes and the
+  // GPU holding it. Host shared memory when `cuda` is false.
+  bool cuda = false;
+  std::string cuda_ipc_handle;
+  std::string device_uuid;
 };
 
-// A range inside a cached mapping. `mapping` keeps the segment mapped while this (or a copy)
-// lives, even after the cache forgot it.
+// A range inside a cached mapping. `mapping` (a ShmSegment, or a DeviceMapping) keeps the
+// segment mapped while this (or a copy) lives, even after the cache forgot it.
 struct MappedRange {
-  std::shared_ptr<const ShmSegment> mapping;
+  std::shared_ptr<const void> mapping;
   void* data = nullptr;  // start of the range; nullptr when bytes is 0
   uint64_t bytes = 0;
+  // Whether writes are kept. Device memory has no read-only mapping, so for it this states
+  // the contract only.
   bool writable = false;
+  int device = -1;  // this process's CUDA ordinal of `data`; -1 for host memory
 };
 
-// Maps daemon segments once per client. A segment has at most two mappings: one read-only
-// (for summons without writeback, so stray writes fault instead of corrupting a copy other
-// processes share) and one read-write; each is made on first use and then reused.
+// Maps daemon segments once per client. A host segment has at most two mappings: one
+// read-only (for summons without writeback, so stray writes fault instead of corrupting a
+// copy other processes share) and one read-write; each is made on first use and then reused.
+// A device slab has one IPC mapping, shared by read-only and writable ranges.
 class SegmentCache {
  public:
   // When more than `max_entries` segments are cached, Map drops those no MappedRange uses
   // any more, so segments the daemon replaced do not stay mapped (and their pages alive).
-  explicit SegmentCache(size_t max_entries = 4096);
+  // `opener` opens device slabs; nullptr: the real one (NewCudaIpcOpener). It is called only
+  // for device ranges, so host-only use never touches CUDA.
+  explicit SegmentCache(size_t max_entries = 4096,
+                        std::unique_ptr<DeviceMemoryOpener> opener = nullptr);
   SegmentCache(const SegmentCache&) = delete;
   SegmentCache& operator=(const SegmentCache&) = delete;
+  ~SegmentCache();
 
-  // The range, mapped. Maps `range.segment_bytes` of the segment (ShmSegment::Open) when no
-  // mapping with the wanted access exists yet, or the cached one is smaller.
-  // Errors: INTERNAL when the range does not fit in segment_bytes or names no segment;
-  // ShmSegment::Open's errors (NOT_FOUND: the daemon removed it; FAILED_PRECONDITION: the
-  // segment is smaller than segment_bytes; PERMISSION_DENIED).
+  // The range, mapped. Host: maps `range.segment_bytes` of the segment (ShmSegment::Open)
+  // when no mapping with the wanted access exists yet, or the cached one is smaller. Device:
+  // opens the slab through the opener when it is not cached yet (or came with another IPC
+  // handle); concurrent first uses of one slab open it once.
+  // Errors: INTERNAL when the range does not fit in segment_bytes or names no segment, or a
+  // device handle has the wrong size; ShmSegment::Open's errors (NOT_FOUND: the daemon
+  // removed it; FAILED_PRECONDITION: the segment is smaller than segment_bytes;
+  // PERMISSION_DENIED); the opener's (NOT_FOUND: GPU not visible here; FAILED_PRECONDITION:
+  // no usable GPU in this process), prefixed with the segment and GPU; DEADLINE_EXCEEDED when
+  // another thread's open of the same slab takes over a minute.
   absl::StatusOr<MappedRange> Map(const SegmentRange& range, bool writable);
 
   // Forgets every mapping (a new session). Ranges already handed out stay valid.
   void Clear();
 
-  // Successful maps (ShmSegment::Open calls) since construction. Never decreases.
+  // Successful host maps (ShmSegment::Open calls) since construction. Never decreases.
   int64_t map_calls() const;
-  // Segments with at least one cached mapping.
+  // Successful device opens (DeviceMemoryOpener::Open calls) since construction.
+  int64_t ipc_open_calls() const;
+  // Segments with at least one cached mapping (host and device).
   size_t size() const;
 
  private:
@@ -84,13 +107,27 @@ class SegmentCache {
     std::shared_ptr<const ShmSegment> read_only;
     std::shared_ptr<const ShmSegment> read_write;
   };
-  void EvictUnusedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  struct DeviceEntry {
+    std::string ipc_handle;  // the handle it was opened from
+    std::shared_ptr<const DeviceMapping> mapping;
+  };
+  absl::StatusOr<MappedRange> MapHost(const SegmentRange& range, bool writable);
+  absl::StatusOr<MappedRange> MapDevice(const SegmentRange& range, bool writable);
+  // Drops unused mappings into `dropped`, which the caller destroys after unlocking (closing
+  // an IPC mapping is a CUDA call).
+  void EvictUnusedLocked(std::vector<std::shared_ptr<const void>>& dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const size_t max_entries_;
+  const std::unique_ptr<DeviceMemoryOpener> opener_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, DeviceEntry> device_entries_ ABSL_GUARDED_BY(mu_);
+  // Device slabs being opened (outside mu_) by some thread; others wait for it.
+  std::vector<std::string> opening_ ABSL_GUARDED_BY(mu_);
   size_t evict_above_ ABSL_GUARDED_BY(mu_);
   int64_t map_calls_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t ipc_open_calls_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // One parameter of a unit, relative to the unit's flat buffer.

@@ -3,6 +3,7 @@
 // The real daemon is exercised by the integration tests.
 #include "flatshard/client.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -20,6 +21,8 @@
 #include "common/policy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "client/client_internal.h"
+#include "tests/client/fake_gpu.h"
 #include "tests/client/fake_shard_service.h"
 
 namespace flatshard::client {
@@ -549,6 +552,190 @@ TEST_F(ClientTest, ConcurrentSummonsFromManyThreads) {
   }
   for (std::thread& t : threads) t.join();
   EXPECT_EQ(Fake(&FakeShardService::ended_summons).size(), 40u);
+}
+
+}  // namespace
+}  // namespace flatshard::client
+
+// --- GPU memory: wiring checked with FakeDeviceMemoryOpener and FakeCudaEventApi -------------
+
+namespace flatshard::client {
+namespace {
+
+class ClientGpuTest : public ClientTest {
+ protected:
+  static constexpr uintptr_t kStream = 0x77;  // logged as "stream 119"
+
+  // Connected with the fakes, joined as rank 0 of 1 and registered at "".
+  std::unique_ptr<Client> RegisteredWithFakes(RegisteredModule* out = nullptr,
+                                              InitMode init = InitMode::kZeros) {
+    ClientOptions o = Options();
+    o.cuda_stream = reinterpret_cast<void*>(kStream);
+    internal::GpuApis apis;
+    apis.opener = std::make_unique<testing::FakeDeviceMemoryOpener>(log_);
+    apis.events = std::make_unique<testing::FakeCudaEventApi>(log_);
+    absl::StatusOr<std::unique_ptr<Client>> c =
+        internal::ConnectWithGpuApis(std::move(o), std::move(apis));
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (!c.ok()) return nullptr;
+    EXPECT_TRUE((*c)->Join("g", 1, 0, "secret").ok());
+    absl::StatusOr<RegisteredModule> m = (*c)->Register("", kManifest, kPolicy, init);
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (out != nullptr && m.ok()) *out = *std::move(m);
+    return *std::move(c);
+  }
+
+  void DeviceMode() {
+    absl::MutexLock lock(&fake().mu);
+    fake().device_memory = true;
+  }
+
+  // Log entries starting with `prefix`.
+  std::vector<std::string> Logged(const std::string& prefix) {
+    std::vector<std::string> out;
+    for (const std::string& c : log_->Calls()) {
+      if (c.rfind(prefix, 0) == 0) out.push_back(c);
+    }
+    return out;
+  }
+
+  std::shared_ptr<testing::FakeGpuLog> log_ = std::make_shared<testing::FakeGpuLog>();
+};
+
+TEST_F(ClientGpuTest, HostSessionsNeverTouchTheGpuApis) {
+  RegisteredModule m;
+  std::unique_ptr<Client> c = RegisteredWithFakes(&m, InitMode::kFromEveryRank);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(m.init_summon->End().ok());
+  for (const UnitShardView& s : m.shards) EXPECT_EQ(s.device, -1);
+  {
+    absl::StatusOr<std::unique_ptr<SummonedParams>> p = c->Summon("", "", {});
+    ASSERT_TRUE(p.ok()) << p.status();
+    for (const ParamView& v : (*p)->params()) EXPECT_EQ(v.device, -1);
+    ASSERT_TRUE((*p)->End().ok());
+  }
+  ASSERT_TRUE(c->ReduceScatterGrads("", 1, ReduceOp::kSum, false, [](PendingReduceScatter& g) {
+                 return g.device() == -1 ? absl::OkStatus() : absl::InternalError("device");
+               }).ok());
+  ASSERT_TRUE(c->GetShardViews("").ok());
+  ASSERT_TRUE(c->Leave().ok());
+  EXPECT_EQ(log_->total_calls(), 0) << log_->Calls().front();
+  EXPECT_EQ(c->ipc_open_calls(), 0);
+  for (const auto& r : Fake(&FakeShardService::summons)) EXPECT_FALSE(r.has_written());
+  for (const auto& r : Fake(&FakeShardService::end_summons)) EXPECT_FALSE(r.has_written());
+  for (const auto& r : Fake(&FakeShardService::reduce_scatters)) EXPECT_FALSE(r.has_written());
+}
+
+TEST_F(ClientGpuTest, DeviceViewsOpenEachSlabOnceAndOrderThroughEvents) {
+  DeviceMode();
+  RegisteredModule m;
+  std::unique_ptr<Client> c = RegisteredWithFakes(&m);
+  ASSERT_NE(c, nullptr);
+  for (const UnitShardView& s : m.shards) EXPECT_EQ(s.device, 0);
+  const int64_t after_register = c->ipc_open_calls();
+  EXPECT_EQ(after_register, 2);  // one shard slab per unit
+  EXPECT_EQ(c->segment_map_calls(), 0);
+  EXPECT_TRUE(Logged("Create").empty());  // nothing to order yet
+
+  for (int step = 0; step < 3; ++step) {
+    absl::StatusOr<std::unique_ptr<SummonedParams>> p = c->Summon("", "h0", {});
+    ASSERT_TRUE(p.ok()) << p.status();
+    const ParamView* w = (*p)->Find("h0.fc.weight");
+    ASSERT_NE(w, nullptr);
+    EXPECT_EQ(w->device, 0);
+    EXPECT_TRUE(w->writable);
+    EXPECT_EQ(static_cast<const float*>(w->data)[1], 2001.0f);  // the fake's bytes
+    ASSERT_TRUE((*p)->End().ok());
+  }
+  // The unsharded buffers share one slab: opened at the first summon only.
+  EXPECT_EQ(c->ipc_open_calls(), after_register + 1);
+
+  // One event of this process (created once, recorded per Summon and End); the daemon's
+  // ready event opened once and waited on after every Summon, all on the trainer's stream.
+  EXPECT_THAT(Logged("Create"), ElementsAre("Create(0)=1"));
+  EXPECT_EQ(Logged("Record(1, stream 119, 0)").size(), 6u);
+  EXPECT_THAT(Logged("OpenEvent"), ElementsAre("OpenEvent(daemon-ready, 0)=2"));
+  EXPECT_EQ(Logged("Wait(stream 119, 2, 0)").size(), 3u);
+  const std::vector<v1::SummonRequest> summons = Fake(&FakeShardService::summons);
+  ASSERT_EQ(summons.size(), 3u);
+  const v1::CudaEvent written = summons[0].written();
+  EXPECT_NE(written.id(), 0u);
+  EXPECT_EQ(written.ipc_handle(), testing::FakeCudaEventApi::Handle("ev1"));
+  EXPECT_EQ(written.device_uuid(), "GPU-fake-0");
+  for (const auto& r : Fake(&FakeShardService::end_summons)) {
+    EXPECT_EQ(r.written().id(), written.id());
+  }
+}
+
+TEST_F(ClientGpuTest, ReduceScatterFinishSendsWrittenAndWaitsForReady) {
+  DeviceMode();
+  std::unique_ptr<Client> c = RegisteredWithFakes();
+  ASSERT_NE(c, nullptr);
+  absl::StatusOr<std::unique_ptr<PendingReduceScatter>> g =
+      c->BeginReduceScatter("", 1, ReduceOp::kSum, false);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ((*g)->device(), 0);
+  EXPECT_EQ((*g)->Find("h0.fc.bias")->device, 0);
+  EXPECT_TRUE(Logged("Record").empty());  // phase 1 orders nothing
+  ASSERT_TRUE((*g)->Finish().ok());
+  const std::vector<v1::ReduceScatterGradsRequest> calls = Fake(&FakeShardService::reduce_scatters);
+  ASSERT_EQ(calls.size(), 2u);
+  EXPECT_FALSE(calls[0].has_written());
+  EXPECT_NE(calls[1].written().id(), 0u);
+  // Recorded before the RPC, waited on after it.
+  const std::vector<std::string> log = log_->Calls();
+  const auto record = std::find(log.begin(), log.end(), "Record(1, stream 119, 0)");
+  const auto wait = std::find(log.begin(), log.end(), "Wait(stream 119, 2, 0)");
+  ASSERT_NE(record, log.end());
+  ASSERT_NE(wait, log.end());
+  EXPECT_LT(record - log.begin(), wait - log.begin());
+
+  ASSERT_TRUE(c->ReduceScatterGrads("", 1, ReduceOp::kSum, false, [](PendingReduceScatter&) {
+                 return absl::OkStatus();
+               }).ok());
+  EXPECT_THAT(Logged("OpenEvent"), ::testing::SizeIs(1));  // cached by id
+  absl::StatusOr<ShardViews> shards = c->GetShardViews("");
+  ASSERT_TRUE(shards.ok());
+  for (const UnitShardView& s : *shards) EXPECT_EQ(s.device, 0);
+}
+
+TEST_F(ClientGpuTest, AViewSetupFailureEndsTheSummonWithoutWritten) {
+  DeviceMode();
+  std::unique_ptr<Client> c = RegisteredWithFakes();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->Summon("", "", {}).ok());  // opens the params slab; ended at once
+  {
+    absl::MutexLock lock(&log_->mu);
+    log_->gpus.erase("GPU-fake-0");  // the gradient slab's GPU is not visible now
+  }
+  SummonOptions with_grads;
+  with_grads.with_grads = true;
+  absl::StatusOr<std::unique_ptr<SummonedParams>> p = c->Summon("", "", with_grads);
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(p.status().message(), HasSubstr("device segment slab:/"));
+  EXPECT_THAT(p.status().message(), HasSubstr(" on GPU GPU-fake-0: "));
+  const std::vector<v1::EndSummonRequest> ends = Fake(&FakeShardService::end_summons);
+  ASSERT_EQ(ends.size(), 2u);
+  EXPECT_TRUE(ends[0].has_written());
+  EXPECT_FALSE(ends[1].has_written());  // the trainer never saw its views
+}
+
+// The real CUDA runtime, no GPU here: device memory fails Register cleanly.
+TEST_F(ClientGpuTest, DeviceMemoryWithoutAUsableGpuFailsCleanly) {
+  DeviceMode();
+  std::unique_ptr<Client> c = Connect();
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->Join("g", 1, 0, "secret").ok());
+  absl::StatusOr<RegisteredModule> m = c->Register("", kManifest, kPolicy, InitMode::kZeros);
+  ASSERT_FALSE(m.ok());
+  EXPECT_THAT(m.status().message(), HasSubstr("on GPU GPU-fake-0"));
+  if (m.status().code() == absl::StatusCode::kFailedPrecondition) {
+    EXPECT_THAT(m.status().message(),
+                HasSubstr("the daemon placed this rank's memory on GPU GPU-fake-0 but this "
+                          "process has no usable GPU"));
+  } else {
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kNotFound) << m.status();  // a GPU host
+  }
 }
 
 }  // namespace

@@ -14,6 +14,11 @@
 // full gradients get one segment per unit, created at registration and reused, so a client
 // in steady state needs no new mapping.
 //
+// Device mode (`device_memory`): every MemoryHandle also carries `cuda` (a FakeIpcHandle of
+// its segment on GPU "GPU-fake-0", slab id "slab:<name>"), and Summon and the second phase of
+// ReduceScatterGrads answer with a `ready` event (kReadyEventId), as the GPU backend does;
+// a client opens them with FakeDeviceMemoryOpener and FakeCudaEventApi.
+//
 // Thread safety: the service is thread-safe (gRPC calls it from its own threads).
 
 #include <grpcpp/grpcpp.h>
@@ -39,6 +44,7 @@
 #include "common/proto_convert.h"
 #include "common/shm_segment.h"
 #include "flatshard/v1/shard_service.grpc.pb.h"
+#include "tests/client/fake_gpu.h"
 
 namespace flatshard::client::testing {
 
@@ -46,6 +52,7 @@ class FakeShardService final : public v1::ShardService::Service {
  public:
   static constexpr uint64_t kSession = 42;
   static constexpr uint64_t kFirstOffset = 128;
+  static constexpr uint64_t kReadyEventId = 100;
 
   struct Unit {
     PlanUnit plan;
@@ -66,6 +73,7 @@ class FakeShardService final : public v1::ShardService::Service {
   int fail_join_unavailable ABSL_GUARDED_BY(mu) = 0;  // next N JoinGroup calls: UNAVAILABLE
   absl::Status join_error ABSL_GUARDED_BY(mu);        // then this, when not OK
   absl::Status summon_error ABSL_GUARDED_BY(mu);
+  bool device_memory ABSL_GUARDED_BY(mu) = false;  // see "Device mode" above
   bool ack_lease ABSL_GUARDED_BY(mu) = false;     // send one LeaseResponse after the caller
   absl::Status refuse_lease ABSL_GUARDED_BY(mu);  // not OK: end new leases with it at once
   absl::Status break_lease ABSL_GUARDED_BY(mu);   // not OK: end open leases with it
@@ -77,6 +85,7 @@ class FakeShardService final : public v1::ShardService::Service {
   v1::Caller lease_caller ABSL_GUARDED_BY(mu);
   std::vector<uint64_t> ended_summons ABSL_GUARDED_BY(mu);
   std::vector<v1::SummonRequest> summons ABSL_GUARDED_BY(mu);
+  std::vector<v1::EndSummonRequest> end_summons ABSL_GUARDED_BY(mu);
   std::vector<v1::ReduceScatterGradsRequest> reduce_scatters ABSL_GUARDED_BY(mu);
   float first_full_grad_at_finish ABSL_GUARDED_BY(mu) = 0;
   v1::InitMode last_init ABSL_GUARDED_BY(mu) = v1::INIT_MODE_UNSPECIFIED;
@@ -185,6 +194,10 @@ class FakeShardService final : public v1::ShardService::Service {
         init->add_unit_indices(u.plan.index);
         if (views) AddUnitView(m, u, /*with_grads=*/false, init->add_units());
       }
+      if (device_memory) DeviceSummon(init);
+    }
+    if (device_memory) {
+      for (v1::UnitShard& shard : *response->mutable_shards()) DeviceShard(&shard);
     }
     return grpc::Status::OK;
   }
@@ -213,6 +226,7 @@ class FakeShardService final : public v1::ShardService::Service {
       AddUnitView(m, u, request->options().with_grads(), response->add_units());
     }
     if (response->unit_indices().empty()) response->set_note("fake: nothing unsharded");
+    if (device_memory) DeviceSummon(response);
     return grpc::Status::OK;
   }
 
@@ -221,6 +235,7 @@ class FakeShardService final : public v1::ShardService::Service {
     absl::MutexLock lock(&mu);
     if (grpc::Status s = CheckCaller(request->caller()); !s.ok()) return s;
     ended_summons.push_back(request->summon());
+    end_summons.push_back(*request);
     return grpc::Status::OK;
   }
 
@@ -236,8 +251,10 @@ class FakeShardService final : public v1::ShardService::Service {
       if (u.plan.index != request->unit()) continue;
       if (request->begin()) {
         SetHandle(u.full_grad, 0, u.full_grad.size(), response->mutable_full_grad());
+        if (device_memory) DeviceHandle(response->mutable_full_grad());
       } else {
         std::memcpy(&first_full_grad_at_finish, u.full_grad.data(), sizeof(float));
+        if (device_memory) ReadyEvent(response->mutable_ready());
       }
       return grpc::Status::OK;
     }
@@ -252,6 +269,7 @@ class FakeShardService final : public v1::ShardService::Service {
     if (it == modules.end()) return grpc::Status(grpc::StatusCode::NOT_FOUND, "fake: module");
     for (const Unit& u : it->second.units) {
       AddShard(u, /*with_grad=*/true, response->add_shards());
+      if (device_memory) DeviceShard(&response->mutable_shards()->at(response->shards_size() - 1));
     }
     return grpc::Status::OK;
   }
@@ -284,6 +302,28 @@ class FakeShardService final : public v1::ShardService::Service {
     h->set_segment_bytes(s.size());
     h->set_offset(offset);
     h->set_bytes(bytes);
+  }
+
+  static void DeviceHandle(v1::MemoryHandle* h) {
+    h->mutable_cuda()->set_ipc_handle(FakeIpcHandle(h->segment(), h->segment_bytes()));
+    h->mutable_cuda()->set_device_uuid("GPU-fake-0");
+    h->set_segment("slab:" + h->segment());  // a slab id, not an shm name
+  }
+  static void DeviceShard(v1::UnitShard* s) {
+    if (s->has_shard()) DeviceHandle(s->mutable_shard());
+    if (s->has_grad()) DeviceHandle(s->mutable_grad());
+  }
+  static void ReadyEvent(v1::CudaEvent* e) {
+    e->set_id(kReadyEventId);
+    e->set_ipc_handle(FakeCudaEventApi::Handle("daemon-ready"));
+    e->set_device_uuid("GPU-fake-0");
+  }
+  static void DeviceSummon(v1::SummonResponse* r) {
+    for (v1::UnitView& u : *r->mutable_units()) {
+      if (u.has_params()) DeviceHandle(u.mutable_params());
+      if (u.has_grads()) DeviceHandle(u.mutable_grads());
+    }
+    ReadyEvent(r->mutable_ready());
   }
 
   static void AddShard(const Unit& u, bool with_grad, v1::UnitShard* out) {

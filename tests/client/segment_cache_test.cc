@@ -2,12 +2,15 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "common/shm_segment.h"
+#include "tests/client/fake_gpu.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -76,8 +79,9 @@ TEST(SegmentCacheTest, ReadOnlyAndWritableAreSeparateMappingsEachMadeOnce) {
   ASSERT_TRUE(ro.ok()) << ro.status();
   ASSERT_TRUE(rw.ok()) << rw.status();
   EXPECT_FALSE(ro->writable);
-  EXPECT_FALSE(ro->mapping->writable());
-  EXPECT_TRUE(rw->mapping->writable());
+  // Host ranges hold their ShmSegment.
+  EXPECT_FALSE(std::static_pointer_cast<const ShmSegment>(ro->mapping)->writable());
+  EXPECT_TRUE(std::static_pointer_cast<const ShmSegment>(rw->mapping)->writable());
   EXPECT_NE(ro->data, rw->data);
   EXPECT_EQ(cache.map_calls(), 2);
   static_cast<char*>(rw->data)[3] = 7;  // both map the same pages
@@ -200,4 +204,207 @@ TEST(SegmentCacheTest, ZeroByteRangeHasNoPointer) {
 }
 
 }  // namespace
+}  // namespace flatshard::client::internal
+
+// --- Device segments (CUDA IPC), through FakeDeviceMemoryOpener ------------------------------
+
+namespace flatshard::client::internal {
+namespace device {
+
+using testing::FakeDeviceMemoryOpener;
+using testing::FakeGpuLog;
+using testing::FakeIpcHandle;
+
+SegmentRange DeviceRangeOf(const ShmSegment& s, uint64_t offset, uint64_t bytes,
+                           const std::string& slab_id,
+                           const std::string& uuid = "GPU-fake-1") {
+  SegmentRange r;
+  r.segment = slab_id;
+  r.segment_bytes = s.size();
+  r.offset = offset;
+  r.bytes = bytes;
+  r.cuda = true;
+  r.cuda_ipc_handle = FakeIpcHandle(s.name(), s.size());
+  r.device_uuid = uuid;
+  return r;
+}
+
+class DeviceSegmentCacheTest : public ::testing::Test {
+ protected:
+  int opens() {
+    absl::MutexLock lock(&log_->mu);
+    return log_->opens;
+  }
+  int closes() {
+    absl::MutexLock lock(&log_->mu);
+    return log_->closes;
+  }
+
+  std::shared_ptr<FakeGpuLog> log_ = std::make_shared<FakeGpuLog>();
+};
+
+TEST_F(DeviceSegmentCacheTest, OpensEachSlabOnceAcrossRangesAndAccessModes) {
+  ShmSegment slab = MakeSegment(8192);
+  static_cast<char*>(slab.data())[4100] = 7;
+  SegmentCache cache(4096, std::make_unique<FakeDeviceMemoryOpener>(log_));
+  std::vector<MappedRange> held;
+  for (int summon = 0; summon < 5; ++summon) {
+    for (uint64_t offset : {0, 4096}) {
+      for (bool writable : {false, true}) {
+        absl::StatusOr<MappedRange> r =
+            cache.Map(DeviceRangeOf(slab, offset, 4096, "slab-3"), writable);
+        ASSERT_TRUE(r.ok()) << r.status();
+        EXPECT_EQ(r->device, 1);  // the fake's ordinal for GPU-fake-1
+        EXPECT_EQ(r->writable, writable);
+        EXPECT_EQ(r->bytes, 4096u);
+        held.push_back(*r);
+      }
+    }
+  }
+  EXPECT_EQ(cache.ipc_open_calls(), 1);
+  EXPECT_EQ(opens(), 1);
+  EXPECT_EQ(cache.map_calls(), 0);  // no shm mapping for a device range
+  EXPECT_EQ(cache.size(), 1u);
+  // Read-only and writable ranges share one mapping; offsets are applied to its pointer.
+  EXPECT_EQ(held[0].mapping, held[1].mapping);
+  EXPECT_EQ(static_cast<char*>(held[2].data) - static_cast<char*>(held[0].data), 4096);
+  EXPECT_EQ(static_cast<char*>(held[2].data)[4], 7);
+}
+
+TEST_F(DeviceSegmentCacheTest, HostRangesStayOnShmAndNeverCallTheOpener) {
+  ShmSegment segment = MakeSegment(4096);
+  SegmentCache cache(4096, std::make_unique<FakeDeviceMemoryOpener>(log_));
+  absl::StatusOr<MappedRange> r = cache.Map(RangeOf(segment, 0, 16), true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->device, -1);
+  EXPECT_EQ(cache.ipc_open_calls(), 0);
+  EXPECT_EQ(log_->total_calls(), 0);
+}
+
+TEST_F(DeviceSegmentCacheTest, ClosesWhenTheLastRangeAndTheCacheDropIt) {
+  ShmSegment slab = MakeSegment(4096);
+  {
+    SegmentCache cache(4096, std::make_unique<FakeDeviceMemoryOpener>(log_));
+    absl::StatusOr<MappedRange> r = cache.Map(DeviceRangeOf(slab, 0, 64, "slab-1"), true);
+    ASSERT_TRUE(r.ok()) << r.status();
+    cache.Clear();
+    EXPECT_EQ(closes(), 0);  // the range still holds it
+    static_cast<char*>(r->data)[0] = 9;
+    r = absl::StatusOr<MappedRange>(absl::CancelledError("dropped"));
+    EXPECT_EQ(closes(), 1);
+    // Held only by the cache: closed with the cache.
+    ASSERT_TRUE(cache.Map(DeviceRangeOf(slab, 0, 64, "slab-1"), true).ok());
+    EXPECT_EQ(cache.ipc_open_calls(), 2);
+    EXPECT_EQ(closes(), 1);
+  }
+  EXPECT_EQ(closes(), 2);
+  EXPECT_EQ(static_cast<char*>(slab.data())[0], 9);
+}
+
+TEST_F(DeviceSegmentCacheTest, EvictionClosesOnlyUnusedSlabs) {
+  std::vector<ShmSegment> slabs;
+  for (int i = 0; i < 4; ++i) slabs.push_back(MakeSegment(4096));
+  SegmentCache cache(/*max_entries=*/2, std::make_unique<FakeDeviceMemoryOpener>(log_));
+  absl::StatusOr<MappedRange> kept = cache.Map(DeviceRangeOf(slabs[0], 0, 8, "s0"), true);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  for (int i = 1; i < 4; ++i) {
+    ASSERT_TRUE(cache.Map(DeviceRangeOf(slabs[i], 0, 8, absl::StrCat("s", i)), true).ok());
+  }
+  // s2 pushed the cache over 2: s1 (unused) was closed; s0 is in use, s2 was being returned.
+  // The next sweep waits until the cache doubled.
+  EXPECT_EQ(closes(), 1);
+  EXPECT_EQ(cache.size(), 3u);  // s0, s2, s3
+  ASSERT_TRUE(cache.Map(DeviceRangeOf(slabs[0], 8, 8, "s0"), true).ok());
+  EXPECT_EQ(cache.ipc_open_calls(), 4);  // s0 was not reopened
+}
+
+TEST_F(DeviceSegmentCacheTest, ASlabIdWithANewHandleIsReopened) {
+  ShmSegment first = MakeSegment(4096);
+  ShmSegment second = MakeSegment(4096);
+  static_cast<char*>(second.data())[0] = 5;
+  SegmentCache cache(4096, std::make_unique<FakeDeviceMemoryOpener>(log_));
+  absl::StatusOr<MappedRange> a = cache.Map(DeviceRangeOf(first, 0, 8, "slab"), true);
+  absl::StatusOr<MappedRange> b = cache.Map(DeviceRangeOf(second, 0, 8, "slab"), true);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(cache.ipc_open_calls(), 2);
+  EXPECT_EQ(static_cast<char*>(b->data)[0], 5);
+  EXPECT_EQ(closes(), 0);  // `a` still holds the replaced mapping
+}
+
+TEST_F(DeviceSegmentCacheTest, ConcurrentFirstUsesOpenOnce) {
+  ShmSegment slab = MakeSegment(4096);
+  SegmentCache cache(4096, std::make_unique<FakeDeviceMemoryOpener>(log_));
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 50; ++i) {
+        EXPECT_TRUE(cache.Map(DeviceRangeOf(slab, 0, 8, "slab"), i % 2 == 0).ok());
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(cache.ipc_open_calls(), 1);
+}
+
+TEST_F(DeviceSegmentCacheTest, ErrorsNameTheSegmentAndGpuAndAreNotCached) {
+  ShmSegment slab = MakeSegment(4096);
+  SegmentCache cache(4096, std::make_unique<FakeDeviceMemoryOpener>(log_));
+
+  SegmentRange bad = DeviceRangeOf(slab, 0, 8, "slab-9");
+  bad.cuda_ipc_handle.resize(10);
+  absl::StatusOr<MappedRange> m = cache.Map(bad, true);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(m.status().message(), HasSubstr("device segment slab-9 on GPU GPU-fake-1"));
+  EXPECT_THAT(m.status().message(), HasSubstr("wrong size: 10 bytes, want 64"));
+  EXPECT_EQ(log_->total_calls(), 0);  // refused before the opener
+
+  m = cache.Map(DeviceRangeOf(slab, 0, 8, "slab-9", "GPU-elsewhere"), true);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(m.status().message(), HasSubstr("device segment slab-9 on GPU GPU-elsewhere: "));
+
+  m = cache.Map(DeviceRangeOf(slab, 4000, 200, "slab-9"), true);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(m.status().message(), HasSubstr("does not fit in device segment slab-9"));
+
+  {
+    absl::MutexLock lock(&log_->mu);
+    log_->no_gpu = absl::FailedPreconditionError("no usable GPU: fake");
+  }
+  m = cache.Map(DeviceRangeOf(slab, 0, 8, "slab-9"), true);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache.size(), 0u);
+  EXPECT_EQ(cache.ipc_open_calls(), 0);
+  {
+    absl::MutexLock lock(&log_->mu);
+    log_->no_gpu = absl::OkStatus();
+  }
+  EXPECT_TRUE(cache.Map(DeviceRangeOf(slab, 0, 8, "slab-9"), true).ok());  // retried
+}
+
+// The real opener on this machine (no GPU here, or built without CUDA): a clean
+// FAILED_PRECONDITION naming the GPU; with a GPU the fake uuid is NOT_FOUND. Never a crash.
+TEST(RealDeviceOpenerTest, FailsCleanlyForAGpuThisProcessCannotUse) {
+  SegmentCache cache;
+  SegmentRange r;
+  r.segment = "slab-1";
+  r.segment_bytes = 1024;
+  r.bytes = 1024;
+  r.cuda = true;
+  r.cuda_ipc_handle = std::string(64, '\1');
+  r.device_uuid = "GPU-00000000-0000-0000-0000-000000000000";
+  absl::StatusOr<MappedRange> m = cache.Map(r, true);
+  ASSERT_FALSE(m.ok());
+  EXPECT_THAT(m.status().message(),
+              HasSubstr("device segment slab-1 on GPU GPU-00000000-0000-0000-0000-000000000000"));
+  if (m.status().code() == absl::StatusCode::kFailedPrecondition) {
+    EXPECT_THAT(m.status().message(),
+                HasSubstr("the daemon placed this rank's memory on GPU "
+                          "GPU-00000000-0000-0000-0000-000000000000 but this process has no "
+                          "usable GPU: "));
+  } else {
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kNotFound) << m.status();
+  }
+}
+
+}  // namespace device
 }  // namespace flatshard::client::internal

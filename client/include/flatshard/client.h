@@ -37,6 +37,24 @@
 // Finish() need exclusive access. Reads and writes of the mapped bytes are the caller's
 // business (the daemon does not touch a summoned buffer until End).
 //
+// GPU memory: a daemon with the GPU backend keeps shards and unsharded buffers in device
+// memory. The client then opens each of the daemon's device allocations once through CUDA IPC
+// (cached like shm segments; ipc_open_calls()) and views carry `device`, this process's CUDA
+// ordinal of the pointer (-1: host memory). Ordering runs on ClientOptions::cuda_stream, with
+// interprocess CUDA events and no host round trip either way:
+//   - after Summon and PendingReduceScatter::Finish return, work enqueued on cuda_stream
+//     sees the bytes (the views; the updated gradient shard): the client made cuda_stream
+//     wait (cudaStreamWaitEvent) on the daemon's `ready` event. The host does not wait: read device views from the stream,
+//     not from a host thread that has not synchronized it.
+//   - before Summon (when the session has device shards: the optimizer may have written
+//     them), SummonedParams::End and PendingReduceScatter::Finish, the client records its
+//     own interprocess event on cuda_stream and sends it, so the daemon's stream waits for
+//     all work enqueued on cuda_stream so far, the trainer's writes included. Writes on other
+//     streams must be ordered before cuda_stream's by the trainer.
+// A session with only host memory never calls CUDA. A process that receives device memory
+// but has no usable GPU (or was built without CUDA) fails the call with FAILED_PRECONDITION
+// naming the GPU; NOT_FOUND when that GPU is not visible (CUDA_VISIBLE_DEVICES).
+//
 // Lifetime: a view's pointer stays mapped while the object that handed it out holds the view
 // (it keeps the mapping alive, even past Leave or the Client's destruction). End() drops the
 // views: the bytes are the daemon's again, and writes after End are lost. Objects may outlive
@@ -89,6 +107,10 @@ struct ClientOptions {
   std::string tls_ca_file;
   std::string tls_cert_file;
   std::string tls_key_file;
+  // The CUDA stream (a cudaStream_t) the trainer's work on device views runs on; nullptr:
+  // the legacy default stream. Used only when the daemon hands out device memory, and then
+  // it must belong to the GPU holding that memory (see "GPU memory" above).
+  void* cuda_stream = nullptr;
 };
 
 // How a registration fills the shards (proto InitMode).
@@ -119,7 +141,10 @@ struct ParamView {
   int64_t numel = 0;
   std::string fqn;
   int32_t unit = -1;  // index of the plan unit holding it
+  // For device memory `writable` is the contract only (device memory cannot be mapped
+  // read-only): writes to a non-writable view are not written back.
   bool writable = false;
+  int device = -1;  // CUDA ordinal (in this process) of `data`; -1: host memory
 };
 
 // The views of a set of units, looked up by FQN. Tied FQNs (PlanUnit::shared) are views of
@@ -189,9 +214,13 @@ class SummonedParams {
   // Ends the summon (collective: every rank ends it): the daemon writes back if the summon
   // asked for it, then reshards. Drops the views. Called twice, returns the first result
   // without calling the daemon again.
+  // Device views: first records the trainer's event on ClientOptions::cuda_stream and sends
+  // it, so the daemon writes back only after the writes enqueued there.
   // Errors: the RPC's (e.g. DEADLINE_EXCEEDED naming missing ranks, ABORTED); a failed
   // writeback leaves the old shards intact. FAILED_PRECONDITION when the Client was destroyed
   // or left first (the daemon then ended the summon without writeback) or the lease broke.
+  // A failed event record (CUDA's error) is returned without calling the daemon: writing back
+  // unordered bytes would be worse; the summon then ends with the session.
   absl::Status End();
 
  private:
@@ -207,6 +236,7 @@ class SummonedParams {
   ParamViews grads_;
   std::vector<int32_t> units_;
   std::string note_;
+  int device_ = -1;  // a device view's ordinal: End() then sends the trainer's `written`
   bool ended_ = false;
   absl::Status end_status_;
 };
@@ -227,13 +257,18 @@ class PendingReduceScatter {
   // The whole flat buffer: padded_numel elements; padding is reduced too.
   void* data() const { return data_; }
   int64_t numel() const { return numel_; }
+  // CUDA ordinal (in this process) of data(); -1: host memory.
+  int device() const { return device_; }
   // Per-parameter views into data(); tied FQNs alias.
   const ParamView* Find(absl::string_view fqn) const { return grads_.Find(fqn); }
   const ParamViews& grads() const { return grads_; }
 
   // Phase two (collective: every rank of the unit's group calls it): reduce-scatters what was
-  // written. Once; a second call returns the first result.
-  // Errors: the RPC's; FAILED_PRECONDITION when the Client is gone or the lease broke.
+  // written. Once; a second call returns the first result. Device memory: sends the
+  // trainer's event recorded on cuda_stream, and on return cuda_stream waits for the daemon's
+  // `ready` (the gradient shard is updated for work enqueued there next).
+  // Errors: the RPC's; FAILED_PRECONDITION when the Client is gone or the lease broke; CUDA's
+  // (recording or waiting on the events), naming the unit.
   absl::Status Finish();
 
  private:
@@ -250,6 +285,7 @@ class PendingReduceScatter {
   DType dtype_ = DType::kFloat32;
   void* data_ = nullptr;
   int64_t numel_ = 0;
+  int device_ = -1;
   ParamViews grads_;
   bool finished_ = false;
   absl::Status finish_status_;
@@ -264,6 +300,7 @@ struct UnitShardView {
   int64_t shard_offset = 0;  // ShardRank(rank) * shard_numel
   void* data = nullptr;
   void* grad = nullptr;  // the gradient shard; nullptr until a gradient exists
+  int device = -1;       // CUDA ordinal (in this process) of `data` and `grad`; -1: host
 };
 
 // This rank's shards of a registered module, sorted by unit. Keeps the mappings alive.
@@ -347,7 +384,9 @@ class Client {
   // REQUIRES: this client registered `registered_module` in the current session.
   // Errors: NOT_FOUND for a module this client did not register; FAILED_PRECONDITION when
   // not joined, or from the daemon (unit in forward/backward, already summoned); the RPC's;
-  // errors mapping the daemon's segments (the summon is then ended before returning).
+  // errors mapping the daemon's segments (the summon is then ended before returning);
+  // device memory: FAILED_PRECONDITION / NOT_FOUND naming the GPU this process cannot use,
+  // and CUDA's errors recording `written` (before the RPC) or waiting on `ready`.
   absl::StatusOr<std::unique_ptr<SummonedParams>> Summon(const std::string& registered_module,
                                                          const std::string& path,
                                                          const SummonOptions& options = {});
@@ -381,9 +420,13 @@ class Client {
   absl::Status lease_status() const;
   // Segments mapped by this client so far (an mmap each). Steady state: constant.
   int64_t segment_map_calls() const;
+  // Device allocations of the daemon opened through CUDA IPC by this client so far (one per
+  // allocation, shared by every view into it). Steady state: constant.
+  int64_t ipc_open_calls() const;
   const ClientOptions& options() const;
 
  private:
+  friend class internal::ClientCore;  // creates Clients with test doubles of the GPU APIs
   explicit Client(std::shared_ptr<internal::ClientCore> core);
 
   std::shared_ptr<internal::ClientCore> core_;
