@@ -38,13 +38,34 @@ void PrintStatus(const v1::GetStatusResponse& r) {
   for (const v1::MemoryKindUsage& m : r.memory()) {
     rows.push_back({"  " + m.kind(), absl::StrCat(m.bytes(), " B")});
   }
+  for (const v1::GpuMemory& g : r.gpus()) {
+    rows.push_back({absl::StrCat("gpu ", g.device()),
+                    absl::StrCat(HumanBytes(g.in_use_bytes()), " in ", g.buffers(), " buffers; ",
+                                 HumanBytes(g.reserved_bytes()), " reserved in ", g.slabs(),
+                                 " slabs of ",
+                                 g.limit_bytes() < 0 ? std::string("no limit")
+                                                     : HumanBytes(g.limit_bytes()),
+                                 " (", g.uuid(), ")")});
+  }
   std::cout << FormatTable(rows);
 }
 
 nlohmann::json StatusJson(const v1::GetStatusResponse& r) {
   nlohmann::json by_kind = nlohmann::json::object();
   for (const v1::MemoryKindUsage& m : r.memory()) by_kind[m.kind()] = m.bytes();
-  return {{"version", r.version()},
+  nlohmann::json gpus = nlohmann::json::array();
+  for (const v1::GpuMemory& g : r.gpus()) {
+    gpus.push_back({{"device", g.device()},
+                    {"uuid", g.uuid()},
+                    {"reserved_bytes", g.reserved_bytes()},
+                    {"in_use_bytes", g.in_use_bytes()},
+                    {"limit_bytes", g.limit_bytes() < 0 ? nlohmann::json(nullptr)
+                                                        : nlohmann::json(g.limit_bytes())},
+                    {"slabs", g.slabs()},
+                    {"buffers", g.buffers()}});
+  }
+  return {{"gpus", gpus},
+          {"version", r.version()},
           {"pid", r.pid()},
           {"node", r.node()},
           {"uptime_seconds", r.uptime_seconds()},
@@ -69,7 +90,8 @@ int RunStatusCommand(const std::vector<std::string>& args) {
   spec.description =
       "Shows the daemon: version, pid, node, uptime, the collective backends this build has,\n"
       "its peer address, whether it is draining, how many groups and clients (live trainer\n"
-      "sessions) it has, and its shared memory in use by kind against its limit.\n";
+      "sessions) it has, its shared memory in use by kind against its limit, and with\n"
+      "--gpus each GPU's device-memory pool (in use, reserved, limit).\n";
   return RunAdminCommand(spec, args, [](AdminCall& call) {
     return CallAndPrint(call, &v1::AdminService::Stub::GetStatus, v1::GetStatusRequest(),
                         StatusJson, PrintStatus);

@@ -31,6 +31,10 @@ const DaemonMetrics& GetDaemonMetrics() {
         r.AddGauge("flatshard_memory_buffers", "Live shared-memory buffers (segments)"),
         r.AddGauge("flatshard_groups", "Groups this daemon knows"),
         r.AddGauge("flatshard_clients", "Joined ranks with a live session (lease)"),
+        r.AddGauge("flatshard_gpu_memory_bytes",
+                   "A GPU pool's device memory: reserved (slabs), in_use (buffers), limit "
+                   "(--gpu_memory_limit_mib; 0: none)",
+                   {"device", "state"}),
     };
   }();
   return *m;

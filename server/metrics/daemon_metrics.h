@@ -10,6 +10,7 @@
 //   flatshard_memory_bytes{kind}                   gauge, ShardStore's committed bytes per kind
 //   flatshard_memory_limit_bytes                   gauge, the limit (0: none)
 //   flatshard_memory_buffers                       gauge, live shared-memory segments
+//   flatshard_gpu_memory_bytes{device,state}       gauge, a GPU pool's reserved/in_use/limit
 //   flatshard_groups                               gauge, groups this daemon knows
 //   flatshard_clients                              gauge, joined ranks with a live session
 // Thread-safe.
@@ -34,6 +35,7 @@ struct DaemonMetrics {
   GaugeFamily& memory_buffers;
   GaugeFamily& groups;
   GaugeFamily& clients;
+  GaugeFamily& gpu_memory;
 };
 
 // Registers every family (so a scrape shows them all, at 0, from the start).

@@ -16,6 +16,7 @@
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "server/collective/backend_registry.h"
+#include "server/gpu/device_pool.h"
 #include <grpcpp/alarm.h>
 
 namespace flatshard::server {
@@ -233,6 +234,20 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContex
   response->set_memory_limit_bytes(
       usage.limit_bytes == std::numeric_limits<int64_t>::max() ? -1 : usage.limit_bytes);
   response->set_buffers(usage.buffers);
+  if (options_.store != nullptr) {
+    for (const std::shared_ptr<gpu::DevicePool>& pool : options_.store->options().device_pools) {
+      if (pool == nullptr) continue;
+      const gpu::DevicePoolUsage u = pool->Usage();
+      v1::GpuMemory* g = response->add_gpus();
+      g->set_device(pool->device());
+      g->set_uuid(pool->device_uuid());
+      g->set_reserved_bytes(u.reserved_bytes);
+      g->set_in_use_bytes(u.in_use_bytes);
+      g->set_limit_bytes(u.limit_bytes == std::numeric_limits<int64_t>::max() ? -1 : u.limit_bytes);
+      g->set_slabs(u.slabs);
+      g->set_buffers(u.blocks);
+    }
+  }
   const GroupManager::Stats stats = groups_->GetStats();
   response->set_groups(stats.groups);
   response->set_clients(stats.sessions);

@@ -109,7 +109,7 @@ TEST(MetricsRegistryTest, DaemonMetricsAreRegisteredUpFront) {
        {"flatshard_rpcs_total", "flatshard_rpc_latency_seconds", "flatshard_collectives_total",
         "flatshard_collective_bytes_total", "flatshard_aborted_collectives_total",
         "flatshard_memory_bytes", "flatshard_memory_limit_bytes", "flatshard_groups",
-        "flatshard_clients"}) {
+        "flatshard_clients", "flatshard_gpu_memory_bytes"}) {
     EXPECT_THAT(text, HasSubstr(std::string("# TYPE ") + name + " ")) << name;
   }
   EXPECT_THAT(text, HasSubstr("flatshard_rpcs_total{method=\"Ping\",code=\"OK\"} 1\n"));
