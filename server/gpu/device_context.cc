@@ -116,7 +116,7 @@ DeviceContext::~DeviceContext() {
     absl::Status drained = Synchronize();
     if (!drained.ok()) FS_LOG(WARNING) << "destroying GPU context: " << drained;
   }
-  absl::flat_hash_map<uint64_t, std::shared_ptr<OpenedEvent>> opened;
+  absl::flat_hash_map<std::string, std::shared_ptr<OpenedEvent>> opened;
   {
     absl::MutexLock lock(&mu_);
     opened.swap(opened_);
@@ -184,14 +184,14 @@ absl::Status DeviceContext::WaitFor(const IpcEventRef& event) {
   std::shared_ptr<OpenedEvent> opened;
   {
     absl::MutexLock lock(&mu_);
-    auto it = opened_.find(event.id);
-    if (it != opened_.end() && it->second->handle == event.ipc_handle) opened = it->second;
+    auto it = opened_.find(event.ipc_handle);
+    if (it != opened_.end()) opened = it->second;
   }
   ScopedCudaDevice scoped(gpu_.ordinal);
   FS_RETURN_IF_ERROR(scoped.status());
   if (opened == nullptr) {
-    // Opened without the lock (a CUDA call); a racing WaitFor for the same id may open it too,
-    // and the later insert simply wins.
+    // Opened without the lock (a CUDA call); a racing WaitFor for the same event may open it
+    // too, and the later insert simply wins.
     cudaIpcEventHandle_t handle;
     std::memcpy(&handle, event.ipc_handle.data(), sizeof(handle));
     cudaEvent_t e = nullptr;
@@ -200,11 +200,14 @@ absl::Status DeviceContext::WaitFor(const IpcEventRef& event) {
                                          " of ", event.device_uuid, ")"));
     opened = std::make_shared<OpenedEvent>(event.ipc_handle, e, gpu_.ordinal);
     std::shared_ptr<OpenedEvent> replaced;
+    absl::flat_hash_map<std::string, std::shared_ptr<OpenedEvent>> dropped;
     {
       absl::MutexLock lock(&mu_);
-      replaced = std::exchange(opened_[event.id], opened);
+      // Restarted trainers bring new events; live ones are simply opened again when needed.
+      if (opened_.size() >= 256) dropped.swap(opened_);
+      replaced = std::exchange(opened_[event.ipc_handle], opened);
     }
-    // `replaced` is destroyed here, outside the lock (cudaEventDestroy).
+    // `replaced` and `dropped` are destroyed here, outside the lock (cudaEventDestroy).
   }
   FS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(AsStream(stream_), opened->event, 0),
                           absl::StrCat(where, ": cudaStreamWaitEvent(event ", event.id, ")"));

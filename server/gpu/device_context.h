@@ -5,7 +5,8 @@
 // - one non-blocking stream on which the daemon's own copies run;
 // - an interprocess "ready" event the daemon records after its work so that a trainer's stream
 //   can wait for it (RecordReady), and the trainers' events the daemon's stream waits for
-//   (WaitFor), opened once per event id and cached.
+//   (WaitFor), opened once per event handle and cached (ids are unique only within each
+//   trainer process, and several trainers share a daemon).
 //
 // Every host-side wait (Copy, Synchronize, the destructor) polls with a deadline
 // (`sync_timeout`, 2 minutes by default): a stream stuck behind a trainer's event that never
@@ -73,8 +74,8 @@ class DeviceContext {
   // Records the ready event on the stream (after everything enqueued so far) and returns it.
   // The same event (same id and handle) is re-recorded each time: a trainer opens it once.
   absl::StatusOr<IpcEventRef> RecordReady();
-  // Makes the stream wait for the trainer's event `event` (opened once per id and cached;
-  // a different handle under a known id replaces it). No host wait.
+  // Makes the stream wait for the trainer's event `event` (opened once per handle and cached;
+  // past 256 cached events, those of trainers long gone are dropped). No host wait.
   // Errors: INVALID_ARGUMENT for id 0 or a handle that is not kIpcHandleBytes long (or that
   // CUDA rejects); CUDA errors.
   absl::Status WaitFor(const IpcEventRef& event);
@@ -92,7 +93,8 @@ class DeviceContext {
   mutable absl::Mutex mu_;
   absl::Duration sync_timeout_ ABSL_GUARDED_BY(mu_) = absl::Minutes(2);
   // Trainers' events by id. shared_ptr: a WaitFor in flight keeps a replaced event open.
-  absl::flat_hash_map<uint64_t, std::shared_ptr<OpenedEvent>> opened_ ABSL_GUARDED_BY(mu_);
+  // By the event's handle bytes: unique per event across processes (ids are not).
+  absl::flat_hash_map<std::string, std::shared_ptr<OpenedEvent>> opened_ ABSL_GUARDED_BY(mu_);
 };
 
 // Page-locks host memory (cudaHostRegister, portable) so copies to/from it are DMA; and undoes it.
