@@ -253,14 +253,9 @@ class StagingCommunicator final : public Communicator {
       return inner_->ReduceScatter(Relabel(in), Relabel(out), op, options,
                                    Done(std::move(call), done));
     }
-    ConstBuffer staged_in = Relabel(in);
-    if (Staged(in.kind, in.bytes)) {
-      absl::StatusOr<void*> s = Own(*call, in.bytes);
-      if (!s.ok()) return Fail(std::move(call), s.status());
-      absl::Status copied = CopyIn(*call, *s, in);
-      if (!copied.ok()) return Fail(std::move(call), copied);
-      staged_in.data = *s;
-    }
+    absl::StatusOr<ConstBuffer> staged_in_or = StageIn(*call, in);
+    if (!staged_in_or.ok()) return Fail(std::move(call), staged_in_or.status());
+    const ConstBuffer staged_in = *staged_in_or;
     MutableBuffer staged_out = Relabel(out);
     if (Staged(out.kind, out.bytes)) {
       const auto* ib = static_cast<const uint8_t*>(in.data);
@@ -311,14 +306,9 @@ class StagingCommunicator final : public Communicator {
       return inner_->Gather(Relabel(in), Relabel(out), root, options,
                             Done(std::move(call), done));
     }
-    ConstBuffer staged_in = Relabel(in);
-    if (Staged(in.kind, in.bytes)) {
-      absl::StatusOr<void*> s = Own(*call, in.bytes);
-      if (!s.ok()) return Fail(std::move(call), s.status());
-      absl::Status copied = CopyIn(*call, *s, in);
-      if (!copied.ok()) return Fail(std::move(call), copied);
-      staged_in.data = *s;
-    }
+    absl::StatusOr<ConstBuffer> staged_in_or = StageIn(*call, in);
+    if (!staged_in_or.ok()) return Fail(std::move(call), staged_in_or.status());
+    const ConstBuffer staged_in = *staged_in_or;
     MutableBuffer staged_out = Relabel(out);
     if (Staged(out.kind, out.bytes)) {
       absl::StatusOr<void*> s = Own(*call, out.bytes);
@@ -388,6 +378,17 @@ class StagingCommunicator final : public Communicator {
     inner_->Abort(error);
     absl::Status sticky = inner_->status();
     state_->Complete(std::move(call), sticky.ok() ? error : sticky);
+  }
+
+  // `in` as the inner backend reads it: relabelled, or copied into a staging buffer of `call`.
+  absl::StatusOr<ConstBuffer> StageIn(StagedCall& call, ConstBuffer in) {
+    ConstBuffer staged = Relabel(in);
+    if (!Staged(in.kind, in.bytes)) return staged;
+    absl::StatusOr<void*> s = Own(call, in.bytes);
+    if (!s.ok()) return s.status();
+    if (absl::Status copied = CopyIn(call, *s, in); !copied.ok()) return copied;
+    staged.data = *s;
+    return staged;
   }
 
   absl::StatusOr<void*> Own(StagedCall& call, size_t bytes) {
