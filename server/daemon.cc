@@ -71,6 +71,30 @@ namespace {
 // when it can run. Without --gpus nothing here touches CUDA.
 absl::Status SetUpGpus(const DaemonConfig& config, ShardStoreOptions* store_options,
                        GroupManagerOptions* group_options) {
+  if (config.simulate_gpus < 0 || config.simulate_gpus > 64) {
+    return absl::InvalidArgumentError(absl::StrCat("--simulate_gpus must be in [0, 64], got ",
+                                                   config.simulate_gpus));
+  }
+  if (config.simulate_gpus > 0) {
+    if (!config.gpus.empty() && config.gpus != "none") {
+      return absl::InvalidArgumentError("--simulate_gpus and --gpus exclude each other");
+    }
+    store_options->device_pools.resize(config.simulate_gpus);
+    store_options->pin_host_memory = false;
+    for (int i = 0; i < config.simulate_gpus; ++i) {
+      gpu::DevicePoolOptions pool;
+      pool.limit_bytes = config.gpu_memory_limit_bytes;
+      FS_ASSIGN_OR_RETURN(std::unique_ptr<gpu::DeviceContext> context,
+                          gpu::DeviceContext::CreateSimulated(i, pool, config.segment_prefix));
+      std::shared_ptr<gpu::DeviceContext> shared = std::move(context);
+      store_options->device_pools[i] = shared->pool();
+      group_options->gpus.push_back(std::move(shared));
+    }
+    group_options->copier = collective::MakeSimulatedDeviceCopier();
+    FS_LOG(WARNING) << "--simulate_gpus=" << config.simulate_gpus
+                    << ": GPU code paths over host shared memory, for testing only";
+    return absl::OkStatus();
+  }
   if (config.gpus.empty() || config.gpus == "none") return absl::OkStatus();
   if (config.gpu_collectives != "auto" && config.gpu_collectives != "nccl" &&
       config.gpu_collectives != "host") {

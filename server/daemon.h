@@ -69,6 +69,9 @@ struct DaemonConfig {
   // How device memory moves: "auto" (NCCL where every rank has its own GPU, else staged
   // through host memory), "nccl" (refuse to start without NCCL), "host" (never NCCL).
   std::string gpu_collectives = "auto";
+  // Testing only: N simulated GPUs whose "device memory" is host shared memory (no CUDA,
+  // no NCCL), so the GPU code paths run where there is no GPU. Excludes `gpus`.
+  int simulate_gpus = 0;
 };
 
 // The gRPC health service name that answers SERVING as long as the process serves, also while

@@ -81,6 +81,10 @@ ABSL_FLAG(int64_t, gpu_memory_limit_mib, 0,
 ABSL_FLAG(std::string, gpu_collectives, "auto",
           "how device memory moves: auto (NCCL where every rank has its own GPU, else staged "
           "through host memory), nccl (fail without NCCL), host (never NCCL)");
+ABSL_FLAG(int, simulate_gpus, 0,
+          "testing only: N simulated GPUs whose device memory is host shared memory (no CUDA, "
+          "no NCCL), to run the GPU code paths without a GPU; trainers must open it through "
+          "the test harness");
 ABSL_FLAG(std::string, log_level, "info",
           "lowest severity logged: info, warning or error (changeable at run time)");
 ABSL_FLAG(int, v, 0, "verbose logging level (per-op lines at 2)");
@@ -162,6 +166,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   config.gpu_collectives = absl::GetFlag(FLAGS_gpu_collectives);
+  config.simulate_gpus = absl::GetFlag(FLAGS_simulate_gpus);
   config.socket_group = absl::GetFlag(FLAGS_socket_group);
   if (auto uids = flatshard::server::access::ParseUidList(absl::GetFlag(FLAGS_allowed_uids));
       uids.ok()) {

@@ -162,7 +162,6 @@ Buffer::Buffer(std::shared_ptr<internal::StoreState> state, BufferKind kind, Pla
       placement_(placement),
       bytes_(bytes),
       segment_(std::move(segment)),
-      pinned_(placement.kind == collective::MemoryKind::kHostPinned && segment_.data() != nullptr),
       pool_(std::move(pool)),
       label_(std::move(label)),
       block_(std::move(block)) {}
@@ -331,7 +330,9 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, in
         ": fchown: ", std::strerror(err), " (flatshardd needs CAP_CHOWN to serve trainers of "
         "another uid; run it as root or run the trainers as uid ", ::geteuid(), ")"));
   }
-  if (placement.kind == collective::MemoryKind::kHostPinned && bytes > 0) {
+  const bool pin = placement.kind == collective::MemoryKind::kHostPinned && bytes > 0 &&
+                   options_.pin_host_memory;
+  if (pin) {
     // Page-locked so the device copies of offload_to_cpu run at DMA speed.
     if (absl::Status pin = gpu::PinHostMemory(segment->data(), static_cast<size_t>(bytes));
         !pin.ok()) {
@@ -342,16 +343,17 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, in
     }
   }
   if (absl::Status status = state_->Register(segment->name()); !status.ok()) {
-    if (placement.kind == collective::MemoryKind::kHostPinned && bytes > 0) {
-      gpu::UnpinHostMemory(segment->data());
-    }
+    if (pin) gpu::UnpinHostMemory(segment->data());
     state_->Uncharge(kind, bytes, /*to_decommitted=*/false);
     return status;  // `segment` goes out of scope: unmapped and unlinked
   }
   FS_VLOG(2) << "allocated kind=" << BufferKindName(kind) << " bytes=" << bytes
              << " segment=" << segment->name() << " " << label;
-  return std::shared_ptr<Buffer>(new Buffer(state_, kind, placement, bytes, *std::move(segment),
-                                            nullptr, nullptr, std::string(label)));
+  auto buffer = std::shared_ptr<Buffer>(new Buffer(state_, kind, placement, bytes,
+                                                   *std::move(segment), nullptr, nullptr,
+                                                   std::string(label)));
+  buffer->pinned_ = pin;
+  return buffer;
 }
 
 absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::AllocateOnDevice(BufferKind kind,

@@ -79,6 +79,9 @@ struct ShardStoreOptions {
   // GPU daemons: the pool of each device ordinal Allocate may place buffers on (null entries
   // for devices this daemon does not use). Empty: host memory only.
   std::vector<std::shared_ptr<gpu::DevicePool>> device_pools{};
+  // Page-lock kHostPinned buffers (cudaHostRegister). False with simulated GPUs (no CUDA):
+  // they are then plain host shared memory.
+  bool pin_host_memory = true;
 };
 
 // Where Allocate puts a buffer.
@@ -169,7 +172,7 @@ class Buffer {
   const int64_t bytes_;
   // Host: immutable after construction except for its pages (Commit/Decommit, under mu_).
   ShmSegment segment_;
-  bool pinned_ = false;  // segment_ is page-locked (cudaHostRegister)
+  bool pinned_ = false;  // segment_ is page-locked (cudaHostRegister); set by Allocate
   const std::shared_ptr<gpu::DevicePool> pool_;  // device buffers
   const std::string label_;
   mutable absl::Mutex mu_;  // serializes Commit/Decommit of this buffer

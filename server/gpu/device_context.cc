@@ -122,6 +122,7 @@ DeviceContext::~DeviceContext() {
     opened.swap(opened_);
   }
   opened.clear();  // cudaEventDestroy, outside the lock
+  if (ready_event_ == nullptr && stream_ == nullptr) return;  // simulated, or never created
   ScopedCudaDevice scoped(gpu_.ordinal);
   if (ready_event_ != nullptr && cudaEventDestroy(AsEvent(ready_event_)) != cudaSuccess) {
     cudaGetLastError();

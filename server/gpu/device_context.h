@@ -15,6 +15,11 @@
 // Builds without CUDA compile this file: Create() and PinHostMemory() then fail with
 // FAILED_PRECONDITION "built without CUDA".
 //
+// CreateSimulated() makes a context whose "device memory" is host shared memory and whose
+// copies are memcpy (flatshardd --simulate_gpus): the daemon's GPU code paths (placement,
+// staging, offload, events plumbing) run and are tested on machines without a GPU. Trainers
+// then open its slabs by shm name (tests/testing/simulated_gpu.h), not through CUDA IPC.
+//
 // Thread safety: DeviceContext is thread-safe. Copy() and Synchronize() wait for everything
 // enqueued on the context's stream, also by other threads.
 
@@ -50,9 +55,14 @@ class DeviceContext {
   // not visible or its uuid differs from `gpu.uuid`; CUDA errors (stream, event, IPC handle).
   static absl::StatusOr<std::unique_ptr<DeviceContext>> Create(const GpuDevice& gpu,
                                                                DevicePoolOptions pool_options);
+  // A simulated GPU `ordinal` with uuid "SIM-GPU-<ordinal>": its slabs are shm segments named
+  // with `segment_prefix` (their "IPC handle" is "SIMGPU" + the shm name); copies are memcpy;
+  // events are tokens. Errors: INVALID_ARGUMENT for a bad prefix.
+  static absl::StatusOr<std::unique_ptr<DeviceContext>> CreateSimulated(
+      int ordinal, DevicePoolOptions pool_options, const std::string& segment_prefix);
   // Waits (up to sync_timeout) for the stream, then releases the events and the stream. The
   // pool lives on while blocks of it do.
-  ~DeviceContext();
+  virtual ~DeviceContext();
   DeviceContext(const DeviceContext&) = delete;
   DeviceContext& operator=(const DeviceContext&) = delete;
 
@@ -67,22 +77,24 @@ class DeviceContext {
   // Copies `bytes` (any direction: device<->device, host<->device; host memory pageable or
   // pinned) on this context's stream and waits until done. The copy is ordered after every
   // WaitFor() issued before it. Errors: CUDA errors naming the device; DEADLINE_EXCEEDED.
-  absl::Status Copy(void* dst, const void* src, size_t bytes);
+  virtual absl::Status Copy(void* dst, const void* src, size_t bytes);
   // Waits until everything enqueued on the stream so far has completed.
   // Errors: DEADLINE_EXCEEDED after sync_timeout; the stream's CUDA error.
-  absl::Status Synchronize();
+  virtual absl::Status Synchronize();
   // Records the ready event on the stream (after everything enqueued so far) and returns it.
   // The same event (same id and handle) is re-recorded each time: a trainer opens it once.
-  absl::StatusOr<IpcEventRef> RecordReady();
+  virtual absl::StatusOr<IpcEventRef> RecordReady();
   // Makes the stream wait for the trainer's event `event` (opened once per handle and cached;
   // past 256 cached events, those of trainers long gone are dropped). No host wait.
   // Errors: INVALID_ARGUMENT for id 0 or a handle that is not kIpcHandleBytes long (or that
   // CUDA rejects); CUDA errors.
-  absl::Status WaitFor(const IpcEventRef& event);
+  virtual absl::Status WaitFor(const IpcEventRef& event);
+
+ protected:
+  DeviceContext(GpuDevice gpu, std::shared_ptr<DevicePool> pool);
 
  private:
   struct OpenedEvent;
-  DeviceContext(GpuDevice gpu, std::shared_ptr<DevicePool> pool);
 
   const GpuDevice gpu_;
   const std::shared_ptr<DevicePool> pool_;

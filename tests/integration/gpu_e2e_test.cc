@@ -1,15 +1,25 @@
-// The GPU backend end to end (CTest label "gpu"): real flatshardd processes started with
-// --gpus=0, trainers as threads with their own Clients opening the daemons' device memory
-// through CUDA IPC (another process, as in production), reading and writing it with
-// cudaMemcpy. Layouts: one daemon (world 1 over NCCL, world 2 with both ranks on GPU 0 staged
-// between them), and two daemons sharing GPU 0 (device memory staged over UCX: NCCL cannot
-// put two ranks of one communicator on one GPU).
+// The GPU backend end to end: real flatshardd processes, trainers as threads with their own
+// Clients opening the daemons' device memory from another process, as in production.
+// Layouts: one daemon (world 1 over NCCL, world 2 with both ranks on GPU 0 staged between
+// them), and two daemons sharing GPU 0 (device memory staged over UCX: NCCL cannot put two
+// ranks of one communicator on one GPU).
 //
-// Every test skips where no GPU is usable (CI, the development machines).
+// Built twice:
+// - gpu_e2e_test (CTest label "gpu"): daemons with --gpus=0, CUDA IPC, cudaMemcpy; every test
+//   skips where no GPU is usable (CI, the development machines);
+// - simulated_gpu_e2e_test (FS_SIMULATED_GPU, the default run): daemons with
+//   --simulate_gpus=1, whose "device memory" is host shared memory that the trainers open
+//   through tests/testing/simulated_gpu.h. The daemon's and the client's GPU code paths
+//   (placement, staging over inproc and UCX, offload, rank0_only copies per device, device
+//   reduce-scatter, the IPC open-once cache, event plumbing) run here; CUDA itself does not.
 
+#if !FS_SIMULATED_GPU
 #include <cuda_runtime.h>
+#endif
+#include <cstring>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -25,6 +35,10 @@
 #include "gtest/gtest.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
+#if FS_SIMULATED_GPU
+#include "client/client_internal.h"
+#include "tests/testing/simulated_gpu.h"
+#endif
 
 namespace flatshard::client {
 namespace {
@@ -36,16 +50,44 @@ using ::testing::HasSubstr;
 
 constexpr char kToken[] = "gpu-t0k";
 
+#if FS_SIMULATED_GPU
+#define SKIP_WITHOUT_GPU() \
+  do {                     \
+  } while (0)
+constexpr char kGpuFlag[] = "--simulate_gpus=1";
+
+absl::StatusOr<std::unique_ptr<Client>> ConnectClient(ClientOptions options) {
+  return internal::ConnectWithGpuApis(std::move(options), ::flatshard::testing::SimulatedGpuApis());
+}
+// Simulated device memory is host memory.
+void CopyBytes(void* dst, const void* src, size_t bytes, int /*device*/) {
+  std::memcpy(dst, src, bytes);
+}
+#else
 #define SKIP_WITHOUT_GPU()                                                       \
   do {                                                                           \
     absl::StatusOr<std::vector<gpu::GpuDevice>> gpus = gpu::ListGpus();          \
     if (!gpus.ok()) GTEST_SKIP() << "no GPU: " << gpus.status().message();       \
   } while (0)
+constexpr char kGpuFlag[] = "--gpus=0";
+
+absl::StatusOr<std::unique_ptr<Client>> ConnectClient(ClientOptions options) {
+  return Client::Connect(std::move(options));
+}
+void CopyBytes(void* dst, const void* src, size_t bytes, int device) {
+  if (device < 0) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  ASSERT_EQ(cudaSetDevice(device), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), cudaSuccess);
+}
+#endif
 
 ::flatshard::testing::ClusterOptions GpuOptions(std::vector<std::string> more = {}) {
   ::flatshard::testing::ClusterOptions o;
-  o.tag_prefix = "fsgpu";
-  o.extra_flags = {"--gpus=0"};
+  o.tag_prefix = FS_SIMULATED_GPU ? "fssimgpu" : "fsgpu";
+  o.extra_flags = {kGpuFlag};
   for (std::string& f : more) o.extra_flags.push_back(std::move(f));
   return o;
 }
@@ -58,31 +100,35 @@ void ForEachRank(int world, const std::function<void(int)>& fn) {
 
 std::vector<float> Read(const void* data, int device, int64_t numel) {
   std::vector<float> out(static_cast<size_t>(numel));
-  if (device < 0) {
-    std::memcpy(out.data(), data, out.size() * sizeof(float));
-  } else {
-    EXPECT_EQ(cudaSetDevice(device), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(out.data(), data, out.size() * sizeof(float), cudaMemcpyDefault),
-              cudaSuccess);
-  }
+  CopyBytes(out.data(), data, out.size() * sizeof(float), device);
   return out;
 }
 
 void Fill(const ParamView& v, const std::function<float(int64_t)>& value) {
   std::vector<float> host(static_cast<size_t>(v.numel));
   for (int64_t i = 0; i < v.numel; ++i) host[i] = value(i);
-  if (v.device < 0) {
-    std::memcpy(v.data, host.data(), host.size() * sizeof(float));
-    return;
-  }
-  ASSERT_EQ(cudaSetDevice(v.device), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(v.data, host.data(), host.size() * sizeof(float), cudaMemcpyDefault),
-            cudaSuccess);
+  CopyBytes(v.data, host.data(), host.size() * sizeof(float), v.device);
 }
 
 // A value that differs per parameter and element.
 float ValueOf(const std::string& fqn, int64_t i, float scale = 1.0f) {
   return scale * (static_cast<float>(std::hash<std::string>{}(fqn) % 97) + 0.25f * (i % 13));
+}
+
+// Tied FQNs alias one view: each view's values are named by the first FQN at its address.
+std::map<const void*, std::string> FirstFqns(const ParamViews& views) {
+  std::map<const void*, std::string> first;
+  for (const ParamView& v : views) first.emplace(v.data, v.fqn);
+  return first;
+}
+
+// Fills every distinct view of `views` with ValueOf(its first FQN, i, scale).
+void FillAll(const ParamViews& views, float scale) {
+  const std::map<const void*, std::string> first = FirstFqns(views);
+  for (const ParamView& v : views) {
+    if (first.at(v.data) != v.fqn) continue;  // a tied alias
+    Fill(v, [&](int64_t i) { return ValueOf(v.fqn, i, scale); });
+  }
 }
 
 struct Rank {
@@ -101,7 +147,7 @@ std::vector<Rank> JoinAndInit(const Cluster& d, const std::string& group, int wo
     options.address = d.AddressFor(r);
     options.call_timeout = absl::Seconds(30);
     options.join_timeout = absl::Seconds(30);
-    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+    absl::StatusOr<std::unique_ptr<Client>> client = ConnectClient(options);
     ASSERT_TRUE(client.ok()) << client.status();
     ranks[r].client = *std::move(client);
     ASSERT_TRUE(ranks[r].client->Join(group, world, r, kToken, d.coordinator()).ok());
@@ -112,8 +158,8 @@ std::vector<Rank> JoinAndInit(const Cluster& d, const std::string& group, int wo
     ASSERT_NE(ranks[r].model.init_summon, nullptr);
     for (const ParamView& v : ranks[r].model.init_summon->params()) {
       EXPECT_GE(v.device, 0) << v.fqn << ": init views live on the GPU";
-      Fill(v, [&](int64_t i) { return ValueOf(v.fqn, i, scale); });
     }
+    FillAll(ranks[r].model.init_summon->params(), scale);
     absl::Status ended = ranks[r].model.init_summon->End();
     ASSERT_TRUE(ended.ok()) << ended;
   });
@@ -129,11 +175,13 @@ void ExpectValues(std::vector<Rank>& ranks, SummonOptions options,
     if (options.rank0_only && r != 0) {
       EXPECT_FALSE((*s)->has_views());
     } else {
+      const std::map<const void*, std::string> first = FirstFqns((*s)->params());
       for (const ParamView& v : (*s)->params()) {
         EXPECT_EQ(v.device < 0, options.offload_to_cpu) << v.fqn;
         const std::vector<float> got = Read(v.data, v.device, v.numel);
+        const std::string& named = first.at(v.data);
         for (int64_t i = 0; i < v.numel; ++i) {
-          ASSERT_EQ(got[i], want(v.fqn, i)) << "rank " << r << " " << v.fqn << "[" << i << "]";
+          ASSERT_EQ(got[i], want(named, i)) << "rank " << r << " " << v.fqn << "[" << i << "]";
         }
       }
     }
@@ -170,9 +218,7 @@ TEST_P(GpuE2ETest, WritebackFromDeviceAndFromOffloadedViewsReachesTheShards) {
       o.offload_to_cpu = offload;
       absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", o);
       ASSERT_TRUE(s.ok()) << s.status();
-      for (const ParamView& v : (*s)->params()) {
-        Fill(v, [&](int64_t i) { return ValueOf(v.fqn, i, scale); });
-      }
+      FillAll((*s)->params(), scale);
       ASSERT_TRUE((*s)->End().ok());
     });
     SummonOptions read_only;
@@ -191,11 +237,7 @@ TEST_P(GpuE2ETest, Rank0OnlyWritebackReachesEveryRank) {
     o.rank0_only = true;
     absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", o);
     ASSERT_TRUE(s.ok()) << s.status();
-    if (r == 0) {
-      for (const ParamView& v : (*s)->params()) {
-        Fill(v, [&](int64_t i) { return ValueOf(v.fqn, i, 5.0f); });
-      }
-    }
+    if (r == 0) FillAll((*s)->params(), 5.0f);
     ASSERT_TRUE((*s)->End().ok());
   });
   SummonOptions read_only;
@@ -216,10 +258,7 @@ TEST_P(GpuE2ETest, ReduceScatterSumsAveragesAndAccumulatesOnTheDevice) {
             "", u.index, op, accumulate, [&](PendingReduceScatter& p) -> absl::Status {
               EXPECT_GE(p.device(), 0);
               std::vector<float> g(static_cast<size_t>(p.numel()), 1.0f + r);
-              if (cudaMemcpy(p.data(), g.data(), g.size() * sizeof(float), cudaMemcpyDefault) !=
-                  cudaSuccess) {
-                return absl::InternalError("cudaMemcpy of the gradient failed");
-              }
+              CopyBytes(p.data(), g.data(), g.size() * sizeof(float), p.device());
               return absl::OkStatus();
             });
         ASSERT_TRUE(s.ok()) << s;
@@ -281,6 +320,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, GpuE2ETest,
 
 TEST(GpuE2E, WorldOneOverNcclRoundTrips) {
   SKIP_WITHOUT_GPU();
+  if (FS_SIMULATED_GPU) GTEST_SKIP() << "simulated GPUs have no NCCL";
   Cluster d(Layout::kSingle, GpuOptions({"--gpu_collectives=nccl"}));
   std::vector<Rank> ranks = JoinAndInit(d, "nccl1", 1, 7.0f);
   SummonOptions o;

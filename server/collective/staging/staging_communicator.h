@@ -60,6 +60,9 @@ class DeviceCopier {
 // (`copy_timeout`; DEADLINE_EXCEEDED names the device and bytes).
 // Without CUDA every call fails with FAILED_PRECONDITION "built without CUDA"; without a GPU
 // they fail with the CUDA error (FAILED_PRECONDITION for a missing driver or device).
+// For simulated GPUs (gpu::DeviceContext::CreateSimulated), whose "device" memory is host
+// memory: copies are memcpy and staging buffers plain host memory. Never fails.
+std::shared_ptr<DeviceCopier> MakeSimulatedDeviceCopier();
 std::shared_ptr<DeviceCopier> MakeCudaDeviceCopier();  // FAILED_PRECONDITION copies w/o CUDA
 std::shared_ptr<DeviceCopier> MakeCudaDeviceCopier(absl::Duration copy_timeout);
 
