@@ -169,6 +169,7 @@ TEST_F(FlatshardctlAdminTest, StatusAndGroupsAfterJoinAndRegister) {
   EXPECT_EQ(j["groups"], 0);
   EXPECT_EQ(j["draining"], false);
   EXPECT_EQ(j["memory"]["limit_bytes"], nullptr);
+  EXPECT_TRUE(j["gpus"].empty()) << "a host daemon has no GPU pools";
 
   JoinAndRegister(2);
   r = Ctl({"status", "--json"});
@@ -223,6 +224,25 @@ TEST_F(FlatshardctlAdminTest, StatusAndGroupsAfterJoinAndRegister) {
   j = Json(Ctl({"groups", "--json"}));
   EXPECT_EQ(j["groups"][0]["joined_ranks"], nlohmann::json({0}));
   EXPECT_EQ(Json(Ctl({"status", "--json"}))["clients"], 1);
+}
+
+TEST(FlatshardctlGpuStatusTest, StatusShowsEachGpuPool) {
+  ::flatshard::testing::DaemonOptions o;
+  o.tag_prefix = "fsctlgpu";
+  o.extra_flags = {"--simulate_gpus=2", "--gpu_memory_limit_mib=64"};
+  DaemonProcess daemon(o);
+  CtlResult r = RunCtl({"status", "--json", "--socket=" + daemon.socket()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["gpus"].size(), 2u) << r.out;
+  EXPECT_EQ(j["gpus"][1]["device"], 1);
+  EXPECT_EQ(j["gpus"][1]["uuid"], "SIM-GPU-1");
+  EXPECT_EQ(j["gpus"][0]["limit_bytes"], int64_t{64} << 20);
+  EXPECT_EQ(j["gpus"][0]["reserved_bytes"], 0);
+  EXPECT_EQ(j["gpus"][0]["buffers"], 0);
+  r = RunCtl({"status", "--socket=" + daemon.socket()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.out, AllOf(HasSubstr("gpu 0"), HasSubstr("gpu 1"), HasSubstr("SIM-GPU-1")));
 }
 
 TEST_F(FlatshardctlAdminTest, UnitsShowSummonedDuringASummonAndIdleAfter) {
