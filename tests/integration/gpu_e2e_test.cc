@@ -328,6 +328,21 @@ TEST(GpuE2E, WorldOneOverNcclRoundTrips) {
   ExpectValues(ranks, o, [](const std::string& fqn, int64_t i) { return ValueOf(fqn, i, 7.0f); });
 }
 
+TEST(GpuE2E, RanksLiveOnTheirOwnGpusOfOneDaemon) {
+  SKIP_WITHOUT_GPU();
+  if (!FS_SIMULATED_GPU) GTEST_SKIP() << "needs two GPUs: run against --simulate_gpus=2";
+  Cluster d(Layout::kSingle, GpuOptions({"--simulate_gpus=2"}));
+  std::vector<Rank> ranks = JoinAndInit(d, "two-gpus", 2, 9.0f);
+  for (int r = 0; r < 2; ++r) {
+    absl::StatusOr<ShardViews> views = ranks[r].client->GetShardViews("");
+    ASSERT_TRUE(views.ok()) << views.status();
+    for (const UnitShardView& u : *views) EXPECT_EQ(u.device, r) << "rank " << r << " unit " << u.unit;
+  }
+  SummonOptions o;
+  o.writeback = false;
+  ExpectValues(ranks, o, [](const std::string& fqn, int64_t i) { return ValueOf(fqn, i, 9.0f); });
+}
+
 TEST(GpuE2E, MissingRankFailsTheSummonAtItsDeadlineNamingIt) {
   SKIP_WITHOUT_GPU();
   Cluster d(Layout::kSingle, GpuOptions());
