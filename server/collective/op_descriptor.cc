@@ -1,5 +1,6 @@
 #include "server/collective/op_descriptor.h"
 
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -186,6 +187,16 @@ absl::Status MismatchError(uint64_t op_seq, int rank_a, const OpDescriptor& a, i
   return absl::AbortedError(absl::StrCat("collective mismatch at op_seq ", op_seq, ": rank ",
                                          rank_a, " called ", FormatOp(a), " but rank ", rank_b,
                                          " called ", FormatOp(b)));
+}
+
+PendingOpInfo PendingOpOf(uint64_t op_seq, const OpDescriptor& desc, std::string name) {
+  PendingOpInfo p;
+  p.op_seq = op_seq;
+  p.kind = desc.kind;
+  p.unit = desc.unit;
+  p.bytes = desc.bytes;
+  p.name = std::move(name);
+  return p;
 }
 
 absl::Status MissingRanksError(uint64_t op_seq, const OpDescriptor& desc,

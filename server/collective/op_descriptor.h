@@ -69,6 +69,10 @@ absl::Status ValidateCall(const OpCall& call, int rank, int world_size, uint64_t
 absl::Status MismatchError(uint64_t op_seq, int rank_a, const OpDescriptor& a, int rank_b,
                            const OpDescriptor& b);
 // DEADLINE_EXCEEDED "op_seq N AllGather(unit 3, ...): ranks 1, 3 did not arrive within 5s".
+// The PendingOpInfo of op `op_seq` described by `desc` (kind, unit, bytes) and named `name`;
+// age, running and the ranks are the backend's to fill.
+PendingOpInfo PendingOpOf(uint64_t op_seq, const OpDescriptor& desc, std::string name);
+
 absl::Status MissingRanksError(uint64_t op_seq, const OpDescriptor& desc,
                                absl::Span<const int> missing, absl::Duration waited);
 

@@ -509,13 +509,8 @@ std::vector<PendingOpInfo> RingCore::PendingOps() const {
   const absl::Time now = absl::Now();
   absl::MutexLock lock(&mu_);
   for (const auto& [op_seq, ops] : live_) {
-    PendingOpInfo& p = out.emplace_back();
-    p.op_seq = op_seq;
     const RankOp& first = *ops.front();
-    p.kind = first.desc().kind;
-    p.unit = first.desc().unit;
-    p.bytes = first.desc().bytes;
-    p.name = first.name();
+    PendingOpInfo& p = out.emplace_back(PendingOpOf(op_seq, first.desc(), first.name()));
     absl::Time earliest = first.arrived_at();
     std::vector<bool> arrived(spec_.world_size, false);
     bool all = false;

@@ -314,12 +314,7 @@ std::vector<PendingOpInfo> InprocCore::PendingOps() const {
   const absl::Time now = absl::Now();
   absl::MutexLock lock(&mu_);
   for (const auto& [op_seq, slot] : slots_) {
-    PendingOpInfo& p = out.emplace_back();
-    p.op_seq = op_seq;
-    p.kind = slot.desc.kind;
-    p.unit = slot.desc.unit;
-    p.bytes = slot.desc.bytes;
-    p.name = slot.name;
+    PendingOpInfo& p = out.emplace_back(PendingOpOf(op_seq, slot.desc, slot.name));
     p.age = now - slot.first_arrival;
     p.running = slot.running;
     for (int r = 0; r < spec_.world_size; ++r) {

@@ -348,12 +348,7 @@ std::vector<PendingOpInfo> NcclCore::PendingOps() const {
   const absl::Time now = absl::Now();
   absl::MutexLock lock(&mu_);
   for (const auto& [op_seq, slot] : slots_) {
-    PendingOpInfo& p = out.emplace_back();
-    p.op_seq = op_seq;
-    p.kind = slot.desc.kind;
-    p.unit = slot.desc.unit;
-    p.bytes = slot.desc.bytes;
-    p.name = slot.name;
+    PendingOpInfo& p = out.emplace_back(PendingOpOf(op_seq, slot.desc, slot.name));
     p.age = now - slot.first_arrival;
     p.running = slot.running;
     for (int i = 0; i < local_count(); ++i) {
