@@ -30,6 +30,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -172,6 +173,50 @@ inline std::string DescribeWaitStatus(int status) {
                            : absl::StrCat("signal ", WTERMSIG(status));
 }
 
+// argv and envp (this process's environment plus `extra_env`) for exec, built before fork:
+// a forked child may only call async-signal-safe functions. Not copyable (it points into
+// itself).
+class ExecVectors {
+ public:
+  ExecVectors(std::vector<std::string> args, std::vector<std::string> extra_env)
+      : args_(std::move(args)), env_(std::move(extra_env)) {
+    for (std::string& a : args_) argv_.push_back(a.data());
+    argv_.push_back(nullptr);
+    for (char** e = environ; *e != nullptr; ++e) envp_.push_back(*e);
+    for (std::string& e : env_) envp_.push_back(e.data());
+    envp_.push_back(nullptr);
+  }
+  ExecVectors(const ExecVectors&) = delete;
+  ExecVectors& operator=(const ExecVectors&) = delete;
+  char* const* argv() const { return argv_.data(); }
+  char* const* envp() const { return envp_.data(); }
+
+ private:
+  std::vector<std::string> args_, env_;
+  std::vector<char*> argv_, envp_;
+};
+
+// In a forked child: the default signal mask (the benchmarks block SIGINT and SIGTERM for a
+// signal thread) and SIGPIPE, death with `parent`, stdout and stderr to `log_path`, its own
+// process group when `own_group`; then exec (PATH searched). Async-signal-safe only.
+[[noreturn]] inline void ExecLoggedChild(pid_t parent, const char* log_path,
+                                         const ExecVectors& exec, bool own_group) {
+  if (own_group) ::setpgid(0, 0);
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  ::signal(SIGPIPE, SIG_DFL);  // an ignored SIGPIPE would survive exec
+  ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (::getppid() != parent) _exit(126);
+  const int fd = ::open(log_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd >= 0) {
+    ::dup2(fd, STDOUT_FILENO);
+    ::dup2(fd, STDERR_FILENO);
+  }
+  ::execvpe(exec.argv()[0], exec.argv(), exec.envp());
+  _exit(127);
+}
+
 // flatshardd on a private socket (<tmp>/<tag>/flatshardd.sock) and segment prefix (<tag>); its
 // stdout and stderr go to <tmp>/<tag>/flatshardd.log. The daemon gets SIGTERM if this process
 // dies (even by SIGKILL). Start() returns once the socket accepts connections (and, with
@@ -210,34 +255,12 @@ class BenchDaemon {
     std::vector<std::string> args = {binary, "--socket=" + socket_, "--segment_prefix=" + tag,
                                      "--default_wait=120s"};
     args.insert(args.end(), extra_flags.begin(), extra_flags.end());
-    std::vector<char*> argv;
-    for (std::string& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    std::vector<std::string> env_strings = extra_env;
-    std::vector<char*> envp;
-    for (char** e = environ; *e != nullptr; ++e) envp.push_back(*e);
-    for (std::string& e : env_strings) envp.push_back(e.data());
-    envp.push_back(nullptr);
+    const ExecVectors exec(std::move(args), extra_env);
     const std::string log_path = log_.string();
     const pid_t parent = ::getpid();
     const pid_t pid = ::fork();
     if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
-    if (pid == 0) {
-      // The benchmarks block SIGINT and SIGTERM for a signal thread; the daemon handles its own.
-      sigset_t none;
-      sigemptyset(&none);
-      ::sigprocmask(SIG_SETMASK, &none, nullptr);
-      ::signal(SIGPIPE, SIG_DFL);  // an ignored SIGPIPE would survive exec
-      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-      if (::getppid() != parent) _exit(126);
-      const int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-      if (fd >= 0) {
-        ::dup2(fd, STDOUT_FILENO);
-        ::dup2(fd, STDERR_FILENO);
-      }
-      ::execve(argv[0], argv.data(), envp.data());
-      _exit(127);
-    }
+    if (pid == 0) ExecLoggedChild(parent, log_path.c_str(), exec, /*own_group=*/false);
     {
       absl::MutexLock lock(&stop_mu_);
       pid_ = pid;

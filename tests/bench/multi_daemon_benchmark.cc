@@ -130,6 +130,8 @@ namespace {
 namespace fs = std::filesystem;
 using bench::BenchDaemon;
 using bench::Clock;
+using bench::ExecLoggedChild;
+using bench::ExecVectors;
 using bench::Median;
 using bench::MicrosSince;
 
@@ -293,36 +295,13 @@ std::string JoinOrNone(const std::set<std::string>& s) {
 absl::StatusOr<pid_t> SpawnTool(const std::vector<std::string>& argv_in,
                                 const std::vector<std::string>& env_in,
                                 const std::string& log_path) {
-  std::vector<std::string> args = argv_in;
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  std::vector<std::string> env_strings = env_in;
-  std::vector<char*> envp;
-  for (char** e = environ; *e != nullptr; ++e) envp.push_back(*e);
-  for (std::string& e : env_strings) envp.push_back(e.data());
-  envp.push_back(nullptr);
+  const ExecVectors exec(argv_in, env_in);
   const pid_t parent = ::getpid();
   Children& c = children();
   absl::MutexLock lock(&c.mu);  // registered before the signal thread could miss it
   const pid_t pid = ::fork();
   if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
-  if (pid == 0) {
-    ::setpgid(0, 0);
-    sigset_t none;
-    sigemptyset(&none);
-    ::sigprocmask(SIG_SETMASK, &none, nullptr);
-    ::signal(SIGPIPE, SIG_DFL);
-    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
-    if (::getppid() != parent) _exit(126);
-    const int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd >= 0) {
-      ::dup2(fd, STDOUT_FILENO);
-      ::dup2(fd, STDERR_FILENO);
-    }
-    ::execvpe(argv[0], argv.data(), envp.data());
-    _exit(127);
-  }
+  if (pid == 0) ExecLoggedChild(parent, log_path.c_str(), exec, /*own_group=*/true);
   ::setpgid(pid, pid);  // also here: no window in which a kill(-pid) misses the child
   c.tool_groups.insert(pid);
   return pid;
