@@ -199,6 +199,12 @@ PendingOpInfo PendingOpOf(uint64_t op_seq, const OpDescriptor& desc, std::string
   return p;
 }
 
+absl::Status OpSeqOrderError(int rank, uint64_t op_seq, const OpDescriptor& desc,
+                             uint64_t last_op_seq) {
+  return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " issued op_seq ", op_seq, " ",
+                                                 FormatOp(desc), " after op_seq ", last_op_seq));
+}
+
 absl::Status MissingRanksError(uint64_t op_seq, const OpDescriptor& desc,
                                absl::Span<const int> missing, absl::Duration waited) {
   // Deadlines are computed from the caller's clock reading; round up to milliseconds so a

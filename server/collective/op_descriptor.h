@@ -73,6 +73,11 @@ absl::Status MismatchError(uint64_t op_seq, int rank_a, const OpDescriptor& a, i
 // age, running and the ranks are the backend's to fill.
 PendingOpInfo PendingOpOf(uint64_t op_seq, const OpDescriptor& desc, std::string name);
 
+// INVALID_ARGUMENT "rank R issued op_seq N <op> after op_seq L": ops of a rank must be issued
+// in increasing op_seq order.
+absl::Status OpSeqOrderError(int rank, uint64_t op_seq, const OpDescriptor& desc,
+                             uint64_t last_op_seq);
+
 absl::Status MissingRanksError(uint64_t op_seq, const OpDescriptor& desc,
                                absl::Span<const int> missing, absl::Duration waited);
 

@@ -441,9 +441,7 @@ void RingCore::Start(int rank, OpCall call, const OpOptions& o, DoneCallback don
   {
     absl::MutexLock lock(&mu_);
     if (sticky_.ok() && last_seq_[rank] && o.op_seq <= *last_seq_[rank]) {
-      failed = absl::InvalidArgumentError(absl::StrCat("rank ", rank, " issued op_seq ", o.op_seq,
-                                                       " ", FormatOp(call.desc), " after op_seq ",
-                                                       *last_seq_[rank]));
+      failed = OpSeqOrderError(rank, o.op_seq, call.desc, *last_seq_[rank]);
     } else if (!sticky_.ok()) {
       failed = sticky_;
     } else {

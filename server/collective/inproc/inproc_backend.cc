@@ -211,10 +211,7 @@ void InprocCore::Arrive(int rank, OpCall call, const OpOptions& o, DoneCallback 
   {
     absl::MutexLock lock(&mu_);
     if (sticky_.ok() && last_seq_[rank] && op_seq <= *last_seq_[rank]) {
-      SetStickyLocked(absl::InvalidArgumentError(absl::StrCat("rank ", rank, " issued op_seq ",
-                                                              op_seq, " ", FormatOp(call.desc),
-                                                              " after op_seq ", *last_seq_[rank])),
-                      &failed);
+      SetStickyLocked(OpSeqOrderError(rank, op_seq, call.desc, *last_seq_[rank]), &failed);
     }
     if (sticky_.ok()) {
       last_seq_[rank] = op_seq;

@@ -270,10 +270,7 @@ void NcclCore::Arrive(OpCall call, const OpOptions& o, DoneCallback done) {
     absl::MutexLock lock(&mu_);
     if (sticky_.ok() && !bad.ok()) SetStickyLocked(bad, &failed);
     if (sticky_.ok() && last_seq_[index] && op_seq <= *last_seq_[index]) {
-      SetStickyLocked(absl::InvalidArgumentError(absl::StrCat(
-                          "rank ", rank, " issued op_seq ", op_seq, " ", FormatOp(call.desc),
-                          " after op_seq ", *last_seq_[index])),
-                      &failed);
+      SetStickyLocked(OpSeqOrderError(rank, op_seq, call.desc, *last_seq_[index]), &failed);
     }
     if (sticky_.ok()) {
       last_seq_[index] = op_seq;
