@@ -120,34 +120,56 @@ def _writes(func, args, kwargs):
     return None
 
 
-def _storage_ptr(t):
-    try:
-        return t.storage().data_ptr()
-    except Exception:  # sparse, meta, ...: shares nothing with a mapping
+def _range_of(t):
+    """(first, end) byte addresses of the read-only memory `t` views (cached on `t`)."""
+    r = getattr(t, "_fs_range", None)
+    if r is None:
+        with torch._C.DisableTorchFunction():
+            try:
+                st = t.storage()
+                lo = st.data_ptr()
+                r = (lo, lo + st.nbytes())
+            except Exception:  # sparse, meta, ...: no memory of ours
+                r = (0, 0)
+        t._fs_range = r
+    return r
+
+
+def _aliased(t, ranges):
+    """The range of `ranges` whose memory `t` starts in, or None."""
+    if t.numel() == 0:
         return None
+    p = t.data_ptr()
+    for r in ranges:
+        if r[0] <= p < r[1]:
+            return r
+    return None
 
 
-def _rewrap(value, ro_ptrs):
+def _rewrap(value, ranges):
     """Results that alias read-only memory stay ReadOnlyTensor; fresh ones become plain."""
     if isinstance(value, torch.Tensor):
-        shares = _storage_ptr(value) in ro_ptrs
-        if shares:
-            return value if type(value) is ReadOnlyTensor else value.as_subclass(ReadOnlyTensor)
+        r = _aliased(value, ranges) if ranges else None
+        if r is not None:
+            if type(value) is not ReadOnlyTensor:
+                value = value.as_subclass(ReadOnlyTensor)
+            value._fs_range = r
+            return value
         return value.as_subclass(torch.Tensor) if isinstance(value, ReadOnlyTensor) else value
     if isinstance(value, _np.ndarray):
         if value.flags.writeable:
             value.flags.writeable = False  # numpy()/__array__ of read-only memory
         return value
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_rewrap(v, ro_ptrs) for v in value)
+        return tuple(_rewrap(v, ranges) for v in value)
     if isinstance(value, list):
-        return [_rewrap(v, ro_ptrs) for v in value]
+        return [_rewrap(v, ranges) for v in value]
     return value
 
 
 def _collect(value, acc):
     if isinstance(value, ReadOnlyTensor):
-        acc.add(_storage_ptr(value))
+        acc.append(_range_of(value))
     elif isinstance(value, (tuple, list)):
         for v in value:
             _collect(v, acc)
@@ -170,15 +192,12 @@ class ReadOnlyTensor(torch.Tensor):
                 "or .clone() it for a private copy")
         with torch._C.DisableTorchFunction():
             ret = func(*args, **kwargs)
-            ro_ptrs = set()
-            _collect(args, ro_ptrs)
-            _collect(kwargs, ro_ptrs)
-            ro_ptrs.discard(None)
-            if _name(func) in ("numpy", "__array__"):
-                return _rewrap(ret, ro_ptrs)
-            if not ro_ptrs:
+            ranges = []
+            _collect(args, ranges)
+            _collect(kwargs, ranges)
+            if not ranges and _name(func) not in ("numpy", "__array__"):
                 return ret
-            return _rewrap(ret, ro_ptrs)
+            return _rewrap(ret, ranges)
 
     def __repr__(self, *, tensor_contents=None):
         with torch._C.DisableTorchFunction():
@@ -193,4 +212,6 @@ def from_capsule(capsule, dtype_name, writable=True):
         t = t.view(want)
     if not writable:
         t = t.as_subclass(ReadOnlyTensor)
+        nbytes = t.numel() * t.element_size()
+        t._fs_range = (t.data_ptr(), t.data_ptr() + nbytes)
     return t
