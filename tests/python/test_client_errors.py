@@ -231,3 +231,25 @@ def test_gil_released_while_join_blocks(daemon, group):
     assert done.wait(30) and not err
     c0.close()
     c1.close()
+
+
+def test_with_block_keeps_the_body_exception(group):
+    """An exception in a `with summon` body propagates; a failing End rides along as a note."""
+    d = flatshard.testing.LocalDaemon().start()
+    try:
+        c = flatshard.Client(d.address, call_timeout=3.0, max_attempts=1)
+        c.join(group, 1, 0)
+        c.register("", mlp_manifest(), MLP_POLICY)
+        with pytest.raises(KeyError) as e:
+            with c.summon("") as s:
+                t = s.params["fc1.bias"]
+                d.kill()
+                raise KeyError("body")
+        assert s.ended
+        notes = getattr(e.value, "__notes__", [])
+        assert any("ending summon" in n and "Error" in n for n in notes), notes
+        assert t.sum().item() == 0.0  # still mapped after the daemon died
+        c.close()
+    finally:
+        d.kill()
+        d.stop()

@@ -157,8 +157,9 @@ class Summoned:
         else:
             try:
                 self.end()
-            except Exception:  # the body's exception wins; End's error is logged by C++
-                pass
+            except Exception as e:  # the body's exception wins; End's error rides along
+                if exc is not None and hasattr(exc, "add_note"):
+                    exc.add_note(f"while handling it, ending summon {self.id} failed: {e!r}")
         return False
 
     def __repr__(self):
