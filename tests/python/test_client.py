@@ -365,3 +365,36 @@ print("rank", rank, "ok")
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 0, out
         assert f"rank {r} ok" in out
+
+
+def test_grads_writeback_and_rank0_only_read(daemon, group):
+    """with_grads + writeback persists gradient edits into the gradient shards; rank0_only
+    without writeback gives rank 0 read-only views and the others none."""
+    world = 2
+
+    def rank_fn(rank):
+        c = connect(daemon)
+        c.join(group, world, rank)
+        reg = c.register("", mlp_manifest(), MLP_POLICY)
+        fc2 = unit_of(reg.plan, "fc2")
+        c.reduce_scatter_grads("", fc2["index"], torch.ones(fc2["padded_numel"]), op="sum")
+        with c.summon("", "fc2", with_grads=True) as s:
+            g = s.grads["fc2.weight"]
+            assert type(g) is torch.Tensor and torch.equal(g, torch.full((2, 5), 2.0))
+            s.grads["fc2.weight"].fill_(5.0)
+            s.grads["fc2.bias"].fill_(5.0)
+        sh = {v.unit: v for v in c.shard_views("")}[fc2["index"]]
+        valid = max(0, min(sh.shard_numel, fc2["numel"] - sh.shard_offset))
+        assert torch.equal(sh.grad[:valid], torch.full((valid,), 5.0))
+        with c.summon("", rank0_only=True, writeback=False, with_grads=True) as s:
+            if rank == 0:
+                assert isinstance(s.params["fc2.weight"], flatshard.ReadOnlyTensor)
+                assert isinstance(s.grads["fc2.weight"], flatshard.ReadOnlyTensor)
+                assert torch.equal(s.grads["fc2.bias"], torch.full((2,), 5.0))
+                with pytest.raises(flatshard.ReadOnlyViewError):
+                    s.grads["fc2.bias"].zero_()
+            else:
+                assert not s.has_views and s.grads == {} and s.units
+        c.close()
+
+    run_ranks(world, rank_fn)
