@@ -5,6 +5,7 @@
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -17,7 +18,8 @@ __all__ = ["LocalDaemon", "find_daemon"]
 
 def find_daemon(binary=None):
     """The flatshardd to run: `binary`, else $FLATSHARD_DAEMON, else the build's
-    server/flatshardd next to this package (<build>/python/flatshard -> <build>)."""
+    server/flatshardd next to this package (<build>/python/flatshard -> <build>), else
+    flatshardd on PATH."""
     candidates = []
     if binary:
         candidates.append(Path(binary))
@@ -26,6 +28,9 @@ def find_daemon(binary=None):
     else:
         here = Path(__file__).resolve().parent
         candidates.append(here.parent.parent / "server" / "flatshardd")
+        on_path = shutil.which("flatshardd")  # installed next to an installed package
+        if on_path:
+            candidates.append(Path(on_path))
     for c in candidates:
         if c.is_file() and os.access(c, os.X_OK):
             return str(c)
