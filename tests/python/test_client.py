@@ -398,3 +398,21 @@ def test_grads_writeback_and_rank0_only_read(daemon, group):
         c.close()
 
     run_ranks(world, rank_fn)
+
+
+def test_context_managers_and_numpy_shards(daemon, group):
+    with connect(daemon) as c:
+        c.join(group, 1, 0)
+        reg = c.register("", mlp_manifest(), MLP_POLICY)
+        fc1 = unit_of(reg.plan, "fc1")
+        with c.begin_reduce_scatter("", fc1["index"], op="sum") as p:
+            p.flat.fill_(0.5)
+        assert p.finished
+        v = {s.unit: s for s in c.shard_views("")}[fc1["index"]]
+        g = v.numpy_grad
+        assert isinstance(g, np.ndarray) and g.flags.writeable and g.shape == (v.shard_numel,)
+        assert np.all(g[:20] == 0.5) and g.ctypes.data == v.grad.data_ptr()
+        g[0] = 3.0  # the optimizer may write gradient shards in place too
+        assert v.grad[0].item() == 3.0
+        assert "UnitShard(unit=" in repr(v) and "Summoned(" in repr(c.summon("", writeback=False))
+    assert c.closed
