@@ -9,8 +9,10 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
+import weakref
 from pathlib import Path
 
 __all__ = ["LocalDaemon", "find_daemon"]
@@ -39,6 +41,16 @@ def find_daemon(binary=None):
         "or pass binary=")
 
 
+def _terminate(proc):
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 class LocalDaemon:
     """Starts flatshardd on a Unix socket in a fresh temp directory (its own segment prefix),
     waits until it serves, and stops it with SIGTERM on exit, checking that it exited 0.
@@ -57,6 +69,7 @@ class LocalDaemon:
         self.address = None
         self.log = None
         self.segment_prefix = None
+        self._finalizer = None
 
     def start(self):
         self._dir = tempfile.TemporaryDirectory(prefix="flatshard-py-")
@@ -67,19 +80,31 @@ class LocalDaemon:
         self.segment_prefix = "fspy" + uuid.uuid4().hex[:10]
         args = [self.binary, f"--socket={self.socket}", f"--segment_prefix={self.segment_prefix}",
                 *self.extra_args]
+        # If this process dies without stopping it (a crash), the daemon gets SIGKILL. The
+        # death signal follows the thread that started it, so only from the main thread.
+        setpriv = shutil.which("setpriv")
+        if setpriv and threading.current_thread() is threading.main_thread():
+            args = [setpriv, "--pdeathsig", "KILL", *args]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT)
+        # Never stopped (no stop(), no with-block)? Terminated at garbage collection or exit.
+        self._finalizer = weakref.finalize(self, _terminate, self.proc)
         deadline = time.monotonic() + self.start_timeout
-        while not os.path.exists(self.socket):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"flatshardd exited at startup with status "
-                                   f"{self.proc.returncode}:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                self._kill()
-                raise TimeoutError(f"flatshardd did not create {self.socket} within "
-                                   f"{self.start_timeout}s:\n{self.log_tail()}")
-            time.sleep(0.01)
+        try:
+            while not os.path.exists(self.socket):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"flatshardd exited at startup with status "
+                                       f"{self.proc.returncode}:\n{self.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"flatshardd did not create {self.socket} within "
+                                       f"{self.start_timeout}s:\n{self.log_tail()}")
+                time.sleep(0.01)
+        except BaseException:
+            self.kill()
+            self._dir.cleanup()
+            self._dir = None
+            raise
         return self
 
     def log_tail(self, lines=40):
@@ -100,6 +125,7 @@ class LocalDaemon:
         """SIGTERM, then wait; raises if it does not exit 0 within stop_timeout. Removes the
         temp directory (also after kill())."""
         proc, self.proc = self.proc, None
+        self._detach()
         try:
             if proc is None:
                 return
@@ -122,14 +148,16 @@ class LocalDaemon:
     def kill(self):
         """SIGKILL (a crashed daemon); stop() then only cleans up."""
         proc, self.proc = self.proc, None
+        self._detach()
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
 
-    def _kill(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+    def _detach(self):
+        f = getattr(self, "_finalizer", None)
+        if f is not None:
+            f.detach()
+            self._finalizer = None
 
     def __enter__(self):
         return self.start()
