@@ -225,8 +225,9 @@ class Client:
     ``flatshard.Client("unix:/run/flatshard/flatshardd.sock")`` connects (raising
     UnavailableError when the daemon cannot be reached within call_timeout). Timeouts are in
     seconds. Thread-safe: every blocking call releases the GIL, so several Clients (ranks) in
-    threads of one process work. ``cuda_stream`` (an int, e.g.
-    ``torch.cuda.current_stream().cuda_stream``) is the stream device views are ordered on.
+    threads of one process work. ``cuda_stream`` (a torch.cuda.Stream or its
+    ``.cuda_stream`` int; None: the default stream) is the stream device views are ordered on:
+    the trainer's work on device views must run on it (see client.h "GPU memory").
     TLS files for TCP addresses as in ClientOptions. ``_simulated_gpus`` (tests only): open
     the device memory of a ``flatshardd --simulate_gpus`` daemon and present it as CPU
     tensors."""
@@ -239,7 +240,8 @@ class Client:
         self._plans = {}
         self._c = _C.Client(address, float(call_timeout), float(join_timeout), int(max_attempts),
                             float(initial_backoff), float(max_backoff), tls_ca_file,
-                            tls_cert_file, tls_key_file, int(cuda_stream or 0),
+                            tls_cert_file, tls_key_file,
+                            int(getattr(cuda_stream, "cuda_stream", cuda_stream) or 0),
                             bool(_simulated_gpus))
 
     # --- session -----------------------------------------------------------------------------
