@@ -1,7 +1,9 @@
 """Read-only summons (writes raise, the process survives) and view lifetime (tensors
 outliving their summon, Client and daemon)."""
 
+import copy
 import gc
+import io
 
 import numpy as np
 import pytest
@@ -94,6 +96,15 @@ def test_read_only_reads_and_fresh_results(client):
         with pytest.raises(flatshard.ReadOnlyViewError):
             s.flat(client.reg.plan["units"][0]["index"]).zero_()
         assert "ReadOnly" in repr(w)
+        # state-dict style copies are private, ordinary tensors.
+        dc = copy.deepcopy({"w": w})["w"]
+        assert type(dc) is torch.Tensor and dc.data_ptr() != w.data_ptr()
+        dc.add_(1)
+        buf = io.BytesIO()
+        torch.save({"w": w}, buf)
+        buf.seek(0)
+        loaded = torch.load(buf)["w"]
+        assert type(loaded) is torch.Tensor and torch.equal(loaded, w)
     with client.summon("", writeback=False) as s:
         assert torch.equal(s.params["fc1.weight"], torch.arange(15.0).view(5, 3))
 

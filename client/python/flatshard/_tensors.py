@@ -199,6 +199,20 @@ class ReadOnlyTensor(torch.Tensor):
                 return ret
             return _rewrap(ret, ranges)
 
+    def __deepcopy__(self, memo):
+        """A deep copy is a private copy: an ordinary, writable tensor."""
+        with torch._C.DisableTorchFunction():
+            copied = self.detach().clone().as_subclass(torch.Tensor)
+            copied.requires_grad_(self.requires_grad)
+        memo[id(self)] = copied
+        return copied
+
+    def __reduce_ex__(self, protocol):
+        """Pickled (torch.save) as an ordinary tensor of the same values."""
+        with torch._C.DisableTorchFunction():
+            plain = self.as_subclass(torch.Tensor)
+        return plain.__reduce_ex__(protocol)
+
     def __repr__(self, *, tensor_contents=None):
         with torch._C.DisableTorchFunction():
             return "ReadOnly" + torch.Tensor.__repr__(self.as_subclass(torch.Tensor))
