@@ -225,7 +225,8 @@ def from_capsule(capsule, dtype_name, writable=True):
     if want is not None and t.dtype != want:  # DLPack readers without a bfloat16/bool code
         t = t.view(want)
     if not writable:
+        lo = t.data_ptr()  # on the plain tensor: no __torch_function__ dispatch
+        r = (lo, lo + t.numel() * t.element_size())
         t = t.as_subclass(ReadOnlyTensor)
-        nbytes = t.numel() * t.element_size()
-        t._fs_range = (t.data_ptr(), t.data_ptr() + nbytes)
+        t._fs_range = r
     return t
