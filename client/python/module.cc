@@ -192,7 +192,7 @@ class PySummoned {
     py::list out;
     if (ended_) return out;
     const ViewSet& set = grads ? grads_ : params_;
-    for (const PyView& v : set.views) out.append(ToNumpy(v.region, set.keep, v.writable));
+    for (const PyView& v : set.views) out.append(ToNumpy(v.region, set.keep, v.writable, device_as_host_));
     return out;
   }
 
@@ -656,11 +656,13 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("shard_numpy",
            [](const PyUnitShard& s) {
-             return ToNumpy(Region{s.data, {s.shard_numel}, s.dtype, s.device}, s.keep, true);
+             return ToNumpy(Region{s.data, {s.shard_numel}, s.dtype, s.device}, s.keep, true,
+                           s.device_as_host);
            })
       .def("grad_numpy", [](const PyUnitShard& s) -> py::object {
         if (s.grad == nullptr) return py::none();
-        return ToNumpy(Region{s.grad, {s.shard_numel}, s.dtype, s.device}, s.keep, true);
+        return ToNumpy(Region{s.grad, {s.shard_numel}, s.dtype, s.device}, s.keep, true,
+                       s.device_as_host);
       });
 
   py::class_<PyRegistered, std::shared_ptr<PyRegistered>>(m, "Registered")
