@@ -416,3 +416,31 @@ def test_context_managers_and_numpy_shards(daemon, group):
         assert v.grad[0].item() == 3.0
         assert "UnitShard(unit=" in repr(v) and "Summoned(" in repr(c.summon("", writeback=False))
     assert c.closed
+
+
+def test_group_over_two_daemons(tmp_path):
+    """Ranks joining through their own daemons, naming daemon 0 as coordinator (the bytes
+    move between the daemons over UCX, TCP loopback on one host)."""
+    import flatshard.testing
+    with flatshard.testing.LocalDaemon(peer=True, node_name="node0") as d0, \
+            flatshard.testing.LocalDaemon(peer=True, node_name="node1") as d1:
+        assert d0.peer_address and d0.peer_address != d1.peer_address
+        daemons = [d0, d1]
+
+        def rank_fn(rank):
+            c = flatshard.Client(daemons[rank].address, call_timeout=30, join_timeout=30)
+            c.join("two-nodes", 2, rank, token="t", coordinator=d0.peer_address)
+            reg = c.register("", mlp_manifest(), MLP_POLICY, init="from_rank0")
+            if rank == 0:
+                for t in reg.init_summon.params.values():
+                    t.fill_(1.25)
+            reg.init_summon.end()
+            fc1 = unit_of(reg.plan, "fc1")
+            c.reduce_scatter_grads("", fc1["index"], torch.full((20,), float(rank + 1)), op="avg")
+            with c.summon("", with_grads=True, writeback=False) as s:
+                assert torch.equal(s.params["fc2.weight"], torch.full((2, 5), 1.25))
+                assert torch.equal(s.grads["fc1.bias"], torch.full((5,), 1.5))
+            c.leave()
+            c.close()
+
+        run_ranks(2, rank_fn)

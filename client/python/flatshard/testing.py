@@ -56,11 +56,17 @@ class LocalDaemon:
     waits until it serves, and stops it with SIGTERM on exit, checking that it exited 0.
 
     ``address`` is "unix:<socket>"; ``log`` the path of its stderr. ``extra_args`` are
-    appended to the command line (e.g. ``("--simulate_gpus=2",)``)."""
+    appended to the command line (e.g. ``("--simulate_gpus=2",)``). ``peer=True`` gives it a
+    peer port on loopback (``peer_address``, what ranks name as ``coordinator``) so that
+    several LocalDaemons host one group; ``node_name`` names it in the peer table."""
 
-    def __init__(self, binary=None, extra_args=(), start_timeout=30.0, stop_timeout=30.0):
+    def __init__(self, binary=None, extra_args=(), start_timeout=30.0, stop_timeout=30.0, *,
+                 peer=False, node_name=None):
         self.binary = find_daemon(binary)
         self.extra_args = tuple(extra_args)
+        self.peer = peer
+        self.node_name = node_name
+        self.peer_address = None
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.proc = None
@@ -78,8 +84,14 @@ class LocalDaemon:
         self.address = "unix:" + self.socket
         self.log = str(d / "flatshardd.log")
         self.segment_prefix = "fspy" + uuid.uuid4().hex[:10]
-        args = [self.binary, f"--socket={self.socket}", f"--segment_prefix={self.segment_prefix}",
-                *self.extra_args]
+        args = [self.binary, f"--socket={self.socket}", f"--segment_prefix={self.segment_prefix}"]
+        ready = self.socket
+        if self.peer:  # may host ranks of multi-daemon groups; serves once the file exists
+            ready = str(d / "peer_address")
+            args += ["--peer_address=127.0.0.1:0", f"--peer_address_file={ready}"]
+        if self.node_name:
+            args.append(f"--node_name={self.node_name}")
+        args += self.extra_args
         # If this process dies without stopping it (a crash), the daemon gets SIGKILL. The
         # death signal follows the thread that started it, so only from the main thread.
         setpriv = shutil.which("setpriv")
@@ -92,14 +104,24 @@ class LocalDaemon:
         self._finalizer = weakref.finalize(self, _terminate, self.proc)
         deadline = time.monotonic() + self.start_timeout
         try:
-            while not os.path.exists(self.socket):
+            while not os.path.exists(ready):
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"flatshardd exited at startup with status "
                                        f"{self.proc.returncode}:\n{self.log_tail()}")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"flatshardd did not create {self.socket} within "
+                    raise TimeoutError(f"flatshardd did not create {ready} within "
                                        f"{self.start_timeout}s:\n{self.log_tail()}")
                 time.sleep(0.01)
+            if self.peer:
+                while True:  # written in one go, but read it until it is complete
+                    with open(ready) as f:
+                        text = f.read().strip()
+                    if text:
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{ready} stayed empty")
+                    time.sleep(0.01)
+                self.peer_address = text
         except BaseException:
             self.kill()
             self._dir.cleanup()
