@@ -47,7 +47,8 @@ class ReadOnlyViewError(RuntimeError):
 
 
 # In-place methods whose name ends in "_" but that write no element.
-_NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "_fix_weakref"})
+_NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "_fix_weakref",
+                         "detach_", "rename_"})
 _INPLACE_DUNDERS = frozenset({
     "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
     "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
