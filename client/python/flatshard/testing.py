@@ -41,6 +41,19 @@ def find_daemon(binary=None):
         "or pass binary=")
 
 
+def _catches_sigterm(pid):
+    """Whether process `pid` has a SIGTERM handler (SigCgt in /proc/<pid>/status); True where
+    that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    except (OSError, ValueError):
+        pass
+    return True
+
+
 def _terminate(proc):
     if proc.poll() is None:
         proc.terminate()
@@ -112,6 +125,16 @@ class LocalDaemon:
                     raise TimeoutError(f"flatshardd did not create {ready} within "
                                        f"{self.start_timeout}s:\n{self.log_tail()}")
                 time.sleep(0.01)
+            # flatshardd listens before it installs its SIGTERM handler; a SIGTERM in between
+            # would kill it (status -15) instead of stopping it. Wait for the handler too.
+            while not _catches_sigterm(self.proc.pid):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"flatshardd exited at startup with status "
+                                       f"{self.proc.returncode}:\n{self.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"flatshardd installed no SIGTERM handler within "
+                                       f"{self.start_timeout}s:\n{self.log_tail()}")
+                time.sleep(0.005)
             if self.peer:
                 while True:  # written in one go, but read it until it is complete
                     with open(ready) as f:
