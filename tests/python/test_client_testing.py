@@ -44,7 +44,7 @@ def test_start_serve_stop():
         tmp = os.path.dirname(d.socket)
     assert d.proc is None and not _alive(pid)
     assert not os.path.exists(tmp)  # temp dir removed
-    assert d.segments() == []
+    assert d.leftover_segments == [] and d.segments() == []  # SIGTERM: the daemon cleaned up
 
 
 def test_startup_failure_names_the_flag():
@@ -59,12 +59,20 @@ def test_missing_binary():
     assert "/nonexistent/flatshardd" in str(e.value)
 
 
-def test_nonzero_exit_is_reported():
+def test_nonzero_exit_is_reported_and_segments_removed():
     d = flatshard.testing.LocalDaemon().start()
+    c = flatshard.Client(d.address)
+    c.join("t", 1, 0)
+    c.register("", '{"format": "flatshard.manifest/1", "root": {"id": 0, "type": "L", '
+               '"bases": ["Module"], "children": [], "params": [{"name": "w", "id": 0, '
+               '"shape": [4], "dtype": "float32", "requires_grad": true}]}}', "")
+    assert d.segments()  # the shard lives in /dev/shm
     os.kill(d.proc.pid, signal.SIGKILL)
     with pytest.raises(RuntimeError) as e:
         d.stop()
-    assert "status" in str(e.value)
+    assert "status -9" in str(e.value)
+    assert d.leftover_segments and d.segments() == []  # removed for the killed daemon
+    c.close()
 
 
 @pytest.mark.parametrize("how", ["exit", "crash"])

@@ -89,6 +89,7 @@ class LocalDaemon:
         self.log = None
         self.segment_prefix = None
         self._finalizer = None
+        self.leftover_segments = []
 
     def start(self):
         self._dir = tempfile.TemporaryDirectory(prefix="flatshard-py-")
@@ -147,8 +148,7 @@ class LocalDaemon:
                 self.peer_address = text
         except BaseException:
             self.kill()
-            self._dir.cleanup()
-            self._dir = None
+            self._cleanup()
             raise
         return self
 
@@ -168,7 +168,8 @@ class LocalDaemon:
 
     def stop(self):
         """SIGTERM, then wait; raises if it does not exit 0 within stop_timeout. Removes the
-        temp directory (also after kill())."""
+        temp directory and, after kill(), the segments the daemon could not remove
+        (``leftover_segments``: empty after a clean stop)."""
         proc, self.proc = self.proc, None
         self._detach()
         try:
@@ -186,9 +187,20 @@ class LocalDaemon:
             if code != 0:
                 raise RuntimeError(f"flatshardd exited with status {code}:\n{self.log_tail()}")
         finally:
-            if self._dir is not None:
-                self._dir.cleanup()
-                self._dir = None
+            self._cleanup()
+
+    def _cleanup(self):
+        """Removes the temp directory and what a killed daemon left in /dev/shm (its segment
+        prefix is this object's alone); `leftover_segments` records those."""
+        self.leftover_segments = self.segments()
+        for name in self.leftover_segments:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
 
     def kill(self):
         """SIGKILL (a crashed daemon); stop() then only cleans up."""
