@@ -146,6 +146,7 @@ struct GroupManager::PendingJoin {
   uint64_t session = 0;
   absl::Time deadline;
   JoinCallback done;
+  std::function<bool()> caller_gone;  // JoinArgs::caller_gone
 };
 
 // The k-th summon of every rank of a module: the buffers its ranks share.
@@ -220,6 +221,10 @@ struct GroupManager::Group {
   std::vector<int32_t> local_ranks;  // the ranks this daemon hosts, ascending
   std::vector<uint64_t> session_of_rank;  // 0: not joined
   std::vector<PendingJoin> pending_joins;
+  // Ranks whose join completed and whose session has no lease yet: when it must have one.
+  std::map<int32_t, absl::Time> lease_due;
+  // Ranks whose current session has its lease open: rank -> that session.
+  std::map<int32_t, uint64_t> leased;
   std::map<std::string, Registered> registered;
   std::set<std::pair<std::string, int32_t>> registering;  // (module, rank) mid-registration
   std::map<uint64_t, OpenSummon> open_summons;
