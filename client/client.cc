@@ -272,6 +272,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     FS_ASSIGN_OR_RETURN(Manifest manifest, ManifestFromJson(manifest_json));
     FS_ASSIGN_OR_RETURN(Policy policy, PolicyFromJson(policy_json));
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
+    DropUnlinked();
     v1::RegisterModuleRequest request;
     *request.mutable_caller() = caller;
     request.set_module(module);

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/limits.h"
 #include "common/logging.h"
 #include "server/group_manager.h"
 
@@ -58,8 +59,10 @@ inline bool Nested(const std::string& a, const std::string& b) {
   return inside(a, b) || inside(b, a);
 }
 
+// A module path as error texts quote it: at most kMaxQuotedBytes of it (README "Limits").
 inline std::string Display(const std::string& module) {
-  return module.empty() ? std::string("\"\" (the root)") : absl::StrCat("\"", module, "\"");
+  return module.empty() ? std::string("\"\" (the root)")
+                        : absl::StrCat("\"", Truncated(module), "\"");
 }
 
 

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <fstream>
 #include <functional>
+#include <iostream>
 #include <future>
 #include <limits>
 #include <memory>
@@ -286,6 +287,12 @@ TEST(EdgeFaultsTest, ReadOnlySummonsInSteadyStateMapNothingAndLeakNoSegments) {
       ASSERT_TRUE((*s)->End().ok());
     }
   });
+  std::cout << "[ figures  ] " << kRounds << " read-only summons of " << kBlocks
+            << " units per rank: maps cold";
+  for (int r = 0; r < kWorld; ++r) std::cout << " " << cold[r];
+  std::cout << ", steady";
+  for (int r = 0; r < kWorld; ++r) std::cout << " " << clients[r]->segment_map_calls() - warm[r];
+  std::cout << "; daemon /dev/shm warm " << shm_warm << " B, peak " << shm_peak << " B\n";
   for (int r = 0; r < kWorld; ++r) {
     const int64_t extra = clients[r]->segment_map_calls() - warm[r];
     // At most the daemon's second kept copy of each buffer (first use of it); before the fix
