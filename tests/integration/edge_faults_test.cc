@@ -149,8 +149,10 @@ absl::Status RawGetShardViews(v1::ShardService::Stub& stub, const v1::Caller& ca
 // A raw Lease stream, open until Close() or destruction.
 class RawLease {
  public:
-  RawLease(v1::ShardService::Stub& stub, const v1::Caller& caller)
-      : stream_(stub.Lease(&ctx_)) {
+  RawLease(v1::ShardService::Stub& stub, const v1::Caller& caller) {
+    // A test's lease: long enough for any test here, and no wait on it can hang.
+    ctx_.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(60)));
+    stream_ = stub.Lease(&ctx_);
     v1::LeaseRequest first;
     *first.mutable_caller() = caller;
     stream_->Write(first);
@@ -197,28 +199,36 @@ int LiveSessions(const DaemonProcess& d) {
 
 // ---- Retries ----
 
-// A rank's session ends while the others wait in a collective: the daemon fails it on purpose
-// with UNAVAILABLE naming the rank, and that answer reaches every survivor as it is (a retry
-// would have been refused for an unrelated reason, losing the cause).
+// Rank 0's session ends while the others wait for it inside a rank0_only + writeback End:
+// the daemon fails their End on purpose with UNAVAILABLE naming rank 0, and that answer
+// reaches every survivor as it is. (A retry of the End found the summon already ended and
+// answered NOT_FOUND "no open summon N", losing the cause.)
 TEST(EdgeFaultsTest, DaemonsUnavailableReachesTheSurvivorsUnchanged) {
   DaemonProcess d("fsedge");
   std::vector<std::unique_ptr<Client>> clients = JoinAndRegister(d, "retry", 3, LinearStack(2));
   ASSERT_EQ(clients.size(), 3u);
-  std::vector<absl::Status> got(2);
-  std::thread killer([&] {
-    absl::SleepFor(absl::Milliseconds(500));
-    clients[2].reset();  // its lease closes, as when the trainer is killed
+  SummonOptions rank0_edit;
+  rank0_edit.writeback = true;
+  rank0_edit.rank0_only = true;
+  std::vector<std::unique_ptr<SummonedParams>> summons(3);
+  ForEachRank(3, [&](int r) {
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = clients[r]->Summon("", "", rank0_edit);
+    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+    summons[r] = *std::move(s);
   });
-  ForEachRank(2, [&](int r) {
-    SummonOptions read_only;
-    read_only.writeback = false;
-    absl::StatusOr<std::unique_ptr<SummonedParams>> s = clients[r]->Summon("", "", read_only);
-    got[r] = s.status();
+  std::vector<absl::Status> ended(3);
+  std::thread killer([&] {
+    absl::SleepFor(absl::Milliseconds(500));  // ranks 1 and 2 wait inside End for rank 0
+    clients[0].reset();  // its lease closes, as when the trainer is killed mid-summon
+    summons[0].reset();  // ends nothing at the daemon: its Client is gone
+  });
+  ForEachRank(3, [&](int r) {
+    if (r > 0 && summons[r] != nullptr) ended[r] = summons[r]->End();
   });
   killer.join();
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(got[r].code(), absl::StatusCode::kUnavailable) << "rank " << r << ": " << got[r];
-    EXPECT_THAT(got[r].message(), HasSubstr("rank 2")) << "rank " << r;
+  for (int r = 1; r < 3; ++r) {
+    EXPECT_EQ(ended[r].code(), absl::StatusCode::kUnavailable) << "rank " << r << ": " << ended[r];
+    EXPECT_THAT(ended[r].message(), HasSubstr("rank 0")) << "rank " << r;
   }
 }
 
