@@ -213,21 +213,18 @@ size_t SegmentCache::DropUnlinked() {
     }
   }
   if (gone.empty()) return 0;
-  std::vector<std::shared_ptr<const ShmSegment>> dropped;  // unmapped after unlocking
+  std::vector<Entry> dropped;  // unmapped after unlocking
   {
     absl::MutexLock lock(&mu_);
     for (const std::string& name : gone) {
       const auto it = entries_.find(name);
       // Mapped again meanwhile (a range handed out since): not ours to drop now.
       if (it == entries_.end() || !unused(it->second)) continue;
-      dropped.push_back(std::move(it->second.read_only));
-      dropped.push_back(std::move(it->second.read_write));
+      dropped.push_back(std::move(it->second));
       entries_.erase(it);
     }
   }
-  size_t n = 0;
-  for (size_t i = 0; i < dropped.size(); i += 2) n += dropped[i] || dropped[i + 1] ? 1 : 0;
-  return n;
+  return dropped.size();
 }
 
 void SegmentCache::Clear() {

@@ -3,7 +3,9 @@
 // them (DESIGN "Data paths": map each segment once, then only pointer arithmetic).
 //
 //   SegmentCache       maps a segment the first time a reply names it, then returns the same
-//                      mapping: a steady-state summon makes no mmap call. Device segments (the
+//                      mapping: a steady-state summon makes no mmap call. Segments the daemon
+//                      freed are unmapped once no view uses them (DropUnlinked), so they do
+//                      not keep node shared memory alive. Device segments (the
 //                      daemon's GPU pool slabs) are opened through CUDA IPC once per slab in
 //                      the same way (DeviceMemoryOpener, client/cuda_ipc.h).
 //   ModuleLayout       computed once per registered module from its plan: each unit's

@@ -220,6 +220,13 @@ grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(
       !s.ok()) {
     return Refuse(reactor, s);
   }
+  // The manifest's size is bounded by its module count (FromProto, before converting); the
+  // policy's lists by its encoded size.
+  if (const size_t bytes = request->policy().ByteSizeLong(); bytes > kMaxPolicyJsonBytes) {
+    return Refuse(reactor, absl::InvalidArgumentError(absl::StrCat(
+                               "RegisterModule: policy has ", bytes, " bytes, the limit is ",
+                               kMaxPolicyJsonBytes)));
+  }
   absl::StatusOr<Manifest> manifest = flatshard::FromProto(request->manifest());
   absl::StatusOr<Policy> policy = flatshard::FromProto(request->policy());
   InitMode init;
