@@ -14,9 +14,14 @@
 
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstdint>
 #include <fstream>
 #include <functional>
@@ -42,6 +47,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/daemon_process.h"
+#include "tests/testing/rank_group.h"
 
 namespace flatshard::client {
 namespace {
@@ -51,6 +57,7 @@ using ::flatshard::testing::DaemonProcess;
 using ::testing::HasSubstr;
 
 constexpr char kToken[] = "t0k";
+constexpr char kChildAddressEnv[] = "FS_EDGE_CHILD_ADDRESS";
 constexpr char kLinearPolicy[] =
     R"({"format": "flatshard.policy/1", "auto_wrap": {"kind": "module_types", "types": ["Linear"]}})";
 
@@ -514,6 +521,59 @@ TEST(EdgeFaultsTest, AJoinWhoseCallerWentAwayIsWithdrawn) {
   EXPECT_TRUE(joined[0].ok()) << joined[0];
   EXPECT_TRUE(joined[1].ok()) << "the restarted rank 1: " << joined[1];
   EXPECT_THAT(d.Log(), HasSubstr("JoinGroup call was cancelled"));
+}
+
+// The same with a real trainer process killed (SIGKILL) while its JoinGroup waits: the
+// others' join does not complete for the dead rank, and its restarted trainer takes it.
+TEST(EdgeFaultsTest, TrainerKilledInsideJoinGroupDoesNotPoisonItsRank) {
+  DaemonProcess d("fsedge");
+  const pid_t child = ::flatshard::testing::SpawnSelf(
+      "EdgeChild.JoinRankOneAndWait", {absl::StrCat(kChildAddressEnv, "=", d.address())});
+  ASSERT_GT(child, 0);
+  struct Reaper {  // the child never outlives the test
+    pid_t pid;
+    ~Reaper() {
+      if (pid > 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, nullptr, 0);
+      }
+    }
+  } reaper{child};
+  // Its join is pending at the daemon (rank 0 is not there yet): kill it there.
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (!absl::StrContains(d.Log(), "group=killed rank=1 joined") && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_THAT(d.Log(), HasSubstr("group=killed rank=1 joined"));
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  reaper.pid = 0;
+
+  std::unique_ptr<Client> rank0 = Connect(d.address());
+  std::unique_ptr<Client> rank1 = Connect(d.address());
+  ASSERT_NE(rank0, nullptr);
+  ASSERT_NE(rank1, nullptr);
+  std::atomic<bool> done0{false};
+  absl::Status joined0;
+  std::thread t([&] {
+    joined0 = rank0->Join("killed", 2, 0, kToken);
+    done0 = true;
+  });
+  absl::SleepFor(absl::Milliseconds(500));
+  EXPECT_FALSE(done0) << "rank 0's join completed with the dead rank 1: " << joined0;
+  const absl::Status joined1 = rank1->Join("killed", 2, 1, kToken);
+  t.join();
+  EXPECT_TRUE(joined0.ok()) << joined0;
+  EXPECT_TRUE(joined1.ok()) << "the restarted rank 1: " << joined1;
+}
+
+TEST(EdgeChild, JoinRankOneAndWait) {
+  const char* address = std::getenv(kChildAddressEnv);
+  if (address == nullptr) GTEST_SKIP() << "runs only as a child process";
+  std::unique_ptr<Client> c = Connect(address);
+  if (c == nullptr) _exit(2);
+  (void)c->Join("killed", 2, 1, kToken);  // waits for rank 0 until the parent kills us
+  _exit(3);
 }
 
 // Joins whose callers never open their lease (they died right after joining, or never meant
