@@ -109,10 +109,16 @@ std::vector<std::unique_ptr<Client>> JoinAndRegister(const DaemonProcess& d,
   return clients;
 }
 
+// A channel to the daemon, connected: raw calls fail fast (no wait_for_ready), and the
+// daemon's socket file exists a moment before it listens.
 std::shared_ptr<grpc::Channel> Channel(const DaemonProcess& d) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
-  return grpc::CreateCustomChannel(d.address(), grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateCustomChannel(d.address(), grpc::InsecureChannelCredentials(), args);
+  EXPECT_TRUE(channel->WaitForConnected(absl::ToChronoTime(absl::Now() + absl::Seconds(20))))
+      << "cannot connect to " << d.address();
+  return channel;
 }
 
 // A raw JoinGroup; the session on success.
