@@ -16,6 +16,7 @@
 #include "client/segment_cache.h"
 #include "common/file_util.h"
 #include "common/grpc_status.h"
+#include "common/limits.h"
 #include "common/logging.h"
 #include "common/manifest.h"
 #include "common/plan.h"
@@ -203,6 +204,12 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
 
   const ClientOptions& options() const { return options_; }
   int64_t map_calls() const { return cache_.map_calls(); }
+  // Unmaps segments the daemon freed that no view uses any more (SegmentCache::DropUnlinked).
+  void DropUnlinked() {
+    if (const size_t n = cache_.DropUnlinked(); n > 0) {
+      FS_VLOG(2) << "unmapped " << n << " segments the daemon freed";
+    }
+  }
   int64_t ipc_open_calls() const { return cache_.ipc_open_calls(); }
 
   // Ends the session locally: closes the lease, forgets modules. No RPC.
@@ -221,6 +228,9 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   absl::Status Join(std::string group, int world_size, int rank, std::string token,
                     std::string coordinator) {
     if (group.empty()) return absl::InvalidArgumentError("Join: empty group name");
+    FS_RETURN_IF_ERROR(CheckLength("Join", "group", group, kMaxGroupBytes));
+    FS_RETURN_IF_ERROR(CheckLength("Join", "token", token, kMaxTokenBytes));
+    FS_RETURN_IF_ERROR(CheckLength("Join", "coordinator", coordinator, kMaxAddressBytes));
     if (world_size < 1 || rank < 0 || rank >= world_size) {
       return absl::InvalidArgumentError(absl::StrCat("Join: rank ", rank, " of world_size ",
                                                      world_size, ": want 0 <= rank < world_size"));
@@ -257,10 +267,12 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
 
   absl::StatusOr<RegisteredModule> Register(std::string module, absl::string_view manifest_json,
                                             absl::string_view policy_json, InitMode init) {
+    FS_RETURN_IF_ERROR(CheckLength("Register", "module", module, kMaxModulePathBytes));
     // Parsing here gives bad input the exact messages of the JSON readers, before any RPC.
     FS_ASSIGN_OR_RETURN(Manifest manifest, ManifestFromJson(manifest_json));
     FS_ASSIGN_OR_RETURN(Policy policy, PolicyFromJson(policy_json));
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
+    DropUnlinked();
     v1::RegisterModuleRequest request;
     *request.mutable_caller() = caller;
     request.set_module(module);
@@ -305,7 +317,9 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   absl::StatusOr<std::unique_ptr<SummonedParams>> Summon(const std::string& module,
                                                          const std::string& path,
                                                          const SummonOptions& options) {
+    FS_RETURN_IF_ERROR(CheckLength("Summon", "path", path, kMaxModulePathBytes));
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
+    DropUnlinked();  // views dropped since the last call (e.g. ShardViews) free theirs now
     FS_ASSIGN_OR_RETURN(std::shared_ptr<const ModuleLayout> layout, FindModule(module));
     v1::SummonRequest request;
     *request.mutable_caller() = caller;
@@ -416,6 +430,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   absl::StatusOr<ShardViews> GetShardViews(const std::string& module) {
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
     FS_ASSIGN_OR_RETURN(std::shared_ptr<const ModuleLayout> layout, FindModule(module));
+    DropUnlinked();
     v1::GetShardViewsRequest request;
     *request.mutable_caller() = caller;
     request.set_registered_module(module);
@@ -471,7 +486,13 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   template <typename Request, typename Response>
   using UnaryMethod = grpc::Status (Stub::*)(grpc::ClientContext*, const Request&, Response*);
 
-  // One RPC under one deadline; UNAVAILABLE attempts are retried with backoff.
+  // One RPC under one deadline. An attempt is retried (with backoff, within the deadline)
+  // only when it cannot have taken effect: it failed with UNAVAILABLE, the daemon did not
+  // answer it (daemon answers carry kDaemonAnswerKey), and the channel had no connection when
+  // it started, so the request never reached a daemon (gRPC fails such calls without sending
+  // them). Everything the daemon answers passes through unchanged, UNAVAILABLE included (e.g.
+  // "rank 2's session ended ... during a collective": retrying a collective would only add an
+  // unrelated error and lose the cause).
   template <typename Request, typename Response>
   absl::Status Call(absl::string_view name, UnaryMethod<Request, Response> method,
                     const Request& request, Response* response, absl::Duration timeout) {
@@ -480,10 +501,17 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     for (int attempt = 1;; ++attempt) {
       grpc::ClientContext context;
       context.set_deadline(absl::ToChronoTime(deadline));
+      const bool connected = channel_->GetState(/*try_to_connect=*/false) == GRPC_CHANNEL_READY;
       const absl::Status status =
           FromGrpcStatus((stub_.get()->*method)(&context, request, response));
       if (status.ok() || status.code() != absl::StatusCode::kUnavailable ||
           attempt >= options_.max_attempts) {
+        return status;
+      }
+      if (context.GetServerTrailingMetadata().count(kDaemonAnswerKey) != 0 || connected) {
+        FS_VLOG(1) << name << ": not retried (the " << (connected ? "request may have reached"
+                                                                  : "answer came from")
+                   << " the daemon): " << status;
         return status;
       }
       const absl::Duration left = deadline - absl::Now();
@@ -737,6 +765,9 @@ absl::Status SummonedParams::End() {
   }
   params_ = ParamViews();
   grads_ = ParamViews();
+  // The daemon frees a summon's extra buffers when it ends: unmap them now that no view uses
+  // them, so that their pages do not outlive the summon (node shared memory).
+  if (std::shared_ptr<internal::ClientCore> core = core_.lock()) core->DropUnlinked();
   return end_status_;
 }
 

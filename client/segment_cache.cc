@@ -1,6 +1,9 @@
 #include "client/segment_cache.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <limits>
 #include <utility>
 
@@ -26,6 +29,19 @@ const ParamView* ParamViews::Find(absl::string_view fqn) const {
 }
 
 namespace internal {
+namespace {
+
+// stat(2) of the shm segment `name` ("/x" is /dev/shm/x, where glibc's shm_open keeps it):
+// 0 and its identity, or the errno.
+int StatSegment(const std::string& name, uint64_t* dev, uint64_t* ino) {
+  struct stat st;
+  if (::stat(absl::StrCat("/dev/shm", name).c_str(), &st) != 0) return errno;
+  *dev = static_cast<uint64_t>(st.st_dev);
+  *ino = static_cast<uint64_t>(st.st_ino);
+  return 0;
+}
+
+}  // namespace
 
 SegmentCache::SegmentCache(size_t max_entries, std::unique_ptr<DeviceMemoryOpener> opener)
     : max_entries_(max_entries),
@@ -70,6 +86,7 @@ absl::StatusOr<MappedRange> SegmentCache::MapHost(const SegmentRange& range, boo
       // A smaller cached mapping stays valid for the ranges that hold it.
       slot = std::make_shared<const ShmSegment>(*std::move(opened));
       ++map_calls_;
+      if (entry.ino == 0) StatSegment(range.segment, &entry.dev, &entry.ino);
     }
     mapping = slot;
     if (entries_.size() + device_entries_.size() > evict_above_) EvictUnusedLocked(dropped);
@@ -168,6 +185,46 @@ void SegmentCache::EvictUnusedLocked(std::vector<std::shared_ptr<const void>>& d
   }
   // Everything may still be in use: sweep again only after the cache doubled.
   evict_above_ = std::max(max_entries_, (entries_.size() + device_entries_.size()) * 2);
+}
+
+size_t SegmentCache::DropUnlinked() {
+  struct Candidate {
+    std::string name;
+    uint64_t dev, ino;
+  };
+  const auto unused = [](const Entry& e) {
+    return (e.read_only == nullptr || e.read_only.use_count() == 1) &&
+           (e.read_write == nullptr || e.read_write.use_count() == 1);
+  };
+  std::vector<Candidate> candidates;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, e] : entries_) {
+      if (unused(e)) candidates.push_back({name, e.dev, e.ino});
+    }
+  }
+  std::vector<std::string> gone;
+  for (const Candidate& c : candidates) {
+    uint64_t dev = 0, ino = 0;
+    const int err = StatSegment(c.name, &dev, &ino);
+    // ENOENT: unlinked. Another file under the name: the daemon reused it (a restarted one).
+    if (err == ENOENT || (err == 0 && c.ino != 0 && (dev != c.dev || ino != c.ino))) {
+      gone.push_back(c.name);
+    }
+  }
+  if (gone.empty()) return 0;
+  std::vector<Entry> dropped;  // unmapped after unlocking
+  {
+    absl::MutexLock lock(&mu_);
+    for (const std::string& name : gone) {
+      const auto it = entries_.find(name);
+      // Mapped again meanwhile (a range handed out since): not ours to drop now.
+      if (it == entries_.end() || !unused(it->second)) continue;
+      dropped.push_back(std::move(it->second));
+      entries_.erase(it);
+    }
+  }
+  return dropped.size();
 }
 
 void SegmentCache::Clear() {

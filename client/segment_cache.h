@@ -3,7 +3,9 @@
 // them (DESIGN "Data paths": map each segment once, then only pointer arithmetic).
 //
 //   SegmentCache       maps a segment the first time a reply names it, then returns the same
-//                      mapping: a steady-state summon makes no mmap call. Device segments (the
+//                      mapping: a steady-state summon makes no mmap call. Segments the daemon
+//                      freed are unmapped once no view uses them (DropUnlinked), so they do
+//                      not keep node shared memory alive. Device segments (the
 //                      daemon's GPU pool slabs) are opened through CUDA IPC once per slab in
 //                      the same way (DeviceMemoryOpener, client/cuda_ipc.h).
 //   ModuleLayout       computed once per registered module from its plan: each unit's
@@ -92,6 +94,13 @@ class SegmentCache {
   // another thread's open of the same slab takes over a minute.
   absl::StatusOr<MappedRange> Map(const SegmentRange& range, bool writable);
 
+  // Unmaps the cached host segments that no MappedRange uses any more and whose name the
+  // daemon has unlinked (or reused for another segment): the daemon freed them, and only
+  // this process's mapping would keep their pages alive. Segments still linked stay mapped,
+  // so a steady state makes no mmap call. One stat(2) per unused cached segment, none under
+  // the lock. Returns how many segments it dropped.
+  size_t DropUnlinked();
+
   // Forgets every mapping (a new session). Ranges already handed out stay valid.
   void Clear();
 
@@ -106,6 +115,10 @@ class SegmentCache {
   struct Entry {
     std::shared_ptr<const ShmSegment> read_only;
     std::shared_ptr<const ShmSegment> read_write;
+    // The segment file's identity when first mapped (0, 0: unknown), to tell a name the
+    // daemon reused from the segment we mapped.
+    uint64_t dev = 0;
+    uint64_t ino = 0;
   };
   struct DeviceEntry {
     std::string ipc_handle;  // the handle it was opened from

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/limits.h"
 #include "common/status_macros.h"
 
 namespace flatshard {
@@ -71,6 +72,10 @@ class ManifestParser {
           "module id ", id, " is defined twice (first at ", id_path_[id],
           "); a module registered at several paths is written once and then as {\"ref\": ", id,
           "}"));
+    }
+    if (static_cast<int64_t>(manifest_.modules.size()) >= kMaxManifestModules) {
+      return path.Error(absl::StrCat("more than ", kMaxManifestModules,
+                                     " module instances (the limit)"));
     }
     const int32_t index = static_cast<int32_t>(manifest_.modules.size());
     manifest_.modules.emplace_back();
@@ -271,6 +276,8 @@ absl::StatusOr<Manifest> ManifestFromJsonValue(const Json& doc) {
 }
 
 absl::StatusOr<Manifest> ManifestFromJson(absl::string_view text) {
+  // Refused before parsing: parsing costs time and memory in proportion to the text.
+  FS_RETURN_IF_ERROR(CheckLength("manifest", "the JSON text", text, kMaxManifestJsonBytes));
   FS_ASSIGN_OR_RETURN(Json doc, ParseJson(text, "manifest"));
   return ManifestFromJsonValue(doc);
 }

@@ -522,6 +522,19 @@ class Planner {
             absl::StrCat("unit of ", ModuleName(unit.module), ": ", made.status().message()));
       }
       const FlatLayout& layout = *made;
+      // The flat buffer's bytes must fit in int64 (and so in size_t and off_t), or every
+      // allocation of it overflows: refuse here, naming the largest parameter.
+      int64_t padded_bytes = 0;
+      if (__builtin_mul_overflow(layout.padded_numel(), ItemSize(unit.dtype), &padded_bytes)) {
+        const PlanParam* largest = &unit.params[0];
+        for (const PlanParam& p : unit.params) {
+          if (p.numel > largest->numel) largest = &p;
+        }
+        return absl::InvalidArgumentError(absl::StrCat(
+            "unit of ", ModuleName(unit.module), ": its flat buffer of ", layout.padded_numel(),
+            " ", DTypeName(unit.dtype), " elements exceeds 2^63 bytes; largest parameter ",
+            largest->fqn, " has shape [", absl::StrJoin(largest->shape, ", "), "]"));
+      }
       for (size_t p = 0; p < unit.params.size(); ++p) unit.params[p].offset = layout.offsets()[p];
       unit.numel = layout.numel();
       unit.padded_numel = layout.padded_numel();

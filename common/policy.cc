@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/limits.h"
 #include "common/status_macros.h"
 
 namespace flatshard {
@@ -189,6 +190,7 @@ absl::StatusOr<Policy> PolicyFromJsonValue(const Json& doc) {
 }
 
 absl::StatusOr<Policy> PolicyFromJson(absl::string_view text) {
+  FS_RETURN_IF_ERROR(CheckLength("policy", "the JSON text", text, kMaxPolicyJsonBytes));
   FS_ASSIGN_OR_RETURN(Json doc, ParseJson(text, "policy"));
   return PolicyFromJsonValue(doc);
 }

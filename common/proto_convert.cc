@@ -1,6 +1,7 @@
 #include "common/proto_convert.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/limits.h"
 #include "common/status_macros.h"
 
 namespace flatshard {
@@ -121,7 +122,22 @@ absl::StatusOr<Manifest> FromProto(const v1::Manifest& proto) {
                                                    Quote(proto.format()), ", expected ",
                                                    Quote(kManifestFormat)));
   }
+  // Counted before anything is converted: a huge manifest is refused for the cost of reading
+  // two counters per module.
+  if (proto.modules_size() > kMaxManifestModules) {
+    return absl::InvalidArgumentError(absl::StrCat("manifest: ", proto.modules_size(),
+                                                   " module instances, the limit is ",
+                                                   kMaxManifestModules));
+  }
+  int64_t tensors = 0;
+  for (const v1::ModuleDecl& p : proto.modules()) tensors += p.params_size() + p.buffers_size();
+  if (tensors > kMaxManifestTensors) {
+    return absl::InvalidArgumentError(absl::StrCat("manifest: ", tensors,
+                                                   " parameters and buffers, the limit is ",
+                                                   kMaxManifestTensors));
+  }
   Manifest manifest;
+  manifest.modules.reserve(proto.modules_size());
   for (int i = 0; i < proto.modules_size(); ++i) {
     const v1::ModuleDecl& p = proto.modules(i);
     ModuleDecl m;

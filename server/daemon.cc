@@ -7,11 +7,13 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/gpu/cuda_util.h"
+#include "common/limits.h"
 #include "common/logging.h"
 #include "common/shm_segment.h"
 #include "common/status_macros.h"
@@ -27,6 +29,7 @@
 #include "server/metrics/http_server.h"
 #include "server/peer/peer_service_impl.h"
 #include "server/service/admin_service_impl.h"
+#include "server/service/answer_interceptor.h"
 #include "server/service/shard_service_impl.h"
 #include "server/shard_store.h"
 #include <grpcpp/health_check_service_interface.h>
@@ -242,6 +245,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
     group_options.self.peer_address = d->peer_address_;
     group_options.peer = peer_options;
   }
+  if (config.lease_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("--lease_timeout must be positive, got ",
+                                                   absl::FormatDuration(config.lease_timeout)));
+  }
+  group_options.lease_timeout = config.lease_timeout;
   d->groups_ = std::make_unique<GroupManager>(d->store_.get(), std::move(group_options));
   d->acceptor_ = std::move(acceptor);
   d->access_ = std::make_unique<access::AccessControl>(d->acceptor_.get(), config.allowed_uids);
@@ -270,9 +278,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   }
   builder.RegisterService(d->shard_service_.get());
   builder.RegisterService(d->admin_service_.get());
-  // Plans of large models exceed gRPC's 4 MiB default; bytes never travel here anyway.
-  builder.SetMaxReceiveMessageSize(-1);
+  // Plans of large models exceed gRPC's 4 MiB default; bytes never travel here anyway. A
+  // request beyond kMaxRequestBytes (README "Limits") is refused before it is parsed.
+  builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
   builder.SetMaxSendMessageSize(-1);
+  // Marks the daemon's answers (clients retry only what never reached it), turns unparsable
+  // requests into INVALID_ARGUMENT and bounds error texts.
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
+  creators.push_back(NewAnswerInterceptorFactory());
+  builder.experimental().SetInterceptorCreators(std::move(creators));
   d->server_ = builder.BuildAndStart();
   if (d->server_ == nullptr || (!config.tcp_address.empty() && tcp_port == 0)) {
     return absl::UnavailableError(absl::StrCat(

@@ -43,6 +43,8 @@ struct DaemonConfig {
   std::string segment_prefix = "flatshard";
   int64_t memory_limit_bytes = INT64_MAX;
   absl::Duration default_wait = absl::Seconds(60);  // collective waits without an RPC deadline
+  // A session whose lease is not open this long after its join completed ends (--lease_timeout).
+  absl::Duration lease_timeout = absl::Seconds(10);
   absl::Duration shutdown_grace = absl::Seconds(5);
   // Multi-daemon groups: where this daemon's PeerService listens (host:port; port 0 picks a
   // free one) and what peers call it. Empty: local groups only.

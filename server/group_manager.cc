@@ -32,6 +32,7 @@ using internal::TokensEqual;
 
 GroupManager::GroupManager(ShardStore* store, GroupManagerOptions options)
     : store_(store),
+      lease_timeout_(options.lease_timeout),
       self_(std::move(options.self)),
       gpus_(std::move(options.gpus)),
       nccl_(std::move(options.nccl_backend)),
@@ -142,7 +143,8 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
       } else {
         session = next_session_++;
         g.session_of_rank[args.rank] = session;
-        g.pending_joins.push_back(PendingJoin{args.rank, session, deadline, std::move(done)});
+        g.pending_joins.push_back(
+            PendingJoin{args.rank, session, deadline, std::move(done), args.caller_gone});
         FS_LOG(INFO) << "group=" << g.id << " rank=" << args.rank << " joined, session=" << session;
         if (!g.multi()) MaybeCompleteJoins(g, &run);
         if (g.multi() && g.coll && !g.coll->status().ok()) failed_epoch = g.epoch;
@@ -203,6 +205,9 @@ void GroupManager::OnRendezvous(const std::string& group, int32_t rank, uint64_t
     if (s.ok()) {
       std::vector<std::string> modules;
       for (const auto& [module, r] : g.registered) modules.push_back(module);
+      if (!g.leased.contains(rank) || g.leased.at(rank) != session) {
+        g.lease_due[rank] = absl::Now() + lease_timeout_;
+      }
       run.push_back([done = std::move(j->done), result = JoinResult{session, modules}]() mutable {
         done(std::move(result));
       });
@@ -344,6 +349,7 @@ absl::Status GroupManager::CopyOwnRange(int32_t rank, const Plan& plan, const Pl
 }
 
 void GroupManager::MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
+  DropGoneJoins(g, run);  // a join whose caller went away must not complete for it
   if (!g.MissingRanks().empty()) return;
   if (!g.coll->status().ok()) {
     // Every rank is back after a failure: start the op sequence afresh.
@@ -359,7 +365,11 @@ void GroupManager::MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<v
   }
   std::vector<std::string> modules;
   for (const auto& [module, r] : g.registered) modules.push_back(module);
+  const absl::Time lease_due = absl::Now() + lease_timeout_;
   for (PendingJoin& j : g.pending_joins) {
+    if (!g.leased.contains(j.rank) || g.leased.at(j.rank) != j.session) {
+      g.lease_due[j.rank] = lease_due;
+    }
     JoinResult result{j.session, modules};
     run->push_back([done = std::move(j.done), result = std::move(result)]() mutable {
       done(std::move(result));
@@ -402,6 +412,66 @@ void GroupManager::OnCoordinatorLost(const std::string& coordinator, const absl:
     g->coll->Abort(absl::UnavailableError(
         absl::StrCat("group ", id, ": coordinator ", coordinator, " lost: ", status.message())));
   }
+}
+
+void GroupManager::DropGoneJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
+  for (auto j = g.pending_joins.begin(); j != g.pending_joins.end();) {
+    if (!j->caller_gone || !j->caller_gone()) {
+      ++j;
+      continue;
+    }
+    FS_LOG(WARNING) << "group=" << g.id << " rank=" << j->rank << " session=" << j->session
+                    << ": its JoinGroup call was cancelled (the caller went away); the join is "
+                       "withdrawn and the rank is free";
+    EndRank(g, j->rank, run);
+    run->push_back([done = std::move(j->done), rank = j->rank, id = g.id]() mutable {
+      done(absl::CancelledError(absl::StrCat("group ", id, ": rank ", rank,
+                                             "'s JoinGroup was cancelled by its caller")));
+    });
+    j = g.pending_joins.erase(j);
+  }
+}
+
+void GroupManager::ExpireUnleased(Group& g, absl::Time now,
+                                  std::vector<absl::AnyInvocable<void()>>* run) {
+  for (auto it = g.lease_due.begin(); it != g.lease_due.end();) {
+    const int32_t rank = it->first;
+    const uint64_t session = g.session_of_rank[rank];
+    const auto leased = g.leased.find(rank);
+    if (session == 0 || (leased != g.leased.end() && leased->second == session)) {
+      it = g.lease_due.erase(it);  // ended, or leased since
+      continue;
+    }
+    if (it->second > now) {
+      ++it;
+      continue;
+    }
+    it = g.lease_due.erase(it);
+    const absl::Status why = absl::UnavailableError(absl::StrCat(
+        "group ", g.id, ": rank ", rank, "'s session ", session, " opened no lease within ",
+        absl::FormatDuration(lease_timeout_), " of its join (the trainer went away)"));
+    FS_LOG(WARNING) << why.message() << "; the session ends";
+    // As when a lease closes (EndSession): its summons end without writeback, collectives
+    // waiting for it fail now.
+    DropSummons(g, rank);
+    if (g.coll && !g.coll->PendingOps().empty()) g.coll->Abort(why);
+    EndRank(g, rank, run);
+  }
+}
+
+absl::Status GroupManager::AttachLease(const Caller& caller) {
+  absl::MutexLock lock(&mu_);
+  FS_RETURN_IF_ERROR(CheckCallerLocked(caller));
+  Group& g = *groups_.at(caller.group);
+  auto [it, inserted] = g.leased.try_emplace(caller.rank, caller.session);
+  if (!inserted && it->second == caller.session) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "group ", g.id, " rank ", caller.rank, ": session ", caller.session,
+        " already has its lease; a second Lease stream for it is refused"));
+  }
+  it->second = caller.session;
+  g.lease_due.erase(caller.rank);
+  return absl::OkStatus();
 }
 
 absl::Status GroupManager::CheckCaller(const Caller& caller) const {
@@ -484,6 +554,8 @@ void GroupManager::EndSession(const std::string& group, uint64_t session) {
 
 void GroupManager::EndRank(Group& g, int32_t rank, std::vector<absl::AnyInvocable<void()>>* run) {
   g.session_of_rank[rank] = 0;
+  g.lease_due.erase(rank);
+  g.leased.erase(rank);
   if (g.multi()) {
     run->push_back([this, coordinator = g.coordinator, group = g.id, token = g.token, rank] {
       peer_->Depart(coordinator, group, token, rank);
@@ -505,6 +577,8 @@ void GroupManager::DeadlineLoop() {
       for (const auto& [id, g] : groups_) ids.push_back(id);
       for (const std::string& id : ids) {
         Group& g = *groups_.at(id);
+        DropGoneJoins(g, &run);
+        ExpireUnleased(g, now, &run);
         std::vector<int32_t> missing = g.MissingRanks();
         for (auto j = g.pending_joins.begin(); j != g.pending_joins.end();) {
           // A multi-daemon join ends with the coordinator's answer (which names the missing

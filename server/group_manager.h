@@ -20,6 +20,7 @@
 // thread or on the manager's deadline thread.
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <memory>
@@ -60,6 +61,10 @@ struct JoinArgs {
   std::string token;
   std::string coordinator;  // peer address of the coordinator; empty: a local group
   int64_t uid = -1;          // as Caller::uid; the first joiner's uid owns a new group
+  // True once the caller went away (its JoinGroup call was cancelled: the trainer died or gave
+  // up); a pending join is then withdrawn, never completed for it. Called under the manager's
+  // lock while the join is pending, never after its callback ran. Empty: never gone.
+  std::function<bool()> caller_gone;
 };
 
 struct GroupManagerOptions {
@@ -78,6 +83,9 @@ struct GroupManagerOptions {
   std::unique_ptr<collective::CollectiveBackend> nccl_backend;
   // Host <-> device copies for staging; required with `gpus`.
   std::shared_ptr<collective::DeviceCopier> copier;
+  // A rank whose join completed must open its lease (AttachLease) within this, or its session
+  // ends as if its lease had closed (--lease_timeout).
+  absl::Duration lease_timeout = absl::Seconds(10);
 };
 
 struct JoinResult {
@@ -149,6 +157,11 @@ class GroupManager : public peer::PeerEvents {
   // group; later ones must agree on world_size (INVALID_ARGUMENT) and token
   // (PERMISSION_DENIED). A rank with a live session cannot join twice (ALREADY_EXISTS).
   void Join(const JoinArgs& args, absl::Time deadline, JoinCallback done);
+
+  // The session's lease stream opened: from now on its end (EndSession) ends the session.
+  // CheckCaller's errors; ALREADY_EXISTS when the session already has a lease (a second
+  // stream with the same caller is refused, so its closing cannot end the session).
+  absl::Status AttachLease(const Caller& caller);
 
   // OK when `caller` names a joined rank of an existing group with the right token and its
   // current session. NOT_FOUND (group), PERMISSION_DENIED (token), FAILED_PRECONDITION
@@ -291,6 +304,12 @@ class GroupManager : public peer::PeerEvents {
   struct SummonSlot;
 
   void DeadlineLoop();
+  // Withdraws pending joins whose caller went away (JoinArgs::caller_gone), freeing the rank.
+  void DropGoneJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends sessions whose join completed over lease_timeout_ ago without a lease.
+  void ExpireUnleased(Group& g, absl::Time now, std::vector<absl::AnyInvocable<void()>>* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Completes the group's pending joins if every rank is joined.
   void MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -345,6 +364,7 @@ class GroupManager : public peer::PeerEvents {
       collective::GroupSpec& spec);
 
   ShardStore* const store_;
+  const absl::Duration lease_timeout_;
   peer::DaemonIdentity self_;
   const std::vector<std::shared_ptr<gpu::DeviceContext>> gpus_;
   std::unique_ptr<collective::CollectiveBackend> nccl_;

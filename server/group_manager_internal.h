@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/limits.h"
 #include "common/logging.h"
 #include "server/group_manager.h"
 
@@ -58,8 +59,10 @@ inline bool Nested(const std::string& a, const std::string& b) {
   return inside(a, b) || inside(b, a);
 }
 
+// A module path as error texts quote it: at most kMaxQuotedBytes of it (README "Limits").
 inline std::string Display(const std::string& module) {
-  return module.empty() ? std::string("\"\" (the root)") : absl::StrCat("\"", module, "\"");
+  return module.empty() ? std::string("\"\" (the root)")
+                        : absl::StrCat("\"", Truncated(module), "\"");
 }
 
 
@@ -146,6 +149,7 @@ struct GroupManager::PendingJoin {
   uint64_t session = 0;
   absl::Time deadline;
   JoinCallback done;
+  std::function<bool()> caller_gone;  // JoinArgs::caller_gone
 };
 
 // The k-th summon of every rank of a module: the buffers its ranks share.
@@ -220,6 +224,10 @@ struct GroupManager::Group {
   std::vector<int32_t> local_ranks;  // the ranks this daemon hosts, ascending
   std::vector<uint64_t> session_of_rank;  // 0: not joined
   std::vector<PendingJoin> pending_joins;
+  // Ranks whose join completed and whose session has no lease yet: when it must have one.
+  std::map<int32_t, absl::Time> lease_due;
+  // Ranks whose current session has its lease open: rank -> that session.
+  std::map<int32_t, uint64_t> leased;
   std::map<std::string, Registered> registered;
   std::set<std::pair<std::string, int32_t>> registering;  // (module, rank) mid-registration
   std::map<uint64_t, OpenSummon> open_summons;

@@ -29,12 +29,28 @@ using internal::SubmitAll;
 absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::KeptBuffer(
     Group& g, Registered& reg, int32_t owner, int32_t unit, int what, BufferKind kind,
     int64_t bytes, const std::string& label, Placement placement) {
-  Registered::Kept& kept = reg.kept[{owner, unit, what}];
-  if (kept.buffer && kept.buffer->placement() != placement) {
-    // offload_to_cpu toggled between summons: the other placement's buffer goes.
-    if (kept.buffer.use_count() == 1) kept.buffer.reset();
-  }
-  if (kept.buffer && kept.buffer.use_count() == 1) {  // only this map holds it: free to reuse
+  // Two buffers are kept per (owner, unit, what), the second under key what + 16. EndSummon
+  // is not collective, so a fast rank's next summon often arrives while a slower rank still
+  // holds the previous summon's buffer (a read-only summon's node-shared copy above all). With
+  // one kept buffer that summon got a fresh, unkept one: a new segment for every client to
+  // map, every other summon. The second copy takes that turn instead, and two suffice: a
+  // rank's summon k+2 of a unit starts after its summon k+1 completed, which every rank joined
+  // only after ending summon k, so summon k's buffer is free again by then.
+  constexpr int kKeptCopies = 2;
+  constexpr int kCopyStride = 16;  // `what` is 0..2
+  Registered::Kept* vacant = nullptr;
+  for (int copy = 0; copy < kKeptCopies; ++copy) {
+    Registered::Kept& kept = reg.kept[{owner, unit, what + copy * kCopyStride}];
+    if (kept.buffer && kept.buffer->placement() != placement) {
+      // offload_to_cpu toggled between summons: the other placement's buffer goes.
+      if (kept.buffer.use_count() == 1) kept.buffer.reset();
+    }
+    if (!kept.buffer) {
+      if (vacant == nullptr) vacant = &kept;
+      continue;
+    }
+    if (kept.buffer.use_count() != 1) continue;  // in use: try the other copy
+    // Only this map holds it: free to reuse.
     if (!kept.buffer->committed()) {
       absl::Status s = kept.buffer->Commit();
       if (absl::IsResourceExhausted(s)) {
@@ -53,7 +69,7 @@ absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::KeptBuffer(
     fresh = store_->Allocate(kind, bytes, label, g.owner_uid, placement);
   }
   if (!fresh.ok()) return fresh.status();
-  if (!kept.buffer) kept.buffer = *fresh;
+  if (vacant != nullptr) vacant->buffer = *fresh;
   return *fresh;
 }
 

@@ -32,6 +32,10 @@ ABSL_FLAG(std::string, segment_prefix, "flatshard",
 ABSL_FLAG(int64_t, memory_limit_mib, 0, "limit on shard and buffer memory in MiB (0: none)");
 ABSL_FLAG(absl::Duration, default_wait, absl::Seconds(60),
           "how long a collective call without a deadline waits for the other ranks");
+ABSL_FLAG(absl::Duration, lease_timeout, absl::Seconds(10),
+          "how long a rank whose join completed may take to open its lease (the client's Lease "
+          "stream) before the daemon ends its session; a trainer that died inside JoinGroup "
+          "frees its rank after this");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(5),
           "how long in-flight calls may take to finish on SIGTERM");
 ABSL_FLAG(std::string, peer_address, "",
@@ -152,6 +156,7 @@ int main(int argc, char** argv) {
   }
   config.default_wait = absl::GetFlag(FLAGS_default_wait);
   config.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
+  config.lease_timeout = absl::GetFlag(FLAGS_lease_timeout);
   config.peer_address = absl::GetFlag(FLAGS_peer_address);
   config.node_name = absl::GetFlag(FLAGS_node_name);
   config.heartbeat_interval = absl::GetFlag(FLAGS_heartbeat_interval);

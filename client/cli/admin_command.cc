@@ -162,7 +162,12 @@ int RunAdminCommand(const AdminCommandSpec& spec, const std::vector<std::string>
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       ChannelCredentialsFor(call.flags_);
   if (!credentials.ok()) return call.Error(std::string(credentials.status().message()), 2);
-  call.stub_ = v1::AdminService::NewStub(grpc::CreateChannel(call.target_, *credentials));
+  // Admin replies grow with the daemon's groups, units and ranks: read any size the daemon
+  // sends (it bounds what goes into them; README "Limits"), not gRPC's 4 MiB default.
+  grpc::ChannelArguments channel_args;
+  channel_args.SetMaxReceiveMessageSize(-1);
+  call.stub_ = v1::AdminService::NewStub(
+      grpc::CreateCustomChannel(call.target_, *credentials, channel_args));
   return body(call);
 }
 

@@ -1,12 +1,16 @@
 #include "server/service/shard_service_impl.h"
 
 #include <atomic>
+#include <tuple>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
+#include "common/limits.h"
 #include "common/logging.h"
 #include "common/proto_convert.h"
+#include "common/status_macros.h"
 #include "server/access/access_control.h"
 #include "server/metrics/metered_reactor.h"
 
@@ -14,6 +18,13 @@ namespace flatshard::server {
 namespace {
 
 Caller FromProto(const v1::Caller& c) { return Caller{c.group(), c.rank(), c.token(), c.session()}; }
+
+// README "Limits": the names a request carries, refused (INVALID_ARGUMENT naming the field and
+// the limit) before anything looks them up, logs or quotes them.
+absl::Status CheckCallerBounds(absl::string_view method, const v1::Caller& c) {
+  FS_RETURN_IF_ERROR(CheckLength(method, "caller.group", c.group(), kMaxGroupBytes));
+  return CheckLength(method, "caller.token", c.token(), kMaxTokenBytes);
+}
 
 // Answers a call its caller may not make (access control) and returns the reactor.
 template <typename Reactor>
@@ -86,7 +97,10 @@ class LeaseReactor final : public grpc::ServerBidiReactor<v1::LeaseRequest, v1::
     if (!attached_) {
       caller_ = FromProto(request_.caller());
       caller_.uid = uid_.ok() ? *uid_ : access::kRemoteUid;
-      absl::Status s = uid_.ok() ? groups_->CheckCaller(caller_) : uid_.status();
+      // Only the session's first lease counts: a second stream naming the same caller is
+      // refused (AttachLease), so that its end cannot end the session.
+      absl::Status s = CheckCallerBounds("Lease", request_.caller());
+      if (s.ok()) s = uid_.ok() ? groups_->AttachLease(caller_) : uid_.status();
       if (!s.ok()) {
         if (!finished_.exchange(true)) Finish(ToGrpcStatus(s));
         return;
@@ -152,8 +166,25 @@ grpc::ServerUnaryReactor* ShardServiceImpl::JoinGroup(grpc::CallbackServerContex
                                                       const v1::JoinGroupRequest* request,
                                                       v1::JoinGroupResponse* response) {
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "JoinGroup");
-  JoinArgs args{request->group(), request->world_size(), request->rank(), request->token(),
-                request->coordinator()};
+  for (const auto& [field, value, max] :
+       {std::tuple<const char*, const std::string&, size_t>{"group", request->group(),
+                                                            kMaxGroupBytes},
+        {"token", request->token(), kMaxTokenBytes},
+        {"coordinator", request->coordinator(), kMaxAddressBytes}}) {
+    if (absl::Status s = CheckLength("JoinGroup", field, value, max); !s.ok()) {
+      return Refuse(reactor, s);
+    }
+  }
+  JoinArgs args;
+  args.group = request->group();
+  args.world_size = request->world_size();
+  args.rank = request->rank();
+  args.token = request->token();
+  args.coordinator = request->coordinator();
+  // A caller that dies (or gives up) while its join waits for the other ranks cancels the
+  // call; the join is then withdrawn instead of completing for nobody. The context lives
+  // until the call is finished, which happens only after the join stopped pending.
+  args.caller_gone = [ctx] { return ctx->IsCancelled(); };
   if (absl::StatusOr<int64_t> uid = CallerUid(ctx); uid.ok()) {
     args.uid = *uid;
   } else {
@@ -181,6 +212,21 @@ grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(
     grpc::CallbackServerContext* ctx, const v1::RegisterModuleRequest* request,
     v1::RegisterModuleResponse* response) {
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "RegisterModule");
+  if (absl::Status s = CheckCallerBounds("RegisterModule", request->caller()); !s.ok()) {
+    return Refuse(reactor, s);
+  }
+  if (absl::Status s = CheckLength("RegisterModule", "module", request->module(),
+                                   kMaxModulePathBytes);
+      !s.ok()) {
+    return Refuse(reactor, s);
+  }
+  // The manifest's size is bounded by its module count (FromProto, before converting); the
+  // policy's lists by its encoded size.
+  if (const size_t bytes = request->policy().ByteSizeLong(); bytes > kMaxPolicyJsonBytes) {
+    return Refuse(reactor, absl::InvalidArgumentError(absl::StrCat(
+                               "RegisterModule: policy has ", bytes, " bytes, the limit is ",
+                               kMaxPolicyJsonBytes)));
+  }
   absl::StatusOr<Manifest> manifest = flatshard::FromProto(request->manifest());
   absl::StatusOr<Policy> policy = flatshard::FromProto(request->policy());
   InitMode init;
@@ -214,6 +260,17 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Summon(grpc::CallbackServerContext* 
                                                    const v1::SummonRequest* request,
                                                    v1::SummonResponse* response) {
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "Summon");
+  for (const auto& [field, value] :
+       {std::pair<const char*, const std::string&>{"registered_module",
+                                                   request->registered_module()},
+        {"path", request->path()}}) {
+    if (absl::Status s = CheckLength("Summon", field, value, kMaxModulePathBytes); !s.ok()) {
+      return Refuse(reactor, s);
+    }
+  }
+  if (absl::Status s = CheckCallerBounds("Summon", request->caller()); !s.ok()) {
+    return Refuse(reactor, s);
+  }
   SummonOptions options;
   options.recurse = request->options().recurse();
   options.writeback = request->options().writeback();
@@ -241,6 +298,9 @@ grpc::ServerUnaryReactor* ShardServiceImpl::EndSummon(grpc::CallbackServerContex
                                                       const v1::EndSummonRequest* request,
                                                       v1::EndSummonResponse*) {
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "EndSummon");
+  if (absl::Status s = CheckCallerBounds("EndSummon", request->caller()); !s.ok()) {
+    return Refuse(reactor, s);
+  }
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
   groups_->EndSummon(*caller, request->summon(), WaitDeadline(ctx),
@@ -253,6 +313,29 @@ grpc::ServerUnaryReactor* ShardServiceImpl::ReduceScatterGrads(
     grpc::CallbackServerContext* ctx, const v1::ReduceScatterGradsRequest* request,
     v1::ReduceScatterGradsResponse* response) {
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "ReduceScatterGrads");
+  if (absl::Status s = CheckCallerBounds("ReduceScatterGrads", request->caller()); !s.ok()) {
+    return Refuse(reactor, s);
+  }
+  if (absl::Status s = CheckLength("ReduceScatterGrads", "registered_module",
+                                   request->registered_module(), kMaxModulePathBytes);
+      !s.ok()) {
+    return Refuse(reactor, s);
+  }
+  // The op acts in phase 2, which must name SUM or AVG; phase 1 may leave it unspecified
+  // (older clients do), but a value outside the enum is refused in either phase, before a
+  // buffer is handed out.
+  GradReduce op = GradReduce::kSum;
+  switch (request->op()) {
+    case v1::REDUCE_OP_SUM: op = GradReduce::kSum; break;
+    case v1::REDUCE_OP_AVG: op = GradReduce::kAvg; break;
+    default:
+      if (!request->begin() || !v1::ReduceOp_IsValid(request->op())) {
+        return Refuse(reactor, absl::InvalidArgumentError(absl::StrCat(
+                                   "ReduceScatterGrads: op must be REDUCE_OP_SUM (1) or "
+                                   "REDUCE_OP_AVG (2), got ",
+                                   static_cast<int>(request->op()))));
+      }
+  }
   absl::StatusOr<Caller> checked = CallerOf(ctx, request->caller());
   if (!checked.ok()) return Refuse(reactor, checked.status());
   const Caller caller = *std::move(checked);
@@ -264,15 +347,6 @@ grpc::ServerUnaryReactor* ShardServiceImpl::ReduceScatterGrads(
     buffer = absl::CancelledError();  // as in Summon: no reference outlives the answer
     reactor->Finish(status);
     return reactor;
-  }
-  GradReduce op;
-  switch (request->op()) {
-    case v1::REDUCE_OP_SUM: op = GradReduce::kSum; break;
-    case v1::REDUCE_OP_AVG: op = GradReduce::kAvg; break;
-    default:
-      reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError(
-          "ReduceScatterGrads: op must be REDUCE_OP_SUM or REDUCE_OP_AVG")));
-      return reactor;
   }
   groups_->FinishReduceScatter(caller, request->registered_module(), request->unit(), op,
                                request->accumulate(), WaitDeadline(ctx),
@@ -291,6 +365,14 @@ grpc::ServerUnaryReactor* ShardServiceImpl::GetShardViews(grpc::CallbackServerCo
                                                           const v1::GetShardViewsRequest* request,
                                                           v1::GetShardViewsResponse* response) {
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "GetShardViews");
+  if (absl::Status s = CheckCallerBounds("GetShardViews", request->caller()); !s.ok()) {
+    return Refuse(reactor, s);
+  }
+  if (absl::Status s = CheckLength("GetShardViews", "registered_module",
+                                   request->registered_module(), kMaxModulePathBytes);
+      !s.ok()) {
+    return Refuse(reactor, s);
+  }
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
   absl::StatusOr<RegisterResult> result = groups_->GetShards(*caller, request->registered_module());
@@ -313,6 +395,9 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Leave(grpc::CallbackServerContext* c
                                                   const v1::LeaveRequest* request,
                                                   v1::LeaveResponse*) {
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "Leave");
+  if (absl::Status s = CheckCallerBounds("Leave", request->caller()); !s.ok()) {
+    return Refuse(reactor, s);
+  }
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
   reactor->Finish(ToGrpcStatus(groups_->Leave(*caller)));

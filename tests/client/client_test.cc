@@ -156,31 +156,90 @@ TEST_F(ClientTest, JoinRefusesBadArguments) {
   EXPECT_EQ(Fake(&FakeShardService::join_calls), 0);
 }
 
-TEST_F(ClientTest, UnavailableIsRetriedWithBackoff) {
+// A call that reached the daemon may have taken effect (a collective the daemon failed on
+// purpose): its UNAVAILABLE is the daemon's answer and comes back unchanged, with no retry.
+TEST_F(ClientTest, UnavailableFromTheDaemonIsNotRetried) {
   {
     absl::MutexLock lock(&fake().mu);
     fake().fail_join_unavailable = 2;
   }
   std::unique_ptr<Client> c = Connect();
   ASSERT_NE(c, nullptr);
-  ASSERT_TRUE(c->Join("g", 1, 0, "secret").ok());
-  EXPECT_EQ(Fake(&FakeShardService::join_calls), 3);
+  absl::Status s = c->Join("g", 1, 0, "secret");
+  EXPECT_EQ(s, absl::UnavailableError("fake: not ready"));
+  EXPECT_EQ(Fake(&FakeShardService::join_calls), 1);
+  EXPECT_FALSE(c->joined());
 }
 
-TEST_F(ClientTest, RetriesStopAtMaxAttemptsWithTheLastError) {
-  {
-    absl::MutexLock lock(&fake().mu);
-    fake().fail_join_unavailable = 100;
-  }
-  ClientOptions o = Options();
+// Calls that never reached a daemon (it is restarting: nothing listens) are retried until it
+// is back, within the call's deadline; only the attempt that reached it counts there.
+TEST(ClientRetryTest, CallsThatNeverReachedTheDaemonAreRetriedUntilItIsBack) {
+  auto first = std::make_unique<FakeShardServer>();
+  ASSERT_TRUE(first->ok());
+  const std::string path = first->path();
+  ClientOptions o;
+  o.address = first->address();
+  o.call_timeout = absl::Seconds(10);
+  o.join_timeout = absl::Seconds(10);
+  o.max_attempts = 1000;
+  o.initial_backoff = absl::Milliseconds(10);
+  o.max_backoff = absl::Milliseconds(40);
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  first.reset();  // the daemon goes away
+  std::unique_ptr<FakeShardServer> second;
+  std::thread restart([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    second = std::make_unique<FakeShardServer>(path);
+  });
+  const absl::Time start = absl::Now();
+  absl::Status s = (*c)->Join("g", 1, 0, "secret");
+  restart.join();
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(250));
+  ASSERT_NE(second, nullptr);
+  absl::MutexLock lock(&second->service().mu);
+  EXPECT_EQ(second->service().join_calls, 1);
+}
+
+TEST(ClientRetryTest, RetriesStopAtMaxAttemptsWithTheLastError) {
+  auto server = std::make_unique<FakeShardServer>();
+  ASSERT_TRUE(server->ok());
+  ClientOptions o;
+  o.address = server->address();
+  o.call_timeout = absl::Seconds(20);
   o.max_attempts = 3;
+  o.initial_backoff = absl::Milliseconds(1);
+  o.max_backoff = absl::Milliseconds(4);
   absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
   ASSERT_TRUE(c.ok());
+  server.reset();  // nothing listens any more
+  const absl::Time start = absl::Now();
   absl::Status s = (*c)->Join("g", 1, 0, "secret");
-  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
-  EXPECT_EQ(s.message(), "fake: not ready");
-  EXPECT_EQ(Fake(&FakeShardService::join_calls), 3);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "three failed connects, not the deadline";
   EXPECT_FALSE((*c)->joined());
+}
+
+TEST_F(ClientTest, OverlongNamesAreRefusedBeforeAnyRpc) {
+  std::unique_ptr<Client> c = Connect();
+  ASSERT_NE(c, nullptr);
+  absl::Status s = c->Join(std::string(257, 'g'), 1, 0, "secret");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("group has 257 bytes, the limit is 256"));
+  s = c->Join("g", 1, 0, std::string(2000, 't'));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("token"));
+  EXPECT_EQ(Fake(&FakeShardService::join_calls), 0);
+  ASSERT_TRUE(c->Join("g", 1, 0, "secret").ok());
+  absl::StatusOr<RegisteredModule> m =
+      c->Register(std::string(5000, 'm'), kManifest, kPolicy, InitMode::kZeros);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
+  EXPECT_THAT(m.status().message(), HasSubstr("module has 5000 bytes, the limit is 4096"));
+  absl::StatusOr<std::unique_ptr<SummonedParams>> summoned =
+      c->Summon("", std::string(8000, 'p'), SummonOptions());
+  EXPECT_EQ(summoned.status().code(), absl::StatusCode::kInvalidArgument) << summoned.status();
+  EXPECT_THAT(summoned.status().message(), HasSubstr("path has 8000 bytes"));
 }
 
 TEST_F(ClientTest, OtherErrorsAreNotRetriedAndPassThroughUnchanged) {

@@ -357,9 +357,14 @@ class FakeShardService final : public v1::ShardService::Service {
 // The fake service behind a gRPC server on a fresh unix socket.
 class FakeShardServer {
  public:
-  FakeShardServer() {
+  FakeShardServer() : FakeShardServer(std::string()) {}
+  // Listens on unix socket `path` ("": a fresh one), e.g. that of a server destroyed before:
+  // a daemon restarting at the same address.
+  explicit FakeShardServer(std::string path) {
     static std::atomic<int> counter{0};
-    path_ = absl::StrCat("/tmp/fs_client_test.", ::getpid(), ".", counter++, ".sock");
+    path_ = !path.empty() ? std::move(path)
+                          : absl::StrCat("/tmp/fs_client_test.", ::getpid(), ".", counter++,
+                                         ".sock");
     ::unlink(path_.c_str());
     grpc::ServerBuilder builder;
     builder.AddListeningPort("unix:" + path_, grpc::InsecureServerCredentials());
@@ -373,6 +378,7 @@ class FakeShardServer {
   }
   bool ok() const { return server_ != nullptr; }
   std::string address() const { return "unix:" + path_; }
+  const std::string& path() const { return path_; }
   FakeShardService& service() { return service_; }
 
  private:

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -57,6 +58,58 @@ TEST(SegmentCacheTest, MapsOnceAndReturnsTheSamePointer) {
   EXPECT_EQ(static_cast<char*>(other->data) - static_cast<char*>(first->data), 4096 - 96);
   EXPECT_EQ(cache.map_calls(), 1);
   EXPECT_EQ(cache.size(), 1u);
+}
+
+// The number of this process's mappings of `name` ("/x") that /proc/self/maps lists.
+int MappingsOf(const std::string& name) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  int n = 0;
+  while (std::getline(maps, line)) {
+    if (line.find(absl::StrCat("/dev/shm", name)) != std::string::npos) ++n;
+  }
+  return n;
+}
+
+TEST(SegmentCacheTest, DropUnlinkedUnmapsFreedSegmentsOnceNoRangeUsesThem) {
+  ShmSegment kept = MakeSegment(4096);
+  ShmSegment freed = MakeSegment(4096);
+  SegmentCache cache;
+  ASSERT_TRUE(cache.Map(RangeOf(kept, 0, 16), /*writable=*/false).ok());
+  absl::StatusOr<MappedRange> in_use = cache.Map(RangeOf(freed, 0, 16), /*writable=*/true);
+  ASSERT_TRUE(in_use.ok()) << in_use.status();
+  ASSERT_TRUE(cache.Map(RangeOf(freed, 0, 16), /*writable=*/false).ok());
+  EXPECT_EQ(cache.DropUnlinked(), 0u) << "both segments still exist";
+  EXPECT_EQ(cache.size(), 2u);
+
+  ASSERT_TRUE(freed.Unlink().ok());  // the daemon frees it
+  EXPECT_EQ(cache.DropUnlinked(), 0u) << "a range still uses it";
+  EXPECT_EQ(MappingsOf(freed.name()), 3) << "the creator's, and the cache's two";
+  in_use = absl::CancelledError();  // the last view goes
+  EXPECT_EQ(cache.DropUnlinked(), 1u);
+  EXPECT_EQ(cache.size(), 1u);
+  EXPECT_EQ(MappingsOf(freed.name()), 1) << "only the creator's is left";
+
+  // The linked segment stays mapped: mapping it again is no new mmap.
+  const int64_t calls = cache.map_calls();
+  ASSERT_TRUE(cache.Map(RangeOf(kept, 0, 16), false).ok());
+  EXPECT_EQ(cache.map_calls(), calls);
+}
+
+TEST(SegmentCacheTest, DropUnlinkedDropsANameReusedForAnotherSegment) {
+  std::string name;
+  SegmentCache cache;
+  {
+    ShmSegment first = MakeSegment(4096);
+    name = first.name();
+    ASSERT_TRUE(cache.Map(RangeOf(first, 0, 16), false).ok());
+  }  // unlinked
+  absl::StatusOr<ShmSegment> second = ShmSegment::Create(name, 4096);  // a restarted daemon
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(cache.DropUnlinked(), 1u);
+  ASSERT_TRUE(cache.Map(RangeOf(*second, 0, 16), false).ok());
+  EXPECT_EQ(cache.map_calls(), 2);
+  EXPECT_EQ(cache.DropUnlinked(), 0u);
 }
 
 TEST(SegmentCacheTest, WritesThroughTheMappingReachTheCreator) {

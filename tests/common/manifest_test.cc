@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/limits.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -569,5 +570,31 @@ TEST(ValidateManifestTest, RefusesNumelThatDoesNotMatchShape) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(ManifestTest, OversizedJsonIsRefusedBeforeParsing) {
+  // Not even JSON: the size alone refuses it.
+  const std::string text(kMaxManifestJsonBytes + 1, '[');
+  absl::StatusOr<Manifest> m = ManifestFromJson(text);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
+  EXPECT_THAT(m.status().message(),
+              HasSubstr(absl::StrCat("the JSON text has ", text.size(), " bytes, the limit is ",
+                                     kMaxManifestJsonBytes)));
+}
+
+TEST(ManifestTest, TooManyModulesAreRefusedNamingTheLimit) {
+  std::string children;
+  for (int64_t i = 1; i <= kMaxManifestModules; ++i) {
+    absl::StrAppend(&children, i == 1 ? "" : ",", R"({"name": "m)", i, R"(", "module": {"id": )",
+                    i, R"(, "type": "Identity", "params": [], "children": []}})");
+  }
+  const std::string text = absl::StrCat(
+      R"({"format": "flatshard.manifest/1", "root": {"id": 0, "type": "Wide", "params": [], )",
+      R"("children": [)", children, "]}}");
+  absl::StatusOr<Manifest> m = ManifestFromJson(text);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
+  EXPECT_THAT(m.status().message(),
+              HasSubstr(absl::StrCat("more than ", kMaxManifestModules, " module instances")));
+}
+
 }  // namespace
+
 }  // namespace flatshard

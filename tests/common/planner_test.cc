@@ -2,6 +2,7 @@
 
 #include "common/planner.h"
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -427,5 +428,17 @@ TEST(PlannerTest, ZeroSizeParamsStillFormAUnit) {
   EXPECT_EQ(plan->units[0].numel, 1);  // a scalar has one element
 }
 
+// A shape whose element count fits in int64 but whose bytes do not: refused naming the
+// parameter, never an allocation of a negative size.
+TEST(PlannerTest, FlatBufferWhoseBytesOverflowIsRefusedNamingTheParameter) {
+  Manifest m = MakeManifest(
+      M("Big", {P("small", 1, {4}), P("huge", 2, {std::numeric_limits<int64_t>::max() / 2})}));
+  absl::StatusOr<Plan> plan = PlanWith(m, R"({"format": "flatshard.policy/1"})");
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << plan.status();
+  EXPECT_THAT(plan.status().message(), HasSubstr("exceeds 2^63 bytes"));
+  EXPECT_THAT(plan.status().message(), HasSubstr("largest parameter huge has shape ["));
+}
+
 }  // namespace
+
 }  // namespace flatshard

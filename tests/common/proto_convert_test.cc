@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "common/limits.h"
 #include "common/planner.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -563,5 +565,17 @@ TEST(PlanProtoTest, UnspecifiedValuesAndWrongFormatAreRefused) {
   EXPECT_EQ(Msg(FromProto(proto).status()), "plan: $.units[1].params[0].numel: must be at least 0, got -1");
 }
 
+TEST(ManifestProtoTest, TooManyModulesAreRefusedBeforeConversion) {
+  v1::Manifest proto;
+  proto.set_format("flatshard.manifest/1");
+  for (int64_t i = 0; i <= kMaxManifestModules; ++i) proto.add_modules()->set_id(i);
+  absl::StatusOr<Manifest> m = FromProto(proto);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
+  EXPECT_THAT(m.status().message(),
+              HasSubstr(absl::StrCat(kMaxManifestModules + 1, " module instances, the limit is ",
+                                     kMaxManifestModules)));
+}
+
 }  // namespace
+
 }  // namespace flatshard

@@ -69,12 +69,57 @@ std::unique_ptr<Client> Connect(const std::string& address, ClientOptions option
   return client.ok() ? *std::move(client) : nullptr;
 }
 
-absl::Status Register(Client& client) {
-  return client
-      .Register("", ExampleModelFile("gpt_tied", "manifest"),
-                ExampleModelFile("gpt_tied", "policy"), InitMode::kZeros)
-      .status();
+// examples/models/gpt_tied.<kind>.json; a child running as another uid reads the copy its
+// parent left in its own directory (FS_AC_MODEL_DIR): the checkout may live where that uid
+// cannot enter.
+std::string GptTied(const std::string& kind) {
+  if (const char* dir = std::getenv("FS_AC_MODEL_DIR")) {
+    return ::flatshard::testing::ReadFile(std::filesystem::path(dir) /
+                                          ("gpt_tied." + kind + ".json"));
+  }
+  return ExampleModelFile("gpt_tied", kind);
 }
+
+absl::Status Register(Client& client) {
+  return client.Register("", GptTied("manifest"), GptTied("policy"), InitMode::kZeros).status();
+}
+
+// A directory every uid can enter and read, holding a copy of this test binary and the model
+// files its child needs, so that a child running as another uid works wherever the checkout
+// lives (a `mktemp -d` directory is 0700). Removed with the object.
+class WorldReadableCopy {
+ public:
+  WorldReadableCopy() {
+    char tmpl[] = "/tmp/fsac-child.XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) return;
+    dir_ = tmpl;
+    std::error_code ec;
+    std::filesystem::permissions(dir_, std::filesystem::perms(0755), ec);
+    char self[4096] = {};
+    if (ec || ::readlink("/proc/self/exe", self, sizeof(self) - 1) <= 0) return;
+    binary_ = dir_ / "access_control_test";
+    std::filesystem::copy_file(self, binary_, ec);
+    if (!ec) std::filesystem::permissions(binary_, std::filesystem::perms(0755), ec);
+    for (const std::string kind : {"manifest", "policy"}) {
+      const std::filesystem::path file = dir_ / ("gpt_tied." + kind + ".json");
+      std::ofstream(file) << ExampleModelFile("gpt_tied", kind);
+      if (!ec) std::filesystem::permissions(file, std::filesystem::perms(0644), ec);
+    }
+    ok_ = !ec;
+  }
+  ~WorldReadableCopy() {
+    std::error_code ignored;
+    if (!dir_.empty()) std::filesystem::remove_all(dir_, ignored);
+  }
+  bool ok() const { return ok_; }
+  const std::filesystem::path& dir() const { return dir_; }
+  const std::filesystem::path& binary() const { return binary_; }
+
+ private:
+  std::filesystem::path dir_;
+  std::filesystem::path binary_;
+  bool ok_ = false;
+};
 
 // ShardService.GetShardViews with a made-up caller, straight over gRPC.
 grpc::Status RawGetShardViews(const std::shared_ptr<grpc::Channel>& channel,
@@ -257,13 +302,16 @@ TEST(AccessControlTest, OtherUidCannotJoinNorMapRootsGroup) {
   const std::vector<std::string> root_segments = d.Segments();
   ASSERT_FALSE(root_segments.empty());
 
-  // The child: this binary again, as the test user, running OtherUidChild.DISABLED_Run.
-  char self[4096] = {};
-  ASSERT_GT(::readlink("/proc/self/exe", self, sizeof(self) - 1), 0);
-  std::vector<std::string> args = {self, "--gtest_filter=OtherUidChild.DISABLED_Run",
+  // The child: this binary again, as the test user, running OtherUidChild.DISABLED_Run; a
+  // copy of it in a directory that user can enter, wherever the checkout lives.
+  WorldReadableCopy copy;
+  ASSERT_TRUE(copy.ok()) << "cannot copy the test binary to " << copy.dir();
+  std::vector<std::string> args = {copy.binary().string(),
+                                   "--gtest_filter=OtherUidChild.DISABLED_Run",
                                    "--gtest_also_run_disabled_tests"};
   std::vector<std::string> env = {absl::StrCat("FS_AC_ADDRESS=", d.address()),
                                   absl::StrCat("FS_AC_SEGMENTS=", absl::StrJoin(root_segments, ",")),
+                                  absl::StrCat("FS_AC_MODEL_DIR=", copy.dir().string()),
                                   "PATH=/usr/bin:/bin", "HOME=/"};
   std::vector<char*> argv, envp;
   for (std::string& a : args) argv.push_back(a.data());

@@ -24,8 +24,16 @@
 // Errors: every method returns absl::Status or absl::StatusOr. An error of an RPC arrives with
 // the gRPC code and message the daemon (or the gRPC runtime) gave, unchanged; the codes are
 // those of spec/semantics.md §4. Each RPC has one deadline (ClientOptions::call_timeout, or
-// join_timeout for Join); an attempt that fails with UNAVAILABLE is retried with exponential
-// backoff, up to max_attempts and within that same deadline. Nothing else is retried.
+// join_timeout for Join). An attempt is retried (exponential backoff, up to max_attempts and
+// within that same deadline) only when it cannot have taken effect: it failed with
+// UNAVAILABLE from the gRPC runtime (not from the daemon, whose answers are marked) and the
+// channel had no connection when it started, so it never reached a daemon (e.g. the daemon is
+// restarting). Nothing else is retried: whatever the daemon answers, UNAVAILABLE included
+// ("rank 2's session ended ... during a collective"), and a call whose connection broke after
+// it was sent, come back as they are.
+// Names are bounded (common/limits.h, README "Limits"): group 256 bytes, token 1 KiB, module
+// paths 4 KiB, manifest JSON 64 MiB and 200,000 modules, policy JSON 1 MiB; longer input is
+// refused with INVALID_ARGUMENT naming the field and the limit, before any RPC.
 //
 // Sessions and leases: Join opens a `Lease` stream that stays open until Leave or the
 // Client's destruction; the daemon ends the session's summons without writeback when it
@@ -95,7 +103,7 @@ struct ClientOptions {
   absl::Duration call_timeout = absl::Seconds(30);
   // Deadline of JoinGroup, which waits until every rank of the group has joined.
   absl::Duration join_timeout = absl::Seconds(60);
-  // Attempts per call when the call fails with UNAVAILABLE (1 = no retry).
+  // Attempts per call that never reached the daemon (see "Errors" above; 1 = no retry).
   int max_attempts = 5;
   // Backoff between attempts: doubles from initial_backoff up to max_backoff, with jitter.
   absl::Duration initial_backoff = absl::Milliseconds(50);
