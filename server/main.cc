@@ -185,6 +185,20 @@ int main(int argc, char** argv) {
   config.tls.ca = absl::GetFlag(FLAGS_tls_ca);
   config.allow_insecure_tcp = absl::GetFlag(FLAGS_allow_insecure_tcp);
 
+  // gRPC's static initialisers may start threads before main, so masking signals here
+  // cannot route them to one thread; a handler works on whichever thread the kernel picks.
+  // It only writes the signal number to a pipe; a thread reads it and shuts the daemon down.
+  // Installed before the daemon listens: a SIGTERM that arrives as soon as a client can see
+  // the socket waits in the pipe for the thread below instead of killing the process.
+  if (pipe(g_signal_pipe) != 0) {
+    std::cerr << "flatshardd: pipe: " << std::strerror(errno) << "\n";
+    return 1;
+  }
+  struct sigaction action = {};
+  action.sa_handler = OnSignal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGINT, &action, nullptr);
   auto daemon = flatshard::server::Daemon::Create(config);
   if (!daemon.ok()) {
     std::cerr << "flatshardd: " << daemon.status().message() << "\n";
@@ -214,18 +228,6 @@ int main(int argc, char** argv) {
     FS_LOG(WARNING) << s;
   }
   notifier.StartWatchdog();
-  // gRPC's static initialisers may start threads before main, so masking signals here
-  // cannot route them to one thread; a handler works on whichever thread the kernel picks.
-  // It only writes the signal number to a pipe; a thread reads it and shuts the daemon down.
-  if (pipe(g_signal_pipe) != 0) {
-    std::cerr << "flatshardd: pipe: " << std::strerror(errno) << "\n";
-    return 1;
-  }
-  struct sigaction action = {};
-  action.sa_handler = OnSignal;
-  sigemptyset(&action.sa_mask);
-  sigaction(SIGTERM, &action, nullptr);
-  sigaction(SIGINT, &action, nullptr);
   std::thread signal_thread([&] {
     int sig = 0;
     while (read(g_signal_pipe[0], &sig, sizeof(sig)) < 0 && errno == EINTR) {

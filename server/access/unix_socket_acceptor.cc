@@ -76,7 +76,13 @@ absl::StatusOr<std::unique_ptr<UnixSocketAcceptor>> UnixSocketAcceptor::Listen(
     return absl::InvalidArgumentError(absl::StrCat("socket path ", path, " is longer than ",
                                                    sizeof(addr.sun_path) - 1, " characters"));
   }
-  std::memcpy(addr.sun_path, path.data(), path.size());
+  // The socket is bound, given its mode and listening under a temporary name, then renamed
+  // into place: a client that sees `path` can connect (a file that exists before listen()
+  // refuses connections, which raced with readiness checks that wait for the file). When the
+  // temporary name does not fit sun_path, bind in place as before.
+  std::string bound = absl::StrCat(path, ".", ::getpid(), ".tmp");
+  if (bound.size() >= sizeof(addr.sun_path)) bound = path;
+  std::memcpy(addr.sun_path, bound.data(), bound.size());
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return ErrnoError(errno, "socket(AF_UNIX)");
   auto fail = [&](absl::string_view what) {
@@ -84,21 +90,26 @@ absl::StatusOr<std::unique_ptr<UnixSocketAcceptor>> UnixSocketAcceptor::Listen(
     ::close(fd);
     return ErrnoError(err, absl::StrCat(what, " ", path));
   };
+  ::unlink(bound.c_str());  // a temporary name left by a daemon that died here (same pid)
   if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
     return fail("bind");
   }
   // Before listen(): until then a connect() is refused, whatever the umask made of the mode.
-  if (gid.has_value() && ::chown(path.c_str(), static_cast<uid_t>(-1), *gid) != 0) {
-    ::unlink(path.c_str());
+  if (gid.has_value() && ::chown(bound.c_str(), static_cast<uid_t>(-1), *gid) != 0) {
+    ::unlink(bound.c_str());
     return fail(absl::StrCat("chown to group ", socket_group, " (--socket_group) of"));
   }
-  if (::chmod(path.c_str(), 0660) != 0) {
-    ::unlink(path.c_str());
+  if (::chmod(bound.c_str(), 0660) != 0) {
+    ::unlink(bound.c_str());
     return fail("chmod 0660");
   }
   if (::listen(fd, SOMAXCONN) != 0) {
-    ::unlink(path.c_str());
+    ::unlink(bound.c_str());
     return fail("listen");
+  }
+  if (bound != path && ::rename(bound.c_str(), path.c_str()) != 0) {
+    ::unlink(bound.c_str());
+    return fail("rename into place");
   }
   int wake[2];
   if (::pipe2(wake, O_CLOEXEC) != 0) {
