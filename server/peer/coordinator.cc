@@ -91,6 +91,8 @@ namespace {
 // Bounds on what one rendezvous may make the coordinator store and hand to every daemon.
 constexpr size_t kMaxNameBytes = 1024;
 constexpr size_t kMaxBackendAddressBytes = 64 << 10;  // UCX worker addresses are ~100s of bytes
+constexpr size_t kMaxModules = 1024;        // registered module paths of one group
+constexpr size_t kMaxModuleBytes = 4096;    // one "path\x1ffingerprint"
 }  // namespace
 
 void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
@@ -114,6 +116,12 @@ void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
         "group ", args.group.substr(0, 64), " rank ", args.rank,
         ": oversized daemon identity (names over ", kMaxNameBytes, " bytes or a backend address "
         "over ", kMaxBackendAddressBytes, " bytes)"));
+  } else if (args.registered_modules.size() > kMaxModules ||
+             std::any_of(args.registered_modules.begin(), args.registered_modules.end(),
+                         [](const std::string& m) { return m.size() > kMaxModuleBytes; })) {
+    invalid = absl::InvalidArgumentError(absl::StrCat(
+        "group ", args.group.substr(0, 64), " rank ", args.rank, ": over ", kMaxModules,
+        " registered modules or one over ", kMaxModuleBytes, " bytes"));
   } else if (args.daemon.daemon_id.empty()) {
     invalid = absl::InvalidArgumentError(
         absl::StrCat("group ", args.group, " rank ", args.rank, ": empty daemon_id"));
@@ -175,6 +183,7 @@ void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
       g.devices.resize(g.world_size);
       g.devices[args.rank] = args.device_uuid;
       if (args.rank == 0) g.nccl_unique_id = args.nccl_unique_id;
+      g.modules[args.rank] = args.registered_modules;
       g.gave_up.erase(args.rank);
       g.pending.push_back(
           Pending{next_id_++, args.rank, args.daemon.daemon_id, deadline, std::move(done)});
@@ -223,6 +232,17 @@ void Coordinator::CompleteLocked(Group& g, Effects& fx) {
     if (nccl) table.nccl_unique_id = g.nccl_unique_id;
     g.nccl_unique_id.clear();  // used once
   }
+  // Only this round's reports: a rank that did not rendezvous again may hold more by now.
+  bool any_modules = false;
+  for (const Pending& p : g.pending) any_modules = any_modules || g.modules.contains(p.rank);
+  if (any_modules) {
+    table.rank_modules.resize(g.world_size);
+    for (const Pending& p : g.pending) {
+      auto m = g.modules.find(p.rank);
+      if (m != g.modules.end()) table.rank_modules[p.rank] = m->second;
+    }
+  }
+  g.modules.clear();
   g.last_full = table;
   g.gave_up.clear();
   FS_LOG(INFO) << "group=" << g.name << " epoch=" << g.epoch << ": peer table complete ("

@@ -61,6 +61,8 @@ struct RendezvousArgs {
   uint64_t failed_epoch = 0;  // the caller's copy of the group failed at this epoch (0: none)
   std::string device_uuid{};     // GPU daemons: the rank's GPU
   std::string nccl_unique_id{};  // rank 0's NCCL-capable daemon: fresh for this rendezvous
+  // The modules the rank's daemon holds for the group (PeerTable::rank_modules).
+  std::vector<std::string> registered_modules{};
 };
 
 struct CoordinatorOptions {
@@ -192,6 +194,8 @@ class Coordinator {
     std::vector<DaemonIdentity> last_table;  // empty until the first table
     std::vector<std::string> devices;        // index: rank; RendezvousArgs::device_uuid
     std::string nccl_unique_id;              // rank 0's, from its latest rendezvous
+    // rank -> RendezvousArgs::registered_modules of its latest rendezvous (sparse).
+    absl::flat_hash_map<int, std::vector<std::string>> modules;
     PeerTable last_full;                     // the last table handed out
     std::optional<uint64_t> failure_forwarded_epoch;
     absl::flat_hash_map<std::string, uint64_t> known_epoch;  // daemon_id -> epoch it has
