@@ -4,6 +4,7 @@
 #include <grpcpp/security/credentials.h>
 
 #include <map>
+#include <tuple>
 #include <thread>
 #include <utility>
 
@@ -127,6 +128,13 @@ struct ClientState {
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels ABSL_GUARDED_BY(mu);
   // Stubs replaced by StubLocked(fresh_if_failing); kept while calls may use them.
   std::vector<std::unique_ptr<v1::PeerService::Stub>> retired_stubs ABSL_GUARDED_BY(mu);
+  // Departs in flight per (coordinator, group, rank), and the rendezvous of that rank that
+  // wait for them: a rank that leaves and joins again must reach the coordinator in that
+  // order (two asynchronous calls, possibly on different channels; a Depart processed after
+  // the rejoin's Rendezvous would abort it, "departed").
+  using RankKey = std::tuple<std::string, std::string, int>;
+  std::map<RankKey, int> departing ABSL_GUARDED_BY(mu);
+  std::map<RankKey, std::vector<absl::AnyInvocable<void()>>> after_depart ABSL_GUARDED_BY(mu);
   std::map<std::string, std::shared_ptr<WatchStream>> watches ABSL_GUARDED_BY(mu);
   absl::flat_hash_set<std::shared_ptr<UnaryCall>> calls ABSL_GUARDED_BY(mu);
   // (coordinator, group) -> newest epoch this daemon has: pushes of older tables are dropped.
@@ -452,33 +460,61 @@ void PeerClient::Rendezvous(const std::string& coordinator, const std::string& g
   }
   impl_->EnsureWatch(coordinator);  // before the call, so the coordinator can push what follows
   std::shared_ptr<ClientState> state = impl_->state_;
-  stub->async()->Rendezvous(
-      &call->ctx, &call->rendezvous_request, &call->rendezvous_response,
-      [state, call, coordinator](grpc::Status s) {
-        absl::StatusOr<PeerTable> result;
-        if (s.ok()) {
-          result = internal::FromProto(call->rendezvous_response.table());
-          absl::MutexLock lock(&state->mu);
-          // Overwrites, not max: the coordinator may have forgotten the group and started over.
-          state->known_epochs[{coordinator, result->group}] = result->epoch;
-        } else if (s.error_code() == grpc::StatusCode::CANCELLED) {
-          result = Unreachable(coordinator, "peer client shutting down");
-        } else if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
-          result = Unreachable(coordinator, s.error_message());
-        } else if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
-                   s.error_message() == "Deadline Exceeded") {
-          // gRPC's own deadline fired: the coordinator never answered.
-          result = absl::DeadlineExceededError(
-              absl::StrCat("coordinator ", coordinator, ": no answer before the deadline"));
-        } else {
-          result = FromGrpcStatus(s);
-        }
-        {
-          CallbackScope scope(state.get());
-          call->done(std::move(result));
-        }
-        Impl::End(state, call);
-      });
+  // Sends the Rendezvous (now, or once a Depart of the same rank has ended).
+  auto rpc = [state, call, coordinator, stub] {
+    stub->async()->Rendezvous(
+        &call->ctx, &call->rendezvous_request, &call->rendezvous_response,
+        [state, call, coordinator](grpc::Status s) {
+          absl::StatusOr<PeerTable> result;
+          if (s.ok()) {
+            result = internal::FromProto(call->rendezvous_response.table());
+            absl::MutexLock lock(&state->mu);
+            // Overwrites, not max: the coordinator may have forgotten the group and started over.
+            state->known_epochs[{coordinator, result->group}] = result->epoch;
+          } else if (s.error_code() == grpc::StatusCode::CANCELLED) {
+            result = Unreachable(coordinator, "peer client shutting down");
+          } else if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+            result = Unreachable(coordinator, s.error_message());
+          } else if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+                     s.error_message() == "Deadline Exceeded") {
+            // gRPC's own deadline fired: the coordinator never answered.
+            result = absl::DeadlineExceededError(
+                absl::StrCat("coordinator ", coordinator, ": no answer before the deadline"));
+          } else {
+            result = FromGrpcStatus(s);
+          }
+          {
+            CallbackScope scope(state.get());
+            call->done(std::move(result));
+          }
+          Impl::End(state, call);
+        });
+  };
+  absl::AnyInvocable<void()> start = [state, call, coordinator, rpc = std::move(rpc)]() mutable {
+    bool closed;
+    {
+      absl::MutexLock lock(&state->mu);
+      closed = state->closed;
+    }
+    if (closed) {
+      {
+        CallbackScope scope(state.get());
+        call->done(Unreachable(coordinator, "peer client shutting down"));
+      }
+      Impl::End(state, call);
+      return;
+    }
+    rpc();
+  };
+  {
+    absl::MutexLock lock(&state->mu);
+    const ClientState::RankKey key{coordinator, group, rank};
+    if (auto d = state->departing.find(key); d != state->departing.end() && d->second > 0) {
+      state->after_depart[key].push_back(std::move(start));  // runs when the Depart ends
+      return;
+    }
+  }
+  start();
 }
 
 void PeerClient::Depart(const std::string& coordinator, const std::string& group,
@@ -493,13 +529,31 @@ void PeerClient::Depart(const std::string& coordinator, const std::string& group
   v1::PeerService::Stub* stub = impl_->Begin(coordinator, call);
   if (stub == nullptr) return;
   std::shared_ptr<ClientState> state = impl_->state_;
+  const ClientState::RankKey key{coordinator, group, rank};
+  {
+    absl::MutexLock lock(&state->mu);
+    ++state->departing[key];
+  }
   stub->async()->Depart(&call->ctx, &call->depart_request, &call->depart_response,
-                        [state, call, coordinator, group, rank](grpc::Status s) {
+                        [state, call, coordinator, group, rank, key](grpc::Status s) {
                           if (!s.ok() && s.error_code() != grpc::StatusCode::CANCELLED) {
                             FS_LOG(WARNING) << "group=" << group << " rank=" << rank
                                             << ": depart at coordinator " << coordinator
                                             << " failed: " << FromGrpcStatus(s);
                           }
+                          std::vector<absl::AnyInvocable<void()>> waiting;
+                          {
+                            absl::MutexLock lock(&state->mu);
+                            if (--state->departing[key] == 0) {
+                              state->departing.erase(key);
+                              auto w = state->after_depart.find(key);
+                              if (w != state->after_depart.end()) {
+                                waiting = std::move(w->second);
+                                state->after_depart.erase(w);
+                              }
+                            }
+                          }
+                          for (auto& start : waiting) start();
                           Impl::End(state, call);
                         });
 }
