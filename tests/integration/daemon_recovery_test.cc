@@ -247,6 +247,16 @@ TEST(RestartedCoordinatorTest, SurvivorsFirstRejoinReachesItOnTheSamePort) {
 
 // ---- A frozen peer mid-transfer ----
 
+// Bytes process `pid` has read through syscalls so far (/proc/<pid>/io rchar; TCP included).
+int64_t ReadBytes(pid_t pid) {
+  FILE* f = std::fopen(absl::StrCat("/proc/", pid, "/io").c_str(), "r");
+  if (f == nullptr) return 0;
+  long long rchar = 0;
+  if (std::fscanf(f, "rchar: %lld", &rchar) != 1) rchar = 0;
+  std::fclose(f);
+  return rchar;
+}
+
 // One unit of `numel` float32 parameters.
 std::string OneBigUnit(int64_t numel) {
   return absl::StrCat(
@@ -305,17 +315,35 @@ TEST(FrozenPeerTest, SurvivorFailsSoonWhenThePeerFreezesMidTransfer) {
       if (!s.ok() || !(*s)->End().ok()) return;
     }
   });
-  // A few rounds first, then freeze at a random point of a round.
+  // A few rounds first, then freeze daemon 1 while it is receiving data (its read count grows
+  // fast), or at a random moment if that is not seen within a second.
   const absl::Time until = absl::Now() + absl::Seconds(20);
   while (rounds.load() < 3 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  const pid_t victim = c.daemon(1).pid();
+  int64_t last = ReadBytes(victim);
+  const absl::Time give_up = absl::Now() + absl::Seconds(1);
   std::mt19937 rng(std::random_device{}());
-  absl::SleepFor(absl::Milliseconds(std::uniform_int_distribution<int>(0, 150)(rng)));
-  ASSERT_EQ(::kill(c.daemon(1).pid(), SIGSTOP), 0);
+  while (absl::Now() < give_up) {
+    absl::SleepFor(absl::Microseconds(500));
+    const int64_t now = ReadBytes(victim);
+    if (now - last > (256 << 10)) break;
+    last = now;
+  }
+  if (absl::Now() >= give_up) {
+    absl::SleepFor(absl::Milliseconds(std::uniform_int_distribution<int>(0, 150)(rng)));
+  }
+  ASSERT_EQ(::kill(victim, SIGSTOP), 0);
   const absl::Time frozen = absl::Now();
   survivor.join();
   stop = true;
   ::kill(c.daemon(1).pid(), SIGKILL);  // releases the frozen peer's rank
   peer.join();
+  // Whether the freeze caught transfers in flight (which only the abort grace finishes).
+  const bool stuck = c.daemon(0).Log().find("still in flight") != std::string::npos;
+  std::printf("rank 0 failed %s after daemon 1 froze (after %d rounds, %s): %s\n",
+              absl::FormatDuration(failed_at - frozen).c_str(), rounds.load(),
+              stuck ? "transfers in flight closed" : "between transfers",
+              failed.ToString().c_str());
   EXPECT_GE(rounds.load(), 3);
   EXPECT_EQ(failed.code(), absl::StatusCode::kUnavailable) << failed;
   EXPECT_LT(failed_at - frozen, absl::Seconds(7))

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <future>
 #include <memory>
@@ -214,6 +215,8 @@ TEST(HugeWorldSizeTest, JoinsNobodyCompletesCostTheDaemonLittleAndSayWhoIsMissin
       EXPECT_THAT(s.error_message(), HasSubstr("(1048575 ranks) of 1048576 did not join"));
     }
   }
+  std::printf("4 pending joins of world_size 2^20: daemon resident %.1f MiB -> %.1f MiB\n",
+              before / 1048576.0, during / 1048576.0);
   EXPECT_LT(during - before, int64_t{64} << 20)
       << "4 pending joins of world_size 2^20 grew the daemon from " << (before >> 20)
       << " MiB to " << (during >> 20) << " MiB";
