@@ -264,6 +264,10 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     absl::MutexLock lock(&mu_);
     return registered_modules_;
   }
+  std::vector<std::string> lost_modules() const {
+    absl::MutexLock lock(&mu_);
+    return lost_modules_;
+  }
 
   absl::StatusOr<RegisteredModule> Register(std::string module, absl::string_view manifest_json,
                                             absl::string_view policy_json, InitMode init) {
@@ -558,6 +562,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       lease_ = std::move(lease);
       registered_modules_.assign(response.registered_modules().begin(),
                                  response.registered_modules().end());
+      lost_modules_.assign(response.lost_modules().begin(), response.lost_modules().end());
       state_ = State::kJoined;
     }
     FS_LOG(INFO) << "joined " << SessionLabel(caller) << " world_size=" << world_size << " via "
@@ -731,6 +736,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   v1::Caller caller_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<LeaseStream> lease_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> registered_modules_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> lost_modules_ ABSL_GUARDED_BY(mu_);
   int shard_device_ ABSL_GUARDED_BY(mu_) = -1;  // see ShardDevice()
   absl::flat_hash_map<std::string, std::shared_ptr<const ModuleLayout>> modules_
       ABSL_GUARDED_BY(mu_);
@@ -902,6 +908,7 @@ absl::Status Client::Join(std::string group, int world_size, int rank, std::stri
 }
 
 std::vector<std::string> Client::registered_modules() const { return core_->registered_modules(); }
+std::vector<std::string> Client::lost_modules() const { return core_->lost_modules(); }
 
 absl::StatusOr<RegisteredModule> Client::Register(std::string module,
                                                   absl::string_view manifest_json,

@@ -1,5 +1,6 @@
 #include "server/daemon.h"
 
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -67,6 +68,67 @@ absl::Status PrepareSocketPath(const std::string& path) {
 }  // namespace
 
 Daemon::Daemon(DaemonConfig config) : config_(std::move(config)) {}
+
+namespace {
+
+// Raises the descriptor soft limit to the hard limit (every host segment holds a descriptor)
+// and sets the store's segment budget below it, so that a tenant with many units is refused
+// cleanly (RESOURCE_EXHAUSTED) before the daemon runs out of descriptors for everyone.
+absl::Status SetUpDescriptorBudget(const DaemonConfig& config, ShardStoreOptions* store) {
+  if (config.fd_reserve < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--fd_reserve must be >= 0, got ", config.fd_reserve));
+  }
+  if (config.memory_quota_bytes_per_uid < 0) {
+    return absl::InvalidArgumentError("--memory_quota_mib_per_uid must be >= 0 (0: none)");
+  }
+  if (config.max_segments_per_uid < -1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_segments_per_uid must be -1 (auto), 0 (none) or more, got ",
+        config.max_segments_per_uid));
+  }
+  if (config.max_groups_per_uid < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_groups_per_uid must be >= 0 (0: none), got ", config.max_groups_per_uid));
+  }
+  struct rlimit limit = {};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) {
+    return absl::InternalError(absl::StrCat("getrlimit(RLIMIT_NOFILE): ", std::strerror(errno)));
+  }
+  const rlim_t before = limit.rlim_cur;
+  if (limit.rlim_cur != limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &limit) != 0) {
+      FS_LOG(WARNING) << "cannot raise the descriptor limit from " << before << " to "
+                      << limit.rlim_max << ": " << std::strerror(errno);
+      limit.rlim_cur = before;
+    }
+  }
+  // RLIM_INFINITY cannot happen for RLIMIT_NOFILE on Linux (nr_open caps it); be safe anyway.
+  const int64_t soft = limit.rlim_cur == RLIM_INFINITY
+                           ? int64_t{1} << 30
+                           : static_cast<int64_t>(limit.rlim_cur);
+  // Never less than half of the descriptors for segments, whatever the reserve.
+  const int64_t budget = std::max(soft - config.fd_reserve, soft / 2);
+  store->max_segments = std::max<int64_t>(budget, 1);
+  store->memory_quota_bytes_per_uid = config.memory_quota_bytes_per_uid;
+  store->max_segments_per_uid =
+      config.max_segments_per_uid < 0 ? std::max<int64_t>(budget / 2, 1) : config.max_segments_per_uid;
+  FS_LOG(INFO) << "descriptors: limit " << soft
+               << (static_cast<rlim_t>(soft) != before ? absl::StrCat(" (raised from ", before, ")")
+                                                       : std::string())
+               << ", segment budget " << store->max_segments << " (reserve "
+               << soft - store->max_segments << "), per uid "
+               << (store->max_segments_per_uid == 0 ? std::string("unlimited")
+                                                    : absl::StrCat(store->max_segments_per_uid))
+               << " segments and "
+               << (store->memory_quota_bytes_per_uid == 0
+                       ? std::string("unlimited memory")
+                       : absl::StrCat(store->memory_quota_bytes_per_uid, " bytes"));
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 namespace {
 
@@ -195,6 +257,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   ShardStoreOptions store_options;
   store_options.segment_prefix = config.segment_prefix;
   store_options.memory_limit_bytes = config.memory_limit_bytes;
+  FS_RETURN_IF_ERROR(SetUpDescriptorBudget(config, &store_options));
   FS_RETURN_IF_ERROR(ShardStore::ValidateOptions(store_options));
   FS_RETURN_IF_ERROR(PrepareSocketPath(config.socket_path));
   // The Unix socket is accepted by hand to learn each client's uid (SO_PEERCRED); it listens
@@ -204,6 +267,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   FS_RETURN_IF_ERROR(UnlinkSegmentsWithPrefix(config.segment_prefix));
 
   GroupManagerOptions group_options;
+  group_options.group_idle_timeout = config.group_idle_timeout;
+  group_options.max_groups_per_uid = config.max_groups_per_uid;
   FS_RETURN_IF_ERROR(SetUpGpus(config, &store_options, &group_options));
 
   std::unique_ptr<Daemon> d(new Daemon(config));

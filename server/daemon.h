@@ -71,6 +71,17 @@ struct DaemonConfig {
   // How device memory moves: "auto" (NCCL where every rank has its own GPU, else staged
   // through host memory), "nccl" (refuse to start without NCCL), "host" (never NCCL).
   std::string gpu_collectives = "auto";
+  // Resources (README "Resources and quotas"). A group without a session for this long is
+  // removed (0: never).
+  absl::Duration group_idle_timeout = absl::Hours(1);
+  // Per uid: groups (0: none), committed host memory (0: none), live segments
+  // (-1: half of the daemon's segment budget; 0: none).
+  int32_t max_groups_per_uid = 64;
+  int64_t memory_quota_bytes_per_uid = 0;
+  int64_t max_segments_per_uid = -1;
+  // Descriptors kept for everything but segments (sockets, gRPC, UCX, files): the segment
+  // budget is the descriptor limit (raised to its hard limit at start) minus this.
+  int64_t fd_reserve = 1024;
   // Testing only: N simulated GPUs whose "device memory" is host shared memory (no CUDA,
   // no NCCL), so the GPU code paths run where there is no GPU. Excludes `gpus`.
   int simulate_gpus = 0;

@@ -37,7 +37,9 @@ GroupManager::GroupManager(ShardStore* store, GroupManagerOptions options)
       gpus_(std::move(options.gpus)),
       nccl_(std::move(options.nccl_backend)),
       copier_(std::move(options.copier)),
-      remote_(std::move(options.remote_backend)) {
+      remote_(std::move(options.remote_backend)),
+      group_idle_timeout_(options.group_idle_timeout),
+      max_groups_per_uid_(options.max_groups_per_uid) {
   FS_CHECK(gpus_.empty() || copier_ != nullptr) << "a GPU daemon needs a DeviceCopier";
   auto backend = collective::CreateInprocBackend();
   FS_CHECK(backend.ok()) << backend.status();
@@ -80,6 +82,7 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
   absl::Status error;
   uint64_t session = 0;
   uint64_t failed_epoch = 0;
+  std::vector<std::string> held_modules;  // what this daemon holds of the group (ReconcileModules)
   {
     absl::ReleasableMutexLock lock(&mu_);
     if (shutdown_) {
@@ -102,6 +105,9 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
           remote_ == nullptr ? " and a UCX build" : "", ")"));
     }
     if (error.ok()) {
+      if (!groups_.contains(args.group)) error = CheckGroupQuota(args.uid, args.group);
+    }
+    if (error.ok()) {
       auto& slot = groups_[args.group];
       if (!slot) {
         slot = std::make_unique<Group>();
@@ -110,16 +116,8 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
         slot->token = args.token;
         slot->owner_uid = args.uid;
         slot->coordinator = args.coordinator;
-        slot->session_of_rank.assign(args.world_size, 0);
-        if (!slot->multi()) {
-          for (int32_t r = 0; r < args.world_size; ++r) slot->local_ranks.push_back(r);
-          if (absl::Status s = ConnectCollectives(*slot); !s.ok()) {
-            groups_.erase(args.group);
-            lock.Release();
-            done(s);
-            return;
-          }
-        }
+        // A local group's communicator (and its list of local ranks) is made once every rank
+        // has joined (MaybeCompleteJoins): a world_size nobody joins costs nothing per rank.
         FS_LOG(INFO) << "group=" << args.group << " created, world_size=" << args.world_size
                      << (slot->multi() ? absl::StrCat(", coordinator=", args.coordinator) : "");
       }
@@ -148,6 +146,7 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
         FS_LOG(INFO) << "group=" << g.id << " rank=" << args.rank << " joined, session=" << session;
         if (!g.multi()) MaybeCompleteJoins(g, &run);
         if (g.multi() && g.coll && !g.coll->status().ok()) failed_epoch = g.epoch;
+        if (g.multi()) held_modules = internal::HeldModules(g.registered);
       }
       if (!error.ok()) MaybeRemoveGroup(args.group);
     }
@@ -180,7 +179,8 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
                        session](absl::StatusOr<peer::PeerTable> table) {
                         OnRendezvous(group, rank, session, std::move(table));
                       },
-                      failed_epoch, device == nullptr ? std::string() : device->uuid(), nccl_id);
+                      failed_epoch, device == nullptr ? std::string() : device->uuid(), nccl_id,
+                      held_modules);
   }
 }
 
@@ -208,7 +208,12 @@ void GroupManager::OnRendezvous(const std::string& group, int32_t rank, uint64_t
       if (!g.leased.contains(rank) || g.leased.at(rank) != session) {
         g.lease_due[rank] = absl::Now() + lease_timeout_;
       }
-      run.push_back([done = std::move(j->done), result = JoinResult{session, modules}]() mutable {
+      std::vector<std::string> lost;
+      for (const auto& [module, why] : g.lost) {
+        if (!g.registered.contains(module)) lost.push_back(why);
+      }
+      run.push_back([done = std::move(j->done),
+                     result = JoinResult{session, modules, std::move(lost)}]() mutable {
         done(std::move(result));
       });
     } else {
@@ -246,6 +251,7 @@ absl::Status GroupManager::ApplyTable(Group& g, const peer::PeerTable& table) {
   FS_ASSIGN_OR_RETURN(g.coll, engine_.AddGroup(spec, std::move(comm)));
   g.epoch = table.epoch;
   g.local_ranks.assign(spec.local_ranks.begin(), spec.local_ranks.end());
+  ReconcileModules(g, table);
   FS_LOG(INFO) << "group=" << g.id << " epoch=" << g.epoch << " formed over " << g.world_size
                << " ranks, local ranks " << absl::StrJoin(g.local_ranks, ",")
                << (gpus_.empty() ? "" : nccl ? ", device memory over NCCL"
@@ -350,8 +356,20 @@ absl::Status GroupManager::CopyOwnRange(int32_t rank, const Plan& plan, const Pl
 
 void GroupManager::MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
   DropGoneJoins(g, run);  // a join whose caller went away must not complete for it
-  if (!g.MissingRanks().empty()) return;
-  if (!g.coll->status().ok()) {
+  if (!g.AllJoined()) return;
+  if (g.coll == nullptr) {
+    // The first complete join of a local group.
+    for (int32_t r = 0; r < g.world_size; ++r) g.local_ranks.push_back(r);
+    if (absl::Status s = ConnectCollectives(g); !s.ok()) {
+      g.local_ranks.clear();
+      for (PendingJoin& j : g.pending_joins) {
+        g.session_of_rank[j.rank] = 0;
+        run->push_back([done = std::move(j.done), s]() mutable { done(s); });
+      }
+      g.pending_joins.clear();
+      return;
+    }
+  } else if (!g.coll->status().ok()) {
     // Every rank is back after a failure: start the op sequence afresh.
     FS_LOG(INFO) << "group=" << g.id << " re-forms its communicator after: " << g.coll->status();
     if (absl::Status s = ConnectCollectives(g); !s.ok()) {
@@ -370,7 +388,7 @@ void GroupManager::MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<v
     if (!g.leased.contains(j.rank) || g.leased.at(j.rank) != j.session) {
       g.lease_due[j.rank] = lease_due;
     }
-    JoinResult result{j.session, modules};
+    JoinResult result{j.session, modules, {}};
     run->push_back([done = std::move(j.done), result = std::move(result)]() mutable {
       done(std::move(result));
     });
@@ -496,6 +514,12 @@ absl::Status GroupManager::CheckCallerLocked(const Caller& caller) const {
         "group ", g.id, " rank ", caller.rank, ": session ", caller.session,
         " is not the rank's current session (join first)"));
   }
+  if (g.coll == nullptr) {
+    // A session of a join still pending (the group forms once every rank has joined).
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", g.id, " rank ", caller.rank, ": the group has not formed yet (its join is "
+        "still waiting for the other ranks)"));
+  }
   return absl::OkStatus();
 }
 
@@ -506,6 +530,9 @@ absl::StatusOr<RegisterResult> GroupManager::GetShards(const Caller& caller,
   const Group& g = *groups_.at(caller.group);
   auto it = g.registered.find(module);
   if (it == g.registered.end()) {
+    if (auto lost = g.lost.find(module); lost != g.lost.end()) {
+      return absl::FailedPreconditionError(lost->second);
+    }
     return absl::NotFoundError(
         absl::StrCat("group ", g.id, ": module ", Display(module), " is not registered"));
   }
@@ -534,7 +561,7 @@ void GroupManager::EndSession(const std::string& group, uint64_t session) {
     auto it = groups_.find(group);
     if (it == groups_.end()) return;
     Group& g = *it->second;
-    for (int32_t r = 0; r < g.world_size; ++r) {
+    for (int32_t r : g.session_of_rank.Joined()) {  // sparse: never O(world_size)
       if (g.session_of_rank[r] != session) continue;
       // Its summons end without writeback; collectives waiting for it fail now rather than
       // at their deadline (the communicator re-forms once every rank joined again).
@@ -566,6 +593,8 @@ void GroupManager::EndRank(Group& g, int32_t rank, std::vector<absl::AnyInvocabl
 void GroupManager::DeadlineLoop() {
   for (;;) {
     std::vector<absl::AnyInvocable<void()>> run;
+    // Buffers of reclaimed groups, dropped after the lock (munmap, unlink).
+    std::vector<std::shared_ptr<Buffer>> freed;
     {
       absl::MutexLock lock(&mu_);
       // Wake at least every 20 ms; deadlines are in seconds, so this costs nothing.
@@ -579,7 +608,6 @@ void GroupManager::DeadlineLoop() {
         Group& g = *groups_.at(id);
         DropGoneJoins(g, &run);
         ExpireUnleased(g, now, &run);
-        std::vector<int32_t> missing = g.MissingRanks();
         for (auto j = g.pending_joins.begin(); j != g.pending_joins.end();) {
           // A multi-daemon join ends with the coordinator's answer (which names the missing
           // ranks); this is only the backstop for a coordinator that never answers.
@@ -591,8 +619,9 @@ void GroupManager::DeadlineLoop() {
           absl::Status s = absl::DeadlineExceededError(
               g.multi() ? absl::StrCat("group ", g.id, ": the coordinator ", g.coordinator,
                                        " did not answer rank ", j->rank, "'s rendezvous")
-                        : absl::StrCat("group ", g.id, ": ranks ", absl::StrJoin(missing, ", "),
-                                       " of ", g.world_size, " did not join before the deadline"));
+                        : absl::StrCat("group ", g.id, ": ",
+                                       internal::RankListText(g.MissingRanks()), " of ",
+                                       g.world_size, " did not join before the deadline"));
           g.session_of_rank[j->rank] = 0;  // a failed join leaves no trace
           run.push_back([done = std::move(j->done), s]() mutable { done(s); });
           j = g.pending_joins.erase(j);
@@ -609,6 +638,7 @@ void GroupManager::DeadlineLoop() {
         }
         MaybeRemoveGroup(id);
       }
+      ReclaimIdleGroups(now, &freed);
       for (auto c = coordinator_idle_since_.begin(); c != coordinator_idle_since_.end();) {
         const std::string& coordinator = c->first;
         const bool used = std::any_of(groups_.begin(), groups_.end(), [&](const auto& g) {

@@ -86,11 +86,27 @@ struct GroupManagerOptions {
   // A rank whose join completed must open its lease (AttachLease) within this, or its session
   // ends as if its lease had closed (--lease_timeout).
   absl::Duration lease_timeout = absl::Seconds(10);
+
+  // A group in which no rank has had a session (nor a join under way) for this long is
+  // removed with its registered modules and memory, and that is logged (flatshardd
+  // --group_idle_timeout). Zero or infinite: never.
+  absl::Duration group_idle_timeout = kDefaultGroupIdleTimeout;
+  // Groups one uid may have on this daemon at a time (its first JoinGroup creates one):
+  // RESOURCE_EXHAUSTED naming the uid, the quota and its groups beyond (--max_groups_per_uid).
+  // 0: no quota.
+  int32_t max_groups_per_uid = kDefaultMaxGroupsPerUid;
+
+  static constexpr absl::Duration kDefaultGroupIdleTimeout = absl::Hours(1);
+  static constexpr int32_t kDefaultMaxGroupsPerUid = 64;
 };
 
 struct JoinResult {
   uint64_t session = 0;
   std::vector<std::string> registered_modules;  // re-attach targets
+  // Multi-daemon groups re-formed after a daemon lost its shards (it restarted): one line per
+  // module that was dropped on every daemon, naming the ranks and daemons whose shards are
+  // gone. Such a module must be registered afresh.
+  std::vector<std::string> lost_modules;
 };
 
 enum class InitMode { kZeros, kFromEveryRank, kFromRank0 };
@@ -220,6 +236,21 @@ class GroupManager : public peer::PeerEvents {
   // Fails every pending wait with UNAVAILABLE and refuses new work; idempotent.
   void Shutdown();
 
+  // Removes group `group` from this daemon with everything it holds here (registered modules,
+  // shards, gradients, kept buffers; their segments go once no client maps them), for an
+  // operator (AdminService.DeleteGroup). `uid`: the caller's (-1 remote); `privileged`: root
+  // or the daemon's uid, who may delete any group. Errors: NOT_FOUND (no such group here),
+  // PERMISSION_DENIED (another uid's group), FAILED_PRECONDITION naming the ranks still
+  // joined or joining (they must Leave first; their sessions are not ended for them).
+  struct DeletedGroup {
+    std::string group;
+    std::vector<std::string> modules;
+    int64_t freed_bytes = 0;    // of the buffers the group held (host and device)
+    int64_t freed_buffers = 0;
+  };
+  absl::StatusOr<DeletedGroup> DeleteGroup(const std::string& group, int64_t uid,
+                                           bool privileged);
+
   // Groups and their joined ranks, for status output and tests.
   struct GroupInfo {
     std::string group;
@@ -319,8 +350,24 @@ class GroupManager : public peer::PeerEvents {
   // Connects the group's communicator for `table` unless it already runs at that epoch.
   absl::Status ApplyTable(Group& g, const peer::PeerTable& table)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A new table of a multi-daemon group: a registered module some rank's daemon no longer
+  // holds (it restarted) is dropped here too and remembered as lost, so every daemon agrees
+  // that it must be registered afresh (never half re-attached, never a collective mismatch).
+  void ReconcileModules(Group& g, const peer::PeerTable& table) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes `g` if nothing uses it any more.
   void MaybeRemoveGroup(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes group `id` for good (DeleteGroup, idle reclaim): its collectives, modules and
+  // buffers. REQUIRES: no rank joined or joining. The freed buffers are returned so that the
+  // caller drops them after the lock (unmap and unlink are syscalls).
+  DeletedGroup RemoveGroupLocked(const std::string& id, const absl::Status& reason,
+                                 std::vector<std::shared_ptr<Buffer>>* freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes groups unused for group_idle_timeout (DeadlineLoop).
+  void ReclaimIdleGroups(absl::Time now, std::vector<std::shared_ptr<Buffer>>* freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED when `uid` may not create another group (max_groups_per_uid).
+  absl::Status CheckGroupQuota(int64_t uid, const std::string& group) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The steps of a registration's agreement exchange (RegisterExchange).
   void RegisterStep(std::shared_ptr<RegisterExchange> x);
   void FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status);
@@ -372,6 +419,8 @@ class GroupManager : public peer::PeerEvents {
   std::unique_ptr<collective::CollectiveBackend> inproc_;
   std::unique_ptr<collective::CollectiveBackend> remote_;
   collective::CollectiveEngine engine_;
+  const absl::Duration group_idle_timeout_;
+  const int32_t max_groups_per_uid_;
   // (Re)creates the group's communicator: at creation and after a failure once every rank
   // joined again (a failed communicator stays failed: errors are sticky).
   absl::Status ConnectCollectives(Group& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -57,11 +58,9 @@ std::vector<GroupManager::GroupInfo> GroupManager::ListGroups() const {
       info.epoch = g->epoch;
       info.coordinator = g->coordinator;
       info.local_ranks = g->local_ranks;
-      for (int32_t r : g->local_ranks) {
-        if (r < static_cast<int32_t>(g->session_of_rank.size()) && g->session_of_rank[r] != 0) {
-          info.joined_ranks.push_back(r);
-        }
-      }
+      // Joined ranks are local ones (a session is this daemon's); the sparse map keeps this
+      // O(joined), not O(world_size).
+      info.joined_ranks = g->session_of_rank.Joined();
       for (const auto& [module, reg] : g->registered) info.registered_modules.push_back(module);
       found.emplace_back(std::move(info), g->coll);
     }
@@ -89,7 +88,7 @@ GroupManager::Stats GroupManager::GetStats() const {
     stats.shutting_down = shutdown_;
     stats.groups = static_cast<int32_t>(groups_.size());
     for (const auto& [id, g] : groups_) {
-      for (uint64_t s : g->session_of_rank) stats.sessions += s != 0;
+      stats.sessions += g->session_of_rank.joined_count();
       stats.open_summons += static_cast<int32_t>(g->open_summons.size());
       stats.pending_joins += static_cast<int32_t>(g->pending_joins.size());
       if (g->coll) colls.push_back(g->coll);
@@ -152,6 +151,199 @@ absl::StatusOr<std::vector<GroupManager::ModuleUnits>> GroupManager::ListUnits(
     out.push_back(std::move(m));
   }
   return out;
+}
+
+}  // namespace flatshard::server
+
+// ---- Lifecycle: DeleteGroup, idle reclaim, the per-uid group quota ----
+
+namespace flatshard::server {
+namespace {
+
+std::string UidText(int64_t uid) {
+  return uid < 0 ? std::string("(remote)") : absl::StrCat(uid);
+}
+
+// At most 64 characters of a caller-given name, for messages.
+std::string Short(const std::string& name) {
+  return name.size() <= 64 ? name : absl::StrCat(name.substr(0, 61), "...");
+}
+
+}  // namespace
+
+absl::Status GroupManager::CheckGroupQuota(int64_t uid, const std::string& group) const {
+  if (max_groups_per_uid_ <= 0) return absl::OkStatus();
+  std::vector<std::string> owned;
+  for (const auto& [id, g] : groups_) {
+    if (g->owner_uid == uid) owned.push_back(Short(id));
+  }
+  if (static_cast<int32_t>(owned.size()) < max_groups_per_uid_) return absl::OkStatus();
+  if (owned.size() > 8) {
+    const size_t more = owned.size() - 8;
+    owned.resize(8);
+    owned.push_back(absl::StrCat("... (", more, " more)"));
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "uid ", UidText(uid), " cannot create group ", Short(group), ": its group quota is ",
+      max_groups_per_uid_, " (--max_groups_per_uid) and it has ", max_groups_per_uid_,
+      " groups on this daemon (", absl::StrJoin(owned, ", "),
+      "); delete one (flatshardctl delete-group) or let idle ones be reclaimed"));
+}
+
+GroupManager::DeletedGroup GroupManager::RemoveGroupLocked(
+    const std::string& id, const absl::Status& reason,
+    std::vector<std::shared_ptr<Buffer>>* freed) {
+  DeletedGroup out;
+  auto it = groups_.find(id);
+  if (it == groups_.end()) return out;
+  Group& g = *it->second;
+  out.group = id;
+  // Every buffer the group holds moves to `freed` (dropped by the caller after the lock);
+  // counted once each, however many structures share it.
+  std::set<const Buffer*> seen;
+  auto take = [&](std::shared_ptr<Buffer>& b) {
+    if (b == nullptr) return;
+    if (seen.insert(b.get()).second) {
+      out.freed_bytes += b->bytes();
+      ++out.freed_buffers;
+    }
+    freed->push_back(std::move(b));
+  };
+  for (auto& [module, reg] : g.registered) {
+    out.modules.push_back(module);
+    for (std::vector<UnitShard>& shards : reg.shards_by_rank) {
+      for (UnitShard& s : shards) {
+        take(s.shard);
+        take(s.grad);
+      }
+    }
+    for (auto& [key, b] : reg.grad_staging) take(b);
+    for (auto& [key, b] : reg.new_grads) take(b);
+    for (auto& [key, kept] : reg.kept) take(kept.buffer);
+    for (auto& [k, slot] : reg.slots) {
+      for (auto* m : {&slot->shared_params, &slot->shared_grads, &slot->rank0_params,
+                      &slot->rank0_grads}) {
+        for (auto& [rank, b] : *m) take(b);
+      }
+    }
+  }
+  const std::string coordinator = g.coordinator;
+  engine_.RemoveGroup(id, reason).IgnoreError();
+  groups_.erase(it);
+  if (!coordinator.empty()) coordinator_idle_since_.try_emplace(coordinator, absl::Now());
+  return out;
+}
+
+absl::StatusOr<GroupManager::DeletedGroup> GroupManager::DeleteGroup(const std::string& group,
+                                                                     int64_t uid,
+                                                                     bool privileged) {
+  std::vector<std::shared_ptr<Buffer>> freed;
+  DeletedGroup out;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = groups_.find(group);
+    if (it == groups_.end()) {
+      return absl::NotFoundError(absl::StrCat("this daemon hosts no group ", Short(group)));
+    }
+    Group& g = *it->second;
+    if (!privileged) FS_RETURN_IF_ERROR(internal::CheckUid(g, uid));
+    std::vector<int32_t> busy = g.session_of_rank.Joined();
+    for (const PendingJoin& j : g.pending_joins) busy.push_back(j.rank);
+    std::sort(busy.begin(), busy.end());
+    busy.erase(std::unique(busy.begin(), busy.end()), busy.end());
+    if (!busy.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "group ", Short(group), ": ", internal::RankListText(busy),
+          busy.size() == 1 ? " is" : " are",
+          " still joined; every rank must leave before the group can be deleted"));
+    }
+    if (!g.Unused()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "group ", Short(group), ": a registration or summon is still under way"));
+    }
+    out = RemoveGroupLocked(group, absl::AbortedError(absl::StrCat("group ", Short(group),
+                                                                   " was deleted")),
+                            &freed);
+    FS_LOG(INFO) << "group=" << Short(group) << " deleted by uid " << UidText(uid) << ": "
+                 << out.modules.size() << " registered modules, " << out.freed_buffers
+                 << " buffers, " << out.freed_bytes << " bytes freed";
+  }
+  freed.clear();  // unmap and unlink outside the lock
+  return out;
+}
+
+void GroupManager::ReclaimIdleGroups(absl::Time now, std::vector<std::shared_ptr<Buffer>>* freed) {
+  const bool enabled =
+      group_idle_timeout_ > absl::ZeroDuration() && group_idle_timeout_ != absl::InfiniteDuration();
+  std::vector<std::string> expired;
+  for (auto& [id, g] : groups_) {
+    if (!g->Unused()) {
+      g->idle_since = absl::InfiniteFuture();
+    } else if (g->idle_since == absl::InfiniteFuture()) {
+      g->idle_since = now;
+    } else if (enabled && now - g->idle_since >= group_idle_timeout_) {
+      expired.push_back(id);
+    }
+  }
+  for (const std::string& id : expired) {
+    const absl::Duration idle = now - groups_.at(id)->idle_since;
+    DeletedGroup d = RemoveGroupLocked(
+        id,
+        absl::AbortedError(absl::StrCat("group ", Short(id), " was reclaimed after ",
+                                        absl::FormatDuration(idle), " without a session")),
+        freed);
+    FS_LOG(INFO) << "group=" << Short(id) << " reclaimed: no session for "
+                 << absl::FormatDuration(idle) << " (--group_idle_timeout="
+                 << absl::FormatDuration(group_idle_timeout_) << "); " << d.modules.size()
+                 << " registered modules, " << d.freed_buffers << " buffers, " << d.freed_bytes
+                 << " bytes freed";
+  }
+}
+
+}  // namespace flatshard::server
+
+namespace flatshard::server {
+
+void GroupManager::ReconcileModules(Group& g, const peer::PeerTable& table) {
+  if (static_cast<int32_t>(table.rank_modules.size()) != g.world_size) return;
+  // What each rank's daemon holds, for the ranks known this round: this daemon's own ranks
+  // (its state now) and every rank that reported at the rendezvous that made the table.
+  const std::vector<std::string> mine = internal::HeldModules(g.registered);
+  std::map<int32_t, const std::vector<std::string>*> known;
+  for (int32_t r = 0; r < g.world_size; ++r) {
+    if (table.rank_modules[r].has_value()) known[r] = &*table.rank_modules[r];
+  }
+  for (int32_t r : g.local_ranks) known[r] = &mine;
+  std::set<std::string> keys;
+  for (const auto& [r, held] : known) keys.insert(held->begin(), held->end());
+  for (const std::string& key : keys) {
+    std::vector<int32_t> lacking, holding;
+    for (const auto& [r, held] : known) {
+      (std::find(held->begin(), held->end(), key) != held->end() ? holding : lacking).push_back(r);
+    }
+    if (lacking.empty()) continue;
+    const std::string module = key.substr(0, key.find('\x1f'));
+    std::set<std::string> daemons;
+    for (int32_t r : lacking) {
+      if (r < static_cast<int32_t>(table.rank_daemons.size())) {
+        daemons.insert(table.rank_daemons[r].node);
+      }
+    }
+    std::string why = absl::StrCat(
+        "group ", Short(g.id), ": module ", Display(module), " lost the shards of ",
+        internal::RankListText(lacking), " (daemon", daemons.size() == 1 ? " " : "s ",
+        absl::StrJoin(daemons, ", "),
+        ": restarted without them, deleted or reclaimed the group, or registered another "
+        "plan) while ",
+        internal::RankListText(holding), " still held theirs; it was dropped on every daemon at "
+        "epoch ", table.epoch, ": register it afresh on every rank (or restore it)");
+    if (auto it = g.registered.find(module);
+        it != g.registered.end() && absl::StrCat(module, "\x1f", it->second.plan.fingerprint) == key) {
+      g.registered.erase(it);  // its buffers go with it
+    }
+    FS_LOG(WARNING) << why;
+    g.lost[module] = std::move(why);
+  }
 }
 
 }  // namespace flatshard::server

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/container/btree_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/limits.h"
@@ -21,6 +22,64 @@
 namespace flatshard::server {
 namespace internal {
 
+
+// The session of each rank of a group (0: not joined), stored only for ranks that ever
+// joined or were asked about: per-rank state must not scale with a world_size nobody joins
+// (a JoinGroup with world_size 2^20 costs nothing per absent rank).
+class RankSessions {
+ public:
+  // The rank's session, created as 0 (not joined) on first use.
+  uint64_t& operator[](int32_t rank) { return by_rank_[rank]; }
+  uint64_t operator[](int32_t rank) const {
+    auto it = by_rank_.find(rank);
+    return it == by_rank_.end() ? 0 : it->second;
+  }
+  // Ranks with a session, ascending.
+  std::vector<int32_t> Joined() const {
+    std::vector<int32_t> out;
+    for (const auto& [rank, session] : by_rank_) {
+      if (session != 0) out.push_back(rank);
+    }
+    return out;
+  }
+  int32_t joined_count() const {
+    int32_t n = 0;
+    for (const auto& [rank, session] : by_rank_) n += session != 0;
+    return n;
+  }
+  // The rank whose session is `session`, or -1.
+  int32_t RankOf(uint64_t session) const {
+    for (const auto& [rank, s] : by_rank_) {
+      if (s == session && session != 0) return rank;
+    }
+    return -1;
+  }
+
+ private:
+  absl::btree_map<int32_t, uint64_t> by_rank_;
+};
+
+// The registered modules of a group as daemons report them at rendezvous: "path\x1fplan
+// fingerprint" (peer_service.proto RendezvousRequest.registered_modules).
+template <typename M>
+std::vector<std::string> HeldModules(const M& registered) {
+  std::vector<std::string> out;
+  for (const auto& [module, reg] : registered) {
+    out.push_back(absl::StrCat(module, "\x1f", reg.plan.fingerprint));
+  }
+  return out;
+}
+
+// "ranks 1, 2, 5" or "ranks 1, 2, ... (1048575 ranks)": at most `limit` of them named, so a
+// message about a huge group stays small.
+inline std::string RankListText(const std::vector<int32_t>& ranks, size_t limit = 16) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size() && i < limit; ++i) {
+    absl::StrAppend(&out, i == 0 ? "" : ", ", ranks[i]);
+  }
+  if (ranks.size() > limit) absl::StrAppend(&out, ", ... (", ranks.size(), " ranks)");
+  return out;
+}
 
 // Token comparison that takes the same time wherever the first difference is.
 inline bool TokensEqual(const std::string& a, const std::string& b) {
@@ -222,13 +281,20 @@ struct GroupManager::Group {
   uint64_t epoch = 0;       // of the peer table the communicator runs (multi-daemon)
   uint64_t reported_epoch = 0;  // the last epoch whose failure went to the coordinator
   std::vector<int32_t> local_ranks;  // the ranks this daemon hosts, ascending
-  std::vector<uint64_t> session_of_rank;  // 0: not joined
+  internal::RankSessions session_of_rank;  // 0: not joined
+  // Since when no rank has had a session nor a join under way (InfiniteFuture: in use); the
+  // deadline loop reclaims the group after GroupManagerOptions::group_idle_timeout.
+  absl::Time idle_since = absl::InfiniteFuture();
   std::vector<PendingJoin> pending_joins;
   // Ranks whose join completed and whose session has no lease yet: when it must have one.
   std::map<int32_t, absl::Time> lease_due;
   // Ranks whose current session has its lease open: rank -> that session.
   std::map<int32_t, uint64_t> leased;
   std::map<std::string, Registered> registered;
+  // Modules dropped because some daemon of the group lost their shards (ReconcileModules):
+  // module -> why, naming the ranks and daemons. Reported by Join and GetShards until the
+  // module is registered again.
+  std::map<std::string, std::string> lost;
   std::set<std::pair<std::string, int32_t>> registering;  // (module, rank) mid-registration
   std::map<uint64_t, OpenSummon> open_summons;
   uint64_t next_summon = 1;
@@ -236,6 +302,7 @@ struct GroupManager::Group {
 
   bool multi() const { return !coordinator.empty(); }
 
+  // O(world_size): only for error texts (see AllJoined).
   std::vector<int32_t> MissingRanks() const {
     std::vector<int32_t> missing;
     for (int32_t r = 0; r < world_size; ++r) {
@@ -243,11 +310,16 @@ struct GroupManager::Group {
     }
     return missing;
   }
+  bool AllJoined() const { return session_of_rank.joined_count() == world_size; }
+  // No rank joined or joining, nothing registered or in flight: removed at once.
   bool Idle() const {
     return registered.empty() && registering.empty() && pending_joins.empty() &&
-           open_summons.empty() &&
-           std::all_of(session_of_rank.begin(), session_of_rank.end(),
-                       [](uint64_t s) { return s == 0; });
+           open_summons.empty() && session_of_rank.joined_count() == 0;
+  }
+  // No rank joined or joining (registered modules may stay): reclaimable once idle long enough.
+  bool Unused() const {
+    return pending_joins.empty() && open_summons.empty() && registering.empty() &&
+           session_of_rank.joined_count() == 0;
   }
 };
 

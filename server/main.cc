@@ -89,6 +89,22 @@ ABSL_FLAG(int, simulate_gpus, 0,
           "testing only: N simulated GPUs whose device memory is host shared memory (no CUDA, "
           "no NCCL), to run the GPU code paths without a GPU; trainers must open it through "
           "the test harness");
+// Resources (README "Resources and quotas").
+ABSL_FLAG(absl::Duration, group_idle_timeout, absl::Hours(1),
+          "a group in which no rank has had a session for this long is removed with its shards "
+          "(logged); 0: never. `flatshardctl delete-group` removes one at once");
+ABSL_FLAG(int32_t, max_groups_per_uid, 64,
+          "groups one uid may have on this daemon at a time (0: no quota)");
+ABSL_FLAG(int64_t, memory_quota_mib_per_uid, 0,
+          "host memory (shards and buffers) one uid's groups may hold, in MiB (0: no quota; "
+          "--memory_limit_mib bounds all uids together)");
+ABSL_FLAG(int64_t, max_segments_per_uid, -1,
+          "shared-memory segments (one descriptor each) one uid's groups may hold; -1: half of "
+          "the daemon's segment budget; 0: no quota");
+ABSL_FLAG(int64_t, fd_reserve, 1024,
+          "descriptors kept for sockets and files: the daemon raises its descriptor soft limit "
+          "to the hard limit at start and refuses new segments (RESOURCE_EXHAUSTED) beyond the "
+          "limit minus this reserve");
 ABSL_FLAG(std::string, log_level, "info",
           "lowest severity logged: info, warning or error (changeable at run time)");
 ABSL_FLAG(int, v, 0, "verbose logging level (per-op lines at 2)");
@@ -155,6 +171,16 @@ int main(int argc, char** argv) {
     config.memory_limit_bytes = mib << 20;
   }
   config.default_wait = absl::GetFlag(FLAGS_default_wait);
+  config.group_idle_timeout = absl::GetFlag(FLAGS_group_idle_timeout);
+  config.max_groups_per_uid = absl::GetFlag(FLAGS_max_groups_per_uid);
+  if (const int64_t mib = absl::GetFlag(FLAGS_memory_quota_mib_per_uid); mib >= 0) {
+    config.memory_quota_bytes_per_uid = mib << 20;
+  } else {
+    std::cerr << "flatshardd: --memory_quota_mib_per_uid must be >= 0, got " << mib << "\n";
+    return 1;
+  }
+  config.max_segments_per_uid = absl::GetFlag(FLAGS_max_segments_per_uid);
+  config.fd_reserve = absl::GetFlag(FLAGS_fd_reserve);
   config.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
   config.lease_timeout = absl::GetFlag(FLAGS_lease_timeout);
   config.peer_address = absl::GetFlag(FLAGS_peer_address);

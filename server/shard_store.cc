@@ -23,12 +23,18 @@ namespace internal {
 // the store is gone still has somewhere to return its bytes.
 class StoreState {
  public:
-  explicit StoreState(int64_t limit_bytes) : limit_bytes_(limit_bytes) {}
+  explicit StoreState(const ShardStoreOptions& options)
+      : limit_bytes_(options.memory_limit_bytes),
+        uid_quota_bytes_(options.memory_quota_bytes_per_uid),
+        max_segments_(options.max_segments),
+        uid_quota_segments_(options.max_segments_per_uid) {}
 
-  // Adds `bytes` of `kind` unless that would exceed the limit or the store is shut down.
+  // Adds `bytes` of `kind` for `uid` unless that would exceed the limit, the uid's memory
+  // quota or (`new_segment`: one more segment, i.e. one more open descriptor) the segment
+  // budget or the uid's segment quota, or the store is shut down. Nothing changes on refusal.
   // `recommit`: the bytes belong to a decommitted buffer being committed again.
-  absl::Status Charge(BufferKind kind, int64_t bytes, absl::string_view label, bool recommit)
-      ABSL_LOCKS_EXCLUDED(mu_) {
+  absl::Status Charge(BufferKind kind, int64_t bytes, absl::string_view label, bool recommit,
+                      int64_t uid, bool new_segment) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     if (shutdown_) {
       return absl::FailedPreconditionError(
@@ -41,18 +47,56 @@ class StoreState {
                        LabelSuffix(label), ": ", total_bytes_, " bytes in use, limit ",
                        limit_bytes_, " (", UsageLocked().DebugString(), ")"));
     }
+    auto found = by_uid_.find(uid);
+    const UidUsage mine = found == by_uid_.end() ? UidUsage{} : found->second;
+    if (uid_quota_bytes_ > 0 && bytes > uid_quota_bytes_ - mine.bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "uid ", UidText(uid), " cannot allocate ", bytes, " bytes of ", BufferKindName(kind),
+          " memory", LabelSuffix(label), ": it uses ", mine.bytes, " bytes of its memory quota of ",
+          uid_quota_bytes_, " bytes (--memory_quota_mib_per_uid)"));
+    }
+    if (new_segment && max_segments_ > 0 && segments_ >= max_segments_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot allocate ", BufferKindName(kind), " memory", LabelSuffix(label),
+          ": flatshardd has ", segments_, " shared-memory segments open, its budget is ",
+          max_segments_, " (its descriptor limit minus --fd_reserve; raise LimitNOFILE=)"));
+    }
+    if (new_segment && uid_quota_segments_ > 0 && mine.segments >= uid_quota_segments_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "uid ", UidText(uid), " cannot allocate ", BufferKindName(kind), " memory",
+          LabelSuffix(label), ": it has ", mine.segments,
+          " shared-memory segments open, its segment quota is ", uid_quota_segments_,
+          " (--max_segments_per_uid)"));
+    }
     bytes_by_kind_[static_cast<int>(kind)] += bytes;
     total_bytes_ += bytes;
+    UidUsage& usage = by_uid_[uid];
+    usage.bytes += bytes;
+    if (new_segment) {
+      ++segments_;
+      ++usage.segments;
+    }
     if (recommit) --decommitted_buffers_;
     return absl::OkStatus();
   }
 
-  // Undoes Charge; `to_decommitted`: the buffer is (again) decommitted.
-  void Uncharge(BufferKind kind, int64_t bytes, bool to_decommitted) ABSL_LOCKS_EXCLUDED(mu_) {
+  // Undoes Charge; `to_decommitted`: the buffer is (again) decommitted; `segment`: the
+  // charge took a segment that is not kept.
+  void Uncharge(BufferKind kind, int64_t bytes, bool to_decommitted, int64_t uid,
+                bool segment) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     bytes_by_kind_[static_cast<int>(kind)] -= bytes;
     total_bytes_ -= bytes;
+    UncountLocked(uid, bytes, segment);
     if (to_decommitted) ++decommitted_buffers_;
+  }
+
+  // The usage of one uid (tests, status).
+  std::pair<int64_t, int64_t> UidBytesAndSegments(int64_t uid) const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    auto it = by_uid_.find(uid);
+    if (it == by_uid_.end()) return {0, 0};
+    return {it->second.bytes, it->second.segments};
   }
 
   // Records a new live segment. FAILED_PRECONDITION when Shutdown() ran since Charge: the
@@ -68,10 +112,11 @@ class StoreState {
   }
 
   // A buffer is gone: forget its segment and return its committed bytes.
-  void Release(const std::string& name, BufferKind kind, int64_t committed_bytes, bool decommitted)
-      ABSL_LOCKS_EXCLUDED(mu_) {
+  void Release(const std::string& name, BufferKind kind, int64_t committed_bytes, bool decommitted,
+               int64_t uid) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     live_segments_.erase(name);
+    UncountLocked(uid, committed_bytes, /*segment=*/true);
     bytes_by_kind_[static_cast<int>(kind)] -= committed_bytes;
     total_bytes_ -= committed_bytes;
     if (decommitted) --decommitted_buffers_;
@@ -101,6 +146,24 @@ class StoreState {
   }
 
  private:
+  struct UidUsage {
+    int64_t bytes = 0;     // committed host bytes
+    int64_t segments = 0;  // live host segments
+  };
+
+  static std::string UidText(int64_t uid) {
+    return uid < 0 ? std::string("(remote)") : absl::StrCat(uid);
+  }
+
+  void UncountLocked(int64_t uid, int64_t bytes, bool segment) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (segment) --segments_;
+    auto it = by_uid_.find(uid);
+    if (it == by_uid_.end()) return;
+    it->second.bytes -= bytes;
+    if (segment) --it->second.segments;
+    if (it->second.bytes == 0 && it->second.segments == 0) by_uid_.erase(it);
+  }
+
   static std::string LabelSuffix(absl::string_view label) {
     return label.empty() ? "" : absl::StrCat(" (", label, ")");
   }
@@ -117,7 +180,12 @@ class StoreState {
   }
 
   const int64_t limit_bytes_;
+  const int64_t uid_quota_bytes_;     // 0: none
+  const int64_t max_segments_;        // 0: none
+  const int64_t uid_quota_segments_;  // 0: none
   mutable absl::Mutex mu_;
+  int64_t segments_ ABSL_GUARDED_BY(mu_) = 0;  // charged host segments (live or being made)
+  absl::flat_hash_map<int64_t, UidUsage> by_uid_ ABSL_GUARDED_BY(mu_);
   std::array<int64_t, kNumBufferKinds> bytes_by_kind_ ABSL_GUARDED_BY(mu_){};
   int64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t decommitted_buffers_ ABSL_GUARDED_BY(mu_) = 0;
@@ -156,11 +224,12 @@ std::string MemoryUsage::DebugString() const {
 
 Buffer::Buffer(std::shared_ptr<internal::StoreState> state, BufferKind kind, Placement placement,
                int64_t bytes, ShmSegment segment, std::shared_ptr<gpu::DeviceBlock> block,
-               std::shared_ptr<gpu::DevicePool> pool, std::string label)
+               std::shared_ptr<gpu::DevicePool> pool, std::string label, int64_t owner_uid)
     : state_(std::move(state)),
       kind_(kind),
       placement_(placement),
       bytes_(bytes),
+      owner_uid_(owner_uid),
       segment_(std::move(segment)),
       pool_(std::move(pool)),
       label_(std::move(label)),
@@ -182,7 +251,7 @@ Buffer::~Buffer() {
   if (pinned_) gpu::UnpinHostMemory(segment_.data());
   // Forget the name first: a concurrent Shutdown() then no longer unlinks it, and the
   // segment's destructor below does (ENOENT, silently, if Shutdown() got there first).
-  state_->Release(segment_.name(), kind_, committed ? bytes() : 0, !committed);
+  state_->Release(segment_.name(), kind_, committed ? bytes() : 0, !committed, owner_uid_);
   FS_VLOG(2) << "freed kind=" << BufferKindName(kind_) << " bytes=" << bytes()
              << " segment=" << segment_.name() << " " << label_;
 }
@@ -252,7 +321,7 @@ absl::Status Buffer::Decommit() {
                                                     label_, "): ", status.message()));
   }
   committed_ = false;
-  state_->Uncharge(kind_, bytes(), /*to_decommitted=*/true);
+  state_->Uncharge(kind_, bytes(), /*to_decommitted=*/true, owner_uid_, /*segment=*/false);
   return absl::OkStatus();
 }
 
@@ -272,10 +341,11 @@ absl::Status Buffer::Commit() {
     state_->AddDevice(bytes_, 0);
     return absl::OkStatus();
   }
-  FS_RETURN_IF_ERROR(state_->Charge(kind_, bytes(), label_, /*recommit=*/true));
+  FS_RETURN_IF_ERROR(state_->Charge(kind_, bytes(), label_, /*recommit=*/true, owner_uid_,
+                                    /*new_segment=*/false));
   absl::Status status = segment_.Commit(0, segment_.size());
   if (!status.ok()) {
-    state_->Uncharge(kind_, bytes(), /*to_decommitted=*/true);
+    state_->Uncharge(kind_, bytes(), /*to_decommitted=*/true, owner_uid_, /*segment=*/false);
     return absl::Status(status.code(), absl::StrCat("commit ", BufferKindName(kind_), " buffer (",
                                                     label_, "): ", status.message()));
   }
@@ -289,13 +359,20 @@ absl::Status ShardStore::ValidateOptions(const ShardStoreOptions& options) {
     return absl::InvalidArgumentError(
         absl::StrCat("memory limit must be >= 0 bytes, got ", options.memory_limit_bytes));
   }
+  if (options.memory_quota_bytes_per_uid < 0 || options.max_segments < 0 ||
+      options.max_segments_per_uid < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "quotas must be >= 0 (0: none), got memory_quota_bytes_per_uid=",
+        options.memory_quota_bytes_per_uid, " max_segments=", options.max_segments,
+        " max_segments_per_uid=", options.max_segments_per_uid));
+  }
   return absl::OkStatus();
 }
 
 ShardStore::ShardStore(ShardStoreOptions options)
     : options_(std::move(options)),
       options_status_(ValidateOptions(options_)),
-      state_(std::make_shared<internal::StoreState>(options_.memory_limit_bytes)) {}
+      state_(std::make_shared<internal::StoreState>(options_)) {}
 
 ShardStore::~ShardStore() = default;
 
@@ -312,11 +389,12 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, in
   if (placement.on_device()) return AllocateOnDevice(kind, bytes, label, placement);
   // Charge first so concurrent allocations can never overshoot the limit together; the
   // syscalls (fallocate of a large segment is slow) then run without the lock.
-  FS_RETURN_IF_ERROR(state_->Charge(kind, bytes, label, /*recommit=*/false));
+  FS_RETURN_IF_ERROR(
+      state_->Charge(kind, bytes, label, /*recommit=*/false, owner_uid, /*new_segment=*/true));
   absl::StatusOr<ShmSegment> segment =
       ShmSegment::Create(MakeSegmentName(options_.segment_prefix), static_cast<size_t>(bytes));
   if (!segment.ok()) {
-    state_->Uncharge(kind, bytes, /*to_decommitted=*/false);
+    state_->Uncharge(kind, bytes, /*to_decommitted=*/false, owner_uid, /*segment=*/true);
     return absl::Status(segment.status().code(),
                         absl::StrCat("cannot allocate ", bytes, " bytes of ", BufferKindName(kind),
                                      " memory (", label, "): ", segment.status().message()));
@@ -324,7 +402,7 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, in
   if (owner_uid >= 0 && static_cast<uid_t>(owner_uid) != ::geteuid() &&
       ::fchown(segment->fd(), static_cast<uid_t>(owner_uid), static_cast<gid_t>(-1)) != 0) {
     const int err = errno;
-    state_->Uncharge(kind, bytes, /*to_decommitted=*/false);
+    state_->Uncharge(kind, bytes, /*to_decommitted=*/false, owner_uid, /*segment=*/true);
     return absl::PermissionDeniedError(absl::StrCat(
         "cannot give segment ", segment->name(), " (", label, ") to uid ", owner_uid,
         ": fchown: ", std::strerror(err), " (flatshardd needs CAP_CHOWN to serve trainers of "
@@ -336,7 +414,7 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, in
     // Page-locked so the device copies of offload_to_cpu run at DMA speed.
     if (absl::Status pin = gpu::PinHostMemory(segment->data(), static_cast<size_t>(bytes));
         !pin.ok()) {
-      state_->Uncharge(kind, bytes, /*to_decommitted=*/false);
+      state_->Uncharge(kind, bytes, /*to_decommitted=*/false, owner_uid, /*segment=*/true);
       return absl::Status(pin.code(), absl::StrCat("cannot pin ", bytes, " bytes of ",
                                                    BufferKindName(kind), " memory (", label,
                                                    "): ", pin.message()));
@@ -344,14 +422,14 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, in
   }
   if (absl::Status status = state_->Register(segment->name()); !status.ok()) {
     if (pin) gpu::UnpinHostMemory(segment->data());
-    state_->Uncharge(kind, bytes, /*to_decommitted=*/false);
+    state_->Uncharge(kind, bytes, /*to_decommitted=*/false, owner_uid, /*segment=*/true);
     return status;  // `segment` goes out of scope: unmapped and unlinked
   }
   FS_VLOG(2) << "allocated kind=" << BufferKindName(kind) << " bytes=" << bytes
              << " segment=" << segment->name() << " " << label;
   auto buffer = std::shared_ptr<Buffer>(new Buffer(state_, kind, placement, bytes,
                                                    *std::move(segment), nullptr, nullptr,
-                                                   std::string(label)));
+                                                   std::string(label), owner_uid));
   buffer->pinned_ = pin;
   return buffer;
 }
@@ -379,10 +457,15 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::AllocateOnDevice(BufferKind 
   FS_VLOG(2) << "allocated kind=" << BufferKindName(kind) << " bytes=" << bytes << " device="
              << device << " slab=" << block->slab_id() << "+" << block->offset() << " " << label;
   return std::shared_ptr<Buffer>(new Buffer(state_, kind, placement, bytes, ShmSegment(),
-                                            std::move(block), pool, std::string(label)));
+                                            std::move(block), pool, std::string(label), -1));
 }
 
 MemoryUsage ShardStore::Usage() const { return state_->Usage(); }
+
+ShardStore::UidUsage ShardStore::UsageOf(int64_t uid) const {
+  const auto [bytes, segments] = state_->UidBytesAndSegments(uid);
+  return UidUsage{bytes, segments};
+}
 
 void ShardStore::Shutdown() {
   const std::vector<std::string> names = state_->Shutdown();

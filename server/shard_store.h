@@ -12,7 +12,9 @@
 //
 // Accounting: every committed buffer counts its `bytes` (as requested, not page-rounded) for
 // its kind; the sum never exceeds `memory_limit_bytes`. An allocation that would exceed it
-// fails with RESOURCE_EXHAUSTED and changes nothing.
+// fails with RESOURCE_EXHAUSTED and changes nothing. The same holds for the per-uid quotas
+// (committed host bytes, live segments) and for the daemon's segment budget (each host
+// segment holds a descriptor; the budget keeps the daemon below its descriptor limit).
 //
 // Steady-state summons without mmap: a client caches one mapping per segment, so a unit's
 // unsharded buffer should keep its segment across summons. Keep the Buffer and Decommit() it
@@ -82,6 +84,16 @@ struct ShardStoreOptions {
   // Page-lock kHostPinned buffers (cudaHostRegister). False with simulated GPUs (no CUDA):
   // they are then plain host shared memory.
   bool pin_host_memory = true;
+  // Per-uid quotas (the uid a buffer is allocated for, Allocate's `owner_uid`; -1, remote
+  // callers, is one tenant too) so that one tenant cannot starve the others. 0: none.
+  // Committed host bytes of one uid (--memory_quota_mib_per_uid).
+  int64_t memory_quota_bytes_per_uid = 0;
+  // Live host segments of one uid: each holds one of the daemon's descriptors
+  // (--max_segments_per_uid).
+  int64_t max_segments_per_uid = 0;
+  // Live host segments of all uids together: the daemon's descriptor budget for segments,
+  // below its RLIMIT_NOFILE so that sockets and files still open when it is reached.
+  int64_t max_segments = 0;
 };
 
 // Where Allocate puts a buffer.
@@ -164,12 +176,13 @@ class Buffer {
   friend class ShardStore;
   Buffer(std::shared_ptr<internal::StoreState> state, BufferKind kind, Placement placement,
          int64_t bytes, ShmSegment segment, std::shared_ptr<gpu::DeviceBlock> block,
-         std::shared_ptr<gpu::DevicePool> pool, std::string label);
+         std::shared_ptr<gpu::DevicePool> pool, std::string label, int64_t owner_uid);
 
   const std::shared_ptr<internal::StoreState> state_;
   const BufferKind kind_;
   const Placement placement_;
   const int64_t bytes_;
+  const int64_t owner_uid_;  // whose quotas it counts against (-1 for device buffers: none)
   // Host: immutable after construction except for its pages (Commit/Decommit, under mu_).
   ShmSegment segment_;
   bool pinned_ = false;  // segment_ is page-locked (cudaHostRegister); set by Allocate
@@ -196,7 +209,8 @@ class ShardStore {
   // A new zero-filled, committed buffer of `bytes` bytes (0 is allowed) in a fresh segment
   // named with the store's prefix, mode 0600. `label` is kept for logs and errors.
   // Errors: INVALID_ARGUMENT for bytes < 0 or bad options; RESOURCE_EXHAUSTED when the limit
-  // would be exceeded (naming the kind, bytes requested, bytes in use and the limit) or when
+  // would be exceeded (naming the kind, bytes requested, bytes in use and the limit), when a
+  // per-uid quota or the segment budget would be (naming the uid, the quota and its usage) or when
   // /dev/shm, memory or descriptors run out; FAILED_PRECONDITION after Shutdown(). A failed
   // allocation changes nothing.
   // `owner_uid` >= 0 and not the daemon's uid: the segment is given to that uid (fchown, mode
@@ -212,6 +226,12 @@ class ShardStore {
                                                    Placement placement = {});
 
   MemoryUsage Usage() const;
+  // What one uid holds of the per-uid quotas.
+  struct UidUsage {
+    int64_t bytes = 0;     // committed host bytes
+    int64_t segments = 0;  // live host segments
+  };
+  UidUsage UsageOf(int64_t uid) const;
 
   // Unlinks the name of every live segment and refuses later allocations and commits. The
   // buffers' mappings stay valid until they are dropped. Idempotent. Logs what it removed.

@@ -18,5 +18,7 @@ int RunUnitsCommand(const std::vector<std::string>& args);
 int RunDrainCommand(const std::vector<std::string>& args);
 // `flatshardctl log-level [LEVEL]`: set (or show) the daemon's log level.
 int RunLogLevelCommand(const std::vector<std::string>& args);
+// `flatshardctl delete-group GROUP`: remove a group every rank has left, with its shards.
+int RunDeleteGroupCommand(const std::vector<std::string>& args);
 
 }  // namespace flatshard::cli

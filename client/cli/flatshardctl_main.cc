@@ -25,6 +25,7 @@ constexpr char kUsage[] =
     "  pending    its collectives that have not completed, with missing ranks\n"
     "  drain      refuse new groups and joins, wait for in-flight work (or a timeout)\n"
     "  log-level  set or show its log level\n"
+    "  delete-group  remove a group every rank has left, with its shards\n"
     "\n"
     "Run 'flatshardctl COMMAND --help' for a command's flags.\n";
 
@@ -53,6 +54,7 @@ int main(int argc, char** argv) {
   if (command == "units") return flatshard::cli::RunUnitsCommand(args);
   if (command == "drain") return flatshard::cli::RunDrainCommand(args);
   if (command == "log-level") return flatshard::cli::RunLogLevelCommand(args);
+  if (command == "delete-group") return flatshard::cli::RunDeleteGroupCommand(args);
   std::string shown = command;
   for (char& c : shown) {
     if (c == '\n' || c == '\r') c = ' ';  // errors stay on one line

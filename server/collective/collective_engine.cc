@@ -88,8 +88,7 @@ CollectiveGroup::CollectiveGroup(GroupSpec spec, std::unique_ptr<Communicator> c
     : spec_(std::move(spec)),
       comm_(std::move(comm)),
       timer_(std::move(timer)),
-      options_(options),
-      ranks_(spec_.world_size) {}
+      options_(options) {}
 
 CollectiveGroup::~CollectiveGroup() {
   const absl::Status reason = absl::AbortedError(
@@ -290,7 +289,8 @@ std::vector<PendingOpInfo> CollectiveGroup::PendingOps() const { return comm_->P
 
 uint64_t CollectiveGroup::last_op_seq(int rank) const {
   absl::MutexLock lock(&mu_);
-  return ranks_[rank].next_seq - 1;
+  auto it = ranks_.find(rank);
+  return it == ranks_.end() ? 0 : it->second.next_seq - 1;
 }
 
 // --- CollectiveEngine -----------------------------------------------------------------------

@@ -131,7 +131,9 @@ class CollectiveGroup : public std::enable_shared_from_this<CollectiveGroup> {
 
   mutable absl::Mutex mu_;
   absl::Status sticky_ ABSL_GUARDED_BY(mu_);
-  std::vector<RankQueue> ranks_ ABSL_GUARDED_BY(mu_);  // by rank
+  // By rank, made on a rank's first Submit: a group costs nothing per rank that never submits
+  // (a world_size nobody joins must not cost memory up front).
+  absl::flat_hash_map<int, RankQueue> ranks_ ABSL_GUARDED_BY(mu_);
   // Submitted and not yet completed, by (rank, op_seq).
   absl::flat_hash_map<std::pair<int, uint64_t>, std::shared_ptr<OpRecord>> in_flight_
       ABSL_GUARDED_BY(mu_);

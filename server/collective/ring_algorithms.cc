@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
@@ -137,8 +138,7 @@ class RingCore : public std::enable_shared_from_this<RingCore> {
   RingCore(GroupSpec spec, std::shared_ptr<Transport> transport, RingOptions options)
       : spec_(std::move(spec)),
         transport_(std::move(transport)),
-        options_(std::move(options)),
-        last_seq_(spec_.world_size) {
+        options_(std::move(options)) {
     if (options_.timer == nullptr) options_.timer = std::make_shared<DeadlineTimer>();
   }
 
@@ -163,7 +163,8 @@ class RingCore : public std::enable_shared_from_this<RingCore> {
 
   mutable absl::Mutex mu_;
   absl::Status sticky_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::optional<uint64_t>> last_seq_ ABSL_GUARDED_BY(mu_);
+  // By rank, from its first op: nothing per rank up front (a world_size nobody joins is free).
+  absl::flat_hash_map<int, uint64_t> last_seq_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::vector<std::shared_ptr<RankOp>>> live_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -440,8 +441,8 @@ void RingCore::Start(int rank, OpCall call, const OpOptions& o, DoneCallback don
   absl::Status failed;
   {
     absl::MutexLock lock(&mu_);
-    if (sticky_.ok() && last_seq_[rank] && o.op_seq <= *last_seq_[rank]) {
-      failed = OpSeqOrderError(rank, o.op_seq, call.desc, *last_seq_[rank]);
+    if (sticky_.ok() && last_seq_.contains(rank) && o.op_seq <= last_seq_[rank]) {
+      failed = OpSeqOrderError(rank, o.op_seq, call.desc, last_seq_[rank]);
     } else if (!sticky_.ok()) {
       failed = sticky_;
     } else {

@@ -25,8 +25,16 @@ bool TokensEqual(absl::string_view a, absl::string_view b) {
 }
 
 // "rank 2" / "ranks 1, 3".
+// "rank 2", "ranks 1, 3" or, for a huge group, "ranks 0, 1, ... (1048575 ranks)": a message
+// never grows with the world size.
 std::string RankList(const std::vector<int>& ranks) {
-  return absl::StrCat(ranks.size() == 1 ? "rank " : "ranks ", absl::StrJoin(ranks, ", "));
+  constexpr size_t kListed = 16;
+  if (ranks.size() <= kListed) {
+    return absl::StrCat(ranks.size() == 1 ? "rank " : "ranks ", absl::StrJoin(ranks, ", "));
+  }
+  return absl::StrCat("ranks ",
+                      absl::StrJoin(ranks.begin(), ranks.begin() + kListed, ", "), ", ... (",
+                      ranks.size(), " ranks)");
 }
 
 absl::Status WrongToken(const std::string& group) {
@@ -91,6 +99,8 @@ namespace {
 // Bounds on what one rendezvous may make the coordinator store and hand to every daemon.
 constexpr size_t kMaxNameBytes = 1024;
 constexpr size_t kMaxBackendAddressBytes = 64 << 10;  // UCX worker addresses are ~100s of bytes
+constexpr size_t kMaxModules = 1024;        // registered module paths of one group
+constexpr size_t kMaxModuleBytes = 4096;    // one "path\x1ffingerprint"
 }  // namespace
 
 void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
@@ -114,6 +124,12 @@ void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
         "group ", args.group.substr(0, 64), " rank ", args.rank,
         ": oversized daemon identity (names over ", kMaxNameBytes, " bytes or a backend address "
         "over ", kMaxBackendAddressBytes, " bytes)"));
+  } else if (args.registered_modules.size() > kMaxModules ||
+             std::any_of(args.registered_modules.begin(), args.registered_modules.end(),
+                         [](const std::string& m) { return m.size() > kMaxModuleBytes; })) {
+    invalid = absl::InvalidArgumentError(absl::StrCat(
+        "group ", args.group.substr(0, 64), " rank ", args.rank, ": over ", kMaxModules,
+        " registered modules or one over ", kMaxModuleBytes, " bytes"));
   } else if (args.daemon.daemon_id.empty()) {
     invalid = absl::InvalidArgumentError(
         absl::StrCat("group ", args.group, " rank ", args.rank, ": empty daemon_id"));
@@ -135,7 +151,6 @@ void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
       g.name = args.group;
       g.token = args.token;
       g.world_size = args.world_size;
-      g.members.resize(args.world_size);
       it = groups_.emplace(args.group, std::move(g)).first;
     } else if (!TokensEqual(it->second.token, args.token)) {
       refused = WrongToken(args.group);
@@ -162,24 +177,23 @@ void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
         p = g.pending.erase(p);
       }
       if (args.failed_epoch != 0 && args.failed_epoch == g.epoch) g.dirty = true;
-      std::optional<DaemonIdentity>& slot = g.members[args.rank];
-      if (slot.has_value() && slot->daemon_id != args.daemon.daemon_id) {
+      auto slot = g.members.find(args.rank);
+      if (slot != g.members.end() && slot->second.daemon_id != args.daemon.daemon_id) {
         FS_LOG(INFO) << "group=" << g.name << " rank=" << args.rank << " moved from daemon "
-                     << slot->daemon_id << " to " << args.daemon.daemon_id;
+                     << slot->second.daemon_id << " to " << args.daemon.daemon_id;
         g.dirty = true;
-      } else if (!slot.has_value() && !g.last_table.empty() &&
+      } else if (slot == g.members.end() && !g.last_table.empty() &&
                  g.last_table[args.rank].daemon_id != args.daemon.daemon_id) {
         g.dirty = true;
       }
-      slot = args.daemon;
-      g.devices.resize(g.world_size);
+      g.members[args.rank] = args.daemon;
       g.devices[args.rank] = args.device_uuid;
       if (args.rank == 0) g.nccl_unique_id = args.nccl_unique_id;
+      g.modules[args.rank] = args.registered_modules;
       g.gave_up.erase(args.rank);
       g.pending.push_back(
           Pending{next_id_++, args.rank, args.daemon.daemon_id, deadline, std::move(done)});
-      const bool complete = std::all_of(g.members.begin(), g.members.end(),
-                                        [](const auto& m) { return m.has_value(); });
+      const bool complete = static_cast<int>(g.members.size()) == g.world_size;
       if (complete) {
         CompleteLocked(g, fx);
       } else {
@@ -200,11 +214,14 @@ void Coordinator::CompleteLocked(Group& g, Effects& fx) {
   PeerTable table;
   table.group = g.name;
   table.epoch = g.epoch;
+  // Complete: every rank has a member.
   table.rank_daemons.reserve(g.members.size());
-  for (const auto& m : g.members) table.rank_daemons.push_back(*m);
+  for (const auto& [r, m] : g.members) table.rank_daemons.push_back(m);
   g.last_table = table.rank_daemons;
-  table.rank_devices = g.devices;
   table.rank_devices.resize(g.world_size);
+  for (const auto& [r, uuid] : g.devices) {
+    if (r >= 0 && r < g.world_size) table.rank_devices[r] = uuid;
+  }
   // Device memory moves over NCCL only when it can: every rank on a GPU of its own (NCCL
   // cannot put two ranks on one GPU, e.g. two daemons sharing it), every daemon able to run
   // NCCL, and an id rank 0 made for this very round (an id serves one communicator).
@@ -223,6 +240,17 @@ void Coordinator::CompleteLocked(Group& g, Effects& fx) {
     if (nccl) table.nccl_unique_id = g.nccl_unique_id;
     g.nccl_unique_id.clear();  // used once
   }
+  // Only this round's reports: a rank that did not rendezvous again may hold more by now.
+  bool any_modules = false;
+  for (const Pending& p : g.pending) any_modules = any_modules || g.modules.contains(p.rank);
+  if (any_modules) {
+    table.rank_modules.resize(g.world_size);
+    for (const Pending& p : g.pending) {
+      auto m = g.modules.find(p.rank);
+      if (m != g.modules.end()) table.rank_modules[p.rank] = m->second;
+    }
+  }
+  g.modules.clear();
   g.last_full = table;
   g.gave_up.clear();
   FS_LOG(INFO) << "group=" << g.name << " epoch=" << g.epoch << ": peer table complete ("
@@ -265,7 +293,7 @@ void Coordinator::ExpireLocked(absl::Time now, Effects& fx) {
     if (!any) continue;
     std::vector<int> missing;
     for (int r = 0; r < g.world_size; ++r) {
-      if (g.members[r].has_value()) continue;
+      if (g.members.contains(r)) continue;
       auto gave_up = g.gave_up.find(r);
       if (gave_up != g.gave_up.end() && now - gave_up->second <= kGaveUpGrace) continue;
       missing.push_back(r);
@@ -280,8 +308,8 @@ void Coordinator::ExpireLocked(absl::Time now, Effects& fx) {
         continue;
       }
       // A failed join leaves no trace.
-      std::optional<DaemonIdentity>& slot = g.members[p->rank];
-      if (slot.has_value() && slot->daemon_id == p->daemon_id) slot.reset();
+      auto slot = g.members.find(p->rank);
+      if (slot != g.members.end() && slot->second.daemon_id == p->daemon_id) g.members.erase(slot);
       g.gave_up[p->rank] = now;
       fx.calls.push_back([done = std::move(p->done), s]() mutable { done(s); });
       p = g.pending.erase(p);
@@ -294,9 +322,7 @@ void Coordinator::ExpireLocked(absl::Time now, Effects& fx) {
 void Coordinator::ForgetIfEmptyLocked(const std::string& group) {
   auto it = groups_.find(group);
   if (it == groups_.end() || !it->second.pending.empty()) return;
-  for (const auto& m : it->second.members) {
-    if (m.has_value()) return;
-  }
+  if (!it->second.members.empty()) return;
   FS_LOG(INFO) << "group=" << group << ": no members left, forgotten";
   groups_.erase(it);
 }
@@ -314,10 +340,10 @@ absl::Status Coordinator::Depart(const std::string& group, const std::string& to
       return absl::InvalidArgumentError(
           absl::StrCat("group ", group, ": rank ", rank, " out of range [0, ", g.world_size, ")"));
     }
-    std::optional<DaemonIdentity>& slot = g.members[rank];
+    auto slot = g.members.find(rank);
     // A stale Depart of a replaced daemon must not clear its successor.
-    if (slot.has_value() && slot->daemon_id == daemon_id) {
-      slot.reset();
+    if (slot != g.members.end() && slot->second.daemon_id == daemon_id) {
+      g.members.erase(slot);
       FS_LOG(INFO) << "group=" << group << " rank=" << rank << " departed daemon " << daemon_id;
     }
     for (auto p = g.pending.begin(); p != g.pending.end();) {
@@ -362,9 +388,9 @@ absl::Status Coordinator::ReportFailure(const std::string& token, const std::str
     FS_LOG(INFO) << "group=" << group << " epoch=" << epoch << ": daemon " << daemon_id
                  << " reported failure: " << status;
     std::set<std::string> seen{daemon_id};
-    for (const auto& m : g.members) {
-      if (!m.has_value() || !seen.insert(m->daemon_id).second) continue;
-      if (Watcher* w = FindWatcher(m->daemon_id)) {
+    for (const auto& [r, m] : g.members) {
+      if (!seen.insert(m.daemon_id).second) continue;
+      if (Watcher* w = FindWatcher(m.daemon_id)) {
         Outgoing out;
         out.kind = Outgoing::Kind::kFailure;
         out.group = group;
@@ -411,10 +437,8 @@ absl::StatusOr<Coordinator::WatcherId> Coordinator::Watch(const DaemonIdentity& 
     for (auto& [name, g] : groups_) {
       if (g.epoch == 0 || g.last_table.empty()) continue;
       bool hosts = false, complete = true;
-      for (const auto& m : g.members) {
-        complete = complete && m.has_value();
-        hosts = hosts || (m.has_value() && m->daemon_id == daemon.daemon_id);
-      }
+      complete = static_cast<int>(g.members.size()) == g.world_size;
+      for (const auto& [r, m] : g.members) hosts = hosts || m.daemon_id == daemon.daemon_id;
       if (!hosts || !complete) continue;
       uint64_t& known = g.known_epoch[daemon.daemon_id];
       if (known >= g.epoch) continue;
@@ -465,10 +489,12 @@ void Coordinator::DeclareDeadLocked(const Watcher& dead, absl::string_view why, 
   std::vector<std::string> touched;
   for (auto& [name, g] : groups_) {
     std::vector<int> ranks;
-    for (int r = 0; r < g.world_size; ++r) {
-      if (g.members[r].has_value() && g.members[r]->daemon_id == d.daemon_id) {
-        ranks.push_back(r);
-        g.members[r].reset();
+    for (auto m = g.members.begin(); m != g.members.end();) {
+      if (m->second.daemon_id == d.daemon_id) {
+        ranks.push_back(m->first);
+        m = g.members.erase(m);
+      } else {
+        ++m;
       }
     }
     const bool had_pending = std::any_of(g.pending.begin(), g.pending.end(), [&](const Pending& p) {
@@ -493,9 +519,9 @@ void Coordinator::DeclareDeadLocked(const Watcher& dead, absl::string_view why, 
     // The other daemons learn it now; a later report of the same failure adds nothing.
     g.failure_forwarded_epoch = g.epoch;
     std::set<std::string> seen;
-    for (const auto& m : g.members) {
-      if (!m.has_value() || !seen.insert(m->daemon_id).second) continue;
-      if (Watcher* w = FindWatcher(m->daemon_id)) {
+    for (const auto& [r, m] : g.members) {
+      if (!seen.insert(m.daemon_id).second) continue;
+      if (Watcher* w = FindWatcher(m.daemon_id)) {
         Outgoing out;
         out.kind = Outgoing::Kind::kFailure;
         out.group = name;
@@ -570,7 +596,8 @@ CoordinatorSnapshot Coordinator::Snapshot() const {
     gs.world_size = g.world_size;
     gs.epoch = g.epoch;
     gs.dirty = g.dirty;
-    gs.members = g.members;
+    gs.members.resize(g.world_size);
+    for (const auto& [r, m] : g.members) gs.members[r] = m;
     for (const Pending& p : g.pending) gs.pending_ranks.push_back(p.rank);
     std::sort(gs.pending_ranks.begin(), gs.pending_ranks.end());
     snap.groups.push_back(std::move(gs));

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
@@ -61,6 +62,8 @@ struct RendezvousArgs {
   uint64_t failed_epoch = 0;  // the caller's copy of the group failed at this epoch (0: none)
   std::string device_uuid{};     // GPU daemons: the rank's GPU
   std::string nccl_unique_id{};  // rank 0's NCCL-capable daemon: fresh for this rendezvous
+  // The modules the rank's daemon holds for the group (PeerTable::rank_modules).
+  std::vector<std::string> registered_modules{};
 };
 
 struct CoordinatorOptions {
@@ -186,12 +189,15 @@ class Coordinator {
     std::string name;
     std::string token;
     int world_size = 0;
-    std::vector<std::optional<DaemonIdentity>> members;
+    // rank -> its daemon, only for ranks present: a world_size nobody joins costs nothing.
+    absl::btree_map<int, DaemonIdentity> members;
     uint64_t epoch = 0;
     bool dirty = false;
     std::vector<DaemonIdentity> last_table;  // empty until the first table
-    std::vector<std::string> devices;        // index: rank; RendezvousArgs::device_uuid
+    absl::flat_hash_map<int, std::string> devices;  // rank -> RendezvousArgs::device_uuid
     std::string nccl_unique_id;              // rank 0's, from its latest rendezvous
+    // rank -> RendezvousArgs::registered_modules of its latest rendezvous (sparse).
+    absl::flat_hash_map<int, std::vector<std::string>> modules;
     PeerTable last_full;                     // the last table handed out
     std::optional<uint64_t> failure_forwarded_epoch;
     absl::flat_hash_map<std::string, uint64_t> known_epoch;  // daemon_id -> epoch it has

@@ -4,6 +4,7 @@
 #include <grpcpp/security/credentials.h>
 
 #include <map>
+#include <tuple>
 #include <thread>
 #include <utility>
 
@@ -82,12 +83,32 @@ struct ClientState {
     --active_events;
   }
 
-  v1::PeerService::Stub* StubLocked(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  // The stub of `address`. `fresh_if_failing`: a channel in TRANSIENT_FAILURE (the
+  // coordinator was down, e.g. restarted on the same port; gRPC then waits out a reconnect
+  // backoff before trying again, and fails calls at once meanwhile) is replaced by a new one,
+  // which connects at once: a rejoin reaches a coordinator that is back without delay.
+  v1::PeerService::Stub* StubLocked(const std::string& address, bool fresh_if_failing = false)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     std::unique_ptr<v1::PeerService::Stub>& stub = stubs[address];
+    std::shared_ptr<grpc::Channel>& channel = channels[address];
+    if (stub != nullptr && fresh_if_failing && channel != nullptr &&
+        channel->GetState(/*try_to_connect=*/false) == GRPC_CHANNEL_TRANSIENT_FAILURE) {
+      // Calls in flight on the old channel keep it; the stub stays alive for them.
+      retired_stubs.push_back(std::move(stub));
+      stub = nullptr;
+    }
     if (stub == nullptr) {
       std::shared_ptr<grpc::ChannelCredentials> creds =
           options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
-      stub = v1::PeerService::NewStub(grpc::CreateChannel(address, creds));
+      grpc::ChannelArguments args;
+      // Bounded reconnect backoff (gRPC's default grows to 120 s): a coordinator that comes
+      // back is found within a second by the streams and calls that wait for it.
+      // (Not GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: gRPC also takes it as the time a connection
+      // attempt may take, and a loaded host needs more than a fraction of a second.)
+      args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+      args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+      channel = grpc::CreateCustomChannel(address, creds, args);
+      stub = v1::PeerService::NewStub(channel);
     }
     return stub.get();
   }
@@ -104,6 +125,16 @@ struct ClientState {
   int live_streams ABSL_GUARDED_BY(mu) = 0;  // streams gRPC has not called OnDone for
   bool heartbeat_thread_done ABSL_GUARDED_BY(mu) = false;
   std::map<std::string, std::unique_ptr<v1::PeerService::Stub>> stubs ABSL_GUARDED_BY(mu);
+  std::map<std::string, std::shared_ptr<grpc::Channel>> channels ABSL_GUARDED_BY(mu);
+  // Stubs replaced by StubLocked(fresh_if_failing); kept while calls may use them.
+  std::vector<std::unique_ptr<v1::PeerService::Stub>> retired_stubs ABSL_GUARDED_BY(mu);
+  // Departs in flight per (coordinator, group, rank), and the rendezvous of that rank that
+  // wait for them: a rank that leaves and joins again must reach the coordinator in that
+  // order (two asynchronous calls, possibly on different channels; a Depart processed after
+  // the rejoin's Rendezvous would abort it, "departed").
+  using RankKey = std::tuple<std::string, std::string, int>;
+  std::map<RankKey, int> departing ABSL_GUARDED_BY(mu);
+  std::map<RankKey, std::vector<absl::AnyInvocable<void()>>> after_depart ABSL_GUARDED_BY(mu);
   std::map<std::string, std::shared_ptr<WatchStream>> watches ABSL_GUARDED_BY(mu);
   absl::flat_hash_set<std::shared_ptr<UnaryCall>> calls ABSL_GUARDED_BY(mu);
   // (coordinator, group) -> newest epoch this daemon has: pushes of older tables are dropped.
@@ -374,11 +405,12 @@ class PeerClient::Impl {
 
   // Registers a call so the destructor can cancel it; null once closing.
   v1::PeerService::Stub* Begin(const std::string& coordinator,
-                               const std::shared_ptr<UnaryCall>& call) {
+                               const std::shared_ptr<UnaryCall>& call,
+                               bool fresh_if_failing = false) {
     absl::MutexLock lock(&state_->mu);
     if (state_->closed) return nullptr;
     state_->calls.insert(call);
-    return state_->StubLocked(coordinator);
+    return state_->StubLocked(coordinator, fresh_if_failing);
   }
 
   static void End(const std::shared_ptr<ClientState>& state,
@@ -402,7 +434,8 @@ void PeerClient::Rendezvous(const std::string& coordinator, const std::string& g
                             const std::string& token, int world_size, int rank, absl::Time deadline,
                             absl::AnyInvocable<void(absl::StatusOr<PeerTable>)> done,
                             uint64_t failed_epoch, const std::string& device_uuid,
-                            const std::string& nccl_unique_id) {
+                            const std::string& nccl_unique_id,
+                            const std::vector<std::string>& registered_modules) {
   auto call = std::make_shared<UnaryCall>();
   call->done = std::move(done);
   v1::RendezvousRequest& req = call->rendezvous_request;
@@ -413,46 +446,75 @@ void PeerClient::Rendezvous(const std::string& coordinator, const std::string& g
   req.set_failed_epoch(failed_epoch);
   req.set_device_uuid(device_uuid);
   req.set_nccl_unique_id(nccl_unique_id);
+  for (const std::string& m : registered_modules) req.add_registered_modules(m);
   internal::ToProto(self_, req.mutable_daemon());
   call->ctx.set_deadline(absl::ToChronoTime(deadline));
   call->rendezvous_with = coordinator;
 
   // Registered before the watch is ensured, so a concurrent Unwatch either ran before (and the
   // watch is opened again here) or sees this call and keeps the stream.
-  v1::PeerService::Stub* stub = impl_->Begin(coordinator, call);
+  v1::PeerService::Stub* stub = impl_->Begin(coordinator, call, /*fresh_if_failing=*/true);
   if (stub == nullptr) {
     call->done(Unreachable(coordinator, "peer client shutting down"));
     return;
   }
   impl_->EnsureWatch(coordinator);  // before the call, so the coordinator can push what follows
   std::shared_ptr<ClientState> state = impl_->state_;
-  stub->async()->Rendezvous(
-      &call->ctx, &call->rendezvous_request, &call->rendezvous_response,
-      [state, call, coordinator](grpc::Status s) {
-        absl::StatusOr<PeerTable> result;
-        if (s.ok()) {
-          result = internal::FromProto(call->rendezvous_response.table());
-          absl::MutexLock lock(&state->mu);
-          // Overwrites, not max: the coordinator may have forgotten the group and started over.
-          state->known_epochs[{coordinator, result->group}] = result->epoch;
-        } else if (s.error_code() == grpc::StatusCode::CANCELLED) {
-          result = Unreachable(coordinator, "peer client shutting down");
-        } else if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
-          result = Unreachable(coordinator, s.error_message());
-        } else if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
-                   s.error_message() == "Deadline Exceeded") {
-          // gRPC's own deadline fired: the coordinator never answered.
-          result = absl::DeadlineExceededError(
-              absl::StrCat("coordinator ", coordinator, ": no answer before the deadline"));
-        } else {
-          result = FromGrpcStatus(s);
-        }
-        {
-          CallbackScope scope(state.get());
-          call->done(std::move(result));
-        }
-        Impl::End(state, call);
-      });
+  // Sends the Rendezvous (now, or once a Depart of the same rank has ended).
+  auto rpc = [state, call, coordinator, stub] {
+    stub->async()->Rendezvous(
+        &call->ctx, &call->rendezvous_request, &call->rendezvous_response,
+        [state, call, coordinator](grpc::Status s) {
+          absl::StatusOr<PeerTable> result;
+          if (s.ok()) {
+            result = internal::FromProto(call->rendezvous_response.table());
+            absl::MutexLock lock(&state->mu);
+            // Overwrites, not max: the coordinator may have forgotten the group and started over.
+            state->known_epochs[{coordinator, result->group}] = result->epoch;
+          } else if (s.error_code() == grpc::StatusCode::CANCELLED) {
+            result = Unreachable(coordinator, "peer client shutting down");
+          } else if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+            result = Unreachable(coordinator, s.error_message());
+          } else if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+                     s.error_message() == "Deadline Exceeded") {
+            // gRPC's own deadline fired: the coordinator never answered.
+            result = absl::DeadlineExceededError(
+                absl::StrCat("coordinator ", coordinator, ": no answer before the deadline"));
+          } else {
+            result = FromGrpcStatus(s);
+          }
+          {
+            CallbackScope scope(state.get());
+            call->done(std::move(result));
+          }
+          Impl::End(state, call);
+        });
+  };
+  absl::AnyInvocable<void()> start = [state, call, coordinator, rpc = std::move(rpc)]() mutable {
+    bool closed;
+    {
+      absl::MutexLock lock(&state->mu);
+      closed = state->closed;
+    }
+    if (closed) {
+      {
+        CallbackScope scope(state.get());
+        call->done(Unreachable(coordinator, "peer client shutting down"));
+      }
+      Impl::End(state, call);
+      return;
+    }
+    rpc();
+  };
+  {
+    absl::MutexLock lock(&state->mu);
+    const ClientState::RankKey key{coordinator, group, rank};
+    if (auto d = state->departing.find(key); d != state->departing.end() && d->second > 0) {
+      state->after_depart[key].push_back(std::move(start));  // runs when the Depart ends
+      return;
+    }
+  }
+  start();
 }
 
 void PeerClient::Depart(const std::string& coordinator, const std::string& group,
@@ -467,13 +529,31 @@ void PeerClient::Depart(const std::string& coordinator, const std::string& group
   v1::PeerService::Stub* stub = impl_->Begin(coordinator, call);
   if (stub == nullptr) return;
   std::shared_ptr<ClientState> state = impl_->state_;
+  const ClientState::RankKey key{coordinator, group, rank};
+  {
+    absl::MutexLock lock(&state->mu);
+    ++state->departing[key];
+  }
   stub->async()->Depart(&call->ctx, &call->depart_request, &call->depart_response,
-                        [state, call, coordinator, group, rank](grpc::Status s) {
+                        [state, call, coordinator, group, rank, key](grpc::Status s) {
                           if (!s.ok() && s.error_code() != grpc::StatusCode::CANCELLED) {
                             FS_LOG(WARNING) << "group=" << group << " rank=" << rank
                                             << ": depart at coordinator " << coordinator
                                             << " failed: " << FromGrpcStatus(s);
                           }
+                          std::vector<absl::AnyInvocable<void()>> waiting;
+                          {
+                            absl::MutexLock lock(&state->mu);
+                            if (--state->departing[key] == 0) {
+                              state->departing.erase(key);
+                              auto w = state->after_depart.find(key);
+                              if (w != state->after_depart.end()) {
+                                waiting = std::move(w->second);
+                                state->after_depart.erase(w);
+                              }
+                            }
+                          }
+                          for (auto& start : waiting) start();
                           Impl::End(state, call);
                         });
 }

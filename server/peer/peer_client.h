@@ -10,6 +10,7 @@
 // the PeerClient.
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,10 @@ struct PeerTable {
   std::vector<std::string> rank_devices{};
   std::string device_transport{};
   std::string nccl_unique_id{};
+  // Per rank: the modules its daemon held for the group at its rendezvous of the round that
+  // made this table (RendezvousArgs::registered_modules); nullopt for a rank that was not
+  // part of that round. Empty when no rank reported any.
+  std::vector<std::optional<std::vector<std::string>>> rank_modules{};
 };
 
 struct PeerOptions {
@@ -96,7 +101,8 @@ class PeerClient {
                   const std::string& token, int world_size, int rank, absl::Time deadline,
                   absl::AnyInvocable<void(absl::StatusOr<PeerTable>)> done,
                   uint64_t failed_epoch = 0, const std::string& device_uuid = "",
-                  const std::string& nccl_unique_id = "");
+                  const std::string& nccl_unique_id = "",
+                  const std::vector<std::string>& registered_modules = {});
 
   // Best effort, asynchronous: the rank's session ended here.
   void Depart(const std::string& coordinator, const std::string& group, const std::string& token,

@@ -21,6 +21,13 @@ void ToProto(const PeerTable& t, v1::PeerTable* out) {
   for (const std::string& uuid : t.rank_devices) out->add_rank_devices(uuid);
   out->set_device_transport(t.device_transport);
   out->set_nccl_unique_id(t.nccl_unique_id);
+  for (const std::optional<std::vector<std::string>>& modules : t.rank_modules) {
+    v1::RankModules* m = out->add_rank_modules();
+    m->set_reported(modules.has_value());
+    if (modules) {
+      for (const std::string& module : *modules) m->add_modules(module);
+    }
+  }
 }
 
 PeerTable FromProto(const v1::PeerTable& t) {
@@ -32,6 +39,13 @@ PeerTable FromProto(const v1::PeerTable& t) {
   table.rank_devices.assign(t.rank_devices().begin(), t.rank_devices().end());
   table.device_transport = t.device_transport();
   table.nccl_unique_id = t.nccl_unique_id();
+  for (const v1::RankModules& m : t.rank_modules()) {
+    if (m.reported()) {
+      table.rank_modules.emplace_back(std::vector<std::string>(m.modules().begin(), m.modules().end()));
+    } else {
+      table.rank_modules.emplace_back(std::nullopt);
+    }
+  }
   return table;
 }
 

@@ -261,6 +261,8 @@ grpc::ServerUnaryReactor* PeerServiceImpl::Rendezvous(grpc::CallbackServerContex
   args.failed_epoch = request->failed_epoch();
   args.device_uuid = request->device_uuid();
   args.nccl_unique_id = request->nccl_unique_id();
+  args.registered_modules.assign(request->registered_modules().begin(),
+                                 request->registered_modules().end());
   args.daemon = internal::FromProto(request->daemon());
   coordinator_.Rendezvous(args, deadline, [reactor, response](absl::StatusOr<PeerTable> table) {
     if (table.ok()) internal::ToProto(*table, response->mutable_table());

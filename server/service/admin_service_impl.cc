@@ -345,4 +345,30 @@ grpc::ServerUnaryReactor* AdminServiceImpl::SetLogLevel(grpc::CallbackServerCont
   return Answer(ctx, absl::OkStatus());
 }
 
+grpc::ServerUnaryReactor* AdminServiceImpl::DeleteGroup(grpc::CallbackServerContext* ctx,
+                                                        const v1::DeleteGroupRequest* request,
+                                                        v1::DeleteGroupResponse* response) {
+  if (request->group().empty()) {
+    return Answer(ctx, absl::InvalidArgumentError("DeleteGroup needs a group"));
+  }
+  // Who asks: the kernel's uid over the Unix socket; remote (-1) over TCP. Root and the
+  // daemon's uid may delete any group; others only their own (GroupManager checks).
+  int64_t uid = access::kRemoteUid;
+  bool privileged = options_.access == nullptr;
+  if (options_.access != nullptr) {
+    absl::StatusOr<int64_t> caller = options_.access->CallerUid(ctx->peer());
+    if (!caller.ok()) return Answer(ctx, caller.status());
+    uid = *caller;
+    privileged = uid == 0 || uid == static_cast<int64_t>(::geteuid());
+  }
+  absl::StatusOr<GroupManager::DeletedGroup> deleted =
+      groups_->DeleteGroup(request->group(), uid, privileged);
+  if (!deleted.ok()) return Answer(ctx, deleted.status());
+  response->set_group(deleted->group);
+  for (const std::string& m : deleted->modules) response->add_modules(m);
+  response->set_freed_bytes(deleted->freed_bytes);
+  response->set_freed_buffers(deleted->freed_buffers);
+  return Answer(ctx, absl::OkStatus());
+}
+
 }  // namespace flatshard::server

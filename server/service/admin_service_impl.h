@@ -1,6 +1,7 @@
 #pragma once
 // AdminService over gRPC's callback API: views of the daemon for operators (`flatshardctl
-// status`, `groups`, `units`, `pending`) and two levers (`drain`, `log-level`). The views answer
+// status`, `groups`, `units`, `pending`) and three levers (`drain`, `log-level`,
+// `delete-group`). The views answer
 // from snapshots and never wait on other ranks. Thread-safe.
 
 #include <functional>
@@ -51,6 +52,11 @@ class AdminServiceImpl final : public v1::AdminService::CallbackService {
   grpc::ServerUnaryReactor* SetLogLevel(grpc::CallbackServerContext* ctx,
                                         const v1::SetLogLevelRequest* request,
                                         v1::SetLogLevelResponse* response) override;
+  // The group's owner uid, root or the daemon's uid (over TCP: whoever got through, for the
+  // groups created over TCP); see GroupManager::DeleteGroup.
+  grpc::ServerUnaryReactor* DeleteGroup(grpc::CallbackServerContext* ctx,
+                                        const v1::DeleteGroupRequest* request,
+                                        v1::DeleteGroupResponse* response) override;
 
  private:
   GroupManager* const groups_;

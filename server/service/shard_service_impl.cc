@@ -197,6 +197,7 @@ grpc::ServerUnaryReactor* ShardServiceImpl::JoinGroup(grpc::CallbackServerContex
                     for (const auto& m : result->registered_modules) {
                       response->add_registered_modules(m);
                     }
+                    for (const auto& m : result->lost_modules) response->add_lost_modules(m);
                   }
                   reactor->Finish(ToGrpcStatus(result.status()));
                 });

@@ -48,7 +48,8 @@ constexpr char kToken[] = "tok";
 // Commands that talk to a daemon, with the arguments each needs.
 const std::vector<std::vector<std::string>>& DaemonCommands() {
   static const auto* commands = new std::vector<std::vector<std::string>>{
-      {"status"}, {"groups"}, {"units", "g"}, {"pending"}, {"drain"}, {"log-level", "info"}};
+      {"status"}, {"groups"}, {"units", "g"}, {"pending"}, {"drain"}, {"log-level", "info"},
+      {"delete-group", "g"}};
   return *commands;
 }
 
@@ -224,6 +225,50 @@ TEST_F(FlatshardctlAdminTest, StatusAndGroupsAfterJoinAndRegister) {
   j = Json(Ctl({"groups", "--json"}));
   EXPECT_EQ(j["groups"][0]["joined_ranks"], nlohmann::json({0}));
   EXPECT_EQ(Json(Ctl({"status", "--json"}))["clients"], 1);
+}
+
+// delete-group refuses (exit 1, one line naming the joined rank, nothing changed) while a
+// rank is joined, then removes the group with its shards: the daemon's segments are gone.
+TEST_F(FlatshardctlAdminTest, DeleteGroupOnceEveryRankLeftFreesItsShards) {
+  JoinAndRegister(2);
+  const size_t segments = daemon_.Segments().size();
+  ASSERT_GT(segments, 0u);
+  ASSERT_TRUE(ranks_[0].client->Leave().ok());
+  CtlResult r = Ctl({"delete-group", "g"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.out, IsEmpty());
+  EXPECT_EQ(r.err,
+            "flatshardctl delete-group: group g: rank 1 is still joined; "
+            "every rank must leave before the group can be deleted\n");
+  EXPECT_EQ(daemon_.Segments().size(), segments) << "a refused delete changed something";
+  EXPECT_EQ(Json(Ctl({"groups", "--json"}))["groups"].size(), 1u);
+
+  ASSERT_TRUE(ranks_[1].client->Leave().ok());
+  r = Ctl({"delete-group", "g", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  nlohmann::json j = Json(r);
+  EXPECT_EQ(j["group"], "g");
+  EXPECT_EQ(j["modules"], nlohmann::json({""}));
+  EXPECT_GE(j["freed_buffers"].get<int64_t>(), static_cast<int64_t>(segments));
+  EXPECT_GT(j["freed_bytes"].get<int64_t>(), 0);
+  EXPECT_TRUE(Json(Ctl({"groups", "--json"}))["groups"].empty());
+  EXPECT_EQ(Json(Ctl({"status", "--json"}))["memory"]["total_bytes"], 0);
+  EXPECT_THAT(daemon_.Segments(), IsEmpty()) << "the group's segments stayed";
+  EXPECT_THAT(daemon_.Log(), HasSubstr("group=g deleted by uid"));
+
+  r = Ctl({"delete-group", "g"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err, "flatshardctl delete-group: this daemon hosts no group g\n");
+  // The name is free again: a new group starts with nothing registered.
+  ranks_.clear();
+  auto c = Connect(daemon_, absl::Seconds(10));
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->Join("g", 1, 0, kToken).ok());
+  EXPECT_THAT(c->registered_modules(), IsEmpty());
+  r = Ctl({"delete-group", "g"});
+  ASSERT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.err, HasSubstr("rank 0 is still joined"));
+  EXPECT_THAT(RunCtl({"delete-group", "--help"}).out, HasSubstr("must have left"));
 }
 
 TEST(FlatshardctlGpuStatusTest, StatusShowsEachGpuPool) {
@@ -462,6 +507,9 @@ TEST(FlatshardctlAdminFlagsTest, BadFlagsExit2WithOneLine) {
       {{"status", "--socket", "/a", "--address", "b:1"},
        "flatshardctl status: give --socket or --address, not both"},
       {{"status", "-s"}, "flatshardctl status: unexpected argument '-s'"},
+      {{"delete-group"},
+       "flatshardctl delete-group: GROUP is required (see flatshardctl delete-group --help)"},
+      {{"delete-group", "a", "b"}, "flatshardctl delete-group: unexpected argument 'b'"},
   };
   for (const auto& [args, line] : cases) {
     SCOPED_TRACE(args[0] + " " + (args.size() > 1 ? args[1] : ""));
@@ -475,7 +523,8 @@ TEST(FlatshardctlAdminFlagsTest, BadFlagsExit2WithOneLine) {
 TEST(FlatshardctlAdminFlagsTest, HelpEverywhere) {
   CtlResult top = RunCtl({"--help"});
   ASSERT_EQ(top.exit_code, 0);
-  for (const char* command : {"plan", "status", "groups", "units", "pending", "drain", "log-level"}) {
+  for (const char* command :
+       {"plan", "status", "groups", "units", "pending", "drain", "log-level", "delete-group"}) {
     EXPECT_THAT(top.out, ::testing::ContainsRegex(std::string("\n  ") + command + " "));
   }
   for (const std::vector<std::string>& command : DaemonCommands()) {

@@ -483,5 +483,91 @@ TEST(BufferKindTest, Names) {
   EXPECT_EQ(BufferKindName(BufferKind::kStaging), "staging");
 }
 
+// ---- Per-uid quotas and the segment budget (issue 11) ----
+
+TEST_F(ShardStoreTest, MemoryQuotaPerUidRefusesNamingUidQuotaAndUsageAndSparesOthers) {
+  ShardStoreOptions o = Options();
+  o.memory_quota_bytes_per_uid = 10000;
+  ShardStore store(o);
+  auto a = store.Allocate(BufferKind::kShard, 6000, "a", /*owner_uid=*/-1);
+  ASSERT_TRUE(a.ok()) << a.status();
+  const MemoryUsage before = store.Usage();
+  auto b = store.Allocate(BufferKind::kShard, 5000, "group=g unit=1 rank=0", -1);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(b.status().message(),
+            "uid (remote) cannot allocate 5000 bytes of shard memory (group=g unit=1 rank=0): it "
+            "uses 6000 bytes of its memory quota of 10000 bytes (--memory_quota_mib_per_uid)");
+  // Nothing changed on refusal.
+  EXPECT_EQ(store.Usage().total_bytes, before.total_bytes);
+  EXPECT_EQ(store.Usage().buffers, before.buffers);
+  EXPECT_EQ(store.UsageOf(-1).bytes, 6000);
+  EXPECT_EQ(store.UsageOf(-1).segments, 1);
+  // Another tenant is not starved by the first one's usage.
+  const int64_t other = static_cast<int64_t>(::geteuid());
+  auto c = store.Allocate(BufferKind::kShard, 9000, "c", other);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(store.UsageOf(other).bytes, 9000);
+  // Freeing gives the quota back; decommitted bytes do not count, recommits do.
+  a->reset();
+  EXPECT_EQ(store.UsageOf(-1).bytes, 0);
+  EXPECT_EQ(store.UsageOf(-1).segments, 0);
+  auto u = store.Allocate(BufferKind::kUnsharded, 8000, "u", -1);
+  ASSERT_TRUE(u.ok()) << u.status();
+  ASSERT_TRUE((*u)->Decommit().ok());
+  EXPECT_EQ(store.UsageOf(-1).bytes, 0);
+  EXPECT_EQ(store.UsageOf(-1).segments, 1);
+  auto d = store.Allocate(BufferKind::kShard, 3000, "d", -1);
+  ASSERT_TRUE(d.ok()) << d.status();
+  absl::Status again = (*u)->Commit();
+  EXPECT_EQ(again.code(), absl::StatusCode::kResourceExhausted) << again;
+  EXPECT_THAT(std::string(again.message()), HasSubstr("uid (remote) cannot allocate 8000 bytes"));
+  EXPECT_FALSE((*u)->committed());
+  d->reset();
+  EXPECT_TRUE((*u)->Commit().ok());
+  EXPECT_EQ(store.UsageOf(-1).bytes, 8000);
+}
+
+TEST_F(ShardStoreTest, SegmentQuotaPerUidAndSegmentBudgetRefuseBeforeDescriptorsRunOut) {
+  ShardStoreOptions o = Options();
+  o.max_segments_per_uid = 3;
+  o.max_segments = 5;
+  ShardStore store(o);
+  std::vector<std::shared_ptr<Buffer>> mine;
+  for (int i = 0; i < 3; ++i) {
+    auto b = store.Allocate(BufferKind::kShard, 64, absl::StrCat("unit=", i), 1000);
+    ASSERT_TRUE(b.ok()) << b.status();
+    mine.push_back(*std::move(b));
+  }
+  auto refused = store.Allocate(BufferKind::kShard, 64, "unit=3", 1000);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(refused.status().message(),
+            "uid 1000 cannot allocate shard memory (unit=3): it has 3 shared-memory segments "
+            "open, its segment quota is 3 (--max_segments_per_uid)");
+  EXPECT_EQ(store.Usage().buffers, 3);
+  EXPECT_THAT(ListSegments(prefix_), SizeIs(3));
+  // Another uid still gets segments, up to the daemon's budget.
+  std::vector<std::shared_ptr<Buffer>> theirs;
+  for (int i = 0; i < 2; ++i) {
+    auto b = store.Allocate(BufferKind::kShard, 64, "theirs", 1001);
+    ASSERT_TRUE(b.ok()) << b.status();
+    theirs.push_back(*std::move(b));
+  }
+  auto over = store.Allocate(BufferKind::kShard, 64, "third", 1002);
+  ASSERT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(over.status().message()),
+              HasSubstr("flatshardd has 5 shared-memory segments open, its budget is 5"));
+  // Freeing one gives it back.
+  mine.pop_back();
+  EXPECT_TRUE(store.Allocate(BufferKind::kShard, 64, "now", 1002).ok());
+  EXPECT_EQ(store.UsageOf(1000).segments, 2);
+}
+
+TEST(ShardStoreOptionsTest, NegativeQuotasAreRefused) {
+  ShardStoreOptions o;
+  o.max_segments_per_uid = -1;
+  EXPECT_EQ(ShardStore::ValidateOptions(o).code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace flatshard::server

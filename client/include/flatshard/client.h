@@ -384,6 +384,10 @@ class Client {
   // Module paths the group had registered before this session joined (re-attach after a
   // crash: Register them again to get their plans and views). Empty before Join.
   std::vector<std::string> registered_modules() const;
+  // Groups over several daemons: modules whose shards a daemon of the group lost (it was
+  // restarted), one line each naming the ranks and daemons; they were dropped on every daemon
+  // and must be registered afresh (Register then initialises them again). Empty before Join.
+  std::vector<std::string> lost_modules() const;
 
   // Collective: registers a model at `module` ("" = whole model) with a manifest and policy
   // in their JSON forms (spec/formats.md). Both are parsed here first, so bad input fails

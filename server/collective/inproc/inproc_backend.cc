@@ -121,8 +121,7 @@ class InprocCore : public std::enable_shared_from_this<InprocCore> {
       : spec_(std::move(spec)),
         timer_(std::move(timer)),
         pool_(std::move(pool)),
-        options_(options),
-        last_seq_(spec_.world_size) {}
+        options_(options) {}
 
   void Arrive(int rank, OpCall call, const OpOptions& o, DoneCallback done);
   // `quiet`: the communicator is being destroyed, which is not worth a warning by itself.
@@ -156,7 +155,8 @@ class InprocCore : public std::enable_shared_from_this<InprocCore> {
   mutable absl::Mutex mu_;
   absl::Status sticky_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, Slot> slots_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::optional<uint64_t>> last_seq_ ABSL_GUARDED_BY(mu_);  // by rank
+  // By rank, from its first op: nothing per rank up front (a world_size nobody joins is free).
+  absl::flat_hash_map<int, uint64_t> last_seq_ ABSL_GUARDED_BY(mu_);
 };
 
 void InprocCore::Fail(std::vector<Completion> completions, const absl::Status& status) {
@@ -210,8 +210,8 @@ void InprocCore::Arrive(int rank, OpCall call, const OpOptions& o, DoneCallback 
   bool done_taken = false;  // a moved-from AnyInvocable is not guaranteed to be empty
   {
     absl::MutexLock lock(&mu_);
-    if (sticky_.ok() && last_seq_[rank] && op_seq <= *last_seq_[rank]) {
-      SetStickyLocked(OpSeqOrderError(rank, op_seq, call.desc, *last_seq_[rank]), &failed);
+    if (sticky_.ok() && last_seq_.contains(rank) && op_seq <= last_seq_[rank]) {
+      SetStickyLocked(OpSeqOrderError(rank, op_seq, call.desc, last_seq_[rank]), &failed);
     }
     if (sticky_.ok()) {
       last_seq_[rank] = op_seq;

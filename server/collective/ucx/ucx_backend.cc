@@ -6,6 +6,7 @@
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -116,6 +117,12 @@ class Worker {
   // Takes a request that ucp_*_nbx returned `r` for: completes it now or tracks it.
   void Submit(Request* req, ucs_status_ptr_t r);
   void CancelRecvsOf(const UcxTransport* t);
+  // Finishes the transfers of aborted transport `t` still in flight (abort_grace after its
+  // abort): their peers do not answer. See UcxBackendOptions::abort_grace.
+  void FinishStuck(const UcxTransport* t, const std::string& group);
+  // Marks `peer` failed with `status`, force-closes its endpoint (its transfers complete
+  // with UCS_ERR_CANCELED) and aborts every group using it. Later groups get a new endpoint.
+  void FailPeer(Peer* peer, ucs_status_t status);
   ucp_worker_h ucp() const { return worker_; }
   UcxBackendStats StatsOnLoop() const;
 
@@ -450,27 +457,8 @@ bool Worker::ProcessEvents() {
     std::vector<std::pair<Peer*, ucs_status_t>> failed;
     failed.swap(failed_peers_);
     for (auto& [peer, status] : failed) {
-      if (peer->failure != UCS_OK) continue;
-      peer->failure = status;
       FS_VLOG(1) << "UCX endpoint failed: " << ucs_status_string(status);
-      auto it = peers_.find(peer->address);
-      if (it != peers_.end() && it->second.get() == peer) {
-        retired_.push_back(it->second);
-        peers_.erase(it);
-      }
-      if (peer->ep != nullptr) {
-        ucp_request_param_t p{};
-        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-        ucs_status_ptr_t r = ucp_ep_close_nbx(peer->ep, &p);
-        if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);  // released by UCX when it completes
-        peer->ep = nullptr;
-      }
-      std::vector<std::shared_ptr<UcxTransport>> users;
-      for (auto& [id, weak] : peer->users) {
-        if (auto t = weak.lock()) users.push_back(std::move(t));
-      }
-      for (auto& t : users) t->PeerFailed(*peer);
+      FailPeer(peer, status);
     }
   }
   while (!completed_.empty()) {
@@ -544,6 +532,62 @@ void Worker::GroupClosed(uint16_t hash, const UcxTransport* t) {
   it->second.transport.reset();
   it->second.draining = true;
   it->second.drain_until = absl::Now() + options_.drain_for;
+}
+
+void Worker::FailPeer(Peer* peer, ucs_status_t status) {
+  if (peer->failure != UCS_OK) return;
+  peer->failure = status;
+  auto it = peers_.find(peer->address);
+  if (it != peers_.end() && it->second.get() == peer) {
+    retired_.push_back(it->second);
+    peers_.erase(it);
+  }
+  if (peer->ep != nullptr) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(peer->ep, &p);
+    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);  // released by UCX when it completes
+    peer->ep = nullptr;
+  }
+  std::vector<std::shared_ptr<UcxTransport>> users;
+  for (auto& [id, weak] : peer->users) {
+    if (auto t = weak.lock()) users.push_back(std::move(t));
+  }
+  for (auto& t : users) t->PeerFailed(*peer);
+}
+
+void Worker::FinishStuck(const UcxTransport* t, const std::string& group) {
+  std::vector<Peer*> peers;
+  std::vector<Request*> abandon;
+  size_t stuck = 0;
+  for (Request* req : inflight_) {
+    if (req->transport.get() != t) continue;
+    ++stuck;
+    if (options_.peer_error_handling) {
+      if (std::find(peers.begin(), peers.end(), req->peer.get()) == peers.end()) {
+        peers.push_back(req->peer.get());
+      }
+    } else if (!req->recv) {
+      abandon.push_back(req);
+    }
+  }
+  if (stuck == 0) return;
+  FS_LOG(WARNING) << "UCX: " << stuck << " transfers of " << group << " still in flight "
+                  << absl::FormatDuration(options_.abort_grace)
+                  << " after its abort: their peers do not answer; "
+                  << (options_.peer_error_handling ? "closing their endpoints"
+                                                   : "abandoning the sends to UCX");
+  for (Request* req : abandon) {
+    // No callback comes for a freed request; UCX finishes (or drops) the send on its own. A
+    // send's buffer is only read, and the eager and CMA protocols of one host are done with
+    // it or read it from the peer's side, which fails once the memory is gone.
+    ucp_request_free(req->ucx);
+    req->ucx = nullptr;
+    req->status = UCS_ERR_CANCELED;
+    Complete(req);
+  }
+  for (Peer* peer : peers) FailPeer(peer, UCS_ERR_ENDPOINT_TIMEOUT);
 }
 
 void Worker::CancelRecvsOf(const UcxTransport* t) {
@@ -816,6 +860,18 @@ void UcxTransport::AbortOnLoop(const absl::Status& reason) {
   sticky_ = reason;
   worker_->CancelRecvsOf(this);
   worker_->GroupAborted(hash_, this);
+  // What UCX could not cancel must still finish (a frozen peer never answers): looked at
+  // again after the grace, on the progress thread.
+  std::weak_ptr<UcxTransport> weak = weak_from_this();
+  std::weak_ptr<Worker> worker = worker_;
+  worker_->timer()->Schedule(absl::Now() + worker_->options().abort_grace, [weak, worker] {
+    std::shared_ptr<Worker> w = worker.lock();
+    if (w == nullptr) return;
+    absl::AnyInvocable<void()> fn = [weak] {
+      if (auto self = weak.lock()) self->worker_->FinishStuck(self.get(), self->group_);
+    };
+    w->Post(fn);
+  });
 }
 
 void UcxTransport::PeerFailed(const Peer& peer) {

@@ -60,6 +60,16 @@ struct UcxBackendOptions {
   // deadline (the engine's watchdog) or when the backend closes. Between nodes the default
   // transports (TCP, RDMA) support peer error handling either way.
   bool peer_error_handling = true;
+  // Abort finishes every transfer of the group: receives not yet moving data are cancelled
+  // at once; a transfer UCX cannot cancel (a send, a receive already moving data) that is
+  // still in flight this long after the abort goes to a peer that does not answer (a frozen
+  // daemon: its connections stay open, so UCX never reports it). Its endpoint is then
+  // force-closed, which completes every transfer on it with an error (with
+  // peer_error_handling; without it, such sends are abandoned to UCX and complete at once,
+  // and a receive already moving data still waits for the peer or the backend's end).
+  // Transfers to a peer that answers finish well within it: the peer drains what an aborted
+  // group sends.
+  absl::Duration abort_grace = absl::Seconds(1);
 };
 
 // Counters for diagnostics and tests; a snapshot taken on the progress thread.

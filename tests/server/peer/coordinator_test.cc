@@ -1,5 +1,8 @@
 #include "server/peer/coordinator.h"
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <memory>
 #include <optional>
 #include <string>
@@ -234,6 +237,61 @@ TEST_F(CoordinatorTest, DeadlineNamesMissingRanksAndLeavesNoTrace) {
   }
   EXPECT_THAT(coordinator_.Snapshot().groups, IsEmpty());
   EXPECT_EQ(coordinator_.NextDeadline(), absl::InfiniteFuture());
+}
+
+// Resident memory of this process in bytes (/proc/self/statm).
+int64_t ResidentBytes() {
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  long size = 0, resident = 0;
+  if (f != nullptr) {
+    if (std::fscanf(f, "%ld %ld", &size, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return static_cast<int64_t>(resident) * ::sysconf(_SC_PAGESIZE);
+}
+
+// Before, a rendezvous with world_size 2^20 made a slot per rank up front (~200 MB); the
+// deadline's message listed every missing rank.
+TEST_F(CoordinatorTest, HugeWorldSizeCostsLittleAndItsDeadlineMessageStaysShort) {
+  const int64_t before = ResidentBytes();
+  std::vector<Result> results(4);
+  for (int i = 0; i < 4; ++i) {
+    Join(results[i], kA, 3, 1 << 20, "huge" + std::to_string(i), "t", absl::Seconds(1));
+  }
+  const int64_t grown = ResidentBytes() - before;
+  EXPECT_LT(grown, int64_t{32} << 20) << (grown >> 20) << " MiB for 4 huge rendezvous";
+  std::optional<GroupSnapshot> g = Group("huge0");
+  ASSERT_TRUE(g.has_value());
+  EXPECT_EQ(g->world_size, 1 << 20);
+  Advance(absl::Seconds(1));
+  for (Result& r : results) {
+    ASSERT_EQ(r.calls(), 1);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_THAT(std::string(r.status().message()),
+                ::testing::EndsWith(", 15, 16, ... (1048575 ranks) of 1048576 did not join "
+                                    "before the deadline"));
+  }
+}
+
+// The table carries what each rank's daemon reported this round; ranks that did not take
+// part are unknown (nullopt), not "holding nothing".
+TEST_F(CoordinatorTest, TableCarriesTheModulesReportedThisRoundOnly) {
+  FormAB();
+  Result r0, r1;
+  RendezvousArgs a{"g", "t", 2, 0, kA};
+  a.registered_modules = {"layers\x1f" "fp0"};
+  coordinator_.Rendezvous(a, Now() + absl::Seconds(10), r0.Callback());
+  ASSERT_TRUE(r0.answered() && r0.value().ok()) << r0.status();
+  ASSERT_EQ(r0.value()->rank_modules.size(), 2u);
+  EXPECT_EQ(r0.value()->rank_modules[0], std::vector<std::string>({"layers\x1f" "fp0"}));
+  EXPECT_EQ(r0.value()->rank_modules[1], std::nullopt) << "rank 1 did not report this round";
+  RendezvousArgs b{"g", "t", 2, 1, kBRestarted};
+  coordinator_.Rendezvous(b, Now() + absl::Seconds(10), r1.Callback());
+  ASSERT_TRUE(r1.answered() && r1.value().ok()) << r1.status();
+  // A daemon that holds nothing (restarted) reports exactly that.
+  ASSERT_EQ(r1.value()->rank_modules.size(), 2u);
+  EXPECT_EQ(r1.value()->rank_modules[0], std::nullopt);
+  EXPECT_EQ(r1.value()->rank_modules[1], std::vector<std::string>());
 }
 
 TEST_F(CoordinatorTest, RanksWaitingWithAboutTheSameDeadlineNameTheSameMissingRanks) {
