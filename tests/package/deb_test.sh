@@ -125,11 +125,12 @@ unit="$ROOTFS/lib/systemd/system/flatshard.service"
 grep -qxF 'ExecStart=/usr/bin/flatshardd --socket=/run/flatshard/flatshardd.sock $FLATSHARDD_ARGS' "$unit" \
   || fail "the packaged unit's ExecStart: $(grep ExecStart= "$unit")"
 grep -qxF 'EnvironmentFile=-/etc/flatshard/flatshardd.env' "$unit" || fail "the packaged unit's EnvironmentFile"
-grep -qxF 'prefix=/usr' "$ROOTFS"/usr/lib/*pkgconfig/flatshard.pc 2>/dev/null \
-  || grep -qxF 'prefix=/usr' "$ROOTFS"/usr/lib/*/pkgconfig/flatshard.pc || fail "flatshard.pc's prefix is not /usr"
+pc=$(find "$ROOTFS/usr/lib" -name flatshard.pc)
+grep -qxF 'prefix=/usr' "$pc" || fail "flatshard.pc's prefix is not /usr"
 leak=$(grep -rIl -e "$SRC" -e "$BUILD" "$ROOTFS" || true)
 [ -z "$leak" ] || fail "packaged files name the source or build tree: $leak"
-if file "$ROOTFS/usr/bin/flatshardd" | grep -q 'not stripped'; then fail "flatshardd is not stripped"; fi
+symtab=$(readelf -S "$ROOTFS/usr/bin/flatshardd")
+grep -q '\.symtab' <<< "$symtab" && fail "flatshardd is not stripped"
 echo "ok (b): $(grep -vc '/$' "$TMP/contents") files, each in its place and package"
 
 # (c) The unpacked daemon, CLI and client library. (flatshardd and flatshardctl take their

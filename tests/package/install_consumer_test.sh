@@ -124,7 +124,8 @@ static_bin=${BINS[1]}
 lib_used=$(env LD_LIBRARY_PATH= ldd "$shared_bin" | awk '$1 ~ /^libflatshard_client\.so/ {print $3}')
 [ "$(readlink -f "$lib_used")" = "$(readlink -f "$P/$LIBDIR/libflatshard_client.so.$VERSION")" ] \
   || fail "$shared_bin takes libflatshard_client from '$lib_used', not the prefix"
-! env LD_LIBRARY_PATH= ldd "$static_bin" | grep -q libflatshard_client || fail "$static_bin links libflatshard_client.so"
+static_ldd=$(env LD_LIBRARY_PATH= ldd "$static_bin")
+! grep -q libflatshard_client <<< "$static_ldd" || fail "$static_bin links libflatshard_client.so"
 echo "ok: consumer built with $MODE (shared and static)"
 
 # The installed daemon; each binary as a 2-rank job.

@@ -22,7 +22,7 @@ BUILD=$2
 command -v setpriv >/dev/null || { echo "SKIP: no setpriv"; exit 77; }
 fail() { echo "FAIL: $*"; exit 1; }
 for p in flatshard libflatshard-dev libflatshard-client0; do
-  if dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed'; then
+  if [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)" = "install ok installed" ]; then
     fail "$p is already installed; this test installs and purges its own build"
   fi
 done
@@ -64,7 +64,8 @@ if command -v systemd-tmpfiles >/dev/null; then
     || fail "/run/flatshard is $(stat -c '%U:%G %a' /run/flatshard 2>&1)"
 fi
 [ -L /etc/systemd/system/multi-user.target.wants/flatshard.service ] || fail "flatshard.service is not enabled"
-ldconfig -p | grep -q "libflatshard_client.so.${VERSION%%.*} " || fail "ldconfig does not know libflatshard_client"
+cache=$(ldconfig -p)
+grep -q "libflatshard_client.so.${VERSION%%.*} " <<< "$cache" || fail "ldconfig does not know libflatshard_client"
 [ "$(/usr/bin/flatshardctl --version)" = "flatshardctl $VERSION" ] || fail "installed flatshardctl --version"
 echo "ok: dpkg -i: user, group, directories, enabled unit, library"
 
