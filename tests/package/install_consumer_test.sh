@@ -9,7 +9,9 @@
 # prefix's paths, env file, tmpfiles/sysusers, man pages), that no installed text names the
 # source or build tree, and that libflatshard_client.so exports only the client API.
 #   cmake:     tests/package/consumer/ with CMAKE_PREFIX_PATH=<prefix>: find_package(flatshard 0.1)
-#              (and 99 refused), one compile linked shared and static.
+#              (and 99 refused); flatshard::client is the shared library, or the static one with
+#              FLATSHARD_USE_STATIC_LIBS=ON; it raises the consumer's C++14 to C++17; one compile
+#              linked shared and static.
 #   pkgconfig: the same source with `pkg-config flatshard` (shared, and --static with the archive).
 # Each binary then runs as 2 ranks against <prefix>/bin/flatshardd on a temp socket. The build
 # tree is only read (never built). Exit 77 (skipped) without a C++ compiler or pkg-config.
@@ -99,7 +101,16 @@ if [ "$MODE" = cmake ]; then
     || fail "consumer configure: $(tail -15 cb.log)"
   grep -q "consumer: flatshard $VERSION from $P/$LIBDIR/cmake/flatshard" cb.log \
     || fail "the consumer found another flatshard: $(grep 'consumer:' cb.log)"
+  grep -q "consumer: flatshard::client is flatshard::client_shared" cb.log \
+    || fail "flatshard::client is not the shared library by default: $(grep 'client is' cb.log)"
+  cmake -S consumer -B cb_static -DCMAKE_PREFIX_PATH="$P" -DFLATSHARD_USE_STATIC_LIBS=ON > cbs.log 2>&1 \
+    || fail "consumer configure with FLATSHARD_USE_STATIC_LIBS: $(tail -15 cbs.log)"
+  grep -q "consumer: flatshard::client is flatshard::client_static" cbs.log \
+    || fail "FLATSHARD_USE_STATIC_LIBS=ON: $(grep 'client is' cbs.log)"
   cmake --build cb -j2 > cbb.log 2>&1 || fail "consumer build: $(tail -20 cbb.log)"
+  # Without flatshard::client's cxx_std_17 CMake would pass -std=gnu++14 and the headers fail.
+  ! grep -q -- '-std=[a-z+]*14' cb/CMakeFiles/consumer_obj.dir/flags.make \
+    || fail "the consumer compiled as C++14: flatshard::client did not require C++17"
   BINS=(cb/consumer_shared cb/consumer_static)
 else
   export PKG_CONFIG_PATH="$P/$LIBDIR/pkgconfig"
