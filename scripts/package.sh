@@ -137,12 +137,16 @@ for b in "$PKG"/bin/*; do
   chmod 0755 "$b"
 done
 
-# The client library (static) and its public header; the header includes abseil's.
-cp -r "$ROOT/client/include/flatshard" "$PKG/include/"
-for a in client/libflatshard_client.a common/libflatshard_proto_convert.a common/libflatshard_common.a \
-         proto/libflatshard_proto.a client/libflatshard_client.so; do
-  [ -e "$BUILD_DIR/$a" ] && cp -L "$BUILD_DIR/$a" "$PKG/lib/"
+# The client library as `cmake --install` lays it out (cmake/FlatshardInstall.cmake): public
+# headers, libflatshard_client.so.* and the one-archive libflatshard_client.a, the CMake package
+# (relocatable) and flatshard.pc, made relative to its own location here.
+for component in dev runtime; do
+  cmake --install "$BUILD_DIR" --prefix "$PKG" --component "$component" > /dev/null \
+    || die "cmake --install --component $component failed"
 done
+[ -f "$PKG/include/flatshard/client.h" ] && [ -f "$PKG/lib/libflatshard_client.a" ] \
+  || die "cmake --install put no client library in include/ and lib/"
+sed -i 's|^prefix=.*|prefix=${pcfiledir}/../..|' "$PKG/lib/pkgconfig/flatshard.pc"
 cp -r "$ROOT/deploy/." "$PKG/deploy/"
 
 cat > "$PKG/README.txt" <<EOF
@@ -151,9 +155,10 @@ git $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown).
 
 bin/      flatshardd, flatshardctl, flatshard_example_trainer (RPATH \$ORIGIN/../lib)
 lib/      their shared libraries (gRPC, protobuf, abseil, UCX with lib/ucx/ modules, OpenSSL, ...)
-          and the static client library (libflatshard_client.a + libflatshard_{proto_convert,
-          common,proto}.a; building against include/flatshard/client.h needs abseil's headers)
-include/  flatshard/client.h
+          and the client library (libflatshard_client.so and .a; lib/cmake/flatshard for
+          find_package(flatshard) with CMAKE_PREFIX_PATH=<this dir>, lib/pkgconfig/flatshard.pc;
+          building against it needs abseil's, gRPC's and protobuf's development files)
+include/  flatshard/client.h, dtype.h, version.h
 deploy/   systemd unit, Kubernetes manifests, Dockerfile (they name /usr/local/bin paths:
           copy bin/ and lib/ together, e.g. to /opt/$NAME, and adjust)
 

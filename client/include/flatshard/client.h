@@ -79,7 +79,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "common/dtype.h"
+#include "flatshard/dtype.h"
+#include "flatshard/version.h"
 
 namespace flatshard {
 
