@@ -71,6 +71,7 @@ class _Unit:
         self.shard_offset = 0
         self.gaps: List[Tuple[int, int]] = []  # [start, end) of padding in the flat buffer
         self.flat_param: Optional[nn.Parameter] = None  # use_orig_params=False: the optimizer's
+        self.grad_shard: Optional[torch.Tensor] = None  # this rank's gradient shard, once made
 
     def compute_gaps(self) -> None:
         pos = 0
@@ -252,7 +253,8 @@ class FlatShardModule(nn.Module):
                 u.flat_param = nn.Parameter(u.shard, requires_grad=u.requires_grad)
             else:
                 u.flat_param.data = u.shard
-            u.flat_param.grad = sh.grad if (sh.grad is not None and u.requires_grad) else None
+            u.grad_shard = sh.grad if u.requires_grad else None
+            u.flat_param.grad = u.grad_shard
             for p in u.params:
                 p.param.data = self._shard_slice(u, p, u.shard)
                 if self._use_orig_params and sh.grad is not None and u.requires_grad:
@@ -268,21 +270,30 @@ class FlatShardModule(nn.Module):
             return flat_shard.narrow(0, 0, 0)
         return flat_shard.narrow(0, lo - u.shard_offset, hi - lo)
 
+    def _has_grads(self, u: _Unit) -> bool:
+        """Whether the optimizer's view of unit u holds a gradient (then the next backward
+        accumulates into it, as torch does); ``zero_grad(set_to_none=True)`` clears it."""
+        if self._use_orig_params:
+            return any(p.param.grad is not None for p in u.params)
+        return u.flat_param.grad is not None
+
     def _refresh_grads(self) -> None:
-        """Points every sharded parameter's .grad at its gradient shard (views appear once the
-        daemon has a gradient for a unit)."""
-        need = [u for u in self._units if u.requires_grad and u.flat_param.grad is None]
-        if not need:
-            return
-        views = {sh.unit: sh for sh in self._client.shard_views(self._name)}
-        for u in need:
-            sh = views.get(u.index)
-            if sh is None or sh.grad is None:
+        """Points every sharded parameter's .grad at its gradient shard. The daemon creates a
+        unit's gradient shard at its first reduce-scatter; it stays where it is afterwards."""
+        need = [u for u in self._units if u.requires_grad and u.grad_shard is None]
+        if need:
+            views = {sh.unit: sh for sh in self._client.shard_views(self._name)}
+            for u in need:
+                sh = views.get(u.index)
+                if sh is not None and sh.grad is not None:
+                    u.grad_shard = sh.grad
+        for u in self._units:
+            if u.grad_shard is None or u.index not in self._reduced:
                 continue
-            u.flat_param.grad = sh.grad
+            u.flat_param.grad = u.grad_shard
             if self._use_orig_params:
                 for p in u.params:
-                    p.param.grad = self._shard_slice(u, p, sh.grad)
+                    p.param.grad = self._shard_slice(u, p, u.grad_shard)
 
     # ------------------------------------------------------------------ parameters
     def sharded_parameters(self) -> List[nn.Parameter]:
@@ -374,7 +385,7 @@ class FlatShardModule(nn.Module):
         if depth > 0:
             return  # a module called again inside its own forward: already summoned
         s = self._client.summon(self._name, u.path, recurse=False, writeback=False)
-        flat = s.flat(unit)
+        flat = _plain(s.flat(unit))
         self._fwd[unit] = (s, flat, flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size())
         if torch.is_grad_enabled() and u.requires_grad:
             dummy = torch.empty(0, requires_grad=True)
@@ -418,15 +429,15 @@ class FlatShardModule(nn.Module):
         if got is None:
             u = self._units[unit]
             s = self._client.summon(self._name, u.path, recurse=False, writeback=False)
-            got = (s, s.flat(unit))
+            got = (s, _plain(s.flat(unit)))
             self._bwd[unit] = got
         return got[1]
 
     def _post_backward(self, unit: int, grads: Tuple[Optional[torch.Tensor], ...]) -> None:
         u = self._units[unit]
-        accumulate = unit in self._reduced or u.flat_param.grad is not None
+        accumulate = unit in self._reduced or self._has_grads(u)
         pending = self._client.begin_reduce_scatter(self._name, unit, self._reduce_op, accumulate)
-        buf = pending.flat
+        buf = _plain(pending.flat)
         with torch.no_grad():
             for p, g in zip(u.params, grads):
                 dst = buf.narrow(0, p.offset, p.numel)
@@ -508,20 +519,22 @@ class FlatShardModule(nn.Module):
                     for unit in s.units:
                         for p in self._units[unit].params:
                             view = params[p.fqn]
-                            p.param.grad = None
-                            p.param.data = view
+                            if writeback:
+                                full = nn.Parameter(view, requires_grad=p.param.requires_grad)
+                            else:
+                                # A read-only summon's tensor (writes raise, never segfault).
+                                full = view.requires_grad_(p.param.requires_grad)
                             g = grads.get(p.fqn)
                             if g is not None:
-                                p.param.grad = g
+                                full.grad = g
+                            for m, attr in p.sites:
+                                m._parameters[attr] = full
                             installed.append(p)
                 yield
             finally:
                 for p in installed:
-                    u = self._units[self._managed[id(p.param)][0]]
-                    p.param.grad = None
-                    p.param.data = self._shard_slice(u, p, u.shard)
-                    if self._use_orig_params and u.flat_param.grad is not None:
-                        p.param.grad = self._shard_slice(u, p, u.flat_param.grad)
+                    for m, attr in p.sites:
+                        m._parameters[attr] = p.param
                 s.end()
         finally:
             self._state = TrainingState.IDLE
@@ -605,6 +618,16 @@ class FlatShardModule(nn.Module):
 
     def _world_size(self) -> int:
         return int(self._plan.get("world_size", 0))
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as a plain torch.Tensor. Read-only summons hand out ReadOnlyTensor,
+    whose write guard costs a Python dispatch per op; the wrapper never writes its forward and
+    backward buffers, so it computes on plain tensors."""
+    if type(t) is torch.Tensor:
+        return t
+    with torch._C.DisableTorchFunction():
+        return t.as_subclass(torch.Tensor)
 
 
 def _all_named_params(root: nn.Module) -> Dict[str, nn.Parameter]:
