@@ -128,10 +128,15 @@ def make_optimizer(params, lr: float = 3e-3) -> torch.optim.Optimizer:
 
 
 def train_reference(steps: int, batch: int, seed: int = 0, lr: float = 3e-3,
+                    optimizer: str = "adamw",
                     **cfg_kw) -> Tuple[List[float], Dict[str, torch.Tensor]]:
-    """The single-process reference: the same model, the same global batches, AdamW."""
+    """The single-process reference: the same model, the same global batches, AdamW (or
+    plain SGD with optimizer="sgd")."""
     model = build_gpt(seed, **cfg_kw)
-    opt = make_optimizer(model.parameters(), lr)
+    if optimizer == "adamw":
+        opt = make_optimizer(model.parameters(), lr)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
         x, y = global_batch(step, batch, model.cfg)

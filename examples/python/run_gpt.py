@@ -64,38 +64,6 @@ def start_daemons(n, tmp):
     return daemons
 
 
-def launch_ranks(daemons, ranks, group, extra, out_dir, env=None):
-    """Starts `ranks` train_rank.py processes; rank r talks to daemon r // (ranks/daemons)."""
-    per = ranks // len(daemons)
-    coordinator = daemons[0].peer if len(daemons) > 1 else ""
-    procs = []
-    for r in range(ranks):
-        d = daemons[r // per]
-        cmd = [sys.executable, os.path.join(HERE, "train_rank.py"), "--address", d.address,
-               "--group", group, "--world-size", str(ranks), "--rank", str(r),
-               "--coordinator", coordinator, *extra]
-        if r == 0:
-            cmd += ["--out", os.path.join(out_dir, "final.pt")]
-        out = open(os.path.join(out_dir, f"rank{r}.out"), "w")
-        err = open(os.path.join(out_dir, f"rank{r}.err"), "w")
-        procs.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env))
-        out.close()
-        err.close()
-    return procs
-
-
-def wait_ranks(procs, timeout):
-    deadline = time.monotonic() + timeout
-    rcs = []
-    for p in procs:
-        try:
-            rcs.append(p.wait(max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            rcs.append(p.wait())
-    return rcs
-
-
 def read_events(path):
     out = []
     with open(path) as f:
@@ -133,52 +101,108 @@ def compare(losses, final, ref_losses, ref_sd, rtol, atol):
     return max_loss, max_param, problems
 
 
-def run(ranks, daemons=1, steps=50, batch=12, extra=(), rtol=1e-4, atol=1e-5, timeout=300,
-        verbose=True, check=True):
-    """Runs one job; returns a dict with losses, reference, diffs, problems, seconds."""
-    if ranks % daemons:
-        raise ValueError(f"--ranks {ranks} is not a multiple of --daemons {daemons}")
-    with tempfile.TemporaryDirectory(prefix="flatshard-gpt-") as tmp:
-        ds = start_daemons(daemons, tmp)
-        group = "gpt-" + uuid.uuid4().hex[:8]
-        t0 = time.monotonic()
+class Job:
+    """Daemons (started on entry, stopped with SIGTERM on exit) and a group name; launch()
+    starts rank processes against them, collect() waits and reads what they printed."""
+
+    def __init__(self, daemons=1):
+        self.n_daemons = daemons
+        self.group = "gpt-" + uuid.uuid4().hex[:8]
+        self.stop_problems = []
+
+    def __enter__(self):
+        self._tmp = tempfile.TemporaryDirectory(prefix="flatshard-gpt-")
+        self.dir = self._tmp.name
         try:
-            procs = launch_ranks(ds, ranks, group,
-                                 ["--steps", str(steps), "--batch", str(batch), *extra], tmp)
-            rcs = wait_ranks(procs, timeout)
-            seconds = time.monotonic() - t0
-        finally:
-            stop_problems = []
-            for d in ds:
-                try:
-                    d.stop()
-                except Exception as e:  # noqa: BLE001 - reported below
-                    stop_problems.append(f"flatshardd: {e}")
-        problems = list(stop_problems)
-        events = {r: read_events(os.path.join(tmp, f"rank{r}.out")) for r in range(ranks)}
-        for r, rc in enumerate(rcs):
-            if rc != 0:
-                err = open(os.path.join(tmp, f"rank{r}.err")).read()[-3000:]
-                problems.append(f"rank {r} exited {rc}:\n{err}")
-        per_step = {}
+            self.daemons = start_daemons(self.n_daemons, self.dir)
+        except BaseException:
+            self._tmp.cleanup()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for d in self.daemons:
+            try:
+                d.stop()
+            except Exception as e:  # noqa: BLE001 - reported by the caller
+                self.stop_problems.append(f"flatshardd: {e}")
+        self._tmp.cleanup()
+
+    def launch(self, ranks, extra, tag="run", only=None):
+        """Starts ranks 0..ranks-1 (or only those in `only`); output in <dir>/<tag>.rankR.*"""
+        if ranks % self.n_daemons:
+            raise ValueError(f"{ranks} ranks do not split evenly over {self.n_daemons} daemons")
+        per = ranks // self.n_daemons
+        coordinator = self.daemons[0].peer if self.n_daemons > 1 else ""
+        procs = {}
         for r in range(ranks):
-            for e in events[r]:
-                if e["event"] == "step":
-                    per_step.setdefault(e["step"], {})[r] = e["loss"]
-        losses = [sum(per_step[s].values()) / ranks for s in sorted(per_step)
-                  if len(per_step[s]) == ranks]
-        result = {"ranks": ranks, "daemons": daemons, "losses": losses, "events": events,
-                  "seconds": seconds, "problems": problems}
-        final_path = os.path.join(tmp, "final.pt")
-        final = torch.load(final_path) if os.path.exists(final_path) else {}
-        if check and not problems:
-            ref_losses, ref_sd = gpt.train_reference(steps, batch)
-            result["ref_losses"] = ref_losses
-            ml, mp, pr = compare(losses, final, ref_losses, ref_sd, rtol, atol)
-            result.update(max_loss_diff=ml, max_param_diff=mp)
-            problems.extend(pr)
-        result["final"] = final
-        return result
+            if only is not None and r not in only:
+                continue
+            d = self.daemons[r // per]
+            cmd = [sys.executable, os.path.join(HERE, "train_rank.py"), "--address", d.address,
+                   "--group", self.group, "--world-size", str(ranks), "--rank", str(r),
+                   "--coordinator", coordinator, *extra]
+            if r == 0:
+                cmd += ["--out", os.path.join(self.dir, f"{tag}.final.pt")]
+            with open(os.path.join(self.dir, f"{tag}.rank{r}.out"), "w") as out, \
+                    open(os.path.join(self.dir, f"{tag}.rank{r}.err"), "w") as err:
+                procs[r] = subprocess.Popen(cmd, stdout=out, stderr=err)
+        return procs
+
+    def collect(self, procs, timeout=300, tag="run"):
+        """Waits for the processes; returns {rank: (exit status, events, stderr tail)}."""
+        deadline = time.monotonic() + timeout
+        out = {}
+        for r, p in procs.items():
+            try:
+                rc = p.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rc = p.wait()
+            err = open(os.path.join(self.dir, f"{tag}.rank{r}.err")).read()[-3000:]
+            out[r] = (rc, read_events(os.path.join(self.dir, f"{tag}.rank{r}.out")), err)
+        return out
+
+    def final(self, tag="run"):
+        path = os.path.join(self.dir, f"{tag}.final.pt")
+        return torch.load(path) if os.path.exists(path) else {}
+
+
+def mean_losses(results, ranks):
+    """Per step, the mean of the ranks' losses (= the loss on the global batch)."""
+    per_step = {}
+    for r, (_, events, _) in results.items():
+        for e in events:
+            if e["event"] == "step":
+                per_step.setdefault(e["step"], {})[r] = e["loss"]
+    return {s: sum(v.values()) / ranks for s, v in sorted(per_step.items()) if len(v) == ranks}
+
+
+def run(ranks, daemons=1, steps=50, batch=12, extra=(), rtol=1e-4, atol=1e-5, timeout=300,
+        optimizer="adamw", lr=3e-3, check=True):
+    """Runs one job; returns a dict with losses, reference, diffs, problems, seconds."""
+    extra = ["--steps", str(steps), "--batch", str(batch), "--optimizer", optimizer,
+             "--lr", str(lr), *extra]
+    with Job(daemons) as job:
+        t0 = time.monotonic()
+        results = job.collect(job.launch(ranks, extra), timeout)
+        seconds = time.monotonic() - t0
+        final = job.final()
+    problems = list(job.stop_problems)
+    for r, (rc, _, err) in sorted(results.items()):
+        if rc != 0:
+            problems.append(f"rank {r} exited {rc}:\n{err}")
+    losses = list(mean_losses(results, ranks).values())
+    result = {"ranks": ranks, "daemons": daemons, "losses": losses,
+              "events": {r: ev for r, (_, ev, _) in results.items()},
+              "seconds": seconds, "problems": problems, "final": final}
+    if check and not problems:
+        ref_losses, ref_sd = gpt.train_reference(steps, batch, lr=lr, optimizer=optimizer)
+        result["ref_losses"] = ref_losses
+        ml, mp, pr = compare(losses, final, ref_losses, ref_sd, rtol, atol)
+        result.update(max_loss_diff=ml, max_param_diff=mp)
+        problems.extend(pr)
+    return result
 
 
 def main():

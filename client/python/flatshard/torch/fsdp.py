@@ -55,6 +55,7 @@ class _Param:
         self.offset = offset
         self.numel = numel
         self.sites: List[Tuple[nn.Module, str]] = []  # (module, attribute name), fqn first
+        self.fqns: List[str] = [fqn]                   # fqn and its tied aliases
         self.param: Optional[nn.Parameter] = None      # the original Parameter object
 
 
@@ -214,10 +215,12 @@ class FlatShardModule(nn.Module):
                     raise RuntimeError(f"plan: unit {i}: shared {alias['fqn']!r} names "
                                        f"{alias['same_as']!r}, not a parameter of the unit")
                 target.sites.append(self._site(alias["fqn"]))
+                target.fqns.append(alias["fqn"])
             u.compute_gaps()
             self._units.append(u)
             self._unit_of_module[id(u.module)] = i
         self._unit_by_path = {u.path: u.index for u in self._units}
+        self._managed_fqns = {fqn for u in self._units for p in u.params for fqn in p.fqns}
 
     def _site(self, fqn: str) -> Tuple[nn.Module, str]:
         prefix, _, attr = fqn.rpartition(".")
@@ -579,8 +582,9 @@ class FlatShardModule(nn.Module):
         out: Dict[str, Any] = {}
         for u in self._units:
             out[f"{u.path + '.' if u.path else ''}flat_param"] = u.shard.detach().clone()
-        for k, b in self.module.named_buffers():
-            out[k] = b.detach().clone()
+        for k, v in self.module.state_dict().items():
+            if k not in self._managed_fqns:  # buffers and ignored modules' parameters
+                out[k] = v.detach().clone()
         out[_SHARDED_META_KEY] = {"fingerprint": self._plan.get("fingerprint"),
                                   "rank": self._rank(), "world_size": self._world_size()}
         return out
@@ -605,9 +609,13 @@ class FlatShardModule(nn.Module):
                                      f"({u.shard_numel},), got "
                                      f"{None if t is None else tuple(t.shape)}")
                 u.shard.copy_(t)
-            for k, b in self.module.named_buffers():
-                if k in sd:
-                    b.copy_(sd[k])
+            local = {k: v for k, v in self.module.state_dict().items()
+                     if k not in self._managed_fqns}
+            missing = sorted(set(local) - set(sd))
+            if missing:
+                raise ValueError(f"load_sharded_state_dict: missing {missing}")
+            for k, v in local.items():
+                v.copy_(sd[k])
 
     def _rank(self) -> int:
         return int(getattr(self._client, "rank", self._plan_rank()))
