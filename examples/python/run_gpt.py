@@ -59,7 +59,10 @@ def start_daemons(n, tmp):
                 d.peer = open(d.peer_file).read().strip()
     except BaseException:
         for d in daemons:
-            d._kill()
+            try:
+                d.stop()
+            except Exception:  # noqa: BLE001 - the startup error is the one to report
+                pass
         raise
     return daemons
 
@@ -121,11 +124,15 @@ class Job:
         return self
 
     def __exit__(self, *exc):
-        for d in self.daemons:
+        """SIGTERM to every daemon: each must exit 0 and leave no shared-memory segment."""
+        for i, d in enumerate(self.daemons):
             try:
                 d.stop()
             except Exception as e:  # noqa: BLE001 - reported by the caller
-                self.stop_problems.append(f"flatshardd: {e}")
+                self.stop_problems.append(f"flatshardd {i}: {e}")
+            left = d.segments()
+            if left:
+                self.stop_problems.append(f"flatshardd {i} left {len(left)} segments: {left[:3]}")
         self._tmp.cleanup()
 
     def launch(self, ranks, extra, tag="run", only=None):
@@ -228,11 +235,29 @@ def main():
         for i, (a, b) in enumerate(zip(res["losses"], ref)):
             print(f"{i:>4}  {a:>14.6f}  {b:>14.6f}  {abs(a - b):>8.1e}")
     for e in res["events"].get(0, []):
+        if e["event"] == "plan":
+            print("units (FULL_SHARD, one per Block + the root; tied wte/lm_head in the root):")
+            for u in e["units"]:
+                print(f"  unit {u[0]}: {u[1] or '<root>':<6} {u[2]:>6} params, "
+                      f"{u[3]:>6} per rank")
+    for e in res["events"].get(0, []):
         if e["event"] == "summon":
             print(f"summon_full_params ({e['what']}): {e['fqn']} starts {e['head']}")
+    if args.demo and not res["problems"]:
+        for r, events in sorted(res["events"].items()):
+            got = {e["what"]: e["head"] for e in events if e["event"] == "summon"}
+            before, after = got.get("read"), got.get("after rank-0 edit")
+            if before is None or after is None or any(
+                    abs(a - 0.5 * b) > 1e-4 for a, b in zip(after, before)):
+                res["problems"].append(f"rank {r}: rank 0's edit did not reach it: "
+                                       f"before {before}, after {after}")
+        if not res["problems"]:
+            print(f"every rank ({args.ranks}) sees rank 0's edit after the rank0_only writeback")
     if res["problems"]:
         print("FAILED:\n" + "\n".join(res["problems"]))
         return 1
+    print(f"flatshardd: {args.daemons} daemon(s) stopped with SIGTERM, exited 0, "
+          f"left no segments")
     print(f"PASS: {args.ranks} ranks x {args.steps} steps in {res['seconds']:.1f} s; max |loss "
           f"diff| {res['max_loss_diff']:.2e}, max |param diff| {res['max_param_diff']:.2e} "
           f"(rtol={args.rtol}, atol={args.atol})")

@@ -93,6 +93,9 @@ def main():
     fs = FlatShardModule(model, client, auto_wrap_policy=policy,
                          sync_module_states=args.sync_module_states,
                          use_orig_params=args.use_orig_params)
+    if args.rank == 0:
+        emit(event="plan", units=[(u["index"], u["module"], u["numel"], u["shard_numel"])
+                                  for u in fs.plan["units"]])
     params = fs.sharded_parameters()
     if args.optimizer == "adamw":
         opt = gpt.make_optimizer(params, args.lr)
