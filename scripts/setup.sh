@@ -12,6 +12,7 @@ PACKAGES=(
   ucx-utils openmpi-bin libopenmpi-dev   # baselines: ucx_perftest, MPI_Allgather
   python3 python3-yaml systemd   # tests/deploy: manifests' checks, systemd-analyze verify
   patchelf   # scripts/package.sh: RPATH $ORIGIN/../lib on the bundled binaries
+  python3-dev pybind11-dev python3-numpy python3-torch python3-torchvision python3-pytest  # the flatshard Python package
 )
 
 missing=()

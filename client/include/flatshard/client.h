@@ -173,6 +173,11 @@ class ParamViews {
   const_iterator begin() const { return views_.begin(); }
   const_iterator end() const { return views_.end(); }
 
+  // The mappings the views point into. Sharing them keeps the bytes mapped after the owner
+  // dropped its views (End()), e.g. for a language binding whose arrays outlive the summon;
+  // writes after End are still lost.
+  const std::vector<std::shared_ptr<const void>>& mappings() const { return keepalive_; }
+
  private:
   friend class internal::ViewBuilder;
 
@@ -318,6 +323,8 @@ class ShardViews {
   const std::vector<UnitShardView>& units() const { return units_; }
   std::vector<UnitShardView>::const_iterator begin() const { return units_.begin(); }
   std::vector<UnitShardView>::const_iterator end() const { return units_.end(); }
+  // The mappings the views point into (see ParamViews::mappings).
+  const std::vector<std::shared_ptr<const void>>& mappings() const { return keepalive_; }
 
  private:
   friend class internal::ClientCore;

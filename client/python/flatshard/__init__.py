@@ -1,0 +1,45 @@
+"""flatshard: the Python client of flatshardd (PyTorch FSDP's FlatParameter as a service).
+
+A binding of the C++ client library (flatshard._C over client/include/flatshard/client.h);
+parameter bytes stay in the daemon's shared memory and come out as zero-copy torch tensors
+and numpy arrays.
+
+    import flatshard
+    c = flatshard.Client("unix:/run/flatshard/flatshardd.sock")
+    c.join("job-17", world_size, rank, token)
+    reg = c.register("", manifest_json, policy_json, init="from_rank0")
+    if reg.init_summon is not None:
+        if rank == 0:
+            for fqn, t in reg.init_summon.params.items():
+                t.copy_(initial[fqn])
+        reg.init_summon.end()
+    with c.summon("", "layers.0") as s:          # unshard; written back and resharded on exit
+        s.params["layers.0.weight"].mul_(0.5)
+    c.reduce_scatter_grads("", unit, flat_grad)  # each rank keeps its slice
+    shards = c.shard_views("")                    # the optimizer's view
+    c.leave(); c.close()
+
+Errors are flatshard.FlatshardError subclasses carrying .code (gRPC code name) and .message.
+"""
+
+from .errors import (AbortedError, AlreadyExistsError, DeadlineExceededError,
+                     FailedPreconditionError, FlatshardError, InternalError,
+                     InvalidArgumentError, NotFoundError, PermissionDeniedError,
+                     ResourceExhaustedError, UnavailableError)
+from ._tensors import ReadOnlyTensor, ReadOnlyViewError
+from ._client import Client, PendingReduceScatter, Registered, Summoned, UnitShard
+
+__all__ = [
+    "Client", "Registered", "Summoned", "PendingReduceScatter", "UnitShard",
+    "ReadOnlyTensor", "ReadOnlyViewError",
+    "FlatshardError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError",
+    "PermissionDeniedError", "FailedPreconditionError", "AbortedError", "UnavailableError",
+    "DeadlineExceededError", "ResourceExhaustedError", "InternalError",
+]
+
+
+def __getattr__(name):  # flatshard.testing is imported on first use
+    if name == "testing":
+        import importlib
+        return importlib.import_module(".testing", __name__)
+    raise AttributeError(f"module 'flatshard' has no attribute {name!r}")

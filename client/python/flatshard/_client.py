@@ -1,0 +1,350 @@
+"""flatshard.Client and the objects it hands out (see the package docstring)."""
+
+import json
+import threading
+
+import torch
+
+from . import _C
+from ._tensors import from_capsule, torch_dtype
+from .errors import InvalidArgumentError, NotFoundError, _from_status
+
+__all__ = ["Client", "Registered", "Summoned", "PendingReduceScatter", "UnitShard"]
+
+_NO_AUTO_WRAP = '{"format": "flatshard.policy/1"}'
+
+
+class UnitShard:
+    """One unit's shard on this rank (the optimizer's view). ``shard`` and ``grad`` are
+    writable zero-copy 1-D tensors of ``shard_numel`` elements (``grad`` is None until the
+    unit has a gradient); ``device`` is the CUDA ordinal, -1 for host memory."""
+
+    __slots__ = ("_s", "_shard", "_grad", "_lock")
+
+    def __init__(self, s):
+        self._s = s
+        self._shard = None
+        self._grad = None
+        self._lock = threading.Lock()
+
+    unit = property(lambda self: self._s.unit)
+    shard_numel = property(lambda self: self._s.shard_numel)
+    shard_offset = property(lambda self: self._s.shard_offset)
+    device = property(lambda self: self._s.device)
+
+    @property
+    def dtype(self):
+        return torch_dtype(self._s.dtype_name)
+
+    @property
+    def shard(self):
+        with self._lock:
+            if self._shard is None:
+                self._shard = from_capsule(self._s.shard_dlpack(), self._s.dtype_name)
+            return self._shard
+
+    @property
+    def grad(self):
+        with self._lock:
+            if self._grad is None and self._s.has_grad:
+                self._grad = from_capsule(self._s.grad_dlpack(), self._s.dtype_name)
+            return self._grad
+
+    @property
+    def numpy_shard(self):
+        """The shard as a writable numpy array (host memory; bfloat16 as uint16)."""
+        return self._s.shard_numpy()
+
+    @property
+    def numpy_grad(self):
+        return self._s.grad_numpy()
+
+    def __repr__(self):
+        return (f"UnitShard(unit={self.unit}, dtype={self._s.dtype_name}, "
+                f"shard_numel={self.shard_numel}, shard_offset={self.shard_offset}, "
+                f"device={self.device}, grad={'yes' if self._s.has_grad else 'no'})")
+
+
+class Summoned:
+    """A summon in progress: the full parameters of the summoned units (and their gradients
+    under with_grads) as zero-copy tensors. Ends once: ``end()``, leaving a ``with`` block
+    (also on an exception), or when garbage-collected. Read-only summons
+    (``writeback=False``) hand out tensors and arrays whose writes raise."""
+
+    def __init__(self, s, plan=None):
+        self._s = s
+        self._plan = plan
+        self._lock = threading.Lock()
+        self._params = None
+        self._grads = None
+        self._numpy = None
+
+    # --- views -----------------------------------------------------------------------------
+
+    def _tensors(self, grads):
+        out = {}
+        for (fqn, _unit, dtype, _shape, _dev, writable), cap in zip(
+                self._s.describe(grads), self._s.dlpack(grads)):
+            if fqn not in out:  # tied FQNs are separate views of the same memory anyway
+                out[fqn] = from_capsule(cap, dtype, writable)
+        return out
+
+    @property
+    def params(self):
+        """FQN -> zero-copy tensor (shape and dtype of the parameter); tied FQNs alias the
+        same memory. Empty on ranks without views and after end()."""
+        with self._lock:
+            if self._s.ended:
+                return {}
+            if self._params is None:
+                self._params = self._tensors(False)
+            return self._params
+
+    @property
+    def grads(self):
+        """FQN -> gradient tensor (with_grads; only units that have a gradient)."""
+        with self._lock:
+            if self._s.ended:
+                return {}
+            if self._grads is None:
+                self._grads = self._tensors(True)
+            return self._grads
+
+    @property
+    def numpy_params(self):
+        """FQN -> numpy array over the same memory (read-only for writeback=False;
+        bfloat16 parameters as uint16)."""
+        with self._lock:
+            if self._s.ended:
+                return {}
+            if self._numpy is None:
+                self._numpy = {d[0]: a for d, a in zip(self._s.describe(False), self._s.numpy(False))}
+            return self._numpy
+
+    def flat(self, unit):
+        """1-D tensor over unit `unit`'s whole padded flat buffer."""
+        cap, dtype, _device, writable = self._s.flat(int(unit), False)
+        return from_capsule(cap, dtype, writable)
+
+    def flat_grad(self, unit):
+        """1-D tensor over unit `unit`'s whole padded flat gradient (with_grads)."""
+        cap, dtype, _device, writable = self._s.flat(int(unit), True)
+        return from_capsule(cap, dtype, writable)
+
+    units = property(lambda self: list(self._s.units))
+    note = property(lambda self: self._s.note)
+    has_views = property(lambda self: self._s.has_views)
+    id = property(lambda self: self._s.id)
+    module = property(lambda self: self._s.module)
+    ended = property(lambda self: self._s.ended)
+
+    def end(self):
+        """Ends the summon (collective: every rank ends it): writes back if asked, reshards.
+        Idempotent: a second call re-raises the first call's error, or returns. Tensors
+        handed out stay mapped; writes to them after end() are lost."""
+        try:
+            self._s.end()
+        finally:
+            with self._lock:
+                self._params = self._grads = self._numpy = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.end()
+        else:
+            try:
+                self.end()
+            except Exception as e:  # the body's exception wins; End's error rides along
+                if exc is not None and hasattr(exc, "add_note"):
+                    exc.add_note(f"while handling it, ending summon {self.id} failed: {e!r}")
+        return False
+
+    def __repr__(self):
+        return (f"Summoned(id={self.id}, module={self.module!r}, units={self.units}, "
+                f"has_views={self.has_views}, ended={self.ended})")
+
+
+class PendingReduceScatter:
+    """Phase one of a gradient reduce-scatter: write the unit's full gradient into ``flat``
+    (or the per-parameter ``grads``), then ``finish()`` (collective)."""
+
+    def __init__(self, p):
+        self._p = p
+        cap, dtype, _dev = p.flat()
+        self._flat = from_capsule(cap, dtype)
+        self._grads = None
+
+    flat = property(lambda self: self._flat)
+    unit = property(lambda self: self._p.unit)
+    numel = property(lambda self: self._p.numel)
+    finished = property(lambda self: self._p.finished)
+
+    @property
+    def grads(self):
+        if self._grads is None:
+            out = {}
+            for (fqn, _u, dtype, _s, _d, _w), cap in zip(self._p.describe(), self._p.dlpack()):
+                out.setdefault(fqn, from_capsule(cap, dtype))
+            self._grads = out
+        return self._grads
+
+    def finish(self):
+        """Reduce-scatters what was written (collective). A second call re-raises or returns."""
+        self._p.finish()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.finish()
+        return False
+
+
+class Registered:
+    """A registered module: its plan (dict, spec/formats.md), this rank's shards, and the
+    init summon of from_every_rank / from_rank0 registrations."""
+
+    def __init__(self, r):
+        self._r = r
+        self.module = r.module
+        self.plan = json.loads(r.plan_json)
+        self.shards = [UnitShard(s) for s in r.shards]
+        self.init_summon = None if r.init_summon is None else Summoned(r.init_summon, self.plan)
+
+    def __repr__(self):
+        return f"Registered(module={self.module!r}, units={len(self.plan.get('units', []))})"
+
+
+class Client:
+    """A connection to the node's flatshardd (the C++ flatshard::client::Client).
+
+    ``flatshard.Client("unix:/run/flatshard/flatshardd.sock")`` connects (raising
+    UnavailableError when the daemon cannot be reached within call_timeout). Timeouts are in
+    seconds. Thread-safe: every blocking call releases the GIL, so several Clients (ranks) in
+    threads of one process work. ``cuda_stream`` (an int, e.g.
+    ``torch.cuda.current_stream().cuda_stream``) is the stream device views are ordered on.
+    TLS files for TCP addresses as in ClientOptions. ``_simulated_gpus`` (tests only): open
+    the device memory of a ``flatshardd --simulate_gpus`` daemon and present it as CPU
+    tensors."""
+
+    def __init__(self, address, call_timeout=30.0, join_timeout=60.0, max_attempts=5, *,
+                 initial_backoff=0.05, max_backoff=1.0, tls_ca_file="", tls_cert_file="",
+                 tls_key_file="", cuda_stream=None, _simulated_gpus=False):
+        if not isinstance(address, str):
+            raise InvalidArgumentError(f"Client: address must be a str, got {type(address).__name__}")
+        self._plans = {}
+        self._c = _C.Client(address, float(call_timeout), float(join_timeout), int(max_attempts),
+                            float(initial_backoff), float(max_backoff), tls_ca_file,
+                            tls_cert_file, tls_key_file, int(cuda_stream or 0),
+                            bool(_simulated_gpus))
+
+    # --- session -----------------------------------------------------------------------------
+
+    def join(self, group, world_size, rank, token="", coordinator=""):
+        """Joins rank `rank` of `group`; waits (join_timeout) until every rank joined."""
+        self._c.join(group, int(world_size), int(rank), token, coordinator)
+
+    def leave(self):
+        """Leaves the group (shards stay; the rank can join again)."""
+        self._c.leave()
+
+    def close(self):
+        """Destroys the C++ Client: the lease ends (the daemon ends this session's summons
+        without writeback). Idempotent. Views handed out stay mapped."""
+        self._c.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close()
+        return False
+
+    registered_modules = property(lambda self: list(self._c.registered_modules))
+    joined = property(lambda self: self._c.joined)
+    closed = property(lambda self: self._c.closed)
+    segment_map_calls = property(lambda self: self._c.segment_map_calls)
+    ipc_open_calls = property(lambda self: self._c.ipc_open_calls)
+    address = property(lambda self: self._c.address)
+
+    @property
+    def lease_status(self):
+        """None while the lease is open (or before join); else the exception saying why it
+        ended (not raised)."""
+        s = self._c.lease_status
+        return None if s is None else _from_status(*s)
+
+    # --- modules -----------------------------------------------------------------------------
+
+    def register(self, module, manifest_json, policy_json="", init="zeros"):
+        """Collective: registers a model at `module` ("" = whole model). `init`: "zeros",
+        "from_every_rank" or "from_rank0" (then fill ``init_summon``'s views and end it on
+        every rank)."""
+        if isinstance(manifest_json, (dict, list)):
+            manifest_json = json.dumps(manifest_json)
+        if isinstance(policy_json, (dict, list)):
+            policy_json = json.dumps(policy_json)
+        if not policy_json:  # no auto-wrap: the root is the one unit
+            policy_json = _NO_AUTO_WRAP
+        reg = Registered(self._c.register(module, manifest_json, policy_json, init))
+        self._plans[module] = reg.plan
+        return reg
+
+    def summon(self, module, path="", recurse=True, writeback=True, rank0_only=False,
+               offload_to_cpu=False, with_grads=False):
+        """Collective: unshards the units at `path` of registered `module` (FSDP's
+        summon_full_params). Returns a Summoned, also a context manager."""
+        s = self._c.summon(module, path, bool(recurse), bool(writeback), bool(rank0_only),
+                           bool(offload_to_cpu), bool(with_grads))
+        return Summoned(s, self._plans.get(module))
+
+    def begin_reduce_scatter(self, module, unit, op="avg", accumulate=False):
+        """Phase one of a gradient reduce-scatter of plan unit `unit`."""
+        p = self._c.begin_reduce_scatter(module, int(unit), op, bool(accumulate))
+        return PendingReduceScatter(p)
+
+    def reduce_scatter_grads(self, module, unit, flat_grad, op="avg", accumulate=False):
+        """Both phases: copies `flat_grad` (1-D, the unit's padded numel, or its unpadded
+        numel with the padding reduced as zeros) into the daemon's buffer, then finishes."""
+        if not isinstance(flat_grad, torch.Tensor):
+            raise InvalidArgumentError(
+                f"reduce_scatter_grads: flat_grad must be a torch.Tensor, got "
+                f"{type(flat_grad).__name__}")
+        u = self._unit(module, unit)
+        numel, padded = u["numel"], u["padded_numel"]
+        want = torch_dtype(u["dtype"])
+        if flat_grad.dim() != 1 or flat_grad.numel() not in (numel, padded):
+            raise InvalidArgumentError(
+                f"reduce_scatter_grads: module {module!r} unit {unit}: flat_grad must be 1-D "
+                f"with {padded} (padded) or {numel} elements, got shape {tuple(flat_grad.shape)}")
+        if flat_grad.dtype != want:
+            raise InvalidArgumentError(
+                f"reduce_scatter_grads: module {module!r} unit {unit}: flat_grad has dtype "
+                f"{flat_grad.dtype}, the unit is {u['dtype']}")
+        p = self.begin_reduce_scatter(module, unit, op, accumulate)
+        n = flat_grad.numel()
+        p.flat[:n].copy_(flat_grad)
+        if n < p.numel:
+            p.flat[n:].zero_()
+        p.finish()
+
+    def shard_views(self, module):
+        """This rank's shards of `module`, sorted by unit (the optimizer's view)."""
+        return [UnitShard(s) for s in self._c.shard_views(module)]
+
+    def _unit(self, module, unit):
+        plan = self._plans.get(module)
+        if plan is None:
+            raise NotFoundError(
+                f"module {module!r} was not registered by this client")
+        for u in plan["units"]:
+            if u["index"] == unit:
+                return u
+        raise NotFoundError(f"module {module!r} has no unit {unit}")
+
+    def __repr__(self):
+        return f"flatshard.Client({self.address!r}, joined={self.joined})"

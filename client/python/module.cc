@@ -1,0 +1,650 @@
+// flatshard._C: the Python binding of the C++ client library (flatshard/client.h). It adds no
+// protocol of its own: every call goes through flatshard::client::Client. The pure-Python
+// package (client/python/flatshard/) wraps these classes into the public API.
+//
+// GIL: every call that may block (connect, RPCs, ending summons, destroying a Client) runs
+// with the GIL released; Python objects are only touched with it held. Objects handed to
+// Python are shared_ptr-owned, so a call in flight keeps what it uses alive when another
+// thread closes the Client or ends the summon.
+//
+// Errors: an absl::Status error becomes flatshard.errors.<Class>(code, message) through
+// flatshard.errors._from_status, the message unchanged.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "client/client_internal.h"
+#include "client/python/dlpack_export.h"
+#include "common/plan.h"
+#include "flatshard/client.h"
+#include "tests/testing/simulated_gpu.h"
+
+namespace flatshard::python {
+namespace {
+
+namespace py = pybind11;
+using client::Client;
+using client::ClientOptions;
+using client::InitMode;
+using client::ParamView;
+using client::ParamViews;
+using client::PendingReduceScatter;
+using client::ReduceOp;
+using client::RegisteredModule;
+using client::ShardViews;
+using client::SummonedParams;
+using client::SummonOptions;
+using client::UnitShardView;
+
+// A failed absl::Status on its way to Python (see the translator in PYBIND11_MODULE).
+class StatusError : public std::exception {
+ public:
+  explicit StatusError(absl::Status status)
+      : status_(std::move(status)), what_(status_.ToString()) {}
+  const absl::Status& status() const { return status_; }
+  const char* what() const noexcept override { return what_.c_str(); }
+
+ private:
+  absl::Status status_;
+  std::string what_;
+};
+
+void Check(absl::Status status) {
+  if (!status.ok()) throw StatusError(std::move(status));
+}
+
+template <typename T>
+T Unwrap(absl::StatusOr<T> value) {
+  if (!value.ok()) throw StatusError(value.status());
+  return *std::move(value);
+}
+
+absl::Duration Seconds(double seconds, const char* field) {
+  if (!(seconds > 0)) {
+    throw StatusError(absl::InvalidArgumentError(
+        absl::StrCat("Client: ", field, " must be a positive number of seconds, got ", seconds)));
+  }
+  return absl::Seconds(seconds);
+}
+
+// Runs `f` with the GIL released when this thread holds it (destructors: Python frees objects
+// with the GIL held, C++ may free them without).
+template <typename F>
+void WithoutGil(F&& f) {
+  if (PyGILState_Check()) {
+    py::gil_scoped_release release;
+    f();
+  } else {
+    f();
+  }
+}
+
+Keepalive ShareMappings(const std::vector<std::shared_ptr<const void>>& mappings) {
+  return std::make_shared<const std::vector<std::shared_ptr<const void>>>(mappings);
+}
+
+// --- views ---------------------------------------------------------------------------------
+
+// One view as Python sees it; the memory stays mapped while `keep` (shared by the arrays and
+// tensors made from it) lives.
+struct PyView {
+  std::string fqn;
+  int32_t unit = -1;
+  Region region;
+  int64_t numel = 0;
+  bool writable = false;
+};
+
+// Copies the views' descriptions (so they outlive End) and shares their mappings.
+struct ViewSet {
+  std::vector<PyView> views;
+  Keepalive keep;
+
+  static ViewSet From(const ParamViews& views) {
+    ViewSet out;
+    out.keep = ShareMappings(views.mappings());
+    out.views.reserve(views.size());
+    for (const ParamView& v : views) {
+      out.views.push_back(
+          {v.fqn, v.unit, Region{v.data, v.shape, v.dtype, v.device}, v.numel, v.writable});
+    }
+    return out;
+  }
+};
+
+// --- summons -------------------------------------------------------------------------------
+
+class PySummoned {
+ public:
+  PySummoned(std::unique_ptr<SummonedParams> summoned, std::shared_ptr<const Plan> plan,
+             bool device_as_host)
+      : summoned_(std::move(summoned)),
+        plan_(std::move(plan)),
+        device_as_host_(device_as_host),
+        params_(ViewSet::From(summoned_->params())),
+        grads_(ViewSet::From(summoned_->grads())),
+        units_(summoned_->units()),
+        note_(summoned_->note()),
+        id_(summoned_->id()),
+        module_(summoned_->registered_module()) {}
+
+  // Ends an unended summon (an RPC) without holding the GIL.
+  ~PySummoned() {
+    if (summoned_ == nullptr || ended_) return;
+    WithoutGil([&] { summoned_.reset(); });
+  }
+
+  // Ends the summon (idempotent: later calls raise the first call's error again, or return).
+  void End() {
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      std::lock_guard<std::mutex> lock(mu_);
+      status = summoned_->End();
+    }
+    ended_ = true;
+    Check(status);
+  }
+
+  bool ended() const { return ended_; }
+  bool has_views() const { return !ended_ && !params_.views.empty(); }
+
+  // (fqn, unit, dtype name, shape, device, writable) per view; `grads`: the gradient views.
+  py::list Describe(bool grads) const {
+    py::list out;
+    if (ended_) return out;
+    for (const PyView& v : (grads ? grads_ : params_).views) {
+      out.append(py::make_tuple(v.fqn, v.unit, std::string(DTypeName(v.region.dtype)),
+                                py::tuple(py::cast(v.region.shape)), v.region.device,
+                                v.writable));
+    }
+    return out;
+  }
+
+  // A DLPack capsule per view, in Describe's order. `raw`: device memory as CUDA even for
+  // simulated GPUs (what a real GPU client hands torch; tests describe it).
+  py::list Dlpack(bool grads, bool raw) const {
+    py::list out;
+    if (ended_) return out;
+    const ViewSet& set = grads ? grads_ : params_;
+    for (const PyView& v : set.views) {
+      out.append(ToDlpack(v.region, set.keep, device_as_host_ && !raw));
+    }
+    return out;
+  }
+
+  py::list Numpy(bool grads) const {
+    py::list out;
+    if (ended_) return out;
+    const ViewSet& set = grads ? grads_ : params_;
+    for (const PyView& v : set.views) out.append(ToNumpy(v.region, set.keep, v.writable));
+    return out;
+  }
+
+  // The whole padded flat buffer of `unit` (params, or grads) as a 1-D DLPack capsule.
+  py::tuple Flat(int32_t unit, bool grads) const {
+    if (ended_) {
+      throw StatusError(absl::FailedPreconditionError(
+          absl::StrCat("summon ", id_, " of module \"", module_, "\" has ended")));
+    }
+    const ViewSet& set = grads ? grads_ : params_;
+    const PlanUnit* pu = nullptr;
+    for (const PlanUnit& u : plan_->units) {
+      if (u.index == unit) pu = &u;
+    }
+    const PyView* first = nullptr;
+    for (const PyView& v : set.views) {
+      if (v.unit == unit && pu != nullptr && !pu->params.empty() &&
+          v.fqn == pu->params.front().fqn) {
+        first = &v;
+        break;
+      }
+    }
+    if (first == nullptr) {
+      throw StatusError(absl::NotFoundError(absl::StrCat(
+          "summon ", id_, " of module \"", module_, "\" has no ", grads ? "gradient " : "",
+          "view of unit ", unit, pu == nullptr ? " (the plan has no such unit)" : "")));
+    }
+    Region region = first->region;
+    const int64_t item = ItemSize(region.dtype);
+    region.data = first->region.data == nullptr
+                      ? nullptr
+                      : static_cast<char*>(first->region.data) - pu->params.front().offset * item;
+    region.shape = {pu->padded_numel};
+    return py::make_tuple(ToDlpack(region, set.keep, device_as_host_),
+                          std::string(DTypeName(region.dtype)), region.device, first->writable);
+  }
+
+  py::list units() const { return py::cast(units_); }
+  const std::string& note() const { return note_; }
+  uint64_t id() const { return id_; }
+  const std::string& module() const { return module_; }
+
+ private:
+  std::mutex mu_;  // End() needs exclusive access to summoned_
+  std::unique_ptr<SummonedParams> summoned_;
+  std::shared_ptr<const Plan> plan_;
+  const bool device_as_host_;
+  ViewSet params_;
+  ViewSet grads_;
+  std::vector<int32_t> units_;
+  std::string note_;
+  uint64_t id_;
+  std::string module_;
+  bool ended_ = false;  // read and written with the GIL held
+};
+
+// --- gradient reduce-scatter ---------------------------------------------------------------
+
+class PyPendingReduceScatter {
+ public:
+  PyPendingReduceScatter(std::unique_ptr<PendingReduceScatter> pending, bool device_as_host)
+      : pending_(std::move(pending)),
+        device_as_host_(device_as_host),
+        grads_(ViewSet::From(pending_->grads())) {}
+
+  void Finish() {
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      std::lock_guard<std::mutex> lock(mu_);
+      status = pending_->Finish();
+    }
+    finished_ = true;
+    Check(status);
+  }
+
+  // The full padded gradient buffer: (capsule, dtype name, device).
+  py::tuple Flat() const {
+    const Region region{pending_->data(), {pending_->numel()}, pending_->dtype(),
+                        pending_->device()};
+    return py::make_tuple(ToDlpack(region, grads_.keep, device_as_host_),
+                          std::string(DTypeName(region.dtype)), region.device);
+  }
+
+  py::list Describe() const {
+    py::list out;
+    for (const PyView& v : grads_.views) {
+      out.append(py::make_tuple(v.fqn, v.unit, std::string(DTypeName(v.region.dtype)),
+                                py::tuple(py::cast(v.region.shape)), v.region.device, true));
+    }
+    return out;
+  }
+  py::list Dlpack() const {
+    py::list out;
+    for (const PyView& v : grads_.views) {
+      out.append(ToDlpack(v.region, grads_.keep, device_as_host_));
+    }
+    return out;
+  }
+
+  int32_t unit() const { return pending_->unit(); }
+  int64_t numel() const { return pending_->numel(); }
+  bool finished() const { return finished_; }
+
+ private:
+  std::mutex mu_;
+  std::unique_ptr<PendingReduceScatter> pending_;
+  const bool device_as_host_;
+  ViewSet grads_;
+  bool finished_ = false;
+};
+
+// --- shards --------------------------------------------------------------------------------
+
+struct PyUnitShard {
+  int32_t unit = -1;
+  DType dtype = DType::kFloat32;
+  int64_t shard_numel = 0;
+  int64_t shard_offset = 0;
+  int device = -1;
+  void* data = nullptr;
+  void* grad = nullptr;
+  Keepalive keep;
+  bool device_as_host = false;
+
+  py::object Capsule(void* p) const {
+    if (p == nullptr && shard_numel > 0) return py::none();
+    return ToDlpack(Region{p, {shard_numel}, dtype, device}, keep, device_as_host);
+  }
+};
+
+std::vector<PyUnitShard> ToPyShards(const ShardViews& views, bool device_as_host) {
+  const Keepalive keep = ShareMappings(views.mappings());
+  std::vector<PyUnitShard> out;
+  for (const UnitShardView& v : views) {
+    out.push_back({v.unit, v.dtype, v.shard_numel, v.shard_offset, v.device, v.data, v.grad,
+                   keep, device_as_host});
+  }
+  return out;
+}
+
+// --- registration --------------------------------------------------------------------------
+
+struct PyRegistered {
+  std::string module;
+  std::string plan_json;
+  std::vector<PyUnitShard> shards;
+  std::shared_ptr<PySummoned> init_summon;  // nullptr for zeros
+};
+
+// --- the client ----------------------------------------------------------------------------
+
+class PyClient {
+ public:
+  PyClient(std::string address, double call_timeout, double join_timeout, int max_attempts,
+           double initial_backoff, double max_backoff, std::string tls_ca_file,
+           std::string tls_cert_file, std::string tls_key_file, uintptr_t cuda_stream,
+           bool simulated_gpus) {
+    ClientOptions options;
+    options.address = std::move(address);
+    options.call_timeout = Seconds(call_timeout, "call_timeout");
+    options.join_timeout = Seconds(join_timeout, "join_timeout");
+    options.max_attempts = max_attempts;
+    options.initial_backoff = Seconds(initial_backoff, "initial_backoff");
+    options.max_backoff = Seconds(max_backoff, "max_backoff");
+    options.tls_ca_file = std::move(tls_ca_file);
+    options.tls_cert_file = std::move(tls_cert_file);
+    options.tls_key_file = std::move(tls_key_file);
+    options.cuda_stream = reinterpret_cast<void*>(cuda_stream);
+    device_as_host_ = simulated_gpus;
+    absl::StatusOr<std::unique_ptr<Client>> client;
+    {
+      py::gil_scoped_release release;
+      if (simulated_gpus) {
+        client::internal::GpuApis apis;
+        apis.opener = std::make_unique<testing::SimulatedOpener>();
+        apis.events = std::make_unique<testing::SimulatedEvents>();
+        client = client::internal::ConnectWithGpuApis(std::move(options), std::move(apis));
+      } else {
+        client = Client::Connect(std::move(options));
+      }
+    }
+    client_ = std::shared_ptr<Client>(Unwrap(std::move(client)).release());
+  }
+
+  // Destroying the C++ Client closes its lease stream: not with the GIL held.
+  ~PyClient() {
+    WithoutGil([&] { client_.reset(); });
+  }
+
+  void Join(std::string group, int world_size, int rank, std::string token,
+            std::string coordinator) {
+    std::shared_ptr<Client> c = Get("join");
+    py::gil_scoped_release release;
+    Check(c->Join(std::move(group), world_size, rank, std::move(token), std::move(coordinator)));
+  }
+
+  std::shared_ptr<PyRegistered> Register(std::string module, std::string manifest_json,
+                                         std::string policy_json, const std::string& init) {
+    InitMode mode;
+    if (init == "zeros") {
+      mode = InitMode::kZeros;
+    } else if (init == "from_every_rank") {
+      mode = InitMode::kFromEveryRank;
+    } else if (init == "from_rank0") {
+      mode = InitMode::kFromRank0;
+    } else {
+      throw StatusError(absl::InvalidArgumentError(absl::StrCat(
+          "register: init must be \"zeros\", \"from_every_rank\" or \"from_rank0\", got \"",
+          init, "\"")));
+    }
+    std::shared_ptr<Client> c = Get("register");
+    absl::StatusOr<RegisteredModule> reg;
+    {
+      py::gil_scoped_release release;
+      reg = c->Register(std::move(module), manifest_json, policy_json, mode);
+    }
+    RegisteredModule r = Unwrap(std::move(reg));
+    auto out = std::make_shared<PyRegistered>();
+    out->module = r.module;
+    out->plan_json = PlanToJson(*r.plan).dump();
+    out->shards = ToPyShards(r.shards, device_as_host_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      plans_[r.module] = r.plan;
+    }
+    if (r.init_summon != nullptr) {
+      out->init_summon =
+          std::make_shared<PySummoned>(std::move(r.init_summon), r.plan, device_as_host_);
+    }
+    return out;
+  }
+
+  std::shared_ptr<PySummoned> Summon(const std::string& module, const std::string& path,
+                                     bool recurse, bool writeback, bool rank0_only,
+                                     bool offload_to_cpu, bool with_grads) {
+    std::shared_ptr<Client> c = Get("summon");
+    SummonOptions options;
+    options.recurse = recurse;
+    options.writeback = writeback;
+    options.rank0_only = rank0_only;
+    options.offload_to_cpu = offload_to_cpu;
+    options.with_grads = with_grads;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> summoned;
+    {
+      py::gil_scoped_release release;
+      summoned = c->Summon(module, path, options);
+    }
+    std::unique_ptr<SummonedParams> s = Unwrap(std::move(summoned));
+    std::shared_ptr<const Plan> plan = PlanOf(module);
+    py::gil_scoped_release release;  // building the views copies no bytes, but may be many
+    return std::make_shared<PySummoned>(std::move(s), std::move(plan), device_as_host_);
+  }
+
+  std::shared_ptr<PyPendingReduceScatter> BeginReduceScatter(const std::string& module,
+                                                               int32_t unit,
+                                                               const std::string& op,
+                                                               bool accumulate) {
+    std::shared_ptr<Client> c = Get("begin_reduce_scatter");
+    const ReduceOp reduce_op = ParseOp(op);
+    absl::StatusOr<std::unique_ptr<PendingReduceScatter>> pending;
+    {
+      py::gil_scoped_release release;
+      pending = c->BeginReduceScatter(module, unit, reduce_op, accumulate);
+    }
+    return std::make_shared<PyPendingReduceScatter>(Unwrap(std::move(pending)), device_as_host_);
+  }
+
+  std::vector<PyUnitShard> ShardViewsOf(const std::string& module) {
+    std::shared_ptr<Client> c = Get("shard_views");
+    absl::StatusOr<ShardViews> views;
+    {
+      py::gil_scoped_release release;
+      views = c->GetShardViews(module);
+    }
+    return ToPyShards(Unwrap(std::move(views)), device_as_host_);
+  }
+
+  void Leave() {
+    std::shared_ptr<Client> c = Get("leave");
+    py::gil_scoped_release release;
+    Check(c->Leave());
+  }
+
+  // Destroys the C++ Client (its lease ends) once no call in flight uses it.
+  void Close() {
+    std::shared_ptr<Client> c;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      c = std::move(client_);
+    }
+    py::gil_scoped_release release;
+    c.reset();
+  }
+
+  bool closed() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return client_ == nullptr;
+  }
+  std::vector<std::string> registered_modules() const {
+    return Get("registered_modules")->registered_modules();
+  }
+  bool joined() const {
+    std::shared_ptr<Client> c = Peek();
+    return c != nullptr && c->joined();
+  }
+  // None while the lease is open (or before Join); (code name, message) once it ended.
+  py::object lease_status() const {
+    const absl::Status s = Get("lease_status")->lease_status();
+    if (s.ok()) return py::none();
+    return py::make_tuple(absl::StatusCodeToString(s.code()), std::string(s.message()));
+  }
+  int64_t segment_map_calls() const { return Get("segment_map_calls")->segment_map_calls(); }
+  int64_t ipc_open_calls() const { return Get("ipc_open_calls")->ipc_open_calls(); }
+  std::string address() const { return Get("address")->options().address; }
+  bool simulated_gpus() const { return device_as_host_; }
+
+ private:
+  static ReduceOp ParseOp(const std::string& op) {
+    if (op == "avg") return ReduceOp::kAvg;
+    if (op == "sum") return ReduceOp::kSum;
+    throw StatusError(absl::InvalidArgumentError(
+        absl::StrCat("reduce-scatter: op must be \"avg\" or \"sum\", got \"", op, "\"")));
+  }
+
+  std::shared_ptr<Client> Peek() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return client_;
+  }
+  std::shared_ptr<Client> Get(const char* what) const {
+    std::shared_ptr<Client> c = Peek();
+    if (c == nullptr) {
+      throw StatusError(absl::FailedPreconditionError(
+          absl::StrCat(what, ": the Client was closed")));
+    }
+    return c;
+  }
+  std::shared_ptr<const Plan> PlanOf(const std::string& module) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto it = plans_.find(module);
+    if (it == plans_.end()) {
+      throw StatusError(absl::InternalError(
+          absl::StrCat("summon: no plan kept for module \"", module, "\"")));
+    }
+    return it->second;
+  }
+
+  mutable std::mutex mu_;  // never held across a call into the Client
+  std::shared_ptr<Client> client_;
+  std::map<std::string, std::shared_ptr<const Plan>> plans_;
+  bool device_as_host_ = false;
+};
+
+}  // namespace
+}  // namespace flatshard::python
+
+PYBIND11_MODULE(_C, m) {
+  using namespace flatshard;          // NOLINT: DType and its helpers
+  using namespace flatshard::python;  // NOLINT: the binding's own classes
+  m.doc() = "flatshard's binding of the C++ client library (use the flatshard package)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      py::object exc = py::module_::import("flatshard.errors")
+                           .attr("_from_status")(absl::StatusCodeToString(e.status().code()),
+                                                 std::string(e.status().message()));
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    }
+  });
+
+  py::class_<PyClient, std::shared_ptr<PyClient>>(m, "Client")
+      .def(py::init<std::string, double, double, int, double, double, std::string, std::string,
+                    std::string, uintptr_t, bool>(),
+           py::arg("address"), py::arg("call_timeout"), py::arg("join_timeout"),
+           py::arg("max_attempts"), py::arg("initial_backoff"), py::arg("max_backoff"),
+           py::arg("tls_ca_file"), py::arg("tls_cert_file"), py::arg("tls_key_file"),
+           py::arg("cuda_stream"), py::arg("simulated_gpus"))
+      .def("join", &PyClient::Join)
+      .def("register", &PyClient::Register)
+      .def("summon", &PyClient::Summon)
+      .def("begin_reduce_scatter", &PyClient::BeginReduceScatter)
+      .def("shard_views", &PyClient::ShardViewsOf)
+      .def("leave", &PyClient::Leave)
+      .def("close", &PyClient::Close)
+      .def_property_readonly("closed", &PyClient::closed)
+      .def_property_readonly("registered_modules", &PyClient::registered_modules)
+      .def_property_readonly("joined", &PyClient::joined)
+      .def_property_readonly("lease_status", &PyClient::lease_status)
+      .def_property_readonly("segment_map_calls", &PyClient::segment_map_calls)
+      .def_property_readonly("ipc_open_calls", &PyClient::ipc_open_calls)
+      .def_property_readonly("address", &PyClient::address)
+      .def_property_readonly("simulated_gpus", &PyClient::simulated_gpus);
+
+  py::class_<PySummoned, std::shared_ptr<PySummoned>>(m, "Summoned")
+      .def("end", &PySummoned::End)
+      .def("describe", &PySummoned::Describe, py::arg("grads") = false)
+      .def("dlpack", &PySummoned::Dlpack, py::arg("grads") = false, py::arg("raw") = false)
+      .def("numpy", &PySummoned::Numpy, py::arg("grads") = false)
+      .def("flat", &PySummoned::Flat, py::arg("unit"), py::arg("grads") = false)
+      .def_property_readonly("ended", &PySummoned::ended)
+      .def_property_readonly("has_views", &PySummoned::has_views)
+      .def_property_readonly("units", &PySummoned::units)
+      .def_property_readonly("note", &PySummoned::note)
+      .def_property_readonly("id", &PySummoned::id)
+      .def_property_readonly("module", &PySummoned::module);
+
+  py::class_<PyPendingReduceScatter, std::shared_ptr<PyPendingReduceScatter>>(
+      m, "PendingReduceScatter")
+      .def("finish", &PyPendingReduceScatter::Finish)
+      .def("flat", &PyPendingReduceScatter::Flat)
+      .def("describe", &PyPendingReduceScatter::Describe)
+      .def("dlpack", &PyPendingReduceScatter::Dlpack)
+      .def_property_readonly("unit", &PyPendingReduceScatter::unit)
+      .def_property_readonly("numel", &PyPendingReduceScatter::numel)
+      .def_property_readonly("finished", &PyPendingReduceScatter::finished);
+
+  py::class_<PyUnitShard>(m, "UnitShard")
+      .def_readonly("unit", &PyUnitShard::unit)
+      .def_property_readonly("dtype_name",
+                             [](const PyUnitShard& s) { return std::string(DTypeName(s.dtype)); })
+      .def_readonly("shard_numel", &PyUnitShard::shard_numel)
+      .def_readonly("shard_offset", &PyUnitShard::shard_offset)
+      .def_readonly("device", &PyUnitShard::device)
+      .def_property_readonly("has_grad", [](const PyUnitShard& s) { return s.grad != nullptr; })
+      .def("shard_dlpack", [](const PyUnitShard& s) { return s.Capsule(s.data); })
+      .def("grad_dlpack",
+           [](const PyUnitShard& s) -> py::object {
+             if (s.grad == nullptr) return py::none();
+             return s.Capsule(s.grad);
+           })
+      .def("shard_numpy",
+           [](const PyUnitShard& s) {
+             return ToNumpy(Region{s.data, {s.shard_numel}, s.dtype, s.device}, s.keep, true);
+           })
+      .def("grad_numpy", [](const PyUnitShard& s) -> py::object {
+        if (s.grad == nullptr) return py::none();
+        return ToNumpy(Region{s.grad, {s.shard_numel}, s.dtype, s.device}, s.keep, true);
+      });
+
+  py::class_<PyRegistered, std::shared_ptr<PyRegistered>>(m, "Registered")
+      .def_readonly("module", &PyRegistered::module)
+      .def_readonly("plan_json", &PyRegistered::plan_json)
+      .def_readonly("shards", &PyRegistered::shards)
+      .def_readonly("init_summon", &PyRegistered::init_summon);
+
+  m.def("describe_dlpack", &DescribeDlpack, py::arg("capsule"),
+        "Describes an unconsumed DLPack capsule (tests of the device path).");
+  m.def("numpy_dtype_name", [](const std::string& name) {
+    const std::optional<DType> d = ParseDType(name);
+    if (!d) throw std::invalid_argument("unknown dtype " + name);
+    return NumpyDTypeName(*d);
+  });
+}
