@@ -10,11 +10,21 @@ directory, and stops them with SIGTERM (checking exit 0 and that no segment is l
 
 The check: every step's loss (the mean of the ranks' losses on their equal slices = the loss
 on the global batch) and the final parameters equal the reference trained on the same global
-batches, within float32 round-off: |a - b| <= atol + rtol * |b| with rtol=1e-4, atol=1e-5
-(--rtol/--atol). Why not bit-exact: the ranks' gradients are averaged in another summation
-order than one process computes the global mean in, so gradients differ in the last bits
-(~1e-7 relative); 50 AdamW steps carry such differences forward but do not amplify them past
-~1e-5 (measured: see the README).
+batches, within float32 round-off as it propagates through AdamW:
+  - loss of every step: |a - b| <= 1e-5 + 1e-4 * |b|;
+  - final parameters: max |a - b| <= 1e-3 over every element, mean |a - b| <= 2e-5.
+Why not bit-exact (1 rank is: diff 0): with N ranks each rank's gradient is a mean over its
+slice and the daemon averages the N of them, a different float32 summation order than one
+process's mean over the global batch, so gradients differ in the last bits (~1e-7 relative).
+AdamW divides every update by the running RMS of the gradient, so each element moves by about
+lr (3e-3) per step whatever its gradient's size; an element whose gradient nearly cancels can
+take a visibly different step from a last-bit difference, and later steps carry that on (the
+model is chaotic in those directions). Measured over 50 steps with 2-4 ranks: losses agree to
+~1e-4 relative, a few elements drift to ~3e-4, the mean drift is ~1e-6. A wrong gradient (a
+unit not reduced, a stale or missing shard, a rank's slice lost, a tie broken) moves the loss
+at the first step and many elements by far more than lr. Adam is blind to the gradient's
+scale, so SUM-vs-AVG errors are caught by the SGD run of the re-attach test (tolerance 1e-5)
+and by the gradient test in test_torch.py instead.
 """
 import argparse
 import json
@@ -77,31 +87,35 @@ def read_events(path):
     return out
 
 
-def close(a, b, rtol, atol):
-    return abs(a - b) <= atol + rtol * abs(b)
+# The tolerances held (see the module docstring for why).
+LOSS_RTOL, LOSS_ATOL = 1e-4, 1e-5
+PARAM_MAX_ATOL = 1e-3    # a third of one AdamW step (lr 3e-3) for any single element
+PARAM_MEAN_ATOL = 2e-5   # mean |diff| over all elements
 
 
-def compare(losses, final, ref_losses, ref_sd, rtol, atol):
-    """Returns (max loss diff, max param diff, list of problems)."""
+def compare(losses, final, ref_losses, ref_sd, loss_rtol=LOSS_RTOL, loss_atol=LOSS_ATOL,
+            max_atol=PARAM_MAX_ATOL, mean_atol=PARAM_MEAN_ATOL):
+    """Returns (max loss diff, max param diff, mean param diff, list of problems)."""
     problems = []
     max_loss = max((abs(a - b) for a, b in zip(losses, ref_losses)), default=0.0)
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
-        if not close(a, b, rtol, atol):
+        if abs(a - b) > loss_atol + loss_rtol * abs(b):
             problems.append(f"step {i}: loss {a!r} != reference {b!r}")
             break
     if len(losses) != len(ref_losses):
         problems.append(f"{len(losses)} steps, reference has {len(ref_losses)}")
-    max_param = 0.0
-    if sorted(final) != sorted(ref_sd):
+    if list(final) != list(ref_sd):
         problems.append(f"state dict keys differ: {sorted(set(final) ^ set(ref_sd))}")
-    for k in ref_sd:
-        if k not in final:
-            continue
-        d = (final[k] - ref_sd[k]).abs()
-        max_param = max(max_param, float(d.max()) if d.numel() else 0.0)
-        if not torch.allclose(final[k], ref_sd[k], rtol=rtol, atol=atol):
-            problems.append(f"final {k}: max |diff| {float(d.max()):.3g} beyond rtol={rtol} atol={atol}")
-    return max_loss, max_param, problems
+        return max_loss, float("inf"), float("inf"), problems
+    diffs = torch.cat([(final[k].double() - ref_sd[k].double()).abs().reshape(-1)
+                       for k in ref_sd])
+    max_param, mean_param = float(diffs.max()), float(diffs.mean())
+    if max_param > max_atol:
+        worst = max(ref_sd, key=lambda k: float((final[k] - ref_sd[k]).abs().max()))
+        problems.append(f"final {worst}: max |diff| {max_param:.3g} > {max_atol}")
+    if mean_param > mean_atol:
+        problems.append(f"final parameters: mean |diff| {mean_param:.3g} > {mean_atol}")
+    return max_loss, max_param, mean_param, problems
 
 
 class Job:
@@ -185,8 +199,8 @@ def mean_losses(results, ranks):
     return {s: sum(v.values()) / ranks for s, v in sorted(per_step.items()) if len(v) == ranks}
 
 
-def run(ranks, daemons=1, steps=50, batch=12, extra=(), rtol=1e-4, atol=1e-5, timeout=300,
-        optimizer="adamw", lr=3e-3, check=True):
+def run(ranks, daemons=1, steps=50, batch=12, extra=(), timeout=300, optimizer="adamw",
+        lr=3e-3, check=True):
     """Runs one job; returns a dict with losses, reference, diffs, problems, seconds."""
     extra = ["--steps", str(steps), "--batch", str(batch), "--optimizer", optimizer,
              "--lr", str(lr), *extra]
@@ -206,8 +220,8 @@ def run(ranks, daemons=1, steps=50, batch=12, extra=(), rtol=1e-4, atol=1e-5, ti
     if check and not problems:
         ref_losses, ref_sd = gpt.train_reference(steps, batch, lr=lr, optimizer=optimizer)
         result["ref_losses"] = ref_losses
-        ml, mp, pr = compare(losses, final, ref_losses, ref_sd, rtol, atol)
-        result.update(max_loss_diff=ml, max_param_diff=mp)
+        ml, mp, mean, pr = compare(losses, final, ref_losses, ref_sd)
+        result.update(max_loss_diff=ml, max_param_diff=mp, mean_param_diff=mean)
         problems.extend(pr)
     return result
 
@@ -218,8 +232,6 @@ def main():
     ap.add_argument("--daemons", type=int, default=1)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--batch", type=int, default=12)
-    ap.add_argument("--rtol", type=float, default=1e-4)
-    ap.add_argument("--atol", type=float, default=1e-5)
     ap.add_argument("--demo", action="store_true", help="summon_full_params read/edit at the end")
     ap.add_argument("--use-orig-params", action="store_true")
     args = ap.parse_args()
@@ -228,7 +240,7 @@ def main():
         extra.append("--use-orig-params")
     print(f"training the example GPT: {args.ranks} rank processes on {args.daemons} "
           f"flatshardd, {args.steps} AdamW steps, global batch {args.batch}", flush=True)
-    res = run(args.ranks, args.daemons, args.steps, args.batch, extra, args.rtol, args.atol)
+    res = run(args.ranks, args.daemons, args.steps, args.batch, extra)
     ref = res.get("ref_losses", [])
     if ref:
         print(f"{'step':>4}  {'flatshard loss':>14}  {'reference loss':>14}  {'|diff|':>8}")
@@ -258,9 +270,11 @@ def main():
         return 1
     print(f"flatshardd: {args.daemons} daemon(s) stopped with SIGTERM, exited 0, "
           f"left no segments")
-    print(f"PASS: {args.ranks} ranks x {args.steps} steps in {res['seconds']:.1f} s; max |loss "
-          f"diff| {res['max_loss_diff']:.2e}, max |param diff| {res['max_param_diff']:.2e} "
-          f"(rtol={args.rtol}, atol={args.atol})")
+    print(f"PASS: {args.ranks} ranks x {args.steps} steps in {res['seconds']:.1f} s; losses: "
+          f"max |diff| {res['max_loss_diff']:.1e} (held: {LOSS_ATOL} + {LOSS_RTOL} x loss); "
+          f"final parameters: max |diff| {res['max_param_diff']:.1e} (held: "
+          f"{PARAM_MAX_ATOL}), mean |diff| {res['mean_param_diff']:.1e} (held: "
+          f"{PARAM_MEAN_ATOL})")
     return 0
 
 

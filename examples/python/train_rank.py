@@ -116,10 +116,9 @@ def main():
         opt.step()
         emit(event="step", step=step, rank=args.rank, loss=float(loss))
 
-    if args.out:
-        sd = fs.full_state_dict(rank0_only=True)
-        if args.rank == 0:
-            torch.save(sd, args.out)
+    sd = fs.full_state_dict(rank0_only=True)  # collective: every rank takes part
+    if args.out and args.rank == 0:
+        torch.save(sd, args.out)
     if args.demo:
         demo_summon(fs, args.rank)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -138,7 +137,8 @@ def demo_summon(fs, rank):
              head=[round(float(v), 5) for v in w[:4]])
     with summon_full_params(fs, rank0_only=True, writeback=True):
         if rank == 0:
-            fs.module.ln_f.weight.mul_(0.5)
+            with torch.no_grad():
+                fs.module.ln_f.weight.mul_(0.5)
     with summon_full_params(fs, writeback=False):
         w = fs.module.ln_f.weight
         emit(event="summon", rank=rank, what="after rank-0 edit", fqn="ln_f.weight",

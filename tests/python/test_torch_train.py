@@ -19,26 +19,27 @@ import gpt  # noqa: E402
 import run_gpt  # noqa: E402
 
 STEPS = int(os.environ.get("FS_TORCH_STEPS", "8"))
-# Why not bit-exact: see run_gpt.py (the ranks' gradients are averaged in another summation
-# order than one process takes the global mean in).
+# AdamW runs are held to run_gpt.compare's tolerances (see run_gpt.py's docstring for why);
+# plain SGD runs, where round-off does not get amplified, to these:
 RTOL, ATOL = 1e-4, 1e-5
 
 
 @pytest.mark.parametrize("ranks,daemons", [(1, 1), (2, 1), (3, 1), (4, 1), (4, 2)],
                          ids=["1rank", "2ranks", "3ranks", "4ranks", "2daemons_x_2ranks"])
 def test_gpt_equals_single_process_reference(ranks, daemons):
-    res = run_gpt.run(ranks, daemons, steps=STEPS, batch=12, rtol=RTOL, atol=ATOL)
+    res = run_gpt.run(ranks, daemons, steps=STEPS, batch=12)
     assert not res["problems"], "\n".join(res["problems"])
     assert len(res["losses"]) == STEPS
     assert res["losses"][-1] < res["losses"][0]  # it learns
     print(f"{ranks} ranks on {daemons} daemon(s), {STEPS} steps: max |loss diff| "
-          f"{res['max_loss_diff']:.2e}, max |param diff| {res['max_param_diff']:.2e}, "
-          f"{res['seconds']:.1f} s")
+          f"{res['max_loss_diff']:.2e}, max |param diff| {res['max_param_diff']:.2e}, mean "
+          f"{res['mean_param_diff']:.2e}, {res['seconds']:.1f} s")
+    if ranks == 1:  # one rank sums in the reference's order: bit-exact
+        assert res["max_loss_diff"] == 0.0 and res["max_param_diff"] == 0.0
 
 
 def test_use_orig_params_and_size_policy_equal_reference():
-    res = run_gpt.run(3, 1, steps=4, batch=12, rtol=RTOL, atol=ATOL,
-                      extra=["--use-orig-params", "--policy", "size"])
+    res = run_gpt.run(3, 1, steps=4, batch=12, extra=["--use-orig-params", "--policy", "size"])
     assert not res["problems"], "\n".join(res["problems"])
 
 
