@@ -115,9 +115,68 @@ def worker(args):
         client.close()
 
 
+class _NoStream:
+    """Stands in for a CUDA stream or event on CPU: every wait, record and sync is a no-op
+    (CPU ops run in program order on one thread, so there is nothing to order)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *a):
+        pass
+
+    def wait_event(self, *a):
+        pass
+
+    def record(self, *a):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+def _cpu_cuda_shims():
+    """torch 1.13's FSDP checks torch.cuda.is_available() at its first forward and orders its
+    all-gathers and reduce-scatters with CUDA streams and events; its collectives themselves
+    go through torch.distributed (gloo here) and work on CPU tensors. With the stream API
+    replaced by no-ops it trains on CPU (only for this benchmark's worker process)."""
+    import contextlib
+    import torch
+    torch.cuda.is_available = lambda: True
+    torch.cuda.Stream = _NoStream
+    torch.cuda.Event = _NoStream
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.Tensor.record_stream = lambda self, *a: None
+    # gloo has neither _all_gather_base nor reduce-scatter: all_gather into the chunks of the
+    # output, and all_reduce + keep this rank's chunk. The second moves 2x the bytes of a
+    # reduce-scatter (ring all-reduce = reduce-scatter + all-gather): FSDP's backward is
+    # slower here than with NCCL's reduce-scatter would be.
+    import torch.distributed as dist
+
+    def all_gather_base(output, input, group=None, async_op=False):
+        n = dist.get_world_size(group)
+        return dist.all_gather(list(output.chunk(n)), input, group=group, async_op=async_op)
+
+    def reduce_scatter_base(output, input, group=None, async_op=False, op=dist.ReduceOp.SUM):
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        full = input.clone()
+        dist.all_reduce(full, op=op, group=group)
+        output.copy_(full.chunk(n)[r])
+
+    dist._all_gather_base = all_gather_base
+    dist._reduce_scatter_base = reduce_scatter_base
+
+
 def make_fsdp(model):
     """torch 1.13's FSDP on CPU (spec/semantics.md §5): hashable dataclass default for the
-    import on Python 3.11, CPU as the compute device. Raises where 1.13 needs CUDA."""
+    import on Python 3.11, CPU as the compute device, and no-op CUDA streams/events
+    (_cpu_cuda_shims)."""
+    _cpu_cuda_shims()
     sys.path.insert(0, str(SOURCE_DIR / "scripts" / "fsdp_fixtures"))
     import fsdp_env  # noqa: F401 - the two patches of spec/semantics.md §5
     import torch
