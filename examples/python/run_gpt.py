@@ -241,17 +241,17 @@ def main():
     print(f"training the example GPT: {args.ranks} rank processes on {args.daemons} "
           f"flatshardd, {args.steps} AdamW steps, global batch {args.batch}", flush=True)
     res = run(args.ranks, args.daemons, args.steps, args.batch, extra)
-    ref = res.get("ref_losses", [])
-    if ref:
-        print(f"{'step':>4}  {'flatshard loss':>14}  {'reference loss':>14}  {'|diff|':>8}")
-        for i, (a, b) in enumerate(zip(res["losses"], ref)):
-            print(f"{i:>4}  {a:>14.6f}  {b:>14.6f}  {abs(a - b):>8.1e}")
     for e in res["events"].get(0, []):
         if e["event"] == "plan":
             print("units (FULL_SHARD, one per Block + the root; tied wte/lm_head in the root):")
             for u in e["units"]:
                 print(f"  unit {u[0]}: {u[1] or '<root>':<6} {u[2]:>6} params, "
                       f"{u[3]:>6} per rank")
+    ref = res.get("ref_losses", [])
+    if ref:
+        print(f"{'step':>4}  {'flatshard loss':>14}  {'reference loss':>14}  {'|diff|':>8}")
+        for i, (a, b) in enumerate(zip(res["losses"], ref)):
+            print(f"{i:>4}  {a:>14.6f}  {b:>14.6f}  {abs(a - b):>8.1e}")
     for e in res["events"].get(0, []):
         if e["event"] == "summon":
             print(f"summon_full_params ({e['what']}): {e['fqn']} starts {e['head']}")
