@@ -256,14 +256,14 @@ class FlatShardModule(nn.Module):
                 u.flat_param = nn.Parameter(u.shard, requires_grad=u.requires_grad)
             else:
                 u.flat_param.data = u.shard
+            # A gradient shard left by an earlier session (re-attach) stays in the daemon
+            # (summon with_grads shows it) but is not handed to the optimizer: it may be a
+            # crashed step's partial result. The first backward overwrites it.
             u.grad_shard = sh.grad if u.requires_grad else None
-            u.flat_param.grad = u.grad_shard
+            u.flat_param.grad = None
             for p in u.params:
                 p.param.data = self._shard_slice(u, p, u.shard)
-                if self._use_orig_params and sh.grad is not None and u.requires_grad:
-                    p.param.grad = self._shard_slice(u, p, sh.grad)
-                else:
-                    p.param.grad = None
+                p.param.grad = None
 
     @staticmethod
     def _shard_slice(u: _Unit, p: _Param, flat_shard: torch.Tensor) -> torch.Tensor:
