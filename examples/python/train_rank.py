@@ -83,6 +83,9 @@ def main():
                     "summon_full_params after training (rank 0 prints)")
     ap.add_argument("--die-at-step", type=int, default=-1,
                     help="testing: SIGKILL this process in the backward of that step")
+    ap.add_argument("--survive", action="store_true",
+                    help="when a step fails (another rank died), join again, re-attach and "
+                         "redo the step instead of exiting")
     ap.add_argument("--call-timeout", type=float, default=30.0)
     args = ap.parse_args()
 
@@ -102,19 +105,30 @@ def main():
     else:
         opt = torch.optim.SGD(params, lr=args.lr)
 
-    for step in range(args.start_step, args.steps):
-        if args.model == "gpt":
-            x, y = gpt.local_batch(step, args.batch, model.cfg, args.rank, args.world_size)
-            loss = fs(x, y)
-        else:
-            x, y = resnet_batch(step, args.batch, args.rank, args.world_size)
-            loss = torch.nn.functional.cross_entropy(fs(x), y)
-        if step == args.die_at_step:
-            loss.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+    step, failures = args.start_step, 0
+    while step < args.steps:
+        try:
+            loss = train_step(args, fs, model, opt, step)
+        except (flatshard.FlatshardError, RuntimeError) as e:
+            # Errors inside backward reach us as torch's RuntimeError; the flatshard error
+            # behind it is fs.backward_error.
+            cause = fs.backward_error or e
+            emit(event="step_failed", step=step, rank=args.rank, error=type(cause).__name__,
+                 message=str(cause)[:300])
+            failures += 1
+            if not args.survive or failures > 3:
+                raise
+            # Another rank died: join again (waits for its replacement), re-attach, redo it.
+            try:
+                client.leave()
+            except flatshard.FlatshardError:
+                pass
+            client.join(args.group, args.world_size, args.rank, args.token, args.coordinator)
+            fs.reattach()
+            emit(event="reattached", step=step, rank=args.rank)
+            continue
         emit(event="step", step=step, rank=args.rank, loss=float(loss))
+        step += 1
 
     sd = fs.full_state_dict(rank0_only=True)  # collective: every rank takes part
     if args.out and args.rank == 0:
@@ -126,6 +140,21 @@ def main():
          seconds=time.monotonic() - t0, peak_rss_kib=peak)
     client.leave()
     client.close()
+
+
+def train_step(args, fs, model, opt, step):
+    if args.model == "gpt":
+        x, y = gpt.local_batch(step, args.batch, model.cfg, args.rank, args.world_size)
+        loss = fs(x, y)
+    else:
+        x, y = resnet_batch(step, args.batch, args.rank, args.world_size)
+        loss = torch.nn.functional.cross_entropy(fs(x), y)
+    if step == args.die_at_step:
+        loss.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss
 
 
 def demo_summon(fs, rank):

@@ -96,3 +96,36 @@ def test_trainer_killed_mid_step_reattaches_and_continues():
         assert loss == pytest.approx(ref_losses[s], rel=RTOL, abs=ATOL), s
     for k in ref_sd:
         torch.testing.assert_close(final[k], ref_sd[k], rtol=RTOL, atol=ATOL, msg=k)
+
+
+def test_survivor_rejoins_and_continues_with_a_restarted_rank():
+    """Rank 1 is SIGKILLed inside the backward of step 3. Rank 0 stays up: its step fails
+    (UNAVAILABLE: rank 1's session ended), it joins again, which waits for the replacement,
+    re-attaches (FlatShardModule.reattach(): same parameter objects, its optimizer carries on)
+    and redoes step 3 with the restarted rank 1. Plain SGD: the result equals the reference."""
+    steps, kill = 6, 3
+    common = ["--steps", str(steps), "--batch", "12", "--optimizer", "sgd", "--lr", "0.1",
+              "--call-timeout", "20"]
+    with run_gpt.Job(1) as job:
+        survivor = job.launch(2, common + ["--survive"], tag="a", only={0})
+        victim = job.launch(2, common + ["--die-at-step", str(kill)], tag="b", only={1})
+        gone = job.collect(victim, timeout=200, tag="b")
+        assert gone[1][0] == -9, f"rank 1 should have been killed: {gone[1]}"
+        back = job.launch(2, common + ["--start-step", str(kill)], tag="c", only={1})
+        rest = job.collect(back, timeout=200, tag="c")
+        kept = job.collect(survivor, timeout=200, tag="a")
+        final = job.final("a")
+    rc, events, err = kept[0]
+    assert rc == 0, f"the survivor exited {rc}:\n{err}"
+    failed = [e for e in events if e["event"] == "step_failed"]
+    assert failed and failed[0]["step"] == kill and failed[0]["error"] == "UnavailableError", failed
+    assert "rank 1" in failed[0]["message"], failed[0]
+    assert any(e["event"] == "reattached" for e in events)
+    assert rest[1][0] == 0, f"the restarted rank exited {rest[1][0]}:\n{rest[1][2]}"
+    ref_losses, ref_sd = gpt.train_reference(steps, 12, lr=0.1, optimizer="sgd")
+    losses = run_gpt.mean_losses({0: kept[0], 1: (0, gone[1][1] + rest[1][1], "")}, 2)
+    assert sorted(losses) == list(range(steps))
+    for s, loss in losses.items():
+        assert loss == pytest.approx(ref_losses[s], rel=RTOL, abs=ATOL), s
+    for k in ref_sd:
+        torch.testing.assert_close(final[k], ref_sd[k], rtol=RTOL, atol=ATOL, msg=k)

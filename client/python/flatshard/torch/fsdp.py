@@ -157,6 +157,8 @@ class FlatShardModule(nn.Module):
         self.policy_json = _json.dumps(policy, separators=(",", ":"))
         self.reattached = name in list(client.registered_modules)
         init = "from_rank0" if sync_module_states else "from_every_rank"
+        self._manifest_json, self._init = manifest, init
+        self.backward_error: Optional[BaseException] = None
         reg = client.register(name, manifest, self.policy_json, init=init)
         self._plan = reg.plan
         self._build_units(reg.plan)
@@ -265,6 +267,25 @@ class FlatShardModule(nn.Module):
                 p.param.data = self._shard_slice(u, p, u.shard)
                 p.param.grad = None
 
+    def reattach(self) -> None:
+        """Continues after a failed step, e.g. when another rank crashed: call it once the
+        client has joined its group again (``client.leave(); client.join(...)``, the same
+        group and rank). Drops what the failed step left open, registers the module again
+        (re-attach: the live shards stay as they are) and points the same parameter objects
+        at the shards, so the optimizer and its state carry on. Then redo the failed step."""
+        self._abandon_step()
+        reg = self._client.register(self._name, self._manifest_json, self.policy_json,
+                                    init=self._init)
+        if reg.plan.get("fingerprint") != self._plan.get("fingerprint"):
+            raise RuntimeError(f"reattach: the group's module {self._name!r} has another plan "
+                               f"(fingerprint {reg.plan.get('fingerprint')}, this wrapper's "
+                               f"{self._plan.get('fingerprint')})")
+        if reg.init_summon is not None:
+            self._fill_init_summon(reg.init_summon)
+        self._attach_shards(reg.shards)
+        self.reattached = True
+        self.backward_error = None
+
     @staticmethod
     def _shard_slice(u: _Unit, p: _Param, flat_shard: torch.Tensor) -> torch.Tensor:
         lo = max(p.offset, u.shard_offset)
@@ -352,6 +373,7 @@ class FlatShardModule(nn.Module):
             # what it left open before starting again.
             self._abandon_step()
         self._state = TrainingState.FORWARD_BACKWARD
+        self.backward_error = None
         root = self._unit_of_module.get(id(self.module))
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -424,7 +446,11 @@ class FlatShardModule(nn.Module):
     def _unpack(self, x: Any) -> torch.Tensor:
         if not isinstance(x, _Packed):
             return x
-        flat = self._backward_flat(x.unit)
+        try:
+            flat = self._backward_flat(x.unit)
+        except BaseException as e:
+            self.backward_error = e  # torch's engine re-raises it as a RuntimeError
+            raise
         return flat.as_strided(x.size, x.stride, x.offset)
 
     def _backward_flat(self, unit: int) -> torch.Tensor:
@@ -437,6 +463,13 @@ class FlatShardModule(nn.Module):
         return got[1]
 
     def _post_backward(self, unit: int, grads: Tuple[Optional[torch.Tensor], ...]) -> None:
+        try:
+            self._reduce_scatter(unit, grads)
+        except BaseException as e:
+            self.backward_error = e  # torch's engine re-raises it as a RuntimeError
+            raise
+
+    def _reduce_scatter(self, unit: int, grads: Tuple[Optional[torch.Tensor], ...]) -> None:
         u = self._units[unit]
         accumulate = unit in self._reduced or self._has_grads(u)
         pending = self._client.begin_reduce_scatter(self._name, unit, self._reduce_op, accumulate)
@@ -461,6 +494,9 @@ class FlatShardModule(nn.Module):
             for unit in list(self._bwd):
                 self._bwd.pop(unit)[0].end()
             self._refresh_grads()
+        except BaseException as e:
+            self.backward_error = e
+            raise
         finally:
             self._reduced.clear()
             self._final_queued = False
