@@ -7,7 +7,6 @@ one flatshardd process per test. test_torch_train.py runs ranks as processes.
 By hand: PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \
     /usr/bin/python3 -m pytest -q tests/python/test_torch.py
 """
-import json
 import os
 import subprocess
 import sys

@@ -179,7 +179,6 @@ def make_fsdp(model):
     _cpu_cuda_shims()
     sys.path.insert(0, str(SOURCE_DIR / "scripts" / "fsdp_fixtures"))
     import fsdp_env  # noqa: F401 - the two patches of spec/semantics.md §5
-    import torch
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy

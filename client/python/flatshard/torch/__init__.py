@@ -11,6 +11,13 @@
 
 See the README's "PyTorch" section.
 """
+__all__ = [
+    "manifest_json", "manifest_of", "ModuleWrapPolicy", "always_wrap_policy",
+    "lambda_auto_wrap_policy", "policy_json", "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy", "ERR_IN_FORWARD_BACKWARD", "ERR_NESTED_SUMMON",
+    "FlatShardModule", "TrainingState", "summon_full_params",
+]
+
 from .manifest import manifest_json, manifest_of  # noqa: F401
 from .wrap import (  # noqa: F401
     ModuleWrapPolicy,

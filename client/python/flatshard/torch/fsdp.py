@@ -18,7 +18,7 @@ trainer holds no parameter memory of its own between uses:
 """
 import contextlib
 import enum
-import threading
+import json
 import warnings
 import weakref
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -146,15 +146,13 @@ class FlatShardModule(nn.Module):
         self._use_orig_params = bool(use_orig_params)
         self._reduce_op = reduce_op
         self._state = TrainingState.IDLE
-        self._lock = threading.Lock()
         self._ignored = list(ignored_modules or [])
         if not getattr(client, "joined", False):
             raise RuntimeError("FlatShardModule: the client has not joined a group "
                                "(call client.join(group, world_size, rank) first)")
         manifest = _manifest.manifest_json(module)
         policy = _wrap.policy_json(module, auto_wrap_policy, self._ignored, use_orig_params)
-        import json as _json
-        self.policy_json = _json.dumps(policy, separators=(",", ":"))
+        self.policy_json = json.dumps(policy, separators=(",", ":"))
         self.reattached = name in list(client.registered_modules)
         init = "from_rank0" if sync_module_states else "from_every_rank"
         self._manifest_json, self._init = manifest, init

@@ -17,7 +17,7 @@ flatshard plans in the daemon, from JSON, so a policy must become JSON:
 Each helper is also callable with FSDP's signature, so it can be used where FSDP expects one.
 """
 import functools
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Type
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Type
 
 import torch.nn as nn
 
