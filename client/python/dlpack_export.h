@@ -68,8 +68,9 @@ pybind11::capsule ToDlpack(const Region& region, const Keepalive& keep, bool dev
 
 // A numpy array over host memory `region` whose base object owns a share of `keep`;
 // read-only unless `writable`. bfloat16 (no numpy dtype) comes out as uint16.
-// Throws std::invalid_argument for device memory.
-pybind11::array ToNumpy(const Region& region, const Keepalive& keep, bool writable);
+// Throws std::invalid_argument for device memory, unless `device_as_host` (simulated GPUs).
+pybind11::array ToNumpy(const Region& region, const Keepalive& keep, bool writable,
+                        bool device_as_host = false);
 
 // The numpy dtype name ToNumpy uses for `dtype` ("uint16" for bfloat16).
 std::string NumpyDTypeName(DType dtype);

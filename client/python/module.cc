@@ -192,7 +192,7 @@ class PySummoned {
     py::list out;
     if (ended_) return out;
     const ViewSet& set = grads ? grads_ : params_;
-    for (const PyView& v : set.views) out.append(ToNumpy(v.region, set.keep, v.writable));
+    for (const PyView& v : set.views) out.append(ToNumpy(v.region, set.keep, v.writable, device_as_host_));
     return out;
   }
 
@@ -204,8 +204,10 @@ class PySummoned {
     }
     const ViewSet& set = grads ? grads_ : params_;
     const PlanUnit* pu = nullptr;
-    for (const PlanUnit& u : plan_->units) {
-      if (u.index == unit) pu = &u;
+    if (plan_ != nullptr) {
+      for (const PlanUnit& u : plan_->units) {
+        if (u.index == unit) pu = &u;
+      }
     }
     const PyView* first = nullptr;
     for (const PyView& v : set.views) {
@@ -345,6 +347,22 @@ struct PyRegistered {
 
 // --- the client ----------------------------------------------------------------------------
 
+// A Client held for one call. After a concurrent close() this may be the last reference:
+// then the Client (whose destructor closes the lease stream) is destroyed without the GIL.
+class ClientRef {
+ public:
+  explicit ClientRef(std::shared_ptr<Client> client) : client_(std::move(client)) {}
+  ClientRef(const ClientRef&) = delete;
+  ClientRef& operator=(const ClientRef&) = delete;
+  ~ClientRef() {
+    if (client_ != nullptr && client_.use_count() == 1) WithoutGil([&] { client_.reset(); });
+  }
+  Client* operator->() const { return client_.get(); }
+
+ private:
+  std::shared_ptr<Client> client_;
+};
+
 class PyClient {
  public:
   PyClient(std::string address, double call_timeout, double join_timeout, int max_attempts,
@@ -385,9 +403,13 @@ class PyClient {
 
   void Join(std::string group, int world_size, int rank, std::string token,
             std::string coordinator) {
-    std::shared_ptr<Client> c = Get("join");
-    py::gil_scoped_release release;
-    Check(c->Join(std::move(group), world_size, rank, std::move(token), std::move(coordinator)));
+    const ClientRef c = Get("join");
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      status = c->Join(std::move(group), world_size, rank, std::move(token), std::move(coordinator));
+    }
+    Check(status);
   }
 
   std::shared_ptr<PyRegistered> Register(std::string module, std::string manifest_json,
@@ -404,7 +426,7 @@ class PyClient {
           "register: init must be \"zeros\", \"from_every_rank\" or \"from_rank0\", got \"",
           init, "\"")));
     }
-    std::shared_ptr<Client> c = Get("register");
+    const ClientRef c = Get("register");
     absl::StatusOr<RegisteredModule> reg;
     {
       py::gil_scoped_release release;
@@ -412,6 +434,11 @@ class PyClient {
     }
     RegisteredModule r = Unwrap(std::move(reg));
     auto out = std::make_shared<PyRegistered>();
+    // First, so that an error below ends the init summon without the GIL (~PySummoned).
+    if (r.init_summon != nullptr) {
+      out->init_summon =
+          std::make_shared<PySummoned>(std::move(r.init_summon), r.plan, device_as_host_);
+    }
     out->module = r.module;
     out->plan_json = PlanToJson(*r.plan).dump();
     out->shards = ToPyShards(r.shards, device_as_host_);
@@ -419,39 +446,38 @@ class PyClient {
       std::lock_guard<std::mutex> lock(mu_);
       plans_[r.module] = r.plan;
     }
-    if (r.init_summon != nullptr) {
-      out->init_summon =
-          std::make_shared<PySummoned>(std::move(r.init_summon), r.plan, device_as_host_);
-    }
     return out;
   }
 
   std::shared_ptr<PySummoned> Summon(const std::string& module, const std::string& path,
                                      bool recurse, bool writeback, bool rank0_only,
                                      bool offload_to_cpu, bool with_grads) {
-    std::shared_ptr<Client> c = Get("summon");
+    const ClientRef c = Get("summon");
     SummonOptions options;
     options.recurse = recurse;
     options.writeback = writeback;
     options.rank0_only = rank0_only;
     options.offload_to_cpu = offload_to_cpu;
     options.with_grads = with_grads;
+    std::shared_ptr<const Plan> plan = FindPlan(module);  // nullptr: Summon fails NOT_FOUND
     absl::StatusOr<std::unique_ptr<SummonedParams>> summoned;
+    std::shared_ptr<PySummoned> out;
     {
       py::gil_scoped_release release;
       summoned = c->Summon(module, path, options);
+      if (summoned.ok()) {
+        out = std::make_shared<PySummoned>(*std::move(summoned), std::move(plan), device_as_host_);
+      }
     }
-    std::unique_ptr<SummonedParams> s = Unwrap(std::move(summoned));
-    std::shared_ptr<const Plan> plan = PlanOf(module);
-    py::gil_scoped_release release;  // building the views copies no bytes, but may be many
-    return std::make_shared<PySummoned>(std::move(s), std::move(plan), device_as_host_);
+    if (out == nullptr) throw StatusError(summoned.status());
+    return out;
   }
 
   std::shared_ptr<PyPendingReduceScatter> BeginReduceScatter(const std::string& module,
                                                                int32_t unit,
                                                                const std::string& op,
                                                                bool accumulate) {
-    std::shared_ptr<Client> c = Get("begin_reduce_scatter");
+    const ClientRef c = Get("begin_reduce_scatter");
     const ReduceOp reduce_op = ParseOp(op);
     absl::StatusOr<std::unique_ptr<PendingReduceScatter>> pending;
     {
@@ -462,7 +488,7 @@ class PyClient {
   }
 
   std::vector<PyUnitShard> ShardViewsOf(const std::string& module) {
-    std::shared_ptr<Client> c = Get("shard_views");
+    const ClientRef c = Get("shard_views");
     absl::StatusOr<ShardViews> views;
     {
       py::gil_scoped_release release;
@@ -472,9 +498,13 @@ class PyClient {
   }
 
   void Leave() {
-    std::shared_ptr<Client> c = Get("leave");
-    py::gil_scoped_release release;
-    Check(c->Leave());
+    const ClientRef c = Get("leave");
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      status = c->Leave();
+    }
+    Check(status);
   }
 
   // Destroys the C++ Client (its lease ends) once no call in flight uses it.
@@ -496,8 +526,10 @@ class PyClient {
     return Get("registered_modules")->registered_modules();
   }
   bool joined() const {
-    std::shared_ptr<Client> c = Peek();
-    return c != nullptr && c->joined();
+    std::shared_ptr<Client> p = Peek();
+    if (p == nullptr) return false;
+    const ClientRef c(std::move(p));
+    return c->joined();
   }
   // None while the lease is open (or before Join); (code name, message) once it ended.
   py::object lease_status() const {
@@ -522,22 +554,19 @@ class PyClient {
     std::lock_guard<std::mutex> lock(mu_);
     return client_;
   }
-  std::shared_ptr<Client> Get(const char* what) const {
+  ClientRef Get(const char* what) const {
     std::shared_ptr<Client> c = Peek();
     if (c == nullptr) {
       throw StatusError(absl::FailedPreconditionError(
           absl::StrCat(what, ": the Client was closed")));
     }
-    return c;
+    return ClientRef(std::move(c));
   }
-  std::shared_ptr<const Plan> PlanOf(const std::string& module) const {
+
+  std::shared_ptr<const Plan> FindPlan(const std::string& module) const {
     std::lock_guard<std::mutex> lock(mu_);
     const auto it = plans_.find(module);
-    if (it == plans_.end()) {
-      throw StatusError(absl::InternalError(
-          absl::StrCat("summon: no plan kept for module \"", module, "\"")));
-    }
-    return it->second;
+    return it == plans_.end() ? nullptr : it->second;
   }
 
   mutable std::mutex mu_;  // never held across a call into the Client
@@ -627,11 +656,13 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("shard_numpy",
            [](const PyUnitShard& s) {
-             return ToNumpy(Region{s.data, {s.shard_numel}, s.dtype, s.device}, s.keep, true);
+             return ToNumpy(Region{s.data, {s.shard_numel}, s.dtype, s.device}, s.keep, true,
+                           s.device_as_host);
            })
       .def("grad_numpy", [](const PyUnitShard& s) -> py::object {
         if (s.grad == nullptr) return py::none();
-        return ToNumpy(Region{s.grad, {s.shard_numel}, s.dtype, s.device}, s.keep, true);
+        return ToNumpy(Region{s.grad, {s.shard_numel}, s.dtype, s.device}, s.keep, true,
+                       s.device_as_host);
       });
 
   py::class_<PyRegistered, std::shared_ptr<PyRegistered>>(m, "Registered")

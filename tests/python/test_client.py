@@ -365,3 +365,82 @@ print("rank", rank, "ok")
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 0, out
         assert f"rank {r} ok" in out
+
+
+def test_grads_writeback_and_rank0_only_read(daemon, group):
+    """with_grads + writeback persists gradient edits into the gradient shards; rank0_only
+    without writeback gives rank 0 read-only views and the others none."""
+    world = 2
+
+    def rank_fn(rank):
+        c = connect(daemon)
+        c.join(group, world, rank)
+        reg = c.register("", mlp_manifest(), MLP_POLICY)
+        fc2 = unit_of(reg.plan, "fc2")
+        c.reduce_scatter_grads("", fc2["index"], torch.ones(fc2["padded_numel"]), op="sum")
+        with c.summon("", "fc2", with_grads=True) as s:
+            g = s.grads["fc2.weight"]
+            assert type(g) is torch.Tensor and torch.equal(g, torch.full((2, 5), 2.0))
+            s.grads["fc2.weight"].fill_(5.0)
+            s.grads["fc2.bias"].fill_(5.0)
+        sh = {v.unit: v for v in c.shard_views("")}[fc2["index"]]
+        valid = max(0, min(sh.shard_numel, fc2["numel"] - sh.shard_offset))
+        assert torch.equal(sh.grad[:valid], torch.full((valid,), 5.0))
+        with c.summon("", rank0_only=True, writeback=False, with_grads=True) as s:
+            if rank == 0:
+                assert isinstance(s.params["fc2.weight"], flatshard.ReadOnlyTensor)
+                assert isinstance(s.grads["fc2.weight"], flatshard.ReadOnlyTensor)
+                assert torch.equal(s.grads["fc2.bias"], torch.full((2,), 5.0))
+                with pytest.raises(flatshard.ReadOnlyViewError):
+                    s.grads["fc2.bias"].zero_()
+            else:
+                assert not s.has_views and s.grads == {} and s.units
+        c.close()
+
+    run_ranks(world, rank_fn)
+
+
+def test_context_managers_and_numpy_shards(daemon, group):
+    with connect(daemon) as c:
+        c.join(group, 1, 0)
+        reg = c.register("", mlp_manifest(), MLP_POLICY)
+        fc1 = unit_of(reg.plan, "fc1")
+        with c.begin_reduce_scatter("", fc1["index"], op="sum") as p:
+            p.flat.fill_(0.5)
+        assert p.finished
+        v = {s.unit: s for s in c.shard_views("")}[fc1["index"]]
+        g = v.numpy_grad
+        assert isinstance(g, np.ndarray) and g.flags.writeable and g.shape == (v.shard_numel,)
+        assert np.all(g[:20] == 0.5) and g.ctypes.data == v.grad.data_ptr()
+        g[0] = 3.0  # the optimizer may write gradient shards in place too
+        assert v.grad[0].item() == 3.0
+        assert "UnitShard(unit=" in repr(v) and "Summoned(" in repr(c.summon("", writeback=False))
+    assert c.closed
+
+
+def test_group_over_two_daemons(tmp_path):
+    """Ranks joining through their own daemons, naming daemon 0 as coordinator (the bytes
+    move between the daemons over UCX, TCP loopback on one host)."""
+    import flatshard.testing
+    with flatshard.testing.LocalDaemon(peer=True, node_name="node0") as d0, \
+            flatshard.testing.LocalDaemon(peer=True, node_name="node1") as d1:
+        assert d0.peer_address and d0.peer_address != d1.peer_address
+        daemons = [d0, d1]
+
+        def rank_fn(rank):
+            c = flatshard.Client(daemons[rank].address, call_timeout=30, join_timeout=30)
+            c.join("two-nodes", 2, rank, token="t", coordinator=d0.peer_address)
+            reg = c.register("", mlp_manifest(), MLP_POLICY, init="from_rank0")
+            if rank == 0:
+                for t in reg.init_summon.params.values():
+                    t.fill_(1.25)
+            reg.init_summon.end()
+            fc1 = unit_of(reg.plan, "fc1")
+            c.reduce_scatter_grads("", fc1["index"], torch.full((20,), float(rank + 1)), op="avg")
+            with c.summon("", with_grads=True, writeback=False) as s:
+                assert torch.equal(s.params["fc2.weight"], torch.full((2, 5), 1.25))
+                assert torch.equal(s.grads["fc1.bias"], torch.full((5,), 1.5))
+            c.leave()
+            c.close()
+
+        run_ranks(2, rank_fn)

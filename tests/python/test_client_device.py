@@ -55,6 +55,8 @@ def test_device_views_two_ranks(gpu_daemon, group):
         with c.summon("", writeback=False) as s:
             assert torch.equal(s.params["fc1.bias"], torch.full((5,), -3.0))
             assert isinstance(s.params["fc1.bias"], flatshard.ReadOnlyTensor)
+            a = s.numpy_params["fc1.bias"]  # simulated device memory is host memory
+            assert not a.flags.writeable and list(a) == [-3.0] * 5
         c.reduce_scatter_grads("", fc1["index"], torch.full((fc1["numel"],), float(rank)),
                                op="sum")
         sh = {v.unit: v for v in c.shard_views("")}[fc1["index"]]

@@ -1,7 +1,9 @@
 """Read-only summons (writes raise, the process survives) and view lifetime (tensors
 outliving their summon, Client and daemon)."""
 
+import copy
 import gc
+import io
 
 import numpy as np
 import pytest
@@ -76,6 +78,7 @@ def test_read_only_reads_and_fresh_results(client):
         c.add_(1)
         assert w.sum().item() == sum(range(15))
         assert isinstance(w.T, flatshard.ReadOnlyTensor)  # views stay guarded
+        w.requires_grad_(True).requires_grad_(False)  # in-place metadata ops are fine
         assert isinstance(w[0], flatshard.ReadOnlyTensor)
         other = torch.zeros(5, 3)
         other.copy_(w)  # a read-only tensor as the source is fine
@@ -94,6 +97,15 @@ def test_read_only_reads_and_fresh_results(client):
         with pytest.raises(flatshard.ReadOnlyViewError):
             s.flat(client.reg.plan["units"][0]["index"]).zero_()
         assert "ReadOnly" in repr(w)
+        # state-dict style copies are private, ordinary tensors.
+        dc = copy.deepcopy({"w": w})["w"]
+        assert type(dc) is torch.Tensor and dc.data_ptr() != w.data_ptr()
+        dc.add_(1)
+        buf = io.BytesIO()
+        torch.save({"w": w}, buf)
+        buf.seek(0)
+        loaded = torch.load(buf)["w"]
+        assert type(loaded) is torch.Tensor and torch.equal(loaded, w)
     with client.summon("", writeback=False) as s:
         assert torch.equal(s.params["fc1.weight"], torch.arange(15.0).view(5, 3))
 

@@ -141,7 +141,10 @@ class Summoned:
     def end(self):
         """Ends the summon (collective: every rank ends it): writes back if asked, reshards.
         Idempotent: a second call re-raises the first call's error, or returns. Tensors
-        handed out stay mapped; writes to them after end() are lost."""
+        handed out stay mapped (no crash), but their bytes are the daemon's again: what they
+        read is unspecified, writes are lost, and once a later summon of the same unit
+        reuses the buffer (the daemon keeps unsharded segments across summons) they alias
+        that summon's views. ``.clone()`` what must outlive the summon."""
         try:
             self._s.end()
         finally:
@@ -225,8 +228,9 @@ class Client:
     ``flatshard.Client("unix:/run/flatshard/flatshardd.sock")`` connects (raising
     UnavailableError when the daemon cannot be reached within call_timeout). Timeouts are in
     seconds. Thread-safe: every blocking call releases the GIL, so several Clients (ranks) in
-    threads of one process work. ``cuda_stream`` (an int, e.g.
-    ``torch.cuda.current_stream().cuda_stream``) is the stream device views are ordered on.
+    threads of one process work. ``cuda_stream`` (a torch.cuda.Stream or its
+    ``.cuda_stream`` int; None: the default stream) is the stream device views are ordered on:
+    the trainer's work on device views must run on it (see client.h "GPU memory").
     TLS files for TCP addresses as in ClientOptions. ``_simulated_gpus`` (tests only): open
     the device memory of a ``flatshardd --simulate_gpus`` daemon and present it as CPU
     tensors."""
@@ -239,7 +243,8 @@ class Client:
         self._plans = {}
         self._c = _C.Client(address, float(call_timeout), float(join_timeout), int(max_attempts),
                             float(initial_backoff), float(max_backoff), tls_ca_file,
-                            tls_cert_file, tls_key_file, int(cuda_stream or 0),
+                            tls_cert_file, tls_key_file,
+                            int(getattr(cuda_stream, "cuda_stream", cuda_stream) or 0),
                             bool(_simulated_gpus))
 
     # --- session -----------------------------------------------------------------------------

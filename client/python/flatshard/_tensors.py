@@ -47,7 +47,8 @@ class ReadOnlyViewError(RuntimeError):
 
 
 # In-place methods whose name ends in "_" but that write no element.
-_NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "_fix_weakref"})
+_NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "_fix_weakref",
+                         "detach_", "rename_"})
 _INPLACE_DUNDERS = frozenset({
     "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
     "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
@@ -199,6 +200,20 @@ class ReadOnlyTensor(torch.Tensor):
                 return ret
             return _rewrap(ret, ranges)
 
+    def __deepcopy__(self, memo):
+        """A deep copy is a private copy: an ordinary, writable tensor."""
+        with torch._C.DisableTorchFunction():
+            copied = self.detach().clone().as_subclass(torch.Tensor)
+            copied.requires_grad_(self.requires_grad)
+        memo[id(self)] = copied
+        return copied
+
+    def __reduce_ex__(self, protocol):
+        """Pickled (torch.save) as an ordinary tensor of the same values."""
+        with torch._C.DisableTorchFunction():
+            plain = self.as_subclass(torch.Tensor)
+        return plain.__reduce_ex__(protocol)
+
     def __repr__(self, *, tensor_contents=None):
         with torch._C.DisableTorchFunction():
             return "ReadOnly" + torch.Tensor.__repr__(self.as_subclass(torch.Tensor))
@@ -211,7 +226,8 @@ def from_capsule(capsule, dtype_name, writable=True):
     if want is not None and t.dtype != want:  # DLPack readers without a bfloat16/bool code
         t = t.view(want)
     if not writable:
+        lo = t.data_ptr()  # on the plain tensor: no __torch_function__ dispatch
+        r = (lo, lo + t.numel() * t.element_size())
         t = t.as_subclass(ReadOnlyTensor)
-        nbytes = t.numel() * t.element_size()
-        t._fs_range = (t.data_ptr(), t.data_ptr() + nbytes)
+        t._fs_range = r
     return t

@@ -5,11 +5,14 @@
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
+import weakref
 from pathlib import Path
 
 __all__ = ["LocalDaemon", "find_daemon"]
@@ -17,7 +20,8 @@ __all__ = ["LocalDaemon", "find_daemon"]
 
 def find_daemon(binary=None):
     """The flatshardd to run: `binary`, else $FLATSHARD_DAEMON, else the build's
-    server/flatshardd next to this package (<build>/python/flatshard -> <build>)."""
+    server/flatshardd next to this package (<build>/python/flatshard -> <build>), else
+    flatshardd on PATH."""
     candidates = []
     if binary:
         candidates.append(Path(binary))
@@ -26,6 +30,9 @@ def find_daemon(binary=None):
     else:
         here = Path(__file__).resolve().parent
         candidates.append(here.parent.parent / "server" / "flatshardd")
+        on_path = shutil.which("flatshardd")  # installed next to an installed package
+        if on_path:
+            candidates.append(Path(on_path))
     for c in candidates:
         if c.is_file() and os.access(c, os.X_OK):
             return str(c)
@@ -34,16 +41,45 @@ def find_daemon(binary=None):
         "or pass binary=")
 
 
+def _catches_sigterm(pid):
+    """Whether process `pid` has a SIGTERM handler (SigCgt in /proc/<pid>/status); True where
+    that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    except (OSError, ValueError):
+        pass
+    return True
+
+
+def _terminate(proc):
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 class LocalDaemon:
     """Starts flatshardd on a Unix socket in a fresh temp directory (its own segment prefix),
     waits until it serves, and stops it with SIGTERM on exit, checking that it exited 0.
 
     ``address`` is "unix:<socket>"; ``log`` the path of its stderr. ``extra_args`` are
-    appended to the command line (e.g. ``("--simulate_gpus=2",)``)."""
+    appended to the command line (e.g. ``("--simulate_gpus=2",)``). ``peer=True`` gives it a
+    peer port on loopback (``peer_address``, what ranks name as ``coordinator``) so that
+    several LocalDaemons host one group; ``node_name`` names it in the peer table."""
 
-    def __init__(self, binary=None, extra_args=(), start_timeout=30.0, stop_timeout=30.0):
+    def __init__(self, binary=None, extra_args=(), start_timeout=30.0, stop_timeout=30.0, *,
+                 peer=False, node_name=None):
         self.binary = find_daemon(binary)
         self.extra_args = tuple(extra_args)
+        self.peer = peer
+        self.node_name = node_name
+        self.peer_address = None
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.proc = None
@@ -52,6 +88,8 @@ class LocalDaemon:
         self.address = None
         self.log = None
         self.segment_prefix = None
+        self._finalizer = None
+        self.leftover_segments = []
 
     def start(self):
         self._dir = tempfile.TemporaryDirectory(prefix="flatshard-py-")
@@ -60,21 +98,58 @@ class LocalDaemon:
         self.address = "unix:" + self.socket
         self.log = str(d / "flatshardd.log")
         self.segment_prefix = "fspy" + uuid.uuid4().hex[:10]
-        args = [self.binary, f"--socket={self.socket}", f"--segment_prefix={self.segment_prefix}",
-                *self.extra_args]
+        args = [self.binary, f"--socket={self.socket}", f"--segment_prefix={self.segment_prefix}"]
+        ready = self.socket
+        if self.peer:  # may host ranks of multi-daemon groups; serves once the file exists
+            ready = str(d / "peer_address")
+            args += ["--peer_address=127.0.0.1:0", f"--peer_address_file={ready}"]
+        if self.node_name:
+            args.append(f"--node_name={self.node_name}")
+        args += self.extra_args
+        # If this process dies without stopping it (a crash), the daemon gets SIGKILL. The
+        # death signal follows the thread that started it, so only from the main thread.
+        setpriv = shutil.which("setpriv")
+        if setpriv and threading.current_thread() is threading.main_thread():
+            args = [setpriv, "--pdeathsig", "KILL", *args]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT)
+        # Never stopped (no stop(), no with-block)? Terminated at garbage collection or exit.
+        self._finalizer = weakref.finalize(self, _terminate, self.proc)
         deadline = time.monotonic() + self.start_timeout
-        while not os.path.exists(self.socket):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"flatshardd exited at startup with status "
-                                   f"{self.proc.returncode}:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                self._kill()
-                raise TimeoutError(f"flatshardd did not create {self.socket} within "
-                                   f"{self.start_timeout}s:\n{self.log_tail()}")
-            time.sleep(0.01)
+        try:
+            while not os.path.exists(ready):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"flatshardd exited at startup with status "
+                                       f"{self.proc.returncode}:\n{self.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"flatshardd did not create {ready} within "
+                                       f"{self.start_timeout}s:\n{self.log_tail()}")
+                time.sleep(0.01)
+            # flatshardd listens before it installs its SIGTERM handler; a SIGTERM in between
+            # would kill it (status -15) instead of stopping it. Wait for the handler too.
+            while not _catches_sigterm(self.proc.pid):
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"flatshardd exited at startup with status "
+                                       f"{self.proc.returncode}:\n{self.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"flatshardd installed no SIGTERM handler within "
+                                       f"{self.start_timeout}s:\n{self.log_tail()}")
+                time.sleep(0.005)
+            if self.peer:
+                while True:  # written in one go, but read it until it is complete
+                    with open(ready) as f:
+                        text = f.read().strip()
+                    if text:
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{ready} stayed empty")
+                    time.sleep(0.01)
+                self.peer_address = text
+        except BaseException:
+            self.kill()
+            self._cleanup()
+            raise
         return self
 
     def log_tail(self, lines=40):
@@ -93,8 +168,10 @@ class LocalDaemon:
 
     def stop(self):
         """SIGTERM, then wait; raises if it does not exit 0 within stop_timeout. Removes the
-        temp directory (also after kill())."""
+        temp directory and, after kill(), the segments the daemon could not remove
+        (``leftover_segments``: empty after a clean stop)."""
         proc, self.proc = self.proc, None
+        self._detach()
         try:
             if proc is None:
                 return
@@ -110,21 +187,34 @@ class LocalDaemon:
             if code != 0:
                 raise RuntimeError(f"flatshardd exited with status {code}:\n{self.log_tail()}")
         finally:
-            if self._dir is not None:
-                self._dir.cleanup()
-                self._dir = None
+            self._cleanup()
+
+    def _cleanup(self):
+        """Removes the temp directory and what a killed daemon left in /dev/shm (its segment
+        prefix is this object's alone); `leftover_segments` records those."""
+        self.leftover_segments = self.segments()
+        for name in self.leftover_segments:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
 
     def kill(self):
         """SIGKILL (a crashed daemon); stop() then only cleans up."""
         proc, self.proc = self.proc, None
+        self._detach()
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
 
-    def _kill(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+    def _detach(self):
+        f = getattr(self, "_finalizer", None)
+        if f is not None:
+            f.detach()
+            self._finalizer = None
 
     def __enter__(self):
         return self.start()
