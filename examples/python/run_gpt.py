@@ -144,7 +144,8 @@ class Job:
                 d.stop()
             except Exception as e:  # noqa: BLE001 - reported by the caller
                 self.stop_problems.append(f"flatshardd {i}: {e}")
-            left = d.segments()
+            # stop() removes what a daemon left behind and records it in leftover_segments.
+            left = list(getattr(d, "leftover_segments", [])) or d.segments()
             if left:
                 self.stop_problems.append(f"flatshardd {i} left {len(left)} segments: {left[:3]}")
         self._tmp.cleanup()
