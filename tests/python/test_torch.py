@@ -506,3 +506,24 @@ def test_wrapper_needs_a_joined_client(daemon):
             FlatShardModule(gpt.build_gpt(0), c)
     finally:
         c.close()
+
+
+def test_ignored_modules_stay_local_and_train(daemon):
+    """As FSDP: an ignored module's parameters are ordinary full tensors of this process, in
+    parameters(), with local (not averaged) gradients; the rest is sharded."""
+    def fn(rank, c):
+        model = build_gpt()
+        fs = FlatShardModule(model, c, auto_wrap_policy=ModuleWrapPolicy({gpt.Block}),
+                             ignored_modules=[model.h[2]])
+        w = model.h[2].mlp.c_fc.weight
+        names = [n for n, _ in fs.named_parameters()]
+        x, y = gpt.local_batch(0, BATCH, model.cfg, rank, 2)
+        fs(x, y).backward()
+        return (tuple(w.shape), "h.2.mlp.c_fc.weight" in names, w.grad is not None,
+                [u["module"] for u in fs.plan["units"]], fs.full_state_dict())
+
+    got = run_ranks(daemon, 2, fn)
+    for shape, listed, has_grad, units, sd in got.values():
+        assert shape == (192, 48) and listed and has_grad
+        assert units == ["", "h.0", "h.1"]
+        assert list(sd) == list(initial())
