@@ -1,0 +1,36 @@
+"""``flatshard.torch``: PyTorch FSDP's API over a flatshard daemon.
+
+- ``manifest_of(module)``: the ``flatshard.manifest/1`` of an ``nn.Module``;
+- policies: ``size_based_auto_wrap_policy``, ``ModuleWrapPolicy``, ``always_wrap_policy``,
+  ``transformer_auto_wrap_policy``, ``lambda_auto_wrap_policy`` (and any FSDP-style callable,
+  resolved to explicit paths); ``policy_json(...)`` builds the whole policy document;
+- ``FlatShardModule(module, client, auto_wrap_policy=..., ignored_modules=...,
+  sync_module_states=..., use_orig_params=...)``: trains with FULL_SHARD semantics;
+- ``summon_full_params(model, recurse=True, writeback=True, rank0_only=False,
+  offload_to_cpu=False, with_grads=False)``; full and sharded state dicts on the wrapper.
+
+See the README's "PyTorch" section.
+"""
+__all__ = [
+    "manifest_json", "manifest_of", "ModuleWrapPolicy", "always_wrap_policy",
+    "lambda_auto_wrap_policy", "policy_json", "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy", "ERR_IN_FORWARD_BACKWARD", "ERR_NESTED_SUMMON",
+    "FlatShardModule", "TrainingState", "summon_full_params",
+]
+
+from .manifest import manifest_json, manifest_of  # noqa: F401
+from .wrap import (  # noqa: F401
+    ModuleWrapPolicy,
+    always_wrap_policy,
+    lambda_auto_wrap_policy,
+    policy_json,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
+from .fsdp import (  # noqa: F401
+    ERR_IN_FORWARD_BACKWARD,
+    ERR_NESTED_SUMMON,
+    FlatShardModule,
+    TrainingState,
+    summon_full_params,
+)

@@ -1,0 +1,713 @@
+"""``FlatShardModule``: PyTorch FSDP's API (FULL_SHARD) over a flatshard daemon.
+
+One trainer process per rank. The daemon owns every unit's shard and gradient shard; the
+trainer holds no parameter memory of its own between uses:
+
+- before a unit's forward its full parameters are summoned (read-only: ranks on one node share
+  one copy) and the module's parameters become views into that memory; after the forward they
+  are released;
+- autograd saves no reference to that memory: a ``saved_tensors_hooks`` pair packs every saved
+  tensor that lies in a unit's summoned buffer as (unit, offset, size, stride), and unpacking it
+  in backward summons the unit again (the pre-backward unshard) and rebuilds the tensor there;
+- the unit's parameter views come out of one autograd function (``_UnitParams``, FSDP's
+  ``FlatParameter`` split) whose backward runs once every gradient of the unit is complete: it
+  writes them straight into the daemon's gradient buffer (``begin_reduce_scatter``: no other
+  copy), reduce-scatters it (AVG, as FSDP) and releases the backward summon;
+- ``sharded_parameters()`` are parameters over this rank's shards with ``.grad`` over the
+  gradient shards: any ``torch.optim`` optimizer steps them in place.
+"""
+import contextlib
+import enum
+import json
+import warnings
+import weakref
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from . import manifest as _manifest
+from . import wrap as _wrap
+
+
+class TrainingState(enum.Enum):
+    IDLE = "IDLE"
+    FORWARD_BACKWARD = "FORWARD_BACKWARD"
+    SUMMON_FULL_PARAMS = "SUMMON_FULL_PARAMS"
+
+
+# FSDP's texts (torch/distributed/fsdp/_unshard_param_utils.py).
+ERR_IN_FORWARD_BACKWARD = "Cannot manually unshard parameters during forward/backward"
+ERR_NESTED_SUMMON = "Cannot manually unshard parameters when already unsharding parameters"
+
+_SHARDED_META_KEY = "_flatshard_sharded"
+
+# Every live FlatShardModule, weakly (summon_full_params maps a submodule to its wrapper).
+_WRAPPERS: "weakref.WeakSet[FlatShardModule]" = weakref.WeakSet()
+
+
+class _Param:
+    """One distinct parameter of a unit (in flat order) and every place it is registered."""
+
+    def __init__(self, fqn: str, shape: Tuple[int, ...], offset: int, numel: int):
+        self.fqn = fqn
+        self.shape = shape
+        self.offset = offset
+        self.numel = numel
+        self.sites: List[Tuple[nn.Module, str]] = []  # (module, attribute name), fqn first
+        self.fqns: List[str] = [fqn]                   # fqn and its tied aliases
+        self.param: Optional[nn.Parameter] = None      # the original Parameter object
+
+
+class _Unit:
+    def __init__(self, index: int, plan_unit: Dict[str, Any]):
+        self.index = index
+        self.path: str = plan_unit["module"]
+        self.padded_numel = int(plan_unit["padded_numel"])
+        self.shard_numel = int(plan_unit["shard_numel"])
+        self.requires_grad = bool(plan_unit.get("requires_grad", True))
+        self.params: List[_Param] = []
+        self.module: Optional[nn.Module] = None
+        self.shard: Optional[torch.Tensor] = None  # this rank's shard (1-D, padded)
+        self.shard_offset = 0
+        self.gaps: List[Tuple[int, int]] = []  # [start, end) of padding in the flat buffer
+        self.flat_param: Optional[nn.Parameter] = None  # use_orig_params=False: the optimizer's
+        self.grad_shard: Optional[torch.Tensor] = None  # this rank's gradient shard, once made
+
+    def compute_gaps(self) -> None:
+        pos = 0
+        for p in sorted(self.params, key=lambda q: q.offset):
+            if p.offset > pos:
+                self.gaps.append((pos, p.offset))
+            pos = max(pos, p.offset + p.numel)
+        if pos < self.padded_numel:
+            self.gaps.append((pos, self.padded_numel))
+
+
+class _Packed:
+    """A saved tensor that lies in a unit's summoned buffer, recorded by position."""
+    __slots__ = ("unit", "offset", "size", "stride")
+
+    def __init__(self, unit: int, offset: int, size, stride):
+        self.unit = unit
+        self.offset = offset
+        self.size = size
+        self.stride = stride
+
+
+class _UnitParams(torch.autograd.Function):
+    """Splits a unit's flat buffer into its parameters' views (FSDP's FlatParameter split).
+    Backward receives the gradient of every parameter of the unit at once and hands them to
+    the wrapper, which writes them into the daemon's gradient buffer and reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, wrapper, unit, dummy, flat):
+        ctx.wrapper = wrapper
+        ctx.unit = unit
+        ctx.set_materialize_grads(False)
+        return tuple(flat.narrow(0, p.offset, p.numel).view(p.shape)
+                     for p in wrapper._units[unit].params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.wrapper._post_backward(ctx.unit, grads)
+        return None, None, None, None
+
+
+class FlatShardModule(nn.Module):
+    """Wraps ``module`` and trains it with FULL_SHARD semantics on a flatshard daemon.
+
+    ``client`` is a joined ``flatshard.Client``. Every rank constructs the wrapper with the same
+    module structure and arguments (it registers collectively). Arguments as FSDP's where they
+    apply:
+
+    - ``auto_wrap_policy``: None (one unit), a helper of ``flatshard.torch.wrap``
+      (``size_based_auto_wrap_policy(min_num_params=...)``, ``ModuleWrapPolicy({...})``,
+      ``always_wrap_policy``) or any FSDP-style callable (resolved to explicit paths).
+    - ``ignored_modules``: modules left alone (their parameters stay ordinary local tensors).
+    - ``sync_module_states``: True: rank 0's values initialise the shards (FSDP's broadcast);
+      False: every rank supplies the full values and keeps its own range.
+    - ``use_orig_params``: as FSDP: the optimizer sees the original parameters (1-D views of
+      this rank's part of each, possibly empty); False: one flat shard per unit.
+    - ``name``: the module path to register under ("" = the whole model).
+
+    A module already registered in the group (a trainer that crashed and came back, see
+    ``reattached``) is re-attached: the live shards win over the module's current values.
+    """
+
+    def __init__(self, module: nn.Module, client: Any, *, auto_wrap_policy: Any = None,
+                 ignored_modules: Optional[Iterable[nn.Module]] = None,
+                 sync_module_states: bool = False, use_orig_params: bool = False,
+                 name: str = "", reduce_op: str = "avg"):
+        super().__init__()
+        self.module = module
+        self._client = client
+        self._name = name
+        self._use_orig_params = bool(use_orig_params)
+        self._reduce_op = reduce_op
+        self._state = TrainingState.IDLE
+        self._ignored = list(ignored_modules or [])
+        if not getattr(client, "joined", False):
+            raise RuntimeError("FlatShardModule: the client has not joined a group "
+                               "(call client.join(group, world_size, rank) first)")
+        manifest = _manifest.manifest_json(module)
+        policy = _wrap.policy_json(module, auto_wrap_policy, self._ignored, use_orig_params)
+        self.policy_json = json.dumps(policy, separators=(",", ":"))
+        self.reattached = name in list(client.registered_modules)
+        init = "from_rank0" if sync_module_states else "from_every_rank"
+        self._manifest_json, self._init = manifest, init
+        self.backward_error: Optional[BaseException] = None
+        reg = client.register(name, manifest, self.policy_json, init=init)
+        self._plan = reg.plan
+        self._build_units(reg.plan)
+        if reg.init_summon is not None:
+            self._fill_init_summon(reg.init_summon)
+        self._attach_shards(reg.shards)
+        self._install_hooks()
+        # Per step state.
+        self._fwd: Dict[int, Any] = {}      # unit -> open forward summon
+        self._fwd_depth: Dict[int, int] = {}
+        self._bwd: Dict[int, Any] = {}      # unit -> open backward summon
+        self._reduced: set = set()          # units reduce-scattered in this backward
+        self._final_queued = False
+        _WRAPPERS.add(self)
+
+    # ------------------------------------------------------------------ registration
+    @property
+    def plan(self) -> Dict[str, Any]:
+        return self._plan
+
+    @property
+    def client(self) -> Any:
+        return self._client
+
+    @property
+    def registered_name(self) -> str:
+        return self._name
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self._state
+
+    def _build_units(self, plan: Dict[str, Any]) -> None:
+        by_fqn: Dict[str, nn.Parameter] = _all_named_params(self.module)
+        self._units: List[_Unit] = []
+        self._unit_of_module: Dict[int, int] = {}
+        self._managed: Dict[int, Tuple[int, _Param]] = {}  # id(Parameter) -> (unit, _Param)
+        for i, pu in enumerate(plan["units"]):
+            u = _Unit(i, pu)
+            if int(pu.get("index", i)) != i:
+                raise RuntimeError(f"plan: unit at position {i} has index {pu.get('index')}")
+            u.module = self.module.get_submodule(u.path) if u.path else self.module
+            for pp in pu["params"]:
+                p = _Param(pp["fqn"], tuple(int(s) for s in pp["shape"]), int(pp["offset"]),
+                           int(pp["numel"]))
+                p.sites.append(self._site(p.fqn))
+                p.param = by_fqn.get(p.fqn)
+                if p.param is None:
+                    raise RuntimeError(f"plan: unit {i} holds {p.fqn!r}, which the module "
+                                       f"{type(self.module).__name__} does not have")
+                u.params.append(p)
+                self._managed[id(p.param)] = (i, p)
+            for alias in pu.get("shared", []):
+                target = next((q for q in u.params if q.fqn == alias["same_as"]), None)
+                if target is None:
+                    raise RuntimeError(f"plan: unit {i}: shared {alias['fqn']!r} names "
+                                       f"{alias['same_as']!r}, not a parameter of the unit")
+                target.sites.append(self._site(alias["fqn"]))
+                target.fqns.append(alias["fqn"])
+            u.compute_gaps()
+            self._units.append(u)
+            self._unit_of_module[id(u.module)] = i
+        self._unit_by_path = {u.path: u.index for u in self._units}
+        self._managed_fqns = {fqn for u in self._units for p in u.params for fqn in p.fqns}
+
+    def _site(self, fqn: str) -> Tuple[nn.Module, str]:
+        prefix, _, attr = fqn.rpartition(".")
+        return (self.module.get_submodule(prefix) if prefix else self.module, attr)
+
+    def _fill_init_summon(self, s: Any) -> None:
+        named = _all_named_params(self.module)
+        try:
+            with torch.no_grad():
+                for fqn, view in s.params.items():
+                    src = named.get(fqn)
+                    if src is None:
+                        raise RuntimeError(f"init summon: {fqn!r} is not a parameter of the module")
+                    view.copy_(src.detach().reshape(view.shape))
+        except BaseException:
+            s.end()
+            raise
+        s.end()
+
+    def _attach_shards(self, shards: Iterable[Any]) -> None:
+        got = {sh.unit: sh for sh in shards}
+        for u in self._units:
+            sh = got.get(u.index)
+            if sh is None:
+                raise RuntimeError(f"registered module {self._name!r}: this rank holds no shard "
+                                   f"of unit {u.index} ({u.path or '<root>'})")
+            u.shard = sh.shard
+            u.shard_offset = int(sh.shard_offset)
+            if int(sh.shard_numel) != u.shard_numel:
+                raise RuntimeError(f"unit {u.index}: shard has {sh.shard_numel} elements, the "
+                                   f"plan says {u.shard_numel}")
+            if u.flat_param is None:
+                u.flat_param = nn.Parameter(u.shard, requires_grad=u.requires_grad)
+            else:
+                u.flat_param.data = u.shard
+            # A gradient shard left by an earlier session (re-attach) stays in the daemon
+            # (summon with_grads shows it) but is not handed to the optimizer: it may be a
+            # crashed step's partial result. The first backward overwrites it.
+            u.grad_shard = sh.grad if u.requires_grad else None
+            u.flat_param.grad = None
+            for p in u.params:
+                p.param.data = self._shard_slice(u, p, u.shard)
+                p.param.grad = None
+
+    def reattach(self) -> None:
+        """Continues after a failed step, e.g. when another rank crashed: call it once the
+        client has joined its group again (``client.leave(); client.join(...)``, the same
+        group and rank). Drops what the failed step left open, registers the module again
+        (re-attach: the live shards stay as they are) and points the same parameter objects
+        at the shards, so the optimizer and its state carry on. Then redo the failed step."""
+        self._abandon_step()
+        reg = self._client.register(self._name, self._manifest_json, self.policy_json,
+                                    init=self._init)
+        if reg.plan.get("fingerprint") != self._plan.get("fingerprint"):
+            raise RuntimeError(f"reattach: the group's module {self._name!r} has another plan "
+                               f"(fingerprint {reg.plan.get('fingerprint')}, this wrapper's "
+                               f"{self._plan.get('fingerprint')})")
+        if reg.init_summon is not None:
+            self._fill_init_summon(reg.init_summon)
+        self._attach_shards(reg.shards)
+        self.reattached = True
+        self.backward_error = None
+
+    @staticmethod
+    def _shard_slice(u: _Unit, p: _Param, flat_shard: torch.Tensor) -> torch.Tensor:
+        lo = max(p.offset, u.shard_offset)
+        hi = min(p.offset + p.numel, u.shard_offset + u.shard_numel)
+        if hi <= lo:
+            return flat_shard.narrow(0, 0, 0)
+        return flat_shard.narrow(0, lo - u.shard_offset, hi - lo)
+
+    def _has_grads(self, u: _Unit) -> bool:
+        """Whether the optimizer's view of unit u holds a gradient (then the next backward
+        accumulates into it, as torch does); ``zero_grad(set_to_none=True)`` clears it."""
+        if self._use_orig_params:
+            return any(p.param.grad is not None for p in u.params)
+        return u.flat_param.grad is not None
+
+    def _refresh_grads(self) -> None:
+        """Points every sharded parameter's .grad at its gradient shard. The daemon creates a
+        unit's gradient shard at its first reduce-scatter; it stays where it is afterwards."""
+        need = [u for u in self._units if u.requires_grad and u.grad_shard is None]
+        if need:
+            views = {sh.unit: sh for sh in self._client.shard_views(self._name)}
+            for u in need:
+                sh = views.get(u.index)
+                if sh is not None and sh.grad is not None:
+                    u.grad_shard = sh.grad
+        for u in self._units:
+            if u.grad_shard is None or u.index not in self._reduced:
+                continue
+            u.flat_param.grad = u.grad_shard
+            if self._use_orig_params:
+                for p in u.params:
+                    p.param.grad = self._shard_slice(u, p, u.grad_shard)
+
+    # ------------------------------------------------------------------ parameters
+    def sharded_parameters(self) -> List[nn.Parameter]:
+        """What the optimizer steps: parameters over this rank's shards, ``.grad`` over the
+        gradient shards (after the first backward). use_orig_params=False: one flat
+        parameter per unit; True: the original parameters (1-D, this rank's part)."""
+        if self._use_orig_params:
+            out, seen = [], set()
+            for u in self._units:
+                for p in u.params:
+                    if p.param.requires_grad and id(p.param) not in seen:
+                        seen.add(id(p.param))
+                        out.append(p.param)
+            return out
+        return [u.flat_param for u in self._units if u.requires_grad]
+
+    def named_sharded_parameters(self) -> List[Tuple[str, nn.Parameter]]:
+        if self._use_orig_params:
+            return [(p.fqn, p.param) for u in self._units for p in u.params]
+        return [(f"{u.path + '.' if u.path else ''}flat_param", u.flat_param) for u in self._units]
+
+    def _ignored_parameters(self) -> List[Tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if id(p) not in self._managed]
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """As FSDP: the sharded parameters (flat per unit, or the original ones with
+        use_orig_params) and the parameters of ignored modules."""
+        pre = prefix + "." if prefix else ""
+        for n, p in self.named_sharded_parameters() + self._ignored_parameters():
+            yield pre + n, p
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    # ------------------------------------------------------------------ forward / backward
+    def _install_hooks(self) -> None:
+        self._hook_handles = []
+        for u in self._units:
+            if u.module is self.module:
+                continue  # the root unit is handled by forward()
+            self._hook_handles.append(u.module.register_forward_pre_hook(
+                lambda m, args, _u=u.index: self._pre_forward(_u)))
+            self._hook_handles.append(u.module.register_forward_hook(
+                lambda m, args, out, _u=u.index: self._post_forward(_u)))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._state == TrainingState.SUMMON_FULL_PARAMS:
+            raise AssertionError("FlatShardModule: forward inside summon_full_params")
+        if self._state == TrainingState.FORWARD_BACKWARD and not self._fwd:
+            # An earlier step did not finish its backward (no backward, or it failed): drop
+            # what it left open before starting again.
+            self._abandon_step()
+        self._state = TrainingState.FORWARD_BACKWARD
+        self.backward_error = None
+        root = self._unit_of_module.get(id(self.module))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                if root is not None:
+                    self._pre_forward(root)
+                out = self.module(*args, **kwargs)
+                if root is not None:
+                    self._post_forward(root)
+        except BaseException:
+            self._abandon_step()
+            raise
+        if torch.is_grad_enabled() and self._register_pre_backward(out):
+            return out
+        self._state = TrainingState.IDLE
+        return out
+
+    def _register_pre_backward(self, out: Any) -> bool:
+        tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        for t in tensors:
+            t.register_hook(self._pre_backward_hook)
+        self._final_queued = False
+        return bool(tensors)
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        if not self._final_queued:
+            self._final_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+        return grad
+
+    def _pre_forward(self, unit: int) -> None:
+        u = self._units[unit]
+        depth = self._fwd_depth.get(unit, 0)
+        self._fwd_depth[unit] = depth + 1
+        if depth > 0:
+            return  # a module called again inside its own forward: already summoned
+        s = self._client.summon(self._name, u.path, recurse=False, writeback=False)
+        flat = _plain(s.flat(unit))
+        self._fwd[unit] = (s, flat, flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size())
+        if torch.is_grad_enabled() and u.requires_grad:
+            dummy = torch.empty(0, requires_grad=True)
+            views = _UnitParams.apply(self, unit, dummy, flat)
+        else:
+            views = tuple(flat.narrow(0, p.offset, p.numel).view(p.shape) for p in u.params)
+        for p, v in zip(u.params, views):
+            for m, attr in p.sites:
+                m._parameters[attr] = v
+
+    def _post_forward(self, unit: int) -> None:
+        depth = self._fwd_depth.get(unit, 0) - 1
+        self._fwd_depth[unit] = depth
+        if depth > 0:
+            return
+        u = self._units[unit]
+        for p in u.params:
+            for m, attr in p.sites:
+                m._parameters[attr] = p.param
+        s = self._fwd.pop(unit)[0]
+        s.end()
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self._fwd or t.device.type != "cpu" or t.numel() == 0:
+            return t
+        ptr = t.data_ptr()
+        for unit, (_, flat, lo, hi) in self._fwd.items():
+            if lo <= ptr < hi and t.dtype == flat.dtype:
+                return _Packed(unit, (ptr - lo) // flat.element_size(), tuple(t.size()),
+                               tuple(t.stride()))
+        return t
+
+    def _unpack(self, x: Any) -> torch.Tensor:
+        if not isinstance(x, _Packed):
+            return x
+        try:
+            flat = self._backward_flat(x.unit)
+        except BaseException as e:
+            self.backward_error = e  # torch's engine re-raises it as a RuntimeError
+            raise
+        return flat.as_strided(x.size, x.stride, x.offset)
+
+    def _backward_flat(self, unit: int) -> torch.Tensor:
+        got = self._bwd.get(unit)
+        if got is None:
+            u = self._units[unit]
+            s = self._client.summon(self._name, u.path, recurse=False, writeback=False)
+            got = (s, _plain(s.flat(unit)))
+            self._bwd[unit] = got
+        return got[1]
+
+    def _post_backward(self, unit: int, grads: Tuple[Optional[torch.Tensor], ...]) -> None:
+        try:
+            self._reduce_scatter(unit, grads)
+        except BaseException as e:
+            self.backward_error = e  # torch's engine re-raises it as a RuntimeError
+            raise
+
+    def _reduce_scatter(self, unit: int, grads: Tuple[Optional[torch.Tensor], ...]) -> None:
+        u = self._units[unit]
+        accumulate = unit in self._reduced or self._has_grads(u)
+        pending = self._client.begin_reduce_scatter(self._name, unit, self._reduce_op, accumulate)
+        buf = _plain(pending.flat)
+        with torch.no_grad():
+            for p, g in zip(u.params, grads):
+                dst = buf.narrow(0, p.offset, p.numel)
+                if g is None:
+                    dst.zero_()
+                else:
+                    dst.view(p.shape).copy_(g)
+            for lo, hi in u.gaps:
+                buf.narrow(0, lo, hi - lo).zero_()
+        pending.finish()
+        self._reduced.add(unit)
+        got = self._bwd.pop(unit, None)
+        if got is not None:
+            got[0].end()
+
+    def _final_callback(self) -> None:
+        try:
+            for unit in list(self._bwd):
+                self._bwd.pop(unit)[0].end()
+            self._refresh_grads()
+        except BaseException as e:
+            self.backward_error = e
+            raise
+        finally:
+            self._reduced.clear()
+            self._final_queued = False
+            self._state = TrainingState.IDLE
+
+    def _abandon_step(self) -> None:
+        """Ends whatever a failed or unfinished step left open (best effort: the daemon ends
+        them itself when the session goes)."""
+        for table in (self._fwd, self._bwd):
+            for unit in list(table):
+                s = table.pop(unit)[0]
+                try:
+                    s.end()
+                except Exception:  # noqa: BLE001 - the step already failed; keep its error
+                    pass
+        for u in self._units:
+            for p in u.params:
+                for m, attr in p.sites:
+                    m._parameters[attr] = p.param
+        self._fwd_depth.clear()
+        self._reduced.clear()
+        self._final_queued = False
+        self._state = TrainingState.IDLE
+
+    # ------------------------------------------------------------------ summon_full_params
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
+                           rank0_only: bool = False, offload_to_cpu: bool = False,
+                           with_grads: bool = False):
+        """FSDP's ``summon_full_params`` (same signature and defaults). ``module`` is a
+        FlatShardModule or a module inside one (then: the units at that module's path)."""
+        wrapper, path = _find_wrapper(module)
+        with wrapper._summon(path, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
+            yield
+
+    @contextlib.contextmanager
+    def _summon(self, path: str, recurse: bool, writeback: bool, rank0_only: bool,
+                offload_to_cpu: bool, with_grads: bool):
+        if self._state == TrainingState.FORWARD_BACKWARD:
+            raise AssertionError(ERR_IN_FORWARD_BACKWARD)
+        if self._state == TrainingState.SUMMON_FULL_PARAMS:
+            raise AssertionError(ERR_NESTED_SUMMON)
+        if offload_to_cpu and not rank0_only and writeback:
+            # FSDP warns always; flatshard only when more than one host copy may exist (a
+            # writeback summon gives every rank its own copy; read-only ones share one).
+            warnings.warn("offload_to_cpu=True and rank0_only=False with writeback=True gives "
+                          "every rank its own host copy of the unsharded parameters")
+        self._state = TrainingState.SUMMON_FULL_PARAMS
+        installed: List[_Param] = []
+        try:
+            s = self._client.summon(self._name, path, recurse=recurse, writeback=writeback,
+                                    rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
+                                    with_grads=with_grads)
+            try:
+                if s.has_views:
+                    params = s.params
+                    grads = s.grads if with_grads else {}
+                    for unit in s.units:
+                        for p in self._units[unit].params:
+                            view = params[p.fqn]
+                            if writeback:
+                                full = nn.Parameter(view, requires_grad=p.param.requires_grad)
+                            else:
+                                # A read-only summon's tensor (writes raise, never segfault).
+                                full = view.requires_grad_(p.param.requires_grad)
+                            g = grads.get(p.fqn)
+                            if g is not None:
+                                full.grad = g
+                            for m, attr in p.sites:
+                                m._parameters[attr] = full
+                            installed.append(p)
+                yield
+            finally:
+                for p in installed:
+                    for m, attr in p.sites:
+                        m._parameters[attr] = p.param
+                s.end()
+        finally:
+            self._state = TrainingState.IDLE
+
+    # ------------------------------------------------------------------ state dicts
+    def full_state_dict(self, rank0_only: bool = False,
+                        offload_to_cpu: bool = False) -> Dict[str, torch.Tensor]:
+        """The unwrapped module's ``state_dict()`` (same keys, full values, copies). With
+        rank0_only, ranks other than 0 get an empty dict (as FSDP)."""
+        with self._summon("", True, False, rank0_only, offload_to_cpu, False):
+            if rank0_only and self._rank() != 0:
+                return {}
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def load_full_state_dict(self, state_dict: Optional[Dict[str, torch.Tensor]],
+                             rank0_only: bool = False, strict: bool = True) -> None:
+        """Loads a full state dict (the unwrapped module's keys). Collective. With rank0_only,
+        only rank 0's dict is read (others may pass None) and rank 0's values reach every
+        shard (beyond FSDP); buffers are then loaded on rank 0 only."""
+        with self._summon("", True, True, rank0_only, False, False):
+            if rank0_only and self._rank() != 0:
+                return
+            if state_dict is None:
+                raise ValueError("load_full_state_dict: state_dict is None on a rank that reads it")
+            with torch.no_grad():
+                self.module.load_state_dict(state_dict, strict=strict)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, torch.Tensor]:  # noqa: D401
+        """FSDP's default (FULL_STATE_DICT): the full state dict on every rank."""
+        if args or kwargs:
+            raise TypeError("FlatShardModule.state_dict takes no arguments; use "
+                            "full_state_dict(rank0_only=..., offload_to_cpu=...) or "
+                            "sharded_state_dict()")
+        return self.full_state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True):
+        self.load_full_state_dict(state_dict, strict=strict)
+
+    def sharded_state_dict(self) -> Dict[str, Any]:
+        """This rank's shards (copies, padded, one ``<unit path>.flat_param`` each) and its
+        buffers, with the plan fingerprint, rank and world size to check on load."""
+        out: Dict[str, Any] = {}
+        for u in self._units:
+            out[f"{u.path + '.' if u.path else ''}flat_param"] = u.shard.detach().clone()
+        for k, v in self.module.state_dict().items():
+            if k not in self._managed_fqns:  # buffers and ignored modules' parameters
+                out[k] = v.detach().clone()
+        out[_SHARDED_META_KEY] = {"fingerprint": self._plan.get("fingerprint"),
+                                  "rank": self._rank(), "world_size": self._world_size()}
+        return out
+
+    def load_sharded_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Copies a ``sharded_state_dict()`` of this rank back into the shards (local: every
+        rank loads its own; not collective)."""
+        meta = sd.get(_SHARDED_META_KEY)
+        if not isinstance(meta, dict):
+            raise ValueError(f"load_sharded_state_dict: no {_SHARDED_META_KEY!r} entry")
+        for key, want in (("fingerprint", self._plan.get("fingerprint")), ("rank", self._rank()),
+                          ("world_size", self._world_size())):
+            if meta.get(key) != want:
+                raise ValueError(f"load_sharded_state_dict: {key} is {meta.get(key)!r}, this "
+                                 f"rank's is {want!r}")
+        with torch.no_grad():
+            for u in self._units:
+                key = f"{u.path + '.' if u.path else ''}flat_param"
+                t = sd.get(key)
+                if t is None or tuple(t.shape) != (u.shard_numel,):
+                    raise ValueError(f"load_sharded_state_dict: {key}: want shape "
+                                     f"({u.shard_numel},), got "
+                                     f"{None if t is None else tuple(t.shape)}")
+                u.shard.copy_(t)
+            local = {k: v for k, v in self.module.state_dict().items()
+                     if k not in self._managed_fqns}
+            missing = sorted(set(local) - set(sd))
+            if missing:
+                raise ValueError(f"load_sharded_state_dict: missing {missing}")
+            for k, v in local.items():
+                v.copy_(sd[k])
+
+    def _rank(self) -> int:
+        return int(getattr(self._client, "rank", self._plan_rank()))
+
+    def _plan_rank(self) -> int:
+        u = self._units[0]
+        return u.shard_offset // max(u.shard_numel, 1)
+
+    def _world_size(self) -> int:
+        return int(self._plan.get("world_size", 0))
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as a plain torch.Tensor. Read-only summons hand out ReadOnlyTensor,
+    whose write guard costs a Python dispatch per op; the wrapper never writes its forward and
+    backward buffers, so it computes on plain tensors."""
+    if type(t) is torch.Tensor:
+        return t
+    with torch._C.DisableTorchFunction():
+        return t.as_subclass(torch.Tensor)
+
+
+def _all_named_params(root: nn.Module) -> Dict[str, nn.Parameter]:
+    """Every FQN of every parameter, tied and shared ones at each of their paths."""
+    out: Dict[str, nn.Parameter] = {}
+
+    def visit(m: nn.Module, prefix: str, stack: Tuple[int, ...]) -> None:
+        if id(m) in stack:
+            return
+        for n, p in m._parameters.items():
+            if p is not None:
+                out[prefix + n] = p
+        for n, c in m._modules.items():
+            if c is not None:
+                visit(c, f"{prefix}{n}.", stack + (id(m),))
+
+    visit(root, "", ())
+    return out
+
+
+def _flatten(x: Any) -> List[Any]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [y for e in x for y in _flatten(e)]
+    if isinstance(x, dict):
+        return [y for e in x.values() for y in _flatten(e)]
+    return []
+
+
+def _find_wrapper(module: nn.Module) -> Tuple[FlatShardModule, str]:
+    if isinstance(module, FlatShardModule):
+        return module, ""
+    for w in list(_WRAPPERS):
+        paths = _wrap.module_paths(w.module)
+        if id(module) in paths:
+            return w, paths[id(module)]
+    raise ValueError(f"summon_full_params: {type(module).__name__} is not inside a "
+                     f"FlatShardModule")
+
+summon_full_params = FlatShardModule.summon_full_params

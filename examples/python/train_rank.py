@@ -1,0 +1,178 @@
+#!/usr/bin/python3
+"""One rank of a flatshard training job: the example GPT (or torchvision's resnet18) wrapped in
+``flatshard.torch.FlatShardModule`` and trained with a torch optimizer over the daemon's shards.
+
+Prints one JSON object per line on stdout:
+  {"event": "step", "step": i, "rank": r, "loss": <this rank's loss on its slice>}
+  {"event": "summon", ...}   (--demo: what summon_full_params read and edited)
+  {"event": "done", "rank": r, "reattached": bool, "seconds": s, "peak_rss_kib": k}
+With --out, rank 0 saves the final full state dict (torch.save) there.
+Run by examples/python/run_gpt.py, the tests and the benchmark; not meant to be run by hand.
+"""
+import argparse
+import json
+import os
+import resource
+import signal
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import flatshard  # noqa: E402
+from flatshard.torch import (FlatShardModule, ModuleWrapPolicy,  # noqa: E402
+                             size_based_auto_wrap_policy, summon_full_params)
+
+import gpt  # noqa: E402
+
+
+def emit(**kw):
+    sys.stdout.write(json.dumps(kw) + "\n")
+    sys.stdout.flush()
+
+
+def build(args):
+    if args.model == "gpt":
+        model = gpt.build_gpt(args.seed)
+        policies = {"block": ModuleWrapPolicy({gpt.Block}), "none": None,
+                    "size": size_based_auto_wrap_policy(min_num_params=20000)}
+        return model, policies[args.policy]
+    import torchvision
+    from torchvision.models.resnet import BasicBlock
+    torch.manual_seed(args.seed)
+    model = torchvision.models.resnet18(num_classes=10)
+    return model, ModuleWrapPolicy({BasicBlock})
+
+
+def resnet_batch(step, batch, rank, world_size):
+    """Generated images whose class is readable from them: class c brightens channel c % 3
+    in the c-th horizontal band. Rank r takes its equal slice of the global batch."""
+    g = torch.Generator().manual_seed(4321 * 1000 + step)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    x = torch.randn(batch, 3, 32, 32, generator=g) * 0.5
+    for i in range(batch):
+        c = int(y[i])
+        x[i, c % 3, 3 * c:3 * c + 3, :] += 2.0
+    n = batch // world_size
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--group", required=True)
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--token", default="")
+    ap.add_argument("--coordinator", default="")
+    ap.add_argument("--model", choices=["gpt", "resnet18"], default="gpt")
+    ap.add_argument("--policy", choices=["block", "size", "none"], default="block")
+    ap.add_argument("--use-orig-params", action="store_true")
+    ap.add_argument("--sync-module-states", action="store_true")
+    ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--start-step", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--demo", action="store_true", help="read and edit weights with "
+                    "summon_full_params after training (rank 0 prints)")
+    ap.add_argument("--die-at-step", type=int, default=-1,
+                    help="testing: SIGKILL this process in the backward of that step")
+    ap.add_argument("--survive", action="store_true",
+                    help="when a step fails (another rank died), join again, re-attach and "
+                         "redo the step instead of exiting")
+    ap.add_argument("--call-timeout", type=float, default=30.0)
+    args = ap.parse_args()
+
+    t0 = time.monotonic()
+    client = flatshard.Client(args.address, call_timeout=args.call_timeout, join_timeout=60.0)
+    client.join(args.group, args.world_size, args.rank, args.token, args.coordinator)
+    model, policy = build(args)
+    fs = FlatShardModule(model, client, auto_wrap_policy=policy,
+                         sync_module_states=args.sync_module_states,
+                         use_orig_params=args.use_orig_params)
+    if args.rank == 0:
+        emit(event="plan", units=[(u["index"], u["module"], u["numel"], u["shard_numel"])
+                                  for u in fs.plan["units"]])
+    params = fs.sharded_parameters()
+    if args.optimizer == "adamw":
+        opt = gpt.make_optimizer(params, args.lr)
+    else:
+        opt = torch.optim.SGD(params, lr=args.lr)
+
+    step, failures = args.start_step, 0
+    while step < args.steps:
+        try:
+            loss = train_step(args, fs, model, opt, step)
+        except (flatshard.FlatshardError, RuntimeError) as e:
+            # Errors inside backward reach us as torch's RuntimeError; the flatshard error
+            # behind it is fs.backward_error.
+            cause = fs.backward_error or e
+            emit(event="step_failed", step=step, rank=args.rank, error=type(cause).__name__,
+                 message=str(cause)[:300])
+            failures += 1
+            if not args.survive or failures > 3:
+                raise
+            # Another rank died: join again (waits for its replacement), re-attach, redo it.
+            try:
+                client.leave()
+            except flatshard.FlatshardError:
+                pass
+            client.join(args.group, args.world_size, args.rank, args.token, args.coordinator)
+            fs.reattach()
+            emit(event="reattached", step=step, rank=args.rank)
+            continue
+        emit(event="step", step=step, rank=args.rank, loss=float(loss))
+        step += 1
+
+    sd = fs.full_state_dict(rank0_only=True)  # collective: every rank takes part
+    if args.out and args.rank == 0:
+        torch.save(sd, args.out)
+    if args.demo:
+        demo_summon(fs, args.rank)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    emit(event="done", rank=args.rank, reattached=fs.reattached,
+         seconds=time.monotonic() - t0, peak_rss_kib=peak)
+    client.leave()
+    client.close()
+
+
+def train_step(args, fs, model, opt, step):
+    if args.model == "gpt":
+        x, y = gpt.local_batch(step, args.batch, model.cfg, args.rank, args.world_size)
+        loss = fs(x, y)
+    else:
+        x, y = resnet_batch(step, args.batch, args.rank, args.world_size)
+        loss = torch.nn.functional.cross_entropy(fs(x), y)
+    if step == args.die_at_step:
+        loss.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def demo_summon(fs, rank):
+    """summon_full_params: read a full weight, then halve ln_f.weight on rank 0 only and write
+    it back to every rank's shard (rank0_only + writeback: beyond FSDP)."""
+    with summon_full_params(fs, writeback=False):
+        w = fs.module.ln_f.weight
+        emit(event="summon", rank=rank, what="read", fqn="ln_f.weight", shape=list(w.shape),
+             head=[round(float(v), 5) for v in w[:4]])
+    with summon_full_params(fs, rank0_only=True, writeback=True):
+        if rank == 0:
+            with torch.no_grad():
+                fs.module.ln_f.weight.mul_(0.5)
+    with summon_full_params(fs, writeback=False):
+        w = fs.module.ln_f.weight
+        emit(event="summon", rank=rank, what="after rank-0 edit", fqn="ln_f.weight",
+             head=[round(float(v), 5) for v in w[:4]])
+
+
+if __name__ == "__main__":
+    main()

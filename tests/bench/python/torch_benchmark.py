@@ -1,0 +1,291 @@
+#!/usr/bin/python3
+"""Training step time and peak memory per node: flatshard (FlatShardModule, FULL_SHARD) against
+torch DistributedDataParallel (gloo, CPU), torch FullyShardedDataParallel (FULL_SHARD, gloo) and
+one process, in the same run, on the same model (the example GPT, examples/python/gpt.py, at
+the size given) with the same global batches and rank count.
+
+    PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \\
+        /usr/bin/python3 tests/bench/python/torch_benchmark.py --ranks 2 --steps 20
+
+Step time: per rank, the median of the steps after --warmup; the slowest rank counts.
+Peak memory per node: the peak over the run of the summed PSS (proportional set size, from
+/proc/PID/smaps_rollup, sampled every 20 ms) of every process of the job on this host: the
+ranks and, for flatshard, the daemon. PSS splits shared pages between the processes mapping
+them, so the daemon's shared-memory segments are counted once.
+"""
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+SOURCE_DIR = Path(os.environ.get("FS_SOURCE_DIR", Path(__file__).resolve().parents[3]))
+sys.path.insert(0, str(SOURCE_DIR / "examples" / "python"))
+
+
+def pss_kib(pid):
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class PeakSampler:
+    """Samples the summed PSS of a set of pids until stopped; keeps the peak."""
+
+    def __init__(self, pids):
+        self.pids = list(pids)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, sum(pss_kib(p) for p in self.pids))
+            self._stop.wait(0.02)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+# ----------------------------------------------------------------------------- worker
+def worker(args):
+    import torch
+    import gpt
+    torch.set_num_threads(1)
+    cfg = dict(n_layer=args.n_layer, n_embd=args.n_embd, block_size=args.block_size)
+    rank, world = args.rank, args.world_size
+    model = gpt.build_gpt(0, **cfg)
+    client = None
+    if args.mode == "single":
+        fwd, params = model, model.parameters()
+    elif args.mode in ("ddp", "fsdp"):
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
+                                rank=rank, world_size=world)
+        if args.mode == "ddp":
+            # The attention masks are constant bool buffers, which gloo cannot broadcast.
+            DDP = torch.nn.parallel.DistributedDataParallel
+            DDP._set_params_and_buffers_to_ignore_for_model(
+                model, [n for n, b in model.named_buffers() if b.dtype == torch.bool])
+            fwd = DDP(model, broadcast_buffers=False)
+        else:
+            fwd = make_fsdp(model)
+        params = fwd.parameters()
+    else:
+        import flatshard
+        from flatshard.torch import FlatShardModule, ModuleWrapPolicy
+        client = flatshard.Client(args.address, call_timeout=60.0, join_timeout=120.0)
+        client.join(args.group, world, rank)
+        fwd = FlatShardModule(model, client, auto_wrap_policy=ModuleWrapPolicy({gpt.Block}))
+        params = fwd.sharded_parameters()
+    opt = gpt.make_optimizer(params)
+    times, losses = [], []
+    for step in range(args.steps):
+        x, y = gpt.local_batch(step, args.batch, model.cfg, rank, world)
+        t0 = time.perf_counter()
+        loss = fwd(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    print(json.dumps({"rank": rank, "times": times, "losses": losses,
+                      "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}),
+          flush=True)
+    if client is not None:
+        client.leave()
+        client.close()
+
+
+class _NoStream:
+    """Stands in for a CUDA stream or event on CPU: every wait, record and sync is a no-op
+    (CPU ops run in program order on one thread, so there is nothing to order)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *a):
+        pass
+
+    def wait_event(self, *a):
+        pass
+
+    def record(self, *a):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+def _cpu_cuda_shims():
+    """torch 1.13's FSDP checks torch.cuda.is_available() at its first forward and orders its
+    all-gathers and reduce-scatters with CUDA streams and events; its collectives themselves
+    go through torch.distributed (gloo here) and work on CPU tensors. With the stream API
+    replaced by no-ops it trains on CPU (only for this benchmark's worker process)."""
+    import contextlib
+    import torch
+    torch.cuda.is_available = lambda: True
+    torch.cuda.Stream = _NoStream
+    torch.cuda.Event = _NoStream
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.Tensor.record_stream = lambda self, *a: None
+    # gloo has neither _all_gather_base nor reduce-scatter: all_gather into the chunks of the
+    # output, and all_reduce + keep this rank's chunk. The second moves 2x the bytes of a
+    # reduce-scatter (ring all-reduce = reduce-scatter + all-gather): FSDP's backward is
+    # slower here than with NCCL's reduce-scatter would be.
+    import torch.distributed as dist
+
+    def all_gather_base(output, input, group=None, async_op=False):
+        n = dist.get_world_size(group)
+        return dist.all_gather(list(output.chunk(n)), input, group=group, async_op=async_op)
+
+    def reduce_scatter_base(output, input, group=None, async_op=False, op=dist.ReduceOp.SUM):
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        full = input.clone()
+        dist.all_reduce(full, op=op, group=group)
+        output.copy_(full.chunk(n)[r])
+
+    dist._all_gather_base = all_gather_base
+    dist._reduce_scatter_base = reduce_scatter_base
+
+
+def make_fsdp(model):
+    """torch 1.13's FSDP on CPU (spec/semantics.md §5): hashable dataclass default for the
+    import on Python 3.11, CPU as the compute device, and no-op CUDA streams/events
+    (_cpu_cuda_shims)."""
+    _cpu_cuda_shims()
+    sys.path.insert(0, str(SOURCE_DIR / "scripts" / "fsdp_fixtures"))
+    import fsdp_env  # noqa: F401 - the two patches of spec/semantics.md §5
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    import functools
+    import gpt
+    return FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD,
+                auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                   transformer_layer_cls={gpt.Block}))
+
+
+# ----------------------------------------------------------------------------- launcher
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_mode(mode, args):
+    """Runs one configuration; returns a dict with step time, peak PSS, losses, or an error."""
+    world = 1 if mode == "single" else args.ranks
+    common = [sys.executable, __file__, "--worker", "--mode", mode, "--steps", str(args.steps),
+              "--batch", str(args.batch), "--world-size", str(world), "--n-layer",
+              str(args.n_layer), "--n-embd", str(args.n_embd), "--block-size",
+              str(args.block_size)]
+    daemon = None
+    extra_pids = []
+    if mode == "flatshard":
+        from flatshard.testing import LocalDaemon
+        daemon = LocalDaemon().start()
+        extra_pids.append(daemon.proc.pid)
+        common += ["--address", daemon.address, "--group", "b-" + uuid.uuid4().hex[:8]]
+    else:
+        common += ["--port", str(free_port())]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = []
+            for r in range(world):
+                out = open(os.path.join(tmp, f"{r}.out"), "w")
+                err = open(os.path.join(tmp, f"{r}.err"), "w")
+                procs.append(subprocess.Popen(common + ["--rank", str(r)], stdout=out,
+                                              stderr=err, env=env))
+            with PeakSampler([p.pid for p in procs] + extra_pids) as sampler:
+                rcs = [p.wait(timeout=args.timeout) for p in procs]
+            results = []
+            for r, rc in enumerate(rcs):
+                if rc != 0:
+                    tail = open(os.path.join(tmp, f"{r}.err")).read().strip().splitlines()
+                    return {"mode": mode, "error": f"rank {r} exited {rc}: "
+                                                   f"{tail[-1] if tail else ''}"}
+                results.append(json.loads(open(os.path.join(tmp, f"{r}.out")).read()
+                                          .strip().splitlines()[-1]))
+    finally:
+        if daemon is not None:
+            daemon.stop()
+    per_rank = [statistics.median(r["times"][args.warmup:]) for r in results]
+    losses = [sum(r["losses"][i] for r in results) / world for i in range(args.steps)]
+    return {"mode": mode, "ranks": world, "step_s": max(per_rank), "peak_pss_mib":
+            sampler.peak / 1024.0, "final_loss": losses[-1]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--mode", default="flatshard")
+    ap.add_argument("--modes", default="single,ddp,fsdp,flatshard")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=12)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--address", default="")
+    ap.add_argument("--group", default="")
+    ap.add_argument("--timeout", type=float, default=500)
+    ap.add_argument("--json", default="", help="also write the results here")
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    import gpt
+    n = sum(p.numel() for p in gpt.build_gpt(0, n_layer=args.n_layer, n_embd=args.n_embd,
+                                              block_size=args.block_size).parameters())
+    print(f"GPT {n / 1e6:.2f} M params ({args.n_layer} blocks, n_embd {args.n_embd}, block "
+          f"{args.block_size}), global batch {args.batch}, {args.ranks} ranks, {args.steps} "
+          f"AdamW steps (median after {args.warmup}), 1 intra-op thread per process")
+    rows = [run_mode(m, args) for m in args.modes.split(",")]
+    base = {r["mode"]: r for r in rows if "error" not in r}
+    fs = base.get("flatshard")
+    print(f"{'mode':<10} {'ranks':>5} {'step ms':>9} {'peak MiB/node':>14} {'final loss':>10}"
+          f"  {'flatshard/this (time)':>22} {'(memory)':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['mode']:<10} did not run: {r['error']}")
+            continue
+        ratio_t = f"{fs['step_s'] / r['step_s']:.2f}x" if fs else "-"
+        ratio_m = f"{fs['peak_pss_mib'] / r['peak_pss_mib']:.2f}x" if fs else "-"
+        print(f"{r['mode']:<10} {r['ranks']:>5} {r['step_s'] * 1e3:>9.1f} "
+              f"{r['peak_pss_mib']:>14.1f} {r['final_loss']:>10.4f}  {ratio_t:>22} {ratio_m:>9}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0 if fs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
