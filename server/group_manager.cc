@@ -200,6 +200,10 @@ void GroupManager::OnRendezvous(const std::string& group, int32_t rank, uint64_t
                                            "place rank ", rank, " on this daemon"));
     }
     if (s.ok()) s = ApplyTable(g, *table);
+    if (s.ok() && g.rollback_due) {
+      g.rollback_due = false;
+      StartRollback(g, &run);  // queued before the join's answer
+    }
     if (s.ok()) {
       std::vector<std::string> modules;
       for (const auto& [module, r] : g.registered) modules.push_back(module);
@@ -233,6 +237,7 @@ absl::Status GroupManager::ApplyTable(Group& g, const peer::PeerTable& table) {
   FS_ASSIGN_OR_RETURN(std::unique_ptr<collective::Communicator> comm,
                       nccl ? ConnectBackend(*nccl_, collective::MemoryKind::kCuda, spec)
                            : ConnectBackend(*remote_, collective::MemoryKind::kHost, spec));
+  const bool reform = g.coll != nullptr;
   if (g.coll) {
     engine_.RemoveGroup(g.id, absl::AbortedError(absl::StrCat(
                                   "group ", g.id, " re-formed at epoch ", table.epoch)))
@@ -241,6 +246,9 @@ absl::Status GroupManager::ApplyTable(Group& g, const peer::PeerTable& table) {
   FS_ASSIGN_OR_RETURN(g.coll, engine_.AddGroup(spec, std::move(comm)));
   g.epoch = table.epoch;
   g.local_ranks.assign(spec.local_ranks.begin(), spec.local_ranks.end());
+  // A re-form follows a failure: every daemon rolls its ranks back to the last committed
+  // generation (StartRollback, by the caller once the lock is released).
+  if (reform) g.rollback_due = true;
   FS_LOG(INFO) << "group=" << g.id << " epoch=" << g.epoch << " formed over " << g.world_size
                << " ranks, local ranks " << absl::StrJoin(g.local_ranks, ",")
                << (gpus_.empty() ? "" : nccl ? ", device memory over NCCL"
@@ -356,6 +364,8 @@ void GroupManager::MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<v
       g.pending_joins.clear();
       return;
     }
+    // Every rank resumes from the last committed generation (before any join completes).
+    StartRollback(g, run);
   }
   std::vector<std::string> modules;
   for (const auto& [module, r] : g.registered) modules.push_back(module);
@@ -369,16 +379,24 @@ void GroupManager::MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<v
 }
 
 void GroupManager::OnTable(const std::string& coordinator, const peer::PeerTable& table) {
-  absl::MutexLock lock(&mu_);
-  auto it = groups_.find(table.group);
-  if (it == groups_.end() || it->second->coordinator != coordinator) return;
-  Group& g = *it->second;
-  if (g.coll == nullptr || table.epoch <= g.epoch) return;  // joins in flight apply it
-  if (static_cast<int32_t>(table.rank_daemons.size()) != g.world_size) return;
-  if (absl::Status s = ApplyTable(g, table); !s.ok()) {
-    FS_LOG(WARNING) << "group=" << g.id << " could not re-form at epoch " << table.epoch << ": " << s;
-    g.coll->Abort(s);
+  std::vector<absl::AnyInvocable<void()>> run;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = groups_.find(table.group);
+    if (it == groups_.end() || it->second->coordinator != coordinator) return;
+    Group& g = *it->second;
+    if (g.coll == nullptr || table.epoch <= g.epoch) return;  // joins in flight apply it
+    if (static_cast<int32_t>(table.rank_daemons.size()) != g.world_size) return;
+    if (absl::Status s = ApplyTable(g, table); !s.ok()) {
+      FS_LOG(WARNING) << "group=" << g.id << " could not re-form at epoch " << table.epoch
+                      << ": " << s;
+      g.coll->Abort(s);
+    } else if (g.rollback_due) {
+      g.rollback_due = false;
+      StartRollback(g, &run);
+    }
   }
+  for (auto& f : run) f();
 }
 
 void GroupManager::OnGroupFailed(const std::string& coordinator, const std::string& group,
@@ -430,16 +448,21 @@ absl::Status GroupManager::CheckCallerLocked(const Caller& caller) const {
 }
 
 absl::StatusOr<RegisterResult> GroupManager::GetShards(const Caller& caller,
-                                                       const std::string& module) const {
-  absl::ReaderMutexLock lock(&mu_);
+                                                       const std::string& module) {
+  absl::MutexLock lock(&mu_);
   FS_RETURN_IF_ERROR(CheckCallerLocked(caller));
-  const Group& g = *groups_.at(caller.group);
+  Group& g = *groups_.at(caller.group);
   auto it = g.registered.find(module);
   if (it == g.registered.end()) {
     return absl::NotFoundError(
         absl::StrCat("group ", g.id, ": module ", Display(module), " is not registered"));
   }
-  return RegisterResult{it->second.plan, it->second.shards_by_rank[caller.rank], std::nullopt};
+  Registered& reg = it->second;
+  // Never zeros as the model, never shards about to be rolled back.
+  FS_RETURN_IF_ERROR(CheckUsable(g, module, reg));
+  if (!reg.shards_by_rank[caller.rank].empty()) reg.stale[caller.rank] = false;
+  return RegisterResult{reg.plan, reg.shards_by_rank[caller.rank], std::nullopt,
+                        reg.generation[caller.rank]};
 }
 
 absl::Status GroupManager::Leave(const Caller& caller) {
@@ -449,6 +472,7 @@ absl::Status GroupManager::Leave(const Caller& caller) {
     FS_RETURN_IF_ERROR(CheckCallerLocked(caller));
     Group& g = *groups_.at(caller.group);
     DropSummons(g, caller.rank);
+    FailForRank(g, caller.rank, "left the group");
     EndRank(g, caller.rank, &run);
     FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " left";
     MaybeRemoveGroup(caller.group);
@@ -469,10 +493,7 @@ void GroupManager::EndSession(const std::string& group, uint64_t session) {
       // Its summons end without writeback; collectives waiting for it fail now rather than
       // at their deadline (the communicator re-forms once every rank joined again).
       DropSummons(g, r);
-      if (g.coll && !g.coll->PendingOps().empty()) {
-        g.coll->Abort(absl::UnavailableError(absl::StrCat(
-            "group ", g.id, ": rank ", r, "'s session ended (client gone) during a collective")));
-      }
+      FailForRank(g, r, "ended (its lease closed: the client is gone)");
       EndRank(g, r, &run);
       FS_LOG(INFO) << "group=" << g.id << " rank=" << r << " lease ended (session=" << session
                    << ")";
@@ -480,6 +501,16 @@ void GroupManager::EndSession(const std::string& group, uint64_t session) {
     MaybeRemoveGroup(group);
   }
   for (auto& f : run) f();
+}
+
+void GroupManager::FailForRank(Group& g, int32_t rank, absl::string_view why) {
+  // Fail fast (semantics.md §3a): every collective needs every rank, so from now on each one
+  // fails at once with this cause (sticky) instead of waiting for its deadline, on every
+  // daemon of the group (DeadlineLoop reports it to the coordinator). The group re-forms,
+  // rolling back to the last committed generation, once every rank has joined again.
+  if (g.coll == nullptr) return;
+  g.coll->Abort(absl::UnavailableError(
+      absl::StrCat("group ", g.id, ": rank ", rank, "'s session ", why)));
 }
 
 void GroupManager::EndRank(Group& g, int32_t rank, std::vector<absl::AnyInvocable<void()>>* run) {

@@ -135,6 +135,33 @@ inline constexpr absl::Duration kUnwatchAfter = absl::Seconds(10);
 // keeps its pages (no page faults per step), an idle job holds only its shards.
 inline constexpr absl::Duration kKeptIdleRelease = absl::Seconds(1);
 
+inline void CopyText(absl::string_view text, char* out, size_t size) {
+  std::memset(out, 0, size);
+  std::memcpy(out, text.data(), std::min(text.size(), size - 1));
+}
+inline std::string TextOf(const char* text, size_t size) {
+  return std::string(text, strnlen(text, size));
+}
+
+// The "unit" of the agreement all-gathers (in the collective's fingerprint, so a rank that
+// ends a summon while another commits fails with a mismatch instead of agreeing).
+inline constexpr int64_t kEndAgreeUnit = -2;
+inline constexpr int64_t kCommitAgreeUnit = -3;
+
+// Failed writeback Ends remembered per group for repeated Ends.
+inline constexpr size_t kFailedEndsKept = 256;
+
+// What each rank contributes to a writeback End's or a Commit's agreement (an all-gather):
+// every rank reaches the same verdict from the same records, so all apply or none.
+struct AgreeRecord {
+  uint8_t ok;     // 1: this rank can apply
+  uint8_t stale;  // 1: refused because the rank's views predate a rollback
+  uint8_t reserved[6];
+  uint64_t generation;  // the rank's committed generation
+  char text[240];       // why not; NUL-padded, truncated
+};
+static_assert(sizeof(AgreeRecord) == 256);
+
 inline constexpr char kAlreadyUnsharding[] =
     "Cannot manually unshard parameters when already unsharding parameters";
 
@@ -200,6 +227,27 @@ struct GroupManager::Registered {
   // Per unit: its last summon, end or reduce-scatter here (`flatshardctl units`).
   std::vector<UnitOp> last_op;
 
+  // ---- Crash consistency (semantics.md §3a) ----
+  // A model only once its initial values committed on every rank: kZeros at registration,
+  // the FROM_* modes when the init summon's End agreed on every rank. Until then Summon,
+  // GetShards and reduce-scatters are refused and registering again re-runs the init.
+  bool initialized = false;
+  std::string uninitialized_why;  // the init's failure, for the refusals
+  // Per rank: the generation (committed step) its shards hold in `committed`. Commit and
+  // every agreed writeback End add one; all ranks of a group move together.
+  std::vector<uint64_t> generation;
+  // Per rank and unit: the shard as of the last commit; rollbacks copy it back.
+  std::vector<std::vector<std::shared_ptr<Buffer>>> committed;
+  // Per rank: its shards were rolled back since it last read its views (Register,
+  // GetShards); its next Commit or writeback End is refused (and rolls the group back), so
+  // in-place writes made on top of a rollback are never committed.
+  std::vector<bool> stale;
+  // Shard copies (writebacks, commits, rollbacks) running outside the lock. A rollback waits
+  // for them (`rollback_pending`), and none starts while one is pending, so a copy never
+  // reads or writes a shard another copy is writing.
+  int busy = 0;
+  bool rollback_pending = false;
+
   void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok) {
     last_op.resize(plan.units.size());
     const absl::Time now = absl::Now();
@@ -224,7 +272,12 @@ struct GroupManager::Group {
   std::set<std::pair<std::string, int32_t>> registering;  // (module, rank) mid-registration
   std::map<uint64_t, OpenSummon> open_summons;
   uint64_t next_summon = 1;
+  // Writeback summons whose End failed, by id: (rank, status). A repeated End (a client's
+  // retry) gets the same cause instead of NOT_FOUND. Bounded (kFailedEndsKept).
+  std::map<uint64_t, std::pair<int32_t, absl::Status>> failed_ends;
   std::shared_ptr<collective::CollectiveGroup> coll;
+  // ApplyTable re-formed the communicator after a failure: its caller starts the rollback.
+  bool rollback_due = false;
 
   bool multi() const { return !coordinator.empty(); }
 
