@@ -210,6 +210,9 @@ struct GroupManager::Registered {
   std::vector<uint64_t> summon_count;       // per rank: k of its last summon
   std::map<uint64_t, std::shared_ptr<SummonSlot>> slots;
   std::map<std::pair<int32_t, int32_t>, std::shared_ptr<Buffer>> grad_staging;  // (rank, unit)
+  // The last reduce-scatter of (rank, unit) failed with this status: a repeated finish (a
+  // client's retry) answers it instead of "begin the reduce-scatter first".
+  std::map<std::pair<int32_t, int32_t>, absl::Status> failed_finishes;
   // Gradient shards allocated by BeginReduceScatter for a unit that has none yet; installed
   // in shards_by_rank only when the reduce-scatter succeeds (a failed one changes nothing).
   std::map<std::pair<int32_t, int32_t>, std::shared_ptr<Buffer>> new_grads;  // (rank, unit)

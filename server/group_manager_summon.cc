@@ -847,6 +847,7 @@ absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::BeginReduceScatter(
     if (!grad.ok()) return grad.status();
     reg.new_grads[{caller.rank, unit}] = *std::move(grad);
   }
+  reg.failed_finishes.erase({caller.rank, unit});
   auto& staging = reg.grad_staging[{caller.rank, unit}];
   if (!staging) {
     FS_ASSIGN_OR_RETURN(staging, KeptBuffer(g, reg, caller.rank, unit, 2, BufferKind::kStaging,
@@ -880,7 +881,13 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
       auto it = g.registered.find(module);
       auto s = it == g.registered.end() ? decltype(it->second.grad_staging)::iterator{}
                                         : it->second.grad_staging.find({caller.rank, unit});
-      if (it == g.registered.end() || s == it->second.grad_staging.end()) {
+      auto failed = it == g.registered.end()
+                        ? decltype(it->second.failed_finishes)::iterator{}
+                        : it->second.failed_finishes.find({caller.rank, unit});
+      if (it != g.registered.end() && s == it->second.grad_staging.end() &&
+          failed != it->second.failed_finishes.end()) {
+        error = failed->second;  // a repeated finish: the first one's cause
+      } else if (it == g.registered.end() || s == it->second.grad_staging.end()) {
         error = absl::FailedPreconditionError(absl::StrCat(
             "group ", g.id, " rank ", caller.rank, ": no gradient buffer for unit ", unit,
             " of module ", Display(module), " (begin the reduce-scatter first)"));
@@ -950,6 +957,11 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
                       if (s.ok()) reg->second.shards_by_rank[caller.rank][unit].grad = grad;
                     }
                     reg->second.NoteOp({unit}, "reduce_scatter", caller.rank, s.ok());
+                    if (s.ok()) {
+                      reg->second.failed_finishes.erase({caller.rank, unit});
+                    } else {
+                      reg->second.failed_finishes[{caller.rank, unit}] = s;
+                    }
                     ReleaseKept(reg->second);
                   }
                 }
