@@ -140,6 +140,9 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
                                                       " is already joined (session ",
                                                       g.session_of_rank[args.rank], ")"));
       } else {
+        // A returning rank: the failure its departure left pending happens now, so the group
+        // re-forms (and rolls back) instead of running on with a stale op stream.
+        FailDeferred(g, /*now=*/true);
         session = next_session_++;
         g.session_of_rank[args.rank] = session;
         g.pending_joins.push_back(PendingJoin{args.rank, session, deadline, std::move(done)});
@@ -472,8 +475,8 @@ absl::Status GroupManager::Leave(const Caller& caller) {
     FS_RETURN_IF_ERROR(CheckCallerLocked(caller));
     Group& g = *groups_.at(caller.group);
     DropSummons(g, caller.rank);
-    FailForRank(g, caller.rank, "left the group");
     EndRank(g, caller.rank, &run);
+    FailForRank(g, caller.rank, "left the group");  // after EndRank: the rank counts as gone
     FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " left";
     MaybeRemoveGroup(caller.group);
   }
@@ -493,8 +496,8 @@ void GroupManager::EndSession(const std::string& group, uint64_t session) {
       // Its summons end without writeback; collectives waiting for it fail now rather than
       // at their deadline (the communicator re-forms once every rank joined again).
       DropSummons(g, r);
-      FailForRank(g, r, "ended (its lease closed: the client is gone)");
       EndRank(g, r, &run);
+      FailForRank(g, r, "ended (its lease closed: the client is gone)");
       FS_LOG(INFO) << "group=" << g.id << " rank=" << r << " lease ended (session=" << session
                    << ")";
     }
@@ -509,8 +512,35 @@ void GroupManager::FailForRank(Group& g, int32_t rank, absl::string_view why) {
   // daemon of the group (DeadlineLoop reports it to the coordinator). The group re-forms,
   // rolling back to the last committed generation, once every rank has joined again.
   if (g.coll == nullptr) return;
-  g.coll->Abort(absl::UnavailableError(
-      absl::StrCat("group ", g.id, ": rank ", rank, "'s session ", why)));
+  if (g.deferred_failure.ok()) {
+    g.deferred_failure = absl::UnavailableError(
+        absl::StrCat("group ", g.id, ": rank ", rank, "'s session ", why));
+  }
+  FailDeferred(g, /*now=*/false);
+}
+
+void GroupManager::FailDeferred(Group& g, bool now) {
+  if (g.deferred_failure.ok() || g.coll == nullptr) return;
+  if (!now) {
+    // An op a departed rank already submitted, and no departed rank still missing from it,
+    // completes (its other ranks are alive): let it, so that an agreement that reached some
+    // daemons reaches all of them (no daemon applies a writeback or commit the others
+    // refused). Anything else cannot complete: fail now.
+    auto departed = [&](int r) {
+      return r >= 0 && r < g.world_size && g.session_of_rank[r] == 0 &&
+             std::find(g.local_ranks.begin(), g.local_ranks.end(), r) != g.local_ranks.end();
+    };
+    for (const collective::PendingOpInfo& op : g.coll->PendingOps()) {
+      const bool submitted = std::any_of(op.arrived_ranks.begin(), op.arrived_ranks.end(), departed);
+      const bool stuck = std::any_of(op.missing_ranks.begin(), op.missing_ranks.end(), departed);
+      FS_VLOG(1) << "group=" << g.id << " op_seq=" << op.op_seq << " arrived "
+                 << absl::StrJoin(op.arrived_ranks, ",") << " missing "
+                 << absl::StrJoin(op.missing_ranks, ",") << (submitted && !stuck ? ": completes first" : "");
+      if (submitted && !stuck) return;  // DeadlineLoop checks again
+    }
+  }
+  g.coll->Abort(g.deferred_failure);
+  g.deferred_failure = absl::OkStatus();
 }
 
 void GroupManager::EndRank(Group& g, int32_t rank, std::vector<absl::AnyInvocable<void()>>* run) {
@@ -554,6 +584,7 @@ void GroupManager::DeadlineLoop() {
           run.push_back([done = std::move(j->done), s]() mutable { done(s); });
           j = g.pending_joins.erase(j);
         }
+        FailDeferred(g, /*now=*/false);
         // A multi-daemon group that failed here tells its coordinator, which tells the other
         // daemons (they fail at once instead of at their deadlines) and re-forms the group at
         // the next complete rendezvous.

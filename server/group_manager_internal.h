@@ -184,6 +184,11 @@ struct GroupManager::SummonSlot {
   std::map<int32_t, std::shared_ptr<Buffer>> rank0_params;
   std::map<int32_t, std::shared_ptr<Buffer>> rank0_grads;
   int32_t ended = 0;  // local ranks that ended this summon
+  // Read-only summons: local ranks whose all-gathers into the shared copy completed, the
+  // first failure among them, and the answers held until every one did (Summon).
+  int32_t assembled = 0;
+  absl::Status assembly_error;
+  std::vector<absl::AnyInvocable<void(absl::Status)>> waiting;
 };
 
 struct GroupManager::OpenSummon {
@@ -281,6 +286,11 @@ struct GroupManager::Group {
   std::shared_ptr<collective::CollectiveGroup> coll;
   // ApplyTable re-formed the communicator after a failure: its caller starts the rollback.
   bool rollback_due = false;
+  // A rank's session ended while a collective it had already submitted (its End's or
+  // Commit's agreement) was still running: the daemon completes that op on its behalf, so
+  // every daemon reaches the same verdict, and the group fails with this status once no such
+  // op is left (FailDeferred), at the latest when a rank joins again.
+  absl::Status deferred_failure;
 
   bool multi() const { return !coordinator.empty(); }
 

@@ -96,6 +96,8 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
   SummonResult result;
   std::vector<collective::CollectiveOp> ops;
   std::shared_ptr<collective::CollectiveGroup> coll;
+  std::shared_ptr<SummonSlot> shared_slot;  // a read-only copy several local ranks assemble
+  int32_t shared_locals = 0;
   {
     absl::MutexLock lock(&mu_);
     error = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
@@ -229,6 +231,10 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
         if (!options.rank0_only || rank == 0) result.views = open.views;
         g->open_summons.emplace(open.id, std::move(open));
         coll = g->coll;
+        if (shared && !ops.empty() && g->local_ranks.size() > 1) {
+          shared_slot = slot;
+          shared_locals = static_cast<int32_t>(g->local_ranks.size());
+        }
       } else {
         --reg->summon_count[rank];
         if (slot->shared_params.empty() && slot->rank0_params.empty()) reg->slots.erase(k);
@@ -241,9 +247,8 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
     return;
   }
   const uint64_t id = result.summon;
-  SubmitAll(coll, caller.rank, std::move(ops), deadline,
-            [this, caller, id, result = std::move(result),
-             done = std::move(done)](absl::Status s) mutable {
+  auto finish = [this, caller, id, result = std::move(result),
+                 done = std::move(done)](absl::Status s) mutable {
               if (!s.ok()) {
                 // Nothing was handed out: end the summon without writeback.
                 FinishEnd(caller, id, s, [done = std::move(done), s](absl::Status) mutable {
@@ -261,6 +266,32 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
               }
               result.ready = RecordReady(caller.rank);
               done(std::move(result));
+  };
+  if (shared_slot == nullptr) {
+    SubmitAll(coll, caller.rank, std::move(ops), deadline, std::move(finish));
+    return;
+  }
+  // The node's one read-only copy is assembled by every local rank's op together (each
+  // block lands once, through whichever local rank receives it), so one rank's op may
+  // complete before the copy is whole: every local rank answers once all of theirs have
+  // completed, with the first error if any did not (bounded by the ops' deadlines).
+  SubmitAll(coll, caller.rank, std::move(ops), deadline,
+            [this, shared_slot, local = shared_locals,
+             finish = std::move(finish)](absl::Status s) mutable {
+              std::vector<absl::AnyInvocable<void(absl::Status)>> ready;
+              absl::Status verdict;
+              {
+                absl::MutexLock lock(&mu_);
+                if (!s.ok() && shared_slot->assembly_error.ok()) shared_slot->assembly_error = s;
+                ++shared_slot->assembled;
+                shared_slot->waiting.push_back(std::move(finish));
+                // A failure answers at once (a rank that died never submits: nobody waits
+                // for it); success waits for the last local rank.
+                if (shared_slot->assembly_error.ok() && shared_slot->assembled < local) return;
+                ready.swap(shared_slot->waiting);
+                verdict = shared_slot->assembly_error;
+              }
+              for (auto& f : ready) f(verdict);
             });
 }
 
@@ -579,6 +610,17 @@ void GroupManager::DoneCopying(Group& g, Registered& reg,
 
 void GroupManager::StartRollback(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
   for (auto& [module, reg] : g.registered) {
+    // The op stream starts afresh: the local ranks' k-th summons must meet in one slot again
+    // (a failed summon may have counted on some ranks only), and no slot of the old stream
+    // (with its assembly state) is reused. Open summons keep their own slots.
+    uint64_t k = 0;
+    for (int32_t r : g.local_ranks) {
+      if (r < static_cast<int32_t>(reg.summon_count.size())) k = std::max(k, reg.summon_count[r]);
+    }
+    for (int32_t r : g.local_ranks) {
+      if (r < static_cast<int32_t>(reg.summon_count.size())) reg.summon_count[r] = k;
+    }
+    reg.slots.clear();
     if (!reg.initialized) continue;  // nothing committed yet: it stays uninitialised
     reg.rollback_pending = true;
     if (reg.busy == 0) RollbackNow(g, module, reg, run);

@@ -10,6 +10,7 @@
 // CrashCommitSoak.RandomKills (label soak) runs FS_CRASH_TRIALS randomized trials and prints
 // the counts. The trainers are this test binary re-executed (CrashTrainerChild.Run).
 
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -94,15 +95,23 @@ std::vector<std::vector<bool>> ParamMask(const Plan& plan) {
 
 class Reporter {
  public:
-  explicit Reporter(int fd) : fd_(fd) {}
+  Reporter(int fd, int go_fd) : fd_(fd), go_fd_(go_fd) {}
   void Say(const std::string& line) {
     std::string l = absl::StrReplaceAll(line, {{"\n", " "}});
     l.push_back('\n');
     (void)!write(fd_, l.data(), l.size());
   }
+  // The last word: waits (up to 30 s) until the parent lets every trainer go, so that one
+  // trainer's exit (its session ending) does not fail a collective another is still in.
+  void Final(const std::string& line) {
+    Say(line);
+    pollfd p{go_fd_, POLLIN, 0};
+    (void)poll(&p, 1, 30000);
+  }
 
  private:
   int fd_;
+  int go_fd_;
 };
 
 std::string Env(const char* name) {
@@ -183,19 +192,19 @@ int RunTrainer() {
   const std::string coordinator = Env("FS_CRASH_COORDINATOR");
   const bool verify = Env("FS_CRASH_MODE") == "verify";
   const int steps = std::max(1, std::atoi(Env("FS_CRASH_STEPS").c_str()));
-  Reporter out(std::atoi(Env("FS_CRASH_FD").c_str()));
+  Reporter out(std::atoi(Env("FS_CRASH_FD").c_str()), std::atoi(Env("FS_CRASH_GO_FD").c_str()));
   ClientOptions options;
   options.address = Env("FS_CRASH_ADDRESS");
   options.call_timeout = absl::Seconds(15);
   options.join_timeout = absl::Seconds(15);
   absl::StatusOr<std::unique_ptr<Client>> connected = Client::Connect(options);
   if (!connected.ok()) {
-    out.Say("error " + Describe(connected.status()));
+    out.Final("error " + Describe(connected.status()));
     return 0;
   }
   Client& c = **connected;
   auto fail = [&](const absl::Status& s) {
-    out.Say("error " + Describe(s));
+    out.Final("error " + Describe(s));
     return 0;
   };
   if (absl::Status s = c.Join(group, kWorld, rank, kToken, coordinator); !s.ok()) return fail(s);
@@ -223,12 +232,12 @@ int RunTrainer() {
     absl::StatusOr<ShardViews> views = c.GetShardViews("");
     if (!views.ok()) return fail(views.status());
     if (views->generation() != g) {
-      out.Say(absl::StrCat("bad GetShardViews says generation ", views->generation(),
-                           ", Register said ", g));
+      out.Final(absl::StrCat("bad GetShardViews says generation ", views->generation(),
+                             ", Register said ", g));
       return 0;
     }
     if (std::string bad = CheckShards(plan, *views, g); !bad.empty()) {
-      out.Say("bad " + bad);
+      out.Final("bad " + bad);
       return 0;
     }
     SummonOptions read_only;
@@ -236,11 +245,11 @@ int RunTrainer() {
     absl::StatusOr<std::unique_ptr<SummonedParams>> full = c.Summon("", "", read_only);
     if (!full.ok()) return fail(full.status());
     if (std::string bad = CheckFull(plan, **full, g); !bad.empty()) {
-      out.Say("bad summoned " + bad);
+      out.Final("bad summoned " + bad);
       return 0;
     }
     if (absl::Status s = (*full)->End(); !s.ok()) return fail(s);
-    out.Say(absl::StrCat("verified ", g));
+    out.Final(absl::StrCat("verified ", g));
     c.Leave().IgnoreError();
     return 0;
   }
@@ -252,7 +261,7 @@ int RunTrainer() {
       absl::StatusOr<std::unique_ptr<SummonedParams>> full = c.Summon("", "", read_only);
       if (!full.ok()) return fail(full.status());
       if (std::string bad = CheckFull(plan, **full, g); !bad.empty()) {
-        out.Say("bad summoned " + bad);
+        out.Final("bad summoned " + bad);
         return 0;
       }
       if (absl::Status s = (*full)->End(); !s.ok()) return fail(s);
@@ -288,13 +297,13 @@ int RunTrainer() {
     absl::StatusOr<uint64_t> committed = c.Commit("");
     if (!committed.ok()) return fail(committed.status());
     if (*committed != g + 1) {
-      out.Say(absl::StrCat("bad Commit returned generation ", *committed, ", want ", g + 1));
+      out.Final(absl::StrCat("bad Commit returned generation ", *committed, ", want ", g + 1));
       return 0;
     }
     g = *committed;
     out.Say(absl::StrCat("committed ", g));
   }
-  out.Say(absl::StrCat("done ", g));
+  out.Final(absl::StrCat("done ", g));
   c.Leave().IgnoreError();
   return 0;
 }
@@ -309,6 +318,7 @@ TEST(CrashTrainerChild, Run) {
 struct Trainer {
   pid_t pid = -1;
   int fd = -1;
+  int go = -1;  // closing it lets the trainer exit after its last word
   std::string buffer;
   std::vector<std::string> lines;
   bool eof = false;
@@ -323,17 +333,25 @@ class Trial {
   void Start(const std::string& mode, int steps) {
     trainers_.assign(kWorld, Trainer());
     for (int r = 0; r < kWorld; ++r) {
-      int fds[2];
-      ASSERT_EQ(pipe(fds), 0);
+      // Close-on-exec everywhere but on the child's own ends while it is spawned, so that no
+      // trainer inherits another's pipes (EOF and the release must reach the right one).
+      int fds[2], go[2];
+      ASSERT_EQ(pipe2(fds, O_CLOEXEC), 0);
+      ASSERT_EQ(pipe2(go, O_CLOEXEC), 0);
+      fcntl(fds[1], F_SETFD, 0);
+      fcntl(go[0], F_SETFD, 0);
       trainers_[r].pid = ::flatshard::testing::SpawnSelf(
           "CrashTrainerChild.Run",
-          {absl::StrCat("FS_CRASH_FD=", fds[1]), absl::StrCat("FS_CRASH_RANK=", r),
+          {absl::StrCat("FS_CRASH_FD=", fds[1]), absl::StrCat("FS_CRASH_GO_FD=", go[0]),
+           absl::StrCat("FS_CRASH_RANK=", r),
            "FS_CRASH_GROUP=" + group_, "FS_CRASH_COORDINATOR=" + cluster_.coordinator(),
            "FS_CRASH_ADDRESS=" + cluster_.AddressFor(r), "FS_CRASH_MODE=" + mode,
            absl::StrCat("FS_CRASH_STEPS=", steps)});
       close(fds[1]);
+      close(go[0]);
       ASSERT_GT(trainers_[r].pid, 0);
       trainers_[r].fd = fds[0];
+      trainers_[r].go = go[1];
     }
   }
 
@@ -379,6 +397,30 @@ class Trial {
     }
   }
 
+  // Lets every trainer exit after its last word.
+  void Release() {
+    for (Trainer& t : trainers_) {
+      if (t.go >= 0) close(t.go);
+      t.go = -1;
+    }
+  }
+  // Reads until every trainer still running said its last word (or `timeout`).
+  bool PumpToFinal(absl::Duration timeout) {
+    auto final_line = [](const std::string& l) {
+      return absl::StartsWith(l, "error") || absl::StartsWith(l, "bad") ||
+             absl::StartsWith(l, "done") || absl::StartsWith(l, "verified");
+    };
+    auto all_final = [&] {
+      for (const Trainer& t : trainers_) {
+        if (t.eof) continue;
+        if (t.lines.empty() || !final_line(t.lines.back())) return false;
+      }
+      return true;
+    };
+    if (all_final()) return true;
+    return Pump(timeout, [&](int, const std::string&) { return all_final(); });
+  }
+
   void Kill(int rank) {
     Trainer& t = trainers_[rank];
     if (t.pid > 0) {
@@ -387,7 +429,9 @@ class Trial {
       t.pid = -1;
     }
     if (t.fd >= 0) close(t.fd);
+    if (t.go >= 0) close(t.go);
     t.fd = -1;
+    t.go = -1;
     t.eof = true;
   }
   void KillAll() {
@@ -451,8 +495,10 @@ TrialResult RunTrial(Cluster& cluster, const std::string& group, int victim,
       result.killed = true;
     }
     // The survivors fail (at once, naming the victim) or finish; never hang.
-    const bool ended = trial.Pump(absl::Seconds(40), [](int, const std::string&) { return false; });
+    const bool ended = trial.PumpToFinal(absl::Seconds(40));
     EXPECT_TRUE(ended) << "a survivor hung after the kill";
+    trial.Release();
+    trial.Pump(absl::Seconds(20), [](int, const std::string&) { return false; });
     for (int r = 0; r < kWorld; ++r) {
       const Trainer& t = trial.trainer(r);
       for (const std::string& l : t.lines) all_lines.push_back(l);
@@ -482,8 +528,10 @@ TrialResult RunTrial(Cluster& cluster, const std::string& group, int victim,
   Trial verify(cluster, group);
   verify.Start("verify", 1);
   std::map<int, int64_t> generations;
-  const bool done = verify.Pump(absl::Seconds(60), [](int, const std::string&) { return false; });
+  const bool done = verify.PumpToFinal(absl::Seconds(60));
   EXPECT_TRUE(done) << "re-attaching hung";
+  verify.Release();
+  verify.Pump(absl::Seconds(20), [](int, const std::string&) { return false; });
   bool all_ok = true;
   for (int r = 0; r < kWorld; ++r) {
     const Trainer& t = verify.trainer(r);
@@ -523,9 +571,15 @@ TEST_P(CrashCommitTest, KillAtEveryStep) {
   ::flatshard::testing::ClusterOptions options;
   options.tag_prefix = "fscc";
   options.extra_flags = {"--peer_timeout=2s"};
+  if (!Env("FS_CRASH_DAEMON_V").empty()) options.extra_flags.push_back("--v=" + Env("FS_CRASH_DAEMON_V"));
   Cluster cluster(GetParam(), options);
   int trial = 0;
+  const std::string only = Env("FS_CRASH_ONLY_STEP");  // debugging: one step
   for (const std::string& step : Steps()) {
+    if (!only.empty() && step != only) {
+      ++trial;
+      continue;
+    }
     // Loop steps die in the second iteration (a committed generation > 0 exists); the victim
     // goes round the ranks, rank 0 (the init's and the rank0_only edit's source) included.
     const int victim = trial % kWorld;
@@ -535,6 +589,9 @@ TEST_P(CrashCommitTest, KillAtEveryStep) {
     EXPECT_TRUE(r.ok) << "trial " << trial << " (step " << step << ")";
     if (::testing::Test::HasFatalFailure()) return;
     ++trial;
+  }
+  if (!Env("FS_CRASH_DUMP_LOGS").empty()) {
+    for (int i = 0; i < cluster.daemon_count(); ++i) cluster.daemon(i).PrintLogTail(100000);
   }
 }
 
