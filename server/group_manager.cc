@@ -142,7 +142,7 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
       } else {
         // A returning rank: the failure its departure left pending happens now, so the group
         // re-forms (and rolls back) instead of running on with a stale op stream.
-        FailDeferred(g, /*now=*/true);
+        FailDeferred(g, /*now=*/true, &run);
         session = next_session_++;
         g.session_of_rank[args.rank] = session;
         g.pending_joins.push_back(PendingJoin{args.rank, session, deadline, std::move(done)});
@@ -476,7 +476,7 @@ absl::Status GroupManager::Leave(const Caller& caller) {
     Group& g = *groups_.at(caller.group);
     DropSummons(g, caller.rank);
     EndRank(g, caller.rank, &run);
-    FailForRank(g, caller.rank, "left the group");  // after EndRank: the rank counts as gone
+    FailForRank(g, caller.rank, "left the group", &run);  // after EndRank: the rank counts as gone
     FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " left";
     MaybeRemoveGroup(caller.group);
   }
@@ -497,7 +497,7 @@ void GroupManager::EndSession(const std::string& group, uint64_t session) {
       // at their deadline (the communicator re-forms once every rank joined again).
       DropSummons(g, r);
       EndRank(g, r, &run);
-      FailForRank(g, r, "ended (its lease closed: the client is gone)");
+      FailForRank(g, r, "ended (its lease closed: the client is gone)", &run);
       FS_LOG(INFO) << "group=" << g.id << " rank=" << r << " lease ended (session=" << session
                    << ")";
     }
@@ -506,7 +506,8 @@ void GroupManager::EndSession(const std::string& group, uint64_t session) {
   for (auto& f : run) f();
 }
 
-void GroupManager::FailForRank(Group& g, int32_t rank, absl::string_view why) {
+void GroupManager::FailForRank(Group& g, int32_t rank, absl::string_view why,
+                               std::vector<absl::AnyInvocable<void()>>* run) {
   // Fail fast (semantics.md §3a): every collective needs every rank, so from now on each one
   // fails at once with this cause (sticky) instead of waiting for its deadline, on every
   // daemon of the group (DeadlineLoop reports it to the coordinator). The group re-forms,
@@ -516,10 +517,10 @@ void GroupManager::FailForRank(Group& g, int32_t rank, absl::string_view why) {
     g.deferred_failure = absl::UnavailableError(
         absl::StrCat("group ", g.id, ": rank ", rank, "'s session ", why));
   }
-  FailDeferred(g, /*now=*/false);
+  FailDeferred(g, /*now=*/false, run);
 }
 
-void GroupManager::FailDeferred(Group& g, bool now) {
+void GroupManager::FailDeferred(Group& g, bool now, std::vector<absl::AnyInvocable<void()>>* run) {
   if (g.deferred_failure.ok() || g.coll == nullptr) return;
   if (!now) {
     // An op a departed rank already submitted, and no departed rank still missing from it,
@@ -541,6 +542,15 @@ void GroupManager::FailDeferred(Group& g, bool now) {
   }
   g.coll->Abort(g.deferred_failure);
   g.deferred_failure = absl::OkStatus();
+  if (g.multi() && g.reported_epoch != g.epoch) {
+    // The other daemons fail at once too (the coordinator forwards it); reported now, since a
+    // group left idle by the departure is removed before DeadlineLoop would report it.
+    g.reported_epoch = g.epoch;
+    run->push_back([this, coordinator = g.coordinator, group = g.id, token = g.token,
+                    epoch = g.epoch, status = g.coll->status()] {
+      peer_->ReportFailure(coordinator, group, token, epoch, status);
+    });
+  }
 }
 
 void GroupManager::EndRank(Group& g, int32_t rank, std::vector<absl::AnyInvocable<void()>>* run) {
@@ -584,7 +594,7 @@ void GroupManager::DeadlineLoop() {
           run.push_back([done = std::move(j->done), s]() mutable { done(s); });
           j = g.pending_joins.erase(j);
         }
-        FailDeferred(g, /*now=*/false);
+        FailDeferred(g, /*now=*/false, &run);
         // A multi-daemon group that failed here tells its coordinator, which tells the other
         // daemons (they fail at once instead of at their deadlines) and re-forms the group at
         // the next complete rendezvous.

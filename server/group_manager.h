@@ -386,10 +386,13 @@ class GroupManager : public peer::PeerEvents {
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The session of `rank` ended (`why`; REQUIRES: EndRank ran): collectives that need it fail
   // at once from now on (after the ops it had already submitted, see FailDeferred).
-  void FailForRank(Group& g, int32_t rank, absl::string_view why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailForRank(Group& g, int32_t rank, absl::string_view why,
+                   std::vector<absl::AnyInvocable<void()>>* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails the group with its deferred failure once no op a departed rank had submitted can
   // still complete (or now, when `now`).
-  void FailDeferred(Group& g, bool now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Multi-daemon groups: the failure goes to the coordinator through `run` (after mu_).
+  void FailDeferred(Group& g, bool now, std::vector<absl::AnyInvocable<void()>>* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs the agreement all-gather of a writeback End or a Commit; `done` gets OK when every
   // rank's record says ok, else the first refusal (and whether a stale rank refused).
   void Agree(const std::shared_ptr<collective::CollectiveGroup>& coll, const Caller& caller,
