@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
@@ -411,6 +412,16 @@ void GroupManager::OnGroupFailed(const std::string& coordinator, const std::stri
   if (g.coll == nullptr || g.epoch != epoch) return;
   FS_LOG(WARNING) << "group=" << g.id << " epoch=" << epoch << " failed elsewhere: " << status;
   g.reported_epoch = epoch;  // the coordinator knows
+  if (absl::IsUnavailable(status) &&
+      absl::StrContains(status.message(), internal::kSessionEndedMarker)) {
+    // A rank's session ended on another daemon: this daemon's running ops (its part of an
+    // agreement the departed rank had joined) complete first, as they do there, so every
+    // daemon reaches the same verdict; then the group fails (FailDeferred, DeadlineLoop).
+    if (g.deferred_failure.ok()) g.deferred_failure = status;
+    std::vector<absl::AnyInvocable<void()>> none;
+    FailDeferred(g, /*now=*/false, &none);  // reported_epoch is current: nothing to report
+    return;
+  }
   g.coll->Abort(status);
 }
 
@@ -515,7 +526,7 @@ void GroupManager::FailForRank(Group& g, int32_t rank, absl::string_view why,
   if (g.coll == nullptr) return;
   if (g.deferred_failure.ok()) {
     g.deferred_failure = absl::UnavailableError(
-        absl::StrCat("group ", g.id, ": rank ", rank, "'s session ", why));
+        absl::StrCat("group ", g.id, ": rank ", rank, internal::kSessionEndedMarker, why));
   }
   FailDeferred(g, /*now=*/false, run);
 }
@@ -531,13 +542,16 @@ void GroupManager::FailDeferred(Group& g, bool now, std::vector<absl::AnyInvocab
       return r >= 0 && r < g.world_size && g.session_of_rank[r] == 0 &&
              std::find(g.local_ranks.begin(), g.local_ranks.end(), r) != g.local_ranks.end();
     };
+    // An op every rank arrived at (running) completes without anyone's help; so does one a
+    // departed rank had submitted while no departed rank is missing from it.
     for (const collective::PendingOpInfo& op : g.coll->PendingOps()) {
       const bool submitted = std::any_of(op.arrived_ranks.begin(), op.arrived_ranks.end(), departed);
       const bool stuck = std::any_of(op.missing_ranks.begin(), op.missing_ranks.end(), departed);
+      const bool completes = op.running || (submitted && !stuck);
       FS_VLOG(1) << "group=" << g.id << " op_seq=" << op.op_seq << " arrived "
                  << absl::StrJoin(op.arrived_ranks, ",") << " missing "
-                 << absl::StrJoin(op.missing_ranks, ",") << (submitted && !stuck ? ": completes first" : "");
-      if (submitted && !stuck) return;  // DeadlineLoop checks again
+                 << absl::StrJoin(op.missing_ranks, ",") << (completes ? ": completes first" : "");
+      if (completes) return;  // DeadlineLoop checks again
     }
   }
   g.coll->Abort(g.deferred_failure);

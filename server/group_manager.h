@@ -212,9 +212,10 @@ class GroupManager : public peer::PeerEvents {
 
   // The caller's shards of a registered model (re-attach, optimizer step), with the
   // generation they hold. Also marks the caller's views fresh after a rollback (see Commit).
-  // FAILED_PRECONDITION for a module whose initialisation did not commit (naming why);
-  // UNAVAILABLE (naming the cause) while the group has failed and waits to re-form, or its
-  // shards are being rolled back.
+  // While the group has failed and waits to re-form, the shards may still hold an
+  // uncommitted step (they roll back at the re-form; a Commit from views read before it is
+  // refused). FAILED_PRECONDITION for a module whose initialisation did not commit (naming
+  // why); UNAVAILABLE while its shards are being rolled back.
   absl::StatusOr<RegisterResult> GetShards(const Caller& caller, const std::string& module);
 
   // Collective: closes the current step of `module`. Trainers update shards in place (the
@@ -380,8 +381,7 @@ class GroupManager : public peer::PeerEvents {
                    std::vector<absl::AnyInvocable<void()>>* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A refused agreement with a stale rank: rolls the caller's shards of `module` back.
   void RollbackRank(const Caller& caller, const std::string& module);
-  // FAILED_PRECONDITION naming why `reg` is not initialised; UNAVAILABLE while the group
-  // waits to re-form or rolls back.
+  // FAILED_PRECONDITION naming why `reg` is not initialised; UNAVAILABLE while it rolls back.
   absl::Status CheckUsable(const Group& g, const std::string& module, const Registered& reg) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The session of `rank` ended (`why`; REQUIRES: EndRank ran): collectives that need it fail

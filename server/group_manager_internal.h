@@ -148,6 +148,10 @@ inline std::string TextOf(const char* text, size_t size) {
 inline constexpr int64_t kEndAgreeUnit = -2;
 inline constexpr int64_t kCommitAgreeUnit = -3;
 
+// In the status of a failure caused by a rank's session ending ("rank 2's session ended
+// ..."): daemons that learn of it from the coordinator let their running ops complete first.
+inline constexpr char kSessionEndedMarker[] = "'s session ";
+
 // Failed writeback Ends remembered per group for repeated Ends.
 inline constexpr size_t kFailedEndsKept = 256;
 
@@ -203,6 +207,9 @@ struct GroupManager::OpenSummon {
   // GPU ranks under rank0_only writeback: rank 0's broadcast copy on this rank's device,
   // by (unit, 0 params / 1 grads).
   std::map<std::pair<int32_t, int>, std::shared_ptr<Buffer>> own_rank0;
+  // The group's communicator when the summon was opened: a writeback End after the group
+  // re-formed cannot agree with the other ranks' summons (they are gone) and fails.
+  std::shared_ptr<collective::CollectiveGroup> coll;
   bool ready = false;   // the unshard completed
   bool ending = false;  // EndSummon under way
 };

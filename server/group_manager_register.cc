@@ -456,6 +456,7 @@ void GroupManager::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Sta
           open.module = x->module;
           open.options = SummonOptions{true, true, rank0_only, false, false};
           open.slot = slot;
+          open.coll = g.coll;
           open.ready = true;
           for (const PlanUnit& u : reg.plan.units) {
             open.units.push_back(u.index);

@@ -150,6 +150,7 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
       open.options = options;
       open.units = result.units;
       open.slot = slot;
+      open.coll = g->coll;
       // Buffers this rank sees: shared per node (read-only use), rank 0's only, or private.
       auto buffer_for = [&](std::map<int32_t, std::shared_ptr<Buffer>>& shared_map,
                             std::map<int32_t, std::shared_ptr<Buffer>>& rank0_map, int32_t u,
@@ -310,6 +311,7 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
   internal::AgreeRecord record{};
   int32_t world_size = 0;
   bool is_init = false;
+  absl::Status reformed;  // the summon predates the group's re-form
   {
     absl::MutexLock lock(&mu_);
     error = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
@@ -327,6 +329,13 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
       } else if (it->second.ending || !it->second.ready) {
         error = absl::FailedPreconditionError(
             absl::StrCat("summon ", summon, " is ", it->second.ending ? "already ending" : "not ready"));
+      } else if (it->second.options.writeback && it->second.coll != nullptr &&
+                 it->second.coll != g.coll) {
+        // Opened before the group failed and re-formed: the other ranks' halves of this
+        // summon are gone, so it cannot commit anywhere. The first failure is the cause.
+        reformed = absl::UnavailableError(absl::StrCat(
+            "summon ", summon, ": no rank's writeback was applied: the group re-formed since "
+            "it was opened, after: ", it->second.coll->status().message()));
       } else {
         it->second.ending = true;
         copy = it->second;
@@ -392,6 +401,10 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
   }
   if (!error.ok()) {
     done(error);
+    return;
+  }
+  if (!reformed.ok()) {
+    FinishEnd(caller, summon, std::move(reformed), std::move(done));
     return;
   }
   const SummonOptions options = copy.options;
@@ -813,12 +826,6 @@ absl::Status GroupManager::CheckUsable(const Group& g, const std::string& module
         reg.uninitialized_why.empty() ? std::string(" (yet)")
                                       : absl::StrCat(" (", reg.uninitialized_why, ")"),
         "; register it again on every rank"));
-  }
-  if (g.coll && !g.coll->status().ok()) {
-    return absl::UnavailableError(absl::StrCat(
-        "group ", g.id, " failed (", g.coll->status().message(), "); module ",
-        Display(module), " rolls back to its committed generation once every rank has joined "
-        "again"));
   }
   if (reg.rollback_pending) {
     return absl::UnavailableError(absl::StrCat("group ", g.id, ": module ", Display(module),

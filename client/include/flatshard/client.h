@@ -421,8 +421,9 @@ class Client {
   // Local: this rank's shards and gradient shards of `registered_module`, for the optimizer,
   // and the committed generation they hold (ShardViews::generation()).
   // Errors: as BeginReduceScatter; FAILED_PRECONDITION for a module whose initialisation did
-  // not commit on every rank (Register it again on every rank); UNAVAILABLE while the group
-  // has failed and waits for its ranks to join again (its shards then roll back).
+  // not commit on every rank (Register it again on every rank); UNAVAILABLE while the
+  // shards are being rolled back. After a failure, the shards roll back when every rank has
+  // joined again: read the views again after that (before committing, see Commit).
   absl::StatusOr<ShardViews> GetShardViews(const std::string& registered_module);
 
   // Collective: closes the current training step of `registered_module` (call it on every
