@@ -417,7 +417,10 @@ void GroupManager::OnGroupFailed(const std::string& coordinator, const std::stri
     // A rank's session ended on another daemon: this daemon's running ops (its part of an
     // agreement the departed rank had joined) complete first, as they do there, so every
     // daemon reaches the same verdict; then the group fails (FailDeferred, DeadlineLoop).
-    if (g.deferred_failure.ok()) g.deferred_failure = status;
+    if (g.deferred_failure.ok()) {
+      g.deferred_failure = status;
+      g.deferred_since = absl::Now();
+    }
     std::vector<absl::AnyInvocable<void()>> none;
     FailDeferred(g, /*now=*/false, &none);  // reported_epoch is current: nothing to report
     return;
@@ -527,13 +530,14 @@ void GroupManager::FailForRank(Group& g, int32_t rank, absl::string_view why,
   if (g.deferred_failure.ok()) {
     g.deferred_failure = absl::UnavailableError(
         absl::StrCat("group ", g.id, ": rank ", rank, internal::kSessionEndedMarker, why));
+    g.deferred_since = absl::Now();
   }
   FailDeferred(g, /*now=*/false, run);
 }
 
 void GroupManager::FailDeferred(Group& g, bool now, std::vector<absl::AnyInvocable<void()>>* run) {
   if (g.deferred_failure.ok() || g.coll == nullptr) return;
-  if (!now) {
+  if (!now && absl::Now() - g.deferred_since < internal::kDeferFailureAtMost) {
     // An op a departed rank already submitted, and no departed rank still missing from it,
     // completes (its other ranks are alive): let it, so that an agreement that reached some
     // daemons reaches all of them (no daemon applies a writeback or commit the others
@@ -556,6 +560,7 @@ void GroupManager::FailDeferred(Group& g, bool now, std::vector<absl::AnyInvocab
   }
   g.coll->Abort(g.deferred_failure);
   g.deferred_failure = absl::OkStatus();
+  g.deferred_since = absl::InfiniteFuture();
   if (g.multi() && g.reported_epoch != g.epoch) {
     // The other daemons fail at once too (the coordinator forwards it); reported now, since a
     // group left idle by the departure is removed before DeadlineLoop would report it.

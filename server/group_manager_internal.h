@@ -152,6 +152,11 @@ inline constexpr int64_t kCommitAgreeUnit = -3;
 // ..."): daemons that learn of it from the coordinator let their running ops complete first.
 inline constexpr char kSessionEndedMarker[] = "'s session ";
 
+// How long a departure's failure waits for the ops the departed rank had joined to complete
+// (FailDeferred). They normally take milliseconds; one that takes longer is stuck, and the
+// group fails then rather than at the op's deadline.
+inline constexpr absl::Duration kDeferFailureAtMost = absl::Seconds(2);
+
 // Failed writeback Ends remembered per group for repeated Ends.
 inline constexpr size_t kFailedEndsKept = 256;
 
@@ -298,6 +303,7 @@ struct GroupManager::Group {
   // every daemon reaches the same verdict, and the group fails with this status once no such
   // op is left (FailDeferred), at the latest when a rank joins again.
   absl::Status deferred_failure;
+  absl::Time deferred_since = absl::InfiniteFuture();
 
   bool multi() const { return !coordinator.empty(); }
 
