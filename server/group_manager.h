@@ -237,7 +237,11 @@ class GroupManager : public peer::PeerEvents {
   void Commit(const Caller& caller, const std::string& module, absl::Time deadline,
               CommitCallback done, const gpu::IpcEventRef& written = {});
 
-  // Ends the caller's session; its rank can join again. Shards stay.
+  // Ends the caller's session; its rank can join again. Shards stay. Fail fast: the group's
+  // collectives fail from now on with UNAVAILABLE naming the rank (on every daemon, through
+  // the coordinator), after the ops the rank had already submitted complete (at most
+  // kDeferFailureAtMost), until every rank has joined again; the re-form then rolls every
+  // rank back to the last committed generation (see Commit).
   absl::Status Leave(const Caller& caller);
   // The session's lease ended (stream closed, client died): as Leave, without a caller check.
   void EndSession(const std::string& group, uint64_t session);
