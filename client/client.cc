@@ -315,6 +315,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
                                        /*writable=*/true));
     }
     FS_ASSIGN_OR_RETURN(out.shards, MakeShardViews(**layout, caller, response.shards()));
+    out.shards.generation_ = response.generation();
+    out.generation = response.generation();
     return out;
   }
 
@@ -441,7 +443,32 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     v1::GetShardViewsResponse response;
     FS_RETURN_IF_ERROR(
         Call("GetShardViews", &Stub::GetShardViews, request, &response, options_.call_timeout));
-    return MakeShardViews(*layout, caller, response.shards());
+    FS_ASSIGN_OR_RETURN(ShardViews views, MakeShardViews(*layout, caller, response.shards()));
+    views.generation_ = response.generation();
+    return views;
+  }
+
+  absl::StatusOr<uint64_t> Commit(const std::string& module) {
+    FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
+    FS_ASSIGN_OR_RETURN(std::shared_ptr<const ModuleLayout> layout, FindModule(module));
+    v1::CommitRequest request;
+    *request.mutable_caller() = caller;
+    request.set_registered_module(module);
+    // Device shards: the optimizer's writes on the trainer's stream land before the daemon
+    // copies the shards into the committed generation.
+    if (const int device = ShardDevice(); device >= 0) {
+      absl::StatusOr<IpcEvent> written = events_.RecordWritten(device, options_.cuda_stream);
+      if (!written.ok()) {
+        return absl::Status(written.status().code(),
+                            absl::StrCat("Commit of module \"", module, "\": ",
+                                         written.status().message()));
+      }
+      ToProto(*written, request.mutable_written());
+    }
+    v1::CommitResponse response;
+    FS_RETURN_IF_ERROR(Call("Commit", &Stub::Commit, request, &response, options_.call_timeout));
+    FS_VLOG(2) << "commit module=\"" << module << "\": generation " << response.generation();
+    return response.generation();
   }
 
   absl::Status Leave() {
@@ -938,6 +965,10 @@ absl::Status Client::ReduceScatterGrads(
 
 absl::StatusOr<ShardViews> Client::GetShardViews(const std::string& registered_module) {
   return core_->GetShardViews(registered_module);
+}
+
+absl::StatusOr<uint64_t> Client::Commit(const std::string& registered_module) {
+  return core_->Commit(registered_module);
 }
 
 absl::Status Client::Leave() { return core_->Leave(); }

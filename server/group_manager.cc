@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
@@ -139,6 +140,9 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
                                                       " is already joined (session ",
                                                       g.session_of_rank[args.rank], ")"));
       } else {
+        // A returning rank: the failure its departure left pending happens now, so the group
+        // re-forms (and rolls back) instead of running on with a stale op stream.
+        FailDeferred(g, /*now=*/true, &run);
         session = next_session_++;
         g.session_of_rank[args.rank] = session;
         g.pending_joins.push_back(
@@ -202,6 +206,10 @@ void GroupManager::OnRendezvous(const std::string& group, int32_t rank, uint64_t
                                            "place rank ", rank, " on this daemon"));
     }
     if (s.ok()) s = ApplyTable(g, *table);
+    if (s.ok() && g.rollback_due) {
+      g.rollback_due = false;
+      StartRollback(g, &run);  // queued before the join's answer
+    }
     if (s.ok()) {
       std::vector<std::string> modules;
       for (const auto& [module, r] : g.registered) modules.push_back(module);
@@ -243,6 +251,7 @@ absl::Status GroupManager::ApplyTable(Group& g, const peer::PeerTable& table) {
   FS_ASSIGN_OR_RETURN(std::unique_ptr<collective::Communicator> comm,
                       nccl ? ConnectBackend(*nccl_, collective::MemoryKind::kCuda, spec)
                            : ConnectBackend(*remote_, collective::MemoryKind::kHost, spec));
+  const bool reform = g.coll != nullptr;
   if (g.coll) {
     engine_.RemoveGroup(g.id, absl::AbortedError(absl::StrCat(
                                   "group ", g.id, " re-formed at epoch ", table.epoch)))
@@ -252,6 +261,10 @@ absl::Status GroupManager::ApplyTable(Group& g, const peer::PeerTable& table) {
   g.epoch = table.epoch;
   g.local_ranks.assign(spec.local_ranks.begin(), spec.local_ranks.end());
   ReconcileModules(g, table);
+
+  // A re-form follows a failure: every daemon rolls its ranks back to the last committed
+  // generation (StartRollback, by the caller once the lock is released).
+  if (reform) g.rollback_due = true;
   FS_LOG(INFO) << "group=" << g.id << " epoch=" << g.epoch << " formed over " << g.world_size
                << " ranks, local ranks " << absl::StrJoin(g.local_ranks, ",")
                << (gpus_.empty() ? "" : nccl ? ", device memory over NCCL"
@@ -380,6 +393,8 @@ void GroupManager::MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<v
       g.pending_joins.clear();
       return;
     }
+    // Every rank resumes from the last committed generation (before any join completes).
+    StartRollback(g, run);
   }
   std::vector<std::string> modules;
   for (const auto& [module, r] : g.registered) modules.push_back(module);
@@ -397,16 +412,24 @@ void GroupManager::MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<v
 }
 
 void GroupManager::OnTable(const std::string& coordinator, const peer::PeerTable& table) {
-  absl::MutexLock lock(&mu_);
-  auto it = groups_.find(table.group);
-  if (it == groups_.end() || it->second->coordinator != coordinator) return;
-  Group& g = *it->second;
-  if (g.coll == nullptr || table.epoch <= g.epoch) return;  // joins in flight apply it
-  if (static_cast<int32_t>(table.rank_daemons.size()) != g.world_size) return;
-  if (absl::Status s = ApplyTable(g, table); !s.ok()) {
-    FS_LOG(WARNING) << "group=" << g.id << " could not re-form at epoch " << table.epoch << ": " << s;
-    g.coll->Abort(s);
+  std::vector<absl::AnyInvocable<void()>> run;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = groups_.find(table.group);
+    if (it == groups_.end() || it->second->coordinator != coordinator) return;
+    Group& g = *it->second;
+    if (g.coll == nullptr || table.epoch <= g.epoch) return;  // joins in flight apply it
+    if (static_cast<int32_t>(table.rank_daemons.size()) != g.world_size) return;
+    if (absl::Status s = ApplyTable(g, table); !s.ok()) {
+      FS_LOG(WARNING) << "group=" << g.id << " could not re-form at epoch " << table.epoch
+                      << ": " << s;
+      g.coll->Abort(s);
+    } else if (g.rollback_due) {
+      g.rollback_due = false;
+      StartRollback(g, &run);
+    }
   }
+  for (auto& f : run) f();
 }
 
 void GroupManager::OnGroupFailed(const std::string& coordinator, const std::string& group,
@@ -418,6 +441,19 @@ void GroupManager::OnGroupFailed(const std::string& coordinator, const std::stri
   if (g.coll == nullptr || g.epoch != epoch) return;
   FS_LOG(WARNING) << "group=" << g.id << " epoch=" << epoch << " failed elsewhere: " << status;
   g.reported_epoch = epoch;  // the coordinator knows
+  if (absl::IsUnavailable(status) &&
+      absl::StrContains(status.message(), internal::kSessionEndedMarker)) {
+    // A rank's session ended on another daemon: this daemon's running ops (its part of an
+    // agreement the departed rank had joined) complete first, as they do there, so every
+    // daemon reaches the same verdict; then the group fails (FailDeferred, DeadlineLoop).
+    if (g.deferred_failure.ok()) {
+      g.deferred_failure = status;
+      g.deferred_since = absl::Now();
+    }
+    std::vector<absl::AnyInvocable<void()>> none;
+    FailDeferred(g, /*now=*/false, &none);  // reported_epoch is current: nothing to report
+    return;
+  }
   g.coll->Abort(status);
 }
 
@@ -524,10 +560,10 @@ absl::Status GroupManager::CheckCallerLocked(const Caller& caller) const {
 }
 
 absl::StatusOr<RegisterResult> GroupManager::GetShards(const Caller& caller,
-                                                       const std::string& module) const {
-  absl::ReaderMutexLock lock(&mu_);
+                                                       const std::string& module) {
+  absl::MutexLock lock(&mu_);
   FS_RETURN_IF_ERROR(CheckCallerLocked(caller));
-  const Group& g = *groups_.at(caller.group);
+  Group& g = *groups_.at(caller.group);
   auto it = g.registered.find(module);
   if (it == g.registered.end()) {
     if (auto lost = g.lost.find(module); lost != g.lost.end()) {
@@ -536,7 +572,12 @@ absl::StatusOr<RegisterResult> GroupManager::GetShards(const Caller& caller,
     return absl::NotFoundError(
         absl::StrCat("group ", g.id, ": module ", Display(module), " is not registered"));
   }
-  return RegisterResult{it->second.plan, it->second.shards_by_rank[caller.rank], std::nullopt};
+  Registered& reg = it->second;
+  // Never zeros as the model, never shards about to be rolled back.
+  FS_RETURN_IF_ERROR(CheckUsable(g, module, reg));
+  if (!reg.shards_by_rank[caller.rank].empty()) reg.stale[caller.rank] = false;
+  return RegisterResult{reg.plan, reg.shards_by_rank[caller.rank], std::nullopt,
+                        reg.generation[caller.rank]};
 }
 
 absl::Status GroupManager::Leave(const Caller& caller) {
@@ -547,6 +588,7 @@ absl::Status GroupManager::Leave(const Caller& caller) {
     Group& g = *groups_.at(caller.group);
     DropSummons(g, caller.rank);
     EndRank(g, caller.rank, &run);
+    FailForRank(g, caller.rank, "left the group", &run);  // after EndRank: the rank counts as gone
     FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " left";
     MaybeRemoveGroup(caller.group);
   }
@@ -566,17 +608,66 @@ void GroupManager::EndSession(const std::string& group, uint64_t session) {
       // Its summons end without writeback; collectives waiting for it fail now rather than
       // at their deadline (the communicator re-forms once every rank joined again).
       DropSummons(g, r);
-      if (g.coll && !g.coll->PendingOps().empty()) {
-        g.coll->Abort(absl::UnavailableError(absl::StrCat(
-            "group ", g.id, ": rank ", r, "'s session ended (client gone) during a collective")));
-      }
       EndRank(g, r, &run);
+      FailForRank(g, r, "ended (its lease closed: the client is gone)", &run);
       FS_LOG(INFO) << "group=" << g.id << " rank=" << r << " lease ended (session=" << session
                    << ")";
     }
     MaybeRemoveGroup(group);
   }
   for (auto& f : run) f();
+}
+
+void GroupManager::FailForRank(Group& g, int32_t rank, absl::string_view why,
+                               std::vector<absl::AnyInvocable<void()>>* run) {
+  // Fail fast (semantics.md §3a): every collective needs every rank, so from now on each one
+  // fails at once with this cause (sticky) instead of waiting for its deadline, on every
+  // daemon of the group (DeadlineLoop reports it to the coordinator). The group re-forms,
+  // rolling back to the last committed generation, once every rank has joined again.
+  if (g.coll == nullptr) return;
+  if (g.deferred_failure.ok()) {
+    g.deferred_failure = absl::UnavailableError(
+        absl::StrCat("group ", g.id, ": rank ", rank, internal::kSessionEndedMarker, why));
+    g.deferred_since = absl::Now();
+  }
+  FailDeferred(g, /*now=*/false, run);
+}
+
+void GroupManager::FailDeferred(Group& g, bool now, std::vector<absl::AnyInvocable<void()>>* run) {
+  if (g.deferred_failure.ok() || g.coll == nullptr) return;
+  if (!now && absl::Now() - g.deferred_since < internal::kDeferFailureAtMost) {
+    // An op a departed rank already submitted, and no departed rank still missing from it,
+    // completes (its other ranks are alive): let it, so that an agreement that reached some
+    // daemons reaches all of them (no daemon applies a writeback or commit the others
+    // refused). Anything else cannot complete: fail now.
+    auto departed = [&](int r) {
+      return r >= 0 && r < g.world_size && g.session_of_rank[r] == 0 &&
+             std::find(g.local_ranks.begin(), g.local_ranks.end(), r) != g.local_ranks.end();
+    };
+    // An op every rank arrived at (running) completes without anyone's help; so does one a
+    // departed rank had submitted while no departed rank is missing from it.
+    for (const collective::PendingOpInfo& op : g.coll->PendingOps()) {
+      const bool submitted = std::any_of(op.arrived_ranks.begin(), op.arrived_ranks.end(), departed);
+      const bool stuck = std::any_of(op.missing_ranks.begin(), op.missing_ranks.end(), departed);
+      const bool completes = op.running || (submitted && !stuck);
+      FS_VLOG(1) << "group=" << g.id << " op_seq=" << op.op_seq << " arrived "
+                 << absl::StrJoin(op.arrived_ranks, ",") << " missing "
+                 << absl::StrJoin(op.missing_ranks, ",") << (completes ? ": completes first" : "");
+      if (completes) return;  // DeadlineLoop checks again
+    }
+  }
+  g.coll->Abort(g.deferred_failure);
+  g.deferred_failure = absl::OkStatus();
+  g.deferred_since = absl::InfiniteFuture();
+  if (g.multi() && g.reported_epoch != g.epoch) {
+    // The other daemons fail at once too (the coordinator forwards it); reported now, since a
+    // group left idle by the departure is removed before DeadlineLoop would report it.
+    g.reported_epoch = g.epoch;
+    run->push_back([this, coordinator = g.coordinator, group = g.id, token = g.token,
+                    epoch = g.epoch, status = g.coll->status()] {
+      peer_->ReportFailure(coordinator, group, token, epoch, status);
+    });
+  }
 }
 
 void GroupManager::EndRank(Group& g, int32_t rank, std::vector<absl::AnyInvocable<void()>>* run) {
@@ -626,6 +717,7 @@ void GroupManager::DeadlineLoop() {
           run.push_back([done = std::move(j->done), s]() mutable { done(s); });
           j = g.pending_joins.erase(j);
         }
+        FailDeferred(g, /*now=*/false, &run);
         // A multi-daemon group that failed here tells its coordinator, which tells the other
         // daemons (they fail at once instead of at their deadlines) and re-forms the group at
         // the next complete rendezvous.

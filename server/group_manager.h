@@ -43,6 +43,10 @@
 
 namespace flatshard::server {
 
+namespace internal {
+struct AgreeRecord;
+}  // namespace internal
+
 // Identifies the caller of every RPC after JoinGroup.
 struct Caller {
   std::string group;
@@ -151,6 +155,8 @@ struct RegisterResult {
   // INIT_MODE_FROM_EVERY_RANK / FROM_RANK0: an open summon (writeback on) the client fills
   // with the initial values and ends; on ranks != 0 under FROM_RANK0 it has no views.
   std::optional<SummonResult> init_summon;
+  // The committed step the shards hold (0: the initial values; see Commit).
+  uint64_t generation = 0;
 };
 
 enum class GradReduce { kSum, kAvg };
@@ -159,6 +165,7 @@ using JoinCallback = absl::AnyInvocable<void(absl::StatusOr<JoinResult>)>;
 using SummonCallback = absl::AnyInvocable<void(absl::StatusOr<SummonResult>)>;
 using StatusCallback = absl::AnyInvocable<void(absl::Status)>;
 using RegisterCallback = absl::AnyInvocable<void(absl::StatusOr<RegisterResult>)>;
+using CommitCallback = absl::AnyInvocable<void(absl::StatusOr<uint64_t>)>;
 
 class GroupManager : public peer::PeerEvents {
  public:
@@ -208,6 +215,13 @@ class GroupManager : public peer::PeerEvents {
   // Ends summon `summon` of the caller's rank: writes back its own unpadded range (from rank
   // 0's buffer under rank0_only, after rank 0 ended) when the summon asked for it, then
   // frees the buffers and returns the units to IDLE.
+  // Crash consistency (semantics.md §3a): a writeback End is collective and atomic. Every
+  // rank's End first joins an agreement (an all-gather of one small record per rank); only
+  // when every rank of the summon arrived and can apply does any rank write back, and then
+  // every rank does. A rank whose session ended (UNAVAILABLE naming it, at once) or that
+  // missed the deadline (DEADLINE_EXCEEDED naming it) fails every rank's End and no shard
+  // changes. An agreed writeback End also commits the module's shards (as Commit). An End
+  // repeated after a failure answers the same status. A read-only End waits for nobody.
   void EndSummon(const Caller& caller, uint64_t summon, absl::Time deadline, StatusCallback done,
                  const gpu::IpcEventRef& written = {});
 
@@ -225,10 +239,38 @@ class GroupManager : public peer::PeerEvents {
   // the reply of FinishReduceScatter). id 0 for host ranks.
   gpu::IpcEventRef RecordReady(int32_t rank);
 
-  // The caller's shards of a registered model (re-attach, optimizer step).
-  absl::StatusOr<RegisterResult> GetShards(const Caller& caller, const std::string& module) const;
+  // The caller's shards of a registered model (re-attach, optimizer step), with the
+  // generation they hold. Also marks the caller's views fresh after a rollback (see Commit).
+  // While the group has failed and waits to re-form, the shards may still hold an
+  // uncommitted step (they roll back at the re-form; a Commit from views read before it is
+  // refused). FAILED_PRECONDITION for a module whose initialisation did not commit (naming
+  // why); UNAVAILABLE while its shards are being rolled back.
+  absl::StatusOr<RegisterResult> GetShards(const Caller& caller, const std::string& module);
 
-  // Ends the caller's session; its rank can join again. Shards stay.
+  // Collective: closes the current step of `module`. Trainers update shards in place (the
+  // optimizer); when every rank has called Commit (an agreement all-gather, as EndSummon),
+  // each rank's shards are copied into its committed copy and the generation goes up by one;
+  // `done` gets the new generation. Rollback rule: whenever the group's collectives failed
+  // (a rank's session ended, a deadline, a mismatch, a daemon lost) the group re-forms once
+  // every rank has joined again, and at that re-form every daemon copies each of its ranks'
+  // committed shards back (parameters; gradient shards are not rolled back: the next
+  // reduce-scatter overwrites them). So after any failure, every rank resumes from the last
+  // committed generation, never from a mix of two steps. A rank must read its views again
+  // (Register or GetShards) after a rollback before it commits: a Commit (or writeback End)
+  // from a rank that did not is refused on every rank (FAILED_PRECONDITION naming it) and
+  // rolls every rank's shards back, since its in-place writes may straddle the rollback.
+  // Errors: as EndSummon's agreement (UNAVAILABLE / DEADLINE_EXCEEDED / ABORTED naming the
+  // rank); NOT_FOUND for an unregistered module; FAILED_PRECONDITION for an uninitialised
+  // one.
+  // `written` (GPU ranks): the trainer's event after its last write to its shards.
+  void Commit(const Caller& caller, const std::string& module, absl::Time deadline,
+              CommitCallback done, const gpu::IpcEventRef& written = {});
+
+  // Ends the caller's session; its rank can join again. Shards stay. Fail fast: the group's
+  // collectives fail from now on with UNAVAILABLE naming the rank (on every daemon, through
+  // the coordinator), after the ops the rank had already submitted complete (at most
+  // kDeferFailureAtMost), until every rank has joined again; the re-form then rolls every
+  // rank back to the last committed generation (see Commit).
   absl::Status Leave(const Caller& caller);
   // The session's lease ended (stream closed, client died): as Leave, without a caller check.
   void EndSession(const std::string& group, uint64_t session);
@@ -315,6 +357,8 @@ class GroupManager : public peer::PeerEvents {
   struct ModuleUnits {
     std::string module;  // the registered path
     std::vector<UnitInfo> units;
+    bool initialized = false;
+    uint64_t generation = 0;  // the committed generation (lowest over the local ranks)
   };
   // NOT_FOUND for an unknown group, or an unregistered `module` when one is given.
   absl::StatusOr<std::vector<ModuleUnits>> ListUnits(
@@ -390,6 +434,41 @@ class GroupManager : public peer::PeerEvents {
   // Ends every open summon of `rank` in `g` without writeback (lease ended, leave).
   void DropSummons(Group& g, int32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishEnd(const Caller& caller, uint64_t summon, absl::Status status, StatusCallback done);
+  // Copies `rank`'s shards of `reg` into its committed copies (`to_committed`) or back (a
+  // rollback). REQUIRES: the caller took `reg.busy` for it (under mu_), and releases it with
+  // DoneCopying; runs without mu_ (the copies are as large as the shards).
+  absl::Status CopyCommitted(int32_t rank, const std::vector<UnitShard>& shards,
+                             const std::vector<std::shared_ptr<Buffer>>& committed,
+                             bool to_committed) const;
+  // Releases one `busy` of `reg` and starts a pending rollback when none is left.
+  void DoneCopying(Group& g, Registered& reg, std::vector<absl::AnyInvocable<void()>>* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The group re-formed after a failure: roll every initialised module's local shards back
+  // to their committed generation (now, or when the copies in flight are done).
+  void StartRollback(Group& g, std::vector<absl::AnyInvocable<void()>>* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RollbackNow(Group& g, const std::string& module, Registered& reg,
+                   std::vector<absl::AnyInvocable<void()>>* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A refused agreement with a stale rank: rolls the caller's shards of `module` back.
+  void RollbackRank(const Caller& caller, const std::string& module);
+  // FAILED_PRECONDITION naming why `reg` is not initialised; UNAVAILABLE while it rolls back.
+  absl::Status CheckUsable(const Group& g, const std::string& module, const Registered& reg) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The session of `rank` ended (`why`; REQUIRES: EndRank ran): collectives that need it fail
+  // at once from now on (after the ops it had already submitted, see FailDeferred).
+  void FailForRank(Group& g, int32_t rank, absl::string_view why,
+                   std::vector<absl::AnyInvocable<void()>>* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fails the group with its deferred failure once no op a departed rank had submitted can
+  // still complete (or now, when `now`).
+  // Multi-daemon groups: the failure goes to the coordinator through `run` (after mu_).
+  void FailDeferred(Group& g, bool now, std::vector<absl::AnyInvocable<void()>>* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs the agreement all-gather of a writeback End or a Commit; `done` gets OK when every
+  // rank's record says ok, else the first refusal (and whether a stale rank refused).
+  void Agree(const std::shared_ptr<collective::CollectiveGroup>& coll, const Caller& caller,
+             const internal::AgreeRecord& mine, int32_t world_size, int64_t unit,
+             const std::string& what,
+             absl::Time deadline, absl::AnyInvocable<void(absl::Status, bool stale)> done);
 
   // GPU daemons: the context rank `rank` lives on; null for host-memory daemons.
   gpu::DeviceContext* DeviceOf(int32_t rank) const;

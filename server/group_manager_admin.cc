@@ -117,6 +117,15 @@ absl::StatusOr<std::vector<GroupManager::ModuleUnits>> GroupManager::ListUnits(
     if (module && path != *module) continue;
     ModuleUnits m;
     m.module = path;
+    m.initialized = reg.initialized;
+    bool any = false;
+    for (int32_t r : g.local_ranks) {
+      if (r >= static_cast<int32_t>(reg.shards_by_rank.size()) || reg.shards_by_rank[r].empty()) {
+        continue;
+      }
+      m.generation = any ? std::min(m.generation, reg.generation[r]) : reg.generation[r];
+      any = true;
+    }
     for (const PlanUnit& pu : reg.plan.units) {
       const int32_t u = pu.index;
       UnitInfo info;

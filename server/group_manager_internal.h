@@ -197,6 +197,42 @@ inline constexpr absl::Duration kUnwatchAfter = absl::Seconds(10);
 // keeps its pages (no page faults per step), an idle job holds only its shards.
 inline constexpr absl::Duration kKeptIdleRelease = absl::Seconds(1);
 
+inline void CopyText(absl::string_view text, char* out, size_t size) {
+  std::memset(out, 0, size);
+  std::memcpy(out, text.data(), std::min(text.size(), size - 1));
+}
+inline std::string TextOf(const char* text, size_t size) {
+  return std::string(text, strnlen(text, size));
+}
+
+// The "unit" of the agreement all-gathers (in the collective's fingerprint, so a rank that
+// ends a summon while another commits fails with a mismatch instead of agreeing).
+inline constexpr int64_t kEndAgreeUnit = -2;
+inline constexpr int64_t kCommitAgreeUnit = -3;
+
+// In the status of a failure caused by a rank's session ending ("rank 2's session ended
+// ..."): daemons that learn of it from the coordinator let their running ops complete first.
+inline constexpr char kSessionEndedMarker[] = "'s session ";
+
+// How long a departure's failure waits for the ops the departed rank had joined to complete
+// (FailDeferred). They normally take milliseconds; one that takes longer is stuck, and the
+// group fails then rather than at the op's deadline.
+inline constexpr absl::Duration kDeferFailureAtMost = absl::Seconds(2);
+
+// Failed writeback Ends remembered per group for repeated Ends.
+inline constexpr size_t kFailedEndsKept = 256;
+
+// What each rank contributes to a writeback End's or a Commit's agreement (an all-gather):
+// every rank reaches the same verdict from the same records, so all apply or none.
+struct AgreeRecord {
+  uint8_t ok;     // 1: this rank can apply
+  uint8_t stale;  // 1: refused because the rank's views predate a rollback
+  uint8_t reserved[6];
+  uint64_t generation;  // the rank's committed generation
+  char text[240];       // why not; NUL-padded, truncated
+};
+static_assert(sizeof(AgreeRecord) == 256);
+
 inline constexpr char kAlreadyUnsharding[] =
     "Cannot manually unshard parameters when already unsharding parameters";
 
@@ -220,6 +256,11 @@ struct GroupManager::SummonSlot {
   std::map<int32_t, std::shared_ptr<Buffer>> rank0_params;
   std::map<int32_t, std::shared_ptr<Buffer>> rank0_grads;
   int32_t ended = 0;  // local ranks that ended this summon
+  // Read-only summons: local ranks whose all-gathers into the shared copy completed, the
+  // first failure among them, and the answers held until every one did (Summon).
+  int32_t assembled = 0;
+  absl::Status assembly_error;
+  std::vector<absl::AnyInvocable<void(absl::Status)>> waiting;
 };
 
 struct GroupManager::OpenSummon {
@@ -234,6 +275,9 @@ struct GroupManager::OpenSummon {
   // GPU ranks under rank0_only writeback: rank 0's broadcast copy on this rank's device,
   // by (unit, 0 params / 1 grads).
   std::map<std::pair<int32_t, int>, std::shared_ptr<Buffer>> own_rank0;
+  // The group's communicator when the summon was opened: a writeback End after the group
+  // re-formed cannot agree with the other ranks' summons (they are gone) and fails.
+  std::shared_ptr<collective::CollectiveGroup> coll;
   bool ready = false;   // the unshard completed
   bool ending = false;  // EndSummon under way
 };
@@ -246,6 +290,9 @@ struct GroupManager::Registered {
   std::vector<uint64_t> summon_count;       // per rank: k of its last summon
   std::map<uint64_t, std::shared_ptr<SummonSlot>> slots;
   std::map<std::pair<int32_t, int32_t>, std::shared_ptr<Buffer>> grad_staging;  // (rank, unit)
+  // The last reduce-scatter of (rank, unit) failed with this status: a repeated finish (a
+  // client's retry) answers it instead of "begin the reduce-scatter first".
+  std::map<std::pair<int32_t, int32_t>, absl::Status> failed_finishes;
   // Gradient shards allocated by BeginReduceScatter for a unit that has none yet; installed
   // in shards_by_rank only when the reduce-scatter succeeds (a failed one changes nothing).
   std::map<std::pair<int32_t, int32_t>, std::shared_ptr<Buffer>> new_grads;  // (rank, unit)
@@ -262,6 +309,27 @@ struct GroupManager::Registered {
   std::vector<uint64_t> attached_session;
   // Per unit: its last summon, end or reduce-scatter here (`flatshardctl units`).
   std::vector<UnitOp> last_op;
+
+  // ---- Crash consistency (semantics.md §3a) ----
+  // A model only once its initial values committed on every rank: kZeros at registration,
+  // the FROM_* modes when the init summon's End agreed on every rank. Until then Summon,
+  // GetShards and reduce-scatters are refused and registering again re-runs the init.
+  bool initialized = false;
+  std::string uninitialized_why;  // the init's failure, for the refusals
+  // Per rank: the generation (committed step) its shards hold in `committed`. Commit and
+  // every agreed writeback End add one; all ranks of a group move together.
+  std::vector<uint64_t> generation;
+  // Per rank and unit: the shard as of the last commit; rollbacks copy it back.
+  std::vector<std::vector<std::shared_ptr<Buffer>>> committed;
+  // Per rank: its shards were rolled back since it last read its views (Register,
+  // GetShards); its next Commit or writeback End is refused (and rolls the group back), so
+  // in-place writes made on top of a rollback are never committed.
+  std::vector<bool> stale;
+  // Shard copies (writebacks, commits, rollbacks) running outside the lock. A rollback waits
+  // for them (`rollback_pending`), and none starts while one is pending, so a copy never
+  // reads or writes a shard another copy is writing.
+  int busy = 0;
+  bool rollback_pending = false;
 
   void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok) {
     last_op.resize(plan.units.size());
@@ -298,7 +366,18 @@ struct GroupManager::Group {
   std::set<std::pair<std::string, int32_t>> registering;  // (module, rank) mid-registration
   std::map<uint64_t, OpenSummon> open_summons;
   uint64_t next_summon = 1;
+  // Writeback summons whose End failed, by id: (rank, status). A repeated End (a client's
+  // retry) gets the same cause instead of NOT_FOUND. Bounded (kFailedEndsKept).
+  std::map<uint64_t, std::pair<int32_t, absl::Status>> failed_ends;
   std::shared_ptr<collective::CollectiveGroup> coll;
+  // ApplyTable re-formed the communicator after a failure: its caller starts the rollback.
+  bool rollback_due = false;
+  // A rank's session ended while a collective it had already submitted (its End's or
+  // Commit's agreement) was still running: the daemon completes that op on its behalf, so
+  // every daemon reaches the same verdict, and the group fails with this status once no such
+  // op is left (FailDeferred), at the latest when a rank joins again.
+  absl::Status deferred_failure;
+  absl::Time deferred_since = absl::InfiniteFuture();
 
   bool multi() const { return !coordinator.empty(); }
 

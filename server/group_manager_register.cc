@@ -45,11 +45,8 @@ constexpr size_t kUnitDigestBytes = 16;
 // A unit's one-line description, exchanged once the first differing unit is known.
 constexpr size_t kUnitSummaryBytes = 384;
 
-void CopyText(absl::string_view text, char* out, size_t size) {
-  std::memset(out, 0, size);
-  std::memcpy(out, text.data(), std::min(text.size(), size - 1));
-}
-std::string TextOf(const char* text, size_t size) { return std::string(text, strnlen(text, size)); }
+using internal::CopyText;
+using internal::TextOf;
 
 std::string UnitDigest(const PlanUnit& u) {
   std::string canon = absl::StrCat(u.module, "|", u.module_type, "|", DTypeName(u.dtype), "|",
@@ -79,6 +76,7 @@ struct GroupManager::RegisterExchange {
   int32_t world_size = 0;
   // Allocated before the exchange, so the verdict covers allocation too.
   std::vector<UnitShard> shards;
+  std::vector<std::shared_ptr<Buffer>> committed;     // per unit: the committed copies
   std::vector<std::shared_ptr<Buffer>> init_buffers;  // per unit; null where none
   int step = 0;
   RegisterRecord mine{};
@@ -122,26 +120,56 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
                       : CheckCallerLocked(caller);
     if (error.ok()) {
       Group& g = *groups_.at(caller.group);
-      if (auto reg = g.registered.find(module); reg != g.registered.end()) {
-        Registered& r = reg->second;
-        if (r.attached_session[caller.rank] != caller.session && plan.ok() &&
-            plan->fingerprint == r.plan.fingerprint && !r.shards_by_rank[caller.rank].empty()) {
-          // A restarted trainer re-attaches: same model, new session; no collective.
-          r.attached_session[caller.rank] = caller.session;
-          FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " re-attached to module "
-                       << Display(module);
-          RegisterResult result{r.plan, r.shards_by_rank[caller.rank], std::nullopt};
-          lock.Release();
-          done(std::move(result));
-          return;
+      auto known = g.registered.find(module);
+      if (known != g.registered.end()) {
+        Registered& r = known->second;
+        const bool same_model = plan.ok() && plan->fingerprint == r.plan.fingerprint;
+        if (r.initialized && r.attached_session[caller.rank] != caller.session && same_model &&
+            !r.shards_by_rank[caller.rank].empty()) {
+          // A restarted trainer re-attaches: same model, new session; no collective. It gets
+          // the last committed generation (a rollback, if due, ran at the re-form).
+          if (r.rollback_pending) {
+            error = absl::UnavailableError(absl::StrCat(
+                "group ", g.id, ": module ", Display(module),
+                " is being rolled back to its committed generation; register again"));
+          } else {
+            r.attached_session[caller.rank] = caller.session;
+            r.stale[caller.rank] = false;
+            FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank
+                         << " re-attached to module " << Display(module) << " at generation "
+                         << r.generation[caller.rank];
+            RegisterResult result{r.plan, r.shards_by_rank[caller.rank], std::nullopt,
+                                  r.generation[caller.rank]};
+            lock.Release();
+            done(std::move(result));
+            return;
+          }
+        } else if (!r.initialized && same_model) {
+          // Its initialisation never committed on every rank: this registration runs it again
+          // (collective, like the first). An init summon this rank still holds is void.
+          for (auto it = g.open_summons.begin(); it != g.open_summons.end();) {
+            if (it->second.rank == caller.rank && it->second.module == module &&
+                !it->second.ending) {
+              for (int32_t u : it->second.units) r.summoned[caller.rank][u] = false;
+              it = g.open_summons.erase(it);
+            } else {
+              ++it;
+            }
+          }
+          ReleaseKept(r);
+          FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " registers module "
+                       << Display(module) << " again: it was not initialised ("
+                       << (r.uninitialized_why.empty() ? "init not ended" : r.uninitialized_why)
+                       << ")";
+        } else {
+          error = absl::AlreadyExistsError(absl::StrCat(
+              "group ", g.id, ": module ", Display(module), " is already registered",
+              plan.ok() && plan->fingerprint != r.plan.fingerprint ? " (with a different model)"
+                                                                   : " by this session"));
         }
-        error = absl::AlreadyExistsError(absl::StrCat(
-            "group ", g.id, ": module ", Display(module), " is already registered",
-            plan.ok() && plan->fingerprint != r.plan.fingerprint ? " (with a different model)"
-                                                                 : " by this session"));
       }
       for (const auto& [other, r] : g.registered) {
-        if (error.ok() && Nested(other, module)) {
+        if (error.ok() && other != module && Nested(other, module)) {
           error = absl::InvalidArgumentError(absl::StrCat(
               "group ", g.id, ": module ", Display(module), " already has flatshard applied: ",
               "it overlaps the registered module ", Display(other)));
@@ -187,6 +215,17 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
         break;
       }
       x->shards.push_back(UnitShard{u.index, *std::move(shard), nullptr});
+      // The committed copy of the shard (semantics.md §3a): what a rollback restores.
+      absl::StatusOr<std::shared_ptr<Buffer>> kept = store_->Allocate(
+          BufferKind::kShard, u.shard_numel * ItemSize(u.dtype),
+          absl::StrCat("group=", caller.group, " module=", module, " unit=", u.index,
+                       " rank=", caller.rank, " committed"),
+          caller.uid, PlacementOf(caller.rank));
+      if (!kept.ok()) {
+        alloc = kept.status();
+        break;
+      }
+      x->committed.push_back(*std::move(kept));
       std::shared_ptr<Buffer> view;
       if (init_views) {
         absl::StatusOr<std::shared_ptr<Buffer>> b = store_->Allocate(
@@ -204,6 +243,7 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
     }
     if (!alloc.ok()) {
       x->shards.clear();
+      x->committed.clear();
       x->init_buffers.clear();
     }
   }
@@ -383,27 +423,40 @@ void GroupManager::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Sta
           reg.summon_count.assign(g.world_size, 0);
           reg.attached_session.assign(g.world_size, 0);
           reg.shards_by_rank.resize(g.world_size);
+          reg.committed.resize(g.world_size);
+          reg.generation.assign(g.world_size, 0);
+          reg.stale.assign(g.world_size, false);
           FS_LOG(INFO) << "group=" << g.id << " module=" << Display(x->module) << " registered: "
                        << reg.plan.units.size() << " units, fingerprint "
                        << reg.plan.fingerprint.substr(0, 16);
         }
         reg.shards_by_rank[caller.rank] = x->shards;
+        reg.committed[caller.rank] = x->committed;
+        reg.generation[caller.rank] = 0;
+        reg.stale[caller.rank] = false;
         reg.attached_session[caller.rank] = caller.session;
-        RegisterResult r{reg.plan, x->shards, std::nullopt};
+        // Zeros are the model when asked for; initial values are, once the init summon's End
+        // agreed on every rank (EndSummon).
+        reg.initialized = x->init == InitMode::kZeros;
+        if (!reg.initialized) reg.uninitialized_why.clear();
+        RegisterResult r{reg.plan, x->shards, std::nullopt, 0};
         if (x->init != InitMode::kZeros) {
           // Initial values come through a summon that is already open: each rank (or rank 0)
           // fills its full buffers and ends it with writeback. The shards are zeros, so there
           // is nothing to all-gather first.
           const bool rank0_only = x->init == InitMode::kFromRank0;
-          std::shared_ptr<SummonSlot>& slot = reg.slots[1];
+          // Every rank's k-th summon shares a slot; a repeated init is the next k on every rank.
+          const uint64_t k = ++reg.summon_count[caller.rank];
+          std::shared_ptr<SummonSlot>& slot = reg.slots[k];
           if (!slot) slot = std::make_shared<SummonSlot>();
           OpenSummon open;
           open.id = g.next_summon++;
           open.rank = caller.rank;
-          open.k = 1;
+          open.k = k;
           open.module = x->module;
           open.options = SummonOptions{true, true, rank0_only, false, false};
           open.slot = slot;
+          open.coll = g.coll;
           open.ready = true;
           for (const PlanUnit& u : reg.plan.units) {
             open.units.push_back(u.index);
@@ -411,7 +464,6 @@ void GroupManager::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Sta
             if (rank0_only && caller.rank == 0) slot->rank0_params[u.index] = x->init_buffers[u.index];
             reg.summoned[caller.rank][u.index] = true;
           }
-          reg.summon_count[caller.rank] = 1;
           SummonResult init{open.id, open.units, {}, "", {}};
           if (!rank0_only || caller.rank == 0) init.views = open.views;
           r.init_summon = std::move(init);
@@ -425,6 +477,7 @@ void GroupManager::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Sta
     }
   }
   x->shards.clear();
+  x->committed.clear();
   x->init_buffers.clear();
   x->done(std::move(result));
 }

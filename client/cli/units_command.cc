@@ -23,8 +23,10 @@ void PrintUnits(const v1::ListUnitsResponse& r) {
     return;
   }
   for (const v1::ModuleUnits& m : r.modules()) {
-    std::cout << absl::StrFormat("group %s  module %s  %d units\n", r.group(),
-                                 ModuleName(m.module()), m.units().size());
+    std::cout << absl::StrFormat("group %s  module %s  %d units  %s\n", r.group(),
+                                 ModuleName(m.module()), m.units().size(),
+                                 m.initialized() ? absl::StrCat("generation ", m.generation())
+                                                 : std::string("NOT INITIALISED"));
     std::vector<std::vector<std::string>> rows = {{"UNIT", "MODULE", "RANK", "STATE", "SHARD_B",
                                                    "GRAD_B", "UNSHARDED_B", "LAST_OP", "AGE"}};
     for (const v1::UnitStatus& u : m.units()) {
@@ -64,7 +66,10 @@ nlohmann::json UnitsJson(const v1::ListUnitsResponse& r) {
       units.push_back(
           {{"unit", u.unit()}, {"module", u.module()}, {"ranks", ranks}, {"last_op", last_op}});
     }
-    modules.push_back({{"module", m.module()}, {"units", units}});
+    modules.push_back({{"module", m.module()},
+                       {"initialized", m.initialized()},
+                       {"generation", m.generation()},
+                       {"units", units}});
   }
   return {{"group", r.group()}, {"modules", modules}};
 }
@@ -80,7 +85,9 @@ int RunUnitsCommand(const std::vector<std::string>& args) {
       "the unit's module, its state on that rank (IDLE, or SUMMONED while a summon is open),\n"
       "the bytes of the rank's shard, gradient shard and the unsharded buffers its open\n"
       "summons hold, and the unit's last operation here (summon, end, reduce_scatter) with\n"
-      "the rank that made it and its age.\n";
+      "the rank that made it and its age. Each module's header says its committed generation\n"
+      "(the step every rank rolls back to after a failure), or NOT INITIALISED while its\n"
+      "initial values have not committed on every rank.\n";
   spec.flags = {{"module", "M", "only the registered module M ('--module=' for the root)"}};
   spec.min_args = 1;
   spec.max_args = 1;

@@ -287,6 +287,8 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ListUnits(grpc::CallbackServerContex
   for (const GroupManager::ModuleUnits& m : *modules) {
     v1::ModuleUnits* out = response->add_modules();
     out->set_module(m.module);
+    out->set_initialized(m.initialized);
+    out->set_generation(m.generation);
     for (const GroupManager::UnitInfo& u : m.units) {
       v1::UnitStatus* unit = out->add_units();
       unit->set_unit(u.unit);

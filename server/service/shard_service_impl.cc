@@ -248,6 +248,7 @@ grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(
                       if (result.ok()) {
                         *response->mutable_plan() = flatshard::ToProto(result->plan);
                         FillShards(result->shards, response->mutable_shards());
+                        response->set_generation(result->generation);
                         if (result->init_summon) {
                           FillSummon(*result->init_summon, response->mutable_init_summon());
                         }
@@ -380,8 +381,24 @@ grpc::ServerUnaryReactor* ShardServiceImpl::GetShardViews(grpc::CallbackServerCo
   if (result.ok()) {
     FillShards(result->shards, response->mutable_shards());
     *response->mutable_plan() = flatshard::ToProto(result->plan);
+    response->set_generation(result->generation);
   }
   reactor->Finish(ToGrpcStatus(result.status()));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ShardServiceImpl::Commit(grpc::CallbackServerContext* ctx,
+                                                   const v1::CommitRequest* request,
+                                                   v1::CommitResponse* response) {
+  metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "Commit");
+  absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
+  if (!caller.ok()) return Refuse(reactor, caller.status());
+  groups_->Commit(*caller, request->registered_module(), WaitDeadline(ctx),
+                  [reactor, response](absl::StatusOr<uint64_t> generation) {
+                    if (generation.ok()) response->set_generation(*generation);
+                    reactor->Finish(ToGrpcStatus(generation.status()));
+                  },
+                  EventOf(request->written()));
   return reactor;
 }
 

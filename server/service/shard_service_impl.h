@@ -43,6 +43,9 @@ class ShardServiceImpl final : public v1::ShardService::CallbackService {
   grpc::ServerUnaryReactor* GetShardViews(grpc::CallbackServerContext* ctx,
                                           const v1::GetShardViewsRequest* request,
                                           v1::GetShardViewsResponse* response) override;
+  grpc::ServerUnaryReactor* Commit(grpc::CallbackServerContext* ctx,
+                                   const v1::CommitRequest* request,
+                                   v1::CommitResponse* response) override;
   grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext* ctx, const v1::PingRequest* request,
                                  v1::PingResponse* response) override;
   grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* ctx,

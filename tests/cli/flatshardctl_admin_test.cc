@@ -300,6 +300,9 @@ TEST_F(FlatshardctlAdminTest, UnitsShowSummonedDuringASummonAndIdleAfter) {
   EXPECT_EQ(j["group"], "g");
   ASSERT_EQ(j["modules"].size(), 1u);
   EXPECT_EQ(j["modules"][0]["module"], "");
+  // Registered with zeros: initialised, at the first committed generation.
+  EXPECT_EQ(j["modules"][0]["initialized"], true);
+  EXPECT_EQ(j["modules"][0]["generation"], 0);
   ASSERT_EQ(j["modules"][0]["units"].size(), static_cast<size_t>(units));
   for (const nlohmann::json& u : j["modules"][0]["units"]) {
     EXPECT_EQ(u["last_op"], nullptr);
@@ -329,7 +332,7 @@ TEST_F(FlatshardctlAdminTest, UnitsShowSummonedDuringASummonAndIdleAfter) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::vector<std::string> lines = Lines(r.out);
   ASSERT_EQ(lines.size(), 2u + 2u * units) << r.out;
-  EXPECT_THAT(lines[0], StartsWith("group g  module (root)  " + std::to_string(units) + " units"));
+  EXPECT_EQ(lines[0], "group g  module (root)  " + std::to_string(units) + " units  generation 0");
   EXPECT_THAT(lines[1], ::testing::MatchesRegex(
                             " +UNIT +MODULE +RANK +STATE +SHARD_B +GRAD_B +UNSHARDED_B +LAST_OP +AGE"));
   for (size_t i = 2; i < lines.size(); ++i) {

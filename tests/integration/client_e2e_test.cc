@@ -591,9 +591,13 @@ TEST_P(ClientE2ETest, ClientKilledMidSummonEndsItWithoutWriteback) {
   for (size_t i = 0; i < shards.size(); ++i) {
     EXPECT_EQ(SegmentBytes(shards[i]), shard_bytes[i]) << "shard " << shards[i] << " changed";
   }
-  // Rank 0 ends its own summon normally (the killed rank's end does not hold it up).
+  // Rank 0's End fails at once, naming the dead rank: a writeback End commits on every rank
+  // or none (semantics.md §3a), and rank 1 never ended its part.
+  const absl::Time end_start = absl::Now();
   const absl::Status ended = (*open)->End();
-  EXPECT_TRUE(ended.ok()) << ended;
+  EXPECT_EQ(ended.code(), absl::StatusCode::kUnavailable) << ended;
+  EXPECT_THAT(ended.message(), HasSubstr("rank 1's session ended")) << ended;
+  EXPECT_LT(absl::Now() - end_start, absl::Seconds(3)) << "the End waited for its deadline";
 }
 
 // A restarted trainer (here: a new Client after the old one went away with a summon open)
@@ -614,8 +618,11 @@ TEST_P(ClientE2ETest, RestartedClientReattachesByRegisteringAgain) {
     for (const ParamView& v : *open[1]) std::fill_n(static_cast<float*>(v.data), v.numel, -7.0f);
     ranks[1] = Rank();  // rank 1's client goes away; its summon's End then fails, as documented
     EXPECT_EQ(open[1]->End().code(), absl::StatusCode::kFailedPrecondition);
+    // The writeback is atomic across the group: rank 1 never ended, so rank 0's range is not
+    // written back either, and rank 0 learns why at once (semantics.md §3a).
     const absl::Status ended = open[0]->End();
-    EXPECT_TRUE(ended.ok()) << ended;
+    EXPECT_EQ(ended.code(), absl::StatusCode::kUnavailable) << ended;
+    EXPECT_THAT(ended.message(), HasSubstr("rank 1's session ended")) << ended;
   }
   ranks[1].client = Connect(d.AddressFor(1));
   ASSERT_NE(ranks[1].client, nullptr);

@@ -230,6 +230,12 @@ class SummonedParams {
   // without calling the daemon again.
   // Device views: first records the trainer's event on ClientOptions::cuda_stream and sends
   // it, so the daemon writes back only after the writes enqueued there.
+  // With writeback the End is atomic across the group (spec/semantics.md §3a): it waits for
+  // every rank's End, and then every rank's range is written back (and the module's shards
+  // committed, see Client::Commit), or, if a rank died (UNAVAILABLE naming it, at once) or
+  // missed the deadline (DEADLINE_EXCEEDED naming it), no rank's is. The init summon of a
+  // registration commits the initial values the same way; until it did on every rank the
+  // module is not usable (Register it again on every rank).
   // Errors: the RPC's (e.g. DEADLINE_EXCEEDED naming missing ranks, ABORTED); a failed
   // writeback leaves the old shards intact. FAILED_PRECONDITION when the Client was destroyed
   // or left first (the daemon then ended the summon without writeback) or the lease broke.
@@ -335,9 +341,14 @@ class ShardViews {
   // The mappings the views point into (see ParamViews::mappings).
   const std::vector<std::shared_ptr<const void>>& mappings() const { return keepalive_; }
 
+  // The committed generation the shards held when the daemon answered (0: the initial
+  // values; see Client::Commit).
+  uint64_t generation() const { return generation_; }
+
  private:
   friend class internal::ClientCore;
   std::vector<UnitShardView> units_;
+  uint64_t generation_ = 0;
   std::vector<std::shared_ptr<const void>> keepalive_;
 };
 
@@ -350,6 +361,9 @@ struct RegisteredModule {
   // fill the views (on rank 0 only, for kFromRank0), then End() it on every rank. nullptr
   // for kZeros.
   std::unique_ptr<SummonedParams> init_summon;
+  // The committed generation the shards hold (0: the initial values; see Client::Commit).
+  // A re-attaching trainer resumes from this step.
+  uint64_t generation = 0;
 };
 
 // A connection to one daemon. Thread-safe. One gRPC channel and stub per Client, one
@@ -425,9 +439,31 @@ class Client {
                                   bool accumulate,
                                   absl::FunctionRef<absl::Status(PendingReduceScatter&)> fill);
 
-  // Local: this rank's shards and gradient shards of `registered_module`, for the optimizer.
-  // Errors: as BeginReduceScatter.
+  // Local: this rank's shards and gradient shards of `registered_module`, for the optimizer,
+  // and the committed generation they hold (ShardViews::generation()).
+  // Errors: as BeginReduceScatter; FAILED_PRECONDITION for a module whose initialisation did
+  // not commit on every rank (Register it again on every rank); UNAVAILABLE while the
+  // shards are being rolled back. After a failure, the shards roll back when every rank has
+  // joined again: read the views again after that (before committing, see Commit).
   absl::StatusOr<ShardViews> GetShardViews(const std::string& registered_module);
+
+  // Collective: closes the current training step of `registered_module` (call it on every
+  // rank after the optimizer updated the shards in place). Returns the generation just
+  // committed. Crash consistency (spec/semantics.md §3a):
+  // - A step commits on every rank or on none. After any failure of the group's collectives
+  //   (a rank died or left, a deadline, a daemon lost), the group re-forms once every rank
+  //   has joined again and every rank's shards are rolled back to the last committed
+  //   generation; Register (re-attach) and GetShardViews report it (generation()).
+  // - An End() with writeback also commits (the writeback applies on every rank or none).
+  // - After a failure, every rank (also the survivors) reads its views again with
+  //   GetShardViews or Register before it commits, and redoes the steps since the reported
+  //   generation. A Commit from a rank that did not is refused on every rank and rolls
+  //   every rank back, so in-place writes that straddle a rollback are never committed.
+  // Errors: UNAVAILABLE naming the rank whose session ended (at once, not at the deadline);
+  // DEADLINE_EXCEEDED naming the ranks that did not call; FAILED_PRECONDITION for a stale
+  // rank (named), an uninitialised module, or when not joined; NOT_FOUND for a module this
+  // client did not register. No rank commits when any error is returned by the agreement.
+  absl::StatusOr<uint64_t> Commit(const std::string& registered_module);
 
   // Leaves the group (the shards stay; the rank can join again) and closes the lease. The
   // session is over even when the RPC fails; its error is returned.
