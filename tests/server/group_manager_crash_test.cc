@@ -64,7 +64,7 @@ class GroupManagerCrashTest : public ::testing::Test {
     std::vector<std::unique_ptr<Async<absl::StatusOr<JoinResult>>>> joins;
     for (int r = 0; r < world; ++r) {
       joins.push_back(std::make_unique<Async<absl::StatusOr<JoinResult>>>());
-      gm_.Join(JoinArgs{group, world, r, "tok", "", -1}, Deadline(), joins.back()->Callback());
+      gm_.Join(JoinArgs{group, world, r, "tok", "", -1, {}}, Deadline(), joins.back()->Callback());
     }
     std::vector<Caller> callers;
     for (int r = 0; r < world; ++r) {
@@ -76,7 +76,7 @@ class GroupManagerCrashTest : public ::testing::Test {
   }
   Caller Rejoin(const std::vector<Caller>& others, int rank) {
     Async<absl::StatusOr<JoinResult>> j;
-    gm_.Join(JoinArgs{others[0].group, static_cast<int32_t>(others.size()), rank, "tok", "", -1},
+    gm_.Join(JoinArgs{others[0].group, static_cast<int32_t>(others.size()), rank, "tok", "", -1, {}},
              Deadline(), j.Callback());
     absl::StatusOr<JoinResult>& r = j.Wait();
     EXPECT_TRUE(r.ok()) << r.status();
