@@ -226,6 +226,9 @@ GroupManager::DeletedGroup GroupManager::RemoveGroupLocked(
         take(s.grad);
       }
     }
+    for (std::vector<std::shared_ptr<Buffer>>& committed : reg.committed) {
+      for (std::shared_ptr<Buffer>& b : committed) take(b);  // the last commit's copies
+    }
     for (auto& [key, b] : reg.grad_staging) take(b);
     for (auto& [key, b] : reg.new_grads) take(b);
     for (auto& [key, kept] : reg.kept) take(kept.buffer);
