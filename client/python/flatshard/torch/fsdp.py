@@ -216,8 +216,10 @@ class FlatShardModule(nn.Module):
         naming late ranks, FailedPreconditionError for a rank that did not re-read its views
         after a rollback) no rank committed: the step's in-place updates are rolled back on
         every rank once every rank has joined again; join again and ``reattach()``."""
-        if self._state != TrainingState.IDLE:
-            raise AssertionError(f"FlatShardModule.commit: called during {self._state.value}")
+        if self._state == TrainingState.SUMMON_FULL_PARAMS or self._fwd or self._bwd:
+            raise AssertionError("FlatShardModule.commit: called inside "
+                                 + ("summon_full_params" if self._state ==
+                                    TrainingState.SUMMON_FULL_PARAMS else "forward/backward"))
         self._generation = int(self._client.commit(self._name))
         return self._generation
 
