@@ -5,7 +5,8 @@
 Prints one JSON object per line on stdout:
   {"event": "attached", "rank": r, "reattached": bool, "generation": g}
   {"event": "step", "step": i, "rank": r, "loss": <this rank's loss>, "generation": g}
-  {"event": "step_failed", ...} / {"event": "reattached", "step": i, "generation": g}
+  {"event": "step_failed", ...}, {"event": "left", ...} (--survive: before joining again),
+  {"event": "reattached", "step": i, "generation": g}
   {"event": "summon", ...}   (--demo: what summon_full_params read and edited)
   {"event": "done", "rank": r, "reattached": bool, "seconds": s, "peak_rss_kib": k}
 With --out, rank 0 saves the final full state dict (torch.save) there.
@@ -142,6 +143,7 @@ def main():
                 client.leave()
             except flatshard.FlatshardError:
                 pass
+            emit(event="left", step=step, rank=args.rank)
             client.join(args.group, args.world_size, args.rank, args.token, args.coordinator)
             # The shards were rolled back to the last committed step: redo from there.
             step = fs.reattach()

@@ -10,6 +10,7 @@ By hand: PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \
 """
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,17 @@ def _dumps(job, name):
     d = os.path.join(job.dir, name)
     os.makedirs(d, exist_ok=True)
     return ["--dump-shards", d], d
+
+
+def _wait_for_event(path, event, proc, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(path) as f:
+            if f'"event": "{event}"' in f.read():
+                return
+        assert proc.poll() is None, f"the survivor exited {proc.returncode} before {event!r}"
+        time.sleep(0.05)
+    pytest.fail(f"no {event!r} event in {path} within {timeout} s")
 
 
 def _assert_reference(losses, final, first_step):
@@ -113,6 +125,8 @@ def test_survivor_rejoins_rolls_back_and_continues_with_a_restarted_rank():
         victim = job.launch(2, COMMON + dump1 + VICTIM, tag="b", only={1})
         gone = job.collect(victim, timeout=200, tag="b")
         assert gone[1][0] == -9, f"rank 1 should have been killed: {gone[1]}"
+        # Restart rank 1 once the survivor has left (its leave would fail the new group).
+        _wait_for_event(os.path.join(job.dir, "a.rank0.out"), "left", survivor[0])
         dump2, d2 = _dumps(job, "second")
         back = job.launch(2, COMMON + dump2, tag="c", only={1})
         rest = job.collect(back, timeout=200, tag="c")
