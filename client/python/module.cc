@@ -343,6 +343,13 @@ struct PyRegistered {
   std::string plan_json;
   std::vector<PyUnitShard> shards;
   std::shared_ptr<PySummoned> init_summon;  // nullptr for zeros
+  uint64_t generation = 0;                  // the committed generation the shards hold
+};
+
+// GetShardViews' answer: this rank's shards and the committed generation they hold.
+struct PyShardViews {
+  std::vector<PyUnitShard> shards;
+  uint64_t generation = 0;
 };
 
 // --- the client ----------------------------------------------------------------------------
@@ -442,6 +449,7 @@ class PyClient {
     out->module = r.module;
     out->plan_json = PlanToJson(*r.plan).dump();
     out->shards = ToPyShards(r.shards, device_as_host_);
+    out->generation = r.generation;
     {
       std::lock_guard<std::mutex> lock(mu_);
       plans_[r.module] = r.plan;
@@ -487,14 +495,26 @@ class PyClient {
     return std::make_shared<PyPendingReduceScatter>(Unwrap(std::move(pending)), device_as_host_);
   }
 
-  std::vector<PyUnitShard> ShardViewsOf(const std::string& module) {
+  PyShardViews ShardViewsOf(const std::string& module) {
     const ClientRef c = Get("shard_views");
     absl::StatusOr<ShardViews> views;
     {
       py::gil_scoped_release release;
       views = c->GetShardViews(module);
     }
-    return ToPyShards(Unwrap(std::move(views)), device_as_host_);
+    const ShardViews v = Unwrap(std::move(views));
+    return PyShardViews{ToPyShards(v, device_as_host_), v.generation()};
+  }
+
+  // Collective: commits the current step of `module`; returns the generation committed.
+  uint64_t Commit(const std::string& module) {
+    const ClientRef c = Get("commit");
+    absl::StatusOr<uint64_t> generation;
+    {
+      py::gil_scoped_release release;
+      generation = c->Commit(module);
+    }
+    return Unwrap(std::move(generation));
   }
 
   void Leave() {
@@ -606,6 +626,7 @@ PYBIND11_MODULE(_C, m) {
       .def("summon", &PyClient::Summon)
       .def("begin_reduce_scatter", &PyClient::BeginReduceScatter)
       .def("shard_views", &PyClient::ShardViewsOf)
+      .def("commit", &PyClient::Commit)
       .def("leave", &PyClient::Leave)
       .def("close", &PyClient::Close)
       .def_property_readonly("closed", &PyClient::closed)
@@ -669,7 +690,12 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("module", &PyRegistered::module)
       .def_readonly("plan_json", &PyRegistered::plan_json)
       .def_readonly("shards", &PyRegistered::shards)
-      .def_readonly("init_summon", &PyRegistered::init_summon);
+      .def_readonly("init_summon", &PyRegistered::init_summon)
+      .def_readonly("generation", &PyRegistered::generation);
+
+  py::class_<PyShardViews>(m, "ShardViews")
+      .def_readonly("shards", &PyShardViews::shards)
+      .def_readonly("generation", &PyShardViews::generation);
 
   m.def("describe_dlpack", &DescribeDlpack, py::arg("capsule"),
         "Describes an unconsumed DLPack capsule (tests of the device path).");

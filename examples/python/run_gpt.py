@@ -214,6 +214,12 @@ def run(ranks, daemons=1, steps=50, batch=12, extra=(), timeout=300, optimizer="
     for r, (rc, _, err) in sorted(results.items()):
         if rc != 0:
             problems.append(f"rank {r} exited {rc}:\n{err}")
+    for r, (rc, events, _) in sorted(results.items()):
+        # train_rank commits every step (model.step(opt)): step i leaves generation i + 1.
+        bad = [(e["step"], e.get("generation")) for e in events
+               if e["event"] == "step" and e.get("generation") != e["step"] + 1]
+        if rc == 0 and bad:
+            problems.append(f"rank {r}: steps not committed as generation step + 1: {bad[:3]}")
     losses = list(mean_losses(results, ranks).values())
     result = {"ranks": ranks, "daemons": daemons, "losses": losses,
               "events": {r: ev for r, (_, ev, _) in results.items()},
@@ -256,6 +262,11 @@ def main():
     for e in res["events"].get(0, []):
         if e["event"] == "summon":
             print(f"summon_full_params ({e['what']}): {e['fqn']} starts {e['head']}")
+    gens = {r: max((e["generation"] for e in ev if e["event"] == "step"), default=None)
+            for r, ev in sorted(res["events"].items())}
+    if not res["problems"]:
+        print(f"every step committed (model.step(opt)): generation {gens.get(0)} on "
+              f"{'every rank' if len(set(gens.values())) == 1 else gens}")
     if args.demo and not res["problems"]:
         for r, events in sorted(res["events"].items()):
             got = {e["what"]: e["head"] for e in events if e["event"] == "summon"}

@@ -3,10 +3,16 @@
 ``flatshard.torch.FlatShardModule`` and trained with a torch optimizer over the daemon's shards.
 
 Prints one JSON object per line on stdout:
-  {"event": "step", "step": i, "rank": r, "loss": <this rank's loss on its slice>}
+  {"event": "attached", "rank": r, "reattached": bool, "generation": g}
+  {"event": "step", "step": i, "rank": r, "loss": <this rank's loss>, "generation": g}
+  {"event": "step_failed", ...}, {"event": "left", ...} (--survive: before joining again),
+  {"event": "reattached", "step": i, "generation": g}
   {"event": "summon", ...}   (--demo: what summon_full_params read and edited)
   {"event": "done", "rank": r, "reattached": bool, "seconds": s, "peak_rss_kib": k}
 With --out, rank 0 saves the final full state dict (torch.save) there.
+Every step ends with ``fs.step(opt)``: the optimizer step, then a collective commit, so the
+committed generation equals the number of finished steps and a re-attaching trainer resumes
+at step ``fs.generation``.
 Run by examples/python/run_gpt.py, the tests and the benchmark; not meant to be run by hand.
 """
 import argparse
@@ -75,17 +81,27 @@ def main():
     ap.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--start-step", type=int, default=0)
+    ap.add_argument("--start-step", type=int, default=-1,
+                    help="first step; default: the committed generation (0 on a fresh "
+                         "module, the last committed step on re-attach)")
     ap.add_argument("--batch", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="")
     ap.add_argument("--demo", action="store_true", help="read and edit weights with "
                     "summon_full_params after training (rank 0 prints)")
     ap.add_argument("--die-at-step", type=int, default=-1,
-                    help="testing: SIGKILL this process in the backward of that step")
+                    help="testing: SIGKILL this process in that step (see --die-in)")
+    ap.add_argument("--die-in", choices=["backward", "commit"], default="backward",
+                    help="testing: where --die-at-step kills: inside the backward, or after "
+                         "the optimizer updated this rank's shards and before the commit")
     ap.add_argument("--survive", action="store_true",
                     help="when a step fails (another rank died), join again, re-attach and "
                          "redo the step instead of exiting")
+    ap.add_argument("--dump-shards", default="",
+                    help="testing: a folder; this rank saves copies of its parameter shards "
+                         "(sharded_state_dict) as <tag>.rank<r>.pt: tag attached (at start), "
+                         "gen<g> (after each commit), failed (when a step failed), "
+                         "reattached<g> (after reattach)")
     ap.add_argument("--call-timeout", type=float, default=30.0)
     args = ap.parse_args()
 
@@ -96,6 +112,8 @@ def main():
     fs = FlatShardModule(model, client, auto_wrap_policy=policy,
                          sync_module_states=args.sync_module_states,
                          use_orig_params=args.use_orig_params)
+    emit(event="attached", rank=args.rank, reattached=fs.reattached, generation=fs.generation)
+    dump(args, fs, "attached")
     if args.rank == 0:
         emit(event="plan", units=[(u["index"], u["module"], u["numel"], u["shard_numel"])
                                   for u in fs.plan["units"]])
@@ -105,7 +123,8 @@ def main():
     else:
         opt = torch.optim.SGD(params, lr=args.lr)
 
-    step, failures = args.start_step, 0
+    step = fs.generation if args.start_step < 0 else args.start_step
+    failures = 0
     while step < args.steps:
         try:
             loss = train_step(args, fs, model, opt, step)
@@ -115,6 +134,7 @@ def main():
             cause = fs.backward_error or e
             emit(event="step_failed", step=step, rank=args.rank, error=type(cause).__name__,
                  message=str(cause)[:300])
+            dump(args, fs, "failed")
             failures += 1
             if not args.survive or failures > 3:
                 raise
@@ -123,11 +143,15 @@ def main():
                 client.leave()
             except flatshard.FlatshardError:
                 pass
+            emit(event="left", step=step, rank=args.rank)
             client.join(args.group, args.world_size, args.rank, args.token, args.coordinator)
-            fs.reattach()
-            emit(event="reattached", step=step, rank=args.rank)
+            # The shards were rolled back to the last committed step: redo from there.
+            step = fs.reattach()
+            emit(event="reattached", step=step, rank=args.rank, generation=fs.generation)
+            dump(args, fs, f"reattached{fs.generation}")
             continue
-        emit(event="step", step=step, rank=args.rank, loss=float(loss))
+        emit(event="step", step=step, rank=args.rank, loss=float(loss), generation=fs.generation)
+        dump(args, fs, f"gen{fs.generation}")
         step += 1
 
     sd = fs.full_state_dict(rank0_only=True)  # collective: every rank takes part
@@ -142,6 +166,13 @@ def main():
     client.close()
 
 
+def dump(args, fs, tag):
+    """--dump-shards: a copy of this rank's parameter shards (flat, padded) by unit."""
+    if args.dump_shards:
+        sd = {k: v for k, v in fs.sharded_state_dict().items() if k.endswith("flat_param")}
+        torch.save(sd, os.path.join(args.dump_shards, f"{tag}.rank{args.rank}.pt"))
+
+
 def train_step(args, fs, model, opt, step):
     if args.model == "gpt":
         x, y = gpt.local_batch(step, args.batch, model.cfg, args.rank, args.world_size)
@@ -149,11 +180,15 @@ def train_step(args, fs, model, opt, step):
     else:
         x, y = resnet_batch(step, args.batch, args.rank, args.world_size)
         loss = torch.nn.functional.cross_entropy(fs(x), y)
-    if step == args.die_at_step:
+    die = step == args.die_at_step
+    if die and args.die_in == "backward":
         loss.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    opt.step()
+    if die and args.die_in == "commit":
+        opt.step()  # this rank's shards are updated in place, the step is not committed
+        os.kill(os.getpid(), signal.SIGKILL)
+    fs.step(opt)  # opt.step(), then the collective commit of the step
     return loss
 
 

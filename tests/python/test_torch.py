@@ -260,6 +260,34 @@ def test_optimizer_steps_the_daemon_shards_in_place(daemon):
         assert all(same_memory) and all(grads_in_daemon)
 
 
+def test_step_commits_and_generation_counts_commits(daemon):
+    """model.step(opt) = opt.step() + the collective commit; model.generation follows the
+    commits (writeback summons commit too) and equals the client's view of the shards."""
+    def fn(rank, c):
+        fs = wrapped_gpt(c)
+        assert fs.generation == 0 and c.shard_views("").generation == 0
+        opt = torch.optim.SGD(fs.sharded_parameters(), lr=0.1)
+        got = []
+        for step in range(2):
+            x, y = gpt.local_batch(step, BATCH, fs.module.cfg, rank, 2)
+            loss = fs(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            got.append(fs.step(opt))
+        with summon_full_params(fs, writeback=True):
+            with pytest.raises(AssertionError, match="inside summon_full_params"):
+                fs.commit()
+        got.append(fs.generation)
+        with summon_full_params(fs, writeback=False):
+            pass
+        got.append(fs.generation)  # a read-only summon does not commit
+        got.append(fs.commit())
+        got.append(c.shard_views("").generation)
+        return got
+
+    assert run_ranks(daemon, 2, fn) == {0: [1, 2, 3, 3, 4, 4], 1: [1, 2, 3, 3, 4, 4]}
+
+
 def test_gradients_are_the_averaged_full_gradients(daemon):
     ref = reference_grads()
 

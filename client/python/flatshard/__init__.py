@@ -16,7 +16,9 @@ and numpy arrays.
     with c.summon("", "layers.0") as s:          # unshard; written back and resharded on exit
         s.params["layers.0.weight"].mul_(0.5)
     c.reduce_scatter_grads("", unit, flat_grad)  # each rank keeps its slice
-    shards = c.shard_views("")                    # the optimizer's view
+    shards = c.shard_views("")                    # the optimizer's view (.generation)
+    # ... the optimizer updates the shards in place ...
+    c.commit("")                                  # collective: closes the step
     c.leave(); c.close()
 
 Errors are flatshard.FlatshardError subclasses carrying .code (gRPC code name) and .message.
@@ -27,10 +29,11 @@ from .errors import (AbortedError, AlreadyExistsError, DeadlineExceededError,
                      InvalidArgumentError, NotFoundError, PermissionDeniedError,
                      ResourceExhaustedError, UnavailableError)
 from ._tensors import ReadOnlyTensor, ReadOnlyViewError
-from ._client import Client, PendingReduceScatter, Registered, Summoned, UnitShard
+from ._client import (Client, PendingReduceScatter, Registered, ShardViews, Summoned,
+                      UnitShard)
 
 __all__ = [
-    "Client", "Registered", "Summoned", "PendingReduceScatter", "UnitShard",
+    "Client", "Registered", "Summoned", "PendingReduceScatter", "ShardViews", "UnitShard",
     "ReadOnlyTensor", "ReadOnlyViewError",
     "FlatshardError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError",
     "PermissionDeniedError", "FailedPreconditionError", "AbortedError", "UnavailableError",

@@ -9,7 +9,8 @@ from . import _C
 from ._tensors import from_capsule, torch_dtype
 from .errors import InvalidArgumentError, NotFoundError, _from_status
 
-__all__ = ["Client", "Registered", "Summoned", "PendingReduceScatter", "UnitShard"]
+__all__ = ["Client", "Registered", "Summoned", "PendingReduceScatter", "ShardViews",
+           "UnitShard"]
 
 _NO_AUTO_WRAP = '{"format": "flatshard.policy/1"}'
 
@@ -207,19 +208,36 @@ class PendingReduceScatter:
         return False
 
 
+class ShardViews(list):
+    """``Client.shard_views``' answer: a list of this rank's UnitShards, sorted by unit, and
+    ``generation``, the committed generation the shards held when the daemon answered (0:
+    the initial values; see ``Client.commit``)."""
+
+    def __init__(self, shards, generation):
+        super().__init__(shards)
+        self.generation = int(generation)
+
+    def __repr__(self):
+        return f"ShardViews(generation={self.generation}, {list.__repr__(self)})"
+
+
 class Registered:
-    """A registered module: its plan (dict, spec/formats.md), this rank's shards, and the
-    init summon of from_every_rank / from_rank0 registrations."""
+    """A registered module: its plan (dict, spec/formats.md), this rank's shards, the init
+    summon of from_every_rank / from_rank0 registrations, and ``generation``: the committed
+    generation the shards hold (0: the initial values; a re-attaching trainer resumes from
+    this step, see ``Client.commit``)."""
 
     def __init__(self, r):
         self._r = r
         self.module = r.module
+        self.generation = int(r.generation)
         self.plan = json.loads(r.plan_json)
         self.shards = [UnitShard(s) for s in r.shards]
         self.init_summon = None if r.init_summon is None else Summoned(r.init_summon, self.plan)
 
     def __repr__(self):
-        return f"Registered(module={self.module!r}, units={len(self.plan.get('units', []))})"
+        return (f"Registered(module={self.module!r}, units={len(self.plan.get('units', []))}, "
+                f"generation={self.generation})")
 
 
 class Client:
@@ -338,8 +356,28 @@ class Client:
         p.finish()
 
     def shard_views(self, module):
-        """This rank's shards of `module`, sorted by unit (the optimizer's view)."""
-        return [UnitShard(s) for s in self._c.shard_views(module)]
+        """This rank's shards of `module`, sorted by unit (the optimizer's view): a
+        ShardViews, a list of UnitShards with ``.generation``, the committed generation they
+        hold. Raises UnavailableError while the shards are being rolled back after a failure;
+        read the views again after a rollback (before ``commit``)."""
+        v = self._c.shard_views(module)
+        return ShardViews([UnitShard(s) for s in v.shards], v.generation)
+
+    def commit(self, module):
+        """Collective: closes the current training step of `module` (call it on every rank
+        after the optimizer updated the shards in place); returns the generation committed.
+
+        Crash consistency (spec/semantics.md §3a): a step commits on every rank or on none.
+        After any failure (a rank died or left, a deadline, a daemon lost) the group re-forms
+        once every rank has joined again and every rank's shards are rolled back to the last
+        committed generation, which ``register`` (re-attach) and ``shard_views`` report.
+        Every rank, survivors too, must then read its views again (``shard_views`` or
+        ``register``) before it commits; a commit from a rank that did not is refused on
+        every rank and rolls them back. A writeback ``Summoned.end()`` also commits.
+        Errors: UnavailableError naming a rank whose session ended, DeadlineExceededError
+        naming the ranks that did not call, FailedPreconditionError for a stale rank or when
+        not joined, NotFoundError for a module this client did not register."""
+        return int(self._c.commit(module))
 
     def _unit(self, module, unit):
         plan = self._plans.get(module)

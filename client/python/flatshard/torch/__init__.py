@@ -6,6 +6,8 @@
   resolved to explicit paths); ``policy_json(...)`` builds the whole policy document;
 - ``FlatShardModule(module, client, auto_wrap_policy=..., ignored_modules=...,
   sync_module_states=..., use_orig_params=...)``: trains with FULL_SHARD semantics;
+  ``model.step(opt)`` (``opt.step()`` + ``model.commit()``) commits each step, and
+  ``model.generation`` is the committed step a re-attaching trainer resumes from;
 - ``summon_full_params(model, recurse=True, writeback=True, rank0_only=False,
   offload_to_cpu=False, with_grads=False)``; full and sharded state dicts on the wrapper.
 

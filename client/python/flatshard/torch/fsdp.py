@@ -14,7 +14,10 @@ trainer holds no parameter memory of its own between uses:
   writes them straight into the daemon's gradient buffer (``begin_reduce_scatter``: no other
   copy), reduce-scatters it (AVG, as FSDP) and releases the backward summon;
 - ``sharded_parameters()`` are parameters over this rank's shards with ``.grad`` over the
-  gradient shards: any ``torch.optim`` optimizer steps them in place.
+  gradient shards: any ``torch.optim`` optimizer steps them in place;
+- ``model.step(optimizer)`` (or ``optimizer.step(); model.commit()``) closes the training step
+  with a collective commit (``flatshard.Client.commit``): after a crash every rank's shards are
+  rolled back to the last committed step, which ``model.generation`` reports.
 """
 import contextlib
 import enum
@@ -133,6 +136,14 @@ class FlatShardModule(nn.Module):
 
     A module already registered in the group (a trainer that crashed and came back, see
     ``reattached``) is re-attached: the live shards win over the module's current values.
+
+    Steps commit: after ``optimizer.step()`` call ``model.commit()`` on every rank (or let
+    ``model.step(optimizer)`` do both). ``model.generation`` is the committed generation the
+    shards hold: 0 after initialisation, +1 per commit (also per writeback
+    ``summon_full_params`` / ``load_state_dict``, which commit too). After a failure the
+    group rolls every rank's shards back to the last committed generation once every rank
+    has joined again; a restarted trainer re-attaches there (``generation`` tells which step
+    to resume from), a surviving one calls ``reattach()`` after joining again.
     """
 
     def __init__(self, module: nn.Module, client: Any, *, auto_wrap_policy: Any = None,
@@ -159,6 +170,7 @@ class FlatShardModule(nn.Module):
         self.backward_error: Optional[BaseException] = None
         reg = client.register(name, manifest, self.policy_json, init=init)
         self._plan = reg.plan
+        self._generation = int(getattr(reg, "generation", 0))
         self._build_units(reg.plan)
         if reg.init_summon is not None:
             self._fill_init_summon(reg.init_summon)
@@ -188,6 +200,37 @@ class FlatShardModule(nn.Module):
     @property
     def training_state(self) -> TrainingState:
         return self._state
+
+    @property
+    def generation(self) -> int:
+        """The committed generation this rank's shards hold, as last reported by the daemon
+        (registration, ``reattach()``, ``commit()``): 0 after initialisation, +1 per commit.
+        A trainer that commits once per optimizer step and does no writeback summons in
+        between resumes at step ``generation``."""
+        return self._generation
+
+    def commit(self) -> int:
+        """Collective: closes the training step (call it on every rank after the optimizer
+        updated the shards in place, and outside forward/backward/summon). Returns the new
+        generation. On error (UnavailableError naming a rank that died, DeadlineExceededError
+        naming late ranks, FailedPreconditionError for a rank that did not re-read its views
+        after a rollback) no rank committed: the step's in-place updates are rolled back on
+        every rank once every rank has joined again; join again and ``reattach()``."""
+        if self._state == TrainingState.SUMMON_FULL_PARAMS or self._fwd or self._bwd:
+            raise AssertionError("FlatShardModule.commit: called inside "
+                                 + ("summon_full_params" if self._state ==
+                                    TrainingState.SUMMON_FULL_PARAMS else "forward/backward"))
+        self._generation = int(self._client.commit(self._name))
+        return self._generation
+
+    def step(self, optimizer: Any, closure: Any = None) -> int:
+        """``optimizer.step(closure)`` then ``commit()``: one committed training step.
+        Returns the new generation (the optimizer's return value is dropped)."""
+        if closure is None:
+            optimizer.step()
+        else:
+            optimizer.step(closure)
+        return self.commit()
 
     def _build_units(self, plan: Dict[str, Any]) -> None:
         by_fqn: Dict[str, nn.Parameter] = _all_named_params(self.module)
@@ -265,12 +308,16 @@ class FlatShardModule(nn.Module):
                 p.param.data = self._shard_slice(u, p, u.shard)
                 p.param.grad = None
 
-    def reattach(self) -> None:
+    def reattach(self) -> int:
         """Continues after a failed step, e.g. when another rank crashed: call it once the
         client has joined its group again (``client.leave(); client.join(...)``, the same
-        group and rank). Drops what the failed step left open, registers the module again
-        (re-attach: the live shards stay as they are) and points the same parameter objects
-        at the shards, so the optimizer and its state carry on. Then redo the failed step."""
+        group and rank: the join waits for the replacement, and once every rank has joined
+        the shards are rolled back to the last committed step). Drops what the failed step
+        left open, registers the module again (re-attach: this reads the rolled-back views,
+        which the daemon requires before this rank commits again) and points the same
+        parameter objects at the shards, so the optimizer carries on (its state, e.g.
+        momentum, is the trainer's and is not rolled back). Returns ``generation``: redo the
+        steps from there."""
         self._abandon_step()
         reg = self._client.register(self._name, self._manifest_json, self.policy_json,
                                     init=self._init)
@@ -281,8 +328,10 @@ class FlatShardModule(nn.Module):
         if reg.init_summon is not None:
             self._fill_init_summon(reg.init_summon)
         self._attach_shards(reg.shards)
+        self._generation = int(getattr(reg, "generation", 0))
         self.reattached = True
         self.backward_error = None
+        return self._generation
 
     @staticmethod
     def _shard_slice(u: _Unit, p: _Param, flat_shard: torch.Tensor) -> torch.Tensor:
@@ -573,6 +622,9 @@ class FlatShardModule(nn.Module):
                     for m, attr in p.sites:
                         m._parameters[attr] = p.param
                 s.end()
+            if writeback:  # a writeback End commits: learn the new generation (local call)
+                views = self._client.shard_views(self._name)
+                self._generation = int(getattr(views, "generation", self._generation))
         finally:
             self._state = TrainingState.IDLE
 
