@@ -252,8 +252,10 @@ class BenchDaemon {
     log_ = dir_ / "flatshardd.log";
     // Everything exec needs is built before fork: the child only calls async-signal-safe
     // functions.
+    // The benchmarks time the daemon alone through raw RPCs that open no Lease stream, so the
+    // lease bound (--lease_timeout, 10 s by default) must not end their sessions mid-run.
     std::vector<std::string> args = {binary, "--socket=" + socket_, "--segment_prefix=" + tag,
-                                     "--default_wait=120s"};
+                                     "--default_wait=120s", "--lease_timeout=3600s"};
     args.insert(args.end(), extra_flags.begin(), extra_flags.end());
     const ExecVectors exec(std::move(args), extra_env);
     const std::string log_path = log_.string();
