@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -36,11 +37,13 @@
 #include "absl/time/time.h"
 #include "common/plan.h"
 #include "flatshard/client.h"
+#include "flatshard/v1/admin_service.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
+#include <grpcpp/grpcpp.h>
 
 namespace flatshard {
 namespace {
@@ -564,6 +567,32 @@ TrialResult RunTrial(Cluster& cluster, const std::string& group, int victim,
   return result;
 }
 
+// Removes a finished trial's group from every daemon (DeleteGroup once its ranks' leases have
+// closed). Trials share the daemons: each group left behind keeps its UCX tag hash (16 bits of
+// group and epoch) live, and a later trial whose re-formed epoch hashes alike is refused.
+void DeleteTrialGroup(Cluster& cluster, const std::string& group) {
+  for (int i = 0; i < cluster.daemon_count(); ++i) {
+    auto admin = v1::AdminService::NewStub(grpc::CreateChannel(
+        cluster.daemon(i).address(), grpc::InsecureChannelCredentials()));
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    for (;;) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      v1::DeleteGroupRequest req;
+      req.set_group(group);
+      v1::DeleteGroupResponse resp;
+      const grpc::Status s = admin->DeleteGroup(&ctx, req, &resp);
+      if (s.ok() || s.error_code() == grpc::StatusCode::NOT_FOUND) break;
+      if (s.error_code() != grpc::StatusCode::FAILED_PRECONDITION || absl::Now() > deadline) {
+        ADD_FAILURE() << "DeleteGroup " << group << " on daemon " << i << ": "
+                      << s.error_message();
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(50));  // a rank's lease is still closing
+    }
+  }
+}
+
 #if !FS_CRASH_SOAK
 class CrashCommitTest : public ::testing::TestWithParam<Layout> {};
 
@@ -585,6 +614,7 @@ TEST_P(CrashCommitTest, KillAtEveryStep) {
     const int victim = trial % kWorld;
     const int occurrence = InLoop(step) ? 2 : 1;
     TrialResult r = RunTrial(cluster, absl::StrCat("k", trial), victim, step, occurrence);
+    DeleteTrialGroup(cluster, absl::StrCat("k", trial));
     EXPECT_TRUE(r.killed) << "rank " << victim << " never reached \"" << step << "\"";
     EXPECT_TRUE(r.ok) << "trial " << trial << " (step " << step << ")";
     if (::testing::Test::HasFatalFailure()) return;
@@ -621,6 +651,7 @@ TEST(CrashCommitSoak, RandomKills) {
       const int victim = static_cast<int>(rng() % kWorld);
       const int occurrence = InLoop(step) ? 1 + static_cast<int>(rng() % 3) : 1;
       TrialResult r = RunTrial(cluster, absl::StrCat("s", i), victim, step, occurrence);
+      DeleteTrialGroup(cluster, absl::StrCat("s", i));
       ++count["trials"];
       ++count[r.killed ? "killed" : "not_killed"];
       ++count[r.ok ? "consistent" : "INCONSISTENT"];
