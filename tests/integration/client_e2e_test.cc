@@ -100,13 +100,6 @@ std::unique_ptr<Client> Connect(const std::string& address) {
   return client.ok() ? *std::move(client) : nullptr;
 }
 
-// Runs fn(rank) for every rank on its own thread and waits for all.
-void ForEachRank(int world, const std::function<void(int)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) threads.emplace_back(fn, r);
-  for (std::thread& t : threads) t.join();
-}
-
 // One rank: its Client and its registration of the whole model (module "").
 struct Rank {
   std::unique_ptr<Client> client;
@@ -120,7 +113,7 @@ std::vector<Rank> JoinAndRegister(const Cluster& d, const std::string& group, in
   std::vector<Rank> ranks(world);
   const std::string manifest = ExampleModelFile(model, "manifest");
   const std::string policy = ExampleModelFile(model, "policy");
-  ForEachRank(world, [&](int r) {
+  ::flatshard::testing::RunRanks(world, [&](int r) {
     ranks[r].client = Connect(d.AddressFor(r));
     ASSERT_NE(ranks[r].client, nullptr);
     absl::Status joined = ranks[r].client->Join(group, world, r, kToken, d.coordinator());
@@ -139,7 +132,7 @@ using Summons = std::vector<std::unique_ptr<SummonedParams>>;
 Summons SummonAll(std::vector<Rank>& ranks, const SummonOptions& options,
                   const std::string& path = "") {
   Summons out(ranks.size());
-  ForEachRank(static_cast<int>(ranks.size()), [&](int r) {
+  ::flatshard::testing::RunRanks(static_cast<int>(ranks.size()), [&](int r) {
     absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", path, options);
     ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
     out[r] = *std::move(s);
@@ -149,7 +142,7 @@ Summons SummonAll(std::vector<Rank>& ranks, const SummonOptions& options,
 
 // Every rank ends its summon (concurrently: a rank0_only writeback waits for rank 0).
 void EndAll(Summons& summons) {
-  ForEachRank(static_cast<int>(summons.size()), [&](int r) {
+  ::flatshard::testing::RunRanks(static_cast<int>(summons.size()), [&](int r) {
     if (summons[r] == nullptr) return;
     absl::Status s = summons[r]->End();
     EXPECT_TRUE(s.ok()) << "rank " << r << ": " << s;
@@ -202,7 +195,7 @@ void InitValues(std::vector<Rank>& ranks) {
   SummonOptions writeback;
   writeback.writeback = true;
   Summons s = SummonAll(ranks, writeback);
-  ForEachRank(static_cast<int>(ranks.size()), [&](int r) {
+  ::flatshard::testing::RunRanks(static_cast<int>(ranks.size()), [&](int r) {
     if (s[r] != nullptr) Fill(*ranks[r].model.plan, *s[r]);
   });
   EndAll(s);
@@ -211,7 +204,7 @@ void InitValues(std::vector<Rank>& ranks) {
 // Every rank reduce-scatters a gradient for `unit`, writing value(rank) everywhere.
 void ReduceScatterAll(std::vector<Rank>& ranks, int32_t unit, ReduceOp op, bool accumulate,
                       const std::function<float(int)>& value) {
-  ForEachRank(static_cast<int>(ranks.size()), [&](int r) {
+  ::flatshard::testing::RunRanks(static_cast<int>(ranks.size()), [&](int r) {
     absl::Status s = ranks[r].client->ReduceScatterGrads(
         "", unit, op, accumulate, [&](PendingReduceScatter& pending) {
           float* data = static_cast<float*>(pending.data());
@@ -393,7 +386,7 @@ TEST_P(ClientE2ETest, UnknownUnitPathOrModuleIsRefusedAndChangesNothing) {
   const auto before0 = SnapshotShards(*ranks[0].client);
   const auto before1 = SnapshotShards(*ranks[1].client);
 
-  ForEachRank(2, [&](int r) {
+  ::flatshard::testing::RunRanks(2, [&](int r) {
     Client& c = *ranks[r].client;
     // Unknown unit: NOT_FOUND; the fill callback never runs.
     bool filled = false;
@@ -451,7 +444,7 @@ TEST_P(ClientE2ETest, GradientOfTheWrongSizeFailsEveryRankAndChangesNothing) {
   const auto before0 = SnapshotShards(*ranks[0].client);
   const auto before1 = SnapshotShards(*ranks[1].client);
   absl::Status status[2];
-  ForEachRank(2, [&](int r) {
+  ::flatshard::testing::RunRanks(2, [&](int r) {
     status[r] = ranks[r].client->ReduceScatterGrads(
         "", /*unit=*/r, ReduceOp::kSum, false, [&](PendingReduceScatter& pending) {
           float* data = static_cast<float*>(pending.data());

@@ -86,18 +86,12 @@ std::unique_ptr<Client> Connect(const std::string& address) {
   return client.ok() ? *std::move(client) : nullptr;
 }
 
-void ForEachRank(int world, const std::function<void(int)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) threads.emplace_back(fn, r);
-  for (std::thread& t : threads) t.join();
-}
-
 // `world` clients joined to `group` with `manifest` registered (zeros) at "".
 std::vector<std::unique_ptr<Client>> JoinAndRegister(const DaemonProcess& d,
                                                      const std::string& group, int world,
                                                      const std::string& manifest) {
   std::vector<std::unique_ptr<Client>> clients(world);
-  ForEachRank(world, [&](int r) {
+  ::flatshard::testing::RunRanks(world, [&](int r) {
     clients[r] = Connect(d.address());
     ASSERT_NE(clients[r], nullptr);
     absl::Status joined = clients[r]->Join(group, world, r, kToken);
@@ -224,7 +218,7 @@ TEST(EdgeFaultsTest, DaemonsUnavailableReachesTheSurvivorsUnchanged) {
   rank0_edit.writeback = true;
   rank0_edit.rank0_only = true;
   std::vector<std::unique_ptr<SummonedParams>> summons(3);
-  ForEachRank(3, [&](int r) {
+  ::flatshard::testing::RunRanks(3, [&](int r) {
     absl::StatusOr<std::unique_ptr<SummonedParams>> s = clients[r]->Summon("", "", rank0_edit);
     ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
     summons[r] = *std::move(s);
@@ -235,7 +229,7 @@ TEST(EdgeFaultsTest, DaemonsUnavailableReachesTheSurvivorsUnchanged) {
     clients[0].reset();  // its lease closes, as when the trainer is killed mid-summon
     summons[0].reset();  // ends nothing at the daemon: its Client is gone
   });
-  ForEachRank(3, [&](int r) {
+  ::flatshard::testing::RunRanks(3, [&](int r) {
     if (r > 0 && summons[r] != nullptr) ended[r] = summons[r]->End();
   });
   killer.join();
@@ -284,7 +278,7 @@ TEST(EdgeFaultsTest, ReadOnlySummonsInSteadyStateMapNothingAndLeakNoSegments) {
   read_only.writeback = false;
   // Warm-up: one summon of every rank maps the node's read-only copies.
   std::vector<int64_t> cold(kWorld);
-  ForEachRank(kWorld, [&](int r) {
+  ::flatshard::testing::RunRanks(kWorld, [&](int r) {
     const int64_t before = clients[r]->segment_map_calls();
     absl::StatusOr<std::unique_ptr<SummonedParams>> s = clients[r]->Summon("", "", read_only);
     ASSERT_TRUE(s.ok()) << s.status();
@@ -296,7 +290,7 @@ TEST(EdgeFaultsTest, ReadOnlySummonsInSteadyStateMapNothingAndLeakNoSegments) {
   for (int r = 0; r < kWorld; ++r) warm[r] = clients[r]->segment_map_calls();
   int64_t shm_peak = 0;
   std::mutex peak_mu;
-  ForEachRank(kWorld, [&](int r) {
+  ::flatshard::testing::RunRanks(kWorld, [&](int r) {
     for (int i = 0; i < kRounds; ++i) {
       absl::StatusOr<std::unique_ptr<SummonedParams>> s = clients[r]->Summon("", "", read_only);
       ASSERT_TRUE(s.ok()) << "rank " << r << " round " << i << ": " << s.status();
@@ -521,7 +515,7 @@ TEST(EdgeFaultsTest, AJoinWhoseCallerWentAwayIsWithdrawn) {
   absl::SleepFor(absl::Milliseconds(200));  // the daemon notices (it polls every 20 ms)
   std::vector<absl::Status> joined(2);
   std::vector<std::unique_ptr<Client>> clients(2);
-  ForEachRank(2, [&](int r) {
+  ::flatshard::testing::RunRanks(2, [&](int r) {
     clients[r] = Connect(d.address());
     if (clients[r] != nullptr) joined[r] = clients[r]->Join("poison", 2, r, kToken);
   });

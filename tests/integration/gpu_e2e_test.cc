@@ -33,6 +33,7 @@
 #include "flatshard/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/rank_group.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
 #if FS_SIMULATED_GPU
@@ -92,12 +93,6 @@ void CopyBytes(void* dst, const void* src, size_t bytes, int device) {
   return o;
 }
 
-void ForEachRank(int world, const std::function<void(int)>& fn) {
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) threads.emplace_back(fn, r);
-  for (std::thread& t : threads) t.join();
-}
-
 std::vector<float> Read(const void* data, int device, int64_t numel) {
   std::vector<float> out(static_cast<size_t>(numel));
   CopyBytes(out.data(), data, out.size() * sizeof(float), device);
@@ -142,7 +137,7 @@ std::vector<Rank> JoinAndInit(const Cluster& d, const std::string& group, int wo
   std::vector<Rank> ranks(world);
   const std::string manifest = ExampleModelFile("gpt_tied", "manifest");
   const std::string policy = ExampleModelFile("gpt_tied", "policy");
-  ForEachRank(world, [&](int r) {
+  ::flatshard::testing::RunRanks(world, [&](int r) {
     ClientOptions options;
     options.address = d.AddressFor(r);
     options.call_timeout = absl::Seconds(30);
@@ -169,7 +164,7 @@ std::vector<Rank> JoinAndInit(const Cluster& d, const std::string& group, int wo
 // Every rank summons the whole model with `options` and checks each view against `want`.
 void ExpectValues(std::vector<Rank>& ranks, SummonOptions options,
                   const std::function<float(const std::string&, int64_t)>& want) {
-  ForEachRank(static_cast<int>(ranks.size()), [&](int r) {
+  ::flatshard::testing::RunRanks(static_cast<int>(ranks.size()), [&](int r) {
     absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", options);
     ASSERT_TRUE(s.ok()) << s.status();
     if (options.rank0_only && r != 0) {
@@ -213,7 +208,7 @@ TEST_P(GpuE2ETest, WritebackFromDeviceAndFromOffloadedViewsReachesTheShards) {
   std::vector<Rank> ranks = JoinAndInit(d, "writeback", 2);
   for (bool offload : {false, true}) {
     const float scale = offload ? 3.0f : 2.0f;
-    ForEachRank(2, [&](int r) {
+    ::flatshard::testing::RunRanks(2, [&](int r) {
       SummonOptions o;
       o.offload_to_cpu = offload;
       absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", o);
@@ -232,7 +227,7 @@ TEST_P(GpuE2ETest, Rank0OnlyWritebackReachesEveryRank) {
   SKIP_WITHOUT_GPU();
   Cluster d(GetParam(), GpuOptions());
   std::vector<Rank> ranks = JoinAndInit(d, "rank0", 2);
-  ForEachRank(2, [&](int r) {
+  ::flatshard::testing::RunRanks(2, [&](int r) {
     SummonOptions o;
     o.rank0_only = true;
     absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", o);
@@ -253,7 +248,7 @@ TEST_P(GpuE2ETest, ReduceScatterSumsAveragesAndAccumulatesOnTheDevice) {
   const Plan& plan = *ranks[0].model.plan;
   auto reduce = [&](ReduceOp op, bool accumulate) {
     for (const PlanUnit& u : plan.units) {
-      ForEachRank(2, [&](int r) {
+      ::flatshard::testing::RunRanks(2, [&](int r) {
         absl::Status s = ranks[r].client->ReduceScatterGrads(
             "", u.index, op, accumulate, [&](PendingReduceScatter& p) -> absl::Status {
               EXPECT_GE(p.device(), 0);
@@ -280,7 +275,7 @@ TEST_P(GpuE2ETest, ReduceScatterSumsAveragesAndAccumulatesOnTheDevice) {
   SummonOptions o;
   o.writeback = false;
   o.with_grads = true;
-  ForEachRank(2, [&](int r) {
+  ::flatshard::testing::RunRanks(2, [&](int r) {
     absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", o);
     ASSERT_TRUE(s.ok()) << s.status();
     const ParamView* g = (*s)->FindGrad("wte.weight");
@@ -299,7 +294,7 @@ TEST_P(GpuE2ETest, SteadyStateSummonsOpenNoIpcHandles) {
   o.writeback = false;
   std::vector<int64_t> after_first(2);
   for (int step = 0; step < 6; ++step) {
-    ForEachRank(2, [&](int r) {
+    ::flatshard::testing::RunRanks(2, [&](int r) {
       absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", o);
       ASSERT_TRUE(s.ok()) << s.status();
       ASSERT_TRUE((*s)->End().ok());
