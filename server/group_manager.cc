@@ -40,7 +40,8 @@ GroupManager::GroupManager(ShardStore* store, GroupManagerOptions options)
       copier_(std::move(options.copier)),
       remote_(std::move(options.remote_backend)),
       group_idle_timeout_(options.group_idle_timeout),
-      max_groups_per_uid_(options.max_groups_per_uid) {
+      max_groups_per_uid_(options.max_groups_per_uid),
+      clock_(options.clock != nullptr ? options.clock : Clock::Real()) {
   FS_CHECK(gpus_.empty() || copier_ != nullptr) << "a GPU daemon needs a DeviceCopier";
   auto backend = collective::CreateInprocBackend();
   FS_CHECK(backend.ok()) << backend.status();
@@ -214,7 +215,7 @@ void GroupManager::OnRendezvous(const std::string& group, int32_t rank, uint64_t
       std::vector<std::string> modules;
       for (const auto& [module, r] : g.registered) modules.push_back(module);
       if (!g.leased.contains(rank) || g.leased.at(rank) != session) {
-        g.lease_due[rank] = absl::Now() + lease_timeout_;
+        g.lease_due[rank] = clock_->Now() + lease_timeout_;
       }
       std::vector<std::string> lost;
       for (const auto& [module, why] : g.lost) {
@@ -281,7 +282,7 @@ void GroupManager::MaybeRemoveGroup(const std::string& id) {
   // Its coordinator's watch stream is closed by DeadlineLoop once no group has used it for a
   // while: a job that leaves and joins again (or a refused join followed by a good one) keeps
   // the stream instead of racing its close.
-  if (!coordinator.empty()) coordinator_idle_since_.try_emplace(coordinator, absl::Now());
+  if (!coordinator.empty()) coordinator_idle_since_.try_emplace(coordinator, clock_->Now());
 }
 
 absl::Status GroupManager::ConnectCollectives(Group& g) {
@@ -398,7 +399,7 @@ void GroupManager::MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<v
   }
   std::vector<std::string> modules;
   for (const auto& [module, r] : g.registered) modules.push_back(module);
-  const absl::Time lease_due = absl::Now() + lease_timeout_;
+  const absl::Time lease_due = clock_->Now() + lease_timeout_;
   for (PendingJoin& j : g.pending_joins) {
     if (!g.leased.contains(j.rank) || g.leased.at(j.rank) != j.session) {
       g.lease_due[j.rank] = lease_due;
@@ -448,7 +449,7 @@ void GroupManager::OnGroupFailed(const std::string& coordinator, const std::stri
     // daemon reaches the same verdict; then the group fails (FailDeferred, DeadlineLoop).
     if (g.deferred_failure.ok()) {
       g.deferred_failure = status;
-      g.deferred_since = absl::Now();
+      g.deferred_since = clock_->Now();
     }
     std::vector<absl::AnyInvocable<void()>> none;
     FailDeferred(g, /*now=*/false, &none);  // reported_epoch is current: nothing to report
@@ -628,14 +629,14 @@ void GroupManager::FailForRank(Group& g, int32_t rank, absl::string_view why,
   if (g.deferred_failure.ok()) {
     g.deferred_failure = absl::UnavailableError(
         absl::StrCat("group ", g.id, ": rank ", rank, internal::kSessionEndedMarker, why));
-    g.deferred_since = absl::Now();
+    g.deferred_since = clock_->Now();
   }
   FailDeferred(g, /*now=*/false, run);
 }
 
 void GroupManager::FailDeferred(Group& g, bool now, std::vector<absl::AnyInvocable<void()>>* run) {
   if (g.deferred_failure.ok() || g.coll == nullptr) return;
-  if (!now && absl::Now() - g.deferred_since < internal::kDeferFailureAtMost) {
+  if (!now && clock_->Now() - g.deferred_since < internal::kDeferFailureAtMost) {
     // An op a departed rank already submitted, and no departed rank still missing from it,
     // completes (its other ranks are alive): let it, so that an agreement that reached some
     // daemons reaches all of them (no daemon applies a writeback or commit the others
@@ -691,7 +692,7 @@ void GroupManager::DeadlineLoop() {
       // Wake at least every 20 ms; deadlines are in seconds, so this costs nothing.
       mu_.AwaitWithTimeout(absl::Condition(&shutdown_), absl::Milliseconds(20));
       if (shutdown_) return;
-      const absl::Time now = absl::Now();
+      const absl::Time now = clock_->Now();
       DecommitIdle(now);
       std::vector<std::string> ids;
       for (const auto& [id, g] : groups_) ids.push_back(id);

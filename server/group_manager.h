@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "common/manifest.h"
 #include "common/plan.h"
 #include "common/policy.h"
@@ -99,6 +100,9 @@ struct GroupManagerOptions {
   // RESOURCE_EXHAUSTED naming the uid, the quota and its groups beyond (--max_groups_per_uid).
   // 0: no quota.
   int32_t max_groups_per_uid = kDefaultMaxGroupsPerUid;
+  // What the manager's deadlines (joins, leases, idle groups, deferred failures, kept
+  // buffers) are read against; null: Clock::Real(). Unit tests pass a FakeClock.
+  Clock* clock = nullptr;
 
   static constexpr absl::Duration kDefaultGroupIdleTimeout = absl::Hours(1);
   static constexpr int32_t kDefaultMaxGroupsPerUid = 64;
@@ -500,6 +504,7 @@ class GroupManager : public peer::PeerEvents {
   collective::CollectiveEngine engine_;
   const absl::Duration group_idle_timeout_;
   const int32_t max_groups_per_uid_;
+  Clock* const clock_;
   // (Re)creates the group's communicator: at creation and after a failure once every rank
   // joined again (a failed communicator stays failed: errors are sticky).
   absl::Status ConnectCollectives(Group& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -242,7 +242,7 @@ GroupManager::DeletedGroup GroupManager::RemoveGroupLocked(
   const std::string coordinator = g.coordinator;
   engine_.RemoveGroup(id, reason).IgnoreError();
   groups_.erase(it);
-  if (!coordinator.empty()) coordinator_idle_since_.try_emplace(coordinator, absl::Now());
+  if (!coordinator.empty()) coordinator_idle_since_.try_emplace(coordinator, clock_->Now());
   return out;
 }
 

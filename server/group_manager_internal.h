@@ -169,9 +169,10 @@ inline collective::DoneCallback Arrive(const std::shared_ptr<OpJoin>& join) {
   };
 }
 
-// Runs `ops` on `coll` for `rank` and calls `done` once all completed.
+// Runs `ops` on `coll` for `rank`, each within `timeout` (negative: none left), and calls
+// `done` once all completed.
 inline void SubmitAll(const std::shared_ptr<collective::CollectiveGroup>& coll, int32_t rank,
-               std::vector<collective::CollectiveOp> ops, absl::Time deadline,
+               std::vector<collective::CollectiveOp> ops, absl::Duration timeout,
                absl::AnyInvocable<void(absl::Status)> done) {
   if (ops.empty()) {
     done(absl::OkStatus());
@@ -183,7 +184,7 @@ inline void SubmitAll(const std::shared_ptr<collective::CollectiveGroup>& coll, 
     absl::MutexLock lock(&join->mu);
     join->remaining = static_cast<int>(ops.size());
   }
-  const absl::Duration timeout = std::max(absl::ZeroDuration(), deadline - absl::Now());
+  timeout = std::max(absl::ZeroDuration(), timeout);
   for (collective::CollectiveOp& op : ops) {
     op.timeout = timeout;
     coll->Submit(rank, std::move(op), Arrive(join));
@@ -331,9 +332,9 @@ struct GroupManager::Registered {
   int busy = 0;
   bool rollback_pending = false;
 
-  void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok) {
+  void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok,
+              absl::Time now) {
     last_op.resize(plan.units.size());
-    const absl::Time now = absl::Now();
     for (int32_t u : units) {
       if (u >= 0 && u < static_cast<int32_t>(last_op.size())) last_op[u] = UnitOp{op, rank, now, ok};
     }

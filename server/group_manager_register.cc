@@ -286,7 +286,8 @@ void GroupManager::RegisterStep(std::shared_ptr<RegisterExchange> x) {
   ops.back().name = "register";
   const int32_t rank = x->caller.rank;
   auto coll = x->coll;
-  SubmitAll(coll, rank, std::move(ops), x->deadline, [this, x](absl::Status s) mutable {
+  SubmitAll(coll, rank, std::move(ops), x->deadline - clock_->Now(),
+            [this, x](absl::Status s) mutable {
     if (!s.ok()) {
       FinishRegister(std::move(x), s);
       return;

@@ -74,7 +74,7 @@ absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::KeptBuffer(
 }
 
 void GroupManager::ReleaseKept(Registered& reg) {
-  const absl::Time now = absl::Now();
+  const absl::Time now = clock_->Now();
   for (auto& [key, kept] : reg.kept) {
     if (kept.buffer.use_count() == 1 && kept.idle_since == absl::InfiniteFuture()) {
       kept.idle_since = now;
@@ -242,7 +242,7 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
       }
       if (error.ok()) {
         for (int32_t u : result.units) reg->summoned[rank][u] = true;
-        reg->NoteOp(result.units, "summon", rank, true);
+        reg->NoteOp(result.units, "summon", rank, true, clock_->Now());
         result.summon = open.id;
         if (result.units.empty()) result.note = absl::StrCat(Display(path), " is not a unit root: nothing unsharded");
         if (!options.rank0_only || rank == 0) result.views = open.views;
@@ -285,14 +285,14 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
               done(std::move(result));
   };
   if (shared_slot == nullptr) {
-    SubmitAll(coll, caller.rank, std::move(ops), deadline, std::move(finish));
+    SubmitAll(coll, caller.rank, std::move(ops), deadline - clock_->Now(), std::move(finish));
     return;
   }
   // The node's one read-only copy is assembled by every local rank's op together (each
   // block lands once, through whichever local rank receives it), so one rank's op may
   // complete before the copy is whole: every local rank answers once all of theirs have
   // completed, with the first error if any did not (bounded by the ops' deadlines).
-  SubmitAll(coll, caller.rank, std::move(ops), deadline,
+  SubmitAll(coll, caller.rank, std::move(ops), deadline - clock_->Now(),
             [this, shared_slot, local = shared_locals,
              finish = std::move(finish)](absl::Status s) mutable {
               std::vector<absl::AnyInvocable<void(absl::Status)>> ready;
@@ -518,7 +518,7 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
     agree(std::move(owned), std::move(done));
     return;
   }
-  SubmitAll(coll, caller.rank, std::move(broadcasts), deadline,
+  SubmitAll(coll, caller.rank, std::move(broadcasts), deadline - clock_->Now(),
             [this, caller, summon, agree, owned = std::move(owned),
              done = std::move(done)](absl::Status s) mutable {
               if (s.ok()) {
@@ -551,7 +551,7 @@ void GroupManager::Agree(const std::shared_ptr<collective::CollectiveGroup>& col
       unit, collective::ConstBuffer{&st->mine, sizeof(internal::AgreeRecord)},
       collective::MutableBuffer{st->all.data(), st->all.size() * sizeof(internal::AgreeRecord)}));
   ops.back().name = "agree";
-  SubmitAll(coll, caller.rank, std::move(ops), deadline,
+  SubmitAll(coll, caller.rank, std::move(ops), deadline - clock_->Now(),
             [st, group = caller.group, what, done = std::move(done)](absl::Status s) mutable {
               if (!s.ok()) {
                 done(std::move(s), false);
@@ -593,7 +593,8 @@ void GroupManager::FinishEnd(const Caller& caller, uint64_t summon, absl::Status
         Registered& reg = group.registered.at(open.module);
         for (int32_t u : open.units) reg.summoned[open.rank][u] = false;
         // A summon that never became ready failed before anything was handed out.
-        reg.NoteOp(open.units, open.ready ? "end" : "summon", open.rank, status.ok());
+        reg.NoteOp(open.units, open.ready ? "end" : "summon", open.rank, status.ok(),
+                   clock_->Now());
         if (++open.slot->ended == static_cast<int32_t>(group.local_ranks.size())) {
           reg.slots.erase(open.k);
         }
@@ -1001,7 +1002,7 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
       unit, ConstOf(*staging, dtype), scratch,
       op == GradReduce::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum));
   ops.back().name = "grads";
-  SubmitAll(coll, caller.rank, std::move(ops), deadline,
+  SubmitAll(coll, caller.rank, std::move(ops), deadline - clock_->Now(),
             [this, caller, module, unit, staging, grad, fresh, scratch, scratch_buffer,
              scratch_host, dtype, accumulate, done = std::move(done)](absl::Status s) mutable {
               if (s.ok()) {
@@ -1021,7 +1022,8 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
                       reg->second.new_grads.erase({caller.rank, unit});
                       if (s.ok()) reg->second.shards_by_rank[caller.rank][unit].grad = grad;
                     }
-                    reg->second.NoteOp({unit}, "reduce_scatter", caller.rank, s.ok());
+                    reg->second.NoteOp({unit}, "reduce_scatter", caller.rank, s.ok(),
+                                       clock_->Now());
                     if (s.ok()) {
                       reg->second.failed_finishes.erase({caller.rank, unit});
                     } else {
