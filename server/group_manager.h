@@ -37,6 +37,7 @@
 #include "common/plan.h"
 #include "common/policy.h"
 #include "server/collective/collective_engine.h"
+#include "server/collective/communicator_factory.h"
 #include "server/collective/staging/staging_communicator.h"
 #include "server/gpu/device_context.h"
 #include "server/peer/peer_client.h"
@@ -389,14 +390,37 @@ class GroupManager : public peer::PeerEvents {
   // Ends sessions whose join completed over lease_timeout_ ago without a lease.
   void ExpireUnleased(Group& g, absl::Time now, std::vector<absl::AnyInvocable<void()>>* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Completes the group's pending joins if every rank is joined.
+  // Completes the group's pending joins if every rank is joined, first (re)connecting the
+  // group's communicator when it has none or a failed one (StartConnect).
   void MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers every pending join of a local group whose communicator is connected and sound.
+  void CompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A multi-daemon rank's rendezvous ended: connect (or re-form) and finish its join.
   void OnRendezvous(const std::string& group, int32_t rank, uint64_t session,
                     absl::StatusOr<peer::PeerTable> table);
-  // Connects the group's communicator for `table` unless it already runs at that epoch.
-  absl::Status ApplyTable(Group& g, const peer::PeerTable& table)
+  // True when `g` already runs `table` (its epoch or a newer one, sound): nothing to connect.
+  bool TableApplied(const Group& g, const peer::PeerTable& table) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Decides under mu_ how the group's communicator is (re)connected and starts the connect
+  // through `run` (after mu_ is released; on the factory's thread when it may block).
+  // `table`: a multi-daemon group's peer table (null: a local group). Its outcome goes to
+  // FinishConnect with the ticket stored in the group.
+  void StartConnect(Group& g, const peer::PeerTable* table, bool from_table,
+                    std::vector<absl::AnyInvocable<void()>>* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Re-takes mu_ to commit a connect StartConnect began (or to drop it when the group went,
+  // the daemon shuts down or a newer connect superseded it) and answers the joins it served.
+  void FinishConnect(const std::string& group, uint64_t ticket,
+                     absl::StatusOr<collective::ConnectedCommunicator> connected)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Installs `connected` for multi-daemon group `g` at `table`'s epoch (engine, local ranks,
+  // ReconcileModules, the rollback a re-form owes).
+  absl::Status ApplyTable(Group& g, const peer::PeerTable& table,
+                          collective::ConnectedCommunicator connected) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers multi-daemon join `j` of `g` (now formed at an epoch its rendezvous reached).
+  void AnswerRendezvousJoin(Group& g, PendingJoin& j, std::vector<absl::AnyInvocable<void()>>* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A new table of a multi-daemon group: a registered module some rank's daemon no longer
   // holds (it restarted) is dropped here too and remembered as lost, so every daemon agrees
@@ -488,29 +512,26 @@ class GroupManager : public peer::PeerEvents {
   // The reduced shard `reduced` into the gradient shard: copied, or added when `accumulate`.
   absl::Status ApplyReducedGrad(int32_t rank, collective::ConstBuffer reduced, Buffer& grad,
                                 DType dtype, bool accumulate) const;
-  // The communicator of a group: `backend` for `spec`, staged when this daemon has GPUs.
-  absl::StatusOr<std::unique_ptr<collective::Communicator>> ConnectBackend(
-      collective::CollectiveBackend& backend, collective::MemoryKind backend_kind,
-      collective::GroupSpec& spec);
+  // The request for `g`'s communicator over `spec` (local devices filled in on GPU daemons).
+  collective::CommunicatorRequest RequestFor(collective::GroupSpec spec, bool nccl_agreed) const;
 
   ShardStore* const store_;
   const absl::Duration lease_timeout_;
   peer::DaemonIdentity self_;
   const std::vector<std::shared_ptr<gpu::DeviceContext>> gpus_;
-  std::unique_ptr<collective::CollectiveBackend> nccl_;
-  const std::shared_ptr<collective::DeviceCopier> copier_;
-  std::unique_ptr<collective::CollectiveBackend> inproc_;
-  std::unique_ptr<collective::CollectiveBackend> remote_;
+  // Chooses and connects the groups' backends (inproc, UCX, NCCL; staged on GPU daemons).
+  // Never called under mu_ but for Choose (no I/O).
+  std::unique_ptr<collective::CommunicatorFactory> comms_;
   collective::CollectiveEngine engine_;
   const absl::Duration group_idle_timeout_;
   const int32_t max_groups_per_uid_;
   Clock* const clock_;
-  // (Re)creates the group's communicator: at creation and after a failure once every rank
-  // joined again (a failed communicator stays failed: errors are sticky).
-  absl::Status ConnectCollectives(Group& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
+  // Tickets of StartConnect (unique over every group, so a removed and re-created group never
+  // takes an old connect for its own).
+  uint64_t next_connect_ ABSL_GUARDED_BY(mu_) = 1;
   // Coordinators whose last group went away, and since when (DeadlineLoop unwatches them).
   std::map<std::string, absl::Time> coordinator_idle_since_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
