@@ -440,8 +440,7 @@ class GroupManager : public peer::PeerEvents {
   // RESOURCE_EXHAUSTED when `uid` may not create another group (max_groups_per_uid).
   absl::Status CheckGroupQuota(int64_t uid, const std::string& group) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // The steps of a registration's agreement exchange (RegisterExchange).
-  void RegisterStep(std::shared_ptr<RegisterExchange> x);
+  // Commits (or drops) a registration once its agreement (server/registration.h) ended.
   void FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status);
   absl::Status CheckCallerLocked(const Caller& caller) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
