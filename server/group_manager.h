@@ -36,6 +36,7 @@
 #include "common/manifest.h"
 #include "common/plan.h"
 #include "common/policy.h"
+#include "common/rpc_types.h"
 #include "server/collective/collective_engine.h"
 #include "server/collective/communicator_factory.h"
 #include "server/collective/staging/staging_communicator.h"
@@ -45,20 +46,12 @@
 
 namespace flatshard::server {
 
+// The RPC-level values (Caller, InitMode, SummonOptions, ReduceOp, IpcEvent) have their one
+// home in common/rpc_types.h, their wire mapping in common/proto_convert.h.
+
 namespace internal {
 struct AgreeRecord;
 }  // namespace internal
-
-// Identifies the caller of every RPC after JoinGroup.
-struct Caller {
-  std::string group;
-  int32_t rank = 0;
-  std::string token;
-  uint64_t session = 0;
-  // Who is calling: the uid the kernel reported for a Unix-socket caller, or -1 (remote
-  // callers over TCP; unit tests). A group answers only callers of the uid that created it.
-  int64_t uid = -1;
-};
 
 struct JoinArgs {
   std::string group;
@@ -118,24 +111,11 @@ struct JoinResult {
   std::vector<std::string> lost_modules;
 };
 
-enum class InitMode { kZeros, kFromEveryRank, kFromRank0 };
-
 // One rank's memory for one unit.
 struct UnitShard {
   int32_t unit = 0;
   std::shared_ptr<Buffer> shard;
   std::shared_ptr<Buffer> grad;  // null until a gradient exists
-};
-
-// semantics.md §3.
-struct SummonOptions {
-  bool recurse = true;
-  bool writeback = true;
-  bool rank0_only = false;
-  // GPU daemons: the views are pinned host memory (the all-gather still runs on the GPU).
-  // Host daemons: host memory is the only memory, so views are always "offloaded".
-  bool offload_to_cpu = false;
-  bool with_grads = false;
 };
 
 // What one rank sees of one summoned unit.
@@ -163,8 +143,6 @@ struct RegisterResult {
   // The committed step the shards hold (0: the initial values; see Commit).
   uint64_t generation = 0;
 };
-
-enum class GradReduce { kSum, kAvg };
 
 using JoinCallback = absl::AnyInvocable<void(absl::StatusOr<JoinResult>)>;
 using SummonCallback = absl::AnyInvocable<void(absl::StatusOr<SummonResult>)>;
@@ -238,7 +216,7 @@ class GroupManager : public peer::PeerEvents {
   // Phase 2 (collective): reduce-scatters what was written; each rank's gradient shard gets
   // its slice (SUM or AVG), added to it when `accumulate`, else replacing it.
   void FinishReduceScatter(const Caller& caller, const std::string& module, int32_t unit,
-                           GradReduce op, bool accumulate, absl::Time deadline,
+                           ReduceOp op, bool accumulate, absl::Time deadline,
                            StatusCallback done, const gpu::IpcEventRef& written = {});
   // GPU ranks: an event recorded on `rank`'s device now (after its gradient shard update, for
   // the reply of FinishReduceScatter). id 0 for host ranks.

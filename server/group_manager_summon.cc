@@ -926,7 +926,7 @@ absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::BeginReduceScatter(
 }
 
 void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& module,
-                                       int32_t unit, GradReduce op, bool accumulate,
+                                       int32_t unit, ReduceOp op, bool accumulate,
                                        absl::Time deadline, StatusCallback done,
                                        const gpu::IpcEventRef& written) {
   // The trainer's gradient is written before it is reduced.
@@ -1000,7 +1000,7 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
   std::vector<collective::CollectiveOp> ops;
   ops.push_back(collective::CollectiveOp::ReduceScatter(
       unit, ConstOf(*staging, dtype), scratch,
-      op == GradReduce::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum));
+      op == ReduceOp::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum));
   ops.back().name = "grads";
   SubmitAll(coll, caller.rank, std::move(ops), deadline - clock_->Now(),
             [this, caller, module, unit, staging, grad, fresh, scratch, scratch_buffer,
