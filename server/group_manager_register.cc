@@ -167,6 +167,12 @@ void GroupManager::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Sta
   absl::StatusOr<RegisterResult> result =
       status.ok() ? absl::StatusOr<RegisterResult>(absl::InternalError("unset")) : status;
   {
+    // Re-taken to commit after the plan, the allocation and the agreement ran without mu_.
+    // Invariant: (module, rank) stayed in `g.registering` throughout, so the group was not
+    // removed meanwhile (Idle() and Unused() are false while anyone registers) and this rank
+    // did not start a second registration of the module; the group's communicator may have
+    // re-formed, but the verdict came from the agreement every rank reached, so every rank
+    // commits the same way.
     absl::MutexLock lock(&mu_);
     auto it = groups_.find(caller.group);
     if (it == groups_.end()) {
