@@ -28,28 +28,20 @@ cudaEvent_t AsEvent(void* e) { return static_cast<cudaEvent_t>(e); }
 
 namespace internal {
 absl::Status WaitForStream(void* stream, absl::Duration timeout, absl::string_view what) {
-  const absl::Time start = absl::Now();
-  const absl::Time deadline = start + timeout;
-  absl::Duration nap = absl::Microseconds(20);
-  for (int polls = 0;; ++polls) {
-    const cudaError_t err = cudaStreamQuery(AsStream(stream));
-    if (err == cudaSuccess) return absl::OkStatus();
-    if (err != cudaErrorNotReady) {
-      cudaGetLastError();  // clear it, as FS_CUDA_RETURN_IF_ERROR would
-      return CudaStatus(err, what);
-    }
-    const absl::Time now = absl::Now();
-    if (now >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          what, ": not done within ", absl::FormatDuration(timeout),
-          " (the stream may wait for an event that is never recorded)"));
-    }
-    // Short copies finish within microseconds: spin first, then back off to 1ms naps.
-    if (now - start > absl::Microseconds(50)) {
-      absl::SleepFor(std::min(nap, deadline - now));
-      nap = std::min(nap * 2, absl::Milliseconds(1));
-    }
+  absl::Status s = PollUntilDone(
+      [&]() -> absl::StatusOr<bool> {
+        const cudaError_t err = cudaStreamQuery(AsStream(stream));
+        if (err == cudaSuccess) return true;
+        if (err == cudaErrorNotReady) return false;
+        cudaGetLastError();  // clear it, as FS_CUDA_RETURN_IF_ERROR would
+        return CudaStatus(err, what);
+      },
+      timeout, what);
+  if (absl::IsDeadlineExceeded(s)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        s.message(), " (the stream may wait for an event that is never recorded)"));
   }
+  return s;
 }
 }  // namespace internal
 
