@@ -327,9 +327,8 @@ absl::Status GroupManager::WaitForTrainer(int32_t rank, const gpu::IpcEventRef& 
   gpu::DeviceContext* d = DeviceOf(rank);
   if (d == nullptr || written.id == 0) return absl::OkStatus();
   // The collectives run on the backend's streams, so the host waits here for the trainer's
-  // writes (in the daemon: no round trip to the trainer).
-  FS_RETURN_IF_ERROR(d->WaitFor(written));
-  return d->Synchronize();
+  // writes (in the daemon: no round trip to the trainer), on the event itself.
+  return d->WaitOnHost(written);
 }
 
 gpu::IpcEventRef GroupManager::RecordReady(int32_t rank) {
