@@ -144,6 +144,7 @@ class RingCore : public std::enable_shared_from_this<RingCore> {
 
   const GroupSpec& spec() const { return spec_; }
   Transport& transport() { return *transport_; }
+  absl::string_view backend_name() const { return options_.backend_name; }
 
   void Start(int rank, OpCall call, const OpOptions& o, DoneCallback done);
   // `quiet`: no warning unless ops were in flight (the communicator is being destroyed).
@@ -556,6 +557,7 @@ class RingCommunicator final : public Communicator {
   void Abort(absl::Status reason) override { core_->Abort(std::move(reason)); }
   absl::Status status() const override { return core_->status(); }
   std::vector<PendingOpInfo> PendingOps() const override { return core_->PendingOps(); }
+  absl::string_view backend_name() const override { return core_->backend_name(); }
 
  private:
   std::shared_ptr<RingCore> core_;

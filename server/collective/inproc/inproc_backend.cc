@@ -476,6 +476,7 @@ class InprocCommunicator final : public Communicator {
   void Abort(absl::Status reason) override { core_->Abort(std::move(reason)); }
   absl::Status status() const override { return core_->status(); }
   std::vector<PendingOpInfo> PendingOps() const override { return core_->PendingOps(); }
+  absl::string_view backend_name() const override { return "inproc"; }
 
  private:
   std::shared_ptr<InprocCore> core_;

@@ -848,6 +848,7 @@ class NcclCommunicator final : public Communicator {
   void Abort(absl::Status reason) override { core_->Abort(std::move(reason)); }
   absl::Status status() const override { return core_->status(); }
   std::vector<PendingOpInfo> PendingOps() const override { return core_->PendingOps(); }
+  absl::string_view backend_name() const override { return "nccl"; }
 
  private:
   std::shared_ptr<NcclCore> core_;

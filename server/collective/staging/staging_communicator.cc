@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -205,6 +206,11 @@ class StagingCommunicator final : public Communicator {
                       const GroupSpec& spec, std::shared_ptr<DeviceCopier> copier)
       : inner_(std::move(inner)),
         inner_kind_(inner_kind),
+        // NCCL moves device memory itself (staging only serves the odd host buffer); a host
+        // backend moves device memory only through staging, which the label says.
+        backend_name_(inner_kind != MemoryKind::kCuda
+                          ? absl::StrCat(inner_->backend_name(), "+staging")
+                          : std::string(inner_->backend_name())),
         state_(std::make_shared<State>(std::move(copier), inner_kind)) {
     for (size_t i = 0; i < spec.local_ranks.size(); ++i) {
       devices_[spec.local_ranks[i]] = i < spec.local_devices.size() ? spec.local_devices[i] : 0;
@@ -334,6 +340,7 @@ class StagingCommunicator final : public Communicator {
     ApplyPendingAbort();
     return inner_->PendingOps();
   }
+  absl::string_view backend_name() const override { return backend_name_; }
 
  private:
   // Host kinds are one for host backends; device memory only reaches a device backend.
@@ -455,6 +462,7 @@ class StagingCommunicator final : public Communicator {
 
   std::unique_ptr<Communicator> inner_;
   const MemoryKind inner_kind_;
+  const std::string backend_name_;
   const std::shared_ptr<State> state_;
   absl::flat_hash_map<int, int> devices_;  // local rank -> device; immutable after construction
 };

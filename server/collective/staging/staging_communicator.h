@@ -71,7 +71,8 @@ std::shared_ptr<DeviceCopier> MakeCudaDeviceCopier(absl::Duration copy_timeout);
 // through buffers of its kind (copy in before, copy out after the inner op succeeded; a failed
 // op leaves the output untouched). `spec` gives each local rank's device (local_devices) for
 // the staging buffers and copies. Everything else (fingerprints, deadlines, sticky errors,
-// PendingOps, Abort) is the inner communicator's.
+// PendingOps, Abort) is the inner communicator's. backend_name(): the inner one's, with
+// "+staging" appended when `inner_kind` is a host kind ("ucx+staging"); "nccl" stays "nccl".
 // Staging kind: kHostPinned when `inner_kind` is a host kind, else kCuda. A rank without an
 // entry in `spec.local_devices` uses device 0.
 // REQUIRES: `inner` and `copier` are not null.
