@@ -18,6 +18,9 @@
 //   "collective mismatch at op_seq N: ..." message. Completion is a recorded CUDA event per
 //   stream, polled together with ncclCommGetAsyncError; `done` runs on the group's thread
 //   once the bytes are in place.
+// - The local ranks' calls meet in a LocalRendezvous (local_rendezvous.h: argument and op_seq
+//   checks, deadlines of waiting calls, sticky status, pending listing, shared with inproc);
+//   the thread takes each op whose local ranks all arrived from it, in op_seq order.
 // - Deadlines (OpOptions::deadline, init_timeout), Abort(), an async NCCL error (a peer died:
 //   UNAVAILABLE with ncclGetLastError's text) or a bad argument make the group's status
 //   sticky: every local NCCL communicator is aborted with ncclCommAbort (never
