@@ -38,8 +38,10 @@
 // arrived and those missing; remote ranks are not tracked.
 //
 // Thread safety: the backend and its Communicators are thread-safe. Callbacks run on the
-// group's thread (or on the calling thread for calls that fail at once); a Communicator may
-// be destroyed from its own callback (the thread then finishes on its own).
+// group's thread, on the backend's deadline thread (calls still waiting for local ranks when
+// their deadline passes), or on the calling thread (calls that fail at once, and waiting calls
+// failed by Abort); a Communicator may be destroyed from its own callback (the group's thread
+// then finishes on its own).
 
 #include <memory>
 #include <string>
