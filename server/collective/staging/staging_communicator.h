@@ -12,7 +12,9 @@
 // - Local ranks passing the same AllGather `out` or Broadcast `buf` for one op_seq share one
 //   staging buffer, so the inner backend still assembles one copy per node; it is copied out
 //   once, when the inner op has completed for every rank sharing it, and only then do their
-//   callbacks run.
+//   callbacks run. Device staging (NCCL inner) shares per device instead: NCCL ranks live on
+//   different GPUs and cannot share a buffer, so each device gets its own copy (all equal
+//   after the op) and the first one is copied out, still once.
 // - Gather: only root's `out` is staged; other ranks pass an empty `out` to the inner op.
 // - Broadcast: `buf` is copied in on root and copied out on the other ranks.
 // - ReduceScatter `out` == in + r*S: `out` is that slice of the staged `in`.
