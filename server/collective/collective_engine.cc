@@ -7,8 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "server/metrics/daemon_metrics.h"
 #include "server/collective/op_descriptor.h"
+#include "server/metrics/daemon_metrics.h"
 
 namespace flatshard::collective {
 

@@ -116,8 +116,8 @@ std::optional<RendezvousOp> LocalRendezvous::Arrive(OpCall call, const OpOptions
       }
       if (options_.compare_descriptors && call.desc != slot.desc) {
         // The arguments are read before SetStickyLocked erases the slot.
-        SetStickyLocked(MismatchError(op_seq, slot.first_rank, slot.desc, rank, call.desc),
-                        &failed, /*quiet=*/false);
+        SetStickyLocked(MismatchError(op_seq, slot.first_rank, slot.desc, rank, call.desc), &failed,
+                        /*quiet=*/false);
       } else {
         RendezvousCall& c = slot.calls[index].emplace();
         c.rank = rank;
@@ -236,12 +236,11 @@ void LocalRendezvous::OnDeadline(uint64_t op_seq, int index) {
     const absl::Duration budget = c.deadline - c.arrived_at;
     absl::Status s;
     if (slot.arrived == local_count()) {  // waits for TakeReady behind a running op
-      s = options_.overdue
-              ? options_.overdue(op_seq, slot.desc, slot.name, budget)
-              : absl::DeadlineExceededError(absl::StrCat(
-                    "op_seq ", op_seq, " ", FormatOp(slot.desc),
-                    ": every local rank arrived but the op did not start within ",
-                    absl::FormatDuration(absl::Ceil(budget, absl::Milliseconds(1)))));
+      s = options_.overdue ? options_.overdue(op_seq, slot.desc, slot.name, budget)
+                           : absl::DeadlineExceededError(absl::StrCat(
+                                 "op_seq ", op_seq, " ", FormatOp(slot.desc),
+                                 ": every local rank arrived but the op did not start within ",
+                                 absl::FormatDuration(absl::Ceil(budget, absl::Milliseconds(1)))));
     } else {
       std::vector<int> missing;
       for (int i = 0; i < local_count(); ++i) {

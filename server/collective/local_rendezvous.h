@@ -160,8 +160,7 @@ class LocalRendezvous : public std::enable_shared_from_this<LocalRendezvous> {
   void SetStickyLocked(absl::Status status, std::vector<RendezvousCall>* out, bool quiet)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks the slot running and moves its calls out.
-  RendezvousOp TakeLocked(std::map<uint64_t, Slot>::iterator it)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  RendezvousOp TakeLocked(std::map<uint64_t, Slot>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnDeadline(uint64_t op_seq, int index);
   // Runs `calls`' callbacks (outside the lock) with `status`, cancelling their deadlines.
   void FailCalls(std::vector<RendezvousCall> calls, const absl::Status& status);

@@ -130,8 +130,8 @@ void InprocCore::Arrive(OpCall call, const OpOptions& o, DoneCallback done) {
   if (!op) return;  // waiting for other ranks, or failed
   // Every rank arrived: all calls are local and in op->calls, indexed by rank.
   absl::Status result = rendezvous_->Finish(op->op_seq, Execute(op->op_seq, op->desc, op->calls));
-  FS_VLOG(2) << "group=" << spec_.group_id << " op_seq=" << op->op_seq << " "
-             << FormatOp(op->desc) << " done: " << result;
+  FS_VLOG(2) << "group=" << spec_.group_id << " op_seq=" << op->op_seq << " " << FormatOp(op->desc)
+             << " done: " << result;
   for (RendezvousCall& c : op->calls) std::move(c.done)(result);
 }
 

@@ -145,9 +145,10 @@ class NcclCore {
   std::vector<PendingOpInfo> PendingOps() const { return rendezvous_->PendingOps(); }
 
  private:
-  static LocalRendezvousOptions RendezvousOptionsFor(
-      const GroupSpec& spec, const NcclBackendOptions& options,
-      std::shared_ptr<std::atomic<bool>> init_done, std::shared_ptr<DeadlineTimer> timer) {
+  static LocalRendezvousOptions RendezvousOptionsFor(const GroupSpec& spec,
+                                                     const NcclBackendOptions& options,
+                                                     std::shared_ptr<std::atomic<bool>> init_done,
+                                                     std::shared_ptr<DeadlineTimer> timer) {
     LocalRendezvousOptions o;
     o.log_name = absl::StrCat("group=", spec.group_id, " epoch=", spec.epoch, " NCCL communicator");
     o.host_only = false;
@@ -162,8 +163,7 @@ class NcclCore {
     // Every local rank arrived but an earlier op still runs. Holds the flag, not the core: the
     // timer may run this after the core is gone.
     o.overdue = [init_done = std::move(init_done)](uint64_t op_seq, const OpDescriptor& desc,
-                                                   const std::string& name,
-                                                   absl::Duration budget) {
+                                                   const std::string& name, absl::Duration budget) {
       return NotCompleted(op_seq, desc, name, budget, init_done->load());
     };
     o.timer = std::move(timer);

@@ -578,8 +578,8 @@ TEST(CollectiveEngineTest, MetricsCountBytesUnderTheCommunicatorsBackend) {
 
 TEST(CollectiveEngineTest, StagedCommunicatorsNameTheirInnerBackend) {
   GroupSpec spec = GroupSpec::AllLocal("staged", 1);
-  auto host = MakeStagingCommunicator(std::make_unique<FakeCommunicator>("ucx"),
-                                      MemoryKind::kHost, spec, MakeSimulatedDeviceCopier());
+  auto host = MakeStagingCommunicator(std::make_unique<FakeCommunicator>("ucx"), MemoryKind::kHost,
+                                      spec, MakeSimulatedDeviceCopier());
   EXPECT_EQ(host->backend_name(), "ucx+staging");
   auto device = MakeStagingCommunicator(std::make_unique<FakeCommunicator>("nccl"),
                                         MemoryKind::kCuda, spec, MakeSimulatedDeviceCopier());
@@ -589,12 +589,12 @@ TEST(CollectiveEngineTest, StagedCommunicatorsNameTheirInnerBackend) {
   auto group = engine.AddGroup(spec, Inproc().Connect(spec).value()).value();
   EXPECT_EQ(group->backend_name(), "inproc");
   GroupSpec staged_spec = GroupSpec::AllLocal("staged-inproc", 1);
-  auto staged = engine
-                    .AddGroup(staged_spec,
-                              MakeStagingCommunicator(Inproc().Connect(staged_spec).value(),
-                                                      MemoryKind::kHost, staged_spec,
-                                                      MakeSimulatedDeviceCopier()))
-                    .value();
+  auto staged =
+      engine
+          .AddGroup(staged_spec, MakeStagingCommunicator(Inproc().Connect(staged_spec).value(),
+                                                         MemoryKind::kHost, staged_spec,
+                                                         MakeSimulatedDeviceCopier()))
+          .value();
   EXPECT_EQ(staged->backend_name(), "inproc+staging");
   const double before = BackendBytes("inproc+staging");
   float in = 7, out = 0;

@@ -56,10 +56,9 @@ OpOptions Opts(int rank, uint64_t op_seq, absl::Duration timeout = absl::Infinit
 struct Buffers {
   explicit Buffers(int world) : in(world), out(world * world) {}
   OpCall AllGather(int rank, int world, int64_t unit = 3) {
-    return AllGatherCall(ConstBuffer{&in[rank], 4, DType::kFloat32},
-                         MutableBuffer{&out[rank * world], 4 * static_cast<size_t>(world),
-                                       DType::kFloat32},
-                         unit);
+    return AllGatherCall(
+        ConstBuffer{&in[rank], 4, DType::kFloat32},
+        MutableBuffer{&out[rank * world], 4 * static_cast<size_t>(world), DType::kFloat32}, unit);
   }
   std::vector<float> in;
   std::vector<float> out;
@@ -173,8 +172,8 @@ TEST(LocalRendezvousTest, BadCallsAndTheBackendsOwnCheckAreSticky) {
   {
     LocalRendezvousOptions o = Options();
     o.check_call = [](const OpCall&, int rank, uint64_t op_seq) {
-      return rank == 1 ? absl::InvalidArgumentError(absl::StrCat("rank 1 op_seq ", op_seq,
-                                                                 ": wrong memory"))
+      return rank == 1 ? absl::InvalidArgumentError(
+                             absl::StrCat("rank 1 op_seq ", op_seq, ": wrong memory"))
                        : absl::OkStatus();
     };
     auto rv = Make(GroupSpec::AllLocal("g", 2), std::move(o));
@@ -202,7 +201,7 @@ TEST(LocalRendezvousTest, DeadlineNamesTheLocalRanksThatDidNotArrive) {
   EXPECT_THAT(std::string(s.message()),
               HasSubstr("op_seq 1 AllGather(unit 3, 4 bytes, float32): ranks 2, 5 did not arrive "
                         "within "));  // ~30ms: the budget is read from the test's clock
-  EXPECT_EQ(four.Wait(), s);  // no deadline of its own, failed with the group
+  EXPECT_EQ(four.Wait(), s);          // no deadline of its own, failed with the group
   EXPECT_FALSE(rv->Arrive(b.AllGather(2, 6), Opts(2, 1), late.Callback()));
   EXPECT_EQ(late.Wait(), s);
 }
@@ -338,8 +337,8 @@ TEST(LocalRendezvousTest, AQueuedOpPastItsDeadlineFailsWithTheOwnersOverdueStatu
   rv->Arrive(b.AllGather(0, 1), Opts(0, 1), running.Callback());
   std::optional<RendezvousOp> op = rv->TakeReady();
   ASSERT_TRUE(op.has_value());
-  EXPECT_FALSE(rv->Arrive(b.AllGather(0, 1), Opts(0, 2, absl::Milliseconds(20)),
-                          queued.Callback()));
+  EXPECT_FALSE(
+      rv->Arrive(b.AllGather(0, 1), Opts(0, 2, absl::Milliseconds(20)), queued.Callback()));
   const absl::Status s = queued.Wait();
   EXPECT_TRUE(absl::IsDeadlineExceeded(s)) << s;
   EXPECT_THAT(std::string(s.message()), HasSubstr("op 2 'unshard' overdue after "));
@@ -352,7 +351,7 @@ TEST(LocalRendezvousTest, CloseFailsLaterCallsAndPendingOnes) {
     auto rv = Make(GroupSpec::AllLocal("g", 2), OwnerTakes());
     rv->Close(absl::AbortedError("destroyed"), /*fail=*/false);
     EXPECT_TRUE(rv->closed());
-    EXPECT_TRUE(rv->status().ok());  // nothing was pending: a clean close
+    EXPECT_TRUE(rv->status().ok());           // nothing was pending: a clean close
     rv->WaitForWork(absl::InfiniteFuture());  // returns: closed
     Buffers b(2);
     DoneRecorder late;

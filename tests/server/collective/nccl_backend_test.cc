@@ -5,6 +5,8 @@
 // completes, deadlines and Abort. The shared conformance suites run NCCL behind the staging
 // communicator on host buffers, one rank per GPU (world 1 on one GPU; the rest skip).
 
+#include "server/collective/nccl/nccl_backend.h"
+
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -20,7 +22,6 @@
 #include "common/gpu/cuda_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/collective/nccl/nccl_backend.h"
 #include "server/collective/staging/staging_communicator.h"
 #include "tests/server/collective/backend_conformance.h"
 #include "tests/testing/rank_group.h"
@@ -128,11 +129,12 @@ class NcclBackendTest : public ::testing::TestWithParam<bool> {
 // runs world 1 of BackendConformanceTest and skips BackendFailureTest (4 ranks).
 absl::StatusOr<std::unique_ptr<Communicator>> ConnectStagedNccl(const GroupSpec& group) {
   absl::StatusOr<std::vector<gpu::GpuDevice>> gpus = gpu::ListGpus();
-  if (!gpus.ok()) return absl::FailedPreconditionError(absl::StrCat("no GPU: ", gpus.status().ToString()));
+  if (!gpus.ok())
+    return absl::FailedPreconditionError(absl::StrCat("no GPU: ", gpus.status().ToString()));
   if (group.world_size > static_cast<int>(gpus->size())) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "world_size ", group.world_size, " needs ", group.world_size,
-        " GPUs (NCCL places one rank per GPU), ", gpus->size(), " visible"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("world_size ", group.world_size, " needs ", group.world_size,
+                     " GPUs (NCCL places one rank per GPU), ", gpus->size(), " visible"));
   }
   static CollectiveBackend* backend = [] {
     absl::StatusOr<std::unique_ptr<CollectiveBackend>> b = CreateNcclBackend();

@@ -177,16 +177,14 @@ INSTANTIATE_TEST_SUITE_P(StagingToDevice, BackendConformanceTest,
                                  Values(ShardSize::kOneElement, ShardSize::k4097Elements)),
                          ConformanceName);
 // The NCCL layout: host buffers over a device-kind inner, one rank per GPU.
-const BackendUnderTest kHostOverDevicePerGpu{"HostBuffersOverDeviceInnerOneRankPerGpu",
-                                             [](const GroupSpec& g) {
-                                               GroupSpec spec = g;
-                                               for (int r = 0; r < g.world_size; ++r) {
-                                                 spec.local_devices.push_back(r);
-                                               }
-                                               return Staged(spec, MemoryKind::kCuda,
-                                                             MemoryKind::kHost,
-                                                             std::make_shared<FakeCopier>());
-                                             }};
+const BackendUnderTest kHostOverDevicePerGpu{
+    "HostBuffersOverDeviceInnerOneRankPerGpu", [](const GroupSpec& g) {
+      GroupSpec spec = g;
+      for (int r = 0; r < g.world_size; ++r) {
+        spec.local_devices.push_back(r);
+      }
+      return Staged(spec, MemoryKind::kCuda, MemoryKind::kHost, std::make_shared<FakeCopier>());
+    }};
 
 INSTANTIATE_TEST_SUITE_P(Staging, BackendFailureTest, Values(&kDeviceOverHost, &kHostOverDevice),
                          FailureName);
