@@ -22,7 +22,6 @@ namespace flatshard::server {
 
 using internal::Display;
 using internal::Nested;
-using internal::SubmitAll;
 using internal::UnitSummary;
 
 namespace {
@@ -286,8 +285,8 @@ void GroupManager::RegisterStep(std::shared_ptr<RegisterExchange> x) {
   ops.back().name = "register";
   const int32_t rank = x->caller.rank;
   auto coll = x->coll;
-  SubmitAll(coll, rank, std::move(ops), x->deadline - clock_->Now(),
-            [this, x](absl::Status s) mutable {
+  const absl::Duration timeout = x->deadline - clock_->Now();
+  coll->SubmitAll(rank, std::move(ops), timeout, [this, x](absl::Status s) mutable {
     if (!s.ok()) {
       FinishRegister(std::move(x), s);
       return;
