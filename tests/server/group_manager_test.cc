@@ -136,6 +136,24 @@ bool Eventually(const std::function<bool()>& cond, absl::Duration wait = kWait) 
 float* Floats(const Buffer& b) { return static_cast<float*>(b.data()); }
 int64_t FloatCount(const Buffer& b) { return b.bytes() / static_cast<int64_t>(sizeof(float)); }
 
+// Every shard of `r` set to / holding `value` (an optimizer's in-place write).
+void Fill(const RegisterResult& r, float value) {
+  for (const UnitShard& s : r.shards) {
+    for (int64_t i = 0; i < FloatCount(*s.shard); ++i) Floats(*s.shard)[i] = value;
+  }
+}
+::testing::AssertionResult Holds(const RegisterResult& r, float value) {
+  for (const UnitShard& s : r.shards) {
+    for (int64_t i = 0; i < FloatCount(*s.shard); ++i) {
+      if (Floats(*s.shard)[i] != value) {
+        return ::testing::AssertionFailure() << "unit " << s.unit << " element " << i << " holds "
+                                             << Floats(*s.shard)[i] << ", not " << value;
+      }
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
 class GroupManagerTest : public ::testing::Test {
  protected:
   GroupManagerTest()
@@ -376,6 +394,14 @@ TEST_F(GroupManagerTest, JoinRefusesDisagreementAndDoubleJoin) {
   gm_->Join(Args("g", 2, 0), Deadline(), twice.Callback());
   ASSERT_EQ(twice.Wait().status().code(), absl::StatusCode::kAlreadyExists) << twice.Wait().status();
   EXPECT_THAT(twice.Wait().status().message(), HasSubstr("group g: rank 0 is already joined"));
+  // Another uid's group.
+  JoinArgs other_uid = Args("g", 2, 1);
+  other_uid.uid = 1000;
+  JoinCall uid;
+  gm_->Join(other_uid, Deadline(), uid.Callback());
+  ASSERT_EQ(uid.Wait().status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(uid.Wait().status().message(),
+            "group g: uid 1000 is not admitted (the group belongs to uid (remote))");
   // Out-of-range rank, empty group.
   JoinCall range;
   gm_->Join(Args("g", 2, 2), Deadline(), range.Callback());
@@ -932,6 +958,35 @@ TEST_F(GroupManagerTest, SummonRefusesUnitsTheRankAlreadyUnshards) {
   for (const absl::Status& e : EndAll(c, IdsOf(again))) EXPECT_TRUE(e.ok()) << e;
 }
 
+TEST_F(GroupManagerTest, WritebackEndMissingARankFailsAtItsDeadlineAndAppliesNothing) {
+  Start();
+  std::vector<RegisterResult> regs;
+  std::vector<Caller> c = Setup("g", 2, &regs);
+  std::vector<absl::StatusOr<SummonResult>> s = SummonAll(c, "head", SummonOptions{});
+  ASSERT_TRUE(s[0].ok() && s[1].ok());
+  WriteRankPattern(*s[0], 3);
+  // Rank 0 ends with little time left (the collective waits in real time for what is left
+  // of the deadline on the manager's clock); rank 1 never ends.
+  StatusCall end0;
+  gm_->EndSummon(c[0], s[0]->summon, Deadline(absl::Milliseconds(200)), end0.Callback());
+  const absl::Status failed = end0.Wait();
+  ASSERT_EQ(failed.code(), absl::StatusCode::kDeadlineExceeded) << failed;
+  EXPECT_THAT(failed.message(), HasSubstr(absl::StrCat("summon ", s[0]->summon,
+                                                       ": no rank's writeback was applied")));
+  EXPECT_THAT(failed.message(), HasSubstr("rank 1"));
+  EXPECT_TRUE(Holds(regs[0], 0.0f)) << "rank 0's range was written back alone";
+  // A repeated End answers the same; rank 1's End fails too, and nothing was applied.
+  StatusCall again;
+  gm_->EndSummon(c[0], s[0]->summon, Deadline(), again.Callback());
+  EXPECT_EQ(again.Wait(), failed);
+  StatusCall end1;
+  gm_->EndSummon(c[1], s[1]->summon, Deadline(), end1.Callback());
+  EXPECT_FALSE(end1.Wait().ok());
+  EXPECT_TRUE(Holds(regs[1], 0.0f));
+  EXPECT_EQ(gm_->GetShards(c[0], "")->generation, 0u);
+  EXPECT_EQ(gm_->GetStats().open_summons, 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Gradients
 
@@ -1000,6 +1055,17 @@ TEST_F(GroupManagerTest, ReduceScatterSumsAveragesAndAccumulates) {
     }
   }
   for (const absl::Status& e : EndAll(c, IdsOf(s))) EXPECT_TRUE(e.ok()) << e;
+  // rank0_only: only rank 0 sees the full gradient.
+  s = SummonAll(c, "enc.l1",
+                SummonOptions{.writeback = false, .rank0_only = true, .with_grads = true});
+  ASSERT_TRUE(s[0].ok() && s[1].ok());
+  ASSERT_EQ(s[0]->views.size(), 1u);
+  ASSERT_NE(s[0]->views[0].grads, nullptr);
+  for (int64_t i = 0; i < FloatCount(*s[0]->views[0].grads); ++i) {
+    ASSERT_EQ(Floats(*s[0]->views[0].grads)[i], 1.5f * (i + 1));
+  }
+  EXPECT_THAT(s[1]->views, IsEmpty());
+  for (const absl::Status& e : EndAll(c, IdsOf(s))) EXPECT_TRUE(e.ok()) << e;
   // Refusals.
   EXPECT_EQ(gm_->BeginReduceScatter(c[0], "", 9).status().code(), absl::StatusCode::kNotFound);
   StatusCall unbegun;
@@ -1039,22 +1105,6 @@ TEST_F(GroupManagerTest, FailedReduceScatterChangesNothingAndARepeatedFinishGets
 // ---------------------------------------------------------------------------------------------
 // Commits, generations, rollback
 
-void Fill(const RegisterResult& r, float value) {
-  for (const UnitShard& s : r.shards) {
-    for (int64_t i = 0; i < FloatCount(*s.shard); ++i) Floats(*s.shard)[i] = value;
-  }
-}
-::testing::AssertionResult Holds(const RegisterResult& r, float value) {
-  for (const UnitShard& s : r.shards) {
-    for (int64_t i = 0; i < FloatCount(*s.shard); ++i) {
-      if (Floats(*s.shard)[i] != value) {
-        return ::testing::AssertionFailure() << "unit " << s.unit << " element " << i << " holds "
-                                             << Floats(*s.shard)[i] << ", not " << value;
-      }
-    }
-  }
-  return ::testing::AssertionSuccess();
-}
 
 TEST_F(GroupManagerTest, CommitsCountGenerationsAndAReformRollsBackToTheLast) {
   Start();
@@ -1124,6 +1174,11 @@ TEST_F(GroupManagerTest, EndedSessionFailsCollectivesFastUntilTheRankJoinsAgain)
   SummonCall waiting;
   gm_->Summon(c[0], "", "", SummonOptions{}, Deadline(absl::Seconds(60)), waiting.Callback());
   EXPECT_GT(gm_->GetStats().pending_collectives, 0);
+  const std::vector<GroupManager::GroupCollectives> pending = gm_->ListCollectives("g");
+  ASSERT_EQ(pending.size(), 1u);
+  ASSERT_FALSE(pending[0].pending.empty());
+  EXPECT_THAT(pending[0].pending[0].arrived_ranks, ElementsAre(0));
+  EXPECT_THAT(pending[0].pending[0].missing_ranks, ElementsAre(1));
   const absl::Time start = absl::Now();
   gm_->EndSession("g", c[1].session);
   absl::StatusOr<SummonResult>& failed = waiting.Wait();
