@@ -314,8 +314,10 @@ class GroupManagerTest : public ::testing::Test {
   }
 
   // Counts the deadline loop's passes: a join of a group nobody else joins, whose
-  // caller_gone the loop asks on every pass. Await() returns once the loop has begun and
-  // finished at least one full pass after the call.
+  // caller_gone the loop asks once in every pass. Await() returns once a whole pass that read
+  // the clock after the call has run: the count read at the call may be mid-pass (pass n),
+  // and pass n + 1 may have read the clock before the call, so it waits for the count of
+  // pass n + 3, which follows the end of pass n + 2.
   class TickProbe {
    public:
     explicit TickProbe(GroupManager& gm) : ticks_(std::make_shared<std::atomic<int64_t>>(0)) {
@@ -328,7 +330,7 @@ class GroupManagerTest : public ::testing::Test {
     }
     void Await() const {
       const int64_t start = ticks_->load();
-      EXPECT_TRUE(Eventually([&] { return ticks_->load() >= start + 2; }))
+      EXPECT_TRUE(Eventually([&] { return ticks_->load() >= start + 3; }))
           << "the deadline loop did not run";
     }
 
