@@ -1190,6 +1190,8 @@ TEST_F(GroupManagerTest, EndedSessionFailsCollectivesFastUntilTheRankJoinsAgain)
             "group g: rank 1's session ended (its lease closed: the client is gone)");
   EXPECT_EQ(GroupStatus("g"), failed.status());
   EXPECT_EQ(gm_->CheckCaller(c[1]).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(gm_->Leave(c[1]).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(gm_->AttachLease(c[1]).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(gm_->GetStats().open_summons, 0) << "the failed summon stayed open";
   // Later collectives fail at once with the same cause, without waiting for their deadline.
   for (int i = 0; i < 2; ++i) {
