@@ -989,6 +989,44 @@ TEST_F(GroupManagerTest, WritebackEndMissingARankFailsAtItsDeadlineAndAppliesNot
   EXPECT_EQ(gm_->GetStats().open_summons, 0);
 }
 
+TEST_F(GroupManagerTest, NoShardKeepsAWholeCopyOnEveryRank) {
+  Start();
+  std::vector<Caller> c = JoinAll("g", 2);
+  std::vector<RegisterCall> calls(2);
+  RunRanks(2, [&](int r) {
+    gm_->Register(c[r], "", ManifestFromJson(ModelJson()),
+                  PolicyFromJson(R"({"format": "flatshard.policy/1", "sharding_strategy": "NO_SHARD",
+                                     "auto_wrap": {"kind": "module_types", "types": ["Linear"]}})"),
+                  InitMode::kZeros, Deadline(), calls[r].Callback());
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(calls[r].Wait().ok()) << calls[r].Wait().status();
+    for (const UnitShard& u : calls[r].Wait()->shards) {
+      const PlanUnit& unit = calls[r].Wait()->plan.units[u.unit];
+      EXPECT_EQ(unit.shard_numel, unit.padded_numel);
+      EXPECT_EQ(u.shard->bytes(), unit.padded_numel * 4);
+    }
+  }
+  // Each rank writes back its whole copy (its own range is all of it).
+  std::vector<absl::StatusOr<SummonResult>> s = SummonAll(c, "", SummonOptions{});
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(s[r].ok()) << s[r].status();
+    WriteRankPattern(*s[r], r);
+  }
+  for (const absl::Status& e : EndAll(c, IdsOf(s))) ASSERT_TRUE(e.ok()) << e;
+  // Read-only views are each rank's own (there is nothing to gather into one copy).
+  s = SummonAll(c, "head", SummonOptions{.writeback = false});
+  ASSERT_TRUE(s[0].ok() && s[1].ok());
+  EXPECT_NE(s[0]->views[0].params.get(), s[1]->views[0].params.get());
+  for (int r = 0; r < 2; ++r) {
+    for (int64_t i = 0; i < 10; ++i) ASSERT_EQ(Floats(*s[r]->views[0].params)[i], 1000 * r + i);
+  }
+  for (const absl::Status& e : EndAll(c, IdsOf(s))) ASSERT_TRUE(e.ok()) << e;
+  absl::StatusOr<std::shared_ptr<Buffer>> grads = gm_->BeginReduceScatter(c[0], "", 0);
+  EXPECT_EQ(grads.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(grads.status().message(), HasSubstr("NO_SHARD"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Gradients
 
