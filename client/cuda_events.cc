@@ -80,6 +80,12 @@ class CudaRuntimeEventApi final : public CudaEventApi {
   absl::Status StreamWait(void* stream, void* event, int device) override {
     gpu::ScopedCudaDevice scoped(device);
     if (!scoped.status().ok()) return scoped.status();
+    // An event whose work has completed orders nothing: skip the wait. A stream wait on an
+    // interprocess event costs the stream about 150-200 us on an H100 even when the event has
+    // long completed (measured with tests/bench/gpu_benchmark.cc), and the daemon records its
+    // `ready` only after the host saw the collective complete, so this is the common case.
+    if (cudaEventQuery(static_cast<cudaEvent_t>(event)) == cudaSuccess) return absl::OkStatus();
+    cudaGetLastError();  // cudaErrorNotReady is not sticky, but leave nothing behind
     FS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
                                                 static_cast<cudaEvent_t>(event), 0),
                             "cudaStreamWaitEvent");

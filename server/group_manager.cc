@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -59,6 +60,32 @@ GroupManager::~GroupManager() {
   // Connects still queued finish (FinishConnect drops them: shutdown_); then no thread but
   // the callers' can enter the manager.
   comms_.reset();
+  // Shutdown aborted every group's collectives, but their ops fail on the engine's watchdog
+  // thread, and a completion may be running on a backend thread: callbacks that lock mu_ and
+  // read groups_. Wait for them before any member goes. Invariant: a callback of an op of
+  // group G runs only while G's CollectiveGroup is alive (the engine holds it across OnDone,
+  // an abort across the abort), and the manager's own references (Group::coll,
+  // OpenSummon::coll) are dropped here; the others (op callbacks, the engine's map) go once
+  // the aborted ops failed. So once none is left, no callback of this manager runs.
+  std::vector<std::weak_ptr<collective::CollectiveGroup>> colls;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, g] : groups_) {
+      if (g->coll == nullptr) continue;
+      colls.push_back(g->coll);
+      engine_.RemoveGroup(id, absl::UnavailableError("flatshardd is shutting down")).IgnoreError();
+      g->coll = nullptr;
+      for (auto& [summon, open] : g->open_summons) open.coll = nullptr;
+    }
+  }
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  for (const std::weak_ptr<collective::CollectiveGroup>& c : colls) {
+    while (!c.expired() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));
+    if (!c.expired()) {
+      FS_LOG(ERROR) << "a group's collectives were still referenced 10s after shutdown";
+      break;
+    }
+  }
 }
 
 void GroupManager::Shutdown() {
@@ -477,9 +504,8 @@ absl::Status GroupManager::WaitForTrainer(int32_t rank, const gpu::IpcEventRef& 
   gpu::DeviceContext* d = DeviceOf(rank);
   if (d == nullptr || written.id == 0) return absl::OkStatus();
   // The collectives run on the backend's streams, so the host waits here for the trainer's
-  // writes (in the daemon: no round trip to the trainer).
-  FS_RETURN_IF_ERROR(d->WaitFor(written));
-  return d->Synchronize();
+  // writes (in the daemon: no round trip to the trainer), on the event itself.
+  return d->WaitOnHost(written);
 }
 
 gpu::IpcEventRef GroupManager::RecordReady(int32_t rank) {
@@ -636,11 +662,15 @@ void GroupManager::ExpireUnleased(Group& g, absl::Time now,
         "group ", g.id, ": rank ", rank, "'s session ", session, " opened no lease within ",
         absl::FormatDuration(lease_timeout_), " of its join (the trainer went away)"));
     FS_LOG(WARNING) << why.message() << "; the session ends";
-    // As when a lease closes (EndSession): its summons end without writeback, collectives
-    // waiting for it fail now.
+    // As when a lease closes (EndSession): its summons end without writeback, and the
+    // group's collectives fail fast from now on, naming the rank, until it joins again
+    // (before, only collectives already pending failed; later ones waited for their deadline).
     DropSummons(g, rank);
-    if (g.coll && !g.coll->PendingOps().empty()) g.coll->Abort(why);
     EndRank(g, rank, run);
+    FailForRank(g, rank,
+                absl::StrCat("opened no lease within ", absl::FormatDuration(lease_timeout_),
+                             " of its join (the trainer went away)"),
+                run);  // after EndRank: the rank counts as gone
   }
 }
 
@@ -830,6 +860,10 @@ void GroupManager::DeadlineLoop() {
         Group& g = *groups_.at(id);
         DropGoneJoins(g, &run);
         ExpireUnleased(g, now, &run);
+        // The ranks missing when the first join expired: every join that expires in this pass
+        // names the same ranks (not the ones whose joins expired before it in the pass).
+        // Computed only when a join expires (O(world_size)).
+        std::optional<std::string> missing;
         for (auto j = g.pending_joins.begin(); j != g.pending_joins.end();) {
           // A multi-daemon join ends with the coordinator's answer (which names the missing
           // ranks); this is only the backstop for a coordinator that never answers.
@@ -838,12 +872,12 @@ void GroupManager::DeadlineLoop() {
             ++j;
             continue;
           }
+          if (!g.multi() && !missing) missing = internal::RankListText(g.MissingRanks());
           absl::Status s = absl::DeadlineExceededError(
               g.multi() ? absl::StrCat("group ", g.id, ": the coordinator ", g.coordinator,
                                        " did not answer rank ", j->rank, "'s rendezvous")
-                        : absl::StrCat("group ", g.id, ": ",
-                                       internal::RankListText(g.MissingRanks()), " of ",
-                                       g.world_size, " did not join before the deadline"));
+                        : absl::StrCat("group ", g.id, ": ", *missing, " of ", g.world_size,
+                                       " did not join before the deadline"));
           g.session_of_rank[j->rank] = 0;  // a failed join leaves no trace
           run.push_back([done = std::move(j->done), s]() mutable { done(s); });
           j = g.pending_joins.erase(j);

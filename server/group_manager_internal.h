@@ -147,50 +147,6 @@ inline collective::MutableBuffer MutableOf(const Buffer* b, DType dtype) {
   return b->view(dtype);
 }
 
-// Counts one request's collectives; the last completion reports the first error.
-struct OpJoin {
-  absl::Mutex mu;
-  int remaining ABSL_GUARDED_BY(mu) = 0;
-  absl::Status first ABSL_GUARDED_BY(mu);
-  absl::AnyInvocable<void(absl::Status)> done;
-};
-
-inline collective::DoneCallback Arrive(const std::shared_ptr<OpJoin>& join) {
-  return [join](absl::Status s) {
-    bool last = false;
-    absl::Status first;
-    {
-      absl::MutexLock lock(&join->mu);
-      if (!s.ok() && join->first.ok()) join->first = s;
-      last = --join->remaining == 0;
-      first = join->first;
-    }
-    if (last) join->done(first);
-  };
-}
-
-// Runs `ops` on `coll` for `rank`, each within `timeout` (negative: none left), and calls
-// `done` once all completed.
-inline void SubmitAll(const std::shared_ptr<collective::CollectiveGroup>& coll, int32_t rank,
-               std::vector<collective::CollectiveOp> ops, absl::Duration timeout,
-               absl::AnyInvocable<void(absl::Status)> done) {
-  if (ops.empty()) {
-    done(absl::OkStatus());
-    return;
-  }
-  auto join = std::make_shared<OpJoin>();
-  join->done = std::move(done);
-  {
-    absl::MutexLock lock(&join->mu);
-    join->remaining = static_cast<int>(ops.size());
-  }
-  timeout = std::max(absl::ZeroDuration(), timeout);
-  for (collective::CollectiveOp& op : ops) {
-    op.timeout = timeout;
-    coll->Submit(rank, std::move(op), Arrive(join));
-  }
-}
-
 // A coordinator no group has used for this long gets its watch stream closed.
 inline constexpr absl::Duration kUnwatchAfter = absl::Seconds(10);
 

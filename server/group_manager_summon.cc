@@ -24,7 +24,6 @@ using internal::kAlreadyUnsharding;
 using internal::kKeptIdleRelease;
 using internal::MutableOf;
 using internal::SelectUnits;
-using internal::SubmitAll;
 
 absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::KeptBuffer(
     Group& g, Registered& reg, int32_t owner, int32_t unit, int what, BufferKind kind,
@@ -285,31 +284,33 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
               done(std::move(result));
   };
   if (shared_slot == nullptr) {
-    SubmitAll(coll, caller.rank, std::move(ops), deadline - clock_->Now(), std::move(finish));
+    coll->SubmitAll(caller.rank, std::move(ops), deadline - clock_->Now(), std::move(finish));
     return;
   }
   // The node's one read-only copy is assembled by every local rank's op together (each
   // block lands once, through whichever local rank receives it), so one rank's op may
   // complete before the copy is whole: every local rank answers once all of theirs have
   // completed, with the first error if any did not (bounded by the ops' deadlines).
-  SubmitAll(coll, caller.rank, std::move(ops), deadline - clock_->Now(),
-            [this, shared_slot, local = shared_locals,
-             finish = std::move(finish)](absl::Status s) mutable {
-              std::vector<absl::AnyInvocable<void(absl::Status)>> ready;
-              absl::Status verdict;
-              {
-                absl::MutexLock lock(&mu_);
-                if (!s.ok() && shared_slot->assembly_error.ok()) shared_slot->assembly_error = s;
-                ++shared_slot->assembled;
-                shared_slot->waiting.push_back(std::move(finish));
-                // A failure answers at once (a rank that died never submits: nobody waits
-                // for it); success waits for the last local rank.
-                if (shared_slot->assembly_error.ok() && shared_slot->assembled < local) return;
-                ready.swap(shared_slot->waiting);
-                verdict = shared_slot->assembly_error;
-              }
-              for (auto& f : ready) f(verdict);
-            });
+  coll->SubmitAll(caller.rank, std::move(ops), deadline - clock_->Now(),
+                  [this, shared_slot, local = shared_locals,
+                   finish = std::move(finish)](absl::Status s) mutable {
+                    std::vector<absl::AnyInvocable<void(absl::Status)>> ready;
+                    absl::Status verdict;
+                    {
+                      absl::MutexLock lock(&mu_);
+                      if (!s.ok() && shared_slot->assembly_error.ok())
+                        shared_slot->assembly_error = s;
+                      ++shared_slot->assembled;
+                      shared_slot->waiting.push_back(std::move(finish));
+                      // A failure answers at once (a rank that died never submits: nobody waits
+                      // for it); success waits for the last local rank.
+                      if (shared_slot->assembly_error.ok() && shared_slot->assembled < local)
+                        return;
+                      ready.swap(shared_slot->waiting);
+                      verdict = shared_slot->assembly_error;
+                    }
+                    for (auto& f : ready) f(verdict);
+                  });
 }
 
 void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time deadline,
@@ -518,20 +519,21 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
     agree(std::move(owned), std::move(done));
     return;
   }
-  SubmitAll(coll, caller.rank, std::move(broadcasts), deadline - clock_->Now(),
-            [this, caller, summon, agree, owned = std::move(owned),
-             done = std::move(done)](absl::Status s) mutable {
-              if (s.ok()) {
-                agree(std::move(owned), std::move(done));
-                return;
-              }
-              owned.reset();
-              FinishEnd(caller, summon,
-                        absl::Status(s.code(), absl::StrCat("summon ", summon,
-                                                            ": no rank's writeback was applied: ",
-                                                            s.message())),
-                        std::move(done));
-            });
+  coll->SubmitAll(
+      caller.rank, std::move(broadcasts), deadline - clock_->Now(),
+      [this, caller, summon, agree, owned = std::move(owned),
+       done = std::move(done)](absl::Status s) mutable {
+        if (s.ok()) {
+          agree(std::move(owned), std::move(done));
+          return;
+        }
+        owned.reset();
+        FinishEnd(caller, summon,
+                  absl::Status(s.code(),
+                               absl::StrCat("summon ", summon,
+                                            ": no rank's writeback was applied: ", s.message())),
+                  std::move(done));
+      });
 }
 
 void GroupManager::Agree(const std::shared_ptr<collective::CollectiveGroup>& coll,
@@ -551,33 +553,33 @@ void GroupManager::Agree(const std::shared_ptr<collective::CollectiveGroup>& col
       unit, collective::ConstBuffer{&st->mine, sizeof(internal::AgreeRecord)},
       collective::MutableBuffer{st->all.data(), st->all.size() * sizeof(internal::AgreeRecord)}));
   ops.back().name = "agree";
-  SubmitAll(coll, caller.rank, std::move(ops), deadline - clock_->Now(),
-            [st, group = caller.group, what, done = std::move(done)](absl::Status s) mutable {
-              if (!s.ok()) {
-                done(std::move(s), false);
-                return;
-              }
-              for (size_t k = 0; k < st->all.size(); ++k) {
-                const internal::AgreeRecord& r = st->all[k];
-                if (r.ok) continue;
-                done(absl::FailedPreconditionError(absl::StrCat(
-                         "group ", group, ": ", what, " was refused by rank ", k, ": ",
-                         internal::TextOf(r.text, sizeof(r.text)))),
-                     std::any_of(st->all.begin(), st->all.end(),
-                                 [](const internal::AgreeRecord& x) { return x.stale != 0; }));
-                return;
-              }
-              for (size_t k = 1; k < st->all.size(); ++k) {
-                if (st->all[k].generation == st->all[0].generation) continue;
-                done(absl::FailedPreconditionError(absl::StrCat(
-                         "group ", group, ": ", what, " was refused: rank 0 holds generation ",
-                         st->all[0].generation, ", rank ", k, " generation ",
-                         st->all[k].generation)),
-                     false);
-                return;
-              }
-              done(absl::OkStatus(), false);
-            });
+  coll->SubmitAll(
+      caller.rank, std::move(ops), deadline - clock_->Now(),
+      [st, group = caller.group, what, done = std::move(done)](absl::Status s) mutable {
+        if (!s.ok()) {
+          done(std::move(s), false);
+          return;
+        }
+        for (size_t k = 0; k < st->all.size(); ++k) {
+          const internal::AgreeRecord& r = st->all[k];
+          if (r.ok) continue;
+          done(absl::FailedPreconditionError(
+                   absl::StrCat("group ", group, ": ", what, " was refused by rank ", k, ": ",
+                                internal::TextOf(r.text, sizeof(r.text)))),
+               std::any_of(st->all.begin(), st->all.end(),
+                           [](const internal::AgreeRecord& x) { return x.stale != 0; }));
+          return;
+        }
+        for (size_t k = 1; k < st->all.size(); ++k) {
+          if (st->all[k].generation == st->all[0].generation) continue;
+          done(absl::FailedPreconditionError(absl::StrCat(
+                   "group ", group, ": ", what, " was refused: rank 0 holds generation ",
+                   st->all[0].generation, ", rank ", k, " generation ", st->all[k].generation)),
+               false);
+          return;
+        }
+        done(absl::OkStatus(), false);
+      });
 }
 
 void GroupManager::FinishEnd(const Caller& caller, uint64_t summon, absl::Status status,
@@ -1002,39 +1004,38 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
       unit, ConstOf(*staging, dtype), scratch,
       op == ReduceOp::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum));
   ops.back().name = "grads";
-  SubmitAll(coll, caller.rank, std::move(ops), deadline - clock_->Now(),
-            [this, caller, module, unit, staging, grad, fresh, scratch, scratch_buffer,
-             scratch_host, dtype, accumulate, done = std::move(done)](absl::Status s) mutable {
+  coll->SubmitAll(
+      caller.rank, std::move(ops), deadline - clock_->Now(),
+      [this, caller, module, unit, staging, grad, fresh, scratch, scratch_buffer, scratch_host,
+       dtype, accumulate, done = std::move(done)](absl::Status s) mutable {
+        if (s.ok()) {
+          s = ApplyReducedGrad(caller.rank, scratch.AsConst(), *grad, dtype, accumulate && !fresh);
+        }
+        scratch_buffer.reset();
+        scratch_host.reset();
+        staging.reset();  // the staging buffer's pages go back until the next step
+        {
+          absl::MutexLock lock(&mu_);
+          auto g = groups_.find(caller.group);
+          if (g != groups_.end()) {
+            auto reg = g->second->registered.find(module);
+            if (reg != g->second->registered.end()) {
+              if (fresh) {
+                reg->second.new_grads.erase({caller.rank, unit});
+                if (s.ok()) reg->second.shards_by_rank[caller.rank][unit].grad = grad;
+              }
+              reg->second.NoteOp({unit}, "reduce_scatter", caller.rank, s.ok(), clock_->Now());
               if (s.ok()) {
-                s = ApplyReducedGrad(caller.rank, scratch.AsConst(), *grad, dtype,
-                                     accumulate && !fresh);
+                reg->second.failed_finishes.erase({caller.rank, unit});
+              } else {
+                reg->second.failed_finishes[{caller.rank, unit}] = s;
               }
-              scratch_buffer.reset();
-              scratch_host.reset();
-              staging.reset();  // the staging buffer's pages go back until the next step
-              {
-                absl::MutexLock lock(&mu_);
-                auto g = groups_.find(caller.group);
-                if (g != groups_.end()) {
-                  auto reg = g->second->registered.find(module);
-                  if (reg != g->second->registered.end()) {
-                    if (fresh) {
-                      reg->second.new_grads.erase({caller.rank, unit});
-                      if (s.ok()) reg->second.shards_by_rank[caller.rank][unit].grad = grad;
-                    }
-                    reg->second.NoteOp({unit}, "reduce_scatter", caller.rank, s.ok(),
-                                       clock_->Now());
-                    if (s.ok()) {
-                      reg->second.failed_finishes.erase({caller.rank, unit});
-                    } else {
-                      reg->second.failed_finishes[{caller.rank, unit}] = s;
-                    }
-                    ReleaseKept(reg->second);
-                  }
-                }
-              }
-              done(s);
-            });
+              ReleaseKept(reg->second);
+            }
+          }
+        }
+        done(s);
+      });
 }
 
 absl::Status GroupManager::ApplyReducedGrad(int32_t rank, collective::ConstBuffer reduced,

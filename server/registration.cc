@@ -91,14 +91,14 @@ class RegistrationExchange : public std::enable_shared_from_this<RegistrationExc
     std::vector<collective::CollectiveOp> ops;
     ops.push_back(collective::CollectiveOp::AllGather(-1, in, out));
     ops.back().name = "register";
-    internal::SubmitAll(coll_, p_.rank, std::move(ops), deadline_ - clock_->Now(),
-                        [self = shared_from_this(), next](absl::Status s) {
-                          if (!s.ok()) {
-                            self->Finish(std::move(s));
-                            return;
-                          }
-                          ((*self).*next)();
-                        });
+    coll_->SubmitAll(p_.rank, std::move(ops), deadline_ - clock_->Now(),
+                     [self = shared_from_this(), next](absl::Status s) {
+                       if (!s.ok()) {
+                         self->Finish(std::move(s));
+                         return;
+                       }
+                       ((*self).*next)();
+                     });
   }
 
   void Finish(absl::Status verdict) {

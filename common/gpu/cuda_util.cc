@@ -1,7 +1,12 @@
 #include "common/gpu/cuda_util.h"
 
+#include <sys/prctl.h>
+
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "common/config.h"
 
 #if FS_HAVE_CUDA
@@ -107,6 +112,33 @@ ScopedCudaDevice::ScopedCudaDevice(int /*device*/)
 ScopedCudaDevice::~ScopedCudaDevice() = default;
 
 #endif  // FS_HAVE_CUDA
+
+absl::Status PollUntilDone(absl::FunctionRef<absl::StatusOr<bool>()> probe,
+                           absl::Duration timeout, absl::string_view what) {
+  constexpr absl::Duration kSpin = absl::Microseconds(200);
+  constexpr absl::Duration kMinNap = absl::Microseconds(10);
+  constexpr absl::Duration kMaxNap = absl::Milliseconds(1);
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = start + timeout;
+  for (;;) {
+    absl::StatusOr<bool> done = probe();
+    if (!done.ok()) return done.status();
+    if (*done) return absl::OkStatus();
+    const absl::Time now = absl::Now();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(what, ": not done within ", absl::FormatDuration(timeout)));
+    }
+    const absl::Duration waited = now - start;
+    if (waited > kSpin) {
+      // Linux delays a sleeping thread's wakeup by its timer slack (50 us by default), which
+      // would dominate these naps; once per thread, ask for 1 us.
+      static thread_local const bool slack_set = ::prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0) == 0;
+      (void)slack_set;
+      absl::SleepFor(std::min({std::max(waited / 16, kMinNap), kMaxNap, deadline - now}));
+    }
+  }
+}
 
 absl::StatusOr<int> DeviceForUuid(absl::string_view uuid) {
   absl::StatusOr<std::vector<GpuDevice>> gpus = ListGpus();

@@ -16,9 +16,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 
 namespace flatshard::gpu {
 
@@ -70,5 +72,17 @@ class ScopedCudaDevice {
   int previous_ = -1;
   absl::Status status_;
 };
+
+// Calls `probe` (a cudaStreamQuery / cudaEventQuery as true = done, false = not yet, or its
+// error) until it says done or fails, or until `timeout` passed (DEADLINE_EXCEEDED "<what>: not
+// done within <timeout>"). The host wait of every device operation goes through here, so its
+// latency is one policy: spin for the first 200 us (a small device copy took 50-100 us to
+// complete on an H100, and a sleep costs a scheduler wakeup of 20-70 us), then nap for 1/16 of
+// the time waited so far, at least 10 us and at most 1 ms, with the thread's timer slack at
+// 1 us. A completion is noticed at most about 6% (plus one wakeup) late, and a long wait costs
+// about one query per millisecond. (An exponential backoff to 1 ms noticed a 0.72 ms copy
+// after 1.3 ms.)
+absl::Status PollUntilDone(absl::FunctionRef<absl::StatusOr<bool>()> probe,
+                           absl::Duration timeout, absl::string_view what);
 
 }  // namespace flatshard::gpu

@@ -147,6 +147,14 @@ class Communicator {
 
   // Snapshot of the ops that have not completed, ascending by op_seq.
   virtual std::vector<PendingOpInfo> PendingOps() const = 0;
+
+  // The data plane that moves this communicator's bytes, set by the backend that created it
+  // (the metrics' `backend` label, so it is never inferred from a GroupSpec): "inproc", "ucx",
+  // "nccl"; a ring over another Transport says so (RingOptions::backend_name); a staging
+  // communicator over a host backend appends "+staging" ("ucx+staging": device memory staged
+  // through the host) and over NCCL keeps "nccl" (device memory moves natively).
+  // "unknown" only for an implementation that does not say (test fakes).
+  virtual absl::string_view backend_name() const { return "unknown"; }
 };
 
 // A data-plane backend. Implementations: inproc/, ucx/ (later), nccl/ (later). Thread-safe.

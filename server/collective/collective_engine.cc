@@ -1,13 +1,14 @@
 #include "server/collective/collective_engine.h"
 
 #include <algorithm>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "server/metrics/daemon_metrics.h"
 #include "server/collective/op_descriptor.h"
+#include "server/metrics/daemon_metrics.h"
 
 namespace flatshard::collective {
 
@@ -19,7 +20,7 @@ struct CollectiveGroup::OpRecord {
   CollectiveOp op;
   absl::Time deadline;
   DeadlineTimer::TimerId watchdog = DeadlineTimer::kNoTimer;
-  absl::string_view backend = "inproc";  // the metrics' backend label
+  std::string backend;  // the metrics' label: the group's Communicator::backend_name()
 
   absl::Mutex mu;
   DoneCallback done ABSL_GUARDED_BY(mu);
@@ -87,6 +88,7 @@ CollectiveGroup::CollectiveGroup(GroupSpec spec, std::unique_ptr<Communicator> c
                                  std::shared_ptr<DeadlineTimer> timer, EngineOptions options)
     : spec_(std::move(spec)),
       comm_(std::move(comm)),
+      backend_name_(comm_->backend_name()),
       timer_(std::move(timer)),
       options_(options) {}
 
@@ -116,9 +118,7 @@ void CollectiveGroup::Submit(int rank, CollectiveOp op, DoneCallback done) {
   auto rec = std::make_shared<OpRecord>();
   rec->rank = rank;
   rec->op = std::move(op);
-  // The daemon connects all-local groups over inproc and the others over its remote backend
-  // (UCX); the communicator does not name its backend.
-  rec->backend = spec_.rank_addresses.empty() ? "inproc" : "ucx";
+  rec->backend = backend_name_;
   rec->deadline = absl::Now() + rec->op.timeout.value_or(options_.default_timeout);
   {
     absl::MutexLock lock(&rec->mu);
@@ -163,6 +163,41 @@ void CollectiveGroup::Submit(int rank, CollectiveOp op, DoneCallback done) {
       q.queue.pop_front();
     }
     Issue(next);
+  }
+}
+
+void CollectiveGroup::SubmitAll(int rank, std::vector<CollectiveOp> ops, absl::Duration timeout,
+                                DoneCallback done) {
+  if (ops.empty()) {
+    std::move(done)(absl::OkStatus());
+    return;
+  }
+  // Counts the ops still running; the last completion reports the first error.
+  struct Join {
+    absl::Mutex mu;
+    size_t remaining ABSL_GUARDED_BY(mu) = 0;
+    absl::Status first ABSL_GUARDED_BY(mu);
+    DoneCallback done;  // taken by the last completion only
+  };
+  auto join = std::make_shared<Join>();
+  join->done = std::move(done);
+  {
+    absl::MutexLock lock(&join->mu);
+    join->remaining = ops.size();  // before any Submit: an op may complete inside it
+  }
+  timeout = std::max(absl::ZeroDuration(), timeout);
+  for (CollectiveOp& op : ops) {
+    op.timeout = timeout;
+    Submit(rank, std::move(op), [join](absl::Status s) {
+      absl::Status first;
+      {
+        absl::MutexLock lock(&join->mu);
+        if (!s.ok() && join->first.ok()) join->first = std::move(s);
+        if (--join->remaining > 0) return;
+        first = join->first;
+      }
+      std::move(join->done)(std::move(first));
+    });
   }
 }
 

@@ -83,11 +83,21 @@ class CollectiveGroup : public std::enable_shared_from_this<CollectiveGroup> {
   CollectiveGroup& operator=(const CollectiveGroup&) = delete;
 
   const GroupSpec& spec() const { return spec_; }
+  // The communicator's Communicator::backend_name(), the `backend` label of its ops' metrics.
+  const std::string& backend_name() const { return backend_name_; }
 
   // Assigns the next op_seq of `rank` and starts the op. Errors reach `done`:
   // INVALID_ARGUMENT for a rank this daemon does not host (not sticky) or bad buffers
   // (sticky), and the backend's codes (ABORTED mismatch, DEADLINE_EXCEEDED, ...).
   void Submit(int rank, CollectiveOp op, DoneCallback done);
+
+  // Fan-in: submits `ops` for `rank` in order (consecutive op_seqs), each with `timeout` from
+  // now (negative counts as zero; it replaces CollectiveOp::timeout), and runs `done` exactly
+  // once, when the last of them has completed, with the first error in completion order (OK
+  // if none). An empty `ops` runs `done` at once with OK. `done` runs where the last op's
+  // callback runs (see Submit), never under an engine lock.
+  void SubmitAll(int rank, std::vector<CollectiveOp> ops, absl::Duration timeout,
+                 DoneCallback done);
 
   // Sticky: fails pending and later ops with `reason` (OK becomes ABORTED); the first error
   // wins. The group's status changes at once, so later Submits fail immediately; pending ops
@@ -126,6 +136,7 @@ class CollectiveGroup : public std::enable_shared_from_this<CollectiveGroup> {
 
   const GroupSpec spec_;
   const std::unique_ptr<Communicator> comm_;
+  const std::string backend_name_;
   const std::shared_ptr<DeadlineTimer> timer_;
   const EngineOptions options_;
 

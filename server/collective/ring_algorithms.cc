@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/collective/local_rendezvous.h"
 #include "server/collective/op_descriptor.h"
 #include "server/collective/reduce.h"
 
@@ -144,6 +145,7 @@ class RingCore : public std::enable_shared_from_this<RingCore> {
 
   const GroupSpec& spec() const { return spec_; }
   Transport& transport() { return *transport_; }
+  absl::string_view backend_name() const { return options_.backend_name; }
 
   void Start(int rank, OpCall call, const OpOptions& o, DoneCallback done);
   // `quiet`: no warning unless ops were in flight (the communicator is being destroyed).
@@ -163,8 +165,8 @@ class RingCore : public std::enable_shared_from_this<RingCore> {
 
   mutable absl::Mutex mu_;
   absl::Status sticky_ ABSL_GUARDED_BY(mu_);
-  // By rank, from its first op: nothing per rank up front (a world_size nobody joins is free).
-  absl::flat_hash_map<int, uint64_t> last_seq_ ABSL_GUARDED_BY(mu_);
+  // The same op_seq order check as the local rendezvous (local_rendezvous.h).
+  OpSeqOrder order_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::vector<std::shared_ptr<RankOp>>> live_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -441,12 +443,11 @@ void RingCore::Start(int rank, OpCall call, const OpOptions& o, DoneCallback don
   absl::Status failed;
   {
     absl::MutexLock lock(&mu_);
-    if (sticky_.ok() && last_seq_.contains(rank) && o.op_seq <= last_seq_[rank]) {
-      failed = OpSeqOrderError(rank, o.op_seq, call.desc, last_seq_[rank]);
-    } else if (!sticky_.ok()) {
+    if (!sticky_.ok()) {
       failed = sticky_;
+    } else if (absl::Status s = order_.Next(rank, o.op_seq, call.desc); !s.ok()) {
+      failed = std::move(s);
     } else {
-      last_seq_[rank] = o.op_seq;
       op = std::make_shared<RankOp>(shared_from_this(), rank, spec_.world_size, call, o,
                                     options_.check_fingerprints, options_.chunk_bytes,
                                     std::move(done));
@@ -556,6 +557,7 @@ class RingCommunicator final : public Communicator {
   void Abort(absl::Status reason) override { core_->Abort(std::move(reason)); }
   absl::Status status() const override { return core_->status(); }
   std::vector<PendingOpInfo> PendingOps() const override { return core_->PendingOps(); }
+  absl::string_view backend_name() const override { return core_->backend_name(); }
 
  private:
   std::shared_ptr<RingCore> core_;

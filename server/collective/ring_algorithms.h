@@ -27,6 +27,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "server/collective/backend.h"
@@ -44,6 +45,8 @@ struct RingOptions {
   size_t chunk_bytes = size_t{1} << 20;
   // Deadline watchdog; null: the communicator starts its own.
   std::shared_ptr<DeadlineTimer> timer;
+  // Communicator::backend_name(): the backend whose Transport the ring runs over.
+  std::string backend_name = "ring";
 };
 
 // A Communicator for `group`'s local ranks over `transport`, which the communicator aborts

@@ -28,28 +28,20 @@ cudaEvent_t AsEvent(void* e) { return static_cast<cudaEvent_t>(e); }
 
 namespace internal {
 absl::Status WaitForStream(void* stream, absl::Duration timeout, absl::string_view what) {
-  const absl::Time start = absl::Now();
-  const absl::Time deadline = start + timeout;
-  absl::Duration nap = absl::Microseconds(20);
-  for (int polls = 0;; ++polls) {
-    const cudaError_t err = cudaStreamQuery(AsStream(stream));
-    if (err == cudaSuccess) return absl::OkStatus();
-    if (err != cudaErrorNotReady) {
-      cudaGetLastError();  // clear it, as FS_CUDA_RETURN_IF_ERROR would
-      return CudaStatus(err, what);
-    }
-    const absl::Time now = absl::Now();
-    if (now >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          what, ": not done within ", absl::FormatDuration(timeout),
-          " (the stream may wait for an event that is never recorded)"));
-    }
-    // Short copies finish within microseconds: spin first, then back off to 1ms naps.
-    if (now - start > absl::Microseconds(50)) {
-      absl::SleepFor(std::min(nap, deadline - now));
-      nap = std::min(nap * 2, absl::Milliseconds(1));
-    }
+  absl::Status s = PollUntilDone(
+      [&]() -> absl::StatusOr<bool> {
+        const cudaError_t err = cudaStreamQuery(AsStream(stream));
+        if (err == cudaSuccess) return true;
+        if (err == cudaErrorNotReady) return false;
+        cudaGetLastError();  // clear it, as FS_CUDA_RETURN_IF_ERROR would
+        return CudaStatus(err, what);
+      },
+      timeout, what);
+  if (absl::IsDeadlineExceeded(s)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        s.message(), " (the stream may wait for an event that is never recorded)"));
   }
+  return s;
 }
 }  // namespace internal
 
@@ -172,47 +164,80 @@ absl::StatusOr<IpcEventRef> DeviceContext::RecordReady() {
   return ready_ref_;
 }
 
-absl::Status DeviceContext::WaitFor(const IpcEventRef& event) {
-  const std::string where = absl::StrCat("device ", gpu_.ordinal, " (", gpu_.uuid, ")");
+absl::StatusOr<std::shared_ptr<DeviceContext::OpenedEvent>> DeviceContext::Open(
+    const IpcEventRef& event, const std::string& where) {
   if (event.id == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": WaitFor: event id 0 (none)"));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": event id 0 (none)"));
   }
   if (event.ipc_handle.size() != sizeof(cudaIpcEventHandle_t)) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, ": WaitFor event ", event.id, ": ipc_handle has ",
+        absl::StrCat(where, " event ", event.id, ": ipc_handle has ",
                      event.ipc_handle.size(), " bytes, want ", sizeof(cudaIpcEventHandle_t)));
   }
-  std::shared_ptr<OpenedEvent> opened;
   {
     absl::MutexLock lock(&mu_);
     auto it = opened_.find(event.ipc_handle);
-    if (it != opened_.end()) opened = it->second;
+    if (it != opened_.end()) return it->second;
   }
+  // Opened without the lock (a CUDA call); a racing Open of the same event may open it too, and
+  // the later insert simply wins.
+  cudaIpcEventHandle_t handle;
+  std::memcpy(&handle, event.ipc_handle.data(), sizeof(handle));
+  cudaEvent_t e = nullptr;
+  FS_CUDA_RETURN_IF_ERROR(cudaIpcOpenEventHandle(&e, handle),
+                          absl::StrCat(where, ": cudaIpcOpenEventHandle(event ", event.id,
+                                       " of ", event.device_uuid, ")"));
+  auto opened = std::make_shared<OpenedEvent>(event.ipc_handle, e, gpu_.ordinal);
+  std::shared_ptr<OpenedEvent> replaced;
+  absl::flat_hash_map<std::string, std::shared_ptr<OpenedEvent>> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    // Restarted trainers bring new events; live ones are simply opened again when needed.
+    if (opened_.size() >= 256) dropped.swap(opened_);
+    replaced = std::exchange(opened_[event.ipc_handle], opened);
+  }
+  // `replaced` and `dropped` are destroyed here, outside the lock (cudaEventDestroy).
+  return opened;
+}
+
+absl::Status DeviceContext::WaitFor(const IpcEventRef& event) {
+  const std::string where = absl::StrCat("device ", gpu_.ordinal, " (", gpu_.uuid, "): WaitFor");
   ScopedCudaDevice scoped(gpu_.ordinal);
   FS_RETURN_IF_ERROR(scoped.status());
-  if (opened == nullptr) {
-    // Opened without the lock (a CUDA call); a racing WaitFor for the same event may open it
-    // too, and the later insert simply wins.
-    cudaIpcEventHandle_t handle;
-    std::memcpy(&handle, event.ipc_handle.data(), sizeof(handle));
-    cudaEvent_t e = nullptr;
-    FS_CUDA_RETURN_IF_ERROR(cudaIpcOpenEventHandle(&e, handle),
-                            absl::StrCat(where, ": cudaIpcOpenEventHandle(event ", event.id,
-                                         " of ", event.device_uuid, ")"));
-    opened = std::make_shared<OpenedEvent>(event.ipc_handle, e, gpu_.ordinal);
-    std::shared_ptr<OpenedEvent> replaced;
-    absl::flat_hash_map<std::string, std::shared_ptr<OpenedEvent>> dropped;
-    {
-      absl::MutexLock lock(&mu_);
-      // Restarted trainers bring new events; live ones are simply opened again when needed.
-      if (opened_.size() >= 256) dropped.swap(opened_);
-      replaced = std::exchange(opened_[event.ipc_handle], opened);
-    }
-    // `replaced` and `dropped` are destroyed here, outside the lock (cudaEventDestroy).
-  }
+  FS_ASSIGN_OR_RETURN(std::shared_ptr<OpenedEvent> opened, Open(event, where));
+  // A completed event orders nothing, and a stream wait on an interprocess event is costly.
+  if (cudaEventQuery(opened->event) == cudaSuccess) return absl::OkStatus();
+  cudaGetLastError();
   FS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(AsStream(stream_), opened->event, 0),
                           absl::StrCat(where, ": cudaStreamWaitEvent(event ", event.id, ")"));
   return absl::OkStatus();
+}
+
+absl::Status DeviceContext::WaitOnHost(const IpcEventRef& event) {
+  const std::string where =
+      absl::StrCat("device ", gpu_.ordinal, " (", gpu_.uuid, "): WaitOnHost");
+  absl::Duration timeout;
+  {
+    absl::MutexLock lock(&mu_);
+    timeout = sync_timeout_;
+  }
+  ScopedCudaDevice scoped(gpu_.ordinal);
+  FS_RETURN_IF_ERROR(scoped.status());
+  FS_ASSIGN_OR_RETURN(std::shared_ptr<OpenedEvent> opened, Open(event, where));
+  absl::Status s = PollUntilDone(
+      [&]() -> absl::StatusOr<bool> {
+        const cudaError_t err = cudaEventQuery(opened->event);
+        if (err == cudaSuccess) return true;
+        if (err == cudaErrorNotReady) return false;
+        cudaGetLastError();
+        return CudaStatus(err, absl::StrCat(where, ": cudaEventQuery(event ", event.id, ")"));
+      },
+      timeout, absl::StrCat(where, ": the trainer's event ", event.id));
+  if (absl::IsDeadlineExceeded(s)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(s.message(), " (its stream may wait for work that never finishes)"));
+  }
+  return s;
 }
 
 absl::Status PinHostMemory(void* ptr, size_t bytes) {
@@ -263,6 +288,7 @@ absl::Status DeviceContext::Copy(void*, const void*, size_t) { return NoCuda("Co
 absl::Status DeviceContext::Synchronize() { return NoCuda("Synchronize"); }
 absl::StatusOr<IpcEventRef> DeviceContext::RecordReady() { return NoCuda("RecordReady"); }
 absl::Status DeviceContext::WaitFor(const IpcEventRef&) { return NoCuda("WaitFor"); }
+absl::Status DeviceContext::WaitOnHost(const IpcEventRef&) { return NoCuda("WaitOnHost"); }
 absl::Status PinHostMemory(void*, size_t) { return NoCuda("PinHostMemory"); }
 void UnpinHostMemory(void*) {}
 

@@ -43,8 +43,9 @@ const DaemonMetrics& GetDaemonMetrics();
 
 // One answered RPC: `code` as "OK", "NOT_FOUND", ... and its latency.
 void RecordRpc(absl::string_view method, absl::StatusCode code, absl::Duration latency);
-// One rank's completed collective op on `backend` ("inproc", "ucx"); `bytes` count only when
-// `code` is OK.
+// One rank's completed collective op on `backend` (the group's Communicator::backend_name():
+// "inproc", "ucx", "nccl", "inproc+staging", "ucx+staging"); `bytes` count only when `code`
+// is OK.
 void RecordCollective(absl::string_view kind, absl::StatusCode code, absl::string_view backend,
                       uint64_t bytes);
 // A group's collectives were aborted (its first sticky error).

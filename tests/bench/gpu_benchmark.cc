@@ -1,9 +1,13 @@
 // The GPU backend against its baselines, measured in one run on one GPU (issue "GPU backend"):
-//   1. unshard: Summon(writeback=false)+End of a one-unit model of --bytes (world size 1,
-//      flatshardd --gpus=0) against a device-to-device cudaMemcpy of the same bytes;
+//   1. unshard: Summon(writeback=false) of a one-unit model of --bytes (world size 1,
+//      flatshardd --gpus=0) until the bytes are ready on the trainer's stream
+//      (cudaStreamSynchronize), then End, against a device-to-device cudaMemcpy of the same
+//      bytes followed by cudaDeviceSynchronize (a D2D cudaMemcpy returns before the copy is
+//      done, so without the synchronize the baseline measures only the launch);
 //   2. first CUDA IPC open: cudaIpcOpenMemHandle of --ipc_bytes of device memory in another
 //      process (this binary again), per GiB;
-//   3. summon+end latency (p50, p99) of a small unit (--small_bytes), steady state.
+//   3. summon+end latency (p50, p99) of a small unit (--small_bytes), steady state, split into
+//      Summon (until ready) and End, against an empty Ping RPC to the same daemon.
 // Prints nccl-tests-like columns and the ratios. Exits 0 with a note where no GPU is usable.
 //   build/tests/bench/flatshard_gpu_benchmark [--bytes 1073741824] [--iters 20]
 
@@ -23,6 +27,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/gpu/cuda_util.h"
 #include "flatshard/client.h"
+#include "flatshard/v1/shard_service.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
 #include "tests/bench/bench_support.h"
 
 ABSL_FLAG(int64_t, bytes, int64_t{1} << 30, "bytes of the unshard benchmark's unit");
@@ -80,20 +86,59 @@ std::unique_ptr<Client> Join(const std::string& address, const std::string& grou
   return *std::move(c);
 }
 
-// Median seconds of `iters` Summon(writeback=false)+End of the whole model.
-double SummonSeconds(Client& c, int warmup, int iters, std::vector<double>* samples_us) {
+// Microseconds of each timed Summon(writeback=false)+End of the whole model: the whole
+// iteration, the Summon until its bytes are ready on the client's stream (the legacy default
+// stream: ClientOptions::cuda_stream is null), and the End.
+struct SummonSamples {
+  std::vector<double> total, summon, end;
+};
+SummonSamples TimeSummons(Client& c, int warmup, int iters) {
   SummonOptions o;
   o.writeback = false;
+  SummonSamples out;
   for (int i = 0; i < warmup + iters; ++i) {
     const Clock::time_point t0 = Clock::now();
     absl::StatusOr<std::unique_ptr<client::SummonedParams>> s = c.Summon("", "", o);
-    if (!s.ok() || !(*s)->End().ok()) {
-      std::fprintf(stderr, "summon: %s\n", s.ok() ? "End failed" : s.status().ToString().c_str());
+    if (!s.ok()) {
+      std::fprintf(stderr, "summon: %s\n", s.status().ToString().c_str());
       std::exit(1);
     }
-    if (i >= warmup) samples_us->push_back(MicrosSince(t0, Clock::now()));
+    CUDA_OR_DIE(cudaStreamSynchronize(nullptr));
+    const Clock::time_point t1 = Clock::now();
+    if (absl::Status e = (*s)->End(); !e.ok()) {
+      std::fprintf(stderr, "end: %s\n", e.ToString().c_str());
+      std::exit(1);
+    }
+    const Clock::time_point t2 = Clock::now();
+    if (i < warmup) continue;
+    out.total.push_back(MicrosSince(t0, t2));
+    out.summon.push_back(MicrosSince(t0, t1));
+    out.end.push_back(MicrosSince(t1, t2));
   }
-  return Median(*samples_us) / 1e6;
+  return out;
+}
+
+// Microseconds of each of `iters` empty Ping RPCs (after `warmup`), on a channel with the
+// client library's arguments.
+std::vector<double> TimePings(const std::string& address, int warmup, int iters) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  std::unique_ptr<v1::ShardService::Stub> stub = v1::ShardService::NewStub(
+      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+  std::vector<double> us;
+  for (int i = 0; i < warmup + iters; ++i) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::PingRequest req;
+    v1::PingResponse resp;
+    const Clock::time_point t0 = Clock::now();
+    if (grpc::Status st = stub->Ping(&ctx, req, &resp); !st.ok()) {
+      std::fprintf(stderr, "Ping: %s\n", st.error_message().c_str());
+      std::exit(1);
+    }
+    if (i >= warmup) us.push_back(MicrosSince(t0, Clock::now()));
+  }
+  return us;
 }
 
 int Run() {
@@ -115,6 +160,7 @@ int Run() {
   for (int i = 0; i < warmup + iters; ++i) {
     const Clock::time_point t0 = Clock::now();
     CUDA_OR_DIE(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+    CUDA_OR_DIE(cudaDeviceSynchronize());
     if (i >= warmup) copy_us.push_back(MicrosSince(t0, Clock::now()));
   }
   CUDA_OR_DIE(cudaFree(a));
@@ -132,15 +178,18 @@ int Run() {
     std::fprintf(stderr, "join/register failed; see %s\n", daemon.tag().c_str());
     return 1;
   }
-  std::vector<double> summon_us;
-  const double summon_s = SummonSeconds(*big, warmup, iters, &summon_us);
+  const SummonSamples big_us = TimeSummons(*big, warmup, iters);
+  const double summon_s = Median(big_us.summon) / 1e6, total_s = Median(big_us.total) / 1e6;
   const double copy_s = Median(copy_us) / 1e6;
-  std::printf("%-28s %14s %12s %10s\n", "# op", "size(B)", "time(us)", "algbw(GB/s)");
-  std::printf("%-28s %14lld %12.1f %10.2f\n", "cudaMemcpy D2D", static_cast<long long>(bytes),
+  std::printf("%-30s %14s %12s %10s\n", "# op (median)", "size(B)", "time(us)", "algbw(GB/s)");
+  std::printf("%-30s %14lld %12.1f %10.2f\n", "cudaMemcpy D2D + sync", static_cast<long long>(bytes),
               copy_s * 1e6, bytes / copy_s / 1e9);
-  std::printf("%-28s %14lld %12.1f %10.2f\n", "unshard (summon+end, w=1)",
+  std::printf("%-30s %14lld %12.1f %10.2f\n", "unshard (summon to ready, w=1)",
               static_cast<long long>(bytes), summon_s * 1e6, bytes / summon_s / 1e9);
-  std::printf("unshard / cudaMemcpy D2D = %.2f\n", summon_s / copy_s);
+  std::printf("%-30s %14lld %12.1f %10.2f\n", "unshard + end", static_cast<long long>(bytes),
+              total_s * 1e6, bytes / total_s / 1e9);
+  std::printf("unshard / cudaMemcpy D2D = %.2f (with end: %.2f)\n", summon_s / copy_s,
+              total_s / copy_s);
   big.reset();
 
   // 2. First CUDA IPC open, in another process.
@@ -171,12 +220,22 @@ int Run() {
   std::unique_ptr<Client> small =
       Join(daemon.address(), "small", absl::GetFlag(FLAGS_small_bytes) / 4);
   if (small == nullptr) return 1;
-  std::vector<double> small_us;
-  SummonSeconds(*small, warmup * 10, iters * 10, &small_us);
-  std::printf("small unit (%lld B) summon+end: p50 %.1f us, p99 %.1f us; IPC opens after warmup "
-              "stay at %lld\n",
-              static_cast<long long>(absl::GetFlag(FLAGS_small_bytes)), Percentile(small_us, 50),
-              Percentile(small_us, 99), static_cast<long long>(small->ipc_open_calls()));
+  const int64_t opens_before = small->ipc_open_calls();
+  const SummonSamples small_us = TimeSummons(*small, warmup * 10, iters * 10);
+  const int64_t opens_after = small->ipc_open_calls();
+  const std::vector<double> ping_us = TimePings(daemon.address(), warmup * 10, iters * 20);
+  const double ping50 = Percentile(ping_us, 50), ping99 = Percentile(ping_us, 99);
+  std::printf("empty Ping RPC: p50 %.1f us, p99 %.1f us\n", ping50, ping99);
+  std::printf("small unit (%lld B) summon+end: p50 %.1f us (%.2fx two Pings), p99 %.1f us "
+              "(%.2fx)\n",
+              static_cast<long long>(absl::GetFlag(FLAGS_small_bytes)),
+              Percentile(small_us.total, 50), Percentile(small_us.total, 50) / (2 * ping50),
+              Percentile(small_us.total, 99), Percentile(small_us.total, 99) / (2 * ping99));
+  std::printf("  summon to ready: p50 %.1f us, p99 %.1f us; end: p50 %.1f us, p99 %.1f us\n",
+              Percentile(small_us.summon, 50), Percentile(small_us.summon, 99),
+              Percentile(small_us.end, 50), Percentile(small_us.end, 99));
+  std::printf("IPC opens during the %d timed summons: %lld (steady state: 0)\n",
+              warmup * 10 + iters * 10, static_cast<long long>(opens_after - opens_before));
   return 0;
 }
 

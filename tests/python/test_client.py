@@ -4,6 +4,7 @@ zero-copy views, reduce-scatter, shard views, leave, counters."""
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -358,7 +359,7 @@ c.close()
 print("rank", rank, "ok")
 """)
     env = dict(os.environ)
-    procs = [subprocess.Popen(["/usr/bin/python3", str(script), str(r)], env=env,
+    procs = [subprocess.Popen([sys.executable, str(script), str(r)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
     for r, p in enumerate(procs):

@@ -1,5 +1,6 @@
 """flatshard.Client and the objects it hands out (see the package docstring)."""
 
+import contextlib
 import json
 import threading
 
@@ -259,11 +260,21 @@ class Client:
         if not isinstance(address, str):
             raise InvalidArgumentError(f"Client: address must be a str, got {type(address).__name__}")
         self._plans = {}
+        self._cuda_stream = int(getattr(cuda_stream, "cuda_stream", cuda_stream) or 0)
         self._c = _C.Client(address, float(call_timeout), float(join_timeout), int(max_attempts),
                             float(initial_backoff), float(max_backoff), tls_ca_file,
-                            tls_cert_file, tls_key_file,
-                            int(getattr(cuda_stream, "cuda_stream", cuda_stream) or 0),
+                            tls_cert_file, tls_key_file, self._cuda_stream,
                             bool(_simulated_gpus))
+
+    def _on_cuda_stream(self, tensor):
+        """A context in which torch work on `tensor` runs on this client's cuda_stream (a
+        no-op for CPU tensors): copies the package makes into device views are then ordered
+        like the trainer's own work, before the event the next call sends to the daemon."""
+        if not tensor.is_cuda:
+            return contextlib.nullcontext()
+        if self._cuda_stream == 0:
+            return torch.cuda.stream(torch.cuda.default_stream(tensor.device))
+        return torch.cuda.stream(torch.cuda.ExternalStream(self._cuda_stream, device=tensor.device))
 
     # --- session -----------------------------------------------------------------------------
 
@@ -350,9 +361,12 @@ class Client:
                 f"{flat_grad.dtype}, the unit is {u['dtype']}")
         p = self.begin_reduce_scatter(module, unit, op, accumulate)
         n = flat_grad.numel()
-        p.flat[:n].copy_(flat_grad)
-        if n < p.numel:
-            p.flat[n:].zero_()
+        # On the client's stream: `flat_grad` was produced there (or ordered before it), and
+        # finish() sends the event recorded there, which the daemon waits for.
+        with self._on_cuda_stream(p.flat):
+            p.flat[:n].copy_(flat_grad)
+            if n < p.numel:
+                p.flat[n:].zero_()
         p.finish()
 
     def shard_views(self, module):

@@ -3,20 +3,17 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <map>
 #include <optional>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/collective/deadline_timer.h"
+#include "server/collective/local_rendezvous.h"
 #include "server/collective/op_descriptor.h"
 #include "server/collective/reduce.h"
 #include "server/collective/worker_pool.h"
@@ -83,246 +80,63 @@ absl::Status CheckOverlaps(std::vector<Range> writes, const std::vector<Range>& 
   return absl::OkStatus();
 }
 
-// One rank's call that arrived at a slot.
-struct Arrival {
-  OpCall call;
-  absl::Time arrived_at;
-  absl::Time deadline;
-  DoneCallback done;
-  DeadlineTimer::TimerId timer = DeadlineTimer::kNoTimer;
-};
-
-// All calls for one op_seq.
-struct Slot {
-  OpDescriptor desc;
-  int first_rank = 0;
-  std::string name;
-  absl::Time first_arrival;
-  std::vector<std::optional<Arrival>> arrivals;  // by rank; moved out when running
-  std::vector<bool> present;                     // by rank
-  int arrived = 0;
-  bool running = false;
-};
-
-// A callback to run once the lock is released.
-struct Completion {
-  DoneCallback done;
-  DeadlineTimer::TimerId timer = DeadlineTimer::kNoTimer;
-};
-
 // ---------------------------------------------------------------------------------------------
 
-// Shared with deadline timer callbacks (which hold weak references), so a communicator can be
-// destroyed while timers are still scheduled.
-class InprocCore : public std::enable_shared_from_this<InprocCore> {
+// The rendezvous (local_rendezvous.h) matches the ranks' calls and owns the error contract;
+// the core moves the data of each op whose ranks all arrived, on the last arrival's thread.
+class InprocCore {
  public:
-  InprocCore(GroupSpec spec, std::shared_ptr<DeadlineTimer> timer, std::shared_ptr<WorkerPool> pool,
-             InprocBackendOptions options)
-      : spec_(std::move(spec)),
-        timer_(std::move(timer)),
+  InprocCore(const GroupSpec& spec, std::shared_ptr<DeadlineTimer> timer,
+             std::shared_ptr<WorkerPool> pool, InprocBackendOptions options)
+      : spec_(spec),
         pool_(std::move(pool)),
-        options_(options) {}
+        options_(options),
+        rendezvous_(std::make_shared<LocalRendezvous>(spec, RendezvousOptionsFor(spec, timer))) {}
 
-  void Arrive(int rank, OpCall call, const OpOptions& o, DoneCallback done);
+  void Arrive(OpCall call, const OpOptions& o, DoneCallback done);
   // `quiet`: the communicator is being destroyed, which is not worth a warning by itself.
-  void Abort(absl::Status reason, bool quiet = false);
-  absl::Status status() const {
-    absl::MutexLock lock(&mu_);
-    return sticky_;
+  void Abort(absl::Status reason, bool quiet = false) {
+    rendezvous_->Fail(std::move(reason), quiet).IgnoreError();  // status() tells the outcome
   }
-  std::vector<PendingOpInfo> PendingOps() const;
+  absl::Status status() const { return rendezvous_->status(); }
+  std::vector<PendingOpInfo> PendingOps() const { return rendezvous_->PendingOps(); }
 
  private:
-  // Records the first error and moves every waiting (not running) arrival into `out`.
-  void SetStickyLocked(absl::Status status, std::vector<Completion>* out, bool quiet = false)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void OnDeadline(uint64_t op_seq, int rank);
-  // Runs callbacks outside the lock, all with `status`.
-  void Fail(std::vector<Completion> completions, const absl::Status& status);
-  // Moves the data of a slot whose ranks all arrived. Runs without the lock.
+  static LocalRendezvousOptions RendezvousOptionsFor(const GroupSpec& spec,
+                                                     std::shared_ptr<DeadlineTimer> timer) {
+    LocalRendezvousOptions o;
+    o.log_name = absl::StrCat("group=", spec.group_id, " inproc communicator");
+    o.host_only = true;
+    o.timer = std::move(timer);
+    return o;  // the last rank to arrive moves the data (hand_over_on_arrival)
+  }
+
+  // Moves the data of an op whose ranks all arrived. Runs without a lock.
   absl::Status Execute(uint64_t op_seq, const OpDescriptor& desc,
-                       const std::vector<std::optional<Arrival>>& arrivals);
+                       const std::vector<RendezvousCall>& calls);
   absl::Status ExecuteCopies(uint64_t op_seq, const OpDescriptor& desc,
                              std::vector<CopyTask> tasks);
   absl::Status ExecuteReduce(uint64_t op_seq, const OpDescriptor& desc,
-                             const std::vector<std::optional<Arrival>>& arrivals);
+                             const std::vector<RendezvousCall>& calls);
 
   const GroupSpec spec_;
-  const std::shared_ptr<DeadlineTimer> timer_;
   const std::shared_ptr<WorkerPool> pool_;
   const InprocBackendOptions options_;
-
-  mutable absl::Mutex mu_;
-  absl::Status sticky_ ABSL_GUARDED_BY(mu_);
-  std::map<uint64_t, Slot> slots_ ABSL_GUARDED_BY(mu_);
-  // By rank, from its first op: nothing per rank up front (a world_size nobody joins is free).
-  absl::flat_hash_map<int, uint64_t> last_seq_ ABSL_GUARDED_BY(mu_);
+  const std::shared_ptr<LocalRendezvous> rendezvous_;
 };
 
-void InprocCore::Fail(std::vector<Completion> completions, const absl::Status& status) {
-  for (Completion& c : completions) {
-    timer_->Cancel(c.timer);
-    std::move(c.done)(status);
-  }
-}
-
-void InprocCore::SetStickyLocked(absl::Status status, std::vector<Completion>* out, bool quiet) {
-  if (!sticky_.ok()) return;  // the first error wins; nothing is waiting any more
-  sticky_ = std::move(status);
-  const size_t before = out->size();
-  for (auto it = slots_.begin(); it != slots_.end();) {
-    if (it->second.running) {
-      ++it;
-      continue;
-    }
-    for (std::optional<Arrival>& a : it->second.arrivals) {
-      if (a) out->push_back(Completion{std::move(a->done), a->timer});
-    }
-    it = slots_.erase(it);
-  }
-  const size_t failed = out->size() - before;
-  if (!quiet || failed > 0) {
-    FS_LOG(WARNING) << "group=" << spec_.group_id << " inproc communicator failed (" << failed
-                    << " waiting calls fail with it): " << sticky_;
-  }
-}
-
-void InprocCore::Arrive(int rank, OpCall call, const OpOptions& o, DoneCallback done) {
-  if (absl::Status s = CheckRank(rank, spec_); !s.ok()) {
-    std::move(done)(s);  // not a member: nobody waits for this call, so not sticky
-    return;
-  }
-  const uint64_t op_seq = o.op_seq;
-  if (absl::Status s = ValidateCall(call, rank, spec_.world_size, op_seq, /*host_only=*/true);
-      !s.ok()) {
-    Abort(s);
-    std::move(done)(status());
-    return;
-  }
-  FS_VLOG(2) << "group=" << spec_.group_id << " rank=" << rank << " op_seq=" << op_seq << " "
-             << FormatOp(call.desc) << " arrived";
-
-  std::vector<Completion> failed;
-  absl::Status fail_status;
-  std::vector<std::optional<Arrival>> ready;  // set when this call completes the slot
-  std::vector<DeadlineTimer::TimerId> timers_to_cancel;
-  OpDescriptor desc = call.desc;
-  bool done_taken = false;  // a moved-from AnyInvocable is not guaranteed to be empty
-  {
-    absl::MutexLock lock(&mu_);
-    if (sticky_.ok() && last_seq_.contains(rank) && op_seq <= last_seq_[rank]) {
-      SetStickyLocked(OpSeqOrderError(rank, op_seq, call.desc, last_seq_[rank]), &failed);
-    }
-    if (sticky_.ok()) {
-      last_seq_[rank] = op_seq;
-      Slot& slot = slots_[op_seq];
-      if (slot.arrived == 0) {
-        slot.desc = call.desc;
-        slot.first_rank = rank;
-        slot.name = o.name;
-        slot.first_arrival = absl::Now();
-        slot.arrivals.resize(spec_.world_size);
-        slot.present.assign(spec_.world_size, false);
-      }
-      if (call.desc != slot.desc) {
-        SetStickyLocked(MismatchError(op_seq, slot.first_rank, slot.desc, rank, call.desc),
-                        &failed);
-      } else {
-        Arrival& a = slot.arrivals[rank].emplace();
-        a.call = call;
-        a.arrived_at = absl::Now();
-        a.deadline = o.deadline;
-        a.done = std::move(done);
-        done_taken = true;
-        slot.present[rank] = true;
-        if (++slot.arrived == spec_.world_size) {
-          slot.running = true;
-          ready = std::move(slot.arrivals);
-          slot.arrivals.clear();
-          for (std::optional<Arrival>& r : ready) timers_to_cancel.push_back(r->timer);
-        } else if (o.deadline != absl::InfiniteFuture()) {
-          // The timer's lock is a leaf, so scheduling under ours is safe.
-          a.timer = timer_->Schedule(o.deadline, [weak = weak_from_this(), op_seq, rank] {
-            if (auto core = weak.lock()) core->OnDeadline(op_seq, rank);
-          });
-        }
-      }
-    }
-    if (!sticky_.ok()) fail_status = sticky_;
-  }
-  if (!fail_status.ok()) {
-    if (!done_taken) std::move(done)(fail_status);
-    Fail(std::move(failed), fail_status);
-    return;
-  }
-  if (ready.empty()) return;
-
-  for (DeadlineTimer::TimerId t : timers_to_cancel) timer_->Cancel(t);
-  absl::Status result = Execute(op_seq, desc, ready);
-  {
-    absl::MutexLock lock(&mu_);
-    slots_.erase(op_seq);
-    if (!result.ok()) {
-      SetStickyLocked(result, &failed);
-      result = sticky_;
-    }
-  }
-  FS_VLOG(2) << "group=" << spec_.group_id << " op_seq=" << op_seq << " " << FormatOp(desc)
+void InprocCore::Arrive(OpCall call, const OpOptions& o, DoneCallback done) {
+  std::optional<RendezvousOp> op = rendezvous_->Arrive(std::move(call), o, std::move(done));
+  if (!op) return;  // waiting for other ranks, or failed
+  // Every rank arrived: all calls are local and in op->calls, indexed by rank.
+  absl::Status result = rendezvous_->Finish(op->op_seq, Execute(op->op_seq, op->desc, op->calls));
+  FS_VLOG(2) << "group=" << spec_.group_id << " op_seq=" << op->op_seq << " " << FormatOp(op->desc)
              << " done: " << result;
-  for (std::optional<Arrival>& a : ready) std::move(a->done)(result);
-  Fail(std::move(failed), result);
-}
-
-void InprocCore::OnDeadline(uint64_t op_seq, int rank) {
-  std::vector<Completion> failed;
-  absl::Status status;
-  {
-    absl::MutexLock lock(&mu_);
-    if (!sticky_.ok()) return;
-    auto it = slots_.find(op_seq);
-    if (it == slots_.end() || it->second.running || !it->second.arrivals[rank]) return;
-    const Slot& slot = it->second;
-    const Arrival& a = *slot.arrivals[rank];
-    std::vector<int> missing;
-    for (int r = 0; r < spec_.world_size; ++r) {
-      if (!slot.present[r]) missing.push_back(r);
-    }
-    SetStickyLocked(MissingRanksError(op_seq, slot.desc, missing, a.deadline - a.arrived_at),
-                    &failed);
-    status = sticky_;
-  }
-  Fail(std::move(failed), status);
-}
-
-void InprocCore::Abort(absl::Status reason, bool quiet) {
-  if (reason.ok()) reason = absl::AbortedError("aborted");
-  std::vector<Completion> failed;
-  absl::Status status;
-  {
-    absl::MutexLock lock(&mu_);
-    SetStickyLocked(std::move(reason), &failed, quiet);
-    status = sticky_;
-  }
-  Fail(std::move(failed), status);
-}
-
-std::vector<PendingOpInfo> InprocCore::PendingOps() const {
-  std::vector<PendingOpInfo> out;
-  const absl::Time now = absl::Now();
-  absl::MutexLock lock(&mu_);
-  for (const auto& [op_seq, slot] : slots_) {
-    PendingOpInfo& p = out.emplace_back(PendingOpOf(op_seq, slot.desc, slot.name));
-    p.age = now - slot.first_arrival;
-    p.running = slot.running;
-    for (int r = 0; r < spec_.world_size; ++r) {
-      (slot.present[r] ? p.arrived_ranks : p.missing_ranks).push_back(r);
-    }
-  }
-  return out;
+  for (RendezvousCall& c : op->calls) std::move(c.done)(result);
 }
 
 absl::Status InprocCore::Execute(uint64_t op_seq, const OpDescriptor& desc,
-                                 const std::vector<std::optional<Arrival>>& arrivals) {
+                                 const std::vector<RendezvousCall>& arrivals) {
   const int world = spec_.world_size;
   const size_t s = desc.bytes;
   std::vector<CopyTask> tasks;
@@ -332,29 +146,29 @@ absl::Status InprocCore::Execute(uint64_t op_seq, const OpDescriptor& desc,
     case CollectiveKind::kAllGather: {
       // Each shard is copied once into each distinct output buffer.
       std::vector<uint8_t*> outs;
-      for (const std::optional<Arrival>& a : arrivals) {
-        uint8_t* d = a->call.out.begin();
+      for (const RendezvousCall& a : arrivals) {
+        uint8_t* d = a.call.out.begin();
         if (std::find(outs.begin(), outs.end(), d) == outs.end()) outs.push_back(d);
       }
       for (uint8_t* d : outs) {
         for (int k = 0; k < world; ++k) {
-          tasks.push_back(CopyTask{d + k * s, arrivals[k]->call.in.begin(), s});
+          tasks.push_back(CopyTask{d + k * s, arrivals[k].call.in.begin(), s});
         }
       }
       break;
     }
     case CollectiveKind::kGather: {
-      uint8_t* d = arrivals[desc.root]->call.out.begin();
+      uint8_t* d = arrivals[desc.root].call.out.begin();
       for (int k = 0; k < world; ++k) {
-        tasks.push_back(CopyTask{d + k * s, arrivals[k]->call.in.begin(), s});
+        tasks.push_back(CopyTask{d + k * s, arrivals[k].call.in.begin(), s});
       }
       break;
     }
     case CollectiveKind::kBroadcast: {
-      const uint8_t* src = arrivals[desc.root]->call.in.begin();
+      const uint8_t* src = arrivals[desc.root].call.in.begin();
       std::vector<uint8_t*> outs;
-      for (const std::optional<Arrival>& a : arrivals) {
-        uint8_t* d = a->call.out.begin();
+      for (const RendezvousCall& a : arrivals) {
+        uint8_t* d = a.call.out.begin();
         if (std::find(outs.begin(), outs.end(), d) == outs.end()) outs.push_back(d);
       }
       for (uint8_t* d : outs) tasks.push_back(CopyTask{d, src, s});
@@ -397,7 +211,7 @@ absl::Status InprocCore::ExecuteCopies(uint64_t op_seq, const OpDescriptor& desc
 }
 
 absl::Status InprocCore::ExecuteReduce(uint64_t op_seq, const OpDescriptor& desc,
-                                       const std::vector<std::optional<Arrival>>& arrivals) {
+                                       const std::vector<RendezvousCall>& arrivals) {
   const int world = spec_.world_size;
   const size_t s = desc.bytes;
   if (s == 0) return absl::OkStatus();
@@ -406,11 +220,11 @@ absl::Status InprocCore::ExecuteReduce(uint64_t op_seq, const OpDescriptor& desc
   std::vector<Range> writes, reads;
   for (int r = 0; r < world; ++r) {
     ReduceTask t;
-    t.dst = arrivals[r]->call.out.begin();
+    t.dst = arrivals[r].call.out.begin();
     t.count = s / item;
     writes.push_back(MakeRange(t.dst, s, r));
     for (int k = 0; k < world; ++k) {
-      const uint8_t* src = arrivals[k]->call.in.begin() + r * s;
+      const uint8_t* src = arrivals[k].call.in.begin() + r * s;
       t.srcs.push_back(src);
       reads.push_back(MakeRange(src, s, r));
     }
@@ -460,22 +274,23 @@ class InprocCommunicator final : public Communicator {
 
   void AllGather(ConstBuffer in, MutableBuffer out, const OpOptions& o,
                  DoneCallback done) override {
-    core_->Arrive(o.rank, AllGatherCall(in, out, o.unit), o, std::move(done));
+    core_->Arrive(AllGatherCall(in, out, o.unit), o, std::move(done));
   }
   void ReduceScatter(ConstBuffer in, MutableBuffer out, ReduceOp op, const OpOptions& o,
                      DoneCallback done) override {
-    core_->Arrive(o.rank, ReduceScatterCall(in, out, op, o.unit), o, std::move(done));
+    core_->Arrive(ReduceScatterCall(in, out, op, o.unit), o, std::move(done));
   }
   void Broadcast(MutableBuffer buf, int root, const OpOptions& o, DoneCallback done) override {
-    core_->Arrive(o.rank, BroadcastCall(buf, root, o.unit), o, std::move(done));
+    core_->Arrive(BroadcastCall(buf, root, o.unit), o, std::move(done));
   }
   void Gather(ConstBuffer in, MutableBuffer out, int root, const OpOptions& o,
               DoneCallback done) override {
-    core_->Arrive(o.rank, GatherCall(in, out, root, o.unit), o, std::move(done));
+    core_->Arrive(GatherCall(in, out, root, o.unit), o, std::move(done));
   }
   void Abort(absl::Status reason) override { core_->Abort(std::move(reason)); }
   absl::Status status() const override { return core_->status(); }
   std::vector<PendingOpInfo> PendingOps() const override { return core_->PendingOps(); }
+  absl::string_view backend_name() const override { return "inproc"; }
 
  private:
   std::shared_ptr<InprocCore> core_;

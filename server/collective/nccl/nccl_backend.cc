@@ -4,6 +4,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -19,6 +20,8 @@
 #include "common/gpu/cuda_util.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/collective/deadline_timer.h"
+#include "server/collective/local_rendezvous.h"
 #include "server/collective/op_descriptor.h"
 
 namespace flatshard::collective {
@@ -87,36 +90,6 @@ absl::Status CheckCudaKinds(const OpCall& call, int rank, uint64_t op_seq) {
   return absl::OkStatus();
 }
 
-// One rank's call waiting for, or taking part in, its op.
-struct Arrival {
-  int rank = 0;
-  OpCall call;
-  DoneCallback done;
-  absl::Time arrived_at;
-  absl::Time deadline;
-};
-
-// Every local rank's call at one op_seq.
-struct Slot {
-  OpDescriptor desc;  // the first arrival's
-  int first_rank = 0;
-  std::string name;
-  absl::Time first_arrival;
-  std::vector<std::optional<Arrival>> arrivals;  // by local index
-  int arrived = 0;
-  bool running = false;  // taken by the group's thread
-};
-
-// An op the group's thread runs: every local rank's call, by local index.
-struct Batch {
-  uint64_t op_seq = 0;
-  OpDescriptor desc;
-  std::string name;
-  std::vector<Arrival> arrivals;
-  absl::Time deadline = absl::InfiniteFuture();  // the earliest of the arrivals'
-  absl::Duration budget;                         // that arrival's deadline - its arrival
-};
-
 // What one local rank owns on its GPU. Thread-only state of NcclCore.
 struct Device {
   int rank = 0;
@@ -139,73 +112,92 @@ absl::Status NotCompleted(uint64_t op_seq, const OpDescriptor& desc, absl::strin
 }
 
 // The state of one group. Shared by the Communicator and the group's thread, so that the
-// Communicator may be destroyed from a callback running on that thread.
+// Communicator may be destroyed from a callback running on that thread. The local ranks' calls
+// meet in a LocalRendezvous (local_rendezvous.h), which owns the sticky status, deadlines of
+// waiting calls and the pending listing; the thread takes complete ops from it in op_seq order.
 class NcclCore {
  public:
-  NcclCore(GroupSpec spec, std::string unique_id, NcclBackendOptions options)
+  NcclCore(GroupSpec spec, std::string unique_id, NcclBackendOptions options,
+           std::shared_ptr<DeadlineTimer> timer)
       : spec_(std::move(spec)),
         unique_id_(std::move(unique_id)),
         options_(options),
         comm_name_(absl::StrCat("flatshard:", spec_.group_id, " epoch ", spec_.epoch)),
         init_deadline_(absl::Now() + options.init_timeout),
-        last_seq_(spec_.local_ranks.size()) {}
+        init_done_(std::make_shared<std::atomic<bool>>(false)),
+        rendezvous_(std::make_shared<LocalRendezvous>(
+            spec_, RendezvousOptionsFor(spec_, options, init_done_, std::move(timer)))) {}
 
   static void Start(const std::shared_ptr<NcclCore>& core) {
     core->thread_ = std::thread([self = core] { self->Run(); });
   }
 
-  void Arrive(OpCall call, const OpOptions& o, DoneCallback done);
-  void Abort(absl::Status reason);
+  void Arrive(OpCall call, const OpOptions& o, DoneCallback done) {
+    // Never hands an op over (the thread takes them); `done` runs later or has failed.
+    rendezvous_->Arrive(std::move(call), o, std::move(done));
+  }
+  // The group's thread sees the sticky error, aborts the NCCL communicators and fails the
+  // running op; waiting ops fail here.
+  void Abort(absl::Status reason) { rendezvous_->Fail(std::move(reason)).IgnoreError(); }
   // Fails pending ops, stops the thread (joins it unless called from it).
   void Shutdown();
-  absl::Status status() const {
-    absl::MutexLock lock(&mu_);
-    return sticky_;
-  }
-  std::vector<PendingOpInfo> PendingOps() const;
+  absl::Status status() const { return rendezvous_->status(); }
+  std::vector<PendingOpInfo> PendingOps() const { return rendezvous_->PendingOps(); }
 
  private:
-  int LocalIndex(int rank) const {
-    for (size_t i = 0; i < spec_.local_ranks.size(); ++i) {
-      if (spec_.local_ranks[i] == rank) return static_cast<int>(i);
-    }
-    return -1;
+  static LocalRendezvousOptions RendezvousOptionsFor(const GroupSpec& spec,
+                                                     const NcclBackendOptions& options,
+                                                     std::shared_ptr<std::atomic<bool>> init_done,
+                                                     std::shared_ptr<DeadlineTimer> timer) {
+    LocalRendezvousOptions o;
+    o.log_name = absl::StrCat("group=", spec.group_id, " epoch=", spec.epoch, " NCCL communicator");
+    o.host_only = false;
+    // Host buffers are refused when the op arrives, so a wrong kind never reaches NCCL.
+    o.check_call = [](const OpCall& call, int rank, uint64_t op_seq) {
+      return CheckCudaKinds(call, rank, op_seq);
+    };
+    // With fingerprints on, the exchange reports a mismatch identically on every daemon;
+    // without, at least the local ranks are compared.
+    o.compare_descriptors = !options.fingerprint;
+    o.hand_over_on_arrival = false;
+    // Every local rank arrived but an earlier op still runs. Holds the flag, not the core: the
+    // timer may run this after the core is gone.
+    o.overdue = [init_done = std::move(init_done)](uint64_t op_seq, const OpDescriptor& desc,
+                                                   const std::string& name, absl::Duration budget) {
+      return NotCompleted(op_seq, desc, name, budget, init_done->load());
+    };
+    o.timer = std::move(timer);
+    return o;
   }
-  int local_count() const { return static_cast<int>(spec_.local_ranks.size()); }
+
   std::string GroupName() const { return absl::StrCat(spec_.group_id, " epoch ", spec_.epoch); }
 
-  // Records the first error and moves the callbacks of every op not yet running into `out`.
-  void SetStickyLocked(absl::Status status, std::vector<DoneCallback>* out, bool quiet = false)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Why the thread must stop waiting: the sticky error, destruction, or a deadline that
-  // passed (of `running`, of a queued op, of init). OK otherwise.
-  absl::Status InterruptionLocked(absl::Time now, const Batch* running) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Time NextDeadlineLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool ReadyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return !slots_.empty() && !slots_.begin()->second.running &&
-           slots_.begin()->second.arrived == local_count();
-  }
+  // passed (of `running`, of init). OK otherwise. Deadlines of waiting ops are the
+  // rendezvous' (they become the sticky error).
+  absl::Status Interruption(absl::Time now, const RendezvousOp* running) const;
 
   // --- the group's thread only ---
   void Run();
   absl::Status InitDevices();
   absl::Status InitComms();
   // Calls `progress` until it reports true or an error; between calls sleeps poll_interval and
-  // stops at InterruptionLocked's reason.
-  absl::Status Poll(absl::FunctionRef<absl::StatusOr<bool>()> progress, const Batch* running);
+  // stops at Interruption's reason.
+  absl::Status Poll(absl::FunctionRef<absl::StatusOr<bool>()> progress,
+                    const RendezvousOp* running);
   // False while any communicator still reports ncclInProgress; an async error as a status.
   absl::StatusOr<bool> CommsSettled(absl::string_view what);
   // Waits until NCCL has enqueued the group's calls, runs `after_enqueue` (more stream work),
   // records an event per stream and waits for all of them.
-  absl::Status Await(const Batch& b, absl::string_view what,
+  absl::Status Await(const RendezvousOp& b, absl::string_view what,
                      absl::FunctionRef<absl::Status()> after_enqueue);
-  absl::Status Execute(const Batch& b);
-  absl::Status CheckBuffers(const Batch& b);
-  absl::Status ExchangeFingerprints(const Batch& b);
-  absl::Status LaunchData(const Batch& b);
-  // Makes `status` sticky, aborts the NCCL communicators and fails every op with it.
-  void Fail(absl::Status status, std::vector<Arrival>* running);
+  absl::Status Execute(const RendezvousOp& b);
+  absl::Status CheckBuffers(const RendezvousOp& b);
+  absl::Status ExchangeFingerprints(const RendezvousOp& b);
+  absl::Status LaunchData(const RendezvousOp& b);
+  // Makes `status` sticky, aborts the NCCL communicators and fails every op with it; `running`
+  // (may be empty) holds the calls of the op the thread was running.
+  void Fail(absl::Status status, std::vector<RendezvousCall>* running);
   void AbortComms();
   // ncclCommFinalize + ncclCommDestroy; aborts instead on error or after finalize_timeout.
   void FinalizeComms();
@@ -217,122 +209,17 @@ class NcclCore {
   // ncclConfig_t::commName; kept for the communicators' lifetime since init runs on.
   const std::string comm_name_;
   const absl::Time init_deadline_;
+  // Set by the thread once every local NCCL communicator is initialised.
+  const std::shared_ptr<std::atomic<bool>> init_done_;
+  const std::shared_ptr<LocalRendezvous> rendezvous_;
   std::thread thread_;
   std::vector<Device> devices_;  // by local index; the thread's
-
-  mutable absl::Mutex mu_;
-  absl::Status sticky_ ABSL_GUARDED_BY(mu_);
-  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
-  bool init_done_ ABSL_GUARDED_BY(mu_) = false;
-  std::map<uint64_t, Slot> slots_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::optional<uint64_t>> last_seq_ ABSL_GUARDED_BY(mu_);  // by local index
 };
 
-void NcclCore::SetStickyLocked(absl::Status status, std::vector<DoneCallback>* out, bool quiet) {
-  if (!sticky_.ok()) return;  // the first error wins
-  sticky_ = std::move(status);
-  const size_t before = out->size();
-  for (auto it = slots_.begin(); it != slots_.end();) {
-    if (it->second.running) {
-      ++it;
-      continue;
-    }
-    for (std::optional<Arrival>& a : it->second.arrivals) {
-      if (a) out->push_back(std::move(a->done));
-    }
-    it = slots_.erase(it);
-  }
-  const size_t failed = out->size() - before;
-  if (!quiet || failed > 0) {
-    FS_LOG(WARNING) << "group=" << spec_.group_id << " epoch=" << spec_.epoch
-                    << " NCCL communicator failed (" << failed
-                    << " waiting calls fail with it): " << sticky_;
-  }
-}
-
-void NcclCore::Arrive(OpCall call, const OpOptions& o, DoneCallback done) {
-  const int rank = o.rank;
-  if (absl::Status s = CheckRank(rank, spec_); !s.ok()) {
-    std::move(done)(s);  // not a member: nobody waits for this call, so not sticky
-    return;
-  }
-  const int index = LocalIndex(rank);
-  const uint64_t op_seq = o.op_seq;
-  absl::Status bad = ValidateCall(call, rank, spec_.world_size, op_seq, /*host_only=*/false);
-  if (bad.ok()) bad = CheckCudaKinds(call, rank, op_seq);
-  FS_VLOG(2) << "group=" << spec_.group_id << " rank=" << rank << " op_seq=" << op_seq << " "
-             << FormatOp(call.desc) << " arrived";
-
-  std::vector<DoneCallback> failed;
-  absl::Status fail;
-  bool taken = false;
-  {
-    absl::MutexLock lock(&mu_);
-    if (sticky_.ok() && !bad.ok()) SetStickyLocked(bad, &failed);
-    if (sticky_.ok() && last_seq_[index] && op_seq <= *last_seq_[index]) {
-      SetStickyLocked(OpSeqOrderError(rank, op_seq, call.desc, *last_seq_[index]), &failed);
-    }
-    if (sticky_.ok()) {
-      last_seq_[index] = op_seq;
-      Slot& slot = slots_[op_seq];
-      if (slot.arrived == 0) {
-        slot.desc = call.desc;
-        slot.first_rank = rank;
-        slot.name = o.name;
-        slot.first_arrival = absl::Now();
-        slot.arrivals.resize(local_count());
-      }
-      // With fingerprints on, the exchange reports a mismatch identically on every daemon;
-      // without, at least the local ranks are compared.
-      if (!options_.fingerprint && call.desc != slot.desc) {
-        const OpDescriptor first = slot.desc;
-        const int first_rank = slot.first_rank;
-        SetStickyLocked(MismatchError(op_seq, first_rank, first, rank, call.desc), &failed);
-      } else {
-        Arrival& a = slot.arrivals[index].emplace();
-        a.rank = rank;
-        a.call = call;
-        a.done = std::move(done);
-        a.arrived_at = absl::Now();
-        a.deadline = o.deadline;
-        taken = true;
-        ++slot.arrived;
-      }
-    }
-    if (!sticky_.ok()) fail = sticky_;
-  }
-  if (fail.ok()) return;
-  if (!taken) std::move(done)(fail);
-  for (DoneCallback& cb : failed) std::move(cb)(fail);
-}
-
-void NcclCore::Abort(absl::Status reason) {
-  if (reason.ok()) reason = absl::AbortedError("aborted");
-  std::vector<DoneCallback> failed;
-  absl::Status status;
-  {
-    absl::MutexLock lock(&mu_);
-    SetStickyLocked(std::move(reason), &failed);
-    status = sticky_;
-  }
-  // The group's thread sees the sticky error, aborts the NCCL communicators and fails the
-  // running op.
-  for (DoneCallback& cb : failed) std::move(cb)(status);
-}
-
 void NcclCore::Shutdown() {
-  std::vector<DoneCallback> failed;
-  absl::Status status;
-  {
-    absl::MutexLock lock(&mu_);
-    shutdown_ = true;
-    // Pending ops, or an init still running, make this an abort rather than a finalize.
-    if (!slots_.empty() || !init_done_) {
-      SetStickyLocked(absl::AbortedError("NCCL communicator destroyed"), &failed, /*quiet=*/true);
-    }
-    status = sticky_;
-  }
-  for (DoneCallback& cb : failed) std::move(cb)(status);
+  // Pending ops, or an init still running, make this an abort rather than a finalize.
+  rendezvous_->Close(absl::AbortedError("NCCL communicator destroyed"),
+                     /*fail=*/!init_done_->load());
   if (std::this_thread::get_id() == thread_.get_id()) {
     thread_.detach();  // destroyed from its own callback: Run() ends after it returns
   } else if (thread_.joinable()) {
@@ -340,45 +227,14 @@ void NcclCore::Shutdown() {
   }
 }
 
-std::vector<PendingOpInfo> NcclCore::PendingOps() const {
-  std::vector<PendingOpInfo> out;
-  const absl::Time now = absl::Now();
-  absl::MutexLock lock(&mu_);
-  for (const auto& [op_seq, slot] : slots_) {
-    PendingOpInfo& p = out.emplace_back(PendingOpOf(op_seq, slot.desc, slot.name));
-    p.age = now - slot.first_arrival;
-    p.running = slot.running;
-    for (int i = 0; i < local_count(); ++i) {
-      const bool present = slot.running || slot.arrivals[i].has_value();
-      (present ? p.arrived_ranks : p.missing_ranks).push_back(spec_.local_ranks[i]);
-    }
-  }
-  return out;
-}
-
-absl::Status NcclCore::InterruptionLocked(absl::Time now, const Batch* running) const {
-  if (!sticky_.ok()) return sticky_;
-  if (shutdown_) return absl::AbortedError("NCCL communicator destroyed");
+absl::Status NcclCore::Interruption(absl::Time now, const RendezvousOp* running) const {
+  FS_RETURN_IF_ERROR(rendezvous_->status());
+  if (rendezvous_->closed()) return absl::AbortedError("NCCL communicator destroyed");
   if (running != nullptr && now >= running->deadline) {
     return NotCompleted(running->op_seq, running->desc, running->name, running->budget,
-                        init_done_);
+                        init_done_->load());
   }
-  for (const auto& [op_seq, slot] : slots_) {
-    if (slot.running) continue;
-    for (const std::optional<Arrival>& a : slot.arrivals) {
-      if (!a || now < a->deadline) continue;
-      if (slot.arrived == local_count()) {
-        return NotCompleted(op_seq, slot.desc, slot.name, a->deadline - a->arrived_at,
-                            init_done_);
-      }
-      std::vector<int> missing;
-      for (int i = 0; i < local_count(); ++i) {
-        if (!slot.arrivals[i]) missing.push_back(spec_.local_ranks[i]);
-      }
-      return MissingRanksError(op_seq, slot.desc, missing, a->deadline - a->arrived_at);
-    }
-  }
-  if (!init_done_ && now >= init_deadline_) {
+  if (!init_done_->load() && now >= init_deadline_) {
     return absl::DeadlineExceededError(absl::StrCat(
         "NCCL init of group ", GroupName(), " (", FormatRanks(spec_.local_ranks),
         " of world_size ", spec_.world_size, " here) did not complete within ",
@@ -387,76 +243,43 @@ absl::Status NcclCore::InterruptionLocked(absl::Time now, const Batch* running) 
   return absl::OkStatus();
 }
 
-absl::Time NcclCore::NextDeadlineLocked() const {
-  absl::Time next = init_done_ ? absl::InfiniteFuture() : init_deadline_;
-  for (const auto& [op_seq, slot] : slots_) {
-    if (slot.running) continue;
-    for (const std::optional<Arrival>& a : slot.arrivals) {
-      if (a) next = std::min(next, a->deadline);
-    }
-  }
-  return next;
-}
-
 void NcclCore::Run() {
   absl::Status s = InitDevices();
   if (s.ok()) s = InitComms();
   if (s.ok()) {
-    absl::MutexLock lock(&mu_);
-    init_done_ = true;
-  }
-  if (s.ok()) {
+    init_done_->store(true);
     FS_LOG(INFO) << "group=" << spec_.group_id << " epoch=" << spec_.epoch << " NCCL "
                  << FormatRanks(spec_.local_ranks) << " of world_size " << spec_.world_size
                  << " initialised";
   }
   bool clean = false;
-  Batch batch;
+  std::optional<RendezvousOp> op;
   while (s.ok()) {
-    {
-      absl::MutexLock lock(&mu_);
-      auto wake = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return shutdown_ || !sticky_.ok() || ReadyLocked() || absl::Now() >= NextDeadlineLocked();
-      };
-      while (!wake()) mu_.AwaitWithDeadline(absl::Condition(&wake), NextDeadlineLocked());
-      if (shutdown_ && sticky_.ok()) {
-        clean = true;
-        break;
-      }
-      s = InterruptionLocked(absl::Now(), nullptr);
-      if (!s.ok()) break;
-      if (!ReadyLocked()) continue;
-      auto it = slots_.begin();
-      Slot& slot = it->second;
-      slot.running = true;
-      batch = Batch();
-      batch.op_seq = it->first;
-      batch.desc = slot.desc;
-      batch.name = slot.name;
-      for (std::optional<Arrival>& a : slot.arrivals) {
-        if (a->deadline < batch.deadline) {
-          batch.deadline = a->deadline;
-          batch.budget = a->deadline - a->arrived_at;
-        }
-        batch.arrivals.push_back(std::move(*a));
-      }
-      slot.arrivals.clear();
-    }
-    s = Execute(batch);
+    // Wakes for a complete op at the front, the sticky error (deadlines of waiting ops
+    // included) or Close.
+    rendezvous_->WaitForWork(absl::InfiniteFuture());
+    s = rendezvous_->status();
     if (!s.ok()) break;
-    FS_VLOG(2) << "group=" << spec_.group_id << " op_seq=" << batch.op_seq << " "
-               << FormatOp(batch.desc) << " done";
-    {
-      absl::MutexLock lock(&mu_);
-      slots_.erase(batch.op_seq);
+    if (rendezvous_->closed()) {  // closed with nothing pending (else the status says so)
+      clean = true;
+      break;
     }
-    for (Arrival& a : batch.arrivals) std::move(a.done)(absl::OkStatus());
-    batch.arrivals.clear();
+    op = rendezvous_->TakeReady();
+    if (!op) continue;
+    s = Execute(*op);
+    if (!s.ok()) break;
+    FS_VLOG(2) << "group=" << spec_.group_id << " op_seq=" << op->op_seq << " "
+               << FormatOp(op->desc) << " done";
+    rendezvous_->Finish(op->op_seq, absl::OkStatus()).IgnoreError();  // OK stays OK
+    for (RendezvousCall& c : op->calls) std::move(c.done)(absl::OkStatus());
+    op.reset();
   }
   if (clean) {
     FinalizeComms();
   } else {
-    Fail(s, &batch.arrivals);
+    std::vector<RendezvousCall> running;
+    if (op) running = std::move(op->calls);
+    Fail(s, &running);
   }
   FreeDevices();
 }
@@ -506,14 +329,11 @@ absl::Status NcclCore::InitComms() {
 }
 
 absl::Status NcclCore::Poll(absl::FunctionRef<absl::StatusOr<bool>()> progress,
-                            const Batch* running) {
+                            const RendezvousOp* running) {
   while (true) {
     FS_ASSIGN_OR_RETURN(bool done, progress());
     if (done) return absl::OkStatus();
-    {
-      absl::MutexLock lock(&mu_);
-      FS_RETURN_IF_ERROR(InterruptionLocked(absl::Now(), running));
-    }
+    FS_RETURN_IF_ERROR(Interruption(absl::Now(), running));
     absl::SleepFor(options_.poll_interval);
   }
 }
@@ -534,7 +354,7 @@ absl::StatusOr<bool> NcclCore::CommsSettled(absl::string_view what) {
   return settled;
 }
 
-absl::Status NcclCore::Await(const Batch& b, absl::string_view what,
+absl::Status NcclCore::Await(const RendezvousOp& b, absl::string_view what,
                              absl::FunctionRef<absl::Status()> after_enqueue) {
   // A non-blocking communicator may still be enqueueing after ncclGroupEnd returned; stream
   // work that depends on the NCCL calls must wait for that.
@@ -564,21 +384,21 @@ absl::Status NcclCore::Await(const Batch& b, absl::string_view what,
       &b);
 }
 
-absl::Status NcclCore::Execute(const Batch& b) {
+absl::Status NcclCore::Execute(const RendezvousOp& b) {
   FS_RETURN_IF_ERROR(CheckBuffers(b));
   if (options_.fingerprint) FS_RETURN_IF_ERROR(ExchangeFingerprints(b));
   if (b.desc.bytes == 0) return absl::OkStatus();
   return LaunchData(b);
 }
 
-absl::Status NcclCore::CheckBuffers(const Batch& b) {
+absl::Status NcclCore::CheckBuffers(const RendezvousOp& b) {
   struct Out {
     uintptr_t begin, end;
     int rank;
   };
   std::vector<Out> outs;
-  for (size_t i = 0; i < b.arrivals.size(); ++i) {
-    const Arrival& a = b.arrivals[i];
+  for (size_t i = 0; i < b.calls.size(); ++i) {
+    const RendezvousCall& a = b.calls[i];
     const Device& d = devices_[i];
     const bool needs_out = a.call.desc.kind != CollectiveKind::kGather || a.rank == a.call.desc.root;
     auto check = [&](const void* p, size_t bytes, absl::string_view which) -> absl::Status {
@@ -623,11 +443,11 @@ absl::Status NcclCore::CheckBuffers(const Batch& b) {
   return absl::OkStatus();
 }
 
-absl::Status NcclCore::ExchangeFingerprints(const Batch& b) {
+absl::Status NcclCore::ExchangeFingerprints(const RendezvousOp& b) {
   const size_t all = kWire * static_cast<size_t>(spec_.world_size);
   for (size_t i = 0; i < devices_.size(); ++i) {
     Device& d = devices_[i];
-    const WireDescriptor w = EncodeDescriptor(b.op_seq, b.arrivals[i].call.desc);
+    const WireDescriptor w = EncodeDescriptor(b.op_seq, b.calls[i].call.desc);
     std::memcpy(d.host + d.rank * kWire, &w, kWire);
     FS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d.scratch + d.rank * kWire, d.host + d.rank * kWire,
                                             kWire, cudaMemcpyHostToDevice, d.stream),
@@ -678,14 +498,14 @@ absl::Status NcclCore::ExchangeFingerprints(const Batch& b) {
   return absl::OkStatus();
 }
 
-absl::Status NcclCore::LaunchData(const Batch& b) {
+absl::Status NcclCore::LaunchData(const RendezvousOp& b) {
   const OpDescriptor& desc = b.desc;
   const size_t s = desc.bytes;
   const std::string what = absl::StrCat("NCCL ", FormatOp(desc), " op_seq ", b.op_seq);
   // Gather: the root's own shard is a local copy, ordered before the receives on its stream.
   if (desc.kind == CollectiveKind::kGather) {
     for (size_t i = 0; i < devices_.size(); ++i) {
-      const Arrival& a = b.arrivals[i];
+      const RendezvousCall& a = b.calls[i];
       if (a.rank != desc.root) continue;
       uint8_t* slot = a.call.out.begin() + static_cast<size_t>(desc.root) * s;
       if (slot == a.call.in.begin()) continue;
@@ -697,7 +517,7 @@ absl::Status NcclCore::LaunchData(const Batch& b) {
   FS_RETURN_IF_ERROR(NcclCheck(ncclGroupStart(), absl::StrCat("ncclGroupStart for ", what)));
   absl::Status first;
   for (size_t i = 0; i < devices_.size() && first.ok(); ++i) {
-    const Arrival& a = b.arrivals[i];
+    const RendezvousCall& a = b.calls[i];
     Device& d = devices_[i];
     const std::string call = absl::StrCat(what, " rank ", d.rank);
     switch (desc.kind) {
@@ -745,19 +565,15 @@ absl::Status NcclCore::LaunchData(const Batch& b) {
   return Await(b, what, [] { return absl::OkStatus(); });
 }
 
-void NcclCore::Fail(absl::Status status, std::vector<Arrival>* running) {
-  std::vector<DoneCallback> failed;
-  {
-    absl::MutexLock lock(&mu_);
-    SetStickyLocked(std::move(status), &failed, /*quiet=*/shutdown_);
-    status = sticky_;
-    slots_.clear();  // the running op's slot; SetStickyLocked took the others
-  }
-  // Before any callback: callers free their buffers once told, and NCCL may still use them.
+void NcclCore::Fail(absl::Status status, std::vector<RendezvousCall>* running) {
+  // Waiting calls never reached NCCL: they fail at once. The running op's slot is dropped.
+  status = rendezvous_->Fail(std::move(status), /*quiet=*/rendezvous_->closed(),
+                             /*drop_running=*/true);
+  // Before the running op's callbacks: callers free their buffers once told, and NCCL may
+  // still use them.
   AbortComms();
-  for (Arrival& a : *running) failed.push_back(std::move(a.done));
+  for (RendezvousCall& c : *running) std::move(c.done)(status);
   running->clear();
-  for (DoneCallback& cb : failed) std::move(cb)(status);
 }
 
 void NcclCore::AbortComms() {
@@ -848,6 +664,7 @@ class NcclCommunicator final : public Communicator {
   void Abort(absl::Status reason) override { core_->Abort(std::move(reason)); }
   absl::Status status() const override { return core_->status(); }
   std::vector<PendingOpInfo> PendingOps() const override { return core_->PendingOps(); }
+  absl::string_view backend_name() const override { return "nccl"; }
 
  private:
   std::shared_ptr<NcclCore> core_;
@@ -855,7 +672,8 @@ class NcclCommunicator final : public Communicator {
 
 class NcclBackend final : public CollectiveBackend {
  public:
-  explicit NcclBackend(NcclBackendOptions options) : options_(options) {}
+  explicit NcclBackend(NcclBackendOptions options)
+      : options_(options), timer_(std::make_shared<DeadlineTimer>()) {}
 
   absl::string_view Name() const override { return "nccl"; }
   bool IsViable() const override { return gpu::ListGpus().ok(); }
@@ -864,6 +682,8 @@ class NcclBackend final : public CollectiveBackend {
 
  private:
   const NcclBackendOptions options_;
+  // Deadlines of waiting ops; shared with communicators, which may outlive the backend.
+  const std::shared_ptr<DeadlineTimer> timer_;
 };
 
 absl::StatusOr<std::unique_ptr<Communicator>> NcclBackend::Connect(const GroupSpec& spec) {
@@ -917,7 +737,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> NcclBackend::Connect(const GroupSp
   if (id.empty()) {
     FS_ASSIGN_OR_RETURN(id, MakeNcclUniqueId());  // every rank is local: nobody else needs it
   }
-  auto core = std::make_shared<NcclCore>(spec, std::move(id), options_);
+  auto core = std::make_shared<NcclCore>(spec, std::move(id), options_, timer_);
   NcclCore::Start(core);
   FS_LOG(INFO) << "group=" << spec.group_id << " epoch=" << spec.epoch << " NCCL communicator for "
                << FormatRanks(spec.local_ranks) << " of world_size " << spec.world_size

@@ -18,6 +18,9 @@
 //   "collective mismatch at op_seq N: ..." message. Completion is a recorded CUDA event per
 //   stream, polled together with ncclCommGetAsyncError; `done` runs on the group's thread
 //   once the bytes are in place.
+// - The local ranks' calls meet in a LocalRendezvous (local_rendezvous.h: argument and op_seq
+//   checks, deadlines of waiting calls, sticky status, pending listing, shared with inproc);
+//   the thread takes each op whose local ranks all arrived from it, in op_seq order.
 // - Deadlines (OpOptions::deadline, init_timeout), Abort(), an async NCCL error (a peer died:
 //   UNAVAILABLE with ncclGetLastError's text) or a bad argument make the group's status
 //   sticky: every local NCCL communicator is aborted with ncclCommAbort (never
@@ -35,8 +38,10 @@
 // arrived and those missing; remote ranks are not tracked.
 //
 // Thread safety: the backend and its Communicators are thread-safe. Callbacks run on the
-// group's thread (or on the calling thread for calls that fail at once); a Communicator may
-// be destroyed from its own callback (the thread then finishes on its own).
+// group's thread, on the backend's deadline thread (calls still waiting for local ranks when
+// their deadline passes), or on the calling thread (calls that fail at once, and waiting calls
+// failed by Abort); a Communicator may be destroyed from its own callback (the group's thread
+// then finishes on its own).
 
 #include <memory>
 #include <string>

@@ -25,6 +25,7 @@ namespace flatshard::collective {
 namespace {
 
 using gpu::CudaStatus;
+using gpu::PollUntilDone;
 using gpu::ScopedCudaDevice;
 
 class CudaDeviceCopier final : public DeviceCopier {
@@ -108,25 +109,16 @@ class CudaDeviceCopier final : public DeviceCopier {
     return kept;
   }
 
-  // Polls `event` until done or the deadline: spin briefly, then nap with backoff.
+  // Polls `event` until done or the deadline (gpu::PollUntilDone's latency policy).
   absl::Status WaitFor(cudaEvent_t event, const std::string& what) {
-    const absl::Time start = absl::Now();
-    const absl::Time deadline = start + timeout_;
-    absl::Duration nap = absl::Microseconds(20);
-    for (;;) {
-      const cudaError_t err = cudaEventQuery(event);
-      if (err == cudaSuccess) return absl::OkStatus();
-      if (err != cudaErrorNotReady) return CudaStatus(err, what);
-      const absl::Time now = absl::Now();
-      if (now >= deadline) {
-        return absl::DeadlineExceededError(
-            absl::StrCat(what, ": not done within ", absl::FormatDuration(timeout_)));
-      }
-      if (now - start > absl::Microseconds(50)) {
-        absl::SleepFor(std::min(nap, deadline - now));
-        nap = std::min(nap * 2, absl::Milliseconds(1));
-      }
-    }
+    return PollUntilDone(
+        [&]() -> absl::StatusOr<bool> {
+          const cudaError_t err = cudaEventQuery(event);
+          if (err == cudaSuccess) return true;
+          if (err == cudaErrorNotReady) return false;
+          return CudaStatus(err, what);
+        },
+        timeout_, what);
   }
 
   const absl::Duration timeout_;

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -91,7 +92,11 @@ struct CopyOut {
 struct SharedStage {
   std::shared_ptr<void> staging;
   CopyOut out;             // the whole buffer, staged -> user's
-  int device = 0;
+  int device = 0;          // `staging`'s, the first member's
+  // Device staging (NCCL): members on other GPUs get a buffer of their own device, since NCCL
+  // ranks cannot share one; after the op every copy holds the same bytes, and `staging` is the
+  // one copied out. Host staging is shared by every member (one assembled copy per node).
+  absl::flat_hash_map<int, std::shared_ptr<void>> other_devices;
   int members = 0;         // ranks that joined
   int completed = 0;       // of them, whose inner op completed (or failed before it)
   bool copy_out = false;   // some member's buffer is written by the op (not Broadcast's root)
@@ -180,6 +185,7 @@ struct State {
       }
     }
     stage->staging.reset();
+    stage->other_devices.clear();
     for (auto& [done, own] : finished) done(own.ok() ? result : own);
   }
 
@@ -205,6 +211,11 @@ class StagingCommunicator final : public Communicator {
                       const GroupSpec& spec, std::shared_ptr<DeviceCopier> copier)
       : inner_(std::move(inner)),
         inner_kind_(inner_kind),
+        // NCCL moves device memory itself (staging only serves the odd host buffer); a host
+        // backend moves device memory only through staging, which the label says.
+        backend_name_(inner_kind != MemoryKind::kCuda
+                          ? absl::StrCat(inner_->backend_name(), "+staging")
+                          : std::string(inner_->backend_name())),
         state_(std::make_shared<State>(std::move(copier), inner_kind)) {
     for (size_t i = 0; i < spec.local_ranks.size(); ++i) {
       devices_[spec.local_ranks[i]] = i < spec.local_devices.size() ? spec.local_devices[i] : 0;
@@ -334,6 +345,7 @@ class StagingCommunicator final : public Communicator {
     ApplyPendingAbort();
     return inner_->PendingOps();
   }
+  absl::string_view backend_name() const override { return backend_name_; }
 
  private:
   // Host kinds are one for host backends; device memory only reaches a device backend.
@@ -415,6 +427,7 @@ class StagingCommunicator final : public Communicator {
                                    bool writes) {
     const SharedKey key{op_seq, buf.data, buf.bytes};
     call.shared_key = key;
+    const bool per_device = state_->staging_kind == MemoryKind::kCuda;
     std::shared_ptr<void> unused;  // a buffer that lost a race; freed outside the lock
     for (int attempt = 0; attempt < 2; ++attempt) {
       {
@@ -429,10 +442,24 @@ class StagingCommunicator final : public Communicator {
                                  buf.bytes};
             stage->device = call.device;
           }
-          ++stage->members;
-          stage->copy_out = stage->copy_out || writes;
-          call.shared = stage;
-          return stage->staging.get();
+          void* mine = stage->staging.get();
+          if (per_device && call.device != stage->device) {
+            auto own = stage->other_devices.find(call.device);
+            if (own != stage->other_devices.end()) {
+              mine = own->second.get();
+            } else if (unused != nullptr) {
+              mine = unused.get();
+              stage->other_devices.emplace(call.device, std::move(unused));
+            } else {
+              mine = nullptr;  // allocate one on this rank's device, without the lock
+            }
+          }
+          if (mine != nullptr) {
+            ++stage->members;
+            stage->copy_out = stage->copy_out || writes;
+            call.shared = stage;
+            return mine;
+          }
         }
       }
       // Allocated without the lock; another rank may start the same stage meanwhile.
@@ -455,6 +482,7 @@ class StagingCommunicator final : public Communicator {
 
   std::unique_ptr<Communicator> inner_;
   const MemoryKind inner_kind_;
+  const std::string backend_name_;
   const std::shared_ptr<State> state_;
   absl::flat_hash_map<int, int> devices_;  // local rank -> device; immutable after construction
 };

@@ -12,7 +12,9 @@
 // - Local ranks passing the same AllGather `out` or Broadcast `buf` for one op_seq share one
 //   staging buffer, so the inner backend still assembles one copy per node; it is copied out
 //   once, when the inner op has completed for every rank sharing it, and only then do their
-//   callbacks run.
+//   callbacks run. Device staging (NCCL inner) shares per device instead: NCCL ranks live on
+//   different GPUs and cannot share a buffer, so each device gets its own copy (all equal
+//   after the op) and the first one is copied out, still once.
 // - Gather: only root's `out` is staged; other ranks pass an empty `out` to the inner op.
 // - Broadcast: `buf` is copied in on root and copied out on the other ranks.
 // - ReduceScatter `out` == in + r*S: `out` is that slice of the staged `in`.
@@ -71,7 +73,8 @@ std::shared_ptr<DeviceCopier> MakeCudaDeviceCopier(absl::Duration copy_timeout);
 // through buffers of its kind (copy in before, copy out after the inner op succeeded; a failed
 // op leaves the output untouched). `spec` gives each local rank's device (local_devices) for
 // the staging buffers and copies. Everything else (fingerprints, deadlines, sticky errors,
-// PendingOps, Abort) is the inner communicator's.
+// PendingOps, Abort) is the inner communicator's. backend_name(): the inner one's, with
+// "+staging" appended when `inner_kind` is a host kind ("ucx+staging"); "nccl" stays "nccl".
 // Staging kind: kHostPinned when `inner_kind` is a host kind, else kCuda. A rank without an
 // entry in `spec.local_devices` uses device 0.
 // REQUIRES: `inner` and `copier` are not null.

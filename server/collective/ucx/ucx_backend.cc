@@ -955,6 +955,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> UcxBackendImpl::Connect(const Grou
   RingOptions options;
   options.timer = worker_->timer();
   options.chunk_bytes = worker_->options().broadcast_chunk_bytes;
+  options.backend_name = "ucx";
   return NewRingCommunicator(spec, *std::move(transport), options);
 }
 

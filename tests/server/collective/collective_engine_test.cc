@@ -15,6 +15,10 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/collective/inproc/inproc_backend.h"
+#include "server/collective/inproc/inproc_transport.h"
+#include "server/collective/ring_algorithms.h"
+#include "server/collective/staging/staging_communicator.h"
+#include "server/metrics/daemon_metrics.h"
 #include "tests/testing/rank_group.h"
 
 namespace flatshard::collective {
@@ -39,6 +43,9 @@ std::shared_ptr<CollectiveGroup> AddInprocGroup(CollectiveEngine& engine, const 
 // Captures every op; the test completes them (CompleteNext) or not at all.
 class FakeCommunicator final : public Communicator {
  public:
+  explicit FakeCommunicator(std::string backend_name = "fake")
+      : backend_name_(std::move(backend_name)) {}
+
   struct Call {
     CollectiveKind kind;
     OpOptions options;
@@ -64,6 +71,7 @@ class FakeCommunicator final : public Communicator {
   }
   absl::Status status() const override { return absl::OkStatus(); }
   std::vector<PendingOpInfo> PendingOps() const override { return {}; }
+  absl::string_view backend_name() const override { return backend_name_; }
 
   // Completes the oldest captured op with `s` (outside the lock); false if none.
   bool CompleteNext(absl::Status s) {
@@ -103,6 +111,7 @@ class FakeCommunicator final : public Communicator {
     calls_.push_back(Call{kind, o, std::move(done)});
   }
 
+  const std::string backend_name_;
   mutable absl::Mutex mu_;
   std::deque<Call> calls_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<std::pair<int, uint64_t>, int64_t>> history_ ABSL_GUARDED_BY(mu_);
@@ -438,6 +447,172 @@ TEST(CollectiveEngineTest, ConcurrentRanksChainingOpsFromCallbacks) {
   auto all = [&] { return finished == kWorld; };
   ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&all), absl::Seconds(20)));
   for (int r = 0; r < kWorld; ++r) EXPECT_THAT(out[r], ElementsAre(0, 1, 2, 3));
+}
+
+// --- SubmitAll: one callback for several ops ------------------------------------------------
+
+TEST(CollectiveEngineTest, SubmitAllOfNoOpsCompletesAtOnce) {
+  CollectiveEngine engine;
+  FakeGroup g = AddFakeGroup(engine, 2);
+  DoneRecorder done;
+  g.group->SubmitAll(0, {}, absl::Seconds(1), done.Callback());
+  EXPECT_EQ(done.calls(), 1);  // before SubmitAll returned
+  EXPECT_TRUE(done.status().ok()) << done.status();
+  EXPECT_TRUE(g.fake->calls().empty());
+  EXPECT_EQ(g.group->last_op_seq(0), 0u);
+}
+
+TEST(CollectiveEngineTest, SubmitAllRunsOneCallbackAfterTheLastOpWithTheFirstError) {
+  CollectiveEngine engine;
+  FakeGroup g = AddFakeGroup(engine, 2);
+  float in = 0, out[2];
+  DoneRecorder done;
+  std::vector<CollectiveOp> ops;
+  for (int unit = 0; unit < 3; ++unit) ops.push_back(SmallAllGather(unit, &in, out, 2));
+  g.group->SubmitAll(1, std::move(ops), absl::Seconds(30), done.Callback());
+  EXPECT_THAT(g.fake->SeqsOf(1), ElementsAre(1, 2, 3));
+  ASSERT_TRUE(g.fake->CompleteNext(absl::OkStatus()));
+  EXPECT_FALSE(done.done());
+  const absl::Status first = absl::UnavailableError("peer node-b down");
+  ASSERT_TRUE(g.fake->CompleteNext(first));
+  EXPECT_FALSE(done.done());  // one op is still running: its buffers are still in use
+  ASSERT_TRUE(g.fake->CompleteNext(absl::InternalError("a later, different error")));
+  EXPECT_EQ(done.Wait(), first);
+  EXPECT_EQ(done.calls(), 1);
+}
+
+TEST(CollectiveEngineTest, SubmitAllGivesEveryOpTheTimeoutFromNow) {
+  CollectiveEngine engine;
+  FakeGroup g = AddFakeGroup(engine, 2);
+  float in = 0, out[2];
+  std::vector<CollectiveOp> ops;
+  for (int unit = 0; unit < 2; ++unit) {
+    ops.push_back(SmallAllGather(unit, &in, out, 2));
+    ops.back().timeout = absl::Hours(1);  // replaced by SubmitAll's
+  }
+  DoneRecorder done;
+  const absl::Time before = absl::Now();
+  g.group->SubmitAll(0, std::move(ops), absl::Seconds(30), done.Callback());
+  const absl::Time after = absl::Now();
+  std::vector<FakeCommunicator::Call*> calls = g.fake->calls();
+  ASSERT_EQ(calls.size(), 2u);
+  for (FakeCommunicator::Call* c : calls) {
+    EXPECT_GE(c->options.deadline, before + absl::Seconds(30));
+    EXPECT_LE(c->options.deadline, after + absl::Seconds(30));
+  }
+  // A deadline already passed is a zero timeout, not a negative one.
+  float in2 = 0, out2[2];
+  std::vector<CollectiveOp> late;
+  late.push_back(SmallAllGather(5, &in2, out2, 2));
+  DoneRecorder late_done;
+  g.group->SubmitAll(0, std::move(late), -absl::Seconds(5), late_done.Callback());
+  calls = g.fake->calls();
+  ASSERT_EQ(calls.size(), 3u);
+  EXPECT_LE(calls[2]->options.deadline, absl::Now());
+  EXPECT_GE(calls[2]->options.deadline, after);
+  while (g.fake->CompleteNext(absl::OkStatus())) {
+  }
+  EXPECT_TRUE(done.Wait().ok());
+  EXPECT_TRUE(late_done.Wait().ok());
+}
+
+TEST(CollectiveEngineTest, SubmitAllTimesOutEachOpAndCallsBackOnce) {
+  CollectiveEngine engine;
+  auto group = AddInprocGroup(engine, "job", 2);
+  float in[2] = {0, 0}, out[2][2];
+  std::vector<CollectiveOp> ops;
+  ops.push_back(SmallAllGather(1, &in[0], out[0], 2));
+  ops.push_back(SmallAllGather(2, &in[1], out[1], 2));
+  DoneRecorder done;
+  group->SubmitAll(0, std::move(ops), absl::Milliseconds(50), done.Callback());
+  const absl::Status s = done.Wait();
+  EXPECT_TRUE(absl::IsDeadlineExceeded(s)) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("rank 1 did not arrive within"));
+  absl::SleepFor(absl::Milliseconds(20));
+  EXPECT_EQ(done.calls(), 1);
+}
+
+TEST(CollectiveEngineTest, SubmitAllMovesDataThroughTheInprocBackend) {
+  constexpr int kWorld = 2;
+  CollectiveEngine engine;
+  auto group = AddInprocGroup(engine, "job", kWorld);
+  float in[kWorld][2] = {{1, 2}, {3, 4}};
+  float out[kWorld][2][kWorld];
+  std::vector<DoneRecorder> done(kWorld);
+  RunRanks(kWorld, [&](int r) {
+    std::vector<CollectiveOp> ops;
+    for (int k = 0; k < 2; ++k) ops.push_back(SmallAllGather(k, &in[r][k], out[r][k], kWorld));
+    group->SubmitAll(r, std::move(ops), absl::Seconds(20), done[r].Callback());
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(done[r].Wait().ok()) << done[r].status();
+    EXPECT_EQ(done[r].calls(), 1);
+    EXPECT_THAT(out[r][0], ElementsAre(1, 3));
+    EXPECT_THAT(out[r][1], ElementsAre(2, 4));
+  }
+}
+
+// --- The metrics' backend label comes from the communicator ---------------------------------
+
+double BackendBytes(absl::string_view backend) {
+  return metrics::GetDaemonMetrics().collective_bytes.WithLabels({backend}).value();
+}
+
+TEST(CollectiveEngineTest, MetricsCountBytesUnderTheCommunicatorsBackend) {
+  CollectiveEngine engine;
+  // All ranks local and no addresses: the old guess would have said "inproc".
+  auto comm = std::make_unique<FakeCommunicator>("nccl");
+  FakeCommunicator* fake = comm.get();
+  auto group = engine.AddGroup(GroupSpec::AllLocal("gpu-job", 2), std::move(comm)).value();
+  EXPECT_EQ(group->backend_name(), "nccl");
+  const double nccl_before = BackendBytes("nccl");
+  const double inproc_before = BackendBytes("inproc");
+  float in = 0, out[2];
+  DoneRecorder done;
+  group->Submit(0, SmallAllGather(1, &in, out, 2), done.Callback());
+  ASSERT_TRUE(fake->CompleteNext(absl::OkStatus()));
+  ASSERT_TRUE(done.Wait().ok());
+  EXPECT_EQ(BackendBytes("nccl") - nccl_before, 8.0);  // the larger buffer: 2 floats
+  EXPECT_EQ(BackendBytes("inproc"), inproc_before);
+}
+
+TEST(CollectiveEngineTest, StagedCommunicatorsNameTheirInnerBackend) {
+  GroupSpec spec = GroupSpec::AllLocal("staged", 1);
+  auto host = MakeStagingCommunicator(std::make_unique<FakeCommunicator>("ucx"), MemoryKind::kHost,
+                                      spec, MakeSimulatedDeviceCopier());
+  EXPECT_EQ(host->backend_name(), "ucx+staging");
+  auto device = MakeStagingCommunicator(std::make_unique<FakeCommunicator>("nccl"),
+                                        MemoryKind::kCuda, spec, MakeSimulatedDeviceCopier());
+  EXPECT_EQ(device->backend_name(), "nccl");
+
+  CollectiveEngine engine;
+  auto group = engine.AddGroup(spec, Inproc().Connect(spec).value()).value();
+  EXPECT_EQ(group->backend_name(), "inproc");
+  GroupSpec staged_spec = GroupSpec::AllLocal("staged-inproc", 1);
+  auto staged =
+      engine
+          .AddGroup(staged_spec, MakeStagingCommunicator(Inproc().Connect(staged_spec).value(),
+                                                         MemoryKind::kHost, staged_spec,
+                                                         MakeSimulatedDeviceCopier()))
+          .value();
+  EXPECT_EQ(staged->backend_name(), "inproc+staging");
+  const double before = BackendBytes("inproc+staging");
+  float in = 7, out = 0;
+  DoneRecorder done;
+  staged->Submit(0, SmallAllGather(1, &in, &out, 1), done.Callback());
+  ASSERT_TRUE(done.Wait().ok()) << done.status();
+  EXPECT_EQ(out, 7);
+  EXPECT_EQ(BackendBytes("inproc+staging") - before, 4.0);
+}
+
+TEST(CollectiveEngineTest, RingCommunicatorsNameTheBackendTheyRunFor) {
+  GroupSpec spec = GroupSpec::AllLocal("ring", 2);
+  auto plain = NewRingCommunicator(spec, std::make_shared<InprocTransport>(2)).value();
+  EXPECT_EQ(plain->backend_name(), "ring");
+  RingOptions options;
+  options.backend_name = "ucx";
+  auto ucx = NewRingCommunicator(spec, std::make_shared<InprocTransport>(2), options).value();
+  EXPECT_EQ(ucx->backend_name(), "ucx");
 }
 
 }  // namespace

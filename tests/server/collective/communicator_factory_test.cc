@@ -71,6 +71,7 @@ class AsHost final : public Communicator {
   void Abort(absl::Status reason) override { inner_->Abort(std::move(reason)); }
   absl::Status status() const override { return inner_->status(); }
   std::vector<PendingOpInfo> PendingOps() const override { return inner_->PendingOps(); }
+  absl::string_view backend_name() const override { return inner_->backend_name(); }
 
  private:
   std::unique_ptr<Communicator> inner_;
@@ -171,6 +172,7 @@ TEST(CommunicatorFactoryTest, HostLocalGroupRunsInprocFromTheRegistry) {
   EXPECT_FALSE(c->choice.staged);
   EXPECT_EQ(c->choice.backend_kind, MemoryKind::kHost);
   EXPECT_EQ(c->spec.world_size, 4);
+  EXPECT_EQ(c->comm->backend_name(), "inproc") << "the metrics' label";
   ExpectAllGatherWorks(*c->comm, 4, MemoryKind::kHost);
 }
 
@@ -219,6 +221,7 @@ TEST(CommunicatorFactoryTest, GpuRanksWithoutNcclAreStagedOverInproc) {
   EXPECT_EQ(c->backend_name(), "inproc");
   EXPECT_TRUE(c->choice.staged);
   EXPECT_EQ(c->choice.backend_kind, MemoryKind::kHost);
+  EXPECT_EQ(c->comm->backend_name(), "inproc+staging") << "the metrics' label";
   ExpectAllGatherWorks(*c->comm, 3, MemoryKind::kCuda);
   EXPECT_GT(copier->copies(), 0) << "device-kind buffers must be staged through the copier";
 }

@@ -7,6 +7,7 @@
 
 #include "server/collective/staging/staging_communicator.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -175,8 +176,22 @@ INSTANTIATE_TEST_SUITE_P(StagingToDevice, BackendConformanceTest,
                          Combine(Values(&kHostOverDevice), Values(1, 3),
                                  Values(ShardSize::kOneElement, ShardSize::k4097Elements)),
                          ConformanceName);
+// The NCCL layout: host buffers over a device-kind inner, one rank per GPU.
+const BackendUnderTest kHostOverDevicePerGpu{
+    "HostBuffersOverDeviceInnerOneRankPerGpu", [](const GroupSpec& g) {
+      GroupSpec spec = g;
+      for (int r = 0; r < g.world_size; ++r) {
+        spec.local_devices.push_back(r);
+      }
+      return Staged(spec, MemoryKind::kCuda, MemoryKind::kHost, std::make_shared<FakeCopier>());
+    }};
+
 INSTANTIATE_TEST_SUITE_P(Staging, BackendFailureTest, Values(&kDeviceOverHost, &kHostOverDevice),
                          FailureName);
+INSTANTIATE_TEST_SUITE_P(StagingToDevicePerGpu, BackendConformanceTest,
+                         Combine(Values(&kHostOverDevicePerGpu), Values(3),
+                                 Values(ShardSize::kOneElement, ShardSize::k4097Elements)),
+                         ConformanceName);
 
 // --- Copies per shape ------------------------------------------------------------------------
 
@@ -535,6 +550,64 @@ TEST_F(StagingTest, DestroyingTheCommunicatorFailsStagedPendingOps) {
   EXPECT_TRUE(absl::IsAborted(done.Wait())) << done.status();
   EXPECT_EQ(done.calls(), 1);
   for (float f : out) ASSERT_EQ(f, -1);
+}
+
+// NCCL ranks live on different GPUs and cannot share a device buffer: a host buffer the ranks
+// share is staged once per GPU, and still copied out once.
+TEST(StagingPerGpuTest, ASharedHostBufferGetsOneStagingBufferPerGpuAndOneCopyOut) {
+  constexpr int kRanks = 3;
+  GroupSpec spec = GroupSpec::AllLocal("per-gpu", kRanks);
+  spec.local_devices = {0, 1, 2};
+  auto run = [&](const std::function<void(Communicator&, int, DoneCallback)>& op,
+                 FakeCopier& copier) {
+    auto comm = Staged(spec, MemoryKind::kCuda, MemoryKind::kHost,
+                       std::shared_ptr<DeviceCopier>(&copier, [](DeviceCopier*) {}));
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    std::vector<::flatshard::testing::DoneRecorder> done(kRanks);
+    ::flatshard::testing::RunRanks(kRanks, [&](int r) { op(**comm, r, done[r].Callback()); });
+    for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(done[r].Wait().ok()) << done[r].status();
+  };
+  auto per_device = [](const FakeCopier& copier, int device) {
+    std::vector<int> d = copier.devices();
+    return std::count(d.begin(), d.end(), device);
+  };
+  auto copies_into = [](const FakeCopier& copier, MemoryKind kind) {
+    int n = 0;
+    for (const CopyRecord& c : copier.copies()) n += c.dst_kind == kind;
+    return n;
+  };
+  {
+    std::vector<std::vector<float>> in(kRanks);
+    for (int r = 0; r < kRanks; ++r) in[r] = Shard(r);
+    std::vector<float> shared(kS * kRanks, -1);
+    FakeCopier copier;
+    run(
+        [&](Communicator& comm, int r, DoneCallback d) {
+          comm.AllGather(ConstBuffer{in[r].data(), kS * 4, DType::kFloat32},
+                         MutableBuffer{shared.data(), shared.size() * 4, DType::kFloat32},
+                         Opts(r, 1), std::move(d));
+        },
+        copier);
+    for (int k = 0; k < kRanks; ++k) ASSERT_TRUE(BlockHolds(shared.data() + k * kS, k, kS));
+    // Per GPU: the rank's input and its copy of the shared output.
+    for (int d = 0; d < kRanks; ++d) EXPECT_EQ(per_device(copier, d), 2) << "device " << d;
+    EXPECT_EQ(copies_into(copier, MemoryKind::kCuda), kRanks);  // the inputs
+    EXPECT_EQ(copies_into(copier, MemoryKind::kHost), 1);       // the shared output, once
+  }
+  {
+    std::vector<float> shared = Shard(1);
+    FakeCopier copier;
+    run(
+        [&](Communicator& comm, int r, DoneCallback d) {
+          comm.Broadcast(MutableBuffer{shared.data(), shared.size() * 4, DType::kFloat32}, 1,
+                         Opts(r, 1), std::move(d));
+        },
+        copier);
+    ASSERT_TRUE(BlockHolds(shared.data(), 1, kS));
+    for (int d = 0; d < kRanks; ++d) EXPECT_EQ(per_device(copier, d), 1) << "device " << d;
+    EXPECT_EQ(copies_into(copier, MemoryKind::kCuda), 1);  // root's, onto its GPU
+    EXPECT_EQ(copies_into(copier, MemoryKind::kHost), 1);
+  }
 }
 
 TEST(CudaDeviceCopierTest, FailsCleanlyWithoutAGpu) {

@@ -246,6 +246,18 @@ INSTANTIATE_TEST_SUITE_P(Ucx, BackendFailureTest, Values(&kTwoDaemons, &kThreeDa
 
 // --- What only the UCX backend promises ----------------------------------------------------
 
+TEST(UcxBackendTest, CommunicatorsNameTheUcxBackendForTheMetrics) {
+  std::vector<std::unique_ptr<Communicator>> comms =
+      ConnectAll("label", NextEpoch(), {0, 1}, Daemons());
+  int connected = 0;
+  for (const std::unique_ptr<Communicator>& c : comms) {
+    if (c == nullptr) continue;
+    ++connected;
+    EXPECT_EQ(c->backend_name(), "ucx");  // a ring over UCX, not the ring's default
+  }
+  EXPECT_EQ(connected, 2);
+}
+
 TEST(UcxTagTest, FieldsLandInTheirBits) {
   const uint16_t h = ucx::GroupTagHash("g", 7);
   const uint64_t tag = ucx::MakeTag(h, 1023, 5, MessageTag{0x12345, 3});
