@@ -41,6 +41,7 @@ GroupManager::GroupManager(ShardStore* store, GroupManagerOptions options)
   factory.remote = std::move(options.remote_backend);
   factory.nccl = std::move(options.nccl_backend);
   factory.copier = std::move(options.copier);
+  factory.registry = options.backend_registry;
   absl::StatusOr<std::unique_ptr<collective::CommunicatorFactory>> comms =
       collective::CommunicatorFactory::Create(std::move(factory));
   FS_CHECK(comms.ok()) << comms.status();

@@ -101,6 +101,10 @@ struct GroupManagerOptions {
   // What the manager's deadlines (joins, leases, idle groups, deferred failures, kept
   // buffers) are read against; null: Clock::Real(). Unit tests pass a FakeClock.
   Clock* clock = nullptr;
+  // Where the in-process backend ("inproc") of local groups comes from; null: a registry of
+  // the built-in backends. Must outlive the manager's construction. Tests pass one with a
+  // backend of their own (e.g. one whose Connect is slow).
+  const collective::BackendRegistry* backend_registry = nullptr;
 
   static constexpr absl::Duration kDefaultGroupIdleTimeout = absl::Hours(1);
   static constexpr int32_t kDefaultMaxGroupsPerUid = 64;
