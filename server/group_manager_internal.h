@@ -261,6 +261,11 @@ struct GroupManager::SummonSlot {
   int32_t assembled = 0;
   absl::Status assembly_error;
   std::vector<absl::AnyInvocable<void(absl::Status)>> waiting;
+  // Read-only summons: node copies (unit, use) a local rank is getting without mu_, and the
+  // other local ranks' summons waiting for them (run again, after mu_, once they are made or
+  // the maker gave up), so that the node allocates each copy once.
+  std::set<std::pair<int32_t, KeptUse>> making;
+  std::vector<absl::AnyInvocable<void()>> on_made;
 };
 
 struct GroupManager::OpenSummon {

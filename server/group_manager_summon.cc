@@ -65,6 +65,11 @@ struct GroupManager::SummonDecision {
   int64_t owner_uid = -1;
   std::shared_ptr<KeptBuffers> kept;
   std::vector<ViewNeed> needs;  // view buffers to get (a slot's node copy already made is not one)
+  // Read-only summons (`shared`): the slot of this summon, the node copies this rank would
+  // make, and whether another local rank is making one this summon needs.
+  std::shared_ptr<SummonSlot> slot;
+  std::vector<std::pair<int32_t, KeptUse>> make;
+  bool wait = false;
 };
 
 // A summon OpenSummonLocked opened: what the steps after mu_ need.
@@ -92,6 +97,18 @@ absl::Status GetViewBuffers(KeptBuffers& kept, const Needs& needs, BufferKind ki
     (*got)[{need.unit, need.use}] = *std::move(b);
   }
   return absl::OkStatus();
+}
+
+// Takes the buffers of `needs` not in `got` yet that `kept` has ready (no allocation, no
+// syscall: safe under mu_).
+template <typename Needs, typename Got>
+void TryKept(KeptBuffers& kept, const Needs& needs, Placement placement, Got* got) {
+  for (const auto& need : needs) {
+    if (got->contains({need.unit, need.use})) continue;
+    if (std::shared_ptr<Buffer> b = kept.TryGet(need.key, placement)) {
+      (*got)[{need.unit, need.use}] = std::move(b);
+    }
+  }
 }
 
 template <typename Needs, typename Got>
@@ -131,17 +148,50 @@ void GroupManager::SummonWritten(const Caller& caller, const std::string& module
                                  absl::Time deadline, SummonCallback done) {
   auto start = std::make_shared<SummonStart>();
   ViewBuffers got;  // held across rounds; dropped (back to the cache, unused) when done
+  // The slot whose node copies this summon is making without mu_ (SummonSlot::making), and
+  // the other local ranks' summons that wait for them, run again once mu_ is released.
+  std::shared_ptr<SummonSlot> making;
+  std::vector<absl::AnyInvocable<void()>> waiting;
   absl::Status error;
+  bool parked = false;  // `done` went to the slot's on_made
   for (int round = 0;; ++round) {
     SummonDecision decision;
+    bool opened = false;
     {
       absl::MutexLock lock(&mu_);
+      if (making != nullptr) {
+        // Our marks go whatever happens next; the ranks that waited for them decide afresh.
+        making->making.clear();
+        for (auto& w : making->on_made) waiting.push_back(std::move(w));
+        making->on_made.clear();
+        making.reset();
+      }
       error = DecideSummon(caller, module, path, options, &decision);
-      if (error.ok() && AllAtHand(decision.needs, got)) {
-        OpenSummonLocked(caller, module, path, options, decision, got, start.get());
-        break;
+      if (error.ok() && decision.wait) {
+        // Another local rank is making a node copy this summon shares: decide again once it
+        // made it (or gave up), instead of allocating a second one.
+        decision.slot->on_made.push_back(
+            [this, caller, module, path, options, deadline, done = std::move(done)]() mutable {
+              SummonWritten(caller, module, path, options, deadline, std::move(done));
+            });
+        parked = true;
+      } else if (error.ok()) {
+        // The steady state (every buffer kept, committed and unused) needs no allocation: the
+        // summon opens in this one critical section.
+        TryKept(*decision.kept, decision.needs, decision.placement, &got);
+        if (AllAtHand(decision.needs, got)) {
+          OpenSummonLocked(caller, module, path, options, decision, got, start.get());
+          opened = true;
+        } else if (!decision.make.empty()) {
+          // Invariant: while `making` is marked, the other local ranks' k-th summons wait
+          // for this one (on_made) rather than make the same node copy; the marks go at the
+          // next re-take of mu_, on every path.
+          making = decision.slot;
+          for (const auto& m : decision.make) making->making.insert(m);
+        }
       }
     }
+    if (parked || opened) break;
     if (error.ok() && round + 1 == kSummonRounds) {
       error = absl::AbortedError(absl::StrCat("group ", caller.group, " rank ", caller.rank,
                                               ": the buffers of the summon of ", Display(path),
@@ -154,9 +204,20 @@ void GroupManager::SummonWritten(const Caller& caller, const std::string& module
       error = GetViewBuffers(*decision.kept, decision.needs, BufferKind::kUnsharded,
                              decision.owner_uid, decision.placement, &got);
     }
-    if (!error.ok()) break;
+    if (!error.ok()) {
+      if (making != nullptr) {
+        absl::MutexLock lock(&mu_);
+        making->making.clear();
+        for (auto& w : making->on_made) waiting.push_back(std::move(w));
+        making->on_made.clear();
+        making.reset();
+      }
+      break;
+    }
   }
   got.clear();
+  for (auto& w : waiting) w();
+  if (parked) return;  // runs again from on_made
   if (!error.ok()) {
     done(error);
     return;
@@ -222,8 +283,13 @@ absl::Status GroupManager::DecideSummon(const Caller& caller, const std::string&
                                                           : Placement::Pinned();
   d->owner_uid = g.owner_uid;
   d->kept = KeptOf(reg);
-  // The slot this summon will meet the other local ranks' in: its node copies may be made.
-  auto slot = reg.slots.find(reg.summon_count[rank] + 1);
+  // The slot this summon will meet the other local ranks' in: its node copies may be made
+  // (or being made) already.
+  if (d->shared) {
+    std::shared_ptr<SummonSlot>& slot = reg.slots[reg.summon_count[rank] + 1];
+    if (!slot) slot = std::make_shared<SummonSlot>();
+    d->slot = slot;
+  }
   for (int32_t u : d->units) {
     const PlanUnit& unit = reg.plan.units[u];
     const UnitShard& shard = reg.shards_by_rank[rank][u];
@@ -240,12 +306,15 @@ absl::Status GroupManager::DecideSummon(const Caller& caller, const std::string&
                               absl::StrCat(label, " rank=0")});
         }
       } else if (d->shared) {
-        if (slot != reg.slots.end()) {
-          const auto& map = use == KeptUse::kParams ? slot->second->shared_params
-                                                    : slot->second->shared_grads;
-          if (map.contains(u) && map.at(u) != nullptr) continue;  // another rank made it
+        const auto& map =
+            use == KeptUse::kParams ? d->slot->shared_params : d->slot->shared_grads;
+        if (map.contains(u) && map.at(u) != nullptr) continue;  // another rank made it
+        if (d->slot->making.contains({u, use})) {
+          d->wait = true;  // another rank is making it
+          continue;
         }
         d->needs.push_back({u, use, KeptKey::NodeShared(u, use), bytes, label});
+        d->make.emplace_back(u, use);
       } else {
         d->needs.push_back({u, use, KeptKey::Rank(rank, u, use), bytes,
                             absl::StrCat(label, " rank=", rank)});
@@ -1071,6 +1140,11 @@ absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::BeginReduceScatter(
       need_grad = !reg.shards_by_rank[caller.rank][unit].grad && !reg.new_grads.contains(key);
       auto staging = reg.grad_staging.find(key);
       need_staging = staging == reg.grad_staging.end() || !staging->second;
+      if (need_staging && !staging_got) {
+        // The steady state: the kept staging buffer is ready, no allocation needed.
+        staging_got = KeptOf(reg)->TryGet(KeptKey::Rank(caller.rank, unit, KeptUse::kGradInput),
+                                          PlacementOf(caller.rank));
+      }
       if ((!need_grad || grad_got) && (!need_staging || staging_got)) {
         // Every buffer is at hand: install them (commit point).
         if (need_grad) reg.new_grads[key] = std::move(grad_got);

@@ -30,6 +30,22 @@ std::shared_ptr<Buffer> KeptBuffers::Claim(const KeptKey& key, Placement placeme
   return nullptr;
 }
 
+std::shared_ptr<Buffer> KeptBuffers::TryGet(const KeptKey& key, Placement placement) {
+  absl::MutexLock lock(&mu_);
+  for (int copy = 0; copy < kCopies; ++copy) {
+    auto it = kept_.find({key, copy});
+    if (it == kept_.end()) continue;
+    Kept& kept = it->second;
+    if (kept.buffer.use_count() != 1 || kept.buffer->placement() != placement ||
+        !kept.buffer->committed()) {
+      continue;
+    }
+    kept.idle_since = absl::InfiniteFuture();
+    return kept.buffer;
+  }
+  return nullptr;
+}
+
 void KeptBuffers::Keep(const KeptKey& key, const std::shared_ptr<Buffer>& fresh) {
   absl::MutexLock lock(&mu_);
   for (int copy = 0; copy < kCopies; ++copy) {

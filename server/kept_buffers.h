@@ -100,6 +100,11 @@ class KeptBuffers {
   absl::StatusOr<std::shared_ptr<Buffer>> Get(const KeptKey& key, BufferKind kind, int64_t bytes,
                                               const std::string& label, int64_t owner_uid,
                                               Placement placement);
+  // The steady state without a syscall: a kept buffer for `key` of `placement` that nobody
+  // else holds and that is committed, now marked in use; else null, and nothing changes.
+  // Never allocates nor commits, so it may be called under a caller's lock (GroupManager's
+  // mu_) to skip the unlock / allocate / re-lock round trip when nothing must be allocated.
+  std::shared_ptr<Buffer> TryGet(const KeptKey& key, Placement placement);
   // Marks the buffers nobody else holds any more as idle from now (the clock's).
   void Release();
   // Decommits the buffers idle for at least `idle_release`; every idle one when `now` is

@@ -57,6 +57,25 @@ TEST_F(KeptBuffersTest, ReusesABufferNobodyHolds) {
   EXPECT_EQ(store_.Usage().buffers, 1);
 }
 
+TEST_F(KeptBuffersTest, TryGetHandsOutOnlyWhatNeedsNoSyscall) {
+  auto set = pool_->NewSet();
+  const KeptKey key = KeptKey::Rank(0, 4, KeptUse::kParams);
+  EXPECT_EQ(set->TryGet(key, Placement::Host()), nullptr) << "nothing kept yet";
+  EXPECT_EQ(store_.Usage().buffers, 0) << "TryGet never allocates";
+  Buffer* kept = Get(*set, key)->get();
+  std::shared_ptr<Buffer> b = set->TryGet(key, Placement::Host());
+  EXPECT_EQ(b.get(), kept);
+  EXPECT_EQ(set->TryGet(key, Placement::Host()), nullptr) << "in use";
+  EXPECT_EQ(set->TryGet(key, Placement::Pinned()), nullptr) << "another placement";
+  b.reset();
+  set->Release();
+  clock_.Advance(KeptBufferPool::kIdleRelease);
+  ASSERT_EQ(pool_->DecommitIdle(clock_.Now()), 1);
+  EXPECT_EQ(set->TryGet(key, Placement::Host()), nullptr) << "decommitted: Commit is a syscall";
+  EXPECT_FALSE(kept->committed());
+  EXPECT_EQ(Get(*set, key)->get(), kept);
+}
+
 TEST_F(KeptBuffersTest, KeysOfDifferentOwnersAndUsesNeverShare) {
   auto set = pool_->NewSet();
   const std::vector<KeptKey> keys = {
