@@ -492,6 +492,12 @@ class GroupManager : public peer::PeerEvents {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void StartUnshard(const Caller& caller, absl::Time deadline, std::shared_ptr<SummonStart> start,
                     SummonCallback done);
+  // Drops the node-copy marks a summon set in `slot` (SummonSlot::making) and hands the
+  // summons that waited for them to `waiting` (run after mu_).
+  void UnmarkMaking(std::shared_ptr<SummonSlot> slot,
+                    std::vector<std::pair<int32_t, KeptUse>>* marked,
+                    std::vector<absl::AnyInvocable<void()>>* waiting)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // rank0_only writeback End: gets the buffers rank 0's broadcast lands in (without mu_) and
   // builds the broadcasts; UNAVAILABLE when the summon was dropped meanwhile.
   absl::Status PrepareRank0Broadcast(const Caller& caller, uint64_t summon, const Plan& plan,

@@ -143,6 +143,15 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
       });
 }
 
+void GroupManager::UnmarkMaking(std::shared_ptr<SummonSlot> slot,
+                                std::vector<std::pair<int32_t, KeptUse>>* marked,
+                                std::vector<absl::AnyInvocable<void()>>* waiting) {
+  for (const auto& m : *marked) slot->making.erase(m);
+  marked->clear();
+  for (auto& w : slot->on_made) waiting->push_back(std::move(w));
+  slot->on_made.clear();
+}
+
 void GroupManager::SummonWritten(const Caller& caller, const std::string& module,
                                  const std::string& path, const SummonOptions& options,
                                  absl::Time deadline, SummonCallback done) {
@@ -151,6 +160,7 @@ void GroupManager::SummonWritten(const Caller& caller, const std::string& module
   // The slot whose node copies this summon is making without mu_ (SummonSlot::making), and
   // the other local ranks' summons that wait for them, run again once mu_ is released.
   std::shared_ptr<SummonSlot> making;
+  std::vector<std::pair<int32_t, KeptUse>> marked;  // in making->making, by this summon
   std::vector<absl::AnyInvocable<void()>> waiting;
   absl::Status error;
   bool parked = false;  // `done` went to the slot's on_made
@@ -159,13 +169,8 @@ void GroupManager::SummonWritten(const Caller& caller, const std::string& module
     bool opened = false;
     {
       absl::MutexLock lock(&mu_);
-      if (making != nullptr) {
-        // Our marks go whatever happens next; the ranks that waited for them decide afresh.
-        making->making.clear();
-        for (auto& w : making->on_made) waiting.push_back(std::move(w));
-        making->on_made.clear();
-        making.reset();
-      }
+      // Our marks go whatever happens next; the ranks that waited for them decide afresh.
+      if (making != nullptr) UnmarkMaking(std::move(making), &marked, &waiting);
       error = DecideSummon(caller, module, path, options, &decision);
       if (error.ok() && decision.wait) {
         // Another local rank is making a node copy this summon shares: decide again once it
@@ -187,7 +192,9 @@ void GroupManager::SummonWritten(const Caller& caller, const std::string& module
           // for this one (on_made) rather than make the same node copy; the marks go at the
           // next re-take of mu_, on every path.
           making = decision.slot;
-          for (const auto& m : decision.make) making->making.insert(m);
+          for (const auto& m : decision.make) {
+            if (making->making.insert(m).second) marked.push_back(m);
+          }
         }
       }
     }
@@ -207,10 +214,7 @@ void GroupManager::SummonWritten(const Caller& caller, const std::string& module
     if (!error.ok()) {
       if (making != nullptr) {
         absl::MutexLock lock(&mu_);
-        making->making.clear();
-        for (auto& w : making->on_made) waiting.push_back(std::move(w));
-        making->on_made.clear();
-        making.reset();
+        UnmarkMaking(std::move(making), &marked, &waiting);
       }
       break;
     }
