@@ -33,14 +33,17 @@ GroupManager::GroupManager(ShardStore* store, GroupManagerOptions options)
       lease_timeout_(options.lease_timeout),
       self_(std::move(options.self)),
       gpus_(std::move(options.gpus)),
+      copier_(options.copier),
+      devices_(gpus_),
       group_idle_timeout_(options.group_idle_timeout),
       max_groups_per_uid_(options.max_groups_per_uid),
-      clock_(options.clock != nullptr ? options.clock : Clock::Real()) {
-  FS_CHECK(gpus_.empty() || options.copier != nullptr) << "a GPU daemon needs a DeviceCopier";
+      clock_(options.clock != nullptr ? options.clock : Clock::Real()),
+      kept_pool_(KeptBufferPool::Create(store, clock_)) {
+  FS_CHECK(gpus_.empty() || copier_ != nullptr) << "a GPU daemon needs a DeviceCopier";
   collective::CommunicatorFactoryOptions factory;
   factory.remote = std::move(options.remote_backend);
   factory.nccl = std::move(options.nccl_backend);
-  factory.copier = std::move(options.copier);
+  factory.copier = copier_;
   factory.registry = options.backend_registry;
   absl::StatusOr<std::unique_ptr<collective::CommunicatorFactory>> comms =
       collective::CommunicatorFactory::Create(std::move(factory));
@@ -61,6 +64,7 @@ GroupManager::~GroupManager() {
   // Connects still queued finish (FinishConnect drops them: shutdown_); then no thread but
   // the callers' can enter the manager.
   comms_.reset();
+  devices_.Stop();  // the device waits still queued end now, while the manager is whole
   // Shutdown aborted every group's collectives, but their ops fail on the engine's watchdog
   // thread, and a completion may be running on a backend thread: callbacks that lock mu_ and
   // read groups_. Wait for them before any member goes. Invariant: a callback of an op of
@@ -491,59 +495,7 @@ void GroupManager::MaybeRemoveGroup(const std::string& id) {
   if (!coordinator.empty()) coordinator_idle_since_.try_emplace(coordinator, clock_->Now());
 }
 
-gpu::DeviceContext* GroupManager::DeviceOf(int32_t rank) const {
-  if (gpus_.empty()) return nullptr;
-  return gpus_[static_cast<size_t>(rank) % gpus_.size()].get();
-}
-
-Placement GroupManager::PlacementOf(int32_t rank) const {
-  const gpu::DeviceContext* d = DeviceOf(rank);
-  return d == nullptr ? Placement::Host() : Placement::Device(d->device());
-}
-
-absl::Status GroupManager::WaitForTrainer(int32_t rank, const gpu::IpcEventRef& written) const {
-  gpu::DeviceContext* d = DeviceOf(rank);
-  if (d == nullptr || written.id == 0) return absl::OkStatus();
-  // The collectives run on the backend's streams, so the host waits here for the trainer's
-  // writes (in the daemon: no round trip to the trainer), on the event itself.
-  return d->WaitOnHost(written);
-}
-
-gpu::IpcEventRef GroupManager::RecordReady(int32_t rank) {
-  gpu::DeviceContext* d = DeviceOf(rank);
-  if (d == nullptr) return {};
-  absl::StatusOr<gpu::IpcEventRef> ready = d->RecordReady();
-  if (!ready.ok()) {
-    // The collective already completed on the host's watch, so the bytes are in place; the
-    // trainer only loses the device-side ordering hint.
-    FS_LOG(WARNING) << "rank " << rank << ": recording the ready event: " << ready.status();
-    return {};
-  }
-  return *ready;
-}
-
-absl::Status GroupManager::CopyBytes(int32_t rank, void* dst, const void* src,
-                                     size_t bytes) const {
-  if (bytes == 0) return absl::OkStatus();
-  gpu::DeviceContext* d = DeviceOf(rank);
-  if (d == nullptr) {
-    std::memcpy(dst, src, bytes);
-    return absl::OkStatus();
-  }
-  return d->Copy(dst, src, bytes);  // cudaMemcpy with the default kind: any direction
-}
-
-absl::Status GroupManager::CopyOwnRange(int32_t rank, const Plan& plan, const PlanUnit& unit,
-                                        int32_t r, const Buffer& full, const Buffer& shard) const {
-  absl::StatusOr<FlatLayout> layout = UnitLayout(plan, unit);
-  FS_CHECK(layout.ok()) << layout.status();  // the plan was validated when it was made
-  const ElementRange range = layout->UnpaddedShardRange(r);
-  if (range.empty()) return absl::OkStatus();
-  const int64_t item = ItemSize(unit.dtype);
-  return CopyBytes(
-      rank, static_cast<char*>(shard.data()) + (range.begin - layout->ShardRange(r).begin) * item,
-      static_cast<const char*>(full.data()) + range.begin * item, range.size() * item);
-}
+gpu::IpcEventRef GroupManager::RecordReady(int32_t rank) { return devices_.RecordReady(rank); }
 
 void GroupManager::MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
   DropGoneJoins(g, run);  // a join whose caller went away must not complete for it
@@ -854,7 +806,6 @@ void GroupManager::DeadlineLoop() {
       mu_.AwaitWithTimeout(absl::Condition(&shutdown_), absl::Milliseconds(20));
       if (shutdown_) return;
       const absl::Time now = clock_->Now();
-      DecommitIdle(now);
       std::vector<std::string> ids;
       for (const auto& [id, g] : groups_) ids.push_back(id);
       for (const std::string& id : ids) {
@@ -912,6 +863,8 @@ void GroupManager::DeadlineLoop() {
         }
       }
     }
+    // Kept buffers idle for a while give their pages back (the caches' own locks, not mu_).
+    kept_pool_->DecommitIdle(clock_->Now());
     for (auto& f : run) f();
   }
 }

@@ -41,7 +41,9 @@
 #include "server/collective/communicator_factory.h"
 #include "server/collective/staging/staging_communicator.h"
 #include "server/gpu/device_context.h"
+#include "server/kept_buffers.h"
 #include "server/peer/peer_client.h"
+#include "server/rank_devices.h"
 #include "server/shard_store.h"
 
 namespace flatshard::server {
@@ -430,17 +432,10 @@ class GroupManager : public peer::PeerEvents {
   void FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status);
   absl::Status CheckCallerLocked(const Caller& caller) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
-  // A kept buffer of `reg` for (owner, unit, what), committed and not in use by anyone else;
-  // a fresh one when the kept one is still in use (e.g. read by a slower rank).
-  absl::StatusOr<std::shared_ptr<Buffer>> KeptBuffer(Group& g, Registered& reg, int32_t owner,
-                                                     int32_t unit, int what, BufferKind kind,
-                                                     int64_t bytes, const std::string& label,
-                                                     Placement placement)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The kept-buffer cache of `reg` (made on first use).
+  std::shared_ptr<KeptBuffers> KeptOf(Registered& reg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks kept buffers nobody uses any more as idle from now.
   void ReleaseKept(Registered& reg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Decommits kept buffers idle for a while (all idle ones when `now` is InfiniteFuture).
-  void DecommitIdle(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The rank's session is over here (leave, lease ended); tells the coordinator.
   void EndRank(Group& g, int32_t rank, std::vector<absl::AnyInvocable<void()>>* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -484,19 +479,50 @@ class GroupManager : public peer::PeerEvents {
              absl::Time deadline, absl::AnyInvocable<void(absl::Status, bool stale)> done);
 
   // GPU daemons: the context rank `rank` lives on; null for host-memory daemons.
-  gpu::DeviceContext* DeviceOf(int32_t rank) const;
+  gpu::DeviceContext* DeviceOf(int32_t rank) const { return devices_.DeviceOf(rank); }
   // Where `rank`'s buffers go (host, or its GPU).
-  Placement PlacementOf(int32_t rank) const;
-  // Makes `rank`'s GPU wait for the trainer's `written` event (no-op for id 0 / host ranks).
-  absl::Status WaitForTrainer(int32_t rank, const gpu::IpcEventRef& written) const;
-  // Copies between buffers of any placement (memcpy, or a device copy on `device`'s stream).
-  absl::Status CopyBytes(int32_t rank, void* dst, const void* src, size_t bytes) const;
-  // Writes rank `r`'s unpadded range of `full` into `shard` (any placements).
-  absl::Status CopyOwnRange(int32_t rank, const Plan& plan, const PlanUnit& unit, int32_t r,
-                            const Buffer& full, const Buffer& shard) const;
-  // The reduced shard `reduced` into the gradient shard: copied, or added when `accumulate`.
-  absl::Status ApplyReducedGrad(int32_t rank, collective::ConstBuffer reduced, Buffer& grad,
-                                DType dtype, bool accumulate) const;
+  Placement PlacementOf(int32_t rank) const { return devices_.PlacementOf(rank); }
+  // The public collective calls continue here once the trainer's `written` event was reached
+  // (RankDevices::AfterTrainerWrites; `local` is that wait's status where a failure is the
+  // rank's "no" in an agreement).
+  void SummonWritten(const Caller& caller, const std::string& module, const std::string& path,
+                     const SummonOptions& options, absl::Time deadline, SummonCallback done);
+  // The steps of a summon (group_manager_summon.cc tells the order and the lock invariants).
+  struct ViewNeed;
+  struct SummonDecision;
+  struct SummonStart;
+  using ViewBuffers = std::map<std::pair<int32_t, KeptUse>, std::shared_ptr<Buffer>>;
+  absl::Status DecideSummon(const Caller& caller, const std::string& module,
+                            const std::string& path, const SummonOptions& options,
+                            SummonDecision* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OpenSummonLocked(const Caller& caller, const std::string& module, const std::string& path,
+                        const SummonOptions& options, const SummonDecision& d,
+                        const ViewBuffers& got, SummonStart* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartUnshard(const Caller& caller, absl::Time deadline, std::shared_ptr<SummonStart> start,
+                    SummonCallback done);
+  // Drops the node-copy marks a summon set in `slot` (SummonSlot::making) and hands the
+  // summons that waited for them to `waiting` (run after mu_).
+  void UnmarkMaking(std::shared_ptr<SummonSlot> slot,
+                    std::vector<std::pair<int32_t, KeptUse>>* marked,
+                    std::vector<absl::AnyInvocable<void()>>* waiting)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // rank0_only writeback End: gets the buffers rank 0's broadcast lands in (without mu_) and
+  // builds the broadcasts; UNAVAILABLE when the summon was dropped meanwhile.
+  absl::Status PrepareRank0Broadcast(const Caller& caller, uint64_t summon, const Plan& plan,
+                                     const std::vector<UnitShard>& shards,
+                                     const std::shared_ptr<KeptBuffers>& kept,
+                                     const std::vector<ViewNeed>& needs,
+                                     int64_t owner_uid, OpenSummon* copy,
+                                     std::vector<collective::CollectiveOp>* broadcasts)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time deadline,
+                        StatusCallback done, absl::Status local);
+  void FinishReduceScatterWritten(const Caller& caller, const std::string& module, int32_t unit,
+                                  GradReduce op, bool accumulate, absl::Time deadline,
+                                  StatusCallback done);
+  void CommitWritten(const Caller& caller, const std::string& module, absl::Time deadline,
+                     CommitCallback done, absl::Status local);
   // The request for `g`'s communicator over `spec` (local devices filled in on GPU daemons).
   collective::CommunicatorRequest RequestFor(collective::GroupSpec spec, bool nccl_agreed) const;
 
@@ -504,6 +530,10 @@ class GroupManager : public peer::PeerEvents {
   const absl::Duration lease_timeout_;
   peer::DaemonIdentity self_;
   const std::vector<std::shared_ptr<gpu::DeviceContext>> gpus_;
+  const std::shared_ptr<collective::DeviceCopier> copier_;
+  // Placement and copies of each rank's memory; host waits on devices run on its workers.
+  // Declared before engine_: it outlives the engine's callbacks (stopped in the destructor).
+  RankDevices devices_;
   // Chooses and connects the groups' backends (inproc, UCX, NCCL; staged on GPU daemons).
   // Never called under mu_ but for Choose (no I/O).
   std::unique_ptr<collective::CommunicatorFactory> comms_;
@@ -511,6 +541,8 @@ class GroupManager : public peer::PeerEvents {
   const absl::Duration group_idle_timeout_;
   const int32_t max_groups_per_uid_;
   Clock* const clock_;
+  // Every registered module's kept buffers (Registered::kept), decommitted when idle.
+  const std::shared_ptr<KeptBufferPool> kept_pool_;
   mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;

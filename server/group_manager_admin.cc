@@ -231,7 +231,9 @@ GroupManager::DeletedGroup GroupManager::RemoveGroupLocked(
     }
     for (auto& [key, b] : reg.grad_staging) take(b);
     for (auto& [key, b] : reg.new_grads) take(b);
-    for (auto& [key, kept] : reg.kept) take(kept.buffer);
+    if (reg.kept) {
+      for (std::shared_ptr<Buffer>& b : reg.kept->TakeAll()) take(b);
+    }
     for (auto& [k, slot] : reg.slots) {
       for (auto* m : {&slot->shared_params, &slot->shared_grads, &slot->rank0_params,
                       &slot->rank0_grads}) {

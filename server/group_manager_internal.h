@@ -150,9 +150,8 @@ inline collective::MutableBuffer MutableOf(const Buffer* b, DType dtype) {
 // A coordinator no group has used for this long gets its watch stream closed.
 inline constexpr absl::Duration kUnwatchAfter = absl::Seconds(10);
 
-// A kept buffer idle this long gives its pages back: a training loop that summons every step
-// keeps its pages (no page faults per step), an idle job holds only its shards.
-inline constexpr absl::Duration kKeptIdleRelease = absl::Seconds(1);
+// A kept buffer idle this long gives its pages back (KeptBufferPool::kIdleRelease).
+inline constexpr absl::Duration kKeptIdleRelease = KeptBufferPool::kIdleRelease;
 
 inline void CopyText(absl::string_view text, char* out, size_t size) {
   std::memset(out, 0, size);
@@ -221,6 +220,11 @@ struct GroupManager::SummonSlot {
   int32_t assembled = 0;
   absl::Status assembly_error;
   std::vector<absl::AnyInvocable<void(absl::Status)>> waiting;
+  // Read-only summons: node copies (unit, use) a local rank is getting without mu_, and the
+  // other local ranks' summons waiting for them (run again, after mu_, once they are made or
+  // the maker gave up), so that the node allocates each copy once.
+  std::set<std::pair<int32_t, KeptUse>> making;
+  std::vector<absl::AnyInvocable<void()>> on_made;
 };
 
 struct GroupManager::OpenSummon {
@@ -257,13 +261,10 @@ struct GroupManager::Registered {
   // in shards_by_rank only when the reduce-scatter succeeds (a failed one changes nothing).
   std::map<std::pair<int32_t, int32_t>, std::shared_ptr<Buffer>> new_grads;  // (rank, unit)
   // Unsharded and staging buffers kept across summons, decommitted while unused, so a
-  // trainer maps each segment once (steady state: no mmap per summon). Key: (owner, unit,
-  // what) with owner = rank, or -1 for the node's shared read-only copy.
-  struct Kept {
-    std::shared_ptr<Buffer> buffer;
-    absl::Time idle_since = absl::InfiniteFuture();  // in use until ReleaseKept says otherwise
-  };
-  std::map<std::tuple<int32_t, int32_t, int>, Kept> kept;
+  // trainer maps each segment once (steady state: no mmap per summon). Null until the first
+  // summon or reduce-scatter (GroupManager::KeptOf). shared_ptr: a call that allocates
+  // outside mu_ keeps it alive while the module may be dropped.
+  std::shared_ptr<KeptBuffers> kept;
   // The session each rank registered or re-attached in; a rank whose session changed (a
   // restarted trainer) may register the same model again to re-attach.
   std::vector<uint64_t> attached_session;

@@ -21,303 +21,501 @@ namespace flatshard::server {
 using internal::ConstOf;
 using internal::Display;
 using internal::kAlreadyUnsharding;
-using internal::kKeptIdleRelease;
 using internal::MutableOf;
 using internal::SelectUnits;
 
-absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::KeptBuffer(
-    Group& g, Registered& reg, int32_t owner, int32_t unit, int what, BufferKind kind,
-    int64_t bytes, const std::string& label, Placement placement) {
-  // Two buffers are kept per (owner, unit, what), the second under key what + 16. EndSummon
-  // is not collective, so a fast rank's next summon often arrives while a slower rank still
-  // holds the previous summon's buffer (a read-only summon's node-shared copy above all). With
-  // one kept buffer that summon got a fresh, unkept one: a new segment for every client to
-  // map, every other summon. The second copy takes that turn instead, and two suffice: a
-  // rank's summon k+2 of a unit starts after its summon k+1 completed, which every rank joined
-  // only after ending summon k, so summon k's buffer is free again by then.
-  constexpr int kKeptCopies = 2;
-  constexpr int kCopyStride = 16;  // `what` is 0..2
-  Registered::Kept* vacant = nullptr;
-  for (int copy = 0; copy < kKeptCopies; ++copy) {
-    Registered::Kept& kept = reg.kept[{owner, unit, what + copy * kCopyStride}];
-    if (kept.buffer && kept.buffer->placement() != placement) {
-      // offload_to_cpu toggled between summons: the other placement's buffer goes.
-      if (kept.buffer.use_count() == 1) kept.buffer.reset();
-    }
-    if (!kept.buffer) {
-      if (vacant == nullptr) vacant = &kept;
-      continue;
-    }
-    if (kept.buffer.use_count() != 1) continue;  // in use: try the other copy
-    // Only this map holds it: free to reuse.
-    if (!kept.buffer->committed()) {
-      absl::Status s = kept.buffer->Commit();
-      if (absl::IsResourceExhausted(s)) {
-        DecommitIdle(absl::InfiniteFuture());  // make room from other idle buffers, then retry
-        s = kept.buffer->Commit();
-      }
-      FS_RETURN_IF_ERROR(s);
-    }
-    kept.idle_since = absl::InfiniteFuture();
-    return kept.buffer;
-  }
-  absl::StatusOr<std::shared_ptr<Buffer>> fresh =
-      store_->Allocate(kind, bytes, label, g.owner_uid, placement);
-  if (absl::IsResourceExhausted(fresh.status())) {
-    DecommitIdle(absl::InfiniteFuture());
-    fresh = store_->Allocate(kind, bytes, label, g.owner_uid, placement);
-  }
-  if (!fresh.ok()) return fresh.status();
-  if (vacant != nullptr) vacant->buffer = *fresh;
-  return *fresh;
+std::shared_ptr<KeptBuffers> GroupManager::KeptOf(Registered& reg) {
+  if (!reg.kept) reg.kept = kept_pool_->NewSet();
+  return reg.kept;
 }
 
 void GroupManager::ReleaseKept(Registered& reg) {
-  const absl::Time now = clock_->Now();
-  for (auto& [key, kept] : reg.kept) {
-    if (kept.buffer.use_count() == 1 && kept.idle_since == absl::InfiniteFuture()) {
-      kept.idle_since = now;
+  if (reg.kept) reg.kept->Release();
+}
+
+// ---- Summon, step by step ----
+// 1. Summon: the trainer's writes to its shards land first (RankDevices::AfterTrainerWrites;
+//    off the caller's thread for GPU ranks).
+// 2. SummonWritten: DecideSummon (under mu_) checks the call and lists the view buffers not at
+//    hand; GetViewBuffers takes them from the module's kept buffers WITHOUT mu_ (allocation:
+//    shm create, fchown, cudaHostRegister); then, under mu_ again, DecideSummon runs afresh
+//    (anything may have changed in the gap) and OpenSummonLocked opens the summon once every
+//    buffer is at hand. Nothing of the group changes before that last step, so a failed
+//    allocation, a session that ended or a group that failed in the gap leave no trace.
+// 3. CopyUnsharded (NO_SHARD: the shard is the whole buffer), without mu_ and for GPU ranks on
+//    the device's worker; then StartUnshard submits the all-gathers and answers once the
+//    views are whole.
+
+// One view buffer a summon (or a rank0_only End) needs from the module's kept buffers.
+struct GroupManager::ViewNeed {
+  int32_t unit = 0;
+  KeptUse use = KeptUse::kParams;
+  KeptKey key;
+  int64_t bytes = 0;
+  std::string label;
+};
+
+// What a summon of one rank needs, as DecideSummon found it.
+struct GroupManager::SummonDecision {
+  std::vector<int32_t> units;
+  bool sharded = false;
+  bool shared = false;  // one read-only copy per node, assembled by the local ranks together
+  Placement placement;  // of the views
+  int64_t owner_uid = -1;
+  std::shared_ptr<KeptBuffers> kept;
+  std::vector<ViewNeed> needs;  // view buffers to get (a slot's node copy already made is not one)
+  // Read-only summons (`shared`): the slot of this summon, the node copies this rank would
+  // make, and whether another local rank is making one this summon needs.
+  std::shared_ptr<SummonSlot> slot;
+  std::vector<std::pair<int32_t, KeptUse>> make;
+  bool wait = false;
+};
+
+// A summon OpenSummonLocked opened: what the steps after mu_ need.
+struct GroupManager::SummonStart {
+  SummonResult result;
+  std::vector<collective::CollectiveOp> ops;
+  std::shared_ptr<collective::CollectiveGroup> coll;
+  std::shared_ptr<SummonSlot> shared_slot;  // a read-only copy several local ranks assemble
+  int32_t shared_locals = 0;
+  // NO_SHARD: the whole shard into the view (dst, src).
+  std::vector<std::pair<std::shared_ptr<Buffer>, std::shared_ptr<Buffer>>> copies;
+};
+
+namespace {
+
+// Takes the buffers of `needs` not in `got` yet from `kept`. Allocates: REQUIRES no mu_.
+template <typename Needs, typename Got>
+absl::Status GetViewBuffers(KeptBuffers& kept, const Needs& needs, BufferKind kind,
+                            int64_t owner_uid, Placement placement, Got* got) {
+  for (const auto& need : needs) {
+    if (got->contains({need.unit, need.use})) continue;
+    absl::StatusOr<std::shared_ptr<Buffer>> b =
+        kept.Get(need.key, kind, need.bytes, need.label, owner_uid, placement);
+    if (!b.ok()) return b.status();
+    (*got)[{need.unit, need.use}] = *std::move(b);
+  }
+  return absl::OkStatus();
+}
+
+// Takes the buffers of `needs` not in `got` yet that `kept` has ready (no allocation, no
+// syscall: safe under mu_).
+template <typename Needs, typename Got>
+void TryKept(KeptBuffers& kept, const Needs& needs, Placement placement, Got* got) {
+  for (const auto& need : needs) {
+    if (got->contains({need.unit, need.use})) continue;
+    if (std::shared_ptr<Buffer> b = kept.TryGet(need.key, placement)) {
+      (*got)[{need.unit, need.use}] = std::move(b);
     }
   }
 }
 
-void GroupManager::DecommitIdle(absl::Time now) {
-  for (auto& [id, g] : groups_) {
-    for (auto& [module, reg] : g->registered) {
-      for (auto& [key, kept] : reg.kept) {
-        if (kept.buffer.use_count() != 1 || !kept.buffer->committed()) continue;
-        const bool all = now == absl::InfiniteFuture();
-        if (!all && (kept.idle_since == absl::InfiniteFuture() ||
-                     now - kept.idle_since < kKeptIdleRelease)) {
-          continue;
-        }
-        absl::Status s = kept.buffer->Decommit();
-        if (!s.ok()) FS_LOG(WARNING) << "decommit of " << kept.buffer->segment_name() << ": " << s;
-      }
-    }
+template <typename Needs, typename Got>
+bool AllAtHand(const Needs& needs, const Got& got) {
+  for (const auto& need : needs) {
+    if (!got.contains({need.unit, need.use})) return false;
   }
+  return true;
 }
+
+// A summon re-decides after each round of allocations; a round only repeats when a node copy
+// another local rank was making vanished in the gap (its slot was dropped), so this bound is
+// never reached in practice.
+constexpr int kSummonRounds = 4;
+
+}  // namespace
 
 void GroupManager::Summon(const Caller& caller, const std::string& module,
                           const std::string& path, const SummonOptions& options,
                           absl::Time deadline, SummonCallback done,
                           const gpu::IpcEventRef& written) {
   // The trainer's last writes to its shards (an optimizer step) land before they are read.
-  if (absl::Status s = WaitForTrainer(caller.rank, written); !s.ok()) {
-    done(s);
-    return;
-  }
+  devices_.AfterTrainerWrites(
+      caller.rank, written,
+      [this, caller, module, path, options, deadline, done = std::move(done)](
+          absl::Status s) mutable {
+        if (!s.ok()) {
+          done(std::move(s));
+          return;
+        }
+        SummonWritten(caller, module, path, options, deadline, std::move(done));
+      });
+}
+
+void GroupManager::UnmarkMaking(std::shared_ptr<SummonSlot> slot,
+                                std::vector<std::pair<int32_t, KeptUse>>* marked,
+                                std::vector<absl::AnyInvocable<void()>>* waiting) {
+  for (const auto& m : *marked) slot->making.erase(m);
+  marked->clear();
+  for (auto& w : slot->on_made) waiting->push_back(std::move(w));
+  slot->on_made.clear();
+}
+
+void GroupManager::SummonWritten(const Caller& caller, const std::string& module,
+                                 const std::string& path, const SummonOptions& options,
+                                 absl::Time deadline, SummonCallback done) {
+  auto start = std::make_shared<SummonStart>();
+  ViewBuffers got;  // held across rounds; dropped (back to the cache, unused) when done
+  // The slot whose node copies this summon is making without mu_ (SummonSlot::making), and
+  // the other local ranks' summons that wait for them, run again once mu_ is released.
+  std::shared_ptr<SummonSlot> making;
+  std::vector<std::pair<int32_t, KeptUse>> marked;  // in making->making, by this summon
+  std::vector<absl::AnyInvocable<void()>> waiting;
   absl::Status error;
-  SummonResult result;
-  std::vector<collective::CollectiveOp> ops;
-  std::shared_ptr<collective::CollectiveGroup> coll;
-  std::shared_ptr<SummonSlot> shared_slot;  // a read-only copy several local ranks assemble
-  int32_t shared_locals = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    error = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
-                      : CheckCallerLocked(caller);
-    Group* g = error.ok() ? groups_.at(caller.group).get() : nullptr;
-    Registered* reg = nullptr;
-    if (error.ok()) {
-      auto it = g->registered.find(module);
-      if (it == g->registered.end()) {
-        error = absl::NotFoundError(
-            absl::StrCat("group ", g->id, ": module ", Display(module), " is not registered"));
-      } else {
-        reg = &it->second;
-        if (!reg->initialized) {
-          error = CheckUsable(*g, module, *reg);  // never hands out zeros as the model
-        } else if (!FindModulePath(reg->manifest, path)) {
-          error = absl::NotFoundError(absl::StrCat("module ", Display(module), " has no submodule ",
-                                                   Display(path)));
+  bool parked = false;  // `done` went to the slot's on_made
+  for (int round = 0;; ++round) {
+    SummonDecision decision;
+    bool opened = false;
+    {
+      absl::MutexLock lock(&mu_);
+      // Our marks go whatever happens next; the ranks that waited for them decide afresh.
+      if (making != nullptr) UnmarkMaking(std::move(making), &marked, &waiting);
+      error = DecideSummon(caller, module, path, options, &decision);
+      if (error.ok() && decision.wait) {
+        // Another local rank is making a node copy this summon shares: decide again once it
+        // made it (or gave up), instead of allocating a second one.
+        decision.slot->on_made.push_back(
+            [this, caller, module, path, options, deadline, done = std::move(done)]() mutable {
+              SummonWritten(caller, module, path, options, deadline, std::move(done));
+            });
+        parked = true;
+      } else if (error.ok()) {
+        // The steady state (every buffer kept, committed and unused) needs no allocation: the
+        // summon opens in this one critical section.
+        TryKept(*decision.kept, decision.needs, decision.placement, &got);
+        if (AllAtHand(decision.needs, got)) {
+          OpenSummonLocked(caller, module, path, options, decision, got, start.get());
+          opened = true;
+        } else if (!decision.make.empty()) {
+          // Invariant: while `making` is marked, the other local ranks' k-th summons wait
+          // for this one (on_made) rather than make the same node copy; the marks go at the
+          // next re-take of mu_, on every path.
+          making = decision.slot;
+          for (const auto& m : decision.make) {
+            if (making->making.insert(m).second) marked.push_back(m);
+          }
         }
       }
     }
-    const int32_t rank = caller.rank;
-    if (error.ok()) {
-      result.units = SelectUnits(reg->plan, path, options.recurse);
-      for (int32_t u : result.units) {
-        if (reg->summoned[rank][u]) {
-          error = absl::FailedPreconditionError(absl::StrCat(
-              kAlreadyUnsharding, " (unit ", u, " ", Display(reg->plan.units[u].module), ")"));
-          break;
-        }
-      }
+    if (parked || opened) break;
+    if (error.ok() && round + 1 == kSummonRounds) {
+      error = absl::AbortedError(absl::StrCat("group ", caller.group, " rank ", caller.rank,
+                                              ": the buffers of the summon of ", Display(path),
+                                              " changed ", kSummonRounds,
+                                              " times while being allocated; summon again"));
     }
+    // Without mu_: the kept-buffer cache allocates what is missing. The cache outlives the
+    // module if that is dropped meanwhile (the next round then fails with NOT_FOUND).
     if (error.ok()) {
-      const uint64_t k = ++reg->summon_count[rank];
-      std::shared_ptr<SummonSlot>& slot = reg->slots[k];
-      if (!slot) slot = std::make_shared<SummonSlot>();
-      const bool sharded = reg->plan.shard_world_size > 1;
-      // One read-only copy per node; GPU ranks each need theirs on their own device.
-      const bool shared = !options.writeback && !options.rank0_only && sharded && gpus_.empty();
-      // GPU ranks: device views, or pinned host views under offload_to_cpu (the collective
-      // stages them through the device).
-      const Placement view_placement = gpus_.empty() || !options.offload_to_cpu
-                                           ? PlacementOf(rank)
-                                           : Placement::Pinned();
-      OpenSummon open;
-      open.id = g->next_summon++;
-      open.rank = rank;
-      open.k = k;
-      open.module = module;
-      open.options = options;
-      open.units = result.units;
-      open.slot = slot;
-      open.coll = g->coll;
-      // Buffers this rank sees: shared per node (read-only use), rank 0's only, or private.
-      auto buffer_for = [&](std::map<int32_t, std::shared_ptr<Buffer>>& shared_map,
-                            std::map<int32_t, std::shared_ptr<Buffer>>& rank0_map, int32_t u,
-                            absl::string_view what) -> absl::StatusOr<std::shared_ptr<Buffer>> {
-        const PlanUnit& unit = reg->plan.units[u];
-        const int64_t bytes = unit.padded_numel * ItemSize(unit.dtype);
-        const std::string label = absl::StrCat("group=", g->id, " unit=", u, " ", what);
-        const int kind = what == "params" ? 0 : 1;
-        if (options.rank0_only) {
-          if (rank != 0) return std::shared_ptr<Buffer>();
-          FS_ASSIGN_OR_RETURN(rank0_map[u],
-                              KeptBuffer(*g, *reg, 0, u, kind, BufferKind::kUnsharded, bytes,
-                                         absl::StrCat(label, " rank=0"), view_placement));
-          return rank0_map[u];
-        }
-        if (shared) {
-          if (!shared_map[u]) {
-            FS_ASSIGN_OR_RETURN(shared_map[u], KeptBuffer(*g, *reg, -1, u, kind,
-                                                          BufferKind::kUnsharded, bytes, label,
-                                                          view_placement));
-          }
-          return shared_map[u];
-        }
-        return KeptBuffer(*g, *reg, rank, u, kind, BufferKind::kUnsharded, bytes,
-                          absl::StrCat(label, " rank=", rank), view_placement);
-      };
-      for (int32_t u : result.units) {
-        const PlanUnit& unit = reg->plan.units[u];
-        const UnitShard& shard = reg->shards_by_rank[rank][u];
-        SummonedUnit view{u, nullptr, nullptr};
-        absl::StatusOr<std::shared_ptr<Buffer>> params =
-            buffer_for(slot->shared_params, slot->rank0_params, u, "params");
-        if (!params.ok()) {
-          error = params.status();
-          break;
-        }
-        view.params = *params;
-        if (sharded) {
-          ops.push_back(options.rank0_only
-                            ? collective::CollectiveOp::Gather(
-                                  u, ConstOf(*shard.shard, unit.dtype),
-                                  MutableOf(view.params.get(), unit.dtype), 0)
-                            : collective::CollectiveOp::AllGather(
-                                  u, ConstOf(*shard.shard, unit.dtype),
-                                  MutableOf(view.params.get(), unit.dtype)));
-        } else if (view.params) {  // NO_SHARD: the shard is the whole buffer
-          error = CopyBytes(rank, view.params->data(), shard.shard->data(), shard.shard->bytes());
-          if (!error.ok()) break;
-        }
-        // Gradients exist for every rank of a unit or for none (made by one collective).
-        if (options.with_grads && shard.grad) {
-          absl::StatusOr<std::shared_ptr<Buffer>> grads =
-              buffer_for(slot->shared_grads, slot->rank0_grads, u, "grads");
-          if (!grads.ok()) {
-            error = grads.status();
-            break;
-          }
-          view.grads = *grads;
-          if (sharded) {
-            ops.push_back(options.rank0_only
-                              ? collective::CollectiveOp::Gather(
-                                    u, ConstOf(*shard.grad, unit.dtype),
-                                    MutableOf(view.grads.get(), unit.dtype), 0)
-                              : collective::CollectiveOp::AllGather(
-                                    u, ConstOf(*shard.grad, unit.dtype),
-                                    MutableOf(view.grads.get(), unit.dtype)));
-          } else if (view.grads) {
-            error = CopyBytes(rank, view.grads->data(), shard.grad->data(), shard.grad->bytes());
-            if (!error.ok()) break;
-          }
-        }
-        open.views.push_back(std::move(view));
+      error = GetViewBuffers(*decision.kept, decision.needs, BufferKind::kUnsharded,
+                             decision.owner_uid, decision.placement, &got);
+    }
+    if (!error.ok()) {
+      if (making != nullptr) {
+        absl::MutexLock lock(&mu_);
+        UnmarkMaking(std::move(making), &marked, &waiting);
       }
-      if (error.ok()) {
-        for (int32_t u : result.units) reg->summoned[rank][u] = true;
-        reg->NoteOp(result.units, "summon", rank, true, clock_->Now());
-        result.summon = open.id;
-        if (result.units.empty()) result.note = absl::StrCat(Display(path), " is not a unit root: nothing unsharded");
-        if (!options.rank0_only || rank == 0) result.views = open.views;
-        g->open_summons.emplace(open.id, std::move(open));
-        coll = g->coll;
-        if (shared && !ops.empty() && g->local_ranks.size() > 1) {
-          shared_slot = slot;
-          shared_locals = static_cast<int32_t>(g->local_ranks.size());
-        }
-      } else {
-        --reg->summon_count[rank];
-        if (slot->shared_params.empty() && slot->rank0_params.empty()) reg->slots.erase(k);
-        ops.clear();
-      }
+      break;
     }
   }
+  got.clear();
+  for (auto& w : waiting) w();
+  if (parked) return;  // runs again from on_made
   if (!error.ok()) {
     done(error);
     return;
   }
-  const uint64_t id = result.summon;
-  auto finish = [this, caller, id, result = std::move(result),
-                 done = std::move(done)](absl::Status s) mutable {
-              if (!s.ok()) {
-                // Nothing was handed out: end the summon without writeback.
-                FinishEnd(caller, id, s, [done = std::move(done), s](absl::Status) mutable {
-                  done(s);
-                });
-                return;
-              }
-              {
-                absl::MutexLock lock(&mu_);
-                auto g = groups_.find(caller.group);
-                if (g != groups_.end()) {
-                  auto it = g->second->open_summons.find(id);
-                  if (it != g->second->open_summons.end()) it->second.ready = true;
-                }
-              }
-              result.ready = RecordReady(caller.rank);
-              done(std::move(result));
+  if (start->copies.empty()) {
+    StartUnshard(caller, deadline, std::move(start), std::move(done));
+    return;
+  }
+  // NO_SHARD: the views are copies of the shards. The unit is marked summoned, so no End or
+  // reduce-scatter of this rank touches these buffers until the summon is answered.
+  devices_.RunBlocking(
+      caller.rank,
+      [this, rank = caller.rank, start] {
+        for (const auto& [dst, src] : start->copies) {
+          FS_RETURN_IF_ERROR(devices_.CopyBytes(rank, dst->data(), src->data(),
+                                                static_cast<size_t>(src->bytes())));
+        }
+        return absl::OkStatus();
+      },
+      [this, caller, deadline, start, done = std::move(done)](absl::Status s) mutable {
+        start->copies.clear();
+        if (!s.ok()) {
+          // Nothing was handed out: end the summon without writeback.
+          FinishEnd(caller, start->result.summon, s,
+                    [done = std::move(done), s](absl::Status) mutable { done(s); });
+          return;
+        }
+        StartUnshard(caller, deadline, std::move(start), std::move(done));
+      });
+}
+
+absl::Status GroupManager::DecideSummon(const Caller& caller, const std::string& module,
+                                        const std::string& path, const SummonOptions& options,
+                                        SummonDecision* d) {
+  FS_RETURN_IF_ERROR(shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
+                               : CheckCallerLocked(caller));
+  Group& g = *groups_.at(caller.group);
+  auto it = g.registered.find(module);
+  if (it == g.registered.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("group ", g.id, ": module ", Display(module), " is not registered"));
+  }
+  Registered& reg = it->second;
+  if (!reg.initialized) return CheckUsable(g, module, reg);  // never hands out zeros as the model
+  if (!FindModulePath(reg.manifest, path)) {
+    return absl::NotFoundError(
+        absl::StrCat("module ", Display(module), " has no submodule ", Display(path)));
+  }
+  const int32_t rank = caller.rank;
+  d->units = SelectUnits(reg.plan, path, options.recurse);
+  for (int32_t u : d->units) {
+    if (reg.summoned[rank][u]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          kAlreadyUnsharding, " (unit ", u, " ", Display(reg.plan.units[u].module), ")"));
+    }
+  }
+  d->sharded = reg.plan.shard_world_size > 1;
+  // One read-only copy per node; GPU ranks each need theirs on their own device.
+  d->shared = !options.writeback && !options.rank0_only && d->sharded && gpus_.empty();
+  // GPU ranks: device views, or pinned host views under offload_to_cpu (the collective
+  // stages them through the device).
+  d->placement = gpus_.empty() || !options.offload_to_cpu ? PlacementOf(rank)
+                                                          : Placement::Pinned();
+  d->owner_uid = g.owner_uid;
+  d->kept = KeptOf(reg);
+  // The slot this summon will meet the other local ranks' in: its node copies may be made
+  // (or being made) already.
+  if (d->shared) {
+    std::shared_ptr<SummonSlot>& slot = reg.slots[reg.summon_count[rank] + 1];
+    if (!slot) slot = std::make_shared<SummonSlot>();
+    d->slot = slot;
+  }
+  for (int32_t u : d->units) {
+    const PlanUnit& unit = reg.plan.units[u];
+    const UnitShard& shard = reg.shards_by_rank[rank][u];
+    for (KeptUse use : {KeptUse::kParams, KeptUse::kGrads}) {
+      // Gradients exist for every rank of a unit or for none (made by one collective).
+      if (use == KeptUse::kGrads && !(options.with_grads && shard.grad)) continue;
+      const std::string label = absl::StrCat("group=", g.id, " unit=", u, " ",
+                                             use == KeptUse::kParams ? "params" : "grads");
+      const int64_t bytes = unit.padded_numel * ItemSize(unit.dtype);
+      // Buffers this rank sees: shared per node (read-only use), rank 0's only, or private.
+      if (options.rank0_only) {
+        if (rank == 0) {
+          d->needs.push_back({u, use, KeptKey::Rank(0, u, use), bytes,
+                              absl::StrCat(label, " rank=0")});
+        }
+      } else if (d->shared) {
+        const auto& map =
+            use == KeptUse::kParams ? d->slot->shared_params : d->slot->shared_grads;
+        if (map.contains(u) && map.at(u) != nullptr) continue;  // another rank made it
+        if (d->slot->making.contains({u, use})) {
+          d->wait = true;  // another rank is making it
+          continue;
+        }
+        d->needs.push_back({u, use, KeptKey::NodeShared(u, use), bytes, label});
+        d->make.emplace_back(u, use);
+      } else {
+        d->needs.push_back({u, use, KeptKey::Rank(rank, u, use), bytes,
+                            absl::StrCat(label, " rank=", rank)});
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void GroupManager::OpenSummonLocked(const Caller& caller, const std::string& module,
+                                    const std::string& path, const SummonOptions& options,
+                                    const SummonDecision& d, const ViewBuffers& got,
+                                    SummonStart* out) {
+  Group& g = *groups_.at(caller.group);
+  Registered& reg = g.registered.at(module);
+  const int32_t rank = caller.rank;
+  const uint64_t k = ++reg.summon_count[rank];
+  std::shared_ptr<SummonSlot>& slot = reg.slots[k];
+  if (!slot) slot = std::make_shared<SummonSlot>();
+  OpenSummon open;
+  open.id = g.next_summon++;
+  open.rank = rank;
+  open.k = k;
+  open.module = module;
+  open.options = options;
+  open.units = d.units;
+  open.slot = slot;
+  open.coll = g.coll;
+  // The buffer this rank sees of (unit, use): rank 0's only, the node's copy (the first local
+  // rank's to arrive), or its own.
+  auto view_of = [&](int32_t u, KeptUse use) -> std::shared_ptr<Buffer> {
+    const bool params = use == KeptUse::kParams;
+    if (options.rank0_only) {
+      if (rank != 0) return nullptr;
+      auto& rank0 = params ? slot->rank0_params : slot->rank0_grads;
+      return rank0[u] = got.at({u, use});
+    }
+    if (d.shared) {
+      std::shared_ptr<Buffer>& node = (params ? slot->shared_params : slot->shared_grads)[u];
+      if (!node) node = got.at({u, use});
+      return node;
+    }
+    return got.at({u, use});
   };
+  for (int32_t u : d.units) {
+    const PlanUnit& unit = reg.plan.units[u];
+    const UnitShard& shard = reg.shards_by_rank[rank][u];
+    // Sharded: the all-gather (a gather to rank 0 under rank0_only) fills the view; NO_SHARD:
+    // the shard is the whole buffer, copied after mu_ (CopyUnsharded).
+    auto unshard = [&](const std::shared_ptr<Buffer>& from, const std::shared_ptr<Buffer>& to) {
+      if (!d.sharded) {
+        if (to != nullptr) out->copies.emplace_back(to, from);
+        return;
+      }
+      out->ops.push_back(options.rank0_only
+                             ? collective::CollectiveOp::Gather(u, ConstOf(*from, unit.dtype),
+                                                                MutableOf(to.get(), unit.dtype), 0)
+                             : collective::CollectiveOp::AllGather(
+                                   u, ConstOf(*from, unit.dtype), MutableOf(to.get(), unit.dtype)));
+    };
+    SummonedUnit view{u, nullptr, nullptr};
+    view.params = view_of(u, KeptUse::kParams);
+    unshard(shard.shard, view.params);
+    // Gradients exist for every rank of a unit or for none (made by one collective).
+    if (options.with_grads && shard.grad) {
+      view.grads = view_of(u, KeptUse::kGrads);
+      unshard(shard.grad, view.grads);
+    }
+    open.views.push_back(std::move(view));
+  }
+  for (int32_t u : d.units) reg.summoned[rank][u] = true;
+  reg.NoteOp(d.units, "summon", rank, true, clock_->Now());
+  SummonResult& result = out->result;
+  result.summon = open.id;
+  result.units = d.units;
+  if (d.units.empty()) result.note = absl::StrCat(Display(path), " is not a unit root: nothing unsharded");
+  if (!options.rank0_only || rank == 0) result.views = open.views;
+  g.open_summons.emplace(open.id, std::move(open));
+  out->coll = g.coll;
+  if (d.shared && !out->ops.empty() && g.local_ranks.size() > 1) {
+    out->shared_slot = slot;
+    out->shared_locals = static_cast<int32_t>(g.local_ranks.size());
+  }
+}
+
+void GroupManager::StartUnshard(const Caller& caller, absl::Time deadline,
+                                std::shared_ptr<SummonStart> start, SummonCallback done) {
+  const uint64_t id = start->result.summon;
+  auto finish = [this, caller, id, result = std::move(start->result),
+                 done = std::move(done)](absl::Status s) mutable {
+    if (!s.ok()) {
+      // Nothing was handed out: end the summon without writeback.
+      FinishEnd(caller, id, s, [done = std::move(done), s](absl::Status) mutable { done(s); });
+      return;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      auto g = groups_.find(caller.group);
+      if (g != groups_.end()) {
+        auto it = g->second->open_summons.find(id);
+        if (it != g->second->open_summons.end()) it->second.ready = true;
+      }
+    }
+    result.ready = RecordReady(caller.rank);  // cudaEventRecord: no host wait
+    done(std::move(result));
+  };
+  std::shared_ptr<SummonSlot> shared_slot = std::move(start->shared_slot);
   if (shared_slot == nullptr) {
-    coll->SubmitAll(caller.rank, std::move(ops), deadline - clock_->Now(), std::move(finish));
+    start->coll->SubmitAll(caller.rank, std::move(start->ops), deadline - clock_->Now(),
+              std::move(finish));
     return;
   }
   // The node's one read-only copy is assembled by every local rank's op together (each
   // block lands once, through whichever local rank receives it), so one rank's op may
   // complete before the copy is whole: every local rank answers once all of theirs have
   // completed, with the first error if any did not (bounded by the ops' deadlines).
-  coll->SubmitAll(caller.rank, std::move(ops), deadline - clock_->Now(),
-                  [this, shared_slot, local = shared_locals,
-                   finish = std::move(finish)](absl::Status s) mutable {
-                    std::vector<absl::AnyInvocable<void(absl::Status)>> ready;
-                    absl::Status verdict;
-                    {
-                      absl::MutexLock lock(&mu_);
-                      if (!s.ok() && shared_slot->assembly_error.ok())
-                        shared_slot->assembly_error = s;
-                      ++shared_slot->assembled;
-                      shared_slot->waiting.push_back(std::move(finish));
-                      // A failure answers at once (a rank that died never submits: nobody waits
-                      // for it); success waits for the last local rank.
-                      if (shared_slot->assembly_error.ok() && shared_slot->assembled < local)
-                        return;
-                      ready.swap(shared_slot->waiting);
-                      verdict = shared_slot->assembly_error;
-                    }
-                    for (auto& f : ready) f(verdict);
-                  });
+  start->coll->SubmitAll(caller.rank, std::move(start->ops), deadline - clock_->Now(),
+            [this, shared_slot, local = start->shared_locals,
+             finish = std::move(finish)](absl::Status s) mutable {
+              std::vector<absl::AnyInvocable<void(absl::Status)>> ready;
+              absl::Status verdict;
+              {
+                absl::MutexLock lock(&mu_);
+                if (!s.ok() && shared_slot->assembly_error.ok()) shared_slot->assembly_error = s;
+                ++shared_slot->assembled;
+                shared_slot->waiting.push_back(std::move(finish));
+                // A failure answers at once (a rank that died never submits: nobody waits
+                // for it); success waits for the last local rank.
+                if (shared_slot->assembly_error.ok() && shared_slot->assembled < local) return;
+                ready.swap(shared_slot->waiting);
+                verdict = shared_slot->assembly_error;
+              }
+              for (auto& f : ready) f(verdict);
+            });
+}
+
+absl::Status GroupManager::PrepareRank0Broadcast(
+    const Caller& caller, uint64_t summon, const Plan& plan, const std::vector<UnitShard>& shards,
+    const std::shared_ptr<KeptBuffers>& kept, const std::vector<ViewNeed>& needs,
+    int64_t owner_uid, OpenSummon* copy, std::vector<collective::CollectiveOp>* broadcasts) {
+  // Without mu_: the kept-buffer cache may allocate.
+  ViewBuffers got;
+  absl::Status status = GetViewBuffers(*kept, needs, BufferKind::kUnsharded, owner_uid,
+                                       PlacementOf(caller.rank), &got);
+  absl::MutexLock lock(&mu_);
+  // Invariant: the summon was marked `ending` before mu_ was released, so no other End of it
+  // ran in the gap and its views and slot are as they were; only the rank's session ending
+  // (DropSummons) or the group's removal can have taken it away, which is checked here.
+  auto g = groups_.find(caller.group);
+  auto it = g == groups_.end() ? decltype(g->second->open_summons)::iterator{}
+                               : g->second->open_summons.find(summon);
+  if (g == groups_.end() || it == g->second->open_summons.end()) {
+    return absl::UnavailableError(absl::StrCat(
+        "group ", caller.group, " rank ", caller.rank, ": summon ", summon,
+        " was dropped while its writeback was being prepared (the rank's session ended)"));
+  }
+  if (!status.ok()) {
+    it->second.ending = false;
+    return status;
+  }
+  // beyond FSDP: rank 0's edits reach every shard. Rank 0 broadcasts its buffers when it
+  // ends; each node receives one copy, which all its ranks share. The agreement after it is
+  // the barrier: no rank writes back before every rank has the bytes.
+  for (int32_t u : copy->units) {
+    const PlanUnit& unit = plan.units[u];
+    for (KeptUse use : {KeptUse::kParams, KeptUse::kGrads}) {
+      if (use == KeptUse::kGrads && !(copy->options.with_grads && shards[u].grad)) continue;
+      auto& map = use == KeptUse::kParams ? copy->slot->rank0_params : copy->slot->rank0_grads;
+      std::shared_ptr<Buffer> target;
+      if (gpus_.empty() || caller.rank == 0) {
+        // The node's copy: the first local rank's to get here (or rank 0's own views).
+        if (!map[u]) map[u] = got.at({u, use});
+        target = map[u];
+      } else {
+        target = got.at({u, use});
+        copy->own_rank0[{u, use == KeptUse::kParams ? 0 : 1}] = target;
+      }
+      broadcasts->push_back(
+          collective::CollectiveOp::Broadcast(u, MutableOf(target.get(), unit.dtype), 0));
+      broadcasts->back().name = "writeback";
+    }
+  }
+  return absl::OkStatus();
 }
 
 void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time deadline,
                              StatusCallback done, const gpu::IpcEventRef& written) {
   // The trainer's writes to the views land before they are written back. A failure here is
   // this rank's "no" in the agreement, so the other ranks fail at once too.
-  const absl::Status local = WaitForTrainer(caller.rank, written);
+  devices_.AfterTrainerWrites(
+      caller.rank, written,
+      [this, caller, summon, deadline, done = std::move(done)](absl::Status local) mutable {
+        EndSummonWritten(caller, summon, deadline, std::move(done), std::move(local));
+      });
+}
+
+void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time deadline,
+                                    StatusCallback done, absl::Status local) {
   absl::Status error;
   OpenSummon copy;
   const Plan* plan = nullptr;
@@ -329,6 +527,10 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
   int32_t world_size = 0;
   bool is_init = false;
   absl::Status reformed;  // the summon predates the group's re-form
+  // rank0_only writeback: the buffers rank 0's broadcast lands in that are not at hand yet.
+  std::vector<ViewNeed> rank0_needs;
+  std::shared_ptr<KeptBuffers> rank0_kept;
+  int64_t owner_uid = -1;
   {
     absl::MutexLock lock(&mu_);
     error = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
@@ -380,38 +582,27 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
           it->second.ending = false;
         }
         if (error.ok() && copy.options.rank0_only && copy.options.writeback) {
-          // beyond FSDP: rank 0's edits reach every shard. Rank 0 broadcasts its buffers when
-          // it ends; each node receives one copy, which all its ranks share. The agreement
-          // after it is the barrier: no rank writes back before every rank has the bytes.
+          // Rank 0's broadcast lands in buffers got without mu_ (PrepareRank0Broadcast): the
+          // node's copy where no local rank has made it yet (host ranks; rank 0 uses its own
+          // views), or each GPU rank's own copy on its device.
+          rank0_kept = KeptOf(reg);
+          owner_uid = g.owner_uid;
           for (int32_t u : copy.units) {
             const PlanUnit& unit = plan->units[u];
-            const int64_t bytes = unit.padded_numel * ItemSize(unit.dtype);
-            for (int what : {0, 1}) {
-              if (what == 1 && !(copy.options.with_grads && shards[u].grad)) continue;
-              auto& map = what == 0 ? copy.slot->rank0_params : copy.slot->rank0_grads;
-              // GPU ranks each receive rank 0's copy on their own device (rank 0 broadcasts
-              // from its own buffer), host ranks share one per node.
-              std::shared_ptr<Buffer> own;
-              std::shared_ptr<Buffer>& target = gpus_.empty() || caller.rank == 0 ? map[u] : own;
-              if (!target) {
-                absl::StatusOr<std::shared_ptr<Buffer>> b = KeptBuffer(
-                    g, reg, gpus_.empty() ? -2 : -3 - caller.rank, u, what,
-                    BufferKind::kUnsharded, bytes,
-                    absl::StrCat("group=", g.id, " unit=", u, " rank 0's copy"),
-                    PlacementOf(caller.rank));
-                if (!b.ok()) {
-                  error = b.status();
-                  break;
-                }
-                target = *b;
-              }
-              broadcasts.push_back(collective::CollectiveOp::Broadcast(
-                  u, MutableOf(target.get(), unit.dtype), 0));
-              broadcasts.back().name = "writeback";
-              if (own) copy.own_rank0[{u, what}] = std::move(own);
+            for (KeptUse use : {KeptUse::kParams, KeptUse::kGrads}) {
+              if (use == KeptUse::kGrads && !(copy.options.with_grads && shards[u].grad)) continue;
+              const auto& map =
+                  use == KeptUse::kParams ? copy.slot->rank0_params : copy.slot->rank0_grads;
+              const bool node = gpus_.empty() || caller.rank == 0;
+              if (node && map.contains(u) && map.at(u) != nullptr) continue;
+              rank0_needs.push_back(
+                  {u, use,
+                   gpus_.empty() ? KeptKey::NodeRank0Copy(u, use)
+                                 : KeptKey::RankRank0Copy(caller.rank, u, use),
+                   unit.padded_numel * ItemSize(unit.dtype),
+                   absl::StrCat("group=", g.id, " unit=", u, " rank 0's copy")});
             }
           }
-          if (!error.ok()) it->second.ending = false;
         }
       }
     }
@@ -423,6 +614,14 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
   if (!reformed.ok()) {
     FinishEnd(caller, summon, std::move(reformed), std::move(done));
     return;
+  }
+  if (copy.options.rank0_only && copy.options.writeback) {
+    error = PrepareRank0Broadcast(caller, summon, *plan, shards, rank0_kept, rank0_needs,
+                                  owner_uid, &copy, &broadcasts);
+    if (!error.ok()) {
+      done(error);
+      return;
+    }
   }
   const SummonOptions options = copy.options;
   auto owned = std::make_unique<OpenSummon>(std::move(copy));
@@ -449,10 +648,10 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
         return map.contains(u) ? map.at(u).get() : nullptr;
       };
       const Buffer* params = from_rank0 ? rank0_copy(0) : copy->views[i].params.get();
-      status = CopyOwnRange(caller.rank, *plan, unit, r, *params, *shard.shard);
+      status = devices_.CopyOwnRange(caller.rank, *plan, unit, r, *params, *shard.shard);
       const Buffer* grads = from_rank0 ? rank0_copy(1) : copy->views[i].grads.get();
       if (status.ok() && grads != nullptr && shard.grad) {
-        status = CopyOwnRange(caller.rank, *plan, unit, r, *grads, *shard.grad);
+        status = devices_.CopyOwnRange(caller.rank, *plan, unit, r, *grads, *shard.grad);
       }
     }
     copy.reset();
@@ -471,28 +670,37 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
       auto g = groups_.find(caller.group);
       if (g != groups_.end()) ++g->second->registered.at(module).busy;
     }
-    absl::Status s = write_back(std::move(owned));
-    std::vector<absl::AnyInvocable<void()>> run;
-    {
-      absl::MutexLock lock(&mu_);
-      auto g = groups_.find(caller.group);
-      if (g != groups_.end()) {
-        Registered& reg = g->second->registered.at(module);
-        if (s.ok()) {
-          if (is_init) {
-            reg.initialized = true;
-            reg.uninitialized_why.clear();
-            FS_LOG(INFO) << "group=" << caller.group << " rank=" << caller.rank << " module="
-                         << Display(module) << " initialised on every rank (generation 0)";
-          } else {
-            reg.generation[caller.rank] = generation + 1;
+    // The copies run without mu_ (GPU ranks: on the device's worker, not on the engine's
+    // thread). Invariant: `busy`, taken above, keeps every rollback out until DoneCopying, and
+    // the summon is `ending`, so no other call touches its views or this rank's shards' copy.
+    devices_.RunBlocking(
+        caller.rank,
+        [write_back, owned = std::move(owned)]() mutable { return write_back(std::move(owned)); },
+        [this, caller, summon, module, is_init, generation,
+         done = std::move(done)](absl::Status s) mutable {
+          std::vector<absl::AnyInvocable<void()>> run;
+          {
+            absl::MutexLock lock(&mu_);
+            auto g = groups_.find(caller.group);
+            if (g != groups_.end()) {
+              Registered& reg = g->second->registered.at(module);
+              if (s.ok()) {
+                if (is_init) {
+                  reg.initialized = true;
+                  reg.uninitialized_why.clear();
+                  FS_LOG(INFO) << "group=" << caller.group << " rank=" << caller.rank
+                               << " module=" << Display(module)
+                               << " initialised on every rank (generation 0)";
+                } else {
+                  reg.generation[caller.rank] = generation + 1;
+                }
+              }
+              DoneCopying(*g->second, reg, &run);
+            }
           }
-        }
-        DoneCopying(*g->second, reg, &run);
-      }
-    }
-    for (auto& f : run) f();
-    FinishEnd(caller, summon, std::move(s), std::move(done));
+          for (auto& f : run) f();
+          FinishEnd(caller, summon, std::move(s), std::move(done));
+        });
   };
   auto agree = [this, caller, summon, coll, record, world_size, deadline, apply,
                 module = owned->module](std::unique_ptr<OpenSummon> owned,
@@ -618,14 +826,12 @@ void GroupManager::FinishEnd(const Caller& caller, uint64_t summon, absl::Status
 absl::Status GroupManager::CopyCommitted(int32_t rank, const std::vector<UnitShard>& shards,
                                          const std::vector<std::shared_ptr<Buffer>>& committed,
                                          bool to_committed) const {
+  std::vector<const Buffer*> live, kept;
   for (size_t u = 0; u < shards.size() && u < committed.size(); ++u) {
-    if (!shards[u].shard || !committed[u]) continue;
-    const Buffer& live = *shards[u].shard;
-    const Buffer& kept = *committed[u];
-    FS_RETURN_IF_ERROR(to_committed ? CopyBytes(rank, kept.data(), live.data(), live.bytes())
-                                    : CopyBytes(rank, live.data(), kept.data(), live.bytes()));
+    live.push_back(shards[u].shard.get());
+    kept.push_back(committed[u].get());
   }
-  return absl::OkStatus();
+  return to_committed ? devices_.CopyEach(rank, live, kept) : devices_.CopyEach(rank, kept, live);
 }
 
 void GroupManager::DoneCopying(Group& g, Registered& reg,
@@ -741,7 +947,15 @@ void GroupManager::RollbackRank(const Caller& caller, const std::string& module)
 void GroupManager::Commit(const Caller& caller, const std::string& module, absl::Time deadline,
                           CommitCallback done, const gpu::IpcEventRef& written) {
   // The optimizer's writes land before the shards are copied; a failure is this rank's "no".
-  const absl::Status local = WaitForTrainer(caller.rank, written);
+  devices_.AfterTrainerWrites(
+      caller.rank, written,
+      [this, caller, module, deadline, done = std::move(done)](absl::Status local) mutable {
+        CommitWritten(caller, module, deadline, std::move(done), std::move(local));
+      });
+}
+
+void GroupManager::CommitWritten(const Caller& caller, const std::string& module,
+                                 absl::Time deadline, CommitCallback done, absl::Status local) {
   absl::Status error;
   internal::AgreeRecord record{};
   std::shared_ptr<collective::CollectiveGroup> coll;
@@ -812,27 +1026,36 @@ void GroupManager::Commit(const Caller& caller, const std::string& module, absl:
             shards = reg.shards_by_rank[caller.rank];
             committed = reg.committed[caller.rank];
           }
-          s = CopyCommitted(caller.rank, shards, committed, /*to_committed=*/true);
-          std::vector<absl::AnyInvocable<void()>> run;
-          {
-            absl::MutexLock lock(&mu_);
-            auto g = groups_.find(caller.group);
-            if (g != groups_.end()) {
-              Registered& reg = g->second->registered.at(module);
-              if (s.ok()) reg.generation[caller.rank] = generation + 1;
-              DoneCopying(*g->second, reg, &run);
-            }
-          }
-          for (auto& f : run) f();
-          if (!s.ok()) {
-            FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank
-                          << ": commit failed after every rank agreed: " << s;
-            done(s);
-            return;
-          }
-          FS_VLOG(2) << "group=" << caller.group << " rank=" << caller.rank << " module="
-                     << Display(module) << " committed generation " << generation + 1;
-          done(generation + 1);
+          // The copies run without mu_ (GPU ranks: on the device's worker). Invariant: `busy`
+          // keeps every rollback out until DoneCopying.
+          devices_.RunBlocking(
+              caller.rank,
+              [this, rank = caller.rank, shards = std::move(shards),
+               committed = std::move(committed)] {
+                return CopyCommitted(rank, shards, committed, /*to_committed=*/true);
+              },
+              [this, caller, module, generation, done = std::move(done)](absl::Status s) mutable {
+                std::vector<absl::AnyInvocable<void()>> run;
+                {
+                  absl::MutexLock lock(&mu_);
+                  auto g = groups_.find(caller.group);
+                  if (g != groups_.end()) {
+                    Registered& reg = g->second->registered.at(module);
+                    if (s.ok()) reg.generation[caller.rank] = generation + 1;
+                    DoneCopying(*g->second, reg, &run);
+                  }
+                }
+                for (auto& f : run) f();
+                if (!s.ok()) {
+                  FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank
+                                << ": commit failed after every rank agreed: " << s;
+                  done(s);
+                  return;
+                }
+                FS_VLOG(2) << "group=" << caller.group << " rank=" << caller.rank << " module="
+                           << Display(module) << " committed generation " << generation + 1;
+                done(generation + 1);
+              });
         });
 }
 
@@ -885,46 +1108,79 @@ void GroupManager::DropSummons(Group& g, int32_t rank) {
 
 absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::BeginReduceScatter(
     const Caller& caller, const std::string& module, int32_t unit) {
-  absl::MutexLock lock(&mu_);
-  FS_RETURN_IF_ERROR(CheckCallerLocked(caller));
-  Group& g = *groups_.at(caller.group);
-  auto it = g.registered.find(module);
-  if (it == g.registered.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("group ", g.id, ": module ", Display(module), " is not registered"));
+  // Decide under mu_, allocate without it, install under mu_ again. The buffers are only
+  // installed in the last step, after every check ran afresh, so a failed allocation changes
+  // nothing, and a buffer another call installed in the gap (a repeated begin) wins.
+  std::shared_ptr<Buffer> grad_got, staging_got;
+  for (int round = 0; round < kSummonRounds; ++round) {
+    bool need_grad = false, need_staging = false;
+    int64_t grad_bytes = 0, staging_bytes = 0;
+    int64_t owner_uid = -1;
+    std::shared_ptr<KeptBuffers> kept;
+    std::string label;
+    {
+      absl::MutexLock lock(&mu_);
+      FS_RETURN_IF_ERROR(CheckCallerLocked(caller));
+      Group& g = *groups_.at(caller.group);
+      auto it = g.registered.find(module);
+      if (it == g.registered.end()) {
+        return absl::NotFoundError(
+            absl::StrCat("group ", g.id, ": module ", Display(module), " is not registered"));
+      }
+      Registered& reg = it->second;
+      if (!reg.initialized) return CheckUsable(g, module, reg);
+      if (unit < 0 || unit >= static_cast<int32_t>(reg.plan.units.size())) {
+        return absl::NotFoundError(absl::StrCat("module ", Display(module), " has no unit ", unit,
+                                                " (it has ", reg.plan.units.size(), ")"));
+      }
+      if (reg.plan.sharding_strategy == ShardingStrategy::kNoShard) {
+        return absl::FailedPreconditionError(
+            "ReduceScatterGrads on a NO_SHARD model needs an all-reduce, which this daemon does "
+            "not serve yet");
+      }
+      const PlanUnit& u = reg.plan.units[unit];
+      const int64_t item = ItemSize(u.dtype);
+      const std::pair<int32_t, int32_t> key{caller.rank, unit};
+      need_grad = !reg.shards_by_rank[caller.rank][unit].grad && !reg.new_grads.contains(key);
+      auto staging = reg.grad_staging.find(key);
+      need_staging = staging == reg.grad_staging.end() || !staging->second;
+      if (need_staging && !staging_got) {
+        // The steady state: the kept staging buffer is ready, no allocation needed.
+        staging_got = KeptOf(reg)->TryGet(KeptKey::Rank(caller.rank, unit, KeptUse::kGradInput),
+                                          PlacementOf(caller.rank));
+      }
+      if ((!need_grad || grad_got) && (!need_staging || staging_got)) {
+        // Every buffer is at hand: install them (commit point).
+        if (need_grad) reg.new_grads[key] = std::move(grad_got);
+        reg.failed_finishes.erase(key);
+        std::shared_ptr<Buffer>& installed = reg.grad_staging[key];
+        if (need_staging) installed = std::move(staging_got);
+        return installed;
+      }
+      grad_bytes = u.shard_numel * item;
+      staging_bytes = u.padded_numel * item;
+      owner_uid = g.owner_uid;
+      kept = KeptOf(reg);
+      label = absl::StrCat("group=", g.id, " unit=", unit, " rank=", caller.rank);
+    }
+    // Without mu_: shm creation, fchown, cudaHostRegister.
+    if (need_grad && !grad_got) {
+      FS_ASSIGN_OR_RETURN(grad_got, store_->Allocate(BufferKind::kGradShard, grad_bytes,
+                                                     absl::StrCat(label, " grad"), owner_uid,
+                                                     PlacementOf(caller.rank)));
+    }
+    if (need_staging && !staging_got) {
+      FS_ASSIGN_OR_RETURN(staging_got,
+                          kept->Get(KeptKey::Rank(caller.rank, unit, KeptUse::kGradInput),
+                                    BufferKind::kStaging, staging_bytes,
+                                    absl::StrCat(label, " full grad"), owner_uid,
+                                    PlacementOf(caller.rank)));
+    }
   }
-  Registered& reg = it->second;
-  if (!reg.initialized) return CheckUsable(g, module, reg);
-  if (unit < 0 || unit >= static_cast<int32_t>(reg.plan.units.size())) {
-    return absl::NotFoundError(absl::StrCat("module ", Display(module), " has no unit ", unit,
-                                            " (it has ", reg.plan.units.size(), ")"));
-  }
-  if (reg.plan.sharding_strategy == ShardingStrategy::kNoShard) {
-    return absl::FailedPreconditionError(
-        "ReduceScatterGrads on a NO_SHARD model needs an all-reduce, which this daemon does "
-        "not serve yet");
-  }
-  const PlanUnit& u = reg.plan.units[unit];
-  const int64_t item = ItemSize(u.dtype);
-  if (!reg.shards_by_rank[caller.rank][unit].grad && !reg.new_grads.contains({caller.rank, unit})) {
-    absl::StatusOr<std::shared_ptr<Buffer>> grad =
-        store_->Allocate(BufferKind::kGradShard, u.shard_numel * item,
-                         absl::StrCat("group=", g.id, " unit=", unit, " rank=", caller.rank,
-                                      " grad"),
-                         g.owner_uid, PlacementOf(caller.rank));
-    if (!grad.ok()) return grad.status();
-    reg.new_grads[{caller.rank, unit}] = *std::move(grad);
-  }
-  reg.failed_finishes.erase({caller.rank, unit});
-  auto& staging = reg.grad_staging[{caller.rank, unit}];
-  if (!staging) {
-    FS_ASSIGN_OR_RETURN(staging, KeptBuffer(g, reg, caller.rank, unit, 2, BufferKind::kStaging,
-                                            u.padded_numel * item,
-                                            absl::StrCat("group=", g.id, " unit=", unit,
-                                                         " rank=", caller.rank, " full grad"),
-                                            PlacementOf(caller.rank)));
-  }
-  return staging;
+  return absl::AbortedError(absl::StrCat("group ", caller.group, " rank ", caller.rank,
+                                         ": the gradient buffers of unit ", unit, " of module ",
+                                         Display(module), " changed ", kSummonRounds,
+                                         " times while being allocated; begin again"));
 }
 
 void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& module,
@@ -932,10 +1188,21 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
                                        absl::Time deadline, StatusCallback done,
                                        const gpu::IpcEventRef& written) {
   // The trainer's gradient is written before it is reduced.
-  if (absl::Status s = WaitForTrainer(caller.rank, written); !s.ok()) {
-    done(s);
-    return;
-  }
+  devices_.AfterTrainerWrites(caller.rank, written,
+                              [this, caller, module, unit, op, accumulate, deadline,
+                               done = std::move(done)](absl::Status s) mutable {
+                                if (!s.ok()) {
+                                  done(std::move(s));
+                                  return;
+                                }
+                                FinishReduceScatterWritten(caller, module, unit, op, accumulate,
+                                                           deadline, std::move(done));
+                              });
+}
+
+void GroupManager::FinishReduceScatterWritten(const Caller& caller, const std::string& module,
+                                              int32_t unit, GradReduce op, bool accumulate,
+                                              absl::Time deadline, StatusCallback done) {
   absl::Status error;
   std::shared_ptr<Buffer> staging, grad;
   bool fresh = false;  // the unit had no gradient shard: `grad` is installed on success
@@ -1004,58 +1271,53 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
       unit, ConstOf(*staging, dtype), scratch,
       op == ReduceOp::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum));
   ops.back().name = "grads";
-  coll->SubmitAll(
-      caller.rank, std::move(ops), deadline - clock_->Now(),
-      [this, caller, module, unit, staging, grad, fresh, scratch, scratch_buffer, scratch_host,
-       dtype, accumulate, done = std::move(done)](absl::Status s) mutable {
-        if (s.ok()) {
-          s = ApplyReducedGrad(caller.rank, scratch.AsConst(), *grad, dtype, accumulate && !fresh);
-        }
-        scratch_buffer.reset();
-        scratch_host.reset();
-        staging.reset();  // the staging buffer's pages go back until the next step
-        {
-          absl::MutexLock lock(&mu_);
-          auto g = groups_.find(caller.group);
-          if (g != groups_.end()) {
-            auto reg = g->second->registered.find(module);
-            if (reg != g->second->registered.end()) {
-              if (fresh) {
-                reg->second.new_grads.erase({caller.rank, unit});
-                if (s.ok()) reg->second.shards_by_rank[caller.rank][unit].grad = grad;
-              }
-              reg->second.NoteOp({unit}, "reduce_scatter", caller.rank, s.ok(), clock_->Now());
-              if (s.ok()) {
-                reg->second.failed_finishes.erase({caller.rank, unit});
-              } else {
-                reg->second.failed_finishes[{caller.rank, unit}] = s;
-              }
-              ReleaseKept(reg->second);
-            }
+  // Once the collective completed: the reduced shard into the gradient shard (a device copy
+  // for GPU ranks: on the device's worker, not on the engine's thread), then the outcome is
+  // recorded under mu_.
+  auto settle = [this, caller, module, unit, staging, grad, fresh, scratch_buffer, scratch_host,
+                 done = std::move(done)](absl::Status s) mutable {
+    scratch_buffer.reset();
+    scratch_host.reset();
+    staging.reset();  // the staging buffer's pages go back until the next step
+    {
+      absl::MutexLock lock(&mu_);
+      auto g = groups_.find(caller.group);
+      if (g != groups_.end()) {
+        auto reg = g->second->registered.find(module);
+        if (reg != g->second->registered.end()) {
+          if (fresh) {
+            reg->second.new_grads.erase({caller.rank, unit});
+            if (s.ok()) reg->second.shards_by_rank[caller.rank][unit].grad = grad;
           }
+          reg->second.NoteOp({unit}, "reduce_scatter", caller.rank, s.ok(), clock_->Now());
+          if (s.ok()) {
+            reg->second.failed_finishes.erase({caller.rank, unit});
+          } else {
+            reg->second.failed_finishes[{caller.rank, unit}] = s;
+          }
+          ReleaseKept(reg->second);
         }
-        done(s);
-      });
-}
-
-absl::Status GroupManager::ApplyReducedGrad(int32_t rank, collective::ConstBuffer reduced,
-                                            Buffer& grad, DType dtype, bool accumulate) const {
-  const size_t bytes = static_cast<size_t>(grad.bytes());
-  if (!accumulate) return CopyBytes(rank, grad.data(), reduced.data, bytes);
-  if (!grad.on_device()) {
-    const void* srcs[] = {grad.data(), reduced.data};
-    collective::ReduceInto(dtype, srcs, grad.data(), bytes / ItemSize(dtype),
-                           collective::ReduceOp::kSum, 1);
-    return absl::OkStatus();
-  }
-  // Device shards accumulate through host memory: correct, not fast (no device kernels yet).
-  std::vector<char> sum(bytes), add(bytes);
-  FS_RETURN_IF_ERROR(CopyBytes(rank, sum.data(), grad.data(), bytes));
-  FS_RETURN_IF_ERROR(CopyBytes(rank, add.data(), reduced.data, bytes));
-  const void* srcs[] = {sum.data(), add.data()};
-  collective::ReduceInto(dtype, srcs, sum.data(), bytes / ItemSize(dtype),
-                         collective::ReduceOp::kSum, 1);
-  return CopyBytes(rank, grad.data(), sum.data(), bytes);
+      }
+    }
+    done(s);
+  };
+  coll->SubmitAll(caller.rank, std::move(ops), deadline - clock_->Now(),
+            [this, rank = caller.rank, grad, fresh, scratch, scratch_buffer, scratch_host, dtype,
+             accumulate, settle = std::move(settle)](absl::Status s) mutable {
+              if (!s.ok()) {
+                settle(std::move(s));
+                return;
+              }
+              // The scratch buffers stay alive in this job until the copy is done.
+              devices_.RunBlocking(
+                  rank,
+                  [this, rank, grad, fresh, scratch, scratch_buffer, scratch_host, dtype,
+                   accumulate] {
+                    return devices_.ApplyReducedGrad(rank, scratch.AsConst(), *grad, dtype,
+                                                     accumulate && !fresh);
+                  },
+                  std::move(settle));
+            });
 }
 
 }  // namespace flatshard::server

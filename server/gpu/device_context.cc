@@ -213,11 +213,10 @@ absl::Status DeviceContext::WaitFor(const IpcEventRef& event) {
   return absl::OkStatus();
 }
 
-absl::Status DeviceContext::WaitOnHost(const IpcEventRef& event) {
+absl::Status DeviceContext::WaitOnHost(const IpcEventRef& event, absl::Duration timeout) {
   const std::string where =
       absl::StrCat("device ", gpu_.ordinal, " (", gpu_.uuid, "): WaitOnHost");
-  absl::Duration timeout;
-  {
+  if (timeout == absl::InfiniteDuration()) {
     absl::MutexLock lock(&mu_);
     timeout = sync_timeout_;
   }
@@ -288,7 +287,9 @@ absl::Status DeviceContext::Copy(void*, const void*, size_t) { return NoCuda("Co
 absl::Status DeviceContext::Synchronize() { return NoCuda("Synchronize"); }
 absl::StatusOr<IpcEventRef> DeviceContext::RecordReady() { return NoCuda("RecordReady"); }
 absl::Status DeviceContext::WaitFor(const IpcEventRef&) { return NoCuda("WaitFor"); }
-absl::Status DeviceContext::WaitOnHost(const IpcEventRef&) { return NoCuda("WaitOnHost"); }
+absl::Status DeviceContext::WaitOnHost(const IpcEventRef&, absl::Duration) {
+  return NoCuda("WaitOnHost");
+}
 absl::Status PinHostMemory(void*, size_t) { return NoCuda("PinHostMemory"); }
 void UnpinHostMemory(void*) {}
 

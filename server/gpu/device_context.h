@@ -93,8 +93,10 @@ class DeviceContext {
   // trainer's. Use this rather than WaitFor + Synchronize where the host waits anyway: a stream
   // wait on an interprocess event followed by a stream synchronize took about 200 us on an
   // H100 even for an event that had completed, a status poll a few microseconds.
-  // Errors: as WaitFor's; DEADLINE_EXCEEDED after sync_timeout.
-  virtual absl::Status WaitOnHost(const IpcEventRef& event);
+  // `timeout`: at most this long (zero: one query); infinite: the context's sync_timeout.
+  // Errors: as WaitFor's; DEADLINE_EXCEEDED when the event did not complete in time.
+  virtual absl::Status WaitOnHost(const IpcEventRef& event,
+                                  absl::Duration timeout = absl::InfiniteDuration());
 
  protected:
   DeviceContext(GpuDevice gpu, std::shared_ptr<DevicePool> pool);

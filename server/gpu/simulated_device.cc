@@ -89,7 +89,9 @@ class SimulatedDeviceContext final : public DeviceContext {
     }
     return absl::OkStatus();  // the trainer's "stream" is the host: its writes are done
   }
-  absl::Status WaitOnHost(const IpcEventRef& event) override { return WaitFor(event); }
+  absl::Status WaitOnHost(const IpcEventRef& event, absl::Duration) override {
+    return WaitFor(event);
+  }
 
  private:
   IpcEventRef ready_;

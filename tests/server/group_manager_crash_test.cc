@@ -23,6 +23,7 @@
 #include "gtest/gtest.h"
 #include "server/group_manager.h"
 #include "server/shard_store.h"
+#include "tests/testing/async_call.h"
 #include "tests/testing/files.h"
 
 namespace flatshard::server {
@@ -31,27 +32,8 @@ namespace {
 using ::flatshard::testing::ExampleModelFile;
 using ::testing::HasSubstr;
 
-// The result of one asynchronous GroupManager call.
 template <typename T>
-class Async {
- public:
-  absl::AnyInvocable<void(T)> Callback() {
-    return [this](T v) {
-      value_.emplace(std::move(v));
-      done_.Notify();
-    };
-  }
-  T& Wait() {
-    EXPECT_TRUE(done_.WaitForNotificationWithTimeout(absl::Seconds(20))) << "no answer in 20 s";
-    if (!value_) value_.emplace(absl::DeadlineExceededError("test: no answer"));
-    return *value_;
-  }
-  bool Done() const { return done_.HasBeenNotified(); }
-
- private:
-  absl::Notification done_;
-  std::optional<T> value_;
-};
+using Async = ::flatshard::testing::AsyncCall<T>;
 
 class GroupManagerCrashTest : public ::testing::Test {
  protected:

@@ -33,6 +33,7 @@
 #include "gtest/gtest.h"
 #include "server/group_manager.h"
 #include "server/shard_store.h"
+#include "tests/testing/async_call.h"
 #include "tests/testing/rank_group.h"
 #include "tests/testing/shm_testing.h"
 
@@ -76,46 +77,8 @@ std::string ModelJson(int head_numel = 10) {
 constexpr char kPolicy[] = R"({"format": "flatshard.policy/1",
  "auto_wrap": {"kind": "module_types", "types": ["Block", "Linear"]}})";
 
-// The outcome of one asynchronous call. The callback shares the state, so a late callback
-// (after a failed expectation) never touches freed memory. Counts calls: exactly one is allowed.
 template <typename T>
-class Async {
- public:
-  Async() : state_(std::make_shared<State>()) {}
-  absl::AnyInvocable<void(T)> Callback() {
-    return [state = state_](T v) {
-      {
-        absl::MutexLock lock(&state->mu);
-        if (++state->calls == 1) state->value.emplace(std::move(v));
-      }
-      state->done.Notify();
-    };
-  }
-  // The value, waiting at most `wait` of real time for it.
-  T& Wait(absl::Duration wait = kWait) {
-    if (!state_->done.WaitForNotificationWithTimeout(wait)) {
-      ADD_FAILURE() << "no answer within " << wait;
-      absl::MutexLock lock(&state_->mu);
-      if (!state_->value) state_->value.emplace(absl::DeadlineExceededError("test: no answer"));
-    }
-    absl::MutexLock lock(&state_->mu);
-    return *state_->value;
-  }
-  bool Done() const { return state_->done.HasBeenNotified(); }
-  int calls() const {
-    absl::MutexLock lock(&state_->mu);
-    return state_->calls;
-  }
-
- private:
-  struct State {
-    mutable absl::Mutex mu;
-    int calls = 0;
-    std::optional<T> value;
-    absl::Notification done;
-  };
-  std::shared_ptr<State> state_;
-};
+using Async = ::flatshard::testing::AsyncCall<T>;
 
 using JoinCall = Async<absl::StatusOr<JoinResult>>;
 using RegisterCall = Async<absl::StatusOr<RegisterResult>>;

@@ -52,13 +52,14 @@
 // interprocess CUDA events and no host round trip either way:
 //   - after Summon and PendingReduceScatter::Finish return, work enqueued on cuda_stream
 //     sees the bytes (the views; the updated gradient shard): the client made cuda_stream
-//     wait (cudaStreamWaitEvent) on the daemon's `ready` event. The host does not wait: read device views from the stream,
-//     not from a host thread that has not synchronized it.
+//     wait (cudaStreamWaitEvent) on the daemon's `ready` event, or found that event already
+//     completed (then nothing is enqueued). The host does not wait: read device views from
+//     the stream, not from a host thread that has not synchronized it.
 //   - before Summon (when the session has device shards: the optimizer may have written
 //     them), SummonedParams::End and PendingReduceScatter::Finish, the client records its
-//     own interprocess event on cuda_stream and sends it, so the daemon's stream waits for
-//     all work enqueued on cuda_stream so far, the trainer's writes included. Writes on other
-//     streams must be ordered before cuda_stream's by the trainer.
+//     own interprocess event on cuda_stream and sends it, so the daemon reads nothing before
+//     all work enqueued on cuda_stream so far is done, the trainer's writes included. Writes on
+//     other streams must be ordered before cuda_stream's by the trainer.
 // A session with only host memory never calls CUDA. A process that receives device memory
 // but has no usable GPU (or was built without CUDA) fails the call with FAILED_PRECONDITION
 // naming the GPU; NOT_FOUND when that GPU is not visible (CUDA_VISIBLE_DEVICES).

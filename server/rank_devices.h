@@ -1,0 +1,109 @@
+#pragma once
+// RankDevices: where each rank of a group keeps its memory (host, or one of the daemon's
+// GPUs) and the copies between such memories. GroupManager holds one; it knows nothing about
+// groups, only ranks: rank r of every group lives on gpus[r % gpus.size()] (--gpus), or in
+// host memory when the daemon has no GPUs.
+//
+// Host-side waits on a device (a stream synchronize, a device copy, which waits for the copy)
+// can take as long as the trainer's or the backend's work in front of them. They never run on
+// the caller's thread when that could be a gRPC reactor thread: AfterTrainerWrites and
+// RunBlocking run them on a worker of the rank's device (one thread per GPU, started on first
+// use) and continue in a callback. Host ranks have nothing to wait for: their callbacks run
+// inline, on the caller's thread, before the call returns (so a host daemon behaves exactly as
+// with synchronous calls).
+//
+// Thread-safe. The synchronous copy helpers (CopyBytes, CopyOwnRange, ApplyReducedGrad,
+// CopyEach) wait for device copies on the calling thread: call them from a worker (inside
+// RunBlocking's `work`) or from a collective's completion, never on a reactor thread for a GPU
+// rank, and never under a lock other threads need.
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "common/dtype.h"
+#include "common/plan.h"
+#include "server/collective/buffer.h"
+#include "server/gpu/device_context.h"
+#include "server/shard_store.h"
+
+namespace flatshard::server {
+
+class RankDevices {
+ public:
+  // `gpus` empty: every rank is a host rank. Null entries are not allowed.
+  explicit RankDevices(std::vector<std::shared_ptr<gpu::DeviceContext>> gpus);
+  // As Stop().
+  ~RankDevices();
+  RankDevices(const RankDevices&) = delete;
+  RankDevices& operator=(const RankDevices&) = delete;
+
+  // Runs the blocking work still queued (its callbacks included) and joins the workers; from
+  // then on AfterTrainerWrites and RunBlocking run everything on the caller's thread.
+  // Idempotent.
+  void Stop();
+
+  bool has_gpus() const { return !gpus_.empty(); }
+  // The context rank `rank` lives on; null for host ranks.
+  gpu::DeviceContext* DeviceOf(int32_t rank) const;
+  // Where `rank`'s buffers go (host, or its GPU).
+  Placement PlacementOf(int32_t rank) const;
+
+  // Orders `rank`'s work after the trainer's event `written` and calls `done` once the host
+  // has seen the device get past it (the collectives run on the backend's own streams, so a
+  // stream-side wait alone would not order them). Host ranks and id 0: `done(OK)` inline. GPU
+  // ranks: the stream wait is enqueued on the caller's thread (no host wait); the host wait
+  // (bounded by the context's sync_timeout) runs on the device's worker, which then calls
+  // `done` with its status (a CUDA error or DEADLINE_EXCEEDED naming the rank).
+  void AfterTrainerWrites(int32_t rank, const gpu::IpcEventRef& written,
+                          absl::AnyInvocable<void(absl::Status)> done);
+  // Runs `work` (which may wait on `rank`'s device) and hands its status to `done`: inline for
+  // host ranks, on the device's worker for GPU ranks.
+  void RunBlocking(int32_t rank, absl::AnyInvocable<absl::Status()> work,
+                   absl::AnyInvocable<void(absl::Status)> done);
+
+  // GPU ranks: an event recorded on `rank`'s device now (after the work enqueued so far). id 0
+  // for host ranks, and when recording fails (logged: the trainer only loses the ordering hint).
+  gpu::IpcEventRef RecordReady(int32_t rank) const;
+
+  // Copies between buffers of any placement (memcpy, or a device copy on `rank`'s stream,
+  // waited for).
+  absl::Status CopyBytes(int32_t rank, void* dst, const void* src, size_t bytes) const;
+  // Writes shard rank `r`'s unpadded range of the full padded buffer `full` into `shard`.
+  absl::Status CopyOwnRange(int32_t rank, const Plan& plan, const PlanUnit& unit, int32_t r,
+                            const Buffer& full, const Buffer& shard) const;
+  // The reduced shard `reduced` into the gradient shard: copied, or added when `accumulate`.
+  absl::Status ApplyReducedGrad(int32_t rank, collective::ConstBuffer reduced, Buffer& grad,
+                                DType dtype, bool accumulate) const;
+  // Copies each buffer of `from` into the buffer at the same index of `to` (as many as both
+  // have; null entries on either side are skipped): the shards into their committed copies,
+  // or back (a rollback). Stops at the first error.
+  absl::Status CopyEach(int32_t rank, const std::vector<const Buffer*>& from,
+                        const std::vector<const Buffer*>& to) const;
+
+ private:
+  // One thread per GPU for the host waits on it, started by the first job.
+  struct Lane {
+    absl::Mutex mu;
+    std::deque<absl::AnyInvocable<void()>> jobs ABSL_GUARDED_BY(mu);
+    bool stop ABSL_GUARDED_BY(mu) = false;  // drain the queue, then return
+    std::thread thread;  // started once, under RankDevices::lanes_mu_, unless destroying_
+  };
+  void Post(int32_t rank, absl::AnyInvocable<void()> job);
+  static void LaneLoop(Lane* lane);
+
+  const std::vector<std::shared_ptr<gpu::DeviceContext>> gpus_;
+  // Guards starting the lanes' threads. Lock order: lanes_mu_, then a Lane::mu.
+  absl::Mutex lanes_mu_;
+  bool destroying_ ABSL_GUARDED_BY(lanes_mu_) = false;
+  std::vector<std::unique_ptr<Lane>> lanes_;  // one per gpus_ entry
+};
+
+}  // namespace flatshard::server
