@@ -31,64 +31,45 @@ namespace {
 
 using Stub = v1::ShardService::Stub;
 
-SegmentRange ToRange(const v1::MemoryHandle& h) {
+SegmentRange ToRange(const v1::MemoryHandle& proto) {
+  const flatshard::MemoryHandle h = flatshard::FromProto(proto);
   SegmentRange r;
-  r.segment = h.segment();
-  r.segment_bytes = h.segment_bytes();
-  r.offset = h.offset();
-  r.bytes = h.bytes();
-  if (h.has_cuda()) {
+  r.segment = h.segment;
+  r.segment_bytes = h.segment_bytes;
+  r.offset = h.offset;
+  r.bytes = h.bytes;
+  if (h.cuda) {
     r.cuda = true;
-    r.cuda_ipc_handle = h.cuda().ipc_handle();
-    r.device_uuid = h.cuda().device_uuid();
+    r.cuda_ipc_handle = h.cuda_ipc_handle;
+    r.device_uuid = h.device_uuid;
   }
   return r;
 }
 
-IpcEvent FromProto(const v1::CudaEvent& e) {
-  IpcEvent out;
-  out.id = e.id();
-  out.ipc_handle = e.ipc_handle();
-  out.device_uuid = e.device_uuid();
-  return out;
-}
-
-void ToProto(const IpcEvent& e, v1::CudaEvent* out) {
-  out->set_id(e.id);
-  out->set_ipc_handle(e.ipc_handle);
-  out->set_device_uuid(e.device_uuid);
-}
+// The public API keeps its own InitMode, ReduceOp and SummonOptions (client.h may not include
+// the uninstalled common/rpc_types.h); they are the RPC types value for value, and their wire
+// mapping is proto_convert's.
+static_assert(static_cast<int>(InitMode::kZeros) == static_cast<int>(flatshard::InitMode::kZeros) &&
+              static_cast<int>(InitMode::kFromEveryRank) ==
+                  static_cast<int>(flatshard::InitMode::kFromEveryRank) &&
+              static_cast<int>(InitMode::kFromRank0) ==
+                  static_cast<int>(flatshard::InitMode::kFromRank0));
+static_assert(static_cast<int>(ReduceOp::kSum) == static_cast<int>(flatshard::ReduceOp::kSum) &&
+              static_cast<int>(ReduceOp::kAvg) == static_cast<int>(flatshard::ReduceOp::kAvg));
+static_assert(sizeof(SummonOptions) == sizeof(flatshard::SummonOptions),
+              "client::SummonOptions and flatshard::SummonOptions must have the same fields");
 
 v1::InitMode ToProto(InitMode mode) {
-  switch (mode) {
-    case InitMode::kZeros:
-      return v1::INIT_MODE_ZEROS;
-    case InitMode::kFromEveryRank:
-      return v1::INIT_MODE_FROM_EVERY_RANK;
-    case InitMode::kFromRank0:
-      return v1::INIT_MODE_FROM_RANK0;
-  }
-  return v1::INIT_MODE_UNSPECIFIED;
+  return flatshard::ToProto(static_cast<flatshard::InitMode>(mode));
 }
 
 v1::ReduceOp ToProto(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum:
-      return v1::REDUCE_OP_SUM;
-    case ReduceOp::kAvg:
-      return v1::REDUCE_OP_AVG;
-  }
-  return v1::REDUCE_OP_UNSPECIFIED;
+  return flatshard::ToProto(static_cast<flatshard::ReduceOp>(op));
 }
 
 v1::SummonOptions ToProto(const SummonOptions& o) {
-  v1::SummonOptions p;
-  p.set_recurse(o.recurse);
-  p.set_writeback(o.writeback);
-  p.set_rank0_only(o.rank0_only);
-  p.set_offload_to_cpu(o.offload_to_cpu);
-  p.set_with_grads(o.with_grads);
-  return p;
+  return flatshard::ToProto(flatshard::SummonOptions{o.recurse, o.writeback, o.rank0_only,
+                                                     o.offload_to_cpu, o.with_grads});
 }
 
 // A fraction in [0.5, 1] of `backoff`, so that ranks retrying together spread out.
@@ -341,7 +322,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
                             absl::StrCat("Summon of module \"", module, "\" path \"", path,
                                          "\": ", written.status().message()));
       }
-      ToProto(*written, request.mutable_written());
+      *request.mutable_written() = flatshard::ToProto(*written);
     }
     v1::SummonResponse response;
     FS_RETURN_IF_ERROR(Call("Summon", &Stub::Summon, request, &response, options_.call_timeout));
@@ -366,7 +347,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
                             absl::StrCat("EndSummon of summon ", summon, " module \"", module,
                                          "\": ", written.status().message()));
       }
-      ToProto(*written, request.mutable_written());
+      *request.mutable_written() = flatshard::ToProto(*written);
     }
     v1::EndSummonResponse response;
     absl::Status s = Call("EndSummon", &Stub::EndSummon, request, &response, options_.call_timeout);
@@ -418,14 +399,15 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
         return absl::Status(written.status().code(),
                             absl::StrCat(where(), written.status().message()));
       }
-      ToProto(*written, request.mutable_written());
+      *request.mutable_written() = flatshard::ToProto(*written);
     }
     v1::ReduceScatterGradsResponse response;
     FS_RETURN_IF_ERROR(Call("ReduceScatterGrads", &Stub::ReduceScatterGrads, request, &response,
                             options_.call_timeout));
     // The optimizer reads the gradient shard on the trainer's stream next.
     if (device >= 0 && response.has_ready()) {
-      if (absl::Status s = events_.WaitReady(FromProto(response.ready()), options_.cuda_stream);
+      if (absl::Status s =
+              events_.WaitReady(flatshard::FromProto(response.ready()), options_.cuda_stream);
           !s.ok()) {
         return absl::Status(s.code(), absl::StrCat(where(), s.message()));
       }
@@ -463,7 +445,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
                             absl::StrCat("Commit of module \"", module, "\": ",
                                          written.status().message()));
       }
-      ToProto(*written, request.mutable_written());
+      *request.mutable_written() = flatshard::ToProto(*written);
     }
     v1::CommitResponse response;
     FS_RETURN_IF_ERROR(Call("Commit", &Stub::Commit, request, &response, options_.call_timeout));
@@ -674,7 +656,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     // Device views: the trainer's stream must not read them before the daemon's all-gather
     // has filled them. Host-only summons never touch CUDA.
     if (built.ok() && device >= 0 && response.has_ready()) {
-      built = events_.WaitReady(FromProto(response.ready()), options_.cuda_stream);
+      built = events_.WaitReady(flatshard::FromProto(response.ready()), options_.cuda_stream);
     }
     if (!built.ok()) {
       // The daemon holds the units summoned until EndSummon: end it before failing. The

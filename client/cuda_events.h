@@ -22,15 +22,12 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "common/rpc_types.h"
 
 namespace flatshard::client::internal {
 
-// The domain form of proto CudaEvent.
-struct IpcEvent {
-  uint64_t id = 0;         // unique per creating process; 0: no event
-  std::string ipc_handle;  // cudaIpcEventHandle_t bytes
-  std::string device_uuid;
-};
+// The domain form of proto CudaEvent (common/rpc_types.h; wire mapping in proto_convert).
+using IpcEvent = ::flatshard::IpcEvent;
 
 // The CUDA runtime calls StreamEvents makes. Events and streams are opaque here (cudaEvent_t,
 // cudaStream_t). Each call makes `device` current for its duration. Thread-safe.

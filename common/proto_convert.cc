@@ -288,4 +288,126 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
   return plan;
 }
 
+// ---- ShardService's values ----
+
+v1::InitMode ToProto(InitMode mode) {
+  switch (mode) {
+    case InitMode::kZeros:
+      return v1::INIT_MODE_ZEROS;
+    case InitMode::kFromEveryRank:
+      return v1::INIT_MODE_FROM_EVERY_RANK;
+    case InitMode::kFromRank0:
+      return v1::INIT_MODE_FROM_RANK0;
+  }
+  return v1::INIT_MODE_UNSPECIFIED;
+}
+
+absl::StatusOr<InitMode> FromProto(v1::InitMode mode) {
+  switch (mode) {
+    case v1::INIT_MODE_ZEROS:
+      return InitMode::kZeros;
+    case v1::INIT_MODE_FROM_EVERY_RANK:
+      return InitMode::kFromEveryRank;
+    case v1::INIT_MODE_FROM_RANK0:
+      return InitMode::kFromRank0;
+    default:
+      return absl::InvalidArgumentError("init mode is unspecified or unknown");
+  }
+}
+
+v1::ReduceOp ToProto(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return v1::REDUCE_OP_SUM;
+    case ReduceOp::kAvg:
+      return v1::REDUCE_OP_AVG;
+  }
+  return v1::REDUCE_OP_UNSPECIFIED;
+}
+
+absl::StatusOr<ReduceOp> FromProto(v1::ReduceOp op) {
+  switch (op) {
+    case v1::REDUCE_OP_SUM:
+      return ReduceOp::kSum;
+    case v1::REDUCE_OP_AVG:
+      return ReduceOp::kAvg;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "op must be REDUCE_OP_SUM (1) or REDUCE_OP_AVG (2), got ", static_cast<int>(op)));
+  }
+}
+
+v1::SummonOptions ToProto(const SummonOptions& o) {
+  v1::SummonOptions p;
+  p.set_recurse(o.recurse);
+  p.set_writeback(o.writeback);
+  p.set_rank0_only(o.rank0_only);
+  p.set_offload_to_cpu(o.offload_to_cpu);
+  p.set_with_grads(o.with_grads);
+  return p;
+}
+
+SummonOptions FromProto(const v1::SummonOptions& p) {
+  SummonOptions o;
+  o.recurse = p.recurse();
+  o.writeback = p.writeback();
+  o.rank0_only = p.rank0_only();
+  o.offload_to_cpu = p.offload_to_cpu();
+  o.with_grads = p.with_grads();
+  return o;
+}
+
+v1::Caller ToProto(const Caller& c) {
+  v1::Caller p;
+  p.set_group(c.group);
+  p.set_rank(c.rank);
+  p.set_token(c.token);
+  p.set_session(c.session);
+  return p;
+}
+
+Caller FromProto(const v1::Caller& p) { return Caller{p.group(), p.rank(), p.token(), p.session()}; }
+
+v1::CudaEvent ToProto(const IpcEvent& e) {
+  v1::CudaEvent p;
+  p.set_id(e.id);
+  p.set_ipc_handle(e.ipc_handle);
+  p.set_device_uuid(e.device_uuid);
+  return p;
+}
+
+IpcEvent FromProto(const v1::CudaEvent& p) {
+  return IpcEvent{p.id(), p.ipc_handle(), p.device_uuid()};
+}
+
+v1::MemoryHandle ToProto(const MemoryHandle& h) {
+  v1::MemoryHandle p;
+  p.set_segment(h.segment);
+  p.set_segment_bytes(h.segment_bytes);
+  p.set_offset(h.offset);
+  p.set_bytes(h.bytes);
+  if (h.cuda) {
+    v1::CudaMemory* cuda = p.mutable_cuda();
+    cuda->set_ipc_handle(h.cuda_ipc_handle);
+    cuda->set_device_uuid(h.device_uuid);
+    cuda->set_device(h.device);
+  }
+  return p;
+}
+
+MemoryHandle FromProto(const v1::MemoryHandle& p) {
+  MemoryHandle h;
+  h.segment = p.segment();
+  h.segment_bytes = p.segment_bytes();
+  h.offset = p.offset();
+  h.bytes = p.bytes();
+  if (p.has_cuda()) {
+    h.cuda = true;
+    h.cuda_ipc_handle = p.cuda().ipc_handle();
+    h.device_uuid = p.cuda().device_uuid();
+    h.device = p.cuda().device();
+  }
+  return h;
+}
+
 }  // namespace flatshard

@@ -8,6 +8,8 @@
 #include "common/manifest.h"
 #include "common/plan.h"
 #include "common/policy.h"
+#include "common/rpc_types.h"
+#include "flatshard/v1/shard_service.pb.h"
 #include "flatshard/v1/types.pb.h"
 
 namespace flatshard {
@@ -21,5 +23,30 @@ absl::StatusOr<Policy> FromProto(const v1::Policy& proto);
 v1::Plan ToProto(const Plan& plan);
 // Checks offsets, sizes and the fingerprint, as PlanFromJson does.
 absl::StatusOr<Plan> FromProto(const v1::Plan& proto);
+
+// ---- ShardService's values (common/rpc_types.h) ----
+
+v1::InitMode ToProto(InitMode mode);
+// INVALID_ARGUMENT "init mode is unspecified or unknown" for INIT_MODE_UNSPECIFIED or a value
+// outside the enum.
+absl::StatusOr<InitMode> FromProto(v1::InitMode mode);
+
+v1::ReduceOp ToProto(ReduceOp op);
+// INVALID_ARGUMENT "op must be REDUCE_OP_SUM (1) or REDUCE_OP_AVG (2), got N" for
+// REDUCE_OP_UNSPECIFIED or a value outside the enum.
+absl::StatusOr<ReduceOp> FromProto(v1::ReduceOp op);
+
+v1::SummonOptions ToProto(const SummonOptions& options);
+SummonOptions FromProto(const v1::SummonOptions& proto);
+
+// The uid is not on the wire: FromProto leaves it -1 (the daemon fills it in).
+v1::Caller ToProto(const Caller& caller);
+Caller FromProto(const v1::Caller& proto);
+
+v1::CudaEvent ToProto(const IpcEvent& event);
+IpcEvent FromProto(const v1::CudaEvent& proto);
+
+v1::MemoryHandle ToProto(const MemoryHandle& handle);
+MemoryHandle FromProto(const v1::MemoryHandle& proto);
 
 }  // namespace flatshard

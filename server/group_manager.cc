@@ -9,6 +9,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -17,11 +18,6 @@
 #include "common/logging.h"
 #include "common/planner.h"
 #include "common/status_macros.h"
-#include "common/config.h"
-#include "server/collective/inproc/inproc_backend.h"
-#if FS_HAVE_NCCL
-#include "server/collective/nccl/nccl_backend.h"
-#endif
 
 #include "server/group_manager_internal.h"
 
@@ -37,21 +33,25 @@ GroupManager::GroupManager(ShardStore* store, GroupManagerOptions options)
       lease_timeout_(options.lease_timeout),
       self_(std::move(options.self)),
       gpus_(std::move(options.gpus)),
-      nccl_(std::move(options.nccl_backend)),
-      copier_(std::move(options.copier)),
+      copier_(options.copier),
       devices_(gpus_),
-      remote_(std::move(options.remote_backend)),
       group_idle_timeout_(options.group_idle_timeout),
       max_groups_per_uid_(options.max_groups_per_uid),
       clock_(options.clock != nullptr ? options.clock : Clock::Real()),
       kept_pool_(KeptBufferPool::Create(store, clock_)) {
   FS_CHECK(gpus_.empty() || copier_ != nullptr) << "a GPU daemon needs a DeviceCopier";
-  auto backend = collective::CreateInprocBackend();
-  FS_CHECK(backend.ok()) << backend.status();
-  inproc_ = *std::move(backend);
-  if (!self_.peer_address.empty() && remote_ != nullptr) {
-    self_.backend_address = remote_->LocalAddress();
-    self_.nccl = nccl_ != nullptr;
+  collective::CommunicatorFactoryOptions factory;
+  factory.remote = std::move(options.remote_backend);
+  factory.nccl = std::move(options.nccl_backend);
+  factory.copier = copier_;
+  factory.registry = options.backend_registry;
+  absl::StatusOr<std::unique_ptr<collective::CommunicatorFactory>> comms =
+      collective::CommunicatorFactory::Create(std::move(factory));
+  FS_CHECK(comms.ok()) << comms.status();
+  comms_ = *std::move(comms);
+  if (!self_.peer_address.empty() && comms_->has_remote()) {
+    self_.backend_address = comms_->RemoteAddress();
+    self_.nccl = comms_->has_nccl();
     peer_ = std::make_unique<peer::PeerClient>(self_, std::move(options.peer), this);
   }
   deadline_thread_ = std::thread([this] { DeadlineLoop(); });
@@ -61,6 +61,9 @@ GroupManager::~GroupManager() {
   Shutdown();
   deadline_thread_.join();
   peer_.reset();  // its pending rendezvous fail now, while the manager is whole
+  // Connects still queued finish (FinishConnect drops them: shutdown_); then no thread but
+  // the callers' can enter the manager.
+  comms_.reset();
   devices_.Stop();  // the device waits still queued end now, while the manager is whole
   // Shutdown aborted every group's collectives, but their ops fail on the engine's watchdog
   // thread, and a completion may be running on a backend thread: callbacks that lock mu_ and
@@ -134,7 +137,7 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
       error = absl::FailedPreconditionError(absl::StrCat(
           "group ", args.group, ": rank ", args.rank, " names coordinator ", args.coordinator,
           ", but this daemon serves no multi-daemon groups (start flatshardd with --peer_address",
-          remote_ == nullptr ? " and a UCX build" : "", ")"));
+          !comms_->has_remote() ? " and a UCX build" : "", ")"));
     }
     if (error.ok()) {
       if (!groups_.contains(args.group)) error = CheckGroupQuota(args.uid, args.group);
@@ -197,9 +200,8 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
     // GPU ranks say where they live; rank 0 brings a fresh NCCL id for this round.
     const gpu::DeviceContext* device = DeviceOf(args.rank);
     std::string nccl_id;
-#if FS_HAVE_NCCL
-    if (nccl_ != nullptr && args.rank == 0) {
-      absl::StatusOr<std::string> id = collective::MakeNcclUniqueId();
+    if (comms_->has_nccl() && args.rank == 0) {
+      absl::StatusOr<std::string> id = comms_->NcclUniqueId();
       if (id.ok()) {
         nccl_id = *std::move(id);
       } else {
@@ -207,7 +209,6 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
                         << "): device memory will be staged through the host path";
       }
     }
-#endif
     peer_->Rendezvous(args.coordinator, args.group, args.token, args.world_size, args.rank,
                       deadline,
                       [this, group = args.group, rank = args.rank,
@@ -236,70 +237,249 @@ void GroupManager::OnRendezvous(const std::string& group, int32_t rank, uint64_t
       s = absl::InternalError(absl::StrCat("group ", g.id, ": the coordinator's peer table does not "
                                            "place rank ", rank, " on this daemon"));
     }
-    if (s.ok()) s = ApplyTable(g, *table);
-    if (s.ok() && g.rollback_due) {
-      g.rollback_due = false;
-      StartRollback(g, &run);  // queued before the join's answer
-    }
-    if (s.ok()) {
-      std::vector<std::string> modules;
-      for (const auto& [module, r] : g.registered) modules.push_back(module);
-      if (!g.leased.contains(rank) || g.leased.at(rank) != session) {
-        g.lease_due[rank] = clock_->Now() + lease_timeout_;
+    if (s.ok() && TableApplied(g, *table)) {
+      // Another local rank's rendezvous (or OnTable) connected this epoch already.
+      if (g.rollback_due) {
+        g.rollback_due = false;
+        StartRollback(g, &run);  // queued before the join's answer
       }
-      std::vector<std::string> lost;
-      for (const auto& [module, why] : g.lost) {
-        if (!g.registered.contains(module)) lost.push_back(why);
-      }
-      run.push_back([done = std::move(j->done),
-                     result = JoinResult{session, modules, std::move(lost)}]() mutable {
-        done(std::move(result));
-      });
+      AnswerRendezvousJoin(g, *j, &run);
+      g.pending_joins.erase(j);
+    } else if (s.ok()) {
+      // The communicator for this epoch is connected outside the lock; FinishConnect answers
+      // this join (and the other local ranks' joins that reached the same epoch).
+      j->ready_epoch = table->epoch;
+      StartConnect(g, &*table, /*from_table=*/false, &run);
     } else {
       g.session_of_rank[rank] = 0;  // a failed join leaves no trace
       run.push_back([done = std::move(j->done), s]() mutable { done(s); });
+      g.pending_joins.erase(j);
+      MaybeRemoveGroup(group);
     }
-    g.pending_joins.erase(j);
-    if (!s.ok()) MaybeRemoveGroup(group);
   }
   for (auto& f : run) f();
 }
 
-absl::Status GroupManager::ApplyTable(Group& g, const peer::PeerTable& table) {
-  if (g.coll && g.epoch >= table.epoch && g.coll->status().ok()) return absl::OkStatus();
-  if (g.coll && g.epoch > table.epoch) return absl::OkStatus();  // a stale table
-  collective::GroupSpec spec;
-  spec.group_id = g.id;
-  spec.world_size = g.world_size;
-  spec.epoch = table.epoch;
-  for (int32_t r = 0; r < g.world_size; ++r) {
-    const peer::DaemonIdentity& d = table.rank_daemons[r];
-    if (d.daemon_id == self_.daemon_id) spec.local_ranks.push_back(r);
-    spec.rank_addresses.push_back(d.backend_address);
+void GroupManager::AnswerRendezvousJoin(Group& g, PendingJoin& j,
+                                        std::vector<absl::AnyInvocable<void()>>* run) {
+  std::vector<std::string> modules;
+  for (const auto& [module, r] : g.registered) modules.push_back(module);
+  if (!g.leased.contains(j.rank) || g.leased.at(j.rank) != j.session) {
+    g.lease_due[j.rank] = clock_->Now() + lease_timeout_;
   }
-  const bool nccl = table.device_transport == "nccl" && nccl_ != nullptr;
-  if (nccl) spec.nccl_unique_id = table.nccl_unique_id;
-  FS_ASSIGN_OR_RETURN(std::unique_ptr<collective::Communicator> comm,
-                      nccl ? ConnectBackend(*nccl_, collective::MemoryKind::kCuda, spec)
-                           : ConnectBackend(*remote_, collective::MemoryKind::kHost, spec));
+  std::vector<std::string> lost;
+  for (const auto& [module, why] : g.lost) {
+    if (!g.registered.contains(module)) lost.push_back(why);
+  }
+  run->push_back([done = std::move(j.done),
+                  result = JoinResult{j.session, modules, std::move(lost)}]() mutable {
+    done(std::move(result));
+  });
+}
+
+bool GroupManager::TableApplied(const Group& g, const peer::PeerTable& table) const {
+  if (g.coll == nullptr) return false;
+  if (g.epoch >= table.epoch && g.coll->status().ok()) return true;
+  return g.epoch > table.epoch;  // a stale table: the group already runs a newer epoch
+}
+
+collective::CommunicatorRequest GroupManager::RequestFor(collective::GroupSpec spec,
+                                                         bool nccl_agreed) const {
+  collective::CommunicatorRequest request;
+  request.spec = std::move(spec);
+  request.nccl_agreed = nccl_agreed;
+  if (!gpus_.empty()) {
+    for (int r : request.spec.local_ranks) {
+      request.spec.local_devices.push_back(DeviceOf(r)->device());
+    }
+  }
+  return request;
+}
+
+void GroupManager::StartConnect(Group& g, const peer::PeerTable* table, bool from_table,
+                                std::vector<absl::AnyInvocable<void()>>* run) {
+  if (g.connecting != 0 && (table == nullptr || g.connecting_epoch >= table->epoch)) {
+    // A connect for this epoch (or a newer one) is under way: its FinishConnect answers every
+    // join waiting for it, this one included.
+    g.connect_from_table = g.connect_from_table || from_table;
+    return;
+  }
+  collective::GroupSpec spec;
+  if (table == nullptr) {
+    spec = collective::GroupSpec::AllLocal(g.id, g.world_size);
+    if (g.coll != nullptr) {
+      FS_LOG(INFO) << "group=" << g.id << " re-forms its communicator after: "
+                   << g.coll->status();
+    }
+  } else {
+    spec.group_id = g.id;
+    spec.world_size = g.world_size;
+    spec.epoch = table->epoch;
+    for (int32_t r = 0; r < g.world_size; ++r) {
+      const peer::DaemonIdentity& d = table->rank_daemons[r];
+      if (d.daemon_id == self_.daemon_id) spec.local_ranks.push_back(r);
+      spec.rank_addresses.push_back(d.backend_address);
+    }
+    spec.nccl_unique_id = table->nccl_unique_id;  // the factory keeps it for NCCL only
+  }
+  collective::CommunicatorRequest request =
+      RequestFor(std::move(spec), table != nullptr && table->device_transport == "nccl");
+  // Invariant (FinishConnect): `g.connecting` holds the ticket of the one connect whose
+  // outcome the group takes. A newer connect (a newer epoch) replaces the ticket, and a
+  // removed group takes none, so a connect that finishes late is dropped, never installed
+  // over a newer communicator.
+  const uint64_t ticket = next_connect_++;
+  g.connect_from_table = (g.connecting != 0 && g.connect_from_table) || from_table;
+  g.connecting = ticket;
+  g.connecting_epoch = table == nullptr ? 0 : table->epoch;
+  g.connecting_table = table == nullptr ? peer::PeerTable{} : *table;
+  // Choose does no I/O; a connect that may block (UCX round trips, NCCL device queries) runs
+  // on the factory's thread, never on the caller's (a gRPC thread). Either way after mu_.
+  absl::StatusOr<collective::BackendChoice> choice = comms_->Choose(request);
+  const bool may_block = choice.ok() && collective::CommunicatorFactory::MayBlock(*choice);
+  run->push_back([this, id = g.id, ticket, may_block, request = std::move(request)]() mutable {
+    if (may_block) {
+      comms_->ConnectAsync(std::move(request),
+                           [this, id, ticket](
+                               absl::StatusOr<collective::ConnectedCommunicator> c) mutable {
+                             FinishConnect(id, ticket, std::move(c));
+                           });
+    } else {
+      FinishConnect(id, ticket, comms_->Connect(std::move(request)));
+    }
+  });
+}
+
+void GroupManager::FinishConnect(const std::string& group, uint64_t ticket,
+                                 absl::StatusOr<collective::ConnectedCommunicator> connected) {
+  std::vector<absl::AnyInvocable<void()>> run;
+  // A communicator nobody takes, destroyed after mu_ (its teardown may wait for the backend).
+  std::unique_ptr<collective::Communicator> unused;
+  auto drop = [&] {
+    if (connected.ok()) unused = std::move(connected->comm);
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    // Re-checked after the gap: the group may be gone (removed, perhaps re-created under the
+    // same id: tickets are never reused), a newer connect may have started, the daemon may be
+    // shutting down (which answered every pending join already).
+    auto it = groups_.find(group);
+    if (it == groups_.end() || it->second->connecting != ticket) {
+      drop();
+    } else {
+      Group& g = *it->second;
+      g.connecting = 0;
+      const bool from_table = std::exchange(g.connect_from_table, false);
+      const peer::PeerTable table = std::exchange(g.connecting_table, peer::PeerTable{});
+      if (shutdown_) {
+        drop();
+      } else if (!g.multi()) {
+        absl::Status s = connected.status();
+        DropGoneJoins(g, &run);  // a join whose caller went away must not complete for it
+        if (s.ok() && !g.AllJoined()) {
+          // A rank's join was withdrawn or expired in the gap: the others wait on; the next
+          // complete join connects afresh.
+          drop();
+        } else {
+          if (s.ok()) {
+            const bool reform = g.coll != nullptr;
+            if (reform) {
+              engine_.RemoveGroup(g.id, absl::AbortedError("communicator re-formed")).IgnoreError();
+              g.coll = nullptr;
+            }
+            const std::string backend = connected->backend_name();
+            absl::StatusOr<std::shared_ptr<collective::CollectiveGroup>> added =
+                engine_.AddGroup(connected->spec, std::move(connected->comm));
+            s = added.status();
+            if (s.ok()) {
+              g.coll = *std::move(added);
+              g.local_ranks.clear();
+              for (int32_t r = 0; r < g.world_size; ++r) g.local_ranks.push_back(r);
+              if (!gpus_.empty()) {
+                FS_LOG(INFO) << "group=" << g.id << " moves device memory "
+                             << (backend == "inproc" ? "by staged copies between its ranks"
+                                                     : absl::StrCat("over ", backend));
+              }
+              // Every rank resumes from the last committed generation (before any join
+              // completes).
+              if (reform) StartRollback(g, &run);
+              CompleteJoins(g, &run);
+            }
+          }
+          if (!s.ok()) {
+            for (PendingJoin& j : g.pending_joins) {
+              g.session_of_rank[j.rank] = 0;
+              run.push_back([done = std::move(j.done), s]() mutable { done(s); });
+            }
+            g.pending_joins.clear();
+            MaybeRemoveGroup(group);
+          }
+        }
+      } else {
+        absl::Status s = connected.status();
+        if (s.ok() && TableApplied(g, table)) {
+          drop();
+        } else if (s.ok()) {
+          s = ApplyTable(g, table, *std::move(connected));
+        }
+        if (!s.ok() && from_table && g.coll != nullptr) {
+          FS_LOG(WARNING) << "group=" << g.id << " could not re-form at epoch " << table.epoch
+                          << ": " << s;
+          g.coll->Abort(s);
+        }
+        if (s.ok() && g.rollback_due) {
+          g.rollback_due = false;
+          StartRollback(g, &run);  // queued before the joins' answers
+        }
+        // The joins whose rendezvous reached this epoch (or an older one) waited for it.
+        bool failed_join = false;
+        for (auto j = g.pending_joins.begin(); j != g.pending_joins.end();) {
+          if (j->ready_epoch == 0 || j->ready_epoch > table.epoch) {
+            ++j;
+            continue;
+          }
+          if (s.ok()) {
+            AnswerRendezvousJoin(g, *j, &run);
+          } else {
+            g.session_of_rank[j->rank] = 0;  // a failed join leaves no trace
+            run.push_back([done = std::move(j->done), s]() mutable { done(s); });
+            failed_join = true;
+          }
+          j = g.pending_joins.erase(j);
+        }
+        if (failed_join) MaybeRemoveGroup(group);
+      }
+    }
+  }
+  unused.reset();
+  for (auto& f : run) f();
+}
+
+absl::Status GroupManager::ApplyTable(Group& g, const peer::PeerTable& table,
+                                      collective::ConnectedCommunicator connected) {
   const bool reform = g.coll != nullptr;
   if (g.coll) {
     engine_.RemoveGroup(g.id, absl::AbortedError(absl::StrCat(
                                   "group ", g.id, " re-formed at epoch ", table.epoch)))
         .IgnoreError();
   }
-  FS_ASSIGN_OR_RETURN(g.coll, engine_.AddGroup(spec, std::move(comm)));
+  const std::string backend = connected.backend_name();
+  const bool staged = connected.choice.staged;
+  const std::vector<int> local_ranks = connected.spec.local_ranks;
+  FS_ASSIGN_OR_RETURN(g.coll, engine_.AddGroup(connected.spec, std::move(connected.comm)));
   g.epoch = table.epoch;
-  g.local_ranks.assign(spec.local_ranks.begin(), spec.local_ranks.end());
+  g.local_ranks.assign(local_ranks.begin(), local_ranks.end());
   ReconcileModules(g, table);
 
   // A re-form follows a failure: every daemon rolls its ranks back to the last committed
-  // generation (StartRollback, by the caller once the lock is released).
+  // generation (StartRollback, by the caller).
   if (reform) g.rollback_due = true;
   FS_LOG(INFO) << "group=" << g.id << " epoch=" << g.epoch << " formed over " << g.world_size
-               << " ranks, local ranks " << absl::StrJoin(g.local_ranks, ",")
-               << (gpus_.empty() ? "" : nccl ? ", device memory over NCCL"
-                                             : ", device memory staged over the host path");
+               << " ranks, local ranks " << absl::StrJoin(g.local_ranks, ",") << ", backend "
+               << backend
+               << (gpus_.empty() ? "" : backend == "nccl" ? ", device memory over NCCL"
+                                   : staged ? ", device memory staged over the host path"
+                                            : "");
   return absl::OkStatus();
 }
 
@@ -315,65 +495,21 @@ void GroupManager::MaybeRemoveGroup(const std::string& id) {
   if (!coordinator.empty()) coordinator_idle_since_.try_emplace(coordinator, clock_->Now());
 }
 
-absl::Status GroupManager::ConnectCollectives(Group& g) {
-  if (g.coll) engine_.RemoveGroup(g.id, absl::AbortedError("communicator re-formed")).IgnoreError();
-  collective::GroupSpec spec = collective::GroupSpec::AllLocal(g.id, g.world_size);
-  // NCCL when every rank has a GPU of its own; else memcpy between the ranks (staged).
-  bool nccl = nccl_ != nullptr;
-  std::set<int> devices;
-  for (int32_t r = 0; r < g.world_size && nccl; ++r) nccl = devices.insert(DeviceOf(r)->device()).second;
-  FS_ASSIGN_OR_RETURN(std::unique_ptr<collective::Communicator> comm,
-                      nccl ? ConnectBackend(*nccl_, collective::MemoryKind::kCuda, spec)
-                           : ConnectBackend(*inproc_, collective::MemoryKind::kHost, spec));
-  FS_ASSIGN_OR_RETURN(g.coll, engine_.AddGroup(spec, std::move(comm)));
-  if (!gpus_.empty()) {
-    FS_LOG(INFO) << "group=" << g.id << " moves device memory "
-                 << (nccl ? "over NCCL" : "by staged copies between its ranks");
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::unique_ptr<collective::Communicator>> GroupManager::ConnectBackend(
-    collective::CollectiveBackend& backend, collective::MemoryKind backend_kind,
-    collective::GroupSpec& spec) {
-  if (gpus_.empty()) return backend.Connect(spec);
-  spec.local_devices.clear();
-  for (int r : spec.local_ranks) spec.local_devices.push_back(DeviceOf(r)->device());
-  FS_ASSIGN_OR_RETURN(std::unique_ptr<collective::Communicator> inner, backend.Connect(spec));
-  return collective::MakeStagingCommunicator(std::move(inner), backend_kind, spec, copier_);
-}
-
 gpu::IpcEventRef GroupManager::RecordReady(int32_t rank) { return devices_.RecordReady(rank); }
 
 void GroupManager::MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
   DropGoneJoins(g, run);  // a join whose caller went away must not complete for it
   if (!g.AllJoined()) return;
-  if (g.coll == nullptr) {
-    // The first complete join of a local group.
-    for (int32_t r = 0; r < g.world_size; ++r) g.local_ranks.push_back(r);
-    if (absl::Status s = ConnectCollectives(g); !s.ok()) {
-      g.local_ranks.clear();
-      for (PendingJoin& j : g.pending_joins) {
-        g.session_of_rank[j.rank] = 0;
-        run->push_back([done = std::move(j.done), s]() mutable { done(s); });
-      }
-      g.pending_joins.clear();
-      return;
-    }
-  } else if (!g.coll->status().ok()) {
-    // Every rank is back after a failure: start the op sequence afresh.
-    FS_LOG(INFO) << "group=" << g.id << " re-forms its communicator after: " << g.coll->status();
-    if (absl::Status s = ConnectCollectives(g); !s.ok()) {
-      for (PendingJoin& j : g.pending_joins) {
-        g.session_of_rank[j.rank] = 0;
-        run->push_back([done = std::move(j.done), s]() mutable { done(s); });
-      }
-      g.pending_joins.clear();
-      return;
-    }
-    // Every rank resumes from the last committed generation (before any join completes).
-    StartRollback(g, run);
+  if (g.coll != nullptr && g.coll->status().ok()) {
+    CompleteJoins(g, run);
+    return;
   }
+  // The first complete join of a local group, or every rank is back after a failure (start
+  // the op sequence afresh): connect outside the lock; FinishConnect answers the joins.
+  StartConnect(g, /*table=*/nullptr, /*from_table=*/false, run);
+}
+
+void GroupManager::CompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
   std::vector<std::string> modules;
   for (const auto& [module, r] : g.registered) modules.push_back(module);
   const absl::Time lease_due = clock_->Now() + lease_timeout_;
@@ -393,19 +529,15 @@ void GroupManager::OnTable(const std::string& coordinator, const peer::PeerTable
   std::vector<absl::AnyInvocable<void()>> run;
   {
     absl::MutexLock lock(&mu_);
+    if (shutdown_) return;
     auto it = groups_.find(table.group);
     if (it == groups_.end() || it->second->coordinator != coordinator) return;
     Group& g = *it->second;
     if (g.coll == nullptr || table.epoch <= g.epoch) return;  // joins in flight apply it
     if (static_cast<int32_t>(table.rank_daemons.size()) != g.world_size) return;
-    if (absl::Status s = ApplyTable(g, table); !s.ok()) {
-      FS_LOG(WARNING) << "group=" << g.id << " could not re-form at epoch " << table.epoch
-                      << ": " << s;
-      g.coll->Abort(s);
-    } else if (g.rollback_due) {
-      g.rollback_due = false;
-      StartRollback(g, &run);
-    }
+    // Connected outside the lock; FinishConnect installs it (or aborts the group's
+    // collectives with the failure) and starts the rollback a re-form owes.
+    StartConnect(g, &table, /*from_table=*/true, &run);
   }
   for (auto& f : run) f();
 }

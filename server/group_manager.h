@@ -36,7 +36,9 @@
 #include "common/manifest.h"
 #include "common/plan.h"
 #include "common/policy.h"
+#include "common/rpc_types.h"
 #include "server/collective/collective_engine.h"
+#include "server/collective/communicator_factory.h"
 #include "server/collective/staging/staging_communicator.h"
 #include "server/gpu/device_context.h"
 #include "server/kept_buffers.h"
@@ -46,20 +48,16 @@
 
 namespace flatshard::server {
 
+// The RPC-level values (Caller, InitMode, SummonOptions, ReduceOp, IpcEvent) have their one
+// home in common/rpc_types.h, their wire mapping in common/proto_convert.h.
+
+// The reduce op of FinishReduceScatter was GroupManager's own enum; it is the RPC-level one now
+// (the same type as collective::ReduceOp). The old name stays for existing callers.
+using GradReduce = ReduceOp;
+
 namespace internal {
 struct AgreeRecord;
 }  // namespace internal
-
-// Identifies the caller of every RPC after JoinGroup.
-struct Caller {
-  std::string group;
-  int32_t rank = 0;
-  std::string token;
-  uint64_t session = 0;
-  // Who is calling: the uid the kernel reported for a Unix-socket caller, or -1 (remote
-  // callers over TCP; unit tests). A group answers only callers of the uid that created it.
-  int64_t uid = -1;
-};
 
 struct JoinArgs {
   std::string group;
@@ -105,6 +103,10 @@ struct GroupManagerOptions {
   // What the manager's deadlines (joins, leases, idle groups, deferred failures, kept
   // buffers) are read against; null: Clock::Real(). Unit tests pass a FakeClock.
   Clock* clock = nullptr;
+  // Where the in-process backend ("inproc") of local groups comes from; null: a registry of
+  // the built-in backends. Must outlive the manager's construction. Tests pass one with a
+  // backend of their own (e.g. one whose Connect is slow).
+  const collective::BackendRegistry* backend_registry = nullptr;
 
   static constexpr absl::Duration kDefaultGroupIdleTimeout = absl::Hours(1);
   static constexpr int32_t kDefaultMaxGroupsPerUid = 64;
@@ -119,24 +121,11 @@ struct JoinResult {
   std::vector<std::string> lost_modules;
 };
 
-enum class InitMode { kZeros, kFromEveryRank, kFromRank0 };
-
 // One rank's memory for one unit.
 struct UnitShard {
   int32_t unit = 0;
   std::shared_ptr<Buffer> shard;
   std::shared_ptr<Buffer> grad;  // null until a gradient exists
-};
-
-// semantics.md §3.
-struct SummonOptions {
-  bool recurse = true;
-  bool writeback = true;
-  bool rank0_only = false;
-  // GPU daemons: the views are pinned host memory (the all-gather still runs on the GPU).
-  // Host daemons: host memory is the only memory, so views are always "offloaded".
-  bool offload_to_cpu = false;
-  bool with_grads = false;
 };
 
 // What one rank sees of one summoned unit.
@@ -164,8 +153,6 @@ struct RegisterResult {
   // The committed step the shards hold (0: the initial values; see Commit).
   uint64_t generation = 0;
 };
-
-enum class GradReduce { kSum, kAvg };
 
 using JoinCallback = absl::AnyInvocable<void(absl::StatusOr<JoinResult>)>;
 using SummonCallback = absl::AnyInvocable<void(absl::StatusOr<SummonResult>)>;
@@ -239,7 +226,7 @@ class GroupManager : public peer::PeerEvents {
   // Phase 2 (collective): reduce-scatters what was written; each rank's gradient shard gets
   // its slice (SUM or AVG), added to it when `accumulate`, else replacing it.
   void FinishReduceScatter(const Caller& caller, const std::string& module, int32_t unit,
-                           GradReduce op, bool accumulate, absl::Time deadline,
+                           ReduceOp op, bool accumulate, absl::Time deadline,
                            StatusCallback done, const gpu::IpcEventRef& written = {});
   // GPU ranks: an event recorded on `rank`'s device now (after its gradient shard update, for
   // the reply of FinishReduceScatter). id 0 for host ranks.
@@ -391,14 +378,37 @@ class GroupManager : public peer::PeerEvents {
   // Ends sessions whose join completed over lease_timeout_ ago without a lease.
   void ExpireUnleased(Group& g, absl::Time now, std::vector<absl::AnyInvocable<void()>>* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Completes the group's pending joins if every rank is joined.
+  // Completes the group's pending joins if every rank is joined, first (re)connecting the
+  // group's communicator when it has none or a failed one (StartConnect).
   void MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers every pending join of a local group whose communicator is connected and sound.
+  void CompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A multi-daemon rank's rendezvous ended: connect (or re-form) and finish its join.
   void OnRendezvous(const std::string& group, int32_t rank, uint64_t session,
                     absl::StatusOr<peer::PeerTable> table);
-  // Connects the group's communicator for `table` unless it already runs at that epoch.
-  absl::Status ApplyTable(Group& g, const peer::PeerTable& table)
+  // True when `g` already runs `table` (its epoch or a newer one, sound): nothing to connect.
+  bool TableApplied(const Group& g, const peer::PeerTable& table) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Decides under mu_ how the group's communicator is (re)connected and starts the connect
+  // through `run` (after mu_ is released; on the factory's thread when it may block).
+  // `table`: a multi-daemon group's peer table (null: a local group). Its outcome goes to
+  // FinishConnect with the ticket stored in the group.
+  void StartConnect(Group& g, const peer::PeerTable* table, bool from_table,
+                    std::vector<absl::AnyInvocable<void()>>* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Re-takes mu_ to commit a connect StartConnect began (or to drop it when the group went,
+  // the daemon shuts down or a newer connect superseded it) and answers the joins it served.
+  void FinishConnect(const std::string& group, uint64_t ticket,
+                     absl::StatusOr<collective::ConnectedCommunicator> connected)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Installs `connected` for multi-daemon group `g` at `table`'s epoch (engine, local ranks,
+  // ReconcileModules, the rollback a re-form owes).
+  absl::Status ApplyTable(Group& g, const peer::PeerTable& table,
+                          collective::ConnectedCommunicator connected) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers multi-daemon join `j` of `g` (now formed at an epoch its rendezvous reached).
+  void AnswerRendezvousJoin(Group& g, PendingJoin& j, std::vector<absl::AnyInvocable<void()>>* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A new table of a multi-daemon group: a registered module some rank's daemon no longer
   // holds (it restarted) is dropped here too and remembered as lost, so every daemon agrees
@@ -418,8 +428,7 @@ class GroupManager : public peer::PeerEvents {
   // RESOURCE_EXHAUSTED when `uid` may not create another group (max_groups_per_uid).
   absl::Status CheckGroupQuota(int64_t uid, const std::string& group) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // The steps of a registration's agreement exchange (RegisterExchange).
-  void RegisterStep(std::shared_ptr<RegisterExchange> x);
+  // Commits (or drops) a registration once its agreement (server/registration.h) ended.
   void FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status);
   absl::Status CheckCallerLocked(const Caller& caller) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
@@ -514,34 +523,32 @@ class GroupManager : public peer::PeerEvents {
                                   StatusCallback done);
   void CommitWritten(const Caller& caller, const std::string& module, absl::Time deadline,
                      CommitCallback done, absl::Status local);
-  // The communicator of a group: `backend` for `spec`, staged when this daemon has GPUs.
-  absl::StatusOr<std::unique_ptr<collective::Communicator>> ConnectBackend(
-      collective::CollectiveBackend& backend, collective::MemoryKind backend_kind,
-      collective::GroupSpec& spec);
+  // The request for `g`'s communicator over `spec` (local devices filled in on GPU daemons).
+  collective::CommunicatorRequest RequestFor(collective::GroupSpec spec, bool nccl_agreed) const;
 
   ShardStore* const store_;
   const absl::Duration lease_timeout_;
   peer::DaemonIdentity self_;
   const std::vector<std::shared_ptr<gpu::DeviceContext>> gpus_;
-  std::unique_ptr<collective::CollectiveBackend> nccl_;
   const std::shared_ptr<collective::DeviceCopier> copier_;
   // Placement and copies of each rank's memory; host waits on devices run on its workers.
   // Declared before engine_: it outlives the engine's callbacks (stopped in the destructor).
   RankDevices devices_;
-  std::unique_ptr<collective::CollectiveBackend> inproc_;
-  std::unique_ptr<collective::CollectiveBackend> remote_;
+  // Chooses and connects the groups' backends (inproc, UCX, NCCL; staged on GPU daemons).
+  // Never called under mu_ but for Choose (no I/O).
+  std::unique_ptr<collective::CommunicatorFactory> comms_;
   collective::CollectiveEngine engine_;
   const absl::Duration group_idle_timeout_;
   const int32_t max_groups_per_uid_;
   Clock* const clock_;
   // Every registered module's kept buffers (Registered::kept), decommitted when idle.
   const std::shared_ptr<KeptBufferPool> kept_pool_;
-  // (Re)creates the group's communicator: at creation and after a failure once every rank
-  // joined again (a failed communicator stays failed: errors are sticky).
-  absl::Status ConnectCollectives(Group& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   mutable absl::Mutex mu_;
   std::map<std::string, std::unique_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
+  // Tickets of StartConnect (unique over every group, so a removed and re-created group never
+  // takes an old connect for its own).
+  uint64_t next_connect_ ABSL_GUARDED_BY(mu_) = 1;
   // Coordinators whose last group went away, and since when (DeadlineLoop unwatches them).
   std::map<std::string, absl::Time> coordinator_idle_since_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;

@@ -201,6 +201,9 @@ struct GroupManager::PendingJoin {
   absl::Time deadline;
   JoinCallback done;
   std::function<bool()> caller_gone;  // JoinArgs::caller_gone
+  // Multi-daemon joins: the epoch of the peer table its rendezvous answered with, while the
+  // communicator for it is being connected (StartConnect); 0: the rendezvous is under way.
+  uint64_t ready_epoch = 0;
 };
 
 // The k-th summon of every rank of a module: the buffers its ranks share.
@@ -330,6 +333,12 @@ struct GroupManager::Group {
   std::shared_ptr<collective::CollectiveGroup> coll;
   // ApplyTable re-formed the communicator after a failure: its caller starts the rollback.
   bool rollback_due = false;
+  // A communicator being connected outside mu_ (StartConnect): its ticket, 0 when none. Only
+  // the connect whose ticket is still here when it finishes is installed (FinishConnect).
+  uint64_t connecting = 0;
+  uint64_t connecting_epoch = 0;  // multi-daemon: the epoch of `connecting_table`
+  peer::PeerTable connecting_table;
+  bool connect_from_table = false;  // an OnTable asked for it: a failure aborts `coll`
   // A rank's session ended while a collective it had already submitted (its End's or
   // Commit's agreement) was still running: the daemon completes that op on its behalf, so
   // every daemon reaches the same verdict, and the group fails with this status once no such

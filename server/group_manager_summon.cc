@@ -1184,7 +1184,7 @@ absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::BeginReduceScatter(
 }
 
 void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& module,
-                                       int32_t unit, GradReduce op, bool accumulate,
+                                       int32_t unit, ReduceOp op, bool accumulate,
                                        absl::Time deadline, StatusCallback done,
                                        const gpu::IpcEventRef& written) {
   // The trainer's gradient is written before it is reduced.
@@ -1269,7 +1269,7 @@ void GroupManager::FinishReduceScatterWritten(const Caller& caller, const std::s
   std::vector<collective::CollectiveOp> ops;
   ops.push_back(collective::CollectiveOp::ReduceScatter(
       unit, ConstOf(*staging, dtype), scratch,
-      op == GradReduce::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum));
+      op == ReduceOp::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum));
   ops.back().name = "grads";
   // Once the collective completed: the reduced shard into the gradient shard (a device copy
   // for GPU ranks: on the device's worker, not on the engine's thread), then the outcome is

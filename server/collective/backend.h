@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/rpc_types.h"
 #include "server/collective/buffer.h"
 
 namespace flatshard::collective {
@@ -45,7 +46,8 @@ absl::string_view CollectiveKindName(CollectiveKind kind);
 
 // Reductions over floating-point dtypes (float32, float16, bfloat16, float64). kAvg is the sum
 // divided by world_size. Half types accumulate in float32 and round once (to nearest even).
-enum class ReduceOp : uint8_t { kSum, kAvg };
+// The RPC-level op (common/rpc_types.h): what ReduceScatterGrads asks for is what runs.
+using ReduceOp = ::flatshard::ReduceOp;
 // "sum", "avg".
 absl::string_view ReduceOpName(ReduceOp op);
 

@@ -34,16 +34,14 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/gpu/cuda_util.h"
+#include "common/rpc_types.h"
 #include "server/gpu/device_pool.h"
 
 namespace flatshard::gpu {
 
 // An interprocess CUDA event as the proto CudaEvent carries it.
-struct IpcEventRef {
-  uint64_t id = 0;            // unique per process; 0 = none
-  std::string ipc_handle;     // cudaIpcEventHandle_t bytes
-  std::string device_uuid;
-};
+// (common/rpc_types.h IpcEvent; wire mapping in proto_convert.)
+using IpcEventRef = ::flatshard::IpcEvent;
 
 // One GPU as the daemon uses it: its pool, one non-blocking stream for the daemon's copies, an
 // interprocess "ready" event, and the trainers' events it has opened (cached by id).

@@ -17,8 +17,6 @@
 namespace flatshard::server {
 namespace {
 
-Caller FromProto(const v1::Caller& c) { return Caller{c.group(), c.rank(), c.token(), c.session()}; }
-
 // README "Limits": the names a request carries, refused (INVALID_ARGUMENT naming the field and
 // the limit) before anything looks them up, logs or quotes them.
 absl::Status CheckCallerBounds(absl::string_view method, const v1::Caller& c) {
@@ -33,28 +31,27 @@ Reactor* Refuse(Reactor* reactor, const absl::Status& status) {
   return reactor;
 }
 
-void FillHandle(const Buffer& b, v1::MemoryHandle* h) {
-  h->set_segment(b.segment_name());
-  h->set_segment_bytes(static_cast<uint64_t>(b.segment_bytes()));
-  h->set_offset(static_cast<uint64_t>(b.offset()));
-  h->set_bytes(static_cast<uint64_t>(b.bytes()));
+// Where a buffer's bytes are, for the client (its wire form is proto_convert's).
+MemoryHandle HandleOf(const Buffer& b) {
+  MemoryHandle h;
+  h.segment = b.segment_name();
+  h.segment_bytes = static_cast<uint64_t>(b.segment_bytes());
+  h.offset = static_cast<uint64_t>(b.offset());
+  h.bytes = static_cast<uint64_t>(b.bytes());
   if (b.on_device()) {
-    v1::CudaMemory* cuda = h->mutable_cuda();
-    cuda->set_ipc_handle(b.ipc_handle());
-    cuda->set_device_uuid(b.device_uuid());
-    cuda->set_device(b.placement().device);
+    h.cuda = true;
+    h.cuda_ipc_handle = b.ipc_handle();
+    h.device_uuid = b.device_uuid();
+    h.device = b.placement().device;
   }
+  return h;
 }
 
-void FillEvent(const gpu::IpcEventRef& e, v1::CudaEvent* out) {
-  out->set_id(e.id);
-  out->set_ipc_handle(e.ipc_handle);
-  out->set_device_uuid(e.device_uuid);
-}
+void FillHandle(const Buffer& b, v1::MemoryHandle* h) { *h = flatshard::ToProto(HandleOf(b)); }
 
-gpu::IpcEventRef EventOf(const v1::CudaEvent& e) {
-  return gpu::IpcEventRef{e.id(), e.ipc_handle(), e.device_uuid()};
-}
+void FillEvent(const gpu::IpcEventRef& e, v1::CudaEvent* out) { *out = flatshard::ToProto(e); }
+
+gpu::IpcEventRef EventOf(const v1::CudaEvent& e) { return flatshard::FromProto(e); }
 
 void FillShards(const std::vector<UnitShard>& shards,
                 google::protobuf::RepeatedPtrField<v1::UnitShard>* out) {
@@ -95,7 +92,7 @@ class LeaseReactor final : public grpc::ServerBidiReactor<v1::LeaseRequest, v1::
       return;
     }
     if (!attached_) {
-      caller_ = FromProto(request_.caller());
+      caller_ = flatshard::FromProto(request_.caller());
       caller_.uid = uid_.ok() ? *uid_ : access::kRemoteUid;
       // Only the session's first lease counts: a second stream naming the same caller is
       // refused (AttachLease), so that its end cannot end the session.
@@ -144,7 +141,7 @@ absl::StatusOr<Caller> ShardServiceImpl::CallerOf(const grpc::CallbackServerCont
                                                   const v1::Caller& c) const {
   absl::StatusOr<int64_t> uid = CallerUid(ctx);
   if (!uid.ok()) return uid.status();
-  Caller caller = FromProto(c);
+  Caller caller = flatshard::FromProto(c);
   caller.uid = *uid;
   return caller;
 }
@@ -230,19 +227,14 @@ grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(
   }
   absl::StatusOr<Manifest> manifest = flatshard::FromProto(request->manifest());
   absl::StatusOr<Policy> policy = flatshard::FromProto(request->policy());
-  InitMode init;
-  switch (request->init()) {
-    case v1::INIT_MODE_ZEROS: init = InitMode::kZeros; break;
-    case v1::INIT_MODE_FROM_EVERY_RANK: init = InitMode::kFromEveryRank; break;
-    case v1::INIT_MODE_FROM_RANK0: init = InitMode::kFromRank0; break;
-    default:
-      reactor->Finish(ToGrpcStatus(
-          absl::InvalidArgumentError("RegisterModule: init mode is unspecified or unknown")));
-      return reactor;
+  absl::StatusOr<InitMode> init = flatshard::FromProto(request->init());
+  if (!init.ok()) {
+    return Refuse(reactor, absl::InvalidArgumentError(
+                               absl::StrCat("RegisterModule: ", init.status().message())));
   }
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
-  groups_->Register(*caller, request->module(), manifest, policy, init,
+  groups_->Register(*caller, request->module(), manifest, policy, *init,
                     WaitDeadline(ctx),
                     [reactor, response](absl::StatusOr<RegisterResult> result) {
                       if (result.ok()) {
@@ -273,12 +265,7 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Summon(grpc::CallbackServerContext* 
   if (absl::Status s = CheckCallerBounds("Summon", request->caller()); !s.ok()) {
     return Refuse(reactor, s);
   }
-  SummonOptions options;
-  options.recurse = request->options().recurse();
-  options.writeback = request->options().writeback();
-  options.rank0_only = request->options().rank0_only();
-  options.offload_to_cpu = request->options().offload_to_cpu();
-  options.with_grads = request->options().with_grads();
+  const SummonOptions options = flatshard::FromProto(request->options());
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
   groups_->Summon(*caller, request->registered_module(), request->path(),
@@ -326,18 +313,12 @@ grpc::ServerUnaryReactor* ShardServiceImpl::ReduceScatterGrads(
   // The op acts in phase 2, which must name SUM or AVG; phase 1 may leave it unspecified
   // (older clients do), but a value outside the enum is refused in either phase, before a
   // buffer is handed out.
-  GradReduce op = GradReduce::kSum;
-  switch (request->op()) {
-    case v1::REDUCE_OP_SUM: op = GradReduce::kSum; break;
-    case v1::REDUCE_OP_AVG: op = GradReduce::kAvg; break;
-    default:
-      if (!request->begin() || !v1::ReduceOp_IsValid(request->op())) {
-        return Refuse(reactor, absl::InvalidArgumentError(absl::StrCat(
-                                   "ReduceScatterGrads: op must be REDUCE_OP_SUM (1) or "
-                                   "REDUCE_OP_AVG (2), got ",
-                                   static_cast<int>(request->op()))));
-      }
+  absl::StatusOr<ReduceOp> parsed = flatshard::FromProto(request->op());
+  if (!parsed.ok() && (!request->begin() || !v1::ReduceOp_IsValid(request->op()))) {
+    return Refuse(reactor, absl::InvalidArgumentError(
+                               absl::StrCat("ReduceScatterGrads: ", parsed.status().message())));
   }
+  const ReduceOp op = parsed.ok() ? *parsed : ReduceOp::kSum;
   absl::StatusOr<Caller> checked = CallerOf(ctx, request->caller());
   if (!checked.ok()) return Refuse(reactor, checked.status());
   const Caller caller = *std::move(checked);

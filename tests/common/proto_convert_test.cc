@@ -579,3 +579,104 @@ TEST(ManifestProtoTest, TooManyModulesAreRefusedBeforeConversion) {
 }  // namespace
 
 }  // namespace flatshard
+
+namespace flatshard {
+namespace {
+
+// ---- ShardService's values (common/rpc_types.h) ----
+
+TEST(RpcTypesProtoTest, InitModesMapBothWaysAndUnknownOnesAreRefused) {
+  for (InitMode m : {InitMode::kZeros, InitMode::kFromEveryRank, InitMode::kFromRank0}) {
+    absl::StatusOr<InitMode> back = FromProto(ToProto(m));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(*back, m);
+  }
+  EXPECT_EQ(ToProto(InitMode::kZeros), v1::INIT_MODE_ZEROS);
+  EXPECT_EQ(ToProto(InitMode::kFromEveryRank), v1::INIT_MODE_FROM_EVERY_RANK);
+  EXPECT_EQ(ToProto(InitMode::kFromRank0), v1::INIT_MODE_FROM_RANK0);
+  for (v1::InitMode bad : {v1::INIT_MODE_UNSPECIFIED, static_cast<v1::InitMode>(42)}) {
+    absl::StatusOr<InitMode> refused = FromProto(bad);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(refused.status().message(), "init mode is unspecified or unknown");
+  }
+}
+
+TEST(RpcTypesProtoTest, ReduceOpsMapBothWaysAndUnknownOnesAreRefusedNamingTheValue) {
+  EXPECT_EQ(ToProto(ReduceOp::kSum), v1::REDUCE_OP_SUM);
+  EXPECT_EQ(ToProto(ReduceOp::kAvg), v1::REDUCE_OP_AVG);
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+    absl::StatusOr<ReduceOp> back = FromProto(ToProto(op));
+    ASSERT_TRUE(back.ok());
+    EXPECT_EQ(*back, op);
+  }
+  absl::StatusOr<ReduceOp> unspecified = FromProto(v1::REDUCE_OP_UNSPECIFIED);
+  EXPECT_EQ(unspecified.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(unspecified.status().message(),
+            "op must be REDUCE_OP_SUM (1) or REDUCE_OP_AVG (2), got 0");
+  EXPECT_THAT(FromProto(static_cast<v1::ReduceOp>(7)).status().message(), HasSubstr("got 7"));
+}
+
+TEST(RpcTypesProtoTest, SummonOptionsRoundTripFieldByField) {
+  // Each field alone, so a swapped pair of fields cannot pass.
+  for (int field = 0; field < 5; ++field) {
+    SummonOptions o{false, false, false, false, false};
+    bool* fields[] = {&o.recurse, &o.writeback, &o.rank0_only, &o.offload_to_cpu, &o.with_grads};
+    *fields[field] = true;
+    const v1::SummonOptions p = ToProto(o);
+    EXPECT_EQ(p.recurse(), field == 0);
+    EXPECT_EQ(p.writeback(), field == 1);
+    EXPECT_EQ(p.rank0_only(), field == 2);
+    EXPECT_EQ(p.offload_to_cpu(), field == 3);
+    EXPECT_EQ(p.with_grads(), field == 4);
+    const SummonOptions back = FromProto(p);
+    EXPECT_EQ(back.recurse, o.recurse);
+    EXPECT_EQ(back.writeback, o.writeback);
+    EXPECT_EQ(back.rank0_only, o.rank0_only);
+    EXPECT_EQ(back.offload_to_cpu, o.offload_to_cpu);
+    EXPECT_EQ(back.with_grads, o.with_grads);
+  }
+}
+
+TEST(RpcTypesProtoTest, CallerEventAndMemoryHandleRoundTrip) {
+  const Caller c{"job", 3, "secret", 99, 1000};
+  const Caller back = FromProto(ToProto(c));
+  EXPECT_EQ(back.group, "job");
+  EXPECT_EQ(back.rank, 3);
+  EXPECT_EQ(back.token, "secret");
+  EXPECT_EQ(back.session, 99u);
+  EXPECT_EQ(back.uid, -1) << "the uid is never taken from the wire";
+
+  const IpcEvent e{7, std::string("\x01\x00\x02", 3), "GPU-abc"};
+  const IpcEvent e2 = FromProto(ToProto(e));
+  EXPECT_EQ(e2.id, 7u);
+  EXPECT_EQ(e2.ipc_handle, e.ipc_handle);
+  EXPECT_EQ(e2.device_uuid, "GPU-abc");
+
+  MemoryHandle host;
+  host.segment = "/flatshard.1.2";
+  host.segment_bytes = 4096;
+  host.offset = 128;
+  host.bytes = 64;
+  const v1::MemoryHandle hp = ToProto(host);
+  EXPECT_FALSE(hp.has_cuda()) << "host memory carries no cuda part";
+  const MemoryHandle host2 = FromProto(hp);
+  EXPECT_EQ(host2.segment, "/flatshard.1.2");
+  EXPECT_EQ(host2.segment_bytes, 4096u);
+  EXPECT_EQ(host2.offset, 128u);
+  EXPECT_EQ(host2.bytes, 64u);
+  EXPECT_FALSE(host2.cuda);
+
+  MemoryHandle dev = host;
+  dev.cuda = true;
+  dev.cuda_ipc_handle = std::string(64, 'h');
+  dev.device_uuid = "GPU-1";
+  dev.device = 2;
+  const MemoryHandle dev2 = FromProto(ToProto(dev));
+  EXPECT_TRUE(dev2.cuda);
+  EXPECT_EQ(dev2.cuda_ipc_handle, std::string(64, 'h'));
+  EXPECT_EQ(dev2.device_uuid, "GPU-1");
+  EXPECT_EQ(dev2.device, 2);
+}
+
+}  // namespace
+}  // namespace flatshard
