@@ -28,6 +28,7 @@
 #include "server/gpu/device_context.h"
 #include "server/group_manager.h"
 #include "server/shard_store.h"
+#include "tests/server/group_manager_testing.h"
 #include "tests/testing/async_call.h"
 #include "tests/testing/files.h"
 
@@ -121,36 +122,11 @@ class GroupManagerDevicesTest : public ::testing::Test {
 
   // Joins ranks [0, world) and registers the example model (zeros) on each.
   std::vector<Caller> JoinAndRegister(int world) {
-    std::vector<std::unique_ptr<Async<absl::StatusOr<JoinResult>>>> joins;
-    for (int r = 0; r < world; ++r) {
-      joins.push_back(std::make_unique<Async<absl::StatusOr<JoinResult>>>());
-      gm_->Join(JoinArgs{"g", world, r, "tok", "", -1, {}}, Deadline(), joins.back()->Callback());
+    testing::ExampleGroup g = testing::JoinAndRegisterExample(*gm_, world, Deadline());
+    for (auto& shards : g.shards) {
+      if (!shards.empty()) shards_.push_back(std::move(shards));
     }
-    std::vector<Caller> callers;
-    for (int r = 0; r < world; ++r) {
-      absl::StatusOr<JoinResult>& j = joins[r]->Wait();
-      EXPECT_TRUE(j.ok()) << j.status();
-      callers.push_back(Caller{"g", r, "tok", j.ok() ? j->session : 0, -1});
-      EXPECT_TRUE(gm_->AttachLease(callers.back()).ok());
-    }
-    const absl::StatusOr<Manifest> manifest =
-        ManifestFromJson(ExampleModelFile("gpt_tied", "manifest"));
-    const absl::StatusOr<Policy> policy = PolicyFromJson(ExampleModelFile("gpt_tied", "policy"));
-    std::vector<std::unique_ptr<Async<absl::StatusOr<RegisterResult>>>> regs;
-    std::vector<std::thread> threads;
-    for (const Caller& c : callers) {
-      regs.push_back(std::make_unique<Async<absl::StatusOr<RegisterResult>>>());
-      threads.emplace_back([&, c, call = regs.back().get()] {
-        gm_->Register(c, "", manifest, policy, InitMode::kZeros, Deadline(), call->Callback());
-      });
-    }
-    for (auto& t : threads) t.join();
-    for (auto& r : regs) {
-      absl::StatusOr<RegisterResult>& got = r->Wait();
-      EXPECT_TRUE(got.ok()) << got.status();
-      if (got.ok()) shards_.push_back(got->shards);
-    }
-    return callers;
+    return g.callers;
   }
 
   // True when `call` returns within 2 s while the gate is closed (it did not wait for the

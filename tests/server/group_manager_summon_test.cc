@@ -25,6 +25,7 @@
 #include "gtest/gtest.h"
 #include "server/group_manager.h"
 #include "server/shard_store.h"
+#include "tests/server/group_manager_testing.h"
 #include "tests/testing/async_call.h"
 #include "tests/testing/files.h"
 
@@ -49,32 +50,7 @@ class GroupManagerSummonTest : public ::testing::Test {
   absl::Time Deadline() { return absl::Now() + absl::Seconds(10); }
 
   std::vector<Caller> JoinAndRegister(int world) {
-    std::vector<std::unique_ptr<Async<absl::StatusOr<JoinResult>>>> joins;
-    for (int r = 0; r < world; ++r) {
-      joins.push_back(std::make_unique<Async<absl::StatusOr<JoinResult>>>());
-      gm_->Join(JoinArgs{"g", world, r, "tok", "", -1, {}}, Deadline(), joins.back()->Callback());
-    }
-    std::vector<Caller> callers;
-    for (int r = 0; r < world; ++r) {
-      absl::StatusOr<JoinResult>& j = joins[r]->Wait();
-      EXPECT_TRUE(j.ok()) << j.status();
-      callers.push_back(Caller{"g", r, "tok", j.ok() ? j->session : 0, -1});
-      EXPECT_TRUE(gm_->AttachLease(callers.back()).ok());
-    }
-    const absl::StatusOr<Manifest> manifest =
-        ManifestFromJson(ExampleModelFile("gpt_tied", "manifest"));
-    const absl::StatusOr<Policy> policy = PolicyFromJson(ExampleModelFile("gpt_tied", "policy"));
-    std::vector<std::unique_ptr<Async<absl::StatusOr<RegisterResult>>>> regs;
-    std::vector<std::thread> threads;
-    for (const Caller& c : callers) {
-      regs.push_back(std::make_unique<Async<absl::StatusOr<RegisterResult>>>());
-      threads.emplace_back([&, c, call = regs.back().get()] {
-        gm_->Register(c, "", manifest, policy, InitMode::kZeros, Deadline(), call->Callback());
-      });
-    }
-    for (auto& t : threads) t.join();
-    for (auto& r : regs) EXPECT_TRUE(r->Wait().ok()) << r->Wait().status();
-    return callers;
+    return testing::JoinAndRegisterExample(*gm_, world, Deadline()).callers;
   }
 
   // Every caller summons the whole model at once (one thread each); returns their answers.
