@@ -358,9 +358,12 @@ struct GroupManager::Group {
   }
   bool AllJoined() const { return session_of_rank.joined_count() == world_size; }
   // No rank joined or joining, nothing registered or in flight: removed at once.
+  // A group that remembers lost modules stays until its ranks were told (it is reclaimed
+  // after group_idle_timeout like any unused group): removing it would drop `lost`, and a rank
+  // that joins again would find a fresh group that never heard of the loss.
   bool Idle() const {
     return registered.empty() && registering.empty() && pending_joins.empty() &&
-           open_summons.empty() && session_of_rank.joined_count() == 0;
+           open_summons.empty() && lost.empty() && session_of_rank.joined_count() == 0;
   }
   // No rank joined or joining (registered modules may stay): reclaimable once idle long enough.
   bool Unused() const {
