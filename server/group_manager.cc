@@ -184,7 +184,7 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
         FS_LOG(INFO) << "group=" << g.id << " rank=" << args.rank << " joined, session=" << session;
         if (!g.multi()) MaybeCompleteJoins(g, &run);
         if (g.multi() && g.coll && !g.coll->status().ok()) failed_epoch = g.epoch;
-        if (g.multi()) held_modules = internal::HeldModules(g.registered);
+        if (g.multi()) held_modules = internal::HeldModules(g.registered, &g.lost);
       }
       if (!error.ok()) MaybeRemoveGroup(args.group);
     }

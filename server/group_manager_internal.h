@@ -61,11 +61,22 @@ class RankSessions {
 
 // The registered modules of a group as daemons report them at rendezvous: "path\x1fplan
 // fingerprint" (peer_service.proto RendezvousRequest.registered_modules).
+// `lost` (optional): the modules this daemon dropped as lost and still reports to its ranks.
+// They are reported as held under the fingerprint "lost", which no plan has, so a daemon that
+// restarted without them (it holds nothing) learns of the loss from the next table too, even
+// when this daemon dropped them before its rank's rendezvous (a survivor re-joining after the
+// re-form), and tells its own ranks.
 template <typename M>
-std::vector<std::string> HeldModules(const M& registered) {
+std::vector<std::string> HeldModules(const M& registered,
+                                     const std::map<std::string, std::string>* lost = nullptr) {
   std::vector<std::string> out;
   for (const auto& [module, reg] : registered) {
     out.push_back(absl::StrCat(module, "\x1f", reg.plan.fingerprint));
+  }
+  if (lost != nullptr) {
+    for (const auto& [module, why] : *lost) {
+      if (!registered.contains(module)) out.push_back(absl::StrCat(module, "\x1flost"));
+    }
   }
   return out;
 }
