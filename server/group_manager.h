@@ -460,6 +460,10 @@ class GroupManager : public peer::PeerEvents {
   // A refused agreement with a stale rank: rolls the caller's shards of `module` back.
   void RollbackRank(const Caller& caller, const std::string& module);
   // FAILED_PRECONDITION naming why `reg` is not initialised; UNAVAILABLE while it rolls back.
+  // `module`'s registration in `g` once it is initialised: NOT_FOUND for an unregistered one,
+  // CheckUsable's error for one whose initial values did not commit.
+  absl::StatusOr<Registered*> InitializedModule(Group& g, const std::string& module)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckUsable(const Group& g, const std::string& module, const Registered& reg) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The session of `rank` ended (`why`; REQUIRES: EndRank ran): collectives that need it fail

@@ -252,19 +252,26 @@ void GroupManager::SummonWritten(const Caller& caller, const std::string& module
       });
 }
 
+absl::StatusOr<GroupManager::Registered*> GroupManager::InitializedModule(
+    Group& g, const std::string& module) {
+  auto it = g.registered.find(module);
+  if (it == g.registered.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("group ", g.id, ": module ", Display(module), " is not registered"));
+  }
+  // Never zeros as the model: CheckUsable says why it is not initialised.
+  if (!it->second.initialized) return CheckUsable(g, module, it->second);
+  return &it->second;
+}
+
 absl::Status GroupManager::DecideSummon(const Caller& caller, const std::string& module,
                                         const std::string& path, const SummonOptions& options,
                                         SummonDecision* d) {
   FS_RETURN_IF_ERROR(shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
                                : CheckCallerLocked(caller));
   Group& g = *groups_.at(caller.group);
-  auto it = g.registered.find(module);
-  if (it == g.registered.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("group ", g.id, ": module ", Display(module), " is not registered"));
-  }
-  Registered& reg = it->second;
-  if (!reg.initialized) return CheckUsable(g, module, reg);  // never hands out zeros as the model
+  FS_ASSIGN_OR_RETURN(Registered * found, InitializedModule(g, module));
+  Registered& reg = *found;
   if (!FindModulePath(reg.manifest, path)) {
     return absl::NotFoundError(
         absl::StrCat("module ", Display(module), " has no submodule ", Display(path)));
@@ -1122,13 +1129,8 @@ absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::BeginReduceScatter(
       absl::MutexLock lock(&mu_);
       FS_RETURN_IF_ERROR(CheckCallerLocked(caller));
       Group& g = *groups_.at(caller.group);
-      auto it = g.registered.find(module);
-      if (it == g.registered.end()) {
-        return absl::NotFoundError(
-            absl::StrCat("group ", g.id, ": module ", Display(module), " is not registered"));
-      }
-      Registered& reg = it->second;
-      if (!reg.initialized) return CheckUsable(g, module, reg);
+      FS_ASSIGN_OR_RETURN(Registered * found, InitializedModule(g, module));
+      Registered& reg = *found;
       if (unit < 0 || unit >= static_cast<int32_t>(reg.plan.units.size())) {
         return absl::NotFoundError(absl::StrCat("module ", Display(module), " has no unit ", unit,
                                                 " (it has ", reg.plan.units.size(), ")"));
