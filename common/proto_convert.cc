@@ -410,4 +410,38 @@ MemoryHandle FromProto(const v1::MemoryHandle& p) {
   return h;
 }
 
+v1::StateSpec ToProto(const StateSpec& spec) {
+  v1::StateSpec p;
+  p.set_name(spec.name);
+  p.set_dtype(DTypeToProto(spec.dtype));
+  p.set_shape(spec.shape == StateShape::kShard ? v1::STATE_SHAPE_SHARD : v1::STATE_SHAPE_SCALAR);
+  return p;
+}
+
+absl::StatusOr<std::vector<StateSpec>> FromProto(
+    const google::protobuf::RepeatedPtrField<v1::StateSpec>& specs) {
+  std::vector<StateSpec> out;
+  out.reserve(specs.size());
+  for (int i = 0; i < specs.size(); ++i) {
+    const v1::StateSpec& p = specs[i];
+    StateSpec s;
+    s.name = p.name();
+    FS_ASSIGN_OR_RETURN(s.dtype, DTypeFromProto(p.dtype(), absl::StrCat("specs[", i, "].dtype")));
+    switch (p.shape()) {
+      case v1::STATE_SHAPE_SHARD:
+        s.shape = StateShape::kShard;
+        break;
+      case v1::STATE_SHAPE_SCALAR:
+        s.shape = StateShape::kScalar;
+        break;
+      default:
+        return absl::InvalidArgumentError(absl::StrCat(
+            "specs[", i, "].shape: unspecified or unknown (", static_cast<int>(p.shape()),
+            "); SHARD or SCALAR"));
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
 }  // namespace flatshard

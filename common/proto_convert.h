@@ -9,6 +9,7 @@
 #include "common/plan.h"
 #include "common/policy.h"
 #include "common/rpc_types.h"
+#include "common/state_spec.h"
 #include "flatshard/v1/shard_service.pb.h"
 #include "flatshard/v1/types.pb.h"
 
@@ -48,5 +49,12 @@ IpcEvent FromProto(const v1::CudaEvent& proto);
 
 v1::MemoryHandle ToProto(const MemoryHandle& handle);
 MemoryHandle FromProto(const v1::MemoryHandle& proto);
+
+// Optimizer state specs (RegisterState). FromProto: INVALID_ARGUMENT naming the spec's field
+// ("specs[2].dtype", "specs[0].shape") for an unspecified or unknown enum; the names are
+// checked by ValidateStateSpecs, not here.
+v1::StateSpec ToProto(const StateSpec& spec);
+absl::StatusOr<std::vector<StateSpec>> FromProto(
+    const google::protobuf::RepeatedPtrField<v1::StateSpec>& specs);
 
 }  // namespace flatshard

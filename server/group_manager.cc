@@ -690,8 +690,10 @@ absl::StatusOr<RegisterResult> GroupManager::GetShards(const Caller& caller,
   // Never zeros as the model, never shards about to be rolled back.
   FS_RETURN_IF_ERROR(CheckUsable(g, module, reg));
   if (!reg.shards_by_rank[caller.rank].empty()) reg.stale[caller.rank] = false;
-  return RegisterResult{reg.plan, reg.shards_by_rank[caller.rank], std::nullopt,
+  RegisterResult result{reg.plan, reg.shards_by_rank[caller.rank], std::nullopt,
                         reg.generation[caller.rank]};
+  result.state_specs = reg.state_specs;
+  return result;
 }
 
 absl::Status GroupManager::Leave(const Caller& caller) {

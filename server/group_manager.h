@@ -37,6 +37,7 @@
 #include "common/plan.h"
 #include "common/policy.h"
 #include "common/rpc_types.h"
+#include "common/state_spec.h"
 #include "server/collective/collective_engine.h"
 #include "server/collective/communicator_factory.h"
 #include "server/collective/staging/staging_communicator.h"
@@ -57,6 +58,7 @@ using GradReduce = ReduceOp;
 
 namespace internal {
 struct AgreeRecord;
+struct DurablePair;
 }  // namespace internal
 
 struct JoinArgs {
@@ -126,6 +128,9 @@ struct UnitShard {
   int32_t unit = 0;
   std::shared_ptr<Buffer> shard;
   std::shared_ptr<Buffer> grad;  // null until a gradient exists
+  // The optimizer state buffers (RegisterState), one per StateSpec of the module in its
+  // order, next to the shard (same placement); empty until the rank registered state.
+  std::vector<std::shared_ptr<Buffer>> state{};
 };
 
 // What one rank sees of one summoned unit.
@@ -152,6 +157,17 @@ struct RegisterResult {
   std::optional<SummonResult> init_summon;
   // The committed step the shards hold (0: the initial values; see Commit).
   uint64_t generation = 0;
+  // The module's optimizer state spec (RegisterState; the order of UnitShard::state), empty
+  // when none was registered.
+  std::vector<StateSpec> state_specs{};
+};
+
+// RegisterState's answer: the caller's shards with their state buffers.
+struct RegisterStateResult {
+  std::vector<UnitShard> shards;  // one per unit; UnitShard::state in the order of `specs`
+  std::vector<StateSpec> specs;
+  uint64_t generation = 0;  // the committed generation shards and state hold
+  bool created = false;     // this call allocated the rank's state (zeros); false: re-attach
 };
 
 using JoinCallback = absl::AnyInvocable<void(absl::StatusOr<JoinResult>)>;
@@ -259,6 +275,21 @@ class GroupManager : public peer::PeerEvents {
   void Commit(const Caller& caller, const std::string& module, absl::Time deadline,
               CommitCallback done, const gpu::IpcEventRef& written = {});
 
+  // Local (per rank): the optimizer state buffers of `module` for the caller's rank: per unit
+  // and spec, a buffer next to the rank's shard (same placement; SHARD: shard_numel elements,
+  // SCALAR: one), zero-filled when new, and its committed copy. They live as long as the
+  // shards and are part of every commit and rollback exactly like them (Commit): a Commit
+  // before the rank registered state commits none of it; state registered after the last
+  // commit rolls back to zeros. The first call for a module on this daemon fixes its spec; the
+  // same spec again returns the existing buffers (a restarted trainer re-attaches; its views
+  // are fresh, as after GetShards). Errors: INVALID_ARGUMENT naming the bad field
+  // (ValidateStateSpecs); FAILED_PRECONDITION naming the first differing state and field for
+  // another spec, or a rank that holds no shards; GetShards' errors for the module; the
+  // ShardStore's (RESOURCE_EXHAUSTED) when the buffers cannot be allocated (nothing is kept).
+  absl::StatusOr<RegisterStateResult> RegisterState(const Caller& caller,
+                                                    const std::string& module,
+                                                    const std::vector<StateSpec>& specs);
+
   // Ends the caller's session; its rank can join again. Shards stay. Fail fast: the group's
   // collectives fail from now on with UNAVAILABLE naming the rank (on every daemon, through
   // the coordinator), after the ops the rank had already submitted complete (at most
@@ -333,6 +364,7 @@ class GroupManager : public peer::PeerEvents {
     int64_t shard_bytes = 0;
     int64_t grad_bytes = 0;
     int64_t unsharded_bytes = 0;  // full buffers this rank's open summons hold for the unit
+    int64_t state_bytes = 0;      // optimizer state buffers (RegisterState), live copies only
   };
   // The last summon, end or reduce-scatter of a unit on this daemon.
   struct UnitOp {
@@ -445,8 +477,9 @@ class GroupManager : public peer::PeerEvents {
   // Copies `rank`'s shards of `reg` into its committed copies (`to_committed`) or back (a
   // rollback). REQUIRES: the caller took `reg.busy` for it (under mu_), and releases it with
   // DoneCopying; runs without mu_ (the copies are as large as the shards).
-  absl::Status CopyCommitted(int32_t rank, const std::vector<UnitShard>& shards,
-                             const std::vector<std::shared_ptr<Buffer>>& committed,
+  // `durable`: internal::DurableBuffers(reg, rank), taken under mu_ (shards and optimizer
+  // state alike).
+  absl::Status CopyCommitted(int32_t rank, const std::vector<internal::DurablePair>& durable,
                              bool to_committed) const;
   // Releases one `busy` of `reg` and starts a pending rollback when none is left.
   void DoneCopying(Group& g, Registered& reg, std::vector<absl::AnyInvocable<void()>>* run)

@@ -144,6 +144,9 @@ absl::StatusOr<std::vector<GroupManager::ModuleUnits>> GroupManager::ListUnits(
           const UnitShard& shard = reg.shards_by_rank[r][u];
           if (shard.shard) ri.shard_bytes = shard.shard->bytes();
           if (shard.grad) ri.grad_bytes = shard.grad->bytes();
+          for (const auto& b : shard.state) {
+            if (b) ri.state_bytes += b->bytes();
+          }
         }
         for (const auto& [id, open] : g.open_summons) {
           if (open.rank != r || open.module != path) continue;
@@ -224,6 +227,12 @@ GroupManager::DeletedGroup GroupManager::RemoveGroupLocked(
       for (UnitShard& s : shards) {
         take(s.shard);
         take(s.grad);
+        for (std::shared_ptr<Buffer>& b : s.state) take(b);  // optimizer state
+      }
+    }
+    for (auto& per_rank : reg.committed_state) {
+      for (auto& per_unit : per_rank) {
+        for (std::shared_ptr<Buffer>& b : per_unit) take(b);
       }
     }
     for (std::vector<std::shared_ptr<Buffer>>& committed : reg.committed) {

@@ -204,6 +204,49 @@ inline constexpr char kAlreadyUnsharding[] =
     "Cannot manually unshard parameters when already unsharding parameters";
 
 
+// One durable buffer of a rank (semantics.md §3a): the live buffer trainers write in place and
+// its committed copy, which Commit (and an agreed writeback End) fills and a rollback copies
+// back. shared_ptrs: a snapshot taken under mu_ keeps both alive while the copy runs without it.
+struct DurablePair {
+  int32_t unit = 0;
+  std::string what;  // "shard", or "state exp_avg": for messages
+  std::shared_ptr<Buffer> live;
+  std::shared_ptr<Buffer> committed;
+};
+
+// Every durable (live, committed) buffer pair of `rank` in registration `reg`
+// (GroupManager::Registered), unit by unit: the shard, then its optimizer state buffers in
+// spec order (only where the rank registered state). Gradient shards are not durable (the next
+// reduce-scatter overwrites them). The one list that commits, rollbacks and anything that
+// persists a committed step (restart records, checkpoints) walk. Empty for a rank without
+// shards. REQUIRES: the caller holds the manager's lock (it reads `reg`).
+template <typename R>
+std::vector<DurablePair> DurableBuffers(const R& reg, int32_t rank) {
+  std::vector<DurablePair> out;
+  if (rank < 0 || rank >= static_cast<int32_t>(reg.shards_by_rank.size())) return out;
+  const auto& shards = reg.shards_by_rank[rank];
+  const auto* committed =
+      rank < static_cast<int32_t>(reg.committed.size()) ? &reg.committed[rank] : nullptr;
+  const auto* committed_state = rank < static_cast<int32_t>(reg.committed_state.size())
+                                    ? &reg.committed_state[rank]
+                                    : nullptr;
+  for (size_t u = 0; u < shards.size(); ++u) {
+    if (committed != nullptr && u < committed->size()) {
+      out.push_back(DurablePair{shards[u].unit, "shard", shards[u].shard, (*committed)[u]});
+    }
+    if (committed_state == nullptr || u >= committed_state->size()) continue;
+    const auto& kept = (*committed_state)[u];
+    for (size_t i = 0; i < shards[u].state.size() && i < kept.size(); ++i) {
+      out.push_back(DurablePair{shards[u].unit,
+                                absl::StrCat("state ", i < reg.state_specs.size()
+                                                           ? reg.state_specs[i].name
+                                                           : std::to_string(i)),
+                                shards[u].state[i], kept[i]});
+    }
+  }
+  return out;
+}
+
 }  // namespace internal
 
 struct GroupManager::PendingJoin {
@@ -302,6 +345,17 @@ struct GroupManager::Registered {
   // reads or writes a shard another copy is writing.
   int busy = 0;
   bool rollback_pending = false;
+
+  // ---- Optimizer state (RegisterState) ----
+  // The spec the first RegisterState fixed on this daemon (the order of UnitShard::state);
+  // empty: none yet. Kept while any rank holds state buffers.
+  std::vector<StateSpec> state_specs;
+  // Per rank and unit: the committed copies of the rank's state buffers (the order of
+  // state_specs; empty until the rank registered state). Commit copies the live buffers
+  // (shards_by_rank[rank][unit].state) here; rollbacks copy them back (DurableBuffers).
+  std::vector<std::vector<std::vector<std::shared_ptr<Buffer>>>> committed_state;
+  // Ranks whose state buffers are being allocated (outside mu_) by RegisterState.
+  std::set<int32_t> state_allocating;
 
   void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok,
               absl::Time now) {

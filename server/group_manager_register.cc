@@ -84,6 +84,7 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
                          << r.generation[caller.rank];
             RegisterResult result{r.plan, r.shards_by_rank[caller.rank], std::nullopt,
                                   r.generation[caller.rank]};
+            result.state_specs = r.state_specs;  // the optimizer state re-attaches too
             lock.Release();
             done(std::move(result));
             return;

@@ -528,7 +528,7 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
   const Plan* plan = nullptr;
   std::shared_ptr<collective::CollectiveGroup> coll;
   std::vector<UnitShard> shards;
-  std::vector<std::shared_ptr<Buffer>> committed;
+  std::vector<internal::DurablePair> durable;  // what an agreed writeback commits
   std::vector<collective::CollectiveOp> broadcasts;
   internal::AgreeRecord record{};
   int32_t world_size = 0;
@@ -568,7 +568,7 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
         Registered& reg = g.registered.at(copy.module);
         plan = &reg.plan;  // registrations are never removed while the group lives
         shards = reg.shards_by_rank[caller.rank];
-        committed = reg.committed[caller.rank];
+        durable = internal::DurableBuffers(reg, caller.rank);
         coll = g.coll;
         world_size = g.world_size;
         is_init = !reg.initialized;
@@ -640,7 +640,7 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
   }
   // Writes back this rank's ranges and commits its shards. Takes the copy and lets its
   // buffer references go, so FinishEnd sees which kept buffers nobody uses any more.
-  auto write_back = [this, plan, shards, committed, caller](std::unique_ptr<OpenSummon> copy) {
+  auto write_back = [this, plan, shards, durable, caller](std::unique_ptr<OpenSummon> copy) {
     const int32_t r = plan->ShardRank(caller.rank);
     absl::Status status;
     for (size_t i = 0; i < copy->units.size() && status.ok(); ++i) {
@@ -662,7 +662,7 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
       }
     }
     copy.reset();
-    if (status.ok()) status = CopyCommitted(caller.rank, shards, committed, /*to_committed=*/true);
+    if (status.ok()) status = CopyCommitted(caller.rank, durable, /*to_committed=*/true);
     if (!status.ok()) {
       FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank
                     << ": writeback failed after every rank agreed: " << status;
@@ -830,13 +830,14 @@ void GroupManager::FinishEnd(const Caller& caller, uint64_t summon, absl::Status
   done(status);
 }
 
-absl::Status GroupManager::CopyCommitted(int32_t rank, const std::vector<UnitShard>& shards,
-                                         const std::vector<std::shared_ptr<Buffer>>& committed,
+absl::Status GroupManager::CopyCommitted(int32_t rank,
+                                         const std::vector<internal::DurablePair>& durable,
                                          bool to_committed) const {
   std::vector<const Buffer*> live, kept;
-  for (size_t u = 0; u < shards.size() && u < committed.size(); ++u) {
-    live.push_back(shards[u].shard.get());
-    kept.push_back(committed[u].get());
+  for (const internal::DurablePair& d : durable) {
+    if (d.live == nullptr || d.committed == nullptr) continue;
+    live.push_back(d.live.get());
+    kept.push_back(d.committed.get());
   }
   return to_committed ? devices_.CopyEach(rank, live, kept) : devices_.CopyEach(rank, kept, live);
 }
@@ -877,20 +878,18 @@ void GroupManager::RollbackNow(Group& g, const std::string& module, Registered& 
   // Taking `busy` here keeps every other copy out until the rollback is done; the copies run
   // from `run`, after mu_ is released (before the join callbacks queued after them).
   ++reg.busy;
-  std::vector<std::pair<int32_t, std::vector<UnitShard>>> work;
-  std::vector<std::vector<std::shared_ptr<Buffer>>> kept;
+  std::vector<std::pair<int32_t, std::vector<internal::DurablePair>>> work;
   for (int32_t r : g.local_ranks) {
     if (r >= static_cast<int32_t>(reg.shards_by_rank.size()) || reg.shards_by_rank[r].empty()) {
       continue;
     }
-    work.emplace_back(r, reg.shards_by_rank[r]);
-    kept.push_back(reg.committed[r]);
+    work.emplace_back(r, internal::DurableBuffers(reg, r));
     reg.stale[r] = true;
   }
-  run->push_back([this, group = g.id, module, work = std::move(work), kept = std::move(kept)] {
+  run->push_back([this, group = g.id, module, work = std::move(work)] {
     absl::Status status;
     for (size_t i = 0; i < work.size(); ++i) {
-      absl::Status s = CopyCommitted(work[i].first, work[i].second, kept[i], /*to_committed=*/false);
+      absl::Status s = CopyCommitted(work[i].first, work[i].second, /*to_committed=*/false);
       if (!s.ok() && status.ok()) status = s;
     }
     std::vector<absl::AnyInvocable<void()>> more;
@@ -930,9 +929,8 @@ void GroupManager::RollbackRank(const Caller& caller, const std::string& module)
     Registered& r = reg->second;
     ++r.busy;
     r.stale[caller.rank] = true;
-    run.push_back([this, caller, module, shards = r.shards_by_rank[caller.rank],
-                   kept = r.committed[caller.rank]] {
-      absl::Status s = CopyCommitted(caller.rank, shards, kept, /*to_committed=*/false);
+    run.push_back([this, caller, module, durable = internal::DurableBuffers(r, caller.rank)] {
+      absl::Status s = CopyCommitted(caller.rank, durable, /*to_committed=*/false);
       if (!s.ok()) {
         FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank
                       << ": rollback after a refused commit failed: " << s;
@@ -1019,8 +1017,7 @@ void GroupManager::CommitWritten(const Caller& caller, const std::string& module
                                                      s.message())));
             return;
           }
-          std::vector<UnitShard> shards;
-          std::vector<std::shared_ptr<Buffer>> committed;
+          std::vector<internal::DurablePair> durable;
           {
             absl::MutexLock lock(&mu_);
             auto g = groups_.find(caller.group);
@@ -1030,16 +1027,14 @@ void GroupManager::CommitWritten(const Caller& caller, const std::string& module
             }
             Registered& reg = g->second->registered.at(module);
             ++reg.busy;  // every rank agreed: this rank commits, whatever its trainer does now
-            shards = reg.shards_by_rank[caller.rank];
-            committed = reg.committed[caller.rank];
+            durable = internal::DurableBuffers(reg, caller.rank);
           }
           // The copies run without mu_ (GPU ranks: on the device's worker). Invariant: `busy`
           // keeps every rollback out until DoneCopying.
           devices_.RunBlocking(
               caller.rank,
-              [this, rank = caller.rank, shards = std::move(shards),
-               committed = std::move(committed)] {
-                return CopyCommitted(rank, shards, committed, /*to_committed=*/true);
+              [this, rank = caller.rank, durable = std::move(durable)] {
+                return CopyCommitted(rank, durable, /*to_committed=*/true);
               },
               [this, caller, module, generation, done = std::move(done)](absl::Status s) mutable {
                 std::vector<absl::AnyInvocable<void()>> run;

@@ -60,7 +60,13 @@ void FillShards(const std::vector<UnitShard>& shards,
     u->set_unit(s.unit);
     FillHandle(*s.shard, u->mutable_shard());
     if (s.grad) FillHandle(*s.grad, u->mutable_grad());
+    for (const std::shared_ptr<Buffer>& b : s.state) FillHandle(*b, u->add_state());
   }
+}
+
+void FillStateSpecs(const std::vector<StateSpec>& specs,
+                    google::protobuf::RepeatedPtrField<v1::StateSpec>* out) {
+  for (const StateSpec& spec : specs) *out->Add() = flatshard::ToProto(spec);
 }
 
 void FillSummon(const SummonResult& result, v1::SummonResponse* response) {
@@ -241,6 +247,7 @@ grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(
                         *response->mutable_plan() = flatshard::ToProto(result->plan);
                         FillShards(result->shards, response->mutable_shards());
                         response->set_generation(result->generation);
+                        FillStateSpecs(result->state_specs, response->mutable_state_specs());
                         if (result->init_summon) {
                           FillSummon(*result->init_summon, response->mutable_init_summon());
                         }
@@ -363,6 +370,7 @@ grpc::ServerUnaryReactor* ShardServiceImpl::GetShardViews(grpc::CallbackServerCo
     FillShards(result->shards, response->mutable_shards());
     *response->mutable_plan() = flatshard::ToProto(result->plan);
     response->set_generation(result->generation);
+    FillStateSpecs(result->state_specs, response->mutable_state_specs());
   }
   reactor->Finish(ToGrpcStatus(result.status()));
   return reactor;
@@ -400,6 +408,37 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Leave(grpc::CallbackServerContext* c
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
   reactor->Finish(ToGrpcStatus(groups_->Leave(*caller)));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ShardServiceImpl::RegisterState(grpc::CallbackServerContext* ctx,
+                                                          const v1::RegisterStateRequest* request,
+                                                          v1::RegisterStateResponse* response) {
+  metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "RegisterState");
+  if (absl::Status s = CheckCallerBounds("RegisterState", request->caller()); !s.ok()) {
+    return Refuse(reactor, s);
+  }
+  if (absl::Status s = CheckLength("RegisterState", "registered_module",
+                                   request->registered_module(), kMaxModulePathBytes);
+      !s.ok()) {
+    return Refuse(reactor, s);
+  }
+  absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
+  if (!caller.ok()) return Refuse(reactor, caller.status());
+  absl::StatusOr<std::vector<StateSpec>> specs = flatshard::FromProto(request->specs());
+  if (!specs.ok()) {
+    return Refuse(reactor, absl::InvalidArgumentError(absl::StrCat(
+                               "RegisterState: ", specs.status().message())));
+  }
+  absl::StatusOr<RegisterStateResult> result =
+      groups_->RegisterState(*caller, request->registered_module(), *specs);
+  if (result.ok()) {
+    FillShards(result->shards, response->mutable_shards());
+    FillStateSpecs(result->specs, response->mutable_state_specs());
+    response->set_generation(result->generation);
+    response->set_created(result->created);
+  }
+  reactor->Finish(ToGrpcStatus(result.status()));
   return reactor;
 }
 

@@ -48,6 +48,9 @@ class ShardServiceImpl final : public v1::ShardService::CallbackService {
                                    v1::CommitResponse* response) override;
   grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext* ctx, const v1::PingRequest* request,
                                  v1::PingResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterState(grpc::CallbackServerContext* ctx,
+                                          const v1::RegisterStateRequest* request,
+                                          v1::RegisterStateResponse* response) override;
   grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* ctx,
                                   const v1::LeaveRequest* request,
                                   v1::LeaveResponse* response) override;
