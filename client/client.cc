@@ -72,6 +72,15 @@ v1::SummonOptions ToProto(const SummonOptions& o) {
                                                      o.offload_to_cpu, o.with_grads});
 }
 
+static_assert(static_cast<int>(StateShape::kShard) ==
+                  static_cast<int>(flatshard::StateShape::kShard) &&
+              static_cast<int>(StateShape::kScalar) ==
+                  static_cast<int>(flatshard::StateShape::kScalar));
+
+flatshard::StateSpec ToCommon(const StateSpec& s) {
+  return flatshard::StateSpec{s.name, s.dtype, static_cast<flatshard::StateShape>(s.shape)};
+}
+
 // A fraction in [0.5, 1] of `backoff`, so that ranks retrying together spread out.
 absl::Duration Jittered(absl::Duration backoff) {
   thread_local std::mt19937_64 rng{std::random_device{}()};
@@ -295,7 +304,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
                           MakeSummoned(*layout, caller, module, response.init_summon(),
                                        /*writable=*/true));
     }
-    FS_ASSIGN_OR_RETURN(out.shards, MakeShardViews(**layout, caller, response.shards()));
+    FS_ASSIGN_OR_RETURN(out.shards, MakeShardViews(**layout, caller, response.shards(),
+                                                   response.state_specs()));
     out.shards.generation_ = response.generation();
     out.generation = response.generation();
     return out;
@@ -425,8 +435,36 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     v1::GetShardViewsResponse response;
     FS_RETURN_IF_ERROR(
         Call("GetShardViews", &Stub::GetShardViews, request, &response, options_.call_timeout));
-    FS_ASSIGN_OR_RETURN(ShardViews views, MakeShardViews(*layout, caller, response.shards()));
+    FS_ASSIGN_OR_RETURN(ShardViews views, MakeShardViews(*layout, caller, response.shards(),
+                                                         response.state_specs()));
     views.generation_ = response.generation();
+    return views;
+  }
+
+  absl::StatusOr<ShardViews> RegisterState(const std::string& module,
+                                           const std::vector<StateSpec>& specs) {
+    std::vector<flatshard::StateSpec> common;
+    for (const StateSpec& s : specs) common.push_back(ToCommon(s));
+    if (absl::Status s = ValidateStateSpecs(common); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("RegisterState of module \"", module,
+                                                     "\": ", s.message()));
+    }
+    FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
+    FS_ASSIGN_OR_RETURN(std::shared_ptr<const ModuleLayout> layout, FindModule(module));
+    DropUnlinked();
+    v1::RegisterStateRequest request;
+    *request.mutable_caller() = caller;
+    request.set_registered_module(module);
+    for (const flatshard::StateSpec& s : common) *request.add_specs() = flatshard::ToProto(s);
+    v1::RegisterStateResponse response;
+    FS_RETURN_IF_ERROR(
+        Call("RegisterState", &Stub::RegisterState, request, &response, options_.call_timeout));
+    FS_ASSIGN_OR_RETURN(ShardViews views, MakeShardViews(*layout, caller, response.shards(),
+                                                         response.state_specs()));
+    views.generation_ = response.generation();
+    FS_VLOG(1) << "module=\"" << module << "\": optimizer state "
+               << (response.created() ? "allocated" : "re-attached") << " at generation "
+               << response.generation();
     return views;
   }
 
@@ -676,7 +714,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
 
   absl::StatusOr<ShardViews> MakeShardViews(
       const ModuleLayout& layout, const v1::Caller& caller,
-      const google::protobuf::RepeatedPtrField<v1::UnitShard>& shards) {
+      const google::protobuf::RepeatedPtrField<v1::UnitShard>& shards,
+      const google::protobuf::RepeatedPtrField<v1::StateSpec>& state_specs) {
     const int32_t rank = caller.rank();
     const Plan& plan = layout.plan();
     if (rank < 0 || rank >= plan.world_size || plan.shard_world_size < 1) {
@@ -686,6 +725,15 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     }
     const int64_t shard_rank = plan.ShardRank(rank);
     ShardViews out;
+    absl::StatusOr<std::vector<flatshard::StateSpec>> specs = flatshard::FromProto(state_specs);
+    if (!specs.ok()) {
+      return absl::InternalError(absl::StrCat("the daemon sent an unusable state spec: ",
+                                              specs.status().message()));
+    }
+    for (const flatshard::StateSpec& spec : *specs) {
+      out.state_specs_.push_back(
+          StateSpec{spec.name, spec.dtype, static_cast<StateShape>(spec.shape)});
+    }
     out.units_.reserve(shards.size());
     for (const v1::UnitShard& s : shards) {
       const UnitTemplate* unit = layout.FindUnit(s.unit());
@@ -711,7 +759,23 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
         view.grad = grad.data;
         out.keepalive_.push_back(std::move(grad.mapping));
       }
-      out.units_.push_back(view);
+      if (s.state_size() != 0 && s.state_size() != static_cast<int>(specs->size())) {
+        return absl::InternalError(absl::StrCat("the daemon's reply has ", s.state_size(),
+                                                " state buffers for unit ", unit->index,
+                                                ", its spec ", specs->size()));
+      }
+      for (int i = 0; i < s.state_size(); ++i) {
+        const flatshard::StateSpec& spec = (*specs)[i];
+        const int64_t numel = spec.Numel(unit->shard_numel);
+        FS_ASSIGN_OR_RETURN(MappedRange range, cache_.Map(ToRange(s.state(i)), /*writable=*/true));
+        FS_RETURN_IF_ERROR(CheckRangeHolds(range, numel, spec.dtype,
+                                           absl::StrCat("unit ", unit->index, " state \"",
+                                                        spec.name, "\"")));
+        view.states.push_back(StateView{spec.name, spec.dtype, static_cast<StateShape>(spec.shape),
+                                        numel, range.data, range.device});
+        out.keepalive_.push_back(std::move(range.mapping));
+      }
+      out.units_.push_back(std::move(view));
     }
     // From now on the trainer may write device shards (optimizer steps): Summon sends
     // `written` so the daemon reads them only after those writes.
@@ -951,6 +1015,11 @@ absl::StatusOr<ShardViews> Client::GetShardViews(const std::string& registered_m
 
 absl::StatusOr<uint64_t> Client::Commit(const std::string& registered_module) {
   return core_->Commit(registered_module);
+}
+
+absl::StatusOr<ShardViews> Client::RegisterState(const std::string& registered_module,
+                                                 const std::vector<StateSpec>& specs) {
+  return core_->RegisterState(registered_module, specs);
 }
 
 absl::Status Client::Leave() { return core_->Leave(); }

@@ -21,6 +21,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -319,19 +320,44 @@ struct PyUnitShard {
   void* grad = nullptr;
   Keepalive keep;
   bool device_as_host = false;
+  std::vector<client::StateView> states;  // optimizer state buffers (RegisterState)
 
   py::object Capsule(void* p) const {
     if (p == nullptr && shard_numel > 0) return py::none();
     return ToDlpack(Region{p, {shard_numel}, dtype, device}, keep, device_as_host);
   }
+  const client::StateView& State(const std::string& name) const {
+    for (const client::StateView& v : states) {
+      if (v.name == name) return v;
+    }
+    throw StatusError(absl::NotFoundError(
+        absl::StrCat("unit ", unit, " has no optimizer state \"", name, "\"")));
+  }
+  std::vector<std::string> StateNames() const {
+    std::vector<std::string> out;
+    for (const client::StateView& v : states) out.push_back(v.name);
+    return out;
+  }
 };
+
+// A state spec as Python passes and gets it: (name, dtype name, "shard" | "scalar").
+using PyStateSpec = std::tuple<std::string, std::string, std::string>;
+
+std::vector<PyStateSpec> ToPySpecs(const std::vector<client::StateSpec>& specs) {
+  std::vector<PyStateSpec> out;
+  for (const client::StateSpec& s : specs) {
+    out.emplace_back(s.name, std::string(DTypeName(s.dtype)),
+                     s.shape == client::StateShape::kShard ? "shard" : "scalar");
+  }
+  return out;
+}
 
 std::vector<PyUnitShard> ToPyShards(const ShardViews& views, bool device_as_host) {
   const Keepalive keep = ShareMappings(views.mappings());
   std::vector<PyUnitShard> out;
   for (const UnitShardView& v : views) {
     out.push_back({v.unit, v.dtype, v.shard_numel, v.shard_offset, v.device, v.data, v.grad,
-                   keep, device_as_host});
+                   keep, device_as_host, v.states});
   }
   return out;
 }
@@ -344,12 +370,14 @@ struct PyRegistered {
   std::vector<PyUnitShard> shards;
   std::shared_ptr<PySummoned> init_summon;  // nullptr for zeros
   uint64_t generation = 0;                  // the committed generation the shards hold
+  std::vector<PyStateSpec> state_specs;     // the module's optimizer state spec, if any
 };
 
 // GetShardViews' answer: this rank's shards and the committed generation they hold.
 struct PyShardViews {
   std::vector<PyUnitShard> shards;
   uint64_t generation = 0;
+  std::vector<PyStateSpec> state_specs;  // the module's optimizer state spec, if any
 };
 
 // --- the client ----------------------------------------------------------------------------
@@ -450,6 +478,7 @@ class PyClient {
     out->plan_json = PlanToJson(*r.plan).dump();
     out->shards = ToPyShards(r.shards, device_as_host_);
     out->generation = r.generation;
+    out->state_specs = ToPySpecs(r.shards.state_specs());
     {
       std::lock_guard<std::mutex> lock(mu_);
       plans_[r.module] = r.plan;
@@ -503,7 +532,37 @@ class PyClient {
       views = c->GetShardViews(module);
     }
     const ShardViews v = Unwrap(std::move(views));
-    return PyShardViews{ToPyShards(v, device_as_host_), v.generation()};
+    return PyShardViews{ToPyShards(v, device_as_host_), v.generation(),
+                        ToPySpecs(v.state_specs())};
+  }
+
+  // Local: the optimizer state buffers of `module` (Client::RegisterState).
+  PyShardViews RegisterState(const std::string& module, const std::vector<PyStateSpec>& specs) {
+    std::vector<client::StateSpec> cs;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const auto& [name, dtype, shape] = specs[i];
+      const std::optional<DType> d = ParseDType(dtype);
+      if (!d) {
+        throw StatusError(absl::InvalidArgumentError(
+            absl::StrCat("specs[", i, "].dtype: unknown dtype \"", dtype, "\"")));
+      }
+      if (shape != "shard" && shape != "scalar") {
+        throw StatusError(absl::InvalidArgumentError(absl::StrCat(
+            "specs[", i, "].shape: \"", shape, "\", expected \"shard\" or \"scalar\"")));
+      }
+      cs.push_back(client::StateSpec{name, *d,
+                                     shape == "shard" ? client::StateShape::kShard
+                                                      : client::StateShape::kScalar});
+    }
+    const ClientRef c = Get("register_state");
+    absl::StatusOr<ShardViews> views;
+    {
+      py::gil_scoped_release release;
+      views = c->RegisterState(module, cs);
+    }
+    const ShardViews v = Unwrap(std::move(views));
+    return PyShardViews{ToPyShards(v, device_as_host_), v.generation(),
+                        ToPySpecs(v.state_specs())};
   }
 
   // Collective: commits the current step of `module`; returns the generation committed.
@@ -627,6 +686,7 @@ PYBIND11_MODULE(_C, m) {
       .def("begin_reduce_scatter", &PyClient::BeginReduceScatter)
       .def("shard_views", &PyClient::ShardViewsOf)
       .def("commit", &PyClient::Commit)
+      .def("register_state", &PyClient::RegisterState)
       .def("leave", &PyClient::Leave)
       .def("close", &PyClient::Close)
       .def_property_readonly("closed", &PyClient::closed)
@@ -680,9 +740,26 @@ PYBIND11_MODULE(_C, m) {
              return ToNumpy(Region{s.data, {s.shard_numel}, s.dtype, s.device}, s.keep, true,
                            s.device_as_host);
            })
-      .def("grad_numpy", [](const PyUnitShard& s) -> py::object {
-        if (s.grad == nullptr) return py::none();
-        return ToNumpy(Region{s.grad, {s.shard_numel}, s.dtype, s.device}, s.keep, true,
+      .def("grad_numpy",
+           [](const PyUnitShard& s) -> py::object {
+             if (s.grad == nullptr) return py::none();
+             return ToNumpy(Region{s.grad, {s.shard_numel}, s.dtype, s.device}, s.keep, true,
+                            s.device_as_host);
+           })
+      .def_property_readonly("state_names", &PyUnitShard::StateNames)
+      .def("state_dtype_name",
+           [](const PyUnitShard& s, const std::string& name) {
+             return std::string(DTypeName(s.State(name).dtype));
+           })
+      .def("state_dlpack",
+           [](const PyUnitShard& s, const std::string& name) {
+             const client::StateView& v = s.State(name);
+             return ToDlpack(Region{v.data, {v.numel}, v.dtype, v.device}, s.keep,
+                             s.device_as_host);
+           })
+      .def("state_numpy", [](const PyUnitShard& s, const std::string& name) {
+        const client::StateView& v = s.State(name);
+        return ToNumpy(Region{v.data, {v.numel}, v.dtype, v.device}, s.keep, true,
                        s.device_as_host);
       });
 
@@ -691,11 +768,13 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("plan_json", &PyRegistered::plan_json)
       .def_readonly("shards", &PyRegistered::shards)
       .def_readonly("init_summon", &PyRegistered::init_summon)
-      .def_readonly("generation", &PyRegistered::generation);
+      .def_readonly("generation", &PyRegistered::generation)
+      .def_readonly("state_specs", &PyRegistered::state_specs);
 
   py::class_<PyShardViews>(m, "ShardViews")
       .def_readonly("shards", &PyShardViews::shards)
-      .def_readonly("generation", &PyShardViews::generation);
+      .def_readonly("generation", &PyShardViews::generation)
+      .def_readonly("state_specs", &PyShardViews::state_specs);
 
   m.def("describe_dlpack", &DescribeDlpack, py::arg("capsule"),
         "Describes an unconsumed DLPack capsule (tests of the device path).");

@@ -312,6 +312,33 @@ class PendingReduceScatter {
   absl::Status finish_status_;
 };
 
+// Optimizer state (Client::RegisterState): named buffers the daemon keeps next to each of this
+// rank's shards, per unit, with the shard's placement and lifetime, committed and rolled back
+// with the shards (Client::Commit).
+enum class StateShape {
+  kShard,   // as many elements as the unit's shard (shard_numel): exp_avg, momentum_buffer
+  kScalar,  // one element per unit and rank: Adam's step
+};
+
+// One state of a spec. `name`: non-empty, at most 128 bytes of letters, digits, '_' and '.',
+// unique within the spec.
+struct StateSpec {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  StateShape shape = StateShape::kShard;
+};
+
+// One unit's buffer of one state on this rank: `numel` elements of `dtype` at `data`
+// (writable, zeros when the daemon allocated it).
+struct StateView {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  StateShape shape = StateShape::kShard;
+  int64_t numel = 0;  // shard_numel for kShard, 1 for kScalar
+  void* data = nullptr;
+  int device = -1;  // CUDA ordinal (in this process) of `data`; -1: host memory
+};
+
 // One unit's shard on this rank: shard_numel elements of the unit's padded flat buffer,
 // starting at element shard_offset. Writable (the optimizer updates shards in place).
 struct UnitShardView {
@@ -322,6 +349,16 @@ struct UnitShardView {
   void* data = nullptr;
   void* grad = nullptr;  // the gradient shard; nullptr until a gradient exists
   int device = -1;       // CUDA ordinal (in this process) of `data` and `grad`; -1: host
+  // The optimizer state buffers of the unit, in the order of ShardViews::state_specs();
+  // empty while the module has no state registered (Client::RegisterState).
+  std::vector<StateView> states;
+  // The state named `name`; nullptr when there is none.
+  const StateView* state(absl::string_view name) const {
+    for (const StateView& v : states) {
+      if (v.name == name) return &v;
+    }
+    return nullptr;
+  }
 };
 
 // This rank's shards of a registered module, sorted by unit. Keeps the mappings alive.
@@ -345,11 +382,15 @@ class ShardViews {
   // The committed generation the shards held when the daemon answered (0: the initial
   // values; see Client::Commit).
   uint64_t generation() const { return generation_; }
+  // The module's optimizer state spec (Client::RegisterState): the order of each unit's
+  // states. Empty when no state is registered on this rank's daemon.
+  const std::vector<StateSpec>& state_specs() const { return state_specs_; }
 
  private:
   friend class internal::ClientCore;
   std::vector<UnitShardView> units_;
   uint64_t generation_ = 0;
+  std::vector<StateSpec> state_specs_;
   std::vector<std::shared_ptr<const void>> keepalive_;
 };
 
@@ -465,6 +506,25 @@ class Client {
   // rank (named), an uninitialised module, or when not joined; NOT_FOUND for a module this
   // client did not register. No rank commits when any error is returned by the agreement.
   absl::StatusOr<uint64_t> Commit(const std::string& registered_module);
+
+  // Local (not collective): the optimizer state of `registered_module` for this rank. The
+  // daemon allocates, per unit and state of `specs`, a buffer next to this rank's shard (same
+  // memory kind and GPU; kShard: shard_numel elements, kScalar: one), zero-filled, and keeps
+  // it as long as the shard: it survives this process (a restarted trainer calls
+  // RegisterState with the same spec and gets the same buffers and values back), is never
+  // decommitted, and is freed with the module. State is part of the committed step like the
+  // shards: Commit (and an End with writeback) commits it, a rollback restores it; a Commit
+  // before this rank registered state commits none of it, and state registered after the
+  // last commit rolls back to zeros. Returns the shard views with their states (as
+  // GetShardViews: reading them counts as reading the views again after a rollback).
+  // The first RegisterState of the module on this rank's daemon fixes its spec for every rank
+  // there; later calls must pass the same spec.
+  // Errors: INVALID_ARGUMENT naming the bad field (specs[i].name, an empty spec), before any
+  // RPC; FAILED_PRECONDITION naming the first differing state and field when the module has
+  // another spec; otherwise those of GetShardViews; RESOURCE_EXHAUSTED when the daemon
+  // cannot allocate the buffers (it keeps none).
+  absl::StatusOr<ShardViews> RegisterState(const std::string& registered_module,
+                                           const std::vector<StateSpec>& specs);
 
   // Leaves the group (the shards stay; the rank can join again) and closes the lease. The
   // session is over even when the RPC fails; its error is returned.
