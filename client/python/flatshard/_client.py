@@ -7,7 +7,7 @@ import threading
 import torch
 
 from . import _C
-from ._tensors import from_capsule, torch_dtype
+from ._tensors import dtype_name, from_capsule, torch_dtype
 from .errors import InvalidArgumentError, NotFoundError, _from_status
 
 __all__ = ["Client", "Registered", "Summoned", "PendingReduceScatter", "ShardViews",
@@ -19,15 +19,40 @@ _NO_AUTO_WRAP = '{"format": "flatshard.policy/1"}'
 class UnitShard:
     """One unit's shard on this rank (the optimizer's view). ``shard`` and ``grad`` are
     writable zero-copy 1-D tensors of ``shard_numel`` elements (``grad`` is None until the
-    unit has a gradient); ``device`` is the CUDA ordinal, -1 for host memory."""
+    unit has a gradient); ``device`` is the CUDA ordinal, -1 for host memory.
+    ``state(name)``: the unit's optimizer state buffer ``name`` (``Client.register_state``)
+    as a writable zero-copy 1-D tensor (``shard_numel`` elements for "shard" states, one
+    for "scalar" ones); ``states``: name -> tensor of every state (empty when none)."""
 
-    __slots__ = ("_s", "_shard", "_grad", "_lock")
+    __slots__ = ("_s", "_shard", "_grad", "_states", "_lock")
 
     def __init__(self, s):
         self._s = s
         self._shard = None
         self._grad = None
+        self._states = {}
         self._lock = threading.Lock()
+
+    @property
+    def state_names(self):
+        return list(self._s.state_names)
+
+    def state(self, name):
+        """The optimizer state buffer ``name`` of this unit (NotFoundError if none)."""
+        with self._lock:
+            t = self._states.get(name)
+            if t is None:
+                t = from_capsule(self._s.state_dlpack(name), self._s.state_dtype_name(name))
+                self._states[name] = t
+            return t
+
+    @property
+    def states(self):
+        return {name: self.state(name) for name in self.state_names}
+
+    def numpy_state(self, name):
+        """The state buffer ``name`` as a writable numpy array (host memory)."""
+        return self._s.state_numpy(name)
 
     unit = property(lambda self: self._s.unit)
     shard_numel = property(lambda self: self._s.shard_numel)
@@ -64,7 +89,8 @@ class UnitShard:
     def __repr__(self):
         return (f"UnitShard(unit={self.unit}, dtype={self._s.dtype_name}, "
                 f"shard_numel={self.shard_numel}, shard_offset={self.shard_offset}, "
-                f"device={self.device}, grad={'yes' if self._s.has_grad else 'no'})")
+                f"device={self.device}, grad={'yes' if self._s.has_grad else 'no'}"
+                f"{', states=' + ','.join(self.state_names) if self.state_names else ''})")
 
 
 class Summoned:
@@ -212,11 +238,13 @@ class PendingReduceScatter:
 class ShardViews(list):
     """``Client.shard_views``' answer: a list of this rank's UnitShards, sorted by unit, and
     ``generation``, the committed generation the shards held when the daemon answered (0:
-    the initial values; see ``Client.commit``)."""
+    the initial values; see ``Client.commit``), and ``state_specs``: the module's optimizer
+    state spec as [(name, dtype name, "shard" | "scalar")], empty when none."""
 
-    def __init__(self, shards, generation):
+    def __init__(self, shards, generation, state_specs=()):
         super().__init__(shards)
         self.generation = int(generation)
+        self.state_specs = [tuple(s) for s in state_specs]
 
     def __repr__(self):
         return f"ShardViews(generation={self.generation}, {list.__repr__(self)})"
@@ -234,6 +262,7 @@ class Registered:
         self.generation = int(r.generation)
         self.plan = json.loads(r.plan_json)
         self.shards = [UnitShard(s) for s in r.shards]
+        self.state_specs = [tuple(s) for s in r.state_specs]  # see Client.register_state
         self.init_summon = None if r.init_summon is None else Summoned(r.init_summon, self.plan)
 
     def __repr__(self):
@@ -375,7 +404,33 @@ class Client:
         hold. Raises UnavailableError while the shards are being rolled back after a failure;
         read the views again after a rollback (before ``commit``)."""
         v = self._c.shard_views(module)
-        return ShardViews([UnitShard(s) for s in v.shards], v.generation)
+        return ShardViews([UnitShard(s) for s in v.shards], v.generation, v.state_specs)
+
+    def register_state(self, module, specs):
+        """Local (this rank only): optimizer state buffers of registered `module`, kept by the
+        daemon next to this rank's shards (same memory, same lifetime: they survive this
+        process, and a restarted trainer gets them back by calling this again with the same
+        specs). `specs`: [(name, dtype, shape)], name an identifier (letters, digits, "_",
+        "."), dtype a torch.dtype or its flatshard name ("float32"), shape "shard" (one
+        element per shard element: exp_avg, momentum_buffer) or "scalar" (one per unit:
+        Adam's step). New buffers are zeros. They commit and roll back with the shards
+        (``commit``): state registered after the last commit rolls back to zeros.
+        The first call for the module (on this daemon) fixes the spec; a different one
+        raises FailedPreconditionError naming the state and field. Returns the ShardViews,
+        each UnitShard with ``state(name)`` tensors; reading them counts as reading the
+        views after a rollback (as ``shard_views``)."""
+        norm = []
+        for i, spec in enumerate(specs):
+            if not isinstance(spec, (tuple, list)) or len(spec) != 3:
+                raise InvalidArgumentError(
+                    f"register_state: specs[{i}] must be (name, dtype, 'shard' | 'scalar'), "
+                    f"got {spec!r}")
+            name, dtype, shape = spec
+            if isinstance(dtype, torch.dtype):
+                dtype = dtype_name(dtype)
+            norm.append((str(name), str(dtype), str(shape)))
+        v = self._c.register_state(module, norm)
+        return ShardViews([UnitShard(s) for s in v.shards], v.generation, v.state_specs)
 
     def commit(self, module):
         """Collective: closes the current training step of `module` (call it on every rank

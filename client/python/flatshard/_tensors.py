@@ -19,7 +19,7 @@ import numpy as _np
 import torch
 import torch.utils.dlpack as _dlpack
 
-__all__ = ["ReadOnlyTensor", "ReadOnlyViewError", "torch_dtype", "from_capsule"]
+__all__ = ["ReadOnlyTensor", "ReadOnlyViewError", "torch_dtype", "dtype_name", "from_capsule"]
 
 _TORCH_DTYPES = {
     "float32": torch.float32,
@@ -40,6 +40,14 @@ def torch_dtype(name):
         return _TORCH_DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown flatshard dtype {name!r}") from None
+
+
+def dtype_name(dtype):
+    """The flatshard dtype name of a torch dtype (ValueError for one flatshard has not)."""
+    for name, d in _TORCH_DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"torch dtype {dtype} has no flatshard dtype")
 
 
 class ReadOnlyViewError(RuntimeError):
