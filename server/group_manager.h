@@ -281,8 +281,8 @@ class GroupManager : public peer::PeerEvents {
   // shards and are part of every commit and rollback exactly like them (Commit): a Commit
   // before the rank registered state commits none of it; state registered after the last
   // commit rolls back to zeros. The first call for a module on this daemon fixes its spec; the
-  // same spec again returns the existing buffers (a restarted trainer re-attaches; its views
-  // are fresh, as after GetShards). Errors: INVALID_ARGUMENT naming the bad field
+  // same spec again returns the existing buffers (a restarted trainer re-attaches). Unlike
+  // GetShards it does not mark the caller's views fresh after a rollback (see Commit). Errors: INVALID_ARGUMENT naming the bad field
   // (ValidateStateSpecs); FAILED_PRECONDITION naming the first differing state and field for
   // another spec, or a rank that holds no shards; GetShards' errors for the module; the
   // ShardStore's (RESOURCE_EXHAUSTED) when the buffers cannot be allocated (nothing is kept).

@@ -75,9 +75,9 @@ absl::StatusOr<RegisterStateResult> GroupManager::RegisterState(
                    << specs.size() << " state(s), first \"" << specs.front().name << "\"";
     }
     if (HasState(shards)) {
-      // Re-attach (a restarted trainer, or a second call): the existing buffers. Reading them
-      // counts as reading the views (GetShards).
-      reg.stale[caller.rank] = false;
+      // Re-attach (a restarted trainer, or a second call): the existing buffers. This does
+      // not count as reading the views after a rollback (Register and GetShards do): the
+      // trainer's in-place writes may straddle it.
       return RegisterStateResult{shards, reg.state_specs, reg.generation[caller.rank], false};
     }
     if (reg.state_allocating.contains(caller.rank)) {
@@ -162,7 +162,6 @@ absl::StatusOr<RegisterStateResult> GroupManager::RegisterState(
         if (!usable.ok()) {
           result = usable;
         } else {
-          reg.stale[caller.rank] = false;
           result = RegisterStateResult{shards, reg.state_specs, reg.generation[caller.rank], true};
         }
       }

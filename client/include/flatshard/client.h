@@ -516,7 +516,8 @@ class Client {
   // shards: Commit (and an End with writeback) commits it, a rollback restores it; a Commit
   // before this rank registered state commits none of it, and state registered after the
   // last commit rolls back to zeros. Returns the shard views with their states (as
-  // GetShardViews: reading them counts as reading the views again after a rollback).
+  // GetShardViews, except that it does not count as reading the views again after a
+  // rollback: call GetShardViews or Register for that, see Commit).
   // The first RegisterState of the module on this rank's daemon fixes its spec for every rank
   // there; later calls must pass the same spec.
   // Errors: INVALID_ARGUMENT naming the bad field (specs[i].name, an empty spec), before any

@@ -417,8 +417,8 @@ class Client:
         (``commit``): state registered after the last commit rolls back to zeros.
         The first call for the module (on this daemon) fixes the spec; a different one
         raises FailedPreconditionError naming the state and field. Returns the ShardViews,
-        each UnitShard with ``state(name)`` tensors; reading them counts as reading the
-        views after a rollback (as ``shard_views``)."""
+        each UnitShard with ``state(name)`` tensors (unlike ``shard_views``, this does not
+        count as reading the views again after a rollback, see ``commit``)."""
         norm = []
         for i, spec in enumerate(specs):
             if not isinstance(spec, (tuple, list)) or len(spec) != 3:

@@ -8,6 +8,9 @@
   sync_module_states=..., use_orig_params=...)``: trains with FULL_SHARD semantics;
   ``model.step(opt)`` (``opt.step()`` + ``model.commit()``) commits each step, and
   ``model.generation`` is the committed step a re-attaching trainer resumes from;
+- ``keep_optimizer_state(optimizer, model)``: the optimizer's per-parameter state (Adam's
+  moments and step, SGD's momentum) lives in the daemon next to the shards, commits and rolls
+  back with them, and a restarted trainer resumes with it;
 - ``summon_full_params(model, recurse=True, writeback=True, rank0_only=False,
   offload_to_cpu=False, with_grads=False)``; full and sharded state dicts on the wrapper.
 
@@ -17,7 +20,8 @@ __all__ = [
     "manifest_json", "manifest_of", "ModuleWrapPolicy", "always_wrap_policy",
     "lambda_auto_wrap_policy", "policy_json", "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy", "ERR_IN_FORWARD_BACKWARD", "ERR_NESTED_SUMMON",
-    "FlatShardModule", "TrainingState", "summon_full_params",
+    "FlatShardModule", "TrainingState", "summon_full_params", "keep_optimizer_state",
+    "DaemonOptimizerState",
 ]
 
 from .manifest import manifest_json, manifest_of  # noqa: F401
@@ -36,3 +40,4 @@ from .fsdp import (  # noqa: F401
     TrainingState,
     summon_full_params,
 )
+from .optim import DaemonOptimizerState, keep_optimizer_state  # noqa: F401
