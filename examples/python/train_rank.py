@@ -103,6 +103,10 @@ def main():
                          "gen<g> (after each commit), failed (when a step failed), "
                          "reattached<g> (after reattach)")
     ap.add_argument("--call-timeout", type=float, default=30.0)
+    ap.add_argument("--daemon-optimizer-state", action="store_true",
+                    help="keep the optimizer's state in the daemon "
+                         "(flatshard.torch.keep_optimizer_state): a restarted rank resumes "
+                         "with the committed step's optimizer state")
     args = ap.parse_args()
 
     t0 = time.monotonic()
@@ -122,6 +126,10 @@ def main():
         opt = gpt.make_optimizer(params, args.lr)
     else:
         opt = torch.optim.SGD(params, lr=args.lr)
+    if args.daemon_optimizer_state:
+        from flatshard.torch import keep_optimizer_state
+        kept = keep_optimizer_state(opt, fs)
+        emit(event="optimizer_state", rank=args.rank, specs=kept.specs)
 
     step = fs.generation if args.start_step < 0 else args.start_step
     failures = 0

@@ -1,0 +1,245 @@
+"""flatshard.torch.keep_optimizer_state: a torch.optim optimizer's state lives in the daemon
+(Client.register_state), commits and rolls back with the shards, and a restarted trainer
+resumes with it.
+
+- in process, one rank: SGD with momentum, Adam and AdamW, use_orig_params False and True,
+  train exactly like plain torch (bit for bit), with every state tensor a view of daemon
+  memory; a trainer whose client goes away after an uncommitted optimizer step comes back
+  with the committed step's optimizer state and finishes equal to an uninterrupted run;
+- processes (examples/python/train_rank.py): a rank SIGKILLed after its AdamW step, before
+  the commit, restarts and finishes equal to the single-process reference: bit for bit with
+  one rank, within run_gpt's tolerances with two (both restarted).
+
+By hand: PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \
+    /usr/bin/python3 -m pytest -q tests/python/test_torch_optstate.py
+"""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import flatshard
+from flatshard.torch import FlatShardModule, ModuleWrapPolicy, keep_optimizer_state
+from conftest import connect
+
+SOURCE_DIR = Path(os.environ.get("FS_SOURCE_DIR", Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(SOURCE_DIR / "examples" / "python"))
+import gpt  # noqa: E402
+import run_gpt  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.ln(torch.tanh(self.fc(x)))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.inp = nn.Linear(6, 16)
+        self.blocks = nn.Sequential(Block(16), Block(16))
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.out(self.blocks(torch.relu(self.inp(x))))
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1),
+}
+
+
+def _train(model, opt, steps, fs=None, start=0):
+    for step in range(start, start + steps):
+        x, y = _batch(step)
+        loss = nn.functional.cross_entropy((fs or model)(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if fs is None:
+            opt.step()
+        else:
+            fs.step(opt)
+
+
+def _reference(kind, steps):
+    model = Net()
+    opt = OPTIMIZERS[kind](model.parameters())
+    _train(model, opt, steps)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _wrapped(client, use_orig_params):
+    return FlatShardModule(Net(), client, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                           use_orig_params=use_orig_params)
+
+
+def _full(fs):
+    return {k: v.clone() for k, v in fs.full_state_dict().items()}
+
+
+def _in_daemon_memory(opt, link, fs):
+    """Every shard-shaped state tensor of every parameter points into the daemon's buffer of
+    its unit (at the parameter's offset)."""
+    from flatshard.torch.optim import _slots
+    slots = _slots(fs)
+    checked = 0
+    for p in fs.sharded_parameters():
+        slot = slots[id(p)]
+        for name, t in opt.state[p].items():
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.numel() == 0:
+                continue
+            buf = link.state_views(slot.unit)[name]
+            assert t.data_ptr() == buf.data_ptr() + slot.offset * buf.element_size(), name
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig_params"])
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_optimizer_state_lives_in_the_daemon_and_trains_like_torch(daemon, group, kind,
+                                                                    use_orig_params):
+    c = connect(daemon)
+    c.join(group, 1, 0)
+    fs = _wrapped(c, use_orig_params)
+    opt = OPTIMIZERS[kind](fs.sharded_parameters())
+    link = keep_optimizer_state(opt, fs)
+    assert link.specs is None  # derived from the optimizer's first step
+    _train(fs.module, opt, 3, fs)
+    names = {"sgd_momentum": ["momentum_buffer"], "adam": ["exp_avg", "exp_avg_sq", "step"],
+             "adamw": ["exp_avg", "exp_avg_sq", "step"]}[kind]
+    assert [s[0] for s in link.specs] == names
+    assert all(s[2] == ("scalar" if s[0] == "step" else "shard") for s in link.specs)
+    assert _in_daemon_memory(opt, link, fs) > 0
+    # The daemon's scalar `step` holds the optimizer's count.
+    if kind != "sgd_momentum":
+        for u in range(len(fs.plan["units"])):
+            views = link.state_views(u)
+            if views:
+                assert views["step"].item() == 3.0
+    got = _full(fs)
+    want = _reference(kind, 3)
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs from plain torch"
+    with pytest.raises(RuntimeError, match="kept already"):
+        keep_optimizer_state(opt, fs)
+    c.close()
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig_params"])
+def test_restarted_trainer_resumes_with_the_committed_optimizer_state(daemon, group,
+                                                                      use_orig_params):
+    """AdamW, one rank: two committed steps, then an optimizer step that is never committed;
+    the client goes away (a crashed trainer). A new client, wrapper and optimizer re-attach:
+    the optimizer's state equals the one after commit 2 (not the uncommitted step's, not a
+    fresh one), and two more steps end equal, bit for bit, to four uninterrupted steps."""
+    c = connect(daemon)
+    c.join(group, 1, 0)
+    fs = _wrapped(c, use_orig_params)
+    opt = OPTIMIZERS["adamw"](fs.sharded_parameters())
+    keep_optimizer_state(opt, fs)
+    _train(fs.module, opt, 2, fs)
+    assert fs.generation == 2
+    saved = [{k: v.clone() for k, v in opt.state[p].items()} for p in fs.sharded_parameters()]
+    x, y = _batch(2)
+    nn.functional.cross_entropy(fs(x), y).backward()
+    opt.step()  # in place, never committed
+    assert any(not torch.equal(opt.state[p]["exp_avg"], s["exp_avg"])
+               for p, s in zip(fs.sharded_parameters(), saved) if p.numel())
+    c.close()
+
+    back = connect(daemon)
+    back.join(group, 1, 0)
+    fs2 = _wrapped(back, use_orig_params)
+    assert fs2.reattached and fs2.generation == 2
+    opt2 = OPTIMIZERS["adamw"](fs2.sharded_parameters())
+    link = keep_optimizer_state(opt2, fs2)
+    assert [s[0] for s in link.specs] == ["exp_avg", "exp_avg_sq", "step"]  # before any step
+    for p, s in zip(fs2.sharded_parameters(), saved):
+        st = opt2.state[p]
+        assert sorted(st) == sorted(s)
+        for k in s:
+            assert torch.equal(st[k], s[k]), f"{k} was not the committed step's"
+    _train(fs2.module, opt2, 2, fs2, start=fs2.generation)
+    got = _full(fs2)
+    want = _reference("adamw", 4)
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k}: the restarted run differs"
+    back.close()
+
+
+# --- processes --------------------------------------------------------------------------------
+
+STEPS, KILL = 6, 3
+COMMON = ["--steps", str(STEPS), "--batch", "12", "--optimizer", "adamw",
+          "--daemon-optimizer-state", "--call-timeout", "20"]
+VICTIM = ["--die-at-step", str(KILL), "--die-in", "commit"]
+
+
+def _steps(events):
+    return [(e["step"], e["generation"]) for e in events if e["event"] == "step"]
+
+
+def test_killed_adamw_rank_resumes_with_its_optimizer_state_bit_exact():
+    """One rank, AdamW with its state in the daemon: SIGKILLed in step 3 after the optimizer
+    updated shards and state in place, before the commit. Restarted, it re-attaches at
+    generation 3 and finishes equal, bit for bit, to the uninterrupted single-process
+    reference (with its optimizer state lost, steps 3-5 would start from fresh moments)."""
+    with run_gpt.Job(1) as job:
+        first = job.collect(job.launch(1, COMMON + VICTIM, tag="first"), timeout=200,
+                            tag="first")
+        assert first[0][0] == -9, f"rank 0 should have been killed: {first[0]}"
+        assert _steps(first[0][1]) == [(s, s + 1) for s in range(KILL)]
+        second = job.collect(job.launch(1, COMMON, tag="second"), timeout=200, tag="second")
+        rc, events, err = second[0]
+        assert rc == 0, err
+        attached = [e for e in events if e["event"] == "attached"]
+        assert attached[0]["reattached"] and attached[0]["generation"] == KILL, events
+        specs = [e for e in events if e["event"] == "optimizer_state"]
+        assert [s[0] for s in specs[0]["specs"]] == ["exp_avg", "exp_avg_sq", "step"], specs
+        assert _steps(events) == [(s, s + 1) for s in range(KILL, STEPS)]
+        final = job.final("second")
+    assert not job.stop_problems, job.stop_problems
+    ref_losses, ref_sd = gpt.train_reference(STEPS, 12, optimizer="adamw")
+    losses = run_gpt.mean_losses({0: (0, first[0][1] + events, "")}, 1)
+    assert list(losses.values()) == ref_losses
+    for k in ref_sd:
+        assert torch.equal(final[k], ref_sd[k]), f"{k} differs from the reference"
+
+
+def test_two_killed_adamw_ranks_resume_with_their_optimizer_state():
+    """Two ranks: rank 1 is SIGKILLed in step 3 after its AdamW step, rank 0's commit fails;
+    both restart, re-attach at generation 3 with the committed optimizer state and finish
+    equal to the reference within run_gpt's tolerances."""
+    with run_gpt.Job(1) as job:
+        procs = job.launch(2, COMMON, tag="first", only={0})
+        procs.update(job.launch(2, COMMON + VICTIM, tag="first", only={1}))
+        first = job.collect(procs, timeout=200, tag="first")
+        assert first[1][0] == -9 and first[0][0] != 0, first
+        second = job.collect(job.launch(2, COMMON, tag="second"), timeout=200, tag="second")
+        for r, (rc, events, err) in second.items():
+            assert rc == 0, f"rank {r}: {err}"
+            attached = [e for e in events if e["event"] == "attached"]
+            assert attached[0]["generation"] == KILL, events
+        final = job.final("second")
+    assert not job.stop_problems, job.stop_problems
+    ref_losses, ref_sd = gpt.train_reference(STEPS, 12, optimizer="adamw")
+    both = {r: (0, first[r][1] + second[r][1], "") for r in (0, 1)}
+    losses = list(run_gpt.mean_losses(both, 2).values())
+    _, _, _, problems = run_gpt.compare(losses, final, ref_losses, ref_sd)
+    assert not problems, "\n".join(problems)
