@@ -1,0 +1,221 @@
+// Optimizer state buffers (Client::RegisterState) end to end: the C++ client against real
+// flatshardd processes (one daemon, or one per rank with daemon 0 as the coordinator).
+//   - specs are checked before any RPC (INVALID_ARGUMENT naming the field); the first spec is
+//     fixed, another one is refused naming the state and field;
+//   - the buffers are zeros, sized per shape, in shared memory of their own next to the shard;
+//     GetShardViews and a re-attaching Register return them with the spec;
+//   - they are committed with the shards, and a trainer that went away before a commit comes
+//     back to the committed values (the survivor's views are rolled back too).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "flatshard/client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/cluster.h"
+#include "tests/testing/files.h"
+#include "tests/testing/rank_group.h"
+
+namespace flatshard::client {
+namespace {
+
+using ::flatshard::testing::Cluster;
+using ::flatshard::testing::ExampleModelFile;
+using ::flatshard::testing::Layout;
+using ::testing::HasSubstr;
+
+constexpr char kToken[] = "st4te";
+
+const std::vector<StateSpec> kAdam = {{"exp_avg", DType::kFloat32, StateShape::kShard},
+                                      {"exp_avg_sq", DType::kFloat32, StateShape::kShard},
+                                      {"step", DType::kInt64, StateShape::kScalar}};
+
+class ClientStateTest : public ::testing::TestWithParam<Layout> {
+ protected:
+  static ::flatshard::testing::ClusterOptions Options() {
+    ::flatshard::testing::ClusterOptions o;
+    o.tag_prefix = "fsst";
+    return o;
+  }
+};
+
+std::unique_ptr<Client> Connect(const std::string& address) {
+  ClientOptions options;
+  options.address = address;
+  options.call_timeout = absl::Seconds(10);
+  options.join_timeout = absl::Seconds(10);
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  EXPECT_TRUE(client.ok()) << client.status();
+  return client.ok() ? *std::move(client) : nullptr;
+}
+
+absl::StatusOr<RegisteredModule> RegisterModel(Client& c) {
+  return c.Register("", ExampleModelFile("gpt_tied", "manifest"),
+                    ExampleModelFile("gpt_tied", "policy"), InitMode::kZeros);
+}
+
+// The /dev/shm segment mapped at `p` in this process ("" when none).
+std::string SegmentOf(const void* p) {
+  std::ifstream maps("/proc/self/maps");
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  std::string line;
+  while (std::getline(maps, line)) {
+    unsigned long begin = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx", &begin, &end) != 2) continue;
+    if (addr < begin || addr >= end) continue;
+    const size_t at = line.find("/dev/shm/");
+    return at == std::string::npos ? "" : line.substr(at + 8);
+  }
+  return "";
+}
+
+// Fills every state of every unit: exp_avg = v, exp_avg_sq = v + 0.5, step = v as int64.
+void Fill(const ShardViews& views, float v) {
+  for (const UnitShardView& u : views) {
+    std::fill_n(static_cast<float*>(u.state("exp_avg")->data), u.shard_numel, v);
+    std::fill_n(static_cast<float*>(u.state("exp_avg_sq")->data), u.shard_numel, v + 0.5f);
+    *static_cast<int64_t*>(u.state("step")->data) = static_cast<int64_t>(v);
+  }
+}
+
+bool Holds(const ShardViews& views, float v) {
+  for (const UnitShardView& u : views) {
+    if (u.states.size() != 3) return false;
+    const float* m = static_cast<const float*>(u.state("exp_avg")->data);
+    const float* s = static_cast<const float*>(u.state("exp_avg_sq")->data);
+    for (int64_t i = 0; i < u.shard_numel; ++i) {
+      if (m[i] != v || s[i] != v + 0.5f) return false;
+    }
+    if (*static_cast<const int64_t*>(u.state("step")->data) != static_cast<int64_t>(v)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool Zeros(const ShardViews& views) {
+  for (const UnitShardView& u : views) {
+    if (u.states.empty()) return false;
+    for (const StateView& s : u.states) {
+      const unsigned char* b = static_cast<const unsigned char*>(s.data);
+      if (std::any_of(b, b + s.numel * ItemSize(s.dtype), [](unsigned char x) { return x; })) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+TEST_P(ClientStateTest, StateBuffersAreCheckedZeroedAndReturnedWithTheViews) {
+  Cluster d(GetParam(), Options());
+  std::vector<std::unique_ptr<Client>> c(2);
+  ::flatshard::testing::RunRanks(2, [&](int r) {
+    c[r] = Connect(d.AddressFor(r));
+    ASSERT_NE(c[r], nullptr);
+    ASSERT_TRUE(c[r]->Join("views", 2, r, kToken, d.coordinator()).ok());
+    ASSERT_TRUE(RegisterModel(*c[r]).ok());
+  });
+  absl::StatusOr<ShardViews> bad = c[0]->RegisterState("", {{"bad name", DType::kFloat32}});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("specs[0].name"));
+  bad = c[0]->RegisterState("not.registered", kAdam);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kNotFound) << bad.status();
+
+  for (int r = 0; r < 2; ++r) {
+    absl::StatusOr<ShardViews> views = c[r]->RegisterState("", kAdam);
+    ASSERT_TRUE(views.ok()) << views.status();
+    ASSERT_EQ(views->state_specs().size(), 3u);
+    EXPECT_EQ(views->state_specs()[2].name, "step");
+    EXPECT_EQ(views->state_specs()[2].shape, StateShape::kScalar);
+    EXPECT_TRUE(Zeros(*views)) << "new state buffers must be zeros";
+    for (const UnitShardView& u : *views) {
+      ASSERT_EQ(u.states.size(), 3u);
+      EXPECT_EQ(u.state("exp_avg")->numel, u.shard_numel);
+      EXPECT_EQ(u.state("step")->numel, 1);
+      EXPECT_EQ(u.state("step")->dtype, DType::kInt64);
+      EXPECT_EQ(u.state("momentum_buffer"), nullptr);
+      EXPECT_EQ(u.state("exp_avg")->device, -1);
+      // Shared memory of the daemon's, not the shard's segment.
+      const std::string seg = SegmentOf(u.state("exp_avg")->data);
+      EXPECT_FALSE(seg.empty());
+      EXPECT_NE(seg, SegmentOf(u.data));
+    }
+    Fill(*views, 2.0f + r);
+  }
+  // Another spec on rank 1's daemon names the differing state and field.
+  std::vector<StateSpec> other = kAdam;
+  other[0].shape = StateShape::kScalar;
+  absl::StatusOr<ShardViews> differs = c[1]->RegisterState("", other);
+  EXPECT_EQ(differs.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(differs.status().message(), HasSubstr("\"exp_avg\": shape scalar"));
+  // GetShardViews returns the same buffers with the spec.
+  absl::StatusOr<ShardViews> again = c[0]->GetShardViews("");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->state_specs().size(), 3u);
+  EXPECT_TRUE(Holds(*again, 2.0f));
+}
+
+TEST_P(ClientStateTest, RestartedTrainerGetsTheCommittedState) {
+  Cluster d(GetParam(), Options());
+  std::vector<std::unique_ptr<Client>> c(2);
+  std::vector<ShardViews> views(2);
+  ::flatshard::testing::RunRanks(2, [&](int r) {
+    c[r] = Connect(d.AddressFor(r));
+    ASSERT_NE(c[r], nullptr);
+    ASSERT_TRUE(c[r]->Join("restart", 2, r, kToken, d.coordinator()).ok());
+    ASSERT_TRUE(RegisterModel(*c[r]).ok());
+    absl::StatusOr<ShardViews> v = c[r]->RegisterState("", kAdam);
+    ASSERT_TRUE(v.ok()) << v.status();
+    Fill(*v, 1.0f);
+    absl::StatusOr<uint64_t> g = c[r]->Commit("");
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_EQ(*g, 1u);
+    Fill(*v, 5.0f);  // in place, never committed
+    views[r] = *std::move(v);
+  });
+  c[1].reset();  // rank 1's trainer is gone
+  absl::StatusOr<uint64_t> failed = c[0]->Commit("");
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable) << failed.status();
+
+  c[1] = Connect(d.AddressFor(1));
+  ASSERT_NE(c[1], nullptr);
+  absl::Status joined;
+  const absl::Time start = absl::Now();
+  do {
+    joined = c[1]->Join("restart", 2, 1, kToken, d.coordinator());
+    if (!joined.ok()) absl::SleepFor(absl::Milliseconds(20));
+  } while (!joined.ok() && absl::Now() - start < absl::Seconds(5));
+  ASSERT_TRUE(joined.ok()) << joined;
+  absl::StatusOr<RegisteredModule> back = RegisterModel(*c[1]);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->generation, 1u);
+  EXPECT_EQ(back->shards.state_specs().size(), 3u);
+  EXPECT_TRUE(Holds(back->shards, 1.0f)) << "the restarted rank's state is not generation 1's";
+  // The survivor's state was rolled back in place (its old views show it) once the group
+  // re-formed.
+  absl::StatusOr<ShardViews> survivor;
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  do {
+    survivor = c[0]->GetShardViews("");
+    if (!survivor.ok()) absl::SleepFor(absl::Milliseconds(20));
+  } while (!survivor.ok() && absl::Now() < until);
+  ASSERT_TRUE(survivor.ok()) << survivor.status();
+  EXPECT_TRUE(Holds(*survivor, 1.0f));
+  EXPECT_TRUE(Holds(views[0], 1.0f));
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, ClientStateTest,
+                         ::testing::ValuesIn(::flatshard::testing::AllLayouts()),
+                         ::flatshard::testing::LayoutParamName());
+
+}  // namespace
+}  // namespace flatshard::client
