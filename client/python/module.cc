@@ -751,12 +751,16 @@ PYBIND11_MODULE(_C, m) {
            [](const PyUnitShard& s, const std::string& name) {
              return std::string(DTypeName(s.State(name).dtype));
            })
-      .def("state_dlpack",
-           [](const PyUnitShard& s, const std::string& name) {
-             const client::StateView& v = s.State(name);
-             return ToDlpack(Region{v.data, {v.numel}, v.dtype, v.device}, s.keep,
-                             s.device_as_host);
-           })
+      // `raw`: a device buffer's capsule as a real GPU client gets it, also on a client of
+      // simulated GPUs (tests of the device path).
+      .def(
+          "state_dlpack",
+          [](const PyUnitShard& s, const std::string& name, bool raw) {
+            const client::StateView& v = s.State(name);
+            return ToDlpack(Region{v.data, {v.numel}, v.dtype, v.device}, s.keep,
+                            s.device_as_host && !raw);
+          },
+          py::arg("name"), py::arg("raw") = false)
       .def("state_numpy", [](const PyUnitShard& s, const std::string& name) {
         const client::StateView& v = s.State(name);
         return ToNumpy(Region{v.data, {v.numel}, v.dtype, v.device}, s.keep, true,

@@ -138,3 +138,46 @@ def test_state_commits_and_rolls_back_with_the_shards(daemon, group):
     assert _holds(now[0].shard_views(""), 3.0)
     for c in now:
         c.close()
+
+
+@pytest.fixture
+def gpu_daemon():
+    with flatshard.testing.LocalDaemon(extra_args=("--simulate_gpus=2",)) as d:
+        yield d
+
+
+def test_state_lives_on_the_ranks_gpu_and_rolls_back(gpu_daemon, group):
+    """A GPU daemon (simulated: GPU code paths over host memory) allocates the state next to
+    the shard, on the rank's device; commit and rollback copy it there like the shards."""
+    from flatshard import _C
+    clients = [flatshard.Client(gpu_daemon.address, call_timeout=30, join_timeout=30,
+                                _simulated_gpus=True) for _ in range(2)]
+
+    def rank(r):
+        c = clients[r]
+        _start(c, group, r)
+        views = c.register_state("", ADAM)
+        for v in views:
+            assert v.device == r % 2
+            info = _C.describe_dlpack(v._s.state_dlpack("exp_avg", True))
+            assert info["device_type"] == "cuda" and info["device_id"] == r % 2, info
+            assert info["shape"] == [v.shard_numel]
+            assert info["data"] == v.state("exp_avg").data_ptr()
+        assert all(torch.count_nonzero(v.state("exp_avg")) == 0 for v in views)
+        _fill(views, 4.0)
+        assert c.commit("") == 1
+        _fill(views, 8.0)  # never committed
+
+    run_ranks(2, rank)
+    clients[1].close()
+    with pytest.raises(flatshard.UnavailableError):
+        clients[0].commit("")
+    back = flatshard.Client(gpu_daemon.address, call_timeout=30, join_timeout=30,
+                            _simulated_gpus=True)
+    back.join(group, 2, 1)
+    reg = back.register("", mlp_manifest(), MLP_POLICY)
+    assert reg.generation == 1
+    assert _holds(_views_when_ready(back), 4.0)
+    assert _holds(_views_when_ready(clients[0]), 4.0)
+    clients[0].close()
+    back.close()
