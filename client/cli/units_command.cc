@@ -28,13 +28,13 @@ void PrintUnits(const v1::ListUnitsResponse& r) {
                                  m.initialized() ? absl::StrCat("generation ", m.generation())
                                                  : std::string("NOT INITIALISED"));
     std::vector<std::vector<std::string>> rows = {{"UNIT", "MODULE", "RANK", "STATE", "SHARD_B",
-                                                   "GRAD_B", "UNSHARDED_B", "LAST_OP", "AGE"}};
+                                                   "GRAD_B", "UNSHARDED_B", "STATE_B", "LAST_OP", "AGE"}};
     for (const v1::UnitStatus& u : m.units()) {
       for (const v1::UnitRank& rank : u.ranks()) {
         rows.push_back({absl::StrCat(u.unit()), ModuleName(u.module()), absl::StrCat(rank.rank()),
                         rank.state(), absl::StrCat(rank.shard_bytes()),
                         absl::StrCat(rank.grad_bytes()), absl::StrCat(rank.unsharded_bytes()),
-                        LastOp(u),
+                        absl::StrCat(rank.state_bytes()), LastOp(u),
                         u.last_op().empty() ? "-"
                                             : absl::StrFormat("%.1fs", u.last_op_age_seconds())});
       }
@@ -54,7 +54,8 @@ nlohmann::json UnitsJson(const v1::ListUnitsResponse& r) {
                          {"state", rank.state()},
                          {"shard_bytes", rank.shard_bytes()},
                          {"grad_bytes", rank.grad_bytes()},
-                         {"unsharded_bytes", rank.unsharded_bytes()}});
+                         {"unsharded_bytes", rank.unsharded_bytes()},
+                         {"state_bytes", rank.state_bytes()}});
       }
       nlohmann::json last_op = nullptr;
       if (!u.last_op().empty()) {

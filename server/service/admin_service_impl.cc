@@ -300,6 +300,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ListUnits(grpc::CallbackServerContex
         rank->set_shard_bytes(r.shard_bytes);
         rank->set_grad_bytes(r.grad_bytes);
         rank->set_unsharded_bytes(r.unsharded_bytes);
+        rank->set_state_bytes(r.state_bytes);
       }
       if (!u.last_op.op.empty()) {
         unit->set_last_op(u.last_op.op);

@@ -312,6 +312,7 @@ TEST_F(FlatshardctlAdminTest, UnitsShowSummonedDuringASummonAndIdleAfter) {
       EXPECT_GT(rank["shard_bytes"].get<int64_t>(), 0);
       EXPECT_EQ(rank["grad_bytes"], 0);
       EXPECT_EQ(rank["unsharded_bytes"], 0);
+      EXPECT_EQ(rank["state_bytes"], 0);
     }
   }
 
@@ -334,10 +335,10 @@ TEST_F(FlatshardctlAdminTest, UnitsShowSummonedDuringASummonAndIdleAfter) {
   ASSERT_EQ(lines.size(), 2u + 2u * units) << r.out;
   EXPECT_EQ(lines[0], "group g  module (root)  " + std::to_string(units) + " units  generation 0");
   EXPECT_THAT(lines[1], ::testing::MatchesRegex(
-                            " +UNIT +MODULE +RANK +STATE +SHARD_B +GRAD_B +UNSHARDED_B +LAST_OP +AGE"));
+                            " +UNIT +MODULE +RANK +STATE +SHARD_B +GRAD_B +UNSHARDED_B +STATE_B +LAST_OP +AGE"));
   for (size_t i = 2; i < lines.size(); ++i) {
     EXPECT_THAT(lines[i], ::testing::MatchesRegex(
-                              " +[0-9]+ +[^ ]+ +[01] +SUMMONED +[0-9]+ +0 +[1-9][0-9]* +summon rank [01] +[0-9.]+s"));
+                              " +[0-9]+ +[^ ]+ +[01] +SUMMONED +[0-9]+ +0 +[1-9][0-9]* +0 +summon rank [01] +[0-9.]+s"));
   }
 
   EndAll();
@@ -365,6 +366,20 @@ TEST_F(FlatshardctlAdminTest, UnitsShowSummonedDuringASummonAndIdleAfter) {
   for (const nlohmann::json& rank : unit1["ranks"]) {
     EXPECT_EQ(rank["grad_bytes"], rank["shard_bytes"]);
   }
+  // Optimizer state (RegisterState): a float32 shard-shaped state and an int64 scalar.
+  ForEachRank(2, [&](int rank) {
+    absl::StatusOr<client::ShardViews> v = ranks_[rank].client->RegisterState(
+        "", {{"exp_avg", DType::kFloat32, client::StateShape::kShard},
+             {"step", DType::kInt64, client::StateShape::kScalar}});
+    EXPECT_TRUE(v.ok()) << v.status();
+  });
+  j = Json(Ctl({"units", "g", "--json"}));
+  for (const nlohmann::json& u : j["modules"][0]["units"]) {
+    for (const nlohmann::json& rank : u["ranks"]) {
+      EXPECT_EQ(rank["state_bytes"].get<int64_t>(), rank["shard_bytes"].get<int64_t>() + 8);
+    }
+  }
+  EXPECT_THAT(Ctl({"units", "g"}).out, HasSubstr("STATE_B"));
 
   r = Ctl({"units", "g", "--module", "h.0"});
   EXPECT_EQ(r.exit_code, 1);
