@@ -482,7 +482,9 @@ class Client {
                                   absl::FunctionRef<absl::Status(PendingReduceScatter&)> fill);
 
   // Local: this rank's shards and gradient shards of `registered_module`, for the optimizer,
-  // and the committed generation they hold (ShardViews::generation()).
+  // and the committed generation they hold (ShardViews::generation()). Each unit's `states`
+  // are its optimizer state buffers when the module has state (RegisterState), in the order
+  // of ShardViews::state_specs(); Register's re-attach returns them the same way.
   // Errors: as BeginReduceScatter; FAILED_PRECONDITION for a module whose initialisation did
   // not commit on every rank (Register it again on every rank); UNAVAILABLE while the
   // shards are being rolled back. After a failure, the shards roll back when every rank has
