@@ -93,9 +93,9 @@ def _full(fs):
     return {k: v.clone() for k, v in fs.full_state_dict().items()}
 
 
-def _in_daemon_memory(opt, link, fs):
+def _in_daemon_memory(opt, link, fs, expect=True):
     """Every shard-shaped state tensor of every parameter points into the daemon's buffer of
-    its unit (at the parameter's offset)."""
+    its unit (at the parameter's offset); `expect=False`: none does. Returns how many."""
     from flatshard.torch.optim import _slots
     slots = _slots(fs)
     checked = 0
@@ -105,7 +105,8 @@ def _in_daemon_memory(opt, link, fs):
             if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.numel() == 0:
                 continue
             buf = link.state_views(slot.unit)[name]
-            assert t.data_ptr() == buf.data_ptr() + slot.offset * buf.element_size(), name
+            at = t.data_ptr() == buf.data_ptr() + slot.offset * buf.element_size()
+            assert at == expect, name
             checked += 1
     return checked
 
@@ -181,6 +182,40 @@ def test_restarted_trainer_resumes_with_the_committed_optimizer_state(daemon, gr
     for k in want:
         assert torch.equal(got[k], want[k]), f"{k}: the restarted run differs"
     back.close()
+
+
+def test_loaded_optimizer_state_goes_to_the_daemon(daemon, group):
+    """opt.load_state_dict replaces the state tensors with copies: before the next step they
+    are copied into the daemon's buffers and replaced by views again (step count included),
+    so training goes on exactly as with plain torch loading the same state dict."""
+    import copy
+    c = connect(daemon)
+    c.join(group, 1, 0)
+    fs = _wrapped(c, False)
+    opt = OPTIMIZERS["adam"](fs.sharded_parameters())
+    link = keep_optimizer_state(opt, fs)
+    _train(fs.module, opt, 2, fs)
+    saved = copy.deepcopy(opt.state_dict())
+    _train(fs.module, opt, 1, fs, start=2)
+    opt.load_state_dict(saved)  # back to step 2's moments (parameters stay at step 3's)
+    assert _in_daemon_memory(opt, link, fs, expect=False) > 0  # loaded copies
+    _train(fs.module, opt, 1, fs, start=3)
+    assert _in_daemon_memory(opt, link, fs) > 0
+    for u in range(len(fs.plan["units"])):
+        if link.state_views(u):
+            assert link.state_views(u)["step"].item() == 3.0
+    # Plain torch, same sequence.
+    model = Net()
+    ref = OPTIMIZERS["adam"](model.parameters())
+    _train(model, ref, 2)
+    ref_saved = copy.deepcopy(ref.state_dict())
+    _train(model, ref, 1, start=2)
+    ref.load_state_dict(ref_saved)
+    _train(model, ref, 1, start=3)
+    got = _full(fs)
+    for k, v in model.state_dict().items():
+        assert torch.equal(got[k], v), k
+    c.close()
 
 
 # --- processes --------------------------------------------------------------------------------

@@ -114,12 +114,12 @@ class DaemonOptimizerState:
             return None
         return [tuple(s) for s in views.state_specs] or None
 
-    def _params(self):
+    def _params(self, with_group=False):
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 slot = self._slots.get(id(p))
                 if slot is not None:
-                    yield p, slot
+                    yield (p, slot, group) if with_group else (p, slot)
 
     def _derive_specs(self) -> List[Tuple[str, str, str]]:
         found: Dict[str, Tuple[str, str]] = {}
@@ -161,7 +161,7 @@ class DaemonOptimizerState:
         is not the view yet (created by the optimizer, or loaded) is copied in, unless
         `from_daemon` (re-attach before the first step: the daemon's values win)."""
         with torch.no_grad():
-            for p, slot in self._params():
+            for p, slot, group in self._params(with_group=True):
                 state = self.optimizer.state[p]  # a defaultdict: created when missing
                 sh = self._views.get(slot.unit)
                 if sh is None:
@@ -183,7 +183,11 @@ class DaemonOptimizerState:
                         # A 0-dim tensor of the parameter's own (see the module docstring).
                         key = (id(p), name)
                         if cur is None or from_daemon:
-                            cur = buf[0].detach().clone()
+                            # Where torch keeps it: on the host unless the optimizer runs
+                            # capturable or fused (then on the parameter's device).
+                            on_device = group.get("capturable") or group.get("fused")
+                            cur = buf[0].detach().to(p.device if on_device else "cpu",
+                                                     copy=True)
                             state[name] = cur
                             self._bound[key] = cur
                         elif self._bound.get(key) is not cur:  # the optimizer's, or loaded
