@@ -18,6 +18,8 @@ and numpy arrays.
     c.reduce_scatter_grads("", unit, flat_grad)  # each rank keeps its slice
     shards = c.shard_views("")                    # the optimizer's view (.generation)
     # ... the optimizer updates the shards in place ...
+    st = c.register_state("", [("exp_avg", "float32", "shard")])  # optimizer state buffers
+    st[0].state("exp_avg")                        # in the daemon, committed with the shards
     c.commit("")                                  # collective: closes the step
     c.leave(); c.close()
 
