@@ -31,6 +31,19 @@ def _views_when_ready(c, timeout=30.0):
             time.sleep(0.05)
 
 
+def _rejoin(c, group, rank, world=2, timeout=30.0):
+    """Joins again as `rank` once the daemon has seen the old session end (its lease closing
+    is noticed asynchronously: until then the rank still has a live session)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return c.join(group, world, rank)
+        except flatshard.AlreadyExistsError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def _fill(views, value):
     for v in views:
         v.state("exp_avg").fill_(value)
@@ -88,7 +101,7 @@ def test_state_views_round_trip_and_reattach(daemon, group):
     # A restarted trainer (new client, same rank) re-attaches to the same values.
     clients[1].close()
     back = connect(daemon)
-    back.join(group, 2, 1)
+    _rejoin(back, group, 1)
     reg = back.register("", mlp_manifest(), MLP_POLICY)
     assert [s[0] for s in reg.state_specs] == ["exp_avg", "exp_avg_sq", "step"]
     assert all(s.state_names == ["exp_avg", "exp_avg_sq", "step"] for s in reg.shards)
@@ -118,7 +131,7 @@ def test_state_commits_and_rolls_back_with_the_shards(daemon, group):
     with pytest.raises(flatshard.UnavailableError, match="rank 1"):
         clients[0].commit("")
     back = connect(daemon)
-    back.join(group, 2, 1)
+    _rejoin(back, group, 1)
     reg = back.register("", mlp_manifest(), MLP_POLICY)
     assert reg.generation == 1
     now = [clients[0], back]
@@ -174,7 +187,7 @@ def test_state_lives_on_the_ranks_gpu_and_rolls_back(gpu_daemon, group):
         clients[0].commit("")
     back = flatshard.Client(gpu_daemon.address, call_timeout=30, join_timeout=30,
                             _simulated_gpus=True)
-    back.join(group, 2, 1)
+    _rejoin(back, group, 1)
     reg = back.register("", mlp_manifest(), MLP_POLICY)
     assert reg.generation == 1
     assert _holds(_views_when_ready(back), 4.0)

@@ -15,6 +15,7 @@ By hand: PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \
 """
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,19 @@ def _reference(kind, steps):
 def _wrapped(client, use_orig_params):
     return FlatShardModule(Net(), client, auto_wrap_policy=ModuleWrapPolicy({Block}),
                            use_orig_params=use_orig_params)
+
+
+def _rejoin(c, group, timeout=30.0):
+    """Joins rank 0 of a one-rank group again once the daemon has seen the old session end
+    (a closed client's lease ends asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return c.join(group, 1, 0)
+        except flatshard.AlreadyExistsError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _full(fs):
@@ -165,7 +179,7 @@ def test_restarted_trainer_resumes_with_the_committed_optimizer_state(daemon, gr
     c.close()
 
     back = connect(daemon)
-    back.join(group, 1, 0)
+    _rejoin(back, group)
     fs2 = _wrapped(back, use_orig_params)
     assert fs2.reattached and fs2.generation == 2
     opt2 = OPTIMIZERS["adamw"](fs2.sharded_parameters())
