@@ -225,6 +225,19 @@ TEST_F(GroupManagerStateTest, SpecIsValidatedFixedByTheFirstCallAndReattaches) {
   EXPECT_EQ(info.state_bytes, 2 * info.shard_bytes + 8);
 }
 
+TEST_F(GroupManagerStateTest, UninitialisedModuleIsRefusedAsByGetShards) {
+  std::vector<Caller> c = JoinAll("uninit", 2);
+  // Initial values from every rank: the init summons stay open, nothing committed yet.
+  std::vector<absl::StatusOr<RegisterResult>> reg = RegisterAll(c, InitMode::kFromEveryRank);
+  ASSERT_TRUE(reg[0].ok() && reg[1].ok());
+  absl::StatusOr<RegisterStateResult> s = gm_.RegisterState(c[0], "", kAdam);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition) << s.status();
+  EXPECT_THAT(s.status().message(), HasSubstr("not initialised"));
+  EXPECT_EQ(gm_.GetShards(c[0], "").status().code(), s.status().code());
+  std::vector<GroupManager::ModuleUnits> units = *gm_.ListUnits("uninit", std::nullopt);
+  EXPECT_EQ(units[0].units[0].ranks[0].state_bytes, 0);
+}
+
 TEST_F(GroupManagerStateTest, StateCommitsAndRollsBackWithTheShards) {
   std::vector<Caller> c = JoinAll("roll", 2);
   std::vector<absl::StatusOr<RegisterResult>> reg = RegisterAll(c, InitMode::kZeros);
