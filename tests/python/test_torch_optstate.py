@@ -15,6 +15,7 @@ By hand: PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \
 """
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import torch.nn as nn
 
 import flatshard
 from flatshard.torch import FlatShardModule, ModuleWrapPolicy, keep_optimizer_state
-from conftest import connect
+from conftest import Barrier, connect, run_ranks
 
 SOURCE_DIR = Path(os.environ.get("FS_SOURCE_DIR", Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(SOURCE_DIR / "examples" / "python"))
@@ -85,18 +86,23 @@ def _reference(kind, steps):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+_SEED = threading.Lock()  # Net() seeds torch's global generator: ranks (threads) take turns
+
+
 def _wrapped(client, use_orig_params):
-    return FlatShardModule(Net(), client, auto_wrap_policy=ModuleWrapPolicy({Block}),
+    with _SEED:
+        net = Net()
+    return FlatShardModule(net, client, auto_wrap_policy=ModuleWrapPolicy({Block}),
                            use_orig_params=use_orig_params)
 
 
-def _rejoin(c, group, timeout=30.0):
-    """Joins rank 0 of a one-rank group again once the daemon has seen the old session end
-    (a closed client's lease ends asynchronously)."""
+def _rejoin(c, group, world=1, rank=0, timeout=30.0):
+    """Joins `rank` again once the daemon has seen the old session end (a closed client's
+    lease ends asynchronously)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return c.join(group, 1, 0)
+            return c.join(group, world, rank)
         except flatshard.AlreadyExistsError:
             if time.monotonic() > deadline:
                 raise
@@ -230,6 +236,80 @@ def test_loaded_optimizer_state_goes_to_the_daemon(daemon, group):
     for k, v in model.state_dict().items():
         assert torch.equal(got[k], v), k
     c.close()
+
+
+def _local_train(fs, opt, rank, steps, start):
+    """Two ranks: each its half of the global batch (the gradients are averaged)."""
+    for step in range(start, start + steps):
+        x, y = _batch(step)
+        x, y = x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4]
+        loss = nn.functional.cross_entropy(fs(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        fs.step(opt)
+
+
+def test_survivor_and_restarted_rank_resume_with_the_committed_optimizer_state(daemon, group):
+    """Two ranks (threads), AdamW kept in the daemon: two committed steps, then both update
+    shards and optimizer state in place and rank 1 dies before the commit. Rank 0 survives
+    (commit fails naming rank 1, leave, join, reattach): its optimizer's moments are rolled
+    back in place and its step count is the committed one at its next step; rank 1 restarts
+    (new client, wrapper and optimizer) with the committed state. Both finish equal to plain
+    torch on the global batch."""
+    clients = [connect(daemon) for _ in range(2)]
+    died, left = Barrier(2), threading.Event()
+    saved = {}
+
+    def rank(r):
+        c = clients[r]
+        c.join(group, 2, r)
+        fs = _wrapped(c, False)
+        opt = OPTIMIZERS["adamw"](fs.sharded_parameters())
+        link = keep_optimizer_state(opt, fs)
+        _local_train(fs, opt, r, 2, 0)
+        saved[r] = [{k: v.clone() for k, v in opt.state[p].items()}
+                    for p in fs.sharded_parameters()]
+        x, y = _batch(2)
+        nn.functional.cross_entropy(fs(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
+        opt.step()  # shards and optimizer state updated in place, never committed
+        if r == 1:
+            c.close()
+            died.wait()
+            assert left.wait(60), "the survivor did not leave"
+            back = connect(daemon)
+            _rejoin(back, group, world=2, rank=1)
+            fs = _wrapped(back, False)
+            assert fs.reattached and fs.generation == 2
+            opt = OPTIMIZERS["adamw"](fs.sharded_parameters())
+            link = keep_optimizer_state(opt, fs)
+            clients[1] = back
+        else:
+            died.wait()
+            with pytest.raises(flatshard.UnavailableError, match="rank 1"):
+                fs.commit()
+            c.leave()
+            left.set()
+            c.join(group, 2, 0)
+            assert fs.reattach() == 2
+            for u in range(len(fs.plan["units"])):
+                if link.state_views(u):
+                    assert link.state_views(u)["step"].item() == 2.0
+        for p, st in zip(fs.sharded_parameters(), saved[r]):
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt.state[p][k], st[k]), f"rank {r}: {k} not step 2's"
+        _local_train(fs, opt, r, 2, 2)
+        assert fs.generation == 4
+        if r == 0:
+            assert all(opt.state[p]["step"].item() == 4.0 for p in fs.sharded_parameters())
+        return _full(fs)
+
+    got = run_ranks(2, rank)
+    want = _reference("adamw", 4)
+    for k in want:
+        for r in (0, 1):
+            torch.testing.assert_close(got[r][k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    for c in clients:
+        c.close()
 
 
 # --- processes --------------------------------------------------------------------------------
