@@ -316,8 +316,9 @@ class FlatShardModule(nn.Module):
         left open, registers the module again (re-attach: this reads the rolled-back views,
         which the daemon requires before this rank commits again) and points the same
         parameter objects at the shards, so the optimizer carries on (its state, e.g.
-        momentum, is the trainer's and is not rolled back). Returns ``generation``: redo the
-        steps from there."""
+        momentum, is the trainer's and is not rolled back, unless it is kept in the daemon
+        with ``flatshard.torch.keep_optimizer_state``: then it is rolled back with the
+        shards). Returns ``generation``: redo the steps from there."""
         self._abandon_step()
         reg = self._client.register(self._name, self._manifest_json, self.policy_json,
                                     init=self._init)
