@@ -437,5 +437,153 @@ TEST_F(RestartTest, SegmentsNoRecordReferencesAreRemovedAtStart) {
   ExpectReattached(*d, ranks, 0, zeros);
 }
 
+// Two daemons (rank r on daemon r), each with its own state directory; daemon 1 (not the
+// coordinator) is killed with SIGKILL after two commits and restarted.
+class TwoDaemonRestartTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (int i = 0; i < 2; ++i) {
+      dirs_.push_back(std::filesystem::temp_directory_path() /
+                      absl::StrCat("fsrestart2-state.", getpid(), ".", counter_++));
+      DaemonOptions o;
+      o.tag_prefix = "fsrst2";
+      o.peer = true;
+      o.node_name = absl::StrCat("node", i);
+      o.extra_flags = {"--state_dir=" + dirs_.back().string(), "--peer_timeout=2s"};
+      daemons_.push_back(std::make_unique<DaemonProcess>(o));
+    }
+  }
+  void TearDown() override {
+    daemons_.clear();
+    std::error_code ignored;
+    for (const auto& d : dirs_) std::filesystem::remove_all(d, ignored);
+  }
+  // Every rank (re-)joins through its daemon; survivors leave first.
+  void JoinAll(std::vector<Rank>& ranks) {
+    ranks.resize(2);
+    RunRanks(2, [&](int r) {
+      if (ranks[r].client == nullptr) {
+        ranks[r].client = Connect(daemons_[r]->address());
+        ASSERT_NE(ranks[r].client, nullptr);
+      } else {
+        (void)ranks[r].client->Leave();
+      }
+      absl::Status joined =
+          ranks[r].client->Join("g", 2, r, kToken, daemons_[0]->peer_address());
+      ASSERT_TRUE(joined.ok()) << "rank " << r << ": " << joined;
+    });
+  }
+  void Register(std::vector<Rank>& ranks, uint64_t generation) {
+    const std::string manifest = ExampleModelFile("gpt_tied", "manifest");
+    const std::string policy = ExampleModelFile("gpt_tied", "policy");
+    RunRanks(2, [&](int r) {
+      absl::StatusOr<RegisteredModule> m =
+          ranks[r].client->Register("", manifest, policy, InitMode::kZeros);
+      ASSERT_TRUE(m.ok()) << "rank " << r << ": " << m.status();
+      EXPECT_EQ(m->generation, generation) << "rank " << r;
+      ranks[r].model = *std::move(m);
+    });
+  }
+  void Commit(std::vector<Rank>& ranks, uint64_t g) {
+    RunRanks(2, [&](int r) {
+      WriteShards(*ranks[r].client, r, g);
+      absl::StatusOr<uint64_t> c = ranks[r].client->Commit("");
+      ASSERT_TRUE(c.ok()) << "rank " << r << ": " << c.status();
+      EXPECT_EQ(*c, g);
+    });
+  }
+  bool RestartDaemon1() {
+    DaemonProcess& d = *daemons_[1];
+    const size_t before = d.Log().size();
+    if (!d.Restart()) return false;
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    while (d.Log().find("restart: adopted", before) == std::string::npos &&
+           absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return d.Log().find("restart: adopted", before) != std::string::npos;
+  }
+
+  std::vector<std::filesystem::path> dirs_;
+  std::vector<std::unique_ptr<DaemonProcess>> daemons_;
+  static inline int counter_ = 0;
+};
+
+TEST_F(TwoDaemonRestartTest, TheGroupReformsWithTheRestartedDaemonsShardsIntact) {
+  std::vector<Rank> ranks;
+  JoinAll(ranks);
+  Register(ranks, 0);
+  Commit(ranks, 1);
+  Commit(ranks, 2);
+  std::vector<Snapshot> committed;
+  for (Rank& r : ranks) committed.push_back(Take(*r.client));
+  WriteShards(*ranks[0].client, 0, 77);  // uncommitted on the survivor: rolled back
+  daemons_[1]->Kill();
+  ranks[1] = Rank();
+  ASSERT_TRUE(RestartDaemon1());
+  JoinAll(ranks);
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    EXPECT_THAT(ranks[r].client->lost_modules(), IsEmpty());
+    EXPECT_THAT(ranks[r].client->registered_modules(), SizeIs(1));
+  }
+  Register(ranks, 2);  // re-attach on both daemons
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    Snapshot now = Take(*ranks[r].client);
+    EXPECT_EQ(now.generation, 2u);
+    ASSERT_EQ(now.shards.size(), committed[r].shards.size());
+    for (size_t u = 0; u < now.shards.size(); ++u) {
+      EXPECT_TRUE(now.shards[u] == committed[r].shards[u]) << "unit " << u;
+    }
+  }
+  // The group works across both daemons again: a full summon (all-gather over UCX), a commit.
+  RunRanks(2, [&](int r) {
+    SummonOptions read;
+    read.writeback = false;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", read);
+    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+    ASSERT_TRUE((*s)->End().ok());
+  });
+  Commit(ranks, 3);
+}
+
+TEST_F(TwoDaemonRestartTest, DaemonsAtDifferentGenerationsDropTheModuleNamingThem) {
+  std::vector<Rank> ranks;
+  JoinAll(ranks);
+  Register(ranks, 0);
+  Commit(ranks, 1);
+  Commit(ranks, 2);
+  daemons_[1]->Kill();
+  ranks[1] = Rank();
+  // As if daemon 1 had died before its copy of commit 2 began: its record says generation 1.
+  {
+    std::unique_ptr<server::state::StateDir> dir =
+        *server::state::StateDir::Open(dirs_[1].string());
+    server::state::StateDir::Loaded loaded = dir->LoadAll();
+    ASSERT_THAT(loaded.groups, SizeIs(1));
+    server::state::GroupRecord rec = loaded.groups[0];
+    for (server::state::ModuleRecord& m : rec.modules) {
+      m.pending.reset();
+      for (server::state::RankRecord& rr : m.ranks) rr.generation = 1;
+    }
+    rec.sequence += 1;
+    ASSERT_TRUE(dir->Write(rec).ok());
+  }
+  ASSERT_TRUE(RestartDaemon1());
+  JoinAll(ranks);
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    EXPECT_THAT(ranks[r].client->registered_modules(), IsEmpty());
+    ASSERT_THAT(ranks[r].client->lost_modules(), SizeIs(1));
+    const std::string why = ranks[r].client->lost_modules()[0];
+    EXPECT_THAT(why, HasSubstr("different committed generations"));
+    EXPECT_THAT(why, HasSubstr("generation 1: rank 1 (daemon node1)"));
+    EXPECT_THAT(why, HasSubstr("generation 2: rank 0 (daemon node0)"));
+  }
+  Register(ranks, 0);  // afresh
+  Commit(ranks, 1);
+}
+
 }  // namespace
 }  // namespace flatshard::client
