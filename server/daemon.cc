@@ -272,7 +272,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   std::unique_ptr<state::StateDir> state_dir;
   state::StateDir::Loaded loaded;
   if (!config.state_dir.empty()) {
-    FS_ASSIGN_OR_RETURN(state_dir, state::StateDir::Open(config.state_dir));
+    FS_ASSIGN_OR_RETURN(state_dir, state::StateDir::Open(config.state_dir, config.state_fsync));
     loaded = state_dir->LoadAll();
     std::vector<std::string> keep;
     for (const state::StateDir::Refused& r : loaded.refused) {

@@ -580,7 +580,7 @@ class GroupManager : public peer::PeerEvents {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes a snapshot (or removes the record when it holds no module); a failed write
   // removes the record (the group is then not kept across a restart) and is logged.
-  void WriteRecord(const state::GroupRecord& record) ABSL_LOCKS_EXCLUDED(mu_);
+  bool WriteRecord(const state::GroupRecord& record) ABSL_LOCKS_EXCLUDED(mu_);
   // A commit of `module` to `generation` that every rank agreed to: this rank's shards hold
   // it completely and its copy into the committed copy starts now. Records that durably
   // first (the copy may be torn by a kill). `kind`: "commit", "end" or "init".

@@ -326,6 +326,10 @@ struct GroupManager::Registered {
   // A commit every rank agreed to whose copies into the committed copies are under way here
   // (state::PendingCommit: which ranks' shards hold it, which ranks' copies are done).
   std::optional<state::PendingCommit> pending_commit;
+  // The generation of the last "commit" intent known to be on disk: the other local ranks'
+  // copies need not write it again (a "commit" intent covers every rank; see
+  // group_manager_state.cc). 0: none.
+  uint64_t durable_commit_intent = 0;
 
   void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok,
               absl::Time now) {

@@ -127,19 +127,19 @@ void GroupManager::PersistLater(Group& g, std::vector<absl::AnyInvocable<void()>
   run->push_back([this, rec = SnapshotLocked(g)] { WriteRecord(rec); });
 }
 
-void GroupManager::WriteRecord(const state::GroupRecord& record) {
-  if (state_dir_ == nullptr) return;
+bool GroupManager::WriteRecord(const state::GroupRecord& record) {
+  if (state_dir_ == nullptr) return false;
   {
     absl::MutexLock lock(&mu_);
-    if (state_forgotten_) return;
+    if (state_forgotten_) return false;
   }
   if (record.modules.empty()) {
     absl::Status s = state_dir_->Remove(record.id, record.sequence);
     if (!s.ok()) FS_LOG(ERROR) << "group=" << record.id << ": " << s;
-    return;
+    return s.ok();
   }
   absl::Status s = state_dir_->Write(record);
-  if (s.ok()) return;
+  if (s.ok()) return true;
   // The old record may no longer describe the segments (a commit is about to overwrite a
   // committed copy): without a record the group is not kept across a restart, never adopted
   // wrong.
@@ -147,6 +147,7 @@ void GroupManager::WriteRecord(const state::GroupRecord& record) {
                 << "); the record is removed: a restart will not keep this group";
   absl::Status r = state_dir_->Remove(record.id, record.sequence);
   if (!r.ok()) FS_LOG(ERROR) << "group=" << record.id << ": " << r;
+  return false;
 }
 
 void GroupManager::FlushRemovedRecords() {
@@ -186,9 +187,19 @@ void GroupManager::CommitReady(const Caller& caller, const std::string& module,
       std::sort(ready.begin(), ready.end());
     }
     if (state_dir_ == nullptr || state_forgotten_) return;
+    // A "commit" intent on disk covers every local rank: the others skip its write.
+    if (std::string(kind) == "commit" && reg.durable_commit_intent == generation) return;
     rec = SnapshotLocked(*g->second);
   }
-  WriteRecord(rec);
+  if (WriteRecord(rec) && std::string(kind) == "commit") {
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(caller.group);
+    if (g == groups_.end()) return;
+    auto it = g->second->registered.find(module);
+    if (it != g->second->registered.end()) {
+      it->second.durable_commit_intent = std::max(it->second.durable_commit_intent, generation);
+    }
+  }
 }
 
 void GroupManager::CommitDone(const Caller& caller, const std::string& module,
