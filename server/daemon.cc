@@ -447,6 +447,7 @@ void Daemon::Shutdown() {
   // --keep_shards (with --state_dir): shards, gradient shards and committed copies stay with
   // their records for the next daemon; otherwise the records go first, then the segments.
   const bool keep = config_.keep_shards && state_dir_ != nullptr;
+  if (keep) groups_->KeepDeviceShards();  // GPU daemons: device memory dies with us
   if (!keep) groups_->ForgetState();
   store_->Shutdown(keep);
   ::unlink(config_.socket_path.c_str());

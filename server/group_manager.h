@@ -388,6 +388,12 @@ class GroupManager : public peer::PeerEvents {
   // Removes every group's record and records nothing from now on (SIGTERM without
   // --keep_shards: the segments go, so the records must too).
   void ForgetState();
+  // GPU daemons, SIGTERM with --keep_shards (before ShardStore::Shutdown): device memory dies
+  // with the process, so each local rank's committed device shards of every initialised
+  // module with no commit under way are copied into host segments (role host_committed) and
+  // recorded; the next daemon copies them into fresh device buffers (shards and committed
+  // copies at that generation; gradient shards are not kept). Logs what it kept.
+  void KeepDeviceShards();
 
   // peer::PeerEvents (called by the PeerClient's threads).
   void OnTable(const std::string& coordinator, const peer::PeerTable& table) override;

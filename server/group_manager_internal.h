@@ -330,6 +330,10 @@ struct GroupManager::Registered {
   // copies need not write it again (a "commit" intent covers every rank; see
   // group_manager_state.cc). 0: none.
   uint64_t durable_commit_intent = 0;
+  // GPU daemons, per rank and unit: host copies of the device committed copies, made at
+  // SIGTERM with --keep_shards (KeepDeviceShards) or adopted at start (then copied into
+  // fresh device memory and dropped). Empty otherwise.
+  std::vector<std::vector<std::shared_ptr<Buffer>>> host_committed;
 
   void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok,
               absl::Time now) {

@@ -42,6 +42,9 @@ inline constexpr char kStateFormat[] = "flatshard.state/1";
 inline constexpr char kRoleShard[] = "shard";
 inline constexpr char kRoleGrad[] = "grad";
 inline constexpr char kRoleCommitted[] = "committed";
+// GPU daemons: a host copy of a device committed copy, made at SIGTERM with --keep_shards
+// (GroupManager::KeepDeviceShards); the next daemon copies it into fresh device memory.
+inline constexpr char kRoleHostCommitted[] = "host_committed";
 
 struct BufferRecord {
   std::string role;     // kRole* or another branch's role ("state:exp_avg", ...)
