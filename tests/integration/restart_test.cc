@@ -282,6 +282,46 @@ TEST_F(RestartTest, KillNineWhileACommitCopyIsTornFinishesTheCommitFromTheShards
   ExpectReattached(*d, ranks, 1, step1, /*commit_after=*/false);  // commits pause here
 }
 
+// A writeback End commits too, but a rank's shards hold the new generation only once its own
+// writeback into them is done: killed while the first rank's copy into its committed copy is
+// torn, the second rank's writeback had not run (host ranks apply one after the other), so
+// the ranks would come back at different generations. The module is refused as lost, named
+// with each rank's generation, never adopted as a mix.
+TEST_F(RestartTest, KillNineDuringAWritebackEndsCopiesNeverAdoptsAMix) {
+  std::unique_ptr<DaemonProcess> d = StartDaemon({"--testing_commit_copy_pause=30s"});
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  std::vector<std::thread> ending;
+  std::vector<std::unique_ptr<SummonedParams>> summons(kWorld);
+  RunRanks(kWorld, [&](int r) {
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", {});
+    ASSERT_TRUE(s.ok()) << s.status();
+    summons[r] = *std::move(s);
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    ending.emplace_back([&, r] { (void)summons[r]->End(); });
+  }
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  auto paused = [&] { return absl::StrContains(d->Log(), "testing: commit copy"); };
+  while (!paused() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+  const bool was_paused = paused();
+  d->Kill();
+  for (std::thread& t : ending) t.join();
+  summons.clear();
+  ranks.clear();
+  ASSERT_TRUE(was_paused) << d->Log();
+  ASSERT_TRUE(Restart(*d));
+  JoinAll(*d, ranks, 0);
+  for (int r = 0; r < kWorld; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    ASSERT_THAT(ranks[r].client->lost_modules(), SizeIs(1));
+    EXPECT_THAT(ranks[r].client->lost_modules()[0],
+                HasSubstr("its ranks hold different committed generations (rank 1: generation "
+                          "0; rank 0: generation 1)"));
+  }
+}
+
 TEST_F(RestartTest, SigtermKeepsShardsForTheNextDaemonByDefault) {
   std::unique_ptr<DaemonProcess> d = StartDaemon();
   std::vector<Rank> ranks;
