@@ -322,7 +322,7 @@ TEST_F(RestartTest, KillNineDuringAWritebackEndsCopiesNeverAdoptsAMix) {
   }
 }
 
-TEST_F(RestartTest, SigtermKeepsShardsForTheNextDaemonByDefault) {
+TEST_F(RestartTest, DrainThenSigtermKeepsShardsForTheNextDaemonByDefault) {
   std::unique_ptr<DaemonProcess> d = StartDaemon();
   std::vector<Rank> ranks;
   JoinAll(*d, ranks, 0);
@@ -331,6 +331,10 @@ TEST_F(RestartTest, SigtermKeepsShardsForTheNextDaemonByDefault) {
   const std::vector<Snapshot> committed = Expected(ranks);
   RunRanks(kWorld, [&](int r) { ASSERT_TRUE(ranks[r].client->Leave().ok()); });
   ranks.clear();
+  // The planned restart: drain, then SIGTERM.
+  const std::string drain = absl::StrCat(FS_BINARY_DIR, "/client/flatshardctl drain --socket ",
+                                         d->socket(), " --timeout-ms=10000 > /dev/null 2>&1");
+  EXPECT_EQ(std::system(drain.c_str()), 0) << drain;
   EXPECT_EQ(d->Terminate(), 0);
   EXPECT_THAT(d->Segments(), Not(IsEmpty()));
   EXPECT_THAT(d->Log(), HasSubstr("kept for the next daemon"));
