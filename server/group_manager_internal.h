@@ -66,13 +66,29 @@ class RankSessions {
 // restarted without them (it holds nothing) learns of the loss from the next table too, even
 // when this daemon dropped them before its rank's rendezvous (a survivor re-joining after the
 // re-form), and tells its own ranks.
+//
+// Restarts: each held module also carries its committed generation, "path\x1ffingerprint
+// \x1fgeneration" (HeldKey), so that daemons whose ranks hold different generations of a module
+// (one was killed between the daemons' copies of one commit) find out at the re-form: every
+// daemon drops it as lost, naming which daemon held which generation (ReconcileModules). The
+// generation a daemon reports is the highest its local ranks hold or are committing to (a
+// commit whose copies are still under way completes whatever the trainers do).
+template <typename R>
+uint64_t HeldGeneration(const R& reg) {
+  uint64_t g = 0;
+  for (uint64_t x : reg.generation) g = std::max(g, x);
+  if (reg.pending_commit.has_value()) g = std::max(g, reg.pending_commit->generation);
+  return g;
+}
+template <typename R>
+std::string HeldKey(const std::string& module, const R& reg) {
+  return absl::StrCat(module, "\x1f", reg.plan.fingerprint, "\x1f", HeldGeneration(reg));
+}
 template <typename M>
 std::vector<std::string> HeldModules(const M& registered,
                                      const std::map<std::string, std::string>* lost = nullptr) {
   std::vector<std::string> out;
-  for (const auto& [module, reg] : registered) {
-    out.push_back(absl::StrCat(module, "\x1f", reg.plan.fingerprint));
-  }
+  for (const auto& [module, reg] : registered) out.push_back(HeldKey(module, reg));
   if (lost != nullptr) {
     for (const auto& [module, why] : *lost) {
       if (!registered.contains(module)) out.push_back(absl::StrCat(module, "\x1flost"));
@@ -300,6 +316,15 @@ struct GroupManager::OpenSummon {
   bool ending = false;  // EndSummon under way
 };
 
+// A local rank's arrival at a writeback End's copies (GroupManager::EndArrive).
+struct GroupManager::EndArrival {
+  int32_t rank = 0;
+  bool applying = false;  // its agreement passed (else it only counts)
+  absl::Status status;    // its writeback into its shards
+  std::vector<internal::DurablePair> durable;  // what its copies commit
+  absl::AnyInvocable<void(absl::Status)> finish;  // answers its End
+};
+
 struct GroupManager::Registered {
   Plan plan;
   Manifest manifest;
@@ -356,6 +381,24 @@ struct GroupManager::Registered {
   std::vector<std::vector<std::vector<std::shared_ptr<Buffer>>>> committed_state;
   // Ranks whose state buffers are being allocated (outside mu_) by RegisterState.
   std::set<int32_t> state_allocating;
+  // ---- Restarts (group_manager_state.cc) ----
+  // PlanToJson / ManifestToJson, dumped once for the group's record (empty: not yet).
+  std::string plan_json;
+  std::string manifest_json;
+  // A commit every rank agreed to whose copies into the committed copies are under way here
+  // (state::PendingCommit: which ranks' shards hold it, which ranks' copies are done).
+  std::optional<state::PendingCommit> pending_commit;
+  // The generation of the last "commit" intent known to be on disk: the other local ranks'
+  // copies need not write it again (a "commit" intent covers every rank; see
+  // group_manager_state.cc). 0: none.
+  uint64_t durable_commit_intent = 0;
+  // GPU daemons, per rank and unit: host copies of the device committed copies, made at
+  // SIGTERM with --keep_shards (KeepDeviceShards) or adopted at start (then copied into
+  // fresh device memory and dropped). Empty otherwise.
+  std::vector<std::vector<std::shared_ptr<Buffer>>> host_committed;
+  // Host daemons with a state directory: the local ranks' arrivals at the k-th writeback End
+  // (EndArrive), by k; the copies into the committed copies start once every local rank is in.
+  std::map<uint64_t, std::vector<EndArrival>> end_batches;
 
   void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok,
               absl::Time now) {

@@ -640,7 +640,13 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
   }
   // Writes back this rank's ranges and commits its shards. Takes the copy and lets its
   // buffer references go, so FinishEnd sees which kept buffers nobody uses any more.
-  auto write_back = [this, plan, shards, durable, caller](std::unique_ptr<OpenSummon> copy) {
+  // Restarts, host daemons with a state directory: the copies into the committed copies wait
+  // until every local rank has written back into its shards (EndArrive), so that a daemon
+  // killed during them comes back with every rank at one generation.
+  const bool batched = state_dir_ != nullptr && gpus_.empty();
+  auto write_back = [this, plan, shards, durable, caller, module = owned->module, is_init,
+                     target = is_init ? record.generation : record.generation + 1, batched](
+                        std::unique_ptr<OpenSummon> copy) {
     const int32_t r = plan->ShardRank(caller.rank);
     absl::Status status;
     for (size_t i = 0; i < copy->units.size() && status.ok(); ++i) {
@@ -662,7 +668,13 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
       }
     }
     copy.reset();
+    if (batched) return status;  // EndArrive copies, once every local rank got here
+    // Restarts: this rank's shards hold the new generation completely; recorded durably before
+    // its committed copy is overwritten (group_manager_state.cc).
+    if (status.ok()) CommitReady(caller, module, target, is_init ? "init" : "end");
+    if (status.ok()) TestingPauseMidCopy(caller.rank, durable);
     if (status.ok()) status = CopyCommitted(caller.rank, durable, /*to_committed=*/true);
+    if (status.ok()) CommitDone(caller, module, target);
     if (!status.ok()) {
       FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank
                     << ": writeback failed after every rank agreed: " << status;
@@ -671,20 +683,19 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
   };
   // Every rank agreed: this rank applies (the daemon does, whatever its trainer does now).
   auto apply = [this, caller, summon, module = owned->module, is_init, generation = record.generation,
-                write_back](std::unique_ptr<OpenSummon> owned, StatusCallback done) mutable {
+                write_back, batched, k = owned->k,
+                durable](std::unique_ptr<OpenSummon> owned, StatusCallback done) mutable {
     {
       absl::MutexLock lock(&mu_);
       auto g = groups_.find(caller.group);
-      if (g != groups_.end()) ++g->second->registered.at(module).busy;
+      if (g != groups_.end()) {
+        Registered& reg = g->second->registered.at(module);
+        ++reg.busy;
+        NoteCommitAgreed(reg, is_init ? generation : generation + 1, is_init ? "init" : "end");
+      }
     }
-    // The copies run without mu_ (GPU ranks: on the device's worker, not on the engine's
-    // thread). Invariant: `busy`, taken above, keeps every rollback out until DoneCopying, and
-    // the summon is `ending`, so no other call touches its views or this rank's shards' copy.
-    devices_.RunBlocking(
-        caller.rank,
-        [write_back, owned = std::move(owned)]() mutable { return write_back(std::move(owned)); },
-        [this, caller, summon, module, is_init, generation,
-         done = std::move(done)](absl::Status s) mutable {
+    auto finish = [this, caller, summon, module, is_init, generation,
+                   done = std::move(done)](absl::Status s) mutable {
           std::vector<absl::AnyInvocable<void()>> run;
           {
             absl::MutexLock lock(&mu_);
@@ -707,21 +718,36 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
           }
           for (auto& f : run) f();
           FinishEnd(caller, summon, std::move(s), std::move(done));
-        });
+    };
+    if (batched) {
+      // Host ranks: the writeback runs here; the copy waits for the other local ranks.
+      absl::Status s = write_back(std::move(owned));
+      EndArrive(caller, module, k, is_init ? generation : generation + 1,
+                is_init ? "init" : "end", std::move(s), durable, std::move(finish));
+      return;
+    }
+    // The copies run without mu_ (GPU ranks: on the device's worker, not on the engine's
+    // thread). Invariant: `busy`, taken above, keeps every rollback out until DoneCopying, and
+    // the summon is `ending`, so no other call touches its views or this rank's shards' copy.
+    devices_.RunBlocking(
+        caller.rank,
+        [write_back, owned = std::move(owned)]() mutable { return write_back(std::move(owned)); },
+        std::move(finish));
   };
-  auto agree = [this, caller, summon, coll, record, world_size, deadline, apply,
-                module = owned->module](std::unique_ptr<OpenSummon> owned,
-                                        StatusCallback done) mutable {
+  auto agree = [this, caller, summon, coll, record, world_size, deadline, apply, batched,
+                k = owned->k, module = owned->module](std::unique_ptr<OpenSummon> owned,
+                                                      StatusCallback done) mutable {
     Agree(coll, caller, record, world_size, internal::kEndAgreeUnit,
           absl::StrCat("the writeback of summon ", summon),
           deadline,
-          [this, caller, summon, apply, module, owned = std::move(owned),
+          [this, caller, summon, apply, module, batched, k, owned = std::move(owned),
            done = std::move(done)](absl::Status s, bool stale) mutable {
             if (s.ok()) {
               apply(std::move(owned), std::move(done));
               return;
             }
             owned.reset();
+            if (batched) EndNotApplied(caller, module, k);
             if (stale) RollbackRank(caller, module);
             FinishEnd(caller, summon,
                       absl::Status(s.code(), absl::StrCat("summon ", summon,
@@ -1027,14 +1053,21 @@ void GroupManager::CommitWritten(const Caller& caller, const std::string& module
             }
             Registered& reg = g->second->registered.at(module);
             ++reg.busy;  // every rank agreed: this rank commits, whatever its trainer does now
+            NoteCommitAgreed(reg, generation + 1, "commit");
             durable = internal::DurableBuffers(reg, caller.rank);
           }
           // The copies run without mu_ (GPU ranks: on the device's worker). Invariant: `busy`
           // keeps every rollback out until DoneCopying.
           devices_.RunBlocking(
               caller.rank,
-              [this, rank = caller.rank, durable = std::move(durable)] {
-                return CopyCommitted(rank, durable, /*to_committed=*/true);
+              [this, caller, module, generation, durable = std::move(durable)] {
+                // Restarts: the intent is durable before the committed copy is overwritten,
+                // the new generation before the trainer is answered (group_manager_state.cc).
+                CommitReady(caller, module, generation + 1, "commit");
+                TestingPauseMidCopy(caller.rank, durable);
+                absl::Status s = CopyCommitted(caller.rank, durable, /*to_committed=*/true);
+                if (s.ok()) CommitDone(caller, module, generation + 1);
+                return s;
               },
               [this, caller, module, generation, done = std::move(done)](absl::Status s) mutable {
                 std::vector<absl::AnyInvocable<void()>> run;
@@ -1276,6 +1309,7 @@ void GroupManager::FinishReduceScatterWritten(const Caller& caller, const std::s
     scratch_buffer.reset();
     scratch_host.reset();
     staging.reset();  // the staging buffer's pages go back until the next step
+    std::vector<absl::AnyInvocable<void()>> persist;  // the record, after mu_
     {
       absl::MutexLock lock(&mu_);
       auto g = groups_.find(caller.group);
@@ -1285,6 +1319,7 @@ void GroupManager::FinishReduceScatterWritten(const Caller& caller, const std::s
           if (fresh) {
             reg->second.new_grads.erase({caller.rank, unit});
             if (s.ok()) reg->second.shards_by_rank[caller.rank][unit].grad = grad;
+            if (s.ok()) PersistLater(*g->second, &persist);  // a new durable buffer
           }
           reg->second.NoteOp({unit}, "reduce_scatter", caller.rank, s.ok(), clock_->Now());
           if (s.ok()) {
@@ -1296,6 +1331,7 @@ void GroupManager::FinishReduceScatterWritten(const Caller& caller, const std::s
         }
       }
     }
+    for (auto& f : persist) f();
     done(s);
   };
   coll->SubmitAll(caller.rank, std::move(ops), deadline - clock_->Now(),

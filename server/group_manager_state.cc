@@ -1,0 +1,764 @@
+// GroupManager's part in restarts (README "Restarts", server/state/state_dir.h): the records
+// of the groups' durable state, the commit intents that keep a torn committed copy from ever
+// being adopted, and the adoption of a previous daemon's groups at start.
+//
+// A torn commit is never adopted. Commit (and an agreed writeback End, and an init summon's
+// End) copies each rank's shards into its committed copy outside the lock; a daemon killed
+// mid-copy leaves that copy torn. We chose a commit intent over A/B committed slots (which
+// would cost a second committed copy per rank, i.e. one more shard's worth of memory): before
+// a rank's copy starts, the group's record is rewritten with the module's `pending` commit
+// (generation G, kind, and this rank in `ready_ranks`: its shards hold G completely), and
+// after the copy with the rank in `done_ranks` and generation G (the pending commit is dropped
+// once every local rank is done). Both writes are durable (fsync) before the copy starts and
+// before the trainer is answered. On restart (AdoptGroups), for a module with a pending
+// commit to G:
+//   - a rank in done_ranks: its committed copy holds G;
+//   - a rank in ready_ranks, or any rank when the kind is "commit": its shards hold G
+//     completely (the agreement passed on every rank, so every trainer was waiting for its
+//     Commit's answer and wrote nothing since; an End wrote the rank's range into its shards
+//     before it became ready), so the copy is finished from the shards;
+//   - any other rank (an End whose writeback into the shards may be torn): its committed copy
+//     still holds G-1. If every rank is such, the group stays at G-1; if ranks end up at
+//     different generations, the module is dropped as lost with a message naming each rank's
+//     generation (never a silent mix). An initialisation that did not finish is dropped (it
+//     was never initialised: registering again runs it).
+// On host daemons an End's copies wait until every local rank has written back into its
+// shards (EndArrive): one record marks them all ready, so a kill during the copies comes back
+// with every rank at G. (GPU daemons copy per rank; their device shards are kept only across
+// a SIGTERM, KeepDeviceShards.) Ranks at different generations then come only from a record
+// written by hand, or from daemons of a multi-daemon group, which compare at rendezvous.
+// Then every rank's shards are restored from its committed copy (a writeback End or a
+// trainer's optimizer step may have torn them). Cost per commit: one record write before the
+// first local rank's copy (a "commit" intent covers every rank) and one after each rank's
+// copy (each a write, an fsync, a rename and a directory fsync; --state_fsync=false drops the
+// fsyncs); records of one group are written in sequence order and a write already overtaken
+// by a newer snapshot is skipped.
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/manifest.h"
+#include "common/plan.h"
+#include "server/group_manager.h"
+#include "server/group_manager_internal.h"
+
+namespace flatshard::server {
+
+using internal::Display;
+
+std::vector<std::pair<std::string, std::shared_ptr<Buffer>>> GroupManager::RecordedBuffers(
+    const Registered& reg, int32_t rank, int32_t unit) {
+  std::vector<std::pair<std::string, std::shared_ptr<Buffer>>> out;
+  if (rank < 0 || rank >= static_cast<int32_t>(reg.shards_by_rank.size())) return out;
+  const std::vector<UnitShard>& shards = reg.shards_by_rank[rank];
+  if (unit < 0 || unit >= static_cast<int32_t>(shards.size())) return out;
+  out.emplace_back(state::kRoleShard, shards[unit].shard);
+  if (shards[unit].grad) out.emplace_back(state::kRoleGrad, shards[unit].grad);
+  if (rank < static_cast<int32_t>(reg.committed.size()) &&
+      unit < static_cast<int32_t>(reg.committed[rank].size())) {
+    out.emplace_back(state::kRoleCommitted, reg.committed[rank][unit]);
+  }
+  if (rank < static_cast<int32_t>(reg.host_committed.size()) &&
+      unit < static_cast<int32_t>(reg.host_committed[rank].size()) &&
+      reg.host_committed[rank][unit] != nullptr) {
+    out.emplace_back(state::kRoleHostCommitted, reg.host_committed[rank][unit]);
+  }
+  return out;
+}
+
+bool GroupManager::InstallDurable(Registered& reg, int32_t rank, int32_t unit,
+                                  const std::string& role, std::shared_ptr<Buffer> buffer) {
+  if (role == state::kRoleShard) {
+    reg.shards_by_rank[rank][unit].shard = std::move(buffer);
+  } else if (role == state::kRoleGrad) {
+    reg.shards_by_rank[rank][unit].grad = std::move(buffer);
+  } else if (role == state::kRoleCommitted) {
+    reg.committed[rank][unit] = std::move(buffer);
+  } else if (role == state::kRoleHostCommitted) {
+    reg.host_committed[rank][unit] = std::move(buffer);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+BufferKind GroupManager::KindOfRole(const std::string& role) {
+  return role == state::kRoleGrad ? BufferKind::kGradShard : BufferKind::kShard;
+}
+
+state::GroupRecord GroupManager::SnapshotLocked(Group& g) {
+  state::GroupRecord rec;
+  rec.id = g.id;
+  rec.world_size = g.world_size;
+  rec.token = g.token;
+  rec.owner_uid = g.owner_uid;
+  rec.coordinator = g.coordinator;
+  rec.local_ranks = g.local_ranks;
+  rec.epoch = g.epoch;
+  rec.sequence = ++state_sequence_;
+  for (auto& [name, reg] : g.registered) {
+    if (!reg.initialized && !reg.pending_commit.has_value()) continue;
+    state::ModuleRecord m;
+    m.name = name;
+    m.initialized = reg.initialized;
+    m.pending = reg.pending_commit;
+    // Device memory dies with the process (README "Restarts": what a GPU daemon keeps): a
+    // rank with device buffers is recorded only with its host copies (KeepDeviceShards).
+    bool unkept = false;
+    for (int32_t r = 0; r < static_cast<int32_t>(reg.shards_by_rank.size()); ++r) {
+      if (reg.shards_by_rank[r].empty()) continue;
+      state::RankRecord rr;
+      rr.rank = r;
+      rr.generation = reg.generation[r];
+      for (int32_t u = 0; u < static_cast<int32_t>(reg.shards_by_rank[r].size()); ++u) {
+        state::UnitRecord ur;
+        ur.unit = u;
+        bool device = false, host_copy = false;
+        for (const auto& [role, b] : RecordedBuffers(reg, r, u)) {
+          if (b == nullptr) continue;
+          if (b->on_device()) {
+            device = true;
+            continue;
+          }
+          host_copy = host_copy || role == state::kRoleHostCommitted;
+          ur.buffers.push_back({role, b->segment_name(), b->bytes()});
+        }
+        if (device && !host_copy) unkept = true;
+        rr.units.push_back(std::move(ur));
+      }
+      m.ranks.push_back(std::move(rr));
+    }
+    if (unkept || m.ranks.empty()) continue;
+    if (reg.plan_json.empty()) reg.plan_json = PlanToJson(reg.plan).dump();
+    if (reg.manifest_json.empty()) reg.manifest_json = ManifestToJson(reg.manifest).dump();
+    m.plan_json = reg.plan_json;
+    m.manifest_json = reg.manifest_json;
+    rec.modules.push_back(std::move(m));
+  }
+  return rec;
+}
+
+void GroupManager::PersistLater(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
+  if (state_dir_ == nullptr || state_forgotten_) return;
+  run->push_back([this, rec = SnapshotLocked(g)] { WriteRecord(rec); });
+}
+
+bool GroupManager::WriteRecord(const state::GroupRecord& record) {
+  if (state_dir_ == nullptr) return false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (state_forgotten_) return false;
+  }
+  if (record.modules.empty()) {
+    absl::Status s = state_dir_->Remove(record.id, record.sequence);
+    if (!s.ok()) FS_LOG(ERROR) << "group=" << record.id << ": " << s;
+    return s.ok();
+  }
+  absl::Status s = state_dir_->Write(record);
+  if (s.ok()) return true;
+  // The old record may no longer describe the segments (a commit is about to overwrite a
+  // committed copy): without a record the group is not kept across a restart, never adopted
+  // wrong.
+  FS_LOG(ERROR) << "group=" << record.id << ": cannot write its state record (" << s
+                << "); the record is removed: a restart will not keep this group";
+  absl::Status r = state_dir_->Remove(record.id, record.sequence);
+  if (!r.ok()) FS_LOG(ERROR) << "group=" << record.id << ": " << r;
+  return false;
+}
+
+void GroupManager::FlushRemovedRecords() {
+  std::vector<std::pair<std::string, uint64_t>> removed;
+  {
+    absl::MutexLock lock(&mu_);
+    removed.swap(removed_records_);
+  }
+  if (state_dir_ == nullptr) return;
+  for (const auto& [id, sequence] : removed) {
+    absl::Status s = state_dir_->Remove(id, sequence);
+    if (!s.ok()) FS_LOG(ERROR) << "group=" << id << ": " << s;
+  }
+}
+
+void GroupManager::NoteCommitAgreed(Registered& reg, uint64_t generation, const char* kind) {
+  if (!reg.pending_commit.has_value() || reg.pending_commit->generation != generation ||
+      reg.pending_commit->kind != kind) {
+    reg.pending_commit = state::PendingCommit{generation, kind, {}, {}};
+  }
+}
+
+void GroupManager::CommitReady(const Caller& caller, const std::string& module,
+                               uint64_t generation, const char* kind) {
+  state::GroupRecord rec;
+  {
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(caller.group);
+    if (g == groups_.end()) return;
+    auto it = g->second->registered.find(module);
+    if (it == g->second->registered.end()) return;
+    Registered& reg = it->second;
+    NoteCommitAgreed(reg, generation, kind);
+    std::vector<int32_t>& ready = reg.pending_commit->ready_ranks;
+    if (std::find(ready.begin(), ready.end(), caller.rank) == ready.end()) {
+      ready.push_back(caller.rank);
+      std::sort(ready.begin(), ready.end());
+    }
+    if (state_dir_ == nullptr || state_forgotten_) return;
+    // A "commit" intent on disk covers every local rank: the others skip its write.
+    if (std::string(kind) == "commit" && reg.durable_commit_intent == generation) return;
+    rec = SnapshotLocked(*g->second);
+  }
+  if (WriteRecord(rec) && std::string(kind) == "commit") {
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(caller.group);
+    if (g == groups_.end()) return;
+    auto it = g->second->registered.find(module);
+    if (it != g->second->registered.end()) {
+      it->second.durable_commit_intent = std::max(it->second.durable_commit_intent, generation);
+    }
+  }
+}
+
+void GroupManager::CommitDone(const Caller& caller, const std::string& module,
+                              uint64_t generation) {
+  state::GroupRecord rec;
+  {
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(caller.group);
+    if (g == groups_.end()) return;
+    auto it = g->second->registered.find(module);
+    if (it == g->second->registered.end()) return;
+    MarkCommitDoneLocked(it->second, caller.rank, generation);
+    if (state_dir_ == nullptr || state_forgotten_) return;
+    rec = SnapshotLocked(*g->second);
+  }
+  WriteRecord(rec);
+}
+
+void GroupManager::MarkCommitDoneLocked(Registered& reg, int32_t rank, uint64_t generation) {
+  reg.generation[rank] = generation;
+  if (!reg.pending_commit.has_value() || reg.pending_commit->generation != generation) return;
+  std::vector<int32_t>& done = reg.pending_commit->done_ranks;
+  if (std::find(done.begin(), done.end(), rank) == done.end()) {
+    done.push_back(rank);
+    std::sort(done.begin(), done.end());
+  }
+  for (int32_t r = 0; r < static_cast<int32_t>(reg.shards_by_rank.size()); ++r) {
+    if (!reg.shards_by_rank[r].empty() && std::find(done.begin(), done.end(), r) == done.end()) {
+      return;
+    }
+  }
+  if (reg.pending_commit->kind == "init") {
+    reg.initialized = true;
+    reg.uninitialized_why.clear();
+  }
+  reg.pending_commit.reset();
+}
+
+void GroupManager::EndArrive(const Caller& caller, const std::string& module, uint64_t k,
+                             uint64_t target, const char* kind, absl::Status status,
+                             std::vector<internal::DurablePair> durable,
+                             absl::AnyInvocable<void(absl::Status)> finish) {
+  std::vector<EndArrival> batch;
+  {
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(caller.group);
+    auto it = g == groups_.end() ? decltype(g->second->registered.end())()
+                                 : g->second->registered.find(module);
+    if (g != groups_.end() && it != g->second->registered.end()) {
+      Registered& reg = it->second;
+      std::vector<EndArrival>& arrived = reg.end_batches[k];
+      arrived.push_back(EndArrival{caller.rank, true, std::move(status), std::move(durable),
+                                   std::move(finish)});
+      size_t local = 0;
+      for (const std::vector<UnitShard>& s : reg.shards_by_rank) local += s.empty() ? 0 : 1;
+      if (arrived.size() < local) return;  // the last local rank copies for every rank
+      batch = std::move(arrived);
+      reg.end_batches.erase(k);
+      // Ends whose other ranks never came (their agreement failed there) are long over.
+      while (!reg.end_batches.empty() && reg.end_batches.begin()->first + 64 < k) {
+        reg.end_batches.erase(reg.end_batches.begin());
+      }
+    } else {
+      batch.push_back(EndArrival{caller.rank, true, std::move(status), std::move(durable),
+                                 std::move(finish)});
+    }
+  }
+  ProcessEndBatch(caller.group, module, target, kind, std::move(batch));
+}
+
+void GroupManager::EndNotApplied(const Caller& caller, const std::string& module, uint64_t k) {
+  std::vector<EndArrival> batch;
+  uint64_t target = 0;
+  std::string kind;
+  {
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(caller.group);
+    if (g == groups_.end()) return;
+    auto it = g->second->registered.find(module);
+    if (it == g->second->registered.end()) return;
+    Registered& reg = it->second;
+    std::vector<EndArrival>& arrived = reg.end_batches[k];
+    EndArrival a;
+    a.rank = caller.rank;
+    arrived.push_back(std::move(a));
+    size_t local = 0;
+    for (const std::vector<UnitShard>& s : reg.shards_by_rank) local += s.empty() ? 0 : 1;
+    if (arrived.size() < local) return;
+    batch = std::move(arrived);
+    reg.end_batches.erase(k);
+    if (reg.pending_commit.has_value()) {
+      target = reg.pending_commit->generation;
+      kind = reg.pending_commit->kind;
+    }
+  }
+  ProcessEndBatch(caller.group, module, target, kind.empty() ? "end" : kind == "init" ? "init" : "end",
+                  std::move(batch));
+}
+
+void GroupManager::ProcessEndBatch(const std::string& group, const std::string& module,
+                                   uint64_t target, const char* kind,
+                                   std::vector<EndArrival> batch) {
+  std::vector<EndArrival*> applying;
+  for (EndArrival& a : batch) {
+    if (a.applying && a.status.ok()) applying.push_back(&a);
+  }
+  auto record = [&](bool ready) {
+    state::GroupRecord rec;
+    {
+      absl::MutexLock lock(&mu_);
+      auto g = groups_.find(group);
+      if (g == groups_.end()) return;
+      auto it = g->second->registered.find(module);
+      if (it == g->second->registered.end()) return;
+      Registered& reg = it->second;
+      if (ready) {
+        NoteCommitAgreed(reg, target, kind);
+        std::vector<int32_t>& r = reg.pending_commit->ready_ranks;
+        for (EndArrival* a : applying) {
+          if (std::find(r.begin(), r.end(), a->rank) == r.end()) r.push_back(a->rank);
+        }
+        std::sort(r.begin(), r.end());
+      } else {
+        for (EndArrival* a : applying) {
+          if (a->status.ok()) MarkCommitDoneLocked(reg, a->rank, target);
+        }
+      }
+      if (state_dir_ == nullptr || state_forgotten_) return;
+      rec = SnapshotLocked(*g->second);
+    }
+    WriteRecord(rec);
+  };
+  if (!applying.empty()) {
+    // Every local rank's shards hold the new generation: one record says so before any
+    // committed copy is overwritten, one after all of them are.
+    record(/*ready=*/true);
+    TestingPauseMidCopy(applying.front()->rank, applying.front()->durable);
+    for (EndArrival* a : applying) {
+      a->status = CopyCommitted(a->rank, a->durable, /*to_committed=*/true);
+    }
+    record(/*ready=*/false);
+  }
+  for (EndArrival& a : batch) {
+    if (a.applying && !a.status.ok()) {
+      FS_LOG(ERROR) << "group=" << group << " rank=" << a.rank
+                    << ": writeback failed after every rank agreed: " << a.status;
+    }
+    if (a.finish) a.finish(std::move(a.status));
+  }
+}
+
+void GroupManager::TestingPauseMidCopy(
+    int32_t rank, const std::vector<internal::DurablePair>& durable) const {
+  if (testing_commit_copy_pause_ <= absl::ZeroDuration() || durable.empty()) return;
+  // Tears the committed copy on purpose: the first buffer is copied, the others not yet.
+  devices_.CopyEach(rank, {durable[0].live.get()}, {durable[0].committed.get()}).IgnoreError();
+  FS_LOG(WARNING) << "testing: commit copy of rank " << rank << " paused for "
+                  << absl::FormatDuration(testing_commit_copy_pause_)
+                  << " with its committed copy torn";
+  absl::SleepFor(testing_commit_copy_pause_);
+}
+
+void GroupManager::KeepDeviceShards() {
+  if (state_dir_ == nullptr || gpus_.empty()) return;
+  struct Job {
+    std::string group, module;
+    int32_t rank = 0;
+    int64_t owner_uid = -1;
+    std::vector<std::shared_ptr<Buffer>> committed;
+  };
+  std::vector<Job> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, g] : groups_) {
+      for (auto& [module, reg] : g->registered) {
+        if (!reg.initialized || reg.busy > 0 || reg.pending_commit.has_value()) {
+          if (reg.initialized) {
+            FS_LOG(WARNING) << "group=" << id << " module=" << Display(module)
+                            << ": a commit or rollback is under way at shutdown: its device "
+                               "shards are not kept";
+          }
+          continue;
+        }
+        for (int32_t r = 0; r < static_cast<int32_t>(reg.committed.size()); ++r) {
+          if (reg.committed[r].empty() || reg.committed[r][0] == nullptr ||
+              !reg.committed[r][0]->on_device()) {
+            continue;
+          }
+          jobs.push_back(Job{id, module, r, g->owner_uid, reg.committed[r]});
+        }
+      }
+    }
+  }
+  // The copies run without mu_ (device to host, as large as the shards).
+  std::set<std::string> touched;
+  int64_t bytes = 0;
+  int kept = 0;
+  for (Job& job : jobs) {
+    std::vector<std::shared_ptr<Buffer>> hosts;
+    absl::Status s;
+    for (size_t u = 0; u < job.committed.size() && s.ok(); ++u) {
+      absl::StatusOr<std::shared_ptr<Buffer>> host = store_->Allocate(
+          BufferKind::kShard, job.committed[u]->bytes(),
+          absl::StrCat("group=", job.group, " module=", job.module, " unit=", u, " rank=",
+                       job.rank, " host copy"),
+          job.owner_uid, Placement::Host());
+      s = host.status();
+      if (s.ok()) s = devices_.CopyEach(job.rank, {job.committed[u].get()}, {host->get()});
+      if (s.ok()) {
+        bytes += (*host)->bytes();
+        hosts.push_back(*std::move(host));
+      }
+    }
+    if (!s.ok()) {
+      FS_LOG(ERROR) << "group=" << job.group << " module=" << Display(job.module) << " rank="
+                    << job.rank << ": cannot keep a host copy of its device shards: " << s;
+      continue;
+    }
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(job.group);
+    if (g == groups_.end()) continue;
+    auto it = g->second->registered.find(job.module);
+    if (it == g->second->registered.end()) continue;
+    Registered& reg = it->second;
+    reg.host_committed.resize(reg.committed.size());
+    reg.host_committed[job.rank] = std::move(hosts);
+    touched.insert(job.group);
+    ++kept;
+  }
+  for (const std::string& id : touched) {
+    state::GroupRecord rec;
+    {
+      absl::MutexLock lock(&mu_);
+      auto g = groups_.find(id);
+      if (g == groups_.end()) continue;
+      rec = SnapshotLocked(*g->second);
+    }
+    WriteRecord(rec);
+  }
+  if (!jobs.empty()) {
+    FS_LOG(INFO) << "kept host copies of the committed device shards of " << kept
+                 << " rank(s) of " << touched.size() << " group(s), " << bytes
+                 << " bytes, for the next daemon";
+  }
+}
+
+void GroupManager::ForgetState() {
+  if (state_dir_ == nullptr) return;
+  std::vector<std::pair<std::string, uint64_t>> removed;
+  {
+    absl::MutexLock lock(&mu_);
+    if (state_forgotten_) return;
+    for (const auto& [id, g] : groups_) removed.emplace_back(id, ++state_sequence_);
+    for (auto& r : removed_records_) removed.push_back(r);
+    removed_records_.clear();
+  }
+  for (const auto& [id, sequence] : removed) {
+    absl::Status s = state_dir_->Remove(id, sequence);
+    if (!s.ok()) FS_LOG(ERROR) << "group=" << id << ": " << s;
+  }
+  absl::MutexLock lock(&mu_);
+  state_forgotten_ = true;
+  FS_LOG(INFO) << "state records of " << removed.size() << " group(s) removed from "
+               << state_dir_->path() << " (the shards are not kept)";
+}
+
+namespace {
+
+void CopyHost(const Buffer& from, const Buffer& to) {
+  if (from.bytes() > 0) std::memcpy(to.data(), from.data(), static_cast<size_t>(from.bytes()));
+}
+
+bool Contains(const std::vector<int32_t>& v, int32_t x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+
+}  // namespace
+
+GroupManager::AdoptSummary GroupManager::AdoptGroups(
+    const std::vector<state::GroupRecord>& records) {
+  AdoptSummary summary;
+  const std::string dir = state_dir_ != nullptr ? state_dir_->path() : std::string("(none)");
+  for (const state::GroupRecord& rec : records) {
+    const std::string file = absl::StrCat(dir, "/", state::RecordFileName(rec.id));
+    auto g = std::make_unique<Group>();
+    g->id = rec.id;
+    g->world_size = rec.world_size;
+    g->token = rec.token;
+    g->owner_uid = rec.owner_uid;
+    g->coordinator = rec.coordinator;
+    g->epoch = rec.epoch;
+    g->local_ranks = rec.local_ranks;
+    g->idle_since = clock_->Now();
+    std::vector<std::shared_ptr<Buffer>> adopted;  // every buffer taken over, for a refusal
+    absl::Status refused;
+    int64_t bytes = 0;
+    std::vector<std::string> lines;
+    for (const state::ModuleRecord& m : rec.modules) {
+      const std::string where = absl::StrCat("module ", Display(m.name));
+      absl::StatusOr<Plan> plan = PlanFromJson(m.plan_json);
+      if (!plan.ok()) {
+        refused = absl::InvalidArgumentError(absl::StrCat(where, ": plan: ", plan.status().message()));
+        break;
+      }
+      absl::StatusOr<Manifest> manifest = ManifestFromJson(m.manifest_json);
+      if (!manifest.ok()) {
+        refused = absl::InvalidArgumentError(
+            absl::StrCat(where, ": manifest: ", manifest.status().message()));
+        break;
+      }
+      if (plan->world_size != rec.world_size) {
+        refused = absl::InvalidArgumentError(absl::StrCat(where, ": the plan is for world size ",
+                                                          plan->world_size, ", the group has ",
+                                                          rec.world_size));
+        break;
+      }
+      Registered reg;
+      reg.plan = *std::move(plan);
+      reg.manifest = *std::move(manifest);
+      reg.plan_json = m.plan_json;
+      reg.manifest_json = m.manifest_json;
+      const int32_t units = static_cast<int32_t>(reg.plan.units.size());
+      reg.summoned.assign(rec.world_size, std::vector<bool>(units, false));
+      reg.summon_count.assign(rec.world_size, 0);
+      reg.attached_session.assign(rec.world_size, 0);
+      reg.shards_by_rank.resize(rec.world_size);
+      reg.committed.resize(rec.world_size);
+      reg.host_committed.resize(rec.world_size);
+      reg.generation.assign(rec.world_size, 0);
+      reg.stale.assign(rec.world_size, false);
+      reg.initialized = m.initialized;
+      for (const state::RankRecord& rr : m.ranks) {
+        const std::string rw = absl::StrCat(where, " rank ", rr.rank);
+        if (static_cast<int32_t>(rr.units.size()) != units) {
+          refused = absl::InvalidArgumentError(absl::StrCat(rw, ": ", rr.units.size(),
+                                                            " units recorded, the plan has ", units));
+          break;
+        }
+        reg.shards_by_rank[rr.rank].resize(units);
+        reg.committed[rr.rank].resize(units);
+        reg.host_committed[rr.rank].resize(units);
+        reg.generation[rr.rank] = rr.generation;
+        for (const state::UnitRecord& ur : rr.units) {
+          if (ur.unit < 0 || ur.unit >= units) {
+            refused = absl::InvalidArgumentError(absl::StrCat(rw, ": unit ", ur.unit, " is not in the plan"));
+            break;
+          }
+          const PlanUnit& pu = reg.plan.units[ur.unit];
+          const int64_t want = pu.shard_numel * ItemSize(pu.dtype);
+          reg.shards_by_rank[rr.rank][ur.unit].unit = ur.unit;
+          for (const state::BufferRecord& b : ur.buffers) {
+            const std::string bw = absl::StrCat(rw, " unit ", ur.unit, " ", b.role, " ", b.segment);
+            if (b.bytes != want) {
+              refused = absl::InvalidArgumentError(absl::StrCat(
+                  bw, ": ", b.bytes, " bytes recorded, the plan's shard has ", want));
+              break;
+            }
+            absl::StatusOr<std::shared_ptr<Buffer>> buffer = store_->Adopt(
+                KindOfRole(b.role), b.segment, b.bytes,
+                absl::StrCat("group=", rec.id, " module=", m.name, " unit=", ur.unit,
+                             " rank=", rr.rank, " ", b.role),
+                rec.owner_uid);
+            if (!buffer.ok()) {
+              refused = absl::Status(buffer.status().code(),
+                                     absl::StrCat(bw, ": ", buffer.status().message()));
+              break;
+            }
+            adopted.push_back(*buffer);
+            if (!InstallDurable(reg, rr.rank, ur.unit, b.role, *std::move(buffer))) {
+              refused = absl::InvalidArgumentError(
+                  absl::StrCat(bw, ": role ", b.role, " is unknown to this daemon"));
+              break;
+            }
+            bytes += b.bytes;
+          }
+          if (!refused.ok()) break;
+          const bool host_copy = reg.host_committed[rr.rank][ur.unit] != nullptr;
+          if (!host_copy && (reg.shards_by_rank[rr.rank][ur.unit].shard == nullptr ||
+                             reg.committed[rr.rank][ur.unit] == nullptr)) {
+            refused = absl::InvalidArgumentError(
+                absl::StrCat(rw, " unit ", ur.unit, ": no shard or no committed copy recorded"));
+            break;
+          }
+          if (host_copy && !devices_.PlacementOf(rr.rank).on_device()) {
+            refused = absl::InvalidArgumentError(absl::StrCat(
+                rw, " unit ", ur.unit, ": a GPU daemon's host copy, but this daemon keeps rank ",
+                rr.rank, " in host memory (start it with the same --gpus)"));
+            break;
+          }
+        }
+        if (!refused.ok()) break;
+      }
+      if (!refused.ok()) break;
+
+      // GPU daemons: fresh device shards and committed copies from the host copies a SIGTERM
+      // made (KeepDeviceShards); the host copies go once this module is in place.
+      std::set<int32_t> from_host;
+      for (const state::RankRecord& rr : m.ranks) {
+        if (reg.host_committed[rr.rank].empty() || reg.host_committed[rr.rank][0] == nullptr) {
+          continue;
+        }
+        for (int32_t u = 0; u < units && refused.ok(); ++u) {
+          const Buffer& host = *reg.host_committed[rr.rank][u];
+          for (std::shared_ptr<Buffer>* slot :
+               {&reg.shards_by_rank[rr.rank][u].shard, &reg.committed[rr.rank][u]}) {
+            absl::StatusOr<std::shared_ptr<Buffer>> b = store_->Allocate(
+                BufferKind::kShard, host.bytes(),
+                absl::StrCat("group=", rec.id, " module=", m.name, " unit=", u, " rank=", rr.rank,
+                             slot == &reg.committed[rr.rank][u] ? " committed" : ""),
+                rec.owner_uid, devices_.PlacementOf(rr.rank));
+            absl::Status s = b.status();
+            if (s.ok()) s = devices_.CopyEach(rr.rank, {&host}, {b->get()});
+            if (!s.ok()) {
+              refused = absl::Status(s.code(), absl::StrCat(where, " rank ", rr.rank, " unit ", u,
+                                                            ": back to the device: ", s.message()));
+              break;
+            }
+            *slot = *std::move(b);
+          }
+        }
+        if (!refused.ok()) break;
+        from_host.insert(rr.rank);
+        reg.host_committed[rr.rank].clear();
+      }
+      if (!refused.ok()) break;
+
+      // Commits under way at the kill (see the top of this file).
+      std::vector<int32_t> ranks;
+      for (const state::RankRecord& rr : m.ranks) ranks.push_back(rr.rank);
+      std::vector<int32_t> torn;
+      if (m.pending.has_value()) {
+        const state::PendingCommit& p = *m.pending;
+        for (int32_t r : ranks) {
+          if (Contains(p.done_ranks, r)) {
+            reg.generation[r] = p.generation;
+          } else if (Contains(p.ready_ranks, r) || p.kind == "commit") {
+            for (int32_t u = 0; u < units; ++u) {
+              CopyHost(*reg.shards_by_rank[r][u].shard, *reg.committed[r][u]);
+            }
+            reg.generation[r] = p.generation;
+            FS_LOG(INFO) << "group=" << rec.id << " module=" << Display(m.name) << " rank=" << r
+                         << ": finished the " << p.kind << " of generation " << p.generation
+                         << " from its shards (the daemon died during its copy)";
+          } else {
+            torn.push_back(r);
+          }
+        }
+        if (p.kind == "init") {
+          if (torn.empty()) {
+            reg.initialized = true;
+          } else {
+            FS_LOG(WARNING) << "group=" << rec.id << " module=" << Display(m.name)
+                            << ": its initialisation did not finish on "
+                            << internal::RankListText(torn)
+                            << " before the daemon died: not adopted (registering it again "
+                               "runs the initialisation)";
+            continue;  // its buffers go: it was never initialised
+          }
+        }
+      }
+      if (!reg.initialized) continue;
+      std::map<uint64_t, std::vector<int32_t>> by_generation;
+      for (int32_t r : ranks) by_generation[reg.generation[r]].push_back(r);
+      if (by_generation.size() > 1) {
+        std::vector<std::string> parts;
+        for (const auto& [gen, rs] : by_generation) {
+          parts.push_back(absl::StrCat(internal::RankListText(rs), ": generation ", gen));
+        }
+        std::string why = absl::StrCat(
+            "group ", rec.id, ": module ", Display(m.name), " lost: after the daemon restarted its ranks hold different committed generations (",
+            absl::StrJoin(parts, "; "),
+            "): it died between their copies of one commit; register it afresh on every rank");
+        FS_LOG(WARNING) << why;
+        g->lost[m.name] = std::move(why);
+        ++summary.lost_modules;
+        continue;
+      }
+      // Shards as of the last commit: a writeback or an optimizer step may have torn them.
+      for (int32_t r : ranks) {
+        if (from_host.contains(r)) continue;  // fresh copies of the committed copy already
+        for (int32_t u = 0; u < units; ++u) {
+          CopyHost(*reg.committed[r][u], *reg.shards_by_rank[r][u].shard);
+        }
+      }
+      const uint64_t generation = ranks.empty() ? 0 : reg.generation[ranks.front()];
+      lines.push_back(absl::StrCat(Display(m.name), " (", units, " units, ranks ",
+                                   absl::StrJoin(ranks, ","), ", generation ", generation, ")"));
+      g->registered.emplace(m.name, std::move(reg));
+    }
+    if (!refused.ok()) {
+      // Left alone: a refused record's segments are not ours to remove.
+      for (const std::shared_ptr<Buffer>& b : adopted) b->Disown();
+      FS_LOG(ERROR) << "state record " << file << " of group " << rec.id
+                    << " refused, group not adopted (its segments are left alone): "
+                    << refused.message();
+      ++summary.refused_groups;
+      continue;
+    }
+    if (g->registered.empty() && g->lost.empty()) {
+      FS_LOG(INFO) << "group=" << rec.id << ": nothing to adopt from " << file;
+      if (state_dir_ != nullptr) state_dir_->Remove(rec.id, rec.sequence).IgnoreError();
+      continue;
+    }
+    int64_t live = 0, count = 0;
+    for (const auto& [name, reg] : g->registered) {
+      for (int32_t r = 0; r < static_cast<int32_t>(reg.shards_by_rank.size()); ++r) {
+        for (int32_t u = 0; u < static_cast<int32_t>(reg.shards_by_rank[r].size()); ++u) {
+          for (const auto& [role, b] : RecordedBuffers(reg, r, u)) {
+            if (b != nullptr) {
+              live += b->bytes();
+              ++count;
+            }
+          }
+        }
+      }
+    }
+    FS_LOG(INFO) << "group=" << rec.id << " adopted from " << file << ": "
+                 << g->registered.size() << " module(s) " << absl::StrJoin(lines, ", ") << ", "
+                 << count << " buffers, " << live << " bytes"
+                 << (g->lost.empty() ? "" : absl::StrCat(", ", g->lost.size(), " lost"));
+    ++summary.groups;
+    summary.modules += static_cast<int32_t>(g->registered.size());
+    summary.bytes += live;
+    summary.buffers += count;
+    std::vector<absl::AnyInvocable<void()>> run;
+    {
+      absl::MutexLock lock(&mu_);
+      Group& placed = *(groups_[rec.id] = std::move(g));
+      PersistLater(placed, &run);  // the restored state, with no commit under way
+    }
+    for (auto& f : run) f();
+  }
+  FS_LOG(INFO) << "restart: adopted " << summary.groups << " group(s), " << summary.modules
+               << " module(s), " << summary.buffers << " buffers, " << summary.bytes
+               << " bytes; refused " << summary.refused_groups << " record(s); "
+               << summary.lost_modules << " module(s) lost";
+  return summary;
+}
+
+}  // namespace flatshard::server
