@@ -303,6 +303,13 @@ struct GroupManager::Registered {
   int busy = 0;
   bool rollback_pending = false;
 
+  // ---- Checkpoints (group_manager_checkpoint.cc) ----
+  // Saves and loads holding the committed copies still. While > 0 no copy into them starts
+  // (commits, writeback Ends and a refused commit's rollback queue in `after_ckpt` and run
+  // again once the last hold ends); a hold starts only when `busy` is 0.
+  int ckpt_hold = 0;
+  std::vector<absl::AnyInvocable<void()>> after_ckpt;
+
   void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok,
               absl::Time now) {
     last_op.resize(plan.units.size());

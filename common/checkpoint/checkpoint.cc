@@ -9,6 +9,8 @@
 #include <atomic>
 #include <cstring>
 #include <memory>
+#include <functional>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -193,6 +195,9 @@ nlohmann::ordered_json MetadataToJson(const Metadata& meta) {
     tensors.push_back(std::move(e));
   }
   doc["tensors"] = std::move(tensors);
+  nlohmann::ordered_json tied = nlohmann::ordered_json::array();
+  for (const SharedParam& t : meta.tied) tied.push_back({{"fqn", t.fqn}, {"same_as", t.same_as}});
+  doc["tied"] = std::move(tied);
   doc["plan"] = PlanToJson(meta.plan);
   return doc;
 }
@@ -203,7 +208,8 @@ absl::StatusOr<Metadata> MetadataFromJson(absl::string_view text, absl::string_v
   const JsonPath root(doc_name);
   FS_RETURN_IF_ERROR(ExpectObject(doc, root,
                                   {"format", "module", "group", "world_size", "generation",
-                                   "created", "checksum", "params", "files", "tensors", "plan"}));
+                                   "created", "checksum", "params", "files", "tensors", "tied",
+                                   "plan"}));
   Metadata m;
   FS_ASSIGN_OR_RETURN(std::string format, GetString(doc, "format", root));
   if (format != kFormat) {
@@ -325,6 +331,26 @@ absl::StatusOr<Metadata> MetadataFromJson(absl::string_view text, absl::string_v
     extents[t.rank].push_back({t.offset, t.offset + t.bytes});
     m.tensors.push_back(std::move(t));
   }
+  if (doc.contains("tied")) {
+    const JsonPath tied_path = root.Key("tied");
+    FS_RETURN_IF_ERROR(ExpectArray(doc["tied"], tied_path));
+    std::set<std::string> planned;
+    for (const PlanUnit& u : m.plan.units) {
+      for (const PlanParam& p : u.params) planned.insert(p.fqn);
+    }
+    for (size_t i = 0; i < doc["tied"].size(); ++i) {
+      const JsonPath at = tied_path.Index(i);
+      const Json& e = doc["tied"][i];
+      FS_RETURN_IF_ERROR(ExpectObject(e, at, {"fqn", "same_as"}));
+      SharedParam t;
+      FS_ASSIGN_OR_RETURN(t.fqn, GetString(e, "fqn", at));
+      FS_ASSIGN_OR_RETURN(t.same_as, GetString(e, "same_as", at));
+      if (!planned.contains(t.same_as)) {
+        return at.Key("same_as").Error(absl::StrCat(Quote(t.same_as), " is not a parameter of the plan"));
+      }
+      m.tied.push_back(std::move(t));
+    }
+  }
   for (int32_t r = 0; r < m.world_size; ++r) {
     for (const PlanUnit& u : m.plan.units) {
       if (m.FindTensor(r, u.index, kShardTensor) == nullptr) {
@@ -342,6 +368,39 @@ absl::StatusOr<Metadata> MetadataFromJson(absl::string_view text, absl::string_v
     }
   }
   return m;
+}
+
+std::vector<SharedParam> TiedAliases(const Manifest& manifest, const Plan& plan) {
+  std::set<std::string> named(plan.ignored_params.begin(), plan.ignored_params.end());
+  std::set<std::string> params;
+  for (const PlanUnit& u : plan.units) {
+    for (const PlanParam& p : u.params) {
+      named.insert(p.fqn);
+      params.insert(p.fqn);
+    }
+    for (const SharedParam& s : u.shared) named.insert(s.fqn);
+  }
+  std::vector<std::pair<std::string, int64_t>> all;  // (path, tensor id), pre-order
+  std::function<void(int32_t, const std::string&, int)> visit =
+      [&](int32_t index, const std::string& prefix, int depth) {
+        if (depth > kMaxJsonDepth) return;  // a validated manifest is far shallower
+        const ModuleDecl& m = manifest.modules[index];
+        for (const TensorDecl& t : m.params) all.push_back({prefix + t.name, t.id});
+        for (const ChildDecl& c : m.children) visit(c.module, prefix + c.name + ".", depth + 1);
+      };
+  if (!manifest.modules.empty()) visit(0, "", 0);
+  std::map<int64_t, std::string> canonical;  // tensor id -> the plan param holding it
+  for (const auto& [path, id] : all) {
+    if (params.contains(path) && !canonical.contains(id)) canonical[id] = path;
+  }
+  std::vector<SharedParam> out;
+  std::set<std::string> seen;
+  for (const auto& [path, id] : all) {
+    if (named.contains(path) || !seen.insert(path).second) continue;
+    auto it = canonical.find(id);
+    if (it != canonical.end()) out.push_back(SharedParam{path, it->second});
+  }
+  return out;
 }
 
 // ---- Writing ----

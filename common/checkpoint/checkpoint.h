@@ -33,6 +33,7 @@
 #include "absl/strings/string_view.h"
 #include "common/dtype.h"
 #include "common/json_util.h"
+#include "common/manifest.h"
 #include "common/plan.h"
 
 namespace flatshard::checkpoint {
@@ -74,6 +75,11 @@ struct Metadata {
   Plan plan;
   std::vector<FileEntry> files;      // one per rank, by rank
   std::vector<TensorEntry> tensors;  // by (rank, unit, name)
+  // Tied parameters the plan does not name: a parameter reachable at several paths whose
+  // later paths lie in other units (FSDP flattens it into the first unit; the plan's
+  // `shared` lists only aliases inside a unit). From the manifest (TiedAliases); export
+  // writes them so its keys are exactly the unwrapped module's state_dict's.
+  std::vector<SharedParam> tied;
 
   // The entry of (rank, unit, name); null when absent.
   const TensorEntry* FindTensor(int32_t rank, int32_t unit, absl::string_view name) const;
@@ -89,6 +95,11 @@ nlohmann::ordered_json MetadataToJson(const Metadata& meta);
 // of exactly the unit's shard bytes, tensors inside their file and not overlapping.
 // INVALID_ARGUMENT "<path>: <JSON path>: <what>".
 absl::StatusOr<Metadata> MetadataFromJson(absl::string_view text, absl::string_view path);
+
+// The paths of `manifest`'s parameters (every path of a tied or shared one, as
+// named_parameters(remove_duplicate=False)) that `plan` names neither as a param nor as a
+// shared alias nor as ignored, each with the plan param it is the same tensor as.
+std::vector<SharedParam> TiedAliases(const flatshard::Manifest& manifest, const Plan& plan);
 
 // ---- Writing ----
 

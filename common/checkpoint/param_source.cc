@@ -35,6 +35,12 @@ class CheckpointParamSource : public ParamSource {
         where_[s.fqn] = it->second;
       }
     }
+    for (const SharedParam& s : ckpt_.meta.tied) {
+      auto it = where_.find(s.same_as);
+      if (it == where_.end()) continue;
+      params_[s.fqn] = params_[s.same_as];
+      where_[s.fqn] = it->second;
+    }
     for (const FileEntry& f : ckpt_.meta.files) {
       fds_.push_back(::open(absl::StrCat(ckpt_.dir, "/", f.name).c_str(), O_RDONLY | O_CLOEXEC));
     }
@@ -147,13 +153,16 @@ absl::StatusOr<std::unique_ptr<ParamSource>> SafetensorsSource(const std::string
 }
 
 absl::StatusOr<std::vector<Binding>> Bind(const ParamSource& source, const Plan& target,
-                                          int64_t* unused) {
+                                          int64_t* unused, const std::vector<SharedParam>& tied) {
   std::vector<Binding> out;
   std::set<std::string> used;
   for (const PlanUnit& u : target.units) {
     for (const PlanParam& p : u.params) {
       std::vector<std::string> names = {p.fqn};
       for (const SharedParam& s : u.shared) {
+        if (s.same_as == p.fqn) names.push_back(s.fqn);
+      }
+      for (const SharedParam& s : tied) {
         if (s.same_as == p.fqn) names.push_back(s.fqn);
       }
       const SourceParam* found = nullptr;
@@ -222,7 +231,8 @@ absl::Status FillShard(const ParamSource& source, const std::vector<Binding>& bi
 absl::Status ExportSafetensors(const ParamSource& source, const Plan& plan,
                                const std::string& path,
                                const std::map<std::string, std::string>& metadata,
-                               const ProgressFn& progress) {
+                               const ProgressFn& progress,
+                               const std::vector<SharedParam>& tied) {
   FS_ASSIGN_OR_RETURN(std::vector<Binding> bindings, Bind(source, plan));
   std::vector<safetensors::Writer::Spec> specs;
   std::vector<const Binding*> order;  // one per spec
@@ -230,6 +240,12 @@ absl::Status ExportSafetensors(const ParamSource& source, const Plan& plan,
     specs.push_back({b.param->fqn, b.unit->dtype, b.param->shape});
     order.push_back(&b);
     for (const SharedParam& s : b.unit->shared) {
+      if (s.same_as == b.param->fqn) {
+        specs.push_back({s.fqn, b.unit->dtype, b.param->shape});
+        order.push_back(&b);
+      }
+    }
+    for (const SharedParam& s : tied) {
       if (s.same_as == b.param->fqn) {
         specs.push_back({s.fqn, b.unit->dtype, b.param->shape});
         order.push_back(&b);

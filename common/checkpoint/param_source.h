@@ -59,8 +59,10 @@ struct Binding {
 // ("parameter \"h.0.w\": shape [4, 8] in checkpoint /c, [8, 8] in the module"). Parameters the
 // source has beyond the target's are allowed (e.g. buffers in a full state dict) and counted
 // in `*unused` (when given).
+// `tied`: the target's aliases across units (TiedAliases), looked up and counted as used too.
 absl::StatusOr<std::vector<Binding>> Bind(const ParamSource& source, const Plan& target,
-                                          int64_t* unused = nullptr);
+                                          int64_t* unused = nullptr,
+                                          const std::vector<SharedParam>& tied = {});
 
 // Fills shard `shard_rank` of `unit` of `target` (unit.shard_numel elements of unit.dtype at
 // `dst`) from `source`: padding zero, every covered element range read. REQUIRES: Bind OK.
@@ -70,9 +72,12 @@ absl::Status FillShard(const ParamSource& source, const std::vector<Binding>& bi
 // Writes every parameter of `source` that `plan` names, under every FQN the unwrapped module's
 // state_dict has for it (aliases included, each a copy), as a safetensors file. `metadata` goes
 // to __metadata__. `progress` gets bytes written.
+// `tied`: aliases across units the plan does not name (Metadata::tied), written after the
+// parameter they alias.
 absl::Status ExportSafetensors(const ParamSource& source, const Plan& plan,
                                const std::string& path,
                                const std::map<std::string, std::string>& metadata,
-                               const ProgressFn& progress = nullptr);
+                               const ProgressFn& progress = nullptr,
+                               const std::vector<SharedParam>& tied = {});
 
 }  // namespace flatshard::checkpoint

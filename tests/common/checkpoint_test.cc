@@ -311,6 +311,21 @@ TEST_F(CheckpointTest, BindRefusesMissingAndMismatchedParamsNamingTheFqn) {
   EXPECT_THAT(b.status().message(), HasSubstr(absl::StrCat("parameter \"", p.fqn, "\": shape")));
 }
 
+TEST(TiedAliasesTest, CrossUnitTiesTheplanDoesNotName) {
+  absl::StatusOr<Manifest> m = ManifestFromJson(testing::ExampleModelFile("gpt_tied", "manifest"));
+  ASSERT_TRUE(m.ok());
+  // Blocks wrapped: wte and lm_head share the root unit, the plan names the alias itself.
+  const Plan block = MakePlan("gpt_tied", ExamplePolicy("gpt_tied"), 2);
+  EXPECT_TRUE(TiedAliases(*m, block).empty());
+  // Every module wrapped: lm_head's weight lives in wte's unit; only the manifest knows.
+  const Plan always =
+      MakePlan("gpt_tied", R"({"format": "flatshard.policy/1", "auto_wrap": {"kind": "always"}})", 2);
+  const std::vector<SharedParam> tied = TiedAliases(*m, always);
+  ASSERT_EQ(tied.size(), 1u);
+  EXPECT_EQ(tied[0].fqn, "lm_head.weight");
+  EXPECT_EQ(tied[0].same_as, "wte.weight");
+}
+
 // ---- safetensors ----
 
 std::string Le64(uint64_t n) {
