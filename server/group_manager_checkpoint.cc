@@ -20,6 +20,7 @@
 // memory and copies it to the device; the committed copies of a load are copied on the device.
 // What a GPU daemon keeps across its own death is thus what was last checkpointed.
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -65,6 +66,29 @@ absl::Status CheckSize(const Buffer& b, const PlanUnit& u) {
   return absl::InternalError(absl::StrCat("unit ", u.index, ": a ", b.bytes(),
                                           "-byte buffer for a shard of ",
                                           u.shard_numel * ItemSize(u.dtype), " bytes"));
+}
+
+// A caller who is neither root nor the daemon's uid may only have the daemon write into, or
+// read from, a path that caller owns (the directory; for a new directory, its parent; a
+// safetensors file): the daemon's privileges must not reach other users' files.
+absl::Status CheckOwner(const GroupManager::CheckpointArgs& args, const std::string& path,
+                        bool parent_if_missing) {
+  if (args.privileged) return absl::OkStatus();
+  struct stat st;
+  std::string at = path;
+  if (::stat(at.c_str(), &st) != 0 && parent_if_missing) {
+    at = checkpoint::internal::DirOf(path);
+    if (::stat(at.c_str(), &st) != 0) {
+      return absl::NotFoundError(absl::StrCat(at, ": ", std::strerror(errno)));
+    }
+  } else if (::stat(at.c_str(), &st) != 0) {
+    return absl::NotFoundError(absl::StrCat(at, ": ", std::strerror(errno)));
+  }
+  if (args.uid >= 0 && static_cast<int64_t>(st.st_uid) == args.uid) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      at, " belongs to uid ", st.st_uid, ", not to the caller (uid ",
+      args.uid < 0 ? std::string("(remote)") : absl::StrCat(args.uid),
+      "): the daemon reads and writes checkpoints only in the caller's own directories"));
 }
 
 std::vector<const Buffer*> Raw(const std::vector<std::shared_ptr<Buffer>>& v) {
@@ -222,6 +246,7 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::SaveCheckpoint(
         absl::StrCat("checkpoint directory must be an absolute path, got \"",
                      Truncated(args.dir), "\""));
   }
+  FS_RETURN_IF_ERROR(CheckOwner(args, args.dir, /*parent_if_missing=*/true));
   FS_RETURN_IF_ERROR(checkpoint::MakeDirs(args.dir));
   // Overwriting a checkpoint: its metadata goes first, so a save that does not finish leaves
   // an incomplete checkpoint (refused), never old metadata over new data files.
@@ -305,6 +330,7 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
     return absl::InvalidArgumentError(
         absl::StrCat("the path must be absolute, got \"", Truncated(from), "\""));
   }
+  FS_RETURN_IF_ERROR(CheckOwner(args, from, /*parent_if_missing=*/false));
   // 1. Everything that can be checked without the module: the source itself.
   std::optional<checkpoint::Checkpoint> ckpt;
   std::unique_ptr<checkpoint::ParamSource> source;
