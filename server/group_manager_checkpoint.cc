@@ -248,14 +248,18 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::SaveCheckpoint(
   }
   FS_RETURN_IF_ERROR(CheckOwner(args, args.dir, /*parent_if_missing=*/true));
   FS_RETURN_IF_ERROR(checkpoint::MakeDirs(args.dir));
-  // Overwriting a checkpoint: its metadata goes first, so a save that does not finish leaves
-  // an incomplete checkpoint (refused), never old metadata over new data files.
-  const std::string meta_path = absl::StrCat(args.dir, "/", checkpoint::kMetadataFile);
-  if (::unlink(meta_path.c_str()) == 0) {
-    FS_RETURN_IF_ERROR(checkpoint::internal::FsyncDir(args.dir));
-  }
   const absl::Time start = absl::Now();
   FS_ASSIGN_OR_RETURN(CheckpointHold hold, HoldForCheckpoint(args, /*load=*/false, progress));
+  // Overwriting a checkpoint: its metadata goes first (only once the save is sure to start:
+  // a refused save leaves the old checkpoint alone), so a save that does not finish leaves an
+  // incomplete checkpoint (refused), never old metadata over new data files.
+  const std::string meta_path = absl::StrCat(args.dir, "/", checkpoint::kMetadataFile);
+  if (::unlink(meta_path.c_str()) == 0) {
+    if (absl::Status s = checkpoint::internal::FsyncDir(args.dir); !s.ok()) {
+      ReleaseCheckpointHold(hold, /*load=*/false, std::nullopt);
+      return s;
+    }
+  }
   int64_t total = 0;
   for (const PlanUnit& u : hold.plan.units) total += u.shard_numel * ItemSize(u.dtype);
   total *= static_cast<int64_t>(hold.ranks.size());

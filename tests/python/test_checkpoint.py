@@ -508,3 +508,58 @@ def test_simulated_gpu_ranks_save_and_load_through_host_memory(tmp_path):
         n = 33 * 7
         joined = torch.cat([out[0][u], out[1][u]])[:n]
         assert torch.equal(full[u][:n], joined), u
+
+
+def test_cli_save_load_import_against_the_daemon(daemon, tmp_path):
+    """`flatshardctl checkpoint save|load|import` over the daemon's socket (--json), as an
+    operator would, while the group's ranks are joined; errors name the group or module."""
+    ckpt = tmp_path / "cli"
+    group = "cli-" + uuid.uuid4().hex[:6]
+
+    def ctl_json(*args):
+        r = subprocess.run([ctl(), "checkpoint", *args, "--socket", daemon.socket, "--json"],
+                           capture_output=True, text=True, timeout=120)
+        return r.returncode, (json.loads(r.stdout) if r.returncode == 0 else r.stderr)
+
+    def rank_fn(rank, c, barrier):
+        model = FlatShardModule(build_gpt(4), c, auto_wrap_policy=ModuleWrapPolicy({gpt.Block}))
+        with torch.no_grad():
+            for p in model.sharded_parameters():
+                p.add_(1.0)
+        model.commit()
+        want = shard_bytes(c)
+        barrier.wait()
+        if rank == 0:
+            code, out = ctl_json("save", group, "--dir", str(ckpt))
+            assert code == 0, out
+            assert out["done"] and out["generation"] == 1 and out["files"] == 2
+            code, out = ctl_json("save", group, "--dir", str(ckpt), "--module", "nope")
+            assert code == 1 and "module \"nope\" is not registered" in out
+            code, out = ctl_json("save", "no-such-group", "--dir", str(ckpt))
+            assert code == 1 and "no-such-group" in out
+        barrier.wait()
+        with torch.no_grad():
+            for p in model.sharded_parameters():
+                p.zero_()
+        model.commit()
+        barrier.wait()
+        if rank == 0:
+            code, out = ctl_json("load", group, "--dir", str(ckpt))
+            assert code == 0 and out["generation"] == 1, out
+        barrier.wait()
+        model.refresh_views()
+        assert shard_bytes(c) == want
+        barrier.wait()
+        if rank == 0:
+            st = tmp_path / "m.safetensors"
+            r = subprocess.run([ctl(), "checkpoint", "export", str(ckpt), "--out", str(st)],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            code, out = ctl_json("import", group, "--file", str(st))
+            assert code == 0 and out["generation"] == model.generation + 1, out
+        barrier.wait()
+        model.refresh_views()
+        assert shard_bytes(c) == want  # the same values, through a full state dict
+        return True
+
+    assert run_ranks(daemon, 2, rank_fn, group=group) == {0: True, 1: True}
