@@ -19,6 +19,7 @@
 // Thread-safe. Callbacks run exactly once, never under the manager's lock, on the calling
 // thread or on the manager's deadline thread.
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -32,6 +33,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/checkpoint/checkpoint.h"
 #include "common/clock.h"
 #include "common/manifest.h"
 #include "common/plan.h"
@@ -433,6 +435,62 @@ class GroupManager : public peer::PeerEvents {
                      const absl::Status& status) override;
   void OnCoordinatorLost(const std::string& coordinator, const absl::Status& status) override;
 
+  // ---- Checkpoints (group_manager_checkpoint.cc; README "Checkpoints") ----
+  // Progress of a save or load, read by another thread while it runs.
+  struct CheckpointProgress {
+    enum Phase : int { kWaiting = 0, kVerifying = 1, kWriting = 2, kLoading = 3, kDone = 4 };
+    std::atomic<int> phase{kWaiting};
+    std::atomic<int64_t> done_bytes{0};
+    std::atomic<int64_t> total_bytes{0};
+  };
+  struct CheckpointArgs {
+    std::string group;
+    std::string module;
+    std::string dir;          // save: the directory; load: a checkpoint directory, or
+    std::string safetensors;  // load: a safetensors file
+    int64_t uid = -1;         // the caller's (-1 remote); `privileged`: root or the daemon's
+    bool privileged = false;
+    // How long to wait for copies of the committed shards in flight to finish.
+    absl::Duration wait = absl::Seconds(30);
+    // Multi-daemon groups: another daemon asks for this daemon's ranks' part (the group's
+    // token instead of a uid; no metadata written, no other daemon asked).
+    bool from_peer = false;
+    std::string token;
+  };
+  struct CheckpointResult {
+    uint64_t generation = 0;
+    int64_t bytes = 0;
+    int32_t files = 0;
+    int32_t ranks = 0;
+    int64_t unused_tensors = 0;
+    // A save for a peer: the files and tensors this daemon wrote.
+    std::vector<checkpoint::FileEntry> written_files;
+    std::vector<checkpoint::TensorEntry> written_tensors;
+  };
+  // Writes the committed shards of `args.module` (one generation on every rank) to
+  // `args.dir` in flatshard.checkpoint/1: one file per rank in parallel, metadata.json last.
+  // Commits that would overwrite the committed copies wait until the data files are written.
+  // Blocking (file I/O): never call on a gRPC reactor thread. Errors: NOT_FOUND,
+  // PERMISSION_DENIED (another uid's group), FAILED_PRECONDITION (uninitialised module, a rank
+  // without shards), DEADLINE_EXCEEDED (copies in flight past `wait`),
+  // INTERNAL naming the file and call that failed. Multi-daemon groups: the other daemons
+  // write their ranks (CheckpointPeerService) into the same directory, a shared file system;
+  // ABORTED when their generations kept differing (commits landing between their holds).
+  absl::StatusOr<CheckpointResult> SaveCheckpoint(const CheckpointArgs& args,
+                                                  CheckpointProgress* progress)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Loads a checkpoint directory or a safetensors file into the registered, initialised
+  // module (resharding by FQN and element range). Checks everything before any shard changes;
+  // then writes every local rank's shards and committed copies (a committed step). The
+  // module's generation becomes the checkpoint's (a safetensors import: the current one + 1),
+  // and every rank must read its views again before its next commit (`stale`).
+  // FAILED_PRECONDITION while a summon of the module is open, for a source that does not fit
+  // the module (naming the FQN), for an incomplete or corrupt checkpoint (naming the file and
+  // the check); otherwise as SaveCheckpoint.
+  absl::StatusOr<CheckpointResult> LoadCheckpoint(const CheckpointArgs& args,
+                                                  CheckpointProgress* progress)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   struct Group;
   struct PendingJoin;
@@ -599,6 +657,10 @@ class GroupManager : public peer::PeerEvents {
                                   StatusCallback done);
   void CommitWritten(const Caller& caller, const std::string& module, absl::Time deadline,
                      CommitCallback done, absl::Status local);
+  // Every rank agreed to commit: copies the caller's shards into its committed copies (after
+  // any checkpoint holding them) and answers the new generation.
+  void CommitAgreed(const Caller& caller, const std::string& module, uint64_t generation,
+                    CommitCallback done);
   // The request for `g`'s communicator over `spec` (local devices filled in on GPU daemons).
   collective::CommunicatorRequest RequestFor(collective::GroupSpec spec, bool nccl_agreed) const;
 
@@ -654,6 +716,22 @@ class GroupManager : public peer::PeerEvents {
   // GroupManagerOptions::testing_commit_copy_pause.
   void TestingPauseMidCopy(int32_t rank,
                            const std::vector<internal::DurablePair>& durable) const;
+  // Checkpoints: the committed shards of a module held still for a save or a load.
+  struct CheckpointHold;
+  absl::StatusOr<CheckpointHold> HoldForCheckpoint(const CheckpointArgs& args, bool load,
+                                                   CheckpointProgress* progress)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // GPU ranks: host staging buffers of `buffers`' sizes (filled from them when `copy_in`);
+  // host ranks: `buffers` themselves. Blocking on the device: not on a reactor thread.
+  absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> HostCopies(
+      int32_t rank, const std::vector<std::shared_ptr<Buffer>>& buffers, bool copy_in) const;
+  // Multi-daemon groups: asks every other daemon of `hold`'s group to write (or load) its
+  // ranks' part; runs the calls in parallel, on threads of its own, and waits for them.
+  std::vector<absl::StatusOr<CheckpointResult>> AskPeers(const CheckpointHold& hold,
+                                                         const CheckpointArgs& args, bool load);
+  // Ends a hold; a load sets `generation` and marks the local ranks stale.
+  void ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
+                             std::optional<uint64_t> generation) ABSL_LOCKS_EXCLUDED(mu_);
 
   ShardStore* const store_;
   const absl::Duration lease_timeout_;
@@ -691,6 +769,8 @@ class GroupManager : public peer::PeerEvents {
   std::vector<std::pair<std::string, uint64_t>> removed_records_ ABSL_GUARDED_BY(mu_);
   void FlushRemovedRecords() ABSL_LOCKS_EXCLUDED(mu_);
   std::thread deadline_thread_;
+  // Checkpoints of multi-daemon groups: how this daemon reaches the others' peer ports.
+  std::shared_ptr<grpc::ChannelCredentials> peer_credentials_;
   // Last: destroyed first, so no PeerEvents arrive while the rest is torn down.
   std::unique_ptr<peer::PeerClient> peer_;
 };

@@ -399,6 +399,12 @@ struct GroupManager::Registered {
   // Host daemons with a state directory: the local ranks' arrivals at the k-th writeback End
   // (EndArrive), by k; the copies into the committed copies start once every local rank is in.
   std::map<uint64_t, std::vector<EndArrival>> end_batches;
+  // ---- Checkpoints (group_manager_checkpoint.cc) ----
+  // Saves and loads holding the committed copies still. While > 0 no copy into them starts
+  // (commits, writeback Ends and a refused commit's rollback queue in `after_ckpt` and run
+  // again once the last hold ends); a hold starts only when `busy` is 0.
+  int ckpt_hold = 0;
+  std::vector<absl::AnyInvocable<void()>> after_ckpt;
 
   void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok,
               absl::Time now) {
@@ -453,6 +459,9 @@ struct GroupManager::Group {
   // op is left (FailDeferred), at the latest when a rank joins again.
   absl::Status deferred_failure;
   absl::Time deferred_since = absl::InfiniteFuture();
+  // Multi-daemon groups: the peer table the communicator runs (ApplyTable); checkpoints ask
+  // the other daemons through it.
+  peer::PeerTable table;
 
   bool multi() const { return !coordinator.empty(); }
 

@@ -1,0 +1,592 @@
+// GroupManager: checkpoints of registered modules (README "Checkpoints", issue 14).
+//
+// What is saved is the committed step: every local rank's committed copies
+// (Registered::committed), which all hold one generation whenever no copy into them is in
+// flight. A save "holds" the module (Registered::ckpt_hold) once `busy` is 0 (no commit,
+// writeback or rollback copying), so from then on the copies stay still: a commit whose
+// agreement completes meanwhile queues its copy (Registered::after_ckpt) and runs it once the
+// data files are written. The trainers never stop; only a commit that lands during a save
+// waits for it. A checkpoint is thus one generation on every rank, never a mix.
+//
+// A load checks everything first (metadata, every data file's CRC-32C, FQNs, shapes, dtypes)
+// with nothing held, then holds the module (and `busy`, which keeps rollbacks out), writes
+// every local rank's shards from the source (resharding by FQN and element range), then the
+// committed copies from the shards, and sets the generation: a load is a committed step. The
+// ranks are marked stale, so each must read its views again before its next commit.
+//
+// Multi-daemon groups: the daemon asked holds and writes its own ranks and asks every other
+// daemon of the group (the peer table's addresses; CheckpointPeerService) to do the same into
+// the same directory (a shared file system), then writes the metadata. The holds are per
+// daemon, so a commit landing between them can leave two daemons at different generations: the
+// save is then written again (never given metadata). A load: every daemon loads its own ranks.
+//
+// File I/O runs on the caller's thread and on threads started here (one per rank file, at most
+// kCheckpointThreads at once), never under mu_. GPU ranks go through host staging buffers
+// (HostCopies): a save copies the committed copies to host memory first, a load fills host
+// memory and copies it to the device; the committed copies of a load are copied on the device.
+// What a GPU daemon keeps across its own death is thus what was last checkpointed.
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/checkpoint/checkpoint.h"
+#include "common/checkpoint/param_source.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "flatshard/v1/checkpoint_peer.grpc.pb.h"
+#include "common/status_macros.h"
+#include "server/group_manager_internal.h"
+#include <grpcpp/grpcpp.h>
+
+namespace flatshard::server {
+
+using internal::Display;
+
+namespace {
+
+constexpr int kCheckpointThreads = 8;
+
+// Runs fn(i) for i in [0, n) on up to kCheckpointThreads threads; the first error wins.
+absl::Status ParallelFor(size_t n, const std::function<absl::Status(size_t)>& fn) {
+  std::vector<absl::Status> results(n);
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < n; i = next++) results[i] = fn(i);
+  };
+  const size_t threads = std::min<size_t>(n, kCheckpointThreads);
+  std::vector<std::thread> pool;
+  for (size_t i = 1; i < threads; ++i) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  for (const absl::Status& s : results) FS_RETURN_IF_ERROR(s);
+  return absl::OkStatus();
+}
+
+absl::Status CheckSize(const Buffer& b, const PlanUnit& u) {
+  if (b.bytes() >= u.shard_numel * ItemSize(u.dtype)) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("unit ", u.index, ": a ", b.bytes(),
+                                          "-byte buffer for a shard of ",
+                                          u.shard_numel * ItemSize(u.dtype), " bytes"));
+}
+
+// A caller who is neither root nor the daemon's uid may only have the daemon write into, or
+// read from, a path that caller owns (the directory; for a new directory, its parent; a
+// safetensors file): the daemon's privileges must not reach other users' files.
+absl::Status CheckOwner(const GroupManager::CheckpointArgs& args, const std::string& path,
+                        bool parent_if_missing) {
+  if (args.privileged) return absl::OkStatus();
+  struct stat st;
+  std::string at = path;
+  if (::stat(at.c_str(), &st) != 0 && parent_if_missing) {
+    at = checkpoint::internal::DirOf(path);
+    if (::stat(at.c_str(), &st) != 0) {
+      return absl::NotFoundError(absl::StrCat(at, ": ", std::strerror(errno)));
+    }
+  } else if (::stat(at.c_str(), &st) != 0) {
+    return absl::NotFoundError(absl::StrCat(at, ": ", std::strerror(errno)));
+  }
+  if (args.uid >= 0 && static_cast<int64_t>(st.st_uid) == args.uid) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      at, " belongs to uid ", st.st_uid, ", not to the caller (uid ",
+      args.uid < 0 ? std::string("(remote)") : absl::StrCat(args.uid),
+      "): the daemon reads and writes checkpoints only in the caller's own directories"));
+}
+
+std::vector<const Buffer*> Raw(const std::vector<std::shared_ptr<Buffer>>& v) {
+  std::vector<const Buffer*> out;
+  for (const auto& b : v) out.push_back(b.get());
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> GroupManager::HostCopies(
+    int32_t rank, const std::vector<std::shared_ptr<Buffer>>& buffers, bool copy_in) const {
+  bool device = false;
+  for (const auto& b : buffers) device |= b != nullptr && b->on_device();
+  if (!device) return buffers;
+  std::vector<std::shared_ptr<Buffer>> host;
+  for (size_t u = 0; u < buffers.size(); ++u) {
+    FS_ASSIGN_OR_RETURN(
+        std::shared_ptr<Buffer> b,
+        store_->Allocate(BufferKind::kStaging, buffers[u]->bytes(),
+                         absl::StrCat("checkpoint rank=", rank, " unit=", u), -1,
+                         Placement::Host()));
+    host.push_back(std::move(b));
+  }
+  if (copy_in) FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(buffers), Raw(host)));
+  return host;
+}
+
+struct GroupManager::CheckpointHold {
+  std::string group;
+  std::string module;
+  int32_t world_size = 0;
+  Plan plan;
+  std::vector<int32_t> ranks;  // the local ranks, ascending
+  std::vector<std::vector<UnitShard>> shards;                  // by position in `ranks`
+  std::vector<std::vector<std::shared_ptr<Buffer>>> committed;  // by position in `ranks`
+  uint64_t generation = 0;  // of every local rank
+  Manifest manifest;  // for checkpoint::TiedAliases (computed without mu_)
+  std::vector<std::string> peers;  // multi-daemon groups: the other daemons' peer addresses
+  std::string token;
+};
+
+absl::StatusOr<GroupManager::CheckpointHold> GroupManager::HoldForCheckpoint(
+    const CheckpointArgs& args, bool load, CheckpointProgress* progress) {
+  progress->phase = CheckpointProgress::kWaiting;
+  const absl::Time deadline = absl::Now() + args.wait;
+  absl::Status last_wait;
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (shutdown_) return absl::UnavailableError("flatshardd is shutting down");
+      auto git = groups_.find(args.group);
+      if (git == groups_.end()) {
+        return absl::NotFoundError(absl::StrCat("no group ", Truncated(args.group), " here"));
+      }
+      Group& g = *git->second;
+      if (args.from_peer) {
+        if (!internal::TokensEqual(args.token, g.token)) {
+          return absl::PermissionDeniedError(
+              absl::StrCat("group ", g.id, ": wrong token in a checkpoint request of a peer"));
+        }
+      } else if (!args.privileged) {
+        FS_RETURN_IF_ERROR(internal::CheckUid(g, args.uid));
+      }
+      auto it = g.registered.find(args.module);
+      if (it == g.registered.end()) {
+        return absl::NotFoundError(absl::StrCat("group ", g.id, ": module ", Display(args.module),
+                                                " is not registered"));
+      }
+      Registered& reg = it->second;
+      if (!reg.initialized) FS_RETURN_IF_ERROR(CheckUsable(g, args.module, reg));
+      std::vector<std::string> peers;  // the other daemons' peer addresses
+      if (g.multi()) {
+        if (static_cast<int32_t>(g.table.rank_daemons.size()) != g.world_size || !g.coll) {
+          return absl::UnavailableError(absl::StrCat(
+              "group ", g.id, " is not formed (every rank must have joined once)"));
+        }
+        for (int32_t r = 0; r < g.world_size; ++r) {
+          const std::string& a = g.table.rank_daemons[r].peer_address;
+          if (std::find(g.local_ranks.begin(), g.local_ranks.end(), r) != g.local_ranks.end() ||
+              a == self_.peer_address ||
+              std::find(peers.begin(), peers.end(), a) != peers.end()) {
+            continue;
+          }
+          peers.push_back(a);
+        }
+      } else if (static_cast<int32_t>(g.local_ranks.size()) != g.world_size) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "group ", g.id, ": not every rank has joined (this daemon hosts ",
+            internal::RankListText(g.local_ranks), " of ", g.world_size, ")"));
+      }
+      for (int32_t r : g.local_ranks) {
+        if (r >= static_cast<int32_t>(reg.shards_by_rank.size()) ||
+            reg.shards_by_rank[r].empty()) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "group ", g.id, " rank ", r, " holds no shards of module ", Display(args.module)));
+        }
+      }
+      if (load) {
+        for (const auto& [id, open] : g.open_summons) {
+          if (open.module == args.module) {
+            return absl::FailedPreconditionError(absl::StrCat(
+                "group ", g.id, " rank ", open.rank, " has summon ", id, " of module ",
+                Display(args.module), " open: end it before loading"));
+          }
+        }
+      }
+      uint64_t lo = UINT64_MAX, hi = 0;
+      for (int32_t r : g.local_ranks) {
+        lo = std::min(lo, reg.generation[r]);
+        hi = std::max(hi, reg.generation[r]);
+      }
+      // A copy into (or out of) the committed copies is in flight, a rollback is due, or a
+      // commit has reached some ranks and not yet others: look again shortly.
+      const bool still = reg.busy == 0 && !reg.rollback_pending && lo == hi &&
+                         (!load || reg.ckpt_hold == 0);
+      if (still) {
+        ++reg.ckpt_hold;
+        if (load) ++reg.busy;  // keeps rollbacks out while the shards are written
+        CheckpointHold h;
+        h.group = g.id;
+        h.module = args.module;
+        h.world_size = g.world_size;
+        h.plan = reg.plan;
+        h.manifest = reg.manifest;
+        h.ranks = g.local_ranks;
+        for (int32_t r : g.local_ranks) {
+          h.shards.push_back(reg.shards_by_rank[r]);
+          h.committed.push_back(reg.committed[r]);
+        }
+        h.generation = lo;
+        h.peers = std::move(peers);
+        h.token = g.token;
+        return h;
+      }
+      last_wait = absl::DeadlineExceededError(absl::StrCat(
+          "group ", g.id, " module ", Display(args.module),
+          ": its committed shards did not come to rest within the wait (",
+          reg.busy, " copies in flight", reg.rollback_pending ? ", a rollback pending" : "",
+          lo != hi ? absl::StrCat(", ranks at generations ", lo, " to ", hi) : std::string(),
+          reg.ckpt_hold > 0 ? ", another checkpoint running" : "", ")"));
+    }
+    if (absl::Now() >= deadline) return last_wait;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+}
+
+void GroupManager::ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
+                                         std::optional<uint64_t> generation) {
+  std::vector<absl::AnyInvocable<void()>> run;
+  {
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(hold.group);
+    if (g == groups_.end()) return;
+    auto it = g->second->registered.find(hold.module);
+    if (it == g->second->registered.end()) return;
+    Registered& reg = it->second;
+    if (load && generation.has_value()) {
+      for (int32_t r : hold.ranks) {
+        reg.generation[r] = *generation;
+        // Every rank must read its views again before it commits: in-place writes it made on
+        // top of the old values must never be committed over the loaded ones.
+        reg.stale[r] = true;
+      }
+    }
+    --reg.ckpt_hold;
+    if (reg.ckpt_hold == 0) {
+      for (auto& f : reg.after_ckpt) run.push_back(std::move(f));
+      reg.after_ckpt.clear();
+    }
+    if (load) DoneCopying(*g->second, reg, &run);
+  }
+  for (auto& f : run) f();
+}
+
+absl::StatusOr<GroupManager::CheckpointResult> GroupManager::SaveCheckpoint(
+    const CheckpointArgs& args, CheckpointProgress* progress) {
+  if (args.dir.empty() || args.dir[0] != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint directory must be an absolute path, got \"",
+                     Truncated(args.dir), "\""));
+  }
+  if (!args.from_peer) FS_RETURN_IF_ERROR(CheckOwner(args, args.dir, /*parent_if_missing=*/true));
+  FS_RETURN_IF_ERROR(checkpoint::MakeDirs(args.dir));
+  const absl::Time start = absl::Now();
+  // A multi-daemon group: each daemon holds and writes its own ranks, so two daemons may hold
+  // different generations when a commit lands between their holds. Such a save is written
+  // again (never given metadata); the commit goes through between the attempts.
+  constexpr int kAttempts = 5;
+  for (int attempt = 1;; ++attempt) {
+    FS_ASSIGN_OR_RETURN(CheckpointHold hold, HoldForCheckpoint(args, /*load=*/false, progress));
+    // Overwriting a checkpoint: its metadata goes first (only once the save is sure to
+    // start: a refused save leaves the old checkpoint alone), so a save that does not finish
+    // leaves an incomplete checkpoint (refused), never old metadata over new data files.
+    const std::string meta_path = absl::StrCat(args.dir, "/", checkpoint::kMetadataFile);
+    if (!args.from_peer && ::unlink(meta_path.c_str()) == 0) {
+      if (absl::Status s = checkpoint::internal::FsyncDir(args.dir); !s.ok()) {
+        ReleaseCheckpointHold(hold, /*load=*/false, std::nullopt);
+        return s;
+      }
+    }
+    int64_t per_rank = 0;
+    for (const PlanUnit& u : hold.plan.units) per_rank += u.shard_numel * ItemSize(u.dtype);
+    progress->total_bytes = per_rank * (args.from_peer ? static_cast<int64_t>(hold.ranks.size())
+                                                       : hold.world_size);
+    progress->done_bytes = 0;
+    progress->phase = CheckpointProgress::kWriting;
+    // The other daemons write their ranks while this one writes its own.
+    std::vector<absl::StatusOr<CheckpointResult>> remote;
+    std::thread asking;
+    if (!args.from_peer && !hold.peers.empty()) {
+      asking = std::thread([&] { remote = AskPeers(hold, args, /*load=*/false); });
+    }
+    std::vector<checkpoint::WrittenFile> written(hold.ranks.size());
+    absl::Status s = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
+      // GPU ranks: the committed copies go through host memory first (one staging buffer
+      // per unit, for as long as the file is written).
+      FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host,
+                          HostCopies(hold.ranks[i], hold.committed[i], /*copy_in=*/true));
+      std::vector<checkpoint::TensorToWrite> tensors;
+      for (const PlanUnit& u : hold.plan.units) {
+        const Buffer& b = *host[u.index];
+        FS_RETURN_IF_ERROR(CheckSize(b, u));
+        tensors.push_back({u.index, checkpoint::kShardTensor, u.dtype, b.data(),
+                           u.shard_numel * ItemSize(u.dtype)});
+      }
+      // ---- Optimizer state (branch optstate; the lead adds it here) ----
+      // For every named state buffer of (rank hold.ranks[i], unit u), committed with the
+      // shards: tensors.push_back({u.index, name, dtype, data, bytes}). The format stores and
+      // finds them by (rank, unit, name) (checkpoint::Metadata::FindTensor); a SCALAR state
+      // ("step") is a tensor of one element.
+      absl::StatusOr<checkpoint::WrittenFile> w = checkpoint::WriteRankFile(
+          args.dir, hold.ranks[i], hold.world_size, tensors,
+          [progress](int64_t n) { progress->done_bytes += n; });
+      if (!w.ok()) return w.status();
+      written[i] = *std::move(w);
+      return absl::OkStatus();
+    });
+    // The committed copies are no longer read: commits that waited go on now.
+    ReleaseCheckpointHold(hold, /*load=*/false, std::nullopt);
+    if (asking.joinable()) asking.join();
+    for (size_t k = 0; k < remote.size() && s.ok(); ++k) {
+      if (!remote[k].ok()) {
+        s = absl::Status(remote[k].status().code(),
+                         absl::StrCat("daemon ", hold.peers[k], " could not write its ranks: ",
+                                      remote[k].status().message()));
+      }
+    }
+    if (!s.ok()) {
+      FS_LOG(ERROR) << "group=" << hold.group << " module=" << Display(hold.module)
+                    << ": checkpoint save to " << args.dir << " failed: " << s;
+      return s;
+    }
+    CheckpointResult result;
+    result.generation = hold.generation;
+    result.ranks = static_cast<int32_t>(hold.ranks.size());
+    for (checkpoint::WrittenFile& w : written) {
+      result.bytes += w.file.bytes;
+      result.written_files.push_back(w.file);
+      for (checkpoint::TensorEntry& t : w.tensors) result.written_tensors.push_back(std::move(t));
+    }
+    result.files = static_cast<int32_t>(result.written_files.size());
+    if (args.from_peer) return result;
+    bool same = true;
+    for (const auto& r : remote) {
+      same &= r->generation == hold.generation;
+      result.written_files.insert(result.written_files.end(), r->written_files.begin(),
+                                  r->written_files.end());
+      result.written_tensors.insert(result.written_tensors.end(), r->written_tensors.begin(),
+                                    r->written_tensors.end());
+    }
+    if (!same) {
+      if (attempt == kAttempts) {
+        return absl::AbortedError(absl::StrCat(
+            "group ", hold.group, " module ", Display(hold.module), ": the daemons held "
+            "different generations in ", kAttempts, " attempts (commits kept landing between "
+            "their holds); nothing was given metadata"));
+      }
+      FS_LOG(INFO) << "group=" << hold.group << " module=" << Display(hold.module)
+                   << ": daemons held different generations; writing the checkpoint again";
+      absl::SleepFor(absl::Milliseconds(20 * attempt));
+      continue;
+    }
+    checkpoint::Metadata meta;
+    meta.module = hold.module;
+    meta.group = hold.group;
+    meta.world_size = hold.world_size;
+    meta.generation = hold.generation;
+    meta.created = checkpoint::internal::NowText();
+    meta.plan = hold.plan;
+    meta.tied = checkpoint::TiedAliases(hold.manifest, hold.plan);
+    meta.files = std::move(result.written_files);
+    meta.tensors = std::move(result.written_tensors);
+    std::sort(meta.files.begin(), meta.files.end(),
+              [](const auto& a, const auto& b) { return a.rank < b.rank; });
+    for (int32_t r = 0; r < hold.world_size; ++r) {
+      if (r >= static_cast<int32_t>(meta.files.size()) || meta.files[r].rank != r) {
+        return absl::InternalError(absl::StrCat("group ", hold.group, ": no daemon wrote rank ",
+                                                r, "'s file"));
+      }
+    }
+    FS_RETURN_IF_ERROR(checkpoint::WriteMetadata(args.dir, meta));
+    progress->done_bytes = progress->total_bytes.load();
+    progress->phase = CheckpointProgress::kDone;
+    CheckpointResult out;
+    out.generation = hold.generation;
+    out.bytes = meta.total_bytes();
+    out.files = static_cast<int32_t>(meta.files.size());
+    out.ranks = hold.world_size;
+    FS_LOG(INFO) << "group=" << hold.group << " module=" << Display(hold.module)
+                 << " saved generation " << hold.generation << " to " << args.dir << " ("
+                 << out.bytes << " bytes, " << out.files << " files, "
+                 << absl::ToDoubleSeconds(absl::Now() - start) << " s)";
+    return out;
+  }
+}
+
+std::vector<absl::StatusOr<GroupManager::CheckpointResult>> GroupManager::AskPeers(
+    const CheckpointHold& hold, const CheckpointArgs& args, bool load) {
+  std::vector<absl::StatusOr<CheckpointResult>> out(hold.peers.size(),
+                                                    absl::UnknownError("not asked"));
+  std::vector<std::thread> threads;
+  for (size_t k = 0; k < hold.peers.size(); ++k) {
+    threads.emplace_back([&, k] {
+      auto creds = peer_credentials_ ? peer_credentials_ : grpc::InsecureChannelCredentials();
+      auto stub = v1::CheckpointPeerService::NewStub(grpc::CreateChannel(hold.peers[k], creds));
+      v1::CheckpointRanksRequest request;
+      request.set_group(hold.group);
+      request.set_token(hold.token);
+      request.set_module(hold.module);
+      request.set_dir(args.dir);
+      request.set_wait_ms(absl::ToInt64Milliseconds(args.wait));
+      v1::CheckpointRanksResponse response;
+      grpc::ClientContext ctx;
+      // The transfer has no deadline of its own; a daemon that dies ends the call.
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + args.wait + absl::Hours(1)));
+      const grpc::Status st = load ? stub->LoadRanks(&ctx, request, &response)
+                                   : stub->WriteRanks(&ctx, request, &response);
+      if (!st.ok()) {
+        out[k] = FromGrpcStatus(st);
+        return;
+      }
+      CheckpointResult r;
+      r.generation = response.generation();
+      r.bytes = response.bytes();
+      r.ranks = response.ranks();
+      for (const v1::CheckpointFile& f : response.files()) {
+        r.written_files.push_back({f.name(), f.rank(), f.bytes(), f.crc32c()});
+      }
+      for (const v1::CheckpointTensor& t : response.tensors()) {
+        r.written_tensors.push_back({t.rank(), t.unit(), t.name(),
+                             ParseDType(t.dtype()).value_or(DType::kUInt8), t.offset(),
+                             t.bytes()});
+      }
+      out[k] = std::move(r);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
+    const CheckpointArgs& args, CheckpointProgress* progress) {
+  if (args.dir.empty() == args.safetensors.empty()) {
+    return absl::InvalidArgumentError(
+        "LoadCheckpoint needs exactly one of a checkpoint directory and a safetensors file");
+  }
+  const std::string& from = args.dir.empty() ? args.safetensors : args.dir;
+  if (from[0] != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the path must be absolute, got \"", Truncated(from), "\""));
+  }
+  if (!args.from_peer) FS_RETURN_IF_ERROR(CheckOwner(args, from, /*parent_if_missing=*/false));
+  // 1. Everything that can be checked without the module: the source itself.
+  std::optional<checkpoint::Checkpoint> ckpt;
+  std::unique_ptr<checkpoint::ParamSource> source;
+  int32_t files = 1;
+  if (!args.dir.empty()) {
+    FS_ASSIGN_OR_RETURN(ckpt, checkpoint::OpenCheckpoint(args.dir));
+    progress->phase = CheckpointProgress::kVerifying;
+    progress->total_bytes = ckpt->meta.total_bytes();
+    FS_RETURN_IF_ERROR(checkpoint::VerifyFiles(
+        *ckpt, {}, [progress](int64_t n) { progress->done_bytes += n; }));
+    source = checkpoint::CheckpointSource(*ckpt);
+    files = static_cast<int32_t>(ckpt->meta.files.size());
+  } else {
+    absl::StatusOr<std::unique_ptr<checkpoint::ParamSource>> st =
+        checkpoint::SafetensorsSource(args.safetensors);
+    if (!st.ok()) return absl::FailedPreconditionError(st.status().message());
+    source = *std::move(st);
+  }
+  // 2. The module: hold it, then check the source fits its plan before any shard changes.
+  FS_ASSIGN_OR_RETURN(CheckpointHold hold, HoldForCheckpoint(args, /*load=*/true, progress));
+  int64_t unused = 0;
+  absl::StatusOr<std::vector<checkpoint::Binding>> bindings = checkpoint::Bind(
+      *source, hold.plan, &unused, checkpoint::TiedAliases(hold.manifest, hold.plan));
+  if (!bindings.ok()) {
+    ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot load into group ", hold.group, " module ", Display(hold.module), ": ",
+        bindings.status().message()));
+  }
+  int64_t per_rank = 0;
+  for (const PlanUnit& u : hold.plan.units) per_rank += u.shard_numel * ItemSize(u.dtype);
+  progress->done_bytes = 0;
+  progress->total_bytes = per_rank * static_cast<int64_t>(hold.ranks.size());
+  progress->phase = CheckpointProgress::kLoading;
+  // A multi-daemon group: the other daemons load their ranks meanwhile (each checks the same
+  // files against the same plan first, so they reach the same verdict but for I/O errors).
+  std::vector<absl::StatusOr<CheckpointResult>> remote;
+  std::thread asking;
+  if (!args.from_peer && !hold.peers.empty()) {
+    asking = std::thread([&] { remote = AskPeers(hold, args, /*load=*/true); });
+  }
+  // 3. Shards first; the committed copies only once every rank's shards are written, so a
+  // failure (an I/O error: everything else was checked) restores the shards from them.
+  absl::Status s = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
+    const int32_t rank = hold.ranks[i];
+    const int32_t shard_rank = hold.plan.ShardRank(rank);
+    std::vector<std::shared_ptr<Buffer>> shards;
+    for (const UnitShard& sh : hold.shards[i]) shards.push_back(sh.shard);
+    // GPU ranks: filled in host memory, then copied to the device.
+    FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host,
+                        HostCopies(rank, shards, /*copy_in=*/false));
+    for (const PlanUnit& u : hold.plan.units) {
+      const Buffer& b = *host[u.index];
+      FS_RETURN_IF_ERROR(CheckSize(b, u));
+      FS_RETURN_IF_ERROR(
+          checkpoint::FillShard(*source, *bindings, hold.plan, u.index, shard_rank, b.data()));
+      progress->done_bytes += u.shard_numel * ItemSize(u.dtype);
+    }
+    if (host != shards) FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(host), Raw(shards)));
+    // ---- Optimizer state (branch optstate; the lead adds it here) ----
+    // A checkpoint saved under the same plan has each named state buffer of (rank, unit)
+    // (ckpt->meta.FindTensor(rank, unit, name)): read it with checkpoint::ReadFileRange into
+    // the state buffer, and into its committed copy below. Under another plan, SHARD-shaped
+    // states reshard exactly like the parameters (a ParamSource over the state's tensors).
+    return absl::OkStatus();
+  });
+  const bool filled = s.ok();
+  absl::Status copied = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
+    std::vector<std::shared_ptr<Buffer>> shards;
+    for (const UnitShard& sh : hold.shards[i]) shards.push_back(sh.shard);
+    // Host or device alike (a GPU rank's copies stay on its device).
+    return filled ? devices_.CopyEach(hold.ranks[i], Raw(shards), Raw(hold.committed[i]))
+                  : devices_.CopyEach(hold.ranks[i], Raw(hold.committed[i]), Raw(shards));
+  });
+  if (s.ok()) s = copied;
+  if (asking.joinable()) asking.join();
+  for (size_t k = 0; k < remote.size(); ++k) {
+    if (!remote[k].ok()) {
+      // This daemon's ranks are loaded; that one's are not: their generations now differ, so
+      // the group's next commit is refused on every rank (the agreement compares them).
+      FS_LOG(ERROR) << "group=" << hold.group << " module=" << Display(hold.module)
+                    << ": daemon " << hold.peers[k] << " could not load " << from << ": "
+                    << remote[k].status();
+      if (s.ok()) {
+        s = absl::Status(remote[k].status().code(),
+                         absl::StrCat("daemon ", hold.peers[k], " could not load its ranks: ",
+                                      remote[k].status().message()));
+        if (filled) {
+          const uint64_t generation =
+              ckpt.has_value() ? ckpt->meta.generation : hold.generation + 1;
+          ReleaseCheckpointHold(hold, /*load=*/true, generation);
+          return s;
+        }
+      }
+    }
+  }
+  if (!s.ok()) {
+    ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
+    FS_LOG(ERROR) << "group=" << hold.group << " module=" << Display(hold.module)
+                  << ": load of " << from << " failed (shards restored): " << s;
+    return s;
+  }
+  const uint64_t generation = ckpt.has_value() ? ckpt->meta.generation : hold.generation + 1;
+  ReleaseCheckpointHold(hold, /*load=*/true, generation);
+  progress->phase = CheckpointProgress::kDone;
+  CheckpointResult result;
+  result.generation = generation;
+  result.bytes = progress->total_bytes;
+  result.files = files;
+  result.ranks = static_cast<int32_t>(hold.ranks.size());
+  for (const auto& r : remote) result.ranks += r->ranks;
+  result.unused_tensors = unused;
+  FS_LOG(INFO) << "group=" << hold.group << " module=" << Display(hold.module) << " loaded "
+               << from << ": generation " << generation << " on " << result.ranks
+               << " local rank(s)";
+  return result;
+}
+
+}  // namespace flatshard::server
