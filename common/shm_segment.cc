@@ -177,6 +177,35 @@ absl::StatusOr<ShmSegment> ShmSegment::Open(absl::string_view name, size_t bytes
   return ShmSegment(std::move(n), /*fd=*/-1, data, bytes, /*creator=*/false, writable);
 }
 
+absl::StatusOr<ShmSegment> ShmSegment::Adopt(absl::string_view name, size_t bytes) {
+  FS_RETURN_IF_ERROR(ValidateName(name));
+  FS_RETURN_IF_ERROR(ValidateBytes(name, bytes));
+  std::string n(name);
+  const int fd = ::shm_open(n.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) return ErrnoStatus(errno, n, "shm_open(O_RDWR)");
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return ErrnoStatus(err, n, "fstat");
+  }
+  if (static_cast<uint64_t>(st.st_size) != bytes) {
+    ::close(fd);
+    return absl::FailedPreconditionError(
+        absl::StrCat("shm segment ", n, " has ", st.st_size, " bytes, the record says ", bytes));
+  }
+  void* data = nullptr;
+  if (bytes > 0) {
+    data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (data == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      return ErrnoStatus(err, n, "mmap");
+    }
+  }
+  return ShmSegment(std::move(n), fd, data, bytes, /*creator=*/true, /*writable=*/true);
+}
+
 ShmSegment::ShmSegment(ShmSegment&& other) noexcept
     : name_(std::move(other.name_)),
       fd_(std::exchange(other.fd_, -1)),

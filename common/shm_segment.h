@@ -54,6 +54,12 @@ class ShmSegment {
   // than `bytes` (the message gives both sizes).
   static absl::StatusOr<ShmSegment> Open(absl::string_view name, size_t bytes, bool writable);
 
+  // A restarted daemon takes over a segment an earlier daemon created (state directory
+  // re-adoption): opens `name` read-write, requires its size to be exactly `bytes`, maps it
+  // and owns the name from now on (unlinked when destroyed, like Create's) and keeps its
+  // descriptor. Errors: as Open; FAILED_PRECONDITION naming both sizes when the size differs.
+  static absl::StatusOr<ShmSegment> Adopt(absl::string_view name, size_t bytes);
+
   ShmSegment() = default;  // empty: no name, nothing mapped
   ShmSegment(ShmSegment&& other) noexcept;
   ShmSegment& operator=(ShmSegment&& other) noexcept;
@@ -82,6 +88,9 @@ class ShmSegment {
   // Errors: NOT_FOUND when someone else removed the name first (the segment stops owning it
   // anyway); FAILED_PRECONDITION on a client (Open) segment.
   absl::Status Unlink();
+  // Stops owning the name without removing it: the segment outlives this object (a daemon
+  // leaving its shards for the next one, --keep_shards). No-op on a client segment.
+  void Disown() { unlinked_ = true; }
 
   // Gives the pages of [offset, offset + length) back to the kernel (fallocate PUNCH_HOLE):
   // the range reads as zero afterwards in every process that maps it, mappings stay valid, and

@@ -33,6 +33,9 @@
 #include "server/service/answer_interceptor.h"
 #include "server/service/shard_service_impl.h"
 #include "server/shard_store.h"
+#include "server/state/state_dir.h"
+#include "common/file_util.h"
+#include "absl/strings/str_join.h"
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
@@ -264,7 +267,40 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   // now, before anything can fail half-built, and serves once the gRPC server runs.
   FS_ASSIGN_OR_RETURN(std::unique_ptr<access::UnixSocketAcceptor> acceptor,
                       access::UnixSocketAcceptor::Listen(config.socket_path, config.socket_group));
-  FS_RETURN_IF_ERROR(UnlinkSegmentsWithPrefix(config.segment_prefix));
+  // Restarts: the records of the previous daemon's groups; their segments stay, every other
+  // segment it left goes (refused records' segments are left alone too).
+  std::unique_ptr<state::StateDir> state_dir;
+  state::StateDir::Loaded loaded;
+  if (!config.state_dir.empty()) {
+    FS_ASSIGN_OR_RETURN(state_dir, state::StateDir::Open(config.state_dir));
+    loaded = state_dir->LoadAll();
+    std::vector<std::string> keep;
+    for (const state::StateDir::Refused& r : loaded.refused) {
+      absl::StatusOr<std::string> bytes = ReadWholeFile(r.file);
+      std::vector<std::string> names =
+          bytes.ok() ? state::SegmentNamesIn(*bytes, config.segment_prefix)
+                     : std::vector<std::string>();
+      FS_LOG(ERROR) << "state record " << r.file << " refused: " << r.why
+                    << "; its group is not adopted and its " << names.size()
+                    << " segment(s) are left alone"
+                    << (names.empty() ? "" : absl::StrCat(" (", absl::StrJoin(names, ", "), ")"));
+      keep.insert(keep.end(), names.begin(), names.end());
+    }
+    for (const state::GroupRecord& g : loaded.groups) {
+      for (const state::ModuleRecord& m : g.modules) {
+        for (const state::RankRecord& r : m.ranks) {
+          for (const state::UnitRecord& u : r.units) {
+            for (const state::BufferRecord& b : u.buffers) keep.push_back(b.segment);
+          }
+        }
+      }
+    }
+    FS_LOG(INFO) << "state dir " << config.state_dir << ": " << loaded.groups.size()
+                 << " group record(s), " << loaded.refused.size() << " refused";
+    FS_RETURN_IF_ERROR(state::UnlinkUnreferencedSegments(config.segment_prefix, keep));
+  } else {
+    FS_RETURN_IF_ERROR(UnlinkSegmentsWithPrefix(config.segment_prefix));
+  }
 
   GroupManagerOptions group_options;
   group_options.group_idle_timeout = config.group_idle_timeout;
@@ -273,6 +309,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
 
   std::unique_ptr<Daemon> d(new Daemon(config));
   d->store_ = std::make_unique<ShardStore>(store_options);
+  d->state_dir_ = std::move(state_dir);
+  group_options.state_dir = d->state_dir_.get();
+  group_options.testing_commit_copy_pause = config.testing_commit_copy_pause;
 
   if (!config.peer_address.empty()) {
     // The coordinator role: other daemons (and this one) meet here for groups whose ranks
@@ -316,6 +355,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   }
   group_options.lease_timeout = config.lease_timeout;
   d->groups_ = std::make_unique<GroupManager>(d->store_.get(), std::move(group_options));
+  if (d->state_dir_ != nullptr) d->groups_->AdoptGroups(loaded.groups);
   d->acceptor_ = std::move(acceptor);
   d->access_ = std::make_unique<access::AccessControl>(d->acceptor_.get(), config.allowed_uids);
   d->shard_service_ = std::make_unique<ShardServiceImpl>(d->groups_.get(), config.default_wait,
@@ -404,9 +444,16 @@ void Daemon::Shutdown() {
   if (peer_server_) peer_server_->Shutdown(deadline);
   if (acceptor_) acceptor_->Stop();  // no new connections while the server drains
   server_->Shutdown(deadline);
-  store_->Shutdown();
+  // --keep_shards (with --state_dir): shards, gradient shards and committed copies stay with
+  // their records for the next daemon; otherwise the records go first, then the segments.
+  const bool keep = config_.keep_shards && state_dir_ != nullptr;
+  if (!keep) groups_->ForgetState();
+  store_->Shutdown(keep);
   ::unlink(config_.socket_path.c_str());
-  FS_LOG(INFO) << "flatshardd stopped: socket and segments removed";
+  FS_LOG(INFO) << (keep ? "flatshardd stopped: socket and transient segments removed; shards "
+                          "and their records in " + config_.state_dir +
+                          " kept for the next daemon (--keep_shards)"
+                        : std::string("flatshardd stopped: socket and segments removed"));
 }
 
 }  // namespace flatshard::server

@@ -31,6 +31,9 @@ class UnixSocketAcceptor;
 namespace peer {
 class PeerServiceImpl;
 }
+namespace state {
+class StateDir;
+}
 }  // namespace flatshard::server
 namespace flatshard::metrics {
 class MetricsServer;
@@ -85,6 +88,15 @@ struct DaemonConfig {
   // Testing only: N simulated GPUs whose "device memory" is host shared memory (no CUDA,
   // no NCCL), so the GPU code paths run where there is no GPU. Excludes `gpus`.
   int simulate_gpus = 0;
+  // Restarts (README "Restarts"): where the groups' records go. Empty (the default): nothing
+  // is recorded, a restart loses the shards. The packaged units pass /var/lib/flatshard/state.
+  std::string state_dir;
+  // With a state_dir: SIGTERM leaves the shards, gradient shards and committed copies (and
+  // their records) for the next daemon and removes only transient buffers. False, or without
+  // a state_dir: SIGTERM frees everything (and removes the records).
+  bool keep_shards = true;
+  // Testing only: GroupManagerOptions::testing_commit_copy_pause.
+  absl::Duration testing_commit_copy_pause = absl::ZeroDuration();
 };
 
 // The gRPC health service name that answers SERVING as long as the process serves, also while
@@ -116,6 +128,7 @@ class Daemon {
   DaemonConfig config_;
   std::string peer_address_;
   std::unique_ptr<ShardStore> store_;
+  std::unique_ptr<state::StateDir> state_dir_;  // null without --state_dir; outlives groups_
   std::unique_ptr<peer::PeerServiceImpl> peer_service_;
   std::unique_ptr<grpc::Server> peer_server_;  // PeerService only, on its own TCP port
   std::unique_ptr<GroupManager> groups_;

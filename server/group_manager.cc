@@ -38,7 +38,13 @@ GroupManager::GroupManager(ShardStore* store, GroupManagerOptions options)
       group_idle_timeout_(options.group_idle_timeout),
       max_groups_per_uid_(options.max_groups_per_uid),
       clock_(options.clock != nullptr ? options.clock : Clock::Real()),
-      kept_pool_(KeptBufferPool::Create(store, clock_)) {
+      kept_pool_(KeptBufferPool::Create(store, clock_)),
+      state_dir_(options.state_dir),
+      testing_commit_copy_pause_(options.testing_commit_copy_pause) {
+  if (state_dir_ != nullptr) {
+    absl::MutexLock lock(&mu_);
+    state_sequence_ = state_dir_->max_loaded_sequence();
+  }
   FS_CHECK(gpus_.empty() || copier_ != nullptr) << "a GPU daemon needs a DeviceCopier";
   collective::CommunicatorFactoryOptions factory;
   factory.remote = std::move(options.remote_backend);
@@ -421,6 +427,8 @@ void GroupManager::FinishConnect(const std::string& group, uint64_t ticket,
           drop();
         } else if (s.ok()) {
           s = ApplyTable(g, table, *std::move(connected));
+          // Restarts: the epoch, the local ranks and modules dropped as lost.
+          if (s.ok()) PersistLater(g, &run);
         }
         if (!s.ok() && from_table && g.coll != nullptr) {
           FS_LOG(WARNING) << "group=" << g.id << " could not re-form at epoch " << table.epoch
@@ -866,6 +874,7 @@ void GroupManager::DeadlineLoop() {
     // Kept buffers idle for a while give their pages back (the caches' own locks, not mu_).
     kept_pool_->DecommitIdle(clock_->Now());
     for (auto& f : run) f();
+    FlushRemovedRecords();
   }
 }
 

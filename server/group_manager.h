@@ -45,6 +45,7 @@
 #include "server/peer/peer_client.h"
 #include "server/rank_devices.h"
 #include "server/shard_store.h"
+#include "server/state/state_dir.h"
 
 namespace flatshard::server {
 
@@ -107,6 +108,14 @@ struct GroupManagerOptions {
   // the built-in backends. Must outlive the manager's construction. Tests pass one with a
   // backend of their own (e.g. one whose Connect is slow).
   const collective::BackendRegistry* backend_registry = nullptr;
+
+  // Restarts (README "Restarts"): where the groups' records go (--state_dir); null: nothing
+  // is recorded and a restart loses the shards. Must outlive the manager.
+  state::StateDir* state_dir = nullptr;
+  // Testing only (--testing_commit_copy_pause): every commit copy copies unit 0, logs
+  // "testing: commit copy ... paused" and sleeps this long before the rest, so a test can
+  // kill the daemon while a committed copy is torn. Zero: off.
+  absl::Duration testing_commit_copy_pause = absl::ZeroDuration();
 
   static constexpr absl::Duration kDefaultGroupIdleTimeout = absl::Hours(1);
   static constexpr int32_t kDefaultMaxGroupsPerUid = 64;
@@ -357,6 +366,29 @@ class GroupManager : public peer::PeerEvents {
   absl::StatusOr<std::vector<ModuleUnits>> ListUnits(
       const std::string& group, const std::optional<std::string>& module) const;
 
+  // ---- Restarts (group_manager_state.cc, README "Restarts") ----
+  // At start, before serving: takes over the groups of `records` (GroupManagerOptions::
+  // state_dir's LoadAll) with their shards, gradient shards and committed copies, whose
+  // segments the previous daemon left. Per group, every buffer must adopt (ShardStore::Adopt:
+  // the segment exists, has the recorded size and owner) and every module's plan and manifest
+  // must parse and match the buffers' sizes; otherwise the group is refused (logged, naming
+  // the record and the failed check) and its segments are left alone. Commits that were under
+  // way are finished or not as their record says (a torn committed copy is never used), then
+  // every rank's shards are restored from its committed copy (a writeback may have torn them).
+  // Adopted groups have no sessions: ranks join and re-attach as after a trainer crash.
+  struct AdoptSummary {
+    int32_t groups = 0;
+    int32_t refused_groups = 0;
+    int32_t modules = 0;
+    int32_t lost_modules = 0;  // local ranks at different generations
+    int64_t bytes = 0;
+    int64_t buffers = 0;
+  };
+  AdoptSummary AdoptGroups(const std::vector<state::GroupRecord>& records);
+  // Removes every group's record and records nothing from now on (SIGTERM without
+  // --keep_shards: the segments go, so the records must too).
+  void ForgetState();
+
   // peer::PeerEvents (called by the PeerClient's threads).
   void OnTable(const std::string& coordinator, const peer::PeerTable& table) override;
   void OnGroupFailed(const std::string& coordinator, const std::string& group, uint64_t epoch,
@@ -530,6 +562,41 @@ class GroupManager : public peer::PeerEvents {
   // The request for `g`'s communicator over `spec` (local devices filled in on GPU daemons).
   collective::CommunicatorRequest RequestFor(collective::GroupSpec spec, bool nccl_agreed) const;
 
+  // ---- Restarts (group_manager_state.cc) ----
+  // Every durable buffer of `rank`'s unit `unit` of `reg`, with its role in the record
+  // (state::kRole*). The one place that lists them: adding a role (optimizer state) is a line
+  // here and one in InstallDurable.
+  static std::vector<std::pair<std::string, std::shared_ptr<Buffer>>> DurableBuffers(
+      const Registered& reg, int32_t rank, int32_t unit);
+  // Puts an adopted buffer of `role` in place; false for a role this daemon does not know.
+  static bool InstallDurable(Registered& reg, int32_t rank, int32_t unit, const std::string& role,
+                             std::shared_ptr<Buffer> buffer);
+  // The ShardStore kind a role's buffers are allocated as.
+  static BufferKind KindOfRole(const std::string& role);
+  // The group's record as of now; `sequence` from state_sequence_.
+  state::GroupRecord SnapshotLocked(Group& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues the write of `g`'s record (a snapshot taken now) into `run`, to run after mu_.
+  void PersistLater(Group& g, std::vector<absl::AnyInvocable<void()>>* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes a snapshot (or removes the record when it holds no module); a failed write
+  // removes the record (the group is then not kept across a restart) and is logged.
+  void WriteRecord(const state::GroupRecord& record) ABSL_LOCKS_EXCLUDED(mu_);
+  // A commit of `module` to `generation` that every rank agreed to: this rank's shards hold
+  // it completely and its copy into the committed copy starts now. Records that durably
+  // first (the copy may be torn by a kill). `kind`: "commit", "end" or "init".
+  void CommitReady(const Caller& caller, const std::string& module, uint64_t generation,
+                   const char* kind) ABSL_LOCKS_EXCLUDED(mu_);
+  // This rank's committed copy holds `generation` completely; recorded before the caller
+  // answers (the trainer's next writes would otherwise be taken for that generation).
+  void CommitDone(const Caller& caller, const std::string& module, uint64_t generation)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Every rank agreed to commit `module` to `generation` (before any copy): the module
+  // reports that generation at rendezvous (internal::HeldGeneration) from now on.
+  static void NoteCommitAgreed(Registered& reg, uint64_t generation, const char* kind);
+  // GroupManagerOptions::testing_commit_copy_pause.
+  void TestingPauseMidCopy(int32_t rank, const std::vector<UnitShard>& shards,
+                           const std::vector<std::shared_ptr<Buffer>>& committed) const;
+
   ShardStore* const store_;
   const absl::Duration lease_timeout_;
   peer::DaemonIdentity self_;
@@ -557,6 +624,14 @@ class GroupManager : public peer::PeerEvents {
   std::map<std::string, absl::Time> coordinator_idle_since_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  // Restarts: the state directory (null: none) and the sequence of the next record written;
+  // records removed by RemoveGroupLocked wait here for the caller to drop the lock.
+  state::StateDir* const state_dir_;
+  const absl::Duration testing_commit_copy_pause_;
+  bool state_forgotten_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t state_sequence_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::pair<std::string, uint64_t>> removed_records_ ABSL_GUARDED_BY(mu_);
+  void FlushRemovedRecords() ABSL_LOCKS_EXCLUDED(mu_);
   std::thread deadline_thread_;
   // Last: destroyed first, so no PeerEvents arrive while the rest is torn down.
   std::unique_ptr<peer::PeerClient> peer_;

@@ -242,6 +242,7 @@ GroupManager::DeletedGroup GroupManager::RemoveGroupLocked(
     }
   }
   const std::string coordinator = g.coordinator;
+  if (state_dir_ != nullptr) removed_records_.emplace_back(id, ++state_sequence_);
   engine_.RemoveGroup(id, reason).IgnoreError();
   groups_.erase(it);
   if (!coordinator.empty()) coordinator_idle_since_.try_emplace(coordinator, clock_->Now());
@@ -283,6 +284,7 @@ absl::StatusOr<GroupManager::DeletedGroup> GroupManager::DeleteGroup(const std::
                  << " buffers, " << out.freed_bytes << " bytes freed";
   }
   freed.clear();  // unmap and unlink outside the lock
+  FlushRemovedRecords();
   return out;
 }
 
@@ -343,6 +345,42 @@ void GroupManager::ReconcileModules(Group& g, const peer::PeerTable& table) {
         daemons.insert(table.rank_daemons[r].node);
       }
     }
+    // Restarts: every rank's daemon holds the module with the same plan, at different
+    // committed generations (HeldKey): name who holds which.
+    const std::string fingerprint_prefix = key.substr(0, key.rfind('\x1f') + 1);
+    std::map<std::string, std::vector<std::string>> by_generation;  // generation -> "rank r (node)"
+    bool all_hold = key.find('\x1f') != key.rfind('\x1f');
+    for (const auto& [r, held] : known) {
+      if (!all_hold) break;
+      auto it = std::find_if(held->begin(), held->end(), [&](const std::string& k) {
+        return k.compare(0, fingerprint_prefix.size(), fingerprint_prefix) == 0;
+      });
+      if (it == held->end()) {
+        all_hold = false;
+        break;
+      }
+      const std::string node = r < static_cast<int32_t>(table.rank_daemons.size())
+                                   ? table.rank_daemons[r].node
+                                   : std::string("?");
+      by_generation[it->substr(fingerprint_prefix.size())].push_back(
+          absl::StrCat("rank ", r, " (daemon ", node, ")"));
+    }
+    if (all_hold && by_generation.size() > 1) {
+      std::vector<std::string> parts;
+      for (const auto& [gen, who] : by_generation) {
+        parts.push_back(absl::StrCat("generation ", gen, ": ", absl::StrJoin(who, ", ")));
+      }
+      std::string why = absl::StrCat(
+          "group ", Short(g.id), ": module ", Display(module),
+          " lost: its daemons hold different committed generations (", absl::StrJoin(parts, "; "),
+          "): a daemon died between the daemons' copies of one commit, and no generation is "
+          "held by every daemon; it was dropped on every daemon at epoch ", table.epoch,
+          ": register it afresh on every rank (or restore it)");
+      if (auto it = g.registered.find(module); it != g.registered.end()) g.registered.erase(it);
+      FS_LOG(WARNING) << why;
+      g.lost[module] = std::move(why);
+      continue;
+    }
     std::string why = absl::StrCat(
         "group ", Short(g.id), ": module ", Display(module), " lost the shards of ",
         internal::RankListText(lacking), " (daemon", daemons.size() == 1 ? " " : "s ",
@@ -352,7 +390,7 @@ void GroupManager::ReconcileModules(Group& g, const peer::PeerTable& table) {
         internal::RankListText(holding), " still held theirs; it was dropped on every daemon at "
         "epoch ", table.epoch, ": register it afresh on every rank (or restore it)");
     if (auto it = g.registered.find(module);
-        it != g.registered.end() && absl::StrCat(module, "\x1f", it->second.plan.fingerprint) == key) {
+        it != g.registered.end() && internal::HeldKey(module, it->second) == key) {
       g.registered.erase(it);  // its buffers go with it
     }
     FS_LOG(WARNING) << why;

@@ -66,13 +66,29 @@ class RankSessions {
 // restarted without them (it holds nothing) learns of the loss from the next table too, even
 // when this daemon dropped them before its rank's rendezvous (a survivor re-joining after the
 // re-form), and tells its own ranks.
+//
+// Restarts: each held module also carries its committed generation, "path\x1ffingerprint
+// \x1fgeneration" (HeldKey), so that daemons whose ranks hold different generations of a module
+// (one was killed between the daemons' copies of one commit) find out at the re-form: every
+// daemon drops it as lost, naming which daemon held which generation (ReconcileModules). The
+// generation a daemon reports is the highest its local ranks hold or are committing to (a
+// commit whose copies are still under way completes whatever the trainers do).
+template <typename R>
+uint64_t HeldGeneration(const R& reg) {
+  uint64_t g = 0;
+  for (uint64_t x : reg.generation) g = std::max(g, x);
+  if (reg.pending_commit.has_value()) g = std::max(g, reg.pending_commit->generation);
+  return g;
+}
+template <typename R>
+std::string HeldKey(const std::string& module, const R& reg) {
+  return absl::StrCat(module, "\x1f", reg.plan.fingerprint, "\x1f", HeldGeneration(reg));
+}
 template <typename M>
 std::vector<std::string> HeldModules(const M& registered,
                                      const std::map<std::string, std::string>* lost = nullptr) {
   std::vector<std::string> out;
-  for (const auto& [module, reg] : registered) {
-    out.push_back(absl::StrCat(module, "\x1f", reg.plan.fingerprint));
-  }
+  for (const auto& [module, reg] : registered) out.push_back(HeldKey(module, reg));
   if (lost != nullptr) {
     for (const auto& [module, why] : *lost) {
       if (!registered.contains(module)) out.push_back(absl::StrCat(module, "\x1flost"));
@@ -302,6 +318,14 @@ struct GroupManager::Registered {
   // reads or writes a shard another copy is writing.
   int busy = 0;
   bool rollback_pending = false;
+
+  // ---- Restarts (group_manager_state.cc) ----
+  // PlanToJson / ManifestToJson, dumped once for the group's record (empty: not yet).
+  std::string plan_json;
+  std::string manifest_json;
+  // A commit every rank agreed to whose copies into the committed copies are under way here
+  // (state::PendingCommit: which ranks' shards hold it, which ranks' copies are done).
+  std::optional<state::PendingCommit> pending_commit;
 
   void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok,
               absl::Time now) {

@@ -164,6 +164,7 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
 
 void GroupManager::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status) {
   const Caller& caller = x->caller;
+  std::vector<absl::AnyInvocable<void()>> persist;  // the group's record, after mu_
   absl::StatusOr<RegisterResult> result =
       status.ok() ? absl::StatusOr<RegisterResult>(absl::InternalError("unset")) : status;
   {
@@ -212,6 +213,10 @@ void GroupManager::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Sta
         // agreed on every rank (EndSummon).
         reg.initialized = x->init == InitMode::kZeros;
         if (!reg.initialized) reg.uninitialized_why.clear();
+        reg.pending_commit.reset();
+        // Restarts: a model of zeros is initialised now (the FROM_* modes record theirs
+        // when their init commits); a re-registration replaces the recorded buffers.
+        PersistLater(g, &persist);
         RegisterResult r{reg.plan, x->buffers.shards, std::nullopt, 0};
         if (x->init != InitMode::kZeros) {
           // Initial values come through a summon that is already open: each rank (or rank 0)
@@ -252,6 +257,7 @@ void GroupManager::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Sta
   }
   // A refused registration's buffers go after the lock (munmap, unlink).
   x->buffers = RegistrationBuffers{};
+  for (auto& f : persist) f();
   x->done(std::move(result));
 }
 

@@ -640,7 +640,9 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
   }
   // Writes back this rank's ranges and commits its shards. Takes the copy and lets its
   // buffer references go, so FinishEnd sees which kept buffers nobody uses any more.
-  auto write_back = [this, plan, shards, committed, caller](std::unique_ptr<OpenSummon> copy) {
+  auto write_back = [this, plan, shards, committed, caller, module = owned->module, is_init,
+                     target = is_init ? record.generation : record.generation + 1](
+                        std::unique_ptr<OpenSummon> copy) {
     const int32_t r = plan->ShardRank(caller.rank);
     absl::Status status;
     for (size_t i = 0; i < copy->units.size() && status.ok(); ++i) {
@@ -662,7 +664,12 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
       }
     }
     copy.reset();
+    // Restarts: this rank's shards hold the new generation completely; recorded durably before
+    // its committed copy is overwritten (group_manager_state.cc).
+    if (status.ok()) CommitReady(caller, module, target, is_init ? "init" : "end");
+    if (status.ok()) TestingPauseMidCopy(caller.rank, shards, committed);
     if (status.ok()) status = CopyCommitted(caller.rank, shards, committed, /*to_committed=*/true);
+    if (status.ok()) CommitDone(caller, module, target);
     if (!status.ok()) {
       FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank
                     << ": writeback failed after every rank agreed: " << status;
@@ -675,7 +682,11 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
     {
       absl::MutexLock lock(&mu_);
       auto g = groups_.find(caller.group);
-      if (g != groups_.end()) ++g->second->registered.at(module).busy;
+      if (g != groups_.end()) {
+        Registered& reg = g->second->registered.at(module);
+        ++reg.busy;
+        NoteCommitAgreed(reg, is_init ? generation : generation + 1, is_init ? "init" : "end");
+      }
     }
     // The copies run without mu_ (GPU ranks: on the device's worker, not on the engine's
     // thread). Invariant: `busy`, taken above, keeps every rollback out until DoneCopying, and
@@ -1030,6 +1041,7 @@ void GroupManager::CommitWritten(const Caller& caller, const std::string& module
             }
             Registered& reg = g->second->registered.at(module);
             ++reg.busy;  // every rank agreed: this rank commits, whatever its trainer does now
+            NoteCommitAgreed(reg, generation + 1, "commit");
             shards = reg.shards_by_rank[caller.rank];
             committed = reg.committed[caller.rank];
           }
@@ -1037,9 +1049,16 @@ void GroupManager::CommitWritten(const Caller& caller, const std::string& module
           // keeps every rollback out until DoneCopying.
           devices_.RunBlocking(
               caller.rank,
-              [this, rank = caller.rank, shards = std::move(shards),
+              [this, caller, module, generation, shards = std::move(shards),
                committed = std::move(committed)] {
-                return CopyCommitted(rank, shards, committed, /*to_committed=*/true);
+                // Restarts: the intent is durable before the committed copy is overwritten,
+                // the new generation before the trainer is answered (group_manager_state.cc).
+                CommitReady(caller, module, generation + 1, "commit");
+                TestingPauseMidCopy(caller.rank, shards, committed);
+                absl::Status s = CopyCommitted(caller.rank, shards, committed,
+                                               /*to_committed=*/true);
+                if (s.ok()) CommitDone(caller, module, generation + 1);
+                return s;
               },
               [this, caller, module, generation, done = std::move(done)](absl::Status s) mutable {
                 std::vector<absl::AnyInvocable<void()>> run;
@@ -1281,6 +1300,7 @@ void GroupManager::FinishReduceScatterWritten(const Caller& caller, const std::s
     scratch_buffer.reset();
     scratch_host.reset();
     staging.reset();  // the staging buffer's pages go back until the next step
+    std::vector<absl::AnyInvocable<void()>> persist;  // the record, after mu_
     {
       absl::MutexLock lock(&mu_);
       auto g = groups_.find(caller.group);
@@ -1290,6 +1310,7 @@ void GroupManager::FinishReduceScatterWritten(const Caller& caller, const std::s
           if (fresh) {
             reg->second.new_grads.erase({caller.rank, unit});
             if (s.ok()) reg->second.shards_by_rank[caller.rank][unit].grad = grad;
+            if (s.ok()) PersistLater(*g->second, &persist);  // a new durable buffer
           }
           reg->second.NoteOp({unit}, "reduce_scatter", caller.rank, s.ok(), clock_->Now());
           if (s.ok()) {
@@ -1301,6 +1322,7 @@ void GroupManager::FinishReduceScatterWritten(const Caller& caller, const std::s
         }
       }
     }
+    for (auto& f : persist) f();
     done(s);
   };
   coll->SubmitAll(caller.rank, std::move(ops), deadline - clock_->Now(),

@@ -105,6 +105,15 @@ ABSL_FLAG(int64_t, fd_reserve, 1024,
           "descriptors kept for sockets and files: the daemon raises its descriptor soft limit "
           "to the hard limit at start and refuses new segments (RESOURCE_EXHAUSTED) beyond the "
           "limit minus this reserve");
+ABSL_FLAG(std::string, state_dir, "",
+          "restarts: directory for the groups' records (created 0700), so that a restarted "
+          "daemon re-adopts the shards it finds; empty: nothing recorded, a restart loses "
+          "the shards (the packaged units pass /var/lib/flatshard/state)");
+ABSL_FLAG(bool, keep_shards, true,
+          "with --state_dir: SIGTERM leaves shards, gradient shards and committed copies "
+          "(and their records) for the next daemon; false: SIGTERM frees everything");
+ABSL_FLAG(absl::Duration, testing_commit_copy_pause, absl::ZeroDuration(),
+          "testing only: each commit copy tears its committed copy and pauses this long");
 ABSL_FLAG(std::string, log_level, "info",
           "lowest severity logged: info, warning or error (changeable at run time)");
 ABSL_FLAG(int, v, 0, "verbose logging level (per-op lines at 2)");
@@ -198,6 +207,9 @@ int main(int argc, char** argv) {
   }
   config.gpu_collectives = absl::GetFlag(FLAGS_gpu_collectives);
   config.simulate_gpus = absl::GetFlag(FLAGS_simulate_gpus);
+  config.state_dir = absl::GetFlag(FLAGS_state_dir);
+  config.keep_shards = absl::GetFlag(FLAGS_keep_shards);
+  config.testing_commit_copy_pause = absl::GetFlag(FLAGS_testing_commit_copy_pause);
   config.socket_group = absl::GetFlag(FLAGS_socket_group);
   if (auto uids = flatshard::server::access::ParseUidList(absl::GetFlag(FLAGS_allowed_uids));
       uids.ok()) {

@@ -1,6 +1,7 @@
 #include "server/shard_store.h"
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -101,13 +102,14 @@ class StoreState {
 
   // Records a new live segment. FAILED_PRECONDITION when Shutdown() ran since Charge: the
   // caller then drops the segment (which unlinks it) and uncharges.
-  absl::Status Register(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_) {
+  absl::Status Register(const std::string& name, BufferKind kind = BufferKind::kStaging)
+      ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     if (shutdown_) {
       return absl::FailedPreconditionError(
           absl::StrCat("shm segment ", name, ": the shard store shut down meanwhile"));
     }
-    live_segments_.insert(name);
+    live_segments_[name] = kind;
     return absl::OkStatus();
   }
 
@@ -138,11 +140,33 @@ class StoreState {
     return shutdown_;
   }
 
-  // Marks the store shut down and returns the names still alive.
-  std::vector<std::string> Shutdown() ABSL_LOCKS_EXCLUDED(mu_) {
+  // Marks the store shut down and returns the names still alive, but those of kShard and
+  // kGradShard buffers when `keep_durable` (they are kept: KeepsName).
+  std::vector<std::string> Shutdown(bool keep_durable = false) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     shutdown_ = true;
-    return std::vector<std::string>(live_segments_.begin(), live_segments_.end());
+    std::vector<std::string> out;
+    for (const auto& [name, kind] : live_segments_) {
+      if (keep_durable && (kind == BufferKind::kShard || kind == BufferKind::kGradShard)) {
+        kept_names_.insert(name);
+      } else {
+        out.push_back(name);
+      }
+    }
+    return out;
+  }
+  // The segment outlives its buffer (Shutdown with keep_durable, Buffer::Disown).
+  void Keep(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    kept_names_.insert(name);
+  }
+  bool KeepsName(const std::string& name) const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return kept_names_.contains(name);
+  }
+  int64_t kept_count() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int64_t>(kept_names_.size());
   }
 
  private:
@@ -191,7 +215,8 @@ class StoreState {
   int64_t decommitted_buffers_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t device_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t device_buffers_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::flat_hash_set<std::string> live_segments_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, BufferKind> live_segments_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> kept_names_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -249,6 +274,7 @@ Buffer::~Buffer() {
     return;
   }
   if (pinned_) gpu::UnpinHostMemory(segment_.data());
+  if (state_->KeepsName(segment_.name())) segment_.Disown();  // left for the next daemon
   // Forget the name first: a concurrent Shutdown() then no longer unlinks it, and the
   // segment's destructor below does (ENOENT, silently, if Shutdown() got there first).
   state_->Release(segment_.name(), kind_, committed ? bytes() : 0, !committed, owner_uid_);
@@ -393,6 +419,12 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, in
       state_->Charge(kind, bytes, label, /*recommit=*/false, owner_uid, /*new_segment=*/true));
   absl::StatusOr<ShmSegment> segment =
       ShmSegment::Create(MakeSegmentName(options_.segment_prefix), static_cast<size_t>(bytes));
+  // A restarted daemon may have the pid of the one whose segments it adopted (containers):
+  // their names can come up again; take the next one.
+  for (int i = 0; i < 1024 && !segment.ok() && absl::IsAlreadyExists(segment.status()); ++i) {
+    segment = ShmSegment::Create(MakeSegmentName(options_.segment_prefix),
+                                 static_cast<size_t>(bytes));
+  }
   if (!segment.ok()) {
     state_->Uncharge(kind, bytes, /*to_decommitted=*/false, owner_uid, /*segment=*/true);
     return absl::Status(segment.status().code(),
@@ -420,7 +452,7 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, in
                                                    "): ", pin.message()));
     }
   }
-  if (absl::Status status = state_->Register(segment->name()); !status.ok()) {
+  if (absl::Status status = state_->Register(segment->name(), kind); !status.ok()) {
     if (pin) gpu::UnpinHostMemory(segment->data());
     state_->Uncharge(kind, bytes, /*to_decommitted=*/false, owner_uid, /*segment=*/true);
     return status;  // `segment` goes out of scope: unmapped and unlinked
@@ -467,8 +499,61 @@ ShardStore::UidUsage ShardStore::UsageOf(int64_t uid) const {
   return UidUsage{bytes, segments};
 }
 
-void ShardStore::Shutdown() {
-  const std::vector<std::string> names = state_->Shutdown();
+void Buffer::Disown() {
+  if (!on_device()) state_->Keep(segment_.name());
+}
+
+absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Adopt(BufferKind kind,
+                                                          const std::string& segment_name,
+                                                          int64_t bytes, absl::string_view label,
+                                                          int64_t owner_uid) {
+  FS_RETURN_IF_ERROR(options_status_);
+  const std::string prefix = absl::StrCat("/", options_.segment_prefix, ".");
+  if (segment_name.compare(0, prefix.size(), prefix) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "segment ", segment_name, " (", label, ") does not have this daemon's prefix ", prefix));
+  }
+  if (bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("segment ", segment_name, " (", label, "): negative size ", bytes));
+  }
+  FS_RETURN_IF_ERROR(
+      state_->Charge(kind, bytes, label, /*recommit=*/false, owner_uid, /*new_segment=*/true));
+  absl::StatusOr<ShmSegment> segment =
+      ShmSegment::Adopt(segment_name, static_cast<size_t>(bytes));
+  if (segment.ok()) {
+    // Allocate gives a segment to its owner uid (remote callers: the daemon's uid keeps it).
+    const uid_t expected = owner_uid >= 0 ? static_cast<uid_t>(owner_uid) : ::geteuid();
+    struct stat st = {};
+    if (::fstat(segment->fd(), &st) != 0 || st.st_uid != expected) {
+      segment->Disown();  // not ours: leave it as it is
+      segment = absl::FailedPreconditionError(
+          absl::StrCat("shm segment ", segment_name, " belongs to uid ", st.st_uid,
+                       ", the record says uid ", expected));
+    }
+  }
+  if (!segment.ok()) {
+    state_->Uncharge(kind, bytes, /*to_decommitted=*/false, owner_uid, /*segment=*/true);
+    return absl::Status(segment.status().code(),
+                        absl::StrCat("cannot adopt ", BufferKindName(kind), " segment (", label,
+                                     "): ", segment.status().message()));
+  }
+  if (absl::Status status = state_->Register(segment->name(), kind); !status.ok()) {
+    segment->Disown();  // not ours to remove
+    state_->Uncharge(kind, bytes, /*to_decommitted=*/false, owner_uid, /*segment=*/true);
+    return status;
+  }
+  FS_VLOG(2) << "adopted kind=" << BufferKindName(kind) << " bytes=" << bytes
+             << " segment=" << segment->name() << " " << label;
+  return std::shared_ptr<Buffer>(new Buffer(state_, kind, Placement::Host(), bytes,
+                                            *std::move(segment), nullptr, nullptr,
+                                            std::string(label), owner_uid));
+}
+
+void ShardStore::Shutdown() { Shutdown(/*keep_durable=*/false); }
+
+void ShardStore::Shutdown(bool keep_durable) {
+  const std::vector<std::string> names = state_->Shutdown(keep_durable);
   int unlinked = 0;
   for (const std::string& name : names) {
     // ENOENT: the buffer was dropped meanwhile and unlinked its own name.
@@ -479,7 +564,11 @@ void ShardStore::Shutdown() {
     }
   }
   FS_LOG(INFO) << "shard store shut down: unlinked " << unlinked
-               << " shm segments with prefix=" << options_.segment_prefix << "; "
+               << " shm segments with prefix=" << options_.segment_prefix
+               << (keep_durable ? absl::StrCat(", kept ", state_->kept_count(),
+                                               " (shards, gradient shards, committed copies)")
+                                : std::string())
+               << "; "
                << state_->Usage().DebugString();
 }
 

@@ -171,6 +171,9 @@ class Buffer {
   // Errors: RESOURCE_EXHAUSTED over the limit or when /dev/shm is full; FAILED_PRECONDITION
   // after ShardStore::Shutdown(). On error the buffer stays decommitted.
   absl::Status Commit();
+  // Host buffers: the segment's name stays when the buffer goes (it is left for the next
+  // daemon, or was never ours to remove: a refused adoption). No-op for device buffers.
+  void Disown();
 
  private:
   friend class ShardStore;
@@ -236,6 +239,20 @@ class ShardStore {
   // Unlinks the name of every live segment and refuses later allocations and commits. The
   // buffers' mappings stay valid until they are dropped. Idempotent. Logs what it removed.
   void Shutdown();
+  // As Shutdown(), but with `keep_durable` the segments of kShard and kGradShard buffers
+  // (shards, committed copies, gradient shards) stay for the next daemon (--keep_shards):
+  // only unsharded and staging buffers are unlinked.
+  void Shutdown(bool keep_durable);
+
+  // A restarted daemon takes over an existing segment of this store's prefix (state
+  // directory re-adoption, GroupManager::AdoptGroups): its size must be exactly `bytes` and,
+  // for `owner_uid` >= 0, it must belong to that uid. Charged as Allocate charges. The buffer
+  // owns the name from now on. Errors: INVALID_ARGUMENT for another prefix; NOT_FOUND for a
+  // missing segment; FAILED_PRECONDITION for a size or owner that differs; Allocate's
+  // RESOURCE_EXHAUSTED. On error the segment is left as it was.
+  absl::StatusOr<std::shared_ptr<Buffer>> Adopt(BufferKind kind, const std::string& segment_name,
+                                                int64_t bytes, absl::string_view label = "",
+                                                int64_t owner_uid = -1);
 
   const ShardStoreOptions& options() const { return options_; }
 

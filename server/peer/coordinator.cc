@@ -100,7 +100,7 @@ namespace {
 constexpr size_t kMaxNameBytes = 1024;
 constexpr size_t kMaxBackendAddressBytes = 64 << 10;  // UCX worker addresses are ~100s of bytes
 constexpr size_t kMaxModules = 1024;        // registered module paths of one group
-constexpr size_t kMaxModuleBytes = 4096;    // one "path\x1ffingerprint"
+constexpr size_t kMaxModuleBytes = 4096 + 128;  // one "path\x1ffingerprint\x1fgeneration"
 }  // namespace
 
 void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,

@@ -1,0 +1,497 @@
+// GroupManager's part in restarts (README "Restarts", server/state/state_dir.h): the records
+// of the groups' durable state, the commit intents that keep a torn committed copy from ever
+// being adopted, and the adoption of a previous daemon's groups at start.
+//
+// A torn commit is never adopted. Commit (and an agreed writeback End, and an init summon's
+// End) copies each rank's shards into its committed copy outside the lock; a daemon killed
+// mid-copy leaves that copy torn. We chose a commit intent over A/B committed slots (which
+// would cost a second committed copy per rank, i.e. one more shard's worth of memory): before
+// a rank's copy starts, the group's record is rewritten with the module's `pending` commit
+// (generation G, kind, and this rank in `ready_ranks`: its shards hold G completely), and
+// after the copy with the rank in `done_ranks` and generation G (the pending commit is dropped
+// once every local rank is done). Both writes are durable (fsync) before the copy starts and
+// before the trainer is answered. On restart (AdoptGroups), for a module with a pending
+// commit to G:
+//   - a rank in done_ranks: its committed copy holds G;
+//   - a rank in ready_ranks, or any rank when the kind is "commit": its shards hold G
+//     completely (the agreement passed on every rank, so every trainer was waiting for its
+//     Commit's answer and wrote nothing since; an End wrote the rank's range into its shards
+//     before it became ready), so the copy is finished from the shards;
+//   - any other rank (an End whose writeback into the shards may be torn): its committed copy
+//     still holds G-1. If every rank is such, the group stays at G-1; if ranks end up at
+//     different generations, the module is dropped as lost with a message naming each rank's
+//     generation (never a silent mix). An initialisation that did not finish is dropped (it
+//     was never initialised: registering again runs it).
+// Then every rank's shards are restored from its committed copy (a writeback End or a
+// trainer's optimizer step may have torn them). Cost: two record writes (each a write, an
+// fsync, a rename and a directory fsync) per rank per commit; records of one group are
+// written in sequence order and a write already overtaken by a newer snapshot is skipped.
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/manifest.h"
+#include "common/plan.h"
+#include "server/group_manager.h"
+#include "server/group_manager_internal.h"
+
+namespace flatshard::server {
+
+using internal::Display;
+
+std::vector<std::pair<std::string, std::shared_ptr<Buffer>>> GroupManager::DurableBuffers(
+    const Registered& reg, int32_t rank, int32_t unit) {
+  std::vector<std::pair<std::string, std::shared_ptr<Buffer>>> out;
+  if (rank < 0 || rank >= static_cast<int32_t>(reg.shards_by_rank.size())) return out;
+  const std::vector<UnitShard>& shards = reg.shards_by_rank[rank];
+  if (unit < 0 || unit >= static_cast<int32_t>(shards.size())) return out;
+  out.emplace_back(state::kRoleShard, shards[unit].shard);
+  if (shards[unit].grad) out.emplace_back(state::kRoleGrad, shards[unit].grad);
+  if (rank < static_cast<int32_t>(reg.committed.size()) &&
+      unit < static_cast<int32_t>(reg.committed[rank].size())) {
+    out.emplace_back(state::kRoleCommitted, reg.committed[rank][unit]);
+  }
+  return out;
+}
+
+bool GroupManager::InstallDurable(Registered& reg, int32_t rank, int32_t unit,
+                                  const std::string& role, std::shared_ptr<Buffer> buffer) {
+  if (role == state::kRoleShard) {
+    reg.shards_by_rank[rank][unit].shard = std::move(buffer);
+  } else if (role == state::kRoleGrad) {
+    reg.shards_by_rank[rank][unit].grad = std::move(buffer);
+  } else if (role == state::kRoleCommitted) {
+    reg.committed[rank][unit] = std::move(buffer);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+BufferKind GroupManager::KindOfRole(const std::string& role) {
+  return role == state::kRoleGrad ? BufferKind::kGradShard : BufferKind::kShard;
+}
+
+state::GroupRecord GroupManager::SnapshotLocked(Group& g) {
+  state::GroupRecord rec;
+  rec.id = g.id;
+  rec.world_size = g.world_size;
+  rec.token = g.token;
+  rec.owner_uid = g.owner_uid;
+  rec.coordinator = g.coordinator;
+  rec.local_ranks = g.local_ranks;
+  rec.epoch = g.epoch;
+  rec.sequence = ++state_sequence_;
+  for (auto& [name, reg] : g.registered) {
+    if (!reg.initialized && !reg.pending_commit.has_value()) continue;
+    state::ModuleRecord m;
+    m.name = name;
+    m.initialized = reg.initialized;
+    m.pending = reg.pending_commit;
+    bool on_device = false;
+    for (int32_t r = 0; r < static_cast<int32_t>(reg.shards_by_rank.size()); ++r) {
+      if (reg.shards_by_rank[r].empty()) continue;
+      state::RankRecord rr;
+      rr.rank = r;
+      rr.generation = reg.generation[r];
+      for (int32_t u = 0; u < static_cast<int32_t>(reg.shards_by_rank[r].size()); ++u) {
+        state::UnitRecord ur;
+        ur.unit = u;
+        for (const auto& [role, b] : DurableBuffers(reg, r, u)) {
+          if (b == nullptr) continue;
+          on_device = on_device || b->on_device();
+          ur.buffers.push_back({role, b->segment_name(), b->bytes()});
+        }
+        rr.units.push_back(std::move(ur));
+      }
+      m.ranks.push_back(std::move(rr));
+    }
+    // Device memory dies with the process (README "Restarts": what a GPU daemon keeps).
+    if (on_device || m.ranks.empty()) continue;
+    if (reg.plan_json.empty()) reg.plan_json = PlanToJson(reg.plan).dump();
+    if (reg.manifest_json.empty()) reg.manifest_json = ManifestToJson(reg.manifest).dump();
+    m.plan_json = reg.plan_json;
+    m.manifest_json = reg.manifest_json;
+    rec.modules.push_back(std::move(m));
+  }
+  return rec;
+}
+
+void GroupManager::PersistLater(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
+  if (state_dir_ == nullptr || state_forgotten_) return;
+  run->push_back([this, rec = SnapshotLocked(g)] { WriteRecord(rec); });
+}
+
+void GroupManager::WriteRecord(const state::GroupRecord& record) {
+  if (state_dir_ == nullptr) return;
+  {
+    absl::MutexLock lock(&mu_);
+    if (state_forgotten_) return;
+  }
+  if (record.modules.empty()) {
+    absl::Status s = state_dir_->Remove(record.id, record.sequence);
+    if (!s.ok()) FS_LOG(ERROR) << "group=" << record.id << ": " << s;
+    return;
+  }
+  absl::Status s = state_dir_->Write(record);
+  if (s.ok()) return;
+  // The old record may no longer describe the segments (a commit is about to overwrite a
+  // committed copy): without a record the group is not kept across a restart, never adopted
+  // wrong.
+  FS_LOG(ERROR) << "group=" << record.id << ": cannot write its state record (" << s
+                << "); the record is removed: a restart will not keep this group";
+  absl::Status r = state_dir_->Remove(record.id, record.sequence);
+  if (!r.ok()) FS_LOG(ERROR) << "group=" << record.id << ": " << r;
+}
+
+void GroupManager::FlushRemovedRecords() {
+  std::vector<std::pair<std::string, uint64_t>> removed;
+  {
+    absl::MutexLock lock(&mu_);
+    removed.swap(removed_records_);
+  }
+  if (state_dir_ == nullptr) return;
+  for (const auto& [id, sequence] : removed) {
+    absl::Status s = state_dir_->Remove(id, sequence);
+    if (!s.ok()) FS_LOG(ERROR) << "group=" << id << ": " << s;
+  }
+}
+
+void GroupManager::NoteCommitAgreed(Registered& reg, uint64_t generation, const char* kind) {
+  if (!reg.pending_commit.has_value() || reg.pending_commit->generation != generation ||
+      reg.pending_commit->kind != kind) {
+    reg.pending_commit = state::PendingCommit{generation, kind, {}, {}};
+  }
+}
+
+void GroupManager::CommitReady(const Caller& caller, const std::string& module,
+                               uint64_t generation, const char* kind) {
+  state::GroupRecord rec;
+  {
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(caller.group);
+    if (g == groups_.end()) return;
+    auto it = g->second->registered.find(module);
+    if (it == g->second->registered.end()) return;
+    Registered& reg = it->second;
+    NoteCommitAgreed(reg, generation, kind);
+    std::vector<int32_t>& ready = reg.pending_commit->ready_ranks;
+    if (std::find(ready.begin(), ready.end(), caller.rank) == ready.end()) {
+      ready.push_back(caller.rank);
+      std::sort(ready.begin(), ready.end());
+    }
+    if (state_dir_ == nullptr || state_forgotten_) return;
+    rec = SnapshotLocked(*g->second);
+  }
+  WriteRecord(rec);
+}
+
+void GroupManager::CommitDone(const Caller& caller, const std::string& module,
+                              uint64_t generation) {
+  state::GroupRecord rec;
+  {
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(caller.group);
+    if (g == groups_.end()) return;
+    auto it = g->second->registered.find(module);
+    if (it == g->second->registered.end()) return;
+    Registered& reg = it->second;
+    reg.generation[caller.rank] = generation;
+    if (reg.pending_commit.has_value() && reg.pending_commit->generation == generation) {
+      std::vector<int32_t>& done = reg.pending_commit->done_ranks;
+      if (std::find(done.begin(), done.end(), caller.rank) == done.end()) {
+        done.push_back(caller.rank);
+        std::sort(done.begin(), done.end());
+      }
+      bool all = true;
+      for (int32_t r = 0; r < static_cast<int32_t>(reg.shards_by_rank.size()) && all; ++r) {
+        if (!reg.shards_by_rank[r].empty()) {
+          all = std::find(done.begin(), done.end(), r) != done.end();
+        }
+      }
+      if (all) {
+        if (reg.pending_commit->kind == "init") {
+          reg.initialized = true;
+          reg.uninitialized_why.clear();
+        }
+        reg.pending_commit.reset();
+      }
+    }
+    if (state_dir_ == nullptr || state_forgotten_) return;
+    rec = SnapshotLocked(*g->second);
+  }
+  WriteRecord(rec);
+}
+
+void GroupManager::TestingPauseMidCopy(
+    int32_t rank, const std::vector<UnitShard>& shards,
+    const std::vector<std::shared_ptr<Buffer>>& committed) const {
+  if (testing_commit_copy_pause_ <= absl::ZeroDuration() || shards.empty() ||
+      committed.empty()) {
+    return;
+  }
+  // Tears the committed copy on purpose: unit 0 is copied, the others not yet.
+  devices_.CopyEach(rank, {shards[0].shard.get()}, {committed[0].get()}).IgnoreError();
+  FS_LOG(WARNING) << "testing: commit copy of rank " << rank << " paused for "
+                  << absl::FormatDuration(testing_commit_copy_pause_)
+                  << " with its committed copy torn";
+  absl::SleepFor(testing_commit_copy_pause_);
+}
+
+void GroupManager::ForgetState() {
+  if (state_dir_ == nullptr) return;
+  std::vector<std::pair<std::string, uint64_t>> removed;
+  {
+    absl::MutexLock lock(&mu_);
+    if (state_forgotten_) return;
+    for (const auto& [id, g] : groups_) removed.emplace_back(id, ++state_sequence_);
+    for (auto& r : removed_records_) removed.push_back(r);
+    removed_records_.clear();
+  }
+  for (const auto& [id, sequence] : removed) {
+    absl::Status s = state_dir_->Remove(id, sequence);
+    if (!s.ok()) FS_LOG(ERROR) << "group=" << id << ": " << s;
+  }
+  absl::MutexLock lock(&mu_);
+  state_forgotten_ = true;
+  FS_LOG(INFO) << "state records of " << removed.size() << " group(s) removed from "
+               << state_dir_->path() << " (the shards are not kept)";
+}
+
+namespace {
+
+void CopyHost(const Buffer& from, const Buffer& to) {
+  if (from.bytes() > 0) std::memcpy(to.data(), from.data(), static_cast<size_t>(from.bytes()));
+}
+
+bool Contains(const std::vector<int32_t>& v, int32_t x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+
+}  // namespace
+
+GroupManager::AdoptSummary GroupManager::AdoptGroups(
+    const std::vector<state::GroupRecord>& records) {
+  AdoptSummary summary;
+  const std::string dir = state_dir_ != nullptr ? state_dir_->path() : std::string("(none)");
+  for (const state::GroupRecord& rec : records) {
+    const std::string file = absl::StrCat(dir, "/", state::RecordFileName(rec.id));
+    auto g = std::make_unique<Group>();
+    g->id = rec.id;
+    g->world_size = rec.world_size;
+    g->token = rec.token;
+    g->owner_uid = rec.owner_uid;
+    g->coordinator = rec.coordinator;
+    g->epoch = rec.epoch;
+    g->local_ranks = rec.local_ranks;
+    g->idle_since = clock_->Now();
+    std::vector<std::shared_ptr<Buffer>> adopted;  // every buffer taken over, for a refusal
+    absl::Status refused;
+    int64_t bytes = 0;
+    std::vector<std::string> lines;
+    for (const state::ModuleRecord& m : rec.modules) {
+      const std::string where = absl::StrCat("module ", Display(m.name));
+      absl::StatusOr<Plan> plan = PlanFromJson(m.plan_json);
+      if (!plan.ok()) {
+        refused = absl::InvalidArgumentError(absl::StrCat(where, ": plan: ", plan.status().message()));
+        break;
+      }
+      absl::StatusOr<Manifest> manifest = ManifestFromJson(m.manifest_json);
+      if (!manifest.ok()) {
+        refused = absl::InvalidArgumentError(
+            absl::StrCat(where, ": manifest: ", manifest.status().message()));
+        break;
+      }
+      if (plan->world_size != rec.world_size) {
+        refused = absl::InvalidArgumentError(absl::StrCat(where, ": the plan is for world size ",
+                                                          plan->world_size, ", the group has ",
+                                                          rec.world_size));
+        break;
+      }
+      Registered reg;
+      reg.plan = *std::move(plan);
+      reg.manifest = *std::move(manifest);
+      reg.plan_json = m.plan_json;
+      reg.manifest_json = m.manifest_json;
+      const int32_t units = static_cast<int32_t>(reg.plan.units.size());
+      reg.summoned.assign(rec.world_size, std::vector<bool>(units, false));
+      reg.summon_count.assign(rec.world_size, 0);
+      reg.attached_session.assign(rec.world_size, 0);
+      reg.shards_by_rank.resize(rec.world_size);
+      reg.committed.resize(rec.world_size);
+      reg.generation.assign(rec.world_size, 0);
+      reg.stale.assign(rec.world_size, false);
+      reg.initialized = m.initialized;
+      for (const state::RankRecord& rr : m.ranks) {
+        const std::string rw = absl::StrCat(where, " rank ", rr.rank);
+        if (static_cast<int32_t>(rr.units.size()) != units) {
+          refused = absl::InvalidArgumentError(absl::StrCat(rw, ": ", rr.units.size(),
+                                                            " units recorded, the plan has ", units));
+          break;
+        }
+        reg.shards_by_rank[rr.rank].resize(units);
+        reg.committed[rr.rank].resize(units);
+        reg.generation[rr.rank] = rr.generation;
+        for (const state::UnitRecord& ur : rr.units) {
+          if (ur.unit < 0 || ur.unit >= units) {
+            refused = absl::InvalidArgumentError(absl::StrCat(rw, ": unit ", ur.unit, " is not in the plan"));
+            break;
+          }
+          const PlanUnit& pu = reg.plan.units[ur.unit];
+          const int64_t want = pu.shard_numel * ItemSize(pu.dtype);
+          reg.shards_by_rank[rr.rank][ur.unit].unit = ur.unit;
+          for (const state::BufferRecord& b : ur.buffers) {
+            const std::string bw = absl::StrCat(rw, " unit ", ur.unit, " ", b.role, " ", b.segment);
+            if (b.bytes != want) {
+              refused = absl::InvalidArgumentError(absl::StrCat(
+                  bw, ": ", b.bytes, " bytes recorded, the plan's shard has ", want));
+              break;
+            }
+            absl::StatusOr<std::shared_ptr<Buffer>> buffer = store_->Adopt(
+                KindOfRole(b.role), b.segment, b.bytes,
+                absl::StrCat("group=", rec.id, " module=", m.name, " unit=", ur.unit,
+                             " rank=", rr.rank, " ", b.role),
+                rec.owner_uid);
+            if (!buffer.ok()) {
+              refused = absl::Status(buffer.status().code(),
+                                     absl::StrCat(bw, ": ", buffer.status().message()));
+              break;
+            }
+            adopted.push_back(*buffer);
+            if (!InstallDurable(reg, rr.rank, ur.unit, b.role, *std::move(buffer))) {
+              refused = absl::InvalidArgumentError(
+                  absl::StrCat(bw, ": role ", b.role, " is unknown to this daemon"));
+              break;
+            }
+            bytes += b.bytes;
+          }
+          if (!refused.ok()) break;
+          if (reg.shards_by_rank[rr.rank][ur.unit].shard == nullptr ||
+              reg.committed[rr.rank][ur.unit] == nullptr) {
+            refused = absl::InvalidArgumentError(
+                absl::StrCat(rw, " unit ", ur.unit, ": no shard or no committed copy recorded"));
+            break;
+          }
+        }
+        if (!refused.ok()) break;
+      }
+      if (!refused.ok()) break;
+
+      // Commits under way at the kill (see the top of this file).
+      std::vector<int32_t> ranks;
+      for (const state::RankRecord& rr : m.ranks) ranks.push_back(rr.rank);
+      std::vector<int32_t> torn;
+      if (m.pending.has_value()) {
+        const state::PendingCommit& p = *m.pending;
+        for (int32_t r : ranks) {
+          if (Contains(p.done_ranks, r)) {
+            reg.generation[r] = p.generation;
+          } else if (Contains(p.ready_ranks, r) || p.kind == "commit") {
+            for (int32_t u = 0; u < units; ++u) {
+              CopyHost(*reg.shards_by_rank[r][u].shard, *reg.committed[r][u]);
+            }
+            reg.generation[r] = p.generation;
+            FS_LOG(INFO) << "group=" << rec.id << " module=" << Display(m.name) << " rank=" << r
+                         << ": finished the " << p.kind << " of generation " << p.generation
+                         << " from its shards (the daemon died during its copy)";
+          } else {
+            torn.push_back(r);
+          }
+        }
+        if (p.kind == "init") {
+          if (torn.empty()) {
+            reg.initialized = true;
+          } else {
+            FS_LOG(WARNING) << "group=" << rec.id << " module=" << Display(m.name)
+                            << ": its initialisation did not finish on "
+                            << internal::RankListText(torn)
+                            << " before the daemon died: not adopted (registering it again "
+                               "runs the initialisation)";
+            continue;  // its buffers go: it was never initialised
+          }
+        }
+      }
+      if (!reg.initialized) continue;
+      std::map<uint64_t, std::vector<int32_t>> by_generation;
+      for (int32_t r : ranks) by_generation[reg.generation[r]].push_back(r);
+      if (by_generation.size() > 1) {
+        std::vector<std::string> parts;
+        for (const auto& [gen, rs] : by_generation) {
+          parts.push_back(absl::StrCat(internal::RankListText(rs), ": generation ", gen));
+        }
+        std::string why = absl::StrCat(
+            "group ", rec.id, ": module ", Display(m.name), " lost: after the daemon restarted its ranks hold different committed generations (",
+            absl::StrJoin(parts, "; "),
+            "): it died between their copies of one commit; register it afresh on every rank");
+        FS_LOG(WARNING) << why;
+        g->lost[m.name] = std::move(why);
+        ++summary.lost_modules;
+        continue;
+      }
+      // Shards as of the last commit: a writeback or an optimizer step may have torn them.
+      for (int32_t r : ranks) {
+        for (int32_t u = 0; u < units; ++u) {
+          CopyHost(*reg.committed[r][u], *reg.shards_by_rank[r][u].shard);
+        }
+      }
+      const uint64_t generation = ranks.empty() ? 0 : reg.generation[ranks.front()];
+      lines.push_back(absl::StrCat(Display(m.name), " (", units, " units, ranks ",
+                                   absl::StrJoin(ranks, ","), ", generation ", generation, ")"));
+      g->registered.emplace(m.name, std::move(reg));
+    }
+    if (!refused.ok()) {
+      // Left alone: a refused record's segments are not ours to remove.
+      for (const std::shared_ptr<Buffer>& b : adopted) b->Disown();
+      FS_LOG(ERROR) << "state record " << file << " of group " << rec.id
+                    << " refused, group not adopted (its segments are left alone): "
+                    << refused.message();
+      ++summary.refused_groups;
+      continue;
+    }
+    if (g->registered.empty() && g->lost.empty()) {
+      FS_LOG(INFO) << "group=" << rec.id << ": nothing to adopt from " << file;
+      if (state_dir_ != nullptr) state_dir_->Remove(rec.id, rec.sequence).IgnoreError();
+      continue;
+    }
+    int64_t live = 0, count = 0;
+    for (const auto& [name, reg] : g->registered) {
+      for (int32_t r = 0; r < static_cast<int32_t>(reg.shards_by_rank.size()); ++r) {
+        for (int32_t u = 0; u < static_cast<int32_t>(reg.shards_by_rank[r].size()); ++u) {
+          for (const auto& [role, b] : DurableBuffers(reg, r, u)) {
+            if (b != nullptr) {
+              live += b->bytes();
+              ++count;
+            }
+          }
+        }
+      }
+    }
+    FS_LOG(INFO) << "group=" << rec.id << " adopted from " << file << ": "
+                 << g->registered.size() << " module(s) " << absl::StrJoin(lines, ", ") << ", "
+                 << count << " buffers, " << live << " bytes"
+                 << (g->lost.empty() ? "" : absl::StrCat(", ", g->lost.size(), " lost"));
+    ++summary.groups;
+    summary.modules += static_cast<int32_t>(g->registered.size());
+    summary.bytes += live;
+    summary.buffers += count;
+    std::vector<absl::AnyInvocable<void()>> run;
+    {
+      absl::MutexLock lock(&mu_);
+      Group& placed = *(groups_[rec.id] = std::move(g));
+      PersistLater(placed, &run);  // the restored state, with no commit under way
+    }
+    for (auto& f : run) f();
+  }
+  FS_LOG(INFO) << "restart: adopted " << summary.groups << " group(s), " << summary.modules
+               << " module(s), " << summary.buffers << " buffers, " << summary.bytes
+               << " bytes; refused " << summary.refused_groups << " record(s); "
+               << summary.lost_modules << " module(s) lost";
+  return summary;
+}
+
+}  // namespace flatshard::server

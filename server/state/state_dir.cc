@@ -1,0 +1,465 @@
+#include "server/state/state_dir.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <utility>
+#include <set>
+#include <signal.h>
+#include <sys/mman.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/file_util.h"
+#include "common/json_util.h"
+#include "common/logging.h"
+#include "common/sha256.h"
+#include "common/status_macros.h"
+
+namespace flatshard::server::state {
+namespace {
+
+using OJson = nlohmann::ordered_json;
+
+constexpr char kTmpPrefix[] = ".tmp.";
+
+std::string Errno(int err) { return std::strerror(err); }
+
+OJson RanksJson(const std::vector<int32_t>& ranks) {
+  OJson a = OJson::array();
+  for (int32_t r : ranks) a.push_back(r);
+  return a;
+}
+
+absl::StatusOr<std::vector<int32_t>> RankList(const Json& obj, absl::string_view key,
+                                              const JsonPath& path) {
+  const JsonPath p = path.Key(key);
+  if (!obj.contains(std::string(key))) return p.Error("missing");
+  const Json& v = obj.at(std::string(key));
+  FS_RETURN_IF_ERROR(ExpectArray(v, p));
+  std::vector<int32_t> out;
+  for (size_t i = 0; i < v.size(); ++i) {
+    FS_ASSIGN_OR_RETURN(int64_t r, AsInt(v[i], p.Index(i), 0, INT32_MAX));
+    out.push_back(static_cast<int32_t>(r));
+  }
+  return out;
+}
+
+absl::StatusOr<PendingCommit> PendingFrom(const Json& v, const JsonPath& p) {
+  FS_RETURN_IF_ERROR(ExpectObject(v, p, {"generation", "kind", "ready_ranks", "done_ranks"}));
+  PendingCommit out;
+  FS_ASSIGN_OR_RETURN(int64_t g, GetInt(v, "generation", p, 0));
+  out.generation = static_cast<uint64_t>(g);
+  FS_ASSIGN_OR_RETURN(out.kind, GetString(v, "kind", p));
+  if (out.kind != "commit" && out.kind != "end" && out.kind != "init") {
+    return p.Key("kind").Error(absl::StrCat("must be commit, end or init, got ", Quote(out.kind)));
+  }
+  FS_ASSIGN_OR_RETURN(out.ready_ranks, RankList(v, "ready_ranks", p));
+  FS_ASSIGN_OR_RETURN(out.done_ranks, RankList(v, "done_ranks", p));
+  return out;
+}
+
+absl::StatusOr<ModuleRecord> ModuleFrom(const Json& v, const JsonPath& p) {
+  FS_RETURN_IF_ERROR(
+      ExpectObject(v, p, {"name", "plan", "manifest", "initialized", "pending", "ranks"}));
+  ModuleRecord m;
+  FS_ASSIGN_OR_RETURN(m.name, GetString(v, "name", p));
+  FS_ASSIGN_OR_RETURN(m.plan_json, GetString(v, "plan", p));
+  FS_ASSIGN_OR_RETURN(m.manifest_json, GetString(v, "manifest", p));
+  FS_ASSIGN_OR_RETURN(m.initialized, GetBool(v, "initialized", p));
+  if (v.contains("pending") && !v.at("pending").is_null()) {
+    FS_ASSIGN_OR_RETURN(m.pending, PendingFrom(v.at("pending"), p.Key("pending")));
+  }
+  const JsonPath rp = p.Key("ranks");
+  if (!v.contains("ranks")) return rp.Error("missing");
+  const Json& ranks = v.at("ranks");
+  FS_RETURN_IF_ERROR(ExpectArray(ranks, rp));
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const JsonPath q = rp.Index(i);
+    FS_RETURN_IF_ERROR(ExpectObject(ranks[i], q, {"rank", "generation", "units"}));
+    RankRecord r;
+    FS_ASSIGN_OR_RETURN(int64_t rank, GetInt(ranks[i], "rank", q, 0, INT32_MAX));
+    r.rank = static_cast<int32_t>(rank);
+    FS_ASSIGN_OR_RETURN(int64_t gen, GetInt(ranks[i], "generation", q, 0));
+    r.generation = static_cast<uint64_t>(gen);
+    const JsonPath up = q.Key("units");
+    if (!ranks[i].contains("units")) return up.Error("missing");
+    const Json& units = ranks[i].at("units");
+    FS_RETURN_IF_ERROR(ExpectArray(units, up));
+    for (size_t j = 0; j < units.size(); ++j) {
+      const JsonPath uq = up.Index(j);
+      FS_RETURN_IF_ERROR(ExpectObject(units[j], uq, {"unit", "buffers"}));
+      UnitRecord u;
+      FS_ASSIGN_OR_RETURN(int64_t unit, GetInt(units[j], "unit", uq, 0, INT32_MAX));
+      u.unit = static_cast<int32_t>(unit);
+      const JsonPath bp = uq.Key("buffers");
+      if (!units[j].contains("buffers")) return bp.Error("missing");
+      const Json& buffers = units[j].at("buffers");
+      FS_RETURN_IF_ERROR(ExpectArray(buffers, bp));
+      for (size_t k = 0; k < buffers.size(); ++k) {
+        const JsonPath bq = bp.Index(k);
+        FS_RETURN_IF_ERROR(ExpectObject(buffers[k], bq, {"role", "segment", "bytes"}));
+        BufferRecord b;
+        FS_ASSIGN_OR_RETURN(b.role, GetString(buffers[k], "role", bq));
+        FS_ASSIGN_OR_RETURN(b.segment, GetString(buffers[k], "segment", bq));
+        FS_ASSIGN_OR_RETURN(b.bytes, GetInt(buffers[k], "bytes", bq, 0));
+        if (b.role.empty()) return bq.Key("role").Error("must not be empty");
+        if (b.segment.size() < 2 || b.segment[0] != '/' ||
+            b.segment.find('/', 1) != std::string::npos) {
+          return bq.Key("segment").Error(
+              absl::StrCat("must be a shm name \"/name\", got ", Quote(b.segment)));
+        }
+        u.buffers.push_back(std::move(b));
+      }
+      r.units.push_back(std::move(u));
+    }
+    m.ranks.push_back(std::move(r));
+  }
+  return m;
+}
+
+}  // namespace
+
+std::string RecordFileName(const std::string& group) {
+  return absl::StrCat("group-", Sha256Hex(group).substr(0, 32), ".json");
+}
+
+std::string EncodeGroupRecord(const GroupRecord& record) {
+  OJson body;
+  body["group"] = record.id;
+  body["world_size"] = record.world_size;
+  body["token"] = record.token;
+  body["owner_uid"] = record.owner_uid;
+  body["coordinator"] = record.coordinator;
+  body["local_ranks"] = RanksJson(record.local_ranks);
+  body["epoch"] = record.epoch;
+  body["sequence"] = record.sequence;
+  OJson modules = OJson::array();
+  for (const ModuleRecord& m : record.modules) {
+    OJson mj;
+    mj["name"] = m.name;
+    mj["plan"] = m.plan_json;
+    mj["manifest"] = m.manifest_json;
+    mj["initialized"] = m.initialized;
+    if (m.pending.has_value()) {
+      OJson pj;
+      pj["generation"] = m.pending->generation;
+      pj["kind"] = m.pending->kind;
+      pj["ready_ranks"] = RanksJson(m.pending->ready_ranks);
+      pj["done_ranks"] = RanksJson(m.pending->done_ranks);
+      mj["pending"] = std::move(pj);
+    } else {
+      mj["pending"] = nullptr;
+    }
+    OJson ranks = OJson::array();
+    for (const RankRecord& r : m.ranks) {
+      OJson rj;
+      rj["rank"] = r.rank;
+      rj["generation"] = r.generation;
+      OJson units = OJson::array();
+      for (const UnitRecord& u : r.units) {
+        OJson uj;
+        uj["unit"] = u.unit;
+        OJson buffers = OJson::array();
+        for (const BufferRecord& b : u.buffers) {
+          buffers.push_back(OJson{{"role", b.role}, {"segment", b.segment}, {"bytes", b.bytes}});
+        }
+        uj["buffers"] = std::move(buffers);
+        units.push_back(std::move(uj));
+      }
+      rj["units"] = std::move(units);
+      ranks.push_back(std::move(rj));
+    }
+    mj["ranks"] = std::move(ranks);
+    modules.push_back(std::move(mj));
+  }
+  body["modules"] = std::move(modules);
+  const std::string text = body.dump();
+  OJson header;
+  header["format"] = kStateFormat;
+  header["body_bytes"] = text.size();
+  header["body_sha256"] = Sha256Hex(text);
+  return absl::StrCat(header.dump(), "\n", text);
+}
+
+absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes) {
+  const size_t nl = bytes.find('\n');
+  if (nl == std::string::npos) {
+    return absl::InvalidArgumentError("header: no header line (truncated or not a state record)");
+  }
+  absl::StatusOr<Json> header = ParseJson(bytes.substr(0, nl), "header");
+  if (!header.ok()) return header.status();
+  const JsonPath hp("header");
+  FS_RETURN_IF_ERROR(ExpectObject(*header, hp, {"format", "body_bytes", "body_sha256"}));
+  FS_ASSIGN_OR_RETURN(std::string format, GetString(*header, "format", hp));
+  if (format != kStateFormat) {
+    return absl::InvalidArgumentError(absl::StrCat("version: format is ", Quote(format),
+                                                   ", this daemon reads ", kStateFormat));
+  }
+  FS_ASSIGN_OR_RETURN(int64_t body_bytes, GetInt(*header, "body_bytes", hp, 0));
+  FS_ASSIGN_OR_RETURN(std::string sha, GetString(*header, "body_sha256", hp));
+  const std::string body = bytes.substr(nl + 1);
+  if (static_cast<int64_t>(body.size()) != body_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("size: the body has ", body.size(),
+                                                   " bytes, the header says ", body_bytes,
+                                                   " (truncated or appended to)"));
+  }
+  const std::string actual = Sha256Hex(body);
+  if (actual != sha) {
+    return absl::InvalidArgumentError(absl::StrCat("checksum: the body's sha256 is ", actual,
+                                                   ", the header says ", Quote(sha)));
+  }
+  FS_ASSIGN_OR_RETURN(Json doc, ParseJson(body, "body"));
+  const JsonPath p("body");
+  FS_RETURN_IF_ERROR(ExpectObject(doc, p,
+                                  {"group", "world_size", "token", "owner_uid", "coordinator",
+                                   "local_ranks", "epoch", "sequence", "modules"}));
+  GroupRecord r;
+  FS_ASSIGN_OR_RETURN(r.id, GetString(doc, "group", p));
+  if (r.id.empty()) return p.Key("group").Error("must not be empty");
+  FS_ASSIGN_OR_RETURN(int64_t ws, GetInt(doc, "world_size", p, 1, INT32_MAX));
+  r.world_size = static_cast<int32_t>(ws);
+  FS_ASSIGN_OR_RETURN(r.token, GetString(doc, "token", p));
+  FS_ASSIGN_OR_RETURN(r.owner_uid, GetInt(doc, "owner_uid", p, -1));
+  FS_ASSIGN_OR_RETURN(r.coordinator, GetString(doc, "coordinator", p));
+  FS_ASSIGN_OR_RETURN(r.local_ranks, RankList(doc, "local_ranks", p));
+  FS_ASSIGN_OR_RETURN(int64_t epoch, GetInt(doc, "epoch", p, 0));
+  r.epoch = static_cast<uint64_t>(epoch);
+  FS_ASSIGN_OR_RETURN(int64_t seq, GetInt(doc, "sequence", p, 0));
+  r.sequence = static_cast<uint64_t>(seq);
+  const JsonPath mp = p.Key("modules");
+  if (!doc.contains("modules")) return mp.Error("missing");
+  FS_RETURN_IF_ERROR(ExpectArray(doc.at("modules"), mp));
+  for (size_t i = 0; i < doc.at("modules").size(); ++i) {
+    FS_ASSIGN_OR_RETURN(ModuleRecord m, ModuleFrom(doc.at("modules")[i], mp.Index(i)));
+    for (const RankRecord& rr : m.ranks) {
+      if (rr.rank >= r.world_size) {
+        return mp.Index(i).Key("ranks").Error(
+            absl::StrCat("rank ", rr.rank, " is out of range for world_size ", r.world_size));
+      }
+    }
+    r.modules.push_back(std::move(m));
+  }
+  return r;
+}
+
+absl::Status WriteFileAtomically(const std::string& dir, const std::string& name,
+                                 const std::string& contents) {
+  static std::atomic<uint64_t> counter{0};
+  const std::string final_path = absl::StrCat(dir, "/", name);
+  const std::string tmp = absl::StrCat(dir, "/", kTmpPrefix, name, ".", ::getpid(), ".",
+                                       counter.fetch_add(1));
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return absl::InternalError(absl::StrCat("state record ", final_path, ": create ", tmp, ": ",
+                                            Errno(errno)));
+  }
+  auto fail = [&](absl::string_view step, int err) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    return absl::InternalError(
+        absl::StrCat("state record ", final_path, ": ", step, ": ", Errno(err)));
+  };
+  size_t done = 0;
+  while (done < contents.size()) {
+    const ssize_t n = ::write(fd, contents.data() + done, contents.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return fail("write", errno);
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) return fail("fsync", errno);
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    return absl::InternalError(absl::StrCat("state record ", final_path, ": close: ", Errno(err)));
+  }
+  if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    return absl::InternalError(absl::StrCat("state record ", final_path, ": rename: ", Errno(err)));
+  }
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0) {
+    return absl::InternalError(absl::StrCat("state record ", final_path, ": open directory: ",
+                                            Errno(errno)));
+  }
+  const int rc = ::fsync(dfd);
+  const int err = errno;
+  ::close(dfd);
+  if (rc != 0) {
+    return absl::InternalError(
+        absl::StrCat("state record ", final_path, ": fsync directory: ", Errno(err)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<StateDir>> StateDir::Open(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::create_directories(path, ec);
+  if (ec) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--state_dir ", path, ": cannot create it: ", ec.message()));
+  }
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--state_dir ", path, ": not a directory"));
+  }
+  if ((st.st_mode & 0777) != 0700 && ::chmod(path.c_str(), 0700) != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--state_dir ", path, ": cannot make it 0700 (records hold group tokens): ",
+        Errno(errno)));
+  }
+  // Temp files of a writer killed mid-write: never a record.
+  for (const auto& entry : std::filesystem::directory_iterator(path, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (absl::StartsWith(name, kTmpPrefix)) {
+      std::filesystem::remove(entry.path(), ec);
+      FS_LOG(INFO) << "state dir " << path << ": removed " << name << " (an unfinished write)";
+    }
+  }
+  return std::unique_ptr<StateDir>(new StateDir(path));
+}
+
+std::shared_ptr<StateDir::PerGroup> StateDir::GroupState(const std::string& group) {
+  absl::MutexLock lock(&mu_);
+  std::shared_ptr<PerGroup>& slot = groups_[group];
+  if (!slot) slot = std::make_shared<PerGroup>();
+  return slot;
+}
+
+absl::Status StateDir::Write(const GroupRecord& record) {
+  std::shared_ptr<PerGroup> g = GroupState(record.id);
+  absl::MutexLock lock(&g->mu);
+  if (record.sequence <= g->last && g->last != 0) return absl::OkStatus();  // a newer one is written
+  FS_RETURN_IF_ERROR(WriteFileAtomically(path_, RecordFileName(record.id), EncodeGroupRecord(record)));
+  g->last = record.sequence;
+  return absl::OkStatus();
+}
+
+absl::Status StateDir::Remove(const std::string& group, uint64_t sequence) {
+  std::shared_ptr<PerGroup> g = GroupState(group);
+  absl::MutexLock lock(&g->mu);
+  if (sequence <= g->last && g->last != 0) return absl::OkStatus();
+  const std::string file = absl::StrCat(path_, "/", RecordFileName(group));
+  if (::unlink(file.c_str()) != 0 && errno != ENOENT) {
+    return absl::InternalError(absl::StrCat("state record ", file, ": unlink: ", Errno(errno)));
+  }
+  g->last = sequence;
+  const int dfd = ::open(path_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+  return absl::OkStatus();
+}
+
+StateDir::Loaded StateDir::LoadAll() {
+  Loaded out;
+  std::error_code ec;
+  std::vector<std::string> files;
+  for (const auto& entry : std::filesystem::directory_iterator(path_, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (absl::StartsWith(name, "group-") && absl::EndsWith(name, ".json")) {
+      files.push_back(entry.path().string());
+    }
+  }
+  std::sort(files.begin(), files.end());
+  for (const std::string& file : files) {
+    absl::StatusOr<std::string> bytes = ReadWholeFile(file);
+    if (!bytes.ok()) {
+      out.refused.push_back({file, absl::StrCat("read: ", bytes.status().message())});
+      continue;
+    }
+    absl::StatusOr<GroupRecord> record = DecodeGroupRecord(*bytes);
+    if (!record.ok()) {
+      out.refused.push_back({file, std::string(record.status().message())});
+      continue;
+    }
+    const std::string expected = absl::StrCat(path_, "/", RecordFileName(record->id));
+    if (std::filesystem::path(file).filename() != std::filesystem::path(expected).filename()) {
+      out.refused.push_back({file, absl::StrCat("name: the record of group ", Quote(record->id),
+                                                " belongs in ", RecordFileName(record->id))});
+      continue;
+    }
+    max_loaded_sequence_ = std::max(max_loaded_sequence_, record->sequence);
+    out.groups.push_back(*std::move(record));
+  }
+  return out;
+}
+
+}  // namespace flatshard::server::state
+
+namespace flatshard::server::state {
+
+std::vector<std::string> SegmentNamesIn(const std::string& bytes, const std::string& prefix) {
+  std::vector<std::string> out;
+  const std::string needle = absl::StrCat("\"/", prefix, ".");
+  for (size_t at = bytes.find(needle); at != std::string::npos; at = bytes.find(needle, at + 1)) {
+    const size_t end = bytes.find('"', at + 1);
+    if (end == std::string::npos) break;
+    out.push_back(bytes.substr(at + 1, end - at - 1));
+  }
+  return out;
+}
+
+absl::Status UnlinkUnreferencedSegments(const std::string& prefix,
+                                        const std::vector<std::string>& keep) {
+  const std::set<std::string> kept(keep.begin(), keep.end());
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return absl::InternalError(absl::StrCat("opendir /dev/shm: ", Errno(errno)));
+  }
+  const std::string start = absl::StrCat(prefix, ".");
+  std::vector<std::string> names;
+  while (struct dirent* e = ::readdir(dir)) {
+    const std::string name = e->d_name;
+    if (!absl::StartsWith(name, start)) continue;
+    const std::string rest = name.substr(start.size());
+    const size_t dot = rest.find('.');
+    if (dot == std::string::npos || dot == 0) continue;
+    long long pid = 0;
+    try {
+      size_t used = 0;
+      pid = std::stoll(rest.substr(0, dot), &used);
+      if (used != dot) continue;
+    } catch (...) {
+      continue;
+    }
+    if (pid <= 0) continue;
+    if (pid != ::getpid() && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM)) {
+      continue;  // another live process's (a second daemon, a parallel test)
+    }
+    names.push_back(name);
+  }
+  ::closedir(dir);
+  int removed = 0;
+  for (const std::string& name : names) {
+    if (kept.contains("/" + name)) continue;
+    struct stat st = {};
+    const std::string path = "/dev/shm/" + name;
+    const int64_t bytes = ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+    if (::shm_unlink(("/" + name).c_str()) == 0) {
+      ++removed;
+      FS_LOG(INFO) << "removed segment /" << name << " (" << bytes
+                   << " bytes): no state record references it";
+    } else if (errno != ENOENT) {
+      FS_LOG(WARNING) << "cannot remove segment /" << name << ": " << Errno(errno);
+    }
+  }
+  FS_LOG(INFO) << "segments with prefix " << prefix << ": removed " << removed
+               << " unreferenced, " << kept.size() << " referenced by state records";
+  return absl::OkStatus();
+}
+
+}  // namespace flatshard::server::state

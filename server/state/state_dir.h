@@ -1,0 +1,174 @@
+#pragma once
+// The daemon's state directory (--state_dir; README "Restarts"): one record per group that
+// holds durable state (an initialised module), so that a daemon restarting after kill -9,
+// SIGTERM, an OOM kill or an upgrade finds the shared-memory segments of its shards, gradient
+// shards and committed copies again and re-adopts them (GroupManager::AdoptGroups).
+//
+// A record is one file, "group-<sha256(group id)[0:32]>.json" (the name never depends on what
+// the id contains), written crash-consistently: a temp file in the same directory, write,
+// fsync, rename over the record, fsync of the directory. So a reader sees the old record or
+// the new one, never a mix. The directory is 0700: records hold group tokens.
+//
+// File format (flatshard.state/1): a header line, then the body:
+//   {"format":"flatshard.state/1","body_bytes":N,"body_sha256":"<hex>"}\n<body: N bytes of JSON>
+// The checksum covers the body's exact bytes. LoadAll refuses a record whose header, size,
+// checksum or body does not check out, naming the file and the check.
+//
+// Buffers are listed generically per rank and unit, as {"role", "segment", "bytes"}: "shard",
+// "grad", "committed" today; optimizer state adds roles ("state:<name>",
+// "committed_state:<name>") without a format change.
+//
+// Thread-safe. Writes of one group are ordered by their `sequence` (taken where the snapshot
+// was, under the caller's lock): a write whose sequence is lower than one already written (or
+// removed) for the group is skipped, so a stale snapshot never overwrites a newer one.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+namespace flatshard::server::state {
+
+inline constexpr char kStateFormat[] = "flatshard.state/1";
+
+// Roles of the durable buffers of a rank's unit.
+inline constexpr char kRoleShard[] = "shard";
+inline constexpr char kRoleGrad[] = "grad";
+inline constexpr char kRoleCommitted[] = "committed";
+
+struct BufferRecord {
+  std::string role;     // kRole* or another branch's role ("state:exp_avg", ...)
+  std::string segment;  // the shm name, with its leading "/"
+  int64_t bytes = 0;
+  friend bool operator==(const BufferRecord&, const BufferRecord&) = default;
+};
+
+struct UnitRecord {
+  int32_t unit = 0;
+  std::vector<BufferRecord> buffers;
+  friend bool operator==(const UnitRecord&, const UnitRecord&) = default;
+};
+
+struct RankRecord {
+  int32_t rank = 0;
+  uint64_t generation = 0;  // the generation its committed copies hold
+  std::vector<UnitRecord> units;
+  friend bool operator==(const RankRecord&, const RankRecord&) = default;
+};
+
+// A commit (or an agreed writeback End, or an initialisation) every rank agreed to and whose
+// copies into the committed copies were under way (GroupManager: "A torn commit is never
+// adopted").
+struct PendingCommit {
+  uint64_t generation = 0;  // the generation being committed
+  std::string kind;         // "commit", "end" or "init"
+  // Local ranks whose shards hold `generation` completely (their copy into the committed copy
+  // may have begun: that copy may be torn).
+  std::vector<int32_t> ready_ranks;
+  // Local ranks whose committed copy holds `generation` completely.
+  std::vector<int32_t> done_ranks;
+  friend bool operator==(const PendingCommit&, const PendingCommit&) = default;
+};
+
+struct ModuleRecord {
+  std::string name;           // the registered path
+  std::string plan_json;      // PlanToJson, dumped
+  std::string manifest_json;  // ManifestToJson, dumped
+  bool initialized = false;
+  std::optional<PendingCommit> pending;
+  std::vector<RankRecord> ranks;  // the local ranks holding shards, ascending
+  friend bool operator==(const ModuleRecord&, const ModuleRecord&) = default;
+};
+
+struct GroupRecord {
+  std::string id;
+  int32_t world_size = 0;
+  std::string token;
+  int64_t owner_uid = -1;
+  std::string coordinator;
+  std::vector<int32_t> local_ranks;
+  uint64_t epoch = 0;
+  uint64_t sequence = 0;  // orders the writes of one group (see above)
+  std::vector<ModuleRecord> modules;
+  friend bool operator==(const GroupRecord&, const GroupRecord&) = default;
+};
+
+// The file's bytes (header line + body).
+std::string EncodeGroupRecord(const GroupRecord& record);
+// Parses and checks a record file's bytes. INVALID_ARGUMENT naming the failed check
+// ("header: ...", "checksum: ...", "body: $.modules[0].ranks: ...").
+absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes);
+
+// "group-<hex>.json".
+std::string RecordFileName(const std::string& group);
+
+// Writes `contents` to `dir`/`name` crash-consistently: temp file in `dir` (O_EXCL, 0600),
+// write, fsync, rename, fsync of `dir`. On error the old file (if any) is unchanged and the
+// temp file is removed; the status names the path and the failed step.
+absl::Status WriteFileAtomically(const std::string& dir, const std::string& name,
+                                 const std::string& contents);
+
+class StateDir {
+ public:
+  // Creates `path` (and parents) if needed, mode 0700, and removes temp files a killed writer
+  // left. FAILED_PRECONDITION naming the path when it cannot be made or is not a directory.
+  static absl::StatusOr<std::unique_ptr<StateDir>> Open(const std::string& path);
+
+  const std::string& path() const { return path_; }
+
+  // Writes `record` unless a write or removal with a higher or equal sequence already
+  // happened for its group (then OK, nothing written).
+  absl::Status Write(const GroupRecord& record) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes the group's record (OK when there is none), unless a later write happened.
+  absl::Status Remove(const std::string& group, uint64_t sequence) ABSL_LOCKS_EXCLUDED(mu_);
+
+  struct Refused {
+    std::string file;  // full path
+    std::string why;   // the failed check
+  };
+  struct Loaded {
+    std::vector<GroupRecord> groups;
+    std::vector<Refused> refused;
+  };
+  // Every record of the directory, checked. Sequences go on above the highest loaded.
+  Loaded LoadAll() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // What the daemon writes next must be above every loaded sequence.
+  uint64_t max_loaded_sequence() const { return max_loaded_sequence_; }
+
+ private:
+  explicit StateDir(std::string path) : path_(std::move(path)) {}
+  struct PerGroup {
+    absl::Mutex mu;  // serializes the writes of one group (held across the fsync: ours only)
+    uint64_t last = 0;
+  };
+  std::shared_ptr<PerGroup> GroupState(const std::string& group) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const std::string path_;
+  uint64_t max_loaded_sequence_ = 0;
+  absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<PerGroup>> groups_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace flatshard::server::state
+
+namespace flatshard::server::state {
+
+// Shared-memory names ("/<prefix>.<...>") that occur in `bytes` (a record, also one that
+// failed its checks: its segments are left alone rather than removed as garbage).
+std::vector<std::string> SegmentNamesIn(const std::string& bytes, const std::string& prefix);
+
+// Startup cleanup with a state directory (instead of UnlinkSegmentsWithPrefix): removes every
+// /dev/shm entry "<prefix>.<pid>.<n>" whose pid is this process or a dead one, except the
+// names in `keep` (with their leading "/"), and logs each one removed (name, bytes).
+absl::Status UnlinkUnreferencedSegments(const std::string& prefix,
+                                        const std::vector<std::string>& keep);
+
+}  // namespace flatshard::server::state

@@ -1,0 +1,222 @@
+// The state directory's record codec, atomic writer, ordering and loading
+// (server/state/state_dir.h).
+
+#include "server/state/state_dir.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace flatshard::server::state {
+namespace {
+
+using ::testing::HasSubstr;
+
+GroupRecord Sample(const std::string& id = "job-17", uint64_t sequence = 7) {
+  GroupRecord r;
+  r.id = id;
+  r.world_size = 4;
+  r.token = "s3cret\"\n";
+  r.owner_uid = 1000;
+  r.coordinator = "10.0.0.1:7451";
+  r.local_ranks = {0, 1};
+  r.epoch = 3;
+  r.sequence = sequence;
+  ModuleRecord m;
+  m.name = "encoder";
+  m.plan_json = R"({"format":"flatshard.plan/1"})";
+  m.manifest_json = R"({"format":"flatshard.manifest/1"})";
+  m.initialized = true;
+  m.pending = PendingCommit{5, "end", {0}, {}};
+  for (int32_t rank : {0, 1}) {
+    RankRecord rr{rank, 4, {}};
+    for (int32_t u : {0, 1}) {
+      UnitRecord ur{u, {{kRoleShard, absl::StrCat("/fs.1.", rank * 10 + u), 64},
+                        {kRoleCommitted, absl::StrCat("/fs.1.", 100 + rank * 10 + u), 64},
+                        {"state:exp_avg", absl::StrCat("/fs.1.", 200 + rank * 10 + u), 64}}};
+      rr.units.push_back(ur);
+    }
+    m.ranks.push_back(rr);
+  }
+  r.modules.push_back(m);
+  ModuleRecord plain = m;
+  plain.name = "";
+  plain.pending.reset();
+  r.modules.push_back(plain);
+  return r;
+}
+
+std::string ReadAll(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+class StateDirTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           absl::StrCat("state_dir_test.", getpid(), ".", counter_++);
+    std::filesystem::remove_all(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::filesystem::path dir_;
+  static inline int counter_ = 0;
+};
+
+TEST(StateRecordTest, RoundTrips) {
+  const GroupRecord r = Sample();
+  const std::string bytes = EncodeGroupRecord(r);
+  EXPECT_TRUE(absl::StartsWith(bytes, R"({"format":"flatshard.state/1")")) << bytes;
+  absl::StatusOr<GroupRecord> back = DecodeGroupRecord(bytes);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, r);
+}
+
+TEST(StateRecordTest, EveryFlippedBodyByteIsRefusedByTheChecksum) {
+  const std::string bytes = EncodeGroupRecord(Sample());
+  const size_t body = bytes.find('\n') + 1;
+  for (size_t i = body; i < bytes.size(); i += 7) {
+    std::string bad = bytes;
+    bad[i] ^= 0x01;
+    absl::StatusOr<GroupRecord> r = DecodeGroupRecord(bad);
+    ASSERT_FALSE(r.ok()) << "byte " << i;
+    EXPECT_THAT(std::string(r.status().message()), HasSubstr("checksum:")) << "byte " << i;
+  }
+}
+
+TEST(StateRecordTest, TruncatedAppendedWrongVersionAndGarbageAreRefusedNamingTheCheck) {
+  const std::string bytes = EncodeGroupRecord(Sample());
+  auto why = [](const std::string& b) {
+    absl::StatusOr<GroupRecord> r = DecodeGroupRecord(b);
+    return r.ok() ? std::string("accepted") : std::string(r.status().message());
+  };
+  EXPECT_THAT(why(bytes.substr(0, bytes.size() - 10)), HasSubstr("size:"));
+  EXPECT_THAT(why(bytes + " "), HasSubstr("size:"));
+  EXPECT_THAT(why(bytes.substr(0, bytes.find('\n') - 3)), HasSubstr("header"));
+  EXPECT_THAT(why(""), HasSubstr("header"));
+  std::string v2 = bytes;
+  v2.replace(v2.find("flatshard.state/1"), 17, "flatshard.state/2");
+  EXPECT_THAT(why(v2), HasSubstr("version:"));
+}
+
+TEST(StateRecordTest, BodyChecksRefuseBadValuesNamingThePath) {
+  GroupRecord r = Sample();
+  r.modules[0].ranks[1].rank = 9;  // beyond world_size 4
+  absl::StatusOr<GroupRecord> bad = DecodeGroupRecord(EncodeGroupRecord(r));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("out of range"));
+  r = Sample();
+  r.modules[0].ranks[0].units[0].buffers[0].segment = "no-slash";
+  bad = DecodeGroupRecord(EncodeGroupRecord(r));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("segment"));
+}
+
+TEST(StateRecordTest, FileNameIsAHashOfTheGroupId) {
+  EXPECT_EQ(RecordFileName("a/../../etc/passwd").find('/'), std::string::npos);
+  EXPECT_NE(RecordFileName("a"), RecordFileName("b"));
+  EXPECT_EQ(RecordFileName("a"), RecordFileName("a"));
+  EXPECT_TRUE(absl::StartsWith(RecordFileName("x"), "group-"));
+}
+
+TEST(StateRecordTest, SegmentNamesInFindsTheRecordsSegments) {
+  const std::string bytes = EncodeGroupRecord(Sample());
+  std::vector<std::string> names = SegmentNamesIn(bytes, "fs");
+  EXPECT_EQ(names.size(), 2u * 2u * 2u * 3u);
+  EXPECT_THAT(names, ::testing::Contains("/fs.1.0"));
+  EXPECT_TRUE(SegmentNamesIn(bytes, "other").empty());
+}
+
+TEST_F(StateDirTest, OpenCreatesA0700DirectoryAndRemovesUnfinishedWrites) {
+  std::filesystem::create_directories(dir_);
+  ::chmod(dir_.c_str(), 0755);
+  std::ofstream(dir_ / ".tmp.group-x.json.1.0") << "half";
+  absl::StatusOr<std::unique_ptr<StateDir>> d = StateDir::Open(dir_.string());
+  ASSERT_TRUE(d.ok()) << d.status();
+  struct stat st;
+  ASSERT_EQ(::stat(dir_.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  EXPECT_FALSE(std::filesystem::exists(dir_ / ".tmp.group-x.json.1.0"));
+
+  std::ofstream(dir_ / "file") << "x";
+  absl::StatusOr<std::unique_ptr<StateDir>> bad = StateDir::Open((dir_ / "file").string());
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr((dir_ / "file").string()));
+}
+
+TEST_F(StateDirTest, AtomicWriteLeavesOnlyTheFile0600) {
+  std::filesystem::create_directories(dir_);
+  ASSERT_TRUE(WriteFileAtomically(dir_.string(), "r.json", "one").ok());
+  ASSERT_TRUE(WriteFileAtomically(dir_.string(), "r.json", "two").ok());
+  EXPECT_EQ(ReadAll(dir_ / "r.json"), "two");
+  struct stat st;
+  ASSERT_EQ(::stat((dir_ / "r.json").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir_)) {
+    (void)e;
+    ++files;
+  }
+  EXPECT_EQ(files, 1);
+  absl::Status missing = WriteFileAtomically((dir_ / "nope").string(), "r.json", "x");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_THAT(std::string(missing.message()), HasSubstr("nope/r.json"));
+}
+
+TEST_F(StateDirTest, WritesOfAGroupAreOrderedBySequence) {
+  std::unique_ptr<StateDir> d = *StateDir::Open(dir_.string());
+  ASSERT_TRUE(d->Write(Sample("g", 5)).ok());
+  ASSERT_TRUE(d->Write(Sample("g", 3)).ok());  // stale: skipped
+  StateDir::Loaded loaded = d->LoadAll();
+  ASSERT_EQ(loaded.groups.size(), 1u);
+  EXPECT_EQ(loaded.groups[0].sequence, 5u);
+  ASSERT_TRUE(d->Remove("g", 4).ok());  // older than the record: skipped
+  EXPECT_EQ(d->LoadAll().groups.size(), 1u);
+  ASSERT_TRUE(d->Remove("g", 6).ok());
+  EXPECT_TRUE(d->LoadAll().groups.empty());
+  ASSERT_TRUE(d->Write(Sample("g", 6)).ok());  // not newer than the removal
+  EXPECT_TRUE(d->LoadAll().groups.empty());
+  ASSERT_TRUE(d->Write(Sample("g", 8)).ok());
+  EXPECT_EQ(d->LoadAll().groups.size(), 1u);
+}
+
+TEST_F(StateDirTest, LoadAllRefusesCorruptAndMisplacedRecordsNamingFileAndCheck) {
+  std::unique_ptr<StateDir> d = *StateDir::Open(dir_.string());
+  ASSERT_TRUE(d->Write(Sample("good", 2)).ok());
+  ASSERT_TRUE(d->Write(Sample("bad", 9)).ok());
+  const std::filesystem::path bad = dir_ / RecordFileName("bad");
+  std::string bytes = ReadAll(bad);
+  bytes[bytes.size() - 5] ^= 0x20;
+  std::ofstream(bad, std::ios::binary | std::ios::trunc) << bytes;
+  // A valid record under another group's file name.
+  std::filesystem::copy_file(dir_ / RecordFileName("good"), dir_ / RecordFileName("elsewhere"));
+
+  std::unique_ptr<StateDir> again = *StateDir::Open(dir_.string());
+  StateDir::Loaded loaded = again->LoadAll();
+  ASSERT_EQ(loaded.groups.size(), 1u);
+  EXPECT_EQ(loaded.groups[0].id, "good");
+  EXPECT_EQ(again->max_loaded_sequence(), 2u);
+  ASSERT_EQ(loaded.refused.size(), 2u);
+  for (const StateDir::Refused& r : loaded.refused) {
+    if (r.file == bad.string()) {
+      EXPECT_THAT(r.why, HasSubstr("checksum:"));
+    } else {
+      EXPECT_EQ(r.file, (dir_ / RecordFileName("elsewhere")).string());
+      EXPECT_THAT(r.why, HasSubstr("name:"));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace flatshard::server::state
