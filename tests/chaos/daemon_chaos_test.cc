@@ -110,10 +110,16 @@ class Reporter {
     l.push_back('\n');
     (void)!write(fd_, l.data(), l.size());
   }
-  void Final(const std::string& line) {
+  void Final(const std::string& line) { (void)FinalOrRejoin(line); }
+  // The same, but the parent may answer "r" instead of letting it go: another rank is
+  // re-attaching (the daemon died after this rank's last collective), so this one must join
+  // again too (a group re-forms only once every rank has joined). Returns true then.
+  bool FinalOrRejoin(const std::string& line) {
     Say(line);
     pollfd p{go_fd_, POLLIN, 0};
-    (void)poll(&p, 1, 30000);
+    if (poll(&p, 1, 30000) <= 0) return false;
+    char c = 0;
+    return read(go_fd_, &c, 1) == 1 && c == 'r';
   }
 
  private:
@@ -128,6 +134,7 @@ struct TrainerConfig {
   std::string address;
   std::string manifest;
   uint64_t target = 0;  // train until this generation is committed
+  int optimizer_pause_ms = 10;  // between the two halves of the optimizer step
   bool verify_only = false;
 };
 
@@ -256,7 +263,7 @@ std::optional<Failure> Iteration(const TrainerConfig& cfg, Reporter& out, Sessio
   if (!views.ok()) return Failure{false, Describe(views.status())};
   WriteShards(*views, s.generation + 1, 0);
   out.Say("optimizer");
-  absl::SleepFor(absl::Milliseconds(10));
+  absl::SleepFor(absl::Milliseconds(cfg.optimizer_pause_ms));
   WriteShards(*views, s.generation + 1, 1);
   out.Say("commit");
   absl::StatusOr<uint64_t> committed = c.Commit("");
@@ -283,6 +290,7 @@ int RunTrainer() {
   cfg.manifest = ChaosManifest(kBlocks, Rows(), kCols);
   cfg.target = static_cast<uint64_t>(EnvInt("FS_CHAOS_TARGET", 6));
   cfg.verify_only = Env("FS_CHAOS_MODE") == "verify";
+  cfg.optimizer_pause_ms = EnvInt("FS_CHAOS_OPTIMIZER_PAUSE_MS", 10);
   Reporter out(EnvInt("FS_CHAOS_FD", -1), EnvInt("FS_CHAOS_GO_FD", -1));
   const absl::Time give_up = absl::Now() + absl::Seconds(150);
   std::string last_error = "none";
@@ -299,7 +307,12 @@ int RunTrainer() {
       f = VerifyAt(*s, s->generation);
     }
     if (!f.has_value()) {
-      out.Final(absl::StrCat(cfg.verify_only ? "verified " : "done ", s->generation));
+      if (cfg.verify_only) {
+        out.Final(absl::StrCat("verified ", s->generation));
+      } else if (out.FinalOrRejoin(absl::StrCat("done ", s->generation))) {
+        out.Say("error REJOIN another rank is re-attaching");
+        continue;
+      }
       s->client->Leave().IgnoreError();
       return 0;
     }
@@ -333,6 +346,7 @@ struct Trainer {
   std::string buffer;
   std::vector<Line> lines;
   bool eof = false;
+  bool asked_to_rejoin = false;  // "r" sent after its last "done"
 };
 
 bool FinalLine(const std::string& l) {
@@ -347,7 +361,7 @@ class Trainers {
       : cluster_(cluster), group_(std::move(group)) {}
   ~Trainers() { KillAll(); }
 
-  void Start(const std::string& mode, uint64_t target) {
+  void Start(const std::string& mode, uint64_t target, int optimizer_pause_ms = 10) {
     mode_ = mode;
     trainers_.assign(kWorld, Trainer());
     for (int r = 0; r < kWorld; ++r) {
@@ -363,7 +377,8 @@ class Trainers {
            absl::StrCat("FS_CHAOS_RANK=", r), "FS_CHAOS_GROUP=" + group_,
            "FS_CHAOS_COORDINATOR=" + cluster_.coordinator(),
            "FS_CHAOS_ADDRESS=" + cluster_.AddressFor(r), "FS_CHAOS_MODE=" + mode,
-           absl::StrCat("FS_CHAOS_TARGET=", target)});
+           absl::StrCat("FS_CHAOS_TARGET=", target),
+           absl::StrCat("FS_CHAOS_OPTIMIZER_PAUSE_MS=", optimizer_pause_ms)});
       close(fds[1]);
       close(go[0]);
       ASSERT_GT(trainers_[r].pid, 0);
@@ -405,6 +420,8 @@ class Trainers {
           std::string line = t.buffer.substr(0, nl);
           t.buffer.erase(0, nl + 1);
           t.lines.push_back(Line{absl::Now(), line});
+          if (!absl::StartsWith(line, "done ")) t.asked_to_rejoin = false;
+          if (mode_ == "train") AskDoneRanksToRejoin();
           if (stop(who[i], line)) return true;
         }
       }
@@ -449,6 +466,30 @@ class Trainers {
   const Trainer& trainer(int r) const { return trainers_[r]; }
 
  private:
+  // A rank re-attaches (its last "attaching" is after its last "verified") while others
+  // already said "done": the daemon died after their last collective, and they must join
+  // again too. (A rank cannot have finished after a re-attach it did not take part in: the
+  // re-attach's Register and summon are collective.)
+  void AskDoneRanksToRejoin() {
+    bool someone_attaching = false;
+    for (const Trainer& t : trainers_) {
+      for (auto it = t.lines.rbegin(); it != t.lines.rend(); ++it) {
+        if (it->text == "attaching") {
+          someone_attaching = true;
+          break;
+        }
+        if (absl::StartsWith(it->text, "verified ")) break;
+      }
+    }
+    if (!someone_attaching) return;
+    for (Trainer& t : trainers_) {
+      if (t.go < 0 || t.lines.empty() || t.asked_to_rejoin) continue;
+      if (absl::StartsWith(t.lines.back().text, "done ")) {
+        (void)!write(t.go, "r", 1);
+        t.asked_to_rejoin = true;
+      }
+    }
+  }
   bool IsLast(const std::string& l) const {
     if (mode_ == "verify" && absl::StartsWith(l, "verified ")) return true;
     return FinalLine(l);
@@ -497,11 +538,15 @@ int FailedParts() {
 // `restart_delay` later.
 struct KillPlan {
   int daemon = 0;
-  int rank = 0;
+  int rank = 0;  // -1: any rank
   std::string step;
   int occurrence = 1;
   absl::Duration delay;
   absl::Duration restart_delay;
+  // The trainers' pause between the two halves of their optimizer step: a long one lets a
+  // trainer that has not noticed the kill yet write its second half into the shards the
+  // restarted daemon adopted (and restored) before its next call fails.
+  int optimizer_pause_ms = 10;
   std::string Name() const { return step.empty() ? "time" : step; }
 };
 
@@ -531,14 +576,15 @@ TrialResult RunTrial(ChaosCluster& cluster, const std::string& group, const Kill
   int64_t final_generation = -1;
   {
     Trainers trial(cluster, group);
-    trial.Start("train", target);
+    trial.Start("train", target, plan.optimizer_pause_ms);
     int seen = 0;
     bool reached = true;
     if (plan.step.empty()) {
       trial.Pump(plan.delay, [](int, const std::string& l) { return FinalLine(l); });
     } else {
       reached = trial.Pump(absl::Seconds(60), [&](int rank, const std::string& line) {
-        return rank == plan.rank && line == plan.step && ++seen == plan.occurrence;
+        return (plan.rank < 0 || rank == plan.rank) && line == plan.step &&
+               ++seen == plan.occurrence;
       });
       EXPECT_TRUE(reached) << "no trainer progress within 60 s (a hang)";
       if (reached) absl::SleepFor(plan.delay);
@@ -638,6 +684,15 @@ TrialResult RunTrial(ChaosCluster& cluster, const std::string& group, const Kill
       for (const auto& [r, at] : verified_at) last_verified = std::max(last_verified, at);
       if (restarted_at != absl::InfiniteFuture()) result.reattach_time = last_verified - restarted_at;
     }
+    if (FailedParts() != failed_before) {
+      for (int r = 0; r < kWorld; ++r) {
+        std::string text;
+        for (const Line& l : trial.trainer(r).lines) {
+          absl::StrAppend(&text, l.at < killed_at ? "" : "(after kill) ", l.text, " | ");
+        }
+        std::fprintf(stderr, "trainer rank %d said: %s\n", r, text.c_str());
+      }
+    }
   }
 
   // Fresh processes re-attach to what the trial left: the final generation, exactly.
@@ -709,27 +764,76 @@ class DaemonChaosTest : public ::testing::TestWithParam<int> {
   }
 };
 
-// A few fixed kill points (the victim daemon alternates when there are two): inside the
-// rank0_only writeback's End, mid optimizer step (a stale trainer writes the second half
-// into the shards the restarted daemon adopted), and inside Commit.
-TEST_P(DaemonChaosTest, KillDaemonAtFixedPointsEveryRankReattachesConsistently) {
-  const int daemons = GetParam();
+// Runs `plans` one after another on one cluster and checks every trial.
+void RunPlans(int daemons, const std::vector<KillPlan>& plans) {
   ChaosCluster cluster(daemons, DaemonFlags());
-  const std::vector<KillPlan> plans = {
-      {0, 0, "inside_end", 2, absl::Milliseconds(1), absl::Milliseconds(0)},
-      {daemons - 1, 1, "optimizer", 1, absl::ZeroDuration(), absl::ZeroDuration()},
-      {0, 2, "commit", 2, absl::Milliseconds(2), absl::Milliseconds(100)},
-  };
   Summary summary;
   for (size_t i = 0; i < plans.size(); ++i) {
     TrialResult r = RunTrial(cluster, absl::StrCat("f", i), plans[i], 6);
     EXPECT_TRUE(r.killed) << "trial " << i;
     EXPECT_TRUE(r.ok) << "trial " << i << " (" << plans[i].Name() << ")";
     summary.Add(daemons == 1 ? "single" : "two", plans[i], r);
-    if (HasFatalFailure()) return;
+    if (::testing::Test::HasFatalFailure()) return;
   }
   std::printf("daemon chaos (%d daemon%s): %s\n", daemons, daemons == 1 ? "" : "s",
               summary.Text().c_str());
+}
+
+KillPlan At(int daemon, int rank, const std::string& step, int occurrence, absl::Duration delay,
+            absl::Duration restart_delay, int optimizer_pause_ms = 10) {
+  KillPlan p;
+  p.daemon = daemon;
+  p.rank = rank;
+  p.step = step;
+  p.occurrence = occurrence;
+  p.delay = delay;
+  p.restart_delay = restart_delay;
+  p.optimizer_pause_ms = optimizer_pause_ms;
+  return p;
+}
+
+// Fixed kill points (with two daemons the victim alternates, the coordinator included):
+// mid optimizer step; inside Commit (a commit intent to finish from the shards); inside the
+// read-only summon after a Commit.
+TEST_P(DaemonChaosTest, KillDaemonAtFixedPointsEveryRankReattachesConsistently) {
+  const int daemons = GetParam();
+  RunPlans(daemons, {
+                        At(daemons - 1, 1, "optimizer", 1, absl::ZeroDuration(),
+                           absl::ZeroDuration()),
+                        At(0, 2, "commit", 2, absl::Milliseconds(2), absl::Milliseconds(100)),
+                        At(daemons - 1, 0, "summon", 2, absl::Milliseconds(1),
+                           absl::ZeroDuration()),
+                    });
+}
+
+// BUG (branch restart): the daemon is killed mid optimizer step and restarted at once; it
+// adopts the shards and restores them from the committed copies at start, but the trainers,
+// which have not noticed yet, write the second half of their step 400 ms later into the
+// very segments it adopted (their mappings outlive the dead daemon). Their Commit fails;
+// they re-join and re-register, and the re-formed group is NOT rolled back again: Register
+// and GetShardViews report generation 1 while the shards hold half of generation 2 ("bad
+// shard of unit 0 element 171 = 2172, want generation 1's 1172"): a silent mix. After a
+// trainer crash the re-form rolls back (client.h, Commit); an adopted group owes the same
+// rollback at its first re-form.
+TEST_P(DaemonChaosTest, DISABLED_StaleTrainerWritesIntoAdoptedShardsAfterTheRestart) {
+  const int daemons = GetParam();
+  RunPlans(daemons, {At(daemons - 1, 1, "optimizer", 1, absl::ZeroDuration(),
+                        absl::ZeroDuration(), 400)});
+}
+
+// BUG (branch restart, found by DaemonChaosSoak seed 1): the daemon killed right after a
+// rank0_only writeback End answered one rank ("committed 1") but before the others' copies
+// were recorded ready: after the restart the ranks' records hold different generations, the
+// module is dropped as lost, and (one daemon) the loss is not even reported at Join
+// (CompleteJoins passes no lost modules): Register silently initialises the model afresh at
+// generation 0 although generation 1 was committed and answered.
+TEST_P(DaemonChaosTest, DISABLED_KillDaemonRightAfterAWritebackEndAnsweredOneRank) {
+  const int daemons = GetParam();
+  RunPlans(daemons, {
+                        At(0, -1, "committed 1", 1, absl::ZeroDuration(), absl::ZeroDuration()),
+                        At(daemons - 1, -1, "committed 3", 1, absl::ZeroDuration(),
+                           absl::ZeroDuration()),
+                    });
 }
 
 INSTANTIATE_TEST_SUITE_P(Daemons, DaemonChaosTest, ::testing::Values(1, 2),
@@ -775,6 +879,8 @@ TEST(DaemonChaosSoak, RandomKills) {
                             : absl::Microseconds(static_cast<int>(rng() % (d == 1 ? 3000 : 30000)));
       }
       plan.restart_delay = absl::Milliseconds(static_cast<int>(rng() % 300));
+      // FS_CHAOS_ONLY_TRIAL=N: reproduce trial N of a seed alone.
+      if (!Env("FS_CHAOS_ONLY_TRIAL").empty() && EnvInt("FS_CHAOS_ONLY_TRIAL", -1) != i) continue;
       TrialResult r = RunTrial(cluster, absl::StrCat("s", daemons, "x", i), plan, 6);
       summary.Add(layout, plan, r);
       std::printf("trial %s %d: kill daemon %d at %s: %s, committed %lld, re-attached %lld%s\n",
