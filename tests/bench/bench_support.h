@@ -314,6 +314,16 @@ class BenchDaemon {
     }
   }
 
+  // SIGKILL, as a crash: the segments, the socket and the directory stay (a restart with
+  // Start() and the same tag finds them). Idempotent.
+  void Kill() {
+    absl::MutexLock lock(&stop_mu_);
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
   std::string address() const { return "unix:" + socket_; }
   const std::string& socket() const { return socket_; }
   std::string tag() const {

@@ -1,0 +1,589 @@
+// A daemon restart loses nothing (README "Restarts"), with real flatshardd processes and a
+// state directory: kill -9 after commits (and with uncommitted in-place writes on top), kill -9
+// while a commit's copy into the committed copies is torn (--testing_commit_copy_pause), SIGTERM
+// with --keep_shards and without; every rank re-joins, re-registers the same model and finds
+// the last committed generation bit for bit, with its gradient shards. Records or segments that
+// do not check out (a flipped byte, a truncated or missing segment) are refused with a log line
+// naming the file and the check, and the group is not adopted; segments no record references
+// are removed at start. Two daemons: the restarted one keeps its ranks' shards and the group
+// re-forms with them; daemons whose generations differ drop the module as lost, by name.
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/plan.h"
+#include "common/shm_segment.h"
+#include "flatshard/client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/state/state_dir.h"
+#include "tests/testing/cluster.h"
+#include "tests/testing/daemon_process.h"
+#include "tests/testing/files.h"
+#include "tests/testing/rank_group.h"
+
+namespace flatshard::client {
+namespace {
+
+using ::flatshard::testing::DaemonOptions;
+using ::flatshard::testing::DaemonProcess;
+using ::flatshard::testing::ExampleModelFile;
+using ::flatshard::testing::RunRanks;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Not;
+using ::testing::SizeIs;
+
+constexpr char kToken[] = "restart-t0k";
+constexpr int kWorld = 2;
+
+std::unique_ptr<Client> Connect(const std::string& address) {
+  ClientOptions options;
+  options.address = address;
+  options.call_timeout = absl::Seconds(20);
+  options.join_timeout = absl::Seconds(20);
+  options.max_attempts = 1;
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  EXPECT_TRUE(client.ok()) << client.status();
+  return client.ok() ? *std::move(client) : nullptr;
+}
+
+// The value of shard element `i` of unit `u` of `rank` at generation `g`: distinct between
+// generations, units and ranks (so a mix or a swap is seen), never zero.
+float Value(uint64_t g, int rank, int32_t u, int64_t i) {
+  return static_cast<float>(g * 100000 + rank * 10000 + u * 1000 + 1 + i % 997);
+}
+
+struct Rank {
+  std::unique_ptr<Client> client;
+  RegisteredModule model;
+};
+
+// Bytes of every shard and gradient shard of one rank, per unit.
+struct Snapshot {
+  std::vector<std::string> shards;
+  std::vector<std::string> grads;
+  uint64_t generation = 0;
+};
+
+Snapshot Take(Client& c) {
+  Snapshot s;
+  absl::StatusOr<ShardViews> views = c.GetShardViews("");
+  EXPECT_TRUE(views.ok()) << views.status();
+  if (!views.ok()) return s;
+  s.generation = views->generation();
+  for (const UnitShardView& u : *views) {
+    const size_t bytes = static_cast<size_t>(u.shard_numel) * 4;
+    s.shards.emplace_back(static_cast<const char*>(u.data), bytes);
+    s.grads.emplace_back(u.grad == nullptr ? std::string()
+                                           : std::string(static_cast<const char*>(u.grad), bytes));
+  }
+  return s;
+}
+
+// Writes generation `g`'s values into every shard of `rank` (the optimizer, in place).
+void WriteShards(Client& c, int rank, uint64_t g) {
+  absl::StatusOr<ShardViews> views = c.GetShardViews("");
+  ASSERT_TRUE(views.ok()) << views.status();
+  for (const UnitShardView& u : *views) {
+    float* data = static_cast<float*>(u.data);
+    for (int64_t i = 0; i < u.shard_numel; ++i) data[i] = Value(g, rank, u.unit, i);
+  }
+}
+
+class RestartTest : public ::testing::Test {
+ protected:
+  // A daemon with a state directory in the test's temp dir (kept across restarts).
+  std::unique_ptr<DaemonProcess> StartDaemon(std::vector<std::string> extra = {}) {
+    state_dir_ = std::filesystem::temp_directory_path() /
+                 absl::StrCat("fsrestart-state.", getpid(), ".", counter_++);
+    DaemonOptions o;
+    o.tag_prefix = "fsrst";
+    o.extra_flags = {"--state_dir=" + state_dir_.string()};
+    for (std::string& f : extra) o.extra_flags.push_back(std::move(f));
+    return std::make_unique<DaemonProcess>(o);
+  }
+  void TearDown() override {
+    std::error_code ignored;
+    if (!state_dir_.empty()) std::filesystem::remove_all(state_dir_, ignored);
+  }
+
+  // Every rank connects and joins; `expect_modules`: what Join reports to re-attach.
+  void JoinAll(DaemonProcess& d, std::vector<Rank>& ranks, size_t expect_modules) {
+    ranks.resize(kWorld);
+    RunRanks(kWorld, [&](int r) {
+      ranks[r].client = Connect(d.address());
+      ASSERT_NE(ranks[r].client, nullptr);
+      absl::Status joined = ranks[r].client->Join("g", kWorld, r, kToken);
+      ASSERT_TRUE(joined.ok()) << "rank " << r << ": " << joined;
+      EXPECT_THAT(ranks[r].client->registered_modules(), SizeIs(expect_modules)) << "rank " << r;
+    });
+  }
+  void RegisterAll(std::vector<Rank>& ranks, uint64_t want_generation) {
+    const std::string manifest = ExampleModelFile("gpt_tied", "manifest");
+    const std::string policy = ExampleModelFile("gpt_tied", "policy");
+    RunRanks(kWorld, [&](int r) {
+      absl::StatusOr<RegisteredModule> m =
+          ranks[r].client->Register("", manifest, policy, InitMode::kZeros);
+      ASSERT_TRUE(m.ok()) << "rank " << r << ": " << m.status();
+      EXPECT_EQ(m->generation, want_generation) << "rank " << r;
+      ranks[r].model = *std::move(m);
+    });
+  }
+  // Steps 1..n: write generation g's values, a gradient for every unit, commit.
+  void Train(std::vector<Rank>& ranks, uint64_t from, uint64_t to) {
+    for (uint64_t g = from; g <= to; ++g) {
+      RunRanks(kWorld, [&](int r) {
+        WriteShards(*ranks[r].client, r, g);
+        for (const PlanUnit& u : ranks[r].model.plan->units) {
+          absl::Status s = ranks[r].client->ReduceScatterGrads(
+              "", u.index, ReduceOp::kSum, false, [&](PendingReduceScatter& p) {
+                float* data = static_cast<float*>(p.data());
+                for (int64_t i = 0; i < p.numel(); ++i) data[i] = static_cast<float>(g + i % 7);
+                return absl::OkStatus();
+              });
+          ASSERT_TRUE(s.ok()) << "rank " << r << " unit " << u.index << ": " << s;
+        }
+        absl::StatusOr<uint64_t> c = ranks[r].client->Commit("");
+        ASSERT_TRUE(c.ok()) << "rank " << r << ": " << c.status();
+        EXPECT_EQ(*c, g);
+      });
+    }
+  }
+  // After a restart: joins, re-attaches at `generation` and finds `want` bit for bit; a
+  // read-only summon and one more commit work.
+  void ExpectReattached(DaemonProcess& d, std::vector<Rank>& ranks, uint64_t generation,
+                        const std::vector<Snapshot>& want, bool commit_after = true) {
+    JoinAll(d, ranks, 1);
+    RegisterAll(ranks, generation);
+    for (int r = 0; r < kWorld; ++r) {
+      SCOPED_TRACE(absl::StrCat("rank ", r));
+      Snapshot now = Take(*ranks[r].client);
+      EXPECT_EQ(now.generation, generation);
+      ASSERT_EQ(now.shards.size(), want[r].shards.size());
+      for (size_t u = 0; u < now.shards.size(); ++u) {
+        EXPECT_TRUE(now.shards[u] == want[r].shards[u]) << "unit " << u << ": shard differs";
+        EXPECT_TRUE(now.grads[u] == want[r].grads[u]) << "unit " << u << ": gradient differs";
+      }
+    }
+    RunRanks(kWorld, [&](int r) {
+      SummonOptions read;
+      read.writeback = false;
+      absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", read);
+      ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+      ASSERT_TRUE((*s)->End().ok());
+    });
+    if (commit_after) Train(ranks, generation + 1, generation + 1);
+  }
+  // Restarts `d` and waits until it has adopted what its state directory holds (it listens
+  // on its socket a little before).
+  bool Restart(DaemonProcess& d) {
+    auto count = [&] {
+      const std::string log = d.Log();
+      int n = 0;
+      for (size_t at = log.find("restart: adopted"); at != std::string::npos;
+           at = log.find("restart: adopted", at + 1)) {
+        ++n;
+      }
+      return n;
+    };
+    const int before = count();
+    if (!d.Restart()) return false;
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    while (count() <= before && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
+    return count() > before;
+  }
+
+  std::filesystem::path state_dir_;
+  static inline int counter_ = 0;
+};
+
+// The expected state of every rank: generation g's values and the gradients of step g.
+std::vector<Snapshot> Expected(std::vector<Rank>& ranks) {
+  std::vector<Snapshot> out;
+  for (Rank& r : ranks) out.push_back(Take(*r.client));
+  return out;
+}
+
+TEST_F(RestartTest, KillNineAfterCommitsKeepsEveryShardBitForBit) {
+  std::unique_ptr<DaemonProcess> d = StartDaemon();
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  Train(ranks, 1, 3);
+  const std::vector<Snapshot> committed = Expected(ranks);
+  // An optimizer step that never committed: the restart must not keep it.
+  RunRanks(kWorld, [&](int r) { WriteShards(*ranks[r].client, r, 99); });
+  const size_t segments = d->Segments().size();
+  ranks.clear();
+  d->Kill();
+  ASSERT_TRUE(Restart(*d));
+  EXPECT_THAT(d->Log(), HasSubstr("group=g adopted from"));
+  EXPECT_THAT(d->Log(), HasSubstr("generation 3"));
+  // Shards, committed copies and gradient shards; the kept staging buffers are gone.
+  EXPECT_EQ(d->Segments().size(), kWorld * committed[0].shards.size() * 3);
+  EXPECT_LT(d->Segments().size(), segments);
+  ExpectReattached(*d, ranks, 3, committed);
+}
+
+TEST_F(RestartTest, KillNineWhileACommitCopyIsTornFinishesTheCommitFromTheShards) {
+  std::unique_ptr<DaemonProcess> d = StartDaemon({"--testing_commit_copy_pause=30s"});
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  // The registration's zeros are generation 0; no copy runs until the first commit.
+  RegisterAll(ranks, 0);
+  RunRanks(kWorld, [&](int r) { WriteShards(*ranks[r].client, r, 1); });
+  const std::vector<Snapshot> step1 = Expected(ranks);
+  std::vector<std::thread> committing;
+  for (int r = 0; r < kWorld; ++r) {
+    committing.emplace_back([&, r] { (void)ranks[r].client->Commit(""); });
+  }
+  // The first rank's copy has torn its committed copy (unit 0 copied) and paused; the other
+  // rank's copy waits behind it (host ranks copy on the agreement's completion thread), so
+  // its record says only that every rank agreed.
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  auto paused = [&] { return absl::StrContains(d->Log(), "testing: commit copy"); };
+  while (!paused() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+  const bool was_paused = paused();
+  d->Kill();
+  for (std::thread& t : committing) t.join();
+  ASSERT_TRUE(was_paused) << d->Log();
+  ranks.clear();
+  ASSERT_TRUE(Restart(*d));
+  EXPECT_THAT(d->Log(), HasSubstr("finished the commit of generation 1 from its shards"));
+  // Every unit holds generation 1 (the torn copy was finished, never adopted as it was); no
+  // gradient was ever reduced.
+  ExpectReattached(*d, ranks, 1, step1, /*commit_after=*/false);  // commits pause here
+}
+
+TEST_F(RestartTest, SigtermKeepsShardsForTheNextDaemonByDefault) {
+  std::unique_ptr<DaemonProcess> d = StartDaemon();
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  Train(ranks, 1, 2);
+  const std::vector<Snapshot> committed = Expected(ranks);
+  RunRanks(kWorld, [&](int r) { ASSERT_TRUE(ranks[r].client->Leave().ok()); });
+  ranks.clear();
+  EXPECT_EQ(d->Terminate(), 0);
+  EXPECT_THAT(d->Segments(), Not(IsEmpty()));
+  EXPECT_THAT(d->Log(), HasSubstr("kept for the next daemon"));
+  ASSERT_TRUE(Restart(*d));
+  ExpectReattached(*d, ranks, 2, committed);
+}
+
+TEST_F(RestartTest, SigtermWithoutKeepShardsFreesEverythingAndRemovesTheRecords) {
+  std::unique_ptr<DaemonProcess> d = StartDaemon({"--keep_shards=false"});
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  Train(ranks, 1, 1);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(state_dir_),
+                          std::filesystem::directory_iterator()),
+            1);
+  RunRanks(kWorld, [&](int r) { ASSERT_TRUE(ranks[r].client->Leave().ok()); });
+  ranks.clear();
+  EXPECT_EQ(d->Terminate(), 0);
+  EXPECT_THAT(d->Segments(), IsEmpty());
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(state_dir_),
+                          std::filesystem::directory_iterator()),
+            0);
+  ASSERT_TRUE(Restart(*d));
+  JoinAll(*d, ranks, 0);  // nothing to re-attach to: registered afresh
+  RegisterAll(ranks, 0);
+}
+
+TEST_F(RestartTest, DeleteGroupRemovesTheRecord) {
+  std::unique_ptr<DaemonProcess> d = StartDaemon();
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  const std::filesystem::path record = state_dir_ / server::state::RecordFileName("g");
+  EXPECT_TRUE(std::filesystem::exists(record));
+  RunRanks(kWorld, [&](int r) { ASSERT_TRUE(ranks[r].client->Leave().ok()); });
+  const std::string ctl = std::string(FS_BINARY_DIR) + "/client/flatshardctl";
+  const std::string cmd =
+      absl::StrCat(ctl, " delete-group g --socket ", d->socket(), " > /dev/null 2>&1");
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  EXPECT_FALSE(std::filesystem::exists(record));
+  ranks.clear();
+  d->Kill();
+  ASSERT_TRUE(Restart(*d));
+  EXPECT_THAT(d->Segments(), IsEmpty());
+}
+
+// Breaks the record or a segment of a trained group, restarts, and checks that the group was
+// refused with `log_text` and not adopted.
+class RefusedTest : public RestartTest {
+ protected:
+  void Run(const std::function<void(DaemonProcess&)>& breakit, const std::string& log_text,
+           bool segments_left_alone) {
+    std::unique_ptr<DaemonProcess> d = StartDaemon();
+    std::vector<Rank> ranks;
+    JoinAll(*d, ranks, 0);
+    RegisterAll(ranks, 0);
+    Train(ranks, 1, 1);
+    ranks.clear();
+    d->Kill();
+    // The record's segments (staging buffers are not recorded: removed at start).
+    std::vector<std::string> recorded;
+    {
+      std::ifstream in(state_dir_ / server::state::RecordFileName("g"), std::ios::binary);
+      std::stringstream ss;
+      ss << in.rdbuf();
+      for (const std::string& name : server::state::SegmentNamesIn(ss.str(), d->tag())) {
+        recorded.push_back("/dev/shm" + name);
+      }
+    }
+    breakit(*d);
+    std::vector<std::string> before;
+    for (const std::string& s : recorded) {
+      if (std::filesystem::exists(s)) before.push_back(s);
+    }
+    std::sort(before.begin(), before.end());
+    ASSERT_TRUE(Restart(*d));
+    const std::string log = d->Log();
+    EXPECT_THAT(log, HasSubstr(log_text));
+    EXPECT_THAT(log, HasSubstr(server::state::RecordFileName("g")));
+    EXPECT_THAT(log, HasSubstr("not adopted"));
+    EXPECT_THAT(log, Not(HasSubstr("group=g adopted")));
+    if (segments_left_alone) {
+      std::vector<std::string> after = d->Segments();
+      std::sort(after.begin(), after.end());
+      EXPECT_EQ(after, before);
+    }
+    JoinAll(*d, ranks, 0);  // nothing adopted
+  }
+  std::string ASegment() {
+    server::state::StateDir::Loaded l =
+        (*server::state::StateDir::Open(state_dir_.string()))->LoadAll();
+    EXPECT_THAT(l.groups, SizeIs(1));
+    return "/dev/shm" + l.groups[0].modules[0].ranks[1].units[2].buffers[0].segment;
+  }
+};
+
+TEST_F(RefusedTest, AFlippedRecordByte) {
+  Run(
+      [&](DaemonProcess&) {
+        const std::filesystem::path p = state_dir_ / server::state::RecordFileName("g");
+        std::ifstream in(p, std::ios::binary);
+        std::stringstream ss;
+        ss << in.rdbuf();
+        std::string bytes = ss.str();
+        bytes.back() ^= 0x04;  // the body's closing brace: no segment name changes
+        std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes;
+      },
+      "checksum:", /*segments_left_alone=*/true);
+}
+
+TEST_F(RefusedTest, ATruncatedSegment) {
+  Run(
+      [&](DaemonProcess&) {
+        const std::string seg = ASegment();
+        ASSERT_EQ(::truncate(seg.c_str(), 8), 0) << seg;
+      },
+      "has 8 bytes, the record says", /*segments_left_alone=*/true);
+}
+
+TEST_F(RefusedTest, AMissingSegment) {
+  Run(
+      [&](DaemonProcess&) {
+        const std::string seg = ASegment();
+        ASSERT_EQ(::unlink(seg.c_str()), 0) << seg;
+      },
+      "No such file", /*segments_left_alone=*/true);
+}
+
+TEST_F(RestartTest, SegmentsNoRecordReferencesAreRemovedAtStart) {
+  std::unique_ptr<DaemonProcess> d = StartDaemon();
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  const std::vector<Snapshot> zeros = Expected(ranks);
+  ranks.clear();
+  d->Kill();
+  // A segment of a dead daemon that no record names.
+  const pid_t dead = fork();
+  if (dead == 0) _exit(0);
+  ASSERT_GT(dead, 0);
+  waitpid(dead, nullptr, 0);
+  const std::string garbage = absl::StrCat("/", d->tag(), ".", dead, ".7");
+  {
+    absl::StatusOr<ShmSegment> s = ShmSegment::Create(garbage, 4096);
+    ASSERT_TRUE(s.ok()) << s.status();
+    s->Disown();
+  }
+  ASSERT_TRUE(std::filesystem::exists("/dev/shm" + garbage));
+  ASSERT_TRUE(Restart(*d));
+  EXPECT_FALSE(std::filesystem::exists("/dev/shm" + garbage));
+  EXPECT_THAT(d->Log(), HasSubstr(absl::StrCat("removed segment ", garbage,
+                                               " (4096 bytes): no state record references it")));
+  ExpectReattached(*d, ranks, 0, zeros);
+}
+
+// Two daemons (rank r on daemon r), each with its own state directory; daemon 1 (not the
+// coordinator) is killed with SIGKILL after two commits and restarted.
+class TwoDaemonRestartTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (int i = 0; i < 2; ++i) {
+      dirs_.push_back(std::filesystem::temp_directory_path() /
+                      absl::StrCat("fsrestart2-state.", getpid(), ".", counter_++));
+      DaemonOptions o;
+      o.tag_prefix = "fsrst2";
+      o.peer = true;
+      o.node_name = absl::StrCat("node", i);
+      o.extra_flags = {"--state_dir=" + dirs_.back().string(), "--peer_timeout=2s"};
+      daemons_.push_back(std::make_unique<DaemonProcess>(o));
+    }
+  }
+  void TearDown() override {
+    daemons_.clear();
+    std::error_code ignored;
+    for (const auto& d : dirs_) std::filesystem::remove_all(d, ignored);
+  }
+  // Every rank (re-)joins through its daemon; survivors leave first.
+  void JoinAll(std::vector<Rank>& ranks) {
+    ranks.resize(2);
+    RunRanks(2, [&](int r) {
+      if (ranks[r].client == nullptr) {
+        ranks[r].client = Connect(daemons_[r]->address());
+        ASSERT_NE(ranks[r].client, nullptr);
+      } else {
+        (void)ranks[r].client->Leave();
+      }
+      absl::Status joined =
+          ranks[r].client->Join("g", 2, r, kToken, daemons_[0]->peer_address());
+      ASSERT_TRUE(joined.ok()) << "rank " << r << ": " << joined;
+    });
+  }
+  void Register(std::vector<Rank>& ranks, uint64_t generation) {
+    const std::string manifest = ExampleModelFile("gpt_tied", "manifest");
+    const std::string policy = ExampleModelFile("gpt_tied", "policy");
+    RunRanks(2, [&](int r) {
+      absl::StatusOr<RegisteredModule> m =
+          ranks[r].client->Register("", manifest, policy, InitMode::kZeros);
+      ASSERT_TRUE(m.ok()) << "rank " << r << ": " << m.status();
+      EXPECT_EQ(m->generation, generation) << "rank " << r;
+      ranks[r].model = *std::move(m);
+    });
+  }
+  void Commit(std::vector<Rank>& ranks, uint64_t g) {
+    RunRanks(2, [&](int r) {
+      WriteShards(*ranks[r].client, r, g);
+      absl::StatusOr<uint64_t> c = ranks[r].client->Commit("");
+      ASSERT_TRUE(c.ok()) << "rank " << r << ": " << c.status();
+      EXPECT_EQ(*c, g);
+    });
+  }
+  bool RestartDaemon1() {
+    DaemonProcess& d = *daemons_[1];
+    const size_t before = d.Log().size();
+    if (!d.Restart()) return false;
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    while (d.Log().find("restart: adopted", before) == std::string::npos &&
+           absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return d.Log().find("restart: adopted", before) != std::string::npos;
+  }
+
+  std::vector<std::filesystem::path> dirs_;
+  std::vector<std::unique_ptr<DaemonProcess>> daemons_;
+  static inline int counter_ = 0;
+};
+
+TEST_F(TwoDaemonRestartTest, TheGroupReformsWithTheRestartedDaemonsShardsIntact) {
+  std::vector<Rank> ranks;
+  JoinAll(ranks);
+  Register(ranks, 0);
+  Commit(ranks, 1);
+  Commit(ranks, 2);
+  std::vector<Snapshot> committed;
+  for (Rank& r : ranks) committed.push_back(Take(*r.client));
+  WriteShards(*ranks[0].client, 0, 77);  // uncommitted on the survivor: rolled back
+  daemons_[1]->Kill();
+  ranks[1] = Rank();
+  ASSERT_TRUE(RestartDaemon1());
+  JoinAll(ranks);
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    EXPECT_THAT(ranks[r].client->lost_modules(), IsEmpty());
+    EXPECT_THAT(ranks[r].client->registered_modules(), SizeIs(1));
+  }
+  Register(ranks, 2);  // re-attach on both daemons
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    Snapshot now = Take(*ranks[r].client);
+    EXPECT_EQ(now.generation, 2u);
+    ASSERT_EQ(now.shards.size(), committed[r].shards.size());
+    for (size_t u = 0; u < now.shards.size(); ++u) {
+      EXPECT_TRUE(now.shards[u] == committed[r].shards[u]) << "unit " << u;
+    }
+  }
+  // The group works across both daemons again: a full summon (all-gather over UCX), a commit.
+  RunRanks(2, [&](int r) {
+    SummonOptions read;
+    read.writeback = false;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", read);
+    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+    ASSERT_TRUE((*s)->End().ok());
+  });
+  Commit(ranks, 3);
+}
+
+TEST_F(TwoDaemonRestartTest, DaemonsAtDifferentGenerationsDropTheModuleNamingThem) {
+  std::vector<Rank> ranks;
+  JoinAll(ranks);
+  Register(ranks, 0);
+  Commit(ranks, 1);
+  Commit(ranks, 2);
+  daemons_[1]->Kill();
+  ranks[1] = Rank();
+  // As if daemon 1 had died before its copy of commit 2 began: its record says generation 1.
+  {
+    std::unique_ptr<server::state::StateDir> dir =
+        *server::state::StateDir::Open(dirs_[1].string());
+    server::state::StateDir::Loaded loaded = dir->LoadAll();
+    ASSERT_THAT(loaded.groups, SizeIs(1));
+    server::state::GroupRecord rec = loaded.groups[0];
+    for (server::state::ModuleRecord& m : rec.modules) {
+      m.pending.reset();
+      for (server::state::RankRecord& rr : m.ranks) rr.generation = 1;
+    }
+    rec.sequence += 1;
+    ASSERT_TRUE(dir->Write(rec).ok());
+  }
+  ASSERT_TRUE(RestartDaemon1());
+  JoinAll(ranks);
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    EXPECT_THAT(ranks[r].client->registered_modules(), IsEmpty());
+    ASSERT_THAT(ranks[r].client->lost_modules(), SizeIs(1));
+    const std::string why = ranks[r].client->lost_modules()[0];
+    EXPECT_THAT(why, HasSubstr("different committed generations"));
+    EXPECT_THAT(why, HasSubstr("generation 1: rank 1 (daemon node1)"));
+    EXPECT_THAT(why, HasSubstr("generation 2: rank 0 (daemon node0)"));
+  }
+  Register(ranks, 0);  // afresh
+  Commit(ranks, 1);
+}
+
+}  // namespace
+}  // namespace flatshard::client
