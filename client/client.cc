@@ -23,6 +23,7 @@
 #include "common/policy.h"
 #include "common/proto_convert.h"
 #include "common/status_macros.h"
+#include "flatshard/v1/admin_service.grpc.pb.h"
 #include "flatshard/v1/shard_service.grpc.pb.h"
 
 namespace flatshard::client {
@@ -184,6 +185,9 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   }
 
   const ClientOptions& options() const { return options_; }
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
+  // The current session's caller (Client::SaveCheckpoint and friends).
+  absl::StatusOr<v1::Caller> SessionCaller() const { return CurrentCaller(0); }
   int64_t map_calls() const { return cache_.map_calls(); }
   // Unmaps segments the daemon freed that no view uses any more (SegmentCache::DropUnlinked).
   void DropUnlinked() {
@@ -964,5 +968,77 @@ int64_t Client::segment_map_calls() const { return core_->map_calls(); }
 int64_t Client::ipc_open_calls() const { return core_->ipc_open_calls(); }
 
 const ClientOptions& Client::options() const { return core_->options(); }
+
+namespace {
+
+// One checkpoint RPC (AdminService.SaveCheckpoint / LoadCheckpoint) on the client's channel:
+// reads the progress stream to its end.
+template <typename Request>
+absl::StatusOr<Client::CheckpointInfo> RunCheckpointCall(
+    const std::shared_ptr<grpc::Channel>& channel, const Request& request,
+    std::unique_ptr<grpc::ClientReader<v1::CheckpointProgress>> (v1::AdminService::Stub::*rpc)(
+        grpc::ClientContext*, const Request&),
+    const Client::CheckpointProgressFn& progress) {
+  auto stub = v1::AdminService::NewStub(channel);
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReader<v1::CheckpointProgress>> reader = ((*stub).*rpc)(&ctx, request);
+  v1::CheckpointProgress p, last;
+  bool any = false;
+  while (reader->Read(&p)) {
+    last = p;
+    any = true;
+    if (progress) progress(p.done_bytes(), p.total_bytes());
+  }
+  FS_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
+  if (!any || !last.done()) {
+    return absl::InternalError("the daemon ended the checkpoint stream without a result");
+  }
+  Client::CheckpointInfo info;
+  info.generation = last.generation();
+  info.bytes = last.total_bytes();
+  info.files = last.files();
+  info.ranks = last.ranks();
+  info.unused_tensors = last.unused_tensors();
+  info.path = last.dir();
+  return info;
+}
+
+}  // namespace
+
+absl::StatusOr<Client::CheckpointInfo> Client::SaveCheckpoint(const std::string& registered_module,
+                                                              const std::string& dir,
+                                                              const CheckpointProgressFn& progress) {
+  FS_ASSIGN_OR_RETURN(v1::Caller caller, core_->SessionCaller());
+  v1::SaveCheckpointRequest request;
+  request.set_group(caller.group());
+  request.set_module(registered_module);
+  request.set_dir(dir);
+  return RunCheckpointCall(core_->channel(), request, &v1::AdminService::Stub::SaveCheckpoint,
+                           progress);
+}
+
+absl::StatusOr<Client::CheckpointInfo> Client::LoadCheckpoint(const std::string& registered_module,
+                                                              const std::string& dir,
+                                                              const CheckpointProgressFn& progress) {
+  FS_ASSIGN_OR_RETURN(v1::Caller caller, core_->SessionCaller());
+  v1::LoadCheckpointRequest request;
+  request.set_group(caller.group());
+  request.set_module(registered_module);
+  request.set_dir(dir);
+  return RunCheckpointCall(core_->channel(), request, &v1::AdminService::Stub::LoadCheckpoint,
+                           progress);
+}
+
+absl::StatusOr<Client::CheckpointInfo> Client::ImportSafetensors(
+    const std::string& registered_module, const std::string& file,
+    const CheckpointProgressFn& progress) {
+  FS_ASSIGN_OR_RETURN(v1::Caller caller, core_->SessionCaller());
+  v1::LoadCheckpointRequest request;
+  request.set_group(caller.group());
+  request.set_module(registered_module);
+  request.set_safetensors(file);
+  return RunCheckpointCall(core_->channel(), request, &v1::AdminService::Stub::LoadCheckpoint,
+                           progress);
+}
 
 }  // namespace flatshard::client

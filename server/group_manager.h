@@ -19,6 +19,7 @@
 // Thread-safe. Callbacks run exactly once, never under the manager's lock, on the calling
 // thread or on the manager's deadline thread.
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -395,6 +396,53 @@ class GroupManager : public peer::PeerEvents {
                      const absl::Status& status) override;
   void OnCoordinatorLost(const std::string& coordinator, const absl::Status& status) override;
 
+  // ---- Checkpoints (group_manager_checkpoint.cc; README "Checkpoints") ----
+  // Progress of a save or load, read by another thread while it runs.
+  struct CheckpointProgress {
+    enum Phase : int { kWaiting = 0, kVerifying = 1, kWriting = 2, kLoading = 3, kDone = 4 };
+    std::atomic<int> phase{kWaiting};
+    std::atomic<int64_t> done_bytes{0};
+    std::atomic<int64_t> total_bytes{0};
+  };
+  struct CheckpointArgs {
+    std::string group;
+    std::string module;
+    std::string dir;          // save: the directory; load: a checkpoint directory, or
+    std::string safetensors;  // load: a safetensors file
+    int64_t uid = -1;         // the caller's (-1 remote); `privileged`: root or the daemon's
+    bool privileged = false;
+    // How long to wait for copies of the committed shards in flight to finish.
+    absl::Duration wait = absl::Seconds(30);
+  };
+  struct CheckpointResult {
+    uint64_t generation = 0;
+    int64_t bytes = 0;
+    int32_t files = 0;
+    int32_t ranks = 0;
+    int64_t unused_tensors = 0;
+  };
+  // Writes the committed shards of `args.module` (one generation on every rank) to
+  // `args.dir` in flatshard.checkpoint/1: one file per rank in parallel, metadata.json last.
+  // Commits that would overwrite the committed copies wait until the data files are written.
+  // Blocking (file I/O): never call on a gRPC reactor thread. Errors: NOT_FOUND,
+  // PERMISSION_DENIED (another uid's group), FAILED_PRECONDITION (uninitialised module, GPU
+  // ranks, a rank without shards), DEADLINE_EXCEEDED (copies in flight past `wait`),
+  // UNIMPLEMENTED (multi-daemon groups), INTERNAL naming the file and call that failed.
+  absl::StatusOr<CheckpointResult> SaveCheckpoint(const CheckpointArgs& args,
+                                                  CheckpointProgress* progress)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Loads a checkpoint directory or a safetensors file into the registered, initialised
+  // module (resharding by FQN and element range). Checks everything before any shard changes;
+  // then writes every local rank's shards and committed copies (a committed step). The
+  // module's generation becomes the checkpoint's (a safetensors import: the current one + 1),
+  // and every rank must read its views again before its next commit (`stale`).
+  // FAILED_PRECONDITION while a summon of the module is open, for a source that does not fit
+  // the module (naming the FQN), for an incomplete or corrupt checkpoint (naming the file and
+  // the check); otherwise as SaveCheckpoint.
+  absl::StatusOr<CheckpointResult> LoadCheckpoint(const CheckpointArgs& args,
+                                                  CheckpointProgress* progress)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   struct Group;
   struct PendingJoin;
@@ -559,6 +607,10 @@ class GroupManager : public peer::PeerEvents {
                                   StatusCallback done);
   void CommitWritten(const Caller& caller, const std::string& module, absl::Time deadline,
                      CommitCallback done, absl::Status local);
+  // Every rank agreed to commit: copies the caller's shards into its committed copies (after
+  // any checkpoint holding them) and answers the new generation.
+  void CommitAgreed(const Caller& caller, const std::string& module, uint64_t generation,
+                    CommitCallback done);
   // The request for `g`'s communicator over `spec` (local devices filled in on GPU daemons).
   collective::CommunicatorRequest RequestFor(collective::GroupSpec spec, bool nccl_agreed) const;
 
@@ -596,6 +648,14 @@ class GroupManager : public peer::PeerEvents {
   // GroupManagerOptions::testing_commit_copy_pause.
   void TestingPauseMidCopy(int32_t rank, const std::vector<UnitShard>& shards,
                            const std::vector<std::shared_ptr<Buffer>>& committed) const;
+  // Checkpoints: the committed shards of a module held still for a save or a load.
+  struct CheckpointHold;
+  absl::StatusOr<CheckpointHold> HoldForCheckpoint(const CheckpointArgs& args, bool load,
+                                                   CheckpointProgress* progress)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends a hold; a load sets `generation` and marks the local ranks stale.
+  void ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
+                             std::optional<uint64_t> generation) ABSL_LOCKS_EXCLUDED(mu_);
 
   ShardStore* const store_;
   const absl::Duration lease_timeout_;

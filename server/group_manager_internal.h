@@ -326,6 +326,12 @@ struct GroupManager::Registered {
   // A commit every rank agreed to whose copies into the committed copies are under way here
   // (state::PendingCommit: which ranks' shards hold it, which ranks' copies are done).
   std::optional<state::PendingCommit> pending_commit;
+  // ---- Checkpoints (group_manager_checkpoint.cc) ----
+  // Saves and loads holding the committed copies still. While > 0 no copy into them starts
+  // (commits, writeback Ends and a refused commit's rollback queue in `after_ckpt` and run
+  // again once the last hold ends); a hold starts only when `busy` is 0.
+  int ckpt_hold = 0;
+  std::vector<absl::AnyInvocable<void()>> after_ckpt;
 
   void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok,
               absl::Time now) {

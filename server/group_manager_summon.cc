@@ -677,13 +677,25 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
     return status;
   };
   // Every rank agreed: this rank applies (the daemon does, whatever its trainer does now).
-  auto apply = [this, caller, summon, module = owned->module, is_init, generation = record.generation,
-                write_back](std::unique_ptr<OpenSummon> owned, StatusCallback done) mutable {
+  // Held in a shared_ptr so that, while a checkpoint holds the committed copies, it can queue
+  // itself to run again once the checkpoint is done (Registered::after_ckpt).
+  using ApplyFn = std::function<void(std::unique_ptr<OpenSummon>, StatusCallback)>;
+  auto apply = std::make_shared<ApplyFn>();
+  *apply = [this, caller, summon, module = owned->module, is_init, generation = record.generation,
+            write_back, self = std::weak_ptr<ApplyFn>(apply)](std::unique_ptr<OpenSummon> owned,
+                                                                StatusCallback done) mutable {
     {
       absl::MutexLock lock(&mu_);
       auto g = groups_.find(caller.group);
       if (g != groups_.end()) {
         Registered& reg = g->second->registered.at(module);
+        if (reg.ckpt_hold > 0) {
+          reg.after_ckpt.push_back(
+              [fn = self.lock(), owned = std::move(owned), done = std::move(done)]() mutable {
+                (*fn)(std::move(owned), std::move(done));
+              });
+          return;
+        }
         ++reg.busy;
         NoteCommitAgreed(reg, is_init ? generation : generation + 1, is_init ? "init" : "end");
       }
@@ -729,7 +741,7 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
           [this, caller, summon, apply, module, owned = std::move(owned),
            done = std::move(done)](absl::Status s, bool stale) mutable {
             if (s.ok()) {
-              apply(std::move(owned), std::move(done));
+              (*apply)(std::move(owned), std::move(done));
               return;
             }
             owned.reset();
@@ -939,6 +951,10 @@ void GroupManager::RollbackRank(const Caller& caller, const std::string& module)
     // A refused commit: this rank's part of rolling the whole group back (every rank got the
     // same verdict). Its views are stale from now on.
     Registered& r = reg->second;
+    if (r.ckpt_hold > 0) {  // a checkpoint holds the copies still: roll back after it
+      r.after_ckpt.push_back([this, caller, module] { RollbackRank(caller, module); });
+      return;
+    }
     ++r.busy;
     r.stale[caller.rank] = true;
     run.push_back([this, caller, module, shards = r.shards_by_rank[caller.rank],
@@ -1030,6 +1046,12 @@ void GroupManager::CommitWritten(const Caller& caller, const std::string& module
                                                      s.message())));
             return;
           }
+          CommitAgreed(caller, module, generation, std::move(done));
+        });
+}
+
+void GroupManager::CommitAgreed(const Caller& caller, const std::string& module,
+                                uint64_t generation, CommitCallback done) {
           std::vector<UnitShard> shards;
           std::vector<std::shared_ptr<Buffer>> committed;
           {
@@ -1040,6 +1062,15 @@ void GroupManager::CommitWritten(const Caller& caller, const std::string& module
               return;
             }
             Registered& reg = g->second->registered.at(module);
+            if (reg.ckpt_hold > 0) {
+              // A checkpoint is reading (or loading) the committed copies: this copy waits
+              // for it (ReleaseCheckpointHold runs it again).
+              reg.after_ckpt.push_back(
+                  [this, caller, module, generation, done = std::move(done)]() mutable {
+                    CommitAgreed(caller, module, generation, std::move(done));
+                  });
+              return;
+            }
             ++reg.busy;  // every rank agreed: this rank commits, whatever its trainer does now
             NoteCommitAgreed(reg, generation + 1, "commit");
             shards = reg.shards_by_rank[caller.rank];
@@ -1082,7 +1113,6 @@ void GroupManager::CommitWritten(const Caller& caller, const std::string& module
                            << Display(module) << " committed generation " << generation + 1;
                 done(generation + 1);
               });
-        });
 }
 
 absl::Status GroupManager::CheckUsable(const Group& g, const std::string& module,

@@ -20,5 +20,7 @@ int RunDrainCommand(const std::vector<std::string>& args);
 int RunLogLevelCommand(const std::vector<std::string>& args);
 // `flatshardctl delete-group GROUP`: remove a group every rank has left, with its shards.
 int RunDeleteGroupCommand(const std::vector<std::string>& args);
+// `flatshardctl checkpoint save|load|import|inspect|export` (checkpoint_command.cc).
+int RunCheckpointCommand(const std::vector<std::string>& args);
 
 }  // namespace flatshard::cli

@@ -26,6 +26,9 @@ constexpr char kUsage[] =
     "  drain      refuse new groups and joins, wait for in-flight work (or a timeout)\n"
     "  log-level  set or show its log level\n"
     "  delete-group  remove a group every rank has left, with its shards\n"
+    "  checkpoint save|load|import  write or load a module's checkpoint, import safetensors\n"
+    "\n"
+    "Offline: checkpoint inspect|export  check a checkpoint directory, export safetensors\n"
     "\n"
     "Run 'flatshardctl COMMAND --help' for a command's flags.\n";
 
@@ -55,6 +58,7 @@ int main(int argc, char** argv) {
   if (command == "drain") return flatshard::cli::RunDrainCommand(args);
   if (command == "log-level") return flatshard::cli::RunLogLevelCommand(args);
   if (command == "delete-group") return flatshard::cli::RunDeleteGroupCommand(args);
+  if (command == "checkpoint") return flatshard::cli::RunCheckpointCommand(args);
   std::string shown = command;
   for (char& c : shown) {
     if (c == '\n' || c == '\r') c = ' ';  // errors stay on one line

@@ -517,6 +517,33 @@ class PyClient {
     return Unwrap(std::move(generation));
   }
 
+  // Checkpoints (not collective; one rank asks its daemon). kind: "save", "load", "import".
+  // Returns a dict: generation, bytes, files, ranks, unused_tensors, path.
+  py::dict Checkpoint(const std::string& kind, const std::string& module,
+                      const std::string& path) {
+    const ClientRef c = Get(kind == "save" ? "save_checkpoint" : "load_checkpoint");
+    absl::StatusOr<flatshard::client::Client::CheckpointInfo> info;
+    {
+      py::gil_scoped_release release;
+      if (kind == "save") {
+        info = c->SaveCheckpoint(module, path);
+      } else if (kind == "load") {
+        info = c->LoadCheckpoint(module, path);
+      } else {
+        info = c->ImportSafetensors(module, path);
+      }
+    }
+    const flatshard::client::Client::CheckpointInfo i = Unwrap(std::move(info));
+    py::dict out;
+    out["generation"] = i.generation;
+    out["bytes"] = i.bytes;
+    out["files"] = i.files;
+    out["ranks"] = i.ranks;
+    out["unused_tensors"] = i.unused_tensors;
+    out["path"] = i.path;
+    return out;
+  }
+
   void Leave() {
     const ClientRef c = Get("leave");
     absl::Status status;
@@ -627,6 +654,7 @@ PYBIND11_MODULE(_C, m) {
       .def("begin_reduce_scatter", &PyClient::BeginReduceScatter)
       .def("shard_views", &PyClient::ShardViewsOf)
       .def("commit", &PyClient::Commit)
+      .def("checkpoint", &PyClient::Checkpoint)
       .def("leave", &PyClient::Leave)
       .def("close", &PyClient::Close)
       .def_property_readonly("closed", &PyClient::closed)

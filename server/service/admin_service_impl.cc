@@ -7,6 +7,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -166,6 +167,102 @@ class DrainReactor final : public grpc::ServerWriteReactor<v1::DrainProgress> {
   bool finishing_ = false;
   absl::Time last_write_ = absl::InfinitePast();
   std::unique_ptr<grpc::Alarm> alarm_;
+};
+
+// Runs a checkpoint save or load on a thread of its own and streams its progress: a message
+// every 200 ms while it runs (and when its phase changes), the result last. One operation (a
+// write or an alarm) is outstanding at a time.
+class CheckpointReactor final : public grpc::ServerWriteReactor<v1::CheckpointProgress> {
+ public:
+  using Work = std::function<absl::StatusOr<GroupManager::CheckpointResult>(
+      GroupManager::CheckpointProgress*)>;
+  CheckpointReactor(Work work, std::string dir) : start_(absl::Now()), dir_(std::move(dir)) {
+    state_ = std::make_shared<Shared>();
+    thread_ = std::thread([state = state_, work = std::move(work)] {
+      absl::StatusOr<GroupManager::CheckpointResult> r = work(&state->progress);
+      absl::MutexLock lock(&state->mu);
+      state->result = std::move(r);
+      state->finished = true;
+    });
+    Next();
+  }
+  ~CheckpointReactor() override {
+    if (thread_.joinable()) thread_.join();
+  }
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      // The client went away; the work finishes on its own (it cannot be cut short safely).
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the client went away"));
+      return;
+    }
+    if (finishing_) {
+      Finish(grpc::Status::OK);
+      return;
+    }
+    alarm_ = std::make_unique<grpc::Alarm>();
+    alarm_->Set(absl::ToChronoTime(absl::Now() + absl::Milliseconds(200)), [this](bool) { Next(); });
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  struct Shared {
+    GroupManager::CheckpointProgress progress;
+    absl::Mutex mu;
+    bool finished = false;
+    absl::StatusOr<GroupManager::CheckpointResult> result;
+  };
+  static const char* PhaseName(int phase) {
+    switch (phase) {
+      case GroupManager::CheckpointProgress::kWaiting: return "waiting";
+      case GroupManager::CheckpointProgress::kVerifying: return "verifying";
+      case GroupManager::CheckpointProgress::kWriting: return "writing";
+      case GroupManager::CheckpointProgress::kLoading: return "loading";
+      default: return "done";
+    }
+  }
+  void Next() {
+    bool finished;
+    absl::StatusOr<GroupManager::CheckpointResult> result;
+    {
+      absl::MutexLock lock(&state_->mu);
+      finished = state_->finished;
+      if (finished) result = state_->result;
+    }
+    msg_.Clear();
+    msg_.set_phase(PhaseName(state_->progress.phase.load()));
+    msg_.set_done_bytes(state_->progress.done_bytes.load());
+    msg_.set_total_bytes(state_->progress.total_bytes.load());
+    msg_.set_elapsed_seconds(absl::ToDoubleSeconds(absl::Now() - start_));
+    if (finished) {
+      if (!result.ok()) {
+        Finish(ToGrpcStatus(result.status()));
+        return;
+      }
+      msg_.set_phase("done");
+      msg_.set_done(true);
+      msg_.set_generation(result->generation);
+      msg_.set_files(result->files);
+      msg_.set_dir(dir_);
+      msg_.set_ranks(result->ranks);
+      msg_.set_unused_tensors(result->unused_tensors);
+      finishing_ = true;
+    }
+    StartWrite(&msg_);
+  }
+
+  const absl::Time start_;
+  const std::string dir_;
+  std::shared_ptr<Shared> state_;
+  std::thread thread_;
+  v1::CheckpointProgress msg_;
+  bool finishing_ = false;
+  std::unique_ptr<grpc::Alarm> alarm_;
+};
+
+class RefusedCheckpoint final : public grpc::ServerWriteReactor<v1::CheckpointProgress> {
+ public:
+  explicit RefusedCheckpoint(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
 };
 
 }  // namespace
@@ -371,6 +468,64 @@ grpc::ServerUnaryReactor* AdminServiceImpl::DeleteGroup(grpc::CallbackServerCont
   response->set_freed_bytes(deleted->freed_bytes);
   response->set_freed_buffers(deleted->freed_buffers);
   return Answer(ctx, absl::OkStatus());
+}
+
+// Who asks, as DeleteGroup: the kernel's uid over the Unix socket, remote (-1) over TCP; root
+// and the daemon's uid may act on any group.
+static absl::Status CheckpointCaller(const access::AccessControl* access,
+                                     grpc::CallbackServerContext* ctx,
+                                     GroupManager::CheckpointArgs* args) {
+  args->uid = access::kRemoteUid;
+  args->privileged = access == nullptr;
+  if (access != nullptr) {
+    absl::StatusOr<int64_t> caller = access->CallerUid(ctx->peer());
+    if (!caller.ok()) return caller.status();
+    args->uid = *caller;
+    args->privileged = *caller == 0 || *caller == static_cast<int64_t>(::geteuid());
+  }
+  return absl::OkStatus();
+}
+
+grpc::ServerWriteReactor<v1::CheckpointProgress>* AdminServiceImpl::SaveCheckpoint(
+    grpc::CallbackServerContext* ctx, const v1::SaveCheckpointRequest* request) {
+  GroupManager::CheckpointArgs args;
+  args.group = request->group();
+  args.module = request->module();
+  args.dir = request->dir();
+  if (request->timeout_ms() > 0) args.wait = absl::Milliseconds(request->timeout_ms());
+  if (args.group.empty()) {
+    return new RefusedCheckpoint(absl::InvalidArgumentError("SaveCheckpoint needs a group"));
+  }
+  if (absl::Status s = CheckpointCaller(options_.access, ctx, &args); !s.ok()) {
+    return new RefusedCheckpoint(s);
+  }
+  return new CheckpointReactor(
+      [groups = groups_, args](GroupManager::CheckpointProgress* p) {
+        return groups->SaveCheckpoint(args, p);
+      },
+      args.dir);
+}
+
+grpc::ServerWriteReactor<v1::CheckpointProgress>* AdminServiceImpl::LoadCheckpoint(
+    grpc::CallbackServerContext* ctx, const v1::LoadCheckpointRequest* request) {
+  GroupManager::CheckpointArgs args;
+  args.group = request->group();
+  args.module = request->module();
+  args.dir = request->dir();
+  args.safetensors = request->safetensors();
+  if (request->timeout_ms() > 0) args.wait = absl::Milliseconds(request->timeout_ms());
+  if (args.group.empty()) {
+    return new RefusedCheckpoint(absl::InvalidArgumentError("LoadCheckpoint needs a group"));
+  }
+  if (absl::Status s = CheckpointCaller(options_.access, ctx, &args); !s.ok()) {
+    return new RefusedCheckpoint(s);
+  }
+  const std::string from = args.dir.empty() ? args.safetensors : args.dir;
+  return new CheckpointReactor(
+      [groups = groups_, args](GroupManager::CheckpointProgress* p) {
+        return groups->LoadCheckpoint(args, p);
+      },
+      from);
 }
 
 }  // namespace flatshard::server

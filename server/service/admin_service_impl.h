@@ -57,6 +57,13 @@ class AdminServiceImpl final : public v1::AdminService::CallbackService {
   grpc::ServerUnaryReactor* DeleteGroup(grpc::CallbackServerContext* ctx,
                                         const v1::DeleteGroupRequest* request,
                                         v1::DeleteGroupResponse* response) override;
+  // Checkpoints (GroupManager::SaveCheckpoint / LoadCheckpoint): the work runs on a thread of
+  // its own; the stream reports its progress every 200 ms and ends with the result. The
+  // group's uid, root or the daemon's uid (as DeleteGroup).
+  grpc::ServerWriteReactor<v1::CheckpointProgress>* SaveCheckpoint(
+      grpc::CallbackServerContext* ctx, const v1::SaveCheckpointRequest* request) override;
+  grpc::ServerWriteReactor<v1::CheckpointProgress>* LoadCheckpoint(
+      grpc::CallbackServerContext* ctx, const v1::LoadCheckpointRequest* request) override;
 
  private:
   GroupManager* const groups_;

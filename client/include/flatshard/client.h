@@ -71,6 +71,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -481,6 +482,40 @@ class Client {
   // allocation, shared by every view into it). Steady state: constant.
   int64_t ipc_open_calls() const;
   const ClientOptions& options() const;
+
+  // ---- Checkpoints (README "Checkpoints") ----
+  // What a save or load did.
+  struct CheckpointInfo {
+    uint64_t generation = 0;  // saved: the checkpoint's; loaded: the module's from now on
+    int64_t bytes = 0;
+    int32_t files = 0;
+    int32_t ranks = 0;           // the daemon's ranks saved or loaded
+    int64_t unused_tensors = 0;  // load: tensors of the source the module does not have
+    std::string path;
+  };
+  // Called with (bytes done, bytes in all) while a checkpoint runs (on the calling thread).
+  using CheckpointProgressFn = std::function<void(int64_t done, int64_t total)>;
+  // Asks this client's daemon to write the committed step of `registered_module` of the
+  // joined group to directory `dir` (absolute, on the daemon's host; created if missing):
+  // flatshard.checkpoint/1, every rank's file in parallel, metadata.json last. Not
+  // collective: one rank asks (e.g. rank 0); the others may go on training (a commit that
+  // lands during the write waits for it). Errors: the daemon's (AdminService.SaveCheckpoint),
+  // FAILED_PRECONDITION when not joined.
+  absl::StatusOr<CheckpointInfo> SaveCheckpoint(const std::string& registered_module,
+                                                const std::string& dir,
+                                                const CheckpointProgressFn& progress = nullptr);
+  // Loads checkpoint directory `dir` into `registered_module` (any world size or wrap policy:
+  // resharded by parameter FQN). A committed step: every rank must read its views again
+  // (GetShardViews or Register) before it commits. Not collective: one rank asks, with no
+  // summon of the module open on any rank.
+  absl::StatusOr<CheckpointInfo> LoadCheckpoint(const std::string& registered_module,
+                                                const std::string& dir,
+                                                const CheckpointProgressFn& progress = nullptr);
+  // As LoadCheckpoint from a safetensors file of the full model (keys: the unwrapped module's
+  // state_dict FQNs): initial values, or a full state dict.
+  absl::StatusOr<CheckpointInfo> ImportSafetensors(const std::string& registered_module,
+                                                   const std::string& file,
+                                                   const CheckpointProgressFn& progress = nullptr);
 
  private:
   friend class internal::ClientCore;  // creates Clients with test doubles of the GPU APIs

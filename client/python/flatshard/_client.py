@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import os
 import threading
 
 import torch
@@ -281,6 +282,31 @@ class Client:
     def join(self, group, world_size, rank, token="", coordinator=""):
         """Joins rank `rank` of `group`; waits (join_timeout) until every rank joined."""
         self._c.join(group, int(world_size), int(rank), token, coordinator)
+
+    def save_checkpoint(self, module, directory):
+        """Asks this client's daemon to write the committed step of `module` (every rank at
+        one generation) to `directory` (made absolute here; a path on the daemon's host):
+        flatshard.checkpoint/1, one file per rank and metadata.json, written last. Not
+        collective: one rank asks; the others may keep training (a commit that lands while the
+        files are written waits for them). Returns a dict (generation, bytes, files, ranks,
+        path)."""
+        return dict(self._c.checkpoint("save", module, os.path.abspath(directory)))
+
+    def load_checkpoint(self, module, directory):
+        """Loads a checkpoint directory into `module` (any world size or wrap policy: resharded
+        by parameter FQN and element range). Everything is checked before any shard changes
+        (metadata, checksums, FQNs, shapes, dtypes); then every rank's shards and committed
+        copies are written and the module's generation becomes the checkpoint's. Not
+        collective: one rank asks, with no summon of the module open; every rank must then
+        read its views again (``shard_views``/``register``) before it commits. Returns a dict
+        as ``save_checkpoint``."""
+        return dict(self._c.checkpoint("load", module, os.path.abspath(directory)))
+
+    def import_safetensors(self, module, path):
+        """As ``load_checkpoint`` from a safetensors file of the full model (keys: the unwrapped
+        module's state_dict FQNs; extra keys such as buffers are skipped and counted in
+        ``unused_tensors``); the module's generation goes up by one."""
+        return dict(self._c.checkpoint("import", module, os.path.abspath(path)))
 
     def leave(self):
         """Leaves the group (shards stay; the rank can join again)."""

@@ -713,6 +713,42 @@ class FlatShardModule(nn.Module):
     def _world_size(self) -> int:
         return int(self._plan.get("world_size", 0))
 
+    # ------------------------------------------------------------------ checkpoints
+    # (README "Checkpoints"). Not collective: the daemon writes or loads every rank's shards.
+    def save_checkpoint(self, directory: str) -> Dict[str, Any]:
+        """Asks the daemon to write this module's committed step (the last ``commit()``, the
+        same generation on every rank) to `directory` (flatshard.checkpoint/1). Call it on
+        one rank; the others may go on (a commit landing during the write waits for it).
+        Returns the daemon's report (generation, bytes, files, ranks, path)."""
+        return self._client.save_checkpoint(self._name, directory)
+
+    def load_checkpoint(self, directory: Optional[str] = None, *,
+                        safetensors: Optional[str] = None) -> Dict[str, Any]:
+        """Loads a checkpoint directory (any world size or wrap policy) or a safetensors
+        file of the full model into this module on every rank: a committed step, whose
+        generation becomes the checkpoint's (a safetensors import: +1). Call it on one rank,
+        outside forward/backward and with no summon open on any rank; it reads this rank's
+        views again. Every other rank then calls ``refresh_views()`` once the load returned
+        (after a barrier of the trainer's own, e.g. ``torch.distributed.barrier()``): until
+        it does, its commits are refused (its in-place writes predate the load)."""
+        if (directory is None) == (safetensors is None):
+            raise ValueError("load_checkpoint: give exactly one of directory and safetensors")
+        if directory is not None:
+            info = self._client.load_checkpoint(self._name, directory)
+        else:
+            info = self._client.import_safetensors(self._name, safetensors)
+        self.refresh_views()
+        return info
+
+    def refresh_views(self) -> int:
+        """Reads this rank's views again in the same session (after another rank's
+        ``load_checkpoint``): the same parameter objects point at the shards, gradients are
+        dropped; returns ``generation``."""
+        views = self._client.shard_views(self._name)
+        self._attach_shards(views)
+        self._generation = int(views.generation)
+        return self._generation
+
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """The same memory as a plain torch.Tensor. Read-only summons hand out ReadOnlyTensor,
