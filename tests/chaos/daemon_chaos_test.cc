@@ -105,9 +105,11 @@ std::string Describe(const absl::Status& s) {
 class Reporter {
  public:
   Reporter(int fd, int go_fd) : fd_(fd), go_fd_(go_fd) {}
+  // Each line carries " @<unix micros>", when it was said (the parent compares it with the
+  // time of the kill: the clock is the host's).
   void Say(const std::string& line) {
     std::string l = absl::StrReplaceAll(line, {{"\n", " "}});
-    l.push_back('\n');
+    absl::StrAppend(&l, " @", absl::ToUnixMicros(absl::Now()), "\n");
     (void)!write(fd_, l.data(), l.size());
   }
   void Final(const std::string& line) { (void)FinalOrRejoin(line); }
@@ -335,7 +337,8 @@ TEST(DaemonChaosChild, Run) {
 // ---- The parent ----
 
 struct Line {
-  absl::Time at;
+  absl::Time at;    // read by the parent
+  absl::Time sent;  // said by the trainer
   std::string text;
 };
 
@@ -419,7 +422,15 @@ class Trainers {
         while ((nl = t.buffer.find('\n')) != std::string::npos) {
           std::string line = t.buffer.substr(0, nl);
           t.buffer.erase(0, nl + 1);
-          t.lines.push_back(Line{absl::Now(), line});
+          absl::Time sent = absl::Now();
+          if (const size_t at = line.rfind(" @"); at != std::string::npos) {
+            int64_t micros = 0;
+            if (absl::SimpleAtoi(line.substr(at + 2), &micros)) {
+              sent = absl::FromUnixMicros(micros);
+              line.resize(at);
+            }
+          }
+          t.lines.push_back(Line{absl::Now(), sent, line});
           if (!absl::StartsWith(line, "done ")) t.asked_to_rejoin = false;
           if (mode_ == "train") AskDoneRanksToRejoin();
           if (stop(who[i], line)) return true;
@@ -571,6 +582,7 @@ TrialResult RunTrial(ChaosCluster& cluster, const std::string& group, const Kill
                                                                       plan.occurrence),
                             " + ", absl::FormatDuration(plan.delay), ", restart after ",
                             absl::FormatDuration(plan.restart_delay)));
+  absl::Time kill_started = absl::InfiniteFuture();
   absl::Time killed_at = absl::InfiniteFuture();
   absl::Time restarted_at = absl::InfiniteFuture();
   int64_t final_generation = -1;
@@ -590,6 +602,7 @@ TrialResult RunTrial(ChaosCluster& cluster, const std::string& group, const Kill
       if (reached) absl::SleepFor(plan.delay);
     }
     if (reached) {
+      kill_started = absl::Now();
       cluster.Kill(plan.daemon);
       killed_at = absl::Now();
       result.killed = true;
@@ -601,20 +614,21 @@ TrialResult RunTrial(ChaosCluster& cluster, const std::string& group, const Kill
     EXPECT_TRUE(ended) << "a trainer neither finished nor failed within 170 s (a hang)";
     trial.Release();
 
-    // Per rank: what it saw committed before the kill reached it (its first error), and the
-    // first generation it re-attached to and verified after that.
+    // Per rank: what it saw committed before the kill, and the first generation it attached
+    // to and verified after the daemon died (by the times the trainers said them).
     std::map<int, int64_t> reattached;
     std::map<int, bool> lost;
     std::map<int, absl::Time> verified_at;
     for (int r = 0; r < kWorld; ++r) {
       const Trainer& t = trial.trainer(r);
-      bool failed = false;
       bool commit_in_flight = false;  // the rank's last step before its first error
       for (const Line& l : t.lines) {
         EXPECT_FALSE(absl::StartsWith(l.text, "bad ")) << "rank " << r << ": " << l.text;
         EXPECT_FALSE(absl::StartsWith(l.text, "fatal ")) << "rank " << r << ": " << l.text;
         int64_t v = 0;
-        if (l.at < killed_at) {
+        const bool before = l.sent < kill_started;  // said before the kill
+        const bool after = l.sent > killed_at;      // said after the daemon was dead
+        if (before) {
           // What the rank was doing when the daemon died: the last step it reported before.
           if (l.text == "commit" || l.text == "inside_end") {
             commit_in_flight = true;
@@ -623,14 +637,13 @@ TrialResult RunTrial(ChaosCluster& cluster, const std::string& group, const Kill
           }
         }
         if (absl::StartsWith(l.text, "error ")) {
-          failed = true;
           result.errors.push_back(l.text.substr(6));
-        } else if (!failed && absl::StartsWith(l.text, "committed ") &&
+        } else if (before && absl::StartsWith(l.text, "committed ") &&
                    absl::SimpleAtoi(l.text.substr(10), &v)) {
           result.committed = std::max(result.committed, v);
-        } else if (failed && absl::StartsWith(l.text, "lost ")) {
+        } else if (after && absl::StartsWith(l.text, "lost ")) {
           lost[r] = true;
-        } else if (failed && !reattached.count(r) && absl::StartsWith(l.text, "verified ") &&
+        } else if (after && !reattached.count(r) && absl::StartsWith(l.text, "verified ") &&
                    absl::SimpleAtoi(l.text.substr(9), &v)) {
           reattached[r] = v;
           verified_at[r] = l.at;
@@ -655,7 +668,7 @@ TrialResult RunTrial(ChaosCluster& cluster, const std::string& group, const Kill
       result.outcome = "no_reattach";
     } else {
       EXPECT_EQ(reattached.size(), static_cast<size_t>(kWorld))
-          << "some ranks re-attached after an error, others never failed";
+          << "some ranks attached again after the kill, others did not";
       const int64_t g0 = reattached.begin()->second;
       for (const auto& [r, g] : reattached) {
         EXPECT_EQ(g, g0) << "rank " << r << " re-attached to generation " << g << ", rank "
@@ -688,7 +701,7 @@ TrialResult RunTrial(ChaosCluster& cluster, const std::string& group, const Kill
       for (int r = 0; r < kWorld; ++r) {
         std::string text;
         for (const Line& l : trial.trainer(r).lines) {
-          absl::StrAppend(&text, l.at < killed_at ? "" : "(after kill) ", l.text, " | ");
+          absl::StrAppend(&text, l.sent < kill_started ? "" : "(after kill) ", l.text, " | ");
         }
         std::fprintf(stderr, "trainer rank %d said: %s\n", r, text.c_str());
       }
