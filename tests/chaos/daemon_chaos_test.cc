@@ -849,6 +849,48 @@ TEST_P(DaemonChaosTest, DISABLED_KillDaemonRightAfterAWritebackEndAnsweredOneRan
                     });
 }
 
+// A client of the daemon that died must never be taken for a session of the restarted one.
+// Session ids restart at 1 in every daemon process, and an adopted group takes the same
+// (group, rank, token): a trainer's client from before the restart (its channel reconnects
+// to the new daemon on the same socket) calls with session 1 while the rank's new session,
+// joined after the restart, is session 1 again.
+TEST_P(DaemonChaosTest, AClientFromBeforeTheRestartIsNotTakenForTheNewSession) {
+  if (GetParam() != 1) GTEST_SKIP() << "one daemon is enough";
+  ChaosCluster cluster(1, DaemonFlags());
+  const std::string manifest = ChaosManifest(1, 4, 16);
+  auto connect = [&] {
+    ClientOptions o;
+    o.address = cluster.AddressFor(0);
+    o.call_timeout = absl::Seconds(10);
+    o.join_timeout = absl::Seconds(10);
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *std::move(c) : nullptr;
+  };
+  std::unique_ptr<Client> old_client = connect();
+  ASSERT_NE(old_client, nullptr);
+  ASSERT_TRUE(old_client->Join("sess", 1, 0, kToken).ok());
+  absl::StatusOr<RegisteredModule> m =
+      old_client->Register("", manifest, ChaosPolicy(), InitMode::kZeros);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_TRUE(old_client->Commit("").ok());
+  cluster.Kill(0);
+  ASSERT_TRUE(cluster.Restart(0));
+  std::unique_ptr<Client> new_client = connect();
+  ASSERT_NE(new_client, nullptr);
+  ASSERT_TRUE(new_client->Join("sess", 1, 0, kToken).ok());
+  absl::StatusOr<RegisteredModule> again =
+      new_client->Register("", manifest, ChaosPolicy(), InitMode::kZeros);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->generation, 1u);
+  // The old client's calls must fail (its session died with the old daemon).
+  absl::StatusOr<uint64_t> stale = old_client->Commit("");
+  EXPECT_FALSE(stale.ok()) << "the restarted daemon committed generation " << *stale
+                           << " for a client whose session died with the old daemon";
+  absl::StatusOr<ShardViews> views = old_client->GetShardViews("");
+  EXPECT_FALSE(views.ok()) << "the restarted daemon answered a client from before the restart";
+}
+
 INSTANTIATE_TEST_SUITE_P(Daemons, DaemonChaosTest, ::testing::Values(1, 2),
                          [](const ::testing::TestParamInfo<int>& info) {
                            return info.param == 1 ? std::string("Single")
