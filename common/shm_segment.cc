@@ -196,7 +196,9 @@ absl::StatusOr<ShmSegment> ShmSegment::Adopt(absl::string_view name, size_t byte
   }
   void* data = nullptr;
   if (bytes > 0) {
-    data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    // MAP_POPULATE: the adopter reads all of it at once (a restore), faster than faulting
+    // the pages in one by one.
+    data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     if (data == MAP_FAILED) {
       const int err = errno;
       ::close(fd);

@@ -272,7 +272,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   std::unique_ptr<state::StateDir> state_dir;
   state::StateDir::Loaded loaded;
   if (!config.state_dir.empty()) {
-    FS_ASSIGN_OR_RETURN(state_dir, state::StateDir::Open(config.state_dir));
+    FS_ASSIGN_OR_RETURN(state_dir, state::StateDir::Open(config.state_dir, config.state_fsync));
     loaded = state_dir->LoadAll();
     std::vector<std::string> keep;
     for (const state::StateDir::Refused& r : loaded.refused) {
@@ -447,6 +447,7 @@ void Daemon::Shutdown() {
   // --keep_shards (with --state_dir): shards, gradient shards and committed copies stay with
   // their records for the next daemon; otherwise the records go first, then the segments.
   const bool keep = config_.keep_shards && state_dir_ != nullptr;
+  if (keep) groups_->KeepDeviceShards();  // GPU daemons: device memory dies with us
   if (!keep) groups_->ForgetState();
   store_->Shutdown(keep);
   ::unlink(config_.socket_path.c_str());

@@ -95,6 +95,9 @@ struct DaemonConfig {
   // their records) for the next daemon and removes only transient buffers. False, or without
   // a state_dir: SIGTERM frees everything (and removes the records).
   bool keep_shards = true;
+  // fsync each record and the state directory (crash-consistent across a machine crash too;
+  // a process's death, the case restarts serve, needs only the atomic rename).
+  bool state_fsync = true;
   // Testing only: GroupManagerOptions::testing_commit_copy_pause.
   absl::Duration testing_commit_copy_pause = absl::ZeroDuration();
 };

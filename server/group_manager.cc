@@ -525,7 +525,13 @@ void GroupManager::CompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()
     if (!g.leased.contains(j.rank) || g.leased.at(j.rank) != j.session) {
       g.lease_due[j.rank] = lease_due;
     }
-    JoinResult result{j.session, modules, {}};
+    // Restarts: a module an adopting daemon had to drop (its ranks at different
+    // generations) is named to every rank, as in multi-daemon groups.
+    std::vector<std::string> lost;
+    for (const auto& [module, why] : g.lost) {
+      if (!g.registered.contains(module)) lost.push_back(why);
+    }
+    JoinResult result{j.session, modules, std::move(lost)};
     run->push_back([done = std::move(j.done), result = std::move(result)]() mutable {
       done(std::move(result));
     });

@@ -389,6 +389,12 @@ class GroupManager : public peer::PeerEvents {
   // Removes every group's record and records nothing from now on (SIGTERM without
   // --keep_shards: the segments go, so the records must too).
   void ForgetState();
+  // GPU daemons, SIGTERM with --keep_shards (before ShardStore::Shutdown): device memory dies
+  // with the process, so each local rank's committed device shards of every initialised
+  // module with no commit under way are copied into host segments (role host_committed) and
+  // recorded; the next daemon copies them into fresh device buffers (shards and committed
+  // copies at that generation; gradient shards are not kept). Logs what it kept.
+  void KeepDeviceShards();
 
   // peer::PeerEvents (called by the PeerClient's threads).
   void OnTable(const std::string& coordinator, const peer::PeerTable& table) override;
@@ -632,7 +638,7 @@ class GroupManager : public peer::PeerEvents {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes a snapshot (or removes the record when it holds no module); a failed write
   // removes the record (the group is then not kept across a restart) and is logged.
-  void WriteRecord(const state::GroupRecord& record) ABSL_LOCKS_EXCLUDED(mu_);
+  bool WriteRecord(const state::GroupRecord& record) ABSL_LOCKS_EXCLUDED(mu_);
   // A commit of `module` to `generation` that every rank agreed to: this rank's shards hold
   // it completely and its copy into the committed copy starts now. Records that durably
   // first (the copy may be torn by a kill). `kind`: "commit", "end" or "init".

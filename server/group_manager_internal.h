@@ -326,6 +326,14 @@ struct GroupManager::Registered {
   // A commit every rank agreed to whose copies into the committed copies are under way here
   // (state::PendingCommit: which ranks' shards hold it, which ranks' copies are done).
   std::optional<state::PendingCommit> pending_commit;
+  // The generation of the last "commit" intent known to be on disk: the other local ranks'
+  // copies need not write it again (a "commit" intent covers every rank; see
+  // group_manager_state.cc). 0: none.
+  uint64_t durable_commit_intent = 0;
+  // GPU daemons, per rank and unit: host copies of the device committed copies, made at
+  // SIGTERM with --keep_shards (KeepDeviceShards) or adopted at start (then copied into
+  // fresh device memory and dropped). Empty otherwise.
+  std::vector<std::vector<std::shared_ptr<Buffer>>> host_committed;
   // ---- Checkpoints (group_manager_checkpoint.cc) ----
   // Saves and loads holding the committed copies still. While > 0 no copy into them starts
   // (commits, writeback Ends and a refused commit's rollback queue in `after_ckpt` and run

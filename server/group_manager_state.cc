@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -56,6 +57,11 @@ std::vector<std::pair<std::string, std::shared_ptr<Buffer>>> GroupManager::Durab
       unit < static_cast<int32_t>(reg.committed[rank].size())) {
     out.emplace_back(state::kRoleCommitted, reg.committed[rank][unit]);
   }
+  if (rank < static_cast<int32_t>(reg.host_committed.size()) &&
+      unit < static_cast<int32_t>(reg.host_committed[rank].size()) &&
+      reg.host_committed[rank][unit] != nullptr) {
+    out.emplace_back(state::kRoleHostCommitted, reg.host_committed[rank][unit]);
+  }
   return out;
 }
 
@@ -67,6 +73,8 @@ bool GroupManager::InstallDurable(Registered& reg, int32_t rank, int32_t unit,
     reg.shards_by_rank[rank][unit].grad = std::move(buffer);
   } else if (role == state::kRoleCommitted) {
     reg.committed[rank][unit] = std::move(buffer);
+  } else if (role == state::kRoleHostCommitted) {
+    reg.host_committed[rank][unit] = std::move(buffer);
   } else {
     return false;
   }
@@ -93,7 +101,9 @@ state::GroupRecord GroupManager::SnapshotLocked(Group& g) {
     m.name = name;
     m.initialized = reg.initialized;
     m.pending = reg.pending_commit;
-    bool on_device = false;
+    // Device memory dies with the process (README "Restarts": what a GPU daemon keeps): a
+    // rank with device buffers is recorded only with its host copies (KeepDeviceShards).
+    bool unkept = false;
     for (int32_t r = 0; r < static_cast<int32_t>(reg.shards_by_rank.size()); ++r) {
       if (reg.shards_by_rank[r].empty()) continue;
       state::RankRecord rr;
@@ -102,17 +112,22 @@ state::GroupRecord GroupManager::SnapshotLocked(Group& g) {
       for (int32_t u = 0; u < static_cast<int32_t>(reg.shards_by_rank[r].size()); ++u) {
         state::UnitRecord ur;
         ur.unit = u;
+        bool device = false, host_copy = false;
         for (const auto& [role, b] : DurableBuffers(reg, r, u)) {
           if (b == nullptr) continue;
-          on_device = on_device || b->on_device();
+          if (b->on_device()) {
+            device = true;
+            continue;
+          }
+          host_copy = host_copy || role == state::kRoleHostCommitted;
           ur.buffers.push_back({role, b->segment_name(), b->bytes()});
         }
+        if (device && !host_copy) unkept = true;
         rr.units.push_back(std::move(ur));
       }
       m.ranks.push_back(std::move(rr));
     }
-    // Device memory dies with the process (README "Restarts": what a GPU daemon keeps).
-    if (on_device || m.ranks.empty()) continue;
+    if (unkept || m.ranks.empty()) continue;
     if (reg.plan_json.empty()) reg.plan_json = PlanToJson(reg.plan).dump();
     if (reg.manifest_json.empty()) reg.manifest_json = ManifestToJson(reg.manifest).dump();
     m.plan_json = reg.plan_json;
@@ -127,19 +142,19 @@ void GroupManager::PersistLater(Group& g, std::vector<absl::AnyInvocable<void()>
   run->push_back([this, rec = SnapshotLocked(g)] { WriteRecord(rec); });
 }
 
-void GroupManager::WriteRecord(const state::GroupRecord& record) {
-  if (state_dir_ == nullptr) return;
+bool GroupManager::WriteRecord(const state::GroupRecord& record) {
+  if (state_dir_ == nullptr) return false;
   {
     absl::MutexLock lock(&mu_);
-    if (state_forgotten_) return;
+    if (state_forgotten_) return false;
   }
   if (record.modules.empty()) {
     absl::Status s = state_dir_->Remove(record.id, record.sequence);
     if (!s.ok()) FS_LOG(ERROR) << "group=" << record.id << ": " << s;
-    return;
+    return s.ok();
   }
   absl::Status s = state_dir_->Write(record);
-  if (s.ok()) return;
+  if (s.ok()) return true;
   // The old record may no longer describe the segments (a commit is about to overwrite a
   // committed copy): without a record the group is not kept across a restart, never adopted
   // wrong.
@@ -147,6 +162,7 @@ void GroupManager::WriteRecord(const state::GroupRecord& record) {
                 << "); the record is removed: a restart will not keep this group";
   absl::Status r = state_dir_->Remove(record.id, record.sequence);
   if (!r.ok()) FS_LOG(ERROR) << "group=" << record.id << ": " << r;
+  return false;
 }
 
 void GroupManager::FlushRemovedRecords() {
@@ -186,9 +202,19 @@ void GroupManager::CommitReady(const Caller& caller, const std::string& module,
       std::sort(ready.begin(), ready.end());
     }
     if (state_dir_ == nullptr || state_forgotten_) return;
+    // A "commit" intent on disk covers every local rank: the others skip its write.
+    if (std::string(kind) == "commit" && reg.durable_commit_intent == generation) return;
     rec = SnapshotLocked(*g->second);
   }
-  WriteRecord(rec);
+  if (WriteRecord(rec) && std::string(kind) == "commit") {
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(caller.group);
+    if (g == groups_.end()) return;
+    auto it = g->second->registered.find(module);
+    if (it != g->second->registered.end()) {
+      it->second.durable_commit_intent = std::max(it->second.durable_commit_intent, generation);
+    }
+  }
 }
 
 void GroupManager::CommitDone(const Caller& caller, const std::string& module,
@@ -241,6 +267,90 @@ void GroupManager::TestingPauseMidCopy(
                   << absl::FormatDuration(testing_commit_copy_pause_)
                   << " with its committed copy torn";
   absl::SleepFor(testing_commit_copy_pause_);
+}
+
+void GroupManager::KeepDeviceShards() {
+  if (state_dir_ == nullptr || gpus_.empty()) return;
+  struct Job {
+    std::string group, module;
+    int32_t rank = 0;
+    int64_t owner_uid = -1;
+    std::vector<std::shared_ptr<Buffer>> committed;
+  };
+  std::vector<Job> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, g] : groups_) {
+      for (auto& [module, reg] : g->registered) {
+        if (!reg.initialized || reg.busy > 0 || reg.pending_commit.has_value()) {
+          if (reg.initialized) {
+            FS_LOG(WARNING) << "group=" << id << " module=" << Display(module)
+                            << ": a commit or rollback is under way at shutdown: its device "
+                               "shards are not kept";
+          }
+          continue;
+        }
+        for (int32_t r = 0; r < static_cast<int32_t>(reg.committed.size()); ++r) {
+          if (reg.committed[r].empty() || reg.committed[r][0] == nullptr ||
+              !reg.committed[r][0]->on_device()) {
+            continue;
+          }
+          jobs.push_back(Job{id, module, r, g->owner_uid, reg.committed[r]});
+        }
+      }
+    }
+  }
+  // The copies run without mu_ (device to host, as large as the shards).
+  std::set<std::string> touched;
+  int64_t bytes = 0;
+  int kept = 0;
+  for (Job& job : jobs) {
+    std::vector<std::shared_ptr<Buffer>> hosts;
+    absl::Status s;
+    for (size_t u = 0; u < job.committed.size() && s.ok(); ++u) {
+      absl::StatusOr<std::shared_ptr<Buffer>> host = store_->Allocate(
+          BufferKind::kShard, job.committed[u]->bytes(),
+          absl::StrCat("group=", job.group, " module=", job.module, " unit=", u, " rank=",
+                       job.rank, " host copy"),
+          job.owner_uid, Placement::Host());
+      s = host.status();
+      if (s.ok()) s = devices_.CopyEach(job.rank, {job.committed[u].get()}, {host->get()});
+      if (s.ok()) {
+        bytes += (*host)->bytes();
+        hosts.push_back(*std::move(host));
+      }
+    }
+    if (!s.ok()) {
+      FS_LOG(ERROR) << "group=" << job.group << " module=" << Display(job.module) << " rank="
+                    << job.rank << ": cannot keep a host copy of its device shards: " << s;
+      continue;
+    }
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(job.group);
+    if (g == groups_.end()) continue;
+    auto it = g->second->registered.find(job.module);
+    if (it == g->second->registered.end()) continue;
+    Registered& reg = it->second;
+    reg.host_committed.resize(reg.committed.size());
+    reg.host_committed[job.rank] = std::move(hosts);
+    touched.insert(job.group);
+    ++kept;
+  }
+  for (const std::string& id : touched) {
+    state::GroupRecord rec;
+    {
+      absl::MutexLock lock(&mu_);
+      auto g = groups_.find(id);
+      if (g == groups_.end()) continue;
+      rec = SnapshotLocked(*g->second);
+    }
+    WriteRecord(rec);
+  }
+  if (!jobs.empty()) {
+    FS_LOG(INFO) << "kept host copies of the committed device shards of " << kept
+                 << " rank(s) of " << touched.size() << " group(s), " << bytes
+                 << " bytes, for the next daemon";
+  }
 }
 
 void GroupManager::ForgetState() {
@@ -324,6 +434,7 @@ GroupManager::AdoptSummary GroupManager::AdoptGroups(
       reg.attached_session.assign(rec.world_size, 0);
       reg.shards_by_rank.resize(rec.world_size);
       reg.committed.resize(rec.world_size);
+      reg.host_committed.resize(rec.world_size);
       reg.generation.assign(rec.world_size, 0);
       reg.stale.assign(rec.world_size, false);
       reg.initialized = m.initialized;
@@ -336,6 +447,7 @@ GroupManager::AdoptSummary GroupManager::AdoptGroups(
         }
         reg.shards_by_rank[rr.rank].resize(units);
         reg.committed[rr.rank].resize(units);
+        reg.host_committed[rr.rank].resize(units);
         reg.generation[rr.rank] = rr.generation;
         for (const state::UnitRecord& ur : rr.units) {
           if (ur.unit < 0 || ur.unit >= units) {
@@ -371,14 +483,53 @@ GroupManager::AdoptSummary GroupManager::AdoptGroups(
             bytes += b.bytes;
           }
           if (!refused.ok()) break;
-          if (reg.shards_by_rank[rr.rank][ur.unit].shard == nullptr ||
-              reg.committed[rr.rank][ur.unit] == nullptr) {
+          const bool host_copy = reg.host_committed[rr.rank][ur.unit] != nullptr;
+          if (!host_copy && (reg.shards_by_rank[rr.rank][ur.unit].shard == nullptr ||
+                             reg.committed[rr.rank][ur.unit] == nullptr)) {
             refused = absl::InvalidArgumentError(
                 absl::StrCat(rw, " unit ", ur.unit, ": no shard or no committed copy recorded"));
             break;
           }
+          if (host_copy && !devices_.PlacementOf(rr.rank).on_device()) {
+            refused = absl::InvalidArgumentError(absl::StrCat(
+                rw, " unit ", ur.unit, ": a GPU daemon's host copy, but this daemon keeps rank ",
+                rr.rank, " in host memory (start it with the same --gpus)"));
+            break;
+          }
         }
         if (!refused.ok()) break;
+      }
+      if (!refused.ok()) break;
+
+      // GPU daemons: fresh device shards and committed copies from the host copies a SIGTERM
+      // made (KeepDeviceShards); the host copies go once this module is in place.
+      std::set<int32_t> from_host;
+      for (const state::RankRecord& rr : m.ranks) {
+        if (reg.host_committed[rr.rank].empty() || reg.host_committed[rr.rank][0] == nullptr) {
+          continue;
+        }
+        for (int32_t u = 0; u < units && refused.ok(); ++u) {
+          const Buffer& host = *reg.host_committed[rr.rank][u];
+          for (std::shared_ptr<Buffer>* slot :
+               {&reg.shards_by_rank[rr.rank][u].shard, &reg.committed[rr.rank][u]}) {
+            absl::StatusOr<std::shared_ptr<Buffer>> b = store_->Allocate(
+                BufferKind::kShard, host.bytes(),
+                absl::StrCat("group=", rec.id, " module=", m.name, " unit=", u, " rank=", rr.rank,
+                             slot == &reg.committed[rr.rank][u] ? " committed" : ""),
+                rec.owner_uid, devices_.PlacementOf(rr.rank));
+            absl::Status s = b.status();
+            if (s.ok()) s = devices_.CopyEach(rr.rank, {&host}, {b->get()});
+            if (!s.ok()) {
+              refused = absl::Status(s.code(), absl::StrCat(where, " rank ", rr.rank, " unit ", u,
+                                                            ": back to the device: ", s.message()));
+              break;
+            }
+            *slot = *std::move(b);
+          }
+        }
+        if (!refused.ok()) break;
+        from_host.insert(rr.rank);
+        reg.host_committed[rr.rank].clear();
       }
       if (!refused.ok()) break;
 
@@ -435,6 +586,7 @@ GroupManager::AdoptSummary GroupManager::AdoptGroups(
       }
       // Shards as of the last commit: a writeback or an optimizer step may have torn them.
       for (int32_t r : ranks) {
+        if (from_host.contains(r)) continue;  // fresh copies of the committed copy already
         for (int32_t u = 0; u < units; ++u) {
           CopyHost(*reg.committed[r][u], *reg.shards_by_rank[r][u].shard);
         }

@@ -112,6 +112,10 @@ ABSL_FLAG(std::string, state_dir, "",
 ABSL_FLAG(bool, keep_shards, true,
           "with --state_dir: SIGTERM leaves shards, gradient shards and committed copies "
           "(and their records) for the next daemon; false: SIGTERM frees everything");
+ABSL_FLAG(bool, state_fsync, true,
+          "fsync each state record and the directory; false: the rename alone (records then "
+          "survive the daemon's death, kill -9 or OOM, but not a machine crash, which the "
+          "shared-memory shards do not survive either); saves the fsyncs of every commit");
 ABSL_FLAG(absl::Duration, testing_commit_copy_pause, absl::ZeroDuration(),
           "testing only: each commit copy tears its committed copy and pauses this long");
 ABSL_FLAG(std::string, log_level, "info",
@@ -209,6 +213,7 @@ int main(int argc, char** argv) {
   config.simulate_gpus = absl::GetFlag(FLAGS_simulate_gpus);
   config.state_dir = absl::GetFlag(FLAGS_state_dir);
   config.keep_shards = absl::GetFlag(FLAGS_keep_shards);
+  config.state_fsync = absl::GetFlag(FLAGS_state_fsync);
   config.testing_commit_copy_pause = absl::GetFlag(FLAGS_testing_commit_copy_pause);
   config.socket_group = absl::GetFlag(FLAGS_socket_group);
   if (auto uids = flatshard::server::access::ParseUidList(absl::GetFlag(FLAGS_allowed_uids));

@@ -251,7 +251,7 @@ absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes) {
 }
 
 absl::Status WriteFileAtomically(const std::string& dir, const std::string& name,
-                                 const std::string& contents) {
+                                 const std::string& contents, bool sync) {
   static std::atomic<uint64_t> counter{0};
   const std::string final_path = absl::StrCat(dir, "/", name);
   const std::string tmp = absl::StrCat(dir, "/", kTmpPrefix, name, ".", ::getpid(), ".",
@@ -276,7 +276,7 @@ absl::Status WriteFileAtomically(const std::string& dir, const std::string& name
     }
     done += static_cast<size_t>(n);
   }
-  if (::fsync(fd) != 0) return fail("fsync", errno);
+  if (sync && ::fsync(fd) != 0) return fail("fsync", errno);
   if (::close(fd) != 0) {
     const int err = errno;
     ::unlink(tmp.c_str());
@@ -287,6 +287,7 @@ absl::Status WriteFileAtomically(const std::string& dir, const std::string& name
     ::unlink(tmp.c_str());
     return absl::InternalError(absl::StrCat("state record ", final_path, ": rename: ", Errno(err)));
   }
+  if (!sync) return absl::OkStatus();
   const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd < 0) {
     return absl::InternalError(absl::StrCat("state record ", final_path, ": open directory: ",
@@ -302,7 +303,7 @@ absl::Status WriteFileAtomically(const std::string& dir, const std::string& name
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<StateDir>> StateDir::Open(const std::string& path) {
+absl::StatusOr<std::unique_ptr<StateDir>> StateDir::Open(const std::string& path, bool sync) {
   std::error_code ec;
   std::filesystem::create_directories(path, ec);
   if (ec) {
@@ -327,7 +328,7 @@ absl::StatusOr<std::unique_ptr<StateDir>> StateDir::Open(const std::string& path
       FS_LOG(INFO) << "state dir " << path << ": removed " << name << " (an unfinished write)";
     }
   }
-  return std::unique_ptr<StateDir>(new StateDir(path));
+  return std::unique_ptr<StateDir>(new StateDir(path, sync));
 }
 
 std::shared_ptr<StateDir::PerGroup> StateDir::GroupState(const std::string& group) {
@@ -341,7 +342,8 @@ absl::Status StateDir::Write(const GroupRecord& record) {
   std::shared_ptr<PerGroup> g = GroupState(record.id);
   absl::MutexLock lock(&g->mu);
   if (record.sequence <= g->last && g->last != 0) return absl::OkStatus();  // a newer one is written
-  FS_RETURN_IF_ERROR(WriteFileAtomically(path_, RecordFileName(record.id), EncodeGroupRecord(record)));
+  FS_RETURN_IF_ERROR(
+      WriteFileAtomically(path_, RecordFileName(record.id), EncodeGroupRecord(record), sync_));
   g->last = record.sequence;
   return absl::OkStatus();
 }
@@ -355,7 +357,7 @@ absl::Status StateDir::Remove(const std::string& group, uint64_t sequence) {
     return absl::InternalError(absl::StrCat("state record ", file, ": unlink: ", Errno(errno)));
   }
   g->last = sequence;
-  const int dfd = ::open(path_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const int dfd = sync_ ? ::open(path_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC) : -1;
   if (dfd >= 0) {
     ::fsync(dfd);
     ::close(dfd);

@@ -42,6 +42,9 @@ inline constexpr char kStateFormat[] = "flatshard.state/1";
 inline constexpr char kRoleShard[] = "shard";
 inline constexpr char kRoleGrad[] = "grad";
 inline constexpr char kRoleCommitted[] = "committed";
+// GPU daemons: a host copy of a device committed copy, made at SIGTERM with --keep_shards
+// (GroupManager::KeepDeviceShards); the next daemon copies it into fresh device memory.
+inline constexpr char kRoleHostCommitted[] = "host_committed";
 
 struct BufferRecord {
   std::string role;     // kRole* or another branch's role ("state:exp_avg", ...)
@@ -112,14 +115,18 @@ std::string RecordFileName(const std::string& group);
 // Writes `contents` to `dir`/`name` crash-consistently: temp file in `dir` (O_EXCL, 0600),
 // write, fsync, rename, fsync of `dir`. On error the old file (if any) is unchanged and the
 // temp file is removed; the status names the path and the failed step.
+// `sync` false: no fsync of the file nor of the directory (the rename is still atomic for
+// every process; what fsync adds is durability across a machine crash).
 absl::Status WriteFileAtomically(const std::string& dir, const std::string& name,
-                                 const std::string& contents);
+                                 const std::string& contents, bool sync = true);
 
 class StateDir {
  public:
   // Creates `path` (and parents) if needed, mode 0700, and removes temp files a killed writer
   // left. FAILED_PRECONDITION naming the path when it cannot be made or is not a directory.
-  static absl::StatusOr<std::unique_ptr<StateDir>> Open(const std::string& path);
+  // `sync`: fsync each record and the directory (the default; see WriteFileAtomically).
+  static absl::StatusOr<std::unique_ptr<StateDir>> Open(const std::string& path,
+                                                        bool sync = true);
 
   const std::string& path() const { return path_; }
 
@@ -144,7 +151,7 @@ class StateDir {
   uint64_t max_loaded_sequence() const { return max_loaded_sequence_; }
 
  private:
-  explicit StateDir(std::string path) : path_(std::move(path)) {}
+  StateDir(std::string path, bool sync) : path_(std::move(path)), sync_(sync) {}
   struct PerGroup {
     absl::Mutex mu;  // serializes the writes of one group (held across the fsync: ours only)
     uint64_t last = 0;
@@ -152,6 +159,7 @@ class StateDir {
   std::shared_ptr<PerGroup> GroupState(const std::string& group) ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::string path_;
+  const bool sync_;
   uint64_t max_loaded_sequence_ = 0;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<PerGroup>> groups_ ABSL_GUARDED_BY(mu_);

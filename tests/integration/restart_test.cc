@@ -37,6 +37,7 @@
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
+#include "tests/testing/simulated_gpu.h"
 
 namespace flatshard::client {
 namespace {
@@ -53,13 +54,16 @@ using ::testing::SizeIs;
 constexpr char kToken[] = "restart-t0k";
 constexpr int kWorld = 2;
 
-std::unique_ptr<Client> Connect(const std::string& address) {
+// `simulated_gpus`: the trainer side of flatshardd --simulate_gpus (tests/testing/simulated_gpu.h).
+std::unique_ptr<Client> Connect(const std::string& address, bool simulated_gpus = false) {
   ClientOptions options;
   options.address = address;
   options.call_timeout = absl::Seconds(20);
   options.join_timeout = absl::Seconds(20);
   options.max_attempts = 1;
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  absl::StatusOr<std::unique_ptr<Client>> client =
+      simulated_gpus ? internal::ConnectWithGpuApis(options, ::flatshard::testing::SimulatedGpuApis())
+                     : Client::Connect(options);
   EXPECT_TRUE(client.ok()) << client.status();
   return client.ok() ? *std::move(client) : nullptr;
 }
@@ -128,7 +132,7 @@ class RestartTest : public ::testing::Test {
   void JoinAll(DaemonProcess& d, std::vector<Rank>& ranks, size_t expect_modules) {
     ranks.resize(kWorld);
     RunRanks(kWorld, [&](int r) {
-      ranks[r].client = Connect(d.address());
+      ranks[r].client = Connect(d.address(), simulated_gpus_);
       ASSERT_NE(ranks[r].client, nullptr);
       absl::Status joined = ranks[r].client->Join("g", kWorld, r, kToken);
       ASSERT_TRUE(joined.ok()) << "rank " << r << ": " << joined;
@@ -169,7 +173,8 @@ class RestartTest : public ::testing::Test {
   // After a restart: joins, re-attaches at `generation` and finds `want` bit for bit; a
   // read-only summon and one more commit work.
   void ExpectReattached(DaemonProcess& d, std::vector<Rank>& ranks, uint64_t generation,
-                        const std::vector<Snapshot>& want, bool commit_after = true) {
+                        const std::vector<Snapshot>& want, bool commit_after = true,
+                        bool grads_kept = true) {
     JoinAll(d, ranks, 1);
     RegisterAll(ranks, generation);
     for (int r = 0; r < kWorld; ++r) {
@@ -179,7 +184,11 @@ class RestartTest : public ::testing::Test {
       ASSERT_EQ(now.shards.size(), want[r].shards.size());
       for (size_t u = 0; u < now.shards.size(); ++u) {
         EXPECT_TRUE(now.shards[u] == want[r].shards[u]) << "unit " << u << ": shard differs";
-        EXPECT_TRUE(now.grads[u] == want[r].grads[u]) << "unit " << u << ": gradient differs";
+        if (grads_kept) {
+          EXPECT_TRUE(now.grads[u] == want[r].grads[u]) << "unit " << u << ": gradient differs";
+        } else {
+          EXPECT_TRUE(now.grads[u].empty()) << "unit " << u << ": a gradient shard came back";
+        }
       }
     }
     RunRanks(kWorld, [&](int r) {
@@ -211,6 +220,7 @@ class RestartTest : public ::testing::Test {
   }
 
   std::filesystem::path state_dir_;
+  bool simulated_gpus_ = false;
   static inline int counter_ = 0;
 };
 
@@ -272,7 +282,47 @@ TEST_F(RestartTest, KillNineWhileACommitCopyIsTornFinishesTheCommitFromTheShards
   ExpectReattached(*d, ranks, 1, step1, /*commit_after=*/false);  // commits pause here
 }
 
-TEST_F(RestartTest, SigtermKeepsShardsForTheNextDaemonByDefault) {
+// A writeback End commits too, but a rank's shards hold the new generation only once its own
+// writeback into them is done: killed while the first rank's copy into its committed copy is
+// torn, the second rank's writeback had not run (host ranks apply one after the other), so
+// the ranks would come back at different generations. The module is refused as lost, named
+// with each rank's generation, never adopted as a mix.
+TEST_F(RestartTest, KillNineDuringAWritebackEndsCopiesNeverAdoptsAMix) {
+  std::unique_ptr<DaemonProcess> d = StartDaemon({"--testing_commit_copy_pause=30s"});
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  std::vector<std::thread> ending;
+  std::vector<std::unique_ptr<SummonedParams>> summons(kWorld);
+  RunRanks(kWorld, [&](int r) {
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", {});
+    ASSERT_TRUE(s.ok()) << s.status();
+    summons[r] = *std::move(s);
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    ending.emplace_back([&, r] { (void)summons[r]->End(); });
+  }
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  auto paused = [&] { return absl::StrContains(d->Log(), "testing: commit copy"); };
+  while (!paused() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+  const bool was_paused = paused();
+  d->Kill();
+  for (std::thread& t : ending) t.join();
+  summons.clear();
+  ranks.clear();
+  ASSERT_TRUE(was_paused) << d->Log();
+  ASSERT_TRUE(Restart(*d));
+  JoinAll(*d, ranks, 0);
+  for (int r = 0; r < kWorld; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    ASSERT_THAT(ranks[r].client->lost_modules(), SizeIs(1));
+    EXPECT_THAT(ranks[r].client->lost_modules()[0],
+                HasSubstr("its ranks hold different committed generations (rank 1: generation "
+                          "0; rank 0: generation 1)"));
+  }
+}
+
+TEST_F(RestartTest, DrainThenSigtermKeepsShardsForTheNextDaemonByDefault) {
   std::unique_ptr<DaemonProcess> d = StartDaemon();
   std::vector<Rank> ranks;
   JoinAll(*d, ranks, 0);
@@ -281,6 +331,10 @@ TEST_F(RestartTest, SigtermKeepsShardsForTheNextDaemonByDefault) {
   const std::vector<Snapshot> committed = Expected(ranks);
   RunRanks(kWorld, [&](int r) { ASSERT_TRUE(ranks[r].client->Leave().ok()); });
   ranks.clear();
+  // The planned restart: drain, then SIGTERM.
+  const std::string drain = absl::StrCat(FS_BINARY_DIR, "/client/flatshardctl drain --socket ",
+                                         d->socket(), " --timeout-ms=10000 > /dev/null 2>&1");
+  EXPECT_EQ(std::system(drain.c_str()), 0) << drain;
   EXPECT_EQ(d->Terminate(), 0);
   EXPECT_THAT(d->Segments(), Not(IsEmpty()));
   EXPECT_THAT(d->Log(), HasSubstr("kept for the next daemon"));
@@ -326,6 +380,33 @@ TEST_F(RestartTest, DeleteGroupRemovesTheRecord) {
   d->Kill();
   ASSERT_TRUE(Restart(*d));
   EXPECT_THAT(d->Segments(), IsEmpty());
+}
+
+// A GPU daemon (simulated GPUs: the daemon's device code paths over host shared memory): its
+// device memory dies with it, so SIGTERM with --keep_shards copies each rank's committed device
+// shards into host segments and the next daemon copies them into fresh device memory; a kill -9
+// keeps nothing of a device module.
+TEST_F(RestartTest, GpuDaemonKeepsHostCopiesOfItsCommittedShardsOnSigterm) {
+  simulated_gpus_ = true;
+  std::unique_ptr<DaemonProcess> d = StartDaemon({"--simulate_gpus=2"});
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  Train(ranks, 1, 2);
+  const std::vector<Snapshot> committed = Expected(ranks);
+  RunRanks(kWorld, [&](int r) { WriteShards(*ranks[r].client, r, 55); });  // not committed
+  RunRanks(kWorld, [&](int r) { ASSERT_TRUE(ranks[r].client->Leave().ok()); });
+  ranks.clear();
+  EXPECT_EQ(d->Terminate(), 0);
+  EXPECT_THAT(d->Log(), HasSubstr("kept host copies of the committed device shards of 2 rank(s)"));
+  ASSERT_TRUE(Restart(*d));
+  EXPECT_THAT(d->Log(), HasSubstr("group=g adopted from"));
+  // The shards are back on the (simulated) devices at generation 2; gradients are not kept.
+  ExpectReattached(*d, ranks, 2, committed, /*commit_after=*/true, /*grads_kept=*/false);
+  ranks.clear();
+  d->Kill();
+  ASSERT_TRUE(Restart(*d));
+  JoinAll(*d, ranks, 0);  // device memory died with the process
 }
 
 // Breaks the record or a segment of a trained group, restarts, and checks that the group was

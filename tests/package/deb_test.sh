@@ -122,7 +122,7 @@ ROOTFS="$TMP/root"
 mkdir "$ROOTFS"
 for pkg in "${!DEB[@]}"; do dpkg-deb -x "${DEB[$pkg]}" "$ROOTFS"; done
 unit="$ROOTFS/lib/systemd/system/flatshard.service"
-grep -qxF 'ExecStart=/usr/bin/flatshardd --socket=/run/flatshard/flatshardd.sock $FLATSHARDD_ARGS' "$unit" \
+grep -qxF 'ExecStart=/usr/bin/flatshardd --socket=/run/flatshard/flatshardd.sock --state_dir=/var/lib/flatshard/state $FLATSHARDD_ARGS' "$unit" \
   || fail "the packaged unit's ExecStart: $(grep ExecStart= "$unit")"
 grep -qxF 'EnvironmentFile=-/etc/flatshard/flatshardd.env' "$unit" || fail "the packaged unit's EnvironmentFile"
 pc=$(find "$ROOTFS/usr/lib" -name flatshard.pc)

@@ -73,7 +73,7 @@ grep -q "^#define FLATSHARD_VERSION_STRING \"$VERSION\"" "$P/include/flatshard/v
 leak=$(grep -rIl -e "$SRC" -e "$BUILD" "$P" || true)
 [ -z "$leak" ] || fail "installed files name the source or build tree: $leak"
 unit="$P/lib/systemd/system/flatshard.service"
-grep -qxF "ExecStart=$P/bin/flatshardd --socket=/run/flatshard/flatshardd.sock \$FLATSHARDD_ARGS" "$unit" \
+grep -qxF "ExecStart=$P/bin/flatshardd --socket=/run/flatshard/flatshardd.sock --state_dir=/var/lib/flatshard/state \$FLATSHARDD_ARGS" "$unit" \
   || fail "the unit's ExecStart is not the prefix's: $(grep ExecStart= "$unit")"
 grep -qxF "EnvironmentFile=-$P/etc/flatshard/flatshardd.env" "$unit" \
   || fail "the unit's EnvironmentFile is not the prefix's: $(grep EnvironmentFile= "$unit")"

@@ -85,6 +85,58 @@ TEST_F(ShardStoreTest, AllocateReturnsAZeroFilledBufferClientsCanMap) {
   EXPECT_EQ(std::memcmp(client->data(), b.data(), 10000), 0);
 }
 
+// Restarts (README "Restarts"): a keep-shards shutdown leaves the shard and gradient segments
+// (and unlinks the rest); a second store adopts them with their bytes, charged as allocations;
+// a wrong size, another prefix or a missing segment is refused and changes nothing.
+TEST_F(ShardStoreTest, KeptSegmentsAreAdoptedByTheNextStore) {
+  std::string shard_name, grad_name, staging_name;
+  {
+    ShardStore first(Options());
+    std::shared_ptr<Buffer> shard = *first.Allocate(BufferKind::kShard, 4096, "s");
+    std::shared_ptr<Buffer> grad = *first.Allocate(BufferKind::kGradShard, 100, "g");
+    std::shared_ptr<Buffer> staging = *first.Allocate(BufferKind::kStaging, 100, "t");
+    std::memset(shard->data(), 0x5a, 4096);
+    shard_name = shard->segment_name();
+    grad_name = grad->segment_name();
+    staging_name = staging->segment_name();
+    first.Shutdown(/*keep_durable=*/true);
+    EXPECT_FALSE(SegmentExists(staging_name));
+  }  // the buffers go: the kept names stay
+  EXPECT_TRUE(SegmentExists(shard_name));
+  EXPECT_TRUE(SegmentExists(grad_name));
+
+  ShardStore second(Options(1 << 20));
+  absl::StatusOr<std::shared_ptr<Buffer>> wrong =
+      second.Adopt(BufferKind::kShard, shard_name, 4000, "s");
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_THAT(wrong.status().message(), HasSubstr("has 4096 bytes, the record says 4000"));
+  absl::StatusOr<std::shared_ptr<Buffer>> other =
+      second.Adopt(BufferKind::kShard, "/someone_else.1.1", 4096, "s");
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<std::shared_ptr<Buffer>> missing =
+      second.Adopt(BufferKind::kShard, absl::StrCat("/", prefix_, ".1.999999"), 4096, "s");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(second.Usage().total_bytes, 0);
+  EXPECT_TRUE(SegmentExists(shard_name));
+
+  absl::StatusOr<std::shared_ptr<Buffer>> shard =
+      second.Adopt(BufferKind::kShard, shard_name, 4096, "s");
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  EXPECT_EQ((*shard)->segment_name(), shard_name);
+  EXPECT_EQ(static_cast<const uint8_t*>((*shard)->data())[4095], 0x5a);
+  absl::StatusOr<std::shared_ptr<Buffer>> grad =
+      second.Adopt(BufferKind::kGradShard, grad_name, 100, "g");
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  EXPECT_EQ(second.Usage().bytes(BufferKind::kShard), 4096);
+  EXPECT_EQ(second.Usage().bytes(BufferKind::kGradShard), 100);
+  EXPECT_EQ(second.Usage().buffers, 2);
+  // Adopted buffers own their names: dropping them unlinks (TearDown checks nothing is left).
+  shard->reset();
+  grad->reset();
+  EXPECT_FALSE(SegmentExists(shard_name));
+  EXPECT_EQ(second.Usage().total_bytes, 0);
+}
+
 TEST_F(ShardStoreTest, UsageCountsBytesPerKind) {
   ShardStore store(Options(1 << 20));
   std::vector<std::shared_ptr<Buffer>> keep;

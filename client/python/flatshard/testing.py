@@ -92,12 +92,18 @@ class LocalDaemon:
         self.leftover_segments = []
 
     def start(self):
-        self._dir = tempfile.TemporaryDirectory(prefix="flatshard-py-")
+        restarting = self._dir is not None  # restart(): same directory, socket and prefix
+        if not restarting:
+            self._dir = tempfile.TemporaryDirectory(prefix="flatshard-py-")
+            d = Path(self._dir.name)
+            self.socket = str(d / "flatshardd.sock")
+            self.address = "unix:" + self.socket
+            self.log = str(d / "flatshardd.log")
+            self.segment_prefix = "fspy" + uuid.uuid4().hex[:10]
         d = Path(self._dir.name)
-        self.socket = str(d / "flatshardd.sock")
-        self.address = "unix:" + self.socket
-        self.log = str(d / "flatshardd.log")
-        self.segment_prefix = "fspy" + uuid.uuid4().hex[:10]
+        for stale in (self.socket, str(d / "peer_address")):
+            if restarting and os.path.exists(stale):
+                os.unlink(stale)
         args = [self.binary, f"--socket={self.socket}", f"--segment_prefix={self.segment_prefix}"]
         ready = self.socket
         if self.peer:  # may host ranks of multi-daemon groups; serves once the file exists
@@ -111,7 +117,7 @@ class LocalDaemon:
         setpriv = shutil.which("setpriv")
         if setpriv and threading.current_thread() is threading.main_thread():
             args = [setpriv, "--pdeathsig", "KILL", *args]
-        with open(self.log, "wb") as log:
+        with open(self.log, "ab" if restarting else "wb") as log:
             self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT)
         # Never stopped (no stop(), no with-block)? Terminated at garbage collection or exit.
@@ -201,6 +207,22 @@ class LocalDaemon:
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
+
+    def restart(self, *, sigterm=False):
+        """Stops the daemon (SIGKILL, a crash; or SIGTERM with ``sigterm=True``, checking it
+        exited 0) without cleaning up, and starts it again with the same socket, segment
+        prefix and flags: a daemon restart (with ``--state_dir`` it re-adopts its shards)."""
+        proc = self.proc
+        if sigterm and proc is not None and proc.poll() is None:
+            self._detach()
+            self.proc = None
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=self.stop_timeout)
+            if code != 0:
+                raise RuntimeError(f"flatshardd exited with status {code}:\n{self.log_tail()}")
+        else:
+            self.kill()
+        return self.start()
 
     def kill(self):
         """SIGKILL (a crashed daemon); stop() then only cleans up."""
