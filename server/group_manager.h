@@ -431,8 +431,8 @@ class GroupManager : public peer::PeerEvents {
   // `args.dir` in flatshard.checkpoint/1: one file per rank in parallel, metadata.json last.
   // Commits that would overwrite the committed copies wait until the data files are written.
   // Blocking (file I/O): never call on a gRPC reactor thread. Errors: NOT_FOUND,
-  // PERMISSION_DENIED (another uid's group), FAILED_PRECONDITION (uninitialised module, GPU
-  // ranks, a rank without shards), DEADLINE_EXCEEDED (copies in flight past `wait`),
+  // PERMISSION_DENIED (another uid's group), FAILED_PRECONDITION (uninitialised module, a rank
+  // without shards), DEADLINE_EXCEEDED (copies in flight past `wait`),
   // UNIMPLEMENTED (multi-daemon groups), INTERNAL naming the file and call that failed.
   absl::StatusOr<CheckpointResult> SaveCheckpoint(const CheckpointArgs& args,
                                                   CheckpointProgress* progress)
@@ -659,6 +659,10 @@ class GroupManager : public peer::PeerEvents {
   absl::StatusOr<CheckpointHold> HoldForCheckpoint(const CheckpointArgs& args, bool load,
                                                    CheckpointProgress* progress)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // GPU ranks: host staging buffers of `buffers`' sizes (filled from them when `copy_in`);
+  // host ranks: `buffers` themselves. Blocking on the device: not on a reactor thread.
+  absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> HostCopies(
+      int32_t rank, const std::vector<std::shared_ptr<Buffer>>& buffers, bool copy_in) const;
   // Ends a hold; a load sets `generation` and marks the local ranks stale.
   void ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
                              std::optional<uint64_t> generation) ABSL_LOCKS_EXCLUDED(mu_);

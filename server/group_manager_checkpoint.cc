@@ -15,11 +15,15 @@
 // ranks are marked stale, so each must read its views again before its next commit.
 //
 // File I/O runs on the caller's thread and on threads started here (one per rank file, at most
-// kCheckpointThreads at once), never under mu_.
+// kCheckpointThreads at once), never under mu_. GPU ranks go through host staging buffers
+// (HostCopies): a save copies the committed copies to host memory first, a load fills host
+// memory and copies it to the device; the committed copies of a load are copied on the device.
+// What a GPU daemon keeps across its own death is thus what was last checkpointed.
 
-#include <algorithm>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <functional>
@@ -57,7 +61,61 @@ absl::Status ParallelFor(size_t n, const std::function<absl::Status(size_t)>& fn
   return absl::OkStatus();
 }
 
+absl::Status CheckSize(const Buffer& b, const PlanUnit& u) {
+  if (b.bytes() >= u.shard_numel * ItemSize(u.dtype)) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("unit ", u.index, ": a ", b.bytes(),
+                                          "-byte buffer for a shard of ",
+                                          u.shard_numel * ItemSize(u.dtype), " bytes"));
+}
+
+// A caller who is neither root nor the daemon's uid may only have the daemon write into, or
+// read from, a path that caller owns (the directory; for a new directory, its parent; a
+// safetensors file): the daemon's privileges must not reach other users' files.
+absl::Status CheckOwner(const GroupManager::CheckpointArgs& args, const std::string& path,
+                        bool parent_if_missing) {
+  if (args.privileged) return absl::OkStatus();
+  struct stat st;
+  std::string at = path;
+  if (::stat(at.c_str(), &st) != 0 && parent_if_missing) {
+    at = checkpoint::internal::DirOf(path);
+    if (::stat(at.c_str(), &st) != 0) {
+      return absl::NotFoundError(absl::StrCat(at, ": ", std::strerror(errno)));
+    }
+  } else if (::stat(at.c_str(), &st) != 0) {
+    return absl::NotFoundError(absl::StrCat(at, ": ", std::strerror(errno)));
+  }
+  if (args.uid >= 0 && static_cast<int64_t>(st.st_uid) == args.uid) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      at, " belongs to uid ", st.st_uid, ", not to the caller (uid ",
+      args.uid < 0 ? std::string("(remote)") : absl::StrCat(args.uid),
+      "): the daemon reads and writes checkpoints only in the caller's own directories"));
+}
+
+std::vector<const Buffer*> Raw(const std::vector<std::shared_ptr<Buffer>>& v) {
+  std::vector<const Buffer*> out;
+  for (const auto& b : v) out.push_back(b.get());
+  return out;
+}
+
 }  // namespace
+
+absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> GroupManager::HostCopies(
+    int32_t rank, const std::vector<std::shared_ptr<Buffer>>& buffers, bool copy_in) const {
+  bool device = false;
+  for (const auto& b : buffers) device |= b != nullptr && b->on_device();
+  if (!device) return buffers;
+  std::vector<std::shared_ptr<Buffer>> host;
+  for (size_t u = 0; u < buffers.size(); ++u) {
+    FS_ASSIGN_OR_RETURN(
+        std::shared_ptr<Buffer> b,
+        store_->Allocate(BufferKind::kStaging, buffers[u]->bytes(),
+                         absl::StrCat("checkpoint rank=", rank, " unit=", u), -1,
+                         Placement::Host()));
+    host.push_back(std::move(b));
+  }
+  if (copy_in) FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(buffers), Raw(host)));
+  return host;
+}
 
 struct GroupManager::CheckpointHold {
   std::string group;
@@ -104,13 +162,6 @@ absl::StatusOr<GroupManager::CheckpointHold> GroupManager::HoldForCheckpoint(
             reg.shards_by_rank[r].empty()) {
           return absl::FailedPreconditionError(absl::StrCat(
               "group ", g.id, " rank ", r, " holds no shards of module ", Display(args.module)));
-        }
-        for (const UnitShard& s : reg.shards_by_rank[r]) {
-          if (s.shard && s.shard->on_device()) {
-            return absl::FailedPreconditionError(absl::StrCat(
-                "group ", g.id, " rank ", r, "'s shards are GPU memory: checkpoints of GPU "
-                "ranks are not implemented yet"));
-          }
         }
       }
       if (load) {
@@ -195,15 +246,20 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::SaveCheckpoint(
         absl::StrCat("checkpoint directory must be an absolute path, got \"",
                      Truncated(args.dir), "\""));
   }
+  FS_RETURN_IF_ERROR(CheckOwner(args, args.dir, /*parent_if_missing=*/true));
   FS_RETURN_IF_ERROR(checkpoint::MakeDirs(args.dir));
-  // Overwriting a checkpoint: its metadata goes first, so a save that does not finish leaves
-  // an incomplete checkpoint (refused), never old metadata over new data files.
-  const std::string meta_path = absl::StrCat(args.dir, "/", checkpoint::kMetadataFile);
-  if (::unlink(meta_path.c_str()) == 0) {
-    FS_RETURN_IF_ERROR(checkpoint::internal::FsyncDir(args.dir));
-  }
   const absl::Time start = absl::Now();
   FS_ASSIGN_OR_RETURN(CheckpointHold hold, HoldForCheckpoint(args, /*load=*/false, progress));
+  // Overwriting a checkpoint: its metadata goes first (only once the save is sure to start:
+  // a refused save leaves the old checkpoint alone), so a save that does not finish leaves an
+  // incomplete checkpoint (refused), never old metadata over new data files.
+  const std::string meta_path = absl::StrCat(args.dir, "/", checkpoint::kMetadataFile);
+  if (::unlink(meta_path.c_str()) == 0) {
+    if (absl::Status s = checkpoint::internal::FsyncDir(args.dir); !s.ok()) {
+      ReleaseCheckpointHold(hold, /*load=*/false, std::nullopt);
+      return s;
+    }
+  }
   int64_t total = 0;
   for (const PlanUnit& u : hold.plan.units) total += u.shard_numel * ItemSize(u.dtype);
   total *= static_cast<int64_t>(hold.ranks.size());
@@ -211,9 +267,14 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::SaveCheckpoint(
   progress->phase = CheckpointProgress::kWriting;
   std::vector<checkpoint::WrittenFile> written(hold.ranks.size());
   absl::Status s = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
+    // GPU ranks: the committed copies go through host memory first (one staging buffer
+    // per unit, for as long as the file is written).
+    FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host,
+                        HostCopies(hold.ranks[i], hold.committed[i], /*copy_in=*/true));
     std::vector<checkpoint::TensorToWrite> tensors;
     for (const PlanUnit& u : hold.plan.units) {
-      const Buffer& b = *hold.committed[i][u.index];
+      const Buffer& b = *host[u.index];
+      FS_RETURN_IF_ERROR(CheckSize(b, u));
       tensors.push_back({u.index, checkpoint::kShardTensor, u.dtype, b.data(),
                          u.shard_numel * ItemSize(u.dtype)});
     }
@@ -273,6 +334,7 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
     return absl::InvalidArgumentError(
         absl::StrCat("the path must be absolute, got \"", Truncated(from), "\""));
   }
+  FS_RETURN_IF_ERROR(CheckOwner(args, from, /*parent_if_missing=*/false));
   // 1. Everything that can be checked without the module: the source itself.
   std::optional<checkpoint::Checkpoint> ckpt;
   std::unique_ptr<checkpoint::ParamSource> source;
@@ -310,13 +372,21 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
   // 3. Shards first; the committed copies only once every rank's shards are written, so a
   // failure (an I/O error: everything else was checked) restores the shards from them.
   absl::Status s = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
-    const int32_t shard_rank = hold.plan.ShardRank(hold.ranks[i]);
+    const int32_t rank = hold.ranks[i];
+    const int32_t shard_rank = hold.plan.ShardRank(rank);
+    std::vector<std::shared_ptr<Buffer>> shards;
+    for (const UnitShard& sh : hold.shards[i]) shards.push_back(sh.shard);
+    // GPU ranks: filled in host memory, then copied to the device.
+    FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host,
+                        HostCopies(rank, shards, /*copy_in=*/false));
     for (const PlanUnit& u : hold.plan.units) {
-      const Buffer& b = *hold.shards[i][u.index].shard;
+      const Buffer& b = *host[u.index];
+      FS_RETURN_IF_ERROR(CheckSize(b, u));
       FS_RETURN_IF_ERROR(
           checkpoint::FillShard(*source, *bindings, hold.plan, u.index, shard_rank, b.data()));
       progress->done_bytes += u.shard_numel * ItemSize(u.dtype);
     }
+    if (host != shards) FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(host), Raw(shards)));
     // ---- Optimizer state (branch optstate; the lead adds it here) ----
     // A checkpoint saved under the same plan has each named state buffer of (rank, unit)
     // (ckpt->meta.FindTensor(rank, unit, name)): read it with checkpoint::ReadFileRange into
@@ -325,19 +395,14 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
     return absl::OkStatus();
   });
   const bool filled = s.ok();
-  (void)ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
-    for (const PlanUnit& u : hold.plan.units) {
-      const int64_t bytes = u.shard_numel * ItemSize(u.dtype);
-      const Buffer& shard = *hold.shards[i][u.index].shard;
-      const Buffer& kept = *hold.committed[i][u.index];
-      if (filled) {
-        std::memcpy(kept.data(), shard.data(), bytes);
-      } else {
-        std::memcpy(shard.data(), kept.data(), bytes);  // back to the committed step
-      }
-    }
-    return absl::OkStatus();
+  absl::Status copied = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
+    std::vector<std::shared_ptr<Buffer>> shards;
+    for (const UnitShard& sh : hold.shards[i]) shards.push_back(sh.shard);
+    // Host or device alike (a GPU rank's copies stay on its device).
+    return filled ? devices_.CopyEach(hold.ranks[i], Raw(shards), Raw(hold.committed[i]))
+                  : devices_.CopyEach(hold.ranks[i], Raw(hold.committed[i]), Raw(shards));
   });
+  if (s.ok()) s = copied;
   if (!s.ok()) {
     ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
     FS_LOG(ERROR) << "group=" << hold.group << " module=" << Display(hold.module)

@@ -60,9 +60,73 @@ uint32_t Crc32cSoftware(uint32_t crc, const uint8_t* p, size_t n) {
   return crc;
 }
 
+// GF(2) arithmetic modulo the (reflected) CRC-32C polynomial, as zlib's crc32_combine does it:
+// a * b mod P, and x^(8 n) mod P (the operator that runs a CRC register over n zero bytes).
+uint32_t MultModP(uint32_t a, uint32_t b) {
+  uint32_t m = uint32_t{1} << 31, p = 0;
+  for (;;) {
+    if (a & m) {
+      p ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    m >>= 1;
+    b = (b & 1) ? (b >> 1) ^ 0x82F63B78u : b >> 1;
+  }
+  return p;
+}
+uint32_t ShiftOperator(uint64_t n_bytes) {
+  static const auto* table = [] {
+    auto* t = new uint32_t[32];
+    uint32_t p = uint32_t{1} << 30;  // x^1
+    t[0] = p;
+    for (int k = 1; k < 32; ++k) t[k] = p = MultModP(p, p);
+    return t;
+  }();
+  uint32_t p = uint32_t{1} << 31;  // x^0
+  uint64_t n = n_bytes;
+  unsigned k = 3;  // x^(8 n) = x^(2^3 n)
+  while (n) {
+    if (n & 1) p = MultModP(table[k & 31], p);
+    n >>= 1;
+    ++k;
+  }
+  return p;
+}
+
 #if defined(__x86_64__)
+// The raw CRC register (no pre/post inversion) over `n` bytes. Large inputs run three
+// independent lanes interleaved (the crc32 instruction has a latency of 3 cycles and a
+// throughput of 1), then combine them: R(c, A B) = x^(8|B|) R(c, A) + R(0, B).
 __attribute__((target("sse4.2"))) uint32_t Crc32cHardware(uint32_t crc, const uint8_t* p,
                                                            size_t n) {
+  constexpr size_t kMinInterleaved = 3 * 4096;
+  while (n >= kMinInterleaved) {
+    const size_t lane = std::min<size_t>(n / 3, size_t{1} << 20) & ~size_t{7};
+    uint64_t a = crc, b = 0, c = 0;
+    const uint8_t* pa = p;
+    const uint8_t* pb = p + lane;
+    const uint8_t* pc = p + 2 * lane;
+    for (size_t i = 0; i < lane; i += 8) {
+      uint64_t va, vb, vc;
+      std::memcpy(&va, pa + i, 8);
+      std::memcpy(&vb, pb + i, 8);
+      std::memcpy(&vc, pc + i, 8);
+      a = _mm_crc32_u64(a, va);
+      b = _mm_crc32_u64(b, vb);
+      c = _mm_crc32_u64(c, vc);
+    }
+    static thread_local size_t cached_lane = 0;
+    static thread_local uint32_t op1 = 0, op2 = 0;
+    if (cached_lane != lane) {
+      cached_lane = lane;
+      op1 = ShiftOperator(lane);
+      op2 = ShiftOperator(2 * lane);
+    }
+    crc = MultModP(op2, static_cast<uint32_t>(a)) ^ MultModP(op1, static_cast<uint32_t>(b)) ^
+          static_cast<uint32_t>(c);
+    p += 3 * lane;
+    n -= 3 * lane;
+  }
   uint64_t c = crc;
   while (n >= 8) {
     uint64_t v;
@@ -127,6 +191,12 @@ uint32_t Crc32c(uint32_t crc, const void* data, size_t n) {
 #endif
   return ~Crc32cSoftware(crc, p, n);
 }
+
+namespace internal {
+uint32_t Crc32cPortable(uint32_t crc, const void* data, size_t n) {
+  return ~Crc32cSoftware(~crc, static_cast<const uint8_t*>(data), n);
+}
+}  // namespace internal
 
 std::string RankFileName(int32_t rank, int32_t world_size) {
   return absl::StrFormat("rank-%05d-of-%05d.bin", rank, world_size);
@@ -609,6 +679,9 @@ absl::Status VerifyFiles(const Checkpoint& ckpt, const std::vector<int32_t>& ran
       }
       uint32_t crc = 0;
       absl::Status s;
+      ::posix_fadvise(f.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+      // Sequential 8 MiB reads (mapping the file instead was slower from a cold page cache:
+      // page-fault-driven readahead; measured with checkpoint_benchmark.py --drop-caches).
       for (int64_t off = 0; off < e.bytes && s.ok();) {
         const int64_t n = std::min<int64_t>(int64_t{8} << 20, e.bytes - off);
         s = internal::ReadAll(f.fd, buf.get(), n, off, path);

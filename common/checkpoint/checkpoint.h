@@ -156,6 +156,8 @@ absl::Status ReadFileRange(const Checkpoint& ckpt, int32_t rank, int64_t offset,
 
 // ---- Helpers for files (shared with safetensors.cc) ----
 namespace internal {
+// CRC-32C without the SSE4.2 path (tests compare the two).
+uint32_t Crc32cPortable(uint32_t crc, const void* data, size_t n);
 // pwrite/pread loops; errors name `path` and the call.
 absl::Status WriteAll(int fd, const void* data, size_t n, int64_t offset, const std::string& path);
 absl::Status ReadAll(int fd, void* data, size_t n, int64_t offset, const std::string& path);

@@ -216,15 +216,20 @@ absl::Status FillShard(const ParamSource& source, const std::vector<Binding>& bi
   const ElementRange range = layout.ShardRange(shard_rank);
   const int64_t item = ItemSize(u.dtype);
   auto* out = static_cast<char*>(dst);
-  std::memset(out, 0, u.shard_numel * item);
+  // Parameters in flat order: zero only the gaps between them (alignment and world-size
+  // padding), not the whole shard first.
+  int64_t at = range.begin;
   for (const Binding& b : bindings) {
     if (b.unit->index != unit) continue;
     const int64_t lo = std::max(range.begin, b.param->offset);
     const int64_t hi = std::min(range.end, b.param->offset + b.param->numel);
     if (lo >= hi) continue;
+    if (lo > at) std::memset(out + (at - range.begin) * item, 0, (lo - at) * item);
     FS_RETURN_IF_ERROR(source.Read(b.source_fqn, lo - b.param->offset, hi - lo,
                                    out + (lo - range.begin) * item));
+    at = std::max(at, hi);
   }
+  if (range.end > at) std::memset(out + (at - range.begin) * item, 0, (range.end - at) * item);
   return absl::OkStatus();
 }
 

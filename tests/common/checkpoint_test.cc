@@ -161,6 +161,17 @@ TEST(Crc32cTest, KnownValues) {
   for (char& c : data) c = static_cast<char>(rng());
   const uint32_t whole = Crc32c(0, data.data(), data.size());
   EXPECT_EQ(Crc32c(Crc32c(0, data.data(), 13), data.data() + 13, data.size() - 13), whole);
+  // The fast path (three interleaved lanes, combined) against the portable table-driven one,
+  // at sizes around its lane boundaries.
+  std::string big(5 << 20, '\0');
+  for (char& c : big) c = static_cast<char>(rng());
+  for (size_t n : {size_t{0}, size_t{7}, size_t{12287}, size_t{12288}, size_t{12289},
+                   size_t{3 << 20}, size_t{(3 << 20) + 5}, big.size()}) {
+    EXPECT_EQ(Crc32c(0, big.data(), n), internal::Crc32cPortable(0, big.data(), n)) << n;
+    EXPECT_EQ(Crc32c(0x1234, big.data() + 3, n - (n > 3 ? 3 : n)),
+              internal::Crc32cPortable(0x1234, big.data() + 3, n - (n > 3 ? 3 : n)))
+        << n;
+  }
 }
 
 TEST(CheckpointNamesTest, RankFileName) {

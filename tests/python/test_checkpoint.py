@@ -359,3 +359,207 @@ def test_saves_during_commits_hold_one_generation(daemon, tmp_path):
             vals = np.frombuffer(raw[t["offset"]:t["offset"] + t["bytes"]], dtype=np.float32)
             assert vals.size == rows * cols // 2
             assert np.all(vals == float(g)), (i, g, t["rank"], t["unit"], np.unique(vals)[:4])
+
+
+def test_daemon_killed_during_save_leaves_a_refused_checkpoint(tmp_path):
+    """kill -9 of the daemon while it writes a checkpoint over an older one in the same
+    directory: the directory is refused as incomplete (its metadata went first), never read as
+    the old checkpoint with new data or the other way round. The other, completed checkpoint
+    is still valid."""
+    rows, cols, units = 2048, 2048, 8  # 128 MiB of shards: the write takes a while
+    man = json.dumps({"format": "flatshard.manifest/1", "root": {
+        "id": 0, "type": "Net", "bases": ["Module"], "params": [],
+        "children": [{"name": f"l{i}", "module": {
+            "id": i + 1, "type": "Linear", "bases": ["Module"], "children": [],
+            "params": [{"name": "weight", "id": i, "shape": [rows, cols], "dtype": "float32",
+                        "requires_grad": True}]}} for i in range(units)]}})
+    pol = json.dumps({"format": "flatshard.policy/1",
+                      "auto_wrap": {"kind": "module_types", "types": ["Linear"]}})
+    d = flatshard.testing.LocalDaemon().start()
+    try:
+        c = flatshard.Client(d.address, call_timeout=60.0)
+        c.join("kill-" + uuid.uuid4().hex[:6], 1, 0)
+        c.register("", man, pol, init="zeros")
+        c.save_checkpoint("", str(tmp_path / "done"))
+        c.save_checkpoint("", str(tmp_path / "ckpt"))  # the older checkpoint
+        errors = []
+
+        def save():
+            try:
+                c.save_checkpoint("", str(tmp_path / "ckpt"))
+            except flatshard.FlatshardError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=save)
+        t.start()
+        # Kill once the new write is under way: its metadata is gone, some data written.
+        for _ in range(2000):
+            names = os.listdir(tmp_path / "ckpt")
+            if "metadata.json" not in names and any(n.endswith(".tmp") for n in names):
+                break
+            threading.Event().wait(0.001)
+        d.kill()
+        t.join(60)
+        assert errors, "the save should have failed with the daemon"
+        c.close()
+    finally:
+        d.stop()
+    r = subprocess.run([ctl(), "checkpoint", "inspect", str(tmp_path / "ckpt")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "metadata.json: missing (an incomplete checkpoint" in r.stderr, r.stderr
+    r = subprocess.run([ctl(), "checkpoint", "inspect", str(tmp_path / "done")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_cli_usage_errors(tmp_path):
+    def run(*args):
+        return subprocess.run([ctl(), "checkpoint", *args], capture_output=True, text=True,
+                              timeout=60)
+    assert run().returncode == 2
+    r = run("--help")
+    assert r.returncode == 0 and "inspect DIR" in r.stdout
+    r = run("bogus")
+    assert r.returncode == 2 and "unknown subcommand" in r.stderr
+    r = run("save", "g")
+    assert r.returncode == 2 and "--dir DIR is required" in r.stderr
+    r = run("save", "g", "--dir", str(tmp_path), "--socket", str(tmp_path / "none.sock"))
+    assert r.returncode == 1 and r.stderr.startswith("flatshardctl checkpoint save: ")
+    r = run("import", "g")
+    assert r.returncode == 2 and "--file FILE is required" in r.stderr
+    r = run("inspect", str(tmp_path / "nothing"))
+    assert r.returncode == 1 and "nothing" in r.stderr
+    r = run("export", str(tmp_path))
+    assert r.returncode == 2 and "--out FILE is required" in r.stderr
+    r = run("inspect", "--help")
+    assert r.returncode == 0 and "CRC-32C" in r.stdout
+
+
+def test_simulated_gpu_ranks_save_and_load_through_host_memory(tmp_path):
+    """`flatshardd --simulate_gpus`: the daemon's GPU code paths (shards in "device" memory,
+    copies through RankDevices) with host memory standing in. Save, change, load: the shards
+    and the committed copies are back, and a checkpoint of a GPU group loads into a host one."""
+    man = json.dumps({"format": "flatshard.manifest/1", "root": {
+        "id": 0, "type": "Net", "bases": ["Module"], "params": [],
+        "children": [{"name": f"l{i}", "module": {
+            "id": i + 1, "type": "Linear", "bases": ["Module"], "children": [],
+            "params": [{"name": "weight", "id": i, "shape": [33, 7], "dtype": "float32",
+                        "requires_grad": True}]}} for i in range(3)]}})
+    pol = json.dumps({"format": "flatshard.policy/1",
+                      "auto_wrap": {"kind": "module_types", "types": ["Linear"]}})
+    ckpt = str(tmp_path / "gpu")
+    with flatshard.testing.LocalDaemon(extra_args=("--simulate_gpus=2",)) as d:
+        group = "gpu-" + uuid.uuid4().hex[:6]
+        barrier = threading.Barrier(2, timeout=60)
+        out, errors = {}, []
+
+        def body(rank):
+            c = flatshard.Client(d.address, call_timeout=60.0, _simulated_gpus=True)
+            try:
+                c.join(group, 2, rank)
+                c.register("", man, pol, init="zeros")
+                views = c.shard_views("")
+                assert all(v.device >= 0 for v in views)
+                for v in views:
+                    v.shard.copy_(torch.arange(v.shard.numel(), dtype=torch.float32) + 100 * rank)
+                    valid = max(0, min(v.shard_numel, 33 * 7 - v.shard_offset))
+                    v.shard[valid:] = 0  # padding stays zero (a load writes zeros there)
+                c.commit("")
+                want = [v.shard.clone() for v in c.shard_views("")]
+                barrier.wait()
+                if rank == 0:
+                    assert c.save_checkpoint("", ckpt)["generation"] == 1
+                barrier.wait()
+                for v in views:
+                    v.shard.fill_(-1.0)
+                c.commit("")
+                barrier.wait()
+                if rank == 0:
+                    assert c.load_checkpoint("", ckpt)["generation"] == 1
+                barrier.wait()
+                got = [v.shard.clone() for v in c.shard_views("")]
+                for u, (a, b) in enumerate(zip(got, want)):
+                    assert torch.equal(a, b), (rank, u, a[:8], b[:8])
+                assert c.commit("") == 2  # and the committed copies hold the loaded values
+                out[rank] = want
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+                barrier.abort()
+            finally:
+                c.close()
+
+        ts = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        if errors:
+            raise errors[0]
+    # The GPU group's checkpoint into a host-memory group of one rank: equal by FQN.
+    with flatshard.testing.LocalDaemon() as d:
+        c = flatshard.Client(d.address, call_timeout=60.0)
+        c.join("host-" + uuid.uuid4().hex[:6], 1, 0)
+        c.register("", man, pol, init="zeros")
+        c.load_checkpoint("", ckpt)
+        full = [v.shard.clone() for v in c.shard_views("")]
+        c.close()
+    for u in range(3):
+        n = 33 * 7
+        joined = torch.cat([out[0][u], out[1][u]])[:n]
+        assert torch.equal(full[u][:n], joined), u
+
+
+def test_cli_save_load_import_against_the_daemon(daemon, tmp_path):
+    """`flatshardctl checkpoint save|load|import` over the daemon's socket (--json), as an
+    operator would, while the group's ranks are joined; errors name the group or module."""
+    ckpt = tmp_path / "cli"
+    group = "cli-" + uuid.uuid4().hex[:6]
+
+    def ctl_json(*args):
+        r = subprocess.run([ctl(), "checkpoint", *args, "--socket", daemon.socket, "--json"],
+                           capture_output=True, text=True, timeout=120)
+        return r.returncode, (json.loads(r.stdout) if r.returncode == 0 else r.stderr)
+
+    def rank_fn(rank, c, barrier):
+        model = FlatShardModule(build_gpt(4), c, auto_wrap_policy=ModuleWrapPolicy({gpt.Block}))
+        with torch.no_grad():
+            for p in model.sharded_parameters():
+                p.add_(1.0)
+        model.commit()
+        want = shard_bytes(c)
+        barrier.wait()
+        if rank == 0:
+            code, out = ctl_json("save", group, "--dir", str(ckpt))
+            assert code == 0, out
+            assert out["done"] and out["generation"] == 1 and out["files"] == 2
+            code, out = ctl_json("save", group, "--dir", str(ckpt), "--module", "nope")
+            assert code == 1 and "module \"nope\" is not registered" in out
+            code, out = ctl_json("save", "no-such-group", "--dir", str(ckpt))
+            assert code == 1 and "no-such-group" in out
+        barrier.wait()
+        with torch.no_grad():
+            for p in model.sharded_parameters():
+                p.zero_()
+        model.commit()
+        barrier.wait()
+        if rank == 0:
+            code, out = ctl_json("load", group, "--dir", str(ckpt))
+            assert code == 0 and out["generation"] == 1, out
+        barrier.wait()
+        model.refresh_views()
+        assert shard_bytes(c) == want
+        barrier.wait()
+        if rank == 0:
+            st = tmp_path / "m.safetensors"
+            r = subprocess.run([ctl(), "checkpoint", "export", str(ckpt), "--out", str(st)],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            code, out = ctl_json("import", group, "--file", str(st))
+            assert code == 0 and out["generation"] == model.generation + 1, out
+        barrier.wait()
+        model.refresh_views()
+        assert shard_bytes(c) == want  # the same values, through a full state dict
+        return True
+
+    assert run_ranks(daemon, 2, rank_fn, group=group) == {0: True, 1: True}
