@@ -634,7 +634,9 @@ TrialResult RunTrial(ChaosCluster& cluster, const std::string& group, const Kill
         const bool after = l.sent > killed_at;      // said after the daemon was dead
         if (before) {
           // What the rank was doing when the daemon died: the last step it reported before.
-          if (l.text == "commit" || l.text == "inside_end") {
+          // (An initialisation is a commit too: "register" then "init" until "committed 0".)
+          if (l.text == "commit" || l.text == "inside_end" || l.text == "register" ||
+              l.text == "init") {
             commit_in_flight = true;
           } else if (absl::StartsWith(l.text, "committed ")) {
             commit_in_flight = false;
@@ -901,6 +903,24 @@ TEST_P(DaemonChaosTest, AClientFromBeforeTheRestartIsNotTakenForTheNewSession) {
                            << " for a client whose session died with the old daemon";
   absl::StatusOr<ShardViews> views = old_client->GetShardViews("");
   EXPECT_FALSE(views.ok()) << "the restarted daemon answered a client from before the restart";
+}
+
+// BUG (found by DaemonChaosSoak seed 4, trial "two 26"; timing-dependent): daemon node1 is
+// killed while a Commit's agreement is under way. On the surviving daemon node0 rank 0 is
+// answered "committed 2" and rank 2 "generation 2 was not committed on any rank"; after the
+// restart the group re-forms with ranks 0 and 1 at generation 2 and rank 2 at generation 1,
+// and a summon hands every rank a mix of the two (scale[684] = 1685, generation 1's value,
+// in a model said to be at generation 2). The rendezvous compares one generation per
+// daemon; the two local ranks of node0 disagree. This test kills node1 inside Commit at a
+// range of small delays, 8 trials; any of them may hit it.
+TEST_P(DaemonChaosTest, DISABLED_KillOneOfTwoDaemonsInsideCommitNeverMixesGenerations) {
+  if (GetParam() != 2) GTEST_SKIP() << "two daemons";
+  std::vector<KillPlan> plans;
+  for (int i = 0; i < 8; ++i) {
+    plans.push_back(At(1, i % 2 == 0 ? 1 : 0, "commit", 1 + i % 3, absl::Microseconds(250 * i),
+                       absl::Milliseconds(20 * i)));
+  }
+  RunPlans(2, plans);
 }
 
 INSTANTIATE_TEST_SUITE_P(Daemons, DaemonChaosTest, ::testing::Values(1, 2),
