@@ -454,6 +454,7 @@ class GroupManager : public peer::PeerEvents {
   struct PendingJoin;
   struct RegisterExchange;
   struct Registered;
+  struct EndArrival;
   struct OpenSummon;
   struct SummonSlot;
 
@@ -651,6 +652,24 @@ class GroupManager : public peer::PeerEvents {
   // Every rank agreed to commit `module` to `generation` (before any copy): the module
   // reports that generation at rendezvous (internal::HeldGeneration) from now on.
   static void NoteCommitAgreed(Registered& reg, uint64_t generation, const char* kind);
+  // Restarts, host daemons with a state directory: a writeback End's rank `caller` wrote back
+  // into its shards (`status`) after every rank agreed; its copy into its committed copy and
+  // its answer (`finish`) wait until every local rank of the module has arrived for the k-th
+  // summon, then one record says all are ready, the copies run, one record says all are done,
+  // and every arrival is answered. So a kill during the copies finds every rank's shards
+  // complete: the restart finishes them all, never a mix (group_manager_state.cc).
+  void EndArrive(const Caller& caller, const std::string& module, uint64_t k, uint64_t target,
+                 const char* kind, absl::Status status, std::vector<UnitShard> shards,
+                 std::vector<std::shared_ptr<Buffer>> committed,
+                 absl::AnyInvocable<void(absl::Status)> finish) ABSL_LOCKS_EXCLUDED(mu_);
+  // The rank's End agreement failed: it counts as arrived (it applies nothing).
+  void EndNotApplied(const Caller& caller, const std::string& module, uint64_t k)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void ProcessEndBatch(const std::string& group, const std::string& module, uint64_t target,
+                       const char* kind, std::vector<EndArrival> batch)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Under mu_: `rank`'s committed copy holds `generation` (the pending commit's done ranks).
+  static void MarkCommitDoneLocked(Registered& reg, int32_t rank, uint64_t generation);
   // GroupManagerOptions::testing_commit_copy_pause.
   void TestingPauseMidCopy(int32_t rank, const std::vector<UnitShard>& shards,
                            const std::vector<std::shared_ptr<Buffer>>& committed) const;

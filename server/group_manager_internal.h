@@ -273,6 +273,16 @@ struct GroupManager::OpenSummon {
   bool ending = false;  // EndSummon under way
 };
 
+// A local rank's arrival at a writeback End's copies (GroupManager::EndArrive).
+struct GroupManager::EndArrival {
+  int32_t rank = 0;
+  bool applying = false;  // its agreement passed (else it only counts)
+  absl::Status status;    // its writeback into its shards
+  std::vector<UnitShard> shards;
+  std::vector<std::shared_ptr<Buffer>> committed;
+  absl::AnyInvocable<void(absl::Status)> finish;  // answers its End
+};
+
 struct GroupManager::Registered {
   Plan plan;
   Manifest manifest;
@@ -334,6 +344,9 @@ struct GroupManager::Registered {
   // SIGTERM with --keep_shards (KeepDeviceShards) or adopted at start (then copied into
   // fresh device memory and dropped). Empty otherwise.
   std::vector<std::vector<std::shared_ptr<Buffer>>> host_committed;
+  // Host daemons with a state directory: the local ranks' arrivals at the k-th writeback End
+  // (EndArrive), by k; the copies into the committed copies start once every local rank is in.
+  std::map<uint64_t, std::vector<EndArrival>> end_batches;
   // ---- Checkpoints (group_manager_checkpoint.cc) ----
   // Saves and loads holding the committed copies still. While > 0 no copy into them starts
   // (commits, writeback Ends and a refused commit's rollback queue in `after_ckpt` and run

@@ -22,10 +22,17 @@
 //     different generations, the module is dropped as lost with a message naming each rank's
 //     generation (never a silent mix). An initialisation that did not finish is dropped (it
 //     was never initialised: registering again runs it).
+// On host daemons an End's copies wait until every local rank has written back into its
+// shards (EndArrive): one record marks them all ready, so a kill during the copies comes back
+// with every rank at G. (GPU daemons copy per rank; their device shards are kept only across
+// a SIGTERM, KeepDeviceShards.) Ranks at different generations then come only from a record
+// written by hand, or from daemons of a multi-daemon group, which compare at rendezvous.
 // Then every rank's shards are restored from its committed copy (a writeback End or a
-// trainer's optimizer step may have torn them). Cost: two record writes (each a write, an
-// fsync, a rename and a directory fsync) per rank per commit; records of one group are
-// written in sequence order and a write already overtaken by a newer snapshot is skipped.
+// trainer's optimizer step may have torn them). Cost per commit: one record write before the
+// first local rank's copy (a "commit" intent covers every rank) and one after each rank's
+// copy (each a write, an fsync, a rename and a directory fsync; --state_fsync=false drops the
+// fsyncs); records of one group are written in sequence order and a write already overtaken
+// by a newer snapshot is skipped.
 
 #include <sys/stat.h>
 
@@ -226,32 +233,146 @@ void GroupManager::CommitDone(const Caller& caller, const std::string& module,
     if (g == groups_.end()) return;
     auto it = g->second->registered.find(module);
     if (it == g->second->registered.end()) return;
-    Registered& reg = it->second;
-    reg.generation[caller.rank] = generation;
-    if (reg.pending_commit.has_value() && reg.pending_commit->generation == generation) {
-      std::vector<int32_t>& done = reg.pending_commit->done_ranks;
-      if (std::find(done.begin(), done.end(), caller.rank) == done.end()) {
-        done.push_back(caller.rank);
-        std::sort(done.begin(), done.end());
-      }
-      bool all = true;
-      for (int32_t r = 0; r < static_cast<int32_t>(reg.shards_by_rank.size()) && all; ++r) {
-        if (!reg.shards_by_rank[r].empty()) {
-          all = std::find(done.begin(), done.end(), r) != done.end();
-        }
-      }
-      if (all) {
-        if (reg.pending_commit->kind == "init") {
-          reg.initialized = true;
-          reg.uninitialized_why.clear();
-        }
-        reg.pending_commit.reset();
-      }
-    }
+    MarkCommitDoneLocked(it->second, caller.rank, generation);
     if (state_dir_ == nullptr || state_forgotten_) return;
     rec = SnapshotLocked(*g->second);
   }
   WriteRecord(rec);
+}
+
+void GroupManager::MarkCommitDoneLocked(Registered& reg, int32_t rank, uint64_t generation) {
+  reg.generation[rank] = generation;
+  if (!reg.pending_commit.has_value() || reg.pending_commit->generation != generation) return;
+  std::vector<int32_t>& done = reg.pending_commit->done_ranks;
+  if (std::find(done.begin(), done.end(), rank) == done.end()) {
+    done.push_back(rank);
+    std::sort(done.begin(), done.end());
+  }
+  for (int32_t r = 0; r < static_cast<int32_t>(reg.shards_by_rank.size()); ++r) {
+    if (!reg.shards_by_rank[r].empty() && std::find(done.begin(), done.end(), r) == done.end()) {
+      return;
+    }
+  }
+  if (reg.pending_commit->kind == "init") {
+    reg.initialized = true;
+    reg.uninitialized_why.clear();
+  }
+  reg.pending_commit.reset();
+}
+
+void GroupManager::EndArrive(const Caller& caller, const std::string& module, uint64_t k,
+                             uint64_t target, const char* kind, absl::Status status,
+                             std::vector<UnitShard> shards,
+                             std::vector<std::shared_ptr<Buffer>> committed,
+                             absl::AnyInvocable<void(absl::Status)> finish) {
+  std::vector<EndArrival> batch;
+  {
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(caller.group);
+    auto it = g == groups_.end() ? decltype(g->second->registered.end())()
+                                 : g->second->registered.find(module);
+    if (g != groups_.end() && it != g->second->registered.end()) {
+      Registered& reg = it->second;
+      std::vector<EndArrival>& arrived = reg.end_batches[k];
+      arrived.push_back(EndArrival{caller.rank, true, std::move(status), std::move(shards),
+                                   std::move(committed), std::move(finish)});
+      size_t local = 0;
+      for (const std::vector<UnitShard>& s : reg.shards_by_rank) local += s.empty() ? 0 : 1;
+      if (arrived.size() < local) return;  // the last local rank copies for every rank
+      batch = std::move(arrived);
+      reg.end_batches.erase(k);
+      // Ends whose other ranks never came (their agreement failed there) are long over.
+      while (!reg.end_batches.empty() && reg.end_batches.begin()->first + 64 < k) {
+        reg.end_batches.erase(reg.end_batches.begin());
+      }
+    } else {
+      batch.push_back(EndArrival{caller.rank, true, std::move(status), std::move(shards),
+                                 std::move(committed), std::move(finish)});
+    }
+  }
+  ProcessEndBatch(caller.group, module, target, kind, std::move(batch));
+}
+
+void GroupManager::EndNotApplied(const Caller& caller, const std::string& module, uint64_t k) {
+  std::vector<EndArrival> batch;
+  uint64_t target = 0;
+  std::string kind;
+  {
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(caller.group);
+    if (g == groups_.end()) return;
+    auto it = g->second->registered.find(module);
+    if (it == g->second->registered.end()) return;
+    Registered& reg = it->second;
+    std::vector<EndArrival>& arrived = reg.end_batches[k];
+    EndArrival a;
+    a.rank = caller.rank;
+    arrived.push_back(std::move(a));
+    size_t local = 0;
+    for (const std::vector<UnitShard>& s : reg.shards_by_rank) local += s.empty() ? 0 : 1;
+    if (arrived.size() < local) return;
+    batch = std::move(arrived);
+    reg.end_batches.erase(k);
+    if (reg.pending_commit.has_value()) {
+      target = reg.pending_commit->generation;
+      kind = reg.pending_commit->kind;
+    }
+  }
+  ProcessEndBatch(caller.group, module, target, kind.empty() ? "end" : kind == "init" ? "init" : "end",
+                  std::move(batch));
+}
+
+void GroupManager::ProcessEndBatch(const std::string& group, const std::string& module,
+                                   uint64_t target, const char* kind,
+                                   std::vector<EndArrival> batch) {
+  std::vector<EndArrival*> applying;
+  for (EndArrival& a : batch) {
+    if (a.applying && a.status.ok()) applying.push_back(&a);
+  }
+  auto record = [&](bool ready) {
+    state::GroupRecord rec;
+    {
+      absl::MutexLock lock(&mu_);
+      auto g = groups_.find(group);
+      if (g == groups_.end()) return;
+      auto it = g->second->registered.find(module);
+      if (it == g->second->registered.end()) return;
+      Registered& reg = it->second;
+      if (ready) {
+        NoteCommitAgreed(reg, target, kind);
+        std::vector<int32_t>& r = reg.pending_commit->ready_ranks;
+        for (EndArrival* a : applying) {
+          if (std::find(r.begin(), r.end(), a->rank) == r.end()) r.push_back(a->rank);
+        }
+        std::sort(r.begin(), r.end());
+      } else {
+        for (EndArrival* a : applying) {
+          if (a->status.ok()) MarkCommitDoneLocked(reg, a->rank, target);
+        }
+      }
+      if (state_dir_ == nullptr || state_forgotten_) return;
+      rec = SnapshotLocked(*g->second);
+    }
+    WriteRecord(rec);
+  };
+  if (!applying.empty()) {
+    // Every local rank's shards hold the new generation: one record says so before any
+    // committed copy is overwritten, one after all of them are.
+    record(/*ready=*/true);
+    TestingPauseMidCopy(applying.front()->rank, applying.front()->shards,
+                        applying.front()->committed);
+    for (EndArrival* a : applying) {
+      a->status = CopyCommitted(a->rank, a->shards, a->committed, /*to_committed=*/true);
+    }
+    record(/*ready=*/false);
+  }
+  for (EndArrival& a : batch) {
+    if (a.applying && !a.status.ok()) {
+      FS_LOG(ERROR) << "group=" << group << " rank=" << a.rank
+                    << ": writeback failed after every rank agreed: " << a.status;
+    }
+    if (a.finish) a.finish(std::move(a.status));
+  }
 }
 
 void GroupManager::TestingPauseMidCopy(

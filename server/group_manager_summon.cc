@@ -640,8 +640,12 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
   }
   // Writes back this rank's ranges and commits its shards. Takes the copy and lets its
   // buffer references go, so FinishEnd sees which kept buffers nobody uses any more.
+  // Restarts, host daemons with a state directory: the copies into the committed copies wait
+  // until every local rank has written back into its shards (EndArrive), so that a daemon
+  // killed during them comes back with every rank at one generation.
+  const bool batched = state_dir_ != nullptr && gpus_.empty();
   auto write_back = [this, plan, shards, committed, caller, module = owned->module, is_init,
-                     target = is_init ? record.generation : record.generation + 1](
+                     target = is_init ? record.generation : record.generation + 1, batched](
                         std::unique_ptr<OpenSummon> copy) {
     const int32_t r = plan->ShardRank(caller.rank);
     absl::Status status;
@@ -664,6 +668,7 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
       }
     }
     copy.reset();
+    if (batched) return status;  // EndArrive copies, once every local rank got here
     // Restarts: this rank's shards hold the new generation completely; recorded durably before
     // its committed copy is overwritten (group_manager_state.cc).
     if (status.ok()) CommitReady(caller, module, target, is_init ? "init" : "end");
@@ -682,8 +687,9 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
   using ApplyFn = std::function<void(std::unique_ptr<OpenSummon>, StatusCallback)>;
   auto apply = std::make_shared<ApplyFn>();
   *apply = [this, caller, summon, module = owned->module, is_init, generation = record.generation,
-            write_back, self = std::weak_ptr<ApplyFn>(apply)](std::unique_ptr<OpenSummon> owned,
-                                                                StatusCallback done) mutable {
+            write_back, batched, k = owned->k, shards, committed,
+            self = std::weak_ptr<ApplyFn>(apply)](std::unique_ptr<OpenSummon> owned,
+                                                  StatusCallback done) mutable {
     {
       absl::MutexLock lock(&mu_);
       auto g = groups_.find(caller.group);
@@ -700,14 +706,8 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
         NoteCommitAgreed(reg, is_init ? generation : generation + 1, is_init ? "init" : "end");
       }
     }
-    // The copies run without mu_ (GPU ranks: on the device's worker, not on the engine's
-    // thread). Invariant: `busy`, taken above, keeps every rollback out until DoneCopying, and
-    // the summon is `ending`, so no other call touches its views or this rank's shards' copy.
-    devices_.RunBlocking(
-        caller.rank,
-        [write_back, owned = std::move(owned)]() mutable { return write_back(std::move(owned)); },
-        [this, caller, summon, module, is_init, generation,
-         done = std::move(done)](absl::Status s) mutable {
+    auto finish = [this, caller, summon, module, is_init, generation,
+                   done = std::move(done)](absl::Status s) mutable {
           std::vector<absl::AnyInvocable<void()>> run;
           {
             absl::MutexLock lock(&mu_);
@@ -730,21 +730,36 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
           }
           for (auto& f : run) f();
           FinishEnd(caller, summon, std::move(s), std::move(done));
-        });
+    };
+    if (batched) {
+      // Host ranks: the writeback runs here; the copy waits for the other local ranks.
+      absl::Status s = write_back(std::move(owned));
+      EndArrive(caller, module, k, is_init ? generation : generation + 1,
+                is_init ? "init" : "end", std::move(s), shards, committed, std::move(finish));
+      return;
+    }
+    // The copies run without mu_ (GPU ranks: on the device's worker, not on the engine's
+    // thread). Invariant: `busy`, taken above, keeps every rollback out until DoneCopying, and
+    // the summon is `ending`, so no other call touches its views or this rank's shards' copy.
+    devices_.RunBlocking(
+        caller.rank,
+        [write_back, owned = std::move(owned)]() mutable { return write_back(std::move(owned)); },
+        std::move(finish));
   };
-  auto agree = [this, caller, summon, coll, record, world_size, deadline, apply,
-                module = owned->module](std::unique_ptr<OpenSummon> owned,
-                                        StatusCallback done) mutable {
+  auto agree = [this, caller, summon, coll, record, world_size, deadline, apply, batched,
+                k = owned->k, module = owned->module](std::unique_ptr<OpenSummon> owned,
+                                                      StatusCallback done) mutable {
     Agree(coll, caller, record, world_size, internal::kEndAgreeUnit,
           absl::StrCat("the writeback of summon ", summon),
           deadline,
-          [this, caller, summon, apply, module, owned = std::move(owned),
+          [this, caller, summon, apply, module, batched, k, owned = std::move(owned),
            done = std::move(done)](absl::Status s, bool stale) mutable {
             if (s.ok()) {
               (*apply)(std::move(owned), std::move(done));
               return;
             }
             owned.reset();
+            if (batched) EndNotApplied(caller, module, k);
             if (stale) RollbackRank(caller, module);
             FinishEnd(caller, summon,
                       absl::Status(s.code(), absl::StrCat("summon ", summon,

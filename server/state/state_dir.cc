@@ -10,12 +10,14 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <utility>
 #include <set>
 #include <signal.h>
 #include <sys/mman.h>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
 #include "common/json_util.h"
@@ -430,15 +432,11 @@ absl::Status UnlinkUnreferencedSegments(const std::string& prefix,
     const std::string rest = name.substr(start.size());
     const size_t dot = rest.find('.');
     if (dot == std::string::npos || dot == 0) continue;
-    long long pid = 0;
-    try {
-      size_t used = 0;
-      pid = std::stoll(rest.substr(0, dot), &used);
-      if (used != dot) continue;
-    } catch (...) {
-      continue;
+    int64_t pid = 0;
+    if (!absl::SimpleAtoi(rest.substr(0, dot), &pid) || pid <= 0 ||
+        pid > std::numeric_limits<pid_t>::max()) {
+      continue;  // only "<pid>.<counter>" is ours; anything else merely shares the prefix
     }
-    if (pid <= 0) continue;
     if (pid != ::getpid() && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM)) {
       continue;  // another live process's (a second daemon, a parallel test)
     }

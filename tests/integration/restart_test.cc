@@ -282,21 +282,27 @@ TEST_F(RestartTest, KillNineWhileACommitCopyIsTornFinishesTheCommitFromTheShards
   ExpectReattached(*d, ranks, 1, step1, /*commit_after=*/false);  // commits pause here
 }
 
-// A writeback End commits too, but a rank's shards hold the new generation only once its own
-// writeback into them is done: killed while the first rank's copy into its committed copy is
-// torn, the second rank's writeback had not run (host ranks apply one after the other), so
-// the ranks would come back at different generations. The module is refused as lost, named
-// with each rank's generation, never adopted as a mix.
-TEST_F(RestartTest, KillNineDuringAWritebackEndsCopiesNeverAdoptsAMix) {
+// A writeback End commits too (host daemons with a state directory: every local rank writes
+// back into its shards first, then one record says all are ready and the copies into the
+// committed copies run). Killed while those copies are torn, the restart finishes every rank's
+// copy from its shards: every rank comes back at the End's generation with its values.
+TEST_F(RestartTest, KillNineDuringAWritebackEndsCopiesFinishesThemFromTheShards) {
   std::unique_ptr<DaemonProcess> d = StartDaemon({"--testing_commit_copy_pause=30s"});
   std::vector<Rank> ranks;
   JoinAll(*d, ranks, 0);
   RegisterAll(ranks, 0);
+  auto value = [](int64_t i) { return 3.0f + static_cast<float>(i % 101) * 0.25f; };
   std::vector<std::thread> ending;
   std::vector<std::unique_ptr<SummonedParams>> summons(kWorld);
   RunRanks(kWorld, [&](int r) {
     absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", {});
     ASSERT_TRUE(s.ok()) << s.status();
+    for (const PlanUnit& u : ranks[r].model.plan->units) {
+      for (const PlanParam& p : u.params) {
+        float* data = static_cast<float*>((*s)->Find(p.fqn)->data);
+        for (int64_t i = 0; i < p.numel; ++i) data[i] = value(i);
+      }
+    }
     summons[r] = *std::move(s);
   });
   for (int r = 0; r < kWorld; ++r) {
@@ -312,6 +318,46 @@ TEST_F(RestartTest, KillNineDuringAWritebackEndsCopiesNeverAdoptsAMix) {
   ranks.clear();
   ASSERT_TRUE(was_paused) << d->Log();
   ASSERT_TRUE(Restart(*d));
+  EXPECT_THAT(d->Log(), HasSubstr("rank=0: finished the end of generation 1 from its shards"));
+  EXPECT_THAT(d->Log(), HasSubstr("rank=1: finished the end of generation 1 from its shards"));
+  JoinAll(*d, ranks, 1);
+  RegisterAll(ranks, 1);
+  RunRanks(kWorld, [&](int r) {
+    EXPECT_THAT(ranks[r].client->lost_modules(), IsEmpty());
+    SummonOptions read;
+    read.writeback = false;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", read);
+    ASSERT_TRUE(s.ok()) << s.status();
+    for (const PlanUnit& u : ranks[r].model.plan->units) {
+      for (const PlanParam& p : u.params) {
+        const float* data = static_cast<const float*>((*s)->Find(p.fqn)->data);
+        for (int64_t i = 0; i < p.numel; ++i) ASSERT_EQ(data[i], value(i)) << p.fqn << " " << i;
+      }
+    }
+    ASSERT_TRUE((*s)->End().ok());
+  });
+}
+
+// A daemon whose record has a module's local ranks at different generations (as if it had died
+// between their copies of one commit) refuses the module as lost, named with each rank's
+// generation, never adopted as a mix.
+TEST_F(RestartTest, LocalRanksAtDifferentGenerationsAreDroppedAsLostNamingThem) {
+  std::unique_ptr<DaemonProcess> d = StartDaemon();
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  Train(ranks, 1, 1);
+  ranks.clear();
+  d->Kill();
+  {
+    std::unique_ptr<server::state::StateDir> dir =
+        *server::state::StateDir::Open(state_dir_.string());
+    server::state::GroupRecord rec = dir->LoadAll().groups.at(0);
+    rec.modules[0].ranks[1].generation = 0;
+    rec.sequence += 1;
+    ASSERT_TRUE(dir->Write(rec).ok());
+  }
+  ASSERT_TRUE(Restart(*d));
   JoinAll(*d, ranks, 0);
   for (int r = 0; r < kWorld; ++r) {
     SCOPED_TRACE(absl::StrCat("rank ", r));
@@ -320,6 +366,7 @@ TEST_F(RestartTest, KillNineDuringAWritebackEndsCopiesNeverAdoptsAMix) {
                 HasSubstr("its ranks hold different committed generations (rank 1: generation "
                           "0; rank 0: generation 1)"));
   }
+  RegisterAll(ranks, 0);  // afresh
 }
 
 TEST_F(RestartTest, DrainThenSigtermKeepsShardsForTheNextDaemonByDefault) {
