@@ -29,6 +29,7 @@
 #include "server/metrics/daemon_metrics.h"
 #include "server/metrics/http_server.h"
 #include "server/peer/peer_service_impl.h"
+#include "server/service/checkpoint_peer_service.h"
 #include "server/service/admin_service_impl.h"
 #include "server/service/answer_interceptor.h"
 #include "server/service/shard_service_impl.h"
@@ -325,6 +326,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
     int peer_port = 0;
     peer_builder.AddListeningPort(config.peer_address, peer_credentials, &peer_port);
     peer_builder.RegisterService(d->peer_service_.get());
+    d->checkpoint_peer_ = std::make_unique<CheckpointPeerServiceImpl>();
+    peer_builder.RegisterService(d->checkpoint_peer_.get());
     d->peer_server_ = peer_builder.BuildAndStart();
     if (d->peer_server_ == nullptr || peer_port == 0) {
       return absl::UnavailableError(
@@ -356,6 +359,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   group_options.lease_timeout = config.lease_timeout;
   d->groups_ = std::make_unique<GroupManager>(d->store_.get(), std::move(group_options));
   if (d->state_dir_ != nullptr) d->groups_->AdoptGroups(loaded.groups);
+  if (d->checkpoint_peer_) d->checkpoint_peer_->SetGroups(d->groups_.get());
   d->acceptor_ = std::move(acceptor);
   d->access_ = std::make_unique<access::AccessControl>(d->acceptor_.get(), config.allowed_uids);
   d->shard_service_ = std::make_unique<ShardServiceImpl>(d->groups_.get(), config.default_wait,
@@ -442,6 +446,7 @@ void Daemon::Shutdown() {
       std::chrono::system_clock::now() + absl::ToChronoNanoseconds(config_.shutdown_grace);
   if (peer_service_) peer_service_->Shutdown();  // pending rendezvous fail, streams end
   if (peer_server_) peer_server_->Shutdown(deadline);
+  if (checkpoint_peer_) checkpoint_peer_->Stop();  // its calls use groups_
   if (acceptor_) acceptor_->Stop();  // no new connections while the server drains
   server_->Shutdown(deadline);
   // --keep_shards (with --state_dir): shards, gradient shards and committed copies stay with

@@ -21,6 +21,7 @@
 namespace flatshard::server {
 
 class AdminServiceImpl;
+class CheckpointPeerServiceImpl;
 class GroupManager;
 class ShardServiceImpl;
 class ShardStore;
@@ -133,6 +134,8 @@ class Daemon {
   std::unique_ptr<ShardStore> store_;
   std::unique_ptr<state::StateDir> state_dir_;  // null without --state_dir; outlives groups_
   std::unique_ptr<peer::PeerServiceImpl> peer_service_;
+  // Checkpoints of multi-daemon groups: the other daemons' requests, on the peer port.
+  std::unique_ptr<CheckpointPeerServiceImpl> checkpoint_peer_;
   std::unique_ptr<grpc::Server> peer_server_;  // PeerService only, on its own TCP port
   std::unique_ptr<GroupManager> groups_;
   // Before the services and server_: handlers ask access_, which asks acceptor_.

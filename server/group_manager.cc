@@ -58,6 +58,7 @@ GroupManager::GroupManager(ShardStore* store, GroupManagerOptions options)
   if (!self_.peer_address.empty() && comms_->has_remote()) {
     self_.backend_address = comms_->RemoteAddress();
     self_.nccl = comms_->has_nccl();
+    peer_credentials_ = options.peer.credentials;
     peer_ = std::make_unique<peer::PeerClient>(self_, std::move(options.peer), this);
   }
   deadline_thread_ = std::thread([this] { DeadlineLoop(); });
@@ -476,6 +477,7 @@ absl::Status GroupManager::ApplyTable(Group& g, const peer::PeerTable& table,
   const std::vector<int> local_ranks = connected.spec.local_ranks;
   FS_ASSIGN_OR_RETURN(g.coll, engine_.AddGroup(connected.spec, std::move(connected.comm)));
   g.epoch = table.epoch;
+  g.table = table;  // checkpoints find the other daemons here
   g.local_ranks.assign(local_ranks.begin(), local_ranks.end());
   ReconcileModules(g, table);
 

@@ -33,6 +33,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/checkpoint/checkpoint.h"
 #include "common/clock.h"
 #include "common/manifest.h"
 #include "common/plan.h"
@@ -419,6 +420,10 @@ class GroupManager : public peer::PeerEvents {
     bool privileged = false;
     // How long to wait for copies of the committed shards in flight to finish.
     absl::Duration wait = absl::Seconds(30);
+    // Multi-daemon groups: another daemon asks for this daemon's ranks' part (the group's
+    // token instead of a uid; no metadata written, no other daemon asked).
+    bool from_peer = false;
+    std::string token;
   };
   struct CheckpointResult {
     uint64_t generation = 0;
@@ -426,6 +431,9 @@ class GroupManager : public peer::PeerEvents {
     int32_t files = 0;
     int32_t ranks = 0;
     int64_t unused_tensors = 0;
+    // A save for a peer: the files and tensors this daemon wrote.
+    std::vector<checkpoint::FileEntry> written_files;
+    std::vector<checkpoint::TensorEntry> written_tensors;
   };
   // Writes the committed shards of `args.module` (one generation on every rank) to
   // `args.dir` in flatshard.checkpoint/1: one file per rank in parallel, metadata.json last.
@@ -433,7 +441,9 @@ class GroupManager : public peer::PeerEvents {
   // Blocking (file I/O): never call on a gRPC reactor thread. Errors: NOT_FOUND,
   // PERMISSION_DENIED (another uid's group), FAILED_PRECONDITION (uninitialised module, a rank
   // without shards), DEADLINE_EXCEEDED (copies in flight past `wait`),
-  // UNIMPLEMENTED (multi-daemon groups), INTERNAL naming the file and call that failed.
+  // INTERNAL naming the file and call that failed. Multi-daemon groups: the other daemons
+  // write their ranks (CheckpointPeerService) into the same directory, a shared file system;
+  // ABORTED when their generations kept differing (commits landing between their holds).
   absl::StatusOr<CheckpointResult> SaveCheckpoint(const CheckpointArgs& args,
                                                   CheckpointProgress* progress)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -682,6 +692,10 @@ class GroupManager : public peer::PeerEvents {
   // host ranks: `buffers` themselves. Blocking on the device: not on a reactor thread.
   absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> HostCopies(
       int32_t rank, const std::vector<std::shared_ptr<Buffer>>& buffers, bool copy_in) const;
+  // Multi-daemon groups: asks every other daemon of `hold`'s group to write (or load) its
+  // ranks' part; runs the calls in parallel, on threads of its own, and waits for them.
+  std::vector<absl::StatusOr<CheckpointResult>> AskPeers(const CheckpointHold& hold,
+                                                         const CheckpointArgs& args, bool load);
   // Ends a hold; a load sets `generation` and marks the local ranks stale.
   void ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
                              std::optional<uint64_t> generation) ABSL_LOCKS_EXCLUDED(mu_);
@@ -722,6 +736,8 @@ class GroupManager : public peer::PeerEvents {
   std::vector<std::pair<std::string, uint64_t>> removed_records_ ABSL_GUARDED_BY(mu_);
   void FlushRemovedRecords() ABSL_LOCKS_EXCLUDED(mu_);
   std::thread deadline_thread_;
+  // Checkpoints of multi-daemon groups: how this daemon reaches the others' peer ports.
+  std::shared_ptr<grpc::ChannelCredentials> peer_credentials_;
   // Last: destroyed first, so no PeerEvents arrive while the rest is torn down.
   std::unique_ptr<peer::PeerClient> peer_;
 };

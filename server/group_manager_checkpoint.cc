@@ -14,6 +14,12 @@
 // committed copies from the shards, and sets the generation: a load is a committed step. The
 // ranks are marked stale, so each must read its views again before its next commit.
 //
+// Multi-daemon groups: the daemon asked holds and writes its own ranks and asks every other
+// daemon of the group (the peer table's addresses; CheckpointPeerService) to do the same into
+// the same directory (a shared file system), then writes the metadata. The holds are per
+// daemon, so a commit landing between them can leave two daemons at different generations: the
+// save is then written again (never given metadata). A load: every daemon loads its own ranks.
+//
 // File I/O runs on the caller's thread and on threads started here (one per rank file, at most
 // kCheckpointThreads at once), never under mu_. GPU ranks go through host staging buffers
 // (HostCopies): a save copies the committed copies to host memory first, a load fills host
@@ -33,9 +39,12 @@
 #include "absl/time/clock.h"
 #include "common/checkpoint/checkpoint.h"
 #include "common/checkpoint/param_source.h"
+#include "common/grpc_status.h"
 #include "common/logging.h"
+#include "flatshard/v1/checkpoint_peer.grpc.pb.h"
 #include "common/status_macros.h"
 #include "server/group_manager_internal.h"
+#include <grpcpp/grpcpp.h>
 
 namespace flatshard::server {
 
@@ -127,6 +136,8 @@ struct GroupManager::CheckpointHold {
   std::vector<std::vector<std::shared_ptr<Buffer>>> committed;  // by position in `ranks`
   uint64_t generation = 0;  // of every local rank
   Manifest manifest;  // for checkpoint::TiedAliases (computed without mu_)
+  std::vector<std::string> peers;  // multi-daemon groups: the other daemons' peer addresses
+  std::string token;
 };
 
 absl::StatusOr<GroupManager::CheckpointHold> GroupManager::HoldForCheckpoint(
@@ -143,7 +154,14 @@ absl::StatusOr<GroupManager::CheckpointHold> GroupManager::HoldForCheckpoint(
         return absl::NotFoundError(absl::StrCat("no group ", Truncated(args.group), " here"));
       }
       Group& g = *git->second;
-      if (!args.privileged) FS_RETURN_IF_ERROR(internal::CheckUid(g, args.uid));
+      if (args.from_peer) {
+        if (!internal::TokensEqual(args.token, g.token)) {
+          return absl::PermissionDeniedError(
+              absl::StrCat("group ", g.id, ": wrong token in a checkpoint request of a peer"));
+        }
+      } else if (!args.privileged) {
+        FS_RETURN_IF_ERROR(internal::CheckUid(g, args.uid));
+      }
       auto it = g.registered.find(args.module);
       if (it == g.registered.end()) {
         return absl::NotFoundError(absl::StrCat("group ", g.id, ": module ", Display(args.module),
@@ -151,11 +169,25 @@ absl::StatusOr<GroupManager::CheckpointHold> GroupManager::HoldForCheckpoint(
       }
       Registered& reg = it->second;
       if (!reg.initialized) FS_RETURN_IF_ERROR(CheckUsable(g, args.module, reg));
-      if (g.multi() || static_cast<int32_t>(g.local_ranks.size()) != g.world_size) {
-        return absl::UnimplementedError(absl::StrCat(
-            "group ", g.id, " spans several daemons: checkpoints of multi-daemon groups are not "
-            "implemented yet (this daemon hosts ", internal::RankListText(g.local_ranks), " of ",
-            g.world_size, ")"));
+      std::vector<std::string> peers;  // the other daemons' peer addresses
+      if (g.multi()) {
+        if (static_cast<int32_t>(g.table.rank_daemons.size()) != g.world_size || !g.coll) {
+          return absl::UnavailableError(absl::StrCat(
+              "group ", g.id, " is not formed (every rank must have joined once)"));
+        }
+        for (int32_t r = 0; r < g.world_size; ++r) {
+          const std::string& a = g.table.rank_daemons[r].peer_address;
+          if (std::find(g.local_ranks.begin(), g.local_ranks.end(), r) != g.local_ranks.end() ||
+              a == self_.peer_address ||
+              std::find(peers.begin(), peers.end(), a) != peers.end()) {
+            continue;
+          }
+          peers.push_back(a);
+        }
+      } else if (static_cast<int32_t>(g.local_ranks.size()) != g.world_size) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "group ", g.id, ": not every rank has joined (this daemon hosts ",
+            internal::RankListText(g.local_ranks), " of ", g.world_size, ")"));
       }
       for (int32_t r : g.local_ranks) {
         if (r >= static_cast<int32_t>(reg.shards_by_rank.size()) ||
@@ -197,6 +229,8 @@ absl::StatusOr<GroupManager::CheckpointHold> GroupManager::HoldForCheckpoint(
           h.committed.push_back(reg.committed[r]);
         }
         h.generation = lo;
+        h.peers = std::move(peers);
+        h.token = g.token;
         return h;
       }
       last_wait = absl::DeadlineExceededError(absl::StrCat(
@@ -246,81 +280,183 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::SaveCheckpoint(
         absl::StrCat("checkpoint directory must be an absolute path, got \"",
                      Truncated(args.dir), "\""));
   }
-  FS_RETURN_IF_ERROR(CheckOwner(args, args.dir, /*parent_if_missing=*/true));
+  if (!args.from_peer) FS_RETURN_IF_ERROR(CheckOwner(args, args.dir, /*parent_if_missing=*/true));
   FS_RETURN_IF_ERROR(checkpoint::MakeDirs(args.dir));
   const absl::Time start = absl::Now();
-  FS_ASSIGN_OR_RETURN(CheckpointHold hold, HoldForCheckpoint(args, /*load=*/false, progress));
-  // Overwriting a checkpoint: its metadata goes first (only once the save is sure to start:
-  // a refused save leaves the old checkpoint alone), so a save that does not finish leaves an
-  // incomplete checkpoint (refused), never old metadata over new data files.
-  const std::string meta_path = absl::StrCat(args.dir, "/", checkpoint::kMetadataFile);
-  if (::unlink(meta_path.c_str()) == 0) {
-    if (absl::Status s = checkpoint::internal::FsyncDir(args.dir); !s.ok()) {
-      ReleaseCheckpointHold(hold, /*load=*/false, std::nullopt);
+  // A multi-daemon group: each daemon holds and writes its own ranks, so two daemons may hold
+  // different generations when a commit lands between their holds. Such a save is written
+  // again (never given metadata); the commit goes through between the attempts.
+  constexpr int kAttempts = 5;
+  for (int attempt = 1;; ++attempt) {
+    FS_ASSIGN_OR_RETURN(CheckpointHold hold, HoldForCheckpoint(args, /*load=*/false, progress));
+    // Overwriting a checkpoint: its metadata goes first (only once the save is sure to
+    // start: a refused save leaves the old checkpoint alone), so a save that does not finish
+    // leaves an incomplete checkpoint (refused), never old metadata over new data files.
+    const std::string meta_path = absl::StrCat(args.dir, "/", checkpoint::kMetadataFile);
+    if (!args.from_peer && ::unlink(meta_path.c_str()) == 0) {
+      if (absl::Status s = checkpoint::internal::FsyncDir(args.dir); !s.ok()) {
+        ReleaseCheckpointHold(hold, /*load=*/false, std::nullopt);
+        return s;
+      }
+    }
+    int64_t per_rank = 0;
+    for (const PlanUnit& u : hold.plan.units) per_rank += u.shard_numel * ItemSize(u.dtype);
+    progress->total_bytes = per_rank * (args.from_peer ? static_cast<int64_t>(hold.ranks.size())
+                                                       : hold.world_size);
+    progress->done_bytes = 0;
+    progress->phase = CheckpointProgress::kWriting;
+    // The other daemons write their ranks while this one writes its own.
+    std::vector<absl::StatusOr<CheckpointResult>> remote;
+    std::thread asking;
+    if (!args.from_peer && !hold.peers.empty()) {
+      asking = std::thread([&] { remote = AskPeers(hold, args, /*load=*/false); });
+    }
+    std::vector<checkpoint::WrittenFile> written(hold.ranks.size());
+    absl::Status s = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
+      // GPU ranks: the committed copies go through host memory first (one staging buffer
+      // per unit, for as long as the file is written).
+      FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host,
+                          HostCopies(hold.ranks[i], hold.committed[i], /*copy_in=*/true));
+      std::vector<checkpoint::TensorToWrite> tensors;
+      for (const PlanUnit& u : hold.plan.units) {
+        const Buffer& b = *host[u.index];
+        FS_RETURN_IF_ERROR(CheckSize(b, u));
+        tensors.push_back({u.index, checkpoint::kShardTensor, u.dtype, b.data(),
+                           u.shard_numel * ItemSize(u.dtype)});
+      }
+      // ---- Optimizer state (branch optstate; the lead adds it here) ----
+      // For every named state buffer of (rank hold.ranks[i], unit u), committed with the
+      // shards: tensors.push_back({u.index, name, dtype, data, bytes}). The format stores and
+      // finds them by (rank, unit, name) (checkpoint::Metadata::FindTensor); a SCALAR state
+      // ("step") is a tensor of one element.
+      absl::StatusOr<checkpoint::WrittenFile> w = checkpoint::WriteRankFile(
+          args.dir, hold.ranks[i], hold.world_size, tensors,
+          [progress](int64_t n) { progress->done_bytes += n; });
+      if (!w.ok()) return w.status();
+      written[i] = *std::move(w);
+      return absl::OkStatus();
+    });
+    // The committed copies are no longer read: commits that waited go on now.
+    ReleaseCheckpointHold(hold, /*load=*/false, std::nullopt);
+    if (asking.joinable()) asking.join();
+    for (size_t k = 0; k < remote.size() && s.ok(); ++k) {
+      if (!remote[k].ok()) {
+        s = absl::Status(remote[k].status().code(),
+                         absl::StrCat("daemon ", hold.peers[k], " could not write its ranks: ",
+                                      remote[k].status().message()));
+      }
+    }
+    if (!s.ok()) {
+      FS_LOG(ERROR) << "group=" << hold.group << " module=" << Display(hold.module)
+                    << ": checkpoint save to " << args.dir << " failed: " << s;
       return s;
     }
-  }
-  int64_t total = 0;
-  for (const PlanUnit& u : hold.plan.units) total += u.shard_numel * ItemSize(u.dtype);
-  total *= static_cast<int64_t>(hold.ranks.size());
-  progress->total_bytes = total;
-  progress->phase = CheckpointProgress::kWriting;
-  std::vector<checkpoint::WrittenFile> written(hold.ranks.size());
-  absl::Status s = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
-    // GPU ranks: the committed copies go through host memory first (one staging buffer
-    // per unit, for as long as the file is written).
-    FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host,
-                        HostCopies(hold.ranks[i], hold.committed[i], /*copy_in=*/true));
-    std::vector<checkpoint::TensorToWrite> tensors;
-    for (const PlanUnit& u : hold.plan.units) {
-      const Buffer& b = *host[u.index];
-      FS_RETURN_IF_ERROR(CheckSize(b, u));
-      tensors.push_back({u.index, checkpoint::kShardTensor, u.dtype, b.data(),
-                         u.shard_numel * ItemSize(u.dtype)});
+    CheckpointResult result;
+    result.generation = hold.generation;
+    result.ranks = static_cast<int32_t>(hold.ranks.size());
+    for (checkpoint::WrittenFile& w : written) {
+      result.bytes += w.file.bytes;
+      result.written_files.push_back(w.file);
+      for (checkpoint::TensorEntry& t : w.tensors) result.written_tensors.push_back(std::move(t));
     }
-    // ---- Optimizer state (branch optstate; the lead adds it here) ----
-    // For every named state buffer of (rank hold.ranks[i], unit u), committed with the
-    // shards: tensors.push_back({u.index, name, dtype, data, bytes}). The format stores and
-    // finds them by (rank, unit, name) (checkpoint::Metadata::FindTensor); a SCALAR state
-    // ("step") is a tensor of one element.
-    absl::StatusOr<checkpoint::WrittenFile> w = checkpoint::WriteRankFile(
-        args.dir, hold.ranks[i], hold.world_size, tensors,
-        [progress](int64_t n) { progress->done_bytes += n; });
-    if (!w.ok()) return w.status();
-    written[i] = *std::move(w);
-    return absl::OkStatus();
-  });
-  // The committed copies are no longer read: commits that waited go on now.
-  ReleaseCheckpointHold(hold, /*load=*/false, std::nullopt);
-  if (!s.ok()) {
-    FS_LOG(ERROR) << "group=" << hold.group << " module=" << Display(hold.module)
-                  << ": checkpoint save to " << args.dir << " failed: " << s;
-    return s;
+    result.files = static_cast<int32_t>(result.written_files.size());
+    if (args.from_peer) return result;
+    bool same = true;
+    for (const auto& r : remote) {
+      same &= r->generation == hold.generation;
+      result.written_files.insert(result.written_files.end(), r->written_files.begin(),
+                                  r->written_files.end());
+      result.written_tensors.insert(result.written_tensors.end(), r->written_tensors.begin(),
+                                    r->written_tensors.end());
+    }
+    if (!same) {
+      if (attempt == kAttempts) {
+        return absl::AbortedError(absl::StrCat(
+            "group ", hold.group, " module ", Display(hold.module), ": the daemons held "
+            "different generations in ", kAttempts, " attempts (commits kept landing between "
+            "their holds); nothing was given metadata"));
+      }
+      FS_LOG(INFO) << "group=" << hold.group << " module=" << Display(hold.module)
+                   << ": daemons held different generations; writing the checkpoint again";
+      absl::SleepFor(absl::Milliseconds(20 * attempt));
+      continue;
+    }
+    checkpoint::Metadata meta;
+    meta.module = hold.module;
+    meta.group = hold.group;
+    meta.world_size = hold.world_size;
+    meta.generation = hold.generation;
+    meta.created = checkpoint::internal::NowText();
+    meta.plan = hold.plan;
+    meta.tied = checkpoint::TiedAliases(hold.manifest, hold.plan);
+    meta.files = std::move(result.written_files);
+    meta.tensors = std::move(result.written_tensors);
+    std::sort(meta.files.begin(), meta.files.end(),
+              [](const auto& a, const auto& b) { return a.rank < b.rank; });
+    for (int32_t r = 0; r < hold.world_size; ++r) {
+      if (r >= static_cast<int32_t>(meta.files.size()) || meta.files[r].rank != r) {
+        return absl::InternalError(absl::StrCat("group ", hold.group, ": no daemon wrote rank ",
+                                                r, "'s file"));
+      }
+    }
+    FS_RETURN_IF_ERROR(checkpoint::WriteMetadata(args.dir, meta));
+    progress->done_bytes = progress->total_bytes.load();
+    progress->phase = CheckpointProgress::kDone;
+    CheckpointResult out;
+    out.generation = hold.generation;
+    out.bytes = meta.total_bytes();
+    out.files = static_cast<int32_t>(meta.files.size());
+    out.ranks = hold.world_size;
+    FS_LOG(INFO) << "group=" << hold.group << " module=" << Display(hold.module)
+                 << " saved generation " << hold.generation << " to " << args.dir << " ("
+                 << out.bytes << " bytes, " << out.files << " files, "
+                 << absl::ToDoubleSeconds(absl::Now() - start) << " s)";
+    return out;
   }
-  checkpoint::Metadata meta;
-  meta.module = hold.module;
-  meta.group = hold.group;
-  meta.world_size = hold.world_size;
-  meta.generation = hold.generation;
-  meta.created = checkpoint::internal::NowText();
-  meta.plan = hold.plan;
-  meta.tied = checkpoint::TiedAliases(hold.manifest, hold.plan);
-  for (checkpoint::WrittenFile& w : written) {
-    meta.files.push_back(w.file);
-    for (checkpoint::TensorEntry& t : w.tensors) meta.tensors.push_back(std::move(t));
+}
+
+std::vector<absl::StatusOr<GroupManager::CheckpointResult>> GroupManager::AskPeers(
+    const CheckpointHold& hold, const CheckpointArgs& args, bool load) {
+  std::vector<absl::StatusOr<CheckpointResult>> out(hold.peers.size(),
+                                                    absl::UnknownError("not asked"));
+  std::vector<std::thread> threads;
+  for (size_t k = 0; k < hold.peers.size(); ++k) {
+    threads.emplace_back([&, k] {
+      auto creds = peer_credentials_ ? peer_credentials_ : grpc::InsecureChannelCredentials();
+      auto stub = v1::CheckpointPeerService::NewStub(grpc::CreateChannel(hold.peers[k], creds));
+      v1::CheckpointRanksRequest request;
+      request.set_group(hold.group);
+      request.set_token(hold.token);
+      request.set_module(hold.module);
+      request.set_dir(args.dir);
+      request.set_wait_ms(absl::ToInt64Milliseconds(args.wait));
+      v1::CheckpointRanksResponse response;
+      grpc::ClientContext ctx;
+      // The transfer has no deadline of its own; a daemon that dies ends the call.
+      ctx.set_deadline(absl::ToChronoTime(absl::Now() + args.wait + absl::Hours(1)));
+      const grpc::Status st = load ? stub->LoadRanks(&ctx, request, &response)
+                                   : stub->WriteRanks(&ctx, request, &response);
+      if (!st.ok()) {
+        out[k] = FromGrpcStatus(st);
+        return;
+      }
+      CheckpointResult r;
+      r.generation = response.generation();
+      r.bytes = response.bytes();
+      r.ranks = response.ranks();
+      for (const v1::CheckpointFile& f : response.files()) {
+        r.written_files.push_back({f.name(), f.rank(), f.bytes(), f.crc32c()});
+      }
+      for (const v1::CheckpointTensor& t : response.tensors()) {
+        r.written_tensors.push_back({t.rank(), t.unit(), t.name(),
+                             ParseDType(t.dtype()).value_or(DType::kUInt8), t.offset(),
+                             t.bytes()});
+      }
+      out[k] = std::move(r);
+    });
   }
-  FS_RETURN_IF_ERROR(checkpoint::WriteMetadata(args.dir, meta));
-  progress->phase = CheckpointProgress::kDone;
-  CheckpointResult result;
-  result.generation = hold.generation;
-  result.bytes = meta.total_bytes();
-  result.files = static_cast<int32_t>(meta.files.size());
-  result.ranks = static_cast<int32_t>(hold.ranks.size());
-  FS_LOG(INFO) << "group=" << hold.group << " module=" << Display(hold.module)
-               << " saved generation " << hold.generation << " to " << args.dir << " ("
-               << result.bytes << " bytes, " << result.files << " files, "
-               << absl::ToDoubleSeconds(absl::Now() - start) << " s)";
-  return result;
+  for (auto& t : threads) t.join();
+  return out;
 }
 
 absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
@@ -334,7 +470,7 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
     return absl::InvalidArgumentError(
         absl::StrCat("the path must be absolute, got \"", Truncated(from), "\""));
   }
-  FS_RETURN_IF_ERROR(CheckOwner(args, from, /*parent_if_missing=*/false));
+  if (!args.from_peer) FS_RETURN_IF_ERROR(CheckOwner(args, from, /*parent_if_missing=*/false));
   // 1. Everything that can be checked without the module: the source itself.
   std::optional<checkpoint::Checkpoint> ckpt;
   std::unique_ptr<checkpoint::ParamSource> source;
@@ -369,6 +505,13 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
   progress->done_bytes = 0;
   progress->total_bytes = per_rank * static_cast<int64_t>(hold.ranks.size());
   progress->phase = CheckpointProgress::kLoading;
+  // A multi-daemon group: the other daemons load their ranks meanwhile (each checks the same
+  // files against the same plan first, so they reach the same verdict but for I/O errors).
+  std::vector<absl::StatusOr<CheckpointResult>> remote;
+  std::thread asking;
+  if (!args.from_peer && !hold.peers.empty()) {
+    asking = std::thread([&] { remote = AskPeers(hold, args, /*load=*/true); });
+  }
   // 3. Shards first; the committed copies only once every rank's shards are written, so a
   // failure (an I/O error: everything else was checked) restores the shards from them.
   absl::Status s = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
@@ -403,6 +546,27 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
                   : devices_.CopyEach(hold.ranks[i], Raw(hold.committed[i]), Raw(shards));
   });
   if (s.ok()) s = copied;
+  if (asking.joinable()) asking.join();
+  for (size_t k = 0; k < remote.size(); ++k) {
+    if (!remote[k].ok()) {
+      // This daemon's ranks are loaded; that one's are not: their generations now differ, so
+      // the group's next commit is refused on every rank (the agreement compares them).
+      FS_LOG(ERROR) << "group=" << hold.group << " module=" << Display(hold.module)
+                    << ": daemon " << hold.peers[k] << " could not load " << from << ": "
+                    << remote[k].status();
+      if (s.ok()) {
+        s = absl::Status(remote[k].status().code(),
+                         absl::StrCat("daemon ", hold.peers[k], " could not load its ranks: ",
+                                      remote[k].status().message()));
+        if (filled) {
+          const uint64_t generation =
+              ckpt.has_value() ? ckpt->meta.generation : hold.generation + 1;
+          ReleaseCheckpointHold(hold, /*load=*/true, generation);
+          return s;
+        }
+      }
+    }
+  }
   if (!s.ok()) {
     ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
     FS_LOG(ERROR) << "group=" << hold.group << " module=" << Display(hold.module)
@@ -417,6 +581,7 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
   result.bytes = progress->total_bytes;
   result.files = files;
   result.ranks = static_cast<int32_t>(hold.ranks.size());
+  for (const auto& r : remote) result.ranks += r->ranks;
   result.unused_tensors = unused;
   FS_LOG(INFO) << "group=" << hold.group << " module=" << Display(hold.module) << " loaded "
                << from << ": generation " << generation << " on " << result.ranks

@@ -407,6 +407,9 @@ struct GroupManager::Group {
   // op is left (FailDeferred), at the latest when a rank joins again.
   absl::Status deferred_failure;
   absl::Time deferred_since = absl::InfiniteFuture();
+  // Multi-daemon groups: the peer table the communicator runs (ApplyTable); checkpoints ask
+  // the other daemons through it.
+  peer::PeerTable table;
 
   bool multi() const { return !coordinator.empty(); }
 

@@ -123,7 +123,8 @@ int Save(const std::vector<std::string>& args) {
       "Writes the committed step of a registered module (its committed shards: the same\n"
       "generation on every rank) to DIR: every rank's file in parallel, metadata.json last.\n"
       "Trainers keep running; a commit that lands while the files are written waits for them.\n"
-      "On a terminal a progress bar shows on stderr.\n";
+      "A group over several daemons: every daemon writes its own ranks' files, so DIR must be\n"
+      "on a file system they all see. On a terminal a progress bar shows on stderr.\n";
   return RunAdminCommand(
       spec, args,
       [](AdminCall& call) {

@@ -563,3 +563,80 @@ def test_cli_save_load_import_against_the_daemon(daemon, tmp_path):
         return True
 
     assert run_ranks(daemon, 2, rank_fn, group=group) == {0: True, 1: True}
+
+
+def test_save_and_load_across_two_daemons(tmp_path):
+    """A group over two daemons (2 ranks each, daemon 0 the coordinator): the daemon asked
+    writes its ranks' files and asks the other (CheckpointPeerService on the peer port) to write
+    its own into the same directory, then the metadata. Modify, load (asked at the other
+    daemon): every rank's shards come back bit for bit. Then the checkpoint loads into a group
+    of 3 ranks on one daemon, equal by FQN."""
+    ckpt = tmp_path / "two"
+    group = "two-" + uuid.uuid4().hex[:6]
+    world = 4
+    with flatshard.testing.LocalDaemon(peer=True, node_name="node0") as d0, \
+            flatshard.testing.LocalDaemon(peer=True, node_name="node1") as d1:
+        daemons = [d0, d0, d1, d1]
+        barrier = threading.Barrier(world, timeout=120)
+        results, errors = {}, []
+
+        def body(rank):
+            c = flatshard.Client(daemons[rank].address, call_timeout=60.0, join_timeout=60.0)
+            try:
+                c.join(group, world, rank, token="tok", coordinator=d0.peer_address)
+                model = FlatShardModule(build_gpt(5), c,
+                                        auto_wrap_policy=ModuleWrapPolicy({gpt.Block}))
+                with torch.no_grad():
+                    for p in model.sharded_parameters():
+                        p.add_(0.5 + rank)
+                assert model.commit() == 1
+                want = shard_bytes(c)
+                sd = full_sd(model)
+                barrier.wait()
+                if rank == 0:
+                    info = c.save_checkpoint("", str(ckpt))
+                    assert info["files"] == world and info["ranks"] == world, info
+                barrier.wait()
+                with torch.no_grad():
+                    for p in model.sharded_parameters():
+                        p.mul_(-2.0)
+                assert model.commit() == 2
+                barrier.wait()
+                if rank == 3:  # asked at the other daemon this time
+                    info = c.load_checkpoint("", str(ckpt))
+                    assert info["generation"] == 1 and info["ranks"] == world, info
+                barrier.wait()
+                assert model.refresh_views() == 1
+                assert shard_bytes(c) == want
+                assert model.commit() == 2  # every rank at one generation again
+                results[rank] = sd
+            except BaseException as e:  # noqa: BLE001
+                errors.append((rank, e))
+                barrier.abort()
+            finally:
+                c.close()
+
+        ts = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(180)
+        if errors:
+            raise errors[0][1]
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    assert [f["name"] for f in meta["files"]] == [f"rank-0000{r}-of-00004.bin" for r in range(4)]
+    expected = results[0]
+
+    with flatshard.testing.LocalDaemon() as d:
+        def load_fn(rank, c, barrier):
+            model = FlatShardModule(build_gpt(6), c, auto_wrap_policy=ModuleWrapPolicy({gpt.Block}))
+            barrier.wait()
+            if rank == 0:
+                model.load_checkpoint(str(ckpt))
+            barrier.wait()
+            model.refresh_views()
+            return full_sd(model)
+
+        got = run_ranks(d, 3, load_fn)
+    for k, v in expected.items():
+        assert torch.equal(got[2][k], v), k
