@@ -560,7 +560,7 @@ struct KillPlan {
   // restarted daemon adopted (and restored) before its next call fails.
   int optimizer_pause_ms = 10;
   // The stricter expectation: the module is never dropped as lost (see
-  // DISABLED_KillDaemonRightAfterAWritebackEndAnsweredOneRank).
+  // KillDaemonRightAfterAWritebackEndAnsweredOneRank).
   bool no_loss = false;
   std::string Name() const { return step.empty() ? "time" : step; }
 };
@@ -687,8 +687,8 @@ TrialResult RunTrial(ChaosCluster& cluster, const std::string& group, const Kill
         // the restart (README "Restarts": a kill between the ranks' or the daemons' copies of
         // one commit), and the loss is named to every rank at Join: the clear error issue 14
         // allows instead of the committed generation. That takes a kill while a commit
-        // (Commit, or a writeback End) was in flight. (DISABLED_KillDaemonRightAfterAWriteback
-        // EndAnsweredOneRank asks more of one daemon: no loss at all.)
+        // (Commit, or a writeback End) was in flight. (KillDaemonRightAfterAWritebackEnd
+        // AnsweredOneRank asks more of one daemon: no loss at all.)
         EXPECT_FALSE(plan.no_loss) << "the module was dropped as lost";
         EXPECT_TRUE(result.commit_in_flight)
             << "the module was reported lost although no commit was in flight at the kill";
@@ -843,16 +843,13 @@ TEST_P(DaemonChaosTest, DISABLED_StaleTrainerWritesIntoAdoptedShardsAfterTheRest
                         absl::ZeroDuration(), 400)});
 }
 
-// Design gap (branch restart; found by DaemonChaosSoak seed 1): the daemon killed right after
-// a rank0_only writeback End answered one rank ("committed 1") but before the other ranks'
-// copies were recorded ready: after the restart the ranks' records hold different
-// generations and the whole module is dropped as lost, although generation 1 was committed
-// and answered. Until restart@327d518 the loss was not even reported to a one-daemon group
-// (CompleteJoins passed no lost modules): Register silently initialised the model afresh.
-// It is now named at Join (what issue 14 allows), but within one daemon nothing needs to be
-// lost: recording every local rank ready (one durable record) before answering any rank
-// would keep generation 1. This test asks for that: every rank re-attaches at >= 1.
-TEST_P(DaemonChaosTest, DISABLED_KillDaemonRightAfterAWritebackEndAnsweredOneRank) {
+// Found by DaemonChaosSoak seed 1 (fixed on branch restart at fd22c9d): the daemon killed
+// right after a rank0_only writeback End answered one rank ("committed 1") but before the
+// other ranks' copies were recorded ready used to drop the whole module as lost after the
+// restart (and, before 327d518, without telling a one-daemon group: Register silently
+// initialised the model afresh). Within one daemon nothing needs to be lost: with one daemon
+// every rank must re-attach at >= the answered generation, never a named loss.
+TEST_P(DaemonChaosTest, KillDaemonRightAfterAWritebackEndAnsweredOneRank) {
   const int daemons = GetParam();
   std::vector<KillPlan> plans = {
       At(0, -1, "committed 1", 1, absl::ZeroDuration(), absl::ZeroDuration()),
