@@ -33,6 +33,24 @@
 // copy (each a write, an fsync, a rename and a directory fsync; --state_fsync=false drops the
 // fsyncs); records of one group are written in sequence order and a write already overtaken
 // by a newer snapshot is skipped.
+//
+// Optimizer state (RegisterState) is recorded with the shards: the module's state specs and,
+// per rank that registered state, a "state:<name>" and a "committed_state:<name>" buffer per
+// state and unit (RecordedBuffers). Every copy above (finishing a commit from the live
+// buffers, restoring the live buffers from the committed ones) walks
+// internal::DurableBuffers, so the state commits, finishes and rolls back with the shards.
+// Adoption checks each state buffer's size against its spec and refuses a record in which a
+// rank has some but not all of its state buffers (CheckStateComplete): a module is never
+// adopted without its state. GPU daemons keep host copies of the committed device state at
+// SIGTERM ("host_committed_state:<name>", KeepDeviceShards); a rank whose device state has
+// no host copy is not recorded at all.
+//
+// Checkpoint loads (group_manager_checkpoint.cc) are committed steps too: once every loaded
+// rank's shards hold the loaded values, and before any committed copy changes, the record
+// says so with a pending commit of kind "load" to the loaded generation (NoteLoadCopying); a
+// restart finishes such a copy from the shards like a "commit". At the hold's release the
+// intent goes and the record with the loaded generation is written before the load is
+// answered (LoadRecordedLocked).
 
 #include <sys/stat.h>
 

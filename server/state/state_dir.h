@@ -15,8 +15,9 @@
 // checksum or body does not check out, naming the file and the check.
 //
 // Buffers are listed generically per rank and unit, as {"role", "segment", "bytes"}: "shard",
-// "grad", "committed" today; optimizer state adds roles ("state:<name>",
-// "committed_state:<name>") without a format change.
+// "grad", "committed", "host_committed" (GPU daemons at SIGTERM), and for optimizer state
+// "state:<name>", "committed_state:<name>" and "host_committed_state:<name>", with the
+// module's "state_specs" (optional: records written without it load with no state).
 //
 // Thread-safe. Writes of one group are ordered by their `sequence` (taken where the snapshot
 // was, under the caller's lock): a write whose sequence is lower than one already written (or
