@@ -1042,5 +1042,46 @@ TEST_F(RestartTest, ALoadIntentInTheRecordIsFinishedFromTheShards) {
   ExpectReattached(*d, ranks, 7, want);
 }
 
+// Two daemons with optimizer state: daemon 1 is killed after two commits (uncommitted state
+// writes on both ranks), restarted, and the group re-forms: the restarted daemon's rank finds
+// its committed state from its record, the survivor's is rolled back to its committed state.
+TEST_F(TwoDaemonRestartTest, TheRestartedDaemonsOptimizerStateComesBackAtTheCommittedStep) {
+  std::vector<Rank> ranks;
+  JoinAll(ranks);
+  Register(ranks, 0);
+  RunRanks(2, [&](int r) {
+    absl::StatusOr<ShardViews> v = ranks[r].client->RegisterState("", optstate::Specs());
+    ASSERT_TRUE(v.ok()) << "rank " << r << ": " << v.status();
+  });
+  std::vector<std::vector<std::string>> committed(2);
+  for (uint64_t g = 1; g <= 2; ++g) {
+    RunRanks(2, [&](int r) { optstate::WriteState(*ranks[r].client, r, g); });
+    Commit(ranks, g);
+  }
+  for (int r = 0; r < 2; ++r) {
+    absl::StatusOr<ShardViews> v = ranks[r].client->GetShardViews("");
+    ASSERT_TRUE(v.ok()) << v.status();
+    committed[r] = optstate::TakeState(*v);
+  }
+  RunRanks(2, [&](int r) { optstate::WriteState(*ranks[r].client, r, 66); });  // uncommitted
+  daemons_[1]->Kill();
+  ranks[1] = Rank();
+  ASSERT_TRUE(RestartDaemon1());
+  JoinAll(ranks);
+  Register(ranks, 2);
+  RunRanks(2, [&](int r) {
+    absl::StatusOr<ShardViews> v = ranks[r].client->RegisterState("", optstate::Specs());
+    ASSERT_TRUE(v.ok()) << "rank " << r << ": " << v.status();
+    EXPECT_EQ(v->generation(), 2u) << "rank " << r;
+    const std::vector<std::string> now = optstate::TakeState(*v);
+    ASSERT_EQ(now.size(), committed[r].size()) << "rank " << r;
+    for (size_t i = 0; i < now.size(); ++i) {
+      EXPECT_TRUE(now[i] == committed[r][i]) << "rank " << r << " state buffer " << i;
+    }
+  });
+  RunRanks(2, [&](int r) { optstate::WriteState(*ranks[r].client, r, 3); });
+  Commit(ranks, 3);
+}
+
 }  // namespace
 }  // namespace flatshard::client
