@@ -673,6 +673,23 @@ class GroupManager : public peer::PeerEvents {
   // Puts an adopted buffer of `role` in place; false for a role this daemon does not know.
   static bool InstallDurable(Registered& reg, int32_t rank, int32_t unit, const std::string& role,
                              std::shared_ptr<Buffer> buffer);
+  // Adoption (group_manager_state.cc): refuses a rank holding some but not all of its
+  // optimizer state buffers, naming the missing ones; `where` starts the message.
+  static absl::Status CheckStateComplete(Registered& reg, int32_t rank, const std::string& where);
+  // GPU daemons: fresh device state buffers (live and committed) of `rank` from the host
+  // copies a SIGTERM made (KeepDeviceShards).
+  absl::Status StateFromHost(Registered& reg, const state::GroupRecord& rec,
+                             const std::string& module, int32_t rank);
+  // Checkpoint loads (group_manager_checkpoint.cc): before the copies into the committed
+  // copies, records a "load" intent to `generation` for the hold's ranks (their shards hold
+  // the loaded values completely) and writes the record; then, at the hold's release, drops
+  // the intent and queues the record's write into `run` (`changed`: the load set the
+  // generation).
+  void NoteLoadCopying(const std::string& group, const std::string& module,
+                       std::vector<int32_t> ranks, uint64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
+  void LoadRecordedLocked(Group& g, Registered& reg, bool changed,
+                          std::vector<absl::AnyInvocable<void()>>* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The ShardStore kind a role's buffers are allocated as.
   static BufferKind KindOfRole(const std::string& role);
   // The group's record as of now; `sequence` from state_sequence_.

@@ -269,6 +269,8 @@ void GroupManager::ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
       reg.after_ckpt.clear();
     }
     if (load) DoneCopying(*g->second, reg, &run);
+    // Restarts: the record holds the loaded generation before the load is answered.
+    if (load) LoadRecordedLocked(*g->second, reg, generation.has_value(), &run);
   }
   for (auto& f : run) f();
 }
@@ -538,6 +540,12 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
     return absl::OkStatus();
   });
   const bool filled = s.ok();
+  // Restarts: the load's intent is durable before any committed copy changes (a daemon killed
+  // during the copies finishes them from the shards; group_manager_state.cc).
+  if (filled) {
+    NoteLoadCopying(hold.group, hold.module, hold.ranks,
+                    ckpt.has_value() ? ckpt->meta.generation : hold.generation + 1);
+  }
   absl::Status copied = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
     std::vector<std::shared_ptr<Buffer>> shards;
     for (const UnitShard& sh : hold.shards[i]) shards.push_back(sh.shard);

@@ -405,6 +405,10 @@ struct GroupManager::Registered {
   // again once the last hold ends); a hold starts only when `busy` is 0.
   int ckpt_hold = 0;
   std::vector<absl::AnyInvocable<void()>> after_ckpt;
+  // ---- Restarts of optimizer state (group_manager_state.cc) ----
+  // GPU daemons, per rank, unit and state (state_specs order): host copies of the device
+  // committed state buffers (committed_state), made with host_committed. Empty otherwise.
+  std::vector<std::vector<std::vector<std::shared_ptr<Buffer>>>> host_committed_state;
 
   void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok,
               absl::Time now) {

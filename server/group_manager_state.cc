@@ -33,6 +33,24 @@
 // copy (each a write, an fsync, a rename and a directory fsync; --state_fsync=false drops the
 // fsyncs); records of one group are written in sequence order and a write already overtaken
 // by a newer snapshot is skipped.
+//
+// Optimizer state (RegisterState) is recorded with the shards: the module's state specs and,
+// per rank that registered state, a "state:<name>" and a "committed_state:<name>" buffer per
+// state and unit (RecordedBuffers). Every copy above (finishing a commit from the live
+// buffers, restoring the live buffers from the committed ones) walks
+// internal::DurableBuffers, so the state commits, finishes and rolls back with the shards.
+// Adoption checks each state buffer's size against its spec and refuses a record in which a
+// rank has some but not all of its state buffers (CheckStateComplete): a module is never
+// adopted without its state. GPU daemons keep host copies of the committed device state at
+// SIGTERM ("host_committed_state:<name>", KeepDeviceShards); a rank whose device state has
+// no host copy is not recorded at all.
+//
+// Checkpoint loads (group_manager_checkpoint.cc) are committed steps too: once every loaded
+// rank's shards hold the loaded values, and before any committed copy changes, the record
+// says so with a pending commit of kind "load" to the loaded generation (NoteLoadCopying); a
+// restart finishes such a copy from the shards like a "commit". At the hold's release the
+// intent goes and the record with the loaded generation is written before the load is
+// answered (LoadRecordedLocked).
 
 #include <sys/stat.h>
 
@@ -40,6 +58,7 @@
 #include <cstring>
 #include <set>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
@@ -69,8 +88,56 @@ std::vector<std::pair<std::string, std::shared_ptr<Buffer>>> GroupManager::Recor
       reg.host_committed[rank][unit] != nullptr) {
     out.emplace_back(state::kRoleHostCommitted, reg.host_committed[rank][unit]);
   }
+  // Optimizer state, in spec order: the live buffers, their committed copies, and (GPU
+  // daemons at SIGTERM) the host copies of those.
+  auto name = [&](size_t i) {
+    return i < reg.state_specs.size() ? reg.state_specs[i].name : std::to_string(i);
+  };
+  const std::vector<std::shared_ptr<Buffer>>& live = shards[unit].state;
+  for (size_t i = 0; i < live.size(); ++i) {
+    out.emplace_back(absl::StrCat(state::kRoleStatePrefix, name(i)), live[i]);
+  }
+  if (rank < static_cast<int32_t>(reg.committed_state.size()) &&
+      unit < static_cast<int32_t>(reg.committed_state[rank].size())) {
+    const std::vector<std::shared_ptr<Buffer>>& kept = reg.committed_state[rank][unit];
+    for (size_t i = 0; i < kept.size(); ++i) {
+      out.emplace_back(absl::StrCat(state::kRoleCommittedStatePrefix, name(i)), kept[i]);
+    }
+  }
+  if (rank < static_cast<int32_t>(reg.host_committed_state.size()) &&
+      unit < static_cast<int32_t>(reg.host_committed_state[rank].size())) {
+    const std::vector<std::shared_ptr<Buffer>>& host = reg.host_committed_state[rank][unit];
+    for (size_t i = 0; i < host.size(); ++i) {
+      if (host[i] == nullptr) continue;
+      out.emplace_back(absl::StrCat(state::kRoleHostCommittedStatePrefix, name(i)), host[i]);
+    }
+  }
   return out;
 }
+
+namespace {
+
+// The index of the state named after `prefix` in `role` within `specs`; -1 when `role` does
+// not start with `prefix` or names no state of the spec.
+int StateIndex(const std::string& role, absl::string_view prefix,
+               const std::vector<StateSpec>& specs) {
+  if (!absl::StartsWith(role, prefix)) return -1;
+  const absl::string_view name = absl::string_view(role).substr(prefix.size());
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (specs[i].name == name) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+// Sizes `v` (per rank, unit, state) so that v[rank][unit][i] exists.
+void SizeStateSlot(std::vector<std::vector<std::vector<std::shared_ptr<Buffer>>>>& v,
+                   size_t ranks, int32_t rank, size_t units, int32_t unit, size_t states) {
+  if (v.size() < ranks) v.resize(ranks);
+  if (v[rank].size() < units) v[rank].resize(units);
+  if (v[rank][unit].size() < states) v[rank][unit].resize(states);
+}
+
+}  // namespace
 
 bool GroupManager::InstallDurable(Registered& reg, int32_t rank, int32_t unit,
                                   const std::string& role, std::shared_ptr<Buffer> buffer) {
@@ -82,6 +149,20 @@ bool GroupManager::InstallDurable(Registered& reg, int32_t rank, int32_t unit,
     reg.committed[rank][unit] = std::move(buffer);
   } else if (role == state::kRoleHostCommitted) {
     reg.host_committed[rank][unit] = std::move(buffer);
+  } else if (int i = StateIndex(role, state::kRoleStatePrefix, reg.state_specs); i >= 0) {
+    std::vector<std::shared_ptr<Buffer>>& live = reg.shards_by_rank[rank][unit].state;
+    if (live.size() < reg.state_specs.size()) live.resize(reg.state_specs.size());
+    live[i] = std::move(buffer);
+  } else if (int i = StateIndex(role, state::kRoleCommittedStatePrefix, reg.state_specs);
+             i >= 0) {
+    SizeStateSlot(reg.committed_state, reg.shards_by_rank.size(), rank,
+                  reg.shards_by_rank[rank].size(), unit, reg.state_specs.size());
+    reg.committed_state[rank][unit][i] = std::move(buffer);
+  } else if (int i = StateIndex(role, state::kRoleHostCommittedStatePrefix, reg.state_specs);
+             i >= 0) {
+    SizeStateSlot(reg.host_committed_state, reg.shards_by_rank.size(), rank,
+                  reg.shards_by_rank[rank].size(), unit, reg.state_specs.size());
+    reg.host_committed_state[rank][unit][i] = std::move(buffer);
   } else {
     return false;
   }
@@ -119,17 +200,27 @@ state::GroupRecord GroupManager::SnapshotLocked(Group& g) {
       for (int32_t u = 0; u < static_cast<int32_t>(reg.shards_by_rank[r].size()); ++u) {
         state::UnitRecord ur;
         ur.unit = u;
-        bool device = false, host_copy = false;
+        bool device = false, host_copy = false, device_state = false;
+        size_t host_states = 0;
         for (const auto& [role, b] : RecordedBuffers(reg, r, u)) {
           if (b == nullptr) continue;
           if (b->on_device()) {
-            device = true;
+            // Optimizer state on the device needs its own host copies: a module is never
+            // recorded (so never adopted) without its state.
+            if (absl::StartsWith(role, state::kRoleStatePrefix) ||
+                absl::StartsWith(role, state::kRoleCommittedStatePrefix)) {
+              device_state = true;
+            } else {
+              device = true;
+            }
             continue;
           }
           host_copy = host_copy || role == state::kRoleHostCommitted;
+          if (absl::StartsWith(role, state::kRoleHostCommittedStatePrefix)) ++host_states;
           ur.buffers.push_back({role, b->segment_name(), b->bytes()});
         }
         if (device && !host_copy) unkept = true;
+        if (device_state && host_states < reg.shards_by_rank[r][u].state.size()) unkept = true;
         rr.units.push_back(std::move(ur));
       }
       m.ranks.push_back(std::move(rr));
@@ -139,6 +230,7 @@ state::GroupRecord GroupManager::SnapshotLocked(Group& g) {
     if (reg.manifest_json.empty()) reg.manifest_json = ManifestToJson(reg.manifest).dump();
     m.plan_json = reg.plan_json;
     m.manifest_json = reg.manifest_json;
+    m.state_specs = reg.state_specs;
     rec.modules.push_back(std::move(m));
   }
   return rec;
@@ -183,6 +275,44 @@ void GroupManager::FlushRemovedRecords() {
     absl::Status s = state_dir_->Remove(id, sequence);
     if (!s.ok()) FS_LOG(ERROR) << "group=" << id << ": " << s;
   }
+}
+
+void GroupManager::NoteLoadCopying(const std::string& group, const std::string& module,
+                                   std::vector<int32_t> ranks, uint64_t generation) {
+  state::GroupRecord rec;
+  {
+    absl::MutexLock lock(&mu_);
+    auto g = groups_.find(group);
+    if (g == groups_.end()) return;
+    auto it = g->second->registered.find(module);
+    if (it == g->second->registered.end()) return;
+    Registered& reg = it->second;
+    if (reg.pending_commit.has_value()) {
+      // Not while the hold keeps every copy out; never overwrite another intent.
+      FS_LOG(WARNING) << "group=" << group << " module=" << Display(module)
+                      << ": a " << reg.pending_commit->kind << " of generation "
+                      << reg.pending_commit->generation
+                      << " is recorded under way: the load's copies run without an intent";
+      return;
+    }
+    // Every loaded rank's shards hold the loaded values completely ("ready").
+    std::sort(ranks.begin(), ranks.end());
+    reg.pending_commit = state::PendingCommit{generation, "load", std::move(ranks), {}};
+    if (state_dir_ == nullptr || state_forgotten_) return;
+    rec = SnapshotLocked(*g->second);
+  }
+  WriteRecord(rec);
+}
+
+void GroupManager::LoadRecordedLocked(Group& g, Registered& reg, bool changed,
+                                      std::vector<absl::AnyInvocable<void()>>* run) {
+  const bool had_intent = reg.pending_commit.has_value() && reg.pending_commit->kind == "load";
+  if (had_intent) reg.pending_commit.reset();
+  // First in `run`: before the commits the hold kept waiting write their own records.
+  std::vector<absl::AnyInvocable<void()>> write;
+  if (changed || had_intent) PersistLater(g, &write);
+  for (auto& f : *run) write.push_back(std::move(f));
+  run->swap(write);
 }
 
 void GroupManager::NoteCommitAgreed(Registered& reg, uint64_t generation, const char* kind) {
@@ -384,6 +514,12 @@ void GroupManager::TestingPauseMidCopy(
   absl::SleepFor(testing_commit_copy_pause_);
 }
 
+namespace {
+void CopyHostBytes(const Buffer& from, const Buffer& to) {
+  if (from.bytes() > 0) std::memcpy(to.data(), from.data(), static_cast<size_t>(from.bytes()));
+}
+}  // namespace
+
 void GroupManager::KeepDeviceShards() {
   if (state_dir_ == nullptr || gpus_.empty()) return;
   struct Job {
@@ -391,6 +527,9 @@ void GroupManager::KeepDeviceShards() {
     int32_t rank = 0;
     int64_t owner_uid = -1;
     std::vector<std::shared_ptr<Buffer>> committed;
+    // Per unit, the committed optimizer state buffers (state_specs order), if any.
+    std::vector<std::vector<std::shared_ptr<Buffer>>> committed_state;
+    std::vector<std::string> state_names;
   };
   std::vector<Job> jobs;
   {
@@ -410,7 +549,12 @@ void GroupManager::KeepDeviceShards() {
               !reg.committed[r][0]->on_device()) {
             continue;
           }
-          jobs.push_back(Job{id, module, r, g->owner_uid, reg.committed[r]});
+          Job job{id, module, r, g->owner_uid, reg.committed[r], {}, {}};
+          if (r < static_cast<int32_t>(reg.committed_state.size())) {
+            job.committed_state = reg.committed_state[r];
+          }
+          for (const StateSpec& spec : reg.state_specs) job.state_names.push_back(spec.name);
+          jobs.push_back(std::move(job));
         }
       }
     }
@@ -435,9 +579,32 @@ void GroupManager::KeepDeviceShards() {
         hosts.push_back(*std::move(host));
       }
     }
+    // Its optimizer state too: a module is never adopted without it (SnapshotLocked records
+    // a rank with device state only with a host copy of every state buffer).
+    std::vector<std::vector<std::shared_ptr<Buffer>>> host_state(job.committed_state.size());
+    for (size_t u = 0; u < job.committed_state.size() && s.ok(); ++u) {
+      for (size_t i = 0; i < job.committed_state[u].size() && s.ok(); ++i) {
+        const Buffer& from = *job.committed_state[u][i];
+        absl::StatusOr<std::shared_ptr<Buffer>> host = store_->Allocate(
+            BufferKind::kShard, from.bytes(),
+            absl::StrCat("group=", job.group, " module=", job.module, " unit=", u, " rank=",
+                         job.rank, " state=",
+                         i < job.state_names.size() ? job.state_names[i] : std::to_string(i),
+                         " host copy"),
+            job.owner_uid, Placement::Host());
+        s = host.status();
+        if (s.ok() && from.on_device()) s = devices_.CopyEach(job.rank, {&from}, {host->get()});
+        if (s.ok() && !from.on_device()) CopyHostBytes(from, **host);
+        if (s.ok()) {
+          bytes += (*host)->bytes();
+          host_state[u].push_back(*std::move(host));
+        }
+      }
+    }
     if (!s.ok()) {
       FS_LOG(ERROR) << "group=" << job.group << " module=" << Display(job.module) << " rank="
-                    << job.rank << ": cannot keep a host copy of its device shards: " << s;
+                    << job.rank << ": cannot keep a host copy of its device shards and "
+                    << "optimizer state (the module is not kept): " << s;
       continue;
     }
     absl::MutexLock lock(&mu_);
@@ -448,6 +615,10 @@ void GroupManager::KeepDeviceShards() {
     Registered& reg = it->second;
     reg.host_committed.resize(reg.committed.size());
     reg.host_committed[job.rank] = std::move(hosts);
+    if (!host_state.empty()) {
+      reg.host_committed_state.resize(reg.committed.size());
+      reg.host_committed_state[job.rank] = std::move(host_state);
+    }
     touched.insert(job.group);
     ++kept;
   }
@@ -499,6 +670,87 @@ bool Contains(const std::vector<int32_t>& v, int32_t x) {
 }
 
 }  // namespace
+
+absl::Status GroupManager::CheckStateComplete(Registered& reg, int32_t rank,
+                                              const std::string& where) {
+  const std::vector<UnitShard>& shards = reg.shards_by_rank[rank];
+  auto at = [](const auto& v, size_t i) -> std::shared_ptr<Buffer> {
+    return i < v.size() ? v[i] : nullptr;
+  };
+  auto slot = [&](const auto& v, size_t u, size_t i) -> std::shared_ptr<Buffer> {
+    if (static_cast<size_t>(rank) >= v.size() || u >= v[rank].size()) return nullptr;
+    return at(v[rank][u], i);
+  };
+  // A rank that registered state has every state of the spec, on every unit: live and
+  // committed (host daemons), or a host copy of the committed one (GPU daemons at SIGTERM).
+  std::vector<std::string> present, missing;
+  for (size_t u = 0; u < shards.size(); ++u) {
+    for (size_t i = 0; i < reg.state_specs.size(); ++i) {
+      const std::string& name = reg.state_specs[i].name;
+      const bool host = slot(reg.host_committed_state, u, i) != nullptr;
+      const std::pair<const char*, bool> roles[] = {
+          {state::kRoleStatePrefix, host || at(shards[u].state, i) != nullptr},
+          {state::kRoleCommittedStatePrefix, host || slot(reg.committed_state, u, i) != nullptr}};
+      for (const auto& [prefix, ok] : roles) {
+        (ok ? present : missing).push_back(absl::StrCat("unit ", u, " ", prefix, name));
+      }
+    }
+  }
+  if (present.empty() || missing.empty()) {
+    if (present.empty()) {
+      // No state on this rank: none of it may linger half-sized.
+      for (UnitShard& s : reg.shards_by_rank[rank]) s.state.clear();
+      if (static_cast<size_t>(rank) < reg.committed_state.size()) {
+        reg.committed_state[rank].clear();
+      }
+    }
+    return absl::OkStatus();
+  }
+  constexpr size_t kNamed = 8;
+  const size_t n = missing.size();
+  if (n > kNamed) missing.resize(kNamed);
+  return absl::InvalidArgumentError(absl::StrCat(
+      where, ": some but not all of its optimizer state buffers are recorded: ", n,
+      " missing (", absl::StrJoin(missing, ", "), n > kNamed ? ", ..." : "",
+      "); never adopted without its whole state"));
+}
+
+absl::Status GroupManager::StateFromHost(Registered& reg, const state::GroupRecord& rec,
+                                         const std::string& module, int32_t rank) {
+  if (static_cast<size_t>(rank) >= reg.host_committed_state.size() ||
+      reg.host_committed_state[rank].empty()) {
+    return absl::OkStatus();
+  }
+  std::vector<UnitShard>& shards = reg.shards_by_rank[rank];
+  if (reg.committed_state.size() < reg.shards_by_rank.size()) {
+    reg.committed_state.resize(reg.shards_by_rank.size());
+  }
+  reg.committed_state[rank].assign(shards.size(), {});
+  for (size_t u = 0; u < shards.size(); ++u) {
+    shards[u].state.clear();
+    for (size_t i = 0; i < reg.state_specs.size(); ++i) {
+      const Buffer& host = *reg.host_committed_state[rank][u][i];
+      for (bool committed : {false, true}) {
+        absl::StatusOr<std::shared_ptr<Buffer>> b = store_->Allocate(
+            BufferKind::kShard, host.bytes(),
+            absl::StrCat("group=", rec.id, " module=", module, " unit=", u, " rank=", rank,
+                         " state=", reg.state_specs[i].name, committed ? " committed" : ""),
+            rec.owner_uid, devices_.PlacementOf(rank));
+        absl::Status s = b.status();
+        if (s.ok()) s = devices_.CopyEach(rank, {&host}, {b->get()});
+        if (!s.ok()) {
+          return absl::Status(s.code(), absl::StrCat("module ", Display(module), " rank ", rank,
+                                                     " unit ", u, " state \"",
+                                                     reg.state_specs[i].name,
+                                                     "\": back to the device: ", s.message()));
+        }
+        (committed ? reg.committed_state[rank][u] : shards[u].state).push_back(*std::move(b));
+      }
+    }
+  }
+  reg.host_committed_state[rank].clear();
+  return absl::OkStatus();
+}
 
 GroupManager::AdoptSummary GroupManager::AdoptGroups(
     const std::vector<state::GroupRecord>& records) {
@@ -553,6 +805,7 @@ GroupManager::AdoptSummary GroupManager::AdoptGroups(
       reg.generation.assign(rec.world_size, 0);
       reg.stale.assign(rec.world_size, false);
       reg.initialized = m.initialized;
+      reg.state_specs = m.state_specs;
       for (const state::RankRecord& rr : m.ranks) {
         const std::string rw = absl::StrCat(where, " rank ", rr.rank);
         if (static_cast<int32_t>(rr.units.size()) != units) {
@@ -574,7 +827,31 @@ GroupManager::AdoptSummary GroupManager::AdoptGroups(
           reg.shards_by_rank[rr.rank][ur.unit].unit = ur.unit;
           for (const state::BufferRecord& b : ur.buffers) {
             const std::string bw = absl::StrCat(rw, " unit ", ur.unit, " ", b.role, " ", b.segment);
-            if (b.bytes != want) {
+            int state = -1;
+            for (const char* prefix : {state::kRoleStatePrefix, state::kRoleCommittedStatePrefix,
+                                       state::kRoleHostCommittedStatePrefix}) {
+              if (absl::StartsWith(b.role, prefix)) {
+                state = StateIndex(b.role, prefix, reg.state_specs);
+                if (state < 0) {
+                  refused = absl::InvalidArgumentError(absl::StrCat(
+                      bw, ": the module's recorded optimizer state spec has no state \"",
+                      b.role.substr(std::strlen(prefix)), "\""));
+                }
+                break;
+              }
+            }
+            if (!refused.ok()) break;
+            if (state >= 0) {
+              const StateSpec& spec = reg.state_specs[state];
+              const int64_t state_want = spec.Numel(pu.shard_numel) * ItemSize(spec.dtype);
+              if (b.bytes != state_want) {
+                refused = absl::InvalidArgumentError(absl::StrCat(
+                    bw, ": ", b.bytes, " bytes recorded, optimizer state \"", spec.name, "\" (",
+                    DTypeName(spec.dtype), ", ", StateShapeName(spec.shape), ") has ",
+                    state_want));
+                break;
+              }
+            } else if (b.bytes != want) {
               refused = absl::InvalidArgumentError(absl::StrCat(
                   bw, ": ", b.bytes, " bytes recorded, the plan's shard has ", want));
               break;
@@ -613,6 +890,8 @@ GroupManager::AdoptSummary GroupManager::AdoptGroups(
           }
         }
         if (!refused.ok()) break;
+        refused = CheckStateComplete(reg, rr.rank, rw);
+        if (!refused.ok()) break;
       }
       if (!refused.ok()) break;
 
@@ -642,6 +921,7 @@ GroupManager::AdoptSummary GroupManager::AdoptGroups(
             *slot = *std::move(b);
           }
         }
+        if (refused.ok()) refused = StateFromHost(reg, rec, m.name, rr.rank);
         if (!refused.ok()) break;
         from_host.insert(rr.rank);
         reg.host_committed[rr.rank].clear();
@@ -657,9 +937,10 @@ GroupManager::AdoptSummary GroupManager::AdoptGroups(
         for (int32_t r : ranks) {
           if (Contains(p.done_ranks, r)) {
             reg.generation[r] = p.generation;
-          } else if (Contains(p.ready_ranks, r) || p.kind == "commit") {
-            for (int32_t u = 0; u < units; ++u) {
-              CopyHost(*reg.shards_by_rank[r][u].shard, *reg.committed[r][u]);
+          } else if (Contains(p.ready_ranks, r) || p.kind == "commit" || p.kind == "load") {
+            // The shards and the optimizer state alike (internal::DurableBuffers).
+            for (const internal::DurablePair& d : internal::DurableBuffers(reg, r)) {
+              CopyHost(*d.live, *d.committed);
             }
             reg.generation[r] = p.generation;
             FS_LOG(INFO) << "group=" << rec.id << " module=" << Display(m.name) << " rank=" << r
@@ -702,8 +983,8 @@ GroupManager::AdoptSummary GroupManager::AdoptGroups(
       // Shards as of the last commit: a writeback or an optimizer step may have torn them.
       for (int32_t r : ranks) {
         if (from_host.contains(r)) continue;  // fresh copies of the committed copy already
-        for (int32_t u = 0; u < units; ++u) {
-          CopyHost(*reg.committed[r][u], *reg.shards_by_rank[r][u].shard);
+        for (const internal::DurablePair& d : internal::DurableBuffers(reg, r)) {
+          CopyHost(*d.committed, *d.live);
         }
       }
       const uint64_t generation = ranks.empty() ? 0 : reg.generation[ranks.front()];

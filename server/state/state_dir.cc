@@ -60,17 +60,49 @@ absl::StatusOr<PendingCommit> PendingFrom(const Json& v, const JsonPath& p) {
   FS_ASSIGN_OR_RETURN(int64_t g, GetInt(v, "generation", p, 0));
   out.generation = static_cast<uint64_t>(g);
   FS_ASSIGN_OR_RETURN(out.kind, GetString(v, "kind", p));
-  if (out.kind != "commit" && out.kind != "end" && out.kind != "init") {
-    return p.Key("kind").Error(absl::StrCat("must be commit, end or init, got ", Quote(out.kind)));
+  if (out.kind != "commit" && out.kind != "end" && out.kind != "init" && out.kind != "load") {
+    return p.Key("kind").Error(
+        absl::StrCat("must be commit, end, init or load, got ", Quote(out.kind)));
   }
   FS_ASSIGN_OR_RETURN(out.ready_ranks, RankList(v, "ready_ranks", p));
   FS_ASSIGN_OR_RETURN(out.done_ranks, RankList(v, "done_ranks", p));
   return out;
 }
 
+absl::StatusOr<std::vector<StateSpec>> StateSpecsFrom(const Json& v, const JsonPath& p) {
+  FS_RETURN_IF_ERROR(ExpectArray(v, p));
+  std::vector<StateSpec> out;
+  for (size_t i = 0; i < v.size(); ++i) {
+    const JsonPath q = p.Index(i);
+    FS_RETURN_IF_ERROR(ExpectObject(v[i], q, {"name", "dtype", "shape"}));
+    StateSpec spec;
+    FS_ASSIGN_OR_RETURN(spec.name, GetString(v[i], "name", q));
+    FS_ASSIGN_OR_RETURN(std::string dtype, GetString(v[i], "dtype", q));
+    std::optional<DType> parsed = ParseDType(dtype);
+    if (!parsed.has_value()) {
+      return q.Key("dtype").Error(absl::StrCat("unknown dtype ", Quote(dtype)));
+    }
+    spec.dtype = *parsed;
+    FS_ASSIGN_OR_RETURN(std::string shape, GetString(v[i], "shape", q));
+    if (shape == StateShapeName(StateShape::kShard)) {
+      spec.shape = StateShape::kShard;
+    } else if (shape == StateShapeName(StateShape::kScalar)) {
+      spec.shape = StateShape::kScalar;
+    } else {
+      return q.Key("shape").Error(absl::StrCat("must be shard or scalar, got ", Quote(shape)));
+    }
+    out.push_back(std::move(spec));
+  }
+  if (!out.empty()) {
+    if (absl::Status s = ValidateStateSpecs(out); !s.ok()) return p.Error(s.message());
+  }
+  return out;
+}
+
 absl::StatusOr<ModuleRecord> ModuleFrom(const Json& v, const JsonPath& p) {
   FS_RETURN_IF_ERROR(
-      ExpectObject(v, p, {"name", "plan", "manifest", "initialized", "pending", "ranks"}));
+      ExpectObject(v, p, {"name", "plan", "manifest", "initialized", "pending", "ranks",
+                          "state_specs"}));
   ModuleRecord m;
   FS_ASSIGN_OR_RETURN(m.name, GetString(v, "name", p));
   FS_ASSIGN_OR_RETURN(m.plan_json, GetString(v, "plan", p));
@@ -78,6 +110,9 @@ absl::StatusOr<ModuleRecord> ModuleFrom(const Json& v, const JsonPath& p) {
   FS_ASSIGN_OR_RETURN(m.initialized, GetBool(v, "initialized", p));
   if (v.contains("pending") && !v.at("pending").is_null()) {
     FS_ASSIGN_OR_RETURN(m.pending, PendingFrom(v.at("pending"), p.Key("pending")));
+  }
+  if (v.contains("state_specs")) {
+    FS_ASSIGN_OR_RETURN(m.state_specs, StateSpecsFrom(v.at("state_specs"), p.Key("state_specs")));
   }
   const JsonPath rp = p.Key("ranks");
   if (!v.contains("ranks")) return rp.Error("missing");
@@ -180,6 +215,15 @@ std::string EncodeGroupRecord(const GroupRecord& record) {
       ranks.push_back(std::move(rj));
     }
     mj["ranks"] = std::move(ranks);
+    if (!m.state_specs.empty()) {
+      OJson specs = OJson::array();
+      for (const StateSpec& spec : m.state_specs) {
+        specs.push_back(OJson{{"name", spec.name},
+                              {"dtype", std::string(DTypeName(spec.dtype))},
+                              {"shape", StateShapeName(spec.shape)}});
+      }
+      mj["state_specs"] = std::move(specs);
+    }
     modules.push_back(std::move(mj));
   }
   body["modules"] = std::move(modules);

@@ -15,8 +15,9 @@
 // checksum or body does not check out, naming the file and the check.
 //
 // Buffers are listed generically per rank and unit, as {"role", "segment", "bytes"}: "shard",
-// "grad", "committed" today; optimizer state adds roles ("state:<name>",
-// "committed_state:<name>") without a format change.
+// "grad", "committed", "host_committed" (GPU daemons at SIGTERM), and for optimizer state
+// "state:<name>", "committed_state:<name>" and "host_committed_state:<name>", with the
+// module's "state_specs" (optional: records written without it load with no state).
 //
 // Thread-safe. Writes of one group are ordered by their `sequence` (taken where the snapshot
 // was, under the caller's lock): a write whose sequence is lower than one already written (or
@@ -33,6 +34,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/state_spec.h"
 
 namespace flatshard::server::state {
 
@@ -45,6 +47,12 @@ inline constexpr char kRoleCommitted[] = "committed";
 // GPU daemons: a host copy of a device committed copy, made at SIGTERM with --keep_shards
 // (GroupManager::KeepDeviceShards); the next daemon copies it into fresh device memory.
 inline constexpr char kRoleHostCommitted[] = "host_committed";
+// Optimizer state (RegisterState), one pair per StateSpec: "state:<name>" (the live buffer,
+// UnitShard::state[i]) and "committed_state:<name>" (its committed copy). GPU daemons: a host
+// copy of a device committed state buffer made at SIGTERM, "host_committed_state:<name>".
+inline constexpr char kRoleStatePrefix[] = "state:";
+inline constexpr char kRoleCommittedStatePrefix[] = "committed_state:";
+inline constexpr char kRoleHostCommittedStatePrefix[] = "host_committed_state:";
 
 struct BufferRecord {
   std::string role;     // kRole* or another branch's role ("state:exp_avg", ...)
@@ -71,7 +79,7 @@ struct RankRecord {
 // adopted").
 struct PendingCommit {
   uint64_t generation = 0;  // the generation being committed
-  std::string kind;         // "commit", "end" or "init"
+  std::string kind;         // "commit", "end", "init" or "load" (a checkpoint load's copies)
   // Local ranks whose shards hold `generation` completely (their copy into the committed copy
   // may have begun: that copy may be torn).
   std::vector<int32_t> ready_ranks;
@@ -87,6 +95,10 @@ struct ModuleRecord {
   bool initialized = false;
   std::optional<PendingCommit> pending;
   std::vector<RankRecord> ranks;  // the local ranks holding shards, ascending
+  // The module's optimizer state spec (Registered::state_specs; JSON "state_specs":
+  // [{"name","dtype","shape"}], shape "shard" or "scalar"); empty: no state registered.
+  // Records written before state was recorded have no key: they load with none.
+  std::vector<StateSpec> state_specs;
   friend bool operator==(const ModuleRecord&, const ModuleRecord&) = default;
 };
 

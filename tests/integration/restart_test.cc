@@ -713,5 +713,375 @@ TEST_F(TwoDaemonRestartTest, DaemonsAtDifferentGenerationsDropTheModuleNamingThe
   Commit(ranks, 1);
 }
 
+
+// ---- Optimizer state in the restart records (RegisterState buffers) ----
+
+namespace optstate {
+
+// Adam's state: two element-wise moments and a scalar step of another dtype.
+std::vector<StateSpec> Specs() {
+  return {{"exp_avg", DType::kFloat32, StateShape::kShard},
+          {"exp_avg_sq", DType::kFloat32, StateShape::kShard},
+          {"step", DType::kInt64, StateShape::kScalar}};
+}
+
+// Writes step g's state values of `rank` into its state views (distinct per state, unit,
+// rank and step; never zero).
+void WriteState(Client& c, int rank, uint64_t g) {
+  absl::StatusOr<ShardViews> views = c.GetShardViews("");
+  ASSERT_TRUE(views.ok()) << views.status();
+  for (const UnitShardView& u : *views) {
+    ASSERT_EQ(u.states.size(), 3u) << "unit " << u.unit;
+    float* m = static_cast<float*>(u.state("exp_avg")->data);
+    float* v = static_cast<float*>(u.state("exp_avg_sq")->data);
+    for (int64_t i = 0; i < u.shard_numel; ++i) {
+      m[i] = Value(g, rank, u.unit, i) + 0.5f;
+      v[i] = Value(g, rank, u.unit, i) * 3.0f;
+    }
+    *static_cast<int64_t*>(u.state("step")->data) = static_cast<int64_t>(g * 1000 + u.unit);
+  }
+}
+
+// The bytes of every state buffer of one rank, per unit, in spec order.
+std::vector<std::string> TakeState(const ShardViews& views) {
+  std::vector<std::string> out;
+  for (const UnitShardView& u : views) {
+    for (const StateView& s : u.states) {
+      out.emplace_back(static_cast<const char*>(s.data),
+                       static_cast<size_t>(s.numel * ItemSize(s.dtype)));
+    }
+  }
+  return out;
+}
+
+}  // namespace optstate
+
+class StateRestartTest : public RestartTest {
+ protected:
+  void RegisterStateAll(std::vector<Rank>& ranks) {
+    RunRanks(kWorld, [&](int r) {
+      absl::StatusOr<ShardViews> v = ranks[r].client->RegisterState("", optstate::Specs());
+      ASSERT_TRUE(v.ok()) << "rank " << r << ": " << v.status();
+    });
+  }
+  // Steps from..to: shards, gradients and optimizer state of step g, committed.
+  void TrainWithState(std::vector<Rank>& ranks, uint64_t from, uint64_t to) {
+    for (uint64_t g = from; g <= to; ++g) {
+      RunRanks(kWorld, [&](int r) { optstate::WriteState(*ranks[r].client, r, g); });
+      Train(ranks, g, g);
+    }
+  }
+  std::vector<std::vector<std::string>> StateOf(std::vector<Rank>& ranks) {
+    std::vector<std::vector<std::string>> out;
+    for (Rank& r : ranks) {
+      absl::StatusOr<ShardViews> v = r.client->GetShardViews("");
+      EXPECT_TRUE(v.ok()) << v.status();
+      out.push_back(v.ok() ? optstate::TakeState(*v) : std::vector<std::string>());
+    }
+    return out;
+  }
+  // After a restart: every rank re-registers the module and its state and finds `want`.
+  void ExpectStateReattached(std::vector<Rank>& ranks, uint64_t generation,
+                             const std::vector<std::vector<std::string>>& want) {
+    RunRanks(kWorld, [&](int r) {
+      absl::StatusOr<ShardViews> v = ranks[r].client->RegisterState("", optstate::Specs());
+      ASSERT_TRUE(v.ok()) << "rank " << r << ": " << v.status();
+      EXPECT_EQ(v->generation(), generation) << "rank " << r;
+      const std::vector<std::string> now = optstate::TakeState(*v);
+      ASSERT_EQ(now.size(), want[r].size()) << "rank " << r;
+      for (size_t i = 0; i < now.size(); ++i) {
+        EXPECT_TRUE(now[i] == want[r][i])
+            << "rank " << r << " state buffer " << i << " (unit " << i / 3 << ", "
+            << optstate::Specs()[i % 3].name << ") differs from its committed value";
+      }
+    });
+  }
+};
+
+// kill -9 after commits, with uncommitted optimizer state (and shard) writes on top: the
+// restarted daemon gives every rank its committed optimizer state bit for bit, as a restarted
+// trainer using keep_optimizer_state reads it; the uncommitted writes are gone.
+TEST_F(StateRestartTest, KillNineKeepsTheCommittedOptimizerStateBitForBit) {
+  std::unique_ptr<DaemonProcess> d = StartDaemon();
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  RegisterStateAll(ranks);
+  TrainWithState(ranks, 1, 3);
+  const std::vector<Snapshot> committed = Expected(ranks);
+  const std::vector<std::vector<std::string>> state = StateOf(ranks);
+  RunRanks(kWorld, [&](int r) {
+    optstate::WriteState(*ranks[r].client, r, 77);  // never committed
+    WriteShards(*ranks[r].client, r, 77);
+  });
+  ASSERT_NE(StateOf(ranks), state);
+  ranks.clear();
+  d->Kill();
+  {
+    server::state::StateDir::Loaded l =
+        (*server::state::StateDir::Open(state_dir_.string()))->LoadAll();
+    ASSERT_THAT(l.groups, SizeIs(1));
+    EXPECT_EQ(l.groups[0].modules[0].state_specs.size(), 3u);
+  }
+  ASSERT_TRUE(Restart(*d));
+  EXPECT_THAT(d->Log(), HasSubstr("group=g adopted from"));
+  // Per unit: shard, gradient, committed copy, and a live and a committed buffer per state.
+  EXPECT_EQ(d->Segments().size(), kWorld * committed[0].shards.size() * (3 + 2 * 3));
+  JoinAll(*d, ranks, 1);
+  RegisterAll(ranks, 3);
+  ExpectStateReattached(ranks, 3, state);
+  for (int r = 0; r < kWorld; ++r) {
+    Snapshot now = Take(*ranks[r].client);
+    for (size_t u = 0; u < now.shards.size(); ++u) {
+      EXPECT_TRUE(now.shards[u] == committed[r].shards[u]) << "rank " << r << " unit " << u;
+    }
+  }
+  // Training goes on with the state; a second kill keeps step 4's.
+  TrainWithState(ranks, 4, 4);
+  const std::vector<std::vector<std::string>> state4 = StateOf(ranks);
+  ranks.clear();
+  d->Kill();
+  ASSERT_TRUE(Restart(*d));
+  JoinAll(*d, ranks, 1);
+  RegisterAll(ranks, 4);
+  ExpectStateReattached(ranks, 4, state4);
+}
+
+// kill -9 while a commit's copies are torn (--testing_commit_copy_pause): the restart finishes
+// the copy of the optimizer state from the live buffers too (internal::DurableBuffers).
+TEST_F(StateRestartTest, KillNineDuringACommitCopyFinishesTheStateFromItsLiveBuffers) {
+  std::unique_ptr<DaemonProcess> d = StartDaemon({"--testing_commit_copy_pause=30s"});
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  RegisterStateAll(ranks);
+  RunRanks(kWorld, [&](int r) {
+    WriteShards(*ranks[r].client, r, 1);
+    optstate::WriteState(*ranks[r].client, r, 1);
+  });
+  const std::vector<std::vector<std::string>> step1 = StateOf(ranks);
+  std::vector<std::thread> committing;
+  for (int r = 0; r < kWorld; ++r) {
+    committing.emplace_back([&, r] { (void)ranks[r].client->Commit(""); });
+  }
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  auto paused = [&] { return absl::StrContains(d->Log(), "testing: commit copy"); };
+  while (!paused() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+  const bool was_paused = paused();
+  d->Kill();
+  for (std::thread& t : committing) t.join();
+  ASSERT_TRUE(was_paused) << d->Log();
+  ranks.clear();
+  ASSERT_TRUE(Restart(*d));
+  EXPECT_THAT(d->Log(), HasSubstr("finished the commit of generation 1 from its shards"));
+  JoinAll(*d, ranks, 1);
+  RegisterAll(ranks, 1);
+  ExpectStateReattached(ranks, 1, step1);
+}
+
+// Records that do not check out for the optimizer state: refused, the group not adopted.
+class StateRefusedTest : public StateRestartTest {
+ protected:
+  void Run(const std::function<void()>& breakit, const std::string& log_text) {
+    std::unique_ptr<DaemonProcess> d = StartDaemon();
+    std::vector<Rank> ranks;
+    JoinAll(*d, ranks, 0);
+    RegisterAll(ranks, 0);
+    RegisterStateAll(ranks);
+    TrainWithState(ranks, 1, 1);
+    ranks.clear();
+    d->Kill();
+    breakit();
+    ASSERT_TRUE(Restart(*d));
+    const std::string log = d->Log();
+    EXPECT_THAT(log, HasSubstr(log_text));
+    EXPECT_THAT(log, HasSubstr("not adopted"));
+    EXPECT_THAT(log, Not(HasSubstr("group=g adopted")));
+    JoinAll(*d, ranks, 0);  // nothing adopted: never without its state
+  }
+  server::state::BufferRecord& Find(server::state::GroupRecord& rec, int rank, int unit,
+                                    const std::string& role) {
+    for (server::state::BufferRecord& b : rec.modules[0].ranks[rank].units[unit].buffers) {
+      if (b.role == role) return b;
+    }
+    ADD_FAILURE() << "no " << role << " buffer recorded";
+    return rec.modules[0].ranks[rank].units[unit].buffers[0];
+  }
+  server::state::GroupRecord Load() {
+    server::state::StateDir::Loaded l =
+        (*server::state::StateDir::Open(state_dir_.string()))->LoadAll();
+    EXPECT_THAT(l.groups, SizeIs(1));
+    return l.groups.at(0);
+  }
+  void Store(server::state::GroupRecord rec) {
+    rec.sequence += 1;
+    ASSERT_TRUE((*server::state::StateDir::Open(state_dir_.string()))->Write(rec).ok());
+  }
+};
+
+TEST_F(StateRefusedTest, ATruncatedStateSegment) {
+  Run(
+      [&] {
+        server::state::GroupRecord rec = Load();
+        const std::string seg = "/dev/shm" + Find(rec, 1, 2, "committed_state:exp_avg").segment;
+        ASSERT_EQ(::truncate(seg.c_str(), 8), 0) << seg;
+      },
+      "committed_state:exp_avg");
+}
+
+TEST_F(StateRefusedTest, AStateBufferWhoseRecordedSizeIsNotItsSpecs) {
+  Run(
+      [&] {
+        server::state::GroupRecord rec = Load();
+        Find(rec, 0, 1, "state:step").bytes = 4;  // an int64 scalar has 8
+        Store(std::move(rec));
+      },
+      "4 bytes recorded, optimizer state \"step\" (int64, scalar) has 8");
+}
+
+TEST_F(StateRefusedTest, ARankWithSomeButNotAllOfItsStateBuffers) {
+  Run(
+      [&] {
+        server::state::GroupRecord rec = Load();
+        std::vector<server::state::BufferRecord>& b = rec.modules[0].ranks[1].units[0].buffers;
+        b.erase(std::remove_if(b.begin(), b.end(),
+                               [](const server::state::BufferRecord& x) {
+                                 return x.role == "committed_state:exp_avg_sq";
+                               }),
+                b.end());
+        Store(std::move(rec));
+      },
+      "rank 1: some but not all of its optimizer state buffers are recorded: 1 missing "
+      "(unit 0 committed_state:exp_avg_sq)");
+}
+
+// A GPU daemon (simulated GPUs) keeps host copies of the committed device optimizer state at
+// SIGTERM with --keep_shards, next to the shards', and the next daemon puts them back on the
+// devices; kill -9 keeps nothing of it (device memory dies with the process).
+TEST_F(StateRestartTest, GpuDaemonKeepsHostCopiesOfItsCommittedStateOnSigterm) {
+  simulated_gpus_ = true;
+  std::unique_ptr<DaemonProcess> d = StartDaemon({"--simulate_gpus=2"});
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  RegisterStateAll(ranks);
+  TrainWithState(ranks, 1, 2);
+  const std::vector<std::vector<std::string>> state = StateOf(ranks);
+  RunRanks(kWorld, [&](int r) { optstate::WriteState(*ranks[r].client, r, 55); });
+  RunRanks(kWorld, [&](int r) { ASSERT_TRUE(ranks[r].client->Leave().ok()); });
+  ranks.clear();
+  EXPECT_EQ(d->Terminate(), 0);
+  EXPECT_THAT(d->Log(), HasSubstr("kept host copies of the committed device shards of 2 rank(s)"));
+  ASSERT_TRUE(Restart(*d));
+  EXPECT_THAT(d->Log(), HasSubstr("group=g adopted from"));
+  JoinAll(*d, ranks, 1);
+  RegisterAll(ranks, 2);
+  ExpectStateReattached(ranks, 2, state);
+  TrainWithState(ranks, 3, 3);
+  ranks.clear();
+  d->Kill();
+  ASSERT_TRUE(Restart(*d));
+  JoinAll(*d, ranks, 0);
+}
+
+// ---- Checkpoint loads write the group's record ----
+
+// A load is a committed step: after it, a kill -9 and a restart, every rank re-attaches at the
+// loaded generation with the loaded values (not at the pre-load generation and values).
+TEST_F(RestartTest, KillNineAfterACheckpointLoadReattachesAtTheLoadedGeneration) {
+  std::unique_ptr<DaemonProcess> d = StartDaemon();
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  Train(ranks, 1, 2);
+  const std::filesystem::path ckpt = state_dir_.string() + ".ckpt";
+  absl::StatusOr<Client::CheckpointInfo> saved = ranks[0].client->SaveCheckpoint("", ckpt.string());
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  ASSERT_EQ(saved->generation, 2u);
+  // Step 2's shards, without step 2's gradients (a load does not touch gradient shards).
+  std::vector<Snapshot> loaded = Expected(ranks);
+  Train(ranks, 3, 5);
+  const std::vector<Snapshot> step5 = Expected(ranks);
+  for (int r = 0; r < kWorld; ++r) loaded[r].grads = step5[r].grads;
+  absl::StatusOr<Client::CheckpointInfo> load = ranks[1].client->LoadCheckpoint("", ckpt.string());
+  ASSERT_TRUE(load.ok()) << load.status();
+  ASSERT_EQ(load->generation, 2u);
+  ranks.clear();
+  d->Kill();
+  ASSERT_TRUE(Restart(*d));
+  EXPECT_THAT(d->Log(), HasSubstr("generation 2)"));
+  ExpectReattached(*d, ranks, 2, loaded);
+  std::error_code ignored;
+  std::filesystem::remove_all(ckpt, ignored);
+}
+
+// A daemon killed during a load's copies into the committed copies (its record says a "load"
+// intent, every loaded rank's shards hold the loaded values) finishes the copies from the
+// shards at restart: the loaded generation, never a torn committed copy.
+TEST_F(RestartTest, ALoadIntentInTheRecordIsFinishedFromTheShards) {
+  std::unique_ptr<DaemonProcess> d = StartDaemon();
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  Train(ranks, 1, 1);
+  RunRanks(kWorld, [&](int r) { WriteShards(*ranks[r].client, r, 9); });  // "loaded" values
+  std::vector<Snapshot> want = Expected(ranks);
+  ranks.clear();
+  d->Kill();
+  {
+    // As NoteLoadCopying leaves it: the intent durable, the committed copies at step 1.
+    std::unique_ptr<server::state::StateDir> dir =
+        *server::state::StateDir::Open(state_dir_.string());
+    server::state::GroupRecord rec = dir->LoadAll().groups.at(0);
+    rec.modules[0].pending = server::state::PendingCommit{7, "load", {0, 1}, {}};
+    rec.sequence += 1;
+    ASSERT_TRUE(dir->Write(rec).ok());
+  }
+  ASSERT_TRUE(Restart(*d));
+  EXPECT_THAT(d->Log(), HasSubstr("finished the load of generation 7 from its shards"));
+  ExpectReattached(*d, ranks, 7, want);
+}
+
+// Two daemons with optimizer state: daemon 1 is killed after two commits (uncommitted state
+// writes on both ranks), restarted, and the group re-forms: the restarted daemon's rank finds
+// its committed state from its record, the survivor's is rolled back to its committed state.
+TEST_F(TwoDaemonRestartTest, TheRestartedDaemonsOptimizerStateComesBackAtTheCommittedStep) {
+  std::vector<Rank> ranks;
+  JoinAll(ranks);
+  Register(ranks, 0);
+  RunRanks(2, [&](int r) {
+    absl::StatusOr<ShardViews> v = ranks[r].client->RegisterState("", optstate::Specs());
+    ASSERT_TRUE(v.ok()) << "rank " << r << ": " << v.status();
+  });
+  std::vector<std::vector<std::string>> committed(2);
+  for (uint64_t g = 1; g <= 2; ++g) {
+    RunRanks(2, [&](int r) { optstate::WriteState(*ranks[r].client, r, g); });
+    Commit(ranks, g);
+  }
+  for (int r = 0; r < 2; ++r) {
+    absl::StatusOr<ShardViews> v = ranks[r].client->GetShardViews("");
+    ASSERT_TRUE(v.ok()) << v.status();
+    committed[r] = optstate::TakeState(*v);
+  }
+  RunRanks(2, [&](int r) { optstate::WriteState(*ranks[r].client, r, 66); });  // uncommitted
+  daemons_[1]->Kill();
+  ranks[1] = Rank();
+  ASSERT_TRUE(RestartDaemon1());
+  JoinAll(ranks);
+  Register(ranks, 2);
+  RunRanks(2, [&](int r) {
+    absl::StatusOr<ShardViews> v = ranks[r].client->RegisterState("", optstate::Specs());
+    ASSERT_TRUE(v.ok()) << "rank " << r << ": " << v.status();
+    EXPECT_EQ(v->generation(), 2u) << "rank " << r;
+    const std::vector<std::string> now = optstate::TakeState(*v);
+    ASSERT_EQ(now.size(), committed[r].size()) << "rank " << r;
+    for (size_t i = 0; i < now.size(); ++i) {
+      EXPECT_TRUE(now[i] == committed[r][i]) << "rank " << r << " state buffer " << i;
+    }
+  });
+  RunRanks(2, [&](int r) { optstate::WriteState(*ranks[r].client, r, 3); });
+  Commit(ranks, 3);
+}
+
 }  // namespace
 }  // namespace flatshard::client

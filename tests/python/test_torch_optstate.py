@@ -204,6 +204,49 @@ def test_restarted_trainer_resumes_with_the_committed_optimizer_state(daemon, gr
     back.close()
 
 
+def test_daemon_killed_mid_training_keeps_the_committed_optimizer_state(tmp_path, group):
+    """AdamW, one rank, keep_optimizer_state, a daemon with --state_dir: two committed steps,
+    an optimizer step never committed, then the DAEMON is SIGKILLed and started again (the
+    trainer dies with it and restarts). The new trainer re-attaches at generation 2 with the
+    committed optimizer state (the restart records carry the state buffers: not zeros, not
+    the uncommitted step's) and two more steps end bit for bit equal to four uninterrupted
+    ones."""
+    with flatshard.testing.LocalDaemon(extra_args=(f"--state_dir={tmp_path / 'state'}",)) as d:
+        c = connect(d)
+        c.join(group, 1, 0)
+        fs = _wrapped(c, False)
+        opt = OPTIMIZERS["adamw"](fs.sharded_parameters())
+        keep_optimizer_state(opt, fs)
+        _train(fs.module, opt, 2, fs)
+        assert fs.generation == 2
+        saved = [{k: v.clone() for k, v in opt.state[p].items()}
+                 for p in fs.sharded_parameters()]
+        x, y = _batch(2)
+        nn.functional.cross_entropy(fs(x), y).backward()
+        opt.step()  # in place, never committed
+        d.restart()  # SIGKILL, then the same flags and state directory
+        c.close()
+
+        back = connect(d)
+        _rejoin(back, group)
+        fs2 = _wrapped(back, False)
+        assert fs2.reattached and fs2.generation == 2
+        opt2 = OPTIMIZERS["adamw"](fs2.sharded_parameters())
+        link = keep_optimizer_state(opt2, fs2)
+        assert [s[0] for s in link.specs] == ["exp_avg", "exp_avg_sq", "step"]
+        for p, s in zip(fs2.sharded_parameters(), saved):
+            st = opt2.state[p]
+            assert sorted(st) == sorted(s)
+            for k in s:
+                assert torch.equal(st[k], s[k]), f"{k} was not the committed step's"
+        _train(fs2.module, opt2, 2, fs2, start=fs2.generation)
+        got = _full(fs2)
+        want = _reference("adamw", 4)
+        for k in want:
+            assert torch.equal(got[k], want[k]), f"{k}: the run across a daemon restart differs"
+        back.close()
+
+
 def test_loaded_optimizer_state_goes_to_the_daemon(daemon, group):
     """opt.load_state_dict replaces the state tensors with copies: before the next step they
     are copied into the daemon's buffers and replaced by views again (step count included),

@@ -14,12 +14,14 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
+#include "common/sha256.h"
 #include "gtest/gtest.h"
 
 namespace flatshard::server::state {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 GroupRecord Sample(const std::string& id = "job-17", uint64_t sequence = 7) {
   GroupRecord r;
@@ -121,6 +123,54 @@ TEST(StateRecordTest, BodyChecksRefuseBadValuesNamingThePath) {
   bad = DecodeGroupRecord(EncodeGroupRecord(r));
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(std::string(bad.status().message()), HasSubstr("segment"));
+}
+
+TEST(StateRecordTest, StateSpecsRoundTripAndRecordsWithoutThemLoad) {
+  GroupRecord r = Sample();
+  r.modules[0].state_specs = {{"exp_avg", DType::kFloat32, StateShape::kShard},
+                              {"step", DType::kInt64, StateShape::kScalar}};
+  r.modules[0].pending = PendingCommit{6, "load", {0, 1}, {}};
+  const std::string bytes = EncodeGroupRecord(r);
+  EXPECT_THAT(bytes, HasSubstr(R"("state_specs":[{"name":"exp_avg","dtype":"float32",)"
+                               R"("shape":"shard"},{"name":"step","dtype":"int64",)"
+                               R"("shape":"scalar"}])"));
+  absl::StatusOr<GroupRecord> back = DecodeGroupRecord(bytes);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, r);
+  // A record written before state was recorded (no key): no state.
+  const std::string old = EncodeGroupRecord(Sample());
+  EXPECT_THAT(old, Not(HasSubstr("state_specs")));
+  back = DecodeGroupRecord(old);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->modules[0].state_specs.empty());
+}
+
+TEST(StateRecordTest, BadStateSpecsAreRefusedNamingThePath) {
+  auto why = [](std::vector<StateSpec> specs, const std::string& from, const std::string& to) {
+    GroupRecord r = Sample();
+    r.modules[1].state_specs = std::move(specs);
+    std::string body = EncodeGroupRecord(r);
+    body = body.substr(body.find('\n') + 1);
+    const size_t at = body.find(from);
+    if (at == std::string::npos) return std::string("not found: ") + from;
+    body.replace(at, from.size(), to);
+    // Re-seal the edited body so only the body checks can refuse it.
+    const std::string header = absl::StrCat(R"({"format":"flatshard.state/1","body_bytes":)",
+                                            body.size(), R"(,"body_sha256":")",
+                                            Sha256Hex(body), "\"}\n");
+    absl::StatusOr<GroupRecord> back = DecodeGroupRecord(header + body);
+    return back.ok() ? std::string("accepted") : std::string(back.status().message());
+  };
+  const std::vector<StateSpec> one = {{"exp_avg", DType::kFloat32, StateShape::kShard}};
+  EXPECT_EQ(why(one, "", ""), "accepted");
+  EXPECT_THAT(why(one, R"("dtype":"float32")", R"("dtype":"float33")"),
+              HasSubstr("body: $.modules[1].state_specs[0].dtype: unknown dtype \"float33\""));
+  EXPECT_THAT(why(one, R"("shape":"shard")", R"("shape":"row")"),
+              HasSubstr("body: $.modules[1].state_specs[0].shape: must be shard or scalar"));
+  EXPECT_THAT(why(one, R"("name":"exp_avg")", R"("name":"exp avg")"),
+              HasSubstr("body: $.modules[1].state_specs"));
+  EXPECT_THAT(why(one, R"("shape":"shard")", R"("shape":"shard","extra":1)"),
+              HasSubstr("extra"));
 }
 
 TEST(StateRecordTest, FileNameIsAHashOfTheGroupId) {
