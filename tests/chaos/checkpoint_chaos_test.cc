@@ -369,12 +369,11 @@ TEST_F(CheckpointChaosTest, KillDuringLoadLeavesEveryRankAtOneCommittedGeneratio
   std::printf("checkpoint chaos, kill during load: %s\n", summary.c_str());
 }
 
-// BUG (the merge of branches restart and ckpt): a load makes the module's generation the
-// checkpoint's (README "Checkpoints") and writes the committed copies, but the daemon's state
-// record is not rewritten: after a restart every rank re-attaches at the generation from
-// before the load (4) while its shards hold the checkpoint's values (generation 2's): one
-// generation number for two different states.
-TEST_F(CheckpointChaosTest, DISABLED_RestartAfterALoadKeepsTheCheckpointsGeneration) {
+// A load makes the module's generation the checkpoint's (README "Checkpoints") and writes the
+// committed copies; the daemon's state record must say so, else a restart would re-attach at
+// the generation from before the load (4) with the checkpoint's values (generation 2's): one
+// generation number for two different states (found by this test; fixed by the load intent).
+TEST_F(CheckpointChaosTest, RestartAfterALoadKeepsTheCheckpointsGeneration) {
   ChaosCluster cluster(1, {});
   std::vector<Rank> ranks;
   AttachAll(cluster, "lg", ranks);
