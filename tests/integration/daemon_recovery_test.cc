@@ -130,13 +130,18 @@ TEST_P(RestartedDaemonLosesShardsTest, EveryRankIsToldByNameAndRegistersAfresh) 
   c.Kill(victim);
   for (int r : lost_ranks) ranks[r] = Rank();
   ASSERT_TRUE(c.Restart(victim));
+  // Survivors leave before any rank joins again (README "Groups over several daemons": a
+  // survivor's leave after the replacement joined fails the re-formed group once more, and the
+  // replacement's join may then complete at a table the survivors never reported to).
+  for (int r = 0; r < world; ++r) {
+    if (ranks[r].client == nullptr) continue;
+    absl::Status left = ranks[r].client->Leave();
+    EXPECT_TRUE(left.ok()) << "rank " << r << " Leave: " << left;
+  }
   RunRanks(world, [&](int r) {
     if (ranks[r].client == nullptr) {
       ranks[r].client = Connect(c.AddressFor(r));
       ASSERT_NE(ranks[r].client, nullptr);
-    } else {
-      absl::Status left = ranks[r].client->Leave();
-      EXPECT_TRUE(left.ok()) << "rank " << r << " Leave: " << left;
     }
     absl::Status joined = ranks[r].client->Join("g", world, r, kToken, c.coordinator());
     ASSERT_TRUE(joined.ok()) << "rank " << r << " rejoining: " << joined;
