@@ -478,3 +478,75 @@ def test_state_across_two_daemons_saved_and_loaded_at_the_other(tmp_path):
         assert _same(saved, loaded), f"rank {r}"
     meta = json.loads(Path(ckpt, "metadata.json").read_text())
     assert {t["rank"] for t in meta["tensors"] if t["name"] == "exp_avg"} == {0, 1, 2, 3}
+
+
+_SEED = threading.Lock()  # Net() seeds torch's global generator: ranks (threads) take turns
+
+
+def _threads(daemon, world, fn, timeout=120):
+    group = _group("tw")
+    barrier = Barrier(world)
+
+    def body(r):
+        c = connect(daemon)
+        try:
+            c.join(group, world, r)
+            return fn(r, c, barrier)
+        finally:
+            c.close()
+
+    return run_ranks(world, body, timeout)
+
+
+def test_adamw_of_two_ranks_resumed_by_three_ranks_of_a_new_job(tmp_path):
+    """AdamW kept in the daemon, 2 ranks (every rank the same batch, so the averaged gradient
+    is the full one) for 3 steps, saved; a new job of 3 ranks on a fresh daemon loads it (the
+    state resharded by FQN, `step` per unit) and trains 2 more: equal to 5 uninterrupted steps
+    of plain torch within float32 tolerances."""
+    ckpt = str(tmp_path / "ck")
+    ref = Net()
+    ref_opt = _adamw(ref.parameters())
+    _train(ref, ref_opt, 0, 5)
+    want = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+    def job1(r, c, barrier):
+        with _SEED:
+            net = Net()
+        fs = FlatShardModule(net, c, auto_wrap_policy=ModuleWrapPolicy({Block}))
+        opt = _adamw(fs.sharded_parameters())
+        keep_optimizer_state(opt, fs)
+        _train(fs.module, opt, 0, 3, fs)
+        barrier.wait()
+        if r == 0:
+            fs.save_checkpoint(ckpt)
+        barrier.wait()
+        return fs.generation
+
+    with flatshard.testing.LocalDaemon() as d:
+        assert _threads(d, 2, job1) == [3, 3]
+
+    def job2(r, c, barrier):
+        with _SEED:
+            net = Net()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.uniform_(-1, 1)  # not the saved values
+        fs = FlatShardModule(net, c, auto_wrap_policy=ModuleWrapPolicy({Block}))
+        opt = _adamw(fs.sharded_parameters())
+        barrier.wait()
+        if r == 0:
+            fs.load_checkpoint(ckpt)
+        barrier.wait()
+        fs.refresh_views()
+        keep_optimizer_state(opt, fs)
+        _train(fs.module, opt, 3, 2, fs)
+        steps = {opt.state[p]["step"].item() for p in fs.sharded_parameters() if p.numel()}
+        return steps, {k: v.clone() for k, v in fs.full_state_dict().items()}
+
+    with flatshard.testing.LocalDaemon() as d:
+        got = _threads(d, 3, job2)
+    for steps, sd in got:
+        assert steps == {5.0}
+        for k in want:
+            assert torch.allclose(sd[k], want[k], rtol=1e-5, atol=1e-6), \
+                f"{k}: max diff {(sd[k] - want[k]).abs().max().item()}"
