@@ -32,14 +32,16 @@ constexpr char kUsage[] =
     "\n"
     "Subcommands asking a running flatshardd (paths are on the daemon's host):\n"
     "  save GROUP --dir DIR [--module M]      write the module's committed step to DIR\n"
+    "                                         (shards and the daemon's optimizer state)\n"
     "  load GROUP --dir DIR [--module M]      load a checkpoint (any world size or wrap policy)\n"
     "  import GROUP --file F.safetensors [--module M]\n"
     "                                         load a full state dict from a safetensors file\n"
     "Offline (no daemon):\n"
     "  inspect DIR [--no-verify] [--json]     generation, world size, module, params, bytes,\n"
-    "                                         validation (checksums of every file)\n"
+    "                                         optimizer states, validation (checksums)\n"
     "  export DIR --out F.safetensors [--json]\n"
-    "                                         the full model as safetensors (state_dict keys)\n"
+    "                                         the full model as safetensors (state_dict keys;\n"
+    "                                         parameters only)\n"
     "\n"
     "Run 'flatshardctl checkpoint SUBCOMMAND --help' for a subcommand's flags.\n";
 
