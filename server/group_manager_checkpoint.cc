@@ -33,9 +33,12 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/checkpoint/checkpoint.h"
 #include "common/checkpoint/param_source.h"
@@ -494,6 +497,31 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::SaveCheckpoint(
                                                 r, "'s file"));
       }
     }
+    // Every daemon wrote the same optimizer state (each fixes its module's spec on its own):
+    // every (rank, unit) has each state of the specs and no other, or no metadata is written.
+    {
+      std::map<std::pair<int32_t, int32_t>, std::vector<std::string>> names;
+      for (const checkpoint::TensorEntry& t : meta.tensors) {
+        if (t.name != checkpoint::kShardTensor) names[{t.rank, t.unit}].push_back(t.name);
+      }
+      std::vector<std::string> want;
+      for (const StateSpec& st : meta.state_specs) want.push_back(st.name);
+      std::sort(want.begin(), want.end());
+      for (int32_t r = 0; r < hold.world_size; ++r) {
+        for (const PlanUnit& u : hold.plan.units) {
+          std::vector<std::string>& got = names[{r, u.index}];
+          std::sort(got.begin(), got.end());
+          if (got != want) {
+            return absl::FailedPreconditionError(absl::StrCat(
+                "group ", hold.group, " module ", Display(hold.module), ": rank ", r,
+                " wrote optimizer state [", absl::StrJoin(got, ", "), "] for unit ", u.index,
+                ", this daemon's module has [", absl::StrJoin(want, ", "),
+                "]: every rank registers the same optimizer state before a save (no metadata "
+                "written)"));
+          }
+        }
+      }
+    }
     FS_RETURN_IF_ERROR(checkpoint::WriteMetadata(args.dir, meta));
     progress->done_bytes = progress->total_bytes.load();
     progress->phase = CheckpointProgress::kDone;
@@ -714,6 +742,13 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
                            ckpt->meta.plan.fingerprint == hold.plan.fingerprint;
     state_mode = same_plan ? StateLoad::kCopy : StateLoad::kReshard;
   }
+  // The saved state tensors by (rank, unit, name) (Metadata::FindTensor is a linear scan).
+  std::map<std::tuple<int32_t, int32_t, std::string>, const checkpoint::TensorEntry*> saved_state;
+  if (state_mode == StateLoad::kCopy || state_mode == StateLoad::kReshard) {
+    for (const checkpoint::TensorEntry& t : ckpt->meta.tensors) {
+      if (t.name != checkpoint::kShardTensor) saved_state[{t.rank, t.unit, t.name}] = &t;
+    }
+  }
   if (state_mode == StateLoad::kReshard) {
     const std::vector<SharedParam> tied = checkpoint::TiedAliases(hold.manifest, hold.plan);
     absl::Status st;
@@ -753,8 +788,9 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
           const int32_t saved_rank =
               static_cast<int32_t>(std::min<int64_t>(saved_param->offset / su.shard_numel,
                                                      ckpt->meta.world_size - 1));
+          auto found = saved_state.find({saved_rank, saved_unit, spec.name});
           const checkpoint::TensorEntry* t =
-              ckpt->meta.FindTensor(saved_rank, saved_unit, spec.name);
+              found == saved_state.end() ? nullptr : found->second;
           if (t == nullptr) {
             st = absl::FailedPreconditionError(absl::StrCat(
                 args.dir, ": no optimizer state \"", spec.name, "\" of rank ", saved_rank,
@@ -822,7 +858,9 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
             std::memset(b.data(), 0, bytes);
             break;
           case StateLoad::kCopy: {
-            const checkpoint::TensorEntry* t = ckpt->meta.FindTensor(rank, u.index, spec.name);
+            auto found = saved_state.find({rank, u.index, spec.name});
+            const checkpoint::TensorEntry* t =
+                found == saved_state.end() ? nullptr : found->second;
             if (t == nullptr || t->bytes != bytes) {
               return absl::InternalError(absl::StrCat(
                   args.dir, ": optimizer state \"", spec.name, "\" of rank ", rank, " unit ",

@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <tuple>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -460,10 +461,18 @@ absl::StatusOr<Metadata> MetadataFromJson(absl::string_view text, absl::string_v
       return specs_path.Error(v.message());
     }
   }
+  // Optimizer state tensors by (rank, unit, name) (FindTensor is a linear scan).
+  std::map<std::tuple<int32_t, int32_t, std::string>, const TensorEntry*> state_index;
+  if (!m.state_specs.empty()) {
+    for (const TensorEntry& t : m.tensors) {
+      if (t.name != kShardTensor) state_index[{t.rank, t.unit, t.name}] = &t;
+    }
+  }
   for (int32_t r = 0; r < m.world_size; ++r) {
     for (const PlanUnit& u : m.plan.units) {
       for (const StateSpec& st : m.state_specs) {
-        const TensorEntry* t = m.FindTensor(r, u.index, st.name);
+        auto found = state_index.find({r, u.index, st.name});
+        const TensorEntry* t = found == state_index.end() ? nullptr : found->second;
         const int64_t bytes = st.Numel(u.shard_numel) * ItemSize(st.dtype);
         if (t == nullptr) {
           return tensors_path.Error(absl::StrCat("has no optimizer state ", Quote(st.name),
