@@ -749,6 +749,11 @@ class GroupManager : public peer::PeerEvents {
   // Ends a hold; a load sets `generation` and marks the local ranks stale.
   void ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
                              std::optional<uint64_t> generation) ABSL_LOCKS_EXCLUDED(mu_);
+  // A load of a checkpoint with optimizer state into a module without any: allocates the
+  // state buffers (and committed copies) of `specs` for the hold's ranks, installs them in the
+  // module and in `hold` (README "Checkpoints").
+  absl::Status AllocateStateForLoad(CheckpointHold& hold, const std::vector<StateSpec>& specs)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   ShardStore* const store_;
   const absl::Duration lease_timeout_;

@@ -33,9 +33,12 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/checkpoint/checkpoint.h"
 #include "common/checkpoint/param_source.h"
@@ -68,6 +71,45 @@ absl::Status ParallelFor(size_t n, const std::function<absl::Status(size_t)>& fn
   for (auto& t : pool) t.join();
   for (const absl::Status& s : results) FS_RETURN_IF_ERROR(s);
   return absl::OkStatus();
+}
+
+// Bytes of one rank's file: its shards and optimizer state.
+int64_t RankBytes(const Plan& plan, const std::vector<StateSpec>& specs) {
+  int64_t n = 0;
+  for (const PlanUnit& u : plan.units) {
+    n += u.shard_numel * ItemSize(u.dtype);
+    for (const StateSpec& st : specs) n += st.Numel(u.shard_numel) * ItemSize(st.dtype);
+  }
+  return n;
+}
+
+absl::Status CheckStateSize(const Buffer& b, const PlanUnit& u, const StateSpec& st) {
+  const int64_t want = st.Numel(u.shard_numel) * ItemSize(st.dtype);
+  if (b.bytes() >= want) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("unit ", u.index, ": a ", b.bytes(),
+                                          "-byte buffer for optimizer state \"", st.name,
+                                          "\" of ", want, " bytes"));
+}
+
+// The unit of `meta`'s plan holding the parameter a source knows as `name` (its FQN, a shared
+// alias or a tied alias), and that parameter; {-1, null} when none.
+std::pair<int32_t, const PlanParam*> SavedParam(const checkpoint::Metadata& meta,
+                                                const std::string& name) {
+  std::string fqn = name;
+  for (const SharedParam& t : meta.tied) {
+    if (t.fqn == name) fqn = t.same_as;
+  }
+  for (const PlanUnit& u : meta.plan.units) {
+    for (const SharedParam& sh : u.shared) {
+      if (sh.fqn == fqn) fqn = sh.same_as;
+    }
+  }
+  for (const PlanUnit& u : meta.plan.units) {
+    for (const PlanParam& p : u.params) {
+      if (p.fqn == fqn) return {u.index, &p};
+    }
+  }
+  return {-1, nullptr};
 }
 
 absl::Status CheckSize(const Buffer& b, const PlanUnit& u) {
@@ -138,6 +180,13 @@ struct GroupManager::CheckpointHold {
   Manifest manifest;  // for checkpoint::TiedAliases (computed without mu_)
   std::vector<std::string> peers;  // multi-daemon groups: the other daemons' peer addresses
   std::string token;
+  // Optimizer state (RegisterState): the module's specs (empty: none) and, by position in
+  // `ranks`, the live state buffers and their committed copies, unit-major
+  // ([unit * state_specs.size() + spec]). Every local rank has them when the specs are set.
+  std::vector<StateSpec> state_specs;
+  std::vector<std::vector<std::shared_ptr<Buffer>>> state_live;
+  std::vector<std::vector<std::shared_ptr<Buffer>>> state_committed;
+  int64_t owner_uid = -1;  // the group's (owner of buffers a load allocates)
 };
 
 absl::StatusOr<GroupManager::CheckpointHold> GroupManager::HoldForCheckpoint(
@@ -205,6 +254,29 @@ absl::StatusOr<GroupManager::CheckpointHold> GroupManager::HoldForCheckpoint(
           }
         }
       }
+      // Optimizer state: a checkpoint holds every rank's or none, so every local rank must
+      // have registered it once the module's spec is fixed.
+      for (const StateSpec& st : reg.state_specs) {
+        if (st.name == checkpoint::kShardTensor) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "group ", g.id, " module ", Display(args.module), ": optimizer state \"",
+              st.name, "\" has the name of the parameters' tensor in a checkpoint"));
+        }
+      }
+      for (int32_t r : reg.state_specs.empty() ? std::vector<int32_t>{} : g.local_ranks) {
+        const bool has = r < static_cast<int32_t>(reg.committed_state.size()) &&
+                         reg.committed_state[r].size() == reg.shards_by_rank[r].size() &&
+                         std::all_of(reg.shards_by_rank[r].begin(), reg.shards_by_rank[r].end(),
+                                     [&](const UnitShard& sh) {
+                                       return sh.state.size() == reg.state_specs.size();
+                                     });
+        if (!has) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "group ", g.id, " rank ", r, " has not registered the optimizer state of module ",
+              Display(args.module), " (another rank did): every rank registers it "
+              "(RegisterState, keep_optimizer_state) before a checkpoint ", load ? "load" : "save"));
+        }
+      }
       uint64_t lo = UINT64_MAX, hi = 0;
       for (int32_t r : g.local_ranks) {
         lo = std::min(lo, reg.generation[r]);
@@ -231,6 +303,19 @@ absl::StatusOr<GroupManager::CheckpointHold> GroupManager::HoldForCheckpoint(
         h.generation = lo;
         h.peers = std::move(peers);
         h.token = g.token;
+        h.state_specs = reg.state_specs;
+        h.owner_uid = g.owner_uid;
+        for (int32_t r : h.state_specs.empty() ? std::vector<int32_t>{} : g.local_ranks) {
+          std::vector<std::shared_ptr<Buffer>> live, kept;
+          for (size_t u = 0; u < reg.shards_by_rank[r].size(); ++u) {
+            for (size_t k = 0; k < h.state_specs.size(); ++k) {
+              live.push_back(reg.shards_by_rank[r][u].state[k]);
+              kept.push_back(reg.committed_state[r][u][k]);
+            }
+          }
+          h.state_live.push_back(std::move(live));
+          h.state_committed.push_back(std::move(kept));
+        }
         return h;
       }
       last_wait = absl::DeadlineExceededError(absl::StrCat(
@@ -301,8 +386,7 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::SaveCheckpoint(
         return s;
       }
     }
-    int64_t per_rank = 0;
-    for (const PlanUnit& u : hold.plan.units) per_rank += u.shard_numel * ItemSize(u.dtype);
+    const int64_t per_rank = RankBytes(hold.plan, hold.state_specs);
     progress->total_bytes = per_rank * (args.from_peer ? static_cast<int64_t>(hold.ranks.size())
                                                        : hold.world_size);
     progress->done_bytes = 0;
@@ -326,11 +410,24 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::SaveCheckpoint(
         tensors.push_back({u.index, checkpoint::kShardTensor, u.dtype, b.data(),
                            u.shard_numel * ItemSize(u.dtype)});
       }
-      // ---- Optimizer state (branch optstate; the lead adds it here) ----
-      // For every named state buffer of (rank hold.ranks[i], unit u), committed with the
-      // shards: tensors.push_back({u.index, name, dtype, data, bytes}). The format stores and
-      // finds them by (rank, unit, name) (checkpoint::Metadata::FindTensor); a SCALAR state
-      // ("step") is a tensor of one element.
+      // Optimizer state: every named state buffer's committed copy (the same step as the
+      // committed shard above), as tensor (rank, unit, state name); a SCALAR state is one
+      // element. GPU ranks stage it in host memory like the shards.
+      std::vector<std::shared_ptr<Buffer>> host_state;
+      if (!hold.state_specs.empty()) {
+        FS_ASSIGN_OR_RETURN(host_state,
+                            HostCopies(hold.ranks[i], hold.state_committed[i], /*copy_in=*/true));
+        const size_t n = hold.state_specs.size();
+        for (const PlanUnit& u : hold.plan.units) {
+          for (size_t k = 0; k < n; ++k) {
+            const StateSpec& st = hold.state_specs[k];
+            const Buffer& b = *host_state[u.index * n + k];
+            FS_RETURN_IF_ERROR(CheckStateSize(b, u, st));
+            tensors.push_back({u.index, st.name, st.dtype, b.data(),
+                               st.Numel(u.shard_numel) * ItemSize(st.dtype)});
+          }
+        }
+      }
       absl::StatusOr<checkpoint::WrittenFile> w = checkpoint::WriteRankFile(
           args.dir, hold.ranks[i], hold.world_size, tensors,
           [progress](int64_t n) { progress->done_bytes += n; });
@@ -391,6 +488,7 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::SaveCheckpoint(
     meta.created = checkpoint::internal::NowText();
     meta.plan = hold.plan;
     meta.tied = checkpoint::TiedAliases(hold.manifest, hold.plan);
+    meta.state_specs = hold.state_specs;
     meta.files = std::move(result.written_files);
     meta.tensors = std::move(result.written_tensors);
     std::sort(meta.files.begin(), meta.files.end(),
@@ -399,6 +497,31 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::SaveCheckpoint(
       if (r >= static_cast<int32_t>(meta.files.size()) || meta.files[r].rank != r) {
         return absl::InternalError(absl::StrCat("group ", hold.group, ": no daemon wrote rank ",
                                                 r, "'s file"));
+      }
+    }
+    // Every daemon wrote the same optimizer state (each fixes its module's spec on its own):
+    // every (rank, unit) has each state of the specs and no other, or no metadata is written.
+    {
+      std::map<std::pair<int32_t, int32_t>, std::vector<std::string>> names;
+      for (const checkpoint::TensorEntry& t : meta.tensors) {
+        if (t.name != checkpoint::kShardTensor) names[{t.rank, t.unit}].push_back(t.name);
+      }
+      std::vector<std::string> want;
+      for (const StateSpec& st : meta.state_specs) want.push_back(st.name);
+      std::sort(want.begin(), want.end());
+      for (int32_t r = 0; r < hold.world_size; ++r) {
+        for (const PlanUnit& u : hold.plan.units) {
+          std::vector<std::string>& got = names[{r, u.index}];
+          std::sort(got.begin(), got.end());
+          if (got != want) {
+            return absl::FailedPreconditionError(absl::StrCat(
+                "group ", hold.group, " module ", Display(hold.module), ": rank ", r,
+                " wrote optimizer state [", absl::StrJoin(got, ", "), "] for unit ", u.index,
+                ", this daemon's module has [", absl::StrJoin(want, ", "),
+                "]: every rank registers the same optimizer state before a save (no metadata "
+                "written)"));
+          }
+        }
       }
     }
     FS_RETURN_IF_ERROR(checkpoint::WriteMetadata(args.dir, meta));
@@ -461,6 +584,80 @@ std::vector<absl::StatusOr<GroupManager::CheckpointResult>> GroupManager::AskPee
   return out;
 }
 
+absl::Status GroupManager::AllocateStateForLoad(CheckpointHold& hold,
+                                                const std::vector<StateSpec>& specs) {
+  // Allocation (shm creation, device memory) without the lock; the hold keeps the module.
+  const size_t n = specs.size();
+  std::vector<std::vector<std::shared_ptr<Buffer>>> live(hold.ranks.size()),
+      kept(hold.ranks.size());
+  for (size_t i = 0; i < hold.ranks.size(); ++i) {
+    const int32_t rank = hold.ranks[i];
+    const Placement placement = PlacementOf(rank);
+    for (const PlanUnit& u : hold.plan.units) {
+      for (const StateSpec& spec : specs) {
+        const int64_t bytes = spec.Numel(u.shard_numel) * ItemSize(spec.dtype);
+        for (auto* out : {&live[i], &kept[i]}) {
+          absl::StatusOr<std::shared_ptr<Buffer>> b = store_->Allocate(
+              BufferKind::kShard, bytes,
+              absl::StrCat("group=", hold.group, " module=", hold.module, " unit=", u.index,
+                           " rank=", rank, " state=", spec.name,
+                           out == &kept[i] ? " committed" : ""),
+              hold.owner_uid, placement);
+          if (!b.ok()) {
+            return absl::Status(
+                b.status().code(),
+                absl::StrCat("group ", hold.group, " rank ", rank,
+                             ": could not allocate optimizer state \"", spec.name,
+                             "\" of unit ", u.index, " of module ", Display(hold.module),
+                             " to load a checkpoint into: ", b.status().message()));
+          }
+          out->push_back(*std::move(b));
+        }
+      }
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  auto git = groups_.find(hold.group);
+  if (git == groups_.end() || !git->second->registered.contains(hold.module)) {
+    return absl::UnavailableError(absl::StrCat("group ", hold.group, ": module ",
+                                               Display(hold.module),
+                                               " was dropped during the load"));
+  }
+  Group& g = *git->second;
+  Registered& reg = g.registered.at(hold.module);
+  bool any = !reg.state_specs.empty() || !reg.state_allocating.empty();
+  for (const auto& shards : reg.shards_by_rank) {
+    for (const UnitShard& sh : shards) any = any || !sh.state.empty();
+  }
+  if (any) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", g.id, " module ", Display(hold.module),
+        ": a rank registered optimizer state while the checkpoint was being loaded; load again"));
+  }
+  reg.state_specs = specs;
+  reg.committed_state.resize(g.world_size);
+  hold.state_specs = specs;
+  hold.state_live.clear();
+  hold.state_committed.clear();
+  for (size_t i = 0; i < hold.ranks.size(); ++i) {
+    const int32_t rank = hold.ranks[i];
+    std::vector<UnitShard>& shards = reg.shards_by_rank[rank];
+    auto& committed = reg.committed_state[rank];
+    committed.assign(shards.size(), {});
+    for (size_t u = 0; u < shards.size(); ++u) {
+      shards[u].state.assign(live[i].begin() + u * n, live[i].begin() + (u + 1) * n);
+      committed[u].assign(kept[i].begin() + u * n, kept[i].begin() + (u + 1) * n);
+    }
+    hold.state_live.push_back(live[i]);
+    hold.state_committed.push_back(kept[i]);
+  }
+  FS_LOG(INFO) << "group=" << g.id << " module=" << Display(hold.module)
+               << ": optimizer state created by a checkpoint load (" << n << " state(s) x "
+               << hold.plan.units.size() << " unit(s) on " << hold.ranks.size()
+               << " local rank(s))";
+  return absl::OkStatus();
+}
+
 absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
     const CheckpointArgs& args, CheckpointProgress* progress) {
   if (args.dir.empty() == args.safetensors.empty()) {
@@ -502,8 +699,121 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
         "cannot load into group ", hold.group, " module ", Display(hold.module), ": ",
         bindings.status().message()));
   }
-  int64_t per_rank = 0;
-  for (const PlanUnit& u : hold.plan.units) per_rank += u.shard_numel * ItemSize(u.dtype);
+  // Optimizer state (README "Checkpoints"), checked before anything changes:
+  //  - the module has no state registered: the checkpoint's state (if any) is not loaded;
+  //  - the module has state and the source none (a parameters-only checkpoint, safetensors):
+  //    the state is zeroed, as a freshly registered one (the loaded step starts a fresh
+  //    optimizer);
+  //  - both: the specs must be equal; under the same plan each (rank, unit, state) is copied;
+  //    under another plan SHARD states reshard like the parameters (by FQN and element range)
+  //    and a SCALAR state of a unit takes the saved value of the saved unit holding the unit's
+  //    first parameter, from the saved rank holding that parameter's first element.
+  enum class StateLoad { kNone, kZero, kCopy, kReshard };
+  StateLoad state_mode = StateLoad::kNone;
+  std::vector<std::unique_ptr<checkpoint::ParamSource>> state_sources;  // by spec (SHARD)
+  std::vector<std::vector<checkpoint::Binding>> state_bindings;         // by spec (SHARD)
+  std::vector<std::vector<std::vector<char>>> scalars;  // [spec][unit] (SCALAR, kReshard)
+  const bool source_state = ckpt.has_value() && !ckpt->meta.state_specs.empty();
+  if (!hold.state_specs.empty()) {
+    state_mode = StateLoad::kZero;
+    if (source_state) {
+      const std::string diff = StateSpecDifference(hold.state_specs, ckpt->meta.state_specs);
+      if (!diff.empty()) {
+        ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
+        return absl::FailedPreconditionError(absl::StrCat(
+            "cannot load into group ", hold.group, " module ", Display(hold.module),
+            ": the optimizer state of checkpoint ", args.dir, " differs from the module's: ",
+            diff));
+      }
+      const bool same_plan = ckpt->meta.world_size == hold.world_size &&
+                             !hold.plan.fingerprint.empty() &&
+                             ckpt->meta.plan.fingerprint == hold.plan.fingerprint;
+      state_mode = same_plan ? StateLoad::kCopy : StateLoad::kReshard;
+    }
+  } else if (source_state) {
+    // The module has no optimizer state yet (a fresh job): the load creates it for the local
+    // ranks with the checkpoint's specs, as RegisterState would, so a trainer that then
+    // keeps its optimizer's state in the daemon (keep_optimizer_state) re-attaches to the
+    // loaded values.
+    if (absl::Status st = AllocateStateForLoad(hold, ckpt->meta.state_specs); !st.ok()) {
+      ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
+      return st;
+    }
+    const bool same_plan = ckpt->meta.world_size == hold.world_size &&
+                           !hold.plan.fingerprint.empty() &&
+                           ckpt->meta.plan.fingerprint == hold.plan.fingerprint;
+    state_mode = same_plan ? StateLoad::kCopy : StateLoad::kReshard;
+  }
+  // The saved state tensors by (rank, unit, name) (Metadata::FindTensor is a linear scan).
+  std::map<std::tuple<int32_t, int32_t, std::string>, const checkpoint::TensorEntry*> saved_state;
+  if (state_mode == StateLoad::kCopy || state_mode == StateLoad::kReshard) {
+    for (const checkpoint::TensorEntry& t : ckpt->meta.tensors) {
+      if (t.name != checkpoint::kShardTensor) saved_state[{t.rank, t.unit, t.name}] = &t;
+    }
+  }
+  if (state_mode == StateLoad::kReshard) {
+    const std::vector<SharedParam> tied = checkpoint::TiedAliases(hold.manifest, hold.plan);
+    absl::Status st;
+    scalars.resize(hold.state_specs.size());
+    for (size_t k = 0; k < hold.state_specs.size() && st.ok(); ++k) {
+      const StateSpec& spec = hold.state_specs[k];
+      state_sources.push_back(checkpoint::CheckpointStateSource(*ckpt, spec));
+      state_bindings.emplace_back();
+      if (spec.shape == StateShape::kShard) {
+        absl::StatusOr<std::vector<checkpoint::Binding>> b =
+            checkpoint::Bind(*state_sources.back(), hold.plan, nullptr, tied, spec.dtype);
+        if (!b.ok()) {
+          st = b.status();
+          break;
+        }
+        state_bindings.back() = *std::move(b);
+        continue;
+      }
+      // SCALAR: one value per target unit, read now (small).
+      const int64_t item = ItemSize(spec.dtype);
+      for (const PlanUnit& u : hold.plan.units) {
+        std::vector<char> value(item, 0);
+        const checkpoint::Binding* first = nullptr;
+        for (const checkpoint::Binding& b : *bindings) {
+          if (b.unit->index == u.index && (first == nullptr || b.param->offset < first->param->offset)) {
+            first = &b;
+          }
+        }
+        if (first != nullptr) {
+          const auto [saved_unit, saved_param] = SavedParam(ckpt->meta, first->source_fqn);
+          if (saved_unit < 0) {
+            st = absl::InternalError(absl::StrCat("parameter ", first->source_fqn,
+                                                  " is bound but not in the saved plan"));
+            break;
+          }
+          const PlanUnit& su = ckpt->meta.plan.units[saved_unit];
+          const int32_t saved_rank =
+              static_cast<int32_t>(std::min<int64_t>(saved_param->offset / su.shard_numel,
+                                                     ckpt->meta.world_size - 1));
+          auto found = saved_state.find({saved_rank, saved_unit, spec.name});
+          const checkpoint::TensorEntry* t =
+              found == saved_state.end() ? nullptr : found->second;
+          if (t == nullptr) {
+            st = absl::FailedPreconditionError(absl::StrCat(
+                args.dir, ": no optimizer state \"", spec.name, "\" of rank ", saved_rank,
+                " unit ", saved_unit));
+            break;
+          }
+          st = checkpoint::ReadFileRange(*ckpt, saved_rank, t->offset, item, value.data());
+          if (!st.ok()) break;
+        }
+        scalars[k].push_back(std::move(value));
+      }
+    }
+    if (!st.ok()) {
+      ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot load the optimizer state into group ", hold.group, " module ",
+          Display(hold.module), ": ", st.message()));
+    }
+  }
+  const int64_t per_rank = RankBytes(
+      hold.plan, state_mode == StateLoad::kNone ? std::vector<StateSpec>{} : hold.state_specs);
   progress->done_bytes = 0;
   progress->total_bytes = per_rank * static_cast<int64_t>(hold.ranks.size());
   progress->phase = CheckpointProgress::kLoading;
@@ -532,11 +842,51 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
       progress->done_bytes += u.shard_numel * ItemSize(u.dtype);
     }
     if (host != shards) FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(host), Raw(shards)));
-    // ---- Optimizer state (branch optstate; the lead adds it here) ----
-    // A checkpoint saved under the same plan has each named state buffer of (rank, unit)
-    // (ckpt->meta.FindTensor(rank, unit, name)): read it with checkpoint::ReadFileRange into
-    // the state buffer, and into its committed copy below. Under another plan, SHARD-shaped
-    // states reshard exactly like the parameters (a ParamSource over the state's tensors).
+    // Optimizer state (see above); its committed copies below with the shards'.
+    if (state_mode == StateLoad::kNone) return absl::OkStatus();
+    FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host_state,
+                        HostCopies(rank, hold.state_live[i], /*copy_in=*/false));
+    const size_t n = hold.state_specs.size();
+    for (const PlanUnit& u : hold.plan.units) {
+      for (size_t k = 0; k < n; ++k) {
+        const StateSpec& spec = hold.state_specs[k];
+        const Buffer& b = *host_state[u.index * n + k];
+        FS_RETURN_IF_ERROR(CheckStateSize(b, u, spec));
+        const int64_t bytes = spec.Numel(u.shard_numel) * ItemSize(spec.dtype);
+        switch (state_mode) {
+          case StateLoad::kNone:
+            break;
+          case StateLoad::kZero:
+            std::memset(b.data(), 0, bytes);
+            break;
+          case StateLoad::kCopy: {
+            auto found = saved_state.find({rank, u.index, spec.name});
+            const checkpoint::TensorEntry* t =
+                found == saved_state.end() ? nullptr : found->second;
+            if (t == nullptr || t->bytes != bytes) {
+              return absl::InternalError(absl::StrCat(
+                  args.dir, ": optimizer state \"", spec.name, "\" of rank ", rank, " unit ",
+                  u.index, " is missing or not ", bytes, " bytes"));
+            }
+            FS_RETURN_IF_ERROR(checkpoint::ReadFileRange(*ckpt, rank, t->offset, bytes, b.data()));
+            break;
+          }
+          case StateLoad::kReshard:
+            if (spec.shape == StateShape::kShard) {
+              FS_RETURN_IF_ERROR(checkpoint::FillShard(*state_sources[k], state_bindings[k],
+                                                       hold.plan, u.index, shard_rank, b.data(),
+                                                       spec.dtype));
+            } else {
+              std::memcpy(b.data(), scalars[k][u.index].data(), bytes);
+            }
+            break;
+        }
+        progress->done_bytes += bytes;
+      }
+    }
+    if (host_state != hold.state_live[i]) {
+      FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(host_state), Raw(hold.state_live[i])));
+    }
     return absl::OkStatus();
   });
   const bool filled = s.ok();
@@ -549,9 +899,15 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
   absl::Status copied = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
     std::vector<std::shared_ptr<Buffer>> shards;
     for (const UnitShard& sh : hold.shards[i]) shards.push_back(sh.shard);
+    std::vector<std::shared_ptr<Buffer>> committed = hold.committed[i];
+    if (state_mode != StateLoad::kNone) {
+      shards.insert(shards.end(), hold.state_live[i].begin(), hold.state_live[i].end());
+      committed.insert(committed.end(), hold.state_committed[i].begin(),
+                       hold.state_committed[i].end());
+    }
     // Host or device alike (a GPU rank's copies stay on its device).
-    return filled ? devices_.CopyEach(hold.ranks[i], Raw(shards), Raw(hold.committed[i]))
-                  : devices_.CopyEach(hold.ranks[i], Raw(hold.committed[i]), Raw(shards));
+    return filled ? devices_.CopyEach(hold.ranks[i], Raw(shards), Raw(committed))
+                  : devices_.CopyEach(hold.ranks[i], Raw(committed), Raw(shards));
   });
   if (s.ok()) s = copied;
   if (asking.joinable()) asking.join();

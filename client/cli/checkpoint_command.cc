@@ -32,14 +32,16 @@ constexpr char kUsage[] =
     "\n"
     "Subcommands asking a running flatshardd (paths are on the daemon's host):\n"
     "  save GROUP --dir DIR [--module M]      write the module's committed step to DIR\n"
+    "                                         (shards and the daemon's optimizer state)\n"
     "  load GROUP --dir DIR [--module M]      load a checkpoint (any world size or wrap policy)\n"
     "  import GROUP --file F.safetensors [--module M]\n"
     "                                         load a full state dict from a safetensors file\n"
     "Offline (no daemon):\n"
     "  inspect DIR [--no-verify] [--json]     generation, world size, module, params, bytes,\n"
-    "                                         validation (checksums of every file)\n"
+    "                                         optimizer states, validation (checksums)\n"
     "  export DIR --out F.safetensors [--json]\n"
-    "                                         the full model as safetensors (state_dict keys)\n"
+    "                                         the full model as safetensors (state_dict keys;\n"
+    "                                         parameters only)\n"
     "\n"
     "Run 'flatshardctl checkpoint SUBCOMMAND --help' for a subcommand's flags.\n";
 
@@ -240,7 +242,22 @@ int Inspect(const std::vector<std::string>& args) {
     params += static_cast<int64_t>(u.params.size());
     elements += u.numel;
   }
+  // Optimizer state: per spec, its bytes over every rank and unit.
+  std::vector<int64_t> state_bytes(m.state_specs.size(), 0);
+  for (const auto& t : m.tensors) {
+    for (size_t k = 0; k < m.state_specs.size(); ++k) {
+      if (t.name == m.state_specs[k].name) state_bytes[k] += t.bytes;
+    }
+  }
   if (parsed->Has("json")) {
+    nlohmann::json states = nlohmann::json::array();
+    for (size_t k = 0; k < m.state_specs.size(); ++k) {
+      const StateSpec& st = m.state_specs[k];
+      states.push_back({{"name", st.name},
+                        {"dtype", std::string(DTypeName(st.dtype))},
+                        {"shape", StateShapeName(st.shape)},
+                        {"bytes", state_bytes[k]}});
+    }
     nlohmann::json files = nlohmann::json::array();
     for (const auto& f : m.files) {
       files.push_back({{"name", f.name}, {"rank", f.rank}, {"bytes", f.bytes},
@@ -263,6 +280,7 @@ int Inspect(const std::vector<std::string>& args) {
                                 {"bytes", m.total_bytes()},
                                 {"tensor_names", names},
                                 {"files", files},
+                                {"optimizer_state", states},
                                 {"verified", !parsed->Has("no-verify")},
                                 {"valid", valid.ok()},
                                 {"error", valid.ok() ? "" : std::string(valid.message())}}
@@ -282,6 +300,17 @@ int Inspect(const std::vector<std::string>& args) {
                     absl::StrCat(u.numel), std::string(DTypeName(u.dtype))});
   }
   std::cout << FormatTable(rows, "  ");
+  if (m.state_specs.empty()) {
+    std::cout << "optimizer state: none (parameters only)\n";
+  } else {
+    std::vector<std::vector<std::string>> srows = {{"STATE", "DTYPE", "SHAPE", "BYTES"}};
+    for (size_t k = 0; k < m.state_specs.size(); ++k) {
+      const StateSpec& st = m.state_specs[k];
+      srows.push_back({st.name, std::string(DTypeName(st.dtype)), StateShapeName(st.shape),
+                       HumanBytes(state_bytes[k])});
+    }
+    std::cout << "optimizer state (every rank and unit):\n" << FormatTable(srows, "  ");
+  }
   if (parsed->Has("no-verify")) {
     std::cout << "valid: metadata and file sizes (checksums not read)\n";
   } else if (valid.ok()) {

@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <tuple>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -268,6 +269,17 @@ nlohmann::ordered_json MetadataToJson(const Metadata& meta) {
   nlohmann::ordered_json tied = nlohmann::ordered_json::array();
   for (const SharedParam& t : meta.tied) tied.push_back({{"fqn", t.fqn}, {"same_as", t.same_as}});
   doc["tied"] = std::move(tied);
+  if (!meta.state_specs.empty()) {
+    nlohmann::ordered_json specs = nlohmann::ordered_json::array();
+    for (const StateSpec& st : meta.state_specs) {
+      nlohmann::ordered_json e;
+      e["name"] = st.name;
+      e["dtype"] = std::string(DTypeName(st.dtype));
+      e["shape"] = std::string(StateShapeName(st.shape));
+      specs.push_back(std::move(e));
+    }
+    doc["optimizer_state"] = std::move(specs);
+  }
   doc["plan"] = PlanToJson(meta.plan);
   return doc;
 }
@@ -279,7 +291,7 @@ absl::StatusOr<Metadata> MetadataFromJson(absl::string_view text, absl::string_v
   FS_RETURN_IF_ERROR(ExpectObject(doc, root,
                                   {"format", "module", "group", "world_size", "generation",
                                    "created", "checksum", "params", "files", "tensors", "tied",
-                                   "plan"}));
+                                   "plan", "optimizer_state"}));
   Metadata m;
   FS_ASSIGN_OR_RETURN(std::string format, GetString(doc, "format", root));
   if (format != kFormat) {
@@ -421,8 +433,58 @@ absl::StatusOr<Metadata> MetadataFromJson(absl::string_view text, absl::string_v
       m.tied.push_back(std::move(t));
     }
   }
+  if (doc.contains("optimizer_state")) {
+    const JsonPath specs_path = root.Key("optimizer_state");
+    FS_RETURN_IF_ERROR(ExpectArray(doc["optimizer_state"], specs_path));
+    for (size_t i = 0; i < doc["optimizer_state"].size(); ++i) {
+      const JsonPath at = specs_path.Index(i);
+      const Json& e = doc["optimizer_state"][i];
+      FS_RETURN_IF_ERROR(ExpectObject(e, at, {"name", "dtype", "shape"}));
+      StateSpec st;
+      FS_ASSIGN_OR_RETURN(st.name, GetString(e, "name", at));
+      if (st.name == kShardTensor) {
+        return at.Key("name").Error(absl::StrCat(Quote(st.name), " is the parameters' tensor"));
+      }
+      FS_ASSIGN_OR_RETURN(std::string dtype, GetString(e, "dtype", at));
+      std::optional<DType> dt = ParseDType(dtype);
+      if (!dt) return at.Key("dtype").Error(absl::StrCat("unknown dtype ", Quote(dtype)));
+      st.dtype = *dt;
+      FS_ASSIGN_OR_RETURN(std::string shape, GetString(e, "shape", at));
+      if (shape != "shard" && shape != "scalar") {
+        return at.Key("shape").Error(
+            absl::StrCat("must be \"shard\" or \"scalar\", got ", Quote(shape)));
+      }
+      st.shape = shape == "shard" ? StateShape::kShard : StateShape::kScalar;
+      m.state_specs.push_back(std::move(st));
+    }
+    if (absl::Status v = ValidateStateSpecs(m.state_specs); !v.ok()) {
+      return specs_path.Error(v.message());
+    }
+  }
+  // Optimizer state tensors by (rank, unit, name) (FindTensor is a linear scan).
+  std::map<std::tuple<int32_t, int32_t, std::string>, const TensorEntry*> state_index;
+  if (!m.state_specs.empty()) {
+    for (const TensorEntry& t : m.tensors) {
+      if (t.name != kShardTensor) state_index[{t.rank, t.unit, t.name}] = &t;
+    }
+  }
   for (int32_t r = 0; r < m.world_size; ++r) {
     for (const PlanUnit& u : m.plan.units) {
+      for (const StateSpec& st : m.state_specs) {
+        auto found = state_index.find({r, u.index, st.name});
+        const TensorEntry* t = found == state_index.end() ? nullptr : found->second;
+        const int64_t bytes = st.Numel(u.shard_numel) * ItemSize(st.dtype);
+        if (t == nullptr) {
+          return tensors_path.Error(absl::StrCat("has no optimizer state ", Quote(st.name),
+                                                 " of rank ", r, " unit ", u.index));
+        }
+        if (t->dtype != st.dtype || t->bytes != bytes) {
+          return tensors_path.Error(absl::StrCat(
+              "optimizer state ", Quote(st.name), " of rank ", r, " unit ", u.index, " must be ",
+              bytes, " bytes of ", DTypeName(st.dtype), ", not ", t->bytes, " of ",
+              DTypeName(t->dtype)));
+        }
+      }
       if (m.FindTensor(r, u.index, kShardTensor) == nullptr) {
         return tensors_path.Error(absl::StrCat("has no \"shard\" of rank ", r, " unit ", u.index,
                                                " (", Quote(u.module), ")"));

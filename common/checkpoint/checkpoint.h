@@ -35,6 +35,7 @@
 #include "common/json_util.h"
 #include "common/manifest.h"
 #include "common/plan.h"
+#include "common/state_spec.h"
 
 namespace flatshard::checkpoint {
 
@@ -80,6 +81,11 @@ struct Metadata {
   // `shared` lists only aliases inside a unit). From the manifest (TiedAliases); export
   // writes them so its keys are exactly the unwrapped module's state_dict's.
   std::vector<SharedParam> tied;
+  // The module's optimizer state specs (RegisterState) when the checkpoint holds its state:
+  // then every (rank, unit) has one tensor per spec, named as the spec, of the spec's dtype and
+  // StateSpec::Numel(unit.shard_numel) elements (a SHARD state has the layout of the rank's
+  // flat shard). Empty: parameters only. JSON key "optimizer_state" (absent when empty).
+  std::vector<StateSpec> state_specs;
 
   // The entry of (rank, unit, name); null when absent.
   const TensorEntry* FindTensor(int32_t rank, int32_t unit, absl::string_view name) const;

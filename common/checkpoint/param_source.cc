@@ -22,10 +22,14 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
 
 class CheckpointParamSource : public ParamSource {
  public:
-  explicit CheckpointParamSource(const Checkpoint& ckpt) : ckpt_(ckpt) {
+  // `tensor`: the per-(rank, unit) tensor read (kShardTensor, or an optimizer state's name);
+  // `dtype`: its element type when not the unit's.
+  explicit CheckpointParamSource(const Checkpoint& ckpt, std::string tensor = kShardTensor,
+                                 std::optional<DType> dtype = std::nullopt)
+      : ckpt_(ckpt), tensor_(std::move(tensor)), dtype_(dtype) {
     for (const PlanUnit& u : ckpt_.meta.plan.units) {
       for (const PlanParam& p : u.params) {
-        params_[p.fqn] = SourceParam{p.shape, u.dtype, p.numel};
+        params_[p.fqn] = SourceParam{p.shape, dtype_.value_or(u.dtype), p.numel};
         where_[p.fqn] = {&u, &p};
       }
       for (const SharedParam& s : u.shared) {
@@ -51,7 +55,11 @@ class CheckpointParamSource : public ParamSource {
     }
   }
   const std::map<std::string, SourceParam>& params() const override { return params_; }
-  std::string Describe() const override { return absl::StrCat("checkpoint ", ckpt_.dir); }
+  std::string Describe() const override {
+    return tensor_ == kShardTensor
+               ? absl::StrCat("checkpoint ", ckpt_.dir)
+               : absl::StrCat("optimizer state ", Quote(tensor_), " of checkpoint ", ckpt_.dir);
+  }
 
   absl::Status Read(const std::string& fqn, int64_t begin, int64_t count,
                     void* dst) const override {
@@ -65,7 +73,7 @@ class CheckpointParamSource : public ParamSource {
       return absl::InvalidArgumentError(absl::StrCat("elements [", begin, ", ", begin + count,
                                                      ") of ", Quote(fqn), " (", p.numel, ")"));
     }
-    const int64_t item = ItemSize(u.dtype);
+    const int64_t item = ItemSize(dtype_.value_or(u.dtype));
     const int64_t shard = u.shard_numel;
     int64_t flat = p.offset + begin;
     auto* out = static_cast<char*>(dst);
@@ -75,10 +83,12 @@ class CheckpointParamSource : public ParamSource {
       const int32_t k = static_cast<int32_t>(flat / shard);
       const int64_t in_shard = flat - int64_t{k} * shard;
       const int64_t take = std::min(count, shard - in_shard);
-      const TensorEntry* t = ckpt_.meta.FindTensor(k, u.index, kShardTensor);
-      if (t == nullptr || k >= static_cast<int32_t>(fds_.size())) {
+      const TensorEntry* t = ckpt_.meta.FindTensor(k, u.index, tensor_);
+      if (t == nullptr || k >= static_cast<int32_t>(fds_.size()) ||
+          t->bytes < shard * item) {
         return absl::FailedPreconditionError(absl::StrCat(
-            Describe(), ": no shard of rank ", k, " unit ", u.index, " for ", Quote(fqn)));
+            Describe(), ": no ", Quote(tensor_), " of rank ", k, " unit ", u.index, " for ",
+            Quote(fqn)));
       }
       const std::string path = absl::StrCat(ckpt_.dir, "/", ckpt_.meta.files[k].name);
       if (fds_[k] < 0) return absl::FailedPreconditionError(absl::StrCat(path, ": cannot open"));
@@ -93,6 +103,8 @@ class CheckpointParamSource : public ParamSource {
 
  private:
   const Checkpoint ckpt_;
+  const std::string tensor_;
+  const std::optional<DType> dtype_;
   std::map<std::string, SourceParam> params_;
   std::map<std::string, std::pair<const PlanUnit*, const PlanParam*>> where_;
   std::vector<int> fds_;
@@ -144,6 +156,10 @@ std::unique_ptr<ParamSource> CheckpointSource(const Checkpoint& ckpt) {
   return std::make_unique<CheckpointParamSource>(ckpt);
 }
 
+std::unique_ptr<ParamSource> CheckpointStateSource(const Checkpoint& ckpt, const StateSpec& spec) {
+  return std::make_unique<CheckpointParamSource>(ckpt, spec.name, spec.dtype);
+}
+
 absl::StatusOr<std::unique_ptr<ParamSource>> SafetensorsSource(const std::string& path) {
   FS_ASSIGN_OR_RETURN(safetensors::Header header, safetensors::ReadHeader(path));
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -153,7 +169,8 @@ absl::StatusOr<std::unique_ptr<ParamSource>> SafetensorsSource(const std::string
 }
 
 absl::StatusOr<std::vector<Binding>> Bind(const ParamSource& source, const Plan& target,
-                                          int64_t* unused, const std::vector<SharedParam>& tied) {
+                                          int64_t* unused, const std::vector<SharedParam>& tied,
+                                          std::optional<DType> dtype) {
   std::vector<Binding> out;
   std::set<std::string> used;
   for (const PlanUnit& u : target.units) {
@@ -185,10 +202,11 @@ absl::StatusOr<std::vector<Binding>> Bind(const ParamSource& source, const Plan&
             "parameter ", Quote(p.fqn), ": shape ", ShapeText(found->shape), " in ",
             source.Describe(), ", ", ShapeText(p.shape), " in the module"));
       }
-      if (found->dtype != u.dtype) {
+      if (found->dtype != dtype.value_or(u.dtype)) {
         return absl::FailedPreconditionError(absl::StrCat(
             "parameter ", Quote(p.fqn), ": dtype ", DTypeName(found->dtype), " in ",
-            source.Describe(), ", ", DTypeName(u.dtype), " in the module (no conversion)"));
+            source.Describe(), ", ", DTypeName(dtype.value_or(u.dtype)),
+            " in the module (no conversion)"));
       }
       if (const auto* st = dynamic_cast<const SafetensorsParamSource*>(&source)) {
         auto bad = st->unsupported().find(found_name);
@@ -210,11 +228,12 @@ absl::StatusOr<std::vector<Binding>> Bind(const ParamSource& source, const Plan&
 }
 
 absl::Status FillShard(const ParamSource& source, const std::vector<Binding>& bindings,
-                       const Plan& target, int32_t unit, int32_t shard_rank, void* dst) {
+                       const Plan& target, int32_t unit, int32_t shard_rank, void* dst,
+                       std::optional<DType> dtype) {
   const PlanUnit& u = target.units.at(unit);
   FS_ASSIGN_OR_RETURN(FlatLayout layout, UnitLayout(target, u));
   const ElementRange range = layout.ShardRange(shard_rank);
-  const int64_t item = ItemSize(u.dtype);
+  const int64_t item = ItemSize(dtype.value_or(u.dtype));
   auto* out = static_cast<char*>(dst);
   // Parameters in flat order: zero only the gaps between them (alignment and world-size
   // padding), not the whole shard first.

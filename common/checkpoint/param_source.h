@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "common/checkpoint/checkpoint.h"
 #include "common/checkpoint/safetensors.h"
 #include "common/plan.h"
+#include "common/state_spec.h"
 
 namespace flatshard::checkpoint {
 
@@ -43,6 +45,11 @@ class ParamSource {
 
 // A checkpoint's parameters (FQNs and aliases of its plan).
 std::unique_ptr<ParamSource> CheckpointSource(const Checkpoint& ckpt);
+// A SHARD-shaped optimizer state of a checkpoint (Metadata::state_specs) as a ParamSource: per
+// parameter FQN, the state's elements over that parameter's element range (the state tensor
+// of each (rank, unit) has the layout of the rank's flat shard), of the state's dtype. Load it
+// with Bind/FillShard given `dtype` = the state's dtype.
+std::unique_ptr<ParamSource> CheckpointStateSource(const Checkpoint& ckpt, const StateSpec& spec);
 // A safetensors file's tensors (its header checked; tensors whose dtype flatshard has no type
 // for are listed under their names and refused if a plan needs them).
 absl::StatusOr<std::unique_ptr<ParamSource>> SafetensorsSource(const std::string& path);
@@ -62,12 +69,16 @@ struct Binding {
 // `tied`: the target's aliases across units (TiedAliases), looked up and counted as used too.
 absl::StatusOr<std::vector<Binding>> Bind(const ParamSource& source, const Plan& target,
                                           int64_t* unused = nullptr,
-                                          const std::vector<SharedParam>& tied = {});
+                                          const std::vector<SharedParam>& tied = {},
+                                          std::optional<DType> dtype = std::nullopt);
 
 // Fills shard `shard_rank` of `unit` of `target` (unit.shard_numel elements of unit.dtype at
 // `dst`) from `source`: padding zero, every covered element range read. REQUIRES: Bind OK.
+// `dtype` (Bind's too): the elements' type when not the unit's (an optimizer state's; the
+// element layout stays the unit's).
 absl::Status FillShard(const ParamSource& source, const std::vector<Binding>& bindings,
-                       const Plan& target, int32_t unit, int32_t shard_rank, void* dst);
+                       const Plan& target, int32_t unit, int32_t shard_rank, void* dst,
+                       std::optional<DType> dtype = std::nullopt);
 
 // Writes every parameter of `source` that `plan` names, under every FQN the unwrapped module's
 // state_dict has for it (aliases included, each a copy), as a safetensors file. `metadata` goes

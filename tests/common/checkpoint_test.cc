@@ -439,5 +439,113 @@ TEST_F(CheckpointTest, ExportThenImportSafetensorsIntoOtherPlans) {
   ExpectLoads(**src, MakePlan("gpt_tied", ExamplePolicy("gpt_tied"), 4), values);
 }
 
+// Optimizer state in a checkpoint: the metadata's specs round trip and are checked against
+// the tensors; a SHARD state of another dtype than the parameters (float64 over float32
+// shards) reshards by FQN and element range into other plans like the parameters.
+TEST_F(CheckpointTest, OptimizerStateSpecsAndReshardingOfAnotherDtype) {
+  const Plan saved = MakePlan("gpt_tied", ExamplePolicy("gpt_tied"), 4);
+  const auto values = FullValues(saved);
+  const std::vector<StateSpec> specs = {{"exp_avg_sq", DType::kFloat64, StateShape::kShard},
+                                        {"step", DType::kFloat64, StateShape::kScalar}};
+  auto write = [&](const std::string& dir, bool drop_one) {
+    ASSERT_TRUE(MakeDirs(dir).ok());
+    Metadata meta;
+    meta.group = "job";
+    meta.world_size = saved.world_size;
+    meta.generation = 3;
+    meta.plan = saved;
+    meta.state_specs = specs;
+    for (int32_t r = 0; r < saved.world_size; ++r) {
+      std::vector<std::vector<float>> shards;
+      std::vector<std::vector<double>> states;
+      std::vector<double> steps;
+      for (const PlanUnit& u : saved.units) {
+        shards.push_back(ShardOf(saved, u, r, values));
+        states.emplace_back(shards.back().begin(), shards.back().end());
+        for (double& x : states.back()) x = x * 2 + 0.5;
+        steps.push_back(10.0 + u.index);
+      }
+      std::vector<TensorToWrite> tensors;
+      for (const PlanUnit& u : saved.units) {
+        tensors.push_back({u.index, kShardTensor, u.dtype, shards[u.index].data(),
+                           static_cast<int64_t>(shards[u.index].size() * sizeof(float))});
+        tensors.push_back({u.index, "exp_avg_sq", DType::kFloat64, states[u.index].data(),
+                           static_cast<int64_t>(states[u.index].size() * sizeof(double))});
+        if (!(drop_one && r == 1 && u.index == 0)) {
+          tensors.push_back({u.index, "step", DType::kFloat64, &steps[u.index], 8});
+        }
+      }
+      absl::StatusOr<WrittenFile> w = WriteRankFile(dir, r, saved.world_size, tensors);
+      ASSERT_TRUE(w.ok()) << w.status();
+      meta.files.push_back(w->file);
+      meta.tensors.insert(meta.tensors.end(), w->tensors.begin(), w->tensors.end());
+    }
+    ASSERT_TRUE(WriteMetadata(dir, meta).ok());
+  };
+  write(dir_.string(), /*drop_one=*/false);
+  absl::StatusOr<Checkpoint> c = OpenCheckpoint(dir_.string());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->meta.state_specs, specs);
+  ASSERT_TRUE(VerifyFiles(*c, {}).ok());
+  // A parameters-only metadata document has no "optimizer_state" key.
+  Metadata plain = c->meta;
+  plain.state_specs.clear();
+  EXPECT_FALSE(MetadataToJson(plain).contains("optimizer_state"));
+
+  // The state as a ParamSource (float64): every plan's shards hold 2 * value + 0.5 at the
+  // parameters' elements, zero in the padding.
+  auto state = CheckpointStateSource(*c, specs[0]);
+  std::map<std::string, std::vector<double>> want;
+  for (const auto& [fqn, v] : values) {
+    for (float x : v) want[fqn].push_back(static_cast<double>(x) * 2 + 0.5);
+  }
+  for (const Plan& target :
+       {saved, MakePlan("gpt_tied", ExamplePolicy("gpt_tied"), 3),
+        MakePlan("gpt_tied", kNoWrap, 2), MakePlan("gpt_tied", ExamplePolicy("gpt_tied"), 1)}) {
+    // float32 is refused (the parameters' dtype), naming the state.
+    absl::StatusOr<std::vector<Binding>> wrong = Bind(*state, target);
+    ASSERT_FALSE(wrong.ok());
+    EXPECT_THAT(std::string(wrong.status().message()), HasSubstr("optimizer state \"exp_avg_sq\""));
+    absl::StatusOr<std::vector<Binding>> b = Bind(*state, target, nullptr, {}, DType::kFloat64);
+    ASSERT_TRUE(b.ok()) << b.status();
+    for (int32_t r = 0; r < target.world_size; ++r) {
+      for (const PlanUnit& u : target.units) {
+        std::vector<double> got(u.shard_numel, -1.0);
+        ASSERT_TRUE(FillShard(*state, *b, target, u.index, target.ShardRank(r), got.data(),
+                              DType::kFloat64)
+                        .ok());
+        absl::StatusOr<FlatLayout> layout = UnitLayout(target, u);
+        ASSERT_TRUE(layout.ok());
+        const ElementRange range = layout->ShardRange(target.ShardRank(r));
+        std::vector<double> expect(u.shard_numel, 0.0);
+        for (const PlanParam& p : u.params) {
+          for (int64_t e = 0; e < p.numel; ++e) {
+            const int64_t flat = p.offset + e;
+            if (flat >= range.begin && flat < range.end) {
+              expect[flat - range.begin] = want.at(p.fqn)[e];
+            }
+          }
+        }
+        ASSERT_EQ(got, expect) << "world " << target.world_size << " rank " << r << " unit "
+                               << u.index;
+      }
+    }
+  }
+
+  // A state tensor missing from one (rank, unit): the metadata is refused naming it.
+  const std::string broken = (dir_ / "broken").string();
+  write(broken, /*drop_one=*/true);
+  absl::StatusOr<Checkpoint> bad = OpenCheckpoint(broken);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()),
+              HasSubstr("has no optimizer state \"step\" of rank 1 unit 0"));
+  // A spec with the parameters' tensor name is refused naming the field.
+  Metadata clash = c->meta;
+  clash.state_specs[1].name = kShardTensor;
+  absl::StatusOr<Metadata> parsed = MetadataFromJson(MetadataToJson(clash).dump(), "m.json");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_THAT(std::string(parsed.status().message()), HasSubstr("optimizer_state[1].name"));
+}
+
 }  // namespace
 }  // namespace flatshard::checkpoint

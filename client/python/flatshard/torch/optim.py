@@ -218,6 +218,12 @@ class DaemonOptimizerState:
                         cur.fill_(buf[0].item())
 
     def _step(self, *args, **kwargs):
+        if self.specs is None:
+            # State registered since this link was made (a checkpoint load into a module
+            # without state creates it): the daemon's values win, as on a re-attach.
+            existing = self._registered_specs()
+            if existing:
+                self._attach(existing, initial=True)
         if self.specs is not None:
             # Tensors the trainer replaced (load_state_dict) go to the daemon; the scalars
             # come from it (after a rollback it holds the committed step's).
