@@ -893,6 +893,7 @@ void GroupManager::DoneCopying(Group& g, Registered& reg,
 }
 
 void GroupManager::StartRollback(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
+  internal::DropMixedModules(g, absl::StrCat("at the rollback of epoch ", g.epoch));
   for (auto& [module, reg] : g.registered) {
     // The op stream starts afresh: the local ranks' k-th summons must meet in one slot again
     // (a failed summon may have counted on some ranks only), and no slot of the old stream
