@@ -87,17 +87,29 @@ uint64_t HeldGeneration(const R& reg) {
 // handed out: it is dropped as lost at the next re-form (ReconcileModules, HeldKey).
 template <typename R>
 std::string MixedGenerations(const R& reg) {
-  if (reg.pending_commit.has_value() || !reg.initialized) return "";
+  if (!reg.initialized) return "";
   std::vector<std::string> parts;
   bool mixed = false;
   uint64_t first = 0;
   bool any = false;
   for (size_t r = 0; r < reg.generation.size() && r < reg.shards_by_rank.size(); ++r) {
     if (reg.shards_by_rank[r].empty()) continue;
-    if (any && reg.generation[r] != first) mixed = true;
-    if (!any) first = reg.generation[r];
+    // A rank whose shards hold a commit under way (ready) counts at that generation: its
+    // copy completes whatever happens (a restart finishes it from the shards).
+    uint64_t gen = reg.generation[r];
+    bool committing = false;
+    if (reg.pending_commit.has_value()) {
+      const auto& ready = reg.pending_commit->ready_ranks;
+      if (std::find(ready.begin(), ready.end(), static_cast<int32_t>(r)) != ready.end() &&
+          reg.pending_commit->generation > gen) {
+        gen = reg.pending_commit->generation;
+        committing = true;
+      }
+    }
+    if (any && gen != first) mixed = true;
+    if (!any) first = gen;
     any = true;
-    parts.push_back(absl::StrCat("rank ", r, ": generation ", reg.generation[r]));
+    parts.push_back(absl::StrCat("rank ", r, ": generation ", gen, committing ? " (committing)" : ""));
   }
   return mixed ? absl::StrJoin(parts, ", ") : std::string();
 }

@@ -914,6 +914,13 @@ void GroupManager::StartRollback(Group& g, std::vector<absl::AnyInvocable<void()
 
 void GroupManager::RollbackNow(Group& g, const std::string& module, Registered& reg,
                                std::vector<absl::AnyInvocable<void()>>* run) {
+  // Deferred behind copies (DoneCopying): a module whose local ranks ended at different
+  // generations is dropped as lost, never rolled back into a mix (DropMixedModules; the
+  // caller returns right after, so erasing it here is safe).
+  if (!internal::MixedGenerations(reg).empty() && reg.busy == 0 &&
+      internal::DropMixedModules(g, absl::StrCat("at the rollback of epoch ", g.epoch)) > 0) {
+    return;
+  }
   // Taking `busy` here keeps every other copy out until the rollback is done; the copies run
   // from `run`, after mu_ is released (before the join callbacks queued after them).
   ++reg.busy;
