@@ -409,7 +409,12 @@ void GroupManager::FinishConnect(const std::string& group, uint64_t ticket,
               }
               // Every rank resumes from the last committed generation (before any join
               // completes).
-              if (reform) StartRollback(g, &run);
+              // An adopted group (restart) owes one too: a trainer that missed the kill may
+              // have written into the adopted shards (rollback_due, set by AdoptGroups).
+              if (reform || g.rollback_due) {
+                g.rollback_due = false;
+                StartRollback(g, &run);
+              }
               CompleteJoins(g, &run);
             }
           }

@@ -405,6 +405,9 @@ void GroupManager::ReconcileModules(Group& g, const peer::PeerTable& table) {
     FS_LOG(WARNING) << why;
     g.lost[module] = std::move(why);
   }
+  // A module whose ranks on this daemon hold different generations (with one daemon, no
+  // other daemon's report shows it): dropped too, never rolled back into a mix.
+  internal::DropMixedModules(g, absl::StrCat("at the re-form at epoch ", table.epoch));
 }
 
 }  // namespace flatshard::server

@@ -14,6 +14,7 @@
 
 #include "absl/container/btree_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "common/limits.h"
 #include "common/logging.h"
@@ -80,8 +81,47 @@ uint64_t HeldGeneration(const R& reg) {
   if (reg.pending_commit.has_value()) g = std::max(g, reg.pending_commit->generation);
   return g;
 }
+// The generations of the ranks of `reg` held here (those with shards) when they differ and
+// no commit's copies are under way: "rank 0: generation 2, rank 1: generation 1"; empty when
+// they agree. Such a module is a mix (a commit reached some local ranks only) and is never
+// handed out: it is dropped as lost at the next re-form (ReconcileModules, HeldKey).
+template <typename R>
+std::string MixedGenerations(const R& reg) {
+  if (!reg.initialized) return "";
+  std::vector<std::string> parts;
+  bool mixed = false;
+  uint64_t first = 0;
+  bool any = false;
+  for (size_t r = 0; r < reg.generation.size() && r < reg.shards_by_rank.size(); ++r) {
+    if (reg.shards_by_rank[r].empty()) continue;
+    // A rank whose shards hold a commit under way (ready) counts at that generation: its
+    // copy completes whatever happens (a restart finishes it from the shards).
+    uint64_t gen = reg.generation[r];
+    bool committing = false;
+    if (reg.pending_commit.has_value()) {
+      const auto& ready = reg.pending_commit->ready_ranks;
+      if (std::find(ready.begin(), ready.end(), static_cast<int32_t>(r)) != ready.end() &&
+          reg.pending_commit->generation > gen) {
+        gen = reg.pending_commit->generation;
+        committing = true;
+      }
+    }
+    if (any && gen != first) mixed = true;
+    if (!any) first = gen;
+    any = true;
+    parts.push_back(absl::StrCat("rank ", r, ": generation ", gen, committing ? " (committing)" : ""));
+  }
+  return mixed ? absl::StrJoin(parts, ", ") : std::string();
+}
+// A module whose local ranks hold different generations is reported under the generation
+// "mixed (rank 0: generation 2, ...)", which no other daemon holds, so every daemon of the
+// group drops it as lost and names each rank's generation (ReconcileModules).
 template <typename R>
 std::string HeldKey(const std::string& module, const R& reg) {
+  const std::string mixed = MixedGenerations(reg);
+  if (!mixed.empty()) {
+    return absl::StrCat(module, "\x1f", reg.plan.fingerprint, "\x1fmixed (", mixed, ")");
+  }
   return absl::StrCat(module, "\x1f", reg.plan.fingerprint, "\x1f", HeldGeneration(reg));
 }
 template <typename M>
@@ -492,5 +532,37 @@ struct GroupManager::Group {
            session_of_rank.joined_count() == 0;
   }
 };
+
+namespace internal {
+
+// Safety net against a silent mix: drops every registered module of `g` whose local ranks hold
+// different committed generations (MixedGenerations) as lost, with an error naming each rank's
+// generation, instead of rolling it back or handing it out. `when` says where it was found
+// ("at the re-form at epoch 3"). Other daemons learn of it from the module's HeldKey ("mixed")
+// or, once dropped, from the "lost" entry this daemon reports. Returns how many were dropped.
+template <typename G>
+int DropMixedModules(G& g, const std::string& when) {
+  int dropped = 0;
+  for (auto it = g.registered.begin(); it != g.registered.end();) {
+    const std::string mixed = MixedGenerations(it->second);
+    if (mixed.empty() || it->second.busy > 0) {
+      ++it;
+      continue;
+    }
+    std::string why = absl::StrCat(
+        "group ", g.id, ": module ", Display(it->first),
+        " lost: its ranks on this daemon hold different committed generations (", mixed,
+        ") ", when, ": a commit reached some of them only (a daemon died inside it); no "
+        "generation is held by every rank, so it was dropped on every daemon instead of "
+        "handing out a mix: register it afresh on every rank (or restore it)");
+    FS_LOG(WARNING) << why;
+    g.lost[it->first] = std::move(why);
+    it = g.registered.erase(it);  // its buffers go with it
+    ++dropped;
+  }
+  return dropped;
+}
+
+}  // namespace internal
 
 }  // namespace flatshard::server

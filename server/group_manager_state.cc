@@ -990,6 +990,11 @@ GroupManager::AdoptSummary GroupManager::AdoptGroups(
       const uint64_t generation = ranks.empty() ? 0 : reg.generation[ranks.front()];
       lines.push_back(absl::StrCat(Display(m.name), " (", units, " units, ranks ",
                                    absl::StrJoin(ranks, ","), ", generation ", generation, ")"));
+      // A trainer that has not noticed the kill may still write into these shards: the
+      // group owes a rollback at its first formation and every adopted rank is stale until
+      // it reads its views after it (mixfix).
+      for (int32_t r : ranks) reg.stale[r] = true;
+      g->rollback_due = true;
       g->registered.emplace(m.name, std::move(reg));
     }
     if (!refused.ok()) {

@@ -893,6 +893,7 @@ void GroupManager::DoneCopying(Group& g, Registered& reg,
 }
 
 void GroupManager::StartRollback(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
+  internal::DropMixedModules(g, absl::StrCat("at the rollback of epoch ", g.epoch));
   for (auto& [module, reg] : g.registered) {
     // The op stream starts afresh: the local ranks' k-th summons must meet in one slot again
     // (a failed summon may have counted on some ranks only), and no slot of the old stream
@@ -913,6 +914,13 @@ void GroupManager::StartRollback(Group& g, std::vector<absl::AnyInvocable<void()
 
 void GroupManager::RollbackNow(Group& g, const std::string& module, Registered& reg,
                                std::vector<absl::AnyInvocable<void()>>* run) {
+  // Deferred behind copies (DoneCopying): a module whose local ranks ended at different
+  // generations is dropped as lost, never rolled back into a mix (DropMixedModules; the
+  // caller returns right after, so erasing it here is safe).
+  if (!internal::MixedGenerations(reg).empty() && reg.busy == 0 &&
+      internal::DropMixedModules(g, absl::StrCat("at the rollback of epoch ", g.epoch)) > 0) {
+    return;
+  }
   // Taking `busy` here keeps every other copy out until the rollback is done; the copies run
   // from `run`, after mu_ is released (before the join callbacks queued after them).
   ++reg.busy;
