@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/planner.h"
+#include "server/collective/ucx/ucx_tag.h"
 
 namespace flatshard::server::peer {
 namespace {
@@ -206,8 +207,16 @@ void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
 
 void Coordinator::CompleteLocked(Group& g, Effects& fx) {
   if (g.dirty || g.epoch == 0) {
-    // One counter for every group (CoordinatorOptions::epoch_base).
+    // One counter for every group (CoordinatorOptions::epoch_base). A daemon may still run the
+    // group's previous incarnation while the new one connects, and UCX tags carry only a 16-bit
+    // hash of (group, epoch) (ucx_tag.h): skip epochs whose hash equals the previous one's, so
+    // a re-form never fails on that collision ("collides with live group").
+    const uint64_t previous = g.epoch;
     g.epoch = ++last_epoch_;
+    while (previous != 0 && collective::ucx::GroupTagHash(g.name, g.epoch) ==
+                                collective::ucx::GroupTagHash(g.name, previous)) {
+      g.epoch = ++last_epoch_;
+    }
     g.dirty = false;
     g.failure_forwarded_epoch.reset();
   }

@@ -8,9 +8,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/collective/ucx/ucx_tag.h"
 
 namespace flatshard::server::peer {
 namespace {
@@ -367,6 +369,30 @@ TEST_F(CoordinatorTest, RestartedDaemonReplacesItsRanksAndTheOthersGetTheNewEpoc
   // A stale Depart from the replaced daemon does not clear its successor.
   EXPECT_TRUE(coordinator_.Depart("g", "t", 1, kB.daemon_id).ok());
   EXPECT_EQ(Group("g")->members[1], kBRestarted);
+}
+
+// UCX tags carry a 16-bit hash of (group, epoch), and a daemon may still run a group's previous
+// incarnation while the new one connects: a re-form skips epochs whose hash equals the
+// previous epoch's (the backend would refuse it: "collides with live group").
+TEST_F(CoordinatorTest, ReformSkipsAnEpochWhoseUcxTagHashEqualsThePreviousOnes) {
+  std::string name;  // a group whose epochs 1 and 2 collide (about 1 name in 65536)
+  for (int i = 0; name.empty(); ++i) {
+    const std::string candidate = absl::StrCat("g", i);
+    if (collective::ucx::GroupTagHash(candidate, 1) == collective::ucx::GroupTagHash(candidate, 2)) {
+      name = candidate;
+    }
+  }
+  Result r0, r1;
+  Join(r0, kA, 0, 2, name);
+  Join(r1, kB, 1, 2, name);
+  ASSERT_TRUE(r0.answered() && r0.value().ok()) << r0.status();
+  ASSERT_EQ(r0.value()->epoch, 1u);
+  Result again;
+  Join(again, kBRestarted, 1, 2, name);  // a new daemon for rank 1: the group re-forms
+  ASSERT_TRUE(again.answered() && again.value().ok()) << again.status();
+  EXPECT_EQ(again.value()->epoch, 3u) << name;
+  EXPECT_NE(collective::ucx::GroupTagHash(name, again.value()->epoch),
+            collective::ucx::GroupTagHash(name, 1));
 }
 
 TEST_F(CoordinatorTest, TrainerRestartOnTheSameDaemonKeepsTheEpoch) {
