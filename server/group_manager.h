@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "absl/functional/any_invocable.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -700,6 +701,15 @@ class GroupManager : public peer::PeerEvents {
   // Writes a snapshot (or removes the record when it holds no module); a failed write
   // removes the record (the group is then not kept across a restart) and is logged.
   bool WriteRecord(const state::GroupRecord& record) ABSL_LOCKS_EXCLUDED(mu_);
+  // `group`'s registration of `module` (and the group in `*g` when not null); null when either
+  // is gone.
+  Registered* FindModuleLocked(const std::string& group, const std::string& module,
+                               Group** g = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Under mu_, runs `edit` on `group`'s registration of `module` (nothing when either is gone);
+  // when it returns true and the daemon keeps records, snapshots the group and writes its
+  // record once mu_ is released. Returns whether a record was written.
+  bool EditAndRecord(const std::string& group, const std::string& module,
+                     absl::FunctionRef<bool(Registered&)> edit) ABSL_LOCKS_EXCLUDED(mu_);
   // A commit of `module` to `generation` that every rank agreed to: this rank's shards hold
   // it completely and its copy into the committed copy starts now. Records that durably
   // first (the copy may be torn by a kill). `kind`: "commit", "end" or "init".

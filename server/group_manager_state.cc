@@ -279,29 +279,44 @@ void GroupManager::FlushRemovedRecords() {
 
 void GroupManager::NoteLoadCopying(const std::string& group, const std::string& module,
                                    std::vector<int32_t> ranks, uint64_t generation) {
-  state::GroupRecord rec;
-  {
-    absl::MutexLock lock(&mu_);
-    auto g = groups_.find(group);
-    if (g == groups_.end()) return;
-    auto it = g->second->registered.find(module);
-    if (it == g->second->registered.end()) return;
-    Registered& reg = it->second;
+  EditAndRecord(group, module, [&](Registered& reg) {
     if (reg.pending_commit.has_value()) {
       // Not while the hold keeps every copy out; never overwrite another intent.
       FS_LOG(WARNING) << "group=" << group << " module=" << Display(module)
                       << ": a " << reg.pending_commit->kind << " of generation "
                       << reg.pending_commit->generation
                       << " is recorded under way: the load's copies run without an intent";
-      return;
+      return false;
     }
     // Every loaded rank's shards hold the loaded values completely ("ready").
     std::sort(ranks.begin(), ranks.end());
     reg.pending_commit = state::PendingCommit{generation, "load", std::move(ranks), {}};
-    if (state_dir_ == nullptr || state_forgotten_) return;
-    rec = SnapshotLocked(*g->second);
+    return true;
+  });
+}
+
+GroupManager::Registered* GroupManager::FindModuleLocked(const std::string& group,
+                                                         const std::string& module, Group** g) {
+  auto it = groups_.find(group);
+  if (it == groups_.end()) return nullptr;
+  auto m = it->second->registered.find(module);
+  if (m == it->second->registered.end()) return nullptr;
+  if (g != nullptr) *g = it->second.get();
+  return &m->second;
+}
+
+bool GroupManager::EditAndRecord(const std::string& group, const std::string& module,
+                                 absl::FunctionRef<bool(Registered&)> edit) {
+  state::GroupRecord rec;
+  {
+    absl::MutexLock lock(&mu_);
+    Group* g = nullptr;
+    Registered* reg = FindModuleLocked(group, module, &g);
+    if (reg == nullptr || !edit(*reg)) return false;
+    if (state_dir_ == nullptr || state_forgotten_) return false;
+    rec = SnapshotLocked(*g);
   }
-  WriteRecord(rec);
+  return WriteRecord(rec);
 }
 
 void GroupManager::LoadRecordedLocked(Group& g, Registered& reg, bool changed,
@@ -324,50 +339,31 @@ void GroupManager::NoteCommitAgreed(Registered& reg, uint64_t generation, const 
 
 void GroupManager::CommitReady(const Caller& caller, const std::string& module,
                                uint64_t generation, const char* kind) {
-  state::GroupRecord rec;
-  {
-    absl::MutexLock lock(&mu_);
-    auto g = groups_.find(caller.group);
-    if (g == groups_.end()) return;
-    auto it = g->second->registered.find(module);
-    if (it == g->second->registered.end()) return;
-    Registered& reg = it->second;
+  const bool commit = std::string(kind) == "commit";
+  const bool written = EditAndRecord(caller.group, module, [&](Registered& reg) {
     NoteCommitAgreed(reg, generation, kind);
     std::vector<int32_t>& ready = reg.pending_commit->ready_ranks;
     if (std::find(ready.begin(), ready.end(), caller.rank) == ready.end()) {
       ready.push_back(caller.rank);
       std::sort(ready.begin(), ready.end());
     }
-    if (state_dir_ == nullptr || state_forgotten_) return;
     // A "commit" intent on disk covers every local rank: the others skip its write.
-    if (std::string(kind) == "commit" && reg.durable_commit_intent == generation) return;
-    rec = SnapshotLocked(*g->second);
-  }
-  if (WriteRecord(rec) && std::string(kind) == "commit") {
+    return !(commit && reg.durable_commit_intent == generation);
+  });
+  if (written && commit) {
     absl::MutexLock lock(&mu_);
-    auto g = groups_.find(caller.group);
-    if (g == groups_.end()) return;
-    auto it = g->second->registered.find(module);
-    if (it != g->second->registered.end()) {
-      it->second.durable_commit_intent = std::max(it->second.durable_commit_intent, generation);
+    if (Registered* reg = FindModuleLocked(caller.group, module)) {
+      reg->durable_commit_intent = std::max(reg->durable_commit_intent, generation);
     }
   }
 }
 
 void GroupManager::CommitDone(const Caller& caller, const std::string& module,
                               uint64_t generation) {
-  state::GroupRecord rec;
-  {
-    absl::MutexLock lock(&mu_);
-    auto g = groups_.find(caller.group);
-    if (g == groups_.end()) return;
-    auto it = g->second->registered.find(module);
-    if (it == g->second->registered.end()) return;
-    MarkCommitDoneLocked(it->second, caller.rank, generation);
-    if (state_dir_ == nullptr || state_forgotten_) return;
-    rec = SnapshotLocked(*g->second);
-  }
-  WriteRecord(rec);
+  EditAndRecord(caller.group, module, [&](Registered& reg) {
+    MarkCommitDoneLocked(reg, caller.rank, generation);
+    return true;
+  });
 }
 
 void GroupManager::MarkCommitDoneLocked(Registered& reg, int32_t rank, uint64_t generation) {
@@ -397,11 +393,8 @@ void GroupManager::EndArrive(const Caller& caller, const std::string& module, ui
   std::vector<EndArrival> batch;
   {
     absl::MutexLock lock(&mu_);
-    auto g = groups_.find(caller.group);
-    auto it = g == groups_.end() ? decltype(g->second->registered.end())()
-                                 : g->second->registered.find(module);
-    if (g != groups_.end() && it != g->second->registered.end()) {
-      Registered& reg = it->second;
+    if (Registered* found = FindModuleLocked(caller.group, module)) {
+      Registered& reg = *found;
       std::vector<EndArrival>& arrived = reg.end_batches[k];
       arrived.push_back(EndArrival{caller.rank, true, std::move(status), std::move(durable),
                                    std::move(finish)});
@@ -428,11 +421,9 @@ void GroupManager::EndNotApplied(const Caller& caller, const std::string& module
   std::string kind;
   {
     absl::MutexLock lock(&mu_);
-    auto g = groups_.find(caller.group);
-    if (g == groups_.end()) return;
-    auto it = g->second->registered.find(module);
-    if (it == g->second->registered.end()) return;
-    Registered& reg = it->second;
+    Registered* found = FindModuleLocked(caller.group, module);
+    if (found == nullptr) return;
+    Registered& reg = *found;
     std::vector<EndArrival>& arrived = reg.end_batches[k];
     EndArrival a;
     a.rank = caller.rank;
@@ -459,14 +450,7 @@ void GroupManager::ProcessEndBatch(const std::string& group, const std::string& 
     if (a.applying && a.status.ok()) applying.push_back(&a);
   }
   auto record = [&](bool ready) {
-    state::GroupRecord rec;
-    {
-      absl::MutexLock lock(&mu_);
-      auto g = groups_.find(group);
-      if (g == groups_.end()) return;
-      auto it = g->second->registered.find(module);
-      if (it == g->second->registered.end()) return;
-      Registered& reg = it->second;
+    EditAndRecord(group, module, [&](Registered& reg) {
       if (ready) {
         NoteCommitAgreed(reg, target, kind);
         std::vector<int32_t>& r = reg.pending_commit->ready_ranks;
@@ -479,10 +463,8 @@ void GroupManager::ProcessEndBatch(const std::string& group, const std::string& 
           if (a->status.ok()) MarkCommitDoneLocked(reg, a->rank, target);
         }
       }
-      if (state_dir_ == nullptr || state_forgotten_) return;
-      rec = SnapshotLocked(*g->second);
-    }
-    WriteRecord(rec);
+      return true;
+    });
   };
   if (!applying.empty()) {
     // Every local rank's shards hold the new generation: one record says so before any
