@@ -445,24 +445,37 @@ grpc::ServerUnaryReactor* AdminServiceImpl::SetLogLevel(grpc::CallbackServerCont
   return Answer(ctx, absl::OkStatus());
 }
 
+// Who asks an admin call that acts on a group: the kernel's uid over the Unix socket, remote
+// (-1) over TCP; root and the daemon's uid are privileged (may act on any group). Without
+// access control every caller is privileged.
+struct AdminCaller {
+  int64_t uid = access::kRemoteUid;
+  bool privileged = false;
+};
+static absl::StatusOr<AdminCaller> AdminCallerOf(const access::AccessControl* access,
+                                                 grpc::CallbackServerContext* ctx) {
+  AdminCaller caller;
+  caller.privileged = access == nullptr;
+  if (access != nullptr) {
+    absl::StatusOr<int64_t> uid = access->CallerUid(ctx->peer());
+    if (!uid.ok()) return uid.status();
+    caller.uid = *uid;
+    caller.privileged = *uid == 0 || *uid == static_cast<int64_t>(::geteuid());
+  }
+  return caller;
+}
+
 grpc::ServerUnaryReactor* AdminServiceImpl::DeleteGroup(grpc::CallbackServerContext* ctx,
                                                         const v1::DeleteGroupRequest* request,
                                                         v1::DeleteGroupResponse* response) {
   if (request->group().empty()) {
     return Answer(ctx, absl::InvalidArgumentError("DeleteGroup needs a group"));
   }
-  // Who asks: the kernel's uid over the Unix socket; remote (-1) over TCP. Root and the
-  // daemon's uid may delete any group; others only their own (GroupManager checks).
-  int64_t uid = access::kRemoteUid;
-  bool privileged = options_.access == nullptr;
-  if (options_.access != nullptr) {
-    absl::StatusOr<int64_t> caller = options_.access->CallerUid(ctx->peer());
-    if (!caller.ok()) return Answer(ctx, caller.status());
-    uid = *caller;
-    privileged = uid == 0 || uid == static_cast<int64_t>(::geteuid());
-  }
+  // Root and the daemon's uid may delete any group; others only their own (GroupManager checks).
+  absl::StatusOr<AdminCaller> caller = AdminCallerOf(options_.access, ctx);
+  if (!caller.ok()) return Answer(ctx, caller.status());
   absl::StatusOr<GroupManager::DeletedGroup> deleted =
-      groups_->DeleteGroup(request->group(), uid, privileged);
+      groups_->DeleteGroup(request->group(), caller->uid, caller->privileged);
   if (!deleted.ok()) return Answer(ctx, deleted.status());
   response->set_group(deleted->group);
   for (const std::string& m : deleted->modules) response->add_modules(m);
@@ -471,19 +484,13 @@ grpc::ServerUnaryReactor* AdminServiceImpl::DeleteGroup(grpc::CallbackServerCont
   return Answer(ctx, absl::OkStatus());
 }
 
-// Who asks, as DeleteGroup: the kernel's uid over the Unix socket, remote (-1) over TCP; root
-// and the daemon's uid may act on any group.
 static absl::Status CheckpointCaller(const access::AccessControl* access,
                                      grpc::CallbackServerContext* ctx,
                                      GroupManager::CheckpointArgs* args) {
-  args->uid = access::kRemoteUid;
-  args->privileged = access == nullptr;
-  if (access != nullptr) {
-    absl::StatusOr<int64_t> caller = access->CallerUid(ctx->peer());
-    if (!caller.ok()) return caller.status();
-    args->uid = *caller;
-    args->privileged = *caller == 0 || *caller == static_cast<int64_t>(::geteuid());
-  }
+  absl::StatusOr<AdminCaller> caller = AdminCallerOf(access, ctx);
+  if (!caller.ok()) return caller.status();
+  args->uid = caller->uid;
+  args->privileged = caller->privileged;
   return absl::OkStatus();
 }
 
