@@ -56,6 +56,7 @@
 #include "flatshard/client.h"
 #include "flatshard/v1/admin_service.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "tests/testing/admin_calls.h"
 #include "tests/chaos/chaos_testing.h"
 #include "tests/testing/rank_group.h"
 #include <grpcpp/grpcpp.h>
@@ -516,24 +517,7 @@ class Trainers {
 // Removes a finished trial's group (and its state record) from every daemon.
 void DeleteTrialGroup(ChaosCluster& cluster, const std::string& group) {
   for (int i = 0; i < cluster.size(); ++i) {
-    auto admin = v1::AdminService::NewStub(grpc::CreateChannel(
-        cluster.daemon(i).address(), grpc::InsecureChannelCredentials()));
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    for (;;) {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-      v1::DeleteGroupRequest req;
-      req.set_group(group);
-      v1::DeleteGroupResponse resp;
-      const grpc::Status s = admin->DeleteGroup(&ctx, req, &resp);
-      if (s.ok() || s.error_code() == grpc::StatusCode::NOT_FOUND) break;
-      if (s.error_code() != grpc::StatusCode::FAILED_PRECONDITION || absl::Now() > deadline) {
-        ADD_FAILURE() << "DeleteGroup " << group << " on daemon " << i << ": "
-                      << s.error_message();
-        break;
-      }
-      absl::SleepFor(absl::Milliseconds(50));  // a rank's lease is still closing
-    }
+    ::flatshard::testing::DeleteTrialGroup(cluster.daemon(i).address(), group);
   }
 }
 

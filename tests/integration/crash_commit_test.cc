@@ -40,6 +40,7 @@
 #include "flatshard/v1/admin_service.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/admin_calls.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
@@ -567,29 +568,10 @@ TrialResult RunTrial(Cluster& cluster, const std::string& group, int victim,
   return result;
 }
 
-// Removes a finished trial's group from every daemon (DeleteGroup once its ranks' leases have
-// closed). Trials share the daemons: each group left behind keeps its UCX tag hash (16 bits of
-// group and epoch) live, and a later trial whose re-formed epoch hashes alike is refused.
+// Removes a finished trial's group from every daemon (see testing::DeleteTrialGroup).
 void DeleteTrialGroup(Cluster& cluster, const std::string& group) {
   for (int i = 0; i < cluster.daemon_count(); ++i) {
-    auto admin = v1::AdminService::NewStub(grpc::CreateChannel(
-        cluster.daemon(i).address(), grpc::InsecureChannelCredentials()));
-    const absl::Time deadline = absl::Now() + absl::Seconds(10);
-    for (;;) {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-      v1::DeleteGroupRequest req;
-      req.set_group(group);
-      v1::DeleteGroupResponse resp;
-      const grpc::Status s = admin->DeleteGroup(&ctx, req, &resp);
-      if (s.ok() || s.error_code() == grpc::StatusCode::NOT_FOUND) break;
-      if (s.error_code() != grpc::StatusCode::FAILED_PRECONDITION || absl::Now() > deadline) {
-        ADD_FAILURE() << "DeleteGroup " << group << " on daemon " << i << ": "
-                      << s.error_message();
-        break;
-      }
-      absl::SleepFor(absl::Milliseconds(50));  // a rank's lease is still closing
-    }
+    ::flatshard::testing::DeleteTrialGroup(cluster.daemon(i).address(), group);
   }
 }
 
