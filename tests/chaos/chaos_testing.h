@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -35,6 +36,17 @@
 #include "tests/testing/daemon_process.h"
 
 namespace flatshard::chaos {
+
+// The environment variable `name` ("" when unset), and as an int (`fallback` when unset or not
+// a number): the trials' knobs (FS_CHAOS_*).
+inline std::string Env(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? "" : v;
+}
+inline int EnvInt(const char* name, int fallback) {
+  int v = 0;
+  return absl::SimpleAtoi(Env(name), &v) ? v : fallback;
+}
 
 // A model of `blocks` units ("b<i>", each a Block holding a Linear [rows, cols] with bias)
 // plus the root unit (a [cols] "scale"); policy: wrap every Block. float32 throughout.

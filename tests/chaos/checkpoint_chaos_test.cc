@@ -51,14 +51,6 @@ constexpr char kToken[] = "ckpt-chaos";
 constexpr int kBlocks = 3;
 constexpr int kCols = 1024;
 
-std::string Env(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? "" : v;
-}
-int EnvInt(const char* name, int fallback) {
-  int v = 0;
-  return absl::SimpleAtoi(Env(name), &v) ? v : fallback;
-}
 // 2048 rows: 8 MiB per block unit, about 24 MiB per checkpoint, so a kill lands inside it.
 int Rows() { return std::max(1, EnvInt("FS_CHAOS_CKPT_ROWS", 2048)); }
 

@@ -56,8 +56,8 @@
 #include "flatshard/client.h"
 #include "flatshard/v1/admin_service.grpc.pb.h"
 #include "gtest/gtest.h"
-#include "tests/testing/admin_calls.h"
 #include "tests/chaos/chaos_testing.h"
+#include "tests/testing/admin_calls.h"
 #include "tests/testing/rank_group.h"
 #include <grpcpp/grpcpp.h>
 
@@ -78,14 +78,6 @@ constexpr char kToken[] = "chaos-t0k";
 constexpr int kBlocks = 3;
 constexpr int kCols = 1024;
 
-std::string Env(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? "" : v;
-}
-int EnvInt(const char* name, int fallback) {
-  int v = 0;
-  return absl::SimpleAtoi(Env(name), &v) ? v : fallback;
-}
 int Rows() { return std::max(1, EnvInt("FS_CHAOS_ROWS", 256)); }
 
 // The loop steps a trainer reports before it does them (the kill points).
