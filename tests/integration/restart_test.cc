@@ -113,6 +113,16 @@ void WriteShards(Client& c, int rank, uint64_t g) {
 
 class RestartTest : public ::testing::Test {
  protected:
+  // Waits (at most 20 s) until the daemon, started with --testing_commit_copy_pause, has torn
+  // a committed copy and paused, then kills it with SIGKILL. False if it never paused.
+  static bool KillOnceACommitCopyPaused(DaemonProcess& d) {
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    auto paused = [&] { return absl::StrContains(d.Log(), "testing: commit copy"); };
+    while (!paused() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+    const bool was_paused = paused();
+    d.Kill();
+    return was_paused;
+  }
   // A daemon with a state directory in the test's temp dir (kept across restarts).
   std::unique_ptr<DaemonProcess> StartDaemon(std::vector<std::string> extra = {}) {
     state_dir_ = std::filesystem::temp_directory_path() /
@@ -267,11 +277,7 @@ TEST_F(RestartTest, KillNineWhileACommitCopyIsTornFinishesTheCommitFromTheShards
   // The first rank's copy has torn its committed copy (unit 0 copied) and paused; the other
   // rank's copy waits behind it (host ranks copy on the agreement's completion thread), so
   // its record says only that every rank agreed.
-  const absl::Time until = absl::Now() + absl::Seconds(20);
-  auto paused = [&] { return absl::StrContains(d->Log(), "testing: commit copy"); };
-  while (!paused() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
-  const bool was_paused = paused();
-  d->Kill();
+  const bool was_paused = KillOnceACommitCopyPaused(*d);
   for (std::thread& t : committing) t.join();
   ASSERT_TRUE(was_paused) << d->Log();
   ranks.clear();
@@ -308,11 +314,7 @@ TEST_F(RestartTest, KillNineDuringAWritebackEndsCopiesFinishesThemFromTheShards)
   for (int r = 0; r < kWorld; ++r) {
     ending.emplace_back([&, r] { (void)summons[r]->End(); });
   }
-  const absl::Time until = absl::Now() + absl::Seconds(20);
-  auto paused = [&] { return absl::StrContains(d->Log(), "testing: commit copy"); };
-  while (!paused() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
-  const bool was_paused = paused();
-  d->Kill();
+  const bool was_paused = KillOnceACommitCopyPaused(*d);
   for (std::thread& t : ending) t.join();
   summons.clear();
   ranks.clear();
@@ -868,11 +870,7 @@ TEST_F(StateRestartTest, KillNineDuringACommitCopyFinishesTheStateFromItsLiveBuf
   for (int r = 0; r < kWorld; ++r) {
     committing.emplace_back([&, r] { (void)ranks[r].client->Commit(""); });
   }
-  const absl::Time until = absl::Now() + absl::Seconds(20);
-  auto paused = [&] { return absl::StrContains(d->Log(), "testing: commit copy"); };
-  while (!paused() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
-  const bool was_paused = paused();
-  d->Kill();
+  const bool was_paused = KillOnceACommitCopyPaused(*d);
   for (std::thread& t : committing) t.join();
   ASSERT_TRUE(was_paused) << d->Log();
   ranks.clear();
