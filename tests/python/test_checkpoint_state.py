@@ -25,6 +25,7 @@ import flatshard
 import flatshard.testing
 from flatshard.torch import FlatShardModule, ModuleWrapPolicy, keep_optimizer_state
 from conftest import MLP_POLICY, Barrier, connect, mlp_manifest, run_ranks
+from small_torch_models import Block, Net, batch
 
 ADAM = [("exp_avg", "float32", "shard"), ("exp_avg_sq", "float64", "shard"),
         ("step", "float64", "scalar")]
@@ -319,40 +320,13 @@ def test_load_creates_state_in_a_module_without_and_refuses_another_spec(tmp_pat
 
 # ---- torch: AdamW kept in the daemon, saved, resumed by a new job ----
 
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-        self.ln = nn.LayerNorm(d)
-
-    def forward(self, x):
-        return self.ln(torch.tanh(self.fc(x)))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(7)
-        self.inp = nn.Linear(6, 16)
-        self.blocks = nn.Sequential(Block(16), Block(16))
-        self.out = nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.out(self.blocks(torch.relu(self.inp(x))))
-
-
-def _batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
-
-
 def _adamw(ps):
     return torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 def _train(model, opt, start, steps, fs=None):
     for step in range(start, start + steps):
-        x, y = _batch(step)
+        x, y = batch(step)
         loss = nn.functional.cross_entropy((fs or model)(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -26,38 +26,12 @@ import torch.nn as nn
 import flatshard
 from flatshard.torch import FlatShardModule, ModuleWrapPolicy, keep_optimizer_state
 from conftest import Barrier, connect, run_ranks
+from small_torch_models import Block, Net, batch
 
 SOURCE_DIR = Path(os.environ.get("FS_SOURCE_DIR", Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(SOURCE_DIR / "examples" / "python"))
 import gpt  # noqa: E402
 import run_gpt  # noqa: E402
-
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.fc = nn.Linear(d, d)
-        self.ln = nn.LayerNorm(d)
-
-    def forward(self, x):
-        return self.ln(torch.tanh(self.fc(x)))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(7)
-        self.inp = nn.Linear(6, 16)
-        self.blocks = nn.Sequential(Block(16), Block(16))
-        self.out = nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.out(self.blocks(torch.relu(self.inp(x))))
-
-
-def _batch(step):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
 
 
 OPTIMIZERS = {
@@ -69,7 +43,7 @@ OPTIMIZERS = {
 
 def _train(model, opt, steps, fs=None, start=0):
     for step in range(start, start + steps):
-        x, y = _batch(step)
+        x, y = batch(step)
         loss = nn.functional.cross_entropy((fs or model)(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -177,7 +151,7 @@ def test_restarted_trainer_resumes_with_the_committed_optimizer_state(daemon, gr
     _train(fs.module, opt, 2, fs)
     assert fs.generation == 2
     saved = [{k: v.clone() for k, v in opt.state[p].items()} for p in fs.sharded_parameters()]
-    x, y = _batch(2)
+    x, y = batch(2)
     nn.functional.cross_entropy(fs(x), y).backward()
     opt.step()  # in place, never committed
     assert any(not torch.equal(opt.state[p]["exp_avg"], s["exp_avg"])
@@ -221,7 +195,7 @@ def test_daemon_killed_mid_training_keeps_the_committed_optimizer_state(tmp_path
         assert fs.generation == 2
         saved = [{k: v.clone() for k, v in opt.state[p].items()}
                  for p in fs.sharded_parameters()]
-        x, y = _batch(2)
+        x, y = batch(2)
         nn.functional.cross_entropy(fs(x), y).backward()
         opt.step()  # in place, never committed
         d.restart()  # SIGKILL, then the same flags and state directory
@@ -284,7 +258,7 @@ def test_loaded_optimizer_state_goes_to_the_daemon(daemon, group):
 def _local_train(fs, opt, rank, steps, start):
     """Two ranks: each its half of the global batch (the gradients are averaged)."""
     for step in range(start, start + steps):
-        x, y = _batch(step)
+        x, y = batch(step)
         x, y = x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4]
         loss = nn.functional.cross_entropy(fs(x), y)
         opt.zero_grad(set_to_none=True)
@@ -312,7 +286,7 @@ def test_survivor_and_restarted_rank_resume_with_the_committed_optimizer_state(d
         _local_train(fs, opt, r, 2, 0)
         saved[r] = [{k: v.clone() for k, v in opt.state[p].items()}
                     for p in fs.sharded_parameters()]
-        x, y = _batch(2)
+        x, y = batch(2)
         nn.functional.cross_entropy(fs(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
         opt.step()  # shards and optimizer state updated in place, never committed
         if r == 1:
