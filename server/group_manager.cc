@@ -101,7 +101,7 @@ GroupManager::~GroupManager() {
 }
 
 void GroupManager::Shutdown() {
-  std::vector<absl::AnyInvocable<void()>> run;
+  AfterUnlock run;
   {
     absl::MutexLock lock(&mu_);
     if (shutdown_) return;
@@ -109,18 +109,18 @@ void GroupManager::Shutdown() {
     const absl::Status down = absl::UnavailableError("flatshardd is shutting down");
     for (auto& [id, g] : groups_) {
       for (PendingJoin& j : g->pending_joins) {
-        run.push_back([done = std::move(j.done), down]() mutable { done(down); });
+        run.Call([done = std::move(j.done), down]() mutable { done(down); });
       }
       g->pending_joins.clear();
       // Pending collectives (registrations, summons) fail on the engine's thread.
       if (g->coll) g->coll->Abort(down);
     }
   }
-  for (auto& f : run) f();
+  run.Run();
 }
 
 void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback done) {
-  std::vector<absl::AnyInvocable<void()>> run;
+  AfterUnlock run;
   absl::Status error;
   uint64_t session = 0;
   uint64_t failed_epoch = 0;
@@ -197,11 +197,11 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
     }
   }
   if (!error.ok()) {
-    for (auto& f : run) f();
+    run.Run();
     done(error);
     return;
   }
-  for (auto& f : run) f();
+  run.Run();
   if (!args.coordinator.empty()) {
     // The daemons meet at the coordinator; the join completes when every rank arrived there.
     // GPU ranks say where they live; rank 0 brings a fresh NCCL id for this round.
@@ -229,7 +229,7 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
 
 void GroupManager::OnRendezvous(const std::string& group, int32_t rank, uint64_t session,
                                 absl::StatusOr<peer::PeerTable> table) {
-  std::vector<absl::AnyInvocable<void()>> run;
+  AfterUnlock run;
   {
     absl::MutexLock lock(&mu_);
     auto it = groups_.find(group);
@@ -259,16 +259,16 @@ void GroupManager::OnRendezvous(const std::string& group, int32_t rank, uint64_t
       StartConnect(g, &*table, /*from_table=*/false, &run);
     } else {
       g.session_of_rank[rank] = 0;  // a failed join leaves no trace
-      run.push_back([done = std::move(j->done), s]() mutable { done(s); });
+      run.Call([done = std::move(j->done), s]() mutable { done(s); });
       g.pending_joins.erase(j);
       MaybeRemoveGroup(group);
     }
   }
-  for (auto& f : run) f();
+  run.Run();
 }
 
 void GroupManager::AnswerRendezvousJoin(Group& g, PendingJoin& j,
-                                        std::vector<absl::AnyInvocable<void()>>* run) {
+                                        AfterUnlock* run) {
   std::vector<std::string> modules;
   for (const auto& [module, r] : g.registered) modules.push_back(module);
   if (!g.leased.contains(j.rank) || g.leased.at(j.rank) != j.session) {
@@ -278,7 +278,7 @@ void GroupManager::AnswerRendezvousJoin(Group& g, PendingJoin& j,
   for (const auto& [module, why] : g.lost) {
     if (!g.registered.contains(module)) lost.push_back(why);
   }
-  run->push_back([done = std::move(j.done),
+  run->Call([done = std::move(j.done),
                   result = JoinResult{j.session, modules, std::move(lost)}]() mutable {
     done(std::move(result));
   });
@@ -304,7 +304,7 @@ collective::CommunicatorRequest GroupManager::RequestFor(collective::GroupSpec s
 }
 
 void GroupManager::StartConnect(Group& g, const peer::PeerTable* table, bool from_table,
-                                std::vector<absl::AnyInvocable<void()>>* run) {
+                                AfterUnlock* run) {
   if (g.connecting != 0 && (table == nullptr || g.connecting_epoch >= table->epoch)) {
     // A connect for this epoch (or a newer one) is under way: its FinishConnect answers every
     // join waiting for it, this one included.
@@ -344,7 +344,7 @@ void GroupManager::StartConnect(Group& g, const peer::PeerTable* table, bool fro
   // on the factory's thread, never on the caller's (a gRPC thread). Either way after mu_.
   absl::StatusOr<collective::BackendChoice> choice = comms_->Choose(request);
   const bool may_block = choice.ok() && collective::CommunicatorFactory::MayBlock(*choice);
-  run->push_back([this, id = g.id, ticket, may_block, request = std::move(request)]() mutable {
+  run->Call([this, id = g.id, ticket, may_block, request = std::move(request)]() mutable {
     if (may_block) {
       comms_->ConnectAsync(std::move(request),
                            [this, id, ticket](
@@ -359,7 +359,7 @@ void GroupManager::StartConnect(Group& g, const peer::PeerTable* table, bool fro
 
 void GroupManager::FinishConnect(const std::string& group, uint64_t ticket,
                                  absl::StatusOr<collective::ConnectedCommunicator> connected) {
-  std::vector<absl::AnyInvocable<void()>> run;
+  AfterUnlock run;
   // A communicator nobody takes, destroyed after mu_ (its teardown may wait for the backend).
   std::unique_ptr<collective::Communicator> unused;
   auto drop = [&] {
@@ -421,7 +421,7 @@ void GroupManager::FinishConnect(const std::string& group, uint64_t ticket,
           if (!s.ok()) {
             for (PendingJoin& j : g.pending_joins) {
               g.session_of_rank[j.rank] = 0;
-              run.push_back([done = std::move(j.done), s]() mutable { done(s); });
+              run.Call([done = std::move(j.done), s]() mutable { done(s); });
             }
             g.pending_joins.clear();
             MaybeRemoveGroup(group);
@@ -456,7 +456,7 @@ void GroupManager::FinishConnect(const std::string& group, uint64_t ticket,
             AnswerRendezvousJoin(g, *j, &run);
           } else {
             g.session_of_rank[j->rank] = 0;  // a failed join leaves no trace
-            run.push_back([done = std::move(j->done), s]() mutable { done(s); });
+            run.Call([done = std::move(j->done), s]() mutable { done(s); });
             failed_join = true;
           }
           j = g.pending_joins.erase(j);
@@ -466,7 +466,7 @@ void GroupManager::FinishConnect(const std::string& group, uint64_t ticket,
     }
   }
   unused.reset();
-  for (auto& f : run) f();
+  run.Run();
 }
 
 absl::Status GroupManager::ApplyTable(Group& g, const peer::PeerTable& table,
@@ -512,7 +512,7 @@ void GroupManager::MaybeRemoveGroup(const std::string& id) {
 
 gpu::IpcEventRef GroupManager::RecordReady(int32_t rank) { return devices_.RecordReady(rank); }
 
-void GroupManager::MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
+void GroupManager::MaybeCompleteJoins(Group& g, AfterUnlock* run) {
   DropGoneJoins(g, run);  // a join whose caller went away must not complete for it
   if (!g.AllJoined()) return;
   if (g.coll != nullptr && g.coll->status().ok()) {
@@ -524,7 +524,7 @@ void GroupManager::MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<v
   StartConnect(g, /*table=*/nullptr, /*from_table=*/false, run);
 }
 
-void GroupManager::CompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
+void GroupManager::CompleteJoins(Group& g, AfterUnlock* run) {
   std::vector<std::string> modules;
   for (const auto& [module, r] : g.registered) modules.push_back(module);
   const absl::Time lease_due = clock_->Now() + lease_timeout_;
@@ -539,7 +539,7 @@ void GroupManager::CompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()
       if (!g.registered.contains(module)) lost.push_back(why);
     }
     JoinResult result{j.session, modules, std::move(lost)};
-    run->push_back([done = std::move(j.done), result = std::move(result)]() mutable {
+    run->Call([done = std::move(j.done), result = std::move(result)]() mutable {
       done(std::move(result));
     });
   }
@@ -547,7 +547,7 @@ void GroupManager::CompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()
 }
 
 void GroupManager::OnTable(const std::string& coordinator, const peer::PeerTable& table) {
-  std::vector<absl::AnyInvocable<void()>> run;
+  AfterUnlock run;
   {
     absl::MutexLock lock(&mu_);
     if (shutdown_) return;
@@ -560,7 +560,7 @@ void GroupManager::OnTable(const std::string& coordinator, const peer::PeerTable
     // collectives with the failure) and starts the rollback a re-form owes.
     StartConnect(g, &table, /*from_table=*/true, &run);
   }
-  for (auto& f : run) f();
+  run.Run();
 }
 
 void GroupManager::OnGroupFailed(const std::string& coordinator, const std::string& group,
@@ -581,7 +581,7 @@ void GroupManager::OnGroupFailed(const std::string& coordinator, const std::stri
       g.deferred_failure = status;
       g.deferred_since = clock_->Now();
     }
-    std::vector<absl::AnyInvocable<void()>> none;
+    AfterUnlock none;
     FailDeferred(g, /*now=*/false, &none);  // reported_epoch is current: nothing to report
     return;
   }
@@ -599,7 +599,7 @@ void GroupManager::OnCoordinatorLost(const std::string& coordinator, const absl:
   }
 }
 
-void GroupManager::DropGoneJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
+void GroupManager::DropGoneJoins(Group& g, AfterUnlock* run) {
   for (auto j = g.pending_joins.begin(); j != g.pending_joins.end();) {
     if (!j->caller_gone || !j->caller_gone()) {
       ++j;
@@ -609,7 +609,7 @@ void GroupManager::DropGoneJoins(Group& g, std::vector<absl::AnyInvocable<void()
                     << ": its JoinGroup call was cancelled (the caller went away); the join is "
                        "withdrawn and the rank is free";
     EndRank(g, j->rank, run);
-    run->push_back([done = std::move(j->done), rank = j->rank, id = g.id]() mutable {
+    run->Call([done = std::move(j->done), rank = j->rank, id = g.id]() mutable {
       done(absl::CancelledError(absl::StrCat("group ", id, ": rank ", rank,
                                              "'s JoinGroup was cancelled by its caller")));
     });
@@ -618,7 +618,7 @@ void GroupManager::DropGoneJoins(Group& g, std::vector<absl::AnyInvocable<void()
 }
 
 void GroupManager::ExpireUnleased(Group& g, absl::Time now,
-                                  std::vector<absl::AnyInvocable<void()>>* run) {
+                                  AfterUnlock* run) {
   for (auto it = g.lease_due.begin(); it != g.lease_due.end();) {
     const int32_t rank = it->first;
     const uint64_t session = g.session_of_rank[rank];
@@ -718,7 +718,7 @@ absl::StatusOr<RegisterResult> GroupManager::GetShards(const Caller& caller,
 }
 
 absl::Status GroupManager::Leave(const Caller& caller) {
-  std::vector<absl::AnyInvocable<void()>> run;
+  AfterUnlock run;
   {
     absl::MutexLock lock(&mu_);
     FS_RETURN_IF_ERROR(CheckCallerLocked(caller));
@@ -729,12 +729,12 @@ absl::Status GroupManager::Leave(const Caller& caller) {
     FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " left";
     MaybeRemoveGroup(caller.group);
   }
-  for (auto& f : run) f();
+  run.Run();
   return absl::OkStatus();
 }
 
 void GroupManager::EndSession(const std::string& group, uint64_t session) {
-  std::vector<absl::AnyInvocable<void()>> run;
+  AfterUnlock run;
   {
     absl::MutexLock lock(&mu_);
     auto it = groups_.find(group);
@@ -752,11 +752,11 @@ void GroupManager::EndSession(const std::string& group, uint64_t session) {
     }
     MaybeRemoveGroup(group);
   }
-  for (auto& f : run) f();
+  run.Run();
 }
 
 void GroupManager::FailForRank(Group& g, int32_t rank, absl::string_view why,
-                               std::vector<absl::AnyInvocable<void()>>* run) {
+                               AfterUnlock* run) {
   // Fail fast (semantics.md §3a): every collective needs every rank, so from now on each one
   // fails at once with this cause (sticky) instead of waiting for its deadline, on every
   // daemon of the group (DeadlineLoop reports it to the coordinator). The group re-forms,
@@ -770,7 +770,7 @@ void GroupManager::FailForRank(Group& g, int32_t rank, absl::string_view why,
   FailDeferred(g, /*now=*/false, run);
 }
 
-void GroupManager::FailDeferred(Group& g, bool now, std::vector<absl::AnyInvocable<void()>>* run) {
+void GroupManager::FailDeferred(Group& g, bool now, AfterUnlock* run) {
   if (g.deferred_failure.ok() || g.coll == nullptr) return;
   if (!now && clock_->Now() - g.deferred_since < internal::kDeferFailureAtMost) {
     // An op a departed rank already submitted, and no departed rank still missing from it,
@@ -800,19 +800,19 @@ void GroupManager::FailDeferred(Group& g, bool now, std::vector<absl::AnyInvocab
     // The other daemons fail at once too (the coordinator forwards it); reported now, since a
     // group left idle by the departure is removed before DeadlineLoop would report it.
     g.reported_epoch = g.epoch;
-    run->push_back([this, coordinator = g.coordinator, group = g.id, token = g.token,
+    run->Call([this, coordinator = g.coordinator, group = g.id, token = g.token,
                     epoch = g.epoch, status = g.coll->status()] {
       peer_->ReportFailure(coordinator, group, token, epoch, status);
     });
   }
 }
 
-void GroupManager::EndRank(Group& g, int32_t rank, std::vector<absl::AnyInvocable<void()>>* run) {
+void GroupManager::EndRank(Group& g, int32_t rank, AfterUnlock* run) {
   g.session_of_rank[rank] = 0;
   g.lease_due.erase(rank);
   g.leased.erase(rank);
   if (g.multi()) {
-    run->push_back([this, coordinator = g.coordinator, group = g.id, token = g.token, rank] {
+    run->Call([this, coordinator = g.coordinator, group = g.id, token = g.token, rank] {
       peer_->Depart(coordinator, group, token, rank);
     });
   }
@@ -820,7 +820,7 @@ void GroupManager::EndRank(Group& g, int32_t rank, std::vector<absl::AnyInvocabl
 
 void GroupManager::DeadlineLoop() {
   for (;;) {
-    std::vector<absl::AnyInvocable<void()>> run;
+    AfterUnlock run;
     // Buffers of reclaimed groups, dropped after the lock (munmap, unlink).
     std::vector<std::shared_ptr<Buffer>> freed;
     {
@@ -854,7 +854,7 @@ void GroupManager::DeadlineLoop() {
                         : absl::StrCat("group ", g.id, ": ", *missing, " of ", g.world_size,
                                        " did not join before the deadline"));
           g.session_of_rank[j->rank] = 0;  // a failed join leaves no trace
-          run.push_back([done = std::move(j->done), s]() mutable { done(s); });
+          run.Call([done = std::move(j->done), s]() mutable { done(s); });
           j = g.pending_joins.erase(j);
         }
         FailDeferred(g, /*now=*/false, &run);
@@ -863,7 +863,7 @@ void GroupManager::DeadlineLoop() {
         // the next complete rendezvous.
         if (g.multi() && g.coll && !g.coll->status().ok() && g.reported_epoch != g.epoch) {
           g.reported_epoch = g.epoch;
-          run.push_back([this, coordinator = g.coordinator, group = g.id, token = g.token,
+          run.Call([this, coordinator = g.coordinator, group = g.id, token = g.token,
                          epoch = g.epoch, status = g.coll->status()] {
             peer_->ReportFailure(coordinator, group, token, epoch, status);
           });
@@ -879,7 +879,7 @@ void GroupManager::DeadlineLoop() {
         if (used) {
           c = coordinator_idle_since_.erase(c);
         } else if (now - c->second >= kUnwatchAfter) {
-          run.push_back([this, coordinator] { peer_->Unwatch(coordinator); });
+          run.Call([this, coordinator] { peer_->Unwatch(coordinator); });
           c = coordinator_idle_since_.erase(c);
         } else {
           ++c;
@@ -888,7 +888,7 @@ void GroupManager::DeadlineLoop() {
     }
     // Kept buffers idle for a while give their pages back (the caches' own locks, not mu_).
     kept_pool_->DecommitIdle(clock_->Now());
-    for (auto& f : run) f();
+    run.Run();
     FlushRemovedRecords();
   }
 }

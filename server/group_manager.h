@@ -34,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/after_unlock.h"
 #include "common/checkpoint/checkpoint.h"
 #include "common/clock.h"
 #include "common/manifest.h"
@@ -503,17 +504,17 @@ class GroupManager : public peer::PeerEvents {
 
   void DeadlineLoop();
   // Withdraws pending joins whose caller went away (JoinArgs::caller_gone), freeing the rank.
-  void DropGoneJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run)
+  void DropGoneJoins(Group& g, AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends sessions whose join completed over lease_timeout_ ago without a lease.
-  void ExpireUnleased(Group& g, absl::Time now, std::vector<absl::AnyInvocable<void()>>* run)
+  void ExpireUnleased(Group& g, absl::Time now, AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Completes the group's pending joins if every rank is joined, first (re)connecting the
   // group's communicator when it has none or a failed one (StartConnect).
-  void MaybeCompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run)
+  void MaybeCompleteJoins(Group& g, AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers every pending join of a local group whose communicator is connected and sound.
-  void CompleteJoins(Group& g, std::vector<absl::AnyInvocable<void()>>* run)
+  void CompleteJoins(Group& g, AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A multi-daemon rank's rendezvous ended: connect (or re-form) and finish its join.
   void OnRendezvous(const std::string& group, int32_t rank, uint64_t session,
@@ -526,7 +527,7 @@ class GroupManager : public peer::PeerEvents {
   // `table`: a multi-daemon group's peer table (null: a local group). Its outcome goes to
   // FinishConnect with the ticket stored in the group.
   void StartConnect(Group& g, const peer::PeerTable* table, bool from_table,
-                    std::vector<absl::AnyInvocable<void()>>* run)
+                    AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Re-takes mu_ to commit a connect StartConnect began (or to drop it when the group went,
   // the daemon shuts down or a newer connect superseded it) and answers the joins it served.
@@ -538,7 +539,7 @@ class GroupManager : public peer::PeerEvents {
   absl::Status ApplyTable(Group& g, const peer::PeerTable& table,
                           collective::ConnectedCommunicator connected) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers multi-daemon join `j` of `g` (now formed at an epoch its rendezvous reached).
-  void AnswerRendezvousJoin(Group& g, PendingJoin& j, std::vector<absl::AnyInvocable<void()>>* run)
+  void AnswerRendezvousJoin(Group& g, PendingJoin& j, AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A new table of a multi-daemon group: a registered module some rank's daemon no longer
   // holds (it restarted) is dropped here too and remembered as lost, so every daemon agrees
@@ -567,7 +568,7 @@ class GroupManager : public peer::PeerEvents {
   // Marks kept buffers nobody uses any more as idle from now.
   void ReleaseKept(Registered& reg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The rank's session is over here (leave, lease ended); tells the coordinator.
-  void EndRank(Group& g, int32_t rank, std::vector<absl::AnyInvocable<void()>>* run)
+  void EndRank(Group& g, int32_t rank, AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends every open summon of `rank` in `g` without writeback (lease ended, leave).
   void DropSummons(Group& g, int32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -580,14 +581,14 @@ class GroupManager : public peer::PeerEvents {
   absl::Status CopyCommitted(int32_t rank, const std::vector<internal::DurablePair>& durable,
                              bool to_committed) const;
   // Releases one `busy` of `reg` and starts a pending rollback when none is left.
-  void DoneCopying(Group& g, Registered& reg, std::vector<absl::AnyInvocable<void()>>* run)
+  void DoneCopying(Group& g, Registered& reg, AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The group re-formed after a failure: roll every initialised module's local shards back
   // to their committed generation (now, or when the copies in flight are done).
-  void StartRollback(Group& g, std::vector<absl::AnyInvocable<void()>>* run)
+  void StartRollback(Group& g, AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RollbackNow(Group& g, const std::string& module, Registered& reg,
-                   std::vector<absl::AnyInvocable<void()>>* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                   AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A refused agreement with a stale rank: rolls the caller's shards of `module` back.
   void RollbackRank(const Caller& caller, const std::string& module);
   // FAILED_PRECONDITION naming why `reg` is not initialised; UNAVAILABLE while it rolls back.
@@ -600,11 +601,11 @@ class GroupManager : public peer::PeerEvents {
   // The session of `rank` ended (`why`; REQUIRES: EndRank ran): collectives that need it fail
   // at once from now on (after the ops it had already submitted, see FailDeferred).
   void FailForRank(Group& g, int32_t rank, absl::string_view why,
-                   std::vector<absl::AnyInvocable<void()>>* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                   AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fails the group with its deferred failure once no op a departed rank had submitted can
   // still complete (or now, when `now`).
   // Multi-daemon groups: the failure goes to the coordinator through `run` (after mu_).
-  void FailDeferred(Group& g, bool now, std::vector<absl::AnyInvocable<void()>>* run)
+  void FailDeferred(Group& g, bool now, AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs the agreement all-gather of a writeback End or a Commit; `done` gets OK when every
   // rank's record says ok, else the first refusal (and whether a stale rank refused).
@@ -640,7 +641,7 @@ class GroupManager : public peer::PeerEvents {
   // summons that waited for them to `waiting` (run after mu_).
   void UnmarkMaking(std::shared_ptr<SummonSlot> slot,
                     std::vector<std::pair<int32_t, KeptUse>>* marked,
-                    std::vector<absl::AnyInvocable<void()>>* waiting)
+                    AfterUnlock* waiting)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // rank0_only writeback End: gets the buffers rank 0's broadcast lands in (without mu_) and
   // builds the broadcasts; UNAVAILABLE when the summon was dropped meanwhile.
@@ -689,14 +690,14 @@ class GroupManager : public peer::PeerEvents {
   void NoteLoadCopying(const std::string& group, const std::string& module,
                        std::vector<int32_t> ranks, uint64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
   void LoadRecordedLocked(Group& g, Registered& reg, bool changed,
-                          std::vector<absl::AnyInvocable<void()>>* run)
+                          AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The ShardStore kind a role's buffers are allocated as.
   static BufferKind KindOfRole(const std::string& role);
   // The group's record as of now; `sequence` from state_sequence_.
   state::GroupRecord SnapshotLocked(Group& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Queues the write of `g`'s record (a snapshot taken now) into `run`, to run after mu_.
-  void PersistLater(Group& g, std::vector<absl::AnyInvocable<void()>>* run)
+  void PersistLater(Group& g, AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Writes a snapshot (or removes the record when it holds no module); a failed write
   // removes the record (the group is then not kept across a restart) and is logged.

@@ -332,7 +332,7 @@ absl::StatusOr<GroupManager::CheckpointHold> GroupManager::HoldForCheckpoint(
 
 void GroupManager::ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
                                          std::optional<uint64_t> generation) {
-  std::vector<absl::AnyInvocable<void()>> run;
+  AfterUnlock run;
   {
     absl::MutexLock lock(&mu_);
     auto g = groups_.find(hold.group);
@@ -350,14 +350,14 @@ void GroupManager::ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
     }
     --reg.ckpt_hold;
     if (reg.ckpt_hold == 0) {
-      for (auto& f : reg.after_ckpt) run.push_back(std::move(f));
+      for (auto& f : reg.after_ckpt) run.Call(std::move(f));
       reg.after_ckpt.clear();
     }
     if (load) DoneCopying(*g->second, reg, &run);
     // Restarts: the record holds the loaded generation before the load is answered.
     if (load) LoadRecordedLocked(*g->second, reg, generation.has_value(), &run);
   }
-  for (auto& f : run) f();
+  run.Run();
 }
 
 absl::StatusOr<GroupManager::CheckpointResult> GroupManager::SaveCheckpoint(

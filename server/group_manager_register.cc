@@ -165,7 +165,7 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
 
 void GroupManager::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status) {
   const Caller& caller = x->caller;
-  std::vector<absl::AnyInvocable<void()>> persist;  // the group's record, after mu_
+  AfterUnlock persist;  // the group's record, after mu_
   absl::StatusOr<RegisterResult> result =
       status.ok() ? absl::StatusOr<RegisterResult>(absl::InternalError("unset")) : status;
   {
@@ -258,7 +258,7 @@ void GroupManager::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Sta
   }
   // A refused registration's buffers go after the lock (munmap, unlink).
   x->buffers = RegistrationBuffers{};
-  for (auto& f : persist) f();
+  persist.Run();
   x->done(std::move(result));
 }
 

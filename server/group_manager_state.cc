@@ -236,9 +236,9 @@ state::GroupRecord GroupManager::SnapshotLocked(Group& g) {
   return rec;
 }
 
-void GroupManager::PersistLater(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
+void GroupManager::PersistLater(Group& g, AfterUnlock* run) {
   if (state_dir_ == nullptr || state_forgotten_) return;
-  run->push_back([this, rec = SnapshotLocked(g)] { WriteRecord(rec); });
+  run->Call([this, rec = SnapshotLocked(g)] { WriteRecord(rec); });
 }
 
 bool GroupManager::WriteRecord(const state::GroupRecord& record) {
@@ -320,14 +320,14 @@ bool GroupManager::EditAndRecord(const std::string& group, const std::string& mo
 }
 
 void GroupManager::LoadRecordedLocked(Group& g, Registered& reg, bool changed,
-                                      std::vector<absl::AnyInvocable<void()>>* run) {
+                                      AfterUnlock* run) {
   const bool had_intent = reg.pending_commit.has_value() && reg.pending_commit->kind == "load";
   if (had_intent) reg.pending_commit.reset();
   // First in `run`: before the commits the hold kept waiting write their own records.
-  std::vector<absl::AnyInvocable<void()>> write;
+  AfterUnlock write;
   if (changed || had_intent) PersistLater(g, &write);
-  for (auto& f : *run) write.push_back(std::move(f));
-  run->swap(write);
+  write.Append(std::move(*run));
+  *run = std::move(write);
 }
 
 void GroupManager::NoteCommitAgreed(Registered& reg, uint64_t generation, const char* kind) {
@@ -1014,13 +1014,13 @@ GroupManager::AdoptSummary GroupManager::AdoptGroups(
     summary.modules += static_cast<int32_t>(g->registered.size());
     summary.bytes += live;
     summary.buffers += count;
-    std::vector<absl::AnyInvocable<void()>> run;
+    AfterUnlock run;
     {
       absl::MutexLock lock(&mu_);
       Group& placed = *(groups_[rec.id] = std::move(g));
       PersistLater(placed, &run);  // the restored state, with no commit under way
     }
-    for (auto& f : run) f();
+    run.Run();
   }
   FS_LOG(INFO) << "restart: adopted " << summary.groups << " group(s), " << summary.modules
                << " module(s), " << summary.buffers << " buffers, " << summary.bytes

@@ -144,10 +144,10 @@ void GroupManager::Summon(const Caller& caller, const std::string& module,
 
 void GroupManager::UnmarkMaking(std::shared_ptr<SummonSlot> slot,
                                 std::vector<std::pair<int32_t, KeptUse>>* marked,
-                                std::vector<absl::AnyInvocable<void()>>* waiting) {
+                                AfterUnlock* waiting) {
   for (const auto& m : *marked) slot->making.erase(m);
   marked->clear();
-  for (auto& w : slot->on_made) waiting->push_back(std::move(w));
+  for (auto& w : slot->on_made) waiting->Call(std::move(w));
   slot->on_made.clear();
 }
 
@@ -160,7 +160,7 @@ void GroupManager::SummonWritten(const Caller& caller, const std::string& module
   // the other local ranks' summons that wait for them, run again once mu_ is released.
   std::shared_ptr<SummonSlot> making;
   std::vector<std::pair<int32_t, KeptUse>> marked;  // in making->making, by this summon
-  std::vector<absl::AnyInvocable<void()>> waiting;
+  AfterUnlock waiting;
   absl::Status error;
   bool parked = false;  // `done` went to the slot's on_made
   for (int round = 0;; ++round) {
@@ -219,7 +219,7 @@ void GroupManager::SummonWritten(const Caller& caller, const std::string& module
     }
   }
   got.clear();
-  for (auto& w : waiting) w();
+  waiting.Run();
   if (parked) return;  // runs again from on_made
   if (!error.ok()) {
     done(error);
@@ -708,7 +708,7 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
     }
     auto finish = [this, caller, summon, module, is_init, generation,
                    done = std::move(done)](absl::Status s) mutable {
-          std::vector<absl::AnyInvocable<void()>> run;
+          AfterUnlock run;
           {
             absl::MutexLock lock(&mu_);
             auto g = groups_.find(caller.group);
@@ -728,7 +728,7 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
               DoneCopying(*g->second, reg, &run);
             }
           }
-          for (auto& f : run) f();
+          run.Run();
           FinishEnd(caller, summon, std::move(s), std::move(done));
     };
     if (batched) {
@@ -881,7 +881,7 @@ absl::Status GroupManager::CopyCommitted(int32_t rank,
 }
 
 void GroupManager::DoneCopying(Group& g, Registered& reg,
-                               std::vector<absl::AnyInvocable<void()>>* run) {
+                               AfterUnlock* run) {
   --reg.busy;
   if (reg.busy > 0 || !reg.rollback_pending) return;
   for (auto& [module, r] : g.registered) {
@@ -892,7 +892,7 @@ void GroupManager::DoneCopying(Group& g, Registered& reg,
   }
 }
 
-void GroupManager::StartRollback(Group& g, std::vector<absl::AnyInvocable<void()>>* run) {
+void GroupManager::StartRollback(Group& g, AfterUnlock* run) {
   internal::DropMixedModules(g, absl::StrCat("at the rollback of epoch ", g.epoch));
   for (auto& [module, reg] : g.registered) {
     // The op stream starts afresh: the local ranks' k-th summons must meet in one slot again
@@ -913,7 +913,7 @@ void GroupManager::StartRollback(Group& g, std::vector<absl::AnyInvocable<void()
 }
 
 void GroupManager::RollbackNow(Group& g, const std::string& module, Registered& reg,
-                               std::vector<absl::AnyInvocable<void()>>* run) {
+                               AfterUnlock* run) {
   // Deferred behind copies (DoneCopying): a module whose local ranks ended at different
   // generations is dropped as lost, never rolled back into a mix (DropMixedModules; the
   // caller returns right after, so erasing it here is safe).
@@ -932,13 +932,13 @@ void GroupManager::RollbackNow(Group& g, const std::string& module, Registered& 
     work.emplace_back(r, internal::DurableBuffers(reg, r));
     reg.stale[r] = true;
   }
-  run->push_back([this, group = g.id, module, work = std::move(work)] {
+  run->Call([this, group = g.id, module, work = std::move(work)] {
     absl::Status status;
     for (size_t i = 0; i < work.size(); ++i) {
       absl::Status s = CopyCommitted(work[i].first, work[i].second, /*to_committed=*/false);
       if (!s.ok() && status.ok()) status = s;
     }
-    std::vector<absl::AnyInvocable<void()>> more;
+    AfterUnlock more;
     {
       absl::MutexLock lock(&mu_);
       auto g = groups_.find(group);
@@ -958,12 +958,12 @@ void GroupManager::RollbackNow(Group& g, const std::string& module, Registered& 
       }
       DoneCopying(*g->second, reg->second, &more);
     }
-    for (auto& f : more) f();
+    more.Run();
   });
 }
 
 void GroupManager::RollbackRank(const Caller& caller, const std::string& module) {
-  std::vector<absl::AnyInvocable<void()>> run;
+  AfterUnlock run;
   {
     absl::MutexLock lock(&mu_);
     auto g = groups_.find(caller.group);
@@ -979,13 +979,13 @@ void GroupManager::RollbackRank(const Caller& caller, const std::string& module)
     }
     ++r.busy;
     r.stale[caller.rank] = true;
-    run.push_back([this, caller, module, durable = internal::DurableBuffers(r, caller.rank)] {
+    run.Call([this, caller, module, durable = internal::DurableBuffers(r, caller.rank)] {
       absl::Status s = CopyCommitted(caller.rank, durable, /*to_committed=*/false);
       if (!s.ok()) {
         FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank
                       << ": rollback after a refused commit failed: " << s;
       }
-      std::vector<absl::AnyInvocable<void()>> more;
+      AfterUnlock more;
       {
         absl::MutexLock lock(&mu_);
         auto g = groups_.find(caller.group);
@@ -993,10 +993,10 @@ void GroupManager::RollbackRank(const Caller& caller, const std::string& module)
         auto reg = g->second->registered.find(module);
         if (reg != g->second->registered.end()) DoneCopying(*g->second, reg->second, &more);
       }
-      for (auto& f : more) f();
+      more.Run();
     });
   }
-  for (auto& f : run) f();
+  run.Run();
 }
 
 void GroupManager::Commit(const Caller& caller, const std::string& module, absl::Time deadline,
@@ -1109,7 +1109,7 @@ void GroupManager::CommitAgreed(const Caller& caller, const std::string& module,
                 return s;
               },
               [this, caller, module, generation, done = std::move(done)](absl::Status s) mutable {
-                std::vector<absl::AnyInvocable<void()>> run;
+                AfterUnlock run;
                 {
                   absl::MutexLock lock(&mu_);
                   auto g = groups_.find(caller.group);
@@ -1119,7 +1119,7 @@ void GroupManager::CommitAgreed(const Caller& caller, const std::string& module,
                     DoneCopying(*g->second, reg, &run);
                   }
                 }
-                for (auto& f : run) f();
+                run.Run();
                 if (!s.ok()) {
                   FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank
                                 << ": commit failed after every rank agreed: " << s;
@@ -1347,7 +1347,7 @@ void GroupManager::FinishReduceScatterWritten(const Caller& caller, const std::s
     scratch_buffer.reset();
     scratch_host.reset();
     staging.reset();  // the staging buffer's pages go back until the next step
-    std::vector<absl::AnyInvocable<void()>> persist;  // the record, after mu_
+    AfterUnlock persist;  // the record, after mu_
     {
       absl::MutexLock lock(&mu_);
       auto g = groups_.find(caller.group);
@@ -1369,7 +1369,7 @@ void GroupManager::FinishReduceScatterWritten(const Caller& caller, const std::s
         }
       }
     }
-    for (auto& f : persist) f();
+    persist.Run();
     done(s);
   };
   coll->SubmitAll(caller.rank, std::move(ops), deadline - clock_->Now(),
