@@ -18,6 +18,7 @@
 // more (they run in the same Run). Not thread-safe: one owner at a time, like the lock scope
 // that fills it.
 
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -42,6 +43,18 @@ class AfterUnlock {
   template <typename T>
   void Destroy(T object) {
     doomed_.push_back([held = std::move(object)]() mutable { T gone = std::move(held); });
+  }
+  // Drops `ref` now when another reference remains (no destructor runs: cheap under a lock),
+  // else keeps the last one until Run. A reference dropped concurrently elsewhere at the same
+  // moment may still make this one the last: then it goes now, which is only slower.
+  template <typename T>
+  void Release(std::shared_ptr<T>& ref) {
+    if (ref == nullptr) return;
+    if (ref.use_count() > 1) {
+      ref.reset();
+    } else {
+      Destroy(std::move(ref));
+    }
   }
   // Moves everything `other` collected to the end of this one.
   void Append(AfterUnlock&& other) {

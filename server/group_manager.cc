@@ -28,6 +28,17 @@ using internal::Display;
 using internal::kUnwatchAfter;
 using internal::TokensEqual;
 
+namespace {
+
+std::shared_ptr<Group> MakeGoneGroup() {
+  auto g = std::make_shared<Group>();
+  absl::MutexLock lock(&g->mu);
+  g->removed = true;
+  return g;
+}
+
+}  // namespace
+
 GroupManager::GroupManager(ShardStore* store, GroupManagerOptions options)
     : store_(store),
       lease_timeout_(options.lease_timeout),
@@ -39,12 +50,10 @@ GroupManager::GroupManager(ShardStore* store, GroupManagerOptions options)
       max_groups_per_uid_(options.max_groups_per_uid),
       clock_(options.clock != nullptr ? options.clock : Clock::Real()),
       kept_pool_(KeptBufferPool::Create(store, clock_)),
+      gone_(MakeGoneGroup()),
       state_dir_(options.state_dir),
       testing_commit_copy_pause_(options.testing_commit_copy_pause) {
-  if (state_dir_ != nullptr) {
-    absl::MutexLock lock(&mu_);
-    state_sequence_ = state_dir_->max_loaded_sequence();
-  }
+  if (state_dir_ != nullptr) state_sequence_ = state_dir_->max_loaded_sequence();
   FS_CHECK(gpus_.empty() || copier_ != nullptr) << "a GPU daemon needs a DeviceCopier";
   collective::CommunicatorFactoryOptions factory;
   factory.remote = std::move(options.remote_backend);
@@ -80,15 +89,14 @@ GroupManager::~GroupManager() {
   // OpenSummon::coll) are dropped here; the others (op callbacks, the engine's map) go once
   // the aborted ops failed. So once none is left, no callback of this manager runs.
   std::vector<std::weak_ptr<collective::CollectiveGroup>> colls;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto& [id, g] : groups_) {
-      if (g->coll == nullptr) continue;
-      colls.push_back(g->coll);
-      engine_.RemoveGroup(id, absl::UnavailableError("flatshardd is shutting down")).IgnoreError();
-      g->coll = nullptr;
-      for (auto& [summon, open] : g->open_summons) open.coll = nullptr;
-    }
+  for (const std::shared_ptr<Group>& held : AllGroups()) {
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (g.coll == nullptr) continue;
+    colls.push_back(g.coll);
+    engine_.RemoveGroup(g.id, absl::UnavailableError("flatshardd is shutting down")).IgnoreError();
+    g.coll = nullptr;
+    for (auto& [summon, open] : g.open_summons) open.coll = nullptr;
   }
   const absl::Time until = absl::Now() + absl::Seconds(10);
   for (const std::weak_ptr<collective::CollectiveGroup>& c : colls) {
@@ -102,21 +110,43 @@ GroupManager::~GroupManager() {
 
 void GroupManager::Shutdown() {
   AfterUnlock run;
+  if (shutdown_.exchange(true)) return;
   {
-    absl::MutexLock lock(&mu_);
-    if (shutdown_) return;
-    shutdown_ = true;
-    const absl::Status down = absl::UnavailableError("flatshardd is shutting down");
-    for (auto& [id, g] : groups_) {
-      for (PendingJoin& j : g->pending_joins) {
-        run.Call([done = std::move(j.done), down]() mutable { done(down); });
-      }
-      g->pending_joins.clear();
-      // Pending collectives (registrations, summons) fail on the engine's thread.
-      if (g->coll) g->coll->Abort(down);
+    absl::MutexLock lock(&loop_mu_);
+    loop_stop_ = true;
+  }
+  // Every group is visited under its lock after the flag is set (see shutdown_).
+  const absl::Status down = absl::UnavailableError("flatshardd is shutting down");
+  for (const std::shared_ptr<Group>& held : AllGroups()) {
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    for (PendingJoin& j : g.pending_joins) {
+      run.Call([done = std::move(j.done), down]() mutable { done(down); });
     }
+    g.pending_joins.clear();
+    // Pending collectives (registrations, summons) fail on the engine's thread.
+    if (g.coll) g.coll->Abort(down);
   }
   run.Run();
+}
+
+std::shared_ptr<GroupManager::Group> GroupManager::FindGroup(const std::string& id) const {
+  absl::MutexLock lock(&table_mu_);
+  auto it = groups_.find(id);
+  return it == groups_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<GroupManager::Group> GroupManager::GroupOrGone(const std::string& id) const {
+  std::shared_ptr<Group> g = FindGroup(id);
+  return g != nullptr ? g : gone_;
+}
+
+std::vector<std::shared_ptr<GroupManager::Group>> GroupManager::AllGroups() const {
+  absl::MutexLock lock(&table_mu_);
+  std::vector<std::shared_ptr<Group>> all;
+  all.reserve(groups_.size());
+  for (const auto& [id, g] : groups_) all.push_back(g);
+  return all;
 }
 
 void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback done) {
@@ -125,77 +155,88 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
   uint64_t session = 0;
   uint64_t failed_epoch = 0;
   std::vector<std::string> held_modules;  // what this daemon holds of the group (ReconcileModules)
-  {
-    absl::ReleasableMutexLock lock(&mu_);
-    if (shutdown_) {
-      error = absl::UnavailableError("flatshardd is shutting down");
-    } else if (draining_) {
-      error = absl::UnavailableError("flatshardd is draining");
-    } else if (args.group.empty()) {
-      error = absl::InvalidArgumentError("group id must not be empty");
-    } else if (args.world_size < 1 || args.world_size > kMaxWorldSize) {
-      error = absl::InvalidArgumentError(absl::StrCat("group ", args.group,
-                                                      ": world_size must be in [1, ", kMaxWorldSize,
-                                                      "], got ", args.world_size));
-    } else if (args.rank < 0 || args.rank >= args.world_size) {
-      error = absl::InvalidArgumentError(absl::StrCat("group ", args.group, ": rank ", args.rank,
-                                                      " is out of range [0, ", args.world_size, ")"));
-    } else if (!args.coordinator.empty() && peer_ == nullptr) {
-      error = absl::FailedPreconditionError(absl::StrCat(
-          "group ", args.group, ": rank ", args.rank, " names coordinator ", args.coordinator,
-          ", but this daemon serves no multi-daemon groups (start flatshardd with --peer_address",
-          !comms_->has_remote() ? " and a UCX build" : "", ")"));
-    }
-    if (error.ok()) {
-      if (!groups_.contains(args.group)) error = CheckGroupQuota(args.uid, args.group);
-    }
-    if (error.ok()) {
-      auto& slot = groups_[args.group];
-      if (!slot) {
-        slot = std::make_unique<Group>();
-        slot->id = args.group;
-        slot->world_size = args.world_size;
-        slot->token = args.token;
-        slot->owner_uid = args.uid;
-        slot->coordinator = args.coordinator;
+  if (shutdown_) {
+    error = absl::UnavailableError("flatshardd is shutting down");
+  } else if (draining_) {
+    error = absl::UnavailableError("flatshardd is draining");
+  } else if (args.group.empty()) {
+    error = absl::InvalidArgumentError("group id must not be empty");
+  } else if (args.world_size < 1 || args.world_size > kMaxWorldSize) {
+    error = absl::InvalidArgumentError(absl::StrCat("group ", args.group,
+                                                    ": world_size must be in [1, ", kMaxWorldSize,
+                                                    "], got ", args.world_size));
+  } else if (args.rank < 0 || args.rank >= args.world_size) {
+    error = absl::InvalidArgumentError(absl::StrCat("group ", args.group, ": rank ", args.rank,
+                                                    " is out of range [0, ", args.world_size, ")"));
+  } else if (!args.coordinator.empty() && peer_ == nullptr) {
+    error = absl::FailedPreconditionError(absl::StrCat(
+        "group ", args.group, ": rank ", args.rank, " names coordinator ", args.coordinator,
+        ", but this daemon serves no multi-daemon groups (start flatshardd with --peer_address",
+        !comms_->has_remote() ? " and a UCX build" : "", ")"));
+  }
+  // The group, found or made under the table's lock, then this join under the group's own. A
+  // group removed between the two (its last rank left) is looked up (or made) again.
+  std::shared_ptr<Group> held;
+  while (error.ok()) {
+    {
+      absl::MutexLock lock(&table_mu_);
+      auto it = groups_.find(args.group);
+      if (it != groups_.end()) {
+        held = it->second;
+      } else if (error = CheckGroupQuota(args.uid, args.group); error.ok()) {
+        held = std::make_shared<Group>();
+        held->id = args.group;
+        held->world_size = args.world_size;
+        held->token = args.token;
+        held->owner_uid = args.uid;
+        held->coordinator = args.coordinator;
+        groups_[args.group] = held;
         // A local group's communicator (and its list of local ranks) is made once every rank
         // has joined (MaybeCompleteJoins): a world_size nobody joins costs nothing per rank.
         FS_LOG(INFO) << "group=" << args.group << " created, world_size=" << args.world_size
-                     << (slot->multi() ? absl::StrCat(", coordinator=", args.coordinator) : "");
+                     << (held->multi() ? absl::StrCat(", coordinator=", args.coordinator) : "");
       }
-      Group& g = *slot;
-      if (absl::Status s = CheckUid(g, args.uid); !s.ok()) {
-        error = std::move(s);
-      } else if (!TokensEqual(g.token, args.token)) {
-        error = absl::PermissionDeniedError(absl::StrCat("group ", g.id, ": wrong token"));
-      } else if (g.world_size != args.world_size) {
-        error = absl::InvalidArgumentError(absl::StrCat(
-            "group ", g.id, " has world_size ", g.world_size, ", rank ", args.rank,
-            " joined with world_size ", args.world_size));
-      } else if (g.coordinator != args.coordinator) {
-        error = absl::InvalidArgumentError(absl::StrCat(
-            "group ", g.id, " has coordinator \"", g.coordinator, "\", rank ", args.rank,
-            " joined with coordinator \"", args.coordinator, "\""));
-      } else if (g.session_of_rank[args.rank] != 0) {
-        error = absl::AlreadyExistsError(absl::StrCat("group ", g.id, ": rank ", args.rank,
-                                                      " is already joined (session ",
-                                                      g.session_of_rank[args.rank], ")"));
-      } else {
-        // A returning rank: the failure its departure left pending happens now, so the group
-        // re-forms (and rolls back) instead of running on with a stale op stream.
-        FailDeferred(g, /*now=*/true, &run);
-        session = next_session_++;
-        g.session_of_rank[args.rank] = session;
-        g.pending_joins.push_back(
-            PendingJoin{args.rank, session, deadline, std::move(done), args.caller_gone});
-        FS_LOG(INFO) << "group=" << g.id << " rank=" << args.rank << " joined, session=" << session;
-        if (!g.multi()) MaybeCompleteJoins(g, &run);
-        if (g.multi() && g.coll && !g.coll->status().ok()) failed_epoch = g.epoch;
-        if (g.multi()) held_modules = internal::HeldModules(g.registered, &g.lost);
-      }
-      if (!error.ok()) MaybeRemoveGroup(args.group);
     }
+    if (!error.ok()) break;
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (g.removed) continue;
+    if (shutdown_) {
+      // Shutdown visited this group before this join reached it (see shutdown_).
+      error = absl::UnavailableError("flatshardd is shutting down");
+    } else if (absl::Status s = CheckUid(g, args.uid); !s.ok()) {
+      error = std::move(s);
+    } else if (!TokensEqual(g.token, args.token)) {
+      error = absl::PermissionDeniedError(absl::StrCat("group ", g.id, ": wrong token"));
+    } else if (g.world_size != args.world_size) {
+      error = absl::InvalidArgumentError(absl::StrCat(
+          "group ", g.id, " has world_size ", g.world_size, ", rank ", args.rank,
+          " joined with world_size ", args.world_size));
+    } else if (g.coordinator != args.coordinator) {
+      error = absl::InvalidArgumentError(absl::StrCat(
+          "group ", g.id, " has coordinator \"", g.coordinator, "\", rank ", args.rank,
+          " joined with coordinator \"", args.coordinator, "\""));
+    } else if (g.session_of_rank[args.rank] != 0) {
+      error = absl::AlreadyExistsError(absl::StrCat("group ", g.id, ": rank ", args.rank,
+                                                    " is already joined (session ",
+                                                    g.session_of_rank[args.rank], ")"));
+    } else {
+      // A returning rank: the failure its departure left pending happens now, so the group
+      // re-forms (and rolls back) instead of running on with a stale op stream.
+      FailDeferred(g, /*now=*/true, &run);
+      session = next_session_++;
+      g.session_of_rank[args.rank] = session;
+      g.pending_joins.push_back(
+          PendingJoin{args.rank, session, deadline, std::move(done), args.caller_gone});
+      FS_LOG(INFO) << "group=" << g.id << " rank=" << args.rank << " joined, session=" << session;
+      if (!g.multi()) MaybeCompleteJoins(g, &run);
+      if (g.multi() && g.coll && !g.coll->status().ok()) failed_epoch = g.epoch;
+      if (g.multi()) held_modules = internal::HeldModules(g.registered, &g.lost);
+    }
+    if (!error.ok()) MaybeRemoveGroup(g);
+    break;
   }
+  held = nullptr;
   if (!error.ok()) {
     run.Run();
     done(error);
@@ -230,11 +271,12 @@ void GroupManager::Join(const JoinArgs& args, absl::Time deadline, JoinCallback 
 void GroupManager::OnRendezvous(const std::string& group, int32_t rank, uint64_t session,
                                 absl::StatusOr<peer::PeerTable> table) {
   AfterUnlock run;
+  std::shared_ptr<Group> held = FindGroup(group);
+  if (held == nullptr) return;
   {
-    absl::MutexLock lock(&mu_);
-    auto it = groups_.find(group);
-    if (it == groups_.end()) return;
-    Group& g = *it->second;
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (g.removed) return;
     auto j = std::find_if(g.pending_joins.begin(), g.pending_joins.end(),
                           [&](const PendingJoin& p) { return p.session == session; });
     if (j == g.pending_joins.end()) return;  // failed already (deadline, shutdown)
@@ -261,9 +303,10 @@ void GroupManager::OnRendezvous(const std::string& group, int32_t rank, uint64_t
       g.session_of_rank[rank] = 0;  // a failed join leaves no trace
       run.Call([done = std::move(j->done), s]() mutable { done(s); });
       g.pending_joins.erase(j);
-      MaybeRemoveGroup(group);
+      MaybeRemoveGroup(g);
     }
   }
+  held = nullptr;
   run.Run();
 }
 
@@ -365,16 +408,18 @@ void GroupManager::FinishConnect(const std::string& group, uint64_t ticket,
   auto drop = [&] {
     if (connected.ok()) unused = std::move(connected->comm);
   };
-  {
-    absl::MutexLock lock(&mu_);
+  std::shared_ptr<Group> held = FindGroup(group);
+  if (held == nullptr) {
+    drop();
+  } else {
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
     // Re-checked after the gap: the group may be gone (removed, perhaps re-created under the
     // same id: tickets are never reused), a newer connect may have started, the daemon may be
     // shutting down (which answered every pending join already).
-    auto it = groups_.find(group);
-    if (it == groups_.end() || it->second->connecting != ticket) {
+    if (g.removed || g.connecting != ticket) {
       drop();
     } else {
-      Group& g = *it->second;
       g.connecting = 0;
       const bool from_table = std::exchange(g.connect_from_table, false);
       const peer::PeerTable table = std::exchange(g.connecting_table, peer::PeerTable{});
@@ -424,7 +469,7 @@ void GroupManager::FinishConnect(const std::string& group, uint64_t ticket,
               run.Call([done = std::move(j.done), s]() mutable { done(s); });
             }
             g.pending_joins.clear();
-            MaybeRemoveGroup(group);
+            MaybeRemoveGroup(g);
           }
         }
       } else {
@@ -432,7 +477,7 @@ void GroupManager::FinishConnect(const std::string& group, uint64_t ticket,
         if (s.ok() && TableApplied(g, table)) {
           drop();
         } else if (s.ok()) {
-          s = ApplyTable(g, table, *std::move(connected));
+          s = ApplyTable(g, table, *std::move(connected), &run);
           // Restarts: the epoch, the local ranks and modules dropped as lost.
           if (s.ok()) PersistLater(g, &run);
         }
@@ -461,16 +506,18 @@ void GroupManager::FinishConnect(const std::string& group, uint64_t ticket,
           }
           j = g.pending_joins.erase(j);
         }
-        if (failed_join) MaybeRemoveGroup(group);
+        if (failed_join) MaybeRemoveGroup(g);
       }
     }
   }
+  held = nullptr;
   unused.reset();
   run.Run();
 }
 
 absl::Status GroupManager::ApplyTable(Group& g, const peer::PeerTable& table,
-                                      collective::ConnectedCommunicator connected) {
+                                      collective::ConnectedCommunicator connected,
+                                      AfterUnlock* run) {
   const bool reform = g.coll != nullptr;
   if (g.coll) {
     engine_.RemoveGroup(g.id, absl::AbortedError(absl::StrCat(
@@ -484,7 +531,7 @@ absl::Status GroupManager::ApplyTable(Group& g, const peer::PeerTable& table,
   g.epoch = table.epoch;
   g.table = table;  // checkpoints find the other daemons here
   g.local_ranks.assign(local_ranks.begin(), local_ranks.end());
-  ReconcileModules(g, table);
+  ReconcileModules(g, table, run);
 
   // A re-form follows a failure: every daemon rolls its ranks back to the last committed
   // generation (StartRollback, by the caller).
@@ -498,16 +545,17 @@ absl::Status GroupManager::ApplyTable(Group& g, const peer::PeerTable& table,
   return absl::OkStatus();
 }
 
-void GroupManager::MaybeRemoveGroup(const std::string& id) {
-  auto it = groups_.find(id);
-  if (it == groups_.end() || !it->second->Idle()) return;
-  const std::string coordinator = it->second->coordinator;
-  engine_.RemoveGroup(id, absl::AbortedError("group removed")).IgnoreError();
-  groups_.erase(it);
+void GroupManager::MaybeRemoveGroup(Group& g) {
+  if (g.removed || !g.Idle()) return;
+  g.removed = true;
+  engine_.RemoveGroup(g.id, absl::AbortedError("group removed")).IgnoreError();
+  absl::MutexLock lock(&table_mu_);
+  auto it = groups_.find(g.id);
+  if (it != groups_.end() && it->second.get() == &g) groups_.erase(it);  // the caller holds g
   // Its coordinator's watch stream is closed by DeadlineLoop once no group has used it for a
   // while: a job that leaves and joins again (or a refused join followed by a good one) keeps
   // the stream instead of racing its close.
-  if (!coordinator.empty()) coordinator_idle_since_.try_emplace(coordinator, clock_->Now());
+  if (!g.coordinator.empty()) coordinator_idle_since_.try_emplace(g.coordinator, clock_->Now());
 }
 
 gpu::IpcEventRef GroupManager::RecordReady(int32_t rank) { return devices_.RecordReady(rank); }
@@ -548,12 +596,13 @@ void GroupManager::CompleteJoins(Group& g, AfterUnlock* run) {
 
 void GroupManager::OnTable(const std::string& coordinator, const peer::PeerTable& table) {
   AfterUnlock run;
+  if (shutdown_) return;
+  std::shared_ptr<Group> held = FindGroup(table.group);
+  if (held == nullptr || held->coordinator != coordinator) return;
   {
-    absl::MutexLock lock(&mu_);
-    if (shutdown_) return;
-    auto it = groups_.find(table.group);
-    if (it == groups_.end() || it->second->coordinator != coordinator) return;
-    Group& g = *it->second;
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (g.removed || shutdown_) return;
     if (g.coll == nullptr || table.epoch <= g.epoch) return;  // joins in flight apply it
     if (static_cast<int32_t>(table.rank_daemons.size()) != g.world_size) return;
     // Connected outside the lock; FinishConnect installs it (or aborts the group's
@@ -565,11 +614,11 @@ void GroupManager::OnTable(const std::string& coordinator, const peer::PeerTable
 
 void GroupManager::OnGroupFailed(const std::string& coordinator, const std::string& group,
                                  uint64_t epoch, const absl::Status& status) {
-  absl::MutexLock lock(&mu_);
-  auto it = groups_.find(group);
-  if (it == groups_.end() || it->second->coordinator != coordinator) return;
-  Group& g = *it->second;
-  if (g.coll == nullptr || g.epoch != epoch) return;
+  std::shared_ptr<Group> held = FindGroup(group);
+  if (held == nullptr || held->coordinator != coordinator) return;
+  Group& g = *held;
+  absl::MutexLock lock(&g.mu);
+  if (g.removed || g.coll == nullptr || g.epoch != epoch) return;
   FS_LOG(WARNING) << "group=" << g.id << " epoch=" << epoch << " failed elsewhere: " << status;
   g.reported_epoch = epoch;  // the coordinator knows
   if (absl::IsUnavailable(status) &&
@@ -589,13 +638,16 @@ void GroupManager::OnGroupFailed(const std::string& coordinator, const std::stri
 }
 
 void GroupManager::OnCoordinatorLost(const std::string& coordinator, const absl::Status& status) {
-  absl::MutexLock lock(&mu_);
-  for (auto& [id, g] : groups_) {
-    if (g->coordinator != coordinator || g->coll == nullptr) continue;
-    FS_LOG(WARNING) << "group=" << id << " lost its coordinator " << coordinator << ": " << status;
-    g->reported_epoch = g->epoch;
-    g->coll->Abort(absl::UnavailableError(
-        absl::StrCat("group ", id, ": coordinator ", coordinator, " lost: ", status.message())));
+  for (const std::shared_ptr<Group>& held : AllGroups()) {
+    Group& g = *held;
+    if (g.coordinator != coordinator) continue;
+    absl::MutexLock lock(&g.mu);
+    if (g.removed || g.coll == nullptr) continue;
+    FS_LOG(WARNING) << "group=" << g.id << " lost its coordinator " << coordinator << ": "
+                    << status;
+    g.reported_epoch = g.epoch;
+    g.coll->Abort(absl::UnavailableError(absl::StrCat("group ", g.id, ": coordinator ",
+                                                      coordinator, " lost: ", status.message())));
   }
 }
 
@@ -639,7 +691,7 @@ void GroupManager::ExpireUnleased(Group& g, absl::Time now,
     // As when a lease closes (EndSession): its summons end without writeback, and the
     // group's collectives fail fast from now on, naming the rank, until it joins again
     // (before, only collectives already pending failed; later ones waited for their deadline).
-    DropSummons(g, rank);
+    DropSummons(g, rank, run);
     EndRank(g, rank, run);
     FailForRank(g, rank,
                 absl::StrCat("opened no lease within ", absl::FormatDuration(lease_timeout_),
@@ -649,9 +701,11 @@ void GroupManager::ExpireUnleased(Group& g, absl::Time now,
 }
 
 absl::Status GroupManager::AttachLease(const Caller& caller) {
-  absl::MutexLock lock(&mu_);
-  FS_RETURN_IF_ERROR(CheckCallerLocked(caller));
-  Group& g = *groups_.at(caller.group);
+  std::shared_ptr<Group> held = FindGroup(caller.group);
+  if (held == nullptr) return absl::NotFoundError(absl::StrCat("unknown group ", caller.group));
+  Group& g = *held;
+  absl::MutexLock lock(&g.mu);
+  FS_RETURN_IF_ERROR(CheckCallerLocked(g, caller));
   auto [it, inserted] = g.leased.try_emplace(caller.rank, caller.session);
   if (!inserted && it->second == caller.session) {
     return absl::AlreadyExistsError(absl::StrCat(
@@ -664,14 +718,14 @@ absl::Status GroupManager::AttachLease(const Caller& caller) {
 }
 
 absl::Status GroupManager::CheckCaller(const Caller& caller) const {
-  absl::ReaderMutexLock lock(&mu_);
-  return CheckCallerLocked(caller);
+  std::shared_ptr<Group> held = FindGroup(caller.group);
+  if (held == nullptr) return absl::NotFoundError(absl::StrCat("unknown group ", caller.group));
+  absl::ReaderMutexLock lock(&held->mu);
+  return CheckCallerLocked(*held, caller);
 }
 
-absl::Status GroupManager::CheckCallerLocked(const Caller& caller) const {
-  auto it = groups_.find(caller.group);
-  if (it == groups_.end()) return absl::NotFoundError(absl::StrCat("unknown group ", caller.group));
-  const Group& g = *it->second;
+absl::Status GroupManager::CheckCallerLocked(const Group& g, const Caller& caller) const {
+  if (g.removed) return absl::NotFoundError(absl::StrCat("unknown group ", caller.group));
   FS_RETURN_IF_ERROR(CheckUid(g, caller.uid));
   if (!TokensEqual(g.token, caller.token)) {
     return absl::PermissionDeniedError(absl::StrCat("group ", g.id, ": wrong token"));
@@ -696,9 +750,11 @@ absl::Status GroupManager::CheckCallerLocked(const Caller& caller) const {
 
 absl::StatusOr<RegisterResult> GroupManager::GetShards(const Caller& caller,
                                                        const std::string& module) {
-  absl::MutexLock lock(&mu_);
-  FS_RETURN_IF_ERROR(CheckCallerLocked(caller));
-  Group& g = *groups_.at(caller.group);
+  std::shared_ptr<Group> held = FindGroup(caller.group);
+  if (held == nullptr) return absl::NotFoundError(absl::StrCat("unknown group ", caller.group));
+  Group& g = *held;
+  absl::MutexLock lock(&g.mu);
+  FS_RETURN_IF_ERROR(CheckCallerLocked(g, caller));
   auto it = g.registered.find(module);
   if (it == g.registered.end()) {
     if (auto lost = g.lost.find(module); lost != g.lost.end()) {
@@ -719,39 +775,44 @@ absl::StatusOr<RegisterResult> GroupManager::GetShards(const Caller& caller,
 
 absl::Status GroupManager::Leave(const Caller& caller) {
   AfterUnlock run;
+  std::shared_ptr<Group> held = FindGroup(caller.group);
+  if (held == nullptr) return absl::NotFoundError(absl::StrCat("unknown group ", caller.group));
   {
-    absl::MutexLock lock(&mu_);
-    FS_RETURN_IF_ERROR(CheckCallerLocked(caller));
-    Group& g = *groups_.at(caller.group);
-    DropSummons(g, caller.rank);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    FS_RETURN_IF_ERROR(CheckCallerLocked(g, caller));
+    DropSummons(g, caller.rank, &run);
     EndRank(g, caller.rank, &run);
     FailForRank(g, caller.rank, "left the group", &run);  // after EndRank: the rank counts as gone
     FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " left";
-    MaybeRemoveGroup(caller.group);
+    MaybeRemoveGroup(g);
   }
+  held = nullptr;
   run.Run();
   return absl::OkStatus();
 }
 
 void GroupManager::EndSession(const std::string& group, uint64_t session) {
   AfterUnlock run;
+  std::shared_ptr<Group> held = FindGroup(group);
+  if (held == nullptr) return;
   {
-    absl::MutexLock lock(&mu_);
-    auto it = groups_.find(group);
-    if (it == groups_.end()) return;
-    Group& g = *it->second;
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (g.removed) return;
     for (int32_t r : g.session_of_rank.Joined()) {  // sparse: never O(world_size)
       if (g.session_of_rank[r] != session) continue;
       // Its summons end without writeback; collectives waiting for it fail now rather than
       // at their deadline (the communicator re-forms once every rank joined again).
-      DropSummons(g, r);
+      DropSummons(g, r, &run);
       EndRank(g, r, &run);
       FailForRank(g, r, "ended (its lease closed: the client is gone)", &run);
       FS_LOG(INFO) << "group=" << g.id << " rank=" << r << " lease ended (session=" << session
                    << ")";
     }
-    MaybeRemoveGroup(group);
+    MaybeRemoveGroup(g);
   }
+  held = nullptr;
   run.Run();
 }
 
@@ -777,7 +838,8 @@ void GroupManager::FailDeferred(Group& g, bool now, AfterUnlock* run) {
     // completes (its other ranks are alive): let it, so that an agreement that reached some
     // daemons reaches all of them (no daemon applies a writeback or commit the others
     // refused). Anything else cannot complete: fail now.
-    auto departed = [&](int r) {
+    // The analysis does not follow lambdas: this one runs only here, under g.mu.
+    auto departed = [&](int r) ABSL_NO_THREAD_SAFETY_ANALYSIS {
       return r >= 0 && r < g.world_size && g.session_of_rank[r] == 0 &&
              std::find(g.local_ranks.begin(), g.local_ranks.end(), r) != g.local_ranks.end();
     };
@@ -820,57 +882,61 @@ void GroupManager::EndRank(Group& g, int32_t rank, AfterUnlock* run) {
 
 void GroupManager::DeadlineLoop() {
   for (;;) {
-    AfterUnlock run;
-    // Buffers of reclaimed groups, dropped after the lock (munmap, unlink).
-    std::vector<std::shared_ptr<Buffer>> freed;
     {
-      absl::MutexLock lock(&mu_);
       // Wake at least every 20 ms; deadlines are in seconds, so this costs nothing.
-      mu_.AwaitWithTimeout(absl::Condition(&shutdown_), absl::Milliseconds(20));
-      if (shutdown_) return;
-      const absl::Time now = clock_->Now();
-      std::vector<std::string> ids;
-      for (const auto& [id, g] : groups_) ids.push_back(id);
-      for (const std::string& id : ids) {
-        Group& g = *groups_.at(id);
-        DropGoneJoins(g, &run);
-        ExpireUnleased(g, now, &run);
-        // The ranks missing when the first join expired: every join that expires in this pass
-        // names the same ranks (not the ones whose joins expired before it in the pass).
-        // Computed only when a join expires (O(world_size)).
-        std::optional<std::string> missing;
-        for (auto j = g.pending_joins.begin(); j != g.pending_joins.end();) {
-          // A multi-daemon join ends with the coordinator's answer (which names the missing
-          // ranks); this is only the backstop for a coordinator that never answers.
-          const absl::Time expiry = g.multi() ? j->deadline + absl::Seconds(2) : j->deadline;
-          if (expiry > now) {
-            ++j;
-            continue;
-          }
-          if (!g.multi() && !missing) missing = internal::RankListText(g.MissingRanks());
-          absl::Status s = absl::DeadlineExceededError(
-              g.multi() ? absl::StrCat("group ", g.id, ": the coordinator ", g.coordinator,
-                                       " did not answer rank ", j->rank, "'s rendezvous")
-                        : absl::StrCat("group ", g.id, ": ", *missing, " of ", g.world_size,
-                                       " did not join before the deadline"));
-          g.session_of_rank[j->rank] = 0;  // a failed join leaves no trace
-          run.Call([done = std::move(j->done), s]() mutable { done(s); });
-          j = g.pending_joins.erase(j);
+      absl::MutexLock lock(&loop_mu_);
+      loop_mu_.AwaitWithTimeout(absl::Condition(&loop_stop_), absl::Milliseconds(20));
+      if (loop_stop_) return;
+    }
+    AfterUnlock run;
+    // Buffers of reclaimed groups, dropped after the locks (munmap, unlink).
+    std::vector<std::shared_ptr<Buffer>> freed;
+    const absl::Time now = clock_->Now();
+    // One group at a time, each under its own lock: a group busy elsewhere delays only itself.
+    for (const std::shared_ptr<Group>& held : AllGroups()) {
+      Group& g = *held;
+      absl::MutexLock lock(&g.mu);
+      if (g.removed) continue;
+      DropGoneJoins(g, &run);
+      ExpireUnleased(g, now, &run);
+      // The ranks missing when the first join expired: every join that expires in this pass
+      // names the same ranks (not the ones whose joins expired before it in the pass).
+      // Computed only when a join expires (O(world_size)).
+      std::optional<std::string> missing;
+      for (auto j = g.pending_joins.begin(); j != g.pending_joins.end();) {
+        // A multi-daemon join ends with the coordinator's answer (which names the missing
+        // ranks); this is only the backstop for a coordinator that never answers.
+        const absl::Time expiry = g.multi() ? j->deadline + absl::Seconds(2) : j->deadline;
+        if (expiry > now) {
+          ++j;
+          continue;
         }
-        FailDeferred(g, /*now=*/false, &run);
-        // A multi-daemon group that failed here tells its coordinator, which tells the other
-        // daemons (they fail at once instead of at their deadlines) and re-forms the group at
-        // the next complete rendezvous.
-        if (g.multi() && g.coll && !g.coll->status().ok() && g.reported_epoch != g.epoch) {
-          g.reported_epoch = g.epoch;
-          run.Call([this, coordinator = g.coordinator, group = g.id, token = g.token,
-                         epoch = g.epoch, status = g.coll->status()] {
-            peer_->ReportFailure(coordinator, group, token, epoch, status);
-          });
-        }
-        MaybeRemoveGroup(id);
+        if (!g.multi() && !missing) missing = internal::RankListText(g.MissingRanks());
+        absl::Status s = absl::DeadlineExceededError(
+            g.multi() ? absl::StrCat("group ", g.id, ": the coordinator ", g.coordinator,
+                                     " did not answer rank ", j->rank, "'s rendezvous")
+                      : absl::StrCat("group ", g.id, ": ", *missing, " of ", g.world_size,
+                                     " did not join before the deadline"));
+        g.session_of_rank[j->rank] = 0;  // a failed join leaves no trace
+        run.Call([done = std::move(j->done), s]() mutable { done(s); });
+        j = g.pending_joins.erase(j);
       }
-      ReclaimIdleGroups(now, &freed);
+      FailDeferred(g, /*now=*/false, &run);
+      // A multi-daemon group that failed here tells its coordinator, which tells the other
+      // daemons (they fail at once instead of at their deadlines) and re-forms the group at
+      // the next complete rendezvous.
+      if (g.multi() && g.coll && !g.coll->status().ok() && g.reported_epoch != g.epoch) {
+        g.reported_epoch = g.epoch;
+        run.Call([this, coordinator = g.coordinator, group = g.id, token = g.token,
+                  epoch = g.epoch, status = g.coll->status()] {
+          peer_->ReportFailure(coordinator, group, token, epoch, status);
+        });
+      }
+      MaybeRemoveGroup(g);
+      ReclaimIfIdle(g, now, &freed);
+    }
+    {
+      absl::MutexLock lock(&table_mu_);
       for (auto c = coordinator_idle_since_.begin(); c != coordinator_idle_since_.end();) {
         const std::string& coordinator = c->first;
         const bool used = std::any_of(groups_.begin(), groups_.end(), [&](const auto& g) {
@@ -889,6 +955,7 @@ void GroupManager::DeadlineLoop() {
     // Kept buffers idle for a while give their pages back (the caches' own locks, not mu_).
     kept_pool_->DecommitIdle(clock_->Now());
     run.Run();
+    freed.clear();
     FlushRemovedRecords();
   }
 }

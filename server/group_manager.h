@@ -46,7 +46,9 @@
 #include "server/collective/communicator_factory.h"
 #include "server/collective/staging/staging_communicator.h"
 #include "server/gpu/device_context.h"
+#include "server/group/group.h"
 #include "server/kept_buffers.h"
+#include "server/module/module.h"
 #include "server/peer/peer_client.h"
 #include "server/rank_devices.h"
 #include "server/shard_store.h"
@@ -63,21 +65,8 @@ using GradReduce = ReduceOp;
 
 namespace internal {
 struct AgreeRecord;
-struct DurablePair;
 }  // namespace internal
 
-struct JoinArgs {
-  std::string group;
-  int32_t world_size = 0;
-  int32_t rank = 0;
-  std::string token;
-  std::string coordinator;  // peer address of the coordinator; empty: a local group
-  int64_t uid = -1;          // as Caller::uid; the first joiner's uid owns a new group
-  // True once the caller went away (its JoinGroup call was cancelled: the trainer died or gave
-  // up); a pending join is then withdrawn, never completed for it. Called under the manager's
-  // lock while the join is pending, never after its callback ran. Empty: never gone.
-  std::function<bool()> caller_gone;
-};
 
 struct GroupManagerOptions {
   // This daemon as peers see it. An empty `self.peer_address` refuses multi-daemon groups;
@@ -127,31 +116,6 @@ struct GroupManagerOptions {
   static constexpr int32_t kDefaultMaxGroupsPerUid = 64;
 };
 
-struct JoinResult {
-  uint64_t session = 0;
-  std::vector<std::string> registered_modules;  // re-attach targets
-  // Multi-daemon groups re-formed after a daemon lost its shards (it restarted): one line per
-  // module that was dropped on every daemon, naming the ranks and daemons whose shards are
-  // gone. Such a module must be registered afresh.
-  std::vector<std::string> lost_modules;
-};
-
-// One rank's memory for one unit.
-struct UnitShard {
-  int32_t unit = 0;
-  std::shared_ptr<Buffer> shard;
-  std::shared_ptr<Buffer> grad;  // null until a gradient exists
-  // The optimizer state buffers (RegisterState), one per StateSpec of the module in its
-  // order, next to the shard (same placement); empty until the rank registered state.
-  std::vector<std::shared_ptr<Buffer>> state{};
-};
-
-// What one rank sees of one summoned unit.
-struct SummonedUnit {
-  int32_t unit = 0;
-  std::shared_ptr<Buffer> params;  // the full padded buffer; null on ranks != 0 (rank0_only)
-  std::shared_ptr<Buffer> grads;   // with_grads and the unit has a gradient; else null
-};
 
 struct SummonResult {
   uint64_t summon = 0;
@@ -183,7 +147,6 @@ struct RegisterStateResult {
   bool created = false;     // this call allocated the rank's state (zeros); false: re-attach
 };
 
-using JoinCallback = absl::AnyInvocable<void(absl::StatusOr<JoinResult>)>;
 using SummonCallback = absl::AnyInvocable<void(absl::StatusOr<SummonResult>)>;
 using StatusCallback = absl::AnyInvocable<void(absl::Status)>;
 using RegisterCallback = absl::AnyInvocable<void(absl::StatusOr<RegisterResult>)>;
@@ -379,13 +342,7 @@ class GroupManager : public peer::PeerEvents {
     int64_t unsharded_bytes = 0;  // full buffers this rank's open summons hold for the unit
     int64_t state_bytes = 0;      // optimizer state buffers (RegisterState), live copies only
   };
-  // The last summon, end or reduce-scatter of a unit on this daemon.
-  struct UnitOp {
-    std::string op;  // "summon", "end", "reduce_scatter"; empty: none yet
-    int32_t rank = -1;
-    absl::Time at = absl::InfinitePast();
-    bool ok = true;
-  };
+  using UnitOp = server::UnitOp;
   struct UnitInfo {
     int32_t unit = 0;
     std::string module;  // the unit's module path in the model
@@ -480,7 +437,7 @@ class GroupManager : public peer::PeerEvents {
   // ABORTED when their generations kept differing (commits landing between their holds).
   absl::StatusOr<CheckpointResult> SaveCheckpoint(const CheckpointArgs& args,
                                                   CheckpointProgress* progress)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      ;
   // Loads a checkpoint directory or a safetensors file into the registered, initialised
   // module (resharding by FQN and element range). Checks everything before any shard changes;
   // then writes every local rank's shards and committed copies (a committed step). The
@@ -491,87 +448,105 @@ class GroupManager : public peer::PeerEvents {
   // the check); otherwise as SaveCheckpoint.
   absl::StatusOr<CheckpointResult> LoadCheckpoint(const CheckpointArgs& args,
                                                   CheckpointProgress* progress)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      ;
 
  private:
-  struct Group;
-  struct PendingJoin;
+  using Group = server::Group;
+  using PendingJoin = server::PendingJoin;
+  using Registered = server::Registered;
+  using EndArrival = server::EndArrival;
+  using OpenSummon = server::OpenSummon;
+  using SummonSlot = server::SummonSlot;
   struct RegisterExchange;
-  struct Registered;
-  struct EndArrival;
-  struct OpenSummon;
-  struct SummonSlot;
 
   void DeadlineLoop();
   // Withdraws pending joins whose caller went away (JoinArgs::caller_gone), freeing the rank.
   void DropGoneJoins(Group& g, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Ends sessions whose join completed over lease_timeout_ ago without a lease.
   void ExpireUnleased(Group& g, absl::Time now, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Completes the group's pending joins if every rank is joined, first (re)connecting the
   // group's communicator when it has none or a failed one (StartConnect).
   void MaybeCompleteJoins(Group& g, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Answers every pending join of a local group whose communicator is connected and sound.
   void CompleteJoins(Group& g, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // A multi-daemon rank's rendezvous ended: connect (or re-form) and finish its join.
   void OnRendezvous(const std::string& group, int32_t rank, uint64_t session,
                     absl::StatusOr<peer::PeerTable> table);
   // True when `g` already runs `table` (its epoch or a newer one, sound): nothing to connect.
   bool TableApplied(const Group& g, const peer::PeerTable& table) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(g.mu);
   // Decides under mu_ how the group's communicator is (re)connected and starts the connect
   // through `run` (after mu_ is released; on the factory's thread when it may block).
   // `table`: a multi-daemon group's peer table (null: a local group). Its outcome goes to
   // FinishConnect with the ticket stored in the group.
   void StartConnect(Group& g, const peer::PeerTable* table, bool from_table,
                     AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Re-takes mu_ to commit a connect StartConnect began (or to drop it when the group went,
   // the daemon shuts down or a newer connect superseded it) and answers the joins it served.
   void FinishConnect(const std::string& group, uint64_t ticket,
                      absl::StatusOr<collective::ConnectedCommunicator> connected)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      ;
   // Installs `connected` for multi-daemon group `g` at `table`'s epoch (engine, local ranks,
   // ReconcileModules, the rollback a re-form owes).
   absl::Status ApplyTable(Group& g, const peer::PeerTable& table,
-                          collective::ConnectedCommunicator connected) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                          collective::ConnectedCommunicator connected, AfterUnlock* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Answers multi-daemon join `j` of `g` (now formed at an epoch its rendezvous reached).
   void AnswerRendezvousJoin(Group& g, PendingJoin& j, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // A new table of a multi-daemon group: a registered module some rank's daemon no longer
   // holds (it restarted) is dropped here too and remembered as lost, so every daemon agrees
   // that it must be registered afresh (never half re-attached, never a collective mismatch).
-  void ReconcileModules(Group& g, const peer::PeerTable& table) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Removes `g` if nothing uses it any more.
-  void MaybeRemoveGroup(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReconcileModules(Group& g, const peer::PeerTable& table, AfterUnlock* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // Removes `g` if nothing uses it any more (marks it removed and drops it from the table; the
+  // caller's reference keeps it alive until after its lock).
+  void MaybeRemoveGroup(Group& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Removes group `id` for good (DeleteGroup, idle reclaim): its collectives, modules and
   // buffers. REQUIRES: no rank joined or joining. The freed buffers are returned so that the
   // caller drops them after the lock (unmap and unlink are syscalls).
-  DeletedGroup RemoveGroupLocked(const std::string& id, const absl::Status& reason,
+  DeletedGroup RemoveGroupLocked(Group& g, const absl::Status& reason,
                                  std::vector<std::shared_ptr<Buffer>>* freed)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Removes groups unused for group_idle_timeout (DeadlineLoop).
-  void ReclaimIdleGroups(absl::Time now, std::vector<std::shared_ptr<Buffer>>* freed)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReclaimIfIdle(Group& g, absl::Time now, std::vector<std::shared_ptr<Buffer>>* freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // RESOURCE_EXHAUSTED when `uid` may not create another group (max_groups_per_uid).
   absl::Status CheckGroupQuota(int64_t uid, const std::string& group) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(table_mu_);
   // Commits (or drops) a registration once its agreement (server/registration.h) ended.
   void FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status);
-  absl::Status CheckCallerLocked(const Caller& caller) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // CheckCaller's errors for `g` (NOT_FOUND once it was removed).
+  absl::Status CheckCallerLocked(const Group& g, const Caller& caller) const
+      ABSL_SHARED_LOCKS_REQUIRED(g.mu);
+  // The group `id` as the table has it now (null: none). Its lock is not taken: the caller
+  // locks it and checks `removed` (a removal between the two is seen there).
+  std::shared_ptr<Group> FindGroup(const std::string& id) const ABSL_LOCKS_EXCLUDED(table_mu_);
+  // Every group of the table now.
+  std::vector<std::shared_ptr<Group>> AllGroups() const ABSL_LOCKS_EXCLUDED(table_mu_);
+  // FindGroup, or when there is none a group that is always `removed` (never null), so that a
+  // continuation finds, locks and checks its group in one shape: lock, then `g.removed`.
+  std::shared_ptr<Group> GroupOrGone(const std::string& id) const ABSL_LOCKS_EXCLUDED(table_mu_);
 
   // The kept-buffer cache of `reg` (made on first use).
-  std::shared_ptr<KeptBuffers> KeptOf(Registered& reg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // REQUIRES: the lock of `reg`'s group (KeptOf, ReleaseKept).
+  std::shared_ptr<KeptBuffers> KeptOf(Registered& reg);
   // Marks kept buffers nobody uses any more as idle from now.
-  void ReleaseKept(Registered& reg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseKept(Registered& reg);
   // The rank's session is over here (leave, lease ended); tells the coordinator.
   void EndRank(Group& g, int32_t rank, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Ends every open summon of `rank` in `g` without writeback (lease ended, leave).
-  void DropSummons(Group& g, int32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Their buffers go through `run`, after the lock.
+  void DropSummons(Group& g, int32_t rank, AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // Drops `open`'s references to its buffers: at once where another reference remains (the
+  // kept set's, so ReleaseKept then sees them unused), else through `after`, after the lock.
+  static void ReleaseBuffers(OpenSummon& open, AfterUnlock* after);
   void FinishEnd(const Caller& caller, uint64_t summon, absl::Status status, StatusCallback done);
   // Copies `rank`'s shards of `reg` into its committed copies (`to_committed`) or back (a
   // rollback). REQUIRES: the caller took `reg.busy` for it (under mu_), and releases it with
@@ -582,31 +557,31 @@ class GroupManager : public peer::PeerEvents {
                              bool to_committed) const;
   // Releases one `busy` of `reg` and starts a pending rollback when none is left.
   void DoneCopying(Group& g, Registered& reg, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // The group re-formed after a failure: roll every initialised module's local shards back
   // to their committed generation (now, or when the copies in flight are done).
   void StartRollback(Group& g, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   void RollbackNow(Group& g, const std::string& module, Registered& reg,
-                   AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                   AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // A refused agreement with a stale rank: rolls the caller's shards of `module` back.
   void RollbackRank(const Caller& caller, const std::string& module);
   // FAILED_PRECONDITION naming why `reg` is not initialised; UNAVAILABLE while it rolls back.
   // `module`'s registration in `g` once it is initialised: NOT_FOUND for an unregistered one,
   // CheckUsable's error for one whose initial values did not commit.
   absl::StatusOr<Registered*> InitializedModule(Group& g, const std::string& module)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   absl::Status CheckUsable(const Group& g, const std::string& module, const Registered& reg) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+      ABSL_SHARED_LOCKS_REQUIRED(g.mu);
   // The session of `rank` ended (`why`; REQUIRES: EndRank ran): collectives that need it fail
   // at once from now on (after the ops it had already submitted, see FailDeferred).
   void FailForRank(Group& g, int32_t rank, absl::string_view why,
-                   AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                   AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Fails the group with its deferred failure once no op a departed rank had submitted can
   // still complete (or now, when `now`).
   // Multi-daemon groups: the failure goes to the coordinator through `run` (after mu_).
   void FailDeferred(Group& g, bool now, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Runs the agreement all-gather of a writeback End or a Commit; `done` gets OK when every
   // rank's record says ok, else the first refusal (and whether a stale rank refused).
   void Agree(const std::shared_ptr<collective::CollectiveGroup>& coll, const Caller& caller,
@@ -628,21 +603,20 @@ class GroupManager : public peer::PeerEvents {
   struct SummonDecision;
   struct SummonStart;
   using ViewBuffers = std::map<std::pair<int32_t, KeptUse>, std::shared_ptr<Buffer>>;
-  absl::Status DecideSummon(const Caller& caller, const std::string& module,
+  absl::Status DecideSummon(Group& g, const Caller& caller, const std::string& module,
                             const std::string& path, const SummonOptions& options,
-                            SummonDecision* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void OpenSummonLocked(const Caller& caller, const std::string& module, const std::string& path,
-                        const SummonOptions& options, const SummonDecision& d,
-                        const ViewBuffers& got, SummonStart* out)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                            SummonDecision* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  void OpenSummonLocked(Group& g, const Caller& caller, const std::string& module,
+                        const std::string& path, const SummonOptions& options,
+                        const SummonDecision& d, const ViewBuffers& got, SummonStart* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   void StartUnshard(const Caller& caller, absl::Time deadline, std::shared_ptr<SummonStart> start,
                     SummonCallback done);
   // Drops the node-copy marks a summon set in `slot` (SummonSlot::making) and hands the
   // summons that waited for them to `waiting` (run after mu_).
   void UnmarkMaking(std::shared_ptr<SummonSlot> slot,
                     std::vector<std::pair<int32_t, KeptUse>>* marked,
-                    AfterUnlock* waiting)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                    AfterUnlock* waiting);  // REQUIRES: the lock of the slot's group
   // rank0_only writeback End: gets the buffers rank 0's broadcast lands in (without mu_) and
   // builds the broadcasts; UNAVAILABLE when the summon was dropped meanwhile.
   absl::Status PrepareRank0Broadcast(const Caller& caller, uint64_t summon, const Plan& plan,
@@ -651,7 +625,7 @@ class GroupManager : public peer::PeerEvents {
                                      const std::vector<ViewNeed>& needs,
                                      int64_t owner_uid, OpenSummon* copy,
                                      std::vector<collective::CollectiveOp>* broadcasts)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      ;
   void EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time deadline,
                         StatusCallback done, absl::Status local);
   void FinishReduceScatterWritten(const Caller& caller, const std::string& module, int32_t unit,
@@ -688,38 +662,38 @@ class GroupManager : public peer::PeerEvents {
   // the intent and queues the record's write into `run` (`changed`: the load set the
   // generation).
   void NoteLoadCopying(const std::string& group, const std::string& module,
-                       std::vector<int32_t> ranks, uint64_t generation) ABSL_LOCKS_EXCLUDED(mu_);
+                       std::vector<int32_t> ranks, uint64_t generation) ;
   void LoadRecordedLocked(Group& g, Registered& reg, bool changed,
                           AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // The ShardStore kind a role's buffers are allocated as.
   static BufferKind KindOfRole(const std::string& role);
   // The group's record as of now; `sequence` from state_sequence_.
-  state::GroupRecord SnapshotLocked(Group& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  state::GroupRecord SnapshotLocked(Group& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Queues the write of `g`'s record (a snapshot taken now) into `run`, to run after mu_.
   void PersistLater(Group& g, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Writes a snapshot (or removes the record when it holds no module); a failed write
   // removes the record (the group is then not kept across a restart) and is logged.
-  bool WriteRecord(const state::GroupRecord& record) ABSL_LOCKS_EXCLUDED(mu_);
+  bool WriteRecord(const state::GroupRecord& record) ;
   // `group`'s registration of `module` (and the group in `*g` when not null); null when either
   // is gone.
-  Registered* FindModuleLocked(const std::string& group, const std::string& module,
-                               Group** g = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Registered* FindModuleLocked(Group& g, const std::string& module)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Under mu_, runs `edit` on `group`'s registration of `module` (nothing when either is gone);
   // when it returns true and the daemon keeps records, snapshots the group and writes its
   // record once mu_ is released. Returns whether a record was written.
   bool EditAndRecord(const std::string& group, const std::string& module,
-                     absl::FunctionRef<bool(Registered&)> edit) ABSL_LOCKS_EXCLUDED(mu_);
+                     absl::FunctionRef<bool(Registered&)> edit) ;
   // A commit of `module` to `generation` that every rank agreed to: this rank's shards hold
   // it completely and its copy into the committed copy starts now. Records that durably
   // first (the copy may be torn by a kill). `kind`: "commit", "end" or "init".
   void CommitReady(const Caller& caller, const std::string& module, uint64_t generation,
-                   const char* kind) ABSL_LOCKS_EXCLUDED(mu_);
+                   const char* kind) ;
   // This rank's committed copy holds `generation` completely; recorded before the caller
   // answers (the trainer's next writes would otherwise be taken for that generation).
   void CommitDone(const Caller& caller, const std::string& module, uint64_t generation)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      ;
   // Every rank agreed to commit `module` to `generation` (before any copy): the module
   // reports that generation at rendezvous (internal::HeldGeneration) from now on.
   static void NoteCommitAgreed(Registered& reg, uint64_t generation, const char* kind);
@@ -732,13 +706,13 @@ class GroupManager : public peer::PeerEvents {
   void EndArrive(const Caller& caller, const std::string& module, uint64_t k, uint64_t target,
                  const char* kind, absl::Status status,
                  std::vector<internal::DurablePair> durable,
-                 absl::AnyInvocable<void(absl::Status)> finish) ABSL_LOCKS_EXCLUDED(mu_);
+                 absl::AnyInvocable<void(absl::Status)> finish) ;
   // The rank's End agreement failed: it counts as arrived (it applies nothing).
   void EndNotApplied(const Caller& caller, const std::string& module, uint64_t k)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      ;
   void ProcessEndBatch(const std::string& group, const std::string& module, uint64_t target,
                        const char* kind, std::vector<EndArrival> batch)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      ;
   // Under mu_: `rank`'s committed copy holds `generation` (the pending commit's done ranks).
   static void MarkCommitDoneLocked(Registered& reg, int32_t rank, uint64_t generation);
   // GroupManagerOptions::testing_commit_copy_pause.
@@ -748,7 +722,7 @@ class GroupManager : public peer::PeerEvents {
   struct CheckpointHold;
   absl::StatusOr<CheckpointHold> HoldForCheckpoint(const CheckpointArgs& args, bool load,
                                                    CheckpointProgress* progress)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      ;
   // GPU ranks: host staging buffers of `buffers`' sizes (filled from them when `copy_in`);
   // host ranks: `buffers` themselves. Blocking on the device: not on a reactor thread.
   absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> HostCopies(
@@ -759,12 +733,12 @@ class GroupManager : public peer::PeerEvents {
                                                          const CheckpointArgs& args, bool load);
   // Ends a hold; a load sets `generation` and marks the local ranks stale.
   void ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
-                             std::optional<uint64_t> generation) ABSL_LOCKS_EXCLUDED(mu_);
+                             std::optional<uint64_t> generation) ;
   // A load of a checkpoint with optimizer state into a module without any: allocates the
   // state buffers (and committed copies) of `specs` for the hold's ranks, installs them in the
   // module and in `hold` (README "Checkpoints").
   absl::Status AllocateStateForLoad(CheckpointHold& hold, const std::vector<StateSpec>& specs)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      ;
 
   ShardStore* const store_;
   const absl::Duration lease_timeout_;
@@ -783,24 +757,40 @@ class GroupManager : public peer::PeerEvents {
   Clock* const clock_;
   // Every registered module's kept buffers (Registered::kept), decommitted when idle.
   const std::shared_ptr<KeptBufferPool> kept_pool_;
-  mutable absl::Mutex mu_;
-  std::map<std::string, std::unique_ptr<Group>> groups_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
+  // Locking. Each group has its own mutex (Group::mu): two groups never wait on each other.
+  // `table_mu_` guards only the map of groups and the few daemon-wide fields below; it is a
+  // leaf: taken for lookups, inserts and removals, never while waiting for a group's lock
+  // (a group's lock may be held while taking it). Every group-level function says which
+  // group's lock it needs (ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu)).
+  mutable absl::Mutex table_mu_;
+  // shared_ptr: a caller that found a group keeps it alive across its lock, so a group
+  // removed meanwhile is freed (its buffers unmapped) after that lock, never under it.
+  std::map<std::string, std::shared_ptr<Group>> groups_ ABSL_GUARDED_BY(table_mu_);
+  // GroupOrGone's answer for an unknown id.
+  const std::shared_ptr<Group> gone_;
+  std::atomic<uint64_t> next_session_{1};
   // Tickets of StartConnect (unique over every group, so a removed and re-created group never
   // takes an old connect for its own).
-  uint64_t next_connect_ ABSL_GUARDED_BY(mu_) = 1;
+  std::atomic<uint64_t> next_connect_{1};
   // Coordinators whose last group went away, and since when (DeadlineLoop unwatches them).
-  std::map<std::string, absl::Time> coordinator_idle_since_ ABSL_GUARDED_BY(mu_);
-  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
-  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, absl::Time> coordinator_idle_since_ ABSL_GUARDED_BY(table_mu_);
+  // Set once (Shutdown, StartDrain); read under any lock. Shutdown sets it before it visits
+  // each group under that group's lock, so a join that takes a group's lock after the visit
+  // sees it, and one before is failed by the visit.
+  std::atomic<bool> shutdown_{false};
+  std::atomic<bool> draining_{false};
+  absl::Mutex loop_mu_;  // the deadline loop's sleep, woken by Shutdown
+  bool loop_stop_ ABSL_GUARDED_BY(loop_mu_) = false;
   // Restarts: the state directory (null: none) and the sequence of the next record written;
   // records removed by RemoveGroupLocked wait here for the caller to drop the lock.
   state::StateDir* const state_dir_;
   const absl::Duration testing_commit_copy_pause_;
-  bool state_forgotten_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t state_sequence_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<std::pair<std::string, uint64_t>> removed_records_ ABSL_GUARDED_BY(mu_);
-  void FlushRemovedRecords() ABSL_LOCKS_EXCLUDED(mu_);
+  mutable absl::Mutex records_mu_;  // a leaf, like table_mu_
+  bool state_forgotten_ ABSL_GUARDED_BY(records_mu_) = false;
+  std::atomic<uint64_t> state_sequence_{0};
+  std::vector<std::pair<std::string, uint64_t>> removed_records_ ABSL_GUARDED_BY(records_mu_);
+  bool StateForgotten() const ABSL_LOCKS_EXCLUDED(records_mu_);
+  void FlushRemovedRecords() ABSL_LOCKS_EXCLUDED(records_mu_);
   std::thread deadline_thread_;
   // Checkpoints of multi-daemon groups: how this daemon reaches the others' peer ports.
   std::shared_ptr<grpc::ChannelCredentials> peer_credentials_;

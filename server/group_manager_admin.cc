@@ -23,17 +23,17 @@ using internal::Display;
 std::vector<GroupManager::GroupCollectives> GroupManager::ListCollectives(
     const std::string& group) const {
   std::vector<std::pair<GroupCollectives, std::shared_ptr<collective::CollectiveGroup>>> found;
-  {
-    absl::ReaderMutexLock lock(&mu_);
-    for (const auto& [id, g] : groups_) {
-      if (!group.empty() && id != group) continue;
-      GroupCollectives info;
-      info.group = id;
-      info.world_size = g->world_size;
-      info.epoch = g->epoch;
-      info.local_ranks = g->local_ranks;
-      found.emplace_back(std::move(info), g->coll);
-    }
+  for (const std::shared_ptr<Group>& held : AllGroups()) {
+    const Group& g = *held;
+    if (!group.empty() && g.id != group) continue;
+    absl::ReaderMutexLock lock(&g.mu);
+    if (g.removed) continue;
+    GroupCollectives info;
+    info.group = g.id;
+    info.world_size = g.world_size;
+    info.epoch = g.epoch;
+    info.local_ranks = g.local_ranks;
+    found.emplace_back(std::move(info), g.coll);
   }
   // Asked outside the manager's lock: the backend takes its own.
   std::vector<GroupCollectives> out;
@@ -49,21 +49,21 @@ std::vector<GroupManager::GroupCollectives> GroupManager::ListCollectives(
 
 std::vector<GroupManager::GroupInfo> GroupManager::ListGroups() const {
   std::vector<std::pair<GroupInfo, std::shared_ptr<collective::CollectiveGroup>>> found;
-  {
-    absl::ReaderMutexLock lock(&mu_);
-    for (const auto& [id, g] : groups_) {
-      GroupInfo info;
-      info.group = id;
-      info.world_size = g->world_size;
-      info.epoch = g->epoch;
-      info.coordinator = g->coordinator;
-      info.local_ranks = g->local_ranks;
-      // Joined ranks are local ones (a session is this daemon's); the sparse map keeps this
-      // O(joined), not O(world_size).
-      info.joined_ranks = g->session_of_rank.Joined();
-      for (const auto& [module, reg] : g->registered) info.registered_modules.push_back(module);
-      found.emplace_back(std::move(info), g->coll);
-    }
+  for (const std::shared_ptr<Group>& held : AllGroups()) {
+    const Group& g = *held;
+    absl::ReaderMutexLock lock(&g.mu);
+    if (g.removed) continue;
+    GroupInfo info;
+    info.group = g.id;
+    info.world_size = g.world_size;
+    info.epoch = g.epoch;
+    info.coordinator = g.coordinator;
+    info.local_ranks = g.local_ranks;
+    // Joined ranks are local ones (a session is this daemon's); the sparse map keeps this
+    // O(joined), not O(world_size).
+    info.joined_ranks = g.session_of_rank.Joined();
+    for (const auto& [module, reg] : g.registered) info.registered_modules.push_back(module);
+    found.emplace_back(std::move(info), g.coll);
   }
   std::vector<GroupInfo> out;
   for (auto& [info, coll] : found) {
@@ -74,25 +74,25 @@ std::vector<GroupManager::GroupInfo> GroupManager::ListGroups() const {
 }
 
 void GroupManager::StartDrain() {
-  absl::MutexLock lock(&mu_);
-  if (!draining_) FS_LOG(INFO) << "draining: new groups and joins are refused from now on";
-  draining_ = true;
+  if (!draining_.exchange(true)) {
+    FS_LOG(INFO) << "draining: new groups and joins are refused from now on";
+  }
 }
 
 GroupManager::Stats GroupManager::GetStats() const {
   Stats stats;
   std::vector<std::shared_ptr<collective::CollectiveGroup>> colls;
-  {
-    absl::ReaderMutexLock lock(&mu_);
-    stats.draining = draining_;
-    stats.shutting_down = shutdown_;
-    stats.groups = static_cast<int32_t>(groups_.size());
-    for (const auto& [id, g] : groups_) {
-      stats.sessions += g->session_of_rank.joined_count();
-      stats.open_summons += static_cast<int32_t>(g->open_summons.size());
-      stats.pending_joins += static_cast<int32_t>(g->pending_joins.size());
-      if (g->coll) colls.push_back(g->coll);
-    }
+  stats.draining = draining_;
+  stats.shutting_down = shutdown_;
+  for (const std::shared_ptr<Group>& held : AllGroups()) {
+    const Group& g = *held;
+    absl::ReaderMutexLock lock(&g.mu);
+    if (g.removed) continue;
+    ++stats.groups;
+    stats.sessions += g.session_of_rank.joined_count();
+    stats.open_summons += static_cast<int32_t>(g.open_summons.size());
+    stats.pending_joins += static_cast<int32_t>(g.pending_joins.size());
+    if (g.coll) colls.push_back(g.coll);
   }
   for (const auto& coll : colls) {
     stats.pending_collectives += static_cast<int32_t>(coll->PendingOps().size());
@@ -102,12 +102,13 @@ GroupManager::Stats GroupManager::GetStats() const {
 
 absl::StatusOr<std::vector<GroupManager::ModuleUnits>> GroupManager::ListUnits(
     const std::string& group, const std::optional<std::string>& module) const {
-  absl::ReaderMutexLock lock(&mu_);
-  auto it = groups_.find(group);
-  if (it == groups_.end()) {
+  std::shared_ptr<Group> held = FindGroup(group);
+  if (held == nullptr) {
     return absl::NotFoundError(absl::StrCat("this daemon hosts no group ", group));
   }
-  const Group& g = *it->second;
+  const Group& g = *held;
+  absl::ReaderMutexLock lock(&g.mu);
+  if (g.removed) return absl::NotFoundError(absl::StrCat("this daemon hosts no group ", group));
   if (module && !g.registered.contains(*module)) {
     return absl::NotFoundError(
         absl::StrCat("group ", g.id, ": module ", Display(*module), " is not registered"));
@@ -203,12 +204,10 @@ absl::Status GroupManager::CheckGroupQuota(int64_t uid, const std::string& group
 }
 
 GroupManager::DeletedGroup GroupManager::RemoveGroupLocked(
-    const std::string& id, const absl::Status& reason,
-    std::vector<std::shared_ptr<Buffer>>* freed) {
+    Group& g, const absl::Status& reason, std::vector<std::shared_ptr<Buffer>>* freed) {
   DeletedGroup out;
-  auto it = groups_.find(id);
-  if (it == groups_.end()) return out;
-  Group& g = *it->second;
+  if (g.removed) return out;
+  const std::string& id = g.id;
   out.group = id;
   // Every buffer the group holds moves to `freed` (dropped by the caller after the lock);
   // counted once each, however many structures share it.
@@ -250,11 +249,16 @@ GroupManager::DeletedGroup GroupManager::RemoveGroupLocked(
       }
     }
   }
-  const std::string coordinator = g.coordinator;
-  if (state_dir_ != nullptr) removed_records_.emplace_back(id, ++state_sequence_);
+  if (state_dir_ != nullptr) {
+    absl::MutexLock lock(&records_mu_);
+    removed_records_.emplace_back(id, ++state_sequence_);
+  }
   engine_.RemoveGroup(id, reason).IgnoreError();
-  groups_.erase(it);
-  if (!coordinator.empty()) coordinator_idle_since_.try_emplace(coordinator, clock_->Now());
+  g.removed = true;
+  absl::MutexLock lock(&table_mu_);
+  auto it = groups_.find(id);
+  if (it != groups_.end() && it->second.get() == &g) groups_.erase(it);  // the caller holds g
+  if (!g.coordinator.empty()) coordinator_idle_since_.try_emplace(g.coordinator, clock_->Now());
   return out;
 }
 
@@ -263,13 +267,16 @@ absl::StatusOr<GroupManager::DeletedGroup> GroupManager::DeleteGroup(const std::
                                                                      bool privileged) {
   std::vector<std::shared_ptr<Buffer>> freed;
   DeletedGroup out;
+  std::shared_ptr<Group> held = FindGroup(group);
+  if (held == nullptr) {
+    return absl::NotFoundError(absl::StrCat("this daemon hosts no group ", Short(group)));
+  }
   {
-    absl::MutexLock lock(&mu_);
-    auto it = groups_.find(group);
-    if (it == groups_.end()) {
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (g.removed) {
       return absl::NotFoundError(absl::StrCat("this daemon hosts no group ", Short(group)));
     }
-    Group& g = *it->second;
     if (!privileged) FS_RETURN_IF_ERROR(internal::CheckUid(g, uid));
     std::vector<int32_t> busy = g.session_of_rank.Joined();
     for (const PendingJoin& j : g.pending_joins) busy.push_back(j.rank);
@@ -285,51 +292,52 @@ absl::StatusOr<GroupManager::DeletedGroup> GroupManager::DeleteGroup(const std::
       return absl::FailedPreconditionError(absl::StrCat(
           "group ", Short(group), ": a registration or summon is still under way"));
     }
-    out = RemoveGroupLocked(group, absl::AbortedError(absl::StrCat("group ", Short(group),
+    out = RemoveGroupLocked(g, absl::AbortedError(absl::StrCat("group ", Short(group),
                                                                    " was deleted")),
                             &freed);
     FS_LOG(INFO) << "group=" << Short(group) << " deleted by uid " << UidText(uid) << ": "
                  << out.modules.size() << " registered modules, " << out.freed_buffers
                  << " buffers, " << out.freed_bytes << " bytes freed";
   }
+  held = nullptr;
   freed.clear();  // unmap and unlink outside the lock
   FlushRemovedRecords();
   return out;
 }
 
-void GroupManager::ReclaimIdleGroups(absl::Time now, std::vector<std::shared_ptr<Buffer>>* freed) {
+void GroupManager::ReclaimIfIdle(Group& g, absl::Time now,
+                                 std::vector<std::shared_ptr<Buffer>>* freed) {
+  if (g.removed) return;
   const bool enabled =
       group_idle_timeout_ > absl::ZeroDuration() && group_idle_timeout_ != absl::InfiniteDuration();
-  std::vector<std::string> expired;
-  for (auto& [id, g] : groups_) {
-    if (!g->Unused()) {
-      g->idle_since = absl::InfiniteFuture();
-    } else if (g->idle_since == absl::InfiniteFuture()) {
-      g->idle_since = now;
-    } else if (enabled && now - g->idle_since >= group_idle_timeout_) {
-      expired.push_back(id);
-    }
+  if (!g.Unused()) {
+    g.idle_since = absl::InfiniteFuture();
+    return;
   }
-  for (const std::string& id : expired) {
-    const absl::Duration idle = now - groups_.at(id)->idle_since;
-    DeletedGroup d = RemoveGroupLocked(
-        id,
-        absl::AbortedError(absl::StrCat("group ", Short(id), " was reclaimed after ",
-                                        absl::FormatDuration(idle), " without a session")),
-        freed);
-    FS_LOG(INFO) << "group=" << Short(id) << " reclaimed: no session for "
-                 << absl::FormatDuration(idle) << " (--group_idle_timeout="
-                 << absl::FormatDuration(group_idle_timeout_) << "); " << d.modules.size()
-                 << " registered modules, " << d.freed_buffers << " buffers, " << d.freed_bytes
-                 << " bytes freed";
+  if (g.idle_since == absl::InfiniteFuture()) {
+    g.idle_since = now;
+    return;
   }
+  if (!enabled || now - g.idle_since < group_idle_timeout_) return;
+  const absl::Duration idle = now - g.idle_since;
+  const std::string id = g.id;
+  DeletedGroup d = RemoveGroupLocked(
+      g,
+      absl::AbortedError(absl::StrCat("group ", Short(id), " was reclaimed after ",
+                                      absl::FormatDuration(idle), " without a session")),
+      freed);
+  FS_LOG(INFO) << "group=" << Short(id) << " reclaimed: no session for "
+               << absl::FormatDuration(idle) << " (--group_idle_timeout="
+               << absl::FormatDuration(group_idle_timeout_) << "); " << d.modules.size()
+               << " registered modules, " << d.freed_buffers << " buffers, " << d.freed_bytes
+               << " bytes freed";
 }
 
 }  // namespace flatshard::server
 
 namespace flatshard::server {
 
-void GroupManager::ReconcileModules(Group& g, const peer::PeerTable& table) {
+void GroupManager::ReconcileModules(Group& g, const peer::PeerTable& table, AfterUnlock* run) {
   if (static_cast<int32_t>(table.rank_modules.size()) != g.world_size) return;
   // What each rank's daemon holds, for the ranks known this round: this daemon's own ranks
   // (its state now) and every rank that reported at the rendezvous that made the table.
@@ -385,7 +393,9 @@ void GroupManager::ReconcileModules(Group& g, const peer::PeerTable& table) {
           "): a daemon died between the daemons' copies of one commit, and no generation is "
           "held by every daemon; it was dropped on every daemon at epoch ", table.epoch,
           ": register it afresh on every rank (or restore it)");
-      if (auto it = g.registered.find(module); it != g.registered.end()) g.registered.erase(it);
+      if (auto it = g.registered.find(module); it != g.registered.end()) {
+        run->Destroy(g.registered.extract(it));  // its buffers go after the lock
+      }
       FS_LOG(WARNING) << why;
       g.lost[module] = std::move(why);
       continue;
@@ -400,14 +410,14 @@ void GroupManager::ReconcileModules(Group& g, const peer::PeerTable& table) {
         "epoch ", table.epoch, ": register it afresh on every rank (or restore it)");
     if (auto it = g.registered.find(module);
         it != g.registered.end() && internal::HeldKey(module, it->second) == key) {
-      g.registered.erase(it);  // its buffers go with it
+      run->Destroy(g.registered.extract(it));  // its buffers go after the lock
     }
     FS_LOG(WARNING) << why;
     g.lost[module] = std::move(why);
   }
   // A module whose ranks on this daemon hold different generations (with one daemon, no
   // other daemon's report shows it): dropped too, never rolled back into a mix.
-  internal::DropMixedModules(g, absl::StrCat("at the re-form at epoch ", table.epoch));
+  internal::DropMixedModules(g, absl::StrCat("at the re-form at epoch ", table.epoch), run);
 }
 
 }  // namespace flatshard::server

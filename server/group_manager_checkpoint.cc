@@ -196,13 +196,13 @@ absl::StatusOr<GroupManager::CheckpointHold> GroupManager::HoldForCheckpoint(
   absl::Status last_wait;
   while (true) {
     {
-      absl::MutexLock lock(&mu_);
       if (shutdown_) return absl::UnavailableError("flatshardd is shutting down");
-      auto git = groups_.find(args.group);
-      if (git == groups_.end()) {
+      std::shared_ptr<Group> held = GroupOrGone(args.group);
+      Group& g = *held;
+      absl::MutexLock lock(&g.mu);
+      if (g.removed) {
         return absl::NotFoundError(absl::StrCat("no group ", Truncated(args.group), " here"));
       }
-      Group& g = *git->second;
       if (args.from_peer) {
         if (!internal::TokensEqual(args.token, g.token)) {
           return absl::PermissionDeniedError(
@@ -334,11 +334,12 @@ void GroupManager::ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
                                          std::optional<uint64_t> generation) {
   AfterUnlock run;
   {
-    absl::MutexLock lock(&mu_);
-    auto g = groups_.find(hold.group);
-    if (g == groups_.end()) return;
-    auto it = g->second->registered.find(hold.module);
-    if (it == g->second->registered.end()) return;
+    std::shared_ptr<Group> held = GroupOrGone(hold.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (g.removed) return;
+    auto it = g.registered.find(hold.module);
+    if (it == g.registered.end()) return;
     Registered& reg = it->second;
     if (load && generation.has_value()) {
       for (int32_t r : hold.ranks) {
@@ -353,9 +354,9 @@ void GroupManager::ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
       for (auto& f : reg.after_ckpt) run.Call(std::move(f));
       reg.after_ckpt.clear();
     }
-    if (load) DoneCopying(*g->second, reg, &run);
+    if (load) DoneCopying(g, reg, &run);
     // Restarts: the record holds the loaded generation before the load is answered.
-    if (load) LoadRecordedLocked(*g->second, reg, generation.has_value(), &run);
+    if (load) LoadRecordedLocked(g, reg, generation.has_value(), &run);
   }
   run.Run();
 }
@@ -616,14 +617,14 @@ absl::Status GroupManager::AllocateStateForLoad(CheckpointHold& hold,
       }
     }
   }
-  absl::MutexLock lock(&mu_);
-  auto git = groups_.find(hold.group);
-  if (git == groups_.end() || !git->second->registered.contains(hold.module)) {
+  std::shared_ptr<Group> held = GroupOrGone(hold.group);
+  Group& g = *held;
+  absl::MutexLock lock(&g.mu);
+  if (g.removed || !g.registered.contains(hold.module)) {
     return absl::UnavailableError(absl::StrCat("group ", hold.group, ": module ",
                                                Display(hold.module),
                                                " was dropped during the load"));
   }
-  Group& g = *git->second;
   Registered& reg = g.registered.at(hold.module);
   bool any = !reg.state_specs.empty() || !reg.state_allocating.empty();
   for (const auto& shards : reg.shards_by_rank) {

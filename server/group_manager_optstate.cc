@@ -44,10 +44,11 @@ absl::StatusOr<RegisterStateResult> GroupManager::RegisterState(
   Placement placement;
   bool fixed_here = false;  // this call fixed the module's spec
   {
-    absl::MutexLock lock(&mu_);
+    std::shared_ptr<Group> held = GroupOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
     FS_RETURN_IF_ERROR(shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
-                                 : CheckCallerLocked(caller));
-    Group& g = *groups_.at(caller.group);
+                                 : CheckCallerLocked(g, caller));
     if (auto lost = g.lost.find(module); lost != g.lost.end() && !g.registered.contains(module)) {
       return absl::FailedPreconditionError(lost->second);
     }
@@ -124,19 +125,19 @@ absl::StatusOr<RegisterStateResult> GroupManager::RegisterState(
 
   absl::StatusOr<RegisterStateResult> result = absl::InternalError("unset");
   {
-    absl::MutexLock lock(&mu_);
-    auto git = groups_.find(caller.group);
+    std::shared_ptr<Group> held = GroupOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
     Registered* found = nullptr;
-    if (git != groups_.end()) {
-      auto rit = git->second->registered.find(module);
-      if (rit != git->second->registered.end()) found = &rit->second;
+    if (!g.removed) {
+      auto rit = g.registered.find(module);
+      if (rit != g.registered.end()) found = &rit->second;
     }
     if (found == nullptr) {
       result = absl::UnavailableError(absl::StrCat(
           "group ", caller.group, ": module ", Display(module),
           " was dropped while its optimizer state was being allocated"));
     } else {
-      Group& g = *git->second;
       Registered& reg = *found;
       reg.state_allocating.erase(caller.rank);
       if (!status.ok()) {

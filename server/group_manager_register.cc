@@ -24,6 +24,7 @@ using internal::Nested;
 // the agreement (server/registration.h) said yes on every rank.
 struct GroupManager::RegisterExchange {
   Caller caller;
+  std::shared_ptr<Group> group;  // the caller's (never removed while it registers)
   std::string module;
   std::shared_ptr<const absl::StatusOr<Plan>> plan;
   Manifest manifest;
@@ -37,16 +38,24 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
                             const absl::StatusOr<Manifest>& manifest,
                             const absl::StatusOr<Policy>& policy, InitMode init,
                             absl::Time deadline, RegisterCallback done) {
-  int32_t world_size = 0;
+  std::shared_ptr<Group> held = FindGroup(caller.group);
+  if (held == nullptr) {
+    done(absl::NotFoundError(absl::StrCat("unknown group ", caller.group)));
+    return;
+  }
+  Group& g = *held;
+  const int32_t world_size = g.world_size;
   {
-    absl::ReaderMutexLock lock(&mu_);
-    absl::Status s = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
-                               : CheckCallerLocked(caller);
+    absl::Status s;
+    {
+      absl::ReaderMutexLock lock(&g.mu);
+      s = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
+                    : CheckCallerLocked(g, caller);
+    }
     if (!s.ok()) {
-      done(s);
+      done(s);  // after the lock
       return;
     }
-    world_size = groups_.at(caller.group)->world_size;
   }
   // Planning can take milliseconds on a large model: do it outside the lock.
   PlanOptions options;
@@ -58,12 +67,12 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
   auto x = std::make_shared<RegisterExchange>();
   std::shared_ptr<collective::CollectiveGroup> coll;  // the group's, when the checks passed
   absl::Status error;
+  AfterUnlock after;  // declared before the lock: runs after it
   {
-    absl::ReleasableMutexLock lock(&mu_);
+    absl::ReleasableMutexLock lock(&g.mu);
     error = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
-                      : CheckCallerLocked(caller);
+                      : CheckCallerLocked(g, caller);
     if (error.ok()) {
-      Group& g = *groups_.at(caller.group);
       auto known = g.registered.find(module);
       if (known != g.registered.end()) {
         Registered& r = known->second;
@@ -96,7 +105,9 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
             if (it->second.rank == caller.rank && it->second.module == module &&
                 !it->second.ending) {
               for (int32_t u : it->second.units) r.summoned[caller.rank][u] = false;
-              it = g.open_summons.erase(it);
+              auto next = std::next(it);
+              after.Destroy(g.open_summons.extract(it));  // its views' buffers, after the lock
+              it = next;
             } else {
               ++it;
             }
@@ -136,6 +147,7 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
     return;
   }
   x->caller = caller;
+  x->group = held;
   x->module = module;
   x->init = init;
   x->done = std::move(done);
@@ -175,12 +187,11 @@ void GroupManager::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Sta
     // did not start a second registration of the module; the group's communicator may have
     // re-formed, but the verdict came from the agreement every rank reached, so every rank
     // commits the same way.
-    absl::MutexLock lock(&mu_);
-    auto it = groups_.find(caller.group);
-    if (it == groups_.end()) {
+    Group& g = *x->group;
+    absl::MutexLock lock(&g.mu);
+    if (g.removed) {
       result = absl::UnavailableError(absl::StrCat("group ", caller.group, " is gone"));
     } else {
-      Group& g = *it->second;
       g.registering.erase({x->module, caller.rank});
       if (absl::IsDeadlineExceeded(status) || absl::IsAborted(status) ||
           absl::IsUnavailable(status)) {

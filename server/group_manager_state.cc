@@ -236,17 +236,18 @@ state::GroupRecord GroupManager::SnapshotLocked(Group& g) {
   return rec;
 }
 
+bool GroupManager::StateForgotten() const {
+  absl::MutexLock lock(&records_mu_);
+  return state_forgotten_;
+}
+
 void GroupManager::PersistLater(Group& g, AfterUnlock* run) {
-  if (state_dir_ == nullptr || state_forgotten_) return;
+  if (state_dir_ == nullptr || StateForgotten()) return;
   run->Call([this, rec = SnapshotLocked(g)] { WriteRecord(rec); });
 }
 
 bool GroupManager::WriteRecord(const state::GroupRecord& record) {
-  if (state_dir_ == nullptr) return false;
-  {
-    absl::MutexLock lock(&mu_);
-    if (state_forgotten_) return false;
-  }
+  if (state_dir_ == nullptr || StateForgotten()) return false;
   if (record.modules.empty()) {
     absl::Status s = state_dir_->Remove(record.id, record.sequence);
     if (!s.ok()) FS_LOG(ERROR) << "group=" << record.id << ": " << s;
@@ -267,7 +268,7 @@ bool GroupManager::WriteRecord(const state::GroupRecord& record) {
 void GroupManager::FlushRemovedRecords() {
   std::vector<std::pair<std::string, uint64_t>> removed;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&records_mu_);
     removed.swap(removed_records_);
   }
   if (state_dir_ == nullptr) return;
@@ -295,26 +296,23 @@ void GroupManager::NoteLoadCopying(const std::string& group, const std::string& 
   });
 }
 
-GroupManager::Registered* GroupManager::FindModuleLocked(const std::string& group,
-                                                         const std::string& module, Group** g) {
-  auto it = groups_.find(group);
-  if (it == groups_.end()) return nullptr;
-  auto m = it->second->registered.find(module);
-  if (m == it->second->registered.end()) return nullptr;
-  if (g != nullptr) *g = it->second.get();
-  return &m->second;
+GroupManager::Registered* GroupManager::FindModuleLocked(Group& g, const std::string& module) {
+  if (g.removed) return nullptr;
+  auto m = g.registered.find(module);
+  return m == g.registered.end() ? nullptr : &m->second;
 }
 
 bool GroupManager::EditAndRecord(const std::string& group, const std::string& module,
                                  absl::FunctionRef<bool(Registered&)> edit) {
   state::GroupRecord rec;
   {
-    absl::MutexLock lock(&mu_);
-    Group* g = nullptr;
-    Registered* reg = FindModuleLocked(group, module, &g);
+    std::shared_ptr<Group> held = GroupOrGone(group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    Registered* reg = FindModuleLocked(g, module);
     if (reg == nullptr || !edit(*reg)) return false;
-    if (state_dir_ == nullptr || state_forgotten_) return false;
-    rec = SnapshotLocked(*g);
+    if (state_dir_ == nullptr || StateForgotten()) return false;
+    rec = SnapshotLocked(g);
   }
   return WriteRecord(rec);
 }
@@ -351,8 +349,10 @@ void GroupManager::CommitReady(const Caller& caller, const std::string& module,
     return !(commit && reg.durable_commit_intent == generation);
   });
   if (written && commit) {
-    absl::MutexLock lock(&mu_);
-    if (Registered* reg = FindModuleLocked(caller.group, module)) {
+    std::shared_ptr<Group> held = GroupOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (Registered* reg = FindModuleLocked(g, module)) {
       reg->durable_commit_intent = std::max(reg->durable_commit_intent, generation);
     }
   }
@@ -392,8 +392,10 @@ void GroupManager::EndArrive(const Caller& caller, const std::string& module, ui
                              absl::AnyInvocable<void(absl::Status)> finish) {
   std::vector<EndArrival> batch;
   {
-    absl::MutexLock lock(&mu_);
-    if (Registered* found = FindModuleLocked(caller.group, module)) {
+    std::shared_ptr<Group> held = GroupOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (Registered* found = FindModuleLocked(g, module)) {
       Registered& reg = *found;
       std::vector<EndArrival>& arrived = reg.end_batches[k];
       arrived.push_back(EndArrival{caller.rank, true, std::move(status), std::move(durable),
@@ -420,8 +422,10 @@ void GroupManager::EndNotApplied(const Caller& caller, const std::string& module
   uint64_t target = 0;
   std::string kind;
   {
-    absl::MutexLock lock(&mu_);
-    Registered* found = FindModuleLocked(caller.group, module);
+    std::shared_ptr<Group> held = GroupOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    Registered* found = FindModuleLocked(g, module);
     if (found == nullptr) return;
     Registered& reg = *found;
     std::vector<EndArrival>& arrived = reg.end_batches[k];
@@ -514,10 +518,13 @@ void GroupManager::KeepDeviceShards() {
     std::vector<std::string> state_names;
   };
   std::vector<Job> jobs;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto& [id, g] : groups_) {
-      for (auto& [module, reg] : g->registered) {
+  for (const std::shared_ptr<Group>& held : AllGroups()) {
+    Group& g = *held;
+    const std::string& id = g.id;
+    absl::MutexLock lock(&g.mu);
+    if (g.removed) continue;
+    {
+      for (auto& [module, reg] : g.registered) {
         if (!reg.initialized || reg.busy > 0 || reg.pending_commit.has_value()) {
           if (reg.initialized) {
             FS_LOG(WARNING) << "group=" << id << " module=" << Display(module)
@@ -531,7 +538,7 @@ void GroupManager::KeepDeviceShards() {
               !reg.committed[r][0]->on_device()) {
             continue;
           }
-          Job job{id, module, r, g->owner_uid, reg.committed[r], {}, {}};
+          Job job{id, module, r, g.owner_uid, reg.committed[r], {}, {}};
           if (r < static_cast<int32_t>(reg.committed_state.size())) {
             job.committed_state = reg.committed_state[r];
           }
@@ -589,11 +596,12 @@ void GroupManager::KeepDeviceShards() {
                     << "optimizer state (the module is not kept): " << s;
       continue;
     }
-    absl::MutexLock lock(&mu_);
-    auto g = groups_.find(job.group);
-    if (g == groups_.end()) continue;
-    auto it = g->second->registered.find(job.module);
-    if (it == g->second->registered.end()) continue;
+    std::shared_ptr<Group> held = GroupOrGone(job.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (g.removed) continue;
+    auto it = g.registered.find(job.module);
+    if (it == g.registered.end()) continue;
     Registered& reg = it->second;
     reg.host_committed.resize(reg.committed.size());
     reg.host_committed[job.rank] = std::move(hosts);
@@ -607,10 +615,11 @@ void GroupManager::KeepDeviceShards() {
   for (const std::string& id : touched) {
     state::GroupRecord rec;
     {
-      absl::MutexLock lock(&mu_);
-      auto g = groups_.find(id);
-      if (g == groups_.end()) continue;
-      rec = SnapshotLocked(*g->second);
+      std::shared_ptr<Group> held = GroupOrGone(id);
+      Group& g = *held;
+      absl::MutexLock lock(&g.mu);
+      if (g.removed) continue;
+      rec = SnapshotLocked(g);
     }
     WriteRecord(rec);
   }
@@ -624,10 +633,10 @@ void GroupManager::KeepDeviceShards() {
 void GroupManager::ForgetState() {
   if (state_dir_ == nullptr) return;
   std::vector<std::pair<std::string, uint64_t>> removed;
+  if (StateForgotten()) return;
+  for (const std::shared_ptr<Group>& g : AllGroups()) removed.emplace_back(g->id, ++state_sequence_);
   {
-    absl::MutexLock lock(&mu_);
-    if (state_forgotten_) return;
-    for (const auto& [id, g] : groups_) removed.emplace_back(id, ++state_sequence_);
+    absl::MutexLock lock(&records_mu_);
     for (auto& r : removed_records_) removed.push_back(r);
     removed_records_.clear();
   }
@@ -635,7 +644,7 @@ void GroupManager::ForgetState() {
     absl::Status s = state_dir_->Remove(id, sequence);
     if (!s.ok()) FS_LOG(ERROR) << "group=" << id << ": " << s;
   }
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&records_mu_);
   state_forgotten_ = true;
   FS_LOG(INFO) << "state records of " << removed.size() << " group(s) removed from "
                << state_dir_->path() << " (the shards are not kept)";
@@ -740,7 +749,10 @@ GroupManager::AdoptSummary GroupManager::AdoptGroups(
   const std::string dir = state_dir_ != nullptr ? state_dir_->path() : std::string("(none)");
   for (const state::GroupRecord& rec : records) {
     const std::string file = absl::StrCat(dir, "/", state::RecordFileName(rec.id));
-    auto g = std::make_unique<Group>();
+    std::shared_ptr<Group> held = std::make_shared<Group>();
+    Group* g = held.get();
+    // Nobody else sees the group before it is in the table; locked for the analysis' sake.
+    absl::ReleasableMutexLock lock(&g->mu);
     g->id = rec.id;
     g->world_size = rec.world_size;
     g->token = rec.token;
@@ -1016,10 +1028,11 @@ GroupManager::AdoptSummary GroupManager::AdoptGroups(
     summary.buffers += count;
     AfterUnlock run;
     {
-      absl::MutexLock lock(&mu_);
-      Group& placed = *(groups_[rec.id] = std::move(g));
-      PersistLater(placed, &run);  // the restored state, with no commit under way
+      absl::MutexLock table(&table_mu_);
+      groups_[rec.id] = held;
     }
+    PersistLater(*g, &run);  // the restored state, with no commit under way
+    lock.Release();
     run.Run();
   }
   FS_LOG(INFO) << "restart: adopted " << summary.groups << " group(s), " << summary.modules

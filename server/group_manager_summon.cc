@@ -163,14 +163,20 @@ void GroupManager::SummonWritten(const Caller& caller, const std::string& module
   AfterUnlock waiting;
   absl::Status error;
   bool parked = false;  // `done` went to the slot's on_made
+  std::shared_ptr<Group> held = FindGroup(caller.group);
+  if (held == nullptr) {
+    done(absl::NotFoundError(absl::StrCat("unknown group ", caller.group)));
+    return;
+  }
+  Group& g = *held;
   for (int round = 0;; ++round) {
     SummonDecision decision;
     bool opened = false;
     {
-      absl::MutexLock lock(&mu_);
+      absl::MutexLock lock(&g.mu);
       // Our marks go whatever happens next; the ranks that waited for them decide afresh.
       if (making != nullptr) UnmarkMaking(std::move(making), &marked, &waiting);
-      error = DecideSummon(caller, module, path, options, &decision);
+      error = DecideSummon(g, caller, module, path, options, &decision);
       if (error.ok() && decision.wait) {
         // Another local rank is making a node copy this summon shares: decide again once it
         // made it (or gave up), instead of allocating a second one.
@@ -184,7 +190,7 @@ void GroupManager::SummonWritten(const Caller& caller, const std::string& module
         // summon opens in this one critical section.
         TryKept(*decision.kept, decision.needs, decision.placement, &got);
         if (AllAtHand(decision.needs, got)) {
-          OpenSummonLocked(caller, module, path, options, decision, got, start.get());
+          OpenSummonLocked(g, caller, module, path, options, decision, got, start.get());
           opened = true;
         } else if (!decision.make.empty()) {
           // Invariant: while `making` is marked, the other local ranks' k-th summons wait
@@ -212,13 +218,14 @@ void GroupManager::SummonWritten(const Caller& caller, const std::string& module
     }
     if (!error.ok()) {
       if (making != nullptr) {
-        absl::MutexLock lock(&mu_);
+        absl::MutexLock lock(&g.mu);
         UnmarkMaking(std::move(making), &marked, &waiting);
       }
       break;
     }
   }
   got.clear();
+  held = nullptr;
   waiting.Run();
   if (parked) return;  // runs again from on_made
   if (!error.ok()) {
@@ -264,12 +271,11 @@ absl::StatusOr<GroupManager::Registered*> GroupManager::InitializedModule(
   return &it->second;
 }
 
-absl::Status GroupManager::DecideSummon(const Caller& caller, const std::string& module,
-                                        const std::string& path, const SummonOptions& options,
-                                        SummonDecision* d) {
+absl::Status GroupManager::DecideSummon(Group& g, const Caller& caller,
+                                        const std::string& module, const std::string& path,
+                                        const SummonOptions& options, SummonDecision* d) {
   FS_RETURN_IF_ERROR(shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
-                               : CheckCallerLocked(caller));
-  Group& g = *groups_.at(caller.group);
+                               : CheckCallerLocked(g, caller));
   FS_ASSIGN_OR_RETURN(Registered * found, InitializedModule(g, module));
   Registered& reg = *found;
   if (!FindModulePath(reg.manifest, path)) {
@@ -334,11 +340,10 @@ absl::Status GroupManager::DecideSummon(const Caller& caller, const std::string&
   return absl::OkStatus();
 }
 
-void GroupManager::OpenSummonLocked(const Caller& caller, const std::string& module,
+void GroupManager::OpenSummonLocked(Group& g, const Caller& caller, const std::string& module,
                                     const std::string& path, const SummonOptions& options,
                                     const SummonDecision& d, const ViewBuffers& got,
                                     SummonStart* out) {
-  Group& g = *groups_.at(caller.group);
   Registered& reg = g.registered.at(module);
   const int32_t rank = caller.rank;
   const uint64_t k = ++reg.summon_count[rank];
@@ -420,13 +425,10 @@ void GroupManager::StartUnshard(const Caller& caller, absl::Time deadline,
       FinishEnd(caller, id, s, [done = std::move(done), s](absl::Status) mutable { done(s); });
       return;
     }
-    {
-      absl::MutexLock lock(&mu_);
-      auto g = groups_.find(caller.group);
-      if (g != groups_.end()) {
-        auto it = g->second->open_summons.find(id);
-        if (it != g->second->open_summons.end()) it->second.ready = true;
-      }
+    if (std::shared_ptr<Group> held = FindGroup(caller.group)) {
+      absl::MutexLock lock(&held->mu);
+      auto it = held->open_summons.find(id);
+      if (it != held->open_summons.end()) it->second.ready = true;
     }
     result.ready = RecordReady(caller.rank);  // cudaEventRecord: no host wait
     done(std::move(result));
@@ -447,7 +449,7 @@ void GroupManager::StartUnshard(const Caller& caller, absl::Time deadline,
               std::vector<absl::AnyInvocable<void(absl::Status)>> ready;
               absl::Status verdict;
               {
-                absl::MutexLock lock(&mu_);
+                absl::MutexLock lock(&shared_slot->assembly_mu);
                 if (!s.ok() && shared_slot->assembly_error.ok()) shared_slot->assembly_error = s;
                 ++shared_slot->assembled;
                 shared_slot->waiting.push_back(std::move(finish));
@@ -469,14 +471,19 @@ absl::Status GroupManager::PrepareRank0Broadcast(
   ViewBuffers got;
   absl::Status status = GetViewBuffers(*kept, needs, BufferKind::kUnsharded, owner_uid,
                                        PlacementOf(caller.rank), &got);
-  absl::MutexLock lock(&mu_);
-  // Invariant: the summon was marked `ending` before mu_ was released, so no other End of it
-  // ran in the gap and its views and slot are as they were; only the rank's session ending
-  // (DropSummons) or the group's removal can have taken it away, which is checked here.
-  auto g = groups_.find(caller.group);
-  auto it = g == groups_.end() ? decltype(g->second->open_summons)::iterator{}
-                               : g->second->open_summons.find(summon);
-  if (g == groups_.end() || it == g->second->open_summons.end()) {
+  std::shared_ptr<Group> held = FindGroup(caller.group);
+  if (held == nullptr) {
+    return absl::UnavailableError(absl::StrCat(
+        "group ", caller.group, " rank ", caller.rank, ": summon ", summon,
+        " was dropped while its writeback was being prepared (the group is gone)"));
+  }
+  Group& g = *held;
+  absl::MutexLock lock(&g.mu);
+  // Invariant: the summon was marked `ending` before the lock was released, so no other End
+  // of it ran in the gap and its views and slot are as they were; only the rank's session
+  // ending (DropSummons) or the group's removal can have taken it away, checked here.
+  auto it = g.removed ? g.open_summons.end() : g.open_summons.find(summon);
+  if (it == g.open_summons.end()) {
     return absl::UnavailableError(absl::StrCat(
         "group ", caller.group, " rank ", caller.rank, ": summon ", summon,
         " was dropped while its writeback was being prepared (the rank's session ended)"));
@@ -539,11 +546,12 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
   std::shared_ptr<KeptBuffers> rank0_kept;
   int64_t owner_uid = -1;
   {
-    absl::MutexLock lock(&mu_);
+    std::shared_ptr<Group> held = GroupOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
     error = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
-                      : CheckCallerLocked(caller);
+                      : CheckCallerLocked(g, caller);
     if (error.ok()) {
-      Group& g = *groups_.at(caller.group);
       auto it = g.open_summons.find(summon);
       auto failed = g.failed_ends.find(summon);
       if (it == g.open_summons.end() && failed != g.failed_ends.end() &&
@@ -691,10 +699,11 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
             self = std::weak_ptr<ApplyFn>(apply)](std::unique_ptr<OpenSummon> owned,
                                                   StatusCallback done) mutable {
     {
-      absl::MutexLock lock(&mu_);
-      auto g = groups_.find(caller.group);
-      if (g != groups_.end()) {
-        Registered& reg = g->second->registered.at(module);
+      std::shared_ptr<Group> held = GroupOrGone(caller.group);
+      Group& g = *held;
+      absl::MutexLock lock(&g.mu);
+      if (!g.removed) {
+        Registered& reg = g.registered.at(module);
         if (reg.ckpt_hold > 0) {
           reg.after_ckpt.push_back(
               [fn = self.lock(), owned = std::move(owned), done = std::move(done)]() mutable {
@@ -710,10 +719,11 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
                    done = std::move(done)](absl::Status s) mutable {
           AfterUnlock run;
           {
-            absl::MutexLock lock(&mu_);
-            auto g = groups_.find(caller.group);
-            if (g != groups_.end()) {
-              Registered& reg = g->second->registered.at(module);
+            std::shared_ptr<Group> held = GroupOrGone(caller.group);
+            Group& g = *held;
+            absl::MutexLock lock(&g.mu);
+            if (!g.removed) {
+              Registered& reg = g.registered.at(module);
               if (s.ok()) {
                 if (is_init) {
                   reg.initialized = true;
@@ -725,7 +735,7 @@ void GroupManager::EndSummonWritten(const Caller& caller, uint64_t summon, absl:
                   reg.generation[caller.rank] = generation + 1;
                 }
               }
-              DoneCopying(*g->second, reg, &run);
+              DoneCopying(g, reg, &run);
             }
           }
           run.Run();
@@ -835,36 +845,50 @@ void GroupManager::Agree(const std::shared_ptr<collective::CollectiveGroup>& col
       });
 }
 
+void GroupManager::ReleaseBuffers(OpenSummon& open, AfterUnlock* after) {
+  for (SummonedUnit& v : open.views) {
+    after->Release(v.params);
+    after->Release(v.grads);
+  }
+  for (auto& [key, b] : open.own_rank0) after->Release(b);
+  after->Release(open.slot);
+}
+
 void GroupManager::FinishEnd(const Caller& caller, uint64_t summon, absl::Status status,
                              StatusCallback done) {
+  AfterUnlock after;  // the summon's buffer references go after the lock (munmap, unlink)
   {
-    absl::MutexLock lock(&mu_);
-    auto g = groups_.find(caller.group);
-    if (g != groups_.end()) {
-      Group& group = *g->second;
-      auto it = group.open_summons.find(summon);
-      if (it != group.open_summons.end()) {
-        OpenSummon& open = it->second;
-        Registered& reg = group.registered.at(open.module);
-        for (int32_t u : open.units) reg.summoned[open.rank][u] = false;
-        // A summon that never became ready failed before anything was handed out.
-        reg.NoteOp(open.units, open.ready ? "end" : "summon", open.rank, status.ok(),
-                   clock_->Now());
-        if (++open.slot->ended == static_cast<int32_t>(group.local_ranks.size())) {
-          reg.slots.erase(open.k);
+    std::shared_ptr<Group> held = GroupOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    auto it = g.removed ? g.open_summons.end() : g.open_summons.find(summon);
+    if (it != g.open_summons.end()) {
+      OpenSummon& open = it->second;
+      Registered& reg = g.registered.at(open.module);
+      for (int32_t u : open.units) reg.summoned[open.rank][u] = false;
+      // A summon that never became ready failed before anything was handed out.
+      reg.NoteOp(open.units, open.ready ? "end" : "summon", open.rank, status.ok(),
+                 clock_->Now());
+      if (++open.slot->ended == static_cast<int32_t>(g.local_ranks.size())) {
+        if (auto slot = reg.slots.find(open.k); slot != reg.slots.end()) {
+          after.Destroy(reg.slots.extract(slot));
         }
-        if (!status.ok() && open.ready && open.options.writeback) {
-          if (!reg.initialized) reg.uninitialized_why = std::string(status.message());
-          group.failed_ends[summon] = {open.rank, status};
-          while (group.failed_ends.size() > internal::kFailedEndsKept) {
-            group.failed_ends.erase(group.failed_ends.begin());
-          }
-        }
-        group.open_summons.erase(it);  // drops this rank's references to the buffers
-        ReleaseKept(reg);
       }
+      if (!status.ok() && open.ready && open.options.writeback) {
+        if (!reg.initialized) reg.uninitialized_why = std::string(status.message());
+        g.failed_ends[summon] = {open.rank, status};
+        while (g.failed_ends.size() > internal::kFailedEndsKept) {
+          g.failed_ends.erase(g.failed_ends.begin());
+        }
+      }
+      // Drops this rank's references to the buffers, so ReleaseKept sees which kept buffers
+      // nobody uses any more; a last reference (the kept set dropped it) goes after the lock.
+      ReleaseBuffers(open, &after);
+      g.open_summons.erase(it);
+      ReleaseKept(reg);
     }
   }
+  after.Run();
   done(status);
 }
 
@@ -893,7 +917,7 @@ void GroupManager::DoneCopying(Group& g, Registered& reg,
 }
 
 void GroupManager::StartRollback(Group& g, AfterUnlock* run) {
-  internal::DropMixedModules(g, absl::StrCat("at the rollback of epoch ", g.epoch));
+  internal::DropMixedModules(g, absl::StrCat("at the rollback of epoch ", g.epoch), run);
   for (auto& [module, reg] : g.registered) {
     // The op stream starts afresh: the local ranks' k-th summons must meet in one slot again
     // (a failed summon may have counted on some ranks only), and no slot of the old stream
@@ -918,7 +942,7 @@ void GroupManager::RollbackNow(Group& g, const std::string& module, Registered& 
   // generations is dropped as lost, never rolled back into a mix (DropMixedModules; the
   // caller returns right after, so erasing it here is safe).
   if (!internal::MixedGenerations(reg).empty() && reg.busy == 0 &&
-      internal::DropMixedModules(g, absl::StrCat("at the rollback of epoch ", g.epoch)) > 0) {
+      internal::DropMixedModules(g, absl::StrCat("at the rollback of epoch ", g.epoch), run) > 0) {
     return;
   }
   // Taking `busy` here keeps every other copy out until the rollback is done; the copies run
@@ -940,11 +964,12 @@ void GroupManager::RollbackNow(Group& g, const std::string& module, Registered& 
     }
     AfterUnlock more;
     {
-      absl::MutexLock lock(&mu_);
-      auto g = groups_.find(group);
-      if (g == groups_.end()) return;
-      auto reg = g->second->registered.find(module);
-      if (reg == g->second->registered.end()) return;
+      std::shared_ptr<Group> held = GroupOrGone(group);
+      Group& g = *held;
+      absl::MutexLock lock(&g.mu);
+      if (g.removed) return;
+      auto reg = g.registered.find(module);
+      if (reg == g.registered.end()) return;
       reg->second.rollback_pending = false;
       const uint64_t generation =
           work.empty() ? 0 : reg->second.generation[work.front().first];
@@ -956,7 +981,7 @@ void GroupManager::RollbackNow(Group& g, const std::string& module, Registered& 
         FS_LOG(ERROR) << "group=" << group << " module=" << Display(module)
                       << ": rollback failed: " << status;
       }
-      DoneCopying(*g->second, reg->second, &more);
+      DoneCopying(g, reg->second, &more);
     }
     more.Run();
   });
@@ -965,11 +990,12 @@ void GroupManager::RollbackNow(Group& g, const std::string& module, Registered& 
 void GroupManager::RollbackRank(const Caller& caller, const std::string& module) {
   AfterUnlock run;
   {
-    absl::MutexLock lock(&mu_);
-    auto g = groups_.find(caller.group);
-    if (g == groups_.end()) return;
-    auto reg = g->second->registered.find(module);
-    if (reg == g->second->registered.end() || !reg->second.initialized) return;
+    std::shared_ptr<Group> held = GroupOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (g.removed) return;
+    auto reg = g.registered.find(module);
+    if (reg == g.registered.end() || !reg->second.initialized) return;
     // A refused commit: this rank's part of rolling the whole group back (every rank got the
     // same verdict). Its views are stale from now on.
     Registered& r = reg->second;
@@ -987,11 +1013,12 @@ void GroupManager::RollbackRank(const Caller& caller, const std::string& module)
       }
       AfterUnlock more;
       {
-        absl::MutexLock lock(&mu_);
-        auto g = groups_.find(caller.group);
-        if (g == groups_.end()) return;
-        auto reg = g->second->registered.find(module);
-        if (reg != g->second->registered.end()) DoneCopying(*g->second, reg->second, &more);
+        std::shared_ptr<Group> held = GroupOrGone(caller.group);
+        Group& g = *held;
+        absl::MutexLock lock(&g.mu);
+        if (g.removed) return;
+        auto reg = g.registered.find(module);
+        if (reg != g.registered.end()) DoneCopying(g, reg->second, &more);
       }
       more.Run();
     });
@@ -1016,11 +1043,12 @@ void GroupManager::CommitWritten(const Caller& caller, const std::string& module
   std::shared_ptr<collective::CollectiveGroup> coll;
   int32_t world_size = 0;
   {
-    absl::MutexLock lock(&mu_);
+    std::shared_ptr<Group> held = GroupOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
     error = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
-                      : CheckCallerLocked(caller);
+                      : CheckCallerLocked(g, caller);
     if (error.ok()) {
-      Group& g = *groups_.at(caller.group);
       auto it = g.registered.find(module);
       if (it == g.registered.end()) {
         error = absl::NotFoundError(
@@ -1074,14 +1102,16 @@ void GroupManager::CommitWritten(const Caller& caller, const std::string& module
 void GroupManager::CommitAgreed(const Caller& caller, const std::string& module,
                                 uint64_t generation, CommitCallback done) {
           std::vector<internal::DurablePair> durable;
+          bool gone = false;
           {
-            absl::MutexLock lock(&mu_);
-            auto g = groups_.find(caller.group);
-            if (g == groups_.end()) {
-              done(absl::UnavailableError(absl::StrCat("group ", caller.group, " is gone")));
-              return;
-            }
-            Registered& reg = g->second->registered.at(module);
+            std::shared_ptr<Group> held = GroupOrGone(caller.group);
+            Group& g = *held;
+            absl::MutexLock lock(&g.mu);
+            gone = g.removed;
+            if (gone) {
+              // answered below, after the lock
+            } else {
+            Registered& reg = g.registered.at(module);
             if (reg.ckpt_hold > 0) {
               // A checkpoint is reading (or loading) the committed copies: this copy waits
               // for it (ReleaseCheckpointHold runs it again).
@@ -1094,6 +1124,11 @@ void GroupManager::CommitAgreed(const Caller& caller, const std::string& module,
             ++reg.busy;  // every rank agreed: this rank commits, whatever its trainer does now
             NoteCommitAgreed(reg, generation + 1, "commit");
             durable = internal::DurableBuffers(reg, caller.rank);
+            }
+          }
+          if (gone) {
+            done(absl::UnavailableError(absl::StrCat("group ", caller.group, " is gone")));
+            return;
           }
           // The copies run without mu_ (GPU ranks: on the device's worker). Invariant: `busy`
           // keeps every rollback out until DoneCopying.
@@ -1111,12 +1146,13 @@ void GroupManager::CommitAgreed(const Caller& caller, const std::string& module,
               [this, caller, module, generation, done = std::move(done)](absl::Status s) mutable {
                 AfterUnlock run;
                 {
-                  absl::MutexLock lock(&mu_);
-                  auto g = groups_.find(caller.group);
-                  if (g != groups_.end()) {
-                    Registered& reg = g->second->registered.at(module);
+                  std::shared_ptr<Group> held = GroupOrGone(caller.group);
+                  Group& g = *held;
+                  absl::MutexLock lock(&g.mu);
+                  if (!g.removed) {
+                    Registered& reg = g.registered.at(module);
                     if (s.ok()) reg.generation[caller.rank] = generation + 1;
-                    DoneCopying(*g->second, reg, &run);
+                    DoneCopying(g, reg, &run);
                   }
                 }
                 run.Run();
@@ -1150,7 +1186,7 @@ absl::Status GroupManager::CheckUsable(const Group& g, const std::string& module
   return absl::OkStatus();
 }
 
-void GroupManager::DropSummons(Group& g, int32_t rank) {
+void GroupManager::DropSummons(Group& g, int32_t rank, AfterUnlock* run) {
   for (auto it = g.open_summons.begin(); it != g.open_summons.end();) {
     OpenSummon& open = it->second;
     if (open.rank != rank) {
@@ -1163,17 +1199,26 @@ void GroupManager::DropSummons(Group& g, int32_t rank) {
       reg.uninitialized_why = absl::StrCat("rank ", rank, "'s session ended before it ended the "
                                            "init summon");
     }
-    if (++open.slot->ended == static_cast<int32_t>(g.local_ranks.size())) reg.slots.erase(open.k);
+    if (++open.slot->ended == static_cast<int32_t>(g.local_ranks.size())) {
+      if (auto slot = reg.slots.find(open.k); slot != reg.slots.end()) {
+        run->Destroy(reg.slots.extract(slot));
+      }
+    }
     FS_LOG(WARNING) << "group=" << g.id << " rank=" << rank << " summon " << open.id
                     << " ended without writeback (session ended)";
+    ReleaseBuffers(open, run);  // as FinishEnd
     it = g.open_summons.erase(it);
   }
   for (auto& [module, reg] : g.registered) {
     for (auto s = reg.grad_staging.begin(); s != reg.grad_staging.end();) {
-      s = s->first.first == rank ? reg.grad_staging.erase(s) : std::next(s);
+      auto next = std::next(s);
+      if (s->first.first == rank) run->Destroy(reg.grad_staging.extract(s));
+      s = next;
     }
     for (auto s = reg.new_grads.begin(); s != reg.new_grads.end();) {
-      s = s->first.first == rank ? reg.new_grads.erase(s) : std::next(s);
+      auto next = std::next(s);
+      if (s->first.first == rank) run->Destroy(reg.new_grads.extract(s));
+      s = next;
     }
     ReleaseKept(reg);
   }
@@ -1192,9 +1237,10 @@ absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::BeginReduceScatter(
     std::shared_ptr<KeptBuffers> kept;
     std::string label;
     {
-      absl::MutexLock lock(&mu_);
-      FS_RETURN_IF_ERROR(CheckCallerLocked(caller));
-      Group& g = *groups_.at(caller.group);
+      std::shared_ptr<Group> held = GroupOrGone(caller.group);
+      Group& g = *held;
+      absl::MutexLock lock(&g.mu);
+      FS_RETURN_IF_ERROR(CheckCallerLocked(g, caller));
       FS_ASSIGN_OR_RETURN(Registered * found, InitializedModule(g, module));
       Registered& reg = *found;
       if (unit < 0 || unit >= static_cast<int32_t>(reg.plan.units.size())) {
@@ -1277,10 +1323,11 @@ void GroupManager::FinishReduceScatterWritten(const Caller& caller, const std::s
   DType dtype = DType::kFloat32;
   std::shared_ptr<collective::CollectiveGroup> coll;
   {
-    absl::MutexLock lock(&mu_);
-    error = CheckCallerLocked(caller);
+    std::shared_ptr<Group> held = GroupOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    error = CheckCallerLocked(g, caller);
     if (error.ok()) {
-      Group& g = *groups_.at(caller.group);
       auto it = g.registered.find(module);
       auto s = it == g.registered.end() ? decltype(it->second.grad_staging)::iterator{}
                                         : it->second.grad_staging.find({caller.rank, unit});
@@ -1349,15 +1396,16 @@ void GroupManager::FinishReduceScatterWritten(const Caller& caller, const std::s
     staging.reset();  // the staging buffer's pages go back until the next step
     AfterUnlock persist;  // the record, after mu_
     {
-      absl::MutexLock lock(&mu_);
-      auto g = groups_.find(caller.group);
-      if (g != groups_.end()) {
-        auto reg = g->second->registered.find(module);
-        if (reg != g->second->registered.end()) {
+      std::shared_ptr<Group> held = GroupOrGone(caller.group);
+      Group& g = *held;
+      absl::MutexLock lock(&g.mu);
+      if (!g.removed) {
+        auto reg = g.registered.find(module);
+        if (reg != g.registered.end()) {
           if (fresh) {
             reg->second.new_grads.erase({caller.rank, unit});
             if (s.ok()) reg->second.shards_by_rank[caller.rank][unit].grad = grad;
-            if (s.ok()) PersistLater(*g->second, &persist);  // a new durable buffer
+            if (s.ok()) PersistLater(g, &persist);  // a new durable buffer
           }
           reg->second.NoteOp({unit}, "reduce_scatter", caller.rank, s.ok(), clock_->Now());
           if (s.ok()) {
