@@ -29,7 +29,7 @@
 #include "server/metrics/daemon_metrics.h"
 #include "server/metrics/http_server.h"
 #include "server/peer/peer_service_impl.h"
-#include "server/service/checkpoint_peer_service.h"
+#include "server/checkpoint/checkpoint_peer_service.h"
 #include "server/service/admin_service_impl.h"
 #include "server/service/answer_interceptor.h"
 #include "server/service/shard_service_impl.h"

@@ -16,8 +16,15 @@
 // the other daemons (PeerEvents); they fail every pending and later op of the group with one
 // sticky status until every rank joins again and the group re-forms at a new epoch.
 //
-// Thread-safe. Callbacks run exactly once, never under the manager's lock, on the calling
-// thread or on the manager's deadline thread.
+// The work is done by owners, each in its own folder with its own state and lock: membership
+// (groups, joins, sessions, leases, connect: server/group/), modules (registration, summon,
+// End, Commit, rollback, reduce-scatter, optimizer state: server/module/), durability
+// (records, commit intents, adoption: server/durable/) and checkpoints (server/checkpoint/).
+// GroupManager builds them and routes each call to its owner.
+//
+// Thread-safe. Every group has its own lock: two groups never wait on each other. Callbacks
+// run exactly once, never under a lock, on the calling thread, a worker or the deadline
+// thread.
 
 #include <atomic>
 #include <cstdint>
@@ -46,15 +53,22 @@
 #include "server/collective/communicator_factory.h"
 #include "server/collective/staging/staging_communicator.h"
 #include "server/gpu/device_context.h"
+#include "server/checkpoint/checkpoints.h"
+#include "server/durable/records.h"
 #include "server/group/group.h"
+#include "server/group/group_table.h"
+#include "server/group/membership.h"
 #include "server/kept_buffers.h"
 #include "server/module/module.h"
+#include "server/module/modules.h"
 #include "server/peer/peer_client.h"
 #include "server/rank_devices.h"
 #include "server/shard_store.h"
 #include "server/state/state_dir.h"
 
 namespace flatshard::server {
+
+class CheckpointPeerClient;
 
 // The RPC-level values (Caller, InitMode, SummonOptions, ReduceOp, IpcEvent) have their one
 // home in common/rpc_types.h, their wire mapping in common/proto_convert.h.
@@ -63,9 +77,6 @@ namespace flatshard::server {
 // (the same type as collective::ReduceOp). The old name stays for existing callers.
 using GradReduce = ReduceOp;
 
-namespace internal {
-struct AgreeRecord;
-}  // namespace internal
 
 
 struct GroupManagerOptions {
@@ -116,41 +127,6 @@ struct GroupManagerOptions {
   static constexpr int32_t kDefaultMaxGroupsPerUid = 64;
 };
 
-
-struct SummonResult {
-  uint64_t summon = 0;
-  std::vector<int32_t> units;       // selected units (every rank)
-  std::vector<SummonedUnit> views;  // empty on ranks != 0 under rank0_only
-  std::string note;
-  // GPU ranks: recorded on the rank's device after the views' bytes are in place (id 0: none).
-  gpu::IpcEventRef ready;
-};
-
-struct RegisterResult {
-  Plan plan;
-  std::vector<UnitShard> shards;  // the caller's rank, one per unit
-  // INIT_MODE_FROM_EVERY_RANK / FROM_RANK0: an open summon (writeback on) the client fills
-  // with the initial values and ends; on ranks != 0 under FROM_RANK0 it has no views.
-  std::optional<SummonResult> init_summon;
-  // The committed step the shards hold (0: the initial values; see Commit).
-  uint64_t generation = 0;
-  // The module's optimizer state spec (RegisterState; the order of UnitShard::state), empty
-  // when none was registered.
-  std::vector<StateSpec> state_specs{};
-};
-
-// RegisterState's answer: the caller's shards with their state buffers.
-struct RegisterStateResult {
-  std::vector<UnitShard> shards;  // one per unit; UnitShard::state in the order of `specs`
-  std::vector<StateSpec> specs;
-  uint64_t generation = 0;  // the committed generation shards and state hold
-  bool created = false;     // this call allocated the rank's state (zeros); false: re-attach
-};
-
-using SummonCallback = absl::AnyInvocable<void(absl::StatusOr<SummonResult>)>;
-using StatusCallback = absl::AnyInvocable<void(absl::Status)>;
-using RegisterCallback = absl::AnyInvocable<void(absl::StatusOr<RegisterResult>)>;
-using CommitCallback = absl::AnyInvocable<void(absl::StatusOr<uint64_t>)>;
 
 class GroupManager : public peer::PeerEvents {
  public:
@@ -284,37 +260,19 @@ class GroupManager : public peer::PeerEvents {
   // or the daemon's uid, who may delete any group. Errors: NOT_FOUND (no such group here),
   // PERMISSION_DENIED (another uid's group), FAILED_PRECONDITION naming the ranks still
   // joined or joining (they must Leave first; their sessions are not ended for them).
-  struct DeletedGroup {
-    std::string group;
-    std::vector<std::string> modules;
-    int64_t freed_bytes = 0;    // of the buffers the group held (host and device)
-    int64_t freed_buffers = 0;
-  };
+  using DeletedGroup = server::DeletedGroup;
+
   absl::StatusOr<DeletedGroup> DeleteGroup(const std::string& group, int64_t uid,
                                            bool privileged);
 
   // Groups and their joined ranks, for status output and tests.
-  struct GroupInfo {
-    std::string group;
-    int32_t world_size = 0;
-    std::vector<int32_t> joined_ranks;
-    std::vector<std::string> registered_modules;
-    uint64_t epoch = 0;
-    std::string coordinator;  // empty: a local group
-    std::vector<int32_t> local_ranks;
-    absl::Status status;  // the sticky error of the group's collectives, if any
-  };
+  using GroupInfo = server::GroupInfo;
+
   std::vector<GroupInfo> ListGroups() const;
 
   // Each group's collectives that have not completed (for `flatshardctl pending`).
-  struct GroupCollectives {
-    std::string group;
-    int32_t world_size = 0;
-    uint64_t epoch = 0;
-    std::vector<int32_t> local_ranks;
-    absl::Status status;  // the sticky error, if any
-    std::vector<collective::PendingOpInfo> pending;
-  };
+  using GroupCollectives = server::GroupCollectives;
+
   std::vector<GroupCollectives> ListCollectives(const std::string& group) const;
 
   // From now on Join fails with UNAVAILABLE "flatshardd is draining": no new groups, no new
@@ -322,44 +280,23 @@ class GroupManager : public peer::PeerEvents {
   void StartDrain();
 
   // Counts over every group (`flatshardctl status`, drain progress).
-  struct Stats {
-    int32_t groups = 0;
-    int32_t sessions = 0;  // ranks with a live session
-    int32_t open_summons = 0;
-    int32_t pending_joins = 0;
-    int32_t pending_collectives = 0;
-    bool draining = false;
-    bool shutting_down = false;
-  };
+  using Stats = server::GroupStats;
+
   Stats GetStats() const;
 
   // One group's registered modules unit by unit and local rank by rank (`flatshardctl units`).
-  struct UnitRankInfo {
-    int32_t rank = 0;
-    bool summoned = false;
-    int64_t shard_bytes = 0;
-    int64_t grad_bytes = 0;
-    int64_t unsharded_bytes = 0;  // full buffers this rank's open summons hold for the unit
-    int64_t state_bytes = 0;      // optimizer state buffers (RegisterState), live copies only
-  };
+  using UnitRankInfo = server::UnitRankInfo;
+
   using UnitOp = server::UnitOp;
-  struct UnitInfo {
-    int32_t unit = 0;
-    std::string module;  // the unit's module path in the model
-    std::vector<UnitRankInfo> ranks;
-    UnitOp last_op;
-  };
-  struct ModuleUnits {
-    std::string module;  // the registered path
-    std::vector<UnitInfo> units;
-    bool initialized = false;
-    uint64_t generation = 0;  // the committed generation (lowest over the local ranks)
-  };
+  using UnitInfo = server::UnitInfo;
+
+  using ModuleUnits = server::ModuleUnits;
+
   // NOT_FOUND for an unknown group, or an unregistered `module` when one is given.
   absl::StatusOr<std::vector<ModuleUnits>> ListUnits(
       const std::string& group, const std::optional<std::string>& module) const;
 
-  // ---- Restarts (group_manager_state.cc, README "Restarts") ----
+  // ---- Restarts (server/durable/; README "Restarts") ----
   // At start, before serving: takes over the groups of `records` (GroupManagerOptions::
   // state_dir's LoadAll) with their shards, gradient shards and committed copies, whose
   // segments the previous daemon left. Per group, every buffer must adopt (ShardStore::Adopt:
@@ -369,14 +306,7 @@ class GroupManager : public peer::PeerEvents {
   // way are finished or not as their record says (a torn committed copy is never used), then
   // every rank's shards are restored from its committed copy (a writeback may have torn them).
   // Adopted groups have no sessions: ranks join and re-attach as after a trainer crash.
-  struct AdoptSummary {
-    int32_t groups = 0;
-    int32_t refused_groups = 0;
-    int32_t modules = 0;
-    int32_t lost_modules = 0;  // local ranks at different generations
-    int64_t bytes = 0;
-    int64_t buffers = 0;
-  };
+  using AdoptSummary = server::AdoptSummary;
   AdoptSummary AdoptGroups(const std::vector<state::GroupRecord>& records);
   // Removes every group's record and records nothing from now on (SIGTERM without
   // --keep_shards: the segments go, so the records must too).
@@ -394,38 +324,11 @@ class GroupManager : public peer::PeerEvents {
                      const absl::Status& status) override;
   void OnCoordinatorLost(const std::string& coordinator, const absl::Status& status) override;
 
-  // ---- Checkpoints (group_manager_checkpoint.cc; README "Checkpoints") ----
+  // ---- Checkpoints (server/checkpoint/; README "Checkpoints") ----
   // Progress of a save or load, read by another thread while it runs.
-  struct CheckpointProgress {
-    enum Phase : int { kWaiting = 0, kVerifying = 1, kWriting = 2, kLoading = 3, kDone = 4 };
-    std::atomic<int> phase{kWaiting};
-    std::atomic<int64_t> done_bytes{0};
-    std::atomic<int64_t> total_bytes{0};
-  };
-  struct CheckpointArgs {
-    std::string group;
-    std::string module;
-    std::string dir;          // save: the directory; load: a checkpoint directory, or
-    std::string safetensors;  // load: a safetensors file
-    int64_t uid = -1;         // the caller's (-1 remote); `privileged`: root or the daemon's
-    bool privileged = false;
-    // How long to wait for copies of the committed shards in flight to finish.
-    absl::Duration wait = absl::Seconds(30);
-    // Multi-daemon groups: another daemon asks for this daemon's ranks' part (the group's
-    // token instead of a uid; no metadata written, no other daemon asked).
-    bool from_peer = false;
-    std::string token;
-  };
-  struct CheckpointResult {
-    uint64_t generation = 0;
-    int64_t bytes = 0;
-    int32_t files = 0;
-    int32_t ranks = 0;
-    int64_t unused_tensors = 0;
-    // A save for a peer: the files and tensors this daemon wrote.
-    std::vector<checkpoint::FileEntry> written_files;
-    std::vector<checkpoint::TensorEntry> written_tensors;
-  };
+  using CheckpointProgress = server::CheckpointProgress;
+  using CheckpointArgs = server::CheckpointArgs;
+  using CheckpointResult = server::CheckpointResult;
   // Writes the committed shards of `args.module` (one generation on every rank) to
   // `args.dir` in flatshard.checkpoint/1: one file per rank in parallel, metadata.json last.
   // Commits that would overwrite the committed copies wait until the data files are written.
@@ -436,8 +339,8 @@ class GroupManager : public peer::PeerEvents {
   // write their ranks (CheckpointPeerService) into the same directory, a shared file system;
   // ABORTED when their generations kept differing (commits landing between their holds).
   absl::StatusOr<CheckpointResult> SaveCheckpoint(const CheckpointArgs& args,
-                                                  CheckpointProgress* progress)
-      ;
+                                                  CheckpointProgress* progress);
+
   // Loads a checkpoint directory or a safetensors file into the registered, initialised
   // module (resharding by FQN and element range). Checks everything before any shard changes;
   // then writes every local rank's shards and committed copies (a committed step). The
@@ -447,353 +350,29 @@ class GroupManager : public peer::PeerEvents {
   // the module (naming the FQN), for an incomplete or corrupt checkpoint (naming the file and
   // the check); otherwise as SaveCheckpoint.
   absl::StatusOr<CheckpointResult> LoadCheckpoint(const CheckpointArgs& args,
-                                                  CheckpointProgress* progress)
-      ;
+                                                  CheckpointProgress* progress);
 
  private:
-  using Group = server::Group;
-  using PendingJoin = server::PendingJoin;
-  using Registered = server::Registered;
-  using EndArrival = server::EndArrival;
-  using OpenSummon = server::OpenSummon;
-  using SummonSlot = server::SummonSlot;
-  struct RegisterExchange;
-
-  void DeadlineLoop();
-  // Withdraws pending joins whose caller went away (JoinArgs::caller_gone), freeing the rank.
-  void DropGoneJoins(Group& g, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // Ends sessions whose join completed over lease_timeout_ ago without a lease.
-  void ExpireUnleased(Group& g, absl::Time now, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // Completes the group's pending joins if every rank is joined, first (re)connecting the
-  // group's communicator when it has none or a failed one (StartConnect).
-  void MaybeCompleteJoins(Group& g, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // Answers every pending join of a local group whose communicator is connected and sound.
-  void CompleteJoins(Group& g, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // A multi-daemon rank's rendezvous ended: connect (or re-form) and finish its join.
-  void OnRendezvous(const std::string& group, int32_t rank, uint64_t session,
-                    absl::StatusOr<peer::PeerTable> table);
-  // True when `g` already runs `table` (its epoch or a newer one, sound): nothing to connect.
-  bool TableApplied(const Group& g, const peer::PeerTable& table) const
-      ABSL_SHARED_LOCKS_REQUIRED(g.mu);
-  // Decides under mu_ how the group's communicator is (re)connected and starts the connect
-  // through `run` (after mu_ is released; on the factory's thread when it may block).
-  // `table`: a multi-daemon group's peer table (null: a local group). Its outcome goes to
-  // FinishConnect with the ticket stored in the group.
-  void StartConnect(Group& g, const peer::PeerTable* table, bool from_table,
-                    AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // Re-takes mu_ to commit a connect StartConnect began (or to drop it when the group went,
-  // the daemon shuts down or a newer connect superseded it) and answers the joins it served.
-  void FinishConnect(const std::string& group, uint64_t ticket,
-                     absl::StatusOr<collective::ConnectedCommunicator> connected)
-      ;
-  // Installs `connected` for multi-daemon group `g` at `table`'s epoch (engine, local ranks,
-  // ReconcileModules, the rollback a re-form owes).
-  absl::Status ApplyTable(Group& g, const peer::PeerTable& table,
-                          collective::ConnectedCommunicator connected, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // Answers multi-daemon join `j` of `g` (now formed at an epoch its rendezvous reached).
-  void AnswerRendezvousJoin(Group& g, PendingJoin& j, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // A new table of a multi-daemon group: a registered module some rank's daemon no longer
-  // holds (it restarted) is dropped here too and remembered as lost, so every daemon agrees
-  // that it must be registered afresh (never half re-attached, never a collective mismatch).
-  void ReconcileModules(Group& g, const peer::PeerTable& table, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // Removes `g` if nothing uses it any more (marks it removed and drops it from the table; the
-  // caller's reference keeps it alive until after its lock).
-  void MaybeRemoveGroup(Group& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // Removes group `id` for good (DeleteGroup, idle reclaim): its collectives, modules and
-  // buffers. REQUIRES: no rank joined or joining. The freed buffers are returned so that the
-  // caller drops them after the lock (unmap and unlink are syscalls).
-  DeletedGroup RemoveGroupLocked(Group& g, const absl::Status& reason,
-                                 std::vector<std::shared_ptr<Buffer>>* freed)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // Removes groups unused for group_idle_timeout (DeadlineLoop).
-  void ReclaimIfIdle(Group& g, absl::Time now, std::vector<std::shared_ptr<Buffer>>* freed)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // RESOURCE_EXHAUSTED when `uid` may not create another group (max_groups_per_uid).
-  absl::Status CheckGroupQuota(int64_t uid, const std::string& group) const
-      ABSL_SHARED_LOCKS_REQUIRED(table_mu_);
-  // Commits (or drops) a registration once its agreement (server/registration.h) ended.
-  void FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status);
-  // CheckCaller's errors for `g` (NOT_FOUND once it was removed).
-  absl::Status CheckCallerLocked(const Group& g, const Caller& caller) const
-      ABSL_SHARED_LOCKS_REQUIRED(g.mu);
-  // The group `id` as the table has it now (null: none). Its lock is not taken: the caller
-  // locks it and checks `removed` (a removal between the two is seen there).
-  std::shared_ptr<Group> FindGroup(const std::string& id) const ABSL_LOCKS_EXCLUDED(table_mu_);
-  // Every group of the table now.
-  std::vector<std::shared_ptr<Group>> AllGroups() const ABSL_LOCKS_EXCLUDED(table_mu_);
-  // FindGroup, or when there is none a group that is always `removed` (never null), so that a
-  // continuation finds, locks and checks its group in one shape: lock, then `g.removed`.
-  std::shared_ptr<Group> GroupOrGone(const std::string& id) const ABSL_LOCKS_EXCLUDED(table_mu_);
-
-  // The kept-buffer cache of `reg` (made on first use).
-  // REQUIRES: the lock of `reg`'s group (KeptOf, ReleaseKept).
-  std::shared_ptr<KeptBuffers> KeptOf(Registered& reg);
-  // Marks kept buffers nobody uses any more as idle from now.
-  void ReleaseKept(Registered& reg);
-  // The rank's session is over here (leave, lease ended); tells the coordinator.
-  void EndRank(Group& g, int32_t rank, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // Ends every open summon of `rank` in `g` without writeback (lease ended, leave).
-  // Their buffers go through `run`, after the lock.
-  void DropSummons(Group& g, int32_t rank, AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // Drops `open`'s references to its buffers: at once where another reference remains (the
-  // kept set's, so ReleaseKept then sees them unused), else through `after`, after the lock.
-  static void ReleaseBuffers(OpenSummon& open, AfterUnlock* after);
-  void FinishEnd(const Caller& caller, uint64_t summon, absl::Status status, StatusCallback done);
-  // Copies `rank`'s shards of `reg` into its committed copies (`to_committed`) or back (a
-  // rollback). REQUIRES: the caller took `reg.busy` for it (under mu_), and releases it with
-  // DoneCopying; runs without mu_ (the copies are as large as the shards).
-  // `durable`: internal::DurableBuffers(reg, rank), taken under mu_ (shards and optimizer
-  // state alike).
-  absl::Status CopyCommitted(int32_t rank, const std::vector<internal::DurablePair>& durable,
-                             bool to_committed) const;
-  // Releases one `busy` of `reg` and starts a pending rollback when none is left.
-  void DoneCopying(Group& g, Registered& reg, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // The group re-formed after a failure: roll every initialised module's local shards back
-  // to their committed generation (now, or when the copies in flight are done).
-  void StartRollback(Group& g, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  void RollbackNow(Group& g, const std::string& module, Registered& reg,
-                   AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // A refused agreement with a stale rank: rolls the caller's shards of `module` back.
-  void RollbackRank(const Caller& caller, const std::string& module);
-  // FAILED_PRECONDITION naming why `reg` is not initialised; UNAVAILABLE while it rolls back.
-  // `module`'s registration in `g` once it is initialised: NOT_FOUND for an unregistered one,
-  // CheckUsable's error for one whose initial values did not commit.
-  absl::StatusOr<Registered*> InitializedModule(Group& g, const std::string& module)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  absl::Status CheckUsable(const Group& g, const std::string& module, const Registered& reg) const
-      ABSL_SHARED_LOCKS_REQUIRED(g.mu);
-  // The session of `rank` ended (`why`; REQUIRES: EndRank ran): collectives that need it fail
-  // at once from now on (after the ops it had already submitted, see FailDeferred).
-  void FailForRank(Group& g, int32_t rank, absl::string_view why,
-                   AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // Fails the group with its deferred failure once no op a departed rank had submitted can
-  // still complete (or now, when `now`).
-  // Multi-daemon groups: the failure goes to the coordinator through `run` (after mu_).
-  void FailDeferred(Group& g, bool now, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // Runs the agreement all-gather of a writeback End or a Commit; `done` gets OK when every
-  // rank's record says ok, else the first refusal (and whether a stale rank refused).
-  void Agree(const std::shared_ptr<collective::CollectiveGroup>& coll, const Caller& caller,
-             const internal::AgreeRecord& mine, int32_t world_size, int64_t unit,
-             const std::string& what,
-             absl::Time deadline, absl::AnyInvocable<void(absl::Status, bool stale)> done);
-
-  // GPU daemons: the context rank `rank` lives on; null for host-memory daemons.
-  gpu::DeviceContext* DeviceOf(int32_t rank) const { return devices_.DeviceOf(rank); }
-  // Where `rank`'s buffers go (host, or its GPU).
-  Placement PlacementOf(int32_t rank) const { return devices_.PlacementOf(rank); }
-  // The public collective calls continue here once the trainer's `written` event was reached
-  // (RankDevices::AfterTrainerWrites; `local` is that wait's status where a failure is the
-  // rank's "no" in an agreement).
-  void SummonWritten(const Caller& caller, const std::string& module, const std::string& path,
-                     const SummonOptions& options, absl::Time deadline, SummonCallback done);
-  // The steps of a summon (group_manager_summon.cc tells the order and the lock invariants).
-  struct ViewNeed;
-  struct SummonDecision;
-  struct SummonStart;
-  using ViewBuffers = std::map<std::pair<int32_t, KeptUse>, std::shared_ptr<Buffer>>;
-  absl::Status DecideSummon(Group& g, const Caller& caller, const std::string& module,
-                            const std::string& path, const SummonOptions& options,
-                            SummonDecision* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  void OpenSummonLocked(Group& g, const Caller& caller, const std::string& module,
-                        const std::string& path, const SummonOptions& options,
-                        const SummonDecision& d, const ViewBuffers& got, SummonStart* out)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  void StartUnshard(const Caller& caller, absl::Time deadline, std::shared_ptr<SummonStart> start,
-                    SummonCallback done);
-  // Drops the node-copy marks a summon set in `slot` (SummonSlot::making) and hands the
-  // summons that waited for them to `waiting` (run after mu_).
-  void UnmarkMaking(std::shared_ptr<SummonSlot> slot,
-                    std::vector<std::pair<int32_t, KeptUse>>* marked,
-                    AfterUnlock* waiting);  // REQUIRES: the lock of the slot's group
-  // rank0_only writeback End: gets the buffers rank 0's broadcast lands in (without mu_) and
-  // builds the broadcasts; UNAVAILABLE when the summon was dropped meanwhile.
-  absl::Status PrepareRank0Broadcast(const Caller& caller, uint64_t summon, const Plan& plan,
-                                     const std::vector<UnitShard>& shards,
-                                     const std::shared_ptr<KeptBuffers>& kept,
-                                     const std::vector<ViewNeed>& needs,
-                                     int64_t owner_uid, OpenSummon* copy,
-                                     std::vector<collective::CollectiveOp>* broadcasts)
-      ;
-  void EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time deadline,
-                        StatusCallback done, absl::Status local);
-  void FinishReduceScatterWritten(const Caller& caller, const std::string& module, int32_t unit,
-                                  GradReduce op, bool accumulate, absl::Time deadline,
-                                  StatusCallback done);
-  void CommitWritten(const Caller& caller, const std::string& module, absl::Time deadline,
-                     CommitCallback done, absl::Status local);
-  // Every rank agreed to commit: copies the caller's shards into its committed copies (after
-  // any checkpoint holding them) and answers the new generation.
-  void CommitAgreed(const Caller& caller, const std::string& module, uint64_t generation,
-                    CommitCallback done);
-  // The request for `g`'s communicator over `spec` (local devices filled in on GPU daemons).
-  collective::CommunicatorRequest RequestFor(collective::GroupSpec spec, bool nccl_agreed) const;
-
-  // ---- Restarts (group_manager_state.cc) ----
-  // Every durable buffer of `rank`'s unit `unit` of `reg`, with its role in the record
-  // (state::kRole*). The one place that lists them: adding a role (optimizer state) is a line
-  // here and one in InstallDurable.
-  static std::vector<std::pair<std::string, std::shared_ptr<Buffer>>> RecordedBuffers(
-      const Registered& reg, int32_t rank, int32_t unit);
-  // Puts an adopted buffer of `role` in place; false for a role this daemon does not know.
-  static bool InstallDurable(Registered& reg, int32_t rank, int32_t unit, const std::string& role,
-                             std::shared_ptr<Buffer> buffer);
-  // Adoption (group_manager_state.cc): refuses a rank holding some but not all of its
-  // optimizer state buffers, naming the missing ones; `where` starts the message.
-  static absl::Status CheckStateComplete(Registered& reg, int32_t rank, const std::string& where);
-  // GPU daemons: fresh device state buffers (live and committed) of `rank` from the host
-  // copies a SIGTERM made (KeepDeviceShards).
-  absl::Status StateFromHost(Registered& reg, const state::GroupRecord& rec,
-                             const std::string& module, int32_t rank);
-  // Checkpoint loads (group_manager_checkpoint.cc): before the copies into the committed
-  // copies, records a "load" intent to `generation` for the hold's ranks (their shards hold
-  // the loaded values completely) and writes the record; then, at the hold's release, drops
-  // the intent and queues the record's write into `run` (`changed`: the load set the
-  // generation).
-  void NoteLoadCopying(const std::string& group, const std::string& module,
-                       std::vector<int32_t> ranks, uint64_t generation) ;
-  void LoadRecordedLocked(Group& g, Registered& reg, bool changed,
-                          AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // The ShardStore kind a role's buffers are allocated as.
-  static BufferKind KindOfRole(const std::string& role);
-  // The group's record as of now; `sequence` from state_sequence_.
-  state::GroupRecord SnapshotLocked(Group& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // Queues the write of `g`'s record (a snapshot taken now) into `run`, to run after mu_.
-  void PersistLater(Group& g, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // Writes a snapshot (or removes the record when it holds no module); a failed write
-  // removes the record (the group is then not kept across a restart) and is logged.
-  bool WriteRecord(const state::GroupRecord& record) ;
-  // `group`'s registration of `module` (and the group in `*g` when not null); null when either
-  // is gone.
-  Registered* FindModuleLocked(Group& g, const std::string& module)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
-  // Under mu_, runs `edit` on `group`'s registration of `module` (nothing when either is gone);
-  // when it returns true and the daemon keeps records, snapshots the group and writes its
-  // record once mu_ is released. Returns whether a record was written.
-  bool EditAndRecord(const std::string& group, const std::string& module,
-                     absl::FunctionRef<bool(Registered&)> edit) ;
-  // A commit of `module` to `generation` that every rank agreed to: this rank's shards hold
-  // it completely and its copy into the committed copy starts now. Records that durably
-  // first (the copy may be torn by a kill). `kind`: "commit", "end" or "init".
-  void CommitReady(const Caller& caller, const std::string& module, uint64_t generation,
-                   const char* kind) ;
-  // This rank's committed copy holds `generation` completely; recorded before the caller
-  // answers (the trainer's next writes would otherwise be taken for that generation).
-  void CommitDone(const Caller& caller, const std::string& module, uint64_t generation)
-      ;
-  // Every rank agreed to commit `module` to `generation` (before any copy): the module
-  // reports that generation at rendezvous (internal::HeldGeneration) from now on.
-  static void NoteCommitAgreed(Registered& reg, uint64_t generation, const char* kind);
-  // Restarts, host daemons with a state directory: a writeback End's rank `caller` wrote back
-  // into its shards (`status`) after every rank agreed; its copy into its committed copy and
-  // its answer (`finish`) wait until every local rank of the module has arrived for the k-th
-  // summon, then one record says all are ready, the copies run, one record says all are done,
-  // and every arrival is answered. So a kill during the copies finds every rank's shards
-  // complete: the restart finishes them all, never a mix (group_manager_state.cc).
-  void EndArrive(const Caller& caller, const std::string& module, uint64_t k, uint64_t target,
-                 const char* kind, absl::Status status,
-                 std::vector<internal::DurablePair> durable,
-                 absl::AnyInvocable<void(absl::Status)> finish) ;
-  // The rank's End agreement failed: it counts as arrived (it applies nothing).
-  void EndNotApplied(const Caller& caller, const std::string& module, uint64_t k)
-      ;
-  void ProcessEndBatch(const std::string& group, const std::string& module, uint64_t target,
-                       const char* kind, std::vector<EndArrival> batch)
-      ;
-  // Under mu_: `rank`'s committed copy holds `generation` (the pending commit's done ranks).
-  static void MarkCommitDoneLocked(Registered& reg, int32_t rank, uint64_t generation);
-  // GroupManagerOptions::testing_commit_copy_pause.
-  void TestingPauseMidCopy(int32_t rank,
-                           const std::vector<internal::DurablePair>& durable) const;
-  // Checkpoints: the committed shards of a module held still for a save or a load.
-  struct CheckpointHold;
-  absl::StatusOr<CheckpointHold> HoldForCheckpoint(const CheckpointArgs& args, bool load,
-                                                   CheckpointProgress* progress)
-      ;
-  // GPU ranks: host staging buffers of `buffers`' sizes (filled from them when `copy_in`);
-  // host ranks: `buffers` themselves. Blocking on the device: not on a reactor thread.
-  absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> HostCopies(
-      int32_t rank, const std::vector<std::shared_ptr<Buffer>>& buffers, bool copy_in) const;
-  // Multi-daemon groups: asks every other daemon of `hold`'s group to write (or load) its
-  // ranks' part; runs the calls in parallel, on threads of its own, and waits for them.
-  std::vector<absl::StatusOr<CheckpointResult>> AskPeers(const CheckpointHold& hold,
-                                                         const CheckpointArgs& args, bool load);
-  // Ends a hold; a load sets `generation` and marks the local ranks stale.
-  void ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
-                             std::optional<uint64_t> generation) ;
-  // A load of a checkpoint with optimizer state into a module without any: allocates the
-  // state buffers (and committed copies) of `specs` for the hold's ranks, installs them in the
-  // module and in `hold` (README "Checkpoints").
-  absl::Status AllocateStateForLoad(CheckpointHold& hold, const std::vector<StateSpec>& specs)
-      ;
-
   ShardStore* const store_;
-  const absl::Duration lease_timeout_;
-  peer::DaemonIdentity self_;
   const std::vector<std::shared_ptr<gpu::DeviceContext>> gpus_;
-  const std::shared_ptr<collective::DeviceCopier> copier_;
+  Clock* const clock_;
   // Placement and copies of each rank's memory; host waits on devices run on its workers.
-  // Declared before engine_: it outlives the engine's callbacks (stopped in the destructor).
+  // Declared before the engine: it outlives the engine's callbacks (stopped in the destructor).
   RankDevices devices_;
-  // Chooses and connects the groups' backends (inproc, UCX, NCCL; staged on GPU daemons).
-  // Never called under mu_ but for Choose (no I/O).
   std::unique_ptr<collective::CommunicatorFactory> comms_;
   collective::CollectiveEngine engine_;
-  const absl::Duration group_idle_timeout_;
-  const int32_t max_groups_per_uid_;
-  Clock* const clock_;
   // Every registered module's kept buffers (Registered::kept), decommitted when idle.
   const std::shared_ptr<KeptBufferPool> kept_pool_;
-  // Locking. Each group has its own mutex (Group::mu): two groups never wait on each other.
-  // `table_mu_` guards only the map of groups and the few daemon-wide fields below; it is a
-  // leaf: taken for lookups, inserts and removals, never while waiting for a group's lock
-  // (a group's lock may be held while taking it). Every group-level function says which
-  // group's lock it needs (ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu)).
-  mutable absl::Mutex table_mu_;
-  // shared_ptr: a caller that found a group keeps it alive across its lock, so a group
-  // removed meanwhile is freed (its buffers unmapped) after that lock, never under it.
-  std::map<std::string, std::shared_ptr<Group>> groups_ ABSL_GUARDED_BY(table_mu_);
-  // GroupOrGone's answer for an unknown id.
-  const std::shared_ptr<Group> gone_;
-  std::atomic<uint64_t> next_session_{1};
-  // Tickets of StartConnect (unique over every group, so a removed and re-created group never
-  // takes an old connect for its own).
-  std::atomic<uint64_t> next_connect_{1};
-  // Coordinators whose last group went away, and since when (DeadlineLoop unwatches them).
-  std::map<std::string, absl::Time> coordinator_idle_since_ ABSL_GUARDED_BY(table_mu_);
-  // Set once (Shutdown, StartDrain); read under any lock. Shutdown sets it before it visits
-  // each group under that group's lock, so a join that takes a group's lock after the visit
-  // sees it, and one before is failed by the visit.
-  std::atomic<bool> shutdown_{false};
-  std::atomic<bool> draining_{false};
-  absl::Mutex loop_mu_;  // the deadline loop's sleep, woken by Shutdown
-  bool loop_stop_ ABSL_GUARDED_BY(loop_mu_) = false;
-  // Restarts: the state directory (null: none) and the sequence of the next record written;
-  // records removed by RemoveGroupLocked wait here for the caller to drop the lock.
-  state::StateDir* const state_dir_;
-  const absl::Duration testing_commit_copy_pause_;
-  mutable absl::Mutex records_mu_;  // a leaf, like table_mu_
-  bool state_forgotten_ ABSL_GUARDED_BY(records_mu_) = false;
-  std::atomic<uint64_t> state_sequence_{0};
-  std::vector<std::pair<std::string, uint64_t>> removed_records_ ABSL_GUARDED_BY(records_mu_);
-  bool StateForgotten() const ABSL_LOCKS_EXCLUDED(records_mu_);
-  void FlushRemovedRecords() ABSL_LOCKS_EXCLUDED(records_mu_);
-  std::thread deadline_thread_;
-  // Checkpoints of multi-daemon groups: how this daemon reaches the others' peer ports.
-  std::shared_ptr<grpc::ChannelCredentials> peer_credentials_;
+  // Set once by Shutdown (Membership), read by every owner: no new work once it is.
+  std::atomic<bool> shutting_down_{false};
+  // The owners, each with its own state and lock (see each header); they find each group in
+  // the table and work under the group's own lock.
+  GroupTable table_;
+  Records records_;
+  std::unique_ptr<Modules> modules_;
+  std::unique_ptr<Membership> membership_;
+  std::unique_ptr<CheckpointPeerClient> checkpoint_peers_;
+  std::unique_ptr<Checkpoints> checkpoints_;
   // Last: destroyed first, so no PeerEvents arrive while the rest is torn down.
   std::unique_ptr<peer::PeerClient> peer_;
 };

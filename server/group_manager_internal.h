@@ -1,7 +1,7 @@
 #pragma once
-// Internals of GroupManager shared by its source files (group_manager.cc: groups, joins,
-// peers; group_manager_register.cc: registration; group_manager_summon.cc: summons, kept
-// buffers, gradients; group_manager_admin.cc: views for operators). Not for other users.
+// Helpers the daemon core's owners share (server/group/, server/module/, server/durable/,
+// server/checkpoint/): message texts, the agreement record, the held-module keys of a
+// rendezvous. Not for other users.
 
 #include <algorithm>
 #include <cstring>
@@ -111,6 +111,11 @@ inline std::string RankListText(const std::vector<int32_t>& ranks, size_t limit 
   }
   if (ranks.size() > limit) absl::StrAppend(&out, ", ... (", ranks.size(), " ranks)");
   return out;
+}
+
+// At most 64 characters of a caller-given name, for messages.
+inline std::string Short(const std::string& name) {
+  return name.size() <= 64 ? name : absl::StrCat(name.substr(0, 61), "...");
 }
 
 // Token comparison that takes the same time wherever the first difference is.

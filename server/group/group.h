@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/rpc_types.h"
 #include "server/module/module.h"
 #include "server/peer/peer_client.h"
 
@@ -176,6 +177,11 @@ struct Group {
            session_of_rank.joined_count() == 0;
   }
 };
+
+// OK when `caller` names a joined rank of `g` with the right token and its current session
+// (GroupManager::CheckCaller's errors; NOT_FOUND once `g` was removed).
+absl::Status CheckCallerLocked(const Group& g, const Caller& caller)
+    ABSL_SHARED_LOCKS_REQUIRED(g.mu);
 
 namespace internal {
 using ::flatshard::server::RankSessions;

@@ -175,7 +175,7 @@ struct Registered {
   std::vector<std::vector<std::vector<std::shared_ptr<Buffer>>>> committed_state;
   // Ranks whose state buffers are being allocated (outside mu_) by RegisterState.
   std::set<int32_t> state_allocating;
-  // ---- Restarts (group_manager_state.cc) ----
+  // ---- Restarts (server/durable/) ----
   // PlanToJson / ManifestToJson, dumped once for the group's record (empty: not yet).
   std::string plan_json;
   std::string manifest_json;
@@ -184,7 +184,7 @@ struct Registered {
   std::optional<state::PendingCommit> pending_commit;
   // The generation of the last "commit" intent known to be on disk: the other local ranks'
   // copies need not write it again (a "commit" intent covers every rank; see
-  // group_manager_state.cc). 0: none.
+  // server/durable/commit_intents.cc). 0: none.
   uint64_t durable_commit_intent = 0;
   // GPU daemons, per rank and unit: host copies of the device committed copies, made at
   // SIGTERM with --keep_shards (KeepDeviceShards) or adopted at start (then copied into
@@ -193,13 +193,13 @@ struct Registered {
   // Host daemons with a state directory: the local ranks' arrivals at the k-th writeback End
   // (EndArrive), by k; the copies into the committed copies start once every local rank is in.
   std::map<uint64_t, std::vector<EndArrival>> end_batches;
-  // ---- Checkpoints (group_manager_checkpoint.cc) ----
+  // ---- Checkpoints (server/checkpoint/) ----
   // Saves and loads holding the committed copies still. While > 0 no copy into them starts
   // (commits, writeback Ends and a refused commit's rollback queue in `after_ckpt` and run
   // again once the last hold ends); a hold starts only when `busy` is 0.
   int ckpt_hold = 0;
   std::vector<absl::AnyInvocable<void()>> after_ckpt;
-  // ---- Restarts of optimizer state (group_manager_state.cc) ----
+  // ---- Restarts of optimizer state (server/durable/) ----
   // GPU daemons, per rank, unit and state (state_specs order): host copies of the device
   // committed state buffers (committed_state), made with host_committed. Empty otherwise.
   std::vector<std::vector<std::vector<std::shared_ptr<Buffer>>>> host_committed_state;

@@ -1,20 +1,14 @@
-// GroupManager::RegisterState: optimizer state buffers next to each rank's shards.
-//
-// Per registered module, per rank and unit, one buffer per StateSpec and its committed copy,
-// allocated in the ShardStore at the rank's placement (host shm, or the rank's GPU) as
-// BufferKind::kShard: they are never decommitted and are freed with the module (or group).
-// Commit, agreed writeback Ends and rollbacks walk them with the shards
-// (internal::DurableBuffers), so a step's optimizer state commits and rolls back with its
-// parameters.
+// Modules: optimizer state buffers next to each shard (RegisterState).
 
-#include <memory>
-#include <string>
-#include <vector>
+#include "server/module/modules.h"
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
-#include "server/group_manager.h"
+#include <memory>
+#include <string>
+#include <vector>
+#include "server/durable/records.h"
 #include "server/group_manager_internal.h"
 
 namespace flatshard::server {
@@ -32,7 +26,7 @@ bool HasState(const std::vector<UnitShard>& shards) {
 
 }  // namespace
 
-absl::StatusOr<RegisterStateResult> GroupManager::RegisterState(
+absl::StatusOr<RegisterStateResult> Modules::RegisterState(
     const Caller& caller, const std::string& module, const std::vector<StateSpec>& specs) {
   FS_RETURN_IF_ERROR(ValidateStateSpecs(specs));
   // What to allocate, decided under the lock.
@@ -44,7 +38,7 @@ absl::StatusOr<RegisterStateResult> GroupManager::RegisterState(
   Placement placement;
   bool fixed_here = false;  // this call fixed the module's spec
   {
-    std::shared_ptr<Group> held = GroupOrGone(caller.group);
+    std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
     Group& g = *held;
     absl::MutexLock lock(&g.mu);
     FS_RETURN_IF_ERROR(shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
@@ -125,7 +119,7 @@ absl::StatusOr<RegisterStateResult> GroupManager::RegisterState(
 
   absl::StatusOr<RegisterStateResult> result = absl::InternalError("unset");
   {
-    std::shared_ptr<Group> held = GroupOrGone(caller.group);
+    std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
     Group& g = *held;
     absl::MutexLock lock(&g.mu);
     Registered* found = nullptr;

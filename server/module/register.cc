@@ -1,18 +1,17 @@
-// GroupManager::Register: planning, the agreement exchange and allocation of shards.
+// Modules: registration (collective agreement, allocation, init summons) and re-attach.
 
-#include "server/group_manager.h"
+#include "server/module/modules.h"
 
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/planner.h"
+#include "common/status_macros.h"
+#include "server/registration.h"
 #include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include "absl/strings/str_cat.h"
-#include "common/logging.h"
-#include "common/status_macros.h"
-#include "common/planner.h"
-#include "server/registration.h"
-
+#include "server/durable/records.h"
 #include "server/group_manager_internal.h"
 
 namespace flatshard::server {
@@ -22,7 +21,17 @@ using internal::Nested;
 
 // One rank's registration from its arrival to the commit: what FinishRegister installs once
 // the agreement (server/registration.h) said yes on every rank.
-struct GroupManager::RegisterExchange {
+Modules::Modules(ModulesOptions options)
+    : store_(options.store),
+      devices_(*options.devices),
+      clock_(options.clock),
+      gpus_(std::move(options.gpus)),
+      kept_pool_(std::move(options.kept_pool)),
+      table_(*options.table),
+      records_(*options.records),
+      shutdown_(*options.shutdown) {}
+
+struct Modules::RegisterExchange {
   Caller caller;
   std::shared_ptr<Group> group;  // the caller's (never removed while it registers)
   std::string module;
@@ -34,11 +43,11 @@ struct GroupManager::RegisterExchange {
   RegistrationBuffers buffers;
 };
 
-void GroupManager::Register(const Caller& caller, const std::string& module,
+void Modules::Register(const Caller& caller, const std::string& module,
                             const absl::StatusOr<Manifest>& manifest,
                             const absl::StatusOr<Policy>& policy, InitMode init,
                             absl::Time deadline, RegisterCallback done) {
-  std::shared_ptr<Group> held = FindGroup(caller.group);
+  std::shared_ptr<Group> held = table_.Find(caller.group);
   if (held == nullptr) {
     done(absl::NotFoundError(absl::StrCat("unknown group ", caller.group)));
     return;
@@ -175,7 +184,7 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
                       });
 }
 
-void GroupManager::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status) {
+void Modules::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status) {
   const Caller& caller = x->caller;
   AfterUnlock persist;  // the group's record, after mu_
   absl::StatusOr<RegisterResult> result =
@@ -228,7 +237,7 @@ void GroupManager::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Sta
         reg.pending_commit.reset();
         // Restarts: a model of zeros is initialised now (the FROM_* modes record theirs
         // when their init commits); a re-registration replaces the recorded buffers.
-        PersistLater(g, &persist);
+        records_.PersistLater(g, &persist);
         RegisterResult r{reg.plan, x->buffers.shards, std::nullopt, 0};
         if (x->init != InitMode::kZeros) {
           // Initial values come through a summon that is already open: each rank (or rank 0)

@@ -1,4 +1,4 @@
-#include "server/service/checkpoint_peer_service.h"
+#include "server/checkpoint/checkpoint_peer_service.h"
 
 #include "common/dtype.h"
 #include "common/grpc_status.h"

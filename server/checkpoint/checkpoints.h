@@ -1,0 +1,122 @@
+#pragma once
+// Checkpoints: the checkpoint owner. Saves and loads of registered modules (README
+// "Checkpoints"; the file format is common/checkpoint/checkpoint.h): the hold that keeps a
+// module's committed copies still while a save reads them or a load writes them, resharding
+// on load, and the other daemons' parts of a multi-daemon group's checkpoint
+// (CheckpointPeerClient asks them; CheckpointPeerService answers theirs).
+//
+// State: none of its own beyond a call's; the hold is counted in the module's Registered
+// (ckpt_hold, after_ckpt) under the group's lock. Blocking (file I/O, device copies): the
+// calls run on the admin service's threads, never on a gRPC reactor. Thread-safe.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/checkpoint/checkpoint.h"
+#include "common/manifest.h"
+#include "common/plan.h"
+#include "common/state_spec.h"
+#include "server/group/group_table.h"
+#include "server/module/module.h"
+#include "server/rank_devices.h"
+#include "server/shard_store.h"
+
+namespace flatshard::server {
+
+class Modules;
+class Records;
+class CheckpointPeerClient;
+
+// Progress of a save or load, read by another thread while it runs.
+struct CheckpointProgress {
+  enum Phase : int { kWaiting = 0, kVerifying = 1, kWriting = 2, kLoading = 3, kDone = 4 };
+  std::atomic<int> phase{kWaiting};
+  std::atomic<int64_t> done_bytes{0};
+  std::atomic<int64_t> total_bytes{0};
+};
+struct CheckpointArgs {
+  std::string group;
+  std::string module;
+  std::string dir;          // save: the directory; load: a checkpoint directory, or
+  std::string safetensors;  // load: a safetensors file
+  int64_t uid = -1;         // the caller's (-1 remote); `privileged`: root or the daemon's
+  bool privileged = false;
+  // How long to wait for copies of the committed shards in flight to finish.
+  absl::Duration wait = absl::Seconds(30);
+  // Multi-daemon groups: another daemon asks for this daemon's ranks' part (the group's
+  // token instead of a uid; no metadata written, no other daemon asked).
+  bool from_peer = false;
+  std::string token;
+};
+struct CheckpointResult {
+  uint64_t generation = 0;
+  int64_t bytes = 0;
+  int32_t files = 0;
+  int32_t ranks = 0;
+  int64_t unused_tensors = 0;
+  // A save for a peer: the files and tensors this daemon wrote.
+  std::vector<checkpoint::FileEntry> written_files;
+  std::vector<checkpoint::TensorEntry> written_tensors;
+};
+
+struct CheckpointsOptions {
+  ShardStore* store = nullptr;
+  RankDevices* devices = nullptr;
+  GroupTable* table = nullptr;
+  Modules* modules = nullptr;
+  Records* records = nullptr;
+  const std::atomic<bool>* shutdown = nullptr;
+  // Multi-daemon groups: how the other daemons are asked for their ranks' parts.
+  CheckpointPeerClient* peers = nullptr;
+  std::string self_peer_address;  // this daemon's peer address (empty: none)
+};
+
+class Checkpoints {
+ public:
+  explicit Checkpoints(CheckpointsOptions options);
+  Checkpoints(const Checkpoints&) = delete;
+  Checkpoints& operator=(const Checkpoints&) = delete;
+
+  // GroupManager::SaveCheckpoint and LoadCheckpoint (documented there).
+  absl::StatusOr<CheckpointResult> SaveCheckpoint(const CheckpointArgs& args,
+                                                  CheckpointProgress* progress);
+  absl::StatusOr<CheckpointResult> LoadCheckpoint(const CheckpointArgs& args,
+                                                  CheckpointProgress* progress);
+
+ private:
+  // The committed shards of a module held still for a save or a load.
+  struct CheckpointHold;
+  absl::StatusOr<CheckpointHold> HoldForCheckpoint(const CheckpointArgs& args, bool load,
+                                                   CheckpointProgress* progress);
+  // GPU ranks: host staging buffers of `buffers`' sizes (filled from them when `copy_in`);
+  // host ranks: `buffers` themselves. Blocking on the device: not on a reactor thread.
+  absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> HostCopies(
+      int32_t rank, const std::vector<std::shared_ptr<Buffer>>& buffers, bool copy_in) const;
+  // Ends a hold; a load sets `generation` and marks the local ranks stale.
+  void ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
+                             std::optional<uint64_t> generation);
+  // A load of a checkpoint with optimizer state into a module without any: allocates the
+  // state buffers (and committed copies) of `specs` for the hold's ranks, installs them in the
+  // module and in `hold` (README "Checkpoints").
+  absl::Status AllocateStateForLoad(CheckpointHold& hold, const std::vector<StateSpec>& specs);
+  // Multi-daemon groups: every other daemon's part of `hold`'s checkpoint, asked in parallel.
+  std::vector<absl::StatusOr<CheckpointResult>> AskPeers(const CheckpointHold& hold,
+                                                         const CheckpointArgs& args, bool load);
+
+  ShardStore* const store_;
+  RankDevices& devices_;
+  GroupTable& table_;
+  Modules& modules_;
+  Records& records_;
+  const std::atomic<bool>& shutdown_;
+  CheckpointPeerClient* const peers_;
+  const std::string self_peer_address_;
+};
+
+}  // namespace flatshard::server

@@ -1,0 +1,426 @@
+// Checkpoints: loads (resharded by FQN and element range), checked before any shard changes.
+
+#include "server/checkpoint/checkpoints.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/checkpoint/checkpoint.h"
+#include "common/checkpoint/param_source.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "flatshard/v1/checkpoint_peer.grpc.pb.h"
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <grpcpp/grpcpp.h>
+#include <map>
+#include <sys/stat.h>
+#include <thread>
+#include <tuple>
+#include <unistd.h>
+#include "server/durable/records.h"
+#include "server/module/modules.h"
+#include "server/checkpoint/checkpoint_peer_client.h"
+#include "server/checkpoint/checkpoint_hold.h"
+#include "server/group_manager_internal.h"
+
+namespace flatshard::server {
+
+using internal::Display;
+
+namespace {
+
+constexpr int kCheckpointThreads = 8;
+
+// Runs fn(i) for i in [0, n) on up to kCheckpointThreads threads; the first error wins.
+absl::Status ParallelFor(size_t n, const std::function<absl::Status(size_t)>& fn) {
+  std::vector<absl::Status> results(n);
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < n; i = next++) results[i] = fn(i);
+  };
+  const size_t threads = std::min<size_t>(n, kCheckpointThreads);
+  std::vector<std::thread> pool;
+  for (size_t i = 1; i < threads; ++i) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  for (const absl::Status& s : results) FS_RETURN_IF_ERROR(s);
+  return absl::OkStatus();
+}
+
+// Bytes of one rank's file: its shards and optimizer state.
+int64_t RankBytes(const Plan& plan, const std::vector<StateSpec>& specs) {
+  int64_t n = 0;
+  for (const PlanUnit& u : plan.units) {
+    n += u.shard_numel * ItemSize(u.dtype);
+    for (const StateSpec& st : specs) n += st.Numel(u.shard_numel) * ItemSize(st.dtype);
+  }
+  return n;
+}
+
+absl::Status CheckStateSize(const Buffer& b, const PlanUnit& u, const StateSpec& st) {
+  const int64_t want = st.Numel(u.shard_numel) * ItemSize(st.dtype);
+  if (b.bytes() >= want) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("unit ", u.index, ": a ", b.bytes(),
+                                          "-byte buffer for optimizer state \"", st.name,
+                                          "\" of ", want, " bytes"));
+}
+
+// The unit of `meta`'s plan holding the parameter a source knows as `name` (its FQN, a shared
+// alias or a tied alias), and that parameter; {-1, null} when none.
+std::pair<int32_t, const PlanParam*> SavedParam(const checkpoint::Metadata& meta,
+                                                const std::string& name) {
+  std::string fqn = name;
+  for (const SharedParam& t : meta.tied) {
+    if (t.fqn == name) fqn = t.same_as;
+  }
+  for (const PlanUnit& u : meta.plan.units) {
+    for (const SharedParam& sh : u.shared) {
+      if (sh.fqn == fqn) fqn = sh.same_as;
+    }
+  }
+  for (const PlanUnit& u : meta.plan.units) {
+    for (const PlanParam& p : u.params) {
+      if (p.fqn == fqn) return {u.index, &p};
+    }
+  }
+  return {-1, nullptr};
+}
+
+absl::Status CheckSize(const Buffer& b, const PlanUnit& u) {
+  if (b.bytes() >= u.shard_numel * ItemSize(u.dtype)) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("unit ", u.index, ": a ", b.bytes(),
+                                          "-byte buffer for a shard of ",
+                                          u.shard_numel * ItemSize(u.dtype), " bytes"));
+}
+
+// A caller who is neither root nor the daemon's uid may only have the daemon write into, or
+// read from, a path that caller owns (the directory; for a new directory, its parent; a
+// safetensors file): the daemon's privileges must not reach other users' files.
+absl::Status CheckOwner(const GroupManager::CheckpointArgs& args, const std::string& path,
+                        bool parent_if_missing) {
+  if (args.privileged) return absl::OkStatus();
+  struct stat st;
+  std::string at = path;
+  if (::stat(at.c_str(), &st) != 0 && parent_if_missing) {
+    at = checkpoint::internal::DirOf(path);
+    if (::stat(at.c_str(), &st) != 0) {
+      return absl::NotFoundError(absl::StrCat(at, ": ", std::strerror(errno)));
+    }
+  } else if (::stat(at.c_str(), &st) != 0) {
+    return absl::NotFoundError(absl::StrCat(at, ": ", std::strerror(errno)));
+  }
+  if (args.uid >= 0 && static_cast<int64_t>(st.st_uid) == args.uid) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      at, " belongs to uid ", st.st_uid, ", not to the caller (uid ",
+      args.uid < 0 ? std::string("(remote)") : absl::StrCat(args.uid),
+      "): the daemon reads and writes checkpoints only in the caller's own directories"));
+}
+
+std::vector<const Buffer*> Raw(const std::vector<std::shared_ptr<Buffer>>& v) {
+  std::vector<const Buffer*> out;
+  for (const auto& b : v) out.push_back(b.get());
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(
+    const CheckpointArgs& args, CheckpointProgress* progress) {
+  if (args.dir.empty() == args.safetensors.empty()) {
+    return absl::InvalidArgumentError(
+        "LoadCheckpoint needs exactly one of a checkpoint directory and a safetensors file");
+  }
+  const std::string& from = args.dir.empty() ? args.safetensors : args.dir;
+  if (from[0] != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the path must be absolute, got \"", Truncated(from), "\""));
+  }
+  if (!args.from_peer) FS_RETURN_IF_ERROR(CheckOwner(args, from, /*parent_if_missing=*/false));
+  // 1. Everything that can be checked without the module: the source itself.
+  std::optional<checkpoint::Checkpoint> ckpt;
+  std::unique_ptr<checkpoint::ParamSource> source;
+  int32_t files = 1;
+  if (!args.dir.empty()) {
+    FS_ASSIGN_OR_RETURN(ckpt, checkpoint::OpenCheckpoint(args.dir));
+    progress->phase = CheckpointProgress::kVerifying;
+    progress->total_bytes = ckpt->meta.total_bytes();
+    FS_RETURN_IF_ERROR(checkpoint::VerifyFiles(
+        *ckpt, {}, [progress](int64_t n) { progress->done_bytes += n; }));
+    source = checkpoint::CheckpointSource(*ckpt);
+    files = static_cast<int32_t>(ckpt->meta.files.size());
+  } else {
+    absl::StatusOr<std::unique_ptr<checkpoint::ParamSource>> st =
+        checkpoint::SafetensorsSource(args.safetensors);
+    if (!st.ok()) return absl::FailedPreconditionError(st.status().message());
+    source = *std::move(st);
+  }
+  // 2. The module: hold it, then check the source fits its plan before any shard changes.
+  FS_ASSIGN_OR_RETURN(CheckpointHold hold, HoldForCheckpoint(args, /*load=*/true, progress));
+  int64_t unused = 0;
+  absl::StatusOr<std::vector<checkpoint::Binding>> bindings = checkpoint::Bind(
+      *source, hold.plan, &unused, checkpoint::TiedAliases(hold.manifest, hold.plan));
+  if (!bindings.ok()) {
+    ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot load into group ", hold.group, " module ", Display(hold.module), ": ",
+        bindings.status().message()));
+  }
+  // Optimizer state (README "Checkpoints"), checked before anything changes:
+  //  - the module has no state registered: the checkpoint's state (if any) is not loaded;
+  //  - the module has state and the source none (a parameters-only checkpoint, safetensors):
+  //    the state is zeroed, as a freshly registered one (the loaded step starts a fresh
+  //    optimizer);
+  //  - both: the specs must be equal; under the same plan each (rank, unit, state) is copied;
+  //    under another plan SHARD states reshard like the parameters (by FQN and element range)
+  //    and a SCALAR state of a unit takes the saved value of the saved unit holding the unit's
+  //    first parameter, from the saved rank holding that parameter's first element.
+  enum class StateLoad { kNone, kZero, kCopy, kReshard };
+  StateLoad state_mode = StateLoad::kNone;
+  std::vector<std::unique_ptr<checkpoint::ParamSource>> state_sources;  // by spec (SHARD)
+  std::vector<std::vector<checkpoint::Binding>> state_bindings;         // by spec (SHARD)
+  std::vector<std::vector<std::vector<char>>> scalars;  // [spec][unit] (SCALAR, kReshard)
+  const bool source_state = ckpt.has_value() && !ckpt->meta.state_specs.empty();
+  if (!hold.state_specs.empty()) {
+    state_mode = StateLoad::kZero;
+    if (source_state) {
+      const std::string diff = StateSpecDifference(hold.state_specs, ckpt->meta.state_specs);
+      if (!diff.empty()) {
+        ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
+        return absl::FailedPreconditionError(absl::StrCat(
+            "cannot load into group ", hold.group, " module ", Display(hold.module),
+            ": the optimizer state of checkpoint ", args.dir, " differs from the module's: ",
+            diff));
+      }
+      const bool same_plan = ckpt->meta.world_size == hold.world_size &&
+                             !hold.plan.fingerprint.empty() &&
+                             ckpt->meta.plan.fingerprint == hold.plan.fingerprint;
+      state_mode = same_plan ? StateLoad::kCopy : StateLoad::kReshard;
+    }
+  } else if (source_state) {
+    // The module has no optimizer state yet (a fresh job): the load creates it for the local
+    // ranks with the checkpoint's specs, as RegisterState would, so a trainer that then
+    // keeps its optimizer's state in the daemon (keep_optimizer_state) re-attaches to the
+    // loaded values.
+    if (absl::Status st = AllocateStateForLoad(hold, ckpt->meta.state_specs); !st.ok()) {
+      ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
+      return st;
+    }
+    const bool same_plan = ckpt->meta.world_size == hold.world_size &&
+                           !hold.plan.fingerprint.empty() &&
+                           ckpt->meta.plan.fingerprint == hold.plan.fingerprint;
+    state_mode = same_plan ? StateLoad::kCopy : StateLoad::kReshard;
+  }
+  // The saved state tensors by (rank, unit, name) (Metadata::FindTensor is a linear scan).
+  std::map<std::tuple<int32_t, int32_t, std::string>, const checkpoint::TensorEntry*> saved_state;
+  if (state_mode == StateLoad::kCopy || state_mode == StateLoad::kReshard) {
+    for (const checkpoint::TensorEntry& t : ckpt->meta.tensors) {
+      if (t.name != checkpoint::kShardTensor) saved_state[{t.rank, t.unit, t.name}] = &t;
+    }
+  }
+  if (state_mode == StateLoad::kReshard) {
+    const std::vector<SharedParam> tied = checkpoint::TiedAliases(hold.manifest, hold.plan);
+    absl::Status st;
+    scalars.resize(hold.state_specs.size());
+    for (size_t k = 0; k < hold.state_specs.size() && st.ok(); ++k) {
+      const StateSpec& spec = hold.state_specs[k];
+      state_sources.push_back(checkpoint::CheckpointStateSource(*ckpt, spec));
+      state_bindings.emplace_back();
+      if (spec.shape == StateShape::kShard) {
+        absl::StatusOr<std::vector<checkpoint::Binding>> b =
+            checkpoint::Bind(*state_sources.back(), hold.plan, nullptr, tied, spec.dtype);
+        if (!b.ok()) {
+          st = b.status();
+          break;
+        }
+        state_bindings.back() = *std::move(b);
+        continue;
+      }
+      // SCALAR: one value per target unit, read now (small).
+      const int64_t item = ItemSize(spec.dtype);
+      for (const PlanUnit& u : hold.plan.units) {
+        std::vector<char> value(item, 0);
+        const checkpoint::Binding* first = nullptr;
+        for (const checkpoint::Binding& b : *bindings) {
+          if (b.unit->index == u.index && (first == nullptr || b.param->offset < first->param->offset)) {
+            first = &b;
+          }
+        }
+        if (first != nullptr) {
+          const auto [saved_unit, saved_param] = SavedParam(ckpt->meta, first->source_fqn);
+          if (saved_unit < 0) {
+            st = absl::InternalError(absl::StrCat("parameter ", first->source_fqn,
+                                                  " is bound but not in the saved plan"));
+            break;
+          }
+          const PlanUnit& su = ckpt->meta.plan.units[saved_unit];
+          const int32_t saved_rank =
+              static_cast<int32_t>(std::min<int64_t>(saved_param->offset / su.shard_numel,
+                                                     ckpt->meta.world_size - 1));
+          auto found = saved_state.find({saved_rank, saved_unit, spec.name});
+          const checkpoint::TensorEntry* t =
+              found == saved_state.end() ? nullptr : found->second;
+          if (t == nullptr) {
+            st = absl::FailedPreconditionError(absl::StrCat(
+                args.dir, ": no optimizer state \"", spec.name, "\" of rank ", saved_rank,
+                " unit ", saved_unit));
+            break;
+          }
+          st = checkpoint::ReadFileRange(*ckpt, saved_rank, t->offset, item, value.data());
+          if (!st.ok()) break;
+        }
+        scalars[k].push_back(std::move(value));
+      }
+    }
+    if (!st.ok()) {
+      ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot load the optimizer state into group ", hold.group, " module ",
+          Display(hold.module), ": ", st.message()));
+    }
+  }
+  const int64_t per_rank = RankBytes(
+      hold.plan, state_mode == StateLoad::kNone ? std::vector<StateSpec>{} : hold.state_specs);
+  progress->done_bytes = 0;
+  progress->total_bytes = per_rank * static_cast<int64_t>(hold.ranks.size());
+  progress->phase = CheckpointProgress::kLoading;
+  // A multi-daemon group: the other daemons load their ranks meanwhile (each checks the same
+  // files against the same plan first, so they reach the same verdict but for I/O errors).
+  std::vector<absl::StatusOr<CheckpointResult>> remote;
+  std::thread asking;
+  if (!args.from_peer && !hold.peers.empty()) {
+    asking = std::thread([&] { remote = AskPeers(hold, args, /*load=*/true); });
+  }
+  // 3. Shards first; the committed copies only once every rank's shards are written, so a
+  // failure (an I/O error: everything else was checked) restores the shards from them.
+  absl::Status s = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
+    const int32_t rank = hold.ranks[i];
+    const int32_t shard_rank = hold.plan.ShardRank(rank);
+    std::vector<std::shared_ptr<Buffer>> shards;
+    for (const UnitShard& sh : hold.shards[i]) shards.push_back(sh.shard);
+    // GPU ranks: filled in host memory, then copied to the device.
+    FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host,
+                        HostCopies(rank, shards, /*copy_in=*/false));
+    for (const PlanUnit& u : hold.plan.units) {
+      const Buffer& b = *host[u.index];
+      FS_RETURN_IF_ERROR(CheckSize(b, u));
+      FS_RETURN_IF_ERROR(
+          checkpoint::FillShard(*source, *bindings, hold.plan, u.index, shard_rank, b.data()));
+      progress->done_bytes += u.shard_numel * ItemSize(u.dtype);
+    }
+    if (host != shards) FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(host), Raw(shards)));
+    // Optimizer state (see above); its committed copies below with the shards'.
+    if (state_mode == StateLoad::kNone) return absl::OkStatus();
+    FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host_state,
+                        HostCopies(rank, hold.state_live[i], /*copy_in=*/false));
+    const size_t n = hold.state_specs.size();
+    for (const PlanUnit& u : hold.plan.units) {
+      for (size_t k = 0; k < n; ++k) {
+        const StateSpec& spec = hold.state_specs[k];
+        const Buffer& b = *host_state[u.index * n + k];
+        FS_RETURN_IF_ERROR(CheckStateSize(b, u, spec));
+        const int64_t bytes = spec.Numel(u.shard_numel) * ItemSize(spec.dtype);
+        switch (state_mode) {
+          case StateLoad::kNone:
+            break;
+          case StateLoad::kZero:
+            std::memset(b.data(), 0, bytes);
+            break;
+          case StateLoad::kCopy: {
+            auto found = saved_state.find({rank, u.index, spec.name});
+            const checkpoint::TensorEntry* t =
+                found == saved_state.end() ? nullptr : found->second;
+            if (t == nullptr || t->bytes != bytes) {
+              return absl::InternalError(absl::StrCat(
+                  args.dir, ": optimizer state \"", spec.name, "\" of rank ", rank, " unit ",
+                  u.index, " is missing or not ", bytes, " bytes"));
+            }
+            FS_RETURN_IF_ERROR(checkpoint::ReadFileRange(*ckpt, rank, t->offset, bytes, b.data()));
+            break;
+          }
+          case StateLoad::kReshard:
+            if (spec.shape == StateShape::kShard) {
+              FS_RETURN_IF_ERROR(checkpoint::FillShard(*state_sources[k], state_bindings[k],
+                                                       hold.plan, u.index, shard_rank, b.data(),
+                                                       spec.dtype));
+            } else {
+              std::memcpy(b.data(), scalars[k][u.index].data(), bytes);
+            }
+            break;
+        }
+        progress->done_bytes += bytes;
+      }
+    }
+    if (host_state != hold.state_live[i]) {
+      FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(host_state), Raw(hold.state_live[i])));
+    }
+    return absl::OkStatus();
+  });
+  const bool filled = s.ok();
+  // Restarts: the load's intent is durable before any committed copy changes (a daemon killed
+  // during the copies finishes them from the shards; server/durable/commit_intents.cc).
+  if (filled) {
+    records_.NoteLoadCopying(hold.group, hold.module, hold.ranks,
+                    ckpt.has_value() ? ckpt->meta.generation : hold.generation + 1);
+  }
+  absl::Status copied = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
+    std::vector<std::shared_ptr<Buffer>> shards;
+    for (const UnitShard& sh : hold.shards[i]) shards.push_back(sh.shard);
+    std::vector<std::shared_ptr<Buffer>> committed = hold.committed[i];
+    if (state_mode != StateLoad::kNone) {
+      shards.insert(shards.end(), hold.state_live[i].begin(), hold.state_live[i].end());
+      committed.insert(committed.end(), hold.state_committed[i].begin(),
+                       hold.state_committed[i].end());
+    }
+    // Host or device alike (a GPU rank's copies stay on its device).
+    return filled ? devices_.CopyEach(hold.ranks[i], Raw(shards), Raw(committed))
+                  : devices_.CopyEach(hold.ranks[i], Raw(committed), Raw(shards));
+  });
+  if (s.ok()) s = copied;
+  if (asking.joinable()) asking.join();
+  for (size_t k = 0; k < remote.size(); ++k) {
+    if (!remote[k].ok()) {
+      // This daemon's ranks are loaded; that one's are not: their generations now differ, so
+      // the group's next commit is refused on every rank (the agreement compares them).
+      FS_LOG(ERROR) << "group=" << hold.group << " module=" << Display(hold.module)
+                    << ": daemon " << hold.peers[k] << " could not load " << from << ": "
+                    << remote[k].status();
+      if (s.ok()) {
+        s = absl::Status(remote[k].status().code(),
+                         absl::StrCat("daemon ", hold.peers[k], " could not load its ranks: ",
+                                      remote[k].status().message()));
+        if (filled) {
+          const uint64_t generation =
+              ckpt.has_value() ? ckpt->meta.generation : hold.generation + 1;
+          ReleaseCheckpointHold(hold, /*load=*/true, generation);
+          return s;
+        }
+      }
+    }
+  }
+  if (!s.ok()) {
+    ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
+    FS_LOG(ERROR) << "group=" << hold.group << " module=" << Display(hold.module)
+                  << ": load of " << from << " failed (shards restored): " << s;
+    return s;
+  }
+  const uint64_t generation = ckpt.has_value() ? ckpt->meta.generation : hold.generation + 1;
+  ReleaseCheckpointHold(hold, /*load=*/true, generation);
+  progress->phase = CheckpointProgress::kDone;
+  CheckpointResult result;
+  result.generation = generation;
+  result.bytes = progress->total_bytes;
+  result.files = files;
+  result.ranks = static_cast<int32_t>(hold.ranks.size());
+  for (const auto& r : remote) result.ranks += r->ranks;
+  result.unused_tensors = unused;
+  FS_LOG(INFO) << "group=" << hold.group << " module=" << Display(hold.module) << " loaded "
+               << from << ": generation " << generation << " on " << result.ranks
+               << " local rank(s)";
+  return result;
+}
+
+}  // namespace flatshard::server

@@ -1,0 +1,206 @@
+// Records: commit intents (a torn committed copy is never adopted) and the batched copies of
+// a writeback End's local ranks.
+
+#include "server/durable/records.h"
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/manifest.h"
+#include "common/plan.h"
+#include <algorithm>
+#include <cstring>
+#include <set>
+#include <sys/stat.h>
+#include "server/group_manager_internal.h"
+
+namespace flatshard::server {
+
+using internal::Display;
+
+void Records::NoteCommitAgreed(Registered& reg, uint64_t generation, const char* kind) {
+  if (!reg.pending_commit.has_value() || reg.pending_commit->generation != generation ||
+      reg.pending_commit->kind != kind) {
+    reg.pending_commit = state::PendingCommit{generation, kind, {}, {}};
+  }
+}
+
+void Records::CommitReady(const Caller& caller, const std::string& module,
+                               uint64_t generation, const char* kind) {
+  const bool commit = std::string(kind) == "commit";
+  const bool written = EditAndRecord(caller.group, module, [&](Registered& reg) {
+    NoteCommitAgreed(reg, generation, kind);
+    std::vector<int32_t>& ready = reg.pending_commit->ready_ranks;
+    if (std::find(ready.begin(), ready.end(), caller.rank) == ready.end()) {
+      ready.push_back(caller.rank);
+      std::sort(ready.begin(), ready.end());
+    }
+    // A "commit" intent on disk covers every local rank: the others skip its write.
+    return !(commit && reg.durable_commit_intent == generation);
+  });
+  if (written && commit) {
+    std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (Registered* reg = FindModuleLocked(g, module)) {
+      reg->durable_commit_intent = std::max(reg->durable_commit_intent, generation);
+    }
+  }
+}
+
+void Records::CommitDone(const Caller& caller, const std::string& module,
+                              uint64_t generation) {
+  EditAndRecord(caller.group, module, [&](Registered& reg) {
+    MarkCommitDoneLocked(reg, caller.rank, generation);
+    return true;
+  });
+}
+
+void Records::MarkCommitDoneLocked(Registered& reg, int32_t rank, uint64_t generation) {
+  reg.generation[rank] = generation;
+  if (!reg.pending_commit.has_value() || reg.pending_commit->generation != generation) return;
+  std::vector<int32_t>& done = reg.pending_commit->done_ranks;
+  if (std::find(done.begin(), done.end(), rank) == done.end()) {
+    done.push_back(rank);
+    std::sort(done.begin(), done.end());
+  }
+  for (int32_t r = 0; r < static_cast<int32_t>(reg.shards_by_rank.size()); ++r) {
+    if (!reg.shards_by_rank[r].empty() && std::find(done.begin(), done.end(), r) == done.end()) {
+      return;
+    }
+  }
+  if (reg.pending_commit->kind == "init") {
+    reg.initialized = true;
+    reg.uninitialized_why.clear();
+  }
+  reg.pending_commit.reset();
+}
+
+void Records::EndArrive(const Caller& caller, const std::string& module, uint64_t k,
+                             uint64_t target, const char* kind, absl::Status status,
+                             std::vector<internal::DurablePair> durable,
+                             absl::AnyInvocable<void(absl::Status)> finish) {
+  std::vector<EndArrival> batch;
+  {
+    std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (Registered* found = FindModuleLocked(g, module)) {
+      Registered& reg = *found;
+      std::vector<EndArrival>& arrived = reg.end_batches[k];
+      arrived.push_back(EndArrival{caller.rank, true, std::move(status), std::move(durable),
+                                   std::move(finish)});
+      size_t local = 0;
+      for (const std::vector<UnitShard>& s : reg.shards_by_rank) local += s.empty() ? 0 : 1;
+      if (arrived.size() < local) return;  // the last local rank copies for every rank
+      batch = std::move(arrived);
+      reg.end_batches.erase(k);
+      // Ends whose other ranks never came (their agreement failed there) are long over.
+      while (!reg.end_batches.empty() && reg.end_batches.begin()->first + 64 < k) {
+        reg.end_batches.erase(reg.end_batches.begin());
+      }
+    } else {
+      batch.push_back(EndArrival{caller.rank, true, std::move(status), std::move(durable),
+                                 std::move(finish)});
+    }
+  }
+  ProcessEndBatch(caller.group, module, target, kind, std::move(batch));
+}
+
+void Records::EndNotApplied(const Caller& caller, const std::string& module, uint64_t k) {
+  std::vector<EndArrival> batch;
+  uint64_t target = 0;
+  std::string kind;
+  {
+    std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    Registered* found = FindModuleLocked(g, module);
+    if (found == nullptr) return;
+    Registered& reg = *found;
+    std::vector<EndArrival>& arrived = reg.end_batches[k];
+    EndArrival a;
+    a.rank = caller.rank;
+    arrived.push_back(std::move(a));
+    size_t local = 0;
+    for (const std::vector<UnitShard>& s : reg.shards_by_rank) local += s.empty() ? 0 : 1;
+    if (arrived.size() < local) return;
+    batch = std::move(arrived);
+    reg.end_batches.erase(k);
+    if (reg.pending_commit.has_value()) {
+      target = reg.pending_commit->generation;
+      kind = reg.pending_commit->kind;
+    }
+  }
+  ProcessEndBatch(caller.group, module, target, kind.empty() ? "end" : kind == "init" ? "init" : "end",
+                  std::move(batch));
+}
+
+void Records::ProcessEndBatch(const std::string& group, const std::string& module,
+                                   uint64_t target, const char* kind,
+                                   std::vector<EndArrival> batch) {
+  std::vector<EndArrival*> applying;
+  for (EndArrival& a : batch) {
+    if (a.applying && a.status.ok()) applying.push_back(&a);
+  }
+  auto record = [&](bool ready) {
+    EditAndRecord(group, module, [&](Registered& reg) {
+      if (ready) {
+        NoteCommitAgreed(reg, target, kind);
+        std::vector<int32_t>& r = reg.pending_commit->ready_ranks;
+        for (EndArrival* a : applying) {
+          if (std::find(r.begin(), r.end(), a->rank) == r.end()) r.push_back(a->rank);
+        }
+        std::sort(r.begin(), r.end());
+      } else {
+        for (EndArrival* a : applying) {
+          if (a->status.ok()) MarkCommitDoneLocked(reg, a->rank, target);
+        }
+      }
+      return true;
+    });
+  };
+  if (!applying.empty()) {
+    // Every local rank's shards hold the new generation: one record says so before any
+    // committed copy is overwritten, one after all of them are.
+    record(/*ready=*/true);
+    TestingPauseMidCopy(applying.front()->rank, applying.front()->durable);
+    for (EndArrival* a : applying) {
+      a->status = CopyCommitted(a->rank, a->durable, /*to_committed=*/true);
+    }
+    record(/*ready=*/false);
+  }
+  for (EndArrival& a : batch) {
+    if (a.applying && !a.status.ok()) {
+      FS_LOG(ERROR) << "group=" << group << " rank=" << a.rank
+                    << ": writeback failed after every rank agreed: " << a.status;
+    }
+    if (a.finish) a.finish(std::move(a.status));
+  }
+}
+
+void Records::TestingPauseMidCopy(
+    int32_t rank, const std::vector<internal::DurablePair>& durable) const {
+  if (testing_commit_copy_pause_ <= absl::ZeroDuration() || durable.empty()) return;
+  // Tears the committed copy on purpose: the first buffer is copied, the others not yet.
+  devices_.CopyEach(rank, {durable[0].live.get()}, {durable[0].committed.get()}).IgnoreError();
+  FS_LOG(WARNING) << "testing: commit copy of rank " << rank << " paused for "
+                  << absl::FormatDuration(testing_commit_copy_pause_)
+                  << " with its committed copy torn";
+  absl::SleepFor(testing_commit_copy_pause_);
+}
+
+absl::Status Records::CopyCommitted(int32_t rank,
+                                         const std::vector<internal::DurablePair>& durable,
+                                         bool to_committed) const {
+  std::vector<const Buffer*> live, kept;
+  for (const internal::DurablePair& d : durable) {
+    if (d.live == nullptr || d.committed == nullptr) continue;
+    live.push_back(d.live.get());
+    kept.push_back(d.committed.get());
+  }
+  return to_committed ? devices_.CopyEach(rank, live, kept) : devices_.CopyEach(rank, kept, live);
+}
+
+}  // namespace flatshard::server

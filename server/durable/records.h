@@ -1,0 +1,180 @@
+#pragma once
+// Records: the durability owner. It keeps each group's crash-consistent record in the state
+// directory (--state_dir; server/state/state_dir.h has the format): snapshots of a group's
+// durable buffers and commit intents, written after the group's lock in the order they were
+// taken; the commit intents of Commit, writeback Ends and checkpoint loads (a torn committed
+// copy is never adopted); the copies into the committed copies; adoption of the records a
+// previous daemon left; and what a GPU daemon keeps at SIGTERM. The restart rules are in the
+// README ("Restarts").
+//
+// State: the state directory, the sequence of record snapshots, the records of removed groups
+// still to delete and whether records are kept at all, under its own lock (a leaf). Module
+// state it edits (intents, generations) lives in the group's Registered, under the group's
+// lock, like every owner's. Thread-safe.
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/after_unlock.h"
+#include "common/clock.h"
+#include "server/gpu/device_context.h"
+#include "server/group/group.h"
+#include "server/group/group_table.h"
+#include "server/module/module.h"
+#include "server/rank_devices.h"
+#include "server/shard_store.h"
+#include "server/state/state_dir.h"
+
+namespace flatshard::server {
+
+// What AdoptGroups took over.
+struct AdoptSummary {
+  int32_t groups = 0;
+  int32_t refused_groups = 0;
+  int32_t modules = 0;
+  int32_t lost_modules = 0;  // local ranks at different generations
+  int64_t bytes = 0;
+  int64_t buffers = 0;
+};
+
+struct RecordsOptions {
+  state::StateDir* state_dir = nullptr;  // null: nothing is recorded
+  ShardStore* store = nullptr;
+  RankDevices* devices = nullptr;
+  Clock* clock = nullptr;
+  std::vector<std::shared_ptr<gpu::DeviceContext>> gpus;
+  GroupTable* table = nullptr;
+  // GroupManagerOptions::testing_commit_copy_pause.
+  absl::Duration testing_commit_copy_pause = absl::ZeroDuration();
+};
+
+class Records {
+ public:
+  explicit Records(RecordsOptions options);
+  Records(const Records&) = delete;
+  Records& operator=(const Records&) = delete;
+
+  // Whether this daemon keeps records (a state directory).
+  bool enabled() const { return state_dir_ != nullptr; }
+
+  // ---- Records of groups ----
+  // Queues the write of `g`'s record (a snapshot taken now) into `run`, to run after the lock.
+  void PersistLater(Group& g, AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // Under the group's lock, runs `edit` on `group`'s registration of `module` (nothing when
+  // either is gone); when it returns true and the daemon keeps records, snapshots the group
+  // and writes its record once the lock is released. Returns whether a record was written.
+  bool EditAndRecord(const std::string& group, const std::string& module,
+                     absl::FunctionRef<bool(Registered&)> edit);
+  // Group `id` was removed (under its lock): its record goes at the next FlushRemoved.
+  void NoteRemoved(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Deletes the records of removed groups; call after the group's lock.
+  void FlushRemoved() ABSL_LOCKS_EXCLUDED(mu_);
+  // GroupManager::ForgetState.
+  void Forget() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // ---- Commit intents and the copies into the committed copies ----
+  // A commit of `module` to `generation` that every rank agreed to: this rank's shards hold
+  // it completely and its copy into the committed copy starts now. Records that durably
+  // first (the copy may be torn by a kill). `kind`: "commit", "end" or "init".
+  void CommitReady(const Caller& caller, const std::string& module, uint64_t generation,
+                   const char* kind);
+  // This rank's committed copy holds `generation` completely; recorded before the caller
+  // answers (the trainer's next writes would otherwise be taken for that generation).
+  void CommitDone(const Caller& caller, const std::string& module, uint64_t generation);
+  // Every rank agreed to commit `module` to `generation` (before any copy): the module
+  // reports that generation at rendezvous (internal::HeldGeneration) from now on.
+  static void NoteCommitAgreed(Registered& reg, uint64_t generation, const char* kind);
+  // Under the group's lock: `rank`'s committed copy holds `generation` (the pending commit's
+  // done ranks).
+  static void MarkCommitDoneLocked(Registered& reg, int32_t rank, uint64_t generation);
+  // Host daemons with a state directory: a writeback End's rank `caller` wrote back into its
+  // shards (`status`) after every rank agreed; its copy into its committed copy and its
+  // answer (`finish`) wait until every local rank of the module has arrived for the k-th
+  // summon, then one record says all are ready, the copies run, one record says all are
+  // done, and every arrival is answered. So a kill during the copies finds every rank's
+  // shards complete: the restart finishes them all, never a mix.
+  void EndArrive(const Caller& caller, const std::string& module, uint64_t k, uint64_t target,
+                 const char* kind, absl::Status status, std::vector<DurablePair> durable,
+                 absl::AnyInvocable<void(absl::Status)> finish);
+  // The rank's End agreement failed: it counts as arrived (it applies nothing).
+  void EndNotApplied(const Caller& caller, const std::string& module, uint64_t k);
+  // Copies `rank`'s durable buffers into their committed copies (`to_committed`) or back (a
+  // rollback). REQUIRES: the caller took `reg.busy` for it (under the group's lock), and
+  // releases it with Modules::DoneCopying; runs without the lock (the copies are as large as
+  // the shards). `durable`: internal::DurableBuffers(reg, rank), taken under the lock.
+  absl::Status CopyCommitted(int32_t rank, const std::vector<DurablePair>& durable,
+                             bool to_committed) const;
+  // GroupManagerOptions::testing_commit_copy_pause.
+  void TestingPauseMidCopy(int32_t rank, const std::vector<DurablePair>& durable) const;
+
+  // ---- Checkpoint loads ----
+  // Before the copies into the committed copies, records a "load" intent to `generation` for
+  // `ranks` (their shards hold the loaded values completely) and writes the record; then, at
+  // the hold's release, LoadRecordedLocked drops the intent and queues the record's write
+  // into `run` (`changed`: the load set the generation).
+  void NoteLoadCopying(const std::string& group, const std::string& module,
+                       std::vector<int32_t> ranks, uint64_t generation);
+  void LoadRecordedLocked(Group& g, Registered& reg, bool changed, AfterUnlock* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+
+  // ---- Restarts ----
+  // GroupManager::AdoptGroups.
+  AdoptSummary AdoptGroups(const std::vector<state::GroupRecord>& records);
+  // GroupManager::KeepDeviceShards.
+  void KeepDeviceShards();
+
+ private:
+  // Every durable buffer of `rank`'s unit `unit` of `reg`, with its role in the record
+  // (state::kRole*). The one place that lists them: adding a role (optimizer state) is a line
+  // here and one in InstallDurable.
+  static std::vector<std::pair<std::string, std::shared_ptr<Buffer>>> RecordedBuffers(
+      const Registered& reg, int32_t rank, int32_t unit);
+  // Puts an adopted buffer of `role` in place; false for a role this daemon does not know.
+  static bool InstallDurable(Registered& reg, int32_t rank, int32_t unit, const std::string& role,
+                             std::shared_ptr<Buffer> buffer);
+  // Adoption: refuses a rank holding some but not all of its optimizer state buffers, naming
+  // the missing ones; `where` starts the message.
+  static absl::Status CheckStateComplete(Registered& reg, int32_t rank, const std::string& where);
+  // GPU daemons: fresh device state buffers (live and committed) of `rank` from the host
+  // copies a SIGTERM made (KeepDeviceShards).
+  absl::Status StateFromHost(Registered& reg, const state::GroupRecord& rec,
+                             const std::string& module, int32_t rank);
+  // The ShardStore kind a role's buffers are allocated as.
+  static BufferKind KindOfRole(const std::string& role);
+  // The group's record as of now, with the next sequence.
+  state::GroupRecord SnapshotLocked(Group& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // Writes a snapshot (or removes the record when it holds no module); a failed write
+  // removes the record (the group is then not kept across a restart) and is logged.
+  bool WriteRecord(const state::GroupRecord& record);
+  // `g`'s registration of `module`; null when either is gone.
+  static Registered* FindModuleLocked(Group& g, const std::string& module)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  void ProcessEndBatch(const std::string& group, const std::string& module, uint64_t target,
+                       const char* kind, std::vector<EndArrival> batch);
+  bool StateForgotten() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  state::StateDir* const state_dir_;
+  ShardStore* const store_;
+  RankDevices& devices_;
+  Clock* const clock_;
+  const std::vector<std::shared_ptr<gpu::DeviceContext>> gpus_;
+  GroupTable& table_;
+  const absl::Duration testing_commit_copy_pause_;
+
+  mutable absl::Mutex mu_;  // a leaf, like the table's
+  bool state_forgotten_ ABSL_GUARDED_BY(mu_) = false;
+  // The sequence of the next snapshot: a stale snapshot never overwrites a newer record.
+  std::atomic<uint64_t> state_sequence_{0};
+  std::vector<std::pair<std::string, uint64_t>> removed_records_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace flatshard::server

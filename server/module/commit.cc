@@ -1,0 +1,290 @@
+// Modules: Commit (a collective step closing), and rollbacks to the committed generation.
+
+#include "server/module/modules.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/collective/reduce.h"
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+#include "server/durable/records.h"
+#include "server/group_manager_internal.h"
+
+namespace flatshard::server {
+
+using internal::ConstOf;
+using internal::Display;
+using internal::MutableOf;
+using internal::SelectUnits;
+using internal::kAlreadyUnsharding;
+
+void Modules::Commit(const Caller& caller, const std::string& module, absl::Time deadline,
+                          CommitCallback done, const gpu::IpcEventRef& written) {
+  // The optimizer's writes land before the shards are copied; a failure is this rank's "no".
+  devices_.AfterTrainerWrites(
+      caller.rank, written,
+      [this, caller, module, deadline, done = std::move(done)](absl::Status local) mutable {
+        CommitWritten(caller, module, deadline, std::move(done), std::move(local));
+      });
+}
+
+void Modules::CommitWritten(const Caller& caller, const std::string& module,
+                                 absl::Time deadline, CommitCallback done, absl::Status local) {
+  absl::Status error;
+  internal::AgreeRecord record{};
+  std::shared_ptr<collective::CollectiveGroup> coll;
+  int32_t world_size = 0;
+  {
+    std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    error = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
+                      : CheckCallerLocked(g, caller);
+    if (error.ok()) {
+      auto it = g.registered.find(module);
+      if (it == g.registered.end()) {
+        error = absl::NotFoundError(
+            absl::StrCat("group ", g.id, ": module ", Display(module), " is not registered"));
+      } else {
+        Registered& reg = it->second;
+        error = CheckUsable(g, module, reg);
+        if (error.ok() && reg.shards_by_rank[caller.rank].empty()) {
+          error = absl::FailedPreconditionError(absl::StrCat(
+              "group ", g.id, " rank ", caller.rank, " holds no shards of module ",
+              Display(module), " (register it first)"));
+        }
+        if (error.ok()) {
+          std::memset(&record, 0, sizeof(record));
+          record.stale = reg.stale[caller.rank] ? 1 : 0;
+          record.ok = record.stale || !local.ok() ? 0 : 1;
+          record.generation = reg.generation[caller.rank];
+          internal::CopyText(!local.ok()    ? std::string(local.message())
+                             : record.stale ? absl::StrCat("its views predate the rollback to "
+                                                         "generation ",
+                                                         record.generation,
+                                                         " (read them again first)")
+                                          : std::string(),
+                             record.text, sizeof(record.text));
+          coll = g.coll;
+          world_size = g.world_size;
+        }
+      }
+    }
+  }
+  if (!error.ok()) {
+    done(error);
+    return;
+  }
+  Agree(coll, caller, record, world_size, internal::kCommitAgreeUnit,
+        absl::StrCat("the commit of module ", Display(module)),
+        deadline,
+        [this, caller, module, generation = record.generation,
+         done = std::move(done)](absl::Status s, bool stale) mutable {
+          if (!s.ok()) {
+            if (stale) RollbackRank(caller, module);
+            done(absl::Status(s.code(), absl::StrCat("generation ", generation + 1,
+                                                     " was not committed on any rank: ",
+                                                     s.message())));
+            return;
+          }
+          CommitAgreed(caller, module, generation, std::move(done));
+        });
+}
+
+void Modules::CommitAgreed(const Caller& caller, const std::string& module,
+                                uint64_t generation, CommitCallback done) {
+          std::vector<internal::DurablePair> durable;
+          bool gone = false;
+          {
+            std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+            Group& g = *held;
+            absl::MutexLock lock(&g.mu);
+            gone = g.removed;
+            if (gone) {
+              // answered below, after the lock
+            } else {
+            Registered& reg = g.registered.at(module);
+            if (reg.ckpt_hold > 0) {
+              // A checkpoint is reading (or loading) the committed copies: this copy waits
+              // for it (ReleaseCheckpointHold runs it again).
+              reg.after_ckpt.push_back(
+                  [this, caller, module, generation, done = std::move(done)]() mutable {
+                    CommitAgreed(caller, module, generation, std::move(done));
+                  });
+              return;
+            }
+            ++reg.busy;  // every rank agreed: this rank commits, whatever its trainer does now
+            Records::NoteCommitAgreed(reg, generation + 1, "commit");
+            durable = internal::DurableBuffers(reg, caller.rank);
+            }
+          }
+          if (gone) {
+            done(absl::UnavailableError(absl::StrCat("group ", caller.group, " is gone")));
+            return;
+          }
+          // The copies run without mu_ (GPU ranks: on the device's worker). Invariant: `busy`
+          // keeps every rollback out until DoneCopying.
+          devices_.RunBlocking(
+              caller.rank,
+              [this, caller, module, generation, durable = std::move(durable)] {
+                // Restarts: the intent is durable before the committed copy is overwritten,
+                // the new generation before the trainer is answered (server/durable/).
+                records_.CommitReady(caller, module, generation + 1, "commit");
+                records_.TestingPauseMidCopy(caller.rank, durable);
+                absl::Status s = records_.CopyCommitted(caller.rank, durable, /*to_committed=*/true);
+                if (s.ok()) records_.CommitDone(caller, module, generation + 1);
+                return s;
+              },
+              [this, caller, module, generation, done = std::move(done)](absl::Status s) mutable {
+                AfterUnlock run;
+                {
+                  std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+                  Group& g = *held;
+                  absl::MutexLock lock(&g.mu);
+                  if (!g.removed) {
+                    Registered& reg = g.registered.at(module);
+                    if (s.ok()) reg.generation[caller.rank] = generation + 1;
+                    DoneCopying(g, reg, &run);
+                  }
+                }
+                run.Run();
+                if (!s.ok()) {
+                  FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank
+                                << ": commit failed after every rank agreed: " << s;
+                  done(s);
+                  return;
+                }
+                FS_VLOG(2) << "group=" << caller.group << " rank=" << caller.rank << " module="
+                           << Display(module) << " committed generation " << generation + 1;
+                done(generation + 1);
+              });
+}
+
+void Modules::DoneCopying(Group& g, Registered& reg,
+                               AfterUnlock* run) {
+  --reg.busy;
+  if (reg.busy > 0 || !reg.rollback_pending) return;
+  for (auto& [module, r] : g.registered) {
+    if (&r == &reg) {
+      RollbackNow(g, module, reg, run);
+      return;
+    }
+  }
+}
+
+void Modules::StartRollback(Group& g, AfterUnlock* run) {
+  internal::DropMixedModules(g, absl::StrCat("at the rollback of epoch ", g.epoch), run);
+  for (auto& [module, reg] : g.registered) {
+    // The op stream starts afresh: the local ranks' k-th summons must meet in one slot again
+    // (a failed summon may have counted on some ranks only), and no slot of the old stream
+    // (with its assembly state) is reused. Open summons keep their own slots.
+    uint64_t k = 0;
+    for (int32_t r : g.local_ranks) {
+      if (r < static_cast<int32_t>(reg.summon_count.size())) k = std::max(k, reg.summon_count[r]);
+    }
+    for (int32_t r : g.local_ranks) {
+      if (r < static_cast<int32_t>(reg.summon_count.size())) reg.summon_count[r] = k;
+    }
+    reg.slots.clear();
+    if (!reg.initialized) continue;  // nothing committed yet: it stays uninitialised
+    reg.rollback_pending = true;
+    if (reg.busy == 0) RollbackNow(g, module, reg, run);
+  }
+}
+
+void Modules::RollbackNow(Group& g, const std::string& module, Registered& reg,
+                               AfterUnlock* run) {
+  // Deferred behind copies (DoneCopying): a module whose local ranks ended at different
+  // generations is dropped as lost, never rolled back into a mix (DropMixedModules; the
+  // caller returns right after, so erasing it here is safe).
+  if (!internal::MixedGenerations(reg).empty() && reg.busy == 0 &&
+      internal::DropMixedModules(g, absl::StrCat("at the rollback of epoch ", g.epoch), run) > 0) {
+    return;
+  }
+  // Taking `busy` here keeps every other copy out until the rollback is done; the copies run
+  // from `run`, after mu_ is released (before the join callbacks queued after them).
+  ++reg.busy;
+  std::vector<std::pair<int32_t, std::vector<internal::DurablePair>>> work;
+  for (int32_t r : g.local_ranks) {
+    if (r >= static_cast<int32_t>(reg.shards_by_rank.size()) || reg.shards_by_rank[r].empty()) {
+      continue;
+    }
+    work.emplace_back(r, internal::DurableBuffers(reg, r));
+    reg.stale[r] = true;
+  }
+  run->Call([this, group = g.id, module, work = std::move(work)] {
+    absl::Status status;
+    for (size_t i = 0; i < work.size(); ++i) {
+      absl::Status s = records_.CopyCommitted(work[i].first, work[i].second, /*to_committed=*/false);
+      if (!s.ok() && status.ok()) status = s;
+    }
+    AfterUnlock more;
+    {
+      std::shared_ptr<Group> held = table_.FindOrGone(group);
+      Group& g = *held;
+      absl::MutexLock lock(&g.mu);
+      if (g.removed) return;
+      auto reg = g.registered.find(module);
+      if (reg == g.registered.end()) return;
+      reg->second.rollback_pending = false;
+      const uint64_t generation =
+          work.empty() ? 0 : reg->second.generation[work.front().first];
+      if (status.ok()) {
+        FS_LOG(INFO) << "group=" << group << " module=" << Display(module)
+                     << " rolled back to generation " << generation << " on ranks "
+                     << work.size() << " local rank(s)";
+      } else {
+        FS_LOG(ERROR) << "group=" << group << " module=" << Display(module)
+                      << ": rollback failed: " << status;
+      }
+      DoneCopying(g, reg->second, &more);
+    }
+    more.Run();
+  });
+}
+
+void Modules::RollbackRank(const Caller& caller, const std::string& module) {
+  AfterUnlock run;
+  {
+    std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (g.removed) return;
+    auto reg = g.registered.find(module);
+    if (reg == g.registered.end() || !reg->second.initialized) return;
+    // A refused commit: this rank's part of rolling the whole group back (every rank got the
+    // same verdict). Its views are stale from now on.
+    Registered& r = reg->second;
+    if (r.ckpt_hold > 0) {  // a checkpoint holds the copies still: roll back after it
+      r.after_ckpt.push_back([this, caller, module] { RollbackRank(caller, module); });
+      return;
+    }
+    ++r.busy;
+    r.stale[caller.rank] = true;
+    run.Call([this, caller, module, durable = internal::DurableBuffers(r, caller.rank)] {
+      absl::Status s = records_.CopyCommitted(caller.rank, durable, /*to_committed=*/false);
+      if (!s.ok()) {
+        FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank
+                      << ": rollback after a refused commit failed: " << s;
+      }
+      AfterUnlock more;
+      {
+        std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+        Group& g = *held;
+        absl::MutexLock lock(&g.mu);
+        if (g.removed) return;
+        auto reg = g.registered.find(module);
+        if (reg != g.registered.end()) DoneCopying(g, reg->second, &more);
+      }
+      more.Run();
+    });
+  }
+  run.Run();
+}
+
+}  // namespace flatshard::server

@@ -1,0 +1,413 @@
+// Modules: the End of a summon: writeback after an agreement every rank reaches, rank0_only
+// broadcasts, and the agreement all-gather Commit shares.
+
+#include "server/module/modules.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/collective/reduce.h"
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+#include "server/durable/records.h"
+#include "server/group_manager_internal.h"
+#include "server/module/summon_steps.h"
+
+namespace flatshard::server {
+
+using summon_steps::GetViewBuffers;
+
+using internal::ConstOf;
+using internal::Display;
+using internal::MutableOf;
+using internal::SelectUnits;
+using internal::kAlreadyUnsharding;
+
+
+absl::Status Modules::PrepareRank0Broadcast(
+    const Caller& caller, uint64_t summon, const Plan& plan, const std::vector<UnitShard>& shards,
+    const std::shared_ptr<KeptBuffers>& kept, const std::vector<ViewNeed>& needs,
+    int64_t owner_uid, OpenSummon* copy, std::vector<collective::CollectiveOp>* broadcasts) {
+  // Without mu_: the kept-buffer cache may allocate.
+  ViewBuffers got;
+  absl::Status status = GetViewBuffers(*kept, needs, BufferKind::kUnsharded, owner_uid,
+                                       PlacementOf(caller.rank), &got);
+  std::shared_ptr<Group> held = table_.Find(caller.group);
+  if (held == nullptr) {
+    return absl::UnavailableError(absl::StrCat(
+        "group ", caller.group, " rank ", caller.rank, ": summon ", summon,
+        " was dropped while its writeback was being prepared (the group is gone)"));
+  }
+  Group& g = *held;
+  absl::MutexLock lock(&g.mu);
+  // Invariant: the summon was marked `ending` before the lock was released, so no other End
+  // of it ran in the gap and its views and slot are as they were; only the rank's session
+  // ending (DropSummons) or the group's removal can have taken it away, checked here.
+  auto it = g.removed ? g.open_summons.end() : g.open_summons.find(summon);
+  if (it == g.open_summons.end()) {
+    return absl::UnavailableError(absl::StrCat(
+        "group ", caller.group, " rank ", caller.rank, ": summon ", summon,
+        " was dropped while its writeback was being prepared (the rank's session ended)"));
+  }
+  if (!status.ok()) {
+    it->second.ending = false;
+    return status;
+  }
+  // beyond FSDP: rank 0's edits reach every shard. Rank 0 broadcasts its buffers when it
+  // ends; each node receives one copy, which all its ranks share. The agreement after it is
+  // the barrier: no rank writes back before every rank has the bytes.
+  for (int32_t u : copy->units) {
+    const PlanUnit& unit = plan.units[u];
+    for (KeptUse use : {KeptUse::kParams, KeptUse::kGrads}) {
+      if (use == KeptUse::kGrads && !(copy->options.with_grads && shards[u].grad)) continue;
+      auto& map = use == KeptUse::kParams ? copy->slot->rank0_params : copy->slot->rank0_grads;
+      std::shared_ptr<Buffer> target;
+      if (gpus_.empty() || caller.rank == 0) {
+        // The node's copy: the first local rank's to get here (or rank 0's own views).
+        if (!map[u]) map[u] = got.at({u, use});
+        target = map[u];
+      } else {
+        target = got.at({u, use});
+        copy->own_rank0[{u, use == KeptUse::kParams ? 0 : 1}] = target;
+      }
+      broadcasts->push_back(
+          collective::CollectiveOp::Broadcast(u, MutableOf(target.get(), unit.dtype), 0));
+      broadcasts->back().name = "writeback";
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Modules::EndSummon(const Caller& caller, uint64_t summon, absl::Time deadline,
+                             StatusCallback done, const gpu::IpcEventRef& written) {
+  // The trainer's writes to the views land before they are written back. A failure here is
+  // this rank's "no" in the agreement, so the other ranks fail at once too.
+  devices_.AfterTrainerWrites(
+      caller.rank, written,
+      [this, caller, summon, deadline, done = std::move(done)](absl::Status local) mutable {
+        EndSummonWritten(caller, summon, deadline, std::move(done), std::move(local));
+      });
+}
+
+void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time deadline,
+                                    StatusCallback done, absl::Status local) {
+  absl::Status error;
+  OpenSummon copy;
+  const Plan* plan = nullptr;
+  std::shared_ptr<collective::CollectiveGroup> coll;
+  std::vector<UnitShard> shards;
+  std::vector<internal::DurablePair> durable;  // what an agreed writeback commits
+  std::vector<collective::CollectiveOp> broadcasts;
+  internal::AgreeRecord record{};
+  int32_t world_size = 0;
+  bool is_init = false;
+  absl::Status reformed;  // the summon predates the group's re-form
+  // rank0_only writeback: the buffers rank 0's broadcast lands in that are not at hand yet.
+  std::vector<ViewNeed> rank0_needs;
+  std::shared_ptr<KeptBuffers> rank0_kept;
+  int64_t owner_uid = -1;
+  {
+    std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    error = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
+                      : CheckCallerLocked(g, caller);
+    if (error.ok()) {
+      auto it = g.open_summons.find(summon);
+      auto failed = g.failed_ends.find(summon);
+      if (it == g.open_summons.end() && failed != g.failed_ends.end() &&
+          failed->second.first == caller.rank) {
+        error = failed->second.second;  // a repeated End: the first one's cause
+      } else if (it == g.open_summons.end() || it->second.rank != caller.rank) {
+        error = absl::NotFoundError(absl::StrCat("group ", g.id, " rank ", caller.rank,
+                                                 ": no open summon ", summon));
+      } else if (it->second.ending || !it->second.ready) {
+        error = absl::FailedPreconditionError(
+            absl::StrCat("summon ", summon, " is ", it->second.ending ? "already ending" : "not ready"));
+      } else if (it->second.options.writeback && it->second.coll != nullptr &&
+                 it->second.coll != g.coll) {
+        // Opened before the group failed and re-formed: the other ranks' halves of this
+        // summon are gone, so it cannot commit anywhere. The first failure is the cause.
+        reformed = absl::UnavailableError(absl::StrCat(
+            "summon ", summon, ": no rank's writeback was applied: the group re-formed since "
+            "it was opened, after: ", it->second.coll->status().message()));
+      } else {
+        it->second.ending = true;
+        copy = it->second;
+        Registered& reg = g.registered.at(copy.module);
+        plan = &reg.plan;  // registrations are never removed while the group lives
+        shards = reg.shards_by_rank[caller.rank];
+        durable = internal::DurableBuffers(reg, caller.rank);
+        coll = g.coll;
+        world_size = g.world_size;
+        is_init = !reg.initialized;
+        std::memset(&record, 0, sizeof(record));
+        record.ok = local.ok() && !reg.stale[caller.rank] ? 1 : 0;
+        record.stale = reg.stale[caller.rank] ? 1 : 0;
+        record.generation = reg.generation[caller.rank];
+        internal::CopyText(!local.ok() ? std::string(local.message())
+                           : record.stale
+                               ? absl::StrCat("its views predate the rollback to generation ",
+                                              record.generation, " (read them again first)")
+                               : std::string(),
+                           record.text, sizeof(record.text));
+        if (copy.options.writeback && reg.rollback_pending) {
+          error = absl::UnavailableError(absl::StrCat(
+              "group ", g.id, ": module ", Display(copy.module),
+              " is being rolled back to its committed generation; end the summon again"));
+          it->second.ending = false;
+        }
+        if (error.ok() && copy.options.rank0_only && copy.options.writeback) {
+          // Rank 0's broadcast lands in buffers got without mu_ (PrepareRank0Broadcast): the
+          // node's copy where no local rank has made it yet (host ranks; rank 0 uses its own
+          // views), or each GPU rank's own copy on its device.
+          rank0_kept = KeptOf(reg);
+          owner_uid = g.owner_uid;
+          for (int32_t u : copy.units) {
+            const PlanUnit& unit = plan->units[u];
+            for (KeptUse use : {KeptUse::kParams, KeptUse::kGrads}) {
+              if (use == KeptUse::kGrads && !(copy.options.with_grads && shards[u].grad)) continue;
+              const auto& map =
+                  use == KeptUse::kParams ? copy.slot->rank0_params : copy.slot->rank0_grads;
+              const bool node = gpus_.empty() || caller.rank == 0;
+              if (node && map.contains(u) && map.at(u) != nullptr) continue;
+              rank0_needs.push_back(
+                  {u, use,
+                   gpus_.empty() ? KeptKey::NodeRank0Copy(u, use)
+                                 : KeptKey::RankRank0Copy(caller.rank, u, use),
+                   unit.padded_numel * ItemSize(unit.dtype),
+                   absl::StrCat("group=", g.id, " unit=", u, " rank 0's copy")});
+            }
+          }
+        }
+      }
+    }
+  }
+  if (!error.ok()) {
+    done(error);
+    return;
+  }
+  if (!reformed.ok()) {
+    FinishEnd(caller, summon, std::move(reformed), std::move(done));
+    return;
+  }
+  if (copy.options.rank0_only && copy.options.writeback) {
+    error = PrepareRank0Broadcast(caller, summon, *plan, shards, rank0_kept, rank0_needs,
+                                  owner_uid, &copy, &broadcasts);
+    if (!error.ok()) {
+      done(error);
+      return;
+    }
+  }
+  const SummonOptions options = copy.options;
+  auto owned = std::make_unique<OpenSummon>(std::move(copy));
+  if (!options.writeback) {
+    // A read-only End waits for nobody.
+    owned.reset();
+    FinishEnd(caller, summon, local, std::move(done));
+    return;
+  }
+  // Writes back this rank's ranges and commits its shards. Takes the copy and lets its
+  // buffer references go, so FinishEnd sees which kept buffers nobody uses any more.
+  // Restarts, host daemons with a state directory: the copies into the committed copies wait
+  // until every local rank has written back into its shards (EndArrive), so that a daemon
+  // killed during them comes back with every rank at one generation.
+  const bool batched = records_.enabled() && gpus_.empty();
+  auto write_back = [this, plan, shards, durable, caller, module = owned->module, is_init,
+                     target = is_init ? record.generation : record.generation + 1, batched](
+                        std::unique_ptr<OpenSummon> copy) {
+    const int32_t r = plan->ShardRank(caller.rank);
+    absl::Status status;
+    for (size_t i = 0; i < copy->units.size() && status.ok(); ++i) {
+      const int32_t u = copy->units[i];
+      const PlanUnit& unit = plan->units[u];
+      const UnitShard& shard = shards[u];
+      const bool from_rank0 = copy->options.rank0_only;
+      auto rank0_copy = [&](int what) -> const Buffer* {
+        auto own = copy->own_rank0.find({u, what});
+        if (own != copy->own_rank0.end()) return own->second.get();
+        const auto& map = what == 0 ? copy->slot->rank0_params : copy->slot->rank0_grads;
+        return map.contains(u) ? map.at(u).get() : nullptr;
+      };
+      const Buffer* params = from_rank0 ? rank0_copy(0) : copy->views[i].params.get();
+      status = devices_.CopyOwnRange(caller.rank, *plan, unit, r, *params, *shard.shard);
+      const Buffer* grads = from_rank0 ? rank0_copy(1) : copy->views[i].grads.get();
+      if (status.ok() && grads != nullptr && shard.grad) {
+        status = devices_.CopyOwnRange(caller.rank, *plan, unit, r, *grads, *shard.grad);
+      }
+    }
+    copy.reset();
+    if (batched) return status;  // EndArrive copies, once every local rank got here
+    // Restarts: this rank's shards hold the new generation completely; recorded durably before
+    // its committed copy is overwritten (server/durable/).
+    if (status.ok()) records_.CommitReady(caller, module, target, is_init ? "init" : "end");
+    if (status.ok()) records_.TestingPauseMidCopy(caller.rank, durable);
+    if (status.ok()) status = records_.CopyCommitted(caller.rank, durable, /*to_committed=*/true);
+    if (status.ok()) records_.CommitDone(caller, module, target);
+    if (!status.ok()) {
+      FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank
+                    << ": writeback failed after every rank agreed: " << status;
+    }
+    return status;
+  };
+  // Every rank agreed: this rank applies (the daemon does, whatever its trainer does now).
+  // Held in a shared_ptr so that, while a checkpoint holds the committed copies, it can queue
+  // itself to run again once the checkpoint is done (Registered::after_ckpt).
+  using ApplyFn = std::function<void(std::unique_ptr<OpenSummon>, StatusCallback)>;
+  auto apply = std::make_shared<ApplyFn>();
+  *apply = [this, caller, summon, module = owned->module, is_init, generation = record.generation,
+            write_back, batched, k = owned->k, durable,
+            self = std::weak_ptr<ApplyFn>(apply)](std::unique_ptr<OpenSummon> owned,
+                                                  StatusCallback done) mutable {
+    {
+      std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+      Group& g = *held;
+      absl::MutexLock lock(&g.mu);
+      if (!g.removed) {
+        Registered& reg = g.registered.at(module);
+        if (reg.ckpt_hold > 0) {
+          reg.after_ckpt.push_back(
+              [fn = self.lock(), owned = std::move(owned), done = std::move(done)]() mutable {
+                (*fn)(std::move(owned), std::move(done));
+              });
+          return;
+        }
+        ++reg.busy;
+        Records::NoteCommitAgreed(reg, is_init ? generation : generation + 1, is_init ? "init" : "end");
+      }
+    }
+    auto finish = [this, caller, summon, module, is_init, generation,
+                   done = std::move(done)](absl::Status s) mutable {
+          AfterUnlock run;
+          {
+            std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+            Group& g = *held;
+            absl::MutexLock lock(&g.mu);
+            if (!g.removed) {
+              Registered& reg = g.registered.at(module);
+              if (s.ok()) {
+                if (is_init) {
+                  reg.initialized = true;
+                  reg.uninitialized_why.clear();
+                  FS_LOG(INFO) << "group=" << caller.group << " rank=" << caller.rank
+                               << " module=" << Display(module)
+                               << " initialised on every rank (generation 0)";
+                } else {
+                  reg.generation[caller.rank] = generation + 1;
+                }
+              }
+              DoneCopying(g, reg, &run);
+            }
+          }
+          run.Run();
+          FinishEnd(caller, summon, std::move(s), std::move(done));
+    };
+    if (batched) {
+      // Host ranks: the writeback runs here; the copy waits for the other local ranks.
+      absl::Status s = write_back(std::move(owned));
+      records_.EndArrive(caller, module, k, is_init ? generation : generation + 1,
+                is_init ? "init" : "end", std::move(s), durable, std::move(finish));
+      return;
+    }
+    // The copies run without mu_ (GPU ranks: on the device's worker, not on the engine's
+    // thread). Invariant: `busy`, taken above, keeps every rollback out until DoneCopying, and
+    // the summon is `ending`, so no other call touches its views or this rank's shards' copy.
+    devices_.RunBlocking(
+        caller.rank,
+        [write_back, owned = std::move(owned)]() mutable { return write_back(std::move(owned)); },
+        std::move(finish));
+  };
+  auto agree = [this, caller, summon, coll, record, world_size, deadline, apply, batched,
+                k = owned->k, module = owned->module](std::unique_ptr<OpenSummon> owned,
+                                                      StatusCallback done) mutable {
+    Agree(coll, caller, record, world_size, internal::kEndAgreeUnit,
+          absl::StrCat("the writeback of summon ", summon),
+          deadline,
+          [this, caller, summon, apply, module, batched, k, owned = std::move(owned),
+           done = std::move(done)](absl::Status s, bool stale) mutable {
+            if (s.ok()) {
+              (*apply)(std::move(owned), std::move(done));
+              return;
+            }
+            owned.reset();
+            if (batched) records_.EndNotApplied(caller, module, k);
+            if (stale) RollbackRank(caller, module);
+            FinishEnd(caller, summon,
+                      absl::Status(s.code(), absl::StrCat("summon ", summon,
+                                                          ": no rank's writeback was applied: ",
+                                                          s.message())),
+                      std::move(done));
+          });
+  };
+  if (!options.rank0_only) {
+    agree(std::move(owned), std::move(done));
+    return;
+  }
+  coll->SubmitAll(
+      caller.rank, std::move(broadcasts), deadline - clock_->Now(),
+      [this, caller, summon, agree, owned = std::move(owned),
+       done = std::move(done)](absl::Status s) mutable {
+        if (s.ok()) {
+          agree(std::move(owned), std::move(done));
+          return;
+        }
+        owned.reset();
+        FinishEnd(caller, summon,
+                  absl::Status(s.code(),
+                               absl::StrCat("summon ", summon,
+                                            ": no rank's writeback was applied: ", s.message())),
+                  std::move(done));
+      });
+}
+
+void Modules::Agree(const std::shared_ptr<collective::CollectiveGroup>& coll,
+                         const Caller& caller, const internal::AgreeRecord& mine,
+                         int32_t world_size, int64_t unit, const std::string& what,
+                         absl::Time deadline,
+                         absl::AnyInvocable<void(absl::Status, bool)> done) {
+  struct State {
+    internal::AgreeRecord mine;
+    std::vector<internal::AgreeRecord> all;
+  };
+  auto st = std::make_shared<State>();
+  st->mine = mine;
+  st->all.resize(world_size);
+  std::vector<collective::CollectiveOp> ops;
+  ops.push_back(collective::CollectiveOp::AllGather(
+      unit, collective::ConstBuffer{&st->mine, sizeof(internal::AgreeRecord)},
+      collective::MutableBuffer{st->all.data(), st->all.size() * sizeof(internal::AgreeRecord)}));
+  ops.back().name = "agree";
+  coll->SubmitAll(
+      caller.rank, std::move(ops), deadline - clock_->Now(),
+      [st, group = caller.group, what, done = std::move(done)](absl::Status s) mutable {
+        if (!s.ok()) {
+          done(std::move(s), false);
+          return;
+        }
+        for (size_t k = 0; k < st->all.size(); ++k) {
+          const internal::AgreeRecord& r = st->all[k];
+          if (r.ok) continue;
+          done(absl::FailedPreconditionError(
+                   absl::StrCat("group ", group, ": ", what, " was refused by rank ", k, ": ",
+                                internal::TextOf(r.text, sizeof(r.text)))),
+               std::any_of(st->all.begin(), st->all.end(),
+                           [](const internal::AgreeRecord& x) { return x.stale != 0; }));
+          return;
+        }
+        for (size_t k = 1; k < st->all.size(); ++k) {
+          if (st->all[k].generation == st->all[0].generation) continue;
+          done(absl::FailedPreconditionError(absl::StrCat(
+                   "group ", group, ": ", what, " was refused: rank 0 holds generation ",
+                   st->all[0].generation, ", rank ", k, " generation ", st->all[k].generation)),
+               false);
+          return;
+        }
+        done(absl::OkStatus(), false);
+      });
+}
+
+}  // namespace flatshard::server

@@ -1,0 +1,252 @@
+#pragma once
+// Modules: the registered modules of every group on this daemon and every operation on them:
+// registration and re-attach, summon and End (writeback, rank0_only), Commit and rollback,
+// reduce-scatter of gradients, optimizer state, and the per-unit views for operators. The
+// public calls are documented on GroupManager (server/group_manager.h), which routes them
+// here.
+//
+// State: each module's state is a Registered (server/module/module.h) inside its Group, under
+// that group's lock; Modules itself keeps none. Work on buffers (copies, allocation) runs
+// without the lock, on the caller's thread or RankDevices' workers; every continuation finds
+// its group again (GroupTable::FindOrGone) and checks what may have changed in the gap.
+// Thread-safe.
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/after_unlock.h"
+#include "common/clock.h"
+#include "common/manifest.h"
+#include "common/plan.h"
+#include "common/policy.h"
+#include "common/rpc_types.h"
+#include "common/state_spec.h"
+#include "server/collective/collective_engine.h"
+#include "server/gpu/device_context.h"
+#include "server/group/group.h"
+#include "server/group/group_table.h"
+#include "server/kept_buffers.h"
+#include "server/module/module.h"
+#include "server/rank_devices.h"
+#include "server/shard_store.h"
+
+namespace flatshard::server {
+
+class Records;
+
+struct SummonResult {
+  uint64_t summon = 0;
+  std::vector<int32_t> units;       // selected units (every rank)
+  std::vector<SummonedUnit> views;  // empty on ranks != 0 under rank0_only
+  std::string note;
+  // GPU ranks: recorded on the rank's device after the views' bytes are in place (id 0: none).
+  gpu::IpcEventRef ready;
+};
+
+struct RegisterResult {
+  Plan plan;
+  std::vector<UnitShard> shards;  // the caller's rank, one per unit
+  // INIT_MODE_FROM_EVERY_RANK / FROM_RANK0: an open summon (writeback on) the client fills
+  // with the initial values and ends; on ranks != 0 under FROM_RANK0 it has no views.
+  std::optional<SummonResult> init_summon;
+  // The committed step the shards hold (0: the initial values; see Commit).
+  uint64_t generation = 0;
+  // The module's optimizer state spec (RegisterState; the order of UnitShard::state), empty
+  // when none was registered.
+  std::vector<StateSpec> state_specs{};
+};
+
+// RegisterState's answer: the caller's shards with their state buffers.
+struct RegisterStateResult {
+  std::vector<UnitShard> shards;  // one per unit; UnitShard::state in the order of `specs`
+  std::vector<StateSpec> specs;
+  uint64_t generation = 0;  // the committed generation shards and state hold
+  bool created = false;     // this call allocated the rank's state (zeros); false: re-attach
+};
+
+using SummonCallback = absl::AnyInvocable<void(absl::StatusOr<SummonResult>)>;
+using StatusCallback = absl::AnyInvocable<void(absl::Status)>;
+using RegisterCallback = absl::AnyInvocable<void(absl::StatusOr<RegisterResult>)>;
+using CommitCallback = absl::AnyInvocable<void(absl::StatusOr<uint64_t>)>;
+
+// One group's registered modules unit by unit and local rank by rank (`flatshardctl units`).
+struct UnitRankInfo {
+  int32_t rank = 0;
+  bool summoned = false;
+  int64_t shard_bytes = 0;
+  int64_t grad_bytes = 0;
+  int64_t unsharded_bytes = 0;  // full buffers this rank's open summons hold for the unit
+  int64_t state_bytes = 0;      // optimizer state buffers (RegisterState), live copies only
+};
+struct UnitInfo {
+  int32_t unit = 0;
+  std::string module;  // the unit's module path in the model
+  std::vector<UnitRankInfo> ranks;
+  UnitOp last_op;
+};
+struct ModuleUnits {
+  std::string module;  // the registered path
+  std::vector<UnitInfo> units;
+  bool initialized = false;
+  uint64_t generation = 0;  // the committed generation (lowest over the local ranks)
+};
+
+namespace internal {
+struct AgreeRecord;
+}  // namespace internal
+
+struct ModulesOptions {
+  ShardStore* store = nullptr;
+  RankDevices* devices = nullptr;
+  Clock* clock = nullptr;
+  std::vector<std::shared_ptr<gpu::DeviceContext>> gpus;
+  std::shared_ptr<KeptBufferPool> kept_pool;
+  GroupTable* table = nullptr;
+  Records* records = nullptr;
+  const std::atomic<bool>* shutdown = nullptr;  // the daemon is shutting down
+};
+
+class Modules {
+ public:
+  explicit Modules(ModulesOptions options);
+  Modules(const Modules&) = delete;
+  Modules& operator=(const Modules&) = delete;
+
+  // ---- The calls of GroupManager (documented there) ----
+  void Register(const Caller& caller, const std::string& module,
+                const absl::StatusOr<Manifest>& manifest, const absl::StatusOr<Policy>& policy,
+                InitMode init, absl::Time deadline, RegisterCallback done);
+  void Summon(const Caller& caller, const std::string& module, const std::string& path,
+              const SummonOptions& options, absl::Time deadline, SummonCallback done,
+              const gpu::IpcEventRef& written = {});
+  void EndSummon(const Caller& caller, uint64_t summon, absl::Time deadline, StatusCallback done,
+                 const gpu::IpcEventRef& written = {});
+  absl::StatusOr<std::shared_ptr<Buffer>> BeginReduceScatter(const Caller& caller,
+                                                             const std::string& module,
+                                                             int32_t unit);
+  void FinishReduceScatter(const Caller& caller, const std::string& module, int32_t unit,
+                           ReduceOp op, bool accumulate, absl::Time deadline,
+                           StatusCallback done, const gpu::IpcEventRef& written = {});
+  gpu::IpcEventRef RecordReady(int32_t rank);
+  absl::StatusOr<RegisterResult> GetShards(const Caller& caller, const std::string& module);
+  void Commit(const Caller& caller, const std::string& module, absl::Time deadline,
+              CommitCallback done, const gpu::IpcEventRef& written = {});
+  absl::StatusOr<RegisterStateResult> RegisterState(const Caller& caller,
+                                                    const std::string& module,
+                                                    const std::vector<StateSpec>& specs);
+  absl::StatusOr<std::vector<ModuleUnits>> ListUnits(
+      const std::string& group, const std::optional<std::string>& module) const;
+
+  // ---- For the other owners, under the group's lock ----
+  // Ends every open summon of `rank` in `g` without writeback (lease ended, leave).
+  // Their buffers go through `run`, after the lock.
+  void DropSummons(Group& g, int32_t rank, AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // The group re-formed after a failure: roll every initialised module's local shards back
+  // to their committed generation (now, or when the copies in flight are done).
+  void StartRollback(Group& g, AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // A new table of a multi-daemon group: a registered module some rank's daemon no longer
+  // holds (it restarted) is dropped here too and remembered as lost, so every daemon agrees
+  // that it must be registered afresh (never half re-attached, never a collective mismatch).
+  void ReconcileModules(Group& g, const peer::PeerTable& table, AfterUnlock* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // Releases one `busy` of `reg` and starts a pending rollback when none is left.
+  void DoneCopying(Group& g, Registered& reg, AfterUnlock* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // FAILED_PRECONDITION naming why `reg` is not initialised; UNAVAILABLE while it rolls back.
+  absl::Status CheckUsable(const Group& g, const std::string& module, const Registered& reg) const
+      ABSL_SHARED_LOCKS_REQUIRED(g.mu);
+  // `module`'s registration in `g` once it is initialised: NOT_FOUND for an unregistered one,
+  // CheckUsable's error for one whose initial values did not commit.
+  absl::StatusOr<Registered*> InitializedModule(Group& g, const std::string& module)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+
+ private:
+  struct RegisterExchange;
+  // The steps of a summon (summon.cc tells the order and the lock invariants).
+  struct ViewNeed;
+  struct SummonDecision;
+  struct SummonStart;
+  using ViewBuffers = std::map<std::pair<int32_t, KeptUse>, std::shared_ptr<Buffer>>;
+
+  // Commits (or drops) a registration once its agreement (server/registration.h) ended.
+  void FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status);
+  // The kept-buffer cache of `reg` (made on first use).
+  // REQUIRES: the lock of `reg`'s group (KeptOf, ReleaseKept).
+  std::shared_ptr<KeptBuffers> KeptOf(Registered& reg);
+  // Marks kept buffers nobody uses any more as idle from now.
+  void ReleaseKept(Registered& reg);
+  // Drops `open`'s references to its buffers: at once where another reference remains (the
+  // kept set's, so ReleaseKept then sees them unused), else through `after`, after the lock.
+  static void ReleaseBuffers(OpenSummon& open, AfterUnlock* after);
+  void FinishEnd(const Caller& caller, uint64_t summon, absl::Status status, StatusCallback done);
+  void RollbackNow(Group& g, const std::string& module, Registered& reg, AfterUnlock* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // A refused agreement with a stale rank: rolls the caller's shards of `module` back.
+  void RollbackRank(const Caller& caller, const std::string& module);
+  // Runs the agreement all-gather of a writeback End or a Commit; `done` gets OK when every
+  // rank's record says ok, else the first refusal (and whether a stale rank refused).
+  void Agree(const std::shared_ptr<collective::CollectiveGroup>& coll, const Caller& caller,
+             const internal::AgreeRecord& mine, int32_t world_size, int64_t unit,
+             const std::string& what, absl::Time deadline,
+             absl::AnyInvocable<void(absl::Status, bool stale)> done);
+  // Where `rank`'s buffers go (host, or its GPU).
+  Placement PlacementOf(int32_t rank) const { return devices_.PlacementOf(rank); }
+  // The public collective calls continue here once the trainer's `written` event was reached
+  // (RankDevices::AfterTrainerWrites; `local` is that wait's status where a failure is the
+  // rank's "no" in an agreement).
+  void SummonWritten(const Caller& caller, const std::string& module, const std::string& path,
+                     const SummonOptions& options, absl::Time deadline, SummonCallback done);
+  absl::Status DecideSummon(Group& g, const Caller& caller, const std::string& module,
+                            const std::string& path, const SummonOptions& options,
+                            SummonDecision* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  void OpenSummonLocked(Group& g, const Caller& caller, const std::string& module,
+                        const std::string& path, const SummonOptions& options,
+                        const SummonDecision& d, const ViewBuffers& got, SummonStart* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  void StartUnshard(const Caller& caller, absl::Time deadline, std::shared_ptr<SummonStart> start,
+                    SummonCallback done);
+  // Drops the node-copy marks a summon set in `slot` (SummonSlot::making) and hands the
+  // summons that waited for them to `waiting` (run after the lock).
+  void UnmarkMaking(std::shared_ptr<SummonSlot> slot,
+                    std::vector<std::pair<int32_t, KeptUse>>* marked,
+                    AfterUnlock* waiting);  // REQUIRES: the lock of the slot's group
+  // rank0_only writeback End: gets the buffers rank 0's broadcast lands in (without the lock)
+  // and builds the broadcasts; UNAVAILABLE when the summon was dropped meanwhile.
+  absl::Status PrepareRank0Broadcast(const Caller& caller, uint64_t summon, const Plan& plan,
+                                     const std::vector<UnitShard>& shards,
+                                     const std::shared_ptr<KeptBuffers>& kept,
+                                     const std::vector<ViewNeed>& needs, int64_t owner_uid,
+                                     OpenSummon* copy,
+                                     std::vector<collective::CollectiveOp>* broadcasts);
+  void EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time deadline,
+                        StatusCallback done, absl::Status local);
+  void FinishReduceScatterWritten(const Caller& caller, const std::string& module, int32_t unit,
+                                  ReduceOp op, bool accumulate, absl::Time deadline,
+                                  StatusCallback done);
+  void CommitWritten(const Caller& caller, const std::string& module, absl::Time deadline,
+                     CommitCallback done, absl::Status local);
+  // Every rank agreed to commit: copies the caller's shards into its committed copies (after
+  // any checkpoint holding them) and answers the new generation.
+  void CommitAgreed(const Caller& caller, const std::string& module, uint64_t generation,
+                    CommitCallback done);
+
+  ShardStore* const store_;
+  RankDevices& devices_;
+  Clock* const clock_;
+  const std::vector<std::shared_ptr<gpu::DeviceContext>> gpus_;
+  const std::shared_ptr<KeptBufferPool> kept_pool_;
+  GroupTable& table_;
+  Records& records_;
+  const std::atomic<bool>& shutdown_;
+};
+
+}  // namespace flatshard::server

@@ -1,0 +1,247 @@
+// Modules: reduce-scatter of gradients into the gradient shards.
+
+#include "server/module/modules.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/collective/reduce.h"
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+#include "server/durable/records.h"
+#include "server/group_manager_internal.h"
+#include "server/module/summon_steps.h"
+
+namespace flatshard::server {
+
+using summon_steps::GetViewBuffers;
+using summon_steps::kSummonRounds;
+
+using internal::ConstOf;
+using internal::Display;
+using internal::MutableOf;
+using internal::SelectUnits;
+using internal::kAlreadyUnsharding;
+
+absl::StatusOr<std::shared_ptr<Buffer>> Modules::BeginReduceScatter(
+    const Caller& caller, const std::string& module, int32_t unit) {
+  // Decide under mu_, allocate without it, install under mu_ again. The buffers are only
+  // installed in the last step, after every check ran afresh, so a failed allocation changes
+  // nothing, and a buffer another call installed in the gap (a repeated begin) wins.
+  std::shared_ptr<Buffer> grad_got, staging_got;
+  for (int round = 0; round < kSummonRounds; ++round) {
+    bool need_grad = false, need_staging = false;
+    int64_t grad_bytes = 0, staging_bytes = 0;
+    int64_t owner_uid = -1;
+    std::shared_ptr<KeptBuffers> kept;
+    std::string label;
+    {
+      std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+      Group& g = *held;
+      absl::MutexLock lock(&g.mu);
+      FS_RETURN_IF_ERROR(CheckCallerLocked(g, caller));
+      FS_ASSIGN_OR_RETURN(Registered * found, InitializedModule(g, module));
+      Registered& reg = *found;
+      if (unit < 0 || unit >= static_cast<int32_t>(reg.plan.units.size())) {
+        return absl::NotFoundError(absl::StrCat("module ", Display(module), " has no unit ", unit,
+                                                " (it has ", reg.plan.units.size(), ")"));
+      }
+      if (reg.plan.sharding_strategy == ShardingStrategy::kNoShard) {
+        return absl::FailedPreconditionError(
+            "ReduceScatterGrads on a NO_SHARD model needs an all-reduce, which this daemon does "
+            "not serve yet");
+      }
+      const PlanUnit& u = reg.plan.units[unit];
+      const int64_t item = ItemSize(u.dtype);
+      const std::pair<int32_t, int32_t> key{caller.rank, unit};
+      need_grad = !reg.shards_by_rank[caller.rank][unit].grad && !reg.new_grads.contains(key);
+      auto staging = reg.grad_staging.find(key);
+      need_staging = staging == reg.grad_staging.end() || !staging->second;
+      if (need_staging && !staging_got) {
+        // The steady state: the kept staging buffer is ready, no allocation needed.
+        staging_got = KeptOf(reg)->TryGet(KeptKey::Rank(caller.rank, unit, KeptUse::kGradInput),
+                                          PlacementOf(caller.rank));
+      }
+      if ((!need_grad || grad_got) && (!need_staging || staging_got)) {
+        // Every buffer is at hand: install them (commit point).
+        if (need_grad) reg.new_grads[key] = std::move(grad_got);
+        reg.failed_finishes.erase(key);
+        std::shared_ptr<Buffer>& installed = reg.grad_staging[key];
+        if (need_staging) installed = std::move(staging_got);
+        return installed;
+      }
+      grad_bytes = u.shard_numel * item;
+      staging_bytes = u.padded_numel * item;
+      owner_uid = g.owner_uid;
+      kept = KeptOf(reg);
+      label = absl::StrCat("group=", g.id, " unit=", unit, " rank=", caller.rank);
+    }
+    // Without mu_: shm creation, fchown, cudaHostRegister.
+    if (need_grad && !grad_got) {
+      FS_ASSIGN_OR_RETURN(grad_got, store_->Allocate(BufferKind::kGradShard, grad_bytes,
+                                                     absl::StrCat(label, " grad"), owner_uid,
+                                                     PlacementOf(caller.rank)));
+    }
+    if (need_staging && !staging_got) {
+      FS_ASSIGN_OR_RETURN(staging_got,
+                          kept->Get(KeptKey::Rank(caller.rank, unit, KeptUse::kGradInput),
+                                    BufferKind::kStaging, staging_bytes,
+                                    absl::StrCat(label, " full grad"), owner_uid,
+                                    PlacementOf(caller.rank)));
+    }
+  }
+  return absl::AbortedError(absl::StrCat("group ", caller.group, " rank ", caller.rank,
+                                         ": the gradient buffers of unit ", unit, " of module ",
+                                         Display(module), " changed ", kSummonRounds,
+                                         " times while being allocated; begin again"));
+}
+
+void Modules::FinishReduceScatter(const Caller& caller, const std::string& module,
+                                       int32_t unit, ReduceOp op, bool accumulate,
+                                       absl::Time deadline, StatusCallback done,
+                                       const gpu::IpcEventRef& written) {
+  // The trainer's gradient is written before it is reduced.
+  devices_.AfterTrainerWrites(caller.rank, written,
+                              [this, caller, module, unit, op, accumulate, deadline,
+                               done = std::move(done)](absl::Status s) mutable {
+                                if (!s.ok()) {
+                                  done(std::move(s));
+                                  return;
+                                }
+                                FinishReduceScatterWritten(caller, module, unit, op, accumulate,
+                                                           deadline, std::move(done));
+                              });
+}
+
+void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string& module,
+                                              int32_t unit, GradReduce op, bool accumulate,
+                                              absl::Time deadline, StatusCallback done) {
+  absl::Status error;
+  std::shared_ptr<Buffer> staging, grad;
+  bool fresh = false;  // the unit had no gradient shard: `grad` is installed on success
+  DType dtype = DType::kFloat32;
+  std::shared_ptr<collective::CollectiveGroup> coll;
+  {
+    std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    error = CheckCallerLocked(g, caller);
+    if (error.ok()) {
+      auto it = g.registered.find(module);
+      auto s = it == g.registered.end() ? decltype(it->second.grad_staging)::iterator{}
+                                        : it->second.grad_staging.find({caller.rank, unit});
+      auto failed = it == g.registered.end()
+                        ? decltype(it->second.failed_finishes)::iterator{}
+                        : it->second.failed_finishes.find({caller.rank, unit});
+      if (it != g.registered.end() && s == it->second.grad_staging.end() &&
+          failed != it->second.failed_finishes.end()) {
+        error = failed->second;  // a repeated finish: the first one's cause
+      } else if (it == g.registered.end() || s == it->second.grad_staging.end()) {
+        error = absl::FailedPreconditionError(absl::StrCat(
+            "group ", g.id, " rank ", caller.rank, ": no gradient buffer for unit ", unit,
+            " of module ", Display(module), " (begin the reduce-scatter first)"));
+      } else {
+        Registered& reg = it->second;
+        staging = s->second;
+        reg.grad_staging.erase(s);
+        grad = reg.shards_by_rank[caller.rank][unit].grad;
+        if (!grad) {
+          fresh = true;
+          grad = reg.new_grads.at({caller.rank, unit});
+        }
+        dtype = reg.plan.units[unit].dtype;
+        coll = g.coll;
+      }
+    }
+  }
+  if (!error.ok()) {
+    done(error);
+    return;
+  }
+  // The collective reduces into a scratch shard; the gradient shard changes only once it
+  // succeeded (replaced, or accumulated into), so a failed reduce-scatter changes nothing.
+  // Host ranks reduce into private memory; GPU ranks into device memory of the pool.
+  std::shared_ptr<Buffer> scratch_buffer;
+  std::shared_ptr<std::vector<char>> scratch_host;
+  collective::MutableBuffer scratch{nullptr, static_cast<size_t>(grad->bytes()), dtype};
+  if (grad->on_device()) {
+    absl::StatusOr<std::shared_ptr<Buffer>> b =
+        store_->Allocate(BufferKind::kStaging, grad->bytes(),
+                         absl::StrCat("group=", caller.group, " unit=", unit, " rank=",
+                                      caller.rank, " reduce-scatter scratch"),
+                         -1, grad->placement());
+    if (!b.ok()) {
+      done(b.status());
+      return;
+    }
+    scratch_buffer = *std::move(b);
+    scratch = MutableOf(scratch_buffer.get(), dtype);
+  } else {
+    scratch_host = std::make_shared<std::vector<char>>(grad->bytes());
+    scratch.data = scratch_host->data();
+  }
+  std::vector<collective::CollectiveOp> ops;
+  ops.push_back(collective::CollectiveOp::ReduceScatter(
+      unit, ConstOf(*staging, dtype), scratch,
+      op == ReduceOp::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum));
+  ops.back().name = "grads";
+  // Once the collective completed: the reduced shard into the gradient shard (a device copy
+  // for GPU ranks: on the device's worker, not on the engine's thread), then the outcome is
+  // recorded under mu_.
+  auto settle = [this, caller, module, unit, staging, grad, fresh, scratch_buffer, scratch_host,
+                 done = std::move(done)](absl::Status s) mutable {
+    scratch_buffer.reset();
+    scratch_host.reset();
+    staging.reset();  // the staging buffer's pages go back until the next step
+    AfterUnlock persist;  // the record, after mu_
+    {
+      std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+      Group& g = *held;
+      absl::MutexLock lock(&g.mu);
+      if (!g.removed) {
+        auto reg = g.registered.find(module);
+        if (reg != g.registered.end()) {
+          if (fresh) {
+            reg->second.new_grads.erase({caller.rank, unit});
+            if (s.ok()) reg->second.shards_by_rank[caller.rank][unit].grad = grad;
+            if (s.ok()) records_.PersistLater(g, &persist);  // a new durable buffer
+          }
+          reg->second.NoteOp({unit}, "reduce_scatter", caller.rank, s.ok(), clock_->Now());
+          if (s.ok()) {
+            reg->second.failed_finishes.erase({caller.rank, unit});
+          } else {
+            reg->second.failed_finishes[{caller.rank, unit}] = s;
+          }
+          ReleaseKept(reg->second);
+        }
+      }
+    }
+    persist.Run();
+    done(s);
+  };
+  coll->SubmitAll(caller.rank, std::move(ops), deadline - clock_->Now(),
+            [this, rank = caller.rank, grad, fresh, scratch, scratch_buffer, scratch_host, dtype,
+             accumulate, settle = std::move(settle)](absl::Status s) mutable {
+              if (!s.ok()) {
+                settle(std::move(s));
+                return;
+              }
+              // The scratch buffers stay alive in this job until the copy is done.
+              devices_.RunBlocking(
+                  rank,
+                  [this, rank, grad, fresh, scratch, scratch_buffer, scratch_host, dtype,
+                   accumulate] {
+                    return devices_.ApplyReducedGrad(rank, scratch.AsConst(), *grad, dtype,
+                                                     accumulate && !fresh);
+                  },
+                  std::move(settle));
+            });
+}
+
+gpu::IpcEventRef Modules::RecordReady(int32_t rank) { return devices_.RecordReady(rank); }
+
+}  // namespace flatshard::server

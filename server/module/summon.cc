@@ -1,0 +1,486 @@
+// Modules: summons (unshard into kept buffers, one read-only node copy, rank0_only).
+
+#include "server/module/modules.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/collective/reduce.h"
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+#include "server/durable/records.h"
+#include "server/group_manager_internal.h"
+#include "server/module/summon_steps.h"
+
+namespace flatshard::server {
+
+using summon_steps::AllAtHand;
+using summon_steps::GetViewBuffers;
+using summon_steps::kSummonRounds;
+using summon_steps::TryKept;
+
+using internal::ConstOf;
+using internal::Display;
+using internal::MutableOf;
+using internal::SelectUnits;
+using internal::kAlreadyUnsharding;
+
+
+std::shared_ptr<KeptBuffers> Modules::KeptOf(Registered& reg) {
+  if (!reg.kept) reg.kept = kept_pool_->NewSet();
+  return reg.kept;
+}
+
+void Modules::ReleaseKept(Registered& reg) {
+  if (reg.kept) reg.kept->Release();
+}
+
+
+
+
+void Modules::Summon(const Caller& caller, const std::string& module,
+                          const std::string& path, const SummonOptions& options,
+                          absl::Time deadline, SummonCallback done,
+                          const gpu::IpcEventRef& written) {
+  // The trainer's last writes to its shards (an optimizer step) land before they are read.
+  devices_.AfterTrainerWrites(
+      caller.rank, written,
+      [this, caller, module, path, options, deadline, done = std::move(done)](
+          absl::Status s) mutable {
+        if (!s.ok()) {
+          done(std::move(s));
+          return;
+        }
+        SummonWritten(caller, module, path, options, deadline, std::move(done));
+      });
+}
+
+void Modules::UnmarkMaking(std::shared_ptr<SummonSlot> slot,
+                                std::vector<std::pair<int32_t, KeptUse>>* marked,
+                                AfterUnlock* waiting) {
+  for (const auto& m : *marked) slot->making.erase(m);
+  marked->clear();
+  for (auto& w : slot->on_made) waiting->Call(std::move(w));
+  slot->on_made.clear();
+}
+
+void Modules::SummonWritten(const Caller& caller, const std::string& module,
+                                 const std::string& path, const SummonOptions& options,
+                                 absl::Time deadline, SummonCallback done) {
+  auto start = std::make_shared<SummonStart>();
+  ViewBuffers got;  // held across rounds; dropped (back to the cache, unused) when done
+  // The slot whose node copies this summon is making without mu_ (SummonSlot::making), and
+  // the other local ranks' summons that wait for them, run again once mu_ is released.
+  std::shared_ptr<SummonSlot> making;
+  std::vector<std::pair<int32_t, KeptUse>> marked;  // in making->making, by this summon
+  AfterUnlock waiting;
+  absl::Status error;
+  bool parked = false;  // `done` went to the slot's on_made
+  std::shared_ptr<Group> held = table_.Find(caller.group);
+  if (held == nullptr) {
+    done(absl::NotFoundError(absl::StrCat("unknown group ", caller.group)));
+    return;
+  }
+  Group& g = *held;
+  for (int round = 0;; ++round) {
+    SummonDecision decision;
+    bool opened = false;
+    {
+      absl::MutexLock lock(&g.mu);
+      // Our marks go whatever happens next; the ranks that waited for them decide afresh.
+      if (making != nullptr) UnmarkMaking(std::move(making), &marked, &waiting);
+      error = DecideSummon(g, caller, module, path, options, &decision);
+      if (error.ok() && decision.wait) {
+        // Another local rank is making a node copy this summon shares: decide again once it
+        // made it (or gave up), instead of allocating a second one.
+        decision.slot->on_made.push_back(
+            [this, caller, module, path, options, deadline, done = std::move(done)]() mutable {
+              SummonWritten(caller, module, path, options, deadline, std::move(done));
+            });
+        parked = true;
+      } else if (error.ok()) {
+        // The steady state (every buffer kept, committed and unused) needs no allocation: the
+        // summon opens in this one critical section.
+        TryKept(*decision.kept, decision.needs, decision.placement, &got);
+        if (AllAtHand(decision.needs, got)) {
+          OpenSummonLocked(g, caller, module, path, options, decision, got, start.get());
+          opened = true;
+        } else if (!decision.make.empty()) {
+          // Invariant: while `making` is marked, the other local ranks' k-th summons wait
+          // for this one (on_made) rather than make the same node copy; the marks go at the
+          // next re-take of mu_, on every path.
+          making = decision.slot;
+          for (const auto& m : decision.make) {
+            if (making->making.insert(m).second) marked.push_back(m);
+          }
+        }
+      }
+    }
+    if (parked || opened) break;
+    if (error.ok() && round + 1 == kSummonRounds) {
+      error = absl::AbortedError(absl::StrCat("group ", caller.group, " rank ", caller.rank,
+                                              ": the buffers of the summon of ", Display(path),
+                                              " changed ", kSummonRounds,
+                                              " times while being allocated; summon again"));
+    }
+    // Without mu_: the kept-buffer cache allocates what is missing. The cache outlives the
+    // module if that is dropped meanwhile (the next round then fails with NOT_FOUND).
+    if (error.ok()) {
+      error = GetViewBuffers(*decision.kept, decision.needs, BufferKind::kUnsharded,
+                             decision.owner_uid, decision.placement, &got);
+    }
+    if (!error.ok()) {
+      if (making != nullptr) {
+        absl::MutexLock lock(&g.mu);
+        UnmarkMaking(std::move(making), &marked, &waiting);
+      }
+      break;
+    }
+  }
+  got.clear();
+  held = nullptr;
+  waiting.Run();
+  if (parked) return;  // runs again from on_made
+  if (!error.ok()) {
+    done(error);
+    return;
+  }
+  if (start->copies.empty()) {
+    StartUnshard(caller, deadline, std::move(start), std::move(done));
+    return;
+  }
+  // NO_SHARD: the views are copies of the shards. The unit is marked summoned, so no End or
+  // reduce-scatter of this rank touches these buffers until the summon is answered.
+  devices_.RunBlocking(
+      caller.rank,
+      [this, rank = caller.rank, start] {
+        for (const auto& [dst, src] : start->copies) {
+          FS_RETURN_IF_ERROR(devices_.CopyBytes(rank, dst->data(), src->data(),
+                                                static_cast<size_t>(src->bytes())));
+        }
+        return absl::OkStatus();
+      },
+      [this, caller, deadline, start, done = std::move(done)](absl::Status s) mutable {
+        start->copies.clear();
+        if (!s.ok()) {
+          // Nothing was handed out: end the summon without writeback.
+          FinishEnd(caller, start->result.summon, s,
+                    [done = std::move(done), s](absl::Status) mutable { done(s); });
+          return;
+        }
+        StartUnshard(caller, deadline, std::move(start), std::move(done));
+      });
+}
+
+absl::StatusOr<Registered*> Modules::InitializedModule(
+    Group& g, const std::string& module) {
+  auto it = g.registered.find(module);
+  if (it == g.registered.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("group ", g.id, ": module ", Display(module), " is not registered"));
+  }
+  // Never zeros as the model: CheckUsable says why it is not initialised.
+  if (!it->second.initialized) return CheckUsable(g, module, it->second);
+  return &it->second;
+}
+
+absl::Status Modules::DecideSummon(Group& g, const Caller& caller,
+                                        const std::string& module, const std::string& path,
+                                        const SummonOptions& options, SummonDecision* d) {
+  FS_RETURN_IF_ERROR(shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
+                               : CheckCallerLocked(g, caller));
+  FS_ASSIGN_OR_RETURN(Registered * found, InitializedModule(g, module));
+  Registered& reg = *found;
+  if (!FindModulePath(reg.manifest, path)) {
+    return absl::NotFoundError(
+        absl::StrCat("module ", Display(module), " has no submodule ", Display(path)));
+  }
+  const int32_t rank = caller.rank;
+  d->units = SelectUnits(reg.plan, path, options.recurse);
+  for (int32_t u : d->units) {
+    if (reg.summoned[rank][u]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          kAlreadyUnsharding, " (unit ", u, " ", Display(reg.plan.units[u].module), ")"));
+    }
+  }
+  d->sharded = reg.plan.shard_world_size > 1;
+  // One read-only copy per node; GPU ranks each need theirs on their own device.
+  d->shared = !options.writeback && !options.rank0_only && d->sharded && gpus_.empty();
+  // GPU ranks: device views, or pinned host views under offload_to_cpu (the collective
+  // stages them through the device).
+  d->placement = gpus_.empty() || !options.offload_to_cpu ? PlacementOf(rank)
+                                                          : Placement::Pinned();
+  d->owner_uid = g.owner_uid;
+  d->kept = KeptOf(reg);
+  // The slot this summon will meet the other local ranks' in: its node copies may be made
+  // (or being made) already.
+  if (d->shared) {
+    std::shared_ptr<SummonSlot>& slot = reg.slots[reg.summon_count[rank] + 1];
+    if (!slot) slot = std::make_shared<SummonSlot>();
+    d->slot = slot;
+  }
+  for (int32_t u : d->units) {
+    const PlanUnit& unit = reg.plan.units[u];
+    const UnitShard& shard = reg.shards_by_rank[rank][u];
+    for (KeptUse use : {KeptUse::kParams, KeptUse::kGrads}) {
+      // Gradients exist for every rank of a unit or for none (made by one collective).
+      if (use == KeptUse::kGrads && !(options.with_grads && shard.grad)) continue;
+      const std::string label = absl::StrCat("group=", g.id, " unit=", u, " ",
+                                             use == KeptUse::kParams ? "params" : "grads");
+      const int64_t bytes = unit.padded_numel * ItemSize(unit.dtype);
+      // Buffers this rank sees: shared per node (read-only use), rank 0's only, or private.
+      if (options.rank0_only) {
+        if (rank == 0) {
+          d->needs.push_back({u, use, KeptKey::Rank(0, u, use), bytes,
+                              absl::StrCat(label, " rank=0")});
+        }
+      } else if (d->shared) {
+        const auto& map =
+            use == KeptUse::kParams ? d->slot->shared_params : d->slot->shared_grads;
+        if (map.contains(u) && map.at(u) != nullptr) continue;  // another rank made it
+        if (d->slot->making.contains({u, use})) {
+          d->wait = true;  // another rank is making it
+          continue;
+        }
+        d->needs.push_back({u, use, KeptKey::NodeShared(u, use), bytes, label});
+        d->make.emplace_back(u, use);
+      } else {
+        d->needs.push_back({u, use, KeptKey::Rank(rank, u, use), bytes,
+                            absl::StrCat(label, " rank=", rank)});
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Modules::OpenSummonLocked(Group& g, const Caller& caller, const std::string& module,
+                                    const std::string& path, const SummonOptions& options,
+                                    const SummonDecision& d, const ViewBuffers& got,
+                                    SummonStart* out) {
+  Registered& reg = g.registered.at(module);
+  const int32_t rank = caller.rank;
+  const uint64_t k = ++reg.summon_count[rank];
+  std::shared_ptr<SummonSlot>& slot = reg.slots[k];
+  if (!slot) slot = std::make_shared<SummonSlot>();
+  OpenSummon open;
+  open.id = g.next_summon++;
+  open.rank = rank;
+  open.k = k;
+  open.module = module;
+  open.options = options;
+  open.units = d.units;
+  open.slot = slot;
+  open.coll = g.coll;
+  // The buffer this rank sees of (unit, use): rank 0's only, the node's copy (the first local
+  // rank's to arrive), or its own.
+  auto view_of = [&](int32_t u, KeptUse use) -> std::shared_ptr<Buffer> {
+    const bool params = use == KeptUse::kParams;
+    if (options.rank0_only) {
+      if (rank != 0) return nullptr;
+      auto& rank0 = params ? slot->rank0_params : slot->rank0_grads;
+      return rank0[u] = got.at({u, use});
+    }
+    if (d.shared) {
+      std::shared_ptr<Buffer>& node = (params ? slot->shared_params : slot->shared_grads)[u];
+      if (!node) node = got.at({u, use});
+      return node;
+    }
+    return got.at({u, use});
+  };
+  for (int32_t u : d.units) {
+    const PlanUnit& unit = reg.plan.units[u];
+    const UnitShard& shard = reg.shards_by_rank[rank][u];
+    // Sharded: the all-gather (a gather to rank 0 under rank0_only) fills the view; NO_SHARD:
+    // the shard is the whole buffer, copied after mu_ (CopyUnsharded).
+    auto unshard = [&](const std::shared_ptr<Buffer>& from, const std::shared_ptr<Buffer>& to) {
+      if (!d.sharded) {
+        if (to != nullptr) out->copies.emplace_back(to, from);
+        return;
+      }
+      out->ops.push_back(options.rank0_only
+                             ? collective::CollectiveOp::Gather(u, ConstOf(*from, unit.dtype),
+                                                                MutableOf(to.get(), unit.dtype), 0)
+                             : collective::CollectiveOp::AllGather(
+                                   u, ConstOf(*from, unit.dtype), MutableOf(to.get(), unit.dtype)));
+    };
+    SummonedUnit view{u, nullptr, nullptr};
+    view.params = view_of(u, KeptUse::kParams);
+    unshard(shard.shard, view.params);
+    // Gradients exist for every rank of a unit or for none (made by one collective).
+    if (options.with_grads && shard.grad) {
+      view.grads = view_of(u, KeptUse::kGrads);
+      unshard(shard.grad, view.grads);
+    }
+    open.views.push_back(std::move(view));
+  }
+  for (int32_t u : d.units) reg.summoned[rank][u] = true;
+  reg.NoteOp(d.units, "summon", rank, true, clock_->Now());
+  SummonResult& result = out->result;
+  result.summon = open.id;
+  result.units = d.units;
+  if (d.units.empty()) result.note = absl::StrCat(Display(path), " is not a unit root: nothing unsharded");
+  if (!options.rank0_only || rank == 0) result.views = open.views;
+  g.open_summons.emplace(open.id, std::move(open));
+  out->coll = g.coll;
+  if (d.shared && !out->ops.empty() && g.local_ranks.size() > 1) {
+    out->shared_slot = slot;
+    out->shared_locals = static_cast<int32_t>(g.local_ranks.size());
+  }
+}
+
+void Modules::StartUnshard(const Caller& caller, absl::Time deadline,
+                                std::shared_ptr<SummonStart> start, SummonCallback done) {
+  const uint64_t id = start->result.summon;
+  auto finish = [this, caller, id, result = std::move(start->result),
+                 done = std::move(done)](absl::Status s) mutable {
+    if (!s.ok()) {
+      // Nothing was handed out: end the summon without writeback.
+      FinishEnd(caller, id, s, [done = std::move(done), s](absl::Status) mutable { done(s); });
+      return;
+    }
+    if (std::shared_ptr<Group> held = table_.Find(caller.group)) {
+      absl::MutexLock lock(&held->mu);
+      auto it = held->open_summons.find(id);
+      if (it != held->open_summons.end()) it->second.ready = true;
+    }
+    result.ready = RecordReady(caller.rank);  // cudaEventRecord: no host wait
+    done(std::move(result));
+  };
+  std::shared_ptr<SummonSlot> shared_slot = std::move(start->shared_slot);
+  if (shared_slot == nullptr) {
+    start->coll->SubmitAll(caller.rank, std::move(start->ops), deadline - clock_->Now(),
+              std::move(finish));
+    return;
+  }
+  // The node's one read-only copy is assembled by every local rank's op together (each
+  // block lands once, through whichever local rank receives it), so one rank's op may
+  // complete before the copy is whole: every local rank answers once all of theirs have
+  // completed, with the first error if any did not (bounded by the ops' deadlines).
+  start->coll->SubmitAll(caller.rank, std::move(start->ops), deadline - clock_->Now(),
+            [this, shared_slot, local = start->shared_locals,
+             finish = std::move(finish)](absl::Status s) mutable {
+              std::vector<absl::AnyInvocable<void(absl::Status)>> ready;
+              absl::Status verdict;
+              {
+                absl::MutexLock lock(&shared_slot->assembly_mu);
+                if (!s.ok() && shared_slot->assembly_error.ok()) shared_slot->assembly_error = s;
+                ++shared_slot->assembled;
+                shared_slot->waiting.push_back(std::move(finish));
+                // A failure answers at once (a rank that died never submits: nobody waits
+                // for it); success waits for the last local rank.
+                if (shared_slot->assembly_error.ok() && shared_slot->assembled < local) return;
+                ready.swap(shared_slot->waiting);
+                verdict = shared_slot->assembly_error;
+              }
+              for (auto& f : ready) f(verdict);
+            });
+}
+
+absl::Status Modules::CheckUsable(const Group& g, const std::string& module,
+                                       const Registered& reg) const {
+  if (!reg.initialized) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", g.id, ": module ", Display(module),
+        " is not initialised: its initial values did not commit on every rank",
+        reg.uninitialized_why.empty() ? std::string(" (yet)")
+                                      : absl::StrCat(" (", reg.uninitialized_why, ")"),
+        "; register it again on every rank"));
+  }
+  if (reg.rollback_pending) {
+    return absl::UnavailableError(absl::StrCat("group ", g.id, ": module ", Display(module),
+                                               " is being rolled back to its committed "
+                                               "generation"));
+  }
+  return absl::OkStatus();
+}
+
+void Modules::ReleaseBuffers(OpenSummon& open, AfterUnlock* after) {
+  for (SummonedUnit& v : open.views) {
+    after->Release(v.params);
+    after->Release(v.grads);
+  }
+  for (auto& [key, b] : open.own_rank0) after->Release(b);
+  after->Release(open.slot);
+}
+
+void Modules::FinishEnd(const Caller& caller, uint64_t summon, absl::Status status,
+                             StatusCallback done) {
+  AfterUnlock after;  // the summon's buffer references go after the lock (munmap, unlink)
+  {
+    std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    auto it = g.removed ? g.open_summons.end() : g.open_summons.find(summon);
+    if (it != g.open_summons.end()) {
+      OpenSummon& open = it->second;
+      Registered& reg = g.registered.at(open.module);
+      for (int32_t u : open.units) reg.summoned[open.rank][u] = false;
+      // A summon that never became ready failed before anything was handed out.
+      reg.NoteOp(open.units, open.ready ? "end" : "summon", open.rank, status.ok(),
+                 clock_->Now());
+      if (++open.slot->ended == static_cast<int32_t>(g.local_ranks.size())) {
+        if (auto slot = reg.slots.find(open.k); slot != reg.slots.end()) {
+          after.Destroy(reg.slots.extract(slot));
+        }
+      }
+      if (!status.ok() && open.ready && open.options.writeback) {
+        if (!reg.initialized) reg.uninitialized_why = std::string(status.message());
+        g.failed_ends[summon] = {open.rank, status};
+        while (g.failed_ends.size() > internal::kFailedEndsKept) {
+          g.failed_ends.erase(g.failed_ends.begin());
+        }
+      }
+      // Drops this rank's references to the buffers, so ReleaseKept sees which kept buffers
+      // nobody uses any more; a last reference (the kept set dropped it) goes after the lock.
+      ReleaseBuffers(open, &after);
+      g.open_summons.erase(it);
+      ReleaseKept(reg);
+    }
+  }
+  after.Run();
+  done(status);
+}
+
+void Modules::DropSummons(Group& g, int32_t rank, AfterUnlock* run) {
+  for (auto it = g.open_summons.begin(); it != g.open_summons.end();) {
+    OpenSummon& open = it->second;
+    if (open.rank != rank) {
+      ++it;
+      continue;
+    }
+    Registered& reg = g.registered.at(open.module);
+    for (int32_t u : open.units) reg.summoned[rank][u] = false;
+    if (!reg.initialized && open.options.writeback && !open.ending) {
+      reg.uninitialized_why = absl::StrCat("rank ", rank, "'s session ended before it ended the "
+                                           "init summon");
+    }
+    if (++open.slot->ended == static_cast<int32_t>(g.local_ranks.size())) {
+      if (auto slot = reg.slots.find(open.k); slot != reg.slots.end()) {
+        run->Destroy(reg.slots.extract(slot));
+      }
+    }
+    FS_LOG(WARNING) << "group=" << g.id << " rank=" << rank << " summon " << open.id
+                    << " ended without writeback (session ended)";
+    ReleaseBuffers(open, run);  // as FinishEnd
+    it = g.open_summons.erase(it);
+  }
+  for (auto& [module, reg] : g.registered) {
+    for (auto s = reg.grad_staging.begin(); s != reg.grad_staging.end();) {
+      auto next = std::next(s);
+      if (s->first.first == rank) run->Destroy(reg.grad_staging.extract(s));
+      s = next;
+    }
+    for (auto s = reg.new_grads.begin(); s != reg.new_grads.end();) {
+      auto next = std::next(s);
+      if (s->first.first == rank) run->Destroy(reg.new_grads.extract(s));
+      s = next;
+    }
+    ReleaseKept(reg);
+  }
+}
+
+}  // namespace flatshard::server
