@@ -16,6 +16,9 @@
 
 namespace flatshard::server {
 
+// Records written (and copies made) at once: fsyncs of different groups overlap.
+constexpr int kDurableThreads = 4;
+
 using internal::Display;
 
 namespace {
@@ -68,7 +71,18 @@ Records::Records(RecordsOptions options)
       gpus_(std::move(options.gpus)),
       table_(*options.table),
       testing_commit_copy_pause_(options.testing_commit_copy_pause) {
-  if (state_dir_ != nullptr) state_sequence_ = state_dir_->max_loaded_sequence();
+  if (state_dir_ != nullptr) {
+    state_sequence_ = state_dir_->max_loaded_sequence();
+    workers_ = std::make_unique<BlockingWorkers>(kDurableThreads);
+  }
+}
+
+void Records::RunDurable(absl::AnyInvocable<void()> job) {
+  if (workers_ == nullptr) {
+    job();
+    return;
+  }
+  workers_->Post(std::move(job));
 }
 
 std::vector<std::pair<std::string, std::shared_ptr<Buffer>>> Records::RecordedBuffers(

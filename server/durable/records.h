@@ -26,6 +26,7 @@
 #include "absl/time/time.h"
 #include "common/after_unlock.h"
 #include "common/clock.h"
+#include "server/durable/blocking_workers.h"
 #include "server/gpu/device_context.h"
 #include "server/group/group.h"
 #include "server/group/group_table.h"
@@ -65,6 +66,10 @@ class Records {
 
   // Whether this daemon keeps records (a state directory).
   bool enabled() const { return state_dir_ != nullptr; }
+  // Runs `job`, which writes records (fsync) or the copies they bracket: on a worker of its
+  // own when records are kept (never on a gRPC reactor or a collective's completion thread),
+  // else at once on the caller's thread (memory copies only, as the collectives').
+  void RunDurable(absl::AnyInvocable<void()> job);
 
   // ---- Records of groups ----
   // Queues the write of `g`'s record (a snapshot taken now) into `run`, to run after the lock.
@@ -175,6 +180,8 @@ class Records {
   // The sequence of the next snapshot: a stale snapshot never overwrites a newer record.
   std::atomic<uint64_t> state_sequence_{0};
   std::vector<std::pair<std::string, uint64_t>> removed_records_ ABSL_GUARDED_BY(mu_);
+  // RunDurable's threads; null without a state directory. Last: joined first.
+  std::unique_ptr<BlockingWorkers> workers_;
 };
 
 }  // namespace flatshard::server

@@ -17,6 +17,16 @@
 
 namespace flatshard::server {
 
+void Modules::RunDurableWork(int32_t rank, absl::AnyInvocable<absl::Status()> work,
+                             absl::AnyInvocable<void(absl::Status)> done) {
+  if (devices_.DeviceOf(rank) != nullptr || !records_.enabled()) {
+    devices_.RunBlocking(rank, std::move(work), std::move(done));
+    return;
+  }
+  records_.RunDurable(
+      [work = std::move(work), done = std::move(done)]() mutable { done(work()); });
+}
+
 using internal::ConstOf;
 using internal::Display;
 using internal::MutableOf;
@@ -127,9 +137,9 @@ void Modules::CommitAgreed(const Caller& caller, const std::string& module,
             done(absl::UnavailableError(absl::StrCat("group ", caller.group, " is gone")));
             return;
           }
-          // The copies run without mu_ (GPU ranks: on the device's worker). Invariant: `busy`
+          // The copies run without the lock, on a worker (RunDurableWork). Invariant: `busy`
           // keeps every rollback out until DoneCopying.
-          devices_.RunBlocking(
+          RunDurableWork(
               caller.rank,
               [this, caller, module, generation, durable = std::move(durable)] {
                 // Restarts: the intent is durable before the committed copy is overwritten,

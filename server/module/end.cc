@@ -307,10 +307,14 @@ void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time
           FinishEnd(caller, summon, std::move(s), std::move(done));
     };
     if (batched) {
-      // Host ranks: the writeback runs here; the copy waits for the other local ranks.
-      absl::Status s = write_back(std::move(owned));
-      records_.EndArrive(caller, module, k, is_init ? generation : generation + 1,
-                is_init ? "init" : "end", std::move(s), durable, std::move(finish));
+      // Host ranks keeping records: the writeback, and the copies that wait for the other
+      // local ranks, run on the durable worker (fsync'd records bracket them).
+      records_.RunDurable([this, caller, module, k, generation, is_init, durable, write_back,
+                           owned = std::move(owned), finish = std::move(finish)]() mutable {
+        absl::Status s = write_back(std::move(owned));
+        records_.EndArrive(caller, module, k, is_init ? generation : generation + 1,
+                           is_init ? "init" : "end", std::move(s), durable, std::move(finish));
+      });
       return;
     }
     // The copies run without mu_ (GPU ranks: on the device's worker, not on the engine's

@@ -278,8 +278,15 @@ void Modules::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status s
   }
   // A refused registration's buffers go after the lock (munmap, unlink).
   x->buffers = RegistrationBuffers{};
-  persist.Run();
-  x->done(std::move(result));
+  if (persist.empty()) {
+    x->done(std::move(result));
+    return;
+  }
+  // The record (fsync) before the answer, on the durable worker.
+  records_.RunDurable([x, persist = std::move(persist), result = std::move(result)]() mutable {
+    persist.Run();
+    x->done(std::move(result));
+  });
 }
 
 }  // namespace flatshard::server
