@@ -33,99 +33,11 @@ using internal::Display;
 
 namespace {
 
-constexpr int kCheckpointThreads = 8;
-
-// Runs fn(i) for i in [0, n) on up to kCheckpointThreads threads; the first error wins.
-absl::Status ParallelFor(size_t n, const std::function<absl::Status(size_t)>& fn) {
-  std::vector<absl::Status> results(n);
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i = next++; i < n; i = next++) results[i] = fn(i);
-  };
-  const size_t threads = std::min<size_t>(n, kCheckpointThreads);
-  std::vector<std::thread> pool;
-  for (size_t i = 1; i < threads; ++i) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
-  for (const absl::Status& s : results) FS_RETURN_IF_ERROR(s);
-  return absl::OkStatus();
-}
-
-// Bytes of one rank's file: its shards and optimizer state.
-int64_t RankBytes(const Plan& plan, const std::vector<StateSpec>& specs) {
-  int64_t n = 0;
-  for (const PlanUnit& u : plan.units) {
-    n += u.shard_numel * ItemSize(u.dtype);
-    for (const StateSpec& st : specs) n += st.Numel(u.shard_numel) * ItemSize(st.dtype);
-  }
-  return n;
-}
-
-absl::Status CheckStateSize(const Buffer& b, const PlanUnit& u, const StateSpec& st) {
-  const int64_t want = st.Numel(u.shard_numel) * ItemSize(st.dtype);
-  if (b.bytes() >= want) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("unit ", u.index, ": a ", b.bytes(),
-                                          "-byte buffer for optimizer state \"", st.name,
-                                          "\" of ", want, " bytes"));
-}
-
-// The unit of `meta`'s plan holding the parameter a source knows as `name` (its FQN, a shared
-// alias or a tied alias), and that parameter; {-1, null} when none.
-std::pair<int32_t, const PlanParam*> SavedParam(const checkpoint::Metadata& meta,
-                                                const std::string& name) {
-  std::string fqn = name;
-  for (const SharedParam& t : meta.tied) {
-    if (t.fqn == name) fqn = t.same_as;
-  }
-  for (const PlanUnit& u : meta.plan.units) {
-    for (const SharedParam& sh : u.shared) {
-      if (sh.fqn == fqn) fqn = sh.same_as;
-    }
-  }
-  for (const PlanUnit& u : meta.plan.units) {
-    for (const PlanParam& p : u.params) {
-      if (p.fqn == fqn) return {u.index, &p};
-    }
-  }
-  return {-1, nullptr};
-}
-
-absl::Status CheckSize(const Buffer& b, const PlanUnit& u) {
-  if (b.bytes() >= u.shard_numel * ItemSize(u.dtype)) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("unit ", u.index, ": a ", b.bytes(),
-                                          "-byte buffer for a shard of ",
-                                          u.shard_numel * ItemSize(u.dtype), " bytes"));
-}
-
-// A caller who is neither root nor the daemon's uid may only have the daemon write into, or
-// read from, a path that caller owns (the directory; for a new directory, its parent; a
-// safetensors file): the daemon's privileges must not reach other users' files.
-absl::Status CheckOwner(const GroupManager::CheckpointArgs& args, const std::string& path,
-                        bool parent_if_missing) {
-  if (args.privileged) return absl::OkStatus();
-  struct stat st;
-  std::string at = path;
-  if (::stat(at.c_str(), &st) != 0 && parent_if_missing) {
-    at = checkpoint::internal::DirOf(path);
-    if (::stat(at.c_str(), &st) != 0) {
-      return absl::NotFoundError(absl::StrCat(at, ": ", std::strerror(errno)));
-    }
-  } else if (::stat(at.c_str(), &st) != 0) {
-    return absl::NotFoundError(absl::StrCat(at, ": ", std::strerror(errno)));
-  }
-  if (args.uid >= 0 && static_cast<int64_t>(st.st_uid) == args.uid) return absl::OkStatus();
-  return absl::PermissionDeniedError(absl::StrCat(
-      at, " belongs to uid ", st.st_uid, ", not to the caller (uid ",
-      args.uid < 0 ? std::string("(remote)") : absl::StrCat(args.uid),
-      "): the daemon reads and writes checkpoints only in the caller's own directories"));
-}
-
 std::vector<const Buffer*> Raw(const std::vector<std::shared_ptr<Buffer>>& v) {
   std::vector<const Buffer*> out;
   for (const auto& b : v) out.push_back(b.get());
   return out;
 }
-
 }  // namespace
 
 Checkpoints::Checkpoints(CheckpointsOptions options)

@@ -29,27 +29,11 @@
 
 namespace flatshard::server {
 
+using checkpoint_internal::ParallelFor;
+
 using internal::Display;
 
 namespace {
-
-constexpr int kCheckpointThreads = 8;
-
-// Runs fn(i) for i in [0, n) on up to kCheckpointThreads threads; the first error wins.
-absl::Status ParallelFor(size_t n, const std::function<absl::Status(size_t)>& fn) {
-  std::vector<absl::Status> results(n);
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i = next++; i < n; i = next++) results[i] = fn(i);
-  };
-  const size_t threads = std::min<size_t>(n, kCheckpointThreads);
-  std::vector<std::thread> pool;
-  for (size_t i = 1; i < threads; ++i) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
-  for (const absl::Status& s : results) FS_RETURN_IF_ERROR(s);
-  return absl::OkStatus();
-}
 
 // Bytes of one rank's file: its shards and optimizer state.
 int64_t RankBytes(const Plan& plan, const std::vector<StateSpec>& specs) {
@@ -125,7 +109,6 @@ std::vector<const Buffer*> Raw(const std::vector<std::shared_ptr<Buffer>>& v) {
   for (const auto& b : v) out.push_back(b.get());
   return out;
 }
-
 }  // namespace
 
 absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(

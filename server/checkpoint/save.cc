@@ -29,27 +29,11 @@
 
 namespace flatshard::server {
 
+using checkpoint_internal::ParallelFor;
+
 using internal::Display;
 
 namespace {
-
-constexpr int kCheckpointThreads = 8;
-
-// Runs fn(i) for i in [0, n) on up to kCheckpointThreads threads; the first error wins.
-absl::Status ParallelFor(size_t n, const std::function<absl::Status(size_t)>& fn) {
-  std::vector<absl::Status> results(n);
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i = next++; i < n; i = next++) results[i] = fn(i);
-  };
-  const size_t threads = std::min<size_t>(n, kCheckpointThreads);
-  std::vector<std::thread> pool;
-  for (size_t i = 1; i < threads; ++i) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
-  for (const absl::Status& s : results) FS_RETURN_IF_ERROR(s);
-  return absl::OkStatus();
-}
 
 // Bytes of one rank's file: its shards and optimizer state.
 int64_t RankBytes(const Plan& plan, const std::vector<StateSpec>& specs) {
@@ -67,27 +51,6 @@ absl::Status CheckStateSize(const Buffer& b, const PlanUnit& u, const StateSpec&
   return absl::InternalError(absl::StrCat("unit ", u.index, ": a ", b.bytes(),
                                           "-byte buffer for optimizer state \"", st.name,
                                           "\" of ", want, " bytes"));
-}
-
-// The unit of `meta`'s plan holding the parameter a source knows as `name` (its FQN, a shared
-// alias or a tied alias), and that parameter; {-1, null} when none.
-std::pair<int32_t, const PlanParam*> SavedParam(const checkpoint::Metadata& meta,
-                                                const std::string& name) {
-  std::string fqn = name;
-  for (const SharedParam& t : meta.tied) {
-    if (t.fqn == name) fqn = t.same_as;
-  }
-  for (const PlanUnit& u : meta.plan.units) {
-    for (const SharedParam& sh : u.shared) {
-      if (sh.fqn == fqn) fqn = sh.same_as;
-    }
-  }
-  for (const PlanUnit& u : meta.plan.units) {
-    for (const PlanParam& p : u.params) {
-      if (p.fqn == fqn) return {u.index, &p};
-    }
-  }
-  return {-1, nullptr};
 }
 
 absl::Status CheckSize(const Buffer& b, const PlanUnit& u) {
@@ -119,13 +82,6 @@ absl::Status CheckOwner(const GroupManager::CheckpointArgs& args, const std::str
       args.uid < 0 ? std::string("(remote)") : absl::StrCat(args.uid),
       "): the daemon reads and writes checkpoints only in the caller's own directories"));
 }
-
-std::vector<const Buffer*> Raw(const std::vector<std::shared_ptr<Buffer>>& v) {
-  std::vector<const Buffer*> out;
-  for (const auto& b : v) out.push_back(b.get());
-  return out;
-}
-
 }  // namespace
 
 absl::StatusOr<CheckpointResult> Checkpoints::SaveCheckpoint(

@@ -32,15 +32,6 @@ int StateIndex(const std::string& role, absl::string_view prefix,
   }
   return -1;
 }
-
-// Sizes `v` (per rank, unit, state) so that v[rank][unit][i] exists.
-void SizeStateSlot(std::vector<std::vector<std::vector<std::shared_ptr<Buffer>>>>& v,
-                   size_t ranks, int32_t rank, size_t units, int32_t unit, size_t states) {
-  if (v.size() < ranks) v.resize(ranks);
-  if (v[rank].size() < units) v[rank].resize(units);
-  if (v[rank][unit].size() < states) v[rank][unit].resize(states);
-}
-
 }  // namespace
 
 namespace {
@@ -58,7 +49,6 @@ void CopyHost(const Buffer& from, const Buffer& to) {
 bool Contains(const std::vector<int32_t>& v, int32_t x) {
   return std::find(v.begin(), v.end(), x) != v.end();
 }
-
 }  // namespace
 
 void Records::KeepDeviceShards() {

@@ -42,26 +42,9 @@ void SizeStateSlot(std::vector<std::vector<std::vector<std::shared_ptr<Buffer>>>
   if (v[rank].size() < units) v[rank].resize(units);
   if (v[rank][unit].size() < states) v[rank][unit].resize(states);
 }
-
 }  // namespace
 
-namespace {
-void CopyHostBytes(const Buffer& from, const Buffer& to) {
-  if (from.bytes() > 0) std::memcpy(to.data(), from.data(), static_cast<size_t>(from.bytes()));
-}
-}  // namespace
 
-namespace {
-
-void CopyHost(const Buffer& from, const Buffer& to) {
-  if (from.bytes() > 0) std::memcpy(to.data(), from.data(), static_cast<size_t>(from.bytes()));
-}
-
-bool Contains(const std::vector<int32_t>& v, int32_t x) {
-  return std::find(v.begin(), v.end(), x) != v.end();
-}
-
-}  // namespace
 
 Records::Records(RecordsOptions options)
     : state_dir_(options.state_dir),
