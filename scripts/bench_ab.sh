@@ -31,17 +31,26 @@
 # and speedup); worse% = how much worse the after median is, whichever way is better (negative:
 # improved); noise% = the larger relative range (max-min)/median of the two sides' rounds;
 # verdict: WORSE when every after round is worse than every before round and worse% > 5,
-# BETTER likewise, else "~" (within noise). Exits 1 if a benchmark run failed (its figures are
+# BETTER likewise, else "~" (within noise); "context:..." for baselines that do not measure the
+# daemon's work (memcpy, Ping): they show how noisy the machine was. With few rounds on a busy
+# machine some figures pass the WORSE test by chance (even with the same binary on both sides:
+# the --quick smoke; a "?" marks verdicts from fewer than 3 rounds a side): rerun those with
+# more rounds (--only, FS_AB_ARGS_*) on an idle machine.
+# Commit with --state_dir is dominated by the disk's fsync latency ($TMPDIR's disk; the
+# benchmarks' --state_dir_root picks another). Exits 1 if a benchmark run failed (its figures are
 # missing; the others are still compared), 0 otherwise. Needs no root (the benchmarks use
 # /dev/shm and $TMPDIR only); bash, awk, coreutils.
 #
-# Reproduce the issue-21 comparison (the "before" daemon: a build of main before the refactor,
-# kept with the libraries it was built against, see the README's benchmark paragraph):
-#   git worktree add /work/wt-bench -b bench <main before the refactor>   # or this branch
-#   cd /work/wt-bench && bash scripts/build.sh       # builds daemon and benchmarks
-#   cd /work/main && bash scripts/build.sh           # the refactored daemon
+# Reproduce the issue-21 comparison. The "before" daemon is a build of main before the refactor
+# (this branch's build of it: its flatshardd links the project statically and needs only system
+# libraries and /usr/local/cuda, so it keeps working while other trees rebuild); the benchmark
+# binaries come from that same build (FS_BUILD_DIR), so both daemons serve the same client code:
+#   cd /work/wt-bench && bash scripts/build.sh      # once: baseline daemon + benchmarks
+#   cp build/server/flatshardd /tmp/flatshardd.before   # optional: a copy that nothing rebuilds
+#   (build the refactored tree, e.g. /work/main: bash scripts/build.sh)
 #   FS_BUILD_DIR=/work/wt-bench/build /work/wt-bench/scripts/bench_ab.sh \
-#       /work/wt-bench/build/server/flatshardd /work/main/build/server/flatshardd --rounds 3
+#       /tmp/flatshardd.before /work/main/build/server/flatshardd --rounds 3 --out /tmp/ab21
+# on an otherwise idle machine (no builds or tests running: they are the main noise).
 # Smoke test (both sides the same binary, ratios ~1):
 #   scripts/bench_ab.sh build/server/flatshardd build/server/flatshardd --quick --rounds 2
 set -uo pipefail
@@ -146,7 +155,7 @@ for ((round = 1; round <= ROUNDS; round++)); do
         continue
       fi
       awk -v side="$side" -v round="$round" -v bench="$b" \
-        '$1 == "#" && $2 == "FIGURE" && NF >= 6 && $4 ~ /^[-+]?[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$/ { print side "\t" round "\t" bench "." $3 "\t" $4 "\t" $5 "\t" $6 }' \
+        '$1 == "#" && $2 == "FIGURE" && NF >= 6 && $4 ~ /^[-+]?[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?$/ { print side "\t" round "\t" bench "." $3 "\t" $4 "\t" $5 "\t" $6 "\t" ($7 == "context" ? "context" : "") }' \
         "$log" >>"$FIGURES"
     done
   done
@@ -173,7 +182,7 @@ summarise() {
     }
     {
       key = $3
-      if (!(key in seen)) { seen[key] = 1; order[++count] = key; unit[key] = $5; better[key] = $6 }
+      if (!(key in seen)) { seen[key] = 1; order[++count] = key; unit[key] = $5; better[key] = $6; context[key] = ($7 == "context") }
       if ($1 == "before") { b[key] = b[key] " " $4; nb[key]++ } else { a[key] = a[key] " " $4; na[key]++ }
     }
     END {
@@ -196,8 +205,10 @@ summarise() {
           else { all_worse = minmax(a[k], 1) < minmax(b[k], 0); all_better = minmax(a[k], 0) > minmax(b[k], 1) }
           if (all_worse && worse > 5) verdict = "WORSE"
           else if (all_better && worse < -5) verdict = "BETTER"
+          if (context[k]) verdict = "context:" verdict
         }
         n = (nb[k] < na[k]) ? nb[k] : na[k]
+        if (verdict != "missing" && n < 3) verdict = verdict "?"
         if (json) {
           printf "  {\"figure\": \"%s\", \"unit\": \"%s\", \"better\": \"%s\", \"rounds\": %d, ", k, unit[k], better[k], n
           printf "\"before\": [%s], \"after\": [%s], ", commas(b[k]), commas(a[k])

@@ -162,12 +162,15 @@ inline std::string SizeName(int64_t bytes) {
 }
 
 // A headline figure for scripts/bench_ab.sh, one line on stdout:
-//   # FIGURE <name> <value> <unit> <lower|higher>
-// `name`: no spaces (e.g. "latency.lib.summon_end.p50"); the last word says which way is better.
+//   # FIGURE <name> <value> <unit> <lower|higher> [context]
+// `name`: no spaces (e.g. "latency.lib.summon_end.p50"); lower|higher says which way is
+// better; "context" marks a baseline that does not measure the daemon's own work (memcpy,
+// Ping): how noisy the machine was, not a verdict on the daemon.
 inline void PrintFigure(absl::string_view name, double value, absl::string_view unit,
-                        bool lower_is_better = true) {
-  std::printf("# FIGURE %s %.6g %s %s\n", std::string(name).c_str(), value,
-              std::string(unit).c_str(), lower_is_better ? "lower" : "higher");
+                        bool lower_is_better = true, bool context = false) {
+  std::printf("# FIGURE %s %.6g %s %s%s\n", std::string(name).c_str(), value,
+              std::string(unit).c_str(), lower_is_better ? "lower" : "higher",
+              context ? " context" : "");
 }
 
 // Mappings of /dev/shm/<prefix>.* in this process whose segment was unlinked: count and bytes

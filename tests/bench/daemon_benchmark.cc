@@ -417,7 +417,7 @@ absl::Status RunLatency(const DaemonProcess& d, int warmup, int iters) {
     PrintFigure(absl::StrCat("latency.", variant, ".summon_end.p99"),
                 Percentile(samples->summon_end, 99), "us");
     PrintFigure(absl::StrCat("latency.", variant, ".ping.p50"), Percentile(samples->ping, 50),
-                "us");
+                "us", /*lower_is_better=*/true, /*context=*/true);
   }
   std::printf(
       "# lib: %" PRId64
@@ -679,7 +679,8 @@ absl::Status RunUnshard(const DaemonProcess& d, int64_t bytes, const std::vector
     const int64_t size = numel * 4;
     PrintBandwidthRow(world, "memcpy 1-thread", size, base.memcpy_us, base.memcpy_us, 1.0,
                       "baseline: touched buffers");
-    PrintFigure(absl::StrCat("unshard.n", world, ".memcpy"), base.memcpy_us, "us");
+    PrintFigure(absl::StrCat("unshard.n", world, ".memcpy"), base.memcpy_us, "us",
+                /*lower_is_better=*/true, /*context=*/true);
     PrintBandwidthRow(world, "memcpy fresh dst", size, base.memcpy_fresh_us, base.memcpy_us, 1.0,
                       "context: + page faults of a new anonymous dst");
     PrintBandwidthRow(world, "shm create", size, base.shm_create_us, base.memcpy_us, 1.0,
