@@ -1,8 +1,9 @@
 #pragma once
 // Helpers shared by the benchmarks that run real flatshardd processes (daemon_benchmark.cc,
-// multi_daemon_benchmark.cc): a daemon process with private socket and segment prefix, the
-// one-unit manifest they register, percentiles and a few /proc readers. Header-only; not a
-// test fixture (no gtest).
+// multi_daemon_benchmark.cc, concurrent_groups_benchmark.cc, restart_benchmark.cc): a daemon
+// process with private socket and segment prefix, the one-unit manifest they register,
+// percentiles, list flags, a few /proc readers, the signal thread that stops the daemons, and
+// the "# FIGURE" lines scripts/bench_ab.sh collects. Header-only; not a test fixture (no gtest).
 //
 // Thread safety: the free functions are thread-safe. BenchDaemon is thread-compatible, except
 // that Stop() and ExitNote() may run concurrently with anything (a signal thread stops
@@ -11,6 +12,7 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -19,14 +21,18 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cinttypes>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -35,6 +41,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -86,6 +95,102 @@ inline absl::StatusOr<std::vector<int>> ParseCounts(const std::string& flag,
   }
   if (out.empty()) return absl::InvalidArgumentError(absl::StrCat("--", flag, " is empty"));
   return out;
+}
+
+// Parses a list flag of byte sizes (--bytes 4096,64MiB): each a positive integer, optionally
+// followed by K/KiB, M/MiB or G/GiB (powers of 1024), at least `min` and at most `max`.
+inline absl::StatusOr<std::vector<int64_t>> ParseByteSizes(const std::string& flag,
+                                                           const std::vector<std::string>& items,
+                                                           int64_t min, int64_t max) {
+  std::vector<int64_t> out;
+  for (const std::string& item : items) {
+    std::string digits(absl::StripAsciiWhitespace(item));
+    int64_t scale = 1;
+    for (const auto& [suffixes, factor] :
+         std::vector<std::pair<std::vector<std::string>, int64_t>>{
+             {{"KiB", "K", "k"}, int64_t{1} << 10},
+             {{"MiB", "M", "m"}, int64_t{1} << 20},
+             {{"GiB", "G", "g"}, int64_t{1} << 30}}) {
+      for (const std::string& suffix : suffixes) {
+        if (scale == 1 && absl::EndsWith(digits, suffix)) {
+          digits.resize(digits.size() - suffix.size());
+          scale = factor;
+        }
+      }
+    }
+    int64_t n = 0;
+    if (!absl::SimpleAtoi(digits, &n) || n <= 0 || n > max / scale || n * scale < min) {
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": \"", item,
+                                                     "\" is not a size in [", min, ", ", max,
+                                                     "] bytes (suffixes: KiB, MiB, GiB)"));
+    }
+    out.push_back(n * scale);
+  }
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat("--", flag, " is empty"));
+  return out;
+}
+
+// Iterations for a unit of `bytes`: `iters` up to 1 MiB, else a tenth of it (at least
+// `floor`): the large-unit rows of a benchmark take about as long as the small ones.
+inline int ScaledIters(int iters, int64_t bytes, int floor) {
+  return bytes <= (int64_t{1} << 20) ? iters : std::max(floor, iters / 10);
+}
+
+// CPU time (user + system) of process `pid` so far, in seconds; -1 if unknown.
+inline double ProcessCpuSeconds(pid_t pid) {
+  const std::string stat = ReadText(absl::StrCat("/proc/", pid, "/stat"));
+  const size_t paren = stat.rfind(')');  // the command name may contain spaces
+  if (paren == std::string::npos) return -1;
+  std::istringstream in(stat.substr(paren + 2));
+  std::string field;
+  unsigned long long utime = 0, stime = 0;
+  // Fields 3.. (state, ppid, ...): utime and stime are fields 14 and 15.
+  for (int i = 3; i <= 15 && in >> field; ++i) {
+    if (i == 14) utime = std::strtoull(field.c_str(), nullptr, 10);
+    if (i == 15) stime = std::strtoull(field.c_str(), nullptr, 10);
+  }
+  const long ticks = ::sysconf(_SC_CLK_TCK);
+  return ticks > 0 ? static_cast<double>(utime + stime) / static_cast<double>(ticks) : -1;
+}
+
+// "4KiB", "64MiB", "1GiB"; "1000B" when not a whole number of KiB (figure names).
+inline std::string SizeName(int64_t bytes) {
+  if (bytes % (int64_t{1} << 30) == 0) return absl::StrCat(bytes >> 30, "GiB");
+  if (bytes % (int64_t{1} << 20) == 0) return absl::StrCat(bytes >> 20, "MiB");
+  if (bytes % (int64_t{1} << 10) == 0) return absl::StrCat(bytes >> 10, "KiB");
+  return absl::StrCat(bytes, "B");
+}
+
+// A headline figure for scripts/bench_ab.sh, one line on stdout:
+//   # FIGURE <name> <value> <unit> <lower|higher> [context]
+// `name`: no spaces (e.g. "latency.lib.summon_end.p50"); lower|higher says which way is
+// better; "context" marks a baseline that does not measure the daemon's own work (memcpy,
+// Ping): how noisy the machine was, not a verdict on the daemon.
+inline void PrintFigure(absl::string_view name, double value, absl::string_view unit,
+                        bool lower_is_better = true, bool context = false) {
+  std::printf("# FIGURE %s %.6g %s %s%s\n", std::string(name).c_str(), value,
+              std::string(unit).c_str(), lower_is_better ? "lower" : "higher",
+              context ? " context" : "");
+}
+
+// Mappings of /dev/shm/<prefix>.* in this process whose segment was unlinked: count and bytes
+// (segments the client library still keeps mapped after the daemon dropped them).
+inline std::pair<int64_t, int64_t> RetainedDeletedMappings(const std::string& prefix) {
+  std::ifstream in("/proc/self/maps");
+  std::string line;
+  int64_t count = 0, bytes = 0;
+  const std::string needle = "/dev/shm/" + prefix + ".";
+  while (std::getline(in, line)) {
+    if (line.find(needle) == std::string::npos || line.find("(deleted)") == std::string::npos) {
+      continue;
+    }
+    uint64_t lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%" SCNx64 "-%" SCNx64, &lo, &hi) == 2) {
+      ++count;
+      bytes += static_cast<int64_t>(hi - lo);
+    }
+  }
+  return {count, bytes};
 }
 
 inline std::string LoadAverage() {
@@ -284,10 +389,25 @@ class BenchDaemon {
                      " within 30 s; its log:\n", LogTail()));
   }
 
+  // Stop() also removes `path` (recursively), e.g. a --state_dir outside the socket directory.
+  void RemoveOnStop(std::filesystem::path path) {
+    absl::MutexLock lock(&stop_mu_);
+    remove_on_stop_.push_back(std::move(path));
+  }
+
   // SIGTERM (the daemon removes its socket and segments), SIGKILL after 20 s; then removes
-  // whatever is left: /dev/shm/<tag>.* and the socket directory. Idempotent.
+  // whatever is left: /dev/shm/<tag>.*, the socket directory and the RemoveOnStop() paths.
+  // Idempotent.
   void Stop() {
     absl::MutexLock lock(&stop_mu_);
+    struct RemoveListed {
+      std::vector<std::filesystem::path>* paths;
+      ~RemoveListed() {
+        std::error_code ec;
+        for (const std::filesystem::path& p : *paths) std::filesystem::remove_all(p, ec);
+        paths->clear();
+      }
+    } remove_listed{&remove_on_stop_};
     if (pid_ > 0) {
       ::kill(pid_, SIGTERM);
       bool exited = false;
@@ -324,6 +444,11 @@ class BenchDaemon {
     pid_ = -1;
   }
 
+  // The daemon's process id while it runs; -1 otherwise.
+  pid_t pid() const {
+    absl::MutexLock lock(&stop_mu_);
+    return pid_;
+  }
   std::string address() const { return "unix:" + socket_; }
   const std::string& socket() const { return socket_; }
   std::string tag() const {
@@ -355,9 +480,74 @@ class BenchDaemon {
   std::string tag_ ABSL_GUARDED_BY(stop_mu_);
   pid_t pid_ ABSL_GUARDED_BY(stop_mu_) = -1;
   std::string final_log_ ABSL_GUARDED_BY(stop_mu_);
+  std::vector<std::filesystem::path> remove_on_stop_ ABSL_GUARDED_BY(stop_mu_);
   std::filesystem::path dir_;
   std::string socket_;
   std::filesystem::path log_;
 };
+
+// ---- Cleanup on SIGINT and SIGTERM -------------------------------------------------------------
+
+// The daemons the signal thread (StartSignalThread) stops. Thread-safe.
+class SignalStops {
+ public:
+  static SignalStops& Get() {
+    static SignalStops* const stops = new SignalStops;  // never destroyed: the thread may run
+    return *stops;
+  }
+  void Add(BenchDaemon* d) {
+    absl::MutexLock lock(&mu_);
+    daemons_.insert(d);
+  }
+  void Remove(BenchDaemon* d) {
+    absl::MutexLock lock(&mu_);
+    daemons_.erase(d);
+  }
+  // Stops every registered daemon; they stay registered (Stop() is idempotent).
+  void StopAll() {
+    absl::MutexLock lock(&mu_);
+    for (BenchDaemon* d : daemons_) d->Stop();
+  }
+  std::atomic<bool> interrupted{false};
+
+ private:
+  absl::Mutex mu_;
+  std::set<BenchDaemon*> daemons_ ABSL_GUARDED_BY(mu_);
+};
+
+// Registers a daemon with the signal thread for this object's lifetime (declare it after the
+// daemon, so that it is forgotten before it is destroyed).
+class ScopedStopOnSignal {
+ public:
+  explicit ScopedStopOnSignal(BenchDaemon* d) : d_(d) { SignalStops::Get().Add(d_); }
+  ~ScopedStopOnSignal() { SignalStops::Get().Remove(d_); }
+  ScopedStopOnSignal(const ScopedStopOnSignal&) = delete;
+  ScopedStopOnSignal& operator=(const ScopedStopOnSignal&) = delete;
+
+ private:
+  BenchDaemon* d_;
+};
+
+// Blocks SIGINT and SIGTERM and starts a detached thread that waits for them, stops every
+// registered daemon (removing its segments and directories) and exits 128 + signal. Call from
+// main before any other thread starts, so that every thread inherits the mask. After Run()
+// returns, main should `while (Interrupted()) pause();`: the errors an interruption caused are
+// not worth reporting.
+inline void StartSignalThread(const char* program) {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  std::thread([signals, program] {
+    int sig = 0;
+    if (sigwait(&signals, &sig) != 0) return;
+    SignalStops::Get().interrupted = true;
+    std::fprintf(stderr, "%s: signal %d: stopping flatshardd\n", program, sig);
+    SignalStops::Get().StopAll();
+    _exit(128 + sig);
+  }).detach();
+}
+inline bool Interrupted() { return SignalStops::Get().interrupted.load(); }
 
 }  // namespace flatshard::bench

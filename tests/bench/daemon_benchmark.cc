@@ -1,7 +1,8 @@
 // flatshardd benchmarks against a real daemon process (never part of the default test run).
 //
 //   build/tests/bench/flatshard_daemon_benchmark [--bytes N] [--iters N] [--world_sizes 2,4]
-//                                                [--skip_latency] [--skip_unshard]
+//       [--commit_bytes 4KiB,64MiB] [--commit_iters N] [--state_dir_root DIR]
+//       [--skip_latency] [--skip_unshard] [--skip_commit]
 //
 // Starts flatshardd on a private socket and segment prefix, then measures, side by side in the
 // same run (DESIGN.md "Performance targets"):
@@ -23,6 +24,15 @@
 //    and the ratio to memcpy (target <= 1.2 for the shared copy). Context rows decompose what
 //    the daemon's unshard path costs on one thread: memcpy into fresh pages, creating a
 //    fallocated shm segment, and both together.
+// 3. Commit and writeback End. One rank, client library, one unit per --commit_bytes size
+//    (default 4 KiB and 64 MiB): Commit after writing one element of the shard, alternated
+//    A/B, B/A with Summon(writeback=true) + one element written + End (the End writes back and
+//    commits); --commit_iters iterations (units over 1 MiB: a tenth). Twice: on the daemon
+//    above, and on a second daemon of the same binary with --state_dir (under
+//    --state_dir_root, default $TMPDIR; each commit writes fsynced records there). p50/p99.
+//
+// Headline figures are also printed as "# FIGURE name value unit lower|higher" lines, which
+// scripts/bench_ab.sh collects to compare two daemon builds.
 //
 // The unshard part maps segments itself (common/shm_segment.h, as the client library does)
 // rather than through flatshard::client::Client: the library's SegmentCache keeps every
@@ -35,9 +45,9 @@
 // Usage: --flatshardd PATH runs another daemon build (e.g. an older commit) against the same
 // client code.
 //
-// Exits non-zero with a message on any error. The daemon, its socket directory and every
-// /dev/shm/<prefix>.* are removed at exit (also on error and on SIGINT/SIGTERM; the daemon gets
-// SIGTERM if this process dies).
+// Exits non-zero with a message on any error. The daemons, their socket and state
+// directories and every /dev/shm/<prefix>.* are removed at exit (also on error and on
+// SIGINT/SIGTERM; the daemons get SIGTERM if this process dies).
 
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
@@ -99,6 +109,16 @@ ABSL_FLAG(std::vector<std::string>, world_sizes, std::vector<std::string>({"2", 
           "world sizes of the unshard benchmark (all ranks local), comma-separated");
 ABSL_FLAG(bool, skip_latency, false, "skip the Summon+End vs Ping latency benchmark");
 ABSL_FLAG(bool, skip_unshard, false, "skip the unshard bandwidth benchmark");
+ABSL_FLAG(std::vector<std::string>, commit_bytes, std::vector<std::string>({"4096", "64MiB"}),
+          "unit sizes of the Commit / writeback End benchmark, comma-separated (suffixes KiB, "
+          "MiB, GiB)");
+ABSL_FLAG(int32_t, commit_iters, 200,
+          "measured iterations of each Commit / writeback End row for units up to 1 MiB (larger "
+          "units: a tenth, at least 5; warm-up: --warmup, likewise scaled)");
+ABSL_FLAG(std::string, state_dir_root, "",
+          "where the Commit benchmark's second daemon gets its --state_dir (a fresh "
+          "subdirectory, removed at exit; pick the disk a deployment would use); empty: $TMPDIR");
+ABSL_FLAG(bool, skip_commit, false, "skip the Commit / writeback End benchmark");
 ABSL_FLAG(std::string, flatshardd, FS_BINARY_DIR "/server/flatshardd", "the daemon binary");
 
 namespace flatshard {
@@ -112,6 +132,9 @@ using bench::Median;
 using bench::MemAvailableBytes;
 using bench::MicrosSince;
 using bench::Percentile;
+using bench::PrintFigure;
+using bench::RetainedDeletedMappings;
+using bench::ScaledIters;
 using bench::SegmentsWithPrefix;
 using DaemonProcess = bench::BenchDaemon;
 using Stub = v1::ShardService::Stub;
@@ -221,25 +244,6 @@ absl::Status RawPing(Stub* stub) {
   v1::PingResponse resp;
   if (grpc::Status s = stub->Ping(&ctx, req, &resp); !s.ok()) return RpcError("Ping", s);
   return absl::OkStatus();
-}
-
-// Mappings of /dev/shm/<prefix>.* in this process whose segment was unlinked: count and bytes.
-std::pair<int64_t, int64_t> RetainedDeletedMappings(const std::string& prefix) {
-  std::ifstream in("/proc/self/maps");
-  std::string line;
-  int64_t count = 0, bytes = 0;
-  const std::string needle = "/dev/shm/" + prefix + ".";
-  while (std::getline(in, line)) {
-    if (line.find(needle) == std::string::npos || line.find("(deleted)") == std::string::npos) {
-      continue;
-    }
-    uint64_t lo = 0, hi = 0;
-    if (std::sscanf(line.c_str(), "%" SCNx64 "-%" SCNx64, &lo, &hi) == 2) {
-      ++count;
-      bytes += static_cast<int64_t>(hi - lo);
-    }
-  }
-  return {count, bytes};
 }
 
 // ---- 1. Latency -------------------------------------------------------------------------------
@@ -406,6 +410,15 @@ absl::Status RunLatency(const DaemonProcess& d, int warmup, int iters) {
   PrintLatencyHeader();
   PrintLatency("lib", lib, 4096);
   PrintLatency("raw", raw, 4096);
+  for (const auto& [variant, samples] : {std::pair<const char*, const LatencySamples*>{"lib", &lib},
+                                         {"raw", &raw}}) {
+    PrintFigure(absl::StrCat("latency.", variant, ".summon_end.p50"),
+                Percentile(samples->summon_end, 50), "us");
+    PrintFigure(absl::StrCat("latency.", variant, ".summon_end.p99"),
+                Percentile(samples->summon_end, 99), "us");
+    PrintFigure(absl::StrCat("latency.", variant, ".ping.p50"), Percentile(samples->ping, 50),
+                "us", /*lower_is_better=*/true, /*context=*/true);
+  }
   std::printf(
       "# lib: %" PRId64
       " segment mmaps in %d measured summons (%.2f per summon); after "
@@ -666,6 +679,8 @@ absl::Status RunUnshard(const DaemonProcess& d, int64_t bytes, const std::vector
     const int64_t size = numel * 4;
     PrintBandwidthRow(world, "memcpy 1-thread", size, base.memcpy_us, base.memcpy_us, 1.0,
                       "baseline: touched buffers");
+    PrintFigure(absl::StrCat("unshard.n", world, ".memcpy"), base.memcpy_us, "us",
+                /*lower_is_better=*/true, /*context=*/true);
     PrintBandwidthRow(world, "memcpy fresh dst", size, base.memcpy_fresh_us, base.memcpy_us, 1.0,
                       "context: + page faults of a new anonymous dst");
     PrintBandwidthRow(world, "shm create", size, base.shm_create_us, base.memcpy_us, 1.0,
@@ -707,6 +722,9 @@ absl::Status RunUnshard(const DaemonProcess& d, int64_t bytes, const std::vector
       std::string reps_text;
       for (double v : summon_max)
         absl::StrAppend(&reps_text, reps_text.empty() ? "" : " ", static_cast<int64_t>(v));
+      const std::string figure = absl::StrCat("unshard.n", world, ".wb", phase);
+      PrintFigure(figure + ".summon", summon_us, "us");
+      PrintFigure(figure + ".end", end_us, "us");
       if (phase == 0) {
         const double ratio = summon_us / base.memcpy_us;
         PrintBandwidthRow(world, "summon writeback=0", size, summon_us, base.memcpy_us, bus,
@@ -731,23 +749,144 @@ absl::Status RunUnshard(const DaemonProcess& d, int64_t bytes, const std::vector
   return absl::OkStatus();
 }
 
-// The running daemon, for the signal thread.
-std::atomic<bool> g_interrupted{false};
-absl::Mutex g_daemon_mu;
-DaemonProcess* g_daemon ABSL_GUARDED_BY(g_daemon_mu) = nullptr;
+// ---- 3. Commit and writeback End --------------------------------------------------------------
 
-// SIGINT and SIGTERM are blocked in every thread; this one waits for them, stops the daemon,
-// removes the segments and the socket directory, and exits 128 + signal.
-void SignalThread(sigset_t signals) {
-  int sig = 0;
-  if (sigwait(&signals, &sig) != 0) return;
-  g_interrupted = true;
-  std::fprintf(stderr, "flatshard_daemon_benchmark: signal %d: stopping flatshardd\n", sig);
-  {
-    absl::MutexLock lock(&g_daemon_mu);
-    if (g_daemon != nullptr) g_daemon->Stop();
+struct CommitSamples {
+  std::vector<double> commit;
+  std::vector<double> wb_summon, wb_end, wb_summon_end;  // Summon(writeback=true), its End
+  int64_t map_calls = 0;                                  // the client's mmaps while measured
+};
+
+// One rank (a group of its own on `d`, the client library): registers one unit of `numel`
+// float32, then warm-up + iters of (a) Commit after writing one element of its shard (an
+// optimizer step's in-place update) and (b) Summon(writeback=true), one element written, End
+// (the End writes back and commits), alternated A/B, B/A.
+absl::Status CommitRows(const DaemonProcess& d, const std::string& group, int64_t numel,
+                        int warmup, int iters, CommitSamples* out) {
+  client::ClientOptions options;
+  options.address = d.address();
+  options.call_timeout = absl::Seconds(300);
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<client::Client> c, client::Client::Connect(options));
+  FS_RETURN_IF_ERROR(c->Join(group, 1, 0, "bench"));
+  FS_ASSIGN_OR_RETURN(client::RegisteredModule model,
+                      c->Register("", ManifestJson(numel), kPolicyJson, client::InitMode::kZeros));
+  FS_ASSIGN_OR_RETURN(client::ShardViews shards, c->GetShardViews(""));
+  if (shards.units().size() != 1 || shards.units()[0].data == nullptr) {
+    return absl::InternalError("GetShardViews: want one unit with a mapped shard");
   }
-  _exit(128 + sig);
+  float* shard = static_cast<float*>(shards.units()[0].data);
+  float step = 0;
+  uint64_t want_generation = model.generation;
+  auto commit = [&](bool record) -> absl::Status {
+    shard[0] = ++step;
+    const auto t0 = Clock::now();
+    FS_ASSIGN_OR_RETURN(uint64_t generation, c->Commit(""));
+    const auto t1 = Clock::now();
+    if (generation != ++want_generation) {
+      return absl::InternalError(
+          absl::StrCat("Commit returned generation ", generation, ", want ", want_generation));
+    }
+    if (record) out->commit.push_back(MicrosSince(t0, t1));
+    return absl::OkStatus();
+  };
+  client::SummonOptions wb;
+  wb.writeback = true;
+  auto summon_end = [&](bool record) -> absl::Status {
+    const auto t0 = Clock::now();
+    FS_ASSIGN_OR_RETURN(std::unique_ptr<client::SummonedParams> s, c->Summon("", "", wb));
+    const auto t1 = Clock::now();
+    const client::ParamView* w = s->Find("weight");
+    if (w == nullptr || !w->writable || w->data == nullptr) {
+      return absl::InternalError("Summon(writeback=true): no writable view \"weight\"");
+    }
+    static_cast<float*>(w->data)[0] = ++step;
+    const auto t2 = Clock::now();
+    FS_RETURN_IF_ERROR(s->End());
+    const auto t3 = Clock::now();
+    ++want_generation;  // an agreed writeback End commits
+    if (record) {
+      out->wb_summon.push_back(MicrosSince(t0, t1));
+      out->wb_end.push_back(MicrosSince(t2, t3));
+      out->wb_summon_end.push_back(MicrosSince(t0, t1) + MicrosSince(t2, t3));
+    }
+    return absl::OkStatus();
+  };
+  FS_RETURN_IF_ERROR(Alternate(warmup, 0, commit, summon_end));
+  const int64_t maps_before = c->segment_map_calls();
+  FS_RETURN_IF_ERROR(Alternate(0, iters, commit, summon_end));
+  out->map_calls = c->segment_map_calls() - maps_before;
+  // The shard must hold the last step written (by the last Commit or writeback End).
+  FS_ASSIGN_OR_RETURN(client::ShardViews after, c->GetShardViews(""));
+  if (after.generation() != want_generation) {
+    return absl::InternalError(absl::StrCat("the shards hold generation ", after.generation(),
+                                            ", want ", want_generation));
+  }
+  return c->Leave();
+}
+
+void PrintCommitRow(absl::string_view daemon, absl::string_view op, int64_t size,
+                    const std::vector<double>& v, absl::string_view note) {
+  std::printf("%-10s %-20s %10" PRId64 " %8zu %10.1f %10.1f  %s\n", std::string(daemon).c_str(),
+              std::string(op).c_str(), size, v.size(), Percentile(v, 50), Percentile(v, 99),
+              std::string(note).c_str());
+}
+
+// Commit and writeback End on `d` (no --state_dir) and on a second daemon of the same binary
+// with --state_dir (each commit writes fsynced records there: what a restartable deployment
+// pays), one rank each, for every unit size.
+absl::Status RunCommit(const DaemonProcess& d, const std::vector<int64_t>& sizes, int warmup,
+                       int iters) {
+  DaemonProcess durable;
+  const bench::ScopedStopOnSignal stop_on_signal(&durable);
+  const std::string tag = absl::StrCat(d.tag(), "s");
+  std::string root = absl::GetFlag(FLAGS_state_dir_root);
+  if (root.empty()) root = fs::temp_directory_path().string();
+  const fs::path state_dir = fs::path(root) / absl::StrCat(tag, "-state");
+  std::error_code ec;
+  fs::remove_all(state_dir, ec);
+  durable.RemoveOnStop(state_dir);
+  FS_RETURN_IF_ERROR(durable.Start(absl::GetFlag(FLAGS_flatshardd), tag,
+                                   {"--state_dir=" + state_dir.string()}));
+  std::printf(
+      "\n## Commit and writeback End: one rank, one unit, client library; Commit (after writing "
+      "one element of the shard) alternated A/B, B/A with Summon(writeback=true) + one element "
+      "written + End; %d iterations after %d warm-up (units over 1 MiB: %d after %d)\n",
+      iters, warmup, ScaledIters(iters, int64_t{1} << 21, 5),
+      ScaledIters(warmup, int64_t{1} << 21, 1));
+  std::printf(
+      "# daemons: 'plain' = the daemon above (no --state_dir); 'state_dir' = the same binary "
+      "with --state_dir=%s (fsynced records per commit). load: %s\n",
+      state_dir.c_str(), LoadAverage().c_str());
+  std::printf("%-10s %-20s %10s %8s %10s %10s  %s\n", "#daemon", "op", "size", "samples",
+              "p50(us)", "p99(us)", "note");
+  for (int64_t size : sizes) {
+    const int64_t numel = std::max<int64_t>(1, size / static_cast<int64_t>(sizeof(float)));
+    const int64_t unit_bytes = numel * static_cast<int64_t>(sizeof(float));
+    const int n = ScaledIters(iters, unit_bytes, 5);
+    const int w = ScaledIters(warmup, unit_bytes, 1);
+    for (const auto& [name, daemon] :
+         {std::pair<const char*, const DaemonProcess*>{"plain", &d}, {"state_dir", &durable}}) {
+      CommitSamples s;
+      FS_RETURN_IF_ERROR(
+          CommitRows(*daemon, absl::StrCat("commit-", name, "-", unit_bytes), numel, w, n, &s));
+      PrintCommitRow(name, "Commit", unit_bytes, s.commit, "");
+      PrintCommitRow(name, "Summon writeback=1", unit_bytes, s.wb_summon, "");
+      PrintCommitRow(name, "End writeback=1", unit_bytes, s.wb_end,
+                     "writes back and commits");
+      PrintCommitRow(name, "Summon+End wb=1", unit_bytes, s.wb_summon_end,
+                     absl::StrCat("client mmaps in measured summons: ", s.map_calls));
+      const std::string figure =
+          absl::StrCat("commit.", daemon == &d ? "plain" : "statedir", ".",
+                       bench::SizeName(unit_bytes));
+      PrintFigure(figure + ".commit.p50", Percentile(s.commit, 50), "us");
+      PrintFigure(figure + ".commit.p99", Percentile(s.commit, 99), "us");
+      PrintFigure(figure + ".wb_end.p50", Percentile(s.wb_end, 50), "us");
+      PrintFigure(figure + ".wb_summon_end.p50", Percentile(s.wb_summon_end, 50), "us");
+      std::fflush(stdout);
+    }
+  }
+  durable.Stop();
+  return absl::OkStatus();
 }
 
 absl::Status Run() {
@@ -763,18 +902,14 @@ absl::Status Run() {
                       bench::ParseCounts("world_sizes", absl::GetFlag(FLAGS_world_sizes), 2, 64,
                                          "world size"));
 
+  FS_ASSIGN_OR_RETURN(std::vector<int64_t> commit_sizes,
+                      bench::ParseByteSizes("commit_bytes", absl::GetFlag(FLAGS_commit_bytes), 4,
+                                            int64_t{1} << 40));
+  const int commit_iters = absl::GetFlag(FLAGS_commit_iters);
+  if (commit_iters < 1) return absl::InvalidArgumentError("want --commit_iters >= 1");
+
   DaemonProcess daemon;
-  {
-    absl::MutexLock lock(&g_daemon_mu);
-    g_daemon = &daemon;
-  }
-  // Forget the daemon before it is destroyed, also on early returns.
-  struct Forget {
-    ~Forget() {
-      absl::MutexLock lock(&g_daemon_mu);
-      g_daemon = nullptr;
-    }
-  } forget;
+  const bench::ScopedStopOnSignal stop_on_signal(&daemon);
   FS_RETURN_IF_ERROR(
       daemon.Start(absl::GetFlag(FLAGS_flatshardd), absl::StrCat("fsbench", ::getpid())));
   std::printf(
@@ -787,6 +922,10 @@ absl::Status Run() {
   std::fflush(stdout);
   if (status.ok() && !absl::GetFlag(FLAGS_skip_unshard)) {
     status = RunUnshard(daemon, bytes, worlds, reps);
+  }
+  std::fflush(stdout);
+  if (status.ok() && !absl::GetFlag(FLAGS_skip_commit)) {
+    status = RunCommit(daemon, commit_sizes, warmup, commit_iters);
   }
   std::fflush(stdout);
   if (!status.ok()) {
@@ -807,21 +946,19 @@ absl::Status Run() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "flatshardd benchmarks: Summon+End latency vs Ping, unshard bandwidth vs memcpy.\n"
+      "flatshardd benchmarks: Summon+End latency vs Ping, unshard bandwidth vs memcpy, Commit "
+      "and writeback End latency.\n"
       "Usage: flatshard_daemon_benchmark [--bytes N] [--iters N] [--world_sizes 2,4] "
-      "[--warmup N] [--reps N] [--skip_latency] [--skip_unshard] [--flatshardd PATH]");
+      "[--warmup N] [--reps N] [--commit_bytes 4096,64MiB] [--commit_iters N] "
+      "[--state_dir_root DIR] [--skip_latency] [--skip_unshard] [--skip_commit] "
+      "[--flatshardd PATH]");
   absl::ParseCommandLine(argc, argv);
   // Before any thread starts, so that every thread inherits the mask.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  std::thread(flatshard::SignalThread, signals).detach();
+  flatshard::bench::StartSignalThread("flatshard_daemon_benchmark");
   const absl::Status status = flatshard::Run();
-  // Interrupted: the signal thread stops the daemon and exits; the errors that caused here
+  // Interrupted: the signal thread stops the daemons and exits; the errors that caused here
   // are not worth reporting.
-  while (flatshard::g_interrupted) pause();
+  while (flatshard::bench::Interrupted()) pause();
   if (!status.ok()) {
     std::fprintf(stderr, "flatshard_daemon_benchmark: FAILED: %s\n", status.ToString().c_str());
     return 1;

@@ -27,10 +27,12 @@
 //    UCX endpoint configuration equals the daemons'; the note gives both ratios. All of them
 //    run with the same UCX_TLS: unset (UCX's default selection) unless --ucx_tls is given.
 //
-// Tables use nccl-tests columns: size (bytes gathered: the unit), time, algbw = size/time and
-// busbw = algbw * (n-1)/n. The transports each side used are reported: Open MPI's PML and BTL
-// (from its verbose selection output), UCX's endpoint configurations (ep_cfg lines at
-// UCX_LOG_LEVEL=info, from ucx_perftest's output and from the daemons' logs).
+// Headline figures are also printed as "# FIGURE name value unit lower|higher" lines
+// (scripts/bench_ab.sh). Tables use nccl-tests columns: size (bytes gathered: the unit),
+// time, algbw = size/time and busbw = algbw * (n-1)/n. The transports each side used are
+// reported: Open MPI's PML and BTL (from its verbose selection output), UCX's endpoint
+// configurations (ep_cfg lines at UCX_LOG_LEVEL=info, from ucx_perftest's output and from the
+// daemons' logs).
 //
 // Every daemon, trainer, mpirun and ucx_perftest process is a child of this one and is ended
 // on every exit path: normal, error, SIGINT/SIGTERM (a signal thread cleans up), and this
@@ -1152,6 +1154,8 @@ absl::Status Run() {
                  absl::StrCat("mmaps in measured summons (all ranks): ", f->part.maps,
                               "; unlinked shm still mapped: ", f->part.retained >> 20, " MiB"));
         std::printf("# n=%d daemons' UCX endpoints: %s\n", d, JoinOrNone(f->ucx_cfg).c_str());
+        bench::PrintFigure(absl::StrCat("allgather.n", d, ".summon"), summon, "us");
+        bench::PrintFigure(absl::StrCat("allgather.n", d, ".summon_end"), summon_end, "us");
         summary.push_back(absl::StrFormat(
             "n=%d flatshard size=%d Summon time_us=%.1f Summon+End time_us=%.1f ratio "
             "Summon/MPI=%s Summon+End/MPI=%s",
@@ -1226,6 +1230,7 @@ absl::Status Run() {
                  absl::StrCat("unit of ", 2 * tsize, " bytes; daemons' UCX endpoints: ",
                               JoinOrNone(f->ucx_cfg), "; ratios: ", ratios.empty() ? "-" : ratios,
                               "; per iter (ms): ", Millis(f->part.summon_max_us)));
+        bench::PrintFigure("transfer.n2.summon", summon, "us");
         summary.push_back(absl::StrFormat("transfer flatshard size=%d time_us=%.1f ratios %s",
                                           tsize, summon, ratios.empty() ? "-" : ratios));
       } else {
