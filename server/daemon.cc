@@ -34,7 +34,7 @@
 #include "server/service/answer_interceptor.h"
 #include "server/service/shard_service_impl.h"
 #include "server/shard_store.h"
-#include "server/state/state_dir.h"
+#include "server/durable/state_dir.h"
 #include "common/file_util.h"
 #include "absl/strings/str_join.h"
 #include <grpcpp/health_check_service_interface.h>

@@ -1,4 +1,4 @@
-#include "server/state/state_dir.h"
+#include "server/durable/state_dir.h"
 
 #include <dirent.h>
 #include <fcntl.h>

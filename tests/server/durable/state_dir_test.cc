@@ -1,7 +1,7 @@
 // The state directory's record codec, atomic writer, ordering and loading
-// (server/state/state_dir.h).
+// (server/durable/state_dir.h).
 
-#include "server/state/state_dir.h"
+#include "server/durable/state_dir.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
