@@ -34,9 +34,7 @@
 #include "server/service/answer_interceptor.h"
 #include "server/service/shard_service_impl.h"
 #include "server/shard_store.h"
-#include "server/state/state_dir.h"
-#include "common/file_util.h"
-#include "absl/strings/str_join.h"
+#include "server/durable/state_dir.h"
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
@@ -275,30 +273,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   if (!config.state_dir.empty()) {
     FS_ASSIGN_OR_RETURN(state_dir, state::StateDir::Open(config.state_dir, config.state_fsync));
     loaded = state_dir->LoadAll();
-    std::vector<std::string> keep;
-    for (const state::StateDir::Refused& r : loaded.refused) {
-      absl::StatusOr<std::string> bytes = ReadWholeFile(r.file);
-      std::vector<std::string> names =
-          bytes.ok() ? state::SegmentNamesIn(*bytes, config.segment_prefix)
-                     : std::vector<std::string>();
-      FS_LOG(ERROR) << "state record " << r.file << " refused: " << r.why
-                    << "; its group is not adopted and its " << names.size()
-                    << " segment(s) are left alone"
-                    << (names.empty() ? "" : absl::StrCat(" (", absl::StrJoin(names, ", "), ")"));
-      keep.insert(keep.end(), names.begin(), names.end());
-    }
-    for (const state::GroupRecord& g : loaded.groups) {
-      for (const state::ModuleRecord& m : g.modules) {
-        for (const state::RankRecord& r : m.ranks) {
-          for (const state::UnitRecord& u : r.units) {
-            for (const state::BufferRecord& b : u.buffers) keep.push_back(b.segment);
-          }
-        }
-      }
-    }
-    FS_LOG(INFO) << "state dir " << config.state_dir << ": " << loaded.groups.size()
-                 << " group record(s), " << loaded.refused.size() << " refused";
-    FS_RETURN_IF_ERROR(state::UnlinkUnreferencedSegments(config.segment_prefix, keep));
+    FS_RETURN_IF_ERROR(state::UnlinkUnreferencedSegments(
+        config.segment_prefix, state_dir->SegmentsNamedBy(loaded, config.segment_prefix)));
   } else {
     FS_RETURN_IF_ERROR(UnlinkSegmentsWithPrefix(config.segment_prefix));
   }

@@ -64,7 +64,7 @@
 #include "server/peer/peer_client.h"
 #include "server/rank_devices.h"
 #include "server/shard_store.h"
-#include "server/state/state_dir.h"
+#include "server/durable/state_dir.h"
 
 namespace flatshard::server {
 

@@ -6,8 +6,6 @@
 #include <cerrno>
 #include <cstring>
 
-#include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <thread>
 
@@ -18,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/config.h"
+#include "common/file_system.h"
 #include "common/logging.h"
 #include "server/access/access_control.h"
 #include "server/daemon.h"
@@ -126,13 +125,18 @@ ABSL_FLAG(std::string, log_format, "text",
 
 namespace {
 
-// Writes `content` to `file` under a temporary name and renames it, so a reader never sees
-// half of it. False (with a message on stderr) on failure.
-bool WriteFileAtomically(const std::string& file, const std::string& content) {
-  const std::string tmp = file + ".tmp";
-  std::ofstream(tmp) << content << "\n";
-  if (std::rename(tmp.c_str(), file.c_str()) != 0) {
-    std::cerr << "flatshardd: cannot write " << file << ": " << std::strerror(errno) << "\n";
+// Writes `content` and a newline to `file` ("<file>.tmp", renamed), so a reader never sees
+// half an address. No fsync: the file only matters while this daemon runs. False (with a
+// message on stderr) on failure.
+bool WriteAddressFile(const std::string& file, const std::string& content) {
+  flatshard::AtomicWriteOptions options;
+  options.sync = false;
+  options.mode = 0666;  // as std::ofstream made it: the umask decides
+  options.temp_suffix = ".tmp";
+  if (absl::Status s = flatshard::WriteFileAtomically(flatshard::FileSystem::Posix(), file,
+                                                      content + "\n", options);
+      !s.ok()) {
+    std::cerr << "flatshardd: cannot write " << s.message() << "\n";
     return false;
   }
   return true;
@@ -248,16 +252,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (const std::string file = absl::GetFlag(FLAGS_peer_address_file); !file.empty()) {
-    // Written to a temporary name and renamed, so a reader never sees half an address.
-    const std::string tmp = file + ".tmp";
-    std::ofstream(tmp) << (*daemon)->peer_address() << "\n";
-    if (std::rename(tmp.c_str(), file.c_str()) != 0) {
-      std::cerr << "flatshardd: cannot write " << file << ": " << std::strerror(errno) << "\n";
-      return 1;
-    }
+    if (!WriteAddressFile(file, (*daemon)->peer_address())) return 1;
   }
   if (const std::string file = absl::GetFlag(FLAGS_metrics_address_file); !file.empty()) {
-    if (!WriteFileAtomically(file, (*daemon)->metrics_address())) return 1;
+    if (!WriteAddressFile(file, (*daemon)->metrics_address())) return 1;
   }
   // systemd (Type=notify): ready once every socket listens; keep-alives when WatchdogSec= is
   // set. Without $NOTIFY_SOCKET these are no-ops.

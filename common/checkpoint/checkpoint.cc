@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/file_system.h"
 #include "common/status_macros.h"
 
 #if defined(__x86_64__)
@@ -162,14 +163,6 @@ struct Fd {
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
 };
-
-absl::Status FsyncAndClose(Fd& f, const std::string& path) {
-  if (::fsync(f.fd) != 0) return absl::InternalError(Errno("fsync", path, errno));
-  const int fd = f.fd;
-  f.fd = -1;
-  if (::close(fd) != 0) return absl::InternalError(Errno("close", path, errno));
-  return absl::OkStatus();
-}
 
 // ---- Metadata parsing ----
 
@@ -539,21 +532,6 @@ std::vector<SharedParam> TiedAliases(const Manifest& manifest, const Plan& plan)
 
 namespace internal {
 
-absl::Status WriteAll(int fd, const void* data, size_t n, int64_t offset, const std::string& path) {
-  const auto* p = static_cast<const char*>(data);
-  while (n > 0) {
-    const ssize_t w = ::pwrite(fd, p, std::min<size_t>(n, size_t{1} << 30), offset);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return absl::InternalError(Errno("write", path, errno));
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-    offset += w;
-  }
-  return absl::OkStatus();
-}
-
 absl::Status ReadAll(int fd, void* data, size_t n, int64_t offset, const std::string& path) {
   auto* p = static_cast<char*>(data);
   while (n > 0) {
@@ -573,19 +551,9 @@ absl::Status ReadAll(int fd, void* data, size_t n, int64_t offset, const std::st
   return absl::OkStatus();
 }
 
-absl::Status FsyncDir(const std::string& dir) {
-  Fd f(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (f.fd < 0) return absl::InternalError(Errno("open", dir, errno));
-  if (::fsync(f.fd) != 0) return absl::InternalError(Errno("fsync", dir, errno));
-  return absl::OkStatus();
-}
+absl::Status FsyncDir(const std::string& dir) { return FileSystem::Posix()->SyncDir(dir); }
 
-std::string DirOf(const std::string& path) {
-  const size_t slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
+std::string DirOf(const std::string& path) { return DirName(path); }
 
 std::string NowText() {
   return absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::Now(), absl::UTCTimeZone());
@@ -617,10 +585,13 @@ absl::StatusOr<WrittenFile> WriteRankFile(const std::string& dir, int32_t rank, 
   WrittenFile out;
   out.file.rank = rank;
   out.file.name = RankFileName(rank, world_size);
-  const std::string path = absl::StrCat(dir, "/", out.file.name);
-  const std::string tmp = path + ".tmp";
-  Fd f(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-  if (f.fd < 0) return absl::InternalError(Errno("open", tmp, errno));
+  AtomicWriteOptions options;
+  options.mode = 0644;
+  options.temp_suffix = ".tmp";
+  options.sync_dir = false;  // WriteMetadata fsyncs the directory once for every data file
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFile> file,
+                      AtomicFile::Create(FileSystem::Posix(),
+                                         absl::StrCat(dir, "/", out.file.name), options));
   // Large sequential writes: the shards are written straight from their (mapped) memory, in
   // chunks so the CRC of a chunk is computed while it is still in cache and progress moves.
   constexpr int64_t kChunk = int64_t{8} << 20;
@@ -630,7 +601,7 @@ absl::StatusOr<WrittenFile> WriteRankFile(const std::string& dir, int32_t rank, 
   for (const TensorToWrite& t : tensors) {
     const int64_t start = AlignUp(offset);
     if (start > offset) {
-      FS_RETURN_IF_ERROR(internal::WriteAll(f.fd, kZeros, start - offset, offset, tmp));
+      FS_RETURN_IF_ERROR(file->Append(absl::string_view(kZeros, start - offset)));
       crc = Crc32c(crc, kZeros, start - offset);
       offset = start;
     }
@@ -638,42 +609,29 @@ absl::StatusOr<WrittenFile> WriteRankFile(const std::string& dir, int32_t rank, 
     for (int64_t done = 0; done < t.bytes;) {
       const int64_t n = std::min(kChunk, t.bytes - done);
       crc = Crc32c(crc, p + done, n);
-      FS_RETURN_IF_ERROR(internal::WriteAll(f.fd, p + done, n, offset, tmp));
+      FS_RETURN_IF_ERROR(file->Append(absl::string_view(p + done, n)));
       done += n;
       offset += n;
       if (progress) progress(n);
     }
     out.tensors.push_back(TensorEntry{rank, t.unit, t.name, t.dtype, start, t.bytes});
   }
-  FS_RETURN_IF_ERROR(FsyncAndClose(f, tmp));
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::InternalError(Errno("rename", tmp, errno));
-  }
+  FS_RETURN_IF_ERROR(file->Publish());
   out.file.bytes = offset;
   out.file.crc32c = crc;
   return out;
 }
 
-absl::Status WriteFileAtomic(const std::string& path, absl::string_view text) {
-  const std::string tmp = path + ".tmp";
-  {
-    Fd f(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (f.fd < 0) return absl::InternalError(Errno("open", tmp, errno));
-    FS_RETURN_IF_ERROR(internal::WriteAll(f.fd, text.data(), text.size(), 0, tmp));
-    FS_RETURN_IF_ERROR(FsyncAndClose(f, tmp));
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::InternalError(Errno("rename", tmp, errno));
-  }
-  return internal::FsyncDir(internal::DirOf(path));
-}
-
 absl::Status WriteMetadata(const std::string& dir, const Metadata& meta) {
   // The data files' renames reach the disk with this directory fsync at the latest, before the
-  // metadata's rename can (WriteFileAtomic fsyncs the directory after the data files' renames
-  // and again after its own): a metadata file never names data files that are not durable.
+  // metadata's rename can (this fsyncs the directory after the data files' renames and again
+  // after its own): a metadata file never names data files that are not durable.
   FS_RETURN_IF_ERROR(internal::FsyncDir(dir));
-  return WriteFileAtomic(absl::StrCat(dir, "/", kMetadataFile), MetadataToJson(meta).dump(1));
+  AtomicWriteOptions options;
+  options.mode = 0644;
+  options.temp_suffix = ".tmp";
+  return WriteFileAtomically(FileSystem::Posix(), absl::StrCat(dir, "/", kMetadataFile),
+                             MetadataToJson(meta).dump(1), options);
 }
 
 // ---- Reading ----

@@ -126,16 +126,16 @@ struct WrittenFile {
 // Called with the bytes written since the last call (from the writing thread).
 using ProgressFn = std::function<void(int64_t bytes)>;
 
-// Writes `rank`'s data file into `dir` (which must exist): "<name>.tmp", large sequential
-// writes, CRC-32C on the way, fsync, rename. Does not fsync the directory (WriteMetadata does).
-// Errors name the file and the system call.
+// Writes `rank`'s data file into `dir` (which must exist) through an AtomicFile
+// (common/file_system.h): "<name>.tmp", large sequential writes, CRC-32C on the way, fsync,
+// rename. Does not fsync the directory (WriteMetadata does). Errors name the file and the
+// system call; a failed write removes its "<name>.tmp".
 absl::StatusOr<WrittenFile> WriteRankFile(const std::string& dir, int32_t rank, int32_t world_size,
                                           const std::vector<TensorToWrite>& tensors,
                                           const ProgressFn& progress = nullptr);
-// Writes metadata.json last: tmp, fsync, rename, fsync of the directory.
+// Writes metadata.json last: fsync of the directory (the data files' renames), then
+// WriteFileAtomically ("metadata.json.tmp", fsync, rename, fsync of the directory).
 absl::Status WriteMetadata(const std::string& dir, const Metadata& meta);
-// Writes `text` to `path` crash-consistently (tmp, fsync, rename, directory fsync).
-absl::Status WriteFileAtomic(const std::string& path, absl::string_view text);
 // mkdir -p with mode 0755 (existing directories are fine).
 absl::Status MakeDirs(const std::string& dir);
 
@@ -164,9 +164,9 @@ absl::Status ReadFileRange(const Checkpoint& ckpt, int32_t rank, int64_t offset,
 namespace internal {
 // CRC-32C without the SSE4.2 path (tests compare the two).
 uint32_t Crc32cPortable(uint32_t crc, const void* data, size_t n);
-// pwrite/pread loops; errors name `path` and the call.
-absl::Status WriteAll(int fd, const void* data, size_t n, int64_t offset, const std::string& path);
+// A pread loop; errors name `path` and the call.
 absl::Status ReadAll(int fd, void* data, size_t n, int64_t offset, const std::string& path);
+// FileSystem::Posix()->SyncDir and DirName (common/file_system.h), for older callers.
 absl::Status FsyncDir(const std::string& dir);
 std::string DirOf(const std::string& path);
 // RFC 3339 UTC now.

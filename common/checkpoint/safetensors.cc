@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/checkpoint/checkpoint.h"
+#include "common/file_system.h"
 #include "common/json_util.h"
 #include "common/status_macros.h"
 
@@ -230,17 +231,15 @@ absl::StatusOr<std::unique_ptr<Writer>> Writer::Create(
   }
   const std::string header = HeaderText(tensors, metadata);
   std::unique_ptr<Writer> w(new Writer());
-  w->path_ = path;
-  w->tmp_ = path + ".tmp";
-  w->fd_ = ::open(w->tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (w->fd_ < 0) {
-    return absl::InternalError(absl::StrCat(w->tmp_, ": open: ", std::strerror(errno)));
-  }
-  unsigned char len[8];
+  AtomicWriteOptions options;
+  options.mode = 0644;
+  options.temp_suffix = ".tmp";
+  FS_ASSIGN_OR_RETURN(w->file_, AtomicFile::Create(FileSystem::Posix(), path, options));
+  char len[8];
   uint64_t n = header.size();
-  for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
-  FS_RETURN_IF_ERROR(checkpoint::internal::WriteAll(w->fd_, len, 8, 0, w->tmp_));
-  FS_RETURN_IF_ERROR(checkpoint::internal::WriteAll(w->fd_, header.data(), header.size(), 8, w->tmp_));
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<char>(n >> (8 * i));
+  FS_RETURN_IF_ERROR(w->file_->Append(absl::string_view(len, 8)));
+  FS_RETURN_IF_ERROR(w->file_->Append(header));
   w->offset_ = 8 + static_cast<int64_t>(header.size());
   w->end_ = w->offset_;
   for (const Spec& t : tensors) {
@@ -251,35 +250,26 @@ absl::StatusOr<std::unique_ptr<Writer>> Writer::Create(
   return w;
 }
 
-Writer::~Writer() {
-  if (fd_ >= 0) {
-    ::close(fd_);
-    ::unlink(tmp_.c_str());  // never finished: leave nothing half-written behind
-  }
-}
+// An unfinished Writer's AtomicFile removes "<path>.tmp": nothing half-written stays behind.
+Writer::~Writer() = default;
 
 absl::Status Writer::Append(const void* data, int64_t bytes) {
   if (bytes > end_ - offset_) {
-    return absl::InternalError(absl::StrCat(tmp_, ": ", bytes, " more bytes than the header has"));
+    return absl::InternalError(
+        absl::StrCat(file_->temp_path(), ": ", bytes, " more bytes than the header has"));
   }
-  FS_RETURN_IF_ERROR(checkpoint::internal::WriteAll(fd_, data, bytes, offset_, tmp_));
+  FS_RETURN_IF_ERROR(
+      file_->Append(absl::string_view(static_cast<const char*>(data), static_cast<size_t>(bytes))));
   offset_ += bytes;
   return absl::OkStatus();
 }
 
 absl::Status Writer::Finish() {
   if (offset_ != end_) {
-    return absl::InternalError(absl::StrCat(tmp_, ": ", end_ - offset_, " bytes not written"));
+    return absl::InternalError(
+        absl::StrCat(file_->temp_path(), ": ", end_ - offset_, " bytes not written"));
   }
-  if (::fsync(fd_) != 0) {
-    return absl::InternalError(absl::StrCat(tmp_, ": fsync: ", std::strerror(errno)));
-  }
-  ::close(fd_);
-  fd_ = -1;
-  if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
-    return absl::InternalError(absl::StrCat(tmp_, ": rename: ", std::strerror(errno)));
-  }
-  return checkpoint::internal::FsyncDir(checkpoint::internal::DirOf(path_));
+  return file_->Publish();
 }
 
 }  // namespace flatshard::safetensors

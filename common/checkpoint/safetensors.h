@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/dtype.h"
+#include "common/file_system.h"
 
 namespace flatshard::safetensors {
 
@@ -56,8 +58,9 @@ absl::StatusOr<Header> ParseHeader(absl::string_view header_json, int64_t file_s
 // Reads the first 8 + N bytes of `path` and parses them.
 absl::StatusOr<Header> ReadHeader(const std::string& path);
 
-// Writes a safetensors file: header first (so every tensor's size must be known up front),
-// then each tensor's bytes in order, then fsync and rename of "<path>.tmp" to `path`.
+// Writes a safetensors file through an AtomicFile (common/file_system.h): header first (so
+// every tensor's size must be known up front), then each tensor's bytes in order, then fsync
+// and rename of "<path>.tmp" to `path`, fsync of the directory.
 class Writer {
  public:
   struct Spec {
@@ -77,8 +80,7 @@ class Writer {
 
  private:
   Writer() = default;
-  std::string path_, tmp_;
-  int fd_ = -1;
+  std::unique_ptr<AtomicFile> file_;
   int64_t offset_ = 0;
   int64_t end_ = 0;  // file size once complete
 };

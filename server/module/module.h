@@ -28,7 +28,7 @@
 #include "server/collective/collective_engine.h"
 #include "server/kept_buffers.h"
 #include "server/shard_store.h"
-#include "server/state/state_dir.h"
+#include "server/durable/state_dir.h"
 
 namespace flatshard::server {
 

@@ -32,7 +32,7 @@
 #include "flatshard/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/state/state_dir.h"
+#include "server/durable/state_dir.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/files.h"

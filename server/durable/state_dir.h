@@ -5,9 +5,11 @@
 // shards and committed copies again and re-adopts them (GroupManager::AdoptGroups).
 //
 // A record is one file, "group-<sha256(group id)[0:32]>.json" (the name never depends on what
-// the id contains), written crash-consistently: a temp file in the same directory, write,
-// fsync, rename over the record, fsync of the directory. So a reader sees the old record or
-// the new one, never a mix. The directory is 0700: records hold group tokens.
+// the id contains), written crash-consistently by WriteFileAtomically (common/file_system.h):
+// a temp file ".tmp.<name>.<pid>.<n>" in the same directory, write, fsync, rename over the
+// record, fsync of the directory. So a reader sees the old record or the new one, never a mix.
+// The directory is 0700 and the records 0600: records hold group tokens. All file access goes
+// through a FileSystem, so unit tests run it on InMemoryFileSystem.
 //
 // File format (flatshard.state/1): a header line, then the body:
 //   {"format":"flatshard.state/1","body_bytes":N,"body_sha256":"<hex>"}\n<body: N bytes of JSON>
@@ -34,6 +36,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/file_system.h"
 #include "common/state_spec.h"
 
 namespace flatshard::server::state {
@@ -124,26 +127,22 @@ absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes);
 // "group-<hex>.json".
 std::string RecordFileName(const std::string& group);
 
-// Writes `contents` to `dir`/`name` crash-consistently: temp file in `dir` (O_EXCL, 0600),
-// write, fsync, rename, fsync of `dir`. On error the old file (if any) is unchanged and the
-// temp file is removed; the status names the path and the failed step.
-// `sync` false: no fsync of the file nor of the directory (the rename is still atomic for
-// every process; what fsync adds is durability across a machine crash).
-absl::Status WriteFileAtomically(const std::string& dir, const std::string& name,
-                                 const std::string& contents, bool sync = true);
-
 class StateDir {
  public:
   // Creates `path` (and parents) if needed, mode 0700, and removes temp files a killed writer
   // left. FAILED_PRECONDITION naming the path when it cannot be made or is not a directory.
-  // `sync`: fsync each record and the directory (the default; see WriteFileAtomically).
+  // `sync`: fsync each record and the directory (the default; AtomicWriteOptions::sync).
+  // `fs`: where the records live (tests: an InMemoryFileSystem); must outlive the StateDir.
   static absl::StatusOr<std::unique_ptr<StateDir>> Open(const std::string& path,
-                                                        bool sync = true);
+                                                        bool sync = true,
+                                                        FileSystem* fs = FileSystem::Posix());
 
   const std::string& path() const { return path_; }
 
   // Writes `record` unless a write or removal with a higher or equal sequence already
-  // happened for its group (then OK, nothing written).
+  // happened for its group (then OK, nothing written). On error (INTERNAL, or the file
+  // system's code; the message names the record's file and the failed call) the group's
+  // previous record is unchanged, and a retry with the same sequence writes it.
   absl::Status Write(const GroupRecord& record) ABSL_LOCKS_EXCLUDED(mu_);
   // Removes the group's record (OK when there is none), unless a later write happened.
   absl::Status Remove(const std::string& group, uint64_t sequence) ABSL_LOCKS_EXCLUDED(mu_);
@@ -159,11 +158,18 @@ class StateDir {
   // Every record of the directory, checked. Sequences go on above the highest loaded.
   Loaded LoadAll() ABSL_LOCKS_EXCLUDED(mu_);
 
+  // The shared-memory segments (with their leading "/") that a daemon starting on `loaded`
+  // must keep: every buffer of the loaded groups, and every name with `prefix` in a refused
+  // record (read again here; its segments are left alone rather than removed as garbage,
+  // and each refused record is logged with them).
+  std::vector<std::string> SegmentsNamedBy(const Loaded& loaded, const std::string& prefix);
+
   // What the daemon writes next must be above every loaded sequence.
   uint64_t max_loaded_sequence() const { return max_loaded_sequence_; }
 
  private:
-  StateDir(std::string path, bool sync) : path_(std::move(path)), sync_(sync) {}
+  StateDir(std::string path, bool sync, FileSystem* fs)
+      : path_(std::move(path)), sync_(sync), fs_(fs) {}
   struct PerGroup {
     absl::Mutex mu;  // serializes the writes of one group (held across the fsync: ours only)
     uint64_t last = 0;
@@ -172,6 +178,7 @@ class StateDir {
 
   const std::string path_;
   const bool sync_;
+  FileSystem* const fs_;
   uint64_t max_loaded_sequence_ = 0;
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<PerGroup>> groups_ ABSL_GUARDED_BY(mu_);

@@ -1,15 +1,12 @@
-#include "server/state/state_dir.h"
+#include "server/durable/state_dir.h"
 
 #include <dirent.h>
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <limits>
 #include <utility>
 #include <set>
@@ -19,7 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "common/file_util.h"
+#include "absl/strings/str_join.h"
 #include "common/json_util.h"
 #include "common/logging.h"
 #include "common/sha256.h"
@@ -29,8 +26,6 @@ namespace flatshard::server::state {
 namespace {
 
 using OJson = nlohmann::ordered_json;
-
-constexpr char kTmpPrefix[] = ".tmp.";
 
 std::string Errno(int err) { return std::strerror(err); }
 
@@ -296,85 +291,25 @@ absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes) {
   return r;
 }
 
-absl::Status WriteFileAtomically(const std::string& dir, const std::string& name,
-                                 const std::string& contents, bool sync) {
-  static std::atomic<uint64_t> counter{0};
-  const std::string final_path = absl::StrCat(dir, "/", name);
-  const std::string tmp = absl::StrCat(dir, "/", kTmpPrefix, name, ".", ::getpid(), ".",
-                                       counter.fetch_add(1));
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    return absl::InternalError(absl::StrCat("state record ", final_path, ": create ", tmp, ": ",
-                                            Errno(errno)));
-  }
-  auto fail = [&](absl::string_view step, int err) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    return absl::InternalError(
-        absl::StrCat("state record ", final_path, ": ", step, ": ", Errno(err)));
-  };
-  size_t done = 0;
-  while (done < contents.size()) {
-    const ssize_t n = ::write(fd, contents.data() + done, contents.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return fail("write", errno);
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (sync && ::fsync(fd) != 0) return fail("fsync", errno);
-  if (::close(fd) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    return absl::InternalError(absl::StrCat("state record ", final_path, ": close: ", Errno(err)));
-  }
-  if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    return absl::InternalError(absl::StrCat("state record ", final_path, ": rename: ", Errno(err)));
-  }
-  if (!sync) return absl::OkStatus();
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) {
-    return absl::InternalError(absl::StrCat("state record ", final_path, ": open directory: ",
-                                            Errno(errno)));
-  }
-  const int rc = ::fsync(dfd);
-  const int err = errno;
-  ::close(dfd);
-  if (rc != 0) {
-    return absl::InternalError(
-        absl::StrCat("state record ", final_path, ": fsync directory: ", Errno(err)));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::unique_ptr<StateDir>> StateDir::Open(const std::string& path, bool sync) {
-  std::error_code ec;
-  std::filesystem::create_directories(path, ec);
-  if (ec) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("--state_dir ", path, ": cannot create it: ", ec.message()));
-  }
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("--state_dir ", path, ": not a directory"));
-  }
-  if ((st.st_mode & 0777) != 0700 && ::chmod(path.c_str(), 0700) != 0) {
+absl::StatusOr<std::unique_ptr<StateDir>> StateDir::Open(const std::string& path, bool sync,
+                                                       FileSystem* fs) {
+  if (absl::Status s = fs->CreateDirs(path, 0700); !s.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "--state_dir ", path, ": cannot make it 0700 (records hold group tokens): ",
-        Errno(errno)));
+        "--state_dir ", path, ": cannot make it a 0700 directory (records hold group tokens): ",
+        s.message()));
   }
   // Temp files of a writer killed mid-write: never a record.
-  for (const auto& entry : std::filesystem::directory_iterator(path, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (absl::StartsWith(name, kTmpPrefix)) {
-      std::filesystem::remove(entry.path(), ec);
+  absl::StatusOr<std::vector<std::string>> names = fs->ListDir(path);
+  if (!names.ok()) FS_LOG(WARNING) << "state dir " << path << ": " << names.status().message();
+  for (const std::string& name : names.ok() ? *names : std::vector<std::string>()) {
+    if (!absl::StartsWith(name, kTempFilePrefix)) continue;
+    if (absl::Status s = fs->RemoveFile(absl::StrCat(path, "/", name)); s.ok()) {
       FS_LOG(INFO) << "state dir " << path << ": removed " << name << " (an unfinished write)";
+    } else {
+      FS_LOG(WARNING) << "state dir " << path << ": " << s.message();
     }
   }
-  return std::unique_ptr<StateDir>(new StateDir(path, sync));
+  return std::unique_ptr<StateDir>(new StateDir(path, sync, fs));
 }
 
 std::shared_ptr<StateDir::PerGroup> StateDir::GroupState(const std::string& group) {
@@ -388,8 +323,14 @@ absl::Status StateDir::Write(const GroupRecord& record) {
   std::shared_ptr<PerGroup> g = GroupState(record.id);
   absl::MutexLock lock(&g->mu);
   if (record.sequence <= g->last && g->last != 0) return absl::OkStatus();  // a newer one is written
-  FS_RETURN_IF_ERROR(
-      WriteFileAtomically(path_, RecordFileName(record.id), EncodeGroupRecord(record), sync_));
+  AtomicWriteOptions options;
+  options.sync = sync_;
+  options.mode = 0600;
+  if (absl::Status s = WriteFileAtomically(fs_, absl::StrCat(path_, "/", RecordFileName(record.id)),
+                                           EncodeGroupRecord(record), options);
+      !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("state record ", s.message()));
+  }
   g->last = record.sequence;
   return absl::OkStatus();
 }
@@ -399,31 +340,29 @@ absl::Status StateDir::Remove(const std::string& group, uint64_t sequence) {
   absl::MutexLock lock(&g->mu);
   if (sequence <= g->last && g->last != 0) return absl::OkStatus();
   const std::string file = absl::StrCat(path_, "/", RecordFileName(group));
-  if (::unlink(file.c_str()) != 0 && errno != ENOENT) {
-    return absl::InternalError(absl::StrCat("state record ", file, ": unlink: ", Errno(errno)));
+  if (absl::Status s = fs_->RemoveFile(file); !s.ok() && !absl::IsNotFound(s)) {
+    return absl::Status(s.code(), absl::StrCat("state record ", file, ": ", s.message()));
   }
   g->last = sequence;
-  const int dfd = sync_ ? ::open(path_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC) : -1;
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
+  // Best effort: a removal the disk forgets only brings back a record the next daemon adopts
+  // or refuses, never a torn one.
+  if (sync_) fs_->SyncDir(path_).IgnoreError();
   return absl::OkStatus();
 }
 
 StateDir::Loaded StateDir::LoadAll() {
   Loaded out;
-  std::error_code ec;
   std::vector<std::string> files;
-  for (const auto& entry : std::filesystem::directory_iterator(path_, ec)) {
-    const std::string name = entry.path().filename().string();
+  // A directory that cannot be listed has no records to adopt (Open made it).
+  absl::StatusOr<std::vector<std::string>> names = fs_->ListDir(path_);
+  for (const std::string& name : names.ok() ? *names : std::vector<std::string>()) {
     if (absl::StartsWith(name, "group-") && absl::EndsWith(name, ".json")) {
-      files.push_back(entry.path().string());
+      files.push_back(absl::StrCat(path_, "/", name));
     }
   }
   std::sort(files.begin(), files.end());
   for (const std::string& file : files) {
-    absl::StatusOr<std::string> bytes = ReadWholeFile(file);
+    absl::StatusOr<std::string> bytes = fs_->ReadFile(file);
     if (!bytes.ok()) {
       out.refused.push_back({file, absl::StrCat("read: ", bytes.status().message())});
       continue;
@@ -433,16 +372,43 @@ StateDir::Loaded StateDir::LoadAll() {
       out.refused.push_back({file, std::string(record.status().message())});
       continue;
     }
-    const std::string expected = absl::StrCat(path_, "/", RecordFileName(record->id));
-    if (std::filesystem::path(file).filename() != std::filesystem::path(expected).filename()) {
+    const std::string expected = RecordFileName(record->id);
+    if (file.substr(file.find_last_of('/') + 1) != expected) {
       out.refused.push_back({file, absl::StrCat("name: the record of group ", Quote(record->id),
-                                                " belongs in ", RecordFileName(record->id))});
+                                                " belongs in ", expected)});
       continue;
     }
     max_loaded_sequence_ = std::max(max_loaded_sequence_, record->sequence);
     out.groups.push_back(*std::move(record));
   }
   return out;
+}
+
+std::vector<std::string> StateDir::SegmentsNamedBy(const Loaded& loaded,
+                                                   const std::string& prefix) {
+  std::vector<std::string> keep;
+  for (const Refused& r : loaded.refused) {
+    absl::StatusOr<std::string> bytes = fs_->ReadFile(r.file);
+    std::vector<std::string> names =
+        bytes.ok() ? SegmentNamesIn(*bytes, prefix) : std::vector<std::string>();
+    FS_LOG(ERROR) << "state record " << r.file << " refused: " << r.why
+                  << "; its group is not adopted and its " << names.size()
+                  << " segment(s) are left alone"
+                  << (names.empty() ? "" : absl::StrCat(" (", absl::StrJoin(names, ", "), ")"));
+    keep.insert(keep.end(), names.begin(), names.end());
+  }
+  for (const GroupRecord& g : loaded.groups) {
+    for (const ModuleRecord& m : g.modules) {
+      for (const RankRecord& r : m.ranks) {
+        for (const UnitRecord& u : r.units) {
+          for (const BufferRecord& b : u.buffers) keep.push_back(b.segment);
+        }
+      }
+    }
+  }
+  FS_LOG(INFO) << "state dir " << path_ << ": " << loaded.groups.size()
+               << " group record(s), " << loaded.refused.size() << " refused";
+  return keep;
 }
 
 }  // namespace flatshard::server::state

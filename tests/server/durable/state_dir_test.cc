@@ -1,7 +1,7 @@
-// The state directory's record codec, atomic writer, ordering and loading
-// (server/state/state_dir.h).
+// The state directory's record codec, ordering and loading on the real file system
+// (server/durable/state_dir.h). Faults, kills and power loss: state_dir_faults_test.cc.
 
-#include "server/state/state_dir.h"
+#include "server/durable/state_dir.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -205,13 +205,14 @@ TEST_F(StateDirTest, OpenCreatesA0700DirectoryAndRemovesUnfinishedWrites) {
   EXPECT_THAT(std::string(bad.status().message()), HasSubstr((dir_ / "file").string()));
 }
 
-TEST_F(StateDirTest, AtomicWriteLeavesOnlyTheFile0600) {
-  std::filesystem::create_directories(dir_);
-  ASSERT_TRUE(WriteFileAtomically(dir_.string(), "r.json", "one").ok());
-  ASSERT_TRUE(WriteFileAtomically(dir_.string(), "r.json", "two").ok());
-  EXPECT_EQ(ReadAll(dir_ / "r.json"), "two");
+TEST_F(StateDirTest, WriteLeavesOnlyTheRecord0600) {
+  std::unique_ptr<StateDir> d = *StateDir::Open(dir_.string());
+  ASSERT_TRUE(d->Write(Sample("g", 1)).ok());
+  ASSERT_TRUE(d->Write(Sample("g", 2)).ok());
+  const std::filesystem::path file = dir_ / RecordFileName("g");
+  EXPECT_EQ(ReadAll(file), EncodeGroupRecord(Sample("g", 2)));
   struct stat st;
-  ASSERT_EQ(::stat((dir_ / "r.json").c_str(), &st), 0);
+  ASSERT_EQ(::stat(file.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
   int files = 0;
   for (const auto& e : std::filesystem::directory_iterator(dir_)) {
@@ -219,9 +220,11 @@ TEST_F(StateDirTest, AtomicWriteLeavesOnlyTheFile0600) {
     ++files;
   }
   EXPECT_EQ(files, 1);
-  absl::Status missing = WriteFileAtomically((dir_ / "nope").string(), "r.json", "x");
-  ASSERT_FALSE(missing.ok());
-  EXPECT_THAT(std::string(missing.message()), HasSubstr("nope/r.json"));
+  std::filesystem::remove_all(dir_);  // the directory vanished under the daemon
+  absl::Status gone = d->Write(Sample("g", 3));
+  ASSERT_FALSE(gone.ok());
+  EXPECT_THAT(std::string(gone.message()),
+              HasSubstr(absl::StrCat("state record ", file.string(), ": open ")));
 }
 
 TEST_F(StateDirTest, WritesOfAGroupAreOrderedBySequence) {
