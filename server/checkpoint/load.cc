@@ -29,29 +29,17 @@
 
 namespace flatshard::server {
 
+using checkpoint_internal::CheckOwner;
+using checkpoint_internal::CheckSize;
+using checkpoint_internal::CheckStateSize;
 using checkpoint_internal::ParallelFor;
+using checkpoint_internal::RankBytes;
 
 using internal::Display;
 
 namespace {
 
-// Bytes of one rank's file: its shards and optimizer state.
-int64_t RankBytes(const Plan& plan, const std::vector<StateSpec>& specs) {
-  int64_t n = 0;
-  for (const PlanUnit& u : plan.units) {
-    n += u.shard_numel * ItemSize(u.dtype);
-    for (const StateSpec& st : specs) n += st.Numel(u.shard_numel) * ItemSize(st.dtype);
-  }
-  return n;
-}
 
-absl::Status CheckStateSize(const Buffer& b, const PlanUnit& u, const StateSpec& st) {
-  const int64_t want = st.Numel(u.shard_numel) * ItemSize(st.dtype);
-  if (b.bytes() >= want) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("unit ", u.index, ": a ", b.bytes(),
-                                          "-byte buffer for optimizer state \"", st.name,
-                                          "\" of ", want, " bytes"));
-}
 
 // The unit of `meta`'s plan holding the parameter a source knows as `name` (its FQN, a shared
 // alias or a tied alias), and that parameter; {-1, null} when none.
@@ -74,35 +62,7 @@ std::pair<int32_t, const PlanParam*> SavedParam(const checkpoint::Metadata& meta
   return {-1, nullptr};
 }
 
-absl::Status CheckSize(const Buffer& b, const PlanUnit& u) {
-  if (b.bytes() >= u.shard_numel * ItemSize(u.dtype)) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat("unit ", u.index, ": a ", b.bytes(),
-                                          "-byte buffer for a shard of ",
-                                          u.shard_numel * ItemSize(u.dtype), " bytes"));
-}
 
-// A caller who is neither root nor the daemon's uid may only have the daemon write into, or
-// read from, a path that caller owns (the directory; for a new directory, its parent; a
-// safetensors file): the daemon's privileges must not reach other users' files.
-absl::Status CheckOwner(const GroupManager::CheckpointArgs& args, const std::string& path,
-                        bool parent_if_missing) {
-  if (args.privileged) return absl::OkStatus();
-  struct stat st;
-  std::string at = path;
-  if (::stat(at.c_str(), &st) != 0 && parent_if_missing) {
-    at = checkpoint::internal::DirOf(path);
-    if (::stat(at.c_str(), &st) != 0) {
-      return absl::NotFoundError(absl::StrCat(at, ": ", std::strerror(errno)));
-    }
-  } else if (::stat(at.c_str(), &st) != 0) {
-    return absl::NotFoundError(absl::StrCat(at, ": ", std::strerror(errno)));
-  }
-  if (args.uid >= 0 && static_cast<int64_t>(st.st_uid) == args.uid) return absl::OkStatus();
-  return absl::PermissionDeniedError(absl::StrCat(
-      at, " belongs to uid ", st.st_uid, ", not to the caller (uid ",
-      args.uid < 0 ? std::string("(remote)") : absl::StrCat(args.uid),
-      "): the daemon reads and writes checkpoints only in the caller's own directories"));
-}
 
 std::vector<const Buffer*> Raw(const std::vector<std::shared_ptr<Buffer>>& v) {
   std::vector<const Buffer*> out;

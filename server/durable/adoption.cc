@@ -20,21 +20,6 @@ namespace flatshard::server {
 using internal::Display;
 
 namespace {
-
-// The index of the state named after `prefix` in `role` within `specs`; -1 when `role` does
-// not start with `prefix` or names no state of the spec.
-int StateIndex(const std::string& role, absl::string_view prefix,
-               const std::vector<StateSpec>& specs) {
-  if (!absl::StartsWith(role, prefix)) return -1;
-  const absl::string_view name = absl::string_view(role).substr(prefix.size());
-  for (size_t i = 0; i < specs.size(); ++i) {
-    if (specs[i].name == name) return static_cast<int>(i);
-  }
-  return -1;
-}
-}  // namespace
-
-namespace {
 void CopyHostBytes(const Buffer& from, const Buffer& to) {
   if (from.bytes() > 0) std::memcpy(to.data(), from.data(), static_cast<size_t>(from.bytes()));
 }

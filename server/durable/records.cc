@@ -23,17 +23,6 @@ using internal::Display;
 
 namespace {
 
-// The index of the state named after `prefix` in `role` within `specs`; -1 when `role` does
-// not start with `prefix` or names no state of the spec.
-int StateIndex(const std::string& role, absl::string_view prefix,
-               const std::vector<StateSpec>& specs) {
-  if (!absl::StartsWith(role, prefix)) return -1;
-  const absl::string_view name = absl::string_view(role).substr(prefix.size());
-  for (size_t i = 0; i < specs.size(); ++i) {
-    if (specs[i].name == name) return static_cast<int>(i);
-  }
-  return -1;
-}
 
 // Sizes `v` (per rank, unit, state) so that v[rank][unit][i] exists.
 void SizeStateSlot(std::vector<std::vector<std::vector<std::shared_ptr<Buffer>>>>& v,
@@ -140,6 +129,16 @@ bool Records::InstallDurable(Registered& reg, int32_t rank, int32_t unit,
     return false;
   }
   return true;
+}
+
+int Records::StateIndex(const std::string& role, absl::string_view prefix,
+                        const std::vector<StateSpec>& specs) {
+  if (!absl::StartsWith(role, prefix)) return -1;
+  const absl::string_view name = absl::string_view(role).substr(prefix.size());
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (specs[i].name == name) return static_cast<int>(i);
+  }
+  return -1;
 }
 
 BufferKind Records::KindOfRole(const std::string& role) {

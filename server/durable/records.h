@@ -153,6 +153,10 @@ class Records {
   // copies a SIGTERM made (KeepDeviceShards).
   absl::Status StateFromHost(Registered& reg, const state::GroupRecord& rec,
                              const std::string& module, int32_t rank);
+  // The index of the state named after `prefix` in `role` within `specs`; -1 when `role`
+  // does not start with `prefix` or names no state of the spec.
+  static int StateIndex(const std::string& role, absl::string_view prefix,
+                        const std::vector<StateSpec>& specs);
   // The ShardStore kind a role's buffers are allocated as.
   static BufferKind KindOfRole(const std::string& role);
   // The group's record as of now, with the next sequence.
