@@ -9,6 +9,7 @@ PACKAGES=(
   libucx-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev   # libFuzzer for the JSON reader's fuzz target
+  clang-format   # scripts/check_format.sh (.clang-format)
   ucx-utils openmpi-bin libopenmpi-dev   # baselines: ucx_perftest, MPI_Allgather
   python3 python3-yaml systemd   # tests/deploy: manifests' checks, systemd-analyze verify
   patchelf   # scripts/package.sh: RPATH $ORIGIN/../lib on the bundled binaries
