@@ -245,8 +245,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       shard_device_ = -1;
     }
     if (broken != nullptr) broken->Stop();
-    absl::Status status = JoinAndLease(std::move(group), world_size, rank, std::move(token),
-                                       std::move(coordinator));
+    absl::Status status =
+        JoinAndLease(std::move(group), world_size, rank, std::move(token), std::move(coordinator));
     if (!status.ok()) {
       absl::MutexLock lock(&mu_);
       state_ = State::kIdle;
@@ -308,8 +308,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
                           MakeSummoned(*layout, caller, module, response.init_summon(),
                                        /*writable=*/true));
     }
-    FS_ASSIGN_OR_RETURN(out.shards, MakeShardViews(**layout, caller, response.shards(),
-                                                   response.state_specs()));
+    FS_ASSIGN_OR_RETURN(
+        out.shards, MakeShardViews(**layout, caller, response.shards(), response.state_specs()));
     out.shards.generation_ = response.generation();
     out.generation = response.generation();
     return out;
@@ -346,8 +346,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   }
 
   // `device` >= 0: the summon's views are device memory on that GPU.
-  absl::Status EndSummon(uint64_t session, const std::string& module, uint64_t summon,
-                         int device) {
+  absl::Status EndSummon(uint64_t session, const std::string& module, uint64_t summon, int device) {
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(session));
     v1::EndSummonRequest request;
     *request.mutable_caller() = caller;
@@ -439,8 +438,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     v1::GetShardViewsResponse response;
     FS_RETURN_IF_ERROR(
         Call("GetShardViews", &Stub::GetShardViews, request, &response, options_.call_timeout));
-    FS_ASSIGN_OR_RETURN(ShardViews views, MakeShardViews(*layout, caller, response.shards(),
-                                                         response.state_specs()));
+    FS_ASSIGN_OR_RETURN(ShardViews views,
+                        MakeShardViews(*layout, caller, response.shards(), response.state_specs()));
     views.generation_ = response.generation();
     return views;
   }
@@ -450,8 +449,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     std::vector<flatshard::StateSpec> common;
     for (const StateSpec& s : specs) common.push_back(ToCommon(s));
     if (absl::Status s = ValidateStateSpecs(common); !s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("RegisterState of module \"", module,
-                                                     "\": ", s.message()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("RegisterState of module \"", module, "\": ", s.message()));
     }
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
     FS_ASSIGN_OR_RETURN(std::shared_ptr<const ModuleLayout> layout, FindModule(module));
@@ -463,8 +462,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     v1::RegisterStateResponse response;
     FS_RETURN_IF_ERROR(
         Call("RegisterState", &Stub::RegisterState, request, &response, options_.call_timeout));
-    FS_ASSIGN_OR_RETURN(ShardViews views, MakeShardViews(*layout, caller, response.shards(),
-                                                         response.state_specs()));
+    FS_ASSIGN_OR_RETURN(ShardViews views,
+                        MakeShardViews(*layout, caller, response.shards(), response.state_specs()));
     views.generation_ = response.generation();
     FS_VLOG(1) << "module=\"" << module << "\": optimizer state "
                << (response.created() ? "allocated" : "re-attached") << " at generation "
@@ -483,9 +482,9 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     if (const int device = ShardDevice(); device >= 0) {
       absl::StatusOr<IpcEvent> written = events_.RecordWritten(device, options_.cuda_stream);
       if (!written.ok()) {
-        return absl::Status(written.status().code(),
-                            absl::StrCat("Commit of module \"", module, "\": ",
-                                         written.status().message()));
+        return absl::Status(
+            written.status().code(),
+            absl::StrCat("Commit of module \"", module, "\": ", written.status().message()));
       }
       *request.mutable_written() = flatshard::ToProto(*written);
     }
@@ -564,8 +563,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
         return status;
       }
       if (context.GetServerTrailingMetadata().count(kDaemonAnswerKey) != 0 || connected) {
-        FS_VLOG(1) << name << ": not retried (the " << (connected ? "request may have reached"
-                                                                  : "answer came from")
+        FS_VLOG(1) << name << ": not retried (the "
+                   << (connected ? "request may have reached" : "answer came from")
                    << " the daemon): " << status;
         return status;
       }
@@ -731,8 +730,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     ShardViews out;
     absl::StatusOr<std::vector<flatshard::StateSpec>> specs = flatshard::FromProto(state_specs);
     if (!specs.ok()) {
-      return absl::InternalError(absl::StrCat("the daemon sent an unusable state spec: ",
-                                              specs.status().message()));
+      return absl::InternalError(
+          absl::StrCat("the daemon sent an unusable state spec: ", specs.status().message()));
     }
     for (const flatshard::StateSpec& spec : *specs) {
       out.state_specs_.push_back(
@@ -772,9 +771,9 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
         const flatshard::StateSpec& spec = (*specs)[i];
         const int64_t numel = spec.Numel(unit->shard_numel);
         FS_ASSIGN_OR_RETURN(MappedRange range, cache_.Map(ToRange(s.state(i)), /*writable=*/true));
-        FS_RETURN_IF_ERROR(CheckRangeHolds(range, numel, spec.dtype,
-                                           absl::StrCat("unit ", unit->index, " state \"",
-                                                        spec.name, "\"")));
+        FS_RETURN_IF_ERROR(
+            CheckRangeHolds(range, numel, spec.dtype,
+                            absl::StrCat("unit ", unit->index, " state \"", spec.name, "\"")));
         view.states.push_back(StateView{spec.name, spec.dtype, static_cast<StateShape>(spec.shape),
                                         numel, range.data, range.device});
         out.keepalive_.push_back(std::move(range.mapping));
@@ -877,8 +876,7 @@ absl::Status PendingReduceScatter::Finish() {
   if (finished_) return finish_status_;
   finished_ = true;
   if (std::shared_ptr<internal::ClientCore> core = core_.lock()) {
-    finish_status_ =
-        core->FinishReduceScatter(session_, module_, unit_, op_, accumulate_, device_);
+    finish_status_ = core->FinishReduceScatter(session_, module_, unit_, op_, accumulate_, device_);
   } else {
     finish_status_ = absl::FailedPreconditionError(
         absl::StrCat("module \"", module_, "\" unit ", unit_, ": the Client is gone"));
@@ -965,8 +963,7 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectWithGpuApis(ClientOptions options
                                                " within ",
                                                absl::FormatDuration(options.call_timeout)));
   }
-  auto core =
-      std::make_shared<ClientCore>(std::move(options), std::move(channel), std::move(apis));
+  auto core = std::make_shared<ClientCore>(std::move(options), std::move(channel), std::move(apis));
   return ClientCore::NewClient(std::move(core));
 }
 
@@ -1050,7 +1047,8 @@ absl::StatusOr<Client::CheckpointInfo> RunCheckpointCall(
     const Client::CheckpointProgressFn& progress) {
   auto stub = v1::AdminService::NewStub(channel);
   grpc::ClientContext ctx;
-  std::unique_ptr<grpc::ClientReader<v1::CheckpointProgress>> reader = ((*stub).*rpc)(&ctx, request);
+  std::unique_ptr<grpc::ClientReader<v1::CheckpointProgress>> reader =
+      ((*stub).*rpc)(&ctx, request);
   v1::CheckpointProgress p, last;
   bool any = false;
   while (reader->Read(&p)) {
@@ -1074,9 +1072,9 @@ absl::StatusOr<Client::CheckpointInfo> RunCheckpointCall(
 
 }  // namespace
 
-absl::StatusOr<Client::CheckpointInfo> Client::SaveCheckpoint(const std::string& registered_module,
-                                                              const std::string& dir,
-                                                              const CheckpointProgressFn& progress) {
+absl::StatusOr<Client::CheckpointInfo> Client::SaveCheckpoint(
+    const std::string& registered_module, const std::string& dir,
+    const CheckpointProgressFn& progress) {
   FS_ASSIGN_OR_RETURN(v1::Caller caller, core_->SessionCaller());
   v1::SaveCheckpointRequest request;
   request.set_group(caller.group());
@@ -1086,9 +1084,9 @@ absl::StatusOr<Client::CheckpointInfo> Client::SaveCheckpoint(const std::string&
                            progress);
 }
 
-absl::StatusOr<Client::CheckpointInfo> Client::LoadCheckpoint(const std::string& registered_module,
-                                                              const std::string& dir,
-                                                              const CheckpointProgressFn& progress) {
+absl::StatusOr<Client::CheckpointInfo> Client::LoadCheckpoint(
+    const std::string& registered_module, const std::string& dir,
+    const CheckpointProgressFn& progress) {
   FS_ASSIGN_OR_RETURN(v1::Caller caller, core_->SessionCaller());
   v1::LoadCheckpointRequest request;
   request.set_group(caller.group());

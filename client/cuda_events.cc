@@ -86,9 +86,9 @@ class CudaRuntimeEventApi final : public CudaEventApi {
     // `ready` only after the host saw the collective complete, so this is the common case.
     if (cudaEventQuery(static_cast<cudaEvent_t>(event)) == cudaSuccess) return absl::OkStatus();
     cudaGetLastError();  // cudaErrorNotReady is not sticky, but leave nothing behind
-    FS_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
-                                                static_cast<cudaEvent_t>(event), 0),
-                            "cudaStreamWaitEvent");
+    FS_CUDA_RETURN_IF_ERROR(
+        cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0),
+        "cudaStreamWaitEvent");
     return absl::OkStatus();
   }
 
@@ -191,9 +191,9 @@ absl::Status StreamEvents::WaitReady(const IpcEvent& ready, void* stream) {
     return absl::StrCat("the daemon's ready event ", ready.id, " on GPU ", ready.device_uuid, ": ");
   };
   if (ready.ipc_handle.size() != gpu::kIpcHandleBytes) {
-    return absl::InternalError(absl::StrCat(where(), "CUDA IPC event handle has the wrong size: ",
-                                            ready.ipc_handle.size(), " bytes, want ",
-                                            gpu::kIpcHandleBytes));
+    return absl::InternalError(
+        absl::StrCat(where(), "CUDA IPC event handle has the wrong size: ", ready.ipc_handle.size(),
+                     " bytes, want ", gpu::kIpcHandleBytes));
   }
   std::shared_ptr<void> event;
   int device = -1;
@@ -213,8 +213,7 @@ absl::Status StreamEvents::WaitReady(const IpcEvent& ready, void* stream) {
     device = *found;
     absl::StatusOr<void*> opened = api_->OpenEvent(ready.ipc_handle, device);
     if (!opened.ok()) {
-      return absl::Status(opened.status().code(),
-                          absl::StrCat(where(), opened.status().message()));
+      return absl::Status(opened.status().code(), absl::StrCat(where(), opened.status().message()));
     }
     CudaEventApi* const api = api_.get();
     event = std::shared_ptr<void>(*opened, [api, device](void* e) { api->Destroy(e, device); });

@@ -95,7 +95,7 @@ class StreamEvents {
 
   const std::unique_ptr<CudaEventApi> api_;  // first: outlives every event below
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<int, OwnEvent> own_ ABSL_GUARDED_BY(mu_);  // by device
+  absl::flat_hash_map<int, OwnEvent> own_ ABSL_GUARDED_BY(mu_);             // by device
   absl::flat_hash_map<uint64_t, OpenedEvent> opened_ ABSL_GUARDED_BY(mu_);  // by id
   int64_t created_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t opened_count_ ABSL_GUARDED_BY(mu_) = 0;

@@ -75,8 +75,6 @@ class CudaIpcOpener final : public DeviceMemoryOpener {
 
 }  // namespace
 
-std::unique_ptr<DeviceMemoryOpener> NewCudaIpcOpener() {
-  return std::make_unique<CudaIpcOpener>();
-}
+std::unique_ptr<DeviceMemoryOpener> NewCudaIpcOpener() { return std::make_unique<CudaIpcOpener>(); }
 
 }  // namespace flatshard::client::internal

@@ -59,8 +59,8 @@ absl::StatusOr<MappedRange> SegmentCache::Map(const SegmentRange& range, bool wr
   if (range.bytes > range.segment_bytes || range.offset > range.segment_bytes - range.bytes) {
     return absl::InternalError(absl::StrCat("memory handle [", range.offset, ", +", range.bytes,
                                             ") does not fit in ", range.cuda ? "device " : "",
-                                            "segment ", range.segment, " of ",
-                                            range.segment_bytes, " bytes"));
+                                            "segment ", range.segment, " of ", range.segment_bytes,
+                                            " bytes"));
   }
   return range.cuda ? MapDevice(range, writable) : MapHost(range, writable);
 }
@@ -106,9 +106,9 @@ absl::StatusOr<MappedRange> SegmentCache::MapDevice(const SegmentRange& range, b
     return absl::StrCat("device segment ", range.segment, " on GPU ", range.device_uuid, ": ");
   };
   if (range.cuda_ipc_handle.size() != gpu::kIpcHandleBytes) {
-    return absl::InternalError(absl::StrCat(where(), "CUDA IPC handle has the wrong size: ",
-                                            range.cuda_ipc_handle.size(), " bytes, want ",
-                                            gpu::kIpcHandleBytes));
+    return absl::InternalError(
+        absl::StrCat(where(), "CUDA IPC handle has the wrong size: ", range.cuda_ipc_handle.size(),
+                     " bytes, want ", gpu::kIpcHandleBytes));
   }
   // Opening is a CUDA call, so it runs outside mu_; `opening_` makes other threads wanting
   // the same slab wait for it rather than open it a second time.
@@ -121,9 +121,9 @@ absl::StatusOr<MappedRange> SegmentCache::MapDevice(const SegmentRange& range, b
       return std::find(opening_.begin(), opening_.end(), range.segment) == opening_.end();
     };
     if (!mu_.AwaitWithTimeout(absl::Condition(&not_opening), kOpenWait)) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          where(), "another thread's CUDA IPC open did not finish within ",
-          absl::FormatDuration(kOpenWait)));
+      return absl::DeadlineExceededError(
+          absl::StrCat(where(), "another thread's CUDA IPC open did not finish within ",
+                       absl::FormatDuration(kOpenWait)));
     }
     const auto it = device_entries_.find(range.segment);
     if (it != device_entries_.end() && it->second.ipc_handle == range.cuda_ipc_handle) {
@@ -139,8 +139,7 @@ absl::StatusOr<MappedRange> SegmentCache::MapDevice(const SegmentRange& range, b
     absl::MutexLock lock(&mu_);
     opening_.erase(std::find(opening_.begin(), opening_.end(), range.segment));
     if (!opened.ok()) {
-      return absl::Status(opened.status().code(),
-                          absl::StrCat(where(), opened.status().message()));
+      return absl::Status(opened.status().code(), absl::StrCat(where(), opened.status().message()));
     }
     mapping = std::shared_ptr<const DeviceMapping>(*std::move(opened));
     ++ipc_open_calls_;

@@ -2,8 +2,8 @@
 // absl::Status <-> grpc::Status. The canonical codes are equal, so this is a cast plus the
 // message. Thread-safe: pure functions.
 
-#include "absl/status/status.h"
 #include <grpcpp/support/status.h>
+#include "absl/status/status.h"
 
 namespace flatshard {
 

@@ -3,24 +3,32 @@
 #include <algorithm>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/match.h"
 
 namespace flatshard {
 namespace {
 
 absl::string_view TypeName(const Json& v) {
   switch (v.type()) {
-    case Json::value_t::null: return "null";
-    case Json::value_t::object: return "an object";
-    case Json::value_t::array: return "an array";
-    case Json::value_t::string: return "a string";
-    case Json::value_t::boolean: return "a boolean";
+    case Json::value_t::null:
+      return "null";
+    case Json::value_t::object:
+      return "an object";
+    case Json::value_t::array:
+      return "an array";
+    case Json::value_t::string:
+      return "a string";
+    case Json::value_t::boolean:
+      return "a boolean";
     case Json::value_t::number_integer:
-    case Json::value_t::number_unsigned: return "an integer";
-    case Json::value_t::number_float: return "a number with a fraction or exponent";
-    default: return "an unsupported value";
+    case Json::value_t::number_unsigned:
+      return "an integer";
+    case Json::value_t::number_float:
+      return "a number with a fraction or exponent";
+    default:
+      return "an unsupported value";
   }
 }
 
@@ -30,12 +38,16 @@ int MaxDepth(absl::string_view text) {
   bool in_string = false, escaped = false;
   for (char c : text) {
     if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
       continue;
     }
-    if (c == '"') in_string = true;
+    if (c == '"')
+      in_string = true;
     else if (c == '[' || c == '{') {
       if (++depth > max_depth) max_depth = depth;
       if (max_depth > kMaxJsonDepth) return max_depth;
@@ -106,9 +118,8 @@ absl::Status JsonPath::Error(absl::string_view what) const {
 
 absl::StatusOr<Json> ParseJson(absl::string_view text, absl::string_view doc) {
   if (text.size() > kMaxJsonBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(doc, ": document is ", text.size(), " bytes, more than the limit of ",
-                     kMaxJsonBytes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        doc, ": document is ", text.size(), " bytes, more than the limit of ", kMaxJsonBytes));
   }
   if (MaxDepth(text) > kMaxJsonDepth) {
     return absl::InvalidArgumentError(
@@ -146,8 +157,8 @@ absl::Status ExpectObject(const Json& v, const JsonPath& path,
     bool known = false;
     for (absl::string_view a : allowed) known = known || key == a;
     if (!known) {
-      return path.Error(absl::StrCat("unknown key ", Quote(key), " (allowed: ",
-                                     absl::StrJoin(allowed, ", "), ")"));
+      return path.Error(absl::StrCat("unknown key ", Quote(key),
+                                     " (allowed: ", absl::StrJoin(allowed, ", "), ")"));
     }
   }
   return absl::OkStatus();

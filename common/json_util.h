@@ -14,10 +14,10 @@
 #include <string_view>
 #include <vector>
 
-#include "absl/strings/string_view.h"
+#include <nlohmann/json.hpp>
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include <nlohmann/json.hpp>
+#include "absl/strings/string_view.h"
 
 namespace flatshard {
 

@@ -39,11 +39,21 @@ void AppendJsonString(absl::string_view s, std::string* out) {
   *out += '"';
   for (char c : s) {
     switch (c) {
-      case '"': *out += "\\\""; break;
-      case '\\': *out += "\\\\"; break;
-      case '\n': *out += "\\n"; break;
-      case '\r': *out += "\\r"; break;
-      case '\t': *out += "\\t"; break;
+      case '"':
+        *out += "\\\"";
+        break;
+      case '\\':
+        *out += "\\\\";
+        break;
+      case '\n':
+        *out += "\\n";
+        break;
+      case '\r':
+        *out += "\\r";
+        break;
+      case '\t':
+        *out += "\\t";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20) {
           char buf[8];
@@ -66,10 +76,14 @@ int Verbosity() { return g_verbosity.load(); }
 
 absl::string_view LogSeverityName(LogSeverity severity) {
   switch (severity) {
-    case LogSeverity::kInfo: return "INFO";
-    case LogSeverity::kWarning: return "WARNING";
-    case LogSeverity::kError: return "ERROR";
-    case LogSeverity::kFatal: return "FATAL";
+    case LogSeverity::kInfo:
+      return "INFO";
+    case LogSeverity::kWarning:
+      return "WARNING";
+    case LogSeverity::kError:
+      return "ERROR";
+    case LogSeverity::kFatal:
+      return "FATAL";
   }
   return "UNKNOWN";
 }
@@ -103,13 +117,12 @@ absl::StatusOr<LogFormat> ParseLogFormat(absl::string_view name) {
 }
 
 std::string FormatLogRecord(LogFormat format, LogSeverity severity, absl::string_view file,
-                            int line, long tid, absl::string_view time,
-                            absl::string_view message) {
+                            int line, long tid, absl::string_view time, absl::string_view message) {
   std::string out;
   out.reserve(message.size() + 96);
   if (format == LogFormat::kText) {
-    absl::StrAppend(&out, absl::string_view(&kSeverityLetters[static_cast<int>(severity)], 1),
-                    time, " ", tid, " ", file, ":", line, "] ");
+    absl::StrAppend(&out, absl::string_view(&kSeverityLetters[static_cast<int>(severity)], 1), time,
+                    " ", tid, " ", file, ":", line, "] ");
     AppendOneLine(message, &out);
     out += '\n';
     return out;
@@ -134,8 +147,8 @@ std::string FormatLogRecord(LogFormat format, LogSeverity severity, absl::string
     if (eq == absl::string_view::npos || eq == 0) continue;
     const absl::string_view key = token.substr(0, eq);
     absl::string_view value = token.substr(eq + 1);
-    while (!value.empty() && (value.back() == ',' || value.back() == ';' ||
-                              value.back() == ':' || value.back() == ')' || value.back() == '.')) {
+    while (!value.empty() && (value.back() == ',' || value.back() == ';' || value.back() == ':' ||
+                              value.back() == ')' || value.back() == '.')) {
       value.remove_suffix(1);
     }
     for (size_t i = 0; i < std::size(kIdKeys); ++i) {

@@ -78,25 +78,23 @@ struct LogVoidify {
 #define FS_LOG_SEVERITY_ERROR ::flatshard::LogSeverity::kError
 #define FS_LOG_SEVERITY_FATAL ::flatshard::LogSeverity::kFatal
 
-#define FS_LOG(sev)                                                                  \
-  (FS_LOG_SEVERITY_##sev < ::flatshard::MinLogSeverity())                            \
-      ? (void)0                                                                      \
-      : ::flatshard::internal::LogVoidify() &                                        \
-            ::flatshard::internal::LogMessage(__FILE__, __LINE__, FS_LOG_SEVERITY_##sev) \
+#define FS_LOG(sev)                                       \
+  (FS_LOG_SEVERITY_##sev < ::flatshard::MinLogSeverity()) \
+      ? (void)0                                           \
+      : ::flatshard::internal::LogVoidify() &             \
+            ::flatshard::internal::LogMessage(__FILE__, __LINE__, FS_LOG_SEVERITY_##sev).stream()
+
+#define FS_VLOG(n)                                                                                 \
+  ((n) > ::flatshard::Verbosity())                                                                 \
+      ? (void)0                                                                                    \
+      : ::flatshard::internal::LogVoidify() &                                                      \
+            ::flatshard::internal::LogMessage(__FILE__, __LINE__, ::flatshard::LogSeverity::kInfo) \
                 .stream()
 
-#define FS_VLOG(n)                                                                   \
-  ((n) > ::flatshard::Verbosity())                                                   \
-      ? (void)0                                                                      \
-      : ::flatshard::internal::LogVoidify() &                                        \
-            ::flatshard::internal::LogMessage(__FILE__, __LINE__,                    \
-                                              ::flatshard::LogSeverity::kInfo)       \
-                .stream()
-
-#define FS_CHECK(cond)                                                               \
-  (cond) ? (void)0                                                                   \
-         : ::flatshard::internal::LogVoidify() &                                     \
-               ::flatshard::internal::LogMessage(__FILE__, __LINE__,                 \
-                                                 ::flatshard::LogSeverity::kFatal)   \
-                       .stream()                                                     \
+#define FS_CHECK(cond)                                                             \
+  (cond) ? (void)0                                                                 \
+         : ::flatshard::internal::LogVoidify() &                                   \
+               ::flatshard::internal::LogMessage(__FILE__, __LINE__,               \
+                                                 ::flatshard::LogSeverity::kFatal) \
+                       .stream()                                                   \
                    << "Check failed: " #cond " "

@@ -45,8 +45,8 @@ class ManifestParser {
     FS_RETURN_IF_ERROR(ExpectObject(doc, path, {"format", "root"}));
     FS_ASSIGN_OR_RETURN(std::string format, GetString(doc, "format", path));
     if (format != kManifestFormat) {
-      return path.Key("format").Error(absl::StrCat("unknown format ", Quote(format), ", expected ",
-                                                   Quote(kManifestFormat)));
+      return path.Key("format").Error(
+          absl::StrCat("unknown format ", Quote(format), ", expected ", Quote(kManifestFormat)));
     }
     auto root = doc.find("root");
     if (root == doc.end()) return path.Error("missing required key \"root\"");
@@ -74,8 +74,8 @@ class ManifestParser {
           "}"));
     }
     if (static_cast<int64_t>(manifest_.modules.size()) >= kMaxManifestModules) {
-      return path.Error(absl::StrCat("more than ", kMaxManifestModules,
-                                     " module instances (the limit)"));
+      return path.Error(
+          absl::StrCat("more than ", kMaxManifestModules, " module instances (the limit)"));
     }
     const int32_t index = static_cast<int32_t>(manifest_.modules.size());
     manifest_.modules.emplace_back();
@@ -133,9 +133,8 @@ class ManifestParser {
           "occurrence in pre-order)"));
     }
     if (open_.contains(it->second)) {
-      return path.Key("ref").Error(absl::StrCat("cyclic ref: module id ", id,
-                                                " is an ancestor of this position (",
-                                                id_path_[id], ")"));
+      return path.Key("ref").Error(absl::StrCat(
+          "cyclic ref: module id ", id, " is an ancestor of this position (", id_path_[id], ")"));
     }
     // Chains of refs can nest deeper than the JSON does: bound the expanded tree's depth.
     if (depth - 1 + height_[it->second] > kMaxModuleDepth) {
@@ -178,9 +177,9 @@ class ManifestParser {
       FS_ASSIGN_OR_RETURN(std::string dtype, GetString(t, "dtype", tpath));
       auto parsed = ParseDType(dtype);
       if (!parsed) {
-        return tpath.Key("dtype").Error(absl::StrCat(
-            "unknown dtype ", Quote(dtype),
-            " (one of float32 float16 bfloat16 float64 int8 int32 int64 uint8 bool)"));
+        return tpath.Key("dtype").Error(
+            absl::StrCat("unknown dtype ", Quote(dtype),
+                         " (one of float32 float16 bfloat16 float64 int8 int32 int64 uint8 bool)"));
       }
       decl.dtype = *parsed;
       FS_RETURN_IF_ERROR(GetOptionalBool(t, "requires_grad", tpath, &decl.requires_grad));
@@ -350,8 +349,8 @@ absl::Status ValidateManifest(const Manifest& manifest) {
       for (const ChildDecl& c : manifest.modules[*it].children) {
         depth[c.module] = std::max(depth[c.module], depth[*it] + 1);
         if (depth[c.module] > kMaxModuleDepth) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "manifest: module tree is deeper than ", kMaxModuleDepth, " levels"));
+          return absl::InvalidArgumentError(
+              absl::StrCat("manifest: module tree is deeper than ", kMaxModuleDepth, " levels"));
         }
       }
     }

@@ -146,8 +146,8 @@ absl::StatusOr<std::vector<int64_t>> GetShape(const Json& obj, const JsonPath& p
   FS_RETURN_IF_ERROR(ExpectArray(*it, shape_path));
   std::vector<int64_t> shape;
   for (size_t i = 0; i < it->size(); ++i) {
-    FS_ASSIGN_OR_RETURN(int64_t d, AsInt((*it)[i], shape_path.Index(i), 0,
-                                         std::numeric_limits<int64_t>::max()));
+    FS_ASSIGN_OR_RETURN(
+        int64_t d, AsInt((*it)[i], shape_path.Index(i), 0, std::numeric_limits<int64_t>::max()));
     shape.push_back(d);
   }
   return shape;
@@ -188,9 +188,8 @@ absl::StatusOr<PlanUnit> ParseUnit(const Json& v, const JsonPath& path) {
       if (__builtin_mul_overflow(numel, d, &numel)) numel = -1;
     }
     if (numel != p.numel) {
-      return ppath.Key("numel").Error(
-          absl::StrCat("numel ", p.numel, " does not match shape [", absl::StrJoin(p.shape, ", "),
-                       "]"));
+      return ppath.Key("numel").Error(absl::StrCat("numel ", p.numel, " does not match shape [",
+                                                   absl::StrJoin(p.shape, ", "), "]"));
     }
     u.params.push_back(std::move(p));
   }
@@ -216,10 +215,10 @@ absl::StatusOr<PlanUnit> ParseUnit(const Json& v, const JsonPath& path) {
 
 absl::StatusOr<Plan> PlanFromJsonValue(const Json& doc) {
   JsonPath path("plan");
-  FS_RETURN_IF_ERROR(ExpectObject(doc, path,
-                                  {"format", "world_size", "sharding_strategy", "shard_world_size",
-                                   "use_orig_params", "units", "ignored_params", "warnings",
-                                   "fingerprint"}));
+  FS_RETURN_IF_ERROR(
+      ExpectObject(doc, path,
+                   {"format", "world_size", "sharding_strategy", "shard_world_size",
+                    "use_orig_params", "units", "ignored_params", "warnings", "fingerprint"}));
   FS_ASSIGN_OR_RETURN(std::string format, GetString(doc, "format", path));
   if (format != kPlanFormat) {
     return path.Key("format").Error(
@@ -274,17 +273,17 @@ absl::StatusOr<Plan> PlanFromJsonValue(const Json& doc) {
     const FlatLayout& layout = *made;
     for (size_t p = 0; p < u.params.size(); ++p) {
       if (u.params[p].offset != layout.offsets()[p]) {
-        return upath.Key("params").Index(p).Key("offset").Error(absl::StrCat(
-            "offset ", u.params[p].offset, " does not match the layout rules (want ",
-            layout.offsets()[p], ")"));
+        return upath.Key("params").Index(p).Key("offset").Error(
+            absl::StrCat("offset ", u.params[p].offset, " does not match the layout rules (want ",
+                         layout.offsets()[p], ")"));
       }
     }
     if (u.numel != layout.numel() || u.padded_numel != layout.padded_numel() ||
         u.shard_numel != layout.shard_numel()) {
       return upath.Error(absl::StrCat("numel/padded_numel/shard_numel ", u.numel, "/",
                                       u.padded_numel, "/", u.shard_numel,
-                                      " do not match the layout rules (want ", layout.numel(),
-                                      "/", layout.padded_numel(), "/", layout.shard_numel(), ")"));
+                                      " do not match the layout rules (want ", layout.numel(), "/",
+                                      layout.padded_numel(), "/", layout.shard_numel(), ")"));
     }
     plan.units.push_back(std::move(u));
   }

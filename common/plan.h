@@ -8,8 +8,8 @@
 #include <string_view>
 #include <vector>
 
-#include "absl/strings/string_view.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/dtype.h"
 #include "common/flat_layout.h"
 #include "common/json_util.h"

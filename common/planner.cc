@@ -46,7 +46,7 @@ struct TensorInfo {
   DType dtype = DType::kFloat32;
   bool requires_grad = true;
   bool ignored = false;
-  int32_t unit = -1;  // formation index of the unit that holds it
+  int32_t unit = -1;   // formation index of the unit that holds it
   uint32_t stamp = 0;  // epoch marker for distinct counting
 };
 
@@ -96,12 +96,12 @@ class Planner {
         plan_.shard_world_size = 1;
         break;
       case ShardingStrategy::kHybridShard: {
-        int32_t per_node = options_.ranks_per_node == 0 ? options_.world_size
-                                                        : options_.ranks_per_node;
+        int32_t per_node =
+            options_.ranks_per_node == 0 ? options_.world_size : options_.ranks_per_node;
         if (per_node < 1 || options_.world_size % per_node != 0) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "HYBRID_SHARD: ranks per node ", per_node, " must be >= 1 and divide world size ",
-              options_.world_size));
+          return absl::InvalidArgumentError(absl::StrCat("HYBRID_SHARD: ranks per node ", per_node,
+                                                         " must be >= 1 and divide world size ",
+                                                         options_.world_size));
         }
         plan_.shard_world_size = per_node;
         break;
@@ -118,7 +118,8 @@ class Planner {
     param_tensor_.resize(n);
     for (size_t i = 0; i < n; ++i) {
       for (const TensorDecl& p : manifest_.modules[i].params) {
-        auto [it, inserted] = tensor_of_id_.try_emplace(p.id, static_cast<int32_t>(tensors_.size()));
+        auto [it, inserted] =
+            tensor_of_id_.try_emplace(p.id, static_cast<int32_t>(tensors_.size()));
         if (inserted) {
           tensors_.push_back(TensorInfo{p.numel, p.dtype, p.requires_grad});
         }
@@ -177,11 +178,13 @@ class Planner {
         const int64_t prefix = static_cast<int64_t>(child.name.size()) + 1;  // "name."
         Size& a = acc[m];
         a.paths = add(a.paths, c.paths, path_limit);
-        a.path_bytes = add(a.path_bytes, add(c.path_bytes, mul(c.paths, prefix, byte_limit),
-                                             byte_limit), byte_limit);
+        a.path_bytes =
+            add(a.path_bytes, add(c.path_bytes, mul(c.paths, prefix, byte_limit), byte_limit),
+                byte_limit);
         a.params = add(a.params, c.params, path_limit);
-        a.param_bytes = add(a.param_bytes, add(c.param_bytes, mul(c.params, prefix, byte_limit),
-                                               byte_limit), byte_limit);
+        a.param_bytes =
+            add(a.param_bytes, add(c.param_bytes, mul(c.params, prefix, byte_limit), byte_limit),
+                byte_limit);
         ++next;
         continue;
       }
@@ -189,14 +192,14 @@ class Planner {
       stack.pop_back();
     }
     if (size[0].paths > path_limit || size[0].params > path_limit) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "manifest: the module tree has more than ", path_limit,
-          " module paths once shared modules (refs) are expanded at every path"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("manifest: the module tree has more than ", path_limit,
+                       " module paths once shared modules (refs) are expanded at every path"));
     }
     if (size[0].path_bytes > byte_limit || size[0].param_bytes > byte_limit) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "manifest: module paths and parameter names take more than ", byte_limit,
-          " bytes once shared modules (refs) are expanded at every path"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("manifest: module paths and parameter names take more than ", byte_limit,
+                       " bytes once shared modules (refs) are expanded at every path"));
     }
     return absl::OkStatus();
   }
@@ -208,8 +211,8 @@ class Planner {
       const std::string& path = policy_.ignored_modules[i];
       auto m = FindModulePath(manifest_, path);
       if (!m) {
-        return absl::InvalidArgumentError(absl::StrCat("policy: $.ignored_modules[", i,
-                                                       "]: no module at path ", Quote(path)));
+        return absl::InvalidArgumentError(
+            absl::StrCat("policy: $.ignored_modules[", i, "]: no module at path ", Quote(path)));
       }
       if (*m == 0) {
         plan_.warnings.push_back(
@@ -230,8 +233,10 @@ class Planner {
     for (size_t i = 0; i < policy_.ignored_params.size(); ++i) {
       const std::string& fqn = policy_.ignored_params[i];
       size_t dot = fqn.rfind('.');
-      absl::string_view module_path = dot == std::string::npos ? "" : absl::string_view(fqn).substr(0, dot);
-      absl::string_view name = dot == std::string::npos ? absl::string_view(fqn) : absl::string_view(fqn).substr(dot + 1);
+      absl::string_view module_path =
+          dot == std::string::npos ? "" : absl::string_view(fqn).substr(0, dot);
+      absl::string_view name = dot == std::string::npos ? absl::string_view(fqn)
+                                                        : absl::string_view(fqn).substr(dot + 1);
       auto m = FindModulePath(manifest_, module_path);
       bool found = false;
       if (m) {
@@ -245,8 +250,8 @@ class Planner {
         }
       }
       if (!found) {
-        return absl::InvalidArgumentError(absl::StrCat("policy: $.ignored_params[", i,
-                                                       "]: no parameter ", Quote(fqn)));
+        return absl::InvalidArgumentError(
+            absl::StrCat("policy: $.ignored_params[", i, "]: no parameter ", Quote(fqn)));
       }
     }
     return absl::OkStatus();
@@ -257,9 +262,8 @@ class Planner {
       for (size_t i = 0; i < p.paths.size(); ++i) {
         auto m = FindModulePath(manifest_, p.paths[i]);
         if (!m) {
-          return absl::InvalidArgumentError(absl::StrCat(where, ".paths[", i,
-                                                         "]: no module at path ",
-                                                         Quote(p.paths[i])));
+          return absl::InvalidArgumentError(
+              absl::StrCat(where, ".paths[", i, "]: no module at path ", Quote(p.paths[i])));
         }
         explicit_modules_[&p].push_back(*m);
       }
@@ -310,7 +314,8 @@ class Planner {
     if (auto it = explicit_modules_.find(&from); it != explicit_modules_.end()) {
       explicit_modules_[&to] = it->second;
     }
-    for (size_t i = 0; i < from.policies.size(); ++i) CopyExplicit(from.policies[i], to.policies[i]);
+    for (size_t i = 0; i < from.policies.size(); ++i)
+      CopyExplicit(from.policies[i], to.policies[i]);
   }
 
   // The policy callable of FSDP: `recurse=true` asks whether to descend, `recurse=false`
@@ -324,8 +329,8 @@ class Planner {
         return true;
       case AutoWrapKind::kSizeBased: {
         const bool is_large = numel >= p.min_num_params;
-        return is_large && !IsInstanceOfAny(mod, recurse ? p.force_leaf_types
-                                                         : p.exclude_wrap_types);
+        return is_large &&
+               !IsInstanceOfAny(mod, recurse ? p.force_leaf_types : p.exclude_wrap_types);
       }
       case AutoWrapKind::kModuleTypes:
         return recurse || IsInstanceOfAny(mod, p.types);
@@ -471,9 +476,8 @@ class Planner {
     unit.dtype = first.dtype;
     unit.requires_grad = !trainable.empty();
     if (!trainable.empty() && !frozen.empty()) {
-      std::string msg = absl::StrCat(
-          formed.path.empty() ? "The root module" : Quote(formed.path),
-          " has both parameters with requires_grad=True and False.");
+      std::string msg = absl::StrCat(formed.path.empty() ? "The root module" : Quote(formed.path),
+                                     " has both parameters with requires_grad=True and False.");
       if (policy_.use_orig_params) {
         absl::StrAppend(&msg,
                         " We do not recommend wrapping such modules since the gradient memory "
@@ -489,8 +493,8 @@ class Planner {
       absl::StrAppend(&msg,
                       " If possible, wrap the frozen parameters with FSDP separately. The "
                       "following parameters have requires_grad=True: ",
-                      PyList(trainable), " The following parameters have requires_grad=False: ",
-                      PyList(frozen));
+                      PyList(trainable),
+                      " The following parameters have requires_grad=False: ", PyList(frozen));
       if (!policy_.use_orig_params) return absl::InvalidArgumentError(msg);
       plan_.warnings.push_back(std::move(msg));
     }

@@ -31,9 +31,9 @@ absl::StatusOr<AutoWrapPolicy> ParseAutoWrap(const Json& v, const JsonPath& path
   FS_ASSIGN_OR_RETURN(std::string kind_name, GetString(v, "kind", path));
   auto kind = ParseAutoWrapKind(kind_name);
   if (!kind) {
-    return path.Key("kind").Error(absl::StrCat(
-        "unknown auto_wrap kind ", Quote(kind_name),
-        " (one of none, always, size_based, module_types, explicit, any)"));
+    return path.Key("kind").Error(
+        absl::StrCat("unknown auto_wrap kind ", Quote(kind_name),
+                     " (one of none, always, size_based, module_types, explicit, any)"));
   }
   AutoWrapPolicy p;
   p.kind = *kind;
@@ -79,7 +79,7 @@ absl::StatusOr<AutoWrapPolicy> ParseAutoWrap(const Json& v, const JsonPath& path
 }
 
 absl::StatusOr<std::optional<DType>> ParseFloatDType(const Json& obj, absl::string_view key,
-                                                      const JsonPath& path) {
+                                                     const JsonPath& path) {
   if (!obj.contains(key)) return std::nullopt;
   FS_ASSIGN_OR_RETURN(std::string name, GetString(obj, key, path));
   auto dtype = ParseDType(name);
@@ -155,8 +155,8 @@ absl::StatusOr<Policy> PolicyFromJsonValue(const Json& doc) {
   std::string format(kPolicyFormat);
   FS_RETURN_IF_ERROR(GetOptionalString(doc, "format", path, &format));
   if (format != kPolicyFormat) {
-    return path.Key("format").Error(absl::StrCat("unknown format ", Quote(format), ", expected ",
-                                                 Quote(kPolicyFormat)));
+    return path.Key("format").Error(
+        absl::StrCat("unknown format ", Quote(format), ", expected ", Quote(kPolicyFormat)));
   }
   Policy policy;
   if (auto it = doc.find("auto_wrap"); it != doc.end()) {

@@ -12,8 +12,8 @@ v1::DType DTypeToProto(DType d) { return static_cast<v1::DType>(static_cast<int>
 
 absl::StatusOr<DType> DTypeFromProto(v1::DType d, absl::string_view where) {
   if (d <= v1::DTYPE_UNSPECIFIED || d > v1::DTYPE_BOOL) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": dtype is unspecified or unknown (",
-                                                   static_cast<int>(d), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": dtype is unspecified or unknown (", static_cast<int>(d), ")"));
   }
   return static_cast<DType>(static_cast<int>(d) - 1);
 }
@@ -118,9 +118,8 @@ v1::Manifest ToProto(const Manifest& manifest) {
 
 absl::StatusOr<Manifest> FromProto(const v1::Manifest& proto) {
   if (proto.format() != kManifestFormat) {
-    return absl::InvalidArgumentError(absl::StrCat("manifest: unknown format ",
-                                                   Quote(proto.format()), ", expected ",
-                                                   Quote(kManifestFormat)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "manifest: unknown format ", Quote(proto.format()), ", expected ", Quote(kManifestFormat)));
   }
   // Counted before anything is converted: a huge manifest is refused for the cost of reading
   // two counters per module.
@@ -132,9 +131,8 @@ absl::StatusOr<Manifest> FromProto(const v1::Manifest& proto) {
   int64_t tensors = 0;
   for (const v1::ModuleDecl& p : proto.modules()) tensors += p.params_size() + p.buffers_size();
   if (tensors > kMaxManifestTensors) {
-    return absl::InvalidArgumentError(absl::StrCat("manifest: ", tensors,
-                                                   " parameters and buffers, the limit is ",
-                                                   kMaxManifestTensors));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "manifest: ", tensors, " parameters and buffers, the limit is ", kMaxManifestTensors));
   }
   Manifest manifest;
   manifest.modules.reserve(proto.modules_size());
@@ -175,9 +173,8 @@ v1::Policy ToProto(const Policy& policy) {
 
 absl::StatusOr<Policy> FromProto(const v1::Policy& proto) {
   if (proto.format() != kPolicyFormat) {
-    return absl::InvalidArgumentError(absl::StrCat("policy: unknown format ",
-                                                   Quote(proto.format()), ", expected ",
-                                                   Quote(kPolicyFormat)));
+    return absl::InvalidArgumentError(absl::StrCat("policy: unknown format ", Quote(proto.format()),
+                                                   ", expected ", Quote(kPolicyFormat)));
   }
   Policy policy;
   FS_ASSIGN_OR_RETURN(policy.auto_wrap, AutoWrapFromProto(proto.auto_wrap(), 0));
@@ -249,8 +246,8 @@ v1::Plan ToProto(const Plan& plan) {
 
 absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
   if (proto.format() != kPlanFormat) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "plan: unknown format ", Quote(proto.format()), ", expected ", Quote(kPlanFormat)));
+    return absl::InvalidArgumentError(absl::StrCat("plan: unknown format ", Quote(proto.format()),
+                                                   ", expected ", Quote(kPlanFormat)));
   }
   Plan plan;
   plan.world_size = proto.world_size();
@@ -265,8 +262,8 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
     FS_ASSIGN_OR_RETURN(u.dtype, DTypeFromProto(p.dtype(), absl::StrCat("plan: unit ", p.index())));
     u.requires_grad = p.requires_grad();
     for (const v1::PlanParam& pp : p.params()) {
-      u.params.push_back(PlanParam{pp.fqn(), {pp.shape().begin(), pp.shape().end()}, pp.numel(),
-                                   pp.offset()});
+      u.params.push_back(
+          PlanParam{pp.fqn(), {pp.shape().begin(), pp.shape().end()}, pp.numel(), pp.offset()});
     }
     for (const v1::SharedParam& sp : p.shared()) u.shared.push_back({sp.fqn(), sp.same_as()});
     u.numel = p.numel();
@@ -279,9 +276,8 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
   plan.fingerprint = proto.fingerprint();
   // One set of consistency rules: those of the JSON reader. Invalid UTF-8 is replaced in the
   // text, so the plan read back differs and is refused.
-  FS_ASSIGN_OR_RETURN(
-      Plan reparsed,
-      PlanFromJson(PlanToJson(plan).dump(-1, ' ', false, Json::error_handler_t::replace)));
+  FS_ASSIGN_OR_RETURN(Plan reparsed, PlanFromJson(PlanToJson(plan).dump(
+                                         -1, ' ', false, Json::error_handler_t::replace)));
   if (!(reparsed == plan)) {
     return absl::InvalidArgumentError("plan: strings must be valid UTF-8");
   }
@@ -366,7 +362,9 @@ v1::Caller ToProto(const Caller& c) {
   return p;
 }
 
-Caller FromProto(const v1::Caller& p) { return Caller{p.group(), p.rank(), p.token(), p.session()}; }
+Caller FromProto(const v1::Caller& p) {
+  return Caller{p.group(), p.rank(), p.token(), p.session()};
+}
 
 v1::CudaEvent ToProto(const IpcEvent& e) {
   v1::CudaEvent p;
@@ -435,9 +433,9 @@ absl::StatusOr<std::vector<StateSpec>> FromProto(
         s.shape = StateShape::kScalar;
         break;
       default:
-        return absl::InvalidArgumentError(absl::StrCat(
-            "specs[", i, "].shape: unspecified or unknown (", static_cast<int>(p.shape()),
-            "); SHARD or SCALAR"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("specs[", i, "].shape: unspecified or unknown (",
+                         static_cast<int>(p.shape()), "); SHARD or SCALAR"));
     }
     out.push_back(std::move(s));
   }

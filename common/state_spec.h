@@ -40,9 +40,7 @@ struct StateSpec {
   }
   bool operator!=(const StateSpec& o) const { return !(*this == o); }
   // Elements of the buffer for a unit whose shard has `shard_numel` elements.
-  int64_t Numel(int64_t shard_numel) const {
-    return shape == StateShape::kShard ? shard_numel : 1;
-  }
+  int64_t Numel(int64_t shard_numel) const { return shape == StateShape::kShard ? shard_numel : 1; }
 };
 
 // State names are short identifiers; longer ones are refused (README "Limits").
@@ -54,8 +52,8 @@ inline constexpr size_t kMaxStatesPerModule = 64;
 inline absl::Status ValidateStateSpecs(const std::vector<StateSpec>& specs) {
   if (specs.empty()) return absl::InvalidArgumentError("specs: at least one state is required");
   if (specs.size() > kMaxStatesPerModule) {
-    return absl::InvalidArgumentError(absl::StrCat("specs: ", specs.size(),
-                                                   " states, at most ", kMaxStatesPerModule));
+    return absl::InvalidArgumentError(
+        absl::StrCat("specs: ", specs.size(), " states, at most ", kMaxStatesPerModule));
   }
   std::set<std::string> seen;
   for (size_t i = 0; i < specs.size(); ++i) {
@@ -63,20 +61,19 @@ inline absl::Status ValidateStateSpecs(const std::vector<StateSpec>& specs) {
     const std::string field = absl::StrCat("specs[", i, "].name");
     if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": empty"));
     if (name.size() > kMaxStateNameBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ": ", name.size(),
-                                                     " bytes, at most ", kMaxStateNameBytes));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": ", name.size(), " bytes, at most ", kMaxStateNameBytes));
     }
     for (char c : name) {
-      const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
-                      (c >= '0' && c <= '9') || c == '_' || c == '.';
+      const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                      c == '_' || c == '.';
       if (!ok) {
         return absl::InvalidArgumentError(absl::StrCat(
             field, ": \"", name, "\" has a character other than letters, digits, '_' and '.'"));
       }
     }
     if (!seen.insert(name).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": \"", name, "\" appears twice"));
+      return absl::InvalidArgumentError(absl::StrCat(field, ": \"", name, "\" appears twice"));
     }
   }
   return absl::OkStatus();
@@ -90,8 +87,8 @@ inline std::string StateSpecDifference(const std::vector<StateSpec>& fixed,
     const StateSpec& a = fixed[i];
     const StateSpec& b = got[i];
     if (a.name != b.name) {
-      return absl::StrCat("specs[", i, "].name: \"", b.name, "\", the module's state ", i,
-                          " is \"", a.name, "\"");
+      return absl::StrCat("specs[", i, "].name: \"", b.name, "\", the module's state ", i, " is \"",
+                          a.name, "\"");
     }
     if (a.dtype != b.dtype) {
       return absl::StrCat("state \"", a.name, "\": dtype ", DTypeName(b.dtype),

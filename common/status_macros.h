@@ -12,10 +12,10 @@
 #define FS_STATUS_CONCAT_(a, b) FS_STATUS_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function if `expr` (an absl::Status) is not OK.
-#define FS_RETURN_IF_ERROR(expr)                  \
-  do {                                            \
-    ::absl::Status fs_status_ = (expr);           \
-    if (!fs_status_.ok()) return fs_status_;      \
+#define FS_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::absl::Status fs_status_ = (expr);      \
+    if (!fs_status_.ok()) return fs_status_; \
   } while (false)
 
 // `FS_ASSIGN_OR_RETURN(T x, StatusOrExpr)`: assigns the value or returns the error.

@@ -10,6 +10,9 @@
 #include <filesystem>
 #include <vector>
 
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -21,23 +24,20 @@
 #include "server/access/access_control.h"
 #include "server/access/tls_config.h"
 #include "server/access/unix_socket_acceptor.h"
+#include "server/checkpoint/checkpoint_peer_service.h"
 #include "server/collective/backend_registry.h"
 #include "server/collective/staging/staging_communicator.h"
+#include "server/durable/state_dir.h"
 #include "server/gpu/device_context.h"
 #include "server/group_manager.h"
 #include "server/metrics/daemon_gauges.h"
 #include "server/metrics/daemon_metrics.h"
 #include "server/metrics/http_server.h"
 #include "server/peer/peer_service_impl.h"
-#include "server/checkpoint/checkpoint_peer_service.h"
 #include "server/service/admin_service_impl.h"
 #include "server/service/answer_interceptor.h"
 #include "server/service/shard_service_impl.h"
 #include "server/shard_store.h"
-#include "server/durable/state_dir.h"
-#include <grpcpp/health_check_service_interface.h>
-#include <grpcpp/security/server_credentials.h>
-#include <grpcpp/server_builder.h>
 
 namespace flatshard::server {
 namespace {
@@ -85,9 +85,9 @@ absl::Status SetUpDescriptorBudget(const DaemonConfig& config, ShardStoreOptions
     return absl::InvalidArgumentError("--memory_quota_mib_per_uid must be >= 0 (0: none)");
   }
   if (config.max_segments_per_uid < -1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--max_segments_per_uid must be -1 (auto), 0 (none) or more, got ",
-        config.max_segments_per_uid));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_segments_per_uid must be -1 (auto), 0 (none) or more, got ",
+                     config.max_segments_per_uid));
   }
   if (config.max_groups_per_uid < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -107,15 +107,14 @@ absl::Status SetUpDescriptorBudget(const DaemonConfig& config, ShardStoreOptions
     }
   }
   // RLIM_INFINITY cannot happen for RLIMIT_NOFILE on Linux (nr_open caps it); be safe anyway.
-  const int64_t soft = limit.rlim_cur == RLIM_INFINITY
-                           ? int64_t{1} << 30
-                           : static_cast<int64_t>(limit.rlim_cur);
+  const int64_t soft =
+      limit.rlim_cur == RLIM_INFINITY ? int64_t{1} << 30 : static_cast<int64_t>(limit.rlim_cur);
   // Never less than half of the descriptors for segments, whatever the reserve.
   const int64_t budget = std::max(soft - config.fd_reserve, soft / 2);
   store->max_segments = std::max<int64_t>(budget, 1);
   store->memory_quota_bytes_per_uid = config.memory_quota_bytes_per_uid;
-  store->max_segments_per_uid =
-      config.max_segments_per_uid < 0 ? std::max<int64_t>(budget / 2, 1) : config.max_segments_per_uid;
+  store->max_segments_per_uid = config.max_segments_per_uid < 0 ? std::max<int64_t>(budget / 2, 1)
+                                                                : config.max_segments_per_uid;
   FS_LOG(INFO) << "descriptors: limit " << soft
                << (static_cast<rlim_t>(soft) != before ? absl::StrCat(" (raised from ", before, ")")
                                                        : std::string())
@@ -139,8 +138,8 @@ namespace {
 absl::Status SetUpGpus(const DaemonConfig& config, ShardStoreOptions* store_options,
                        GroupManagerOptions* group_options) {
   if (config.simulate_gpus < 0 || config.simulate_gpus > 64) {
-    return absl::InvalidArgumentError(absl::StrCat("--simulate_gpus must be in [0, 64], got ",
-                                                   config.simulate_gpus));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--simulate_gpus must be in [0, 64], got ", config.simulate_gpus));
   }
   if (config.simulate_gpus > 0) {
     if (!config.gpus.empty() && config.gpus != "none") {
@@ -184,9 +183,9 @@ absl::Status SetUpGpus(const DaemonConfig& config, ShardStoreOptions* store_opti
       int ordinal = -1;
       if (!absl::SimpleAtoi(part, &ordinal) || ordinal < 0 ||
           ordinal >= static_cast<int>(gpus->size())) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "--gpus: '", part, "' is not a GPU of this machine (it has ", gpus->size(),
-            "; ordinals 0..", gpus->size() - 1, ", or 'all')"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("--gpus: '", part, "' is not a GPU of this machine (it has ", gpus->size(),
+                         "; ordinals 0..", gpus->size() - 1, ", or 'all')"));
       }
       if (std::find(ordinals.begin(), ordinals.end(), ordinal) != ordinals.end()) {
         return absl::InvalidArgumentError(absl::StrCat("--gpus names GPU ", ordinal, " twice"));
@@ -204,9 +203,8 @@ absl::Status SetUpGpus(const DaemonConfig& config, ShardStoreOptions* store_opti
     absl::StatusOr<std::unique_ptr<gpu::DeviceContext>> context =
         gpu::DeviceContext::Create(device, pool);
     if (!context.ok()) {
-      return absl::Status(context.status().code(),
-                          absl::StrCat("GPU ", ordinal, " (", device.uuid, "): ",
-                                       context.status().message()));
+      return absl::Status(context.status().code(), absl::StrCat("GPU ", ordinal, " (", device.uuid,
+                                                                "): ", context.status().message()));
     }
     std::shared_ptr<gpu::DeviceContext> shared = *std::move(context);
     store_options->device_pools[ordinal] = shared->pool();
@@ -226,9 +224,9 @@ absl::Status SetUpGpus(const DaemonConfig& config, ShardStoreOptions* store_opti
     if (nccl.ok() && (*nccl)->IsViable()) {
       group_options->nccl_backend = *std::move(nccl);
     } else if (config.gpu_collectives == "nccl") {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "--gpu_collectives=nccl: NCCL cannot run here: ",
-          nccl.ok() ? "the backend is not viable" : nccl.status().message()));
+      return absl::FailedPreconditionError(
+          absl::StrCat("--gpu_collectives=nccl: NCCL cannot run here: ",
+                       nccl.ok() ? "the backend is not viable" : nccl.status().message()));
     } else {
       FS_LOG(WARNING) << "NCCL unavailable ("
                       << (nccl.ok() ? "not viable" : nccl.status().message())
@@ -314,10 +312,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
 
     collective::BackendRegistry registry;
     FS_RETURN_IF_ERROR(collective::RegisterBuiltinBackends(registry));
-    absl::StatusOr<std::unique_ptr<collective::CollectiveBackend>> ucx = registry.Create("ucx", {{"error_handling", config.ucx_error_handling}});
+    absl::StatusOr<std::unique_ptr<collective::CollectiveBackend>> ucx =
+        registry.Create("ucx", {{"error_handling", config.ucx_error_handling}});
     if (!ucx.ok()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "--peer_address needs the UCX backend, which this build lacks: ", ucx.status().message()));
+      return absl::FailedPreconditionError(
+          absl::StrCat("--peer_address needs the UCX backend, which this build lacks: ",
+                       ucx.status().message()));
     }
     group_options.remote_backend = *std::move(ucx);
     char host[256] = {};
@@ -338,8 +338,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   if (d->checkpoint_peer_) d->checkpoint_peer_->SetGroups(d->groups_.get());
   d->acceptor_ = std::move(acceptor);
   d->access_ = std::make_unique<access::AccessControl>(d->acceptor_.get(), config.allowed_uids);
-  d->shard_service_ = std::make_unique<ShardServiceImpl>(d->groups_.get(), config.default_wait,
-                                                         d->access_.get());
+  d->shard_service_ =
+      std::make_unique<ShardServiceImpl>(d->groups_.get(), config.default_wait, d->access_.get());
   AdminServiceOptions admin_options;
   admin_options.store = d->store_.get();
   admin_options.peer_address = d->peer_address_;
@@ -353,7 +353,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
       health->SetServingStatus("", false);
     }
   };
-  d->admin_service_ = std::make_unique<AdminServiceImpl>(d->groups_.get(), std::move(admin_options));
+  d->admin_service_ =
+      std::make_unique<AdminServiceImpl>(d->groups_.get(), std::move(admin_options));
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
@@ -374,9 +375,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   builder.experimental().SetInterceptorCreators(std::move(creators));
   d->server_ = builder.BuildAndStart();
   if (d->server_ == nullptr || (!config.tcp_address.empty() && tcp_port == 0)) {
-    return absl::UnavailableError(absl::StrCat(
-        "cannot listen on unix:", config.socket_path,
-        config.tcp_address.empty() ? "" : absl::StrCat(" and ", config.tcp_address)));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on unix:", config.socket_path,
+                     config.tcp_address.empty() ? "" : absl::StrCat(" and ", config.tcp_address)));
   }
   if (auto* health = d->server_->GetHealthCheckService()) {
     health->SetServingStatus(kLivenessHealthService, true);
@@ -417,13 +418,13 @@ void Daemon::Shutdown() {
   FS_LOG(INFO) << "flatshardd shutting down (grace " << config_.shutdown_grace << ")";
   if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
   metrics_server_.reset();  // its render reads the store and the groups
-  groups_->Shutdown();  // pending collectives finish with UNAVAILABLE
+  groups_->Shutdown();      // pending collectives finish with UNAVAILABLE
   const auto deadline =
       std::chrono::system_clock::now() + absl::ToChronoNanoseconds(config_.shutdown_grace);
   if (peer_service_) peer_service_->Shutdown();  // pending rendezvous fail, streams end
   if (peer_server_) peer_server_->Shutdown(deadline);
   if (checkpoint_peer_) checkpoint_peer_->Stop();  // its calls use groups_
-  if (acceptor_) acceptor_->Stop();  // no new connections while the server drains
+  if (acceptor_) acceptor_->Stop();                // no new connections while the server drains
   server_->Shutdown(deadline);
   // --keep_shards (with --state_dir): shards, gradient shards and committed copies stay with
   // their records for the next daemon; otherwise the records go first, then the segments.
@@ -433,8 +434,8 @@ void Daemon::Shutdown() {
   store_->Shutdown(keep);
   ::unlink(config_.socket_path.c_str());
   FS_LOG(INFO) << (keep ? "flatshardd stopped: socket and transient segments removed; shards "
-                          "and their records in " + config_.state_dir +
-                          " kept for the next daemon (--keep_shards)"
+                          "and their records in " +
+                              config_.state_dir + " kept for the next daemon (--keep_shards)"
                         : std::string("flatshardd stopped: socket and segments removed"));
 }
 

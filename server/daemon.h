@@ -2,9 +2,9 @@
 // Daemon: owns and orders the parts of flatshardd: the ShardStore (memory), the GroupManager
 // (groups, sessions, registrations), the gRPC server for trainers and operators (Unix socket,
 // optional TCP, the standard health service) and, for multi-daemon groups, the PeerService on
-// its own TCP port with the UCX backend. Shutdown fails pending waits, stops the server within a grace
-// period, and removes the socket and every shared-memory segment.
-// Thread-safe: Shutdown may be called from any thread, once or more.
+// its own TCP port with the UCX backend. Shutdown fails pending waits, stops the server within a
+// grace period, and removes the socket and every shared-memory segment. Thread-safe: Shutdown may
+// be called from any thread, once or more.
 
 #include <sys/types.h>
 
@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/server.h>
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/access/tls_config.h"
-#include <grpcpp/server.h>
 
 namespace flatshard::server {
 

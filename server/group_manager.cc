@@ -26,7 +26,8 @@ RecordsOptions RecordsOptionsOf(const GroupManagerOptions& options, ShardStore* 
 }
 
 std::unique_ptr<collective::CommunicatorFactory> MakeFactory(GroupManagerOptions& options) {
-  FS_CHECK(options.gpus.empty() || options.copier != nullptr) << "a GPU daemon needs a DeviceCopier";
+  FS_CHECK(options.gpus.empty() || options.copier != nullptr)
+      << "a GPU daemon needs a DeviceCopier";
   collective::CommunicatorFactoryOptions factory;
   factory.remote = std::move(options.remote_backend);
   factory.nccl = std::move(options.nccl_backend);
@@ -100,7 +101,7 @@ GroupManager::GroupManager(ShardStore* store, GroupManagerOptions options)
 
 GroupManager::~GroupManager() {
   membership_->Shutdown();  // joins the deadline loop
-  peer_.reset();  // its pending rendezvous fail now, while the manager is whole
+  peer_.reset();            // its pending rendezvous fail now, while the manager is whole
   // Connects still queued finish (FinishConnect drops them: shutting down); then no thread but
   // the callers' can enter the manager.
   comms_.reset();
@@ -148,8 +149,7 @@ void GroupManager::EndSession(const std::string& group, uint64_t session) {
 }
 void GroupManager::Shutdown() { membership_->Shutdown(); }
 absl::StatusOr<GroupManager::DeletedGroup> GroupManager::DeleteGroup(const std::string& group,
-                                                                     int64_t uid,
-                                                                     bool privileged) {
+                                                                     int64_t uid, bool privileged) {
   return membership_->DeleteGroup(group, uid, privileged);
 }
 std::vector<GroupManager::GroupInfo> GroupManager::ListGroups() const {
@@ -168,8 +168,7 @@ void GroupManager::OnGroupFailed(const std::string& coordinator, const std::stri
                                  uint64_t epoch, const absl::Status& status) {
   membership_->OnGroupFailed(coordinator, group, epoch, status);
 }
-void GroupManager::OnCoordinatorLost(const std::string& coordinator,
-                                     const absl::Status& status) {
+void GroupManager::OnCoordinatorLost(const std::string& coordinator, const absl::Status& status) {
   membership_->OnCoordinatorLost(coordinator, status);
 }
 
@@ -180,9 +179,8 @@ void GroupManager::Register(const Caller& caller, const std::string& module,
                             absl::Time deadline, RegisterCallback done) {
   modules_->Register(caller, module, manifest, policy, init, deadline, std::move(done));
 }
-void GroupManager::Summon(const Caller& caller, const std::string& module,
-                          const std::string& path, const SummonOptions& options,
-                          absl::Time deadline, SummonCallback done,
+void GroupManager::Summon(const Caller& caller, const std::string& module, const std::string& path,
+                          const SummonOptions& options, absl::Time deadline, SummonCallback done,
                           const gpu::IpcEventRef& written) {
   modules_->Summon(caller, module, path, options, deadline, std::move(done), written);
 }
@@ -190,8 +188,9 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
                              StatusCallback done, const gpu::IpcEventRef& written) {
   modules_->EndSummon(caller, summon, deadline, std::move(done), written);
 }
-absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::BeginReduceScatter(
-    const Caller& caller, const std::string& module, int32_t unit) {
+absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::BeginReduceScatter(const Caller& caller,
+                                                                         const std::string& module,
+                                                                         int32_t unit) {
   return modules_->BeginReduceScatter(caller, module, unit);
 }
 void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& module,

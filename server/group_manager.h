@@ -30,8 +30,8 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -49,12 +49,13 @@
 #include "common/policy.h"
 #include "common/rpc_types.h"
 #include "common/state_spec.h"
+#include "server/checkpoint/checkpoints.h"
 #include "server/collective/collective_engine.h"
 #include "server/collective/communicator_factory.h"
 #include "server/collective/staging/staging_communicator.h"
-#include "server/gpu/device_context.h"
-#include "server/checkpoint/checkpoints.h"
 #include "server/durable/records.h"
+#include "server/durable/state_dir.h"
+#include "server/gpu/device_context.h"
 #include "server/group/group.h"
 #include "server/group/group_table.h"
 #include "server/group/membership.h"
@@ -64,7 +65,6 @@
 #include "server/peer/peer_client.h"
 #include "server/rank_devices.h"
 #include "server/shard_store.h"
-#include "server/durable/state_dir.h"
 
 namespace flatshard::server {
 
@@ -76,8 +76,6 @@ class CheckpointPeerClient;
 // The reduce op of FinishReduceScatter was GroupManager's own enum; it is the RPC-level one now
 // (the same type as collective::ReduceOp). The old name stays for existing callers.
 using GradReduce = ReduceOp;
-
-
 
 struct GroupManagerOptions {
   // This daemon as peers see it. An empty `self.peer_address` refuses multi-daemon groups;
@@ -126,7 +124,6 @@ struct GroupManagerOptions {
   static constexpr absl::Duration kDefaultGroupIdleTimeout = absl::Hours(1);
   static constexpr int32_t kDefaultMaxGroupsPerUid = 64;
 };
-
 
 class GroupManager : public peer::PeerEvents {
  public:
@@ -194,8 +191,8 @@ class GroupManager : public peer::PeerEvents {
   // Phase 2 (collective): reduce-scatters what was written; each rank's gradient shard gets
   // its slice (SUM or AVG), added to it when `accumulate`, else replacing it.
   void FinishReduceScatter(const Caller& caller, const std::string& module, int32_t unit,
-                           ReduceOp op, bool accumulate, absl::Time deadline,
-                           StatusCallback done, const gpu::IpcEventRef& written = {});
+                           ReduceOp op, bool accumulate, absl::Time deadline, StatusCallback done,
+                           const gpu::IpcEventRef& written = {});
   // GPU ranks: an event recorded on `rank`'s device now (after its gradient shard update, for
   // the reply of FinishReduceScatter). id 0 for host ranks.
   gpu::IpcEventRef RecordReady(int32_t rank);
@@ -234,12 +231,12 @@ class GroupManager : public peer::PeerEvents {
   // before the rank registered state commits none of it; state registered after the last
   // commit rolls back to zeros. The first call for a module on this daemon fixes its spec; the
   // same spec again returns the existing buffers (a restarted trainer re-attaches). Unlike
-  // GetShards it does not mark the caller's views fresh after a rollback (see Commit). Errors: INVALID_ARGUMENT naming the bad field
-  // (ValidateStateSpecs); FAILED_PRECONDITION naming the first differing state and field for
-  // another spec, or a rank that holds no shards; GetShards' errors for the module; the
-  // ShardStore's (RESOURCE_EXHAUSTED) when the buffers cannot be allocated (nothing is kept).
-  absl::StatusOr<RegisterStateResult> RegisterState(const Caller& caller,
-                                                    const std::string& module,
+  // GetShards it does not mark the caller's views fresh after a rollback (see Commit). Errors:
+  // INVALID_ARGUMENT naming the bad field (ValidateStateSpecs); FAILED_PRECONDITION naming the
+  // first differing state and field for another spec, or a rank that holds no shards; GetShards'
+  // errors for the module; the ShardStore's (RESOURCE_EXHAUSTED) when the buffers cannot be
+  // allocated (nothing is kept).
+  absl::StatusOr<RegisterStateResult> RegisterState(const Caller& caller, const std::string& module,
                                                     const std::vector<StateSpec>& specs);
 
   // Ends the caller's session; its rank can join again. Shards stay. Fail fast: the group's
@@ -262,8 +259,7 @@ class GroupManager : public peer::PeerEvents {
   // joined or joining (they must Leave first; their sessions are not ended for them).
   using DeletedGroup = server::DeletedGroup;
 
-  absl::StatusOr<DeletedGroup> DeleteGroup(const std::string& group, int64_t uid,
-                                           bool privileged);
+  absl::StatusOr<DeletedGroup> DeleteGroup(const std::string& group, int64_t uid, bool privileged);
 
   // Groups and their joined ranks, for status output and tests.
   using GroupInfo = server::GroupInfo;

@@ -23,8 +23,6 @@
 namespace flatshard::server {
 namespace internal {
 
-
-
 // The registered modules of a group as daemons report them at rendezvous: "path\x1fplan
 // fingerprint" (peer_service.proto RendezvousRequest.registered_modules).
 // `lost` (optional): the modules this daemon dropped as lost and still reports to its ranks.
@@ -74,7 +72,8 @@ std::string MixedGenerations(const R& reg) {
     if (any && gen != first) mixed = true;
     if (!any) first = gen;
     any = true;
-    parts.push_back(absl::StrCat("rank ", r, ": generation ", gen, committing ? " (committing)" : ""));
+    parts.push_back(
+        absl::StrCat("rank ", r, ": generation ", gen, committing ? " (committing)" : ""));
   }
   return mixed ? absl::StrJoin(parts, ", ") : std::string();
 }
@@ -135,10 +134,10 @@ inline bool TokensEqual(const std::string& a, const std::string& b) {
 template <typename G>
 inline absl::Status CheckUid(const G& g, int64_t uid) {
   if (uid == g.owner_uid) return absl::OkStatus();
-  return absl::PermissionDeniedError(absl::StrCat(
-      "group ", g.id, ": uid ", uid < 0 ? std::string("(remote)") : absl::StrCat(uid),
-      " is not admitted (the group belongs to uid ",
-      g.owner_uid < 0 ? std::string("(remote)") : absl::StrCat(g.owner_uid), ")"));
+  return absl::PermissionDeniedError(
+      absl::StrCat("group ", g.id, ": uid ", uid < 0 ? std::string("(remote)") : absl::StrCat(uid),
+                   " is not admitted (the group belongs to uid ",
+                   g.owner_uid < 0 ? std::string("(remote)") : absl::StrCat(g.owner_uid), ")"));
 }
 
 inline std::string UnitSummary(const PlanUnit& u) {
@@ -149,8 +148,9 @@ inline std::string UnitSummary(const PlanUnit& u) {
 // True when registering `b` would nest FSDP units inside those of `a` or the other way round.
 inline bool Nested(const std::string& a, const std::string& b) {
   auto inside = [](const std::string& outer, const std::string& inner) {
-    return outer.empty() || (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
-                             inner[outer.size()] == '.');
+    return outer.empty() ||
+           (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
+            inner[outer.size()] == '.');
   };
   return inside(a, b) || inside(b, a);
 }
@@ -160,8 +160,6 @@ inline std::string Display(const std::string& module) {
   return module.empty() ? std::string("\"\" (the root)")
                         : absl::StrCat("\"", Truncated(module), "\"");
 }
-
-
 
 // Units of `plan` whose module is `path` (recurse=false) or in its subtree (recurse=true).
 inline std::vector<int32_t> SelectUnits(const Plan& plan, const std::string& path, bool recurse) {
@@ -229,8 +227,6 @@ static_assert(sizeof(AgreeRecord) == 256);
 inline constexpr char kAlreadyUnsharding[] =
     "Cannot manually unshard parameters when already unsharding parameters";
 
-
-
 // Every durable (live, committed) buffer pair of `rank` in registration `reg`
 // (GroupManager::Registered), unit by unit: the shard, then its optimizer state buffers in
 // spec order (only where the rank registered state). Gradient shards are not durable (the next
@@ -254,23 +250,17 @@ std::vector<DurablePair> DurableBuffers(const R& reg, int32_t rank) {
     if (committed_state == nullptr || u >= committed_state->size()) continue;
     const auto& kept = (*committed_state)[u];
     for (size_t i = 0; i < shards[u].state.size() && i < kept.size(); ++i) {
-      out.push_back(DurablePair{shards[u].unit,
-                                absl::StrCat("state ", i < reg.state_specs.size()
-                                                           ? reg.state_specs[i].name
-                                                           : std::to_string(i)),
-                                shards[u].state[i], kept[i]});
+      out.push_back(
+          DurablePair{shards[u].unit,
+                      absl::StrCat("state ", i < reg.state_specs.size() ? reg.state_specs[i].name
+                                                                        : std::to_string(i)),
+                      shards[u].state[i], kept[i]});
     }
   }
   return out;
 }
 
 }  // namespace internal
-
-
-
-
-
-
 
 namespace internal {
 
@@ -292,8 +282,8 @@ int DropMixedModules(G& g, const std::string& when, AfterUnlock* after)
     }
     std::string why = absl::StrCat(
         "group ", g.id, ": module ", Display(it->first),
-        " lost: its ranks on this daemon hold different committed generations (", mixed,
-        ") ", when, ": a commit reached some of them only (a daemon died inside it); no "
+        " lost: its ranks on this daemon hold different committed generations (", mixed, ") ", when,
+        ": a commit reached some of them only (a daemon died inside it); no "
         "generation is held by every rank, so it was dropped on every daemon instead of "
         "handing out a mix: register it afresh on every rank (or restore it)");
     FS_LOG(WARNING) << why;

@@ -59,8 +59,7 @@ void KeptBuffers::Keep(const KeptKey& key, const std::shared_ptr<Buffer>& fresh)
 
 absl::StatusOr<std::shared_ptr<Buffer>> KeptBuffers::Get(const KeptKey& key, BufferKind kind,
                                                          int64_t bytes, const std::string& label,
-                                                         int64_t owner_uid,
-                                                         Placement placement) {
+                                                         int64_t owner_uid, Placement placement) {
   if (std::shared_ptr<Buffer> kept = Claim(key, placement)) {
     // Claimed: no other Get hands it out and DecommitIdle leaves it alone (it is in use), so
     // its pages come back here without the cache's lock.
@@ -101,8 +100,8 @@ int KeptBuffers::DecommitIdle(absl::Time now, absl::Duration idle_release) {
   absl::MutexLock lock(&mu_);
   for (auto& [key, kept] : kept_) {
     if (kept.buffer.use_count() != 1 || !kept.buffer->committed()) continue;
-    if (!all && (kept.idle_since == absl::InfiniteFuture() ||
-                 now - kept.idle_since < idle_release)) {
+    if (!all &&
+        (kept.idle_since == absl::InfiniteFuture() || now - kept.idle_since < idle_release)) {
       continue;
     }
     // madvise / a device block's return to its pool: quick, no wait on anyone.
@@ -134,7 +133,8 @@ int KeptBuffers::size() const {
 }
 
 KeptBufferPool::KeptBufferPool(ShardStore* store, Clock* clock, absl::Duration idle_release)
-    : store_(store), clock_(clock != nullptr ? clock : Clock::Real()),
+    : store_(store),
+      clock_(clock != nullptr ? clock : Clock::Real()),
       idle_release_(idle_release) {}
 
 std::shared_ptr<KeptBufferPool> KeptBufferPool::Create(ShardStore* store, Clock* clock,

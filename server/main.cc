@@ -259,11 +259,13 @@ int main(int argc, char** argv) {
   }
   // systemd (Type=notify): ready once every socket listens; keep-alives when WatchdogSec= is
   // set. Without $NOTIFY_SOCKET these are no-ops.
-  flatshard::server::SystemdNotifier notifier = flatshard::server::SystemdNotifier::FromEnvironment();
+  flatshard::server::SystemdNotifier notifier =
+      flatshard::server::SystemdNotifier::FromEnvironment();
   if (absl::Status s = notifier.Notify(absl::StrCat(
           "READY=1\nSTATUS=serving on unix:", config.socket_path,
           config.tcp_address.empty() ? "" : " and " + config.tcp_address,
-          (*daemon)->metrics_address().empty() ? "" : ", metrics on " + (*daemon)->metrics_address(),
+          (*daemon)->metrics_address().empty() ? ""
+                                               : ", metrics on " + (*daemon)->metrics_address(),
           "\nMAINPID=", getpid()));
       !s.ok()) {
     FS_LOG(WARNING) << s;

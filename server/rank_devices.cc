@@ -132,8 +132,7 @@ gpu::IpcEventRef RankDevices::RecordReady(int32_t rank) const {
   return *ready;
 }
 
-absl::Status RankDevices::CopyBytes(int32_t rank, void* dst, const void* src,
-                                    size_t bytes) const {
+absl::Status RankDevices::CopyBytes(int32_t rank, void* dst, const void* src, size_t bytes) const {
   if (bytes == 0) return absl::OkStatus();
   gpu::DeviceContext* d = DeviceOf(rank);
   if (d == nullptr) {
@@ -153,10 +152,9 @@ absl::Status RankDevices::CopyOwnRange(int32_t rank, const Plan& plan, const Pla
   const int64_t offset = (range.begin - layout->ShardRange(r).begin) * item;
   const int64_t bytes = range.size() * item;
   if (offset + bytes > shard.bytes() || (range.begin * item) + bytes > full.bytes()) {
-    return absl::InternalError(absl::StrCat("rank ", rank, " unit ", unit.index,
-                                            ": shard rank ", r, "'s range [", range.begin, ", ",
-                                            range.begin + range.size(),
-                                            ") does not fit its buffers"));
+    return absl::InternalError(
+        absl::StrCat("rank ", rank, " unit ", unit.index, ": shard rank ", r, "'s range [",
+                     range.begin, ", ", range.begin + range.size(), ") does not fit its buffers"));
   }
   return CopyBytes(rank, static_cast<char*>(shard.data()) + offset,
                    static_cast<const char*>(full.data()) + range.begin * item,
@@ -192,8 +190,8 @@ absl::Status RankDevices::CopyEach(int32_t rank, const std::vector<const Buffer*
                                               ": ", from[i]->bytes(), " bytes into a buffer of ",
                                               to[i]->bytes()));
     }
-    FS_RETURN_IF_ERROR(CopyBytes(rank, to[i]->data(), from[i]->data(),
-                                 static_cast<size_t>(from[i]->bytes())));
+    FS_RETURN_IF_ERROR(
+        CopyBytes(rank, to[i]->data(), from[i]->data(), static_cast<size_t>(from[i]->bytes())));
   }
   return absl::OkStatus();
 }

@@ -41,9 +41,9 @@ constexpr size_t kUnitDigestBytes = 16;
 constexpr size_t kUnitSummaryBytes = 384;
 
 std::string UnitDigest(const PlanUnit& u) {
-  std::string canon = absl::StrCat(u.module, "|", u.module_type, "|", DTypeName(u.dtype), "|",
-                                   u.requires_grad, "|", u.numel, "|", u.padded_numel, "|",
-                                   u.shard_numel);
+  std::string canon =
+      absl::StrCat(u.module, "|", u.module_type, "|", DTypeName(u.dtype), "|", u.requires_grad, "|",
+                   u.numel, "|", u.padded_numel, "|", u.shard_numel);
   for (const PlanParam& p : u.params) {
     absl::StrAppend(&canon, "|", p.fqn, ":", absl::StrJoin(p.shape, "x"), "@", p.offset);
   }
@@ -59,7 +59,10 @@ class RegistrationExchange : public std::enable_shared_from_this<RegistrationExc
   RegistrationExchange(std::shared_ptr<collective::CollectiveGroup> coll,
                        RegistrationProposal proposal, absl::Time deadline, Clock* clock,
                        absl::AnyInvocable<void(absl::Status)> done)
-      : coll_(std::move(coll)), p_(std::move(proposal)), deadline_(deadline), clock_(clock),
+      : coll_(std::move(coll)),
+        p_(std::move(proposal)),
+        deadline_(deadline),
+        clock_(clock),
         done_(std::move(done)) {}
 
   // Step 1: every rank's record.
@@ -119,8 +122,8 @@ class RegistrationExchange : public std::enable_shared_from_this<RegistrationExc
       Finish(k == p_.rank ? p_.plan->status()
                           : absl::InvalidArgumentError(absl::StrCat(
                                 "group ", p_.group, ": rank ", k, "'s registration of module ",
-                                Display(p_.module), " was refused: ",
-                                TextOf(all_[k].text, sizeof(all_[k].text)))));
+                                Display(p_.module),
+                                " was refused: ", TextOf(all_[k].text, sizeof(all_[k].text)))));
       return;
     }
     for (int32_t k = 0; k < p_.world_size; ++k) {
@@ -189,8 +192,9 @@ class RegistrationExchange : public std::enable_shared_from_this<RegistrationExc
         units_a != units_b
             ? absl::StrCat(Where(), "rank 0 has ", units_a, " units, rank ", diff_rank_, " has ",
                            units_b, " (first difference at unit ", i, ")")
-            : absl::StrCat(Where(), "the plans differ outside the units (ignored "
-                                    "parameters or options)")));
+            : absl::StrCat(Where(),
+                           "the plans differ outside the units (ignored "
+                           "parameters or options)")));
   }
 
   // Step 3: every rank describes the first differing unit, so all name both sides.
@@ -209,10 +213,10 @@ class RegistrationExchange : public std::enable_shared_from_this<RegistrationExc
   void OnSummaries() {
     const char* sa = all_summaries_.data();
     const char* sb = sa + diff_rank_ * kUnitSummaryBytes;
-    Finish(absl::InvalidArgumentError(absl::StrCat(
-        Where(), "first difference at unit ", diff_unit_, ": rank 0 has ",
-        TextOf(sa, kUnitSummaryBytes), ", rank ", diff_rank_, " has ",
-        TextOf(sb, kUnitSummaryBytes))));
+    Finish(absl::InvalidArgumentError(absl::StrCat(Where(), "first difference at unit ", diff_unit_,
+                                                   ": rank 0 has ", TextOf(sa, kUnitSummaryBytes),
+                                                   ", rank ", diff_rank_, " has ",
+                                                   TextOf(sb, kUnitSummaryBytes))));
   }
 
   const std::shared_ptr<collective::CollectiveGroup> coll_;
@@ -234,29 +238,29 @@ class RegistrationExchange : public std::enable_shared_from_this<RegistrationExc
 
 }  // namespace
 
-RegistrationBuffers AllocateRegistration(ShardStore& store, const Plan& plan,
-                                         const Caller& caller, const std::string& module,
-                                         InitMode init, Placement placement) {
+RegistrationBuffers AllocateRegistration(ShardStore& store, const Plan& plan, const Caller& caller,
+                                         const std::string& module, InitMode init,
+                                         Placement placement) {
   RegistrationBuffers out;
   const bool init_views =
       init == InitMode::kFromEveryRank || (init == InitMode::kFromRank0 && caller.rank == 0);
   for (const PlanUnit& u : plan.units) {
-    absl::StatusOr<std::shared_ptr<Buffer>> shard = store.Allocate(
-        BufferKind::kShard, u.shard_numel * ItemSize(u.dtype),
-        absl::StrCat("group=", caller.group, " module=", module, " unit=", u.index,
-                     " rank=", caller.rank),
-        caller.uid, placement);
+    absl::StatusOr<std::shared_ptr<Buffer>> shard =
+        store.Allocate(BufferKind::kShard, u.shard_numel * ItemSize(u.dtype),
+                       absl::StrCat("group=", caller.group, " module=", module, " unit=", u.index,
+                                    " rank=", caller.rank),
+                       caller.uid, placement);
     if (!shard.ok()) {
       out.status = shard.status();
       break;
     }
     out.shards.push_back(UnitShard{u.index, *std::move(shard), nullptr});
     // The committed copy of the shard (semantics.md §3a): what a rollback restores.
-    absl::StatusOr<std::shared_ptr<Buffer>> kept = store.Allocate(
-        BufferKind::kShard, u.shard_numel * ItemSize(u.dtype),
-        absl::StrCat("group=", caller.group, " module=", module, " unit=", u.index,
-                     " rank=", caller.rank, " committed"),
-        caller.uid, placement);
+    absl::StatusOr<std::shared_ptr<Buffer>> kept =
+        store.Allocate(BufferKind::kShard, u.shard_numel * ItemSize(u.dtype),
+                       absl::StrCat("group=", caller.group, " module=", module, " unit=", u.index,
+                                    " rank=", caller.rank, " committed"),
+                       caller.uid, placement);
     if (!kept.ok()) {
       out.status = kept.status();
       break;
@@ -266,8 +270,7 @@ RegistrationBuffers AllocateRegistration(ShardStore& store, const Plan& plan,
     if (init_views) {
       absl::StatusOr<std::shared_ptr<Buffer>> b = store.Allocate(
           BufferKind::kUnsharded, u.padded_numel * ItemSize(u.dtype),
-          absl::StrCat("group=", caller.group, " unit=", u.index, " rank=", caller.rank,
-                       " init"),
+          absl::StrCat("group=", caller.group, " unit=", u.index, " rank=", caller.rank, " init"),
           caller.uid, placement);
       if (!b.ok()) {
         out.status = b.status();

@@ -61,9 +61,9 @@ struct RegistrationBuffers {
 // its committed copy per unit, and the full init buffer of each unit when `init` asks this rank
 // for initial values (kFromEveryRank; kFromRank0 on rank 0). May block (shm creation, device
 // allocation): never call it under a lock.
-RegistrationBuffers AllocateRegistration(ShardStore& store, const Plan& plan,
-                                         const Caller& caller, const std::string& module,
-                                         InitMode init, Placement placement);
+RegistrationBuffers AllocateRegistration(ShardStore& store, const Plan& plan, const Caller& caller,
+                                         const std::string& module, InitMode init,
+                                         Placement placement);
 
 // Step 3: what this rank brings to the agreement.
 struct RegistrationProposal {

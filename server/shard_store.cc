@@ -63,11 +63,11 @@ class StoreState {
           max_segments_, " (its descriptor limit minus --fd_reserve; raise LimitNOFILE=)"));
     }
     if (new_segment && uid_quota_segments_ > 0 && mine.segments >= uid_quota_segments_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "uid ", UidText(uid), " cannot allocate ", BufferKindName(kind), " memory",
-          LabelSuffix(label), ": it has ", mine.segments,
-          " shared-memory segments open, its segment quota is ", uid_quota_segments_,
-          " (--max_segments_per_uid)"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("uid ", UidText(uid), " cannot allocate ", BufferKindName(kind), " memory",
+                       LabelSuffix(label), ": it has ", mine.segments,
+                       " shared-memory segments open, its segment quota is ", uid_quota_segments_,
+                       " (--max_segments_per_uid)"));
     }
     bytes_by_kind_[static_cast<int>(kind)] += bytes;
     total_bytes_ += bytes;
@@ -83,8 +83,8 @@ class StoreState {
 
   // Undoes Charge; `to_decommitted`: the buffer is (again) decommitted; `segment`: the
   // charge took a segment that is not kept.
-  void Uncharge(BufferKind kind, int64_t bytes, bool to_decommitted, int64_t uid,
-                bool segment) ABSL_LOCKS_EXCLUDED(mu_) {
+  void Uncharge(BufferKind kind, int64_t bytes, bool to_decommitted, int64_t uid, bool segment)
+      ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
     bytes_by_kind_[static_cast<int>(kind)] -= bytes;
     total_bytes_ -= bytes;
@@ -269,8 +269,8 @@ Buffer::~Buffer() {
   }
   if (on_device()) {
     state_->AddDevice(committed ? -bytes_ : 0, -1);
-    FS_VLOG(2) << "freed kind=" << BufferKindName(kind_) << " bytes=" << bytes_ << " device="
-               << placement_.device << " " << label_;
+    FS_VLOG(2) << "freed kind=" << BufferKindName(kind_) << " bytes=" << bytes_
+               << " device=" << placement_.device << " " << label_;
     return;
   }
   if (pinned_) gpu::UnpinHostMemory(segment_.data());
@@ -356,8 +356,9 @@ absl::Status Buffer::Commit() {
   if (committed_) return absl::OkStatus();
   if (on_device()) {
     if (state_->shut_down()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "commit ", BufferKindName(kind_), " buffer (", label_, "): the shard store is shut down"));
+      return absl::FailedPreconditionError(absl::StrCat("commit ", BufferKindName(kind_),
+                                                        " buffer (", label_,
+                                                        "): the shard store is shut down"));
     }
     absl::StatusOr<std::shared_ptr<gpu::DeviceBlock>> block =
         pool_->Allocate(static_cast<size_t>(bytes_), label_);
@@ -387,10 +388,10 @@ absl::Status ShardStore::ValidateOptions(const ShardStoreOptions& options) {
   }
   if (options.memory_quota_bytes_per_uid < 0 || options.max_segments < 0 ||
       options.max_segments_per_uid < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "quotas must be >= 0 (0: none), got memory_quota_bytes_per_uid=",
-        options.memory_quota_bytes_per_uid, " max_segments=", options.max_segments,
-        " max_segments_per_uid=", options.max_segments_per_uid));
+    return absl::InvalidArgumentError(
+        absl::StrCat("quotas must be >= 0 (0: none), got memory_quota_bytes_per_uid=",
+                     options.memory_quota_bytes_per_uid, " max_segments=", options.max_segments,
+                     " max_segments_per_uid=", options.max_segments_per_uid));
   }
   return absl::OkStatus();
 }
@@ -422,8 +423,8 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, in
   // A restarted daemon may have the pid of the one whose segments it adopted (containers):
   // their names can come up again; take the next one.
   for (int i = 0; i < 1024 && !segment.ok() && absl::IsAlreadyExists(segment.status()); ++i) {
-    segment = ShmSegment::Create(MakeSegmentName(options_.segment_prefix),
-                                 static_cast<size_t>(bytes));
+    segment =
+        ShmSegment::Create(MakeSegmentName(options_.segment_prefix), static_cast<size_t>(bytes));
   }
   if (!segment.ok()) {
     state_->Uncharge(kind, bytes, /*to_decommitted=*/false, owner_uid, /*segment=*/true);
@@ -435,10 +436,12 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, in
       ::fchown(segment->fd(), static_cast<uid_t>(owner_uid), static_cast<gid_t>(-1)) != 0) {
     const int err = errno;
     state_->Uncharge(kind, bytes, /*to_decommitted=*/false, owner_uid, /*segment=*/true);
-    return absl::PermissionDeniedError(absl::StrCat(
-        "cannot give segment ", segment->name(), " (", label, ") to uid ", owner_uid,
-        ": fchown: ", std::strerror(err), " (flatshardd needs CAP_CHOWN to serve trainers of "
-        "another uid; run it as root or run the trainers as uid ", ::geteuid(), ")"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot give segment ", segment->name(), " (", label, ") to uid ", owner_uid,
+                     ": fchown: ", std::strerror(err),
+                     " (flatshardd needs CAP_CHOWN to serve trainers of "
+                     "another uid; run it as root or run the trainers as uid ",
+                     ::geteuid(), ")"));
   }
   const bool pin = placement.kind == collective::MemoryKind::kHostPinned && bytes > 0 &&
                    options_.pin_host_memory;
@@ -447,9 +450,9 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, in
     if (absl::Status pin = gpu::PinHostMemory(segment->data(), static_cast<size_t>(bytes));
         !pin.ok()) {
       state_->Uncharge(kind, bytes, /*to_decommitted=*/false, owner_uid, /*segment=*/true);
-      return absl::Status(pin.code(), absl::StrCat("cannot pin ", bytes, " bytes of ",
-                                                   BufferKindName(kind), " memory (", label,
-                                                   "): ", pin.message()));
+      return absl::Status(pin.code(),
+                          absl::StrCat("cannot pin ", bytes, " bytes of ", BufferKindName(kind),
+                                       " memory (", label, "): ", pin.message()));
     }
   }
   if (absl::Status status = state_->Register(segment->name(), kind); !status.ok()) {
@@ -459,15 +462,14 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, in
   }
   FS_VLOG(2) << "allocated kind=" << BufferKindName(kind) << " bytes=" << bytes
              << " segment=" << segment->name() << " " << label;
-  auto buffer = std::shared_ptr<Buffer>(new Buffer(state_, kind, placement, bytes,
-                                                   *std::move(segment), nullptr, nullptr,
-                                                   std::string(label), owner_uid));
+  auto buffer =
+      std::shared_ptr<Buffer>(new Buffer(state_, kind, placement, bytes, *std::move(segment),
+                                         nullptr, nullptr, std::string(label), owner_uid));
   buffer->pinned_ = pin;
   return buffer;
 }
 
-absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::AllocateOnDevice(BufferKind kind,
-                                                                     int64_t bytes,
+absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::AllocateOnDevice(BufferKind kind, int64_t bytes,
                                                                      absl::string_view label,
                                                                      Placement placement) {
   const int device = placement.device;
@@ -478,16 +480,17 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::AllocateOnDevice(BufferKind 
         ") on GPU ", device, ": this daemon does not use that GPU (see --gpus)"));
   }
   if (state_->shut_down()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("cannot allocate ", bytes, " bytes of ", BufferKindName(kind), " memory (",
-                     label, "): the shard store is shut down"));
+    return absl::FailedPreconditionError(absl::StrCat("cannot allocate ", bytes, " bytes of ",
+                                                      BufferKindName(kind), " memory (", label,
+                                                      "): the shard store is shut down"));
   }
   const std::shared_ptr<gpu::DevicePool>& pool = options_.device_pools[device];
   FS_ASSIGN_OR_RETURN(std::shared_ptr<gpu::DeviceBlock> block,
                       pool->Allocate(static_cast<size_t>(bytes), label));
   state_->AddDevice(bytes, 1);
-  FS_VLOG(2) << "allocated kind=" << BufferKindName(kind) << " bytes=" << bytes << " device="
-             << device << " slab=" << block->slab_id() << "+" << block->offset() << " " << label;
+  FS_VLOG(2) << "allocated kind=" << BufferKindName(kind) << " bytes=" << bytes
+             << " device=" << device << " slab=" << block->slab_id() << "+" << block->offset()
+             << " " << label;
   return std::shared_ptr<Buffer>(new Buffer(state_, kind, placement, bytes, ShmSegment(),
                                             std::move(block), pool, std::string(label), -1));
 }
@@ -519,17 +522,16 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Adopt(BufferKind kind,
   }
   FS_RETURN_IF_ERROR(
       state_->Charge(kind, bytes, label, /*recommit=*/false, owner_uid, /*new_segment=*/true));
-  absl::StatusOr<ShmSegment> segment =
-      ShmSegment::Adopt(segment_name, static_cast<size_t>(bytes));
+  absl::StatusOr<ShmSegment> segment = ShmSegment::Adopt(segment_name, static_cast<size_t>(bytes));
   if (segment.ok()) {
     // Allocate gives a segment to its owner uid (remote callers: the daemon's uid keeps it).
     const uid_t expected = owner_uid >= 0 ? static_cast<uid_t>(owner_uid) : ::geteuid();
     struct stat st = {};
     if (::fstat(segment->fd(), &st) != 0 || st.st_uid != expected) {
       segment->Disown();  // not ours: leave it as it is
-      segment = absl::FailedPreconditionError(
-          absl::StrCat("shm segment ", segment_name, " belongs to uid ", st.st_uid,
-                       ", the record says uid ", expected));
+      segment = absl::FailedPreconditionError(absl::StrCat("shm segment ", segment_name,
+                                                           " belongs to uid ", st.st_uid,
+                                                           ", the record says uid ", expected));
     }
   }
   if (!segment.ok()) {
@@ -568,8 +570,7 @@ void ShardStore::Shutdown(bool keep_durable) {
                << (keep_durable ? absl::StrCat(", kept ", state_->kept_count(),
                                                " (shards, gradient shards, committed copies)")
                                 : std::string())
-               << "; "
-               << state_->Usage().DebugString();
+               << "; " << state_->Usage().DebugString();
 }
 
 }  // namespace flatshard::server

@@ -65,8 +65,7 @@ absl::Status SystemdNotifier::Notify(absl::string_view state) const {
   const int err = errno;
   ::close(fd);
   if (n < 0) {
-    return absl::UnavailableError(
-        absl::StrCat("sd_notify to ", socket_, ": ", std::strerror(err)));
+    return absl::UnavailableError(absl::StrCat("sd_notify to ", socket_, ": ", std::strerror(err)));
   }
   return absl::OkStatus();
 }

@@ -31,15 +31,14 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(
                            {"tls-key", &ssl.pem_private_key}}) {
     const std::optional<std::string> path = flags.Get(flag);
     if (!path) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("mutual TLS needs --tls-ca, --tls-cert and --tls-key; --", flag,
-                       " is missing"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mutual TLS needs --tls-ca, --tls-cert and --tls-key; --", flag, " is missing"));
     }
     absl::StatusOr<std::string> text = ReadWholeFile(*path);
     if (!text.ok() || text->empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--", flag, ": cannot read '", *path, "'",
-          text.ok() ? " (empty)" : absl::StrCat(" (", text.status().message(), ")")));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, ": cannot read '", *path, "'",
+                       text.ok() ? " (empty)" : absl::StrCat(" (", text.status().message(), ")")));
     }
     *pem = *std::move(text);
   }
@@ -55,8 +54,8 @@ std::string OneLine(std::string text) {
 
 std::vector<FlagSpec> AllFlags(const AdminCommandSpec& spec) {
   std::vector<FlagSpec> flags = spec.flags;
-  flags.push_back({"socket", "PATH", absl::StrCat("the daemon's Unix socket (default ",
-                                                  kDefaultSocket, ")")});
+  flags.push_back(
+      {"socket", "PATH", absl::StrCat("the daemon's Unix socket (default ", kDefaultSocket, ")")});
   flags.push_back({"address", "HOST:PORT", "the daemon's TCP address instead of its socket"});
   flags.push_back({"tls-ca", "PEM", "with --address: the CA that signed the daemon's certificate"});
   flags.push_back({"tls-cert", "PEM", "with --address: this client's certificate (mutual TLS)"});
@@ -141,9 +140,8 @@ int RunAdminCommand(const AdminCommandSpec& spec, const std::vector<std::string>
     return call.Error(absl::StrCat("unexpected argument '", call.args_[spec.max_args], "'"), 2);
   }
   if (static_cast<int>(call.args_.size()) < spec.min_args) {
-    return call.Error(absl::StrCat(spec.args_name, " is required (see flatshardctl ", spec.name,
-                                   " --help)"),
-                      2);
+    return call.Error(
+        absl::StrCat(spec.args_name, " is required (see flatshardctl ", spec.name, " --help)"), 2);
   }
   absl::StatusOr<int64_t> timeout_ms = call.flags_.Has("timeout-ms")
                                            ? call.flags_.GetInt("timeout-ms", 0, 86400000)
@@ -212,8 +210,6 @@ std::string JoinOrDash(const std::vector<int32_t>& values) {
   return values.empty() ? "-" : absl::StrJoin(values, ",");
 }
 
-std::string ModuleName(const std::string& module) {
-  return module.empty() ? "(root)" : module;
-}
+std::string ModuleName(const std::string& module) { return module.empty() ? "(root)" : module; }
 
 }  // namespace flatshard::cli

@@ -17,25 +17,25 @@
 #include <type_traits>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
+#include <nlohmann/json.hpp>
 #include "absl/time/time.h"
 #include "client/cli/flags.h"
 #include "flatshard/v1/admin_service.grpc.pb.h"
-#include <grpcpp/grpcpp.h>
-#include <nlohmann/json.hpp>
 
 namespace flatshard::cli {
 
 struct AdminCommandSpec {
-  std::string name;      // "units"
-  std::string synopsis;  // after "flatshardctl units" in the usage line, e.g. "GROUP"
-  std::string description;     // paragraphs after the usage line
+  std::string name;             // "units"
+  std::string synopsis;         // after "flatshardctl units" in the usage line, e.g. "GROUP"
+  std::string description;      // paragraphs after the usage line
   std::vector<FlagSpec> flags;  // the command's own; the common ones are added after them
   int min_args = 0;             // positional arguments
   int max_args = 0;
-  std::string args_name;        // "GROUP", for errors
+  std::string args_name;  // "GROUP", for errors
   int64_t default_timeout_ms = 5000;
-  std::string timeout_help;     // replaces the --timeout-ms help when not empty
-  std::string exit_help;        // replaces the exit status paragraph when not empty
+  std::string timeout_help;  // replaces the --timeout-ms help when not empty
+  std::string exit_help;     // replaces the exit status paragraph when not empty
 };
 
 // A parsed invocation and its connection to the daemon.
@@ -85,9 +85,10 @@ using AdminRpc = grpc::Status (v1::AdminService::Stub::*)(grpc::ClientContext*, 
 // Calls `rpc` with the command's deadline; prints to_json(response) under --json, else
 // print_table(response). Returns the exit status.
 template <typename Request, typename Response>
-int CallAndPrint(AdminCall& call, AdminRpc<Request, Response> rpc, const Request& request,
-                 const std::function<nlohmann::json(const std::type_identity_t<Response>&)>& to_json,
-                 const std::function<void(const std::type_identity_t<Response>&)>& print_table) {
+int CallAndPrint(
+    AdminCall& call, AdminRpc<Request, Response> rpc, const Request& request,
+    const std::function<nlohmann::json(const std::type_identity_t<Response>&)>& to_json,
+    const std::function<void(const std::type_identity_t<Response>&)>& print_table) {
   grpc::ClientContext ctx;
   call.SetDeadline(ctx);
   Response response;

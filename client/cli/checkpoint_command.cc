@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <iostream>
 
+#include <nlohmann/json.hpp>
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -19,7 +20,6 @@
 #include "common/checkpoint/checkpoint.h"
 #include "common/checkpoint/param_source.h"
 #include "common/config.h"
-#include <nlohmann/json.hpp>
 
 namespace flatshard::cli {
 namespace {
@@ -96,8 +96,9 @@ int Stream(AdminCall& call, grpc::ClientReader<v1::CheckpointProgress>& reader,
     std::cout << ProgressJson(last).dump(2) << "\n";
   } else {
     std::cout << absl::StrFormat("%s %s: generation %d, %s in %d file(s), %d rank(s), %.2fs\n",
-                                 verb, last.dir(), last.generation(), HumanBytes(last.total_bytes()),
-                                 last.files(), last.ranks(), last.elapsed_seconds());
+                                 verb, last.dir(), last.generation(),
+                                 HumanBytes(last.total_bytes()), last.files(), last.ranks(),
+                                 last.elapsed_seconds());
     if (last.unused_tensors() > 0) {
       std::cout << "  (" << last.unused_tensors()
                 << " tensor(s) of the source are not parameters of the module and were skipped)\n";
@@ -152,7 +153,8 @@ int Load(const std::vector<std::string>& args, bool import) {
   spec.args_name = "GROUP";
   spec.min_args = spec.max_args = 1;
   if (import) {
-    spec.flags = {{"file", "FILE", "a safetensors file whose keys are the module's state_dict FQNs"}};
+    spec.flags = {
+        {"file", "FILE", "a safetensors file whose keys are the module's state_dict FQNs"}};
   } else {
     spec.flags = {{"dir", "DIR", "a checkpoint directory"}};
   }
@@ -228,7 +230,8 @@ int Inspect(const std::vector<std::string>& args) {
   if (c.ok() && !parsed->Has("no-verify")) valid = checkpoint::VerifyFiles(*c, {});
   if (!c.ok()) {
     if (parsed->Has("json")) {
-      std::cout << nlohmann::json{{"dir", dir}, {"valid", false},
+      std::cout << nlohmann::json{{"dir", dir},
+                                  {"valid", false},
                                   {"error", std::string(c.status().message())}}
                        .dump(2)
                 << "\n";
@@ -260,7 +263,9 @@ int Inspect(const std::vector<std::string>& args) {
     }
     nlohmann::json files = nlohmann::json::array();
     for (const auto& f : m.files) {
-      files.push_back({{"name", f.name}, {"rank", f.rank}, {"bytes", f.bytes},
+      files.push_back({{"name", f.name},
+                       {"rank", f.rank},
+                       {"bytes", f.bytes},
                        {"crc32c", absl::StrFormat("%08x", f.crc32c)}});
     }
     nlohmann::json names = nlohmann::json::array();
@@ -343,8 +348,9 @@ int Export(const std::vector<std::string>& args) {
                  "every name, each a copy), whole, dtype and shape as in the module. Buffers are\n"
                  "not in checkpoints (the daemon does not hold them). The checkpoint is verified\n"
                  "first (checksums).\n\nFlags:\n"
-              << FlagsHelp(flags) << "\nExit status: 0 written; 1 an invalid checkpoint or an "
-                                     "I/O error; 2 bad flags.\n";
+              << FlagsHelp(flags)
+              << "\nExit status: 0 written; 1 an invalid checkpoint or an "
+                 "I/O error; 2 bad flags.\n";
     return 0;
   }
   if (rest.size() != 1) return OfflineError("export", "expected one argument: DIR", 2);
@@ -355,12 +361,12 @@ int Export(const std::vector<std::string>& args) {
     return OfflineError("export", std::string(v.message()), 1);
   }
   const std::string out = *parsed->Get("out");
-  absl::Status s = checkpoint::ExportSafetensors(
-      *checkpoint::CheckpointSource(*c), c->meta.plan, out,
-      {{"format", "pt"},
-       {"flatshard.module", c->meta.module},
-       {"flatshard.generation", absl::StrCat(c->meta.generation)}},
-      nullptr, c->meta.tied);
+  absl::Status s =
+      checkpoint::ExportSafetensors(*checkpoint::CheckpointSource(*c), c->meta.plan, out,
+                                    {{"format", "pt"},
+                                     {"flatshard.module", c->meta.module},
+                                     {"flatshard.generation", absl::StrCat(c->meta.generation)}},
+                                    nullptr, c->meta.tied);
   if (!s.ok()) return OfflineError("export", std::string(s.message()), 1);
   int64_t tensors = 0;
   for (const PlanUnit& u : c->meta.plan.units) {
@@ -368,13 +374,14 @@ int Export(const std::vector<std::string>& args) {
   }
   tensors += static_cast<int64_t>(c->meta.tied.size());
   if (parsed->Has("json")) {
-    std::cout << nlohmann::json{{"out", out}, {"tensors", tensors},
+    std::cout << nlohmann::json{{"out", out},
+                                {"tensors", tensors},
                                 {"generation", c->meta.generation}}
                      .dump(2)
               << "\n";
   } else {
-    std::cout << "exported " << tensors << " tensors (generation " << c->meta.generation
-              << ") to " << out << "\n";
+    std::cout << "exported " << tensors << " tensors (generation " << c->meta.generation << ") to "
+              << out << "\n";
   }
   return 0;
 }

@@ -2,11 +2,11 @@
 
 #include <iostream>
 
+#include <nlohmann/json.hpp>
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/cli/admin_command.h"
 #include "client/cli/admin_commands.h"
-#include <nlohmann/json.hpp>
 
 namespace flatshard::cli {
 namespace {

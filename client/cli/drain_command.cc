@@ -4,11 +4,11 @@
 
 #include <iostream>
 
+#include <nlohmann/json.hpp>
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/cli/admin_command.h"
 #include "client/cli/admin_commands.h"
-#include <nlohmann/json.hpp>
 
 namespace flatshard::cli {
 namespace {

@@ -38,8 +38,8 @@ absl::StatusOr<ParsedFlags> ParseFlags(const std::vector<FlagSpec>& specs,
       inline_value = name.substr(eq + 1);
       name.resize(eq);
     }
-    auto spec = std::find_if(specs.begin(), specs.end(),
-                             [&](const FlagSpec& s) { return s.name == name; });
+    auto spec =
+        std::find_if(specs.begin(), specs.end(), [&](const FlagSpec& s) { return s.name == name; });
     if (spec == specs.end()) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
     }

@@ -13,7 +13,7 @@
 namespace flatshard::cli {
 
 struct FlagSpec {
-  std::string name;  // without the leading "--"
+  std::string name;        // without the leading "--"
   std::string value_name;  // e.g. "FILE"; empty for a boolean flag
   std::string help;
 };

@@ -2,11 +2,11 @@
 
 #include <iostream>
 
+#include <nlohmann/json.hpp>
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/cli/admin_command.h"
 #include "client/cli/admin_commands.h"
-#include <nlohmann/json.hpp>
 
 namespace flatshard::cli {
 namespace {
@@ -36,15 +36,16 @@ void PrintGroups(const v1::ListGroupsResponse& r) {
 nlohmann::json GroupsJson(const v1::ListGroupsResponse& r) {
   nlohmann::json groups = nlohmann::json::array();
   for (const v1::GroupInfo& g : r.groups()) {
-    groups.push_back({{"group", g.group()},
-                      {"world_size", g.world_size()},
-                      {"epoch", g.epoch()},
-                      {"coordinator", g.coordinator()},
-                      {"local_ranks", Ints(g.local_ranks())},
-                      {"joined_ranks", Ints(g.joined_ranks())},
-                      {"registered_modules", std::vector<std::string>(g.registered_modules().begin(),
-                                                                      g.registered_modules().end())},
-                      {"status", g.status()}});
+    groups.push_back(
+        {{"group", g.group()},
+         {"world_size", g.world_size()},
+         {"epoch", g.epoch()},
+         {"coordinator", g.coordinator()},
+         {"local_ranks", Ints(g.local_ranks())},
+         {"joined_ranks", Ints(g.joined_ranks())},
+         {"registered_modules",
+          std::vector<std::string>(g.registered_modules().begin(), g.registered_modules().end())},
+         {"status", g.status()}});
   }
   return {{"groups", groups}};
 }

@@ -3,10 +3,10 @@
 #include <iostream>
 #include <regex>
 
+#include <nlohmann/json.hpp>
 #include "absl/strings/str_cat.h"
 #include "client/cli/admin_command.h"
 #include "client/cli/admin_commands.h"
-#include <nlohmann/json.hpp>
 
 namespace flatshard::cli {
 

@@ -2,9 +2,9 @@
 
 #include <iostream>
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 #include "client/cli/flags.h"
 #include "common/file_util.h"
 #include "common/manifest.h"
@@ -128,17 +128,16 @@ std::string FormatPlanTable(const Plan& plan) {
       plan.world_size, ShardingStrategyName(plan.sharding_strategy), plan.shard_world_size,
       plan.use_orig_params ? "true" : "false", plan.fingerprint);
   absl::StrAppendFormat(&out, "%5s  %-32s %-20s %-9s %7s %14s %10s %12s %12s\n", "unit", "module",
-                        "type", "dtype", "params", "numel", "padding", "shard/rank",
-                        "unsharded");
+                        "type", "dtype", "params", "numel", "padding", "shard/rank", "unsharded");
   int64_t params = 0, numel = 0, padding = 0;
   for (const PlanUnit& u : plan.units) {
     std::string module = u.module.empty() ? "(root)" : u.module;
     if (module.size() > 32) module = "..." + module.substr(module.size() - 29);
-    std::string type = u.module_type.size() > 20 ? u.module_type.substr(0, 17) + "..."
-                                                  : u.module_type;
-    absl::StrAppendFormat(&out, "%5d  %-32s %-20s %-9s %7d %14d %10d %12s %12s\n", u.index,
-                          module, type, DTypeName(u.dtype), u.params.size(), u.numel,
-                          u.padding_numel(), Bytes(u.shard_numel * ItemSize(u.dtype)),
+    std::string type =
+        u.module_type.size() > 20 ? u.module_type.substr(0, 17) + "..." : u.module_type;
+    absl::StrAppendFormat(&out, "%5d  %-32s %-20s %-9s %7d %14d %10d %12s %12s\n", u.index, module,
+                          type, DTypeName(u.dtype), u.params.size(), u.numel, u.padding_numel(),
+                          Bytes(u.shard_numel * ItemSize(u.dtype)),
                           Bytes(u.padded_numel * ItemSize(u.dtype)));
     params += static_cast<int64_t>(u.params.size());
     numel += u.numel;
@@ -146,10 +145,9 @@ std::string FormatPlanTable(const Plan& plan) {
   }
   const PlanMemory mem = SummarizeMemory(plan);
   absl::StrAppendFormat(&out, "%5s  %-32s %-20s %-9s %7d %14d %10d %12s %12s\n", "total",
-                        absl::StrCat(plan.units.size(), " units"), "", "", params, numel,
-                        padding, Bytes(mem.shard_bytes), Bytes(mem.unsharded_bytes));
-  absl::StrAppendFormat(&out,
-                        "\nper rank: shards %s; peak of a full summon (root, recurse) %s\n",
+                        absl::StrCat(plan.units.size(), " units"), "", "", params, numel, padding,
+                        Bytes(mem.shard_bytes), Bytes(mem.unsharded_bytes));
+  absl::StrAppendFormat(&out, "\nper rank: shards %s; peak of a full summon (root, recurse) %s\n",
                         Bytes(mem.shard_bytes), Bytes(mem.peak_summon_bytes));
   if (!plan.ignored_params.empty()) {
     absl::StrAppendFormat(&out, "ignored parameters: %d\n", plan.ignored_params.size());

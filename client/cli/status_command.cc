@@ -2,12 +2,12 @@
 
 #include <iostream>
 
+#include <nlohmann/json.hpp>
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/cli/admin_command.h"
 #include "client/cli/admin_commands.h"
-#include <nlohmann/json.hpp>
 
 namespace flatshard::cli {
 namespace {
@@ -39,13 +39,12 @@ void PrintStatus(const v1::GetStatusResponse& r) {
     rows.push_back({"  " + m.kind(), absl::StrCat(m.bytes(), " B")});
   }
   for (const v1::GpuMemory& g : r.gpus()) {
-    rows.push_back({absl::StrCat("gpu ", g.device()),
-                    absl::StrCat(HumanBytes(g.in_use_bytes()), " in ", g.buffers(), " buffers; ",
-                                 HumanBytes(g.reserved_bytes()), " reserved in ", g.slabs(),
-                                 " slabs of ",
-                                 g.limit_bytes() < 0 ? std::string("no limit")
-                                                     : HumanBytes(g.limit_bytes()),
-                                 " (", g.uuid(), ")")});
+    rows.push_back(
+        {absl::StrCat("gpu ", g.device()),
+         absl::StrCat(HumanBytes(g.in_use_bytes()), " in ", g.buffers(), " buffers; ",
+                      HumanBytes(g.reserved_bytes()), " reserved in ", g.slabs(), " slabs of ",
+                      g.limit_bytes() < 0 ? std::string("no limit") : HumanBytes(g.limit_bytes()),
+                      " (", g.uuid(), ")")});
   }
   std::cout << FormatTable(rows);
 }

@@ -3,11 +3,11 @@
 
 #include <iostream>
 
+#include <nlohmann/json.hpp>
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/cli/admin_command.h"
 #include "client/cli/admin_commands.h"
-#include <nlohmann/json.hpp>
 
 namespace flatshard::cli {
 namespace {
@@ -28,15 +28,15 @@ void PrintUnits(const v1::ListUnitsResponse& r) {
                                  m.initialized() ? absl::StrCat("generation ", m.generation())
                                                  : std::string("NOT INITIALISED"));
     std::vector<std::vector<std::string>> rows = {{"UNIT", "MODULE", "RANK", "STATE", "SHARD_B",
-                                                   "GRAD_B", "UNSHARDED_B", "STATE_B", "LAST_OP", "AGE"}};
+                                                   "GRAD_B", "UNSHARDED_B", "STATE_B", "LAST_OP",
+                                                   "AGE"}};
     for (const v1::UnitStatus& u : m.units()) {
       for (const v1::UnitRank& rank : u.ranks()) {
-        rows.push_back({absl::StrCat(u.unit()), ModuleName(u.module()), absl::StrCat(rank.rank()),
-                        rank.state(), absl::StrCat(rank.shard_bytes()),
-                        absl::StrCat(rank.grad_bytes()), absl::StrCat(rank.unsharded_bytes()),
-                        absl::StrCat(rank.state_bytes()), LastOp(u),
-                        u.last_op().empty() ? "-"
-                                            : absl::StrFormat("%.1fs", u.last_op_age_seconds())});
+        rows.push_back(
+            {absl::StrCat(u.unit()), ModuleName(u.module()), absl::StrCat(rank.rank()),
+             rank.state(), absl::StrCat(rank.shard_bytes()), absl::StrCat(rank.grad_bytes()),
+             absl::StrCat(rank.unsharded_bytes()), absl::StrCat(rank.state_bytes()), LastOp(u),
+             u.last_op().empty() ? "-" : absl::StrFormat("%.1fs", u.last_op_age_seconds())});
       }
     }
     std::cout << FormatTable(rows, "  ");

@@ -105,12 +105,10 @@ std::string NumpyDTypeName(DType dtype) {
   return "uint8";
 }
 
-py::array ToNumpy(const Region& region, const Keepalive& keep, bool writable,
-                  bool device_as_host) {
+py::array ToNumpy(const Region& region, const Keepalive& keep, bool writable, bool device_as_host) {
   if (region.device >= 0 && !device_as_host) {
-    throw std::invalid_argument(absl::StrCat(
-        "numpy arrays need host memory; this view is on GPU ", region.device,
-        " (use the torch tensors)"));
+    throw std::invalid_argument(absl::StrCat("numpy arrays need host memory; this view is on GPU ",
+                                             region.device, " (use the torch tensors)"));
   }
   const py::dtype dtype(NumpyDTypeName(region.dtype));
   std::vector<py::ssize_t> shape(region.shape.begin(), region.shape.end());

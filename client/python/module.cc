@@ -171,8 +171,7 @@ class PySummoned {
     if (ended_) return out;
     for (const PyView& v : (grads ? grads_ : params_).views) {
       out.append(py::make_tuple(v.fqn, v.unit, std::string(DTypeName(v.region.dtype)),
-                                py::tuple(py::cast(v.region.shape)), v.region.device,
-                                v.writable));
+                                py::tuple(py::cast(v.region.shape)), v.region.device, v.writable));
     }
     return out;
   }
@@ -193,7 +192,8 @@ class PySummoned {
     py::list out;
     if (ended_) return out;
     const ViewSet& set = grads ? grads_ : params_;
-    for (const PyView& v : set.views) out.append(ToNumpy(v.region, set.keep, v.writable, device_as_host_));
+    for (const PyView& v : set.views)
+      out.append(ToNumpy(v.region, set.keep, v.writable, device_as_host_));
     return out;
   }
 
@@ -274,8 +274,8 @@ class PyPendingReduceScatter {
 
   // The full padded gradient buffer: (capsule, dtype name, device).
   py::tuple Flat() const {
-    const Region region{pending_->data(), {pending_->numel()}, pending_->dtype(),
-                        pending_->device()};
+    const Region region{
+        pending_->data(), {pending_->numel()}, pending_->dtype(), pending_->device()};
     return py::make_tuple(ToDlpack(region, grads_.keep, device_as_host_),
                           std::string(DTypeName(region.dtype)), region.device);
   }
@@ -330,8 +330,8 @@ struct PyUnitShard {
     for (const client::StateView& v : states) {
       if (v.name == name) return v;
     }
-    throw StatusError(absl::NotFoundError(
-        absl::StrCat("unit ", unit, " has no optimizer state \"", name, "\"")));
+    throw StatusError(
+        absl::NotFoundError(absl::StrCat("unit ", unit, " has no optimizer state \"", name, "\"")));
   }
   std::vector<std::string> StateNames() const {
     std::vector<std::string> out;
@@ -356,8 +356,8 @@ std::vector<PyUnitShard> ToPyShards(const ShardViews& views, bool device_as_host
   const Keepalive keep = ShareMappings(views.mappings());
   std::vector<PyUnitShard> out;
   for (const UnitShardView& v : views) {
-    out.push_back({v.unit, v.dtype, v.shard_numel, v.shard_offset, v.device, v.data, v.grad,
-                   keep, device_as_host, v.states});
+    out.push_back({v.unit, v.dtype, v.shard_numel, v.shard_offset, v.device, v.data, v.grad, keep,
+                   device_as_host, v.states});
   }
   return out;
 }
@@ -442,7 +442,8 @@ class PyClient {
     absl::Status status;
     {
       py::gil_scoped_release release;
-      status = c->Join(std::move(group), world_size, rank, std::move(token), std::move(coordinator));
+      status =
+          c->Join(std::move(group), world_size, rank, std::move(token), std::move(coordinator));
     }
     Check(status);
   }
@@ -458,8 +459,8 @@ class PyClient {
       mode = InitMode::kFromRank0;
     } else {
       throw StatusError(absl::InvalidArgumentError(absl::StrCat(
-          "register: init must be \"zeros\", \"from_every_rank\" or \"from_rank0\", got \"",
-          init, "\"")));
+          "register: init must be \"zeros\", \"from_every_rank\" or \"from_rank0\", got \"", init,
+          "\"")));
     }
     const ClientRef c = Get("register");
     absl::StatusOr<RegisteredModule> reg;
@@ -511,9 +512,8 @@ class PyClient {
   }
 
   std::shared_ptr<PyPendingReduceScatter> BeginReduceScatter(const std::string& module,
-                                                               int32_t unit,
-                                                               const std::string& op,
-                                                               bool accumulate) {
+                                                             int32_t unit, const std::string& op,
+                                                             bool accumulate) {
     const ClientRef c = Get("begin_reduce_scatter");
     const ReduceOp reduce_op = ParseOp(op);
     absl::StatusOr<std::unique_ptr<PendingReduceScatter>> pending;
@@ -532,8 +532,7 @@ class PyClient {
       views = c->GetShardViews(module);
     }
     const ShardViews v = Unwrap(std::move(views));
-    return PyShardViews{ToPyShards(v, device_as_host_), v.generation(),
-                        ToPySpecs(v.state_specs())};
+    return PyShardViews{ToPyShards(v, device_as_host_), v.generation(), ToPySpecs(v.state_specs())};
   }
 
   // Local: the optimizer state buffers of `module` (Client::RegisterState).
@@ -550,9 +549,8 @@ class PyClient {
         throw StatusError(absl::InvalidArgumentError(absl::StrCat(
             "specs[", i, "].shape: \"", shape, "\", expected \"shard\" or \"scalar\"")));
       }
-      cs.push_back(client::StateSpec{name, *d,
-                                     shape == "shard" ? client::StateShape::kShard
-                                                      : client::StateShape::kScalar});
+      cs.push_back(client::StateSpec{
+          name, *d, shape == "shard" ? client::StateShape::kShard : client::StateShape::kScalar});
     }
     const ClientRef c = Get("register_state");
     absl::StatusOr<ShardViews> views;
@@ -561,8 +559,7 @@ class PyClient {
       views = c->RegisterState(module, cs);
     }
     const ShardViews v = Unwrap(std::move(views));
-    return PyShardViews{ToPyShards(v, device_as_host_), v.generation(),
-                        ToPySpecs(v.state_specs())};
+    return PyShardViews{ToPyShards(v, device_as_host_), v.generation(), ToPySpecs(v.state_specs())};
   }
 
   // Collective: commits the current step of `module`; returns the generation committed.
@@ -578,8 +575,7 @@ class PyClient {
 
   // Checkpoints (not collective; one rank asks its daemon). kind: "save", "load", "import".
   // Returns a dict: generation, bytes, files, ranks, unused_tensors, path.
-  py::dict Checkpoint(const std::string& kind, const std::string& module,
-                      const std::string& path) {
+  py::dict Checkpoint(const std::string& kind, const std::string& module, const std::string& path) {
     const ClientRef c = Get(kind == "save" ? "save_checkpoint" : "load_checkpoint");
     absl::StatusOr<flatshard::client::Client::CheckpointInfo> info;
     {
@@ -663,8 +659,8 @@ class PyClient {
   ClientRef Get(const char* what) const {
     std::shared_ptr<Client> c = Peek();
     if (c == nullptr) {
-      throw StatusError(absl::FailedPreconditionError(
-          absl::StrCat(what, ": the Client was closed")));
+      throw StatusError(
+          absl::FailedPreconditionError(absl::StrCat(what, ": the Client was closed")));
     }
     return ClientRef(std::move(c));
   }
@@ -766,7 +762,7 @@ PYBIND11_MODULE(_C, m) {
       .def("shard_numpy",
            [](const PyUnitShard& s) {
              return ToNumpy(Region{s.data, {s.shard_numel}, s.dtype, s.device}, s.keep, true,
-                           s.device_as_host);
+                            s.device_as_host);
            })
       .def("grad_numpy",
            [](const PyUnitShard& s) -> py::object {

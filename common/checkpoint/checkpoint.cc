@@ -8,12 +8,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <memory>
 #include <functional>
 #include <map>
+#include <memory>
 #include <set>
-#include <tuple>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -52,9 +52,8 @@ uint32_t Crc32cSoftware(uint32_t crc, const uint8_t* p, size_t n) {
     uint64_t v;
     std::memcpy(&v, p, 8);
     v ^= crc;
-    crc = t[7][v & 0xff] ^ t[6][(v >> 8) & 0xff] ^ t[5][(v >> 16) & 0xff] ^
-          t[4][(v >> 24) & 0xff] ^ t[3][(v >> 32) & 0xff] ^ t[2][(v >> 40) & 0xff] ^
-          t[1][(v >> 48) & 0xff] ^ t[0][v >> 56];
+    crc = t[7][v & 0xff] ^ t[6][(v >> 8) & 0xff] ^ t[5][(v >> 16) & 0xff] ^ t[4][(v >> 24) & 0xff] ^
+          t[3][(v >> 32) & 0xff] ^ t[2][(v >> 40) & 0xff] ^ t[1][(v >> 48) & 0xff] ^ t[0][v >> 56];
     p += 8;
     n -= 8;
   }
@@ -100,7 +99,7 @@ uint32_t ShiftOperator(uint64_t n_bytes) {
 // independent lanes interleaved (the crc32 instruction has a latency of 3 cycles and a
 // throughput of 1), then combine them: R(c, A B) = x^(8|B|) R(c, A) + R(0, B).
 __attribute__((target("sse4.2"))) uint32_t Crc32cHardware(uint32_t crc, const uint8_t* p,
-                                                           size_t n) {
+                                                          size_t n) {
   constexpr size_t kMinInterleaved = 3 * 4096;
   while (n >= kMinInterleaved) {
     const size_t lane = std::min<size_t>(n / 3, size_t{1} << 20) & ~size_t{7};
@@ -151,7 +150,9 @@ std::string Errno(absl::string_view what, const std::string& path, int err) {
   return absl::StrCat(path, ": ", what, ": ", std::strerror(err));
 }
 
-int64_t AlignUp(int64_t n) { return (n + kTensorAlignment - 1) / kTensorAlignment * kTensorAlignment; }
+int64_t AlignUp(int64_t n) {
+  return (n + kTensorAlignment - 1) / kTensorAlignment * kTensorAlignment;
+}
 
 // A file descriptor closed on scope exit.
 struct Fd {
@@ -281,10 +282,10 @@ absl::StatusOr<Metadata> MetadataFromJson(absl::string_view text, absl::string_v
   const std::string doc_name(path);
   FS_ASSIGN_OR_RETURN(Json doc, ParseJson(text, doc_name));
   const JsonPath root(doc_name);
-  FS_RETURN_IF_ERROR(ExpectObject(doc, root,
-                                  {"format", "module", "group", "world_size", "generation",
-                                   "created", "checksum", "params", "files", "tensors", "tied",
-                                   "plan", "optimizer_state"}));
+  FS_RETURN_IF_ERROR(
+      ExpectObject(doc, root,
+                   {"format", "module", "group", "world_size", "generation", "created", "checksum",
+                    "params", "files", "tensors", "tied", "plan", "optimizer_state"}));
   Metadata m;
   FS_ASSIGN_OR_RETURN(std::string format, GetString(doc, "format", root));
   if (format != kFormat) {
@@ -311,8 +312,8 @@ absl::StatusOr<Metadata> MetadataFromJson(absl::string_view text, absl::string_v
     m.plan = *std::move(plan);
   }
   if (m.plan.world_size != m.world_size) {
-    return root.Key("world_size").Error(absl::StrCat(
-        world, " differs from the plan's world_size ", m.plan.world_size));
+    return root.Key("world_size")
+        .Error(absl::StrCat(world, " differs from the plan's world_size ", m.plan.world_size));
   }
   // "params" is derived from the plan; it must agree with it (a hand-edited file is refused).
   if (!doc.contains("params")) return root.Key("params").Error("missing");
@@ -321,8 +322,8 @@ absl::StatusOr<Metadata> MetadataFromJson(absl::string_view text, absl::string_v
     size_t n = 0;
     for (const PlanUnit& u : m.plan.units) n += u.params.size();
     if (doc["params"].size() != n) {
-      return root.Key("params").Error(absl::StrCat("has ", doc["params"].size(),
-                                                   " entries, the plan ", n, " parameters"));
+      return root.Key("params").Error(
+          absl::StrCat("has ", doc["params"].size(), " entries, the plan ", n, " parameters"));
     }
     size_t i = 0;
     for (const PlanUnit& u : m.plan.units) {
@@ -350,7 +351,8 @@ absl::StatusOr<Metadata> MetadataFromJson(absl::string_view text, absl::string_v
     FS_ASSIGN_OR_RETURN(std::string crc, GetString(e, "crc32c", at));
     FS_ASSIGN_OR_RETURN(f.crc32c, ParseHex32(crc, at.Key("crc32c")));
     if (f.rank != static_cast<int32_t>(i)) {
-      return at.Key("rank").Error(absl::StrCat("is ", f.rank, ", expected ", i, " (files by rank)"));
+      return at.Key("rank").Error(
+          absl::StrCat("is ", f.rank, ", expected ", i, " (files by rank)"));
     }
     if (f.name != RankFileName(f.rank, m.world_size)) {
       return at.Key("name").Error(absl::StrCat("must be ", RankFileName(f.rank, m.world_size)));
@@ -372,8 +374,8 @@ absl::StatusOr<Metadata> MetadataFromJson(absl::string_view text, absl::string_v
     TensorEntry t;
     FS_ASSIGN_OR_RETURN(int64_t rank, GetInt(e, "rank", at, 0, world - 1));
     t.rank = static_cast<int32_t>(rank);
-    FS_ASSIGN_OR_RETURN(int64_t unit, GetInt(e, "unit", at, 0,
-                                             static_cast<int64_t>(m.plan.units.size()) - 1));
+    FS_ASSIGN_OR_RETURN(int64_t unit,
+                        GetInt(e, "unit", at, 0, static_cast<int64_t>(m.plan.units.size()) - 1));
     t.unit = static_cast<int32_t>(unit);
     FS_ASSIGN_OR_RETURN(t.name, GetString(e, "name", at));
     FS_ASSIGN_OR_RETURN(std::string dtype, GetString(e, "dtype", at));
@@ -397,10 +399,9 @@ absl::StatusOr<Metadata> MetadataFromJson(absl::string_view text, absl::string_v
     if (t.name == kShardTensor) {
       const PlanUnit& u = m.plan.units[t.unit];
       if (t.dtype != u.dtype || t.bytes != u.shard_numel * ItemSize(u.dtype)) {
-        return at.Error(absl::StrCat("unit ", t.unit, "'s shard must be ",
-                                     u.shard_numel * ItemSize(u.dtype), " bytes of ",
-                                     DTypeName(u.dtype), ", not ", t.bytes, " of ",
-                                     DTypeName(t.dtype)));
+        return at.Error(absl::StrCat(
+            "unit ", t.unit, "'s shard must be ", u.shard_numel * ItemSize(u.dtype), " bytes of ",
+            DTypeName(u.dtype), ", not ", t.bytes, " of ", DTypeName(t.dtype)));
       }
     }
     extents[t.rank].push_back({t.offset, t.offset + t.bytes});
@@ -421,7 +422,8 @@ absl::StatusOr<Metadata> MetadataFromJson(absl::string_view text, absl::string_v
       FS_ASSIGN_OR_RETURN(t.fqn, GetString(e, "fqn", at));
       FS_ASSIGN_OR_RETURN(t.same_as, GetString(e, "same_as", at));
       if (!planned.contains(t.same_as)) {
-        return at.Key("same_as").Error(absl::StrCat(Quote(t.same_as), " is not a parameter of the plan"));
+        return at.Key("same_as").Error(
+            absl::StrCat(Quote(t.same_as), " is not a parameter of the plan"));
       }
       m.tied.push_back(std::move(t));
     }
@@ -472,10 +474,10 @@ absl::StatusOr<Metadata> MetadataFromJson(absl::string_view text, absl::string_v
                                                  " of rank ", r, " unit ", u.index));
         }
         if (t->dtype != st.dtype || t->bytes != bytes) {
-          return tensors_path.Error(absl::StrCat(
-              "optimizer state ", Quote(st.name), " of rank ", r, " unit ", u.index, " must be ",
-              bytes, " bytes of ", DTypeName(st.dtype), ", not ", t->bytes, " of ",
-              DTypeName(t->dtype)));
+          return tensors_path.Error(absl::StrCat("optimizer state ", Quote(st.name), " of rank ", r,
+                                                 " unit ", u.index, " must be ", bytes,
+                                                 " bytes of ", DTypeName(st.dtype), ", not ",
+                                                 t->bytes, " of ", DTypeName(t->dtype)));
         }
       }
       if (m.FindTensor(r, u.index, kShardTensor) == nullptr) {
@@ -487,8 +489,8 @@ absl::StatusOr<Metadata> MetadataFromJson(absl::string_view text, absl::string_v
     std::sort(x.begin(), x.end());
     for (size_t i = 1; i < x.size(); ++i) {
       if (x[i].first < x[i - 1].second) {
-        return tensors_path.Error(absl::StrCat("tensors of rank ", r, " overlap at byte ",
-                                               x[i].first));
+        return tensors_path.Error(
+            absl::StrCat("tensors of rank ", r, " overlap at byte ", x[i].first));
       }
     }
   }
@@ -589,9 +591,9 @@ absl::StatusOr<WrittenFile> WriteRankFile(const std::string& dir, int32_t rank, 
   options.mode = 0644;
   options.temp_suffix = ".tmp";
   options.sync_dir = false;  // WriteMetadata fsyncs the directory once for every data file
-  FS_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFile> file,
-                      AtomicFile::Create(FileSystem::Posix(),
-                                         absl::StrCat(dir, "/", out.file.name), options));
+  FS_ASSIGN_OR_RETURN(
+      std::unique_ptr<AtomicFile> file,
+      AtomicFile::Create(FileSystem::Posix(), absl::StrCat(dir, "/", out.file.name), options));
   // Large sequential writes: the shards are written straight from their (mapped) memory, in
   // chunks so the CRC of a chunk is computed while it is still in cache and progress moves.
   constexpr int64_t kChunk = int64_t{8} << 20;
@@ -647,17 +649,18 @@ absl::StatusOr<Checkpoint> OpenCheckpoint(const std::string& dir) {
   const int fd = ::open(meta_path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ENOENT) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          meta_path, ": missing (an incomplete checkpoint: its save did not finish, or this is "
-                     "not a checkpoint directory)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(meta_path,
+                       ": missing (an incomplete checkpoint: its save did not finish, or this is "
+                       "not a checkpoint directory)"));
     }
     return absl::FailedPreconditionError(Errno("open", meta_path, errno));
   }
   Fd f(fd);
   if (::fstat(fd, &st) != 0) return absl::InternalError(Errno("fstat", meta_path, errno));
   if (static_cast<size_t>(st.st_size) > kMaxJsonBytes) {
-    return absl::FailedPreconditionError(absl::StrCat(meta_path, ": ", st.st_size,
-                                                      " bytes is over the limit of ", kMaxJsonBytes));
+    return absl::FailedPreconditionError(
+        absl::StrCat(meta_path, ": ", st.st_size, " bytes is over the limit of ", kMaxJsonBytes));
   }
   std::string text(st.st_size, '\0');
   FS_RETURN_IF_ERROR(internal::ReadAll(fd, text.data(), text.size(), 0, meta_path));
@@ -671,9 +674,9 @@ absl::StatusOr<Checkpoint> OpenCheckpoint(const std::string& dir) {
           absl::StrCat(path, ": missing (", std::strerror(errno), "); metadata.json lists it"));
     }
     if (st.st_size != e.bytes) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          path, ": ", st.st_size, " bytes, the metadata says ", e.bytes,
-          st.st_size < e.bytes ? " (truncated)" : " (longer than written)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, ": ", st.st_size, " bytes, the metadata says ", e.bytes,
+                       st.st_size < e.bytes ? " (truncated)" : " (longer than written)"));
     }
   }
   return c;
@@ -711,9 +714,8 @@ absl::Status VerifyFiles(const Checkpoint& ckpt, const std::vector<int32_t>& ran
         if (progress) progress(n);
       }
       if (s.ok() && crc != e.crc32c) {
-        s = absl::DataLossError(absl::StrCat(path, ": CRC-32C ", Hex32(crc),
-                                             ", the metadata says ", Hex32(e.crc32c),
-                                             " (corrupt)"));
+        s = absl::DataLossError(absl::StrCat(path, ": CRC-32C ", Hex32(crc), ", the metadata says ",
+                                             Hex32(e.crc32c), " (corrupt)"));
       }
       results[i] = s;
     }

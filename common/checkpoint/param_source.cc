@@ -84,11 +84,10 @@ class CheckpointParamSource : public ParamSource {
       const int64_t in_shard = flat - int64_t{k} * shard;
       const int64_t take = std::min(count, shard - in_shard);
       const TensorEntry* t = ckpt_.meta.FindTensor(k, u.index, tensor_);
-      if (t == nullptr || k >= static_cast<int32_t>(fds_.size()) ||
-          t->bytes < shard * item) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            Describe(), ": no ", Quote(tensor_), " of rank ", k, " unit ", u.index, " for ",
-            Quote(fqn)));
+      if (t == nullptr || k >= static_cast<int32_t>(fds_.size()) || t->bytes < shard * item) {
+        return absl::FailedPreconditionError(absl::StrCat(Describe(), ": no ", Quote(tensor_),
+                                                          " of rank ", k, " unit ", u.index,
+                                                          " for ", Quote(fqn)));
       }
       const std::string path = absl::StrCat(ckpt_.dir, "/", ckpt_.meta.files[k].name);
       if (fds_[k] < 0) return absl::FailedPreconditionError(absl::StrCat(path, ": cannot open"));
@@ -135,8 +134,8 @@ class SafetensorsParamSource : public ParamSource {
     }
     const int64_t item = safetensors::CodeSize(t->code);
     if (begin < 0 || count < 0 || begin + count > t->numel()) {
-      return absl::InvalidArgumentError(absl::StrCat("elements [", begin, ", ", begin + count,
-                                                     ") of ", Quote(fqn)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("elements [", begin, ", ", begin + count, ") of ", Quote(fqn)));
     }
     return internal::ReadAll(fd_, dst, count * item, header_.data_start + t->begin + begin * item,
                              path_);
@@ -164,8 +163,7 @@ absl::StatusOr<std::unique_ptr<ParamSource>> SafetensorsSource(const std::string
   FS_ASSIGN_OR_RETURN(safetensors::Header header, safetensors::ReadHeader(path));
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return absl::NotFoundError(absl::StrCat(path, ": open: ", std::strerror(errno)));
-  return std::unique_ptr<ParamSource>(
-      new SafetensorsParamSource(path, std::move(header), fd));
+  return std::unique_ptr<ParamSource>(new SafetensorsParamSource(path, std::move(header), fd));
 }
 
 absl::StatusOr<std::vector<Binding>> Bind(const ParamSource& source, const Plan& target,
@@ -198,22 +196,22 @@ absl::StatusOr<std::vector<Binding>> Bind(const ParamSource& source, const Plan&
             source.Describe(), names.size() > 1 ? " (nor its tied aliases)" : ""));
       }
       if (found->shape != p.shape) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "parameter ", Quote(p.fqn), ": shape ", ShapeText(found->shape), " in ",
-            source.Describe(), ", ", ShapeText(p.shape), " in the module"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("parameter ", Quote(p.fqn), ": shape ", ShapeText(found->shape), " in ",
+                         source.Describe(), ", ", ShapeText(p.shape), " in the module"));
       }
       if (found->dtype != dtype.value_or(u.dtype)) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "parameter ", Quote(p.fqn), ": dtype ", DTypeName(found->dtype), " in ",
-            source.Describe(), ", ", DTypeName(dtype.value_or(u.dtype)),
-            " in the module (no conversion)"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("parameter ", Quote(p.fqn), ": dtype ", DTypeName(found->dtype), " in ",
+                         source.Describe(), ", ", DTypeName(dtype.value_or(u.dtype)),
+                         " in the module (no conversion)"));
       }
       if (const auto* st = dynamic_cast<const SafetensorsParamSource*>(&source)) {
         auto bad = st->unsupported().find(found_name);
         if (bad != st->unsupported().end()) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "parameter ", Quote(p.fqn), ": dtype ", bad->second, " in ", source.Describe(),
-              ", ", DTypeName(u.dtype), " in the module"));
+          return absl::FailedPreconditionError(
+              absl::StrCat("parameter ", Quote(p.fqn), ": dtype ", bad->second, " in ",
+                           source.Describe(), ", ", DTypeName(u.dtype), " in the module"));
         }
       }
       for (const std::string& n : names) used.insert(n);
@@ -244,19 +242,17 @@ absl::Status FillShard(const ParamSource& source, const std::vector<Binding>& bi
     const int64_t hi = std::min(range.end, b.param->offset + b.param->numel);
     if (lo >= hi) continue;
     if (lo > at) std::memset(out + (at - range.begin) * item, 0, (lo - at) * item);
-    FS_RETURN_IF_ERROR(source.Read(b.source_fqn, lo - b.param->offset, hi - lo,
-                                   out + (lo - range.begin) * item));
+    FS_RETURN_IF_ERROR(
+        source.Read(b.source_fqn, lo - b.param->offset, hi - lo, out + (lo - range.begin) * item));
     at = std::max(at, hi);
   }
   if (range.end > at) std::memset(out + (at - range.begin) * item, 0, (range.end - at) * item);
   return absl::OkStatus();
 }
 
-absl::Status ExportSafetensors(const ParamSource& source, const Plan& plan,
-                               const std::string& path,
+absl::Status ExportSafetensors(const ParamSource& source, const Plan& plan, const std::string& path,
                                const std::map<std::string, std::string>& metadata,
-                               const ProgressFn& progress,
-                               const std::vector<SharedParam>& tied) {
+                               const ProgressFn& progress, const std::vector<SharedParam>& tied) {
   FS_ASSIGN_OR_RETURN(std::vector<Binding> bindings, Bind(source, plan));
   std::vector<safetensors::Writer::Spec> specs;
   std::vector<const Binding*> order;  // one per spec

@@ -85,8 +85,7 @@ absl::Status FillShard(const ParamSource& source, const std::vector<Binding>& bi
 // to __metadata__. `progress` gets bytes written.
 // `tied`: aliases across units the plan does not name (Metadata::tied), written after the
 // parameter they alias.
-absl::Status ExportSafetensors(const ParamSource& source, const Plan& plan,
-                               const std::string& path,
+absl::Status ExportSafetensors(const ParamSource& source, const Plan& plan, const std::string& path,
                                const std::map<std::string, std::string>& metadata,
                                const ProgressFn& progress = nullptr,
                                const std::vector<SharedParam>& tied = {});

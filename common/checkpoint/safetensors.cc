@@ -25,11 +25,11 @@ struct CodeEntry {
   std::optional<DType> dtype;
 };
 constexpr CodeEntry kCodes[] = {
-    {"BOOL", 1, DType::kBool},     {"U8", 1, DType::kUInt8},      {"I8", 1, DType::kInt8},
-    {"F8_E5M2", 1, std::nullopt},  {"F8_E4M3", 1, std::nullopt},  {"I16", 2, std::nullopt},
-    {"U16", 2, std::nullopt},      {"F16", 2, DType::kFloat16},   {"BF16", 2, DType::kBFloat16},
-    {"I32", 4, DType::kInt32},     {"U32", 4, std::nullopt},      {"F32", 4, DType::kFloat32},
-    {"F64", 8, DType::kFloat64},   {"I64", 8, DType::kInt64},     {"U64", 8, std::nullopt},
+    {"BOOL", 1, DType::kBool},    {"U8", 1, DType::kUInt8},     {"I8", 1, DType::kInt8},
+    {"F8_E5M2", 1, std::nullopt}, {"F8_E4M3", 1, std::nullopt}, {"I16", 2, std::nullopt},
+    {"U16", 2, std::nullopt},     {"F16", 2, DType::kFloat16},  {"BF16", 2, DType::kBFloat16},
+    {"I32", 4, DType::kInt32},    {"U32", 4, std::nullopt},     {"F32", 4, DType::kFloat32},
+    {"F64", 8, DType::kFloat64},  {"I64", 8, DType::kInt64},    {"U64", 8, std::nullopt},
 };
 
 absl::Status Bad(absl::string_view path, absl::string_view what) {
@@ -115,7 +115,8 @@ absl::StatusOr<Header> ParseHeader(absl::string_view header_json, int64_t file_s
         return Bad(path, absl::StrCat(at, ": shape entries must be non-negative integers"));
       }
       const uint64_t dim = d.get<uint64_t>();
-      if (dim > static_cast<uint64_t>(INT64_MAX) || __builtin_mul_overflow(numel, static_cast<int64_t>(dim), &numel)) {
+      if (dim > static_cast<uint64_t>(INT64_MAX) ||
+          __builtin_mul_overflow(numel, static_cast<int64_t>(dim), &numel)) {
         return Bad(path, absl::StrCat(at, ": shape overflows"));
       }
       t.shape.push_back(static_cast<int64_t>(dim));
@@ -171,7 +172,8 @@ absl::StatusOr<Header> ReadHeader(const std::string& path) {
   if (::fstat(fd, &st) != 0) {
     return absl::InternalError(absl::StrCat(path, ": fstat: ", std::strerror(errno)));
   }
-  if (st.st_size < 8) return Bad(path, absl::StrCat("only ", st.st_size, " bytes (no header size)"));
+  if (st.st_size < 8)
+    return Bad(path, absl::StrCat("only ", st.st_size, " bytes (no header size)"));
   unsigned char len[8];
   FS_RETURN_IF_ERROR(checkpoint::internal::ReadAll(fd, len, 8, 0, path));
   uint64_t n = 0;
@@ -180,8 +182,8 @@ absl::StatusOr<Header> ReadHeader(const std::string& path) {
     return Bad(path, absl::StrCat("header size ", n, " is over the limit of ", kMaxHeaderBytes));
   }
   if (static_cast<int64_t>(n) > st.st_size - 8) {
-    return Bad(path, absl::StrCat("header size ", n, " runs past the end of the file (",
-                                  st.st_size, " bytes)"));
+    return Bad(path, absl::StrCat("header size ", n, " runs past the end of the file (", st.st_size,
+                                  " bytes)"));
   }
   std::string text(n, '\0');
   FS_RETURN_IF_ERROR(checkpoint::internal::ReadAll(fd, text.data(), n, 8, path));
@@ -224,8 +226,8 @@ absl::StatusOr<std::unique_ptr<Writer>> Writer::Create(
           absl::StrCat(path, ": tensor name ", Quote(t.name), " is duplicate or reserved"));
     }
     if (CodeOf(t.dtype) == "?") {
-      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor ", Quote(t.name),
-                                                     ": dtype ", DTypeName(t.dtype),
+      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor ", Quote(t.name), ": dtype ",
+                                                     DTypeName(t.dtype),
                                                      " has no safetensors code"));
     }
   }

@@ -113,8 +113,8 @@ ScopedCudaDevice::~ScopedCudaDevice() = default;
 
 #endif  // FS_HAVE_CUDA
 
-absl::Status PollUntilDone(absl::FunctionRef<absl::StatusOr<bool>()> probe,
-                           absl::Duration timeout, absl::string_view what) {
+absl::Status PollUntilDone(absl::FunctionRef<absl::StatusOr<bool>()> probe, absl::Duration timeout,
+                           absl::string_view what) {
   constexpr absl::Duration kSpin = absl::Microseconds(200);
   constexpr absl::Duration kMinNap = absl::Microseconds(10);
   constexpr absl::Duration kMaxNap = absl::Milliseconds(1);
@@ -147,7 +147,8 @@ absl::StatusOr<int> DeviceForUuid(absl::string_view uuid) {
     if (g.uuid == uuid) return g.ordinal;
   }
   return absl::NotFoundError(absl::StrCat("GPU ", uuid, " is not visible to this process (",
-                                          gpus->size(), " GPU(s) visible; check "
+                                          gpus->size(),
+                                          " GPU(s) visible; check "
                                           "CUDA_VISIBLE_DEVICES)"));
 }
 

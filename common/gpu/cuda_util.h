@@ -35,18 +35,18 @@ absl::Status CudaStatus(int err, absl::string_view what);
 
 // Evaluates a CUDA runtime call and returns CudaStatus(its result, what) from the enclosing
 // function when it failed.
-#define FS_CUDA_RETURN_IF_ERROR(call, what)                                   \
-  do {                                                                         \
-    const int fs_cuda_err_ = static_cast<int>(call);                           \
+#define FS_CUDA_RETURN_IF_ERROR(call, what)                                         \
+  do {                                                                              \
+    const int fs_cuda_err_ = static_cast<int>(call);                                \
     if (fs_cuda_err_ != 0) return ::flatshard::gpu::CudaStatus(fs_cuda_err_, what); \
   } while (0)
 
 struct GpuDevice {
-  int ordinal = -1;          // as this process sees it (after CUDA_VISIBLE_DEVICES)
-  std::string uuid;          // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (nvidia-smi's form)
-  std::string name;          // "NVIDIA H100 80GB HBM3"
-  int64_t total_bytes = 0;   // device memory
-  std::string pci_bus_id;    // "0000:1b:00.0"
+  int ordinal = -1;         // as this process sees it (after CUDA_VISIBLE_DEVICES)
+  std::string uuid;         // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (nvidia-smi's form)
+  std::string name;         // "NVIDIA H100 80GB HBM3"
+  int64_t total_bytes = 0;  // device memory
+  std::string pci_bus_id;   // "0000:1b:00.0"
 };
 
 // The GPUs this process can use, by ordinal.
@@ -82,7 +82,7 @@ class ScopedCudaDevice {
 // 1 us. A completion is noticed at most about 6% (plus one wakeup) late, and a long wait costs
 // about one query per millisecond. (An exponential backoff to 1 ms noticed a 0.72 ms copy
 // after 1.3 ms.)
-absl::Status PollUntilDone(absl::FunctionRef<absl::StatusOr<bool>()> probe,
-                           absl::Duration timeout, absl::string_view what);
+absl::Status PollUntilDone(absl::FunctionRef<absl::StatusOr<bool>()> probe, absl::Duration timeout,
+                           absl::string_view what);
 
 }  // namespace flatshard::gpu

@@ -102,9 +102,9 @@ absl::StatusOr<ModelIndex> IndexPlan(const Plan& plan) {
   ModelIndex index;
   for (const PlanUnit& unit : plan.units) {
     if (unit.dtype != DType::kFloat32) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "unit ", unit.index, " has dtype ", DTypeName(unit.dtype),
-          ": this example trainer handles float32 models only"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unit ", unit.index, " has dtype ", DTypeName(unit.dtype),
+                       ": this example trainer handles float32 models only"));
     }
     for (const PlanParam& p : unit.params) {
       index.params.push_back({p.fqn, p.numel});
@@ -146,7 +146,8 @@ absl::Status CheckParams(const ModelIndex& index, const SummonedParams& summoned
     for (int64_t i = 0; i < p.numel; ++i) {
       const float want = scale * InitialValue(p.fqn, i);
       if (data[i] != want) {
-        return absl::InternalError(absl::StrFormat("%s[%d] is %g, want %g", p.fqn, i, data[i], want));
+        return absl::InternalError(
+            absl::StrFormat("%s[%d] is %g, want %g", p.fqn, i, data[i], want));
       }
     }
   }
@@ -243,8 +244,8 @@ class Trainer {
     const int64_t before = client_->segment_map_calls();
     absl::StatusOr<std::unique_ptr<SummonedParams>> summoned =
         client_->Summon(kModule, "", options);
-    const std::string kind = absl::StrCat(options.writeback, options.rank0_only,
-                                          options.with_grads, options.recurse);
+    const std::string kind =
+        absl::StrCat(options.writeback, options.rank0_only, options.with_grads, options.recurse);
     if (!summon_kinds_.insert(kind).second) {
       ++repeat_summons_;
       repeat_maps_ += client_->segment_map_calls() - before;
@@ -256,16 +257,15 @@ class Trainer {
     FS_ASSIGN_OR_RETURN(const std::string manifest, ReadFile(model + ".manifest.json"));
     FS_ASSIGN_OR_RETURN(const std::string policy, ReadFile(model + ".policy.json"));
     absl::StatusOr<client::RegisteredModule> registered =
-        init == "summon" ? absl::StatusOr<client::RegisteredModule>(
-                               absl::UnimplementedError("--init=summon"))
-                         : client_->Register(kModule, manifest, policy,
-                                             client::InitMode::kFromEveryRank);
+        init == "summon"
+            ? absl::StatusOr<client::RegisteredModule>(absl::UnimplementedError("--init=summon"))
+            : client_->Register(kModule, manifest, policy, client::InitMode::kFromEveryRank);
     // A daemon without FROM_EVERY_RANK refuses it on every rank at once (before any rank's
     // registration counts), so every rank falls back together and the group stays in step.
-    if (init == "summon" ||
-        (init == "auto" && (absl::IsInvalidArgument(registered.status()) ||
-                            absl::IsUnimplemented(registered.status())) &&
-         absl::StrContains(registered.status().message(), "INIT_MODE_ZEROS"))) {
+    if (init == "summon" || (init == "auto" &&
+                             (absl::IsInvalidArgument(registered.status()) ||
+                              absl::IsUnimplemented(registered.status())) &&
+                             absl::StrContains(registered.status().message(), "INIT_MODE_ZEROS"))) {
       registered = client_->Register(kModule, manifest, policy, client::InitMode::kZeros);
     }
     FS_RETURN_IF_ERROR(registered.status());
@@ -283,11 +283,10 @@ class Trainer {
       FS_RETURN_IF_ERROR(full->End());
     }
     units_ = static_cast<int32_t>(registered->plan->units.size());
-    return absl::StrCat(model, ": ", units_, " units, ", index_.params.size(), " params (",
-                        index_.aliases.size(), " tied), ", index_.elements,
-                        " elements; every rank wrote f(fqn,i) into ",
-                        init_summon ? "the FROM_EVERY_RANK init summon"
-                                    : "a writeback summon over zero shards");
+    return absl::StrCat(
+        model, ": ", units_, " units, ", index_.params.size(), " params (", index_.aliases.size(),
+        " tied), ", index_.elements, " elements; every rank wrote f(fqn,i) into ",
+        init_summon ? "the FROM_EVERY_RANK init summon" : "a writeback summon over zero shards");
   }
 
   absl::Status SummonAndCheck(float scale) {
@@ -308,8 +307,8 @@ class Trainer {
                                               (rank_ == 0 ? " got no views" : " got views")));
     }
     if (static_cast<int32_t>(full->units().size()) != units_) {
-      return absl::InternalError(absl::StrCat("rank0_only summon names ", full->units().size(),
-                                              " units, want ", units_));
+      return absl::InternalError(
+          absl::StrCat("rank0_only summon names ", full->units().size(), " units, want ", units_));
     }
     if (rank_ == 0) {
       FS_RETURN_IF_ERROR(CheckParams(index_, *full, 1.0f));
@@ -326,13 +325,14 @@ class Trainer {
   absl::StatusOr<std::string> ReduceScatterGrads() {
     const float mine = static_cast<float>(rank_ + 1);
     for (int32_t unit = 0; unit < units_; ++unit) {
-      FS_RETURN_IF_ERROR(client_->ReduceScatterGrads(
-          kModule, unit, client::ReduceOp::kSum, /*accumulate=*/false,
-          [&](client::PendingReduceScatter& pending) -> absl::Status {
-            float* data = static_cast<float*>(pending.data());
-            for (int64_t i = 0; i < pending.numel(); ++i) data[i] = mine;
-            return absl::OkStatus();
-          }));
+      FS_RETURN_IF_ERROR(
+          client_->ReduceScatterGrads(kModule, unit, client::ReduceOp::kSum, /*accumulate=*/false,
+                                      [&](client::PendingReduceScatter& pending) -> absl::Status {
+                                        float* data = static_cast<float*>(pending.data());
+                                        for (int64_t i = 0; i < pending.numel(); ++i)
+                                          data[i] = mine;
+                                        return absl::OkStatus();
+                                      }));
     }
     return absl::StrFormat("SUM over %d units; this rank wrote %g everywhere", units_, mine);
   }
@@ -356,8 +356,8 @@ class Trainer {
   ModelIndex index_;
   int32_t units_ = 0;
   std::set<std::string> summon_kinds_;  // option sets summoned so far
-  int repeat_summons_ = 0;               // summons with options summoned before
-  int64_t repeat_maps_ = 0;              // segments those mapped (steady state: none)
+  int repeat_summons_ = 0;              // summons with options summoned before
+  int64_t repeat_maps_ = 0;             // segments those mapped (steady state: none)
 };
 
 int Main(int argc, char** argv) {
@@ -396,8 +396,7 @@ int Main(int argc, char** argv) {
                                           absl::GetFlag(FLAGS_model), init);
   const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
   if (!status.ok()) {
-    std::printf("rank %d/%d  FAIL     %7.1f ms  %s\n", rank, world, ms,
-                status.ToString().c_str());
+    std::printf("rank %d/%d  FAIL     %7.1f ms  %s\n", rank, world, ms, status.ToString().c_str());
     return 1;
   }
   std::printf("rank %d/%d  PASS     %7.1f ms  all checks passed\n", rank, world, ms);

@@ -1,6 +1,5 @@
 #include "server/access/tls_config.h"
 
-
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -11,9 +10,8 @@ namespace {
 
 absl::StatusOr<std::string> ReadPem(const std::string& path, absl::string_view flag) {
   if (path.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("TLS needs --tls_cert, --tls_key and --tls_ca together; ", flag,
-                     " is missing"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TLS needs --tls_cert, --tls_key and --tls_ca together; ", flag, " is missing"));
   }
   absl::StatusOr<std::string> text = ReadWholeFile(path);
   if (!text.ok()) {
@@ -63,7 +61,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
   if (!tls.enabled()) {
     if (!allow_insecure && !IsLoopbackAddress(address)) {
       return absl::FailedPreconditionError(absl::StrCat(
-          flag, " ", address, " is not a loopback address and TLS is not configured "
+          flag, " ", address,
+          " is not a loopback address and TLS is not configured "
           "(--tls_cert, --tls_key, --tls_ca); refusing to serve it without authentication. "
           "Configure TLS, bind 127.0.0.1, or pass --allow_insecure_tcp to accept the risk"));
     }

@@ -15,10 +15,10 @@
 #include <memory>
 #include <string>
 
-#include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace flatshard::server::access {
 

@@ -12,13 +12,13 @@
 #include <cstring>
 #include <vector>
 
+#include <grpcpp/server.h>
+#include <grpcpp/server_posix.h>
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "common/logging.h"
-#include <grpcpp/server.h>
-#include <grpcpp/server_posix.h>
 
 namespace flatshard::server::access {
 namespace {
@@ -55,9 +55,9 @@ absl::StatusOr<gid_t> LookupGroup(const std::string& name) {
   if (found != nullptr) return found->gr_gid;
   uint32_t numeric = 0;
   if (absl::SimpleAtoi(name, &numeric)) return static_cast<gid_t>(numeric);
-  return absl::NotFoundError(absl::StrCat("--socket_group: there is no group named \"", name, "\"",
-                                          err != 0 ? absl::StrCat(" (", std::strerror(err), ")")
-                                                   : std::string()));
+  return absl::NotFoundError(
+      absl::StrCat("--socket_group: there is no group named \"", name, "\"",
+                   err != 0 ? absl::StrCat(" (", std::strerror(err), ")") : std::string()));
 }
 
 }  // namespace
@@ -116,8 +116,7 @@ absl::StatusOr<std::unique_ptr<UnixSocketAcceptor>> UnixSocketAcceptor::Listen(
     ::unlink(path.c_str());
     return fail("pipe for");
   }
-  return std::unique_ptr<UnixSocketAcceptor>(
-      new UnixSocketAcceptor(path, fd, wake[0], wake[1]));
+  return std::unique_ptr<UnixSocketAcceptor>(new UnixSocketAcceptor(path, fd, wake[0], wake[1]));
 }
 
 UnixSocketAcceptor::~UnixSocketAcceptor() {

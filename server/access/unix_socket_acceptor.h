@@ -77,7 +77,7 @@ class UnixSocketAcceptor {
 
   const std::string path_;
   int listen_fd_ = -1;
-  int wake_read_ = -1;   // Stop() writes to wake_write_; the loop polls wake_read_
+  int wake_read_ = -1;  // Stop() writes to wake_write_; the loop polls wake_read_
   int wake_write_ = -1;
   std::thread thread_;
   mutable absl::Mutex mu_;

@@ -6,16 +6,16 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
-#include <thread>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "common/manifest.h"
-#include "common/status_macros.h"
 #include "common/plan.h"
 #include "common/state_spec.h"
+#include "common/status_macros.h"
 #include "server/checkpoint/checkpoints.h"
 
 namespace flatshard::server {
@@ -25,11 +25,11 @@ struct Checkpoints::CheckpointHold {
   std::string module;
   int32_t world_size = 0;
   Plan plan;
-  std::vector<int32_t> ranks;  // the local ranks, ascending
-  std::vector<std::vector<UnitShard>> shards;                  // by position in `ranks`
+  std::vector<int32_t> ranks;                                   // the local ranks, ascending
+  std::vector<std::vector<UnitShard>> shards;                   // by position in `ranks`
   std::vector<std::vector<std::shared_ptr<Buffer>>> committed;  // by position in `ranks`
-  uint64_t generation = 0;  // of every local rank
-  Manifest manifest;  // for checkpoint::TiedAliases (computed without mu_)
+  uint64_t generation = 0;                                      // of every local rank
+  Manifest manifest;               // for checkpoint::TiedAliases (computed without mu_)
   std::vector<std::string> peers;  // multi-daemon groups: the other daemons' peer addresses
   std::string token;
   // Optimizer state (RegisterState): the module's specs (empty: none) and, by position in
@@ -72,15 +72,13 @@ inline int64_t RankBytes(const Plan& plan, const std::vector<StateSpec>& specs) 
   return n;
 }
 
-
 inline absl::Status CheckStateSize(const Buffer& b, const PlanUnit& u, const StateSpec& st) {
   const int64_t want = st.Numel(u.shard_numel) * ItemSize(st.dtype);
   if (b.bytes() >= want) return absl::OkStatus();
   return absl::InternalError(absl::StrCat("unit ", u.index, ": a ", b.bytes(),
-                                          "-byte buffer for optimizer state \"", st.name,
-                                          "\" of ", want, " bytes"));
+                                          "-byte buffer for optimizer state \"", st.name, "\" of ",
+                                          want, " bytes"));
 }
-
 
 inline absl::Status CheckSize(const Buffer& b, const PlanUnit& u) {
   if (b.bytes() >= u.shard_numel * ItemSize(u.dtype)) return absl::OkStatus();
@@ -89,12 +87,11 @@ inline absl::Status CheckSize(const Buffer& b, const PlanUnit& u) {
                                           u.shard_numel * ItemSize(u.dtype), " bytes"));
 }
 
-
 // A caller who is neither root nor the daemon's uid may only have the daemon write into, or
 // read from, a path that caller owns (the directory; for a new directory, its parent; a
 // safetensors file): the daemon's privileges must not reach other users' files.
 inline absl::Status CheckOwner(const CheckpointArgs& args, const std::string& path,
-                        bool parent_if_missing) {
+                               bool parent_if_missing) {
   if (args.privileged) return absl::OkStatus();
   struct stat st;
   std::string at = path;

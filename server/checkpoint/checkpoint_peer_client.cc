@@ -12,8 +12,7 @@ namespace flatshard::server {
 
 std::vector<absl::StatusOr<CheckpointResult>> CheckpointPeerClient::AskAll(
     const std::vector<std::string>& peers, const Ask& ask, bool load) const {
-  std::vector<absl::StatusOr<CheckpointResult>> out(peers.size(),
-                                                    absl::UnknownError("not asked"));
+  std::vector<absl::StatusOr<CheckpointResult>> out(peers.size(), absl::UnknownError("not asked"));
   std::vector<std::thread> threads;
   for (size_t k = 0; k < peers.size(); ++k) {
     threads.emplace_back([&, k] {

@@ -2,6 +2,16 @@
 
 #include "server/checkpoint/checkpoints.h"
 
+#include <grpcpp/grpcpp.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <thread>
+#include <tuple>
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -11,21 +21,11 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "flatshard/v1/checkpoint_peer.grpc.pb.h"
-#include <algorithm>
-#include <atomic>
-#include <cstring>
-#include <functional>
-#include <grpcpp/grpcpp.h>
-#include <map>
-#include <sys/stat.h>
-#include <thread>
-#include <tuple>
-#include <unistd.h>
-#include "server/durable/records.h"
-#include "server/module/modules.h"
-#include "server/checkpoint/checkpoint_peer_client.h"
 #include "server/checkpoint/checkpoint_hold.h"
+#include "server/checkpoint/checkpoint_peer_client.h"
+#include "server/durable/records.h"
 #include "server/group_manager_internal.h"
+#include "server/module/modules.h"
 
 namespace flatshard::server {
 
@@ -57,17 +57,15 @@ absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> Checkpoints::HostCopies(
   if (!device) return buffers;
   std::vector<std::shared_ptr<Buffer>> host;
   for (size_t u = 0; u < buffers.size(); ++u) {
-    FS_ASSIGN_OR_RETURN(
-        std::shared_ptr<Buffer> b,
-        store_->Allocate(BufferKind::kStaging, buffers[u]->bytes(),
-                         absl::StrCat("checkpoint rank=", rank, " unit=", u), -1,
-                         Placement::Host()));
+    FS_ASSIGN_OR_RETURN(std::shared_ptr<Buffer> b,
+                        store_->Allocate(BufferKind::kStaging, buffers[u]->bytes(),
+                                         absl::StrCat("checkpoint rank=", rank, " unit=", u), -1,
+                                         Placement::Host()));
     host.push_back(std::move(b));
   }
   if (copy_in) FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(buffers), Raw(host)));
   return host;
 }
-
 
 absl::StatusOr<Checkpoints::CheckpointHold> Checkpoints::HoldForCheckpoint(
     const CheckpointArgs& args, bool load, CheckpointProgress* progress) {
@@ -93,34 +91,32 @@ absl::StatusOr<Checkpoints::CheckpointHold> Checkpoints::HoldForCheckpoint(
       }
       auto it = g.registered.find(args.module);
       if (it == g.registered.end()) {
-        return absl::NotFoundError(absl::StrCat("group ", g.id, ": module ", Display(args.module),
-                                                " is not registered"));
+        return absl::NotFoundError(
+            absl::StrCat("group ", g.id, ": module ", Display(args.module), " is not registered"));
       }
       Registered& reg = it->second;
       if (!reg.initialized) FS_RETURN_IF_ERROR(modules_.CheckUsable(g, args.module, reg));
       std::vector<std::string> peers;  // the other daemons' peer addresses
       if (g.multi()) {
         if (static_cast<int32_t>(g.table.rank_daemons.size()) != g.world_size || !g.coll) {
-          return absl::UnavailableError(absl::StrCat(
-              "group ", g.id, " is not formed (every rank must have joined once)"));
+          return absl::UnavailableError(
+              absl::StrCat("group ", g.id, " is not formed (every rank must have joined once)"));
         }
         for (int32_t r = 0; r < g.world_size; ++r) {
           const std::string& a = g.table.rank_daemons[r].peer_address;
           if (std::find(g.local_ranks.begin(), g.local_ranks.end(), r) != g.local_ranks.end() ||
-              a == self_peer_address_ ||
-              std::find(peers.begin(), peers.end(), a) != peers.end()) {
+              a == self_peer_address_ || std::find(peers.begin(), peers.end(), a) != peers.end()) {
             continue;
           }
           peers.push_back(a);
         }
       } else if (static_cast<int32_t>(g.local_ranks.size()) != g.world_size) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "group ", g.id, ": not every rank has joined (this daemon hosts ",
-            internal::RankListText(g.local_ranks), " of ", g.world_size, ")"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("group ", g.id, ": not every rank has joined (this daemon hosts ",
+                         internal::RankListText(g.local_ranks), " of ", g.world_size, ")"));
       }
       for (int32_t r : g.local_ranks) {
-        if (r >= static_cast<int32_t>(reg.shards_by_rank.size()) ||
-            reg.shards_by_rank[r].empty()) {
+        if (r >= static_cast<int32_t>(reg.shards_by_rank.size()) || reg.shards_by_rank[r].empty()) {
           return absl::FailedPreconditionError(absl::StrCat(
               "group ", g.id, " rank ", r, " holds no shards of module ", Display(args.module)));
         }
@@ -128,9 +124,9 @@ absl::StatusOr<Checkpoints::CheckpointHold> Checkpoints::HoldForCheckpoint(
       if (load) {
         for (const auto& [id, open] : g.open_summons) {
           if (open.module == args.module) {
-            return absl::FailedPreconditionError(absl::StrCat(
-                "group ", g.id, " rank ", open.rank, " has summon ", id, " of module ",
-                Display(args.module), " open: end it before loading"));
+            return absl::FailedPreconditionError(
+                absl::StrCat("group ", g.id, " rank ", open.rank, " has summon ", id, " of module ",
+                             Display(args.module), " open: end it before loading"));
           }
         }
       }
@@ -138,9 +134,9 @@ absl::StatusOr<Checkpoints::CheckpointHold> Checkpoints::HoldForCheckpoint(
       // have registered it once the module's spec is fixed.
       for (const StateSpec& st : reg.state_specs) {
         if (st.name == checkpoint::kShardTensor) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "group ", g.id, " module ", Display(args.module), ": optimizer state \"",
-              st.name, "\" has the name of the parameters' tensor in a checkpoint"));
+          return absl::FailedPreconditionError(
+              absl::StrCat("group ", g.id, " module ", Display(args.module), ": optimizer state \"",
+                           st.name, "\" has the name of the parameters' tensor in a checkpoint"));
         }
       }
       for (int32_t r : reg.state_specs.empty() ? std::vector<int32_t>{} : g.local_ranks) {
@@ -153,8 +149,10 @@ absl::StatusOr<Checkpoints::CheckpointHold> Checkpoints::HoldForCheckpoint(
         if (!has) {
           return absl::FailedPreconditionError(absl::StrCat(
               "group ", g.id, " rank ", r, " has not registered the optimizer state of module ",
-              Display(args.module), " (another rank did): every rank registers it "
-              "(RegisterState, keep_optimizer_state) before a checkpoint ", load ? "load" : "save"));
+              Display(args.module),
+              " (another rank did): every rank registers it "
+              "(RegisterState, keep_optimizer_state) before a checkpoint ",
+              load ? "load" : "save"));
         }
       }
       uint64_t lo = UINT64_MAX, hi = 0;
@@ -164,8 +162,8 @@ absl::StatusOr<Checkpoints::CheckpointHold> Checkpoints::HoldForCheckpoint(
       }
       // A copy into (or out of) the committed copies is in flight, a rollback is due, or a
       // commit has reached some ranks and not yet others: look again shortly.
-      const bool still = reg.busy == 0 && !reg.rollback_pending && lo == hi &&
-                         (!load || reg.ckpt_hold == 0);
+      const bool still =
+          reg.busy == 0 && !reg.rollback_pending && lo == hi && (!load || reg.ckpt_hold == 0);
       if (still) {
         ++reg.ckpt_hold;
         if (load) ++reg.busy;  // keeps rollbacks out while the shards are written
@@ -200,8 +198,8 @@ absl::StatusOr<Checkpoints::CheckpointHold> Checkpoints::HoldForCheckpoint(
       }
       last_wait = absl::DeadlineExceededError(absl::StrCat(
           "group ", g.id, " module ", Display(args.module),
-          ": its committed shards did not come to rest within the wait (",
-          reg.busy, " copies in flight", reg.rollback_pending ? ", a rollback pending" : "",
+          ": its committed shards did not come to rest within the wait (", reg.busy,
+          " copies in flight", reg.rollback_pending ? ", a rollback pending" : "",
           lo != hi ? absl::StrCat(", ranks at generations ", lo, " to ", hi) : std::string(),
           reg.ckpt_hold > 0 ? ", another checkpoint running" : "", ")"));
     }
@@ -211,7 +209,7 @@ absl::StatusOr<Checkpoints::CheckpointHold> Checkpoints::HoldForCheckpoint(
 }
 
 void Checkpoints::ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
-                                         std::optional<uint64_t> generation) {
+                                        std::optional<uint64_t> generation) {
   AfterUnlock run;
   {
     std::shared_ptr<Group> held = table_.FindOrGone(hold.group);
@@ -242,7 +240,7 @@ void Checkpoints::ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
 }
 
 absl::Status Checkpoints::AllocateStateForLoad(CheckpointHold& hold,
-                                                const std::vector<StateSpec>& specs) {
+                                               const std::vector<StateSpec>& specs) {
   // Allocation (shm creation, device memory) without the lock; the hold keeps the module.
   const size_t n = specs.size();
   std::vector<std::vector<std::shared_ptr<Buffer>>> live(hold.ranks.size()),
@@ -254,18 +252,18 @@ absl::Status Checkpoints::AllocateStateForLoad(CheckpointHold& hold,
       for (const StateSpec& spec : specs) {
         const int64_t bytes = spec.Numel(u.shard_numel) * ItemSize(spec.dtype);
         for (auto* out : {&live[i], &kept[i]}) {
-          absl::StatusOr<std::shared_ptr<Buffer>> b = store_->Allocate(
-              BufferKind::kShard, bytes,
-              absl::StrCat("group=", hold.group, " module=", hold.module, " unit=", u.index,
-                           " rank=", rank, " state=", spec.name,
-                           out == &kept[i] ? " committed" : ""),
-              hold.owner_uid, placement);
+          absl::StatusOr<std::shared_ptr<Buffer>> b =
+              store_->Allocate(BufferKind::kShard, bytes,
+                               absl::StrCat("group=", hold.group, " module=", hold.module,
+                                            " unit=", u.index, " rank=", rank, " state=", spec.name,
+                                            out == &kept[i] ? " committed" : ""),
+                               hold.owner_uid, placement);
           if (!b.ok()) {
             return absl::Status(
                 b.status().code(),
                 absl::StrCat("group ", hold.group, " rank ", rank,
-                             ": could not allocate optimizer state \"", spec.name,
-                             "\" of unit ", u.index, " of module ", Display(hold.module),
+                             ": could not allocate optimizer state \"", spec.name, "\" of unit ",
+                             u.index, " of module ", Display(hold.module),
                              " to load a checkpoint into: ", b.status().message()));
           }
           out->push_back(*std::move(b));
@@ -277,9 +275,8 @@ absl::Status Checkpoints::AllocateStateForLoad(CheckpointHold& hold,
   Group& g = *held;
   absl::MutexLock lock(&g.mu);
   if (g.removed || !g.registered.contains(hold.module)) {
-    return absl::UnavailableError(absl::StrCat("group ", hold.group, ": module ",
-                                               Display(hold.module),
-                                               " was dropped during the load"));
+    return absl::UnavailableError(absl::StrCat(
+        "group ", hold.group, ": module ", Display(hold.module), " was dropped during the load"));
   }
   Registered& reg = g.registered.at(hold.module);
   bool any = !reg.state_specs.empty() || !reg.state_allocating.empty();
@@ -315,8 +312,9 @@ absl::Status Checkpoints::AllocateStateForLoad(CheckpointHold& hold,
   return absl::OkStatus();
 }
 
-std::vector<absl::StatusOr<CheckpointResult>> Checkpoints::AskPeers(
-    const CheckpointHold& hold, const CheckpointArgs& args, bool load) {
+std::vector<absl::StatusOr<CheckpointResult>> Checkpoints::AskPeers(const CheckpointHold& hold,
+                                                                    const CheckpointArgs& args,
+                                                                    bool load) {
   return peers_->AskAll(hold.peers, {hold.group, hold.token, hold.module, args.dir, args.wait},
                         load);
 }

@@ -2,6 +2,16 @@
 
 #include "server/checkpoint/checkpoints.h"
 
+#include <grpcpp/grpcpp.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <thread>
+#include <tuple>
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -11,21 +21,11 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "flatshard/v1/checkpoint_peer.grpc.pb.h"
-#include <algorithm>
-#include <atomic>
-#include <cstring>
-#include <functional>
-#include <grpcpp/grpcpp.h>
-#include <map>
-#include <sys/stat.h>
-#include <thread>
-#include <tuple>
-#include <unistd.h>
-#include "server/durable/records.h"
-#include "server/module/modules.h"
-#include "server/checkpoint/checkpoint_peer_client.h"
 #include "server/checkpoint/checkpoint_hold.h"
+#include "server/checkpoint/checkpoint_peer_client.h"
+#include "server/durable/records.h"
 #include "server/group_manager_internal.h"
+#include "server/module/modules.h"
 
 namespace flatshard::server {
 
@@ -38,8 +38,6 @@ using checkpoint_internal::RankBytes;
 using internal::Display;
 
 namespace {
-
-
 
 // The unit of `meta`'s plan holding the parameter a source knows as `name` (its FQN, a shared
 // alias or a tied alias), and that parameter; {-1, null} when none.
@@ -62,8 +60,6 @@ std::pair<int32_t, const PlanParam*> SavedParam(const checkpoint::Metadata& meta
   return {-1, nullptr};
 }
 
-
-
 std::vector<const Buffer*> Raw(const std::vector<std::shared_ptr<Buffer>>& v) {
   std::vector<const Buffer*> out;
   for (const auto& b : v) out.push_back(b.get());
@@ -71,8 +67,8 @@ std::vector<const Buffer*> Raw(const std::vector<std::shared_ptr<Buffer>>& v) {
 }
 }  // namespace
 
-absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(
-    const CheckpointArgs& args, CheckpointProgress* progress) {
+absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(const CheckpointArgs& args,
+                                                             CheckpointProgress* progress) {
   if (args.dir.empty() == args.safetensors.empty()) {
     return absl::InvalidArgumentError(
         "LoadCheckpoint needs exactly one of a checkpoint directory and a safetensors file");
@@ -91,8 +87,8 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(
     FS_ASSIGN_OR_RETURN(ckpt, checkpoint::OpenCheckpoint(args.dir));
     progress->phase = CheckpointProgress::kVerifying;
     progress->total_bytes = ckpt->meta.total_bytes();
-    FS_RETURN_IF_ERROR(checkpoint::VerifyFiles(
-        *ckpt, {}, [progress](int64_t n) { progress->done_bytes += n; }));
+    FS_RETURN_IF_ERROR(
+        checkpoint::VerifyFiles(*ckpt, {}, [progress](int64_t n) { progress->done_bytes += n; }));
     source = checkpoint::CheckpointSource(*ckpt);
     files = static_cast<int32_t>(ckpt->meta.files.size());
   } else {
@@ -108,9 +104,9 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(
       *source, hold.plan, &unused, checkpoint::TiedAliases(hold.manifest, hold.plan));
   if (!bindings.ok()) {
     ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cannot load into group ", hold.group, " module ", Display(hold.module), ": ",
-        bindings.status().message()));
+    return absl::FailedPreconditionError(absl::StrCat("cannot load into group ", hold.group,
+                                                      " module ", Display(hold.module), ": ",
+                                                      bindings.status().message()));
   }
   // Optimizer state (README "Checkpoints"), checked before anything changes:
   //  - the module has no state registered: the checkpoint's state (if any) is not loaded;
@@ -133,10 +129,10 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(
       const std::string diff = StateSpecDifference(hold.state_specs, ckpt->meta.state_specs);
       if (!diff.empty()) {
         ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
-        return absl::FailedPreconditionError(absl::StrCat(
-            "cannot load into group ", hold.group, " module ", Display(hold.module),
-            ": the optimizer state of checkpoint ", args.dir, " differs from the module's: ",
-            diff));
+        return absl::FailedPreconditionError(
+            absl::StrCat("cannot load into group ", hold.group, " module ", Display(hold.module),
+                         ": the optimizer state of checkpoint ", args.dir,
+                         " differs from the module's: ", diff));
       }
       const bool same_plan = ckpt->meta.world_size == hold.world_size &&
                              !hold.plan.fingerprint.empty() &&
@@ -188,7 +184,8 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(
         std::vector<char> value(item, 0);
         const checkpoint::Binding* first = nullptr;
         for (const checkpoint::Binding& b : *bindings) {
-          if (b.unit->index == u.index && (first == nullptr || b.param->offset < first->param->offset)) {
+          if (b.unit->index == u.index &&
+              (first == nullptr || b.param->offset < first->param->offset)) {
             first = &b;
           }
         }
@@ -200,16 +197,14 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(
             break;
           }
           const PlanUnit& su = ckpt->meta.plan.units[saved_unit];
-          const int32_t saved_rank =
-              static_cast<int32_t>(std::min<int64_t>(saved_param->offset / su.shard_numel,
-                                                     ckpt->meta.world_size - 1));
+          const int32_t saved_rank = static_cast<int32_t>(
+              std::min<int64_t>(saved_param->offset / su.shard_numel, ckpt->meta.world_size - 1));
           auto found = saved_state.find({saved_rank, saved_unit, spec.name});
-          const checkpoint::TensorEntry* t =
-              found == saved_state.end() ? nullptr : found->second;
+          const checkpoint::TensorEntry* t = found == saved_state.end() ? nullptr : found->second;
           if (t == nullptr) {
-            st = absl::FailedPreconditionError(absl::StrCat(
-                args.dir, ": no optimizer state \"", spec.name, "\" of rank ", saved_rank,
-                " unit ", saved_unit));
+            st = absl::FailedPreconditionError(absl::StrCat(args.dir, ": no optimizer state \"",
+                                                            spec.name, "\" of rank ", saved_rank,
+                                                            " unit ", saved_unit));
             break;
           }
           st = checkpoint::ReadFileRange(*ckpt, saved_rank, t->offset, item, value.data());
@@ -220,9 +215,9 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(
     }
     if (!st.ok()) {
       ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
-      return absl::FailedPreconditionError(absl::StrCat(
-          "cannot load the optimizer state into group ", hold.group, " module ",
-          Display(hold.module), ": ", st.message()));
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot load the optimizer state into group ", hold.group, " module ",
+                       Display(hold.module), ": ", st.message()));
     }
   }
   const int64_t per_rank = RankBytes(
@@ -274,12 +269,11 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(
             break;
           case StateLoad::kCopy: {
             auto found = saved_state.find({rank, u.index, spec.name});
-            const checkpoint::TensorEntry* t =
-                found == saved_state.end() ? nullptr : found->second;
+            const checkpoint::TensorEntry* t = found == saved_state.end() ? nullptr : found->second;
             if (t == nullptr || t->bytes != bytes) {
-              return absl::InternalError(absl::StrCat(
-                  args.dir, ": optimizer state \"", spec.name, "\" of rank ", rank, " unit ",
-                  u.index, " is missing or not ", bytes, " bytes"));
+              return absl::InternalError(absl::StrCat(args.dir, ": optimizer state \"", spec.name,
+                                                      "\" of rank ", rank, " unit ", u.index,
+                                                      " is missing or not ", bytes, " bytes"));
             }
             FS_RETURN_IF_ERROR(checkpoint::ReadFileRange(*ckpt, rank, t->offset, bytes, b.data()));
             break;
@@ -307,7 +301,7 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(
   // during the copies finishes them from the shards; server/durable/commit_intents.cc).
   if (filled) {
     records_.NoteLoadCopying(hold.group, hold.module, hold.ranks,
-                    ckpt.has_value() ? ckpt->meta.generation : hold.generation + 1);
+                             ckpt.has_value() ? ckpt->meta.generation : hold.generation + 1);
   }
   absl::Status copied = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
     std::vector<std::shared_ptr<Buffer>> shards;
@@ -328,13 +322,12 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(
     if (!remote[k].ok()) {
       // This daemon's ranks are loaded; that one's are not: their generations now differ, so
       // the group's next commit is refused on every rank (the agreement compares them).
-      FS_LOG(ERROR) << "group=" << hold.group << " module=" << Display(hold.module)
-                    << ": daemon " << hold.peers[k] << " could not load " << from << ": "
-                    << remote[k].status();
+      FS_LOG(ERROR) << "group=" << hold.group << " module=" << Display(hold.module) << ": daemon "
+                    << hold.peers[k] << " could not load " << from << ": " << remote[k].status();
       if (s.ok()) {
         s = absl::Status(remote[k].status().code(),
-                         absl::StrCat("daemon ", hold.peers[k], " could not load its ranks: ",
-                                      remote[k].status().message()));
+                         absl::StrCat("daemon ", hold.peers[k],
+                                      " could not load its ranks: ", remote[k].status().message()));
         if (filled) {
           const uint64_t generation =
               ckpt.has_value() ? ckpt->meta.generation : hold.generation + 1;
@@ -346,8 +339,8 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(
   }
   if (!s.ok()) {
     ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
-    FS_LOG(ERROR) << "group=" << hold.group << " module=" << Display(hold.module)
-                  << ": load of " << from << " failed (shards restored): " << s;
+    FS_LOG(ERROR) << "group=" << hold.group << " module=" << Display(hold.module) << ": load of "
+                  << from << " failed (shards restored): " << s;
     return s;
   }
   const uint64_t generation = ckpt.has_value() ? ckpt->meta.generation : hold.generation + 1;
@@ -360,9 +353,8 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(
   result.ranks = static_cast<int32_t>(hold.ranks.size());
   for (const auto& r : remote) result.ranks += r->ranks;
   result.unused_tensors = unused;
-  FS_LOG(INFO) << "group=" << hold.group << " module=" << Display(hold.module) << " loaded "
-               << from << ": generation " << generation << " on " << result.ranks
-               << " local rank(s)";
+  FS_LOG(INFO) << "group=" << hold.group << " module=" << Display(hold.module) << " loaded " << from
+               << ": generation " << generation << " on " << result.ranks << " local rank(s)";
   return result;
 }
 

@@ -2,6 +2,16 @@
 
 #include "server/checkpoint/checkpoints.h"
 
+#include <grpcpp/grpcpp.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <thread>
+#include <tuple>
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -11,21 +21,11 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "flatshard/v1/checkpoint_peer.grpc.pb.h"
-#include <algorithm>
-#include <atomic>
-#include <cstring>
-#include <functional>
-#include <grpcpp/grpcpp.h>
-#include <map>
-#include <sys/stat.h>
-#include <thread>
-#include <tuple>
-#include <unistd.h>
-#include "server/durable/records.h"
-#include "server/module/modules.h"
-#include "server/checkpoint/checkpoint_peer_client.h"
 #include "server/checkpoint/checkpoint_hold.h"
+#include "server/checkpoint/checkpoint_peer_client.h"
+#include "server/durable/records.h"
 #include "server/group_manager_internal.h"
+#include "server/module/modules.h"
 
 namespace flatshard::server {
 
@@ -37,12 +37,11 @@ using checkpoint_internal::RankBytes;
 
 using internal::Display;
 
-absl::StatusOr<CheckpointResult> Checkpoints::SaveCheckpoint(
-    const CheckpointArgs& args, CheckpointProgress* progress) {
+absl::StatusOr<CheckpointResult> Checkpoints::SaveCheckpoint(const CheckpointArgs& args,
+                                                             CheckpointProgress* progress) {
   if (args.dir.empty() || args.dir[0] != '/') {
-    return absl::InvalidArgumentError(
-        absl::StrCat("checkpoint directory must be an absolute path, got \"",
-                     Truncated(args.dir), "\""));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint directory must be an absolute path, got \"", Truncated(args.dir), "\""));
   }
   if (!args.from_peer) FS_RETURN_IF_ERROR(CheckOwner(args, args.dir, /*parent_if_missing=*/true));
   FS_RETURN_IF_ERROR(checkpoint::MakeDirs(args.dir));
@@ -64,8 +63,8 @@ absl::StatusOr<CheckpointResult> Checkpoints::SaveCheckpoint(
       }
     }
     const int64_t per_rank = RankBytes(hold.plan, hold.state_specs);
-    progress->total_bytes = per_rank * (args.from_peer ? static_cast<int64_t>(hold.ranks.size())
-                                                       : hold.world_size);
+    progress->total_bytes =
+        per_rank * (args.from_peer ? static_cast<int64_t>(hold.ranks.size()) : hold.world_size);
     progress->done_bytes = 0;
     progress->phase = CheckpointProgress::kWriting;
     // The other daemons write their ranks while this one writes its own.
@@ -105,9 +104,9 @@ absl::StatusOr<CheckpointResult> Checkpoints::SaveCheckpoint(
           }
         }
       }
-      absl::StatusOr<checkpoint::WrittenFile> w = checkpoint::WriteRankFile(
-          args.dir, hold.ranks[i], hold.world_size, tensors,
-          [progress](int64_t n) { progress->done_bytes += n; });
+      absl::StatusOr<checkpoint::WrittenFile> w =
+          checkpoint::WriteRankFile(args.dir, hold.ranks[i], hold.world_size, tensors,
+                                    [progress](int64_t n) { progress->done_bytes += n; });
       if (!w.ok()) return w.status();
       written[i] = *std::move(w);
       return absl::OkStatus();
@@ -147,10 +146,13 @@ absl::StatusOr<CheckpointResult> Checkpoints::SaveCheckpoint(
     }
     if (!same) {
       if (attempt == kAttempts) {
-        return absl::AbortedError(absl::StrCat(
-            "group ", hold.group, " module ", Display(hold.module), ": the daemons held "
-            "different generations in ", kAttempts, " attempts (commits kept landing between "
-            "their holds); nothing was given metadata"));
+        return absl::AbortedError(absl::StrCat("group ", hold.group, " module ",
+                                               Display(hold.module),
+                                               ": the daemons held "
+                                               "different generations in ",
+                                               kAttempts,
+                                               " attempts (commits kept landing between "
+                                               "their holds); nothing was given metadata"));
       }
       FS_LOG(INFO) << "group=" << hold.group << " module=" << Display(hold.module)
                    << ": daemons held different generations; writing the checkpoint again";
@@ -172,8 +174,8 @@ absl::StatusOr<CheckpointResult> Checkpoints::SaveCheckpoint(
               [](const auto& a, const auto& b) { return a.rank < b.rank; });
     for (int32_t r = 0; r < hold.world_size; ++r) {
       if (r >= static_cast<int32_t>(meta.files.size()) || meta.files[r].rank != r) {
-        return absl::InternalError(absl::StrCat("group ", hold.group, ": no daemon wrote rank ",
-                                                r, "'s file"));
+        return absl::InternalError(
+            absl::StrCat("group ", hold.group, ": no daemon wrote rank ", r, "'s file"));
       }
     }
     // Every daemon wrote the same optimizer state (each fixes its module's spec on its own):

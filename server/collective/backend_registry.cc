@@ -76,10 +76,10 @@ absl::StatusOr<std::unique_ptr<CollectiveBackend>> MakeUcx(const BackendParams& 
       }
       options.peer_error_handling = value == "peer";
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ucx backend: unknown parameter '", key,
-          "' (known: tls, net_devices, poll_before_sleep_us, drain_for_ms, "
-          "broadcast_chunk_bytes, error_handling)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("ucx backend: unknown parameter '", key,
+                       "' (known: tls, net_devices, poll_before_sleep_us, drain_for_ms, "
+                       "broadcast_chunk_bytes, error_handling)"));
     }
   }
   return CreateUcxBackend(options);

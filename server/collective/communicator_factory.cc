@@ -57,9 +57,7 @@ void CommunicatorFactory::ConnectLoop() {
     Queued next;
     {
       absl::MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || !queue_.empty();
-      };
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
       mu_.Await(absl::Condition(&ready));
       if (queue_.empty()) return;  // stopping, nothing left
       next = std::move(queue_.front());
@@ -84,9 +82,10 @@ absl::StatusOr<BackendChoice> CommunicatorFactory::Choose(
         spec.local_ranks.size(), " local ranks (one device per local rank)"));
   }
   if (on_gpus && copier_ == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group ", spec.group_id, ": its ranks live on GPUs but this daemon has no DeviceCopier "
-        "to stage their memory"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", spec.group_id,
+                     ": its ranks live on GPUs but this daemon has no DeviceCopier "
+                     "to stage their memory"));
   }
   const bool multi = !spec.rank_addresses.empty();
   bool nccl = false;
@@ -104,9 +103,10 @@ absl::StatusOr<BackendChoice> CommunicatorFactory::Choose(
     backend = nccl_.get();
   } else if (multi) {
     if (remote_ == nullptr) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "group ", spec.group_id, ": its ranks span several daemons, but this daemon has no "
-          "remote backend (UCX)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("group ", spec.group_id,
+                       ": its ranks span several daemons, but this daemon has no "
+                       "remote backend (UCX)"));
     }
     backend = remote_.get();
   } else {
@@ -130,8 +130,8 @@ absl::StatusOr<ConnectedCommunicator> CommunicatorFactory::Connect(
   ConnectedCommunicator out;
   FS_ASSIGN_OR_RETURN(out.comm, backend.Connect(request.spec));
   if (choice.staged) {
-    out.comm = MakeStagingCommunicator(std::move(out.comm), choice.backend_kind, request.spec,
-                                       copier_);
+    out.comm =
+        MakeStagingCommunicator(std::move(out.comm), choice.backend_kind, request.spec, copier_);
   }
   out.choice = std::move(choice);
   out.spec = std::move(request.spec);

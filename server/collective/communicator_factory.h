@@ -37,9 +37,9 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "server/collective/backend.h"
 #include "server/collective/backend_registry.h"
-#include "absl/synchronization/mutex.h"
 #include "server/collective/staging/staging_communicator.h"
 
 namespace flatshard::collective {
@@ -72,9 +72,9 @@ struct CommunicatorRequest {
 
 // The factory's decision for a request.
 struct BackendChoice {
-  std::string backend_name;  // the backend's Name(): "inproc", "ucx", "nccl"
+  std::string backend_name;                     // the backend's Name(): "inproc", "ucx", "nccl"
   MemoryKind backend_kind = MemoryKind::kHost;  // the memory the backend moves itself
-  bool staged = false;       // wrapped in a StagingCommunicator (a GPU daemon)
+  bool staged = false;                          // wrapped in a StagingCommunicator (a GPU daemon)
 };
 
 struct ConnectedCommunicator {

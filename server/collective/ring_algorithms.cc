@@ -137,9 +137,7 @@ class RankOp : public std::enable_shared_from_this<RankOp> {
 class RingCore : public std::enable_shared_from_this<RingCore> {
  public:
   RingCore(GroupSpec spec, std::shared_ptr<Transport> transport, RingOptions options)
-      : spec_(std::move(spec)),
-        transport_(std::move(transport)),
-        options_(std::move(options)) {
+      : spec_(std::move(spec)), transport_(std::move(transport)), options_(std::move(options)) {
     if (options_.timer == nullptr) options_.timer = std::make_shared<DeadlineTimer>();
   }
 

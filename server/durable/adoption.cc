@@ -3,16 +3,16 @@
 
 #include "server/durable/records.h"
 
+#include <sys/stat.h>
+#include <algorithm>
+#include <cstring>
+#include <set>
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/manifest.h"
 #include "common/plan.h"
-#include <algorithm>
-#include <cstring>
-#include <set>
-#include <sys/stat.h>
 #include "server/group_manager_internal.h"
 
 namespace flatshard::server {
@@ -86,11 +86,11 @@ void Records::KeepDeviceShards() {
     std::vector<std::shared_ptr<Buffer>> hosts;
     absl::Status s;
     for (size_t u = 0; u < job.committed.size() && s.ok(); ++u) {
-      absl::StatusOr<std::shared_ptr<Buffer>> host = store_->Allocate(
-          BufferKind::kShard, job.committed[u]->bytes(),
-          absl::StrCat("group=", job.group, " module=", job.module, " unit=", u, " rank=",
-                       job.rank, " host copy"),
-          job.owner_uid, Placement::Host());
+      absl::StatusOr<std::shared_ptr<Buffer>> host =
+          store_->Allocate(BufferKind::kShard, job.committed[u]->bytes(),
+                           absl::StrCat("group=", job.group, " module=", job.module, " unit=", u,
+                                        " rank=", job.rank, " host copy"),
+                           job.owner_uid, Placement::Host());
       s = host.status();
       if (s.ok()) s = devices_.CopyEach(job.rank, {job.committed[u].get()}, {host->get()});
       if (s.ok()) {
@@ -106,10 +106,10 @@ void Records::KeepDeviceShards() {
         const Buffer& from = *job.committed_state[u][i];
         absl::StatusOr<std::shared_ptr<Buffer>> host = store_->Allocate(
             BufferKind::kShard, from.bytes(),
-            absl::StrCat("group=", job.group, " module=", job.module, " unit=", u, " rank=",
-                         job.rank, " state=",
-                         i < job.state_names.size() ? job.state_names[i] : std::to_string(i),
-                         " host copy"),
+            absl::StrCat(
+                "group=", job.group, " module=", job.module, " unit=", u, " rank=", job.rank,
+                " state=", i < job.state_names.size() ? job.state_names[i] : std::to_string(i),
+                " host copy"),
             job.owner_uid, Placement::Host());
         s = host.status();
         if (s.ok() && from.on_device()) s = devices_.CopyEach(job.rank, {&from}, {host->get()});
@@ -121,8 +121,8 @@ void Records::KeepDeviceShards() {
       }
     }
     if (!s.ok()) {
-      FS_LOG(ERROR) << "group=" << job.group << " module=" << Display(job.module) << " rank="
-                    << job.rank << ": cannot keep a host copy of its device shards and "
+      FS_LOG(ERROR) << "group=" << job.group << " module=" << Display(job.module)
+                    << " rank=" << job.rank << ": cannot keep a host copy of its device shards and "
                     << "optimizer state (the module is not kept): " << s;
       continue;
     }
@@ -154,14 +154,12 @@ void Records::KeepDeviceShards() {
     WriteRecord(rec);
   }
   if (!jobs.empty()) {
-    FS_LOG(INFO) << "kept host copies of the committed device shards of " << kept
-                 << " rank(s) of " << touched.size() << " group(s), " << bytes
-                 << " bytes, for the next daemon";
+    FS_LOG(INFO) << "kept host copies of the committed device shards of " << kept << " rank(s) of "
+                 << touched.size() << " group(s), " << bytes << " bytes, for the next daemon";
   }
 }
 
-absl::Status Records::CheckStateComplete(Registered& reg, int32_t rank,
-                                              const std::string& where) {
+absl::Status Records::CheckStateComplete(Registered& reg, int32_t rank, const std::string& where) {
   const std::vector<UnitShard>& shards = reg.shards_by_rank[rank];
   auto at = [](const auto& v, size_t i) -> std::shared_ptr<Buffer> {
     return i < v.size() ? v[i] : nullptr;
@@ -198,14 +196,14 @@ absl::Status Records::CheckStateComplete(Registered& reg, int32_t rank,
   constexpr size_t kNamed = 8;
   const size_t n = missing.size();
   if (n > kNamed) missing.resize(kNamed);
-  return absl::InvalidArgumentError(absl::StrCat(
-      where, ": some but not all of its optimizer state buffers are recorded: ", n,
-      " missing (", absl::StrJoin(missing, ", "), n > kNamed ? ", ..." : "",
-      "); never adopted without its whole state"));
+  return absl::InvalidArgumentError(
+      absl::StrCat(where, ": some but not all of its optimizer state buffers are recorded: ", n,
+                   " missing (", absl::StrJoin(missing, ", "), n > kNamed ? ", ..." : "",
+                   "); never adopted without its whole state"));
 }
 
 absl::Status Records::StateFromHost(Registered& reg, const state::GroupRecord& rec,
-                                         const std::string& module, int32_t rank) {
+                                    const std::string& module, int32_t rank) {
   if (static_cast<size_t>(rank) >= reg.host_committed_state.size() ||
       reg.host_committed_state[rank].empty()) {
     return absl::OkStatus();
@@ -228,10 +226,10 @@ absl::Status Records::StateFromHost(Registered& reg, const state::GroupRecord& r
         absl::Status s = b.status();
         if (s.ok()) s = devices_.CopyEach(rank, {&host}, {b->get()});
         if (!s.ok()) {
-          return absl::Status(s.code(), absl::StrCat("module ", Display(module), " rank ", rank,
-                                                     " unit ", u, " state \"",
-                                                     reg.state_specs[i].name,
-                                                     "\": back to the device: ", s.message()));
+          return absl::Status(
+              s.code(),
+              absl::StrCat("module ", Display(module), " rank ", rank, " unit ", u, " state \"",
+                           reg.state_specs[i].name, "\": back to the device: ", s.message()));
         }
         (committed ? reg.committed_state[rank][u] : shards[u].state).push_back(*std::move(b));
       }
@@ -241,8 +239,7 @@ absl::Status Records::StateFromHost(Registered& reg, const state::GroupRecord& r
   return absl::OkStatus();
 }
 
-AdoptSummary Records::AdoptGroups(
-    const std::vector<state::GroupRecord>& records) {
+AdoptSummary Records::AdoptGroups(const std::vector<state::GroupRecord>& records) {
   AdoptSummary summary;
   const std::string dir = state_dir_ != nullptr ? state_dir_->path() : std::string("(none)");
   for (const state::GroupRecord& rec : records) {
@@ -267,7 +264,8 @@ AdoptSummary Records::AdoptGroups(
       const std::string where = absl::StrCat("module ", Display(m.name));
       absl::StatusOr<Plan> plan = PlanFromJson(m.plan_json);
       if (!plan.ok()) {
-        refused = absl::InvalidArgumentError(absl::StrCat(where, ": plan: ", plan.status().message()));
+        refused =
+            absl::InvalidArgumentError(absl::StrCat(where, ": plan: ", plan.status().message()));
         break;
       }
       absl::StatusOr<Manifest> manifest = ManifestFromJson(m.manifest_json);
@@ -301,8 +299,8 @@ AdoptSummary Records::AdoptGroups(
       for (const state::RankRecord& rr : m.ranks) {
         const std::string rw = absl::StrCat(where, " rank ", rr.rank);
         if (static_cast<int32_t>(rr.units.size()) != units) {
-          refused = absl::InvalidArgumentError(absl::StrCat(rw, ": ", rr.units.size(),
-                                                            " units recorded, the plan has ", units));
+          refused = absl::InvalidArgumentError(
+              absl::StrCat(rw, ": ", rr.units.size(), " units recorded, the plan has ", units));
           break;
         }
         reg.shards_by_rank[rr.rank].resize(units);
@@ -311,7 +309,8 @@ AdoptSummary Records::AdoptGroups(
         reg.generation[rr.rank] = rr.generation;
         for (const state::UnitRecord& ur : rr.units) {
           if (ur.unit < 0 || ur.unit >= units) {
-            refused = absl::InvalidArgumentError(absl::StrCat(rw, ": unit ", ur.unit, " is not in the plan"));
+            refused = absl::InvalidArgumentError(
+                absl::StrCat(rw, ": unit ", ur.unit, " is not in the plan"));
             break;
           }
           const PlanUnit& pu = reg.plan.units[ur.unit];
@@ -339,20 +338,19 @@ AdoptSummary Records::AdoptGroups(
               if (b.bytes != state_want) {
                 refused = absl::InvalidArgumentError(absl::StrCat(
                     bw, ": ", b.bytes, " bytes recorded, optimizer state \"", spec.name, "\" (",
-                    DTypeName(spec.dtype), ", ", StateShapeName(spec.shape), ") has ",
-                    state_want));
+                    DTypeName(spec.dtype), ", ", StateShapeName(spec.shape), ") has ", state_want));
                 break;
               }
             } else if (b.bytes != want) {
-              refused = absl::InvalidArgumentError(absl::StrCat(
-                  bw, ": ", b.bytes, " bytes recorded, the plan's shard has ", want));
+              refused = absl::InvalidArgumentError(
+                  absl::StrCat(bw, ": ", b.bytes, " bytes recorded, the plan's shard has ", want));
               break;
             }
-            absl::StatusOr<std::shared_ptr<Buffer>> buffer = store_->Adopt(
-                KindOfRole(b.role), b.segment, b.bytes,
-                absl::StrCat("group=", rec.id, " module=", m.name, " unit=", ur.unit,
-                             " rank=", rr.rank, " ", b.role),
-                rec.owner_uid);
+            absl::StatusOr<std::shared_ptr<Buffer>> buffer =
+                store_->Adopt(KindOfRole(b.role), b.segment, b.bytes,
+                              absl::StrCat("group=", rec.id, " module=", m.name, " unit=", ur.unit,
+                                           " rank=", rr.rank, " ", b.role),
+                              rec.owner_uid);
             if (!buffer.ok()) {
               refused = absl::Status(buffer.status().code(),
                                      absl::StrCat(bw, ": ", buffer.status().message()));
@@ -464,7 +462,8 @@ AdoptSummary Records::AdoptGroups(
           parts.push_back(absl::StrCat(internal::RankListText(rs), ": generation ", gen));
         }
         std::string why = absl::StrCat(
-            "group ", rec.id, ": module ", Display(m.name), " lost: after the daemon restarted its ranks hold different committed generations (",
+            "group ", rec.id, ": module ", Display(m.name),
+            " lost: after the daemon restarted its ranks hold different committed generations (",
             absl::StrJoin(parts, "; "),
             "): it died between their copies of one commit; register it afresh on every rank");
         FS_LOG(WARNING) << why;
@@ -516,9 +515,9 @@ AdoptSummary Records::AdoptGroups(
         }
       }
     }
-    FS_LOG(INFO) << "group=" << rec.id << " adopted from " << file << ": "
-                 << g->registered.size() << " module(s) " << absl::StrJoin(lines, ", ") << ", "
-                 << count << " buffers, " << live << " bytes"
+    FS_LOG(INFO) << "group=" << rec.id << " adopted from " << file << ": " << g->registered.size()
+                 << " module(s) " << absl::StrJoin(lines, ", ") << ", " << count << " buffers, "
+                 << live << " bytes"
                  << (g->lost.empty() ? "" : absl::StrCat(", ", g->lost.size(), " lost"));
     ++summary.groups;
     summary.modules += static_cast<int32_t>(g->registered.size());

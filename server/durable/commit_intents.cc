@@ -3,16 +3,16 @@
 
 #include "server/durable/records.h"
 
+#include <sys/stat.h>
+#include <algorithm>
+#include <cstring>
+#include <set>
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/manifest.h"
 #include "common/plan.h"
-#include <algorithm>
-#include <cstring>
-#include <set>
-#include <sys/stat.h>
 #include "server/group_manager_internal.h"
 
 namespace flatshard::server {
@@ -26,8 +26,8 @@ void Records::NoteCommitAgreed(Registered& reg, uint64_t generation, const char*
   }
 }
 
-void Records::CommitReady(const Caller& caller, const std::string& module,
-                               uint64_t generation, const char* kind) {
+void Records::CommitReady(const Caller& caller, const std::string& module, uint64_t generation,
+                          const char* kind) {
   const bool commit = std::string(kind) == "commit";
   const bool written = EditAndRecord(caller.group, module, [&](Registered& reg) {
     NoteCommitAgreed(reg, generation, kind);
@@ -49,8 +49,7 @@ void Records::CommitReady(const Caller& caller, const std::string& module,
   }
 }
 
-void Records::CommitDone(const Caller& caller, const std::string& module,
-                              uint64_t generation) {
+void Records::CommitDone(const Caller& caller, const std::string& module, uint64_t generation) {
   EditAndRecord(caller.group, module, [&](Registered& reg) {
     MarkCommitDoneLocked(reg, caller.rank, generation);
     return true;
@@ -78,9 +77,9 @@ void Records::MarkCommitDoneLocked(Registered& reg, int32_t rank, uint64_t gener
 }
 
 void Records::EndArrive(const Caller& caller, const std::string& module, uint64_t k,
-                             uint64_t target, const char* kind, absl::Status status,
-                             std::vector<internal::DurablePair> durable,
-                             absl::AnyInvocable<void(absl::Status)> finish) {
+                        uint64_t target, const char* kind, absl::Status status,
+                        std::vector<internal::DurablePair> durable,
+                        absl::AnyInvocable<void(absl::Status)> finish) {
   std::vector<EndArrival> batch;
   {
     std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
@@ -89,8 +88,8 @@ void Records::EndArrive(const Caller& caller, const std::string& module, uint64_
     if (Registered* found = FindModuleLocked(g, module)) {
       Registered& reg = *found;
       std::vector<EndArrival>& arrived = reg.end_batches[k];
-      arrived.push_back(EndArrival{caller.rank, true, std::move(status), std::move(durable),
-                                   std::move(finish)});
+      arrived.push_back(
+          EndArrival{caller.rank, true, std::move(status), std::move(durable), std::move(finish)});
       size_t local = 0;
       for (const std::vector<UnitShard>& s : reg.shards_by_rank) local += s.empty() ? 0 : 1;
       if (arrived.size() < local) return;  // the last local rank copies for every rank
@@ -101,8 +100,8 @@ void Records::EndArrive(const Caller& caller, const std::string& module, uint64_
         reg.end_batches.erase(reg.end_batches.begin());
       }
     } else {
-      batch.push_back(EndArrival{caller.rank, true, std::move(status), std::move(durable),
-                                 std::move(finish)});
+      batch.push_back(
+          EndArrival{caller.rank, true, std::move(status), std::move(durable), std::move(finish)});
     }
   }
   ProcessEndBatch(caller.group, module, target, kind, std::move(batch));
@@ -133,13 +132,15 @@ void Records::EndNotApplied(const Caller& caller, const std::string& module, uin
       kind = reg.pending_commit->kind;
     }
   }
-  ProcessEndBatch(caller.group, module, target, kind.empty() ? "end" : kind == "init" ? "init" : "end",
+  ProcessEndBatch(caller.group, module, target,
+                  kind.empty()     ? "end"
+                  : kind == "init" ? "init"
+                                   : "end",
                   std::move(batch));
 }
 
-void Records::ProcessEndBatch(const std::string& group, const std::string& module,
-                                   uint64_t target, const char* kind,
-                                   std::vector<EndArrival> batch) {
+void Records::ProcessEndBatch(const std::string& group, const std::string& module, uint64_t target,
+                              const char* kind, std::vector<EndArrival> batch) {
   std::vector<EndArrival*> applying;
   for (EndArrival& a : batch) {
     if (a.applying && a.status.ok()) applying.push_back(&a);
@@ -180,8 +181,8 @@ void Records::ProcessEndBatch(const std::string& group, const std::string& modul
   }
 }
 
-void Records::TestingPauseMidCopy(
-    int32_t rank, const std::vector<internal::DurablePair>& durable) const {
+void Records::TestingPauseMidCopy(int32_t rank,
+                                  const std::vector<internal::DurablePair>& durable) const {
   if (testing_commit_copy_pause_ <= absl::ZeroDuration() || durable.empty()) return;
   // Tears the committed copy on purpose: the first buffer is copied, the others not yet.
   devices_.CopyEach(rank, {durable[0].live.get()}, {durable[0].committed.get()}).IgnoreError();
@@ -191,9 +192,8 @@ void Records::TestingPauseMidCopy(
   absl::SleepFor(testing_commit_copy_pause_);
 }
 
-absl::Status Records::CopyCommitted(int32_t rank,
-                                         const std::vector<internal::DurablePair>& durable,
-                                         bool to_committed) const {
+absl::Status Records::CopyCommitted(int32_t rank, const std::vector<internal::DurablePair>& durable,
+                                    bool to_committed) const {
   std::vector<const Buffer*> live, kept;
   for (const internal::DurablePair& d : durable) {
     if (d.live == nullptr || d.committed == nullptr) continue;

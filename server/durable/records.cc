@@ -2,16 +2,16 @@
 
 #include "server/durable/records.h"
 
+#include <sys/stat.h>
+#include <algorithm>
+#include <cstring>
+#include <set>
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/manifest.h"
 #include "common/plan.h"
-#include <algorithm>
-#include <cstring>
-#include <set>
-#include <sys/stat.h>
 #include "server/group_manager_internal.h"
 
 namespace flatshard::server {
@@ -23,17 +23,14 @@ using internal::Display;
 
 namespace {
 
-
 // Sizes `v` (per rank, unit, state) so that v[rank][unit][i] exists.
-void SizeStateSlot(std::vector<std::vector<std::vector<std::shared_ptr<Buffer>>>>& v,
-                   size_t ranks, int32_t rank, size_t units, int32_t unit, size_t states) {
+void SizeStateSlot(std::vector<std::vector<std::vector<std::shared_ptr<Buffer>>>>& v, size_t ranks,
+                   int32_t rank, size_t units, int32_t unit, size_t states) {
   if (v.size() < ranks) v.resize(ranks);
   if (v[rank].size() < units) v[rank].resize(units);
   if (v[rank][unit].size() < states) v[rank][unit].resize(states);
 }
 }  // namespace
-
-
 
 Records::Records(RecordsOptions options)
     : state_dir_(options.state_dir),
@@ -101,8 +98,8 @@ std::vector<std::pair<std::string, std::shared_ptr<Buffer>>> Records::RecordedBu
   return out;
 }
 
-bool Records::InstallDurable(Registered& reg, int32_t rank, int32_t unit,
-                                  const std::string& role, std::shared_ptr<Buffer> buffer) {
+bool Records::InstallDurable(Registered& reg, int32_t rank, int32_t unit, const std::string& role,
+                             std::shared_ptr<Buffer> buffer) {
   if (role == state::kRoleShard) {
     reg.shards_by_rank[rank][unit].shard = std::move(buffer);
   } else if (role == state::kRoleGrad) {
@@ -115,8 +112,7 @@ bool Records::InstallDurable(Registered& reg, int32_t rank, int32_t unit,
     std::vector<std::shared_ptr<Buffer>>& live = reg.shards_by_rank[rank][unit].state;
     if (live.size() < reg.state_specs.size()) live.resize(reg.state_specs.size());
     live[i] = std::move(buffer);
-  } else if (int i = StateIndex(role, state::kRoleCommittedStatePrefix, reg.state_specs);
-             i >= 0) {
+  } else if (int i = StateIndex(role, state::kRoleCommittedStatePrefix, reg.state_specs); i >= 0) {
     SizeStateSlot(reg.committed_state, reg.shards_by_rank.size(), rank,
                   reg.shards_by_rank[rank].size(), unit, reg.state_specs.size());
     reg.committed_state[rank][unit][i] = std::move(buffer);
@@ -257,12 +253,12 @@ void Records::FlushRemoved() {
 }
 
 void Records::NoteLoadCopying(const std::string& group, const std::string& module,
-                                   std::vector<int32_t> ranks, uint64_t generation) {
+                              std::vector<int32_t> ranks, uint64_t generation) {
   EditAndRecord(group, module, [&](Registered& reg) {
     if (reg.pending_commit.has_value()) {
       // Not while the hold keeps every copy out; never overwrite another intent.
-      FS_LOG(WARNING) << "group=" << group << " module=" << Display(module)
-                      << ": a " << reg.pending_commit->kind << " of generation "
+      FS_LOG(WARNING) << "group=" << group << " module=" << Display(module) << ": a "
+                      << reg.pending_commit->kind << " of generation "
                       << reg.pending_commit->generation
                       << " is recorded under way: the load's copies run without an intent";
       return false;
@@ -281,7 +277,7 @@ Registered* Records::FindModuleLocked(Group& g, const std::string& module) {
 }
 
 bool Records::EditAndRecord(const std::string& group, const std::string& module,
-                                 absl::FunctionRef<bool(Registered&)> edit) {
+                            absl::FunctionRef<bool(Registered&)> edit) {
   state::GroupRecord rec;
   {
     std::shared_ptr<Group> held = table_.FindOrGone(group);
@@ -295,8 +291,7 @@ bool Records::EditAndRecord(const std::string& group, const std::string& module,
   return WriteRecord(rec);
 }
 
-void Records::LoadRecordedLocked(Group& g, Registered& reg, bool changed,
-                                      AfterUnlock* run) {
+void Records::LoadRecordedLocked(Group& g, Registered& reg, bool changed, AfterUnlock* run) {
   const bool had_intent = reg.pending_commit.has_value() && reg.pending_commit->kind == "load";
   if (had_intent) reg.pending_commit.reset();
   // First in `run`: before the commits the hold kept waiting write their own records.
@@ -310,7 +305,8 @@ void Records::Forget() {
   if (state_dir_ == nullptr) return;
   std::vector<std::pair<std::string, uint64_t>> removed;
   if (StateForgotten()) return;
-  for (const std::shared_ptr<Group>& g : table_.All()) removed.emplace_back(g->id, ++state_sequence_);
+  for (const std::shared_ptr<Group>& g : table_.All())
+    removed.emplace_back(g->id, ++state_sequence_);
   {
     absl::MutexLock lock(&mu_);
     for (auto& r : removed_records_) removed.push_back(r);

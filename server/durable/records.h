@@ -27,13 +27,13 @@
 #include "common/after_unlock.h"
 #include "common/clock.h"
 #include "server/durable/blocking_workers.h"
+#include "server/durable/state_dir.h"
 #include "server/gpu/device_context.h"
 #include "server/group/group.h"
 #include "server/group/group_table.h"
 #include "server/module/module.h"
 #include "server/rank_devices.h"
 #include "server/shard_store.h"
-#include "server/durable/state_dir.h"
 
 namespace flatshard::server {
 

@@ -4,14 +4,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <signal.h>
+#include <sys/mman.h>
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <limits>
-#include <utility>
 #include <set>
-#include <signal.h>
-#include <sys/mman.h>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -95,9 +95,8 @@ absl::StatusOr<std::vector<StateSpec>> StateSpecsFrom(const Json& v, const JsonP
 }
 
 absl::StatusOr<ModuleRecord> ModuleFrom(const Json& v, const JsonPath& p) {
-  FS_RETURN_IF_ERROR(
-      ExpectObject(v, p, {"name", "plan", "manifest", "initialized", "pending", "ranks",
-                          "state_specs"}));
+  FS_RETURN_IF_ERROR(ExpectObject(
+      v, p, {"name", "plan", "manifest", "initialized", "pending", "ranks", "state_specs"}));
   ModuleRecord m;
   FS_ASSIGN_OR_RETURN(m.name, GetString(v, "name", p));
   FS_ASSIGN_OR_RETURN(m.plan_json, GetString(v, "plan", p));
@@ -241,8 +240,8 @@ absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes) {
   FS_RETURN_IF_ERROR(ExpectObject(*header, hp, {"format", "body_bytes", "body_sha256"}));
   FS_ASSIGN_OR_RETURN(std::string format, GetString(*header, "format", hp));
   if (format != kStateFormat) {
-    return absl::InvalidArgumentError(absl::StrCat("version: format is ", Quote(format),
-                                                   ", this daemon reads ", kStateFormat));
+    return absl::InvalidArgumentError(
+        absl::StrCat("version: format is ", Quote(format), ", this daemon reads ", kStateFormat));
   }
   FS_ASSIGN_OR_RETURN(int64_t body_bytes, GetInt(*header, "body_bytes", hp, 0));
   FS_ASSIGN_OR_RETURN(std::string sha, GetString(*header, "body_sha256", hp));
@@ -254,8 +253,8 @@ absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes) {
   }
   const std::string actual = Sha256Hex(body);
   if (actual != sha) {
-    return absl::InvalidArgumentError(absl::StrCat("checksum: the body's sha256 is ", actual,
-                                                   ", the header says ", Quote(sha)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("checksum: the body's sha256 is ", actual, ", the header says ", Quote(sha)));
   }
   FS_ASSIGN_OR_RETURN(Json doc, ParseJson(body, "body"));
   const JsonPath p("body");
@@ -292,11 +291,11 @@ absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes) {
 }
 
 absl::StatusOr<std::unique_ptr<StateDir>> StateDir::Open(const std::string& path, bool sync,
-                                                       FileSystem* fs) {
+                                                         FileSystem* fs) {
   if (absl::Status s = fs->CreateDirs(path, 0700); !s.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "--state_dir ", path, ": cannot make it a 0700 directory (records hold group tokens): ",
-        s.message()));
+        "--state_dir ", path,
+        ": cannot make it a 0700 directory (records hold group tokens): ", s.message()));
   }
   // Temp files of a writer killed mid-write: never a record.
   absl::StatusOr<std::vector<std::string>> names = fs->ListDir(path);
@@ -322,7 +321,8 @@ std::shared_ptr<StateDir::PerGroup> StateDir::GroupState(const std::string& grou
 absl::Status StateDir::Write(const GroupRecord& record) {
   std::shared_ptr<PerGroup> g = GroupState(record.id);
   absl::MutexLock lock(&g->mu);
-  if (record.sequence <= g->last && g->last != 0) return absl::OkStatus();  // a newer one is written
+  if (record.sequence <= g->last && g->last != 0)
+    return absl::OkStatus();  // a newer one is written
   AtomicWriteOptions options;
   options.sync = sync_;
   options.mode = 0600;
@@ -406,8 +406,8 @@ std::vector<std::string> StateDir::SegmentsNamedBy(const Loaded& loaded,
       }
     }
   }
-  FS_LOG(INFO) << "state dir " << path_ << ": " << loaded.groups.size()
-               << " group record(s), " << loaded.refused.size() << " refused";
+  FS_LOG(INFO) << "state dir " << path_ << ": " << loaded.groups.size() << " group record(s), "
+               << loaded.refused.size() << " refused";
   return keep;
 }
 
@@ -467,8 +467,8 @@ absl::Status UnlinkUnreferencedSegments(const std::string& prefix,
       FS_LOG(WARNING) << "cannot remove segment /" << name << ": " << Errno(errno);
     }
   }
-  FS_LOG(INFO) << "segments with prefix " << prefix << ": removed " << removed
-               << " unreferenced, " << kept.size() << " referenced by state records";
+  FS_LOG(INFO) << "segments with prefix " << prefix << ": removed " << removed << " unreferenced, "
+               << kept.size() << " referenced by state records";
   return absl::OkStatus();
 }
 

@@ -133,8 +133,7 @@ class StateDir {
   // left. FAILED_PRECONDITION naming the path when it cannot be made or is not a directory.
   // `sync`: fsync each record and the directory (the default; AtomicWriteOptions::sync).
   // `fs`: where the records live (tests: an InMemoryFileSystem); must outlive the StateDir.
-  static absl::StatusOr<std::unique_ptr<StateDir>> Open(const std::string& path,
-                                                        bool sync = true,
+  static absl::StatusOr<std::unique_ptr<StateDir>> Open(const std::string& path, bool sync = true,
                                                         FileSystem* fs = FileSystem::Posix());
 
   const std::string& path() const { return path_; }

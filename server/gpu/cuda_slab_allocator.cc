@@ -55,8 +55,8 @@ class CudaSlabAllocator final : public SlabAllocator {
     const cudaError_t err = cudaFree(slab.base);
     if (err != cudaSuccess) {
       cudaGetLastError();
-      FS_LOG(ERROR) << CudaStatus(err, absl::StrCat("device ", device_, ": cudaFree(slab ",
-                                                    slab.id, ", ", slab.bytes, " bytes)"));
+      FS_LOG(ERROR) << CudaStatus(err, absl::StrCat("device ", device_, ": cudaFree(slab ", slab.id,
+                                                    ", ", slab.bytes, " bytes)"));
     }
   }
 

@@ -38,8 +38,8 @@ absl::Status WaitForStream(void* stream, absl::Duration timeout, absl::string_vi
       },
       timeout, what);
   if (absl::IsDeadlineExceeded(s)) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        s.message(), " (the stream may wait for an event that is never recorded)"));
+    return absl::DeadlineExceededError(
+        absl::StrCat(s.message(), " (the stream may wait for an event that is never recorded)"));
   }
   return s;
 }
@@ -113,7 +113,7 @@ DeviceContext::~DeviceContext() {
     absl::MutexLock lock(&mu_);
     opened.swap(opened_);
   }
-  opened.clear();  // cudaEventDestroy, outside the lock
+  opened.clear();                                             // cudaEventDestroy, outside the lock
   if (ready_event_ == nullptr && stream_ == nullptr) return;  // simulated, or never created
   ScopedCudaDevice scoped(gpu_.ordinal);
   if (ready_event_ != nullptr && cudaEventDestroy(AsEvent(ready_event_)) != cudaSuccess) {
@@ -135,10 +135,9 @@ absl::Status DeviceContext::Copy(void* dst, const void* src, size_t bytes) {
     ScopedCudaDevice scoped(gpu_.ordinal);
     FS_RETURN_IF_ERROR(scoped.status());
     // cudaMemcpyDefault: unified addressing tells the direction from the pointers.
-    FS_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, AsStream(stream_)),
-        absl::StrCat("device ", gpu_.ordinal, " (", gpu_.uuid, "): cudaMemcpyAsync of ", bytes,
-                     " bytes"));
+    FS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, AsStream(stream_)),
+                            absl::StrCat("device ", gpu_.ordinal, " (", gpu_.uuid,
+                                         "): cudaMemcpyAsync of ", bytes, " bytes"));
   }
   return Synchronize();
 }
@@ -170,9 +169,9 @@ absl::StatusOr<std::shared_ptr<DeviceContext::OpenedEvent>> DeviceContext::Open(
     return absl::InvalidArgumentError(absl::StrCat(where, ": event id 0 (none)"));
   }
   if (event.ipc_handle.size() != sizeof(cudaIpcEventHandle_t)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, " event ", event.id, ": ipc_handle has ",
-                     event.ipc_handle.size(), " bytes, want ", sizeof(cudaIpcEventHandle_t)));
+    return absl::InvalidArgumentError(absl::StrCat(where, " event ", event.id, ": ipc_handle has ",
+                                                   event.ipc_handle.size(), " bytes, want ",
+                                                   sizeof(cudaIpcEventHandle_t)));
   }
   {
     absl::MutexLock lock(&mu_);
@@ -185,8 +184,8 @@ absl::StatusOr<std::shared_ptr<DeviceContext::OpenedEvent>> DeviceContext::Open(
   std::memcpy(&handle, event.ipc_handle.data(), sizeof(handle));
   cudaEvent_t e = nullptr;
   FS_CUDA_RETURN_IF_ERROR(cudaIpcOpenEventHandle(&e, handle),
-                          absl::StrCat(where, ": cudaIpcOpenEventHandle(event ", event.id,
-                                       " of ", event.device_uuid, ")"));
+                          absl::StrCat(where, ": cudaIpcOpenEventHandle(event ", event.id, " of ",
+                                       event.device_uuid, ")"));
   auto opened = std::make_shared<OpenedEvent>(event.ipc_handle, e, gpu_.ordinal);
   std::shared_ptr<OpenedEvent> replaced;
   absl::flat_hash_map<std::string, std::shared_ptr<OpenedEvent>> dropped;
@@ -214,8 +213,7 @@ absl::Status DeviceContext::WaitFor(const IpcEventRef& event) {
 }
 
 absl::Status DeviceContext::WaitOnHost(const IpcEventRef& event, absl::Duration timeout) {
-  const std::string where =
-      absl::StrCat("device ", gpu_.ordinal, " (", gpu_.uuid, "): WaitOnHost");
+  const std::string where = absl::StrCat("device ", gpu_.ordinal, " (", gpu_.uuid, "): WaitOnHost");
   if (timeout == absl::InfiniteDuration()) {
     absl::MutexLock lock(&mu_);
     timeout = sync_timeout_;
@@ -241,8 +239,8 @@ absl::Status DeviceContext::WaitOnHost(const IpcEventRef& event, absl::Duration 
 
 absl::Status PinHostMemory(void* ptr, size_t bytes) {
   if (ptr == nullptr || bytes == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("PinHostMemory: need memory, got ", ptr == nullptr ? "a null pointer" : "0 bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("PinHostMemory: need memory, got ",
+                                                   ptr == nullptr ? "a null pointer" : "0 bytes"));
   }
   FS_CUDA_RETURN_IF_ERROR(cudaHostRegister(ptr, bytes, cudaHostRegisterPortable),
                           absl::StrCat("cudaHostRegister(", bytes, " bytes)"));
@@ -253,7 +251,8 @@ void UnpinHostMemory(void* ptr) {
   const cudaError_t err = cudaHostUnregister(ptr);
   if (err != cudaSuccess) {
     cudaGetLastError();
-    FS_LOG(WARNING) << CudaStatus(err, absl::StrCat("cudaHostUnregister(", absl::Hex(reinterpret_cast<uintptr_t>(ptr)), ")"));
+    FS_LOG(WARNING) << CudaStatus(
+        err, absl::StrCat("cudaHostUnregister(", absl::Hex(reinterpret_cast<uintptr_t>(ptr)), ")"));
   }
 }
 

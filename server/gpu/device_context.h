@@ -67,7 +67,7 @@ class DeviceContext {
   int device() const;
   const std::string& uuid() const;
   const std::shared_ptr<DevicePool>& pool() const;
-  void* stream() const;   // cudaStream_t
+  void* stream() const;  // cudaStream_t
 
   // How long host-side waits on the stream may take before DEADLINE_EXCEEDED.
   void set_sync_timeout(absl::Duration timeout);
@@ -104,7 +104,8 @@ class DeviceContext {
  private:
   struct OpenedEvent;
   // The trainer's event `event`, opened once per handle (see WaitFor).
-  absl::StatusOr<std::shared_ptr<OpenedEvent>> Open(const IpcEventRef& event, const std::string& where);
+  absl::StatusOr<std::shared_ptr<OpenedEvent>> Open(const IpcEventRef& event,
+                                                    const std::string& where);
 
   const GpuDevice gpu_;
   const std::shared_ptr<DevicePool> pool_;

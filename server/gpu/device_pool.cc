@@ -39,9 +39,9 @@ struct PoolState {
   bool pool_alive ABSL_GUARDED_BY(mu) = true;
 
   std::string Where() const {
-    return absl::StrCat("device ", options.device,
-                        options.device_uuid.empty() ? "" : absl::StrCat(" (", options.device_uuid,
-                                                                        ")"));
+    return absl::StrCat(
+        "device ", options.device,
+        options.device_uuid.empty() ? "" : absl::StrCat(" (", options.device_uuid, ")"));
   }
 
   // Removes every slab without blocks (at most `want` bytes' worth unless `want` < 0, oldest
@@ -110,8 +110,8 @@ std::atomic<uint64_t> next_slab_id{1};
 }  // namespace
 
 std::string DevicePoolUsage::DebugString() const {
-  return absl::StrCat("reserved=", reserved_bytes, " in_use=", in_use_bytes,
-                      " limit=", limit_bytes, " slabs=", slabs, " blocks=", blocks);
+  return absl::StrCat("reserved=", reserved_bytes, " in_use=", in_use_bytes, " limit=", limit_bytes,
+                      " slabs=", slabs, " blocks=", blocks);
 }
 
 // --- DeviceBlock -----------------------------------------------------------------------------
@@ -165,8 +165,8 @@ std::shared_ptr<DevicePool> DevicePool::Create(DevicePoolOptions options,
   FS_CHECK(allocator != nullptr) << "DevicePool needs a SlabAllocator";
   FS_CHECK(options.alignment > 0 && (options.alignment & (options.alignment - 1)) == 0)
       << "DevicePoolOptions::alignment " << options.alignment << " is not a power of two";
-  return std::shared_ptr<DevicePool>(new DevicePool(
-      std::make_shared<PoolState>(std::move(options), std::move(allocator))));
+  return std::shared_ptr<DevicePool>(
+      new DevicePool(std::make_shared<PoolState>(std::move(options), std::move(allocator))));
 }
 
 DevicePool::DevicePool(std::shared_ptr<internal::PoolState> state) : state_(std::move(state)) {}
@@ -240,8 +240,10 @@ absl::StatusOr<std::shared_ptr<DeviceBlock>> DevicePool::Allocate(size_t bytes,
       slab_size = need > o.slab_bytes ? need : o.slab_bytes;
       if (static_cast<int64_t>(slab_size) > headroom + reclaimable) slab_size = need;
       if (static_cast<int64_t>(need) > headroom + reclaimable) {
-        return refuse(absl::StrCat("a new ", need, "-byte slab would pass the limit even after "
-                                   "freeing ", reclaimable, " bytes of empty slabs"));
+        return refuse(absl::StrCat("a new ", need,
+                                   "-byte slab would pass the limit even after "
+                                   "freeing ",
+                                   reclaimable, " bytes of empty slabs"));
       }
       if (static_cast<int64_t>(slab_size) > headroom) {
         to_free = st.TakeEmptySlabs(static_cast<int64_t>(slab_size) - headroom);

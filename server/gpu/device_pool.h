@@ -30,10 +30,10 @@ namespace flatshard::gpu {
 
 // One backing allocation ("slab") of a pool: what a trainer opens through CUDA IPC once.
 struct Slab {
-  uint64_t id = 0;          // unique per process, never reused
-  void* base = nullptr;     // device pointer
+  uint64_t id = 0;       // unique per process, never reused
+  void* base = nullptr;  // device pointer
   size_t bytes = 0;
-  std::string ipc_handle;   // cudaIpcMemHandle_t bytes (kIpcHandleBytes), for the client
+  std::string ipc_handle;  // cudaIpcMemHandle_t bytes (kIpcHandleBytes), for the client
 };
 
 // Where slabs come from. Real: cudaMalloc + cudaIpcGetMemHandle on one device. Tests: a fake.
@@ -42,7 +42,7 @@ class SlabAllocator {
  public:
   virtual ~SlabAllocator() = default;
   // A new slab of exactly `bytes` (> 0). RESOURCE_EXHAUSTED when the device is out of memory.
-  virtual absl::StatusOr<Slab> Allocate(size_t bytes) = 0;   // Slab::id filled by the pool
+  virtual absl::StatusOr<Slab> Allocate(size_t bytes) = 0;  // Slab::id filled by the pool
   // Returns a slab from Allocate. Errors are logged, not returned (nothing could act on them).
   virtual void Free(const Slab& slab) = 0;
   virtual absl::Status Zero(void* device_ptr, size_t bytes) = 0;  // memset 0, completed on return
@@ -67,7 +67,7 @@ struct DevicePoolUsage {
   int64_t in_use_bytes = 0;    // live blocks (as requested)
   int64_t limit_bytes = 0;
   int64_t slabs = 0;
-  int64_t blocks = 0;          // live blocks, zero-byte ones included
+  int64_t blocks = 0;  // live blocks, zero-byte ones included
   // "reserved=… in_use=… limit=… slabs=… blocks=…"
   std::string DebugString() const;
 };
@@ -84,23 +84,23 @@ class DeviceBlock {
   DeviceBlock(const DeviceBlock&) = delete;
   DeviceBlock& operator=(const DeviceBlock&) = delete;
 
-  void* data() const;               // device pointer; nullptr for 0 bytes
-  size_t bytes() const;             // as requested
+  void* data() const;    // device pointer; nullptr for 0 bytes
+  size_t bytes() const;  // as requested
   int device() const;
   const std::string& device_uuid() const;
-  uint64_t slab_id() const;         // 0 for a zero-byte block (it has no slab)
+  uint64_t slab_id() const;  // 0 for a zero-byte block (it has no slab)
   size_t slab_bytes() const;
-  size_t offset() const;            // from the slab's base
+  size_t offset() const;                  // from the slab's base
   const std::string& ipc_handle() const;  // the slab's; empty for a zero-byte block
   const std::string& label() const;
 
  private:
   friend class DevicePool;
-  DeviceBlock(std::shared_ptr<internal::PoolState> state, Slab slab, size_t offset,
-              size_t bytes, size_t reserved_bytes, std::string label);
+  DeviceBlock(std::shared_ptr<internal::PoolState> state, Slab slab, size_t offset, size_t bytes,
+              size_t reserved_bytes, std::string label);
 
   std::shared_ptr<internal::PoolState> state_;
-  Slab slab_;               // a copy of the slab's description (id, base, bytes, handle)
+  Slab slab_;  // a copy of the slab's description (id, base, bytes, handle)
   size_t offset_ = 0;
   size_t bytes_ = 0;
   size_t reserved_bytes_ = 0;  // bytes taken from the slab (`bytes_` rounded to the alignment)

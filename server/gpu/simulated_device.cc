@@ -30,8 +30,8 @@ class SimulatedSlabAllocator final : public SlabAllocator {
     FS_ASSIGN_OR_RETURN(ShmSegment segment, ShmSegment::Create(MakeSegmentName(prefix_), bytes));
     std::string handle = absl::StrCat(kSimulatedHandlePrefix, segment.name());
     if (handle.size() > kIpcHandleBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("simulated GPU: segment name ",
-                                                     segment.name(), " is too long for a handle"));
+      return absl::InvalidArgumentError(absl::StrCat("simulated GPU: segment name ", segment.name(),
+                                                     " is too long for a handle"));
     }
     handle.resize(kIpcHandleBytes, '\0');
     Slab slab;

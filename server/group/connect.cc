@@ -3,12 +3,6 @@
 
 #include "server/group/membership.h"
 
-#include "absl/strings/match.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "common/logging.h"
-#include "common/planner.h"
-#include "common/status_macros.h"
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -17,19 +11,25 @@
 #include <string>
 #include <utility>
 #include <vector>
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/planner.h"
+#include "common/status_macros.h"
 #include "server/durable/records.h"
-#include "server/module/modules.h"
 #include "server/group_manager_internal.h"
+#include "server/module/modules.h"
 
 namespace flatshard::server {
 
 using internal::CheckUid;
 using internal::Display;
-using internal::TokensEqual;
 using internal::kUnwatchAfter;
+using internal::TokensEqual;
 
 void Membership::OnRendezvous(const std::string& group, int32_t rank, uint64_t session,
-                                absl::StatusOr<peer::PeerTable> table) {
+                              absl::StatusOr<peer::PeerTable> table) {
   AfterUnlock run;
   std::shared_ptr<Group> held = table_.Find(group);
   if (held == nullptr) return;
@@ -43,8 +43,10 @@ void Membership::OnRendezvous(const std::string& group, int32_t rank, uint64_t s
     absl::Status s = table.status();
     if (s.ok() && (static_cast<int32_t>(table->rank_daemons.size()) != g.world_size ||
                    table->rank_daemons[rank].daemon_id != self_.daemon_id)) {
-      s = absl::InternalError(absl::StrCat("group ", g.id, ": the coordinator's peer table does not "
-                                           "place rank ", rank, " on this daemon"));
+      s = absl::InternalError(absl::StrCat("group ", g.id,
+                                           ": the coordinator's peer table does not "
+                                           "place rank ",
+                                           rank, " on this daemon"));
     }
     if (s.ok() && TableApplied(g, *table)) {
       // Another local rank's rendezvous (or OnTable) connected this epoch already.
@@ -70,8 +72,7 @@ void Membership::OnRendezvous(const std::string& group, int32_t rank, uint64_t s
   run.Run();
 }
 
-void Membership::AnswerRendezvousJoin(Group& g, PendingJoin& j,
-                                        AfterUnlock* run) {
+void Membership::AnswerRendezvousJoin(Group& g, PendingJoin& j, AfterUnlock* run) {
   std::vector<std::string> modules;
   for (const auto& [module, r] : g.registered) modules.push_back(module);
   if (!g.leased.contains(j.rank) || g.leased.at(j.rank) != j.session) {
@@ -82,7 +83,7 @@ void Membership::AnswerRendezvousJoin(Group& g, PendingJoin& j,
     if (!g.registered.contains(module)) lost.push_back(why);
   }
   run->Call([done = std::move(j.done),
-                  result = JoinResult{j.session, modules, std::move(lost)}]() mutable {
+             result = JoinResult{j.session, modules, std::move(lost)}]() mutable {
     done(std::move(result));
   });
 }
@@ -94,7 +95,7 @@ bool Membership::TableApplied(const Group& g, const peer::PeerTable& table) cons
 }
 
 collective::CommunicatorRequest Membership::RequestFor(collective::GroupSpec spec,
-                                                         bool nccl_agreed) const {
+                                                       bool nccl_agreed) const {
   collective::CommunicatorRequest request;
   request.spec = std::move(spec);
   request.nccl_agreed = nccl_agreed;
@@ -107,7 +108,7 @@ collective::CommunicatorRequest Membership::RequestFor(collective::GroupSpec spe
 }
 
 void Membership::StartConnect(Group& g, const peer::PeerTable* table, bool from_table,
-                                AfterUnlock* run) {
+                              AfterUnlock* run) {
   if (g.connecting != 0 && (table == nullptr || g.connecting_epoch >= table->epoch)) {
     // A connect for this epoch (or a newer one) is under way: its FinishConnect answers every
     // join waiting for it, this one included.
@@ -118,8 +119,7 @@ void Membership::StartConnect(Group& g, const peer::PeerTable* table, bool from_
   if (table == nullptr) {
     spec = collective::GroupSpec::AllLocal(g.id, g.world_size);
     if (g.coll != nullptr) {
-      FS_LOG(INFO) << "group=" << g.id << " re-forms its communicator after: "
-                   << g.coll->status();
+      FS_LOG(INFO) << "group=" << g.id << " re-forms its communicator after: " << g.coll->status();
     }
   } else {
     spec.group_id = g.id;
@@ -149,11 +149,11 @@ void Membership::StartConnect(Group& g, const peer::PeerTable* table, bool from_
   const bool may_block = choice.ok() && collective::CommunicatorFactory::MayBlock(*choice);
   run->Call([this, id = g.id, ticket, may_block, request = std::move(request)]() mutable {
     if (may_block) {
-      comms_.ConnectAsync(std::move(request),
-                           [this, id, ticket](
-                               absl::StatusOr<collective::ConnectedCommunicator> c) mutable {
-                             FinishConnect(id, ticket, std::move(c));
-                           });
+      comms_.ConnectAsync(
+          std::move(request),
+          [this, id, ticket](absl::StatusOr<collective::ConnectedCommunicator> c) mutable {
+            FinishConnect(id, ticket, std::move(c));
+          });
     } else {
       FinishConnect(id, ticket, comms_.Connect(std::move(request)));
     }
@@ -161,7 +161,7 @@ void Membership::StartConnect(Group& g, const peer::PeerTable* table, bool from_
 }
 
 void Membership::FinishConnect(const std::string& group, uint64_t ticket,
-                                 absl::StatusOr<collective::ConnectedCommunicator> connected) {
+                               absl::StatusOr<collective::ConnectedCommunicator> connected) {
   AfterUnlock run;
   // A communicator nobody takes, destroyed after mu_ (its teardown may wait for the backend).
   std::unique_ptr<collective::Communicator> unused;
@@ -277,12 +277,12 @@ void Membership::FinishConnect(const std::string& group, uint64_t ticket,
 }
 
 absl::Status Membership::ApplyTable(Group& g, const peer::PeerTable& table,
-                                      collective::ConnectedCommunicator connected,
-                                      AfterUnlock* run) {
+                                    collective::ConnectedCommunicator connected, AfterUnlock* run) {
   const bool reform = g.coll != nullptr;
   if (g.coll) {
-    engine_.RemoveGroup(g.id, absl::AbortedError(absl::StrCat(
-                                  "group ", g.id, " re-formed at epoch ", table.epoch)))
+    engine_
+        .RemoveGroup(g.id, absl::AbortedError(
+                               absl::StrCat("group ", g.id, " re-formed at epoch ", table.epoch)))
         .IgnoreError();
   }
   const std::string backend = connected.backend_name();
@@ -303,9 +303,10 @@ absl::Status Membership::ApplyTable(Group& g, const peer::PeerTable& table,
   FS_LOG(INFO) << "group=" << g.id << " epoch=" << g.epoch << " formed over " << g.world_size
                << " ranks, local ranks " << absl::StrJoin(g.local_ranks, ",") << ", backend "
                << backend
-               << (gpus_.empty() ? "" : backend == "nccl" ? ", device memory over NCCL"
-                                   : staged ? ", device memory staged over the host path"
-                                            : "");
+               << (gpus_.empty()       ? ""
+                   : backend == "nccl" ? ", device memory over NCCL"
+                   : staged            ? ", device memory staged over the host path"
+                                       : "");
   return absl::OkStatus();
 }
 
@@ -328,7 +329,7 @@ void Membership::OnTable(const std::string& coordinator, const peer::PeerTable& 
 }
 
 void Membership::OnGroupFailed(const std::string& coordinator, const std::string& group,
-                                 uint64_t epoch, const absl::Status& status) {
+                               uint64_t epoch, const absl::Status& status) {
   std::shared_ptr<Group> held = table_.Find(group);
   if (held == nullptr || held->coordinator != coordinator) return;
   Group& g = *held;
@@ -361,8 +362,8 @@ void Membership::OnCoordinatorLost(const std::string& coordinator, const absl::S
     FS_LOG(WARNING) << "group=" << g.id << " lost its coordinator " << coordinator << ": "
                     << status;
     g.reported_epoch = g.epoch;
-    g.coll->Abort(absl::UnavailableError(absl::StrCat("group ", g.id, ": coordinator ",
-                                                      coordinator, " lost: ", status.message())));
+    g.coll->Abort(absl::UnavailableError(
+        absl::StrCat("group ", g.id, ": coordinator ", coordinator, " lost: ", status.message())));
   }
 }
 

@@ -20,15 +20,15 @@ absl::Status CheckCallerLocked(const Group& g, const Caller& caller) {
                                                    " is out of range [0, ", g.world_size, ")"));
   }
   if (caller.session == 0 || g.session_of_rank[caller.rank] != caller.session) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group ", g.id, " rank ", caller.rank, ": session ", caller.session,
-        " is not the rank's current session (join first)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", g.id, " rank ", caller.rank, ": session ", caller.session,
+                     " is not the rank's current session (join first)"));
   }
   if (g.coll == nullptr) {
     // A session of a join still pending (the group forms once every rank has joined).
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group ", g.id, " rank ", caller.rank, ": the group has not formed yet (its join is "
-        "still waiting for the other ranks)"));
+    return absl::FailedPreconditionError(absl::StrCat("group ", g.id, " rank ", caller.rank,
+                                                      ": the group has not formed yet (its join is "
+                                                      "still waiting for the other ranks)"));
   }
   return absl::OkStatus();
 }

@@ -33,7 +33,7 @@ struct JoinArgs {
   int32_t rank = 0;
   std::string token;
   std::string coordinator;  // peer address of the coordinator; empty: a local group
-  int64_t uid = -1;          // as Caller::uid; the first joiner's uid owns a new group
+  int64_t uid = -1;         // as Caller::uid; the first joiner's uid owns a new group
   // True once the caller went away (its JoinGroup call was cancelled: the trainer died or gave
   // up); a pending join is then withdrawn, never completed for it. Called under the manager's
   // lock while the join is pending, never after its callback ran. Empty: never gone.
@@ -108,12 +108,13 @@ struct Group {
   std::string id;
   int32_t world_size = 0;
   std::string token;
-  int64_t owner_uid = -1;   // the creator's uid (Caller::uid); only it is admitted
-  std::string coordinator;  // empty: a local group
-  uint64_t epoch ABSL_GUARDED_BY(mu) = 0;       // of the peer table the communicator runs (multi-daemon)
-  uint64_t reported_epoch ABSL_GUARDED_BY(mu) = 0;  // the last epoch whose failure went to the coordinator
+  int64_t owner_uid = -1;                  // the creator's uid (Caller::uid); only it is admitted
+  std::string coordinator;                 // empty: a local group
+  uint64_t epoch ABSL_GUARDED_BY(mu) = 0;  // of the peer table the communicator runs (multi-daemon)
+  uint64_t reported_epoch ABSL_GUARDED_BY(mu) =
+      0;  // the last epoch whose failure went to the coordinator
   std::vector<int32_t> local_ranks ABSL_GUARDED_BY(mu);  // the ranks this daemon hosts, ascending
-  RankSessions session_of_rank ABSL_GUARDED_BY(mu);  // 0: not joined
+  RankSessions session_of_rank ABSL_GUARDED_BY(mu);      // 0: not joined
   // Since when no rank has had a session nor a join under way (InfiniteFuture: in use); the
   // deadline loop reclaims the group after GroupManagerOptions::group_idle_timeout.
   absl::Time idle_since ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();
@@ -127,7 +128,8 @@ struct Group {
   // module -> why, naming the ranks and daemons. Reported by Join and GetShards until the
   // module is registered again.
   std::map<std::string, std::string> lost ABSL_GUARDED_BY(mu);
-  std::set<std::pair<std::string, int32_t>> registering ABSL_GUARDED_BY(mu);  // (module, rank) mid-registration
+  std::set<std::pair<std::string, int32_t>> registering
+      ABSL_GUARDED_BY(mu);  // (module, rank) mid-registration
   std::map<uint64_t, OpenSummon> open_summons ABSL_GUARDED_BY(mu);
   uint64_t next_summon ABSL_GUARDED_BY(mu) = 1;
   // Writeback summons whose End failed, by id: (rank, status). A repeated End (a client's
@@ -139,9 +141,11 @@ struct Group {
   // A communicator being connected outside mu_ (StartConnect): its ticket, 0 when none. Only
   // the connect whose ticket is still here when it finishes is installed (FinishConnect).
   uint64_t connecting ABSL_GUARDED_BY(mu) = 0;
-  uint64_t connecting_epoch ABSL_GUARDED_BY(mu) = 0;  // multi-daemon: the epoch of `connecting_table`
+  uint64_t connecting_epoch ABSL_GUARDED_BY(mu) =
+      0;  // multi-daemon: the epoch of `connecting_table`
   peer::PeerTable connecting_table ABSL_GUARDED_BY(mu);
-  bool connect_from_table ABSL_GUARDED_BY(mu) = false;  // an OnTable asked for it: a failure aborts `coll`
+  bool connect_from_table ABSL_GUARDED_BY(mu) =
+      false;  // an OnTable asked for it: a failure aborts `coll`
   // A rank's session ended while a collective it had already submitted (its End's or
   // Commit's agreement) was still running: the daemon completes that op on its behalf, so
   // every daemon reaches the same verdict, and the group fails with this status once no such
@@ -162,7 +166,9 @@ struct Group {
     }
     return missing;
   }
-  bool AllJoined() const ABSL_SHARED_LOCKS_REQUIRED(mu) { return session_of_rank.joined_count() == world_size; }
+  bool AllJoined() const ABSL_SHARED_LOCKS_REQUIRED(mu) {
+    return session_of_rank.joined_count() == world_size;
+  }
   // No rank joined or joining, nothing registered or in flight: removed at once.
   // A group that remembers lost modules stays until its ranks were told (it is reclaimed
   // after group_idle_timeout like any unused group): removing it would drop `lost`, and a rank

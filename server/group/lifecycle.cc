@@ -2,19 +2,19 @@
 
 #include "server/group/membership.h"
 
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "common/logging.h"
-#include "common/status_macros.h"
 #include <algorithm>
 #include <cstring>
 #include <memory>
 #include <set>
 #include <string>
 #include <vector>
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
 #include "server/durable/records.h"
-#include "server/module/modules.h"
 #include "server/group_manager_internal.h"
+#include "server/module/modules.h"
 
 namespace flatshard::server {
 
@@ -23,15 +23,11 @@ using internal::Short;
 
 namespace {
 
-std::string UidText(int64_t uid) {
-  return uid < 0 ? std::string("(remote)") : absl::StrCat(uid);
-}
-
+std::string UidText(int64_t uid) { return uid < 0 ? std::string("(remote)") : absl::StrCat(uid); }
 
 }  // namespace
 
-std::vector<GroupCollectives> Membership::ListCollectives(
-    const std::string& group) const {
+std::vector<GroupCollectives> Membership::ListCollectives(const std::string& group) const {
   std::vector<std::pair<GroupCollectives, std::shared_ptr<collective::CollectiveGroup>>> found;
   for (const std::shared_ptr<Group>& held : table_.All()) {
     const Group& g = *held;
@@ -111,7 +107,7 @@ GroupStats Membership::GetStats() const {
 }
 
 absl::Status Membership::CheckGroupQuota(int64_t uid, const std::string& group,
-                                           const GroupTable::Map& groups) const {
+                                         const GroupTable::Map& groups) const {
   if (max_groups_per_uid_ <= 0) return absl::OkStatus();
   std::vector<std::string> owned;
   for (const auto& [id, g] : groups) {
@@ -130,8 +126,8 @@ absl::Status Membership::CheckGroupQuota(int64_t uid, const std::string& group,
       "); delete one (flatshardctl delete-group) or let idle ones be reclaimed"));
 }
 
-DeletedGroup Membership::RemoveGroupLocked(
-    Group& g, const absl::Status& reason, std::vector<std::shared_ptr<Buffer>>* freed) {
+DeletedGroup Membership::RemoveGroupLocked(Group& g, const absl::Status& reason,
+                                           std::vector<std::shared_ptr<Buffer>>* freed) {
   DeletedGroup out;
   if (g.removed) return out;
   const std::string& id = g.id;
@@ -170,8 +166,8 @@ DeletedGroup Membership::RemoveGroupLocked(
       for (std::shared_ptr<Buffer>& b : reg.kept->TakeAll()) take(b);
     }
     for (auto& [k, slot] : reg.slots) {
-      for (auto* m : {&slot->shared_params, &slot->shared_grads, &slot->rank0_params,
-                      &slot->rank0_grads}) {
+      for (auto* m :
+           {&slot->shared_params, &slot->shared_grads, &slot->rank0_params, &slot->rank0_grads}) {
         for (auto& [rank, b] : *m) take(b);
       }
     }
@@ -184,9 +180,8 @@ DeletedGroup Membership::RemoveGroupLocked(
   return out;
 }
 
-absl::StatusOr<DeletedGroup> Membership::DeleteGroup(const std::string& group,
-                                                                     int64_t uid,
-                                                                     bool privileged) {
+absl::StatusOr<DeletedGroup> Membership::DeleteGroup(const std::string& group, int64_t uid,
+                                                     bool privileged) {
   std::vector<std::shared_ptr<Buffer>> freed;
   DeletedGroup out;
   std::shared_ptr<Group> held = table_.Find(group);
@@ -205,18 +200,17 @@ absl::StatusOr<DeletedGroup> Membership::DeleteGroup(const std::string& group,
     std::sort(busy.begin(), busy.end());
     busy.erase(std::unique(busy.begin(), busy.end()), busy.end());
     if (!busy.empty()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "group ", Short(group), ": ", internal::RankListText(busy),
-          busy.size() == 1 ? " is" : " are",
-          " still joined; every rank must leave before the group can be deleted"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("group ", Short(group), ": ", internal::RankListText(busy),
+                       busy.size() == 1 ? " is" : " are",
+                       " still joined; every rank must leave before the group can be deleted"));
     }
     if (!g.Unused()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "group ", Short(group), ": a registration or summon is still under way"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("group ", Short(group), ": a registration or summon is still under way"));
     }
-    out = RemoveGroupLocked(g, absl::AbortedError(absl::StrCat("group ", Short(group),
-                                                                   " was deleted")),
-                            &freed);
+    out = RemoveGroupLocked(
+        g, absl::AbortedError(absl::StrCat("group ", Short(group), " was deleted")), &freed);
     FS_LOG(INFO) << "group=" << Short(group) << " deleted by uid " << UidText(uid) << ": "
                  << out.modules.size() << " registered modules, " << out.freed_buffers
                  << " buffers, " << out.freed_bytes << " bytes freed";
@@ -228,7 +222,7 @@ absl::StatusOr<DeletedGroup> Membership::DeleteGroup(const std::string& group,
 }
 
 void Membership::ReclaimIfIdle(Group& g, absl::Time now,
-                                 std::vector<std::shared_ptr<Buffer>>* freed) {
+                               std::vector<std::shared_ptr<Buffer>>* freed) {
   if (g.removed) return;
   const bool enabled =
       group_idle_timeout_ > absl::ZeroDuration() && group_idle_timeout_ != absl::InfiniteDuration();
@@ -249,10 +243,10 @@ void Membership::ReclaimIfIdle(Group& g, absl::Time now,
                                       absl::FormatDuration(idle), " without a session")),
       freed);
   FS_LOG(INFO) << "group=" << Short(id) << " reclaimed: no session for "
-               << absl::FormatDuration(idle) << " (--group_idle_timeout="
-               << absl::FormatDuration(group_idle_timeout_) << "); " << d.modules.size()
-               << " registered modules, " << d.freed_buffers << " buffers, " << d.freed_bytes
-               << " bytes freed";
+               << absl::FormatDuration(idle)
+               << " (--group_idle_timeout=" << absl::FormatDuration(group_idle_timeout_) << "); "
+               << d.modules.size() << " registered modules, " << d.freed_buffers << " buffers, "
+               << d.freed_bytes << " bytes freed";
 }
 
 }  // namespace flatshard::server

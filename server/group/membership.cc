@@ -2,12 +2,6 @@
 
 #include "server/group/membership.h"
 
-#include "absl/strings/match.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "common/logging.h"
-#include "common/planner.h"
-#include "common/status_macros.h"
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -16,16 +10,22 @@
 #include <string>
 #include <utility>
 #include <vector>
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/planner.h"
+#include "common/status_macros.h"
 #include "server/durable/records.h"
-#include "server/module/modules.h"
 #include "server/group_manager_internal.h"
+#include "server/module/modules.h"
 
 namespace flatshard::server {
 
 using internal::CheckUid;
 using internal::Display;
-using internal::TokensEqual;
 using internal::kUnwatchAfter;
+using internal::TokensEqual;
 
 Membership::Membership(MembershipOptions options)
     : lease_timeout_(options.lease_timeout),
@@ -105,8 +105,7 @@ void Membership::Join(const JoinArgs& args, absl::Time deadline, JoinCallback do
   std::shared_ptr<Group> held;
   while (error.ok()) {
     absl::StatusOr<std::shared_ptr<Group>> found = table_.FindOrMake(
-        args.group,
-        [&](const GroupTable::Map& groups) -> absl::StatusOr<std::shared_ptr<Group>> {
+        args.group, [&](const GroupTable::Map& groups) -> absl::StatusOr<std::shared_ptr<Group>> {
           FS_RETURN_IF_ERROR(CheckGroupQuota(args.uid, args.group, groups));
           auto made = std::make_shared<Group>();
           made->id = args.group;
@@ -118,8 +117,7 @@ void Membership::Join(const JoinArgs& args, absl::Time deadline, JoinCallback do
           // rank has joined (MaybeCompleteJoins): a world_size nobody joins costs nothing per
           // rank.
           FS_LOG(INFO) << "group=" << args.group << " created, world_size=" << args.world_size
-                       << (made->multi() ? absl::StrCat(", coordinator=", args.coordinator)
-                                         : "");
+                       << (made->multi() ? absl::StrCat(", coordinator=", args.coordinator) : "");
           return made;
         });
     if (!found.ok()) {
@@ -138,13 +136,13 @@ void Membership::Join(const JoinArgs& args, absl::Time deadline, JoinCallback do
     } else if (!TokensEqual(g.token, args.token)) {
       error = absl::PermissionDeniedError(absl::StrCat("group ", g.id, ": wrong token"));
     } else if (g.world_size != args.world_size) {
-      error = absl::InvalidArgumentError(absl::StrCat(
-          "group ", g.id, " has world_size ", g.world_size, ", rank ", args.rank,
-          " joined with world_size ", args.world_size));
+      error = absl::InvalidArgumentError(absl::StrCat("group ", g.id, " has world_size ",
+                                                      g.world_size, ", rank ", args.rank,
+                                                      " joined with world_size ", args.world_size));
     } else if (g.coordinator != args.coordinator) {
-      error = absl::InvalidArgumentError(absl::StrCat(
-          "group ", g.id, " has coordinator \"", g.coordinator, "\", rank ", args.rank,
-          " joined with coordinator \"", args.coordinator, "\""));
+      error = absl::InvalidArgumentError(
+          absl::StrCat("group ", g.id, " has coordinator \"", g.coordinator, "\", rank ", args.rank,
+                       " joined with coordinator \"", args.coordinator, "\""));
     } else if (g.session_of_rank[args.rank] != 0) {
       error = absl::AlreadyExistsError(absl::StrCat("group ", g.id, ": rank ", args.rank,
                                                     " is already joined (session ",
@@ -186,14 +184,13 @@ void Membership::Join(const JoinArgs& args, absl::Time deadline, JoinCallback do
                         << "): device memory will be staged through the host path";
       }
     }
-    peer_->Rendezvous(args.coordinator, args.group, args.token, args.world_size, args.rank,
-                      deadline,
-                      [this, group = args.group, rank = args.rank,
-                       session](absl::StatusOr<peer::PeerTable> table) {
-                        OnRendezvous(group, rank, session, std::move(table));
-                      },
-                      failed_epoch, device == nullptr ? std::string() : device->uuid(), nccl_id,
-                      held_modules);
+    peer_->Rendezvous(
+        args.coordinator, args.group, args.token, args.world_size, args.rank, deadline,
+        [this, group = args.group, rank = args.rank,
+         session](absl::StatusOr<peer::PeerTable> table) {
+          OnRendezvous(group, rank, session, std::move(table));
+        },
+        failed_epoch, device == nullptr ? std::string() : device->uuid(), nccl_id, held_modules);
   }
 }
 
@@ -253,15 +250,14 @@ void Membership::DropGoneJoins(Group& g, AfterUnlock* run) {
                        "withdrawn and the rank is free";
     EndRank(g, j->rank, run);
     run->Call([done = std::move(j->done), rank = j->rank, id = g.id]() mutable {
-      done(absl::CancelledError(absl::StrCat("group ", id, ": rank ", rank,
-                                             "'s JoinGroup was cancelled by its caller")));
+      done(absl::CancelledError(
+          absl::StrCat("group ", id, ": rank ", rank, "'s JoinGroup was cancelled by its caller")));
     });
     j = g.pending_joins.erase(j);
   }
 }
 
-void Membership::ExpireUnleased(Group& g, absl::Time now,
-                                  AfterUnlock* run) {
+void Membership::ExpireUnleased(Group& g, absl::Time now, AfterUnlock* run) {
   for (auto it = g.lease_due.begin(); it != g.lease_due.end();) {
     const int32_t rank = it->first;
     const uint64_t session = g.session_of_rank[rank];
@@ -299,9 +295,9 @@ absl::Status Membership::AttachLease(const Caller& caller) {
   FS_RETURN_IF_ERROR(CheckCallerLocked(g, caller));
   auto [it, inserted] = g.leased.try_emplace(caller.rank, caller.session);
   if (!inserted && it->second == caller.session) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "group ", g.id, " rank ", caller.rank, ": session ", caller.session,
-        " already has its lease; a second Lease stream for it is refused"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("group ", g.id, " rank ", caller.rank, ": session ", caller.session,
+                     " already has its lease; a second Lease stream for it is refused"));
   }
   it->second = caller.session;
   g.lease_due.erase(caller.rank);
@@ -358,8 +354,7 @@ void Membership::EndSession(const std::string& group, uint64_t session) {
   run.Run();
 }
 
-void Membership::FailForRank(Group& g, int32_t rank, absl::string_view why,
-                               AfterUnlock* run) {
+void Membership::FailForRank(Group& g, int32_t rank, absl::string_view why, AfterUnlock* run) {
   // Fail fast (semantics.md §3a): every collective needs every rank, so from now on each one
   // fails at once with this cause (sticky) instead of waiting for its deadline, on every
   // daemon of the group (DeadlineLoop reports it to the coordinator). The group re-forms,
@@ -388,7 +383,8 @@ void Membership::FailDeferred(Group& g, bool now, AfterUnlock* run) {
     // An op every rank arrived at (running) completes without anyone's help; so does one a
     // departed rank had submitted while no departed rank is missing from it.
     for (const collective::PendingOpInfo& op : g.coll->PendingOps()) {
-      const bool submitted = std::any_of(op.arrived_ranks.begin(), op.arrived_ranks.end(), departed);
+      const bool submitted =
+          std::any_of(op.arrived_ranks.begin(), op.arrived_ranks.end(), departed);
       const bool stuck = std::any_of(op.missing_ranks.begin(), op.missing_ranks.end(), departed);
       const bool completes = op.running || (submitted && !stuck);
       FS_VLOG(1) << "group=" << g.id << " op_seq=" << op.op_seq << " arrived "
@@ -404,8 +400,8 @@ void Membership::FailDeferred(Group& g, bool now, AfterUnlock* run) {
     // The other daemons fail at once too (the coordinator forwards it); reported now, since a
     // group left idle by the departure is removed before DeadlineLoop would report it.
     g.reported_epoch = g.epoch;
-    run->Call([this, coordinator = g.coordinator, group = g.id, token = g.token,
-                    epoch = g.epoch, status = g.coll->status()] {
+    run->Call([this, coordinator = g.coordinator, group = g.id, token = g.token, epoch = g.epoch,
+               status = g.coll->status()] {
       peer_->ReportFailure(coordinator, group, token, epoch, status);
     });
   }
@@ -469,8 +465,8 @@ void Membership::DeadlineLoop() {
       // the next complete rendezvous.
       if (g.multi() && g.coll && !g.coll->status().ok() && g.reported_epoch != g.epoch) {
         g.reported_epoch = g.epoch;
-        run.Call([this, coordinator = g.coordinator, group = g.id, token = g.token,
-                  epoch = g.epoch, status = g.coll->status()] {
+        run.Call([this, coordinator = g.coordinator, group = g.id, token = g.token, epoch = g.epoch,
+                  status = g.coll->status()] {
           peer_->ReportFailure(coordinator, group, token, epoch, status);
         });
       }

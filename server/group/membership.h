@@ -116,8 +116,7 @@ class Membership {
   // deadline loop; idempotent.
   void Shutdown();
   void StartDrain();
-  absl::StatusOr<DeletedGroup> DeleteGroup(const std::string& group, int64_t uid,
-                                           bool privileged);
+  absl::StatusOr<DeletedGroup> DeleteGroup(const std::string& group, int64_t uid, bool privileged);
   std::vector<GroupInfo> ListGroups() const;
   std::vector<GroupCollectives> ListCollectives(const std::string& group) const;
   GroupStats GetStats() const;

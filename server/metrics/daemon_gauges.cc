@@ -31,12 +31,14 @@ void UpdateDaemonGauges(const ShardStore& store, const GroupManager& groups) {
     m.gpu_memory.WithLabels({device, "reserved"}).Set(static_cast<double>(u.reserved_bytes));
     m.gpu_memory.WithLabels({device, "in_use"}).Set(static_cast<double>(u.in_use_bytes));
     m.gpu_memory.WithLabels({device, "limit"})
-        .Set(u.limit_bytes == std::numeric_limits<int64_t>::max() ? 0.0
-                                                                  : static_cast<double>(u.limit_bytes));
+        .Set(u.limit_bytes == std::numeric_limits<int64_t>::max()
+                 ? 0.0
+                 : static_cast<double>(u.limit_bytes));
   }
   int64_t clients = 0;
   const std::vector<GroupManager::GroupInfo> list = groups.ListGroups();
-  for (const GroupManager::GroupInfo& g : list) clients += static_cast<int64_t>(g.joined_ranks.size());
+  for (const GroupManager::GroupInfo& g : list)
+    clients += static_cast<int64_t>(g.joined_ranks.size());
   m.groups.WithLabels({}).Set(static_cast<double>(list.size()));
   m.clients.WithLabels({}).Set(static_cast<double>(clients));
 }

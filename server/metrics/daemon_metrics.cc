@@ -8,8 +8,8 @@ const DaemonMetrics& GetDaemonMetrics() {
   static const DaemonMetrics* const m = [] {
     Registry& r = DefaultRegistry();
     return new DaemonMetrics{
-        r.AddCounter("flatshard_rpcs_total", "ShardService RPCs answered, by method and status code",
-                     {"method", "code"}),
+        r.AddCounter("flatshard_rpcs_total",
+                     "ShardService RPCs answered, by method and status code", {"method", "code"}),
         r.AddHistogram("flatshard_rpc_latency_seconds",
                        "ShardService RPC latency from arrival to answer (collective RPCs include "
                        "the wait for the other ranks)",
@@ -57,6 +57,8 @@ void RecordCollective(absl::string_view kind, absl::StatusCode code, absl::strin
   }
 }
 
-void RecordAbortedCollectives() { GetDaemonMetrics().aborted_collectives.WithLabels({}).Increment(); }
+void RecordAbortedCollectives() {
+  GetDaemonMetrics().aborted_collectives.WithLabels({}).Increment();
+}
 
 }  // namespace flatshard::metrics

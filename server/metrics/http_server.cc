@@ -99,9 +99,9 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(absl::string
   sockaddr_storage bound = {};
   socklen_t len = sizeof(bound);
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
-  const int bound_port = ntohs(bound.ss_family == AF_INET6
-                                   ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
-                                   : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  const int bound_port =
+      ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                        : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   const int wake = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (wake < 0) {
     ::close(fd);
@@ -170,7 +170,8 @@ void MetricsServer::Serve(int fd) {
     request.append(buf, static_cast<size_t>(n));
   }
   // Request line: METHOD SP TARGET SP VERSION.
-  const absl::string_view line = absl::string_view(request).substr(0, request.find_first_of("\r\n"));
+  const absl::string_view line =
+      absl::string_view(request).substr(0, request.find_first_of("\r\n"));
   const size_t sp1 = line.find(' ');
   const size_t sp2 = sp1 == absl::string_view::npos ? sp1 : line.find(' ', sp1 + 1);
   const absl::string_view method = line.substr(0, sp1);
@@ -185,8 +186,9 @@ void MetricsServer::Serve(int fd) {
              write_deadline);
     return;
   }
-  WriteAll(fd, Response("404 Not Found", "text/plain; charset=utf-8", "not found; try /metrics\n",
-                        method != "HEAD"),
+  WriteAll(fd,
+           Response("404 Not Found", "text/plain; charset=utf-8", "not found; try /metrics\n",
+                    method != "HEAD"),
            write_deadline);
 }
 

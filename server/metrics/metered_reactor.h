@@ -13,12 +13,12 @@
 
 #include <string>
 
+#include <grpcpp/support/server_callback.h>
+#include <grpcpp/support/status.h>
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/metrics/daemon_metrics.h"
-#include <grpcpp/support/server_callback.h>
-#include <grpcpp/support/status.h>
 
 namespace flatshard::metrics {
 

@@ -38,9 +38,12 @@ std::string EscapeHelp(absl::string_view help) {
 
 absl::string_view TypeName(internal::MetricType type) {
   switch (type) {
-    case internal::MetricType::kCounter: return "counter";
-    case internal::MetricType::kGauge: return "gauge";
-    case internal::MetricType::kHistogram: return "histogram";
+    case internal::MetricType::kCounter:
+      return "counter";
+    case internal::MetricType::kGauge:
+      return "gauge";
+    case internal::MetricType::kHistogram:
+      return "histogram";
   }
   return "untyped";
 }
@@ -253,8 +256,8 @@ HistogramFamily& Registry::AddHistogram(const std::string& name, const std::stri
     return *static_cast<HistogramFamily*>(f);
   }
   const bool unlabelled = label_names.empty();
-  auto family = std::make_unique<HistogramFamily>(
-      internal::MetricType::kHistogram, name, help, std::move(label_names), std::move(bounds));
+  auto family = std::make_unique<HistogramFamily>(internal::MetricType::kHistogram, name, help,
+                                                  std::move(label_names), std::move(bounds));
   if (unlabelled) family->WithLabels({});
   families_.push_back(std::move(family));
   return *static_cast<HistogramFamily*>(families_.back().get());

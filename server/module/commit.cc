@@ -2,16 +2,16 @@
 
 #include "server/module/modules.h"
 
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "common/logging.h"
-#include "common/status_macros.h"
-#include "server/collective/reduce.h"
 #include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/collective/reduce.h"
 #include "server/durable/records.h"
 #include "server/group_manager_internal.h"
 
@@ -23,18 +23,17 @@ void Modules::RunDurableWork(int32_t rank, absl::AnyInvocable<absl::Status()> wo
     devices_.RunBlocking(rank, std::move(work), std::move(done));
     return;
   }
-  records_.RunDurable(
-      [work = std::move(work), done = std::move(done)]() mutable { done(work()); });
+  records_.RunDurable([work = std::move(work), done = std::move(done)]() mutable { done(work()); });
 }
 
 using internal::ConstOf;
 using internal::Display;
+using internal::kAlreadyUnsharding;
 using internal::MutableOf;
 using internal::SelectUnits;
-using internal::kAlreadyUnsharding;
 
 void Modules::Commit(const Caller& caller, const std::string& module, absl::Time deadline,
-                          CommitCallback done, const gpu::IpcEventRef& written) {
+                     CommitCallback done, const gpu::IpcEventRef& written) {
   // The optimizer's writes land before the shards are copied; a failure is this rank's "no".
   devices_.AfterTrainerWrites(
       caller.rank, written,
@@ -43,8 +42,8 @@ void Modules::Commit(const Caller& caller, const std::string& module, absl::Time
       });
 }
 
-void Modules::CommitWritten(const Caller& caller, const std::string& module,
-                                 absl::Time deadline, CommitCallback done, absl::Status local) {
+void Modules::CommitWritten(const Caller& caller, const std::string& module, absl::Time deadline,
+                            CommitCallback done, absl::Status local) {
   absl::Status error;
   internal::AgreeRecord record{};
   std::shared_ptr<collective::CollectiveGroup> coll;
@@ -64,21 +63,21 @@ void Modules::CommitWritten(const Caller& caller, const std::string& module,
         Registered& reg = it->second;
         error = CheckUsable(g, module, reg);
         if (error.ok() && reg.shards_by_rank[caller.rank].empty()) {
-          error = absl::FailedPreconditionError(absl::StrCat(
-              "group ", g.id, " rank ", caller.rank, " holds no shards of module ",
-              Display(module), " (register it first)"));
+          error = absl::FailedPreconditionError(
+              absl::StrCat("group ", g.id, " rank ", caller.rank, " holds no shards of module ",
+                           Display(module), " (register it first)"));
         }
         if (error.ok()) {
           std::memset(&record, 0, sizeof(record));
           record.stale = reg.stale[caller.rank] ? 1 : 0;
           record.ok = record.stale || !local.ok() ? 0 : 1;
           record.generation = reg.generation[caller.rank];
-          internal::CopyText(!local.ok()    ? std::string(local.message())
-                             : record.stale ? absl::StrCat("its views predate the rollback to "
-                                                         "generation ",
-                                                         record.generation,
-                                                         " (read them again first)")
-                                          : std::string(),
+          internal::CopyText(!local.ok() ? std::string(local.message())
+                             : record.stale
+                                 ? absl::StrCat("its views predate the rollback to "
+                                                "generation ",
+                                                record.generation, " (read them again first)")
+                                 : std::string(),
                              record.text, sizeof(record.text));
           coll = g.coll;
           world_size = g.world_size;
@@ -91,92 +90,90 @@ void Modules::CommitWritten(const Caller& caller, const std::string& module,
     return;
   }
   Agree(coll, caller, record, world_size, internal::kCommitAgreeUnit,
-        absl::StrCat("the commit of module ", Display(module)),
-        deadline,
-        [this, caller, module, generation = record.generation,
-         done = std::move(done)](absl::Status s, bool stale) mutable {
+        absl::StrCat("the commit of module ", Display(module)), deadline,
+        [this, caller, module, generation = record.generation, done = std::move(done)](
+            absl::Status s, bool stale) mutable {
           if (!s.ok()) {
             if (stale) RollbackRank(caller, module);
-            done(absl::Status(s.code(), absl::StrCat("generation ", generation + 1,
-                                                     " was not committed on any rank: ",
-                                                     s.message())));
+            done(absl::Status(s.code(),
+                              absl::StrCat("generation ", generation + 1,
+                                           " was not committed on any rank: ", s.message())));
             return;
           }
           CommitAgreed(caller, module, generation, std::move(done));
         });
 }
 
-void Modules::CommitAgreed(const Caller& caller, const std::string& module,
-                                uint64_t generation, CommitCallback done) {
-          std::vector<internal::DurablePair> durable;
-          bool gone = false;
-          {
-            std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
-            Group& g = *held;
-            absl::MutexLock lock(&g.mu);
-            gone = g.removed;
-            if (gone) {
-              // answered below, after the lock
-            } else {
+void Modules::CommitAgreed(const Caller& caller, const std::string& module, uint64_t generation,
+                           CommitCallback done) {
+  std::vector<internal::DurablePair> durable;
+  bool gone = false;
+  {
+    std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    gone = g.removed;
+    if (gone) {
+      // answered below, after the lock
+    } else {
+      Registered& reg = g.registered.at(module);
+      if (reg.ckpt_hold > 0) {
+        // A checkpoint is reading (or loading) the committed copies: this copy waits
+        // for it (ReleaseCheckpointHold runs it again).
+        reg.after_ckpt.push_back(
+            [this, caller, module, generation, done = std::move(done)]() mutable {
+              CommitAgreed(caller, module, generation, std::move(done));
+            });
+        return;
+      }
+      ++reg.busy;  // every rank agreed: this rank commits, whatever its trainer does now
+      Records::NoteCommitAgreed(reg, generation + 1, "commit");
+      durable = internal::DurableBuffers(reg, caller.rank);
+    }
+  }
+  if (gone) {
+    done(absl::UnavailableError(absl::StrCat("group ", caller.group, " is gone")));
+    return;
+  }
+  // The copies run without the lock, on a worker (RunDurableWork). Invariant: `busy`
+  // keeps every rollback out until DoneCopying.
+  RunDurableWork(
+      caller.rank,
+      [this, caller, module, generation, durable = std::move(durable)] {
+        // Restarts: the intent is durable before the committed copy is overwritten,
+        // the new generation before the trainer is answered (server/durable/).
+        records_.CommitReady(caller, module, generation + 1, "commit");
+        records_.TestingPauseMidCopy(caller.rank, durable);
+        absl::Status s = records_.CopyCommitted(caller.rank, durable, /*to_committed=*/true);
+        if (s.ok()) records_.CommitDone(caller, module, generation + 1);
+        return s;
+      },
+      [this, caller, module, generation, done = std::move(done)](absl::Status s) mutable {
+        AfterUnlock run;
+        {
+          std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+          Group& g = *held;
+          absl::MutexLock lock(&g.mu);
+          if (!g.removed) {
             Registered& reg = g.registered.at(module);
-            if (reg.ckpt_hold > 0) {
-              // A checkpoint is reading (or loading) the committed copies: this copy waits
-              // for it (ReleaseCheckpointHold runs it again).
-              reg.after_ckpt.push_back(
-                  [this, caller, module, generation, done = std::move(done)]() mutable {
-                    CommitAgreed(caller, module, generation, std::move(done));
-                  });
-              return;
-            }
-            ++reg.busy;  // every rank agreed: this rank commits, whatever its trainer does now
-            Records::NoteCommitAgreed(reg, generation + 1, "commit");
-            durable = internal::DurableBuffers(reg, caller.rank);
-            }
+            if (s.ok()) reg.generation[caller.rank] = generation + 1;
+            DoneCopying(g, reg, &run);
           }
-          if (gone) {
-            done(absl::UnavailableError(absl::StrCat("group ", caller.group, " is gone")));
-            return;
-          }
-          // The copies run without the lock, on a worker (RunDurableWork). Invariant: `busy`
-          // keeps every rollback out until DoneCopying.
-          RunDurableWork(
-              caller.rank,
-              [this, caller, module, generation, durable = std::move(durable)] {
-                // Restarts: the intent is durable before the committed copy is overwritten,
-                // the new generation before the trainer is answered (server/durable/).
-                records_.CommitReady(caller, module, generation + 1, "commit");
-                records_.TestingPauseMidCopy(caller.rank, durable);
-                absl::Status s = records_.CopyCommitted(caller.rank, durable, /*to_committed=*/true);
-                if (s.ok()) records_.CommitDone(caller, module, generation + 1);
-                return s;
-              },
-              [this, caller, module, generation, done = std::move(done)](absl::Status s) mutable {
-                AfterUnlock run;
-                {
-                  std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
-                  Group& g = *held;
-                  absl::MutexLock lock(&g.mu);
-                  if (!g.removed) {
-                    Registered& reg = g.registered.at(module);
-                    if (s.ok()) reg.generation[caller.rank] = generation + 1;
-                    DoneCopying(g, reg, &run);
-                  }
-                }
-                run.Run();
-                if (!s.ok()) {
-                  FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank
-                                << ": commit failed after every rank agreed: " << s;
-                  done(s);
-                  return;
-                }
-                FS_VLOG(2) << "group=" << caller.group << " rank=" << caller.rank << " module="
-                           << Display(module) << " committed generation " << generation + 1;
-                done(generation + 1);
-              });
+        }
+        run.Run();
+        if (!s.ok()) {
+          FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank
+                        << ": commit failed after every rank agreed: " << s;
+          done(s);
+          return;
+        }
+        FS_VLOG(2) << "group=" << caller.group << " rank=" << caller.rank
+                   << " module=" << Display(module) << " committed generation " << generation + 1;
+        done(generation + 1);
+      });
 }
 
-void Modules::DoneCopying(Group& g, Registered& reg,
-                               AfterUnlock* run) {
+void Modules::DoneCopying(Group& g, Registered& reg, AfterUnlock* run) {
   --reg.busy;
   if (reg.busy > 0 || !reg.rollback_pending) return;
   for (auto& [module, r] : g.registered) {
@@ -207,8 +204,7 @@ void Modules::StartRollback(Group& g, AfterUnlock* run) {
   }
 }
 
-void Modules::RollbackNow(Group& g, const std::string& module, Registered& reg,
-                               AfterUnlock* run) {
+void Modules::RollbackNow(Group& g, const std::string& module, Registered& reg, AfterUnlock* run) {
   // Deferred behind copies (DoneCopying): a module whose local ranks ended at different
   // generations is dropped as lost, never rolled back into a mix (DropMixedModules; the
   // caller returns right after, so erasing it here is safe).
@@ -230,7 +226,8 @@ void Modules::RollbackNow(Group& g, const std::string& module, Registered& reg,
   run->Call([this, group = g.id, module, work = std::move(work)] {
     absl::Status status;
     for (size_t i = 0; i < work.size(); ++i) {
-      absl::Status s = records_.CopyCommitted(work[i].first, work[i].second, /*to_committed=*/false);
+      absl::Status s =
+          records_.CopyCommitted(work[i].first, work[i].second, /*to_committed=*/false);
       if (!s.ok() && status.ok()) status = s;
     }
     AfterUnlock more;
@@ -242,12 +239,11 @@ void Modules::RollbackNow(Group& g, const std::string& module, Registered& reg,
       auto reg = g.registered.find(module);
       if (reg == g.registered.end()) return;
       reg->second.rollback_pending = false;
-      const uint64_t generation =
-          work.empty() ? 0 : reg->second.generation[work.front().first];
+      const uint64_t generation = work.empty() ? 0 : reg->second.generation[work.front().first];
       if (status.ok()) {
         FS_LOG(INFO) << "group=" << group << " module=" << Display(module)
-                     << " rolled back to generation " << generation << " on ranks "
-                     << work.size() << " local rank(s)";
+                     << " rolled back to generation " << generation << " on ranks " << work.size()
+                     << " local rank(s)";
       } else {
         FS_LOG(ERROR) << "group=" << group << " module=" << Display(module)
                       << ": rollback failed: " << status;

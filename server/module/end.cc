@@ -3,16 +3,16 @@
 
 #include "server/module/modules.h"
 
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "common/logging.h"
-#include "common/status_macros.h"
-#include "server/collective/reduce.h"
 #include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/collective/reduce.h"
 #include "server/durable/records.h"
 #include "server/group_manager_internal.h"
 #include "server/module/summon_steps.h"
@@ -23,24 +23,25 @@ using summon_steps::GetViewBuffers;
 
 using internal::ConstOf;
 using internal::Display;
+using internal::kAlreadyUnsharding;
 using internal::MutableOf;
 using internal::SelectUnits;
-using internal::kAlreadyUnsharding;
 
-
-absl::Status Modules::PrepareRank0Broadcast(
-    const Caller& caller, uint64_t summon, const Plan& plan, const std::vector<UnitShard>& shards,
-    const std::shared_ptr<KeptBuffers>& kept, const std::vector<ViewNeed>& needs,
-    int64_t owner_uid, OpenSummon* copy, std::vector<collective::CollectiveOp>* broadcasts) {
+absl::Status Modules::PrepareRank0Broadcast(const Caller& caller, uint64_t summon, const Plan& plan,
+                                            const std::vector<UnitShard>& shards,
+                                            const std::shared_ptr<KeptBuffers>& kept,
+                                            const std::vector<ViewNeed>& needs, int64_t owner_uid,
+                                            OpenSummon* copy,
+                                            std::vector<collective::CollectiveOp>* broadcasts) {
   // Without mu_: the kept-buffer cache may allocate.
   ViewBuffers got;
   absl::Status status = GetViewBuffers(*kept, needs, BufferKind::kUnsharded, owner_uid,
                                        PlacementOf(caller.rank), &got);
   std::shared_ptr<Group> held = table_.Find(caller.group);
   if (held == nullptr) {
-    return absl::UnavailableError(absl::StrCat(
-        "group ", caller.group, " rank ", caller.rank, ": summon ", summon,
-        " was dropped while its writeback was being prepared (the group is gone)"));
+    return absl::UnavailableError(
+        absl::StrCat("group ", caller.group, " rank ", caller.rank, ": summon ", summon,
+                     " was dropped while its writeback was being prepared (the group is gone)"));
   }
   Group& g = *held;
   absl::MutexLock lock(&g.mu);
@@ -83,7 +84,7 @@ absl::Status Modules::PrepareRank0Broadcast(
 }
 
 void Modules::EndSummon(const Caller& caller, uint64_t summon, absl::Time deadline,
-                             StatusCallback done, const gpu::IpcEventRef& written) {
+                        StatusCallback done, const gpu::IpcEventRef& written) {
   // The trainer's writes to the views land before they are written back. A failure here is
   // this rank's "no" in the agreement, so the other ranks fail at once too.
   devices_.AfterTrainerWrites(
@@ -94,7 +95,7 @@ void Modules::EndSummon(const Caller& caller, uint64_t summon, absl::Time deadli
 }
 
 void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time deadline,
-                                    StatusCallback done, absl::Status local) {
+                               StatusCallback done, absl::Status local) {
   absl::Status error;
   OpenSummon copy;
   const Plan* plan = nullptr;
@@ -123,18 +124,20 @@ void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time
           failed->second.first == caller.rank) {
         error = failed->second.second;  // a repeated End: the first one's cause
       } else if (it == g.open_summons.end() || it->second.rank != caller.rank) {
-        error = absl::NotFoundError(absl::StrCat("group ", g.id, " rank ", caller.rank,
-                                                 ": no open summon ", summon));
+        error = absl::NotFoundError(
+            absl::StrCat("group ", g.id, " rank ", caller.rank, ": no open summon ", summon));
       } else if (it->second.ending || !it->second.ready) {
-        error = absl::FailedPreconditionError(
-            absl::StrCat("summon ", summon, " is ", it->second.ending ? "already ending" : "not ready"));
+        error = absl::FailedPreconditionError(absl::StrCat(
+            "summon ", summon, " is ", it->second.ending ? "already ending" : "not ready"));
       } else if (it->second.options.writeback && it->second.coll != nullptr &&
                  it->second.coll != g.coll) {
         // Opened before the group failed and re-formed: the other ranks' halves of this
         // summon are gone, so it cannot commit anywhere. The first failure is the cause.
-        reformed = absl::UnavailableError(absl::StrCat(
-            "summon ", summon, ": no rank's writeback was applied: the group re-formed since "
-            "it was opened, after: ", it->second.coll->status().message()));
+        reformed = absl::UnavailableError(
+            absl::StrCat("summon ", summon,
+                         ": no rank's writeback was applied: the group re-formed since "
+                         "it was opened, after: ",
+                         it->second.coll->status().message()));
       } else {
         it->second.ending = true;
         copy = it->second;
@@ -175,12 +178,11 @@ void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time
                   use == KeptUse::kParams ? copy.slot->rank0_params : copy.slot->rank0_grads;
               const bool node = gpus_.empty() || caller.rank == 0;
               if (node && map.contains(u) && map.at(u) != nullptr) continue;
-              rank0_needs.push_back(
-                  {u, use,
-                   gpus_.empty() ? KeptKey::NodeRank0Copy(u, use)
-                                 : KeptKey::RankRank0Copy(caller.rank, u, use),
-                   unit.padded_numel * ItemSize(unit.dtype),
-                   absl::StrCat("group=", g.id, " unit=", u, " rank 0's copy")});
+              rank0_needs.push_back({u, use,
+                                     gpus_.empty() ? KeptKey::NodeRank0Copy(u, use)
+                                                   : KeptKey::RankRank0Copy(caller.rank, u, use),
+                                     unit.padded_numel * ItemSize(unit.dtype),
+                                     absl::StrCat("group=", g.id, " unit=", u, " rank 0's copy")});
             }
           }
         }
@@ -196,8 +198,8 @@ void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time
     return;
   }
   if (copy.options.rank0_only && copy.options.writeback) {
-    error = PrepareRank0Broadcast(caller, summon, *plan, shards, rank0_kept, rank0_needs,
-                                  owner_uid, &copy, &broadcasts);
+    error = PrepareRank0Broadcast(caller, summon, *plan, shards, rank0_kept, rank0_needs, owner_uid,
+                                  &copy, &broadcasts);
     if (!error.ok()) {
       done(error);
       return;
@@ -218,8 +220,8 @@ void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time
   // killed during them comes back with every rank at one generation.
   const bool batched = records_.enabled() && gpus_.empty();
   auto write_back = [this, plan, shards, durable, caller, module = owned->module, is_init,
-                     target = is_init ? record.generation : record.generation + 1, batched](
-                        std::unique_ptr<OpenSummon> copy) {
+                     target = is_init ? record.generation : record.generation + 1,
+                     batched](std::unique_ptr<OpenSummon> copy) {
     const int32_t r = plan->ShardRank(caller.rank);
     absl::Status status;
     for (size_t i = 0; i < copy->units.size() && status.ok(); ++i) {
@@ -260,9 +262,8 @@ void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time
   using ApplyFn = std::function<void(std::unique_ptr<OpenSummon>, StatusCallback)>;
   auto apply = std::make_shared<ApplyFn>();
   *apply = [this, caller, summon, module = owned->module, is_init, generation = record.generation,
-            write_back, batched, k = owned->k, durable,
-            self = std::weak_ptr<ApplyFn>(apply)](std::unique_ptr<OpenSummon> owned,
-                                                  StatusCallback done) mutable {
+            write_back, batched, k = owned->k, durable, self = std::weak_ptr<ApplyFn>(apply)](
+               std::unique_ptr<OpenSummon> owned, StatusCallback done) mutable {
     {
       std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
       Group& g = *held;
@@ -277,34 +278,35 @@ void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time
           return;
         }
         ++reg.busy;
-        Records::NoteCommitAgreed(reg, is_init ? generation : generation + 1, is_init ? "init" : "end");
+        Records::NoteCommitAgreed(reg, is_init ? generation : generation + 1,
+                                  is_init ? "init" : "end");
       }
     }
     auto finish = [this, caller, summon, module, is_init, generation,
                    done = std::move(done)](absl::Status s) mutable {
-          AfterUnlock run;
-          {
-            std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
-            Group& g = *held;
-            absl::MutexLock lock(&g.mu);
-            if (!g.removed) {
-              Registered& reg = g.registered.at(module);
-              if (s.ok()) {
-                if (is_init) {
-                  reg.initialized = true;
-                  reg.uninitialized_why.clear();
-                  FS_LOG(INFO) << "group=" << caller.group << " rank=" << caller.rank
-                               << " module=" << Display(module)
-                               << " initialised on every rank (generation 0)";
-                } else {
-                  reg.generation[caller.rank] = generation + 1;
-                }
-              }
-              DoneCopying(g, reg, &run);
+      AfterUnlock run;
+      {
+        std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+        Group& g = *held;
+        absl::MutexLock lock(&g.mu);
+        if (!g.removed) {
+          Registered& reg = g.registered.at(module);
+          if (s.ok()) {
+            if (is_init) {
+              reg.initialized = true;
+              reg.uninitialized_why.clear();
+              FS_LOG(INFO) << "group=" << caller.group << " rank=" << caller.rank
+                           << " module=" << Display(module)
+                           << " initialised on every rank (generation 0)";
+            } else {
+              reg.generation[caller.rank] = generation + 1;
             }
           }
-          run.Run();
-          FinishEnd(caller, summon, std::move(s), std::move(done));
+          DoneCopying(g, reg, &run);
+        }
+      }
+      run.Run();
+      FinishEnd(caller, summon, std::move(s), std::move(done));
     };
     if (batched) {
       // Host ranks keeping records: the writeback, and the copies that wait for the other
@@ -329,8 +331,7 @@ void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time
                 k = owned->k, module = owned->module](std::unique_ptr<OpenSummon> owned,
                                                       StatusCallback done) mutable {
     Agree(coll, caller, record, world_size, internal::kEndAgreeUnit,
-          absl::StrCat("the writeback of summon ", summon),
-          deadline,
+          absl::StrCat("the writeback of summon ", summon), deadline,
           [this, caller, summon, apply, module, batched, k, owned = std::move(owned),
            done = std::move(done)](absl::Status s, bool stale) mutable {
             if (s.ok()) {
@@ -368,11 +369,10 @@ void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time
       });
 }
 
-void Modules::Agree(const std::shared_ptr<collective::CollectiveGroup>& coll,
-                         const Caller& caller, const internal::AgreeRecord& mine,
-                         int32_t world_size, int64_t unit, const std::string& what,
-                         absl::Time deadline,
-                         absl::AnyInvocable<void(absl::Status, bool)> done) {
+void Modules::Agree(const std::shared_ptr<collective::CollectiveGroup>& coll, const Caller& caller,
+                    const internal::AgreeRecord& mine, int32_t world_size, int64_t unit,
+                    const std::string& what, absl::Time deadline,
+                    absl::AnyInvocable<void(absl::Status, bool)> done) {
   struct State {
     internal::AgreeRecord mine;
     std::vector<internal::AgreeRecord> all;

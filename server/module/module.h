@@ -18,17 +18,17 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/manifest.h"
 #include "common/plan.h"
 #include "common/rpc_types.h"
 #include "common/state_spec.h"
 #include "server/collective/collective_engine.h"
+#include "server/durable/state_dir.h"
 #include "server/kept_buffers.h"
 #include "server/shard_store.h"
-#include "server/durable/state_dir.h"
 
 namespace flatshard::server {
 
@@ -59,7 +59,8 @@ struct UnitOp {
 
 // One durable buffer of a rank (semantics.md §3a): the live buffer trainers write in place and
 // its committed copy, which Commit (and an agreed writeback End) fills and a rollback copies
-// back. shared_ptrs: a snapshot taken under its group's lock keeps both alive while the copy runs without it.
+// back. shared_ptrs: a snapshot taken under its group's lock keeps both alive while the copy runs
+// without it.
 struct DurablePair {
   int32_t unit = 0;
   std::string what;  // "shard", or "state exp_avg": for messages
@@ -113,9 +114,9 @@ struct OpenSummon {
 // A local rank's arrival at a writeback End's copies (EndArrive).
 struct EndArrival {
   int32_t rank = 0;
-  bool applying = false;  // its agreement passed (else it only counts)
-  absl::Status status;    // its writeback into its shards
-  std::vector<DurablePair> durable;  // what its copies commit
+  bool applying = false;                          // its agreement passed (else it only counts)
+  absl::Status status;                            // its writeback into its shards
+  std::vector<DurablePair> durable;               // what its copies commit
   absl::AnyInvocable<void(absl::Status)> finish;  // answers its End
 };
 
@@ -208,7 +209,8 @@ struct Registered {
               absl::Time now) {
     last_op.resize(plan.units.size());
     for (int32_t u : units) {
-      if (u >= 0 && u < static_cast<int32_t>(last_op.size())) last_op[u] = UnitOp{op, rank, now, ok};
+      if (u >= 0 && u < static_cast<int32_t>(last_op.size()))
+        last_op[u] = UnitOp{op, rank, now, ok};
     }
   }
 };

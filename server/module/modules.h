@@ -134,14 +134,13 @@ class Modules {
                                                              const std::string& module,
                                                              int32_t unit);
   void FinishReduceScatter(const Caller& caller, const std::string& module, int32_t unit,
-                           ReduceOp op, bool accumulate, absl::Time deadline,
-                           StatusCallback done, const gpu::IpcEventRef& written = {});
+                           ReduceOp op, bool accumulate, absl::Time deadline, StatusCallback done,
+                           const gpu::IpcEventRef& written = {});
   gpu::IpcEventRef RecordReady(int32_t rank);
   absl::StatusOr<RegisterResult> GetShards(const Caller& caller, const std::string& module);
   void Commit(const Caller& caller, const std::string& module, absl::Time deadline,
               CommitCallback done, const gpu::IpcEventRef& written = {});
-  absl::StatusOr<RegisterStateResult> RegisterState(const Caller& caller,
-                                                    const std::string& module,
+  absl::StatusOr<RegisterStateResult> RegisterState(const Caller& caller, const std::string& module,
                                                     const std::vector<StateSpec>& specs);
   absl::StatusOr<std::vector<ModuleUnits>> ListUnits(
       const std::string& group, const std::optional<std::string>& module) const;
@@ -159,8 +158,7 @@ class Modules {
   void ReconcileModules(Group& g, const peer::PeerTable& table, AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Releases one `busy` of `reg` and starts a pending rollback when none is left.
-  void DoneCopying(Group& g, Registered& reg, AfterUnlock* run)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  void DoneCopying(Group& g, Registered& reg, AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // FAILED_PRECONDITION naming why `reg` is not initialised; UNAVAILABLE while it rolls back.
   absl::Status CheckUsable(const Group& g, const std::string& module, const Registered& reg) const
       ABSL_SHARED_LOCKS_REQUIRED(g.mu);

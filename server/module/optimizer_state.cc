@@ -2,12 +2,12 @@
 
 #include "server/module/modules.h"
 
-#include "absl/strings/str_cat.h"
-#include "common/logging.h"
-#include "common/status_macros.h"
 #include <memory>
 #include <string>
 #include <vector>
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
 #include "server/durable/records.h"
 #include "server/group_manager_internal.h"
 
@@ -26,8 +26,9 @@ bool HasState(const std::vector<UnitShard>& shards) {
 
 }  // namespace
 
-absl::StatusOr<RegisterStateResult> Modules::RegisterState(
-    const Caller& caller, const std::string& module, const std::vector<StateSpec>& specs) {
+absl::StatusOr<RegisterStateResult> Modules::RegisterState(const Caller& caller,
+                                                           const std::string& module,
+                                                           const std::vector<StateSpec>& specs) {
   FS_RETURN_IF_ERROR(ValidateStateSpecs(specs));
   // What to allocate, decided under the lock.
   struct UnitNeed {
@@ -51,23 +52,23 @@ absl::StatusOr<RegisterStateResult> Modules::RegisterState(
     FS_RETURN_IF_ERROR(CheckUsable(g, module, reg));
     const std::vector<UnitShard>& shards = reg.shards_by_rank[caller.rank];
     if (shards.empty()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("group ", g.id, " rank ", caller.rank, " holds no shards of module ",
-                       Display(module), " (register it first)"));
+      return absl::FailedPreconditionError(absl::StrCat("group ", g.id, " rank ", caller.rank,
+                                                        " holds no shards of module ",
+                                                        Display(module), " (register it first)"));
     }
     if (!reg.state_specs.empty()) {
       const std::string diff = StateSpecDifference(reg.state_specs, specs);
       if (!diff.empty()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "group ", g.id, " rank ", caller.rank, ": module ", Display(module),
-            " has another optimizer state spec: ", diff));
+        return absl::FailedPreconditionError(
+            absl::StrCat("group ", g.id, " rank ", caller.rank, ": module ", Display(module),
+                         " has another optimizer state spec: ", diff));
       }
     } else {
       reg.state_specs = specs;
       fixed_here = true;
       FS_LOG(INFO) << "group=" << g.id << " module=" << Display(module)
-                   << " optimizer state spec fixed by rank " << caller.rank << ": "
-                   << specs.size() << " state(s), first \"" << specs.front().name << "\"";
+                   << " optimizer state spec fixed by rank " << caller.rank << ": " << specs.size()
+                   << " state(s), first \"" << specs.front().name << "\"";
     }
     if (HasState(shards)) {
       // Re-attach (a restarted trainer, or a second call): the existing buffers. This does
@@ -103,12 +104,11 @@ absl::StatusOr<RegisterStateResult> Modules::RegisterState(
                          out == &kept[i] ? " committed" : ""),
             caller.uid, placement);
         if (!b.ok()) {
-          status = absl::Status(
-              b.status().code(),
-              absl::StrCat("group ", caller.group, " rank ", caller.rank,
-                           ": could not allocate optimizer state \"", spec.name, "\" of unit ",
-                           needs[i].unit, " of module ", Display(module), ": ",
-                           b.status().message()));
+          status = absl::Status(b.status().code(),
+                                absl::StrCat("group ", caller.group, " rank ", caller.rank,
+                                             ": could not allocate optimizer state \"", spec.name,
+                                             "\" of unit ", needs[i].unit, " of module ",
+                                             Display(module), ": ", b.status().message()));
           break;
         }
         out->push_back(*std::move(b));
@@ -128,9 +128,9 @@ absl::StatusOr<RegisterStateResult> Modules::RegisterState(
       if (rit != g.registered.end()) found = &rit->second;
     }
     if (found == nullptr) {
-      result = absl::UnavailableError(absl::StrCat(
-          "group ", caller.group, ": module ", Display(module),
-          " was dropped while its optimizer state was being allocated"));
+      result = absl::UnavailableError(
+          absl::StrCat("group ", caller.group, ": module ", Display(module),
+                       " was dropped while its optimizer state was being allocated"));
     } else {
       Registered& reg = *found;
       reg.state_allocating.erase(caller.rank);
@@ -150,9 +150,9 @@ absl::StatusOr<RegisterStateResult> Modules::RegisterState(
           shards[i].state = std::move(live[i]);
           committed[i] = std::move(kept[i]);
         }
-        FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " module="
-                     << Display(module) << ": optimizer state allocated (" << specs.size()
-                     << " state(s) x " << shards.size() << " unit(s), zeros)";
+        FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " module=" << Display(module)
+                     << ": optimizer state allocated (" << specs.size() << " state(s) x "
+                     << shards.size() << " unit(s), zeros)";
         absl::Status usable = CheckUsable(g, module, reg);
         if (!usable.ok()) {
           result = usable;

@@ -2,16 +2,16 @@
 
 #include "server/module/modules.h"
 
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "common/logging.h"
-#include "common/status_macros.h"
-#include "server/collective/reduce.h"
 #include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/collective/reduce.h"
 #include "server/durable/records.h"
 #include "server/group_manager_internal.h"
 #include "server/module/summon_steps.h"
@@ -23,12 +23,13 @@ using summon_steps::kSummonRounds;
 
 using internal::ConstOf;
 using internal::Display;
+using internal::kAlreadyUnsharding;
 using internal::MutableOf;
 using internal::SelectUnits;
-using internal::kAlreadyUnsharding;
 
-absl::StatusOr<std::shared_ptr<Buffer>> Modules::BeginReduceScatter(
-    const Caller& caller, const std::string& module, int32_t unit) {
+absl::StatusOr<std::shared_ptr<Buffer>> Modules::BeginReduceScatter(const Caller& caller,
+                                                                    const std::string& module,
+                                                                    int32_t unit) {
   // Decide under mu_, allocate without it, install under mu_ again. The buffers are only
   // installed in the last step, after every check ran afresh, so a failed allocation changes
   // nothing, and a buffer another call installed in the gap (a repeated begin) wins.
@@ -87,11 +88,11 @@ absl::StatusOr<std::shared_ptr<Buffer>> Modules::BeginReduceScatter(
                                                      PlacementOf(caller.rank)));
     }
     if (need_staging && !staging_got) {
-      FS_ASSIGN_OR_RETURN(staging_got,
-                          kept->Get(KeptKey::Rank(caller.rank, unit, KeptUse::kGradInput),
-                                    BufferKind::kStaging, staging_bytes,
-                                    absl::StrCat(label, " full grad"), owner_uid,
-                                    PlacementOf(caller.rank)));
+      FS_ASSIGN_OR_RETURN(
+          staging_got,
+          kept->Get(KeptKey::Rank(caller.rank, unit, KeptUse::kGradInput), BufferKind::kStaging,
+                    staging_bytes, absl::StrCat(label, " full grad"), owner_uid,
+                    PlacementOf(caller.rank)));
     }
   }
   return absl::AbortedError(absl::StrCat("group ", caller.group, " rank ", caller.rank,
@@ -100,10 +101,9 @@ absl::StatusOr<std::shared_ptr<Buffer>> Modules::BeginReduceScatter(
                                          " times while being allocated; begin again"));
 }
 
-void Modules::FinishReduceScatter(const Caller& caller, const std::string& module,
-                                       int32_t unit, ReduceOp op, bool accumulate,
-                                       absl::Time deadline, StatusCallback done,
-                                       const gpu::IpcEventRef& written) {
+void Modules::FinishReduceScatter(const Caller& caller, const std::string& module, int32_t unit,
+                                  ReduceOp op, bool accumulate, absl::Time deadline,
+                                  StatusCallback done, const gpu::IpcEventRef& written) {
   // The trainer's gradient is written before it is reduced.
   devices_.AfterTrainerWrites(caller.rank, written,
                               [this, caller, module, unit, op, accumulate, deadline,
@@ -118,8 +118,8 @@ void Modules::FinishReduceScatter(const Caller& caller, const std::string& modul
 }
 
 void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string& module,
-                                              int32_t unit, GradReduce op, bool accumulate,
-                                              absl::Time deadline, StatusCallback done) {
+                                         int32_t unit, GradReduce op, bool accumulate,
+                                         absl::Time deadline, StatusCallback done) {
   absl::Status error;
   std::shared_ptr<Buffer> staging, grad;
   bool fresh = false;  // the unit had no gradient shard: `grad` is installed on success
@@ -134,9 +134,8 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
       auto it = g.registered.find(module);
       auto s = it == g.registered.end() ? decltype(it->second.grad_staging)::iterator{}
                                         : it->second.grad_staging.find({caller.rank, unit});
-      auto failed = it == g.registered.end()
-                        ? decltype(it->second.failed_finishes)::iterator{}
-                        : it->second.failed_finishes.find({caller.rank, unit});
+      auto failed = it == g.registered.end() ? decltype(it->second.failed_finishes)::iterator{}
+                                             : it->second.failed_finishes.find({caller.rank, unit});
       if (it != g.registered.end() && s == it->second.grad_staging.end() &&
           failed != it->second.failed_finishes.end()) {
         error = failed->second;  // a repeated finish: the first one's cause
@@ -171,8 +170,8 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
   if (grad->on_device()) {
     absl::StatusOr<std::shared_ptr<Buffer>> b =
         store_->Allocate(BufferKind::kStaging, grad->bytes(),
-                         absl::StrCat("group=", caller.group, " unit=", unit, " rank=",
-                                      caller.rank, " reduce-scatter scratch"),
+                         absl::StrCat("group=", caller.group, " unit=", unit, " rank=", caller.rank,
+                                      " reduce-scatter scratch"),
                          -1, grad->placement());
     if (!b.ok()) {
       done(b.status());
@@ -196,7 +195,7 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
                  done = std::move(done)](absl::Status s) mutable {
     scratch_buffer.reset();
     scratch_host.reset();
-    staging.reset();  // the staging buffer's pages go back until the next step
+    staging.reset();      // the staging buffer's pages go back until the next step
     AfterUnlock persist;  // the record, after mu_
     {
       std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
@@ -223,23 +222,23 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
     persist.Run();
     done(s);
   };
-  coll->SubmitAll(caller.rank, std::move(ops), deadline - clock_->Now(),
-            [this, rank = caller.rank, grad, fresh, scratch, scratch_buffer, scratch_host, dtype,
-             accumulate, settle = std::move(settle)](absl::Status s) mutable {
-              if (!s.ok()) {
-                settle(std::move(s));
-                return;
-              }
-              // The scratch buffers stay alive in this job until the copy is done.
-              devices_.RunBlocking(
-                  rank,
-                  [this, rank, grad, fresh, scratch, scratch_buffer, scratch_host, dtype,
-                   accumulate] {
-                    return devices_.ApplyReducedGrad(rank, scratch.AsConst(), *grad, dtype,
-                                                     accumulate && !fresh);
-                  },
-                  std::move(settle));
-            });
+  coll->SubmitAll(
+      caller.rank, std::move(ops), deadline - clock_->Now(),
+      [this, rank = caller.rank, grad, fresh, scratch, scratch_buffer, scratch_host, dtype,
+       accumulate, settle = std::move(settle)](absl::Status s) mutable {
+        if (!s.ok()) {
+          settle(std::move(s));
+          return;
+        }
+        // The scratch buffers stay alive in this job until the copy is done.
+        devices_.RunBlocking(
+            rank,
+            [this, rank, grad, fresh, scratch, scratch_buffer, scratch_host, dtype, accumulate] {
+              return devices_.ApplyReducedGrad(rank, scratch.AsConst(), *grad, dtype,
+                                               accumulate && !fresh);
+            },
+            std::move(settle));
+      });
 }
 
 gpu::IpcEventRef Modules::RecordReady(int32_t rank) { return devices_.RecordReady(rank); }

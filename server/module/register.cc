@@ -2,17 +2,17 @@
 
 #include "server/module/modules.h"
 
-#include "absl/strings/str_cat.h"
-#include "common/logging.h"
-#include "common/planner.h"
-#include "common/status_macros.h"
-#include "server/registration.h"
 #include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/planner.h"
+#include "common/status_macros.h"
 #include "server/durable/records.h"
 #include "server/group_manager_internal.h"
+#include "server/registration.h"
 
 namespace flatshard::server {
 
@@ -44,9 +44,9 @@ struct Modules::RegisterExchange {
 };
 
 void Modules::Register(const Caller& caller, const std::string& module,
-                            const absl::StatusOr<Manifest>& manifest,
-                            const absl::StatusOr<Policy>& policy, InitMode init,
-                            absl::Time deadline, RegisterCallback done) {
+                       const absl::StatusOr<Manifest>& manifest,
+                       const absl::StatusOr<Policy>& policy, InitMode init, absl::Time deadline,
+                       RegisterCallback done) {
   std::shared_ptr<Group> held = table_.Find(caller.group);
   if (held == nullptr) {
     done(absl::NotFoundError(absl::StrCat("unknown group ", caller.group)));
@@ -70,8 +70,8 @@ void Modules::Register(const Caller& caller, const std::string& module,
   PlanOptions options;
   options.world_size = world_size;
   absl::StatusOr<Plan> plan = !manifest.ok() ? absl::StatusOr<Plan>(manifest.status())
-                              : !policy.ok()  ? absl::StatusOr<Plan>(policy.status())
-                                              : BuildPlan(*manifest, *policy, options);
+                              : !policy.ok() ? absl::StatusOr<Plan>(policy.status())
+                                             : BuildPlan(*manifest, *policy, options);
 
   auto x = std::make_shared<RegisterExchange>();
   std::shared_ptr<collective::CollectiveGroup> coll;  // the group's, when the checks passed
@@ -91,15 +91,14 @@ void Modules::Register(const Caller& caller, const std::string& module,
           // A restarted trainer re-attaches: same model, new session; no collective. It gets
           // the last committed generation (a rollback, if due, ran at the re-form).
           if (r.rollback_pending) {
-            error = absl::UnavailableError(absl::StrCat(
-                "group ", g.id, ": module ", Display(module),
-                " is being rolled back to its committed generation; register again"));
+            error = absl::UnavailableError(
+                absl::StrCat("group ", g.id, ": module ", Display(module),
+                             " is being rolled back to its committed generation; register again"));
           } else {
             r.attached_session[caller.rank] = caller.session;
             r.stale[caller.rank] = false;
-            FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank
-                         << " re-attached to module " << Display(module) << " at generation "
-                         << r.generation[caller.rank];
+            FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " re-attached to module "
+                         << Display(module) << " at generation " << r.generation[caller.rank];
             RegisterResult result{r.plan, r.shards_by_rank[caller.rank], std::nullopt,
                                   r.generation[caller.rank]};
             result.state_specs = r.state_specs;  // the optimizer state re-attaches too
@@ -141,9 +140,9 @@ void Modules::Register(const Caller& caller, const std::string& module,
         }
       }
       if (error.ok() && g.registering.contains({module, caller.rank})) {
-        error = absl::FailedPreconditionError(absl::StrCat(
-            "group ", g.id, " rank ", caller.rank, " is already registering module ",
-            Display(module)));
+        error = absl::FailedPreconditionError(absl::StrCat("group ", g.id, " rank ", caller.rank,
+                                                           " is already registering module ",
+                                                           Display(module)));
       }
       if (error.ok()) {
         g.registering.insert({module, caller.rank});
@@ -167,8 +166,8 @@ void Modules::Register(const Caller& caller, const std::string& module,
   // creation, device allocation). `g.registering` keeps this rank from registering the
   // module twice meanwhile, and FinishRegister re-checks that the group still exists.
   if ((*x->plan).ok()) {
-    x->buffers = AllocateRegistration(*store_, **x->plan, caller, module, init,
-                                      PlacementOf(caller.rank));
+    x->buffers =
+        AllocateRegistration(*store_, **x->plan, caller, module, init, PlacementOf(caller.rank));
   }
   RegistrationProposal proposal;
   proposal.group = caller.group;
@@ -221,8 +220,8 @@ void Modules::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status s
           reg.committed.resize(g.world_size);
           reg.generation.assign(g.world_size, 0);
           reg.stale.assign(g.world_size, false);
-          FS_LOG(INFO) << "group=" << g.id << " module=" << Display(x->module) << " registered: "
-                       << reg.plan.units.size() << " units, fingerprint "
+          FS_LOG(INFO) << "group=" << g.id << " module=" << Display(x->module)
+                       << " registered: " << reg.plan.units.size() << " units, fingerprint "
                        << reg.plan.fingerprint.substr(0, 16);
         }
         reg.shards_by_rank[caller.rank] = x->buffers.shards;

@@ -2,16 +2,16 @@
 
 #include "server/module/modules.h"
 
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "common/logging.h"
-#include "common/status_macros.h"
-#include "server/collective/reduce.h"
 #include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/collective/reduce.h"
 #include "server/durable/records.h"
 #include "server/group_manager_internal.h"
 #include "server/module/summon_steps.h"
@@ -25,10 +25,9 @@ using summon_steps::TryKept;
 
 using internal::ConstOf;
 using internal::Display;
+using internal::kAlreadyUnsharding;
 using internal::MutableOf;
 using internal::SelectUnits;
-using internal::kAlreadyUnsharding;
-
 
 std::shared_ptr<KeptBuffers> Modules::KeptOf(Registered& reg) {
   if (!reg.kept) reg.kept = kept_pool_->NewSet();
@@ -39,29 +38,24 @@ void Modules::ReleaseKept(Registered& reg) {
   if (reg.kept) reg.kept->Release();
 }
 
-
-
-
-void Modules::Summon(const Caller& caller, const std::string& module,
-                          const std::string& path, const SummonOptions& options,
-                          absl::Time deadline, SummonCallback done,
-                          const gpu::IpcEventRef& written) {
+void Modules::Summon(const Caller& caller, const std::string& module, const std::string& path,
+                     const SummonOptions& options, absl::Time deadline, SummonCallback done,
+                     const gpu::IpcEventRef& written) {
   // The trainer's last writes to its shards (an optimizer step) land before they are read.
-  devices_.AfterTrainerWrites(
-      caller.rank, written,
-      [this, caller, module, path, options, deadline, done = std::move(done)](
-          absl::Status s) mutable {
-        if (!s.ok()) {
-          done(std::move(s));
-          return;
-        }
-        SummonWritten(caller, module, path, options, deadline, std::move(done));
-      });
+  devices_.AfterTrainerWrites(caller.rank, written,
+                              [this, caller, module, path, options, deadline,
+                               done = std::move(done)](absl::Status s) mutable {
+                                if (!s.ok()) {
+                                  done(std::move(s));
+                                  return;
+                                }
+                                SummonWritten(caller, module, path, options, deadline,
+                                              std::move(done));
+                              });
 }
 
 void Modules::UnmarkMaking(std::shared_ptr<SummonSlot> slot,
-                                std::vector<std::pair<int32_t, KeptUse>>* marked,
-                                AfterUnlock* waiting) {
+                           std::vector<std::pair<int32_t, KeptUse>>* marked, AfterUnlock* waiting) {
   for (const auto& m : *marked) slot->making.erase(m);
   marked->clear();
   for (auto& w : slot->on_made) waiting->Call(std::move(w));
@@ -69,8 +63,8 @@ void Modules::UnmarkMaking(std::shared_ptr<SummonSlot> slot,
 }
 
 void Modules::SummonWritten(const Caller& caller, const std::string& module,
-                                 const std::string& path, const SummonOptions& options,
-                                 absl::Time deadline, SummonCallback done) {
+                            const std::string& path, const SummonOptions& options,
+                            absl::Time deadline, SummonCallback done) {
   auto start = std::make_shared<SummonStart>();
   ViewBuffers got;  // held across rounds; dropped (back to the cache, unused) when done
   // The slot whose node copies this summon is making without mu_ (SummonSlot::making), and
@@ -122,10 +116,9 @@ void Modules::SummonWritten(const Caller& caller, const std::string& module,
     }
     if (parked || opened) break;
     if (error.ok() && round + 1 == kSummonRounds) {
-      error = absl::AbortedError(absl::StrCat("group ", caller.group, " rank ", caller.rank,
-                                              ": the buffers of the summon of ", Display(path),
-                                              " changed ", kSummonRounds,
-                                              " times while being allocated; summon again"));
+      error = absl::AbortedError(absl::StrCat(
+          "group ", caller.group, " rank ", caller.rank, ": the buffers of the summon of ",
+          Display(path), " changed ", kSummonRounds, " times while being allocated; summon again"));
     }
     // Without mu_: the kept-buffer cache allocates what is missing. The cache outlives the
     // module if that is dropped meanwhile (the next round then fails with NOT_FOUND).
@@ -176,8 +169,7 @@ void Modules::SummonWritten(const Caller& caller, const std::string& module,
       });
 }
 
-absl::StatusOr<Registered*> Modules::InitializedModule(
-    Group& g, const std::string& module) {
+absl::StatusOr<Registered*> Modules::InitializedModule(Group& g, const std::string& module) {
   auto it = g.registered.find(module);
   if (it == g.registered.end()) {
     return absl::NotFoundError(
@@ -188,9 +180,9 @@ absl::StatusOr<Registered*> Modules::InitializedModule(
   return &it->second;
 }
 
-absl::Status Modules::DecideSummon(Group& g, const Caller& caller,
-                                        const std::string& module, const std::string& path,
-                                        const SummonOptions& options, SummonDecision* d) {
+absl::Status Modules::DecideSummon(Group& g, const Caller& caller, const std::string& module,
+                                   const std::string& path, const SummonOptions& options,
+                                   SummonDecision* d) {
   FS_RETURN_IF_ERROR(shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
                                : CheckCallerLocked(g, caller));
   FS_ASSIGN_OR_RETURN(Registered * found, InitializedModule(g, module));
@@ -203,8 +195,8 @@ absl::Status Modules::DecideSummon(Group& g, const Caller& caller,
   d->units = SelectUnits(reg.plan, path, options.recurse);
   for (int32_t u : d->units) {
     if (reg.summoned[rank][u]) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          kAlreadyUnsharding, " (unit ", u, " ", Display(reg.plan.units[u].module), ")"));
+      return absl::FailedPreconditionError(absl::StrCat(kAlreadyUnsharding, " (unit ", u, " ",
+                                                        Display(reg.plan.units[u].module), ")"));
     }
   }
   d->sharded = reg.plan.shard_world_size > 1;
@@ -212,8 +204,7 @@ absl::Status Modules::DecideSummon(Group& g, const Caller& caller,
   d->shared = !options.writeback && !options.rank0_only && d->sharded && gpus_.empty();
   // GPU ranks: device views, or pinned host views under offload_to_cpu (the collective
   // stages them through the device).
-  d->placement = gpus_.empty() || !options.offload_to_cpu ? PlacementOf(rank)
-                                                          : Placement::Pinned();
+  d->placement = gpus_.empty() || !options.offload_to_cpu ? PlacementOf(rank) : Placement::Pinned();
   d->owner_uid = g.owner_uid;
   d->kept = KeptOf(reg);
   // The slot this summon will meet the other local ranks' in: its node copies may be made
@@ -235,12 +226,11 @@ absl::Status Modules::DecideSummon(Group& g, const Caller& caller,
       // Buffers this rank sees: shared per node (read-only use), rank 0's only, or private.
       if (options.rank0_only) {
         if (rank == 0) {
-          d->needs.push_back({u, use, KeptKey::Rank(0, u, use), bytes,
-                              absl::StrCat(label, " rank=0")});
+          d->needs.push_back(
+              {u, use, KeptKey::Rank(0, u, use), bytes, absl::StrCat(label, " rank=0")});
         }
       } else if (d->shared) {
-        const auto& map =
-            use == KeptUse::kParams ? d->slot->shared_params : d->slot->shared_grads;
+        const auto& map = use == KeptUse::kParams ? d->slot->shared_params : d->slot->shared_grads;
         if (map.contains(u) && map.at(u) != nullptr) continue;  // another rank made it
         if (d->slot->making.contains({u, use})) {
           d->wait = true;  // another rank is making it
@@ -249,8 +239,8 @@ absl::Status Modules::DecideSummon(Group& g, const Caller& caller,
         d->needs.push_back({u, use, KeptKey::NodeShared(u, use), bytes, label});
         d->make.emplace_back(u, use);
       } else {
-        d->needs.push_back({u, use, KeptKey::Rank(rank, u, use), bytes,
-                            absl::StrCat(label, " rank=", rank)});
+        d->needs.push_back(
+            {u, use, KeptKey::Rank(rank, u, use), bytes, absl::StrCat(label, " rank=", rank)});
       }
     }
   }
@@ -258,9 +248,8 @@ absl::Status Modules::DecideSummon(Group& g, const Caller& caller,
 }
 
 void Modules::OpenSummonLocked(Group& g, const Caller& caller, const std::string& module,
-                                    const std::string& path, const SummonOptions& options,
-                                    const SummonDecision& d, const ViewBuffers& got,
-                                    SummonStart* out) {
+                               const std::string& path, const SummonOptions& options,
+                               const SummonDecision& d, const ViewBuffers& got, SummonStart* out) {
   Registered& reg = g.registered.at(module);
   const int32_t rank = caller.rank;
   const uint64_t k = ++reg.summon_count[rank];
@@ -322,7 +311,8 @@ void Modules::OpenSummonLocked(Group& g, const Caller& caller, const std::string
   SummonResult& result = out->result;
   result.summon = open.id;
   result.units = d.units;
-  if (d.units.empty()) result.note = absl::StrCat(Display(path), " is not a unit root: nothing unsharded");
+  if (d.units.empty())
+    result.note = absl::StrCat(Display(path), " is not a unit root: nothing unsharded");
   if (!options.rank0_only || rank == 0) result.views = open.views;
   g.open_summons.emplace(open.id, std::move(open));
   out->coll = g.coll;
@@ -333,7 +323,7 @@ void Modules::OpenSummonLocked(Group& g, const Caller& caller, const std::string
 }
 
 void Modules::StartUnshard(const Caller& caller, absl::Time deadline,
-                                std::shared_ptr<SummonStart> start, SummonCallback done) {
+                           std::shared_ptr<SummonStart> start, SummonCallback done) {
   const uint64_t id = start->result.summon;
   auto finish = [this, caller, id, result = std::move(start->result),
                  done = std::move(done)](absl::Status s) mutable {
@@ -353,7 +343,7 @@ void Modules::StartUnshard(const Caller& caller, absl::Time deadline,
   std::shared_ptr<SummonSlot> shared_slot = std::move(start->shared_slot);
   if (shared_slot == nullptr) {
     start->coll->SubmitAll(caller.rank, std::move(start->ops), deadline - clock_->Now(),
-              std::move(finish));
+                           std::move(finish));
     return;
   }
   // The node's one read-only copy is assembled by every local rank's op together (each
@@ -361,34 +351,36 @@ void Modules::StartUnshard(const Caller& caller, absl::Time deadline,
   // complete before the copy is whole: every local rank answers once all of theirs have
   // completed, with the first error if any did not (bounded by the ops' deadlines).
   start->coll->SubmitAll(caller.rank, std::move(start->ops), deadline - clock_->Now(),
-            [this, shared_slot, local = start->shared_locals,
-             finish = std::move(finish)](absl::Status s) mutable {
-              std::vector<absl::AnyInvocable<void(absl::Status)>> ready;
-              absl::Status verdict;
-              {
-                absl::MutexLock lock(&shared_slot->assembly_mu);
-                if (!s.ok() && shared_slot->assembly_error.ok()) shared_slot->assembly_error = s;
-                ++shared_slot->assembled;
-                shared_slot->waiting.push_back(std::move(finish));
-                // A failure answers at once (a rank that died never submits: nobody waits
-                // for it); success waits for the last local rank.
-                if (shared_slot->assembly_error.ok() && shared_slot->assembled < local) return;
-                ready.swap(shared_slot->waiting);
-                verdict = shared_slot->assembly_error;
-              }
-              for (auto& f : ready) f(verdict);
-            });
+                         [this, shared_slot, local = start->shared_locals,
+                          finish = std::move(finish)](absl::Status s) mutable {
+                           std::vector<absl::AnyInvocable<void(absl::Status)>> ready;
+                           absl::Status verdict;
+                           {
+                             absl::MutexLock lock(&shared_slot->assembly_mu);
+                             if (!s.ok() && shared_slot->assembly_error.ok())
+                               shared_slot->assembly_error = s;
+                             ++shared_slot->assembled;
+                             shared_slot->waiting.push_back(std::move(finish));
+                             // A failure answers at once (a rank that died never submits: nobody
+                             // waits for it); success waits for the last local rank.
+                             if (shared_slot->assembly_error.ok() && shared_slot->assembled < local)
+                               return;
+                             ready.swap(shared_slot->waiting);
+                             verdict = shared_slot->assembly_error;
+                           }
+                           for (auto& f : ready) f(verdict);
+                         });
 }
 
 absl::Status Modules::CheckUsable(const Group& g, const std::string& module,
-                                       const Registered& reg) const {
+                                  const Registered& reg) const {
   if (!reg.initialized) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "group ", g.id, ": module ", Display(module),
-        " is not initialised: its initial values did not commit on every rank",
-        reg.uninitialized_why.empty() ? std::string(" (yet)")
-                                      : absl::StrCat(" (", reg.uninitialized_why, ")"),
-        "; register it again on every rank"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", g.id, ": module ", Display(module),
+                     " is not initialised: its initial values did not commit on every rank",
+                     reg.uninitialized_why.empty() ? std::string(" (yet)")
+                                                   : absl::StrCat(" (", reg.uninitialized_why, ")"),
+                     "; register it again on every rank"));
   }
   if (reg.rollback_pending) {
     return absl::UnavailableError(absl::StrCat("group ", g.id, ": module ", Display(module),
@@ -408,7 +400,7 @@ void Modules::ReleaseBuffers(OpenSummon& open, AfterUnlock* after) {
 }
 
 void Modules::FinishEnd(const Caller& caller, uint64_t summon, absl::Status status,
-                             StatusCallback done) {
+                        StatusCallback done) {
   AfterUnlock after;  // the summon's buffer references go after the lock (munmap, unlink)
   {
     std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
@@ -420,8 +412,7 @@ void Modules::FinishEnd(const Caller& caller, uint64_t summon, absl::Status stat
       Registered& reg = g.registered.at(open.module);
       for (int32_t u : open.units) reg.summoned[open.rank][u] = false;
       // A summon that never became ready failed before anything was handed out.
-      reg.NoteOp(open.units, open.ready ? "end" : "summon", open.rank, status.ok(),
-                 clock_->Now());
+      reg.NoteOp(open.units, open.ready ? "end" : "summon", open.rank, status.ok(), clock_->Now());
       if (++open.slot->ended == static_cast<int32_t>(g.local_ranks.size())) {
         if (auto slot = reg.slots.find(open.k); slot != reg.slots.end()) {
           after.Destroy(reg.slots.extract(slot));
@@ -455,7 +446,8 @@ void Modules::DropSummons(Group& g, int32_t rank, AfterUnlock* run) {
     Registered& reg = g.registered.at(open.module);
     for (int32_t u : open.units) reg.summoned[rank][u] = false;
     if (!reg.initialized && open.options.writeback && !open.ending) {
-      reg.uninitialized_why = absl::StrCat("rank ", rank, "'s session ended before it ended the "
+      reg.uninitialized_why = absl::StrCat("rank ", rank,
+                                           "'s session ended before it ended the "
                                            "init summon");
     }
     if (++open.slot->ended == static_cast<int32_t>(g.local_ranks.size())) {

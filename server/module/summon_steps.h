@@ -56,7 +56,7 @@ namespace summon_steps {
 // Takes the buffers of `needs` not in `got` yet from `kept`. Allocates: REQUIRES no mu_.
 template <typename Needs, typename Got>
 inline absl::Status GetViewBuffers(KeptBuffers& kept, const Needs& needs, BufferKind kind,
-                            int64_t owner_uid, Placement placement, Got* got) {
+                                   int64_t owner_uid, Placement placement, Got* got) {
   for (const auto& need : needs) {
     if (got->contains({need.unit, need.use})) continue;
     absl::StatusOr<std::shared_ptr<Buffer>> b =

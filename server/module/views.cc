@@ -3,12 +3,6 @@
 
 #include "server/module/modules.h"
 
-#include "absl/strings/match.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "common/logging.h"
-#include "common/planner.h"
-#include "common/status_macros.h"
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -17,6 +11,12 @@
 #include <string>
 #include <utility>
 #include <vector>
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+#include "common/planner.h"
+#include "common/status_macros.h"
 #include "server/durable/records.h"
 #include "server/group_manager_internal.h"
 
@@ -24,12 +24,11 @@ namespace flatshard::server {
 
 using internal::CheckUid;
 using internal::Display;
+using internal::kUnwatchAfter;
 using internal::Short;
 using internal::TokensEqual;
-using internal::kUnwatchAfter;
 
-absl::StatusOr<RegisterResult> Modules::GetShards(const Caller& caller,
-                                                       const std::string& module) {
+absl::StatusOr<RegisterResult> Modules::GetShards(const Caller& caller, const std::string& module) {
   std::shared_ptr<Group> held = table_.Find(caller.group);
   if (held == nullptr) return absl::NotFoundError(absl::StrCat("unknown group ", caller.group));
   Group& g = *held;
@@ -173,8 +172,8 @@ void Modules::ReconcileModules(Group& g, const peer::PeerTable& table, AfterUnlo
           "group ", Short(g.id), ": module ", Display(module),
           " lost: its daemons hold different committed generations (", absl::StrJoin(parts, "; "),
           "): a daemon died between the daemons' copies of one commit, and no generation is "
-          "held by every daemon; it was dropped on every daemon at epoch ", table.epoch,
-          ": register it afresh on every rank (or restore it)");
+          "held by every daemon; it was dropped on every daemon at epoch ",
+          table.epoch, ": register it afresh on every rank (or restore it)");
       if (auto it = g.registered.find(module); it != g.registered.end()) {
         run->Destroy(g.registered.extract(it));  // its buffers go after the lock
       }
@@ -188,8 +187,10 @@ void Modules::ReconcileModules(Group& g, const peer::PeerTable& table, AfterUnlo
         absl::StrJoin(daemons, ", "),
         ": restarted without them, deleted or reclaimed the group, or registered another "
         "plan) while ",
-        internal::RankListText(holding), " still held theirs; it was dropped on every daemon at "
-        "epoch ", table.epoch, ": register it afresh on every rank (or restore it)");
+        internal::RankListText(holding),
+        " still held theirs; it was dropped on every daemon at "
+        "epoch ",
+        table.epoch, ": register it afresh on every rank (or restore it)");
     if (auto it = g.registered.find(module);
         it != g.registered.end() && internal::HeldKey(module, it->second) == key) {
       run->Destroy(g.registered.extract(it));  // its buffers go after the lock

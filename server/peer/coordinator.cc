@@ -33,9 +33,8 @@ std::string RankList(const std::vector<int>& ranks) {
   if (ranks.size() <= kListed) {
     return absl::StrCat(ranks.size() == 1 ? "rank " : "ranks ", absl::StrJoin(ranks, ", "));
   }
-  return absl::StrCat("ranks ",
-                      absl::StrJoin(ranks.begin(), ranks.begin() + kListed, ", "), ", ... (",
-                      ranks.size(), " ranks)");
+  return absl::StrCat("ranks ", absl::StrJoin(ranks.begin(), ranks.begin() + kListed, ", "),
+                      ", ... (", ranks.size(), " ranks)");
 }
 
 absl::Status WrongToken(const std::string& group) {
@@ -100,8 +99,8 @@ namespace {
 // Bounds on what one rendezvous may make the coordinator store and hand to every daemon.
 constexpr size_t kMaxNameBytes = 1024;
 constexpr size_t kMaxBackendAddressBytes = 64 << 10;  // UCX worker addresses are ~100s of bytes
-constexpr size_t kMaxModules = 1024;        // registered module paths of one group
-constexpr size_t kMaxModuleBytes = 4096 + 128;  // one "path\x1ffingerprint\x1fgeneration"
+constexpr size_t kMaxModules = 1024;                  // registered module paths of one group
+constexpr size_t kMaxModuleBytes = 4096 + 128;        // one "path\x1ffingerprint\x1fgeneration"
 }  // namespace
 
 void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
@@ -110,9 +109,9 @@ void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
   if (args.group.empty()) {
     invalid = absl::InvalidArgumentError("rendezvous: empty group name");
   } else if (args.world_size < 1 || args.world_size > kMaxWorldSize) {
-    invalid = absl::InvalidArgumentError(absl::StrCat(
-        "group ", args.group, ": world_size ", args.world_size, " is not in [1, ", kMaxWorldSize,
-        "]"));
+    invalid = absl::InvalidArgumentError(absl::StrCat("group ", args.group, ": world_size ",
+                                                      args.world_size, " is not in [1, ",
+                                                      kMaxWorldSize, "]"));
   } else if (args.rank < 0 || args.rank >= args.world_size) {
     invalid = absl::InvalidArgumentError(absl::StrCat("group ", args.group, ": rank ", args.rank,
                                                       " out of range [0, ", args.world_size, ")"));
@@ -121,16 +120,18 @@ void Coordinator::Rendezvous(const RendezvousArgs& args, absl::Time deadline,
              args.daemon.daemon_id.size() > kMaxNameBytes ||
              args.daemon.peer_address.size() > kMaxNameBytes || args.group.size() > kMaxNameBytes) {
     // Every daemon of the group gets these in its table (and hands the address to UCX).
-    invalid = absl::InvalidArgumentError(absl::StrCat(
-        "group ", args.group.substr(0, 64), " rank ", args.rank,
-        ": oversized daemon identity (names over ", kMaxNameBytes, " bytes or a backend address "
-        "over ", kMaxBackendAddressBytes, " bytes)"));
+    invalid = absl::InvalidArgumentError(
+        absl::StrCat("group ", args.group.substr(0, 64), " rank ", args.rank,
+                     ": oversized daemon identity (names over ", kMaxNameBytes,
+                     " bytes or a backend address "
+                     "over ",
+                     kMaxBackendAddressBytes, " bytes)"));
   } else if (args.registered_modules.size() > kMaxModules ||
              std::any_of(args.registered_modules.begin(), args.registered_modules.end(),
                          [](const std::string& m) { return m.size() > kMaxModuleBytes; })) {
-    invalid = absl::InvalidArgumentError(absl::StrCat(
-        "group ", args.group.substr(0, 64), " rank ", args.rank, ": over ", kMaxModules,
-        " registered modules or one over ", kMaxModuleBytes, " bytes"));
+    invalid = absl::InvalidArgumentError(
+        absl::StrCat("group ", args.group.substr(0, 64), " rank ", args.rank, ": over ",
+                     kMaxModules, " registered modules or one over ", kMaxModuleBytes, " bytes"));
   } else if (args.daemon.daemon_id.empty()) {
     invalid = absl::InvalidArgumentError(
         absl::StrCat("group ", args.group, " rank ", args.rank, ": empty daemon_id"));
@@ -238,9 +239,9 @@ void Coordinator::CompleteLocked(Group& g, Effects& fx) {
                                    [](const std::string& d) { return !d.empty(); });
   if (any_gpu) {
     std::set<std::string> distinct;
-    bool nccl = !g.nccl_unique_id.empty() &&
-                std::any_of(g.pending.begin(), g.pending.end(),
-                            [](const Pending& p) { return p.rank == 0; });
+    bool nccl =
+        !g.nccl_unique_id.empty() && std::any_of(g.pending.begin(), g.pending.end(),
+                                                 [](const Pending& p) { return p.rank == 0; });
     for (int r = 0; r < g.world_size && nccl; ++r) {
       nccl = !table.rank_devices[r].empty() && table.rank_daemons[r].nccl &&
              distinct.insert(table.rank_devices[r]).second;

@@ -59,7 +59,7 @@ struct RendezvousArgs {
   int world_size = 0;
   int rank = -1;
   DaemonIdentity daemon;
-  uint64_t failed_epoch = 0;  // the caller's copy of the group failed at this epoch (0: none)
+  uint64_t failed_epoch = 0;     // the caller's copy of the group failed at this epoch (0: none)
   std::string device_uuid{};     // GPU daemons: the rank's GPU
   std::string nccl_unique_id{};  // rank 0's NCCL-capable daemon: fresh for this rendezvous
   // The modules the rank's daemon holds for the group (PeerTable::rank_modules).
@@ -193,12 +193,12 @@ class Coordinator {
     absl::btree_map<int, DaemonIdentity> members;
     uint64_t epoch = 0;
     bool dirty = false;
-    std::vector<DaemonIdentity> last_table;  // empty until the first table
+    std::vector<DaemonIdentity> last_table;         // empty until the first table
     absl::flat_hash_map<int, std::string> devices;  // rank -> RendezvousArgs::device_uuid
-    std::string nccl_unique_id;              // rank 0's, from its latest rendezvous
+    std::string nccl_unique_id;                     // rank 0's, from its latest rendezvous
     // rank -> RendezvousArgs::registered_modules of its latest rendezvous (sparse).
     absl::flat_hash_map<int, std::vector<std::string>> modules;
-    PeerTable last_full;                     // the last table handed out
+    PeerTable last_full;  // the last table handed out
     std::optional<uint64_t> failure_forwarded_epoch;
     absl::flat_hash_map<std::string, uint64_t> known_epoch;  // daemon_id -> epoch it has
     std::vector<Pending> pending;

@@ -4,8 +4,8 @@
 #include <grpcpp/security/credentials.h>
 
 #include <map>
-#include <tuple>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"

@@ -41,7 +41,8 @@ PeerTable FromProto(const v1::PeerTable& t) {
   table.nccl_unique_id = t.nccl_unique_id();
   for (const v1::RankModules& m : t.rank_modules()) {
     if (m.reported()) {
-      table.rank_modules.emplace_back(std::vector<std::string>(m.modules().begin(), m.modules().end()));
+      table.rank_modules.emplace_back(
+          std::vector<std::string>(m.modules().begin(), m.modules().end()));
     } else {
       table.rank_modules.emplace_back(std::nullopt);
     }

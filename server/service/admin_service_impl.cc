@@ -9,6 +9,7 @@
 #include <string>
 #include <thread>
 
+#include <grpcpp/alarm.h>
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -18,7 +19,6 @@
 #include "common/logging.h"
 #include "server/collective/backend_registry.h"
 #include "server/gpu/device_pool.h"
-#include <grpcpp/alarm.h>
 
 namespace flatshard::server {
 namespace {
@@ -45,9 +45,8 @@ absl::Status CheckOperator(const access::AccessControl* access, grpc::CallbackSe
   if (*uid == access::kRemoteUid || *uid == 0 || *uid == static_cast<int64_t>(::geteuid())) {
     return absl::OkStatus();
   }
-  return absl::PermissionDeniedError(absl::StrCat("uid ", *uid, " may not ", what,
-                                                  " (only root and the daemon's uid ",
-                                                  ::geteuid(), " may)"));
+  return absl::PermissionDeniedError(absl::StrCat(
+      "uid ", *uid, " may not ", what, " (only root and the daemon's uid ", ::geteuid(), " may)"));
 }
 
 std::string StatusText(const absl::Status& status) {
@@ -85,8 +84,8 @@ absl::StatusOr<LogLevel> ParseLogLevel(const std::string& given) {
   }
   absl::StatusOr<LogSeverity> severity = ParseLogSeverity(name);
   if (!severity.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "log level must be error, warning, info, debug or v0..v9, got '", given, "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("log level must be error, warning, info, debug or v0..v9, got '", given, "'"));
   }
   return LogLevel{*severity, 0};
 }
@@ -200,7 +199,8 @@ class CheckpointReactor final : public grpc::ServerWriteReactor<v1::CheckpointPr
       return;
     }
     alarm_ = std::make_unique<grpc::Alarm>();
-    alarm_->Set(absl::ToChronoTime(absl::Now() + absl::Milliseconds(200)), [this](bool) { Next(); });
+    alarm_->Set(absl::ToChronoTime(absl::Now() + absl::Milliseconds(200)),
+                [this](bool) { Next(); });
   }
   void OnDone() override { delete this; }
 
@@ -213,11 +213,16 @@ class CheckpointReactor final : public grpc::ServerWriteReactor<v1::CheckpointPr
   };
   static const char* PhaseName(int phase) {
     switch (phase) {
-      case GroupManager::CheckpointProgress::kWaiting: return "waiting";
-      case GroupManager::CheckpointProgress::kVerifying: return "verifying";
-      case GroupManager::CheckpointProgress::kWriting: return "writing";
-      case GroupManager::CheckpointProgress::kLoading: return "loading";
-      default: return "done";
+      case GroupManager::CheckpointProgress::kWaiting:
+        return "waiting";
+      case GroupManager::CheckpointProgress::kVerifying:
+        return "verifying";
+      case GroupManager::CheckpointProgress::kWriting:
+        return "writing";
+      case GroupManager::CheckpointProgress::kLoading:
+        return "loading";
+      default:
+        return "done";
     }
   }
   void Next() {
@@ -284,8 +289,8 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ListPendingCollectives(
     v1::ListPendingCollectivesResponse* response) {
   std::vector<GroupManager::GroupCollectives> groups = groups_->ListCollectives(request->group());
   if (!request->group().empty() && groups.empty()) {
-    return Answer(ctx,
-                  absl::NotFoundError(absl::StrCat("this daemon hosts no group ", request->group())));
+    return Answer(
+        ctx, absl::NotFoundError(absl::StrCat("this daemon hosts no group ", request->group())));
   }
   for (const GroupManager::GroupCollectives& g : groups) {
     v1::GroupCollectives* out = response->add_groups();

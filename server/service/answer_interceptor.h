@@ -19,6 +19,7 @@
 
 namespace flatshard::server {
 
-std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> NewAnswerInterceptorFactory();
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
+NewAnswerInterceptorFactory();
 
 }  // namespace flatshard::server

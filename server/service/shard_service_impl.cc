@@ -193,17 +193,16 @@ grpc::ServerUnaryReactor* ShardServiceImpl::JoinGroup(grpc::CallbackServerContex
   } else {
     return Refuse(reactor, uid.status());
   }
-  groups_->Join(args, WaitDeadline(ctx),
-                [reactor, response](absl::StatusOr<JoinResult> result) {
-                  if (result.ok()) {
-                    response->set_session(result->session);
-                    for (const auto& m : result->registered_modules) {
-                      response->add_registered_modules(m);
-                    }
-                    for (const auto& m : result->lost_modules) response->add_lost_modules(m);
-                  }
-                  reactor->Finish(ToGrpcStatus(result.status()));
-                });
+  groups_->Join(args, WaitDeadline(ctx), [reactor, response](absl::StatusOr<JoinResult> result) {
+    if (result.ok()) {
+      response->set_session(result->session);
+      for (const auto& m : result->registered_modules) {
+        response->add_registered_modules(m);
+      }
+      for (const auto& m : result->lost_modules) response->add_lost_modules(m);
+    }
+    reactor->Finish(ToGrpcStatus(result.status()));
+  });
   return reactor;
 }
 
@@ -212,24 +211,24 @@ grpc::ServerBidiReactor<v1::LeaseRequest, v1::LeaseResponse>* ShardServiceImpl::
   return new LeaseReactor(groups_, CallerUid(ctx));
 }
 
-grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(
-    grpc::CallbackServerContext* ctx, const v1::RegisterModuleRequest* request,
-    v1::RegisterModuleResponse* response) {
+grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(grpc::CallbackServerContext* ctx,
+                                                           const v1::RegisterModuleRequest* request,
+                                                           v1::RegisterModuleResponse* response) {
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "RegisterModule");
   if (absl::Status s = CheckCallerBounds("RegisterModule", request->caller()); !s.ok()) {
     return Refuse(reactor, s);
   }
-  if (absl::Status s = CheckLength("RegisterModule", "module", request->module(),
-                                   kMaxModulePathBytes);
+  if (absl::Status s =
+          CheckLength("RegisterModule", "module", request->module(), kMaxModulePathBytes);
       !s.ok()) {
     return Refuse(reactor, s);
   }
   // The manifest's size is bounded by its module count (FromProto, before converting); the
   // policy's lists by its encoded size.
   if (const size_t bytes = request->policy().ByteSizeLong(); bytes > kMaxPolicyJsonBytes) {
-    return Refuse(reactor, absl::InvalidArgumentError(absl::StrCat(
-                               "RegisterModule: policy has ", bytes, " bytes, the limit is ",
-                               kMaxPolicyJsonBytes)));
+    return Refuse(reactor, absl::InvalidArgumentError(absl::StrCat("RegisterModule: policy has ",
+                                                                   bytes, " bytes, the limit is ",
+                                                                   kMaxPolicyJsonBytes)));
   }
   absl::StatusOr<Manifest> manifest = flatshard::FromProto(request->manifest());
   absl::StatusOr<Policy> policy = flatshard::FromProto(request->policy());
@@ -240,8 +239,7 @@ grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(
   }
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
-  groups_->Register(*caller, request->module(), manifest, policy, *init,
-                    WaitDeadline(ctx),
+  groups_->Register(*caller, request->module(), manifest, policy, *init, WaitDeadline(ctx),
                     [reactor, response](absl::StatusOr<RegisterResult> result) {
                       if (result.ok()) {
                         *response->mutable_plan() = flatshard::ToProto(result->plan);
@@ -261,10 +259,9 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Summon(grpc::CallbackServerContext* 
                                                    const v1::SummonRequest* request,
                                                    v1::SummonResponse* response) {
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "Summon");
-  for (const auto& [field, value] :
-       {std::pair<const char*, const std::string&>{"registered_module",
-                                                   request->registered_module()},
-        {"path", request->path()}}) {
+  for (const auto& [field, value] : {std::pair<const char*, const std::string&>{
+                                         "registered_module", request->registered_module()},
+                                     {"path", request->path()}}) {
     if (absl::Status s = CheckLength("Summon", field, value, kMaxModulePathBytes); !s.ok()) {
       return Refuse(reactor, s);
     }
@@ -275,18 +272,18 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Summon(grpc::CallbackServerContext* 
   const SummonOptions options = flatshard::FromProto(request->options());
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
-  groups_->Summon(*caller, request->registered_module(), request->path(),
-                  options, WaitDeadline(ctx),
-                  [reactor, response](absl::StatusOr<SummonResult> result) {
-                    if (result.ok()) FillSummon(*result, response);
-                    const grpc::Status status = ToGrpcStatus(result.status());
-                    // Drop the buffer references before answering: a client that ends and
-                    // summons again at once must find the kept buffers free, or the daemon
-                    // allocates fresh segments.
-                    result = absl::CancelledError();
-                    reactor->Finish(status);
-                  },
-                  EventOf(request->written()));
+  groups_->Summon(
+      *caller, request->registered_module(), request->path(), options, WaitDeadline(ctx),
+      [reactor, response](absl::StatusOr<SummonResult> result) {
+        if (result.ok()) FillSummon(*result, response);
+        const grpc::Status status = ToGrpcStatus(result.status());
+        // Drop the buffer references before answering: a client that ends and
+        // summons again at once must find the kept buffers free, or the daemon
+        // allocates fresh segments.
+        result = absl::CancelledError();
+        reactor->Finish(status);
+      },
+      EventOf(request->written()));
   return reactor;
 }
 
@@ -299,9 +296,9 @@ grpc::ServerUnaryReactor* ShardServiceImpl::EndSummon(grpc::CallbackServerContex
   }
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
-  groups_->EndSummon(*caller, request->summon(), WaitDeadline(ctx),
-                     [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); },
-                     EventOf(request->written()));
+  groups_->EndSummon(
+      *caller, request->summon(), WaitDeadline(ctx),
+      [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); }, EventOf(request->written()));
   return reactor;
 }
 
@@ -338,16 +335,17 @@ grpc::ServerUnaryReactor* ShardServiceImpl::ReduceScatterGrads(
     reactor->Finish(status);
     return reactor;
   }
-  groups_->FinishReduceScatter(caller, request->registered_module(), request->unit(), op,
-                               request->accumulate(), WaitDeadline(ctx),
-                               [this, reactor, response, rank = caller.rank](absl::Status s) {
-                                 if (s.ok()) {
-                                   const gpu::IpcEventRef ready = groups_->RecordReady(rank);
-                                   if (ready.id != 0) FillEvent(ready, response->mutable_ready());
-                                 }
-                                 reactor->Finish(ToGrpcStatus(s));
-                               },
-                               EventOf(request->written()));
+  groups_->FinishReduceScatter(
+      caller, request->registered_module(), request->unit(), op, request->accumulate(),
+      WaitDeadline(ctx),
+      [this, reactor, response, rank = caller.rank](absl::Status s) {
+        if (s.ok()) {
+          const gpu::IpcEventRef ready = groups_->RecordReady(rank);
+          if (ready.id != 0) FillEvent(ready, response->mutable_ready());
+        }
+        reactor->Finish(ToGrpcStatus(s));
+      },
+      EventOf(request->written()));
   return reactor;
 }
 
@@ -382,12 +380,13 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Commit(grpc::CallbackServerContext* 
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "Commit");
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
-  groups_->Commit(*caller, request->registered_module(), WaitDeadline(ctx),
-                  [reactor, response](absl::StatusOr<uint64_t> generation) {
-                    if (generation.ok()) response->set_generation(*generation);
-                    reactor->Finish(ToGrpcStatus(generation.status()));
-                  },
-                  EventOf(request->written()));
+  groups_->Commit(
+      *caller, request->registered_module(), WaitDeadline(ctx),
+      [reactor, response](absl::StatusOr<uint64_t> generation) {
+        if (generation.ok()) response->set_generation(*generation);
+        reactor->Finish(ToGrpcStatus(generation.status()));
+      },
+      EventOf(request->written()));
   return reactor;
 }
 
@@ -427,8 +426,8 @@ grpc::ServerUnaryReactor* ShardServiceImpl::RegisterState(grpc::CallbackServerCo
   if (!caller.ok()) return Refuse(reactor, caller.status());
   absl::StatusOr<std::vector<StateSpec>> specs = flatshard::FromProto(request->specs());
   if (!specs.ok()) {
-    return Refuse(reactor, absl::InvalidArgumentError(absl::StrCat(
-                               "RegisterState: ", specs.status().message())));
+    return Refuse(reactor, absl::InvalidArgumentError(
+                               absl::StrCat("RegisterState: ", specs.status().message())));
   }
   absl::StatusOr<RegisterStateResult> result =
       groups_->RegisterState(*caller, request->registered_module(), *specs);

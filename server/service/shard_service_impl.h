@@ -51,8 +51,7 @@ class ShardServiceImpl final : public v1::ShardService::CallbackService {
   grpc::ServerUnaryReactor* RegisterState(grpc::CallbackServerContext* ctx,
                                           const v1::RegisterStateRequest* request,
                                           v1::RegisterStateResponse* response) override;
-  grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* ctx,
-                                  const v1::LeaveRequest* request,
+  grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* ctx, const v1::LeaveRequest* request,
                                   v1::LeaveResponse* response) override;
 
  private:
@@ -60,7 +59,8 @@ class ShardServiceImpl final : public v1::ShardService::CallbackService {
   // The calling process's uid (access::AccessControl), or why it may not call.
   absl::StatusOr<int64_t> CallerUid(const grpc::CallbackServerContext* ctx) const;
   // `c` with the caller's uid.
-  absl::StatusOr<Caller> CallerOf(const grpc::CallbackServerContext* ctx, const v1::Caller& c) const;
+  absl::StatusOr<Caller> CallerOf(const grpc::CallbackServerContext* ctx,
+                                  const v1::Caller& c) const;
 
   GroupManager* const groups_;
   const absl::Duration default_wait_;

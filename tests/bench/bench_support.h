@@ -27,8 +27,8 @@
 #include <cinttypes>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -82,14 +82,14 @@ inline double Median(const std::vector<double>& v) { return Percentile(v, 50); }
 
 // Parses a list flag of counts (--world_sizes, --daemons): each an integer in [min, max].
 inline absl::StatusOr<std::vector<int>> ParseCounts(const std::string& flag,
-                                                     const std::vector<std::string>& items,
-                                                     int min, int max, const std::string& what) {
+                                                    const std::vector<std::string>& items, int min,
+                                                    int max, const std::string& what) {
   std::vector<int> out;
   for (const std::string& item : items) {
     int n = 0;
     if (!absl::SimpleAtoi(item, &n) || n < min || n > max) {
-      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": \"", item, "\" is not a ",
-                                                     what, " in [", min, ", ", max, "]"));
+      return absl::InvalidArgumentError(absl::StrCat("--", flag, ": \"", item, "\" is not a ", what,
+                                                     " in [", min, ", ", max, "]"));
     }
     out.push_back(n);
   }
@@ -106,8 +106,7 @@ inline absl::StatusOr<std::vector<int64_t>> ParseByteSizes(const std::string& fl
   for (const std::string& item : items) {
     std::string digits(absl::StripAsciiWhitespace(item));
     int64_t scale = 1;
-    for (const auto& [suffixes, factor] :
-         std::vector<std::pair<std::vector<std::string>, int64_t>>{
+    for (const auto& [suffixes, factor] : std::vector<std::pair<std::vector<std::string>, int64_t>>{
              {{"KiB", "K", "k"}, int64_t{1} << 10},
              {{"MiB", "M", "m"}, int64_t{1} << 20},
              {{"GiB", "G", "g"}, int64_t{1} << 30}}) {

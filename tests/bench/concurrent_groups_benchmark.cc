@@ -431,8 +431,8 @@ absl::Status Run() {
                       us(r.end_p50).c_str(), r.p50, r.p99, r.ops_per_s, speedup, p50x,
                       r.daemon_cores);
           const std::string figure =
-              absl::StrCat(state_dir ? "statedir" : "plain", ".", SizeName(unit_bytes),
-                           ".", VariantName(cfg.variants[vi]), ".g", g);
+              absl::StrCat(state_dir ? "statedir" : "plain", ".", SizeName(unit_bytes), ".",
+                           VariantName(cfg.variants[vi]), ".g", g);
           PrintFigure(figure + ".p50", r.p50, "us");
           PrintFigure(figure + ".ops_per_s", r.ops_per_s, "ops/s", /*lower_is_better=*/false);
           if (g != groups.front()) {

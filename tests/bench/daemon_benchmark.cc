@@ -410,14 +410,14 @@ absl::Status RunLatency(const DaemonProcess& d, int warmup, int iters) {
   PrintLatencyHeader();
   PrintLatency("lib", lib, 4096);
   PrintLatency("raw", raw, 4096);
-  for (const auto& [variant, samples] : {std::pair<const char*, const LatencySamples*>{"lib", &lib},
-                                         {"raw", &raw}}) {
+  for (const auto& [variant, samples] :
+       {std::pair<const char*, const LatencySamples*>{"lib", &lib}, {"raw", &raw}}) {
     PrintFigure(absl::StrCat("latency.", variant, ".summon_end.p50"),
                 Percentile(samples->summon_end, 50), "us");
     PrintFigure(absl::StrCat("latency.", variant, ".summon_end.p99"),
                 Percentile(samples->summon_end, 99), "us");
-    PrintFigure(absl::StrCat("latency.", variant, ".ping.p50"), Percentile(samples->ping, 50),
-                "us", /*lower_is_better=*/true, /*context=*/true);
+    PrintFigure(absl::StrCat("latency.", variant, ".ping.p50"), Percentile(samples->ping, 50), "us",
+                /*lower_is_better=*/true, /*context=*/true);
   }
   std::printf(
       "# lib: %" PRId64
@@ -754,15 +754,15 @@ absl::Status RunUnshard(const DaemonProcess& d, int64_t bytes, const std::vector
 struct CommitSamples {
   std::vector<double> commit;
   std::vector<double> wb_summon, wb_end, wb_summon_end;  // Summon(writeback=true), its End
-  int64_t map_calls = 0;                                  // the client's mmaps while measured
+  int64_t map_calls = 0;                                 // the client's mmaps while measured
 };
 
 // One rank (a group of its own on `d`, the client library): registers one unit of `numel`
 // float32, then warm-up + iters of (a) Commit after writing one element of its shard (an
 // optimizer step's in-place update) and (b) Summon(writeback=true), one element written, End
 // (the End writes back and commits), alternated A/B, B/A.
-absl::Status CommitRows(const DaemonProcess& d, const std::string& group, int64_t numel,
-                        int warmup, int iters, CommitSamples* out) {
+absl::Status CommitRows(const DaemonProcess& d, const std::string& group, int64_t numel, int warmup,
+                        int iters, CommitSamples* out) {
   client::ClientOptions options;
   options.address = d.address();
   options.call_timeout = absl::Seconds(300);
@@ -845,8 +845,8 @@ absl::Status RunCommit(const DaemonProcess& d, const std::vector<int64_t>& sizes
   std::error_code ec;
   fs::remove_all(state_dir, ec);
   durable.RemoveOnStop(state_dir);
-  FS_RETURN_IF_ERROR(durable.Start(absl::GetFlag(FLAGS_flatshardd), tag,
-                                   {"--state_dir=" + state_dir.string()}));
+  FS_RETURN_IF_ERROR(
+      durable.Start(absl::GetFlag(FLAGS_flatshardd), tag, {"--state_dir=" + state_dir.string()}));
   std::printf(
       "\n## Commit and writeback End: one rank, one unit, client library; Commit (after writing "
       "one element of the shard) alternated A/B, B/A with Summon(writeback=true) + one element "
@@ -857,8 +857,8 @@ absl::Status RunCommit(const DaemonProcess& d, const std::vector<int64_t>& sizes
       "# daemons: 'plain' = the daemon above (no --state_dir); 'state_dir' = the same binary "
       "with --state_dir=%s (fsynced records per commit). load: %s\n",
       state_dir.c_str(), LoadAverage().c_str());
-  std::printf("%-10s %-20s %10s %8s %10s %10s  %s\n", "#daemon", "op", "size", "samples",
-              "p50(us)", "p99(us)", "note");
+  std::printf("%-10s %-20s %10s %8s %10s %10s  %s\n", "#daemon", "op", "size", "samples", "p50(us)",
+              "p99(us)", "note");
   for (int64_t size : sizes) {
     const int64_t numel = std::max<int64_t>(1, size / static_cast<int64_t>(sizeof(float)));
     const int64_t unit_bytes = numel * static_cast<int64_t>(sizeof(float));
@@ -871,13 +871,11 @@ absl::Status RunCommit(const DaemonProcess& d, const std::vector<int64_t>& sizes
           CommitRows(*daemon, absl::StrCat("commit-", name, "-", unit_bytes), numel, w, n, &s));
       PrintCommitRow(name, "Commit", unit_bytes, s.commit, "");
       PrintCommitRow(name, "Summon writeback=1", unit_bytes, s.wb_summon, "");
-      PrintCommitRow(name, "End writeback=1", unit_bytes, s.wb_end,
-                     "writes back and commits");
+      PrintCommitRow(name, "End writeback=1", unit_bytes, s.wb_end, "writes back and commits");
       PrintCommitRow(name, "Summon+End wb=1", unit_bytes, s.wb_summon_end,
                      absl::StrCat("client mmaps in measured summons: ", s.map_calls));
-      const std::string figure =
-          absl::StrCat("commit.", daemon == &d ? "plain" : "statedir", ".",
-                       bench::SizeName(unit_bytes));
+      const std::string figure = absl::StrCat("commit.", daemon == &d ? "plain" : "statedir", ".",
+                                              bench::SizeName(unit_bytes));
       PrintFigure(figure + ".commit.p50", Percentile(s.commit, 50), "us");
       PrintFigure(figure + ".commit.p99", Percentile(s.commit, 99), "us");
       PrintFigure(figure + ".wb_end.p50", Percentile(s.wb_end, 50), "us");
@@ -898,9 +896,9 @@ absl::Status Run() {
     return absl::InvalidArgumentError("want --iters >= 1, --warmup >= 0 and --reps >= 1");
   }
   if (bytes < 4) return absl::InvalidArgumentError("--bytes must be at least 4");
-  FS_ASSIGN_OR_RETURN(std::vector<int> worlds,
-                      bench::ParseCounts("world_sizes", absl::GetFlag(FLAGS_world_sizes), 2, 64,
-                                         "world size"));
+  FS_ASSIGN_OR_RETURN(
+      std::vector<int> worlds,
+      bench::ParseCounts("world_sizes", absl::GetFlag(FLAGS_world_sizes), 2, 64, "world size"));
 
   FS_ASSIGN_OR_RETURN(std::vector<int64_t> commit_sizes,
                       bench::ParseByteSizes("commit_bytes", absl::GetFlag(FLAGS_commit_bytes), 4,

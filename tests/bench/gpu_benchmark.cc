@@ -47,13 +47,13 @@ using client::Client;
 using client::ClientOptions;
 using client::SummonOptions;
 
-#define CUDA_OR_DIE(call)                                                              \
-  do {                                                                                 \
-    const cudaError_t e = (call);                                                      \
-    if (e != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e));                  \
-      std::exit(1);                                                                    \
-    }                                                                                  \
+#define CUDA_OR_DIE(call)                                             \
+  do {                                                                \
+    const cudaError_t e = (call);                                     \
+    if (e != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e)); \
+      std::exit(1);                                                   \
+    }                                                                 \
   } while (0)
 
 // The child of measurement 2: opens the handle, prints the seconds it took, closes it.
@@ -73,8 +73,7 @@ int IpcChild(const std::string& hex) {
   return 0;
 }
 
-std::unique_ptr<Client> Join(const std::string& address, const std::string& group,
-                             int64_t numel) {
+std::unique_ptr<Client> Join(const std::string& address, const std::string& group, int64_t numel) {
   ClientOptions options;
   options.address = address;
   options.call_timeout = absl::Seconds(120);
@@ -166,9 +165,9 @@ int Run() {
   CUDA_OR_DIE(cudaFree(a));
   CUDA_OR_DIE(cudaFree(b));
   BenchDaemon daemon;
-  absl::Status started = daemon.Start(
-      absl::GetFlag(FLAGS_flatshardd), absl::StrCat("fsgpubench", ::getpid()),
-      {"--gpus=0", "--gpu_collectives=" + absl::GetFlag(FLAGS_gpu_collectives)});
+  absl::Status started =
+      daemon.Start(absl::GetFlag(FLAGS_flatshardd), absl::StrCat("fsgpubench", ::getpid()),
+                   {"--gpus=0", "--gpu_collectives=" + absl::GetFlag(FLAGS_gpu_collectives)});
   if (!started.ok()) {
     std::fprintf(stderr, "flatshardd: %s\n", started.ToString().c_str());
     return 1;
@@ -182,8 +181,8 @@ int Run() {
   const double summon_s = Median(big_us.summon) / 1e6, total_s = Median(big_us.total) / 1e6;
   const double copy_s = Median(copy_us) / 1e6;
   std::printf("%-30s %14s %12s %10s\n", "# op (median)", "size(B)", "time(us)", "algbw(GB/s)");
-  std::printf("%-30s %14lld %12.1f %10.2f\n", "cudaMemcpy D2D + sync", static_cast<long long>(bytes),
-              copy_s * 1e6, bytes / copy_s / 1e9);
+  std::printf("%-30s %14lld %12.1f %10.2f\n", "cudaMemcpy D2D + sync",
+              static_cast<long long>(bytes), copy_s * 1e6, bytes / copy_s / 1e9);
   std::printf("%-30s %14lld %12.1f %10.2f\n", "unshard (summon to ready, w=1)",
               static_cast<long long>(bytes), summon_s * 1e6, bytes / summon_s / 1e9);
   std::printf("%-30s %14lld %12.1f %10.2f\n", "unshard + end", static_cast<long long>(bytes),
@@ -226,11 +225,12 @@ int Run() {
   const std::vector<double> ping_us = TimePings(daemon.address(), warmup * 10, iters * 20);
   const double ping50 = Percentile(ping_us, 50), ping99 = Percentile(ping_us, 99);
   std::printf("empty Ping RPC: p50 %.1f us, p99 %.1f us\n", ping50, ping99);
-  std::printf("small unit (%lld B) summon+end: p50 %.1f us (%.2fx two Pings), p99 %.1f us "
-              "(%.2fx)\n",
-              static_cast<long long>(absl::GetFlag(FLAGS_small_bytes)),
-              Percentile(small_us.total, 50), Percentile(small_us.total, 50) / (2 * ping50),
-              Percentile(small_us.total, 99), Percentile(small_us.total, 99) / (2 * ping99));
+  std::printf(
+      "small unit (%lld B) summon+end: p50 %.1f us (%.2fx two Pings), p99 %.1f us "
+      "(%.2fx)\n",
+      static_cast<long long>(absl::GetFlag(FLAGS_small_bytes)), Percentile(small_us.total, 50),
+      Percentile(small_us.total, 50) / (2 * ping50), Percentile(small_us.total, 99),
+      Percentile(small_us.total, 99) / (2 * ping99));
   std::printf("  summon to ready: p50 %.1f us, p99 %.1f us; end: p50 %.1f us, p99 %.1f us\n",
               Percentile(small_us.summon, 50), Percentile(small_us.summon, 99),
               Percentile(small_us.end, 50), Percentile(small_us.end, 99));

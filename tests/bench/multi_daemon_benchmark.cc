@@ -224,11 +224,10 @@ class DaemonSet {
         c.daemons.insert(d.get());
       }
       const std::string peer = absl::StrCat("127.0.0.1:", port);
-      last =
-          d->Start(binary, absl::StrCat(tag_base, "n", index, "a", attempt),
-                   {"--peer_address=" + peer, absl::StrCat("--node_name=node", index),
-                    "--ucx_error_handling=" + absl::GetFlag(FLAGS_ucx_error_handling)},
-                   env, port);
+      last = d->Start(binary, absl::StrCat(tag_base, "n", index, "a", attempt),
+                      {"--peer_address=" + peer, absl::StrCat("--node_name=node", index),
+                       "--ucx_error_handling=" + absl::GetFlag(FLAGS_ucx_error_handling)},
+                      env, port);
       if (last.ok()) {
         daemons_.push_back(std::move(d));
         peer_addresses_.push_back(peer);
@@ -1044,9 +1043,9 @@ absl::Status Run() {
   if (iters < 1 || warmup < 0)
     return absl::InvalidArgumentError("want --iters >= 1, --warmup >= 0");
   if (timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("want --part_timeout > 0");
-  FS_ASSIGN_OR_RETURN(std::vector<int> daemon_counts,
-                      bench::ParseCounts("daemons", absl::GetFlag(FLAGS_daemons), 2, 16,
-                                         "number of daemons"));
+  FS_ASSIGN_OR_RETURN(
+      std::vector<int> daemon_counts,
+      bench::ParseCounts("daemons", absl::GetFlag(FLAGS_daemons), 2, 16, "number of daemons"));
   const int max_d = *std::max_element(daemon_counts.begin(), daemon_counts.end());
   if (bytes < int64_t{4} * max_d * 1024) {
     return absl::InvalidArgumentError(absl::StrCat("--bytes ", bytes, " is too small"));

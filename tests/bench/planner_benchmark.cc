@@ -9,8 +9,9 @@
 // The argument is B: 800 blocks give 10,407 module instances, 8000 give 104,007. Each
 // benchmark reports `modules` (instances) and `params` (parameter registrations) as counters.
 //
-// Benchmarks: ManifestFromJson (and on a flat model: root -> N Linear), PolicyFromJson, BuildPlan under size_based / module_types /
-// always, PlanToJson + dump, PlanFromJson, and the whole pipeline (text in -> plan text out).
+// Benchmarks: ManifestFromJson (and on a flat model: root -> N Linear), PolicyFromJson, BuildPlan
+// under size_based / module_types / always, PlanToJson + dump, PlanFromJson, and the whole pipeline
+// (text in -> plan text out).
 
 #include <cstdint>
 #include <cstdio>
@@ -89,8 +90,7 @@ class ManifestBuilder {
     return Module("Linear", {"Module"}, {Param("weight", {out, in}), Param("bias", {out})});
   }
   Json LayerNorm() {
-    return Module("LayerNorm", {"Module"},
-                  {Param("weight", {kHidden}), Param("bias", {kHidden})});
+    return Module("LayerNorm", {"Module"}, {Param("weight", {kHidden}), Param("bias", {kHidden})});
   }
   Json Dropout() { return Module("Dropout", {"_DropoutNd", "Module"}); }
   Json Rotary() {
@@ -236,9 +236,7 @@ void BuildPlanWith(benchmark::State& state, const char* policy_text) {
 }
 
 void BM_BuildPlan_SizeBased(benchmark::State& state) { BuildPlanWith(state, kSizeBasedPolicy); }
-void BM_BuildPlan_ModuleTypes(benchmark::State& state) {
-  BuildPlanWith(state, kModuleTypesPolicy);
-}
+void BM_BuildPlan_ModuleTypes(benchmark::State& state) { BuildPlanWith(state, kModuleTypesPolicy); }
 void BM_BuildPlan_Always(benchmark::State& state) { BuildPlanWith(state, kAlwaysPolicy); }
 
 void BM_PlanToJson(benchmark::State& state) {

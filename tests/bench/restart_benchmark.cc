@@ -57,8 +57,8 @@ absl::StatusOr<Times> Attach(BenchDaemon& d, const std::string& binary, const st
   if (!m.ok()) return m.status();
   t.register_ms = MicrosSince(t0, Clock::now()) / 1000;
   if (m->generation != want_generation) {
-    return absl::InternalError(absl::StrCat("registered at generation ", m->generation,
-                                            ", want ", want_generation));
+    return absl::InternalError(
+        absl::StrCat("registered at generation ", m->generation, ", want ", want_generation));
   }
   client::SummonOptions read;
   read.writeback = false;
@@ -114,10 +114,11 @@ int Main() {
   const std::filesystem::path state = std::filesystem::temp_directory_path() / (tag + "-state");
   std::filesystem::remove_all(state);
   const std::vector<std::string> flags = {"--state_dir=" + state.string(), "--log_level=warning"};
-  std::printf("restart benchmark: %lld bytes of shards (one rank, one unit), %d restarts, "
-              "load %s, MemAvailable %lld MiB\n",
-              static_cast<long long>(bytes), repeats, LoadAverage().c_str(),
-              static_cast<long long>(MemAvailableBytes() >> 20));
+  std::printf(
+      "restart benchmark: %lld bytes of shards (one rank, one unit), %d restarts, "
+      "load %s, MemAvailable %lld MiB\n",
+      static_cast<long long>(bytes), repeats, LoadAverage().c_str(),
+      static_cast<long long>(MemAvailableBytes() >> 20));
 
   // Baseline 1: memcpy of the same bytes (pages touched first).
   std::vector<char> a(static_cast<size_t>(bytes), 1), b(static_cast<size_t>(bytes), 2);
@@ -168,17 +169,18 @@ int Main() {
               Median(copies));
   std::printf("fresh daemon: exec -> socket / registered / summon: %9.1f / %.1f / %.1f ms\n",
               fresh->ready_ms, fresh->register_ms, fresh->summon_ms);
-  std::printf("restart (kill -9, same --state_dir): exec -> socket / re-registered / summon: "
-              "%.1f / %.1f / %.1f ms (median of %d; min re-registered %.1f, max %.1f)\n",
-              Median(ready), Median(reg), Median(summon), repeats, Percentile(reg, 0),
-              Percentile(reg, 100));
+  std::printf(
+      "restart (kill -9, same --state_dir): exec -> socket / re-registered / summon: "
+      "%.1f / %.1f / %.1f ms (median of %d; min re-registered %.1f, max %.1f)\n",
+      Median(ready), Median(reg), Median(summon), repeats, Percentile(reg, 0),
+      Percentile(reg, 100));
   if (without.ok() && with.ok() && with_nosync.ok()) {
-    std::printf("Commit of a 4 KiB model, 200 times: without --state_dir %.0f us median "
-                "(p99 %.0f), with it %.0f us median (p99 %.0f) on %s, with it and "
-                "--state_fsync=false %.0f us median (p99 %.0f)\n",
-                without->first, without->second, with->first, with->second,
-                std::filesystem::temp_directory_path().c_str(), with_nosync->first,
-                with_nosync->second);
+    std::printf(
+        "Commit of a 4 KiB model, 200 times: without --state_dir %.0f us median "
+        "(p99 %.0f), with it %.0f us median (p99 %.0f) on %s, with it and "
+        "--state_fsync=false %.0f us median (p99 %.0f)\n",
+        without->first, without->second, with->first, with->second,
+        std::filesystem::temp_directory_path().c_str(), with_nosync->first, with_nosync->second);
   } else {
     std::fprintf(stderr, "commit latency: %s / %s / %s\n",
                  std::string(without.status().message()).c_str(),

@@ -58,21 +58,20 @@ inline std::string ChaosManifest(int blocks, int rows, int cols) {
     if (b > 0) children += ",";
     const int block_id = module_id++;
     const int linear_id = module_id++;
-    absl::StrAppend(
-        &children, "{\"name\":\"b", b, "\",\"module\":{\"id\":", block_id,
-        ",\"type\":\"Block\",\"bases\":[\"Module\"],\"params\":[],\"children\":[",
-        "{\"name\":\"fc\",\"module\":{\"id\":", linear_id,
-        ",\"type\":\"Linear\",\"bases\":[\"Module\"],\"params\":[",
-        "{\"name\":\"weight\",\"id\":", param_id, ",\"shape\":[", rows, ",", cols,
-        "],\"dtype\":\"float32\",\"requires_grad\":true},", "{\"name\":\"bias\",\"id\":",
-        param_id + 1, ",\"shape\":[", rows,
-        "],\"dtype\":\"float32\",\"requires_grad\":true}],\"children\":[]}}]}}");
+    absl::StrAppend(&children, "{\"name\":\"b", b, "\",\"module\":{\"id\":", block_id,
+                    ",\"type\":\"Block\",\"bases\":[\"Module\"],\"params\":[],\"children\":[",
+                    "{\"name\":\"fc\",\"module\":{\"id\":", linear_id,
+                    ",\"type\":\"Linear\",\"bases\":[\"Module\"],\"params\":[",
+                    "{\"name\":\"weight\",\"id\":", param_id, ",\"shape\":[", rows, ",", cols,
+                    "],\"dtype\":\"float32\",\"requires_grad\":true},",
+                    "{\"name\":\"bias\",\"id\":", param_id + 1, ",\"shape\":[", rows,
+                    "],\"dtype\":\"float32\",\"requires_grad\":true}],\"children\":[]}}]}}");
     param_id += 2;
   }
-  return absl::StrCat(
-      "{\"format\":\"flatshard.manifest/1\",\"root\":{\"id\":0,\"type\":\"Net\",",
-      "\"bases\":[\"Module\"],\"params\":[{\"name\":\"scale\",\"id\":0,\"shape\":[", cols,
-      "],\"dtype\":\"float32\",\"requires_grad\":true}],\"children\":[", children, "]}}");
+  return absl::StrCat("{\"format\":\"flatshard.manifest/1\",\"root\":{\"id\":0,\"type\":\"Net\",",
+                      "\"bases\":[\"Module\"],\"params\":[{\"name\":\"scale\",\"id\":0,\"shape\":[",
+                      cols, "],\"dtype\":\"float32\",\"requires_grad\":true}],\"children\":[",
+                      children, "]}}");
 }
 inline std::string ChaosPolicy() {
   return R"({"format": "flatshard.policy/1", "auto_wrap": {"kind": "module_types", "types": ["Block"]}})";
@@ -216,8 +215,8 @@ class ChaosCluster {
  public:
   ChaosCluster(int n, std::vector<std::string> extra_flags) : n_(n) {
     static int counter = 0;
-    root_ = std::filesystem::temp_directory_path() /
-            absl::StrCat("fschaos", getpid(), "x", counter++);
+    root_ =
+        std::filesystem::temp_directory_path() / absl::StrCat("fschaos", getpid(), "x", counter++);
     std::filesystem::create_directories(root_);
     for (int i = 0; i < n; ++i) {
       testing::DaemonOptions o;

@@ -205,9 +205,8 @@ class CheckpointChaosTest : public ::testing::Test {
                 : static_cast<uint32_t>(std::atoll(Env("FS_CHAOS_SEED").c_str()));
     trials_ = std::max(1, EnvInt("FS_CHAOS_CKPT_TRIALS", 3));
     ckpt_root_ = std::filesystem::temp_directory_path() /
-                 absl::StrCat("fsckptchaos", getpid(), "x", ::testing::UnitTest::GetInstance()
-                                                                 ->current_test_info()
-                                                                 ->name());
+                 absl::StrCat("fsckptchaos", getpid(), "x",
+                              ::testing::UnitTest::GetInstance()->current_test_info()->name());
     std::filesystem::create_directories(ckpt_root_);
     std::printf("checkpoint chaos: seed %u, %d trials\n", seed_, trials_);
   }
@@ -253,9 +252,10 @@ TEST_F(CheckpointChaosTest, KillDuringSaveRefusesTheTornCheckpointAndTheLastComp
       return ranks[0].client->SaveCheckpoint("", torn, progress).status();
     });
     ++count[k.killed_during ? "killed_during_save" : "killed_after_save"];
-    std::printf("trial %d: save of %s killed after %s (an uninterrupted save took %s)%s\n", trial,
-                torn.c_str(), absl::FormatDuration(fraction < 0 ? delay : absl::ZeroDuration()).c_str(),
-                absl::FormatDuration(save_time).c_str(), k.killed_during ? "" : ", after it returned");
+    std::printf(
+        "trial %d: save of %s killed after %s (an uninterrupted save took %s)%s\n", trial,
+        torn.c_str(), absl::FormatDuration(fraction < 0 ? delay : absl::ZeroDuration()).c_str(),
+        absl::FormatDuration(save_time).c_str(), k.killed_during ? "" : ", after it returned");
     LeaveAll(ranks);
     ASSERT_TRUE(cluster.Restart(0));
     // Every rank re-attaches to the live committed generation.
@@ -345,11 +345,11 @@ TEST_F(CheckpointChaosTest, KillDuringLoadLeavesEveryRankAtOneCommittedGeneratio
                        << " bytes of the load";
     if (bad.empty()) {
       ++count[holds == live ? "reattached_before_load" : "reattached_loaded"];
-      std::printf("trial %d: load killed at %lld of %lld bytes: re-attached at generation %lld "
-                  "holding generation %llu's values\n",
-                  trial, static_cast<long long>(k.done_bytes),
-                  static_cast<long long>(k.total_bytes), static_cast<long long>(g[0]),
-                  static_cast<unsigned long long>(holds));
+      std::printf(
+          "trial %d: load killed at %lld of %lld bytes: re-attached at generation %lld "
+          "holding generation %llu's values\n",
+          trial, static_cast<long long>(k.done_bytes), static_cast<long long>(k.total_bytes),
+          static_cast<long long>(g[0]), static_cast<unsigned long long>(holds));
       if (holds == live) {
         EXPECT_EQ(g[0], static_cast<int64_t>(live)) << "the generation does not match the values";
       }

@@ -43,6 +43,7 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
@@ -59,7 +60,6 @@
 #include "tests/chaos/chaos_testing.h"
 #include "tests/testing/admin_calls.h"
 #include "tests/testing/rank_group.h"
-#include <grpcpp/grpcpp.h>
 
 namespace flatshard::chaos {
 namespace {
@@ -82,8 +82,8 @@ int Rows() { return std::max(1, EnvInt("FS_CHAOS_ROWS", 256)); }
 
 // The loop steps a trainer reports before it does them (the kill points).
 [[maybe_unused]] const std::vector<std::string>& LoopSteps() {
-  static const std::vector<std::string> kSteps = {"summon", "summon_open", "inside_end",
-                                                  "reduce_scatter", "optimizer", "commit"};
+  static const std::vector<std::string> kSteps = {"summon",         "summon_open", "inside_end",
+                                                  "reduce_scatter", "optimizer",   "commit"};
   return kSteps;
 }
 
@@ -129,7 +129,7 @@ struct TrainerConfig {
   std::string coordinator;
   std::string address;
   std::string manifest;
-  uint64_t target = 0;  // train until this generation is committed
+  uint64_t target = 0;          // train until this generation is committed
   int optimizer_pause_ms = 10;  // between the two halves of the optimizer step
   bool verify_only = false;
 };
@@ -178,8 +178,8 @@ std::optional<Failure> Attach(const TrainerConfig& cfg, Reporter& out, Session& 
   const absl::Time until = absl::Now() + absl::Seconds(30);
   while (!SocketAccepts(cfg.address)) {
     if (absl::Now() > until) {
-      return Failure{false, "DEADLINE_EXCEEDED no daemon listens on " + cfg.address +
-                                " within 30 s"};
+      return Failure{false,
+                     "DEADLINE_EXCEEDED no daemon listens on " + cfg.address + " within 30 s"};
     }
     absl::SleepFor(absl::Milliseconds(5));
   }
@@ -248,8 +248,8 @@ std::optional<Failure> Iteration(const TrainerConfig& cfg, Reporter& out, Sessio
     out.Say(absl::StrCat("committed ", s.generation));
   }
   out.Say("reduce_scatter");
-  absl::Status rs = c.ReduceScatterGrads(
-      "", 0, ReduceOp::kAvg, false, [&](client::PendingReduceScatter& p) {
+  absl::Status rs =
+      c.ReduceScatterGrads("", 0, ReduceOp::kAvg, false, [&](client::PendingReduceScatter& p) {
         float* data = static_cast<float*>(p.data());
         for (int64_t i = 0; i < p.numel(); ++i) data[i] = static_cast<float>(cfg.rank + 1);
         return absl::OkStatus();
@@ -265,8 +265,8 @@ std::optional<Failure> Iteration(const TrainerConfig& cfg, Reporter& out, Sessio
   absl::StatusOr<uint64_t> committed = c.Commit("");
   if (!committed.ok()) return Failure{false, Describe(committed.status())};
   if (*committed != s.generation + 1) {
-    return Failure{true, absl::StrCat("Commit returned generation ", *committed, ", want ",
-                                      s.generation + 1)};
+    return Failure{
+        true, absl::StrCat("Commit returned generation ", *committed, ", want ", s.generation + 1)};
   }
   s.generation = *committed;
   out.Say(absl::StrCat("committed ", s.generation));
@@ -543,12 +543,12 @@ struct KillPlan {
 
 struct TrialResult {
   bool killed = false;
-  std::string outcome;        // "reattached", "lost", "no_reattach" (killed after the end)
-  int64_t committed = -1;     // the last generation a rank saw committed before the kill
-  int64_t reattached = -1;    // the generation every rank re-attached to
+  std::string outcome;            // "reattached", "lost", "no_reattach" (killed after the end)
+  int64_t committed = -1;         // the last generation a rank saw committed before the kill
+  int64_t reattached = -1;        // the generation every rank re-attached to
   bool commit_in_flight = false;  // a rank's last step before the kill: Commit or a writeback End
   absl::Duration reattach_time = absl::InfiniteDuration();  // restart exec -> all verified
-  std::vector<std::string> errors;  // every "error" line
+  std::vector<std::string> errors;                          // every "error" line
   bool ok = false;
 };
 
@@ -557,9 +557,9 @@ TrialResult RunTrial(ChaosCluster& cluster, const std::string& group, const Kill
   TrialResult result;
   const int failed_before = FailedParts();
   SCOPED_TRACE(absl::StrCat("group ", group, ": kill daemon ", plan.daemon, " at ",
-                            plan.step.empty() ? "time" : absl::StrCat("rank ", plan.rank, " \"",
-                                                                      plan.step, "\" #",
-                                                                      plan.occurrence),
+                            plan.step.empty() ? "time"
+                                              : absl::StrCat("rank ", plan.rank, " \"", plan.step,
+                                                             "\" #", plan.occurrence),
                             " + ", absl::FormatDuration(plan.delay), ", restart after ",
                             absl::FormatDuration(plan.restart_delay)));
   absl::Time kill_started = absl::InfiniteFuture();
@@ -680,7 +680,8 @@ TrialResult RunTrial(ChaosCluster& cluster, const std::string& group, const Kill
       }
       absl::Time last_verified = absl::InfinitePast();
       for (const auto& [r, at] : verified_at) last_verified = std::max(last_verified, at);
-      if (restarted_at != absl::InfiniteFuture()) result.reattach_time = last_verified - restarted_at;
+      if (restarted_at != absl::InfiniteFuture())
+        result.reattach_time = last_verified - restarted_at;
     }
     if (FailedParts() != failed_before) {
       for (int r = 0; r < kWorld; ++r) {
@@ -795,29 +796,28 @@ KillPlan At(int daemon, int rank, const std::string& step, int occurrence, absl:
 // read-only summon after a Commit.
 TEST_P(DaemonChaosTest, KillDaemonAtFixedPointsEveryRankReattachesConsistently) {
   const int daemons = GetParam();
-  RunPlans(daemons, {
-                        At(daemons - 1, 1, "optimizer", 1, absl::ZeroDuration(),
-                           absl::ZeroDuration()),
-                        At(0, 2, "commit", 2, absl::Milliseconds(2), absl::Milliseconds(100)),
-                        At(daemons - 1, 0, "summon", 2, absl::Milliseconds(1),
-                           absl::ZeroDuration()),
-                    });
+  RunPlans(daemons,
+           {
+               At(daemons - 1, 1, "optimizer", 1, absl::ZeroDuration(), absl::ZeroDuration()),
+               At(0, 2, "commit", 2, absl::Milliseconds(2), absl::Milliseconds(100)),
+               At(daemons - 1, 0, "summon", 2, absl::Milliseconds(1), absl::ZeroDuration()),
+           });
 }
 
 // Fixed on branch mixfix (an adopted group owes a rollback at its first formation and its
-// adopted ranks are stale until they read their views). Was: the daemon is killed mid optimizer step and restarted at once; it
-// adopts the shards and restores them from the committed copies at start, but the trainers,
-// which have not noticed yet, write the second half of their step 400 ms later into the
-// very segments it adopted (their mappings outlive the dead daemon). Their Commit fails;
-// they re-join and re-register, and the re-formed group is NOT rolled back again: Register
+// adopted ranks are stale until they read their views). Was: the daemon is killed mid optimizer
+// step and restarted at once; it adopts the shards and restores them from the committed copies at
+// start, but the trainers, which have not noticed yet, write the second half of their step 400 ms
+// later into the very segments it adopted (their mappings outlive the dead daemon). Their Commit
+// fails; they re-join and re-register, and the re-formed group is NOT rolled back again: Register
 // and GetShardViews report generation 1 while the shards hold half of generation 2 ("bad
 // shard of unit 0 element 171 = 2172, want generation 1's 1172"): a silent mix. After a
 // trainer crash the re-form rolls back (client.h, Commit); an adopted group owes the same
 // rollback at its first re-form.
 TEST_P(DaemonChaosTest, StaleTrainerWritesIntoAdoptedShardsAfterTheRestart) {
   const int daemons = GetParam();
-  RunPlans(daemons, {At(daemons - 1, 1, "optimizer", 1, absl::ZeroDuration(),
-                        absl::ZeroDuration(), 400)});
+  RunPlans(daemons,
+           {At(daemons - 1, 1, "optimizer", 1, absl::ZeroDuration(), absl::ZeroDuration(), 400)});
 }
 
 // Found by DaemonChaosSoak seed 1 (fixed on branch restart at fd22c9d): the daemon killed
@@ -881,14 +881,14 @@ TEST_P(DaemonChaosTest, AClientFromBeforeTheRestartIsNotTakenForTheNewSession) {
 
 // Fixed on branch mixfix (safety net: a module whose local ranks hold different generations,
 // counting a ready commit's, is reported "mixed" and dropped as lost on every daemon, naming
-// each rank's generation). Was: BUG (found by DaemonChaosSoak seed 4, trial "two 26"; timing-dependent): daemon node1 is
-// killed while a Commit's agreement is under way. On the surviving daemon node0 rank 0 is
-// answered "committed 2" and rank 2 "generation 2 was not committed on any rank"; after the
-// restart the group re-forms with ranks 0 and 1 at generation 2 and rank 2 at generation 1,
-// and a summon hands every rank a mix of the two (scale[684] = 1685, generation 1's value,
-// in a model said to be at generation 2). The rendezvous compares one generation per
-// daemon; the two local ranks of node0 disagree. This test kills node1 inside Commit at a
-// range of small delays, 8 trials; any of them may hit it.
+// each rank's generation). Was: BUG (found by DaemonChaosSoak seed 4, trial "two 26";
+// timing-dependent): daemon node1 is killed while a Commit's agreement is under way. On the
+// surviving daemon node0 rank 0 is answered "committed 2" and rank 2 "generation 2 was not
+// committed on any rank"; after the restart the group re-forms with ranks 0 and 1 at generation 2
+// and rank 2 at generation 1, and a summon hands every rank a mix of the two (scale[684] = 1685,
+// generation 1's value, in a model said to be at generation 2). The rendezvous compares one
+// generation per daemon; the two local ranks of node0 disagree. This test kills node1 inside Commit
+// at a range of small delays, 8 trials; any of them may hit it.
 TEST_P(DaemonChaosTest, KillOneOfTwoDaemonsInsideCommitNeverMixesGenerations) {
   if (GetParam() != 2) GTEST_SKIP() << "two daemons";
   std::vector<KillPlan> plans;
@@ -947,9 +947,8 @@ TEST(DaemonChaosSoak, RandomKills) {
       TrialResult r = RunTrial(cluster, absl::StrCat("s", daemons, "x", i), plan, 6);
       summary.Add(layout, plan, r);
       std::printf("trial %s %d: kill daemon %d at %s: %s, committed %lld, re-attached %lld%s\n",
-                  layout.c_str(), i, plan.daemon, plan.Name().c_str(),
-                  r.ok ? "ok" : "FAILED", static_cast<long long>(r.committed),
-                  static_cast<long long>(r.reattached),
+                  layout.c_str(), i, plan.daemon, plan.Name().c_str(), r.ok ? "ok" : "FAILED",
+                  static_cast<long long>(r.committed), static_cast<long long>(r.reattached),
                   r.reattach_time == absl::InfiniteDuration()
                       ? ""
                       : absl::StrCat(" in ", absl::FormatDuration(r.reattach_time)).c_str());

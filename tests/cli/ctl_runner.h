@@ -19,7 +19,8 @@
 namespace flatshard::testing {
 
 inline const std::string& CtlPath() {
-  static const std::string* path = new std::string(std::string(FS_BINARY_DIR) + "/client/flatshardctl");
+  static const std::string* path =
+      new std::string(std::string(FS_BINARY_DIR) + "/client/flatshardctl");
   return *path;
 }
 

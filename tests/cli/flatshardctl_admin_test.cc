@@ -14,6 +14,9 @@
 #include <thread>
 #include <vector>
 
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <nlohmann/json.hpp>
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -25,9 +28,6 @@
 #include "tests/cli/ctl_runner.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/files.h"
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/grpcpp.h>
-#include <nlohmann/json.hpp>
 
 namespace flatshard {
 namespace {
@@ -48,7 +48,8 @@ constexpr char kToken[] = "tok";
 // Commands that talk to a daemon, with the arguments each needs.
 const std::vector<std::vector<std::string>>& DaemonCommands() {
   static const auto* commands = new std::vector<std::vector<std::string>>{
-      {"status"}, {"groups"}, {"units", "g"}, {"pending"}, {"drain"}, {"log-level", "info"},
+      {"status"},           {"groups"}, {"units", "g"},
+      {"pending"},          {"drain"},  {"log-level", "info"},
       {"delete-group", "g"}};
   return *commands;
 }
@@ -86,7 +87,8 @@ int Health(const std::string& target, const std::string& service = "") {
   std::vector<grpc::Slice> slices;
   if (!response.Dump(&slices).ok()) return -1;
   std::string bytes;
-  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  for (const grpc::Slice& s : slices)
+    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
   // HealthCheckResponse{status = 1 (enum)}: tag 0x08 and a one-byte varint.
   return bytes.size() == 2 && bytes[0] == 0x08 ? bytes[1] : -1;
 }
@@ -117,11 +119,12 @@ void ForEachRank(int world, const std::function<void(int)>& fn) {
 
 class FlatshardctlAdminTest : public ::testing::Test {
  protected:
-  FlatshardctlAdminTest() : daemon_([] {
-    ::flatshard::testing::DaemonOptions o;
-    o.tag_prefix = "fsctl";
-    return o;
-  }()) {}
+  FlatshardctlAdminTest()
+      : daemon_([] {
+          ::flatshard::testing::DaemonOptions o;
+          o.tag_prefix = "fsctl";
+          return o;
+        }()) {}
 
   // `world` ranks join "g" and register gpt_tied.
   void JoinAndRegister(int world) {
@@ -334,11 +337,13 @@ TEST_F(FlatshardctlAdminTest, UnitsShowSummonedDuringASummonAndIdleAfter) {
   std::vector<std::string> lines = Lines(r.out);
   ASSERT_EQ(lines.size(), 2u + 2u * units) << r.out;
   EXPECT_EQ(lines[0], "group g  module (root)  " + std::to_string(units) + " units  generation 0");
-  EXPECT_THAT(lines[1], ::testing::MatchesRegex(
-                            " +UNIT +MODULE +RANK +STATE +SHARD_B +GRAD_B +UNSHARDED_B +STATE_B +LAST_OP +AGE"));
+  EXPECT_THAT(
+      lines[1],
+      ::testing::MatchesRegex(
+          " +UNIT +MODULE +RANK +STATE +SHARD_B +GRAD_B +UNSHARDED_B +STATE_B +LAST_OP +AGE"));
   for (size_t i = 2; i < lines.size(); ++i) {
-    EXPECT_THAT(lines[i], ::testing::MatchesRegex(
-                              " +[0-9]+ +[^ ]+ +[01] +SUMMONED +[0-9]+ +0 +[1-9][0-9]* +0 +summon rank [01] +[0-9.]+s"));
+    EXPECT_THAT(lines[i], ::testing::MatchesRegex(" +[0-9]+ +[^ ]+ +[01] +SUMMONED +[0-9]+ +0 "
+                                                  "+[1-9][0-9]* +0 +summon rank [01] +[0-9.]+s"));
   }
 
   EndAll();
@@ -399,7 +404,8 @@ TEST_F(FlatshardctlAdminTest, PendingWithoutPendingCollectives) {
   EXPECT_EQ(j["groups"][0]["pending"], nlohmann::json::array());
   r = Ctl({"pending", "g"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_THAT(r.out, AllOf(StartsWith("group g  world_size 2"), HasSubstr("no pending collectives")));
+  EXPECT_THAT(r.out,
+              AllOf(StartsWith("group g  world_size 2"), HasSubstr("no pending collectives")));
   r = Ctl({"pending", "nope"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_EQ(r.err, "flatshardctl pending: this daemon hosts no group nope\n");
@@ -472,8 +478,8 @@ TEST_F(FlatshardctlAdminTest, LogLevel) {
   r = Ctl({"log-level", "WARNING"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out, "log level debug -> warning\n");
-  EXPECT_THAT(daemon_.Log(), AllOf(HasSubstr("log level info -> debug"),
-                                   HasSubstr("log level debug -> warning")));
+  EXPECT_THAT(daemon_.Log(),
+              AllOf(HasSubstr("log level info -> debug"), HasSubstr("log level debug -> warning")));
   // At warning, joins and registrations no longer log.
   const std::string before = daemon_.Log();
   JoinAndRegister(1);

@@ -66,8 +66,8 @@ TEST_P(ExamplePlanTest, PrintsJsonThatPlanFromJsonAccepts) {
   const auto& [model, world] = GetParam();
   const std::string manifest = kExamples + model + ".manifest.json";
   const std::string policy = kExamples + model + ".policy.json";
-  Result r = RunCtl({"plan", "--manifest", manifest, "--policy", policy, "--world-size",
-                  std::to_string(world)});
+  Result r = RunCtl(
+      {"plan", "--manifest", manifest, "--policy", policy, "--world-size", std::to_string(world)});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_THAT(r.err, IsEmpty());
   absl::StatusOr<Plan> printed = PlanFromJson(r.out);
@@ -93,7 +93,7 @@ TEST_P(ExamplePlanTest, TableHasARowPerUnitTotalsAndPeak) {
   const std::string manifest = kExamples + model + ".manifest.json";
   const std::string policy = kExamples + model + ".policy.json";
   Result r = RunCtl({"plan", "--manifest", manifest, "--policy", policy, "--world-size",
-                  std::to_string(world), "--format", "table"});
+                     std::to_string(world), "--format", "table"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_THAT(r.err, IsEmpty());
   absl::StatusOr<Manifest> m = ManifestFromJson(ReadFile(manifest));
@@ -148,22 +148,23 @@ TEST_P(ExamplePlanTest, TableHasARowPerUnitTotalsAndPeak) {
   EXPECT_THAT(r.out, HasSubstr(plan->fingerprint.substr(0, 16)));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Examples, ExamplePlanTest,
-    ::testing::Combine(::testing::Values("gpt_tied", "convnet_bn", "shared_module"),
-                       ::testing::Values(1, 3, 8)),
-    [](const ::testing::TestParamInfo<ExamplePlanTest::ParamType>& info) {
-      return std::get<0>(info.param) + "_world" + std::to_string(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Examples, ExamplePlanTest,
+                         ::testing::Combine(::testing::Values("gpt_tied", "convnet_bn",
+                                                              "shared_module"),
+                                            ::testing::Values(1, 3, 8)),
+                         [](const ::testing::TestParamInfo<ExamplePlanTest::ParamType>& info) {
+                           return std::get<0>(info.param) + "_world" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
 
 TEST(FlatshardctlPlanTest, FlagFormsAreEquivalent) {
   const std::string manifest = kExamples + "gpt_tied.manifest.json";
   const std::string policy = kExamples + "gpt_tied.policy.json";
   Result a = RunCtl({"plan", "--manifest", manifest, "--policy", policy, "--world-size", "4"});
-  Result b = RunCtl({"plan", "--manifest=" + manifest, "--policy=" + policy, "--world-size=4",
-                  "--json"});
+  Result b =
+      RunCtl({"plan", "--manifest=" + manifest, "--policy=" + policy, "--world-size=4", "--json"});
   Result c = RunCtl({"plan", "--world-size", "4", "--format", "json", "--policy", policy,
-                  "--manifest", manifest});
+                     "--manifest", manifest});
   ASSERT_EQ(a.exit_code, 0) << a.err;
   EXPECT_EQ(b.exit_code, 0) << b.err;
   EXPECT_EQ(c.exit_code, 0) << c.err;
@@ -172,7 +173,8 @@ TEST(FlatshardctlPlanTest, FlagFormsAreEquivalent) {
 }
 
 TEST(FlatshardctlPlanTest, PolicyIsOptional) {
-  Result r = RunCtl({"plan", "--manifest", kExamples + "gpt_tied.manifest.json", "--world-size", "2"});
+  Result r =
+      RunCtl({"plan", "--manifest", kExamples + "gpt_tied.manifest.json", "--world-size", "2"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   absl::StatusOr<Plan> plan = PlanFromJson(r.out);
   ASSERT_TRUE(plan.ok()) << plan.status();
@@ -187,7 +189,7 @@ TEST(FlatshardctlPlanTest, HybridShardUsesRanksPerNode) {
   std::ofstream(policy) << R"({"auto_wrap": {"kind": "module_types", "types": ["Block"]},
                               "sharding_strategy": "HYBRID_SHARD"})";
   Result r = RunCtl({"plan", "--manifest", kExamples + "gpt_tied.manifest.json", "--policy", policy,
-                  "--world-size", "8", "--ranks-per-node", "4"});
+                     "--world-size", "8", "--ranks-per-node", "4"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   absl::StatusOr<Plan> plan = PlanFromJson(r.out);
   ASSERT_TRUE(plan.ok()) << plan.status();
@@ -288,10 +290,10 @@ TEST(FlatshardctlRefusalTest, UnknownPathInIgnoredModules) {
 }
 
 TEST(FlatshardctlRefusalTest, IntegerParamInAUnit) {
-  ExpectRefused({"plan", "--manifest", kData + "int_param.manifest.json", "--policy",
-                 kData + "always.policy.json", "--world-size", "2"},
-                {"module \"table\"", "Cannot flatten integer dtype tensors",
-                 "table.index has dtype int64"});
+  ExpectRefused(
+      {"plan", "--manifest", kData + "int_param.manifest.json", "--policy",
+       kData + "always.policy.json", "--world-size", "2"},
+      {"module \"table\"", "Cannot flatten integer dtype tensors", "table.index has dtype int64"});
 }
 
 TEST(FlatshardctlRefusalTest, ErrorsWithNewlinesStayOnOneLine) {

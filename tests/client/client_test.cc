@@ -16,12 +16,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/client_internal.h"
 #include "common/manifest.h"
 #include "common/plan.h"
 #include "common/policy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "client/client_internal.h"
 #include "tests/client/fake_gpu.h"
 #include "tests/client/fake_shard_service.h"
 

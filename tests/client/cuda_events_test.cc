@@ -13,9 +13,9 @@ namespace flatshard::client::internal {
 namespace {
 
 using ::testing::ElementsAre;
-using ::testing::HasSubstr;
 using testing::FakeCudaEventApi;
 using testing::FakeGpuLog;
+using ::testing::HasSubstr;
 
 void* const kStream = reinterpret_cast<void*>(0x5000);
 
@@ -57,10 +57,9 @@ TEST_F(StreamEventsTest, OpensADaemonEventOncePerIdAndWaitsEveryTime) {
     ASSERT_TRUE(events_->WaitReady(DaemonEvent(7, "d7"), kStream).ok());
   }
   EXPECT_EQ(events_->opened_events(), 1);
-  EXPECT_THAT(log_->Calls(),
-              ElementsAre("DeviceForUuid(GPU-fake-0)", "OpenEvent(d7, 0)=1",
-                          "Wait(stream 20480, 1, 0)", "Wait(stream 20480, 1, 0)",
-                          "Wait(stream 20480, 1, 0)"));
+  EXPECT_THAT(log_->Calls(), ElementsAre("DeviceForUuid(GPU-fake-0)", "OpenEvent(d7, 0)=1",
+                                         "Wait(stream 20480, 1, 0)", "Wait(stream 20480, 1, 0)",
+                                         "Wait(stream 20480, 1, 0)"));
 }
 
 TEST_F(StreamEventsTest, AnIdWithANewHandleReplacesTheCachedEvent) {
@@ -113,8 +112,8 @@ TEST(RealStreamEventsTest, FailsCleanlyWithoutAUsableGpu) {
   absl::Status s = events.WaitReady(
       IpcEvent{1, std::string(64, '\1'), "GPU-00000000-0000-0000-0000-000000000000"}, nullptr);
   EXPECT_FALSE(s.ok());
-  EXPECT_THAT(s.code(), ::testing::AnyOf(absl::StatusCode::kFailedPrecondition,
-                                         absl::StatusCode::kNotFound));
+  EXPECT_THAT(s.code(),
+              ::testing::AnyOf(absl::StatusCode::kFailedPrecondition, absl::StatusCode::kNotFound));
   EXPECT_THAT(s.message(), HasSubstr("ready event 1 on GPU GPU-00000000"));
 }
 

@@ -81,13 +81,11 @@ TEST(CudaIpcGpuTest, ChildOpensTheBufferOnceAndItsStreamWaitsForTheEvent) {
 
   const std::string self = "/proc/self/exe";
   std::vector<std::string> env = {
-      absl::StrCat("FS_IPC_CHILD_MEM=",
-                   absl::BytesToHexString(absl::string_view(reinterpret_cast<char*>(&mem),
-                                                            sizeof(mem)))),
+      absl::StrCat("FS_IPC_CHILD_MEM=", absl::BytesToHexString(absl::string_view(
+                                            reinterpret_cast<char*>(&mem), sizeof(mem)))),
       absl::StrCat("FS_IPC_CHILD_EVENT=", absl::BytesToHexString(written->ipc_handle)),
       absl::StrCat("FS_IPC_CHILD_EVENT_ID=", written->id),
-      absl::StrCat("FS_IPC_CHILD_UUID=", g.uuid),
-      absl::StrCat("FS_IPC_CHILD_FD=", pipe_fds[1])};
+      absl::StrCat("FS_IPC_CHILD_UUID=", g.uuid), absl::StrCat("FS_IPC_CHILD_FD=", pipe_fds[1])};
   for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
   std::vector<char*> envp;
   for (std::string& e : env) envp.push_back(e.data());
@@ -153,8 +151,8 @@ TEST(CudaIpcChild, OpensAndCopiesAfterTheParentsEvent) {
   IpcEvent ready{event_id, absl::HexStringToBytes(std::getenv("FS_IPC_CHILD_EVENT")), uuid};
   ASSERT_TRUE(events.WaitReady(ready, stream).ok());
   std::vector<uint8_t> out(range.bytes);
-  ASSERT_CUDA(cudaMemcpyAsync(out.data(), writable->data, out.size(), cudaMemcpyDeviceToHost,
-                              stream));
+  ASSERT_CUDA(
+      cudaMemcpyAsync(out.data(), writable->data, out.size(), cudaMemcpyDeviceToHost, stream));
   ASSERT_EQ(::write(fd, "x", 1), 1);  // now the parent's copy may run
   ASSERT_CUDA(cudaStreamSynchronize(stream));
   size_t bad = 0;

@@ -40,9 +40,9 @@ inline std::string FakeIpcHandle(const std::string& name, uint64_t bytes) {
 struct FakeGpuLog {
   absl::Mutex mu;
   std::map<std::string, int> gpus ABSL_GUARDED_BY(mu) = {{"GPU-fake-0", 0}, {"GPU-fake-1", 1}};
-  absl::Status no_gpu ABSL_GUARDED_BY(mu);  // not OK: every lookup fails with it
-  int opens ABSL_GUARDED_BY(mu) = 0;   // successful DeviceMemoryOpener::Open calls
-  int closes ABSL_GUARDED_BY(mu) = 0;  // mappings destroyed
+  absl::Status no_gpu ABSL_GUARDED_BY(mu);             // not OK: every lookup fails with it
+  int opens ABSL_GUARDED_BY(mu) = 0;                   // successful DeviceMemoryOpener::Open calls
+  int closes ABSL_GUARDED_BY(mu) = 0;                  // mappings destroyed
   std::vector<std::string> calls ABSL_GUARDED_BY(mu);  // every call, "Op(args)", in order
 
   int total_calls() {

@@ -74,9 +74,9 @@ class FakeShardService final : public v1::ShardService::Service {
   absl::Status join_error ABSL_GUARDED_BY(mu);        // then this, when not OK
   absl::Status summon_error ABSL_GUARDED_BY(mu);
   bool device_memory ABSL_GUARDED_BY(mu) = false;  // see "Device mode" above
-  bool ack_lease ABSL_GUARDED_BY(mu) = false;     // send one LeaseResponse after the caller
-  absl::Status refuse_lease ABSL_GUARDED_BY(mu);  // not OK: end new leases with it at once
-  absl::Status break_lease ABSL_GUARDED_BY(mu);   // not OK: end open leases with it
+  bool ack_lease ABSL_GUARDED_BY(mu) = false;      // send one LeaseResponse after the caller
+  absl::Status refuse_lease ABSL_GUARDED_BY(mu);   // not OK: end new leases with it at once
+  absl::Status break_lease ABSL_GUARDED_BY(mu);    // not OK: end open leases with it
   // Recorded.
   int join_calls ABSL_GUARDED_BY(mu) = 0;
   int leave_calls ABSL_GUARDED_BY(mu) = 0;
@@ -362,9 +362,9 @@ class FakeShardServer {
   // a daemon restarting at the same address.
   explicit FakeShardServer(std::string path) {
     static std::atomic<int> counter{0};
-    path_ = !path.empty() ? std::move(path)
-                          : absl::StrCat("/tmp/fs_client_test.", ::getpid(), ".", counter++,
-                                         ".sock");
+    path_ = !path.empty()
+                ? std::move(path)
+                : absl::StrCat("/tmp/fs_client_test.", ::getpid(), ".", counter++, ".sock");
     ::unlink(path_.c_str());
     grpc::ServerBuilder builder;
     builder.AddListeningPort("unix:" + path_, grpc::InsecureServerCredentials());

@@ -11,9 +11,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/shm_segment.h"
-#include "tests/client/fake_gpu.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/client/fake_gpu.h"
 
 namespace flatshard::client::internal {
 namespace {
@@ -103,7 +103,7 @@ TEST(SegmentCacheTest, DropUnlinkedDropsANameReusedForAnotherSegment) {
     ShmSegment first = MakeSegment(4096);
     name = first.name();
     ASSERT_TRUE(cache.Map(RangeOf(first, 0, 16), false).ok());
-  }  // unlinked
+  }                                                                    // unlinked
   absl::StatusOr<ShmSegment> second = ShmSegment::Create(name, 4096);  // a restarted daemon
   ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_EQ(cache.DropUnlinked(), 1u);
@@ -269,8 +269,7 @@ using testing::FakeGpuLog;
 using testing::FakeIpcHandle;
 
 SegmentRange DeviceRangeOf(const ShmSegment& s, uint64_t offset, uint64_t bytes,
-                           const std::string& slab_id,
-                           const std::string& uuid = "GPU-fake-1") {
+                           const std::string& slab_id, const std::string& uuid = "GPU-fake-1") {
   SegmentRange r;
   r.segment = slab_id;
   r.segment_bytes = s.size();

@@ -196,8 +196,11 @@ TEST_F(CheckpointTest, RoundTripSameAndOtherWorldSizes) {
   ExpectLoads(*source, MakePlan("gpt_tied", ExamplePolicy("gpt_tied"), 3), values);
   ExpectLoads(*source, MakePlan("gpt_tied", ExamplePolicy("gpt_tied"), 8), values);
   ExpectLoads(*source, MakePlan("gpt_tied", kNoWrap, 2), values);
-  ExpectLoads(*source, MakePlan("gpt_tied", R"({"format": "flatshard.policy/1",
-      "auto_wrap": {"kind": "always"}})", 5), values);
+  ExpectLoads(*source,
+              MakePlan("gpt_tied", R"({"format": "flatshard.policy/1",
+      "auto_wrap": {"kind": "always"}})",
+                       5),
+              values);
   // The tied alias is a parameter of the source too.
   bool has_alias = false;
   for (const PlanUnit& u : saved.units) {
@@ -310,9 +313,9 @@ TEST_F(CheckpointTest, BindRefusesMissingAndMismatchedParamsNamingTheFqn) {
   ASSERT_FALSE(b.ok());
   EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(b.status().message(), HasSubstr("is not in checkpoint"));
-  EXPECT_THAT(b.status().message(), HasSubstr(other.units[0].params.empty()
-                                                  ? other.units[1].params[0].fqn
-                                                  : other.units[0].params[0].fqn));
+  EXPECT_THAT(b.status().message(),
+              HasSubstr(other.units[0].params.empty() ? other.units[1].params[0].fqn
+                                                      : other.units[0].params[0].fqn));
   // A shape change of one parameter: named with both shapes.
   Plan changed = plan;
   PlanParam& p = changed.units.back().params.back();
@@ -329,8 +332,8 @@ TEST(TiedAliasesTest, CrossUnitTiesTheplanDoesNotName) {
   const Plan block = MakePlan("gpt_tied", ExamplePolicy("gpt_tied"), 2);
   EXPECT_TRUE(TiedAliases(*m, block).empty());
   // Every module wrapped: lm_head's weight lives in wte's unit; only the manifest knows.
-  const Plan always =
-      MakePlan("gpt_tied", R"({"format": "flatshard.policy/1", "auto_wrap": {"kind": "always"}})", 2);
+  const Plan always = MakePlan(
+      "gpt_tied", R"({"format": "flatshard.policy/1", "auto_wrap": {"kind": "always"}})", 2);
   const std::vector<SharedParam> tied = TiedAliases(*m, always);
   ASSERT_EQ(tied.size(), 1u);
   EXPECT_EQ(tied[0].fqn, "lm_head.weight");
@@ -398,10 +401,14 @@ TEST_F(CheckpointTest, SafetensorsReaderRefusesBrokenFiles) {
   refused(file(R"({"a":{"dtype":"X9","shape":[2],"data_offsets":[0,8]}})", 8), "unknown dtype");
   refused(file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), "(a hole)");
   refused(file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-               R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), "(overlap)");
+               R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+               8),
+          "(overlap)");
   refused(file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 8), "trailing");
   refused(file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
-               R"("a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), "duplicate");
+               R"("a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+               8),
+          "duplicate");
   refused(file(R"({"__metadata__":{"k":1}})", 0), "__metadata__.k must be a string");
   // Empty (no tensors) and space-padded headers are fine.
   std::ofstream(path, std::ios::binary | std::ios::trunc) << file("{}      ", 0);
@@ -416,9 +423,10 @@ TEST_F(CheckpointTest, ExportThenImportSafetensorsIntoOtherPlans) {
   ASSERT_TRUE(c.ok());
   const std::string st = (dir_ / "model.safetensors").string();
   int64_t progressed = 0;
-  ASSERT_TRUE(ExportSafetensors(*CheckpointSource(*c), saved, st, {{"format", "pt"}},
-                                [&](int64_t n) { progressed += n; })
-                  .ok());
+  ASSERT_TRUE(
+      ExportSafetensors(*CheckpointSource(*c), saved, st, {{"format", "pt"}}, [&](int64_t n) {
+        progressed += n;
+      }).ok());
   absl::StatusOr<safetensors::Header> h = safetensors::ReadHeader(st);
   ASSERT_TRUE(h.ok()) << h.status();
   EXPECT_EQ(progressed, testing::ReadFile(st).size() - h->data_start);
@@ -500,8 +508,8 @@ TEST_F(CheckpointTest, OptimizerStateSpecsAndReshardingOfAnotherDtype) {
     for (float x : v) want[fqn].push_back(static_cast<double>(x) * 2 + 0.5);
   }
   for (const Plan& target :
-       {saved, MakePlan("gpt_tied", ExamplePolicy("gpt_tied"), 3),
-        MakePlan("gpt_tied", kNoWrap, 2), MakePlan("gpt_tied", ExamplePolicy("gpt_tied"), 1)}) {
+       {saved, MakePlan("gpt_tied", ExamplePolicy("gpt_tied"), 3), MakePlan("gpt_tied", kNoWrap, 2),
+        MakePlan("gpt_tied", ExamplePolicy("gpt_tied"), 1)}) {
     // float32 is refused (the parameters' dtype), naming the state.
     absl::StatusOr<std::vector<Binding>> wrong = Bind(*state, target);
     ASSERT_FALSE(wrong.ok());
@@ -511,9 +519,9 @@ TEST_F(CheckpointTest, OptimizerStateSpecsAndReshardingOfAnotherDtype) {
     for (int32_t r = 0; r < target.world_size; ++r) {
       for (const PlanUnit& u : target.units) {
         std::vector<double> got(u.shard_numel, -1.0);
-        ASSERT_TRUE(FillShard(*state, *b, target, u.index, target.ShardRank(r), got.data(),
-                              DType::kFloat64)
-                        .ok());
+        ASSERT_TRUE(
+            FillShard(*state, *b, target, u.index, target.ShardRank(r), got.data(), DType::kFloat64)
+                .ok());
         absl::StatusOr<FlatLayout> layout = UnitLayout(target, u);
         ASSERT_TRUE(layout.ok());
         const ElementRange range = layout->ShardRange(target.ShardRank(r));

@@ -19,7 +19,7 @@ struct DTypeCase {
 
 const std::vector<DTypeCase>& AllDTypes() {
   static const auto* cases = new std::vector<DTypeCase>{
-      {DType::kFloat32, "float32", 4, true},  {DType::kFloat16, "float16", 2, true},
+      {DType::kFloat32, "float32", 4, true},   {DType::kFloat16, "float16", 2, true},
       {DType::kBFloat16, "bfloat16", 2, true}, {DType::kFloat64, "float64", 8, true},
       {DType::kInt8, "int8", 1, false},        {DType::kInt32, "int32", 4, false},
       {DType::kInt64, "int64", 8, false},      {DType::kUInt8, "uint8", 1, false},
@@ -57,9 +57,9 @@ TEST(DTypeTest, OnlyTheFourFloatTypesAreFloatingPoint) {
 }
 
 TEST(DTypeTest, UnknownOrMisspelledNamesAreRefused) {
-  for (const char* name : {"", "float", "Float32", "FLOAT32", "float32 ", " float32", "fp16",
-                           "half", "bf16", "double", "int", "long", "uint16", "float8",
-                           "torch.float32", "complex64"}) {
+  for (const char* name :
+       {"", "float", "Float32", "FLOAT32", "float32 ", " float32", "fp16", "half", "bf16", "double",
+        "int", "long", "uint16", "float8", "torch.float32", "complex64"}) {
     EXPECT_FALSE(ParseDType(name).has_value()) << "'" << name << "'";
   }
   // An embedded NUL is not a prefix match.

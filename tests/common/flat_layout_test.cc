@@ -157,8 +157,8 @@ TEST(FlatLayoutTest, AlignmentInvariantsForManyShapes) {
   const struct {
     DType dtype;
     int64_t align;
-  } kDTypes[] = {{DType::kFloat32, 4}, {DType::kFloat16, 8}, {DType::kBFloat16, 8},
-                 {DType::kFloat64, 2}};
+  } kDTypes[] = {
+      {DType::kFloat32, 4}, {DType::kFloat16, 8}, {DType::kBFloat16, 8}, {DType::kFloat64, 2}};
   const std::vector<std::vector<int64_t>> kNumels = {
       {1}, {4}, {7, 1}, {0, 3}, {3, 0, 5}, {1, 2, 3, 4, 5, 6, 7, 8, 9}, {16, 16}, {5, 0, 0, 1}};
   for (const auto& d : kDTypes) {

@@ -116,8 +116,8 @@ void ExpectPlanInvariants(const Manifest& manifest, const Plan& plan) {
   }
   for (const auto& [fqn, id] : paths) {
     if (ignored.contains(id)) continue;
-    EXPECT_EQ(units_of_tensor[id], 1) << "tensor of " << fqn << " is in "
-                                      << units_of_tensor[id] << " units";
+    EXPECT_EQ(units_of_tensor[id], 1)
+        << "tensor of " << fqn << " is in " << units_of_tensor[id] << " units";
   }
 }
 
@@ -153,7 +153,8 @@ Json UnitsAsFixture(const Plan& plan, bool with_shared) {
                  {"numel", u.numel}};
     if (with_shared) {
       Json shared = Json::array();
-      for (const SharedParam& s : u.shared) shared.push_back({{"fqn", s.fqn}, {"same_as", s.same_as}});
+      for (const SharedParam& s : u.shared)
+        shared.push_back({{"fqn", s.fqn}, {"same_as", s.same_as}});
       unit["shared"] = shared;
     }
     units.push_back(unit);
@@ -188,7 +189,8 @@ TEST_P(FsdpFixtureTest, MatchesFsdp) {
     } else if (fsdp_error.find("Integer parameters") != std::string::npos) {
       EXPECT_THAT(ours, ::testing::HasSubstr("Cannot flatten integer dtype tensors"));
     } else if (fsdp_error.find("requires_grad") != std::string::npos) {
-      EXPECT_THAT(ours, ::testing::HasSubstr("has both parameters with requires_grad=True and False"));
+      EXPECT_THAT(ours,
+                  ::testing::HasSubstr("has both parameters with requires_grad=True and False"));
     }
     return;
   }

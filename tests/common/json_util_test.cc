@@ -41,9 +41,9 @@ TEST(ParseJsonTest, AcceptsWellFormedDocument) {
 }
 
 TEST(ParseJsonTest, MalformedJsonIsInvalidArgumentWithoutThrowing) {
-  for (const char* text : {"", "{", "{\"a\": }", "[1, 2,]", "{\"a\": 1} trailing", "NaN",
-                           "{'a': 1}", "// comment\n{}", "{\"a\": \"\xff\"}", "\"unterminated",
-                           "[1 2]", "{\"a\" 1}"}) {
+  for (const char* text :
+       {"", "{", "{\"a\": }", "[1, 2,]", "{\"a\": 1} trailing", "NaN", "{'a': 1}", "// comment\n{}",
+        "{\"a\": \"\xff\"}", "\"unterminated", "[1 2]", "{\"a\" 1}"}) {
     SCOPED_TRACE(text);
     absl::StatusOr<Json> v;
     EXPECT_NO_THROW(v = ParseJson(text, "manifest"));
@@ -108,8 +108,7 @@ TEST(ParseJsonTest, HundredThousandOpenBracketsAreRefusedWithoutCrashing) {
 
 TEST(ParseJsonTest, BracketsInsideStringsDoNotCount) {
   const std::string brackets(100000, '[');
-  Json v = MustParse("{\"a\": \"" + brackets + "\", \"b\": [\"" + std::string(1000, '{') +
-                     "\"]}");
+  Json v = MustParse("{\"a\": \"" + brackets + "\", \"b\": [\"" + std::string(1000, '{') + "\"]}");
   EXPECT_EQ(v["a"].get<std::string>().size(), 100000u);
   // An escaped quote does not end the string.
   v = MustParse("[\"\\\"" + brackets + "\"]");
@@ -139,8 +138,8 @@ TEST(JsonPathTest, FormatsKeysAndIndices) {
 
 TEST(ExpectObjectTest, UnknownKeyNamesKeyPathAndAllowedKeys) {
   Json v = MustParse(R"({"name": "x", "shpae": [1]})");
-  absl::Status s = ExpectObject(v, JsonPath("manifest").Key("root").Key("params").Index(2),
-                                {"name", "shape"});
+  absl::Status s =
+      ExpectObject(v, JsonPath("manifest").Key("root").Key("params").Index(2), {"name", "shape"});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Msg(s), "manifest: $.root.params[2]: unknown key \"shpae\" (allowed: name, shape)");
 }
@@ -159,7 +158,8 @@ TEST(ExpectObjectTest, RefusesNonObjects) {
 TEST(ExpectArrayTest, RefusesNonArrays) {
   JsonPath p("doc");
   EXPECT_TRUE(ExpectArray(MustParse("[]"), p).ok());
-  EXPECT_EQ(Msg(ExpectArray(MustParse("{}"), p.Key("l"))), "doc: $.l: must be an array, got an object");
+  EXPECT_EQ(Msg(ExpectArray(MustParse("{}"), p.Key("l"))),
+            "doc: $.l: must be an array, got an object");
   EXPECT_EQ(Msg(ExpectArray(MustParse("true"), p)), "doc: $: must be an array, got a boolean");
 }
 
@@ -258,7 +258,8 @@ TEST(GetStringTest, TypesAndMissingKeys) {
   EXPECT_EQ(out, "unchanged");
   EXPECT_TRUE(GetOptionalString(obj, "s", p, &out).ok());
   EXPECT_EQ(out, "hi");
-  EXPECT_EQ(Msg(GetOptionalString(obj, "n", p, &out)), "doc: $.n: must be a string, got an integer");
+  EXPECT_EQ(Msg(GetOptionalString(obj, "n", p, &out)),
+            "doc: $.n: must be a string, got an integer");
   EXPECT_EQ(Msg(AsString(Json(1.5), p.Index(0)).status()),
             "doc: $[0]: must be a string, got a number with a fraction or exponent");
 }
@@ -268,7 +269,8 @@ TEST(GetBoolTest, TypesAndMissingKeys) {
   JsonPath p = JsonPath("policy");
   EXPECT_TRUE(*GetBool(obj, "t", p));
   EXPECT_FALSE(*GetBool(obj, "f", p));
-  EXPECT_EQ(Msg(GetBool(obj, "n", p).status()), "policy: $.n: must be true or false, got an integer");
+  EXPECT_EQ(Msg(GetBool(obj, "n", p).status()),
+            "policy: $.n: must be true or false, got an integer");
   EXPECT_EQ(Msg(GetBool(obj, "s", p).status()), "policy: $.s: must be true or false, got a string");
   EXPECT_EQ(Msg(GetBool(obj, "x", p).status()), "policy: $: missing required key \"x\"");
   bool out = true;

@@ -60,9 +60,7 @@ Json Child(const std::string& name, Json module) {
 
 Json Ref(int64_t id) { return Json{{"ref", id}}; }
 
-Json Doc(Json root) {
-  return Json{{"format", "flatshard.manifest/1"}, {"root", std::move(root)}};
-}
+Json Doc(Json root) { return Json{{"format", "flatshard.manifest/1"}, {"root", std::move(root)}}; }
 
 absl::StatusOr<Manifest> Parse(const Json& doc) { return ManifestFromJson(doc.dump()); }
 
@@ -103,11 +101,12 @@ TEST(ManifestTest, SharedModulesAreStoredOnceInPreOrder) {
   //   a (id 10): child x (id 11, param p0), child y (id 12)
   //   b -> ref 11 (a.x), c -> ref 10 (a), d (id 13) with child e -> ref 12
   Json x = Module(11, "Linear", Json::array({Param("w", 0, {2, 3})}));
-  Json a = Module(10, "Block", Json::array(), Json::array({Child("x", x), Child("y", Module(12, "ReLU"))}));
+  Json a = Module(10, "Block", Json::array(),
+                  Json::array({Child("x", x), Child("y", Module(12, "ReLU"))}));
   Json d = Module(13, "Seq", Json::array(), Json::array({Child("e", Ref(12))}));
-  Json root = Module(0, "Net", Json::array(),
-                     Json::array({Child("a", a), Child("b", Ref(11)), Child("c", Ref(10)),
-                                  Child("d", d)}));
+  Json root =
+      Module(0, "Net", Json::array(),
+             Json::array({Child("a", a), Child("b", Ref(11)), Child("c", Ref(10)), Child("d", d)}));
   absl::StatusOr<Manifest> m = Parse(Doc(root));
   ASSERT_TRUE(m.ok()) << m.status();
   ASSERT_EQ(m->modules.size(), 5u);
@@ -160,9 +159,11 @@ TEST(ManifestTest, RefWithExtraKeysIsRefused) {
 }
 
 TEST(ManifestTest, RefMustBeAnInteger) {
-  Json root = Module(0, "Net", Json::array(),
-                     Json::array({Child("wte", Module(1, "Embedding")), Child("alias", Json{{"ref", "1"}})}));
-  ExpectRefused(Doc(root), "manifest: $.root.children[1].module.ref: must be an integer, got a string");
+  Json root = Module(
+      0, "Net", Json::array(),
+      Json::array({Child("wte", Module(1, "Embedding")), Child("alias", Json{{"ref", "1"}})}));
+  ExpectRefused(Doc(root),
+                "manifest: $.root.children[1].module.ref: must be an integer, got a string");
 }
 
 TEST(ManifestTest, RootAsRefIsRefused) {
@@ -187,20 +188,25 @@ TEST(ManifestTest, DuplicateModuleIdIsRefused) {
 TEST(ManifestTest, DuplicateChildNamesAreRefused) {
   Json root = Module(0, "Net", Json::array(),
                      Json::array({Child("a", Module(1, "A")), Child("a", Module(2, "B"))}));
-  ExpectRefused(Doc(root), "manifest: $.root.children[1].name: name \"a\" is already used on this module");
+  ExpectRefused(Doc(root),
+                "manifest: $.root.children[1].name: name \"a\" is already used on this module");
 }
 
 TEST(ManifestTest, DuplicateParamNamesAreRefused) {
   Json root = Module(0, "Net", Json::array({Param("w", 0, {2}), Param("w", 1, {2})}));
-  ExpectRefused(Doc(root), "manifest: $.root.params[1].name: name \"w\" is already used on this module");
+  ExpectRefused(Doc(root),
+                "manifest: $.root.params[1].name: name \"w\" is already used on this module");
 }
 
 TEST(ManifestTest, ParamBufferAndChildShareOneNamespace) {
   Json root = Module(0, "Net", Json::array({Param("w", 0, {2})}));
   root["buffers"] = Json::array({Param("w", 1, {2})});
-  ExpectRefused(Doc(root), "manifest: $.root.buffers[0].name: name \"w\" is already used on this module");
-  root = Module(0, "Net", Json::array({Param("w", 0, {2})}), Json::array({Child("w", Module(1, "A"))}));
-  ExpectRefused(Doc(root), "manifest: $.root.children[0].name: name \"w\" is already used on this module");
+  ExpectRefused(Doc(root),
+                "manifest: $.root.buffers[0].name: name \"w\" is already used on this module");
+  root = Module(0, "Net", Json::array({Param("w", 0, {2})}),
+                Json::array({Child("w", Module(1, "A"))}));
+  ExpectRefused(Doc(root),
+                "manifest: $.root.children[0].name: name \"w\" is already used on this module");
 }
 
 TEST(ManifestTest, NamesWithDotsOrEmptyAreRefused) {
@@ -214,7 +220,8 @@ TEST(ManifestTest, NamesWithDotsOrEmptyAreRefused) {
                 "manifest: $.root.params[0].name: parameter name must not be empty");
   Json root = Module(0, "Net");
   root["buffers"] = Json::array({Param(".", 0, {2})});
-  ExpectRefused(Doc(root), "manifest: $.root.buffers[0].name: buffer name \".\" must not contain \".\"");
+  ExpectRefused(Doc(root),
+                "manifest: $.root.buffers[0].name: buffer name \".\" must not contain \".\"");
 }
 
 TEST(ManifestTest, NegativeShapeDimIsRefused) {
@@ -234,7 +241,8 @@ TEST(ManifestTest, ShapeWhoseProductOverflowsIsRefused) {
       Parse(Doc(Module(0, "Net", Json::array({Param("w", 0, {3037000499, 3037000499})}))));
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ(m->root().params[0].numel, int64_t{9223372030926249001});
-  m = Parse(Doc(Module(0, "Net", Json::array({Param("w", 0, {std::numeric_limits<int64_t>::max()})}))));
+  m = Parse(
+      Doc(Module(0, "Net", Json::array({Param("w", 0, {std::numeric_limits<int64_t>::max()})}))));
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ(m->root().params[0].numel, std::numeric_limits<int64_t>::max());
 }
@@ -246,7 +254,8 @@ TEST(ManifestTest, FloatAndHugeDimsAreRefused) {
                 "manifest: $.root.params[0].shape[0]: must be an integer, got 2.0 (too large, or "
                 "has a fraction or exponent)");
   doc["root"]["params"][0]["shape"] = Json::array({3, uint64_t{1} << 63});
-  ExpectRefused(doc, "manifest: $.root.params[0].shape[1]: integer 9223372036854775808 overflows int64");
+  ExpectRefused(doc,
+                "manifest: $.root.params[0].shape[1]: integer 9223372036854775808 overflows int64");
   doc["root"]["params"][0]["shape"] = "[2]";
   ExpectRefused(doc, "manifest: $.root.params[0].shape: must be an array, got a string");
 }
@@ -288,8 +297,8 @@ TEST(ManifestTest, RequiresGradDefaultsToTrue) {
 TEST(ManifestTest, TiedParamsMayRepeatWithEqualDeclarations) {
   Json lm_head = Module(2, "Linear", Json::array({Param("weight", 7, {4, 3})}));
   Json wte = Module(1, "Embedding", Json::array({Param("weight", 7, {4, 3})}));
-  absl::StatusOr<Manifest> m = Parse(
-      Doc(Module(0, "GPT", Json::array(), Json::array({Child("wte", wte), Child("lm_head", lm_head)}))));
+  absl::StatusOr<Manifest> m = Parse(Doc(Module(
+      0, "GPT", Json::array(), Json::array({Child("wte", wte), Child("lm_head", lm_head)}))));
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ(m->modules[1].params[0].id, 7);
   EXPECT_EQ(m->modules[2].params[0].id, 7);
@@ -299,11 +308,13 @@ TEST(ManifestTest, ConflictingTiedDeclarationsNameBothPaths) {
   auto doc_with = [](Json second) {
     Json wte = Module(1, "Embedding", Json::array({Param("weight", 7, {4, 3})}));
     Json lm_head = Module(2, "Linear", Json::array({std::move(second)}));
-    return Doc(Module(0, "GPT", Json::array(), Json::array({Child("wte", wte), Child("lm_head", lm_head)})));
+    return Doc(Module(0, "GPT", Json::array(),
+                      Json::array({Child("wte", wte), Child("lm_head", lm_head)})));
   };
-  ExpectRefused(doc_with(Param("weight", 7, {3, 4})),
-                "manifest: $.root.children[1].module.params[0]: conflicting declarations of "
-                "tied parameter id 7: shape [3, 4] vs [4, 3] at $.root.children[0].module.params[0]");
+  ExpectRefused(
+      doc_with(Param("weight", 7, {3, 4})),
+      "manifest: $.root.children[1].module.params[0]: conflicting declarations of "
+      "tied parameter id 7: shape [3, 4] vs [4, 3] at $.root.children[0].module.params[0]");
   ExpectRefused(doc_with(Param("weight", 7, {4, 3}, "float16")),
                 "manifest: $.root.children[1].module.params[0]: conflicting declarations of "
                 "tied parameter id 7: dtype float16 vs float32 at "
@@ -405,9 +416,10 @@ TEST(ManifestTest, OptionalListsMayBeOmitted) {
 }
 
 TEST(ManifestTest, ScalarShapeHasOneElementAndZeroDimsGiveZero) {
-  absl::StatusOr<Manifest> m = Parse(Doc(Module(
-      0, "Net", Json::array({Param("s", 0, {}), Param("z", 1, {0}), Param("z2", 2, {5, 0, 7}),
-                             Param("v", 3, {2, 3, 4})}))));
+  absl::StatusOr<Manifest> m =
+      Parse(Doc(Module(0, "Net",
+                       Json::array({Param("s", 0, {}), Param("z", 1, {0}),
+                                    Param("z2", 2, {5, 0, 7}), Param("v", 3, {2, 3, 4})}))));
   ASSERT_TRUE(m.ok()) << m.status();
   const auto& p = m->root().params;
   EXPECT_TRUE(p[0].shape.empty());
@@ -434,13 +446,15 @@ Json RichDoc() {
   bn["bases"] = {"_BatchNorm", "_NormBase", "Module"};
   bn["buffers"] = Json::array({Param("running_mean", 4, {8}, "float32", false),
                                Param("num_batches_tracked", 5, {}, "int64", false)});
-  Json conv = Module(2, "Conv2d", Json::array({Param("weight", 0, {8, 3, 3, 3}, "bfloat16"),
-                                               Param("frozen", 1, {0}, "float64", false)}));
+  Json conv = Module(2, "Conv2d",
+                     Json::array({Param("weight", 0, {8, 3, 3, 3}, "bfloat16"),
+                                  Param("frozen", 1, {0}, "float64", false)}));
   Json seq = Module(1, "Sequential", Json::array(),
                     Json::array({Child("0", conv), Child("1", bn), Child("2", Ref(2))}));
   Json head = Module(6, "Linear", Json::array({Param("weight", 0, {8, 3, 3, 3}, "bfloat16")}));
-  return Doc(Module(0, "Net", Json::array({Param("scale", 9, {})}),
-                    Json::array({Child("features", seq), Child("again", Ref(1)), Child("head", head)})));
+  return Doc(
+      Module(0, "Net", Json::array({Param("scale", 9, {})}),
+             Json::array({Child("features", seq), Child("again", Ref(1)), Child("head", head)})));
 }
 
 TEST(ManifestTest, ToJsonAndBackRoundTrips) {
@@ -507,7 +521,8 @@ TEST(ValidateManifestTest, RefusesOutOfRangeChildIndex) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Msg(s), "manifest: module 100 child \"b\" refers to a missing module");
   m.modules[0].children[1].module = -1;
-  EXPECT_EQ(Msg(ValidateManifest(m)), "manifest: module 100 child \"b\" refers to a missing module");
+  EXPECT_EQ(Msg(ValidateManifest(m)),
+            "manifest: module 100 child \"b\" refers to a missing module");
 }
 
 TEST(ValidateManifestTest, RefusesCycles) {
@@ -543,7 +558,8 @@ TEST(ValidateManifestTest, AppliesTheJsonRules) {
   m.modules[1].params[0].shape = {2, -3};
   absl::Status s = ValidateManifest(m);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(Msg(s), HasSubstr("$.root.children[0].module.params[0].shape[1]: must be at least 0"));
+  EXPECT_THAT(Msg(s),
+              HasSubstr("$.root.children[0].module.params[0].shape[1]: must be at least 0"));
 
   m = SmallManifest();
   m.modules[2].id = 101;
@@ -560,7 +576,8 @@ TEST(ValidateManifestTest, AppliesTheJsonRules) {
   // A tied parameter declared with two shapes.
   m = SmallManifest();
   m.modules[2].params.push_back(TensorDecl{"weight", 0, {3, 2}, DType::kFloat32, true, 6});
-  EXPECT_THAT(Msg(ValidateManifest(m)), HasSubstr("conflicting declarations of tied parameter id 0"));
+  EXPECT_THAT(Msg(ValidateManifest(m)),
+              HasSubstr("conflicting declarations of tied parameter id 0"));
 }
 
 TEST(ValidateManifestTest, RefusesNumelThatDoesNotMatchShape) {
@@ -583,8 +600,8 @@ TEST(ManifestTest, OversizedJsonIsRefusedBeforeParsing) {
 TEST(ManifestTest, TooManyModulesAreRefusedNamingTheLimit) {
   std::string children;
   for (int64_t i = 1; i <= kMaxManifestModules; ++i) {
-    absl::StrAppend(&children, i == 1 ? "" : ",", R"({"name": "m)", i, R"(", "module": {"id": )",
-                    i, R"(, "type": "Identity", "params": [], "children": []}})");
+    absl::StrAppend(&children, i == 1 ? "" : ",", R"({"name": "m)", i, R"(", "module": {"id": )", i,
+                    R"(, "type": "Identity", "params": [], "children": []}})");
   }
   const std::string text = absl::StrCat(
       R"({"format": "flatshard.manifest/1", "root": {"id": 0, "type": "Wide", "params": [], )",

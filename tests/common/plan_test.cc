@@ -172,7 +172,8 @@ TEST(PlanJsonTest, FormatsExampleContent) {
     ],
     "ignored_params": [],
     "warnings": []
-  })")) << j.dump(2);
+  })"))
+      << j.dump(2);
   EXPECT_EQ(j["fingerprint"], Fingerprint(plan));
 }
 
@@ -185,8 +186,7 @@ TEST(PlanJsonTest, KeysAreExactlyThoseOfFormatsMdInOrder) {
     ASSERT_FALSE(j["units"].empty());
     for (const OJson& u : j["units"]) {
       EXPECT_THAT(Keys(u), ElementsAre("index", "module", "module_type", "dtype", "requires_grad",
-                                       "params", "shared", "numel", "padded_numel",
-                                       "shard_numel"));
+                                       "params", "shared", "numel", "padded_numel", "shard_numel"));
       for (const OJson& p : u["params"]) {
         EXPECT_THAT(Keys(p), ElementsAre("fqn", "shape", "numel", "offset"));
       }
@@ -298,8 +298,7 @@ TEST_F(PlanTamperTest, ParamNumelIsRefused) {
   json_ = Json::parse(PlanToJson(plan_).dump());
   json_["units"][1]["params"][0]["shape"] = Json::array({5, 3, 1});
   json_["units"][1]["params"][0]["numel"] = 16;
-  ExpectRefused(json_,
-                "plan: $.units[1].params[0].numel: numel 16 does not match shape [5, 3, 1]");
+  ExpectRefused(json_, "plan: $.units[1].params[0].numel: numel 16 does not match shape [5, 3, 1]");
 }
 
 TEST_F(PlanTamperTest, UnitSizesAreRefused) {
@@ -369,7 +368,8 @@ TEST_F(PlanTamperTest, StructuralErrorsNameThePath) {
   ExpectRefused(j, "plan: $.units[2].index: must be 2, got 1");
   j = json_;
   j["format"] = "flatshard.plan/2";
-  ExpectRefused(j, "plan: $.format: unknown format \"flatshard.plan/2\", expected \"flatshard.plan/1\"");
+  ExpectRefused(
+      j, "plan: $.format: unknown format \"flatshard.plan/2\", expected \"flatshard.plan/1\"");
   j = json_;
   j["world_size"] = 0;
   ExpectRefused(j, "plan: $.world_size: must be in [1, 2147483647], got 0");
@@ -497,11 +497,17 @@ TEST(PlanFingerprintTest, ChangesWithEveryFact) {
       {"unit padded_numel", [](Plan& p) { p.units[1].padded_numel += 4; }},
       {"unit shard_numel", [](Plan& p) { p.units[1].shard_numel += 1; }},
       {"param fqn", [](Plan& p) { p.units[1].params[0].fqn = "b0.v"; }},
-      {"param shape", [](Plan& p) { p.units[1].params[0].shape = {5, 3}; }},
+      {"param shape",
+       [](Plan& p) {
+         p.units[1].params[0].shape = {5, 3};
+       }},
       {"param numel", [](Plan& p) { p.units[1].params[0].numel += 1; }},
       {"param offset", [](Plan& p) { p.units[1].params[1].offset += 1; }},
       {"param order", [](Plan& p) { std::swap(p.units[1].params[0], p.units[1].params[1]); }},
-      {"shared added", [](Plan& p) { p.units[1].shared.push_back({"x.w", "b0.w"}); }},
+      {"shared added",
+       [](Plan& p) {
+         p.units[1].shared.push_back({"x.w", "b0.w"});
+       }},
       {"unit order", [](Plan& p) { std::swap(p.units[0], p.units[1]); }},
       {"unit removed", [](Plan& p) { p.units.pop_back(); }},
       {"ignored param", [](Plan& p) { p.ignored_params.push_back("b2.w"); }},
@@ -519,10 +525,14 @@ TEST(PlanFingerprintTest, DistinguishesFieldBoundaries) {
   // uses (0x1f). Moving it from one field to the next must change the fingerprint.
   Plan a = MustPlan(MustManifest(kBlocksManifest), MustPolicy(kBlocksPolicy), 4);
   Plan b = a;
-  a.units[1].module = "b0\x1f" "Block";
+  a.units[1].module =
+      "b0\x1f"
+      "Block";
   a.units[1].module_type = "X";
   b.units[1].module = "b0";
-  b.units[1].module_type = "Block\x1f" "X";
+  b.units[1].module_type =
+      "Block\x1f"
+      "X";
   ASSERT_FALSE(a == b);
   // Fields are length-prefixed, so no content can imitate a field boundary.
   EXPECT_NE(Fingerprint(a), Fingerprint(b));

@@ -20,14 +20,20 @@ using ::testing::HasSubstr;
 // Builds manifest JSON tersely: M("Type", {P("w", 1, {4, 4})}, {C("child", M(...))}).
 Json P(const std::string& name, int64_t id, std::vector<int64_t> shape,
        const std::string& dtype = "float32", bool requires_grad = true) {
-  return {{"name", name}, {"id", id}, {"shape", shape}, {"dtype", dtype},
+  return {{"name", name},
+          {"id", id},
+          {"shape", shape},
+          {"dtype", dtype},
           {"requires_grad", requires_grad}};
 }
 int64_t g_next_module_id = 0;
 Json M(const std::string& type, std::vector<Json> params = {}, std::vector<Json> children = {},
        std::vector<std::string> bases = {"Module"}) {
-  return {{"id", g_next_module_id++}, {"type", type}, {"bases", bases},
-          {"params", params}, {"children", children}};
+  return {{"id", g_next_module_id++},
+          {"type", type},
+          {"bases", bases},
+          {"params", params},
+          {"children", children}};
 }
 Json C(const std::string& name, Json module) { return {{"name", name}, {"module", module}}; }
 Json Ref(int64_t id) { return {{"ref", id}}; }
@@ -98,14 +104,17 @@ TEST(PlannerTest, AlwaysWrapsEveryModuleWithParamsListedInPreOrder) {
 TEST(PlannerTest, SizeBasedWrapsWhenRemainderReachesThreshold) {
   // blk subtree = 500 >= 300: descend; x (200) < 300 no; y (300) >= 300 wraps; then blk's
   // remainder is 200 < 300, so blk is not a unit. a (110) and z (5) stay in the root.
-  auto plan = PlanWith(SmallTree(), R"({"auto_wrap": {"kind": "size_based", "min_num_params": 300}})");
+  auto plan =
+      PlanWith(SmallTree(), R"({"auto_wrap": {"kind": "size_based", "min_num_params": 300}})");
   ASSERT_TRUE(plan.ok());
   EXPECT_THAT(UnitModules(*plan), ElementsAre("<root>", "blk.y"));
-  EXPECT_THAT(Fqns(plan->units[0]), ElementsAre("w", "a.weight", "a.bias", "blk.x.weight", "z.weight"));
+  EXPECT_THAT(Fqns(plan->units[0]),
+              ElementsAre("w", "a.weight", "a.bias", "blk.x.weight", "z.weight"));
 }
 
 TEST(PlannerTest, SizeBasedWrapsParentOnItsRemainder) {
-  auto plan = PlanWith(SmallTree(), R"({"auto_wrap": {"kind": "size_based", "min_num_params": 200}})");
+  auto plan =
+      PlanWith(SmallTree(), R"({"auto_wrap": {"kind": "size_based", "min_num_params": 200}})");
   ASSERT_TRUE(plan.ok());
   // x (200) and y (300) wrap; blk's remainder is 0 < 200.
   EXPECT_THAT(UnitModules(*plan), ElementsAre("<root>", "blk.x", "blk.y"));
@@ -118,8 +127,8 @@ TEST(PlannerTest, SizeBasedForceLeafIsNeitherDescendedNorWrapped) {
                                        "force_leaf_types": ["Block"]}})");
   ASSERT_TRUE(plan.ok());
   EXPECT_THAT(UnitModules(*plan), ElementsAre("<root>"));
-  EXPECT_THAT(Fqns(plan->units[0]), ElementsAre("w", "a.weight", "a.bias", "blk.x.weight",
-                                                "blk.y.weight", "z.weight"));
+  EXPECT_THAT(Fqns(plan->units[0]),
+              ElementsAre("w", "a.weight", "a.bias", "blk.x.weight", "blk.y.weight", "z.weight"));
 }
 
 TEST(PlannerTest, SizeBasedExcludeWrapTypesAreNeverUnits) {
@@ -131,28 +140,28 @@ TEST(PlannerTest, SizeBasedExcludeWrapTypesAreNeverUnits) {
 
 TEST(PlannerTest, SizeBasedDefaultsExcludeModuleListAndLeafMultiheadAttention) {
   g_next_module_id = 0;
-  Manifest m = MakeManifest(M(
-      "Net", {},
-      {C("layers", M("ModuleList", {},
-                     {C("0", M("MultiheadAttention", {P("in_proj_weight", 0, {30})},
-                               {C("out_proj", M("Linear", {P("weight", 1, {20})}))}))})),
-       C("head", M("Linear", {P("weight", 2, {5})}))}));
+  Manifest m = MakeManifest(
+      M("Net", {},
+        {C("layers", M("ModuleList", {},
+                       {C("0", M("MultiheadAttention", {P("in_proj_weight", 0, {30})},
+                                 {C("out_proj", M("Linear", {P("weight", 1, {20})}))}))})),
+         C("head", M("Linear", {P("weight", 2, {5})}))}));
   auto plan = PlanWith(m, R"({"auto_wrap": {"kind": "size_based", "min_num_params": 1}})");
   ASSERT_TRUE(plan.ok());
   // MHA is a force leaf (neither it nor out_proj becomes a unit) and ModuleList is excluded,
   // so the attention params stay in the root unit.
   EXPECT_THAT(UnitModules(*plan), ElementsAre("<root>", "head"));
   ASSERT_EQ(plan->units.size(), 2u);
-  EXPECT_THAT(Fqns(plan->units[0]), ElementsAre("layers.0.in_proj_weight", "layers.0.out_proj.weight"));
+  EXPECT_THAT(Fqns(plan->units[0]),
+              ElementsAre("layers.0.in_proj_weight", "layers.0.out_proj.weight"));
 }
 
 TEST(PlannerTest, ModuleTypesMatchBasesLikeIsinstance) {
   g_next_module_id = 0;
-  Manifest m = MakeManifest(
-      M("Net", {},
-        {C("conv", M("Conv2d", {P("weight", 0, {8})})),
-         C("bn", M("BatchNorm2d", {P("weight", 1, {4}), P("bias", 2, {4})}, {},
-                   {"_BatchNorm", "_NormBase", "Module"}))}));
+  Manifest m = MakeManifest(M("Net", {},
+                              {C("conv", M("Conv2d", {P("weight", 0, {8})})),
+                               C("bn", M("BatchNorm2d", {P("weight", 1, {4}), P("bias", 2, {4})},
+                                         {}, {"_BatchNorm", "_NormBase", "Module"}))}));
   auto plan = PlanWith(m, R"({"auto_wrap": {"kind": "module_types", "types": ["_BatchNorm"]}})");
   ASSERT_TRUE(plan.ok());
   EXPECT_THAT(UnitModules(*plan), ElementsAre("<root>", "bn"));
@@ -171,9 +180,11 @@ TEST(PlannerTest, UnknownPolicyPathsAreRefusedNamingThePath) {
   auto plan = PlanWith(SmallTree(), R"({"auto_wrap": {"kind": "explicit", "paths": ["blk.q"]}})");
   ASSERT_FALSE(plan.ok());
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(plan.status().message(), HasSubstr("$.auto_wrap.paths[0]: no module at path \"blk.q\""));
+  EXPECT_THAT(plan.status().message(),
+              HasSubstr("$.auto_wrap.paths[0]: no module at path \"blk.q\""));
   plan = PlanWith(SmallTree(), R"({"ignored_modules": ["a", "nope"]})");
-  EXPECT_THAT(plan.status().message(), HasSubstr("$.ignored_modules[1]: no module at path \"nope\""));
+  EXPECT_THAT(plan.status().message(),
+              HasSubstr("$.ignored_modules[1]: no module at path \"nope\""));
   plan = PlanWith(SmallTree(), R"({"ignored_params": ["a.gamma"]})");
   EXPECT_THAT(plan.status().message(), HasSubstr("$.ignored_params[0]: no parameter \"a.gamma\""));
 }
@@ -281,9 +292,9 @@ TEST(PlannerTest, ExpandedSharedModulesAreBounded) {
 
 TEST(PlannerTest, FrozenAndTrainableInOneUnitIsAnErrorWithoutOrigParams) {
   g_next_module_id = 0;
-  Manifest m = MakeManifest(M("Net", {},
-                              {C("enc", M("Linear", {P("weight", 0, {6}, "float32", false),
-                                                     P("bias", 1, {2})}))}));
+  Manifest m = MakeManifest(
+      M("Net", {},
+        {C("enc", M("Linear", {P("weight", 0, {6}, "float32", false), P("bias", 1, {2})}))}));
   auto plan = PlanWith(m, R"({"auto_wrap": {"kind": "always"}})");
   ASSERT_FALSE(plan.ok());
   EXPECT_THAT(plan.status().message(),
@@ -322,10 +333,10 @@ TEST(PlannerTest, IntegerAndMixedDtypesAreRefusedNamingUnitAndParams) {
 
 TEST(PlannerTest, MixedPrecisionWrapsIgnoredTypesSeparatelyWithAWarning) {
   g_next_module_id = 0;
-  Manifest m = MakeManifest(
-      M("Net", {},
-        {C("conv", M("Conv2d", {P("weight", 0, {8})})),
-         C("bn", M("BatchNorm2d", {P("weight", 1, {4})}, {}, {"_BatchNorm", "_NormBase", "Module"}))}));
+  Manifest m = MakeManifest(M("Net", {},
+                              {C("conv", M("Conv2d", {P("weight", 0, {8})})),
+                               C("bn", M("BatchNorm2d", {P("weight", 1, {4})}, {},
+                                         {"_BatchNorm", "_NormBase", "Module"}))}));
   auto plan = PlanWith(m, R"({"auto_wrap": {"kind": "size_based", "min_num_params": 1000},
                              "mixed_precision": {"param_dtype": "bfloat16"}})");
   ASSERT_TRUE(plan.ok());
@@ -343,8 +354,8 @@ TEST(PlannerTest, MixedPrecisionWrapsIgnoredTypesSeparatelyWithAWarning) {
 
 TEST(PlannerTest, OrigParamsAlignsEachParamAndPadsToWorldSize) {
   g_next_module_id = 0;
-  Manifest m = MakeManifest(M("Net", {P("a", 0, {3}, "float16"), P("b", 1, {5}, "float16"),
-                                      P("c", 2, {1}, "float16")}));
+  Manifest m = MakeManifest(
+      M("Net", {P("a", 0, {3}, "float16"), P("b", 1, {5}, "float16"), P("c", 2, {1}, "float16")}));
   auto plan = PlanWith(m, R"({"use_orig_params": true})", 3);
   ASSERT_TRUE(plan.ok());
   const PlanUnit& u = plan->units[0];
@@ -392,7 +403,8 @@ TEST(PlannerTest, NoShardAndHybridShardSizes) {
   EXPECT_EQ(plan->ShardRank(5), 1);
   plan = PlanWith(SmallTree(), R"({"sharding_strategy": "HYBRID_SHARD"})", 8, 3);
   ASSERT_FALSE(plan.ok());
-  EXPECT_THAT(plan.status().message(), HasSubstr("ranks per node 3 must be >= 1 and divide world size 8"));
+  EXPECT_THAT(plan.status().message(),
+              HasSubstr("ranks per node 3 must be >= 1 and divide world size 8"));
 }
 
 TEST(PlannerTest, WorldSizeMustBePositive) {
@@ -401,7 +413,8 @@ TEST(PlannerTest, WorldSizeMustBePositive) {
   EXPECT_THAT(plan.status().message(), HasSubstr("world size must be at least 1, got 0"));
   plan = PlanWith(SmallTree(), "{}", kMaxWorldSize + 1);
   ASSERT_FALSE(plan.ok());
-  EXPECT_THAT(plan.status().message(), HasSubstr("world size must be at most 1048576, got 1048577"));
+  EXPECT_THAT(plan.status().message(),
+              HasSubstr("world size must be at most 1048576, got 1048577"));
 }
 
 TEST(PlannerTest, FingerprintIsStableAndSensitive) {

@@ -95,7 +95,8 @@ TEST(PolicyTest, SizeBasedExplicitValuesIncludingEmptyLists) {
 
 TEST(PolicyTest, NoneAndAlwaysTakeNoFields) {
   EXPECT_EQ(MustParse(R"({"auto_wrap": {"kind": "none"}})").auto_wrap.kind, AutoWrapKind::kNone);
-  EXPECT_EQ(MustParse(R"({"auto_wrap": {"kind": "always"}})").auto_wrap.kind, AutoWrapKind::kAlways);
+  EXPECT_EQ(MustParse(R"({"auto_wrap": {"kind": "always"}})").auto_wrap.kind,
+            AutoWrapKind::kAlways);
   ExpectRefused(R"({"auto_wrap": {"kind": "always", "min_num_params": 5}})",
                 "policy: $.auto_wrap: unknown key \"min_num_params\" (allowed: kind)");
   ExpectRefused(R"({"auto_wrap": {"kind": "none", "types": []}})",
@@ -103,7 +104,8 @@ TEST(PolicyTest, NoneAndAlwaysTakeNoFields) {
 }
 
 TEST(PolicyTest, ModuleTypesRequiresTypes) {
-  Policy p = MustParse(R"({"auto_wrap": {"kind": "module_types", "types": ["Block", "Embedding"]}})");
+  Policy p =
+      MustParse(R"({"auto_wrap": {"kind": "module_types", "types": ["Block", "Embedding"]}})");
   EXPECT_EQ(p.auto_wrap.kind, AutoWrapKind::kModuleTypes);
   EXPECT_THAT(p.auto_wrap.types, ElementsAre("Block", "Embedding"));
   ExpectRefused(R"({"auto_wrap": {"kind": "module_types"}})",
@@ -207,9 +209,10 @@ TEST(PolicyTest, UnknownKindStrategyAndKeysNameThePath) {
                 "policy: $: unknown key \"auto_wrap_policy\" (allowed: format, auto_wrap, "
                 "ignored_modules, ignored_params, use_orig_params, sharding_strategy, "
                 "mixed_precision)");
-  ExpectRefused(R"({"mixed_precision": {"param_dtype": "float16", "keep_low_precision_grads": true}})",
-                "policy: $.mixed_precision: unknown key \"keep_low_precision_grads\" (allowed: "
-                "param_dtype, reduce_dtype, buffer_dtype, module_types_to_ignore)");
+  ExpectRefused(
+      R"({"mixed_precision": {"param_dtype": "float16", "keep_low_precision_grads": true}})",
+      "policy: $.mixed_precision: unknown key \"keep_low_precision_grads\" (allowed: "
+      "param_dtype, reduce_dtype, buffer_dtype, module_types_to_ignore)");
   ExpectRefused(R"({"use_orig_params": "true"})",
                 "policy: $.use_orig_params: must be true or false, got a string");
   ExpectRefused(R"({"ignored_modules": "h.1"})",
@@ -366,8 +369,9 @@ TEST(PolicyTest, ToJsonWritesEveryFieldExplicitly) {
   j = PolicyToJson(p);
   EXPECT_EQ(j["auto_wrap"], Json::parse(R"({"kind": "size_based", "min_num_params": 100000000,
       "force_leaf_types": ["MultiheadAttention"], "exclude_wrap_types": ["ModuleList", "ModuleDict"]})"));
-  EXPECT_EQ(j["mixed_precision"],
-            Json::parse(R"({"reduce_dtype": "float16", "module_types_to_ignore": ["_BatchNorm"]})"));
+  EXPECT_EQ(
+      j["mixed_precision"],
+      Json::parse(R"({"reduce_dtype": "float16", "module_types_to_ignore": ["_BatchNorm"]})"));
 }
 
 }  // namespace

@@ -88,10 +88,10 @@ TEST(ManifestProtoTest, RoundTripsSharedModulesBuffersAndEveryDType) {
 
 TEST(ManifestProtoTest, EveryDTypeMapsToItsProtoValue) {
   const std::vector<std::pair<DType, v1::DType>> pairs = {
-      {DType::kFloat32, v1::DTYPE_FLOAT32}, {DType::kFloat16, v1::DTYPE_FLOAT16},
+      {DType::kFloat32, v1::DTYPE_FLOAT32},   {DType::kFloat16, v1::DTYPE_FLOAT16},
       {DType::kBFloat16, v1::DTYPE_BFLOAT16}, {DType::kFloat64, v1::DTYPE_FLOAT64},
-      {DType::kInt8, v1::DTYPE_INT8},       {DType::kInt32, v1::DTYPE_INT32},
-      {DType::kInt64, v1::DTYPE_INT64},     {DType::kUInt8, v1::DTYPE_UINT8},
+      {DType::kInt8, v1::DTYPE_INT8},         {DType::kInt32, v1::DTYPE_INT32},
+      {DType::kInt64, v1::DTYPE_INT64},       {DType::kUInt8, v1::DTYPE_UINT8},
       {DType::kBool, v1::DTYPE_BOOL}};
   for (const auto& [dtype, proto_dtype] : pairs) {
     Manifest m;
@@ -180,12 +180,14 @@ TEST(ManifestProtoTest, AppliesTheJsonRules) {
 
   proto = ToProto(RichManifest());
   proto.mutable_modules(0)->mutable_children(1)->set_name("a");
-  EXPECT_THAT(Msg(FromProto(proto).status()), HasSubstr("name \"a\" is already used on this module"));
+  EXPECT_THAT(Msg(FromProto(proto).status()),
+              HasSubstr("name \"a\" is already used on this module"));
 
   proto = ToProto(RichManifest());
   proto.mutable_modules(4)->mutable_params(0)->set_requires_grad(false);
-  EXPECT_THAT(Msg(FromProto(proto).status()),
-              HasSubstr("conflicting declarations of tied parameter id 0: requires_grad false vs true"));
+  EXPECT_THAT(
+      Msg(FromProto(proto).status()),
+      HasSubstr("conflicting declarations of tied parameter id 0: requires_grad false vs true"));
 
   proto = ToProto(RichManifest());
   proto.mutable_modules(3)->set_id(1);
@@ -475,12 +477,11 @@ TEST(PlanProtoTest, RoundTrips) {
 TEST(PlanProtoTest, SharedParamsSurvive) {
   Plan plan = NonePlan();
   ASSERT_EQ(plan.units.size(), 1u) << PlanToJson(plan).dump(2);
-  EXPECT_EQ(plan.units[0].shared,
-            (std::vector<SharedParam>{{"b.lin.weight", "a.lin.weight"},
-                                      {"b.lin.bias", "a.lin.bias"},
-                                      {"head.weight", "a.lin.weight"},
-                                      {"also.weight", "a.lin.weight"},
-                                      {"also.bias", "a.lin.bias"}}))
+  EXPECT_EQ(plan.units[0].shared, (std::vector<SharedParam>{{"b.lin.weight", "a.lin.weight"},
+                                                            {"b.lin.bias", "a.lin.bias"},
+                                                            {"head.weight", "a.lin.weight"},
+                                                            {"also.weight", "a.lin.weight"},
+                                                            {"also.bias", "a.lin.bias"}}))
       << PlanToJson(plan).dump(2);
   absl::StatusOr<Plan> back = FromProto(ToProto(plan));
   ASSERT_TRUE(back.ok()) << back.status();
@@ -541,7 +542,8 @@ TEST(PlanProtoTest, UnspecifiedValuesAndWrongFormatAreRefused) {
 
   proto = ToProto(plan);
   proto.mutable_units(0)->set_dtype(v1::DTYPE_INT32);
-  EXPECT_EQ(Msg(FromProto(proto).status()), "plan: $.units[0].dtype: unknown floating dtype \"int32\"");
+  EXPECT_EQ(Msg(FromProto(proto).status()),
+            "plan: $.units[0].dtype: unknown floating dtype \"int32\"");
 
   proto = ToProto(plan);
   proto.set_format("flatshard.plan/2");
@@ -550,7 +552,8 @@ TEST(PlanProtoTest, UnspecifiedValuesAndWrongFormatAreRefused) {
 
   proto = ToProto(plan);
   proto.set_world_size(0);
-  EXPECT_EQ(Msg(FromProto(proto).status()), "plan: $.world_size: must be in [1, 2147483647], got 0");
+  EXPECT_EQ(Msg(FromProto(proto).status()),
+            "plan: $.world_size: must be in [1, 2147483647], got 0");
 
   proto = ToProto(plan);
   proto.set_shard_world_size(0);
@@ -562,7 +565,8 @@ TEST(PlanProtoTest, UnspecifiedValuesAndWrongFormatAreRefused) {
 
   proto = ToProto(plan);
   proto.mutable_units(1)->mutable_params(0)->set_numel(-1);
-  EXPECT_EQ(Msg(FromProto(proto).status()), "plan: $.units[1].params[0].numel: must be at least 0, got -1");
+  EXPECT_EQ(Msg(FromProto(proto).status()),
+            "plan: $.units[1].params[0].numel: must be at least 0, got -1");
 }
 
 TEST(ManifestProtoTest, TooManyModulesAreRefusedBeforeConversion) {

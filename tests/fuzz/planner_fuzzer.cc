@@ -39,8 +39,8 @@ constexpr int64_t kMaxModulePaths = 20000;
 // Plans read from JSON may claim up to 2^31 ranks; per-rank checks look at the first few.
 constexpr int kMaxRanksChecked = 64;
 
-#define FS_FUZZ_CHECK(cond)      \
-  do {                           \
+#define FS_FUZZ_CHECK(cond)        \
+  do {                             \
     if (!(cond)) __builtin_trap(); \
   } while (false)
 

@@ -55,7 +55,7 @@ bool ReadFile(const fs::path& path, std::string* out) {
 
 int main(int argc, char** argv) {
   bool verbose = false;
-  double slow_s = 0;  // 0: no limit
+  double slow_s = 0;         // 0: no limit
   long rss_limit_mb = 2048;  // 0: no limit
   std::vector<fs::path> files;
   for (int i = 1; i < argc; ++i) {

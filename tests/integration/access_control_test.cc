@@ -33,20 +33,20 @@
 #include <thread>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "flatshard/client.h"
-#include "flatshard/v1/shard_service.grpc.pb.h"
 #include "flatshard/v1/admin_service.grpc.pb.h"
+#include "flatshard/v1/shard_service.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/files.h"
 #include "tests/testing/shm_testing.h"
-#include <grpcpp/grpcpp.h>
 
 namespace flatshard::client {
 namespace {
@@ -222,8 +222,8 @@ TEST(OtherUidChild, DISABLED_Run) {
   absl::StatusOr<ShardViews> shards = client->GetShardViews("");
   ASSERT_TRUE(shards.ok()) << shards.status();
   // An operator's changes are root's and the daemon's uid's alone; reading is open.
-  auto admin = v1::AdminService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto admin =
+      v1::AdminService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   {
     grpc::ClientContext ctx;
     v1::SetLogLevelRequest req;
@@ -256,9 +256,10 @@ TEST(OtherUidChild, DISABLED_Run) {
 // Creates kTestUser (with its own group) unless it exists; its uid and gid.
 bool EnsureTestUser(uid_t* uid, gid_t* gid) {
   if (getpwnam(kTestUser) == nullptr) {
-    const std::string cmd = absl::StrCat("useradd --system --user-group --no-create-home "
-                                         "--shell /usr/sbin/nologin ", kTestUser,
-                                         " >/dev/null 2>&1");
+    const std::string cmd = absl::StrCat(
+        "useradd --system --user-group --no-create-home "
+        "--shell /usr/sbin/nologin ",
+        kTestUser, " >/dev/null 2>&1");
     if (std::system(cmd.c_str()) != 0 && getpwnam(kTestUser) == nullptr) return false;
   }
   const passwd* pw = getpwnam(kTestUser);
@@ -309,10 +310,10 @@ TEST(AccessControlTest, OtherUidCannotJoinNorMapRootsGroup) {
   std::vector<std::string> args = {copy.binary().string(),
                                    "--gtest_filter=OtherUidChild.DISABLED_Run",
                                    "--gtest_also_run_disabled_tests"};
-  std::vector<std::string> env = {absl::StrCat("FS_AC_ADDRESS=", d.address()),
-                                  absl::StrCat("FS_AC_SEGMENTS=", absl::StrJoin(root_segments, ",")),
-                                  absl::StrCat("FS_AC_MODEL_DIR=", copy.dir().string()),
-                                  "PATH=/usr/bin:/bin", "HOME=/"};
+  std::vector<std::string> env = {
+      absl::StrCat("FS_AC_ADDRESS=", d.address()),
+      absl::StrCat("FS_AC_SEGMENTS=", absl::StrJoin(root_segments, ",")),
+      absl::StrCat("FS_AC_MODEL_DIR=", copy.dir().string()), "PATH=/usr/bin:/bin", "HOME=/"};
   std::vector<char*> argv, envp;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -391,7 +392,8 @@ class TlsTest : public ::testing::Test {
     delete dir_;
   }
   void SetUp() override {
-    ASSERT_TRUE(ok_) << "openssl failed:\n" << ::flatshard::testing::ReadFile(*dir_ + "/openssl.log");
+    ASSERT_TRUE(ok_) << "openssl failed:\n"
+                     << ::flatshard::testing::ReadFile(*dir_ + "/openssl.log");
   }
 
   static std::string File(const std::string& name) { return *dir_ + "/" + name; }
@@ -494,8 +496,8 @@ TEST_F(TlsTest, ClientCertificateOfTheCaWorksOthersAreRefused) {
   EXPECT_TRUE((*full)->End().ok());
   // flatshardctl over the TLS port: with the client certificate it answers; without, one line
   // and exit 1.
-  const std::string ctl = absl::StrCat(FS_BINARY_DIR, "/client/flatshardctl status --address ",
-                                       tcp, " --timeout-ms 3000");
+  const std::string ctl = absl::StrCat(FS_BINARY_DIR, "/client/flatshardctl status --address ", tcp,
+                                       " --timeout-ms 3000");
   const std::string tls_flags = absl::StrCat(" --tls-ca ", File("ca.pem"), " --tls-cert ",
                                              File("client.pem"), " --tls-key ", File("client.key"));
   int status = std::system((ctl + tls_flags + " >/dev/null 2>&1").c_str());
@@ -538,8 +540,8 @@ TEST(AccessControlStartupTest, NonLoopbackWithoutTlsIsRefused) {
   EXPECT_EQ(group_code, 1) << group_err;
   EXPECT_THAT(group_err, HasSubstr("--socket_group"));
   EXPECT_THAT(group_err, HasSubstr("no-such-group-fs"));
-  auto [tls_code, tls_err] = RunDaemonExpectingExit(
-      {"--tcp_address=127.0.0.1:0", "--tls_cert=/nonexistent.pem"});
+  auto [tls_code, tls_err] =
+      RunDaemonExpectingExit({"--tcp_address=127.0.0.1:0", "--tls_cert=/nonexistent.pem"});
   EXPECT_EQ(tls_code, 1) << tls_err;
   EXPECT_THAT(tls_err, HasSubstr("--tls_cert: cannot read /nonexistent.pem"));
   auto [half_code, half_err] = RunDaemonExpectingExit(

@@ -40,8 +40,8 @@
 #include "gtest/gtest.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
-#include "tests/testing/shard_snapshot.h"
 #include "tests/testing/rank_group.h"
+#include "tests/testing/shard_snapshot.h"
 #include "tests/testing/shm_testing.h"
 
 namespace flatshard::client {
@@ -390,11 +390,11 @@ TEST_P(ClientE2ETest, UnknownUnitPathOrModuleIsRefusedAndChangesNothing) {
     Client& c = *ranks[r].client;
     // Unknown unit: NOT_FOUND; the fill callback never runs.
     bool filled = false;
-    absl::Status s = c.ReduceScatterGrads("", 99, ReduceOp::kSum, false,
-                                          [&](PendingReduceScatter&) {
-                                            filled = true;
-                                            return absl::OkStatus();
-                                          });
+    absl::Status s =
+        c.ReduceScatterGrads("", 99, ReduceOp::kSum, false, [&](PendingReduceScatter&) {
+          filled = true;
+          return absl::OkStatus();
+        });
     EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
     EXPECT_THAT(s.message(), HasSubstr("no unit 99"));
     EXPECT_FALSE(filled);
@@ -495,11 +495,11 @@ TEST_P(ClientE2ETest, ClientKilledMidSummonEndsItWithoutWriteback) {
   // writeback, scribbles over its full buffers, reports its segments and waits to be killed.
   int pipe_fds[2];
   ASSERT_EQ(pipe(pipe_fds), 0);
-  const pid_t child = ::flatshard::testing::SpawnSelf(
-      "ClientE2EChild.HoldSummonUntilKilled",
-      {absl::StrCat(kChildSocketEnv, "=", d.SocketFor(1)),
-       absl::StrCat(kChildFdEnv, "=", pipe_fds[1]),
-       absl::StrCat(kChildCoordinatorEnv, "=", d.coordinator())});
+  const pid_t child =
+      ::flatshard::testing::SpawnSelf("ClientE2EChild.HoldSummonUntilKilled",
+                                      {absl::StrCat(kChildSocketEnv, "=", d.SocketFor(1)),
+                                       absl::StrCat(kChildFdEnv, "=", pipe_fds[1]),
+                                       absl::StrCat(kChildCoordinatorEnv, "=", d.coordinator())});
   ASSERT_GT(child, 0);
   close(pipe_fds[1]);
   struct Reaper {  // the child never outlives the test
@@ -517,9 +517,9 @@ TEST_P(ClientE2ETest, ClientKilledMidSummonEndsItWithoutWriteback) {
   ASSERT_NE(c0, nullptr);
   const absl::Status joined0 = c0->Join("kill", 2, 0, kToken, d.coordinator());
   ASSERT_TRUE(joined0.ok()) << joined0;
-  absl::StatusOr<RegisteredModule> m0 = c0->Register("", ExampleModelFile("gpt_tied", "manifest"),
-                                                     ExampleModelFile("gpt_tied", "policy"),
-                                                     InitMode::kZeros);
+  absl::StatusOr<RegisteredModule> m0 =
+      c0->Register("", ExampleModelFile("gpt_tied", "manifest"),
+                   ExampleModelFile("gpt_tied", "policy"), InitMode::kZeros);
   ASSERT_TRUE(m0.ok()) << m0.status();
   const Plan& plan = *m0->plan;
   SummonOptions writeback;
@@ -565,7 +565,8 @@ TEST_P(ClientE2ETest, ClientKilledMidSummonEndsItWithoutWriteback) {
     }
     return false;
   };
-  while (any_left() && absl::Now() - killed < absl::Seconds(2)) absl::SleepFor(absl::Milliseconds(10));
+  while (any_left() && absl::Now() - killed < absl::Seconds(2))
+    absl::SleepFor(absl::Milliseconds(10));
   EXPECT_FALSE(any_left()) << "the killed client's unsharded buffers still hold its bytes 2 s "
                               "later: "
                            << absl::StrJoin(unsharded, ", ");
@@ -637,13 +638,15 @@ TEST_P(ClientE2ETest, RestartedClientReattachesByRegisteringAgain) {
   for (std::thread& t : joins) t.join();
   ASSERT_FALSE(::testing::Test::HasFailure());
   EXPECT_THAT(ranks[1].client->registered_modules(), ElementsAre(""));
-  absl::StatusOr<RegisteredModule> survivor = ranks[0].client->Register(
-      "", ExampleModelFile("gpt_tied", "manifest"), ExampleModelFile("gpt_tied", "policy"), InitMode::kZeros);
+  absl::StatusOr<RegisteredModule> survivor =
+      ranks[0].client->Register("", ExampleModelFile("gpt_tied", "manifest"),
+                                ExampleModelFile("gpt_tied", "policy"), InitMode::kZeros);
   ASSERT_TRUE(survivor.ok()) << "the survivor re-attaches: " << survivor.status();
   ranks[0].model = *std::move(survivor);
 
-  absl::StatusOr<RegisteredModule> again = ranks[1].client->Register(
-      "", ExampleModelFile("gpt_tied", "manifest"), ExampleModelFile("gpt_tied", "policy"), InitMode::kZeros);
+  absl::StatusOr<RegisteredModule> again =
+      ranks[1].client->Register("", ExampleModelFile("gpt_tied", "manifest"),
+                                ExampleModelFile("gpt_tied", "policy"), InitMode::kZeros);
   ASSERT_TRUE(again.ok()) << "re-attach by registering again: " << again.status();
   EXPECT_EQ(again->plan->fingerprint, plan.fingerprint);
   EXPECT_EQ(again->init_summon, nullptr);
@@ -667,12 +670,13 @@ TEST(ClientE2EChild, HoldSummonUntilKilled) {
   if (socket == nullptr || fd == nullptr) GTEST_SKIP() << "runs only as a child process";
   const char* coordinator = getenv(kChildCoordinatorEnv);
   std::unique_ptr<Client> c = Connect(std::string("unix:") + socket);
-  if (c == nullptr || !c->Join("kill", 2, 1, kToken, coordinator == nullptr ? "" : coordinator).ok()) {
+  if (c == nullptr ||
+      !c->Join("kill", 2, 1, kToken, coordinator == nullptr ? "" : coordinator).ok()) {
     _exit(2);
   }
-  absl::StatusOr<RegisteredModule> m = c->Register("", ExampleModelFile("gpt_tied", "manifest"),
-                                                   ExampleModelFile("gpt_tied", "policy"),
-                                                   InitMode::kZeros);
+  absl::StatusOr<RegisteredModule> m =
+      c->Register("", ExampleModelFile("gpt_tied", "manifest"),
+                  ExampleModelFile("gpt_tied", "policy"), InitMode::kZeros);
   if (!m.ok()) _exit(3);
   SummonOptions writeback;
   writeback.writeback = true;

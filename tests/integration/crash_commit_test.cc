@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -44,7 +45,6 @@
 #include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
-#include <grpcpp/grpcpp.h>
 
 namespace flatshard {
 namespace {
@@ -67,9 +67,9 @@ constexpr char kModel[] = "gpt_tied";
 
 // The steps a trainer reports, in loop order (the kill points).
 const std::vector<std::string>& Steps() {
-  static const std::vector<std::string> kSteps = {
-      "joined", "register", "init", "summon", "summon_open", "inside_end",
-      "reduce_scatter", "optimizer", "commit"};
+  static const std::vector<std::string> kSteps = {"joined",         "register",    "init",
+                                                  "summon",         "summon_open", "inside_end",
+                                                  "reduce_scatter", "optimizer",   "commit"};
   return kSteps;
 }
 bool InLoop(const std::string& step) {
@@ -219,9 +219,9 @@ int RunTrainer() {
   absl::SleepFor(absl::Milliseconds(150));
   out.Say("joined");
   out.Say("register");
-  absl::StatusOr<RegisteredModule> m = c.Register(
-      "", ExampleModelFile(kModel, "manifest"), ExampleModelFile(kModel, "policy"),
-      InitMode::kFromRank0);
+  absl::StatusOr<RegisteredModule> m =
+      c.Register("", ExampleModelFile(kModel, "manifest"), ExampleModelFile(kModel, "policy"),
+                 InitMode::kFromRank0);
   if (!m.ok()) return fail(m.status());
   const Plan& plan = *m->plan;
   uint64_t g = m->generation;
@@ -284,8 +284,8 @@ int RunTrainer() {
       out.Say(absl::StrCat("committed ", g));
     }
     out.Say("reduce_scatter");
-    absl::Status rs = c.ReduceScatterGrads(
-        "", 0, ReduceOp::kAvg, false, [&](client::PendingReduceScatter& p) {
+    absl::Status rs =
+        c.ReduceScatterGrads("", 0, ReduceOp::kAvg, false, [&](client::PendingReduceScatter& p) {
           float* data = static_cast<float*>(p.data());
           for (int64_t i = 0; i < p.numel(); ++i) data[i] = static_cast<float>(rank + 1);
           return absl::OkStatus();
@@ -347,8 +347,8 @@ class Trial {
       trainers_[r].pid = ::flatshard::testing::SpawnSelf(
           "CrashTrainerChild.Run",
           {absl::StrCat("FS_CRASH_FD=", fds[1]), absl::StrCat("FS_CRASH_GO_FD=", go[0]),
-           absl::StrCat("FS_CRASH_RANK=", r),
-           "FS_CRASH_GROUP=" + group_, "FS_CRASH_COORDINATOR=" + cluster_.coordinator(),
+           absl::StrCat("FS_CRASH_RANK=", r), "FS_CRASH_GROUP=" + group_,
+           "FS_CRASH_COORDINATOR=" + cluster_.coordinator(),
            "FS_CRASH_ADDRESS=" + cluster_.AddressFor(r), "FS_CRASH_MODE=" + mode,
            absl::StrCat("FS_CRASH_STEPS=", steps)});
       close(fds[1]);
@@ -374,7 +374,8 @@ class Trial {
       if (fds.empty()) return true;
       const absl::Duration left = deadline - absl::Now();
       if (left <= absl::ZeroDuration()) return false;
-      if (poll(fds.data(), fds.size(), static_cast<int>(absl::ToInt64Milliseconds(left)) + 1) <= 0) {
+      if (poll(fds.data(), fds.size(), static_cast<int>(absl::ToInt64Milliseconds(left)) + 1) <=
+          0) {
         continue;
       }
       for (size_t i = 0; i < fds.size(); ++i) {
@@ -469,7 +470,7 @@ int64_t LastCommitted(const std::vector<std::string>& lines) {
 }
 
 struct TrialResult {
-  bool killed = false;        // the victim reached the step and was killed
+  bool killed = false;          // the victim reached the step and was killed
   bool survivors_named = true;  // every survivor failed naming the victim, or finished
   int64_t generation = -1;      // what every rank re-attached to
   bool ok = false;
@@ -481,8 +482,8 @@ TrialResult RunTrial(Cluster& cluster, const std::string& group, int victim,
                      const std::string& step, int occurrence) {
   TrialResult result;
   const int failed_before = FailedParts();
-  SCOPED_TRACE(absl::StrCat("group ", group, ": kill rank ", victim, " at \"", step, "\" #",
-                            occurrence));
+  SCOPED_TRACE(
+      absl::StrCat("group ", group, ": kill rank ", victim, " at \"", step, "\" #", occurrence));
   std::vector<std::string> all_lines;
   absl::Time killed_at = absl::InfiniteFuture();
   {
@@ -582,7 +583,8 @@ TEST_P(CrashCommitTest, KillAtEveryStep) {
   ::flatshard::testing::ClusterOptions options;
   options.tag_prefix = "fscc";
   options.extra_flags = {"--peer_timeout=2s"};
-  if (!Env("FS_CRASH_DAEMON_V").empty()) options.extra_flags.push_back("--v=" + Env("FS_CRASH_DAEMON_V"));
+  if (!Env("FS_CRASH_DAEMON_V").empty())
+    options.extra_flags.push_back("--v=" + Env("FS_CRASH_DAEMON_V"));
   Cluster cluster(GetParam(), options);
   int trial = 0;
   const std::string only = Env("FS_CRASH_ONLY_STEP");  // debugging: one step
@@ -611,7 +613,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, CrashCommitTest,
                          ::testing::Values(Layout::kSingle, Layout::kTwoDaemons),
                          ::flatshard::testing::LayoutParamName());
 
-#else  // FS_CRASH_SOAK
+#else   // FS_CRASH_SOAK
 
 // Hundreds of randomized trials (FS_CRASH_TRIALS, default 200; FS_CRASH_SEED): a random
 // victim, step and iteration. Label soak: not in the default run.

@@ -17,20 +17,20 @@
 #include <sstream>
 #include <thread>
 
+#include <grpcpp/grpcpp.h>
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
-#include "common/shm_segment.h"
 #include "common/manifest.h"
 #include "common/planner.h"
 #include "common/policy.h"
 #include "common/proto_convert.h"
+#include "common/shm_segment.h"
 #include "flatshard/v1/shard_service.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
-#include <grpcpp/grpcpp.h>
 
 namespace flatshard {
 namespace {
@@ -38,8 +38,8 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 
-using ::flatshard::testing::ReadFile;
 using ::flatshard::testing::Layout;
+using ::flatshard::testing::ReadFile;
 
 // The daemons of a Layout (tests/testing/cluster.h) with raw ShardService stubs: Stub(rank)
 // talks to rank `rank`'s daemon.
@@ -101,9 +101,8 @@ Joined JoinAt(DaemonProcess& d, const std::string& group, int world, int rank,
 std::vector<uint64_t> JoinAll(DaemonProcess& d, const std::string& group, int world) {
   std::vector<std::future<Joined>> futures;
   for (int r = 0; r < world; ++r) {
-    futures.push_back(std::async(std::launch::async, [&d, group, world, r] {
-      return JoinAt(d, group, world, r);
-    }));
+    futures.push_back(std::async(std::launch::async,
+                                 [&d, group, world, r] { return JoinAt(d, group, world, r); }));
   }
   std::vector<uint64_t> sessions;
   for (auto& f : futures) {
@@ -219,8 +218,9 @@ TEST_P(DaemonE2ETest, BadJoinsAreRefusedAndChangeNothing) {
 TEST_P(DaemonE2ETest, RegisterPlansLikeThePlannerAndAllocatesPrivateShards) {
   DaemonProcess d(GetParam());
   std::vector<uint64_t> s = JoinAll(d, "g", 2);
-  std::vector<v1::RegisterModuleRequest> reqs = {RegisterRequest(MakeCaller("g", 0, s[0]), "gpt_tied"),
-                                                 RegisterRequest(MakeCaller("g", 1, s[1]), "gpt_tied")};
+  std::vector<v1::RegisterModuleRequest> reqs = {
+      RegisterRequest(MakeCaller("g", 0, s[0]), "gpt_tied"),
+      RegisterRequest(MakeCaller("g", 1, s[1]), "gpt_tied")};
   std::vector<Registered> out = RegisterAll(d, reqs);
   ASSERT_TRUE(out[0].status.ok()) << out[0].status.error_message();
   ASSERT_TRUE(out[1].status.ok()) << out[1].status.error_message();
@@ -249,13 +249,15 @@ TEST_P(DaemonE2ETest, RegisterPlansLikeThePlannerAndAllocatesPrivateShards) {
 TEST_P(DaemonE2ETest, MismatchedModelsFailEveryRankNamingTheUnit) {
   DaemonProcess d(GetParam());
   std::vector<uint64_t> s = JoinAll(d, "g", 2);
-  std::vector<v1::RegisterModuleRequest> reqs = {RegisterRequest(MakeCaller("g", 0, s[0]), "gpt_tied"),
-                                                 RegisterRequest(MakeCaller("g", 1, s[1]), "gpt_tied")};
+  std::vector<v1::RegisterModuleRequest> reqs = {
+      RegisterRequest(MakeCaller("g", 0, s[0]), "gpt_tied"),
+      RegisterRequest(MakeCaller("g", 1, s[1]), "gpt_tied")};
   // Rank 1 wraps every module: its units differ from rank 0's.
   reqs[1].mutable_policy()->mutable_auto_wrap()->set_kind(v1::AUTO_WRAP_KIND_ALWAYS);
   std::vector<Registered> out = RegisterAll(d, reqs);
   for (const Registered& r : out) {
-    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << r.status.error_message();
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << r.status.error_message();
     EXPECT_THAT(r.status.error_message(),
                 HasSubstr("ranks registered different models for module \"\" (the root): first "
                           "difference at unit 0: rank 0 has"));
@@ -297,7 +299,8 @@ TEST_P(DaemonE2ETest, BadCallersAreRefused) {
     std::vector<Case> cases = {
         {MakeCaller("nope", r, s[r]), grpc::StatusCode::NOT_FOUND, "unknown group nope"},
         {MakeCaller("g", r, s[r], "bad"), grpc::StatusCode::PERMISSION_DENIED, "wrong token"},
-        {MakeCaller("g", r, s[r] + 100), grpc::StatusCode::FAILED_PRECONDITION, "not the rank's current session"},
+        {MakeCaller("g", r, s[r] + 100), grpc::StatusCode::FAILED_PRECONDITION,
+         "not the rank's current session"},
         {MakeCaller("g", 5, s[r]), grpc::StatusCode::INVALID_ARGUMENT, "rank 5 is out of range"},
     };
     for (const Case& c : cases) {
@@ -328,7 +331,8 @@ TEST_P(DaemonE2ETest, KilledClientFreesItsRankAndShardsOutliveIt) {
   const int victim = world - 1;
   std::vector<uint64_t> s = JoinAll(d, "g", world);
   std::vector<v1::RegisterModuleRequest> reqs;
-  for (int r = 0; r < world; ++r) reqs.push_back(RegisterRequest(MakeCaller("g", r, s[r]), "gpt_tied"));
+  for (int r = 0; r < world; ++r)
+    reqs.push_back(RegisterRequest(MakeCaller("g", r, s[r]), "gpt_tied"));
   std::vector<Registered> out = RegisterAll(d, reqs);
   for (const Registered& r : out) ASSERT_TRUE(r.status.ok()) << r.status.error_message();
   const std::string shard_segment = out[victim].response.shards(0).shard().segment();
@@ -363,7 +367,8 @@ TEST_P(DaemonE2ETest, KilledClientFreesItsRankAndShardsOutliveIt) {
   auto stub = d.Stub(victim);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   Joined held = Join(stub.get(), "g", world, victim, "t0k", 200, d.coordinator());
-  EXPECT_EQ(held.status.error_code(), grpc::StatusCode::ALREADY_EXISTS) << held.status.error_message();
+  EXPECT_EQ(held.status.error_code(), grpc::StatusCode::ALREADY_EXISTS)
+      << held.status.error_message();
   kill(child, SIGKILL);
   waitpid(child, nullptr, 0);
   // The lease ends with the connection; the rank is free again within 2 s.
@@ -383,7 +388,6 @@ TEST_P(DaemonE2ETest, KilledClientFreesItsRankAndShardsOutliveIt) {
   ASSERT_TRUE(views.ok()) << views.error_message();
   EXPECT_EQ(resp.shards(0).shard().segment(), shard_segment) << "re-attached to the same shard";
 }
-
 
 // ---- Summon, write back, gradients ----
 
@@ -535,7 +539,8 @@ TEST_P(DaemonSummonTest, SummoningTwiceIsRefusedWithFsdpWording) {
     EXPECT_EQ(none[r].response.units_size(), 0);
     EXPECT_THAT(none[r].response.note(), HasSubstr("not a unit root"));
   }
-  for (const grpc::Status& st : EndAll(d, f.callers, none)) EXPECT_TRUE(st.ok()) << st.error_message();
+  for (const grpc::Status& st : EndAll(d, f.callers, none))
+    EXPECT_TRUE(st.ok()) << st.error_message();
   std::vector<Summoned> missing = SummonAll(d, f.callers, Options(false), "h.7");
   for (int r = 0; r < world; ++r) {
     EXPECT_EQ(missing[r].status.error_code(), grpc::StatusCode::NOT_FOUND)
@@ -546,7 +551,8 @@ TEST_P(DaemonSummonTest, SummoningTwiceIsRefusedWithFsdpWording) {
 TEST_P(DaemonSummonTest, Rank0OnlyWritebackReachesEveryShard) {
   DaemonProcess d(GetParam());
   Fixture f = JoinAndRegister(d, 3);
-  std::vector<Summoned> s = SummonAll(d, f.callers, Options(/*writeback=*/true, /*rank0_only=*/true));
+  std::vector<Summoned> s =
+      SummonAll(d, f.callers, Options(/*writeback=*/true, /*rank0_only=*/true));
   for (const Summoned& x : s) ASSERT_TRUE(x.status.ok()) << x.status.error_message();
   EXPECT_GT(s[0].response.units_size(), 0);
   EXPECT_EQ(s[1].response.units_size(), 0);  // other ranks get (and allocate) nothing
@@ -608,7 +614,8 @@ TEST_P(DaemonSummonTest, InitialValuesFromEveryRankAndFromRank0) {
   for (v1::InitMode mode : {v1::INIT_MODE_FROM_EVERY_RANK, v1::INIT_MODE_FROM_RANK0}) {
     DaemonProcess d(GetParam());
     std::vector<uint64_t> sessions = JoinAll(d, "g", 2);
-    std::vector<v1::Caller> callers = {MakeCaller("g", 0, sessions[0]), MakeCaller("g", 1, sessions[1])};
+    std::vector<v1::Caller> callers = {MakeCaller("g", 0, sessions[0]),
+                                       MakeCaller("g", 1, sessions[1])};
     std::vector<v1::RegisterModuleRequest> reqs;
     for (const v1::Caller& c : callers) {
       reqs.push_back(RegisterRequest(c, "gpt_tied"));
@@ -618,20 +625,23 @@ TEST_P(DaemonSummonTest, InitialValuesFromEveryRankAndFromRank0) {
     ASSERT_TRUE(out[0].status.ok() && out[1].status.ok()) << out[0].status.error_message();
     const Plan plan = *FromProto(out[0].response.plan());
     const bool rank0 = mode == v1::INIT_MODE_FROM_RANK0;
-    EXPECT_EQ(out[1].response.init_summon().units_size(), rank0 ? 0 : static_cast<int>(plan.units.size()));
+    EXPECT_EQ(out[1].response.init_summon().units_size(),
+              rank0 ? 0 : static_cast<int>(plan.units.size()));
     std::vector<ShmSegment> keep;
     std::vector<Summoned> init(2);
     for (int r = 0; r < 2; ++r) {
       init[r].response = out[r].response.init_summon();
       for (const v1::UnitView& v : init[r].response.units()) {
         float* p = MapFloats(v.params(), &keep);
-        for (int64_t i = 0; i < plan.units[v.unit()].padded_numel; ++i) p[i] = rank0 ? 5.0f : 1.0f + r;
+        for (int64_t i = 0; i < plan.units[v.unit()].padded_numel; ++i)
+          p[i] = rank0 ? 5.0f : 1.0f + r;
       }
     }
     // The init summon is open: summoning again first is refused.
     EXPECT_EQ(SummonAll(d, {callers[0]}, Options(false))[0].status.error_code(),
               grpc::StatusCode::FAILED_PRECONDITION);
-    for (const grpc::Status& st : EndAll(d, callers, init)) EXPECT_TRUE(st.ok()) << st.error_message();
+    for (const grpc::Status& st : EndAll(d, callers, init))
+      EXPECT_TRUE(st.ok()) << st.error_message();
     std::vector<Summoned> s = SummonAll(d, callers, Options(false));
     ASSERT_TRUE(s[1].status.ok()) << s[1].status.error_message();
     for (const v1::UnitView& v : s[1].response.units()) {
@@ -714,7 +724,8 @@ TEST(LeaseHolderChild, HoldLease) {
   const char* coordinator = getenv("FS_E2E_COORDINATOR");
   const int w = world == nullptr ? 1 : atoi(world);
   const int r = rank == nullptr ? 0 : atoi(rank);
-  auto channel = grpc::CreateChannel(std::string("unix:") + socket, grpc::InsecureChannelCredentials());
+  auto channel =
+      grpc::CreateChannel(std::string("unix:") + socket, grpc::InsecureChannelCredentials());
   auto stub = v1::ShardService::NewStub(channel);
   Joined j = Join(stub.get(), "g", w, r, "t0k", 10000, coordinator == nullptr ? "" : coordinator);
   if (!j.status.ok()) _exit(2);

@@ -146,10 +146,10 @@ TEST_P(RestartedDaemonLosesShardsTest, EveryRankIsToldByNameAndRegistersAfresh) 
     absl::Status joined = ranks[r].client->Join("g", world, r, kToken, c.coordinator());
     ASSERT_TRUE(joined.ok()) << "rank " << r << " rejoining: " << joined;
   });
-  const std::string lost_text = absl::StrCat(
-      "group g: module \"\" (the root) lost the shards of ",
-      lost_ranks.size() == 1 ? "rank " : "ranks ", lost_ranks[0],
-      " (daemon node", victim, ": restarted without them");
+  const std::string lost_text =
+      absl::StrCat("group g: module \"\" (the root) lost the shards of ",
+                   lost_ranks.size() == 1 ? "rank " : "ranks ", lost_ranks[0], " (daemon node",
+                   victim, ": restarted without them");
   for (int r = 0; r < world; ++r) {
     SCOPED_TRACE(absl::StrCat("rank ", r));
     EXPECT_THAT(ranks[r].client->registered_modules(), IsEmpty());
@@ -198,8 +198,7 @@ TEST(RestartedCoordinatorTest, SurvivorsFirstRejoinReachesItOnTheSamePort) {
   const std::string coordinator = absl::StrCat("127.0.0.1:", port);
   // Its own --peer_address_file: DaemonProcess waits only for the Unix socket without
   // DaemonOptions::peer (whose port would be a new one at every start).
-  const std::string peer_file =
-      absl::StrCat(::testing::TempDir(), "/fsrec_coordinator_", getpid());
+  const std::string peer_file = absl::StrCat(::testing::TempDir(), "/fsrec_coordinator_", getpid());
   std::remove(peer_file.c_str());
   DaemonOptions o0;
   o0.tag_prefix = "fsrec";
@@ -245,7 +244,8 @@ TEST(RestartedCoordinatorTest, SurvivorsFirstRejoinReachesItOnTheSamePort) {
   });
   for (int r = 0; r < 2; ++r) {
     ASSERT_THAT(ranks[r].client->lost_modules(), SizeIs(1)) << "rank " << r;
-    EXPECT_THAT(ranks[r].client->lost_modules()[0], HasSubstr("lost the shards of rank 0 (daemon node0"));
+    EXPECT_THAT(ranks[r].client->lost_modules()[0],
+                HasSubstr("lost the shards of rank 0 (daemon node0"));
   }
   RegisterAndInit(ranks);
 }
@@ -266,8 +266,8 @@ int64_t ReadBytes(pid_t pid) {
 std::string OneBigUnit(int64_t numel) {
   return absl::StrCat(
       R"({"format": "flatshard.manifest/1", "root": {"id": 0, "type": "Big", )",
-      R"("bases": ["Module"], "children": [], "params": [{"name": "w", "id": 0, "shape": [)",
-      numel, R"(], "dtype": "float32", "requires_grad": true}]}})");
+      R"("bases": ["Module"], "children": [], "params": [{"name": "w", "id": 0, "shape": [)", numel,
+      R"(], "dtype": "float32", "requires_grad": true}]}})");
 }
 
 // Two daemons, one rank each, summoning a 64 MiB unit read-only in a loop (each summon moves
@@ -286,8 +286,7 @@ TEST(FrozenPeerTest, SurvivorFailsSoonWhenThePeerFreezesMidTransfer) {
     ASSERT_NE(ranks[r].client, nullptr);
     ASSERT_TRUE(ranks[r].client->Join("g", 2, r, kToken, c.coordinator()).ok());
     absl::StatusOr<RegisteredModule> m = ranks[r].client->Register(
-        "", OneBigUnit(int64_t{16} << 20),
-        R"({"format": "flatshard.policy/1"})", InitMode::kZeros);
+        "", OneBigUnit(int64_t{16} << 20), R"({"format": "flatshard.policy/1"})", InitMode::kZeros);
     ASSERT_TRUE(m.ok()) << m.status();
   });
   std::atomic<bool> stop{false};

@@ -21,12 +21,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <cstdint>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
-#include <iostream>
 #include <future>
+#include <iostream>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -66,11 +66,11 @@ constexpr char kLinearPolicy[] =
 std::string LinearStack(int blocks, int64_t rows = 24) {
   std::string children;
   for (int i = 0; i < blocks; ++i) {
-    absl::StrAppend(&children, i == 0 ? "" : ",", R"({"name": ")", i,
-                    R"(", "module": {"id": )", i + 1,
-                    R"(, "type": "Linear", "bases": ["Module"], "params": [{"name": "weight", "id": )",
-                    2 * i, R"(, "shape": [)", rows, R"(, 16], "dtype": "float32"}, {"name": "bias", "id": )",
-                    2 * i + 1, R"(, "shape": [)", rows, R"(], "dtype": "float32"}], "children": []}})");
+    absl::StrAppend(
+        &children, i == 0 ? "" : ",", R"({"name": ")", i, R"(", "module": {"id": )", i + 1,
+        R"(, "type": "Linear", "bases": ["Module"], "params": [{"name": "weight", "id": )", 2 * i,
+        R"(, "shape": [)", rows, R"(, 16], "dtype": "float32"}, {"name": "bias", "id": )",
+        2 * i + 1, R"(, "shape": [)", rows, R"(], "dtype": "float32"}], "children": []}})");
   }
   return absl::StrCat(R"({"format": "flatshard.manifest/1", "root": {"id": 0, "type": "Stack", )",
                       R"("bases": ["Module"], "params": [], "children": [)", children, "]}}");
@@ -116,8 +116,8 @@ std::shared_ptr<grpc::Channel> Channel(const DaemonProcess& d) {
 }
 
 // A raw JoinGroup; the session on success.
-absl::StatusOr<uint64_t> RawJoin(v1::ShardService::Stub& stub, const std::string& group,
-                                 int world, int rank, absl::Duration timeout = absl::Seconds(10)) {
+absl::StatusOr<uint64_t> RawJoin(v1::ShardService::Stub& stub, const std::string& group, int world,
+                                 int rank, absl::Duration timeout = absl::Seconds(10)) {
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   v1::JoinGroupRequest req;

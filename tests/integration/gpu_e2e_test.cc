@@ -33,9 +33,9 @@
 #include "flatshard/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "tests/testing/rank_group.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
+#include "tests/testing/rank_group.h"
 #if FS_SIMULATED_GPU
 #include "client/client_internal.h"
 #include "tests/testing/simulated_gpu.h"
@@ -65,10 +65,10 @@ void CopyBytes(void* dst, const void* src, size_t bytes, int /*device*/) {
   std::memcpy(dst, src, bytes);
 }
 #else
-#define SKIP_WITHOUT_GPU()                                                       \
-  do {                                                                           \
-    absl::StatusOr<std::vector<gpu::GpuDevice>> gpus = gpu::ListGpus();          \
-    if (!gpus.ok()) GTEST_SKIP() << "no GPU: " << gpus.status().message();       \
+#define SKIP_WITHOUT_GPU()                                                 \
+  do {                                                                     \
+    absl::StatusOr<std::vector<gpu::GpuDevice>> gpus = gpu::ListGpus();    \
+    if (!gpus.ok()) GTEST_SKIP() << "no GPU: " << gpus.status().message(); \
   } while (0)
 constexpr char kGpuFlag[] = "--gpus=0";
 
@@ -260,8 +260,8 @@ TEST_P(GpuE2ETest, ReduceScatterSumsAveragesAndAccumulatesOnTheDevice) {
       });
     }
   };
-  reduce(ReduceOp::kSum, false);      // 1 + 2 = 3
-  reduce(ReduceOp::kAvg, true);       // + 1.5 = 4.5
+  reduce(ReduceOp::kSum, false);  // 1 + 2 = 3
+  reduce(ReduceOp::kAvg, true);   // + 1.5 = 4.5
   for (int r = 0; r < 2; ++r) {
     absl::StatusOr<ShardViews> views = ranks[r].client->GetShardViews("");
     ASSERT_TRUE(views.ok()) << views.status();
@@ -331,7 +331,8 @@ TEST(GpuE2E, RanksLiveOnTheirOwnGpusOfOneDaemon) {
   for (int r = 0; r < 2; ++r) {
     absl::StatusOr<ShardViews> views = ranks[r].client->GetShardViews("");
     ASSERT_TRUE(views.ok()) << views.status();
-    for (const UnitShardView& u : *views) EXPECT_EQ(u.device, r) << "rank " << r << " unit " << u.unit;
+    for (const UnitShardView& u : *views)
+      EXPECT_EQ(u.device, r) << "rank " << r << " unit " << u.unit;
   }
   SummonOptions o;
   o.writeback = false;

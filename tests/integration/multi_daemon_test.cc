@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -28,10 +29,9 @@
 #include "gtest/gtest.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
-#include "tests/testing/shard_snapshot.h"
 #include "tests/testing/rank_group.h"
+#include "tests/testing/shard_snapshot.h"
 #include "tests/testing/shm_testing.h"
-#include <grpcpp/grpcpp.h>
 
 namespace flatshard::client {
 namespace {
@@ -181,7 +181,8 @@ std::string SnapshotDiff(const std::vector<std::vector<float>>& got,
     return absl::StrCat(got.size() / 2, " units, want ", want.size() / 2);
   }
   for (size_t i = 0; i < got.size(); ++i) {
-    const std::string what = absl::StrCat("unit ", i / 2, i % 2 == 0 ? " shard" : " gradient shard");
+    const std::string what =
+        absl::StrCat("unit ", i / 2, i % 2 == 0 ? " shard" : " gradient shard");
     if (got[i].size() != want[i].size()) {
       return absl::StrCat(what, ": ", got[i].size(), " elements, want ", want[i].size(),
                           want[i].empty() ? " (none)" : "");
@@ -206,8 +207,8 @@ int32_t UnitOf(const Plan& plan, const std::string& module) {
 // Raw AdminService.ListPendingCollectives on a daemon's socket.
 absl::StatusOr<v1::ListPendingCollectivesResponse> ListPending(const std::string& address,
                                                                const std::string& group = "") {
-  auto stub = v1::AdminService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto stub =
+      v1::AdminService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   v1::ListPendingCollectivesRequest req;
@@ -280,7 +281,8 @@ TEST_P(KilledDaemonTest, SurvivorsFailWithinFiveSecondsAndLeakNothing) {
   Threads threads;
   for (int r : survivors) {
     threads.Start([&, r] {
-      absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", ReadOnly());
+      absl::StatusOr<std::unique_ptr<SummonedParams>> s =
+          ranks[r].client->Summon("", "", ReadOnly());
       done_at[r] = absl::Now();
       status[r] = s.status();
     });
@@ -305,7 +307,8 @@ TEST_P(KilledDaemonTest, SurvivorsFailWithinFiveSecondsAndLeakNothing) {
   }
   threads.Join();
   for (int r : survivors) {
-    EXPECT_EQ(status[r].code(), absl::StatusCode::kUnavailable) << "rank " << r << ": " << status[r];
+    EXPECT_EQ(status[r].code(), absl::StatusCode::kUnavailable)
+        << "rank " << r << ": " << status[r];
     EXPECT_LT(done_at[r] - killed, absl::Seconds(5))
         << "rank " << r << " failed " << absl::FormatDuration(done_at[r] - killed)
         << " after the kill: " << status[r];
@@ -427,7 +430,8 @@ TEST_P(MismatchTest, SummonVersusReduceScatterAbortsEveryRankAndChangesNothing) 
   RejoinAndReattach(c, ranks, "g");
   ExpectValuesEverywhere(ranks);
   for (int r = 0; r < kWorld; ++r) {
-    EXPECT_EQ(SnapshotDiff(SnapshotShards(*ranks[r].client), before[r]), "") << "rank " << r << " after re-forming";
+    EXPECT_EQ(SnapshotDiff(SnapshotShards(*ranks[r].client), before[r]), "")
+        << "rank " << r << " after re-forming";
   }
   // No gradient was ever reduced: a with_grads summon works on every rank and shows none
   // (gradients exist on every rank of a unit or on none).

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -28,7 +29,6 @@
 #include "gtest/gtest.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/files.h"
-#include <grpcpp/grpcpp.h>
 
 namespace flatshard {
 namespace {
@@ -63,8 +63,8 @@ std::unique_ptr<client::Client> Connect(const DaemonProcess& d) {
 std::string ManyUnitsManifest(int units, int numel = 4) {
   std::string children;
   for (int i = 0; i < units; ++i) {
-    absl::StrAppend(&children, i == 0 ? "" : ",", R"({"name": "l)", i,
-                    R"(", "module": {"id": )", i + 1,
+    absl::StrAppend(&children, i == 0 ? "" : ",", R"({"name": "l)", i, R"(", "module": {"id": )",
+                    i + 1,
                     R"(, "type": "Linear", "bases": ["Module"], "children": [], "params": [)",
                     R"({"name": "weight", "id": )", i, R"(, "shape": [)", numel,
                     R"(], "dtype": "float32", "requires_grad": true}]}})");
@@ -125,9 +125,9 @@ TEST(GroupIdleTimeoutTest, AGroupWithoutSessionsIsReclaimedAndLogged) {
   }
   EXPECT_THAT(GroupNames(d), IsEmpty());
   EXPECT_THAT(d.Segments(), IsEmpty());
-  EXPECT_THAT(d.Log(), ::testing::ContainsRegex(
-                           "group=idle reclaimed: no session for [0-9.]+m?s "
-                           "\\(--group_idle_timeout=1s\\); 1 registered modules"));
+  EXPECT_THAT(d.Log(),
+              ::testing::ContainsRegex("group=idle reclaimed: no session for [0-9.]+m?s "
+                                       "\\(--group_idle_timeout=1s\\); 1 registered modules"));
   // The name can be used again from scratch.
   ASSERT_TRUE(c->Join("idle", 1, 0, kToken).ok());
   EXPECT_THAT(c->registered_modules(), IsEmpty());
@@ -148,7 +148,8 @@ TEST(DescriptorBudgetTest, SoftLimitRaisedAtStartAndSegmentQuotaRefusesCleanly) 
   const std::vector<std::string> fields = absl::StrSplit(limits, ' ', absl::SkipWhitespace());
   ASSERT_GE(fields.size(), 5u) << limits;
   EXPECT_EQ(fields[3], fields[4]) << "soft limit not raised to the hard limit: " << limits;
-  EXPECT_EQ(fields[4], saved.rlim_max == RLIM_INFINITY ? "unlimited" : absl::StrCat(saved.rlim_max));
+  EXPECT_EQ(fields[4],
+            saved.rlim_max == RLIM_INFINITY ? "unlimited" : absl::StrCat(saved.rlim_max));
   EXPECT_THAT(d->Log(), HasSubstr("(raised from 1024)"));
 
   // One tenant registers more units than its segment quota: refused naming the uid, the quota
@@ -159,11 +160,12 @@ TEST(DescriptorBudgetTest, SoftLimitRaisedAtStartAndSegmentQuotaRefusesCleanly) 
   absl::StatusOr<client::RegisteredModule> m =
       c->Register("", ManyUnitsManifest(200), kLinearPolicy, client::InitMode::kZeros);
   ASSERT_EQ(m.status().code(), absl::StatusCode::kResourceExhausted) << m.status();
-  EXPECT_THAT(std::string(m.status().message()),
-              ::testing::MatchesRegex(absl::StrCat(
-                  ".*uid ", ::geteuid(), " cannot allocate shard memory .*: it has 150 "
-                  "shared-memory segments open, its segment quota is 150 "
-                  "\\(--max_segments_per_uid\\).*")));
+  EXPECT_THAT(
+      std::string(m.status().message()),
+      ::testing::MatchesRegex(absl::StrCat(".*uid ", ::geteuid(),
+                                           " cannot allocate shard memory .*: it has 150 "
+                                           "shared-memory segments open, its segment quota is 150 "
+                                           "\\(--max_segments_per_uid\\).*")));
   EXPECT_THAT(d->Segments(), IsEmpty()) << "the refused registration left segments";
   // The daemon still serves: a model within the quota registers.
   absl::StatusOr<client::RegisteredModule> small =
@@ -218,8 +220,8 @@ TEST(HugeWorldSizeTest, JoinsNobodyCompletesCostTheDaemonLittleAndSayWhoIsMissin
   std::printf("4 pending joins of world_size 2^20: daemon resident %.1f MiB -> %.1f MiB\n",
               before / 1048576.0, during / 1048576.0);
   EXPECT_LT(during - before, int64_t{64} << 20)
-      << "4 pending joins of world_size 2^20 grew the daemon from " << (before >> 20)
-      << " MiB to " << (during >> 20) << " MiB";
+      << "4 pending joins of world_size 2^20 grew the daemon from " << (before >> 20) << " MiB to "
+      << (during >> 20) << " MiB";
 }
 
 }  // namespace

@@ -62,8 +62,9 @@ std::unique_ptr<Client> Connect(const std::string& address, bool simulated_gpus 
   options.join_timeout = absl::Seconds(20);
   options.max_attempts = 1;
   absl::StatusOr<std::unique_ptr<Client>> client =
-      simulated_gpus ? internal::ConnectWithGpuApis(options, ::flatshard::testing::SimulatedGpuApis())
-                     : Client::Connect(options);
+      simulated_gpus
+          ? internal::ConnectWithGpuApis(options, ::flatshard::testing::SimulatedGpuApis())
+          : Client::Connect(options);
   EXPECT_TRUE(client.ok()) << client.status();
   return client.ok() ? *std::move(client) : nullptr;
 }
@@ -602,8 +603,7 @@ class TwoDaemonRestartTest : public ::testing::Test {
         ranks[r].client = Connect(daemons_[r]->address());
         ASSERT_NE(ranks[r].client, nullptr);
       }
-      absl::Status joined =
-          ranks[r].client->Join("g", 2, r, kToken, daemons_[0]->peer_address());
+      absl::Status joined = ranks[r].client->Join("g", 2, r, kToken, daemons_[0]->peer_address());
       ASSERT_TRUE(joined.ok()) << "rank " << r << ": " << joined;
     });
   }
@@ -631,8 +631,7 @@ class TwoDaemonRestartTest : public ::testing::Test {
     const size_t before = d.Log().size();
     if (!d.Restart()) return false;
     const absl::Time until = absl::Now() + absl::Seconds(20);
-    while (d.Log().find("restart: adopted", before) == std::string::npos &&
-           absl::Now() < until) {
+    while (d.Log().find("restart: adopted", before) == std::string::npos && absl::Now() < until) {
       absl::SleepFor(absl::Milliseconds(10));
     }
     return d.Log().find("restart: adopted", before) != std::string::npos;
@@ -718,7 +717,6 @@ TEST_F(TwoDaemonRestartTest, DaemonsAtDifferentGenerationsDropTheModuleNamingThe
   Register(ranks, 0);  // afresh
   Commit(ranks, 1);
 }
-
 
 // ---- Optimizer state in the restart records (RegisterState buffers) ----
 

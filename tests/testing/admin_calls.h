@@ -18,8 +18,8 @@ namespace flatshard::testing {
 // left behind keeps its UCX tag hash (16 bits of group and epoch) live, and a later trial whose
 // re-formed epoch hashes alike is refused. Failures are test failures (ADD_FAILURE).
 inline void DeleteTrialGroup(const std::string& address, const std::string& group) {
-  auto admin = v1::AdminService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto admin =
+      v1::AdminService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   for (;;) {
     grpc::ClientContext ctx;

@@ -183,8 +183,7 @@ class DaemonProcess {
       int status = 0;
       if (waitpid(pid_, &status, WNOHANG) == pid_) {
         pid_ = -1;
-        ADD_FAILURE() << "flatshardd " << tag_ << " exited at startup (status " << status
-                      << "):\n"
+        ADD_FAILURE() << "flatshardd " << tag_ << " exited at startup (status " << status << "):\n"
                       << Log();
         return false;
       }

@@ -13,7 +13,7 @@ namespace flatshard::testing {
 
 // Per unit, two entries: the shard's values, then the gradient shard's (empty when none).
 inline std::vector<std::vector<float>> SnapshotShards(client::Client& client,
-                                                       const std::string& module = "") {
+                                                      const std::string& module = "") {
   absl::StatusOr<client::ShardViews> views = client.GetShardViews(module);
   EXPECT_TRUE(views.ok()) << views.status();
   std::vector<std::vector<float>> out;

@@ -20,8 +20,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "client/client_internal.h"
@@ -32,7 +32,8 @@ namespace flatshard::testing {
 inline absl::StatusOr<int> SimulatedOrdinal(absl::string_view uuid) {
   int ordinal = -1;
   constexpr absl::string_view kPrefix = "SIM-GPU-";
-  if (!absl::StartsWith(uuid, kPrefix) || !absl::SimpleAtoi(uuid.substr(kPrefix.size()), &ordinal)) {
+  if (!absl::StartsWith(uuid, kPrefix) ||
+      !absl::SimpleAtoi(uuid.substr(kPrefix.size()), &ordinal)) {
     return absl::NotFoundError(absl::StrCat("not a simulated GPU: ", uuid));
   }
   return ordinal;
@@ -69,8 +70,8 @@ class SimulatedOpener final : public client::internal::DeviceMemoryOpener {
     if (fd < 0) return absl::NotFoundError(absl::StrCat("shm_open ", shm, ": ", errno));
     struct stat st {};
     ::fstat(fd, &st);
-    void* p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE,
-                     MAP_SHARED, fd, 0);
+    void* p =
+        ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     ::close(fd);
     if (p == MAP_FAILED) return absl::InternalError(absl::StrCat("mmap ", shm));
     return std::unique_ptr<client::internal::DeviceMapping>(

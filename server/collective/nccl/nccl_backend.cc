@@ -235,10 +235,10 @@ absl::Status NcclCore::Interruption(absl::Time now, const RendezvousOp* running)
                         init_done_->load());
   }
   if (!init_done_->load() && now >= init_deadline_) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "NCCL init of group ", GroupName(), " (", FormatRanks(spec_.local_ranks),
-        " of world_size ", spec_.world_size, " here) did not complete within ",
-        absl::FormatDuration(options_.init_timeout), "; communicator aborted"));
+    return absl::DeadlineExceededError(
+        absl::StrCat("NCCL init of group ", GroupName(), " (", FormatRanks(spec_.local_ranks),
+                     " of world_size ", spec_.world_size, " here) did not complete within ",
+                     absl::FormatDuration(options_.init_timeout), "; communicator aborted"));
   }
   return absl::OkStatus();
 }
@@ -347,8 +347,7 @@ absl::StatusOr<bool> NcclCore::CommsSettled(absl::string_view what) {
     if (async == ncclInProgress) {
       settled = false;
     } else if (async != ncclSuccess) {
-      return NcclCheck(async, absl::StrCat(what, ": rank ", d.rank, " on GPU ", d.ordinal),
-                       d.comm);
+      return NcclCheck(async, absl::StrCat(what, ": rank ", d.rank, " on GPU ", d.ordinal), d.comm);
     }
   }
   return settled;
@@ -372,8 +371,7 @@ absl::Status NcclCore::Await(const RendezvousOp& b, absl::string_view what,
           if (e == cudaErrorNotReady) {
             all = false;
           } else if (e != cudaSuccess) {
-            return gpu::CudaStatus(e, absl::StrCat(what, ": rank ", d.rank, " on GPU ",
-                                                   d.ordinal));
+            return gpu::CudaStatus(e, absl::StrCat(what, ": rank ", d.rank, " on GPU ", d.ordinal));
           }
         }
         // A peer that died leaves the kernels spinning; only the async error says so.
@@ -400,17 +398,18 @@ absl::Status NcclCore::CheckBuffers(const RendezvousOp& b) {
   for (size_t i = 0; i < b.calls.size(); ++i) {
     const RendezvousCall& a = b.calls[i];
     const Device& d = devices_[i];
-    const bool needs_out = a.call.desc.kind != CollectiveKind::kGather || a.rank == a.call.desc.root;
+    const bool needs_out =
+        a.call.desc.kind != CollectiveKind::kGather || a.rank == a.call.desc.root;
     auto check = [&](const void* p, size_t bytes, absl::string_view which) -> absl::Status {
       if (bytes == 0) return absl::OkStatus();
       cudaPointerAttributes attr{};
-      FS_CUDA_RETURN_IF_ERROR(cudaPointerGetAttributes(&attr, p),
-                              absl::StrCat("cudaPointerGetAttributes of rank ", a.rank, "'s ",
-                                           which));
+      FS_CUDA_RETURN_IF_ERROR(
+          cudaPointerGetAttributes(&attr, p),
+          absl::StrCat("cudaPointerGetAttributes of rank ", a.rank, "'s ", which));
       auto invalid = [&](absl::string_view why) {
         return absl::InvalidArgumentError(absl::StrCat("rank ", a.rank, " op_seq ", b.op_seq, " ",
-                                                       FormatOp(a.call.desc), ": the ", which,
-                                                       " ", why));
+                                                       FormatOp(a.call.desc), ": the ", which, " ",
+                                                       why));
       };
       if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
         return invalid("is not device memory");
@@ -433,10 +432,11 @@ absl::Status NcclCore::CheckBuffers(const RendezvousOp& b) {
   for (size_t i = 0; i < outs.size(); ++i) {
     for (size_t j = i + 1; j < outs.size(); ++j) {
       if (outs[i].begin < outs[j].end && outs[j].begin < outs[i].end) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "op_seq ", b.op_seq, " ", FormatOp(b.desc), ": ranks ", outs[i].rank, " and ",
-            outs[j].rank, " pass overlapping outputs; NCCL ranks live on different GPUs and "
-            "cannot share one"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("op_seq ", b.op_seq, " ", FormatOp(b.desc), ": ranks ", outs[i].rank,
+                         " and ", outs[j].rank,
+                         " pass overlapping outputs; NCCL ranks live on different GPUs and "
+                         "cannot share one"));
       }
     }
   }
@@ -457,9 +457,9 @@ absl::Status NcclCore::ExchangeFingerprints(const RendezvousOp& b) {
   absl::Status first;
   for (Device& d : devices_) {
     if (!first.ok()) break;
-    first = NcclCheck(ncclAllGather(d.scratch + d.rank * kWire, d.scratch, kWire, ncclUint8,
-                                    d.comm, d.stream),
-                      absl::StrCat("fingerprint ncclAllGather of rank ", d.rank), d.comm);
+    first = NcclCheck(
+        ncclAllGather(d.scratch + d.rank * kWire, d.scratch, kWire, ncclUint8, d.comm, d.stream),
+        absl::StrCat("fingerprint ncclAllGather of rank ", d.rank), d.comm);
   }
   absl::Status end = NcclCheck(ncclGroupEnd(), "ncclGroupEnd for fingerprints");
   FS_RETURN_IF_ERROR(first);
@@ -480,8 +480,8 @@ absl::Status NcclCore::ExchangeFingerprints(const RendezvousOp& b) {
     std::memcpy(&wires[r], got + r * kWire, kWire);
     std::optional<OpDescriptor> d = DecodeDescriptor(wires[r]);
     if (!d) {
-      return absl::AbortedError(absl::StrCat("collective mismatch at op_seq ", b.op_seq,
-                                             ": rank ", r, " sent an unreadable descriptor"));
+      return absl::AbortedError(absl::StrCat("collective mismatch at op_seq ", b.op_seq, ": rank ",
+                                             r, " sent an unreadable descriptor"));
     }
     descs[r] = *d;
   }
@@ -509,9 +509,9 @@ absl::Status NcclCore::LaunchData(const RendezvousOp& b) {
       if (a.rank != desc.root) continue;
       uint8_t* slot = a.call.out.begin() + static_cast<size_t>(desc.root) * s;
       if (slot == a.call.in.begin()) continue;
-      FS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot, a.call.in.data, s, cudaMemcpyDeviceToDevice,
-                                              devices_[i].stream),
-                              absl::StrCat(what, ": root's own shard"));
+      FS_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(slot, a.call.in.data, s, cudaMemcpyDeviceToDevice, devices_[i].stream),
+          absl::StrCat(what, ": root's own shard"));
     }
   }
   FS_RETURN_IF_ERROR(NcclCheck(ncclGroupStart(), absl::StrCat("ncclGroupStart for ", what)));
@@ -552,8 +552,8 @@ absl::Status NcclCore::LaunchData(const RendezvousOp& b) {
         }
         for (int k = 0; k < spec_.world_size && first.ok(); ++k) {
           if (k == desc.root) continue;
-          first = NcclCheck(ncclRecv(a.call.out.begin() + static_cast<size_t>(k) * s, s,
-                                     ncclUint8, k, d.comm, d.stream),
+          first = NcclCheck(ncclRecv(a.call.out.begin() + static_cast<size_t>(k) * s, s, ncclUint8,
+                                     k, d.comm, d.stream),
                             absl::StrCat("ncclRecv from rank ", k, ": ", call), d.comm);
         }
         break;
@@ -580,7 +580,8 @@ void NcclCore::AbortComms() {
   for (Device& d : devices_) {
     if (d.comm == nullptr) continue;
     gpu::ScopedCudaDevice on(d.ordinal);
-    absl::Status s = NcclCheck(ncclCommAbort(d.comm), absl::StrCat("ncclCommAbort of rank ", d.rank));
+    absl::Status s =
+        NcclCheck(ncclCommAbort(d.comm), absl::StrCat("ncclCommAbort of rank ", d.rank));
     if (!s.ok()) FS_LOG(WARNING) << "group=" << spec_.group_id << " " << s;
     d.comm = nullptr;
   }
@@ -600,8 +601,9 @@ void NcclCore::FinalizeComms() {
     if (!settled.ok()) s = settled.status();
     if (!s.ok() || *settled) break;
     if (absl::Now() >= give_up) {
-      s = absl::DeadlineExceededError(absl::StrCat("ncclCommFinalize did not complete within ",
-                                                   absl::FormatDuration(options_.finalize_timeout)));
+      s = absl::DeadlineExceededError(
+          absl::StrCat("ncclCommFinalize did not complete within ",
+                       absl::FormatDuration(options_.finalize_timeout)));
       break;
     }
     absl::SleepFor(absl::Milliseconds(1));
@@ -693,14 +695,14 @@ absl::StatusOr<std::unique_ptr<Communicator>> NcclBackend::Connect(const GroupSp
     return absl::InvalidArgumentError(absl::StrCat(name, ": no local ranks"));
   }
   if (spec.local_devices.size() != spec.local_ranks.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, ": NCCL needs one GPU per local rank, got ", spec.local_devices.size(),
-        " local_devices for ", spec.local_ranks.size(), " local_ranks"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": NCCL needs one GPU per local rank, got ", spec.local_devices.size(),
+                     " local_devices for ", spec.local_ranks.size(), " local_ranks"));
   }
   for (size_t i = 0; i < spec.local_devices.size(); ++i) {
     if (spec.local_devices[i] < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ": rank ", spec.local_ranks[i],
-                                                     " has GPU ", spec.local_devices[i]));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": rank ", spec.local_ranks[i], " has GPU ", spec.local_devices[i]));
     }
     for (size_t j = 0; j < i; ++j) {
       if (spec.local_devices[j] == spec.local_devices[i]) {
@@ -715,8 +717,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> NcclBackend::Connect(const GroupSp
                                                    spec.nccl_unique_id.size(), " bytes, want ",
                                                    NCCL_UNIQUE_ID_BYTES));
   }
-  if (spec.nccl_unique_id.empty() &&
-      static_cast<int>(spec.local_ranks.size()) != spec.world_size) {
+  if (spec.nccl_unique_id.empty() && static_cast<int>(spec.local_ranks.size()) != spec.world_size) {
     return absl::FailedPreconditionError(absl::StrCat(
         name, ": only ", FormatRanks(spec.local_ranks), " of world_size ", spec.world_size,
         " are local, so NCCL needs the nccl_unique_id of rank 0's daemon"));

@@ -139,15 +139,15 @@ class NoCudaDeviceCopier final : public DeviceCopier {
  public:
   absl::StatusOr<std::shared_ptr<void>> AllocateStaging(MemoryKind kind, int device,
                                                         size_t bytes) override {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "staging buffer of ", bytes, " bytes (", MemoryKindName(kind), ", device ", device,
-        "): built without CUDA"));
+    return absl::FailedPreconditionError(absl::StrCat("staging buffer of ", bytes, " bytes (",
+                                                      MemoryKindName(kind), ", device ", device,
+                                                      "): built without CUDA"));
   }
   absl::Status Copy(void*, MemoryKind dst_kind, const void*, MemoryKind src_kind, size_t bytes,
                     int device) override {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "device ", device, ": copy of ", bytes, " bytes ", MemoryKindName(src_kind), " -> ",
-        MemoryKindName(dst_kind), ": built without CUDA"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("device ", device, ": copy of ", bytes, " bytes ", MemoryKindName(src_kind),
+                     " -> ", MemoryKindName(dst_kind), ": built without CUDA"));
   }
 };
 }  // namespace

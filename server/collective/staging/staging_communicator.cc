@@ -44,10 +44,10 @@ class StagingCache : public std::enable_shared_from_this<StagingCache> {
     if (raw == nullptr) {
       absl::StatusOr<std::shared_ptr<void>> fresh = copier_->AllocateStaging(kind, device, bytes);
       if (!fresh.ok()) {
-        return absl::Status(fresh.status().code(),
-                            absl::StrCat("staging buffer of ", bytes, " bytes (",
-                                         MemoryKindName(kind), ", device ", device,
-                                         "): ", fresh.status().message()));
+        return absl::Status(
+            fresh.status().code(),
+            absl::StrCat("staging buffer of ", bytes, " bytes (", MemoryKindName(kind), ", device ",
+                         device, "): ", fresh.status().message()));
       }
       raw = *std::move(fresh);
     }
@@ -91,15 +91,15 @@ struct CopyOut {
 // A staging buffer shared by the local ranks that pass the same output for one op_seq.
 struct SharedStage {
   std::shared_ptr<void> staging;
-  CopyOut out;             // the whole buffer, staged -> user's
-  int device = 0;          // `staging`'s, the first member's
+  CopyOut out;     // the whole buffer, staged -> user's
+  int device = 0;  // `staging`'s, the first member's
   // Device staging (NCCL): members on other GPUs get a buffer of their own device, since NCCL
   // ranks cannot share one; after the op every copy holds the same bytes, and `staging` is the
   // one copied out. Host staging is shared by every member (one assembled copy per node).
   absl::flat_hash_map<int, std::shared_ptr<void>> other_devices;
-  int members = 0;         // ranks that joined
-  int completed = 0;       // of them, whose inner op completed (or failed before it)
-  bool copy_out = false;   // some member's buffer is written by the op (not Broadcast's root)
+  int members = 0;        // ranks that joined
+  int completed = 0;      // of them, whose inner op completed (or failed before it)
+  bool copy_out = false;  // some member's buffer is written by the op (not Broadcast's root)
   absl::Status first_error;
   std::vector<std::pair<DoneCallback, absl::Status>> finished;  // waiting for the last member
 };
@@ -174,13 +174,12 @@ struct State {
     if (result.ok() && stage->copy_out) {
       absl::Status copied = Copy(stage->out, stage->device);
       if (!copied.ok()) {
-        result = absl::Status(copied.code(), absl::StrCat(
-                                            "copying out the ", stage->out.bytes, "-byte output",
-                                            stage->members > 1
-                                                ? absl::StrCat(" (shared by ", stage->members,
-                                                               " ranks)")
-                                                : "",
-                                            ": ", copied.message()));
+        result = absl::Status(
+            copied.code(),
+            absl::StrCat(
+                "copying out the ", stage->out.bytes, "-byte output",
+                stage->members > 1 ? absl::StrCat(" (shared by ", stage->members, " ranks)") : "",
+                ": ", copied.message()));
         SetPendingAbort(result);
       }
     }
@@ -274,8 +273,8 @@ class StagingCommunicator final : public Communicator {
       const auto* ob = static_cast<const uint8_t*>(out.data);
       if (Staged(in.kind, in.bytes) && ob >= ib && ob + out.bytes <= ib + in.bytes) {
         // `out` is this rank's slice of `in`: reduce into the same slice of the staged input.
-        staged_out.data = const_cast<uint8_t*>(static_cast<const uint8_t*>(staged_in.data)) +
-                          (ob - ib);
+        staged_out.data =
+            const_cast<uint8_t*>(static_cast<const uint8_t*>(staged_in.data)) + (ob - ib);
       } else {
         absl::StatusOr<void*> s = Own(*call, out.bytes);
         if (!s.ok()) return Fail(std::move(call), s.status());
@@ -315,8 +314,7 @@ class StagingCommunicator final : public Communicator {
     }
     auto call = Begin(options.rank, std::move(done));
     if (call == nullptr || (!Staged(in.kind, in.bytes) && !Staged(out.kind, out.bytes))) {
-      return inner_->Gather(Relabel(in), Relabel(out), root, options,
-                            Done(std::move(call), done));
+      return inner_->Gather(Relabel(in), Relabel(out), root, options, Done(std::move(call), done));
     }
     absl::StatusOr<ConstBuffer> staged_in_or = StageIn(*call, in);
     if (!staged_in_or.ok()) return Fail(std::move(call), staged_in_or.status());
@@ -350,8 +348,7 @@ class StagingCommunicator final : public Communicator {
  private:
   // Host kinds are one for host backends; device memory only reaches a device backend.
   bool Reachable(MemoryKind kind) const {
-    return inner_kind_ == MemoryKind::kCuda ? kind == MemoryKind::kCuda
-                                            : kind != MemoryKind::kCuda;
+    return inner_kind_ == MemoryKind::kCuda ? kind == MemoryKind::kCuda : kind != MemoryKind::kCuda;
   }
   bool Staged(MemoryKind kind, size_t bytes) const { return bytes > 0 && !Reachable(kind); }
 
@@ -413,12 +410,12 @@ class StagingCommunicator final : public Communicator {
   }
 
   absl::Status CopyIn(StagedCall& call, void* staged, ConstBuffer in) {
-    absl::Status s = state_->copier->Copy(staged, state_->staging_kind, in.data, in.kind,
-                                          in.bytes, call.device);
+    absl::Status s =
+        state_->copier->Copy(staged, state_->staging_kind, in.data, in.kind, in.bytes, call.device);
     if (s.ok()) return s;
-    return absl::Status(s.code(), absl::StrCat("copying in ", in.bytes, " bytes of ",
-                                               MemoryKindName(in.kind), " memory (device ",
-                                               call.device, "): ", s.message()));
+    return absl::Status(s.code(),
+                        absl::StrCat("copying in ", in.bytes, " bytes of ", MemoryKindName(in.kind),
+                                     " memory (device ", call.device, "): ", s.message()));
   }
 
   // Joins (or starts) the staging buffer shared by the local ranks passing `buf` for op_seq.
@@ -438,8 +435,8 @@ class StagingCommunicator final : public Communicator {
           if (stage == nullptr) {
             stage = std::make_shared<SharedStage>();
             stage->staging = std::move(unused);
-            stage->out = CopyOut{buf.data, buf.kind, stage->staging.get(), state_->staging_kind,
-                                 buf.bytes};
+            stage->out =
+                CopyOut{buf.data, buf.kind, stage->staging.get(), state_->staging_kind, buf.bytes};
             stage->device = call.device;
           }
           void* mine = stage->staging.get();
@@ -490,8 +487,7 @@ class StagingCommunicator final : public Communicator {
 }  // namespace
 
 std::unique_ptr<Communicator> MakeStagingCommunicator(std::unique_ptr<Communicator> inner,
-                                                      MemoryKind inner_kind,
-                                                      const GroupSpec& spec,
+                                                      MemoryKind inner_kind, const GroupSpec& spec,
                                                       std::shared_ptr<DeviceCopier> copier) {
   FS_CHECK(inner != nullptr && copier != nullptr) << "MakeStagingCommunicator needs both";
   return std::make_unique<StagingCommunicator>(std::move(inner), inner_kind, spec,

@@ -79,8 +79,7 @@ std::shared_ptr<DeviceCopier> MakeCudaDeviceCopier(absl::Duration copy_timeout);
 // entry in `spec.local_devices` uses device 0.
 // REQUIRES: `inner` and `copier` are not null.
 std::unique_ptr<Communicator> MakeStagingCommunicator(std::unique_ptr<Communicator> inner,
-                                                      MemoryKind inner_kind,
-                                                      const GroupSpec& spec,
+                                                      MemoryKind inner_kind, const GroupSpec& spec,
                                                       std::shared_ptr<DeviceCopier> copier);
 
 }  // namespace flatshard::collective

@@ -250,8 +250,8 @@ absl::Status Worker::Init() {
     s = ucp_config_modify(config, key.c_str(), value.c_str());
     if (s != UCS_OK) {
       ucp_config_release(config);
-      return absl::InvalidArgumentError(absl::StrCat("UCX: cannot set ", key, "=", value, ": ",
-                                                     ucs_status_string(s)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("UCX: cannot set ", key, "=", value, ": ", ucs_status_string(s)));
     }
   }
   ucp_params_t params{};
@@ -501,8 +501,8 @@ absl::Status Worker::RegisterGroup(uint16_t hash, const std::string& group_id, u
   if (it != groups_.end() && it->second.id != nullptr) {
     const GroupEntry& g = it->second;
     if (g.group_id == group_id && g.epoch == epoch) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          GroupName(group_id, epoch), " is already connected on this UCX backend"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(GroupName(group_id, epoch), " is already connected on this UCX backend"));
     }
     return absl::FailedPreconditionError(absl::StrFormat(
         "%s: its UCX tag hash 0x%04x collides with live %s on this backend; re-form the "
@@ -810,17 +810,17 @@ absl::Status UcxTransport::PeerStatus(const Peer& peer) const {
     if (peers_[r].get() == &peer) ranks.push_back(r);
   }
   return absl::UnavailableError(absl::StrCat(
-      "UCX peer of ", FormatRanks(ranks), " failed: ",
-      peer.failure == UCS_OK ? "endpoint closed" : ucs_status_string(peer.failure)));
+      "UCX peer of ", FormatRanks(ranks),
+      " failed: ", peer.failure == UCS_OK ? "endpoint closed" : ucs_status_string(peer.failure)));
 }
 
 absl::Status UcxTransport::Outcome(const Request& req) const {
   if (req.status == UCS_OK) {
     if (req.recv && req.info.length != req.bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "message size mismatch at op_seq ", req.tag.op_seq, " (sub ", req.tag.sub, "): rank ",
-          req.src, " sent ", req.info.length, " bytes but rank ", req.dst, " expected ",
-          req.bytes));
+      return absl::InvalidArgumentError(
+          absl::StrCat("message size mismatch at op_seq ", req.tag.op_seq, " (sub ", req.tag.sub,
+                       "): rank ", req.src, " sent ", req.info.length, " bytes but rank ", req.dst,
+                       " expected ", req.bytes));
     }
     return absl::OkStatus();
   }
@@ -831,8 +831,8 @@ absl::Status UcxTransport::Outcome(const Request& req) const {
         "message size mismatch at op_seq ", req.tag.op_seq, " (sub ", req.tag.sub, "): rank ",
         req.src, " sent more than the ", req.bytes, " bytes rank ", req.dst, " expected"));
   }
-  return absl::UnavailableError(absl::StrCat("UCX ", req.recv ? "receive" : "send", " of ",
-                                             group_, " rank ", req.src, " -> ", req.dst,
+  return absl::UnavailableError(absl::StrCat("UCX ", req.recv ? "receive" : "send", " of ", group_,
+                                             " rank ", req.src, " -> ", req.dst,
                                              " failed: ", ucs_status_string(req.status)));
 }
 
@@ -918,10 +918,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> UcxBackendImpl::Connect(const Grou
     if (spec.rank_addresses[r] == worker_->address()) by_address.push_back(r);
   }
   if (by_address != spec.local_ranks || by_address.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, ": local_ranks [", absl::StrJoin(spec.local_ranks, ", "),
-        "] disagree with the ranks whose address is this backend's [",
-        absl::StrJoin(by_address, ", "), "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": local_ranks [", absl::StrJoin(spec.local_ranks, ", "),
+                     "] disagree with the ranks whose address is this backend's [",
+                     absl::StrJoin(by_address, ", "), "]"));
   }
   const uint16_t hash = GroupTagHash(spec.group_id, spec.epoch);
   absl::StatusOr<std::shared_ptr<UcxTransport>> transport =

@@ -37,9 +37,7 @@ inline uint16_t GroupTagHash(absl::string_view group_id, uint64_t epoch) {
   return static_cast<uint16_t>(h ^ (h >> 16) ^ (h >> 32) ^ (h >> 48));
 }
 
-inline uint64_t WireSub(uint32_t sub) {
-  return (sub & 0x80000000u) != 0 ? 0xFFFu : sub % 0xFFFu;
-}
+inline uint64_t WireSub(uint32_t sub) { return (sub & 0x80000000u) != 0 ? 0xFFFu : sub % 0xFFFu; }
 
 // REQUIRES: 0 <= src, dst < kMaxWorldSize.
 inline uint64_t MakeTag(uint16_t group_hash, int src, int dst, MessageTag tag) {

@@ -54,11 +54,16 @@ int main(int argc, char** argv) {
   int world = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--address") address = value;
-    else if (flag == "--group") group = value;
-    else if (flag == "--world_size") world = std::atoi(value.c_str());
-    else if (flag == "--rank") rank_ = std::atoi(value.c_str());
-    else Fail("flags", "unknown flag " + flag);
+    if (flag == "--address")
+      address = value;
+    else if (flag == "--group")
+      group = value;
+    else if (flag == "--world_size")
+      world = std::atoi(value.c_str());
+    else if (flag == "--rank")
+      rank_ = std::atoi(value.c_str());
+    else
+      Fail("flags", "unknown flag " + flag);
   }
   if (address.empty() || group.empty() || world < 1 || rank_ < 0 || rank_ >= world) {
     Fail("flags", "usage: consumer --address A --group G --world_size N --rank R");
@@ -114,7 +119,8 @@ int main(int argc, char** argv) {
     unit_numel[view->unit] += view->numel;
   }
   Check((*full)->End(), "summon end");
-  if (elements != 6 * 4 + 6 + 3 * 6) Fail("summon", "saw " + std::to_string(elements) + " elements");
+  if (elements != 6 * 4 + 6 + 3 * 6)
+    Fail("summon", "saw " + std::to_string(elements) + " elements");
 
   absl::StatusOr<fc::ShardViews> shards = client->GetShardViews("");
   Check(shards.status(), "shard views");
@@ -133,10 +139,12 @@ int main(int argc, char** argv) {
   const float want = static_cast<float>(world * (world + 1) / 2);
   int64_t checked = 0;
   for (const fc::UnitShardView& unit : *shards) {
-    if (unit.grad == nullptr) Fail("grads", "unit " + std::to_string(unit.unit) + " has no gradient shard");
+    if (unit.grad == nullptr)
+      Fail("grads", "unit " + std::to_string(unit.unit) + " has no gradient shard");
     const float* g = static_cast<const float*>(unit.grad);
     // Padding (after the unit's parameters, in the last ranks' shards) is not checked.
-    for (int64_t i = 0; i < unit.shard_numel && unit.shard_offset + i < unit_numel[unit.unit]; ++i) {
+    for (int64_t i = 0; i < unit.shard_numel && unit.shard_offset + i < unit_numel[unit.unit];
+         ++i) {
       if (g[i] != want) {
         Fail("grads", "unit " + std::to_string(unit.unit) + " grad[" + std::to_string(i) + "] is " +
                           std::to_string(g[i]) + ", want " + std::to_string(want));
@@ -146,8 +154,10 @@ int main(int argc, char** argv) {
   }
   if (rank_ == 0 && checked == 0) Fail("grads", "rank 0 checked no gradient element");
   Check(client->Leave(), "leave");
-  std::printf("consumer rank %d/%d OK: flatshard %s, %lld elements summoned, %lld gradient "
-              "elements checked\n", rank_, world, fc::LibraryVersion(),
-              static_cast<long long>(elements), static_cast<long long>(checked));
+  std::printf(
+      "consumer rank %d/%d OK: flatshard %s, %lld elements summoned, %lld gradient "
+      "elements checked\n",
+      rank_, world, fc::LibraryVersion(), static_cast<long long>(elements),
+      static_cast<long long>(checked));
   return 0;
 }
