@@ -162,6 +162,18 @@ TEST_F(PosixFileSystemTest, AbsentIsNotFoundForReadListAndRemove) {
   EXPECT_TRUE(fs_->ListDir(dir_.string())->empty());
 }
 
+TEST_F(PosixFileSystemTest, AnExclusiveCreateNeverTruncatesAnotherWritersFile) {
+  std::ofstream(dir_ / "f") << "someone else's";
+  absl::StatusOr<std::unique_ptr<WritableFile>> f =
+      fs_->NewWritableFile(Path("f"), {.mode = 0600, .exclusive = true});
+  ASSERT_FALSE(f.ok());
+  EXPECT_EQ(f.status().message(), absl::StrCat("open ", Path("f"), ": File exists"));
+  EXPECT_EQ(testing::ReadFile(dir_ / "f"), "someone else's");
+  f = fs_->NewWritableFile(Path("f"), {.mode = 0600, .exclusive = false});
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(testing::ReadFile(dir_ / "f"), "");  // truncated
+}
+
 TEST_F(PosixFileSystemTest, CreateDirsGivesTheLastDirectoryExactlyItsMode) {
   const std::string deep = Path("a/b/c");
   ASSERT_TRUE(fs_->CreateDirs(deep, 0700).ok());
