@@ -199,7 +199,8 @@ TEST_F(KeptBuffersLimitTest, ResourceExhaustedIsRetriedAfterDecommittingIdleBuff
   EXPECT_FALSE(idle->committed());
 
   // Re-committing the decommitted one now fails: everything else is in use, nothing to free.
-  absl::StatusOr<std::shared_ptr<Buffer>> again = Get(*other, KeptKey::Rank(0, 0, KeptUse::kParams));
+  absl::StatusOr<std::shared_ptr<Buffer>> again =
+      Get(*other, KeptKey::Rank(0, 0, KeptUse::kParams));
   EXPECT_EQ(again.status().code(), absl::StatusCode::kResourceExhausted) << again.status();
   // Once one is idle, the retry after decommitting it succeeds.
   third->reset();

@@ -80,8 +80,8 @@ TEST(MetricsDaemonTest, ScrapesShowRpcsCollectivesMemoryGroupsAndClients) {
   const std::string address_file = (dir / "metrics_address").string();
   testing::DaemonOptions options;
   options.tag_prefix = "fsmetrics";
-  options.extra_flags = {"--metrics_address=127.0.0.1:0",
-                         "--metrics_address_file=" + address_file, "--log_format=json"};
+  options.extra_flags = {"--metrics_address=127.0.0.1:0", "--metrics_address_file=" + address_file,
+                         "--log_format=json"};
   testing::DaemonProcess daemon(options);
   ASSERT_TRUE(daemon.running());
   for (int i = 0; i < 500 && !std::filesystem::exists(address_file); ++i) {
@@ -179,8 +179,7 @@ TEST(MetricsDaemonTest, BadFlagsAreRefusedAtStartup) {
   const std::string sock =
       (std::filesystem::temp_directory_path() / absl::StrCat("fsmbad", ::getpid(), ".sock"))
           .string();
-  for (const char* flag :
-       {"--metrics_address=nonsense", "--log_level=loud", "--log_format=xml"}) {
+  for (const char* flag : {"--metrics_address=nonsense", "--log_level=loud", "--log_format=xml"}) {
     const std::string cmd =
         absl::StrCat(bin, " --socket=", sock, " ", flag, " --segment_prefix=fsmbad 2>/dev/null");
     EXPECT_NE(std::system(cmd.c_str()), 0) << flag;

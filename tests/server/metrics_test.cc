@@ -61,7 +61,8 @@ TEST(MetricsRegistryTest, RendersCountersGaugesAndHistogramsInTextFormat) {
   EXPECT_THAT(text, HasSubstr("# HELP t_rpcs_total RPCs\\nanswered\n# TYPE t_rpcs_total counter\n"
                               "t_rpcs_total{method=\"Join\",code=\"OK\"} 3\n"
                               "t_rpcs_total{method=\"Summon\",code=\"NOT_FOUND\"} 1\n"));
-  EXPECT_THAT(text, HasSubstr("# TYPE t_memory_bytes gauge\nt_memory_bytes{kind=\"shard\"} 1048575\n"));
+  EXPECT_THAT(text,
+              HasSubstr("# TYPE t_memory_bytes gauge\nt_memory_bytes{kind=\"shard\"} 1048575\n"));
   EXPECT_THAT(text, HasSubstr("# TYPE t_latency_seconds histogram\n"
                               "t_latency_seconds_bucket{method=\"Join\",le=\"0.1\"} 1\n"
                               "t_latency_seconds_bucket{method=\"Join\",le=\"1\"} 2\n"
@@ -113,18 +114,18 @@ TEST(MetricsRegistryTest, DaemonMetricsAreRegisteredUpFront) {
     EXPECT_THAT(text, HasSubstr(std::string("# TYPE ") + name + " ")) << name;
   }
   EXPECT_THAT(text, HasSubstr("flatshard_rpcs_total{method=\"Ping\",code=\"OK\"} 1\n"));
-  EXPECT_THAT(text, HasSubstr("flatshard_collectives_total{kind=\"AllGather\",status=\"ABORTED\"} 1\n"));
+  EXPECT_THAT(text,
+              HasSubstr("flatshard_collectives_total{kind=\"AllGather\",status=\"ABORTED\"} 1\n"));
   // Failed ops move no bytes.
   EXPECT_THAT(text, HasSubstr("flatshard_collective_bytes_total{backend=\"inproc\"} 4096\n"));
 }
 
 TEST(MetricsServerTest, ServesMetricsAndNotFoundElsewhere) {
   int renders = 0;
-  absl::StatusOr<std::unique_ptr<MetricsServer>> server =
-      MetricsServer::Start("127.0.0.1:0", [&] {
-        ++renders;
-        return std::string("m 1\n");
-      });
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server = MetricsServer::Start("127.0.0.1:0", [&] {
+    ++renders;
+    return std::string("m 1\n");
+  });
   ASSERT_TRUE(server.ok()) << server.status();
   const int port = (*server)->port();
   ASSERT_GT(port, 0);

@@ -4,13 +4,13 @@
 
 #include "server/rank_devices.h"
 
+#include <unistd.h>
 #include <atomic>
 #include <cstring>
 #include <memory>
 #include <numeric>
 #include <string>
 #include <thread>
-#include <unistd.h>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -33,9 +33,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::string Prefix(absl::string_view what) {
-  return absl::StrCat("fsrdt", what, getpid());
-}
+std::string Prefix(absl::string_view what) { return absl::StrCat("fsrdt", what, getpid()); }
 
 // A GPU whose host waits block until the test lets them go (Release), and fail when asked to.
 // Copies are memcpy (its "device memory" is host memory).
@@ -191,8 +189,8 @@ TEST(RankDevicesHostTest, CopiesOnHostRanks) {
   }
 
   // ApplyReducedGrad: replaced, then accumulated.
-  auto grad = *store.Allocate(BufferKind::kGradShard, 4 * sizeof(float), "grad", -1,
-                              Placement::Host());
+  auto grad =
+      *store.Allocate(BufferKind::kGradShard, 4 * sizeof(float), "grad", -1, Placement::Host());
   std::vector<float> reduced = {1, 2, 3, 4};
   collective::ConstBuffer in{reduced.data(), reduced.size() * sizeof(float), DType::kFloat32};
   ASSERT_TRUE(devices.ApplyReducedGrad(0, in, *grad, DType::kFloat32, false).ok());
@@ -316,8 +314,8 @@ TEST(RankDevicesGatedTest, TheHostWaitForATrainerNeverBlocksTheCaller) {
 
 TEST(RankDevicesGatedTest, StopRunsQueuedWorkThenRunsInline) {
   auto gated = std::make_shared<GatedDevice>(0);
-  auto devices = std::make_unique<RankDevices>(
-      std::vector<std::shared_ptr<gpu::DeviceContext>>{gated});
+  auto devices =
+      std::make_unique<RankDevices>(std::vector<std::shared_ptr<gpu::DeviceContext>>{gated});
   std::atomic<int> completed{0};
   for (int i = 0; i < 3; ++i) {
     devices->AfterTrainerWrites(0, gpu::IpcEventRef{static_cast<uint64_t>(100 + i), "h", "G"},

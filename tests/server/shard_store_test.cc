@@ -18,11 +18,11 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "common/shm_segment.h"
 #include "common/gpu/cuda_util.h"
-#include "server/gpu/device_pool.h"
+#include "common/shm_segment.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/gpu/device_pool.h"
 #include "tests/testing/shm_testing.h"
 
 namespace flatshard::server {
@@ -426,7 +426,6 @@ TEST_F(ShardStoreTest, InvalidRequestsAndOptions) {
   EXPECT_EQ(buf.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(buf.status().message(), HasSubstr("no/slash"));
 }
-
 
 // Device placement, over a DevicePool whose slabs are host memory (no GPU needed): what the
 // store does with device buffers, not what CUDA does.

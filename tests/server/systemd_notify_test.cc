@@ -51,9 +51,8 @@ class FakeSystemd {
 
 std::string TempSocketPath() {
   return (std::filesystem::temp_directory_path() /
-          absl::StrCat("fs_notify_", ::getpid(), "_", ::testing::UnitTest::GetInstance()
-                                                          ->current_test_info()
-                                                          ->name()))
+          absl::StrCat("fs_notify_", ::getpid(), "_",
+                       ::testing::UnitTest::GetInstance()->current_test_info()->name()))
       .string();
 }
 

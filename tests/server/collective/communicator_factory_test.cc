@@ -82,7 +82,9 @@ class AsHost final : public Communicator {
 class FakeBackend : public CollectiveBackend {
  public:
   FakeBackend(std::string name, bool viable, std::vector<GroupSpec>* specs)
-      : name_(std::move(name)), viable_(viable), specs_(specs),
+      : name_(std::move(name)),
+        viable_(viable),
+        specs_(specs),
         inner_(CreateInprocBackend().value()) {}
   absl::string_view Name() const override { return name_; }
   bool IsViable() const override { return viable_; }
@@ -137,14 +139,14 @@ void ExpectAllGatherWorks(Communicator& comm, int world_size, MemoryKind kind) {
     o.rank = r;
     o.op_seq = 1;
     o.deadline = absl::Now() + absl::Seconds(10);
-    comm.AllGather(ConstBuffer{&in[r], sizeof(int32_t), DType::kInt32, kind},
-                   MutableBuffer{out[r].data(), out[r].size() * sizeof(int32_t), DType::kInt32,
-                                 kind},
-                   o, [&, r](absl::Status s) {
-                     absl::MutexLock lock(&mu);
-                     statuses[r] = s;
-                     ++done;
-                   });
+    comm.AllGather(
+        ConstBuffer{&in[r], sizeof(int32_t), DType::kInt32, kind},
+        MutableBuffer{out[r].data(), out[r].size() * sizeof(int32_t), DType::kInt32, kind}, o,
+        [&, r](absl::Status s) {
+          absl::MutexLock lock(&mu);
+          statuses[r] = s;
+          ++done;
+        });
   }
   struct AllDone {
     int* done;
@@ -179,13 +181,14 @@ TEST(CommunicatorFactoryTest, HostLocalGroupRunsInprocFromTheRegistry) {
 TEST(CommunicatorFactoryTest, InprocComesFromTheGivenRegistry) {
   std::vector<GroupSpec> specs;
   BackendRegistry registry;
-  ASSERT_TRUE(registry
-                  .Register("inproc",
-                            [&](const BackendParams&)
-                                -> absl::StatusOr<std::unique_ptr<CollectiveBackend>> {
-                              return std::make_unique<FakeBackend>("inproc", true, &specs);
-                            })
-                  .ok());
+  ASSERT_TRUE(
+      registry
+          .Register(
+              "inproc",
+              [&](const BackendParams&) -> absl::StatusOr<std::unique_ptr<CollectiveBackend>> {
+                return std::make_unique<FakeBackend>("inproc", true, &specs);
+              })
+          .ok());
   CommunicatorFactoryOptions options;
   options.registry = &registry;
   auto f = CommunicatorFactory::Create(std::move(options));

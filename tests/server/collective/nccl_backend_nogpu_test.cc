@@ -41,11 +41,11 @@ TEST(NcclBackendNoGpuTest, RegistryCreatesNcclAndParsesItsParameters) {
   BackendRegistry registry;
   ASSERT_TRUE(RegisterBuiltinBackends(registry).ok());
   ASSERT_TRUE(registry.Has("nccl"));
-  absl::StatusOr<std::unique_ptr<CollectiveBackend>> b = registry.Create(
-      "nccl", {{"init_timeout_ms", "500"},
-               {"finalize_timeout_ms", "0"},
-               {"poll_interval_us", "10"},
-               {"fingerprint", "off"}});
+  absl::StatusOr<std::unique_ptr<CollectiveBackend>> b =
+      registry.Create("nccl", {{"init_timeout_ms", "500"},
+                               {"finalize_timeout_ms", "0"},
+                               {"poll_interval_us", "10"},
+                               {"fingerprint", "off"}});
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ((*b)->Name(), "nccl");
   EXPECT_TRUE((*b)->Supports(MemoryKind::kCuda));

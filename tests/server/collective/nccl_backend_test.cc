@@ -54,9 +54,9 @@ class DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 
   void Upload(const void* host, size_t bytes, size_t offset = 0) {
-    ASSERT_EQ(cudaMemcpy(static_cast<uint8_t*>(data_) + offset, host, bytes,
-                         cudaMemcpyHostToDevice),
-              cudaSuccess);
+    ASSERT_EQ(
+        cudaMemcpy(static_cast<uint8_t*>(data_) + offset, host, bytes, cudaMemcpyHostToDevice),
+        cudaSuccess);
   }
   template <typename T>
   std::vector<T> Download() const {
@@ -223,8 +223,7 @@ TEST_P(NcclBackendTest, World1BroadcastGatherAndZeroBytes) {
   comm->Broadcast(buf.Out(DType::kFloat32), 0, Opts(0, 1), bcast.Callback());
   ASSERT_TRUE(bcast.Wait().ok()) << bcast.status();
   EXPECT_TRUE(BlockHolds(buf.Download<float>().data(), 0, n));
-  comm->Gather(buf.In(DType::kFloat32), out.Out(DType::kFloat32), 0, Opts(0, 2),
-               gather.Callback());
+  comm->Gather(buf.In(DType::kFloat32), out.Out(DType::kFloat32), 0, Opts(0, 2), gather.Callback());
   ASSERT_TRUE(gather.Wait().ok()) << gather.status();
   EXPECT_TRUE(BlockHolds(out.Download<float>().data(), 0, n));
   comm->AllGather(ConstBuffer{nullptr, 0, DType::kFloat32},
@@ -277,8 +276,8 @@ TEST_P(NcclBackendTest, TwoGpusAllGatherAndReduceScatterInOneGroupedLaunch) {
   std::vector<std::unique_ptr<DeviceBuffer>> shard;
   for (int r = 0; r < 2; ++r) shard.push_back(std::make_unique<DeviceBuffer>(r, n * 4));
   RunRanks(2, [&](int r) {
-    comm->ReduceScatter(out[r]->In(DType::kFloat32), shard[r]->Out(DType::kFloat32),
-                        ReduceOp::kSum, Opts(r, 2), rs[r].Callback());
+    comm->ReduceScatter(out[r]->In(DType::kFloat32), shard[r]->Out(DType::kFloat32), ReduceOp::kSum,
+                        Opts(r, 2), rs[r].Callback());
   });
   for (int r = 0; r < 2; ++r) {
     ASSERT_TRUE(rs[r].Wait().ok()) << rs[r].status();
@@ -323,8 +322,8 @@ TEST_P(NcclBackendTest, InitThatNeverCompletesFailsTheOpAtItsDeadline) {
   ASSERT_NE(comm, nullptr);
   DeviceBuffer in(0, 64), out(0, 128);
   DoneRecorder done, later;
-  comm->AllGather(in.In(DType::kFloat32), out.Out(DType::kFloat32),
-                  Opts(0, 1, 3, absl::Seconds(1)), done.Callback());
+  comm->AllGather(in.In(DType::kFloat32), out.Out(DType::kFloat32), Opts(0, 1, 3, absl::Seconds(1)),
+                  done.Callback());
   std::vector<PendingOpInfo> pending = comm->PendingOps();
   ASSERT_EQ(pending.size(), 1u);
   EXPECT_THAT(pending[0].arrived_ranks, ::testing::ElementsAre(0));

@@ -350,8 +350,7 @@ TEST_F(StagingTest, GatherStagesOnlyRootsOutput) {
   std::vector<float> full(kS * kWorld, -1);
   std::vector<float> ignored(kS * kWorld, -7);  // non-root ranks pass it: never touched
   for (const absl::Status& s : Run([&](int r, DoneCallback d) {
-         comm_->Gather(Dev(in[r]), DevOut(r == 3 ? full : ignored), 3, Opts(r, 1),
-                       std::move(d));
+         comm_->Gather(Dev(in[r]), DevOut(r == 3 ? full : ignored), 3, Opts(r, 1), std::move(d));
        })) {
     EXPECT_TRUE(s.ok()) << s;
   }
@@ -409,22 +408,25 @@ TEST_F(StagingTest, PassThroughBuffersMakeNoCopiesAndNoStaging) {
     for (const absl::Status& s : Run([&](int r, DoneCallback d) {
            ConstBuffer i{in[r].data(), kS * 4, DType::kFloat32, kind};
            MutableBuffer o{out[r].data(), kS * kWorld * 4, DType::kFloat32, kind};
-           comm_->AllGather(i, o, Opts(r, base + 1), [&, r, i, o, d = std::move(d)](
-                                                         absl::Status s) mutable {
-             if (!s.ok()) return d(s);
-             ConstBuffer full{in[r].data(), kS * kWorld * 4, DType::kFloat32, kind};
-             MutableBuffer shard{out[r].data(), kS * 4, DType::kFloat32, kind};
-             comm_->ReduceScatter(full, shard, ReduceOp::kSum, Opts(r, base + 2),
-                                  [&, r, o, d = std::move(d)](absl::Status s) mutable {
-               if (!s.ok()) return d(s);
-               comm_->Broadcast(o, 0, Opts(r, base + 3), [&, r, o, d = std::move(d)](
-                                                             absl::Status s) mutable {
+           comm_->AllGather(
+               i, o, Opts(r, base + 1), [&, r, i, o, d = std::move(d)](absl::Status s) mutable {
                  if (!s.ok()) return d(s);
-                 comm_->Gather(ConstBuffer{in[r].data(), kS * 4, DType::kFloat32, kind},
-                               r == 0 ? o : MutableBuffer{}, 0, Opts(r, base + 4), std::move(d));
+                 ConstBuffer full{in[r].data(), kS * kWorld * 4, DType::kFloat32, kind};
+                 MutableBuffer shard{out[r].data(), kS * 4, DType::kFloat32, kind};
+                 comm_->ReduceScatter(
+                     full, shard, ReduceOp::kSum, Opts(r, base + 2),
+                     [&, r, o, d = std::move(d)](absl::Status s) mutable {
+                       if (!s.ok()) return d(s);
+                       comm_->Broadcast(
+                           o, 0, Opts(r, base + 3),
+                           [&, r, o, d = std::move(d)](absl::Status s) mutable {
+                             if (!s.ok()) return d(s);
+                             comm_->Gather(ConstBuffer{in[r].data(), kS * 4, DType::kFloat32, kind},
+                                           r == 0 ? o : MutableBuffer{}, 0, Opts(r, base + 4),
+                                           std::move(d));
+                           });
+                     });
                });
-             });
-           });
          })) {
       EXPECT_TRUE(s.ok()) << s;
     }
@@ -464,7 +466,8 @@ TEST_F(StagingTest, StagingBuffersAreReusedAcrossOpsOnTheRanksDevices) {
   EXPECT_LE(after_first, 2 * kWorld);
   EXPECT_EQ(copier_->allocations(), after_first);
   for (MemoryKind k : copier_->kinds()) EXPECT_EQ(k, MemoryKind::kHostPinned);
-  for (int d : copier_->devices()) EXPECT_THAT(d, ::testing::AllOf(::testing::Ge(4), ::testing::Le(7)));
+  for (int d : copier_->devices())
+    EXPECT_THAT(d, ::testing::AllOf(::testing::Ge(4), ::testing::Le(7)));
   for (const CopyRecord& c : copier_->copies()) {
     // Each copy runs on the device of the rank whose buffer it is.
     for (int r = 0; r < kWorld; ++r) {
@@ -507,7 +510,8 @@ TEST_F(StagingTest, FailingCopyOutFailsThatRankAndLaterOps) {
   for (int r = 0; r < kWorld; ++r) {
     if (r == 1) {
       EXPECT_TRUE(absl::IsInternal(st[r])) << st[r];
-      EXPECT_THAT(std::string(st[r].message()), HasSubstr("copying out the 16000-byte output: fake"));
+      EXPECT_THAT(std::string(st[r].message()),
+                  HasSubstr("copying out the 16000-byte output: fake"));
     } else {
       EXPECT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r];
     }
@@ -527,7 +531,8 @@ TEST_F(StagingTest, FailingSharedCopyOutFailsEveryRankSharingIt) {
          comm_->AllGather(Dev(in[r]), DevOut(shared), Opts(r, 1), std::move(d));
        })) {
     EXPECT_TRUE(absl::IsInternal(s)) << s;
-    EXPECT_THAT(std::string(s.message()), HasSubstr("copying out the 16000-byte output (shared by 4 ranks): fake"));
+    EXPECT_THAT(std::string(s.message()),
+                HasSubstr("copying out the 16000-byte output (shared by 4 ranks): fake"));
   }
 }
 
@@ -612,8 +617,7 @@ TEST(StagingPerGpuTest, ASharedHostBufferGetsOneStagingBufferPerGpuAndOneCopyOut
 
 TEST(CudaDeviceCopierTest, FailsCleanlyWithoutAGpu) {
   std::shared_ptr<DeviceCopier> copier = MakeCudaDeviceCopier();
-  absl::StatusOr<std::shared_ptr<void>> buf =
-      copier->AllocateStaging(MemoryKind::kCuda, 0, 4096);
+  absl::StatusOr<std::shared_ptr<void>> buf = copier->AllocateStaging(MemoryKind::kCuda, 0, 4096);
   if (buf.ok()) GTEST_SKIP() << "a GPU is present; gpu_device_test covers it";
   EXPECT_TRUE(absl::IsFailedPrecondition(buf.status())) << buf.status();
   int a = 1, b = 2;

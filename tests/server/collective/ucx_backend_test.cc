@@ -215,7 +215,8 @@ class SplitCommunicator final : public Communicator {
 // Rank r lives on daemon layout(world)[r].
 BackendUnderTest SplitBackend(std::string name, std::function<std::vector<int>(int)> layout) {
   return BackendUnderTest{
-      std::move(name), [layout](const GroupSpec& g) -> absl::StatusOr<std::unique_ptr<Communicator>> {
+      std::move(name),
+      [layout](const GroupSpec& g) -> absl::StatusOr<std::unique_ptr<Communicator>> {
         std::vector<int> l = layout(g.world_size);
         return std::make_unique<SplitCommunicator>(
             ConnectAll(g.group_id, NextEpoch(), l, Daemons()), l);
@@ -333,8 +334,8 @@ TEST(UcxBackendTest, LiveGroupsWhoseTagsCouldMeetAreRefused) {
 
 // Runs one float32 AllGather on every rank of `layout`; rank r contributes value base + r.
 void AllGatherEverywhere(std::vector<std::unique_ptr<Communicator>>& comms,
-                         const std::vector<int>& layout, uint64_t op_seq, float base,
-                         size_t shard, std::vector<std::vector<float>>* out) {
+                         const std::vector<int>& layout, uint64_t op_seq, float base, size_t shard,
+                         std::vector<std::vector<float>>* out) {
   const int world = static_cast<int>(layout.size());
   std::vector<std::vector<float>> in(world);
   out->assign(world, std::vector<float>(shard * world, -1));
@@ -450,9 +451,10 @@ TEST(UcxBackendTest, LargeAllGatherBetweenTwoDaemons) {
     for (int k = 0; k < 2; ++k) ASSERT_TRUE(BlockHolds(out[r].data() + k * kShard, k, kShard));
   }
   const double seconds = absl::ToDoubleSeconds(best);
-  std::printf("64 MiB AllGather, 2 UCX backends in one process: %.2f ms, algbw %.2f GB/s, "
-              "busbw %.2f GB/s\n",
-              seconds * 1e3, (64 << 20) / seconds / 1e9, (64 << 20) / seconds / 1e9 / 2);
+  std::printf(
+      "64 MiB AllGather, 2 UCX backends in one process: %.2f ms, algbw %.2f GB/s, "
+      "busbw %.2f GB/s\n",
+      seconds * 1e3, (64 << 20) / seconds / 1e9, (64 << 20) / seconds / 1e9 / 2);
 }
 
 TEST(UcxBackendTest, AbortReleasesRequestsAndStraysAreDrained) {
@@ -587,8 +589,8 @@ absl::Status RunCrossProcessRank(CollectiveBackend& backend, int rank,
   }
   std::vector<float> bc(3 << 20, rank == 1 ? 7.0f : 0.0f);  // 12 MiB: several chunks
   s = run([&](DoneCallback d) {
-    (*comm)->Broadcast(MutableBuffer{bc.data(), bc.size() * 4, DType::kFloat32}, 1,
-                       Opts(rank, 3), std::move(d));
+    (*comm)->Broadcast(MutableBuffer{bc.data(), bc.size() * 4, DType::kFloat32}, 1, Opts(rank, 3),
+                       std::move(d));
   });
   if (!s.ok()) return s;
   if (bc.front() != 7.0f || bc.back() != 7.0f) {

@@ -13,8 +13,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "gmock/gmock.h"
 #include "common/sha256.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace flatshard::server::state {
@@ -42,9 +42,10 @@ GroupRecord Sample(const std::string& id = "job-17", uint64_t sequence = 7) {
   for (int32_t rank : {0, 1}) {
     RankRecord rr{rank, 4, {}};
     for (int32_t u : {0, 1}) {
-      UnitRecord ur{u, {{kRoleShard, absl::StrCat("/fs.1.", rank * 10 + u), 64},
-                        {kRoleCommitted, absl::StrCat("/fs.1.", 100 + rank * 10 + u), 64},
-                        {"state:exp_avg", absl::StrCat("/fs.1.", 200 + rank * 10 + u), 64}}};
+      UnitRecord ur{u,
+                    {{kRoleShard, absl::StrCat("/fs.1.", rank * 10 + u), 64},
+                     {kRoleCommitted, absl::StrCat("/fs.1.", 100 + rank * 10 + u), 64},
+                     {"state:exp_avg", absl::StrCat("/fs.1.", 200 + rank * 10 + u), 64}}};
       rr.units.push_back(ur);
     }
     m.ranks.push_back(rr);
@@ -155,9 +156,9 @@ TEST(StateRecordTest, BadStateSpecsAreRefusedNamingThePath) {
     if (at == std::string::npos) return std::string("not found: ") + from;
     body.replace(at, from.size(), to);
     // Re-seal the edited body so only the body checks can refuse it.
-    const std::string header = absl::StrCat(R"({"format":"flatshard.state/1","body_bytes":)",
-                                            body.size(), R"(,"body_sha256":")",
-                                            Sha256Hex(body), "\"}\n");
+    const std::string header =
+        absl::StrCat(R"({"format":"flatshard.state/1","body_bytes":)", body.size(),
+                     R"(,"body_sha256":")", Sha256Hex(body), "\"}\n");
     absl::StatusOr<GroupRecord> back = DecodeGroupRecord(header + body);
     return back.ok() ? std::string("accepted") : std::string(back.status().message());
   };
@@ -169,8 +170,7 @@ TEST(StateRecordTest, BadStateSpecsAreRefusedNamingThePath) {
               HasSubstr("body: $.modules[1].state_specs[0].shape: must be shard or scalar"));
   EXPECT_THAT(why(one, R"("name":"exp_avg")", R"("name":"exp avg")"),
               HasSubstr("body: $.modules[1].state_specs"));
-  EXPECT_THAT(why(one, R"("shape":"shard")", R"("shape":"shard","extra":1)"),
-              HasSubstr("extra"));
+  EXPECT_THAT(why(one, R"("shape":"shard")", R"("shape":"shard","extra":1)"), HasSubstr("extra"));
 }
 
 TEST(StateRecordTest, FileNameIsAHashOfTheGroupId) {

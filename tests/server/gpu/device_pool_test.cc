@@ -29,17 +29,17 @@ class FakeSlabAllocator : public SlabAllocator {
     int frees = 0;
     int zeros = 0;
     int64_t live_bytes = 0;
-    bool fail_next_alloc = false;   // with RESOURCE_EXHAUSTED, as cudaMalloc would
+    bool fail_next_alloc = false;  // with RESOURCE_EXHAUSTED, as cudaMalloc would
     bool fail_zero = false;
-    int64_t device_bytes = -1;      // allocations beyond this fail (out of device memory)
+    int64_t device_bytes = -1;  // allocations beyond this fail (out of device memory)
   };
 
   explicit FakeSlabAllocator(std::shared_ptr<Counters> c) : c_(std::move(c)) {}
 
   absl::StatusOr<Slab> Allocate(size_t bytes) override {
     absl::MutexLock lock(&c_->mu);
-    if (c_->fail_next_alloc ||
-        (c_->device_bytes >= 0 && c_->live_bytes + static_cast<int64_t>(bytes) > c_->device_bytes)) {
+    if (c_->fail_next_alloc || (c_->device_bytes >= 0 &&
+                                c_->live_bytes + static_cast<int64_t>(bytes) > c_->device_bytes)) {
       c_->fail_next_alloc = false;
       return absl::ResourceExhaustedError("fake cudaMalloc: out of memory");
     }
@@ -277,7 +277,7 @@ TEST_F(DevicePoolTest, LimitPressureFreesEmptySlabsFirst) {
     auto b = pool->Allocate(64 << 10, "b");
     ASSERT_TRUE(a.ok() && b.ok());
   }
-  EXPECT_EQ(pool->Usage().slabs, 2);  // empty, kept for reuse
+  EXPECT_EQ(pool->Usage().slabs, 2);            // empty, kept for reuse
   auto big = pool->Allocate(100 << 10, "big");  // dedicated: needs both empty slabs' room
   ASSERT_TRUE(big.ok()) << big.status();
   EXPECT_EQ(frees(), 2);
@@ -361,14 +361,14 @@ TEST_F(DevicePoolTest, BlocksOutliveThePoolAndFreeTheirSlabsLast) {
   a->reset();
   b->reset();
   c->reset();
-  pool.reset();                 // frees the empty dedicated slab only
+  pool.reset();  // frees the empty dedicated slab only
   EXPECT_EQ(frees(), 1);
   EXPECT_EQ(bb->label(), "b");  // still readable and writable
   std::memset(bb->data(), 1, bb->bytes());
-  bc.reset();                   // its slab has no block left: freed now
+  bc.reset();  // its slab has no block left: freed now
   EXPECT_EQ(frees(), 2);
   ba.reset();
-  EXPECT_EQ(frees(), 2);        // the standard slab still holds `b`
+  EXPECT_EQ(frees(), 2);  // the standard slab still holds `b`
   bb.reset();
   EXPECT_EQ(frees(), 3);
   EXPECT_EQ(live_bytes(), 0);

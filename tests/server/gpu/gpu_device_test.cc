@@ -22,9 +22,9 @@ namespace {
 using ::testing::HasSubstr;
 
 // The first GPU, or skips the test.
-#define FS_GPU_OR_SKIP(gpu)                                                   \
-  absl::StatusOr<std::vector<GpuDevice>> gpus_ = ListGpus();                 \
-  if (!gpus_.ok()) GTEST_SKIP() << "no GPU: " << gpus_.status();             \
+#define FS_GPU_OR_SKIP(gpu)                                      \
+  absl::StatusOr<std::vector<GpuDevice>> gpus_ = ListGpus();     \
+  if (!gpus_.ok()) GTEST_SKIP() << "no GPU: " << gpus_.status(); \
   const GpuDevice gpu = gpus_->front()
 
 TEST(GpuDeviceTest, CudaSlabAllocatorBlocksAreZeroedAndExportable) {
@@ -56,10 +56,10 @@ TEST(GpuDeviceTest, CopiesBothWaysAndDeviceToDevice) {
   ASSERT_TRUE(a.ok() && b.ok());
   std::vector<uint8_t> src(kBytes), dst(kBytes, 0);
   for (size_t i = 0; i < kBytes; ++i) src[i] = static_cast<uint8_t>(i * 31 + 7);
-  ASSERT_TRUE(c.Copy((*a)->data(), src.data(), kBytes).ok());     // pageable host -> device
-  ASSERT_TRUE(c.Copy((*b)->data(), (*a)->data(), kBytes).ok());   // device -> device
+  ASSERT_TRUE(c.Copy((*a)->data(), src.data(), kBytes).ok());    // pageable host -> device
+  ASSERT_TRUE(c.Copy((*b)->data(), (*a)->data(), kBytes).ok());  // device -> device
   ASSERT_TRUE(PinHostMemory(dst.data(), kBytes).ok());
-  ASSERT_TRUE(c.Copy(dst.data(), (*b)->data(), kBytes).ok());     // device -> pinned host
+  ASSERT_TRUE(c.Copy(dst.data(), (*b)->data(), kBytes).ok());  // device -> pinned host
   UnpinHostMemory(dst.data());
   EXPECT_EQ(src, dst);
   EXPECT_TRUE(c.Synchronize().ok());
@@ -104,12 +104,18 @@ TEST(GpuDeviceTest, CudaDeviceCopierRoundTripsThroughPinnedAndDeviceStaging) {
   ASSERT_TRUE(device.ok()) << device.status();
   std::vector<uint8_t> src(kBytes), back(kBytes, 0);
   std::iota(src.begin(), src.end(), 0);
-  ASSERT_TRUE(copier->Copy(pinned->get(), MemoryKind::kHostPinned, src.data(), MemoryKind::kHost,
-                           kBytes, gpu.ordinal).ok());
-  ASSERT_TRUE(copier->Copy(device->get(), MemoryKind::kCuda, pinned->get(),
-                           MemoryKind::kHostPinned, kBytes, gpu.ordinal).ok());
-  ASSERT_TRUE(copier->Copy(back.data(), MemoryKind::kHost, device->get(), MemoryKind::kCuda,
-                           kBytes, gpu.ordinal).ok());
+  ASSERT_TRUE(copier
+                  ->Copy(pinned->get(), MemoryKind::kHostPinned, src.data(), MemoryKind::kHost,
+                         kBytes, gpu.ordinal)
+                  .ok());
+  ASSERT_TRUE(copier
+                  ->Copy(device->get(), MemoryKind::kCuda, pinned->get(), MemoryKind::kHostPinned,
+                         kBytes, gpu.ordinal)
+                  .ok());
+  ASSERT_TRUE(copier
+                  ->Copy(back.data(), MemoryKind::kHost, device->get(), MemoryKind::kCuda, kBytes,
+                         gpu.ordinal)
+                  .ok());
   EXPECT_EQ(src, back);
 }
 
@@ -144,10 +150,10 @@ TEST(GpuDeviceTest, StagingCommunicatorAllGathersDeviceBuffersOverInproc) {
     o.rank = r;
     o.op_seq = 1;
     o.deadline = absl::Now() + absl::Seconds(30);
-    comm->AllGather(ConstBuffer{in[r]->data(), kShard, DType::kUInt8, MemoryKind::kCuda},
-                    MutableBuffer{out[r]->data(), kShard * kWorld, DType::kUInt8,
-                                  MemoryKind::kCuda},
-                    o, done[r].Callback());
+    comm->AllGather(
+        ConstBuffer{in[r]->data(), kShard, DType::kUInt8, MemoryKind::kCuda},
+        MutableBuffer{out[r]->data(), kShard * kWorld, DType::kUInt8, MemoryKind::kCuda}, o,
+        done[r].Callback());
     EXPECT_TRUE(done[r].Wait().ok()) << done[r].status();
   });
   for (int r = 0; r < kWorld; ++r) {

@@ -181,8 +181,7 @@ TEST_F(CoordinatorTest, RejectsInvalidArguments) {
   huge_address.backend_address.assign(1 << 20, 'x');
   {
     Result r;
-    coordinator_.Rendezvous({"g", "t", 2, 0, huge_address}, Now() + absl::Seconds(1),
-                            r.Callback());
+    coordinator_.Rendezvous({"g", "t", 2, 0, huge_address}, Now() + absl::Seconds(1), r.Callback());
     ASSERT_EQ(r.calls(), 1);
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
     EXPECT_THAT(r.status().message(), HasSubstr("backend address over 65536 bytes"));
@@ -281,11 +280,14 @@ TEST_F(CoordinatorTest, TableCarriesTheModulesReportedThisRoundOnly) {
   FormAB();
   Result r0, r1;
   RendezvousArgs a{"g", "t", 2, 0, kA};
-  a.registered_modules = {"layers\x1f" "fp0"};
+  a.registered_modules = {
+      "layers\x1f"
+      "fp0"};
   coordinator_.Rendezvous(a, Now() + absl::Seconds(10), r0.Callback());
   ASSERT_TRUE(r0.answered() && r0.value().ok()) << r0.status();
   ASSERT_EQ(r0.value()->rank_modules.size(), 2u);
-  EXPECT_EQ(r0.value()->rank_modules[0], std::vector<std::string>({"layers\x1f" "fp0"}));
+  EXPECT_EQ(r0.value()->rank_modules[0], std::vector<std::string>({"layers\x1f"
+                                                                   "fp0"}));
   EXPECT_EQ(r0.value()->rank_modules[1], std::nullopt) << "rank 1 did not report this round";
   RendezvousArgs b{"g", "t", 2, 1, kBRestarted};
   coordinator_.Rendezvous(b, Now() + absl::Seconds(10), r1.Callback());
@@ -378,7 +380,8 @@ TEST_F(CoordinatorTest, ReformSkipsAnEpochWhoseUcxTagHashEqualsThePreviousOnes) 
   std::string name;  // a group whose epochs 1 and 2 collide (about 1 name in 65536)
   for (int i = 0; name.empty(); ++i) {
     const std::string candidate = absl::StrCat("g", i);
-    if (collective::ucx::GroupTagHash(candidate, 1) == collective::ucx::GroupTagHash(candidate, 2)) {
+    if (collective::ucx::GroupTagHash(candidate, 1) ==
+        collective::ucx::GroupTagHash(candidate, 2)) {
       name = candidate;
     }
   }
@@ -658,7 +661,6 @@ TEST_F(CoordinatorTest, CallbacksMayCallBackIntoTheCoordinator) {
                           });
   EXPECT_EQ(seen_groups, 1);
 }
-
 
 // GPU groups: how device memory moves is decided once, at the coordinator, so every daemon
 // connects the same backend.

@@ -1,7 +1,7 @@
-// GroupManager on a GPU daemon whose device waits block until the test releases them: a
-// Summon, EndSummon, FinishReduceScatter or Commit carrying the trainer's `written` event
-// returns to its caller (a gRPC reactor thread in the daemon) at once, the manager stays
-// responsive meanwhile (its mutex is not held across the wait), and the call completes once
+// GroupManager (GroupManagerHarness) on a GPU daemon whose device waits block until the test
+// releases them: a Summon, EndSummon, FinishReduceScatter or Commit carrying the trainer's
+// `written` event returns to its caller (a gRPC reactor thread in the daemon) at once, the manager
+// stays responsive meanwhile (its mutex is not held across the wait), and the call completes once
 // the device got past the event.
 
 #include <unistd.h>
@@ -28,23 +28,19 @@
 #include "server/gpu/device_context.h"
 #include "server/group_manager.h"
 #include "server/shard_store.h"
-#include "tests/server/group_manager_testing.h"
-#include "tests/testing/async_call.h"
-#include "tests/testing/files.h"
+#include "tests/server/testing/group_manager_harness.h"
 
 namespace flatshard::server {
 namespace {
 
-using ::flatshard::testing::ExampleModelFile;
-
-template <typename T>
-using Async = ::flatshard::testing::AsyncCall<T>;
+using testing::Async;
 
 // A simulated GPU (host shared memory, memcpy copies) whose host waits on its stream block
 // while the gate is closed.
 class GatedGpu : public gpu::DeviceContext {
  public:
-  explicit GatedGpu(std::shared_ptr<gpu::DevicePool> pool) : DeviceContext(Gpu(), std::move(pool)) {}
+  explicit GatedGpu(std::shared_ptr<gpu::DevicePool> pool)
+      : DeviceContext(Gpu(), std::move(pool)) {}
 
   absl::Status Copy(void* dst, const void* src, size_t bytes) override {
     std::memmove(dst, src, bytes);
@@ -94,39 +90,28 @@ class GatedGpu : public gpu::DeviceContext {
   int syncs_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-class GroupManagerDevicesTest : public ::testing::Test {
+class GroupManagerDevicesTest : public testing::GroupManagerHarness {
  protected:
   GroupManagerDevicesTest() {
-    const std::string prefix = absl::StrCat("fsgmdt", getpid());
-    absl::StatusOr<std::unique_ptr<gpu::DeviceContext>> sim =
-        gpu::DeviceContext::CreateSimulated(0, gpu::DevicePoolOptions{}, prefix);
-    EXPECT_TRUE(sim.ok()) << sim.status();
-    sim_ = *std::move(sim);
-    gpu_ = std::make_shared<GatedGpu>(sim_->pool());
-    ShardStoreOptions store;
-    store.segment_prefix = prefix;
-    store.device_pools = {sim_->pool()};
-    store.pin_host_memory = false;
-    store_ = std::make_unique<ShardStore>(store);
-    GroupManagerOptions options;
-    options.gpus = {gpu_};
-    options.copier = collective::MakeSimulatedDeviceCopier();
-    gm_ = std::make_unique<GroupManager>(store_.get(), std::move(options));
+    model_ = testing::ExampleModel("gpt_tied");
+    AddSimulatedGpus(1);
+    gpu_ = std::make_shared<GatedGpu>(simulated_gpus_[0]->pool());
+    gpus_ = {gpu_};
+    Start();
   }
   ~GroupManagerDevicesTest() override {
     gpu_->SetOpen(true);
-    gm_.reset();
+    Stop();
   }
 
-  absl::Time Deadline() { return absl::Now() + absl::Seconds(10); }
-
   // Joins ranks [0, world) and registers the example model (zeros) on each.
-  std::vector<Caller> JoinAndRegister(int world) {
-    testing::ExampleGroup g = testing::JoinAndRegisterExample(*gm_, world, Deadline());
-    for (auto& shards : g.shards) {
-      if (!shards.empty()) shards_.push_back(std::move(shards));
+  std::vector<Caller> JoinAndRegisterRanks(int world) {
+    std::vector<RegisterResult> regs;
+    std::vector<Caller> c = JoinAndRegister("g", world, &regs);
+    for (RegisterResult& r : regs) {
+      if (!r.shards.empty()) shards_.push_back(std::move(r.shards));
     }
-    return g.callers;
+    return c;
   }
 
   // True when `call` returns within 2 s while the gate is closed (it did not wait for the
@@ -160,15 +145,12 @@ class GroupManagerDevicesTest : public ::testing::Test {
     return gpu::IpcEventRef{id, std::string(gpu::kIpcHandleBytes, 'w'), "GATED-0"};
   }
 
-  std::unique_ptr<gpu::DeviceContext> sim_;
   std::shared_ptr<GatedGpu> gpu_;
-  std::unique_ptr<ShardStore> store_;
-  std::unique_ptr<GroupManager> gm_;
   std::vector<std::vector<UnitShard>> shards_;
 };
 
 TEST_F(GroupManagerDevicesTest, CallsWithATrainerEventNeverWaitOnTheCallersThread) {
-  std::vector<Caller> c = JoinAndRegister(1);
+  std::vector<Caller> c = JoinAndRegisterRanks(1);
   ASSERT_EQ(c.size(), 1u);
   ASSERT_EQ(shards_.size(), 1u);
   ASSERT_TRUE(shards_[0][0].shard->on_device());
@@ -184,9 +166,9 @@ TEST_F(GroupManagerDevicesTest, CallsWithATrainerEventNeverWaitOnTheCallersThrea
   Async<absl::StatusOr<SummonResult>> summon;
   SummonOptions options;
   options.writeback = true;
-  ASSERT_TRUE(ReturnsAtOnce(
-      [&] { gm_->Summon(c[0], "", "", options, Deadline(), summon.Callback(), Written(11)); }))
-      << "the summon waited for the device on the caller's thread";
+  ASSERT_TRUE(ReturnsAtOnce([&] {
+    gm_->Summon(c[0], "", "", options, Deadline(), summon.Callback(), Written(11));
+  })) << "the summon waited for the device on the caller's thread";
   EXPECT_FALSE(summon.Done());
   EXPECT_TRUE(Responsive()) << "the manager's lock is held while a summon waits for a device";
   gpu_->SetOpen(true);
@@ -227,7 +209,7 @@ TEST_F(GroupManagerDevicesTest, CallsWithATrainerEventNeverWaitOnTheCallersThrea
 }
 
 TEST_F(GroupManagerDevicesTest, ReduceScatterWaitsForTheGradientOffTheCallersThread) {
-  std::vector<Caller> c = JoinAndRegister(2);
+  std::vector<Caller> c = JoinAndRegisterRanks(2);
   ASSERT_EQ(c.size(), 2u);
   std::vector<std::shared_ptr<Buffer>> full;
   for (const Caller& caller : c) {

@@ -1,5 +1,6 @@
-// GroupManager connects a group's communicator without its lock (StartConnect / FinishConnect):
-// an "inproc" backend whose Connect waits at a gate stands in for a slow UCX or NCCL connect.
+// GroupManager (GroupManagerHarness) connects a group's communicator without its lock (StartConnect
+// / FinishConnect): an "inproc" backend whose Connect waits at a gate stands in for a slow UCX or
+// NCCL connect.
 //   - while a connect is under way the manager answers other calls (nothing waits on mu_);
 //   - a shutdown during the connect answers the join once, and the late communicator is
 //     dropped, not installed;
@@ -26,6 +27,7 @@
 #include "server/collective/inproc/inproc_backend.h"
 #include "server/group_manager.h"
 #include "server/shard_store.h"
+#include "tests/server/testing/group_manager_harness.h"
 
 namespace flatshard::server {
 namespace {
@@ -98,37 +100,37 @@ struct Answer {
   }
 };
 
-class GroupManagerConnectTest : public ::testing::Test {
+class GroupManagerConnectTest : public testing::GroupManagerHarness {
  protected:
-  GroupManagerConnectTest() : store_(ShardStoreOptions{"fsgmconn"}) {
-    EXPECT_TRUE(registry_
-                    .Register("inproc",
-                              [this](const collective::BackendParams&)
-                                  -> absl::StatusOr<std::unique_ptr<collective::CollectiveBackend>> {
-                                return std::make_unique<GatedInproc>(&gate_);
-                              })
-                    .ok());
+  GroupManagerConnectTest() {
+    EXPECT_TRUE(
+        registry_
+            .Register("inproc",
+                      [this](const collective::BackendParams&)
+                          -> absl::StatusOr<std::unique_ptr<collective::CollectiveBackend>> {
+                        return std::make_unique<GatedInproc>(&gate_);
+                      })
+            .ok());
     GroupManagerOptions options;
     options.backend_registry = &registry_;
-    gm_ = std::make_unique<GroupManager>(&store_, std::move(options));
+    Start(std::move(options));
+  }
+  // The manager goes before the gate and the registry its backends use.
+  ~GroupManagerConnectTest() override {
+    gate_.Open();
+    Stop();
   }
 
   static JoinArgs Args(const std::string& group, int world, int rank,
                        std::function<bool()> gone = {}) {
-    JoinArgs a;
-    a.group = group;
-    a.world_size = world;
-    a.rank = rank;
-    a.token = "tok";
+    JoinArgs a = GroupManagerHarness::Args(group, world, rank);
     a.caller_gone = std::move(gone);
     return a;
   }
-  static absl::Time Deadline() { return absl::Now() + absl::Seconds(20); }
+  absl::Time Deadline() const { return GroupManagerHarness::Deadline(absl::Seconds(20)); }
 
   Gate gate_;
   collective::BackendRegistry registry_;
-  ShardStore store_;
-  std::unique_ptr<GroupManager> gm_;
 };
 
 TEST_F(GroupManagerConnectTest, TheManagerAnswersWhileAConnectIsUnderWay) {

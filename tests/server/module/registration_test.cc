@@ -132,8 +132,8 @@ TEST_F(RegistrationTest, DifferentModelsNameTheFirstDifferingUnitOnEveryRank) {
 TEST_F(RegistrationTest, DifferentInitModesAreRefused) {
   Form(2);
   auto plan = PlanOf("gpt_tied", 2);
-  std::vector<absl::Status> v = Agree({Proposal(0, 2, plan, InitMode::kZeros),
-                                       Proposal(1, 2, plan, InitMode::kFromEveryRank)});
+  std::vector<absl::Status> v = Agree(
+      {Proposal(0, 2, plan, InitMode::kZeros), Proposal(1, 2, plan, InitMode::kFromEveryRank)});
   for (const absl::Status& s : v) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(s.message(),
@@ -171,8 +171,8 @@ TEST(AllocateRegistrationTest, ShardsCommittedCopiesAndInitBuffersWhereAsked) {
   const Caller rank0{"g", 0, "tok", 1, -1};
   const Caller rank1{"g", 1, "tok", 2, -1};
 
-  RegistrationBuffers zeros = AllocateRegistration(store, p, rank1, "", InitMode::kZeros,
-                                                   Placement::Host());
+  RegistrationBuffers zeros =
+      AllocateRegistration(store, p, rank1, "", InitMode::kZeros, Placement::Host());
   ASSERT_TRUE(zeros.status.ok()) << zeros.status;
   ASSERT_EQ(zeros.shards.size(), p.units.size());
   ASSERT_EQ(zeros.committed.size(), p.units.size());
@@ -186,10 +186,10 @@ TEST(AllocateRegistrationTest, ShardsCommittedCopiesAndInitBuffersWhereAsked) {
   }
 
   // FROM_RANK0: only rank 0 fills full buffers.
-  RegistrationBuffers r0 = AllocateRegistration(store, p, rank0, "", InitMode::kFromRank0,
-                                                Placement::Host());
-  RegistrationBuffers r1 = AllocateRegistration(store, p, rank1, "", InitMode::kFromRank0,
-                                                Placement::Host());
+  RegistrationBuffers r0 =
+      AllocateRegistration(store, p, rank0, "", InitMode::kFromRank0, Placement::Host());
+  RegistrationBuffers r1 =
+      AllocateRegistration(store, p, rank1, "", InitMode::kFromRank0, Placement::Host());
   ASSERT_TRUE(r0.status.ok() && r1.status.ok());
   for (size_t i = 0; i < p.units.size(); ++i) {
     ASSERT_NE(r0.init_buffers[i], nullptr);
