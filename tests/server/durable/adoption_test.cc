@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/file_system.h"
 #include "common/shm_segment.h"
 #include "common/state_spec.h"
 #include "gmock/gmock.h"
@@ -29,6 +30,7 @@
 #include "server/group_manager.h"
 #include "server/shard_store.h"
 // The state directory moves to server/durable/ (issue 21); the lead fixes this path on merge.
+#include "common/file_system.h"
 #include "server/durable/state_dir.h"
 #include "tests/server/testing/group_manager_harness.h"
 #include "tests/testing/files.h"
@@ -297,8 +299,10 @@ TEST_F(AdoptionTest, TornCommitCapturedMidCopyIsFinishedFromTheShards) {
   StopKeepingShards();
   // As the kill left them: that record, and the committed copies of the ranks not done
   // holding step 2 in unit 0 and step 1 in the others (the pause copies unit 0 first).
-  ASSERT_TRUE(state::WriteFileAtomically(state_path_, state::RecordFileName("g"), torn,
-                                         /*sync=*/false)
+  AtomicWriteOptions no_sync;
+  no_sync.sync = false;
+  ASSERT_TRUE(WriteFileAtomically(FileSystem::Posix(),
+                                  state_path_ + "/" + state::RecordFileName("g"), torn, no_sync)
                   .ok());
   for (int r = 0; r < 2; ++r) {
     if (!done(r)) WriteKept(*at_kill, r, state::kRoleCommitted, 1, /*from=*/1);
