@@ -45,11 +45,11 @@
 # (this branch's build of it: its flatshardd links the project statically and needs only system
 # libraries and /usr/local/cuda, so it keeps working while other trees rebuild); the benchmark
 # binaries come from that same build (FS_BUILD_DIR), so both daemons serve the same client code:
-#   cd /work/wt-bench && bash scripts/build.sh      # once: baseline daemon + benchmarks
-#   cp build/server/flatshardd /tmp/flatshardd.before   # optional: a copy that nothing rebuilds
-#   (build the refactored tree, e.g. /work/main: bash scripts/build.sh)
-#   FS_BUILD_DIR=/work/wt-bench/build /work/wt-bench/scripts/bench_ab.sh \
-#       /tmp/flatshardd.before /work/main/build/server/flatshardd --rounds 3 --out /tmp/ab21
+#   git worktree add ../before <commit before the change> && (cd ../before && bash scripts/build.sh)
+#   cp ../before/build/server/flatshardd /tmp/flatshardd.before   # a copy nothing rebuilds
+#   bash scripts/build.sh                            # this tree: the "after" daemon
+#   FS_BUILD_DIR=build scripts/bench_ab.sh /tmp/flatshardd.before build/server/flatshardd \
+#       --rounds 3 --out /tmp/ab21
 # on an otherwise idle machine (no builds or tests running: they are the main noise).
 # Smoke test (both sides the same binary, ratios ~1):
 #   scripts/bench_ab.sh build/server/flatshardd build/server/flatshardd --quick --rounds 2
