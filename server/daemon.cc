@@ -289,44 +289,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   group_options.testing_commit_copy_pause = config.testing_commit_copy_pause;
 
   if (!config.peer_address.empty()) {
-    // The coordinator role: other daemons (and this one) meet here for groups whose ranks
-    // name this daemon's peer address.
-    peer::PeerOptions peer_options;
-    peer_options.heartbeat_interval = config.heartbeat_interval;
-    peer_options.peer_timeout = config.peer_timeout;
-    FS_ASSIGN_OR_RETURN(peer_options.credentials, access::PeerChannelCredentials(config.tls));
-    d->peer_service_ = std::make_unique<peer::PeerServiceImpl>(peer_options);
-    grpc::ServerBuilder peer_builder;
-    int peer_port = 0;
-    peer_builder.AddListeningPort(config.peer_address, peer_credentials, &peer_port);
-    peer_builder.RegisterService(d->peer_service_.get());
-    d->checkpoint_peer_ = std::make_unique<CheckpointPeerServiceImpl>();
-    peer_builder.RegisterService(d->checkpoint_peer_.get());
-    d->peer_server_ = peer_builder.BuildAndStart();
-    if (d->peer_server_ == nullptr || peer_port == 0) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot listen on --peer_address ", config.peer_address));
-    }
-    const size_t colon = config.peer_address.rfind(':');
-    d->peer_address_ = absl::StrCat(config.peer_address.substr(0, colon), ":", peer_port);
-
-    collective::BackendRegistry registry;
-    FS_RETURN_IF_ERROR(collective::RegisterBuiltinBackends(registry));
-    absl::StatusOr<std::unique_ptr<collective::CollectiveBackend>> ucx =
-        registry.Create("ucx", {{"error_handling", config.ucx_error_handling}});
-    if (!ucx.ok()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("--peer_address needs the UCX backend, which this build lacks: ",
-                       ucx.status().message()));
-    }
-    group_options.remote_backend = *std::move(ucx);
-    char host[256] = {};
-    ::gethostname(host, sizeof(host) - 1);
-    group_options.self.node = config.node_name.empty() ? std::string(host) : config.node_name;
-    group_options.self.daemon_id = absl::StrCat(group_options.self.node, "/", ::getpid(), "/",
-                                                absl::ToUnixMicros(absl::Now()));
-    group_options.self.peer_address = d->peer_address_;
-    group_options.peer = peer_options;
+    FS_RETURN_IF_ERROR(d->StartPeerServer(peer_credentials, &group_options));
   }
   if (config.lease_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(absl::StrCat("--lease_timeout must be positive, got ",
@@ -356,14 +319,67 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   d->admin_service_ =
       std::make_unique<AdminServiceImpl>(d->groups_.get(), std::move(admin_options));
 
+  FS_RETURN_IF_ERROR(d->StartServer(tcp_credentials));
+  // The socket is 0660 (group: --socket_group) since UnixSocketAcceptor::Listen.
+  d->acceptor_->Start(d->server_.get());
+  FS_LOG(INFO) << "flatshardd listening on unix:" << config.socket_path
+               << (config.tcp_address.empty() ? "" : " and " + config.tcp_address)
+               << ", segments /dev/shm/" << config.segment_prefix << ".*"
+               << (d->peer_address_.empty() ? "" : ", peers on " + d->peer_address_);
+  return d;
+}
+
+absl::Status Daemon::StartPeerServer(std::shared_ptr<grpc::ServerCredentials> credentials,
+                                     GroupManagerOptions* group_options) {
+  // The coordinator role: other daemons (and this one) meet here for groups whose ranks
+  // name this daemon's peer address.
+  peer::PeerOptions peer_options;
+  peer_options.heartbeat_interval = config_.heartbeat_interval;
+  peer_options.peer_timeout = config_.peer_timeout;
+  FS_ASSIGN_OR_RETURN(peer_options.credentials, access::PeerChannelCredentials(config_.tls));
+  peer_service_ = std::make_unique<peer::PeerServiceImpl>(peer_options);
+  grpc::ServerBuilder peer_builder;
+  int peer_port = 0;
+  peer_builder.AddListeningPort(config_.peer_address, credentials, &peer_port);
+  peer_builder.RegisterService(peer_service_.get());
+  checkpoint_peer_ = std::make_unique<CheckpointPeerServiceImpl>();
+  peer_builder.RegisterService(checkpoint_peer_.get());
+  peer_server_ = peer_builder.BuildAndStart();
+  if (peer_server_ == nullptr || peer_port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on --peer_address ", config_.peer_address));
+  }
+  const size_t colon = config_.peer_address.rfind(':');
+  peer_address_ = absl::StrCat(config_.peer_address.substr(0, colon), ":", peer_port);
+
+  collective::BackendRegistry registry;
+  FS_RETURN_IF_ERROR(collective::RegisterBuiltinBackends(registry));
+  absl::StatusOr<std::unique_ptr<collective::CollectiveBackend>> ucx =
+      registry.Create("ucx", {{"error_handling", config_.ucx_error_handling}});
+  if (!ucx.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--peer_address needs the UCX backend, which this build lacks: ", ucx.status().message()));
+  }
+  group_options->remote_backend = *std::move(ucx);
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  group_options->self.node = config_.node_name.empty() ? std::string(host) : config_.node_name;
+  group_options->self.daemon_id =
+      absl::StrCat(group_options->self.node, "/", ::getpid(), "/", absl::ToUnixMicros(absl::Now()));
+  group_options->self.peer_address = peer_address_;
+  group_options->peer = peer_options;
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::StartServer(std::shared_ptr<grpc::ServerCredentials> tcp_credentials) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int tcp_port = 0;
-  if (!config.tcp_address.empty()) {
-    builder.AddListeningPort(config.tcp_address, tcp_credentials, &tcp_port);
+  if (!config_.tcp_address.empty()) {
+    builder.AddListeningPort(config_.tcp_address, tcp_credentials, &tcp_port);
   }
-  builder.RegisterService(d->shard_service_.get());
-  builder.RegisterService(d->admin_service_.get());
+  builder.RegisterService(shard_service_.get());
+  builder.RegisterService(admin_service_.get());
   // Plans of large models exceed gRPC's 4 MiB default; bytes never travel here anyway. A
   // request beyond kMaxRequestBytes (README "Limits") is refused before it is parsed.
   builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
@@ -373,32 +389,26 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> creators;
   creators.push_back(NewAnswerInterceptorFactory());
   builder.experimental().SetInterceptorCreators(std::move(creators));
-  d->server_ = builder.BuildAndStart();
-  if (d->server_ == nullptr || (!config.tcp_address.empty() && tcp_port == 0)) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on unix:", config.socket_path,
-                     config.tcp_address.empty() ? "" : absl::StrCat(" and ", config.tcp_address)));
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || (!config_.tcp_address.empty() && tcp_port == 0)) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on unix:", config_.socket_path,
+        config_.tcp_address.empty() ? "" : absl::StrCat(" and ", config_.tcp_address)));
   }
-  if (auto* health = d->server_->GetHealthCheckService()) {
+  if (auto* health = server_->GetHealthCheckService()) {
     health->SetServingStatus(kLivenessHealthService, true);
   }
-  if (!config.metrics_address.empty()) {
+  if (!config_.metrics_address.empty()) {
     metrics::GetDaemonMetrics();  // every family shows (at 0) from the first scrape
-    Daemon* daemon = d.get();
-    FS_ASSIGN_OR_RETURN(d->metrics_server_,
-                        metrics::MetricsServer::Start(config.metrics_address, [daemon] {
+    Daemon* daemon = this;
+    FS_ASSIGN_OR_RETURN(metrics_server_,
+                        metrics::MetricsServer::Start(config_.metrics_address, [daemon] {
                           UpdateDaemonGauges(*daemon->store_, *daemon->groups_);
                           return metrics::DefaultRegistry().Render();
                         }));
-    FS_LOG(INFO) << "metrics on http://" << d->metrics_server_->address() << "/metrics";
+    FS_LOG(INFO) << "metrics on http://" << metrics_server_->address() << "/metrics";
   }
-  // The socket is 0660 (group: --socket_group) since UnixSocketAcceptor::Listen.
-  d->acceptor_->Start(d->server_.get());
-  FS_LOG(INFO) << "flatshardd listening on unix:" << config.socket_path
-               << (config.tcp_address.empty() ? "" : " and " + config.tcp_address)
-               << ", segments /dev/shm/" << config.segment_prefix << ".*"
-               << (d->peer_address_.empty() ? "" : ", peers on " + d->peer_address_);
-  return d;
+  return absl::OkStatus();
 }
 
 Daemon::~Daemon() { Shutdown(); }

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server.h>
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -23,6 +24,7 @@ namespace flatshard::server {
 class AdminServiceImpl;
 class CheckpointPeerServiceImpl;
 class GroupManager;
+struct GroupManagerOptions;
 class ShardServiceImpl;
 class ShardStore;
 namespace access {
@@ -128,6 +130,12 @@ class Daemon {
 
  private:
   explicit Daemon(DaemonConfig config);
+  // Create's steps: the peer port (the coordinator role, UCX and this daemon's identity in
+  // `group_options`), and the trainers' and operators' server (Unix socket, --tcp_address,
+  // health, metrics).
+  absl::Status StartPeerServer(std::shared_ptr<grpc::ServerCredentials> credentials,
+                               GroupManagerOptions* group_options);
+  absl::Status StartServer(std::shared_ptr<grpc::ServerCredentials> tcp_credentials);
 
   DaemonConfig config_;
   std::string peer_address_;

@@ -73,10 +73,6 @@ class CheckpointPeerClient;
 // The RPC-level values (Caller, InitMode, SummonOptions, ReduceOp, IpcEvent) have their one
 // home in common/rpc_types.h, their wire mapping in common/proto_convert.h.
 
-// The reduce op of FinishReduceScatter was GroupManager's own enum; it is the RPC-level one now
-// (the same type as collective::ReduceOp). The old name stays for existing callers.
-using GradReduce = ReduceOp;
-
 struct GroupManagerOptions {
   // This daemon as peers see it. An empty `self.peer_address` refuses multi-daemon groups;
   // `self.backend_address` is filled in from `remote_backend`.

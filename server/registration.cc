@@ -11,7 +11,8 @@
 #include "absl/strings/str_join.h"
 #include "common/planner.h"
 #include "common/sha256.h"
-#include "server/group_manager_internal.h"
+#include "server/messages.h"
+#include "server/module/unit_ops.h"
 
 namespace flatshard::server {
 

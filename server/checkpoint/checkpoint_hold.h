@@ -46,6 +46,13 @@ namespace checkpoint_internal {
 // Files written or read at once by one daemon.
 inline constexpr int kCheckpointThreads = 8;
 
+// The raw pointers RankDevices::CopyEach takes.
+inline std::vector<const Buffer*> Raw(const std::vector<std::shared_ptr<Buffer>>& v) {
+  std::vector<const Buffer*> out;
+  for (const auto& b : v) out.push_back(b.get());
+  return out;
+}
+
 // Runs fn(i) for i in [0, n) on up to kCheckpointThreads threads; the first error wins.
 inline absl::Status ParallelFor(size_t n, const std::function<absl::Status(size_t)>& fn) {
   std::vector<absl::Status> results(n);

@@ -24,21 +24,15 @@
 #include "server/checkpoint/checkpoint_hold.h"
 #include "server/checkpoint/checkpoint_peer_client.h"
 #include "server/durable/records.h"
-#include "server/group_manager_internal.h"
+#include "server/group/access.h"
+#include "server/messages.h"
 #include "server/module/modules.h"
 
 namespace flatshard::server {
 
+using checkpoint_internal::Raw;
+
 using internal::Display;
-
-namespace {
-
-std::vector<const Buffer*> Raw(const std::vector<std::shared_ptr<Buffer>>& v) {
-  std::vector<const Buffer*> out;
-  for (const auto& b : v) out.push_back(b.get());
-  return out;
-}
-}  // namespace
 
 Checkpoints::Checkpoints(CheckpointsOptions options)
     : store_(options.store),
@@ -95,66 +89,8 @@ absl::StatusOr<Checkpoints::CheckpointHold> Checkpoints::HoldForCheckpoint(
             absl::StrCat("group ", g.id, ": module ", Display(args.module), " is not registered"));
       }
       Registered& reg = it->second;
-      if (!reg.initialized) FS_RETURN_IF_ERROR(modules_.CheckUsable(g, args.module, reg));
       std::vector<std::string> peers;  // the other daemons' peer addresses
-      if (g.multi()) {
-        if (static_cast<int32_t>(g.table.rank_daemons.size()) != g.world_size || !g.coll) {
-          return absl::UnavailableError(
-              absl::StrCat("group ", g.id, " is not formed (every rank must have joined once)"));
-        }
-        for (int32_t r = 0; r < g.world_size; ++r) {
-          const std::string& a = g.table.rank_daemons[r].peer_address;
-          if (std::find(g.local_ranks.begin(), g.local_ranks.end(), r) != g.local_ranks.end() ||
-              a == self_peer_address_ || std::find(peers.begin(), peers.end(), a) != peers.end()) {
-            continue;
-          }
-          peers.push_back(a);
-        }
-      } else if (static_cast<int32_t>(g.local_ranks.size()) != g.world_size) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("group ", g.id, ": not every rank has joined (this daemon hosts ",
-                         internal::RankListText(g.local_ranks), " of ", g.world_size, ")"));
-      }
-      for (int32_t r : g.local_ranks) {
-        if (r >= static_cast<int32_t>(reg.shards_by_rank.size()) || reg.shards_by_rank[r].empty()) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "group ", g.id, " rank ", r, " holds no shards of module ", Display(args.module)));
-        }
-      }
-      if (load) {
-        for (const auto& [id, open] : g.open_summons) {
-          if (open.module == args.module) {
-            return absl::FailedPreconditionError(
-                absl::StrCat("group ", g.id, " rank ", open.rank, " has summon ", id, " of module ",
-                             Display(args.module), " open: end it before loading"));
-          }
-        }
-      }
-      // Optimizer state: a checkpoint holds every rank's or none, so every local rank must
-      // have registered it once the module's spec is fixed.
-      for (const StateSpec& st : reg.state_specs) {
-        if (st.name == checkpoint::kShardTensor) {
-          return absl::FailedPreconditionError(
-              absl::StrCat("group ", g.id, " module ", Display(args.module), ": optimizer state \"",
-                           st.name, "\" has the name of the parameters' tensor in a checkpoint"));
-        }
-      }
-      for (int32_t r : reg.state_specs.empty() ? std::vector<int32_t>{} : g.local_ranks) {
-        const bool has = r < static_cast<int32_t>(reg.committed_state.size()) &&
-                         reg.committed_state[r].size() == reg.shards_by_rank[r].size() &&
-                         std::all_of(reg.shards_by_rank[r].begin(), reg.shards_by_rank[r].end(),
-                                     [&](const UnitShard& sh) {
-                                       return sh.state.size() == reg.state_specs.size();
-                                     });
-        if (!has) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "group ", g.id, " rank ", r, " has not registered the optimizer state of module ",
-              Display(args.module),
-              " (another rank did): every rank registers it "
-              "(RegisterState, keep_optimizer_state) before a checkpoint ",
-              load ? "load" : "save"));
-        }
-      }
+      FS_RETURN_IF_ERROR(CheckHoldableLocked(g, args, load, reg, &peers));
       uint64_t lo = UINT64_MAX, hi = 0;
       for (int32_t r : g.local_ranks) {
         lo = std::min(lo, reg.generation[r]);
@@ -164,38 +100,7 @@ absl::StatusOr<Checkpoints::CheckpointHold> Checkpoints::HoldForCheckpoint(
       // commit has reached some ranks and not yet others: look again shortly.
       const bool still =
           reg.busy == 0 && !reg.rollback_pending && lo == hi && (!load || reg.ckpt_hold == 0);
-      if (still) {
-        ++reg.ckpt_hold;
-        if (load) ++reg.busy;  // keeps rollbacks out while the shards are written
-        CheckpointHold h;
-        h.group = g.id;
-        h.module = args.module;
-        h.world_size = g.world_size;
-        h.plan = reg.plan;
-        h.manifest = reg.manifest;
-        h.ranks = g.local_ranks;
-        for (int32_t r : g.local_ranks) {
-          h.shards.push_back(reg.shards_by_rank[r]);
-          h.committed.push_back(reg.committed[r]);
-        }
-        h.generation = lo;
-        h.peers = std::move(peers);
-        h.token = g.token;
-        h.state_specs = reg.state_specs;
-        h.owner_uid = g.owner_uid;
-        for (int32_t r : h.state_specs.empty() ? std::vector<int32_t>{} : g.local_ranks) {
-          std::vector<std::shared_ptr<Buffer>> live, kept;
-          for (size_t u = 0; u < reg.shards_by_rank[r].size(); ++u) {
-            for (size_t k = 0; k < h.state_specs.size(); ++k) {
-              live.push_back(reg.shards_by_rank[r][u].state[k]);
-              kept.push_back(reg.committed_state[r][u][k]);
-            }
-          }
-          h.state_live.push_back(std::move(live));
-          h.state_committed.push_back(std::move(kept));
-        }
-        return h;
-      }
+      if (still) return HoldLocked(g, args.module, reg, load, lo, std::move(peers));
       last_wait = absl::DeadlineExceededError(absl::StrCat(
           "group ", g.id, " module ", Display(args.module),
           ": its committed shards did not come to rest within the wait (", reg.busy,
@@ -206,6 +111,104 @@ absl::StatusOr<Checkpoints::CheckpointHold> Checkpoints::HoldForCheckpoint(
     if (absl::Now() >= deadline) return last_wait;
     absl::SleepFor(absl::Milliseconds(2));
   }
+}
+
+absl::Status Checkpoints::CheckHoldableLocked(Group& g, const CheckpointArgs& args, bool load,
+                                              Registered& reg, std::vector<std::string>* peers) {
+  if (!reg.initialized) FS_RETURN_IF_ERROR(modules_.CheckUsable(g, args.module, reg));
+  if (g.multi()) {
+    if (static_cast<int32_t>(g.table.rank_daemons.size()) != g.world_size || !g.coll) {
+      return absl::UnavailableError(
+          absl::StrCat("group ", g.id, " is not formed (every rank must have joined once)"));
+    }
+    for (int32_t r = 0; r < g.world_size; ++r) {
+      const std::string& a = g.table.rank_daemons[r].peer_address;
+      if (std::find(g.local_ranks.begin(), g.local_ranks.end(), r) != g.local_ranks.end() ||
+          a == self_peer_address_ || std::find(peers->begin(), peers->end(), a) != peers->end()) {
+        continue;
+      }
+      peers->push_back(a);
+    }
+  } else if (static_cast<int32_t>(g.local_ranks.size()) != g.world_size) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", g.id, ": not every rank has joined (this daemon hosts ",
+                     internal::RankListText(g.local_ranks), " of ", g.world_size, ")"));
+  }
+  for (int32_t r : g.local_ranks) {
+    if (r >= static_cast<int32_t>(reg.shards_by_rank.size()) || reg.shards_by_rank[r].empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "group ", g.id, " rank ", r, " holds no shards of module ", Display(args.module)));
+    }
+  }
+  if (load) {
+    for (const auto& [id, open] : g.open_summons) {
+      if (open.module == args.module) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("group ", g.id, " rank ", open.rank, " has summon ", id, " of module ",
+                         Display(args.module), " open: end it before loading"));
+      }
+    }
+  }
+  // Optimizer state: a checkpoint holds every rank's or none, so every local rank must
+  // have registered it once the module's spec is fixed.
+  for (const StateSpec& st : reg.state_specs) {
+    if (st.name == checkpoint::kShardTensor) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("group ", g.id, " module ", Display(args.module), ": optimizer state \"",
+                       st.name, "\" has the name of the parameters' tensor in a checkpoint"));
+    }
+  }
+  for (int32_t r : reg.state_specs.empty() ? std::vector<int32_t>{} : g.local_ranks) {
+    const bool has =
+        r < static_cast<int32_t>(reg.committed_state.size()) &&
+        reg.committed_state[r].size() == reg.shards_by_rank[r].size() &&
+        std::all_of(reg.shards_by_rank[r].begin(), reg.shards_by_rank[r].end(),
+                    [&](const UnitShard& sh) { return sh.state.size() == reg.state_specs.size(); });
+    if (!has) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("group ", g.id, " rank ", r,
+                       " has not registered the optimizer state of module ", Display(args.module),
+                       " (another rank did): every rank registers it "
+                       "(RegisterState, keep_optimizer_state) before a checkpoint ",
+                       load ? "load" : "save"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+Checkpoints::CheckpointHold Checkpoints::HoldLocked(Group& g, const std::string& module,
+                                                    Registered& reg, bool load, uint64_t generation,
+                                                    std::vector<std::string> peers) {
+  ++reg.ckpt_hold;
+  if (load) ++reg.busy;  // keeps rollbacks out while the shards are written
+  CheckpointHold h;
+  h.group = g.id;
+  h.module = module;
+  h.world_size = g.world_size;
+  h.plan = reg.plan;
+  h.manifest = reg.manifest;
+  h.ranks = g.local_ranks;
+  for (int32_t r : g.local_ranks) {
+    h.shards.push_back(reg.shards_by_rank[r]);
+    h.committed.push_back(reg.committed[r]);
+  }
+  h.generation = generation;
+  h.peers = std::move(peers);
+  h.token = g.token;
+  h.state_specs = reg.state_specs;
+  h.owner_uid = g.owner_uid;
+  for (int32_t r : h.state_specs.empty() ? std::vector<int32_t>{} : g.local_ranks) {
+    std::vector<std::shared_ptr<Buffer>> live, kept;
+    for (size_t u = 0; u < reg.shards_by_rank[r].size(); ++u) {
+      for (size_t k = 0; k < h.state_specs.size(); ++k) {
+        live.push_back(reg.shards_by_rank[r][u].state[k]);
+        kept.push_back(reg.committed_state[r][u][k]);
+      }
+    }
+    h.state_live.push_back(std::move(live));
+    h.state_committed.push_back(std::move(kept));
+  }
+  return h;
 }
 
 void Checkpoints::ReleaseCheckpointHold(const CheckpointHold& hold, bool load,

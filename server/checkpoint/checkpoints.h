@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/checkpoint/checkpoint.h"
@@ -94,6 +95,15 @@ class Checkpoints {
   struct CheckpointHold;
   absl::StatusOr<CheckpointHold> HoldForCheckpoint(const CheckpointArgs& args, bool load,
                                                    CheckpointProgress* progress);
+  // Why `reg` of `g` cannot be held for `args` now (access, formation, open summons, state
+  // registered on some ranks only); fills `peers` with the other daemons' peer addresses.
+  absl::Status CheckHoldableLocked(Group& g, const CheckpointArgs& args, bool load, Registered& reg,
+                                   std::vector<std::string>* peers)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // Takes the hold on `reg`'s committed copies (at rest, at `generation`).
+  CheckpointHold HoldLocked(Group& g, const std::string& module, Registered& reg, bool load,
+                            uint64_t generation, std::vector<std::string> peers)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // GPU ranks: host staging buffers of `buffers`' sizes (filled from them when `copy_in`);
   // host ranks: `buffers` themselves. Blocking on the device: not on a reactor thread.
   absl::StatusOr<std::vector<std::shared_ptr<Buffer>>> HostCopies(
@@ -105,6 +115,26 @@ class Checkpoints {
   // state buffers (and committed copies) of `specs` for the hold's ranks, installs them in the
   // module and in `hold` (README "Checkpoints").
   absl::Status AllocateStateForLoad(CheckpointHold& hold, const std::vector<StateSpec>& specs);
+  // SaveCheckpoint's steps (server/checkpoint/save.cc): one local rank's file of the held
+  // committed copies, and the metadata of every daemon's files (checked complete).
+  absl::StatusOr<checkpoint::WrittenFile> WriteRank(size_t i, const CheckpointArgs& args,
+                                                    const CheckpointHold& hold,
+                                                    CheckpointProgress* progress) const;
+  static absl::StatusOr<checkpoint::Metadata> MetadataOf(const CheckpointHold& hold,
+                                                         CheckpointResult result);
+  // LoadCheckpoint's steps (server/checkpoint/load.cc): what is read, how the optimizer state
+  // is loaded (checked and prepared before any shard changes), and one local rank's fill.
+  struct LoadSource;
+  struct StateLoad;
+  static absl::Status OpenLoadSource(const CheckpointArgs& args, CheckpointProgress* progress,
+                                     LoadSource* src);
+  absl::Status PlanStateLoad(const CheckpointArgs& args, CheckpointHold& hold,
+                             const LoadSource& src, StateLoad* state);
+  static absl::Status PrepareStateReshard(const CheckpointArgs& args, const CheckpointHold& hold,
+                                          const LoadSource& src, StateLoad* state);
+  absl::Status FillRank(size_t i, const CheckpointArgs& args, const CheckpointHold& hold,
+                        const LoadSource& src, const StateLoad& state,
+                        CheckpointProgress* progress) const;
   // Multi-daemon groups: every other daemon's part of `hold`'s checkpoint, asked in parallel.
   std::vector<absl::StatusOr<CheckpointResult>> AskPeers(const CheckpointHold& hold,
                                                          const CheckpointArgs& args, bool load);

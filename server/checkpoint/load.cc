@@ -24,7 +24,7 @@
 #include "server/checkpoint/checkpoint_hold.h"
 #include "server/checkpoint/checkpoint_peer_client.h"
 #include "server/durable/records.h"
-#include "server/group_manager_internal.h"
+#include "server/messages.h"
 #include "server/module/modules.h"
 
 namespace flatshard::server {
@@ -34,6 +34,7 @@ using checkpoint_internal::CheckSize;
 using checkpoint_internal::CheckStateSize;
 using checkpoint_internal::ParallelFor;
 using checkpoint_internal::RankBytes;
+using checkpoint_internal::Raw;
 
 using internal::Display;
 
@@ -60,12 +61,43 @@ std::pair<int32_t, const PlanParam*> SavedParam(const checkpoint::Metadata& meta
   return {-1, nullptr};
 }
 
-std::vector<const Buffer*> Raw(const std::vector<std::shared_ptr<Buffer>>& v) {
-  std::vector<const Buffer*> out;
-  for (const auto& b : v) out.push_back(b.get());
-  return out;
-}
 }  // namespace
+
+// What a load reads: a flatshard checkpoint directory (with its metadata) or a safetensors
+// file, and how its tensors bind to the held module's plan. Not movable in effect: the sources
+// point into `ckpt`.
+struct Checkpoints::LoadSource {
+  std::optional<checkpoint::Checkpoint> ckpt;
+  std::unique_ptr<checkpoint::ParamSource> params;
+  std::vector<checkpoint::Binding> bindings;  // once the module is held
+  int64_t unused = 0;                         // source tensors no parameter takes
+  int32_t files = 1;
+};
+
+// How the module's optimizer state is loaded (README "Checkpoints"), decided before anything
+// changes:
+//  - the module has no state registered: the checkpoint's state (if any) is not loaded;
+//  - the module has state and the source none (a parameters-only checkpoint, safetensors):
+//    the state is zeroed, as a freshly registered one (the loaded step starts a fresh
+//    optimizer);
+//  - both: the specs must be equal; under the same plan each (rank, unit, state) is copied;
+//    under another plan SHARD states reshard like the parameters (by FQN and element range)
+//    and a SCALAR state of a unit takes the saved value of the saved unit holding the unit's
+//    first parameter, from the saved rank holding that parameter's first element.
+struct Checkpoints::StateLoad {
+  enum Mode { kNone, kZero, kCopy, kReshard };
+  Mode mode = kNone;
+  std::vector<std::unique_ptr<checkpoint::ParamSource>> sources;  // by spec (SHARD, kReshard)
+  std::vector<std::vector<checkpoint::Binding>> bindings;         // by spec (SHARD, kReshard)
+  std::vector<std::vector<std::vector<char>>> scalars;            // [spec][unit] (SCALAR)
+  // The saved state tensors by (rank, unit, name) (Metadata::FindTensor is a linear scan).
+  std::map<std::tuple<int32_t, int32_t, std::string>, const checkpoint::TensorEntry*> saved;
+
+  const checkpoint::TensorEntry* Saved(int32_t rank, int32_t unit, const std::string& name) const {
+    auto found = saved.find({rank, unit, name});
+    return found == saved.end() ? nullptr : found->second;
+  }
+};
 
 absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(const CheckpointArgs& args,
                                                              CheckpointProgress* progress) {
@@ -80,148 +112,26 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(const CheckpointArg
   }
   if (!args.from_peer) FS_RETURN_IF_ERROR(CheckOwner(args, from, /*parent_if_missing=*/false));
   // 1. Everything that can be checked without the module: the source itself.
-  std::optional<checkpoint::Checkpoint> ckpt;
-  std::unique_ptr<checkpoint::ParamSource> source;
-  int32_t files = 1;
-  if (!args.dir.empty()) {
-    FS_ASSIGN_OR_RETURN(ckpt, checkpoint::OpenCheckpoint(args.dir));
-    progress->phase = CheckpointProgress::kVerifying;
-    progress->total_bytes = ckpt->meta.total_bytes();
-    FS_RETURN_IF_ERROR(
-        checkpoint::VerifyFiles(*ckpt, {}, [progress](int64_t n) { progress->done_bytes += n; }));
-    source = checkpoint::CheckpointSource(*ckpt);
-    files = static_cast<int32_t>(ckpt->meta.files.size());
-  } else {
-    absl::StatusOr<std::unique_ptr<checkpoint::ParamSource>> st =
-        checkpoint::SafetensorsSource(args.safetensors);
-    if (!st.ok()) return absl::FailedPreconditionError(st.status().message());
-    source = *std::move(st);
-  }
+  LoadSource src;
+  FS_RETURN_IF_ERROR(OpenLoadSource(args, progress, &src));
   // 2. The module: hold it, then check the source fits its plan before any shard changes.
   FS_ASSIGN_OR_RETURN(CheckpointHold hold, HoldForCheckpoint(args, /*load=*/true, progress));
-  int64_t unused = 0;
   absl::StatusOr<std::vector<checkpoint::Binding>> bindings = checkpoint::Bind(
-      *source, hold.plan, &unused, checkpoint::TiedAliases(hold.manifest, hold.plan));
+      *src.params, hold.plan, &src.unused, checkpoint::TiedAliases(hold.manifest, hold.plan));
   if (!bindings.ok()) {
     ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
     return absl::FailedPreconditionError(absl::StrCat("cannot load into group ", hold.group,
                                                       " module ", Display(hold.module), ": ",
                                                       bindings.status().message()));
   }
-  // Optimizer state (README "Checkpoints"), checked before anything changes:
-  //  - the module has no state registered: the checkpoint's state (if any) is not loaded;
-  //  - the module has state and the source none (a parameters-only checkpoint, safetensors):
-  //    the state is zeroed, as a freshly registered one (the loaded step starts a fresh
-  //    optimizer);
-  //  - both: the specs must be equal; under the same plan each (rank, unit, state) is copied;
-  //    under another plan SHARD states reshard like the parameters (by FQN and element range)
-  //    and a SCALAR state of a unit takes the saved value of the saved unit holding the unit's
-  //    first parameter, from the saved rank holding that parameter's first element.
-  enum class StateLoad { kNone, kZero, kCopy, kReshard };
-  StateLoad state_mode = StateLoad::kNone;
-  std::vector<std::unique_ptr<checkpoint::ParamSource>> state_sources;  // by spec (SHARD)
-  std::vector<std::vector<checkpoint::Binding>> state_bindings;         // by spec (SHARD)
-  std::vector<std::vector<std::vector<char>>> scalars;  // [spec][unit] (SCALAR, kReshard)
-  const bool source_state = ckpt.has_value() && !ckpt->meta.state_specs.empty();
-  if (!hold.state_specs.empty()) {
-    state_mode = StateLoad::kZero;
-    if (source_state) {
-      const std::string diff = StateSpecDifference(hold.state_specs, ckpt->meta.state_specs);
-      if (!diff.empty()) {
-        ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
-        return absl::FailedPreconditionError(
-            absl::StrCat("cannot load into group ", hold.group, " module ", Display(hold.module),
-                         ": the optimizer state of checkpoint ", args.dir,
-                         " differs from the module's: ", diff));
-      }
-      const bool same_plan = ckpt->meta.world_size == hold.world_size &&
-                             !hold.plan.fingerprint.empty() &&
-                             ckpt->meta.plan.fingerprint == hold.plan.fingerprint;
-      state_mode = same_plan ? StateLoad::kCopy : StateLoad::kReshard;
-    }
-  } else if (source_state) {
-    // The module has no optimizer state yet (a fresh job): the load creates it for the local
-    // ranks with the checkpoint's specs, as RegisterState would, so a trainer that then
-    // keeps its optimizer's state in the daemon (keep_optimizer_state) re-attaches to the
-    // loaded values.
-    if (absl::Status st = AllocateStateForLoad(hold, ckpt->meta.state_specs); !st.ok()) {
-      ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
-      return st;
-    }
-    const bool same_plan = ckpt->meta.world_size == hold.world_size &&
-                           !hold.plan.fingerprint.empty() &&
-                           ckpt->meta.plan.fingerprint == hold.plan.fingerprint;
-    state_mode = same_plan ? StateLoad::kCopy : StateLoad::kReshard;
-  }
-  // The saved state tensors by (rank, unit, name) (Metadata::FindTensor is a linear scan).
-  std::map<std::tuple<int32_t, int32_t, std::string>, const checkpoint::TensorEntry*> saved_state;
-  if (state_mode == StateLoad::kCopy || state_mode == StateLoad::kReshard) {
-    for (const checkpoint::TensorEntry& t : ckpt->meta.tensors) {
-      if (t.name != checkpoint::kShardTensor) saved_state[{t.rank, t.unit, t.name}] = &t;
-    }
-  }
-  if (state_mode == StateLoad::kReshard) {
-    const std::vector<SharedParam> tied = checkpoint::TiedAliases(hold.manifest, hold.plan);
-    absl::Status st;
-    scalars.resize(hold.state_specs.size());
-    for (size_t k = 0; k < hold.state_specs.size() && st.ok(); ++k) {
-      const StateSpec& spec = hold.state_specs[k];
-      state_sources.push_back(checkpoint::CheckpointStateSource(*ckpt, spec));
-      state_bindings.emplace_back();
-      if (spec.shape == StateShape::kShard) {
-        absl::StatusOr<std::vector<checkpoint::Binding>> b =
-            checkpoint::Bind(*state_sources.back(), hold.plan, nullptr, tied, spec.dtype);
-        if (!b.ok()) {
-          st = b.status();
-          break;
-        }
-        state_bindings.back() = *std::move(b);
-        continue;
-      }
-      // SCALAR: one value per target unit, read now (small).
-      const int64_t item = ItemSize(spec.dtype);
-      for (const PlanUnit& u : hold.plan.units) {
-        std::vector<char> value(item, 0);
-        const checkpoint::Binding* first = nullptr;
-        for (const checkpoint::Binding& b : *bindings) {
-          if (b.unit->index == u.index &&
-              (first == nullptr || b.param->offset < first->param->offset)) {
-            first = &b;
-          }
-        }
-        if (first != nullptr) {
-          const auto [saved_unit, saved_param] = SavedParam(ckpt->meta, first->source_fqn);
-          if (saved_unit < 0) {
-            st = absl::InternalError(absl::StrCat("parameter ", first->source_fqn,
-                                                  " is bound but not in the saved plan"));
-            break;
-          }
-          const PlanUnit& su = ckpt->meta.plan.units[saved_unit];
-          const int32_t saved_rank = static_cast<int32_t>(
-              std::min<int64_t>(saved_param->offset / su.shard_numel, ckpt->meta.world_size - 1));
-          auto found = saved_state.find({saved_rank, saved_unit, spec.name});
-          const checkpoint::TensorEntry* t = found == saved_state.end() ? nullptr : found->second;
-          if (t == nullptr) {
-            st = absl::FailedPreconditionError(absl::StrCat(args.dir, ": no optimizer state \"",
-                                                            spec.name, "\" of rank ", saved_rank,
-                                                            " unit ", saved_unit));
-            break;
-          }
-          st = checkpoint::ReadFileRange(*ckpt, saved_rank, t->offset, item, value.data());
-          if (!st.ok()) break;
-        }
-        scalars[k].push_back(std::move(value));
-      }
-    }
-    if (!st.ok()) {
-      ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
-      return absl::FailedPreconditionError(
-          absl::StrCat("cannot load the optimizer state into group ", hold.group, " module ",
-                       Display(hold.module), ": ", st.message()));
-    }
+  src.bindings = *std::move(bindings);
+  StateLoad state;
+  if (absl::Status st = PlanStateLoad(args, hold, src, &state); !st.ok()) {
+    ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
+    return st;
   }
   const int64_t per_rank = RankBytes(
-      hold.plan, state_mode == StateLoad::kNone ? std::vector<StateSpec>{} : hold.state_specs);
+      hold.plan, state.mode == StateLoad::kNone ? std::vector<StateSpec>{} : hold.state_specs);
   progress->done_bytes = 0;
   progress->total_bytes = per_rank * static_cast<int64_t>(hold.ranks.size());
   progress->phase = CheckpointProgress::kLoading;
@@ -235,79 +145,19 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(const CheckpointArg
   // 3. Shards first; the committed copies only once every rank's shards are written, so a
   // failure (an I/O error: everything else was checked) restores the shards from them.
   absl::Status s = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
-    const int32_t rank = hold.ranks[i];
-    const int32_t shard_rank = hold.plan.ShardRank(rank);
-    std::vector<std::shared_ptr<Buffer>> shards;
-    for (const UnitShard& sh : hold.shards[i]) shards.push_back(sh.shard);
-    // GPU ranks: filled in host memory, then copied to the device.
-    FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host,
-                        HostCopies(rank, shards, /*copy_in=*/false));
-    for (const PlanUnit& u : hold.plan.units) {
-      const Buffer& b = *host[u.index];
-      FS_RETURN_IF_ERROR(CheckSize(b, u));
-      FS_RETURN_IF_ERROR(
-          checkpoint::FillShard(*source, *bindings, hold.plan, u.index, shard_rank, b.data()));
-      progress->done_bytes += u.shard_numel * ItemSize(u.dtype);
-    }
-    if (host != shards) FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(host), Raw(shards)));
-    // Optimizer state (see above); its committed copies below with the shards'.
-    if (state_mode == StateLoad::kNone) return absl::OkStatus();
-    FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host_state,
-                        HostCopies(rank, hold.state_live[i], /*copy_in=*/false));
-    const size_t n = hold.state_specs.size();
-    for (const PlanUnit& u : hold.plan.units) {
-      for (size_t k = 0; k < n; ++k) {
-        const StateSpec& spec = hold.state_specs[k];
-        const Buffer& b = *host_state[u.index * n + k];
-        FS_RETURN_IF_ERROR(CheckStateSize(b, u, spec));
-        const int64_t bytes = spec.Numel(u.shard_numel) * ItemSize(spec.dtype);
-        switch (state_mode) {
-          case StateLoad::kNone:
-            break;
-          case StateLoad::kZero:
-            std::memset(b.data(), 0, bytes);
-            break;
-          case StateLoad::kCopy: {
-            auto found = saved_state.find({rank, u.index, spec.name});
-            const checkpoint::TensorEntry* t = found == saved_state.end() ? nullptr : found->second;
-            if (t == nullptr || t->bytes != bytes) {
-              return absl::InternalError(absl::StrCat(args.dir, ": optimizer state \"", spec.name,
-                                                      "\" of rank ", rank, " unit ", u.index,
-                                                      " is missing or not ", bytes, " bytes"));
-            }
-            FS_RETURN_IF_ERROR(checkpoint::ReadFileRange(*ckpt, rank, t->offset, bytes, b.data()));
-            break;
-          }
-          case StateLoad::kReshard:
-            if (spec.shape == StateShape::kShard) {
-              FS_RETURN_IF_ERROR(checkpoint::FillShard(*state_sources[k], state_bindings[k],
-                                                       hold.plan, u.index, shard_rank, b.data(),
-                                                       spec.dtype));
-            } else {
-              std::memcpy(b.data(), scalars[k][u.index].data(), bytes);
-            }
-            break;
-        }
-        progress->done_bytes += bytes;
-      }
-    }
-    if (host_state != hold.state_live[i]) {
-      FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(host_state), Raw(hold.state_live[i])));
-    }
-    return absl::OkStatus();
+    return FillRank(i, args, hold, src, state, progress);
   });
   const bool filled = s.ok();
+  const uint64_t generation =
+      src.ckpt.has_value() ? src.ckpt->meta.generation : hold.generation + 1;
   // Restarts: the load's intent is durable before any committed copy changes (a daemon killed
   // during the copies finishes them from the shards; server/durable/commit_intents.cc).
-  if (filled) {
-    records_.NoteLoadCopying(hold.group, hold.module, hold.ranks,
-                             ckpt.has_value() ? ckpt->meta.generation : hold.generation + 1);
-  }
+  if (filled) records_.NoteLoadCopying(hold.group, hold.module, hold.ranks, generation);
   absl::Status copied = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
     std::vector<std::shared_ptr<Buffer>> shards;
     for (const UnitShard& sh : hold.shards[i]) shards.push_back(sh.shard);
     std::vector<std::shared_ptr<Buffer>> committed = hold.committed[i];
-    if (state_mode != StateLoad::kNone) {
+    if (state.mode != StateLoad::kNone) {
       shards.insert(shards.end(), hold.state_live[i].begin(), hold.state_live[i].end());
       committed.insert(committed.end(), hold.state_committed[i].begin(),
                        hold.state_committed[i].end());
@@ -329,8 +179,6 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(const CheckpointArg
                          absl::StrCat("daemon ", hold.peers[k],
                                       " could not load its ranks: ", remote[k].status().message()));
         if (filled) {
-          const uint64_t generation =
-              ckpt.has_value() ? ckpt->meta.generation : hold.generation + 1;
           ReleaseCheckpointHold(hold, /*load=*/true, generation);
           return s;
         }
@@ -343,19 +191,192 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(const CheckpointArg
                   << from << " failed (shards restored): " << s;
     return s;
   }
-  const uint64_t generation = ckpt.has_value() ? ckpt->meta.generation : hold.generation + 1;
   ReleaseCheckpointHold(hold, /*load=*/true, generation);
   progress->phase = CheckpointProgress::kDone;
   CheckpointResult result;
   result.generation = generation;
   result.bytes = progress->total_bytes;
-  result.files = files;
+  result.files = src.files;
   result.ranks = static_cast<int32_t>(hold.ranks.size());
   for (const auto& r : remote) result.ranks += r->ranks;
-  result.unused_tensors = unused;
+  result.unused_tensors = src.unused;
   FS_LOG(INFO) << "group=" << hold.group << " module=" << Display(hold.module) << " loaded " << from
                << ": generation " << generation << " on " << result.ranks << " local rank(s)";
   return result;
+}
+
+absl::Status Checkpoints::OpenLoadSource(const CheckpointArgs& args, CheckpointProgress* progress,
+                                         LoadSource* src) {
+  if (args.dir.empty()) {
+    absl::StatusOr<std::unique_ptr<checkpoint::ParamSource>> st =
+        checkpoint::SafetensorsSource(args.safetensors);
+    if (!st.ok()) return absl::FailedPreconditionError(st.status().message());
+    src->params = *std::move(st);
+    return absl::OkStatus();
+  }
+  FS_ASSIGN_OR_RETURN(src->ckpt, checkpoint::OpenCheckpoint(args.dir));
+  progress->phase = CheckpointProgress::kVerifying;
+  progress->total_bytes = src->ckpt->meta.total_bytes();
+  FS_RETURN_IF_ERROR(checkpoint::VerifyFiles(*src->ckpt, {},
+                                             [progress](int64_t n) { progress->done_bytes += n; }));
+  src->params = checkpoint::CheckpointSource(*src->ckpt);
+  src->files = static_cast<int32_t>(src->ckpt->meta.files.size());
+  return absl::OkStatus();
+}
+
+absl::Status Checkpoints::PlanStateLoad(const CheckpointArgs& args, CheckpointHold& hold,
+                                        const LoadSource& src, StateLoad* state) {
+  const std::optional<checkpoint::Checkpoint>& ckpt = src.ckpt;
+  const bool source_state = ckpt.has_value() && !ckpt->meta.state_specs.empty();
+  if (!hold.state_specs.empty()) {
+    state->mode = StateLoad::kZero;
+    if (!source_state) return absl::OkStatus();
+    const std::string diff = StateSpecDifference(hold.state_specs, ckpt->meta.state_specs);
+    if (!diff.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot load into group ", hold.group, " module ", Display(hold.module),
+          ": the optimizer state of checkpoint ", args.dir, " differs from the module's: ", diff));
+    }
+  } else if (source_state) {
+    // The module has no optimizer state yet (a fresh job): the load creates it for the local
+    // ranks with the checkpoint's specs, as RegisterState would, so a trainer that then
+    // keeps its optimizer's state in the daemon (keep_optimizer_state) re-attaches to the
+    // loaded values.
+    FS_RETURN_IF_ERROR(AllocateStateForLoad(hold, ckpt->meta.state_specs));
+  } else {
+    return absl::OkStatus();  // kNone
+  }
+  const bool same_plan = ckpt->meta.world_size == hold.world_size &&
+                         !hold.plan.fingerprint.empty() &&
+                         ckpt->meta.plan.fingerprint == hold.plan.fingerprint;
+  state->mode = same_plan ? StateLoad::kCopy : StateLoad::kReshard;
+  for (const checkpoint::TensorEntry& t : ckpt->meta.tensors) {
+    if (t.name != checkpoint::kShardTensor) state->saved[{t.rank, t.unit, t.name}] = &t;
+  }
+  if (state->mode != StateLoad::kReshard) return absl::OkStatus();
+  absl::Status st = PrepareStateReshard(args, hold, src, state);
+  if (!st.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("cannot load the optimizer state into group ",
+                                                      hold.group, " module ", Display(hold.module),
+                                                      ": ", st.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Checkpoints::PrepareStateReshard(const CheckpointArgs& args,
+                                              const CheckpointHold& hold, const LoadSource& src,
+                                              StateLoad* state) {
+  const checkpoint::Checkpoint& ckpt = *src.ckpt;
+  const std::vector<SharedParam> tied = checkpoint::TiedAliases(hold.manifest, hold.plan);
+  state->scalars.resize(hold.state_specs.size());
+  for (size_t k = 0; k < hold.state_specs.size(); ++k) {
+    const StateSpec& spec = hold.state_specs[k];
+    state->sources.push_back(checkpoint::CheckpointStateSource(ckpt, spec));
+    state->bindings.emplace_back();
+    if (spec.shape == StateShape::kShard) {
+      FS_ASSIGN_OR_RETURN(
+          state->bindings.back(),
+          checkpoint::Bind(*state->sources.back(), hold.plan, nullptr, tied, spec.dtype));
+      continue;
+    }
+    // SCALAR: one value per target unit, read now (small).
+    const int64_t item = ItemSize(spec.dtype);
+    for (const PlanUnit& u : hold.plan.units) {
+      std::vector<char> value(item, 0);
+      const checkpoint::Binding* first = nullptr;
+      for (const checkpoint::Binding& b : src.bindings) {
+        if (b.unit->index == u.index &&
+            (first == nullptr || b.param->offset < first->param->offset)) {
+          first = &b;
+        }
+      }
+      if (first != nullptr) {
+        const auto [saved_unit, saved_param] = SavedParam(ckpt.meta, first->source_fqn);
+        if (saved_unit < 0) {
+          return absl::InternalError(
+              absl::StrCat("parameter ", first->source_fqn, " is bound but not in the saved plan"));
+        }
+        const PlanUnit& su = ckpt.meta.plan.units[saved_unit];
+        const int32_t saved_rank = static_cast<int32_t>(
+            std::min<int64_t>(saved_param->offset / su.shard_numel, ckpt.meta.world_size - 1));
+        const checkpoint::TensorEntry* t = state->Saved(saved_rank, saved_unit, spec.name);
+        if (t == nullptr) {
+          return absl::FailedPreconditionError(absl::StrCat(args.dir, ": no optimizer state \"",
+                                                            spec.name, "\" of rank ", saved_rank,
+                                                            " unit ", saved_unit));
+        }
+        FS_RETURN_IF_ERROR(
+            checkpoint::ReadFileRange(ckpt, saved_rank, t->offset, item, value.data()));
+      }
+      state->scalars[k].push_back(std::move(value));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Checkpoints::FillRank(size_t i, const CheckpointArgs& args, const CheckpointHold& hold,
+                                   const LoadSource& src, const StateLoad& state,
+                                   CheckpointProgress* progress) const {
+  const int32_t rank = hold.ranks[i];
+  const int32_t shard_rank = hold.plan.ShardRank(rank);
+  std::vector<std::shared_ptr<Buffer>> shards;
+  for (const UnitShard& sh : hold.shards[i]) shards.push_back(sh.shard);
+  // GPU ranks: filled in host memory, then copied to the device.
+  FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host,
+                      HostCopies(rank, shards, /*copy_in=*/false));
+  for (const PlanUnit& u : hold.plan.units) {
+    const Buffer& b = *host[u.index];
+    FS_RETURN_IF_ERROR(CheckSize(b, u));
+    FS_RETURN_IF_ERROR(
+        checkpoint::FillShard(*src.params, src.bindings, hold.plan, u.index, shard_rank, b.data()));
+    progress->done_bytes += u.shard_numel * ItemSize(u.dtype);
+  }
+  if (host != shards) FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(host), Raw(shards)));
+  // Optimizer state (StateLoad); its committed copies follow with the shards'.
+  if (state.mode == StateLoad::kNone) return absl::OkStatus();
+  FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host_state,
+                      HostCopies(rank, hold.state_live[i], /*copy_in=*/false));
+  const size_t n = hold.state_specs.size();
+  for (const PlanUnit& u : hold.plan.units) {
+    for (size_t k = 0; k < n; ++k) {
+      const StateSpec& spec = hold.state_specs[k];
+      const Buffer& b = *host_state[u.index * n + k];
+      FS_RETURN_IF_ERROR(CheckStateSize(b, u, spec));
+      const int64_t bytes = spec.Numel(u.shard_numel) * ItemSize(spec.dtype);
+      switch (state.mode) {
+        case StateLoad::kNone:
+          break;
+        case StateLoad::kZero:
+          std::memset(b.data(), 0, bytes);
+          break;
+        case StateLoad::kCopy: {
+          const checkpoint::TensorEntry* t = state.Saved(rank, u.index, spec.name);
+          if (t == nullptr || t->bytes != bytes) {
+            return absl::InternalError(absl::StrCat(args.dir, ": optimizer state \"", spec.name,
+                                                    "\" of rank ", rank, " unit ", u.index,
+                                                    " is missing or not ", bytes, " bytes"));
+          }
+          FS_RETURN_IF_ERROR(
+              checkpoint::ReadFileRange(*src.ckpt, rank, t->offset, bytes, b.data()));
+          break;
+        }
+        case StateLoad::kReshard:
+          if (spec.shape == StateShape::kShard) {
+            FS_RETURN_IF_ERROR(checkpoint::FillShard(*state.sources[k], state.bindings[k],
+                                                     hold.plan, u.index, shard_rank, b.data(),
+                                                     spec.dtype));
+          } else {
+            std::memcpy(b.data(), state.scalars[k][u.index].data(), bytes);
+          }
+          break;
+      }
+      progress->done_bytes += bytes;
+    }
+  }
+  if (host_state != hold.state_live[i]) {
+    FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(host_state), Raw(hold.state_live[i])));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace flatshard::server

@@ -24,7 +24,7 @@
 #include "server/checkpoint/checkpoint_hold.h"
 #include "server/checkpoint/checkpoint_peer_client.h"
 #include "server/durable/records.h"
-#include "server/group_manager_internal.h"
+#include "server/messages.h"
 #include "server/module/modules.h"
 
 namespace flatshard::server {
@@ -75,40 +75,7 @@ absl::StatusOr<CheckpointResult> Checkpoints::SaveCheckpoint(const CheckpointArg
     }
     std::vector<checkpoint::WrittenFile> written(hold.ranks.size());
     absl::Status s = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
-      // GPU ranks: the committed copies go through host memory first (one staging buffer
-      // per unit, for as long as the file is written).
-      FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host,
-                          HostCopies(hold.ranks[i], hold.committed[i], /*copy_in=*/true));
-      std::vector<checkpoint::TensorToWrite> tensors;
-      for (const PlanUnit& u : hold.plan.units) {
-        const Buffer& b = *host[u.index];
-        FS_RETURN_IF_ERROR(CheckSize(b, u));
-        tensors.push_back({u.index, checkpoint::kShardTensor, u.dtype, b.data(),
-                           u.shard_numel * ItemSize(u.dtype)});
-      }
-      // Optimizer state: every named state buffer's committed copy (the same step as the
-      // committed shard above), as tensor (rank, unit, state name); a SCALAR state is one
-      // element. GPU ranks stage it in host memory like the shards.
-      std::vector<std::shared_ptr<Buffer>> host_state;
-      if (!hold.state_specs.empty()) {
-        FS_ASSIGN_OR_RETURN(host_state,
-                            HostCopies(hold.ranks[i], hold.state_committed[i], /*copy_in=*/true));
-        const size_t n = hold.state_specs.size();
-        for (const PlanUnit& u : hold.plan.units) {
-          for (size_t k = 0; k < n; ++k) {
-            const StateSpec& st = hold.state_specs[k];
-            const Buffer& b = *host_state[u.index * n + k];
-            FS_RETURN_IF_ERROR(CheckStateSize(b, u, st));
-            tensors.push_back({u.index, st.name, st.dtype, b.data(),
-                               st.Numel(u.shard_numel) * ItemSize(st.dtype)});
-          }
-        }
-      }
-      absl::StatusOr<checkpoint::WrittenFile> w =
-          checkpoint::WriteRankFile(args.dir, hold.ranks[i], hold.world_size, tensors,
-                                    [progress](int64_t n) { progress->done_bytes += n; });
-      if (!w.ok()) return w.status();
-      written[i] = *std::move(w);
+      FS_ASSIGN_OR_RETURN(written[i], WriteRank(i, args, hold, progress));
       return absl::OkStatus();
     });
     // The committed copies are no longer read: commits that waited go on now.
@@ -159,50 +126,7 @@ absl::StatusOr<CheckpointResult> Checkpoints::SaveCheckpoint(const CheckpointArg
       absl::SleepFor(absl::Milliseconds(20 * attempt));
       continue;
     }
-    checkpoint::Metadata meta;
-    meta.module = hold.module;
-    meta.group = hold.group;
-    meta.world_size = hold.world_size;
-    meta.generation = hold.generation;
-    meta.created = checkpoint::internal::NowText();
-    meta.plan = hold.plan;
-    meta.tied = checkpoint::TiedAliases(hold.manifest, hold.plan);
-    meta.state_specs = hold.state_specs;
-    meta.files = std::move(result.written_files);
-    meta.tensors = std::move(result.written_tensors);
-    std::sort(meta.files.begin(), meta.files.end(),
-              [](const auto& a, const auto& b) { return a.rank < b.rank; });
-    for (int32_t r = 0; r < hold.world_size; ++r) {
-      if (r >= static_cast<int32_t>(meta.files.size()) || meta.files[r].rank != r) {
-        return absl::InternalError(
-            absl::StrCat("group ", hold.group, ": no daemon wrote rank ", r, "'s file"));
-      }
-    }
-    // Every daemon wrote the same optimizer state (each fixes its module's spec on its own):
-    // every (rank, unit) has each state of the specs and no other, or no metadata is written.
-    {
-      std::map<std::pair<int32_t, int32_t>, std::vector<std::string>> names;
-      for (const checkpoint::TensorEntry& t : meta.tensors) {
-        if (t.name != checkpoint::kShardTensor) names[{t.rank, t.unit}].push_back(t.name);
-      }
-      std::vector<std::string> want;
-      for (const StateSpec& st : meta.state_specs) want.push_back(st.name);
-      std::sort(want.begin(), want.end());
-      for (int32_t r = 0; r < hold.world_size; ++r) {
-        for (const PlanUnit& u : hold.plan.units) {
-          std::vector<std::string>& got = names[{r, u.index}];
-          std::sort(got.begin(), got.end());
-          if (got != want) {
-            return absl::FailedPreconditionError(absl::StrCat(
-                "group ", hold.group, " module ", Display(hold.module), ": rank ", r,
-                " wrote optimizer state [", absl::StrJoin(got, ", "), "] for unit ", u.index,
-                ", this daemon's module has [", absl::StrJoin(want, ", "),
-                "]: every rank registers the same optimizer state before a save (no metadata "
-                "written)"));
-          }
-        }
-      }
-    }
+    FS_ASSIGN_OR_RETURN(checkpoint::Metadata meta, MetadataOf(hold, std::move(result)));
     FS_RETURN_IF_ERROR(checkpoint::WriteMetadata(args.dir, meta));
     progress->done_bytes = progress->total_bytes.load();
     progress->phase = CheckpointProgress::kDone;
@@ -217,6 +141,89 @@ absl::StatusOr<CheckpointResult> Checkpoints::SaveCheckpoint(const CheckpointArg
                  << absl::ToDoubleSeconds(absl::Now() - start) << " s)";
     return out;
   }
+}
+
+absl::StatusOr<checkpoint::WrittenFile> Checkpoints::WriteRank(size_t i, const CheckpointArgs& args,
+                                                               const CheckpointHold& hold,
+                                                               CheckpointProgress* progress) const {
+  // GPU ranks: the committed copies go through host memory first (one staging buffer
+  // per unit, for as long as the file is written).
+  FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host,
+                      HostCopies(hold.ranks[i], hold.committed[i], /*copy_in=*/true));
+  std::vector<checkpoint::TensorToWrite> tensors;
+  for (const PlanUnit& u : hold.plan.units) {
+    const Buffer& b = *host[u.index];
+    FS_RETURN_IF_ERROR(CheckSize(b, u));
+    tensors.push_back(
+        {u.index, checkpoint::kShardTensor, u.dtype, b.data(), u.shard_numel * ItemSize(u.dtype)});
+  }
+  // Optimizer state: every named state buffer's committed copy (the same step as the
+  // committed shard above), as tensor (rank, unit, state name); a SCALAR state is one
+  // element. GPU ranks stage it in host memory like the shards.
+  std::vector<std::shared_ptr<Buffer>> host_state;
+  if (!hold.state_specs.empty()) {
+    FS_ASSIGN_OR_RETURN(host_state,
+                        HostCopies(hold.ranks[i], hold.state_committed[i], /*copy_in=*/true));
+    const size_t n = hold.state_specs.size();
+    for (const PlanUnit& u : hold.plan.units) {
+      for (size_t k = 0; k < n; ++k) {
+        const StateSpec& st = hold.state_specs[k];
+        const Buffer& b = *host_state[u.index * n + k];
+        FS_RETURN_IF_ERROR(CheckStateSize(b, u, st));
+        tensors.push_back(
+            {u.index, st.name, st.dtype, b.data(), st.Numel(u.shard_numel) * ItemSize(st.dtype)});
+      }
+    }
+  }
+  return checkpoint::WriteRankFile(args.dir, hold.ranks[i], hold.world_size, tensors,
+                                   [progress](int64_t n) { progress->done_bytes += n; });
+}
+
+absl::StatusOr<checkpoint::Metadata> Checkpoints::MetadataOf(const CheckpointHold& hold,
+                                                             CheckpointResult result) {
+  checkpoint::Metadata meta;
+  meta.module = hold.module;
+  meta.group = hold.group;
+  meta.world_size = hold.world_size;
+  meta.generation = hold.generation;
+  meta.created = checkpoint::internal::NowText();
+  meta.plan = hold.plan;
+  meta.tied = checkpoint::TiedAliases(hold.manifest, hold.plan);
+  meta.state_specs = hold.state_specs;
+  meta.files = std::move(result.written_files);
+  meta.tensors = std::move(result.written_tensors);
+  std::sort(meta.files.begin(), meta.files.end(),
+            [](const auto& a, const auto& b) { return a.rank < b.rank; });
+  for (int32_t r = 0; r < hold.world_size; ++r) {
+    if (r >= static_cast<int32_t>(meta.files.size()) || meta.files[r].rank != r) {
+      return absl::InternalError(
+          absl::StrCat("group ", hold.group, ": no daemon wrote rank ", r, "'s file"));
+    }
+  }
+  // Every daemon wrote the same optimizer state (each fixes its module's spec on its own):
+  // every (rank, unit) has each state of the specs and no other, or no metadata is written.
+  std::map<std::pair<int32_t, int32_t>, std::vector<std::string>> names;
+  for (const checkpoint::TensorEntry& t : meta.tensors) {
+    if (t.name != checkpoint::kShardTensor) names[{t.rank, t.unit}].push_back(t.name);
+  }
+  std::vector<std::string> want;
+  for (const StateSpec& st : meta.state_specs) want.push_back(st.name);
+  std::sort(want.begin(), want.end());
+  for (int32_t r = 0; r < hold.world_size; ++r) {
+    for (const PlanUnit& u : hold.plan.units) {
+      std::vector<std::string>& got = names[{r, u.index}];
+      std::sort(got.begin(), got.end());
+      if (got != want) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "group ", hold.group, " module ", Display(hold.module), ": rank ", r,
+            " wrote optimizer state [", absl::StrJoin(got, ", "), "] for unit ", u.index,
+            ", this daemon's module has [", absl::StrJoin(want, ", "),
+            "]: every rank registers the same optimizer state before a save (no metadata "
+            "written)"));
+      }
+    }
+  }
+  return meta;
 }
 
 }  // namespace flatshard::server

@@ -13,17 +13,13 @@
 #include "common/logging.h"
 #include "common/manifest.h"
 #include "common/plan.h"
-#include "server/group_manager_internal.h"
+#include "common/status_macros.h"
+#include "server/messages.h"
+#include "server/module/generations.h"
 
 namespace flatshard::server {
 
 using internal::Display;
-
-namespace {
-void CopyHostBytes(const Buffer& from, const Buffer& to) {
-  if (from.bytes() > 0) std::memcpy(to.data(), from.data(), static_cast<size_t>(from.bytes()));
-}
-}  // namespace
 
 namespace {
 
@@ -34,92 +30,32 @@ void CopyHost(const Buffer& from, const Buffer& to) {
 bool Contains(const std::vector<int32_t>& v, int32_t x) {
   return std::find(v.begin(), v.end(), x) != v.end();
 }
+
 }  // namespace
+
+// One rank's committed device buffers of one module, to be copied to host memory at SIGTERM.
+struct Records::KeepJob {
+  std::string group, module;
+  int32_t rank = 0;
+  int64_t owner_uid = -1;
+  std::vector<std::shared_ptr<Buffer>> committed;
+  // Per unit, the committed optimizer state buffers (state_specs order), if any.
+  std::vector<std::vector<std::shared_ptr<Buffer>>> committed_state;
+  std::vector<std::string> state_names;
+  // Filled by CopyToHost.
+  std::vector<std::shared_ptr<Buffer>> hosts;
+  std::vector<std::vector<std::shared_ptr<Buffer>>> host_state;
+};
 
 void Records::KeepDeviceShards() {
   if (state_dir_ == nullptr || gpus_.empty()) return;
-  struct Job {
-    std::string group, module;
-    int32_t rank = 0;
-    int64_t owner_uid = -1;
-    std::vector<std::shared_ptr<Buffer>> committed;
-    // Per unit, the committed optimizer state buffers (state_specs order), if any.
-    std::vector<std::vector<std::shared_ptr<Buffer>>> committed_state;
-    std::vector<std::string> state_names;
-  };
-  std::vector<Job> jobs;
-  for (const std::shared_ptr<Group>& held : table_.All()) {
-    Group& g = *held;
-    const std::string& id = g.id;
-    absl::MutexLock lock(&g.mu);
-    if (g.removed) continue;
-    {
-      for (auto& [module, reg] : g.registered) {
-        if (!reg.initialized || reg.busy > 0 || reg.pending_commit.has_value()) {
-          if (reg.initialized) {
-            FS_LOG(WARNING) << "group=" << id << " module=" << Display(module)
-                            << ": a commit or rollback is under way at shutdown: its device "
-                               "shards are not kept";
-          }
-          continue;
-        }
-        for (int32_t r = 0; r < static_cast<int32_t>(reg.committed.size()); ++r) {
-          if (reg.committed[r].empty() || reg.committed[r][0] == nullptr ||
-              !reg.committed[r][0]->on_device()) {
-            continue;
-          }
-          Job job{id, module, r, g.owner_uid, reg.committed[r], {}, {}};
-          if (r < static_cast<int32_t>(reg.committed_state.size())) {
-            job.committed_state = reg.committed_state[r];
-          }
-          for (const StateSpec& spec : reg.state_specs) job.state_names.push_back(spec.name);
-          jobs.push_back(std::move(job));
-        }
-      }
-    }
-  }
-  // The copies run without mu_ (device to host, as large as the shards).
+  std::vector<KeepJob> jobs = CollectKeepJobs();
+  // The copies run without any group's lock (device to host, as large as the shards).
   std::set<std::string> touched;
   int64_t bytes = 0;
   int kept = 0;
-  for (Job& job : jobs) {
-    std::vector<std::shared_ptr<Buffer>> hosts;
-    absl::Status s;
-    for (size_t u = 0; u < job.committed.size() && s.ok(); ++u) {
-      absl::StatusOr<std::shared_ptr<Buffer>> host =
-          store_->Allocate(BufferKind::kShard, job.committed[u]->bytes(),
-                           absl::StrCat("group=", job.group, " module=", job.module, " unit=", u,
-                                        " rank=", job.rank, " host copy"),
-                           job.owner_uid, Placement::Host());
-      s = host.status();
-      if (s.ok()) s = devices_.CopyEach(job.rank, {job.committed[u].get()}, {host->get()});
-      if (s.ok()) {
-        bytes += (*host)->bytes();
-        hosts.push_back(*std::move(host));
-      }
-    }
-    // Its optimizer state too: a module is never adopted without it (SnapshotLocked records
-    // a rank with device state only with a host copy of every state buffer).
-    std::vector<std::vector<std::shared_ptr<Buffer>>> host_state(job.committed_state.size());
-    for (size_t u = 0; u < job.committed_state.size() && s.ok(); ++u) {
-      for (size_t i = 0; i < job.committed_state[u].size() && s.ok(); ++i) {
-        const Buffer& from = *job.committed_state[u][i];
-        absl::StatusOr<std::shared_ptr<Buffer>> host = store_->Allocate(
-            BufferKind::kShard, from.bytes(),
-            absl::StrCat(
-                "group=", job.group, " module=", job.module, " unit=", u, " rank=", job.rank,
-                " state=", i < job.state_names.size() ? job.state_names[i] : std::to_string(i),
-                " host copy"),
-            job.owner_uid, Placement::Host());
-        s = host.status();
-        if (s.ok() && from.on_device()) s = devices_.CopyEach(job.rank, {&from}, {host->get()});
-        if (s.ok() && !from.on_device()) CopyHostBytes(from, **host);
-        if (s.ok()) {
-          bytes += (*host)->bytes();
-          host_state[u].push_back(*std::move(host));
-        }
-      }
-    }
+  for (KeepJob& job : jobs) {
+    absl::Status s = CopyToHost(job, &bytes);
     if (!s.ok()) {
       FS_LOG(ERROR) << "group=" << job.group << " module=" << Display(job.module)
                     << " rank=" << job.rank << ": cannot keep a host copy of its device shards and "
@@ -134,10 +70,10 @@ void Records::KeepDeviceShards() {
     if (it == g.registered.end()) continue;
     Registered& reg = it->second;
     reg.host_committed.resize(reg.committed.size());
-    reg.host_committed[job.rank] = std::move(hosts);
-    if (!host_state.empty()) {
+    reg.host_committed[job.rank] = std::move(job.hosts);
+    if (!job.host_state.empty()) {
       reg.host_committed_state.resize(reg.committed.size());
-      reg.host_committed_state[job.rank] = std::move(host_state);
+      reg.host_committed_state[job.rank] = std::move(job.host_state);
     }
     touched.insert(job.group);
     ++kept;
@@ -157,6 +93,81 @@ void Records::KeepDeviceShards() {
     FS_LOG(INFO) << "kept host copies of the committed device shards of " << kept << " rank(s) of "
                  << touched.size() << " group(s), " << bytes << " bytes, for the next daemon";
   }
+}
+
+std::vector<Records::KeepJob> Records::CollectKeepJobs() {
+  std::vector<KeepJob> jobs;
+  for (const std::shared_ptr<Group>& held : table_.All()) {
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (g.removed) continue;
+    for (auto& [module, reg] : g.registered) {
+      if (!reg.initialized || reg.busy > 0 || reg.pending_commit.has_value()) {
+        if (reg.initialized) {
+          FS_LOG(WARNING) << "group=" << g.id << " module=" << Display(module)
+                          << ": a commit or rollback is under way at shutdown: its device "
+                             "shards are not kept";
+        }
+        continue;
+      }
+      for (int32_t r = 0; r < static_cast<int32_t>(reg.committed.size()); ++r) {
+        if (reg.committed[r].empty() || reg.committed[r][0] == nullptr ||
+            !reg.committed[r][0]->on_device()) {
+          continue;
+        }
+        KeepJob job;
+        job.group = g.id;
+        job.module = module;
+        job.rank = r;
+        job.owner_uid = g.owner_uid;
+        job.committed = reg.committed[r];
+        if (r < static_cast<int32_t>(reg.committed_state.size())) {
+          job.committed_state = reg.committed_state[r];
+        }
+        for (const StateSpec& spec : reg.state_specs) job.state_names.push_back(spec.name);
+        jobs.push_back(std::move(job));
+      }
+    }
+  }
+  return jobs;
+}
+
+absl::Status Records::CopyToHost(KeepJob& job, int64_t* bytes) {
+  for (size_t u = 0; u < job.committed.size(); ++u) {
+    absl::StatusOr<std::shared_ptr<Buffer>> host =
+        store_->Allocate(BufferKind::kShard, job.committed[u]->bytes(),
+                         absl::StrCat("group=", job.group, " module=", job.module, " unit=", u,
+                                      " rank=", job.rank, " host copy"),
+                         job.owner_uid, Placement::Host());
+    FS_RETURN_IF_ERROR(host.status());
+    FS_RETURN_IF_ERROR(devices_.CopyEach(job.rank, {job.committed[u].get()}, {host->get()}));
+    *bytes += (*host)->bytes();
+    job.hosts.push_back(*std::move(host));
+  }
+  // Its optimizer state too: a module is never adopted without it (SnapshotLocked records
+  // a rank with device state only with a host copy of every state buffer).
+  job.host_state.resize(job.committed_state.size());
+  for (size_t u = 0; u < job.committed_state.size(); ++u) {
+    for (size_t i = 0; i < job.committed_state[u].size(); ++i) {
+      const Buffer& from = *job.committed_state[u][i];
+      absl::StatusOr<std::shared_ptr<Buffer>> host = store_->Allocate(
+          BufferKind::kShard, from.bytes(),
+          absl::StrCat(
+              "group=", job.group, " module=", job.module, " unit=", u, " rank=", job.rank,
+              " state=", i < job.state_names.size() ? job.state_names[i] : std::to_string(i),
+              " host copy"),
+          job.owner_uid, Placement::Host());
+      FS_RETURN_IF_ERROR(host.status());
+      if (from.on_device()) {
+        FS_RETURN_IF_ERROR(devices_.CopyEach(job.rank, {&from}, {host->get()}));
+      } else {
+        CopyHost(from, **host);
+      }
+      *bytes += (*host)->bytes();
+      job.host_state[u].push_back(*std::move(host));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Records::CheckStateComplete(Registered& reg, int32_t rank, const std::string& where) {
@@ -241,299 +252,305 @@ absl::Status Records::StateFromHost(Registered& reg, const state::GroupRecord& r
 
 AdoptSummary Records::AdoptGroups(const std::vector<state::GroupRecord>& records) {
   AdoptSummary summary;
+  for (const state::GroupRecord& rec : records) AdoptGroup(rec, &summary);
+  FS_LOG(INFO) << "restart: adopted " << summary.groups << " group(s), " << summary.modules
+               << " module(s), " << summary.buffers << " buffers, " << summary.bytes
+               << " bytes; refused " << summary.refused_groups << " record(s); "
+               << summary.lost_modules << " module(s) lost";
+  return summary;
+}
+
+void Records::AdoptGroup(const state::GroupRecord& rec, AdoptSummary* summary) {
   const std::string dir = state_dir_ != nullptr ? state_dir_->path() : std::string("(none)");
-  for (const state::GroupRecord& rec : records) {
-    const std::string file = absl::StrCat(dir, "/", state::RecordFileName(rec.id));
-    std::shared_ptr<Group> held = std::make_shared<Group>();
-    Group* g = held.get();
-    // Nobody else sees the group before it is in the table; locked for the analysis' sake.
-    absl::ReleasableMutexLock lock(&g->mu);
-    g->id = rec.id;
-    g->world_size = rec.world_size;
-    g->token = rec.token;
-    g->owner_uid = rec.owner_uid;
-    g->coordinator = rec.coordinator;
-    g->epoch = rec.epoch;
-    g->local_ranks = rec.local_ranks;
-    g->idle_since = clock_->Now();
-    std::vector<std::shared_ptr<Buffer>> adopted;  // every buffer taken over, for a refusal
-    absl::Status refused;
-    int64_t bytes = 0;
-    std::vector<std::string> lines;
-    for (const state::ModuleRecord& m : rec.modules) {
-      const std::string where = absl::StrCat("module ", Display(m.name));
-      absl::StatusOr<Plan> plan = PlanFromJson(m.plan_json);
-      if (!plan.ok()) {
-        refused =
-            absl::InvalidArgumentError(absl::StrCat(where, ": plan: ", plan.status().message()));
-        break;
-      }
-      absl::StatusOr<Manifest> manifest = ManifestFromJson(m.manifest_json);
-      if (!manifest.ok()) {
-        refused = absl::InvalidArgumentError(
-            absl::StrCat(where, ": manifest: ", manifest.status().message()));
-        break;
-      }
-      if (plan->world_size != rec.world_size) {
-        refused = absl::InvalidArgumentError(absl::StrCat(where, ": the plan is for world size ",
-                                                          plan->world_size, ", the group has ",
-                                                          rec.world_size));
-        break;
-      }
-      Registered reg;
-      reg.plan = *std::move(plan);
-      reg.manifest = *std::move(manifest);
-      reg.plan_json = m.plan_json;
-      reg.manifest_json = m.manifest_json;
-      const int32_t units = static_cast<int32_t>(reg.plan.units.size());
-      reg.summoned.assign(rec.world_size, std::vector<bool>(units, false));
-      reg.summon_count.assign(rec.world_size, 0);
-      reg.attached_session.assign(rec.world_size, 0);
-      reg.shards_by_rank.resize(rec.world_size);
-      reg.committed.resize(rec.world_size);
-      reg.host_committed.resize(rec.world_size);
-      reg.generation.assign(rec.world_size, 0);
-      reg.stale.assign(rec.world_size, false);
-      reg.initialized = m.initialized;
-      reg.state_specs = m.state_specs;
-      for (const state::RankRecord& rr : m.ranks) {
-        const std::string rw = absl::StrCat(where, " rank ", rr.rank);
-        if (static_cast<int32_t>(rr.units.size()) != units) {
-          refused = absl::InvalidArgumentError(
-              absl::StrCat(rw, ": ", rr.units.size(), " units recorded, the plan has ", units));
-          break;
-        }
-        reg.shards_by_rank[rr.rank].resize(units);
-        reg.committed[rr.rank].resize(units);
-        reg.host_committed[rr.rank].resize(units);
-        reg.generation[rr.rank] = rr.generation;
-        for (const state::UnitRecord& ur : rr.units) {
-          if (ur.unit < 0 || ur.unit >= units) {
-            refused = absl::InvalidArgumentError(
-                absl::StrCat(rw, ": unit ", ur.unit, " is not in the plan"));
-            break;
-          }
-          const PlanUnit& pu = reg.plan.units[ur.unit];
-          const int64_t want = pu.shard_numel * ItemSize(pu.dtype);
-          reg.shards_by_rank[rr.rank][ur.unit].unit = ur.unit;
-          for (const state::BufferRecord& b : ur.buffers) {
-            const std::string bw = absl::StrCat(rw, " unit ", ur.unit, " ", b.role, " ", b.segment);
-            int state = -1;
-            for (const char* prefix : {state::kRoleStatePrefix, state::kRoleCommittedStatePrefix,
-                                       state::kRoleHostCommittedStatePrefix}) {
-              if (absl::StartsWith(b.role, prefix)) {
-                state = StateIndex(b.role, prefix, reg.state_specs);
-                if (state < 0) {
-                  refused = absl::InvalidArgumentError(absl::StrCat(
-                      bw, ": the module's recorded optimizer state spec has no state \"",
-                      b.role.substr(std::strlen(prefix)), "\""));
-                }
-                break;
-              }
-            }
-            if (!refused.ok()) break;
-            if (state >= 0) {
-              const StateSpec& spec = reg.state_specs[state];
-              const int64_t state_want = spec.Numel(pu.shard_numel) * ItemSize(spec.dtype);
-              if (b.bytes != state_want) {
-                refused = absl::InvalidArgumentError(absl::StrCat(
-                    bw, ": ", b.bytes, " bytes recorded, optimizer state \"", spec.name, "\" (",
-                    DTypeName(spec.dtype), ", ", StateShapeName(spec.shape), ") has ", state_want));
-                break;
-              }
-            } else if (b.bytes != want) {
-              refused = absl::InvalidArgumentError(
-                  absl::StrCat(bw, ": ", b.bytes, " bytes recorded, the plan's shard has ", want));
-              break;
-            }
-            absl::StatusOr<std::shared_ptr<Buffer>> buffer =
-                store_->Adopt(KindOfRole(b.role), b.segment, b.bytes,
-                              absl::StrCat("group=", rec.id, " module=", m.name, " unit=", ur.unit,
-                                           " rank=", rr.rank, " ", b.role),
-                              rec.owner_uid);
-            if (!buffer.ok()) {
-              refused = absl::Status(buffer.status().code(),
-                                     absl::StrCat(bw, ": ", buffer.status().message()));
-              break;
-            }
-            adopted.push_back(*buffer);
-            if (!InstallDurable(reg, rr.rank, ur.unit, b.role, *std::move(buffer))) {
-              refused = absl::InvalidArgumentError(
-                  absl::StrCat(bw, ": role ", b.role, " is unknown to this daemon"));
-              break;
-            }
-            bytes += b.bytes;
-          }
-          if (!refused.ok()) break;
-          const bool host_copy = reg.host_committed[rr.rank][ur.unit] != nullptr;
-          if (!host_copy && (reg.shards_by_rank[rr.rank][ur.unit].shard == nullptr ||
-                             reg.committed[rr.rank][ur.unit] == nullptr)) {
-            refused = absl::InvalidArgumentError(
-                absl::StrCat(rw, " unit ", ur.unit, ": no shard or no committed copy recorded"));
-            break;
-          }
-          if (host_copy && !devices_.PlacementOf(rr.rank).on_device()) {
-            refused = absl::InvalidArgumentError(absl::StrCat(
-                rw, " unit ", ur.unit, ": a GPU daemon's host copy, but this daemon keeps rank ",
-                rr.rank, " in host memory (start it with the same --gpus)"));
-            break;
-          }
-        }
-        if (!refused.ok()) break;
-        refused = CheckStateComplete(reg, rr.rank, rw);
-        if (!refused.ok()) break;
-      }
-      if (!refused.ok()) break;
-
-      // GPU daemons: fresh device shards and committed copies from the host copies a SIGTERM
-      // made (KeepDeviceShards); the host copies go once this module is in place.
-      std::set<int32_t> from_host;
-      for (const state::RankRecord& rr : m.ranks) {
-        if (reg.host_committed[rr.rank].empty() || reg.host_committed[rr.rank][0] == nullptr) {
-          continue;
-        }
-        for (int32_t u = 0; u < units && refused.ok(); ++u) {
-          const Buffer& host = *reg.host_committed[rr.rank][u];
-          for (std::shared_ptr<Buffer>* slot :
-               {&reg.shards_by_rank[rr.rank][u].shard, &reg.committed[rr.rank][u]}) {
-            absl::StatusOr<std::shared_ptr<Buffer>> b = store_->Allocate(
-                BufferKind::kShard, host.bytes(),
-                absl::StrCat("group=", rec.id, " module=", m.name, " unit=", u, " rank=", rr.rank,
-                             slot == &reg.committed[rr.rank][u] ? " committed" : ""),
-                rec.owner_uid, devices_.PlacementOf(rr.rank));
-            absl::Status s = b.status();
-            if (s.ok()) s = devices_.CopyEach(rr.rank, {&host}, {b->get()});
-            if (!s.ok()) {
-              refused = absl::Status(s.code(), absl::StrCat(where, " rank ", rr.rank, " unit ", u,
-                                                            ": back to the device: ", s.message()));
-              break;
-            }
-            *slot = *std::move(b);
-          }
-        }
-        if (refused.ok()) refused = StateFromHost(reg, rec, m.name, rr.rank);
-        if (!refused.ok()) break;
-        from_host.insert(rr.rank);
-        reg.host_committed[rr.rank].clear();
-      }
-      if (!refused.ok()) break;
-
-      // Commits under way at the kill (see the top of this file).
-      std::vector<int32_t> ranks;
-      for (const state::RankRecord& rr : m.ranks) ranks.push_back(rr.rank);
-      std::vector<int32_t> torn;
-      if (m.pending.has_value()) {
-        const state::PendingCommit& p = *m.pending;
-        for (int32_t r : ranks) {
-          if (Contains(p.done_ranks, r)) {
-            reg.generation[r] = p.generation;
-          } else if (Contains(p.ready_ranks, r) || p.kind == "commit" || p.kind == "load") {
-            // The shards and the optimizer state alike (internal::DurableBuffers).
-            for (const internal::DurablePair& d : internal::DurableBuffers(reg, r)) {
-              CopyHost(*d.live, *d.committed);
-            }
-            reg.generation[r] = p.generation;
-            FS_LOG(INFO) << "group=" << rec.id << " module=" << Display(m.name) << " rank=" << r
-                         << ": finished the " << p.kind << " of generation " << p.generation
-                         << " from its shards (the daemon died during its copy)";
-          } else {
-            torn.push_back(r);
-          }
-        }
-        if (p.kind == "init") {
-          if (torn.empty()) {
-            reg.initialized = true;
-          } else {
-            FS_LOG(WARNING) << "group=" << rec.id << " module=" << Display(m.name)
-                            << ": its initialisation did not finish on "
-                            << internal::RankListText(torn)
-                            << " before the daemon died: not adopted (registering it again "
-                               "runs the initialisation)";
-            continue;  // its buffers go: it was never initialised
-          }
-        }
-      }
-      if (!reg.initialized) continue;
-      std::map<uint64_t, std::vector<int32_t>> by_generation;
-      for (int32_t r : ranks) by_generation[reg.generation[r]].push_back(r);
-      if (by_generation.size() > 1) {
-        std::vector<std::string> parts;
-        for (const auto& [gen, rs] : by_generation) {
-          parts.push_back(absl::StrCat(internal::RankListText(rs), ": generation ", gen));
-        }
-        std::string why = absl::StrCat(
-            "group ", rec.id, ": module ", Display(m.name),
-            " lost: after the daemon restarted its ranks hold different committed generations (",
-            absl::StrJoin(parts, "; "),
-            "): it died between their copies of one commit; register it afresh on every rank");
-        FS_LOG(WARNING) << why;
-        g->lost[m.name] = std::move(why);
-        ++summary.lost_modules;
-        continue;
-      }
-      // Shards as of the last commit: a writeback or an optimizer step may have torn them.
-      for (int32_t r : ranks) {
-        if (from_host.contains(r)) continue;  // fresh copies of the committed copy already
-        for (const internal::DurablePair& d : internal::DurableBuffers(reg, r)) {
-          CopyHost(*d.committed, *d.live);
-        }
-      }
-      const uint64_t generation = ranks.empty() ? 0 : reg.generation[ranks.front()];
-      lines.push_back(absl::StrCat(Display(m.name), " (", units, " units, ranks ",
-                                   absl::StrJoin(ranks, ","), ", generation ", generation, ")"));
-      // A trainer that has not noticed the kill may still write into these shards: the
-      // group owes a rollback at its first formation and every adopted rank is stale until
-      // it reads its views after it (mixfix).
-      for (int32_t r : ranks) reg.stale[r] = true;
-      g->rollback_due = true;
-      g->registered.emplace(m.name, std::move(reg));
-    }
+  const std::string file = absl::StrCat(dir, "/", state::RecordFileName(rec.id));
+  std::shared_ptr<Group> held = std::make_shared<Group>();
+  Group* g = held.get();
+  // Nobody else sees the group before it is in the table; locked for the analysis' sake.
+  absl::ReleasableMutexLock lock(&g->mu);
+  g->id = rec.id;
+  g->world_size = rec.world_size;
+  g->token = rec.token;
+  g->owner_uid = rec.owner_uid;
+  g->coordinator = rec.coordinator;
+  g->epoch = rec.epoch;
+  g->local_ranks = rec.local_ranks;
+  g->idle_since = clock_->Now();
+  std::vector<std::shared_ptr<Buffer>> adopted;  // every buffer taken over, for a refusal
+  std::vector<std::string> lines;
+  for (const state::ModuleRecord& m : rec.modules) {
+    absl::Status refused = AdoptModule(rec, m, *g, &adopted, &lines, summary);
     if (!refused.ok()) {
       // Left alone: a refused record's segments are not ours to remove.
       for (const std::shared_ptr<Buffer>& b : adopted) b->Disown();
       FS_LOG(ERROR) << "state record " << file << " of group " << rec.id
                     << " refused, group not adopted (its segments are left alone): "
                     << refused.message();
-      ++summary.refused_groups;
-      continue;
+      ++summary->refused_groups;
+      return;
     }
-    if (g->registered.empty() && g->lost.empty()) {
-      FS_LOG(INFO) << "group=" << rec.id << ": nothing to adopt from " << file;
-      if (state_dir_ != nullptr) state_dir_->Remove(rec.id, rec.sequence).IgnoreError();
-      continue;
-    }
-    int64_t live = 0, count = 0;
-    for (const auto& [name, reg] : g->registered) {
-      for (int32_t r = 0; r < static_cast<int32_t>(reg.shards_by_rank.size()); ++r) {
-        for (int32_t u = 0; u < static_cast<int32_t>(reg.shards_by_rank[r].size()); ++u) {
-          for (const auto& [role, b] : RecordedBuffers(reg, r, u)) {
-            if (b != nullptr) {
-              live += b->bytes();
-              ++count;
-            }
+  }
+  if (g->registered.empty() && g->lost.empty()) {
+    FS_LOG(INFO) << "group=" << rec.id << ": nothing to adopt from " << file;
+    if (state_dir_ != nullptr) state_dir_->Remove(rec.id, rec.sequence).IgnoreError();
+    return;
+  }
+  int64_t live = 0, count = 0;
+  for (const auto& [name, reg] : g->registered) {
+    for (int32_t r = 0; r < static_cast<int32_t>(reg.shards_by_rank.size()); ++r) {
+      for (int32_t u = 0; u < static_cast<int32_t>(reg.shards_by_rank[r].size()); ++u) {
+        for (const auto& [role, b] : RecordedBuffers(reg, r, u)) {
+          if (b != nullptr) {
+            live += b->bytes();
+            ++count;
           }
         }
       }
     }
-    FS_LOG(INFO) << "group=" << rec.id << " adopted from " << file << ": " << g->registered.size()
-                 << " module(s) " << absl::StrJoin(lines, ", ") << ", " << count << " buffers, "
-                 << live << " bytes"
-                 << (g->lost.empty() ? "" : absl::StrCat(", ", g->lost.size(), " lost"));
-    ++summary.groups;
-    summary.modules += static_cast<int32_t>(g->registered.size());
-    summary.bytes += live;
-    summary.buffers += count;
-    AfterUnlock run;
-    table_.Insert(held);
-    PersistLater(*g, &run);  // the restored state, with no commit under way
-    lock.Release();
-    run.Run();
   }
-  FS_LOG(INFO) << "restart: adopted " << summary.groups << " group(s), " << summary.modules
-               << " module(s), " << summary.buffers << " buffers, " << summary.bytes
-               << " bytes; refused " << summary.refused_groups << " record(s); "
-               << summary.lost_modules << " module(s) lost";
-  return summary;
+  FS_LOG(INFO) << "group=" << rec.id << " adopted from " << file << ": " << g->registered.size()
+               << " module(s) " << absl::StrJoin(lines, ", ") << ", " << count << " buffers, "
+               << live << " bytes"
+               << (g->lost.empty() ? "" : absl::StrCat(", ", g->lost.size(), " lost"));
+  ++summary->groups;
+  summary->modules += static_cast<int32_t>(g->registered.size());
+  summary->bytes += live;
+  summary->buffers += count;
+  AfterUnlock run;
+  table_.Insert(held);
+  PersistLater(*g, &run);  // the restored state, with no commit under way
+  lock.Release();
+  run.Run();
+}
+
+absl::Status Records::AdoptModule(const state::GroupRecord& rec, const state::ModuleRecord& m,
+                                  Group& g, std::vector<std::shared_ptr<Buffer>>* adopted,
+                                  std::vector<std::string>* lines, AdoptSummary* summary) {
+  const std::string where = absl::StrCat("module ", Display(m.name));
+  absl::StatusOr<Plan> plan = PlanFromJson(m.plan_json);
+  if (!plan.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": plan: ", plan.status().message()));
+  }
+  absl::StatusOr<Manifest> manifest = ManifestFromJson(m.manifest_json);
+  if (!manifest.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": manifest: ", manifest.status().message()));
+  }
+  if (plan->world_size != rec.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": the plan is for world size ",
+                                                   plan->world_size, ", the group has ",
+                                                   rec.world_size));
+  }
+  Registered reg;
+  reg.plan = *std::move(plan);
+  reg.manifest = *std::move(manifest);
+  reg.plan_json = m.plan_json;
+  reg.manifest_json = m.manifest_json;
+  const int32_t units = static_cast<int32_t>(reg.plan.units.size());
+  reg.summoned.assign(rec.world_size, std::vector<bool>(units, false));
+  reg.summon_count.assign(rec.world_size, 0);
+  reg.attached_session.assign(rec.world_size, 0);
+  reg.shards_by_rank.resize(rec.world_size);
+  reg.committed.resize(rec.world_size);
+  reg.host_committed.resize(rec.world_size);
+  reg.generation.assign(rec.world_size, 0);
+  reg.stale.assign(rec.world_size, false);
+  reg.initialized = m.initialized;
+  reg.state_specs = m.state_specs;
+  for (const state::RankRecord& rr : m.ranks) {
+    FS_RETURN_IF_ERROR(AdoptRankBuffers(rec, m, rr, where, reg, adopted));
+  }
+  std::set<int32_t> from_host;
+  FS_RETURN_IF_ERROR(DeviceCopiesFromHost(rec, m, where, reg, &from_host));
+
+  std::vector<int32_t> ranks;
+  for (const state::RankRecord& rr : m.ranks) ranks.push_back(rr.rank);
+  if (!FinishCommitUnderWay(rec, m, ranks, reg)) return absl::OkStatus();
+  if (!reg.initialized) return absl::OkStatus();  // its buffers go: it was never initialised
+  std::map<uint64_t, std::vector<int32_t>> by_generation;
+  for (int32_t r : ranks) by_generation[reg.generation[r]].push_back(r);
+  if (by_generation.size() > 1) {
+    std::vector<std::string> parts;
+    for (const auto& [gen, rs] : by_generation) {
+      parts.push_back(absl::StrCat(internal::RankListText(rs), ": generation ", gen));
+    }
+    std::string why = absl::StrCat(
+        "group ", rec.id, ": module ", Display(m.name),
+        " lost: after the daemon restarted its ranks hold different committed generations (",
+        absl::StrJoin(parts, "; "),
+        "): it died between their copies of one commit; register it afresh on every rank");
+    FS_LOG(WARNING) << why;
+    g.lost[m.name] = std::move(why);
+    ++summary->lost_modules;
+    return absl::OkStatus();
+  }
+  // Shards as of the last commit: a writeback or an optimizer step may have torn them.
+  for (int32_t r : ranks) {
+    if (from_host.contains(r)) continue;  // fresh copies of the committed copy already
+    for (const internal::DurablePair& d : internal::DurableBuffers(reg, r)) {
+      CopyHost(*d.committed, *d.live);
+    }
+  }
+  const uint64_t generation = ranks.empty() ? 0 : reg.generation[ranks.front()];
+  lines->push_back(absl::StrCat(Display(m.name), " (", units, " units, ranks ",
+                                absl::StrJoin(ranks, ","), ", generation ", generation, ")"));
+  // A trainer that has not noticed the kill may still write into these shards: the
+  // group owes a rollback at its first formation and every adopted rank is stale until
+  // it reads its views after it (mixfix).
+  for (int32_t r : ranks) reg.stale[r] = true;
+  g.rollback_due = true;
+  g.registered.emplace(m.name, std::move(reg));
+  return absl::OkStatus();
+}
+
+absl::Status Records::AdoptRankBuffers(const state::GroupRecord& rec, const state::ModuleRecord& m,
+                                       const state::RankRecord& rr, const std::string& where,
+                                       Registered& reg,
+                                       std::vector<std::shared_ptr<Buffer>>* adopted) {
+  const int32_t units = static_cast<int32_t>(reg.plan.units.size());
+  const std::string rw = absl::StrCat(where, " rank ", rr.rank);
+  if (static_cast<int32_t>(rr.units.size()) != units) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(rw, ": ", rr.units.size(), " units recorded, the plan has ", units));
+  }
+  reg.shards_by_rank[rr.rank].resize(units);
+  reg.committed[rr.rank].resize(units);
+  reg.host_committed[rr.rank].resize(units);
+  reg.generation[rr.rank] = rr.generation;
+  for (const state::UnitRecord& ur : rr.units) {
+    if (ur.unit < 0 || ur.unit >= units) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(rw, ": unit ", ur.unit, " is not in the plan"));
+    }
+    reg.shards_by_rank[rr.rank][ur.unit].unit = ur.unit;
+    for (const state::BufferRecord& b : ur.buffers) {
+      const std::string bw = absl::StrCat(rw, " unit ", ur.unit, " ", b.role, " ", b.segment);
+      FS_RETURN_IF_ERROR(CheckRecordedSize(reg, ur.unit, b, bw));
+      absl::StatusOr<std::shared_ptr<Buffer>> buffer =
+          store_->Adopt(KindOfRole(b.role), b.segment, b.bytes,
+                        absl::StrCat("group=", rec.id, " module=", m.name, " unit=", ur.unit,
+                                     " rank=", rr.rank, " ", b.role),
+                        rec.owner_uid);
+      if (!buffer.ok()) {
+        return absl::Status(buffer.status().code(),
+                            absl::StrCat(bw, ": ", buffer.status().message()));
+      }
+      adopted->push_back(*buffer);
+      if (!InstallDurable(reg, rr.rank, ur.unit, b.role, *std::move(buffer))) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(bw, ": role ", b.role, " is unknown to this daemon"));
+      }
+    }
+    const bool host_copy = reg.host_committed[rr.rank][ur.unit] != nullptr;
+    if (!host_copy && (reg.shards_by_rank[rr.rank][ur.unit].shard == nullptr ||
+                       reg.committed[rr.rank][ur.unit] == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(rw, " unit ", ur.unit, ": no shard or no committed copy recorded"));
+    }
+    if (host_copy && !devices_.PlacementOf(rr.rank).on_device()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          rw, " unit ", ur.unit, ": a GPU daemon's host copy, but this daemon keeps rank ", rr.rank,
+          " in host memory (start it with the same --gpus)"));
+    }
+  }
+  return CheckStateComplete(reg, rr.rank, rw);
+}
+
+absl::Status Records::CheckRecordedSize(const Registered& reg, int32_t unit,
+                                        const state::BufferRecord& b, const std::string& bw) {
+  const PlanUnit& pu = reg.plan.units[unit];
+  for (const char* prefix : {state::kRoleStatePrefix, state::kRoleCommittedStatePrefix,
+                             state::kRoleHostCommittedStatePrefix}) {
+    if (!absl::StartsWith(b.role, prefix)) continue;
+    const int state = StateIndex(b.role, prefix, reg.state_specs);
+    if (state < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(bw, ": the module's recorded optimizer state spec has no state \"",
+                       b.role.substr(std::strlen(prefix)), "\""));
+    }
+    const StateSpec& spec = reg.state_specs[state];
+    const int64_t state_want = spec.Numel(pu.shard_numel) * ItemSize(spec.dtype);
+    if (b.bytes != state_want) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          bw, ": ", b.bytes, " bytes recorded, optimizer state \"", spec.name, "\" (",
+          DTypeName(spec.dtype), ", ", StateShapeName(spec.shape), ") has ", state_want));
+    }
+    return absl::OkStatus();
+  }
+  const int64_t want = pu.shard_numel * ItemSize(pu.dtype);
+  if (b.bytes != want) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(bw, ": ", b.bytes, " bytes recorded, the plan's shard has ", want));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Records::DeviceCopiesFromHost(const state::GroupRecord& rec,
+                                           const state::ModuleRecord& m, const std::string& where,
+                                           Registered& reg, std::set<int32_t>* from_host) {
+  // GPU daemons: fresh device shards and committed copies from the host copies a SIGTERM
+  // made (KeepDeviceShards); the host copies go once this module is in place.
+  const int32_t units = static_cast<int32_t>(reg.plan.units.size());
+  for (const state::RankRecord& rr : m.ranks) {
+    if (reg.host_committed[rr.rank].empty() || reg.host_committed[rr.rank][0] == nullptr) {
+      continue;
+    }
+    for (int32_t u = 0; u < units; ++u) {
+      const Buffer& host = *reg.host_committed[rr.rank][u];
+      for (std::shared_ptr<Buffer>* slot :
+           {&reg.shards_by_rank[rr.rank][u].shard, &reg.committed[rr.rank][u]}) {
+        absl::StatusOr<std::shared_ptr<Buffer>> b = store_->Allocate(
+            BufferKind::kShard, host.bytes(),
+            absl::StrCat("group=", rec.id, " module=", m.name, " unit=", u, " rank=", rr.rank,
+                         slot == &reg.committed[rr.rank][u] ? " committed" : ""),
+            rec.owner_uid, devices_.PlacementOf(rr.rank));
+        absl::Status s = b.status();
+        if (s.ok()) s = devices_.CopyEach(rr.rank, {&host}, {b->get()});
+        if (!s.ok()) {
+          return absl::Status(s.code(), absl::StrCat(where, " rank ", rr.rank, " unit ", u,
+                                                     ": back to the device: ", s.message()));
+        }
+        *slot = *std::move(b);
+      }
+    }
+    FS_RETURN_IF_ERROR(StateFromHost(reg, rec, m.name, rr.rank));
+    from_host->insert(rr.rank);
+    reg.host_committed[rr.rank].clear();
+  }
+  return absl::OkStatus();
+}
+
+bool Records::FinishCommitUnderWay(const state::GroupRecord& rec, const state::ModuleRecord& m,
+                                   const std::vector<int32_t>& ranks, Registered& reg) {
+  // Commits under way at the kill (see the top of this file).
+  if (!m.pending.has_value()) return true;
+  const state::PendingCommit& p = *m.pending;
+  std::vector<int32_t> torn;
+  for (int32_t r : ranks) {
+    if (Contains(p.done_ranks, r)) {
+      reg.generation[r] = p.generation;
+    } else if (Contains(p.ready_ranks, r) || p.kind == "commit" || p.kind == "load") {
+      // The shards and the optimizer state alike (internal::DurableBuffers).
+      for (const internal::DurablePair& d : internal::DurableBuffers(reg, r)) {
+        CopyHost(*d.live, *d.committed);
+      }
+      reg.generation[r] = p.generation;
+      FS_LOG(INFO) << "group=" << rec.id << " module=" << Display(m.name) << " rank=" << r
+                   << ": finished the " << p.kind << " of generation " << p.generation
+                   << " from its shards (the daemon died during its copy)";
+    } else {
+      torn.push_back(r);
+    }
+  }
+  if (p.kind != "init") return true;
+  if (torn.empty()) {
+    reg.initialized = true;
+    return true;
+  }
+  FS_LOG(WARNING) << "group=" << rec.id << " module=" << Display(m.name)
+                  << ": its initialisation did not finish on " << internal::RankListText(torn)
+                  << " before the daemon died: not adopted (registering it again runs the "
+                     "initialisation)";
+  return false;  // its buffers go: it was never initialised
 }
 
 }  // namespace flatshard::server

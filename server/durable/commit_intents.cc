@@ -13,7 +13,7 @@
 #include "common/logging.h"
 #include "common/manifest.h"
 #include "common/plan.h"
-#include "server/group_manager_internal.h"
+#include "server/messages.h"
 
 namespace flatshard::server {
 

@@ -14,6 +14,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -149,6 +151,38 @@ class Records {
   // Adoption: refuses a rank holding some but not all of its optimizer state buffers, naming
   // the missing ones; `where` starts the message.
   static absl::Status CheckStateComplete(Registered& reg, int32_t rank, const std::string& where);
+  // Adoption of one group's record: the group goes into the table, or the record is refused
+  // as a whole (its segments left alone) and counted in `summary`.
+  void AdoptGroup(const state::GroupRecord& rec, AdoptSummary* summary);
+  // One module of `rec` into `g` (adopted, dropped as lost, or skipped when its initialisation
+  // never finished); an error refuses the whole record. `adopted` collects every buffer taken
+  // over, `lines` the log line of an adopted module.
+  absl::Status AdoptModule(const state::GroupRecord& rec, const state::ModuleRecord& m, Group& g,
+                           std::vector<std::shared_ptr<Buffer>>* adopted,
+                           std::vector<std::string>* lines, AdoptSummary* summary)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // Takes over the recorded segments of one rank of a module into `reg`, checking each against
+  // the plan and the state spec; `where` starts the messages.
+  absl::Status AdoptRankBuffers(const state::GroupRecord& rec, const state::ModuleRecord& m,
+                                const state::RankRecord& rr, const std::string& where,
+                                Registered& reg, std::vector<std::shared_ptr<Buffer>>* adopted);
+  // A recorded buffer's size against what the plan (a shard) or the state spec (an optimizer
+  // state buffer) says it holds; `bw` names the buffer.
+  static absl::Status CheckRecordedSize(const Registered& reg, int32_t unit,
+                                        const state::BufferRecord& b, const std::string& bw);
+  // GPU daemons: fresh device shards and committed copies from the host copies a SIGTERM made;
+  // `from_host` gets the ranks so restored.
+  absl::Status DeviceCopiesFromHost(const state::GroupRecord& rec, const state::ModuleRecord& m,
+                                    const std::string& where, Registered& reg,
+                                    std::set<int32_t>* from_host);
+  // Finishes (from the shards) the copies of a commit, load or init that was under way at the
+  // kill; false when an initialisation did not reach every rank (the module is not adopted).
+  static bool FinishCommitUnderWay(const state::GroupRecord& rec, const state::ModuleRecord& m,
+                                   const std::vector<int32_t>& ranks, Registered& reg);
+  // KeepDeviceShards: what to copy (under each group's lock), and one rank's copies (without).
+  struct KeepJob;
+  std::vector<KeepJob> CollectKeepJobs();
+  absl::Status CopyToHost(KeepJob& job, int64_t* bytes);
   // GPU daemons: fresh device state buffers (live and committed) of `rank` from the host
   // copies a SIGTERM made (KeepDeviceShards).
   absl::Status StateFromHost(Registered& reg, const state::GroupRecord& rec,

@@ -18,7 +18,9 @@
 #include "common/planner.h"
 #include "common/status_macros.h"
 #include "server/durable/records.h"
-#include "server/group_manager_internal.h"
+#include "server/group/access.h"
+#include "server/group/group.h"
+#include "server/messages.h"
 #include "server/module/modules.h"
 
 namespace flatshard::server {
@@ -163,117 +165,118 @@ void Membership::StartConnect(Group& g, const peer::PeerTable* table, bool from_
 void Membership::FinishConnect(const std::string& group, uint64_t ticket,
                                absl::StatusOr<collective::ConnectedCommunicator> connected) {
   AfterUnlock run;
-  // A communicator nobody takes, destroyed after mu_ (its teardown may wait for the backend).
+  // A communicator nobody takes, destroyed after the lock (its teardown may wait for the
+  // backend).
   std::unique_ptr<collective::Communicator> unused;
-  auto drop = [&] {
-    if (connected.ok()) unused = std::move(connected->comm);
-  };
   std::shared_ptr<Group> held = table_.Find(group);
-  if (held == nullptr) {
-    drop();
-  } else {
+  if (held != nullptr) {
     Group& g = *held;
     absl::MutexLock lock(&g.mu);
     // Re-checked after the gap: the group may be gone (removed, perhaps re-created under the
     // same id: tickets are never reused), a newer connect may have started, the daemon may be
     // shutting down (which answered every pending join already).
-    if (g.removed || g.connecting != ticket) {
-      drop();
-    } else {
+    if (!g.removed && g.connecting == ticket) {
       g.connecting = 0;
       const bool from_table = std::exchange(g.connect_from_table, false);
       const peer::PeerTable table = std::exchange(g.connecting_table, peer::PeerTable{});
       if (shutdown_) {
-        drop();
+        // dropped below
       } else if (!g.multi()) {
-        absl::Status s = connected.status();
-        DropGoneJoins(g, &run);  // a join whose caller went away must not complete for it
-        if (s.ok() && !g.AllJoined()) {
-          // A rank's join was withdrawn or expired in the gap: the others wait on; the next
-          // complete join connects afresh.
-          drop();
-        } else {
-          if (s.ok()) {
-            const bool reform = g.coll != nullptr;
-            if (reform) {
-              engine_.RemoveGroup(g.id, absl::AbortedError("communicator re-formed")).IgnoreError();
-              run.Destroy(std::move(g.coll));  // its teardown after the lock
-              g.coll = nullptr;
-            }
-            const std::string backend = connected->backend_name();
-            absl::StatusOr<std::shared_ptr<collective::CollectiveGroup>> added =
-                engine_.AddGroup(connected->spec, std::move(connected->comm));
-            s = added.status();
-            if (s.ok()) {
-              g.coll = *std::move(added);
-              g.local_ranks.clear();
-              for (int32_t r = 0; r < g.world_size; ++r) g.local_ranks.push_back(r);
-              if (!gpus_.empty()) {
-                FS_LOG(INFO) << "group=" << g.id << " moves device memory "
-                             << (backend == "inproc" ? "by staged copies between its ranks"
-                                                     : absl::StrCat("over ", backend));
-              }
-              // Every rank resumes from the last committed generation (before any join
-              // completes).
-              // An adopted group (restart) owes one too: a trainer that missed the kill may
-              // have written into the adopted shards (rollback_due, set by AdoptGroups).
-              if (reform || g.rollback_due) {
-                g.rollback_due = false;
-                modules_.StartRollback(g, &run);
-              }
-              CompleteJoins(g, &run);
-            }
-          }
-          if (!s.ok()) {
-            for (PendingJoin& j : g.pending_joins) {
-              g.session_of_rank[j.rank] = 0;
-              run.Call([done = std::move(j.done), s]() mutable { done(s); });
-            }
-            g.pending_joins.clear();
-            MaybeRemoveGroup(g);
-          }
-        }
+        InstallLocalCommunicatorLocked(g, connected, &run);
       } else {
-        absl::Status s = connected.status();
-        if (s.ok() && TableApplied(g, table)) {
-          drop();
-        } else if (s.ok()) {
-          s = ApplyTable(g, table, *std::move(connected), &run);
-          // Restarts: the epoch, the local ranks and modules dropped as lost.
-          if (s.ok()) records_.PersistLater(g, &run);
-        }
-        if (!s.ok() && from_table && g.coll != nullptr) {
-          FS_LOG(WARNING) << "group=" << g.id << " could not re-form at epoch " << table.epoch
-                          << ": " << s;
-          g.coll->Abort(s);
-        }
-        if (s.ok() && g.rollback_due) {
-          g.rollback_due = false;
-          modules_.StartRollback(g, &run);  // queued before the joins' answers
-        }
-        // The joins whose rendezvous reached this epoch (or an older one) waited for it.
-        bool failed_join = false;
-        for (auto j = g.pending_joins.begin(); j != g.pending_joins.end();) {
-          if (j->ready_epoch == 0 || j->ready_epoch > table.epoch) {
-            ++j;
-            continue;
-          }
-          if (s.ok()) {
-            AnswerRendezvousJoin(g, *j, &run);
-          } else {
-            g.session_of_rank[j->rank] = 0;  // a failed join leaves no trace
-            run.Call([done = std::move(j->done), s]() mutable { done(s); });
-            failed_join = true;
-          }
-          j = g.pending_joins.erase(j);
-        }
-        if (failed_join) MaybeRemoveGroup(g);
+        InstallPeerTableLocked(g, table, from_table, connected, &run);
       }
     }
   }
+  if (connected.ok()) unused = std::move(connected->comm);  // nobody took it
   held = nullptr;
   unused.reset();
   run.Run();
+}
+
+void Membership::InstallLocalCommunicatorLocked(
+    Group& g, absl::StatusOr<collective::ConnectedCommunicator>& connected, AfterUnlock* run) {
+  absl::Status s = connected.status();
+  DropGoneJoins(g, run);  // a join whose caller went away must not complete for it
+  if (s.ok() && !g.AllJoined()) {
+    // A rank's join was withdrawn or expired in the gap: the others wait on; the next
+    // complete join connects afresh.
+    return;
+  }
+  if (s.ok()) {
+    const bool reform = g.coll != nullptr;
+    if (reform) {
+      engine_.RemoveGroup(g.id, absl::AbortedError("communicator re-formed")).IgnoreError();
+      run->Destroy(std::move(g.coll));  // its teardown after the lock
+      g.coll = nullptr;
+    }
+    const std::string backend = connected->backend_name();
+    absl::StatusOr<std::shared_ptr<collective::CollectiveGroup>> added =
+        engine_.AddGroup(connected->spec, std::move(connected->comm));
+    s = added.status();
+    if (s.ok()) {
+      g.coll = *std::move(added);
+      g.local_ranks.clear();
+      for (int32_t r = 0; r < g.world_size; ++r) g.local_ranks.push_back(r);
+      if (!gpus_.empty()) {
+        FS_LOG(INFO) << "group=" << g.id << " moves device memory "
+                     << (backend == "inproc" ? "by staged copies between its ranks"
+                                             : absl::StrCat("over ", backend));
+      }
+      // Every rank resumes from the last committed generation (before any join completes).
+      // An adopted group (restart) owes one too: a trainer that missed the kill may have
+      // written into the adopted shards (rollback_due, set by AdoptGroups).
+      if (reform || g.rollback_due) {
+        g.rollback_due = false;
+        modules_.StartRollback(g, run);
+      }
+      CompleteJoins(g, run);
+      return;
+    }
+  }
+  for (PendingJoin& j : g.pending_joins) {
+    g.session_of_rank[j.rank] = 0;
+    run->Call([done = std::move(j.done), s]() mutable { done(s); });
+  }
+  g.pending_joins.clear();
+  MaybeRemoveGroup(g);
+}
+
+void Membership::InstallPeerTableLocked(
+    Group& g, const peer::PeerTable& table, bool from_table,
+    absl::StatusOr<collective::ConnectedCommunicator>& connected, AfterUnlock* run) {
+  absl::Status s = connected.status();
+  if (s.ok() && !TableApplied(g, table)) {
+    s = ApplyTable(g, table, *std::move(connected), run);
+    // Restarts: the epoch, the local ranks and modules dropped as lost.
+    if (s.ok()) records_.PersistLater(g, run);
+  }
+  if (!s.ok() && from_table && g.coll != nullptr) {
+    FS_LOG(WARNING) << "group=" << g.id << " could not re-form at epoch " << table.epoch << ": "
+                    << s;
+    g.coll->Abort(s);
+  }
+  if (s.ok() && g.rollback_due) {
+    g.rollback_due = false;
+    modules_.StartRollback(g, run);  // queued before the joins' answers
+  }
+  // The joins whose rendezvous reached this epoch (or an older one) waited for it.
+  bool failed_join = false;
+  for (auto j = g.pending_joins.begin(); j != g.pending_joins.end();) {
+    if (j->ready_epoch == 0 || j->ready_epoch > table.epoch) {
+      ++j;
+      continue;
+    }
+    if (s.ok()) {
+      AnswerRendezvousJoin(g, *j, run);
+    } else {
+      g.session_of_rank[j->rank] = 0;  // a failed join leaves no trace
+      run->Call([done = std::move(j->done), s]() mutable { done(s); });
+      failed_join = true;
+    }
+    j = g.pending_joins.erase(j);
+  }
+  if (failed_join) MaybeRemoveGroup(g);
 }
 
 absl::Status Membership::ApplyTable(Group& g, const peer::PeerTable& table,

@@ -2,7 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "server/group_manager_internal.h"
+#include "server/group/access.h"
 
 namespace flatshard::server {
 

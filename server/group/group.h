@@ -191,6 +191,19 @@ absl::Status CheckCallerLocked(const Group& g, const Caller& caller)
 
 namespace internal {
 using ::flatshard::server::RankSessions;
+
+// A coordinator no group has used for this long gets its watch stream closed.
+inline constexpr absl::Duration kUnwatchAfter = absl::Seconds(10);
+
+// In the status of a failure caused by a rank's session ending ("rank 2's session ended
+// ..."): daemons that learn of it from the coordinator let their running ops complete first.
+inline constexpr char kSessionEndedMarker[] = "'s session ";
+
+// How long a departure's failure waits for the ops the departed rank had joined to complete
+// (FailDeferred). They normally take milliseconds; one that takes longer is stuck, and the
+// group fails then rather than at the op's deadline.
+inline constexpr absl::Duration kDeferFailureAtMost = absl::Seconds(2);
+
 }  // namespace internal
 
 }  // namespace flatshard::server

@@ -13,7 +13,8 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/durable/records.h"
-#include "server/group_manager_internal.h"
+#include "server/group/access.h"
+#include "server/messages.h"
 #include "server/module/modules.h"
 
 namespace flatshard::server {

@@ -17,7 +17,10 @@
 #include "common/planner.h"
 #include "common/status_macros.h"
 #include "server/durable/records.h"
-#include "server/group_manager_internal.h"
+#include "server/group/access.h"
+#include "server/group/group.h"
+#include "server/messages.h"
+#include "server/module/generations.h"
 #include "server/module/modules.h"
 
 namespace flatshard::server {
@@ -77,29 +80,10 @@ void Membership::Shutdown() {
 
 void Membership::Join(const JoinArgs& args, absl::Time deadline, JoinCallback done) {
   AfterUnlock run;
-  absl::Status error;
+  absl::Status error = CheckJoinArgs(args);
   uint64_t session = 0;
   uint64_t failed_epoch = 0;
   std::vector<std::string> held_modules;  // what this daemon holds of the group (ReconcileModules)
-  if (shutdown_) {
-    error = absl::UnavailableError("flatshardd is shutting down");
-  } else if (draining_) {
-    error = absl::UnavailableError("flatshardd is draining");
-  } else if (args.group.empty()) {
-    error = absl::InvalidArgumentError("group id must not be empty");
-  } else if (args.world_size < 1 || args.world_size > kMaxWorldSize) {
-    error = absl::InvalidArgumentError(absl::StrCat("group ", args.group,
-                                                    ": world_size must be in [1, ", kMaxWorldSize,
-                                                    "], got ", args.world_size));
-  } else if (args.rank < 0 || args.rank >= args.world_size) {
-    error = absl::InvalidArgumentError(absl::StrCat("group ", args.group, ": rank ", args.rank,
-                                                    " is out of range [0, ", args.world_size, ")"));
-  } else if (!args.coordinator.empty() && peer_ == nullptr) {
-    error = absl::FailedPreconditionError(absl::StrCat(
-        "group ", args.group, ": rank ", args.rank, " names coordinator ", args.coordinator,
-        ", but this daemon serves no multi-daemon groups (start flatshardd with --peer_address",
-        !comms_.has_remote() ? " and a UCX build" : "", ")"));
-  }
   // The group, found or made under the table's lock, then this join under the group's own. A
   // group removed between the two (its last rank left) is looked up (or made) again.
   std::shared_ptr<Group> held;
@@ -128,26 +112,8 @@ void Membership::Join(const JoinArgs& args, absl::Time deadline, JoinCallback do
     Group& g = *held;
     absl::MutexLock lock(&g.mu);
     if (g.removed) continue;
-    if (shutdown_) {
-      // Shutdown visited this group before this join reached it (see shutdown_).
-      error = absl::UnavailableError("flatshardd is shutting down");
-    } else if (absl::Status s = CheckUid(g, args.uid); !s.ok()) {
-      error = std::move(s);
-    } else if (!TokensEqual(g.token, args.token)) {
-      error = absl::PermissionDeniedError(absl::StrCat("group ", g.id, ": wrong token"));
-    } else if (g.world_size != args.world_size) {
-      error = absl::InvalidArgumentError(absl::StrCat("group ", g.id, " has world_size ",
-                                                      g.world_size, ", rank ", args.rank,
-                                                      " joined with world_size ", args.world_size));
-    } else if (g.coordinator != args.coordinator) {
-      error = absl::InvalidArgumentError(
-          absl::StrCat("group ", g.id, " has coordinator \"", g.coordinator, "\", rank ", args.rank,
-                       " joined with coordinator \"", args.coordinator, "\""));
-    } else if (g.session_of_rank[args.rank] != 0) {
-      error = absl::AlreadyExistsError(absl::StrCat("group ", g.id, ": rank ", args.rank,
-                                                    " is already joined (session ",
-                                                    g.session_of_rank[args.rank], ")"));
-    } else {
+    error = AdmitJoinLocked(g, args);
+    if (error.ok()) {
       // A returning rank: the failure its departure left pending happens now, so the group
       // re-forms (and rolls back) instead of running on with a stale op stream.
       FailDeferred(g, /*now=*/true, &run);
@@ -171,27 +137,87 @@ void Membership::Join(const JoinArgs& args, absl::Time deadline, JoinCallback do
   }
   run.Run();
   if (!args.coordinator.empty()) {
-    // The daemons meet at the coordinator; the join completes when every rank arrived there.
-    // GPU ranks say where they live; rank 0 brings a fresh NCCL id for this round.
-    const gpu::DeviceContext* device = DeviceOf(args.rank);
-    std::string nccl_id;
-    if (comms_.has_nccl() && args.rank == 0) {
-      absl::StatusOr<std::string> id = comms_.NcclUniqueId();
-      if (id.ok()) {
-        nccl_id = *std::move(id);
-      } else {
-        FS_LOG(WARNING) << "group=" << args.group << ": no NCCL unique id (" << id.status()
-                        << "): device memory will be staged through the host path";
-      }
-    }
-    peer_->Rendezvous(
-        args.coordinator, args.group, args.token, args.world_size, args.rank, deadline,
-        [this, group = args.group, rank = args.rank,
-         session](absl::StatusOr<peer::PeerTable> table) {
-          OnRendezvous(group, rank, session, std::move(table));
-        },
-        failed_epoch, device == nullptr ? std::string() : device->uuid(), nccl_id, held_modules);
+    StartRendezvous(args, deadline, session, failed_epoch, std::move(held_modules));
   }
+}
+
+absl::Status Membership::CheckJoinArgs(const JoinArgs& args) const {
+  if (shutdown_) {
+    return absl::UnavailableError("flatshardd is shutting down");
+  }
+  if (draining_) {
+    return absl::UnavailableError("flatshardd is draining");
+  }
+  if (args.group.empty()) {
+    return absl::InvalidArgumentError("group id must not be empty");
+  }
+  if (args.world_size < 1 || args.world_size > kMaxWorldSize) {
+    return absl::InvalidArgumentError(absl::StrCat("group ", args.group,
+                                                   ": world_size must be in [1, ", kMaxWorldSize,
+                                                   "], got ", args.world_size));
+  }
+  if (args.rank < 0 || args.rank >= args.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("group ", args.group, ": rank ", args.rank,
+                                                   " is out of range [0, ", args.world_size, ")"));
+  }
+  if (!args.coordinator.empty() && peer_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", args.group, ": rank ", args.rank, " names coordinator ", args.coordinator,
+        ", but this daemon serves no multi-daemon groups (start flatshardd with --peer_address",
+        !comms_.has_remote() ? " and a UCX build" : "", ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Membership::AdmitJoinLocked(Group& g, const JoinArgs& args) {
+  if (shutdown_) {
+    // Shutdown visited this group before this join reached it (see shutdown_).
+    return absl::UnavailableError("flatshardd is shutting down");
+  }
+  FS_RETURN_IF_ERROR(CheckUid(g, args.uid));
+  if (!TokensEqual(g.token, args.token)) {
+    return absl::PermissionDeniedError(absl::StrCat("group ", g.id, ": wrong token"));
+  }
+  if (g.world_size != args.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("group ", g.id, " has world_size ", g.world_size,
+                                                   ", rank ", args.rank, " joined with world_size ",
+                                                   args.world_size));
+  }
+  if (g.coordinator != args.coordinator) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("group ", g.id, " has coordinator \"", g.coordinator, "\", rank ", args.rank,
+                     " joined with coordinator \"", args.coordinator, "\""));
+  }
+  if (g.session_of_rank[args.rank] != 0) {
+    return absl::AlreadyExistsError(absl::StrCat("group ", g.id, ": rank ", args.rank,
+                                                 " is already joined (session ",
+                                                 g.session_of_rank[args.rank], ")"));
+  }
+  return absl::OkStatus();
+}
+
+void Membership::StartRendezvous(const JoinArgs& args, absl::Time deadline, uint64_t session,
+                                 uint64_t failed_epoch, std::vector<std::string> held_modules) {
+  // The daemons meet at the coordinator; the join completes when every rank arrived there.
+  // GPU ranks say where they live; rank 0 brings a fresh NCCL id for this round.
+  const gpu::DeviceContext* device = DeviceOf(args.rank);
+  std::string nccl_id;
+  if (comms_.has_nccl() && args.rank == 0) {
+    absl::StatusOr<std::string> id = comms_.NcclUniqueId();
+    if (id.ok()) {
+      nccl_id = *std::move(id);
+    } else {
+      FS_LOG(WARNING) << "group=" << args.group << ": no NCCL unique id (" << id.status()
+                      << "): device memory will be staged through the host path";
+    }
+  }
+  peer_->Rendezvous(
+      args.coordinator, args.group, args.token, args.world_size, args.rank, deadline,
+      [this, group = args.group, rank = args.rank, session](absl::StatusOr<peer::PeerTable> table) {
+        OnRendezvous(group, rank, session, std::move(table));
+      },
+      failed_epoch, device == nullptr ? std::string() : device->uuid(), nccl_id,
+      std::move(held_modules));
 }
 
 void Membership::MaybeRemoveGroup(Group& g) {

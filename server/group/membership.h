@@ -127,6 +127,13 @@ class Membership {
   void OnCoordinatorLost(const std::string& coordinator, const absl::Status& status);
 
  private:
+  // Join's steps: the arguments alone, the group's admission of the rank (uid, token, world
+  // size, coordinator, a rank already joined), and a multi-daemon group's rendezvous at its
+  // coordinator.
+  absl::Status CheckJoinArgs(const JoinArgs& args) const;
+  absl::Status AdmitJoinLocked(Group& g, const JoinArgs& args) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  void StartRendezvous(const JoinArgs& args, absl::Time deadline, uint64_t session,
+                       uint64_t failed_epoch, std::vector<std::string> held_modules);
   void DeadlineLoop();
   // Withdraws pending joins whose caller went away (JoinArgs::caller_gone), freeing the rank.
   void DropGoneJoins(Group& g, AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
@@ -155,6 +162,16 @@ class Membership {
   // it served.
   void FinishConnect(const std::string& group, uint64_t ticket,
                      absl::StatusOr<collective::ConnectedCommunicator> connected);
+  // FinishConnect's two kinds: a local group takes its new communicator and completes its
+  // joins; a multi-daemon group applies the coordinator's table and answers the joins that
+  // waited for its epoch. What neither takes of `connected` stays in it (destroyed after the
+  // lock).
+  void InstallLocalCommunicatorLocked(Group& g,
+                                      absl::StatusOr<collective::ConnectedCommunicator>& connected,
+                                      AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  void InstallPeerTableLocked(Group& g, const peer::PeerTable& table, bool from_table,
+                              absl::StatusOr<collective::ConnectedCommunicator>& connected,
+                              AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Installs `connected` for multi-daemon group `g` at `table`'s epoch (engine, local ranks,
   // ReconcileModules, the rollback a re-form owes).
   absl::Status ApplyTable(Group& g, const peer::PeerTable& table,

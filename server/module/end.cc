@@ -14,8 +14,10 @@
 #include "common/status_macros.h"
 #include "server/collective/reduce.h"
 #include "server/durable/records.h"
-#include "server/group_manager_internal.h"
+#include "server/messages.h"
+#include "server/module/generations.h"
 #include "server/module/summon_steps.h"
+#include "server/module/unit_ops.h"
 
 namespace flatshard::server {
 
@@ -94,15 +96,13 @@ void Modules::EndSummon(const Caller& caller, uint64_t summon, absl::Time deadli
       });
 }
 
-void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time deadline,
-                               StatusCallback done, absl::Status local) {
-  absl::Status error;
+// What the lock-held start of an End gathered (StartEndLocked).
+struct Modules::EndStart {
   OpenSummon copy;
-  const Plan* plan = nullptr;
+  const Plan* plan = nullptr;  // registrations are never removed while the group lives
   std::shared_ptr<collective::CollectiveGroup> coll;
   std::vector<UnitShard> shards;
   std::vector<internal::DurablePair> durable;  // what an agreed writeback commits
-  std::vector<collective::CollectiveOp> broadcasts;
   internal::AgreeRecord record{};
   int32_t world_size = 0;
   bool is_init = false;
@@ -111,262 +111,309 @@ void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time
   std::vector<ViewNeed> rank0_needs;
   std::shared_ptr<KeptBuffers> rank0_kept;
   int64_t owner_uid = -1;
+};
+
+// A writeback End every step after the agreement shares (read-only once made).
+struct Modules::WritebackEnd {
+  Caller caller;
+  uint64_t summon = 0;
+  std::string module;
+  uint64_t k = 0;
+  const Plan* plan = nullptr;
+  std::vector<UnitShard> shards;
+  std::vector<internal::DurablePair> durable;
+  bool is_init = false;
+  uint64_t generation = 0;  // the rank's committed generation when the End started
+  // Restarts, host daemons with a state directory: the copies into the committed copies wait
+  // until every local rank has written back into its shards (EndArrive), so that a daemon
+  // killed during them comes back with every rank at one generation.
+  bool batched = false;
+
+  uint64_t target() const { return is_init ? generation : generation + 1; }
+  const char* kind() const { return is_init ? "init" : "end"; }
+};
+
+void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time deadline,
+                               StatusCallback done, absl::Status local) {
+  absl::Status error;
+  EndStart start;
   {
     std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
     Group& g = *held;
     absl::MutexLock lock(&g.mu);
     error = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
                       : CheckCallerLocked(g, caller);
-    if (error.ok()) {
-      auto it = g.open_summons.find(summon);
-      auto failed = g.failed_ends.find(summon);
-      if (it == g.open_summons.end() && failed != g.failed_ends.end() &&
-          failed->second.first == caller.rank) {
-        error = failed->second.second;  // a repeated End: the first one's cause
-      } else if (it == g.open_summons.end() || it->second.rank != caller.rank) {
-        error = absl::NotFoundError(
-            absl::StrCat("group ", g.id, " rank ", caller.rank, ": no open summon ", summon));
-      } else if (it->second.ending || !it->second.ready) {
-        error = absl::FailedPreconditionError(absl::StrCat(
-            "summon ", summon, " is ", it->second.ending ? "already ending" : "not ready"));
-      } else if (it->second.options.writeback && it->second.coll != nullptr &&
-                 it->second.coll != g.coll) {
-        // Opened before the group failed and re-formed: the other ranks' halves of this
-        // summon are gone, so it cannot commit anywhere. The first failure is the cause.
-        reformed = absl::UnavailableError(
-            absl::StrCat("summon ", summon,
-                         ": no rank's writeback was applied: the group re-formed since "
-                         "it was opened, after: ",
-                         it->second.coll->status().message()));
-      } else {
-        it->second.ending = true;
-        copy = it->second;
-        Registered& reg = g.registered.at(copy.module);
-        plan = &reg.plan;  // registrations are never removed while the group lives
-        shards = reg.shards_by_rank[caller.rank];
-        durable = internal::DurableBuffers(reg, caller.rank);
-        coll = g.coll;
-        world_size = g.world_size;
-        is_init = !reg.initialized;
-        std::memset(&record, 0, sizeof(record));
-        record.ok = local.ok() && !reg.stale[caller.rank] ? 1 : 0;
-        record.stale = reg.stale[caller.rank] ? 1 : 0;
-        record.generation = reg.generation[caller.rank];
-        internal::CopyText(!local.ok() ? std::string(local.message())
-                           : record.stale
-                               ? absl::StrCat("its views predate the rollback to generation ",
-                                              record.generation, " (read them again first)")
-                               : std::string(),
-                           record.text, sizeof(record.text));
-        if (copy.options.writeback && reg.rollback_pending) {
-          error = absl::UnavailableError(absl::StrCat(
-              "group ", g.id, ": module ", Display(copy.module),
-              " is being rolled back to its committed generation; end the summon again"));
-          it->second.ending = false;
-        }
-        if (error.ok() && copy.options.rank0_only && copy.options.writeback) {
-          // Rank 0's broadcast lands in buffers got without mu_ (PrepareRank0Broadcast): the
-          // node's copy where no local rank has made it yet (host ranks; rank 0 uses its own
-          // views), or each GPU rank's own copy on its device.
-          rank0_kept = KeptOf(reg);
-          owner_uid = g.owner_uid;
-          for (int32_t u : copy.units) {
-            const PlanUnit& unit = plan->units[u];
-            for (KeptUse use : {KeptUse::kParams, KeptUse::kGrads}) {
-              if (use == KeptUse::kGrads && !(copy.options.with_grads && shards[u].grad)) continue;
-              const auto& map =
-                  use == KeptUse::kParams ? copy.slot->rank0_params : copy.slot->rank0_grads;
-              const bool node = gpus_.empty() || caller.rank == 0;
-              if (node && map.contains(u) && map.at(u) != nullptr) continue;
-              rank0_needs.push_back({u, use,
-                                     gpus_.empty() ? KeptKey::NodeRank0Copy(u, use)
-                                                   : KeptKey::RankRank0Copy(caller.rank, u, use),
-                                     unit.padded_numel * ItemSize(unit.dtype),
-                                     absl::StrCat("group=", g.id, " unit=", u, " rank 0's copy")});
-            }
-          }
-        }
-      }
-    }
+    if (error.ok()) error = StartEndLocked(g, caller, summon, local, &start);
   }
   if (!error.ok()) {
     done(error);
     return;
   }
-  if (!reformed.ok()) {
-    FinishEnd(caller, summon, std::move(reformed), std::move(done));
+  if (!start.reformed.ok()) {
+    FinishEnd(caller, summon, std::move(start.reformed), std::move(done));
     return;
   }
-  if (copy.options.rank0_only && copy.options.writeback) {
-    error = PrepareRank0Broadcast(caller, summon, *plan, shards, rank0_kept, rank0_needs, owner_uid,
-                                  &copy, &broadcasts);
+  std::vector<collective::CollectiveOp> broadcasts;
+  if (start.copy.options.rank0_only && start.copy.options.writeback) {
+    error = PrepareRank0Broadcast(caller, summon, *start.plan, start.shards, start.rank0_kept,
+                                  start.rank0_needs, start.owner_uid, &start.copy, &broadcasts);
     if (!error.ok()) {
       done(error);
       return;
     }
   }
-  const SummonOptions options = copy.options;
-  auto owned = std::make_unique<OpenSummon>(std::move(copy));
+  const SummonOptions options = start.copy.options;
+  auto owned = std::make_unique<OpenSummon>(std::move(start.copy));
   if (!options.writeback) {
     // A read-only End waits for nobody.
     owned.reset();
     FinishEnd(caller, summon, local, std::move(done));
     return;
   }
-  // Writes back this rank's ranges and commits its shards. Takes the copy and lets its
-  // buffer references go, so FinishEnd sees which kept buffers nobody uses any more.
-  // Restarts, host daemons with a state directory: the copies into the committed copies wait
-  // until every local rank has written back into its shards (EndArrive), so that a daemon
-  // killed during them comes back with every rank at one generation.
-  const bool batched = records_.enabled() && gpus_.empty();
-  auto write_back = [this, plan, shards, durable, caller, module = owned->module, is_init,
-                     target = is_init ? record.generation : record.generation + 1,
-                     batched](std::unique_ptr<OpenSummon> copy) {
-    const int32_t r = plan->ShardRank(caller.rank);
-    absl::Status status;
-    for (size_t i = 0; i < copy->units.size() && status.ok(); ++i) {
-      const int32_t u = copy->units[i];
-      const PlanUnit& unit = plan->units[u];
-      const UnitShard& shard = shards[u];
-      const bool from_rank0 = copy->options.rank0_only;
-      auto rank0_copy = [&](int what) -> const Buffer* {
-        auto own = copy->own_rank0.find({u, what});
-        if (own != copy->own_rank0.end()) return own->second.get();
-        const auto& map = what == 0 ? copy->slot->rank0_params : copy->slot->rank0_grads;
-        return map.contains(u) ? map.at(u).get() : nullptr;
-      };
-      const Buffer* params = from_rank0 ? rank0_copy(0) : copy->views[i].params.get();
-      status = devices_.CopyOwnRange(caller.rank, *plan, unit, r, *params, *shard.shard);
-      const Buffer* grads = from_rank0 ? rank0_copy(1) : copy->views[i].grads.get();
-      if (status.ok() && grads != nullptr && shard.grad) {
-        status = devices_.CopyOwnRange(caller.rank, *plan, unit, r, *grads, *shard.grad);
-      }
-    }
-    copy.reset();
-    if (batched) return status;  // EndArrive copies, once every local rank got here
-    // Restarts: this rank's shards hold the new generation completely; recorded durably before
-    // its committed copy is overwritten (server/durable/).
-    if (status.ok()) records_.CommitReady(caller, module, target, is_init ? "init" : "end");
-    if (status.ok()) records_.TestingPauseMidCopy(caller.rank, durable);
-    if (status.ok()) status = records_.CopyCommitted(caller.rank, durable, /*to_committed=*/true);
-    if (status.ok()) records_.CommitDone(caller, module, target);
-    if (!status.ok()) {
-      FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank
-                    << ": writeback failed after every rank agreed: " << status;
-    }
-    return status;
-  };
-  // Every rank agreed: this rank applies (the daemon does, whatever its trainer does now).
-  // Held in a shared_ptr so that, while a checkpoint holds the committed copies, it can queue
-  // itself to run again once the checkpoint is done (Registered::after_ckpt).
-  using ApplyFn = std::function<void(std::unique_ptr<OpenSummon>, StatusCallback)>;
-  auto apply = std::make_shared<ApplyFn>();
-  *apply = [this, caller, summon, module = owned->module, is_init, generation = record.generation,
-            write_back, batched, k = owned->k, durable, self = std::weak_ptr<ApplyFn>(apply)](
-               std::unique_ptr<OpenSummon> owned, StatusCallback done) mutable {
-    {
-      std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
-      Group& g = *held;
-      absl::MutexLock lock(&g.mu);
-      if (!g.removed) {
-        Registered& reg = g.registered.at(module);
-        if (reg.ckpt_hold > 0) {
-          reg.after_ckpt.push_back(
-              [fn = self.lock(), owned = std::move(owned), done = std::move(done)]() mutable {
-                (*fn)(std::move(owned), std::move(done));
-              });
-          return;
-        }
-        ++reg.busy;
-        Records::NoteCommitAgreed(reg, is_init ? generation : generation + 1,
-                                  is_init ? "init" : "end");
-      }
-    }
-    auto finish = [this, caller, summon, module, is_init, generation,
-                   done = std::move(done)](absl::Status s) mutable {
-      AfterUnlock run;
-      {
-        std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
-        Group& g = *held;
-        absl::MutexLock lock(&g.mu);
-        if (!g.removed) {
-          Registered& reg = g.registered.at(module);
-          if (s.ok()) {
-            if (is_init) {
-              reg.initialized = true;
-              reg.uninitialized_why.clear();
-              FS_LOG(INFO) << "group=" << caller.group << " rank=" << caller.rank
-                           << " module=" << Display(module)
-                           << " initialised on every rank (generation 0)";
-            } else {
-              reg.generation[caller.rank] = generation + 1;
-            }
-          }
-          DoneCopying(g, reg, &run);
-        }
-      }
-      run.Run();
-      FinishEnd(caller, summon, std::move(s), std::move(done));
-    };
-    if (batched) {
-      // Host ranks keeping records: the writeback, and the copies that wait for the other
-      // local ranks, run on the durable worker (fsync'd records bracket them).
-      records_.RunDurable([this, caller, module, k, generation, is_init, durable, write_back,
-                           owned = std::move(owned), finish = std::move(finish)]() mutable {
-        absl::Status s = write_back(std::move(owned));
-        records_.EndArrive(caller, module, k, is_init ? generation : generation + 1,
-                           is_init ? "init" : "end", std::move(s), durable, std::move(finish));
-      });
-      return;
-    }
-    // The copies run without mu_ (GPU ranks: on the device's worker, not on the engine's
-    // thread). Invariant: `busy`, taken above, keeps every rollback out until DoneCopying, and
-    // the summon is `ending`, so no other call touches its views or this rank's shards' copy.
-    devices_.RunBlocking(
-        caller.rank,
-        [write_back, owned = std::move(owned)]() mutable { return write_back(std::move(owned)); },
-        std::move(finish));
-  };
-  auto agree = [this, caller, summon, coll, record, world_size, deadline, apply, batched,
-                k = owned->k, module = owned->module](std::unique_ptr<OpenSummon> owned,
-                                                      StatusCallback done) mutable {
-    Agree(coll, caller, record, world_size, internal::kEndAgreeUnit,
-          absl::StrCat("the writeback of summon ", summon), deadline,
-          [this, caller, summon, apply, module, batched, k, owned = std::move(owned),
-           done = std::move(done)](absl::Status s, bool stale) mutable {
-            if (s.ok()) {
-              (*apply)(std::move(owned), std::move(done));
-              return;
-            }
-            owned.reset();
-            if (batched) records_.EndNotApplied(caller, module, k);
-            if (stale) RollbackRank(caller, module);
-            FinishEnd(caller, summon,
-                      absl::Status(s.code(), absl::StrCat("summon ", summon,
-                                                          ": no rank's writeback was applied: ",
-                                                          s.message())),
-                      std::move(done));
-          });
-  };
+  auto end = std::make_shared<WritebackEnd>();
+  end->caller = caller;
+  end->summon = summon;
+  end->module = owned->module;
+  end->k = owned->k;
+  end->plan = start.plan;
+  end->shards = std::move(start.shards);
+  end->durable = std::move(start.durable);
+  end->is_init = start.is_init;
+  end->generation = start.record.generation;
+  end->batched = records_.enabled() && gpus_.empty();
   if (!options.rank0_only) {
-    agree(std::move(owned), std::move(done));
+    AgreeEnd(std::move(end), start.coll, start.record, start.world_size, deadline, std::move(owned),
+             std::move(done));
     return;
   }
+  auto coll = start.coll;
   coll->SubmitAll(
       caller.rank, std::move(broadcasts), deadline - clock_->Now(),
-      [this, caller, summon, agree, owned = std::move(owned),
-       done = std::move(done)](absl::Status s) mutable {
+      [this, end = std::move(end), coll, record = start.record, world_size = start.world_size,
+       deadline, owned = std::move(owned), done = std::move(done)](absl::Status s) mutable {
         if (s.ok()) {
-          agree(std::move(owned), std::move(done));
+          AgreeEnd(std::move(end), coll, record, world_size, deadline, std::move(owned),
+                   std::move(done));
           return;
         }
         owned.reset();
-        FinishEnd(caller, summon,
-                  absl::Status(s.code(),
-                               absl::StrCat("summon ", summon,
-                                            ": no rank's writeback was applied: ", s.message())),
+        FinishEnd(end->caller, end->summon,
+                  absl::Status(s.code(), absl::StrCat("summon ", end->summon,
+                                                      ": no rank's writeback was "
+                                                      "applied: ",
+                                                      s.message())),
                   std::move(done));
       });
+}
+
+absl::Status Modules::StartEndLocked(Group& g, const Caller& caller, uint64_t summon,
+                                     const absl::Status& local, EndStart* out) {
+  auto it = g.open_summons.find(summon);
+  auto failed = g.failed_ends.find(summon);
+  if (it == g.open_summons.end() && failed != g.failed_ends.end() &&
+      failed->second.first == caller.rank) {
+    return failed->second.second;  // a repeated End: the first one's cause
+  }
+  if (it == g.open_summons.end() || it->second.rank != caller.rank) {
+    return absl::NotFoundError(
+        absl::StrCat("group ", g.id, " rank ", caller.rank, ": no open summon ", summon));
+  }
+  if (it->second.ending || !it->second.ready) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "summon ", summon, " is ", it->second.ending ? "already ending" : "not ready"));
+  }
+  if (it->second.options.writeback && it->second.coll != nullptr && it->second.coll != g.coll) {
+    // Opened before the group failed and re-formed: the other ranks' halves of this
+    // summon are gone, so it cannot commit anywhere. The first failure is the cause.
+    out->reformed = absl::UnavailableError(
+        absl::StrCat("summon ", summon,
+                     ": no rank's writeback was applied: the group re-formed since "
+                     "it was opened, after: ",
+                     it->second.coll->status().message()));
+    return absl::OkStatus();
+  }
+  it->second.ending = true;
+  OpenSummon& copy = out->copy;
+  copy = it->second;
+  Registered& reg = g.registered.at(copy.module);
+  if (copy.options.writeback && reg.rollback_pending) {
+    it->second.ending = false;
+    return absl::UnavailableError(
+        absl::StrCat("group ", g.id, ": module ", Display(copy.module),
+                     " is being rolled back to its committed generation; end the summon again"));
+  }
+  out->plan = &reg.plan;
+  out->shards = reg.shards_by_rank[caller.rank];
+  out->durable = internal::DurableBuffers(reg, caller.rank);
+  out->coll = g.coll;
+  out->world_size = g.world_size;
+  out->is_init = !reg.initialized;
+  internal::AgreeRecord& record = out->record;
+  std::memset(&record, 0, sizeof(record));
+  record.ok = local.ok() && !reg.stale[caller.rank] ? 1 : 0;
+  record.stale = reg.stale[caller.rank] ? 1 : 0;
+  record.generation = reg.generation[caller.rank];
+  internal::CopyText(!local.ok()    ? std::string(local.message())
+                     : record.stale ? absl::StrCat("its views predate the rollback to generation ",
+                                                   record.generation, " (read them again first)")
+                                    : std::string(),
+                     record.text, sizeof(record.text));
+  if (!(copy.options.rank0_only && copy.options.writeback)) return absl::OkStatus();
+  // Rank 0's broadcast lands in buffers got without the lock (PrepareRank0Broadcast): the
+  // node's copy where no local rank has made it yet (host ranks; rank 0 uses its own views),
+  // or each GPU rank's own copy on its device.
+  out->rank0_kept = KeptOf(reg);
+  out->owner_uid = g.owner_uid;
+  for (int32_t u : copy.units) {
+    const PlanUnit& unit = reg.plan.units[u];
+    for (KeptUse use : {KeptUse::kParams, KeptUse::kGrads}) {
+      if (use == KeptUse::kGrads && !(copy.options.with_grads && out->shards[u].grad)) continue;
+      const auto& map = use == KeptUse::kParams ? copy.slot->rank0_params : copy.slot->rank0_grads;
+      const bool node = gpus_.empty() || caller.rank == 0;
+      if (node && map.contains(u) && map.at(u) != nullptr) continue;
+      out->rank0_needs.push_back({u, use,
+                                  gpus_.empty() ? KeptKey::NodeRank0Copy(u, use)
+                                                : KeptKey::RankRank0Copy(caller.rank, u, use),
+                                  unit.padded_numel * ItemSize(unit.dtype),
+                                  absl::StrCat("group=", g.id, " unit=", u, " rank 0's copy")});
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Modules::AgreeEnd(std::shared_ptr<const WritebackEnd> end,
+                       std::shared_ptr<collective::CollectiveGroup> coll,
+                       const internal::AgreeRecord& record, int32_t world_size, absl::Time deadline,
+                       std::unique_ptr<OpenSummon> owned, StatusCallback done) {
+  const Caller caller = end->caller;
+  const uint64_t summon = end->summon;
+  Agree(coll, caller, record, world_size, internal::kEndAgreeUnit,
+        absl::StrCat("the writeback of summon ", summon), deadline,
+        [this, end = std::move(end), owned = std::move(owned), done = std::move(done)](
+            absl::Status s, bool stale) mutable {
+          if (s.ok()) {
+            ApplyEnd(std::move(end), std::move(owned), std::move(done));
+            return;
+          }
+          owned.reset();
+          if (end->batched) records_.EndNotApplied(end->caller, end->module, end->k);
+          if (stale) RollbackRank(end->caller, end->module);
+          FinishEnd(end->caller, end->summon,
+                    absl::Status(s.code(),
+                                 absl::StrCat("summon ", end->summon,
+                                              ": no rank's writeback was applied: ", s.message())),
+                    std::move(done));
+        });
+}
+
+void Modules::ApplyEnd(std::shared_ptr<const WritebackEnd> end, std::unique_ptr<OpenSummon> owned,
+                       StatusCallback done) {
+  // Every rank agreed: this rank applies (the daemon does, whatever its trainer does now).
+  {
+    std::shared_ptr<Group> held = table_.FindOrGone(end->caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (!g.removed) {
+      Registered& reg = g.registered.at(end->module);
+      if (reg.ckpt_hold > 0) {
+        // A checkpoint holds the committed copies: run again once it is done.
+        reg.after_ckpt.push_back(
+            [this, end, owned = std::move(owned), done = std::move(done)]() mutable {
+              ApplyEnd(std::move(end), std::move(owned), std::move(done));
+            });
+        return;
+      }
+      ++reg.busy;
+      Records::NoteCommitAgreed(reg, end->target(), end->kind());
+    }
+  }
+  auto finish = [this, end, done = std::move(done)](absl::Status s) mutable {
+    FinishAppliedEnd(*end, std::move(s), std::move(done));
+  };
+  if (end->batched) {
+    // Host ranks keeping records: the writeback, and the copies that wait for the other
+    // local ranks, run on the durable worker (fsync'd records bracket them).
+    records_.RunDurable(
+        [this, end, owned = std::move(owned), finish = std::move(finish)]() mutable {
+          absl::Status s = WriteBack(*end, std::move(owned));
+          records_.EndArrive(end->caller, end->module, end->k, end->target(), end->kind(),
+                             std::move(s), end->durable, std::move(finish));
+        });
+    return;
+  }
+  // The copies run without the lock (GPU ranks: on the device's worker, not on the engine's
+  // thread). Invariant: `busy`, taken above, keeps every rollback out until DoneCopying, and
+  // the summon is `ending`, so no other call touches its views or this rank's shards' copy.
+  devices_.RunBlocking(
+      end->caller.rank,
+      [this, end, owned = std::move(owned)]() mutable { return WriteBack(*end, std::move(owned)); },
+      std::move(finish));
+}
+
+absl::Status Modules::WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSummon> copy) {
+  // Writes back this rank's ranges and commits its shards. Takes the copy and lets its
+  // buffer references go, so FinishEnd sees which kept buffers nobody uses any more.
+  const Caller& caller = end.caller;
+  const Plan& plan = *end.plan;
+  const int32_t r = plan.ShardRank(caller.rank);
+  absl::Status status;
+  for (size_t i = 0; i < copy->units.size() && status.ok(); ++i) {
+    const int32_t u = copy->units[i];
+    const PlanUnit& unit = plan.units[u];
+    const UnitShard& shard = end.shards[u];
+    const bool from_rank0 = copy->options.rank0_only;
+    auto rank0_copy = [&](int what) -> const Buffer* {
+      auto own = copy->own_rank0.find({u, what});
+      if (own != copy->own_rank0.end()) return own->second.get();
+      const auto& map = what == 0 ? copy->slot->rank0_params : copy->slot->rank0_grads;
+      return map.contains(u) ? map.at(u).get() : nullptr;
+    };
+    const Buffer* params = from_rank0 ? rank0_copy(0) : copy->views[i].params.get();
+    status = devices_.CopyOwnRange(caller.rank, plan, unit, r, *params, *shard.shard);
+    const Buffer* grads = from_rank0 ? rank0_copy(1) : copy->views[i].grads.get();
+    if (status.ok() && grads != nullptr && shard.grad) {
+      status = devices_.CopyOwnRange(caller.rank, plan, unit, r, *grads, *shard.grad);
+    }
+  }
+  copy.reset();
+  if (end.batched) return status;  // EndArrive copies, once every local rank got here
+  // Restarts: this rank's shards hold the new generation completely; recorded durably before
+  // its committed copy is overwritten (server/durable/).
+  if (status.ok()) records_.CommitReady(caller, end.module, end.target(), end.kind());
+  if (status.ok()) records_.TestingPauseMidCopy(caller.rank, end.durable);
+  if (status.ok()) status = records_.CopyCommitted(caller.rank, end.durable, /*to_committed=*/true);
+  if (status.ok()) records_.CommitDone(caller, end.module, end.target());
+  if (!status.ok()) {
+    FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank
+                  << ": writeback failed after every rank agreed: " << status;
+  }
+  return status;
+}
+
+void Modules::FinishAppliedEnd(const WritebackEnd& end, absl::Status s, StatusCallback done) {
+  AfterUnlock run;
+  {
+    std::shared_ptr<Group> held = table_.FindOrGone(end.caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (!g.removed) {
+      Registered& reg = g.registered.at(end.module);
+      if (s.ok()) {
+        if (end.is_init) {
+          reg.initialized = true;
+          reg.uninitialized_why.clear();
+          FS_LOG(INFO) << "group=" << end.caller.group << " rank=" << end.caller.rank
+                       << " module=" << Display(end.module)
+                       << " initialised on every rank (generation 0)";
+        } else {
+          reg.generation[end.caller.rank] = end.generation + 1;
+        }
+      }
+      DoneCopying(g, reg, &run);
+    }
+  }
+  run.Run();
+  FinishEnd(end.caller, end.summon, std::move(s), std::move(done));
 }
 
 void Modules::Agree(const std::shared_ptr<collective::CollectiveGroup>& coll, const Caller& caller,

@@ -175,6 +175,13 @@ class Modules {
   struct SummonStart;
   using ViewBuffers = std::map<std::pair<int32_t, KeptUse>, std::shared_ptr<Buffer>>;
 
+  // Register's checks under the group's lock: a re-attach (the rank's buffers, in
+  // `reattached`), a re-run of an initialisation that never committed (its void init summon
+  // freed through `after`), or a new registration (marked in Group::registering).
+  absl::Status StartRegisterLocked(Group& g, const Caller& caller, const std::string& module,
+                                   const absl::StatusOr<Plan>& plan,
+                                   std::optional<RegisterResult>* reattached, AfterUnlock* after)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Commits (or drops) a registration once its agreement (server/registration.h) ended.
   void FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status);
   // The kept-buffer cache of `reg` (made on first use).
@@ -225,11 +232,52 @@ class Modules {
                                      const std::vector<ViewNeed>& needs, int64_t owner_uid,
                                      OpenSummon* copy,
                                      std::vector<collective::CollectiveOp>* broadcasts);
+  // RegisterState's steps (optimizer_state.cc): the checks and what to allocate (or the
+  // existing buffers of a re-attach) under the lock, the allocation without it, and the
+  // buffers installed under it again.
+  struct StateAllocation;
+  absl::Status StartStateLocked(Group& g, const Caller& caller, const std::string& module,
+                                const std::vector<StateSpec>& specs, StateAllocation* alloc,
+                                std::optional<RegisterStateResult>* attached)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  absl::Status AllocateState(const Caller& caller, const std::string& module,
+                             const std::vector<StateSpec>& specs, StateAllocation* alloc);
+  absl::StatusOr<RegisterStateResult> InstallStateLocked(Group& g, const Caller& caller,
+                                                         const std::string& module,
+                                                         const std::vector<StateSpec>& specs,
+                                                         const absl::Status& allocated,
+                                                         StateAllocation* alloc)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   void EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time deadline,
                         StatusCallback done, absl::Status local);
+  // The steps of a writeback End (end.cc): the checks and snapshot under the group's lock,
+  // the agreement every rank reaches, the copies into this rank's shards and committed copies
+  // (after any checkpoint holding them), and the answer.
+  struct EndStart;
+  struct WritebackEnd;
+  absl::Status StartEndLocked(Group& g, const Caller& caller, uint64_t summon,
+                              const absl::Status& local, EndStart* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  void AgreeEnd(std::shared_ptr<const WritebackEnd> end,
+                std::shared_ptr<collective::CollectiveGroup> coll,
+                const internal::AgreeRecord& record, int32_t world_size, absl::Time deadline,
+                std::unique_ptr<OpenSummon> owned, StatusCallback done);
+  void ApplyEnd(std::shared_ptr<const WritebackEnd> end, std::unique_ptr<OpenSummon> owned,
+                StatusCallback done);
+  absl::Status WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSummon> copy);
+  void FinishAppliedEnd(const WritebackEnd& end, absl::Status s, StatusCallback done);
   void FinishReduceScatterWritten(const Caller& caller, const std::string& module, int32_t unit,
                                   ReduceOp op, bool accumulate, absl::Time deadline,
                                   StatusCallback done);
+  // FinishReduceScatterWritten's steps (reduce_scatter.cc): takes the rank's staging buffer
+  // and gradient shard under the lock; records the outcome (the new gradient shard, the
+  // failure a repeated finish answers) under it again.
+  struct GradFinish;
+  absl::Status TakeGradStagingLocked(Group& g, const Caller& caller, const std::string& module,
+                                     int32_t unit, GradFinish* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  void SettleReduceScatter(const Caller& caller, const std::string& module, int32_t unit,
+                           const std::shared_ptr<Buffer>& grad, bool fresh, const absl::Status& s);
   void CommitWritten(const Caller& caller, const std::string& module, absl::Time deadline,
                      CommitCallback done, absl::Status local);
   // The copies into `rank`'s committed copies and the records around them (`work`), then

@@ -13,8 +13,9 @@
 #include "common/status_macros.h"
 #include "server/collective/reduce.h"
 #include "server/durable/records.h"
-#include "server/group_manager_internal.h"
+#include "server/messages.h"
 #include "server/module/summon_steps.h"
+#include "server/module/unit_ops.h"
 
 namespace flatshard::server {
 
@@ -117,45 +118,26 @@ void Modules::FinishReduceScatter(const Caller& caller, const std::string& modul
                               });
 }
 
-void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string& module,
-                                         int32_t unit, GradReduce op, bool accumulate,
-                                         absl::Time deadline, StatusCallback done) {
-  absl::Status error;
-  std::shared_ptr<Buffer> staging, grad;
+// A reduce-scatter being finished: what its lock-held start took (TakeGradStagingLocked).
+struct Modules::GradFinish {
+  std::shared_ptr<Buffer> staging;
+  std::shared_ptr<Buffer> grad;
   bool fresh = false;  // the unit had no gradient shard: `grad` is installed on success
   DType dtype = DType::kFloat32;
   std::shared_ptr<collective::CollectiveGroup> coll;
+};
+
+void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string& module,
+                                         int32_t unit, ReduceOp op, bool accumulate,
+                                         absl::Time deadline, StatusCallback done) {
+  absl::Status error;
+  GradFinish f;
   {
     std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
     Group& g = *held;
     absl::MutexLock lock(&g.mu);
     error = CheckCallerLocked(g, caller);
-    if (error.ok()) {
-      auto it = g.registered.find(module);
-      auto s = it == g.registered.end() ? decltype(it->second.grad_staging)::iterator{}
-                                        : it->second.grad_staging.find({caller.rank, unit});
-      auto failed = it == g.registered.end() ? decltype(it->second.failed_finishes)::iterator{}
-                                             : it->second.failed_finishes.find({caller.rank, unit});
-      if (it != g.registered.end() && s == it->second.grad_staging.end() &&
-          failed != it->second.failed_finishes.end()) {
-        error = failed->second;  // a repeated finish: the first one's cause
-      } else if (it == g.registered.end() || s == it->second.grad_staging.end()) {
-        error = absl::FailedPreconditionError(absl::StrCat(
-            "group ", g.id, " rank ", caller.rank, ": no gradient buffer for unit ", unit,
-            " of module ", Display(module), " (begin the reduce-scatter first)"));
-      } else {
-        Registered& reg = it->second;
-        staging = s->second;
-        reg.grad_staging.erase(s);
-        grad = reg.shards_by_rank[caller.rank][unit].grad;
-        if (!grad) {
-          fresh = true;
-          grad = reg.new_grads.at({caller.rank, unit});
-        }
-        dtype = reg.plan.units[unit].dtype;
-        coll = g.coll;
-      }
-    }
+    if (error.ok()) error = TakeGradStagingLocked(g, caller, module, unit, &f);
   }
   if (!error.ok()) {
     done(error);
@@ -164,6 +146,9 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
   // The collective reduces into a scratch shard; the gradient shard changes only once it
   // succeeded (replaced, or accumulated into), so a failed reduce-scatter changes nothing.
   // Host ranks reduce into private memory; GPU ranks into device memory of the pool.
+  const std::shared_ptr<Buffer> grad = f.grad;
+  const bool fresh = f.fresh;
+  const DType dtype = f.dtype;
   std::shared_ptr<Buffer> scratch_buffer;
   std::shared_ptr<std::vector<char>> scratch_host;
   collective::MutableBuffer scratch{nullptr, static_cast<size_t>(grad->bytes()), dtype};
@@ -185,43 +170,22 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
   }
   std::vector<collective::CollectiveOp> ops;
   ops.push_back(collective::CollectiveOp::ReduceScatter(
-      unit, ConstOf(*staging, dtype), scratch,
+      unit, ConstOf(*f.staging, dtype), scratch,
       op == ReduceOp::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum));
   ops.back().name = "grads";
   // Once the collective completed: the reduced shard into the gradient shard (a device copy
   // for GPU ranks: on the device's worker, not on the engine's thread), then the outcome is
-  // recorded under mu_.
-  auto settle = [this, caller, module, unit, staging, grad, fresh, scratch_buffer, scratch_host,
-                 done = std::move(done)](absl::Status s) mutable {
+  // recorded under the group's lock.
+  auto settle = [this, caller, module, unit, staging = f.staging, grad, fresh, scratch_buffer,
+                 scratch_host, done = std::move(done)](absl::Status s) mutable {
     scratch_buffer.reset();
     scratch_host.reset();
-    staging.reset();      // the staging buffer's pages go back until the next step
-    AfterUnlock persist;  // the record, after mu_
-    {
-      std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
-      Group& g = *held;
-      absl::MutexLock lock(&g.mu);
-      if (!g.removed) {
-        auto reg = g.registered.find(module);
-        if (reg != g.registered.end()) {
-          if (fresh) {
-            reg->second.new_grads.erase({caller.rank, unit});
-            if (s.ok()) reg->second.shards_by_rank[caller.rank][unit].grad = grad;
-            if (s.ok()) records_.PersistLater(g, &persist);  // a new durable buffer
-          }
-          reg->second.NoteOp({unit}, "reduce_scatter", caller.rank, s.ok(), clock_->Now());
-          if (s.ok()) {
-            reg->second.failed_finishes.erase({caller.rank, unit});
-          } else {
-            reg->second.failed_finishes[{caller.rank, unit}] = s;
-          }
-          ReleaseKept(reg->second);
-        }
-      }
-    }
-    persist.Run();
+    staging.reset();  // the staging buffer's pages go back until the next step
+    SettleReduceScatter(caller, module, unit, grad, fresh, s);
     done(s);
   };
+  std::shared_ptr<collective::CollectiveGroup> coll = std::move(f.coll);
+  f = GradFinish{};  // the staging buffer lives in `settle` (and the op) only
   coll->SubmitAll(
       caller.rank, std::move(ops), deadline - clock_->Now(),
       [this, rank = caller.rank, grad, fresh, scratch, scratch_buffer, scratch_host, dtype,
@@ -239,6 +203,63 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
             },
             std::move(settle));
       });
+}
+
+absl::Status Modules::TakeGradStagingLocked(Group& g, const Caller& caller,
+                                            const std::string& module, int32_t unit,
+                                            GradFinish* out) {
+  auto it = g.registered.find(module);
+  if (it == g.registered.end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", g.id, " rank ", caller.rank, ": no gradient buffer for unit ", unit,
+                     " of module ", Display(module), " (begin the reduce-scatter first)"));
+  }
+  Registered& reg = it->second;
+  auto s = reg.grad_staging.find({caller.rank, unit});
+  if (s == reg.grad_staging.end()) {
+    auto failed = reg.failed_finishes.find({caller.rank, unit});
+    if (failed != reg.failed_finishes.end()) return failed->second;  // a repeated finish
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", g.id, " rank ", caller.rank, ": no gradient buffer for unit ", unit,
+                     " of module ", Display(module), " (begin the reduce-scatter first)"));
+  }
+  out->staging = s->second;
+  reg.grad_staging.erase(s);
+  out->grad = reg.shards_by_rank[caller.rank][unit].grad;
+  if (!out->grad) {
+    out->fresh = true;
+    out->grad = reg.new_grads.at({caller.rank, unit});
+  }
+  out->dtype = reg.plan.units[unit].dtype;
+  out->coll = g.coll;
+  return absl::OkStatus();
+}
+
+void Modules::SettleReduceScatter(const Caller& caller, const std::string& module, int32_t unit,
+                                  const std::shared_ptr<Buffer>& grad, bool fresh,
+                                  const absl::Status& s) {
+  AfterUnlock persist;  // the record, after the lock
+  {
+    std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (g.removed) return;
+    auto reg = g.registered.find(module);
+    if (reg == g.registered.end()) return;
+    if (fresh) {
+      reg->second.new_grads.erase({caller.rank, unit});
+      if (s.ok()) reg->second.shards_by_rank[caller.rank][unit].grad = grad;
+      if (s.ok()) records_.PersistLater(g, &persist);  // a new durable buffer
+    }
+    reg->second.NoteOp({unit}, "reduce_scatter", caller.rank, s.ok(), clock_->Now());
+    if (s.ok()) {
+      reg->second.failed_finishes.erase({caller.rank, unit});
+    } else {
+      reg->second.failed_finishes[{caller.rank, unit}] = s;
+    }
+    ReleaseKept(reg->second);
+  }
+  persist.Run();
 }
 
 gpu::IpcEventRef Modules::RecordReady(int32_t rank) { return devices_.RecordReady(rank); }

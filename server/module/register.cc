@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 #include "absl/strings/str_cat.h"
@@ -11,7 +12,8 @@
 #include "common/planner.h"
 #include "common/status_macros.h"
 #include "server/durable/records.h"
-#include "server/group_manager_internal.h"
+#include "server/messages.h"
+#include "server/module/unit_ops.h"
 #include "server/registration.h"
 
 namespace flatshard::server {
@@ -77,78 +79,17 @@ void Modules::Register(const Caller& caller, const std::string& module,
   std::shared_ptr<collective::CollectiveGroup> coll;  // the group's, when the checks passed
   absl::Status error;
   AfterUnlock after;  // declared before the lock: runs after it
+  std::optional<RegisterResult> reattached;
   {
-    absl::ReleasableMutexLock lock(&g.mu);
+    absl::MutexLock lock(&g.mu);
     error = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
                       : CheckCallerLocked(g, caller);
-    if (error.ok()) {
-      auto known = g.registered.find(module);
-      if (known != g.registered.end()) {
-        Registered& r = known->second;
-        const bool same_model = plan.ok() && plan->fingerprint == r.plan.fingerprint;
-        if (r.initialized && r.attached_session[caller.rank] != caller.session && same_model &&
-            !r.shards_by_rank[caller.rank].empty()) {
-          // A restarted trainer re-attaches: same model, new session; no collective. It gets
-          // the last committed generation (a rollback, if due, ran at the re-form).
-          if (r.rollback_pending) {
-            error = absl::UnavailableError(
-                absl::StrCat("group ", g.id, ": module ", Display(module),
-                             " is being rolled back to its committed generation; register again"));
-          } else {
-            r.attached_session[caller.rank] = caller.session;
-            r.stale[caller.rank] = false;
-            FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " re-attached to module "
-                         << Display(module) << " at generation " << r.generation[caller.rank];
-            RegisterResult result{r.plan, r.shards_by_rank[caller.rank], std::nullopt,
-                                  r.generation[caller.rank]};
-            result.state_specs = r.state_specs;  // the optimizer state re-attaches too
-            lock.Release();
-            done(std::move(result));
-            return;
-          }
-        } else if (!r.initialized && same_model) {
-          // Its initialisation never committed on every rank: this registration runs it again
-          // (collective, like the first). An init summon this rank still holds is void.
-          for (auto it = g.open_summons.begin(); it != g.open_summons.end();) {
-            if (it->second.rank == caller.rank && it->second.module == module &&
-                !it->second.ending) {
-              for (int32_t u : it->second.units) r.summoned[caller.rank][u] = false;
-              auto next = std::next(it);
-              after.Destroy(g.open_summons.extract(it));  // its views' buffers, after the lock
-              it = next;
-            } else {
-              ++it;
-            }
-          }
-          ReleaseKept(r);
-          FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " registers module "
-                       << Display(module) << " again: it was not initialised ("
-                       << (r.uninitialized_why.empty() ? "init not ended" : r.uninitialized_why)
-                       << ")";
-        } else {
-          error = absl::AlreadyExistsError(absl::StrCat(
-              "group ", g.id, ": module ", Display(module), " is already registered",
-              plan.ok() && plan->fingerprint != r.plan.fingerprint ? " (with a different model)"
-                                                                   : " by this session"));
-        }
-      }
-      for (const auto& [other, r] : g.registered) {
-        if (error.ok() && other != module && Nested(other, module)) {
-          error = absl::InvalidArgumentError(absl::StrCat(
-              "group ", g.id, ": module ", Display(module), " already has flatshard applied: ",
-              "it overlaps the registered module ", Display(other)));
-        }
-      }
-      if (error.ok() && g.registering.contains({module, caller.rank})) {
-        error = absl::FailedPreconditionError(absl::StrCat("group ", g.id, " rank ", caller.rank,
-                                                           " is already registering module ",
-                                                           Display(module)));
-      }
-      if (error.ok()) {
-        g.registering.insert({module, caller.rank});
-        coll = g.coll;
-      }
-    }
+    if (error.ok()) error = StartRegisterLocked(g, caller, module, plan, &reattached, &after);
+    if (error.ok() && !reattached.has_value()) coll = g.coll;
+  }
+  if (reattached.has_value()) {
+    done(*std::move(reattached));
+    return;
   }
   if (!error.ok()) {
     done(error);
@@ -181,6 +122,72 @@ void Modules::Register(const Caller& caller, const std::string& module,
                       [this, x](absl::Status verdict) mutable {
                         FinishRegister(std::move(x), std::move(verdict));
                       });
+}
+
+absl::Status Modules::StartRegisterLocked(Group& g, const Caller& caller, const std::string& module,
+                                          const absl::StatusOr<Plan>& plan,
+                                          std::optional<RegisterResult>* reattached,
+                                          AfterUnlock* after) {
+  auto known = g.registered.find(module);
+  if (known != g.registered.end()) {
+    Registered& r = known->second;
+    const bool same_model = plan.ok() && plan->fingerprint == r.plan.fingerprint;
+    if (r.initialized && r.attached_session[caller.rank] != caller.session && same_model &&
+        !r.shards_by_rank[caller.rank].empty()) {
+      // A restarted trainer re-attaches: same model, new session; no collective. It gets
+      // the last committed generation (a rollback, if due, ran at the re-form).
+      if (r.rollback_pending) {
+        return absl::UnavailableError(
+            absl::StrCat("group ", g.id, ": module ", Display(module),
+                         " is being rolled back to its committed generation; register again"));
+      }
+      r.attached_session[caller.rank] = caller.session;
+      r.stale[caller.rank] = false;
+      FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " re-attached to module "
+                   << Display(module) << " at generation " << r.generation[caller.rank];
+      RegisterResult result{r.plan, r.shards_by_rank[caller.rank], std::nullopt,
+                            r.generation[caller.rank]};
+      result.state_specs = r.state_specs;  // the optimizer state re-attaches too
+      *reattached = std::move(result);
+      return absl::OkStatus();
+    }
+    if (!r.initialized && same_model) {
+      // Its initialisation never committed on every rank: this registration runs it again
+      // (collective, like the first). An init summon this rank still holds is void.
+      for (auto it = g.open_summons.begin(); it != g.open_summons.end();) {
+        if (it->second.rank == caller.rank && it->second.module == module && !it->second.ending) {
+          for (int32_t u : it->second.units) r.summoned[caller.rank][u] = false;
+          auto next = std::next(it);
+          after->Destroy(g.open_summons.extract(it));  // its views' buffers, after the lock
+          it = next;
+        } else {
+          ++it;
+        }
+      }
+      ReleaseKept(r);
+      FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " registers module "
+                   << Display(module) << " again: it was not initialised ("
+                   << (r.uninitialized_why.empty() ? "init not ended" : r.uninitialized_why) << ")";
+    } else {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "group ", g.id, ": module ", Display(module), " is already registered",
+          plan.ok() && plan->fingerprint != r.plan.fingerprint ? " (with a different model)"
+                                                               : " by this session"));
+    }
+  }
+  for (const auto& [other, r] : g.registered) {
+    if (other != module && Nested(other, module)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "group ", g.id, ": module ", Display(module), " already has flatshard applied: ",
+          "it overlaps the registered module ", Display(other)));
+    }
+  }
+  if (g.registering.contains({module, caller.rank})) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "group ", g.id, " rank ", caller.rank, " is already registering module ", Display(module)));
+  }
+  g.registering.insert({module, caller.rank});
+  return absl::OkStatus();
 }
 
 void Modules::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status) {

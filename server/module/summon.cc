@@ -13,8 +13,9 @@
 #include "common/status_macros.h"
 #include "server/collective/reduce.h"
 #include "server/durable/records.h"
-#include "server/group_manager_internal.h"
+#include "server/messages.h"
 #include "server/module/summon_steps.h"
+#include "server/module/unit_ops.h"
 
 namespace flatshard::server {
 

@@ -18,7 +18,10 @@
 #include "common/planner.h"
 #include "common/status_macros.h"
 #include "server/durable/records.h"
-#include "server/group_manager_internal.h"
+#include "server/group/access.h"
+#include "server/group/group.h"
+#include "server/messages.h"
+#include "server/module/generations.h"
 
 namespace flatshard::server {
 

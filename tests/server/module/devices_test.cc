@@ -226,7 +226,7 @@ TEST_F(GroupManagerDevicesTest, ReduceScatterWaitsForTheGradientOffTheCallersThr
   for (const Caller& caller : c) {
     finishes.push_back(std::make_unique<Async<absl::Status>>());
     ASSERT_TRUE(ReturnsAtOnce([&] {
-      gm_->FinishReduceScatter(caller, "", 0, GradReduce::kSum, false, Deadline(),
+      gm_->FinishReduceScatter(caller, "", 0, ReduceOp::kSum, false, Deadline(),
                                finishes.back()->Callback(), Written(20 + caller.rank));
     }));
     EXPECT_FALSE(finishes.back()->Done());

@@ -50,15 +50,15 @@ TEST_F(GroupManagerTest, ReduceScatterSumsAveragesAndAccumulates) {
     }
     return ::testing::AssertionSuccess();
   };
-  for (const absl::Status& s : ReduceScatterAll(c, kUnit, GradReduce::kSum, false, Deadline())) {
+  for (const absl::Status& s : ReduceScatterAll(c, kUnit, ReduceOp::kSum, false, Deadline())) {
     ASSERT_TRUE(s.ok()) << s;
   }
   EXPECT_TRUE(grads_hold(3.0f));  // 1 + 2
-  for (const absl::Status& s : ReduceScatterAll(c, kUnit, GradReduce::kAvg, true, Deadline())) {
+  for (const absl::Status& s : ReduceScatterAll(c, kUnit, ReduceOp::kAvg, true, Deadline())) {
     ASSERT_TRUE(s.ok()) << s;
   }
   EXPECT_TRUE(grads_hold(4.5f));  // 3 + (1 + 2) / 2
-  for (const absl::Status& s : ReduceScatterAll(c, kUnit, GradReduce::kAvg, false, Deadline())) {
+  for (const absl::Status& s : ReduceScatterAll(c, kUnit, ReduceOp::kAvg, false, Deadline())) {
     ASSERT_TRUE(s.ok()) << s;
   }
   EXPECT_TRUE(grads_hold(1.5f));  // replaced
@@ -89,7 +89,7 @@ TEST_F(GroupManagerTest, ReduceScatterSumsAveragesAndAccumulates) {
   // Refusals.
   EXPECT_EQ(gm_->BeginReduceScatter(c[0], "", 9).status().code(), absl::StatusCode::kNotFound);
   StatusCall unbegun;
-  gm_->FinishReduceScatter(c[0], "", 3, GradReduce::kSum, false, Deadline(), unbegun.Callback());
+  gm_->FinishReduceScatter(c[0], "", 3, ReduceOp::kSum, false, Deadline(), unbegun.Callback());
   ASSERT_EQ(unbegun.Wait().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(unbegun.Wait().message(), HasSubstr("(begin the reduce-scatter first)"));
 }
@@ -101,7 +101,7 @@ TEST_F(GroupManagerTest, FailedReduceScatterChangesNothingAndARepeatedFinishGets
   ASSERT_TRUE(full.ok()) << full.status();
   for (int64_t i = 0; i < FloatCount(**full); ++i) Floats(**full)[i] = 1.0f;
   StatusCall finish;
-  gm_->FinishReduceScatter(c[0], "", 4, GradReduce::kSum, false, Deadline(absl::Seconds(60)),
+  gm_->FinishReduceScatter(c[0], "", 4, ReduceOp::kSum, false, Deadline(absl::Seconds(60)),
                            finish.Callback());
   // Rank 1's client dies: rank 0's reduce-scatter fails at once, naming it.
   const absl::Time start = absl::Now();
@@ -116,7 +116,7 @@ TEST_F(GroupManagerTest, FailedReduceScatterChangesNothingAndARepeatedFinishGets
   EXPECT_EQ(v->shards[4].grad, nullptr);
   // A client's retry of the finish gets the first cause, not "begin first".
   StatusCall retry;
-  gm_->FinishReduceScatter(c[0], "", 4, GradReduce::kSum, false, Deadline(), retry.Callback());
+  gm_->FinishReduceScatter(c[0], "", 4, ReduceOp::kSum, false, Deadline(), retry.Callback());
   EXPECT_EQ(retry.Wait(), failed);
   EXPECT_EQ(finish.calls(), 1);
 }

@@ -516,7 +516,7 @@ class GroupManagerHarness : public ::testing::Test {
   // Every caller writes (rank + 1) * (i + 1) into the full gradient of `unit` of module ""
   // and reduce-scatters it.
   std::vector<absl::Status> ReduceScatterAll(const std::vector<Caller>& callers, int32_t unit,
-                                             GradReduce op, bool accumulate, absl::Time deadline) {
+                                             ReduceOp op, bool accumulate, absl::Time deadline) {
     std::vector<StatusCall> calls(callers.size());
     RunTogether(static_cast<int>(callers.size()), [&](int i) {
       absl::StatusOr<std::shared_ptr<Buffer>> full = gm_->BeginReduceScatter(callers[i], "", unit);

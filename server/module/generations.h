@@ -1,27 +1,25 @@
 #pragma once
-// Helpers the daemon core's owners share (server/group/, server/module/, server/durable/,
-// server/checkpoint/): message texts, the agreement record, the held-module keys of a
-// rendezvous. Not for other users.
+// The committed generations of a registered module as daemons compare them at a re-form, the
+// durable buffer pairs a commit, rollback or restart record walks, and the safety net that drops
+// a module whose local ranks hold a mix of generations. Shared by the module, durability and
+// membership owners. Every function reads or edits a Registered and so runs under its group's
+// lock (Group::mu).
 
 #include <algorithm>
-#include <cstring>
+#include <cstdint>
 #include <map>
-#include <memory>
-#include <set>
 #include <string>
-#include <tuple>
 #include <vector>
 
-#include "absl/container/btree_map.h"
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "absl/synchronization/mutex.h"
-#include "common/limits.h"
+#include "common/after_unlock.h"
 #include "common/logging.h"
-#include "server/group_manager.h"
+#include "server/group/group.h"
+#include "server/messages.h"
+#include "server/module/module.h"
 
-namespace flatshard::server {
-namespace internal {
+namespace flatshard::server::internal {
 
 // The registered modules of a group as daemons report them at rendezvous: "path\x1fplan
 // fingerprint" (peer_service.proto RendezvousRequest.registered_modules).
@@ -101,138 +99,12 @@ std::vector<std::string> HeldModules(const M& registered,
   return out;
 }
 
-// "ranks 1, 2, 5" or "ranks 1, 2, ... (1048575 ranks)": at most `limit` of them named, so a
-// message about a huge group stays small.
-inline std::string RankListText(const std::vector<int32_t>& ranks, size_t limit = 16) {
-  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size() && i < limit; ++i) {
-    absl::StrAppend(&out, i == 0 ? "" : ", ", ranks[i]);
-  }
-  if (ranks.size() > limit) absl::StrAppend(&out, ", ... (", ranks.size(), " ranks)");
-  return out;
-}
-
-// At most 64 characters of a caller-given name, for messages.
-inline std::string Short(const std::string& name) {
-  return name.size() <= 64 ? name : absl::StrCat(name.substr(0, 61), "...");
-}
-
-// Token comparison that takes the same time wherever the first difference is.
-inline bool TokensEqual(const std::string& a, const std::string& b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  const size_t n = std::max(a.size(), b.size());
-  for (size_t i = 0; i < n; ++i) {
-    const unsigned char x = i < a.size() ? a[i] : 0;
-    const unsigned char y = i < b.size() ? b[i] : 0;
-    diff |= x ^ y;
-  }
-  return diff == 0;
-}
-
-// Access control (README "Access control"): a group answers only callers of the uid that
-// created it; remote (TCP) callers have uid -1 and share the groups created over TCP.
-template <typename G>
-inline absl::Status CheckUid(const G& g, int64_t uid) {
-  if (uid == g.owner_uid) return absl::OkStatus();
-  return absl::PermissionDeniedError(
-      absl::StrCat("group ", g.id, ": uid ", uid < 0 ? std::string("(remote)") : absl::StrCat(uid),
-                   " is not admitted (the group belongs to uid ",
-                   g.owner_uid < 0 ? std::string("(remote)") : absl::StrCat(g.owner_uid), ")"));
-}
-
-inline std::string UnitSummary(const PlanUnit& u) {
-  return absl::StrCat("\"", u.module, "\" (", u.module_type, ", ", u.params.size(), " params, ",
-                      u.numel, " elements, ", DTypeName(u.dtype), ")");
-}
-
-// True when registering `b` would nest FSDP units inside those of `a` or the other way round.
-inline bool Nested(const std::string& a, const std::string& b) {
-  auto inside = [](const std::string& outer, const std::string& inner) {
-    return outer.empty() ||
-           (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
-            inner[outer.size()] == '.');
-  };
-  return inside(a, b) || inside(b, a);
-}
-
-// A module path as error texts quote it: at most kMaxQuotedBytes of it (README "Limits").
-inline std::string Display(const std::string& module) {
-  return module.empty() ? std::string("\"\" (the root)")
-                        : absl::StrCat("\"", Truncated(module), "\"");
-}
-
-// Units of `plan` whose module is `path` (recurse=false) or in its subtree (recurse=true).
-inline std::vector<int32_t> SelectUnits(const Plan& plan, const std::string& path, bool recurse) {
-  std::vector<int32_t> units;
-  for (const PlanUnit& u : plan.units) {
-    const bool exact = u.module == path;
-    const bool below = path.empty() || (u.module.size() > path.size() &&
-                                        u.module.compare(0, path.size(), path) == 0 &&
-                                        u.module[path.size()] == '.');
-    if (exact || (recurse && below)) units.push_back(u.index);
-  }
-  return units;
-}
-
-inline collective::ConstBuffer ConstOf(const Buffer& b, DType dtype) {
-  return b.view(dtype).AsConst();
-}
-inline collective::MutableBuffer MutableOf(const Buffer* b, DType dtype) {
-  if (b == nullptr) return collective::MutableBuffer{nullptr, 0, dtype};
-  return b->view(dtype);
-}
-
-// A coordinator no group has used for this long gets its watch stream closed.
-inline constexpr absl::Duration kUnwatchAfter = absl::Seconds(10);
-
-// A kept buffer idle this long gives its pages back (KeptBufferPool::kIdleRelease).
-inline constexpr absl::Duration kKeptIdleRelease = KeptBufferPool::kIdleRelease;
-
-inline void CopyText(absl::string_view text, char* out, size_t size) {
-  std::memset(out, 0, size);
-  std::memcpy(out, text.data(), std::min(text.size(), size - 1));
-}
-inline std::string TextOf(const char* text, size_t size) {
-  return std::string(text, strnlen(text, size));
-}
-
-// The "unit" of the agreement all-gathers (in the collective's fingerprint, so a rank that
-// ends a summon while another commits fails with a mismatch instead of agreeing).
-inline constexpr int64_t kEndAgreeUnit = -2;
-inline constexpr int64_t kCommitAgreeUnit = -3;
-
-// In the status of a failure caused by a rank's session ending ("rank 2's session ended
-// ..."): daemons that learn of it from the coordinator let their running ops complete first.
-inline constexpr char kSessionEndedMarker[] = "'s session ";
-
-// How long a departure's failure waits for the ops the departed rank had joined to complete
-// (FailDeferred). They normally take milliseconds; one that takes longer is stuck, and the
-// group fails then rather than at the op's deadline.
-inline constexpr absl::Duration kDeferFailureAtMost = absl::Seconds(2);
-
-// Failed writeback Ends remembered per group for repeated Ends.
-inline constexpr size_t kFailedEndsKept = 256;
-
-// What each rank contributes to a writeback End's or a Commit's agreement (an all-gather):
-// every rank reaches the same verdict from the same records, so all apply or none.
-struct AgreeRecord {
-  uint8_t ok;     // 1: this rank can apply
-  uint8_t stale;  // 1: refused because the rank's views predate a rollback
-  uint8_t reserved[6];
-  uint64_t generation;  // the rank's committed generation
-  char text[240];       // why not; NUL-padded, truncated
-};
-static_assert(sizeof(AgreeRecord) == 256);
-
-inline constexpr char kAlreadyUnsharding[] =
-    "Cannot manually unshard parameters when already unsharding parameters";
-
 // Every durable (live, committed) buffer pair of `rank` in registration `reg`
-// (GroupManager::Registered), unit by unit: the shard, then its optimizer state buffers in
+// (Registered), unit by unit: the shard, then its optimizer state buffers in
 // spec order (only where the rank registered state). Gradient shards are not durable (the next
 // reduce-scatter overwrites them). The one list that commits, rollbacks and anything that
 // persists a committed step (restart records, checkpoints) walk. Empty for a rank without
-// shards. REQUIRES: the caller holds the manager's lock (it reads `reg`).
+// shards. REQUIRES: the caller holds the group's lock (it reads `reg`).
 template <typename R>
 std::vector<DurablePair> DurableBuffers(const R& reg, int32_t rank) {
   std::vector<DurablePair> out;
@@ -259,10 +131,6 @@ std::vector<DurablePair> DurableBuffers(const R& reg, int32_t rank) {
   }
   return out;
 }
-
-}  // namespace internal
-
-namespace internal {
 
 // Safety net against a silent mix: drops every registered module of `g` whose local ranks hold
 // different committed generations (MixedGenerations) as lost, with an error naming each rank's
@@ -296,6 +164,4 @@ int DropMixedModules(G& g, const std::string& when, AfterUnlock* after)
   return dropped;
 }
 
-}  // namespace internal
-
-}  // namespace flatshard::server
+}  // namespace flatshard::server::internal
