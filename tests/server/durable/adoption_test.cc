@@ -70,6 +70,28 @@ class AdoptionTest : public testing::GroupManagerHarness {
     return c;
   }
 
+  // A daemon holding step 1 committed and step 2 written on top (TrainOneStepAndWriteTheNext)
+  // dies: its segments and record stay for the next one. Returns the first daemon's callers.
+  std::vector<Caller> DieAfterAStepAndAWrite() {
+    Start();
+    std::vector<RegisterResult> regs;
+    std::vector<Caller> c = TrainOneStepAndWriteTheNext(&regs);
+    regs.clear();
+    StopKeepingShards();
+    return c;
+  }
+
+  // Every rank re-attaches (Reattach) at generation `step` and holds that step's values.
+  void ExpectReattachedAt(uint64_t step) {
+    std::vector<Caller> c;
+    std::vector<RegisterResult> regs = Reattach(&c);
+    ASSERT_THAT(regs, SizeIs(2));
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(regs[r].generation, step) << "rank " << r;
+      EXPECT_TRUE(HoldsStep(regs[r].shards, step, r)) << "rank " << r;
+    }
+  }
+
   // The next daemon: opens the state directory again (every record must load), lets `edit`
   // change the records (what a kill would have left), starts a manager over a fresh store and
   // adopts them.
@@ -135,7 +157,7 @@ TEST_F(AdoptionTest, AdoptedGroupComesBackWithItsCommittedShardsGradientsAndGene
   for (int r = 0; r < 2; ++r) WriteStep(regs[r].shards, 1, r);
   for (absl::StatusOr<uint64_t>& g : CommitAll(c)) ASSERT_TRUE(g.ok()) << g.status();
   // A gradient of unit 2 on every rank; then step 2 committed, step 3 written on top.
-  for (const absl::Status& s : ReduceScatterAll(c, 2, GradReduce::kSum, false, Deadline())) {
+  for (const absl::Status& s : ReduceScatterAll(c, 2, ReduceOp::kSum, false, Deadline())) {
     ASSERT_TRUE(s.ok()) << s;
   }
   std::vector<std::vector<float>> grads;
@@ -316,11 +338,7 @@ TEST_F(AdoptionTest, TornCommitCapturedMidCopyIsFinishedFromTheShards) {
   ASSERT_TRUE(now.ok()) << now.status();
   EXPECT_FALSE(now->modules[0].pending.has_value());
   for (const state::RankRecord& r : now->modules[0].ranks) EXPECT_EQ(r.generation, 2u);
-  regs = Reattach(&c);
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(regs[r].generation, 2u);
-    EXPECT_TRUE(HoldsStep(regs[r].shards, 2, r));
-  }
+  ExpectReattachedAt(2);
 }
 
 // A writeback End's intent names the ranks whose shards hold the new generation (ready) and
@@ -328,53 +346,33 @@ TEST_F(AdoptionTest, TornCommitCapturedMidCopyIsFinishedFromTheShards) {
 // shards. None ready: the End never applied anywhere, every rank stays at generation 1 (its
 // shards restored from the committed copy).
 TEST_F(AdoptionTest, EndIntentWithoutReadyRanksStaysAtThePreviousGeneration) {
-  Start();
-  std::vector<RegisterResult> regs;
-  std::vector<Caller> c = TrainOneStepAndWriteTheNext(&regs);
-  regs.clear();
-  StopKeepingShards();
+  DieAfterAStepAndAWrite();
   const GroupManager::AdoptSummary summary = Adopt([](std::vector<state::GroupRecord>& recs) {
     recs.at(0).modules.at(0).pending = state::PendingCommit{2, "end", {}, {}};
   });
   EXPECT_EQ(summary.modules, 1);
   EXPECT_EQ(summary.lost_modules, 0);
-  regs = Reattach(&c);
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(regs[r].generation, 1u);
-    EXPECT_TRUE(HoldsStep(regs[r].shards, 1, r));
-  }
+  ExpectReattachedAt(1);
 }
 
 // Rank 0's copy was done (its committed copy holds generation 2), rank 1's shards were ready:
 // its copy is finished from them. Both come back at generation 2.
 TEST_F(AdoptionTest, EndIntentFinishesReadyRanksAndTakesDoneRanksAsCommitted) {
-  Start();
-  std::vector<RegisterResult> regs;
-  std::vector<Caller> c = TrainOneStepAndWriteTheNext(&regs);
-  regs.clear();
-  StopKeepingShards();
+  DieAfterAStepAndAWrite();
   const GroupManager::AdoptSummary summary = Adopt([](std::vector<state::GroupRecord>& recs) {
     recs.at(0).modules.at(0).pending = state::PendingCommit{2, "end", {1}, {0}};
     WriteKept(recs[0], 0, state::kRoleCommitted, 2);
   });
   EXPECT_EQ(summary.modules, 1);
   EXPECT_EQ(summary.lost_modules, 0);
-  regs = Reattach(&c);
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(regs[r].generation, 2u) << "rank " << r;
-    EXPECT_TRUE(HoldsStep(regs[r].shards, 2, r));
-  }
+  ExpectReattachedAt(2);
 }
 
 // A record whose ranks hold different committed generations (the daemon died between their
 // copies of one commit): the module is never adopted as a mix. It is dropped as lost, named
 // with each rank's generation to every joining rank, and can be registered afresh.
 TEST_F(AdoptionTest, RanksAtDifferentGenerationsAreDroppedAsLostNamingEach) {
-  Start();
-  std::vector<RegisterResult> regs;
-  std::vector<Caller> c = TrainOneStepAndWriteTheNext(&regs);
-  regs.clear();
-  StopKeepingShards();
+  std::vector<Caller> c = DieAfterAStepAndAWrite();
   const GroupManager::AdoptSummary summary = Adopt([](std::vector<state::GroupRecord>& recs) {
     for (state::RankRecord& r : recs.at(0).modules.at(0).ranks) {
       if (r.rank == 0) r.generation = 2;
@@ -410,11 +408,7 @@ TEST_F(AdoptionTest, RanksAtDifferentGenerationsAreDroppedAsLostNamingEach) {
 // initialised, so it is not adopted (registering again runs the init); a group with nothing
 // left to adopt is not kept and its record goes.
 TEST_F(AdoptionTest, InitIntentThatDidNotFinishEverywhereIsNotAdopted) {
-  Start();
-  std::vector<RegisterResult> regs;
-  std::vector<Caller> c = TrainOneStepAndWriteTheNext(&regs);
-  regs.clear();
-  StopKeepingShards();
+  DieAfterAStepAndAWrite();
   const GroupManager::AdoptSummary summary = Adopt([](std::vector<state::GroupRecord>& recs) {
     state::ModuleRecord& m = recs.at(0).modules.at(0);
     m.initialized = false;
@@ -431,11 +425,7 @@ TEST_F(AdoptionTest, InitIntentThatDidNotFinishEverywhereIsNotAdopted) {
 // A record naming a segment that is gone: the group is refused (logged naming the record file
 // and the segment), not adopted, and the segments it names that do exist are left alone.
 TEST_F(AdoptionTest, RecordNamingAMissingSegmentIsRefusedAndItsOtherSegmentsLeftAlone) {
-  Start();
-  std::vector<RegisterResult> regs;
-  std::vector<Caller> c = TrainOneStepAndWriteTheNext(&regs);
-  regs.clear();
-  StopKeepingShards();
+  std::vector<Caller> c = DieAfterAStepAndAWrite();
   absl::StatusOr<state::GroupRecord> rec = ReadRecord("g");
   ASSERT_TRUE(rec.ok()) << rec.status();
   const std::string missing = SegmentOf(*rec, 1, 2, state::kRoleCommitted);
