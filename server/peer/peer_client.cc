@@ -157,8 +157,7 @@ class WatchStream final : public grpc::ClientBidiReactor<v1::WatchRequest, v1::W
     self_ = std::move(self);
     stub->async()->Watch(&ctx_, this);
     AddHold();
-    writing_ = true;  // no other thread knows the stream yet
-    StartWrite(&hello_);
+    StartWrite(&hello_);  // `writing_` is true from construction: see there
     StartRead(&event_);
     StartCall();
   }
@@ -299,7 +298,10 @@ class WatchStream final : public grpc::ClientBidiReactor<v1::WatchRequest, v1::W
 
   absl::Mutex mu_;
   absl::Time last_heard_ ABSL_GUARDED_BY(mu_);
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  // True from construction: the stream is in ClientState::watches (where the heartbeat thread
+  // finds it) before Start runs, and the hello must be its first and only write in flight. A
+  // heartbeat that comes earlier waits for the hello's OnWriteDone (heartbeat_pending_).
+  bool writing_ ABSL_GUARDED_BY(mu_) = true;
   bool heartbeat_pending_ ABSL_GUARDED_BY(mu_) = false;
   bool read_ended_ ABSL_GUARDED_BY(mu_) = false;
   bool hold_released_ ABSL_GUARDED_BY(mu_) = false;

@@ -204,6 +204,28 @@ TEST_F(PeerServiceTest, RendezvousCompletesWithTheTableAndEpoch) {
   EXPECT_THAT(ea.tables(), IsEmpty());  // tables came by the calls, not pushed
 }
 
+// The heartbeat thread can reach a Watch stream between its registration and its start
+// (EnsureWatch): its heartbeat must wait for the hello, the stream's first write, instead of
+// racing it (two writes in flight crashed the daemon; a heartbeat taking the hello's place
+// leaves the coordinator not knowing who watches). Heartbeats every 20 us make the window
+// likely on every trial.
+TEST_F(PeerServiceTest, HeartbeatsRacingAWatchStreamsStartWaitForItsHello) {
+  PeerOptions o = FastOptions();
+  o.heartbeat_interval = absl::Microseconds(20);
+  std::vector<std::unique_ptr<RecordingEvents>> events;
+  std::vector<std::unique_ptr<PeerClient>> clients;
+  for (int i = 0; i < 20; ++i) {
+    events.push_back(std::make_unique<RecordingEvents>());
+    clients.push_back(
+        std::make_unique<PeerClient>(Daemon("a", absl::StrCat("a-", i)), o, events.back().get()));
+    absl::StatusOr<PeerTable> t =
+        Join(*clients.back(), address_, 1, 0, absl::StrCat("g", i))->Get();
+    ASSERT_TRUE(t.ok()) << "trial " << i << ": " << t.status();
+    ASSERT_TRUE(Watching(clients.size())) << "trial " << i << ": the coordinator has no hello";
+  }
+  for (const auto& e : events) EXPECT_THAT(e->lost(), IsEmpty());
+}
+
 TEST_F(PeerServiceTest, UnevenLayoutOfThreeDaemons) {
   RecordingEvents ea, eb, ec;
   auto a = Client("a", "a-1", &ea);
