@@ -16,30 +16,47 @@ BlockingWorkers::~BlockingWorkers() {
   for (std::thread& t : threads_) t.join();
 }
 
-void BlockingWorkers::Post(absl::AnyInvocable<void()> job) {
+void BlockingWorkers::Post(const std::string& strand, absl::AnyInvocable<void()> job) {
   {
     absl::MutexLock lock(&mu_);
     if (!stop_) {
-      jobs_.push_back(std::move(job));
+      jobs_.push_back(Job{strand, std::move(job)});
       return;
     }
   }
   job();
 }
 
-bool BlockingWorkers::Ready() const { return stop_ || !jobs_.empty(); }
+std::deque<BlockingWorkers::Job>::iterator BlockingWorkers::NextRunnable() {
+  for (auto it = jobs_.begin(); it != jobs_.end(); ++it) {
+    if (!running_.contains(it->strand)) return it;
+  }
+  return jobs_.end();
+}
+
+bool BlockingWorkers::Ready() const {
+  if (stop_ && jobs_.empty()) return true;
+  for (const Job& j : jobs_) {
+    if (!running_.contains(j.strand)) return true;
+  }
+  return false;
+}
 
 void BlockingWorkers::Loop() {
   for (;;) {
-    absl::AnyInvocable<void()> job;
+    Job job;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(this, &BlockingWorkers::Ready));
-      if (jobs_.empty()) return;  // stopping, and nothing left
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
+      auto it = NextRunnable();
+      if (it == jobs_.end()) return;  // stopping, and nothing left
+      job = std::move(*it);
+      jobs_.erase(it);
+      running_.insert(job.strand);
     }
-    job();
+    job.run();
+    absl::MutexLock lock(&mu_);
+    running_.erase(job.strand);
   }
 }
 

@@ -46,12 +46,12 @@ Records::Records(RecordsOptions options)
   }
 }
 
-void Records::RunDurable(absl::AnyInvocable<void()> job) {
+void Records::RunDurable(const std::string& group, absl::AnyInvocable<void()> job) {
   if (workers_ == nullptr) {
     job();
     return;
   }
-  workers_->Post(std::move(job));
+  workers_->Post(group, std::move(job));
 }
 
 std::vector<std::pair<std::string, std::shared_ptr<Buffer>>> Records::RecordedBuffers(

@@ -70,8 +70,11 @@ class Records {
   bool enabled() const { return state_dir_ != nullptr; }
   // Runs `job`, which writes records (fsync) or the copies they bracket: on a worker of its
   // own when records are kept (never on a gRPC reactor or a collective's completion thread),
-  // else at once on the caller's thread (memory copies only, as the collectives').
-  void RunDurable(absl::AnyInvocable<void()> job);
+  // else at once on the caller's thread (memory copies only, as the collectives'). The jobs of
+  // one group run one at a time, in order (BlockingWorkers strands): its local ranks' commits
+  // then share one intent record (CommitReady) as when one thread ran them; groups run in
+  // parallel.
+  void RunDurable(const std::string& group, absl::AnyInvocable<void()> job);
 
   // ---- Records of groups ----
   // Queues the write of `g`'s record (a snapshot taken now) into `run`, to run after the lock.

@@ -19,13 +19,14 @@
 
 namespace flatshard::server {
 
-void Modules::RunDurableWork(int32_t rank, absl::AnyInvocable<absl::Status()> work,
+void Modules::RunDurableWork(const Caller& caller, absl::AnyInvocable<absl::Status()> work,
                              absl::AnyInvocable<void(absl::Status)> done) {
-  if (devices_.DeviceOf(rank) != nullptr || !records_.enabled()) {
-    devices_.RunBlocking(rank, std::move(work), std::move(done));
+  if (devices_.DeviceOf(caller.rank) != nullptr || !records_.enabled()) {
+    devices_.RunBlocking(caller.rank, std::move(work), std::move(done));
     return;
   }
-  records_.RunDurable([work = std::move(work), done = std::move(done)]() mutable { done(work()); });
+  records_.RunDurable(caller.group,
+                      [work = std::move(work), done = std::move(done)]() mutable { done(work()); });
 }
 
 using internal::ConstOf;
@@ -140,7 +141,7 @@ void Modules::CommitAgreed(const Caller& caller, const std::string& module, uint
   // The copies run without the lock, on a worker (RunDurableWork). Invariant: `busy`
   // keeps every rollback out until DoneCopying.
   RunDurableWork(
-      caller.rank,
+      caller,
       [this, caller, module, generation, durable = std::move(durable)] {
         // Restarts: the intent is durable before the committed copy is overwritten,
         // the new generation before the trainer is answered (server/durable/).

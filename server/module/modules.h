@@ -284,7 +284,7 @@ class Modules {
   // `done`: on the rank's GPU worker (RankDevices::RunBlocking), on the durable worker for a
   // host rank of a daemon keeping records (Records::RunDurable: fsyncs never on a reactor or
   // a completion thread), else at once (memory copies only).
-  void RunDurableWork(int32_t rank, absl::AnyInvocable<absl::Status()> work,
+  void RunDurableWork(const Caller& caller, absl::AnyInvocable<absl::Status()> work,
                       absl::AnyInvocable<void(absl::Status)> done);
   // Every rank agreed to commit: copies the caller's shards into its committed copies (after
   // any checkpoint holding them) and answers the new generation.

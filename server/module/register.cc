@@ -289,10 +289,11 @@ void Modules::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status s
     return;
   }
   // The record (fsync) before the answer, on the durable worker.
-  records_.RunDurable([x, persist = std::move(persist), result = std::move(result)]() mutable {
-    persist.Run();
-    x->done(std::move(result));
-  });
+  records_.RunDurable(x->caller.group,
+                      [x, persist = std::move(persist), result = std::move(result)]() mutable {
+                        persist.Run();
+                        x->done(std::move(result));
+                      });
 }
 
 }  // namespace flatshard::server
