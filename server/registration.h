@@ -42,8 +42,9 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "common/plan.h"
+#include "common/rpc_types.h"
 #include "server/collective/collective_engine.h"
-#include "server/group_manager.h"
+#include "server/module/module.h"
 #include "server/shard_store.h"
 
 namespace flatshard::server {

@@ -15,7 +15,6 @@
 namespace flatshard::server {
 namespace {
 
-
 TEST(BlockingWorkersTest, JobsOfOneStrandRunOneAtATimeInOrder) {
   absl::Mutex mu;
   std::vector<int> order;
