@@ -104,7 +104,11 @@ void Records::EndArrive(const Caller& caller, const std::string& module, uint64_
           EndArrival{caller.rank, true, std::move(status), std::move(durable), std::move(finish)});
     }
   }
-  ProcessEndBatch(caller.group, module, target, kind, std::move(batch));
+  // The records and the commit copies are blocking work: the durable worker runs them.
+  RunDurable(caller.group, [this, group = caller.group, module, target, kind,
+                            batch = std::move(batch)]() mutable {
+    ProcessEndBatch(group, module, target, kind, std::move(batch));
+  });
 }
 
 void Records::EndNotApplied(const Caller& caller, const std::string& module, uint64_t k) {
@@ -132,11 +136,11 @@ void Records::EndNotApplied(const Caller& caller, const std::string& module, uin
       kind = reg.pending_commit->kind;
     }
   }
-  ProcessEndBatch(caller.group, module, target,
-                  kind.empty()     ? "end"
-                  : kind == "init" ? "init"
-                                   : "end",
-                  std::move(batch));
+  const char* recorded_kind = kind == "init" ? "init" : "end";
+  RunDurable(caller.group, [this, group = caller.group, module, target, recorded_kind,
+                            batch = std::move(batch)]() mutable {
+    ProcessEndBatch(group, module, target, recorded_kind, std::move(batch));
+  });
 }
 
 void Records::ProcessEndBatch(const std::string& group, const std::string& module, uint64_t target,

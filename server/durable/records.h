@@ -111,11 +111,13 @@ class Records {
   // answer (`finish`) wait until every local rank of the module has arrived for the k-th
   // summon, then one record says all are ready, the copies run, one record says all are
   // done, and every arrival is answered. So a kill during the copies finds every rank's
-  // shards complete: the restart finishes them all, never a mix.
+  // shards complete: the restart finishes them all, never a mix. The records, the copies and
+  // the answers run on the durable worker (RunDurable), after EndArrive returns.
   void EndArrive(const Caller& caller, const std::string& module, uint64_t k, uint64_t target,
                  const char* kind, absl::Status status, std::vector<DurablePair> durable,
                  absl::AnyInvocable<void(absl::Status)> finish);
-  // The rank's End agreement failed: it counts as arrived (it applies nothing).
+  // The rank's End agreement failed: it counts as arrived (it applies nothing). As
+  // EndArrive, a batch it completes is processed on the durable worker.
   void EndNotApplied(const Caller& caller, const std::string& module, uint64_t k);
   // Copies `rank`'s durable buffers into their committed copies (`to_committed`) or back (a
   // rollback). REQUIRES: the caller took `reg.busy` for it (under the group's lock), and

@@ -331,14 +331,12 @@ void Modules::ApplyEnd(std::shared_ptr<const WritebackEnd> end, std::unique_ptr<
     FinishAppliedEnd(*end, std::move(s), std::move(done));
   };
   if (end->batched) {
-    // Host ranks keeping records: the writeback, and the copies that wait for the other
-    // local ranks, run on the durable worker (fsync'd records bracket them).
-    records_.RunDurable(end->caller.group, [this, end, owned = std::move(owned),
-                                            finish = std::move(finish)]() mutable {
-      absl::Status s = WriteBack(*end, std::move(owned));
-      records_.EndArrive(end->caller, end->module, end->k, end->target(), end->kind(), std::move(s),
-                         end->durable, std::move(finish));
-    });
+    // Host ranks keeping records: the writeback is a host copy and runs here, as without
+    // records; the fsync'd records and the commit copies, which wait for the other local
+    // ranks, run on the durable worker (Records::EndArrive).
+    absl::Status s = WriteBack(*end, std::move(owned));
+    records_.EndArrive(end->caller, end->module, end->k, end->target(), end->kind(), std::move(s),
+                       end->durable, std::move(finish));
     return;
   }
   // The copies run without the lock (GPU ranks: on the device's worker, not on the engine's
