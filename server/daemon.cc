@@ -13,9 +13,11 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/file_system.h"
 #include "common/gpu/cuda_util.h"
 #include "common/limits.h"
 #include "common/logging.h"
@@ -30,6 +32,7 @@
 #include "server/durable/state_dir.h"
 #include "server/gpu/device_context.h"
 #include "server/group_manager.h"
+#include "server/instance_lock.h"
 #include "server/metrics/daemon_gauges.h"
 #include "server/metrics/daemon_metrics.h"
 #include "server/metrics/http_server.h"
@@ -42,8 +45,10 @@
 namespace flatshard::server {
 namespace {
 
-// Removes a socket left by a daemon that did not shut down cleanly; refuses other files.
-absl::Status PrepareSocketPath(const std::string& path) {
+// Creates the socket's directory if needed and locks the socket for this daemon (before
+// anything touches it: a live daemon's socket is never removed), then removes a socket left by
+// a daemon that did not shut down cleanly; refuses other files.
+absl::StatusOr<std::unique_ptr<InstanceLock>> PrepareSocketPath(const std::string& path) {
   std::error_code ec;
   const std::filesystem::path p(path);
   if (p.has_parent_path() && !std::filesystem::exists(p.parent_path(), ec)) {
@@ -53,6 +58,10 @@ absl::Status PrepareSocketPath(const std::string& path) {
           "cannot create the socket directory ", p.parent_path().string(), ": ", ec.message()));
     }
   }
+  FS_ASSIGN_OR_RETURN(
+      std::unique_ptr<InstanceLock> lock,
+      InstanceLock::Acquire(absl::StrCat(path, ".lock"), InstanceLock::Kind::kLockFile,
+                            absl::StrCat("--socket unix:", path)));
   struct stat st;
   if (::lstat(path.c_str(), &st) == 0) {
     if (!S_ISSOCK(st.st_mode)) {
@@ -64,7 +73,20 @@ absl::Status PrepareSocketPath(const std::string& path) {
           absl::StrCat("cannot remove the stale socket ", path, ": ", std::strerror(errno)));
     }
   }
-  return absl::OkStatus();
+  return lock;
+}
+
+// Locks --state_dir (made a 0700 directory first) before StateDir::Open touches it: a live
+// daemon's records, temp files and shards are never taken by a second one. Null without one.
+absl::StatusOr<std::unique_ptr<InstanceLock>> LockStateDir(const DaemonConfig& config) {
+  if (config.state_dir.empty()) return nullptr;
+  if (absl::Status s = FileSystem::Posix()->CreateDirs(config.state_dir, 0700); !s.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--state_dir ", config.state_dir,
+        ": cannot make it a 0700 directory (records hold group tokens): ", s.message()));
+  }
+  return InstanceLock::Acquire(config.state_dir, InstanceLock::Kind::kDirectory,
+                               absl::StrCat("--state_dir ", config.state_dir));
 }
 
 }  // namespace
@@ -259,11 +281,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   store_options.memory_limit_bytes = config.memory_limit_bytes;
   FS_RETURN_IF_ERROR(SetUpDescriptorBudget(config, &store_options));
   FS_RETURN_IF_ERROR(ShardStore::ValidateOptions(store_options));
-  FS_RETURN_IF_ERROR(PrepareSocketPath(config.socket_path));
+  // Both locks before the socket is touched or listens: a refused daemon changes nothing.
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<InstanceLock> socket_lock,
+                      PrepareSocketPath(config.socket_path));
+  FS_ASSIGN_OR_RETURN(std::unique_ptr<InstanceLock> state_dir_lock, LockStateDir(config));
   // The Unix socket is accepted by hand to learn each client's uid (SO_PEERCRED); it listens
-  // now, before anything can fail half-built, and serves once the gRPC server runs.
+  // now, before anything can fail half-built, and serves once the gRPC server runs. A start
+  // that fails from here on removes it (under the lock: never another daemon's).
   FS_ASSIGN_OR_RETURN(std::unique_ptr<access::UnixSocketAcceptor> acceptor,
                       access::UnixSocketAcceptor::Listen(config.socket_path, config.socket_group));
+  absl::Cleanup remove_socket = [&config] { ::unlink(config.socket_path.c_str()); };
   // Restarts: the records of the previous daemon's groups; their segments stay, every other
   // segment it left goes (refused records' segments are left alone too).
   std::unique_ptr<state::StateDir> state_dir;
@@ -326,6 +353,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
                << (config.tcp_address.empty() ? "" : " and " + config.tcp_address)
                << ", segments /dev/shm/" << config.segment_prefix << ".*"
                << (d->peer_address_.empty() ? "" : ", peers on " + d->peer_address_);
+  std::move(remove_socket).Cancel();
+  d->socket_lock_ = std::move(socket_lock);
+  d->state_dir_lock_ = std::move(state_dir_lock);
   return d;
 }
 

@@ -25,6 +25,7 @@ class AdminServiceImpl;
 class CheckpointPeerServiceImpl;
 class GroupManager;
 struct GroupManagerOptions;
+class InstanceLock;
 class ShardServiceImpl;
 class ShardStore;
 namespace access {
@@ -111,8 +112,10 @@ inline constexpr char kLivenessHealthService[] = "flatshard.liveness";
 
 class Daemon {
  public:
-  // Creates the socket's directory if needed, removes a stale socket and leftover segments of
-  // a crashed daemon with the same prefix, and starts serving.
+  // Creates the socket's directory if needed, locks the socket and the state directory for
+  // this daemon (InstanceLock: FAILED_PRECONDITION naming the pid of a daemon that holds
+  // either), removes a stale socket and leftover segments of a crashed daemon with the same
+  // prefix, and starts serving.
   static absl::StatusOr<std::unique_ptr<Daemon>> Create(const DaemonConfig& config);
   ~Daemon();
 
@@ -138,6 +141,9 @@ class Daemon {
   absl::Status StartServer(std::shared_ptr<grpc::ServerCredentials> tcp_credentials);
 
   DaemonConfig config_;
+  // First: released last, after the socket is removed and the state written.
+  std::unique_ptr<InstanceLock> socket_lock_;
+  std::unique_ptr<InstanceLock> state_dir_lock_;  // null without --state_dir
   std::string peer_address_;
   std::unique_ptr<ShardStore> store_;
   std::unique_ptr<state::StateDir> state_dir_;  // null without --state_dir; outlives groups_
