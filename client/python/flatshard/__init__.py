@@ -29,7 +29,7 @@ Errors are flatshard.FlatshardError subclasses carrying .code (gRPC code name) a
 from .errors import (AbortedError, AlreadyExistsError, DeadlineExceededError,
                      FailedPreconditionError, FlatshardError, InternalError,
                      InvalidArgumentError, NotFoundError, PermissionDeniedError,
-                     ResourceExhaustedError, UnavailableError)
+                     ResourceExhaustedError, ShardsLostError, UnavailableError)
 from ._tensors import ReadOnlyTensor, ReadOnlyViewError
 from ._client import (Client, PendingReduceScatter, Registered, ShardViews, Summoned,
                       UnitShard)
@@ -39,7 +39,7 @@ __all__ = [
     "ReadOnlyTensor", "ReadOnlyViewError",
     "FlatshardError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError",
     "PermissionDeniedError", "FailedPreconditionError", "AbortedError", "UnavailableError",
-    "DeadlineExceededError", "ResourceExhaustedError", "InternalError",
+    "DeadlineExceededError", "ResourceExhaustedError", "InternalError", "ShardsLostError",
 ]
 
 

@@ -17,6 +17,7 @@ __all__ = [
     "DeadlineExceededError",
     "ResourceExhaustedError",
     "InternalError",
+    "ShardsLostError",
 ]
 
 
@@ -73,6 +74,14 @@ class ResourceExhaustedError(FlatshardError):
 
 class InternalError(FlatshardError):
     code = "INTERNAL"
+
+
+class ShardsLostError(FailedPreconditionError):
+    """Raised by flatshard.torch (never by the C++ client): a trainer that expected to
+    re-attach to a registered module (``FlatShardModule.reattach()``, or the constructor's
+    ``require_reattach=True``) found that the group no longer has it, e.g. the daemon
+    restarted without ``--state_dir``. Registering again would silently start over from the
+    module's initial values at generation 0."""
 
 
 _BY_CODE = {

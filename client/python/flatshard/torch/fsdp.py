@@ -24,11 +24,13 @@ import enum
 import json
 import warnings
 import weakref
+from collections import OrderedDict
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
+from ..errors import FailedPreconditionError, ShardsLostError
 from . import manifest as _manifest
 from . import wrap as _wrap
 
@@ -133,6 +135,9 @@ class FlatShardModule(nn.Module):
     - ``use_orig_params``: as FSDP: the optimizer sees the original parameters (1-D views of
       this rank's part of each, possibly empty); False: one flat shard per unit.
     - ``name``: the module path to register under ("" = the whole model).
+    - ``require_reattach``: True for a trainer that restarts and expects to find its module
+      registered: if the group no longer has it (e.g. the daemon restarted without
+      ``--state_dir``), ``flatshard.ShardsLostError`` instead of a fresh registration.
 
     A module already registered in the group (a trainer that crashed and came back, see
     ``reattached``) is re-attached: the live shards win over the module's current values.
@@ -144,12 +149,21 @@ class FlatShardModule(nn.Module):
     group rolls every rank's shards back to the last committed generation once every rank
     has joined again; a restarted trainer re-attaches there (``generation`` tells which step
     to resume from), a surviving one calls ``reattach()`` after joining again.
+
+    Checkpoints hold committed steps only: ``save_checkpoint`` raises
+    ``FailedPreconditionError`` while this rank's parameters hold optimizer steps that were
+    not committed (``uncommitted_steps``), instead of silently saving an older generation.
+
+    Nested inside another module, the wrapper keeps the nn.Module contract: the outer
+    module's ``state_dict()`` / ``load_state_dict()`` see the unwrapped module's full
+    parameters and buffers under the wrapper's own prefix (as FSDP's FULL_STATE_DICT), and
+    both are collective (every rank calls them).
     """
 
     def __init__(self, module: nn.Module, client: Any, *, auto_wrap_policy: Any = None,
                  ignored_modules: Optional[Iterable[nn.Module]] = None,
                  sync_module_states: bool = False, use_orig_params: bool = False,
-                 name: str = "", reduce_op: str = "avg"):
+                 name: str = "", reduce_op: str = "avg", require_reattach: bool = False):
         super().__init__()
         self.module = module
         self._client = client
@@ -164,24 +178,42 @@ class FlatShardModule(nn.Module):
         manifest = _manifest.manifest_json(module)
         policy = _wrap.policy_json(module, auto_wrap_policy, self._ignored, use_orig_params)
         self.policy_json = json.dumps(policy, separators=(",", ":"))
+        # registered_modules: the group's modules when this client joined (the same on every
+        # rank, so every rank decides alike, before the collective register).
         self.reattached = name in list(client.registered_modules)
+        if require_reattach and not self.reattached:
+            raise ShardsLostError(
+                f"FlatShardModule(require_reattach=True): the group has no module {name!r} "
+                f"registered, so its shards are gone (e.g. the daemon restarted without "
+                f"--state_dir); registering would start over from this module's values at "
+                f"generation 0. Load a checkpoint into a wrapper made without "
+                f"require_reattach, or start over knowingly")
         init = "from_rank0" if sync_module_states else "from_every_rank"
         self._manifest_json, self._init = manifest, init
         self.backward_error: Optional[BaseException] = None
-        reg = client.register(name, manifest, self.policy_json, init=init)
-        self._plan = reg.plan
-        self._generation = int(getattr(reg, "generation", 0))
-        self._build_units(reg.plan)
-        if reg.init_summon is not None:
-            self._fill_init_summon(reg.init_summon)
-        self._attach_shards(reg.shards)
-        self._install_hooks()
         # Per step state.
         self._fwd: Dict[int, Any] = {}      # unit -> open forward summon
         self._fwd_depth: Dict[int, int] = {}
         self._bwd: Dict[int, Any] = {}      # unit -> open backward summon
         self._reduced: set = set()          # units reduce-scattered in this backward
-        self._final_queued = False
+        self._final_queued = False          # also: a backward started and did not finish
+        self._in_forward = 0                # forward() calls running (re-entrance)
+        self._loading: Optional[Tuple[Any, ...]] = None  # an open load_state_dict summon
+        self._uncommitted = 0               # optimizer steps since the last commit (seen)
+        self._seen_versions: List[int] = []
+        reg = client.register(name, manifest, self.policy_json, init=init)
+        self._plan = reg.plan
+        self._generation = int(getattr(reg, "generation", 0))
+        self._build_units(reg.plan)
+        fresh = reg.init_summon is not None  # the same on every rank
+        if fresh:
+            self._fill_init_summon(reg.init_summon)
+        self._attach_shards(reg.shards)
+        if sync_module_states and fresh:
+            self._sync_buffers()
+        self._mark_committed()
+        self._install_hooks()
+        self.register_load_state_dict_post_hook(_load_post_hook)
         _WRAPPERS.add(self)
 
     # ------------------------------------------------------------------ registration
@@ -216,12 +248,37 @@ class FlatShardModule(nn.Module):
         naming late ranks, FailedPreconditionError for a rank that did not re-read its views
         after a rollback) no rank committed: the step's in-place updates are rolled back on
         every rank once every rank has joined again; join again and ``reattach()``."""
+        self._recover()
         if self._state == TrainingState.SUMMON_FULL_PARAMS or self._fwd or self._bwd:
             raise AssertionError("FlatShardModule.commit: called inside "
                                  + ("summon_full_params" if self._state ==
                                     TrainingState.SUMMON_FULL_PARAMS else "forward/backward"))
         self._generation = int(self._client.commit(self._name))
+        self._mark_committed()
         return self._generation
+
+    # Uncommitted steps. torch bumps a tensor's version counter on every in-place write, which
+    # is how optimizers update parameters; a changed version seen at a forward (or at the
+    # check) is one more optimizer step the daemon's committed copy does not hold.
+    def _param_versions(self) -> List[int]:
+        return [p._version for _, p in self.named_sharded_parameters()]
+
+    def _note_writes(self, force: bool = False) -> None:
+        versions = self._param_versions()
+        if force or versions != self._seen_versions:
+            self._uncommitted += 1
+            self._seen_versions = versions
+
+    def _mark_committed(self) -> None:
+        self._uncommitted = 0
+        self._seen_versions = self._param_versions()
+
+    @property
+    def uncommitted_steps(self) -> int:
+        """Optimizer steps (in-place updates of this rank's sharded parameters, counted once
+        between forwards) since the last commit: what ``save_checkpoint`` refuses to drop."""
+        self._note_writes()
+        return self._uncommitted
 
     def step(self, optimizer: Any, closure: Any = None) -> int:
         """``optimizer.step(closure)`` then ``commit()``: one committed training step.
@@ -318,8 +375,24 @@ class FlatShardModule(nn.Module):
         parameter objects at the shards, so the optimizer carries on (its state, e.g.
         momentum, is the trainer's and is not rolled back, unless it is kept in the daemon
         with ``flatshard.torch.keep_optimizer_state``: then it is rolled back with the
-        shards). Returns ``generation``: redo the steps from there."""
+        shards). Returns ``generation``: redo the steps from there.
+
+        Raises ``flatshard.ShardsLostError`` (registering nothing) when the group no longer
+        has the module (e.g. the daemon restarted without ``--state_dir``): registering
+        again would silently start over at generation 0."""
         self._abandon_step()
+        self._end_load()
+        if self._name not in list(self._client.registered_modules):
+            # The group's modules as of this client's last join, the same on every rank:
+            # every rank raises here, before the collective register.
+            raise ShardsLostError(
+                f"reattach: the group has no module {self._name!r} registered (as of this "
+                f"client's last join): the shards this wrapper trained to generation "
+                f"{self._generation} are gone (e.g. the daemon restarted without "
+                f"--state_dir), or this client did not join again after the failure "
+                f"(client.leave(); client.join(...) first). Registering would start over "
+                f"from the initial values at generation 0: load a checkpoint into a new "
+                f"FlatShardModule instead")
         reg = self._client.register(self._name, self._manifest_json, self.policy_json,
                                     init=self._init)
         if reg.plan.get("fingerprint") != self._plan.get("fingerprint"):
@@ -330,9 +403,60 @@ class FlatShardModule(nn.Module):
             self._fill_init_summon(reg.init_summon)
         self._attach_shards(reg.shards)
         self._generation = int(getattr(reg, "generation", 0))
+        self._mark_committed()
         self.reattached = True
         self.backward_error = None
         return self._generation
+
+    def _sync_buffers(self) -> None:
+        """sync_module_states for buffers: FSDP broadcasts them with the parameters, but the
+        daemon keeps parameters only and the client has no broadcast. So rank 0's buffer
+        bytes travel through the units' gradient buffers: each byte as a value 0..255 (exact
+        in every float dtype, so any buffer dtype arrives bit for bit), zeros on the other
+        ranks, a SUM reduce-scatter (x + 0 is exact) and a with_grads summon, which shows
+        every rank the whole sum. The gradients are zeroed afterwards (the first backward
+        overwrites them anyway: nothing points the optimizer at them yet). Collective."""
+        ignored = {id(b) for m in self._ignored for b in m.buffers()}
+        bufs = [b for b in self.module.buffers() if id(b) not in ignored]
+        units = [u for u in self._units if u.requires_grad]
+        if not bufs:
+            return
+        if not units:
+            warnings.warn("sync_module_states: no unit has a gradient buffer to carry the "
+                          "buffers; they were not broadcast from rank 0")
+            return
+        rank0 = self._rank() == 0
+        with torch.no_grad():
+            data = torch.cat([b.detach().reshape(-1).view(torch.uint8) for b in bufs])
+            if not rank0:
+                data.zero_()
+            total, pos = data.numel(), 0
+            while pos < total:  # one round unless the buffers outgrow the parameters
+                chunks = []  # (unit, start in data, count)
+                for u in units:
+                    n = min(u.padded_numel, total - pos)
+                    if n <= 0:
+                        break
+                    pending = self._client.begin_reduce_scatter(self._name, u.index, "sum",
+                                                                False)
+                    flat = _plain(pending.flat)
+                    flat.zero_()
+                    flat.narrow(0, 0, n).copy_(data.narrow(0, pos, n))
+                    pending.finish()
+                    chunks.append((u.index, pos, n))
+                    pos += n
+                with self._client.summon(self._name, "", recurse=True, writeback=False,
+                                         with_grads=True) as s:
+                    for unit, lo, n in chunks:
+                        data.narrow(0, lo, n).copy_(_plain(s.flat_grad(unit)).narrow(0, 0, n))
+            pos = 0
+            for b in bufs:
+                nb = b.numel() * b.element_size()
+                b.copy_(data.narrow(0, pos, nb).clone().view(b.dtype).view(b.shape))
+                pos += nb
+            for sh in self._client.shard_views(self._name):
+                if sh.grad is not None:
+                    sh.grad.zero_()
 
     @staticmethod
     def _shard_slice(u: _Unit, p: _Param, flat_shard: torch.Tensor) -> torch.Tensor:
@@ -414,15 +538,19 @@ class FlatShardModule(nn.Module):
                 lambda m, args, out, _u=u.index: self._post_forward(_u)))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._recover()
         if self._state == TrainingState.SUMMON_FULL_PARAMS:
             raise AssertionError("FlatShardModule: forward inside summon_full_params")
-        if self._state == TrainingState.FORWARD_BACKWARD and not self._fwd:
-            # An earlier step did not finish its backward (no backward, or it failed): drop
-            # what it left open before starting again.
+        if not self._in_forward and (self._state == TrainingState.FORWARD_BACKWARD or
+                                     self._fwd or self._fwd_depth or self._bwd):
+            # An earlier step did not finish its backward (no backward, or it failed), or
+            # unit hooks ran outside forward() and failed: drop what is left open first.
             self._abandon_step()
+        self._note_writes()
         self._state = TrainingState.FORWARD_BACKWARD
         self.backward_error = None
         root = self._unit_of_module.get(id(self.module))
+        self._in_forward += 1
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 if root is not None:
@@ -430,13 +558,24 @@ class FlatShardModule(nn.Module):
                 out = self.module(*args, **kwargs)
                 if root is not None:
                     self._post_forward(root)
+            if torch.is_grad_enabled() and self._register_pre_backward(out):
+                return out
         except BaseException:
             self._abandon_step()
             raise
-        if torch.is_grad_enabled() and self._register_pre_backward(out):
-            return out
+        finally:
+            self._in_forward -= 1
         self._state = TrainingState.IDLE
         return out
+
+    def _recover(self) -> None:
+        """Makes the wrapper usable again after an error that escaped it: ends a
+        ``load_state_dict`` summon an outer module's failed load left open, and drops a step
+        whose backward started but ended without its final callback (the engine raised)."""
+        self._end_load()
+        if (self._state == TrainingState.FORWARD_BACKWARD and not self._in_forward
+                and self._final_queued and not _in_backward()):
+            self._abandon_step()
 
     def _register_pre_backward(self, out: Any) -> bool:
         tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -452,34 +591,51 @@ class FlatShardModule(nn.Module):
         return grad
 
     def _pre_forward(self, unit: int) -> None:
+        # The summon's full parameters are installed: a unit's own summon would fail (and
+        # before this check, left a depth count behind that skipped the next summon).
+        if self._state == TrainingState.SUMMON_FULL_PARAMS:
+            raise AssertionError("FlatShardModule: forward inside summon_full_params")
         u = self._units[unit]
         depth = self._fwd_depth.get(unit, 0)
-        self._fwd_depth[unit] = depth + 1
         if depth > 0:
+            self._fwd_depth[unit] = depth + 1
             return  # a module called again inside its own forward: already summoned
         s = self._client.summon(self._name, u.path, recurse=False, writeback=False)
-        flat = _plain(s.flat(unit))
-        self._fwd[unit] = (s, flat, flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size())
-        if torch.is_grad_enabled() and u.requires_grad:
-            dummy = torch.empty(0, requires_grad=True)
-            views = _UnitParams.apply(self, unit, dummy, flat)
-        else:
-            views = tuple(flat.narrow(0, p.offset, p.numel).view(p.shape) for p in u.params)
-        for p, v in zip(u.params, views):
-            for m, attr in p.sites:
-                m._parameters[attr] = v
+        try:
+            flat = _plain(s.flat(unit))
+            self._fwd[unit] = (s, flat, flat.data_ptr(),
+                               flat.data_ptr() + flat.numel() * flat.element_size())
+            if torch.is_grad_enabled() and u.requires_grad:
+                dummy = torch.empty(0, requires_grad=True)
+                views = _UnitParams.apply(self, unit, dummy, flat)
+            else:
+                views = tuple(flat.narrow(0, p.offset, p.numel).view(p.shape) for p in u.params)
+            for p, v in zip(u.params, views):
+                for m, attr in p.sites:
+                    m._parameters[attr] = v
+        except BaseException:
+            self._restore_sites(u)
+            self._fwd.pop(unit, None)
+            with contextlib.suppress(Exception):
+                s.end()
+            raise
+        self._fwd_depth[unit] = 1  # counted only once the summon is in place
 
-    def _post_forward(self, unit: int) -> None:
-        depth = self._fwd_depth.get(unit, 0) - 1
-        self._fwd_depth[unit] = depth
-        if depth > 0:
-            return
-        u = self._units[unit]
+    def _restore_sites(self, u: _Unit) -> None:
         for p in u.params:
             for m, attr in p.sites:
                 m._parameters[attr] = p.param
-        s = self._fwd.pop(unit)[0]
-        s.end()
+
+    def _post_forward(self, unit: int) -> None:
+        depth = self._fwd_depth.get(unit, 0) - 1
+        if depth > 0:
+            self._fwd_depth[unit] = depth
+            return
+        self._fwd_depth.pop(unit, None)
+        self._restore_sites(self._units[unit])
+        got = self._fwd.pop(unit, None)
+        if got is not None:
+            got[0].end()
 
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._fwd or t.device.type != "cpu" or t.numel() == 0:
@@ -561,9 +717,7 @@ class FlatShardModule(nn.Module):
                 except Exception:  # noqa: BLE001 - the step already failed; keep its error
                     pass
         for u in self._units:
-            for p in u.params:
-                for m, attr in p.sites:
-                    m._parameters[attr] = p.param
+            self._restore_sites(u)
         self._fwd_depth.clear()
         self._reduced.clear()
         self._final_queued = False
@@ -584,7 +738,11 @@ class FlatShardModule(nn.Module):
     @contextlib.contextmanager
     def _summon(self, path: str, recurse: bool, writeback: bool, rank0_only: bool,
                 offload_to_cpu: bool, with_grads: bool):
-        if self._state == TrainingState.FORWARD_BACKWARD:
+        self._recover()
+        # As FSDP: refused during a forward or backward, allowed between them (a forward
+        # whose backward has not started, or never will).
+        if self._state == TrainingState.FORWARD_BACKWARD and (
+                self._in_forward or self._bwd or _in_backward()):
             raise AssertionError(ERR_IN_FORWARD_BACKWARD)
         if self._state == TrainingState.SUMMON_FULL_PARAMS:
             raise AssertionError(ERR_NESTED_SUMMON)
@@ -593,7 +751,7 @@ class FlatShardModule(nn.Module):
             # writeback summon gives every rank its own copy; read-only ones share one).
             warnings.warn("offload_to_cpu=True and rank0_only=False with writeback=True gives "
                           "every rank its own host copy of the unsharded parameters")
-        self._state = TrainingState.SUMMON_FULL_PARAMS
+        prev, self._state = self._state, TrainingState.SUMMON_FULL_PARAMS
         installed: List[_Param] = []
         try:
             s = self._client.summon(self._name, path, recurse=recurse, writeback=writeback,
@@ -626,8 +784,9 @@ class FlatShardModule(nn.Module):
             if writeback:  # a writeback End commits: learn the new generation (local call)
                 views = self._client.shard_views(self._name)
                 self._generation = int(getattr(views, "generation", self._generation))
+                self._mark_committed()  # the commit took this rank's in-place updates too
         finally:
-            self._state = TrainingState.IDLE
+            self._state = prev  # IDLE, or a forward still waiting for its backward
 
     # ------------------------------------------------------------------ state dicts
     def full_state_dict(self, rank0_only: bool = False,
@@ -652,16 +811,66 @@ class FlatShardModule(nn.Module):
             with torch.no_grad():
                 self.module.load_state_dict(state_dict, strict=strict)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, torch.Tensor]:  # noqa: D401
-        """FSDP's default (FULL_STATE_DICT): the full state dict on every rank."""
-        if args or kwargs:
-            raise TypeError("FlatShardModule.state_dict takes no arguments; use "
-                            "full_state_dict(rank0_only=..., offload_to_cpu=...) or "
-                            "sharded_state_dict()")
-        return self.full_state_dict()
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> Dict[str, torch.Tensor]:
+        """torch's signature, FSDP's default (FULL_STATE_DICT): the unwrapped module's keys
+        under ``prefix`` (no ``module.`` level, so an outer module's state_dict() has the
+        keys a plain module there would give), full values as copies, on every rank.
+        Collective. ``keep_vars``: parameters come back as Parameters (copies: the full
+        values exist only inside a summon). See full_state_dict for rank0_only/offload."""
+        if args:  # torch's deprecated positional form (destination, prefix, keep_vars)
+            if len(args) > 3:
+                raise TypeError(f"state_dict: at most 3 positional arguments, got {len(args)}")
+            destination, prefix, keep_vars = (tuple(args) + (destination, prefix,
+                                                             keep_vars)[len(args):])
+        if destination is None:
+            destination = OrderedDict()
+            destination._metadata = OrderedDict()  # type: ignore[attr-defined]
+        with self._summon("", True, False, False, False, False):
+            inner = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+            for k, v in inner.items():
+                c = v.detach().clone()
+                destination[k] = (nn.Parameter(c, requires_grad=v.requires_grad)
+                                  if keep_vars and isinstance(v, nn.Parameter) else c)
+        meta = getattr(destination, "_metadata", None)
+        if meta is not None:
+            meta.update(getattr(inner, "_metadata", {}))
+        return destination
 
-    def load_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True):
-        self.load_full_state_dict(state_dict, strict=strict)
+    def load_state_dict(self, state_dict: Any, strict: bool = True):
+        """torch's: the unwrapped module's keys (as ``state_dict()`` gives them), full
+        values, strict as torch; returns torch's (missing_keys, unexpected_keys). Collective:
+        writes back into the shards and commits (``generation`` + 1)."""
+        try:
+            return super().load_state_dict(state_dict, strict)
+        finally:
+            self._end_load()  # an error escaped the walk before the post hook ended it
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # torch's load_state_dict (ours or an outer module's) walks into self.module next,
+        # with the prefix "<prefix>module.": rename the keys to that (FSDP's pre-hook does
+        # the same) and unshard with writeback, so the walk copies into the full parameters
+        # with torch's own strict checks. The post hook ends the summon (write back, commit)
+        # and names the keys in the reports without "module." again.
+        self._end_load()
+        for k in [k for k in state_dict if k.startswith(prefix)]:
+            state_dict[prefix + "module." + k[len(prefix):]] = state_dict.pop(k)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+        cm = self._summon("", True, True, False, False, False)
+        cm.__enter__()
+        self._loading = (cm, prefix, [(lst, len(lst)) for lst in (missing_keys,
+                                                                  unexpected_keys, error_msgs)])
+
+    def _end_load(self) -> None:
+        ctx, self._loading = self._loading, None
+        if ctx is None:
+            return
+        cm, prefix, reports = ctx
+        for lst, start in reports:
+            lst[start:] = [x.replace(prefix + "module.", prefix) for x in lst[start:]]
+        cm.__exit__(None, None, None)
 
     def sharded_state_dict(self) -> Dict[str, Any]:
         """This rank's shards (copies, padded, one ``<unit path>.flat_param`` each) and its
@@ -696,6 +905,7 @@ class FlatShardModule(nn.Module):
                                      f"({u.shard_numel},), got "
                                      f"{None if t is None else tuple(t.shape)}")
                 u.shard.copy_(t)
+            self._note_writes(force=True)  # new shard values, not committed yet
             local = {k: v for k, v in self.module.state_dict().items()
                      if k not in self._managed_fqns}
             missing = sorted(set(local) - set(sd))
@@ -720,7 +930,19 @@ class FlatShardModule(nn.Module):
         """Asks the daemon to write this module's committed step (the last ``commit()``, the
         same generation on every rank) to `directory` (flatshard.checkpoint/1). Call it on
         one rank; the others may go on (a commit landing during the write waits for it).
-        Returns the daemon's report (generation, bytes, files, ranks, path)."""
+        Returns the daemon's report (generation, bytes, files, ranks, path).
+        Raises FailedPreconditionError, writing nothing, while this rank's parameters hold
+        optimizer steps not committed yet (``uncommitted_steps``): the checkpoint would
+        silently hold the older committed generation. Commit first."""
+        self._note_writes()
+        if self._uncommitted:
+            n = self._uncommitted
+            raise FailedPreconditionError(
+                f"save_checkpoint: this rank's shards hold {n} uncommitted optimizer "
+                f"step{'' if n == 1 else 's'} (in-place parameter updates since generation "
+                f"{self._generation} was committed); the checkpoint would hold generation "
+                f"{self._generation}, not what was trained. Call model.commit() on every rank "
+                f"after optimizer.step() (or model.step(optimizer)), then save")
         return self._client.save_checkpoint(self._name, directory)
 
     def load_checkpoint(self, directory: Optional[str] = None, *,
@@ -748,7 +970,28 @@ class FlatShardModule(nn.Module):
         views = self._client.shard_views(self._name)
         self._attach_shards(views)
         self._generation = int(views.generation)
+        self._mark_committed()
         return self._generation
+
+
+def _load_post_hook(module: "FlatShardModule", incompatible_keys: Any) -> None:
+    module._end_load()
+
+
+# A grad_fn to probe the autograd engine with (never executed).
+_PROBE = (torch.zeros(1, requires_grad=True) * 1).grad_fn
+
+
+def _in_backward() -> bool:
+    """Whether this thread runs an autograd backward now (torch raises outside one). Without
+    the probe (another torch), assume it does: keeps the step instead of dropping it."""
+    try:
+        torch._C._will_engine_execute_node(_PROBE)
+        return True
+    except RuntimeError:
+        return False
+    except Exception:  # noqa: BLE001 - the private API changed
+        return True
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
