@@ -109,11 +109,28 @@ class Barrier(threading.Barrier):
         return super().wait(timeout)
 
 
+def run_group(address, world, fn, group=None, timeout=120.0):
+    """Runs fn(rank, client) for every rank of a fresh group (or `group`), each in its own
+    thread with its own Client joined; returns the results by rank; re-raises the first
+    rank's exception."""
+    group = group or "t-" + uuid.uuid4().hex[:8]
+
+    def body(rank):
+        c = flatshard.Client(address, call_timeout=30.0, join_timeout=30.0)
+        try:
+            c.join(group, world, rank)
+            return fn(rank, c)
+        finally:
+            c.close()
+
+    return dict(enumerate(run_ranks(world, body, timeout)))
+
+
 def connect(daemon, **kw):
     kw.setdefault("call_timeout", 30.0)
     kw.setdefault("join_timeout", 30.0)
     return flatshard.Client(daemon.address, **kw)
 
 
-__all__ = ["read_model", "mlp_manifest", "MLP_POLICY", "unit_of", "run_ranks", "Barrier",
-           "connect", "copy"]
+__all__ = ["read_model", "mlp_manifest", "MLP_POLICY", "unit_of", "run_ranks", "run_group",
+           "Barrier", "connect", "copy"]

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import threading
-import uuid
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ SOURCE_DIR = Path(os.environ.get("FS_SOURCE_DIR", Path(__file__).resolve().paren
 sys.path.insert(0, str(SOURCE_DIR / "examples" / "python"))
 import gpt  # noqa: E402
 import run_gpt  # noqa: E402
+from conftest import run_group  # noqa: E402
 
 BATCH = 4
 
@@ -40,30 +40,8 @@ def daemon():
 
 
 def run_ranks(daemon, world, fn, timeout=120):
-    """Runs fn(rank, client) for every rank in its own thread (each with its own Client joined
-    to one fresh group); re-raises the first rank's exception; returns the results by rank."""
-    group = "t-" + uuid.uuid4().hex[:8]
-    results, errors = {}, {}
-
-    def body(rank):
-        c = flatshard.Client(daemon.address, call_timeout=30.0, join_timeout=30.0)
-        try:
-            c.join(group, world, rank)
-            results[rank] = fn(rank, c)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
-            errors[rank] = e
-        finally:
-            c.close()
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), f"a rank did not finish within {timeout}s"
-    if errors:
-        raise errors[min(errors)]
-    return results
+    """fn(rank, client) on every rank of a fresh group, as threads (conftest.run_group)."""
+    return run_group(daemon.address, world, fn, timeout=timeout)
 
 
 _RNG = threading.Lock()

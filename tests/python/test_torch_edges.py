@@ -7,7 +7,6 @@ By hand: PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \
     /usr/bin/python3 -m pytest -q tests/python/test_torch_edges.py
 """
 import threading
-import uuid
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import torch.nn as nn
 import flatshard
 import flatshard.testing
 from flatshard.torch import FlatShardModule, ModuleWrapPolicy, TrainingState, summon_full_params
+from conftest import run_group
 
 WORLD = 2
 _RNG = threading.Lock()
@@ -68,28 +68,7 @@ def daemon():
 
 def run_ranks(address, fn, world=WORLD, group=None, timeout=60):
     """fn(rank, client) on every rank, each a thread with its own joined Client."""
-    group = group or "e-" + uuid.uuid4().hex[:8]
-    results, errors = {}, {}
-
-    def body(rank):
-        c = flatshard.Client(address, call_timeout=20.0, join_timeout=20.0)
-        try:
-            c.join(group, world, rank)
-            results[rank] = fn(rank, c)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
-            errors[rank] = e
-        finally:
-            c.close()
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), f"a rank did not finish within {timeout}s"
-    if errors:
-        raise errors[min(errors)]
-    return results
+    return run_group(address, world, fn, group=group, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- 1. nesting
