@@ -200,6 +200,8 @@ class FlatShardModule(nn.Module):
         self._in_forward = 0                # forward() calls running (re-entrance)
         self._loading: Optional[Tuple[Any, ...]] = None  # an open load_state_dict summon
         self._uncommitted = 0               # optimizer steps since the last commit (seen)
+        self._no_sync = False               # inside no_sync(): gradients stay local
+        self._accum: Dict[int, torch.Tensor] = {}  # unit -> its full gradient summed locally
         self._seen_versions: List[int] = []
         reg = client.register(name, manifest, self.policy_json, init=init)
         self._plan = reg.plan
@@ -675,28 +677,67 @@ class FlatShardModule(nn.Module):
 
     def _reduce_scatter(self, unit: int, grads: Tuple[Optional[torch.Tensor], ...]) -> None:
         u = self._units[unit]
-        accumulate = unit in self._reduced or self._has_grads(u)
-        pending = self._client.begin_reduce_scatter(self._name, unit, self._reduce_op, accumulate)
-        buf = _plain(pending.flat)
-        with torch.no_grad():
-            for p, g in zip(u.params, grads):
-                dst = buf.narrow(0, p.offset, p.numel)
-                if g is None:
-                    dst.zero_()
-                else:
-                    dst.view(p.shape).copy_(g)
-            for lo, hi in u.gaps:
-                buf.narrow(0, lo, hi - lo).zero_()
-        pending.finish()
-        self._reduced.add(unit)
+        if self._no_sync:
+            self._accumulate_locally(u, grads)
+        else:
+            held = self._accum.pop(unit, None)  # what no_sync() backward passes summed
+            accumulate = unit in self._reduced or self._has_grads(u)
+            pending = self._client.begin_reduce_scatter(self._name, unit, self._reduce_op,
+                                                        accumulate)
+            buf = _plain(pending.flat)
+            with torch.no_grad():
+                for p, g in zip(u.params, grads):
+                    dst = buf.narrow(0, p.offset, p.numel)
+                    if g is None:
+                        dst.zero_()
+                    else:
+                        dst.view(p.shape).copy_(g)
+                for lo, hi in u.gaps:
+                    buf.narrow(0, lo, hi - lo).zero_()
+                if held is not None:
+                    buf.add_(held)  # its gaps are zeros
+            pending.finish()
+            self._reduced.add(unit)
         got = self._bwd.pop(unit, None)
         if got is not None:
             got[0].end()
+
+    def _accumulate_locally(self, u: _Unit, grads: Tuple[Optional[torch.Tensor], ...]) -> None:
+        acc = self._accum.get(u.index)
+        if acc is None:
+            acc = torch.zeros(u.padded_numel, dtype=u.flat_param.dtype)
+            self._accum[u.index] = acc
+        with torch.no_grad():
+            for p, g in zip(u.params, grads):
+                if g is not None:
+                    acc.narrow(0, p.offset, p.numel).view(p.shape).add_(g)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """As FSDP's ``no_sync()``: the backward passes run inside it reduce-scatter
+        nothing; each unit's full (unsharded) gradient is summed in this process instead
+        (memory: one full-size buffer per unit, as FSDP's), and the first backward outside
+        reduce-scatters the sum with its own gradients, once per unit. A unit that backward
+        does not reach reduce-scatters its sum alone at its end. Sharded ``.grad`` do not
+        change inside. Every rank must use it alike: the collectives must match."""
+        if self._state != TrainingState.IDLE:
+            raise AssertionError("FlatShardModule.no_sync: called inside a forward/backward "
+                                 "or summon_full_params")
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
 
     def _final_callback(self) -> None:
         try:
             for unit in list(self._bwd):
                 self._bwd.pop(unit)[0].end()
+            if not self._no_sync:
+                # Units this backward did not reach still owe their no_sync() sums; the same
+                # units on every rank (same model, same order), so the collectives match.
+                for unit in sorted(self._accum):
+                    self._reduce_scatter(unit, (None,) * len(self._units[unit].params))
             self._refresh_grads()
         except BaseException as e:
             self.backward_error = e

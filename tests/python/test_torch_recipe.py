@@ -1,0 +1,118 @@
+"""The rest of FSDP's training recipe through flatshard.torch: gradient accumulation with
+no_sync(). Ranks are threads, each with its own Client, on one flatshardd per test.
+
+By hand: PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \
+    /usr/bin/python3 -m pytest -q tests/python/test_torch_recipe.py
+"""
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+import flatshard
+import flatshard.testing
+from flatshard.torch import FlatShardModule, ModuleWrapPolicy
+from conftest import run_group
+
+WORLD = 2
+MICRO_BATCHES = 4
+_RNG = threading.Lock()
+
+
+class Net(nn.Module):
+    """Three units with ModuleWrapPolicy({nn.Linear}): fc1, fc2 and the root (none left)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 16)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def net():
+    with _RNG:  # ranks are threads: take turns with torch's global generator
+        torch.manual_seed(0)
+        return Net()
+
+
+def micro_batch(rank, k):
+    g = torch.Generator().manual_seed(1000 * rank + k)
+    return torch.randn(5, 4, generator=g)
+
+
+class CountingClient:
+    """The rank's client, counting the reduce-scatters the wrapper starts."""
+
+    def __init__(self, client):
+        self._client = client
+        self.reduce_scatters = 0
+
+    def begin_reduce_scatter(self, *args, **kwargs):
+        self.reduce_scatters += 1
+        return self._client.begin_reduce_scatter(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+@pytest.fixture
+def daemon():
+    with flatshard.testing.LocalDaemon() as d:
+        yield d
+
+
+def grads_after(daemon, use_no_sync):
+    """Every rank's sharded gradients after MICRO_BATCHES backward passes (the first ones
+    inside no_sync() when use_no_sync), and the reduce-scatters each pass started."""
+
+    def fn(rank, c):
+        model = FlatShardModule(net(), c, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+        counting = CountingClient(model._client)
+        model._client = counting
+        started = []
+        for k in range(MICRO_BATCHES):
+            last = k == MICRO_BATCHES - 1
+            before = counting.reduce_scatters
+            if use_no_sync and not last:
+                with model.no_sync():
+                    model(micro_batch(rank, k)).square().sum().backward()
+                assert all(p.grad is None for p in model.sharded_parameters()), \
+                    "no_sync() changed a sharded gradient"
+            else:
+                model(micro_batch(rank, k)).square().sum().backward()
+            started.append(counting.reduce_scatters - before)
+        return [p.grad.clone() for p in model.sharded_parameters()], started
+
+    return run_group(daemon.address, WORLD, fn)
+
+
+def test_no_sync_accumulates_locally_and_reduce_scatters_once(daemon):
+    plain = grads_after(daemon, use_no_sync=False)
+    synced = grads_after(daemon, use_no_sync=True)
+    for rank in range(WORLD):
+        want, every_pass = plain[rank]
+        got, passes = synced[rank]
+        units = every_pass[0]
+        assert units > 0 and every_pass == [units] * MICRO_BATCHES
+        # No collective inside no_sync(); the synced backward reduces each unit once.
+        assert passes == [0] * (MICRO_BATCHES - 1) + [units]
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            # The same sums in another order: equal to float32 round-off.
+            assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), (g - w).abs().max()
+
+
+def test_no_sync_is_refused_inside_a_forward_backward(daemon):
+    def fn(rank, c):
+        model = FlatShardModule(net(), c, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+        out = model(micro_batch(rank, 0))
+        with pytest.raises(AssertionError, match="no_sync: called inside"):
+            with model.no_sync():
+                pass
+        out.sum().backward()  # the step goes on as if nothing happened
+        return all(p.grad is not None for p in model.sharded_parameters())
+
+    assert all(run_group(daemon.address, WORLD, fn).values())
