@@ -5,6 +5,7 @@ wrapped units. Ranks are threads, each with its own Client, on one flatshardd pe
 By hand: PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \
     /usr/bin/python3 -m pytest -q tests/python/test_torch_recipe.py
 """
+import math
 import threading
 
 import pytest
@@ -13,7 +14,7 @@ import torch.nn as nn
 
 import flatshard
 import flatshard.testing
-from flatshard.torch import FlatShardModule, ModuleWrapPolicy
+from flatshard.torch import FlatShardModule, ModuleWrapPolicy, summon_full_params
 from torch.utils.checkpoint import checkpoint
 from conftest import run_group
 
@@ -174,3 +175,52 @@ def test_activation_checkpointing_around_units_gives_the_same_gradients(daemon, 
         for g, w in zip(g_params, w_params):
             assert torch.equal(g, w)  # the same ops in the same order: bit for bit
         assert torch.equal(g_x, w_x)
+
+
+# ------------------------------------------------------------------ gradient clipping
+def reference_clipped(max_norm, norm_type):
+    """A single process: the rank-averaged gradients of one backward (the wrapper's "avg"
+    reduce), clipped by torch.nn.utils.clip_grad_norm_. Returns (total norm, grads by name)."""
+    grads = {}
+    for rank in range(WORLD):
+        plain = net()
+        plain(micro_batch(rank, 0)).square().sum().backward()
+        for name, p in plain.named_parameters():
+            grads[name] = grads.get(name, 0) + p.grad / WORLD
+    plain = net()
+    for name, p in plain.named_parameters():
+        p.grad = grads[name].clone()
+    total = torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm, norm_type)
+    return total, {name: p.grad for name, p in plain.named_parameters()}
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf], ids=["l2", "l1", "inf"])
+@pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["clips", "no_clip"])
+def test_clip_grad_norm_matches_torch_on_the_averaged_gradients(daemon, max_norm, norm_type):
+    want_total, want = reference_clipped(max_norm, norm_type)
+
+    def fn(rank, c):
+        model = FlatShardModule(net(), c, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                                use_orig_params=True)
+        model(micro_batch(rank, 0)).square().sum().backward()
+        total = model.clip_grad_norm_(max_norm, norm_type)
+        with summon_full_params(model, writeback=False, with_grads=True):
+            grads = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+        return total, grads
+
+    got = run_group(daemon.address, WORLD, fn)
+    assert torch.equal(got[0][0], got[1][0]), "every rank computes the same total norm"
+    for total, grads in got.values():
+        assert torch.allclose(total, want_total.float(), rtol=1e-5)
+        assert set(grads) == set(want)
+        for name in want:
+            assert torch.allclose(grads[name], want[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_clip_grad_norm_without_gradients_is_zero_and_changes_nothing(daemon):
+    def fn(rank, c):
+        model = FlatShardModule(net(), c, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+        return model.clip_grad_norm_(1.0)
+
+    assert all(torch.equal(t, torch.tensor(0.0))
+               for t in run_group(daemon.address, WORLD, fn).values())
