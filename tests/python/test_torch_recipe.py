@@ -1,6 +1,6 @@
 """The rest of FSDP's training recipe through flatshard.torch: gradient accumulation with
-no_sync(), and activation checkpointing (torch.utils.checkpoint, re-entrant or not) around
-wrapped units. Ranks are threads, each with its own Client, on one flatshardd per test.
+no_sync(), gradient clipping, and activation checkpointing (torch.utils.checkpoint, re-entrant
+or not) around or inside wrapped units. Ranks are threads, each with its own Client, on one flatshardd per test.
 
 By hand: PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \
     /usr/bin/python3 -m pytest -q tests/python/test_torch_recipe.py
@@ -123,36 +123,42 @@ def test_no_sync_is_refused_inside_a_forward_backward(daemon):
 
 # ------------------------------------------------------------------ activation checkpointing
 class Block(nn.Module):
-    """A wrapped unit (ModuleWrapPolicy({Block}))."""
+    """A wrapped unit (ModuleWrapPolicy({Block})); with `inside`, its first layer runs under
+    torch.utils.checkpoint and its second does not (the unit's gradients then arrive in two
+    parts, both reduce-scattered)."""
 
-    def __init__(self):
+    def __init__(self, inside, reentrant):
         super().__init__()
         self.fc = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 8)
+        self.inside, self.reentrant = inside, reentrant
 
     def forward(self, x):
-        return x + torch.tanh(self.fc(x))
+        h = checkpoint(self.fc, x, use_reentrant=self.reentrant) if self.inside else self.fc(x)
+        return x + self.out(torch.tanh(h))
 
 
 class Tower(nn.Module):
-    """With `checkpointed`, each wrapped block runs under torch.utils.checkpoint."""
+    """`where`: None (no checkpointing), "around" (each wrapped block runs under
+    torch.utils.checkpoint) or "inside" (each block checkpoints its layer)."""
 
-    def __init__(self, checkpointed, reentrant):
+    def __init__(self, where, reentrant):
         super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.blocks = nn.ModuleList([Block(where == "inside", reentrant) for _ in range(3)])
         self.head = nn.Linear(8, 1)
-        self.checkpointed, self.reentrant = checkpointed, reentrant
+        self.around, self.reentrant = where == "around", reentrant
 
     def forward(self, x):
         for b in self.blocks:
-            x = checkpoint(b, x, use_reentrant=self.reentrant) if self.checkpointed else b(x)
+            x = checkpoint(b, x, use_reentrant=self.reentrant) if self.around else b(x)
         return self.head(x)
 
 
-def tower_grads(daemon, checkpointed, reentrant):
+def tower_grads(daemon, where, reentrant):
     def fn(rank, c):
         with _RNG:
             torch.manual_seed(0)
-            module = Tower(checkpointed, reentrant)
+            module = Tower(where, reentrant)
         model = FlatShardModule(module, c, auto_wrap_policy=ModuleWrapPolicy({Block}))
         g = torch.Generator().manual_seed(rank)
         # Re-entrant checkpointing needs an input that requires grad.
@@ -163,12 +169,14 @@ def tower_grads(daemon, checkpointed, reentrant):
     return run_group(daemon.address, WORLD, fn)
 
 
+@pytest.mark.parametrize("where", ["around", "inside"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-def test_activation_checkpointing_around_units_gives_the_same_gradients(daemon, reentrant):
-    # The recomputation re-runs wrapped units' forwards inside backward: they summon again.
-    # (Checkpointing a layer *inside* a unit is not supported yet: see README.)
-    want = tower_grads(daemon, False, reentrant)
-    got = tower_grads(daemon, True, reentrant)
+def test_activation_checkpointing_gives_the_same_gradients(daemon, where, reentrant):
+    # The recomputation calls the unit (around) or one of its layers (inside) again during
+    # backward: the unit is summoned again, and re-entrant checkpointing's own backward
+    # reaches the unit's reduce-scatter.
+    want = tower_grads(daemon, None, reentrant)
+    got = tower_grads(daemon, where, reentrant)
     for rank in range(WORLD):
         (g_params, g_x), (w_params, w_x) = got[rank], want[rank]
         assert len(g_params) == len(w_params) > 0

@@ -202,6 +202,7 @@ class FlatShardModule(nn.Module):
         self._loading: Optional[Tuple[Any, ...]] = None  # an open load_state_dict summon
         self._uncommitted = 0               # optimizer steps since the last commit (seen)
         self._no_sync = False               # inside no_sync(): gradients stay local
+        self._recomputing: Dict[int, int] = {}  # unit -> layers recomputed in backward now
         self._accum: Dict[int, torch.Tensor] = {}  # unit -> its full gradient summed locally
         self._seen_versions: List[int] = []
         reg = client.register(name, manifest, self.policy_json, init=init)
@@ -539,6 +540,52 @@ class FlatShardModule(nn.Module):
                 lambda m, args, _u=u.index: self._pre_forward(_u)))
             self._hook_handles.append(u.module.register_forward_hook(
                 lambda m, args, out, _u=u.index: self._post_forward(_u)))
+        # Activation checkpointing inside a unit: the recomputation calls a layer of the unit
+        # again during backward, outside any forward; its parameters must be full then.
+        for u in self._units:
+            owners = {id(m): m for p in u.params for m, _ in p.sites}
+            for m in owners.values():
+                self._hook_handles.append(m.register_forward_pre_hook(
+                    lambda m, args, _u=u.index: self._pre_recompute(_u)))
+                self._hook_handles.append(m.register_forward_hook(
+                    lambda m, args, out, _u=u.index: self._post_recompute(_u)))
+
+    def _pre_recompute(self, unit: int) -> None:
+        if (self._state != TrainingState.FORWARD_BACKWARD or self._in_forward
+                or unit in self._fwd):
+            return  # not a recomputation, or the unit's own summon is in place
+        u = self._units[unit]
+        depth = self._recomputing.get(unit, 0)
+        self._recomputing[unit] = depth + 1
+        if depth > 0:
+            return
+        try:
+            flat = self._backward_flat(unit)
+            if torch.is_grad_enabled() and u.requires_grad:
+                # Re-entrant checkpointing back-propagates through the recomputation: its
+                # gradients reach the unit's reduce-scatter through this node.
+                dummy = torch.empty(0, requires_grad=True)
+                views = _UnitParams.apply(self, unit, dummy, flat)
+            else:
+                views = tuple(flat.narrow(0, p.offset, p.numel).view(p.shape) for p in u.params)
+            for p, v in zip(u.params, views):
+                for m, attr in p.sites:
+                    m._parameters[attr] = v
+        except BaseException as e:
+            self._recomputing.pop(unit, None)
+            self._restore_sites(u)
+            self.backward_error = e
+            raise
+
+    def _post_recompute(self, unit: int) -> None:
+        depth = self._recomputing.get(unit, 0)
+        if depth == 0:
+            return
+        if depth > 1:
+            self._recomputing[unit] = depth - 1
+            return
+        del self._recomputing[unit]
+        self._restore_sites(self._units[unit])
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._recover()
@@ -802,6 +849,7 @@ class FlatShardModule(nn.Module):
         for u in self._units:
             self._restore_sites(u)
         self._fwd_depth.clear()
+        self._recomputing.clear()
         self._reduced.clear()
         self._final_queued = False
         self._state = TrainingState.IDLE
