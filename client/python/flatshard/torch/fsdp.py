@@ -20,12 +20,9 @@ trainer holds no parameter memory of its own between uses:
   rolled back to the last committed step, which ``model.generation`` reports.
 """
 import contextlib
-import enum
 import json
-import math
 import warnings
 import weakref
-from collections import OrderedDict
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
@@ -34,19 +31,14 @@ import torch.nn as nn
 from ..errors import FailedPreconditionError, ShardsLostError
 from . import manifest as _manifest
 from . import wrap as _wrap
-
-
-class TrainingState(enum.Enum):
-    IDLE = "IDLE"
-    FORWARD_BACKWARD = "FORWARD_BACKWARD"
-    SUMMON_FULL_PARAMS = "SUMMON_FULL_PARAMS"
+from ._shared import TrainingState, _plain
+from .recipe import _TrainingRecipe
+from .state_dicts import _StateDicts, _load_post_hook
 
 
 # FSDP's texts (torch/distributed/fsdp/_unshard_param_utils.py).
 ERR_IN_FORWARD_BACKWARD = "Cannot manually unshard parameters during forward/backward"
 ERR_NESTED_SUMMON = "Cannot manually unshard parameters when already unsharding parameters"
-
-_SHARDED_META_KEY = "_flatshard_sharded"
 
 # Every live FlatShardModule, weakly (summon_full_params maps a submodule to its wrapper).
 _WRAPPERS: "weakref.WeakSet[FlatShardModule]" = weakref.WeakSet()
@@ -120,7 +112,7 @@ class _UnitParams(torch.autograd.Function):
         return None, None, None, None
 
 
-class FlatShardModule(nn.Module):
+class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
     """Wraps ``module`` and trains it with FULL_SHARD semantics on a flatshard daemon.
 
     ``client`` is a joined ``flatshard.Client``. Every rank constructs the wrapper with the same
@@ -750,74 +742,6 @@ class FlatShardModule(nn.Module):
         if got is not None:
             got[0].end()
 
-    def _accumulate_locally(self, u: _Unit, grads: Tuple[Optional[torch.Tensor], ...]) -> None:
-        acc = self._accum.get(u.index)
-        if acc is None:
-            acc = torch.zeros(u.padded_numel, dtype=u.flat_param.dtype)
-            self._accum[u.index] = acc
-        with torch.no_grad():
-            for p, g in zip(u.params, grads):
-                if g is not None:
-                    acc.narrow(0, p.offset, p.numel).view(p.shape).add_(g)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """As FSDP's ``clip_grad_norm_``: the ``norm_type`` norm (``math.inf`` too) of the
-        gradients of every rank's shards together, returned as a float32 tensor (the same
-        on every rank); when it exceeds ``max_norm``, every rank scales its gradient shards
-        in place by ``max_norm / (total_norm + 1e-6)``. Units whose ``.grad`` is None (e.g.
-        after ``zero_grad(set_to_none=True)``) count as no gradient. Collective: every rank
-        calls it, with the same arguments.
-
-        The client has no all-reduce yet, so each unit's full gradient is read with a
-        ``with_grads`` summon (an all-gather of the gradients, one unit at a time) and every
-        rank computes the same total from it; FSDP all-reduces one number per rank."""
-        if self._state != TrainingState.IDLE:
-            raise AssertionError("FlatShardModule.clip_grad_norm_: called inside a "
-                                 "forward/backward or summon_full_params")
-        max_norm, norm_type = float(max_norm), float(norm_type)
-        if norm_type <= 0:
-            raise ValueError(f"clip_grad_norm_: norm_type must be > 0, got {norm_type}")
-        with_grads = [u for u in self._units if u.requires_grad and self._has_grads(u)]
-        norms = []
-        for u in with_grads:
-            with self._client.summon(self._name, u.path, recurse=False, writeback=False,
-                                     with_grads=True) as s:
-                g = s.flat_grad(u.index)
-                if g is None:
-                    continue
-                g = _plain(g)
-                norms.append(g.abs().max().float() if norm_type == math.inf
-                             else torch.linalg.vector_norm(g, norm_type, dtype=torch.float32))
-        if not norms:
-            return torch.tensor(0.0)
-        stacked = torch.stack(norms)
-        total = (stacked.max() if norm_type == math.inf
-                 else torch.linalg.vector_norm(stacked, norm_type))
-        clip_coef = max_norm / (total + 1e-6)
-        if clip_coef < 1:
-            with torch.no_grad():
-                for u in with_grads:
-                    if u.grad_shard is not None:
-                        u.grad_shard.mul_(clip_coef.to(u.grad_shard.dtype))
-        return total
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """As FSDP's ``no_sync()``: the backward passes run inside it reduce-scatter
-        nothing; each unit's full (unsharded) gradient is summed in this process instead
-        (memory: one full-size buffer per unit, as FSDP's), and the first backward outside
-        reduce-scatters the sum with its own gradients, once per unit. A unit that backward
-        does not reach reduce-scatters its sum alone at its end. Sharded ``.grad`` do not
-        change inside. Every rank must use it alike: the collectives must match."""
-        if self._state != TrainingState.IDLE:
-            raise AssertionError("FlatShardModule.no_sync: called inside a forward/backward "
-                                 "or summon_full_params")
-        previous, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = previous
-
     def _final_callback(self) -> None:
         try:
             for unit in list(self._bwd):
@@ -919,132 +843,6 @@ class FlatShardModule(nn.Module):
         finally:
             self._state = prev  # IDLE, or a forward still waiting for its backward
 
-    # ------------------------------------------------------------------ state dicts
-    def full_state_dict(self, rank0_only: bool = False,
-                        offload_to_cpu: bool = False) -> Dict[str, torch.Tensor]:
-        """The unwrapped module's ``state_dict()`` (same keys, full values, copies). With
-        rank0_only, ranks other than 0 get an empty dict (as FSDP)."""
-        with self._summon("", True, False, rank0_only, offload_to_cpu, False):
-            if rank0_only and self._rank() != 0:
-                return {}
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-
-    def load_full_state_dict(self, state_dict: Optional[Dict[str, torch.Tensor]],
-                             rank0_only: bool = False, strict: bool = True) -> None:
-        """Loads a full state dict (the unwrapped module's keys). Collective. With rank0_only,
-        only rank 0's dict is read (others may pass None) and rank 0's values reach every
-        shard (beyond FSDP); buffers are then loaded on rank 0 only."""
-        with self._summon("", True, True, rank0_only, False, False):
-            if rank0_only and self._rank() != 0:
-                return
-            if state_dict is None:
-                raise ValueError("load_full_state_dict: state_dict is None on a rank that reads it")
-            with torch.no_grad():
-                self.module.load_state_dict(state_dict, strict=strict)
-
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
-                   keep_vars: bool = False) -> Dict[str, torch.Tensor]:
-        """torch's signature, FSDP's default (FULL_STATE_DICT): the unwrapped module's keys
-        under ``prefix`` (no ``module.`` level, so an outer module's state_dict() has the
-        keys a plain module there would give), full values as copies, on every rank.
-        Collective. ``keep_vars``: parameters come back as Parameters (copies: the full
-        values exist only inside a summon). See full_state_dict for rank0_only/offload."""
-        if args:  # torch's deprecated positional form (destination, prefix, keep_vars)
-            if len(args) > 3:
-                raise TypeError(f"state_dict: at most 3 positional arguments, got {len(args)}")
-            destination, prefix, keep_vars = (tuple(args) + (destination, prefix,
-                                                             keep_vars)[len(args):])
-        if destination is None:
-            destination = OrderedDict()
-            destination._metadata = OrderedDict()  # type: ignore[attr-defined]
-        with self._summon("", True, False, False, False, False):
-            inner = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
-            for k, v in inner.items():
-                c = v.detach().clone()
-                destination[k] = (nn.Parameter(c, requires_grad=v.requires_grad)
-                                  if keep_vars and isinstance(v, nn.Parameter) else c)
-        meta = getattr(destination, "_metadata", None)
-        if meta is not None:
-            meta.update(getattr(inner, "_metadata", {}))
-        return destination
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True):
-        """torch's: the unwrapped module's keys (as ``state_dict()`` gives them), full
-        values, strict as torch; returns torch's (missing_keys, unexpected_keys). Collective:
-        writes back into the shards and commits (``generation`` + 1)."""
-        try:
-            return super().load_state_dict(state_dict, strict)
-        finally:
-            self._end_load()  # an error escaped the walk before the post hook ended it
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        # torch's load_state_dict (ours or an outer module's) walks into self.module next,
-        # with the prefix "<prefix>module.": rename the keys to that (FSDP's pre-hook does
-        # the same) and unshard with writeback, so the walk copies into the full parameters
-        # with torch's own strict checks. The post hook ends the summon (write back, commit)
-        # and names the keys in the reports without "module." again.
-        self._end_load()
-        for k in [k for k in state_dict if k.startswith(prefix)]:
-            state_dict[prefix + "module." + k[len(prefix):]] = state_dict.pop(k)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                      missing_keys, unexpected_keys, error_msgs)
-        cm = self._summon("", True, True, False, False, False)
-        cm.__enter__()
-        self._loading = (cm, prefix, [(lst, len(lst)) for lst in (missing_keys,
-                                                                  unexpected_keys, error_msgs)])
-
-    def _end_load(self) -> None:
-        ctx, self._loading = self._loading, None
-        if ctx is None:
-            return
-        cm, prefix, reports = ctx
-        for lst, start in reports:
-            lst[start:] = [x.replace(prefix + "module.", prefix) for x in lst[start:]]
-        cm.__exit__(None, None, None)
-
-    def sharded_state_dict(self) -> Dict[str, Any]:
-        """This rank's shards (copies, padded, one ``<unit path>.flat_param`` each) and its
-        buffers, with the plan fingerprint, rank and world size to check on load."""
-        out: Dict[str, Any] = {}
-        for u in self._units:
-            out[f"{u.path + '.' if u.path else ''}flat_param"] = u.shard.detach().clone()
-        for k, v in self.module.state_dict().items():
-            if k not in self._managed_fqns:  # buffers and ignored modules' parameters
-                out[k] = v.detach().clone()
-        out[_SHARDED_META_KEY] = {"fingerprint": self._plan.get("fingerprint"),
-                                  "rank": self._rank(), "world_size": self._world_size()}
-        return out
-
-    def load_sharded_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Copies a ``sharded_state_dict()`` of this rank back into the shards (local: every
-        rank loads its own; not collective)."""
-        meta = sd.get(_SHARDED_META_KEY)
-        if not isinstance(meta, dict):
-            raise ValueError(f"load_sharded_state_dict: no {_SHARDED_META_KEY!r} entry")
-        for key, want in (("fingerprint", self._plan.get("fingerprint")), ("rank", self._rank()),
-                          ("world_size", self._world_size())):
-            if meta.get(key) != want:
-                raise ValueError(f"load_sharded_state_dict: {key} is {meta.get(key)!r}, this "
-                                 f"rank's is {want!r}")
-        with torch.no_grad():
-            for u in self._units:
-                key = f"{u.path + '.' if u.path else ''}flat_param"
-                t = sd.get(key)
-                if t is None or tuple(t.shape) != (u.shard_numel,):
-                    raise ValueError(f"load_sharded_state_dict: {key}: want shape "
-                                     f"({u.shard_numel},), got "
-                                     f"{None if t is None else tuple(t.shape)}")
-                u.shard.copy_(t)
-            self._note_writes(force=True)  # new shard values, not committed yet
-            local = {k: v for k, v in self.module.state_dict().items()
-                     if k not in self._managed_fqns}
-            missing = sorted(set(local) - set(sd))
-            if missing:
-                raise ValueError(f"load_sharded_state_dict: missing {missing}")
-            for k, v in local.items():
-                v.copy_(sd[k])
-
     def _rank(self) -> int:
         return int(getattr(self._client, "rank", self._plan_rank()))
 
@@ -1105,10 +903,6 @@ class FlatShardModule(nn.Module):
         return self._generation
 
 
-def _load_post_hook(module: "FlatShardModule", incompatible_keys: Any) -> None:
-    module._end_load()
-
-
 # A grad_fn to probe the autograd engine with (never executed).
 _PROBE = (torch.zeros(1, requires_grad=True) * 1).grad_fn
 
@@ -1123,16 +917,6 @@ def _in_backward() -> bool:
         return False
     except Exception:  # noqa: BLE001 - the private API changed
         return True
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """The same memory as a plain torch.Tensor. Read-only summons hand out ReadOnlyTensor,
-    whose write guard costs a Python dispatch per op; the wrapper never writes its forward and
-    backward buffers, so it computes on plain tensors."""
-    if type(t) is torch.Tensor:
-        return t
-    with torch._C.DisableTorchFunction():
-        return t.as_subclass(torch.Tensor)
 
 
 def _all_named_params(root: nn.Module) -> Dict[str, nn.Parameter]:

@@ -1,0 +1,83 @@
+"""The rest of FSDP's training recipe on ``FlatShardModule`` (a mixin of it): gradient
+accumulation without communication (``no_sync``) and gradient clipping
+(``clip_grad_norm_``). The wrapper's backward calls ``_accumulate_locally`` inside
+``no_sync`` and adds the sums to its next reduce-scatter (``fsdp.py``)."""
+import contextlib
+import math
+from typing import Any, Iterator, Optional, Tuple
+
+import torch
+
+from ._shared import TrainingState, _plain
+
+
+class _TrainingRecipe:
+    """Mixed into FlatShardModule: uses its units, client, state and step bookkeeping."""
+
+    def _accumulate_locally(self, u: Any, grads: Tuple[Optional[torch.Tensor], ...]) -> None:
+        acc = self._accum.get(u.index)
+        if acc is None:
+            acc = torch.zeros(u.padded_numel, dtype=u.flat_param.dtype)
+            self._accum[u.index] = acc
+        with torch.no_grad():
+            for p, g in zip(u.params, grads):
+                if g is not None:
+                    acc.narrow(0, p.offset, p.numel).view(p.shape).add_(g)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """As FSDP's ``clip_grad_norm_``: the ``norm_type`` norm (``math.inf`` too) of the
+        gradients of every rank's shards together, returned as a float32 tensor (the same
+        on every rank); when it exceeds ``max_norm``, every rank scales its gradient shards
+        in place by ``max_norm / (total_norm + 1e-6)``. Units whose ``.grad`` is None (e.g.
+        after ``zero_grad(set_to_none=True)``) count as no gradient. Collective: every rank
+        calls it, with the same arguments.
+
+        The client has no all-reduce yet, so each unit's full gradient is read with a
+        ``with_grads`` summon (an all-gather of the gradients, one unit at a time) and every
+        rank computes the same total from it; FSDP all-reduces one number per rank."""
+        if self._state != TrainingState.IDLE:
+            raise AssertionError("FlatShardModule.clip_grad_norm_: called inside a "
+                                 "forward/backward or summon_full_params")
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        if norm_type <= 0:
+            raise ValueError(f"clip_grad_norm_: norm_type must be > 0, got {norm_type}")
+        with_grads = [u for u in self._units if u.requires_grad and self._has_grads(u)]
+        norms = []
+        for u in with_grads:
+            with self._client.summon(self._name, u.path, recurse=False, writeback=False,
+                                     with_grads=True) as s:
+                g = s.flat_grad(u.index)
+                if g is None:
+                    continue
+                g = _plain(g)
+                norms.append(g.abs().max().float() if norm_type == math.inf
+                             else torch.linalg.vector_norm(g, norm_type, dtype=torch.float32))
+        if not norms:
+            return torch.tensor(0.0)
+        stacked = torch.stack(norms)
+        total = (stacked.max() if norm_type == math.inf
+                 else torch.linalg.vector_norm(stacked, norm_type))
+        clip_coef = max_norm / (total + 1e-6)
+        if clip_coef < 1:
+            with torch.no_grad():
+                for u in with_grads:
+                    if u.grad_shard is not None:
+                        u.grad_shard.mul_(clip_coef.to(u.grad_shard.dtype))
+        return total
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """As FSDP's ``no_sync()``: the backward passes run inside it reduce-scatter
+        nothing; each unit's full (unsharded) gradient is summed in this process instead
+        (memory: one full-size buffer per unit, as FSDP's), and the first backward outside
+        reduce-scatters the sum with its own gradients, once per unit. A unit that backward
+        does not reach reduce-scatters its sum alone at its end. Sharded ``.grad`` do not
+        change inside. Every rank must use it alike: the collectives must match."""
+        if self._state != TrainingState.IDLE:
+            raise AssertionError("FlatShardModule.no_sync: called inside a forward/backward "
+                                 "or summon_full_params")
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous

@@ -1,0 +1,143 @@
+"""State dicts of ``FlatShardModule`` (a mixin of it): full state dicts through a summon,
+torch's ``state_dict``/``load_state_dict`` contract wherever the wrapper sits, and this
+rank's sharded state dict."""
+from collections import OrderedDict
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn as nn
+
+_SHARDED_META_KEY = "_flatshard_sharded"
+
+
+class _StateDicts:
+    """Mixed into FlatShardModule: uses its summons, plan, client and rank."""
+
+    def full_state_dict(self, rank0_only: bool = False,
+                        offload_to_cpu: bool = False) -> Dict[str, torch.Tensor]:
+        """The unwrapped module's ``state_dict()`` (same keys, full values, copies). With
+        rank0_only, ranks other than 0 get an empty dict (as FSDP)."""
+        with self._summon("", True, False, rank0_only, offload_to_cpu, False):
+            if rank0_only and self._rank() != 0:
+                return {}
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def load_full_state_dict(self, state_dict: Optional[Dict[str, torch.Tensor]],
+                             rank0_only: bool = False, strict: bool = True) -> None:
+        """Loads a full state dict (the unwrapped module's keys). Collective. With rank0_only,
+        only rank 0's dict is read (others may pass None) and rank 0's values reach every
+        shard (beyond FSDP); buffers are then loaded on rank 0 only."""
+        with self._summon("", True, True, rank0_only, False, False):
+            if rank0_only and self._rank() != 0:
+                return
+            if state_dict is None:
+                raise ValueError("load_full_state_dict: state_dict is None on a rank that reads it")
+            with torch.no_grad():
+                self.module.load_state_dict(state_dict, strict=strict)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> Dict[str, torch.Tensor]:
+        """torch's signature, FSDP's default (FULL_STATE_DICT): the unwrapped module's keys
+        under ``prefix`` (no ``module.`` level, so an outer module's state_dict() has the
+        keys a plain module there would give), full values as copies, on every rank.
+        Collective. ``keep_vars``: parameters come back as Parameters (copies: the full
+        values exist only inside a summon). See full_state_dict for rank0_only/offload."""
+        if args:  # torch's deprecated positional form (destination, prefix, keep_vars)
+            if len(args) > 3:
+                raise TypeError(f"state_dict: at most 3 positional arguments, got {len(args)}")
+            destination, prefix, keep_vars = (tuple(args) + (destination, prefix,
+                                                             keep_vars)[len(args):])
+        if destination is None:
+            destination = OrderedDict()
+            destination._metadata = OrderedDict()  # type: ignore[attr-defined]
+        with self._summon("", True, False, False, False, False):
+            inner = self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+            for k, v in inner.items():
+                c = v.detach().clone()
+                destination[k] = (nn.Parameter(c, requires_grad=v.requires_grad)
+                                  if keep_vars and isinstance(v, nn.Parameter) else c)
+        meta = getattr(destination, "_metadata", None)
+        if meta is not None:
+            meta.update(getattr(inner, "_metadata", {}))
+        return destination
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True):
+        """torch's: the unwrapped module's keys (as ``state_dict()`` gives them), full
+        values, strict as torch; returns torch's (missing_keys, unexpected_keys). Collective:
+        writes back into the shards and commits (``generation`` + 1)."""
+        try:
+            return super().load_state_dict(state_dict, strict)
+        finally:
+            self._end_load()  # an error escaped the walk before the post hook ended it
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # torch's load_state_dict (ours or an outer module's) walks into self.module next,
+        # with the prefix "<prefix>module.": rename the keys to that (FSDP's pre-hook does
+        # the same) and unshard with writeback, so the walk copies into the full parameters
+        # with torch's own strict checks. The post hook ends the summon (write back, commit)
+        # and names the keys in the reports without "module." again.
+        self._end_load()
+        for k in [k for k in state_dict if k.startswith(prefix)]:
+            state_dict[prefix + "module." + k[len(prefix):]] = state_dict.pop(k)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+        cm = self._summon("", True, True, False, False, False)
+        cm.__enter__()
+        self._loading = (cm, prefix, [(lst, len(lst)) for lst in (missing_keys,
+                                                                  unexpected_keys, error_msgs)])
+
+    def _end_load(self) -> None:
+        ctx, self._loading = self._loading, None
+        if ctx is None:
+            return
+        cm, prefix, reports = ctx
+        for lst, start in reports:
+            lst[start:] = [x.replace(prefix + "module.", prefix) for x in lst[start:]]
+        cm.__exit__(None, None, None)
+
+    def sharded_state_dict(self) -> Dict[str, Any]:
+        """This rank's shards (copies, padded, one ``<unit path>.flat_param`` each) and its
+        buffers, with the plan fingerprint, rank and world size to check on load."""
+        out: Dict[str, Any] = {}
+        for u in self._units:
+            out[f"{u.path + '.' if u.path else ''}flat_param"] = u.shard.detach().clone()
+        for k, v in self.module.state_dict().items():
+            if k not in self._managed_fqns:  # buffers and ignored modules' parameters
+                out[k] = v.detach().clone()
+        out[_SHARDED_META_KEY] = {"fingerprint": self._plan.get("fingerprint"),
+                                  "rank": self._rank(), "world_size": self._world_size()}
+        return out
+
+    def load_sharded_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Copies a ``sharded_state_dict()`` of this rank back into the shards (local: every
+        rank loads its own; not collective)."""
+        meta = sd.get(_SHARDED_META_KEY)
+        if not isinstance(meta, dict):
+            raise ValueError(f"load_sharded_state_dict: no {_SHARDED_META_KEY!r} entry")
+        for key, want in (("fingerprint", self._plan.get("fingerprint")), ("rank", self._rank()),
+                          ("world_size", self._world_size())):
+            if meta.get(key) != want:
+                raise ValueError(f"load_sharded_state_dict: {key} is {meta.get(key)!r}, this "
+                                 f"rank's is {want!r}")
+        with torch.no_grad():
+            for u in self._units:
+                key = f"{u.path + '.' if u.path else ''}flat_param"
+                t = sd.get(key)
+                if t is None or tuple(t.shape) != (u.shard_numel,):
+                    raise ValueError(f"load_sharded_state_dict: {key}: want shape "
+                                     f"({u.shard_numel},), got "
+                                     f"{None if t is None else tuple(t.shape)}")
+                u.shard.copy_(t)
+            self._note_writes(force=True)  # new shard values, not committed yet
+            local = {k: v for k, v in self.module.state_dict().items()
+                     if k not in self._managed_fqns}
+            missing = sorted(set(local) - set(sd))
+            if missing:
+                raise ValueError(f"load_sharded_state_dict: missing {missing}")
+            for k, v in local.items():
+                v.copy_(sd[k])
+
+
+def _load_post_hook(module: Any, incompatible_keys: Any) -> None:
+    module._end_load()
