@@ -337,10 +337,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   admin_options.access = d->access_.get();
   // Draining: the overall health ("") answers NOT_SERVING, so readiness probes take the node
   // out; kLivenessHealthService stays SERVING, so liveness probes do not restart it meanwhile.
-  admin_options.on_drain = [daemon = d.get()] {
+  // Undrain sets it SERVING again (after Shutdown the health service ignores it).
+  admin_options.on_drain = [daemon = d.get()](bool draining) {
     if (daemon->server_ == nullptr) return;
     if (auto* health = daemon->server_->GetHealthCheckService()) {
-      health->SetServingStatus("", false);
+      health->SetServingStatus("", !draining);
     }
   };
   d->admin_service_ =

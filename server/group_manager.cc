@@ -160,6 +160,7 @@ std::vector<GroupManager::GroupCollectives> GroupManager::ListCollectives(
   return membership_->ListCollectives(group);
 }
 void GroupManager::StartDrain() { membership_->StartDrain(); }
+bool GroupManager::StopDrain() { return membership_->StopDrain(); }
 GroupManager::Stats GroupManager::GetStats() const { return membership_->GetStats(); }
 void GroupManager::OnTable(const std::string& coordinator, const peer::PeerTable& table) {
   membership_->OnTable(coordinator, table);

@@ -268,8 +268,10 @@ class GroupManager : public peer::PeerEvents {
   std::vector<GroupCollectives> ListCollectives(const std::string& group) const;
 
   // From now on Join fails with UNAVAILABLE "flatshardd is draining": no new groups, no new
-  // or returning ranks. Everything else goes on. Idempotent; lasts as long as the manager.
+  // or returning ranks. Everything else goes on. Idempotent; lasts until StopDrain.
   void StartDrain();
+  // Ends a drain: joins are accepted again. Whether it was draining (false: nothing changed).
+  bool StopDrain();
 
   // Counts over every group (`flatshardctl status`, drain progress).
   using Stats = server::GroupStats;

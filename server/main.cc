@@ -6,14 +6,19 @@
 #include <cerrno>
 #include <cstring>
 
+#include <algorithm>
 #include <iostream>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/config.h"
 #include "common/file_system.h"
@@ -142,6 +147,59 @@ bool WriteAddressFile(const std::string& file, const std::string& content) {
   return true;
 }
 
+// Whether `file` (a flag's definition site, as __FILE__ spelled it) is this file.
+bool IsOwnFlagFile(absl::string_view file) { return absl::EndsWith(file, "server/main.cc"); }
+
+// Whether argv asks for help: --help (this binary's flags) or --helpfull (every flag). Abseil
+// answers these itself with exit status 1 and headings naming each flag's source file on the
+// build host, so main answers them before Abseil parses.
+enum class Help { kNone, kOwn, kFull };
+Help RequestedHelp(int argc, char** argv) {
+  Help help = Help::kNone;
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view arg = argv[i];
+    if (arg == "--") break;
+    if (arg == "--help" || arg == "-help" || arg == "-h") help = std::max(help, Help::kOwn);
+    if (arg == "--helpfull" || arg == "-helpfull") help = Help::kFull;
+  }
+  return help;
+}
+
+// "    --name (help); default: value;" per flag, sorted by name, wrapped at 80 columns as
+// Abseil's own listing is.
+void PrintHelp(std::ostream& out, Help help) {
+  out << absl::ProgramUsageMessage() << "\n\nFlags:\n";
+  std::vector<const absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (help == Help::kFull || IsOwnFlagFile(flag->Filename())) flags.push_back(flag);
+  }
+  std::sort(flags.begin(), flags.end(),
+            [](const auto* a, const auto* b) { return a->Name() < b->Name(); });
+  for (const absl::CommandLineFlag* flag : flags) {
+    const std::string value = flag->DefaultValue();
+    // Words wrap; "default: VALUE;" stays on one line (scripts parse it, as from Abseil's).
+    std::vector<std::string> words = {absl::StrCat("--", flag->Name())};
+    for (absl::string_view word :
+         absl::StrSplit(absl::StrCat("(", flag->Help(), ");"), ' ', absl::SkipEmpty())) {
+      words.emplace_back(word);
+    }
+    words.push_back(absl::StrCat(
+        "default: ", flag->IsOfType<std::string>() ? absl::StrCat("\"", value, "\"") : value, ";"));
+    std::string line = "    ";
+    bool line_empty = true;
+    for (const std::string& word : words) {
+      if (!line_empty && line.size() + 1 + word.size() > 80) {
+        out << line << "\n";
+        line = "      ";
+        line_empty = true;
+      }
+      absl::StrAppend(&line, line_empty ? "" : " ", word);
+      line_empty = false;
+    }
+    out << line << "\n";
+  }
+}
+
 int g_signal_pipe[2] = {-1, -1};
 
 void OnSignal(int sig) {
@@ -162,11 +220,19 @@ int main(int argc, char** argv) {
       "[--memory_limit_mib N] [--peer_address HOST:PORT --node_name NAME]");
   absl::FlagsUsageConfig usage;
   // --help lists this binary's flags, not those of every library linked in.
-  usage.contains_help_flags = [](absl::string_view file) {
-    return file.find("server/main.cc") != absl::string_view::npos;
+  usage.contains_help_flags = IsOwnFlagFile;
+  // Abseil's other listings (--helpshort, --help=SUBSTR, ...) name files relative to the
+  // source tree, never the build host's path to it.
+  usage.normalize_filename = [](absl::string_view file) {
+    const size_t own = file.rfind("server/main.cc");
+    return std::string(own == absl::string_view::npos ? file : file.substr(own));
   };
   usage.version_string = [] { return std::string("flatshardd ") + FS_VERSION_STRING + "\n"; };
   absl::SetFlagsUsageConfig(usage);
+  if (const Help help = RequestedHelp(argc, argv); help != Help::kNone) {
+    PrintHelp(std::cout, help);
+    return 0;
+  }
   absl::ParseCommandLine(argc, argv);
   if (absl::Status s = flatshard::SetLogLevel(absl::GetFlag(FLAGS_log_level)); !s.ok()) {
     std::cerr << "flatshardd: --log_level: " << s.message() << "\n";

@@ -1,5 +1,6 @@
 #pragma once
-// What flatshardctl's daemon commands (status, groups, units, pending, drain, log-level) share:
+// What flatshardctl's daemon commands (status, groups, units, pending, drain, undrain,
+// log-level, delete-group) share:
 // the common flags (--socket, --address, --timeout-ms, --json, --help), positional arguments,
 // the help text, the channel to the daemon, and errors as one line on stderr:
 //

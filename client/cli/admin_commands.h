@@ -16,6 +16,8 @@ int RunGroupsCommand(const std::vector<std::string>& args);
 int RunUnitsCommand(const std::vector<std::string>& args);
 // `flatshardctl drain [--timeout-ms N]`: refuse new joins; wait for in-flight work.
 int RunDrainCommand(const std::vector<std::string>& args);
+// `flatshardctl undrain`: accept new groups and joins again after a drain.
+int RunUndrainCommand(const std::vector<std::string>& args);
 // `flatshardctl log-level [LEVEL]`: set (or show) the daemon's log level.
 int RunLogLevelCommand(const std::vector<std::string>& args);
 // `flatshardctl delete-group GROUP`: remove a group every rank has left, with its shards.

@@ -1,4 +1,5 @@
 // `flatshardctl drain`: refuse new groups and joins, then wait for in-flight work.
+// `flatshardctl undrain`: accept them again.
 
 #include <unistd.h>
 
@@ -69,8 +70,8 @@ int RunDrainCommand(const std::vector<std::string>& args) {
       "Drains the daemon: from now on it refuses new groups and joins (JoinGroup fails with\n"
       "UNAVAILABLE \"flatshardd is draining\") and its gRPC health service answers NOT_SERVING;\n"
       "then waits until no summon is open and no collective or join is pending, or until the\n"
-      "timeout. On a terminal a line shows what is still in flight. Draining lasts until the\n"
-      "daemon stops; running drain again only waits again.\n";
+      "timeout. On a terminal a line shows what is still in flight. Draining lasts until\n"
+      "'flatshardctl undrain' or until the daemon stops; running drain again only waits again.\n";
   spec.default_timeout_ms = 30000;
   spec.timeout_help =
       "how long to wait for in-flight work (default 30000; 0: report once and return)";
@@ -78,6 +79,26 @@ int RunDrainCommand(const std::vector<std::string>& args) {
       "Exit status: 0 when nothing is in flight any more; 1 when the daemon cannot be reached\n"
       "or refuses, or work is still in flight at the timeout; 2 for bad flags.\n";
   return RunAdminCommand(spec, args, Drain);
+}
+
+int RunUndrainCommand(const std::vector<std::string>& args) {
+  AdminCommandSpec spec;
+  spec.name = "undrain";
+  spec.description =
+      "Returns a drained daemon to service: it accepts new groups and joins again and its gRPC\n"
+      "health service answers SERVING. A daemon that is not draining is left as it is (and\n"
+      "says so). Refused while the daemon shuts down.\n";
+  return RunAdminCommand(spec, args, [](AdminCall& call) {
+    return CallAndPrint(
+        call, &v1::AdminService::Stub::Undrain, v1::UndrainRequest(),
+        [](const v1::UndrainResponse& r) -> nlohmann::json {
+          return {{"was_draining", r.was_draining()}, {"draining", false}};
+        },
+        [](const v1::UndrainResponse& r) {
+          std::cout << (r.was_draining() ? "undrained: new groups and joins are accepted again\n"
+                                         : "not draining: nothing to undo\n");
+        });
+  });
 }
 
 }  // namespace flatshard::cli

@@ -25,6 +25,7 @@ constexpr char kUsage[] =
     "  units      a group's units per rank: state, shard/gradient/unsharded bytes, last op\n"
     "  pending    its collectives that have not completed, with missing ranks\n"
     "  drain      refuse new groups and joins, wait for in-flight work (or a timeout)\n"
+    "  undrain    accept new groups and joins again after a drain\n"
     "  log-level  set or show its log level\n"
     "  delete-group  remove a group every rank has left, with its shards\n"
     "  checkpoint save|load|import  write or load a module's checkpoint, import safetensors\n"
@@ -57,6 +58,7 @@ int main(int argc, char** argv) {
   if (command == "groups") return flatshard::cli::RunGroupsCommand(args);
   if (command == "units") return flatshard::cli::RunUnitsCommand(args);
   if (command == "drain") return flatshard::cli::RunDrainCommand(args);
+  if (command == "undrain") return flatshard::cli::RunUndrainCommand(args);
   if (command == "log-level") return flatshard::cli::RunLogLevelCommand(args);
   if (command == "delete-group") return flatshard::cli::RunDeleteGroupCommand(args);
   if (command == "checkpoint") return flatshard::cli::RunCheckpointCommand(args);

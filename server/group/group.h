@@ -115,6 +115,11 @@ struct Group {
       0;  // the last epoch whose failure went to the coordinator
   std::vector<int32_t> local_ranks ABSL_GUARDED_BY(mu);  // the ranks this daemon hosts, ascending
   RankSessions session_of_rank ABSL_GUARDED_BY(mu);      // 0: not joined
+  // Local ranks whose session ended and that have not joined since: rank -> how, "left"
+  // (Leave) or "lost" (its lease closed or never opened: the trainer went away). Only for
+  // `flatshardctl groups`, where an ordinary Leave must not look like a failure; bounded by the
+  // ranks that ever joined here.
+  std::map<int32_t, std::string> departed ABSL_GUARDED_BY(mu);
   // Since when no rank has had a session nor a join under way (InfiniteFuture: in use); the
   // deadline loop reclaims the group after GroupManagerOptions::group_idle_timeout.
   absl::Time idle_since ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();
@@ -198,6 +203,10 @@ inline constexpr absl::Duration kUnwatchAfter = absl::Seconds(10);
 // In the status of a failure caused by a rank's session ending ("rank 2's session ended
 // ..."): daemons that learn of it from the coordinator let their running ops complete first.
 inline constexpr char kSessionEndedMarker[] = "'s session ";
+// The cause of that failure when the rank called Leave ("rank 2's session left the group"):
+// the group is not broken, it waits for the rank to join again (`flatshardctl groups` shows
+// LEFT, not UNAVAILABLE).
+inline constexpr char kLeftTheGroup[] = "left the group";
 
 // How long a departure's failure waits for the ops the departed rank had joined to complete
 // (FailDeferred). They normally take milliseconds; one that takes longer is stuck, and the

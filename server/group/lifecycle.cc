@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -69,6 +70,9 @@ std::vector<GroupInfo> Membership::ListGroups() const {
     // Joined ranks are local ones (a session is this daemon's); the sparse map keeps this
     // O(joined), not O(world_size).
     info.joined_ranks = g.session_of_rank.Joined();
+    std::map<int32_t, std::string> states(g.departed.begin(), g.departed.end());
+    for (int32_t r : info.joined_ranks) states[r] = "joined";
+    info.rank_states.assign(states.begin(), states.end());
     for (const auto& [module, reg] : g.registered) info.registered_modules.push_back(module);
     found.emplace_back(std::move(info), g.coll);
   }
@@ -84,6 +88,12 @@ void Membership::StartDrain() {
   if (!draining_.exchange(true)) {
     FS_LOG(INFO) << "draining: new groups and joins are refused from now on";
   }
+}
+
+bool Membership::StopDrain() {
+  const bool was_draining = draining_.exchange(false);
+  if (was_draining) FS_LOG(INFO) << "undrained: new groups and joins are accepted again";
+  return was_draining;
 }
 
 GroupStats Membership::GetStats() const {

@@ -119,6 +119,7 @@ void Membership::Join(const JoinArgs& args, absl::Time deadline, JoinCallback do
       FailDeferred(g, /*now=*/true, &run);
       session = next_session_++;
       g.session_of_rank[args.rank] = session;
+      g.departed.erase(args.rank);
       g.pending_joins.push_back(
           PendingJoin{args.rank, session, deadline, std::move(done), args.caller_gone});
       FS_LOG(INFO) << "group=" << g.id << " rank=" << args.rank << " joined, session=" << session;
@@ -306,6 +307,7 @@ void Membership::ExpireUnleased(Group& g, absl::Time now, AfterUnlock* run) {
     // (before, only collectives already pending failed; later ones waited for their deadline).
     modules_.DropSummons(g, rank, run);
     EndRank(g, rank, run);
+    g.departed[rank] = "lost";
     FailForRank(g, rank,
                 absl::StrCat("opened no lease within ", absl::FormatDuration(lease_timeout_),
                              " of its join (the trainer went away)"),
@@ -347,7 +349,9 @@ absl::Status Membership::Leave(const Caller& caller) {
     FS_RETURN_IF_ERROR(CheckCallerLocked(g, caller));
     modules_.DropSummons(g, caller.rank, &run);
     EndRank(g, caller.rank, &run);
-    FailForRank(g, caller.rank, "left the group", &run);  // after EndRank: the rank counts as gone
+    g.departed[caller.rank] = "left";
+    // After EndRank: the rank counts as gone.
+    FailForRank(g, caller.rank, internal::kLeftTheGroup, &run);
     FS_LOG(INFO) << "group=" << g.id << " rank=" << caller.rank << " left";
     MaybeRemoveGroup(g);
   }
@@ -370,6 +374,7 @@ void Membership::EndSession(const std::string& group, uint64_t session) {
       // at their deadline (the communicator re-forms once every rank joined again).
       modules_.DropSummons(g, r, &run);
       EndRank(g, r, &run);
+      g.departed[r] = "lost";
       FailForRank(g, r, "ended (its lease closed: the client is gone)", &run);
       FS_LOG(INFO) << "group=" << g.id << " rank=" << r << " lease ended (session=" << session
                    << ")";

@@ -16,6 +16,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -56,6 +57,9 @@ struct GroupInfo {
   std::string coordinator;  // empty: a local group
   std::vector<int32_t> local_ranks;
   absl::Status status;  // the sticky error of the group's collectives, if any
+  // Local ranks joined now or whose session ended (Group::departed), ascending, with their
+  // state: "joined", "left" or "lost".
+  std::vector<std::pair<int32_t, std::string>> rank_states;
 };
 // Each group's collectives that have not completed (for `flatshardctl pending`).
 struct GroupCollectives {
@@ -116,6 +120,8 @@ class Membership {
   // deadline loop; idempotent.
   void Shutdown();
   void StartDrain();
+  // Accepts joins again; whether it was draining.
+  bool StopDrain();
   absl::StatusOr<DeletedGroup> DeleteGroup(const std::string& group, int64_t uid, bool privileged);
   std::vector<GroupInfo> ListGroups() const;
   std::vector<GroupCollectives> ListCollectives(const std::string& group) const;
@@ -234,9 +240,9 @@ class Membership {
   // Tickets of StartConnect (unique over every group, so a removed and re-created group never
   // takes an old connect for its own).
   std::atomic<uint64_t> next_connect_{1};
-  // Set once (Shutdown, StartDrain); read under any lock. Shutdown sets it before it visits
-  // each group under that group's lock, so a join that takes a group's lock after the visit
-  // sees it, and one before is failed by the visit.
+  // Set once (Shutdown; draining_: StartDrain, cleared by StopDrain); read under any lock. Shutdown
+  // sets it before it visits each group under that group's lock, so a join that takes a group's
+  // lock after the visit sees it, and one before is failed by the visit.
   std::atomic<bool>& shutdown_;
   std::atomic<bool> draining_{false};
   // Coordinators whose last group went away, and since when (DeadlineLoop unwatches them).

@@ -11,6 +11,7 @@
 
 #include <grpcpp/alarm.h>
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -19,6 +20,7 @@
 #include "common/logging.h"
 #include "server/collective/backend_registry.h"
 #include "server/gpu/device_pool.h"
+#include "server/group/group.h"
 
 namespace flatshard::server {
 namespace {
@@ -51,6 +53,18 @@ absl::Status CheckOperator(const access::AccessControl* access, grpc::CallbackSe
 
 std::string StatusText(const absl::Status& status) {
   return status.ok() ? std::string("OK") : status.ToString();
+}
+
+// A group's sticky status as `groups` and `pending` show it: a failure whose only cause is a
+// rank that called Leave is no error of the group (it waits for the rank to join again), so
+// it reads LEFT rather than UNAVAILABLE; a lost lease stays UNAVAILABLE.
+std::string GroupStatusText(const absl::Status& status) {
+  if (absl::IsUnavailable(status) &&
+      absl::StrContains(status.message(),
+                        absl::StrCat(internal::kSessionEndedMarker, internal::kLeftTheGroup))) {
+    return absl::StrCat("LEFT: ", status.message());
+  }
+  return StatusText(status);
 }
 
 struct LogLevel {
@@ -298,7 +312,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ListPendingCollectives(
     out->set_world_size(g.world_size);
     out->set_epoch(g.epoch);
     for (int32_t r : g.local_ranks) out->add_local_ranks(r);
-    out->set_status(StatusText(g.status));
+    out->set_status(GroupStatusText(g.status));
     for (const collective::PendingOpInfo& op : g.pending) {
       v1::PendingCollective* p = out->add_pending();
       p->set_op_seq(op.op_seq);
@@ -369,7 +383,12 @@ grpc::ServerUnaryReactor* AdminServiceImpl::ListGroups(grpc::CallbackServerConte
     for (int32_t r : g.local_ranks) out->add_local_ranks(r);
     for (int32_t r : g.joined_ranks) out->add_joined_ranks(r);
     for (const std::string& m : g.registered_modules) out->add_registered_modules(m);
-    out->set_status(StatusText(g.status));
+    out->set_status(GroupStatusText(g.status));
+    for (const auto& [rank, state] : g.rank_states) {
+      v1::RankState* r = out->add_ranks();
+      r->set_rank(rank);
+      r->set_state(state);
+    }
   }
   return Answer(ctx, absl::OkStatus());
 }
@@ -420,12 +439,29 @@ grpc::ServerWriteReactor<v1::DrainProgress>* AdminServiceImpl::Drain(
   if (absl::Status s = CheckOperator(options_.access, ctx, "drain flatshardd"); !s.ok()) {
     return new RefusedDrain(s);
   }
-  groups_->StartDrain();
-  std::call_once(drain_once_, [this] {
-    if (options_.on_drain) options_.on_drain();
-  });
+  {
+    absl::MutexLock lock(&drain_mu_);
+    groups_->StartDrain();
+    if (options_.on_drain) options_.on_drain(true);
+  }
   const absl::Duration timeout = absl::Milliseconds(std::max<int64_t>(0, request->timeout_ms()));
   return new DrainReactor(groups_, timeout, options_.drain_poll);
+}
+
+grpc::ServerUnaryReactor* AdminServiceImpl::Undrain(grpc::CallbackServerContext* ctx,
+                                                    const v1::UndrainRequest* /*request*/,
+                                                    v1::UndrainResponse* response) {
+  if (absl::Status s = CheckOperator(options_.access, ctx, "undrain flatshardd"); !s.ok()) {
+    return Answer(ctx, s);
+  }
+  if (groups_->GetStats().shutting_down) {
+    return Answer(ctx, absl::FailedPreconditionError(
+                           "flatshardd is shutting down; a daemon that stops cannot be undrained"));
+  }
+  absl::MutexLock lock(&drain_mu_);
+  response->set_was_draining(groups_->StopDrain());
+  if (response->was_draining() && options_.on_drain) options_.on_drain(false);
+  return Answer(ctx, absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* AdminServiceImpl::SetLogLevel(grpc::CallbackServerContext* ctx,

@@ -1,14 +1,14 @@
 #pragma once
 // AdminService over gRPC's callback API: views of the daemon for operators (`flatshardctl
-// status`, `groups`, `units`, `pending`) and three levers (`drain`, `log-level`,
+// status`, `groups`, `units`, `pending`) and levers (`drain`, `undrain`, `log-level`,
 // `delete-group`). The views answer
 // from snapshots and never wait on other ranks. Thread-safe.
 
 #include <functional>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "flatshard/v1/admin_service.grpc.pb.h"
 #include "server/access/access_control.h"
@@ -22,8 +22,9 @@ struct AdminServiceOptions {
   std::string peer_address;     // this daemon's PeerService ("" without one)
   std::string node;             // its node name in peer tables
   absl::Time start_time = absl::Now();
-  // Called once when the first Drain starts (the daemon marks its health NOT_SERVING).
-  std::function<void()> on_drain;
+  // Called when a Drain starts (the daemon marks its health NOT_SERVING) and when an Undrain
+  // ends a drain (SERVING again): the argument is whether it now drains.
+  std::function<void(bool draining)> on_drain;
   // How often Drain looks at the work in flight.
   absl::Duration drain_poll = absl::Milliseconds(100);
   // Who may change the daemon (Drain, SetLogLevel): over the Unix socket only root and the
@@ -49,6 +50,9 @@ class AdminServiceImpl final : public v1::AdminService::CallbackService {
                                       v1::ListUnitsResponse* response) override;
   grpc::ServerWriteReactor<v1::DrainProgress>* Drain(grpc::CallbackServerContext* ctx,
                                                      const v1::DrainRequest* request) override;
+  grpc::ServerUnaryReactor* Undrain(grpc::CallbackServerContext* ctx,
+                                    const v1::UndrainRequest* request,
+                                    v1::UndrainResponse* response) override;
   grpc::ServerUnaryReactor* SetLogLevel(grpc::CallbackServerContext* ctx,
                                         const v1::SetLogLevelRequest* request,
                                         v1::SetLogLevelResponse* response) override;
@@ -70,7 +74,9 @@ class AdminServiceImpl final : public v1::AdminService::CallbackService {
   const AdminServiceOptions options_;
   std::vector<std::string> backends_;
   std::string node_;  // options_.node, or the host name
-  std::once_flag drain_once_;
+  // Orders Drain's and Undrain's flag-and-health updates, so the health always ends as the
+  // last of them left the flag.
+  absl::Mutex drain_mu_;
 };
 
 }  // namespace flatshard::server

@@ -48,9 +48,8 @@ constexpr char kToken[] = "tok";
 // Commands that talk to a daemon, with the arguments each needs.
 const std::vector<std::vector<std::string>>& DaemonCommands() {
   static const auto* commands = new std::vector<std::vector<std::string>>{
-      {"status"},           {"groups"}, {"units", "g"},
-      {"pending"},          {"drain"},  {"log-level", "info"},
-      {"delete-group", "g"}};
+      {"status"}, {"groups"},  {"units", "g"},        {"pending"},
+      {"drain"},  {"undrain"}, {"log-level", "info"}, {"delete-group", "g"}};
   return *commands;
 }
 
@@ -215,19 +214,62 @@ TEST_F(FlatshardctlAdminTest, StatusAndGroupsAfterJoinAndRegister) {
   EXPECT_EQ(g["joined_ranks"], nlohmann::json({0, 1}));
   EXPECT_EQ(g["registered_modules"], nlohmann::json({""}));
   EXPECT_EQ(g["status"], "OK");
+  EXPECT_EQ(g["ranks"], nlohmann::json::parse(R"([{"rank": 0, "state": "joined"},
+                                                 {"rank": 1, "state": "joined"}])"));
 
   r = Ctl({"groups"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const std::vector<std::string> lines = Lines(r.out);
   ASSERT_EQ(lines.size(), 2u) << r.out;
-  EXPECT_THAT(lines[0], StartsWith("GROUP  WORLD  EPOCH  COORDINATOR  LOCAL_RANKS  JOINED"));
-  EXPECT_THAT(lines[1], ::testing::MatchesRegex("g +2 +0 +- +0,1 +0,1 +\\(root\\) +OK"));
+  EXPECT_THAT(lines[0],
+              StartsWith("GROUP  WORLD  EPOCH  COORDINATOR  LOCAL_RANKS  JOINED  DEPARTED"));
+  EXPECT_THAT(lines[1], ::testing::MatchesRegex("g +2 +0 +- +0,1 +0,1 +- +\\(root\\) +OK"));
 
   // A rank that leaves is no longer a client or joined.
   ASSERT_TRUE(ranks_[1].client->Leave().ok());
   j = Json(Ctl({"groups", "--json"}));
   EXPECT_EQ(j["groups"][0]["joined_ranks"], nlohmann::json({0}));
   EXPECT_EQ(Json(Ctl({"status", "--json"}))["clients"], 1);
+}
+
+// A rank that called Leave shows as left (status LEFT, not an error code) until it joins
+// again; one whose lease closed (the trainer went away) as lost, the status UNAVAILABLE.
+TEST_F(FlatshardctlAdminTest, GroupsShowALeftRankAsLeftAndALostOneAsLost) {
+  JoinAndRegister(2);
+  ASSERT_TRUE(ranks_[1].client->Leave().ok());
+  nlohmann::json g = Json(Ctl({"groups", "--json"}))["groups"][0];
+  EXPECT_EQ(g["joined_ranks"], nlohmann::json({0}));
+  EXPECT_EQ(g["ranks"], nlohmann::json::parse(R"([{"rank": 0, "state": "joined"},
+                                                 {"rank": 1, "state": "left"}])"));
+  EXPECT_EQ(g["status"], "LEFT: group g: rank 1's session left the group");
+  CtlResult r = Ctl({"groups"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  ASSERT_EQ(Lines(r.out).size(), 2u) << r.out;
+  EXPECT_THAT(Lines(r.out)[1],
+              ::testing::MatchesRegex("g +2 +0 +- +0,1 +0 +1 left +\\(root\\) +LEFT: group g: "
+                                      "rank 1's session left the group"));
+  EXPECT_THAT(Ctl({"pending", "g"}).out, HasSubstr("status LEFT: "));
+
+  // Joined again: no longer left.
+  ASSERT_TRUE(ranks_[1].client->Join("g", 2, 1, kToken).ok());
+  g = Json(Ctl({"groups", "--json"}))["groups"][0];
+  EXPECT_EQ(g["joined_ranks"], nlohmann::json({0, 1}));
+  EXPECT_EQ(g["ranks"], nlohmann::json::parse(R"([{"rank": 0, "state": "joined"},
+                                                 {"rank": 1, "state": "joined"}])"));
+
+  // Rank 0's client goes away without Leave: its lease closes and the daemon ends the session.
+  ranks_[0].client.reset();
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (Json(Ctl({"groups", "--json"}))["groups"][0]["joined_ranks"].size() != 1u &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  g = Json(Ctl({"groups", "--json"}))["groups"][0];
+  EXPECT_EQ(g["ranks"], nlohmann::json::parse(R"([{"rank": 0, "state": "lost"},
+                                                 {"rank": 1, "state": "joined"}])"));
+  EXPECT_THAT(g["status"].get<std::string>(),
+              StartsWith("UNAVAILABLE: group g: rank 0's session ended (its lease closed"));
+  EXPECT_THAT(Lines(Ctl({"groups"}).out)[1], HasSubstr(" 0 lost "));
 }
 
 // delete-group refuses (exit 1, one line naming the joined rank, nothing changed) while a
@@ -468,6 +510,48 @@ TEST_F(FlatshardctlAdminTest, DrainRefusesJoinsAndFinishesWhenTheSummonEnds) {
   EXPECT_EQ(Health(daemon_.address()), 2);
 }
 
+// undrain returns a drained daemon to service: joins accepted, health SERVING, status not
+// draining; on a daemon not draining it changes nothing and says so.
+TEST_F(FlatshardctlAdminTest, UndrainAcceptsJoinsAgain) {
+  CtlResult r = Ctl({"undrain"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "not draining: nothing to undo\n");
+
+  r = Ctl({"drain", "--timeout-ms", "0"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(Health(daemon_.address()), 2);  // NOT_SERVING
+  std::unique_ptr<client::Client> c = Connect(daemon_, absl::Seconds(5));
+  ASSERT_NE(c, nullptr);
+  absl::Status joined = c->Join("g", 1, 0, kToken);
+  EXPECT_TRUE(absl::IsUnavailable(joined)) << joined;
+  EXPECT_THAT(std::string(joined.message()), HasSubstr("flatshardd is draining"));
+
+  r = Ctl({"undrain"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_THAT(r.err, IsEmpty());
+  EXPECT_EQ(r.out, "undrained: new groups and joins are accepted again\n");
+  EXPECT_EQ(Health(daemon_.address()), 1);  // SERVING
+  EXPECT_EQ(Health(daemon_.address(), "flatshard.liveness"), 1);
+  EXPECT_EQ(Json(Ctl({"status", "--json"}))["draining"], false);
+  joined = c->Join("g", 1, 0, kToken);
+  EXPECT_TRUE(joined.ok()) << joined;
+  EXPECT_EQ(Json(Ctl({"groups", "--json"}))["groups"].size(), 1u);
+  EXPECT_THAT(daemon_.Log(), HasSubstr("undrained: new groups and joins are accepted again"));
+
+  // Idempotent; JSON. A second drain drains again.
+  r = Ctl({"undrain", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(Json(r), nlohmann::json({{"was_draining", false}, {"draining", false}}));
+  ASSERT_EQ(Ctl({"drain", "--timeout-ms", "0"}).exit_code, 0);
+  EXPECT_EQ(Health(daemon_.address()), 2);
+  EXPECT_EQ(Json(Ctl({"status", "--json"}))["draining"], true);
+  r = Ctl({"undrain", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(Json(r), nlohmann::json({{"was_draining", true}, {"draining", false}}));
+  EXPECT_EQ(Health(daemon_.address()), 1);
+  EXPECT_THAT(RunCtl({"undrain", "--help"}).out, HasSubstr("accepts new groups and joins again"));
+}
+
 TEST_F(FlatshardctlAdminTest, LogLevel) {
   CtlResult r = Ctl({"log-level"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -534,6 +618,7 @@ TEST(FlatshardctlAdminFlagsTest, BadFlagsExit2WithOneLine) {
       {{"delete-group"},
        "flatshardctl delete-group: GROUP is required (see flatshardctl delete-group --help)"},
       {{"delete-group", "a", "b"}, "flatshardctl delete-group: unexpected argument 'b'"},
+      {{"undrain", "now"}, "flatshardctl undrain: unexpected argument 'now'"},
   };
   for (const auto& [args, line] : cases) {
     SCOPED_TRACE(args[0] + " " + (args.size() > 1 ? args[1] : ""));
@@ -547,8 +632,8 @@ TEST(FlatshardctlAdminFlagsTest, BadFlagsExit2WithOneLine) {
 TEST(FlatshardctlAdminFlagsTest, HelpEverywhere) {
   CtlResult top = RunCtl({"--help"});
   ASSERT_EQ(top.exit_code, 0);
-  for (const char* command :
-       {"plan", "status", "groups", "units", "pending", "drain", "log-level", "delete-group"}) {
+  for (const char* command : {"plan", "status", "groups", "units", "pending", "drain", "undrain",
+                              "log-level", "delete-group"}) {
     EXPECT_THAT(top.out, ::testing::ContainsRegex(std::string("\n  ") + command + " "));
   }
   for (const std::vector<std::string>& command : DaemonCommands()) {

@@ -63,6 +63,20 @@ def test_single_rank_roundtrip(daemon, group):
     assert e.value.code == "FAILED_PRECONDITION" and "closed" in e.value.message
 
 
+def test_socket_path_without_unix_scheme(daemon, group, monkeypatch):
+    # A filesystem path is "unix:<path>": absolute, ./relative, or relative with a directory.
+    sock = Path(daemon.socket)
+    for address, cwd in ((str(sock), None), ("./" + sock.name, sock.parent),
+                         (f"{sock.parent.name}/{sock.name}", sock.parent.parent)):
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        c = flatshard.Client(address, call_timeout=5, join_timeout=5, max_attempts=1)
+        assert c.address == "unix:" + address
+        c.join(group, 1, 0)
+        c.leave()
+        c.close()
+
+
 def test_plan_is_flatshardctl_plan_json(daemon, group):
     manifest, policy = read_model("gpt_tied")
     c = connect(daemon)

@@ -56,6 +56,17 @@ def test_connect_errors(tmp_path):
     assert "max_attempts" in e.value.message
 
 
+def test_malformed_address_refused_at_once():
+    # Neither a path (no '/') nor host:port: refused without waiting call_timeout.
+    for address in ("flatshardd.sock", "localhost", "host:http"):
+        start = time.monotonic()
+        with pytest.raises(flatshard.InvalidArgumentError) as e:
+            flatshard.Client(address, call_timeout=30, max_attempts=1)
+        assert time.monotonic() - start < 1.0
+        assert f'"{address}"' in e.value.message
+        assert '"unix:/path/to.sock"' in e.value.message and '"host:port"' in e.value.message
+
+
 def test_join_errors(daemon, group):
     # 3 s: the daemon answers 10% before the client's deadline (server/service), which must
     # beat the client's own "Deadline Exceeded" even on a loaded machine.

@@ -99,7 +99,10 @@ class ViewBuilder;
 }  // namespace internal
 
 struct ClientOptions {
-  // The daemon's gRPC address: "unix:/path/to.sock" or "host:port".
+  // The daemon's gRPC address: "unix:/path/to.sock" or "host:port" (any gRPC target, e.g.
+  // "dns:///host:port", is used as given). A filesystem path, i.e. one that contains a '/'
+  // ("/run/flatshard/flatshardd.sock", "./d.sock"), means "unix:<path>". Connect refuses
+  // anything else (e.g. "d.sock", "host" without a port) at once with INVALID_ARGUMENT.
   std::string address;
   // Deadline of every call but Join, retries included. Collective calls (Register, Summon,
   // End, ReduceScatter) wait for the slowest rank within it.
@@ -414,7 +417,8 @@ struct RegisteredModule {
 class Client {
  public:
   // Creates the channel and waits up to call_timeout until it connects.
-  // Errors: INVALID_ARGUMENT for an empty address, non-positive timeouts or max_attempts < 1;
+  // Errors: INVALID_ARGUMENT for an empty or malformed address (see ClientOptions::address),
+  // non-positive timeouts or max_attempts < 1;
   // UNAVAILABLE when the daemon cannot be reached in time.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
 

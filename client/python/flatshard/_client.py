@@ -275,7 +275,9 @@ class Client:
     """A connection to the node's flatshardd (the C++ flatshard::client::Client).
 
     ``flatshard.Client("unix:/run/flatshard/flatshardd.sock")`` connects (raising
-    UnavailableError when the daemon cannot be reached within call_timeout). Timeouts are in
+    UnavailableError when the daemon cannot be reached within call_timeout); a path with a '/'
+    ("/run/flatshard/flatshardd.sock", "./d.sock") means "unix:<path>", "host:port" a TCP
+    daemon, and anything else raises InvalidArgumentError at once. Timeouts are in
     seconds. Thread-safe: every blocking call releases the GIL, so several Clients (ranks) in
     threads of one process work. ``cuda_stream`` (a torch.cuda.Stream or its
     ``.cuda_stream`` int; None: the default stream) is the stream device views are ordered on:
