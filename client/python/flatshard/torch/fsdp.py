@@ -552,17 +552,9 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
         if depth > 0:
             return
         try:
-            flat = self._backward_flat(unit)
-            if torch.is_grad_enabled() and u.requires_grad:
-                # Re-entrant checkpointing back-propagates through the recomputation: its
-                # gradients reach the unit's reduce-scatter through this node.
-                dummy = torch.empty(0, requires_grad=True)
-                views = _UnitParams.apply(self, unit, dummy, flat)
-            else:
-                views = tuple(flat.narrow(0, p.offset, p.numel).view(p.shape) for p in u.params)
-            for p, v in zip(u.params, views):
-                for m, attr in p.sites:
-                    m._parameters[attr] = v
+            # Re-entrant checkpointing back-propagates through the recomputation: its
+            # gradients reach the unit's reduce-scatter through the views' autograd node.
+            self._install_views(u, self._backward_flat(unit))
         except BaseException as e:
             self._recomputing.pop(unit, None)
             self._restore_sites(u)
@@ -647,14 +639,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
             flat = _plain(s.flat(unit))
             self._fwd[unit] = (s, flat, flat.data_ptr(),
                                flat.data_ptr() + flat.numel() * flat.element_size())
-            if torch.is_grad_enabled() and u.requires_grad:
-                dummy = torch.empty(0, requires_grad=True)
-                views = _UnitParams.apply(self, unit, dummy, flat)
-            else:
-                views = tuple(flat.narrow(0, p.offset, p.numel).view(p.shape) for p in u.params)
-            for p, v in zip(u.params, views):
-                for m, attr in p.sites:
-                    m._parameters[attr] = v
+            self._install_views(u, flat)
         except BaseException:
             self._restore_sites(u)
             self._fwd.pop(unit, None)
@@ -662,6 +647,19 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
                 s.end()
             raise
         self._fwd_depth[unit] = 1  # counted only once the summon is in place
+
+    def _install_views(self, u: _Unit, flat: torch.Tensor) -> None:
+        """Points the unit's parameters at their views in its full buffer `flat`: views out
+        of one _UnitParams node (its backward reduce-scatters the unit) when gradients are
+        recorded, plain views otherwise."""
+        if torch.is_grad_enabled() and u.requires_grad:
+            dummy = torch.empty(0, requires_grad=True)
+            views = _UnitParams.apply(self, u.index, dummy, flat)
+        else:
+            views = tuple(flat.narrow(0, p.offset, p.numel).view(p.shape) for p in u.params)
+        for p, v in zip(u.params, views):
+            for m, attr in p.sites:
+                m._parameters[attr] = v
 
     def _restore_sites(self, u: _Unit) -> None:
         for p in u.params:
