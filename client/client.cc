@@ -9,11 +9,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "client/channel_target.h"
 #include "client/client_internal.h"
 #include "client/cuda_events.h"
 #include "client/segment_cache.h"
@@ -924,40 +922,6 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsCredentials(
   FS_ASSIGN_OR_RETURN(ssl.pem_cert_chain, read(options.tls_cert_file, "tls_cert_file"));
   FS_ASSIGN_OR_RETURN(ssl.pem_private_key, read(options.tls_key_file, "tls_key_file"));
   return grpc::SslCredentials(ssl);
-}
-
-// ClientOptions::address as the gRPC target to dial. gRPC takes any string and, for one it
-// cannot resolve (a bare socket path, a host without a port), only times out after
-// call_timeout saying nothing of why; so a filesystem path becomes "unix:<path>" and what
-// is neither a target nor a path is refused at once.
-absl::StatusOr<std::string> ChannelTarget(const std::string& address) {
-  if (address.empty()) return absl::InvalidArgumentError("Connect: empty address");
-  // gRPC's own schemes, and any "scheme://..." URI (e.g. dns:///host:port): as given.
-  for (absl::string_view scheme : {"unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:", "vsock:"}) {
-    if (absl::StartsWith(address, scheme)) return address;
-  }
-  if (const size_t colon = address.find("://");
-      colon != std::string::npos && colon > 0 && absl::ascii_isalpha(address[0])) {
-    return address;
-  }
-  // A path: "/run/flatshard/flatshardd.sock", "./d.sock", "sockets/d.sock".
-  if (absl::StrContains(address, '/')) return absl::StrCat("unix:", address);
-  // host:port, host a name, an IPv4 address or a bracketed IPv6 address.
-  if (const size_t colon = address.rfind(':'); colon != std::string::npos && colon > 0) {
-    const absl::string_view host = absl::string_view(address).substr(0, colon);
-    const absl::string_view digits = absl::string_view(address).substr(colon + 1);
-    int port = 0;
-    const bool port_ok = !digits.empty() && digits.size() <= 5 &&
-                         std::all_of(digits.begin(), digits.end(), absl::ascii_isdigit) &&
-                         absl::SimpleAtoi(digits, &port) && port > 0 && port <= 65535;
-    const bool host_ok = (host.size() > 2 && host.front() == '[' && host.back() == ']') ||
-                         host.find_first_of(":[] \t") == absl::string_view::npos;
-    if (port_ok && host_ok) return address;
-  }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "Connect: address \"", address,
-      "\" is neither a Unix socket nor host:port; write \"unix:/path/to.sock\" (or a path "
-      "with a '/': \"/path/to.sock\", \"./to.sock\") or \"host:port\""));
 }
 
 }  // namespace
