@@ -1,5 +1,7 @@
-"""What the wrapper's parts share: its training state and the plain-tensor view."""
+"""What the wrapper's parts share: its training state, the plain-tensor view and small
+helpers of its hooks."""
 import enum
+from typing import Any, List
 
 import torch
 
@@ -18,3 +20,29 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
         return t
     with torch._C.DisableTorchFunction():
         return t.as_subclass(torch.Tensor)
+
+
+# A grad_fn to probe the autograd engine with (never executed).
+_PROBE = (torch.zeros(1, requires_grad=True) * 1).grad_fn
+
+
+def _in_backward() -> bool:
+    """Whether this thread runs an autograd backward now (torch raises outside one). Without
+    the probe (another torch), assume it does: keeps the step instead of dropping it."""
+    try:
+        torch._C._will_engine_execute_node(_PROBE)
+        return True
+    except RuntimeError:
+        return False
+    except Exception:  # noqa: BLE001 - the private API changed
+        return True
+
+
+def _flatten(x: Any) -> List[Any]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [y for e in x for y in _flatten(e)]
+    if isinstance(x, dict):
+        return [y for e in x.values() for y in _flatten(e)]
+    return []

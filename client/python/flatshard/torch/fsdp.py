@@ -28,10 +28,10 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from ..errors import FailedPreconditionError, ShardsLostError
+from ..errors import ShardsLostError
 from . import manifest as _manifest
 from . import wrap as _wrap
-from ._shared import TrainingState, _plain
+from ._shared import TrainingState, _flatten, _in_backward, _plain
 from .recipe import _TrainingRecipe
 from .state_dicts import _StateDicts, _load_post_hook
 
@@ -851,45 +851,6 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
     def _world_size(self) -> int:
         return int(self._plan.get("world_size", 0))
 
-    # ------------------------------------------------------------------ checkpoints
-    # (README "Checkpoints"). Not collective: the daemon writes or loads every rank's shards.
-    def save_checkpoint(self, directory: str) -> Dict[str, Any]:
-        """Asks the daemon to write this module's committed step (the last ``commit()``, the
-        same generation on every rank) to `directory` (flatshard.checkpoint/1). Call it on
-        one rank; the others may go on (a commit landing during the write waits for it).
-        Returns the daemon's report (generation, bytes, files, ranks, path).
-        Raises FailedPreconditionError, writing nothing, while this rank's parameters hold
-        optimizer steps not committed yet (``uncommitted_steps``): the checkpoint would
-        silently hold the older committed generation. Commit first."""
-        self._note_writes()
-        if self._uncommitted:
-            n = self._uncommitted
-            raise FailedPreconditionError(
-                f"save_checkpoint: this rank's shards hold {n} uncommitted optimizer "
-                f"step{'' if n == 1 else 's'} (in-place parameter updates since generation "
-                f"{self._generation} was committed); the checkpoint would hold generation "
-                f"{self._generation}, not what was trained. Call model.commit() on every rank "
-                f"after optimizer.step() (or model.step(optimizer)), then save")
-        return self._client.save_checkpoint(self._name, directory)
-
-    def load_checkpoint(self, directory: Optional[str] = None, *,
-                        safetensors: Optional[str] = None) -> Dict[str, Any]:
-        """Loads a checkpoint directory (any world size or wrap policy) or a safetensors
-        file of the full model into this module on every rank: a committed step, whose
-        generation becomes the checkpoint's (a safetensors import: +1). Call it on one rank,
-        outside forward/backward and with no summon open on any rank; it reads this rank's
-        views again. Every other rank then calls ``refresh_views()`` once the load returned
-        (after a barrier of the trainer's own, e.g. ``torch.distributed.barrier()``): until
-        it does, its commits are refused (its in-place writes predate the load)."""
-        if (directory is None) == (safetensors is None):
-            raise ValueError("load_checkpoint: give exactly one of directory and safetensors")
-        if directory is not None:
-            info = self._client.load_checkpoint(self._name, directory)
-        else:
-            info = self._client.import_safetensors(self._name, safetensors)
-        self.refresh_views()
-        return info
-
     def refresh_views(self) -> int:
         """Reads this rank's views again in the same session (after another rank's
         ``load_checkpoint``): the same parameter objects point at the shards, gradients are
@@ -899,22 +860,6 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
         self._generation = int(views.generation)
         self._mark_committed()
         return self._generation
-
-
-# A grad_fn to probe the autograd engine with (never executed).
-_PROBE = (torch.zeros(1, requires_grad=True) * 1).grad_fn
-
-
-def _in_backward() -> bool:
-    """Whether this thread runs an autograd backward now (torch raises outside one). Without
-    the probe (another torch), assume it does: keeps the step instead of dropping it."""
-    try:
-        torch._C._will_engine_execute_node(_PROBE)
-        return True
-    except RuntimeError:
-        return False
-    except Exception:  # noqa: BLE001 - the private API changed
-        return True
 
 
 def _all_named_params(root: nn.Module) -> Dict[str, nn.Parameter]:
@@ -933,16 +878,6 @@ def _all_named_params(root: nn.Module) -> Dict[str, nn.Parameter]:
 
     visit(root, "", ())
     return out
-
-
-def _flatten(x: Any) -> List[Any]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [y for e in x for y in _flatten(e)]
-    if isinstance(x, dict):
-        return [y for e in x.values() for y in _flatten(e)]
-    return []
 
 
 def _find_wrapper(module: nn.Module) -> Tuple[FlatShardModule, str]:

@@ -1,11 +1,13 @@
-"""State dicts of ``FlatShardModule`` (a mixin of it): full state dicts through a summon,
-torch's ``state_dict``/``load_state_dict`` contract wherever the wrapper sits, and this
-rank's sharded state dict."""
+"""State dicts and checkpoints of ``FlatShardModule`` (a mixin of it): full state dicts
+through a summon, torch's ``state_dict``/``load_state_dict`` contract wherever the wrapper
+sits, this rank's sharded state dict, and daemon checkpoints of the committed step."""
 from collections import OrderedDict
 from typing import Any, Dict, Optional
 
 import torch
 import torch.nn as nn
+
+from ..errors import FailedPreconditionError
 
 _SHARDED_META_KEY = "_flatshard_sharded"
 
@@ -137,6 +139,45 @@ class _StateDicts:
                 raise ValueError(f"load_sharded_state_dict: missing {missing}")
             for k, v in local.items():
                 v.copy_(sd[k])
+
+    # ------------------------------------------------------------------ checkpoints
+    # (README "Checkpoints"). Not collective: the daemon writes or loads every rank's shards.
+    def save_checkpoint(self, directory: str) -> Dict[str, Any]:
+        """Asks the daemon to write this module's committed step (the last ``commit()``, the
+        same generation on every rank) to `directory` (flatshard.checkpoint/1). Call it on
+        one rank; the others may go on (a commit landing during the write waits for it).
+        Returns the daemon's report (generation, bytes, files, ranks, path).
+        Raises FailedPreconditionError, writing nothing, while this rank's parameters hold
+        optimizer steps not committed yet (``uncommitted_steps``): the checkpoint would
+        silently hold the older committed generation. Commit first."""
+        self._note_writes()
+        if self._uncommitted:
+            n = self._uncommitted
+            raise FailedPreconditionError(
+                f"save_checkpoint: this rank's shards hold {n} uncommitted optimizer "
+                f"step{'' if n == 1 else 's'} (in-place parameter updates since generation "
+                f"{self._generation} was committed); the checkpoint would hold generation "
+                f"{self._generation}, not what was trained. Call model.commit() on every rank "
+                f"after optimizer.step() (or model.step(optimizer)), then save")
+        return self._client.save_checkpoint(self._name, directory)
+
+    def load_checkpoint(self, directory: Optional[str] = None, *,
+                        safetensors: Optional[str] = None) -> Dict[str, Any]:
+        """Loads a checkpoint directory (any world size or wrap policy) or a safetensors
+        file of the full model into this module on every rank: a committed step, whose
+        generation becomes the checkpoint's (a safetensors import: +1). Call it on one rank,
+        outside forward/backward and with no summon open on any rank; it reads this rank's
+        views again. Every other rank then calls ``refresh_views()`` once the load returned
+        (after a barrier of the trainer's own, e.g. ``torch.distributed.barrier()``): until
+        it does, its commits are refused (its in-place writes predate the load)."""
+        if (directory is None) == (safetensors is None):
+            raise ValueError("load_checkpoint: give exactly one of directory and safetensors")
+        if directory is not None:
+            info = self._client.load_checkpoint(self._name, directory)
+        else:
+            info = self._client.import_safetensors(self._name, safetensors)
+        self.refresh_views()
+        return info
 
 
 def _load_post_hook(module: Any, incompatible_keys: Any) -> None:
