@@ -14,6 +14,7 @@
 #include "client/channel_target.h"
 #include "client/client_internal.h"
 #include "client/cuda_events.h"
+#include "client/ordered_calls.h"
 #include "client/segment_cache.h"
 #include "common/file_util.h"
 #include "common/grpc_status.h"
@@ -180,6 +181,13 @@ class LeaseStream {
 
 // The Client's state, shared with the objects it hands out (as weak_ptr), so that those
 // may outlive it. Thread-safe. Locks: mu_, then LeaseStream::mu_ (never the reverse).
+// What a started summon (Client::StartSummon) hands back to its PendingSummon.
+struct SummonJob {
+  absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  absl::StatusOr<std::unique_ptr<SummonedParams>> result ABSL_GUARDED_BY(mu);
+};
+
 class ClientCore : public std::enable_shared_from_this<ClientCore> {
  public:
   ClientCore(ClientOptions options, std::shared_ptr<grpc::Channel> channel, GpuApis apis)
@@ -188,7 +196,10 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
         stub_(v1::ShardService::NewStub(channel_)),
         cache_(/*max_entries=*/4096, std::move(apis.opener)),
         events_(std::move(apis.events)) {}
-  ~ClientCore() { Shutdown(); }
+  ~ClientCore() {
+    ordered_.Stop();  // summons still queued find the core gone and fail FAILED_PRECONDITION
+    Shutdown();
+  }
 
   static std::unique_ptr<Client> NewClient(std::shared_ptr<ClientCore> core) {
     return std::unique_ptr<Client>(new Client(std::move(core)));
@@ -196,8 +207,12 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
 
   const ClientOptions& options() const { return options_; }
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
-  // The current session's caller (Client::SaveCheckpoint and friends).
-  absl::StatusOr<v1::Caller> SessionCaller() const { return CurrentCaller(0); }
+  // The current session's caller (Client::SaveCheckpoint and friends), once the summons
+  // started before the call were answered (they act on the group too).
+  absl::StatusOr<v1::Caller> SessionCaller() const {
+    ordered_.Drain();
+    return CurrentCaller(0);
+  }
   int64_t map_calls() const { return cache_.map_calls(); }
   // Unmaps segments the daemon freed that no view uses any more (SegmentCache::DropUnlinked).
   void DropUnlinked() {
@@ -222,6 +237,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
 
   absl::Status Join(std::string group, int world_size, int rank, std::string token,
                     std::string coordinator) {
+    ordered_.Drain();
     if (group.empty()) return absl::InvalidArgumentError("Join: empty group name");
     FS_RETURN_IF_ERROR(CheckLength("Join", "group", group, kMaxGroupBytes));
     FS_RETURN_IF_ERROR(CheckLength("Join", "token", token, kMaxTokenBytes));
@@ -266,6 +282,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
 
   absl::StatusOr<RegisteredModule> Register(std::string module, absl::string_view manifest_json,
                                             absl::string_view policy_json, InitMode init) {
+    ordered_.Drain();
     FS_RETURN_IF_ERROR(CheckLength("Register", "module", module, kMaxModulePathBytes));
     // Parsing here gives bad input the exact messages of the JSON readers, before any RPC.
     FS_ASSIGN_OR_RETURN(Manifest manifest, ManifestFromJson(manifest_json));
@@ -316,14 +333,46 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     return out;
   }
 
+  // A Summon's request, checked and with `written` recorded: what StartSummon hands the lane.
+  struct PreparedSummon {
+    v1::SummonRequest request;
+    std::shared_ptr<const ModuleLayout> layout;
+    bool writeback = false;
+  };
+
   absl::StatusOr<std::unique_ptr<SummonedParams>> Summon(const std::string& module,
                                                          const std::string& path,
                                                          const SummonOptions& options) {
+    ordered_.Drain();
+    FS_ASSIGN_OR_RETURN(PreparedSummon prepared, PrepareSummon(module, path, options));
+    return CallSummon(prepared);
+  }
+
+  absl::StatusOr<std::unique_ptr<PendingSummon>> StartSummon(const std::string& module,
+                                                             const std::string& path,
+                                                             const SummonOptions& options) {
+    FS_ASSIGN_OR_RETURN(PreparedSummon prepared, PrepareSummon(module, path, options));
+    auto job = std::make_shared<SummonJob>();
+    ordered_.Submit([weak = weak_from_this(), job, prepared = std::move(prepared)] {
+      absl::StatusOr<std::unique_ptr<SummonedParams>> result = absl::FailedPreconditionError(
+          absl::StrCat("Summon of module \"", prepared.request.registered_module(), "\" path \"",
+                       prepared.request.path(), "\": the Client is gone"));
+      if (std::shared_ptr<ClientCore> core = weak.lock()) result = core->CallSummon(prepared);
+      absl::MutexLock lock(&job->mu);
+      job->result = std::move(result);
+      job->done = true;
+    });
+    return std::unique_ptr<PendingSummon>(new PendingSummon(std::move(job)));
+  }
+
+  absl::StatusOr<PreparedSummon> PrepareSummon(const std::string& module, const std::string& path,
+                                               const SummonOptions& options) {
     FS_RETURN_IF_ERROR(CheckLength("Summon", "path", path, kMaxModulePathBytes));
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
-    DropUnlinked();  // views dropped since the last call (e.g. ShardViews) free theirs now
-    FS_ASSIGN_OR_RETURN(std::shared_ptr<const ModuleLayout> layout, FindModule(module));
-    v1::SummonRequest request;
+    PreparedSummon out;
+    FS_ASSIGN_OR_RETURN(out.layout, FindModule(module));
+    out.writeback = options.writeback;
+    v1::SummonRequest& request = out.request;
     *request.mutable_caller() = caller;
     request.set_registered_module(module);
     request.set_path(path);
@@ -339,15 +388,24 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       }
       *request.mutable_written() = flatshard::ToProto(*written);
     }
+    return out;
+  }
+
+  absl::StatusOr<std::unique_ptr<SummonedParams>> CallSummon(const PreparedSummon& prepared) {
+    DropUnlinked();  // views dropped since the last call (e.g. ShardViews) free theirs now
     v1::SummonResponse response;
-    FS_RETURN_IF_ERROR(Call("Summon", &Stub::Summon, request, &response, options_.call_timeout));
-    FS_VLOG(2) << "summon=" << response.summon() << " module=\"" << module << "\" path=\"" << path
-               << "\" units=" << response.unit_indices_size();
-    return MakeSummoned(layout, caller, module, response, options.writeback);
+    FS_RETURN_IF_ERROR(
+        Call("Summon", &Stub::Summon, prepared.request, &response, options_.call_timeout));
+    const std::string& module = prepared.request.registered_module();
+    FS_VLOG(2) << "summon=" << response.summon() << " module=\"" << module << "\" path=\""
+               << prepared.request.path() << "\" units=" << response.unit_indices_size();
+    return MakeSummoned(prepared.layout, prepared.request.caller(), module, response,
+                        prepared.writeback);
   }
 
   // `device` >= 0: the summon's views are device memory on that GPU.
   absl::Status EndSummon(uint64_t session, const std::string& module, uint64_t summon, int device) {
+    ordered_.Drain();
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(session));
     v1::EndSummonRequest request;
     *request.mutable_caller() = caller;
@@ -371,6 +429,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
 
   absl::StatusOr<std::unique_ptr<PendingReduceScatter>> BeginReduceScatter(
       const std::string& module, int32_t unit, ReduceOp op, bool accumulate) {
+    ordered_.Drain();
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
     FS_ASSIGN_OR_RETURN(std::shared_ptr<const ModuleLayout> layout, FindModule(module));
     const UnitTemplate* tmpl = layout->FindUnit(unit);
@@ -401,6 +460,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   // `device` >= 0: the full gradient buffer is device memory on that GPU.
   absl::Status FinishReduceScatter(uint64_t session, const std::string& module, int32_t unit,
                                    ReduceOp op, bool accumulate, int device) {
+    ordered_.Drain();
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(session));
     v1::ReduceScatterGradsRequest request =
         ReduceScatterRequest(caller, module, unit, op, accumulate, /*begin=*/false);
@@ -447,6 +507,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
 
   absl::StatusOr<ShardViews> RegisterState(const std::string& module,
                                            const std::vector<StateSpec>& specs) {
+    ordered_.Drain();
     std::vector<flatshard::StateSpec> common;
     for (const StateSpec& s : specs) common.push_back(ToCommon(s));
     if (absl::Status s = ValidateStateSpecs(common); !s.ok()) {
@@ -473,6 +534,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   }
 
   absl::StatusOr<uint64_t> Commit(const std::string& module) {
+    ordered_.Drain();
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
     FS_ASSIGN_OR_RETURN(std::shared_ptr<const ModuleLayout> layout, FindModule(module));
     v1::CommitRequest request;
@@ -496,6 +558,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   }
 
   absl::Status Leave() {
+    ordered_.Drain();
     std::unique_ptr<LeaseStream> lease;
     v1::Caller caller;
     {
@@ -807,6 +870,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   const std::unique_ptr<Stub> stub_;  // thread-safe; reused by every call
   SegmentCache cache_;
   StreamEvents events_;
+  OrderedCalls ordered_;  // StartSummon's RPCs, in issue order
 
   mutable absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kIdle;
@@ -852,6 +916,30 @@ absl::Status SummonedParams::End() {
   // them, so that their pages do not outlive the summon (node shared memory).
   if (std::shared_ptr<internal::ClientCore> core = core_.lock()) core->DropUnlinked();
   return end_status_;
+}
+
+// --- PendingSummon --------------------------------------------------------------------------
+
+PendingSummon::PendingSummon(std::shared_ptr<internal::SummonJob> job) : job_(std::move(job)) {}
+
+PendingSummon::~PendingSummon() {
+  if (waited_) return;
+  // A summon never taken is ended by its SummonedParams' destructor, as the job drops it.
+  absl::MutexLock lock(&job_->mu);
+  job_->mu.Await(absl::Condition(&job_->done));
+}
+
+absl::StatusOr<std::unique_ptr<SummonedParams>> PendingSummon::Wait() {
+  if (waited_) return absl::FailedPreconditionError("PendingSummon::Wait: called twice");
+  waited_ = true;
+  absl::MutexLock lock(&job_->mu);
+  job_->mu.Await(absl::Condition(&job_->done));
+  return std::move(job_->result);
+}
+
+bool PendingSummon::ready() const {
+  absl::MutexLock lock(&job_->mu);
+  return job_->done;
 }
 
 // --- PendingReduceScatter -------------------------------------------------------------------
@@ -995,6 +1083,11 @@ absl::StatusOr<std::unique_ptr<SummonedParams>> Client::Summon(const std::string
                                                                const std::string& path,
                                                                const SummonOptions& options) {
   return core_->Summon(registered_module, path, options);
+}
+
+absl::StatusOr<std::unique_ptr<PendingSummon>> Client::StartSummon(
+    const std::string& registered_module, const std::string& path, const SummonOptions& options) {
+  return core_->StartSummon(registered_module, path, options);
 }
 
 absl::StatusOr<std::unique_ptr<PendingReduceScatter>> Client::BeginReduceScatter(

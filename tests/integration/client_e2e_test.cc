@@ -376,6 +376,90 @@ TEST_P(ClientE2ETest, SteadyStateSummonsMakeNoMmapCalls) {
   }
 }
 
+// ---- Started summons (Client::StartSummon) ----
+
+// Checks unit `u`'s parameters in a summon against Value().
+void ExpectUnitValues(const PlanUnit& u, const SummonedParams& s) {
+  for (const PlanParam& p : u.params) {
+    const ParamView* v = s.Find(p.fqn);
+    ASSERT_NE(v, nullptr) << p.fqn;
+    const float* data = static_cast<const float*>(v->data);
+    for (int64_t i = 0; i < p.numel; ++i) {
+      ASSERT_EQ(data[i], Value(p.fqn, i)) << p.fqn << "[" << i << "]";
+    }
+  }
+}
+
+TEST_P(ClientE2ETest, StartedSummonsReachTheDaemonBeforeLaterCallsOnEveryRank) {
+  Cluster d(GetParam(), Options());
+  std::vector<Rank> ranks = JoinAndRegister(d, "started", 2);
+  InitValues(ranks);
+  const Plan& plan = *ranks[0].model.plan;
+  ASSERT_GE(plan.units.size(), 3u);
+  ::flatshard::testing::RunRanks(2, [&](int r) {
+    Client& c = *ranks[r].client;
+    // Every unit but the root started, last first, nothing waited for; then a synchronous
+    // summon of the root. Rank 1 makes its synchronous call late: had it overtaken the
+    // started ones on rank 0, the ranks' collectives would pair different units.
+    std::vector<std::pair<int32_t, std::unique_ptr<PendingSummon>>> started;
+    for (size_t k = plan.units.size() - 1; k >= 1; --k) {
+      absl::StatusOr<std::unique_ptr<PendingSummon>> p =
+          c.StartSummon("", plan.units[k].module, ReadOnly());
+      ASSERT_TRUE(p.ok()) << "rank " << r << ": " << p.status();
+      started.emplace_back(plan.units[k].index, *std::move(p));
+    }
+    if (r == 1) absl::SleepFor(absl::Milliseconds(200));
+    SummonOptions root = ReadOnly();
+    root.recurse = false;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = c.Summon("", "", root);
+    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+    ASSERT_THAT(s->get()->units(), ElementsAre(plan.units[0].index));
+    ExpectUnitValues(plan.units[0], **s);
+    for (auto& [unit, pending] : started) {
+      EXPECT_TRUE(pending->ready()) << "the synchronous summon waited for the started ones";
+      absl::StatusOr<std::unique_ptr<SummonedParams>> got = pending->Wait();
+      ASSERT_TRUE(got.ok()) << "rank " << r << " unit " << unit << ": " << got.status();
+      ASSERT_THAT(got->get()->units(), ElementsAre(unit));
+      ExpectUnitValues(plan.units[unit], **got);
+      EXPECT_TRUE(got->get()->End().ok());
+      const absl::StatusOr<std::unique_ptr<SummonedParams>> again = pending->Wait();
+      EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+    }
+    EXPECT_TRUE(s->get()->End().ok());
+  });
+}
+
+TEST_P(ClientE2ETest, StartedSummonsFailAtWaitOrAtOnceAndOneNeverTakenIsEnded) {
+  Cluster d(GetParam(), Options());
+  std::vector<Rank> ranks = JoinAndRegister(d, "started-errors", 2);
+  // Known before any RPC: at once.
+  absl::StatusOr<std::unique_ptr<PendingSummon>> unknown =
+      ranks[0].client->StartSummon("not-registered", "", ReadOnly());
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound) << unknown.status();
+  SummonOptions writeback;
+  writeback.writeback = true;
+  ::flatshard::testing::RunRanks(2, [&](int r) {
+    Client& c = *ranks[r].client;
+    // The daemon's refusal (the model is already summoned with writeback) arrives at Wait.
+    absl::StatusOr<std::unique_ptr<SummonedParams>> held = c.Summon("", "", writeback);
+    ASSERT_TRUE(held.ok()) << held.status();
+    absl::StatusOr<std::unique_ptr<PendingSummon>> second = c.StartSummon("", "", writeback);
+    ASSERT_TRUE(second.ok()) << second.status();
+    absl::StatusOr<std::unique_ptr<SummonedParams>> refused = (*second)->Wait();
+    EXPECT_FALSE(refused.ok());
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("already unsharding"));
+    EXPECT_TRUE(held->get()->End().ok());
+    // A started summon dropped without Wait is ended: the model can be summoned again.
+    {
+      absl::StatusOr<std::unique_ptr<PendingSummon>> dropped = c.StartSummon("", "", writeback);
+      ASSERT_TRUE(dropped.ok()) << dropped.status();
+    }
+    absl::StatusOr<std::unique_ptr<SummonedParams>> again = c.Summon("", "", writeback);
+    ASSERT_TRUE(again.ok()) << "rank " << r << ": " << again.status();
+    EXPECT_TRUE(again->get()->End().ok());
+  });
+}
+
 // ---- Refused requests ----
 
 TEST_P(ClientE2ETest, UnknownUnitPathOrModuleIsRefusedAndChangesNothing) {

@@ -96,6 +96,7 @@ namespace internal {
 class ClientCore;
 class ModuleLayout;
 class ViewBuilder;
+struct SummonJob;
 }  // namespace internal
 
 struct ClientOptions {
@@ -264,6 +265,31 @@ class SummonedParams {
   int device_ = -1;  // a device view's ordinal: End() then sends the trainer's `written`
   bool ended_ = false;
   absl::Status end_status_;
+};
+
+// A summon started by Client::StartSummon: its all-gather runs while the trainer computes.
+class PendingSummon {
+ public:
+  PendingSummon(const PendingSummon&) = delete;
+  PendingSummon& operator=(const PendingSummon&) = delete;
+  // Waits for the summon unless Wait() was called; a summon that completed but was never
+  // taken is ended (its views are dropped, as SummonedParams' destructor does).
+  ~PendingSummon();
+
+  // Blocks until the summon completed and returns what Client::Summon would have returned
+  // for it: its views, or its error (named as Summon names them). The wait is bounded by the
+  // call's deadline (ClientOptions::call_timeout, counted from when the RPC was sent). Once:
+  // a second call returns FAILED_PRECONDITION.
+  absl::StatusOr<std::unique_ptr<SummonedParams>> Wait();
+  // True once Wait() would not block.
+  bool ready() const;
+
+ private:
+  friend class internal::ClientCore;
+  explicit PendingSummon(std::shared_ptr<internal::SummonJob> job);
+
+  std::shared_ptr<internal::SummonJob> job_;
+  bool waited_ = false;
 };
 
 // Phase one of a gradient reduce-scatter: a writable view of the unit's full (padded) flat
@@ -471,6 +497,23 @@ class Client {
   absl::StatusOr<std::unique_ptr<SummonedParams>> Summon(const std::string& registered_module,
                                                          const std::string& path,
                                                          const SummonOptions& options = {});
+
+  // Collective, asynchronous: starts Summon(registered_module, path, options) and returns at
+  // once; PendingSummon::Wait() gives its result. Use it to prefetch: start the next unit's
+  // all-gather, compute, then wait (FSDP's forward and backward prefetch).
+  // Order: every rank must issue its collectives in one order, so the calls this client makes
+  // after StartSummon that act on the group (Summon, StartSummon, SummonedParams::End,
+  // BeginReduceScatter, PendingReduceScatter::Finish, Commit, Register, RegisterState, Join,
+  // Leave, SaveCheckpoint, LoadCheckpoint) first wait for the summons started before them.
+  // GetShardViews, Ping-like reads and the views themselves never wait.
+  // Device shards: `written` is recorded on cuda_stream here, at the start; the trainer's
+  // stream is made to wait for the daemon's `ready` before Wait() returns.
+  // Errors: those Summon finds before any RPC are returned here (NOT_FOUND for a module this
+  // client did not register, FAILED_PRECONDITION when not joined, INVALID_ARGUMENT for a path
+  // over the limit, CUDA's recording `written`); everything else arrives at Wait().
+  absl::StatusOr<std::unique_ptr<PendingSummon>> StartSummon(const std::string& registered_module,
+                                                             const std::string& path,
+                                                             const SummonOptions& options = {});
 
   // Phase one of a gradient reduce-scatter for plan unit `unit`: returns where to write the
   // full gradient. `op` and `accumulate` (add into the sharded gradient instead of

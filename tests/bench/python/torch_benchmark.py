@@ -98,7 +98,12 @@ def worker(args):
         params = fwd.sharded_parameters()
     opt = gpt.make_optimizer(params)
     times, losses = [], []
+    profiler = None
     for step in range(args.steps):
+        if args.profile and step == args.warmup:
+            import cProfile
+            profiler = cProfile.Profile()
+            profiler.enable()
         x, y = gpt.local_batch(step, args.batch, model.cfg, rank, world)
         t0 = time.perf_counter()
         loss = fwd(x, y)
@@ -107,6 +112,10 @@ def worker(args):
         opt.step()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
+    if profiler is not None:
+        profiler.disable()
+        os.makedirs(args.profile, exist_ok=True)
+        profiler.dump_stats(os.path.join(args.profile, f"{args.mode}-rank{rank}.prof"))
     print(json.dumps({"rank": rank, "times": times, "losses": losses,
                       "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}),
           flush=True)
@@ -200,6 +209,7 @@ def run_mode(mode, args):
     """Runs one configuration; returns a dict with step time, peak PSS, losses, or an error."""
     world = 1 if mode == "single" else args.ranks
     common = [sys.executable, __file__, "--worker", "--mode", mode, "--steps", str(args.steps),
+              "--warmup", str(args.warmup), "--profile", args.profile,
               "--batch", str(args.batch), "--world-size", str(world), "--n-layer",
               str(args.n_layer), "--n-embd", str(args.n_embd), "--block-size",
               str(args.block_size)]
@@ -259,6 +269,9 @@ def main():
     ap.add_argument("--group", default="")
     ap.add_argument("--timeout", type=float, default=500)
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument("--profile", default="",
+                    help="cProfile the steps after --warmup; each rank writes "
+                         "DIR/MODE-rankR.prof (read with python3 -m pstats)")
     args = ap.parse_args()
     if args.worker:
         worker(args)
