@@ -45,6 +45,7 @@ using client::InitMode;
 using client::ParamView;
 using client::ParamViews;
 using client::PendingReduceScatter;
+using client::PendingSummon;
 using client::ReduceOp;
 using client::RegisteredModule;
 using client::ShardViews;
@@ -250,6 +251,41 @@ class PySummoned {
   uint64_t id_;
   std::string module_;
   bool ended_ = false;  // read and written with the GIL held
+};
+
+// --- started summons (Client::StartSummon) ---------------------------------------------------
+
+class PyPendingSummon {
+ public:
+  PyPendingSummon(std::unique_ptr<PendingSummon> pending, std::shared_ptr<const Plan> plan,
+                  bool device_as_host)
+      : pending_(std::move(pending)), plan_(std::move(plan)), device_as_host_(device_as_host) {}
+  // Waits for (and ends, if never taken) the summon without holding the GIL.
+  ~PyPendingSummon() {
+    WithoutGil([&] { pending_.reset(); });
+  }
+
+  std::shared_ptr<PySummoned> Wait() {
+    absl::StatusOr<std::unique_ptr<SummonedParams>> summoned;
+    std::shared_ptr<PySummoned> out;
+    {
+      py::gil_scoped_release release;
+      std::lock_guard<std::mutex> lock(mu_);
+      summoned = pending_->Wait();
+      if (summoned.ok()) {
+        out = std::make_shared<PySummoned>(*std::move(summoned), plan_, device_as_host_);
+      }
+    }
+    if (out == nullptr) throw StatusError(summoned.status());
+    return out;
+  }
+  bool ready() const { return pending_->ready(); }
+
+ private:
+  std::mutex mu_;
+  std::unique_ptr<PendingSummon> pending_;
+  const std::shared_ptr<const Plan> plan_;
+  const bool device_as_host_;
 };
 
 // --- gradient reduce-scatter ---------------------------------------------------------------
@@ -511,6 +547,22 @@ class PyClient {
     return out;
   }
 
+  // Client::StartSummon: errors known before any RPC raise here, the rest at wait().
+  std::shared_ptr<PyPendingSummon> StartSummon(const std::string& module, const std::string& path,
+                                               bool recurse, bool writeback, bool rank0_only,
+                                               bool offload_to_cpu, bool with_grads) {
+    const ClientRef c = Get("summon_async");
+    const SummonOptions options{recurse, writeback, rank0_only, offload_to_cpu, with_grads};
+    std::shared_ptr<const Plan> plan = FindPlan(module);
+    absl::StatusOr<std::unique_ptr<PendingSummon>> pending;
+    {
+      py::gil_scoped_release release;
+      pending = c->StartSummon(module, path, options);
+    }
+    return std::make_shared<PyPendingSummon>(Unwrap(std::move(pending)), std::move(plan),
+                                             device_as_host_);
+  }
+
   std::shared_ptr<PyPendingReduceScatter> BeginReduceScatter(const std::string& module,
                                                              int32_t unit, const std::string& op,
                                                              bool accumulate) {
@@ -706,6 +758,7 @@ PYBIND11_MODULE(_C, m) {
       .def("join", &PyClient::Join)
       .def("register", &PyClient::Register)
       .def("summon", &PyClient::Summon)
+      .def("summon_async", &PyClient::StartSummon)
       .def("begin_reduce_scatter", &PyClient::BeginReduceScatter)
       .def("shard_views", &PyClient::ShardViewsOf)
       .def("commit", &PyClient::Commit)
@@ -734,6 +787,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("note", &PySummoned::note)
       .def_property_readonly("id", &PySummoned::id)
       .def_property_readonly("module", &PySummoned::module);
+
+  py::class_<PyPendingSummon, std::shared_ptr<PyPendingSummon>>(m, "PendingSummon")
+      .def("wait", &PyPendingSummon::Wait)
+      .def_property_readonly("ready", &PyPendingSummon::ready);
 
   py::class_<PyPendingReduceScatter, std::shared_ptr<PyPendingReduceScatter>>(
       m, "PendingReduceScatter")

@@ -31,11 +31,12 @@ from .errors import (AbortedError, AlreadyExistsError, DeadlineExceededError,
                      InvalidArgumentError, NotFoundError, PermissionDeniedError,
                      ResourceExhaustedError, ShardsLostError, UnavailableError)
 from ._tensors import ReadOnlyTensor, ReadOnlyViewError
-from ._client import (Client, PendingReduceScatter, Registered, ShardViews, Summoned,
-                      UnitShard)
+from ._client import (Client, PendingReduceScatter, PendingSummon, Registered, ShardViews,
+                      Summoned, UnitShard)
 
 __all__ = [
-    "Client", "Registered", "Summoned", "PendingReduceScatter", "ShardViews", "UnitShard",
+    "Client", "Registered", "Summoned", "PendingSummon", "PendingReduceScatter", "ShardViews",
+    "UnitShard",
     "ReadOnlyTensor", "ReadOnlyViewError",
     "FlatshardError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError",
     "PermissionDeniedError", "FailedPreconditionError", "AbortedError", "UnavailableError",

@@ -199,6 +199,25 @@ class Summoned:
                 f"has_views={self.has_views}, ended={self.ended})")
 
 
+class PendingSummon:
+    """A summon started by ``Client.summon_async``: its all-gather runs while this process
+    computes. ``wait()`` returns the ``Summoned`` (or raises the summon's error, as
+    ``summon`` would); ``ready`` is true once ``wait()`` would not block. Dropped without
+    ``wait()``, the summon is ended."""
+
+    def __init__(self, p, plan=None):
+        self._p = p
+        self._plan = plan
+
+    ready = property(lambda self: self._p.ready)
+
+    def wait(self):
+        return Summoned(self._p.wait(), self._plan)
+
+    def __repr__(self):
+        return f"PendingSummon(ready={self.ready})"
+
+
 class PendingReduceScatter:
     """Phase one of a gradient reduce-scatter: write the unit's full gradient into ``flat``
     (or the per-parameter ``grads``), then ``finish()`` (collective)."""
@@ -392,6 +411,18 @@ class Client:
         s = self._c.summon(module, path, bool(recurse), bool(writeback), bool(rank0_only),
                            bool(offload_to_cpu), bool(with_grads))
         return Summoned(s, self._plans.get(module))
+
+    def summon_async(self, module, path="", recurse=True, writeback=True, rank0_only=False,
+                     offload_to_cpu=False, with_grads=False):
+        """Collective, asynchronous: starts ``summon`` and returns a ``PendingSummon`` at
+        once (prefetch: start the next unit's all-gather, compute, then ``wait()``). Calls
+        this client makes afterwards that act on the group (summon, end, reduce-scatter,
+        commit, register, checkpoints, leave) first wait for the summons started before
+        them, so every rank's collectives keep one order. Errors found before any RPC
+        (unknown module, not joined) raise here; the rest at ``wait()``."""
+        p = self._c.summon_async(module, path, bool(recurse), bool(writeback), bool(rank0_only),
+                                 bool(offload_to_cpu), bool(with_grads))
+        return PendingSummon(p, self._plans.get(module))
 
     def begin_reduce_scatter(self, module, unit, op="avg", accumulate=False):
         """Phase one of a gradient reduce-scatter of plan unit `unit`."""

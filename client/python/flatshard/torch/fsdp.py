@@ -32,6 +32,7 @@ from ..errors import ShardsLostError
 from . import manifest as _manifest
 from . import wrap as _wrap
 from ._shared import TrainingState, _flatten, _in_backward, _plain
+from .prefetch import BackwardPrefetch, _Prefetcher
 from .recipe import _TrainingRecipe
 from .state_dicts import _StateDicts, _load_post_hook
 
@@ -128,6 +129,12 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
     - ``use_orig_params``: as FSDP: the optimizer sees the original parameters (1-D views of
       this rank's part of each, possibly empty); False: one flat shard per unit.
     - ``name``: the module path to register under ("" = the whole model).
+    - ``backward_prefetch`` (``BackwardPrefetch.BACKWARD_PRE``, FSDP's default; ``BACKWARD_POST``;
+      None) and ``forward_prefetch`` (False): start the next unit's all-gather (in the first
+      iteration's order) as this unit's backward starts / after its reduce-scatter / as its
+      forward starts, so that the daemon gathers while this process computes. At most one unit
+      is prefetched at a time, so ``limit_all_gathers`` is always in force (accepted for FSDP
+      compatibility). Every rank must run the same units in the same order (as FSDP).
     - ``require_reattach``: True for a trainer that restarts and expects to find its module
       registered: if the group no longer has it (e.g. the daemon restarted without
       ``--state_dir``), ``flatshard.ShardsLostError`` instead of a fresh registration.
@@ -156,7 +163,9 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
     def __init__(self, module: nn.Module, client: Any, *, auto_wrap_policy: Any = None,
                  ignored_modules: Optional[Iterable[nn.Module]] = None,
                  sync_module_states: bool = False, use_orig_params: bool = False,
-                 name: str = "", reduce_op: str = "avg", require_reattach: bool = False):
+                 name: str = "", reduce_op: str = "avg", require_reattach: bool = False,
+                 backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
+                 forward_prefetch: bool = False, limit_all_gathers: bool = False):
         super().__init__()
         self.module = module
         self._client = client
@@ -201,6 +210,10 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
         self._plan = reg.plan
         self._generation = int(getattr(reg, "generation", 0))
         self._build_units(reg.plan)
+        # limit_all_gathers is always in force: prefetching runs at most one unit ahead.
+        self.limit_all_gathers = bool(limit_all_gathers)
+        self._prefetch = _Prefetcher(client, name, lambda unit: self._units[unit].path,
+                                     forward_prefetch, backward_prefetch)
         fresh = reg.init_summon is not None  # the same on every rank
         if fresh:
             self._fill_init_summon(reg.init_summon)
@@ -377,6 +390,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
         has the module (e.g. the daemon restarted without ``--state_dir``): registering
         again would silently start over at generation 0."""
         self._abandon_step()
+        self._prefetch.reset()  # a restarted rank knows no order: every rank starts over
         self._end_load()
         if self._name not in list(self._client.registered_modules):
             # The group's modules as of this client's last join, the same on every rank:
@@ -599,6 +613,9 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
             raise
         finally:
             self._in_forward -= 1
+        if not self._in_forward:  # no backward follows: nothing prefetched will be used
+            self._prefetch.cancel()
+            self._prefetch.order.end_iteration()
         self._state = TrainingState.IDLE
         return out
 
@@ -634,7 +651,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
         if depth > 0:
             self._fwd_depth[unit] = depth + 1
             return  # a module called again inside its own forward: already summoned
-        s = self._client.summon(self._name, u.path, recurse=False, writeback=False)
+        s = self._prefetch.summon(unit)
         try:
             flat = _plain(s.flat(unit))
             self._fwd[unit] = (s, flat, flat.data_ptr(),
@@ -647,6 +664,22 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
                 s.end()
             raise
         self._fwd_depth[unit] = 1  # counted only once the summon is in place
+        if self._in_forward:  # not a recomputation in backward
+            self._prefetch.order.record_pre(unit)
+            if self._prefetch.forward:
+                self._prefetch.start(self._prefetch.order.next_forward(unit), self._summoned)
+
+    @property
+    def prefetch_stats(self) -> Dict[str, float]:
+        """Since construction: ``summons`` (a unit's parameters unsharded for its forward or
+        backward), ``prefetched`` (of which started ahead by prefetching) and ``waited_s``
+        (seconds this process waited for them: the all-gather time prefetching did not
+        hide)."""
+        p = self._prefetch
+        return {"summons": p.summons, "prefetched": p.prefetched, "waited_s": p.waited_s}
+
+    def _summoned(self, unit: int) -> bool:
+        return unit in self._fwd or unit in self._bwd
 
     def _install_views(self, u: _Unit, flat: torch.Tensor) -> None:
         """Points the unit's parameters at their views in its full buffer `flat`: views out
@@ -672,6 +705,8 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
             self._fwd_depth[unit] = depth
             return
         self._fwd_depth.pop(unit, None)
+        if self._in_forward:
+            self._prefetch.order.record_post(unit)
         self._restore_sites(self._units[unit])
         got = self._fwd.pop(unit, None)
         if got is not None:
@@ -700,15 +735,18 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
     def _backward_flat(self, unit: int) -> torch.Tensor:
         got = self._bwd.get(unit)
         if got is None:
-            u = self._units[unit]
-            s = self._client.summon(self._name, u.path, recurse=False, writeback=False)
+            s = self._prefetch.summon(unit)
             got = (s, _plain(s.flat(unit)))
             self._bwd[unit] = got
+            if self._prefetch.backward == BackwardPrefetch.BACKWARD_PRE:
+                self._prefetch.start(self._prefetch.order.next_backward(unit), self._summoned)
         return got[1]
 
     def _post_backward(self, unit: int, grads: Tuple[Optional[torch.Tensor], ...]) -> None:
         try:
             self._reduce_scatter(unit, grads)
+            if self._prefetch.backward == BackwardPrefetch.BACKWARD_POST:
+                self._prefetch.start(self._prefetch.order.next_backward(unit), self._summoned)
         except BaseException as e:
             self.backward_error = e  # torch's engine re-raises it as a RuntimeError
             raise
@@ -742,6 +780,8 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
 
     def _final_callback(self) -> None:
         try:
+            self._prefetch.cancel()
+            self._prefetch.order.end_iteration()
             for unit in list(self._bwd):
                 self._bwd.pop(unit)[0].end()
             if not self._no_sync:
@@ -761,6 +801,8 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
     def _abandon_step(self) -> None:
         """Ends whatever a failed or unfinished step left open (best effort: the daemon ends
         them itself when the session goes)."""
+        self._prefetch.cancel()
+        self._prefetch.order.discard_iteration()
         for table in (self._fwd, self._bwd):
             for unit in list(table):
                 s = table.pop(unit)[0]
