@@ -12,6 +12,9 @@ Peak memory per node: the peak over the run of the summed PSS (proportional set 
 /proc/PID/smaps_rollup, sampled every 20 ms) of every process of the job on this host: the
 ranks and, for flatshard, the daemon. PSS splits shared pages between the processes mapping
 them, so the daemon's shared-memory segments are counted once.
+Modes: single, ddp, fsdp, flatshard (backward prefetch BACKWARD_PRE and forward prefetch),
+flatshard-noprefetch (neither). "summon wait ms/step": the time a rank's wrapper waited for
+its units' all-gathers per step (prefetch_stats): the communication prefetch did not hide.
 """
 import argparse
 import json
@@ -94,12 +97,19 @@ def worker(args):
         from flatshard.torch import FlatShardModule, ModuleWrapPolicy
         client = flatshard.Client(args.address, call_timeout=60.0, join_timeout=120.0)
         client.join(args.group, world, rank)
-        fwd = FlatShardModule(model, client, auto_wrap_policy=ModuleWrapPolicy({gpt.Block}))
+        from flatshard.torch import BackwardPrefetch
+        prefetch = dict(backward_prefetch=None) if args.mode == "flatshard-noprefetch" else dict(
+            backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True)
+        fwd = FlatShardModule(model, client, auto_wrap_policy=ModuleWrapPolicy({gpt.Block}),
+                              **prefetch)
         params = fwd.sharded_parameters()
     opt = gpt.make_optimizer(params)
     times, losses = [], []
     profiler = None
+    waited = 0.0
     for step in range(args.steps):
+        if step == args.warmup and hasattr(fwd, "prefetch_stats"):
+            waited = -fwd.prefetch_stats["waited_s"]
         if args.profile and step == args.warmup:
             import cProfile
             profiler = cProfile.Profile()
@@ -116,7 +126,10 @@ def worker(args):
         profiler.disable()
         os.makedirs(args.profile, exist_ok=True)
         profiler.dump_stats(os.path.join(args.profile, f"{args.mode}-rank{rank}.prof"))
+    if hasattr(fwd, "prefetch_stats"):
+        waited += fwd.prefetch_stats["waited_s"]
     print(json.dumps({"rank": rank, "times": times, "losses": losses,
+                      "summon_wait_s": waited / max(args.steps - args.warmup, 1),
                       "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}),
           flush=True)
     if client is not None:
@@ -215,7 +228,7 @@ def run_mode(mode, args):
               str(args.block_size)]
     daemon = None
     extra_pids = []
-    if mode == "flatshard":
+    if mode.startswith("flatshard"):
         from flatshard.testing import LocalDaemon
         daemon = LocalDaemon().start()
         extra_pids.append(daemon.proc.pid)
@@ -247,14 +260,15 @@ def run_mode(mode, args):
     per_rank = [statistics.median(r["times"][args.warmup:]) for r in results]
     losses = [sum(r["losses"][i] for r in results) / world for i in range(args.steps)]
     return {"mode": mode, "ranks": world, "step_s": max(per_rank), "peak_pss_mib":
-            sampler.peak / 1024.0, "final_loss": losses[-1]}
+            sampler.peak / 1024.0, "final_loss": losses[-1],
+            "summon_wait_s": max(r.get("summon_wait_s", 0.0) for r in results)}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--mode", default="flatshard")
-    ap.add_argument("--modes", default="single,ddp,fsdp,flatshard")
+    ap.add_argument("--modes", default="single,ddp,fsdp,flatshard-noprefetch,flatshard")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--world-size", type=int, default=1)
     ap.add_argument("--ranks", type=int, default=2)
@@ -285,16 +299,18 @@ def main():
     rows = [run_mode(m, args) for m in args.modes.split(",")]
     base = {r["mode"]: r for r in rows if "error" not in r}
     fs = base.get("flatshard")
-    print(f"{'mode':<10} {'ranks':>5} {'step ms':>9} {'peak MiB/node':>14} {'final loss':>10}"
-          f"  {'flatshard/this (time)':>22} {'(memory)':>9}")
+    print(f"{'mode':<20} {'ranks':>5} {'step ms':>9} {'peak MiB/node':>14} {'final loss':>10}"
+          f"  {'flatshard/this (time)':>22} {'(memory)':>9} {'summon wait ms/step':>20}")
     for r in rows:
         if "error" in r:
-            print(f"{r['mode']:<10} did not run: {r['error']}")
+            print(f"{r['mode']:<20} did not run: {r['error']}")
             continue
         ratio_t = f"{fs['step_s'] / r['step_s']:.2f}x" if fs else "-"
         ratio_m = f"{fs['peak_pss_mib'] / r['peak_pss_mib']:.2f}x" if fs else "-"
-        print(f"{r['mode']:<10} {r['ranks']:>5} {r['step_s'] * 1e3:>9.1f} "
-              f"{r['peak_pss_mib']:>14.1f} {r['final_loss']:>10.4f}  {ratio_t:>22} {ratio_m:>9}")
+        wait = f"{r['summon_wait_s'] * 1e3:.1f}" if r["mode"].startswith("flatshard") else "-"
+        print(f"{r['mode']:<20} {r['ranks']:>5} {r['step_s'] * 1e3:>9.1f} "
+              f"{r['peak_pss_mib']:>14.1f} {r['final_loss']:>10.4f}  {ratio_t:>22} {ratio_m:>9}"
+              f" {wait:>20}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if fs else 1
