@@ -307,6 +307,46 @@ TEST_P(GpuE2ETest, SteadyStateSummonsOpenNoIpcHandles) {
   }
 }
 
+TEST_P(GpuE2ETest, StartedSummonsHandBackDeviceViewsOrderedOnTheTrainersStream) {
+  SKIP_WITHOUT_GPU();
+  Cluster d(GetParam(), GpuOptions());
+  std::vector<Rank> ranks = JoinAndInit(d, "started", 2);
+  const float scale = 5.0f;
+  ::flatshard::testing::RunRanks(2, [&](int r) {
+    Client& c = *ranks[r].client;
+    // New values written on the device, then a started summon of every unit, last first,
+    // each waited for in turn and read on the device.
+    absl::StatusOr<std::unique_ptr<SummonedParams>> w = c.Summon("", "", SummonOptions());
+    ASSERT_TRUE(w.ok()) << w.status();
+    FillAll((*w)->params(), scale);
+    ASSERT_TRUE((*w)->End().ok());
+    SummonOptions o;
+    o.writeback = false;
+    o.recurse = false;
+    const Plan& plan = *ranks[r].model.plan;
+    std::vector<std::unique_ptr<PendingSummon>> started;
+    for (size_t k = plan.units.size(); k-- > 0;) {
+      absl::StatusOr<std::unique_ptr<PendingSummon>> p = c.StartSummon("", plan.units[k].module, o);
+      ASSERT_TRUE(p.ok()) << p.status();
+      started.push_back(*std::move(p));
+    }
+    for (std::unique_ptr<PendingSummon>& p : started) {
+      absl::StatusOr<std::unique_ptr<SummonedParams>> s = p->Wait();
+      ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+      const std::map<const void*, std::string> first = FirstFqns((*s)->params());
+      for (const ParamView& v : (*s)->params()) {
+        EXPECT_GE(v.device, 0) << v.fqn;
+        const std::vector<float> got = Read(v.data, v.device, v.numel);
+        for (int64_t i = 0; i < v.numel; ++i) {
+          ASSERT_EQ(got[i], ValueOf(first.at(v.data), i, scale))
+              << "rank " << r << " " << v.fqn << "[" << i << "]";
+        }
+      }
+      ASSERT_TRUE((*s)->End().ok());
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, GpuE2ETest,
                          ::testing::Values(Layout::kSingle, Layout::kTwoDaemons),
                          [](const ::testing::TestParamInfo<Layout>& info) {
