@@ -188,6 +188,13 @@ struct SummonJob {
   absl::StatusOr<std::unique_ptr<SummonedParams>> result ABSL_GUARDED_BY(mu);
 };
 
+// What a started reduce-scatter finish (Client::StartFinish) hands back.
+struct FinishJob {
+  absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  absl::Status status ABSL_GUARDED_BY(mu);
+};
+
 class ClientCore : public std::enable_shared_from_this<ClientCore> {
  public:
   ClientCore(ClientOptions options, std::shared_ptr<grpc::Channel> channel, GpuApis apis)
@@ -365,6 +372,24 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     return std::unique_ptr<PendingSummon>(new PendingSummon(std::move(job)));
   }
 
+  absl::StatusOr<std::unique_ptr<FinishingReduceScatter>> StartFinish(
+      std::unique_ptr<PendingReduceScatter> pending) {
+    if (pending == nullptr || pending->finished_) {
+      return absl::FailedPreconditionError(
+          "StartFinish: the reduce-scatter is null or already finished");
+    }
+    const int32_t unit = pending->unit();
+    auto job = std::make_shared<FinishJob>();
+    std::shared_ptr<PendingReduceScatter> owned = std::move(pending);
+    ordered_.Submit([job, owned] {
+      const absl::Status status = owned->Finish();
+      absl::MutexLock lock(&job->mu);
+      job->status = status;
+      job->done = true;
+    });
+    return std::unique_ptr<FinishingReduceScatter>(new FinishingReduceScatter(job, unit));
+  }
+
   absl::StatusOr<PreparedSummon> PrepareSummon(const std::string& module, const std::string& path,
                                                const SummonOptions& options) {
     FS_RETURN_IF_ERROR(CheckLength("Summon", "path", path, kMaxModulePathBytes));
@@ -404,8 +429,11 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   }
 
   // `device` >= 0: the summon's views are device memory on that GPU.
-  absl::Status EndSummon(uint64_t session, const std::string& module, uint64_t summon, int device) {
-    ordered_.Drain();
+  // `writeback`: the End is a collective (an agreement); a read-only End is local to the
+  // daemon, so it need not wait for started summons.
+  absl::Status EndSummon(uint64_t session, const std::string& module, uint64_t summon, int device,
+                         bool writeback, std::optional<uint64_t>* generation) {
+    if (writeback) ordered_.Drain();
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(session));
     v1::EndSummonRequest request;
     *request.mutable_caller() = caller;
@@ -423,6 +451,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     }
     v1::EndSummonResponse response;
     absl::Status s = Call("EndSummon", &Stub::EndSummon, request, &response, options_.call_timeout);
+    if (s.ok() && response.has_generation()) *generation = response.generation();
     FS_VLOG(2) << "end summon=" << summon << " module=\"" << module << "\": " << s;
     return s;
   }
@@ -741,6 +770,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       const std::string& module, const v1::SummonResponse& response, bool writable) {
     std::unique_ptr<SummonedParams> summoned(
         new SummonedParams(weak_from_this(), caller.session(), module, response.summon()));
+    summoned->writeback_ = writable;
     summoned->units_.assign(response.unit_indices().begin(), response.unit_indices().end());
     summoned->note_ = response.note();
     ViewBuilder params(layout);
@@ -904,7 +934,7 @@ absl::Status SummonedParams::End() {
   if (ended_) return end_status_;
   ended_ = true;
   if (std::shared_ptr<internal::ClientCore> core = core_.lock()) {
-    end_status_ = core->EndSummon(session_, module_, id_, device_);
+    end_status_ = core->EndSummon(session_, module_, id_, device_, writeback_, &generation_);
   } else {
     end_status_ = absl::FailedPreconditionError(
         absl::StrCat("summon ", id_, " of module \"", module_,
@@ -938,6 +968,25 @@ absl::StatusOr<std::unique_ptr<SummonedParams>> PendingSummon::Wait() {
 }
 
 bool PendingSummon::ready() const {
+  absl::MutexLock lock(&job_->mu);
+  return job_->done;
+}
+
+// --- FinishingReduceScatter -----------------------------------------------------------------
+
+FinishingReduceScatter::FinishingReduceScatter(std::shared_ptr<internal::FinishJob> job,
+                                               int32_t unit)
+    : job_(std::move(job)), unit_(unit) {}
+
+FinishingReduceScatter::~FinishingReduceScatter() { Wait().IgnoreError(); }
+
+absl::Status FinishingReduceScatter::Wait() {
+  absl::MutexLock lock(&job_->mu);
+  job_->mu.Await(absl::Condition(&job_->done));
+  return job_->status;
+}
+
+bool FinishingReduceScatter::ready() const {
   absl::MutexLock lock(&job_->mu);
   return job_->done;
 }
@@ -1102,6 +1151,11 @@ absl::Status Client::ReduceScatterGrads(
                       BeginReduceScatter(registered_module, unit, op, accumulate));
   FS_RETURN_IF_ERROR(fill(*pending));
   return pending->Finish();
+}
+
+absl::StatusOr<std::unique_ptr<FinishingReduceScatter>> Client::StartFinish(
+    std::unique_ptr<PendingReduceScatter> pending) {
+  return core_->StartFinish(std::move(pending));
 }
 
 absl::StatusOr<ShardViews> Client::GetShardViews(const std::string& registered_module) {

@@ -202,6 +202,16 @@ void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& 
                                 written);
 }
 gpu::IpcEventRef GroupManager::RecordReady(int32_t rank) { return modules_->RecordReady(rank); }
+absl::StatusOr<std::string> GroupManager::ModuleOfSummon(const Caller& caller,
+                                                         uint64_t summon) const {
+  return modules_->ModuleOfSummon(caller, summon);
+}
+
+absl::StatusOr<uint64_t> GroupManager::Generation(const Caller& caller,
+                                                  const std::string& module) const {
+  return modules_->Generation(caller, module);
+}
+
 absl::StatusOr<RegisterResult> GroupManager::GetShards(const Caller& caller,
                                                        const std::string& module) {
   return modules_->GetShards(caller, module);

@@ -200,6 +200,11 @@ class GroupManager : public peer::PeerEvents {
   // refused). FAILED_PRECONDITION for a module whose initialisation did not commit (naming
   // why); UNAVAILABLE while its shards are being rolled back.
   absl::StatusOr<RegisterResult> GetShards(const Caller& caller, const std::string& module);
+  // Read-only lookups for EndSummon's answer: the module of the caller's open summon
+  // `summon`, and the committed generation the caller's shards of `module` hold now.
+  // NOT_FOUND for an unknown group, summon or module.
+  absl::StatusOr<std::string> ModuleOfSummon(const Caller& caller, uint64_t summon) const;
+  absl::StatusOr<uint64_t> Generation(const Caller& caller, const std::string& module) const;
 
   // Collective: closes the current step of `module`. Trainers update shards in place (the
   // optimizer); when every rank has called Commit (an agreement all-gather, as EndSummon),

@@ -41,6 +41,7 @@ namespace {
 namespace py = pybind11;
 using client::Client;
 using client::ClientOptions;
+using client::FinishingReduceScatter;
 using client::InitMode;
 using client::ParamView;
 using client::ParamViews;
@@ -149,6 +150,11 @@ class PySummoned {
   ~PySummoned() {
     if (summoned_ == nullptr || ended_) return;
     WithoutGil([&] { summoned_.reset(); });
+  }
+
+  // SummonedParams::generation(): None until an End succeeded.
+  std::optional<uint64_t> generation() const {
+    return summoned_ == nullptr ? std::nullopt : summoned_->generation();
   }
 
   // Ends the summon (idempotent: later calls raise the first call's error again, or return).
@@ -295,25 +301,35 @@ class PyPendingReduceScatter {
   PyPendingReduceScatter(std::unique_ptr<PendingReduceScatter> pending, bool device_as_host)
       : pending_(std::move(pending)),
         device_as_host_(device_as_host),
-        grads_(ViewSet::From(pending_->grads())) {}
+        grads_(ViewSet::From(pending_->grads())),
+        region_{pending_->data(), {pending_->numel()}, pending_->dtype(), pending_->device()},
+        unit_(pending_->unit()) {}
 
   void Finish() {
     absl::Status status;
     {
       py::gil_scoped_release release;
       std::lock_guard<std::mutex> lock(mu_);
-      status = pending_->Finish();
+      status = pending_ != nullptr
+                   ? pending_->Finish()
+                   : absl::FailedPreconditionError(absl::StrCat(
+                         "unit ", unit_, ": the reduce-scatter was finished with finish_async"));
     }
     finished_ = true;
     Check(status);
   }
 
+  // Hands phase two to `client` (Client::StartFinish); the views stay mapped.
+  absl::StatusOr<std::unique_ptr<FinishingReduceScatter>> StartFinish(Client& client) {
+    std::lock_guard<std::mutex> lock(mu_);
+    finished_ = true;
+    return client.StartFinish(std::move(pending_));
+  }
+
   // The full padded gradient buffer: (capsule, dtype name, device).
   py::tuple Flat() const {
-    const Region region{
-        pending_->data(), {pending_->numel()}, pending_->dtype(), pending_->device()};
-    return py::make_tuple(ToDlpack(region, grads_.keep, device_as_host_),
-                          std::string(DTypeName(region.dtype)), region.device);
+    return py::make_tuple(ToDlpack(region_, grads_.keep, device_as_host_),
+                          std::string(DTypeName(region_.dtype)), region_.device);
   }
 
   py::list Describe() const {
@@ -332,16 +348,39 @@ class PyPendingReduceScatter {
     return out;
   }
 
-  int32_t unit() const { return pending_->unit(); }
-  int64_t numel() const { return pending_->numel(); }
+  int32_t unit() const { return unit_; }
+  int64_t numel() const { return region_.shape[0]; }
   bool finished() const { return finished_; }
 
  private:
   std::mutex mu_;
-  std::unique_ptr<PendingReduceScatter> pending_;
+  std::unique_ptr<PendingReduceScatter> pending_;  // null once handed to StartFinish
   const bool device_as_host_;
   ViewSet grads_;
+  const Region region_;  // the full flat buffer
+  const int32_t unit_;
   bool finished_ = false;
+};
+
+class PyFinishingReduceScatter {
+ public:
+  explicit PyFinishingReduceScatter(std::unique_ptr<FinishingReduceScatter> f) : f_(std::move(f)) {}
+  ~PyFinishingReduceScatter() {
+    WithoutGil([&] { f_.reset(); });
+  }
+  void Wait() {
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      status = f_->Wait();
+    }
+    Check(status);
+  }
+  bool ready() const { return f_->ready(); }
+  int32_t unit() const { return f_->unit(); }
+
+ private:
+  std::unique_ptr<FinishingReduceScatter> f_;
 };
 
 // --- shards --------------------------------------------------------------------------------
@@ -576,6 +615,16 @@ class PyClient {
     return std::make_shared<PyPendingReduceScatter>(Unwrap(std::move(pending)), device_as_host_);
   }
 
+  std::shared_ptr<PyFinishingReduceScatter> FinishAsync(PyPendingReduceScatter& pending) {
+    const ClientRef c = Get("finish_async");
+    absl::StatusOr<std::unique_ptr<FinishingReduceScatter>> f;
+    {
+      py::gil_scoped_release release;
+      f = pending.StartFinish(*c.operator->());
+    }
+    return std::make_shared<PyFinishingReduceScatter>(Unwrap(std::move(f)));
+  }
+
   PyShardViews ShardViewsOf(const std::string& module) {
     const ClientRef c = Get("shard_views");
     absl::StatusOr<ShardViews> views;
@@ -760,6 +809,7 @@ PYBIND11_MODULE(_C, m) {
       .def("summon", &PyClient::Summon)
       .def("summon_async", &PyClient::StartSummon)
       .def("begin_reduce_scatter", &PyClient::BeginReduceScatter)
+      .def("finish_async", &PyClient::FinishAsync)
       .def("shard_views", &PyClient::ShardViewsOf)
       .def("commit", &PyClient::Commit)
       .def("register_state", &PyClient::RegisterState)
@@ -782,6 +832,7 @@ PYBIND11_MODULE(_C, m) {
       .def("numpy", &PySummoned::Numpy, py::arg("grads") = false)
       .def("flat", &PySummoned::Flat, py::arg("unit"), py::arg("grads") = false)
       .def_property_readonly("ended", &PySummoned::ended)
+      .def_property_readonly("generation", &PySummoned::generation)
       .def_property_readonly("has_views", &PySummoned::has_views)
       .def_property_readonly("units", &PySummoned::units)
       .def_property_readonly("note", &PySummoned::note)
@@ -791,6 +842,12 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PyPendingSummon, std::shared_ptr<PyPendingSummon>>(m, "PendingSummon")
       .def("wait", &PyPendingSummon::Wait)
       .def_property_readonly("ready", &PyPendingSummon::ready);
+
+  py::class_<PyFinishingReduceScatter, std::shared_ptr<PyFinishingReduceScatter>>(
+      m, "FinishingReduceScatter")
+      .def("wait", &PyFinishingReduceScatter::Wait)
+      .def_property_readonly("ready", &PyFinishingReduceScatter::ready)
+      .def_property_readonly("unit", &PyFinishingReduceScatter::unit);
 
   py::class_<PyPendingReduceScatter, std::shared_ptr<PyPendingReduceScatter>>(
       m, "PendingReduceScatter")

@@ -138,6 +138,8 @@ class Modules {
                            const gpu::IpcEventRef& written = {});
   gpu::IpcEventRef RecordReady(int32_t rank);
   absl::StatusOr<RegisterResult> GetShards(const Caller& caller, const std::string& module);
+  absl::StatusOr<std::string> ModuleOfSummon(const Caller& caller, uint64_t summon) const;
+  absl::StatusOr<uint64_t> Generation(const Caller& caller, const std::string& module) const;
   void Commit(const Caller& caller, const std::string& module, absl::Time deadline,
               CommitCallback done, const gpu::IpcEventRef& written = {});
   absl::StatusOr<RegisterStateResult> RegisterState(const Caller& caller, const std::string& module,

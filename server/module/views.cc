@@ -55,6 +55,32 @@ absl::StatusOr<RegisterResult> Modules::GetShards(const Caller& caller, const st
   return result;
 }
 
+absl::StatusOr<std::string> Modules::ModuleOfSummon(const Caller& caller, uint64_t summon) const {
+  std::shared_ptr<Group> held = table_.Find(caller.group);
+  if (held == nullptr) return absl::NotFoundError(absl::StrCat("unknown group ", caller.group));
+  absl::MutexLock lock(&held->mu);
+  auto it = held->open_summons.find(summon);
+  if (it == held->open_summons.end() || it->second.rank != caller.rank) {
+    return absl::NotFoundError(
+        absl::StrCat("group ", caller.group, " rank ", caller.rank, ": no open summon ", summon));
+  }
+  return it->second.module;
+}
+
+absl::StatusOr<uint64_t> Modules::Generation(const Caller& caller,
+                                             const std::string& module) const {
+  std::shared_ptr<Group> held = table_.Find(caller.group);
+  if (held == nullptr) return absl::NotFoundError(absl::StrCat("unknown group ", caller.group));
+  absl::MutexLock lock(&held->mu);
+  auto it = held->registered.find(module);
+  if (it == held->registered.end() || caller.rank < 0 ||
+      caller.rank >= static_cast<int32_t>(it->second.generation.size())) {
+    return absl::NotFoundError(
+        absl::StrCat("group ", caller.group, ": module ", Display(module), " is not registered"));
+  }
+  return it->second.generation[caller.rank];
+}
+
 absl::StatusOr<std::vector<ModuleUnits>> Modules::ListUnits(
     const std::string& group, const std::optional<std::string>& module) const {
   std::shared_ptr<Group> held = table_.Find(group);

@@ -289,16 +289,27 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Summon(grpc::CallbackServerContext* 
 
 grpc::ServerUnaryReactor* ShardServiceImpl::EndSummon(grpc::CallbackServerContext* ctx,
                                                       const v1::EndSummonRequest* request,
-                                                      v1::EndSummonResponse*) {
+                                                      v1::EndSummonResponse* response) {
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "EndSummon");
   if (absl::Status s = CheckCallerBounds("EndSummon", request->caller()); !s.ok()) {
     return Refuse(reactor, s);
   }
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
+  // The answer carries the generation the rank's shards hold once the End is done (a
+  // writeback End commits), so that the trainer needs no second call to learn it.
+  absl::StatusOr<std::string> module = groups_->ModuleOfSummon(*caller, request->summon());
   groups_->EndSummon(
       *caller, request->summon(), WaitDeadline(ctx),
-      [reactor](absl::Status s) { reactor->Finish(ToGrpcStatus(s)); }, EventOf(request->written()));
+      [this, reactor, response, caller = *caller, module](absl::Status s) {
+        if (s.ok() && module.ok()) {
+          if (absl::StatusOr<uint64_t> g = groups_->Generation(caller, *module); g.ok()) {
+            response->set_generation(*g);
+          }
+        }
+        reactor->Finish(ToGrpcStatus(s));
+      },
+      EventOf(request->written()));
   return reactor;
 }
 

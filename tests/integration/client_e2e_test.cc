@@ -448,7 +448,9 @@ TEST_P(ClientE2ETest, StartedSummonsFailAtWaitOrAtOnceAndOneNeverTakenIsEnded) {
     absl::StatusOr<std::unique_ptr<SummonedParams>> refused = (*second)->Wait();
     EXPECT_FALSE(refused.ok());
     EXPECT_THAT(std::string(refused.status().message()), HasSubstr("already unsharding"));
+    EXPECT_EQ(held->get()->generation(), std::nullopt);  // not ended yet
     EXPECT_TRUE(held->get()->End().ok());
+    EXPECT_EQ(held->get()->generation(), std::optional<uint64_t>(1));  // End committed
     // A started summon dropped without Wait is ended: the model can be summoned again.
     {
       absl::StatusOr<std::unique_ptr<PendingSummon>> dropped = c.StartSummon("", "", writeback);
@@ -457,6 +459,47 @@ TEST_P(ClientE2ETest, StartedSummonsFailAtWaitOrAtOnceAndOneNeverTakenIsEnded) {
     absl::StatusOr<std::unique_ptr<SummonedParams>> again = c.Summon("", "", writeback);
     ASSERT_TRUE(again.ok()) << "rank " << r << ": " << again.status();
     EXPECT_TRUE(again->get()->End().ok());
+    // The dropped one ended with writeback (it held no new values: the same bytes, committed).
+    EXPECT_EQ(again->get()->generation(), std::optional<uint64_t>(3));
+  });
+}
+
+TEST_P(ClientE2ETest, StartedReduceScattersSumLikeFinishAndKeepTheOrder) {
+  Cluster d(GetParam(), Options());
+  std::vector<Rank> ranks = JoinAndRegister(d, "started-rs", 2);
+  const Plan& plan = *ranks[0].model.plan;
+  absl::StatusOr<std::unique_ptr<FinishingReduceScatter>> none =
+      ranks[0].client->StartFinish(nullptr);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kFailedPrecondition);
+  ::flatshard::testing::RunRanks(2, [&](int r) {
+    Client& c = *ranks[r].client;
+    // Every unit's phase two started, none waited for: each next Begin waits for the one
+    // before (rank 1 late, so that an overtaking call would pair different units).
+    std::vector<std::unique_ptr<FinishingReduceScatter>> started;
+    for (const PlanUnit& u : plan.units) {
+      absl::StatusOr<std::unique_ptr<PendingReduceScatter>> p =
+          c.BeginReduceScatter("", u.index, ReduceOp::kSum, false);
+      ASSERT_TRUE(p.ok()) << p.status();
+      float* data = static_cast<float*>((*p)->data());
+      for (int64_t i = 0; i < (*p)->numel(); ++i) data[i] = 1.0f + r;
+      if (r == 1) absl::SleepFor(absl::Milliseconds(20));
+      absl::StatusOr<std::unique_ptr<FinishingReduceScatter>> f = c.StartFinish(*std::move(p));
+      ASSERT_TRUE(f.ok()) << f.status();
+      EXPECT_EQ((*f)->unit(), u.index);
+      started.push_back(*std::move(f));
+    }
+    for (std::unique_ptr<FinishingReduceScatter>& f : started) {
+      const absl::Status s = f->Wait();
+      EXPECT_TRUE(s.ok()) << "rank " << r << " unit " << f->unit() << ": " << s;
+      EXPECT_TRUE(f->ready());
+      EXPECT_EQ(f->Wait(), s);
+    }
+    absl::StatusOr<ShardViews> views = c.GetShardViews("");
+    ASSERT_TRUE(views.ok()) << views.status();
+    for (const UnitShardView& u : *views) {
+      ASSERT_NE(u.grad, nullptr) << "unit " << u.unit;
+      EXPECT_EQ(static_cast<const float*>(u.grad)[0], 3.0f) << "rank " << r << " unit " << u.unit;
+    }
   });
 }
 

@@ -73,9 +73,14 @@ def test_commit_counts_up_and_views_report_the_generation(daemon, group):
             _write(views, g, r)
             got.append(c.commit(""))
             assert c.shard_views("").generation == got[-1]
-        # A writeback end commits too.
-        with c.summon("", writeback=True):
+        # A writeback end commits too, and its answer says so; a read-only one changes nothing.
+        s = c.summon("", writeback=True)
+        assert s.generation is None  # not ended yet
+        s.end()
+        assert s.generation == c.shard_views("").generation == 4
+        with c.summon("", writeback=False) as ro:
             pass
+        assert ro.generation == 4
         got.append(c.shard_views("").generation)
         # Commit keeps the values: a fresh view reads what was written for generation 3.
         _assert_holds(c.shard_views(""), 3, r, "after the commits")

@@ -73,6 +73,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -97,6 +98,7 @@ class ClientCore;
 class ModuleLayout;
 class ViewBuilder;
 struct SummonJob;
+struct FinishJob;
 }  // namespace internal
 
 struct ClientOptions {
@@ -248,6 +250,10 @@ class SummonedParams {
   // A failed event record (CUDA's error) is returned without calling the daemon: writing back
   // unordered bytes would be worse; the summon then ends with the session.
   absl::Status End();
+  // After an End() that succeeded: the committed generation this rank's shards hold (a
+  // writeback End commits, so the new one; see Client::Commit). nullopt before End, after a
+  // failed End, or when the daemon did not say.
+  std::optional<uint64_t> generation() const { return generation_; }
 
  private:
   friend class internal::ClientCore;
@@ -262,7 +268,9 @@ class SummonedParams {
   ParamViews grads_;
   std::vector<int32_t> units_;
   std::string note_;
-  int device_ = -1;  // a device view's ordinal: End() then sends the trainer's `written`
+  int device_ = -1;        // a device view's ordinal: End() then sends the trainer's `written`
+  bool writeback_ = true;  // End() is then a collective
+  std::optional<uint64_t> generation_;
   bool ended_ = false;
   absl::Status end_status_;
 };
@@ -340,6 +348,30 @@ class PendingReduceScatter {
   ParamViews grads_;
   bool finished_ = false;
   absl::Status finish_status_;
+};
+
+// A reduce-scatter whose phase two Client::StartFinish started: it runs while the trainer
+// goes on (e.g. with the backward of the next unit).
+class FinishingReduceScatter {
+ public:
+  FinishingReduceScatter(const FinishingReduceScatter&) = delete;
+  FinishingReduceScatter& operator=(const FinishingReduceScatter&) = delete;
+  // Waits for the reduce-scatter (it cannot be cancelled: the other ranks take part).
+  ~FinishingReduceScatter();
+
+  int32_t unit() const { return unit_; }
+  // Blocks until phase two completed and returns what PendingReduceScatter::Finish would
+  // have; bounded by the call's deadline. Later calls return the same result.
+  absl::Status Wait();
+  // True once Wait() would not block.
+  bool ready() const;
+
+ private:
+  friend class internal::ClientCore;
+  FinishingReduceScatter(std::shared_ptr<internal::FinishJob> job, int32_t unit);
+
+  std::shared_ptr<internal::FinishJob> job_;
+  int32_t unit_ = -1;
 };
 
 // Optimizer state (Client::RegisterState): named buffers the daemon keeps next to each of this
@@ -522,6 +554,16 @@ class Client {
   // the RPC's.
   absl::StatusOr<std::unique_ptr<PendingReduceScatter>> BeginReduceScatter(
       const std::string& registered_module, int32_t unit, ReduceOp op, bool accumulate);
+
+  // Phase two, asynchronously (collective): starts `pending`->Finish() and returns at once;
+  // FinishingReduceScatter::Wait() gives its result. The gradient shard is updated once Wait()
+  // returned OK (read it, or step the optimizer, only then). Ordered with this client's other
+  // group calls as StartSummon: later calls that act on the group (BeginReduceScatter
+  // included) first wait for it. Device memory: `written` is recorded on cuda_stream when the
+  // RPC is sent, and cuda_stream waits for the daemon's `ready` before Wait() returns.
+  // Errors: FAILED_PRECONDITION for a null or already finished `pending` (at once).
+  absl::StatusOr<std::unique_ptr<FinishingReduceScatter>> StartFinish(
+      std::unique_ptr<PendingReduceScatter> pending);
 
   // Both phases: BeginReduceScatter, `fill` writes the gradient, Finish. When `fill` fails,
   // returns its error and does not reduce (see ~PendingReduceScatter).

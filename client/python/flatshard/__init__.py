@@ -33,9 +33,11 @@ from .errors import (AbortedError, AlreadyExistsError, DeadlineExceededError,
 from ._tensors import ReadOnlyTensor, ReadOnlyViewError
 from ._client import (Client, PendingReduceScatter, PendingSummon, Registered, ShardViews,
                       Summoned, UnitShard)
+from ._C import FinishingReduceScatter
 
 __all__ = [
-    "Client", "Registered", "Summoned", "PendingSummon", "PendingReduceScatter", "ShardViews",
+    "Client", "Registered", "Summoned", "PendingSummon", "PendingReduceScatter",
+    "FinishingReduceScatter", "ShardViews",
     "UnitShard",
     "ReadOnlyTensor", "ReadOnlyViewError",
     "FlatshardError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError",

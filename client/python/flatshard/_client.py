@@ -180,6 +180,12 @@ class Summoned:
             with self._lock:
                 self._params = self._grads = self._numpy = None
 
+    @property
+    def generation(self):
+        """After ``end()`` succeeded: the committed generation this rank's shards hold (a
+        writeback end commits: the new one); None before, or after a failed end."""
+        return self._s.generation
+
     def __enter__(self):
         return self
 
@@ -220,10 +226,13 @@ class PendingSummon:
 
 class PendingReduceScatter:
     """Phase one of a gradient reduce-scatter: write the unit's full gradient into ``flat``
-    (or the per-parameter ``grads``), then ``finish()`` (collective)."""
+    (or the per-parameter ``grads``), then ``finish()`` (collective), or ``finish_async()``:
+    phase two runs while this process goes on, and the returned ``FinishingReduceScatter``'s
+    ``wait()`` gives its result (the gradient shard is updated once it returned)."""
 
-    def __init__(self, p):
+    def __init__(self, p, client=None):
         self._p = p
+        self._client = client
         cap, dtype, _dev = p.flat()
         self._flat = from_capsule(cap, dtype)
         self._grads = None
@@ -245,6 +254,11 @@ class PendingReduceScatter:
     def finish(self):
         """Reduce-scatters what was written (collective). A second call re-raises or returns."""
         self._p.finish()
+
+    def finish_async(self):
+        """Starts ``finish()`` and returns a ``FinishingReduceScatter`` at once. Ordered with
+        the client's other group calls as ``Client.summon_async``."""
+        return self._client.finish_async(self._p)
 
     def __enter__(self):
         return self
@@ -427,7 +441,7 @@ class Client:
     def begin_reduce_scatter(self, module, unit, op="avg", accumulate=False):
         """Phase one of a gradient reduce-scatter of plan unit `unit`."""
         p = self._c.begin_reduce_scatter(module, int(unit), op, bool(accumulate))
-        return PendingReduceScatter(p)
+        return PendingReduceScatter(p, self._c)
 
     def reduce_scatter_grads(self, module, unit, flat_grad, op="avg", accumulate=False):
         """Both phases: copies `flat_grad` (1-D, the unit's padded numel, or its unpadded

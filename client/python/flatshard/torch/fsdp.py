@@ -198,6 +198,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
         self._fwd_depth: Dict[int, int] = {}
         self._bwd: Dict[int, Any] = {}      # unit -> open backward summon
         self._reduced: set = set()          # units reduce-scattered in this backward
+        self._finishing: List[Any] = []     # their phase twos still running (finish_async)
         self._final_queued = False          # also: a backward started and did not finish
         self._in_forward = 0                # forward() calls running (re-entrance)
         self._loading: Optional[Tuple[Any, ...]] = None  # an open load_state_dict summon
@@ -772,7 +773,8 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
                     buf.narrow(0, lo, hi - lo).zero_()
                 if held is not None:
                     buf.add_(held)  # its gaps are zeros
-            pending.finish()
+            # Phase two runs while the backward goes on; the final callback waits for it.
+            self._finishing.append(pending.finish_async())
             self._reduced.add(unit)
         got = self._bwd.pop(unit, None)
         if got is not None:
@@ -789,6 +791,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
                 # units on every rank (same model, same order), so the collectives match.
                 for unit in sorted(self._accum):
                     self._reduce_scatter(unit, (None,) * len(self._units[unit].params))
+            self._wait_reduce_scatters()
             self._refresh_grads()
         except BaseException as e:
             self.backward_error = e
@@ -798,11 +801,24 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
             self._final_queued = False
             self._state = TrainingState.IDLE
 
+    def _wait_reduce_scatters(self, raise_errors: bool = True) -> None:
+        """Waits for every started phase two; raises the first error after all finished."""
+        finishing, self._finishing = self._finishing, []
+        first: Optional[BaseException] = None
+        for f in finishing:
+            try:
+                f.wait()
+            except Exception as e:  # noqa: BLE001 - re-raised below
+                first = first or e
+        if first is not None and raise_errors:
+            raise first
+
     def _abandon_step(self) -> None:
         """Ends whatever a failed or unfinished step left open (best effort: the daemon ends
         them itself when the session goes)."""
         self._prefetch.cancel()
         self._prefetch.order.discard_iteration()
+        self._wait_reduce_scatters(raise_errors=False)
         for table in (self._fwd, self._bwd):
             for unit in list(table):
                 s = table.pop(unit)[0]
@@ -876,9 +892,11 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
                     for m, attr in p.sites:
                         m._parameters[attr] = p.param
                 s.end()
-            if writeback:  # a writeback End commits: learn the new generation (local call)
-                views = self._client.shard_views(self._name)
-                self._generation = int(getattr(views, "generation", self._generation))
+            if writeback:  # a writeback End commits: its answer carries the new generation
+                generation = getattr(s, "generation", None)
+                if generation is None:  # an older daemon: ask (a local call)
+                    generation = self._client.shard_views(self._name).generation
+                self._generation = int(generation)
                 self._mark_committed()  # the commit took this rank's in-place updates too
         finally:
             self._state = prev  # IDLE, or a forward still waiting for its backward
