@@ -15,6 +15,7 @@
 #include "client/client_internal.h"
 #include "client/cuda_events.h"
 #include "client/ordered_calls.h"
+#include "client/started_calls.h"
 #include "client/segment_cache.h"
 #include "common/file_util.h"
 #include "common/grpc_status.h"
@@ -181,20 +182,6 @@ class LeaseStream {
 
 // The Client's state, shared with the objects it hands out (as weak_ptr), so that those
 // may outlive it. Thread-safe. Locks: mu_, then LeaseStream::mu_ (never the reverse).
-// What a started summon (Client::StartSummon) hands back to its PendingSummon.
-struct SummonJob {
-  absl::Mutex mu;
-  bool done ABSL_GUARDED_BY(mu) = false;
-  absl::StatusOr<std::unique_ptr<SummonedParams>> result ABSL_GUARDED_BY(mu);
-};
-
-// What a started reduce-scatter finish (Client::StartFinish) hands back.
-struct FinishJob {
-  absl::Mutex mu;
-  bool done ABSL_GUARDED_BY(mu) = false;
-  absl::Status status ABSL_GUARDED_BY(mu);
-};
-
 class ClientCore : public std::enable_shared_from_this<ClientCore> {
  public:
   ClientCore(ClientOptions options, std::shared_ptr<grpc::Channel> channel, GpuApis apis)
@@ -946,49 +933,6 @@ absl::Status SummonedParams::End() {
   // them, so that their pages do not outlive the summon (node shared memory).
   if (std::shared_ptr<internal::ClientCore> core = core_.lock()) core->DropUnlinked();
   return end_status_;
-}
-
-// --- PendingSummon --------------------------------------------------------------------------
-
-PendingSummon::PendingSummon(std::shared_ptr<internal::SummonJob> job) : job_(std::move(job)) {}
-
-PendingSummon::~PendingSummon() {
-  if (waited_) return;
-  // A summon never taken is ended by its SummonedParams' destructor, as the job drops it.
-  absl::MutexLock lock(&job_->mu);
-  job_->mu.Await(absl::Condition(&job_->done));
-}
-
-absl::StatusOr<std::unique_ptr<SummonedParams>> PendingSummon::Wait() {
-  if (waited_) return absl::FailedPreconditionError("PendingSummon::Wait: called twice");
-  waited_ = true;
-  absl::MutexLock lock(&job_->mu);
-  job_->mu.Await(absl::Condition(&job_->done));
-  return std::move(job_->result);
-}
-
-bool PendingSummon::ready() const {
-  absl::MutexLock lock(&job_->mu);
-  return job_->done;
-}
-
-// --- FinishingReduceScatter -----------------------------------------------------------------
-
-FinishingReduceScatter::FinishingReduceScatter(std::shared_ptr<internal::FinishJob> job,
-                                               int32_t unit)
-    : job_(std::move(job)), unit_(unit) {}
-
-FinishingReduceScatter::~FinishingReduceScatter() { Wait().IgnoreError(); }
-
-absl::Status FinishingReduceScatter::Wait() {
-  absl::MutexLock lock(&job_->mu);
-  job_->mu.Await(absl::Condition(&job_->done));
-  return job_->status;
-}
-
-bool FinishingReduceScatter::ready() const {
-  absl::MutexLock lock(&job_->mu);
-  return job_->done;
 }
 
 // --- PendingReduceScatter -------------------------------------------------------------------

@@ -32,14 +32,13 @@ from ..errors import ShardsLostError
 from . import manifest as _manifest
 from . import wrap as _wrap
 from ._shared import TrainingState, _flatten, _in_backward, _plain
+from .full_params import ERR_IN_FORWARD_BACKWARD, ERR_NESTED_SUMMON, _FullParams
 from .prefetch import BackwardPrefetch, _Prefetcher
 from .recipe import _TrainingRecipe
 from .state_dicts import _StateDicts, _load_post_hook
 
 
 # FSDP's texts (torch/distributed/fsdp/_unshard_param_utils.py).
-ERR_IN_FORWARD_BACKWARD = "Cannot manually unshard parameters during forward/backward"
-ERR_NESTED_SUMMON = "Cannot manually unshard parameters when already unsharding parameters"
 
 # Every live FlatShardModule, weakly (summon_full_params maps a submodule to its wrapper).
 _WRAPPERS: "weakref.WeakSet[FlatShardModule]" = weakref.WeakSet()
@@ -113,7 +112,7 @@ class _UnitParams(torch.autograd.Function):
         return None, None, None, None
 
 
-class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
+class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
     """Wraps ``module`` and trains it with FULL_SHARD semantics on a flatshard daemon.
 
     ``client`` is a joined ``flatshard.Client``. Every rank constructs the wrapper with the same
@@ -845,61 +844,6 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, nn.Module):
         wrapper, path = _find_wrapper(module)
         with wrapper._summon(path, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
             yield
-
-    @contextlib.contextmanager
-    def _summon(self, path: str, recurse: bool, writeback: bool, rank0_only: bool,
-                offload_to_cpu: bool, with_grads: bool):
-        self._recover()
-        # As FSDP: refused during a forward or backward, allowed between them (a forward
-        # whose backward has not started, or never will).
-        if self._state == TrainingState.FORWARD_BACKWARD and (
-                self._in_forward or self._bwd or _in_backward()):
-            raise AssertionError(ERR_IN_FORWARD_BACKWARD)
-        if self._state == TrainingState.SUMMON_FULL_PARAMS:
-            raise AssertionError(ERR_NESTED_SUMMON)
-        if offload_to_cpu and not rank0_only and writeback:
-            # FSDP warns always; flatshard only when more than one host copy may exist (a
-            # writeback summon gives every rank its own copy; read-only ones share one).
-            warnings.warn("offload_to_cpu=True and rank0_only=False with writeback=True gives "
-                          "every rank its own host copy of the unsharded parameters")
-        prev, self._state = self._state, TrainingState.SUMMON_FULL_PARAMS
-        installed: List[_Param] = []
-        try:
-            s = self._client.summon(self._name, path, recurse=recurse, writeback=writeback,
-                                    rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
-                                    with_grads=with_grads)
-            try:
-                if s.has_views:
-                    params = s.params
-                    grads = s.grads if with_grads else {}
-                    for unit in s.units:
-                        for p in self._units[unit].params:
-                            view = params[p.fqn]
-                            if writeback:
-                                full = nn.Parameter(view, requires_grad=p.param.requires_grad)
-                            else:
-                                # A read-only summon's tensor (writes raise, never segfault).
-                                full = view.requires_grad_(p.param.requires_grad)
-                            g = grads.get(p.fqn)
-                            if g is not None:
-                                full.grad = g
-                            for m, attr in p.sites:
-                                m._parameters[attr] = full
-                            installed.append(p)
-                yield
-            finally:
-                for p in installed:
-                    for m, attr in p.sites:
-                        m._parameters[attr] = p.param
-                s.end()
-            if writeback:  # a writeback End commits: its answer carries the new generation
-                generation = getattr(s, "generation", None)
-                if generation is None:  # an older daemon: ask (a local call)
-                    generation = self._client.shard_views(self._name).generation
-                self._generation = int(generation)
-                self._mark_committed()  # the commit took this rank's in-place updates too
-        finally:
-            self._state = prev  # IDLE, or a forward still waiting for its backward
 
     def _rank(self) -> int:
         return int(getattr(self._client, "rank", self._plan_rank()))
