@@ -208,6 +208,53 @@ def test_multi_rank_threads_from_every_rank_summon_reduce_scatter(daemon, group)
     assert run_ranks(world, rank_fn) == [0, 1, 2]
 
 
+def test_started_summons_and_reduce_scatters(daemon, group):
+    """summon_async and finish_async: started calls complete while the caller goes on, keep
+    one collective order with the calls after them, and report their errors at wait()."""
+    world = 2
+
+    def rank_fn(rank):
+        c = connect(daemon)
+        c.join(group, world, rank)
+        reg = c.register("", mlp_manifest(), MLP_POLICY, init="from_every_rank")
+        for t in reg.init_summon.params.values():
+            t.copy_(torch.arange(t.numel(), dtype=t.dtype).view(t.shape) + 0.5)
+        reg.init_summon.end()
+        fc1, fc2 = unit_of(reg.plan, "fc1"), unit_of(reg.plan, "fc2")
+        # Two started, the second before the first was waited for; then a synchronous one.
+        a = c.summon_async("", "fc2", writeback=False)
+        b = c.summon_async("", "fc1", writeback=False)
+        assert isinstance(a, flatshard.PendingSummon)
+        with c.summon("", "", recurse=False, writeback=False):  # the root: holds nothing
+            assert a.ready and b.ready  # the synchronous summon waited for both
+        with b.wait() as s1, a.wait() as s2:
+            assert torch.equal(s1.params["fc1.bias"], torch.arange(5.0) + 0.5)
+            assert torch.equal(s2.params["fc2.bias"], torch.arange(2.0) + 0.5)
+        # An error of a started summon comes at wait(), as summon raises it.
+        with c.summon("", "fc1", writeback=True):
+            refused = c.summon_async("", "fc1", writeback=True)
+            with pytest.raises(flatshard.FailedPreconditionError, match="already unsharding"):
+                refused.wait()
+        with pytest.raises(flatshard.NotFoundError):
+            c.summon_async("no-such-module", "")
+        # A started reduce-scatter: the shard has its slice once wait() returned.
+        p = c.begin_reduce_scatter("", fc2["index"], op="sum")
+        p.flat.fill_(float(rank + 1))
+        f = p.finish_async()
+        assert isinstance(f, flatshard.FinishingReduceScatter) and f.unit == fc2["index"]
+        f.wait()
+        f.wait()  # the same result again
+        with pytest.raises(flatshard.FailedPreconditionError, match="finish_async"):
+            p.finish()
+        sh = {v.unit: v for v in c.shard_views("")}[fc2["index"]]
+        assert torch.equal(sh.grad, torch.full((sh.shard_numel,), 3.0))
+        c.leave()
+        c.close()
+        return rank
+
+    assert run_ranks(world, rank_fn) == [0, 1]
+
+
 def test_from_rank0_init(daemon, group):
     world = 2
 
