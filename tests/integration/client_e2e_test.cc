@@ -176,18 +176,21 @@ void Fill(const Plan& plan, const SummonedParams& s) {
   }
 }
 
-// Checks every parameter of a summon against Value().
-void ExpectValues(const Plan& plan, const SummonedParams& s) {
-  for (const PlanUnit& u : plan.units) {
-    for (const PlanParam& p : u.params) {
-      const ParamView* v = s.Find(p.fqn);
-      ASSERT_NE(v, nullptr) << p.fqn;
-      const float* data = static_cast<const float*>(v->data);
-      for (int64_t i = 0; i < p.numel; ++i) {
-        ASSERT_EQ(data[i], Value(p.fqn, i)) << p.fqn << "[" << i << "]";
-      }
+// Checks unit `u`'s parameters in a summon against Value().
+void ExpectUnitValues(const PlanUnit& u, const SummonedParams& s) {
+  for (const PlanParam& p : u.params) {
+    const ParamView* v = s.Find(p.fqn);
+    ASSERT_NE(v, nullptr) << p.fqn;
+    const float* data = static_cast<const float*>(v->data);
+    for (int64_t i = 0; i < p.numel; ++i) {
+      ASSERT_EQ(data[i], Value(p.fqn, i)) << p.fqn << "[" << i << "]";
     }
   }
+}
+
+// Checks every parameter of a summon against Value().
+void ExpectValues(const Plan& plan, const SummonedParams& s) {
+  for (const PlanUnit& u : plan.units) ExpectUnitValues(u, s);
 }
 
 // Every rank writes Value() into its full views and ends with writeback: each keeps its range.
@@ -377,18 +380,6 @@ TEST_P(ClientE2ETest, SteadyStateSummonsMakeNoMmapCalls) {
 }
 
 // ---- Started summons (Client::StartSummon) ----
-
-// Checks unit `u`'s parameters in a summon against Value().
-void ExpectUnitValues(const PlanUnit& u, const SummonedParams& s) {
-  for (const PlanParam& p : u.params) {
-    const ParamView* v = s.Find(p.fqn);
-    ASSERT_NE(v, nullptr) << p.fqn;
-    const float* data = static_cast<const float*>(v->data);
-    for (int64_t i = 0; i < p.numel; ++i) {
-      ASSERT_EQ(data[i], Value(p.fqn, i)) << p.fqn << "[" << i << "]";
-    }
-  }
-}
 
 TEST_P(ClientE2ETest, StartedSummonsReachTheDaemonBeforeLaterCallsOnEveryRank) {
   Cluster d(GetParam(), Options());
