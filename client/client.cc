@@ -14,6 +14,7 @@
 #include "client/channel_target.h"
 #include "client/client_internal.h"
 #include "client/cuda_events.h"
+#include "client/lease_stream.h"
 #include "client/ordered_calls.h"
 #include "client/segment_cache.h"
 #include "client/started_calls.h"
@@ -91,94 +92,7 @@ absl::Duration Jittered(absl::Duration backoff) {
   return backoff * std::uniform_real_distribution<double>(0.5, 1.0)(rng);
 }
 
-std::string SessionLabel(const v1::Caller& c) {
-  return absl::StrCat("group=", c.group(), " rank=", c.rank(), " session=", c.session());
-}
-
 }  // namespace
-
-// The session's Lease stream, read on its own thread until the daemon ends it or Stop().
-// The stream has no deadline: it lives as long as the session, and its end is the signal.
-class LeaseStream {
- public:
-  LeaseStream(Stub* stub, v1::Caller caller)
-      : stub_(stub), caller_(std::move(caller)), thread_([this] { Run(); }) {}
-  LeaseStream(const LeaseStream&) = delete;
-  LeaseStream& operator=(const LeaseStream&) = delete;
-  ~LeaseStream() { Stop(); }
-
-  // OK once the first message (the Caller) is on its way to the daemon; the end status when
-  // the stream ended first (e.g. the daemon refused the caller); DEADLINE_EXCEEDED after
-  // `timeout`. A refusal that arrives later ends the lease: see status().
-  absl::Status WaitStarted(absl::Duration timeout) {
-    absl::MutexLock lock(&mu_);
-    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return written_ || done_; };
-    mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
-    if (done_) return end_status_;
-    if (written_) return absl::OkStatus();
-    return absl::DeadlineExceededError(absl::StrCat("could not open the lease of ",
-                                                    SessionLabel(caller_), " within ",
-                                                    absl::FormatDuration(timeout)));
-  }
-
-  // OK while the stream is open; why it ended afterwards.
-  absl::Status status() const {
-    absl::MutexLock lock(&mu_);
-    return done_ ? end_status_ : absl::OkStatus();
-  }
-
-  // Cancels the stream and joins the thread. Idempotent; not concurrently with itself.
-  void Stop() {
-    {
-      absl::MutexLock lock(&mu_);
-      stopping_ = true;
-    }
-    context_.TryCancel();  // before the call started: cancels it when it starts
-    if (thread_.joinable()) thread_.join();
-  }
-
- private:
-  void Run() {
-    std::unique_ptr<grpc::ClientReaderWriter<v1::LeaseRequest, v1::LeaseResponse>> stream =
-        stub_->Lease(&context_);
-    v1::LeaseRequest first;
-    *first.mutable_caller() = caller_;
-    if (stream->Write(first)) {
-      {
-        absl::MutexLock lock(&mu_);
-        written_ = true;
-      }
-      // The daemon sends nothing, or acknowledgements we need not act on; Read returns false
-      // when the stream ends (the daemon finished it, the connection broke, or Stop()).
-      v1::LeaseResponse response;
-      while (stream->Read(&response)) {
-      }
-    }
-    const grpc::Status s = stream->Finish();
-    absl::MutexLock lock(&mu_);
-    done_ = true;
-    if (stopping_) {
-      end_status_ = absl::FailedPreconditionError("the lease was closed by this client");
-    } else if (s.ok()) {
-      end_status_ = absl::UnavailableError("the daemon closed the lease");
-    } else {
-      end_status_ = FromGrpcStatus(s);
-    }
-    if (!stopping_) {
-      FS_LOG(WARNING) << "lease of " << SessionLabel(caller_) << " ended: " << end_status_;
-    }
-  }
-
-  Stub* const stub_;
-  const v1::Caller caller_;
-  grpc::ClientContext context_;
-  mutable absl::Mutex mu_;
-  bool written_ ABSL_GUARDED_BY(mu_) = false;
-  bool done_ ABSL_GUARDED_BY(mu_) = false;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status end_status_ ABSL_GUARDED_BY(mu_);
-  std::thread thread_;  // last: starts after everything it uses exists
-};
 
 // The Client's state, shared with the objects it hands out (as weak_ptr), so that those
 // may outlive it. Thread-safe. Locks: mu_, then LeaseStream::mu_ (never the reverse).
