@@ -9,6 +9,7 @@ import copy
 import json
 import os
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -126,6 +127,18 @@ def run_group(address, world, fn, group=None, timeout=120.0):
     return dict(enumerate(run_ranks(world, body, timeout)))
 
 
+def shard_views_when_ready(c, timeout=30.0):
+    """shard_views, retried while the daemon answers UNAVAILABLE (a rollback in progress)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return c.shard_views("")
+        except flatshard.UnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def connect(daemon, **kw):
     kw.setdefault("call_timeout", 30.0)
     kw.setdefault("join_timeout", 30.0)
@@ -133,4 +146,4 @@ def connect(daemon, **kw):
 
 
 __all__ = ["read_model", "mlp_manifest", "MLP_POLICY", "unit_of", "run_ranks", "run_group",
-           "Barrier", "connect", "copy"]
+           "Barrier", "connect", "copy", "shard_views_when_ready"]

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 import flatshard
-from conftest import MLP_POLICY, Barrier, connect, mlp_manifest, read_model, run_ranks, unit_of
+from conftest import (MLP_POLICY, Barrier, connect, mlp_manifest, read_model, run_ranks,
+                      shard_views_when_ready, unit_of)
 
 
 def ctl():
@@ -427,6 +429,44 @@ print("rank", rank, "ok")
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 0, out
         assert f"rank {r} ok" in out
+
+
+def test_rank_killed_with_a_started_summon_in_flight(daemon, group, tmp_path):
+    """Rank 1 starts a summon and is SIGKILLed while it is in flight: rank 0's summon fails
+    at once with UNAVAILABLE naming rank 1 (not at its deadline), and rank 0's shard still
+    holds the committed initial values."""
+    script = tmp_path / "victim.py"
+    script.write_text(f"""
+import os, signal, sys, flatshard
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from conftest import mlp_manifest, MLP_POLICY
+c = flatshard.Client({daemon.address!r}, call_timeout=60, join_timeout=30)
+c.join({group!r}, 2, 1)
+reg = c.register("", mlp_manifest(), MLP_POLICY, init="from_rank0")
+reg.init_summon.end()
+started = c.summon_async("", "fc1", writeback=False)
+print("started", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+""")
+    victim = subprocess.Popen([sys.executable, str(script)], env=dict(os.environ),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    c = connect(daemon, call_timeout=60.0)
+    c.join(group, 2, 0)
+    reg = c.register("", mlp_manifest(), MLP_POLICY, init="from_rank0")
+    for t in reg.init_summon.params.values():
+        t.fill_(2.0)
+    reg.init_summon.end()
+    out, _ = victim.communicate(timeout=60)
+    assert victim.returncode == -9 and "started" in out, out
+    t0 = time.monotonic()
+    with pytest.raises(flatshard.UnavailableError, match="rank 1"):
+        c.summon("", "fc1", writeback=False).end()
+    assert time.monotonic() - t0 < 20, "the error came at the deadline, not at once"
+    shards = {v.unit: v for v in shard_views_when_ready(c)}
+    fc1 = unit_of(reg.plan, "fc1")
+    valid = min(fc1["shard_numel"], fc1["numel"])
+    assert torch.equal(shards[fc1["index"]].shard[:valid], torch.full((valid,), 2.0))
+    c.close()
 
 
 def test_grads_writeback_and_rank0_only_read(daemon, group):

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import flatshard
-from conftest import MLP_POLICY, Barrier, connect, mlp_manifest, run_ranks
+from conftest import (MLP_POLICY, Barrier, connect, mlp_manifest, run_ranks,
+                      shard_views_when_ready)
 
 
 def _value(generation, rank, unit):
@@ -44,18 +45,6 @@ def _start(c, group, rank, world=2):
         t.zero_()
     reg.init_summon.end()
     return reg
-
-
-def _shard_views_when_ready(c, timeout=30.0):
-    """shard_views, retried while the daemon answers UNAVAILABLE (a rollback in progress)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return c.shard_views("")
-        except flatshard.UnavailableError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def test_commit_counts_up_and_views_report_the_generation(daemon, group):
@@ -122,7 +111,7 @@ def test_closed_client_rolls_every_rank_back_to_the_last_commit(daemon, group):
     reg = back.register("", mlp_manifest(), MLP_POLICY, init="from_every_rank")
     assert reg.init_summon is None and reg.generation == 1
     _assert_holds(reg.shards, 1, 1, "rank 1 at re-attach")
-    views0 = _shard_views_when_ready(clients[0])
+    views0 = shard_views_when_ready(clients[0])
     assert views0.generation == 1
     _assert_holds(views0, 1, 0, "rank 0 after the rollback")
     _assert_holds(held[0], 1, 0, "rank 0's views held across the rollback")
