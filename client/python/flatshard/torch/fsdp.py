@@ -38,8 +38,6 @@ from .recipe import _TrainingRecipe
 from .state_dicts import _StateDicts, _load_post_hook
 
 
-# FSDP's texts (torch/distributed/fsdp/_unshard_param_utils.py).
-
 # Every live FlatShardModule, weakly (summon_full_params maps a submodule to its wrapper).
 _WRAPPERS: "weakref.WeakSet[FlatShardModule]" = weakref.WeakSet()
 

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from ._shared import TrainingState, _in_backward
 
+# FSDP's texts (torch/distributed/fsdp/_unshard_param_utils.py).
 ERR_IN_FORWARD_BACKWARD = "Cannot manually unshard parameters during forward/backward"
 ERR_NESTED_SUMMON = "Cannot manually unshard parameters when already unsharding parameters"
 
