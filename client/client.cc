@@ -246,20 +246,33 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     v1::SummonRequest request;
     std::shared_ptr<const ModuleLayout> layout;
     bool writeback = false;
+    // The summons whose Ends ride on this one (request.end_first), to end on their own if
+    // the Summon fails before the daemon did.
+    struct Riding {
+      uint64_t session = 0;
+      std::string module;
+      uint64_t id = 0;
+      int device = -1;
+    };
+    std::vector<Riding> end_first;
   };
 
   absl::StatusOr<std::unique_ptr<SummonedParams>> Summon(const std::string& module,
                                                          const std::string& path,
-                                                         const SummonOptions& options) {
+                                                         const SummonOptions& options,
+                                                         SummonedList end_first = {}) {
     ordered_.Drain();
-    FS_ASSIGN_OR_RETURN(PreparedSummon prepared, PrepareSummon(module, path, options));
+    FS_ASSIGN_OR_RETURN(PreparedSummon prepared,
+                        PrepareSummon(module, path, options, std::move(end_first)));
     return CallSummon(prepared);
   }
 
   absl::StatusOr<std::unique_ptr<PendingSummon>> StartSummon(const std::string& module,
                                                              const std::string& path,
-                                                             const SummonOptions& options) {
-    FS_ASSIGN_OR_RETURN(PreparedSummon prepared, PrepareSummon(module, path, options));
+                                                             const SummonOptions& options,
+                                                             SummonedList end_first = {}) {
+    FS_ASSIGN_OR_RETURN(PreparedSummon prepared,
+                        PrepareSummon(module, path, options, std::move(end_first)));
     auto job = std::make_shared<SummonJob>();
     ordered_.Submit([weak = weak_from_this(), job, prepared = std::move(prepared)] {
       absl::StatusOr<std::unique_ptr<SummonedParams>> result = absl::FailedPreconditionError(
@@ -292,10 +305,25 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   }
 
   absl::StatusOr<PreparedSummon> PrepareSummon(const std::string& module, const std::string& path,
-                                               const SummonOptions& options) {
+                                               const SummonOptions& options,
+                                               SummonedList end_first) {
+    PreparedSummon out;
+    absl::Status s = TakeEndFirst(std::move(end_first), &out);
+    if (s.ok()) s = FillSummon(module, path, options, &out);
+    if (!s.ok()) {
+      // Summons the caller gave up must not stay open, whatever follows.
+      for (const PreparedSummon::Riding& r : out.end_first) EndRidingSummon(r);
+      return s;
+    }
+    return out;
+  }
+
+  // PrepareSummon's request (out->end_first already taken).
+  absl::Status FillSummon(const std::string& module, const std::string& path,
+                          const SummonOptions& options, PreparedSummon* prepared) {
+    PreparedSummon& out = *prepared;
     FS_RETURN_IF_ERROR(CheckLength("Summon", "path", path, kMaxModulePathBytes));
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
-    PreparedSummon out;
     FS_ASSIGN_OR_RETURN(out.layout, FindModule(module));
     out.writeback = options.writeback;
     v1::SummonRequest& request = out.request;
@@ -314,14 +342,75 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       }
       *request.mutable_written() = flatshard::ToProto(*written);
     }
-    return out;
+    if (!out.end_first.empty() && !request.has_written()) {
+      // The Ends' event (the trainer's stream done with the views): the Summon's, recorded
+      // above for device shards, else recorded here for device views.
+      for (const PreparedSummon::Riding& r : out.end_first) {
+        if (r.device < 0) continue;
+        absl::StatusOr<IpcEvent> written = events_.RecordWritten(r.device, options_.cuda_stream);
+        if (!written.ok()) {
+          return absl::Status(written.status().code(),
+                              absl::StrCat("Summon of module \"", module, "\" path \"", path,
+                                           "\": ", written.status().message()));
+        }
+        *request.mutable_written() = flatshard::ToProto(*written);
+        break;
+      }
+    }
+    for (const PreparedSummon::Riding& r : out.end_first) request.add_end_first(r.id);
+    return absl::OkStatus();
+  }
+
+  // Summon's `end_first`: drops the views of those whose End can ride on the Summon (read-only
+  // summons of this Client's current session) and records them in `out`; ends the others now
+  // (every one, even after an error: the first writeback End's error is returned).
+  absl::Status TakeEndFirst(SummonedList previous, PreparedSummon* out) {
+    absl::Status first;
+    for (std::unique_ptr<SummonedParams>& p : previous) {
+      if (p == nullptr || p->ended_) continue;
+      if (p->writeback_) {  // a collective with its own result
+        first.Update(p->End());
+        continue;
+      }
+      if (p->core_.lock().get() != this || !CurrentCaller(p->session_).ok()) {
+        // Another Client's, or an earlier session's (which its daemon ended): nothing rides.
+        if (const absl::Status s = p->End(); !s.ok()) {
+          FS_VLOG(1) << "end_first summon=" << p->id_ << ": " << s;
+        }
+        continue;
+      }
+      p->ended_ = true;  // its End is the Summon's (or EndRidingSummon's)
+      p->params_ = ParamViews();
+      p->grads_ = ParamViews();
+      if (out->end_first.size() == static_cast<size_t>(kMaxEndFirst)) {
+        EndRidingSummon({p->session_, p->module_, p->id_, p->device_});  // the daemon's bound
+        continue;
+      }
+      out->end_first.push_back({p->session_, p->module_, p->id_, p->device_});
+    }
+    return first;
+  }
+
+  // A failed Summon may not have reached the daemon's End of its end_first: end it on its
+  // own. NOT_FOUND means the daemon did end it (or the session did).
+  void EndRidingSummon(const PreparedSummon::Riding& r) {
+    std::optional<uint64_t> unused;
+    const absl::Status s = EndSummon(r.session, r.module, r.id, r.device, false, &unused);
+    if (!s.ok() && !absl::IsNotFound(s)) {
+      FS_LOG(WARNING) << "summon=" << r.id << " module=\"" << r.module
+                      << "\": ending it after the Summon it rode on failed: " << s;
+    }
   }
 
   absl::StatusOr<std::unique_ptr<SummonedParams>> CallSummon(const PreparedSummon& prepared) {
     DropUnlinked();  // views dropped since the last call (e.g. ShardViews) free theirs now
     v1::SummonResponse response;
-    FS_RETURN_IF_ERROR(
-        Call("Summon", &Stub::Summon, prepared.request, &response, options_.call_timeout));
+    if (absl::Status s =
+            Call("Summon", &Stub::Summon, prepared.request, &response, options_.call_timeout);
+        !s.ok()) {
+      for (const PreparedSummon::Riding& r : prepared.end_first) EndRidingSummon(r);
+      return s;
+    }
     const std::string& module = prepared.request.registered_module();
     FS_VLOG(2) << "summon=" << response.summon() << " module=\"" << module << "\" path=\""
                << prepared.request.path() << "\" units=" << response.unit_indices_size();
@@ -992,9 +1081,38 @@ absl::StatusOr<std::unique_ptr<SummonedParams>> Client::Summon(const std::string
   return core_->Summon(registered_module, path, options);
 }
 
+absl::StatusOr<std::unique_ptr<SummonedParams>> Client::Summon(
+    const std::string& registered_module, const std::string& path, const SummonOptions& options,
+    std::unique_ptr<SummonedParams> end_first) {
+  SummonedList list;
+  list.push_back(std::move(end_first));
+  return core_->Summon(registered_module, path, options, std::move(list));
+}
+
+absl::StatusOr<std::unique_ptr<SummonedParams>> Client::Summon(const std::string& registered_module,
+                                                               const std::string& path,
+                                                               const SummonOptions& options,
+                                                               SummonedList end_first) {
+  return core_->Summon(registered_module, path, options, std::move(end_first));
+}
+
 absl::StatusOr<std::unique_ptr<PendingSummon>> Client::StartSummon(
     const std::string& registered_module, const std::string& path, const SummonOptions& options) {
   return core_->StartSummon(registered_module, path, options);
+}
+
+absl::StatusOr<std::unique_ptr<PendingSummon>> Client::StartSummon(
+    const std::string& registered_module, const std::string& path, const SummonOptions& options,
+    std::unique_ptr<SummonedParams> end_first) {
+  SummonedList list;
+  list.push_back(std::move(end_first));
+  return core_->StartSummon(registered_module, path, options, std::move(list));
+}
+
+absl::StatusOr<std::unique_ptr<PendingSummon>> Client::StartSummon(
+    const std::string& registered_module, const std::string& path, const SummonOptions& options,
+    SummonedList end_first) {
+  return core_->StartSummon(registered_module, path, options, std::move(end_first));
 }
 
 absl::StatusOr<std::unique_ptr<PendingReduceScatter>> Client::BeginReduceScatter(

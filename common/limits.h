@@ -25,6 +25,8 @@ inline constexpr size_t kMaxGroupBytes = 256;
 inline constexpr size_t kMaxTokenBytes = 1024;
 inline constexpr size_t kMaxModulePathBytes = 4096;
 inline constexpr size_t kMaxAddressBytes = 1024;
+// Summons a Summon may end first (SummonRequest.end_first): one unit transition needs one.
+inline constexpr int kMaxEndFirst = 64;
 // Model descriptions: the JSON texts a client reads, and the module instances of a manifest
 // (a 100-layer MoE transformer with 64 experts per layer has ~30,000).
 inline constexpr size_t kMaxManifestJsonBytes = size_t{64} << 20;

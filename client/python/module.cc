@@ -163,10 +163,23 @@ class PySummoned {
     {
       py::gil_scoped_release release;
       std::lock_guard<std::mutex> lock(mu_);
-      status = summoned_->End();
+      if (summoned_ != nullptr) status = summoned_->End();  // null: Release() took it
     }
     ended_ = true;
     Check(status);
+  }
+
+  // Hands the summon to a Summon that ends it in its own RPC (end_first); this object is
+  // ended from now on. nullptr when it already was. Called with the GIL held.
+  std::unique_ptr<SummonedParams> Release() {
+    std::unique_ptr<SummonedParams> out;
+    {
+      py::gil_scoped_release release;  // an End in flight holds mu_ without the GIL
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!ended_) out = std::move(summoned_);
+    }
+    ended_ = true;
+    return out;
   }
 
   bool ended() const { return ended_; }
@@ -258,6 +271,15 @@ class PySummoned {
   std::string module_;
   bool ended_ = false;  // read and written with the GIL held
 };
+
+// The summons behind `summons` for Client::Summon's end_first (each released: ended here).
+client::SummonedList Release(const std::vector<std::shared_ptr<PySummoned>>& summons) {
+  client::SummonedList out;
+  for (const std::shared_ptr<PySummoned>& s : summons) {
+    if (s != nullptr) out.push_back(s->Release());
+  }
+  return out;
+}
 
 // --- started summons (Client::StartSummon) ---------------------------------------------------
 
@@ -562,22 +584,20 @@ class PyClient {
     return out;
   }
 
+  // `end_first`: ended by the same RPC (Client::Summon's end_first).
   std::shared_ptr<PySummoned> Summon(const std::string& module, const std::string& path,
                                      bool recurse, bool writeback, bool rank0_only,
-                                     bool offload_to_cpu, bool with_grads) {
+                                     bool offload_to_cpu, bool with_grads,
+                                     const std::vector<std::shared_ptr<PySummoned>>& end_first) {
     const ClientRef c = Get("summon");
-    SummonOptions options;
-    options.recurse = recurse;
-    options.writeback = writeback;
-    options.rank0_only = rank0_only;
-    options.offload_to_cpu = offload_to_cpu;
-    options.with_grads = with_grads;
+    const SummonOptions options{recurse, writeback, rank0_only, offload_to_cpu, with_grads};
     std::shared_ptr<const Plan> plan = FindPlan(module);  // nullptr: Summon fails NOT_FOUND
+    client::SummonedList previous = Release(end_first);
     absl::StatusOr<std::unique_ptr<SummonedParams>> summoned;
     std::shared_ptr<PySummoned> out;
     {
       py::gil_scoped_release release;
-      summoned = c->Summon(module, path, options);
+      summoned = c->Summon(module, path, options, std::move(previous));
       if (summoned.ok()) {
         out = std::make_shared<PySummoned>(*std::move(summoned), std::move(plan), device_as_host_);
       }
@@ -587,16 +607,18 @@ class PyClient {
   }
 
   // Client::StartSummon: errors known before any RPC raise here, the rest at wait().
-  std::shared_ptr<PyPendingSummon> StartSummon(const std::string& module, const std::string& path,
-                                               bool recurse, bool writeback, bool rank0_only,
-                                               bool offload_to_cpu, bool with_grads) {
+  std::shared_ptr<PyPendingSummon> StartSummon(
+      const std::string& module, const std::string& path, bool recurse, bool writeback,
+      bool rank0_only, bool offload_to_cpu, bool with_grads,
+      const std::vector<std::shared_ptr<PySummoned>>& end_first) {
     const ClientRef c = Get("summon_async");
     const SummonOptions options{recurse, writeback, rank0_only, offload_to_cpu, with_grads};
     std::shared_ptr<const Plan> plan = FindPlan(module);
+    client::SummonedList previous = Release(end_first);
     absl::StatusOr<std::unique_ptr<PendingSummon>> pending;
     {
       py::gil_scoped_release release;
-      pending = c->StartSummon(module, path, options);
+      pending = c->StartSummon(module, path, options, std::move(previous));
     }
     return std::make_shared<PyPendingSummon>(Unwrap(std::move(pending)), std::move(plan),
                                              device_as_host_);

@@ -269,22 +269,56 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Summon(grpc::CallbackServerContext* 
   if (absl::Status s = CheckCallerBounds("Summon", request->caller()); !s.ok()) {
     return Refuse(reactor, s);
   }
+  if (request->end_first_size() > kMaxEndFirst) {
+    return Refuse(reactor, absl::InvalidArgumentError(
+                               absl::StrCat("Summon: end_first names ", request->end_first_size(),
+                                            " summons, the limit is ", kMaxEndFirst)));
+  }
   const SummonOptions options = flatshard::FromProto(request->options());
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
-  groups_->Summon(
-      *caller, request->registered_module(), request->path(), options, WaitDeadline(ctx),
-      [reactor, response](absl::StatusOr<SummonResult> result) {
-        if (result.ok()) FillSummon(*result, response);
-        const grpc::Status status = ToGrpcStatus(result.status());
-        // Drop the buffer references before answering: a client that ends and
-        // summons again at once must find the kept buffers free, or the daemon
-        // allocates fresh segments.
-        result = absl::CancelledError();
-        reactor->Finish(status);
+  const absl::Time deadline = WaitDeadline(ctx);
+  auto summon = [this, reactor, request, response, caller = *caller, options,
+                 deadline](absl::Status ended) {
+    if (!ended.ok()) {
+      reactor->Finish(ToGrpcStatus(ended));
+      return;
+    }
+    groups_->Summon(
+        caller, request->registered_module(), request->path(), options, deadline,
+        [reactor, response](absl::StatusOr<SummonResult> result) {
+          if (result.ok()) FillSummon(*result, response);
+          const grpc::Status status = ToGrpcStatus(result.status());
+          // Drop the buffer references before answering: a client that ends and
+          // summons again at once must find the kept buffers free, or the daemon
+          // allocates fresh segments.
+          result = absl::CancelledError();
+          reactor->Finish(status);
+        },
+        EventOf(request->written()));
+  };
+  EndFirst(*caller, request, 0, deadline, std::move(summon));
+  return reactor;
+}
+
+void ShardServiceImpl::EndFirst(const Caller& caller, const v1::SummonRequest* request, int next,
+                                absl::Time deadline, std::function<void(absl::Status)> then) {
+  if (next == request->end_first_size()) {
+    then(absl::OkStatus());
+    return;
+  }
+  const uint64_t summon = request->end_first(next);
+  groups_->EndSummon(
+      caller, summon, deadline,
+      [this, caller, request, next, deadline, summon, then = std::move(then)](absl::Status s) {
+        if (!s.ok()) {
+          then(absl::Status(s.code(), absl::StrCat("Summon: ending summon ", summon,
+                                                   " first (end_first): ", s.message())));
+          return;
+        }
+        EndFirst(caller, request, next + 1, deadline, std::move(then));
       },
       EventOf(request->written()));
-  return reactor;
 }
 
 grpc::ServerUnaryReactor* ShardServiceImpl::EndSummon(grpc::CallbackServerContext* ctx,

@@ -4,6 +4,8 @@
 // from the manager's completion callback, so no gRPC thread blocks while ranks gather.
 // Thread-safe.
 
+#include <functional>
+
 #include "absl/time/time.h"
 #include "flatshard/v1/shard_service.grpc.pb.h"
 #include "server/group_manager.h"
@@ -61,6 +63,11 @@ class ShardServiceImpl final : public v1::ShardService::CallbackService {
   // `c` with the caller's uid.
   absl::StatusOr<Caller> CallerOf(const grpc::CallbackServerContext* ctx,
                                   const v1::Caller& c) const;
+  // Summon's end_first: ends request->end_first(next..) one after another (as EndSummon),
+  // then calls `then` with OK, or with the first End's error naming its summon.
+  // `request` lives until the call's reactor finishes, which `then` does.
+  void EndFirst(const Caller& caller, const v1::SummonRequest* request, int next,
+                absl::Time deadline, std::function<void(absl::Status)> then);
 
   GroupManager* const groups_;
   const absl::Duration default_wait_;

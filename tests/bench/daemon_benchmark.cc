@@ -12,8 +12,10 @@
 //    same number of empty `Ping` RPCs to the same socket (two per iteration: Summon+End is two
 //    RPCs). Once through the client library (what a trainer sees: RPC + segment mapping + views;
 //    its Pings go over a raw stub on a channel with the library's arguments), once through raw
-//    stubs (RPCs only, Pings on the same channel). Prints p50/p99 of each RPC and the ratios to
-//    Ping (target: p50 <= 1.2x, p99 <= 1.5x).
+//    stubs (RPCs only, Pings on the same channel). Then the steady-state unit transition: a
+//    Summon that ends the previous summon in the same RPC (SummonRequest.end_first), alternated
+//    with one Ping. Prints p50/p99 of each RPC and the ratios to Ping (target: p50 <= 1.2x,
+//    p99 <= 1.5x).
 // 2. Unshard bandwidth. For each world size, every rank a thread with its own channel: one unit
 //    of --bytes float32 (default 1 GiB; shrunk with a note when /dev/shm or memory is short).
 //    Summon(writeback=false) (the all-gather into one shared node copy) as seen by the clients:
@@ -208,10 +210,13 @@ absl::StatusOr<v1::RegisterModuleResponse> RawRegister(Stub* stub, const v1::Cal
   return resp;
 }
 
+// `end_first` != 0: that summon is ended by the same RPC (SummonRequest.end_first).
 absl::StatusOr<v1::SummonResponse> RawSummon(Stub* stub, const v1::Caller& caller, bool writeback,
-                                             std::chrono::seconds deadline) {
+                                             std::chrono::seconds deadline,
+                                             uint64_t end_first = 0) {
   v1::SummonRequest req;
   *req.mutable_caller() = caller;
+  if (end_first != 0) req.add_end_first(end_first);
   req.mutable_options()->set_recurse(true);
   req.mutable_options()->set_writeback(writeback);
   grpc::ClientContext ctx;
@@ -252,6 +257,9 @@ struct LatencySamples {
   std::vector<double> summon, end, summon_end;  // one per iteration
   std::vector<double> ping;                     // two per iteration
   std::vector<double> ping_pair;                // one per iteration
+  // The unit transition: Summon ending the previous summon in the same RPC (end_first),
+  // alternated with one Ping each (`transition_ping`).
+  std::vector<double> transition, transition_ping;
 
   // One Summon (t0..t1) and End (t1..t2).
   void RecordSummonEnd(Clock::time_point t0, Clock::time_point t1, Clock::time_point t2) {
@@ -280,6 +288,9 @@ void PrintLatency(absl::string_view variant, const LatencySamples& s, int64_t un
   row("Summon+End", s.summon_end, pair50, pair99, "Ping+Ping");
   // The literal reading of the issue: two RPCs against one echo.
   row("Summon+End", s.summon_end, ping50, ping99, "Ping(1)");
+  // What a trainer's steady state pays per unit with end_first: one RPC.
+  row("Transition", s.transition, Percentile(s.transition_ping, 50),
+      Percentile(s.transition_ping, 99), "Ping");
 }
 
 void PrintLatencyHeader() {
@@ -316,6 +327,25 @@ absl::Status PingPair(Stub* stub, bool record, LatencySamples* s) {
     s->ping_pair.push_back(MicrosSince(t0, t2));
   }
   return absl::OkStatus();
+}
+
+// Alternates a timed `transition` (one RPC) with one timed Ping: warmup + iters iterations.
+absl::Status MeasureTransitions(Stub* stub, int warmup, int iters,
+                                const std::function<absl::Status()>& transition,
+                                LatencySamples* out) {
+  auto timed = [&](bool record, const std::function<absl::Status()>& f,
+                   std::vector<double>* samples) -> absl::Status {
+    const auto t0 = Clock::now();
+    FS_RETURN_IF_ERROR(f());
+    if (record) samples->push_back(MicrosSince(t0, Clock::now()));
+    return absl::OkStatus();
+  };
+  return Alternate(
+      warmup, iters, [&](bool record) { return timed(record, transition, &out->transition); },
+      [&](bool record) {
+        return timed(
+            record, [&] { return RawPing(stub); }, &out->transition_ping);
+      });
 }
 
 absl::Status LatencyWithClientLibrary(const DaemonProcess& d, int warmup, int iters,
@@ -359,6 +389,15 @@ absl::Status LatencyWithClientLibrary(const DaemonProcess& d, int warmup, int it
   FS_RETURN_IF_ERROR(Alternate(0, iters, summon_end, pings));
   *map_calls = c->segment_map_calls() - maps_before;
   *retained = RetainedDeletedMappings(d.tag());
+  std::unique_ptr<client::SummonedParams> held;
+  FS_RETURN_IF_ERROR(MeasureTransitions(
+      stub.get(), warmup, iters,
+      [&]() -> absl::Status {
+        FS_ASSIGN_OR_RETURN(held, c->Summon("", "", so, std::move(held)));
+        return absl::OkStatus();
+      },
+      out));
+  FS_RETURN_IF_ERROR(held->End());
   return c->Leave();
 }
 
@@ -381,6 +420,17 @@ absl::Status LatencyWithRawStubs(const DaemonProcess& d, int warmup, int iters,
   };
   auto pings = [&](bool record) { return PingPair(stub.get(), record, out); };
   FS_RETURN_IF_ERROR(Alternate(warmup, iters, summon_end, pings));
+  uint64_t held = 0;
+  FS_RETURN_IF_ERROR(MeasureTransitions(
+      stub.get(), warmup, iters,
+      [&]() -> absl::Status {
+        FS_ASSIGN_OR_RETURN(v1::SummonResponse r,
+                            RawSummon(stub.get(), caller, false, std::chrono::seconds(10), held));
+        held = r.summon();
+        return absl::OkStatus();
+      },
+      out));
+  FS_RETURN_IF_ERROR(RawEnd(stub.get(), caller, held, std::chrono::seconds(10)));
   grpc::ClientContext ctx;
   SetDeadline(&ctx, std::chrono::seconds(10));
   v1::LeaveRequest req;
@@ -416,6 +466,9 @@ absl::Status RunLatency(const DaemonProcess& d, int warmup, int iters) {
                 Percentile(samples->summon_end, 50), "us");
     PrintFigure(absl::StrCat("latency.", variant, ".summon_end.p99"),
                 Percentile(samples->summon_end, 99), "us");
+    PrintFigure(absl::StrCat("latency.", variant, ".transition.p50_over_ping"),
+                Percentile(samples->transition, 50) / Percentile(samples->transition_ping, 50),
+                "x");
     PrintFigure(absl::StrCat("latency.", variant, ".ping.p50"), Percentile(samples->ping, 50), "us",
                 /*lower_is_better=*/true, /*context=*/true);
   }

@@ -455,6 +455,106 @@ TEST_P(ClientE2ETest, StartedSummonsFailAtWaitOrAtOnceAndOneNeverTakenIsEnded) {
   });
 }
 
+// ---- One round trip per unit transition (Summon with end_first) ----
+
+TEST_P(ClientE2ETest, TransitionsEndThePreviousSummonInTheSameRoundTrip) {
+  Cluster d(GetParam(), Options());
+  std::vector<Rank> ranks = JoinAndRegister(d, "transition", 2);
+  InitValues(ranks);
+  const Plan& plan = *ranks[0].model.plan;
+  ASSERT_GE(plan.units.size(), 3u);
+  SummonOptions unit_only = ReadOnly();
+  unit_only.recurse = false;
+  ::flatshard::testing::RunRanks(2, [&](int r) {
+    Client& c = *ranks[r].client;
+    // Forward order, each unit's summon ending the one before (synchronous and started
+    // alternately), then the backward order the same way, twice (steady state).
+    std::vector<int32_t> order;
+    for (const PlanUnit& u : plan.units) order.push_back(u.index);
+    for (auto it = plan.units.rbegin(); it != plan.units.rend(); ++it) order.push_back(it->index);
+    std::unique_ptr<SummonedParams> held;
+    int64_t maps_after_warmup = -1;
+    for (int pass = 0; pass < 3; ++pass) {
+      for (size_t i = 0; i < order.size(); ++i) {
+        const PlanUnit& u = plan.units[order[i]];
+        absl::StatusOr<std::unique_ptr<SummonedParams>> next;
+        if (i % 2 == 0) {
+          next = c.Summon("", u.module, unit_only, std::move(held));
+        } else {
+          absl::StatusOr<std::unique_ptr<PendingSummon>> p =
+              c.StartSummon("", u.module, unit_only, std::move(held));
+          ASSERT_TRUE(p.ok()) << "rank " << r << ": " << p.status();
+          next = (*p)->Wait();
+        }
+        ASSERT_TRUE(next.ok()) << "rank " << r << " unit " << u.index << ": " << next.status();
+        ASSERT_THAT(next->get()->units(), ElementsAre(u.index));
+        ExpectUnitValues(u, **next);
+        held = *std::move(next);
+      }
+      if (pass == 1) maps_after_warmup = c.segment_map_calls();
+    }
+    // The buffers the ended summons freed were reused: no new mapping in the steady state.
+    EXPECT_EQ(c.segment_map_calls(), maps_after_warmup) << "rank " << r;
+    // The last one ends with the next summon too; then nothing is left summoned: a writeback
+    // summon of the whole model (refused while any unit is summoned) goes through.
+    SummonOptions writeback;
+    writeback.writeback = true;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> all =
+        c.Summon("", "", writeback, std::move(held));
+    ASSERT_TRUE(all.ok()) << "rank " << r << ": " << all.status();
+    ExpectValues(plan, **all);
+    // A writeback summon is ended by its own (collective) End before the next summon.
+    absl::StatusOr<std::unique_ptr<SummonedParams>> after =
+        c.Summon("", plan.units[1].module, unit_only, *std::move(all));
+    ASSERT_TRUE(after.ok()) << "rank " << r << ": " << after.status();
+    EXPECT_TRUE(after->get()->End().ok());
+    EXPECT_EQ(c.GetShardViews("")->generation(), 2u) << "the writeback End committed";
+  });
+}
+
+TEST_P(ClientE2ETest, TransitionsThatFailStillEndThePreviousSummonAndChangeNothing) {
+  Cluster d(GetParam(), Options());
+  std::vector<Rank> ranks = JoinAndRegister(d, "transition-errors", 2);
+  InitValues(ranks);
+  const auto before0 = SnapshotShards(*ranks[0].client);
+  const Plan& plan = *ranks[0].model.plan;
+  ::flatshard::testing::RunRanks(2, [&](int r) {
+    Client& c = *ranks[r].client;
+    // The daemon refuses the summon (unknown path) after it ended end_first; the client
+    // returns the summon's error, and the previous summon is ended all the same.
+    absl::StatusOr<std::unique_ptr<SummonedParams>> first =
+        c.Summon("", plan.units[1].module, ReadOnly());
+    ASSERT_TRUE(first.ok()) << first.status();
+    absl::StatusOr<std::unique_ptr<SummonedParams>> bad =
+        c.Summon("", "h.7", ReadOnly(), *std::move(first));
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kNotFound) << bad.status();
+    EXPECT_THAT(bad.status().message(), HasSubstr("h.7"));
+    // Refused by the client before any RPC (unknown registered module): still ended.
+    first = c.Summon("", plan.units[1].module, ReadOnly());
+    ASSERT_TRUE(first.ok()) << first.status();
+    absl::StatusOr<std::unique_ptr<PendingSummon>> refused =
+        c.StartSummon("enc", "", ReadOnly(), *std::move(first));
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound) << refused.status();
+    // A null or ended end_first is the plain Summon.
+    absl::StatusOr<std::unique_ptr<SummonedParams>> plain = c.Summon("", "", ReadOnly(), nullptr);
+    ASSERT_TRUE(plain.ok()) << plain.status();
+    EXPECT_TRUE(plain->get()->End().ok());
+    absl::StatusOr<std::unique_ptr<SummonedParams>> again =
+        c.Summon("", "", ReadOnly(), *std::move(plain));
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_TRUE(again->get()->End().ok());
+  });
+  // Nothing is left summoned (a writeback summon of everything goes through) and the shards
+  // are unchanged.
+  SummonOptions writeback;
+  writeback.writeback = true;
+  Summons all = SummonAll(ranks, writeback);
+  ASSERT_NE(all[0], nullptr);
+  ExpectValues(plan, *all[0]);
+  EndAll(all);
+  EXPECT_EQ(SnapshotShards(*ranks[0].client), before0);
+}
+
 TEST_P(ClientE2ETest, StartedReduceScattersSumLikeFinishAndKeepTheOrder) {
   Cluster d(GetParam(), Options());
   std::vector<Rank> ranks = JoinAndRegister(d, "started-rs", 2);

@@ -347,6 +347,57 @@ TEST_P(GpuE2ETest, StartedSummonsHandBackDeviceViewsOrderedOnTheTrainersStream) 
   });
 }
 
+TEST_P(GpuE2ETest, TransitionsEndDeviceViewsInTheNextSummonsRoundTrip) {
+  SKIP_WITHOUT_GPU();
+  Cluster d(GetParam(), GpuOptions());
+  std::vector<Rank> ranks = JoinAndInit(d, "transition", 2);
+  const float scale = 3.0f;
+  ::flatshard::testing::RunRanks(2, [&](int r) {
+    Client& c = *ranks[r].client;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> w = c.Summon("", "", SummonOptions());
+    ASSERT_TRUE(w.ok()) << w.status();
+    FillAll((*w)->params(), scale);
+    ASSERT_TRUE((*w)->End().ok());
+    SummonOptions o;
+    o.writeback = false;
+    o.recurse = false;
+    const Plan& plan = *ranks[r].model.plan;
+    // Every unit, last first, twice; each summon (synchronous and started alternately) ends
+    // the one before in its own RPC, the End ordered after the trainer's reads by the event
+    // the summon sends.
+    std::unique_ptr<SummonedParams> held;
+    for (int pass = 0; pass < 2; ++pass) {
+      for (size_t k = plan.units.size(); k-- > 0;) {
+        absl::StatusOr<std::unique_ptr<SummonedParams>> s;
+        if (k % 2 == 0) {
+          s = c.Summon("", plan.units[k].module, o, std::move(held));
+        } else {
+          absl::StatusOr<std::unique_ptr<PendingSummon>> p =
+              c.StartSummon("", plan.units[k].module, o, std::move(held));
+          ASSERT_TRUE(p.ok()) << p.status();
+          s = (*p)->Wait();
+        }
+        ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+        const std::map<const void*, std::string> first = FirstFqns((*s)->params());
+        for (const ParamView& v : (*s)->params()) {
+          EXPECT_GE(v.device, 0) << v.fqn;
+          const std::vector<float> got = Read(v.data, v.device, v.numel);
+          for (int64_t i = 0; i < v.numel; ++i) {
+            ASSERT_EQ(got[i], ValueOf(first.at(v.data), i, scale))
+                << "rank " << r << " " << v.fqn << "[" << i << "]";
+          }
+        }
+        held = *std::move(s);
+      }
+    }
+    // Nothing is left summoned once the last one ended: a writeback summon goes through.
+    absl::StatusOr<std::unique_ptr<SummonedParams>> all =
+        c.Summon("", "", SummonOptions(), std::move(held));
+    ASSERT_TRUE(all.ok()) << "rank " << r << ": " << all.status();
+    ASSERT_TRUE((*all)->End().ok());
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, GpuE2ETest,
                          ::testing::Values(Layout::kSingle, Layout::kTwoDaemons),
                          [](const ::testing::TestParamInfo<Layout>& info) {

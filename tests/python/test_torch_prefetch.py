@@ -8,6 +8,7 @@ By hand: PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \
     /usr/bin/python3 -m pytest -q tests/python/test_torch_prefetch.py
 """
 import threading
+import time
 import warnings
 
 import pytest
@@ -151,3 +152,69 @@ def test_a_changed_order_warns_once_and_still_trains_exactly(daemon):
     warned = [w for w in got[1] if "prefetching follows the first" in w]
     assert len(warned) == WORLD, got[1]  # once per rank
     assert "order [0, 1, 3, 2, 4]" in warned[0], warned[0]
+
+
+def _rpcs(metrics_url):
+    """flatshard_rpcs_total by method (every status code summed)."""
+    import re
+    import urllib.request
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    out = {}
+    for m in re.finditer(r'^flatshard_rpcs_total\{([^}]*)\} (\S+)$', text, re.M):
+        method = re.search(r'method="([^"]+)"', m.group(1)).group(1)
+        out[method] = out.get(method, 0) + float(m.group(2))
+    return out
+
+
+@pytest.mark.parametrize("config", ["off", "backward_pre", "forward_and_backward_pre"])
+def test_one_round_trip_per_unit_transition(tmp_path, config):
+    """A unit's End rides on the next unit's Summon RPC (end_first): in steady state a step
+    makes one Summon RPC per unit summoned and EndSummon RPCs only for the units still open
+    when the backward ends, counted by the daemon's own metrics. The backward prefetches
+    only the units the first backward used (block 0's weights are not needed in backward)."""
+    addr_file = tmp_path / "metrics.addr"
+    steps = 3
+    with flatshard.testing.LocalDaemon(extra_args=[
+            "--metrics_address=127.0.0.1:0", f"--metrics_address_file={addr_file}"]) as d:
+        for _ in range(500):  # written once the endpoint listens
+            if addr_file.exists() and addr_file.read_text().strip():
+                break
+            time.sleep(0.01)
+        url = f"http://{addr_file.read_text().strip()}/metrics"
+        counts = {}
+
+        def fn(rank, c):
+            with _RNG:
+                torch.manual_seed(0)
+                module = Tower()
+            model = FlatShardModule(module, c, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                    **CONFIGS[config])
+            opt = torch.optim.SGD(model.sharded_parameters(), lr=0.1)
+            barrier.wait()
+            for step in range(steps + 1):
+                if step == 1:  # the first iteration records the order: count from here
+                    if barrier.wait() == 0:
+                        counts["before"] = _rpcs(url)
+                    barrier.wait()
+                opt.zero_grad(set_to_none=True)
+                model(torch.randn(4, 8)).square().mean().backward()
+                opt.step()
+            if barrier.wait() == 0:
+                counts["after"] = _rpcs(url)
+            barrier.wait()
+            return model.prefetch_stats
+
+        barrier = threading.Barrier(WORLD)
+        stats = run_group(d.address, WORLD, fn)
+    before, after = counts["before"], counts["after"]
+    per_step = {k: (after.get(k, 0) - before.get(k, 0)) / (steps * WORLD)
+                for k in ("Summon", "EndSummon")}
+    # Forward: the root and four blocks; backward: the root and blocks 3..1 (block 0's
+    # input needs no gradient, so its weights are not needed again).
+    summons_per_step = 9
+    assert all(s["summons"] == summons_per_step * (steps + 1) for s in stats.values()), stats
+    assert per_step["Summon"] == summons_per_step, per_step
+    # EndSummon only for the units open when the backward ends (nothing follows to ride on):
+    # the root, whose gradients complete last, and the last blocks (two with BACKWARD_PRE,
+    # whose prefetch ran ahead of their releases); 9 before end_first.
+    assert per_step["EndSummon"] <= (2 if config == "off" else 3), per_step

@@ -275,6 +275,9 @@ class SummonedParams {
   absl::Status end_status_;
 };
 
+// Summons handed to a Summon that ends them first (Client::Summon's end_first).
+using SummonedList = std::vector<std::unique_ptr<SummonedParams>>;
+
 // A summon started by Client::StartSummon: its all-gather runs while the trainer computes.
 class PendingSummon {
  public:
@@ -530,6 +533,31 @@ class Client {
                                                          const std::string& path,
                                                          const SummonOptions& options = {});
 
+  // One round trip per unit transition (FSDP's reshard of the unit that ran, then unshard of
+  // the next): ends `end_first`, then summons as above, in one RPC; the End rides on the
+  // Summon (SummonRequest.end_first) and the daemon frees its buffers before this summon
+  // takes buffers of its own. `end_first` is ended whatever the outcome: its views are
+  // dropped here, before the RPC, and if the Summon fails the client ends it on its own (a
+  // plain End, whose error is only logged) unless the daemon already did.
+  // Only a read-only summon of this Client's current session rides along. A writeback one
+  // (whose End is a collective with a result of its own) is ended by its own End() first,
+  // and that End's error is returned without summoning; a read-only one of another Client or
+  // an earlier session is ended by its End() (an error only logged). nullptr or an ended
+  // summon: the same as Summon(registered_module, path, options).
+  // Errors: Summon's, and the End's of `end_first`, which then fails the summon too (the
+  // daemon starts no summon after a failed End).
+  absl::StatusOr<std::unique_ptr<SummonedParams>> Summon(const std::string& registered_module,
+                                                         const std::string& path,
+                                                         const SummonOptions& options,
+                                                         std::unique_ptr<SummonedParams> end_first);
+  // The same with several summons to end first (e.g. a unit and the root unit that holds it,
+  // whose forwards finished together), in their order; at most kMaxEndFirst (64) ride on the
+  // RPC, the rest are ended on their own first. Null entries are skipped.
+  absl::StatusOr<std::unique_ptr<SummonedParams>> Summon(const std::string& registered_module,
+                                                         const std::string& path,
+                                                         const SummonOptions& options,
+                                                         SummonedList end_first);
+
   // Collective, asynchronous: starts Summon(registered_module, path, options) and returns at
   // once; PendingSummon::Wait() gives its result. Use it to prefetch: start the next unit's
   // all-gather, compute, then wait (FSDP's forward and backward prefetch).
@@ -546,6 +574,15 @@ class Client {
   absl::StatusOr<std::unique_ptr<PendingSummon>> StartSummon(const std::string& registered_module,
                                                              const std::string& path,
                                                              const SummonOptions& options = {});
+  // StartSummon with `end_first` ended by the same RPC, as Summon(..., end_first) (its views
+  // are dropped here; the End goes with the started summon, in order).
+  absl::StatusOr<std::unique_ptr<PendingSummon>> StartSummon(
+      const std::string& registered_module, const std::string& path, const SummonOptions& options,
+      std::unique_ptr<SummonedParams> end_first);
+  absl::StatusOr<std::unique_ptr<PendingSummon>> StartSummon(const std::string& registered_module,
+                                                             const std::string& path,
+                                                             const SummonOptions& options,
+                                                             SummonedList end_first);
 
   // Phase one of a gradient reduce-scatter for plan unit `unit`: returns where to write the
   // full gradient. `op` and `accumulate` (add into the sharded gradient instead of

@@ -94,6 +94,24 @@ class UnitShard:
                 f"{', states=' + ','.join(self.state_names) if self.state_names else ''})")
 
 
+def _raw_summoned(s):
+    """The binding's summons behind `s` (a Summoned, an iterable of them, or None) for
+    end_first; their cached tensors are dropped, as end() drops them."""
+    if s is None:
+        return []
+    summons = [s] if isinstance(s, Summoned) else list(s)
+    for x in summons:
+        if not isinstance(x, Summoned):
+            raise InvalidArgumentError(
+                f"end_first must be a Summoned, a list of them or None, got {type(x).__name__}")
+    out = []
+    for x in summons:
+        with x._lock:
+            x._params = x._grads = x._numpy = None
+        out.append(x._s)
+    return out
+
+
 class Summoned:
     """A summon in progress: the full parameters of the summoned units (and their gradients
     under with_grads) as zero-copy tensors. Ends once: ``end()``, leaving a ``with`` block
@@ -419,23 +437,30 @@ class Client:
         return reg
 
     def summon(self, module, path="", recurse=True, writeback=True, rank0_only=False,
-               offload_to_cpu=False, with_grads=False):
+               offload_to_cpu=False, with_grads=False, end_first=None):
         """Collective: unshards the units at `path` of registered `module` (FSDP's
-        summon_full_params). Returns a Summoned, also a context manager."""
+        summon_full_params). Returns a Summoned, also a context manager.
+
+        ``end_first``: a ``Summoned`` (or a list of them) to end in the same round trip (one
+        RPC per unit transition: reshard the unit that ran, unshard the next). They are ended
+        whatever the outcome (their tensors are the daemon's again at once); a writeback one
+        is ended by its own collective ``end()`` first, whose error then raises here."""
         s = self._c.summon(module, path, bool(recurse), bool(writeback), bool(rank0_only),
-                           bool(offload_to_cpu), bool(with_grads))
+                           bool(offload_to_cpu), bool(with_grads), _raw_summoned(end_first))
         return Summoned(s, self._plans.get(module))
 
     def summon_async(self, module, path="", recurse=True, writeback=True, rank0_only=False,
-                     offload_to_cpu=False, with_grads=False):
+                     offload_to_cpu=False, with_grads=False, end_first=None):
         """Collective, asynchronous: starts ``summon`` and returns a ``PendingSummon`` at
         once (prefetch: start the next unit's all-gather, compute, then ``wait()``). Calls
         this client makes afterwards that act on the group (summon, end, reduce-scatter,
         commit, register, checkpoints, leave) first wait for the summons started before
         them, so every rank's collectives keep one order. Errors found before any RPC
-        (unknown module, not joined) raise here; the rest at ``wait()``."""
+        (unknown module, not joined) raise here; the rest at ``wait()``. ``end_first`` as
+        in ``summon``: its End goes with the started summon."""
         p = self._c.summon_async(module, path, bool(recurse), bool(writeback), bool(rank0_only),
-                                 bool(offload_to_cpu), bool(with_grads))
+                                 bool(offload_to_cpu), bool(with_grads),
+                                 _raw_summoned(end_first))
         return PendingSummon(p, self._plans.get(module))
 
     def begin_reduce_scatter(self, module, unit, op="avg", accumulate=False):

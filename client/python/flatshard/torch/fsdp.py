@@ -620,8 +620,13 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
     def _recover(self) -> None:
         """Makes the wrapper usable again after an error that escaped it: ends a
         ``load_state_dict`` summon an outer module's failed load left open, and drops a step
-        whose backward started but ended without its final callback (the engine raised)."""
+        whose backward started but ended without its final callback (the engine raised), and
+        outside forward and backward sends the Ends deferred to a next summon that may never
+        come (a backward that failed before reaching the units)."""
         self._end_load()
+        if not self._in_forward and not _in_backward():
+            with contextlib.suppress(Exception):  # read-only Ends: the call that follows
+                self._prefetch.flush()            # reports a broken session itself
         if (self._state == TrainingState.FORWARD_BACKWARD and not self._in_forward
                 and self._final_queued and not _in_backward()):
             self._abandon_step()
@@ -708,7 +713,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
         self._restore_sites(self._units[unit])
         got = self._fwd.pop(unit, None)
         if got is not None:
-            got[0].end()
+            self._prefetch.release(got[0])  # ended by the next summon's RPC
 
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._fwd or t.device.type != "cpu" or t.numel() == 0:
@@ -736,6 +741,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
             s = self._prefetch.summon(unit)
             got = (s, _plain(s.flat(unit)))
             self._bwd[unit] = got
+            self._prefetch.order.record_backward(unit)
             if self._prefetch.backward == BackwardPrefetch.BACKWARD_PRE:
                 self._prefetch.start(self._prefetch.order.next_backward(unit), self._summoned)
         return got[1]
@@ -775,7 +781,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
             self._reduced.add(unit)
         got = self._bwd.pop(unit, None)
         if got is not None:
-            got[0].end()
+            self._prefetch.release(got[0])  # ended by the next summon's RPC
 
     def _final_callback(self) -> None:
         try:
@@ -788,6 +794,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
                 # units on every rank (same model, same order), so the collectives match.
                 for unit in sorted(self._accum):
                     self._reduce_scatter(unit, (None,) * len(self._units[unit].params))
+            self._prefetch.flush()  # the last unit's End: no summon follows it
             self._wait_reduce_scatters()
             self._refresh_grads()
         except BaseException as e:

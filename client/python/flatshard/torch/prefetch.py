@@ -32,8 +32,13 @@ class _ExecOrder:
     def __init__(self) -> None:
         self.pre_forward: Optional[List[int]] = None
         self.post_forward: Optional[List[int]] = None
+        # The units whose parameters the first backward needed, in the order it needed them:
+        # a unit none of whose parameters a gradient needs (e.g. the first layer's weights
+        # when its input needs none) is not summoned in backward, so not prefetched either.
+        self.backward: Optional[List[int]] = None
         self._pre: List[int] = []
         self._post: List[int] = []
+        self._bwd: List[int] = []
         self._warned = False
 
     def record_pre(self, unit: int) -> None:
@@ -42,12 +47,18 @@ class _ExecOrder:
     def record_post(self, unit: int) -> None:
         self._post.append(unit)
 
+    def record_backward(self, unit: int) -> None:
+        self._bwd.append(unit)
+
     def discard_iteration(self) -> None:
         """Forgets what the current (failed) iteration ran."""
-        self._pre, self._post = [], []
+        self._pre, self._post, self._bwd = [], [], []
 
     def end_iteration(self) -> None:
-        pre, post, self._pre, self._post = self._pre, self._post, [], []
+        pre, post, bwd = self._pre, self._post, self._bwd
+        self._pre, self._post, self._bwd = [], [], []
+        if self.backward is None and bwd:
+            self.backward = bwd
         if not pre:
             return  # a step without a forward through the units (e.g. a bare backward)
         if self.pre_forward is None:
@@ -74,7 +85,9 @@ class _ExecOrder:
         return self._after(self.pre_forward, unit)
 
     def next_backward(self, unit: int) -> Optional[int]:
-        # Backward runs the units in reverse post-forward order.
+        if self.backward:
+            return self._after(self.backward, unit)
+        # Until a backward ran: the reverse post-forward order, as FSDP's.
         rev = list(reversed(self.post_forward)) if self.post_forward else None
         return self._after(rev, unit)
 
@@ -92,6 +105,9 @@ class _Prefetcher:
         self.backward = backward
         self.order = _ExecOrder()
         self._pending: Dict[int, Any] = {}  # unit -> PendingSummon
+        # Read-only summons whose Ends ride on the next summon's RPC (end_first): one round
+        # trip per unit transition.
+        self._ending: List[Any] = []
         # Seconds this process waited for summons (started or not) and how many there were:
         # the communication prefetch did not hide.
         self.waited_s = 0.0
@@ -106,7 +122,7 @@ class _Prefetcher:
                 self.prefetched += 1
                 return pending.wait()
             return self._client.summon(self._name, self._path_of(unit), recurse=False,
-                                       writeback=False)
+                                       writeback=False, end_first=self._take_ending())
         finally:
             self.summons += 1
             self.waited_s += time.perf_counter() - t0
@@ -117,7 +133,27 @@ class _Prefetcher:
         if unit is None or unit in self._pending or self._pending or busy(unit):
             return
         self._pending[unit] = self._client.summon_async(self._name, self._path_of(unit),
-                                                        recurse=False, writeback=False)
+                                                        recurse=False, writeback=False,
+                                                        end_first=self._take_ending())
+
+    def release(self, summon: Any) -> None:
+        """Ends read-only `summon` with the next summon's RPC instead of an RPC of its own."""
+        self._ending.append(summon)
+
+    def _take_ending(self) -> List[Any]:
+        out, self._ending = self._ending, []
+        return out
+
+    def flush(self) -> None:
+        """Ends the summons `release` deferred (no summon follows)."""
+        first: Optional[BaseException] = None
+        for s in self._take_ending():
+            try:
+                s.end()
+            except Exception as e:  # noqa: BLE001 - end every one, raise the first error
+                first = first or e
+        if first is not None:
+            raise first
 
     def reset(self) -> None:
         """Forgets the recorded order: after a re-attach, every rank of the group (restarted
@@ -126,7 +162,12 @@ class _Prefetcher:
         self.order = _ExecOrder()
 
     def cancel(self) -> None:
-        """Ends the summons started and not used (each waits for its collective first)."""
+        """Ends the deferred End and the summons started and not used (each waits for its
+        collective first)."""
+        try:
+            self.flush()
+        except Exception:  # noqa: BLE001 - a read-only End changes nothing; the daemon ends
+            pass           # it with the session at worst
         pending, self._pending = self._pending, {}
         for p in pending.values():
             try:
