@@ -79,14 +79,15 @@ class KeptBufferPool;
 // One registered module's kept buffers. Create through KeptBufferPool::NewSet.
 class KeptBuffers {
  public:
-  // Two buffers are kept per key. EndSummon is not collective, so a fast rank's next summon
-  // often arrives while a slower rank still holds the previous summon's buffer (a read-only
-  // summon's node-shared copy above all). With one kept buffer that summon got a fresh,
-  // unkept one: a new segment for every client to map, every other summon. The second copy
-  // takes that turn instead, and two suffice: a rank's summon k+2 of a unit starts after its
-  // summon k+1 completed, which every rank joined only after ending summon k, so summon k's
-  // buffer is free again by then.
-  static constexpr int kCopies = 2;
+  // Up to four buffers are kept per key (made only when the others are in use). EndSummon is
+  // not collective, so a fast rank's next summon often arrives while a slower rank still holds
+  // the previous summon's buffer (a read-only summon's node-shared copy above all). With one
+  // kept buffer that summon got a fresh, unkept one: a new segment for every client to map,
+  // every other summon. For one unit two suffice: a rank's summon k+2 of a unit starts after
+  // its summon k+1 completed, which every rank joined only after ending summon k. Units of
+  // one size share their keys (Modules::KeptUnit), and a training step holds a few of them
+  // at once (the unit computing, the one prefetched, a slower rank's previous one): four.
+  static constexpr int kCopies = 4;
 
   KeptBuffers(std::shared_ptr<KeptBufferPool> pool, ShardStore* store, Clock* clock);
   KeptBuffers(const KeptBuffers&) = delete;

@@ -139,6 +139,10 @@ struct Registered {
   // summon or reduce-scatter (KeptOf). shared_ptr: a call that allocates
   // outside mu_ keeps it alive while the module may be dropped.
   std::shared_ptr<KeptBuffers> kept;
+  // Units of one padded size and dtype (Modules::KeptUnit): per unit its class, and per
+  // class its units in plan order. Empty until first needed.
+  std::vector<int32_t> kept_class;
+  std::vector<std::vector<int32_t>> kept_class_units;
   // The session each rank registered or re-attached in; a rank whose session changed (a
   // restarted trainer) may register the same model again to re-attach.
   std::vector<uint64_t> attached_session;

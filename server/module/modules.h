@@ -189,6 +189,14 @@ class Modules {
   // The kept-buffer cache of `reg` (made on first use).
   // REQUIRES: the lock of `reg`'s group (KeptOf, ReleaseKept).
   std::shared_ptr<KeptBuffers> KeptOf(Registered& reg);
+  // The unit whose kept buffers `unit` uses when it is the `nth` unit of its size among the
+  // units one call needs at once: the nth unit of the plan with the same padded size and
+  // dtype. Units of one size (a transformer's blocks) summoned one at a time share a few
+  // buffers, which a training step passes from unit to unit, instead of keeping a whole
+  // model's worth resident: memory as FSDP's (a few units unsharded), still without an mmap
+  // or a page fault per summon; a summon of many units still finds one kept buffer each.
+  // REQUIRES: the lock of `reg`'s group; `nth` below the number of units of that size.
+  static int32_t KeptUnit(Registered& reg, int32_t unit, int nth = 0);
   // Marks kept buffers nobody uses any more as idle from now.
   void ReleaseKept(Registered& reg);
   // Drops `open`'s references to its buffers: at once where another reference remains (the

@@ -40,6 +40,7 @@ absl::StatusOr<std::shared_ptr<Buffer>> Modules::BeginReduceScatter(const Caller
     int64_t grad_bytes = 0, staging_bytes = 0;
     int64_t owner_uid = -1;
     std::shared_ptr<KeptBuffers> kept;
+    int32_t kept_unit = unit;
     std::string label;
     {
       std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
@@ -65,8 +66,10 @@ absl::StatusOr<std::shared_ptr<Buffer>> Modules::BeginReduceScatter(const Caller
       need_staging = staging == reg.grad_staging.end() || !staging->second;
       if (need_staging && !staging_got) {
         // The steady state: the kept staging buffer is ready, no allocation needed.
-        staging_got = KeptOf(reg)->TryGet(KeptKey::Rank(caller.rank, unit, KeptUse::kGradInput),
-                                          PlacementOf(caller.rank));
+        std::shared_ptr<KeptBuffers> kept_set = KeptOf(reg);
+        staging_got =
+            kept_set->TryGet(KeptKey::Rank(caller.rank, KeptUnit(reg, unit), KeptUse::kGradInput),
+                             PlacementOf(caller.rank));
       }
       if ((!need_grad || grad_got) && (!need_staging || staging_got)) {
         // Every buffer is at hand: install them (commit point).
@@ -80,6 +83,7 @@ absl::StatusOr<std::shared_ptr<Buffer>> Modules::BeginReduceScatter(const Caller
       staging_bytes = u.padded_numel * item;
       owner_uid = g.owner_uid;
       kept = KeptOf(reg);
+      kept_unit = KeptUnit(reg, unit);
       label = absl::StrCat("group=", g.id, " unit=", unit, " rank=", caller.rank);
     }
     // Without mu_: shm creation, fchown, cudaHostRegister.
@@ -91,9 +95,9 @@ absl::StatusOr<std::shared_ptr<Buffer>> Modules::BeginReduceScatter(const Caller
     if (need_staging && !staging_got) {
       FS_ASSIGN_OR_RETURN(
           staging_got,
-          kept->Get(KeptKey::Rank(caller.rank, unit, KeptUse::kGradInput), BufferKind::kStaging,
-                    staging_bytes, absl::StrCat(label, " full grad"), owner_uid,
-                    PlacementOf(caller.rank)));
+          kept->Get(KeptKey::Rank(caller.rank, kept_unit, KeptUse::kGradInput),
+                    BufferKind::kStaging, staging_bytes, absl::StrCat(label, " full grad"),
+                    owner_uid, PlacementOf(caller.rank)));
     }
   }
   return absl::AbortedError(absl::StrCat("group ", caller.group, " rank ", caller.rank,

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -33,6 +35,21 @@ using internal::SelectUnits;
 std::shared_ptr<KeptBuffers> Modules::KeptOf(Registered& reg) {
   if (!reg.kept) reg.kept = kept_pool_->NewSet();
   return reg.kept;
+}
+
+int32_t Modules::KeptUnit(Registered& reg, int32_t unit, int nth) {
+  if (reg.kept_class.empty()) {
+    std::map<std::pair<int64_t, DType>, int32_t> class_of;
+    reg.kept_class.reserve(reg.plan.units.size());
+    for (const PlanUnit& u : reg.plan.units) {
+      const auto [it, fresh] = class_of.try_emplace(
+          {u.padded_numel, u.dtype}, static_cast<int32_t>(reg.kept_class_units.size()));
+      if (fresh) reg.kept_class_units.emplace_back();
+      reg.kept_class_units[it->second].push_back(static_cast<int32_t>(reg.kept_class.size()));
+      reg.kept_class.push_back(it->second);
+    }
+  }
+  return reg.kept_class_units[reg.kept_class[unit]][nth];
 }
 
 void Modules::ReleaseKept(Registered& reg) {
@@ -215,9 +232,11 @@ absl::Status Modules::DecideSummon(Group& g, const Caller& caller, const std::st
     if (!slot) slot = std::make_shared<SummonSlot>();
     d->slot = slot;
   }
+  std::map<int32_t, int> nth_of_size;  // KeptUnit: how many units of each size came before
   for (int32_t u : d->units) {
     const PlanUnit& unit = reg.plan.units[u];
     const UnitShard& shard = reg.shards_by_rank[rank][u];
+    const int32_t kept_unit = KeptUnit(reg, u, nth_of_size[KeptUnit(reg, u)]++);
     for (KeptUse use : {KeptUse::kParams, KeptUse::kGrads}) {
       // Gradients exist for every rank of a unit or for none (made by one collective).
       if (use == KeptUse::kGrads && !(options.with_grads && shard.grad)) continue;
@@ -228,7 +247,7 @@ absl::Status Modules::DecideSummon(Group& g, const Caller& caller, const std::st
       if (options.rank0_only) {
         if (rank == 0) {
           d->needs.push_back(
-              {u, use, KeptKey::Rank(0, u, use), bytes, absl::StrCat(label, " rank=0")});
+              {u, use, KeptKey::Rank(0, kept_unit, use), bytes, absl::StrCat(label, " rank=0")});
         }
       } else if (d->shared) {
         const auto& map = use == KeptUse::kParams ? d->slot->shared_params : d->slot->shared_grads;
@@ -237,11 +256,11 @@ absl::Status Modules::DecideSummon(Group& g, const Caller& caller, const std::st
           d->wait = true;  // another rank is making it
           continue;
         }
-        d->needs.push_back({u, use, KeptKey::NodeShared(u, use), bytes, label});
+        d->needs.push_back({u, use, KeptKey::NodeShared(kept_unit, use), bytes, label});
         d->make.emplace_back(u, use);
       } else {
-        d->needs.push_back(
-            {u, use, KeptKey::Rank(rank, u, use), bytes, absl::StrCat(label, " rank=", rank)});
+        d->needs.push_back({u, use, KeptKey::Rank(rank, kept_unit, use), bytes,
+                            absl::StrCat(label, " rank=", rank)});
       }
     }
   }

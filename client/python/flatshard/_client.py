@@ -189,9 +189,9 @@ class Summoned:
         """Ends the summon (collective: every rank ends it): writes back if asked, reshards.
         Idempotent: a second call re-raises the first call's error, or returns. Tensors
         handed out stay mapped (no crash), but their bytes are the daemon's again: what they
-        read is unspecified, writes are lost, and once a later summon of the same unit
-        reuses the buffer (the daemon keeps unsharded segments across summons) they alias
-        that summon's views. ``.clone()`` what must outlive the summon."""
+        read is unspecified, writes are lost, and once a later summon of the same unit (or
+        of a unit of the same size) reuses the buffer (the daemon keeps unsharded segments
+        across summons) they alias that summon's views. ``.clone()`` what must outlive the summon."""
         try:
             self._s.end()
         finally:
