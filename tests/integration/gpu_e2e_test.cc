@@ -307,6 +307,28 @@ TEST_P(GpuE2ETest, SteadyStateSummonsOpenNoIpcHandles) {
   }
 }
 
+// Writes ValueOf(.., scale) into every parameter on the device: a writeback summon of the
+// whole model, ended (collective: every rank calls it).
+void WriteValuesOnDevice(Client& c, float scale) {
+  absl::StatusOr<std::unique_ptr<SummonedParams>> w = c.Summon("", "", SummonOptions());
+  ASSERT_TRUE(w.ok()) << w.status();
+  FillAll((*w)->params(), scale);
+  ASSERT_TRUE((*w)->End().ok());
+}
+
+// Reads every device view of `s` back and checks it against ValueOf(.., scale).
+void ExpectDeviceValues(const SummonedParams& s, int rank, float scale) {
+  const std::map<const void*, std::string> first = FirstFqns(s.params());
+  for (const ParamView& v : s.params()) {
+    EXPECT_GE(v.device, 0) << v.fqn;
+    const std::vector<float> got = Read(v.data, v.device, v.numel);
+    for (int64_t i = 0; i < v.numel; ++i) {
+      ASSERT_EQ(got[i], ValueOf(first.at(v.data), i, scale))
+          << "rank " << rank << " " << v.fqn << "[" << i << "]";
+    }
+  }
+}
+
 TEST_P(GpuE2ETest, StartedSummonsHandBackDeviceViewsOrderedOnTheTrainersStream) {
   SKIP_WITHOUT_GPU();
   Cluster d(GetParam(), GpuOptions());
@@ -316,10 +338,7 @@ TEST_P(GpuE2ETest, StartedSummonsHandBackDeviceViewsOrderedOnTheTrainersStream) 
     Client& c = *ranks[r].client;
     // New values written on the device, then a started summon of every unit, last first,
     // each waited for in turn and read on the device.
-    absl::StatusOr<std::unique_ptr<SummonedParams>> w = c.Summon("", "", SummonOptions());
-    ASSERT_TRUE(w.ok()) << w.status();
-    FillAll((*w)->params(), scale);
-    ASSERT_TRUE((*w)->End().ok());
+    WriteValuesOnDevice(c, scale);
     SummonOptions o;
     o.writeback = false;
     o.recurse = false;
@@ -333,15 +352,7 @@ TEST_P(GpuE2ETest, StartedSummonsHandBackDeviceViewsOrderedOnTheTrainersStream) 
     for (std::unique_ptr<PendingSummon>& p : started) {
       absl::StatusOr<std::unique_ptr<SummonedParams>> s = p->Wait();
       ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
-      const std::map<const void*, std::string> first = FirstFqns((*s)->params());
-      for (const ParamView& v : (*s)->params()) {
-        EXPECT_GE(v.device, 0) << v.fqn;
-        const std::vector<float> got = Read(v.data, v.device, v.numel);
-        for (int64_t i = 0; i < v.numel; ++i) {
-          ASSERT_EQ(got[i], ValueOf(first.at(v.data), i, scale))
-              << "rank " << r << " " << v.fqn << "[" << i << "]";
-        }
-      }
+      ExpectDeviceValues(**s, r, scale);
       ASSERT_TRUE((*s)->End().ok());
     }
   });
@@ -354,10 +365,7 @@ TEST_P(GpuE2ETest, TransitionsEndDeviceViewsInTheNextSummonsRoundTrip) {
   const float scale = 3.0f;
   ::flatshard::testing::RunRanks(2, [&](int r) {
     Client& c = *ranks[r].client;
-    absl::StatusOr<std::unique_ptr<SummonedParams>> w = c.Summon("", "", SummonOptions());
-    ASSERT_TRUE(w.ok()) << w.status();
-    FillAll((*w)->params(), scale);
-    ASSERT_TRUE((*w)->End().ok());
+    WriteValuesOnDevice(c, scale);
     SummonOptions o;
     o.writeback = false;
     o.recurse = false;
@@ -378,15 +386,7 @@ TEST_P(GpuE2ETest, TransitionsEndDeviceViewsInTheNextSummonsRoundTrip) {
           s = (*p)->Wait();
         }
         ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
-        const std::map<const void*, std::string> first = FirstFqns((*s)->params());
-        for (const ParamView& v : (*s)->params()) {
-          EXPECT_GE(v.device, 0) << v.fqn;
-          const std::vector<float> got = Read(v.data, v.device, v.numel);
-          for (int64_t i = 0; i < v.numel; ++i) {
-            ASSERT_EQ(got[i], ValueOf(first.at(v.data), i, scale))
-                << "rank " << r << " " << v.fqn << "[" << i << "]";
-          }
-        }
+        ExpectDeviceValues(**s, r, scale);
         held = *std::move(s);
       }
     }
