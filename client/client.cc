@@ -16,7 +16,9 @@
 #include "client/cuda_events.h"
 #include "client/lease_stream.h"
 #include "client/ordered_calls.h"
+#include "client/riding_ends.h"
 #include "client/segment_cache.h"
+#include "client/shard_views_builder.h"
 #include "client/started_calls.h"
 #include "common/file_util.h"
 #include "common/grpc_status.h"
@@ -35,21 +37,6 @@ namespace internal {
 namespace {
 
 using Stub = v1::ShardService::Stub;
-
-SegmentRange ToRange(const v1::MemoryHandle& proto) {
-  const flatshard::MemoryHandle h = flatshard::FromProto(proto);
-  SegmentRange r;
-  r.segment = h.segment;
-  r.segment_bytes = h.segment_bytes;
-  r.offset = h.offset;
-  r.bytes = h.bytes;
-  if (h.cuda) {
-    r.cuda = true;
-    r.cuda_ipc_handle = h.cuda_ipc_handle;
-    r.device_uuid = h.device_uuid;
-  }
-  return r;
-}
 
 // The public API keeps its own InitMode, ReduceOp and SummonOptions (client.h may not include
 // the uninstalled common/rpc_types.h); they are the RPC types value for value, and their wire
@@ -246,15 +233,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     v1::SummonRequest request;
     std::shared_ptr<const ModuleLayout> layout;
     bool writeback = false;
-    // The summons whose Ends ride on this one (request.end_first), to end on their own if
-    // the Summon fails before the daemon did.
-    struct Riding {
-      uint64_t session = 0;
-      std::string module;
-      uint64_t id = 0;
-      int device = -1;
-    };
-    std::vector<Riding> end_first;
+    RidingEnds end_first;  // ended by this Summon's RPC (request.end_first)
   };
 
   absl::StatusOr<std::unique_ptr<SummonedParams>> Summon(const std::string& module,
@@ -308,14 +287,27 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
                                                const SummonOptions& options,
                                                SummonedList end_first) {
     PreparedSummon out;
-    absl::Status s = TakeEndFirst(std::move(end_first), &out);
+    absl::Status s = out.end_first.Take(
+        std::move(end_first),
+        [this](const SummonedParams& p) {
+          return p.core_.lock().get() == this && CurrentCaller(p.session_).ok();
+        },
+        PlainEnd());
     if (s.ok()) s = FillSummon(module, path, options, &out);
     if (!s.ok()) {
       // Summons the caller gave up must not stay open, whatever follows.
-      for (const PreparedSummon::Riding& r : out.end_first) EndRidingSummon(r);
+      out.end_first.EndEach(PlainEnd());
       return s;
     }
     return out;
+  }
+
+  // A read-only summon's End on its own (RidingEnds').
+  RidingEnds::EndFn PlainEnd() {
+    return [this](uint64_t session, const std::string& module, uint64_t summon, int device) {
+      std::optional<uint64_t> unused;
+      return EndSummon(session, module, summon, device, /*writeback=*/false, &unused);
+    };
   }
 
   // PrepareSummon's request (out->end_first already taken).
@@ -332,8 +324,12 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     request.set_path(path);
     *request.mutable_options() = internal::ToProto(options);
     // Device shards may have been written on the trainer's stream (an optimizer step) since
-    // the last call: the daemon's all-gather must wait for that.
-    if (const int device = ShardDevice(); device >= 0) {
+    // the last call: the daemon's all-gather must wait for that. The riding Ends use the same
+    // event (the trainer's stream done with their views), recorded for them alone when only
+    // they have device memory.
+    int device = ShardDevice();
+    if (device < 0) device = out.end_first.device();
+    if (device >= 0) {
       absl::StatusOr<IpcEvent> written = events_.RecordWritten(device, options_.cuda_stream);
       if (!written.ok()) {
         return absl::Status(written.status().code(),
@@ -342,64 +338,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       }
       *request.mutable_written() = flatshard::ToProto(*written);
     }
-    if (!out.end_first.empty() && !request.has_written()) {
-      // The Ends' event (the trainer's stream done with the views): the Summon's, recorded
-      // above for device shards, else recorded here for device views.
-      for (const PreparedSummon::Riding& r : out.end_first) {
-        if (r.device < 0) continue;
-        absl::StatusOr<IpcEvent> written = events_.RecordWritten(r.device, options_.cuda_stream);
-        if (!written.ok()) {
-          return absl::Status(written.status().code(),
-                              absl::StrCat("Summon of module \"", module, "\" path \"", path,
-                                           "\": ", written.status().message()));
-        }
-        *request.mutable_written() = flatshard::ToProto(*written);
-        break;
-      }
-    }
-    for (const PreparedSummon::Riding& r : out.end_first) request.add_end_first(r.id);
+    out.end_first.AddTo(&request);
     return absl::OkStatus();
-  }
-
-  // Summon's `end_first`: drops the views of those whose End can ride on the Summon (read-only
-  // summons of this Client's current session) and records them in `out`; ends the others now
-  // (every one, even after an error: the first writeback End's error is returned).
-  absl::Status TakeEndFirst(SummonedList previous, PreparedSummon* out) {
-    absl::Status first;
-    for (std::unique_ptr<SummonedParams>& p : previous) {
-      if (p == nullptr || p->ended_) continue;
-      if (p->writeback_) {  // a collective with its own result
-        first.Update(p->End());
-        continue;
-      }
-      if (p->core_.lock().get() != this || !CurrentCaller(p->session_).ok()) {
-        // Another Client's, or an earlier session's (which its daemon ended): nothing rides.
-        if (const absl::Status s = p->End(); !s.ok()) {
-          FS_VLOG(1) << "end_first summon=" << p->id_ << ": " << s;
-        }
-        continue;
-      }
-      p->ended_ = true;  // its End is the Summon's (or EndRidingSummon's)
-      p->params_ = ParamViews();
-      p->grads_ = ParamViews();
-      if (out->end_first.size() == static_cast<size_t>(kMaxEndFirst)) {
-        EndRidingSummon({p->session_, p->module_, p->id_, p->device_});  // the daemon's bound
-        continue;
-      }
-      out->end_first.push_back({p->session_, p->module_, p->id_, p->device_});
-    }
-    return first;
-  }
-
-  // A failed Summon may not have reached the daemon's End of its end_first: end it on its
-  // own. NOT_FOUND means the daemon did end it (or the session did).
-  void EndRidingSummon(const PreparedSummon::Riding& r) {
-    std::optional<uint64_t> unused;
-    const absl::Status s = EndSummon(r.session, r.module, r.id, r.device, false, &unused);
-    if (!s.ok() && !absl::IsNotFound(s)) {
-      FS_LOG(WARNING) << "summon=" << r.id << " module=\"" << r.module
-                      << "\": ending it after the Summon it rode on failed: " << s;
-    }
   }
 
   absl::StatusOr<std::unique_ptr<SummonedParams>> CallSummon(const PreparedSummon& prepared) {
@@ -408,7 +348,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     if (absl::Status s =
             Call("Summon", &Stub::Summon, prepared.request, &response, options_.call_timeout);
         !s.ok()) {
-      for (const PreparedSummon::Riding& r : prepared.end_first) EndRidingSummon(r);
+      prepared.end_first.EndEach(PlainEnd());
       return s;
     }
     const std::string& module = prepared.request.registered_module();
@@ -803,84 +743,17 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       const ModuleLayout& layout, const v1::Caller& caller,
       const google::protobuf::RepeatedPtrField<v1::UnitShard>& shards,
       const google::protobuf::RepeatedPtrField<v1::StateSpec>& state_specs) {
-    const int32_t rank = caller.rank();
-    const Plan& plan = layout.plan();
-    if (rank < 0 || rank >= plan.world_size || plan.shard_world_size < 1) {
-      return absl::InternalError(absl::StrCat("the plan (world_size=", plan.world_size,
-                                              " shard_world_size=", plan.shard_world_size,
-                                              ") does not fit rank ", rank));
-    }
-    const int64_t shard_rank = plan.ShardRank(rank);
-    ShardViews out;
-    absl::StatusOr<std::vector<flatshard::StateSpec>> specs = flatshard::FromProto(state_specs);
-    if (!specs.ok()) {
-      return absl::InternalError(
-          absl::StrCat("the daemon sent an unusable state spec: ", specs.status().message()));
-    }
-    for (const flatshard::StateSpec& spec : *specs) {
-      out.state_specs_.push_back(
-          StateSpec{spec.name, spec.dtype, static_cast<StateShape>(spec.shape)});
-    }
-    out.units_.reserve(shards.size());
-    for (const v1::UnitShard& s : shards) {
-      const UnitTemplate* unit = layout.FindUnit(s.unit());
-      if (unit == nullptr) {
-        return absl::InternalError(absl::StrCat("the daemon's reply names unit ", s.unit(),
-                                                ", which the plan does not have"));
-      }
-      UnitShardView view;
-      view.unit = unit->index;
-      view.dtype = unit->dtype;
-      view.shard_numel = unit->shard_numel;
-      view.shard_offset = shard_rank * unit->shard_numel;
-      FS_ASSIGN_OR_RETURN(MappedRange shard, cache_.Map(ToRange(s.shard()), /*writable=*/true));
-      FS_RETURN_IF_ERROR(CheckRangeHolds(shard, unit->shard_numel, unit->dtype,
-                                         absl::StrCat("unit ", unit->index, " shard")));
-      view.data = shard.data;
-      view.device = shard.device;
-      out.keepalive_.push_back(std::move(shard.mapping));
-      if (s.has_grad()) {
-        FS_ASSIGN_OR_RETURN(MappedRange grad, cache_.Map(ToRange(s.grad()), /*writable=*/true));
-        FS_RETURN_IF_ERROR(CheckRangeHolds(grad, unit->shard_numel, unit->dtype,
-                                           absl::StrCat("unit ", unit->index, " grad shard")));
-        view.grad = grad.data;
-        out.keepalive_.push_back(std::move(grad.mapping));
-      }
-      if (s.state_size() != 0 && s.state_size() != static_cast<int>(specs->size())) {
-        return absl::InternalError(absl::StrCat("the daemon's reply has ", s.state_size(),
-                                                " state buffers for unit ", unit->index,
-                                                ", its spec ", specs->size()));
-      }
-      for (int i = 0; i < s.state_size(); ++i) {
-        const flatshard::StateSpec& spec = (*specs)[i];
-        const int64_t numel = spec.Numel(unit->shard_numel);
-        FS_ASSIGN_OR_RETURN(MappedRange range, cache_.Map(ToRange(s.state(i)), /*writable=*/true));
-        FS_RETURN_IF_ERROR(
-            CheckRangeHolds(range, numel, spec.dtype,
-                            absl::StrCat("unit ", unit->index, " state \"", spec.name, "\"")));
-        view.states.push_back(StateView{spec.name, spec.dtype, static_cast<StateShape>(spec.shape),
-                                        numel, range.data, range.device});
-        out.keepalive_.push_back(std::move(range.mapping));
-      }
-      out.units_.push_back(std::move(view));
-    }
+    FS_ASSIGN_OR_RETURN(ShardViews out, ShardViewsBuilder::Build(layout, caller.rank(), shards,
+                                                                 state_specs, cache_));
     // From now on the trainer may write device shards (optimizer steps): Summon sends
     // `written` so the daemon reads them only after those writes.
-    for (const UnitShardView& view : out.units_) {
+    for (const UnitShardView& view : out) {
       if (view.device < 0) continue;
       absl::MutexLock lock(&mu_);
       if (state_ == State::kJoined && caller_.session() == caller.session()) {
         shard_device_ = view.device;
       }
       break;
-    }
-    std::sort(out.units_.begin(), out.units_.end(),
-              [](const UnitShardView& a, const UnitShardView& b) { return a.unit < b.unit; });
-    for (size_t i = 1; i < out.units_.size(); ++i) {
-      if (out.units_[i].unit == out.units_[i - 1].unit) {
-        return absl::InternalError(
-            absl::StrCat("the daemon's reply names unit ", out.units_[i].unit, " twice"));
-      }
     }
     return out;
   }

@@ -232,11 +232,14 @@ absl::Status Modules::DecideSummon(Group& g, const Caller& caller, const std::st
     if (!slot) slot = std::make_shared<SummonSlot>();
     d->slot = slot;
   }
-  std::map<int32_t, int> nth_of_size;  // KeptUnit: how many units of each size came before
+  // KeptUnit's n: how many units of each size came before (a summon of one unit, the hot
+  // path, has none and allocates nothing).
+  std::map<int32_t, int> nth_of_size;
   for (int32_t u : d->units) {
     const PlanUnit& unit = reg.plan.units[u];
     const UnitShard& shard = reg.shards_by_rank[rank][u];
-    const int32_t kept_unit = KeptUnit(reg, u, nth_of_size[KeptUnit(reg, u)]++);
+    const int32_t kept_unit =
+        d->units.size() == 1 ? KeptUnit(reg, u) : KeptUnit(reg, u, nth_of_size[KeptUnit(reg, u)]++);
     for (KeptUse use : {KeptUse::kParams, KeptUse::kGrads}) {
       // Gradients exist for every rank of a unit or for none (made by one collective).
       if (use == KeptUse::kGrads && !(options.with_grads && shard.grad)) continue;

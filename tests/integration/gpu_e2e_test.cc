@@ -316,6 +316,14 @@ void WriteValuesOnDevice(Client& c, float scale) {
   ASSERT_TRUE((*w)->End().ok());
 }
 
+// A read-only summon of one unit (not its children), as a trainer's forward makes.
+SummonOptions OneUnitReadOnly() {
+  SummonOptions o;
+  o.writeback = false;
+  o.recurse = false;
+  return o;
+}
+
 // Reads every device view of `s` back and checks it against ValueOf(.., scale).
 void ExpectDeviceValues(const SummonedParams& s, int rank, float scale) {
   const std::map<const void*, std::string> first = FirstFqns(s.params());
@@ -339,9 +347,7 @@ TEST_P(GpuE2ETest, StartedSummonsHandBackDeviceViewsOrderedOnTheTrainersStream) 
     // New values written on the device, then a started summon of every unit, last first,
     // each waited for in turn and read on the device.
     WriteValuesOnDevice(c, scale);
-    SummonOptions o;
-    o.writeback = false;
-    o.recurse = false;
+    const SummonOptions o = OneUnitReadOnly();
     const Plan& plan = *ranks[r].model.plan;
     std::vector<std::unique_ptr<PendingSummon>> started;
     for (size_t k = plan.units.size(); k-- > 0;) {
@@ -366,9 +372,7 @@ TEST_P(GpuE2ETest, TransitionsEndDeviceViewsInTheNextSummonsRoundTrip) {
   ::flatshard::testing::RunRanks(2, [&](int r) {
     Client& c = *ranks[r].client;
     WriteValuesOnDevice(c, scale);
-    SummonOptions o;
-    o.writeback = false;
-    o.recurse = false;
+    const SummonOptions o = OneUnitReadOnly();
     const Plan& plan = *ranks[r].model.plan;
     // Every unit, last first, twice; each summon (synchronous and started alternately) ends
     // the one before in its own RPC, the End ordered after the trainer's reads by the event

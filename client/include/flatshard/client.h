@@ -96,6 +96,8 @@ namespace client {
 namespace internal {
 class ClientCore;
 class ModuleLayout;
+class RidingEnds;
+class ShardViewsBuilder;
 class ViewBuilder;
 struct SummonJob;
 struct FinishJob;
@@ -257,6 +259,7 @@ class SummonedParams {
 
  private:
   friend class internal::ClientCore;
+  friend class internal::RidingEnds;
   SummonedParams(std::weak_ptr<internal::ClientCore> core, uint64_t session, std::string module,
                  uint64_t id);
 
@@ -453,6 +456,7 @@ class ShardViews {
 
  private:
   friend class internal::ClientCore;
+  friend class internal::ShardViewsBuilder;
   std::vector<UnitShardView> units_;
   uint64_t generation_ = 0;
   std::vector<StateSpec> state_specs_;

@@ -297,7 +297,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
         return self.commit()
 
     def _build_units(self, plan: Dict[str, Any]) -> None:
-        by_fqn: Dict[str, nn.Parameter] = _all_named_params(self.module)
+        by_fqn: Dict[str, nn.Parameter] = _wrap.all_named_params(self.module)
         self._units: List[_Unit] = []
         self._unit_of_module: Dict[int, int] = {}
         self._managed: Dict[int, Tuple[int, _Param]] = {}  # id(Parameter) -> (unit, _Param)
@@ -334,7 +334,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
         return (self.module.get_submodule(prefix) if prefix else self.module, attr)
 
     def _fill_init_summon(self, s: Any) -> None:
-        named = _all_named_params(self.module)
+        named = _wrap.all_named_params(self.module)
         try:
             with torch.no_grad():
                 for fqn, view in s.params.items():
@@ -869,24 +869,6 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
         self._generation = int(views.generation)
         self._mark_committed()
         return self._generation
-
-
-def _all_named_params(root: nn.Module) -> Dict[str, nn.Parameter]:
-    """Every FQN of every parameter, tied and shared ones at each of their paths."""
-    out: Dict[str, nn.Parameter] = {}
-
-    def visit(m: nn.Module, prefix: str, stack: Tuple[int, ...]) -> None:
-        if id(m) in stack:
-            return
-        for n, p in m._parameters.items():
-            if p is not None:
-                out[prefix + n] = p
-        for n, c in m._modules.items():
-            if c is not None:
-                visit(c, f"{prefix}{n}.", stack + (id(m),))
-
-    visit(root, "", ())
-    return out
 
 
 def _find_wrapper(module: nn.Module) -> Tuple[FlatShardModule, str]:

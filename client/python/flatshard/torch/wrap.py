@@ -17,7 +17,7 @@ flatshard plans in the daemon, from JSON, so a policy must become JSON:
 Each helper is also callable with FSDP's signature, so it can be used where FSDP expects one.
 """
 import functools
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Type
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple, Type
 
 import torch.nn as nn
 
@@ -160,6 +160,24 @@ def module_paths(root: nn.Module) -> Dict[int, str]:
                 visit(c, f"{path}.{name}" if path else name)
 
     visit(root, "")
+    return out
+
+
+def all_named_params(root: nn.Module) -> Dict[str, nn.Parameter]:
+    """Every FQN of every parameter, tied and shared ones at each of their paths."""
+    out: Dict[str, nn.Parameter] = {}
+
+    def visit(m: nn.Module, prefix: str, stack: Tuple[int, ...]) -> None:
+        if id(m) in stack:
+            return
+        for n, p in m._parameters.items():
+            if p is not None:
+                out[prefix + n] = p
+        for n, c in m._modules.items():
+            if c is not None:
+                visit(c, f"{prefix}{n}.", stack + (id(m),))
+
+    visit(root, "", ())
     return out
 
 
