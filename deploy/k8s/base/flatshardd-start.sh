@@ -13,7 +13,7 @@
 # UCX, CUDA contexts, page cache of the state records), and the rest is --memory_limit_mib.
 set -eu
 limit_mib=${FLATSHARD_CONTAINER_MEMORY_MIB:?set from limits.memory (resourceFieldRef, divisor 1Mi)}
-overhead_mib=${FLATSHARD_DAEMON_OVERHEAD_MIB:?the daemon's own memory in MiB}
+overhead_mib=${FLATSHARD_DAEMON_OVERHEAD_MIB:?MiB of memory the daemon needs besides shards}
 shard_mib=$((limit_mib - overhead_mib))
 if [ "$shard_mib" -le 0 ]; then
   echo "flatshardd-start.sh: limits.memory (${limit_mib} MiB) leaves nothing for shards after" \
