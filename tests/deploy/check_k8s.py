@@ -140,6 +140,8 @@ def check_render(name, docs, flags, version, trainer_uid_free):
         if not check(len(kinds.get(kind, [])) == 1, f"{name}: want one {kind}, got {len(kinds.get(kind, []))}"):
             return
     ns = kinds["Namespace"][0]["metadata"]["name"]
+    psa = kinds["Namespace"][0]["metadata"].get("labels", {}).get("pod-security.kubernetes.io/enforce")
+    check(psa == "privileged", f"{name}: namespace {ns} does not admit host namespaces (Pod Security {psa})")
     for d in docs:
         if d["kind"] != "Namespace":
             check(d["metadata"].get("namespace") == ns, f"{name}: {d['kind']} not in namespace {ns}")
