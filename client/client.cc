@@ -16,6 +16,7 @@
 #include "client/cuda_events.h"
 #include "client/lease_stream.h"
 #include "client/ordered_calls.h"
+#include "client/plan_layout.h"
 #include "client/riding_ends.h"
 #include "client/segment_cache.h"
 #include "client/shard_views_builder.h"
@@ -212,9 +213,15 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
         modules_[module] = *layout;
       }
     }
+    absl::StatusOr<PlanLayout> public_layout = MakePlanLayout((*layout)->plan(), caller.rank());
+    if (!public_layout.ok()) {
+      return absl::InternalError(absl::StrCat(
+          "module \"", module, "\": unusable plan: ", public_layout.status().message()));
+    }
     RegisteredModule out;
     out.module = module;
     out.plan = (*layout)->shared_plan();
+    out.layout = std::make_shared<const PlanLayout>(*std::move(public_layout));
     // The init summon first: if the shard views fail, its destructor still ends it.
     if (response.has_init_summon()) {
       FS_ASSIGN_OR_RETURN(out.init_summon,

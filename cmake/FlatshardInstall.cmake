@@ -5,7 +5,7 @@
 #   lib/sysusers.d/flatshard.conf, <sysconf>/flatshard/flatshardd.env,
 #   share/man/man{1,8}/, share/doc/flatshard/                           component daemon
 #   lib/libflatshard_client.so.<major>[.<minor>.<patch>]                component runtime
-#   include/flatshard/{client,dtype,version}.h, lib/libflatshard_client.{so,a},
+#   include/flatshard/{client,dtype,plan,version}.h, lib/libflatshard_client.{so,a},
 #   lib/cmake/flatshard/, lib/pkgconfig/flatshard.pc                    component dev
 #
 # The unit, the env file and flatshard.pc name install-time paths, so they are written when
@@ -23,6 +23,7 @@ install(TARGETS flatshard_client_shared EXPORT flatshardTargets
 install(TARGETS flatshard_client_static EXPORT flatshardTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT dev)
 install(FILES client/include/flatshard/client.h client/include/flatshard/dtype.h
+              client/include/flatshard/plan.h
               ${PROJECT_BINARY_DIR}/generated/flatshard/version.h
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/flatshard COMPONENT dev)
 install(EXPORT flatshardTargets NAMESPACE flatshard:: DESTINATION ${FS_CMAKE_INSTALL_DIR}

@@ -63,7 +63,7 @@ Name: flatshard
 Description: flatshard client library: a trainer's view of flatshardd's FSDP flat-parameter shards
 Version: ${FS_VERSION}
 Requires: absl_status absl_statusor absl_strings absl_time
-Requires.private: grpc++ protobuf absl_flat_hash_map absl_synchronization absl_str_format
+Requires.private: grpc++ protobuf libcrypto absl_flat_hash_map absl_synchronization absl_str_format
 Libs: -L\${libdir} -lflatshard_client
 Libs.private: ${fs_private_libs}
 Cflags: -I\${includedir}

@@ -1,6 +1,6 @@
 #pragma once
-// SHA-256 (FIPS 180-4), for stable fingerprints of plans. Not for secrets: no constant-time
-// guarantees. Thread-safe: pure function.
+// SHA-256 (FIPS 180-4), for stable fingerprints of plans and checksums; computed by OpenSSL's
+// libcrypto. Thread-safe: pure function.
 
 #include <string>
 #include "absl/strings/string_view.h"

@@ -7,6 +7,7 @@ PACKAGES=(
   build-essential cmake pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libucx-dev nlohmann-json3-dev
+  libssl-dev   # libcrypto: SHA-256 (common/sha256.cc)
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev   # libFuzzer for the JSON reader's fuzz target
   clang-format   # scripts/check_format.sh (.clang-format)

@@ -36,6 +36,7 @@
 #include "server/metrics/daemon_gauges.h"
 #include "server/metrics/daemon_metrics.h"
 #include "server/metrics/http_server.h"
+#include "server/metrics/process_metrics.h"
 #include "server/peer/peer_service_impl.h"
 #include "server/service/admin_service_impl.h"
 #include "server/service/answer_interceptor.h"
@@ -432,11 +433,15 @@ absl::Status Daemon::StartServer(std::shared_ptr<grpc::ServerCredentials> tcp_cr
   if (!config_.metrics_address.empty()) {
     metrics::GetDaemonMetrics();  // every family shows (at 0) from the first scrape
     Daemon* daemon = this;
-    FS_ASSIGN_OR_RETURN(metrics_server_,
-                        metrics::MetricsServer::Start(config_.metrics_address, [daemon] {
-                          UpdateDaemonGauges(*daemon->store_, *daemon->groups_);
-                          return metrics::DefaultRegistry().Render();
-                        }));
+    FS_ASSIGN_OR_RETURN(
+        metrics_server_, metrics::MetricsServer::Start(config_.metrics_address, [daemon] {
+          UpdateDaemonGauges(*daemon->store_, *daemon->groups_);
+          std::string text = metrics::DefaultRegistry().Render();
+          // Without /proc the scrape just lacks the process_* metrics.
+          absl::StatusOr<metrics::ProcessStats> process = metrics::ReadProcessStats();
+          if (process.ok()) text += metrics::RenderProcessMetrics(*process);
+          return text;
+        }));
     FS_LOG(INFO) << "metrics on http://" << metrics_server_->address() << "/metrics";
   }
   return absl::OkStatus();

@@ -436,18 +436,36 @@ class PyClient {
   }
 
   // Checkpoints (not collective; one rank asks its daemon). kind: "save", "load", "import".
-  // Returns a dict: generation, bytes, files, ranks, unused_tensors, path.
-  py::dict Checkpoint(const std::string& kind, const std::string& module, const std::string& path) {
+  // Returns a dict: generation, bytes, files, ranks, unused_tensors, path, and
+  // progress_error: the exception `progress` raised (None if it did not). `progress` (None or
+  // a callable) gets (done_bytes, total_bytes) on this thread each time the daemon reports;
+  // after it raised it is not called again and the operation runs to its end (the daemon does
+  // not cut a checkpoint short), so the caller learns the outcome before the exception.
+  py::dict Checkpoint(const std::string& kind, const std::string& module, const std::string& path,
+                      const py::object& progress) {
     const ClientRef c = Get(kind == "save" ? "save_checkpoint" : "load_checkpoint");
     absl::StatusOr<flatshard::client::Client::CheckpointInfo> info;
+    std::optional<py::error_already_set> raised;  // touched with the GIL held only
+    flatshard::client::Client::CheckpointProgressFn report;
+    if (!progress.is_none()) {
+      report = [&progress, &raised](int64_t done, int64_t total) {
+        py::gil_scoped_acquire gil;
+        if (raised) return;
+        try {
+          progress(done, total);
+        } catch (py::error_already_set& e) {
+          raised.emplace(std::move(e));
+        }
+      };
+    }
     {
       py::gil_scoped_release release;
       if (kind == "save") {
-        info = c->SaveCheckpoint(module, path);
+        info = c->SaveCheckpoint(module, path, report);
       } else if (kind == "load") {
-        info = c->LoadCheckpoint(module, path);
+        info = c->LoadCheckpoint(module, path, report);
       } else {
-        info = c->ImportSafetensors(module, path);
+        info = c->ImportSafetensors(module, path, report);
       }
     }
     const flatshard::client::Client::CheckpointInfo i = Unwrap(std::move(info));
@@ -458,6 +476,7 @@ class PyClient {
     out["ranks"] = i.ranks;
     out["unused_tensors"] = i.unused_tensors;
     out["path"] = i.path;
+    out["progress_error"] = raised ? raised->value() : py::none();
     return out;
   }
 
@@ -574,7 +593,8 @@ PYBIND11_MODULE(_C, m) {
       .def("shard_views", &PyClient::ShardViewsOf)
       .def("commit", &PyClient::Commit)
       .def("register_state", &PyClient::RegisterState)
-      .def("checkpoint", &PyClient::Checkpoint)
+      .def("checkpoint", &PyClient::Checkpoint, py::arg("kind"), py::arg("module"), py::arg("path"),
+           py::arg("progress") = py::none())
       .def("leave", &PyClient::Leave)
       .def("close", &PyClient::Close)
       .def_property_readonly("closed", &PyClient::closed)

@@ -13,7 +13,14 @@
 //   flatshard_gpu_memory_bytes{device,state}       gauge, a GPU pool's reserved/in_use/limit
 //   flatshard_groups                               gauge, groups this daemon knows
 //   flatshard_clients                              gauge, joined ranks with a live session
-// Thread-safe.
+//   flatshard_build_info{version,commit,build_type}  gauge, always 1
+//   flatshard_commits_total{code}                  counter, per rank's answered Commit
+//   flatshard_commit_duration_seconds              histogram, Commit from arrival to answer
+//   flatshard_commit_bytes_total                   counter, bytes copied by successful commits
+//   flatshard_checkpoints_total{kind,code}         counter, per save/load/import (kind)
+//   flatshard_checkpoint_bytes_total{kind}         counter, tensor bytes of successful ones
+//   flatshard_checkpoint_duration_seconds{kind}    histogram, from the request to the result
+// (process_* metrics: process_metrics.h.) Thread-safe.
 
 #include <cstdint>
 
@@ -36,6 +43,13 @@ struct DaemonMetrics {
   GaugeFamily& groups;
   GaugeFamily& clients;
   GaugeFamily& gpu_memory;
+  GaugeFamily& build_info;
+  CounterFamily& commits;
+  HistogramFamily& commit_duration;
+  CounterFamily& commit_bytes;
+  CounterFamily& checkpoints;
+  CounterFamily& checkpoint_bytes;
+  HistogramFamily& checkpoint_duration;
 };
 
 // Registers every family (so a scrape shows them all, at 0, from the start).
@@ -50,5 +64,13 @@ void RecordCollective(absl::string_view kind, absl::StatusCode code, absl::strin
                       uint64_t bytes);
 // A group's collectives were aborted (its first sticky error).
 void RecordAbortedCollectives();
+// One rank's Commit answered with `code`, `duration` after it arrived.
+void RecordCommit(absl::StatusCode code, absl::Duration duration);
+// Bytes one rank's successful commit copied into its committed copies (shards and state).
+void RecordCommitBytes(int64_t bytes);
+// A checkpoint operation (`kind`: "save", "load" or "import") ended with `code` after
+// `duration`; `bytes` count only when `code` is OK.
+void RecordCheckpoint(absl::string_view kind, absl::StatusCode code, absl::Duration duration,
+                      int64_t bytes);
 
 }  // namespace flatshard::metrics

@@ -7,13 +7,16 @@
 #include <memory>
 #include <string>
 #include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/collective/reduce.h"
 #include "server/durable/records.h"
 #include "server/messages.h"
+#include "server/metrics/daemon_metrics.h"
 #include "server/module/generations.h"
 #include "server/module/unit_ops.h"
 
@@ -36,7 +39,13 @@ using internal::MutableOf;
 using internal::SelectUnits;
 
 void Modules::Commit(const Caller& caller, const std::string& module, absl::Time deadline,
-                     CommitCallback done, const gpu::IpcEventRef& written) {
+                     CommitCallback answer, const gpu::IpcEventRef& written) {
+  // Every answer, refusals included, counts in flatshard_commits_total.
+  CommitCallback done = [start = absl::Now(),
+                         answer = std::move(answer)](absl::StatusOr<uint64_t> generation) mutable {
+    metrics::RecordCommit(generation.status().code(), absl::Now() - start);
+    answer(std::move(generation));
+  };
   // The optimizer's writes land before the shards are copied; a failure is this rank's "no".
   devices_.AfterTrainerWrites(
       caller.rank, written,
@@ -140,15 +149,22 @@ void Modules::CommitAgreed(const Caller& caller, const std::string& module, uint
   }
   // The copies run without the lock, on a worker (RunDurableWork). Invariant: `busy`
   // keeps every rollback out until DoneCopying.
+  int64_t bytes = 0;
+  for (const internal::DurablePair& pair : durable) {
+    if (pair.live != nullptr) bytes += pair.live->bytes();
+  }
   RunDurableWork(
       caller,
-      [this, caller, module, generation, durable = std::move(durable)] {
+      [this, caller, module, generation, bytes, durable = std::move(durable)] {
         // Restarts: the intent is durable before the committed copy is overwritten,
         // the new generation before the trainer is answered (server/durable/).
         records_.CommitReady(caller, module, generation + 1, "commit");
         records_.TestingPauseMidCopy(caller.rank, durable);
         absl::Status s = records_.CopyCommitted(caller.rank, durable, /*to_committed=*/true);
-        if (s.ok()) records_.CommitDone(caller, module, generation + 1);
+        if (s.ok()) {
+          records_.CommitDone(caller, module, generation + 1);
+          metrics::RecordCommitBytes(bytes);
+        }
         return s;
       },
       [this, caller, module, generation, done = std::move(done)](absl::Status s) mutable {

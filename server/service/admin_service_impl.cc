@@ -21,6 +21,7 @@
 #include "server/collective/backend_registry.h"
 #include "server/gpu/device_pool.h"
 #include "server/group/group.h"
+#include "server/metrics/daemon_metrics.h"
 
 namespace flatshard::server {
 namespace {
@@ -189,10 +190,15 @@ class CheckpointReactor final : public grpc::ServerWriteReactor<v1::CheckpointPr
  public:
   using Work = std::function<absl::StatusOr<GroupManager::CheckpointResult>(
       GroupManager::CheckpointProgress*)>;
-  CheckpointReactor(Work work, std::string dir) : start_(absl::Now()), dir_(std::move(dir)) {
+  // `kind` ("save", "load", "import") labels the checkpoint metrics.
+  CheckpointReactor(Work work, std::string dir, absl::string_view kind)
+      : start_(absl::Now()), dir_(std::move(dir)) {
     state_ = std::make_shared<Shared>();
-    thread_ = std::thread([state = state_, work = std::move(work)] {
+    thread_ = std::thread([state = state_, work = std::move(work), kind, start = start_] {
       absl::StatusOr<GroupManager::CheckpointResult> r = work(&state->progress);
+      // The bytes the caller's report shows (CheckpointInfo::bytes): the stream's total.
+      metrics::RecordCheckpoint(kind, r.status().code(), absl::Now() - start,
+                                state->progress.total_bytes.load());
       absl::MutexLock lock(&state->mu);
       state->result = std::move(r);
       state->finished = true;
@@ -280,7 +286,10 @@ class CheckpointReactor final : public grpc::ServerWriteReactor<v1::CheckpointPr
 
 class RefusedCheckpoint final : public grpc::ServerWriteReactor<v1::CheckpointProgress> {
  public:
-  explicit RefusedCheckpoint(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
+  RefusedCheckpoint(const absl::Status& status, absl::string_view kind) {
+    metrics::RecordCheckpoint(kind, status.code(), absl::ZeroDuration(), 0);
+    Finish(ToGrpcStatus(status));
+  }
   void OnDone() override { delete this; }
 };
 
@@ -543,16 +552,17 @@ grpc::ServerWriteReactor<v1::CheckpointProgress>* AdminServiceImpl::SaveCheckpoi
   args.dir = request->dir();
   if (request->timeout_ms() > 0) args.wait = absl::Milliseconds(request->timeout_ms());
   if (args.group.empty()) {
-    return new RefusedCheckpoint(absl::InvalidArgumentError("SaveCheckpoint needs a group"));
+    return new RefusedCheckpoint(absl::InvalidArgumentError("SaveCheckpoint needs a group"),
+                                 "save");
   }
   if (absl::Status s = CheckpointCaller(options_.access, ctx, &args); !s.ok()) {
-    return new RefusedCheckpoint(s);
+    return new RefusedCheckpoint(s, "save");
   }
   return new CheckpointReactor(
       [groups = groups_, args](GroupManager::CheckpointProgress* p) {
         return groups->SaveCheckpoint(args, p);
       },
-      args.dir);
+      args.dir, "save");
 }
 
 grpc::ServerWriteReactor<v1::CheckpointProgress>* AdminServiceImpl::LoadCheckpoint(
@@ -564,17 +574,18 @@ grpc::ServerWriteReactor<v1::CheckpointProgress>* AdminServiceImpl::LoadCheckpoi
   args.safetensors = request->safetensors();
   if (request->timeout_ms() > 0) args.wait = absl::Milliseconds(request->timeout_ms());
   if (args.group.empty()) {
-    return new RefusedCheckpoint(absl::InvalidArgumentError("LoadCheckpoint needs a group"));
+    return new RefusedCheckpoint(absl::InvalidArgumentError("LoadCheckpoint needs a group"),
+                                 request->safetensors().empty() ? "load" : "import");
   }
   if (absl::Status s = CheckpointCaller(options_.access, ctx, &args); !s.ok()) {
-    return new RefusedCheckpoint(s);
+    return new RefusedCheckpoint(s, args.safetensors.empty() ? "load" : "import");
   }
   const std::string from = args.dir.empty() ? args.safetensors : args.dir;
   return new CheckpointReactor(
       [groups = groups_, args](GroupManager::CheckpointProgress* p) {
         return groups->LoadCheckpoint(args, p);
       },
-      from);
+      from, args.safetensors.empty() ? "load" : "import");
 }
 
 }  // namespace flatshard::server

@@ -107,6 +107,7 @@ has flatshard 'usr/share/man/man1/flatshardctl.1.gz'
 has "libflatshard-client$SOV" "usr/lib/([a-z0-9_-]+/)?libflatshard_client.so.$SOV"
 has "libflatshard-client$SOV" "usr/lib/([a-z0-9_-]+/)?libflatshard_client.so.$VERSION"
 has libflatshard-dev 'usr/include/flatshard/client.h'
+has libflatshard-dev 'usr/include/flatshard/plan.h'
 has libflatshard-dev 'usr/include/flatshard/version.h'
 has libflatshard-dev 'usr/lib/([a-z0-9_-]+/)?libflatshard_client.so'
 has libflatshard-dev 'usr/lib/([a-z0-9_-]+/)?libflatshard_client.a'

@@ -48,7 +48,8 @@ LIBDIR=${LIBDIR#./}
 
 # The installed tree.
 for f in bin/flatshardd bin/flatshardctl; do [ -x "$P/$f" ] || fail "no executable $f"; done
-for f in include/flatshard/client.h include/flatshard/dtype.h include/flatshard/version.h \
+for f in include/flatshard/client.h include/flatshard/dtype.h include/flatshard/plan.h \
+         include/flatshard/version.h \
          "$LIBDIR/libflatshard_client.a" "$LIBDIR/libflatshard_client.so.$VERSION" \
          "$LIBDIR/cmake/flatshard/flatshardConfig.cmake" "$LIBDIR/cmake/flatshard/flatshardConfigVersion.cmake" \
          "$LIBDIR/cmake/flatshard/flatshardTargets.cmake" "$LIBDIR/pkgconfig/flatshard.pc" \
@@ -64,8 +65,8 @@ done
 soname=$(objdump -p "$P/$LIBDIR/libflatshard_client.so.$VERSION" | awk '$1 == "SONAME" {print $2}')
 [ "$soname" = "libflatshard_client.so.${VERSION%%.*}" ] || fail "SONAME is '$soname'"
 headers=$(cd "$P/include" && find . -type f | sed 's|^\./||' | LC_ALL=C sort | tr '\n' ' ')
-[ "$headers" = "flatshard/client.h flatshard/dtype.h flatshard/version.h " ] \
-  || fail "installed headers are '$headers', want only the public three"
+[ "$headers" = "flatshard/client.h flatshard/dtype.h flatshard/plan.h flatshard/version.h " ] \
+  || fail "installed headers are '$headers', want only the public four"
 bad_include=$(grep -h '^#include "' "$P"/include/flatshard/*.h | grep -v -E '^#include "(flatshard|absl)/' || true)
 [ -z "$bad_include" ] || fail "a public header includes something not installed: $bad_include"
 grep -q "^#define FLATSHARD_VERSION_STRING \"$VERSION\"" "$P/include/flatshard/version.h" \

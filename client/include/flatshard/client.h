@@ -83,12 +83,13 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "flatshard/dtype.h"
+#include "flatshard/plan.h"
 #include "flatshard/version.h"
 
 namespace flatshard {
 
-// The planner's output (common/plan.h). That header needs C++20; C++17 code can hold a plan
-// but reads parameters through the views below.
+// The planner's output (common/plan.h, internal and C++20). Code built against the installed
+// headers reads the same plan through PlanLayout (<flatshard/plan.h>, RegisteredModule::layout).
 struct Plan;
 
 namespace client {
@@ -465,8 +466,13 @@ class ShardViews {
 
 struct RegisteredModule {
   std::string module;  // the path given to Register
-  // The plan every rank agreed on (fingerprints compared by the daemons).
+  // The plan every rank agreed on (fingerprints compared by the daemons), in the internal
+  // type of the source tree (common/plan.h); installed headers do not define it.
   std::shared_ptr<const Plan> plan;
+  // The same plan as public values, seen from this session's rank: units, parameters with
+  // offsets, sizes and every rank's shard range (<flatshard/plan.h>). Never null after a
+  // successful Register.
+  std::shared_ptr<const PlanLayout> layout;
   ShardViews shards;
   // kFromEveryRank, kFromRank0: the registration left an init summon open (writeback on):
   // fill the views (on rank 0 only, for kFromRank0), then End() it on every rank. nullptr

@@ -365,30 +365,54 @@ class Client:
         """Joins rank `rank` of `group`; waits (join_timeout) until every rank joined."""
         self._c.join(group, int(world_size), int(rank), token, coordinator)
 
-    def save_checkpoint(self, module, directory):
+    def save_checkpoint(self, module, directory, progress=None):
         """Asks this client's daemon to write the committed step of `module` (every rank at
         one generation) to `directory` (made absolute here; a path on the daemon's host):
         flatshard.checkpoint/1, one file per rank and metadata.json, written last. Not
         collective: one rank asks; the others may keep training (a commit that lands while the
         files are written waits for them). Returns a dict (generation, bytes, files, ranks,
-        path)."""
-        return dict(self._c.checkpoint("save", module, os.path.abspath(directory)))
+        path).
 
-    def load_checkpoint(self, module, directory):
+        `progress`: None, or a callable ``progress(bytes_done, bytes_total)`` called on this
+        thread each time the daemon reports (when it starts, about every 200 ms and at each
+        phase change while it runs, and last with ``bytes_done == bytes_total``). The daemon
+        does not cut a checkpoint short: if `progress` raises, it is not called again, the
+        operation runs to its end, and then its exception is raised, carrying the finished
+        operation's dict as ``flatshard_checkpoint`` (and a note saying so); a failed
+        operation raises its own error instead."""
+        return self._checkpoint("save", module, directory, progress)
+
+    def load_checkpoint(self, module, directory, progress=None):
         """Loads a checkpoint directory into `module` (any world size or wrap policy: resharded
         by parameter FQN and element range). Everything is checked before any shard changes
         (metadata, checksums, FQNs, shapes, dtypes); then every rank's shards and committed
         copies are written and the module's generation becomes the checkpoint's. Not
         collective: one rank asks, with no summon of the module open; every rank must then
         read its views again (``shard_views``/``register``) before it commits. Returns a dict
-        as ``save_checkpoint``."""
-        return dict(self._c.checkpoint("load", module, os.path.abspath(directory)))
+        as ``save_checkpoint``; `progress` as there (the bytes verified, then the bytes
+        loaded)."""
+        return self._checkpoint("load", module, directory, progress)
 
-    def import_safetensors(self, module, path):
+    def import_safetensors(self, module, path, progress=None):
         """As ``load_checkpoint`` from a safetensors file of the full model (keys: the unwrapped
         module's state_dict FQNs; extra keys such as buffers are skipped and counted in
         ``unused_tensors``); the module's generation goes up by one."""
-        return dict(self._c.checkpoint("import", module, os.path.abspath(path)))
+        return self._checkpoint("import", module, path, progress)
+
+    def _checkpoint(self, kind, module, path, progress):
+        if progress is not None and not callable(progress):
+            raise TypeError(f"{kind} checkpoint: progress must be callable or None, "
+                            f"not {type(progress).__name__}")
+        info = dict(self._c.checkpoint(kind, module, os.path.abspath(path), progress))
+        error = info.pop("progress_error")
+        if error is not None:
+            if hasattr(error, "add_note"):  # Python 3.11+
+                error.add_note(f"flatshard: the progress callback of the checkpoint {kind} of "
+                               f"{path!r} raised; the daemon finished the {kind} anyway "
+                               f"(generation {info['generation']})")
+            error.flatshard_checkpoint = info
+            raise error
+        return info
 
     def leave(self):
         """Leaves the group (shards stay; the rank can join again)."""

@@ -5,9 +5,11 @@
 //   consumer --address unix:SOCK --group G --world_size N --rank R
 //
 // Every rank: checks the header version against the linked library, joins, registers a
-// two-layer model with rank 0's initial values (kFromRank0), summons everything read-only and
-// checks rank 0's values, reduce-scatters gradients (rank r writes r+1 everywhere; SUM) and
-// checks its gradient shards hold N(N+1)/2, then leaves.
+// two-layer model with rank 0's initial values (kFromRank0), checks its layout
+// (<flatshard/plan.h>: units, parameters, offsets, shard ranges) against the manifest and the
+// views, summons everything read-only and checks rank 0's values, reduce-scatters gradients
+// (rank r writes r+1 everywhere; SUM) and checks its gradient shards hold N(N+1)/2, then
+// leaves.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +18,7 @@
 #include <string>
 
 #include "flatshard/client.h"
+#include "flatshard/plan.h"
 #include "flatshard/version.h"
 
 namespace fc = flatshard::client;
@@ -34,6 +37,7 @@ constexpr char kManifest[] = R"({
 })";
 constexpr char kPolicy[] = R"({"format": "flatshard.policy/1", "auto_wrap": {"kind": "always"}})";
 constexpr const char* kParams[] = {"fc1.weight", "fc1.bias", "fc2.weight"};
+constexpr int64_t kNumels[] = {6 * 4, 6, 3 * 6};
 
 float Initial(int param, int64_t i) { return static_cast<float>(param * 1000 + i) * 0.5f; }
 
@@ -45,6 +49,45 @@ int rank_ = -1;
 }
 void Check(const absl::Status& status, const std::string& step) {
   if (!status.ok()) Fail(step, status.ToString());
+}
+void Expect(bool ok, const std::string& what) {
+  if (!ok) Fail("layout", what);
+}
+
+// The registered layout as the manifest and policy ("always": one unit per Linear) say.
+void CheckLayout(const fc::PlanLayout& layout, int world) {
+  Expect(layout.world_size == world && layout.rank == rank_ && layout.shard_rank == rank_ &&
+             layout.shard_world_size == world && layout.sharding_strategy == "FULL_SHARD",
+         "world " + std::to_string(layout.world_size) + ", rank " + std::to_string(layout.rank));
+  Expect(!layout.fingerprint.empty(), "no fingerprint");
+  for (int p = 0; p < 3; ++p) {
+    const fc::PlanLayout::Unit* unit = layout.FindUnitOf(kParams[p]);
+    Expect(unit != nullptr, std::string("no unit holds ") + kParams[p]);
+    Expect(unit->module == (p < 2 ? "fc1" : "fc2") && unit->module_type == "Linear",
+           std::string(kParams[p]) + " is in unit of module " + unit->module);
+    const fc::PlanLayout::Param* param = unit->FindParam(kParams[p]);
+    Expect(param->numel == kNumels[p] && param->dtype == flatshard::DType::kFloat32,
+           std::string(kParams[p]) + " has " + std::to_string(param->numel) + " elements");
+    // use_orig_params=false: back to back in manifest order.
+    Expect(param->offset == (p == 1 ? kNumels[0] : 0),
+           std::string(kParams[p]) + " at offset " + std::to_string(param->offset));
+  }
+  for (const fc::PlanLayout::Unit& unit : layout.units) {
+    int64_t numel = 0;
+    for (const fc::PlanLayout::Param& p : unit.params) numel += p.numel;
+    Expect(numel == unit.numel && unit.padded_numel == unit.shard_numel * world &&
+               unit.padded_numel >= unit.numel,
+           "unit " + std::to_string(unit.index) + " sizes");
+    Expect(static_cast<int>(unit.shard_ranges.size()) == world,
+           "unit " + std::to_string(unit.index) + " shard ranges");
+    int64_t next = 0;
+    for (const fc::PlanLayout::Range& r : unit.shard_ranges) {
+      Expect(r.begin == next && r.size() == unit.shard_numel, "shard ranges are not contiguous");
+      next = r.end;
+    }
+    Expect(next == unit.padded_numel && unit.local_shard == unit.shard_ranges[rank_],
+           "unit " + std::to_string(unit.index) + ": local shard");
+  }
 }
 
 }  // namespace
@@ -84,6 +127,8 @@ int main(int argc, char** argv) {
   absl::StatusOr<fc::RegisteredModule> model =
       client->Register("", kManifest, kPolicy, fc::InitMode::kFromRank0);
   Check(model.status(), "register");
+  if (model->layout == nullptr) Fail("register", "no layout");
+  CheckLayout(*model->layout, world);
   if ((model->init_summon != nullptr && model->init_summon->has_views()) != (rank_ == 0)) {
     Fail("register", "the kFromRank0 init summon should have views on rank 0 only");
   }
@@ -117,6 +162,8 @@ int main(int argc, char** argv) {
     }
     elements += view->numel;
     unit_numel[view->unit] += view->numel;
+    Expect(model->layout->FindUnitOf(kParams[p])->index == view->unit,
+           std::string("the view of ") + kParams[p] + " is in another unit than the layout's");
   }
   Check((*full)->End(), "summon end");
   if (elements != 6 * 4 + 6 + 3 * 6)
@@ -139,6 +186,11 @@ int main(int argc, char** argv) {
   const float want = static_cast<float>(world * (world + 1) / 2);
   int64_t checked = 0;
   for (const fc::UnitShardView& unit : *shards) {
+    const fc::PlanLayout::Unit* planned = model->layout->FindUnit(unit.unit);
+    Expect(planned != nullptr && planned->local_shard.begin == unit.shard_offset &&
+               planned->local_shard.size() == unit.shard_numel &&
+               planned->numel == unit_numel[unit.unit],
+           "unit " + std::to_string(unit.unit) + ": the shard view differs from the layout");
     if (unit.grad == nullptr)
       Fail("grads", "unit " + std::to_string(unit.unit) + " has no gradient shard");
     const float* g = static_cast<const float*>(unit.grad);
@@ -156,8 +208,11 @@ int main(int argc, char** argv) {
   Check(client->Leave(), "leave");
   std::printf(
       "consumer rank %d/%d OK: flatshard %s, %lld elements summoned, %lld gradient "
-      "elements checked\n",
+      "elements checked, layout of %zu units (this rank's shard of unit %d: [%lld, %lld))\n",
       rank_, world, fc::LibraryVersion(), static_cast<long long>(elements),
-      static_cast<long long>(checked));
+      static_cast<long long>(checked), model->layout->units.size(),
+      static_cast<int>(model->layout->units.front().index),
+      static_cast<long long>(model->layout->units.front().local_shard.begin),
+      static_cast<long long>(model->layout->units.front().local_shard.end));
   return 0;
 }

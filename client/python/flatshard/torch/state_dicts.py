@@ -2,7 +2,7 @@
 through a summon, torch's ``state_dict``/``load_state_dict`` contract wherever the wrapper
 sits, this rank's sharded state dict, and daemon checkpoints of the committed step."""
 from collections import OrderedDict
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.nn as nn
@@ -142,14 +142,17 @@ class _StateDicts:
 
     # ------------------------------------------------------------------ checkpoints
     # (README "Checkpoints"). Not collective: the daemon writes or loads every rank's shards.
-    def save_checkpoint(self, directory: str) -> Dict[str, Any]:
+    def save_checkpoint(self, directory: str,
+                        progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
         """Asks the daemon to write this module's committed step (the last ``commit()``, the
         same generation on every rank) to `directory` (flatshard.checkpoint/1). Call it on
         one rank; the others may go on (a commit landing during the write waits for it).
         Returns the daemon's report (generation, bytes, files, ranks, path).
         Raises FailedPreconditionError, writing nothing, while this rank's parameters hold
         optimizer steps not committed yet (``uncommitted_steps``): the checkpoint would
-        silently hold the older committed generation. Commit first."""
+        silently hold the older committed generation. Commit first.
+        `progress`: None, or ``progress(bytes_done, bytes_total)``, called on this thread as
+        the daemon reports (``flatshard.Client.save_checkpoint``)."""
         self._note_writes()
         if self._uncommitted:
             n = self._uncommitted
@@ -159,23 +162,33 @@ class _StateDicts:
                 f"{self._generation} was committed); the checkpoint would hold generation "
                 f"{self._generation}, not what was trained. Call model.commit() on every rank "
                 f"after optimizer.step() (or model.step(optimizer)), then save")
-        return self._client.save_checkpoint(self._name, directory)
+        return self._client.save_checkpoint(self._name, directory, progress)
 
     def load_checkpoint(self, directory: Optional[str] = None, *,
-                        safetensors: Optional[str] = None) -> Dict[str, Any]:
+                        safetensors: Optional[str] = None,
+                        progress: Optional[Callable[[int, int], None]] = None) -> Dict[str, Any]:
         """Loads a checkpoint directory (any world size or wrap policy) or a safetensors
         file of the full model into this module on every rank: a committed step, whose
         generation becomes the checkpoint's (a safetensors import: +1). Call it on one rank,
         outside forward/backward and with no summon open on any rank; it reads this rank's
         views again. Every other rank then calls ``refresh_views()`` once the load returned
         (after a barrier of the trainer's own, e.g. ``torch.distributed.barrier()``): until
-        it does, its commits are refused (its in-place writes predate the load)."""
+        it does, its commits are refused (its in-place writes predate the load).
+        `progress`: None, or ``progress(bytes_done, bytes_total)``, called on this thread as
+        the daemon reports (``flatshard.Client.load_checkpoint``). If it raises, the load still
+        runs to its end and this rank's views are read again before its exception propagates
+        (the module is then at the loaded generation, as after a plain load)."""
         if (directory is None) == (safetensors is None):
             raise ValueError("load_checkpoint: give exactly one of directory and safetensors")
-        if directory is not None:
-            info = self._client.load_checkpoint(self._name, directory)
-        else:
-            info = self._client.import_safetensors(self._name, safetensors)
+        try:
+            if directory is not None:
+                info = self._client.load_checkpoint(self._name, directory, progress)
+            else:
+                info = self._client.import_safetensors(self._name, safetensors, progress)
+        except BaseException as e:  # noqa: B036 - e.g. KeyboardInterrupt from progress
+            if getattr(e, "flatshard_checkpoint", None) is not None:  # progress raised
+                self.refresh_views()
+            raise
         self.refresh_views()
         return info
 
