@@ -19,6 +19,8 @@ import numpy as _np
 import torch
 import torch.utils.dlpack as _dlpack
 
+from .errors import ReadOnlyViewError
+
 __all__ = ["ReadOnlyTensor", "ReadOnlyViewError", "torch_dtype", "dtype_name", "from_capsule"]
 
 _TORCH_DTYPES = {
@@ -48,10 +50,6 @@ def dtype_name(dtype):
         if d == dtype:
             return name
     raise ValueError(f"torch dtype {dtype} has no flatshard dtype")
-
-
-class ReadOnlyViewError(RuntimeError):
-    """A write through a tensor of a read-only (writeback=False) summon."""
 
 
 # In-place methods whose name ends in "_" but that write no element.
