@@ -11,7 +11,9 @@ build directory is used:
     that directory; if it is already configured for another interpreter, an error says so
     (reconfiguring someone's build for another Python would rebuild it behind their back);
   - otherwise ``build/`` of the source tree when it is configured for this interpreter (the
-    normal build: Debian's python3), else ``build/python-cpXY`` (configured here, Release).
+    normal build: Debian's python3), else ``build-python-cpXY/`` beside it (configured here,
+    Release; at build/'s depth, so ccache, whose base_dir makes paths relative, reuses
+    build/'s objects).
 Extra CMake configure arguments: config setting ``cmake-args`` or $FLATSHARD_CMAKE_ARGS
 (split on spaces).
 
@@ -142,13 +144,14 @@ def _choose_build_dir(python: str, settings: dict) -> Path:
         if cached and not _same_python(cached, python):
             raise RuntimeError(
                 f"build directory {build_dir} is configured for Python {cached}, not {python}; "
-                "name another build-dir (or none: build/python-cpXY is made for it)")
+                "name another build-dir (or none: build-python-cpXY is made for it)")
         return build_dir
     default = SOURCE_DIR / "build"
     cached = _cached_python(default)
     if cached and _same_python(cached, python):
         return default
-    return SOURCE_DIR / "build" / f"python-{_tag(python).split('-')[0]}"
+    # A sibling of build/ (same depth): ccache (base_dir) then shares build/'s objects.
+    return SOURCE_DIR / f"build-python-{_tag(python).split('-')[0]}"
 
 
 def _cmake_build(build_dir: Path, python: str, settings: dict) -> None:
