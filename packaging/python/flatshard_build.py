@@ -125,15 +125,21 @@ def _cached_python(build_dir: Path) -> str | None:
     return m.group(1).strip() if m else ""
 
 
-def _same_python(a: str, b: str) -> bool:
-    return os.path.realpath(a) == os.path.realpath(b) or _tag(a) == _tag(b) and \
-        _ext_suffix(a) == _ext_suffix(b) and _prefix(a) == _prefix(b)
+def _base_interpreter(python: str) -> str:
+    """The interpreter `python` runs on, symlinks resolved: a venv's python -> the one it was
+    made from. CMake is configured with it, so a build outlives the venv that asked for it."""
+    base = subprocess.run(
+        [python, "-c", "import sys; print(getattr(sys, '_base_executable', '') or sys.executable)"],
+        check=True, capture_output=True, text=True).stdout.strip()
+    return os.path.realpath(base if os.path.isfile(base) else python)
 
 
-def _prefix(python: str) -> str:
-    """The base installation of `python` (a venv's python -> the interpreter it was made from)."""
-    return subprocess.run([python, "-c", "import sys; print(sys.base_prefix)"], check=True,
-                          capture_output=True, text=True).stdout.strip()
+def _same_python(cached: str, python: str) -> bool:
+    """Whether a build configured for `cached` builds the extension for `python` (False when
+    `cached` is gone, e.g. a deleted venv's)."""
+    if not cached or not os.path.exists(cached):
+        return False
+    return _base_interpreter(cached) == _base_interpreter(python)
 
 
 def _choose_build_dir(python: str, settings: dict) -> Path:
@@ -141,7 +147,7 @@ def _choose_build_dir(python: str, settings: dict) -> Path:
     if given:
         build_dir = Path(given).resolve()
         cached = _cached_python(build_dir)
-        if cached and not _same_python(cached, python):
+        if cached and os.path.exists(cached) and not _same_python(cached, python):
             raise RuntimeError(
                 f"build directory {build_dir} is configured for Python {cached}, not {python}; "
                 "name another build-dir (or none: build-python-cpXY is made for it)")
@@ -158,9 +164,10 @@ def _cmake_build(build_dir: Path, python: str, settings: dict) -> None:
     cmake = shutil.which("cmake")
     if cmake is None:
         raise RuntimeError("building the flatshard wheel needs cmake on PATH (apt install cmake)")
-    if _cached_python(build_dir) is None:
+    cached = _cached_python(build_dir)
+    if cached is None or not _same_python(cached, python):  # new, or its interpreter is gone
         args = [cmake, "-S", str(SOURCE_DIR), "-B", str(build_dir),
-                "-DCMAKE_BUILD_TYPE=Release", f"-DPython_EXECUTABLE={python}",
+                "-DCMAKE_BUILD_TYPE=Release", f"-DPython_EXECUTABLE={_base_interpreter(python)}",
                 "-DFLATSHARD_WITH_PYTHON=ON", "-DFS_BUILD_TESTS=OFF",
                 "-DFS_BUILD_BENCHMARKS=OFF"]
         if shutil.which("ccache"):
