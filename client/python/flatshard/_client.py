@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Sequence, Union
+from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Literal, Sequence, Union
 
 from . import _C
 from ._optional import tensors
@@ -278,7 +278,7 @@ class Summoned:
     def __enter__(self) -> Summoned:
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if exc_type is None:
             self.end()
         else:
@@ -362,12 +362,14 @@ class PendingReduceScatter:
     def finish_async(self) -> _C.FinishingReduceScatter:
         """Starts ``finish()`` and returns a ``FinishingReduceScatter`` at once. Ordered with
         the client's other group calls as ``Client.summon_async``."""
+        if self._client is None:
+            raise InvalidArgumentError("finish_async: this PendingReduceScatter has no client")
         return self._client.finish_async(self._p)
 
     def __enter__(self) -> PendingReduceScatter:
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if exc_type is None:
             self.finish()
         return False
@@ -494,7 +496,7 @@ class Client:
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         self.close()
         return False
 

@@ -66,7 +66,7 @@ def _name(func):
     return getattr(func, "__name__", "") or ""
 
 
-_INPLACE_INDEX = {}  # func -> position of its `inplace` parameter, or None
+_INPLACE_INDEX: dict = {}  # func -> position of its `inplace` parameter, or None
 
 
 def _inplace_index(func):
