@@ -7,8 +7,8 @@ PEP 427's WHEEL, METADATA and RECORD. Nothing is downloaded: `pip wheel . --no-i
 
 The wheel is for the interpreter that runs this backend (pip's), or --python below. Which CMake
 build directory is used:
-  - config setting ``build-dir`` (``pip wheel . -C build-dir=DIR``) or $FLATSHARD_BUILD_DIR:
-    that directory; if it is already configured for another interpreter, an error says so
+  - config setting ``build-dir`` (``pip wheel . --config-settings build-dir=DIR``) or
+    $FLATSHARD_BUILD_DIR: that directory; if it is already configured for another interpreter, an error says so
     (reconfiguring someone's build for another Python would rebuild it behind their back);
   - otherwise ``build/`` of the source tree when it is configured for this interpreter (the
     normal build: Debian's python3), else ``build-python-cpXY/`` beside it (configured here,
@@ -46,7 +46,7 @@ SOURCE_DIR = Path(__file__).resolve().parents[2]
 PACKAGE_DIR = SOURCE_DIR / "client" / "python" / "flatshard"
 
 __all__ = ["build_wheel", "build_sdist", "get_requires_for_build_wheel",
-           "get_requires_for_build_sdist"]
+           "get_requires_for_build_sdist", "prepare_metadata_for_build_wheel"]
 
 
 # --- metadata --------------------------------------------------------------------------------
@@ -219,6 +219,16 @@ def _stripped(path: Path) -> bytes:
         tmp.unlink()
 
 
+def _dist_info_files(version: str, tag: str) -> list[tuple[str, bytes]]:
+    dist_info = f"flatshard-{version}.dist-info"
+    return [
+        (f"{dist_info}/METADATA", _metadata(version).encode()),
+        (f"{dist_info}/WHEEL", (f"Wheel-Version: 1.0\nGenerator: flatshard_build\n"
+                                f"Root-Is-Purelib: false\nTag: {tag}\n").encode()),
+        (f"{dist_info}/top_level.txt", b"flatshard\n"),
+    ]
+
+
 def write_wheel(build_dir: Path, out_dir: Path, python: str) -> str:
     """Writes the wheel of an already built `build_dir` for `python` into `out_dir`; returns
     its file name."""
@@ -230,11 +240,7 @@ def write_wheel(build_dir: Path, out_dir: Path, python: str) -> str:
     for arcname, path in _package_files(build_dir, python):
         data = _stripped(path) if path.suffix == ".so" else path.read_bytes()
         entries.append((arcname, data))
-    entries.append((f"{dist_info}/METADATA", _metadata(version).encode()))
-    entries.append((f"{dist_info}/WHEEL", (
-        "Wheel-Version: 1.0\nGenerator: flatshard_build\nRoot-Is-Purelib: false\n"
-        f"Tag: {tag}\n").encode()))
-    entries.append((f"{dist_info}/top_level.txt", b"flatshard\n"))
+    entries += _dist_info_files(version, tag)
     record = [_record_line(a, d) for a, d in entries] + [f"{dist_info}/RECORD,,"]
     entries.append((f"{dist_info}/RECORD", ("\n".join(record) + "\n").encode()))
 
@@ -259,6 +265,16 @@ def get_requires_for_build_wheel(config_settings=None) -> list[str]:
 
 def get_requires_for_build_sdist(config_settings=None) -> list[str]:
     return []
+
+
+def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None) -> str:
+    """The wheel's .dist-info without building (pip asks first; the build happens once)."""
+    version = _version()
+    for arcname, data in _dist_info_files(version, _tag(sys.executable)):
+        path = Path(metadata_directory) / arcname
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return f"flatshard-{version}.dist-info"
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None) -> str:

@@ -38,6 +38,28 @@ want = subprocess.run([sys.argv[1], "-c", "import sys; print(sys.base_prefix)"],
 assert sys.base_prefix == want, (sys.base_prefix, want)
 assert not any(p.endswith("dist-packages") for p in sys.path), sys.path  # no system site
 PY
+# PEP 427: every file in RECORD with its sha256 and size, the tag this interpreter's.
+"$venv_python" - "$work"/build/dist/flatshard-*.whl <<'PY'
+import base64, csv, hashlib, io, sys, zipfile
+(path,) = sys.argv[1:]
+tag = "cp%d%d" % sys.version_info[:2]
+assert path.endswith(f"-{tag}-{tag}-linux_x86_64.whl"), path
+with zipfile.ZipFile(path) as z:
+    names = set(z.namelist())
+    record = next(n for n in names if n.endswith(".dist-info/RECORD"))
+    rows = list(csv.reader(io.StringIO(z.read(record).decode())))
+    assert {r[0] for r in rows} == names, names ^ {r[0] for r in rows}
+    for name, digest, size in rows:
+        if name == record:
+            continue
+        data = z.read(name)
+        want = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        assert digest == "sha256=" + want and int(size) == len(data), name
+    wheel = z.read(record.replace("RECORD", "WHEEL")).decode()
+    assert f"Tag: {tag}-{tag}-linux_x86_64" in wheel, wheel
+    assert {"flatshard/py.typed", "flatshard/_C.pyi"} <= names, names
+print("wheel RECORD ok:", len(rows), "files")
+PY
 cd "$work"
 env -u PYTHONPATH FLATSHARD_DAEMON="$daemon" PYTHONDONTWRITEBYTECODE=1 \
   "$venv_python" "$here/wheel_check.py"
