@@ -44,8 +44,8 @@ if TYPE_CHECKING:
     from . import testing
     from ._tensors import ReadOnlyTensor
 
-# Without torch: ReadOnlyTensor (a torch.Tensor subclass) and flatshard.torch are the only
-# names that import it, on first use.
+# ReadOnlyTensor (a torch.Tensor subclass) is left out so that `from flatshard import *` works
+# without torch; `flatshard.ReadOnlyTensor` imports torch on first use (__getattr__ below).
 __all__ = [
     "Client", "Registered", "Summoned", "PendingSummon", "PendingReduceScatter",
     "FinishingReduceScatter", "ShardViews",
