@@ -15,6 +15,7 @@ PACKAGES=(
   python3 python3-yaml systemd   # tests/deploy: manifests' checks, systemd-analyze verify
   patchelf   # scripts/package.sh: RPATH $ORIGIN/../lib on the bundled binaries
   python3-dev pybind11-dev python3-numpy python3-torch python3-torchvision python3-pytest  # the flatshard Python package
+  python3-venv mypy   # the wheel installed into a venv (tests/python/wheel), the type hints checked
 )
 
 missing=()

@@ -32,6 +32,7 @@
 #include "client/client_internal.h"
 #include "client/python/binding_util.h"
 #include "client/python/dlpack_export.h"
+#include "client/python/memoryview_export.h"
 #include "client/python/summons.h"
 #include "common/plan.h"
 #include "flatshard/client.h"
@@ -576,6 +577,7 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     }
   });
+  DefineHostBuffer(m);
 
   py::class_<PyClient, std::shared_ptr<PyClient>>(m, "Client")
       .def(py::init<std::string, double, double, int, double, double, std::string, std::string,
@@ -611,6 +613,7 @@ PYBIND11_MODULE(_C, m) {
       .def("describe", &PySummoned::Describe, py::arg("grads") = false)
       .def("dlpack", &PySummoned::Dlpack, py::arg("grads") = false, py::arg("raw") = false)
       .def("numpy", &PySummoned::Numpy, py::arg("grads") = false)
+      .def("memoryviews", &PySummoned::Memoryviews, py::arg("grads") = false)
       .def("flat", &PySummoned::Flat, py::arg("unit"), py::arg("grads") = false)
       .def_property_readonly("ended", &PySummoned::ended)
       .def_property_readonly("generation", &PySummoned::generation)
@@ -664,6 +667,11 @@ PYBIND11_MODULE(_C, m) {
              if (s.grad == nullptr) return py::none();
              return ToNumpy(Region{s.grad, {s.shard_numel}, s.dtype, s.device}, s.keep, true,
                             s.device_as_host);
+           })
+      .def("shard_memoryview",
+           [](const PyUnitShard& s) {
+             return ToMemoryview(Region{s.data, {s.shard_numel}, s.dtype, s.device}, s.keep, true,
+                                 s.device_as_host);
            })
       .def_property_readonly("state_names", &PyUnitShard::StateNames)
       .def("state_dtype_name",

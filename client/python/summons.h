@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/python/binding_util.h"
 #include "client/python/dlpack_export.h"
+#include "client/python/memoryview_export.h"
 #include "common/plan.h"
 #include "flatshard/client.h"
 
@@ -106,6 +107,16 @@ class PySummoned {
     const ViewSet& set = grads ? grads_ : params_;
     for (const PyView& v : set.views)
       out.append(ToNumpy(v.region, set.keep, v.writable, device_as_host_));
+    return out;
+  }
+
+  // A memoryview per view, in Describe's order (no numpy or torch needed).
+  py::list Memoryviews(bool grads) const {
+    py::list out;
+    if (ended_) return out;
+    const ViewSet& set = grads ? grads_ : params_;
+    for (const PyView& v : set.views)
+      out.append(ToMemoryview(v.region, set.keep, v.writable, device_as_host_));
     return out;
   }
 

@@ -1,8 +1,9 @@
 """flatshard: the Python client of flatshardd (PyTorch FSDP's FlatParameter as a service).
 
 A binding of the C++ client library (flatshard._C over client/include/flatshard/client.h);
-parameter bytes stay in the daemon's shared memory and come out as zero-copy torch tensors
-and numpy arrays.
+parameter bytes stay in the daemon's shared memory and come out as zero-copy torch tensors,
+numpy arrays and memoryviews. The core (Client, errors, memoryview and numpy views) runs
+without torch; tensor views import it on first use, flatshard.torch needs it.
 
     import flatshard
     c = flatshard.Client("unix:/run/flatshard/flatshardd.sock")
@@ -26,28 +27,41 @@ and numpy arrays.
 Errors are flatshard.FlatshardError subclasses carrying .code (gRPC code name) and .message.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._C import FinishingReduceScatter
+from ._client import (Client, PendingReduceScatter, PendingSummon, Registered, ShardViews,
+                      Summoned, UnitShard)
 from .errors import (AbortedError, AlreadyExistsError, DeadlineExceededError,
                      FailedPreconditionError, FlatshardError, InternalError,
                      InvalidArgumentError, NotFoundError, PermissionDeniedError,
-                     ResourceExhaustedError, ShardsLostError, UnavailableError)
-from ._tensors import ReadOnlyTensor, ReadOnlyViewError
-from ._client import (Client, PendingReduceScatter, PendingSummon, Registered, ShardViews,
-                      Summoned, UnitShard)
-from ._C import FinishingReduceScatter
+                     ReadOnlyViewError, ResourceExhaustedError, ShardsLostError,
+                     UnavailableError)
 
+if TYPE_CHECKING:
+    from . import testing
+    from ._tensors import ReadOnlyTensor
+
+# ReadOnlyTensor (a torch.Tensor subclass) is left out so that `from flatshard import *` works
+# without torch; `flatshard.ReadOnlyTensor` imports torch on first use (__getattr__ below).
 __all__ = [
     "Client", "Registered", "Summoned", "PendingSummon", "PendingReduceScatter",
     "FinishingReduceScatter", "ShardViews",
     "UnitShard",
-    "ReadOnlyTensor", "ReadOnlyViewError",
+    "ReadOnlyViewError",
     "FlatshardError", "InvalidArgumentError", "NotFoundError", "AlreadyExistsError",
     "PermissionDeniedError", "FailedPreconditionError", "AbortedError", "UnavailableError",
     "DeadlineExceededError", "ResourceExhaustedError", "InternalError", "ShardsLostError",
 ]
 
 
-def __getattr__(name):  # flatshard.testing is imported on first use
+def __getattr__(name: str) -> Any:  # imported on first use: flatshard.testing, ReadOnlyTensor
+    import importlib
     if name == "testing":
-        import importlib
         return importlib.import_module(".testing", __name__)
+    if name == "ReadOnlyTensor":
+        from ._optional import tensors
+        return tensors("flatshard.ReadOnlyTensor").ReadOnlyTensor
     raise AttributeError(f"module 'flatshard' has no attribute {name!r}")

@@ -1,20 +1,39 @@
-"""flatshard.Client and the objects it hands out (see the package docstring)."""
+"""flatshard.Client and the objects it hands out (see the package docstring).
+
+torch is imported on first use of a tensor view (flatshard._optional): without it the Client,
+its summons and shards work, with memoryview (and numpy) views.
+"""
+
+from __future__ import annotations
 
 import contextlib
 import json
 import os
+import sys
 import threading
-
-import torch
+from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Literal, Optional,
+                    Sequence, Union)
 
 from . import _C
-from ._tensors import dtype_name, from_capsule, torch_dtype
-from .errors import InvalidArgumentError, NotFoundError, _from_status
+from ._optional import tensors
+from .errors import FlatshardError, InvalidArgumentError, NotFoundError, _from_status
+
+if TYPE_CHECKING:
+    import numpy
+    import torch
+
+JsonLike = Union[str, dict, list]
+# A checkpoint call's progress callback: progress(bytes_done, bytes_total).
+ProgressCallback = Optional[Callable[[int, int], object]]
 
 __all__ = ["Client", "Registered", "Summoned", "PendingReduceScatter", "ShardViews",
            "UnitShard"]
 
 _NO_AUTO_WRAP = '{"format": "flatshard.policy/1"}'
+
+
+def _from_capsule(feature: str, capsule: Any, dtype: str, writable: bool = True) -> torch.Tensor:
+    return tensors(feature).from_capsule(capsule, dtype, writable)
 
 
 class UnitShard:
@@ -27,74 +46,99 @@ class UnitShard:
 
     __slots__ = ("_s", "_shard", "_grad", "_states", "_lock")
 
-    def __init__(self, s):
+    def __init__(self, s: _C.UnitShard) -> None:
         self._s = s
-        self._shard = None
-        self._grad = None
-        self._states = {}
+        self._shard: torch.Tensor | None = None
+        self._grad: torch.Tensor | None = None
+        self._states: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     @property
-    def state_names(self):
+    def state_names(self) -> list[str]:
         return list(self._s.state_names)
 
-    def state(self, name):
+    def state(self, name: str) -> torch.Tensor:
         """The optimizer state buffer ``name`` of this unit (NotFoundError if none)."""
         with self._lock:
             t = self._states.get(name)
             if t is None:
-                t = from_capsule(self._s.state_dlpack(name), self._s.state_dtype_name(name))
+                t = _from_capsule("UnitShard.state", self._s.state_dlpack(name),
+                                  self._s.state_dtype_name(name))
                 self._states[name] = t
             return t
 
     @property
-    def states(self):
+    def states(self) -> dict[str, torch.Tensor]:
         return {name: self.state(name) for name in self.state_names}
 
-    def numpy_state(self, name):
+    def numpy_state(self, name: str) -> numpy.ndarray:
         """The state buffer ``name`` as a writable numpy array (host memory)."""
         return self._s.state_numpy(name)
 
-    unit = property(lambda self: self._s.unit)
-    shard_numel = property(lambda self: self._s.shard_numel)
-    shard_offset = property(lambda self: self._s.shard_offset)
-    device = property(lambda self: self._s.device)
+    @property
+    def unit(self) -> int:
+        return self._s.unit
 
     @property
-    def dtype(self):
-        return torch_dtype(self._s.dtype_name)
+    def shard_numel(self) -> int:
+        return self._s.shard_numel
 
     @property
-    def shard(self):
+    def shard_offset(self) -> int:
+        return self._s.shard_offset
+
+    @property
+    def device(self) -> int:
+        return self._s.device
+
+    @property
+    def dtype_name(self) -> str:
+        """The flatshard dtype name ("float32", "bfloat16", ...); no torch needed."""
+        return self._s.dtype_name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return tensors("UnitShard.dtype").torch_dtype(self._s.dtype_name)
+
+    @property
+    def shard(self) -> torch.Tensor:
         with self._lock:
             if self._shard is None:
-                self._shard = from_capsule(self._s.shard_dlpack(), self._s.dtype_name)
+                self._shard = _from_capsule("UnitShard.shard", self._s.shard_dlpack(),
+                                            self._s.dtype_name)
             return self._shard
 
     @property
-    def grad(self):
+    def grad(self) -> torch.Tensor | None:
         with self._lock:
             if self._grad is None and self._s.has_grad:
-                self._grad = from_capsule(self._s.grad_dlpack(), self._s.dtype_name)
+                self._grad = _from_capsule("UnitShard.grad", self._s.grad_dlpack(),
+                                           self._s.dtype_name)
             return self._grad
 
     @property
-    def numpy_shard(self):
+    def memoryview_shard(self) -> memoryview:
+        """The shard as a writable 1-D memoryview (host memory; format of the dtype,
+        bfloat16 as "H"); needs neither torch nor numpy."""
+        return self._s.shard_memoryview()
+
+    @property
+    def numpy_shard(self) -> numpy.ndarray:
         """The shard as a writable numpy array (host memory; bfloat16 as uint16)."""
         return self._s.shard_numpy()
 
     @property
-    def numpy_grad(self):
+    def numpy_grad(self) -> numpy.ndarray | None:
         return self._s.grad_numpy()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"UnitShard(unit={self.unit}, dtype={self._s.dtype_name}, "
                 f"shard_numel={self.shard_numel}, shard_offset={self.shard_offset}, "
                 f"device={self.device}, grad={'yes' if self._s.has_grad else 'no'}"
                 f"{', states=' + ','.join(self.state_names) if self.state_names else ''})")
 
 
-def _raw_summoned(s):
+def _raw_summoned(s: Summoned | Iterable[Summoned] | None) -> list[_C.Summoned]:
     """The binding's summons behind `s` (a Summoned, an iterable of them, or None) for
     end_first; their cached tensors are dropped, as end() drops them."""
     if s is None:
@@ -118,26 +162,27 @@ class Summoned:
     (also on an exception), or when garbage-collected. Read-only summons
     (``writeback=False``) hand out tensors and arrays whose writes raise."""
 
-    def __init__(self, s, plan=None):
+    def __init__(self, s: _C.Summoned, plan: dict | None = None) -> None:
         self._s = s
         self._plan = plan
         self._lock = threading.Lock()
-        self._params = None
-        self._grads = None
-        self._numpy = None
+        self._params: dict[str, torch.Tensor] | None = None
+        self._grads: dict[str, torch.Tensor] | None = None
+        self._numpy: dict[str, numpy.ndarray] | None = None
 
     # --- views -----------------------------------------------------------------------------
 
-    def _tensors(self, grads):
+    def _tensors(self, grads: bool) -> dict[str, torch.Tensor]:
+        feature = "Summoned.grads" if grads else "Summoned.params"
         out = {}
         for (fqn, _unit, dtype, _shape, _dev, writable), cap in zip(
                 self._s.describe(grads), self._s.dlpack(grads)):
             if fqn not in out:  # tied FQNs are separate views of the same memory anyway
-                out[fqn] = from_capsule(cap, dtype, writable)
+                out[fqn] = _from_capsule(feature, cap, dtype, writable)
         return out
 
     @property
-    def params(self):
+    def params(self) -> dict[str, torch.Tensor]:
         """FQN -> zero-copy tensor (shape and dtype of the parameter); tied FQNs alias the
         same memory. Empty on ranks without views and after end()."""
         with self._lock:
@@ -148,7 +193,7 @@ class Summoned:
             return self._params
 
     @property
-    def grads(self):
+    def grads(self) -> dict[str, torch.Tensor]:
         """FQN -> gradient tensor (with_grads; only units that have a gradient)."""
         with self._lock:
             if self._s.ended:
@@ -158,7 +203,7 @@ class Summoned:
             return self._grads
 
     @property
-    def numpy_params(self):
+    def numpy_params(self) -> dict[str, numpy.ndarray]:
         """FQN -> numpy array over the same memory (read-only for writeback=False;
         bfloat16 parameters as uint16)."""
         with self._lock:
@@ -168,24 +213,53 @@ class Summoned:
                 self._numpy = {d[0]: a for d, a in zip(self._s.describe(False), self._s.numpy(False))}
             return self._numpy
 
-    def flat(self, unit):
+    @property
+    def memoryview_params(self) -> dict[str, memoryview]:
+        """FQN -> memoryview over the same memory, shaped as the parameter (format of its
+        dtype, bfloat16 as "H"; read-only for writeback=False); needs neither torch nor numpy.
+        Fresh views on every read; empty after end()."""
+        if self._s.ended:
+            return {}
+        out: dict[str, memoryview] = {}
+        for d, m in zip(self._s.describe(False), self._s.memoryviews(False)):
+            out.setdefault(d[0], m)
+        return out
+
+    def flat(self, unit: int) -> torch.Tensor:
         """1-D tensor over unit `unit`'s whole padded flat buffer."""
         cap, dtype, _device, writable = self._s.flat(int(unit), False)
-        return from_capsule(cap, dtype, writable)
+        return _from_capsule("Summoned.flat", cap, dtype, writable)
 
-    def flat_grad(self, unit):
+    def flat_grad(self, unit: int) -> torch.Tensor:
         """1-D tensor over unit `unit`'s whole padded flat gradient (with_grads)."""
         cap, dtype, _device, writable = self._s.flat(int(unit), True)
-        return from_capsule(cap, dtype, writable)
+        return _from_capsule("Summoned.flat_grad", cap, dtype, writable)
 
-    units = property(lambda self: list(self._s.units))
-    note = property(lambda self: self._s.note)
-    has_views = property(lambda self: self._s.has_views)
-    id = property(lambda self: self._s.id)
-    module = property(lambda self: self._s.module)
-    ended = property(lambda self: self._s.ended)
+    @property
+    def units(self) -> list[int]:
+        return list(self._s.units)
 
-    def end(self):
+    @property
+    def note(self) -> str:
+        return self._s.note
+
+    @property
+    def has_views(self) -> bool:
+        return self._s.has_views
+
+    @property
+    def id(self) -> int:
+        return self._s.id
+
+    @property
+    def module(self) -> str:
+        return self._s.module
+
+    @property
+    def ended(self) -> bool:
+        return self._s.ended
+
+    def end(self) -> None:
         """Ends the summon (collective: every rank ends it): writes back if asked, reshards.
         Idempotent: a second call re-raises the first call's error, or returns. Tensors
         handed out stay mapped (no crash), but their bytes are the daemon's again: what they
@@ -199,15 +273,15 @@ class Summoned:
                 self._params = self._grads = self._numpy = None
 
     @property
-    def generation(self):
+    def generation(self) -> int | None:
         """After ``end()`` succeeded: the committed generation this rank's shards hold (a
         writeback end commits: the new one); None before, or after a failed end."""
         return self._s.generation
 
-    def __enter__(self):
+    def __enter__(self) -> Summoned:
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if exc_type is None:
             self.end()
         else:
@@ -218,7 +292,7 @@ class Summoned:
                     exc.add_note(f"while handling it, ending summon {self.id} failed: {e!r}")
         return False
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"Summoned(id={self.id}, module={self.module!r}, units={self.units}, "
                 f"has_views={self.has_views}, ended={self.ended})")
 
@@ -229,16 +303,18 @@ class PendingSummon:
     ``summon`` would); ``ready`` is true once ``wait()`` would not block. Dropped without
     ``wait()``, the summon is ended."""
 
-    def __init__(self, p, plan=None):
+    def __init__(self, p: _C.PendingSummon, plan: dict | None = None) -> None:
         self._p = p
         self._plan = plan
 
-    ready = property(lambda self: self._p.ready)
+    @property
+    def ready(self) -> bool:
+        return self._p.ready
 
-    def wait(self):
+    def wait(self) -> Summoned:
         return Summoned(self._p.wait(), self._plan)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"PendingSummon(ready={self.ready})"
 
 
@@ -248,40 +324,55 @@ class PendingReduceScatter:
     phase two runs while this process goes on, and the returned ``FinishingReduceScatter``'s
     ``wait()`` gives its result (the gradient shard is updated once it returned)."""
 
-    def __init__(self, p, client=None):
+    def __init__(self, p: _C.PendingReduceScatter, client: _C.Client | None = None) -> None:
         self._p = p
         self._client = client
-        cap, dtype, _dev = p.flat()
-        self._flat = from_capsule(cap, dtype)
-        self._grads = None
-
-    flat = property(lambda self: self._flat)
-    unit = property(lambda self: self._p.unit)
-    numel = property(lambda self: self._p.numel)
-    finished = property(lambda self: self._p.finished)
+        self._flat: torch.Tensor | None = None
+        self._grads: dict[str, torch.Tensor] | None = None
 
     @property
-    def grads(self):
+    def flat(self) -> torch.Tensor:
+        if self._flat is None:
+            cap, dtype, _dev = self._p.flat()
+            self._flat = _from_capsule("PendingReduceScatter.flat", cap, dtype)
+        return self._flat
+
+    @property
+    def unit(self) -> int:
+        return self._p.unit
+
+    @property
+    def numel(self) -> int:
+        return self._p.numel
+
+    @property
+    def finished(self) -> bool:
+        return self._p.finished
+
+    @property
+    def grads(self) -> dict[str, torch.Tensor]:
         if self._grads is None:
-            out = {}
+            out: dict[str, torch.Tensor] = {}
             for (fqn, _u, dtype, _s, _d, _w), cap in zip(self._p.describe(), self._p.dlpack()):
-                out.setdefault(fqn, from_capsule(cap, dtype))
+                out.setdefault(fqn, _from_capsule("PendingReduceScatter.grads", cap, dtype))
             self._grads = out
         return self._grads
 
-    def finish(self):
+    def finish(self) -> None:
         """Reduce-scatters what was written (collective). A second call re-raises or returns."""
         self._p.finish()
 
-    def finish_async(self):
+    def finish_async(self) -> _C.FinishingReduceScatter:
         """Starts ``finish()`` and returns a ``FinishingReduceScatter`` at once. Ordered with
         the client's other group calls as ``Client.summon_async``."""
+        if self._client is None:
+            raise InvalidArgumentError("finish_async: this PendingReduceScatter has no client")
         return self._client.finish_async(self._p)
 
-    def __enter__(self):
+    def __enter__(self) -> PendingReduceScatter:
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if exc_type is None:
             self.finish()
         return False
@@ -293,12 +384,13 @@ class ShardViews(list):
     the initial values; see ``Client.commit``), and ``state_specs``: the module's optimizer
     state spec as [(name, dtype name, "shard" | "scalar")], empty when none."""
 
-    def __init__(self, shards, generation, state_specs=()):
+    def __init__(self, shards: Iterable[UnitShard], generation: int,
+                 state_specs: Iterable[Sequence[str]] = ()) -> None:
         super().__init__(shards)
         self.generation = int(generation)
         self.state_specs = [tuple(s) for s in state_specs]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"ShardViews(generation={self.generation}, {list.__repr__(self)})"
 
 
@@ -308,16 +400,17 @@ class Registered:
     generation the shards hold (0: the initial values; a re-attaching trainer resumes from
     this step, see ``Client.commit``)."""
 
-    def __init__(self, r):
+    def __init__(self, r: _C.Registered) -> None:
         self._r = r
-        self.module = r.module
+        self.module: str = r.module
         self.generation = int(r.generation)
-        self.plan = json.loads(r.plan_json)
+        self.plan: dict[str, Any] = json.loads(r.plan_json)
         self.shards = [UnitShard(s) for s in r.shards]
         self.state_specs = [tuple(s) for s in r.state_specs]  # see Client.register_state
-        self.init_summon = None if r.init_summon is None else Summoned(r.init_summon, self.plan)
+        self.init_summon: Summoned | None = (
+            None if r.init_summon is None else Summoned(r.init_summon, self.plan))
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"Registered(module={self.module!r}, units={len(self.plan.get('units', []))}, "
                 f"generation={self.generation})")
 
@@ -337,35 +430,40 @@ class Client:
     the device memory of a ``flatshardd --simulate_gpus`` daemon and present it as CPU
     tensors."""
 
-    def __init__(self, address, call_timeout=30.0, join_timeout=60.0, max_attempts=5, *,
-                 initial_backoff=0.05, max_backoff=1.0, tls_ca_file="", tls_cert_file="",
-                 tls_key_file="", cuda_stream=None, _simulated_gpus=False):
+    def __init__(self, address: str, call_timeout: float = 30.0, join_timeout: float = 60.0,
+                 max_attempts: int = 5, *, initial_backoff: float = 0.05,
+                 max_backoff: float = 1.0, tls_ca_file: str = "", tls_cert_file: str = "",
+                 tls_key_file: str = "", cuda_stream: Any = None,
+                 _simulated_gpus: bool = False) -> None:
         if not isinstance(address, str):
             raise InvalidArgumentError(f"Client: address must be a str, got {type(address).__name__}")
-        self._plans = {}
+        self._plans: dict[str, dict[str, Any]] = {}
         self._cuda_stream = int(getattr(cuda_stream, "cuda_stream", cuda_stream) or 0)
         self._c = _C.Client(address, float(call_timeout), float(join_timeout), int(max_attempts),
                             float(initial_backoff), float(max_backoff), tls_ca_file,
                             tls_cert_file, tls_key_file, self._cuda_stream,
                             bool(_simulated_gpus))
 
-    def _on_cuda_stream(self, tensor):
+    def _on_cuda_stream(self, tensor: torch.Tensor) -> ContextManager[Any]:
         """A context in which torch work on `tensor` runs on this client's cuda_stream (a
         no-op for CPU tensors): copies the package makes into device views are then ordered
         like the trainer's own work, before the event the next call sends to the daemon."""
         if not tensor.is_cuda:
             return contextlib.nullcontext()
+        import torch  # a CUDA tensor: torch is imported already
         if self._cuda_stream == 0:
             return torch.cuda.stream(torch.cuda.default_stream(tensor.device))
         return torch.cuda.stream(torch.cuda.ExternalStream(self._cuda_stream, device=tensor.device))
 
     # --- session -----------------------------------------------------------------------------
 
-    def join(self, group, world_size, rank, token="", coordinator=""):
+    def join(self, group: str, world_size: int, rank: int, token: str = "",
+             coordinator: str = "") -> None:
         """Joins rank `rank` of `group`; waits (join_timeout) until every rank joined."""
         self._c.join(group, int(world_size), int(rank), token, coordinator)
 
-    def save_checkpoint(self, module, directory, progress=None):
+    def save_checkpoint(self, module: str, directory: str | os.PathLike,
+                        progress: ProgressCallback = None) -> dict[str, Any]:
         """Asks this client's daemon to write the committed step of `module` (every rank at
         one generation) to `directory` (made absolute here; a path on the daemon's host):
         flatshard.checkpoint/1, one file per rank and metadata.json, written last. Not
@@ -382,7 +480,8 @@ class Client:
         operation raises its own error instead."""
         return self._checkpoint("save", module, directory, progress)
 
-    def load_checkpoint(self, module, directory, progress=None):
+    def load_checkpoint(self, module: str, directory: str | os.PathLike,
+                        progress: ProgressCallback = None) -> dict[str, Any]:
         """Loads a checkpoint directory into `module` (any world size or wrap policy: resharded
         by parameter FQN and element range). Everything is checked before any shard changes
         (metadata, checksums, FQNs, shapes, dtypes); then every rank's shards and committed
@@ -393,13 +492,15 @@ class Client:
         loaded)."""
         return self._checkpoint("load", module, directory, progress)
 
-    def import_safetensors(self, module, path, progress=None):
+    def import_safetensors(self, module: str, path: str | os.PathLike,
+                           progress: ProgressCallback = None) -> dict[str, Any]:
         """As ``load_checkpoint`` from a safetensors file of the full model (keys: the unwrapped
         module's state_dict FQNs; extra keys such as buffers are skipped and counted in
         ``unused_tensors``); the module's generation goes up by one."""
         return self._checkpoint("import", module, path, progress)
 
-    def _checkpoint(self, kind, module, path, progress):
+    def _checkpoint(self, kind: str, module: str, path: str | os.PathLike,
+                    progress: ProgressCallback) -> dict[str, Any]:
         if progress is not None and not callable(progress):
             raise TypeError(f"{kind} checkpoint: progress must be callable or None, "
                             f"not {type(progress).__name__}")
@@ -414,31 +515,48 @@ class Client:
             raise error
         return info
 
-    def leave(self):
+    def leave(self) -> None:
         """Leaves the group (shards stay; the rank can join again)."""
         self._c.leave()
 
-    def close(self):
+    def close(self) -> None:
         """Destroys the C++ Client: the lease ends (the daemon ends this session's summons
         without writeback). Idempotent. Views handed out stay mapped."""
         self._c.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         self.close()
         return False
 
-    registered_modules = property(lambda self: list(self._c.registered_modules))
-    joined = property(lambda self: self._c.joined)
-    closed = property(lambda self: self._c.closed)
-    segment_map_calls = property(lambda self: self._c.segment_map_calls)
-    ipc_open_calls = property(lambda self: self._c.ipc_open_calls)
-    address = property(lambda self: self._c.address)
+    @property
+    def registered_modules(self) -> list[str]:
+        return list(self._c.registered_modules)
 
     @property
-    def lease_status(self):
+    def joined(self) -> bool:
+        return self._c.joined
+
+    @property
+    def closed(self) -> bool:
+        return self._c.closed
+
+    @property
+    def segment_map_calls(self) -> int:
+        return self._c.segment_map_calls
+
+    @property
+    def ipc_open_calls(self) -> int:
+        return self._c.ipc_open_calls
+
+    @property
+    def address(self) -> str:
+        return self._c.address
+
+    @property
+    def lease_status(self) -> FlatshardError | None:
         """None while the lease is open (or before join); else the exception saying why it
         ended (not raised)."""
         s = self._c.lease_status
@@ -446,7 +564,8 @@ class Client:
 
     # --- modules -----------------------------------------------------------------------------
 
-    def register(self, module, manifest_json, policy_json="", init="zeros"):
+    def register(self, module: str, manifest_json: JsonLike, policy_json: JsonLike = "",
+                 init: str = "zeros") -> Registered:
         """Collective: registers a model at `module` ("" = whole model). `init`: "zeros",
         "from_every_rank" or "from_rank0" (then fill ``init_summon``'s views and end it on
         every rank)."""
@@ -460,8 +579,9 @@ class Client:
         self._plans[module] = reg.plan
         return reg
 
-    def summon(self, module, path="", recurse=True, writeback=True, rank0_only=False,
-               offload_to_cpu=False, with_grads=False, end_first=None):
+    def summon(self, module: str, path: str = "", recurse: bool = True, writeback: bool = True,
+               rank0_only: bool = False, offload_to_cpu: bool = False, with_grads: bool = False,
+               end_first: Summoned | Iterable[Summoned] | None = None) -> Summoned:
         """Collective: unshards the units at `path` of registered `module` (FSDP's
         summon_full_params). Returns a Summoned, also a context manager.
 
@@ -473,8 +593,10 @@ class Client:
                            bool(offload_to_cpu), bool(with_grads), _raw_summoned(end_first))
         return Summoned(s, self._plans.get(module))
 
-    def summon_async(self, module, path="", recurse=True, writeback=True, rank0_only=False,
-                     offload_to_cpu=False, with_grads=False, end_first=None):
+    def summon_async(self, module: str, path: str = "", recurse: bool = True,
+                     writeback: bool = True, rank0_only: bool = False,
+                     offload_to_cpu: bool = False, with_grads: bool = False,
+                     end_first: Summoned | Iterable[Summoned] | None = None) -> PendingSummon:
         """Collective, asynchronous: starts ``summon`` and returns a ``PendingSummon`` at
         once (prefetch: start the next unit's all-gather, compute, then ``wait()``). Calls
         this client makes afterwards that act on the group (summon, end, reduce-scatter,
@@ -487,21 +609,25 @@ class Client:
                                  _raw_summoned(end_first))
         return PendingSummon(p, self._plans.get(module))
 
-    def begin_reduce_scatter(self, module, unit, op="avg", accumulate=False):
+    def begin_reduce_scatter(self, module: str, unit: int, op: str = "avg",
+                             accumulate: bool = False) -> PendingReduceScatter:
         """Phase one of a gradient reduce-scatter of plan unit `unit`."""
         p = self._c.begin_reduce_scatter(module, int(unit), op, bool(accumulate))
         return PendingReduceScatter(p, self._c)
 
-    def reduce_scatter_grads(self, module, unit, flat_grad, op="avg", accumulate=False):
+    def reduce_scatter_grads(self, module: str, unit: int, flat_grad: torch.Tensor,
+                             op: str = "avg", accumulate: bool = False) -> None:
         """Both phases: copies `flat_grad` (1-D, the unit's padded numel, or its unpadded
-        numel with the padding reduced as zeros) into the daemon's buffer, then finishes."""
-        if not isinstance(flat_grad, torch.Tensor):
+        numel with the padding reduced as zeros) into the daemon's buffer, then finishes.
+        Needs torch (``begin_reduce_scatter`` does not)."""
+        t = tensors("Client.reduce_scatter_grads")
+        if not isinstance(flat_grad, t.torch.Tensor):
             raise InvalidArgumentError(
                 f"reduce_scatter_grads: flat_grad must be a torch.Tensor, got "
                 f"{type(flat_grad).__name__}")
         u = self._unit(module, unit)
         numel, padded = u["numel"], u["padded_numel"]
-        want = torch_dtype(u["dtype"])
+        want = t.torch_dtype(u["dtype"])
         if flat_grad.dim() != 1 or flat_grad.numel() not in (numel, padded):
             raise InvalidArgumentError(
                 f"reduce_scatter_grads: module {module!r} unit {unit}: flat_grad must be 1-D "
@@ -520,7 +646,7 @@ class Client:
                 p.flat[n:].zero_()
         p.finish()
 
-    def shard_views(self, module):
+    def shard_views(self, module: str) -> ShardViews:
         """This rank's shards of `module`, sorted by unit (the optimizer's view): a
         ShardViews, a list of UnitShards with ``.generation``, the committed generation they
         hold. Raises UnavailableError while the shards are being rolled back after a failure;
@@ -528,7 +654,7 @@ class Client:
         v = self._c.shard_views(module)
         return ShardViews([UnitShard(s) for s in v.shards], v.generation, v.state_specs)
 
-    def register_state(self, module, specs):
+    def register_state(self, module: str, specs: Iterable[Sequence[Any]]) -> ShardViews:
         """Local (this rank only): optimizer state buffers of registered `module`, kept by the
         daemon next to this rank's shards (same memory, same lifetime: they survive this
         process, and a restarted trainer gets them back by calling this again with the same
@@ -548,13 +674,14 @@ class Client:
                     f"register_state: specs[{i}] must be (name, dtype, 'shard' | 'scalar'), "
                     f"got {spec!r}")
             name, dtype, shape = spec
-            if isinstance(dtype, torch.dtype):
-                dtype = dtype_name(dtype)
+            torch = sys.modules.get("torch")  # not imported: `dtype` is no torch.dtype
+            if torch is not None and isinstance(dtype, torch.dtype):
+                dtype = tensors("register_state").dtype_name(dtype)
             norm.append((str(name), str(dtype), str(shape)))
         v = self._c.register_state(module, norm)
         return ShardViews([UnitShard(s) for s in v.shards], v.generation, v.state_specs)
 
-    def commit(self, module):
+    def commit(self, module: str) -> int:
         """Collective: closes the current training step of `module` (call it on every rank
         after the optimizer updated the shards in place); returns the generation committed.
 
@@ -570,7 +697,7 @@ class Client:
         not joined, NotFoundError for a module this client did not register."""
         return int(self._c.commit(module))
 
-    def _unit(self, module, unit):
+    def _unit(self, module: str, unit: int) -> dict[str, Any]:
         plan = self._plans.get(module)
         if plan is None:
             raise NotFoundError(
@@ -580,5 +707,5 @@ class Client:
                 return u
         raise NotFoundError(f"module {module!r} has no unit {unit}")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"flatshard.Client({self.address!r}, joined={self.joined})"

@@ -19,6 +19,8 @@ import numpy as _np
 import torch
 import torch.utils.dlpack as _dlpack
 
+from .errors import ReadOnlyViewError
+
 __all__ = ["ReadOnlyTensor", "ReadOnlyViewError", "torch_dtype", "dtype_name", "from_capsule"]
 
 _TORCH_DTYPES = {
@@ -50,10 +52,6 @@ def dtype_name(dtype):
     raise ValueError(f"torch dtype {dtype} has no flatshard dtype")
 
 
-class ReadOnlyViewError(RuntimeError):
-    """A write through a tensor of a read-only (writeback=False) summon."""
-
-
 # In-place methods whose name ends in "_" but that write no element.
 _NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_", "_fix_weakref",
                          "detach_", "rename_"})
@@ -68,7 +66,7 @@ def _name(func):
     return getattr(func, "__name__", "") or ""
 
 
-_INPLACE_INDEX = {}  # func -> position of its `inplace` parameter, or None
+_INPLACE_INDEX: dict = {}  # func -> position of its `inplace` parameter, or None
 
 
 def _inplace_index(func):

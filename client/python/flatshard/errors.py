@@ -5,6 +5,8 @@ with ``.code`` the gRPC code name (``"DEADLINE_EXCEEDED"``) and ``.message`` the
 the client library's) message, unchanged.
 """
 
+from __future__ import annotations
+
 __all__ = [
     "FlatshardError",
     "InvalidArgumentError",
@@ -18,15 +20,17 @@ __all__ = [
     "ResourceExhaustedError",
     "InternalError",
     "ShardsLostError",
+    "ReadOnlyViewError",
 ]
 
 
 class FlatshardError(Exception):
     """A failed flatshard call. ``code``: the gRPC code name; ``message``: unchanged."""
 
-    code = "UNKNOWN"
+    code: str = "UNKNOWN"
+    message: str
 
-    def __init__(self, message, code=None):
+    def __init__(self, message: str, code: str | None = None) -> None:
         if code is not None:
             self.code = code
         self.message = message
@@ -84,6 +88,11 @@ class ShardsLostError(FailedPreconditionError):
     module's initial values at generation 0."""
 
 
+class ReadOnlyViewError(RuntimeError):
+    """A write through a tensor of a read-only (writeback=False) summon (not a daemon error:
+    raised before anything is written)."""
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
@@ -101,7 +110,7 @@ _BY_CODE = {
 }
 
 
-def _from_status(code, message):
+def _from_status(code: str, message: str) -> FlatshardError:
     """The exception for a gRPC code name and message (others: FlatshardError with that code)."""
     cls = _BY_CODE.get(code)
     if cls is None:
