@@ -31,7 +31,8 @@ done
 # With CUDA support built in, the entry points are there, only hidden (the check above would
 # pass trivially for a build without CUDA).
 if grep -q 'FS_HAVE_CUDA 1' "$BUILD/generated/common/config.h" 2>/dev/null; then
-  nm "$BUILD/server/flatshardd" | grep -qE ' t cudaMalloc$' \
+  nm "$BUILD/server/flatshardd" > "${TMPDIR:-/tmp}/fs_nm.$$"
+  grep -qE ' t cudaMalloc$' "${TMPDIR:-/tmp}/fs_nm.$$" && rm -f "${TMPDIR:-/tmp}/fs_nm.$$" \
     || fail "flatshardd (built with CUDA) has no local cudaMalloc forwarder"
 fi
 echo PASS
