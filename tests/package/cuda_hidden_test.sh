@@ -3,7 +3,10 @@
 # mounted over every directory that holds libcudart or libnccl (the CUDA toolkit, ldconfig's
 # entries for them), so the dynamic loader finds neither. There:
 #   - flatshardd starts (host memory) and serves `flatshardctl status`, also with simulated GPUs;
-#   - a client integration test (C++) and `import flatshard` + a host-memory summon (Python) pass;
+#   - a client integration test (C++) and `import flatshard` + a host-memory summon (Python) pass,
+#     libflatshard_client.so loads;
+#   - the NCCL backend, without libnccl or with FLATSHARD_NCCL_LIBRARY naming another library,
+#     fails with FAILED_PRECONDITION naming NCCL;
 #   - `flatshardd --gpus 0` fails at start naming the CUDA runtime and every place it looked,
 #     and FLATSHARD_CUDA_LIBRARY shows among them.
 # Needs root (unshare -m, mount); skipped (77) where that is not permitted.
@@ -87,7 +90,23 @@ echo "ok: flatshardd --gpus 0: $(grep -o 'no usable GPU: the CUDA runtime[^;]*' 
 grep -qE 'PASSED  \] [1-9]' "$TMP/e2e.log" || fail "client_e2e_test ran nothing: $(tail -5 "$TMP/e2e.log")"
 echo "ok: client_e2e_test: $(grep -E 'PASSED  \]' "$TMP/e2e.log")"
 
-# 4. Python: import flatshard, a host-memory summon against a real daemon.
+# 4. libnccl missing, or not NCCL: the backend says so (skips where libnccl loads).
+nogpu="$BUILD/tests/server/collective/collective_nccl_backend_nogpu_test"
+if [ -x "$nogpu" ]; then
+  for lib in "" /lib/x86_64-linux-gnu/libz.so.1; do
+    FLATSHARD_NCCL_LIBRARY=$lib "$nogpu" --gtest_filter='*WithoutLibnccl*' > "$TMP/nccl.log" 2>&1 \
+      || fail "NCCL backend without libnccl (FLATSHARD_NCCL_LIBRARY=$lib): $(tail -20 "$TMP/nccl.log")"
+    grep -q 'PASSED  \] 1 test' "$TMP/nccl.log" || fail "the no-libnccl test did not run: $(tail -5 "$TMP/nccl.log")"
+  done
+  echo "ok: without libnccl (missing, or FLATSHARD_NCCL_LIBRARY not NCCL) the NCCL backend fails naming it"
+fi
+
+# 5. The client library loads (dlopen, as a trainer's process would).
+/usr/bin/python3 -c "import ctypes; ctypes.CDLL('$BUILD/client/libflatshard_client.so')" \
+  || fail "libflatshard_client.so does not load without CUDA"
+echo "ok: libflatshard_client.so loads"
+
+# 6. Python: import flatshard, a host-memory summon against a real daemon.
 if [ -d "$BUILD/python/flatshard" ]; then
   (cd "$SRC/tests/python" && PYTHONPATH="$BUILD/python" FLATSHARD_DAEMON="$D" FS_SOURCE_DIR="$SRC" \
      PYTHONDONTWRITEBYTECODE=1 /usr/bin/python3 -m pytest -q -p no:cacheprovider \
