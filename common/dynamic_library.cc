@@ -1,6 +1,7 @@
 #include "common/dynamic_library.h"
 
 #include <dlfcn.h>
+#include <link.h>
 
 #include <cstdlib>
 #include <utility>
@@ -39,6 +40,12 @@ absl::StatusOr<std::unique_ptr<DynamicLibrary>> DynamicLibrary::Open(
   for (Place& place : places) {
     void* handle = dlopen(place.file.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (handle != nullptr) {
+      // The file the loader chose (a soname alone does not say which copy that is).
+      const link_map* map = nullptr;
+      if (dlinfo(handle, RTLD_DI_LINKMAP, &map) == 0 && map != nullptr && map->l_name != nullptr &&
+          map->l_name[0] != '\0') {
+        place.file = map->l_name;
+      }
       return std::unique_ptr<DynamicLibrary>(
           new DynamicLibrary(spec.name, std::move(place.file), handle));
     }

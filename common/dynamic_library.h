@@ -40,7 +40,7 @@ class DynamicLibrary {
   // The address of `symbol`; FAILED_PRECONDITION naming the symbol and the file when missing.
   absl::StatusOr<void*> Symbol(absl::string_view symbol) const;
 
-  // The file that was opened (the override path, the soname, or the fallback path).
+  // The file that was opened, as the loader resolved it ("/usr/local/cuda/lib64/libcudart.so.13").
   const std::string& path() const { return path_; }
 
  private:

@@ -13,6 +13,7 @@ namespace flatshard {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::MatchesRegex;
 
 constexpr char kEnv[] = "FLATSHARD_TEST_DYNAMIC_LIBRARY";
 
@@ -25,7 +26,7 @@ TEST_F(DynamicLibraryTest, FindsTheSonameThroughTheLoaderAndResolvesSymbols) {
   auto lib = DynamicLibrary::Open(
       {.name = "zlib", .soname = "libz.so.1", .env_var = kEnv, .fallback_dirs = {}});
   ASSERT_TRUE(lib.ok()) << lib.status();
-  EXPECT_EQ((*lib)->path(), "libz.so.1");
+  EXPECT_THAT((*lib)->path(), MatchesRegex("/.*/libz\\.so\\.1"));
   auto address = (*lib)->Symbol("zlibVersion");
   ASSERT_TRUE(address.ok()) << address.status();
   const auto zlib_version = reinterpret_cast<const char* (*)()>(*address);
@@ -38,7 +39,7 @@ TEST_F(DynamicLibraryTest, TheEnvironmentVariableIsTriedFirst) {
   auto lib = DynamicLibrary::Open(
       {.name = "zlib", .soname = "libnosuch.so.7", .env_var = kEnv, .fallback_dirs = {}});
   ASSERT_TRUE(lib.ok()) << lib.status();
-  EXPECT_EQ((*lib)->path(), "libz.so.1");
+  EXPECT_THAT((*lib)->path(), MatchesRegex("/.*/libz\\.so\\.1"));
 }
 
 TEST_F(DynamicLibraryTest, AMissingLibraryNamesEveryPlaceTriedWithTheLoadersReason) {
@@ -69,8 +70,8 @@ TEST_F(DynamicLibraryTest, AMissingSymbolNamesItAndTheFile) {
   auto address = (*lib)->Symbol("cudaMalloc");
   ASSERT_FALSE(address.ok());
   EXPECT_EQ(address.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(address.status().message(),
-              HasSubstr("zlib at libz.so.1 lacks the symbol cudaMalloc"));
+  EXPECT_THAT(std::string(address.status().message()),
+              MatchesRegex("zlib at /.*/libz\\.so\\.1 lacks the symbol cudaMalloc .*"));
 }
 
 TEST(CudaToolkitLibraryDirsTest, NamesTheToolkitsLibraryDirectories) {
