@@ -50,10 +50,8 @@ if(FS_WHAT STREQUAL "daemon")
 elseif(FS_WHAT STREQUAL "dev")
   # pkg-config: the shared library by default; `pkg-config --static` adds what the static
   # archive needs (link it with -l:libflatshard_client.a).
+  # No CUDA library: libcudart is opened at run time (dlopen, in libc since glibc 2.34).
   set(fs_private_libs "-pthread")
-  if(FS_WITH_CUDA)
-    string(APPEND fs_private_libs " -L${FS_CUDA_LIBDIR} -lcudart")
-  endif()
   fs_install_text("${fs_prefix}/${FS_LIBDIR}/pkgconfig/flatshard.pc" "\
 prefix=${fs_prefix}
 libdir=\${prefix}/${FS_LIBDIR}

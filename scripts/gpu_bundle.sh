@@ -10,8 +10,11 @@
 # What goes in OUT: build/ with the daemon, the CLI, every GPU test binary and the GPU
 # benchmark at their build-relative paths plus every CTest file (gtest-discovered test lists
 # included), and lib/ with the shared libraries they need (ldd, recursively) and UCX's
-# transport modules, except what must come from the host: glibc, libstdc++/libgcc_s, libcuda
-# and NCCL (run.sh finds NCCL in Python's nvidia-nccl wheel or /usr/local/cuda).
+# transport modules, and the CUDA runtime the build compiled against (opened at run time, found
+# through run.sh's LD_LIBRARY_PATH), except what must come from the host: glibc,
+# libstdc++/libgcc_s, libcuda and NCCL (run.sh finds NCCL in Python's nvidia-nccl wheel or
+# /usr/local/cuda; both are opened at run time, so FLATSHARD_CUDA_LIBRARY and
+# FLATSHARD_NCCL_LIBRARY may also name them).
 #
 # The CTest files name absolute paths of this checkout (tests find flatshardd through the build
 # directory compiled into them), so run.sh links this checkout's path on the GPU host to where
@@ -25,7 +28,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --build-dir) BUILD_DIR=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_bundle: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -66,6 +69,14 @@ for b in "${BINARIES[@]}"; do ldd "$b"; done | awk '/=>/ && $3 ~ /^\// {print $1
   while read -r name path; do
     host_provided "$name" || cp -L "$path" "$OUT/lib/$name"
   done
+# libcudart is opened at run time (dlopen by soname), so ldd does not show it: bundle the one
+# this build compiled against, as before (the GPU host's driver must support it). NCCL stays the
+# host's.
+cudart=$(sed -n 's/^CUDA_CUDART:FILEPATH=//p' "$BUILD_DIR/CMakeCache.txt")
+if [ -e "$cudart" ]; then
+  soname=$(readelf -d "$cudart" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
+  cp -L "$cudart" "$OUT/lib/${soname:-$(basename "$cudart")}"
+fi
 UCX_MODULES=$(dirname "$(ldconfig -p | awk '/libucs.so.0 / {print $NF; exit}')")/ucx
 [ -d "$UCX_MODULES" ] && cp -L "$UCX_MODULES"/libuct_cma.so.0 "$OUT/lib/ucx/" 2>/dev/null || true
 

@@ -11,9 +11,14 @@
 #   libflatshard-dev        headers, libflatshard_client.{so,a}, CMake package, flatshard.pc
 #   python3-flatshard       /usr/lib/python3*/ (only when the build installs a Python package)
 #
-# A file no rule claims fails the build, naming it. Binaries and libraries are stripped, man
-# pages compressed, each package gets copyright and changelog.Debian.gz, Depends comes from
-# dpkg-shlibdeps, timestamps from the last commit (SOURCE_DATE_EPOCH).
+#   <pkg>-dbgsym            the debug symbols of <pkg>'s ELF files, by build-id
+#                           (/usr/lib/debug/.build-id/xx/yyyy.debug; .gnu_debuglink in the file)
+#
+# A file no rule claims fails the build, naming it. Binaries and libraries are stripped (their
+# symbols split off into the -dbgsym packages), man pages compressed, each package gets
+# copyright and changelog.Debian.gz, Depends comes from dpkg-shlibdeps (complete: CUDA and NCCL
+# are loaded at run time, not linked), timestamps from the last commit (SOURCE_DATE_EPOCH).
+# The maintainer scripts are packaging/debian/<pkg>.{postinst,prerm,postrm}.
 #
 #   scripts/make_deb.sh [--build-dir DIR] [--out-dir DIR] [--revision N]
 #
@@ -43,7 +48,7 @@ case "$BUILD_DIR" in /*) ;; *) BUILD_DIR="$PWD/$BUILD_DIR" ;; esac
 case "$OUT_DIR" in /*) ;; *) OUT_DIR="$PWD/$OUT_DIR" ;; esac
 
 die() { echo "make_deb: $*" >&2; exit 1; }
-for tool in dpkg-deb dpkg-shlibdeps dpkg-architecture strip gzip cmake; do
+for tool in dpkg-deb dpkg-shlibdeps dpkg-architecture strip objcopy readelf gzip cmake; do
   command -v "$tool" >/dev/null || die "$tool is missing (apt-get install dpkg-dev binutils cmake)"
 done
 [ -f "$BUILD_DIR/CMakeCache.txt" ] || die "$BUILD_DIR is not a configured build (bash scripts/build.sh)"
@@ -89,6 +94,7 @@ package_of() {
   esac
 }
 PACKAGES=()
+DBGSYM=()
 unclaimed=()
 while IFS= read -r rel; do
   pkg=$(package_of "$rel") || { unclaimed+=("/$rel"); continue; }
@@ -107,14 +113,30 @@ done
 CHANGELOG_DATE=$(date -u -R -d "@$SOURCE_DATE_EPOCH")
 # Debian's usual variables name the maintainer (Maintainer: and the changelog's trailer).
 MAINTAINER="${DEBFULLNAME:-flatshard maintainers} <${DEBEMAIL:-flatshard-maintainers@example.org}>"
+# Debug symbols go to <pkg>-dbgsym as Debian's dh_strip puts them: the part objcopy
+# --only-keep-debug keeps (the symbol table, and DWARF when the build has -g) in
+# /usr/lib/debug/.build-id/<xx>/<rest of the build-id>.debug, and a .gnu_debuglink to it in the
+# stripped file; gdb and debuginfod find them by build-id.
+split_debug() {  # split_debug PKG FILE STRIP_ARGS...: strips FILE, its symbols to PKG-dbgsym
+  local pkg=$1 f=$2; shift 2
+  local id
+  id=$(readelf -n "$f" | awk '/Build ID:/ {print $3; exit}')
+  if [ -z "$id" ]; then strip "$@" "$f"; return; fi
+  local dbg="$WORK/pkg/$pkg-dbgsym/usr/lib/debug/.build-id/${id:0:2}/${id:2}.debug"
+  mkdir -p "$(dirname "$dbg")"
+  objcopy --only-keep-debug --compress-debug-sections "$f" "$dbg"
+  strip "$@" "$f"
+  objcopy --add-gnu-debuglink="$dbg" "$f"
+  echo "$id" >> "$WORK/build-ids.$pkg"
+}
 for pkg in "${PACKAGES[@]}"; do
   P="$WORK/pkg/$pkg"
   while IFS= read -r f; do
     case "$(head -c 4 "$f" | od -An -c | tr -d ' ')" in
       177ELF)
         case "$f" in
-          *.so|*.so.*) strip --remove-section=.comment --remove-section=.note --strip-unneeded "$f" ;;
-          *) strip --remove-section=.comment --remove-section=.note "$f" ;;
+          *.so|*.so.*) split_debug "$pkg" "$f" --remove-section=.comment --remove-section=.note --strip-unneeded ;;
+          *) split_debug "$pkg" "$f" --remove-section=.comment --remove-section=.note ;;
         esac ;;
       '!<ar') strip --strip-debug --remove-section=.comment --enable-deterministic-archives "$f" ;;
     esac
@@ -129,6 +151,13 @@ for pkg in "${PACKAGES[@]}"; do
     "flatshard" "$DEBVERSION" "$COMMIT" "$MAINTAINER" "$CHANGELOG_DATE" | gzip -9n > "$doc/changelog.Debian.gz"
 done
 gzip -9nc "$ROOT/README.md" > "$WORK/pkg/flatshard/usr/share/doc/flatshard/README.md.gz"
+for pkg in "${PACKAGES[@]}"; do
+  [ -d "$WORK/pkg/$pkg-dbgsym" ] || continue
+  doc="$WORK/pkg/$pkg-dbgsym/usr/share/doc"
+  mkdir -p "$doc"
+  ln -s "$pkg" "$doc/$pkg-dbgsym"  # Debian's dbgsym packages share their package's docs
+  DBGSYM+=("$pkg-dbgsym")
+done
 
 # 4. Depends: dpkg-shlibdeps over each package's ELF files, our own library known locally.
 mkdir -p "$WORK/src/debian"
@@ -144,19 +173,12 @@ shlibs_of() {
     elfs+=("$f")
   done < <(find "$WORK/pkg/$pkg" -type f)
   [ ${#elfs[@]} -gt 0 ] || return 0
-  # --ignore-missing-info: libraries no Debian package provides (a CUDA toolkit or NCCL from
-  # NVIDIA's installers in /usr/local/cuda) cannot be depended on; they are the host's, as in
-  # scripts/package.sh, and named on stderr.
+  # Every library we link comes from a Debian package (CUDA and NCCL are opened at run time,
+  # never linked), so Depends is complete: a library without dependency information fails.
   local out
-  out=$(cd "$WORK/src" && dpkg-shlibdeps -O --ignore-missing-info \
+  out=$(cd "$WORK/src" && dpkg-shlibdeps -O \
           -l"$WORK/pkg/libflatshard-client$SOVERSION/$LIBDIR_REL" "${elfs[@]}" 2> "$WORK/shlibdeps.log") \
     || die "dpkg-shlibdeps on $pkg failed: $(cat "$WORK/shlibdeps.log")"
-  local missing="" lib
-  for lib in $(for e in "${elfs[@]}"; do LD_LIBRARY_PATH= ldd "$e" | awk '$2 == "=>" && $3 ~ /^\// {print $3}'; done | sort -u); do
-    case "$lib" in "$WORK"/*) continue ;; esac
-    dpkg -S "$(readlink -f "$lib")" > /dev/null 2>&1 || dpkg -S "$lib" > /dev/null 2>&1 || missing+="$lib "
-  done
-  [ -z "$missing" ] || echo "make_deb: $pkg: no Debian package provides $missing- the host must (not in Depends)" >&2
   sed -n 's/^shlibs:Depends=//p' <<< "$out"
 }
 
@@ -167,13 +189,24 @@ stanza() {  # the control.in stanza of package $1, placeholders filled
     "$ROOT/packaging/debian/control.in" \
     | awk -v want="$1" 'BEGIN{RS=""; ORS="\n"} /^#/{sub(/^(#[^\n]*\n)+/, "")} $0 ~ "^Package: " want "\n" {print}'
 }
-for pkg in "${PACKAGES[@]}"; do
+dbgsym_stanza() {  # the stanza of $1 (<pkg>-dbgsym), as debhelper writes it
+  local of=${1%-dbgsym}
+  printf 'Package: %s\nAuto-Built-Package: debug-symbols\nArchitecture: %s\n' "$1" "$ARCH"
+  printf 'Depends: %s (= %s)\nSection: debug\nPriority: optional\n' "$of" "$DEBVERSION"
+  printf 'Description: debug symbols for %s\n' "$of"
+  printf 'Build-Ids: %s\n' "$(LC_ALL=C sort "$WORK/build-ids.$of" | tr '\n' ' ' | sed 's/ $//')"
+}
+for pkg in "${PACKAGES[@]}" "${DBGSYM[@]}"; do
   P="$WORK/pkg/$pkg"
   mkdir -p "$P/DEBIAN"
-  shlibs=$(shlibs_of "$pkg")
-  st=$(stanza "$pkg")
-  [ -n "$st" ] || die "packaging/debian/control.in has no stanza for $pkg"
-  if [ -n "$shlibs" ]; then st=${st//@SHLIBS@/$shlibs}; else st=$(sed 's/, @SHLIBS@//; /^Depends: @SHLIBS@$/d' <<< "$st"); fi
+  if [ "${pkg%-dbgsym}" != "$pkg" ]; then
+    st=$(dbgsym_stanza "$pkg")
+  else
+    shlibs=$(shlibs_of "$pkg")
+    st=$(stanza "$pkg")
+    [ -n "$st" ] || die "packaging/debian/control.in has no stanza for $pkg"
+    if [ -n "$shlibs" ]; then st=${st//@SHLIBS@/$shlibs}; else st=$(sed 's/, @SHLIBS@//; /^Depends: @SHLIBS@$/d' <<< "$st"); fi
+  fi
   case "$st" in *@*@*) die "control.in: unfilled placeholder in $pkg: $(grep -o '@[A-Z]*@' <<< "$st" | head -1)" ;; esac
   size=$(du -sk --exclude=DEBIAN "$P" | cut -f1)
   {

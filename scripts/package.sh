@@ -17,7 +17,9 @@
 #              --bundle-libstdcxx bundles Debian's instead, for an older host.
 #   GPU stack  libcuda, libcudart, libnccl, libnvidia-*: the driver (libcuda, libnvidia-*) must
 #              match the host's kernel module, and NCCL/cudart come from the host's CUDA
-#              installation; put them on LD_LIBRARY_PATH (e.g. /usr/local/cuda/lib64).
+#              installation. None is linked: flatshard opens libcudart and libnccl at run time
+#              (only for --gpus) through LD_LIBRARY_PATH, ldconfig or /usr/local/cuda/lib64, or
+#              $FLATSHARD_CUDA_LIBRARY / $FLATSHARD_NCCL_LIBRARY; without them, host memory.
 #   RDMA stack libibverbs, libmlx4/5, librdmacm, libefa, libnl-3: tied to the host's NICs and their
 #              provider plugins; without them UCX skips its ib/rdmacm modules (tcp, shared
 #              memory and cma still work).
@@ -164,8 +166,11 @@ deploy/   systemd unit, Kubernetes manifests, Dockerfile (they name /usr/local/b
 
 The host provides: glibc >= 2.36 (Debian 12's), libstdc++/libgcc_s from GCC >= 12$(
   [ $BUNDLE_LIBSTDCXX -eq 1 ] && echo ' (bundled here)'),
-the NVIDIA driver (libcuda, libnvidia-*), CUDA runtime and NCCL (libcudart, libnccl) and, for
-InfiniBand/RoCE, rdma-core (libibverbs, libmlx5, librdmacm, libnl-3). Make the host's CUDA/NCCL visible:
+for --gpus the NVIDIA driver (libcuda, libnvidia-*), CUDA runtime and NCCL (libcudart, libnccl;
+opened at run time, never linked: without them flatshardd serves host memory) and, for
+InfiniBand/RoCE, rdma-core (libibverbs, libmlx5, librdmacm, libnl-3). flatshardd finds CUDA/NCCL
+through ldconfig, /usr/local/cuda/lib64, FLATSHARD_CUDA_LIBRARY / FLATSHARD_NCCL_LIBRARY (file
+paths), or:
   export LD_LIBRARY_PATH=/usr/local/cuda/lib64\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}
 (bundled libraries still win: the binaries' DT_RPATH is searched before LD_LIBRARY_PATH).
 Check: ldd bin/flatshardd   (nothing "not found"; gRPC/abseil/UCX from this lib/)

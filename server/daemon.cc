@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/file_system.h"
+#include "common/gpu/cuda_runtime_library.h"
 #include "common/gpu/cuda_util.h"
 #include "common/limits.h"
 #include "common/logging.h"
@@ -198,6 +199,7 @@ absl::Status SetUpGpus(const DaemonConfig& config, ShardStoreOptions* store_opti
     return absl::FailedPreconditionError(
         absl::StrCat("--gpus=", config.gpus, ": ", gpus.status().message()));
   }
+  FS_LOG(INFO) << "CUDA runtime: " << gpu::CudaRuntimePath();  // loaded at run time
   std::vector<int> ordinals;
   if (config.gpus == "all") {
     for (const gpu::GpuDevice& g : *gpus) ordinals.push_back(g.ordinal);

@@ -8,9 +8,10 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "common/config.h"
+#include "common/gpu/cuda_runtime_library.h"
 
 #if FS_HAVE_CUDA
-#include <cuda_runtime.h>
+#include <cuda_runtime_api.h>
 #endif
 
 namespace flatshard::gpu {
@@ -19,6 +20,10 @@ namespace flatshard::gpu {
 
 absl::Status CudaStatus(int err, absl::string_view what) {
   if (err == cudaSuccess) return absl::OkStatus();
+  // Without libcudart every call fails alike; say why instead of an error code.
+  if (absl::Status loaded = CudaRuntimeAvailable(); !loaded.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(what, ": ", loaded.message()));
+  }
   const auto e = static_cast<cudaError_t>(err);
   const std::string message =
       absl::StrCat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")");
@@ -57,6 +62,9 @@ std::string UuidString(const cudaUUID_t& u) {
 }  // namespace
 
 absl::StatusOr<std::vector<GpuDevice>> ListGpus() {
+  if (absl::Status loaded = CudaRuntimeAvailable(); !loaded.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat("no usable GPU: ", loaded.message()));
+  }
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
@@ -104,7 +112,7 @@ absl::Status CudaStatus(int err, absl::string_view what) {
 
 absl::StatusOr<std::vector<GpuDevice>> ListGpus() {
   return absl::FailedPreconditionError(
-      "no usable GPU: this flatshard was built without CUDA (FLATSHARD_WITH_CUDA)");
+      absl::StrCat("no usable GPU: ", CudaRuntimeAvailable().message()));
 }
 
 ScopedCudaDevice::ScopedCudaDevice(int /*device*/)

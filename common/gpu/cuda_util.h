@@ -4,7 +4,9 @@
 //
 // Builds without CUDA (FS_HAVE_CUDA == 0) compile this too: ListGpus() then fails with
 // FAILED_PRECONDITION "built without CUDA", so callers need no #if of their own to report it.
-// Code that calls the CUDA runtime itself includes <cuda_runtime.h> under #if FS_HAVE_CUDA.
+// Code that calls the CUDA runtime itself includes <cuda_runtime.h> under #if FS_HAVE_CUDA;
+// libcudart is loaded at run time (gpu/cuda_runtime_library.h), and where it is missing
+// ListGpus() and CudaStatus() fail with FAILED_PRECONDITION naming it and where it was looked for.
 //
 // A machine without a GPU or driver is normal (CI, the default host-memory daemon): ListGpus()
 // says why there is none and nothing here aborts.
@@ -30,7 +32,8 @@ inline constexpr size_t kIpcHandleBytes = 64;
 // `err` (a cudaError_t) as a status: OK for cudaSuccess; RESOURCE_EXHAUSTED for out of memory;
 // FAILED_PRECONDITION for a missing driver or device; INVALID_ARGUMENT for invalid values or
 // handles; UNAVAILABLE for a device that fell off the bus or a context that is gone; INTERNAL
-// otherwise. The message is "<what>: <cudaGetErrorName> (<cudaGetErrorString>)".
+// otherwise. The message is "<what>: <cudaGetErrorName> (<cudaGetErrorString>)". Any error
+// while libcudart cannot be loaded is FAILED_PRECONDITION "<what>: <why it is not loaded>".
 absl::Status CudaStatus(int err, absl::string_view what);
 
 // Evaluates a CUDA runtime call and returns CudaStatus(its result, what) from the enclosing

@@ -4,7 +4,10 @@
 #     the -dev package on exactly this version of the runtime library), conffiles, shlibs and
 #     the ldconfig trigger, maintainer scripts that parse and do what they must;
 # (b) their files: each where Debian 12 wants it, each in one package, nothing under /usr/local,
-#     nothing of the build or source tree, the unit pointing at /usr/bin/flatshardd;
+#     nothing of the build or source tree, the unit pointing at /usr/bin/flatshardd; ELF files
+#     stripped with their symbols in the -dbgsym packages by build-id; no lintian error (when
+#     lintian is installed); flatshard's postrm purge removes /run/flatshard and
+#     /var/lib/flatshard (in a mount namespace, when permitted);
 # (c) all of them unpacked into a scratch root (dpkg-deb -x, no maintainer scripts run): the
 #     unpacked flatshardd serves the unpacked flatshardctl, and a trainer built with CMake
 #     against the unpacked libflatshard-dev (relocated: find_package from the scratch root)
@@ -43,7 +46,7 @@ while IFS= read -r deb; do
   [ -f "$deb" ] || fail "make_deb.sh printed '$deb', which is no file"
   DEB[$(dpkg-deb -f "$deb" Package)]=$deb
 done < "$TMP/debs.txt"
-for pkg in flatshard "libflatshard-client$SOV" libflatshard-dev; do
+for pkg in flatshard "libflatshard-client$SOV" libflatshard-dev flatshard-dbgsym "libflatshard-client$SOV-dbgsym"; do
   [ -n "${DEB[$pkg]:-}" ] || fail "no $pkg package (got: ${!DEB[*]})"
   [ "$(basename "${DEB[$pkg]}")" = "${pkg}_${VERSION}-1_${ARCH}.deb" ] || fail "$pkg is named $(basename "${DEB[$pkg]}")"
 done
@@ -61,6 +64,15 @@ for want in adduser libc6 'libgrpc++1' libprotobuf libstdc++6; do
   grep -q "$want" <<< "$dep" || fail "flatshard's Depends lacks $want: $dep"
 done
 grep -q libflatshard-client <<< "$dep" && fail "flatshard depends on the client library: $dep"
+# CUDA and NCCL are loaded at run time: no package depends on them (nor could: none is Debian's).
+for pkg in "${!DEB[@]}"; do
+  grep -qiE 'cuda|nccl' <<< "$(field "$pkg" Depends)" && fail "$pkg depends on CUDA: $(field "$pkg" Depends)"
+done
+for pkg in flatshard "libflatshard-client$SOV"; do
+  [ "$(field "$pkg-dbgsym" Depends)" = "$pkg (= $VERSION-1)" ] || fail "$pkg-dbgsym: Depends $(field "$pkg-dbgsym" Depends)"
+  [ "$(field "$pkg-dbgsym" Section)" = debug ] || fail "$pkg-dbgsym: Section $(field "$pkg-dbgsym" Section)"
+  [ -n "$(field "$pkg-dbgsym" Build-Ids)" ] || fail "$pkg-dbgsym has no Build-Ids"
+done
 dep=$(field "libflatshard-client$SOV" Depends)
 grep -q 'libgrpc++1' <<< "$dep" || fail "libflatshard-client$SOV's Depends lacks gRPC: $dep"
 dep=$(field libflatshard-dev Depends)
@@ -83,7 +95,24 @@ grep -q 'adduser --system --group' "$TMP/ctl/flatshard/postinst" || fail "postin
 grep -q "systemd-tmpfiles --create flatshard.conf" "$TMP/ctl/flatshard/postinst" || fail "postinst runs no tmpfiles"
 grep -q "deb-systemd-helper enable 'flatshard.service'" "$TMP/ctl/flatshard/postinst" || fail "postinst enables no unit"
 grep -q "deb-systemd-invoke stop 'flatshard.service'" "$TMP/ctl/flatshard/prerm" || fail "prerm stops no unit"
+if [ -n "${DEB[python3-flatshard]:-}" ]; then
+  grep -q 'py3clean -p python3-flatshard' "$TMP/ctl/python3-flatshard/prerm" || fail "python3-flatshard's prerm runs no py3clean"
+fi
 (cd "$TMP/ctl" && for pkg in *; do [ -s "$pkg/md5sums" ] || fail "$pkg: no md5sums"; done)
+# flatshard's purge path (postrm purge; the real dpkg --purge is system_install_test.sh): in a
+# private mount namespace with empty /run and /var/lib, it removes the runtime and state
+# directories with their contents.
+if unshare -m true 2>/dev/null; then
+  unshare -m sh -c '
+    mount -t tmpfs none /run && mount -t tmpfs none /var/lib || exit 2
+    mkdir -p /run/flatshard /var/lib/flatshard/state && touch /run/flatshard/flatshardd.sock /var/lib/flatshard/state/x
+    "$1" purge || exit 3
+    [ ! -e /run/flatshard ] && [ ! -e /var/lib/flatshard ] || exit 4' sh "$TMP/ctl/flatshard/postrm" \
+    || fail "flatshard's postrm purge (exit $?) leaves /run/flatshard or /var/lib/flatshard"
+  echo "ok (a): postrm purge removes /run/flatshard and /var/lib/flatshard"
+else
+  echo "note (a): unshare -m not permitted; postrm purge not run"
+fi
 echo "ok (a): control data of ${!DEB[*]}"
 
 # (b) Files.
@@ -114,6 +143,7 @@ has libflatshard-dev 'usr/lib/([a-z0-9_-]+/)?libflatshard_client.a'
 has libflatshard-dev 'usr/lib/([a-z0-9_-]+/)?cmake/flatshard/flatshardConfig.cmake'
 has libflatshard-dev 'usr/lib/([a-z0-9_-]+/)?pkgconfig/flatshard.pc'
 for pkg in "${!DEB[@]}"; do
+  case "$pkg" in *-dbgsym) has "$pkg" "usr/share/doc/$pkg"; continue ;; esac  # a link to $pkg's
   has "$pkg" "usr/share/doc/$pkg/copyright"
   has "$pkg" "usr/share/doc/$pkg/changelog.Debian.gz"
 done
@@ -130,8 +160,36 @@ pc=$(find "$ROOTFS/usr/lib" -name flatshard.pc)
 grep -qxF 'prefix=/usr' "$pc" || fail "flatshard.pc's prefix is not /usr"
 leak=$(grep -rIl -e "$SRC" -e "$BUILD" "$ROOTFS" || true)
 [ -z "$leak" ] || fail "packaged files name the source or build tree: $leak"
-symtab=$(readelf -S "$ROOTFS/usr/bin/flatshardd")
-grep -q '\.symtab' <<< "$symtab" && fail "flatshardd is not stripped"
+# Stripped ELF files whose symbols are in the -dbgsym package, found by build-id.
+nelf=0
+while IFS= read -r f; do
+  [ "$(head -c 4 "$f" | od -An -c | tr -d ' ')" = 177ELF ] || continue
+  case "$f" in "$ROOTFS"/usr/lib/debug/*) continue ;; esac
+  sections=$(readelf -S "$f")
+  grep -q '\.symtab' <<< "$sections" && fail "${f#"$ROOTFS"} is not stripped"
+  id=$(readelf -n "$f" | awk '/Build ID:/ {print $3; exit}')
+  [ -n "$id" ] || fail "${f#"$ROOTFS"} has no build-id"
+  dbg="$ROOTFS/usr/lib/debug/.build-id/${id:0:2}/${id:2}.debug"
+  [ -f "$dbg" ] || fail "no ${dbg#"$ROOTFS"} for ${f#"$ROOTFS"}"
+  [ "$(readelf -n "$dbg" | awk '/Build ID:/ {print $3; exit}')" = "$id" ] || fail "${dbg#"$ROOTFS"}: another build-id"
+  readelf -S "$dbg" | grep -q '\.symtab' || fail "${dbg#"$ROOTFS"} has no symbols"
+  link=$(readelf --string-dump=.gnu_debuglink "$f" 2>/dev/null | awk '/\]/ {print $3; exit}')
+  [ "$link" = "${id:2}.debug" ] || fail "${f#"$ROOTFS"}'s .gnu_debuglink is '$link', want ${id:2}.debug"
+  nelf=$((nelf + 1))
+done < <(find "$ROOTFS/usr/bin" "$ROOTFS/usr/lib" -type f \( -path '*/bin/*' -o -name '*.so*' \))
+[ $nelf -ge 3 ] || fail "only $nelf stripped ELF files checked"
+echo "ok (b): $nelf ELF files stripped, their symbols in -dbgsym by build-id"
+
+# lintian (Debian's package checker): no errors; warnings are listed (README "Packages").
+if command -v lintian > /dev/null; then
+  lintian --no-tag-display-limit "${DEB[@]}" > "$TMP/lintian.txt" 2>&1 || true
+  errors=$(grep '^E: ' "$TMP/lintian.txt" || true)
+  [ -z "$errors" ] || fail "lintian errors: $errors"
+  echo "ok (b): lintian: no errors, $(grep -c '^W: ' "$TMP/lintian.txt" || true) warnings"
+  grep '^W: ' "$TMP/lintian.txt" | sed 's/^/  /' || true
+else
+  echo "note (b): lintian is not installed (apt-get install lintian); not run"
+fi
 echo "ok (b): $(grep -vc '/$' "$TMP/contents") files, each in its place and package"
 
 # (c) The unpacked daemon, CLI and client library. (flatshardd and flatshardctl take their

@@ -11,7 +11,7 @@
 # the library; then flatshardd started the way flatshard.service starts it (user flatshard,
 # only CAP_CHOWN and CAP_FOWNER, via setpriv) serves a trainer of another uid (root) built with
 # CMake against the installed -dev package, and on SIGTERM removes that uid's segments; finally
-# `dpkg --purge` removes the files and the state directory.
+# `dpkg --purge` removes the files, the state and runtime directories, and the Python byte-code.
 #
 #   system_install_test.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
@@ -109,10 +109,22 @@ left=$(find /dev/shm -maxdepth 1 -name "$SEG_PREFIX*" | head -3)
 [ -z "$left" ] || fail "the daemon could not remove root's segments (CAP_FOWNER): $left"
 echo "ok: flatshardd as flatshard with CAP_CHOWN+CAP_FOWNER served a root trainer and cleaned up"
 
+# Byte-code next to the Python package (as an import by root writes it), which the purge must
+# remove with the package.
+py_dirs=()
+mapfile -t dbg_files < <(dpkg -L flatshard-dbgsym | grep '\.debug$')
+[ ${#dbg_files[@]} -gt 0 ] || fail "flatshard-dbgsym installed no .debug file"
+if [ "$(dpkg-query -W -f='${Status}' python3-flatshard 2>/dev/null || true)" = "install ok installed" ]; then
+  mapfile -t py_dirs < <(dpkg -L python3-flatshard | grep '/flatshard/__init__\.py$' | xargs -r -n1 dirname)
+  [ ${#py_dirs[@]} -gt 0 ] || fail "python3-flatshard installs no flatshard/__init__.py"
+  /usr/bin/python3 -m compileall -q "${py_dirs[@]}" > /dev/null || fail "compileall of ${py_dirs[*]}"
+  [ -n "$(find "${py_dirs[@]}" -name __pycache__)" ] || fail "no __pycache__ written under ${py_dirs[*]}"
+fi
 dpkg --purge "${INSTALLED[@]}" > "$TMP/purge.log" 2>&1 || fail "dpkg --purge: $(tail -5 "$TMP/purge.log")"
 INSTALLED=()
 for f in /usr/bin/flatshardd /lib/systemd/system/flatshard.service /etc/flatshard/flatshardd.env \
-         /var/lib/flatshard /usr/include/flatshard/client.h; do
-  [ ! -e "$f" ] || fail "$f is left after the purge"
+         /var/lib/flatshard /run/flatshard /usr/include/flatshard/client.h \
+         "${dbg_files[@]}" "${py_dirs[@]}"; do
+  [ ! -e "$f" ] || fail "$f is left after the purge: $(find "$f" | head -3 | tr '\n' ' ')"
 done
 echo "PASS"

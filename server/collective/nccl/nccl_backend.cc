@@ -22,6 +22,7 @@
 #include "common/status_macros.h"
 #include "server/collective/deadline_timer.h"
 #include "server/collective/local_rendezvous.h"
+#include "server/collective/nccl/nccl_library.h"
 #include "server/collective/op_descriptor.h"
 
 namespace flatshard::collective {
@@ -44,6 +45,7 @@ absl::Status NcclStatus(int result, absl::string_view what, absl::string_view la
 }
 
 absl::StatusOr<std::string> MakeNcclUniqueId() {
+  FS_RETURN_IF_ERROR(NcclAvailable());
   ncclUniqueId id;
   const ncclResult_t r = ncclGetUniqueId(&id);
   if (r != ncclSuccess) return NcclStatus(r, "ncclGetUniqueId", ncclGetLastError(nullptr));
@@ -749,6 +751,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> NcclBackend::Connect(const GroupSp
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CollectiveBackend>> CreateNcclBackend(NcclBackendOptions options) {
+  FS_RETURN_IF_ERROR(NcclAvailable());
   if (options.init_timeout <= absl::ZeroDuration() ||
       options.finalize_timeout < absl::ZeroDuration() ||
       options.poll_interval < absl::ZeroDuration()) {

@@ -69,7 +69,9 @@ struct NcclBackendOptions {
 };
 
 // Creates the backend. Needs no GPU: IsViable() says whether one is usable, and Connect fails
-// with FAILED_PRECONDITION when none is. INVALID_ARGUMENT for non-positive timeouts.
+// with FAILED_PRECONDITION when none is. Needs libnccl (loaded at run time, nccl_library.h):
+// FAILED_PRECONDITION naming it and where it was looked for when it cannot be loaded.
+// INVALID_ARGUMENT for non-positive timeouts.
 // Name() "nccl"; Supports(kCuda) only.
 absl::StatusOr<std::unique_ptr<CollectiveBackend>> CreateNcclBackend(
     NcclBackendOptions options = {});
@@ -77,7 +79,7 @@ absl::StatusOr<std::unique_ptr<CollectiveBackend>> CreateNcclBackend(
 // A fresh ncclUniqueId as NCCL_UNIQUE_ID_BYTES (128) bytes, for GroupSpec::nccl_unique_id: rank
 // 0's daemon makes one per group epoch and the rendezvous hands it to every daemon. Needs no
 // GPU (NCCL only picks a bootstrap network interface). UNAVAILABLE when NCCL finds no usable
-// interface; INTERNAL for other NCCL errors.
+// interface; FAILED_PRECONDITION when libnccl cannot be loaded; INTERNAL for other NCCL errors.
 absl::StatusOr<std::string> MakeNcclUniqueId();
 
 // `result` (an ncclResult_t) as a status: OK for ncclSuccess and ncclInProgress (non-blocking

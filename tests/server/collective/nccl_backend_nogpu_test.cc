@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "server/collective/backend_registry.h"
 #include "server/collective/nccl/nccl_backend.h"
+#include "server/collective/nccl/nccl_library.h"
 
 namespace flatshard::collective {
 namespace {
@@ -174,6 +175,22 @@ TEST(NcclBackendNoGpuTest, UniqueIdsNeedNoGpuAndDiffer) {
   EXPECT_EQ(a->size(), 128u);
   EXPECT_EQ(b->size(), 128u);
   EXPECT_NE(*a, *b);
+}
+
+// libnccl is opened at run time: where it cannot be (package_cuda_hidden runs this with it
+// hidden from the loader, and with FLATSHARD_NCCL_LIBRARY naming a library that is not NCCL),
+// the backend, unique ids and NCCL's error strings say why instead of failing to load.
+TEST(NcclBackendNoGpuTest, WithoutLibncclCreateAndUniqueIdsFailNamingIt) {
+  const absl::Status nccl = NcclAvailable();
+  if (nccl.ok()) GTEST_SKIP() << "libnccl loads here";
+  EXPECT_TRUE(absl::IsFailedPrecondition(nccl)) << nccl;
+  EXPECT_THAT(std::string(nccl.message()), HasSubstr("NCCL"));
+  absl::StatusOr<std::unique_ptr<CollectiveBackend>> b = CreateNcclBackend();
+  EXPECT_EQ(b.status(), nccl);
+  EXPECT_EQ(MakeNcclUniqueId().status(), nccl);
+  ncclUniqueId id;
+  EXPECT_EQ(ncclGetUniqueId(&id), ncclSystemError);
+  EXPECT_EQ(std::string(ncclGetLastError(nullptr)), nccl.message());
 }
 
 TEST(NcclBackendNoGpuTest, NcclStatusMapsResultsToCanonicalCodes) {
