@@ -162,9 +162,9 @@ def main():
               "the runtime stage's packages are not what ldd finds for the installed binaries: "
               f"missing {sorted(needed - set(runtime_pkgs))}, "
               f"not needed {sorted(set(runtime_pkgs) - needed)}")
-    if at_run_time:
-        print(f"NOTE: this build links {sorted(at_run_time)} at link time; the runtime stage "
-              "starts only where they are (runtime-cuda) until flatshard loads them with dlopen")
+    check(not at_run_time,
+          f"the installed binaries link {sorted(at_run_time)}: CUDA and NCCL must be opened at "
+          "run time, or the slim runtime stage cannot start")
     print(f"runtime packages for bin/flatshardd and bin/flatshardctl: {sorted(needed)}")
     return finish("deploy/Dockerfile")
 
