@@ -431,6 +431,23 @@ print("rank", rank, "ok")
         assert f"rank {r} ok" in out
 
 
+def wait_rank_state(daemon, group, rank, state, timeout):
+    """Polls `flatshardctl groups --json` until `rank` of `group` is in `state`."""
+    deadline = time.monotonic() + timeout
+    seen = None
+    while time.monotonic() < deadline:
+        out = subprocess.run([ctl(), "groups", f"--socket={daemon.socket}", "--json"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        for g in json.loads(out.stdout)["groups"]:
+            if g["group"] == group:
+                seen = {r["rank"]: r["state"] for r in g["ranks"]}
+                if seen.get(rank) == state:
+                    return
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} of {group} not {state} after {timeout} s: {seen}")
+
+
 def test_rank_killed_with_a_started_summon_in_flight(daemon, group, tmp_path):
     """Rank 1 starts a summon and is SIGKILLed while it is in flight: rank 0's summon fails
     at once with UNAVAILABLE naming rank 1 (not at its deadline), and rank 0's shard still
@@ -459,6 +476,10 @@ os.kill(os.getpid(), signal.SIGKILL)
     out, _ = victim.communicate(timeout=60)
     assert victim.returncode == -9 and "started" in out, out
     t0 = time.monotonic()
+    # Until the daemon has seen rank 1's lease end, rank 0's summon may still pair with the
+    # victim's (its RPC arrived before the kill) and succeed: wait for the daemon to call rank
+    # 1 lost, then the summon must fail at once.
+    wait_rank_state(daemon, group, 1, "lost", timeout=20)
     with pytest.raises(flatshard.UnavailableError, match="rank 1"):
         c.summon("", "fc1", writeback=False).end()
     assert time.monotonic() - t0 < 20, "the error came at the deadline, not at once"
