@@ -40,6 +40,15 @@ class DynamicLibrary {
   // The address of `symbol`; FAILED_PRECONDITION naming the symbol and the file when missing.
   absl::StatusOr<void*> Symbol(absl::string_view symbol) const;
 
+  // Symbol() cast to the entry point's type, e.g. Resolve("cudaFree", &table.cudaFree).
+  template <typename F>
+  absl::Status Resolve(absl::string_view symbol, F* out) const {
+    absl::StatusOr<void*> address = Symbol(symbol);
+    if (!address.ok()) return address.status();
+    *out = reinterpret_cast<F>(*address);
+    return absl::OkStatus();
+  }
+
   // The file that was opened, as the loader resolved it ("/usr/local/cuda/lib64/libcudart.so.13").
   const std::string& path() const { return path_; }
 

@@ -60,9 +60,10 @@ fi
 
 # The common/ sources the JSON readers and the planner need (no protobuf, no gRPC).
 COMMON_SRCS=$(sed -n 's|^common/\(.*\.cc\)$|\1|p' tests/fuzz/common_sources.txt | tr '\n' ' ')
-ABSL_PKGS="absl_status absl_statusor absl_strings absl_str_format absl_flat_hash_map absl_span absl_time"
+# libcrypto: common/sha256.cc hashes with OpenSSL.
+ABSL_PKGS="absl_status absl_statusor absl_strings absl_str_format absl_flat_hash_map absl_span absl_time libcrypto"
 if ! ABSL_CFLAGS=$(pkg-config --cflags $ABSL_PKGS) || ! ABSL_LIBS=$(pkg-config --libs $ABSL_PKGS); then
-  echo "fuzz: pkg-config cannot find abseil ($ABSL_PKGS)" >&2
+  echo "fuzz: pkg-config cannot find abseil or libcrypto ($ABSL_PKGS)" >&2
   exit 1
 fi
 

@@ -14,6 +14,7 @@ PACKAGES=(
   ucx-utils openmpi-bin libopenmpi-dev   # baselines: ucx_perftest, MPI_Allgather
   python3 python3-yaml systemd   # tests/deploy: manifests' checks, systemd-analyze verify
   patchelf   # scripts/package.sh: RPATH $ORIGIN/../lib on the bundled binaries
+  lintian   # tests/package/deb_test.sh: no lintian error on the .debs
   python3-dev pybind11-dev python3-numpy python3-torch python3-torchvision python3-pytest  # the flatshard Python package
   python3-venv mypy   # the wheel installed into a venv (tests/python/wheel), the type hints checked
 )

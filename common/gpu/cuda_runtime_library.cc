@@ -78,14 +78,6 @@ struct CudaRuntime {
   std::unique_ptr<DynamicLibrary> library;
 };
 
-template <typename F>
-absl::Status Resolve(const DynamicLibrary& library, const char* symbol, F* out) {
-  absl::StatusOr<void*> address = library.Symbol(symbol);
-  if (!address.ok()) return address.status();
-  *out = reinterpret_cast<F>(*address);
-  return absl::OkStatus();
-}
-
 absl::StatusOr<CudaRuntime> Load() {
   const DynamicLibrarySpec spec{
       .name = "the CUDA runtime",
@@ -97,7 +89,7 @@ absl::StatusOr<CudaRuntime> Load() {
   if (!library.ok()) return library.status();
   CudaRuntime rt;
 #define FS_CUDART_RESOLVE(name, params, args) \
-  if (absl::Status s = Resolve(**library, FS_CUDART_STR(name), &rt.name); !s.ok()) return s;
+  if (absl::Status s = (*library)->Resolve(FS_CUDART_STR(name), &rt.name); !s.ok()) return s;
   FS_CUDART_FUNCTIONS(FS_CUDART_RESOLVE)
   FS_CUDART_RESOLVE(cudaGetErrorName, , )
   FS_CUDART_RESOLVE(cudaGetErrorString, , )

@@ -57,14 +57,6 @@ struct Nccl {
   std::unique_ptr<DynamicLibrary> library;
 };
 
-template <typename F>
-absl::Status Resolve(const DynamicLibrary& library, const char* symbol, F* out) {
-  absl::StatusOr<void*> address = library.Symbol(symbol);
-  if (!address.ok()) return address.status();
-  *out = reinterpret_cast<F>(*address);
-  return absl::OkStatus();
-}
-
 absl::StatusOr<Nccl> Load() {
   const DynamicLibrarySpec spec{
       .name = "NCCL",
@@ -76,7 +68,7 @@ absl::StatusOr<Nccl> Load() {
   if (!library.ok()) return library.status();
   Nccl nccl;
 #define FS_NCCL_RESOLVE(name, params, args) \
-  if (absl::Status s = Resolve(**library, #name, &nccl.name); !s.ok()) return s;
+  if (absl::Status s = (*library)->Resolve(#name, &nccl.name); !s.ok()) return s;
   FS_NCCL_FUNCTIONS(FS_NCCL_RESOLVE)
   FS_NCCL_RESOLVE(ncclGetErrorString, , )
   FS_NCCL_RESOLVE(ncclGetLastError, , )
