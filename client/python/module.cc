@@ -94,6 +94,11 @@ class PyPendingReduceScatter {
                           std::string(DTypeName(region_.dtype)), region_.device);
   }
 
+  // The same buffer as a writable 1-D memoryview (needs neither numpy nor torch).
+  py::memoryview FlatMemoryview() const {
+    return ToMemoryview(region_, grads_.keep, /*writable=*/true, device_as_host_);
+  }
+
   py::list Describe() const {
     py::list out;
     for (const PyView& v : grads_.views) {
@@ -637,6 +642,7 @@ PYBIND11_MODULE(_C, m) {
       m, "PendingReduceScatter")
       .def("finish", &PyPendingReduceScatter::Finish)
       .def("flat", &PyPendingReduceScatter::Flat)
+      .def("flat_memoryview", &PyPendingReduceScatter::FlatMemoryview)
       .def("describe", &PyPendingReduceScatter::Describe)
       .def("dlpack", &PyPendingReduceScatter::Dlpack)
       .def_property_readonly("unit", &PyPendingReduceScatter::unit)
@@ -671,6 +677,12 @@ PYBIND11_MODULE(_C, m) {
       .def("shard_memoryview",
            [](const PyUnitShard& s) {
              return ToMemoryview(Region{s.data, {s.shard_numel}, s.dtype, s.device}, s.keep, true,
+                                 s.device_as_host);
+           })
+      .def("grad_memoryview",
+           [](const PyUnitShard& s) -> py::object {
+             if (s.grad == nullptr) return py::none();
+             return ToMemoryview(Region{s.grad, {s.shard_numel}, s.dtype, s.device}, s.keep, true,
                                  s.device_as_host);
            })
       .def_property_readonly("state_names", &PyUnitShard::StateNames)

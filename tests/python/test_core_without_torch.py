@@ -50,7 +50,13 @@ CHILD = textwrap.dedent('''
         assert st[0].dtype_name == "float32" and st[0].memoryview_shard.tolist()[1] == 2.5
         p = c.begin_reduce_scatter("", 0)
         needs_torch("PendingReduceScatter.flat", lambda: p.flat)
+        g = p.memoryview_flat
+        assert g.format == "f" and not g.readonly and len(g) == p.numel >= 4
+        for i, x in enumerate((1.0, -2.0, 0.5, 4.0)):
+            g[i] = x
         p.finish()
+        gs = c.shard_views("")[0].memoryview_grad
+        assert gs is not None and gs.tolist()[:4] == [1.0, -2.0, 0.5, 4.0], gs.tolist()
         needs_torch("reduce_scatter_grads", lambda: c.reduce_scatter_grads("", 0, [0.0] * 4))
         c.leave()
     print("core ok without torch")

@@ -131,6 +131,12 @@ class UnitShard:
     def numpy_grad(self) -> numpy.ndarray | None:
         return self._s.grad_numpy()
 
+    @property
+    def memoryview_grad(self) -> memoryview | None:
+        """The gradient shard as a writable 1-D memoryview, as ``memoryview_shard`` (None
+        when the module keeps no gradients)."""
+        return self._s.grad_memoryview()
+
     def __repr__(self) -> str:
         return (f"UnitShard(unit={self.unit}, dtype={self._s.dtype_name}, "
                 f"shard_numel={self.shard_numel}, shard_offset={self.shard_offset}, "
@@ -336,6 +342,12 @@ class PendingReduceScatter:
             cap, dtype, _dev = self._p.flat()
             self._flat = _from_capsule("PendingReduceScatter.flat", cap, dtype)
         return self._flat
+
+    @property
+    def memoryview_flat(self) -> memoryview:
+        """``flat`` as a writable 1-D memoryview (host memory; format of the dtype, bfloat16
+        as "H"): the unit's full padded gradient, written without torch or numpy."""
+        return self._p.flat_memoryview()
 
     @property
     def unit(self) -> int:
