@@ -7,6 +7,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/file_util.h"
+#include "common/status_macros.h"
 
 namespace flatshard::client::internal {
 
@@ -42,6 +44,40 @@ absl::StatusOr<std::string> ChannelTarget(const std::string& address) {
       "Connect: address \"", address,
       "\" is neither a Unix socket nor host:port; write \"unix:/path/to.sock\" (or a path "
       "with a '/': \"/path/to.sock\", \"./to.sock\") or \"host:port\""));
+}
+
+namespace {
+
+// ClientOptions::tls_*: all three PEM files, read now (INVALID_ARGUMENT naming a missing one).
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsCredentials(
+    const ClientOptions& options) {
+  auto read = [](const std::string& path, const char* field) -> absl::StatusOr<std::string> {
+    if (path.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Connect: TLS needs tls_ca_file, tls_cert_file and tls_key_file; ", field, " is empty"));
+    }
+    absl::StatusOr<std::string> text = ReadWholeFile(path);
+    if (!text.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("Connect: cannot read ", field, " ", path,
+                                                     " (", text.status().message(), ")"));
+    }
+    return text;
+  };
+  grpc::SslCredentialsOptions ssl;
+  FS_ASSIGN_OR_RETURN(ssl.pem_root_certs, read(options.tls_ca_file, "tls_ca_file"));
+  FS_ASSIGN_OR_RETURN(ssl.pem_cert_chain, read(options.tls_cert_file, "tls_cert_file"));
+  FS_ASSIGN_OR_RETURN(ssl.pem_private_key, read(options.tls_key_file, "tls_key_file"));
+  return grpc::SslCredentials(ssl);
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
+    const ClientOptions& options) {
+  const bool tls = !options.tls_ca_file.empty() || !options.tls_cert_file.empty() ||
+                   !options.tls_key_file.empty();
+  if (!tls || options.address.rfind("unix:", 0) == 0) return grpc::InsecureChannelCredentials();
+  return TlsCredentials(options);
 }
 
 }  // namespace flatshard::client::internal

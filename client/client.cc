@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/channel_target.h"
+#include "client/checkpoint_call.h"
 #include "client/client_internal.h"
 #include "client/cuda_events.h"
 #include "client/lease_stream.h"
@@ -864,32 +865,6 @@ const UnitShardView* ShardViews::Find(int32_t unit) const {
 
 // --- Client ---------------------------------------------------------------------------------
 
-namespace {
-
-// ClientOptions::tls_*: all three PEM files, read now (INVALID_ARGUMENT naming a missing one).
-absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsCredentials(
-    const ClientOptions& options) {
-  auto read = [](const std::string& path, const char* field) -> absl::StatusOr<std::string> {
-    if (path.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "Connect: TLS needs tls_ca_file, tls_cert_file and tls_key_file; ", field, " is empty"));
-    }
-    absl::StatusOr<std::string> text = ReadWholeFile(path);
-    if (!text.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("Connect: cannot read ", field, " ", path,
-                                                     " (", text.status().message(), ")"));
-    }
-    return text;
-  };
-  grpc::SslCredentialsOptions ssl;
-  FS_ASSIGN_OR_RETURN(ssl.pem_root_certs, read(options.tls_ca_file, "tls_ca_file"));
-  FS_ASSIGN_OR_RETURN(ssl.pem_cert_chain, read(options.tls_cert_file, "tls_cert_file"));
-  FS_ASSIGN_OR_RETURN(ssl.pem_private_key, read(options.tls_key_file, "tls_key_file"));
-  return grpc::SslCredentials(ssl);
-}
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   return internal::ConnectWithGpuApis(std::move(options), internal::GpuApis());
 }
@@ -915,12 +890,8 @@ absl::StatusOr<std::unique_ptr<Client>> ConnectWithGpuApis(ClientOptions options
   grpc::ChannelArguments args;
   // Plans and manifests of large models exceed gRPC's 4 MiB default.
   args.SetMaxReceiveMessageSize(-1);
-  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
-  const bool tls = !options.tls_ca_file.empty() || !options.tls_cert_file.empty() ||
-                   !options.tls_key_file.empty();
-  if (tls && options.address.rfind("unix:", 0) != 0) {
-    FS_ASSIGN_OR_RETURN(credentials, TlsCredentials(options));
-  }
+  FS_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                      ChannelCredentials(options));
   std::shared_ptr<grpc::Channel> channel =
       grpc::CreateCustomChannel(options.address, credentials, args);
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + options.call_timeout))) {
@@ -1039,43 +1010,6 @@ int64_t Client::ipc_open_calls() const { return core_->ipc_open_calls(); }
 
 const ClientOptions& Client::options() const { return core_->options(); }
 
-namespace {
-
-// One checkpoint RPC (AdminService.SaveCheckpoint / LoadCheckpoint) on the client's channel:
-// reads the progress stream to its end.
-template <typename Request>
-absl::StatusOr<Client::CheckpointInfo> RunCheckpointCall(
-    const std::shared_ptr<grpc::Channel>& channel, const Request& request,
-    std::unique_ptr<grpc::ClientReader<v1::CheckpointProgress>> (v1::AdminService::Stub::*rpc)(
-        grpc::ClientContext*, const Request&),
-    const Client::CheckpointProgressFn& progress) {
-  auto stub = v1::AdminService::NewStub(channel);
-  grpc::ClientContext ctx;
-  std::unique_ptr<grpc::ClientReader<v1::CheckpointProgress>> reader =
-      ((*stub).*rpc)(&ctx, request);
-  v1::CheckpointProgress p, last;
-  bool any = false;
-  while (reader->Read(&p)) {
-    last = p;
-    any = true;
-    if (progress) progress(p.done_bytes(), p.total_bytes());
-  }
-  FS_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish()));
-  if (!any || !last.done()) {
-    return absl::InternalError("the daemon ended the checkpoint stream without a result");
-  }
-  Client::CheckpointInfo info;
-  info.generation = last.generation();
-  info.bytes = last.total_bytes();
-  info.files = last.files();
-  info.ranks = last.ranks();
-  info.unused_tensors = last.unused_tensors();
-  info.path = last.dir();
-  return info;
-}
-
-}  // namespace
-
 absl::StatusOr<Client::CheckpointInfo> Client::SaveCheckpoint(
     const std::string& registered_module, const std::string& dir,
     const CheckpointProgressFn& progress) {
@@ -1084,8 +1018,7 @@ absl::StatusOr<Client::CheckpointInfo> Client::SaveCheckpoint(
   request.set_group(caller.group());
   request.set_module(registered_module);
   request.set_dir(dir);
-  return RunCheckpointCall(core_->channel(), request, &v1::AdminService::Stub::SaveCheckpoint,
-                           progress);
+  return internal::SaveCheckpointCall(core_->channel(), request, progress);
 }
 
 absl::StatusOr<Client::CheckpointInfo> Client::LoadCheckpoint(
@@ -1096,8 +1029,7 @@ absl::StatusOr<Client::CheckpointInfo> Client::LoadCheckpoint(
   request.set_group(caller.group());
   request.set_module(registered_module);
   request.set_dir(dir);
-  return RunCheckpointCall(core_->channel(), request, &v1::AdminService::Stub::LoadCheckpoint,
-                           progress);
+  return internal::LoadCheckpointCall(core_->channel(), request, progress);
 }
 
 absl::StatusOr<Client::CheckpointInfo> Client::ImportSafetensors(
@@ -1108,8 +1040,7 @@ absl::StatusOr<Client::CheckpointInfo> Client::ImportSafetensors(
   request.set_group(caller.group());
   request.set_module(registered_module);
   request.set_safetensors(file);
-  return RunCheckpointCall(core_->channel(), request, &v1::AdminService::Stub::LoadCheckpoint,
-                           progress);
+  return internal::LoadCheckpointCall(core_->channel(), request, progress);
 }
 
 }  // namespace flatshard::client
