@@ -34,6 +34,7 @@
 #include "client/python/dlpack_export.h"
 #include "client/python/memoryview_export.h"
 #include "client/python/summons.h"
+#include "client/python/weights.h"
 #include "common/plan.h"
 #include "flatshard/client.h"
 #include "tests/testing/simulated_gpu.h"
@@ -441,6 +442,20 @@ class PyClient {
     return Unwrap(std::move(generation));
   }
 
+  // Collective: publishes `module`'s committed step as the next version of `name`.
+  client::PublishedVersion Publish(const std::string& module, const std::string& name,
+                                   const std::string& dtype, const std::vector<int64_t>& uids,
+                                   const std::string& token) {
+    const client::PublishOptions options = MakePublishOptions(dtype, uids, token);
+    const ClientRef c = Get("publish");
+    absl::StatusOr<client::PublishedVersion> v;
+    {
+      py::gil_scoped_release release;
+      v = c->Publish(module, name, options);
+    }
+    return Unwrap(std::move(v));
+  }
+
   // Checkpoints (not collective; one rank asks its daemon). kind: "save", "load", "import".
   // Returns a dict: generation, bytes, files, ranks, unused_tensors, path, and
   // progress_error: the exception `progress` raised (None if it did not). `progress` (None or
@@ -583,6 +598,7 @@ PYBIND11_MODULE(_C, m) {
     }
   });
   DefineHostBuffer(m);
+  DefineWeights(m);
 
   py::class_<PyClient, std::shared_ptr<PyClient>>(m, "Client")
       .def(py::init<std::string, double, double, int, double, double, std::string, std::string,
@@ -602,6 +618,8 @@ PYBIND11_MODULE(_C, m) {
       .def("register_state", &PyClient::RegisterState)
       .def("checkpoint", &PyClient::Checkpoint, py::arg("kind"), py::arg("module"), py::arg("path"),
            py::arg("progress") = py::none())
+      .def("publish", &PyClient::Publish, py::arg("module"), py::arg("name"), py::arg("dtype"),
+           py::arg("reader_uids"), py::arg("reader_token"))
       .def("leave", &PyClient::Leave)
       .def("close", &PyClient::Close)
       .def_property_readonly("closed", &PyClient::closed)

@@ -41,7 +41,7 @@ from .errors import (AbortedError, AlreadyExistsError, DeadlineExceededError,
                      UnavailableError)
 
 if TYPE_CHECKING:
-    from . import testing
+    from . import testing, weights
     from ._tensors import ReadOnlyTensor
 
 # ReadOnlyTensor (a torch.Tensor subclass) is left out so that `from flatshard import *` works
@@ -57,9 +57,9 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:  # imported on first use: flatshard.testing, ReadOnlyTensor
+def __getattr__(name: str) -> Any:  # imported on first use: testing, weights, ReadOnlyTensor
     import importlib
-    if name == "testing":
+    if name in ("testing", "weights"):
         return importlib.import_module(".testing", __name__)
     if name == "ReadOnlyTensor":
         from ._optional import tensors

@@ -709,6 +709,27 @@ class Client:
         not joined, NotFoundError for a module this client did not register."""
         return int(self._c.commit(module))
 
+    def publish(self, module: str, name: str, dtype: Any = None,
+                reader_uids: Iterable[int] = (), reader_token: Optional[str] = None) -> Any:
+        """Collective: publishes `module`'s committed step (the last ``commit()``; the
+        daemon builds it from its committed copies, so training may go on at once) as the
+        next version of the weights `name`, for readers on this node
+        (``flatshard.weights.open``): the full parameters in the module's state-dict layout,
+        cast to `dtype` (a torch dtype or a flatshard dtype name such as "bfloat16"; None:
+        the parameters' own). Readers: the publisher's uid, the uids in `reader_uids`, and
+        whoever presents `reader_token`. Returns the ``flatshard.weights.PublishedVersion``
+        (every rank gets the same). Steps not committed are not in it: commit first."""
+        from .weights import PublishedVersion
+        if dtype is None:
+            dtype_name = ""
+        elif isinstance(dtype, str):
+            dtype_name = dtype
+        else:
+            dtype_name = tensors("publish(dtype=torch dtype)").dtype_name(dtype)
+        uids = [int(u) for u in reader_uids]
+        return PublishedVersion._of(
+            self._c.publish(module, name, dtype_name, uids, reader_token or ""))
+
     def _unit(self, module: str, unit: int) -> dict[str, Any]:
         plan = self._plans.get(module)
         if plan is None:

@@ -2,12 +2,13 @@
 through a summon, torch's ``state_dict``/``load_state_dict`` contract wherever the wrapper
 sits, this rank's sharded state dict, and daemon checkpoints of the committed step."""
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Iterable, Optional
 
 import torch
 import torch.nn as nn
 
 from ..errors import FailedPreconditionError
+from ._shared import TrainingState
 
 _SHARDED_META_KEY = "_flatshard_sharded"
 
@@ -191,6 +192,47 @@ class _StateDicts:
             raise
         self.refresh_views()
         return info
+
+
+    # ------------------------------------------------------------------ publishing
+    # (README "Publishing weights"). Collective: every rank calls it, with the same arguments.
+    def publish(self, name: str, dtype: Any = None, *, reader_uids: Iterable[int] = (),
+                reader_token: Optional[str] = None, commit: bool = False) -> Any:
+        """Publishes this module's committed step as the next version of the weights
+        ``name`` for inference processes on the node (``flatshard.weights.open(name)``):
+        the full parameters under the unwrapped module's ``state_dict()`` keys (tied
+        parameters under every key; buffers and ignored modules' parameters are not in the
+        daemon, so not in the version), cast to ``dtype`` (e.g. ``torch.bfloat16``; None:
+        as trained). Nothing is gathered here: the daemon builds the version from its
+        committed copies, and training may go on at once. Readers: this uid, the uids in
+        ``reader_uids`` and whoever presents ``reader_token``. Returns the
+        ``flatshard.weights.PublishedVersion``.
+
+        Only committed steps are published. A trainer that ends each step with
+        ``model.step(optimizer)`` (or ``commit()``) publishes its last step as is. One that
+        calls ``optimizer.step()`` alone (FSDP's loop) passes ``commit=True``: every rank
+        commits its pending step first (a collective commit, +1 generation), then publishes.
+        Without it, a rank whose parameters hold uncommitted optimizer steps raises
+        FailedPreconditionError before publishing (as ``save_checkpoint``) instead of
+        silently publishing an older generation; the other ranks' publish then fails too,
+        naming this rank, once their deadline passes."""
+        if self._state != TrainingState.IDLE:
+            raise AssertionError("FlatShardModule.publish: called inside a forward/backward "
+                                 "or summon_full_params")
+        if commit:
+            self.commit()
+        else:
+            self._note_writes()
+            if self._uncommitted:
+                n = self._uncommitted
+                raise FailedPreconditionError(
+                    f"publish {name!r}: this rank's shards hold {n} uncommitted optimizer "
+                    f"step{'' if n == 1 else 's'} (in-place parameter updates since generation "
+                    f"{self._generation} was committed); the version would hold generation "
+                    f"{self._generation}, not what was trained. Pass commit=True (on every "
+                    f"rank), or end each step with model.step(optimizer)")
+        return self._client.publish(self._name, name, dtype=dtype, reader_uids=reader_uids,
+                                    reader_token=reader_token)
 
 
 def _load_post_hook(module: Any, incompatible_keys: Any) -> None:
