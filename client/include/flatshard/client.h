@@ -483,6 +483,32 @@ struct RegisteredModule {
   uint64_t generation = 0;
 };
 
+// ---- Published weights (README "Publishing weights") ----
+// A training group publishes its committed step (Client::Publish) as version V of a name;
+// readers that are not members of the group (WeightsReader) open it read-only and zero-copy.
+
+// How Client::Publish builds and grants a version.
+struct PublishOptions {
+  // Cast floating parameters to this dtype (kFloat32, kFloat16 or kBFloat16); nullopt: each
+  // tensor keeps the dtype it trains in.
+  std::optional<DType> dtype;
+  // uids besides the publisher's own (the group's) that may open the versions.
+  std::vector<int64_t> reader_uids;
+  // Non-empty: a reader presenting it (OpenWeightsOptions::token) may open them, whatever
+  // its uid, also over TCP.
+  std::string reader_token;
+};
+
+// One published version; also what WeightsReader::WaitForVersion and List report.
+struct PublishedVersion {
+  std::string name;
+  int64_t owner_uid = -1;   // names are scoped by their publisher's uid
+  uint64_t version = 0;     // 1, 2, ... per (owner_uid, name); never reused
+  uint64_t generation = 0;  // the module's committed generation it holds
+  int64_t bytes = 0;        // the version's segment: tensors and alignment
+  int32_t tensors = 0;      // state_dict keys (tied parameters count under every key)
+};
+
 // A connection to one daemon. Thread-safe. One gRPC channel and stub per Client, one
 // session (group, rank) at a time.
 class Client {
@@ -666,6 +692,26 @@ class Client {
   absl::StatusOr<ShardViews> RegisterState(const std::string& registered_module,
                                            const std::vector<StateSpec>& specs);
 
+  // ---- Published weights (README "Publishing weights") ----
+  // Collective (every rank of the group calls it with the same arguments, like Commit):
+  // publishes the last *committed* generation of `registered_module` as the next version of
+  // `name` (scoped by the group's uid). The daemon builds the version from the committed
+  // copies, not the live shards, so the trainer may go on at once after it returns: the full
+  // unsharded parameters in the unwrapped module's state_dict layout (FQN -> tensor, padding
+  // dropped, tied parameters under every key, sharing bytes), cast to options.dtype, in one
+  // read-only shared-memory segment. The version becomes visible only once complete; a
+  // publisher or daemon killed mid-publish leaves no part of it. The daemon keeps the newest
+  // --weights_keep versions of each name plus those a reader holds.
+  // Errors: INVALID_ARGUMENT for an empty or over-long name, a non-floating options.dtype or
+  // ranks passing different arguments (naming the rank and field); NOT_FOUND for a module
+  // this client did not register; FAILED_PRECONDITION when not joined, or for a group spread
+  // over several daemons (not supported yet: named); RESOURCE_EXHAUSTED naming the uid, the
+  // quota and its usage when the version does not fit the uid's quota or the daemon's memory
+  // limit (nothing is published); DEADLINE_EXCEEDED naming the ranks that did not call.
+  absl::StatusOr<PublishedVersion> Publish(const std::string& registered_module,
+                                           const std::string& name,
+                                           const PublishOptions& options = {});
+
   // Leaves the group (the shards stay; the rank can join again) and closes the lease. The
   // session is over even when the RPC fails; its error is returned.
   // Errors: FAILED_PRECONDITION when not joined; the RPC's.
@@ -721,6 +767,99 @@ class Client {
   explicit Client(std::shared_ptr<internal::ClientCore> core);
 
   std::shared_ptr<internal::ClientCore> core_;
+};
+
+// One tensor of an open version: read-only bytes in the version's mapping.
+struct WeightsTensor {
+  std::string name;  // the state_dict key (FQN)
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;  // empty for a scalar
+  const void* data = nullptr;  // mapped PROT_READ: writes fault
+  int64_t bytes = 0;
+  int device = -1;  // CUDA ordinal in this process; -1: host memory
+};
+
+// An open version (WeightsReader::Open): holds the reader's lease on it and the read-only
+// mapping while alive, so its tensors stay valid and the daemon never frees or changes the
+// bytes. Thread-compatible: const methods may run concurrently; Release needs exclusive access.
+class WeightsVersion {
+ public:
+  WeightsVersion(const WeightsVersion&) = delete;
+  WeightsVersion& operator=(const WeightsVersion&) = delete;
+  // Releases (see Release).
+  ~WeightsVersion();
+
+  const PublishedVersion& info() const { return info_; }
+  // In the order the daemon built them: plan units in order, each unit's parameters in flat
+  // order, then the tied aliases.
+  const std::vector<WeightsTensor>& tensors() const { return tensors_; }
+  // The tensor of state_dict key `fqn`; nullptr when there is none.
+  const WeightsTensor* Find(absl::string_view fqn) const;
+  // The mapping the tensors point into: sharing it keeps the bytes mapped after Release
+  // (e.g. for a language binding's arrays); the lease still ends at Release.
+  const std::shared_ptr<const void>& mapping() const { return mapping_; }
+
+  // Ends the lease (the daemon may then free the version once it is no longer among the
+  // newest) and drops this object's hold on the mapping; tensors() stay valid only while
+  // mapping() is shared elsewhere. Idempotent. Errors: none today (OK).
+  absl::Status Release();
+
+ private:
+  friend class WeightsReader;
+  WeightsVersion() = default;
+  struct Lease;
+
+  PublishedVersion info_;
+  std::vector<WeightsTensor> tensors_;
+  std::shared_ptr<const void> mapping_;
+  std::unique_ptr<Lease> lease_;
+};
+
+// Which version WeightsReader opens or watches.
+struct OpenWeightsOptions {
+  std::optional<uint64_t> version;  // nullopt: the latest
+  int64_t owner_uid = -2;           // the publisher's uid; -2: the caller's own uid
+  std::string token;                // a reader token the publisher granted (TCP readers too)
+};
+
+// A reader of published weights: a connection to the node's daemon that is no member of any
+// group (no Join). Thread-safe.
+class WeightsReader {
+ public:
+  // Creates the channel and waits up to call_timeout until it connects. Errors: as
+  // Client::Connect.
+  static absl::StatusOr<std::unique_ptr<WeightsReader>> Connect(ClientOptions options);
+  WeightsReader(const WeightsReader&) = delete;
+  WeightsReader& operator=(const WeightsReader&) = delete;
+  // Open versions stay open (they hold their own lease stream).
+  ~WeightsReader();
+
+  // Opens a version of `name` (latest, or options.version) read-only: maps its segment once
+  // (O_RDONLY, PROT_READ) and holds a lease on it until the returned object is released or
+  // destroyed, or this process dies. No bytes are copied.
+  // Errors: NOT_FOUND naming the owner uid and name, or the version (and which versions
+  // exist); PERMISSION_DENIED when the caller's uid or token is not granted; the RPC's;
+  // the mapping's (e.g. PERMISSION_DENIED, NOT_FOUND naming the segment).
+  absl::StatusOr<std::unique_ptr<WeightsVersion>> Open(const std::string& name,
+                                                       const OpenWeightsOptions& options = {});
+  // Blocks until a version of `name` newer than `after` exists and returns it (at once when
+  // one already does). options.version is ignored. Errors: DEADLINE_EXCEEDED after
+  // `timeout`; PERMISSION_DENIED as Open; the RPC's.
+  absl::StatusOr<PublishedVersion> WaitForVersion(const std::string& name, uint64_t after,
+                                                  absl::Duration timeout,
+                                                  const OpenWeightsOptions& options = {});
+  // Every version this caller may open (its own uid's, and those granted to its uid), newest
+  // last per name. Errors: the RPC's.
+  absl::StatusOr<std::vector<PublishedVersion>> List();
+
+  const ClientOptions& options() const { return options_; }
+
+ private:
+  struct Channel;
+  WeightsReader(ClientOptions options, std::unique_ptr<Channel> channel);
+
+  ClientOptions options_;
+  std::unique_ptr<Channel> channel_;
 };
 
 }  // namespace client
