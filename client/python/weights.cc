@@ -39,16 +39,16 @@ OpenWeightsOptions MakeOpenOptions(std::optional<uint64_t> version, int64_t owne
   return o;
 }
 
-// An open version as Python holds it. The C++ WeightsVersion (lease and mapping) is shared
-// with every exported view, so a tensor that outlives release() still points at mapped
-// memory; release() ends the lease at once.
+// An open version as Python holds it. Every exported view shares the mapping and the C++
+// WeightsVersion: views alive keep the lease (a reader that forgot close() still holds what it
+// reads), and after release() (the lease ends at once) they still point at mapped memory.
 class PyWeightsVersion {
  public:
   explicit PyWeightsVersion(std::unique_ptr<WeightsVersion> v)
       : v_(std::shared_ptr<WeightsVersion>(v.release())),
         info_(v_->info()),
         keep_(std::make_shared<const std::vector<std::shared_ptr<const void>>>(
-            std::vector<std::shared_ptr<const void>>{v_})) {}
+            std::vector<std::shared_ptr<const void>>{v_->mapping(), v_})) {}
 
   // Views still alive keep the version (and its lease) until the last is freed.
   ~PyWeightsVersion() {

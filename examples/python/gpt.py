@@ -89,14 +89,28 @@ class GPT(nn.Module):
             if p.dim() >= 2:
                 nn.init.normal_(p, 0.0, 0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         pos = torch.arange(t, dtype=torch.long).unsqueeze(0)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.h:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        return self.lm_head(self.ln_f(x))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(idx)
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+@torch.no_grad()
+def generate(model: GPT, prompt: List[int], new_tokens: int) -> List[int]:
+    """Greedy decoding: the argmax token, appended ``new_tokens`` times (the context cut to
+    the last block_size tokens)."""
+    idx = torch.tensor([prompt], dtype=torch.long)
+    for _ in range(new_tokens):
+        logits = model.logits(idx[:, -model.cfg.block_size:])
+        idx = torch.cat([idx, logits[:, -1, :].argmax(dim=-1, keepdim=True)], dim=1)
+    return idx[0, len(prompt):].tolist()
 
 
 def build_gpt(seed: int = 0, **kw) -> GPT:

@@ -43,8 +43,9 @@ import torch  # noqa: E402
 import gpt  # noqa: E402
 
 
-def start_daemons(n, tmp):
-    """n flatshardd processes (LocalDaemon); with n > 1 each gets a loopback peer port."""
+def start_daemons(n, tmp, daemon_args=()):
+    """n flatshardd processes (LocalDaemon); with n > 1 each gets a loopback peer port.
+    `daemon_args`: more flags for every daemon."""
     from flatshard.testing import LocalDaemon
     daemons = []
     try:
@@ -54,7 +55,7 @@ def start_daemons(n, tmp):
                 peer_file = os.path.join(tmp, f"peer{i}")
                 extra = ["--peer_address=127.0.0.1:0", f"--peer_address_file={peer_file}",
                          f"--node_name=node{i}"]
-            d = LocalDaemon(extra_args=extra)
+            d = LocalDaemon(extra_args=[*extra, *daemon_args])
             d.start()
             d.peer_file = peer_file if n > 1 else None
             daemons.append(d)
@@ -122,8 +123,9 @@ class Job:
     """Daemons (started on entry, stopped with SIGTERM on exit) and a group name; launch()
     starts rank processes against them, collect() waits and reads what they printed."""
 
-    def __init__(self, daemons=1):
+    def __init__(self, daemons=1, daemon_args=()):
         self.n_daemons = daemons
+        self.daemon_args = tuple(daemon_args)
         self.group = "gpt-" + uuid.uuid4().hex[:8]
         self.stop_problems = []
 
@@ -131,7 +133,7 @@ class Job:
         self._tmp = tempfile.TemporaryDirectory(prefix="flatshard-gpt-")
         self.dir = self._tmp.name
         try:
-            self.daemons = start_daemons(self.n_daemons, self.dir)
+            self.daemons = start_daemons(self.n_daemons, self.dir, self.daemon_args)
         except BaseException:
             self._tmp.cleanup()
             raise

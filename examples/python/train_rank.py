@@ -8,6 +8,7 @@ Prints one JSON object per line on stdout:
   {"event": "step_failed", ...}, {"event": "left", ...} (--survive: before joining again),
   {"event": "reattached", "step": i, "generation": g}
   {"event": "summon", ...}   (--demo: what summon_full_params read and edited)
+  {"event": "published", "version": v, "generation": g, ...}  (--publish-every)
   {"event": "done", "rank": r, "reattached": bool, "seconds": s, "peak_rss_kib": k}
 With --out, rank 0 saves the final full state dict (torch.save) there.
 Every step ends with ``fs.step(opt)``: the optimizer step, then a collective commit, so the
@@ -107,6 +108,16 @@ def main():
                     help="keep the optimizer's state in the daemon "
                          "(flatshard.torch.keep_optimizer_state): a restarted rank resumes "
                          "with the committed step's optimizer state")
+    ap.add_argument("--publish-every", type=int, default=0,
+                    help="publish the committed step every N steps (FlatShardModule.publish) "
+                         "as the next version of --publish-name")
+    ap.add_argument("--publish-name", default="gpt")
+    ap.add_argument("--reader-uid", type=int, action="append", default=[],
+                    help="a uid granted to read the published versions (repeatable)")
+    ap.add_argument("--reader-token", default="", help="a token granted to read them")
+    ap.add_argument("--publish-dump", default="",
+                    help="testing: a folder; after each publish rank 0 saves the committed "
+                         "full state dict there as gen<g>.pt (a collective summon)")
     args = ap.parse_args()
 
     t0 = time.monotonic()
@@ -160,6 +171,8 @@ def main():
             continue
         emit(event="step", step=step, rank=args.rank, loss=float(loss), generation=fs.generation)
         dump(args, fs, f"gen{fs.generation}")
+        if args.publish_every and (step + 1) % args.publish_every == 0:
+            publish(args, fs, step)
         step += 1
 
     sd = fs.full_state_dict(rank0_only=True)  # collective: every rank takes part
@@ -172,6 +185,21 @@ def main():
          seconds=time.monotonic() - t0, peak_rss_kib=peak)
     client.leave()
     client.close()
+
+
+def publish(args, fs, step):
+    """--publish-every: the committed step becomes the next version of --publish-name (every
+    rank calls it: collective); the daemon builds it, this process goes on training."""
+    t0 = time.perf_counter()
+    info = fs.publish(args.publish_name, reader_uids=args.reader_uid,
+                      reader_token=args.reader_token or None)
+    emit(event="published", rank=args.rank, step=step, version=info.version,
+         generation=info.generation, bytes=info.bytes, tensors=info.tensors,
+         ms=(time.perf_counter() - t0) * 1e3)
+    if args.publish_dump:
+        sd = fs.full_state_dict(rank0_only=True)  # collective: every rank takes part
+        if args.rank == 0:
+            torch.save(sd, os.path.join(args.publish_dump, f"gen{info.generation}.pt"))
 
 
 def dump(args, fs, tag):

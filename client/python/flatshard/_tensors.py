@@ -4,7 +4,8 @@ Tensors are made from DLPack capsules (flatshard._C): host memory as CPU tensors
 memory as CUDA tensors. Each tensor owns a share of the mappings it points into, so it stays
 valid after its summon ended or its Client closed (writes after End are lost).
 
-Read-only summons map their buffers read-only: a store through the memory would be a SIGSEGV.
+Read-only summons and published weights (flatshard.weights) are mapped read-only: a store
+through the memory would be a SIGSEGV.
 torch 1.13 has no read-only tensors, so their tensors are ReadOnlyTensor, which refuses every
 torch operation that would write them (in-place methods, ``t[i] = x``, augmented assignment,
 ``out=``) with ReadOnlyViewError before anything is written, and hands out read-only numpy
@@ -194,9 +195,9 @@ class ReadOnlyTensor(torch.Tensor):
         target = _writes(func, args, kwargs)
         if target is not None:
             raise ReadOnlyViewError(
-                f"{_name(func) or func}: this tensor views a read-only summon "
-                "(writeback=False); summon with writeback=True to edit parameters, "
-                "or .clone() it for a private copy")
+                f"{_name(func) or func}: this tensor views read-only memory (a "
+                "writeback=False summon, or published weights); summon with writeback=True "
+                "to edit parameters, or .clone() it for a private copy")
         with torch._C.DisableTorchFunction():
             ret = func(*args, **kwargs)
             ranges = []

@@ -21,8 +21,8 @@ read-only. Without torch, ``memoryviews()`` (and ``numpy()``) read the same byte
 
 The daemon is ``address`` (as ``flatshard.Client`` takes it), else ``$FLATSHARD_ADDRESS``,
 else ``unix:/run/flatshard/flatshardd.sock`` (flatshardd's default ``--socket``). Names are
-scoped by the publisher's uid: ``owner`` (a uid) picks another uid's name; None is the
-daemon's default (its own uid's name, else the one name readable by this caller). Errors
+scoped by the publisher's uid: ``owner`` (a uid) reads another uid's name (an inference
+process under its own uid passes the trainer's); None: the caller's own uid. Errors
 are flatshard's (NotFoundError naming the name or version, PermissionDeniedError for a
 wrong token or uid, ...).
 """
@@ -48,7 +48,7 @@ __all__ = ["open", "watch", "list", "Reader", "Weights", "PublishedVersion", "de
            "DEFAULT_ADDRESS"]
 
 DEFAULT_ADDRESS = "unix:/run/flatshard/flatshardd.sock"
-_ANY_OWNER = -2  # OpenWeightsOptions::owner_uid's "daemon's default"
+_OWN_UID = -2  # OpenWeightsOptions::owner_uid: the caller's own uid
 
 
 def default_address() -> str:
@@ -86,7 +86,7 @@ def _version_arg(version: Union[str, int, None]) -> Optional[int]:
 
 def _owner_arg(owner: Optional[int]) -> int:
     if owner is None:
-        return _ANY_OWNER
+        return _OWN_UID
     if isinstance(owner, bool) or not isinstance(owner, int) or owner < 0:
         raise InvalidArgumentError(f"weights: owner must be a uid (int >= 0) or None, got {owner!r}")
     return int(owner)
