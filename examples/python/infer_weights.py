@@ -24,8 +24,6 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import torch  # noqa: E402
-
 import flatshard  # noqa: E402
 import flatshard.weights  # noqa: E402
 

@@ -53,7 +53,8 @@ def _mypy(tmp_path, *files):
 def test_core_package_type_checks(tmp_path):
     pkg = PACKAGE_ROOT / "flatshard"
     r = _mypy(tmp_path, *(pkg / n for n in ("__init__.py", "_client.py", "errors.py",
-                                            "_optional.py", "testing.py", "_C.pyi")))
+                                            "_optional.py", "testing.py", "weights.py",
+                                            "_C.pyi")))
     assert r.returncode == 0, r.stdout + r.stderr
 
 

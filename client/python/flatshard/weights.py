@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 from . import _C
 from ._optional import tensors
-from .errors import DeadlineExceededError, InvalidArgumentError
+from .errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
 
 if TYPE_CHECKING:
-    import numpy
+    import numpy as np
     import torch
 
 __all__ = ["open", "watch", "list", "Reader", "Weights", "PublishedVersion", "default_address",
@@ -94,7 +94,7 @@ def _owner_arg(owner: Optional[int]) -> int:
 
 class Weights(Mapping):
     """An open published version: a read-only Mapping FQN -> zero-copy tensor, in the
-    state-dict order of the publisher's module. ``items()`` is the ``(name, tensor)`` iterator
+    daemon's order (units, each unit's parameters in flat order, then tied aliases). ``items()`` is the ``(name, tensor)`` iterator
     an engine's ``load_weights`` takes; ``model.load_state_dict(w)`` copies it into a model.
     Holds the version (a lease) until ``close()``, the end of a ``with`` block, or garbage
     collection. Tensors handed out stay mapped after ``close()`` (no crash), but the daemon
@@ -151,7 +151,7 @@ class Weights(Mapping):
         with self._lock:
             if self._tensors is None:
                 if self._v.released:
-                    raise InvalidArgumentError(
+                    raise FailedPreconditionError(
                         f"weights {self.name!r} version {self.version}: closed")
                 t = tensors("flatshard.weights")
                 caps = self._v.dlpack()
@@ -185,7 +185,7 @@ class Weights(Mapping):
         "H"; host memory); needs neither torch nor numpy."""
         return dict(zip((d[0] for d in self._desc), self._v.memoryviews()))
 
-    def numpy(self) -> dict[str, numpy.ndarray]:
+    def numpy(self) -> dict[str, np.ndarray]:
         """FQN -> read-only numpy array over the same bytes (bfloat16 as uint16)."""
         return dict(zip((d[0] for d in self._desc), self._v.numpy()))
 
@@ -202,14 +202,13 @@ class Reader:
 
     def __init__(self, address: Optional[str] = None, call_timeout: float = 30.0,
                  max_attempts: int = 5, *, tls_ca_file: str = "", tls_cert_file: str = "",
-                 tls_key_file: str = "", _simulated_gpus: bool = False) -> None:
+                 tls_key_file: str = "") -> None:
         self.address = default_address() if address is None else address
         if not isinstance(self.address, str):
             raise InvalidArgumentError(
                 f"weights: address must be a str, got {type(self.address).__name__}")
         self._r = _C.WeightsReader(self.address, float(call_timeout), int(max_attempts),
-                                   tls_ca_file, tls_cert_file, tls_key_file,
-                                   bool(_simulated_gpus))
+                                   tls_ca_file, tls_cert_file, tls_key_file)
 
     def open(self, name: str, version: Union[str, int] = "latest", *,
              owner: Optional[int] = None, token: Optional[str] = None) -> Weights:
