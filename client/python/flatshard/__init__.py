@@ -22,7 +22,11 @@ without torch; tensor views import it on first use, flatshard.torch needs it.
     st = c.register_state("", [("exp_avg", "float32", "shard")])  # optimizer state buffers
     st[0].state("exp_avg")                        # in the daemon, committed with the shards
     c.commit("")                                  # collective: closes the step
+    c.publish("", "policy")                       # collective: the committed step, for readers
     c.leave(); c.close()
+
+Published weights are read by any granted process of the node with flatshard.weights
+(``flatshard.weights.open("policy")``: a read-only mapping FQN -> zero-copy tensor).
 
 Errors are flatshard.FlatshardError subclasses carrying .code (gRPC code name) and .message.
 """

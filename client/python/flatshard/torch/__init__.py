@@ -14,7 +14,9 @@
   moments and step, SGD's momentum) lives in the daemon next to the shards, commits and rolls
   back with them, and a restarted trainer resumes with it;
 - ``summon_full_params(model, recurse=True, writeback=True, rank0_only=False,
-  offload_to_cpu=False, with_grads=False)``; full and sharded state dicts on the wrapper.
+  offload_to_cpu=False, with_grads=False)``; full and sharded state dicts on the wrapper;
+- ``model.publish(name, dtype=None, ...)``: the committed step as the next version of the
+  published weights ``name``, for inference processes (``flatshard.weights.open(name)``).
 
 See the README's "PyTorch" section.
 """
