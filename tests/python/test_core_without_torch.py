@@ -58,6 +58,16 @@ CHILD = textwrap.dedent('''
         gs = c.shard_views("")[0].memoryview_grad
         assert gs is not None and gs.tolist()[:4] == [1.0, -2.0, 0.5, 4.0], gs.tolist()
         needs_torch("reduce_scatter_grads", lambda: c.reduce_scatter_grads("", 0, [0.0] * 4))
+        # Published weights: publish and read them back as memoryviews.
+        c.commit("")
+        info = c.publish("", "no-torch-weights", dtype="float16")
+        import flatshard.weights
+        with flatshard.weights.open("no-torch-weights", address=d.address) as wv:
+            assert (wv.version, wv.dtype_name("w"), wv.shape("w")) == (1, "float16", (4,))
+            needs_torch("Weights tensors", lambda: wv["w"])
+            mv = wv.memoryviews()["w"]
+            assert mv.readonly and mv.format == "e" and mv.tolist() == [0.0, 2.5, 0.0, 0.0]
+        assert info.version == 1 and info.tensors == 1
         c.leave()
     print("core ok without torch")
 ''')
