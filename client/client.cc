@@ -22,6 +22,7 @@
 #include "client/segment_cache.h"
 #include "client/shard_views_builder.h"
 #include "client/started_calls.h"
+#include "client/weights_reader.h"
 #include "common/file_util.h"
 #include "common/grpc_status.h"
 #include "common/limits.h"
@@ -1009,6 +1010,14 @@ int64_t Client::segment_map_calls() const { return core_->map_calls(); }
 int64_t Client::ipc_open_calls() const { return core_->ipc_open_calls(); }
 
 const ClientOptions& Client::options() const { return core_->options(); }
+
+absl::StatusOr<PublishedVersion> Client::Publish(const std::string& registered_module,
+                                                 const std::string& name,
+                                                 const PublishOptions& options) {
+  FS_ASSIGN_OR_RETURN(v1::Caller caller, core_->SessionCaller());
+  return internal::PublishCall(core_->channel(), caller, registered_module, name, options,
+                               core_->options().call_timeout);
+}
 
 absl::StatusOr<Client::CheckpointInfo> Client::SaveCheckpoint(
     const std::string& registered_module, const std::string& dir,

@@ -42,6 +42,7 @@
 #include "server/service/admin_service_impl.h"
 #include "server/service/answer_interceptor.h"
 #include "server/service/shard_service_impl.h"
+#include "server/service/weights_service_impl.h"
 #include "server/shard_store.h"
 
 namespace flatshard::server {
@@ -333,6 +334,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   d->access_ = std::make_unique<access::AccessControl>(d->acceptor_.get(), config.allowed_uids);
   d->shard_service_ =
       std::make_unique<ShardServiceImpl>(d->groups_.get(), config.default_wait, d->access_.get());
+  PublisherOptions publisher_options;
+  publisher_options.store = d->store_.get();
+  publisher_options.groups = d->groups_.get();
+  publisher_options.keep = config.weights_keep;
+  publisher_options.daemon_uid = static_cast<int64_t>(::getuid());
+  FS_RETURN_IF_ERROR(Publisher::ValidateOptions(publisher_options));
+  d->publisher_ = std::make_unique<Publisher>(publisher_options);
+  d->weights_service_ = std::make_unique<WeightsServiceImpl>(d->publisher_.get(), d->access_.get(),
+                                                             config.default_wait);
   AdminServiceOptions admin_options;
   admin_options.store = d->store_.get();
   admin_options.peer_address = d->peer_address_;
@@ -414,6 +424,7 @@ absl::Status Daemon::StartServer(std::shared_ptr<grpc::ServerCredentials> tcp_cr
   }
   builder.RegisterService(shard_service_.get());
   builder.RegisterService(admin_service_.get());
+  builder.RegisterService(weights_service_.get());
   // Plans of large models exceed gRPC's 4 MiB default; bytes never travel here anyway. A
   // request beyond kMaxRequestBytes (README "Limits") is refused before it is parsed.
   builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
@@ -465,8 +476,9 @@ void Daemon::Shutdown() {
   }
   FS_LOG(INFO) << "flatshardd shutting down (grace " << config_.shutdown_grace << ")";
   if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
-  metrics_server_.reset();  // its render reads the store and the groups
-  groups_->Shutdown();      // pending collectives finish with UNAVAILABLE
+  metrics_server_.reset();                 // its render reads the store and the groups
+  groups_->Shutdown();                     // pending collectives finish with UNAVAILABLE
+  if (publisher_) publisher_->Shutdown();  // pending publishes too
   const auto deadline =
       std::chrono::system_clock::now() + absl::ToChronoNanoseconds(config_.shutdown_grace);
   if (peer_service_) peer_service_->Shutdown();  // pending rendezvous fail, streams end

@@ -26,7 +26,9 @@ class CheckpointPeerServiceImpl;
 class GroupManager;
 struct GroupManagerOptions;
 class InstanceLock;
+class Publisher;
 class ShardServiceImpl;
+class WeightsServiceImpl;
 class ShardStore;
 namespace access {
 class AccessControl;
@@ -99,6 +101,8 @@ struct DaemonConfig {
   // their records) for the next daemon and removes only transient buffers. False, or without
   // a state_dir: SIGTERM frees everything (and removes the records).
   bool keep_shards = true;
+  // Published weights: newest versions kept per (owner uid, name) (--weights_keep).
+  int32_t weights_keep = 2;
   // fsync each record and the state directory (crash-consistent across a machine crash too;
   // a process's death, the case restarts serve, needs only the atomic rename).
   bool state_fsync = true;
@@ -155,7 +159,9 @@ class Daemon {
   // Before the services and server_: handlers ask access_, which asks acceptor_.
   std::unique_ptr<access::UnixSocketAcceptor> acceptor_;
   std::unique_ptr<access::AccessControl> access_;
+  std::unique_ptr<Publisher> publisher_;  // after groups_: it reads through them
   std::unique_ptr<ShardServiceImpl> shard_service_;
+  std::unique_ptr<WeightsServiceImpl> weights_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<metrics::MetricsServer> metrics_server_;  // stopped first in Shutdown

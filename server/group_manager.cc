@@ -6,7 +6,10 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "common/limits.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "server/checkpoint/checkpoint_peer_client.h"
 
 namespace flatshard::server {
@@ -245,6 +248,22 @@ absl::StatusOr<GroupManager::CheckpointResult> GroupManager::SaveCheckpoint(
 absl::StatusOr<GroupManager::CheckpointResult> GroupManager::LoadCheckpoint(
     const CheckpointArgs& args, CheckpointProgress* progress) {
   return checkpoints_->LoadCheckpoint(args, progress);
+}
+
+// ---- Published weights ----
+absl::StatusOr<GroupManager::PublisherGroup> GroupManager::CheckPublisher(
+    const Caller& caller) const {
+  FS_RETURN_IF_ERROR(CheckCaller(caller));
+  std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+  absl::MutexLock lock(&held->mu);
+  if (held->removed) {
+    return absl::NotFoundError(absl::StrCat("no group ", Truncated(caller.group), " here"));
+  }
+  return PublisherGroup{held->world_size, held->multi(), held->owner_uid};
+}
+absl::Status GroupManager::ReadCommitted(
+    const CheckpointArgs& args, const std::function<absl::Status(const CommittedCopies&)>& read) {
+  return checkpoints_->ReadCommitted(args, read);
 }
 
 }  // namespace flatshard::server

@@ -351,6 +351,18 @@ class GroupManager : public peer::PeerEvents {
   absl::StatusOr<CheckpointResult> LoadCheckpoint(const CheckpointArgs& args,
                                                   CheckpointProgress* progress);
 
+  // ---- Published weights (server/publish/; README "Publishing weights") ----
+  // What the publisher needs to know of a publishing rank's group: CheckCaller's errors.
+  struct PublisherGroup {
+    int32_t world_size = 0;
+    bool multi = false;      // its ranks join through several daemons
+    int64_t owner_uid = -1;  // the group's uid
+  };
+  absl::StatusOr<PublisherGroup> CheckPublisher(const Caller& caller) const;
+  // Checkpoints::ReadCommitted (documented there).
+  absl::Status ReadCommitted(const CheckpointArgs& args,
+                             const std::function<absl::Status(const CommittedCopies&)>& read);
+
  private:
   ShardStore* const store_;
   const std::vector<std::shared_ptr<gpu::DeviceContext>> gpus_;

@@ -113,6 +113,9 @@ ABSL_FLAG(std::string, state_dir, "",
           "restarts: directory for the groups' records (created 0700), so that a restarted "
           "daemon re-adopts the shards it finds; empty: nothing recorded, a restart loses "
           "the shards (the packaged units pass /var/lib/flatshard/state)");
+ABSL_FLAG(int32_t, weights_keep, 2,
+          "published weights: newest versions kept per name (README \"Publishing weights\"); "
+          "older ones are freed once no reader holds them");
 ABSL_FLAG(bool, keep_shards, true,
           "with --state_dir: SIGTERM leaves shards, gradient shards and committed copies "
           "(and their records) for the next daemon; false: SIGTERM frees everything");
@@ -283,6 +286,7 @@ int main(int argc, char** argv) {
   config.simulate_gpus = absl::GetFlag(FLAGS_simulate_gpus);
   config.state_dir = absl::GetFlag(FLAGS_state_dir);
   config.keep_shards = absl::GetFlag(FLAGS_keep_shards);
+  config.weights_keep = absl::GetFlag(FLAGS_weights_keep);
   config.state_fsync = absl::GetFlag(FLAGS_state_fsync);
   config.testing_commit_copy_pause = absl::GetFlag(FLAGS_testing_commit_copy_pause);
   config.socket_group = absl::GetFlag(FLAGS_socket_group);

@@ -155,6 +155,9 @@ class Buffer {
   // Device buffers: the slab's cudaIpcMemHandle_t bytes and the GPU's uuid; empty otherwise.
   std::string ipc_handle() const;
   std::string device_uuid() const;
+  // Host buffers: the segment's descriptor (the store keeps it open; not to be closed), for
+  // changing who may open the segment (server/publish/: read-only grants); -1 for device ones.
+  int segment_fd() const { return on_device() ? -1 : segment_.fd(); }
   // Free text given to Allocate ("group=g unit=3 rank=1"), used in logs and errors.
   const std::string& label() const { return label_; }
 

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -78,6 +79,22 @@ struct CheckpointsOptions {
   std::string self_peer_address;  // this daemon's peer address (empty: none)
 };
 
+// The committed copies of a module held still (Checkpoints::ReadCommitted): what the
+// publisher (server/publish/) builds a version of weights from.
+struct CommittedCopies {
+  std::string group;
+  std::string module;
+  int32_t world_size = 0;
+  Plan plan;
+  Manifest manifest;
+  std::vector<int32_t> ranks;  // the local ranks, ascending
+  // By position in `ranks`, then by plan unit index: host memory (GPU ranks' device copies
+  // were copied to host buffers first). Null where the rank holds no copy of the unit.
+  std::vector<std::vector<std::shared_ptr<Buffer>>> by_unit;
+  uint64_t generation = 0;
+  int64_t owner_uid = -1;  // the group's
+};
+
 class Checkpoints {
  public:
   explicit Checkpoints(CheckpointsOptions options);
@@ -89,6 +106,13 @@ class Checkpoints {
                                                   CheckpointProgress* progress);
   absl::StatusOr<CheckpointResult> LoadCheckpoint(const CheckpointArgs& args,
                                                   CheckpointProgress* progress);
+  // Calls `read` with the committed copies of every rank of `args.module`, held still (no
+  // commit copies into them meanwhile; commits that land wait), on this thread. Errors: the
+  // hold's (as SaveCheckpoint's: NOT_FOUND, PERMISSION_DENIED, DEADLINE_EXCEEDED while copies
+  // do not come to rest within args.wait); FAILED_PRECONDITION naming the group for a group
+  // whose ranks are spread over several daemons; `read`'s error.
+  absl::Status ReadCommitted(const CheckpointArgs& args,
+                             const std::function<absl::Status(const CommittedCopies&)>& read);
 
  private:
   // The committed shards of a module held still for a save or a load.

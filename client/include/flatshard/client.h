@@ -704,7 +704,7 @@ class Client {
   // --weights_keep versions of each name plus those a reader holds.
   // Errors: INVALID_ARGUMENT for an empty or over-long name, a non-floating options.dtype or
   // ranks passing different arguments (naming the rank and field); NOT_FOUND for a module
-  // this client did not register; FAILED_PRECONDITION when not joined, or for a group spread
+  // the group has not registered; FAILED_PRECONDITION when not joined, or for a group spread
   // over several daemons (not supported yet: named); RESOURCE_EXHAUSTED naming the uid, the
   // quota and its usage when the version does not fit the uid's quota or the daemon's memory
   // limit (nothing is published); DEADLINE_EXCEEDED naming the ranks that did not call.

@@ -1,0 +1,555 @@
+#include "server/publish/publisher.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/limits.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "server/group/access.h"
+#include "server/group_manager.h"
+#include "server/metrics/registry.h"
+#include "server/publish/segment_grant.h"
+#include "server/shard_store.h"
+
+namespace flatshard::server {
+
+struct Publisher::Version {
+  WeightsInfo info;
+  std::shared_ptr<Buffer> buffer;
+  WeightsLayout layout;
+  std::vector<int64_t> reader_uids;
+  std::string token;
+  std::vector<int64_t> acl;  // uids in the segment's ACL so far
+  int32_t readers = 0;       // open leases
+  bool in_table = true;      // false once trimmed or dropped (freed with its last lease)
+};
+
+struct Publisher::Batch {
+  PublishArgs first;  // the first arrival's arguments: every other rank's must equal them
+  int32_t world_size = 0;
+  absl::Time deadline = absl::InfiniteFuture();
+  std::map<int32_t, PublishDone> arrived;  // by rank
+};
+
+struct Publisher::Job {
+  PublishArgs args;
+  std::vector<PublishDone> done;
+};
+
+namespace {
+
+struct WeightsMetrics {
+  metrics::GaugeFamily& versions;
+  metrics::GaugeFamily& bytes;
+  metrics::GaugeFamily& readers;
+  metrics::CounterFamily& publishes;
+};
+
+const WeightsMetrics& Metrics() {
+  static const WeightsMetrics* m = [] {
+    metrics::Registry& r = metrics::DefaultRegistry();
+    return new WeightsMetrics{
+        r.AddGauge("flatshard_weights_versions",
+                   "Published versions of weights alive (kept, or held by a reader)"),
+        r.AddGauge("flatshard_weights_bytes", "Bytes of the published versions alive"),
+        r.AddGauge("flatshard_weights_readers", "Open reader leases on published versions"),
+        r.AddCounter("flatshard_weights_publishes_total",
+                     "Collective publishes of weights, by result", {"code"})};
+  }();
+  return *m;
+}
+
+std::string Quoted(const std::string& name) { return absl::StrCat("\"", name, "\""); }
+
+std::string OwnerText(int64_t uid) {
+  return uid < 0 ? "remote (TCP) callers" : absl::StrCat("uid ", uid);
+}
+
+// "name" of field `what` that rank `rank` passed differs from the first rank's.
+absl::Status Disagree(const PublishArgs& first, const PublishArgs& a, const char* what) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("Publish of module \"", a.module, "\" in group ", a.caller.group, ": rank ",
+                   a.caller.rank, " passed another ", what, " than rank ", first.caller.rank,
+                   " (every rank passes the same arguments)"));
+}
+
+absl::Status Compare(const PublishArgs& first, const PublishArgs& a) {
+  if (a.name != first.name) return Disagree(first, a, "name");
+  if (a.dtype != first.dtype) return Disagree(first, a, "options.dtype");
+  if (a.reader_uids != first.reader_uids) return Disagree(first, a, "options.reader_uids");
+  if (a.reader_token != first.reader_token) return Disagree(first, a, "options.reader_token");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Publisher::ValidateOptions(const PublisherOptions& options) {
+  if (options.keep < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--weights_keep must be >= 1, got ", options.keep));
+  }
+  if (options.fill_threads < 1) {
+    return absl::InvalidArgumentError("Publisher: fill_threads must be >= 1");
+  }
+  return absl::OkStatus();
+}
+
+Publisher::Publisher(PublisherOptions options)
+    : options_(std::move(options)), worker_([this] { Run(); }) {
+  Metrics();  // every family shows (at 0) from the first scrape
+}
+
+Publisher::~Publisher() { Shutdown(); }
+
+void Publisher::Shutdown() {
+  std::vector<PublishDone> failed;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    for (auto& [key, batch] : batches_) {
+      for (auto& [rank, done] : batch->arrived) failed.push_back(std::move(done));
+    }
+    batches_.clear();
+    for (Job& job : jobs_) {
+      for (PublishDone& done : job.done) failed.push_back(std::move(done));
+    }
+    jobs_.clear();
+  }
+  for (PublishDone& done : failed) {
+    done(absl::UnavailableError("flatshardd is shutting down: nothing was published"));
+  }
+  if (worker_.joinable()) worker_.join();
+}
+
+void Publisher::Publish(PublishArgs args, PublishDone done) {
+  if (args.name.empty() || args.name.size() > kMaxGroupBytes) {
+    done(absl::InvalidArgumentError(absl::StrCat("Publish: name must have 1 to ", kMaxGroupBytes,
+                                                 " bytes, got ", args.name.size())));
+    return;
+  }
+  if (args.dtype.has_value() && !IsFloatingPoint(*args.dtype)) {
+    done(absl::InvalidArgumentError(absl::StrCat("Publish: options.dtype ", DTypeName(*args.dtype),
+                                                 " is not a floating type (float32, float16, "
+                                                 "bfloat16)")));
+    return;
+  }
+  absl::StatusOr<GroupManager::PublisherGroup> group = options_.groups->CheckPublisher(args.caller);
+  if (!group.ok()) {
+    done(group.status());
+    return;
+  }
+  if (group->multi) {
+    done(absl::FailedPreconditionError(absl::StrCat(
+        "Publish: group ", args.caller.group,
+        " has ranks on several daemons; publishing weights needs every rank of the group on "
+        "one daemon (multi-daemon publish is not supported yet)")));
+    return;
+  }
+  std::vector<PublishDone> failed;
+  absl::Status why;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) {
+      why = absl::UnavailableError("flatshardd is shutting down: nothing was published");
+      failed.push_back(std::move(done));
+    } else {
+      const auto bkey = std::make_pair(args.caller.group, args.module);
+      std::unique_ptr<Batch>& batch = batches_[bkey];
+      if (batch == nullptr) {
+        batch = std::make_unique<Batch>();
+        batch->first = args;
+        batch->world_size = group->world_size;
+      }
+      if (absl::Status s = Compare(batch->first, args); !s.ok()) {
+        // Ranks that disagree: nobody publishes (the others would wait for nothing).
+        why = s;
+        for (auto& [rank, d] : batch->arrived) failed.push_back(std::move(d));
+        failed.push_back(std::move(done));
+        batches_.erase(bkey);
+      } else {
+        auto old = batch->arrived.find(args.caller.rank);
+        if (old != batch->arrived.end()) {
+          // The same rank again (a restarted trainer): its earlier call is answered by now
+          // or was cancelled; the newest arrival counts.
+          failed.push_back(std::move(old->second));
+          why = absl::AbortedError(absl::StrCat("Publish: rank ", args.caller.rank,
+                                                " called Publish again; this call was replaced"));
+          batch->arrived.erase(old);
+        }
+        batch->deadline = std::min(batch->deadline, args.deadline);
+        batch->arrived[args.caller.rank] = std::move(done);
+        if (static_cast<int32_t>(batch->arrived.size()) == batch->world_size) {
+          Job job;
+          job.args = batch->first;
+          for (auto& [rank, d] : batch->arrived) job.done.push_back(std::move(d));
+          batches_.erase(bkey);
+          jobs_.push_back(std::move(job));
+        }
+      }
+    }
+  }
+  for (PublishDone& d : failed) d(why);
+}
+
+void Publisher::Run() {
+  while (true) {
+    std::vector<std::pair<PublishDone, absl::Status>> expired;
+    std::optional<Job> job;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        if (stopping_ || !jobs_.empty()) return true;
+        const absl::Time now = absl::Now();
+        for (const auto& [key, b] : batches_) {
+          if (b->deadline <= now) return true;
+        }
+        return false;
+      };
+      absl::Time wake = absl::InfiniteFuture();
+      for (const auto& [key, b] : batches_) wake = std::min(wake, b->deadline);
+      // Re-evaluated at most every 100 ms so that batches arriving meanwhile get their
+      // deadlines seen (their arrival signals the lock's condition too).
+      mu_.AwaitWithDeadline(absl::Condition(&ready),
+                            std::min(wake, absl::Now() + absl::Milliseconds(100)));
+      if (stopping_) return;
+      const absl::Time now = absl::Now();
+      for (auto it = batches_.begin(); it != batches_.end();) {
+        if (it->second->deadline > now) {
+          ++it;
+          continue;
+        }
+        std::vector<int32_t> missing;
+        for (int32_t r = 0; r < it->second->world_size; ++r) {
+          if (!it->second->arrived.contains(r)) missing.push_back(r);
+        }
+        const absl::Status s = absl::DeadlineExceededError(
+            absl::StrCat("Publish of module \"", it->first.second, "\" in group ", it->first.first,
+                         ": rank(s) ", absl::StrJoin(missing, ", "),
+                         " did not call Publish in time (it is collective: every rank calls it)"));
+        for (auto& [rank, d] : it->second->arrived) expired.emplace_back(std::move(d), s);
+        it = batches_.erase(it);
+      }
+      if (!jobs_.empty()) {
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+    }
+    for (auto& [d, s] : expired) {
+      Metrics().publishes.WithLabels({absl::StatusCodeToString(s.code())}).Increment();
+      d(s);
+    }
+    if (job.has_value()) Build(std::move(*job));
+  }
+}
+
+absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const Job& job) {
+  const PublishArgs& a = job.args;
+  CheckpointArgs hold;
+  hold.group = a.caller.group;
+  hold.module = a.module;
+  hold.uid = a.caller.uid;
+  hold.wait = std::max(absl::Seconds(1), a.deadline - absl::Now());
+  auto v = std::make_shared<Version>();
+  FS_RETURN_IF_ERROR(options_.groups->ReadCommitted(hold, [&](const CommittedCopies& c) {
+    FS_ASSIGN_OR_RETURN(v->layout, LayOutWeights(c.plan, c.manifest, a.dtype));
+    absl::StatusOr<std::shared_ptr<Buffer>> buffer = options_.store->Allocate(
+        BufferKind::kStaging, v->layout.bytes,
+        absl::StrCat("weights name=", a.name, " group=", c.group), c.owner_uid);
+    if (!buffer.ok()) {
+      return absl::Status(
+          buffer.status().code(),
+          absl::StrCat("Publish of weights ", Quoted(a.name), " (", v->layout.bytes, " bytes for ",
+                       OwnerText(c.owner_uid), "): ", buffer.status().message()));
+    }
+    v->buffer = *std::move(buffer);
+    FS_RETURN_IF_ERROR(FillWeights(c.plan, v->layout, c.ranks, c.by_unit, v->buffer->data(),
+                                   options_.fill_threads));
+    v->info.generation = c.generation;
+    v->info.owner_uid = c.owner_uid;
+    v->info.group = c.group;
+    v->info.module = c.module;
+    return absl::OkStatus();
+  }));
+  // Read-only from now on, for everybody (the daemon keeps its read-write descriptor).
+  const int fd = v->buffer->segment_fd();
+  if (fd >= 0) {
+    FS_RETURN_IF_ERROR(SealReadOnly(fd));
+    std::vector<int64_t> uids;
+    for (int64_t u : a.reader_uids) {
+      if (u >= 0 && u != v->info.owner_uid) uids.push_back(u);
+    }
+    if (!uids.empty()) {
+      FS_RETURN_IF_ERROR(GrantRead(fd, uids));
+      v->acl = uids;
+    }
+  }
+  v->info.name = a.name;
+  v->info.bytes = v->layout.bytes;
+  v->info.tensors = static_cast<int32_t>(v->layout.entries.size());
+  v->reader_uids = a.reader_uids;
+  v->token = a.reader_token;
+  return v;
+}
+
+void Publisher::Build(Job job) {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::shared_ptr<Version>> made = MakeVersion(job);
+  absl::StatusOr<WeightsInfo> result = made.status();
+  std::vector<std::shared_ptr<Version>> freed;
+  std::vector<std::pair<std::shared_ptr<WeightsWatcher>, WeightsInfo>> notify;
+  if (made.ok()) {
+    std::shared_ptr<Version> v = *made;
+    absl::MutexLock lock(&mu_);
+    const Key key{v->info.owner_uid, v->info.name};
+    v->info.version = ++last_version_[key];
+    table_[key][v->info.version] = v;
+    TrimLocked(key, &freed);
+    for (const auto& [id, w] : watches_) {
+      if (w.key == key && CheckReader(*v, w.uid, w.token, Admin(w.uid)).ok()) {
+        notify.emplace_back(w.watcher, v->info);
+      }
+    }
+    UpdateGaugesLocked();
+    result = v->info;
+  }
+  freed.clear();  // buffers unmapped here, after the lock
+  Metrics().publishes.WithLabels({absl::StatusCodeToString(result.status().code())}).Increment();
+  if (result.ok()) {
+    FS_LOG(INFO) << "published weights " << Quoted(result->name) << " version " << result->version
+                 << " of " << OwnerText(result->owner_uid) << " group=" << result->group
+                 << " module=\"" << result->module << "\" generation=" << result->generation << " ("
+                 << result->bytes << " bytes, " << result->tensors << " tensors, "
+                 << absl::ToDoubleMilliseconds(absl::Now() - start) << " ms)";
+  } else {
+    FS_LOG(WARNING) << "publish of weights " << Quoted(job.args.name)
+                    << " group=" << job.args.caller.group << " failed: " << result.status();
+  }
+  for (auto& [w, info] : notify) w->Deliver(info);
+  for (PublishDone& d : job.done) d(result);
+}
+
+void Publisher::TrimLocked(const Key& key, std::vector<std::shared_ptr<Version>>* freed) {
+  auto it = table_.find(key);
+  if (it == table_.end()) return;
+  auto& versions = it->second;
+  int newer = 0;  // versions newer than the one looked at
+  for (auto v = versions.rbegin(); v != versions.rend();) {
+    if (newer++ < options_.keep || v->second->readers > 0) {
+      ++v;
+      continue;
+    }
+    v->second->in_table = false;
+    freed->push_back(v->second);
+    v = decltype(v)(versions.erase(std::next(v).base()));
+  }
+  if (versions.empty()) table_.erase(it);
+}
+
+absl::Status Publisher::CheckReader(const Version& v, int64_t uid, const std::string& token,
+                                    bool admin) {
+  if (admin || uid == v.info.owner_uid) return absl::OkStatus();
+  if (std::find(v.reader_uids.begin(), v.reader_uids.end(), uid) != v.reader_uids.end()) {
+    return absl::OkStatus();
+  }
+  if (!v.token.empty() && internal::TokensEqual(token, v.token)) return absl::OkStatus();
+  return absl::PermissionDeniedError(
+      absl::StrCat(OwnerText(uid), " may not read weights ", Quoted(v.info.name), " of ",
+                   OwnerText(v.info.owner_uid),
+                   token.empty() ? " (no reader token given" : " (wrong reader token",
+                   "; the publisher grants uids with reader_uids and readers with reader_token)"));
+}
+
+absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::FindLocked(
+    const WeightsSelector& selector, int64_t uid) const {
+  const int64_t owner = selector.owner_uid == -2 ? uid : selector.owner_uid;
+  auto it = table_.find(Key{owner, selector.name});
+  if (it == table_.end() || it->second.empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("no published weights ", Quoted(selector.name), " of ", OwnerText(owner),
+                     " on this daemon (published versions do not survive a daemon restart)"));
+  }
+  std::shared_ptr<Version> v;
+  if (selector.version == 0) {
+    v = it->second.rbegin()->second;
+  } else if (auto f = it->second.find(selector.version); f != it->second.end()) {
+    v = f->second;
+  } else {
+    std::vector<uint64_t> have;
+    for (const auto& [n, x] : it->second) have.push_back(n);
+    return absl::NotFoundError(absl::StrCat("weights ", Quoted(selector.name), " of ",
+                                            OwnerText(owner), " have no version ", selector.version,
+                                            " (versions here: ", absl::StrJoin(have, ", "), ")"));
+  }
+  FS_RETURN_IF_ERROR(CheckReader(*v, uid, selector.token, Admin(uid)));
+  return v;
+}
+
+namespace {
+WeightsDescriptor DescriptorOf(const WeightsInfo& info, const Buffer& b,
+                               const WeightsLayout& layout) {
+  WeightsDescriptor d;
+  d.info = info;
+  d.segment = b.segment_name();
+  d.segment_bytes = b.segment_bytes();
+  d.tensors = layout.entries;
+  return d;
+}
+}  // namespace
+
+absl::StatusOr<WeightsDescriptor> Publisher::Open(const WeightsSelector& selector, int64_t uid,
+                                                  uint64_t* lease) {
+  absl::MutexLock lock(&mu_);
+  FS_ASSIGN_OR_RETURN(std::shared_ptr<Version> v, FindLocked(selector, uid));
+  const int fd = v->buffer->segment_fd();
+  // Admit the reader's uid to the segment (the kernel checks it at shm_open). Cheap
+  // (an xattr on tmpfs), so it runs under the lock that orders the ACL's updates.
+  if (fd >= 0 && uid != v->info.owner_uid && !Admin(uid)) {
+    if (uid < 0) {
+      FS_RETURN_IF_ERROR(GrantReadToAll(fd));
+    } else if (std::find(v->acl.begin(), v->acl.end(), uid) == v->acl.end()) {
+      std::vector<int64_t> acl = v->acl;
+      acl.push_back(uid);
+      FS_RETURN_IF_ERROR(GrantRead(fd, acl));
+      v->acl = std::move(acl);
+    }
+  }
+  ++v->readers;
+  *lease = next_id_++;
+  leases_[*lease] = v;
+  UpdateGaugesLocked();
+  WeightsDescriptor d = DescriptorOf(v->info, *v->buffer, v->layout);
+  d.info.readers = v->readers;
+  return d;
+}
+
+void Publisher::Release(uint64_t lease) {
+  std::vector<std::shared_ptr<Version>> freed;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = leases_.find(lease);
+    if (it == leases_.end()) return;
+    std::shared_ptr<Version> v = std::move(it->second);
+    leases_.erase(it);
+    if (--v->readers == 0) {
+      if (v->in_table) {
+        TrimLocked(Key{v->info.owner_uid, v->info.name}, &freed);
+      } else {
+        freed.push_back(v);
+      }
+    }
+    UpdateGaugesLocked();
+  }
+}
+
+absl::StatusOr<uint64_t> Publisher::Watch(const WeightsSelector& selector, int64_t uid,
+                                          uint64_t after, std::shared_ptr<WeightsWatcher> watcher) {
+  std::optional<WeightsInfo> now;
+  uint64_t id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const int64_t owner = selector.owner_uid == -2 ? uid : selector.owner_uid;
+    const Key key{owner, selector.name};
+    id = next_id_++;
+    watches_[id] = WatchEntry{key, uid, selector.token, watcher};
+    if (auto it = table_.find(key); it != table_.end() && !it->second.empty()) {
+      const Version& v = *it->second.rbegin()->second;
+      if (v.info.version > after && CheckReader(v, uid, selector.token, Admin(uid)).ok()) {
+        now = v.info;
+      }
+    }
+  }
+  if (now.has_value()) watcher->Deliver(*now);
+  return id;
+}
+
+void Publisher::Unwatch(uint64_t id) {
+  std::shared_ptr<WeightsWatcher> gone;  // released after the lock
+  absl::MutexLock lock(&mu_);
+  if (auto it = watches_.find(id); it != watches_.end()) {
+    gone = std::move(it->second.watcher);
+    watches_.erase(it);
+  }
+}
+
+std::vector<WeightsInfo> Publisher::List(int64_t uid, const std::string& name) const {
+  std::vector<WeightsInfo> out;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, versions] : table_) {
+    if (!name.empty() && key.second != name) continue;
+    for (const auto& [n, v] : versions) {
+      if (!CheckReader(*v, uid, "", Admin(uid)).ok()) continue;
+      out.push_back(v->info);
+      out.back().readers = v->readers;
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<WeightsDescriptor> Publisher::Inspect(const WeightsSelector& selector,
+                                                     int64_t uid) const {
+  absl::MutexLock lock(&mu_);
+  FS_ASSIGN_OR_RETURN(std::shared_ptr<Version> v, FindLocked(selector, uid));
+  WeightsDescriptor d = DescriptorOf(v->info, *v->buffer, v->layout);
+  d.info.readers = v->readers;
+  return d;
+}
+
+absl::StatusOr<int> Publisher::Drop(const WeightsSelector& selector, int64_t uid) {
+  std::vector<std::shared_ptr<Version>> freed;
+  int dropped = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const int64_t owner = selector.owner_uid == -2 ? uid : selector.owner_uid;
+    WeightsSelector s = selector;
+    s.owner_uid = owner;
+    FS_RETURN_IF_ERROR(FindLocked(s, uid).status());
+    if (uid != owner && !Admin(uid)) {
+      return absl::PermissionDeniedError(
+          absl::StrCat(OwnerText(uid), " may not drop weights ", Quoted(selector.name), " of ",
+                       OwnerText(owner), " (only the owner or an admin may)"));
+    }
+    auto it = table_.find(Key{owner, selector.name});
+    auto& versions = it->second;
+    for (auto v = versions.begin(); v != versions.end();) {
+      if (selector.version != 0 && v->first != selector.version) {
+        ++v;
+        continue;
+      }
+      v->second->in_table = false;
+      if (v->second->readers == 0) freed.push_back(v->second);
+      v = versions.erase(v);
+      ++dropped;
+    }
+    if (versions.empty()) table_.erase(it);
+    UpdateGaugesLocked();
+  }
+  FS_LOG(INFO) << "dropped " << dropped << " version(s) of weights " << Quoted(selector.name)
+               << " (by " << OwnerText(uid) << ")";
+  return dropped;
+}
+
+void Publisher::UpdateGaugesLocked() {
+  std::set<const Version*> alive;
+  int64_t bytes = 0, readers = 0;
+  auto add = [&](const std::shared_ptr<Version>& v) {
+    if (alive.insert(v.get()).second) bytes += v->info.bytes;
+  };
+  for (const auto& [key, versions] : table_) {
+    for (const auto& [n, v] : versions) add(v);
+  }
+  for (const auto& [id, v] : leases_) {
+    add(v);
+    ++readers;
+  }
+  const WeightsMetrics& m = Metrics();
+  m.versions.WithLabels({}).Set(static_cast<double>(alive.size()));
+  m.bytes.WithLabels({}).Set(static_cast<double>(bytes));
+  m.readers.WithLabels({}).Set(static_cast<double>(readers));
+}
+
+}  // namespace flatshard::server

@@ -1,0 +1,209 @@
+#pragma once
+// Publisher: the owner of published weights (README "Publishing weights", issue 25).
+//
+// A training group publishes the committed step of a registered module as version V of a
+// name (Publish, collective over the group's ranks). Readers that are no members of any group
+// (inference engines) open a version (Open: a lease) or watch for new ones (Watch).
+//
+// Design:
+// - Names are scoped by the publisher's uid (the group's): the key is (owner_uid, name).
+//   Version numbers start at 1 and increase per key; they are never reused while the daemon
+//   lives (dropped and freed numbers included). Versions do not survive a daemon restart:
+//   readers then get NOT_FOUND saying so.
+// - A version is built from the committed copies (Checkpoints::ReadCommitted holds them still,
+//   so commits that land meanwhile wait and trainers that go on training change nothing):
+//   every parameter whole, padding dropped, in the unwrapped module's state_dict layout, cast
+//   if asked (weights_layout.h), into ONE new host segment (a kStaging buffer of the store,
+//   allocated for the owner uid, so the bytes count against that uid's quota and the daemon's
+//   memory limit). Sealed read-only (mode 0400) and only then inserted in the table: readers
+//   see all of it or nothing; a publisher or daemon killed before the insert leaves nothing.
+// - Groups whose ranks join through several daemons are refused (FAILED_PRECONDITION naming
+//   the group): each daemon holds only its own ranks' committed copies and gathering them is
+//   not built yet.
+// - Access: the owner uid, the uids the publisher granted and callers presenting the granted
+//   token may open a version; admin callers (root, the daemon's uid) may list, inspect and
+//   drop everything. A reader of another uid is added to the segment's ACL when admitted
+//   (segment_grant.h); its mapping is O_RDONLY and PROT_READ.
+// - Bounds: the newest `keep` versions of each key stay, plus any version a lease holds; the
+//   rest are removed from the table at once and freed when their last lease ends. Drop removes
+//   versions the same way.
+//
+// Thread safety: thread-safe. One lock (mu_), a leaf: never held across a copy, an allocation,
+// a group's lock, a callback or gRPC. Builds run on the publisher's own worker thread (never
+// on a gRPC reactor); callbacks run on that thread or the caller's, never under mu_.
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/dtype.h"
+#include "common/rpc_types.h"
+#include "server/publish/weights_layout.h"
+
+namespace flatshard::server {
+
+class Buffer;
+class GroupManager;
+class ShardStore;
+
+// One version as List, Watch and Publish report it.
+struct WeightsInfo {
+  std::string name;
+  int64_t owner_uid = -1;
+  uint64_t version = 0;
+  uint64_t generation = 0;
+  int64_t bytes = 0;
+  int32_t tensors = 0;
+  int32_t readers = 0;  // open leases now
+  std::string group;
+  std::string module;
+};
+
+// What a reader maps: the segment and the index.
+struct WeightsDescriptor {
+  WeightsInfo info;
+  std::string segment;
+  int64_t segment_bytes = 0;
+  std::vector<WeightsEntry> tensors;
+};
+
+// Which version a reader means.
+struct WeightsSelector {
+  std::string name;
+  int64_t owner_uid = -2;  // -2: the caller's own uid
+  uint64_t version = 0;    // 0: the latest
+  std::string token;
+};
+
+struct PublishArgs {
+  Caller caller;  // with its uid
+  std::string module;
+  std::string name;
+  std::optional<DType> dtype;
+  std::vector<int64_t> reader_uids;
+  std::string reader_token;
+  absl::Time deadline = absl::InfiniteFuture();  // for the other ranks' arrivals
+};
+
+// A Watch's receiver (the service's stream). Deliver runs on the publisher's threads, never
+// under its lock, possibly after the watch was removed (it must then do nothing).
+class WeightsWatcher {
+ public:
+  virtual ~WeightsWatcher() = default;
+  virtual void Deliver(const WeightsInfo& version) = 0;
+};
+
+struct PublisherOptions {
+  ShardStore* store = nullptr;
+  GroupManager* groups = nullptr;
+  int keep = 2;             // --weights_keep: newest versions kept per name
+  int fill_threads = 4;     // threads copying one version
+  int64_t daemon_uid = -1;  // admin callers: this uid and root
+};
+
+class Publisher {
+ public:
+  explicit Publisher(PublisherOptions options);
+  Publisher(const Publisher&) = delete;
+  Publisher& operator=(const Publisher&) = delete;
+  // Shutdown(), then frees the table (leases' mappings in readers stay valid).
+  ~Publisher();
+
+  // "--weights_keep must be >= 1" and friends; OK otherwise.
+  static absl::Status ValidateOptions(const PublisherOptions& options);
+
+  using PublishDone = absl::AnyInvocable<void(absl::StatusOr<WeightsInfo>)>;
+  // One rank's arrival at a collective publish; `done` runs once (on the worker thread or
+  // here) when every rank of the group arrived and the version is in the table, or with the
+  // error: INVALID_ARGUMENT (a bad name or dtype; ranks that disagree, naming the rank and the
+  // field), CheckCaller's errors, FAILED_PRECONDITION (multi-daemon group; nothing committed),
+  // RESOURCE_EXHAUSTED (quota or memory limit: uid, quota, usage), DEADLINE_EXCEEDED naming
+  // the ranks that did not arrive by args.deadline, UNAVAILABLE after Shutdown.
+  void Publish(PublishArgs args, PublishDone done);
+
+  // Admits `uid` to the selected version and takes a lease on it (`*lease`): the version is
+  // not freed before Release(*lease). NOT_FOUND naming the owner uid, name and version (and
+  // the versions there are); PERMISSION_DENIED naming the uid when it is not granted.
+  absl::StatusOr<WeightsDescriptor> Open(const WeightsSelector& selector, int64_t uid,
+                                         uint64_t* lease);
+  // Ends a lease; the version is freed once no lease holds it and it is not kept. Idempotent.
+  void Release(uint64_t lease);
+
+  // Watches the selected key (selector.version is ignored): `watcher` receives the newest
+  // version newer than `after` now (if any, before this returns) and each later one, but only
+  // versions `uid` (or selector.token) may open, so a key may be watched before its first
+  // version exists. Returns the watch's id for Unwatch. No errors today.
+  absl::StatusOr<uint64_t> Watch(const WeightsSelector& selector, int64_t uid, uint64_t after,
+                                 std::shared_ptr<WeightsWatcher> watcher);
+  void Unwatch(uint64_t id);
+
+  // The versions `uid` may open (all for admin callers) of `name` (empty: all names).
+  std::vector<WeightsInfo> List(int64_t uid, const std::string& name) const;
+  // The selected version's descriptor, without a lease. Errors as Open.
+  absl::StatusOr<WeightsDescriptor> Inspect(const WeightsSelector& selector, int64_t uid) const;
+  // Removes the selected version (selector.version 0: every version of the name) from the
+  // table; the owner or an admin caller only (PERMISSION_DENIED). NOT_FOUND as Open. Returns
+  // how many were removed.
+  absl::StatusOr<int> Drop(const WeightsSelector& selector, int64_t uid);
+
+  // Fails pending arrivals (UNAVAILABLE) and stops the worker. Idempotent.
+  void Shutdown();
+
+ private:
+  using Key = std::pair<int64_t, std::string>;  // (owner uid, name)
+  struct Version;
+  struct Batch;
+  struct Job;
+
+  bool Admin(int64_t uid) const { return uid == 0 || uid == options_.daemon_uid; }
+  // The selected version, checked for `uid`. REQUIRES: mu_.
+  absl::StatusOr<std::shared_ptr<Version>> FindLocked(const WeightsSelector& selector,
+                                                      int64_t uid) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  static absl::Status CheckReader(const Version& v, int64_t uid, const std::string& token,
+                                  bool admin);
+  // Drops what falls out of the newest `keep` of `key` and holds no lease into `freed`.
+  void TrimLocked(const Key& key, std::vector<std::shared_ptr<Version>>* freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The worker: builds complete batches, fails expired ones.
+  void Run();
+  void Build(Job job);
+  absl::StatusOr<std::shared_ptr<Version>> MakeVersion(const Job& job);
+
+  const PublisherOptions options_;
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<Key, std::map<uint64_t, std::shared_ptr<Version>>> table_ ABSL_GUARDED_BY(mu_);
+  std::map<Key, uint64_t> last_version_ ABSL_GUARDED_BY(mu_);  // never reused
+  std::map<uint64_t, std::shared_ptr<Version>> leases_ ABSL_GUARDED_BY(mu_);
+  struct WatchEntry {
+    Key key;
+    int64_t uid = -1;
+    std::string token;
+    std::shared_ptr<WeightsWatcher> watcher;
+  };
+  std::map<uint64_t, WatchEntry> watches_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // Arrivals by (group, module): one collective publish at a time per module.
+  std::map<std::pair<std::string, std::string>, std::unique_ptr<Batch>> batches_
+      ABSL_GUARDED_BY(mu_);
+  std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);  // complete batches to build, in order
+  std::thread worker_;                         // last: starts after everything it uses
+};
+
+}  // namespace flatshard::server
