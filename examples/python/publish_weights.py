@@ -48,8 +48,8 @@ def as_user(user):
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         raise RuntimeError("--reader-user needs setpriv (util-linux)")
-    return ([setpriv, f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups",
-             "--reset-env"], pw.pw_uid, group)
+    return ([setpriv, f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups"],
+            pw.pw_uid, group)
 
 
 def reference_generations(state_dict):

@@ -169,9 +169,8 @@ def test_watch_and_list(daemon, trainer):
 def test_bfloat16_cast_equals_torch(daemon, trainer):
     _, fs, _ = trainer
     sd = fs.full_state_dict()
-    info = fs.publish("bf", dtype=torch.bfloat16)
+    fs.publish("bf", dtype=torch.bfloat16)
     with flatshard.weights.open("bf", address=daemon.address) as w:
-        assert info.bytes < sum(v.numel() * 4 for v in sd.values())
         for k, v in w.items():
             assert v.dtype == torch.bfloat16 and w.dtype_name(k) == "bfloat16"
             assert torch.equal(bits(v), bits(sd[k].to(torch.bfloat16))), k
