@@ -197,8 +197,9 @@ class Weights(Mapping):
 
 
 class Reader:
-    """A connection to a daemon for reading published weights (``flatshard.weights.open``
-    keeps one per address). ``address`` and timeouts as ``flatshard.Client``'s."""
+    """A connection to a daemon for reading published weights, for several calls (the
+    module's functions connect per call). ``address`` and timeouts as ``flatshard.Client``'s;
+    ``close()`` (or a ``with`` block) drops the connection, versions it opened stay open."""
 
     def __init__(self, address: Optional[str] = None, call_timeout: float = 30.0,
                  max_attempts: int = 5, *, tls_ca_file: str = "", tls_cert_file: str = "",
@@ -259,36 +260,26 @@ class Reader:
         return f"flatshard.weights.Reader({self.address!r})"
 
 
-_READERS: dict[str, Reader] = {}
-_READERS_LOCK = threading.Lock()
-
-
-def _reader(address: Optional[str]) -> Reader:
-    addr = default_address() if address is None else address
-    with _READERS_LOCK:
-        r = _READERS.get(addr)
-    if r is None:
-        r = Reader(addr)  # connects outside the lock
-        with _READERS_LOCK:
-            r = _READERS.setdefault(addr, r)
-    return r
-
-
 def open(name: str, version: Union[str, int] = "latest", *, owner: Optional[int] = None,
          token: Optional[str] = None, address: Optional[str] = None) -> Weights:
     """Opens version ``version`` ("latest" or a number) of the published weights ``name``:
-    a read-only Mapping FQN -> zero-copy tensor (see the module docstring)."""
-    return _reader(address).open(name, version, owner=owner, token=token)
+    a read-only Mapping FQN -> zero-copy tensor (see the module docstring). Connects for
+    this call (the version holds its own lease); a ``Reader`` keeps one connection."""
+    with Reader(address) as r:
+        return r.open(name, version, owner=owner, token=token)
 
 
 def watch(name: str, after: int = 0, timeout: Optional[float] = None, *,
           owner: Optional[int] = None, token: Optional[str] = None,
           address: Optional[str] = None) -> Iterator[PublishedVersion]:
     """Yields the info of each version of ``name`` newer than ``after`` as it appears (the
-    newest one at each wake-up); returns when none appeared for ``timeout`` seconds."""
-    return _reader(address).watch(name, after, timeout, owner=owner, token=token)
+    newest one at each wake-up); returns when none appeared for ``timeout`` seconds. The
+    generator holds its own connection until it is closed or garbage-collected."""
+    with Reader(address) as r:
+        yield from r.watch(name, after, timeout, owner=owner, token=token)
 
 
 def list(address: Optional[str] = None) -> builtins.list[PublishedVersion]:  # noqa: A001
     """Every published version this caller may read on the daemon."""
-    return _reader(address).list()
+    with Reader(address) as r:
+        return r.list()
