@@ -299,7 +299,8 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const
 void Publisher::Build(Job job) {
   const absl::Time start = absl::Now();
   absl::StatusOr<std::shared_ptr<Version>> made = MakeVersion(job);
-  absl::StatusOr<WeightsInfo> result = made.status();
+  absl::StatusOr<WeightsInfo> result =
+      made.ok() ? absl::StatusOr<WeightsInfo>(WeightsInfo{}) : made.status();
   std::vector<std::shared_ptr<Version>> freed;
   std::vector<std::pair<std::shared_ptr<WeightsWatcher>, WeightsInfo>> notify;
   if (made.ok()) {
