@@ -22,7 +22,7 @@ import torch.nn as nn
 import flatshard
 import flatshard.testing
 import flatshard.weights
-from flatshard.torch import FlatShardModule
+from flatshard.torch import FlatShardModule, summon_full_params
 
 from conftest import SOURCE_DIR
 
@@ -187,6 +187,9 @@ def test_publish_refuses_uncommitted_steps_or_commits_them(daemon, trainer):
     with pytest.raises(flatshard.FailedPreconditionError) as e:
         fs.publish("u")
     assert "uncommitted" in e.value.message and "commit=True" in e.value.message
+    with summon_full_params(fs, writeback=False):
+        with pytest.raises(AssertionError, match="publish"):
+            fs.publish("u", commit=True)  # as commit(): not inside a summon
     info = fs.publish("u", commit=True)
     assert fs.generation == before + 1 == info.generation and info.version == 1
     with flatshard.weights.open("u", address=daemon.address) as w:

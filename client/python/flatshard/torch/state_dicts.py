@@ -216,6 +216,7 @@ class _StateDicts:
         FailedPreconditionError before publishing (as ``save_checkpoint``) instead of
         silently publishing an older generation; the other ranks' publish then fails too,
         naming this rank, once their deadline passes."""
+        self._recover()  # as commit(): a failed step's leftovers, deferred summon Ends
         if self._state != TrainingState.IDLE:
             raise AssertionError("FlatShardModule.publish: called inside a forward/backward "
                                  "or summon_full_params")
