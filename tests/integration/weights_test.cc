@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/client_internal.h"
 #include "common/checkpoint/checkpoint.h"
 #include "common/plan.h"
 #include "flatshard/client.h"
@@ -36,6 +37,7 @@
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
+#include "tests/testing/simulated_gpu.h"
 
 namespace flatshard::client {
 namespace {
@@ -58,8 +60,12 @@ ClientOptions Options(const std::string& address) {
   return o;
 }
 
-std::unique_ptr<Client> Connect(const std::string& address) {
-  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(Options(address));
+// `simulated_gpus`: against flatshardd --simulate_gpus (device shards over host shm).
+std::unique_ptr<Client> Connect(const std::string& address, bool simulated_gpus = false) {
+  absl::StatusOr<std::unique_ptr<Client>> c =
+      simulated_gpus
+          ? internal::ConnectWithGpuApis(Options(address), ::flatshard::testing::SimulatedGpuApis())
+          : Client::Connect(Options(address));
   EXPECT_TRUE(c.ok()) << c.status();
   return c.ok() ? *std::move(c) : nullptr;
 }
@@ -90,9 +96,10 @@ struct Trainers {
   std::shared_ptr<const Plan> plan;
   std::string manifest = ExampleModelFile("gpt_tied", "manifest");
 
-  Trainers(const Cluster& d, int world, const std::string& group) : c(world) {
+  Trainers(const Cluster& d, int world, const std::string& group, bool simulated_gpus = false)
+      : c(world) {
     RunRanks(world, [&](int r) {
-      c[r] = Connect(d.AddressFor(r));
+      c[r] = Connect(d.AddressFor(r), simulated_gpus);
       ASSERT_NE(c[r], nullptr);
       ASSERT_TRUE(c[r]->Join(group, world, r, kToken, d.coordinator()).ok());
       absl::StatusOr<RegisteredModule> m =
@@ -221,6 +228,66 @@ TEST(WeightsTest, PublishesTheCommittedStepInStateDictLayoutAndCasts) {
   ExpectHolds(*t.plan, t.manifest, **cast, 3, /*bf16=*/true);
   // Version 1 is still open and unchanged.
   ExpectHolds(*t.plan, t.manifest, **v, 1);
+}
+
+// Device shards (flatshardd --simulate_gpus: the daemon's GPU code paths over host memory):
+// the committed copies are copied to host through the device context; the version is host.
+TEST(WeightsTest, PublishesDeviceShardsOfASimulatedGpuDaemon) {
+  ::flatshard::testing::ClusterOptions o;
+  o.extra_flags = {"--simulate_gpus=2"};
+  Cluster d(Layout::kSingle, o);
+  Trainers t(d, 2, "gpu", /*simulated_gpus=*/true);
+  absl::StatusOr<ShardViews> views = t.c[0]->GetShardViews("");
+  ASSERT_TRUE(views.ok()) << views.status();
+  ASSERT_GE(views->units().front().device, 0) << "the shards should be device memory";
+  t.Step(1, /*commit=*/true);
+  for (const auto& p : t.Publish("gpt")) ASSERT_TRUE(p.ok()) << p.status();
+  std::unique_ptr<WeightsReader> r = Reader(d.AddressFor(0));
+  absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r->Open("gpt");
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ((*v)->tensors()[0].device, -1);
+  ExpectHolds(*t.plan, t.manifest, **v, 1);
+}
+
+// flatshardctl weights list / inspect / drop, with --json.
+std::string RunCtl(const std::string& cmd, int* exit_code) {
+  std::string out;
+  FILE* f = popen(cmd.c_str(), "r");
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof(buf), f)) > 0;) out.append(buf, n);
+  const int status = pclose(f);
+  *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
+TEST(WeightsTest, FlatshardctlListsInspectsAndDrops) {
+  Cluster d(Layout::kSingle);
+  Trainers t(d, 1, "ctl");
+  t.Step(1, true);
+  ASSERT_TRUE(t.Publish("gpt")[0].ok());
+  const std::string ctl = absl::StrCat(std::string(FS_BINARY_DIR), "/client/flatshardctl weights ");
+  const std::string sock = absl::StrCat(" --socket ", d.SocketFor(0));
+  int code = -1;
+  std::string out = RunCtl(ctl + "list --json" + sock, &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("\"name\": \"gpt\""));
+  EXPECT_THAT(out, HasSubstr("\"version\": 1"));
+  EXPECT_THAT(out, HasSubstr("\"group\": \"ctl\""));
+  out = RunCtl(ctl + "inspect gpt" + sock, &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr(t.plan->units[0].params[0].fqn));
+  EXPECT_THAT(out, HasSubstr("float32"));
+  out = RunCtl(ctl + "inspect gpt --version 9" + sock + " 2>&1", &code);
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_THAT(out, HasSubstr("no version 9"));
+  out = RunCtl(ctl + "drop gpt --version 1 --json" + sock, &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("\"dropped\": 1"));
+  out = RunCtl(ctl + "list" + sock, &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("no published weights"));
+  out = RunCtl(ctl + "frobnicate" + sock + " 2>&1", &code);
+  EXPECT_EQ(code, 2) << out;
 }
 
 TEST(WeightsTest, KeepsTheNewestAndWhatReadersHoldAndFreesTheRest) {
