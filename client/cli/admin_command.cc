@@ -164,8 +164,8 @@ int RunAdminCommand(const AdminCommandSpec& spec, const std::vector<std::string>
   // sends (it bounds what goes into them; README "Limits"), not gRPC's 4 MiB default.
   grpc::ChannelArguments channel_args;
   channel_args.SetMaxReceiveMessageSize(-1);
-  call.stub_ = v1::AdminService::NewStub(
-      grpc::CreateCustomChannel(call.target_, *credentials, channel_args));
+  call.channel_ = grpc::CreateCustomChannel(call.target_, *credentials, channel_args);
+  call.stub_ = v1::AdminService::NewStub(call.channel_);
   return body(call);
 }
 

@@ -50,6 +50,8 @@ class AdminCall {
   const std::string& target() const { return target_; }
   int64_t timeout_ms() const { return timeout_ms_; }
   v1::AdminService::Stub& stub() { return *stub_; }
+  // The channel behind stub(), for commands of other services (weights).
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
 
   // Sets the deadline of a call: now + --timeout-ms + `extra`.
   void SetDeadline(grpc::ClientContext& ctx, absl::Duration extra = absl::ZeroDuration()) const;
@@ -68,6 +70,7 @@ class AdminCall {
   std::vector<std::string> args_;
   std::string target_;
   int64_t timeout_ms_ = 0;
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::AdminService::Stub> stub_;
 };
 

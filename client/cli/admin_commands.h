@@ -24,5 +24,7 @@ int RunLogLevelCommand(const std::vector<std::string>& args);
 int RunDeleteGroupCommand(const std::vector<std::string>& args);
 // `flatshardctl checkpoint save|load|import|inspect|export` (checkpoint_command.cc).
 int RunCheckpointCommand(const std::vector<std::string>& args);
+// `flatshardctl weights list|inspect|drop` (weights_command.cc): published weights.
+int RunWeightsCommand(const std::vector<std::string>& args);
 
 }  // namespace flatshard::cli

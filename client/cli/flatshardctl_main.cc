@@ -29,6 +29,7 @@ constexpr char kUsage[] =
     "  log-level  set or show its log level\n"
     "  delete-group  remove a group every rank has left, with its shards\n"
     "  checkpoint save|load|import  write or load a module's checkpoint, import safetensors\n"
+    "  weights list|inspect|drop  published weights: versions, their tensors, drop one\n"
     "\n"
     "Offline: checkpoint inspect|export  check a checkpoint directory, export safetensors\n"
     "\n"
@@ -62,6 +63,7 @@ int main(int argc, char** argv) {
   if (command == "log-level") return flatshard::cli::RunLogLevelCommand(args);
   if (command == "delete-group") return flatshard::cli::RunDeleteGroupCommand(args);
   if (command == "checkpoint") return flatshard::cli::RunCheckpointCommand(args);
+  if (command == "weights") return flatshard::cli::RunWeightsCommand(args);
   std::string shown = command;
   for (char& c : shown) {
     if (c == '\n' || c == '\r') c = ' ';  // errors stay on one line

@@ -9,6 +9,9 @@
 //     call, a uid quota too small, a group spread over two daemons, a daemon restart;
 //   - a publisher killed with SIGKILL at random points leaves no partial version.
 
+#include <fcntl.h>
+#include <grp.h>
+#include <pwd.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -17,6 +20,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
@@ -27,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/client_internal.h"
 #include "common/checkpoint/checkpoint.h"
 #include "common/plan.h"
 #include "flatshard/client.h"
@@ -36,6 +41,7 @@
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
+#include "tests/testing/simulated_gpu.h"
 
 namespace flatshard::client {
 namespace {
@@ -58,8 +64,12 @@ ClientOptions Options(const std::string& address) {
   return o;
 }
 
-std::unique_ptr<Client> Connect(const std::string& address) {
-  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(Options(address));
+// `simulated_gpus`: against flatshardd --simulate_gpus (device shards over host shm).
+std::unique_ptr<Client> Connect(const std::string& address, bool simulated_gpus = false) {
+  absl::StatusOr<std::unique_ptr<Client>> c =
+      simulated_gpus
+          ? internal::ConnectWithGpuApis(Options(address), ::flatshard::testing::SimulatedGpuApis())
+          : Client::Connect(Options(address));
   EXPECT_TRUE(c.ok()) << c.status();
   return c.ok() ? *std::move(c) : nullptr;
 }
@@ -90,9 +100,10 @@ struct Trainers {
   std::shared_ptr<const Plan> plan;
   std::string manifest = ExampleModelFile("gpt_tied", "manifest");
 
-  Trainers(const Cluster& d, int world, const std::string& group) : c(world) {
+  Trainers(const Cluster& d, int world, const std::string& group, bool simulated_gpus = false)
+      : c(world) {
     RunRanks(world, [&](int r) {
-      c[r] = Connect(d.AddressFor(r));
+      c[r] = Connect(d.AddressFor(r), simulated_gpus);
       ASSERT_NE(c[r], nullptr);
       ASSERT_TRUE(c[r]->Join(group, world, r, kToken, d.coordinator()).ok());
       absl::StatusOr<RegisteredModule> m =
@@ -221,6 +232,66 @@ TEST(WeightsTest, PublishesTheCommittedStepInStateDictLayoutAndCasts) {
   ExpectHolds(*t.plan, t.manifest, **cast, 3, /*bf16=*/true);
   // Version 1 is still open and unchanged.
   ExpectHolds(*t.plan, t.manifest, **v, 1);
+}
+
+// Device shards (flatshardd --simulate_gpus: the daemon's GPU code paths over host memory):
+// the committed copies are copied to host through the device context; the version is host.
+TEST(WeightsTest, PublishesDeviceShardsOfASimulatedGpuDaemon) {
+  ::flatshard::testing::ClusterOptions o;
+  o.extra_flags = {"--simulate_gpus=2"};
+  Cluster d(Layout::kSingle, o);
+  Trainers t(d, 2, "gpu", /*simulated_gpus=*/true);
+  absl::StatusOr<ShardViews> views = t.c[0]->GetShardViews("");
+  ASSERT_TRUE(views.ok()) << views.status();
+  ASSERT_GE(views->units().front().device, 0) << "the shards should be device memory";
+  t.Step(1, /*commit=*/true);
+  for (const auto& p : t.Publish("gpt")) ASSERT_TRUE(p.ok()) << p.status();
+  std::unique_ptr<WeightsReader> r = Reader(d.AddressFor(0));
+  absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r->Open("gpt");
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ((*v)->tensors()[0].device, -1);
+  ExpectHolds(*t.plan, t.manifest, **v, 1);
+}
+
+// flatshardctl weights list / inspect / drop, with --json.
+std::string RunCtl(const std::string& cmd, int* exit_code) {
+  std::string out;
+  FILE* f = popen(cmd.c_str(), "r");
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof(buf), f)) > 0;) out.append(buf, n);
+  const int status = pclose(f);
+  *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return out;
+}
+
+TEST(WeightsTest, FlatshardctlListsInspectsAndDrops) {
+  Cluster d(Layout::kSingle);
+  Trainers t(d, 1, "ctl");
+  t.Step(1, true);
+  ASSERT_TRUE(t.Publish("gpt")[0].ok());
+  const std::string ctl = absl::StrCat(std::string(FS_BINARY_DIR), "/client/flatshardctl weights ");
+  const std::string sock = absl::StrCat(" --socket ", d.SocketFor(0));
+  int code = -1;
+  std::string out = RunCtl(ctl + "list --json" + sock, &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("\"name\": \"gpt\""));
+  EXPECT_THAT(out, HasSubstr("\"version\": 1"));
+  EXPECT_THAT(out, HasSubstr("\"group\": \"ctl\""));
+  out = RunCtl(ctl + "inspect gpt" + sock, &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr(t.plan->units[0].params[0].fqn));
+  EXPECT_THAT(out, HasSubstr("float32"));
+  out = RunCtl(ctl + "inspect gpt --version 9" + sock + " 2>&1", &code);
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_THAT(out, HasSubstr("no version 9"));
+  out = RunCtl(ctl + "drop gpt --version 1 --json" + sock, &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("\"dropped\": 1"));
+  out = RunCtl(ctl + "list" + sock, &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("no published weights"));
+  out = RunCtl(ctl + "frobnicate" + sock + " 2>&1", &code);
+  EXPECT_EQ(code, 2) << out;
 }
 
 TEST(WeightsTest, KeepsTheNewestAndWhatReadersHoldAndFreesTheRest) {
@@ -375,6 +446,118 @@ TEST(WeightsTest, VersionsDoNotSurviveARestartAndReadersAreToldSo) {
   absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r->Open("gpt");
   EXPECT_EQ(v.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(v.status().message(), HasSubstr("do not survive a daemon restart"));
+}
+
+// ---- Readers of another uid ----
+
+constexpr char kTestUser[] = "fsweights";
+
+// Run as kTestUser: what root published is readable only where granted, read-only.
+TEST(WeightsChild, DISABLED_OtherUidReader) {
+  const char* address = std::getenv("FS_W_ADDRESS");
+  ASSERT_NE(address, nullptr);
+  const uid_t uid = ::getuid();
+  ASSERT_NE(uid, 0u);
+  std::unique_ptr<WeightsReader> r = Reader(address);
+  ASSERT_NE(r, nullptr);
+  OpenWeightsOptions root;
+  root.owner_uid = 0;
+  absl::StatusOr<std::unique_ptr<WeightsVersion>> granted = r->Open("granted", root);
+  ASSERT_TRUE(granted.ok()) << granted.status();
+  absl::StatusOr<std::unique_ptr<WeightsVersion>> denied = r->Open("private", root);
+  EXPECT_EQ(denied.status().code(), absl::StatusCode::kPermissionDenied) << denied.status();
+  EXPECT_THAT(denied.status().message(), HasSubstr(absl::StrCat("uid ", uid)));
+  OpenWeightsOptions wrong = root;
+  wrong.token = "not-it";
+  denied = r->Open("tokened", wrong);
+  EXPECT_EQ(denied.status().code(), absl::StatusCode::kPermissionDenied) << denied.status();
+  EXPECT_THAT(denied.status().message(), HasSubstr("wrong reader token"));
+  OpenWeightsOptions right = root;
+  right.token = "t0k";
+  absl::StatusOr<std::unique_ptr<WeightsVersion>> tokened = r->Open("tokened", right);
+  ASSERT_TRUE(tokened.ok()) << tokened.status();
+  // Both hold the same committed step: the same bytes.
+  ASSERT_EQ((*granted)->info().bytes, (*tokened)->info().bytes);
+  for (const WeightsTensor& t : (*granted)->tensors()) {
+    const WeightsTensor* u = (*tokened)->Find(t.name);
+    ASSERT_NE(u, nullptr) << t.name;
+    ASSERT_EQ(std::memcmp(t.data, u->data, t.bytes), 0) << t.name;
+  }
+  // Not writable: the segment refuses O_RDWR to this uid.
+  absl::StatusOr<std::vector<PublishedVersion>> listed = r->List();
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 1u) << "only the version granted to this uid is listed";
+  EXPECT_EQ((*listed)[0].name, "granted");
+  std::string segment;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+    struct stat st;
+    if (::stat(e.path().c_str(), &st) == 0 &&
+        static_cast<int64_t>(st.st_size) >= (*granted)->info().bytes &&
+        ::access(e.path().c_str(), R_OK) == 0 && st.st_uid == 0) {
+      const int fd = ::open(e.path().c_str(), O_RDWR);
+      EXPECT_EQ(fd, -1) << e.path() << " opened read-write by uid " << uid;
+      if (fd >= 0) ::close(fd);
+    }
+  }
+}
+
+TEST(WeightsTest, ReadersOfAnotherUidNeedAGrantAndMapReadOnly) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root: runs a reader as the user " << kTestUser;
+  if (getpwnam(kTestUser) == nullptr) {
+    const std::string cmd =
+        absl::StrCat("useradd --system --user-group --no-create-home --shell /usr/sbin/nologin ",
+                     kTestUser, " >/dev/null 2>&1");
+    (void)std::system(cmd.c_str());
+  }
+  const passwd* pw = getpwnam(kTestUser);
+  ASSERT_NE(pw, nullptr) << "useradd " << kTestUser << " failed";
+  const uid_t uid = pw->pw_uid;
+  const gid_t gid = pw->pw_gid;
+  ::flatshard::testing::ClusterOptions o;
+  o.extra_flags = {absl::StrCat("--socket_group=", kTestUser)};
+  Cluster d(Layout::kSingle, o);
+  Trainers t(d, 1, "uids");
+  t.Step(1, true);
+  PublishOptions granted;
+  granted.reader_uids = {static_cast<int64_t>(uid)};
+  ASSERT_TRUE(t.c[0]->Publish("", "granted", granted).ok());
+  PublishOptions tokened;
+  tokened.reader_token = "t0k";
+  ASSERT_TRUE(t.c[0]->Publish("", "tokened", tokened).ok());
+  ASSERT_TRUE(t.c[0]->Publish("", "private").ok());
+
+  // The child: this binary, copied where the test user can run it.
+  char tmpl[] = "/tmp/fsw-child.XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::filesystem::path dir = tmpl;
+  std::filesystem::permissions(dir, std::filesystem::perms(0755));
+  const std::filesystem::path binary = dir / "weights_test";
+  std::filesystem::copy_file("/proc/self/exe", binary);
+  std::filesystem::permissions(binary, std::filesystem::perms(0755));
+  std::vector<std::string> args = {binary.string(),
+                                   "--gtest_filter=WeightsChild.DISABLED_OtherUidReader",
+                                   "--gtest_also_run_disabled_tests"};
+  std::vector<std::string> env = {absl::StrCat("FS_W_ADDRESS=", d.AddressFor(0)),
+                                  "PATH=/usr/bin:/bin", "HOME=/"};
+  std::vector<char*> argv, envp;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (std::string& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    if (::setgroups(0, nullptr) != 0 || ::setgid(gid) != 0 || ::setuid(uid) != 0) _exit(125);
+    ::execve(argv[0], argv.data(), envp.data());
+    _exit(127);
+  }
+  ASSERT_GT(pid, 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "the reader running as uid " << uid << " failed (status " << status
+      << "; its output is above)";
 }
 
 // ---- Processes killed with SIGKILL ----
