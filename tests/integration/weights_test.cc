@@ -445,7 +445,49 @@ TEST(WeightsTest, VersionsDoNotSurviveARestartAndReadersAreToldSo) {
   std::unique_ptr<WeightsReader> r = Reader(d.AddressFor(0));
   absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r->Open("gpt");
   EXPECT_EQ(v.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(v.status().message(), HasSubstr("do not survive a daemon restart"));
+  EXPECT_THAT(v.status().message(), HasSubstr("survive a daemon restart only with --state_dir"));
+}
+
+TEST(WeightsTest, WithAStateDirTheNewestVersionSurvivesAKill) {
+  char tmpl[] = "/tmp/fsw-state.XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string state = tmpl;
+  ::flatshard::testing::ClusterOptions o;
+  o.extra_flags = {absl::StrCat("--state_dir=", state)};
+  {
+    Cluster d(Layout::kSingle, o);
+    std::shared_ptr<const Plan> plan;
+    std::string manifest;
+    {
+      Trainers t(d, 2, "durable");
+      plan = t.plan;
+      manifest = t.manifest;
+      t.Step(1, true);
+      for (const auto& p : t.Publish("gpt")) ASSERT_TRUE(p.ok()) << p.status();
+      t.Step(2, true);
+      PublishOptions grant;
+      grant.reader_token = "t0k";
+      grant.dtype = DType::kBFloat16;
+      for (const auto& p : t.Publish("gpt", grant)) ASSERT_TRUE(p.ok()) << p.status();
+    }
+    d.Kill(0);
+    ASSERT_TRUE(d.Restart(0));
+    std::unique_ptr<WeightsReader> r = Reader(d.AddressFor(0));
+    EXPECT_THAT(Versions(*r, "gpt"), ::testing::ElementsAre(2)) << "only the newest is kept";
+    absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r->Open("gpt");
+    ASSERT_TRUE(v.ok()) << v.status();
+    EXPECT_EQ((*v)->info().version, 2u);
+    EXPECT_EQ((*v)->info().generation, 2u);
+    ExpectHolds(*plan, manifest, **v, 2, /*bf16=*/true);
+    // Numbering goes on after the adopted version.
+    Trainers t(d, 1, "after");
+    t.Step(3, true);
+    auto p = t.Publish("gpt");
+    ASSERT_TRUE(p[0].ok()) << p[0].status();
+    EXPECT_EQ(p[0]->version, 3u);
+  }
+  std::error_code ignored;
+  std::filesystem::remove_all(state, ignored);
 }
 
 // ---- Readers of another uid ----
