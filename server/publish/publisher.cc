@@ -354,6 +354,7 @@ void Publisher::Build(Job job) {
 }
 
 int Publisher::Adopt() {
+  files_.RemoveUnfinished();
   int adopted = 0;
   for (const StoredWeights& m : files_.List()) {
     auto v = std::make_shared<Version>();

@@ -111,6 +111,17 @@ void WeightsFiles::Remove(int64_t owner_uid, const std::string& name, uint64_t v
   (void)FileSystem::Posix()->RemoveFile(path);
 }
 
+void WeightsFiles::RemoveUnfinished() {
+  if (!enabled()) return;
+  absl::StatusOr<std::vector<std::string>> names = FileSystem::Posix()->ListDir(dir_);
+  for (const std::string& n : names.ok() ? *names : std::vector<std::string>()) {
+    if (!absl::StartsWith(n, kTempFilePrefix)) continue;
+    if (FileSystem::Posix()->RemoveFile(absl::StrCat(dir_, "/", n)).ok()) {
+      FS_LOG(INFO) << "removed " << dir_ << "/" << n << " (an unfinished write of weights)";
+    }
+  }
+}
+
 std::vector<StoredWeights> WeightsFiles::List() const {
   std::vector<StoredWeights> out;
   if (!enabled()) return out;

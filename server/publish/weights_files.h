@@ -44,6 +44,8 @@ class WeightsFiles {
   absl::Status Write(const StoredWeights& meta, const void* data);
   // Removes the key's file when it holds `version` (0: whatever it holds).
   void Remove(int64_t owner_uid, const std::string& name, uint64_t version);
+  // Removes the temp files of writes a killed daemon left unfinished.
+  void RemoveUnfinished();
   // Every stored version whose header parses; files that do not are logged and skipped.
   std::vector<StoredWeights> List() const;
   // Reads the bytes of `meta` (from List) into `dst` (layout.bytes bytes).
