@@ -1,5 +1,6 @@
 #include "server/publish/publisher.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -41,6 +42,8 @@ struct Publisher::Job {
 };
 
 namespace {
+
+constexpr int kPopulateWrite = 23;  // MADV_POPULATE_WRITE; Debian 12's glibc headers lack it
 
 struct WeightsMetrics {
   metrics::GaugeFamily& versions;
@@ -267,6 +270,11 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const
                        OwnerText(c.owner_uid), "): ", buffer.status().message()));
     }
     v->buffer = *std::move(buffer);
+    // Map every page in one call instead of one fault per page during the copy (MADV_
+    // POPULATE_WRITE, Linux 5.14; older kernels refuse it and the copy faults them in).
+    if (v->layout.bytes > 0) {
+      (void)::madvise(v->buffer->data(), static_cast<size_t>(v->layout.bytes), kPopulateWrite);
+    }
     FS_RETURN_IF_ERROR(FillWeights(c.plan, v->layout, c.ranks, c.by_unit, v->buffer->data(),
                                    options_.fill_threads));
     v->info.generation = c.generation;
