@@ -79,6 +79,22 @@ absl::StatusOr<std::unique_ptr<InstanceLock>> PrepareSocketPath(const std::strin
   return lock;
 }
 
+// The publisher of weights, with the versions a previous daemon left in --state_dir/weights.
+// Out of line: inlined into Create it trips GCC 12's -Wmaybe-uninitialized on an absl::Cleanup.
+[[gnu::noinline]] absl::StatusOr<std::unique_ptr<Publisher>> MakePublisher(
+    const DaemonConfig& config, ShardStore* store, GroupManager* groups) {
+  PublisherOptions o;
+  o.store = store;
+  o.groups = groups;
+  o.keep = config.weights_keep;
+  o.daemon_uid = static_cast<int64_t>(::getuid());
+  if (!config.state_dir.empty()) o.files_dir = absl::StrCat(config.state_dir, "/weights");
+  FS_RETURN_IF_ERROR(Publisher::ValidateOptions(o));
+  auto publisher = std::make_unique<Publisher>(std::move(o));
+  publisher->Adopt();
+  return publisher;
+}
+
 // Locks --state_dir (made a 0700 directory first) before StateDir::Open touches it: a live
 // daemon's records, temp files and shards are never taken by a second one. Null without one.
 absl::StatusOr<std::unique_ptr<InstanceLock>> LockStateDir(const DaemonConfig& config) {
@@ -334,13 +350,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   d->access_ = std::make_unique<access::AccessControl>(d->acceptor_.get(), config.allowed_uids);
   d->shard_service_ =
       std::make_unique<ShardServiceImpl>(d->groups_.get(), config.default_wait, d->access_.get());
-  PublisherOptions publisher_options;
-  publisher_options.store = d->store_.get();
-  publisher_options.groups = d->groups_.get();
-  publisher_options.keep = config.weights_keep;
-  publisher_options.daemon_uid = static_cast<int64_t>(::getuid());
-  FS_RETURN_IF_ERROR(Publisher::ValidateOptions(publisher_options));
-  d->publisher_ = std::make_unique<Publisher>(publisher_options);
+  FS_ASSIGN_OR_RETURN(d->publisher_, MakePublisher(config, d->store_.get(), d->groups_.get()));
   d->weights_service_ = std::make_unique<WeightsServiceImpl>(d->publisher_.get(), d->access_.get(),
                                                              config.default_wait);
   AdminServiceOptions admin_options;

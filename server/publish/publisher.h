@@ -7,9 +7,12 @@
 //
 // Design:
 // - Names are scoped by the publisher's uid (the group's): the key is (owner_uid, name).
-//   Version numbers start at 1 and increase per key; they are never reused while the daemon
-//   lives (dropped and freed numbers included). Versions do not survive a daemon restart:
-//   readers then get NOT_FOUND saying so.
+//   Version numbers start at 1 and increase per key; they are never reused (dropped and freed
+//   numbers included; across restarts only with a state directory).
+// - Restarts: with a state directory, the newest version of each key is written to
+//   `<state_dir>/weights/` (weights_files.h) by the worker before Publish is answered, and
+//   adopted at start (numbering goes on after it). Without one, versions do not survive a
+//   restart and readers get NOT_FOUND saying so.
 // - A version is built from the committed copies (Checkpoints::ReadCommitted holds them still,
 //   so commits that land meanwhile wait and trainers that go on training change nothing):
 //   every parameter whole, padding dropped, in the unwrapped module's state_dict layout, cast
@@ -52,6 +55,7 @@
 #include "absl/time/time.h"
 #include "common/dtype.h"
 #include "common/rpc_types.h"
+#include "server/publish/weights_files.h"
 #include "server/publish/weights_layout.h"
 
 namespace flatshard::server {
@@ -113,6 +117,9 @@ struct PublisherOptions {
   int keep = 2;             // --weights_keep: newest versions kept per name
   int fill_threads = 4;     // threads copying one version
   int64_t daemon_uid = -1;  // admin callers: this uid and root
+  // Where the newest version of each name is kept across restarts ("<state_dir>/weights");
+  // empty: nowhere.
+  std::string files_dir;
 };
 
 class Publisher {
@@ -122,6 +129,11 @@ class Publisher {
   Publisher& operator=(const Publisher&) = delete;
   // Shutdown(), then frees the table (leases' mappings in readers stay valid).
   ~Publisher();
+
+  // With options.files_dir: takes back the versions a previous daemon stored there (files
+  // that do not check out, or do not fit the store, are logged and skipped). Call once,
+  // before serving. Returns how many were adopted.
+  int Adopt();
 
   // "--weights_keep must be >= 1" and friends; OK otherwise.
   static absl::Status ValidateOptions(const PublisherOptions& options);
@@ -186,6 +198,7 @@ class Publisher {
   absl::StatusOr<std::shared_ptr<Version>> MakeVersion(const Job& job);
 
   const PublisherOptions options_;
+  WeightsFiles files_;  // used by the worker and Adopt only
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::map<Key, std::map<uint64_t, std::shared_ptr<Version>>> table_ ABSL_GUARDED_BY(mu_);

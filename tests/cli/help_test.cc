@@ -99,6 +99,10 @@ TEST(FlatshardHelpTest, CtlHelpExitsZeroForEveryCommand) {
       {"checkpoint", "import"},
       {"checkpoint", "inspect"},
       {"checkpoint", "export"},
+      {"weights"},
+      {"weights", "list"},
+      {"weights", "inspect"},
+      {"weights", "drop"},
   };
   for (std::vector<std::string> command : commands) {
     SCOPED_TRACE(absl::StrJoin(command, " "));

@@ -11,9 +11,11 @@
 
 #include <fcntl.h>
 #include <grp.h>
+#include <netinet/in.h>
 #include <pwd.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -21,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <string>
@@ -28,6 +31,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -445,7 +449,94 @@ TEST(WeightsTest, VersionsDoNotSurviveARestartAndReadersAreToldSo) {
   std::unique_ptr<WeightsReader> r = Reader(d.AddressFor(0));
   absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r->Open("gpt");
   EXPECT_EQ(v.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(v.status().message(), HasSubstr("do not survive a daemon restart"));
+  EXPECT_THAT(v.status().message(), HasSubstr("survive a daemon restart only with --state_dir"));
+}
+
+TEST(WeightsTest, WithAStateDirTheNewestVersionSurvivesAKill) {
+  char tmpl[] = "/tmp/fsw-state.XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string state = tmpl;
+  ::flatshard::testing::ClusterOptions o;
+  o.extra_flags = {absl::StrCat("--state_dir=", state)};
+  {
+    Cluster d(Layout::kSingle, o);
+    std::shared_ptr<const Plan> plan;
+    std::string manifest;
+    {
+      Trainers t(d, 2, "durable");
+      plan = t.plan;
+      manifest = t.manifest;
+      t.Step(1, true);
+      for (const auto& p : t.Publish("gpt")) ASSERT_TRUE(p.ok()) << p.status();
+      t.Step(2, true);
+      PublishOptions grant;
+      grant.reader_token = "t0k";
+      grant.dtype = DType::kBFloat16;
+      for (const auto& p : t.Publish("gpt", grant)) ASSERT_TRUE(p.ok()) << p.status();
+    }
+    d.Kill(0);
+    ASSERT_TRUE(d.Restart(0));
+    std::unique_ptr<WeightsReader> r = Reader(d.AddressFor(0));
+    EXPECT_THAT(Versions(*r, "gpt"), ::testing::ElementsAre(2)) << "only the newest is kept";
+    absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r->Open("gpt");
+    ASSERT_TRUE(v.ok()) << v.status();
+    EXPECT_EQ((*v)->info().version, 2u);
+    EXPECT_EQ((*v)->info().generation, 2u);
+    ExpectHolds(*plan, manifest, **v, 2, /*bf16=*/true);
+    // Numbering goes on after the adopted version.
+    Trainers t(d, 1, "after");
+    t.Step(3, true);
+    auto p = t.Publish("gpt");
+    ASSERT_TRUE(p[0].ok()) << p[0].status();
+    EXPECT_EQ(p[0]->version, 3u);
+  }
+  std::error_code ignored;
+  std::filesystem::remove_all(state, ignored);
+}
+
+// GET /metrics of a daemon's --metrics_address ("127.0.0.1:port").
+std::string Scrape(const std::string& host_port) {
+  int port = 0;
+  if (!absl::SimpleAtoi(host_port.substr(host_port.rfind(':') + 1), &port)) return "";
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string out;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string req = "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n";
+    ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
+    char buf[8192];
+    for (ssize_t n; (n = ::recv(fd, buf, sizeof(buf), 0)) > 0;) out.append(buf, n);
+  }
+  ::close(fd);
+  return out;
+}
+
+TEST(WeightsTest, MetricsCountVersionsBytesReadersAndPublishes) {
+  char tmpl[] = "/tmp/fsw-metrics.XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string file = absl::StrCat(tmpl, "/address");
+  ::flatshard::testing::ClusterOptions o;
+  o.extra_flags = {"--metrics_address=127.0.0.1:0", "--metrics_address_file=" + file};
+  Cluster d(Layout::kSingle, o);
+  Trainers t(d, 1, "metrics");
+  t.Step(1, true);
+  auto p = t.Publish("gpt");
+  ASSERT_TRUE(p[0].ok());
+  std::unique_ptr<WeightsReader> r = Reader(d.AddressFor(0));
+  absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r->Open("gpt");
+  ASSERT_TRUE(v.ok());
+  std::string address;
+  std::getline(std::ifstream(file), address);
+  const std::string text = Scrape(address);
+  EXPECT_THAT(text, HasSubstr("\nflatshard_weights_versions 1\n"));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("\nflatshard_weights_bytes ", p[0]->bytes, "\n")));
+  EXPECT_THAT(text, HasSubstr("\nflatshard_weights_readers 1\n"));
+  EXPECT_THAT(text, HasSubstr("\nflatshard_weights_publishes_total{code=\"OK\"} 1\n"));
+  std::error_code ignored;
+  std::filesystem::remove_all(tmpl, ignored);
 }
 
 // ---- Readers of another uid ----
