@@ -340,6 +340,7 @@ v1::SummonOptions ToProto(const SummonOptions& o) {
   p.set_rank0_only(o.rank0_only);
   p.set_offload_to_cpu(o.offload_to_cpu);
   p.set_with_grads(o.with_grads);
+  p.set_compute_precision(o.compute_precision);
   return p;
 }
 
@@ -350,6 +351,7 @@ SummonOptions FromProto(const v1::SummonOptions& p) {
   o.rank0_only = p.rank0_only();
   o.offload_to_cpu = p.offload_to_cpu();
   o.with_grads = p.with_grads();
+  o.compute_precision = p.compute_precision();
   return o;
 }
 
