@@ -195,6 +195,30 @@ TEST(PlanJsonTest, KeysAreExactlyThoseOfFormatsMdInOrder) {
   }
 }
 
+// compute_dtype / reduce_dtype appear after "dtype" only when set, round-trip, and change the
+// fingerprint; a wrong name is refused naming the key.
+TEST(PlanJsonTest, MixedPrecisionDTypesRoundTripAndCountInTheFingerprint) {
+  Plan plan = MustPlan(MustManifest(kGptManifest), Policy{}, 4);
+  const std::string plain = plan.fingerprint;
+  plan.units[0].compute_dtype = DType::kBFloat16;
+  plan.units[0].reduce_dtype = DType::kFloat16;
+  plan.fingerprint = Fingerprint(plan);
+  EXPECT_NE(plan.fingerprint, plain);
+  OJson j = PlanToJson(plan);
+  EXPECT_THAT(
+      Keys(j["units"][0]),
+      ElementsAre("index", "module", "module_type", "dtype", "compute_dtype", "reduce_dtype",
+                  "requires_grad", "params", "shared", "numel", "padded_numel", "shard_numel"));
+  absl::StatusOr<Plan> back = Reparse(plan);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, plan);
+  j["units"][0]["compute_dtype"] = "int8";
+  absl::StatusOr<Plan> bad = PlanFromJson(j.dump());
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("compute_dtype"));
+  EXPECT_THAT(bad.status().message(), HasSubstr("unknown floating dtype \"int8\""));
+}
+
 TEST(PlanJsonTest, RoundTripsPlansMadeByBuildPlan) {
   std::vector<Plan> plans = SamplePlans();
   ASSERT_GE(plans.size(), 30u);

@@ -145,6 +145,12 @@ def worker(args):
         profiler.dump_stats(os.path.join(args.profile, f"{args.mode}-rank{rank}.prof"))
     if hasattr(fwd, "prefetch_stats"):
         waited += fwd.prefetch_stats["waited_s"]
+    if args.out:  # the final full state dict (collective for fsdp and flatshard), rank 0's
+        import torch
+        sd = (fwd.full_state_dict() if hasattr(fwd, "full_state_dict")
+              else fwd.state_dict() if args.mode == "fsdp" else model.state_dict())
+        if rank == 0:
+            torch.save({k: v.detach().clone() for k, v in sd.items()}, args.out)
     print(json.dumps({"rank": rank, "times": times, "losses": losses,
                       "summon_wait_s": waited / max(args.steps - args.warmup, 1),
                       "moved_bytes": moved,
@@ -245,13 +251,18 @@ def _cpu_cuda_shims():
     # slower here than with NCCL's reduce-scatter would be.
     import torch.distributed as dist
 
+    # MixedPrecision: torch 1.13's gloo has no bfloat16 ("Invalid scalar type"), so a bfloat16
+    # all-gather moves the same bits as float16 (a copy: exact), and a 16-bit reduction sums
+    # in float32 and rounds once into the output (what flatshard's host kernels do).
     def all_gather_base(output, input, group=None, async_op=False):
         n = dist.get_world_size(group)
+        if input.dtype == torch.bfloat16:
+            output, input = output.view(torch.float16), input.view(torch.float16)
         return dist.all_gather(list(output.chunk(n)), input, group=group, async_op=async_op)
 
     def reduce_scatter_base(output, input, group=None, async_op=False, op=dist.ReduceOp.SUM):
         n, r = dist.get_world_size(group), dist.get_rank(group)
-        full = input.clone()
+        full = input.float() if input.dtype in (torch.bfloat16, torch.float16) else input.clone()
         dist.all_reduce(full, op=op, group=group)
         output.copy_(full.chunk(n)[r])
 
@@ -284,11 +295,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_mode(mode, args, precision="fp32"):
-    """Runs one configuration; returns a dict with step time, peak PSS, losses, or an error."""
+def run_mode(mode, args, precision="fp32", out=""):
+    """Runs one configuration; returns a dict with step time, peak PSS, losses, or an error.
+    `out`: rank 0 saves the final full state dict there."""
     world = 1 if mode == "single" else args.ranks
     common = [sys.executable, __file__, "--worker", "--mode", mode, "--steps", str(args.steps),
-              "--precision", precision,
+              "--precision", precision, "--out", out,
               "--warmup", str(args.warmup), "--profile", args.profile,
               "--batch", str(args.batch), "--world-size", str(world), "--n-layer",
               str(args.n_layer), "--n-embd", str(args.n_embd), "--block-size",
@@ -351,6 +363,7 @@ def main():
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--address", default="")
     ap.add_argument("--metrics", default="", help="(worker) the daemon's /metrics URL")
+    ap.add_argument("--out", default="", help="(worker) rank 0 saves the final state dict")
     ap.add_argument("--precision", default="fp32", help="(worker) one of --precisions")
     ap.add_argument("--precisions", default="fp32",
                     help="comma-separated gpt.PRECISIONS: fp32, bf16 (bf16 params, fp32 "

@@ -510,10 +510,10 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
             if u.grad_shard is None or u.index not in self._reduced:
                 continue
             grad = self._mp.optimizer_grad(u.grad_shard) if u.low_precision else u.grad_shard
-            u.flat_param.grad = grad
+            _set_grad(u.flat_param, grad)
             if self._use_orig_params:
                 for p in u.params:
-                    p.param.grad = self._shard_slice(u, p, grad)
+                    _set_grad(p.param, self._shard_slice(u, p, grad))
 
     # ------------------------------------------------------------------ parameters
     def sharded_parameters(self) -> List[nn.Parameter]:
@@ -796,7 +796,9 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
                 for lo, hi in u.gaps:
                     buf.narrow(0, lo, hi - lo).zero_()
                 if held is not None:
-                    buf.add_(held)  # its gaps are zeros
+                    # Its gaps are zeros. Mixed precision: the float32 sum rounded once to
+                    # the reduce dtype (an in-place add would refuse the wider dtype).
+                    buf.add_(held.to(buf.dtype))
             # Phase two runs while the backward goes on; the final callback waits for it.
             self._finishing.append(pending.finish_async())
             self._reduced.add(unit)
@@ -890,6 +892,16 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
         self._generation = int(views.generation)
         self._mark_committed()
         return self._generation
+
+
+def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """``param.grad = grad``, also for a gradient of another dtype (keep_low_precision_grads:
+    torch refuses that assignment, so, as FSDP, a same-dtype stand-in gets ``.data`` set)."""
+    if grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    param.grad = torch.empty(grad.shape, dtype=param.dtype)
+    param.grad.data = grad
 
 
 def _find_wrapper(module: nn.Module) -> Tuple[FlatShardModule, str]:
