@@ -189,14 +189,17 @@ def test_ignored_batchnorm_buffers_low_grads_and_full_precision_outside_compute(
 STEPS = int(os.environ.get("FS_TORCH_STEPS", "8"))
 
 
-@pytest.mark.parametrize("precision", ["bf16", "bf16-reduce"])
-def test_gpt_mixed_precision_stays_within_its_bound_of_the_same_casts(precision):
+@pytest.mark.parametrize("precision,ranks,daemons", [
+    ("bf16", 2, 1), ("bf16-reduce", 2, 1), ("bf16", 4, 2)],
+    ids=["bf16_2ranks", "bf16_reduce_bf16_2ranks", "bf16_2daemons_x_2ranks"])
+def test_gpt_mixed_precision_stays_within_its_bound_of_the_same_casts(precision, ranks,
+                                                                      daemons):
     """run_gpt.MIXED_PRECISION_NOTE says which bound and why. float16 cannot run the GPT on
     torch 1.13's CPU (no float16 addmm, layer_norm or softmax there): its daemon path is
     tested above and in module_mixed_precision_test."""
-    res = run_gpt.run(WORLD, 1, steps=STEPS, batch=12, precision=precision)
+    res = run_gpt.run(ranks, daemons, steps=STEPS, batch=12, precision=precision)
     assert not res["problems"], "\n".join(res["problems"])
-    print(f"{precision}, {WORLD} ranks, {STEPS} steps: max |loss diff| "
+    print(f"{precision}, {ranks} ranks on {daemons} daemon(s), {STEPS} steps: max |loss diff| "
           f"{res['max_loss_diff']:.2e}, max |param diff| {res['max_param_diff']:.2e}, mean "
           f"{res['mean_param_diff']:.2e}")
 

@@ -33,7 +33,7 @@ from . import manifest as _manifest
 from . import wrap as _wrap
 from ._shared import TrainingState, _flatten, _in_backward, _plain
 from .full_params import ERR_IN_FORWARD_BACKWARD, ERR_NESTED_SUMMON, _FullParams
-from .mixed_precision import MixedPrecision, _cast_floating, _Precision
+from .mixed_precision import MixedPrecision, _cast_floating, _Precision, _set_grad
 from .prefetch import BackwardPrefetch, _Prefetcher
 from .recipe import _TrainingRecipe
 from .state_dicts import _StateDicts, _load_post_hook
@@ -136,11 +136,9 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
       forward starts, so that the daemon gathers while this process computes. At most one unit
       is prefetched at a time, so ``limit_all_gathers`` is always in force (accepted for FSDP
       compatibility). Every rank must run the same units in the same order (as FSDP).
-    - ``mixed_precision``: a ``flatshard.torch.MixedPrecision`` (or torch's own): forward and
-      backward run in ``param_dtype`` (the daemon casts each shard before the all-gather:
-      the bytes moved and the unsharded buffers are low precision), gradients are
-      reduce-scattered in ``reduce_dtype`` and the optimizer sees float32 shards and
-      gradients; ``summon_full_params``, state dicts and checkpoints stay full precision.
+    - ``mixed_precision``: a ``flatshard.torch.MixedPrecision`` (or torch's): compute in
+      ``param_dtype`` on units the daemon casts and all-gathers so, gradients reduced in
+      ``reduce_dtype``, float32 shards and gradients for the optimizer (mixed_precision.py).
     - ``require_reattach``: True for a trainer that restarts and expects to find its module
       registered: if the group no longer has it (e.g. the daemon restarted without
       ``--state_dir``), ``flatshard.ShardsLostError`` instead of a fresh registration.
@@ -892,16 +890,6 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
         self._generation = int(views.generation)
         self._mark_committed()
         return self._generation
-
-
-def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
-    """``param.grad = grad``, also for a gradient of another dtype (keep_low_precision_grads:
-    torch refuses that assignment, so, as FSDP, a same-dtype stand-in gets ``.data`` set)."""
-    if grad.dtype == param.dtype:
-        param.grad = grad
-        return
-    param.grad = torch.empty(grad.shape, dtype=param.dtype)
-    param.grad.data = grad
 
 
 def _find_wrapper(module: nn.Module) -> Tuple[FlatShardModule, str]:

@@ -177,3 +177,13 @@ class _Precision:
                 and self.mp.param_dtype is not None):
             return grad_shard.to(self.mp.param_dtype)
         return grad_shard
+
+
+def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """``param.grad = grad``, also for a gradient of another dtype (keep_low_precision_grads:
+    torch refuses that assignment, so, as FSDP, a same-dtype stand-in gets ``.data`` set)."""
+    if grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    param.grad = torch.empty(grad.shape, dtype=param.dtype)
+    param.grad.data = grad
