@@ -13,15 +13,18 @@ By hand: PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \\
 import os
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
+import flatshard
+import flatshard.testing
 from flatshard.torch import (FlatShardModule, MixedPrecision, ModuleWrapPolicy,
                              summon_full_params)
-from conftest import run_group
+from conftest import run_group, run_ranks
 
 SOURCE_DIR = Path(os.environ.get("FS_SOURCE_DIR", Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(SOURCE_DIR / "examples" / "python"))
@@ -231,3 +234,35 @@ def test_gpt_mixed_precision_against_fsdp_on_gloo(precision, tmp_path):
     print(f"{precision}: flatshard vs FSDP (gloo), 4 steps: losses equal, max |param diff| "
           f"{worst[0]:.3g} ({worst[1]})")
     assert worst[0] == 0.0, worst
+
+
+def test_simulated_gpu_ranks_cast_on_the_device_path():
+    """`flatshardd --simulate_gpus`: shards in "device" memory, the casts before the
+    all-gather and after the reduce-scatter through RankDevices' device path (host memory
+    standing in). The gradients equal the same casts element for element, as on host ranks."""
+    dtype, reduce_dtype = torch.bfloat16, torch.bfloat16
+    with flatshard.testing.LocalDaemon(extra_args=("--simulate_gpus=2",)) as d:
+        group = "mp-gpu-" + uuid.uuid4().hex[:6]
+
+        def body(rank):
+            c = flatshard.Client(d.address, call_timeout=60.0, _simulated_gpus=True)
+            try:
+                c.join(group, WORLD, rank)
+                module, types = model_for(dtype)
+                model = FlatShardModule(module, c, auto_wrap_policy=ModuleWrapPolicy(types),
+                                        mixed_precision=MixedPrecision(
+                                            param_dtype=dtype, reduce_dtype=reduce_dtype))
+                assert all(sh.device >= 0 for sh in c.shard_views(""))
+                out = model(batch(dtype, rank))
+                assert out.dtype == dtype
+                loss_of(out).backward()
+                with summon_full_params(model, writeback=False, with_grads=True):
+                    return {n: p.grad.clone() for n, p in module.named_parameters()}
+            finally:
+                c.close()
+
+        got = run_ranks(WORLD, body)
+    want = reference_grads(dtype, reduce_dtype)
+    for rank in range(WORLD):
+        for n, g in got[rank].items():
+            assert g.dtype == torch.float32 and torch.equal(g, want[n]), (rank, n)
