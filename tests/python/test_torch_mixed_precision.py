@@ -266,3 +266,47 @@ def test_simulated_gpu_ranks_cast_on_the_device_path():
     for rank in range(WORLD):
         for n, g in got[rank].items():
             assert g.dtype == torch.float32 and torch.equal(g, want[n]), (rank, n)
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16],
+                         ids=["reduce_fp32", "reduce_bf16"])
+def test_no_sync_micro_batches_sum_in_float32_and_reduce_once(reduce_dtype):
+    """no_sync() under MixedPrecision(bf16, reduce_dtype): each micro-batch's bfloat16
+    gradient is summed locally in float32, the synced backward writes its own into the reduce
+    buffer and adds that sum (rounded to reduce_dtype), and one reduce-scatter averages: the
+    same operations in torch give the same float32 gradients element for element."""
+    dtype = torch.bfloat16
+
+    def micro(rank, k):
+        g = torch.Generator().manual_seed(1000 * rank + k)
+        return torch.randn(3, 8, generator=g)
+
+    with flatshard.testing.LocalDaemon() as d:
+        def fn(rank, c):
+            module, types = model_for(dtype)
+            model = FlatShardModule(module, c, auto_wrap_policy=ModuleWrapPolicy(types),
+                                    mixed_precision=MixedPrecision(param_dtype=dtype,
+                                                                   reduce_dtype=reduce_dtype))
+            with model.no_sync():
+                for k in range(2):
+                    loss_of(model(micro(rank, k))).backward()
+            loss_of(model(micro(rank, 2))).backward()
+            with summon_full_params(model, writeback=False, with_grads=True):
+                return {n: p.grad.clone() for n, p in module.named_parameters()}
+
+        got = run_group(d.address, WORLD, fn)
+    per_rank = []
+    for rank in range(WORLD):
+        grads = []
+        for k in range(3):
+            low, _ = model_for(dtype)
+            low.to(dtype)
+            loss_of(low(micro(rank, k).to(dtype))).backward()
+            grads.append({n: p.grad.float() for n, p in low.named_parameters()})
+        per_rank.append({n: (grads[2][n].to(reduce_dtype)
+                             + (grads[0][n] + grads[1][n]).to(reduce_dtype)).float()
+                         for n in grads[0]})
+    for rank in range(WORLD):
+        for n, g in got[rank].items():
+            want = ((per_rank[0][n] + per_rank[1][n]) / 2).to(reduce_dtype).float()
+            assert torch.equal(g, want), (rank, n, float((g - want).abs().max()))
