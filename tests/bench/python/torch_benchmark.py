@@ -298,6 +298,9 @@ def free_port():
 def run_mode(mode, args, precision="fp32", out=""):
     """Runs one configuration; returns a dict with step time, peak PSS, losses, or an error.
     `out`: rank 0 saves the final full state dict there."""
+    if mode == "ddp" and precision != "fp32":
+        return {"mode": mode, "precision": precision,
+                "error": "DistributedDataParallel has no MixedPrecision (float32 only here)"}
     world = 1 if mode == "single" else args.ranks
     common = [sys.executable, __file__, "--worker", "--mode", mode, "--steps", str(args.steps),
               "--precision", precision, "--out", out,
