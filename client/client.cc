@@ -63,8 +63,8 @@ v1::ReduceOp ToProto(ReduceOp op) {
 }
 
 v1::SummonOptions ToProto(const SummonOptions& o) {
-  return flatshard::ToProto(flatshard::SummonOptions{o.recurse, o.writeback, o.rank0_only,
-                                                     o.offload_to_cpu, o.with_grads});
+  return flatshard::ToProto(flatshard::SummonOptions{
+      o.recurse, o.writeback, o.rank0_only, o.offload_to_cpu, o.with_grads, o.compute_precision});
 }
 
 static_assert(static_cast<int>(StateShape::kShard) ==
@@ -326,6 +326,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     FS_RETURN_IF_ERROR(CheckLength("Summon", "path", path, kMaxModulePathBytes));
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
     FS_ASSIGN_OR_RETURN(out.layout, FindModule(module));
+    if (options.compute_precision) out.layout = ModuleLayout::Compute(out.layout);
     out.writeback = options.writeback;
     v1::SummonRequest& request = out.request;
     *request.mutable_caller() = caller;
@@ -400,6 +401,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     ordered_.Drain();
     FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
     FS_ASSIGN_OR_RETURN(std::shared_ptr<const ModuleLayout> layout, FindModule(module));
+    layout = ModuleLayout::Reduce(layout);  // the gradient comes in the unit's reduce dtype
     const UnitTemplate* tmpl = layout->FindUnit(unit);
     if (tmpl == nullptr) {
       return absl::NotFoundError(absl::StrCat("module \"", module, "\" has no unit ", unit));

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "common/gpu/cuda_util.h"
+#include "common/status_macros.h"
 
 namespace flatshard::client {
 
@@ -314,8 +315,35 @@ absl::StatusOr<std::shared_ptr<const ModuleLayout>> ModuleLayout::Create(
     }
     layout->units_.push_back(std::move(t));
   }
+  // Mixed precision: the same views over buffers of the compute (or reduce) dtypes. The
+  // variant's plan has those dtypes as `dtype` and none set, so it has no variants itself.
+  auto variant = [&](DType (PlanUnit::*pick)()
+                         const) -> absl::StatusOr<std::shared_ptr<const ModuleLayout>> {
+    bool differs = false;
+    for (const PlanUnit& u : plan->units) differs |= (u.*pick)() != u.dtype;
+    if (!differs) return std::shared_ptr<const ModuleLayout>();
+    auto copy = std::make_shared<Plan>(*plan);
+    for (PlanUnit& u : copy->units) {
+      u.dtype = (u.*pick)();
+      u.compute_dtype.reset();
+      u.reduce_dtype.reset();
+    }
+    return Create(std::move(copy));
+  };
+  FS_ASSIGN_OR_RETURN(layout->compute_, variant(&PlanUnit::ComputeDType));
+  FS_ASSIGN_OR_RETURN(layout->reduce_, variant(&PlanUnit::ReduceDType));
   layout->plan_ = std::move(plan);
   return std::shared_ptr<const ModuleLayout>(std::move(layout));
+}
+
+std::shared_ptr<const ModuleLayout> ModuleLayout::Compute(
+    const std::shared_ptr<const ModuleLayout>& layout) {
+  return layout->compute_ ? layout->compute_ : layout;
+}
+
+std::shared_ptr<const ModuleLayout> ModuleLayout::Reduce(
+    const std::shared_ptr<const ModuleLayout>& layout) {
+  return layout->reduce_ ? layout->reduce_ : layout;
 }
 
 const UnitTemplate* ModuleLayout::FindUnit(int32_t index) const {

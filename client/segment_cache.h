@@ -180,11 +180,20 @@ class ModuleLayout {
   const UnitTemplate* FindUnit(int32_t index) const;
   // (unit position, view index in that unit) of `fqn`; nullptr if no unit holds it.
   const std::pair<int32_t, int32_t>* FindFqn(absl::string_view fqn) const;
+  // Mixed precision: `layout` with each unit in its compute dtype (the views of a summon with
+  // compute_precision) or its reduce dtype (the full gradient of a reduce-scatter); `layout`
+  // itself when no unit has one.
+  static std::shared_ptr<const ModuleLayout> Compute(
+      const std::shared_ptr<const ModuleLayout>& layout);
+  static std::shared_ptr<const ModuleLayout> Reduce(
+      const std::shared_ptr<const ModuleLayout>& layout);
 
  private:
   ModuleLayout() = default;
 
   std::shared_ptr<const Plan> plan_;
+  std::shared_ptr<const ModuleLayout> compute_;  // null: no unit has a compute dtype
+  std::shared_ptr<const ModuleLayout> reduce_;   // null: no unit has a reduce dtype
   std::vector<UnitTemplate> units_;
   absl::flat_hash_map<int32_t, int32_t> position_by_index_;
   absl::flat_hash_map<std::string, std::pair<int32_t, int32_t>> by_fqn_;

@@ -79,6 +79,9 @@ std::string Fingerprint(const Plan& plan) {
     Field(&text, u.module);
     Field(&text, u.module_type);
     Field(&text, DTypeName(u.dtype));
+    // Only when set, so that plans without mixed precision keep their fingerprints.
+    if (u.compute_dtype) Field(&text, absl::StrCat("compute_dtype=", DTypeName(*u.compute_dtype)));
+    if (u.reduce_dtype) Field(&text, absl::StrCat("reduce_dtype=", DTypeName(*u.reduce_dtype)));
     Field(&text, u.requires_grad ? 1 : 0);
     Field(&text, u.numel);
     Field(&text, u.padded_numel);
@@ -115,16 +118,19 @@ nlohmann::ordered_json PlanToJson(const Plan& plan) {
     for (const SharedParam& s : u.shared) {
       shared.push_back({{"fqn", s.fqn}, {"same_as", s.same_as}});
     }
-    units.push_back({{"index", u.index},
-                     {"module", u.module},
-                     {"module_type", u.module_type},
-                     {"dtype", std::string(DTypeName(u.dtype))},
-                     {"requires_grad", u.requires_grad},
-                     {"params", std::move(params)},
-                     {"shared", std::move(shared)},
-                     {"numel", u.numel},
-                     {"padded_numel", u.padded_numel},
-                     {"shard_numel", u.shard_numel}});
+    OJson unit = {{"index", u.index},
+                  {"module", u.module},
+                  {"module_type", u.module_type},
+                  {"dtype", std::string(DTypeName(u.dtype))}};
+    if (u.compute_dtype) unit["compute_dtype"] = std::string(DTypeName(*u.compute_dtype));
+    if (u.reduce_dtype) unit["reduce_dtype"] = std::string(DTypeName(*u.reduce_dtype));
+    unit["requires_grad"] = u.requires_grad;
+    unit["params"] = std::move(params);
+    unit["shared"] = std::move(shared);
+    unit["numel"] = u.numel;
+    unit["padded_numel"] = u.padded_numel;
+    unit["shard_numel"] = u.shard_numel;
+    units.push_back(std::move(unit));
   }
   return OJson{{"format", std::string(kPlanFormat)},
                {"world_size", plan.world_size},
@@ -154,9 +160,10 @@ absl::StatusOr<std::vector<int64_t>> GetShape(const Json& obj, const JsonPath& p
 }
 
 absl::StatusOr<PlanUnit> ParseUnit(const Json& v, const JsonPath& path) {
-  FS_RETURN_IF_ERROR(ExpectObject(v, path,
-                                  {"index", "module", "module_type", "dtype", "requires_grad",
-                                   "params", "shared", "numel", "padded_numel", "shard_numel"}));
+  FS_RETURN_IF_ERROR(
+      ExpectObject(v, path,
+                   {"index", "module", "module_type", "dtype", "compute_dtype", "reduce_dtype",
+                    "requires_grad", "params", "shared", "numel", "padded_numel", "shard_numel"}));
   PlanUnit u;
   const int64_t kMax = std::numeric_limits<int64_t>::max();
   FS_ASSIGN_OR_RETURN(int64_t index, GetInt(v, "index", path, 0, INT32_MAX));
@@ -169,6 +176,15 @@ absl::StatusOr<PlanUnit> ParseUnit(const Json& v, const JsonPath& path) {
     return path.Key("dtype").Error(absl::StrCat("unknown floating dtype ", Quote(dtype)));
   }
   u.dtype = *parsed;
+  for (const char* key : {"compute_dtype", "reduce_dtype"}) {
+    if (!v.contains(key)) continue;
+    FS_ASSIGN_OR_RETURN(std::string name, GetString(v, key, path));
+    auto d = ParseDType(name);
+    if (!d || !IsFloatingPoint(*d)) {
+      return path.Key(key).Error(absl::StrCat("unknown floating dtype ", Quote(name)));
+    }
+    (std::string_view(key) == "compute_dtype" ? u.compute_dtype : u.reduce_dtype) = *d;
+  }
   FS_ASSIGN_OR_RETURN(u.requires_grad, GetBool(v, "requires_grad", path));
   auto params = v.find("params");
   if (params == v.end()) return path.Error("missing required key \"params\"");

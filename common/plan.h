@@ -4,6 +4,7 @@
 // Thread-safe for concurrent reads.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -38,7 +39,13 @@ struct PlanUnit {
   int32_t index = 0;
   std::string module;  // FQN of the wrapped module; "" for the root
   std::string module_type;
-  DType dtype = DType::kFloat32;
+  DType dtype = DType::kFloat32;  // of the shards, gradient shards and full-precision summons
+  // Mixed precision (policy "mixed_precision"; unset: `dtype`): the dtype a summon for
+  // compute (SummonOptions::compute_precision) hands out, the daemon casting each shard before
+  // the all-gather, and the dtype of the gradient a reduce-scatter takes and reduces in.
+  // Units of module_types_to_ignore keep `dtype` for both.
+  std::optional<DType> compute_dtype;
+  std::optional<DType> reduce_dtype;
   bool requires_grad = true;
   std::vector<PlanParam> params;  // flat order
   std::vector<SharedParam> shared;
@@ -47,6 +54,8 @@ struct PlanUnit {
   int64_t shard_numel = 0;
 
   int64_t padding_numel() const { return padded_numel - numel; }
+  DType ComputeDType() const { return compute_dtype.value_or(dtype); }
+  DType ReduceDType() const { return reduce_dtype.value_or(dtype); }
   friend bool operator==(const PlanUnit&, const PlanUnit&) = default;
 };
 

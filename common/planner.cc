@@ -310,6 +310,19 @@ class Planner {
     }
   }
 
+  // FSDP's MixedPrecision at run time: compute summons in param_dtype, gradients reduced in
+  // reduce_dtype (param_dtype when unset, as FSDP, whose gradients come in param_dtype).
+  // A unit rooted at a module of module_types_to_ignore keeps full precision (FSDP wraps it
+  // with mixed_precision=None); set only where it differs from the shards' dtype.
+  void SetPrecision(const ModuleDecl& root, PlanUnit* unit) const {
+    if (!policy_.mixed_precision) return;
+    const MixedPrecision& mp = *policy_.mixed_precision;
+    if (IsInstanceOfAny(root, mp.module_types_to_ignore)) return;
+    if (mp.param_dtype && *mp.param_dtype != unit->dtype) unit->compute_dtype = mp.param_dtype;
+    const std::optional<DType> reduce = mp.reduce_dtype ? mp.reduce_dtype : mp.param_dtype;
+    if (reduce && *reduce != unit->dtype) unit->reduce_dtype = reduce;
+  }
+
   void CopyExplicit(const AutoWrapPolicy& from, const AutoWrapPolicy& to) {
     if (auto it = explicit_modules_.find(&from); it != explicit_modules_.end()) {
       explicit_modules_[&to] = it->second;
@@ -543,6 +556,7 @@ class Planner {
       unit.numel = layout.numel();
       unit.padded_numel = layout.padded_numel();
       unit.shard_numel = layout.shard_numel();
+      SetPrecision(manifest_.modules[formed_[i].module], &unit);
       plan_.units.push_back(std::move(unit));
     }
     // Ignored parameters by every FQN they have, in named_parameters(remove_duplicate=False)

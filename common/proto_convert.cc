@@ -221,6 +221,8 @@ v1::Plan ToProto(const Plan& plan) {
     p->set_module(u.module);
     p->set_module_type(u.module_type);
     p->set_dtype(DTypeToProto(u.dtype));
+    if (u.compute_dtype) p->set_compute_dtype(DTypeToProto(*u.compute_dtype));
+    if (u.reduce_dtype) p->set_reduce_dtype(DTypeToProto(*u.reduce_dtype));
     p->set_requires_grad(u.requires_grad);
     for (const PlanParam& param : u.params) {
       v1::PlanParam* pp = p->add_params();
@@ -260,6 +262,16 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
     u.module = p.module();
     u.module_type = p.module_type();
     FS_ASSIGN_OR_RETURN(u.dtype, DTypeFromProto(p.dtype(), absl::StrCat("plan: unit ", p.index())));
+    if (p.compute_dtype() != v1::DTYPE_UNSPECIFIED) {
+      FS_ASSIGN_OR_RETURN(u.compute_dtype,
+                          DTypeFromProto(p.compute_dtype(),
+                                         absl::StrCat("plan: unit ", p.index(), " compute_dtype")));
+    }
+    if (p.reduce_dtype() != v1::DTYPE_UNSPECIFIED) {
+      FS_ASSIGN_OR_RETURN(u.reduce_dtype,
+                          DTypeFromProto(p.reduce_dtype(),
+                                         absl::StrCat("plan: unit ", p.index(), " reduce_dtype")));
+    }
     u.requires_grad = p.requires_grad();
     for (const v1::PlanParam& pp : p.params()) {
       u.params.push_back(
@@ -340,6 +352,7 @@ v1::SummonOptions ToProto(const SummonOptions& o) {
   p.set_rank0_only(o.rank0_only);
   p.set_offload_to_cpu(o.offload_to_cpu);
   p.set_with_grads(o.with_grads);
+  p.set_compute_precision(o.compute_precision);
   return p;
 }
 
@@ -350,6 +363,7 @@ SummonOptions FromProto(const v1::SummonOptions& p) {
   o.rank0_only = p.rank0_only();
   o.offload_to_cpu = p.offload_to_cpu();
   o.with_grads = p.with_grads();
+  o.compute_precision = p.compute_precision();
   return o;
 }
 

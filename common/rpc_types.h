@@ -33,6 +33,9 @@ struct SummonOptions {
   // Host daemons: host memory is the only memory, so views are always "offloaded".
   bool offload_to_cpu = false;
   bool with_grads = false;
+  // Units with a compute dtype (PlanUnit::compute_dtype) in it: the shard is cast before the
+  // all-gather (a summon for forward/backward). Gradients (with_grads) stay full precision.
+  bool compute_precision = false;
 };
 
 // Identifies the caller of every ShardService call after JoinGroup (proto Caller).

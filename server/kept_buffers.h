@@ -48,9 +48,10 @@ enum class KeptOwner : uint8_t {
 
 // Which buffer of the unit it is.
 enum class KeptUse : uint8_t {
-  kParams = 0,     // the full padded parameters
-  kGrads = 1,      // the full padded gradient (summons with_grads)
-  kGradInput = 2,  // the full gradient a trainer writes for ReduceScatterGrads
+  kParams = 0,         // the full padded parameters
+  kGrads = 1,          // the full padded gradient (summons with_grads)
+  kGradInput = 2,      // the full gradient a trainer writes for ReduceScatterGrads
+  kComputeParams = 3,  // the full padded parameters in the unit's compute dtype
 };
 
 struct KeptKey {

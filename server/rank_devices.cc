@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/collective/cast.h"
 #include "server/collective/reduce.h"
 
 namespace flatshard::server {
@@ -161,9 +162,37 @@ absl::Status RankDevices::CopyOwnRange(int32_t rank, const Plan& plan, const Pla
                    static_cast<size_t>(bytes));
 }
 
+absl::Status RankDevices::CastBytes(int32_t rank, const void* src, DType from, void* dst, DType to,
+                                    int64_t count) const {
+  if (count <= 0) return absl::OkStatus();
+  const size_t n = static_cast<size_t>(count);
+  if (DeviceOf(rank) == nullptr) {
+    collective::CastInto(from, src, to, dst, n);
+    return absl::OkStatus();
+  }
+  std::vector<char> in(n * ItemSize(from)), out(n * ItemSize(to));
+  FS_RETURN_IF_ERROR(CopyBytes(rank, in.data(), src, in.size()));
+  collective::CastInto(from, in.data(), to, out.data(), n);
+  return CopyBytes(rank, dst, out.data(), out.size());
+}
+
 absl::Status RankDevices::ApplyReducedGrad(int32_t rank, collective::ConstBuffer reduced,
                                            Buffer& grad, DType dtype, bool accumulate) const {
   const size_t bytes = static_cast<size_t>(grad.bytes());
+  std::vector<char> widened;
+  if (reduced.dtype != dtype && IsFloatingPoint(reduced.dtype)) {
+    // reduce_dtype: cast once into host memory (from the device for GPU ranks); the copy or
+    // sum below then runs in the shard's dtype.
+    const int64_t count = static_cast<int64_t>(bytes) / ItemSize(dtype);
+    if (static_cast<int64_t>(reduced.bytes) != count * ItemSize(reduced.dtype)) {
+      return absl::InternalError(absl::StrCat(
+          "rank ", rank, ": a reduced gradient of ", reduced.bytes, " bytes of ",
+          DTypeName(reduced.dtype), " for a shard of ", count, " ", DTypeName(dtype), " elements"));
+    }
+    widened.resize(bytes);
+    FS_RETURN_IF_ERROR(CastBytes(rank, reduced.data, reduced.dtype, widened.data(), dtype, count));
+    reduced = collective::ConstBuffer{widened.data(), bytes, dtype};
+  }
   if (!accumulate) return CopyBytes(rank, grad.data(), reduced.data, bytes);
   if (!grad.on_device()) {
     const void* srcs[] = {grad.data(), reduced.data};

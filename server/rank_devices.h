@@ -79,7 +79,15 @@ class RankDevices {
   // Writes shard rank `r`'s unpadded range of the full padded buffer `full` into `shard`.
   absl::Status CopyOwnRange(int32_t rank, const Plan& plan, const PlanUnit& unit, int32_t r,
                             const Buffer& full, const Buffer& shard) const;
+  // `count` elements of `from` at `src` into `to` at `dst` (CastInto's rounding), either side
+  // host or `rank`'s device memory: on the host for host ranks; GPU ranks go through the
+  // device context (device copies to and from host staging, waited for; no device kernels
+  // yet). Mixed precision's casts before an all-gather.
+  absl::Status CastBytes(int32_t rank, const void* src, DType from, void* dst, DType to,
+                         int64_t count) const;
   // The reduced shard `reduced` into the gradient shard: copied, or added when `accumulate`.
+  // A reduced shard of another floating dtype than `dtype` (a reduce_dtype) is cast first:
+  // the gradient shard keeps the shards' precision.
   absl::Status ApplyReducedGrad(int32_t rank, collective::ConstBuffer reduced, Buffer& grad,
                                 DType dtype, bool accumulate) const;
   // Copies each buffer of `from` into the buffer at the same index of `to` (as many as both

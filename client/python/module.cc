@@ -334,9 +334,11 @@ class PyClient {
   std::shared_ptr<PySummoned> Summon(const std::string& module, const std::string& path,
                                      bool recurse, bool writeback, bool rank0_only,
                                      bool offload_to_cpu, bool with_grads,
-                                     const std::vector<std::shared_ptr<PySummoned>>& end_first) {
+                                     const std::vector<std::shared_ptr<PySummoned>>& end_first,
+                                     bool compute_precision) {
     const ClientRef c = Get("summon");
-    const SummonOptions options{recurse, writeback, rank0_only, offload_to_cpu, with_grads};
+    const SummonOptions options{recurse,        writeback,  rank0_only,
+                                offload_to_cpu, with_grads, compute_precision};
     std::shared_ptr<const Plan> plan = FindPlan(module);  // nullptr: Summon fails NOT_FOUND
     client::SummonedList previous = Release(end_first);
     absl::StatusOr<std::unique_ptr<SummonedParams>> summoned;
@@ -356,9 +358,10 @@ class PyClient {
   std::shared_ptr<PyPendingSummon> StartSummon(
       const std::string& module, const std::string& path, bool recurse, bool writeback,
       bool rank0_only, bool offload_to_cpu, bool with_grads,
-      const std::vector<std::shared_ptr<PySummoned>>& end_first) {
+      const std::vector<std::shared_ptr<PySummoned>>& end_first, bool compute_precision) {
     const ClientRef c = Get("summon_async");
-    const SummonOptions options{recurse, writeback, rank0_only, offload_to_cpu, with_grads};
+    const SummonOptions options{recurse,        writeback,  rank0_only,
+                                offload_to_cpu, with_grads, compute_precision};
     std::shared_ptr<const Plan> plan = FindPlan(module);
     client::SummonedList previous = Release(end_first);
     absl::StatusOr<std::unique_ptr<PendingSummon>> pending;

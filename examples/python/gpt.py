@@ -143,22 +143,45 @@ def make_optimizer(params, lr: float = 3e-3) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
+# --precision of the examples: (param_dtype, reduce_dtype) of FSDP's MixedPrecision; None:
+# float32 throughout. "bf16" is the everyday recipe (bf16 compute, float32 reductions).
+PRECISIONS = {
+    "fp32": None,
+    "bf16": (torch.bfloat16, torch.float32),
+    "bf16-reduce": (torch.bfloat16, torch.bfloat16),
+    "fp16": (torch.float16, torch.float16),
+}
+
+
 def train_reference(steps: int, batch: int, seed: int = 0, lr: float = 3e-3,
-                    optimizer: str = "adamw",
+                    optimizer: str = "adamw", precision: str = "fp32",
                     **cfg_kw) -> Tuple[List[float], Dict[str, torch.Tensor]]:
     """The single-process reference: the same model, the same global batches, AdamW (or
-    plain SGD with optimizer="sgd")."""
+    plain SGD with optimizer="sgd"). With a mixed `precision` (PRECISIONS), the same casts
+    as FSDP's MixedPrecision: float32 master parameters and optimizer; each step runs forward
+    and backward on a copy in param_dtype, the gradient is rounded to reduce_dtype and then
+    widened to float32 for the optimizer."""
     model = build_gpt(seed, **cfg_kw)
     if optimizer == "adamw":
         opt = make_optimizer(model.parameters(), lr)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=lr)
+    mp = PRECISIONS[precision]
     losses = []
     for step in range(steps):
         x, y = global_batch(step, batch, model.cfg)
-        loss = model(x, y)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if mp is None:
+            loss = model(x, y)
+            loss.backward()
+        else:
+            low = build_gpt(seed, **cfg_kw)
+            low.load_state_dict(model.state_dict())
+            low.to(mp[0])
+            loss = low(x, y)
+            loss.backward()
+            for p, q in zip(model.parameters(), low.parameters()):
+                p.grad = q.grad.to(mp[1]).to(torch.float32)
         opt.step()
         losses.append(float(loss))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import flatshard  # noqa: E402
-from flatshard.torch import (FlatShardModule, ModuleWrapPolicy,  # noqa: E402
+from flatshard.torch import (FlatShardModule, MixedPrecision, ModuleWrapPolicy,  # noqa: E402
                              size_based_auto_wrap_policy, summon_full_params)
 
 import gpt  # noqa: E402
@@ -87,6 +87,10 @@ def main():
                          "module, the last committed step on re-attach)")
     ap.add_argument("--batch", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--precision", choices=sorted(gpt.PRECISIONS), default="fp32",
+                    help="FSDP MixedPrecision (param_dtype, reduce_dtype): bf16 = (bfloat16, "
+                         "float32), bf16-reduce = (bfloat16, bfloat16), fp16 = (float16, "
+                         "float16); fp32: none")
     ap.add_argument("--out", default="")
     ap.add_argument("--demo", action="store_true", help="read and edit weights with "
                     "summon_full_params after training (rank 0 prints)")
@@ -124,9 +128,12 @@ def main():
     client = flatshard.Client(args.address, call_timeout=args.call_timeout, join_timeout=60.0)
     client.join(args.group, args.world_size, args.rank, args.token, args.coordinator)
     model, policy = build(args)
+    mp = gpt.PRECISIONS[args.precision]
     fs = FlatShardModule(model, client, auto_wrap_policy=policy,
                          sync_module_states=args.sync_module_states,
-                         use_orig_params=args.use_orig_params)
+                         use_orig_params=args.use_orig_params,
+                         mixed_precision=None if mp is None else MixedPrecision(
+                             param_dtype=mp[0], reduce_dtype=mp[1]))
     emit(event="attached", rank=args.rank, reattached=fs.reattached, generation=fs.generation)
     dump(args, fs, "attached")
     if args.rank == 0:

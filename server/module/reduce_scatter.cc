@@ -59,7 +59,6 @@ absl::StatusOr<std::shared_ptr<Buffer>> Modules::BeginReduceScatter(const Caller
             "not serve yet");
       }
       const PlanUnit& u = reg.plan.units[unit];
-      const int64_t item = ItemSize(u.dtype);
       const std::pair<int32_t, int32_t> key{caller.rank, unit};
       need_grad = !reg.shards_by_rank[caller.rank][unit].grad && !reg.new_grads.contains(key);
       auto staging = reg.grad_staging.find(key);
@@ -79,8 +78,10 @@ absl::StatusOr<std::shared_ptr<Buffer>> Modules::BeginReduceScatter(const Caller
         if (need_staging) installed = std::move(staging_got);
         return installed;
       }
-      grad_bytes = u.shard_numel * item;
-      staging_bytes = u.padded_numel * item;
+      // The gradient shard keeps the shards' precision; the trainer's full gradient comes in
+      // the unit's reduce dtype (mixed precision), which the collective reduces in.
+      grad_bytes = u.shard_numel * ItemSize(u.dtype);
+      staging_bytes = u.padded_numel * ItemSize(u.ReduceDType());
       owner_uid = g.owner_uid;
       kept = KeptOf(reg);
       kept_unit = KeptUnit(reg, unit);
@@ -126,8 +127,9 @@ void Modules::FinishReduceScatter(const Caller& caller, const std::string& modul
 struct Modules::GradFinish {
   std::shared_ptr<Buffer> staging;
   std::shared_ptr<Buffer> grad;
-  bool fresh = false;  // the unit had no gradient shard: `grad` is installed on success
-  DType dtype = DType::kFloat32;
+  bool fresh = false;             // the unit had no gradient shard: `grad` is installed on success
+  DType dtype = DType::kFloat32;  // of the gradient shard
+  DType reduce_dtype = DType::kFloat32;  // of the staging buffer and the collective
   std::shared_ptr<collective::CollectiveGroup> coll;
 };
 
@@ -153,12 +155,18 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
   const std::shared_ptr<Buffer> grad = f.grad;
   const bool fresh = f.fresh;
   const DType dtype = f.dtype;
+  // Mixed precision: the collective reduces in the reduce dtype (the host kernels add in
+  // float32 and round once per reduction: once on one daemon); ApplyReducedGrad casts the
+  // reduced shard into the full-precision gradient shard, as FSDP casts the sharded gradient
+  // back to the parameters' dtype.
+  const DType rd = f.reduce_dtype;
+  const int64_t scratch_bytes = grad->bytes() / ItemSize(dtype) * ItemSize(rd);
   std::shared_ptr<Buffer> scratch_buffer;
   std::shared_ptr<std::vector<char>> scratch_host;
-  collective::MutableBuffer scratch{nullptr, static_cast<size_t>(grad->bytes()), dtype};
+  collective::MutableBuffer scratch{nullptr, static_cast<size_t>(scratch_bytes), rd};
   if (grad->on_device()) {
     absl::StatusOr<std::shared_ptr<Buffer>> b =
-        store_->Allocate(BufferKind::kStaging, grad->bytes(),
+        store_->Allocate(BufferKind::kStaging, scratch_bytes,
                          absl::StrCat("group=", caller.group, " unit=", unit, " rank=", caller.rank,
                                       " reduce-scatter scratch"),
                          -1, grad->placement());
@@ -167,14 +175,14 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
       return;
     }
     scratch_buffer = *std::move(b);
-    scratch = MutableOf(scratch_buffer.get(), dtype);
+    scratch = MutableOf(scratch_buffer.get(), rd);
   } else {
-    scratch_host = std::make_shared<std::vector<char>>(grad->bytes());
+    scratch_host = std::make_shared<std::vector<char>>(scratch_bytes);
     scratch.data = scratch_host->data();
   }
   std::vector<collective::CollectiveOp> ops;
   ops.push_back(collective::CollectiveOp::ReduceScatter(
-      unit, ConstOf(*f.staging, dtype), scratch,
+      unit, ConstOf(*f.staging, rd), scratch,
       op == ReduceOp::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum));
   ops.back().name = "grads";
   // Once the collective completed: the reduced shard into the gradient shard (a device copy
@@ -235,6 +243,7 @@ absl::Status Modules::TakeGradStagingLocked(Group& g, const Caller& caller,
     out->grad = reg.new_grads.at({caller.rank, unit});
   }
   out->dtype = reg.plan.units[unit].dtype;
+  out->reduce_dtype = reg.plan.units[unit].ReduceDType();
   out->coll = g.coll;
   return absl::OkStatus();
 }

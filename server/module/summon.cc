@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 #include "absl/strings/str_cat.h"
@@ -26,6 +27,7 @@ using summon_steps::GetViewBuffers;
 using summon_steps::kSummonRounds;
 using summon_steps::TryKept;
 
+using internal::CastsForCompute;
 using internal::ConstOf;
 using internal::Display;
 using internal::kAlreadyUnsharding;
@@ -39,11 +41,14 @@ std::shared_ptr<KeptBuffers> Modules::KeptOf(Registered& reg) {
 
 int32_t Modules::KeptUnit(Registered& reg, int32_t unit, int nth) {
   if (reg.kept_class.empty()) {
-    std::map<std::pair<int64_t, DType>, int32_t> class_of;
+    // Units of one class share kept buffers, so every buffer of a class has one size: the
+    // mixed-precision dtypes are part of the class.
+    std::map<std::tuple<int64_t, DType, DType, DType>, int32_t> class_of;
     reg.kept_class.reserve(reg.plan.units.size());
     for (const PlanUnit& u : reg.plan.units) {
-      const auto [it, fresh] = class_of.try_emplace(
-          {u.padded_numel, u.dtype}, static_cast<int32_t>(reg.kept_class_units.size()));
+      const auto [it, fresh] =
+          class_of.try_emplace({u.padded_numel, u.dtype, u.ComputeDType(), u.ReduceDType()},
+                               static_cast<int32_t>(reg.kept_class_units.size()));
       if (fresh) reg.kept_class_units.emplace_back();
       reg.kept_class_units[it->second].push_back(static_cast<int32_t>(reg.kept_class.size()));
       reg.kept_class.push_back(it->second);
@@ -160,12 +165,14 @@ void Modules::SummonWritten(const Caller& caller, const std::string& module,
     done(error);
     return;
   }
-  if (start->copies.empty()) {
+  if (start->copies.empty() && start->casts.empty()) {
     StartUnshard(caller, deadline, std::move(start), std::move(done));
     return;
   }
-  // NO_SHARD: the views are copies of the shards. The unit is marked summoned, so no End or
-  // reduce-scatter of this rank touches these buffers until the summon is answered.
+  // NO_SHARD: the views are copies of the shards. Mixed precision: each shard cast into its
+  // own block of the view, the all-gather's input (in place, as NCCL's). The unit is marked
+  // summoned, so no End or reduce-scatter of this rank touches these buffers until the summon
+  // is answered. On the rank's device worker for GPU ranks.
   devices_.RunBlocking(
       caller.rank,
       [this, rank = caller.rank, start] {
@@ -173,10 +180,16 @@ void Modules::SummonWritten(const Caller& caller, const std::string& module,
           FS_RETURN_IF_ERROR(devices_.CopyBytes(rank, dst->data(), src->data(),
                                                 static_cast<size_t>(src->bytes())));
         }
+        for (const SummonCast& c : start->casts) {
+          FS_RETURN_IF_ERROR(devices_.CastBytes(rank, c.from->data(), c.from_dtype,
+                                                static_cast<char*>(c.to->data()) + c.to_offset,
+                                                c.to_dtype, c.count));
+        }
         return absl::OkStatus();
       },
       [this, caller, deadline, start, done = std::move(done)](absl::Status s) mutable {
         start->copies.clear();
+        start->casts.clear();
         if (!s.ok()) {
           // Nothing was handed out: end the summon without writeback.
           FinishEnd(caller, start->result.summon, s,
@@ -217,6 +230,12 @@ absl::Status Modules::DecideSummon(Group& g, const Caller& caller, const std::st
                                                         Display(reg.plan.units[u].module), ")"));
     }
   }
+  if (options.compute_precision && (options.writeback || options.rank0_only)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("summon of ", Display(path), " in module ", Display(module),
+                     ": compute_precision is for forward/backward summons; a summon with ",
+                     options.writeback ? "writeback" : "rank0_only", " is always full precision"));
+  }
   d->sharded = reg.plan.shard_world_size > 1;
   // One read-only copy per node; GPU ranks each need theirs on their own device.
   d->shared = !options.writeback && !options.rank0_only && d->sharded && gpus_.empty();
@@ -240,12 +259,16 @@ absl::Status Modules::DecideSummon(Group& g, const Caller& caller, const std::st
     const UnitShard& shard = reg.shards_by_rank[rank][u];
     const int32_t kept_unit =
         d->units.size() == 1 ? KeptUnit(reg, u) : KeptUnit(reg, u, nth_of_size[KeptUnit(reg, u)]++);
-    for (KeptUse use : {KeptUse::kParams, KeptUse::kGrads}) {
+    const bool cast = CastsForCompute(options, unit);
+    for (KeptUse use : {cast ? KeptUse::kComputeParams : KeptUse::kParams, KeptUse::kGrads}) {
       // Gradients exist for every rank of a unit or for none (made by one collective).
       if (use == KeptUse::kGrads && !(options.with_grads && shard.grad)) continue;
       const std::string label = absl::StrCat("group=", g.id, " unit=", u, " ",
-                                             use == KeptUse::kParams ? "params" : "grads");
-      const int64_t bytes = unit.padded_numel * ItemSize(unit.dtype);
+                                             use == KeptUse::kGrads ? "grads"
+                                             : cast                 ? "compute params"
+                                                                    : "params");
+      const DType view_dtype = use == KeptUse::kComputeParams ? unit.ComputeDType() : unit.dtype;
+      const int64_t bytes = unit.padded_numel * ItemSize(view_dtype);
       // Buffers this rank sees: shared per node (read-only use), rank 0's only, or private.
       if (options.rank0_only) {
         if (rank == 0) {
@@ -253,7 +276,7 @@ absl::Status Modules::DecideSummon(Group& g, const Caller& caller, const std::st
               {u, use, KeptKey::Rank(0, kept_unit, use), bytes, absl::StrCat(label, " rank=0")});
         }
       } else if (d->shared) {
-        const auto& map = use == KeptUse::kParams ? d->slot->shared_params : d->slot->shared_grads;
+        const auto& map = use != KeptUse::kGrads ? d->slot->shared_params : d->slot->shared_grads;
         if (map.contains(u) && map.at(u) != nullptr) continue;  // another rank made it
         if (d->slot->making.contains({u, use})) {
           d->wait = true;  // another rank is making it
@@ -290,7 +313,7 @@ void Modules::OpenSummonLocked(Group& g, const Caller& caller, const std::string
   // The buffer this rank sees of (unit, use): rank 0's only, the node's copy (the first local
   // rank's to arrive), or its own.
   auto view_of = [&](int32_t u, KeptUse use) -> std::shared_ptr<Buffer> {
-    const bool params = use == KeptUse::kParams;
+    const bool params = use != KeptUse::kGrads;
     if (options.rank0_only) {
       if (rank != 0) return nullptr;
       auto& rank0 = params ? slot->rank0_params : slot->rank0_grads;
@@ -320,8 +343,27 @@ void Modules::OpenSummonLocked(Group& g, const Caller& caller, const std::string
                                    u, ConstOf(*from, unit.dtype), MutableOf(to.get(), unit.dtype)));
     };
     SummonedUnit view{u, nullptr, nullptr};
-    view.params = view_of(u, KeptUse::kParams);
-    unshard(shard.shard, view.params);
+    if (CastsForCompute(options, unit) && d.sharded) {
+      // Mixed precision: this rank's shard, cast into its own block of the low-precision
+      // view (after mu_), is the all-gather's input: the bytes moved are low precision.
+      view.params = view_of(u, KeptUse::kComputeParams);
+      const DType cd = unit.ComputeDType();
+      const int64_t offset = int64_t{reg.plan.ShardRank(rank)} * unit.shard_numel * ItemSize(cd);
+      out->casts.push_back({shard.shard, unit.dtype, view.params, offset, cd, unit.shard_numel});
+      collective::MutableBuffer all = MutableOf(view.params.get(), cd);
+      collective::ConstBuffer own{static_cast<const char*>(all.data) + offset,
+                                  static_cast<size_t>(unit.shard_numel * ItemSize(cd)), cd,
+                                  all.kind};
+      out->ops.push_back(collective::CollectiveOp::AllGather(u, own, all));
+    } else if (CastsForCompute(options, unit)) {
+      // NO_SHARD: the whole shard cast into the view.
+      view.params = view_of(u, KeptUse::kComputeParams);
+      out->casts.push_back(
+          {shard.shard, unit.dtype, view.params, 0, unit.ComputeDType(), unit.padded_numel});
+    } else {
+      view.params = view_of(u, KeptUse::kParams);
+      unshard(shard.shard, view.params);
+    }
     // Gradients exist for every rank of a unit or for none (made by one collective).
     if (options.with_grads && shard.grad) {
       view.grads = view_of(u, KeptUse::kGrads);

@@ -40,6 +40,16 @@ struct Modules::SummonDecision {
   bool wait = false;
 };
 
+// Mixed precision: `count` elements of the shard `from` cast into `to` at byte `to_offset`.
+struct SummonCast {
+  std::shared_ptr<Buffer> from;
+  DType from_dtype = DType::kFloat32;
+  std::shared_ptr<Buffer> to;
+  int64_t to_offset = 0;
+  DType to_dtype = DType::kFloat32;
+  int64_t count = 0;
+};
+
 // A summon OpenSummonLocked opened: what the steps after mu_ need.
 struct Modules::SummonStart {
   SummonResult result;
@@ -49,6 +59,9 @@ struct Modules::SummonStart {
   int32_t shared_locals = 0;
   // NO_SHARD: the whole shard into the view (dst, src).
   std::vector<std::pair<std::shared_ptr<Buffer>, std::shared_ptr<Buffer>>> copies;
+  // Compute summons of mixed-precision units: each shard into its low-precision view, before
+  // the all-gather (the ops read what the casts wrote).
+  std::vector<SummonCast> casts;
 };
 
 namespace summon_steps {

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "common/plan.h"
+#include "common/rpc_types.h"
 #include "server/collective/collective_engine.h"
 #include "server/shard_store.h"
 
@@ -43,6 +44,11 @@ inline std::vector<int32_t> SelectUnits(const Plan& plan, const std::string& pat
     if (exact || (recurse && below)) units.push_back(u.index);
   }
   return units;
+}
+
+// Whether a summon with `options` hands `unit` out in its compute dtype, cast by the daemon.
+inline bool CastsForCompute(const SummonOptions& options, const PlanUnit& unit) {
+  return options.compute_precision && unit.ComputeDType() != unit.dtype;
 }
 
 inline collective::ConstBuffer ConstOf(const Buffer& b, DType dtype) {

@@ -223,6 +223,33 @@ TEST(ModuleLayoutTest, PrecomputesByteOffsetsAndExtents) {
   EXPECT_EQ((*layout)->FindFqn("c.weight")->second, 2);
 }
 
+// Mixed precision: the compute (reduce) layout has each unit in its compute (reduce) dtype,
+// the same views at byte offsets of that dtype; a plan without them is its own.
+TEST(ModuleLayoutTest, ComputeAndReduceLayoutsUseTheUnitsMixedPrecisionDTypes) {
+  Plan plan = TwoUnitPlan();
+  plan.units[0].compute_dtype = DType::kBFloat16;
+  plan.units[0].reduce_dtype = DType::kFloat16;
+  absl::StatusOr<std::shared_ptr<const ModuleLayout>> layout =
+      ModuleLayout::Create(std::make_shared<const Plan>(plan));
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ((*layout)->FindUnit(0)->dtype, DType::kFloat32);  // the shards' own
+  const std::shared_ptr<const ModuleLayout> compute = ModuleLayout::Compute(*layout);
+  const std::shared_ptr<const ModuleLayout> reduce = ModuleLayout::Reduce(*layout);
+  ASSERT_NE(compute, *layout);
+  EXPECT_EQ(compute->FindUnit(0)->dtype, DType::kBFloat16);
+  EXPECT_EQ(compute->FindUnit(0)->item_size, 2);
+  EXPECT_EQ(compute->FindUnit(0)->views[1].byte_offset, 12);  // b.bias at element 6
+  EXPECT_EQ(compute->FindUnit(0)->extent_bytes, 18);
+  EXPECT_EQ(compute->FindUnit(1)->dtype, DType::kBFloat16);  // unit 1 has none: its dtype
+  EXPECT_EQ(reduce->FindUnit(0)->dtype, DType::kFloat16);
+  EXPECT_EQ(ModuleLayout::Compute(compute), compute);  // a variant has no variants
+  absl::StatusOr<std::shared_ptr<const ModuleLayout>> plain =
+      ModuleLayout::Create(std::make_shared<const Plan>(TwoUnitPlan()));
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(ModuleLayout::Compute(*plain), *plain);
+  EXPECT_EQ(ModuleLayout::Reduce(*plain), *plain);
+}
+
 TEST(ModuleLayoutTest, RefusesInconsistentPlans) {
   const auto refused = [](Plan plan, absl::string_view why) {
     absl::StatusOr<std::shared_ptr<const ModuleLayout>> layout =

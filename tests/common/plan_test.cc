@@ -185,14 +185,45 @@ TEST(PlanJsonTest, KeysAreExactlyThoseOfFormatsMdInOrder) {
                                      "ignored_params", "warnings", "fingerprint"));
     ASSERT_FALSE(j["units"].empty());
     for (const OJson& u : j["units"]) {
-      EXPECT_THAT(Keys(u), ElementsAre("index", "module", "module_type", "dtype", "requires_grad",
-                                       "params", "shared", "numel", "padded_numel", "shard_numel"));
+      // Mixed precision's keys, where set, come right after "dtype".
+      std::vector<std::string> keys = Keys(u);
+      if (u.contains("compute_dtype")) {
+        EXPECT_EQ(keys[4], "compute_dtype");
+      }
+      std::erase_if(
+          keys, [](const std::string& k) { return k == "compute_dtype" || k == "reduce_dtype"; });
+      EXPECT_THAT(keys, ElementsAre("index", "module", "module_type", "dtype", "requires_grad",
+                                    "params", "shared", "numel", "padded_numel", "shard_numel"));
       for (const OJson& p : u["params"]) {
         EXPECT_THAT(Keys(p), ElementsAre("fqn", "shape", "numel", "offset"));
       }
       for (const OJson& s : u["shared"]) EXPECT_THAT(Keys(s), ElementsAre("fqn", "same_as"));
     }
   }
+}
+
+// compute_dtype / reduce_dtype appear after "dtype" only when set, round-trip, and change the
+// fingerprint; a wrong name is refused naming the key.
+TEST(PlanJsonTest, MixedPrecisionDTypesRoundTripAndCountInTheFingerprint) {
+  Plan plan = MustPlan(MustManifest(kGptManifest), Policy{}, 4);
+  const std::string plain = plan.fingerprint;
+  plan.units[0].compute_dtype = DType::kBFloat16;
+  plan.units[0].reduce_dtype = DType::kFloat16;
+  plan.fingerprint = Fingerprint(plan);
+  EXPECT_NE(plan.fingerprint, plain);
+  OJson j = PlanToJson(plan);
+  EXPECT_THAT(
+      Keys(j["units"][0]),
+      ElementsAre("index", "module", "module_type", "dtype", "compute_dtype", "reduce_dtype",
+                  "requires_grad", "params", "shared", "numel", "padded_numel", "shard_numel"));
+  absl::StatusOr<Plan> back = Reparse(plan);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, plan);
+  j["units"][0]["compute_dtype"] = "int8";
+  absl::StatusOr<Plan> bad = PlanFromJson(j.dump());
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), HasSubstr("compute_dtype"));
+  EXPECT_THAT(bad.status().message(), HasSubstr("unknown floating dtype \"int8\""));
 }
 
 TEST(PlanJsonTest, RoundTripsPlansMadeByBuildPlan) {
@@ -389,7 +420,8 @@ TEST_F(PlanTamperTest, StructuralErrorsNameThePath) {
   j["units"][0]["extra"] = 1;
   ExpectRefused(j,
                 "plan: $.units[0]: unknown key \"extra\" (allowed: index, module, module_type, "
-                "dtype, requires_grad, params, shared, numel, padded_numel, shard_numel)");
+                "dtype, compute_dtype, reduce_dtype, requires_grad, params, shared, numel, "
+                "padded_numel, shard_numel)");
   j = json_;
   j["units"][1]["params"][0]["stride"] = 1;
   ExpectRefused(j,

@@ -352,6 +352,37 @@ TEST(PlannerTest, MixedPrecisionWrapsIgnoredTypesSeparatelyWithAWarning) {
   EXPECT_THAT(UnitModules(*plan), ElementsAre("<root>"));
 }
 
+// Mixed precision at run time: every unit computes in param_dtype and reduces in reduce_dtype
+// (param_dtype when unset), except a unit rooted at an ignored type; set only where it differs.
+TEST(PlannerTest, MixedPrecisionGivesUnitsComputeAndReduceDTypesButNotIgnoredTypes) {
+  g_next_module_id = 0;
+  Manifest m = MakeManifest(M("Net", {},
+                              {C("conv", M("Conv2d", {P("weight", 0, {8})})),
+                               C("bn", M("BatchNorm2d", {P("weight", 1, {4})}, {},
+                                         {"_BatchNorm", "_NormBase", "Module"}))}));
+  auto plan = PlanWith(m, R"({"auto_wrap": {"kind": "module_types", "types": ["Conv2d"]},
+                             "mixed_precision": {"param_dtype": "bfloat16"}})");
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_THAT(UnitModules(*plan), ElementsAre("conv", "bn"));
+  EXPECT_EQ(plan->units[0].compute_dtype, DType::kBFloat16);
+  EXPECT_EQ(plan->units[0].reduce_dtype, DType::kBFloat16);  // as FSDP: param_dtype's grads
+  EXPECT_EQ(plan->units[1].compute_dtype, std::nullopt);
+  EXPECT_EQ(plan->units[1].ComputeDType(), DType::kFloat32);
+  EXPECT_EQ(plan->units[1].ReduceDType(), DType::kFloat32);
+  plan = PlanWith(m, R"({"auto_wrap": {"kind": "module_types", "types": ["Conv2d"]},
+                         "mixed_precision": {"param_dtype": "float16", "reduce_dtype": "float32",
+                                             "module_types_to_ignore": []}})");
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (const PlanUnit& u : plan->units) {
+    EXPECT_EQ(u.ComputeDType(), DType::kFloat16) << u.module;
+    EXPECT_EQ(u.reduce_dtype, std::nullopt) << u.module;  // float32 = the shards' dtype
+  }
+  // Without mixed precision nothing is set (and the fingerprint is what it always was).
+  plan = PlanWith(m, R"({"auto_wrap": {"kind": "module_types", "types": ["Conv2d"]}})");
+  ASSERT_TRUE(plan.ok());
+  for (const PlanUnit& u : plan->units) EXPECT_FALSE(u.compute_dtype || u.reduce_dtype);
+}
+
 TEST(PlannerTest, OrigParamsAlignsEachParamAndPadsToWorldSize) {
   g_next_module_id = 0;
   Manifest m = MakeManifest(

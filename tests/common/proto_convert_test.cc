@@ -488,6 +488,20 @@ TEST(PlanProtoTest, SharedParamsSurvive) {
   EXPECT_EQ(*back, plan);
 }
 
+TEST(PlanProtoTest, MixedPrecisionDTypesSurvive) {
+  Plan plan = NonePlan();
+  plan.units[0].compute_dtype = DType::kBFloat16;
+  plan.units[0].reduce_dtype = DType::kFloat16;
+  plan.fingerprint = Fingerprint(plan);
+  v1::Plan proto = ToProto(plan);
+  EXPECT_EQ(proto.units(0).compute_dtype(), v1::DTYPE_BFLOAT16);
+  absl::StatusOr<Plan> back = FromProto(proto);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, plan);
+  // Unset on the wire (DTYPE_UNSPECIFIED) is unset in the plan.
+  EXPECT_EQ(ToProto(NonePlan()).units(0).compute_dtype(), v1::DTYPE_UNSPECIFIED);
+}
+
 TEST(PlanProtoTest, TamperedFingerprintIsRefused) {
   Plan plan = NonePlan();
   v1::Plan proto = ToProto(plan);

@@ -149,6 +149,14 @@ struct SummonOptions {
   bool rank0_only = false;
   bool offload_to_cpu = false;
   bool with_grads = false;
+  // FSDP's MixedPrecision.param_dtype for a forward/backward summon: units the plan gives a
+  // `compute_dtype` (policy "mixed_precision") are handed out in it; the daemon casts each
+  // rank's shard before the all-gather, so the bytes moved and the views are low precision.
+  // Units without one (no mixed precision, module_types_to_ignore) come in full precision.
+  // Not with writeback or rank0_only (INVALID_ARGUMENT): like FSDP's summon_full_params,
+  // state dicts and checkpoints, those are always full precision. Gradients (with_grads)
+  // stay full precision.
+  bool compute_precision = false;
 };
 
 // One parameter (or its gradient) inside a mapped flat buffer.

@@ -593,22 +593,30 @@ class Client:
 
     def summon(self, module: str, path: str = "", recurse: bool = True, writeback: bool = True,
                rank0_only: bool = False, offload_to_cpu: bool = False, with_grads: bool = False,
-               end_first: Summoned | Iterable[Summoned] | None = None) -> Summoned:
+               end_first: Summoned | Iterable[Summoned] | None = None,
+               compute_precision: bool = False) -> Summoned:
         """Collective: unshards the units at `path` of registered `module` (FSDP's
         summon_full_params). Returns a Summoned, also a context manager.
 
         ``end_first``: a ``Summoned`` (or a list of them) to end in the same round trip (one
         RPC per unit transition: reshard the unit that ran, unshard the next). They are ended
         whatever the outcome (their tensors are the daemon's again at once); a writeback one
-        is ended by its own collective ``end()`` first, whose error then raises here."""
+        is ended by its own collective ``end()`` first, whose error then raises here.
+
+        ``compute_precision``: a summon for forward/backward (read-only, not rank0_only):
+        units the plan gives a ``compute_dtype`` (policy ``mixed_precision.param_dtype``)
+        come in that dtype, cast by the daemon before the all-gather; the others, and every
+        other summon, in full precision."""
         s = self._c.summon(module, path, bool(recurse), bool(writeback), bool(rank0_only),
-                           bool(offload_to_cpu), bool(with_grads), _raw_summoned(end_first))
+                           bool(offload_to_cpu), bool(with_grads), _raw_summoned(end_first),
+                           bool(compute_precision))
         return Summoned(s, self._plans.get(module))
 
     def summon_async(self, module: str, path: str = "", recurse: bool = True,
                      writeback: bool = True, rank0_only: bool = False,
                      offload_to_cpu: bool = False, with_grads: bool = False,
-                     end_first: Summoned | Iterable[Summoned] | None = None) -> PendingSummon:
+                     end_first: Summoned | Iterable[Summoned] | None = None,
+                     compute_precision: bool = False) -> PendingSummon:
         """Collective, asynchronous: starts ``summon`` and returns a ``PendingSummon`` at
         once (prefetch: start the next unit's all-gather, compute, then ``wait()``). Calls
         this client makes afterwards that act on the group (summon, end, reduce-scatter,
@@ -618,7 +626,7 @@ class Client:
         in ``summon``: its End goes with the started summon."""
         p = self._c.summon_async(module, path, bool(recurse), bool(writeback), bool(rank0_only),
                                  bool(offload_to_cpu), bool(with_grads),
-                                 _raw_summoned(end_first))
+                                 _raw_summoned(end_first), bool(compute_precision))
         return PendingSummon(p, self._plans.get(module))
 
     def begin_reduce_scatter(self, module: str, unit: int, op: str = "avg",

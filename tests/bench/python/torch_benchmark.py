@@ -15,6 +15,14 @@ them, so the daemon's shared-memory segments are counted once.
 Modes: single, ddp, fsdp, flatshard (backward prefetch BACKWARD_PRE and forward prefetch),
 flatshard-noprefetch (neither). "summon wait ms/step": the time a rank's wrapper waited for
 its units' all-gathers per step (prefetch_stats): the communication prefetch did not hide.
+
+--precisions fp32,bf16,...: every mode once per precision (examples/python/gpt.py PRECISIONS:
+FSDP's MixedPrecision(param_dtype, reduce_dtype); fsdp runs torch's own MixedPrecision, single
+the same casts by hand). "MiB moved/step" (flatshard): the daemon's
+flatshard_collective_bytes_total (every local rank's all-gathers and reduce-scatters, each
+counted at its full unit size) over the steps after --warmup, per step, read from its
+Prometheus endpoint by rank 0 after its step's optimizer update (its reduce-scatters, which
+complete together with every rank's, are done by then).
 """
 import argparse
 import json
@@ -90,7 +98,7 @@ def worker(args):
                 model, [n for n, b in model.named_buffers() if b.dtype == torch.bool])
             fwd = DDP(model, broadcast_buffers=False)
         else:
-            fwd = make_fsdp(model)
+            fwd = make_fsdp(model, args.precision)
         params = fwd.parameters()
     else:
         import flatshard
@@ -101,13 +109,18 @@ def worker(args):
         prefetch = dict(backward_prefetch=None) if args.mode == "flatshard-noprefetch" else dict(
             backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True)
         fwd = FlatShardModule(model, client, auto_wrap_policy=ModuleWrapPolicy({gpt.Block}),
-                              **prefetch)
+                              mixed_precision=mixed_precision(args.precision), **prefetch)
         params = fwd.sharded_parameters()
+    if args.mode == "single" and gpt.PRECISIONS[args.precision] is not None:
+        fwd = _SameCasts(model, gpt.PRECISIONS[args.precision])
     opt = gpt.make_optimizer(params)
     times, losses = [], []
     profiler = None
     waited = 0.0
+    moved = None
     for step in range(args.steps):
+        if step == args.warmup and rank == 0 and args.metrics:
+            moved = -collective_bytes(args.metrics)
         if step == args.warmup and hasattr(fwd, "prefetch_stats"):
             waited = -fwd.prefetch_stats["waited_s"]
         if args.profile and step == args.warmup:
@@ -119,22 +132,80 @@ def worker(args):
         loss = fwd(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if isinstance(fwd, _SameCasts):
+            fwd.grads_to(model)
         opt.step()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
+    if moved is not None:
+        moved = (moved + collective_bytes(args.metrics)) / max(args.steps - args.warmup, 1)
     if profiler is not None:
         profiler.disable()
         os.makedirs(args.profile, exist_ok=True)
         profiler.dump_stats(os.path.join(args.profile, f"{args.mode}-rank{rank}.prof"))
     if hasattr(fwd, "prefetch_stats"):
         waited += fwd.prefetch_stats["waited_s"]
+    if args.out:  # the final full state dict (collective for fsdp and flatshard), rank 0's
+        import torch
+        sd = (fwd.full_state_dict() if hasattr(fwd, "full_state_dict")
+              else fwd.state_dict() if args.mode == "fsdp" else model.state_dict())
+        if rank == 0:
+            torch.save({k: v.detach().clone() for k, v in sd.items()}, args.out)
     print(json.dumps({"rank": rank, "times": times, "losses": losses,
                       "summon_wait_s": waited / max(args.steps - args.warmup, 1),
+                      "moved_bytes": moved,
                       "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}),
           flush=True)
     if client is not None:
         client.leave()
         client.close()
+
+
+def mixed_precision(precision, fsdp=False):
+    """FSDP's MixedPrecision for `precision` (gpt.PRECISIONS): flatshard's, or torch's."""
+    import gpt
+    mp = gpt.PRECISIONS[precision]
+    if mp is None:
+        return None
+    if fsdp:
+        from torch.distributed.fsdp import MixedPrecision
+    else:
+        from flatshard.torch import MixedPrecision
+    return MixedPrecision(param_dtype=mp[0], reduce_dtype=mp[1])
+
+
+class _SameCasts:
+    """One process with MixedPrecision's casts: forward/backward on a param_dtype copy,
+    gradients rounded to reduce_dtype, float32 parameters and optimizer."""
+
+    def __init__(self, model, mp):
+        import copy
+        self.model, self.mp, self.low = model, mp, copy.deepcopy(model).to(mp[0])
+
+    def __call__(self, x, y):
+        import torch
+        with torch.no_grad():
+            for p, q in zip(self.model.parameters(), self.low.parameters()):
+                q.copy_(p)
+        for q in self.low.parameters():
+            q.grad = None
+        return self.low(x, y)
+
+    def grads_to(self, model):
+        import torch
+        for p, q in zip(model.parameters(), self.low.parameters()):
+            p.grad = q.grad.to(self.mp[1]).to(torch.float32)
+
+
+def collective_bytes(url):
+    """flatshard_collective_bytes_total summed over its labels, from the daemon's metrics."""
+    import urllib.request
+    total = 0.0
+    with urllib.request.urlopen(url, timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("flatshard_collective_bytes_total"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 class _NoStream:
@@ -180,13 +251,18 @@ def _cpu_cuda_shims():
     # slower here than with NCCL's reduce-scatter would be.
     import torch.distributed as dist
 
+    # MixedPrecision: torch 1.13's gloo has no bfloat16 ("Invalid scalar type"), so a bfloat16
+    # all-gather moves the same bits as float16 (a copy: exact), and a 16-bit reduction sums
+    # in float32 and rounds once into the output (what flatshard's host kernels do).
     def all_gather_base(output, input, group=None, async_op=False):
         n = dist.get_world_size(group)
+        if input.dtype == torch.bfloat16:
+            output, input = output.view(torch.float16), input.view(torch.float16)
         return dist.all_gather(list(output.chunk(n)), input, group=group, async_op=async_op)
 
     def reduce_scatter_base(output, input, group=None, async_op=False, op=dist.ReduceOp.SUM):
         n, r = dist.get_world_size(group), dist.get_rank(group)
-        full = input.clone()
+        full = input.float() if input.dtype in (torch.bfloat16, torch.float16) else input.clone()
         dist.all_reduce(full, op=op, group=group)
         output.copy_(full.chunk(n)[r])
 
@@ -194,7 +270,7 @@ def _cpu_cuda_shims():
     dist._reduce_scatter_base = reduce_scatter_base
 
 
-def make_fsdp(model):
+def make_fsdp(model, precision="fp32"):
     """torch 1.13's FSDP on CPU (spec/semantics.md §5): hashable dataclass default for the
     import on Python 3.11, CPU as the compute device, and no-op CUDA streams/events
     (_cpu_cuda_shims)."""
@@ -208,7 +284,8 @@ def make_fsdp(model):
     import gpt
     return FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD,
                 auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
-                                                   transformer_layer_cls={gpt.Block}))
+                                                   transformer_layer_cls={gpt.Block}),
+                mixed_precision=mixed_precision(precision, fsdp=True))
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -218,10 +295,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_mode(mode, args):
-    """Runs one configuration; returns a dict with step time, peak PSS, losses, or an error."""
+def run_mode(mode, args, precision="fp32", out=""):
+    """Runs one configuration; returns a dict with step time, peak PSS, losses, or an error.
+    `out`: rank 0 saves the final full state dict there."""
+    if mode == "ddp" and precision != "fp32":
+        return {"mode": mode, "precision": precision,
+                "error": "DistributedDataParallel has no MixedPrecision (float32 only here)"}
     world = 1 if mode == "single" else args.ranks
     common = [sys.executable, __file__, "--worker", "--mode", mode, "--steps", str(args.steps),
+              "--precision", precision, "--out", out,
               "--warmup", str(args.warmup), "--profile", args.profile,
               "--batch", str(args.batch), "--world-size", str(world), "--n-layer",
               str(args.n_layer), "--n-embd", str(args.n_embd), "--block-size",
@@ -230,9 +312,11 @@ def run_mode(mode, args):
     extra_pids = []
     if mode.startswith("flatshard"):
         from flatshard.testing import LocalDaemon
-        daemon = LocalDaemon().start()
+        port = free_port()
+        daemon = LocalDaemon(extra_args=[f"--metrics_address=127.0.0.1:{port}"]).start()
         extra_pids.append(daemon.proc.pid)
-        common += ["--address", daemon.address, "--group", "b-" + uuid.uuid4().hex[:8]]
+        common += ["--address", daemon.address, "--group", "b-" + uuid.uuid4().hex[:8],
+                   "--metrics", f"http://127.0.0.1:{port}/metrics"]
     else:
         common += ["--port", str(free_port())]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -250,8 +334,8 @@ def run_mode(mode, args):
             for r, rc in enumerate(rcs):
                 if rc != 0:
                     tail = open(os.path.join(tmp, f"{r}.err")).read().strip().splitlines()
-                    return {"mode": mode, "error": f"rank {r} exited {rc}: "
-                                                   f"{tail[-1] if tail else ''}"}
+                    return {"mode": mode, "precision": precision,
+                            "error": f"rank {r} exited {rc}: {tail[-1] if tail else ''}"}
                 results.append(json.loads(open(os.path.join(tmp, f"{r}.out")).read()
                                           .strip().splitlines()[-1]))
     finally:
@@ -259,9 +343,10 @@ def run_mode(mode, args):
             daemon.stop()
     per_rank = [statistics.median(r["times"][args.warmup:]) for r in results]
     losses = [sum(r["losses"][i] for r in results) / world for i in range(args.steps)]
-    return {"mode": mode, "ranks": world, "step_s": max(per_rank), "peak_pss_mib":
-            sampler.peak / 1024.0, "final_loss": losses[-1],
-            "summon_wait_s": max(r.get("summon_wait_s", 0.0) for r in results)}
+    return {"mode": mode, "precision": precision, "ranks": world, "step_s": max(per_rank),
+            "peak_pss_mib": sampler.peak / 1024.0, "final_loss": losses[-1], "losses": losses,
+            "summon_wait_s": max(r.get("summon_wait_s", 0.0) for r in results),
+            "moved_bytes": results[0].get("moved_bytes")}
 
 
 def main():
@@ -280,6 +365,12 @@ def main():
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--address", default="")
+    ap.add_argument("--metrics", default="", help="(worker) the daemon's /metrics URL")
+    ap.add_argument("--out", default="", help="(worker) rank 0 saves the final state dict")
+    ap.add_argument("--precision", default="fp32", help="(worker) one of --precisions")
+    ap.add_argument("--precisions", default="fp32",
+                    help="comma-separated gpt.PRECISIONS: fp32, bf16 (bf16 params, fp32 "
+                         "reduce), bf16-reduce, fp16 (no CPU kernels in torch 1.13)")
     ap.add_argument("--group", default="")
     ap.add_argument("--timeout", type=float, default=500)
     ap.add_argument("--json", default="", help="also write the results here")
@@ -296,24 +387,34 @@ def main():
     print(f"GPT {n / 1e6:.2f} M params ({args.n_layer} blocks, n_embd {args.n_embd}, block "
           f"{args.block_size}), global batch {args.batch}, {args.ranks} ranks, {args.steps} "
           f"AdamW steps (median after {args.warmup}), 1 intra-op thread per process")
-    rows = [run_mode(m, args) for m in args.modes.split(",")]
-    base = {r["mode"]: r for r in rows if "error" not in r}
-    fs = base.get("flatshard")
-    print(f"{'mode':<20} {'ranks':>5} {'step ms':>9} {'peak MiB/node':>14} {'final loss':>10}"
-          f"  {'flatshard/this (time)':>22} {'(memory)':>9} {'summon wait ms/step':>20}")
+    rows = [run_mode(m, args, p) for p in args.precisions.split(",")
+            for m in args.modes.split(",")]
+    ok = [r for r in rows if "error" not in r]
+    print(f"{'mode':<20} {'precision':<11} {'ranks':>5} {'step ms':>9} {'peak MiB/node':>14} "
+          f"{'final loss':>10}  {'flatshard/this (time)':>22} {'(memory)':>9} "
+          f"{'summon wait ms/step':>20} {'MiB moved/step':>15}")
     for r in rows:
         if "error" in r:
-            print(f"{r['mode']:<20} did not run: {r['error']}")
+            print(f"{r['mode']:<20} {r['precision']:<11} did not run: {r['error']}")
             continue
+        fs = next((x for x in ok if x["mode"] == "flatshard"
+                   and x["precision"] == r["precision"]), None)
         ratio_t = f"{fs['step_s'] / r['step_s']:.2f}x" if fs else "-"
         ratio_m = f"{fs['peak_pss_mib'] / r['peak_pss_mib']:.2f}x" if fs else "-"
         wait = f"{r['summon_wait_s'] * 1e3:.1f}" if r["mode"].startswith("flatshard") else "-"
-        print(f"{r['mode']:<20} {r['ranks']:>5} {r['step_s'] * 1e3:>9.1f} "
-              f"{r['peak_pss_mib']:>14.1f} {r['final_loss']:>10.4f}  {ratio_t:>22} {ratio_m:>9}"
-              f" {wait:>20}")
+        moved = f"{r['moved_bytes'] / 2**20:.3f}" if r.get("moved_bytes") else "-"
+        print(f"{r['mode']:<20} {r['precision']:<11} {r['ranks']:>5} {r['step_s'] * 1e3:>9.1f} "
+              f"{r['peak_pss_mib']:>14.1f} {r['final_loss']:>10.4f}  {ratio_t:>22} "
+              f"{ratio_m:>9} {wait:>20} {moved:>15}")
+    moved = {r["precision"]: r["moved_bytes"] for r in ok
+             if r["mode"] == "flatshard" and r.get("moved_bytes")}
+    if "fp32" in moved:
+        for p, b in moved.items():
+            if p != "fp32":
+                print(f"flatshard bytes moved per step, {p} / fp32: {b / moved['fp32']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0 if fs else 1
+    return 0 if any(r["mode"] == "flatshard" for r in ok) else 1
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ __all__ = [
     "lambda_auto_wrap_policy", "policy_json", "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy", "ERR_IN_FORWARD_BACKWARD", "ERR_NESTED_SUMMON",
     "FlatShardModule", "TrainingState", "summon_full_params", "keep_optimizer_state",
-    "DaemonOptimizerState", "BackwardPrefetch",
+    "DaemonOptimizerState", "BackwardPrefetch", "MixedPrecision",
 ]
 
 from .manifest import manifest_json, manifest_of  # noqa: F401
@@ -45,4 +45,5 @@ from .fsdp import (  # noqa: F401
     summon_full_params,
 )
 from .optim import DaemonOptimizerState, keep_optimizer_state  # noqa: F401
+from .mixed_precision import MixedPrecision  # noqa: F401
 from .prefetch import BackwardPrefetch  # noqa: F401

@@ -33,6 +33,7 @@ from . import manifest as _manifest
 from . import wrap as _wrap
 from ._shared import TrainingState, _flatten, _in_backward, _plain
 from .full_params import ERR_IN_FORWARD_BACKWARD, ERR_NESTED_SUMMON, _FullParams
+from .mixed_precision import MixedPrecision, _cast_floating, _Precision, _set_grad
 from .prefetch import BackwardPrefetch, _Prefetcher
 from .recipe import _TrainingRecipe
 from .state_dicts import _StateDicts, _load_post_hook
@@ -62,6 +63,9 @@ class _Unit:
         self.padded_numel = int(plan_unit["padded_numel"])
         self.shard_numel = int(plan_unit["shard_numel"])
         self.requires_grad = bool(plan_unit.get("requires_grad", True))
+        # Mixed precision: the daemon hands the unit out in this dtype for compute.
+        self.dtype_name: str = plan_unit["dtype"]
+        self.low_precision = plan_unit.get("compute_dtype", self.dtype_name) != self.dtype_name
         self.params: List[_Param] = []
         self.module: Optional[nn.Module] = None
         self.shard: Optional[torch.Tensor] = None  # this rank's shard (1-D, padded)
@@ -132,6 +136,9 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
       forward starts, so that the daemon gathers while this process computes. At most one unit
       is prefetched at a time, so ``limit_all_gathers`` is always in force (accepted for FSDP
       compatibility). Every rank must run the same units in the same order (as FSDP).
+    - ``mixed_precision``: a ``flatshard.torch.MixedPrecision`` (or torch's): compute in
+      ``param_dtype`` on units the daemon casts and all-gathers so, gradients reduced in
+      ``reduce_dtype``, float32 shards and gradients for the optimizer (mixed_precision.py).
     - ``require_reattach``: True for a trainer that restarts and expects to find its module
       registered: if the group no longer has it (e.g. the daemon restarted without
       ``--state_dir``), ``flatshard.ShardsLostError`` instead of a fresh registration.
@@ -162,7 +169,8 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
                  sync_module_states: bool = False, use_orig_params: bool = False,
                  name: str = "", reduce_op: str = "avg", require_reattach: bool = False,
                  backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
-                 forward_prefetch: bool = False, limit_all_gathers: bool = False):
+                 forward_prefetch: bool = False, limit_all_gathers: bool = False,
+                 mixed_precision: Optional[MixedPrecision] = None):
         super().__init__()
         self.module = module
         self._client = client
@@ -176,6 +184,9 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
                                "(call client.join(group, world_size, rank) first)")
         manifest = _manifest.manifest_json(module)
         policy = _wrap.policy_json(module, auto_wrap_policy, self._ignored, use_orig_params)
+        self._mp = _Precision(mixed_precision, module, self._ignored)
+        if self._mp.enabled:
+            policy["mixed_precision"] = self._mp.policy_json()
         self.policy_json = json.dumps(policy, separators=(",", ":"))
         # registered_modules: the group's modules when this client joined (the same on every
         # rank, so every rank decides alike, before the collective register).
@@ -211,13 +222,15 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
         # limit_all_gathers is always in force: prefetching runs at most one unit ahead.
         self.limit_all_gathers = bool(limit_all_gathers)
         self._prefetch = _Prefetcher(client, name, lambda unit: self._units[unit].path,
-                                     forward_prefetch, backward_prefetch)
+                                     forward_prefetch, backward_prefetch,
+                                     compute_precision=self._mp.enabled)
         fresh = reg.init_summon is not None  # the same on every rank
         if fresh:
             self._fill_init_summon(reg.init_summon)
         self._attach_shards(reg.shards)
         if sync_module_states and fresh:
             self._sync_buffers()
+        self._mp.cast_buffers()
         self._mark_committed()
         self._install_hooks()
         self.register_load_state_dict_post_hook(_load_post_hook)
@@ -494,10 +507,11 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
         for u in self._units:
             if u.grad_shard is None or u.index not in self._reduced:
                 continue
-            u.flat_param.grad = u.grad_shard
+            grad = self._mp.optimizer_grad(u.grad_shard) if u.low_precision else u.grad_shard
+            _set_grad(u.flat_param, grad)
             if self._use_orig_params:
                 for p in u.params:
-                    p.param.grad = self._shard_slice(u, p, u.grad_shard)
+                    _set_grad(p.param, self._shard_slice(u, p, grad))
 
     # ------------------------------------------------------------------ parameters
     def sharded_parameters(self) -> List[nn.Parameter]:
@@ -542,6 +556,10 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
                 continue  # the root unit is handled by forward()
             self._hook_handles.append(u.module.register_forward_pre_hook(
                 lambda m, args, _u=u.index: self._pre_forward(_u)))
+            cast_to = self._mp.unit_input_dtype(u.module, getattr(torch, u.dtype_name))
+            if cast_to is not None:
+                self._hook_handles.append(u.module.register_forward_pre_hook(
+                    lambda m, args, _d=cast_to: _cast_floating(args, _d)))
             self._hook_handles.append(u.module.register_forward_hook(
                 lambda m, args, out, _u=u.index: self._post_forward(_u)))
         # Activation checkpointing inside a unit: the recomputation calls a layer of the unit
@@ -598,6 +616,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
         root = self._unit_of_module.get(id(self.module))
         self._in_forward += 1
         try:
+            args, kwargs = self._mp.cast_root_inputs(args, kwargs)
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 if root is not None:
                     self._pre_forward(root)
@@ -775,7 +794,9 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
                 for lo, hi in u.gaps:
                     buf.narrow(0, lo, hi - lo).zero_()
                 if held is not None:
-                    buf.add_(held)  # its gaps are zeros
+                    # Its gaps are zeros. Mixed precision: the float32 sum rounded once to
+                    # the reduce dtype (an in-place add would refuse the wider dtype).
+                    buf.add_(held.to(buf.dtype))
             # Phase two runs while the backward goes on; the final callback waits for it.
             self._finishing.append(pending.finish_async())
             self._reduced.add(unit)

@@ -35,6 +35,9 @@ class _FullParams:
                           "every rank its own host copy of the unsharded parameters")
         prev, self._state = self._state, TrainingState.SUMMON_FULL_PARAMS
         installed: List[Any] = []  # the units' _Params whose sites hold full parameters
+        # Mixed precision: buffers are full precision inside too (state dicts, as FSDP's).
+        full_buffers = self._mp.full_precision_buffers()
+        full_buffers.__enter__()
         try:
             s = self._client.summon(self._name, path, recurse=recurse, writeback=writeback,
                                     rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
@@ -70,4 +73,5 @@ class _FullParams:
                 self._generation = int(generation)
                 self._mark_committed()  # the commit took this rank's in-place updates too
         finally:
+            full_buffers.__exit__(None, None, None)
             self._state = prev  # IDLE, or a forward still waiting for its backward

@@ -97,8 +97,11 @@ class _Prefetcher:
     summon when there is one, else summons at once; ``start(unit)`` starts one."""
 
     def __init__(self, client: Any, name: str, path_of: Callable[[int], str],
-                 forward: bool, backward: Optional[BackwardPrefetch]) -> None:
+                 forward: bool, backward: Optional[BackwardPrefetch],
+                 compute_precision: bool = False) -> None:
         self._client = client
+        # Mixed precision: the units come in their compute dtype, cast by the daemon.
+        self._compute = {"compute_precision": True} if compute_precision else {}
         self._name = name
         self._path_of = path_of
         self.forward = bool(forward)
@@ -122,7 +125,8 @@ class _Prefetcher:
                 self.prefetched += 1
                 return pending.wait()
             return self._client.summon(self._name, self._path_of(unit), recurse=False,
-                                       writeback=False, end_first=self._take_ending())
+                                       writeback=False, end_first=self._take_ending(),
+                                       **self._compute)
         finally:
             self.summons += 1
             self.waited_s += time.perf_counter() - t0
@@ -134,7 +138,8 @@ class _Prefetcher:
             return
         self._pending[unit] = self._client.summon_async(self._name, self._path_of(unit),
                                                         recurse=False, writeback=False,
-                                                        end_first=self._take_ending())
+                                                        end_first=self._take_ending(),
+                                                        **self._compute)
 
     def release(self, summon: Any) -> None:
         """Ends read-only `summon` with the next summon's RPC instead of an RPC of its own."""

@@ -61,8 +61,12 @@ class _TrainingRecipe:
         if clip_coef < 1:
             with torch.no_grad():
                 for u in with_grads:
-                    if u.grad_shard is not None:
-                        u.grad_shard.mul_(clip_coef.to(u.grad_shard.dtype))
+                    if u.grad_shard is None:
+                        continue
+                    u.grad_shard.mul_(clip_coef.to(u.grad_shard.dtype))
+                    low = u.flat_param.grad  # keep_low_precision_grads: a copy to scale too
+                    if low is not None and low.data_ptr() != u.grad_shard.data_ptr():
+                        low.mul_(clip_coef.to(low.dtype))
         return total
 
     @contextlib.contextmanager
