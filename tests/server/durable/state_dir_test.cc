@@ -2,6 +2,7 @@
 // (server/durable/state_dir.h). Faults, kills and power loss: state_dir_faults_test.cc.
 
 #include "server/durable/state_dir.h"
+#include "server/durable/journal.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -22,6 +23,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
+using ::testing::UnorderedElementsAre;
 
 GroupRecord Sample(const std::string& id = "job-17", uint64_t sequence = 7) {
   GroupRecord r;
@@ -214,12 +216,14 @@ TEST_F(StateDirTest, WriteLeavesOnlyTheRecord0600) {
   struct stat st;
   ASSERT_EQ(::stat(file.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
-  int files = 0;
+  // The record and its (empty) journal, no temp file.
+  std::vector<std::string> files;
   for (const auto& e : std::filesystem::directory_iterator(dir_)) {
-    (void)e;
-    ++files;
+    files.push_back(e.path().filename().string());
   }
-  EXPECT_EQ(files, 1);
+  EXPECT_THAT(files, UnorderedElementsAre(RecordFileName("g"), JournalFileName("g")));
+  ASSERT_EQ(::stat((dir_ / JournalFileName("g")).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
   std::filesystem::remove_all(dir_);  // the directory vanished under the daemon
   absl::Status gone = d->Write(Sample("g", 3));
   ASSERT_FALSE(gone.ok());
