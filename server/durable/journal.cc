@@ -49,23 +49,6 @@ absl::StatusOr<JournalFrame> DecodeBody(const std::string& body, const GroupReco
   return f;
 }
 
-void Apply(const JournalFrame& f, GroupRecord* r) {
-  std::vector<ModuleRecord> modules = std::move(r->modules);
-  *r = f.group;
-  r->modules.clear();
-  auto named = [](const std::vector<ModuleRecord>& v, const std::string& name) {
-    return std::find_if(v.begin(), v.end(), [&](const ModuleRecord& m) { return m.name == name; });
-  };
-  for (ModuleRecord& m : modules) {
-    const bool dropped = std::find(f.drops.begin(), f.drops.end(), m.name) != f.drops.end();
-    if (dropped || named(f.group.modules, m.name) != f.group.modules.end()) continue;
-    r->modules.push_back(std::move(m));
-  }
-  for (const ModuleRecord& m : f.group.modules) r->modules.push_back(m);
-  std::sort(r->modules.begin(), r->modules.end(),
-            [](const ModuleRecord& a, const ModuleRecord& b) { return a.name < b.name; });
-}
-
 }  // namespace
 
 std::string JournalFileName(const std::string& group) {
@@ -145,7 +128,7 @@ absl::StatusOr<Replayed> ReplayJournal(GroupRecord base, const std::string& byte
     FS_ASSIGN_OR_RETURN(JournalFrame f, DecodeBody(body, out.record, where));
     f.base = static_cast<uint64_t>(*frame_base);
     f.sequence = static_cast<uint64_t>(*sequence);
-    Apply(f, &out.record);
+    ApplyFrame(f, &out.record);
     ++out.applied;
     out.max_sequence = std::max(out.max_sequence, f.sequence);
   }

@@ -30,13 +30,6 @@ inline constexpr char kJournalFormat[] = "flatshard.journal/1";
 // "group-<hex>.journal", beside RecordFileName(group).
 std::string JournalFileName(const std::string& group);
 
-struct JournalFrame {
-  uint64_t base = 0;      // the sequence of the base record it applies to
-  uint64_t sequence = 0;  // the write's (StateDir::WriteModules)
-  GroupRecord group;      // the group's fields; its `modules` are the upserts
-  std::vector<std::string> drops;
-};
-
 // The frame's bytes (header line, body, newline).
 std::string EncodeJournalFrame(const JournalFrame& frame);
 

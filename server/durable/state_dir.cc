@@ -390,18 +390,30 @@ const ModuleRecord* Named(const std::vector<ModuleRecord>& v, const std::string&
   return nullptr;
 }
 
-// `modules` with `name` replaced by `with` (null: removed), sorted by name as a group's are.
-void PutModule(std::vector<ModuleRecord>* modules, const std::string& name,
-               const ModuleRecord* with) {
-  std::erase_if(*modules, [&](const ModuleRecord& m) { return m.name == name; });
-  if (with == nullptr) return;
-  auto at =
-      std::lower_bound(modules->begin(), modules->end(), name,
-                       [](const ModuleRecord& m, const std::string& n) { return m.name < n; });
-  modules->insert(at, *with);
+}  // namespace
+
+void ApplyFrame(const JournalFrame& f, GroupRecord* r) {
+  CopyFields(f.group, r);
+  auto named = [r](const std::string& name) {
+    return std::find_if(r->modules.begin(), r->modules.end(),
+                        [&](const ModuleRecord& m) { return m.name == name; });
+  };
+  for (const std::string& name : f.drops) {
+    if (auto at = named(name); at != r->modules.end()) r->modules.erase(at);
+  }
+  for (const ModuleRecord& m : f.group.modules) {
+    if (auto at = named(m.name); at != r->modules.end()) {
+      *at = m;
+      continue;
+    }
+    auto at =
+        std::lower_bound(r->modules.begin(), r->modules.end(), m.name,
+                         [](const ModuleRecord& x, const std::string& n) { return x.name < n; });
+    r->modules.insert(at, m);
+  }
 }
 
-}  // namespace
+namespace {}  // namespace
 
 absl::Status StateDir::Write(const GroupRecord& record) {
   std::shared_ptr<PerGroup> g = GroupState(record.id);
@@ -448,7 +460,11 @@ absl::Status StateDir::Write(const GroupRecord& record) {
   merged.modules = std::move(modules);
   if (!changed) return absl::OkStatus();
   merged.sequence = std::max(seq, g->last);
-  FS_RETURN_IF_ERROR(Persist(*g, record.id, std::move(merged), {}, /*append=*/false));
+  if (merged.modules.empty()) {
+    if (g->current.has_value()) FS_RETURN_IF_ERROR(RemoveFiles(*g, record.id));
+  } else {
+    FS_RETURN_IF_ERROR(RewriteBase(*g, std::move(merged)));
+  }
   g->last = std::max(g->last, seq);
   g->whole = std::max(g->whole, seq);
   g->fields = std::max(g->fields, seq);
@@ -462,55 +478,51 @@ absl::Status StateDir::WriteModules(const GroupRecord& record,
   absl::MutexLock lock(&g->mu);
   const uint64_t seq = record.sequence;
   if (seq <= g->removed && g->removed != 0) return absl::OkStatus();
-  GroupRecord merged;
-  if (g->current.has_value()) merged = *g->current;
-  bool changed = false;
+  // O(what changed): the frame and the edit of `current` name the touched modules only.
   const bool fields = seq > g->fields || !g->current.has_value();
-  if (fields) CopyFields(record, &merged);
-  JournalFrameParts frame;
+  JournalFrame frame;
+  CopyFields(fields || !g->current.has_value() ? record : *g->current, &frame.group);
   std::vector<std::string> applied;
+  int64_t modules = g->current.has_value() ? static_cast<int64_t>(g->current->modules.size()) : 0;
   for (const std::string& name : touched) {
     auto it = g->modules.find(name);
     const uint64_t newest = std::max(g->whole, it == g->modules.end() ? 0 : it->second);
     if (seq <= newest && newest != 0) continue;
     const ModuleRecord* m = Named(record.modules, name);
-    if (m == nullptr && Named(merged.modules, name) == nullptr) continue;  // nothing to drop
-    PutModule(&merged.modules, name, m);
+    const bool on_disk = g->current.has_value() && Named(g->current->modules, name) != nullptr;
+    if (m == nullptr && !on_disk) continue;  // nothing to drop
     if (m != nullptr) {
-      frame.upserts.push_back(*m);
+      frame.group.modules.push_back(*m);
+      modules += on_disk ? 0 : 1;
     } else {
       frame.drops.push_back(name);
+      --modules;
     }
     applied.push_back(name);
-    changed = true;
   }
-  if (!changed) return absl::OkStatus();  // the fields alone go with the next write
-  merged.sequence = std::max(seq, g->last);
-  FS_RETURN_IF_ERROR(Persist(*g, record.id, std::move(merged), frame, /*append=*/true));
+  if (applied.empty()) return absl::OkStatus();  // the fields alone go with the next write
+  frame.sequence = std::max(seq, g->last);
+  if (modules <= 0) {
+    FS_RETURN_IF_ERROR(RemoveFiles(*g, record.id));  // its last module dropped
+  } else {
+    FS_RETURN_IF_ERROR(Append(*g, std::move(frame)));
+  }
   g->last = std::max(g->last, seq);
   if (fields) g->fields = seq;
   for (const std::string& name : applied) g->modules[name] = seq;
   return absl::OkStatus();
 }
 
-absl::Status StateDir::Persist(PerGroup& g, const std::string& group, GroupRecord merged,
-                               const JournalFrameParts& parts, bool append) {
-  if (merged.modules.empty()) {
-    if (!g.current.has_value()) return absl::OkStatus();
-    return RemoveFiles(g, group);
-  }
+absl::Status StateDir::Append(PerGroup& g, JournalFrame frame) {
   const bool compact = g.journal_bytes > std::max<int64_t>(kMinCompactBytes, g.base_bytes);
-  if (!append || !g.current.has_value() || !g.journal_clean || g.journal == nullptr || compact) {
+  if (!g.current.has_value() || !g.journal_clean || g.journal == nullptr || compact) {
+    GroupRecord merged = g.current.value_or(GroupRecord());
+    ApplyFrame(frame, &merged);
+    merged.sequence = std::max(merged.sequence, frame.sequence);
     return RewriteBase(g, std::move(merged));
   }
-  JournalFrame frame;
   frame.base = g.base;
-  frame.sequence = merged.sequence;
-  CopyFields(merged, &frame.group);
-  frame.group.modules = parts.upserts;
-  frame.drops = parts.drops;
   const std::string bytes = EncodeJournalFrame(frame);
-  const std::string file = absl::StrCat(path_, "/", JournalFileName(group));
   absl::Status s = g.journal->Append(bytes);
   if (s.ok() && sync_) s = g.journal->Sync();
   if (!s.ok()) {
@@ -519,7 +531,8 @@ absl::Status StateDir::Persist(PerGroup& g, const std::string& group, GroupRecor
     return absl::Status(s.code(), absl::StrCat("state journal ", s.message()));
   }
   g.journal_bytes += static_cast<int64_t>(bytes.size());
-  g.current = std::move(merged);
+  ApplyFrame(frame, &*g.current);
+  g.current->sequence = std::max(g.current->sequence, frame.sequence);
   return absl::OkStatus();
 }
 

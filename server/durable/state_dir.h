@@ -145,11 +145,17 @@ std::string EncodeGroupFieldsJson(const GroupRecord& record);
 // Sets `record`'s fields but `sequence` and `modules` from `v`.
 absl::Status DecodeGroupFieldsJson(const Json& v, const JsonPath& path, GroupRecord* record);
 
-// The modules a journal frame carries (journal.h's JournalFrame, without its header).
-struct JournalFrameParts {
-  std::vector<ModuleRecord> upserts;
-  std::vector<std::string> drops;
+// A frame of a group's journal (journal.h).
+struct JournalFrame {
+  uint64_t base = 0;               // the sequence of the base record it applies to
+  uint64_t sequence = 0;           // the write's
+  GroupRecord group;               // the group's fields; its `modules` are put in place (by name)
+  std::vector<std::string> drops;  // modules removed
 };
+
+// Applies `frame` to `record`: its fields, its modules in place of those of their names
+// (the modules stay sorted by name, as a group's are), its drops removed.
+void ApplyFrame(const JournalFrame& frame, GroupRecord* record);
 
 class StateDir {
  public:
@@ -218,11 +224,10 @@ class StateDir {
     bool journal_clean = false;
     std::unique_ptr<WritableFile> journal;  // open for appending when journal_clean
   };
-  // Writes `merged` (the group's record after a write at `sequence`) to disk: an append of
-  // `frame` when `append` and the journal allows it, else a new base (or a removal when it
-  // holds no module). REQUIRES: g.mu held.
-  absl::Status Persist(PerGroup& g, const std::string& group, GroupRecord merged,
-                       const JournalFrameParts& frame, bool append);
+  // Appends `frame` (the group's fields and the modules it changes) to the journal and
+  // fsyncs once; or, when the group has no record yet, the journal is not clean or it is due
+  // for compaction, writes a new base with the frame applied. REQUIRES: g.mu held.
+  absl::Status Append(PerGroup& g, JournalFrame frame);
   absl::Status RewriteBase(PerGroup& g, GroupRecord merged);
   absl::Status RemoveFiles(PerGroup& g, const std::string& group);
   std::shared_ptr<PerGroup> GroupState(const std::string& group) ABSL_LOCKS_EXCLUDED(mu_);
