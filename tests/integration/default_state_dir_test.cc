@@ -1,5 +1,6 @@
 // Persistence on by default (README "Restarts"): a flatshardd given neither --state_dir nor
-// --ephemeral keeps its records in its default state directory (here $XDG_STATE_HOME's),
+// --ephemeral keeps its records in its default state directory (here $STATE_DIRECTORY, the
+// first choice for root and other users alike; the rest is default_state_dir_test's),
 // created 0700, logged and shown by `flatshardctl status`; a second such daemon is refused
 // as for any shared state directory. --ephemeral keeps nothing, with a warning, and is
 // refused together with --state_dir.
@@ -48,12 +49,12 @@ class DefaultStateDirTest : public ::testing::Test {
     dir_ = fs::temp_directory_path() / absl::StrCat("fsdefstate", ::getpid());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
-    // The daemons inherit this process's environment: their default is under dir_.
-    ::unsetenv("STATE_DIRECTORY");
-    ::setenv("XDG_STATE_HOME", (dir_ / "xdg").c_str(), 1);
+    // The daemons inherit this process's environment: their default is under dir_ (as
+    // systemd's StateDirectory= would set it, with a directory of its own below).
+    ::setenv("STATE_DIRECTORY", (dir_ / "sd" / "state").c_str(), 1);
   }
   void TearDown() override {
-    ::unsetenv("XDG_STATE_HOME");
+    ::unsetenv("STATE_DIRECTORY");
     fs::remove_all(dir_);
   }
   fs::path dir_;
@@ -65,11 +66,11 @@ TEST_F(DefaultStateDirTest, WithoutFlagsRecordsGoToTheDefaultDirectoryShownBySta
   o.default_state_dir = true;
   testing::DaemonProcess d(o);
   ASSERT_TRUE(d.running());
-  const std::string state = (dir_ / "xdg" / "flatshard" / "state").string();
+  const std::string state = (dir_ / "sd" / "state").string();
   struct stat st;
   ASSERT_EQ(::stat(state.c_str(), &st), 0) << state;
   EXPECT_EQ(st.st_mode & 0777, 0700u);
-  EXPECT_THAT(d.Log(), HasSubstr(absl::StrCat("state dir ", state, " ($XDG_STATE_HOME)")));
+  EXPECT_THAT(d.Log(), HasSubstr(absl::StrCat("state dir ", state, " ($STATE_DIRECTORY)")));
   auto [code, out] = Run(Ctl(absl::StrCat("status --socket ", d.socket())));
   EXPECT_EQ(code, 0) << out;
   EXPECT_THAT(out, HasSubstr(state));
@@ -91,7 +92,7 @@ TEST_F(DefaultStateDirTest, EphemeralKeepsNothingWithAWarningAndContradictsAStat
   testing::DaemonProcess d(o);  // DaemonProcess passes --ephemeral
   ASSERT_TRUE(d.running());
   EXPECT_THAT(d.Log(), HasSubstr("ephemeral (--ephemeral): no records are kept"));
-  EXPECT_FALSE(fs::exists(dir_ / "xdg"));
+  EXPECT_FALSE(fs::exists(dir_ / "sd"));
   auto [code, out] = Run(Ctl(absl::StrCat("status --socket ", d.socket())));
   EXPECT_EQ(code, 0) << out;
   EXPECT_THAT(out, HasSubstr("- (ephemeral: a restart keeps nothing)"));
