@@ -28,7 +28,7 @@ using ::testing::HasSubstr;
 namespace fs = std::filesystem;
 
 // The output (stdout and stderr) and exit code of a shell command.
-std::pair<int, std::string> Run(const std::string& cmd) {
+std::pair<int, std::string> Shell(const std::string& cmd) {
   std::string out;
   FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
   if (p == nullptr) return {-1, ""};
@@ -71,16 +71,16 @@ TEST_F(DefaultStateDirTest, WithoutFlagsRecordsGoToTheDefaultDirectoryShownBySta
   ASSERT_EQ(::stat(state.c_str(), &st), 0) << state;
   EXPECT_EQ(st.st_mode & 0777, 0700u);
   EXPECT_THAT(d.Log(), HasSubstr(absl::StrCat("state dir ", state, " ($STATE_DIRECTORY)")));
-  auto [code, out] = Run(Ctl(absl::StrCat("status --socket ", d.socket())));
+  auto [code, out] = Shell(Ctl(absl::StrCat("status --socket ", d.socket())));
   EXPECT_EQ(code, 0) << out;
   EXPECT_THAT(out, HasSubstr(state));
-  auto [jcode, json] = Run(Ctl(absl::StrCat("status --json --socket ", d.socket())));
+  auto [jcode, json] = Shell(Ctl(absl::StrCat("status --json --socket ", d.socket())));
   EXPECT_EQ(jcode, 0) << json;
   EXPECT_THAT(json, HasSubstr(absl::StrCat("\"state_dir\": \"", state, "\"")));
   // A second daemon with the same default is refused: one daemon per state directory.
-  auto [second, err] = Run(absl::StrCat("timeout 20 ", FS_BINARY_DIR,
-                                        "/server/flatshardd --socket=", (dir_ / "2.sock").string(),
-                                        " --segment_prefix=fsdefstate2x", ::getpid()));
+  auto [second, err] = Shell(absl::StrCat(
+      "timeout 20 ", FS_BINARY_DIR, "/server/flatshardd --socket=", (dir_ / "2.sock").string(),
+      " --segment_prefix=fsdefstate2x", ::getpid()));
   EXPECT_NE(second, 0);
   EXPECT_THAT(err, HasSubstr(absl::StrCat("--state_dir ", state,
                                           " is in use by another flatshardd (pid ", d.pid())));
@@ -93,15 +93,15 @@ TEST_F(DefaultStateDirTest, EphemeralKeepsNothingWithAWarningAndContradictsAStat
   ASSERT_TRUE(d.running());
   EXPECT_THAT(d.Log(), HasSubstr("ephemeral (--ephemeral): no records are kept"));
   EXPECT_FALSE(fs::exists(dir_ / "sd"));
-  auto [code, out] = Run(Ctl(absl::StrCat("status --socket ", d.socket())));
+  auto [code, out] = Shell(Ctl(absl::StrCat("status --socket ", d.socket())));
   EXPECT_EQ(code, 0) << out;
   EXPECT_THAT(out, HasSubstr("- (ephemeral: a restart keeps nothing)"));
-  auto [jcode, json] = Run(Ctl(absl::StrCat("status --json --socket ", d.socket())));
+  auto [jcode, json] = Shell(Ctl(absl::StrCat("status --json --socket ", d.socket())));
   EXPECT_THAT(json, HasSubstr("\"state_dir\": null"));
 
-  auto [both, err] = Run(absl::StrCat("timeout 20 ", FS_BINARY_DIR,
-                                      "/server/flatshardd --socket=", (dir_ / "b.sock").string(),
-                                      " --ephemeral --state_dir=", (dir_ / "s").string()));
+  auto [both, err] = Shell(absl::StrCat("timeout 20 ", FS_BINARY_DIR,
+                                        "/server/flatshardd --socket=", (dir_ / "b.sock").string(),
+                                        " --ephemeral --state_dir=", (dir_ / "s").string()));
   EXPECT_EQ(both, 1);
   EXPECT_THAT(err, HasSubstr(absl::StrCat("--ephemeral and --state_dir ", (dir_ / "s").string())));
   EXPECT_FALSE(fs::exists(dir_ / "s"));
