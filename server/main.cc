@@ -123,7 +123,8 @@ ABSL_FLAG(bool, keep_shards, true,
           "unless --ephemeral: SIGTERM leaves shards, gradient shards and committed copies "
           "(and their records) for the next daemon; false: SIGTERM frees everything");
 ABSL_FLAG(bool, state_fsync, true,
-          "fsync each state record and the directory; false: the rename alone (records then "
+          "fsync each state record write (a journal append, or a base rewrite and its directory); "
+          "false: no fsync, appends and renames alone (records then "
           "survive the daemon's death, kill -9 or OOM, but not a machine crash, which the "
           "shared-memory shards do not survive either); saves the fsyncs of every commit");
 ABSL_FLAG(absl::Duration, testing_commit_copy_pause, absl::ZeroDuration(),

@@ -145,12 +145,14 @@ absl::StatusOr<GroupRecord> ReadGroupRecord(FileSystem* fs, const std::string& d
   const std::string file = absl::StrCat(dir, "/", RecordFileName(group));
   absl::StatusOr<std::string> bytes = fs->ReadFile(file);
   if (!bytes.ok()) return bytes.status();
-  absl::StatusOr<GroupRecord> base = DecodeGroupRecord(*bytes);
+  bool journaled = false;
+  absl::StatusOr<GroupRecord> base = DecodeGroupRecord(*bytes, &journaled);
   if (!base.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(file, ": ", base.status().message()));
   }
   const std::string journal_file = absl::StrCat(dir, "/", JournalFileName(group));
-  absl::StatusOr<std::string> journal = fs->ReadFile(journal_file);
+  absl::StatusOr<std::string> journal =
+      journaled ? fs->ReadFile(journal_file) : absl::NotFoundError("a /1 base");
   if (!journal.ok() && !absl::IsNotFound(journal.status())) return journal.status();
   absl::StatusOr<Replayed> replayed =
       ReplayJournal(*std::move(base), journal.ok() ? *journal : std::string());

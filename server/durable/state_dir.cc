@@ -282,7 +282,7 @@ std::string EncodeGroupRecord(const GroupRecord& record) {
   return absl::StrCat(header.dump(), "\n", text);
 }
 
-absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes) {
+absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes, bool* journaled) {
   const size_t nl = bytes.find('\n');
   if (nl == std::string::npos) {
     return absl::InvalidArgumentError("header: no header line (truncated or not a state record)");
@@ -292,10 +292,12 @@ absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes) {
   const JsonPath hp("header");
   FS_RETURN_IF_ERROR(ExpectObject(*header, hp, {"format", "body_bytes", "body_sha256"}));
   FS_ASSIGN_OR_RETURN(std::string format, GetString(*header, "format", hp));
-  if (format != kStateFormat) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("version: format is ", Quote(format), ", this daemon reads ", kStateFormat));
+  if (format != kStateFormat && format != kStateFormatV1) {
+    return absl::InvalidArgumentError(absl::StrCat("version: format is ", Quote(format),
+                                                   ", this daemon reads ", kStateFormat, " and ",
+                                                   kStateFormatV1));
   }
+  if (journaled != nullptr) *journaled = format == kStateFormat;
   FS_ASSIGN_OR_RETURN(int64_t body_bytes, GetInt(*header, "body_bytes", hp, 0));
   FS_ASSIGN_OR_RETURN(std::string sha, GetString(*header, "body_sha256", hp));
   const std::string body = bytes.substr(nl + 1);
@@ -626,7 +628,8 @@ StateDir::Loaded StateDir::LoadAll() {
       out.refused.push_back({file, absl::StrCat("read: ", bytes.status().message())});
       continue;
     }
-    absl::StatusOr<GroupRecord> record = DecodeGroupRecord(*bytes);
+    bool journaled = false;
+    absl::StatusOr<GroupRecord> record = DecodeGroupRecord(*bytes, &journaled);
     if (!record.ok()) {
       out.refused.push_back({file, std::string(record.status().message())});
       continue;
@@ -639,7 +642,9 @@ StateDir::Loaded StateDir::LoadAll() {
     }
     const uint64_t base = record->sequence;
     const std::string journal_file = absl::StrCat(path_, "/", JournalFileName(record->id));
-    absl::StatusOr<std::string> journal = fs_->ReadFile(journal_file);
+    // A /1 base was written whole: a journal beside it predates it (never applied).
+    absl::StatusOr<std::string> journal =
+        journaled ? fs_->ReadFile(journal_file) : absl::NotFoundError("a /1 base");
     if (!journal.ok() && !absl::IsNotFound(journal.status())) {
       out.refused.push_back({file, absl::StrCat("read: ", journal.status().message())});
       continue;

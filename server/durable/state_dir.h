@@ -17,8 +17,9 @@
 // hold group tokens. All file access goes through a FileSystem, so unit tests run it on
 // InMemoryFileSystem.
 //
-// Base file format (flatshard.state/1): a header line, then the body:
-//   {"format":"flatshard.state/1","body_bytes":N,"body_sha256":"<hex>"}\n<body: N bytes of JSON>
+// Base file format (flatshard.state/2; /1, read too, is the same without a journal): a header
+// line, then the body:
+//   {"format":"flatshard.state/2","body_bytes":N,"body_sha256":"<hex>"}\n<body: N bytes of JSON>
 // The checksum covers the body's exact bytes. LoadAll refuses a record whose header, size,
 // checksum or body does not check out, naming the file and the check. A torn last journal
 // frame (a kill mid-append) is ignored, with every frame before it applied.
@@ -51,7 +52,11 @@
 
 namespace flatshard::server::state {
 
-inline constexpr char kStateFormat[] = "flatshard.state/1";
+// What this daemon writes: a base whose journal (journal.h) holds the later writes. A daemon
+// from before the journal refuses it (reading the base alone would adopt an older state).
+inline constexpr char kStateFormat[] = "flatshard.state/2";
+// Read too: a base written whole at every change, by a daemon from before the journal.
+inline constexpr char kStateFormatV1[] = "flatshard.state/1";
 
 // Roles of the durable buffers of a rank's unit.
 inline constexpr char kRoleShard[] = "shard";
@@ -132,7 +137,8 @@ struct GroupRecord {
 std::string EncodeGroupRecord(const GroupRecord& record);
 // Parses and checks a record file's bytes. INVALID_ARGUMENT naming the failed check
 // ("header: ...", "checksum: ...", "body: $.modules[0].ranks: ...").
-absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes);
+// `journaled` (optional): whether the format says a journal goes with it (/2; /1 has none).
+absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes, bool* journaled = nullptr);
 
 // "group-<hex>.json".
 std::string RecordFileName(const std::string& group);

@@ -215,6 +215,18 @@ TEST_F(JournalTest, AFrameThatChecksOutButNamesAnotherGroupRefusesTheRecord) {
   EXPECT_THAT(l.refused[0].why, HasSubstr("names group \"other\""));
 }
 
+TEST_F(JournalTest, ABaseFromBeforeTheJournalIgnoresAJournalBesideIt) {
+  std::unique_ptr<StateDir> d = Open();
+  ASSERT_TRUE(d->Write(Group(2, 1)).ok());
+  ASSERT_TRUE(d->WriteModules(OneModule(Module("m000", 2), 2), {"m000"}).ok());
+  EXPECT_EQ(Generations(Loaded()), (std::vector<uint64_t>{2, 1}));
+  // The base rewritten whole by a daemon from before the journal (/1): it holds everything.
+  std::string v1 = *fs_.ReadFile(File());
+  v1.replace(v1.find("flatshard.state/2"), 17, "flatshard.state/1");
+  fs_.SetFile(File(), v1);
+  EXPECT_EQ(Generations(Loaded()), (std::vector<uint64_t>{1, 1}));
+}
+
 TEST_F(JournalTest, AJournalWithoutItsRecordIsRemovedAtOpen) {
   fs_.SetFile(Journal(), "leftover");
   Open();

@@ -82,7 +82,7 @@ class StateDirTest : public ::testing::Test {
 TEST(StateRecordTest, RoundTrips) {
   const GroupRecord r = Sample();
   const std::string bytes = EncodeGroupRecord(r);
-  EXPECT_TRUE(absl::StartsWith(bytes, R"({"format":"flatshard.state/1")")) << bytes;
+  EXPECT_TRUE(absl::StartsWith(bytes, R"({"format":"flatshard.state/2")")) << bytes;
   absl::StatusOr<GroupRecord> back = DecodeGroupRecord(bytes);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, r);
@@ -110,9 +110,15 @@ TEST(StateRecordTest, TruncatedAppendedWrongVersionAndGarbageAreRefusedNamingThe
   EXPECT_THAT(why(bytes + " "), HasSubstr("size:"));
   EXPECT_THAT(why(bytes.substr(0, bytes.find('\n') - 3)), HasSubstr("header"));
   EXPECT_THAT(why(""), HasSubstr("header"));
-  std::string v2 = bytes;
-  v2.replace(v2.find("flatshard.state/1"), 17, "flatshard.state/2");
-  EXPECT_THAT(why(v2), HasSubstr("version:"));
+  std::string v3 = bytes;
+  v3.replace(v3.find("flatshard.state/2"), 17, "flatshard.state/3");
+  EXPECT_THAT(why(v3), HasSubstr("version:"));
+  // A base from before the journal (/1) still loads, and says it has no journal.
+  std::string v1 = bytes;
+  v1.replace(v1.find("flatshard.state/2"), 17, "flatshard.state/1");
+  bool journaled = true;
+  EXPECT_TRUE(DecodeGroupRecord(v1, &journaled).ok());
+  EXPECT_FALSE(journaled);
 }
 
 TEST(StateRecordTest, BodyChecksRefuseBadValuesNamingThePath) {
