@@ -371,10 +371,6 @@ std::shared_ptr<StateDir::PerGroup> StateDir::GroupState(const std::string& grou
 
 namespace {
 
-// A journal larger than this and than its base is compacted into a new base: a commit then
-// costs O(what changed) amortized, the base's rewrite spread over as many bytes of frames.
-constexpr int64_t kMinCompactBytes = 256 << 10;
-
 void CopyFields(const GroupRecord& from, GroupRecord* to) {
   to->id = from.id;
   to->world_size = from.world_size;
@@ -516,7 +512,7 @@ absl::Status StateDir::WriteModules(const GroupRecord& record,
 }
 
 absl::Status StateDir::Append(PerGroup& g, JournalFrame frame) {
-  const bool compact = g.journal_bytes > std::max<int64_t>(kMinCompactBytes, g.base_bytes);
+  const bool compact = g.journal_bytes > std::max<int64_t>(min_compact_bytes_.load(), g.base_bytes);
   if (!g.current.has_value() || !g.journal_clean || g.journal == nullptr || compact) {
     GroupRecord merged = g.current.value_or(GroupRecord());
     ApplyFrame(frame, &merged);

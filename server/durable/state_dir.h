@@ -35,6 +35,7 @@
 // stale snapshot never overwrites a newer one, and a whole-group snapshot taken before a
 // module's commit was recorded keeps that commit.
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -211,6 +212,13 @@ class StateDir {
   // What the daemon writes next must be above every loaded sequence.
   uint64_t max_loaded_sequence() const { return max_loaded_sequence_; }
 
+  // A journal larger than this and than its base is compacted into a new base: a commit costs
+  // O(what changed) amortized, the base's rewrite spread over as many bytes of frames, and
+  // small groups rewrite their base rarely (a compaction is the slow write a p99 sees).
+  static constexpr int64_t kMinCompactBytes = int64_t{4} << 20;
+  // Tests: a smaller threshold, to see compactions without megabytes of frames.
+  void SetMinCompactBytes(int64_t bytes) { min_compact_bytes_ = bytes; }
+
  private:
   StateDir(std::string path, bool sync, FileSystem* fs)
       : path_(std::move(path)), sync_(sync), fs_(fs) {}
@@ -242,6 +250,7 @@ class StateDir {
   const bool sync_;
   FileSystem* const fs_;
   uint64_t max_loaded_sequence_ = 0;
+  std::atomic<int64_t> min_compact_bytes_{kMinCompactBytes};
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<PerGroup>> groups_ ABSL_GUARDED_BY(mu_);
 };
