@@ -71,7 +71,8 @@ class PosixFileSystem final : public FileSystem {
  public:
   absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(
       const std::string& path, const NewFileOptions& options) override {
-    const int flags = O_WRONLY | O_CREAT | O_CLOEXEC | (options.exclusive ? O_EXCL : O_TRUNC);
+    const int flags = O_WRONLY | O_CREAT | O_CLOEXEC |
+                      (options.append ? O_APPEND : (options.exclusive ? O_EXCL : O_TRUNC));
     const int fd = ::open(path.c_str(), flags, static_cast<mode_t>(options.mode));
     if (fd < 0) return ErrnoStatus("open", path, errno);
     return std::make_unique<PosixWritableFile>(path, fd);

@@ -46,6 +46,9 @@ struct NewFileOptions {
   uint32_t mode = 0600;  // permission bits of a new file, before the umask
   // true: fail if the file exists (O_EXCL); false: truncate it.
   bool exclusive = false;
+  // true: keep an existing file's bytes and write after them (O_APPEND; an append-only
+  // journal). Overrides `exclusive`.
+  bool append = false;
 };
 
 class FileSystem {

@@ -82,6 +82,7 @@ absl::StatusOr<std::unique_ptr<WritableFile>> InMemoryFileSystem::NewWritableFil
   if (IsDir(path)) return absl::InternalError(absl::StrCat("open ", path, ": Is a directory"));
   std::shared_ptr<Node>& node = files_[path];
   if (node != nullptr) {
+    if (options.append) return std::make_unique<File>(this, path, node);
     if (options.exclusive) return absl::InternalError(absl::StrCat("open ", path, ": File exists"));
     node->data.clear();  // O_TRUNC; the mode stays
   } else {

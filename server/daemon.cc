@@ -98,7 +98,15 @@ absl::StatusOr<std::unique_ptr<InstanceLock>> PrepareSocketPath(const std::strin
 // Locks --state_dir (made a 0700 directory first) before StateDir::Open touches it: a live
 // daemon's records, temp files and shards are never taken by a second one. Null without one.
 absl::StatusOr<std::unique_ptr<InstanceLock>> LockStateDir(const DaemonConfig& config) {
-  if (config.state_dir.empty()) return nullptr;
+  if (config.state_dir.empty()) {
+    FS_LOG(WARNING) << "ephemeral ("
+                    << (config.state_dir_why.empty() ? "no state dir" : config.state_dir_why)
+                    << "): no records are kept; a restart loses every group's shards";
+    return nullptr;
+  }
+  FS_LOG(INFO) << "state dir " << config.state_dir << " ("
+               << (config.state_dir_why.empty() ? "--state_dir" : config.state_dir_why)
+               << "): groups' records are kept there across restarts";
   if (absl::Status s = FileSystem::Posix()->CreateDirs(config.state_dir, 0700); !s.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "--state_dir ", config.state_dir,
@@ -357,6 +365,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   admin_options.store = d->store_.get();
   admin_options.peer_address = d->peer_address_;
   admin_options.node = config.node_name;
+  admin_options.state_dir = config.state_dir;
   admin_options.access = d->access_.get();
   // Draining: the overall health ("") answers NOT_SERVING, so readiness probes take the node
   // out; kLivenessHealthService stays SERVING, so liveness probes do not restart it meanwhile.

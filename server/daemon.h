@@ -94,9 +94,12 @@ struct DaemonConfig {
   // Testing only: N simulated GPUs whose "device memory" is host shared memory (no CUDA,
   // no NCCL), so the GPU code paths run where there is no GPU. Excludes `gpus`.
   int simulate_gpus = 0;
-  // Restarts (README "Restarts"): where the groups' records go. Empty (the default): nothing
-  // is recorded, a restart loses the shards. The packaged units pass /var/lib/flatshard/state.
+  // Restarts (README "Restarts"): where the groups' records go (flatshardd picks a default,
+  // server/durable/default_state_dir.h). Empty: --ephemeral, nothing is recorded, a restart
+  // loses the shards.
   std::string state_dir;
+  // How state_dir was chosen, for the start-up log ("--state_dir", "$STATE_DIRECTORY", ...).
+  std::string state_dir_why;
   // With a state_dir: SIGTERM leaves the shards, gradient shards and committed copies (and
   // their records) for the next daemon and removes only transient buffers. False, or without
   // a state_dir: SIGTERM frees everything (and removes the records).

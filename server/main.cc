@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include <algorithm>
@@ -25,6 +26,7 @@
 #include "common/logging.h"
 #include "server/access/access_control.h"
 #include "server/daemon.h"
+#include "server/durable/default_state_dir.h"
 #include "server/systemd_notify.h"
 
 ABSL_FLAG(std::string, socket, "/run/flatshard/flatshardd.sock",
@@ -111,16 +113,21 @@ ABSL_FLAG(int64_t, fd_reserve, 1024,
           "limit minus this reserve");
 ABSL_FLAG(std::string, state_dir, "",
           "restarts: directory for the groups' records (created 0700), so that a restarted "
-          "daemon re-adopts the shards it finds; empty: nothing recorded, a restart loses "
-          "the shards (the packaged units pass /var/lib/flatshard/state)");
+          "daemon re-adopts the shards it finds; default: $STATE_DIRECTORY (systemd), else "
+          "/var/lib/flatshard/state for root, else $XDG_STATE_HOME/flatshard/state or "
+          "~/.local/state/flatshard/state; one daemon per directory");
+ABSL_FLAG(bool, ephemeral, false,
+          "keep no records: a restart loses every group's shards (logged as a warning); "
+          "for tests and throwaway daemons; not with --state_dir");
 ABSL_FLAG(int32_t, weights_keep, 2,
           "published weights: newest versions kept per name (README \"Publishing weights\"); "
           "older ones are freed once no reader holds them");
 ABSL_FLAG(bool, keep_shards, true,
-          "with --state_dir: SIGTERM leaves shards, gradient shards and committed copies "
+          "unless --ephemeral: SIGTERM leaves shards, gradient shards and committed copies "
           "(and their records) for the next daemon; false: SIGTERM frees everything");
 ABSL_FLAG(bool, state_fsync, true,
-          "fsync each state record and the directory; false: the rename alone (records then "
+          "fsync each state record write (a journal append, or a base rewrite and its directory); "
+          "false: no fsync, appends and renames alone (records then "
           "survive the daemon's death, kill -9 or OOM, but not a machine crash, which the "
           "shared-memory shards do not survive either); saves the fsyncs of every commit");
 ABSL_FLAG(absl::Duration, testing_commit_copy_pause, absl::ZeroDuration(),
@@ -284,7 +291,20 @@ int main(int argc, char** argv) {
   }
   config.gpu_collectives = absl::GetFlag(FLAGS_gpu_collectives);
   config.simulate_gpus = absl::GetFlag(FLAGS_simulate_gpus);
-  config.state_dir = absl::GetFlag(FLAGS_state_dir);
+  absl::StatusOr<flatshard::server::state::StateDirChoice> state_dir =
+      flatshard::server::state::ChooseStateDir(
+          absl::GetFlag(FLAGS_state_dir), absl::GetFlag(FLAGS_ephemeral),
+          [](const char* name) {
+            const char* v = std::getenv(name);
+            return std::string(v == nullptr ? "" : v);
+          },
+          ::geteuid());
+  if (!state_dir.ok()) {
+    std::cerr << "flatshardd: " << state_dir.status().message() << "\n";
+    return 1;
+  }
+  config.state_dir = state_dir->path;
+  config.state_dir_why = state_dir->why;
   config.keep_shards = absl::GetFlag(FLAGS_keep_shards);
   config.weights_keep = absl::GetFlag(FLAGS_weights_keep);
   config.state_fsync = absl::GetFlag(FLAGS_state_fsync);

@@ -50,11 +50,13 @@ def start_daemons(n, tmp, daemon_args=()):
     daemons = []
     try:
         for i in range(n):
-            extra = []
+            # A demo keeps nothing across restarts: said explicitly (persistence is flatshardd's
+            # default; LocalDaemon passes --ephemeral too).
+            extra = ["--ephemeral"]
             if n > 1:
                 peer_file = os.path.join(tmp, f"peer{i}")
-                extra = ["--peer_address=127.0.0.1:0", f"--peer_address_file={peer_file}",
-                         f"--node_name=node{i}"]
+                extra += ["--peer_address=127.0.0.1:0", f"--peer_address_file={peer_file}",
+                          f"--node_name=node{i}"]
             d = LocalDaemon(extra_args=[*extra, *daemon_args])
             d.start()
             d.peer_file = peer_file if n > 1 else None

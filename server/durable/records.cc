@@ -142,6 +142,16 @@ BufferKind Records::KindOfRole(const std::string& role) {
 }
 
 state::GroupRecord Records::SnapshotLocked(Group& g) {
+  state::GroupRecord rec = FieldsLocked(g);
+  for (auto& [name, reg] : g.registered) {
+    if (std::optional<state::ModuleRecord> m = ModuleSnapshot(name, reg)) {
+      rec.modules.push_back(*std::move(m));
+    }
+  }
+  return rec;
+}
+
+state::GroupRecord Records::FieldsLocked(Group& g) {
   state::GroupRecord rec;
   rec.id = g.id;
   rec.world_size = g.world_size;
@@ -151,57 +161,69 @@ state::GroupRecord Records::SnapshotLocked(Group& g) {
   rec.local_ranks = g.local_ranks;
   rec.epoch = g.epoch;
   rec.sequence = ++state_sequence_;
-  for (auto& [name, reg] : g.registered) {
-    if (!reg.initialized && !reg.pending_commit.has_value()) continue;
-    state::ModuleRecord m;
-    m.name = name;
-    m.initialized = reg.initialized;
-    m.pending = reg.pending_commit;
-    // Device memory dies with the process (README "Restarts": what a GPU daemon keeps): a
-    // rank with device buffers is recorded only with its host copies (KeepDeviceShards).
-    bool unkept = false;
-    for (int32_t r = 0; r < static_cast<int32_t>(reg.shards_by_rank.size()); ++r) {
-      if (reg.shards_by_rank[r].empty()) continue;
-      state::RankRecord rr;
-      rr.rank = r;
-      rr.generation = reg.generation[r];
-      for (int32_t u = 0; u < static_cast<int32_t>(reg.shards_by_rank[r].size()); ++u) {
-        state::UnitRecord ur;
-        ur.unit = u;
-        bool device = false, host_copy = false, device_state = false;
-        size_t host_states = 0;
-        for (const auto& [role, b] : RecordedBuffers(reg, r, u)) {
-          if (b == nullptr) continue;
-          if (b->on_device()) {
-            // Optimizer state on the device needs its own host copies: a module is never
-            // recorded (so never adopted) without its state.
-            if (absl::StartsWith(role, state::kRoleStatePrefix) ||
-                absl::StartsWith(role, state::kRoleCommittedStatePrefix)) {
-              device_state = true;
-            } else {
-              device = true;
-            }
-            continue;
-          }
-          host_copy = host_copy || role == state::kRoleHostCommitted;
-          if (absl::StartsWith(role, state::kRoleHostCommittedStatePrefix)) ++host_states;
-          ur.buffers.push_back({role, b->segment_name(), b->bytes()});
-        }
-        if (device && !host_copy) unkept = true;
-        if (device_state && host_states < reg.shards_by_rank[r][u].state.size()) unkept = true;
-        rr.units.push_back(std::move(ur));
-      }
-      m.ranks.push_back(std::move(rr));
-    }
-    if (unkept || m.ranks.empty()) continue;
-    if (reg.plan_json.empty()) reg.plan_json = PlanToJson(reg.plan).dump();
-    if (reg.manifest_json.empty()) reg.manifest_json = ManifestToJson(reg.manifest).dump();
-    m.plan_json = reg.plan_json;
-    m.manifest_json = reg.manifest_json;
-    m.state_specs = reg.state_specs;
-    rec.modules.push_back(std::move(m));
+  return rec;
+}
+
+state::GroupRecord Records::SnapshotModuleLocked(Group& g, const std::string& module) {
+  state::GroupRecord rec = FieldsLocked(g);
+  auto it = g.registered.find(module);
+  if (it == g.registered.end()) return rec;
+  if (std::optional<state::ModuleRecord> m = ModuleSnapshot(module, it->second)) {
+    rec.modules.push_back(*std::move(m));
   }
   return rec;
+}
+
+std::optional<state::ModuleRecord> Records::ModuleSnapshot(const std::string& name,
+                                                           Registered& reg) {
+  if (!reg.initialized && !reg.pending_commit.has_value()) return std::nullopt;
+  state::ModuleRecord m;
+  m.name = name;
+  m.initialized = reg.initialized;
+  m.pending = reg.pending_commit;
+  // Device memory dies with the process (README "Restarts": what a GPU daemon keeps): a
+  // rank with device buffers is recorded only with its host copies (KeepDeviceShards).
+  bool unkept = false;
+  for (int32_t r = 0; r < static_cast<int32_t>(reg.shards_by_rank.size()); ++r) {
+    if (reg.shards_by_rank[r].empty()) continue;
+    state::RankRecord rr;
+    rr.rank = r;
+    rr.generation = reg.generation[r];
+    for (int32_t u = 0; u < static_cast<int32_t>(reg.shards_by_rank[r].size()); ++u) {
+      state::UnitRecord ur;
+      ur.unit = u;
+      bool device = false, host_copy = false, device_state = false;
+      size_t host_states = 0;
+      for (const auto& [role, b] : RecordedBuffers(reg, r, u)) {
+        if (b == nullptr) continue;
+        if (b->on_device()) {
+          // Optimizer state on the device needs its own host copies: a module is never
+          // recorded (so never adopted) without its state.
+          if (absl::StartsWith(role, state::kRoleStatePrefix) ||
+              absl::StartsWith(role, state::kRoleCommittedStatePrefix)) {
+            device_state = true;
+          } else {
+            device = true;
+          }
+          continue;
+        }
+        host_copy = host_copy || role == state::kRoleHostCommitted;
+        if (absl::StartsWith(role, state::kRoleHostCommittedStatePrefix)) ++host_states;
+        ur.buffers.push_back({role, b->segment_name(), b->bytes()});
+      }
+      if (device && !host_copy) unkept = true;
+      if (device_state && host_states < reg.shards_by_rank[r][u].state.size()) unkept = true;
+      rr.units.push_back(std::move(ur));
+    }
+    m.ranks.push_back(std::move(rr));
+  }
+  if (unkept || m.ranks.empty()) return std::nullopt;
+  if (reg.plan_json.empty()) reg.plan_json = PlanToJson(reg.plan).dump();
+  if (reg.manifest_json.empty()) reg.manifest_json = ManifestToJson(reg.manifest).dump();
+  m.plan_json = reg.plan_json;
+  m.manifest_json = reg.manifest_json;
+  m.state_specs = reg.state_specs;
+  return m;
 }
 
 bool Records::StateForgotten() const {
@@ -212,6 +234,25 @@ bool Records::StateForgotten() const {
 void Records::PersistLater(Group& g, AfterUnlock* run) {
   if (state_dir_ == nullptr || StateForgotten()) return;
   run->Call([this, rec = SnapshotLocked(g)] { WriteRecord(rec); });
+}
+
+void Records::PersistModuleLater(Group& g, const std::string& module, AfterUnlock* run) {
+  if (state_dir_ == nullptr || StateForgotten()) return;
+  run->Call([this, module, rec = SnapshotModuleLocked(g, module)] { WriteModule(rec, module); });
+}
+
+bool Records::WriteModule(const state::GroupRecord& record, const std::string& module) {
+  if (state_dir_ == nullptr || StateForgotten()) return false;
+  absl::Status s = state_dir_->WriteModules(record, {module});
+  if (s.ok()) return true;
+  // As WriteRecord: without a record the group is not kept across a restart, never adopted
+  // wrong.
+  FS_LOG(ERROR) << "group=" << record.id << " module=" << Display(module)
+                << ": cannot write its state record (" << s
+                << "); the record is removed: a restart will not keep this group";
+  absl::Status r = state_dir_->Remove(record.id, record.sequence);
+  if (!r.ok()) FS_LOG(ERROR) << "group=" << record.id << ": " << r;
+  return false;
 }
 
 bool Records::WriteRecord(const state::GroupRecord& record) {
@@ -286,9 +327,9 @@ bool Records::EditAndRecord(const std::string& group, const std::string& module,
     Registered* reg = FindModuleLocked(g, module);
     if (reg == nullptr || !edit(*reg)) return false;
     if (state_dir_ == nullptr || StateForgotten()) return false;
-    rec = SnapshotLocked(g);
+    rec = SnapshotModuleLocked(g, module);  // O(this module): a commit's record
   }
-  return WriteRecord(rec);
+  return WriteModule(rec, module);
 }
 
 void Records::LoadRecordedLocked(Group& g, Registered& reg, bool changed, AfterUnlock* run) {

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -79,6 +80,10 @@ class Records {
   // ---- Records of groups ----
   // Queues the write of `g`'s record (a snapshot taken now) into `run`, to run after the lock.
   void PersistLater(Group& g, AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // The same for one module of `g` (and the group's fields): a journal append of that module
+  // alone (StateDir::WriteModules), whatever the number of modules.
+  void PersistModuleLater(Group& g, const std::string& module, AfterUnlock* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Under the group's lock, runs `edit` on `group`'s registration of `module` (nothing when
   // either is gone); when it returns true and the daemon keeps records, snapshots the group
   // and writes its record once the lock is released. Returns whether a record was written.
@@ -200,6 +205,18 @@ class Records {
   static BufferKind KindOfRole(const std::string& role);
   // The group's record as of now, with the next sequence.
   state::GroupRecord SnapshotLocked(Group& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // The group's fields (no module), with the next sequence.
+  state::GroupRecord FieldsLocked(Group& g) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // The group's fields and `module` (none when it is not recorded), with the next sequence.
+  state::GroupRecord SnapshotModuleLocked(Group& g, const std::string& module)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // `reg`'s record; none when it holds nothing a restart keeps (not initialised and no
+  // commit under way, or device buffers without host copies).
+  static std::optional<state::ModuleRecord> ModuleSnapshot(const std::string& name,
+                                                           Registered& reg);
+  // Writes `module` of a SnapshotModuleLocked (dropping it when the snapshot lacks it); a
+  // failed write removes the group's record, as WriteRecord.
+  bool WriteModule(const state::GroupRecord& record, const std::string& module);
   // Writes a snapshot (or removes the record when it holds no module); a failed write
   // removes the record (the group is then not kept across a restart) and is logged.
   bool WriteRecord(const state::GroupRecord& record);

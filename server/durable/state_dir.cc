@@ -21,6 +21,7 @@
 #include "common/logging.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
+#include "server/durable/journal.h"
 
 namespace flatshard::server::state {
 namespace {
@@ -156,13 +157,98 @@ absl::StatusOr<ModuleRecord> ModuleFrom(const Json& v, const JsonPath& p) {
   return m;
 }
 
+absl::Status GroupFieldsFrom(const Json& doc, const JsonPath& p, GroupRecord* r) {
+  FS_ASSIGN_OR_RETURN(r->id, GetString(doc, "group", p));
+  if (r->id.empty()) return p.Key("group").Error("must not be empty");
+  FS_ASSIGN_OR_RETURN(int64_t ws, GetInt(doc, "world_size", p, 1, INT32_MAX));
+  r->world_size = static_cast<int32_t>(ws);
+  FS_ASSIGN_OR_RETURN(r->token, GetString(doc, "token", p));
+  FS_ASSIGN_OR_RETURN(r->owner_uid, GetInt(doc, "owner_uid", p, -1));
+  FS_ASSIGN_OR_RETURN(r->coordinator, GetString(doc, "coordinator", p));
+  FS_ASSIGN_OR_RETURN(r->local_ranks, RankList(doc, "local_ranks", p));
+  FS_ASSIGN_OR_RETURN(int64_t epoch, GetInt(doc, "epoch", p, 0));
+  r->epoch = static_cast<uint64_t>(epoch);
+  return absl::OkStatus();
+}
+
+absl::Status CheckRanksInWorld(const ModuleRecord& m, int32_t world_size, const JsonPath& p) {
+  for (const RankRecord& rr : m.ranks) {
+    if (rr.rank >= world_size) {
+      return p.Key("ranks").Error(
+          absl::StrCat("rank ", rr.rank, " is out of range for world_size ", world_size));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::StatusOr<ModuleRecord> DecodeModuleJson(const Json& v, const JsonPath& path) {
+  return ModuleFrom(v, path);
+}
+
+absl::Status DecodeGroupFieldsJson(const Json& v, const JsonPath& path, GroupRecord* record) {
+  FS_RETURN_IF_ERROR(ExpectObject(
+      v, path,
+      {"group", "world_size", "token", "owner_uid", "coordinator", "local_ranks", "epoch"}));
+  return GroupFieldsFrom(v, path, record);
+}
 
 std::string RecordFileName(const std::string& group) {
   return absl::StrCat("group-", Sha256Hex(group).substr(0, 32), ".json");
 }
 
-std::string EncodeGroupRecord(const GroupRecord& record) {
+namespace {
+
+OJson ModuleOJson(const ModuleRecord& m) {
+  OJson mj;
+  mj["name"] = m.name;
+  mj["plan"] = m.plan_json;
+  mj["manifest"] = m.manifest_json;
+  mj["initialized"] = m.initialized;
+  if (m.pending.has_value()) {
+    OJson pj;
+    pj["generation"] = m.pending->generation;
+    pj["kind"] = m.pending->kind;
+    pj["ready_ranks"] = RanksJson(m.pending->ready_ranks);
+    pj["done_ranks"] = RanksJson(m.pending->done_ranks);
+    mj["pending"] = std::move(pj);
+  } else {
+    mj["pending"] = nullptr;
+  }
+  OJson ranks = OJson::array();
+  for (const RankRecord& r : m.ranks) {
+    OJson rj;
+    rj["rank"] = r.rank;
+    rj["generation"] = r.generation;
+    OJson units = OJson::array();
+    for (const UnitRecord& u : r.units) {
+      OJson uj;
+      uj["unit"] = u.unit;
+      OJson buffers = OJson::array();
+      for (const BufferRecord& b : u.buffers) {
+        buffers.push_back(OJson{{"role", b.role}, {"segment", b.segment}, {"bytes", b.bytes}});
+      }
+      uj["buffers"] = std::move(buffers);
+      units.push_back(std::move(uj));
+    }
+    rj["units"] = std::move(units);
+    ranks.push_back(std::move(rj));
+  }
+  mj["ranks"] = std::move(ranks);
+  if (!m.state_specs.empty()) {
+    OJson specs = OJson::array();
+    for (const StateSpec& spec : m.state_specs) {
+      specs.push_back(OJson{{"name", spec.name},
+                            {"dtype", std::string(DTypeName(spec.dtype))},
+                            {"shape", StateShapeName(spec.shape)}});
+    }
+    mj["state_specs"] = std::move(specs);
+  }
+  return mj;
+}
+
+OJson GroupFieldsOJson(const GroupRecord& record) {
   OJson body;
   body["group"] = record.id;
   body["world_size"] = record.world_size;
@@ -171,55 +257,22 @@ std::string EncodeGroupRecord(const GroupRecord& record) {
   body["coordinator"] = record.coordinator;
   body["local_ranks"] = RanksJson(record.local_ranks);
   body["epoch"] = record.epoch;
+  return body;
+}
+
+}  // namespace
+
+std::string EncodeModuleJson(const ModuleRecord& module) { return ModuleOJson(module).dump(); }
+
+std::string EncodeGroupFieldsJson(const GroupRecord& record) {
+  return GroupFieldsOJson(record).dump();
+}
+
+std::string EncodeGroupRecord(const GroupRecord& record) {
+  OJson body = GroupFieldsOJson(record);
   body["sequence"] = record.sequence;
   OJson modules = OJson::array();
-  for (const ModuleRecord& m : record.modules) {
-    OJson mj;
-    mj["name"] = m.name;
-    mj["plan"] = m.plan_json;
-    mj["manifest"] = m.manifest_json;
-    mj["initialized"] = m.initialized;
-    if (m.pending.has_value()) {
-      OJson pj;
-      pj["generation"] = m.pending->generation;
-      pj["kind"] = m.pending->kind;
-      pj["ready_ranks"] = RanksJson(m.pending->ready_ranks);
-      pj["done_ranks"] = RanksJson(m.pending->done_ranks);
-      mj["pending"] = std::move(pj);
-    } else {
-      mj["pending"] = nullptr;
-    }
-    OJson ranks = OJson::array();
-    for (const RankRecord& r : m.ranks) {
-      OJson rj;
-      rj["rank"] = r.rank;
-      rj["generation"] = r.generation;
-      OJson units = OJson::array();
-      for (const UnitRecord& u : r.units) {
-        OJson uj;
-        uj["unit"] = u.unit;
-        OJson buffers = OJson::array();
-        for (const BufferRecord& b : u.buffers) {
-          buffers.push_back(OJson{{"role", b.role}, {"segment", b.segment}, {"bytes", b.bytes}});
-        }
-        uj["buffers"] = std::move(buffers);
-        units.push_back(std::move(uj));
-      }
-      rj["units"] = std::move(units);
-      ranks.push_back(std::move(rj));
-    }
-    mj["ranks"] = std::move(ranks);
-    if (!m.state_specs.empty()) {
-      OJson specs = OJson::array();
-      for (const StateSpec& spec : m.state_specs) {
-        specs.push_back(OJson{{"name", spec.name},
-                              {"dtype", std::string(DTypeName(spec.dtype))},
-                              {"shape", StateShapeName(spec.shape)}});
-      }
-      mj["state_specs"] = std::move(specs);
-    }
-    modules.push_back(std::move(mj));
-  }
+  for (const ModuleRecord& m : record.modules) modules.push_back(ModuleOJson(m));
   body["modules"] = std::move(modules);
   const std::string text = body.dump();
   OJson header;
@@ -229,7 +282,7 @@ std::string EncodeGroupRecord(const GroupRecord& record) {
   return absl::StrCat(header.dump(), "\n", text);
 }
 
-absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes) {
+absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes, bool* journaled) {
   const size_t nl = bytes.find('\n');
   if (nl == std::string::npos) {
     return absl::InvalidArgumentError("header: no header line (truncated or not a state record)");
@@ -239,10 +292,12 @@ absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes) {
   const JsonPath hp("header");
   FS_RETURN_IF_ERROR(ExpectObject(*header, hp, {"format", "body_bytes", "body_sha256"}));
   FS_ASSIGN_OR_RETURN(std::string format, GetString(*header, "format", hp));
-  if (format != kStateFormat) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("version: format is ", Quote(format), ", this daemon reads ", kStateFormat));
+  if (format != kStateFormat && format != kStateFormatV1) {
+    return absl::InvalidArgumentError(absl::StrCat("version: format is ", Quote(format),
+                                                   ", this daemon reads ", kStateFormat, " and ",
+                                                   kStateFormatV1));
   }
+  if (journaled != nullptr) *journaled = format == kStateFormat;
   FS_ASSIGN_OR_RETURN(int64_t body_bytes, GetInt(*header, "body_bytes", hp, 0));
   FS_ASSIGN_OR_RETURN(std::string sha, GetString(*header, "body_sha256", hp));
   const std::string body = bytes.substr(nl + 1);
@@ -262,16 +317,7 @@ absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes) {
                                   {"group", "world_size", "token", "owner_uid", "coordinator",
                                    "local_ranks", "epoch", "sequence", "modules"}));
   GroupRecord r;
-  FS_ASSIGN_OR_RETURN(r.id, GetString(doc, "group", p));
-  if (r.id.empty()) return p.Key("group").Error("must not be empty");
-  FS_ASSIGN_OR_RETURN(int64_t ws, GetInt(doc, "world_size", p, 1, INT32_MAX));
-  r.world_size = static_cast<int32_t>(ws);
-  FS_ASSIGN_OR_RETURN(r.token, GetString(doc, "token", p));
-  FS_ASSIGN_OR_RETURN(r.owner_uid, GetInt(doc, "owner_uid", p, -1));
-  FS_ASSIGN_OR_RETURN(r.coordinator, GetString(doc, "coordinator", p));
-  FS_ASSIGN_OR_RETURN(r.local_ranks, RankList(doc, "local_ranks", p));
-  FS_ASSIGN_OR_RETURN(int64_t epoch, GetInt(doc, "epoch", p, 0));
-  r.epoch = static_cast<uint64_t>(epoch);
+  FS_RETURN_IF_ERROR(GroupFieldsFrom(doc, p, &r));
   FS_ASSIGN_OR_RETURN(int64_t seq, GetInt(doc, "sequence", p, 0));
   r.sequence = static_cast<uint64_t>(seq);
   const JsonPath mp = p.Key("modules");
@@ -279,12 +325,7 @@ absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes) {
   FS_RETURN_IF_ERROR(ExpectArray(doc.at("modules"), mp));
   for (size_t i = 0; i < doc.at("modules").size(); ++i) {
     FS_ASSIGN_OR_RETURN(ModuleRecord m, ModuleFrom(doc.at("modules")[i], mp.Index(i)));
-    for (const RankRecord& rr : m.ranks) {
-      if (rr.rank >= r.world_size) {
-        return mp.Index(i).Key("ranks").Error(
-            absl::StrCat("rank ", rr.rank, " is out of range for world_size ", r.world_size));
-      }
-    }
+    FS_RETURN_IF_ERROR(CheckRanksInWorld(m, r.world_size, mp.Index(i)));
     r.modules.push_back(std::move(m));
   }
   return r;
@@ -300,7 +341,17 @@ absl::StatusOr<std::unique_ptr<StateDir>> StateDir::Open(const std::string& path
   // Temp files of a writer killed mid-write: never a record.
   absl::StatusOr<std::vector<std::string>> names = fs->ListDir(path);
   if (!names.ok()) FS_LOG(WARNING) << "state dir " << path << ": " << names.status().message();
-  for (const std::string& name : names.ok() ? *names : std::vector<std::string>()) {
+  const std::vector<std::string> all = names.ok() ? *names : std::vector<std::string>();
+  for (const std::string& name : all) {
+    // A journal whose base is gone (its group was removed mid-way): never read.
+    if (absl::StartsWith(name, "group-") && absl::EndsWith(name, ".journal")) {
+      const std::string base = absl::StrCat(name.substr(0, name.size() - 8), ".json");
+      if (std::find(all.begin(), all.end(), base) == all.end()) {
+        fs->RemoveFile(absl::StrCat(path, "/", name)).IgnoreError();
+        FS_LOG(INFO) << "state dir " << path << ": removed " << name << " (its record is gone)";
+      }
+      continue;
+    }
     if (!absl::StartsWith(name, kTempFilePrefix)) continue;
     if (absl::Status s = fs->RemoveFile(absl::StrCat(path, "/", name)); s.ok()) {
       FS_LOG(INFO) << "state dir " << path << ": removed " << name << " (an unfinished write)";
@@ -318,20 +369,231 @@ std::shared_ptr<StateDir::PerGroup> StateDir::GroupState(const std::string& grou
   return slot;
 }
 
+namespace {
+
+void CopyFields(const GroupRecord& from, GroupRecord* to) {
+  to->id = from.id;
+  to->world_size = from.world_size;
+  to->token = from.token;
+  to->owner_uid = from.owner_uid;
+  to->coordinator = from.coordinator;
+  to->local_ranks = from.local_ranks;
+  to->epoch = from.epoch;
+}
+
+const ModuleRecord* Named(const std::vector<ModuleRecord>& v, const std::string& name) {
+  for (const ModuleRecord& m : v) {
+    if (m.name == name) return &m;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+void ApplyFrame(const JournalFrame& f, GroupRecord* r) {
+  CopyFields(f.group, r);
+  auto named = [r](const std::string& name) {
+    return std::find_if(r->modules.begin(), r->modules.end(),
+                        [&](const ModuleRecord& m) { return m.name == name; });
+  };
+  for (const std::string& name : f.drops) {
+    if (auto at = named(name); at != r->modules.end()) r->modules.erase(at);
+  }
+  for (const ModuleRecord& m : f.group.modules) {
+    if (auto at = named(m.name); at != r->modules.end()) {
+      *at = m;
+      continue;
+    }
+    auto at =
+        std::lower_bound(r->modules.begin(), r->modules.end(), m.name,
+                         [](const ModuleRecord& x, const std::string& n) { return x.name < n; });
+    r->modules.insert(at, m);
+  }
+}
+
+namespace {}  // namespace
+
 absl::Status StateDir::Write(const GroupRecord& record) {
   std::shared_ptr<PerGroup> g = GroupState(record.id);
   absl::MutexLock lock(&g->mu);
-  if (record.sequence <= g->last && g->last != 0)
-    return absl::OkStatus();  // a newer one is written
+  const uint64_t seq = record.sequence;
+  if (seq <= g->removed && g->removed != 0) return absl::OkStatus();
+  GroupRecord merged;
+  if (g->current.has_value()) merged = *g->current;
+  bool changed = false;
+  if (seq > g->fields || !g->current.has_value()) {
+    CopyFields(record, &merged);
+    changed = true;
+  }
+  // The record's modules in its order, then the ones only the disk has; each part from the
+  // newer of the two.
+  auto newest = [&](const std::string& name) {
+    auto it = g->modules.find(name);
+    return std::max(g->whole, it == g->modules.end() ? 0 : it->second);
+  };
+  std::vector<ModuleRecord> modules;
+  std::vector<std::string> applied;
+  std::set<std::string> seen;
+  for (const ModuleRecord& m : record.modules) {
+    seen.insert(m.name);
+    const uint64_t n = newest(m.name);
+    if (seq > n || n == 0) {
+      modules.push_back(m);
+      applied.push_back(m.name);
+      changed = true;
+    } else if (const ModuleRecord* kept = Named(merged.modules, m.name)) {
+      modules.push_back(*kept);  // a newer write of this module is on disk
+    }
+  }
+  for (const ModuleRecord& m : merged.modules) {
+    if (seen.contains(m.name)) continue;
+    const uint64_t n = newest(m.name);
+    if (seq > n || n == 0) {
+      applied.push_back(m.name);  // dropped: the record no longer lists it
+      changed = true;
+    } else {
+      modules.push_back(m);
+    }
+  }
+  merged.modules = std::move(modules);
+  if (!changed) return absl::OkStatus();
+  merged.sequence = std::max(seq, g->last);
+  if (merged.modules.empty()) {
+    if (g->current.has_value()) FS_RETURN_IF_ERROR(RemoveFiles(*g, record.id));
+  } else {
+    FS_RETURN_IF_ERROR(RewriteBase(*g, std::move(merged)));
+  }
+  g->last = std::max(g->last, seq);
+  g->whole = std::max(g->whole, seq);
+  g->fields = std::max(g->fields, seq);
+  for (const std::string& name : applied) g->modules[name] = seq;
+  return absl::OkStatus();
+}
+
+absl::Status StateDir::WriteModules(const GroupRecord& record,
+                                    const std::vector<std::string>& touched) {
+  std::shared_ptr<PerGroup> g = GroupState(record.id);
+  absl::MutexLock lock(&g->mu);
+  const uint64_t seq = record.sequence;
+  if (seq <= g->removed && g->removed != 0) return absl::OkStatus();
+  // O(what changed): the frame and the edit of `current` name the touched modules only.
+  const bool fields = seq > g->fields || !g->current.has_value();
+  JournalFrame frame;
+  CopyFields(fields || !g->current.has_value() ? record : *g->current, &frame.group);
+  std::vector<std::string> applied;
+  int64_t modules = g->current.has_value() ? static_cast<int64_t>(g->current->modules.size()) : 0;
+  for (const std::string& name : touched) {
+    auto it = g->modules.find(name);
+    const uint64_t newest = std::max(g->whole, it == g->modules.end() ? 0 : it->second);
+    if (seq <= newest && newest != 0) continue;
+    const ModuleRecord* m = Named(record.modules, name);
+    const bool on_disk = g->current.has_value() && Named(g->current->modules, name) != nullptr;
+    if (m == nullptr && !on_disk) continue;  // nothing to drop
+    if (m != nullptr) {
+      frame.group.modules.push_back(*m);
+      modules += on_disk ? 0 : 1;
+    } else {
+      frame.drops.push_back(name);
+      --modules;
+    }
+    applied.push_back(name);
+  }
+  if (applied.empty()) return absl::OkStatus();  // the fields alone go with the next write
+  frame.sequence = std::max(seq, g->last);
+  if (modules <= 0) {
+    FS_RETURN_IF_ERROR(RemoveFiles(*g, record.id));  // its last module dropped
+  } else {
+    FS_RETURN_IF_ERROR(Append(*g, std::move(frame)));
+  }
+  g->last = std::max(g->last, seq);
+  if (fields) g->fields = seq;
+  for (const std::string& name : applied) g->modules[name] = seq;
+  return absl::OkStatus();
+}
+
+absl::Status StateDir::Append(PerGroup& g, JournalFrame frame) {
+  const bool compact = g.journal_bytes > std::max<int64_t>(min_compact_bytes_.load(), g.base_bytes);
+  if (!g.current.has_value() || !g.journal_clean || g.journal == nullptr || compact) {
+    GroupRecord merged = g.current.value_or(GroupRecord());
+    ApplyFrame(frame, &merged);
+    merged.sequence = std::max(merged.sequence, frame.sequence);
+    return RewriteBase(g, std::move(merged));
+  }
+  frame.base = g.base;
+  const std::string bytes = EncodeJournalFrame(frame);
+  absl::Status s = g.journal->Append(bytes);
+  if (s.ok() && sync_) s = g.journal->Sync();
+  if (!s.ok()) {
+    // The frame may be on disk in part: the next write starts a new base instead.
+    g.journal_clean = false;
+    return absl::Status(s.code(), absl::StrCat("state journal ", s.message()));
+  }
+  g.journal_bytes += static_cast<int64_t>(bytes.size());
+  ApplyFrame(frame, &*g.current);
+  g.current->sequence = std::max(g.current->sequence, frame.sequence);
+  return absl::OkStatus();
+}
+
+absl::Status StateDir::RewriteBase(PerGroup& g, GroupRecord merged) {
+  // A sequence of its own: the frames of the journal it replaces (naming the old base) are
+  // stale from the moment it is in place, even if truncating that journal does not last.
+  merged.sequence = std::max(merged.sequence, g.base + 1);
+  const std::string bytes = EncodeGroupRecord(merged);
   AtomicWriteOptions options;
   options.sync = sync_;
   options.mode = 0600;
-  if (absl::Status s = WriteFileAtomically(fs_, absl::StrCat(path_, "/", RecordFileName(record.id)),
-                                           EncodeGroupRecord(record), options);
+  if (absl::Status s = WriteFileAtomically(fs_, absl::StrCat(path_, "/", RecordFileName(merged.id)),
+                                           bytes, options);
       !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("state record ", s.message()));
   }
-  g->last = record.sequence;
+  g.base = merged.sequence;
+  g.base_bytes = static_cast<int64_t>(bytes.size());
+  g.current = std::move(merged);
+  // A new journal for the new base. If it cannot be made, the base holds everything and the
+  // next write rewrites the base again.
+  const std::string journal = absl::StrCat(path_, "/", JournalFileName(g.current->id));
+  const bool existed = fs_->FileExists(journal);
+  g.journal.reset();
+  g.journal_clean = false;
+  g.journal_bytes = 0;
+  NewFileOptions file_options;
+  file_options.mode = 0600;
+  absl::StatusOr<std::unique_ptr<WritableFile>> f = fs_->NewWritableFile(journal, file_options);
+  if (!f.ok()) {
+    FS_LOG(WARNING) << "state journal " << journal << ": " << f.status().message()
+                    << " (the record is written whole until it can be made)";
+    return absl::OkStatus();
+  }
+  // Its directory entry lasts before a frame relies on it (once: later bases truncate it).
+  if (!existed && sync_) {
+    if (absl::Status s = fs_->SyncDir(path_); !s.ok()) {
+      FS_LOG(WARNING) << "state journal " << journal << ": " << s.message();
+      return absl::OkStatus();
+    }
+  }
+  g.journal = *std::move(f);
+  g.journal_clean = true;
+  return absl::OkStatus();
+}
+
+absl::Status StateDir::RemoveFiles(PerGroup& g, const std::string& group) {
+  // The base first: a journal without its base is never read (Open removes it).
+  const std::string file = absl::StrCat(path_, "/", RecordFileName(group));
+  if (absl::Status s = fs_->RemoveFile(file); !s.ok() && !absl::IsNotFound(s)) {
+    return absl::Status(s.code(), absl::StrCat("state record ", file, ": ", s.message()));
+  }
+  g.journal.reset();
+  g.journal_clean = false;
+  g.journal_bytes = 0;
+  g.current.reset();
+  const std::string journal = absl::StrCat(path_, "/", JournalFileName(group));
+  if (absl::Status s = fs_->RemoveFile(journal); !s.ok() && !absl::IsNotFound(s)) {
+    FS_LOG(WARNING) << "state journal " << journal << ": " << s.message();
+  }
+  // Best effort: a removal the disk forgets only brings back a record the next daemon adopts
+  // or refuses, never a torn one.
+  if (sync_) fs_->SyncDir(path_).IgnoreError();
   return absl::OkStatus();
 }
 
@@ -339,14 +601,9 @@ absl::Status StateDir::Remove(const std::string& group, uint64_t sequence) {
   std::shared_ptr<PerGroup> g = GroupState(group);
   absl::MutexLock lock(&g->mu);
   if (sequence <= g->last && g->last != 0) return absl::OkStatus();
-  const std::string file = absl::StrCat(path_, "/", RecordFileName(group));
-  if (absl::Status s = fs_->RemoveFile(file); !s.ok() && !absl::IsNotFound(s)) {
-    return absl::Status(s.code(), absl::StrCat("state record ", file, ": ", s.message()));
-  }
+  FS_RETURN_IF_ERROR(RemoveFiles(*g, group));
   g->last = sequence;
-  // Best effort: a removal the disk forgets only brings back a record the next daemon adopts
-  // or refuses, never a torn one.
-  if (sync_) fs_->SyncDir(path_).IgnoreError();
+  g->removed = sequence;
   return absl::OkStatus();
 }
 
@@ -367,7 +624,8 @@ StateDir::Loaded StateDir::LoadAll() {
       out.refused.push_back({file, absl::StrCat("read: ", bytes.status().message())});
       continue;
     }
-    absl::StatusOr<GroupRecord> record = DecodeGroupRecord(*bytes);
+    bool journaled = false;
+    absl::StatusOr<GroupRecord> record = DecodeGroupRecord(*bytes, &journaled);
     if (!record.ok()) {
       out.refused.push_back({file, std::string(record.status().message())});
       continue;
@@ -378,8 +636,49 @@ StateDir::Loaded StateDir::LoadAll() {
                                                 " belongs in ", expected)});
       continue;
     }
-    max_loaded_sequence_ = std::max(max_loaded_sequence_, record->sequence);
-    out.groups.push_back(*std::move(record));
+    const uint64_t base = record->sequence;
+    const std::string journal_file = absl::StrCat(path_, "/", JournalFileName(record->id));
+    // A /1 base was written whole: a journal beside it predates it (never applied).
+    absl::StatusOr<std::string> journal =
+        journaled ? fs_->ReadFile(journal_file) : absl::NotFoundError("a /1 base");
+    if (!journal.ok() && !absl::IsNotFound(journal.status())) {
+      out.refused.push_back({file, absl::StrCat("read: ", journal.status().message())});
+      continue;
+    }
+    absl::StatusOr<Replayed> replayed =
+        ReplayJournal(*std::move(record), journal.ok() ? *journal : std::string());
+    if (!replayed.ok()) {
+      out.refused.push_back(
+          {file, absl::StrCat("journal ", journal_file, ": ", replayed.status().message())});
+      continue;
+    }
+    if (!replayed->torn.empty()) {
+      FS_LOG(WARNING) << "state journal " << journal_file << ": " << replayed->applied
+                      << " frame(s) applied; the rest is ignored (a write torn by a kill): "
+                      << replayed->torn;
+    }
+    // The next write of the group appends to this journal only when it ends cleanly.
+    std::shared_ptr<PerGroup> g = GroupState(replayed->record.id);
+    {
+      absl::MutexLock lock(&g->mu);
+      g->current = replayed->record;
+      g->base = base;
+      g->base_bytes = static_cast<int64_t>(bytes->size());
+      g->journal_bytes = journal.ok() ? static_cast<int64_t>(journal->size()) : 0;
+      g->journal_clean = false;
+      if (replayed->torn.empty() && replayed->stale == 0 && journal.ok()) {
+        NewFileOptions append;
+        append.append = true;
+        absl::StatusOr<std::unique_ptr<WritableFile>> f =
+            fs_->NewWritableFile(journal_file, append);
+        if (f.ok()) {
+          g->journal = *std::move(f);
+          g->journal_clean = true;
+        }
+      }
+    }
+    max_loaded_sequence_ = std::max(max_loaded_sequence_, replayed->record.sequence);
+    out.groups.push_back(std::move(replayed->record));
   }
   return out;
 }
@@ -391,6 +690,16 @@ std::vector<std::string> StateDir::SegmentsNamedBy(const Loaded& loaded,
     absl::StatusOr<std::string> bytes = fs_->ReadFile(r.file);
     std::vector<std::string> names =
         bytes.ok() ? SegmentNamesIn(*bytes, prefix) : std::vector<std::string>();
+    // Its journal's too (the file is "group-<hex>.json", the journal "group-<hex>.journal").
+    if (absl::EndsWith(r.file, ".json")) {
+      absl::StatusOr<std::string> journal =
+          fs_->ReadFile(absl::StrCat(r.file.substr(0, r.file.size() - 5), ".journal"));
+      if (journal.ok()) {
+        for (std::string& n : SegmentNamesIn(*journal, prefix)) {
+          if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
+        }
+      }
+    }
     FS_LOG(ERROR) << "state record " << r.file << " refused: " << r.why
                   << "; its group is not adopted and its " << names.size()
                   << " segment(s) are left alone"

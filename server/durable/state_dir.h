@@ -4,27 +4,38 @@
 // SIGTERM, an OOM kill or an upgrade finds the shared-memory segments of its shards, gradient
 // shards and committed copies again and re-adopts them (GroupManager::AdoptGroups).
 //
-// A record is one file, "group-<sha256(group id)[0:32]>.json" (the name never depends on what
-// the id contains), written crash-consistently by WriteFileAtomically (common/file_system.h):
-// a temp file ".tmp.<name>.<pid>.<n>" in the same directory, write, fsync, rename over the
-// record, fsync of the directory. So a reader sees the old record or the new one, never a mix.
-// The directory is 0700 and the records 0600: records hold group tokens. All file access goes
-// through a FileSystem, so unit tests run it on InMemoryFileSystem.
+// A group's record is a base file, "group-<sha256(group id)[0:32]>.json" (the name never
+// depends on what the id contains), and a journal beside it, "group-<...>.journal"
+// (journal.h). The base is written crash-consistently by WriteFileAtomically
+// (common/file_system.h): a temp file ".tmp.<name>.<pid>.<n>" in the same directory, write,
+// fsync, rename over the record, fsync of the directory, so a reader sees the old base or the
+// new one, never a mix. A write of some modules (WriteModules: a commit's intent or its end)
+// appends one frame with just those modules to the journal and fsyncs it once: its cost is
+// O(what changed), whatever the number of modules. When the journal outgrows the base (or a
+// whole group is written, or a torn frame was found), the base is rewritten with everything
+// and the journal starts over (compaction). The directory is 0700 and the files 0600: records
+// hold group tokens. All file access goes through a FileSystem, so unit tests run it on
+// InMemoryFileSystem.
 //
-// File format (flatshard.state/1): a header line, then the body:
-//   {"format":"flatshard.state/1","body_bytes":N,"body_sha256":"<hex>"}\n<body: N bytes of JSON>
+// Base file format (flatshard.state/2; /1, read too, is the same without a journal): a header
+// line, then the body:
+//   {"format":"flatshard.state/2","body_bytes":N,"body_sha256":"<hex>"}\n<body: N bytes of JSON>
 // The checksum covers the body's exact bytes. LoadAll refuses a record whose header, size,
-// checksum or body does not check out, naming the file and the check.
+// checksum or body does not check out, naming the file and the check. A torn last journal
+// frame (a kill mid-append) is ignored, with every frame before it applied.
 //
 // Buffers are listed generically per rank and unit, as {"role", "segment", "bytes"}: "shard",
 // "grad", "committed", "host_committed" (GPU daemons at SIGTERM), and for optimizer state
 // "state:<name>", "committed_state:<name>" and "host_committed_state:<name>", with the
 // module's "state_specs" (optional: records written without it load with no state).
 //
-// Thread-safe. Writes of one group are ordered by their `sequence` (taken where the snapshot
-// was, under the caller's lock): a write whose sequence is lower than one already written (or
-// removed) for the group is skipped, so a stale snapshot never overwrites a newer one.
+// Thread-safe. Writes are ordered by their `sequence` (taken where the snapshot was, under
+// the caller's lock), per part of the record: the group's fields and each module. A write
+// changes only the parts it is newer for than the last write (or removal) of that part, so a
+// stale snapshot never overwrites a newer one, and a whole-group snapshot taken before a
+// module's commit was recorded keeps that commit.
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -37,11 +48,16 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/file_system.h"
+#include "common/json_util.h"
 #include "common/state_spec.h"
 
 namespace flatshard::server::state {
 
-inline constexpr char kStateFormat[] = "flatshard.state/1";
+// What this daemon writes: a base whose journal (journal.h) holds the later writes. A daemon
+// from before the journal refuses it (reading the base alone would adopt an older state).
+inline constexpr char kStateFormat[] = "flatshard.state/2";
+// Read too: a base written whole at every change, by a daemon from before the journal.
+inline constexpr char kStateFormatV1[] = "flatshard.state/1";
 
 // Roles of the durable buffers of a rank's unit.
 inline constexpr char kRoleShard[] = "shard";
@@ -122,10 +138,31 @@ struct GroupRecord {
 std::string EncodeGroupRecord(const GroupRecord& record);
 // Parses and checks a record file's bytes. INVALID_ARGUMENT naming the failed check
 // ("header: ...", "checksum: ...", "body: $.modules[0].ranks: ...").
-absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes);
+// `journaled` (optional): whether the format says a journal goes with it (/2; /1 has none).
+absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes, bool* journaled = nullptr);
 
 // "group-<hex>.json".
 std::string RecordFileName(const std::string& group);
+
+// The pieces of a record's body, for the journal (journal.h): one module as in "modules",
+// and the group's fields but "sequence" and "modules". Decoding errors name `path`.
+std::string EncodeModuleJson(const ModuleRecord& module);
+absl::StatusOr<ModuleRecord> DecodeModuleJson(const Json& v, const JsonPath& path);
+std::string EncodeGroupFieldsJson(const GroupRecord& record);
+// Sets `record`'s fields but `sequence` and `modules` from `v`.
+absl::Status DecodeGroupFieldsJson(const Json& v, const JsonPath& path, GroupRecord* record);
+
+// A frame of a group's journal (journal.h).
+struct JournalFrame {
+  uint64_t base = 0;               // the sequence of the base record it applies to
+  uint64_t sequence = 0;           // the write's
+  GroupRecord group;               // the group's fields; its `modules` are put in place (by name)
+  std::vector<std::string> drops;  // modules removed
+};
+
+// Applies `frame` to `record`: its fields, its modules in place of those of their names
+// (the modules stay sorted by name, as a group's are), its drops removed.
+void ApplyFrame(const JournalFrame& frame, GroupRecord* record);
 
 class StateDir {
  public:
@@ -138,11 +175,19 @@ class StateDir {
 
   const std::string& path() const { return path_; }
 
-  // Writes `record` unless a write or removal with a higher or equal sequence already
-  // happened for its group (then OK, nothing written). On error (INTERNAL, or the file
-  // system's code; the message names the record's file and the failed call) the group's
-  // previous record is unchanged, and a retry with the same sequence writes it.
+  // Writes the whole group `record` (its fields and the modules it lists; modules it does not
+  // list are dropped), each part unless a write or removal with a higher or equal sequence
+  // already happened for it (OK, nothing written when no part is newer). Rewrites the base.
+  // On error (INTERNAL, or the file system's code; the message names the record's file and
+  // the failed call) the group's previous record is unchanged, and a retry with the same
+  // sequence writes it.
   absl::Status Write(const GroupRecord& record) ABSL_LOCKS_EXCLUDED(mu_);
+  // Writes the group's fields and the modules named in `touched`: those in `record.modules`
+  // are put in place, the others dropped (a group left with no module is removed). Same
+  // ordering and errors as Write; one journal append and one fsync, unless the journal is due
+  // for compaction or the group has no record yet (then the base is written).
+  absl::Status WriteModules(const GroupRecord& record, const std::vector<std::string>& touched)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Removes the group's record (OK when there is none), unless a later write happened.
   absl::Status Remove(const std::string& group, uint64_t sequence) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -154,7 +199,8 @@ class StateDir {
     std::vector<GroupRecord> groups;
     std::vector<Refused> refused;
   };
-  // Every record of the directory, checked. Sequences go on above the highest loaded.
+  // Every record of the directory (base and journal), checked. Sequences go on above the
+  // highest loaded.
   Loaded LoadAll() ABSL_LOCKS_EXCLUDED(mu_);
 
   // The shared-memory segments (with their leading "/") that a daemon starting on `loaded`
@@ -166,19 +212,45 @@ class StateDir {
   // What the daemon writes next must be above every loaded sequence.
   uint64_t max_loaded_sequence() const { return max_loaded_sequence_; }
 
+  // A journal larger than this and than its base is compacted into a new base: a commit costs
+  // O(what changed) amortized, the base's rewrite spread over as many bytes of frames, and
+  // small groups rewrite their base rarely (a compaction is the slow write a p99 sees).
+  static constexpr int64_t kMinCompactBytes = int64_t{4} << 20;
+  // Tests: a smaller threshold, to see compactions without megabytes of frames.
+  void SetMinCompactBytes(int64_t bytes) { min_compact_bytes_ = bytes; }
+
  private:
   StateDir(std::string path, bool sync, FileSystem* fs)
       : path_(std::move(path)), sync_(sync), fs_(fs) {}
   struct PerGroup {
-    absl::Mutex mu;  // serializes the writes of one group (held across the fsync: ours only)
-    uint64_t last = 0;
+    absl::Mutex mu;        // serializes the writes of one group (held across the fsync: ours only)
+    uint64_t last = 0;     // the highest sequence written or removed
+    uint64_t removed = 0;  // of the last removal: writes at or below it are stale
+    uint64_t whole = 0;    // of the last Write: module writes at or below it are stale
+    uint64_t fields = 0;   // of the last write of the group's fields
+    std::map<std::string, uint64_t> modules;  // of the last write of each module (or drop)
+    // What the disk holds (base and journal); none: no record.
+    std::optional<GroupRecord> current;
+    uint64_t base = 0;  // the base's sequence (the journal's frames name it)
+    int64_t base_bytes = 0;
+    int64_t journal_bytes = 0;
+    // The journal holds frames of `base` only, none torn: appending is safe.
+    bool journal_clean = false;
+    std::unique_ptr<WritableFile> journal;  // open for appending when journal_clean
   };
+  // Appends `frame` (the group's fields and the modules it changes) to the journal and
+  // fsyncs once; or, when the group has no record yet, the journal is not clean or it is due
+  // for compaction, writes a new base with the frame applied. REQUIRES: g.mu held.
+  absl::Status Append(PerGroup& g, JournalFrame frame);
+  absl::Status RewriteBase(PerGroup& g, GroupRecord merged);
+  absl::Status RemoveFiles(PerGroup& g, const std::string& group);
   std::shared_ptr<PerGroup> GroupState(const std::string& group) ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::string path_;
   const bool sync_;
   FileSystem* const fs_;
   uint64_t max_loaded_sequence_ = 0;
+  std::atomic<int64_t> min_compact_bytes_{kMinCompactBytes};
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<PerGroup>> groups_ ABSL_GUARDED_BY(mu_);
 };

@@ -262,7 +262,7 @@ void Modules::SettleReduceScatter(const Caller& caller, const std::string& modul
     if (fresh) {
       reg->second.new_grads.erase({caller.rank, unit});
       if (s.ok()) reg->second.shards_by_rank[caller.rank][unit].grad = grad;
-      if (s.ok()) records_.PersistLater(g, &persist);  // a new durable buffer
+      if (s.ok()) records_.PersistModuleLater(g, module, &persist);  // a new durable buffer
     }
     reg->second.NoteOp({unit}, "reduce_scatter", caller.rank, s.ok(), clock_->Now());
     if (s.ok()) {

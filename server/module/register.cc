@@ -243,7 +243,7 @@ void Modules::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status s
         reg.pending_commit.reset();
         // Restarts: a model of zeros is initialised now (the FROM_* modes record theirs
         // when their init commits); a re-registration replaces the recorded buffers.
-        records_.PersistLater(g, &persist);
+        records_.PersistModuleLater(g, x->module, &persist);
         RegisterResult r{reg.plan, x->buffers.shards, std::nullopt, 0};
         if (x->init != InitMode::kZeros) {
           // Initial values come through a summon that is already open: each rank (or rank 0)

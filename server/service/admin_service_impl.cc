@@ -346,6 +346,7 @@ grpc::ServerUnaryReactor* AdminServiceImpl::GetStatus(grpc::CallbackServerContex
   for (const std::string& b : backends_) response->add_backends(b);
   response->set_peer_address(options_.peer_address);
   response->set_node(node_);
+  response->set_state_dir(options_.state_dir);
   response->set_pid(::getpid());
   MemoryUsage usage;
   usage.limit_bytes = std::numeric_limits<int64_t>::max();

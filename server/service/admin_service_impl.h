@@ -21,6 +21,7 @@ struct AdminServiceOptions {
   ShardStore* store = nullptr;  // memory in GetStatus; null: reported as empty
   std::string peer_address;     // this daemon's PeerService ("" without one)
   std::string node;             // its node name in peer tables
+  std::string state_dir;        // where its records go; empty: ephemeral
   absl::Time start_time = absl::Now();
   // Called when a Drain starts (the daemon marks its health NOT_SERVING) and when an Undrain
   // ends a drain (SERVING again): the argument is whether it now drains.

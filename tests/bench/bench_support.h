@@ -32,6 +32,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 #include <string>
@@ -328,6 +329,22 @@ class ExecVectors {
 // its segments and directory.
 class BenchDaemon {
  public:
+  // Whether `binary --helpfull` lists --ephemeral (asked once per binary).
+  static bool KnowsEphemeral(const std::string& binary) {
+    static absl::Mutex mu(absl::kConstInit);
+    static auto* known = new std::map<std::string, bool>();
+    absl::MutexLock lock(&mu);
+    if (auto it = known->find(binary); it != known->end()) return it->second;
+    std::string out;
+    if (FILE* p = ::popen(absl::StrCat("'", binary, "' --helpfull 2>&1").c_str(), "r")) {
+      char buf[4096];
+      size_t n;
+      while ((n = std::fread(buf, 1, sizeof(buf), p)) > 0) out.append(buf, n);
+      ::pclose(p);
+    }
+    return (*known)[binary] = out.find("--ephemeral") != std::string::npos;
+  }
+
   BenchDaemon() = default;
   BenchDaemon(const BenchDaemon&) = delete;
   BenchDaemon& operator=(const BenchDaemon&) = delete;
@@ -360,6 +377,15 @@ class BenchDaemon {
     // lease bound (--lease_timeout, 10 s by default) must not end their sessions mid-run.
     std::vector<std::string> args = {binary, "--socket=" + socket_, "--segment_prefix=" + tag,
                                      "--default_wait=120s", "--lease_timeout=3600s"};
+    // Persistence is flatshardd's default and two daemons may not share a state directory:
+    // without a --state_dir of its own a benchmark daemon keeps nothing (--ephemeral), when
+    // the binary knows the flag (scripts/bench_ab.sh also runs builds from before it, which
+    // keep nothing without --state_dir).
+    bool state_flag = false;
+    for (const std::string& f : extra_flags) {
+      state_flag = state_flag || f.rfind("--state_dir", 0) == 0 || f.rfind("--ephemeral", 0) == 0;
+    }
+    if (!state_flag && KnowsEphemeral(binary)) args.push_back("--ephemeral");
     args.insert(args.end(), extra_flags.begin(), extra_flags.end());
     const ExecVectors exec(std::move(args), extra_env);
     const std::string log_path = log_.string();

@@ -47,9 +47,10 @@ DaemonRun RunDaemon(const std::string& flags) {
   const std::string out = (dir / "flatshardd_help_out").string();
   const std::string err = (dir / "flatshardd_help_err").string();
   // A socket that no test uses, in case a flag is not taken as a help request and it starts.
-  const std::string cmd = absl::StrCat("timeout 20 ", FS_BINARY_DIR,
-                                       "/server/flatshardd --socket=", (dir / "help.sock").string(),
-                                       " ", flags, " >", out, " 2>", err, " </dev/null");
+  const std::string cmd =
+      absl::StrCat("timeout 20 ", FS_BINARY_DIR,
+                   "/server/flatshardd --ephemeral --socket=", (dir / "help.sock").string(), " ",
+                   flags, " >", out, " 2>", err, " </dev/null");
   const int status = std::system(cmd.c_str());
   return {WIFEXITED(status) ? WEXITSTATUS(status) : 128, testing::ReadFile(out),
           testing::ReadFile(err)};

@@ -518,7 +518,7 @@ std::pair<int, std::string> RunDaemonExpectingExit(const std::vector<std::string
       (std::filesystem::temp_directory_path() / absl::StrCat("fsacx", getpid())).string();
   std::filesystem::create_directories(dir);
   std::string cmd = absl::StrCat("timeout 10 ", FS_BINARY_DIR, "/server/flatshardd --socket=", dir,
-                                 "/s.sock --segment_prefix=fsacx", getpid());
+                                 "/s.sock --ephemeral --segment_prefix=fsacx", getpid());
   for (const std::string& f : flags) absl::StrAppend(&cmd, " '", f, "'");
   absl::StrAppend(&cmd, " 2>", dir, "/err.log");
   const int status = std::system(cmd.c_str());

@@ -31,7 +31,7 @@ Outcome RunDaemon(const std::string& flags) {
   const std::string err = (dir / "stderr").string();
   const std::string cmd = absl::StrCat(
       "timeout 20 ", FS_BINARY_DIR, "/server/flatshardd --socket=", (dir / "d.sock").string(),
-      " --segment_prefix=fsgpustart", ::getpid(), " ", flags, " 2>", err);
+      " --ephemeral --segment_prefix=fsgpustart", ::getpid(), " ", flags, " 2>", err);
   const int status = std::system(cmd.c_str());
   Outcome out{WIFEXITED(status) ? WEXITSTATUS(status) : 128, testing::ReadFile(err)};
   std::filesystem::remove_all(dir);

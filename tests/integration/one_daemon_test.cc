@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "flatshard/client.h"
@@ -50,9 +51,9 @@ class OneDaemonTest : public ::testing::Test {
   // A second flatshardd with `flags`; it must exit by itself (a refusal).
   Outcome RunSecond(const std::string& flags) {
     const std::string err = (dir_ / "second.stderr").string();
-    const std::string cmd =
-        absl::StrCat("timeout 20 ", FS_BINARY_DIR, "/server/flatshardd --segment_prefix=fsone2",
-                     ::getpid(), " ", flags, " 2>", err);
+    const std::string cmd = absl::StrCat(
+        "timeout 20 ", FS_BINARY_DIR, "/server/flatshardd --segment_prefix=fsone2", ::getpid(), " ",
+        flags, absl::StrContains(flags, "--state_dir") ? "" : " --ephemeral", " 2>", err);
     const int status = std::system(cmd.c_str());
     return Outcome{WIFEXITED(status) ? WEXITSTATUS(status) : 128, testing::ReadFile(err)};
   }

@@ -32,6 +32,7 @@
 #include "flatshard/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/durable/journal.h"
 #include "server/durable/state_dir.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/daemon_process.h"
@@ -398,9 +399,10 @@ TEST_F(RestartTest, SigtermWithoutKeepShardsFreesEverythingAndRemovesTheRecords)
   JoinAll(*d, ranks, 0);
   RegisterAll(ranks, 0);
   Train(ranks, 1, 1);
+  // The group's record: its base file and its journal.
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(state_dir_),
                           std::filesystem::directory_iterator()),
-            1);
+            2);
   RunRanks(kWorld, [&](int r) { ASSERT_TRUE(ranks[r].client->Leave().ok()); });
   ranks.clear();
   EXPECT_EQ(d->Terminate(), 0);
@@ -473,9 +475,11 @@ class RefusedTest : public RestartTest {
     ranks.clear();
     d->Kill();
     // The record's segments (staging buffers are not recorded: removed at start).
+    // (The record is its base file and its journal.)
     std::vector<std::string> recorded;
-    {
-      std::ifstream in(state_dir_ / server::state::RecordFileName("g"), std::ios::binary);
+    for (const std::string& file :
+         {server::state::RecordFileName("g"), server::state::JournalFileName("g")}) {
+      std::ifstream in(state_dir_ / file, std::ios::binary);
       std::stringstream ss;
       ss << in.rdbuf();
       for (const std::string& name : server::state::SegmentNamesIn(ss.str(), d->tag())) {
@@ -488,6 +492,7 @@ class RefusedTest : public RestartTest {
       if (std::filesystem::exists(s)) before.push_back(s);
     }
     std::sort(before.begin(), before.end());
+    before.erase(std::unique(before.begin(), before.end()), before.end());
     ASSERT_TRUE(Restart(*d));
     const std::string log = d->Log();
     EXPECT_THAT(log, HasSubstr(log_text));

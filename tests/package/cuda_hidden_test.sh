@@ -55,7 +55,7 @@ D="$BUILD/server/flatshardd"
 CTL="$BUILD/client/flatshardctl"
 start_daemon() {  # start_daemon NAME ARGS...: the daemon's socket is $TMP/NAME.sock
   local name=$1; shift
-  "$D" --socket "$TMP/$name.sock" --segment_prefix "$SEG_PREFIX$name" "$@" > "$TMP/$name.log" 2>&1 &
+  "$D" --ephemeral --socket "$TMP/$name.sock" --segment_prefix "$SEG_PREFIX$name" "$@" > "$TMP/$name.log" 2>&1 &
   PIDS+=($!)
   for _ in $(seq 1 200); do
     [ -S "$TMP/$name.sock" ] && return 0

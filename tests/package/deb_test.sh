@@ -196,7 +196,7 @@ echo "ok (b): $(grep -vc '/$' "$TMP/contents") files, each in its place and pack
 # libraries from the system, as an installed package would.)
 [ "$("$ROOTFS/usr/bin/flatshardctl" --version)" = "flatshardctl $VERSION" ] || fail "unpacked flatshardctl --version"
 SOCK="$TMP/d.sock"
-"$ROOTFS/usr/bin/flatshardd" --socket "$SOCK" --segment_prefix "$SEG_PREFIX" > "$TMP/d.log" 2>&1 &
+"$ROOTFS/usr/bin/flatshardd" --ephemeral --socket "$SOCK" --segment_prefix "$SEG_PREFIX" > "$TMP/d.log" 2>&1 &
 DAEMON_PID=$!
 for _ in $(seq 1 100); do
   [ -S "$SOCK" ] && break

@@ -89,7 +89,7 @@ echo "ok (b): --help from the bundle"
 
 # (c) Daemon from the bundle on a temp socket; status from the bundle's CLI.
 SOCK="$TMP/d.sock"
-env LD_LIBRARY_PATH= "$PKG/bin/flatshardd" --socket "$SOCK" --segment_prefix "fspkgtest$$" \
+env LD_LIBRARY_PATH= "$PKG/bin/flatshardd" --ephemeral --socket "$SOCK" --segment_prefix "fspkgtest$$" \
   > "$TMP/d.log" 2>&1 &
 DAEMON_PID=$!
 for _ in $(seq 1 100); do

@@ -74,7 +74,7 @@ mkdir "$TMP/run" && chown flatshard:flatshard "$TMP/run"
 SOCK="$TMP/run/flatshardd.sock"
 setpriv --reuid=flatshard --regid=flatshard --init-groups --inh-caps=-all,+chown,+fowner \
   --ambient-caps=-all,+chown,+fowner --bounding-set=-all,+chown,+fowner \
-  /usr/bin/flatshardd --socket="$SOCK" --segment_prefix="$SEG_PREFIX" > "$TMP/d.log" 2>&1 &
+  /usr/bin/flatshardd --ephemeral --socket="$SOCK" --segment_prefix="$SEG_PREFIX" > "$TMP/d.log" 2>&1 &
 DAEMON_PID=$!
 for _ in $(seq 1 100); do
   [ -S "$SOCK" ] && break

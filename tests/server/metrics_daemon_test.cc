@@ -251,8 +251,8 @@ TEST(MetricsDaemonTest, BadFlagsAreRefusedAtStartup) {
       (std::filesystem::temp_directory_path() / absl::StrCat("fsmbad", ::getpid(), ".sock"))
           .string();
   for (const char* flag : {"--metrics_address=nonsense", "--log_level=loud", "--log_format=xml"}) {
-    const std::string cmd =
-        absl::StrCat(bin, " --socket=", sock, " ", flag, " --segment_prefix=fsmbad 2>/dev/null");
+    const std::string cmd = absl::StrCat(bin, " --socket=", sock, " --ephemeral ", flag,
+                                         " --segment_prefix=fsmbad 2>/dev/null");
     EXPECT_NE(std::system(cmd.c_str()), 0) << flag;
   }
 }

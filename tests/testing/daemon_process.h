@@ -48,8 +48,12 @@ struct DaemonOptions {
   std::string node_name;
   // --default_wait.
   std::string default_wait = "10s";
-  // Appended to the command line, e.g. "--peer_timeout=2s".
+  // Appended to the command line, e.g. "--peer_timeout=2s". Without a --state_dir there,
+  // --ephemeral is passed (persistence is on by default and two daemons may not share a
+  // state directory), unless `default_state_dir`.
   std::vector<std::string> extra_flags;
+  // Neither --state_dir nor --ephemeral: the daemon picks its default state directory.
+  bool default_state_dir = false;
 };
 
 class DaemonProcess {
@@ -163,6 +167,11 @@ class DaemonProcess {
       args.push_back("--peer_address_file=" + peer_file_);
     }
     if (!options_.node_name.empty()) args.push_back("--node_name=" + options_.node_name);
+    bool state_flag = options_.default_state_dir;
+    for (const std::string& f : options_.extra_flags) {
+      state_flag = state_flag || f.rfind("--state_dir", 0) == 0 || f.rfind("--ephemeral", 0) == 0;
+    }
+    if (!state_flag) args.push_back("--ephemeral");
     for (const std::string& f : options_.extra_flags) args.push_back(f);
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());

@@ -71,7 +71,11 @@ class LocalDaemon:
     ``address`` is "unix:<socket>"; ``log`` the path of its stderr. ``extra_args`` are
     appended to the command line (e.g. ``("--simulate_gpus=2",)``). ``peer=True`` gives it a
     peer port on loopback (``peer_address``, what ranks name as ``coordinator``) so that
-    several LocalDaemons host one group; ``node_name`` names it in the peer table."""
+    several LocalDaemons host one group; ``node_name`` names it in the peer table.
+
+    flatshardd keeps its groups' records in a state directory by default; a LocalDaemon is a
+    throwaway one and passes ``--ephemeral`` unless ``extra_args`` name a ``--state_dir``
+    (restart tests) or ``--ephemeral`` themselves."""
 
     def __init__(self, binary=None, extra_args=(), start_timeout=30.0, stop_timeout=30.0, *,
                  peer=False, node_name=None):
@@ -111,6 +115,8 @@ class LocalDaemon:
             args += ["--peer_address=127.0.0.1:0", f"--peer_address_file={ready}"]
         if self.node_name:
             args.append(f"--node_name={self.node_name}")
+        if not any(a.startswith(("--state_dir", "--ephemeral")) for a in self.extra_args):
+            args.append("--ephemeral")
         args += self.extra_args
         # If this process dies without stopping it (a crash), the daemon gets SIGKILL. The
         # death signal follows the thread that started it, so only from the main thread.

@@ -13,6 +13,7 @@
 #include "common/in_memory_file_system.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/durable/journal.h"
 #include "server/durable/state_dir.h"
 
 namespace flatshard::server::state {
@@ -51,6 +52,10 @@ GroupRecord Record(const std::string& id, uint64_t sequence) {
 
 std::string FileOf(const std::string& group) {
   return absl::StrCat(kDir, "/", RecordFileName(group));
+}
+
+std::string JournalOf(const std::string& group) {
+  return absl::StrCat(kDir, "/", JournalFileName(group));
 }
 
 class StateDirFaultsTest : public ::testing::Test {
@@ -165,7 +170,8 @@ TEST_F(StateDirFaultsTest, AFailedWriteLeavesTheOldRecordIntactAndCanBeRetried) 
     EXPECT_THAT(std::string(s.message()), StartsWith("state record " + FileOf("g") + ": "));
     EXPECT_THAT(std::string(s.message()), HasSubstr("injected"));
     EXPECT_THAT(LoadedSequences(), ElementsAre(1u));
-    EXPECT_THAT(fs_.Files(), ElementsAre(FileOf("g")));  // no temp file left
+    // No temp file left: the record and the journal its first write began.
+    EXPECT_THAT(fs_.Files(), UnorderedElementsAre(FileOf("g"), JournalOf("g")));
   }
   ASSERT_TRUE(d->Write(Record("g", 2)).ok());  // the failed sequence was not taken
   EXPECT_THAT(LoadedSequences(), ElementsAre(2u));
@@ -176,9 +182,10 @@ TEST_F(StateDirFaultsTest, AKillBetweenWriteAndRenameKeepsTheOldRecordAndOpenCle
   fs_.KillAt(Op::kRename);
   EXPECT_FALSE(Open()->Write(Record("g", 2)).ok());
   fs_.Restart();
-  ASSERT_EQ(fs_.Files().size(), 2u);  // the record and the finished-but-unpublished temp
+  // The record, its journal and the finished-but-unpublished temp.
+  ASSERT_EQ(fs_.Files().size(), 3u);
   std::unique_ptr<StateDir> d = Open();
-  EXPECT_THAT(fs_.Files(), ElementsAre(FileOf("g")));
+  EXPECT_THAT(fs_.Files(), UnorderedElementsAre(FileOf("g"), JournalOf("g")));
   EXPECT_THAT(LoadedSequences(), ElementsAre(1u));
 }
 
@@ -241,7 +248,8 @@ TEST_F(StateDirFaultsTest, SegmentsNamedByKeepLoadedAndRefusedRecordsSegments) {
 }
 
 // Written by the StateDir before the FileSystem seam (commit c955e95): a daemon restarted on it
-// adopts it, and today's writer writes the same bytes.
+// adopts it, and today's writer writes the same bytes but the format (/2: a journal goes with
+// it, so a daemon from before the journal refuses it rather than adopt an older state).
 constexpr char kOldRecord[] =
     R"rec({"format":"flatshard.state/1","body_bytes":870,"body_sha256":"be6f42752c913bbe70)rec"
     R"rec(052ef14dafd14182db9cb564ac505c8a86ef16c9c99ba9"})rec"
@@ -302,7 +310,9 @@ TEST_F(StateDirFaultsTest, ARecordOfTheOldWriterIsAdoptedAndWrittenByteForByte) 
   absl::StatusOr<std::unique_ptr<StateDir>> again = StateDir::Open(kDir, true, &fresh);
   ASSERT_TRUE(again.ok());
   ASSERT_TRUE((*again)->Write(OldRecordsGroup()).ok());
-  EXPECT_EQ(*fresh.ReadFile(FileOf("job-1")), kOldRecord);
+  std::string now = kOldRecord;
+  now.replace(now.find("flatshard.state/1"), 17, "flatshard.state/2");
+  EXPECT_EQ(*fresh.ReadFile(FileOf("job-1")), now);
 }
 
 TEST_F(StateDirFaultsTest, OpenRefusesAFileNamingThePath) {

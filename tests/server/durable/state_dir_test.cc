@@ -2,6 +2,7 @@
 // (server/durable/state_dir.h). Faults, kills and power loss: state_dir_faults_test.cc.
 
 #include "server/durable/state_dir.h"
+#include "server/durable/journal.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -22,6 +23,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using ::testing::Not;
+using ::testing::UnorderedElementsAre;
 
 GroupRecord Sample(const std::string& id = "job-17", uint64_t sequence = 7) {
   GroupRecord r;
@@ -80,7 +82,7 @@ class StateDirTest : public ::testing::Test {
 TEST(StateRecordTest, RoundTrips) {
   const GroupRecord r = Sample();
   const std::string bytes = EncodeGroupRecord(r);
-  EXPECT_TRUE(absl::StartsWith(bytes, R"({"format":"flatshard.state/1")")) << bytes;
+  EXPECT_TRUE(absl::StartsWith(bytes, R"({"format":"flatshard.state/2")")) << bytes;
   absl::StatusOr<GroupRecord> back = DecodeGroupRecord(bytes);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, r);
@@ -108,9 +110,15 @@ TEST(StateRecordTest, TruncatedAppendedWrongVersionAndGarbageAreRefusedNamingThe
   EXPECT_THAT(why(bytes + " "), HasSubstr("size:"));
   EXPECT_THAT(why(bytes.substr(0, bytes.find('\n') - 3)), HasSubstr("header"));
   EXPECT_THAT(why(""), HasSubstr("header"));
-  std::string v2 = bytes;
-  v2.replace(v2.find("flatshard.state/1"), 17, "flatshard.state/2");
-  EXPECT_THAT(why(v2), HasSubstr("version:"));
+  std::string v3 = bytes;
+  v3.replace(v3.find("flatshard.state/2"), 17, "flatshard.state/3");
+  EXPECT_THAT(why(v3), HasSubstr("version:"));
+  // A base from before the journal (/1) still loads, and says it has no journal.
+  std::string v1 = bytes;
+  v1.replace(v1.find("flatshard.state/2"), 17, "flatshard.state/1");
+  bool journaled = true;
+  EXPECT_TRUE(DecodeGroupRecord(v1, &journaled).ok());
+  EXPECT_FALSE(journaled);
 }
 
 TEST(StateRecordTest, BodyChecksRefuseBadValuesNamingThePath) {
@@ -214,12 +222,14 @@ TEST_F(StateDirTest, WriteLeavesOnlyTheRecord0600) {
   struct stat st;
   ASSERT_EQ(::stat(file.c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
-  int files = 0;
+  // The record and its (empty) journal, no temp file.
+  std::vector<std::string> files;
   for (const auto& e : std::filesystem::directory_iterator(dir_)) {
-    (void)e;
-    ++files;
+    files.push_back(e.path().filename().string());
   }
-  EXPECT_EQ(files, 1);
+  EXPECT_THAT(files, UnorderedElementsAre(RecordFileName("g"), JournalFileName("g")));
+  ASSERT_EQ(::stat((dir_ / JournalFileName("g")).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
   std::filesystem::remove_all(dir_);  // the directory vanished under the daemon
   absl::Status gone = d->Write(Sample("g", 3));
   ASSERT_FALSE(gone.ok());

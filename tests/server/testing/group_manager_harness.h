@@ -53,6 +53,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "common/file_system.h"
 #include "common/manifest.h"
 #include "common/plan.h"
 #include "common/policy.h"
@@ -60,6 +61,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/collective/staging/staging_communicator.h"
+#include "server/durable/journal.h"
 #include "server/durable/state_dir.h"
 #include "server/gpu/device_context.h"
 #include "server/group_manager.h"
@@ -368,14 +370,10 @@ class GroupManagerHarness : public ::testing::Test {
     }
     return names;
   }
-  // The record file of `group` in the state directory, as written now (NOT_FOUND: none).
+  // The record of `group` in the state directory (its base file and journal), as written now
+  // (NOT_FOUND: none).
   absl::StatusOr<state::GroupRecord> ReadRecord(const std::string& group) const {
-    const std::filesystem::path path =
-        std::filesystem::path(state_path_) / state::RecordFileName(group);
-    if (!std::filesystem::exists(path)) {
-      return absl::NotFoundError(absl::StrCat("no record ", path.string()));
-    }
-    return state::DecodeGroupRecord(::flatshard::testing::ReadFile(path));
+    return state::ReadGroupRecord(FileSystem::Posix(), state_path_, group);
   }
 
   // Now on the manager's clock (the FakeClock before Start()).
