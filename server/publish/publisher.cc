@@ -444,10 +444,11 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::FindLocked(
   const int64_t owner = selector.owner_uid == -2 ? uid : selector.owner_uid;
   auto it = table_.find(Key{owner, selector.name});
   if (it == table_.end() || it->second.empty()) {
-    return absl::NotFoundError(absl::StrCat(
-        "no published weights ", Quoted(selector.name), " of ", OwnerText(owner),
-        " on this daemon (published versions survive a daemon restart only with --state_dir, "
-        "and then only the newest of each name)"));
+    return absl::NotFoundError(absl::StrCat("no published weights ", Quoted(selector.name), " of ",
+                                            OwnerText(owner),
+                                            " on this daemon (published versions survive a daemon "
+                                            "restart unless it runs with --ephemeral, "
+                                            "and then only the newest of each name)"));
   }
   std::shared_ptr<Version> v;
   if (selector.version == 0) {

@@ -449,7 +449,8 @@ TEST(WeightsTest, VersionsDoNotSurviveARestartAndReadersAreToldSo) {
   std::unique_ptr<WeightsReader> r = Reader(d.AddressFor(0));
   absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r->Open("gpt");
   EXPECT_EQ(v.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(v.status().message(), HasSubstr("survive a daemon restart only with --state_dir"));
+  EXPECT_THAT(v.status().message(),
+              HasSubstr("survive a daemon restart unless it runs with --ephemeral"));
 }
 
 TEST(WeightsTest, WithAStateDirTheNewestVersionSurvivesAKill) {
