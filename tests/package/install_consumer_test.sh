@@ -142,7 +142,7 @@ echo "ok: consumer built with $MODE (shared and static)"
 
 # The installed daemon; each binary as a 2-rank job.
 SOCK="$TMP/d.sock"
-"$P/bin/flatshardd" --socket "$SOCK" --segment_prefix "$SEG_PREFIX" > "$TMP/d.log" 2>&1 &
+"$P/bin/flatshardd" --ephemeral --socket "$SOCK" --segment_prefix "$SEG_PREFIX" > "$TMP/d.log" 2>&1 &
 DAEMON_PID=$!
 for _ in $(seq 1 100); do
   [ -S "$SOCK" ] && break
