@@ -46,6 +46,7 @@
 #include "gtest/gtest.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/files.h"
+#include "tests/testing/run_as_user.h"
 #include "tests/testing/shm_testing.h"
 
 namespace flatshard::client {
@@ -314,20 +315,8 @@ TEST(AccessControlTest, OtherUidCannotJoinNorMapRootsGroup) {
       absl::StrCat("FS_AC_ADDRESS=", d.address()),
       absl::StrCat("FS_AC_SEGMENTS=", absl::StrJoin(root_segments, ",")),
       absl::StrCat("FS_AC_MODEL_DIR=", copy.dir().string()), "PATH=/usr/bin:/bin", "HOME=/"};
-  std::vector<char*> argv, envp;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  for (std::string& e : env) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  const pid_t pid = fork();
-  if (pid == 0) {
-    if (::setgroups(0, nullptr) != 0 || ::setgid(gid) != 0 || ::setuid(uid) != 0) _exit(125);
-    ::execve(argv[0], argv.data(), envp.data());
-    _exit(127);
-  }
-  ASSERT_GT(pid, 0);
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  const int status = ::flatshard::testing::RunAsUser(std::move(args), std::move(env), uid, gid);
+  ASSERT_NE(status, -1) << "fork or waitpid failed";
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
       << "the client running as uid " << uid << " failed (status " << status << "; its output "
       << "is above)";

@@ -45,6 +45,7 @@
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
+#include "tests/testing/run_as_user.h"
 #include "tests/testing/simulated_gpu.h"
 
 namespace flatshard::client {
@@ -631,20 +632,8 @@ TEST(WeightsTest, ReadersOfAnotherUidNeedAGrantAndMapReadOnly) {
                                    "--gtest_also_run_disabled_tests"};
   std::vector<std::string> env = {absl::StrCat("FS_W_ADDRESS=", d.AddressFor(0)),
                                   "PATH=/usr/bin:/bin", "HOME=/"};
-  std::vector<char*> argv, envp;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  for (std::string& e : env) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  const pid_t pid = fork();
-  if (pid == 0) {
-    if (::setgroups(0, nullptr) != 0 || ::setgid(gid) != 0 || ::setuid(uid) != 0) _exit(125);
-    ::execve(argv[0], argv.data(), envp.data());
-    _exit(127);
-  }
-  ASSERT_GT(pid, 0);
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  const int status = ::flatshard::testing::RunAsUser(std::move(args), std::move(env), uid, gid);
+  ASSERT_NE(status, -1) << "fork or waitpid failed";
   std::error_code ignored;
   std::filesystem::remove_all(dir, ignored);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
