@@ -7,6 +7,7 @@ the daemon (keep_optimizer_state). Ranks are threads on one flatshardd per test.
 By hand: PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \
     /usr/bin/python3 -m pytest -q tests/python/test_torch_optim_state_dict.py
 """
+import copy
 import threading
 
 import pytest
@@ -142,7 +143,7 @@ def test_a_plain_optimizers_state_dict_loads_into_the_wrapper(daemon):
     for step in range(STEPS):
         reference_step(plain, plain_opt, step)
     sd = {k: v.clone() for k, v in plain.state_dict().items()}
-    osd = plain_opt.state_dict()
+    osd = copy.deepcopy(plain_opt.state_dict())  # state_dict() holds the live tensors
     for step in range(STEPS, STEPS + MORE):
         reference_step(plain, plain_opt, step)
 
