@@ -1,122 +1,155 @@
-"""Issue 22's training matrix: every sharding strategy x precision {fp32; bf16 params; bf16
-params + fp32 reduce; fp16 params} x recipe {clip; no_sync with 4 micro-batches; activation
-checkpointing} x topology {2 ranks, 4 ranks on one daemon; 2 daemons x 2 ranks} trains against
-a single-process reference with the same casts (strategy_matrix.py says what each axis means and
-which bounds hold), and flatshard equals torch.distributed.fsdp on gloo bit for bit with the same
-MixedPrecision and strategy where torch 1.13 runs it on CPU (FULL_SHARD, SHARD_GRAD_OP,
-NO_SHARD; torch 1.13 has no HYBRID_SHARD).
+"""FlatShardModule(sharding_strategy=...): FSDP's strategies through flatshard.torch. Ranks are
+threads, each with its own Client, on one flatshardd per test.
 
-The default run trains a pairwise-covering subset (every pair of values of any two axes in at
-least one cell: DEFAULT_CELLS); FS_STRATEGY_MATRIX=full trains the whole cross product (CTest
-python_torch_strategies_full, label soak). A strategy this build has no runtime for is
-skipped, naming what is missing.
-
-By hand: PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \\
-    /usr/bin/python3 -m pytest -q -rs tests/python/test_torch_strategies.py
+By hand: PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \
+    /usr/bin/python3 -m pytest -q tests/python/test_torch_strategies.py
 """
-import argparse
-import itertools
-import os
-import sys
+import enum
+import json
+import threading
 
 import pytest
 import torch
+import torch.nn as nn
 
-import strategy_matrix as mx
+import flatshard
+import flatshard.testing
+from flatshard.torch import FlatShardModule, ModuleWrapPolicy, ShardingStrategy
+from torch.utils.checkpoint import checkpoint
+from conftest import run_group
 
-AXES = (mx.STRATEGIES, mx.PRECISIONS, mx.RECIPES, mx.TOPOLOGIES)
-
-
-def pairwise_cells():
-    """A greedy pairwise-covering subset of the four axes (deterministic): each new cell is
-    the one of the full product that covers the most pairs not covered yet."""
-    full = list(itertools.product(*AXES))
-
-    def pairs(cell):
-        return {(i, cell[i], j, cell[j]) for i, j in itertools.combinations(range(4), 2)}
-
-    todo = set().union(*(pairs(c) for c in full))
-    chosen = []
-    while todo:
-        best = max(full, key=lambda c: len(pairs(c) & todo))
-        chosen.append(best)
-        todo -= pairs(best)
-    return chosen
+WORLD = 2
+STEPS = 3
+_RNG = threading.Lock()
 
 
-FULL = os.environ.get("FS_STRATEGY_MATRIX", "") == "full"
-CELLS = list(itertools.product(*AXES)) if FULL else pairwise_cells()
+class Block(nn.Module):
+    def __init__(self, ckpt=False):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        h = checkpoint(self.fc, x, use_reentrant=False) if self.ckpt else self.fc(x)
+        return x + torch.tanh(h)
 
 
-def _id(cell):
-    s, p, r, (ranks, daemons) = cell
-    return f"{s}-{p}-{r}-{ranks}r{daemons}d"
+class Tower(nn.Module):
+    """Three wrapped blocks and a head in the root unit; `twice` runs block 0 twice per
+    forward (a unit used again inside one step)."""
+
+    def __init__(self, ckpt=False, twice=False):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(ckpt) for _ in range(3)])
+        self.head = nn.Linear(8, 1)
+        self.twice = twice
+
+    def forward(self, x):
+        if self.twice:
+            x = self.blocks[0](x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
 
 
-@pytest.mark.parametrize("cell", CELLS, ids=[_id(c) for c in CELLS])
-def test_strategy_precision_recipe_trains_like_the_reference(cell):
-    strategy, precision, recipe, (ranks, daemons) = cell
-    try:
-        got = mx.run_cell((strategy, precision, recipe), ranks, daemons)
-    except mx.Missing as e:
-        pytest.skip(str(e))
-    problems, line = mx.check((strategy, precision, recipe), got)
-    print(f"{_id(cell)}: {line}")
-    assert not problems, "\n".join(problems)
+def tower(**kw):
+    with _RNG:  # ranks are threads: take turns with torch's global generator
+        torch.manual_seed(0)
+        return Tower(**kw)
 
 
-def test_the_default_subset_covers_every_pair():
-    cells = pairwise_cells()
-    for i, j in itertools.combinations(range(4), 2):
-        want = set(itertools.product(AXES[i], AXES[j]))
-        assert {(c[i], c[j]) for c in cells} == want, (i, j)
-    assert len(cells) < 30, len(cells)  # the default run stays small
+def batch(rank, step):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(4, 8, generator=g)
 
 
-# ------------------------------------------------------------------ against FSDP on gloo
-FSDP_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")  # torch 1.13's ShardingStrategy
-FSDP_PRECISIONS = ("fp32", "bf16-reduce", "bf16")  # fp16: no GPT kernels on torch 1.13's CPU
+@pytest.fixture
+def daemon():
+    with flatshard.testing.LocalDaemon() as d:
+        yield d
 
 
-def _fsdp_cases():
-    if FULL:
-        return list(itertools.product(FSDP_STRATEGIES, FSDP_PRECISIONS))
-    # Default: NO_SHARD with bf16 reductions (its all-reduce, which FSDP runs differently from
-    # a reduce-scatter); FULL_SHARD's bf16 runs are test_torch_mixed_precision.py's. Each case
-    # starts 4 torch processes (~45 s on the shared 2 cores): the rest is in the soak run.
-    return [("NO_SHARD", "bf16-reduce")]
+def train(daemon, strategy, **kw):
+    """Every rank's sharded parameters and gradients after STEPS committed SGD steps, the
+    summons each step made and the policy sent."""
+
+    def fn(rank, c):
+        model = FlatShardModule(tower(**kw), c, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                sharding_strategy=strategy, backward_prefetch=None)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        summons = []
+        for step in range(STEPS):
+            before = model.prefetch_stats["summons"]
+            opt.zero_grad()
+            model(batch(rank, step)).square().sum().backward()
+            summons.append(model.prefetch_stats["summons"] - before)
+            model.step(opt)
+        return ([p.detach().clone() for p in model.sharded_parameters()],
+                [p.grad.clone() for p in model.sharded_parameters()], summons,
+                json.loads(model.policy_json)["sharding_strategy"], len(model._units))
+
+    return run_group(daemon.address, WORLD, fn)
 
 
-@pytest.mark.parametrize("strategy,precision", _fsdp_cases(),
-                         ids=[f"{s}-{p}" for s, p in _fsdp_cases()])
-def test_equals_torch_fsdp_on_gloo_bit_for_bit(strategy, precision, tmp_path):
-    """torch 1.13's FSDP (gloo, CPU, torch_benchmark.py's shims) and flatshard, 2 ranks, the
-    same strategy, MixedPrecision, Block units and AdamW: the same losses and final parameters
-    bit for bit. For 2 ranks FSDP's pre-divide by 2 is exact; gloo has no bfloat16, so the
-    shims move bfloat16 bits as float16 and sum 16-bit reductions in float32, rounding once,
-    as flatshard's host kernels do."""
-    try:
-        mx.strategy_kwargs(strategy)
-    except mx.Missing as e:
-        pytest.skip(str(e))
-    sys.path.insert(0, str(mx.SOURCE_DIR / "tests" / "bench" / "python"))
-    import torch_benchmark
-    args = argparse.Namespace(ranks=2, steps=3, warmup=1, batch=12, n_layer=2, n_embd=32,
-                              block_size=16, profile="", timeout=300)
-    got = {m: torch_benchmark.run_mode(m, args, precision, out=str(tmp_path / f"{m}.pt"),
-                                       strategy=strategy)
-           for m in ("fsdp", "flatshard")}
-    assert "error" not in got["fsdp"], f"fsdp: {got['fsdp']['error']}"
-    if "error" in got["flatshard"]:
-        missing = mx._missing_runtime(strategy, got["flatshard"]["error"])
-        if missing:
-            pytest.skip(str(missing))
-        pytest.fail(f"flatshard: {got['flatshard']['error']}")
-    assert got["flatshard"]["losses"] == got["fsdp"]["losses"], got
-    fs, ref = torch.load(tmp_path / "flatshard.pt"), torch.load(tmp_path / "fsdp.pt")
-    assert sorted(fs) == sorted(ref)
-    worst = max((float((fs[k].double() - ref[k].double()).abs().max()), k) for k in ref
-                if torch.is_floating_point(ref[k]))
-    print(f"{strategy} {precision}: flatshard vs FSDP (gloo), 3 steps: losses equal, max "
-          f"|param diff| {worst[0]:.3g} ({worst[1]})")
-    assert worst[0] == 0.0, worst
+@pytest.mark.parametrize("kw", [{}, {"ckpt": True}, {"twice": True}],
+                         ids=["plain", "checkpointed", "unit_twice"])
+def test_shard_grad_op_equals_full_shard_with_one_all_gather_per_unit(daemon, kw):
+    full = train(daemon, "FULL_SHARD", **kw)
+    zero2 = train(daemon, ShardingStrategy.SHARD_GRAD_OP, **kw)
+    for rank in range(WORLD):
+        f_params, f_grads, f_summons, f_policy, units = full[rank]
+        z_params, z_grads, z_summons, z_policy, _ = zero2[rank]
+        assert (f_policy, z_policy) == ("FULL_SHARD", "SHARD_GRAD_OP")
+        for a, b in zip(f_params + f_grads, z_params + z_grads):
+            assert torch.equal(a, b)  # the same values computed in the same order
+        if kw.get("ckpt"):
+            # The recomputation in backward finds the kept forward summon: no summon more.
+            assert z_summons == [units] * STEPS
+        elif kw.get("twice"):
+            # Block 0 runs twice: FULL_SHARD summons it again, SHARD_GRAD_OP keeps it.
+            assert f_summons == [2 * units + 1] * STEPS
+            assert z_summons == [units] * STEPS
+        else:
+            # FULL_SHARD: every unit once for its forward and once for its backward but
+            # block 0, whose backward needs none of its parameters (its input needs no
+            # gradient, so autograd saved no view of its weight).
+            assert f_summons == [2 * units - 1] * STEPS
+            assert z_summons == [units] * STEPS
+
+
+def test_shard_grad_op_forward_without_backward_releases_the_units(daemon):
+    def fn(rank, c):
+        model = FlatShardModule(tower(), c, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                sharding_strategy="shard_grad_op")
+        with torch.no_grad():
+            want = model(batch(rank, 0))
+        assert not model._kept  # no_grad: nothing is kept for a backward
+        out = model(batch(rank, 0))
+        assert len(model._kept) == len(model._units)  # every unit, the root's too
+        out.sum().backward()
+        assert not model._kept and not model._bwd and not model._fwd
+        # A forward whose backward never runs: the next forward drops what it kept.
+        model(batch(rank, 1))
+        got = model(batch(rank, 0))
+        got.sum().backward()
+        return torch.equal(want, got.detach())
+
+    assert all(run_group(daemon.address, WORLD, fn).values())
+
+
+class TorchLike(enum.Enum):
+    """Stands in for torch.distributed.fsdp.ShardingStrategy (torch 1.13's FSDP does not
+    import on Python 3.11): accepted by name."""
+    FULL_SHARD = 1
+    SHARD_GRAD_OP = 2
+
+
+def test_strategy_arguments_are_resolved_by_name_and_bad_ones_named(daemon):
+    def fn(rank, c):
+        with pytest.raises(ValueError, match="sharding_strategy: 'ZERO3' is not one of"):
+            FlatShardModule(tower(), c, sharding_strategy="ZERO3")
+        model = FlatShardModule(tower(), c, sharding_strategy=TorchLike.SHARD_GRAD_OP)
+        return model.sharding_strategy, json.loads(model.policy_json)["sharding_strategy"]
+
+    for got in run_group(daemon.address, WORLD, fn).values():
+        assert got == (ShardingStrategy.SHARD_GRAD_OP, "SHARD_GRAD_OP")

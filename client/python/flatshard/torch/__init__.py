@@ -6,8 +6,8 @@
   resolved to explicit paths); ``policy_json(...)`` builds the whole policy document;
 - ``FlatShardModule(module, client, auto_wrap_policy=..., ignored_modules=...,
   sync_module_states=..., use_orig_params=..., backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
-  forward_prefetch=False)``: trains with FULL_SHARD semantics, the next unit's all-gather
-  overlapping this unit's compute;
+  forward_prefetch=False, sharding_strategy=ShardingStrategy.FULL_SHARD)``: trains with
+  FSDP's semantics, the next unit's all-gather overlapping this unit's compute;
   ``model.step(opt)`` (``opt.step()`` + ``model.commit()``) commits each step, and
   ``model.generation`` is the committed step a re-attaching trainer resumes from;
 - ``keep_optimizer_state(optimizer, model)``: the optimizer's per-parameter state (Adam's
@@ -25,7 +25,7 @@ __all__ = [
     "lambda_auto_wrap_policy", "policy_json", "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy", "ERR_IN_FORWARD_BACKWARD", "ERR_NESTED_SUMMON",
     "FlatShardModule", "TrainingState", "summon_full_params", "keep_optimizer_state",
-    "DaemonOptimizerState", "BackwardPrefetch", "MixedPrecision",
+    "DaemonOptimizerState", "BackwardPrefetch", "MixedPrecision", "ShardingStrategy",
 ]
 
 from .manifest import manifest_json, manifest_of  # noqa: F401
@@ -47,3 +47,4 @@ from .fsdp import (  # noqa: F401
 from .optim import DaemonOptimizerState, keep_optimizer_state  # noqa: F401
 from .mixed_precision import MixedPrecision  # noqa: F401
 from .prefetch import BackwardPrefetch  # noqa: F401
+from .strategies import ShardingStrategy  # noqa: F401

@@ -37,6 +37,7 @@ from .mixed_precision import MixedPrecision, _cast_floating, _Precision, _set_gr
 from .prefetch import BackwardPrefetch, _Prefetcher
 from .recipe import _TrainingRecipe
 from .state_dicts import _StateDicts, _load_post_hook
+from .strategies import _Strategies, policy_strategy, resolve_strategy
 
 
 # Every live FlatShardModule, weakly (summon_full_params maps a submodule to its wrapper).
@@ -114,8 +115,8 @@ class _UnitParams(torch.autograd.Function):
         return None, None, None, None
 
 
-class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
-    """Wraps ``module`` and trains it with FULL_SHARD semantics on a flatshard daemon.
+class FlatShardModule(_Strategies, _TrainingRecipe, _StateDicts, _FullParams, nn.Module):
+    """Wraps ``module`` and trains it with FSDP's semantics on a flatshard daemon.
 
     ``client`` is a joined ``flatshard.Client``. Every rank constructs the wrapper with the same
     module structure and arguments (it registers collectively). Arguments as FSDP's where they
@@ -139,6 +140,9 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
     - ``mixed_precision``: a ``flatshard.torch.MixedPrecision`` (or torch's): compute in
       ``param_dtype`` on units the daemon casts and all-gathers so, gradients reduced in
       ``reduce_dtype``, float32 shards and gradients for the optimizer (mixed_precision.py).
+    - ``sharding_strategy``: FSDP's (``flatshard.torch.ShardingStrategy``, torch's enum or its
+      name; default FULL_SHARD). SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2 and NO_SHARD keep a unit
+      unsharded from its forward until its backward (strategies.py).
     - ``require_reattach``: True for a trainer that restarts and expects to find its module
       registered: if the group no longer has it (e.g. the daemon restarted without
       ``--state_dir``), ``flatshard.ShardsLostError`` instead of a fresh registration.
@@ -170,7 +174,8 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
                  name: str = "", reduce_op: str = "avg", require_reattach: bool = False,
                  backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
                  forward_prefetch: bool = False, limit_all_gathers: bool = False,
-                 mixed_precision: Optional[MixedPrecision] = None):
+                 mixed_precision: Optional[MixedPrecision] = None,
+                 sharding_strategy: Any = None):
         super().__init__()
         self.module = module
         self._client = client
@@ -184,6 +189,9 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
                                "(call client.join(group, world_size, rank) first)")
         manifest = _manifest.manifest_json(module)
         policy = _wrap.policy_json(module, auto_wrap_policy, self._ignored, use_orig_params)
+        self.sharding_strategy = resolve_strategy(sharding_strategy)
+        policy["sharding_strategy"] = policy_strategy(self.sharding_strategy)
+        self._kept: Dict[int, Any] = {}  # unit -> forward summon kept for its backward
         self._mp = _Precision(mixed_precision, module, self._ignored)
         if self._mp.enabled:
             policy["mixed_precision"] = self._mp.policy_json()
@@ -631,6 +639,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
         finally:
             self._in_forward -= 1
         if not self._in_forward:  # no backward follows: nothing prefetched will be used
+            self._release_kept()
             self._prefetch.cancel()
             self._prefetch.order.end_iteration()
         self._state = TrainingState.IDLE
@@ -673,9 +682,10 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
         if depth > 0:
             self._fwd_depth[unit] = depth + 1
             return  # a module called again inside its own forward: already summoned
-        s = self._prefetch.summon(unit)
+        kept = self._take_kept(unit)  # SHARD_GRAD_OP: run again in this step
+        s = kept[0] if kept is not None else self._prefetch.summon(unit)
         try:
-            flat = _plain(s.flat(unit))
+            flat = kept[1] if kept is not None else _plain(s.flat(unit))
             self._fwd[unit] = (s, flat, flat.data_ptr(),
                                flat.data_ptr() + flat.numel() * flat.element_size())
             self._install_views(u, flat)
@@ -701,7 +711,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
         return {"summons": p.summons, "prefetched": p.prefetched, "waited_s": p.waited_s}
 
     def _summoned(self, unit: int) -> bool:
-        return unit in self._fwd or unit in self._bwd
+        return unit in self._fwd or unit in self._bwd or unit in self._kept
 
     def _install_views(self, u: _Unit, flat: torch.Tensor) -> None:
         """Points the unit's parameters at their views in its full buffer `flat`: views out
@@ -731,7 +741,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
             self._prefetch.order.record_post(unit)
         self._restore_sites(self._units[unit])
         got = self._fwd.pop(unit, None)
-        if got is not None:
+        if got is not None and not self._keep_after_forward(unit, got):
             self._prefetch.release(got[0])  # ended by the next summon's RPC
 
     def _pack(self, t: torch.Tensor) -> Any:
@@ -757,8 +767,10 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
     def _backward_flat(self, unit: int) -> torch.Tensor:
         got = self._bwd.get(unit)
         if got is None:
-            s = self._prefetch.summon(unit)
-            got = (s, _plain(s.flat(unit)))
+            got = self._take_kept(unit)  # SHARD_GRAD_OP: the forward's, still open
+            if got is None:
+                s = self._prefetch.summon(unit)
+                got = (s, _plain(s.flat(unit)))
             self._bwd[unit] = got
             self._prefetch.order.record_backward(unit)
             if self._prefetch.backward == BackwardPrefetch.BACKWARD_PRE:
@@ -810,6 +822,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
             self._prefetch.order.end_iteration()
             for unit in list(self._bwd):
                 self._bwd.pop(unit)[0].end()
+            self._release_kept()  # units this backward did not reach
             if not self._no_sync:
                 # Units this backward did not reach still owe their no_sync() sums; the same
                 # units on every rank (same model, same order), so the collectives match.
@@ -843,6 +856,7 @@ class FlatShardModule(_TrainingRecipe, _StateDicts, _FullParams, nn.Module):
         them itself when the session goes)."""
         self._prefetch.cancel()
         self._prefetch.order.discard_iteration()
+        self._release_kept(end_now=True)
         self._wait_reduce_scatters(raise_errors=False)
         for table in (self._fwd, self._bwd):
             for unit in list(table):
