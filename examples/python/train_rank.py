@@ -149,7 +149,8 @@ def main():
     dump(args, fs, "attached")
     if args.rank == 0:
         emit(event="plan", units=[(u["index"], u["module"], u["numel"], u["shard_numel"])
-                                  for u in fs.plan["units"]])
+                                  for u in fs.plan["units"]],
+             shard_world_size=fs.plan.get("shard_world_size"))
     params = fs.sharded_parameters()
     if args.optimizer == "adamw":
         opt = gpt.make_optimizer(params, args.lr)

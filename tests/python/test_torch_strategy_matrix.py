@@ -6,13 +6,13 @@ which bounds hold), and flatshard equals torch.distributed.fsdp on gloo bit for 
 MixedPrecision and strategy where torch 1.13 runs it on CPU (FULL_SHARD, SHARD_GRAD_OP,
 NO_SHARD; torch 1.13 has no HYBRID_SHARD).
 
-The default run trains a pairwise-covering subset (every pair of values of any two axes in at
-least one cell: DEFAULT_CELLS); FS_STRATEGY_MATRIX=full trains the whole cross product (CTest
-python_torch_strategies_full, label soak). A strategy this build has no runtime for is
-skipped, naming what is missing.
+The default run (~40 s) trains a pairwise-covering subset (every pair of values of any two
+axes in at least one cell: pairwise_cells(), 21 cells); FS_STRATEGY_MATRIX=full trains the whole
+cross product (180 cells) and runs the FSDP comparisons (CTest python_torch_strategy_matrix_full,
+label soak). A strategy this build has no runtime for is skipped, naming what is missing.
 
 By hand: PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \\
-    /usr/bin/python3 -m pytest -q -rs tests/python/test_torch_strategies.py
+    /usr/bin/python3 -m pytest -q -rs tests/python/test_torch_strategy_matrix.py
 """
 import argparse
 import itertools
@@ -81,10 +81,9 @@ FSDP_PRECISIONS = ("fp32", "bf16-reduce", "bf16")  # fp16: no GPT kernels on tor
 def _fsdp_cases():
     if FULL:
         return list(itertools.product(FSDP_STRATEGIES, FSDP_PRECISIONS))
-    # Default: NO_SHARD with bf16 reductions (its all-reduce, which FSDP runs differently from
-    # a reduce-scatter); FULL_SHARD's bf16 runs are test_torch_mixed_precision.py's. Each case
-    # starts 4 torch processes (~45 s on the shared 2 cores): the rest is in the soak run.
-    return [("NO_SHARD", "bf16-reduce")]
+    # Each case starts 4 torch processes (~45 s on the shared 2 cores): only in the soak run.
+    # The default run has FULL_SHARD's bf16 cases (test_torch_mixed_precision.py).
+    return []
 
 
 @pytest.mark.parametrize("strategy,precision", _fsdp_cases(),
@@ -103,15 +102,15 @@ def test_equals_torch_fsdp_on_gloo_bit_for_bit(strategy, precision, tmp_path):
     import torch_benchmark
     args = argparse.Namespace(ranks=2, steps=3, warmup=1, batch=12, n_layer=2, n_embd=32,
                               block_size=16, profile="", timeout=300)
-    got = {m: torch_benchmark.run_mode(m, args, precision, out=str(tmp_path / f"{m}.pt"),
-                                       strategy=strategy)
-           for m in ("fsdp", "flatshard")}
-    assert "error" not in got["fsdp"], f"fsdp: {got['fsdp']['error']}"
-    if "error" in got["flatshard"]:
-        missing = mx._missing_runtime(strategy, got["flatshard"]["error"])
-        if missing:
-            pytest.skip(str(missing))
-        pytest.fail(f"flatshard: {got['flatshard']['error']}")
+    got = {}
+    for m in ("flatshard", "fsdp"):  # flatshard first: a missing runtime skips at once
+        got[m] = torch_benchmark.run_mode(m, args, precision, out=str(tmp_path / f"{m}.pt"),
+                                          strategy=strategy)
+        if "error" in got[m]:
+            missing = m == "flatshard" and mx._missing_runtime(strategy, got[m]["error"])
+            if missing:
+                pytest.skip(str(missing))
+            pytest.fail(f"{m}: {got[m]['error']}")
     assert got["flatshard"]["losses"] == got["fsdp"]["losses"], got
     fs, ref = torch.load(tmp_path / "flatshard.pt"), torch.load(tmp_path / "fsdp.pt")
     assert sorted(fs) == sorted(ref)
