@@ -43,16 +43,17 @@ import torch  # noqa: E402
 import gpt  # noqa: E402
 
 
-def start_daemons(n, tmp, daemon_args=()):
+def start_daemons(n, tmp, daemon_args=(), state=False):
     """n flatshardd processes (LocalDaemon); with n > 1 each gets a loopback peer port.
-    `daemon_args`: more flags for every daemon."""
+    `daemon_args`: more flags for every daemon. `state`: each keeps its records in
+    <tmp>/state<i> (a restart re-adopts its shards) instead of running --ephemeral."""
     from flatshard.testing import LocalDaemon
     daemons = []
     try:
         for i in range(n):
             # A demo keeps nothing across restarts: said explicitly (persistence is flatshardd's
             # default; LocalDaemon passes --ephemeral too).
-            extra = ["--ephemeral"]
+            extra = [f"--state_dir={os.path.join(tmp, f'state{i}')}" if state else "--ephemeral"]
             if n > 1:
                 peer_file = os.path.join(tmp, f"peer{i}")
                 extra += ["--peer_address=127.0.0.1:0", f"--peer_address_file={peer_file}",
@@ -62,14 +63,15 @@ def start_daemons(n, tmp, daemon_args=()):
             d.peer_file = peer_file if n > 1 else None
             daemons.append(d)
         for d in daemons:
-            d.peer = ""
+            # Not `d.peer`: LocalDaemon's own flag (a restart() would wait for its peer file).
+            d.peer_addr = ""
             if d.peer_file:
                 deadline = time.monotonic() + 30
                 while not (os.path.exists(d.peer_file) and open(d.peer_file).read().strip()):
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"flatshardd wrote no {d.peer_file}:\n{d.log_tail()}")
                     time.sleep(0.02)
-                d.peer = open(d.peer_file).read().strip()
+                d.peer_addr = open(d.peer_file).read().strip()
     except BaseException:
         for d in daemons:
             try:
@@ -151,9 +153,10 @@ class Job:
     """Daemons (started on entry, stopped with SIGTERM on exit) and a group name; launch()
     starts rank processes against them, collect() waits and reads what they printed."""
 
-    def __init__(self, daemons=1, daemon_args=()):
+    def __init__(self, daemons=1, daemon_args=(), state=False):
         self.n_daemons = daemons
         self.daemon_args = tuple(daemon_args)
+        self.state = state  # --state_dir per daemon (restart tests), else --ephemeral
         self.group = "gpt-" + uuid.uuid4().hex[:8]
         self.stop_problems = []
 
@@ -161,7 +164,8 @@ class Job:
         self._tmp = tempfile.TemporaryDirectory(prefix="flatshard-gpt-")
         self.dir = self._tmp.name
         try:
-            self.daemons = start_daemons(self.n_daemons, self.dir, self.daemon_args)
+            self.daemons = start_daemons(self.n_daemons, self.dir, self.daemon_args,
+                                         self.state)
         except BaseException:
             self._tmp.cleanup()
             raise
@@ -185,7 +189,7 @@ class Job:
         if ranks % self.n_daemons:
             raise ValueError(f"{ranks} ranks do not split evenly over {self.n_daemons} daemons")
         per = ranks // self.n_daemons
-        coordinator = self.daemons[0].peer if self.n_daemons > 1 else ""
+        coordinator = self.daemons[0].peer_addr if self.n_daemons > 1 else ""
         procs = {}
         for r in range(ranks):
             if only is not None and r not in only:

@@ -91,6 +91,11 @@ def main():
                     help="FSDP MixedPrecision (param_dtype, reduce_dtype): bf16 = (bfloat16, "
                          "float32), bf16-reduce = (bfloat16, bfloat16), fp16 = (float16, "
                          "float16); fp32: none")
+    ap.add_argument("--strategy", default="FULL_SHARD",
+                    choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
+                             "_HYBRID_SHARD_ZERO2"],
+                    help="FSDP's sharding strategy (HYBRID_*: shard within a daemon's ranks, "
+                         "replicate across daemons)")
     ap.add_argument("--out", default="")
     ap.add_argument("--demo", action="store_true", help="read and edit weights with "
                     "summon_full_params after training (rank 0 prints)")
@@ -99,6 +104,10 @@ def main():
     ap.add_argument("--die-in", choices=["backward", "commit"], default="backward",
                     help="testing: where --die-at-step kills: inside the backward, or after "
                          "the optimizer updated this rank's shards and before the commit")
+    ap.add_argument("--stall-at-step", type=int, default=-1,
+                    help="testing: in that step's backward, print a stalled event and sleep "
+                         "--stall-s (a window in which a test kills a daemon mid-step)")
+    ap.add_argument("--stall-s", type=float, default=5.0)
     ap.add_argument("--survive", action="store_true",
                     help="when a step fails (another rank died), join again, re-attach and "
                          "redo the step instead of exiting")
@@ -129,7 +138,9 @@ def main():
     client.join(args.group, args.world_size, args.rank, args.token, args.coordinator)
     model, policy = build(args)
     mp = gpt.PRECISIONS[args.precision]
-    fs = FlatShardModule(model, client, auto_wrap_policy=policy,
+    # FULL_SHARD is the default (and the only strategy of builds without the argument).
+    strategy = {} if args.strategy == "FULL_SHARD" else {"sharding_strategy": args.strategy}
+    fs = FlatShardModule(model, client, auto_wrap_policy=policy, **strategy,
                          sync_module_states=args.sync_module_states,
                          use_orig_params=args.use_orig_params,
                          mixed_precision=None if mp is None else MixedPrecision(
@@ -138,7 +149,8 @@ def main():
     dump(args, fs, "attached")
     if args.rank == 0:
         emit(event="plan", units=[(u["index"], u["module"], u["numel"], u["shard_numel"])
-                                  for u in fs.plan["units"]])
+                                  for u in fs.plan["units"]],
+             shard_world_size=fs.plan.get("shard_world_size"))
     params = fs.sharded_parameters()
     if args.optimizer == "adamw":
         opt = gpt.make_optimizer(params, args.lr)
@@ -226,6 +238,11 @@ def train_step(args, fs, model, opt, step):
     die = step == args.die_at_step
     if die and args.die_in == "backward":
         loss.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+    if step == args.stall_at_step:
+        def stall(g):
+            emit(event="stalled", step=step, rank=args.rank)
+            time.sleep(args.stall_s)
+        loss.register_hook(stall)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     if die and args.die_in == "commit":

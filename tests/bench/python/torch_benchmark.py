@@ -98,7 +98,7 @@ def worker(args):
                 model, [n for n, b in model.named_buffers() if b.dtype == torch.bool])
             fwd = DDP(model, broadcast_buffers=False)
         else:
-            fwd = make_fsdp(model, args.precision)
+            fwd = make_fsdp(model, args.precision, args.strategy)
         params = fwd.parameters()
     else:
         import flatshard
@@ -108,6 +108,8 @@ def worker(args):
         from flatshard.torch import BackwardPrefetch
         prefetch = dict(backward_prefetch=None) if args.mode == "flatshard-noprefetch" else dict(
             backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True)
+        if args.strategy != "FULL_SHARD":  # FULL_SHARD: the default, in every build
+            prefetch["sharding_strategy"] = args.strategy
         fwd = FlatShardModule(model, client, auto_wrap_policy=ModuleWrapPolicy({gpt.Block}),
                               mixed_precision=mixed_precision(args.precision), **prefetch)
         params = fwd.sharded_parameters()
@@ -260,17 +262,29 @@ def _cpu_cuda_shims():
             output, input = output.view(torch.float16), input.view(torch.float16)
         return dist.all_gather(list(output.chunk(n)), input, group=group, async_op=async_op)
 
+    gloo_all_reduce = dist.all_reduce
+
     def reduce_scatter_base(output, input, group=None, async_op=False, op=dist.ReduceOp.SUM):
         n, r = dist.get_world_size(group), dist.get_rank(group)
         full = input.float() if input.dtype in (torch.bfloat16, torch.float16) else input.clone()
-        dist.all_reduce(full, op=op, group=group)
+        gloo_all_reduce(full, op=op, group=group)
         output.copy_(full.chunk(n)[r])
+
+    # NO_SHARD all-reduces the gradients themselves (in reduce_dtype): 16-bit ones likewise
+    # summed in float32 and rounded once.
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if tensor.dtype not in (torch.bfloat16, torch.float16):
+            return gloo_all_reduce(tensor, op=op, group=group, async_op=async_op)
+        wide = tensor.float()
+        gloo_all_reduce(wide, op=op, group=group)
+        tensor.copy_(wide)
 
     dist._all_gather_base = all_gather_base
     dist._reduce_scatter_base = reduce_scatter_base
+    dist.all_reduce = all_reduce
 
 
-def make_fsdp(model, precision="fp32"):
+def make_fsdp(model, precision="fp32", strategy="FULL_SHARD"):
     """torch 1.13's FSDP on CPU (spec/semantics.md §5): hashable dataclass default for the
     import on Python 3.11, CPU as the compute device, and no-op CUDA streams/events
     (_cpu_cuda_shims)."""
@@ -282,28 +296,45 @@ def make_fsdp(model, precision="fp32"):
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     import functools
     import gpt
-    return FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD,
+    return FSDP(model, sharding_strategy=ShardingStrategy[strategy],
                 auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
                                                    transformer_layer_cls={gpt.Block}),
                 mixed_precision=mixed_precision(precision, fsdp=True))
 
 
 # ----------------------------------------------------------------------------- launcher
+def torch_version():
+    import torch
+    return torch.__version__.split("+")[0]
+
+
+# FSDP's strategies in the installed torch: 1.13 has the first three (HYBRID_SHARD and
+# _HYBRID_SHARD_ZERO2 came with 2.0). Not read from torch.distributed.fsdp: importing it here
+# needs fsdp_env's patches, which belong in the worker processes.
+TORCH_FSDP_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD") + (
+    () if tuple(int(v) for v in torch_version().split(".")[:2]) < (2, 0)
+    else ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"))
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_mode(mode, args, precision="fp32", out=""):
+def run_mode(mode, args, precision="fp32", out="", strategy="FULL_SHARD"):
     """Runs one configuration; returns a dict with step time, peak PSS, losses, or an error.
-    `out`: rank 0 saves the final full state dict there."""
+    `out`: rank 0 saves the final full state dict there. `strategy`: FSDP's sharding strategy
+    (fsdp and flatshard modes; single and ddp have none)."""
+    what = {"mode": mode, "precision": precision, "strategy": strategy}
     if mode == "ddp" and precision != "fp32":
-        return {"mode": mode, "precision": precision,
-                "error": "DistributedDataParallel has no MixedPrecision (float32 only here)"}
+        return dict(what, error="DistributedDataParallel has no MixedPrecision (float32 only "
+                                "here)")
+    if mode == "fsdp" and strategy not in TORCH_FSDP_STRATEGIES:
+        return dict(what, error=f"torch {torch_version()}'s FSDP has no {strategy}")
     world = 1 if mode == "single" else args.ranks
     common = [sys.executable, __file__, "--worker", "--mode", mode, "--steps", str(args.steps),
-              "--precision", precision, "--out", out,
+              "--precision", precision, "--out", out, "--strategy", strategy,
               "--warmup", str(args.warmup), "--profile", args.profile,
               "--batch", str(args.batch), "--world-size", str(world), "--n-layer",
               str(args.n_layer), "--n-embd", str(args.n_embd), "--block-size",
@@ -334,8 +365,8 @@ def run_mode(mode, args, precision="fp32", out=""):
             for r, rc in enumerate(rcs):
                 if rc != 0:
                     tail = open(os.path.join(tmp, f"{r}.err")).read().strip().splitlines()
-                    return {"mode": mode, "precision": precision,
-                            "error": f"rank {r} exited {rc}: {tail[-1] if tail else ''}"}
+                    return dict(what, error=f"rank {r} exited {rc}: "
+                                            f"{tail[-1] if tail else ''}")
                 results.append(json.loads(open(os.path.join(tmp, f"{r}.out")).read()
                                           .strip().splitlines()[-1]))
     finally:
@@ -343,7 +374,7 @@ def run_mode(mode, args, precision="fp32", out=""):
             daemon.stop()
     per_rank = [statistics.median(r["times"][args.warmup:]) for r in results]
     losses = [sum(r["losses"][i] for r in results) / world for i in range(args.steps)]
-    return {"mode": mode, "precision": precision, "ranks": world, "step_s": max(per_rank),
+    return {**what, "ranks": world, "step_s": max(per_rank),
             "peak_pss_mib": sampler.peak / 1024.0, "final_loss": losses[-1], "losses": losses,
             "summon_wait_s": max(r.get("summon_wait_s", 0.0) for r in results),
             "moved_bytes": results[0].get("moved_bytes")}
@@ -371,6 +402,11 @@ def main():
     ap.add_argument("--precisions", default="fp32",
                     help="comma-separated gpt.PRECISIONS: fp32, bf16 (bf16 params, fp32 "
                          "reduce), bf16-reduce, fp16 (no CPU kernels in torch 1.13)")
+    ap.add_argument("--strategy", default="FULL_SHARD", help="(worker) one of --strategies")
+    ap.add_argument("--strategies", default="FULL_SHARD",
+                    help="comma-separated FSDP sharding strategies (FULL_SHARD, SHARD_GRAD_OP, "
+                         "NO_SHARD, HYBRID_SHARD, _HYBRID_SHARD_ZERO2): fsdp and flatshard run "
+                         "once per strategy (single and ddp once)")
     ap.add_argument("--group", default="")
     ap.add_argument("--timeout", type=float, default=500)
     ap.add_argument("--json", default="", help="also write the results here")
@@ -387,31 +423,38 @@ def main():
     print(f"GPT {n / 1e6:.2f} M params ({args.n_layer} blocks, n_embd {args.n_embd}, block "
           f"{args.block_size}), global batch {args.batch}, {args.ranks} ranks, {args.steps} "
           f"AdamW steps (median after {args.warmup}), 1 intra-op thread per process")
-    rows = [run_mode(m, args, p) for p in args.precisions.split(",")
-            for m in args.modes.split(",")]
+    strategies = args.strategies.split(",")
+    rows = []
+    for p in args.precisions.split(","):
+        for m in args.modes.split(","):
+            # single and ddp have no sharding strategy: once, listed under the first.
+            for st in (strategies if m.startswith(("fsdp", "flatshard")) else strategies[:1]):
+                rows.append(run_mode(m, args, p, strategy=st))
     ok = [r for r in rows if "error" not in r]
-    print(f"{'mode':<20} {'precision':<11} {'ranks':>5} {'step ms':>9} {'peak MiB/node':>14} "
-          f"{'final loss':>10}  {'flatshard/this (time)':>22} {'(memory)':>9} "
-          f"{'summon wait ms/step':>20} {'MiB moved/step':>15}")
+    print(f"{'mode':<20} {'strategy':<19} {'precision':<11} {'ranks':>5} {'step ms':>9} "
+          f"{'peak MiB/node':>14} {'final loss':>10}  {'flatshard/this (time)':>22} "
+          f"{'(memory)':>9} {'summon wait ms/step':>20} {'MiB moved/step':>15}")
     for r in rows:
+        st = r["strategy"] if r["mode"].startswith(("fsdp", "flatshard")) else "-"
         if "error" in r:
-            print(f"{r['mode']:<20} {r['precision']:<11} did not run: {r['error']}")
+            print(f"{r['mode']:<20} {st:<19} {r['precision']:<11} did not run: {r['error']}")
             continue
-        fs = next((x for x in ok if x["mode"] == "flatshard"
-                   and x["precision"] == r["precision"]), None)
+        fs = next((x for x in ok if x["mode"] == "flatshard" and x["precision"] == r["precision"]
+                   and x["strategy"] == r["strategy"]), None)
         ratio_t = f"{fs['step_s'] / r['step_s']:.2f}x" if fs else "-"
         ratio_m = f"{fs['peak_pss_mib'] / r['peak_pss_mib']:.2f}x" if fs else "-"
         wait = f"{r['summon_wait_s'] * 1e3:.1f}" if r["mode"].startswith("flatshard") else "-"
         moved = f"{r['moved_bytes'] / 2**20:.3f}" if r.get("moved_bytes") else "-"
-        print(f"{r['mode']:<20} {r['precision']:<11} {r['ranks']:>5} {r['step_s'] * 1e3:>9.1f} "
+        print(f"{r['mode']:<20} {st:<19} {r['precision']:<11} {r['ranks']:>5} "
+              f"{r['step_s'] * 1e3:>9.1f} "
               f"{r['peak_pss_mib']:>14.1f} {r['final_loss']:>10.4f}  {ratio_t:>22} "
               f"{ratio_m:>9} {wait:>20} {moved:>15}")
-    moved = {r["precision"]: r["moved_bytes"] for r in ok
+    moved = {(r["strategy"], r["precision"]): r["moved_bytes"] for r in ok
              if r["mode"] == "flatshard" and r.get("moved_bytes")}
-    if "fp32" in moved:
-        for p, b in moved.items():
-            if p != "fp32":
-                print(f"flatshard bytes moved per step, {p} / fp32: {b / moved['fp32']:.3f}")
+    for (st, p), b in moved.items():
+        if p != "fp32" and (st, "fp32") in moved:
+            print(f"flatshard bytes moved per step, {st}, {p} / fp32: "
+                  f"{b / moved[(st, 'fp32')]:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if any(r["mode"] == "flatshard" for r in ok) else 1
