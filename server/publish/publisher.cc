@@ -61,6 +61,7 @@ struct WeightsMetrics {
   metrics::CounterFamily& publishes;
   metrics::CounterFamily& copied;
   metrics::CounterFamily& reused;
+  metrics::GaugeFamily& spare_bytes;
 };
 
 const WeightsMetrics& Metrics() {
@@ -78,7 +79,9 @@ const WeightsMetrics& Metrics() {
                      "the number of readers (they map it)"),
         r.AddCounter("flatshard_weights_segment_reuses_total",
                      "Publishes that copied into the spare segment of an earlier version "
-                     "instead of a fresh one")};
+                     "instead of a fresh one"),
+        r.AddGauge("flatshard_weights_spare_bytes",
+                   "Bytes of the spare segments kept for the next version of their names")};
   }();
   return *m;
 }
@@ -282,6 +285,7 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const
     v->buffer = spares_.Take(Key{c.owner_uid, a.name}, v->layout.bytes,
                              Version::GrantsOf(a.reader_uids, a.reader_token, false));
     const bool reused = v->buffer != nullptr;
+    Metrics().spare_bytes.WithLabels({}).Set(static_cast<double>(spares_.bytes()));
     absl::StatusOr<std::shared_ptr<Buffer>> buffer =
         reused ? absl::StatusOr<std::shared_ptr<Buffer>>(v->buffer)
                : options_.store->Allocate(BufferKind::kStaging, v->layout.bytes,
@@ -638,7 +642,10 @@ absl::StatusOr<int> Publisher::Drop(const WeightsSelector& selector, int64_t uid
   // The stored newest version goes with it (file I/O: after the lock).
   const int64_t owner = selector.owner_uid == -2 ? uid : selector.owner_uid;
   files_.Remove(owner, selector.name, selector.version);
-  if (selector.version == 0) spares_.Forget(Key{owner, selector.name});
+  if (selector.version == 0) {
+    spares_.Forget(Key{owner, selector.name});
+    Metrics().spare_bytes.WithLabels({}).Set(static_cast<double>(spares_.bytes()));
+  }
   freed.clear();  // dropped: freed, not reused
   FS_LOG(INFO) << "dropped " << dropped << " version(s) of weights " << Quoted(selector.name)
                << " (by " << OwnerText(uid) << ")";
@@ -654,6 +661,7 @@ void Publisher::Recycle(std::vector<std::shared_ptr<Version>>* freed) {
     }
   }
   freed->clear();
+  Metrics().spare_bytes.WithLabels({}).Set(static_cast<double>(spares_.bytes()));
 }
 
 void Publisher::UpdateGaugesLocked() {

@@ -56,4 +56,11 @@ int64_t SpareSegments::spares() const {
   return static_cast<int64_t>(spares_.size());
 }
 
+int64_t SpareSegments::bytes() const {
+  absl::MutexLock lock(&mu_);
+  int64_t n = 0;
+  for (const auto& [key, s] : spares_) n += s.buffer->bytes();
+  return n;
+}
+
 }  // namespace flatshard::server

@@ -51,6 +51,7 @@ class SpareSegments {
   // Frees every spare.
   void Clear();
   int64_t spares() const;
+  int64_t bytes() const;  // of every spare
 
  private:
   struct Spare {

@@ -42,6 +42,9 @@ ABSL_FLAG(int, repeats, 5,
 ABSL_FLAG(bool, cast, true, "also publish a bfloat16 cast of the model (name big-bf16)");
 ABSL_FLAG(int, opens, 50, "opens measured per size (the median is reported)");
 ABSL_FLAG(int, readers, 4, "readers opening one version");
+ABSL_FLAG(std::string, state_dir, "",
+          "the daemon's --state_dir (its newest version of each name is then written to disk "
+          "before Publish answers); empty: --ephemeral");
 ABSL_FLAG(std::string, flatshardd, FS_BINARY_DIR "/server/flatshardd", "the daemon binary");
 
 namespace flatshard::bench {
@@ -82,6 +85,14 @@ absl::StatusOr<std::unique_ptr<Client>> Trainer(const BenchDaemon& d, const std:
   }
   FS_RETURN_IF_ERROR(c->Commit("").status());
   return c;
+}
+
+std::vector<std::string> Flags() {
+  std::vector<std::string> flags = {"--weights_keep=1"};
+  if (!absl::GetFlag(FLAGS_state_dir).empty()) {
+    flags.push_back("--state_dir=" + absl::GetFlag(FLAGS_state_dir));
+  }
+  return flags;
 }
 
 // One memcpy of `bytes` into a fresh shm segment (*fresh: every page touched first here) and
@@ -140,8 +151,7 @@ int Run() {
   const int repeats = absl::GetFlag(FLAGS_repeats);
   BenchDaemon d;
   ScopedStopOnSignal stop(&d);
-  if (absl::Status s = d.Start(absl::GetFlag(FLAGS_flatshardd), "fswbench", {"--weights_keep=1"});
-      !s.ok()) {
+  if (absl::Status s = d.Start(absl::GetFlag(FLAGS_flatshardd), "fswbench", Flags()); !s.ok()) {
     std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
     return 1;
   }

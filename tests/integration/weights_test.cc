@@ -616,6 +616,7 @@ TEST(WeightsTest, ReusesTheSegmentOfAVersionThatFellOutAndCopiesOncePerVersion) 
   EXPECT_EQ(MetricValue(text, "flatshard_weights_copied_bytes_total"), 3.0 * bytes) << text;
   EXPECT_EQ(MetricValue(text, "flatshard_weights_segment_reuses_total"), 1.0);
   EXPECT_EQ(MetricValue(text, "flatshard_weights_readers"), 4.0);
+  EXPECT_EQ(MetricValue(text, "flatshard_weights_spare_bytes"), 1.0 * bytes);  // version 2's
   // Other grants: the spare (version 2's) is not reused (who mapped it may not read this).
   held.clear();
   PublishOptions granted;
