@@ -24,9 +24,18 @@ struct Publisher::Version {
   WeightsLayout layout;
   std::vector<int64_t> reader_uids;
   std::string token;
-  std::vector<int64_t> acl;  // uids in the segment's ACL so far
-  int32_t readers = 0;       // open leases
-  bool in_table = true;      // false once trimmed or dropped (freed with its last lease)
+  std::vector<int64_t> acl;     // uids in the segment's ACL so far
+  int32_t readers = 0;          // open leases
+  bool in_table = true;         // false once trimmed or dropped (freed with its last lease)
+  bool dropped = false;         // by Drop: its segment is not reused
+  bool world_readable = false;  // GrantReadToAll'd for a reader of unknown uid
+
+  SegmentGrants Grants() const { return GrantsOf(reader_uids, token, world_readable); }
+  static SegmentGrants GrantsOf(std::vector<int64_t> uids, std::string token, bool world) {
+    std::sort(uids.begin(), uids.end());
+    uids.erase(std::unique(uids.begin(), uids.end()), uids.end());
+    return SegmentGrants{std::move(uids), std::move(token), world};
+  }
 };
 
 struct Publisher::Batch {
@@ -50,6 +59,9 @@ struct WeightsMetrics {
   metrics::GaugeFamily& bytes;
   metrics::GaugeFamily& readers;
   metrics::CounterFamily& publishes;
+  metrics::CounterFamily& copied;
+  metrics::CounterFamily& reused;
+  metrics::GaugeFamily& spare_bytes;
 };
 
 const WeightsMetrics& Metrics() {
@@ -61,7 +73,15 @@ const WeightsMetrics& Metrics() {
         r.AddGauge("flatshard_weights_bytes", "Bytes of the published versions alive"),
         r.AddGauge("flatshard_weights_readers", "Open reader leases on published versions"),
         r.AddCounter("flatshard_weights_publishes_total",
-                     "Collective publishes of weights, by result", {"code"})};
+                     "Collective publishes of weights, by result", {"code"}),
+        r.AddCounter("flatshard_weights_copied_bytes_total",
+                     "Bytes copied into published versions: one copy per version, whatever "
+                     "the number of readers (they map it)"),
+        r.AddCounter("flatshard_weights_segment_reuses_total",
+                     "Publishes that copied into the spare segment of an earlier version "
+                     "instead of a fresh one"),
+        r.AddGauge("flatshard_weights_spare_bytes",
+                   "Bytes of the spare segments kept for the next version of their names")};
   }();
   return *m;
 }
@@ -127,6 +147,7 @@ void Publisher::Shutdown() {
     done(absl::UnavailableError("flatshardd is shutting down: nothing was published"));
   }
   if (worker_.joinable()) worker_.join();
+  spares_.Clear();
 }
 
 void Publisher::Publish(PublishArgs args, PublishDone done) {
@@ -260,9 +281,16 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const
   auto v = std::make_shared<Version>();
   FS_RETURN_IF_ERROR(options_.groups->ReadCommitted(hold, [&](const CommittedCopies& c) {
     FS_ASSIGN_OR_RETURN(v->layout, LayOutWeights(c.plan, c.manifest, a.dtype));
-    absl::StatusOr<std::shared_ptr<Buffer>> buffer = options_.store->Allocate(
-        BufferKind::kStaging, v->layout.bytes,
-        absl::StrCat("weights name=", a.name, " group=", c.group), c.owner_uid);
+    // The spare segment of an earlier version when one fits (spare_segments.h).
+    v->buffer = spares_.Take(Key{c.owner_uid, a.name}, v->layout.bytes,
+                             Version::GrantsOf(a.reader_uids, a.reader_token, false));
+    const bool reused = v->buffer != nullptr;
+    Metrics().spare_bytes.WithLabels({}).Set(static_cast<double>(spares_.bytes()));
+    absl::StatusOr<std::shared_ptr<Buffer>> buffer =
+        reused ? absl::StatusOr<std::shared_ptr<Buffer>>(v->buffer)
+               : options_.store->Allocate(BufferKind::kStaging, v->layout.bytes,
+                                          absl::StrCat("weights name=", a.name, " group=", c.group),
+                                          c.owner_uid);
     if (!buffer.ok()) {
       return absl::Status(
           buffer.status().code(),
@@ -270,13 +298,16 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const
                        OwnerText(c.owner_uid), "): ", buffer.status().message()));
     }
     v->buffer = *std::move(buffer);
-    // Map every page in one call instead of one fault per page during the copy (MADV_
-    // POPULATE_WRITE, Linux 5.14; older kernels refuse it and the copy faults them in).
-    if (v->layout.bytes > 0) {
+    // A fresh segment: map every page in one call instead of one fault per page during the
+    // copy (MADV_POPULATE_WRITE, Linux 5.14; older kernels refuse it and the copy faults them
+    // in). A spare is mapped and backed already.
+    if (!reused && v->layout.bytes > 0) {
       (void)::madvise(v->buffer->data(), static_cast<size_t>(v->layout.bytes), kPopulateWrite);
     }
     FS_RETURN_IF_ERROR(FillWeights(c.plan, v->layout, c.ranks, c.by_unit, v->buffer->data(),
                                    options_.fill_threads));
+    Metrics().copied.WithLabels({}).Increment(static_cast<double>(v->layout.bytes));
+    if (reused) Metrics().reused.WithLabels({}).Increment();
     v->info.generation = c.generation;
     v->info.owner_uid = c.owner_uid;
     v->info.group = c.group;
@@ -326,7 +357,7 @@ void Publisher::Build(Job job) {
     UpdateGaugesLocked();
     result = v->info;
   }
-  freed.clear();  // buffers unmapped here, after the lock
+  Recycle(&freed);  // after the lock
   Metrics().publishes.WithLabels({absl::StatusCodeToString(result.status().code())}).Increment();
   if (result.ok()) {
     FS_LOG(INFO) << "published weights " << Quoted(result->name) << " version " << result->version
@@ -488,6 +519,7 @@ absl::StatusOr<WeightsDescriptor> Publisher::Open(const WeightsSelector& selecto
   if (fd >= 0 && uid != v->info.owner_uid && !Admin(uid)) {
     if (uid < 0) {
       FS_RETURN_IF_ERROR(GrantReadToAll(fd));
+      v->world_readable = true;
     } else if (std::find(v->acl.begin(), v->acl.end(), uid) == v->acl.end()) {
       std::vector<int64_t> acl = v->acl;
       acl.push_back(uid);
@@ -521,6 +553,7 @@ void Publisher::Release(uint64_t lease) {
     }
     UpdateGaugesLocked();
   }
+  Recycle(&freed);
 }
 
 absl::StatusOr<uint64_t> Publisher::Watch(const WeightsSelector& selector, int64_t uid,
@@ -598,6 +631,7 @@ absl::StatusOr<int> Publisher::Drop(const WeightsSelector& selector, int64_t uid
         continue;
       }
       v->second->in_table = false;
+      v->second->dropped = true;
       if (v->second->readers == 0) freed.push_back(v->second);
       v = versions.erase(v);
       ++dropped;
@@ -608,9 +642,26 @@ absl::StatusOr<int> Publisher::Drop(const WeightsSelector& selector, int64_t uid
   // The stored newest version goes with it (file I/O: after the lock).
   const int64_t owner = selector.owner_uid == -2 ? uid : selector.owner_uid;
   files_.Remove(owner, selector.name, selector.version);
+  if (selector.version == 0) {
+    spares_.Forget(Key{owner, selector.name});
+    Metrics().spare_bytes.WithLabels({}).Set(static_cast<double>(spares_.bytes()));
+  }
+  freed.clear();  // dropped: freed, not reused
   FS_LOG(INFO) << "dropped " << dropped << " version(s) of weights " << Quoted(selector.name)
                << " (by " << OwnerText(uid) << ")";
   return dropped;
+}
+
+void Publisher::Recycle(std::vector<std::shared_ptr<Version>>* freed) {
+  for (std::shared_ptr<Version>& v : *freed) {
+    // Only a segment nobody else holds (a file write in progress, a descriptor being built)
+    // is reused; the daemon's own mapping then is the only one besides lapsed readers'.
+    if (v.use_count() == 1 && !v->dropped && v->buffer != nullptr && v->buffer.use_count() == 1) {
+      spares_.Offer(Key{v->info.owner_uid, v->info.name}, std::move(v->buffer), v->Grants());
+    }
+  }
+  freed->clear();
+  Metrics().spare_bytes.WithLabels({}).Set(static_cast<double>(spares_.bytes()));
 }
 
 void Publisher::UpdateGaugesLocked() {

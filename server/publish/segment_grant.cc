@@ -65,4 +65,13 @@ absl::Status GrantReadToAll(int fd) {
   return absl::OkStatus();
 }
 
+absl::Status Unseal(int fd) {
+  if (::fremovexattr(fd, "system.posix_acl_access") != 0 && errno != ENODATA && errno != ENOTSUP &&
+      errno != EOPNOTSUPP) {
+    return Errno("removing the read ACL");
+  }
+  if (::fchmod(fd, 0600) != 0) return Errno("fchmod");
+  return absl::OkStatus();
+}
+
 }  // namespace flatshard::server

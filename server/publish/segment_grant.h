@@ -19,5 +19,7 @@ absl::Status SealReadOnly(int fd);
 absl::Status GrantRead(int fd, const std::vector<int64_t>& uids);
 // Mode 0444.
 absl::Status GrantReadToAll(int fd);
+// Back to a fresh segment's mode 0600 with no ACL, to be written again (spare_segments.h).
+absl::Status Unseal(int fd);
 
 }  // namespace flatshard::server

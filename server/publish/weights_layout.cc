@@ -1,14 +1,12 @@
 #include "server/publish/weights_layout.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <map>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/checkpoint/checkpoint.h"
-#include "server/collective/reduce.h"
+#include "server/publish/segment_copier.h"
 #include "server/shard_store.h"
 
 namespace flatshard::server {
@@ -18,43 +16,10 @@ int64_t AlignUp(int64_t n) {
   return (n + kWeightsAlignment - 1) / kWeightsAlignment * kWeightsAlignment;
 }
 
-double Load(DType t, const void* p, int64_t i) {
-  switch (t) {
-    case DType::kFloat32:
-      return static_cast<const float*>(p)[i];
-    case DType::kFloat64:
-      return static_cast<const double*>(p)[i];
-    case DType::kFloat16:
-      return collective::HalfToFloat(static_cast<const uint16_t*>(p)[i]);
-    default:  // kBFloat16
-      return collective::BFloat16ToFloat(static_cast<const uint16_t*>(p)[i]);
-  }
-}
-
-void Store(DType t, void* p, int64_t i, double v) {
-  switch (t) {
-    case DType::kFloat32:
-      static_cast<float*>(p)[i] = static_cast<float>(v);
-      break;
-    case DType::kFloat64:
-      static_cast<double*>(p)[i] = v;
-      break;
-    case DType::kFloat16:
-      static_cast<uint16_t*>(p)[i] = collective::FloatToHalf(static_cast<float>(v));
-      break;
-    default:
-      static_cast<uint16_t*>(p)[i] = collective::FloatToBFloat16(static_cast<float>(v));
-  }
-}
-
 }  // namespace
 
 void ConvertElements(DType from, const void* src, DType to, void* dst, int64_t n) {
-  if (from == to) {
-    std::memcpy(dst, src, static_cast<size_t>(n * ItemSize(from)));
-    return;
-  }
-  for (int64_t i = 0; i < n; ++i) Store(to, dst, i, Load(from, src, i));
+  ConvertRange(from, src, to, dst, n);
 }
 
 absl::StatusOr<WeightsLayout> LayOutWeights(const Plan& plan, const Manifest& manifest,
@@ -128,29 +93,27 @@ absl::Status FillWeights(const Plan& plan, const WeightsLayout& layout,
       }
     }
   }
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t k = next++; k < layout.entries.size(); k = next++) {
-      const WeightsEntry& e = layout.entries[k];
-      if (e.unit < 0) continue;
-      const PlanUnit& u = plan.units[e.unit];
-      const int64_t item = ItemSize(u.dtype);
-      const int64_t out_item = ItemSize(e.dtype);
-      char* out = static_cast<char*>(dst) + e.offset;
-      for (int64_t el = e.flat_offset, end = e.flat_offset + e.numel; el < end;) {
-        const int64_t s = el / u.shard_numel;
-        const int64_t within = el % u.shard_numel;
-        const int64_t n = std::min(end - el, u.shard_numel - within);
-        const char* src = static_cast<const char*>(source[e.unit][s]->data()) + within * item;
-        ConvertElements(u.dtype, src, e.dtype, out + (el - e.flat_offset) * out_item, n);
-        el += n;
-      }
+  // Each entry's pieces (one per shard it spans), and the alignment padding after it zeroed:
+  // a reused segment holds an older version's bytes there.
+  std::vector<CopyRange> ranges;
+  for (const WeightsEntry& e : layout.entries) {
+    if (e.unit < 0) continue;
+    const PlanUnit& u = plan.units[e.unit];
+    const int64_t item = ItemSize(u.dtype);
+    const int64_t out_item = ItemSize(e.dtype);
+    char* out = static_cast<char*>(dst) + e.offset;
+    for (int64_t el = e.flat_offset, end = e.flat_offset + e.numel; el < end;) {
+      const int64_t s = el / u.shard_numel;
+      const int64_t within = el % u.shard_numel;
+      const int64_t n = std::min(end - el, u.shard_numel - within);
+      const char* src = static_cast<const char*>(source[e.unit][s]->data()) + within * item;
+      ranges.push_back(CopyRange{src, u.dtype, out + (el - e.flat_offset) * out_item, e.dtype, n});
+      el += n;
     }
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
+    const int64_t tail = std::min(AlignUp(e.offset + e.bytes), layout.bytes) - e.offset - e.bytes;
+    if (tail > 0) std::memset(out + e.bytes, 0, static_cast<size_t>(tail));
+  }
+  CopyRanges(ranges, threads);
   return absl::OkStatus();
 }
 

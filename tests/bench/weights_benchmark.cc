@@ -1,8 +1,11 @@
 // Published weights (README "Publishing weights", issue 25), same-run ratios:
 //   - publish: Client::Publish of a committed model of --bytes (one float32 parameter, world
-//     size 1; the RPC, the copy into a fresh read-only segment and its page reservation) against
-//     one memcpy of the same bytes into fresh memory (page faults included) and into memory
-//     already touched (target: publish <= 1.2x the memcpy);
+//     size 1, --weights_keep=1; the RPC, the hold, the copy, the seal) against one memcpy of the
+//     same bytes into a fresh shm segment (first touch of every page) and into that segment
+//     again (touched). The first two publishes of a name copy into fresh segments (compared
+//     with the fresh memcpy); later ones into the spare segment of the version that fell out
+//     (compared with the touched memcpy; target <= 1.2x). The same for a bfloat16 cast of it
+//     (--cast: what the cast costs on top);
 //   - open: WeightsReader::Open + Release of a version of --bytes against one of --small_bytes
 //     (target: independent of size, <= 1 ms plus the mapping);
 //   - readers: --readers readers opening the same version map one segment (bytes copied on the
@@ -10,8 +13,11 @@
 //
 //   build/tests/bench/flatshard_weights_benchmark [--bytes 1073741824] [--repeats 5]
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -30,9 +36,15 @@
 
 ABSL_FLAG(int64_t, bytes, int64_t{1} << 30, "bytes of the published model (float32 x 4)");
 ABSL_FLAG(int64_t, small_bytes, int64_t{1} << 20, "bytes of the small model Open compares with");
-ABSL_FLAG(int, repeats, 5, "publishes and memcpys measured (the median is reported)");
+ABSL_FLAG(int, repeats, 5,
+          "publishes and memcpys measured (>= 3: the first two of a name are into fresh "
+          "segments; medians are reported)");
+ABSL_FLAG(bool, cast, true, "also publish a bfloat16 cast of the model (name big-bf16)");
 ABSL_FLAG(int, opens, 50, "opens measured per size (the median is reported)");
 ABSL_FLAG(int, readers, 4, "readers opening one version");
+ABSL_FLAG(std::string, state_dir, "",
+          "the daemon's --state_dir (its newest version of each name is then written to disk "
+          "before Publish answers); empty: --ephemeral");
 ABSL_FLAG(std::string, flatshardd, FS_BINARY_DIR "/server/flatshardd", "the daemon binary");
 
 namespace flatshard::bench {
@@ -75,15 +87,51 @@ absl::StatusOr<std::unique_ptr<Client>> Trainer(const BenchDaemon& d, const std:
   return c;
 }
 
-double MemcpyMs(int64_t bytes, const void* src, bool fresh) {
-  void* dst = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (dst == MAP_FAILED) return -1;
-  if (!fresh) std::memset(dst, 0, bytes);
-  const Clock::time_point t0 = Clock::now();
+std::vector<std::string> Flags() {
+  std::vector<std::string> flags = {"--weights_keep=1"};
+  if (!absl::GetFlag(FLAGS_state_dir).empty()) {
+    flags.push_back("--state_dir=" + absl::GetFlag(FLAGS_state_dir));
+  }
+  return flags;
+}
+
+// One memcpy of `bytes` into a fresh shm segment (*fresh: every page touched first here) and
+// then into the same segment again (*touched).
+bool MemcpyMs(int64_t bytes, const void* src, double* fresh, double* touched) {
+  const std::string name = absl::StrCat("/fswbench-memcpy-", ::getpid());
+  const int fd = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) return false;
+  ::shm_unlink(name.c_str());
+  void* dst = ::ftruncate(fd, bytes) == 0
+                  ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                  : MAP_FAILED;
+  ::close(fd);
+  if (dst == MAP_FAILED) return false;
+  Clock::time_point t0 = Clock::now();
   std::memcpy(dst, src, bytes);
-  const double ms = MicrosSince(t0, Clock::now()) / 1000;
+  *fresh = MicrosSince(t0, Clock::now()) / 1000;
+  t0 = Clock::now();
+  std::memcpy(dst, src, bytes);
+  *touched = MicrosSince(t0, Clock::now()) / 1000;
   ::munmap(dst, bytes);
+  return true;
+}
+
+// Publishes `name` `repeats` times: the milliseconds of each.
+absl::StatusOr<std::vector<double>> PublishMs(Client& c, const std::string& name, int repeats,
+                                              const client::PublishOptions& options) {
+  std::vector<double> ms;
+  for (int i = 0; i < repeats; ++i) {
+    const Clock::time_point t0 = Clock::now();
+    FS_RETURN_IF_ERROR(c.Publish("", name, options).status());
+    ms.push_back(MicrosSince(t0, Clock::now()) / 1000);
+  }
   return ms;
+}
+
+double MedianOf(const std::vector<double>& v, size_t from, size_t to) {
+  return Median(std::vector<double>(v.begin() + std::min(from, v.size()),
+                                    v.begin() + std::min(to, v.size())));
 }
 
 absl::StatusOr<double> OpenMs(WeightsReader& r, const std::string& name, int opens) {
@@ -103,8 +151,7 @@ int Run() {
   const int repeats = absl::GetFlag(FLAGS_repeats);
   BenchDaemon d;
   ScopedStopOnSignal stop(&d);
-  if (absl::Status s = d.Start(absl::GetFlag(FLAGS_flatshardd), "fswbench", {"--weights_keep=1"});
-      !s.ok()) {
+  if (absl::Status s = d.Start(absl::GetFlag(FLAGS_flatshardd), "fswbench", Flags()); !s.ok()) {
     std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
     return 1;
   }
@@ -115,18 +162,32 @@ int Run() {
                  little.status().ToString().c_str());
     return 1;
   }
+  if (repeats < 3) {
+    std::fprintf(stderr, "--repeats must be >= 3\n");
+    return 1;
+  }
   std::vector<char> src(static_cast<size_t>(bytes), 0x3f);
-  std::vector<double> publish, fresh, warm;
+  std::vector<double> fresh, warm;
   for (int i = 0; i < repeats; ++i) {
-    fresh.push_back(MemcpyMs(bytes, src.data(), /*fresh=*/true));
-    warm.push_back(MemcpyMs(bytes, src.data(), /*fresh=*/false));
-    const Clock::time_point t0 = Clock::now();
-    absl::StatusOr<client::PublishedVersion> v = (*big)->Publish("", "big");
-    publish.push_back(MicrosSince(t0, Clock::now()) / 1000);
-    if (!v.ok()) {
-      std::fprintf(stderr, "publish: %s\n", v.status().ToString().c_str());
+    double f = 0, w = 0;
+    if (!MemcpyMs(bytes, src.data(), &f, &w)) {
+      std::fprintf(stderr, "memcpy baseline: cannot make a shm segment of %lld bytes\n",
+                   static_cast<long long>(bytes));
       return 1;
     }
+    fresh.push_back(f);
+    warm.push_back(w);
+  }
+  absl::StatusOr<std::vector<double>> publish = PublishMs(**big, "big", repeats, {});
+  client::PublishOptions bf16;
+  bf16.dtype = DType::kBFloat16;
+  absl::StatusOr<std::vector<double>> cast = absl::GetFlag(FLAGS_cast)
+                                                 ? PublishMs(**big, "big-bf16", repeats, bf16)
+                                                 : std::vector<double>(repeats, 0.0);
+  if (!publish.ok() || !cast.ok()) {
+    std::fprintf(stderr, "publish: %s %s\n", publish.status().ToString().c_str(),
+                 cast.status().ToString().c_str());
+    return 1;
   }
   src.clear();
   src.shrink_to_fit();
@@ -156,19 +217,35 @@ int Run() {
     segments.insert(SegmentOf((*v)->tensors()[0].data));
     held.push_back(*std::move(v));
   }
-  const double p = Median(publish), f = Median(fresh), w = Median(warm);
+  // --weights_keep=1: publishes 1 and 2 copy into fresh segments, later ones into the spare.
+  const double pf = MedianOf(*publish, 0, 2), p = MedianOf(*publish, 2, repeats);
+  const double cf = MedianOf(*cast, 0, 2), cw = MedianOf(*cast, 2, repeats);
+  const double f = Median(fresh), w = Median(warm);
   std::printf(
-      "publish of %s: %.1f ms median of %d (memcpy into fresh memory %.1f ms, into "
-      "touched memory %.1f ms): %.2fx fresh, %.2fx touched\n",
-      SizeName(bytes).c_str(), p, repeats, f, w, p / f, p / w);
+      "memcpy of %s into a fresh shm segment: %.1f ms, into it again (touched): %.1f ms "
+      "(median of %d)\n",
+      SizeName(bytes).c_str(), f, w, repeats);
+  std::printf(
+      "publish of %s into a reused segment: %.1f ms = %.2fx the touched memcpy (median of %d)\n",
+      SizeName(bytes).c_str(), p, p / w, repeats - 2);
+  std::printf("publish of %s into a fresh segment: %.1f ms = %.2fx the fresh memcpy (first two)\n",
+              SizeName(bytes).c_str(), pf, pf / f);
+  if (absl::GetFlag(FLAGS_cast)) {
+    std::printf(
+        "publish cast to bfloat16: %.1f ms reused (%.2fx the touched float32 memcpy), %.1f ms "
+        "fresh\n",
+        cw, cw / w, cf);
+  }
   std::printf("open+map of a %s version: %.3f ms; of a %s version: %.3f ms (median of %d)\n",
               SizeName(bytes).c_str(), *open_big, SizeName(small).c_str(), *open_small,
               absl::GetFlag(FLAGS_opens));
   std::printf("%zu readers of one version map %zu segment(s): the node holds one copy\n",
               held.size(), segments.size());
   PrintFigure("weights.publish_ms", p, "ms");
-  PrintFigure("weights.publish_over_memcpy_fresh", p / f, "x");
   PrintFigure("weights.publish_over_memcpy_touched", p / w, "x");
+  PrintFigure("weights.publish_fresh_over_memcpy_fresh", pf / f, "x");
+  PrintFigure("weights.publish_bf16_over_memcpy_touched", cw / w, "x");
+  PrintFigure("weights.memcpy_touched_ms", w, "ms", true, /*context=*/true);
   PrintFigure("weights.memcpy_fresh_ms", f, "ms", true, /*context=*/true);
   PrintFigure("weights.open_big_ms", *open_big, "ms");
   PrintFigure("weights.open_small_ms", *open_small, "ms");

@@ -312,9 +312,10 @@ TEST(WeightsTest, KeepsTheNewestAndWhatReadersHoldAndFreesTheRest) {
     t.Step(s, true);
     ASSERT_TRUE(t.Publish("gpt")[0].ok());
   }
-  // keep 2 (3, 4) plus version 1, held by the reader; version 2 is gone.
+  // keep 2 (3, 4) plus version 1, held by the reader; version 2 is gone (its segment is
+  // the name's spare, for version 5).
   EXPECT_THAT(Versions(*r, "gpt"), ::testing::ElementsAre(1, 3, 4));
-  EXPECT_EQ(d.daemon(0).Segments().size(), segments + 2);
+  EXPECT_EQ(d.daemon(0).Segments().size(), segments + 3);
   absl::StatusOr<std::unique_ptr<WeightsVersion>> gone = r->Open("gpt", At(2));
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(gone.status().message(), HasSubstr("no version 2 (versions here: 1, 3, 4)"));
@@ -323,7 +324,8 @@ TEST(WeightsTest, KeepsTheNewestAndWhatReadersHoldAndFreesTheRest) {
   for (int i = 0; i < 100 && Versions(*r, "gpt").size() != 2; ++i)
     absl::SleepFor(absl::Milliseconds(10));
   EXPECT_THAT(Versions(*r, "gpt"), ::testing::ElementsAre(3, 4));
-  EXPECT_EQ(d.daemon(0).Segments().size(), segments + 1);
+  // Version 1's segment replaced version 2's as the spare.
+  EXPECT_EQ(d.daemon(0).Segments().size(), segments + 2);
   // Numbers are never reused.
   t.Step(5, true);
   auto p = t.Publish("gpt");
@@ -537,6 +539,98 @@ TEST(WeightsTest, MetricsCountVersionsBytesReadersAndPublishes) {
   EXPECT_THAT(text, HasSubstr(absl::StrCat("\nflatshard_weights_bytes ", p[0]->bytes, "\n")));
   EXPECT_THAT(text, HasSubstr("\nflatshard_weights_readers 1\n"));
   EXPECT_THAT(text, HasSubstr("\nflatshard_weights_publishes_total{code=\"OK\"} 1\n"));
+  std::error_code ignored;
+  std::filesystem::remove_all(tmpl, ignored);
+}
+
+// The /dev/shm file mapped at `p` in this process ("" when none).
+std::string SegmentOf(const void* p) {
+  std::ifstream maps("/proc/self/maps");
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  std::string line;
+  while (std::getline(maps, line)) {
+    unsigned long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx", &lo, &hi) != 2 || addr < lo || addr >= hi) continue;
+    const size_t at = line.find("/dev/shm/");
+    return at == std::string::npos ? "" : line.substr(at);
+  }
+  return "";
+}
+
+double MetricValue(const std::string& text, const std::string& name) {
+  const size_t at = text.find(absl::StrCat("\n", name, " "));
+  double v = -1;
+  if (at != std::string::npos) {
+    const size_t from = at + name.size() + 2;
+    (void)absl::SimpleAtod(text.substr(from, text.find('\n', from) - from), &v);
+  }
+  return v;
+}
+
+// A version that fell out with no reader on it lends its segment to the next version of the
+// name with the same size and grants (copied at memcpy speed into memory already backed);
+// 4 readers of one version map that one copy, and the daemon copied each version's bytes
+// once whatever the number of readers.
+TEST(WeightsTest, ReusesTheSegmentOfAVersionThatFellOutAndCopiesOncePerVersion) {
+  char tmpl[] = "/tmp/fsw-reuse.XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string file = absl::StrCat(tmpl, "/address");
+  ::flatshard::testing::ClusterOptions o;
+  o.extra_flags = {"--weights_keep=1", "--metrics_address=127.0.0.1:0",
+                   "--metrics_address_file=" + file};
+  Cluster d(Layout::kSingle, o);
+  Trainers t(d, 1, "reuse");
+  std::unique_ptr<WeightsReader> r = Reader(d.AddressFor(0));
+  std::string address;
+  std::getline(std::ifstream(file), address);
+  std::vector<std::string> segment(4);
+  int64_t bytes = 0;
+  for (int s = 1; s <= 3; ++s) {
+    // The previous version's lease ends when the daemon sees its stream close.
+    for (int i = 0; i < 200 && MetricValue(Scrape(address), "flatshard_weights_readers") > 0; ++i) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    t.Step(s, true);
+    auto p = t.Publish("gpt");
+    ASSERT_TRUE(p[0].ok()) << p[0].status();
+    bytes = p[0]->bytes;
+    absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r->Open("gpt");
+    ASSERT_TRUE(v.ok()) << v.status();
+    ExpectHolds(*t.plan, t.manifest, **v, s);
+    segment[s] = SegmentOf((*v)->tensors()[0].data);
+  }
+  // keep 1: version 1 fell out when 2 came (a fresh segment) and 3 was copied into it.
+  EXPECT_NE(segment[2], segment[1]);
+  EXPECT_EQ(segment[3], segment[1]);
+  // Four readers, one copy.
+  std::vector<std::unique_ptr<WeightsReader>> readers;
+  std::vector<std::unique_ptr<WeightsVersion>> held;
+  for (int i = 0; i < 4; ++i) {
+    readers.push_back(Reader(d.AddressFor(0)));
+    absl::StatusOr<std::unique_ptr<WeightsVersion>> v = readers.back()->Open("gpt");
+    ASSERT_TRUE(v.ok()) << v.status();
+    EXPECT_EQ(SegmentOf((*v)->tensors()[0].data), segment[3]);
+    held.push_back(*std::move(v));
+  }
+  std::string text = Scrape(address);
+  EXPECT_EQ(MetricValue(text, "flatshard_weights_copied_bytes_total"), 3.0 * bytes) << text;
+  EXPECT_EQ(MetricValue(text, "flatshard_weights_segment_reuses_total"), 1.0);
+  EXPECT_EQ(MetricValue(text, "flatshard_weights_readers"), 4.0);
+  EXPECT_EQ(MetricValue(text, "flatshard_weights_spare_bytes"), 1.0 * bytes);  // version 2's
+  // Other grants: the spare (version 2's) is not reused (who mapped it may not read this).
+  held.clear();
+  PublishOptions granted;
+  granted.reader_uids = {4242};
+  t.Step(4, true);
+  auto p = t.Publish("gpt", granted);
+  ASSERT_TRUE(p[0].ok()) << p[0].status();
+  absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r->Open("gpt");
+  ASSERT_TRUE(v.ok()) << v.status();
+  ExpectHolds(*t.plan, t.manifest, **v, 4);
+  EXPECT_NE(SegmentOf((*v)->tensors()[0].data), segment[2]);
+  text = Scrape(address);
+  EXPECT_EQ(MetricValue(text, "flatshard_weights_copied_bytes_total"), 4.0 * bytes);
+  EXPECT_EQ(MetricValue(text, "flatshard_weights_segment_reuses_total"), 1.0);
   std::error_code ignored;
   std::filesystem::remove_all(tmpl, ignored);
 }

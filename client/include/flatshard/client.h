@@ -824,7 +824,9 @@ class WeightsVersion {
   // The tensor of state_dict key `fqn`; nullptr when there is none.
   const WeightsTensor* Find(absl::string_view fqn) const;
   // The mapping the tensors point into: sharing it keeps the bytes mapped after Release
-  // (e.g. for a language binding's arrays); the lease still ends at Release.
+  // (e.g. for a language binding's arrays, which then do not crash); the lease still ends at
+  // Release, and the daemon may then copy a newer version of the name into the same segment
+  // (it reuses the segments of versions no reader holds): read only while the lease is held.
   const std::shared_ptr<const void>& mapping() const { return mapping_; }
 
   // Ends the lease (the daemon may then free the version once it is no longer among the

@@ -98,7 +98,8 @@ class Weights(Mapping):
     an engine's ``load_weights`` takes; ``model.load_state_dict(w)`` copies it into a model.
     Holds the version (a lease) until ``close()``, the end of a ``with`` block, or garbage
     collection. Tensors handed out stay mapped after ``close()`` (no crash), but the daemon
-    may then free the version: copy what must outlive it (load_state_dict does)."""
+    may then free the version or copy a newer version of the name into its memory: copy what
+    must outlive it (load_state_dict does)."""
 
     def __init__(self, v: Any) -> None:
         self._v = v
