@@ -39,6 +39,10 @@
 #include "server/metrics/http_server.h"
 #include "server/metrics/process_metrics.h"
 #include "server/peer/peer_service_impl.h"
+#include "server/publish/distributed_publish.h"
+#include "server/publish/weights_peer_client.h"
+#include "server/publish/weights_peer_service.h"
+#include "server/publish/weights_puller.h"
 #include "server/service/admin_service_impl.h"
 #include "server/service/answer_interceptor.h"
 #include "server/service/shard_service_impl.h"
@@ -82,10 +86,12 @@ absl::StatusOr<std::unique_ptr<InstanceLock>> PrepareSocketPath(const std::strin
 // The publisher of weights, with the versions a previous daemon left in --state_dir/weights.
 // Out of line: inlined into Create it trips GCC 12's -Wmaybe-uninitialized on an absl::Cleanup.
 [[gnu::noinline]] absl::StatusOr<std::unique_ptr<Publisher>> MakePublisher(
-    const DaemonConfig& config, ShardStore* store, GroupManager* groups) {
+    const DaemonConfig& config, ShardStore* store, GroupManager* groups,
+    DistributedPublish* distributed) {
   PublisherOptions o;
   o.store = store;
   o.groups = groups;
+  o.distributed = distributed;
   o.keep = config.weights_keep;
   o.daemon_uid = static_cast<int64_t>(::getuid());
   if (!config.state_dir.empty()) o.files_dir = absl::StrCat(config.state_dir, "/weights");
@@ -358,9 +364,27 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   d->access_ = std::make_unique<access::AccessControl>(d->acceptor_.get(), config.allowed_uids);
   d->shard_service_ =
       std::make_unique<ShardServiceImpl>(d->groups_.get(), config.default_wait, d->access_.get());
-  FS_ASSIGN_OR_RETURN(d->publisher_, MakePublisher(config, d->store_.get(), d->groups_.get()));
-  d->weights_service_ = std::make_unique<WeightsServiceImpl>(d->publisher_.get(), d->access_.get(),
-                                                             config.default_wait);
+  // Published weights: copies between daemons over the peer channels (README "Published
+  // weights across daemons").
+  FS_RETURN_IF_ERROR(WeightsPuller::ValidateSources(config.weights_sources));
+  {
+    FS_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> creds,
+                        access::PeerChannelCredentials(config.tls));
+    d->weights_peer_client_ = std::make_unique<WeightsPeerClient>(creds, d->store_.get());
+    d->distributed_publish_ = std::make_unique<DistributedPublish>(d->weights_peer_client_.get());
+  }
+  FS_ASSIGN_OR_RETURN(d->publisher_, MakePublisher(config, d->store_.get(), d->groups_.get(),
+                                                   d->distributed_publish_.get()));
+  if (d->weights_peer_) {
+    d->weights_peer_->SetTargets(d->groups_.get(), d->publisher_.get(),
+                                 &d->distributed_publish_->rounds());
+  }
+  if (!config.weights_sources.empty()) {
+    d->weights_puller_ = std::make_unique<WeightsPuller>(
+        d->publisher_.get(), d->weights_peer_client_.get(), config.weights_sources);
+  }
+  d->weights_service_ = std::make_unique<WeightsServiceImpl>(
+      d->publisher_.get(), d->access_.get(), config.default_wait, d->weights_puller_.get());
   AdminServiceOptions admin_options;
   admin_options.store = d->store_.get();
   admin_options.peer_address = d->peer_address_;
@@ -407,6 +431,8 @@ absl::Status Daemon::StartPeerServer(std::shared_ptr<grpc::ServerCredentials> cr
   peer_builder.RegisterService(peer_service_.get());
   checkpoint_peer_ = std::make_unique<CheckpointPeerServiceImpl>();
   peer_builder.RegisterService(checkpoint_peer_.get());
+  weights_peer_ = std::make_unique<WeightsPeerServiceImpl>(config_.testing_weights_copy_pause);
+  peer_builder.RegisterService(weights_peer_.get());
   peer_server_ = peer_builder.BuildAndStart();
   if (peer_server_ == nullptr || peer_port == 0) {
     return absl::UnavailableError(
@@ -495,15 +521,20 @@ void Daemon::Shutdown() {
   }
   FS_LOG(INFO) << "flatshardd shutting down (grace " << config_.shutdown_grace << ")";
   if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
-  metrics_server_.reset();                 // its render reads the store and the groups
-  groups_->Shutdown();                     // pending collectives finish with UNAVAILABLE
+  metrics_server_.reset();  // its render reads the store and the groups
+  groups_->Shutdown();      // pending collectives finish with UNAVAILABLE
+  // Copies between daemons end first (cancelled), then the readers waiting on them, then
+  // pending publishes.
+  if (distributed_publish_) distributed_publish_->Shutdown();
+  if (weights_puller_) weights_puller_->Shutdown();
   if (publisher_) publisher_->Shutdown();  // pending publishes too
   const auto deadline =
       std::chrono::system_clock::now() + absl::ToChronoNanoseconds(config_.shutdown_grace);
   if (peer_service_) peer_service_->Shutdown();  // pending rendezvous fail, streams end
   if (peer_server_) peer_server_->Shutdown(deadline);
   if (checkpoint_peer_) checkpoint_peer_->Stop();  // its calls use groups_
-  if (acceptor_) acceptor_->Stop();                // no new connections while the server drains
+  if (weights_peer_) weights_peer_->Stop();
+  if (acceptor_) acceptor_->Stop();  // no new connections while the server drains
   server_->Shutdown(deadline);
   // --keep_shards (with --state_dir): shards, gradient shards and committed copies stay with
   // their records for the next daemon; otherwise the records go first, then the segments.

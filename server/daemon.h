@@ -26,7 +26,11 @@ class CheckpointPeerServiceImpl;
 class GroupManager;
 struct GroupManagerOptions;
 class InstanceLock;
+class DistributedPublish;
 class Publisher;
+class WeightsPeerClient;
+class WeightsPeerServiceImpl;
+class WeightsPuller;
 class ShardServiceImpl;
 class WeightsServiceImpl;
 class ShardStore;
@@ -106,6 +110,11 @@ struct DaemonConfig {
   bool keep_shards = true;
   // Published weights: newest versions kept per (owner uid, name) (--weights_keep).
   int32_t weights_keep = 2;
+  // Published weights across daemons: peer addresses of daemons this one copies versions
+  // from when a local reader asks (--weights_sources; empty: none).
+  std::vector<std::string> weights_sources;
+  // Testing only: WeightsPeerServiceImpl's testing_copy_pause.
+  absl::Duration testing_weights_copy_pause = absl::ZeroDuration();
   // fsync each record and the state directory (crash-consistent across a machine crash too;
   // a process's death, the case restarts serve, needs only the atomic rename).
   bool state_fsync = true;
@@ -157,12 +166,19 @@ class Daemon {
   std::unique_ptr<peer::PeerServiceImpl> peer_service_;
   // Checkpoints of multi-daemon groups: the other daemons' requests, on the peer port.
   std::unique_ptr<CheckpointPeerServiceImpl> checkpoint_peer_;
+  // Published weights between daemons: other daemons' reads and copies, on the peer port.
+  std::unique_ptr<WeightsPeerServiceImpl> weights_peer_;
   std::unique_ptr<grpc::Server> peer_server_;  // PeerService only, on its own TCP port
   std::unique_ptr<GroupManager> groups_;
   // Before the services and server_: handlers ask access_, which asks acceptor_.
   std::unique_ptr<access::UnixSocketAcceptor> acceptor_;
   std::unique_ptr<access::AccessControl> access_;
-  std::unique_ptr<Publisher> publisher_;  // after groups_: it reads through them
+  // This daemon's copies from other daemons (multi-daemon publishes, --weights_sources);
+  // before publisher_, which uses them.
+  std::unique_ptr<WeightsPeerClient> weights_peer_client_;
+  std::unique_ptr<DistributedPublish> distributed_publish_;
+  std::unique_ptr<Publisher> publisher_;           // after groups_: it reads through them
+  std::unique_ptr<WeightsPuller> weights_puller_;  // null without --weights_sources
   std::unique_ptr<ShardServiceImpl> shard_service_;
   std::unique_ptr<WeightsServiceImpl> weights_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;

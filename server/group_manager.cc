@@ -2,6 +2,7 @@
 
 #include "server/group_manager.h"
 
+#include <algorithm>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -259,7 +260,21 @@ absl::StatusOr<GroupManager::PublisherGroup> GroupManager::CheckPublisher(
   if (held->removed) {
     return absl::NotFoundError(absl::StrCat("no group ", Truncated(caller.group), " here"));
   }
-  return PublisherGroup{held->world_size, held->multi(), held->owner_uid};
+  PublisherGroup out{held->world_size,
+                     held->multi(),
+                     held->owner_uid,
+                     static_cast<int32_t>(held->local_ranks.size()),
+                     "",
+                     ""};
+  if (out.multi) {
+    out.token = held->token;
+    const bool local0 =
+        std::find(held->local_ranks.begin(), held->local_ranks.end(), 0) != held->local_ranks.end();
+    if (!local0 && !held->table.rank_daemons.empty()) {
+      out.leader = held->table.rank_daemons[0].peer_address;
+    }
+  }
+  return out;
 }
 absl::Status GroupManager::ReadCommitted(
     const CheckpointArgs& args, const std::function<absl::Status(const CommittedCopies&)>& read) {

@@ -367,8 +367,13 @@ class GroupManager : public peer::PeerEvents {
   // What the publisher needs to know of a publishing rank's group: CheckCaller's errors.
   struct PublisherGroup {
     int32_t world_size = 0;
-    bool multi = false;      // its ranks join through several daemons
-    int64_t owner_uid = -1;  // the group's uid
+    bool multi = false;       // its ranks join through several daemons
+    int64_t owner_uid = -1;   // the group's uid
+    int32_t local_ranks = 0;  // of this daemon
+    // Multi-daemon groups: the peer address of rank 0's daemon (the publish leader; empty
+    // when that is this daemon) and the group's token (for calls to the other daemons).
+    std::string leader;
+    std::string token;
   };
   absl::StatusOr<PublisherGroup> CheckPublisher(const Caller& caller) const;
   // Checkpoints::ReadCommitted (documented there).

@@ -122,6 +122,11 @@ ABSL_FLAG(bool, ephemeral, false,
 ABSL_FLAG(int32_t, weights_keep, 2,
           "published weights: newest versions kept per name (README \"Publishing weights\"); "
           "older ones are freed once no reader holds them");
+ABSL_FLAG(std::vector<std::string>, weights_sources, {},
+          "published weights across daemons: comma-separated peer addresses (host:port of their "
+          "--peer_address) of daemons of the publishing group; a reader that opens a name here "
+          "gets a local copy of the newest (or asked) version, copied once from them (README "
+          "\"Published weights across daemons\")");
 ABSL_FLAG(bool, keep_shards, true,
           "unless --ephemeral: SIGTERM leaves shards, gradient shards and committed copies "
           "(and their records) for the next daemon; false: SIGTERM frees everything");
@@ -130,6 +135,9 @@ ABSL_FLAG(bool, state_fsync, true,
           "false: no fsync, appends and renames alone (records then "
           "survive the daemon's death, kill -9 or OOM, but not a machine crash, which the "
           "shared-memory shards do not survive either); saves the fsyncs of every commit");
+ABSL_FLAG(absl::Duration, testing_weights_copy_pause, absl::ZeroDuration(),
+          "testing only: a copy of published weights to another daemon sends its descriptor, "
+          "then waits this long before the bytes");
 ABSL_FLAG(absl::Duration, testing_commit_copy_pause, absl::ZeroDuration(),
           "testing only: each commit copy tears its committed copy and pauses this long");
 ABSL_FLAG(std::string, log_level, "info",
@@ -307,8 +315,10 @@ int main(int argc, char** argv) {
   config.state_dir_why = state_dir->why;
   config.keep_shards = absl::GetFlag(FLAGS_keep_shards);
   config.weights_keep = absl::GetFlag(FLAGS_weights_keep);
+  config.weights_sources = absl::GetFlag(FLAGS_weights_sources);
   config.state_fsync = absl::GetFlag(FLAGS_state_fsync);
   config.testing_commit_copy_pause = absl::GetFlag(FLAGS_testing_commit_copy_pause);
+  config.testing_weights_copy_pause = absl::GetFlag(FLAGS_testing_weights_copy_pause);
   config.socket_group = absl::GetFlag(FLAGS_socket_group);
   if (auto uids = flatshard::server::access::ParseUidList(absl::GetFlag(FLAGS_allowed_uids));
       uids.ok()) {

@@ -93,6 +93,10 @@ struct CommittedCopies {
   std::vector<std::vector<std::shared_ptr<Buffer>>> by_unit;
   uint64_t generation = 0;
   int64_t owner_uid = -1;  // the group's
+  // Multi-daemon groups: the other daemons' peer addresses (they hold the other ranks'
+  // copies) and the group's token; empty otherwise.
+  std::vector<std::string> peers;
+  std::string token;
 };
 
 class Checkpoints {
@@ -107,10 +111,11 @@ class Checkpoints {
   absl::StatusOr<CheckpointResult> LoadCheckpoint(const CheckpointArgs& args,
                                                   CheckpointProgress* progress);
   // Calls `read` with the committed copies of every rank of `args.module`, held still (no
-  // commit copies into them meanwhile; commits that land wait), on this thread. Errors: the
-  // hold's (as SaveCheckpoint's: NOT_FOUND, PERMISSION_DENIED, DEADLINE_EXCEEDED while copies
-  // do not come to rest within args.wait); FAILED_PRECONDITION naming the group for a group
-  // whose ranks are spread over several daemons; `read`'s error.
+  // commit copies into them meanwhile; commits that land wait), on this thread. Multi-daemon
+  // groups: this daemon's ranks only (CommittedCopies::peers hold the others); args.from_peer
+  // with the group's token for another daemon's request. Errors: the hold's (as
+  // SaveCheckpoint's: NOT_FOUND, PERMISSION_DENIED, DEADLINE_EXCEEDED while copies do not come
+  // to rest within args.wait); `read`'s error.
   absl::Status ReadCommitted(const CheckpointArgs& args,
                              const std::function<absl::Status(const CommittedCopies&)>& read);
 

@@ -15,14 +15,6 @@ absl::Status Checkpoints::ReadCommitted(
   CheckpointProgress progress;
   FS_ASSIGN_OR_RETURN(CheckpointHold hold, HoldForCheckpoint(args, /*load=*/false, &progress));
   auto status = [&]() -> absl::Status {
-    // Each daemon holds only its own ranks' copies; gathering the others' is not built yet.
-    if (!hold.peers.empty()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("group ", hold.group, " module \"", hold.module,
-                       "\": its ranks are spread over ", hold.peers.size() + 1,
-                       " daemons; publishing weights needs every rank of the group on one daemon "
-                       "(multi-daemon publish is not supported yet)"));
-    }
     CommittedCopies c;
     c.group = hold.group;
     c.module = hold.module;
@@ -32,6 +24,8 @@ absl::Status Checkpoints::ReadCommitted(
     c.ranks = hold.ranks;
     c.generation = hold.generation;
     c.owner_uid = hold.owner_uid;
+    c.peers = hold.peers;
+    c.token = hold.token;
     for (size_t i = 0; i < hold.ranks.size(); ++i) {
       // GPU ranks: device copies go through host buffers (HostCopies), freed after `read`.
       FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host,

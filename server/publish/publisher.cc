@@ -13,6 +13,7 @@
 #include "server/group/access.h"
 #include "server/group_manager.h"
 #include "server/metrics/registry.h"
+#include "server/publish/distributed_publish.h"
 #include "server/publish/segment_grant.h"
 #include "server/shard_store.h"
 
@@ -48,6 +49,13 @@ struct Publisher::Batch {
 struct Publisher::Job {
   PublishArgs args;
   std::vector<PublishDone> done;
+  // Multi-daemon groups: the publish's number here, the leader's peer address (empty: this
+  // daemon leads) and the group's token.
+  bool multi = false;
+  uint64_t seq = 0;
+  std::string leader;
+  std::string token;
+  int64_t owner_uid = -1;
 };
 
 namespace {
@@ -87,6 +95,16 @@ const WeightsMetrics& Metrics() {
 }
 
 std::string Quoted(const std::string& name) { return absl::StrCat("\"", name, "\""); }
+
+WeightsDescriptor DescriptorOf(const WeightsInfo& info, const Buffer& b,
+                               const WeightsLayout& layout) {
+  WeightsDescriptor d;
+  d.info = info;
+  d.segment = b.segment_name();
+  d.segment_bytes = b.segment_bytes();
+  d.tensors = layout.entries;
+  return d;
+}
 
 std::string OwnerText(int64_t uid) {
   return uid < 0 ? "remote (TCP) callers" : absl::StrCat("uid ", uid);
@@ -167,11 +185,10 @@ void Publisher::Publish(PublishArgs args, PublishDone done) {
     done(group.status());
     return;
   }
-  if (group->multi) {
-    done(absl::FailedPreconditionError(absl::StrCat(
-        "Publish: group ", args.caller.group,
-        " has ranks on several daemons; publishing weights needs every rank of the group on "
-        "one daemon (multi-daemon publish is not supported yet)")));
+  if (group->multi && options_.distributed == nullptr) {
+    done(absl::FailedPreconditionError(
+        absl::StrCat("Publish: group ", args.caller.group,
+                     " has ranks on several daemons and this daemon has no peer channels")));
     return;
   }
   std::vector<PublishDone> failed;
@@ -187,7 +204,8 @@ void Publisher::Publish(PublishArgs args, PublishDone done) {
       if (batch == nullptr) {
         batch = std::make_unique<Batch>();
         batch->first = args;
-        batch->world_size = group->world_size;
+        // Multi-daemon groups: this daemon's ranks (the leader waits for the others').
+        batch->world_size = group->multi ? group->local_ranks : group->world_size;
       }
       if (absl::Status s = Compare(batch->first, args); !s.ok()) {
         // Ranks that disagree: nobody publishes (the others would wait for nothing).
@@ -211,6 +229,13 @@ void Publisher::Publish(PublishArgs args, PublishDone done) {
           Job job;
           job.args = batch->first;
           for (auto& [rank, d] : batch->arrived) job.done.push_back(std::move(d));
+          if (group->multi) {
+            job.multi = true;
+            job.seq = options_.distributed->rounds().Arrived(bkey.first, bkey.second, group->token);
+            job.leader = group->leader;
+            job.token = group->token;
+            job.owner_uid = group->owner_uid;
+          }
           batches_.erase(bkey);
           jobs_.push_back(std::move(job));
         }
@@ -304,8 +329,14 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const
     if (!reused && v->layout.bytes > 0) {
       (void)::madvise(v->buffer->data(), static_cast<size_t>(v->layout.bytes), kPopulateWrite);
     }
-    FS_RETURN_IF_ERROR(FillWeights(c.plan, v->layout, c.ranks, c.by_unit, v->buffer->data(),
-                                   options_.fill_threads));
+    std::vector<int32_t> ranks = c.ranks;
+    std::vector<std::vector<std::shared_ptr<Buffer>>> by_unit = c.by_unit;
+    if (!c.peers.empty()) {  // the leader of a multi-daemon group: the others' shards too
+      FS_RETURN_IF_ERROR(
+          options_.distributed->GatherShards(c, job.seq, a.deadline, &ranks, &by_unit));
+    }
+    FS_RETURN_IF_ERROR(
+        FillWeights(c.plan, v->layout, ranks, by_unit, v->buffer->data(), options_.fill_threads));
     Metrics().copied.WithLabels({}).Increment(static_cast<double>(v->layout.bytes));
     if (reused) Metrics().reused.WithLabels({}).Increment();
     v->info.generation = c.generation;
@@ -337,7 +368,25 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const
 
 void Publisher::Build(Job job) {
   const absl::Time start = absl::Now();
-  absl::StatusOr<std::shared_ptr<Version>> made = MakeVersion(job);
+  absl::StatusOr<std::shared_ptr<Version>> made;
+  if (job.multi && !job.leader.empty()) {
+    // Not the leader: the version the leader built for this publish, copied here.
+    absl::StatusOr<CopiedVersion> copy = options_.distributed->FetchFromLeader(
+        {job.leader, job.args.caller.group, job.token, job.args.module, job.seq, job.args.name,
+         job.owner_uid, job.args.deadline});
+    made = copy.ok() ? FromCopy(*std::move(copy)) : copy.status();
+  } else {
+    made = MakeVersion(job);
+    // Multi-daemon: a commit landed between the daemons' holds; read them all again.
+    for (int attempt = 2;
+         job.multi && attempt <= 5 && made.status().code() == absl::StatusCode::kAborted;
+         ++attempt) {
+      FS_LOG(INFO) << "publish of weights " << Quoted(job.args.name) << ": " << made.status()
+                   << "; reading again";
+      absl::SleepFor(absl::Milliseconds(20 * attempt));
+      made = MakeVersion(job);
+    }
+  }
   absl::StatusOr<WeightsInfo> result =
       made.ok() ? absl::StatusOr<WeightsInfo>(WeightsInfo{}) : made.status();
   std::vector<std::shared_ptr<Version>> freed;
@@ -345,17 +394,13 @@ void Publisher::Build(Job job) {
   if (made.ok()) {
     std::shared_ptr<Version> v = *made;
     absl::MutexLock lock(&mu_);
-    const Key key{v->info.owner_uid, v->info.name};
-    v->info.version = ++last_version_[key];
-    table_[key][v->info.version] = v;
-    TrimLocked(key, &freed);
-    for (const auto& [id, w] : watches_) {
-      if (w.key == key && CheckReader(*v, w.uid, w.token, Admin(w.uid)).ok()) {
-        notify.emplace_back(w.watcher, v->info);
-      }
-    }
-    UpdateGaugesLocked();
+    InsertLocked(v, &freed, &notify);
     result = v->info;
+  }
+  if (job.multi && job.leader.empty()) {  // the other daemons copy it now (or fail with it)
+    options_.distributed->rounds().Done(
+        job.args.caller.group, job.args.module, job.seq,
+        result.ok() ? absl::StatusOr<uint64_t>(result->version) : result.status());
   }
   Recycle(&freed);  // after the lock
   Metrics().publishes.WithLabels({absl::StatusCodeToString(result.status().code())}).Increment();
@@ -371,8 +416,30 @@ void Publisher::Build(Job job) {
   }
   for (auto& [w, info] : notify) w->Deliver(info);
   // Restarts: the newest version goes to the state directory before Publish is answered.
-  if (made.ok() && files_.enabled()) {
-    const Version& v = **made;
+  if (made.ok()) Store(**made);
+  for (PublishDone& d : job.done) d(result);
+}
+
+void Publisher::InsertLocked(
+    const std::shared_ptr<Version>& v, std::vector<std::shared_ptr<Version>>* freed,
+    std::vector<std::pair<std::shared_ptr<WeightsWatcher>, WeightsInfo>>* notify) {
+  const Key key{v->info.owner_uid, v->info.name};
+  uint64_t& last = last_version_[key];
+  if (v->info.version == 0) v->info.version = last + 1;
+  last = std::max(last, v->info.version);
+  table_[key][v->info.version] = v;
+  TrimLocked(key, freed);
+  for (const auto& [id, w] : watches_) {
+    if (w.key == key && CheckReader(*v, w.uid, w.token, Admin(w.uid)).ok()) {
+      notify->emplace_back(w.watcher, v->info);
+    }
+  }
+  UpdateGaugesLocked();
+}
+
+void Publisher::Store(const Version& v) {
+  if (!files_.enabled()) return;
+  {
     StoredWeights meta{v.info.name,
                        v.info.owner_uid,
                        v.info.version,
@@ -389,7 +456,67 @@ void Publisher::Build(Job job) {
                       << " was published but will not survive a restart: " << s;
     }
   }
-  for (PublishDone& d : job.done) d(result);
+}
+
+absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::FromCopy(CopiedVersion copy) {
+  auto v = std::make_shared<Version>();
+  v->info = std::move(copy.info);
+  v->info.readers = 0;
+  v->buffer = std::move(copy.buffer);
+  v->layout = std::move(copy.layout);
+  v->reader_uids = std::move(copy.reader_uids);
+  v->token = std::move(copy.token);
+  const int fd = v->buffer->segment_fd();
+  if (fd >= 0) {
+    FS_RETURN_IF_ERROR(SealReadOnly(fd));
+    for (int64_t u : v->reader_uids) {
+      if (u >= 0 && u != v->info.owner_uid) v->acl.push_back(u);
+    }
+    if (!v->acl.empty()) FS_RETURN_IF_ERROR(GrantRead(fd, v->acl));
+  }
+  return v;
+}
+
+absl::StatusOr<WeightsInfo> Publisher::AddCopy(CopiedVersion copy) {
+  FS_ASSIGN_OR_RETURN(std::shared_ptr<Version> v, FromCopy(std::move(copy)));
+  std::vector<std::shared_ptr<Version>> freed;
+  std::vector<std::pair<std::shared_ptr<WeightsWatcher>, WeightsInfo>> notify;
+  WeightsInfo info;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::UnavailableError("flatshardd is shutting down");
+    const Key key{v->info.owner_uid, v->info.name};
+    auto& versions = table_[key];
+    if (auto it = versions.find(v->info.version); it != versions.end()) {
+      info = it->second->info;  // another copy of it came first: keep that one
+      freed.push_back(std::move(v));
+    } else {
+      InsertLocked(v, &freed, &notify);
+      info = v->info;
+    }
+  }
+  Recycle(&freed);  // after the lock
+  for (auto& [w, i] : notify) w->Deliver(i);
+  return info;
+}
+
+absl::StatusOr<ExportedVersion> Publisher::Export(const WeightsSelector& selector,
+                                                  int64_t uid) const {
+  absl::MutexLock lock(&mu_);
+  FS_ASSIGN_OR_RETURN(std::shared_ptr<Version> v, FindLocked(selector, uid));
+  ExportedVersion out;
+  out.descriptor = DescriptorOf(v->info, *v->buffer, v->layout);
+  out.reader_uids = v->reader_uids;
+  out.token = v->token;
+  out.data = static_cast<const char*>(v->buffer->data());
+  out.hold = v;  // the buffer is not freed while the copy is sent
+  return out;
+}
+
+uint64_t Publisher::Newest(int64_t owner_uid, const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = table_.find(Key{owner_uid, name});
+  return it == table_.end() || it->second.empty() ? 0 : it->second.rbegin()->first;
 }
 
 int Publisher::Adopt() {
@@ -496,18 +623,6 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::FindLocked(
   FS_RETURN_IF_ERROR(CheckReader(*v, uid, selector.token, Admin(uid)));
   return v;
 }
-
-namespace {
-WeightsDescriptor DescriptorOf(const WeightsInfo& info, const Buffer& b,
-                               const WeightsLayout& layout) {
-  WeightsDescriptor d;
-  d.info = info;
-  d.segment = b.segment_name();
-  d.segment_bytes = b.segment_bytes();
-  d.tensors = layout.entries;
-  return d;
-}
-}  // namespace
 
 absl::StatusOr<WeightsDescriptor> Publisher::Open(const WeightsSelector& selector, int64_t uid,
                                                   uint64_t* lease) {

@@ -20,9 +20,13 @@
 //   allocated for the owner uid, so the bytes count against that uid's quota and the daemon's
 //   memory limit). Sealed read-only (mode 0400) and only then inserted in the table: readers
 //   see all of it or nothing; a publisher or daemon killed before the insert leaves nothing.
-// - Groups whose ranks join through several daemons are refused (FAILED_PRECONDITION naming
-//   the group): each daemon holds only its own ranks' committed copies and gathering them is
-//   not built yet.
+// - Groups whose ranks join through several daemons (distributed_publish.h): each daemon's
+//   batch is its own ranks; rank 0's daemon (the leader) builds the version from its copies
+//   and the other daemons' (WeightsPeerService.ReadShards, once they hold publish `seq`), and
+//   every other daemon copies that version (FetchVersion) and inserts it under the leader's
+//   number and generation. A version exists on a daemon only once complete there.
+// - Versions copied from another daemon (AddCopy: the multi-daemon followers, a reader's
+//   daemon pulling from --weights_sources, weights_puller.h) keep the source's number.
 // - Access: the owner uid, the uids the publisher granted and callers presenting the granted
 //   token may open a version; admin callers (root, the daemon's uid) may list, inspect and
 //   drop everything. A reader of another uid is added to the segment's ACL when admitted
@@ -115,6 +119,28 @@ class WeightsWatcher {
   virtual void Deliver(const WeightsInfo& version) = 0;
 };
 
+// A whole version copied from another daemon (weights_peer_client.h); its number and
+// generation are the source's. The buffer is filled, not yet sealed.
+struct CopiedVersion {
+  WeightsInfo info;
+  std::shared_ptr<Buffer> buffer;
+  WeightsLayout layout;
+  std::vector<int64_t> reader_uids;
+  std::string token;
+};
+
+// A version held for sending to another daemon: `data` stays valid while `hold` lives.
+struct ExportedVersion {
+  WeightsDescriptor descriptor;
+  std::vector<int64_t> reader_uids;
+  std::string token;
+  const char* data = nullptr;
+  std::shared_ptr<const void> hold;
+};
+
+class DistributedPublish;
+class PublishRounds;
+
 struct PublisherOptions {
   ShardStore* store = nullptr;
   GroupManager* groups = nullptr;
@@ -124,6 +150,8 @@ struct PublisherOptions {
   // Where the newest version of each name is kept across restarts ("<state_dir>/weights");
   // empty: nowhere.
   std::string files_dir;
+  // Multi-daemon groups (the daemon's peer channels); null: such groups are refused.
+  DistributedPublish* distributed = nullptr;
 };
 
 class Publisher {
@@ -176,6 +204,16 @@ class Publisher {
   // how many were removed.
   absl::StatusOr<int> Drop(const WeightsSelector& selector, int64_t uid);
 
+  // Inserts a version copied from another daemon under its own number (seals it and grants
+  // its reader uids first). A number this daemon has already is kept as it is (the copy is
+  // dropped). Returns what is in the table. UNAVAILABLE after Shutdown. Copies are not
+  // written to the state directory (a restarted daemon copies them again).
+  absl::StatusOr<WeightsInfo> AddCopy(CopiedVersion copy);
+  // The selected version held for another daemon, checked for reader `uid` (Open's errors).
+  absl::StatusOr<ExportedVersion> Export(const WeightsSelector& selector, int64_t uid) const;
+  // The newest version number of (owner uid, name) here; 0: none.
+  uint64_t Newest(int64_t owner_uid, const std::string& name) const;
+
   // Fails pending arrivals (UNAVAILABLE) and stops the worker. Idempotent.
   void Shutdown();
 
@@ -202,6 +240,15 @@ class Publisher {
   absl::StatusOr<std::shared_ptr<Version>> MakeVersion(const Job& job);
   // Hands what `freed` solely owns to spares_ (after mu_), and frees the rest.
   void Recycle(std::vector<std::shared_ptr<Version>>* freed);
+  // A copied version sealed read-only with its reader uids granted, ready to insert.
+  static absl::StatusOr<std::shared_ptr<Version>> FromCopy(CopiedVersion copy);
+  // Inserts a complete sealed version (number v->info.version, or the next one when 0), trims,
+  // and collects the watchers to tell. REQUIRES: mu_.
+  void InsertLocked(const std::shared_ptr<Version>& v, std::vector<std::shared_ptr<Version>>* freed,
+                    std::vector<std::pair<std::shared_ptr<WeightsWatcher>, WeightsInfo>>* notify)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes the newest version to the state directory (when there is one); logs failures.
+  void Store(const Version& v);
 
   const PublisherOptions options_;
   WeightsFiles files_;  // used by the worker and Adopt only

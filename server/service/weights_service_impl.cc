@@ -12,6 +12,7 @@
 #include "common/status_macros.h"
 #include "server/access/access_control.h"
 #include "server/metrics/metered_reactor.h"
+#include "server/publish/weights_puller.h"
 
 namespace flatshard::server {
 namespace {
@@ -63,27 +64,26 @@ Reactor* Refuse(Reactor* reactor, const absl::Status& status) {
 // A reader's lease: writes the descriptor, then holds the version until the call ends.
 class OpenReactor final : public grpc::ServerWriteReactor<v1::OpenWeightsResponse> {
  public:
-  OpenReactor(Publisher* publisher, absl::StatusOr<int64_t> uid,
+  // `puller` (may be null): the version is first copied from --weights_sources when needed,
+  // on the puller's thread; the call counts as writing meanwhile (a cancel waits for it).
+  OpenReactor(Publisher* publisher, WeightsPuller* puller, absl::StatusOr<int64_t> uid,
               const v1::OpenWeightsRequest& request)
       : publisher_(publisher) {
     absl::StatusOr<WeightsSelector> sel = SelectorOf("OpenWeights", request.selector());
     absl::Status s = uid.ok() ? sel.status() : uid.status();
-    if (s.ok()) {
-      absl::StatusOr<WeightsDescriptor> d = publisher_->Open(*sel, *uid, &lease_);
-      if (d.ok()) {
-        FillDescriptor(*d, &response_);
-      } else {
-        s = d.status();
-        lease_ = 0;
-      }
-    }
     if (!s.ok()) {
       finished_ = true;
       Finish(ToGrpcStatus(s));
       return;
     }
     writing_ = true;
-    StartWrite(&response_);
+    if (puller == nullptr) {
+      OpenNow(*sel, *uid, absl::OkStatus());
+      return;
+    }
+    puller->RefreshAsync(*sel, *uid, [this, sel = *sel, uid = *uid](absl::Status pulled) {
+      OpenNow(sel, uid, pulled);
+    });
   }
   void OnWriteDone(bool ok) override {
     bool finish = false;
@@ -115,6 +115,34 @@ class OpenReactor final : public grpc::ServerWriteReactor<v1::OpenWeightsRespons
   void End(grpc::Status status) {
     Release();
     Finish(std::move(status));
+  }
+  // Takes the lease and writes the descriptor (REQUIRES: writing_, set by the constructor).
+  void OpenNow(const WeightsSelector& sel, int64_t uid, absl::Status s) {
+    if (s.ok()) {
+      absl::StatusOr<WeightsDescriptor> d = publisher_->Open(sel, uid, &lease_);
+      if (d.ok()) {
+        FillDescriptor(*d, &response_);
+      } else {
+        s = d.status();
+        lease_ = 0;
+      }
+    }
+    bool cancelled = false;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled = cancelled_;
+      if (!s.ok() || cancelled) {
+        writing_ = false;
+        finished_ = true;
+      }
+    }
+    if (!s.ok()) {
+      End(ToGrpcStatus(s));
+    } else if (cancelled) {
+      End(grpc::Status::CANCELLED);
+    } else {
+      StartWrite(&response_);
+    }
   }
 
   Publisher* const publisher_;
@@ -297,7 +325,7 @@ grpc::ServerUnaryReactor* WeightsServiceImpl::Publish(grpc::CallbackServerContex
 
 grpc::ServerWriteReactor<v1::OpenWeightsResponse>* WeightsServiceImpl::OpenWeights(
     grpc::CallbackServerContext* ctx, const v1::OpenWeightsRequest* request) {
-  return new OpenReactor(publisher_, CallerUid(ctx), *request);
+  return new OpenReactor(publisher_, puller_, CallerUid(ctx), *request);
 }
 
 grpc::ServerWriteReactor<v1::PublishedVersion>* WeightsServiceImpl::WatchWeights(

@@ -13,14 +13,17 @@ namespace flatshard::server {
 namespace access {
 class AccessControl;
 }
+class WeightsPuller;
 
 class WeightsServiceImpl final : public v1::WeightsService::CallbackService {
  public:
   // `access` (may be null: every caller has uid -1) tells each call's uid. Both pointers must
   // outlive the service. `default_wait` bounds a Publish whose RPC carries no deadline.
+  // `puller` (may be null: no --weights_sources): OpenWeights copies versions from the
+  // sources first (weights_puller.h).
   WeightsServiceImpl(Publisher* publisher, const access::AccessControl* access,
-                     absl::Duration default_wait)
-      : publisher_(publisher), access_(access), default_wait_(default_wait) {}
+                     absl::Duration default_wait, WeightsPuller* puller = nullptr)
+      : publisher_(publisher), access_(access), default_wait_(default_wait), puller_(puller) {}
 
   grpc::ServerUnaryReactor* Publish(grpc::CallbackServerContext* ctx,
                                     const v1::PublishRequest* request,
@@ -45,6 +48,7 @@ class WeightsServiceImpl final : public v1::WeightsService::CallbackService {
   Publisher* const publisher_;
   const access::AccessControl* const access_;
   const absl::Duration default_wait_;
+  WeightsPuller* const puller_;
 };
 
 }  // namespace flatshard::server

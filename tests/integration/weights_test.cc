@@ -6,7 +6,8 @@
 //   - readers map it read-only; a lease keeps a version past keep-K, its end (also a reader
 //     killed with SIGKILL) frees it; Drop; watch wakes on a new version;
 //   - named errors: unknown names and versions, other owners, ranks that disagree or do not
-//     call, a uid quota too small, a group spread over two daemons, a daemon restart;
+//     call, a uid quota too small, a daemon restart (groups on several daemons:
+//     weights_multi_test);
 //   - a publisher killed with SIGKILL at random points leaves no partial version.
 
 #include <fcntl.h>
@@ -428,16 +429,6 @@ TEST(WeightsTest, QuotaTooSmallRefusesNamingTheUidAndPublishesNothing) {
   EXPECT_EQ(d.daemon(0).Segments().size(), segments);
   std::unique_ptr<WeightsReader> r = Reader(d.AddressFor(0));
   EXPECT_TRUE(Versions(*r, "big").empty());
-}
-
-TEST(WeightsTest, AGroupOnTwoDaemonsIsRefusedByName) {
-  Cluster d(Layout::kTwoDaemons);
-  Trainers t(d, 2, "spread");
-  t.Step(1, true);
-  for (const auto& p : t.Publish("gpt")) {
-    EXPECT_EQ(p.status().code(), absl::StatusCode::kFailedPrecondition) << p.status();
-    EXPECT_THAT(p.status().message(), HasSubstr("group spread has ranks on several daemons"));
-  }
 }
 
 TEST(WeightsTest, VersionsDoNotSurviveARestartAndReadersAreToldSo) {

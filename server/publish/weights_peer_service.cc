@@ -1,0 +1,145 @@
+#include "server/publish/weights_peer_service.h"
+
+#include <algorithm>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/dtype.h"
+#include "common/grpc_status.h"
+#include "common/status_macros.h"
+#include "server/group_manager.h"
+#include "server/publish/publish_rounds.h"
+#include "server/publish/publisher.h"
+
+namespace flatshard::server {
+namespace {
+
+constexpr int64_t kChunk = 4 << 20;  // bytes per message
+
+v1::DType ToProtoDType(DType d) { return static_cast<v1::DType>(static_cast<int>(d) + 1); }
+
+absl::Time DeadlineOf(int64_t wait_ms) {
+  return absl::Now() + absl::Milliseconds(std::max<int64_t>(0, wait_ms));
+}
+
+}  // namespace
+
+void WeightsPeerServiceImpl::SetTargets(GroupManager* groups, Publisher* publisher,
+                                        PublishRounds* rounds) {
+  groups_.store(groups);
+  publisher_.store(publisher);
+  rounds_.store(rounds);
+}
+
+grpc::Status WeightsPeerServiceImpl::ReadShards(grpc::ServerContext* ctx,
+                                                const v1::ReadShardsRequest* request,
+                                                grpc::ServerWriter<v1::ShardChunk>* writer) {
+  GroupManager* groups = groups_.load();
+  PublishRounds* rounds = rounds_.load();
+  if (groups == nullptr || rounds == nullptr || stopped_.load()) {
+    return ToGrpcStatus(absl::UnavailableError("flatshardd is not serving published weights"));
+  }
+  const absl::Time deadline = DeadlineOf(request->wait_ms());
+  // The publish is collective: this daemon's ranks must have called it too.
+  if (absl::Status s =
+          rounds->AwaitArrived(request->group(), request->module(), request->seq(), deadline);
+      !s.ok()) {
+    return ToGrpcStatus(s);
+  }
+  CheckpointArgs args;
+  args.group = request->group();
+  args.module = request->module();
+  args.token = request->token();
+  args.from_peer = true;
+  args.wait = std::max(absl::Seconds(1), deadline - absl::Now());
+  const absl::Status s = groups->ReadCommitted(args, [&](const CommittedCopies& c) {
+    v1::ShardChunk header;
+    header.set_generation(c.generation);
+    for (int32_t r : c.ranks) header.add_ranks(r);
+    if (!writer->Write(header)) return absl::CancelledError("the reading daemon went away");
+    v1::ShardChunk chunk;
+    for (size_t i = 0; i < c.ranks.size(); ++i) {
+      for (const PlanUnit& u : c.plan.units) {
+        const std::shared_ptr<Buffer>& b =
+            u.index < static_cast<int32_t>(c.by_unit[i].size()) ? c.by_unit[i][u.index] : nullptr;
+        if (b == nullptr) continue;
+        const int64_t bytes = u.shard_numel * ItemSize(u.dtype);
+        for (int64_t off = 0; off < bytes; off += kChunk) {
+          chunk.set_rank(c.ranks[i]);
+          chunk.set_unit(u.index);
+          chunk.set_offset(off);
+          chunk.set_data(static_cast<const char*>(b->data()) + off,
+                         static_cast<size_t>(std::min(kChunk, bytes - off)));
+          if (ctx->IsCancelled() || !writer->Write(chunk)) {
+            return absl::CancelledError("the reading daemon went away");
+          }
+        }
+      }
+    }
+    return absl::OkStatus();
+  });
+  return ToGrpcStatus(s);
+}
+
+grpc::Status WeightsPeerServiceImpl::FetchVersion(grpc::ServerContext* ctx,
+                                                  const v1::FetchVersionRequest* request,
+                                                  grpc::ServerWriter<v1::VersionChunk>* writer) {
+  Publisher* publisher = publisher_.load();
+  PublishRounds* rounds = rounds_.load();
+  if (publisher == nullptr || rounds == nullptr || stopped_.load()) {
+    return ToGrpcStatus(absl::UnavailableError("flatshardd is not serving published weights"));
+  }
+  WeightsSelector selector{request->name(), request->owner_uid(), request->version(),
+                           request->reader_token()};
+  int64_t uid = request->reader_uid();
+  if (request->seq() > 0) {
+    // The version this daemon (the leader) built for a collective publish.
+    absl::StatusOr<uint64_t> built =
+        rounds->AwaitDone(request->group(), request->module(), request->token(), request->seq(),
+                          DeadlineOf(request->wait_ms()));
+    if (!built.ok()) return ToGrpcStatus(built.status());
+    selector.version = *built;
+    uid = 0;  // one of the group's daemons: the token above was the group's
+  }
+  absl::StatusOr<ExportedVersion> v = publisher->Export(selector, uid);
+  if (!v.ok()) return ToGrpcStatus(v.status());
+  v1::VersionChunk header;
+  const WeightsDescriptor& d = v->descriptor;
+  v1::PublishedVersion* info = header.mutable_weights()->mutable_version();
+  info->set_name(d.info.name);
+  info->set_owner_uid(d.info.owner_uid);
+  info->set_version(d.info.version);
+  info->set_generation(d.info.generation);
+  info->set_bytes(d.info.bytes);
+  info->set_tensors(d.info.tensors);
+  info->set_group(d.info.group);
+  info->set_module(d.info.module);
+  for (const WeightsEntry& e : d.tensors) {
+    v1::WeightsTensor* t = header.mutable_weights()->add_tensors();
+    t->set_name(e.name);
+    t->set_dtype(ToProtoDType(e.dtype));
+    for (int64_t s : e.shape) t->add_shape(s);
+    t->set_offset(static_cast<uint64_t>(e.offset));
+    t->set_bytes(static_cast<uint64_t>(e.bytes));
+  }
+  for (int64_t u : v->reader_uids) header.add_reader_uids(u);
+  header.set_reader_token(v->token);
+  header.set_not_newer(request->newer_than() > 0 && d.info.version <= request->newer_than());
+  if (!writer->Write(header)) return grpc::Status::CANCELLED;
+  if (header.not_newer() || request->length() < 0) return grpc::Status::OK;
+  if (request->seq() == 0 && testing_copy_pause_ > absl::ZeroDuration()) {
+    absl::SleepFor(testing_copy_pause_);
+  }
+  const int64_t bytes = d.info.bytes;
+  const int64_t lo = std::clamp<int64_t>(request->offset(), 0, bytes);
+  const int64_t hi = request->length() == 0 ? bytes : std::min(bytes, lo + request->length());
+  v1::VersionChunk chunk;
+  for (int64_t off = lo; off < hi; off += kChunk) {
+    chunk.set_offset(off);
+    chunk.set_data(v->data + off, static_cast<size_t>(std::min(kChunk, hi - off)));
+    if (ctx->IsCancelled() || !writer->Write(chunk)) return grpc::Status::CANCELLED;
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace flatshard::server

@@ -1,0 +1,50 @@
+#pragma once
+// WeightsPeerService (proto/flatshard/v1/weights_peer.proto) on the peer port: other daemons
+// read this daemon's committed shards of a publish (ReadShards) and copy its versions
+// (FetchVersion). gRPC's synchronous API: a call is a thread of the server's pool that sends
+// chunks as fast as the stream takes them, holding the copies (a hold on the committed shards,
+// a reference on the version) until the last one is sent.
+//
+// Peers are trusted as for checkpoints: calls about a group carry its token; copies of a
+// version by name carry the reader's uid (or token) and are checked as OpenWeights checks
+// them. Thread-safe.
+
+#include <atomic>
+
+#include "absl/time/time.h"
+#include "flatshard/v1/weights_peer.grpc.pb.h"
+
+namespace flatshard::server {
+
+class GroupManager;
+class Publisher;
+class PublishRounds;
+
+class WeightsPeerServiceImpl final : public v1::WeightsPeerService::Service {
+ public:
+  // `testing_copy_pause` (tests only, --testing_weights_copy_pause): a copy of a version by
+  // name sends its descriptor, then waits this long before the bytes (a source daemon can
+  // be killed mid-copy).
+  explicit WeightsPeerServiceImpl(absl::Duration testing_copy_pause = absl::ZeroDuration())
+      : testing_copy_pause_(testing_copy_pause) {}
+
+  // Until set (the daemon makes them after the peer port), calls answer UNAVAILABLE. The
+  // pointers must outlive the server (or Stop first).
+  void SetTargets(GroupManager* groups, Publisher* publisher, PublishRounds* rounds);
+  // Later calls answer UNAVAILABLE (the ones in flight end with their streams).
+  void Stop() { stopped_.store(true); }
+
+  grpc::Status ReadShards(grpc::ServerContext* ctx, const v1::ReadShardsRequest* request,
+                          grpc::ServerWriter<v1::ShardChunk>* writer) override;
+  grpc::Status FetchVersion(grpc::ServerContext* ctx, const v1::FetchVersionRequest* request,
+                            grpc::ServerWriter<v1::VersionChunk>* writer) override;
+
+ private:
+  std::atomic<GroupManager*> groups_{nullptr};
+  std::atomic<Publisher*> publisher_{nullptr};
+  std::atomic<PublishRounds*> rounds_{nullptr};
+  std::atomic<bool> stopped_{false};
+  const absl::Duration testing_copy_pause_;
+};
+
+}  // namespace flatshard::server
