@@ -140,7 +140,7 @@ ABSL_FLAG(std::vector<std::string>, ranks_per_node, std::vector<std::string>({"1
           "r / ranks_per_node; MPI: the same number of processes per node)");
 ABSL_FLAG(std::vector<std::string>, ops, std::vector<std::string>({"allgather"}),
           "collectives of the rows: allgather (Summon vs MPI_Allgather) and/or reduce_scatter "
-          "(ReduceScatterGrads vs MPI_Reduce_scatter_block)");
+          "(ReduceScatterGrads vs MPI_Reduce_scatter)");
 
 namespace flatshard {
 namespace {
@@ -752,7 +752,7 @@ class RankPipe {
 
 // The reduce-scatter rows: every iteration, untimed, BeginReduceScatter and the gradient
 // (rank + 1 everywhere) written; then the barrier and Finish, timed (the collective alone, as
-// MPI_Reduce_scatter_block's buffers are ready before its clock starts). The first
+// MPI_Reduce_scatter's buffers are ready before its clock starts). The first
 // iteration's gradient shard is checked: the sum over ranks everywhere.
 absl::Status ReduceScatterBody(const RankJob& job, client::Client& c, RankPipe& pipe) {
   std::vector<std::pair<double, double>> times;
@@ -1344,7 +1344,7 @@ absl::Status Run() {
                     links != nullptr ? " over the emulated links" : "");
         PrintHeader();
         std::fflush(stdout);
-        const std::string mpi_call = ag ? "MPI_Allgather" : "MPI_Reduce_scatter_block";
+        const std::string mpi_call = ag ? "MPI_Allgather" : "MPI_Reduce_scatter";
         std::optional<MpiResult> mpi;
         if (!absl::GetFlag(FLAGS_skip_mpi)) {
           absl::StatusOr<MpiResult> m =
