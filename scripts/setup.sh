@@ -12,6 +12,7 @@ PACKAGES=(
   clang libclang-rt-14-dev   # libFuzzer for the JSON reader's fuzz target
   clang-format   # scripts/check_format.sh (.clang-format)
   ucx-utils openmpi-bin libopenmpi-dev   # baselines: ucx_perftest, MPI_Allgather
+  iproute2   # emulated nodes (tests/testing/emulated_links.h): ip netns, veth, bridge, tc
   python3 python3-yaml systemd   # tests/deploy: manifests' checks, systemd-analyze verify
   patchelf   # scripts/package.sh: RPATH $ORIGIN/../lib on the bundled binaries
   lintian   # tests/package/deb_test.sh: no lintian error on the .debs

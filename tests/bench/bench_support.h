@@ -375,8 +375,10 @@ class BenchDaemon {
     // functions.
     // The benchmarks time the daemon alone through raw RPCs that open no Lease stream, so the
     // lease bound (--lease_timeout, 10 s by default) must not end their sessions mid-run.
-    std::vector<std::string> args = {binary, "--socket=" + socket_, "--segment_prefix=" + tag,
-                                     "--default_wait=120s", "--lease_timeout=3600s"};
+    // `launcher` first, e.g. {"ip", "netns", "exec", <ns>} for a daemon on an emulated node.
+    std::vector<std::string> args = launcher;
+    args.insert(args.end(), {binary, "--socket=" + socket_, "--segment_prefix=" + tag,
+                             "--default_wait=120s", "--lease_timeout=3600s"});
     // Persistence is flatshardd's default and two daemons may not share a state directory:
     // without a --state_dir of its own a benchmark daemon keeps nothing (--ephemeral), when
     // the binary knows the flag (scripts/bench_ab.sh also runs builds from before it, which
@@ -413,6 +415,9 @@ class BenchDaemon {
                      wait_port > 0 ? absl::StrCat(" and 127.0.0.1:", wait_port) : "",
                      " within 30 s; its log:\n", LogTail()));
   }
+
+  // Prepended to the daemon's command line by Start() (PATH searched): e.g. `ip netns exec`.
+  std::vector<std::string> launcher;
 
   // Stop() also removes `path` (recursively), e.g. a --state_dir outside the socket directory.
   void RemoveOnStop(std::filesystem::path path) {

@@ -50,6 +50,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/statvfs.h>
@@ -94,6 +95,7 @@
 #include "common/status_macros.h"
 #include "flatshard/client.h"
 #include "tests/bench/bench_support.h"
+#include "tests/testing/emulated_links.h"
 
 ABSL_FLAG(int64_t, bytes, int64_t{1} << 30,
           "bytes of the all-gathered unit (float32; rounded down to whole elements)");
@@ -125,6 +127,20 @@ ABSL_FLAG(std::string, mpirun, FS_MPIEXEC, "mpirun (empty: none; the MPI rows ar
 ABSL_FLAG(std::string, mpi_baseline, FS_MPI_BASELINE,
           "the flatshard_mpi_allgather_baseline binary (empty: not built)");
 ABSL_FLAG(std::string, ucx_perftest, "ucx_perftest", "the ucx_perftest binary (PATH is searched)");
+ABSL_FLAG(std::string, link_rate, "",
+          "emulated nodes (README \"Multi-node links\"): every daemon, its ranks and the MPI "
+          "ranks of its node in a network namespace of their own, joined by veth links shaped "
+          "to this rate per direction (tc tbf: 10gbit, 25gbit, 800mbit); empty: daemons on "
+          "this host's loopback. Needs root and iproute2");
+ABSL_FLAG(std::string, link_delay, "50us",
+          "one-way latency of every emulated link (tc netem; where the kernel has no "
+          "sch_netem the links run without it and the header says so)");
+ABSL_FLAG(std::vector<std::string>, ranks_per_node, std::vector<std::string>({"1"}),
+          "ranks per daemon (node) of the collective rows, comma-separated (rank r on daemon "
+          "r / ranks_per_node; MPI: the same number of processes per node)");
+ABSL_FLAG(std::vector<std::string>, ops, std::vector<std::string>({"allgather"}),
+          "collectives of the rows: allgather (Summon vs MPI_Allgather) and/or reduce_scatter "
+          "(ReduceScatterGrads vs MPI_Reduce_scatter)");
 
 namespace flatshard {
 namespace {
@@ -149,7 +165,8 @@ struct Children {
   std::set<BenchDaemon*> daemons ABSL_GUARDED_BY(mu);
   std::set<pid_t> ranks ABSL_GUARDED_BY(mu);
   std::set<pid_t> tool_groups ABSL_GUARDED_BY(mu);
-  fs::path temp_dir ABSL_GUARDED_BY(mu);  // tool logs; removed at exit
+  fs::path temp_dir ABSL_GUARDED_BY(mu);                        // tool logs; removed at exit
+  std::set<testing::EmulatedLinks*> links ABSL_GUARDED_BY(mu);  // torn down last
 };
 Children& children() {
   static Children* c = new Children;
@@ -186,6 +203,7 @@ void SignalThread(sigset_t signals) {
   for (pid_t pid : c.ranks) ::waitpid(pid, nullptr, 0);
   for (pid_t pgid : c.tool_groups) EndToolGroup(pgid, absl::Seconds(3));
   for (BenchDaemon* d : c.daemons) d->Stop();
+  for (testing::EmulatedLinks* l : c.links) l->Teardown();
   if (!c.temp_dir.empty()) {
     std::error_code ec;
     fs::remove_all(c.temp_dir, ec);
@@ -212,7 +230,9 @@ class DaemonSet {
   // Starts daemon `index` ("node<index>") with a fresh peer port; a few tries, since a port
   // picked free may be taken before the daemon binds it.
   absl::Status StartOne(const std::string& binary, const std::string& tag_base, int index,
-                        const std::vector<std::string>& env) {
+                        const std::vector<std::string>& env,
+                        const testing::EmulatedLinks* links = nullptr) {
+    if (links != nullptr) return StartOnNode(binary, tag_base, index, env, *links);
     absl::Status last;
     for (int attempt = 0; attempt < 3; ++attempt) {
       const int port = bench::PickFreeLoopbackPort();
@@ -239,6 +259,48 @@ class DaemonSet {
       d->Stop();
     }
     return absl::Status(last.code(), absl::StrCat("daemon ", index, ": ", last.message()));
+  }
+
+  // Daemon `index` in emulated node `index`'s namespace, its PeerService on the node's address
+  // (a port it picks, read back from --peer_address_file) and UCX on the node's link only
+  // (UCX_TLS=tcp unless --ucx_tls: shared memory between the namespaces would bypass it).
+  absl::Status StartOnNode(const std::string& binary, const std::string& tag_base, int index,
+                           std::vector<std::string> env, const testing::EmulatedLinks& links) {
+    auto d = std::make_unique<BenchDaemon>();
+    {
+      Children& c = children();
+      absl::MutexLock lock(&c.mu);
+      c.daemons.insert(d.get());
+    }
+    const std::string tag = absl::StrCat(tag_base, "n", index, "l");
+    const fs::path peer_file = fs::temp_directory_path() / tag / "peer_address";
+    d->launcher = {"ip", "netns", "exec", links.ns(index)};
+    env.push_back(absl::StrCat("UCX_NET_DEVICES=", testing::EmulatedLinks::kInterface));
+    if (absl::GetFlag(FLAGS_ucx_tls).empty()) env.push_back("UCX_TLS=tcp");
+    // No TLS: the links exist only between this run's private namespaces.
+    absl::Status st = d->Start(
+        binary, tag,
+        {"--peer_address=" + testing::EmulatedLinks::address(index) + ":0",
+         "--peer_address_file=" + peer_file.string(), absl::StrCat("--node_name=node", index),
+         "--ucx_error_handling=" + absl::GetFlag(FLAGS_ucx_error_handling), "--allow_insecure_tcp"},
+        env);
+    std::string peer;
+    for (int i = 0; st.ok() && i < 1000 && peer.empty(); ++i) {
+      peer = std::string(absl::StripAsciiWhitespace(bench::ReadText(peer_file.string())));
+      if (peer.empty()) absl::SleepFor(absl::Milliseconds(10));
+    }
+    if (st.ok() && peer.empty()) st = absl::UnavailableError("no --peer_address_file written");
+    if (!st.ok()) {
+      Children& c = children();
+      absl::MutexLock lock(&c.mu);
+      c.daemons.erase(d.get());
+      d->Stop();
+      return absl::Status(st.code(), absl::StrCat("daemon ", index, " (emulated node ", index,
+                                                  "): ", st.message()));
+    }
+    daemons_.push_back(std::move(d));
+    peer_addresses_.push_back(peer);
+    return absl::OkStatus();
   }
 
   size_t size() const { return daemons_.size(); }
@@ -367,8 +429,67 @@ std::string VaderSingleCopy(const fs::path& dir) {
   return "";
 }
 
+// Open MPI over the emulated links: mpirun runs in node 0's namespace with a hostfile of the
+// nodes' addresses (ranks_per_node slots each, filled in rank order as flatshard places its
+// ranks), and reaches the other nodes through an rsh agent that runs their orted with
+// `ip netns exec`; its out-of-band channel and the TCP BTL use the links only, ob1 over
+// tcp (between nodes), vader (within a node) and self. The launch prefix.
+absl::StatusOr<std::vector<std::string>> MpiOverLinks(const std::string& mpirun, int rpn,
+                                                      const testing::EmulatedLinks& links,
+                                                      const fs::path& dir) {
+  const fs::path hostfile = dir / "mpi_hosts";
+  const fs::path agent = dir / "mpi_netns_agent.sh";
+  std::string hosts, cases;
+  for (int i = 0; i < links.nodes(); ++i) {
+    absl::StrAppend(&hosts, testing::EmulatedLinks::address(i), " slots=", rpn, "\n");
+    // vader names its segments by host name and local rank: the nodes share this host's
+    // name and /dev/shm, so every node but 0 (whose ranks mpirun starts) gets a directory.
+    const fs::path vader = dir / absl::StrCat("vader_node", i);
+    if (i > 0) fs::create_directories(vader);
+    absl::StrAppend(&cases, "  ", testing::EmulatedLinks::address(i), ") ns=", links.ns(i),
+                    i > 0 ? absl::StrCat(" vader=", vader.string()) : "", " ;;\n");
+  }
+  const std::string script = absl::StrCat(
+      "#!/bin/sh\n# mpirun's rsh agent: runs the command for host $1 in its namespace\n",
+      "host=\"$1\"; shift\ncase \"$host\" in\n", cases,
+      "  *) echo \"no emulated node $host\" >&2; exit 1 ;;\nesac\n",
+      "exec ip netns exec \"$ns\" env OMPI_MCA_btl_vader_backing_directory=\"$vader\" "
+      "/bin/sh -c \"$*\"\n");
+  {
+    std::ofstream h(hostfile), a(agent);
+    h << hosts;
+    a << script;
+    if (!h || !a) return absl::InternalError(absl::StrCat("cannot write ", hostfile.string()));
+  }
+  fs::permissions(agent, fs::perms::owner_all);
+  const std::string dev = testing::EmulatedLinks::kInterface;
+  return std::vector<std::string>{"ip",
+                                  "netns",
+                                  "exec",
+                                  links.ns(0),
+                                  mpirun,
+                                  "--hostfile",
+                                  hostfile.string(),
+                                  "--mca",
+                                  "plm_rsh_agent",
+                                  agent.string(),
+                                  "--mca",
+                                  "oob_tcp_if_include",
+                                  dev,
+                                  "--mca",
+                                  "pml",
+                                  "ob1",
+                                  "--mca",
+                                  "btl",
+                                  "tcp,vader,self",
+                                  "--mca",
+                                  "btl_tcp_if_include",
+                                  dev};
+}
+
 absl::StatusOr<MpiResult> RunMpi(int np, int64_t bytes, int iters, int warmup, const fs::path& dir,
-                                 absl::Duration timeout) {
+                                 absl::Duration timeout, const std::string& op = "allgather",
+                                 int rpn = 1, const testing::EmulatedLinks* links = nullptr) {
   const std::string mpirun = absl::GetFlag(FLAGS_mpirun);
   const std::string baseline = absl::GetFlag(FLAGS_mpi_baseline);
   if (mpirun.empty() || !FindInPath(mpirun) || baseline.empty() ||
@@ -377,7 +498,11 @@ absl::StatusOr<MpiResult> RunMpi(int np, int64_t bytes, int iters, int warmup, c
         absl::StrCat("no MPI baseline (mpirun \"", mpirun, "\", baseline \"", baseline,
                      "\"): install libopenmpi-dev and build flatshard_mpi_allgather_baseline"));
   }
-  std::vector<std::string> launch = {mpirun, "--oversubscribe"};
+  std::vector<std::string> launch = {mpirun};
+  if (links != nullptr) {
+    FS_ASSIGN_OR_RETURN(launch, MpiOverLinks(mpirun, rpn, *links, dir));
+  }
+  launch.push_back("--oversubscribe");
   if (::geteuid() == 0) launch.push_back("--allow-run-as-root");
   launch.insert(launch.end(), {"-np", absl::StrCat(np)});
   // Which PML and BTL carry the bytes: a tiny probe run with verbose selection output (the same
@@ -385,14 +510,15 @@ absl::StatusOr<MpiResult> RunMpi(int np, int64_t bytes, int iters, int warmup, c
   std::vector<std::string> probe = launch;
   probe.insert(probe.end(),
                {"--mca", "pml_base_verbose", "10", "--mca", "btl_base_verbose", "100", baseline,
-                absl::StrCat("--bytes=", 4096 * np), "--iters=1", "--warmup=0"});
+                absl::StrCat("--bytes=", 4096 * np), "--iters=1", "--warmup=0", "--op=" + op});
   std::vector<std::string> timed = launch;
-  timed.insert(timed.end(), {baseline, absl::StrCat("--bytes=", bytes),
-                             absl::StrCat("--iters=", iters), absl::StrCat("--warmup=", warmup)});
+  timed.insert(timed.end(),
+               {baseline, absl::StrCat("--bytes=", bytes), absl::StrCat("--iters=", iters),
+                absl::StrCat("--warmup=", warmup), "--op=" + op});
   const absl::Time deadline = absl::Now() + timeout;
   auto run = [&](const std::vector<std::string>& argv,
                  absl::string_view name) -> absl::StatusOr<std::string> {
-    const std::string log = (dir / absl::StrCat("mpi_np", np, "_", name, ".log")).string();
+    const std::string log = (dir / absl::StrCat("mpi_", op, "_np", np, "_", name, ".log")).string();
     FS_ASSIGN_OR_RETURN(pid_t pid, SpawnTool(argv, {}, log));
     FS_ASSIGN_OR_RETURN(int status, WaitTool(pid, deadline, "mpirun"));
     std::string out = bench::ReadText(log);
@@ -422,7 +548,7 @@ absl::StatusOr<MpiResult> RunMpi(int np, int64_t bytes, int iters, int warmup, c
     }
   }
   for (absl::string_view line : absl::StrSplit(out, '\n')) {
-    if (!absl::StartsWith(line, "mpi_allgather ")) continue;
+    if (!absl::StartsWith(line, absl::StrCat("mpi_", op, " "))) continue;
     for (absl::string_view kv : absl::StrSplit(line, ' ')) {
       if (absl::ConsumePrefix(&kv, "median_s=")) {
         if (!absl::SimpleAtod(kv, &r.median_s)) r.median_s = 0;
@@ -587,7 +713,9 @@ struct RankJob {
   absl::Duration settle;       // untimed pause after each End
   int64_t retained_limit = 0;  // most unlinked daemon shm this rank may keep mapped
   absl::Duration call_timeout;
-  std::string log_path;  // the rank's stdout and stderr (the client library logs there)
+  std::string log_path;          // the rank's stdout and stderr (the client library logs there)
+  std::string netns;             // the emulated node's namespace the rank runs in ("": this one's)
+  std::string op = "allgather";  // or "reduce_scatter"
 };
 
 // The rank's side of the parent's pipes: "B\n" arrives at a barrier and waits for 'G' (go);
@@ -622,6 +750,43 @@ class RankPipe {
   int up_, down_;
 };
 
+// The reduce-scatter rows: every iteration, untimed, BeginReduceScatter and the gradient
+// (rank + 1 everywhere) written; then the barrier and Finish, timed (the collective alone, as
+// MPI_Reduce_scatter's buffers are ready before its clock starts). The first
+// iteration's gradient shard is checked: the sum over ranks everywhere.
+absl::Status ReduceScatterBody(const RankJob& job, client::Client& c, RankPipe& pipe) {
+  std::vector<std::pair<double, double>> times;
+  const float want = static_cast<float>(job.world) * static_cast<float>(job.world + 1) / 2;
+  for (int i = 0; i < job.warmup + job.iters; ++i) {
+    FS_ASSIGN_OR_RETURN(std::unique_ptr<client::PendingReduceScatter> p,
+                        c.BeginReduceScatter("", 0, client::ReduceOp::kSum, false));
+    std::fill_n(static_cast<float*>(p->data()), p->numel(), static_cast<float>(job.rank + 1));
+    FS_RETURN_IF_ERROR(pipe.Barrier());
+    const auto t0 = Clock::now();
+    FS_RETURN_IF_ERROR(p->Finish());
+    const auto t1 = Clock::now();
+    if (i >= job.warmup) times.emplace_back(MicrosSince(t0, t1), 0.0);
+    if (i == 0) {
+      FS_ASSIGN_OR_RETURN(client::ShardViews views, c.GetShardViews(""));
+      const client::UnitShardView& u = views.units()[0];
+      const float* g = static_cast<const float*>(u.grad);
+      if (g == nullptr) return absl::InternalError("no gradient shard after the reduce-scatter");
+      for (int64_t e : {int64_t{0}, u.shard_numel - 1}) {
+        if (g[e] != want) {
+          return absl::InternalError(
+              absl::StrCat("reduced gradient element ", e, " is ", g[e], ", want ", want));
+        }
+      }
+    }
+  }
+  FS_RETURN_IF_ERROR(c.Leave());
+  for (const auto& [us, zero] : times) {
+    FS_RETURN_IF_ERROR(pipe.Send(absl::StrCat("T ", us, " ", zero)));
+  }
+  FS_RETURN_IF_ERROR(pipe.Send("M 0 0"));
+  return pipe.Send("D");
+}
+
 absl::Status RankBody(const RankJob& job, RankPipe& pipe) {
   client::ClientOptions options;
   options.address = job.address;
@@ -642,6 +807,7 @@ absl::Status RankBody(const RankJob& job, RankPipe& pipe) {
   }
   std::fill_n(static_cast<float*>(shard.data), shard.shard_numel, static_cast<float>(job.rank + 1));
   const int64_t shard_numel = shard.shard_numel;
+  if (job.op == "reduce_scatter") return ReduceScatterBody(job, *c, pipe);
 
   client::SummonOptions so;
   so.writeback = false;
@@ -707,7 +873,18 @@ absl::Status RankBody(const RankJob& job, RankPipe& pipe) {
 // In the forked child: runs the rank and exits (never returns).
 [[noreturn]] void RankProcess(const RankJob& job, int up, int down) {
   RankPipe pipe(up, down);
-  const absl::Status st = RankBody(job, pipe);
+  absl::Status st;
+  if (!job.netns.empty()) {
+    // The trainer on its node: its sockets (none but the daemon's Unix socket) in the node's
+    // network namespace, as a trainer on that host.
+    const std::string path = "/var/run/netns/" + job.netns;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || ::setns(fd, CLONE_NEWNET) != 0) {
+      st = absl::InternalError(absl::StrCat("entering ", path, ": ", std::strerror(errno)));
+    }
+    if (fd >= 0) ::close(fd);
+  }
+  if (st.ok()) st = RankBody(job, pipe);
   if (!st.ok()) {
     std::string msg(st.ToString());
     absl::StrReplaceAll({{"\n", " | "}}, &msg);
@@ -956,20 +1133,25 @@ struct FlatshardResult {
 absl::StatusOr<FlatshardResult> RunFlatshard(int d, int64_t numel, bool rank0_only, int iters,
                                              int warmup, const std::vector<std::string>& env,
                                              const std::string& tag_base, const fs::path& dir,
-                                             absl::Duration timeout) {
+                                             absl::Duration timeout, int rpn = 1,
+                                             const std::string& op = "allgather",
+                                             const testing::EmulatedLinks* links = nullptr) {
   const absl::Time deadline = absl::Now() + timeout;
   DaemonSet daemons;
   for (int i = 0; i < d; ++i) {
-    FS_RETURN_IF_ERROR(daemons.StartOne(absl::GetFlag(FLAGS_flatshardd), tag_base, i, env));
+    FS_RETURN_IF_ERROR(daemons.StartOne(absl::GetFlag(FLAGS_flatshardd), tag_base, i, env, links));
   }
   std::vector<RankJob> jobs;
-  for (int r = 0; r < d; ++r) {
+  const int world = d * rpn;
+  for (int r = 0; r < world; ++r) {
     RankJob job;
-    job.address = daemons[r].address();
+    job.address = daemons[r / rpn].address();
+    if (links != nullptr) job.netns = links->ns(r / rpn);
+    job.op = op;
     job.coordinator = daemons.peer_address(0);
-    job.group = absl::StrCat(rank0_only ? "transfer" : "allgather", d);
+    job.group = absl::StrCat(rank0_only ? "transfer" : op, d, "x", rpn);
     job.segment_prefix_base = tag_base;
-    job.world = d;
+    job.world = world;
     job.rank = r;
     job.numel = numel;
     job.rank0_only = rank0_only;
@@ -978,7 +1160,7 @@ absl::StatusOr<FlatshardResult> RunFlatshard(int d, int64_t numel, bool rank0_on
     job.settle = absl::Milliseconds(absl::GetFlag(FLAGS_settle_ms));
     // A third of /dev/shm's free space, shared by the ranks, at most 4 units each.
     job.retained_limit = std::min(4 * numel * static_cast<int64_t>(sizeof(float)),
-                                  std::max<int64_t>(ShmFreeBytes() / 3 / d, 0));
+                                  std::max<int64_t>(ShmFreeBytes() / 3 / world, 0));
     job.call_timeout = std::max(absl::Seconds(30), deadline - absl::Now());
     job.log_path = (dir / absl::StrCat(job.group, "_rank", r, ".log")).string();
     jobs.push_back(job);
@@ -1109,65 +1291,136 @@ absl::Status Run() {
   std::vector<std::string> summary;
   const int64_t numel = bytes / static_cast<int64_t>(sizeof(float));
 
-  for (int d : daemon_counts) {
-    // Whole elements per rank on both sides: the same bytes gathered.
-    const int64_t row_numel = numel / d * d;
-    const int64_t size = row_numel * static_cast<int64_t>(sizeof(float));
-    const double bus = static_cast<double>(d - 1) / d;
-    std::printf("\n## All-gather of %" PRId64
-                " bytes by %d ranks (%d daemons x 1 rank; MPI: "
-                "%d processes)\n",
-                size, d, d, d);
-    PrintHeader();
-    std::fflush(stdout);
-    std::optional<MpiResult> mpi;
-    if (!absl::GetFlag(FLAGS_skip_mpi)) {
-      absl::StatusOr<MpiResult> m = RunMpi(d, size, iters, warmup, dir, timeout);
-      if (m.ok()) {
-        mpi = *m;
-        const std::string note = absl::StrCat(
-            "MPI_Allgather; pml ", m->pml, ", btl ", m->btl,
-            m->single_copy.empty() ? "" : absl::StrCat(" (single copy: ", m->single_copy, ")"));
-        PrintRow(d, "mpi MPI_Allgather", m->bytes, m->median_s * 1e6, bus, 0, note);
-        summary.push_back(absl::StrFormat("n=%d mpi   size=%d time_us=%.1f  (%s)", d, m->bytes,
-                                          m->median_s * 1e6, note));
-      } else {
-        fail(absl::StrCat("mpi n=", d), m.status());
-      }
-      std::fflush(stdout);
+  FS_ASSIGN_OR_RETURN(std::vector<int> rpns,
+                      bench::ParseCounts("ranks_per_node", absl::GetFlag(FLAGS_ranks_per_node), 1,
+                                         8, "ranks per node"));
+  const std::vector<std::string> ops = absl::GetFlag(FLAGS_ops);
+  for (const std::string& op : ops) {
+    if (op != "allgather" && op != "reduce_scatter") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--ops: \"", op, "\", want allgather or reduce_scatter"));
     }
-    if (!absl::GetFlag(FLAGS_skip_flatshard)) {
-      absl::StatusOr<FlatshardResult> f =
-          RunFlatshard(d, row_numel, false, iters, warmup, ucx_env, tag_base, dir, timeout);
-      if (f.ok()) {
-        const double summon = Median(f->part.summon_max_us);
-        const double summon_end = Median(f->part.summon_end_max_us);
-        const double base = mpi ? mpi->median_s * 1e6 : 0;
-        const std::string verdict =
-            base > 0 ? absl::StrCat("target <= 1.10: ", summon / base <= 1.10 ? "ok" : "MISS")
-                     : "no MPI baseline";
-        PrintRow(d, "flatshard Summon", size, summon, bus, base,
-                 absl::StrCat("unshard, writeback=0; ", verdict,
-                              "; per iter (ms): ", Millis(f->part.summon_max_us)));
-        PrintRow(d, "flatshard Summon+End", size, summon_end, bus, base,
-                 absl::StrCat("mmaps in measured summons (all ranks): ", f->part.maps,
-                              "; unlinked shm still mapped: ", f->part.retained >> 20, " MiB"));
-        std::printf("# n=%d daemons' UCX endpoints: %s\n", d, JoinOrNone(f->ucx_cfg).c_str());
-        bench::PrintFigure(absl::StrCat("allgather.n", d, ".summon"), summon, "us");
-        bench::PrintFigure(absl::StrCat("allgather.n", d, ".summon_end"), summon_end, "us");
-        summary.push_back(absl::StrFormat(
-            "n=%d flatshard size=%d Summon time_us=%.1f Summon+End time_us=%.1f ratio "
-            "Summon/MPI=%s Summon+End/MPI=%s",
-            d, size, summon, summon_end, base > 0 ? absl::StrFormat("%.3f", summon / base) : "-",
-            base > 0 ? absl::StrFormat("%.3f", summon_end / base) : "-"));
-      } else {
-        fail(absl::StrCat("flatshard n=", d), f.status());
+  }
+  const std::string link_rate = absl::GetFlag(FLAGS_link_rate);
+  for (int d : daemon_counts) {
+    std::unique_ptr<testing::EmulatedLinks> links;
+    if (!link_rate.empty()) {
+      testing::LinkOptions lo;
+      lo.nodes = d;
+      lo.rate = link_rate;
+      lo.delay = absl::GetFlag(FLAGS_link_delay);
+      absl::StatusOr<std::unique_ptr<testing::EmulatedLinks>> l =
+          testing::EmulatedLinks::Create(lo);
+      if (!l.ok()) {
+        std::printf("# FAILED links n=%d: %s\n", d, std::string(l.status().message()).c_str());
+        failures.push_back(absl::StrCat("links n=", d));
+        continue;
       }
-      std::fflush(stdout);
+      links = *std::move(l);
+      absl::MutexLock lock(&children().mu);
+      children().links.insert(links.get());
+    }
+    struct Unregister {
+      testing::EmulatedLinks* links;
+      ~Unregister() {
+        absl::MutexLock lock(&children().mu);
+        children().links.erase(links);
+      }
+    } unregister{links.get()};
+    if (links != nullptr) std::printf("\n# links: %s\n", links->Describe().c_str());
+    for (int rpn : rpns) {
+      for (const std::string& op : ops) {
+        const bool ag = op == "allgather";
+        const int world = d * rpn;
+        // Whole elements per rank on both sides: the same bytes gathered (reduced).
+        const int64_t row_numel = numel / world * world;
+        const int64_t size = row_numel * static_cast<int64_t>(sizeof(float));
+        const double bus = static_cast<double>(world - 1) / world;
+        const std::string row = absl::StrCat(op, ".n", d, rpn > 1 ? absl::StrCat("x", rpn) : "");
+        std::printf("\n## %s of %" PRId64
+                    " bytes by %d ranks (%d daemons x %d ranks; MPI: %d "
+                    "processes)%s\n",
+                    ag ? "All-gather" : "Reduce-scatter", size, world, d, rpn, world,
+                    links != nullptr ? " over the emulated links" : "");
+        PrintHeader();
+        std::fflush(stdout);
+        const std::string mpi_call = ag ? "MPI_Allgather" : "MPI_Reduce_scatter";
+        std::optional<MpiResult> mpi;
+        if (!absl::GetFlag(FLAGS_skip_mpi)) {
+          absl::StatusOr<MpiResult> m =
+              RunMpi(world, size, iters, warmup, dir, timeout, op, rpn, links.get());
+          if (m.ok()) {
+            mpi = *m;
+            const std::string note = absl::StrCat(
+                mpi_call, "; pml ", m->pml, ", btl ", m->btl,
+                m->single_copy.empty() ? "" : absl::StrCat(" (single copy: ", m->single_copy, ")"));
+            PrintRow(world, "mpi " + mpi_call, m->bytes, m->median_s * 1e6, bus, 0, note);
+            summary.push_back(absl::StrFormat("%s mpi   size=%d time_us=%.1f  (%s)", row, m->bytes,
+                                              m->median_s * 1e6, note));
+          } else {
+            fail(absl::StrCat("mpi ", row), m.status());
+          }
+          std::fflush(stdout);
+        }
+        // The line rate: every node's link carries (d-1)/d of the unit in (all-gather) or out
+        // (reduce-scatter) at least once.
+        double line_us = 0;
+        if (links != nullptr && links->rate_bits_per_s() > 0) {
+          line_us = static_cast<double>(size) * (d - 1) / d * 8 / links->rate_bits_per_s() * 1e6;
+          PrintRow(world, "line rate", size, line_us, bus, 0,
+                   absl::StrCat("(d-1)/d of the unit over one ", link_rate, " link"));
+        }
+        if (absl::GetFlag(FLAGS_skip_flatshard)) continue;
+        absl::StatusOr<FlatshardResult> f =
+            RunFlatshard(d, row_numel, false, iters, warmup, ucx_env, tag_base, dir, timeout, rpn,
+                         op, links.get());
+        if (!f.ok()) {
+          fail(absl::StrCat("flatshard ", row), f.status());
+          std::fflush(stdout);
+          continue;
+        }
+        const double t = Median(f->part.summon_max_us);
+        const double t_end = Median(f->part.summon_end_max_us);
+        const double base = mpi ? mpi->median_s * 1e6 : 0;
+        std::string verdict =
+            base > 0 ? absl::StrCat("target <= 1.10: ", t / base <= 1.10 ? "ok" : "MISS")
+                     : "no MPI baseline";
+        if (line_us > 0) {
+          absl::StrAppend(&verdict, absl::StrFormat("; %.0f%% of line rate (target >= 90%%)",
+                                                    100 * line_us / t));
+        }
+        PrintRow(world, ag ? "flatshard Summon" : "flatshard ReduceScatter", size, t, bus, base,
+                 absl::StrCat(ag ? "unshard, writeback=0; " : "Finish; ", verdict,
+                              "; per iter (ms): ", Millis(f->part.summon_max_us)));
+        if (ag) {
+          PrintRow(world, "flatshard Summon+End", size, t_end, bus, base,
+                   absl::StrCat("mmaps in measured summons (all ranks): ", f->part.maps,
+                                "; unlinked shm still mapped: ", f->part.retained >> 20, " MiB"));
+        }
+        std::printf("# %s daemons' UCX endpoints: %s\n", row.c_str(),
+                    JoinOrNone(f->ucx_cfg).c_str());
+        // The loopback rows keep their names (scripts/bench_ab.sh compares across builds).
+        const bool classic = links == nullptr && ag && rpn == 1;
+        bench::PrintFigure(classic ? absl::StrCat("allgather.n", d, ".summon")
+                                   : absl::StrCat(links != nullptr ? "links." : "", row),
+                           t, "us");
+        if (classic) {
+          bench::PrintFigure(absl::StrCat("allgather.n", d, ".summon_end"), t_end, "us");
+        }
+        summary.push_back(absl::StrFormat(
+            "%s flatshard size=%d time_us=%.1f ratio/MPI=%s%s", row, size, t,
+            base > 0 ? absl::StrFormat("%.3f", t / base) : "-",
+            line_us > 0 ? absl::StrFormat(" line_rate_fraction=%.3f", line_us / t) : ""));
+        std::fflush(stdout);
+      }
     }
   }
 
-  if (!absl::GetFlag(FLAGS_skip_transfer)) {
+  if (!link_rate.empty() && !absl::GetFlag(FLAGS_skip_transfer)) {
+    std::printf(
+        "\n# the daemon-to-daemon transfer rows run on loopback only: skipped with "
+        "--link_rate\n");
+  } else if (!absl::GetFlag(FLAGS_skip_transfer)) {
     const int64_t tnumel = transfer_bytes / static_cast<int64_t>(sizeof(float));
     const int64_t tsize = tnumel * static_cast<int64_t>(sizeof(float));
     std::printf("\n## Daemon-to-daemon transfer of %" PRId64

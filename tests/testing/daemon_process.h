@@ -54,6 +54,13 @@ struct DaemonOptions {
   std::vector<std::string> extra_flags;
   // Neither --state_dir nor --ephemeral: the daemon picks its default state directory.
   bool default_state_dir = false;
+  // An emulated node (tests/testing/emulated_links.h): the daemon runs in this network
+  // namespace ("": this process's) and its PeerService binds `peer_host`. Started through
+  // `ip netns exec`, which also mounts the namespace's /sys (UCX finds its devices there).
+  std::string netns;
+  std::string peer_host = "127.0.0.1";
+  // "NAME=value" entries added to the daemon's environment (e.g. UCX_NET_DEVICES).
+  std::vector<std::string> env;
 };
 
 class DaemonProcess {
@@ -160,10 +167,12 @@ class DaemonProcess {
     const std::string bin = override_bin != nullptr && *override_bin != '\0'
                                 ? std::string(override_bin)
                                 : std::string(FS_BINARY_DIR) + "/server/flatshardd";
-    std::vector<std::string> args = {bin, "--socket=" + socket_, "--segment_prefix=" + tag_,
-                                     "--default_wait=" + options_.default_wait};
+    std::vector<std::string> args;
+    if (!options_.netns.empty()) args = {IpBinary(), "netns", "exec", options_.netns};
+    args.insert(args.end(), {bin, "--socket=" + socket_, "--segment_prefix=" + tag_,
+                             "--default_wait=" + options_.default_wait});
     if (options_.peer) {
-      args.push_back("--peer_address=127.0.0.1:0");
+      args.push_back("--peer_address=" + options_.peer_host + ":0");
       args.push_back("--peer_address_file=" + peer_file_);
     }
     if (!options_.node_name.empty()) args.push_back("--node_name=" + options_.node_name);
@@ -176,6 +185,11 @@ class DaemonProcess {
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
+    std::vector<std::string> env_strings = options_.env;
+    for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+    std::vector<char*> envp;
+    for (std::string& e : env_strings) envp.push_back(e.data());  // first of a name wins
+    envp.push_back(nullptr);
     const int log_fd = open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
     const pid_t parent = getpid();
     pid_ = fork();
@@ -183,7 +197,7 @@ class DaemonProcess {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (getppid() != parent) _exit(126);
       if (log_fd >= 0) dup2(log_fd, STDERR_FILENO);  // dup2 clears FD_CLOEXEC on the copy
-      execv(argv[0], argv.data());
+      execve(argv[0], argv.data(), envp.data());
       _exit(127);
     }
     if (log_fd >= 0) close(log_fd);
@@ -208,6 +222,14 @@ class DaemonProcess {
       EXPECT_FALSE(peer_address_.empty()) << "empty " << peer_file_;
     }
     return true;
+  }
+
+  // iproute2's ip (exec needs a path; the child must not search).
+  static std::string IpBinary() {
+    for (const char* p : {"/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"}) {
+      if (access(p, X_OK) == 0) return p;
+    }
+    return "/usr/sbin/ip";
   }
 
   void RemoveSegments() {
