@@ -55,7 +55,7 @@ ABSL_FLAG(std::string, peer_address_file, "",
 ABSL_FLAG(std::string, node_name, "", "this daemon's node name in peer tables (empty: host name)");
 ABSL_FLAG(std::string, ucx_error_handling, "auto",
           "'auto': UCX detects dead peers on other hosts itself, and daemons on this host talk "
-          "over shared memory and CMA (their death is found by the heartbeats, --peer_timeout); "
+          "over shared memory (their death is found by the heartbeats, --peer_timeout); "
           "'peer': UCX detects every dead peer itself (on one host UCX 1.13 then uses TCP "
           "loopback between daemons); 'none': no endpoint has UCX peer error handling");
 ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Milliseconds(500),

@@ -107,7 +107,7 @@ ABSL_FLAG(std::string, ucx_tls, "",
           "UCX_TLS for the daemons and ucx_perftest alike (empty: unset, UCX's default "
           "selection; an UCX_TLS already in the environment is passed on to both)");
 ABSL_FLAG(std::string, ucx_error_handling, "auto",
-          "the daemons' --ucx_error_handling: 'auto' (their default: shared memory and CMA "
+          "the daemons' --ucx_error_handling: 'auto' (their default: shared memory "
           "between daemons on one host, dead peers found by heartbeats), 'peer' (UCX 1.13 then "
           "uses TCP loopback between daemons on one host) or 'none'");
 ABSL_FLAG(int32_t, settle_ms, 0,

@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -251,7 +253,16 @@ absl::Status Worker::Init() {
     return absl::UnavailableError(
         absl::StrCat("UCX: reading the configuration failed: ", ucs_status_string(s)));
   }
-  for (const auto& [key, value] : options_.ucx_config) {
+  std::map<std::string, std::string> settings = options_.ucx_config;
+  // UCX aborts the process when a CMA read finds the peer of an endpoint without peer error
+  // handling gone (process_vm_readv: ESRCH is fatal there), i.e. when a same-host daemon dies
+  // mid-transfer. Unless the user picked transports, same-host endpoints use shared memory
+  // (sysv, posix) without CMA.
+  if (options_.error_handling != UcxBackendOptions::ErrorHandling::kPeer &&
+      !settings.contains("TLS") && std::getenv("UCX_TLS") == nullptr) {
+    settings["TLS"] = "^cma";
+  }
+  for (const auto& [key, value] : settings) {
     s = ucp_config_modify(config, key.c_str(), value.c_str());
     if (s != UCS_OK) {
       ucp_config_release(config);

@@ -18,7 +18,7 @@
 // Those to other hosts have peer error handling: when a peer fails (its daemon died, the
 // connection reset), every group using that endpoint is aborted with UNAVAILABLE "UCX peer of
 // ranks 2, 3 failed: ...". Those to daemons on this host do not (by default, see
-// UcxBackendOptions::error_handling), so that UCX may pick shared memory and CMA for them.
+// UcxBackendOptions::error_handling), so that UCX may pick shared memory for them.
 //
 // Wire tags (64 bits, see ucx_tag.h): 16 bits hash(group_id, epoch) | 10 bits src rank |
 // 10 bits dst rank | 16 bits op_seq | 12 bits sub. Groups (or epochs of one group) whose hash
@@ -58,10 +58,12 @@ struct UcxBackendOptions {
   // Which endpoints get UCP_ERR_HANDLING_MODE_PEER (UCX itself reports a dead peer and fails
   // the transfers to it). UCX 1.13's shared-memory transports cannot do that: with it, daemons
   // on one host talk over TCP loopback. kAuto (the default): peers on this host (same boot id
-  // and namespaces, ucx_address.h) get endpoints without it, so shared memory and CMA (single
-  // copy) carry their bytes; remote peers keep it. A dead same-host peer is then found by the
+  // and namespaces, ucx_address.h) get endpoints without it, so shared memory (sysv, posix)
+  // carries their bytes; remote peers keep it. A dead same-host peer is then found by the
   // daemons' heartbeats (the coordinator aborts the group), and the abort finishes its
-  // transfers (abort_grace). kPeer: every endpoint has it; kNone: none has.
+  // transfers (abort_grace). kPeer: every endpoint has it; kNone: none has. Except with kPeer,
+  // CMA is left out (UCX_TLS=^cma) unless UCX_TLS or ucx_config["TLS"] picks the transports:
+  // UCX 1.13 aborts the whole process when a CMA read finds the peer of such an endpoint dead.
   enum class ErrorHandling { kAuto, kPeer, kNone };
   ErrorHandling error_handling = ErrorHandling::kAuto;
   // Abort finishes every transfer of the group: receives not yet moving data are cancelled
