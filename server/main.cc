@@ -53,10 +53,11 @@ ABSL_FLAG(std::string, peer_address_file, "",
           "once listening, write the PeerService's address (with the port it got) to this file "
           "(for scripts and tests that start daemons on port 0)");
 ABSL_FLAG(std::string, node_name, "", "this daemon's node name in peer tables (empty: host name)");
-ABSL_FLAG(std::string, ucx_error_handling, "peer",
-          "'peer': UCX detects dead peers itself (on one host UCX 1.13 then uses TCP loopback "
-          "between daemons); 'none': daemons on one host may use shared memory and CMA, and dead "
-          "peers are found by heartbeats alone");
+ABSL_FLAG(std::string, ucx_error_handling, "auto",
+          "'auto': UCX detects dead peers on other hosts itself, and daemons on this host talk "
+          "over shared memory (their death is found by the heartbeats, --peer_timeout); "
+          "'peer': UCX detects every dead peer itself (on one host UCX 1.13 then uses TCP "
+          "loopback between daemons); 'none': no endpoint has UCX peer error handling");
 ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Milliseconds(500),
           "heartbeats between daemons of multi-daemon groups");
 ABSL_FLAG(absl::Duration, peer_timeout, absl::Seconds(3),

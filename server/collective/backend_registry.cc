@@ -70,11 +70,17 @@ absl::StatusOr<std::unique_ptr<CollectiveBackend>> MakeUcx(const BackendParams& 
       FS_ASSIGN_OR_RETURN(int64_t v, ParseInt("ucx", key, value, 4096));
       options.broadcast_chunk_bytes = static_cast<size_t>(v);
     } else if (key == "error_handling") {
-      if (value != "peer" && value != "none") {
+      using Mode = UcxBackendOptions::ErrorHandling;
+      if (value == "auto") {
+        options.error_handling = Mode::kAuto;
+      } else if (value == "peer") {
+        options.error_handling = Mode::kPeer;
+      } else if (value == "none") {
+        options.error_handling = Mode::kNone;
+      } else {
         return absl::InvalidArgumentError(absl::StrCat(
-            "ucx backend: error_handling must be 'peer' or 'none', got '", value, "'"));
+            "ucx backend: error_handling must be 'auto', 'peer' or 'none', got '", value, "'"));
       }
-      options.peer_error_handling = value == "peer";
     } else {
       return absl::InvalidArgumentError(
           absl::StrCat("ucx backend: unknown parameter '", key,

@@ -108,9 +108,10 @@ ABSL_FLAG(int64_t, transfer_bytes, int64_t{64} << 20,
 ABSL_FLAG(std::string, ucx_tls, "",
           "UCX_TLS for the daemons and ucx_perftest alike (empty: unset, UCX's default "
           "selection; an UCX_TLS already in the environment is passed on to both)");
-ABSL_FLAG(std::string, ucx_error_handling, "peer",
-          "the daemons' --ucx_error_handling: 'peer' (UCX 1.13 then uses TCP loopback between "
-          "daemons on one host) or 'none' (shared memory and CMA, dead peers found by heartbeats)");
+ABSL_FLAG(std::string, ucx_error_handling, "auto",
+          "the daemons' --ucx_error_handling: 'auto' (their default: shared memory "
+          "between daemons on one host, dead peers found by heartbeats), 'peer' (UCX 1.13 then "
+          "uses TCP loopback between daemons on one host) or 'none'");
 ABSL_FLAG(int32_t, settle_ms, 0,
           "untimed pause of every rank after each End (0: none; summons back to back as in a "
           "training loop)");
@@ -1448,7 +1449,7 @@ absl::Status Run() {
         if (u.ok()) {
           row.result = *u;
           const std::string note = absl::StrCat(
-              row.error_handling ? "endpoints with peer error handling (as the daemons'); "
+              row.error_handling ? "endpoints with peer error handling (as remote daemons'); "
                                  : "plain endpoints; ",
               "average per message; UCX endpoints: client ", JoinOrNone(u->client_cfg), "; server ",
               JoinOrNone(u->server_cfg));

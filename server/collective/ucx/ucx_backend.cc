@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -30,6 +32,7 @@
 #include "server/collective/inproc/inproc_transport.h"
 #include "server/collective/op_descriptor.h"
 #include "server/collective/ring_algorithms.h"
+#include "server/collective/ucx/ucx_address.h"
 #include "server/collective/ucx/ucx_tag.h"
 
 namespace flatshard::collective {
@@ -44,6 +47,9 @@ struct Peer {
   Worker* worker = nullptr;
   std::string address;
   ucp_ep_h ep = nullptr;
+  // UCP_ERR_HANDLING_MODE_PEER: UCX reports the peer's death. Without it (a peer on this host,
+  // reached over shared memory), the heartbeats do, and an abort abandons stuck transfers.
+  bool error_handling = true;
   ucs_status_t failure = UCS_OK;  // set once the endpoint failed; ep is then closed
   absl::flat_hash_map<const UcxTransport*, std::weak_ptr<UcxTransport>> users;
 };
@@ -149,7 +155,8 @@ class Worker {
   std::shared_ptr<DeadlineTimer> timer_ = std::make_shared<DeadlineTimer>();
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
-  std::string address_;
+  std::string address_;  // EncodeUcxAddress(host_, worker address)
+  std::string host_;
   int worker_fd_ = -1;
   int event_fd_ = -1;
   int epoll_fd_ = -1;
@@ -246,7 +253,16 @@ absl::Status Worker::Init() {
     return absl::UnavailableError(
         absl::StrCat("UCX: reading the configuration failed: ", ucs_status_string(s)));
   }
-  for (const auto& [key, value] : options_.ucx_config) {
+  std::map<std::string, std::string> settings = options_.ucx_config;
+  // UCX aborts the process when a CMA read finds the peer of an endpoint without peer error
+  // handling gone (process_vm_readv: ESRCH is fatal there), i.e. when a same-host daemon dies
+  // mid-transfer. Unless the user picked transports, same-host endpoints use shared memory
+  // (sysv, posix) without CMA.
+  if (options_.error_handling != UcxBackendOptions::ErrorHandling::kPeer &&
+      !settings.contains("TLS") && std::getenv("UCX_TLS") == nullptr) {
+    settings["TLS"] = "^cma";
+  }
+  for (const auto& [key, value] : settings) {
     s = ucp_config_modify(config, key.c_str(), value.c_str());
     if (s != UCS_OK) {
       ucp_config_release(config);
@@ -279,7 +295,8 @@ absl::Status Worker::Init() {
     return absl::UnavailableError(
         absl::StrCat("UCX: ucp_worker_get_address failed: ", ucs_status_string(s)));
   }
-  address_.assign(reinterpret_cast<const char*>(addr), len);
+  host_ = LocalHostIdentity();
+  address_ = EncodeUcxAddress(host_, absl::string_view(reinterpret_cast<const char*>(addr), len));
   ucp_worker_release_address(worker_, addr);
   s = ucp_worker_get_efd(worker_, &worker_fd_);
   if (s != UCS_OK) {
@@ -473,14 +490,19 @@ bool Worker::ProcessEvents() {
 absl::StatusOr<std::shared_ptr<Peer>> Worker::PeerFor(const std::string& address) {
   auto it = peers_.find(address);
   if (it != peers_.end()) return it->second;
+  FS_ASSIGN_OR_RETURN(UcxPeerAddress decoded, DecodeUcxAddress(address));
   auto peer = std::make_shared<Peer>();
   peer->worker = this;
   peer->address = address;
+  using Mode = UcxBackendOptions::ErrorHandling;
+  const bool same_host = !decoded.host.empty() && decoded.host == host_;
+  peer->error_handling = options_.error_handling == Mode::kPeer ||
+                         (options_.error_handling == Mode::kAuto && !same_host);
   ucp_ep_params_t p{};
   p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-  p.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  p.address = reinterpret_cast<const ucp_address_t*>(decoded.worker.data());
   p.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-  if (options_.peer_error_handling) {
+  if (peer->error_handling) {
     p.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
     p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     p.err_handler.cb = &Worker::EndpointError;
@@ -544,8 +566,12 @@ void Worker::FailPeer(Peer* peer, ucs_status_t status) {
   }
   if (peer->ep != nullptr) {
     ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    // UCX allows a forced close only with peer error handling; the others are flushed, which
+    // completes at once for a dead same-host peer (nothing of it is in flight any more).
+    if (peer->error_handling) {
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    }
     ucs_status_ptr_t r = ucp_ep_close_nbx(peer->ep, &p);
     if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);  // released by UCX when it completes
     peer->ep = nullptr;
@@ -564,24 +590,26 @@ void Worker::FinishStuck(const UcxTransport* t, const std::string& group) {
   for (Request* req : inflight_) {
     if (req->transport.get() != t) continue;
     ++stuck;
-    if (options_.peer_error_handling) {
+    if (req->peer->error_handling) {
       if (std::find(peers.begin(), peers.end(), req->peer.get()) == peers.end()) {
         peers.push_back(req->peer.get());
       }
-    } else if (!req->recv) {
+    } else {
       abandon.push_back(req);
     }
   }
   if (stuck == 0) return;
   FS_LOG(WARNING) << "UCX: " << stuck << " transfers of " << group << " still in flight "
                   << absl::FormatDuration(options_.abort_grace)
-                  << " after its abort: their peers do not answer; "
-                  << (options_.peer_error_handling ? "closing their endpoints"
-                                                   : "abandoning the sends to UCX");
+                  << " after its abort: their peers do not answer; closing " << peers.size()
+                  << " endpoints, abandoning " << abandon.size()
+                  << " transfers on same-host endpoints to UCX";
   for (Request* req : abandon) {
-    // No callback comes for a freed request; UCX finishes (or drops) the send on its own. A
-    // send's buffer is only read, and the eager and CMA protocols of one host are done with
-    // it or read it from the peer's side, which fails once the memory is gone.
+    // No callback comes for a freed request; UCX finishes (or drops) the transfer on its own.
+    // A send's buffer is only read, and the shared-memory and CMA protocols of one host read
+    // it from the peer's side, which fails once the peer is gone. A receive's buffer stays
+    // still UCX's: a dead peer writes nothing more into it, and a rendezvous get that CMA
+    // drives from this side fails once the peer is gone.
     ucp_request_free(req->ucx);
     req->ucx = nullptr;
     req->status = UCS_ERR_CANCELED;
@@ -666,7 +694,7 @@ void Worker::BeginShutdown() {
   std::vector<void*> closing;
   for (auto& [address, peer] : peers_) {
     ucp_request_param_t p{};
-    if (sending.contains(peer.get())) {
+    if (sending.contains(peer.get()) && peer->error_handling) {
       p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
       p.flags = UCP_EP_CLOSE_FLAG_FORCE;
     }
@@ -720,6 +748,9 @@ void Worker::BeginShutdown() {
 UcxBackendStats Worker::StatsOnLoop() const {
   UcxBackendStats s;
   s.endpoints = peers_.size();
+  for (const auto& [address, peer] : peers_) {
+    if (!peer->error_handling) ++s.same_host_endpoints;
+  }
   for (const auto& [h, g] : groups_) {
     if (g.id != nullptr) ++s.live_groups;
     if (g.draining) ++s.draining_groups;

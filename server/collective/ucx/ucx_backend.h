@@ -13,9 +13,12 @@
 // UCX_NET_DEVICES, ...); UcxBackendOptions::ucx_config overrides single keys. The default
 // works between processes of one host (shared memory, CMA, TCP over loopback).
 //
-// Endpoints: one per remote worker address, created on first use and shared by every group,
-// with peer error handling: when a peer fails (its daemon died, the connection reset), every
-// group using that endpoint is aborted with UNAVAILABLE "UCX peer of ranks 2, 3 failed: ...".
+// LocalAddress() is the worker address prefixed with this host's identity (ucx_address.h).
+// Endpoints: one per remote worker address, created on first use and shared by every group.
+// Those to other hosts have peer error handling: when a peer fails (its daemon died, the
+// connection reset), every group using that endpoint is aborted with UNAVAILABLE "UCX peer of
+// ranks 2, 3 failed: ...". Those to daemons on this host do not (by default, see
+// UcxBackendOptions::error_handling), so that UCX may pick shared memory for them.
 //
 // Wire tags (64 bits, see ucx_tag.h): 16 bits hash(group_id, epoch) | 10 bits src rank |
 // 10 bits dst rank | 16 bits op_seq | 12 bits sub. Groups (or epochs of one group) whose hash
@@ -52,33 +55,36 @@ struct UcxBackendOptions {
   absl::Duration drain_for = absl::Seconds(30);
   // Broadcast pipeline piece (RingOptions::chunk_bytes).
   size_t broadcast_chunk_bytes = size_t{1} << 20;
-  // Endpoints with UCP_ERR_HANDLING_MODE_PEER: UCX itself reports a dead peer (and fails the
-  // transfers to it). UCX 1.13's shared-memory transports cannot do that, so daemons on one
-  // host then talk over TCP loopback. Off: they may use shared memory and CMA (single copy),
-  // and a dead peer is found by the daemons' heartbeats alone (the coordinator aborts the
-  // group); a large send to a peer that died mid-transfer then completes only at the op's
-  // deadline (the engine's watchdog) or when the backend closes. Between nodes the default
-  // transports (TCP, RDMA) support peer error handling either way.
-  bool peer_error_handling = true;
+  // Which endpoints get UCP_ERR_HANDLING_MODE_PEER (UCX itself reports a dead peer and fails
+  // the transfers to it). UCX 1.13's shared-memory transports cannot do that: with it, daemons
+  // on one host talk over TCP loopback. kAuto (the default): peers on this host (same boot id
+  // and namespaces, ucx_address.h) get endpoints without it, so shared memory (sysv, posix)
+  // carries their bytes; remote peers keep it. A dead same-host peer is then found by the
+  // daemons' heartbeats (the coordinator aborts the group), and the abort finishes its
+  // transfers (abort_grace). kPeer: every endpoint has it; kNone: none has. Except with kPeer,
+  // CMA is left out (UCX_TLS=^cma) unless UCX_TLS or ucx_config["TLS"] picks the transports:
+  // UCX 1.13 aborts the whole process when a CMA read finds the peer of such an endpoint dead.
+  enum class ErrorHandling { kAuto, kPeer, kNone };
+  ErrorHandling error_handling = ErrorHandling::kAuto;
   // Abort finishes every transfer of the group: receives not yet moving data are cancelled
   // at once; a transfer UCX cannot cancel (a send, a receive already moving data) that is
-  // still in flight this long after the abort goes to a peer that does not answer (a frozen
-  // daemon: its connections stay open, so UCX never reports it). Its endpoint is then
-  // force-closed, which completes every transfer on it with an error (with
-  // peer_error_handling; without it, such sends are abandoned to UCX and complete at once,
-  // and a receive already moving data still waits for the peer or the backend's end).
-  // Transfers to a peer that answers finish well within it: the peer drains what an aborted
-  // group sends.
+  // still in flight this long after the abort goes to a peer that does not answer (a dead
+  // same-host peer, or a frozen daemon: its connections stay open, so UCX never reports it).
+  // An endpoint with peer error handling is then force-closed, which completes every transfer
+  // on it with an error; on one without it the transfers are abandoned to UCX and complete at
+  // once with the abort's status. Transfers to a peer that answers finish well within it: the
+  // peer drains what an aborted group sends.
   absl::Duration abort_grace = absl::Seconds(1);
 };
 
 // Counters for diagnostics and tests; a snapshot taken on the progress thread.
 struct UcxBackendStats {
-  size_t endpoints = 0;          // live endpoints to remote workers
-  size_t live_groups = 0;        // transports alive (connected and not destroyed)
-  size_t draining_groups = 0;    // aborted or closed groups whose stray messages are dropped
-  size_t inflight_requests = 0;  // UCX sends and receives not completed yet
-  size_t dropped_messages = 0;   // stray messages drained so far
+  size_t endpoints = 0;            // live endpoints to remote workers
+  size_t same_host_endpoints = 0;  // of those, endpoints without peer error handling
+  size_t live_groups = 0;          // transports alive (connected and not destroyed)
+  size_t draining_groups = 0;      // aborted or closed groups whose stray messages are dropped
+  size_t inflight_requests = 0;    // UCX sends and receives not completed yet
+  size_t dropped_messages = 0;     // stray messages drained so far
 };
 
 // The concrete backend, for callers that want its stats. Name() is "ucx".

@@ -28,6 +28,7 @@
 #include "common/logging.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/collective/ucx/ucx_address.h"
 #include "server/collective/ucx/ucx_tag.h"
 #include "tests/server/collective/backend_conformance.h"
 #include "tests/testing/rank_group.h"
@@ -504,9 +505,13 @@ TEST(UcxBackendTest, AbortReleasesRequestsAndStraysAreDrained) {
 }
 
 TEST(UcxBackendTest, DaemonDestroyedMidOpFailsItsPeersWithUnavailable) {
-  auto a = NewBackend();
-  auto b = NewBackend();
-  auto c = NewBackend();
+  // Endpoints with peer error handling: UCX itself reports the dead peer (same-host endpoints
+  // have none by default; the next test covers them).
+  UcxBackendOptions peer_mode;
+  peer_mode.error_handling = UcxBackendOptions::ErrorHandling::kPeer;
+  auto a = NewBackend(peer_mode);
+  auto b = NewBackend(peer_mode);
+  auto c = NewBackend(peer_mode);
   const std::vector<CollectiveBackend*> daemons = {a.get(), b.get(), c.get()};
   const std::vector<int> layout = {0, 1, 2, 2};
   auto comms = ConnectAll("dies", NextEpoch(), layout, daemons);
@@ -538,6 +543,97 @@ TEST(UcxBackendTest, DaemonDestroyedMidOpFailsItsPeersWithUnavailable) {
   DoneRecorder late;
   issue(1, 2, late.Callback());
   EXPECT_FALSE(late.Wait(absl::Seconds(5)).ok());
+}
+
+TEST(UcxAddressTest, CarriesTheHostIdentityAndTheWorkerAddress) {
+  const std::string worker("\x00\x01\n\xff", 4);
+  absl::StatusOr<ucx::UcxPeerAddress> d =
+      ucx::DecodeUcxAddress(ucx::EncodeUcxAddress("boot net=1", worker));
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->host, "boot net=1");
+  EXPECT_EQ(d->worker, worker);
+  // A bare worker address (an older daemon) is a peer on an unknown host.
+  d = ucx::DecodeUcxAddress(worker);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->host, "");
+  EXPECT_EQ(d->worker, worker);
+  EXPECT_TRUE(absl::IsInvalidArgument(ucx::DecodeUcxAddress("fsucx1 boot").status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(ucx::DecodeUcxAddress("fsucx1 boot\n").status()));
+  EXPECT_EQ(ucx::LocalHostIdentity(), ucx::LocalHostIdentity());
+}
+
+// kAuto: endpoints between backends of one host have no peer error handling (so UCX may use
+// shared memory); kPeer gives every endpoint peer error handling.
+TEST(UcxBackendTest, SameHostEndpointsSkipPeerErrorHandlingUnlessAskedFor) {
+  using Mode = UcxBackendOptions::ErrorHandling;
+  for (Mode mode : {Mode::kAuto, Mode::kPeer}) {
+    UcxBackendOptions options;
+    options.error_handling = mode;
+    auto a = NewBackend(options);
+    auto b = NewBackend(options);
+    const std::vector<CollectiveBackend*> daemons = {a.get(), b.get()};
+    const std::vector<int> layout = {0, 1};
+    auto comms = ConnectAll("mode", NextEpoch(), layout, daemons);
+    std::vector<std::vector<float>> in(2, std::vector<float>(1 << 20));
+    std::vector<std::vector<float>> out(2, std::vector<float>(2 << 20));
+    for (int r = 0; r < 2; ++r) {
+      for (size_t i = 0; i < in[r].size(); ++i) in[r][i] = ShardValue(r, i);
+    }
+    RunRanks(2, [&](int r) {
+      DoneRecorder done;
+      comms[r]->AllGather(ConstBuffer{in[r].data(), in[r].size() * 4, DType::kFloat32},
+                          MutableBuffer{out[r].data(), out[r].size() * 4, DType::kFloat32},
+                          Opts(r, 1), done.Callback());
+      EXPECT_TRUE(done.Wait().ok()) << done.status();
+      for (int k = 0; k < 2; ++k) {
+        EXPECT_TRUE(BlockHolds(out[r].data() + k * in[r].size(), k, in[r].size()));
+      }
+    });
+    const UcxBackendStats stats = StatsOf(*a);
+    EXPECT_EQ(stats.endpoints, 1u);
+    EXPECT_EQ(stats.same_host_endpoints, mode == Mode::kAuto ? 1u : 0u);
+  }
+}
+
+// A same-host peer that dies mid-transfer: no UCX error comes (no peer error handling), the
+// heartbeats find it (here: the test aborts the survivors' communicators, as the coordinator
+// does), and the transfers UCX cannot cancel are abandoned after abort_grace, so every
+// survivor's op ends with the abort's status instead of hanging.
+TEST(UcxBackendTest, SameHostPeerDestroyedMidTransferEndsAtTheAbort) {
+  UcxBackendOptions options;
+  options.abort_grace = absl::Milliseconds(300);
+  auto a = NewBackend(options);
+  auto b = NewBackend(options);
+  auto c = NewBackend(options);
+  const std::vector<CollectiveBackend*> daemons = {a.get(), b.get(), c.get()};
+  const std::vector<int> layout = {0, 1, 2};
+  auto comms = ConnectAll("dies-shm", NextEpoch(), layout, daemons);
+  constexpr size_t kShard = (size_t{16} << 20) / 4;  // 16 MiB blocks: rendezvous
+  std::vector<std::vector<float>> in(3, std::vector<float>(kShard, 1));
+  std::vector<std::vector<float>> out(3, std::vector<float>(3 * kShard));
+  std::vector<DoneRecorder> done(3);
+  for (int r = 0; r < 3; ++r) {
+    comms[r]->AllGather(ConstBuffer{in[r].data(), kShard * 4, DType::kFloat32},
+                        MutableBuffer{out[r].data(), 3 * kShard * 4, DType::kFloat32},
+                        Opts(r, 1, 3, absl::Seconds(60)), done[r].Callback());
+  }
+  // Data is moving once a survivor has UCX transfers in flight.
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (StatsOf(*a).inflight_requests == 0 && absl::Now() < until) {
+    absl::SleepFor(absl::Microseconds(200));
+  }
+  b.reset();
+  const absl::Time start = absl::Now();
+  const absl::Status reason = absl::UnavailableError("daemon node1 died (heartbeats)");
+  for (int r : {0, 2}) comms[r]->Abort(reason);
+  for (int r : {0, 2}) {
+    absl::Status s = done[r].Wait(absl::Seconds(10));
+    // A survivor whose transfers all finished before the abort succeeds; none may hang.
+    EXPECT_TRUE(s.ok() || s == reason) << "rank " << r << ": " << s;
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(StatsOf(*a).inflight_requests, 0u);
+  EXPECT_EQ(StatsOf(*c).inflight_requests, 0u);
 }
 
 // --- A second process ----------------------------------------------------------------------
