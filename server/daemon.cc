@@ -413,6 +413,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   std::move(remove_socket).Cancel();
   d->socket_lock_ = std::move(socket_lock);
   d->state_dir_lock_ = std::move(state_dir_lock);
+  d->started_ = true;
   return d;
 }
 
@@ -511,7 +512,9 @@ std::string Daemon::metrics_address() const {
   return metrics_server_ ? metrics_server_->address() : std::string();
 }
 
-void Daemon::Wait() { server_->Wait(); }
+void Daemon::Wait() {
+  if (server_) server_->Wait();
+}
 
 void Daemon::Shutdown() {
   {
@@ -520,9 +523,14 @@ void Daemon::Shutdown() {
     shut_down_ = true;
   }
   FS_LOG(INFO) << "flatshardd shutting down (grace " << config_.shutdown_grace << ")";
-  if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
-  metrics_server_.reset();  // its render reads the store and the groups
-  groups_->Shutdown();      // pending collectives finish with UNAVAILABLE
+  // A daemon whose Create failed part way has only some of its parts: it never served, so it
+  // keeps whatever state it adopted for the next start.
+  const bool served = started_;
+  if (server_ != nullptr) {
+    if (auto* health = server_->GetHealthCheckService()) health->Shutdown();
+  }
+  metrics_server_.reset();           // its render reads the store and the groups
+  if (groups_) groups_->Shutdown();  // pending collectives finish with UNAVAILABLE
   // Copies between daemons end first (cancelled), then the readers waiting on them, then
   // pending publishes.
   if (distributed_publish_) distributed_publish_->Shutdown();
@@ -535,13 +543,13 @@ void Daemon::Shutdown() {
   if (checkpoint_peer_) checkpoint_peer_->Stop();  // its calls use groups_
   if (weights_peer_) weights_peer_->Stop();
   if (acceptor_) acceptor_->Stop();  // no new connections while the server drains
-  server_->Shutdown(deadline);
+  if (server_ != nullptr) server_->Shutdown(deadline);
   // --keep_shards (with --state_dir): shards, gradient shards and committed copies stay with
   // their records for the next daemon; otherwise the records go first, then the segments.
-  const bool keep = config_.keep_shards && state_dir_ != nullptr;
-  if (keep) groups_->KeepDeviceShards();  // GPU daemons: device memory dies with us
-  if (!keep) groups_->ForgetState();
-  store_->Shutdown(keep);
+  const bool keep = (config_.keep_shards || !served) && state_dir_ != nullptr;
+  if (groups_ && keep) groups_->KeepDeviceShards();  // GPU daemons: device memory dies with us
+  if (groups_ && !keep) groups_->ForgetState();
+  if (store_) store_->Shutdown(keep);
   ::unlink(config_.socket_path.c_str());
   FS_LOG(INFO) << (keep ? "flatshardd stopped: socket and transient segments removed; shards "
                           "and their records in " +

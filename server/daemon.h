@@ -186,6 +186,8 @@ class Daemon {
   std::unique_ptr<metrics::MetricsServer> metrics_server_;  // stopped first in Shutdown
   absl::Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  // Create finished: a daemon destroyed before that never served and forgets nothing.
+  bool started_ = false;
 };
 
 }  // namespace flatshard::server
