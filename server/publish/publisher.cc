@@ -370,7 +370,12 @@ void Publisher::Build(Job job) {
                     << " group=" << job.args.caller.group << " failed: " << result.status();
   }
   for (auto& [w, info] : notify) w->Deliver(info);
-  // Restarts: the newest version goes to the state directory before Publish is answered.
+  // The trainers are answered before the version is stored: writing it to disk (with fsync)
+  // costs 25x the copy (256 MiB: 3.2 s vs 0.13 s on the development VM) and readers can use
+  // it already. The next publish (this thread) waits for the write.
+  for (PublishDone& d : job.done) d(result);
+  job.done.clear();
+  // Restarts: the newest version goes to the state directory.
   if (made.ok() && files_.enabled()) {
     const Version& v = **made;
     StoredWeights meta{v.info.name,
@@ -389,7 +394,6 @@ void Publisher::Build(Job job) {
                       << " was published but will not survive a restart: " << s;
     }
   }
-  for (PublishDone& d : job.done) d(result);
 }
 
 int Publisher::Adopt() {
