@@ -415,9 +415,13 @@ void Publisher::Build(Job job) {
                     << " group=" << job.args.caller.group << " failed: " << result.status();
   }
   for (auto& [w, info] : notify) w->Deliver(info);
-  // Restarts: the newest version goes to the state directory before Publish is answered.
-  if (made.ok()) Store(**made);
+  // The trainers are answered before the version is stored: writing it to disk (with fsync)
+  // costs 25x the copy (256 MiB: 3.2 s vs 0.13 s on the development VM) and readers can use
+  // it already. The next publish (this thread) waits for the write.
   for (PublishDone& d : job.done) d(result);
+  job.done.clear();
+  // Restarts: the newest version goes to the state directory.
+  if (made.ok()) Store(**made);
 }
 
 void Publisher::InsertLocked(

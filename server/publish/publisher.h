@@ -10,8 +10,9 @@
 //   Version numbers start at 1 and increase per key; they are never reused (dropped and freed
 //   numbers included; across restarts only with a state directory).
 // - Restarts: with a state directory, the newest version of each key is written to
-//   `<state_dir>/weights/` (weights_files.h) by the worker before Publish is answered, and
-//   adopted at start (numbering goes on after it). Without one, versions do not survive a
+//   `<state_dir>/weights/` (weights_files.h) by the worker right after Publish is answered
+//   (the write costs far more than the copy; the next publish waits for it), and adopted at
+//   start (numbering goes on after it). Without one, versions do not survive a
 //   restart and readers get NOT_FOUND saying so.
 // - A version is built from the committed copies (Checkpoints::ReadCommitted holds them still,
 //   so commits that land meanwhile wait and trainers that go on training change nothing):

@@ -20,6 +20,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -447,6 +448,23 @@ TEST(WeightsTest, VersionsDoNotSurviveARestartAndReadersAreToldSo) {
               HasSubstr("survive a daemon restart unless it runs with --ephemeral"));
 }
 
+// Whether a stored weights file in `state`/weights holds `version` (its JSON header line).
+bool StoredHolds(const std::string& state, uint64_t version) {
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(state + "/weights", ec)) {
+    if (e.path().extension() != ".weights") continue;
+    std::string head(4096, '\0');
+    std::ifstream(e.path()).read(head.data(), head.size());
+    const std::string want = absl::StrCat("\"version\":", version);
+    const size_t at = head.find(want);
+    if (at != std::string::npos &&
+        !std::isdigit(static_cast<unsigned char>(head[at + want.size()]))) {
+      return true;
+    }
+  }
+  return false;
+}
+
 TEST(WeightsTest, WithAStateDirTheNewestVersionSurvivesAKill) {
   char tmpl[] = "/tmp/fsw-state.XXXXXX";
   ASSERT_NE(::mkdtemp(tmpl), nullptr);
@@ -469,6 +487,9 @@ TEST(WeightsTest, WithAStateDirTheNewestVersionSurvivesAKill) {
       grant.dtype = DType::kBFloat16;
       for (const auto& p : t.Publish("gpt", grant)) ASSERT_TRUE(p.ok()) << p.status();
     }
+    // Publish answers before the version is stored: wait for its file.
+    for (int i = 0; i < 500 && !StoredHolds(state, 2); ++i) absl::SleepFor(absl::Milliseconds(10));
+    ASSERT_TRUE(StoredHolds(state, 2));
     d.Kill(0);
     ASSERT_TRUE(d.Restart(0));
     std::unique_ptr<WeightsReader> r = Reader(d.AddressFor(0));
