@@ -2,7 +2,15 @@
 //
 //   build/tests/bench/flatshard_multi_daemon_benchmark [--bytes N] [--daemons 2,4] [--iters N]
 //       [--warmup N] [--transfer_bytes N] [--ucx_tls TLS] [--skip_mpi] [--skip_ucx_perftest]
-//       [--skip_flatshard] [--skip_transfer]
+//       [--skip_flatshard] [--skip_transfer] [--ranks_per_node 1,2]
+//       [--ops allgather,reduce_scatter] [--link_rate 10gbit [--link_delay 50us]]
+//
+// --link_rate: every daemon in an emulated node of its own (tests/testing/emulated_links.h:
+// a network namespace on a tbf-shaped veth link), its ranks too (setns), Open MPI's ranks of
+// that node as well (mpirun in node 0, an `ip netns exec` rsh agent for the others); a "line
+// rate" row per table. --ops reduce_scatter: ReduceScatterGrads' Finish (the gradient written
+// before the barrier) against MPI_Reduce_scatter. --ranks_per_node: rank r on daemon
+// r / ranks_per_node, MPI with as many processes per node.
 //
 // Several flatshardd processes on this host stand in for nodes: each has its own Unix socket,
 // segment prefix, node name and PeerService port (127.0.0.1, picked free here); bytes move
