@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace flatshard::server {
 
@@ -37,11 +38,13 @@ absl::Status DistributedPublish::GatherShards(
 }
 
 absl::StatusOr<CopiedVersion> DistributedPublish::FetchFromLeader(const LeaderVersion& which) {
+  FS_ASSIGN_OR_RETURN(const uint64_t seq,
+                      rounds_.AwaitLeaderSeq(which.group, which.module, which.seq, which.deadline));
   WeightsPeerClient::Fetch f;
   f.group = which.group;
   f.token = which.token;
   f.module = which.module;
-  f.seq = which.seq;
+  f.seq = seq;
   f.name = which.name;
   f.owner_uid = which.owner_uid;
   f.deadline = which.deadline;

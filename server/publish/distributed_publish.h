@@ -2,18 +2,19 @@
 // DistributedPublish: publishing weights from a group whose ranks join through several
 // daemons (README "Published weights across daemons").
 //
-// Design: every daemon's Publisher batches its own ranks' arrivals; a complete batch is
-// publish number `seq` of (group, module) there (PublishRounds). The daemon of rank 0 (the
-// leader) builds the version: it holds its own committed copies, reads every other daemon's
-// (ReadShards: each answers once its own ranks arrived at `seq`, holding its copies still
-// while it sends them), checks that all hold the same generation and fills one segment, as a
-// single-daemon publish does; then it numbers and inserts it. Every other daemon copies that
-// version (FetchVersion by `seq`, waiting for the leader) into a segment of its own, seals it
-// and inserts it under the leader's number and generation. So each daemon's shards cross the
-// network once to the leader and the whole version once to each other daemon; a version
-// appears on a daemon only complete; a publish that fails anywhere (a rank that never
-// arrives, a daemon or publisher killed mid-way) leaves nothing on the daemons it did not
-// finish on, and the ranks on every daemon get the leader's error.
+// Design: every daemon's Publisher batches its own ranks' arrivals (PublishRounds numbers
+// the batches). The daemon of rank 0 (the leader) builds the version of its publish `seq`: it
+// holds its own committed copies, reads every other daemon's (ReadShards: each pairs `seq`
+// with its oldest batch the leader has not read, waiting for its ranks to arrive, and holds
+// its copies still while it sends them), checks that all hold the same generation and fills
+// one segment, as a single-daemon publish does; then it numbers and inserts it. Every other
+// daemon, once its batch is paired, copies the version the leader built for that `seq`
+// (FetchVersion, waiting for the leader) into a segment of its own, seals it and inserts it
+// under the leader's number and generation. So each daemon's shards cross the network once
+// to the leader and the whole version once to each other daemon; a version appears on a
+// daemon only complete; a publish that fails (a rank that never arrives, a daemon or
+// publisher killed mid-way) leaves nothing on the daemons it did not finish on, and the
+// ranks on every daemon get the leader's error.
 //
 // Thread-safe.
 
@@ -47,8 +48,10 @@ class DistributedPublish {
                             std::vector<int32_t>* ranks,
                             std::vector<std::vector<std::shared_ptr<Buffer>>>* by_unit);
 
-  // Another daemon: the version of (owner_uid, name) the leader built for publish `seq` (its
-  // error when it failed; UNAVAILABLE naming the leader when that daemon is gone).
+  // Another daemon, for its batch number `seq` (PublishRounds::Arrived): waits until the
+  // leader read this daemon's shards for one of its publishes, then copies the version of
+  // (owner_uid, name) the leader built for it (its error when it failed; UNAVAILABLE naming
+  // the leader when that daemon is gone; DEADLINE_EXCEEDED when the leader never read).
   struct LeaderVersion {
     std::string leader;
     std::string group;

@@ -1,14 +1,19 @@
 #pragma once
 // PublishRounds: the collective publishes of multi-daemon groups as this daemon sees them
-// (README "Published weights across daemons"). Every daemon of the group numbers the
-// publishes of each (group, module) 1, 2, ... as its own ranks complete them (publishes are
-// collective and ordered per module, so the numbers agree); the leader (rank 0's daemon)
-// builds the version of publish `seq` after every other daemon's ranks arrived at `seq`, and
-// the others copy the version the leader built for `seq`.
+// (README "Published weights across daemons").
 //
-// Thread-safe; one leaf lock, never held across a wait's caller's work.
+// Each daemon numbers its own complete batches of each (group, module) 1, 2, ... (Arrived).
+// The leader (rank 0's daemon) uses its number as the publish's: it reads every other
+// daemon's shards for publish `seq` (ReadShards), and each of those daemons pairs `seq` with
+// its oldest batch the leader has not read yet (TakeArrival): so the daemons' own counts
+// never need to agree (a daemon restarted, a batch that timed out on one daemon only). Each
+// other daemon's batch then waits for that pairing (AwaitLeaderSeq) and copies the version
+// the leader built for `seq` (AwaitDone on the leader).
+//
+// Thread-safe; one leaf lock.
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <string>
 #include <utility>
@@ -22,13 +27,20 @@ namespace flatshard::server {
 
 class PublishRounds {
  public:
-  // This daemon's ranks of (group, module) all arrived at their next publish: its number.
-  // `token`: the group's (other daemons' AwaitDone present it).
-  uint64_t Arrived(const std::string& group, const std::string& module, const std::string& token);
-  // Waits until this daemon's ranks arrived at publish `seq`. DEADLINE_EXCEEDED naming the
-  // group, module and seq; UNAVAILABLE after Shutdown.
-  absl::Status AwaitArrived(const std::string& group, const std::string& module, uint64_t seq,
-                            absl::Time deadline);
+  // This daemon's ranks of (group, module) all arrived at a publish: its number here.
+  // `token`: the group's (other daemons' AwaitDone present it). `leader`: this daemon builds
+  // it (nobody reads it).
+  uint64_t Arrived(const std::string& group, const std::string& module, const std::string& token,
+                   bool leader);
+  // Another daemon's side of the leader's publish `seq`: the batch paired with it already,
+  // else the oldest batch the leader has not read, waiting for one until `deadline`.
+  // DEADLINE_EXCEEDED naming the group, module and seq; UNAVAILABLE after Shutdown.
+  absl::Status TakeArrival(const std::string& group, const std::string& module, uint64_t seq,
+                           absl::Time deadline);
+  // The leader's publish number that batch `id` was paired with, waiting until `deadline`
+  // (DEADLINE_EXCEEDED: the batch is dropped, never paired later).
+  absl::StatusOr<uint64_t> AwaitLeaderSeq(const std::string& group, const std::string& module,
+                                          uint64_t id, absl::Time deadline);
   // The leader built publish `seq` as `version` (or failed with the status).
   void Done(const std::string& group, const std::string& module, uint64_t seq,
             absl::StatusOr<uint64_t> version);
@@ -42,10 +54,11 @@ class PublishRounds {
  private:
   using Key = std::pair<std::string, std::string>;
   struct Round {
-    uint64_t arrived = 0;  // the last seq this daemon's ranks completed
+    uint64_t last = 0;  // the last batch number given here
     std::string token;
-    // The leader's results by seq (the newest few).
-    std::map<uint64_t, absl::StatusOr<uint64_t>> results;
+    std::deque<uint64_t> unread;              // batches the leader has not read yet
+    std::map<uint64_t, uint64_t> leader_seq;  // batch -> the leader's publish (the newest few)
+    std::map<uint64_t, absl::StatusOr<uint64_t>> results;  // leader: by seq (the newest few)
   };
   absl::Mutex mu_;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;

@@ -231,7 +231,8 @@ void Publisher::Publish(PublishArgs args, PublishDone done) {
           for (auto& [rank, d] : batch->arrived) job.done.push_back(std::move(d));
           if (group->multi) {
             job.multi = true;
-            job.seq = options_.distributed->rounds().Arrived(bkey.first, bkey.second, group->token);
+            job.seq = options_.distributed->rounds().Arrived(bkey.first, bkey.second, group->token,
+                                                             group->leader.empty());
             job.leader = group->leader;
             job.token = group->token;
             job.owner_uid = group->owner_uid;
@@ -371,6 +372,8 @@ void Publisher::Build(Job job) {
   absl::StatusOr<std::shared_ptr<Version>> made;
   if (job.multi && !job.leader.empty()) {
     // Not the leader: the version the leader built for this publish, copied here.
+    // Not the leader: once the leader read this daemon's shards (pairing this batch with its
+    // publish), the version it built for it, copied here.
     absl::StatusOr<CopiedVersion> copy = options_.distributed->FetchFromLeader(
         {job.leader, job.args.caller.group, job.token, job.args.module, job.seq, job.args.name,
          job.owner_uid, job.args.deadline});

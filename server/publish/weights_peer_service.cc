@@ -42,7 +42,7 @@ grpc::Status WeightsPeerServiceImpl::ReadShards(grpc::ServerContext* ctx,
   const absl::Time deadline = DeadlineOf(request->wait_ms());
   // The publish is collective: this daemon's ranks must have called it too.
   if (absl::Status s =
-          rounds->AwaitArrived(request->group(), request->module(), request->seq(), deadline);
+          rounds->TakeArrival(request->group(), request->module(), request->seq(), deadline);
       !s.ok()) {
     return ToGrpcStatus(s);
   }

@@ -6,6 +6,7 @@
 //   - a third daemon with no rank of the group (--weights_sources) copies a version once for
 //     four readers, and the next version on demand;
 //   - a source daemon killed mid-copy: a named error, nothing kept, a retry copies;
+//   - a publish only one daemon's ranks call fails by name and shifts nothing;
 //   - a publisher killed with SIGKILL at random points leaves no partial version anywhere.
 
 #include <netinet/in.h>
@@ -53,10 +54,10 @@ using ::testing::HasSubstr;
 constexpr char kToken[] = "mult1";
 constexpr int kWorld = 4;
 
-ClientOptions Options(const std::string& address) {
+ClientOptions Options(const std::string& address, absl::Duration call_timeout = absl::Seconds(20)) {
   ClientOptions o;
   o.address = address;
-  o.call_timeout = absl::Seconds(20);
+  o.call_timeout = call_timeout;
   o.join_timeout = absl::Seconds(10);
   o.max_attempts = 1;
   return o;
@@ -138,10 +139,13 @@ struct Trainers {
   std::vector<std::unique_ptr<Client>> c;
   std::shared_ptr<const Plan> plan;
 
-  Trainers(const std::vector<const DaemonProcess*>& daemons, const std::string& group) : c(kWorld) {
+  Trainers(const std::vector<const DaemonProcess*>& daemons, const std::string& group,
+           absl::Duration call_timeout = absl::Seconds(20))
+      : c(kWorld) {
     RunRanks(kWorld, [&](int r) {
       const DaemonProcess& d = *daemons[r % daemons.size()];
-      absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(Options(d.address()));
+      absl::StatusOr<std::unique_ptr<Client>> client =
+          Client::Connect(Options(d.address(), call_timeout));
       ASSERT_TRUE(client.ok()) << client.status();
       c[r] = *std::move(client);
       absl::Status joined = c[r]->Join(group, kWorld, r, kToken, daemons[0]->peer_address());
@@ -269,6 +273,38 @@ TEST(WeightsMultiTest, TwoDaemonsPublishAndAThirdCopiesOnceForFourReaders) {
   absl::StatusOr<std::unique_ptr<WeightsVersion>> none = r->Open("nothing");
   EXPECT_EQ(none.status().code(), absl::StatusCode::kNotFound) << none.status();
   EXPECT_THAT(none.status().message(), HasSubstr("\"nothing\""));
+}
+
+TEST(WeightsMultiTest, APublishOnlyOneDaemonsRanksCalledFailsByNameAndTheNextOneWorks) {
+  std::unique_ptr<DaemonProcess> d0 = GroupDaemon(0);
+  std::unique_ptr<DaemonProcess> d1 = GroupDaemon(1);
+  Trainers t({d0.get(), d1.get()}, "half", absl::Seconds(3));
+  ASSERT_NE(t.plan, nullptr);
+  t.Step(1);
+  // Only daemon 1's ranks (1, 3) call: they time out naming the leader; nothing is published.
+  std::vector<absl::StatusOr<PublishedVersion>> half(kWorld, absl::UnknownError("unset"));
+  RunRanks(2, [&](int i) { half[2 * i + 1] = t.c[2 * i + 1]->Publish("", "gpt", {}); });
+  for (int r : {1, 3}) {
+    EXPECT_EQ(half[r].status().code(), absl::StatusCode::kDeadlineExceeded) << half[r].status();
+    EXPECT_THAT(half[r].status().message(), HasSubstr("leader (rank 0's daemon)"));
+  }
+  for (const DaemonProcess* d : {d0.get(), d1.get()}) {
+    absl::StatusOr<std::vector<PublishedVersion>> l = Reader(*d)->List();
+    ASSERT_TRUE(l.ok()) << l.status();
+    EXPECT_TRUE(l->empty());
+  }
+  // The abandoned batch does not shift the next publish: every daemon gets version 1.
+  t.Step(2);
+  std::vector<absl::StatusOr<PublishedVersion>> p = t.Publish("gpt");
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(p[r].ok()) << "rank " << r << ": " << p[r].status();
+    EXPECT_EQ(p[r]->version, 1u);
+  }
+  for (const DaemonProcess* d : {d0.get(), d1.get()}) {
+    absl::StatusOr<std::unique_ptr<WeightsVersion>> v = Reader(*d)->Open("gpt");
+    ASSERT_TRUE(v.ok()) << v.status();
+    ExpectHolds(*t.plan, **v, 2);
+  }
 }
 
 // A free TCP port on loopback (for a daemon that must get the same one after a restart).
