@@ -58,44 +58,91 @@ int MaxDepth(absl::string_view text) {
   return max_depth;
 }
 
-// SAX handler that records the first key repeated within one object. Objects here have a
-// handful of keys, so a linear scan per key is cheapest; levels are reused, not freed.
-struct DuplicateKeyFinder {
-  std::vector<std::vector<std::string>> open_objects;
-  size_t depth = 0;
-  std::string duplicate;
+// Builds the DOM in one SAX pass and stops at the first key repeated within one object
+// (nlohmann's own DOM builder merges duplicates silently, and its parse callback rescans the
+// parent on every object end: quadratic). Strings and keys are moved, not copied.
+class StrictDomBuilder {
+ public:
+  explicit StrictDomBuilder(Json& root) : root_(root) {}
 
-  bool null() { return true; }
-  bool boolean(bool) { return true; }
-  bool number_integer(Json::number_integer_t) { return true; }
-  bool number_unsigned(Json::number_unsigned_t) { return true; }
-  bool number_float(Json::number_float_t, const std::string&) { return true; }
-  bool string(std::string&) { return true; }
-  bool binary(Json::binary_t&) { return true; }
+  const std::string& duplicate() const { return duplicate_; }
+
+  bool null() { return Add(nullptr) != nullptr; }
+  bool boolean(bool v) { return Add(v) != nullptr; }
+  bool number_integer(Json::number_integer_t v) { return Add(v) != nullptr; }
+  bool number_unsigned(Json::number_unsigned_t v) { return Add(v) != nullptr; }
+  bool number_float(Json::number_float_t v, const std::string&) { return Add(v) != nullptr; }
+  bool string(std::string& v) { return Add(std::move(v)) != nullptr; }
+  bool binary(Json::binary_t& v) { return Add(Json::binary(std::move(v))) != nullptr; }
   bool start_object(size_t) {
-    if (open_objects.size() <= depth) open_objects.emplace_back();
-    open_objects[depth++].clear();
+    stack_.push_back(Add(Json::value_t::object));
     return true;
   }
   bool key(std::string& k) {
-    auto& keys = open_objects[depth - 1];
-    if (std::find(keys.begin(), keys.end(), k) != keys.end()) {
-      duplicate = k;
+    auto [it, inserted] = stack_.back()->get_ref<Json::object_t&>().emplace(std::move(k), nullptr);
+    if (!inserted) {
+      duplicate_ = it->first;
       return false;  // stop: one is enough
     }
-    keys.push_back(k);
+    element_ = &it->second;
     return true;
   }
   bool end_object() {
-    --depth;
+    stack_.pop_back();
     return true;
   }
-  bool start_array(size_t) { return true; }
-  bool end_array() { return true; }
-  bool parse_error(size_t, const std::string&, const nlohmann::detail::exception&) {
-    return false;  // the full parse reports it with its position
+  bool start_array(size_t) {
+    stack_.push_back(Add(Json::value_t::array));
+    return true;
   }
+  bool end_array() {
+    stack_.pop_back();
+    return true;
+  }
+  template <class Exception>
+  bool parse_error(size_t, const std::string&, const Exception& e) {
+    throw e;  // ParseJson reports it with its position, as nlohmann's parse would
+  }
+
+ private:
+  template <typename V>
+  Json* Add(V&& v) {
+    if (stack_.empty()) {
+      root_ = Json(std::forward<V>(v));
+      return &root_;
+    }
+    Json* top = stack_.back();
+    if (top->is_array()) {
+      auto& array = top->get_ref<Json::array_t&>();
+      array.emplace_back(std::forward<V>(v));
+      return &array.back();
+    }
+    *element_ = Json(std::forward<V>(v));
+    return element_;
+  }
+
+  Json& root_;
+  std::vector<Json*> stack_;
+  Json* element_ = nullptr;
+  std::string duplicate_;
 };
+
+// The happy path of AsInt, without building the JSON path an error would name.
+bool IntInRange(const Json& v, int64_t min, int64_t max, int64_t* out) {
+  int64_t value;
+  if (v.is_number_unsigned()) {
+    const uint64_t u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return false;
+    value = static_cast<int64_t>(u);
+  } else if (v.is_number_integer()) {
+    value = v.get<int64_t>();
+  } else {
+    return false;
+  }
+  if (value < min || value > max) return false;
+  *out = value;
+  return true;
+}
 
 }  // namespace
 
@@ -125,20 +172,11 @@ absl::StatusOr<Json> ParseJson(absl::string_view text, absl::string_view doc) {
     return absl::InvalidArgumentError(
         absl::StrCat(doc, ": JSON nests deeper than ", kMaxJsonDepth, " levels"));
   }
-  // nlohmann merges duplicate keys silently, and its parse callback rescans the parent on
-  // every object end (quadratic). So one linear SAX pass finds duplicates, then a plain parse
-  // builds the value.
-  DuplicateKeyFinder finder;
-  Json::sax_parse(text.begin(), text.end(), &finder, nlohmann::detail::input_format_t::json,
-                  /*strict=*/true, /*ignore_comments=*/false);
-  if (!finder.duplicate.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(doc, ": duplicate key ", Quote(finder.duplicate), " in an object"));
-  }
   Json value;
+  StrictDomBuilder builder(value);
   try {
-    value = Json::parse(text.begin(), text.end(), /*cb=*/nullptr, /*allow_exceptions=*/true,
-                        /*ignore_comments=*/false);
+    Json::sax_parse(text.begin(), text.end(), &builder, nlohmann::detail::input_format_t::json,
+                    /*strict=*/true, /*ignore_comments=*/false);
   } catch (const Json::exception& e) {
     // Drop nlohmann's "[json.exception.parse_error.101] " prefix.
     absl::string_view what = e.what();
@@ -146,6 +184,10 @@ absl::StatusOr<Json> ParseJson(absl::string_view text, absl::string_view doc) {
       what.remove_prefix(pos + 2);
     }
     return absl::InvalidArgumentError(absl::StrCat(doc, ": malformed JSON: ", what));
+  }
+  if (!builder.duplicate().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(doc, ": duplicate key ", Quote(builder.duplicate()), " in an object"));
   }
   return value;
 }
@@ -203,6 +245,8 @@ absl::StatusOr<std::string> GetString(const Json& obj, absl::string_view key,
                                       const JsonPath& path) {
   auto it = obj.find(key);
   if (it == obj.end()) return path.Error(absl::StrCat("missing required key ", Quote(key)));
+  // The path is spelled out only for an error.
+  if (it->is_string()) return it->get_ref<const std::string&>();
   return AsString(*it, path.Key(key));
 }
 
@@ -210,6 +254,10 @@ absl::Status GetOptionalString(const Json& obj, absl::string_view key, const Jso
                                std::string* out) {
   auto it = obj.find(key);
   if (it == obj.end()) return absl::OkStatus();
+  if (it->is_string()) {
+    *out = it->get_ref<const std::string&>();
+    return absl::OkStatus();
+  }
   auto s = AsString(*it, path.Key(key));
   if (!s.ok()) return s.status();
   *out = *std::move(s);
@@ -220,6 +268,7 @@ absl::StatusOr<int64_t> GetInt(const Json& obj, absl::string_view key, const Jso
                                int64_t min, int64_t max) {
   auto it = obj.find(key);
   if (it == obj.end()) return path.Error(absl::StrCat("missing required key ", Quote(key)));
+  if (int64_t v; IntInRange(*it, min, max, &v)) return v;  // the path only for an error
   return AsInt(*it, path.Key(key), min, max);
 }
 
@@ -227,6 +276,7 @@ absl::Status GetOptionalInt(const Json& obj, absl::string_view key, const JsonPa
                             int64_t min, int64_t max, int64_t* out) {
   auto it = obj.find(key);
   if (it == obj.end()) return absl::OkStatus();
+  if (IntInRange(*it, min, max, out)) return absl::OkStatus();
   auto v = AsInt(*it, path.Key(key), min, max);
   if (!v.ok()) return v.status();
   *out = *v;

@@ -36,6 +36,7 @@
 #include "client/python/summons.h"
 #include "client/python/weights.h"
 #include "common/plan.h"
+#include "common/plan_json_writer.h"
 #include "flatshard/client.h"
 #include "tests/testing/simulated_gpu.h"
 
@@ -319,7 +320,7 @@ class PyClient {
           std::make_shared<PySummoned>(std::move(r.init_summon), r.plan, device_as_host_);
     }
     out->module = r.module;
-    out->plan_json = PlanToJson(*r.plan).dump();
+    out->plan_json = PlanToJsonText(*r.plan);
     out->shards = ToPyShards(r.shards, device_as_host_);
     out->generation = r.generation;
     out->state_specs = ToPySpecs(r.shards.state_specs());

@@ -12,6 +12,7 @@
 #include "common/logging.h"
 #include "common/manifest.h"
 #include "common/plan.h"
+#include "common/plan_json_writer.h"
 #include "server/messages.h"
 
 namespace flatshard::server {
@@ -218,7 +219,7 @@ std::optional<state::ModuleRecord> Records::ModuleSnapshot(const std::string& na
     m.ranks.push_back(std::move(rr));
   }
   if (unkept || m.ranks.empty()) return std::nullopt;
-  if (reg.plan_json.empty()) reg.plan_json = PlanToJson(reg.plan).dump();
+  if (reg.plan_json.empty()) reg.plan_json = PlanToJsonText(reg.plan);
   if (reg.manifest_json.empty()) reg.manifest_json = ManifestToJson(reg.manifest).dump();
   m.plan_json = reg.plan_json;
   m.manifest_json = reg.manifest_json;

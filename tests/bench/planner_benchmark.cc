@@ -10,8 +10,9 @@
 // benchmark reports `modules` (instances) and `params` (parameter registrations) as counters.
 //
 // Benchmarks: ManifestFromJson (and on a flat model: root -> N Linear), PolicyFromJson, BuildPlan
-// under size_based / module_types / always, PlanToJson + dump, PlanFromJson, and the whole pipeline
-// (text in -> plan text out).
+// under size_based / module_types / always, PlanToJson + dump, PlanToJsonText (the same bytes,
+// written directly), PlanFromJson, and the whole pipeline (text in -> plan text out, with
+// PlanToJsonText).
 
 #include <cstdint>
 #include <cstdio>
@@ -28,6 +29,7 @@
 #include "common/json_util.h"
 #include "common/manifest.h"
 #include "common/plan.h"
+#include "common/plan_json_writer.h"
 #include "common/planner.h"
 #include "common/policy.h"
 
@@ -249,6 +251,17 @@ void BM_PlanToJson(benchmark::State& state) {
   SetCounters(state, model);
 }
 
+// The direct writer (what the pipeline below, the daemon's records and the Python package use).
+void BM_PlanToJsonText(benchmark::State& state) {
+  const Model& model = GetModel(static_cast<int>(state.range(0)));
+  const Plan plan = *BuildPlan(model.manifest, *PolicyFromJson(kAlwaysPolicy), Options());
+  for (auto _ : state) {
+    std::string text = PlanToJsonText(plan);
+    benchmark::DoNotOptimize(text);
+  }
+  SetCounters(state, model);
+}
+
 void BM_PlanFromJson(benchmark::State& state) {
   const Model& model = GetModel(static_cast<int>(state.range(0)));
   const Plan plan = *BuildPlan(model.manifest, *PolicyFromJson(kAlwaysPolicy), Options());
@@ -277,7 +290,7 @@ void EndToEnd(benchmark::State& state, const char* policy_text) {
       state.SkipWithError(plan.status().ToString().c_str());
       break;
     }
-    std::string text = PlanToJson(*plan).dump();
+    std::string text = PlanToJsonText(*plan);
     out_bytes = text.size();
     benchmark::DoNotOptimize(text);
   }
@@ -304,6 +317,7 @@ FS_MODEL_SIZES(BENCHMARK(BM_BuildPlan_SizeBased));
 FS_MODEL_SIZES(BENCHMARK(BM_BuildPlan_ModuleTypes));
 FS_MODEL_SIZES(BENCHMARK(BM_BuildPlan_Always));
 FS_MODEL_SIZES(BENCHMARK(BM_PlanToJson));
+FS_MODEL_SIZES(BENCHMARK(BM_PlanToJsonText));
 FS_MODEL_SIZES(BENCHMARK(BM_PlanFromJson));
 FS_MODEL_SIZES(BENCHMARK(BM_EndToEnd_ModuleTypes));
 FS_MODEL_SIZES(BENCHMARK(BM_EndToEnd_Always));

@@ -2,6 +2,7 @@
 // self-consistency checks of PlanFromJson, the fingerprint, SummarizeMemory and ShardRank.
 
 #include "common/plan.h"
+#include "common/plan_json_writer.h"
 
 #include <cctype>
 #include <fstream>
@@ -240,6 +241,23 @@ TEST(PlanJsonTest, RoundTripsPlansMadeByBuildPlan) {
     ASSERT_TRUE(from_value.ok()) << from_value.status();
     EXPECT_EQ(*from_value, plan);
   }
+}
+
+// The direct writer is byte for byte PlanToJson(plan).dump(): every sample plan, mixed
+// precision, and strings that need escapes or are not ASCII.
+TEST(PlanJsonTest, DirectWriterEqualsTheDumpedDocument) {
+  for (const Plan& plan : SamplePlans()) {
+    EXPECT_EQ(PlanToJsonText(plan), PlanToJson(plan).dump()) << PlanToJson(plan).dump(2);
+  }
+  Plan plan = MustPlan(MustManifest(kBlocksManifest), MustPolicy(kBlocksPolicy), 2);
+  plan.warnings = {"", "second \"quoted\"\nline\t\\", "caf\xc3\xa9 \x7f \x01"};
+  plan.units[0].compute_dtype = DType::kBFloat16;
+  plan.units[0].reduce_dtype = DType::kFloat32;
+  plan.units[0].module_type = "Ty/pe\"";
+  EXPECT_EQ(PlanToJsonText(plan), PlanToJson(plan).dump());
+  plan.warnings = {};
+  plan.ignored_params = {};
+  EXPECT_EQ(PlanToJsonText(plan), PlanToJson(plan).dump());
 }
 
 TEST(PlanJsonTest, RoundTripKeepsWarningsAndIgnoredParams) {
