@@ -633,9 +633,12 @@ class Client {
 
   // Phase one of a gradient reduce-scatter for plan unit `unit`: returns where to write the
   // full gradient. `op` and `accumulate` (add into the sharded gradient instead of
-  // overwriting it) are sent with both phases.
-  // Errors: NOT_FOUND for an unknown module or unit; FAILED_PRECONDITION when not joined;
-  // the RPC's.
+  // overwriting it) are sent with both phases. With NO_SHARD (a plan whose shard_world_size
+  // is 1) the reduction is an all-reduce over the group: every rank's gradient shard, the
+  // whole unit, holds the sum (or average) of every rank's gradient.
+  // Errors: NOT_FOUND for an unknown module or unit; FAILED_PRECONDITION when not joined, or
+  // for a HYBRID_SHARD plan whose shard groups are neither one rank nor the whole group (not
+  // served yet); the RPC's.
   absl::StatusOr<std::unique_ptr<PendingReduceScatter>> BeginReduceScatter(
       const std::string& registered_module, int32_t unit, ReduceOp op, bool accumulate);
 
