@@ -86,7 +86,8 @@ def train(daemon, strategy, **kw):
             model.step(opt)
         return ([p.detach().clone() for p in model.sharded_parameters()],
                 [p.grad.clone() for p in model.sharded_parameters()], summons,
-                json.loads(model.policy_json)["sharding_strategy"], len(model._units))
+                json.loads(model.policy_json)["sharding_strategy"], len(model._units),
+                model.state_dict())
 
     return run_group(daemon.address, WORLD, fn)
 
@@ -97,8 +98,8 @@ def test_shard_grad_op_equals_full_shard_with_one_all_gather_per_unit(daemon, kw
     full = train(daemon, "FULL_SHARD", **kw)
     zero2 = train(daemon, ShardingStrategy.SHARD_GRAD_OP, **kw)
     for rank in range(WORLD):
-        f_params, f_grads, f_summons, f_policy, units = full[rank]
-        z_params, z_grads, z_summons, z_policy, _ = zero2[rank]
+        f_params, f_grads, f_summons, f_policy, units, _ = full[rank]
+        z_params, z_grads, z_summons, z_policy, _, _ = zero2[rank]
         assert (f_policy, z_policy) == ("FULL_SHARD", "SHARD_GRAD_OP")
         for a, b in zip(f_params + f_grads, z_params + z_grads):
             assert torch.equal(a, b)  # the same values computed in the same order
@@ -153,3 +154,27 @@ def test_strategy_arguments_are_resolved_by_name_and_bad_ones_named(daemon):
 
     for got in run_group(daemon.address, WORLD, fn).values():
         assert got == (ShardingStrategy.SHARD_GRAD_OP, "SHARD_GRAD_OP")
+
+
+@pytest.mark.parametrize("strategy", ["NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
+def test_daemon_strategies_train_like_full_shard(daemon, strategy):
+    # NO_SHARD: every rank holds whole units, gradients all-reduced (the same float32 sums as
+    # the reduce-scatter's, so equal to round-off); HYBRID_SHARD on one node shards over the
+    # whole group, as FULL_SHARD. The trainer keeps units unsharded from forward to backward
+    # under NO_SHARD and _HYBRID_SHARD_ZERO2.
+    full = train(daemon, "FULL_SHARD")
+    other = train(daemon, strategy)
+    keeps = strategy in ("NO_SHARD", "_HYBRID_SHARD_ZERO2")
+    for rank in range(WORLD):
+        f_params, f_grads, _, _, units, f_sd = full[rank]
+        o_params, o_grads, o_summons, o_policy, _, o_sd = other[rank]
+        assert o_policy == ("HYBRID_SHARD" if strategy == "_HYBRID_SHARD_ZERO2" else strategy)
+        assert set(o_sd) == set(f_sd)
+        if strategy == "NO_SHARD":  # whole units on every rank: compare the full values
+            for name, v in f_sd.items():
+                assert torch.allclose(o_sd[name], v, rtol=1e-6, atol=1e-7), name
+        else:
+            for a, b in zip(f_params + f_grads, o_params + o_grads):
+                assert torch.equal(a, b)
+        if keeps:
+            assert o_summons == [units] * STEPS

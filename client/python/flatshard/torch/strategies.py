@@ -3,7 +3,9 @@
 What each strategy changes:
 
 - the daemon side (how a unit is sharded, how gradients are reduced) is the plan's: the
-  policy's ``"sharding_strategy"`` (``_HYBRID_SHARD_ZERO2`` is planned as ``HYBRID_SHARD``);
+  policy's ``"sharding_strategy"`` (README "Sharding strategies": NO_SHARD all-reduces
+  gradients). ``_HYBRID_SHARD_ZERO2`` is sent as ``HYBRID_SHARD``: the daemon runs both alike
+  (they differ in the trainer only), and daemons without the newer name plan it too;
 - the trainer side is when a unit is resharded: FULL_SHARD and HYBRID_SHARD release a unit's
   forward summon after its forward and summon it again for its backward (two all-gathers per
   unit and step); SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2 and NO_SHARD keep the forward summon open
