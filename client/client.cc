@@ -15,6 +15,7 @@
 #include "client/checkpoint_call.h"
 #include "client/client_internal.h"
 #include "client/cuda_events.h"
+#include "client/group_collectives_call.h"
 #include "client/lease_stream.h"
 #include "client/ordered_calls.h"
 #include "client/plan_layout.h"
@@ -1012,6 +1013,24 @@ int64_t Client::segment_map_calls() const { return core_->map_calls(); }
 int64_t Client::ipc_open_calls() const { return core_->ipc_open_calls(); }
 
 const ClientOptions& Client::options() const { return core_->options(); }
+
+absl::Status Client::AllReduce(float* values, size_t count, ValuesReduceOp op) {
+  FS_ASSIGN_OR_RETURN(v1::Caller caller, core_->SessionCaller());
+  return internal::AllReduceCall(core_->channel(), caller, values, count, sizeof(float), op,
+                                 core_->options().call_timeout);
+}
+
+absl::Status Client::AllReduce(double* values, size_t count, ValuesReduceOp op) {
+  FS_ASSIGN_OR_RETURN(v1::Caller caller, core_->SessionCaller());
+  return internal::AllReduceCall(core_->channel(), caller, values, count, sizeof(double), op,
+                                 core_->options().call_timeout);
+}
+
+absl::Status Client::Broadcast(void* data, size_t bytes, int root) {
+  FS_ASSIGN_OR_RETURN(v1::Caller caller, core_->SessionCaller());
+  return internal::BroadcastCall(core_->channel(), caller, data, bytes, root,
+                                 core_->options().call_timeout);
+}
 
 absl::StatusOr<PublishedVersion> Client::Publish(const std::string& registered_module,
                                                  const std::string& name,

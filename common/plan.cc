@@ -260,6 +260,7 @@ absl::StatusOr<Plan> PlanFromJsonValue(const Json& doc) {
       }
       break;
     case ShardingStrategy::kHybridShard:
+    case ShardingStrategy::kHybridShardZero2:
       if (world_size % shard_world != 0) {
         return path.Key("shard_world_size")
             .Error(absl::StrCat(shard_world, " does not divide world_size ", world_size));

@@ -95,13 +95,14 @@ class Planner {
       case ShardingStrategy::kNoShard:
         plan_.shard_world_size = 1;
         break;
-      case ShardingStrategy::kHybridShard: {
+      case ShardingStrategy::kHybridShard:
+      case ShardingStrategy::kHybridShardZero2: {
         int32_t per_node =
             options_.ranks_per_node == 0 ? options_.world_size : options_.ranks_per_node;
         if (per_node < 1 || options_.world_size % per_node != 0) {
-          return absl::InvalidArgumentError(absl::StrCat("HYBRID_SHARD: ranks per node ", per_node,
-                                                         " must be >= 1 and divide world size ",
-                                                         options_.world_size));
+          return absl::InvalidArgumentError(
+              absl::StrCat(ShardingStrategyName(policy_.sharding_strategy), ": ranks per node ",
+                           per_node, " must be >= 1 and divide world size ", options_.world_size));
         }
         plan_.shard_world_size = per_node;
         break;

@@ -19,11 +19,12 @@ constexpr std::array<std::pair<AutoWrapKind, absl::string_view>, 6> kKinds = {{
     {AutoWrapKind::kAny, "any"},
 }};
 
-constexpr std::array<std::pair<ShardingStrategy, absl::string_view>, 4> kStrategies = {{
+constexpr std::array<std::pair<ShardingStrategy, absl::string_view>, 5> kStrategies = {{
     {ShardingStrategy::kFullShard, "FULL_SHARD"},
     {ShardingStrategy::kShardGradOp, "SHARD_GRAD_OP"},
     {ShardingStrategy::kNoShard, "NO_SHARD"},
     {ShardingStrategy::kHybridShard, "HYBRID_SHARD"},
+    {ShardingStrategy::kHybridShardZero2, "_HYBRID_SHARD_ZERO2"},
 }};
 
 absl::StatusOr<AutoWrapPolicy> ParseAutoWrap(const Json& v, const JsonPath& path) {
@@ -171,7 +172,8 @@ absl::StatusOr<Policy> PolicyFromJsonValue(const Json& doc) {
   if (!parsed) {
     return path.Key("sharding_strategy")
         .Error(absl::StrCat("unknown sharding strategy ", Quote(strategy),
-                            " (one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD)"));
+                            " (one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
+                            "_HYBRID_SHARD_ZERO2)"));
   }
   policy.sharding_strategy = *parsed;
   if (auto it = doc.find("mixed_precision"); it != doc.end() && !it->is_null()) {

@@ -37,7 +37,15 @@ struct AutoWrapPolicy {
   friend bool operator==(const AutoWrapPolicy&, const AutoWrapPolicy&) = default;
 };
 
-enum class ShardingStrategy { kFullShard, kShardGradOp, kNoShard, kHybridShard };
+// kHybridShardZero2 (FSDP's _HYBRID_SHARD_ZERO2) is kHybridShard for the daemon (shard within a
+// node's ranks, replicate across nodes); for the trainer it means "keep the unit unsharded
+// between its forward and its backward", as SHARD_GRAD_OP is to FULL_SHARD.
+enum class ShardingStrategy { kFullShard, kShardGradOp, kNoShard, kHybridShard, kHybridShardZero2 };
+
+// HYBRID_SHARD or _HYBRID_SHARD_ZERO2: sharded over a node's ranks, replicated across nodes.
+inline bool IsHybrid(ShardingStrategy s) {
+  return s == ShardingStrategy::kHybridShard || s == ShardingStrategy::kHybridShardZero2;
+}
 
 struct MixedPrecision {
   std::optional<DType> param_dtype;

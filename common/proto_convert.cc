@@ -84,7 +84,7 @@ absl::StatusOr<AutoWrapPolicy> AutoWrapFromProto(const v1::AutoWrapPolicy& p, in
 }
 
 absl::StatusOr<ShardingStrategy> StrategyFromProto(v1::ShardingStrategy s, absl::string_view doc) {
-  if (s <= v1::SHARDING_STRATEGY_UNSPECIFIED || s > v1::SHARDING_STRATEGY_HYBRID_SHARD) {
+  if (s <= v1::SHARDING_STRATEGY_UNSPECIFIED || s > v1::SHARDING_STRATEGY_HYBRID_SHARD_ZERO2) {
     return absl::InvalidArgumentError(
         absl::StrCat(doc, ": sharding_strategy is unspecified or unknown"));
   }

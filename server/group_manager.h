@@ -59,6 +59,7 @@
 #include "server/group/group.h"
 #include "server/group/group_table.h"
 #include "server/group/membership.h"
+#include "server/group/trainer_collectives.h"
 #include "server/kept_buffers.h"
 #include "server/module/module.h"
 #include "server/module/modules.h"
@@ -240,6 +241,17 @@ class GroupManager : public peer::PeerEvents {
   absl::StatusOr<RegisterStateResult> RegisterState(const Caller& caller, const std::string& module,
                                                     const std::vector<StateSpec>& specs);
 
+  // Collective small values and bytes over the group's ranks (TrainerCollectives, documented
+  // there): `done` runs once every rank's call completed, or with the error.
+  void AllReduceValues(const Caller& caller, ValuesType type, ValuesOp op, std::string values,
+                       absl::Time deadline, TrainerCollectives::BytesCallback done) {
+    collectives_.AllReduce(caller, type, op, std::move(values), deadline, std::move(done));
+  }
+  void BroadcastBytes(const Caller& caller, int32_t root, std::string data, absl::Time deadline,
+                      TrainerCollectives::BytesCallback done) {
+    collectives_.Broadcast(caller, root, std::move(data), deadline, std::move(done));
+  }
+
   // Ends the caller's session; its rank can join again. Shards stay. Fail fast: the group's
   // collectives fail from now on with UNAVAILABLE naming the rank (on every daemon, through
   // the coordinator), after the ops the rank had already submitted complete (at most
@@ -379,6 +391,7 @@ class GroupManager : public peer::PeerEvents {
   // The owners, each with its own state and lock (see each header); they find each group in
   // the table and work under the group's own lock.
   GroupTable table_;
+  TrainerCollectives collectives_{&table_, clock_, &shutting_down_};
   Records records_;
   std::unique_ptr<Modules> modules_;
   std::unique_ptr<Membership> membership_;

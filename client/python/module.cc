@@ -445,6 +445,50 @@ class PyClient {
     return Unwrap(std::move(generation));
   }
 
+  // Collective: `values` (float32 or float64 values, as bytes) reduced over the ranks by
+  // `op` ("sum", "max", "min"); returns the reduction's bytes.
+  py::bytes AllReduce(const std::string& values, bool float64, const std::string& op) {
+    client::ValuesReduceOp o;
+    if (op == "sum") {
+      o = client::ValuesReduceOp::kSum;
+    } else if (op == "max") {
+      o = client::ValuesReduceOp::kMax;
+    } else if (op == "min") {
+      o = client::ValuesReduceOp::kMin;
+    } else {
+      throw StatusError(absl::InvalidArgumentError(
+          absl::StrCat("all_reduce: op \"", op, "\", expected \"sum\", \"max\" or \"min\"")));
+    }
+    const size_t item = float64 ? sizeof(double) : sizeof(float);
+    if (values.size() % item != 0) {
+      throw StatusError(absl::InvalidArgumentError(
+          absl::StrCat("all_reduce: ", values.size(), " bytes are not whole values")));
+    }
+    std::string out = values;
+    const ClientRef c = Get("all_reduce");
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      status = float64 ? c->AllReduce(reinterpret_cast<double*>(out.data()), out.size() / item, o)
+                       : c->AllReduce(reinterpret_cast<float*>(out.data()), out.size() / item, o);
+    }
+    if (!status.ok()) throw StatusError(status);
+    return py::bytes(out);
+  }
+
+  // Collective: rank `root`'s `data` to every rank (each passes as many bytes).
+  py::bytes Broadcast(const std::string& data, int root) {
+    std::string out = data;
+    const ClientRef c = Get("broadcast");
+    absl::Status status;
+    {
+      py::gil_scoped_release release;
+      status = c->Broadcast(out.data(), out.size(), root);
+    }
+    if (!status.ok()) throw StatusError(status);
+    return py::bytes(out);
+  }
+
   // Collective: publishes `module`'s committed step as the next version of `name`.
   client::PublishedVersion Publish(const std::string& module, const std::string& name,
                                    const std::string& dtype, const std::vector<int64_t>& uids,
@@ -618,6 +662,8 @@ PYBIND11_MODULE(_C, m) {
       .def("finish_async", &PyClient::FinishAsync)
       .def("shard_views", &PyClient::ShardViewsOf)
       .def("commit", &PyClient::Commit)
+      .def("all_reduce", &PyClient::AllReduce, py::arg("values"), py::arg("float64"), py::arg("op"))
+      .def("broadcast", &PyClient::Broadcast, py::arg("data"), py::arg("root"))
       .def("register_state", &PyClient::RegisterState)
       .def("checkpoint", &PyClient::Checkpoint, py::arg("kind"), py::arg("module"), py::arg("path"),
            py::arg("progress") = py::none())

@@ -26,6 +26,8 @@ absl::string_view CollectiveKindName(CollectiveKind kind) {
       return "Broadcast";
     case CollectiveKind::kGather:
       return "Gather";
+    case CollectiveKind::kAllReduce:
+      return "AllReduce";
   }
   return "Unknown";
 }

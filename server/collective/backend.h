@@ -40,8 +40,12 @@ namespace flatshard::collective {
 // Called exactly once with the op's outcome.
 using DoneCallback = absl::AnyInvocable<void(absl::Status)>;
 
-enum class CollectiveKind : uint8_t { kAllGather, kReduceScatter, kBroadcast, kGather };
-// "AllGather", "ReduceScatter", "Broadcast", "Gather".
+// kAllReduce exists only above the Communicator: CollectiveGroup runs it as a ReduceScatter then
+// an AllGather over the group's Communicator (the bandwidth-optimal ring all-reduce on every
+// backend), so no Communicator is ever called with it (ValidateCall refuses it) and it never
+// goes on the wire.
+enum class CollectiveKind : uint8_t { kAllGather, kReduceScatter, kBroadcast, kGather, kAllReduce };
+// "AllGather", "ReduceScatter", "Broadcast", "Gather", "AllReduce".
 absl::string_view CollectiveKindName(CollectiveKind kind);
 
 // Reductions over floating-point dtypes (float32, float16, bfloat16, float64). kAvg is the sum

@@ -1,6 +1,7 @@
 #include "server/collective/collective_engine.h"
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <utility>
 
@@ -72,6 +73,16 @@ CollectiveOp CollectiveOp::Broadcast(int64_t unit, MutableBuffer buf, int root) 
   return op;
 }
 
+CollectiveOp CollectiveOp::AllReduce(int64_t unit, MutableBuffer buf, ReduceOp reduce) {
+  CollectiveOp op;
+  op.kind = CollectiveKind::kAllReduce;
+  op.unit = unit;
+  op.input = buf.AsConst();
+  op.output = buf;
+  op.reduce = reduce;
+  return op;
+}
+
 CollectiveOp CollectiveOp::Gather(int64_t unit, ConstBuffer shard, MutableBuffer full, int root) {
   CollectiveOp op;
   op.kind = CollectiveKind::kGather;
@@ -132,7 +143,8 @@ void CollectiveGroup::Submit(int rank, CollectiveOp op, DoneCallback done) {
       failed = sticky_;
     } else {
       RankQueue& q = ranks_[rank];
-      rec->op_seq = q.next_seq++;
+      rec->op_seq = q.next_seq;
+      q.next_seq += rec->op.kind == CollectiveKind::kAllReduce ? 2 : 1;
       in_flight_[{rank, rec->op_seq}] = rec;
       // The timer's lock is a leaf; scheduling under ours is safe.
       rec->watchdog = timer_->Schedule(rec->deadline + options_.watchdog_grace,
@@ -148,6 +160,10 @@ void CollectiveGroup::Submit(int rank, CollectiveOp op, DoneCallback done) {
     rec->Complete(std::move(failed));
     return;
   }
+  Dispatch(rank);
+}
+
+void CollectiveGroup::Dispatch(int rank) {
   // Hand this rank's queue to the communicator in op_seq order, without holding the lock (the
   // backend may complete ops, and run callbacks that Submit again, inside these calls).
   while (true) {
@@ -162,8 +178,84 @@ void CollectiveGroup::Submit(int rank, CollectiveOp op, DoneCallback done) {
       next = std::move(q.queue.front());
       q.queue.pop_front();
     }
+    if (next->op.kind == CollectiveKind::kAllReduce) {
+      IssueAllReduce(next);  // dispatches the rest once its all-gather is issued
+      return;
+    }
     Issue(next);
   }
+}
+
+void CollectiveGroup::IssueAllReduce(const std::shared_ptr<OpRecord>& rec) {
+  const CollectiveOp& op = rec->op;
+  const int rank = rec->rank;
+  auto finish = [weak = weak_from_this(), rec](absl::Status s) {
+    if (auto g = weak.lock()) {
+      g->OnDone(rec, std::move(s));
+    } else {
+      rec->Complete(std::move(s));  // the group is being destroyed
+    }
+  };
+  const int world = spec_.world_size;
+  const MutableBuffer buf = op.output;
+  const size_t item = ItemSize(buf.dtype);
+  auto refuse = [&](absl::string_view why) {
+    OpDescriptor d;
+    d.kind = CollectiveKind::kAllReduce;
+    d.unit = op.unit;
+    d.bytes = buf.bytes;
+    d.dtype = buf.dtype;
+    d.reduce_op = op.reduce;
+    finish(absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " op_seq ", rec->op_seq, " ", FormatOp(d), ": ", why)));
+    Dispatch(rank);
+  };
+  if (!IsFloatingPoint(buf.dtype)) {
+    return refuse("reductions need float32, float16, bfloat16 or float64");
+  }
+  if (buf.bytes % item != 0) return refuse("bytes are not a multiple of the item size");
+  if (buf.bytes > 0 && buf.data == nullptr) return refuse("buffer is null");
+  const size_t n = buf.bytes / item;
+  const size_t per_rank = (n + world - 1) / world;  // elements of each rank's reduced block
+  MutableBuffer work = buf;
+  std::shared_ptr<std::vector<uint8_t>> scratch;  // zero padding up to world * per_rank
+  if (per_rank * world != n) {
+    if (buf.kind == MemoryKind::kCuda) {
+      return refuse(absl::StrCat("a device buffer's element count must be a multiple of the ",
+                                 world, " ranks (pad it)"));
+    }
+    scratch = std::make_shared<std::vector<uint8_t>>(per_rank * world * item, 0);
+    std::memcpy(scratch->data(), buf.data, buf.bytes);
+    work = MutableBuffer{scratch->data(), scratch->size(), buf.dtype, MemoryKind::kHost};
+  }
+  const MutableBuffer own{work.begin() + static_cast<size_t>(rank) * per_rank * item,
+                          per_rank * item, buf.dtype, work.kind};
+  OpOptions o;
+  o.rank = rank;
+  o.op_seq = rec->op_seq;
+  o.deadline = rec->deadline;
+  o.unit = op.unit;
+  o.name = op.name;
+  auto gathered = [finish, scratch, buf](absl::Status s) mutable {
+    if (s.ok() && scratch) std::memcpy(buf.data, scratch->data(), buf.bytes);
+    finish(std::move(s));
+  };
+  auto reduced = [weak = weak_from_this(), rank, o, own, work,
+                  gathered = std::move(gathered)](absl::Status s) mutable {
+    std::shared_ptr<CollectiveGroup> g = weak.lock();
+    if (g == nullptr) {
+      gathered(s.ok() ? absl::AbortedError("the group was removed during an all-reduce") : s);
+      return;
+    }
+    if (s.ok()) {
+      o.op_seq += 1;
+      g->comm_->AllGather(own.AsConst(), work, o, std::move(gathered));
+    } else {
+      gathered(std::move(s));  // sticky: the rank's later ops fail in the communicator
+    }
+    g->Dispatch(rank);
+  };
+  comm_->ReduceScatter(work.AsConst(), own, op.reduce, o, std::move(reduced));
 }
 
 void CollectiveGroup::SubmitAll(int rank, std::vector<CollectiveOp> ops, absl::Duration timeout,
@@ -230,6 +322,9 @@ void CollectiveGroup::Issue(const std::shared_ptr<OpRecord>& rec) {
       break;
     case CollectiveKind::kGather:
       comm_->Gather(op.input, op.output, op.root, o, std::move(done));
+      break;
+    case CollectiveKind::kAllReduce:  // Dispatch routes it to IssueAllReduce
+      done(absl::InternalError("all-reduce issued as a single op"));
       break;
   }
 }

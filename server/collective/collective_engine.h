@@ -14,6 +14,15 @@
 // thread. A callback may Submit again; if it runs inside the same rank's Submit, the new op is
 // queued and issued when the callback returns, so long chains of ops do not recurse.
 //
+// All-reduce: CollectiveOp::AllReduce runs as a ReduceScatter then an AllGather of the reduced
+// block over the group's Communicator (op_seqs N and N+1; the ring all-reduce's traffic on ring
+// backends), so every backend serves it with the same deadline, sticky-error and mismatch
+// semantics as the ops it is made of. The rank's later ops wait until the all-gather has been
+// issued (its input is the reduce-scatter's output). A host buffer whose element count is not a
+// multiple of world_size is padded with zeros in a scratch copy; a CUDA one must be a multiple
+// (the caller pads: INVALID_ARGUMENT otherwise). Mismatches are detected per half: an
+// all-reduce of W*S bytes against a reduce-scatter of W*S bytes fails at op_seq N+1.
+//
 // Deadlines: each op gets `timeout` (or EngineOptions::default_timeout) from submission; the
 // backend enforces it (DEADLINE_EXCEEDED naming the ranks that did not arrive). If the backend
 // has not completed an op `watchdog_grace` after its deadline, the engine's watchdog aborts
@@ -46,12 +55,14 @@ namespace flatshard::collective {
 struct CollectiveOp {
   CollectiveKind kind = CollectiveKind::kAllGather;
   int64_t unit = -1;
-  // AllGather, ReduceScatter, Gather: this rank's contribution. Unused by Broadcast.
+  // AllGather, ReduceScatter, Gather: this rank's contribution. Broadcast, AllReduce: the
+  // same memory as `output`.
   ConstBuffer input;
   // AllGather: the full buffer; ReduceScatter: this rank's shard; Gather: the full buffer on
-  // root, empty elsewhere; Broadcast: the buffer (read on root, written elsewhere).
+  // root, empty elsewhere; Broadcast: the buffer (read on root, written elsewhere); AllReduce:
+  // the buffer, reduced in place (same bytes on every rank; floating point).
   MutableBuffer output;
-  ReduceOp reduce = ReduceOp::kSum;  // ReduceScatter
+  ReduceOp reduce = ReduceOp::kSum;  // ReduceScatter, AllReduce
   int root = 0;                      // Broadcast, Gather
   // From submission; unset: EngineOptions::default_timeout.
   std::optional<absl::Duration> timeout;
@@ -61,6 +72,8 @@ struct CollectiveOp {
   static CollectiveOp ReduceScatter(int64_t unit, ConstBuffer full, MutableBuffer shard,
                                     ReduceOp op);
   static CollectiveOp Broadcast(int64_t unit, MutableBuffer buf, int root);
+  // In place; consumes two op_seqs (see the file comment).
+  static CollectiveOp AllReduce(int64_t unit, MutableBuffer buf, ReduceOp op);
   // Non-root ranks pass an empty `full` and allocate nothing (rank0_only summon).
   static CollectiveOp Gather(int64_t unit, ConstBuffer shard, MutableBuffer full, int root);
 };
@@ -130,7 +143,12 @@ class CollectiveGroup : public std::enable_shared_from_this<CollectiveGroup> {
   absl::Status SetSticky(absl::Status reason);
   // Abort that fails pending ops on the calling thread (engine shutdown).
   void AbortNow(absl::Status reason);
+  // Hands `rank`'s queued ops to the communicator in op_seq order. REQUIRES: the caller set
+  // the rank's `dispatching`; it stays set while an all-reduce holds the queue.
+  void Dispatch(int rank);
   void Issue(const std::shared_ptr<OpRecord>& rec);
+  // ReduceScatter, then (from its callback) AllGather and Dispatch(rank) again.
+  void IssueAllReduce(const std::shared_ptr<OpRecord>& rec);
   void OnDone(const std::shared_ptr<OpRecord>& rec, absl::Status status);
   void OnWatchdog(int rank, uint64_t op_seq);
 

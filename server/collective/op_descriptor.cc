@@ -78,6 +78,7 @@ std::string FormatOp(const OpDescriptor& desc) {
   absl::StrAppend(&s, desc.bytes, " bytes, ", DTypeName(desc.dtype));
   switch (desc.kind) {
     case CollectiveKind::kReduceScatter:
+    case CollectiveKind::kAllReduce:
       absl::StrAppend(&s, ", ", ReduceOpName(desc.reduce_op));
       break;
     case CollectiveKind::kBroadcast:
@@ -148,6 +149,10 @@ absl::Status ValidateCall(const OpCall& call, int rank, int world_size, uint64_t
                                 " differs from input dtype ", DTypeName(call.in.dtype)));
   }
   switch (d.kind) {
+    case CollectiveKind::kAllReduce:
+      return Invalid(
+          rank, op_seq, d,
+          "an all-reduce runs through CollectiveGroup (reduce-scatter, then all-gather)");
     case CollectiveKind::kBroadcast:
       return absl::OkStatus();
     case CollectiveKind::kAllGather:

@@ -195,6 +195,8 @@ bool RankOp::BuildStep(std::vector<Xfer>* xfers) {
   const int next = Mod(rank_ + 1, world_);
   const int prev = Mod(rank_ - 1, world_);
   switch (d.kind) {
+    case CollectiveKind::kAllReduce:  // composed above the Communicator; ValidateCall refuses it
+      return false;
     case CollectiveKind::kAllGather: {
       if (s == 0) CopyOwn(OutBlock(rank_));
       if (world_ == 1 || bytes == 0 || s >= world_ - 1) return false;

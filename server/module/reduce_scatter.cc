@@ -14,6 +14,7 @@
 #include "server/collective/reduce.h"
 #include "server/durable/records.h"
 #include "server/messages.h"
+#include "server/module/strategy_collectives.h"
 #include "server/module/summon_steps.h"
 #include "server/module/unit_ops.h"
 
@@ -53,11 +54,7 @@ absl::StatusOr<std::shared_ptr<Buffer>> Modules::BeginReduceScatter(const Caller
         return absl::NotFoundError(absl::StrCat("module ", Display(module), " has no unit ", unit,
                                                 " (it has ", reg.plan.units.size(), ")"));
       }
-      if (reg.plan.sharding_strategy == ShardingStrategy::kNoShard) {
-        return absl::FailedPreconditionError(
-            "ReduceScatterGrads on a NO_SHARD model needs an all-reduce, which this daemon does "
-            "not serve yet");
-      }
+      FS_RETURN_IF_ERROR(strategy::CheckServed(reg.plan, "ReduceScatterGrads"));
       const PlanUnit& u = reg.plan.units[unit];
       const std::pair<int32_t, int32_t> key{caller.rank, unit};
       need_grad = !reg.shards_by_rank[caller.rank][unit].grad && !reg.new_grads.contains(key);
@@ -130,6 +127,8 @@ struct Modules::GradFinish {
   bool fresh = false;             // the unit had no gradient shard: `grad` is installed on success
   DType dtype = DType::kFloat32;  // of the gradient shard
   DType reduce_dtype = DType::kFloat32;  // of the staging buffer and the collective
+  strategy::GradReduction reduction = strategy::GradReduction::kReduceScatter;
+  int32_t world_size = 1;  // of `coll`
   std::shared_ptr<collective::CollectiveGroup> coll;
 };
 
@@ -160,7 +159,14 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
   // reduced shard into the full-precision gradient shard, as FSDP casts the sharded gradient
   // back to the parameters' dtype.
   const DType rd = f.reduce_dtype;
-  const int64_t scratch_bytes = grad->bytes() / ItemSize(dtype) * ItemSize(rd);
+  // Reduce-scatter: the reduced shard. All-reduce (NO_SHARD: the shard is the whole unit): the
+  // trainer's gradient copied in, padded to a multiple of the world size, reduced in place.
+  const bool all_reduce = f.reduction == strategy::GradReduction::kAllReduce;
+  const int64_t shard_numel = grad->bytes() / ItemSize(dtype);
+  const int64_t scratch_bytes =
+      (all_reduce ? strategy::AllReduceElements(shard_numel, f.world_size) : shard_numel) *
+      ItemSize(rd);
+  const collective::ConstBuffer staged_grad = ConstOf(*f.staging, rd);
   std::shared_ptr<Buffer> scratch_buffer;
   std::shared_ptr<std::vector<char>> scratch_host;
   collective::MutableBuffer scratch{nullptr, static_cast<size_t>(scratch_bytes), rd};
@@ -180,10 +186,14 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
     scratch_host = std::make_shared<std::vector<char>>(scratch_bytes);
     scratch.data = scratch_host->data();
   }
+  const collective::ReduceOp reduce =
+      op == ReduceOp::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum;
   std::vector<collective::CollectiveOp> ops;
-  ops.push_back(collective::CollectiveOp::ReduceScatter(
-      unit, ConstOf(*f.staging, rd), scratch,
-      op == ReduceOp::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum));
+  if (all_reduce) {
+    ops.push_back(collective::CollectiveOp::AllReduce(unit, scratch, reduce));
+  } else {
+    ops.push_back(collective::CollectiveOp::ReduceScatter(unit, staged_grad, scratch, reduce));
+  }
   ops.back().name = "grads";
   // Once the collective completed: the reduced shard into the gradient shard (a device copy
   // for GPU ranks: on the device's worker, not on the engine's thread), then the outcome is
@@ -198,23 +208,45 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
   };
   std::shared_ptr<collective::CollectiveGroup> coll = std::move(f.coll);
   f = GradFinish{};  // the staging buffer lives in `settle` (and the op) only
-  coll->SubmitAll(
-      caller.rank, std::move(ops), deadline - clock_->Now(),
-      [this, rank = caller.rank, grad, fresh, scratch, scratch_buffer, scratch_host, dtype,
-       accumulate, settle = std::move(settle)](absl::Status s) mutable {
-        if (!s.ok()) {
-          settle(std::move(s));
-          return;
-        }
-        // The scratch buffers stay alive in this job until the copy is done.
-        devices_.RunBlocking(
-            rank,
-            [this, rank, grad, fresh, scratch, scratch_buffer, scratch_host, dtype, accumulate] {
-              return devices_.ApplyReducedGrad(rank, scratch.AsConst(), *grad, dtype,
-                                               accumulate && !fresh);
-            },
-            std::move(settle));
-      });
+  // The reduced gradient: the whole scratch shard, or the all-reduce's unpadded prefix.
+  const collective::ConstBuffer reduced{
+      scratch.data, static_cast<size_t>(shard_numel * ItemSize(rd)), rd, scratch.kind};
+  auto submit = [this, rank = caller.rank, coll = std::move(coll), ops = std::move(ops), deadline,
+                 grad, fresh, reduced, scratch_buffer, scratch_host, dtype, accumulate,
+                 settle = std::move(settle)](absl::Status copied) mutable {
+    if (!copied.ok()) {
+      settle(std::move(copied));
+      return;
+    }
+    coll->SubmitAll(
+        rank, std::move(ops), deadline - clock_->Now(),
+        [this, rank, grad, fresh, reduced, scratch_buffer, scratch_host, dtype, accumulate,
+         settle = std::move(settle)](absl::Status s) mutable {
+          if (!s.ok()) {
+            settle(std::move(s));
+            return;
+          }
+          // The scratch buffers stay alive in this job until the copy is done.
+          devices_.RunBlocking(
+              rank,
+              [this, rank, grad, fresh, reduced, scratch_buffer, scratch_host, dtype, accumulate] {
+                return devices_.ApplyReducedGrad(rank, reduced, *grad, dtype, accumulate && !fresh);
+              },
+              std::move(settle));
+        });
+  };
+  if (!all_reduce) {
+    submit(absl::OkStatus());
+    return;
+  }
+  // The all-reduce works in place: the trainer's gradient into the scratch first (a device
+  // copy for GPU ranks, on the device's worker).
+  devices_.RunBlocking(
+      caller.rank,
+      [this, rank = caller.rank, scratch, staged_grad] {  // `submit` holds the staging buffer
+        return devices_.CopyBytes(rank, scratch.data, staged_grad.data, staged_grad.bytes);
+      },
+      std::move(submit));
 }
 
 absl::Status Modules::TakeGradStagingLocked(Group& g, const Caller& caller,
@@ -244,6 +276,8 @@ absl::Status Modules::TakeGradStagingLocked(Group& g, const Caller& caller,
   }
   out->dtype = reg.plan.units[unit].dtype;
   out->reduce_dtype = reg.plan.units[unit].ReduceDType();
+  out->reduction = strategy::GradReductionOf(reg.plan);
+  out->world_size = reg.plan.world_size;
   out->coll = g.coll;
   return absl::OkStatus();
 }

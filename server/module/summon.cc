@@ -17,6 +17,7 @@
 #include "server/collective/reduce.h"
 #include "server/durable/records.h"
 #include "server/messages.h"
+#include "server/module/strategy_collectives.h"
 #include "server/module/summon_steps.h"
 #include "server/module/unit_ops.h"
 
@@ -236,6 +237,7 @@ absl::Status Modules::DecideSummon(Group& g, const Caller& caller, const std::st
                      ": compute_precision is for forward/backward summons; a summon with ",
                      options.writeback ? "writeback" : "rank0_only", " is always full precision"));
   }
+  FS_RETURN_IF_ERROR(strategy::CheckServed(reg.plan, "summon"));
   d->sharded = reg.plan.shard_world_size > 1;
   // One read-only copy per node; GPU ranks each need theirs on their own device.
   d->shared = !options.writeback && !options.rank0_only && d->sharded && gpus_.empty();

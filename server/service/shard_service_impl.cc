@@ -435,6 +435,49 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Commit(grpc::CallbackServerContext* 
   return reactor;
 }
 
+grpc::ServerUnaryReactor* ShardServiceImpl::AllReduceValues(
+    grpc::CallbackServerContext* ctx, const v1::AllReduceValuesRequest* request,
+    v1::AllReduceValuesResponse* response) {
+  metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "AllReduceValues");
+  if (absl::Status s = CheckCallerBounds("AllReduceValues", request->caller()); !s.ok()) {
+    return Refuse(reactor, s);
+  }
+  absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
+  if (!caller.ok()) return Refuse(reactor, caller.status());
+  // Unknown enums take part with a value GroupCollectives refuses, naming this rank on every
+  // rank (a refusal here would leave the other ranks waiting for it).
+  const ValuesType type = request->dtype() == v1::DTYPE_FLOAT64   ? ValuesType::kFloat64
+                          : request->dtype() == v1::DTYPE_FLOAT32 ? ValuesType::kFloat32
+                                                                  : ValuesType{0};
+  const ValuesOp op = request->op() == v1::VALUES_REDUCE_OP_SUM   ? ValuesOp::kSum
+                      : request->op() == v1::VALUES_REDUCE_OP_MAX ? ValuesOp::kMax
+                      : request->op() == v1::VALUES_REDUCE_OP_MIN ? ValuesOp::kMin
+                                                                  : ValuesOp{0};
+  groups_->AllReduceValues(*caller, type, op, request->values(), WaitDeadline(ctx),
+                           [reactor, response](absl::StatusOr<std::string> values) {
+                             if (values.ok()) *response->mutable_values() = std::move(*values);
+                             reactor->Finish(ToGrpcStatus(values.status()));
+                           });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ShardServiceImpl::BroadcastBytes(grpc::CallbackServerContext* ctx,
+                                                           const v1::BroadcastBytesRequest* request,
+                                                           v1::BroadcastBytesResponse* response) {
+  metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "BroadcastBytes");
+  if (absl::Status s = CheckCallerBounds("BroadcastBytes", request->caller()); !s.ok()) {
+    return Refuse(reactor, s);
+  }
+  absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
+  if (!caller.ok()) return Refuse(reactor, caller.status());
+  groups_->BroadcastBytes(*caller, request->root(), request->data(), WaitDeadline(ctx),
+                          [reactor, response](absl::StatusOr<std::string> data) {
+                            if (data.ok()) *response->mutable_data() = std::move(*data);
+                            reactor->Finish(ToGrpcStatus(data.status()));
+                          });
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* ShardServiceImpl::Ping(grpc::CallbackServerContext* ctx,
                                                  const v1::PingRequest*, v1::PingResponse*) {
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "Ping");

@@ -50,6 +50,12 @@ class ShardServiceImpl final : public v1::ShardService::CallbackService {
                                    v1::CommitResponse* response) override;
   grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext* ctx, const v1::PingRequest* request,
                                  v1::PingResponse* response) override;
+  grpc::ServerUnaryReactor* AllReduceValues(grpc::CallbackServerContext* ctx,
+                                            const v1::AllReduceValuesRequest* request,
+                                            v1::AllReduceValuesResponse* response) override;
+  grpc::ServerUnaryReactor* BroadcastBytes(grpc::CallbackServerContext* ctx,
+                                           const v1::BroadcastBytesRequest* request,
+                                           v1::BroadcastBytesResponse* response) override;
   grpc::ServerUnaryReactor* RegisterState(grpc::CallbackServerContext* ctx,
                                           const v1::RegisterStateRequest* request,
                                           v1::RegisterStateResponse* response) override;

@@ -435,7 +435,17 @@ TEST(PlannerTest, NoShardAndHybridShardSizes) {
   plan = PlanWith(SmallTree(), R"({"sharding_strategy": "HYBRID_SHARD"})", 8, 3);
   ASSERT_FALSE(plan.ok());
   EXPECT_THAT(plan.status().message(),
-              HasSubstr("ranks per node 3 must be >= 1 and divide world size 8"));
+              HasSubstr("HYBRID_SHARD: ranks per node 3 must be >= 1 and divide world size 8"));
+  // _HYBRID_SHARD_ZERO2 plans exactly as HYBRID_SHARD.
+  plan = PlanWith(SmallTree(), R"({"sharding_strategy": "_HYBRID_SHARD_ZERO2"})", 8, 4);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->sharding_strategy, ShardingStrategy::kHybridShardZero2);
+  EXPECT_EQ(plan->shard_world_size, 4);
+  EXPECT_EQ(plan->units[0].shard_numel, 157);
+  EXPECT_EQ(plan->ShardRank(5), 1);
+  plan = PlanWith(SmallTree(), R"({"sharding_strategy": "_HYBRID_SHARD_ZERO2"})", 8, 3);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_THAT(plan.status().message(), HasSubstr("_HYBRID_SHARD_ZERO2: ranks per node 3"));
 }
 
 TEST(PlannerTest, WorldSizeMustBePositive) {

@@ -202,7 +202,7 @@ TEST(PolicyTest, UnknownKindStrategyAndKeysNameThePath) {
                 "policy: $.auto_wrap: must be an object with a \"kind\"");
   ExpectRefused(R"({"sharding_strategy": "full_shard"})",
                 "policy: $.sharding_strategy: unknown sharding strategy \"full_shard\" (one of "
-                "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD)");
+                "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, _HYBRID_SHARD_ZERO2)");
   ExpectRefused(R"({"sharding_strategy": 1})",
                 "policy: $.sharding_strategy: must be a string, got an integer");
   ExpectRefused(R"({"auto_wrap_policy": {"kind": "always"}})",
@@ -227,13 +227,17 @@ TEST(PolicyTest, EveryShardingStrategyParses) {
       {"FULL_SHARD", ShardingStrategy::kFullShard},
       {"SHARD_GRAD_OP", ShardingStrategy::kShardGradOp},
       {"NO_SHARD", ShardingStrategy::kNoShard},
-      {"HYBRID_SHARD", ShardingStrategy::kHybridShard}};
+      {"HYBRID_SHARD", ShardingStrategy::kHybridShard},
+      {"_HYBRID_SHARD_ZERO2", ShardingStrategy::kHybridShardZero2}};
   for (const auto& [name, strategy] : cases) {
     EXPECT_EQ(MustParse("{\"sharding_strategy\": \"" + name + "\"}").sharding_strategy, strategy);
     EXPECT_EQ(ShardingStrategyName(strategy), name);
     EXPECT_EQ(ParseShardingStrategy(name), strategy);
   }
-  EXPECT_FALSE(ParseShardingStrategy("HYBRID_SHARD_ZERO2").has_value());
+  EXPECT_FALSE(ParseShardingStrategy("HYBRID_SHARD_ZERO2").has_value());  // FSDP's leading _
+  EXPECT_TRUE(IsHybrid(ShardingStrategy::kHybridShard));
+  EXPECT_TRUE(IsHybrid(ShardingStrategy::kHybridShardZero2));
+  EXPECT_FALSE(IsHybrid(ShardingStrategy::kShardGradOp));
 }
 
 TEST(PolicyTest, KindNamesRoundTrip) {

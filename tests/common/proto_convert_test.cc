@@ -270,6 +270,9 @@ std::vector<Policy> EveryKindPolicies() {
   types.sharding_strategy = ShardingStrategy::kHybridShard;
   types.use_orig_params = true;
   out.push_back(types);
+  Policy zero2 = types;
+  zero2.sharding_strategy = ShardingStrategy::kHybridShardZero2;
+  out.push_back(zero2);
   Policy paths;
   paths.auto_wrap.kind = AutoWrapKind::kExplicit;
   paths.auto_wrap.paths = {"h.0", "h.1.mlp"};
@@ -435,7 +438,7 @@ Plan MakePlan(AutoWrapKind kind, ShardingStrategy s = ShardingStrategy::kFullSha
   p.use_orig_params = use_orig_params;
   PlanOptions o;
   o.world_size = 6;
-  o.ranks_per_node = s == ShardingStrategy::kHybridShard ? 3 : 0;
+  o.ranks_per_node = IsHybrid(s) ? 3 : 0;
   absl::StatusOr<Plan> plan = BuildPlan(RichManifest(), p, o);
   EXPECT_TRUE(plan.ok()) << plan.status();
   return plan.ok() ? *plan : Plan{};
@@ -450,8 +453,9 @@ Plan AlwaysPlan() { return MakePlan(AutoWrapKind::kAlways); }
 std::vector<Plan> SamplePlans() {
   std::vector<Plan> plans;
   for (AutoWrapKind kind : {AutoWrapKind::kNone, AutoWrapKind::kAlways}) {
-    for (ShardingStrategy s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
-                               ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard}) {
+    for (ShardingStrategy s :
+         {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
+          ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
       for (bool orig : {false, true}) plans.push_back(MakePlan(kind, s, orig));
     }
   }

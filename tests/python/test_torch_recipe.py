@@ -232,3 +232,46 @@ def test_clip_grad_norm_without_gradients_is_zero_and_changes_nothing(daemon):
 
     assert all(torch.equal(t, torch.tensor(0.0))
                for t in run_group(daemon.address, WORLD, fn).values())
+
+
+class CollectiveCounter:
+    """The rank's client, counting the all-reduces and summons the wrapper makes."""
+
+    def __init__(self, client):
+        self._client = client
+        self.all_reduces = 0
+        self.summons = 0
+
+    def all_reduce(self, *args, **kwargs):
+        self.all_reduces += 1
+        return self._client.all_reduce(*args, **kwargs)
+
+    def summon(self, *args, **kwargs):
+        self.summons += 1
+        return self._client.summon(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["l2", "inf"])
+def test_clip_grad_norm_is_one_all_reduce_and_equals_the_gathered_norm(daemon, norm_type):
+    def fn(rank, c):
+        model = FlatShardModule(net(), c, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+        model(micro_batch(rank, 0)).square().sum().backward()
+        # The norm of the full gradients, gathered (what clip_grad_norm_ did before).
+        with summon_full_params(model, writeback=False, with_grads=True):
+            full = [p.grad.clone() for p in model.module.parameters()]
+        gathered = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, norm_type) for g in full]), norm_type)
+        counter = CollectiveCounter(model._client)
+        model._client = counter
+        total = model.clip_grad_norm_(1e6, norm_type)
+        return total, gathered, counter.all_reduces, counter.summons
+
+    got = run_group(daemon.address, WORLD, fn)
+    assert torch.equal(got[0][0], got[1][0]), "bit-identical on every rank"
+    for total, gathered, all_reduces, summons in got.values():
+        assert (all_reduces, summons) == (1, 0)  # one collective, no gradient gathered
+        assert total.dtype == torch.float32
+        assert torch.allclose(total, gathered.float(), rtol=1e-6)

@@ -142,6 +142,9 @@ enum class InitMode {
 
 enum class ReduceOp { kSum, kAvg };
 
+// Client::AllReduce's element-wise reductions.
+enum class ValuesReduceOp { kSum, kMax, kMin };
+
 // summon_full_params options; defaults as spec/semantics.md §3.
 struct SummonOptions {
   bool recurse = true;
@@ -630,9 +633,12 @@ class Client {
 
   // Phase one of a gradient reduce-scatter for plan unit `unit`: returns where to write the
   // full gradient. `op` and `accumulate` (add into the sharded gradient instead of
-  // overwriting it) are sent with both phases.
-  // Errors: NOT_FOUND for an unknown module or unit; FAILED_PRECONDITION when not joined;
-  // the RPC's.
+  // overwriting it) are sent with both phases. With NO_SHARD (a plan whose shard_world_size
+  // is 1) the reduction is an all-reduce over the group: every rank's gradient shard, the
+  // whole unit, holds the sum (or average) of every rank's gradient.
+  // Errors: NOT_FOUND for an unknown module or unit; FAILED_PRECONDITION when not joined, or
+  // for a HYBRID_SHARD plan whose shard groups are neither one rank nor the whole group (not
+  // served yet); the RPC's.
   absl::StatusOr<std::unique_ptr<PendingReduceScatter>> BeginReduceScatter(
       const std::string& registered_module, int32_t unit, ReduceOp op, bool accumulate);
 
@@ -699,6 +705,23 @@ class Client {
   // cannot allocate the buffers (it keeps none).
   absl::StatusOr<ShardViews> RegisterState(const std::string& registered_module,
                                            const std::vector<StateSpec>& specs);
+
+  // ---- Group collectives (README "Group collectives") ----
+  // Collective over every rank of the group (each rank calls it; the daemons answer every
+  // rank alike): `values` replaced by their element-wise reduction over the ranks. The
+  // ranks' values are reduced in rank order, so every rank gets bit-identical results (e.g.
+  // a global gradient norm). For small inputs: at most 1 MiB per rank. Ordered with this
+  // client's other group calls (see StartSummon).
+  // Errors: INVALID_ARGUMENT on every rank naming the rank that passed another count, value
+  // type or op than rank 0 (or over 1 MiB); DEADLINE_EXCEEDED naming the ranks that did not
+  // call within ClientOptions::call_timeout; FAILED_PRECONDITION when not joined; the group's
+  // error (UNAVAILABLE, ABORTED) when a rank's session ended meanwhile.
+  absl::Status AllReduce(float* values, size_t count, ValuesReduceOp op = ValuesReduceOp::kSum);
+  absl::Status AllReduce(double* values, size_t count, ValuesReduceOp op = ValuesReduceOp::kSum);
+  // Collective: `data` (`bytes` bytes on every rank) replaced by rank `root`'s on every rank
+  // (e.g. module buffers of FSDP's sync_module_states). At most 64 MiB. Errors as AllReduce
+  // (a `root` out of range or differing between ranks is named).
+  absl::Status Broadcast(void* data, size_t bytes, int root);
 
   // ---- Published weights (README "Publishing weights") ----
   // Collective (every rank of the group calls it with the same arguments, like Commit):

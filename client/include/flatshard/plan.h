@@ -102,7 +102,8 @@ struct PlanLayout {
   };
 
   int32_t world_size = 1;
-  // "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD" or "HYBRID_SHARD" (spec/formats.md "Policy").
+  // "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD" or "_HYBRID_SHARD_ZERO2"
+  // (spec/formats.md "Policy"; the last is HYBRID_SHARD for the daemon).
   std::string sharding_strategy;
   // Ranks a unit is sharded over: world_size, 1 for NO_SHARD, ranks per node for HYBRID_SHARD.
   int32_t shard_world_size = 1;

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
 import sys
 import threading
 from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Literal, Optional,
@@ -717,6 +718,50 @@ class Client:
         not joined, NotFoundError for a module this client did not register."""
         return int(self._c.commit(module))
 
+    def all_reduce(self, values: Any, op: str = "sum") -> Any:
+        """Collective over every rank of the group: the element-wise ``op`` ("sum", "max",
+        "min") of every rank's ``values``. A float32 or float64 CPU tensor is reduced in place
+        and returned; a list or tuple of numbers is reduced as float64 and a list of floats
+        returned (no torch needed). Every rank passes as many values of one type; the daemons
+        reduce them in rank order, so every rank gets bit-identical results. For small inputs
+        (a norm, a flag): at most 1 MiB. Ordered with this client's other group calls.
+        Errors: InvalidArgumentError on every rank naming the rank whose count, dtype or op
+        differs from rank 0's; DeadlineExceededError naming the ranks that did not call;
+        FailedPreconditionError when not joined."""
+        if _is_tensor(values):
+            torch = sys.modules["torch"]
+            if values.dtype not in (torch.float32, torch.float64) or values.device.type != "cpu":
+                raise InvalidArgumentError(
+                    f"all_reduce: a {values.dtype} tensor on {values.device}; expected float32 "
+                    f"or float64 on the CPU (cast the tensor first)")
+            flat = values.detach().contiguous().reshape(-1)
+            out = self._c.all_reduce(flat.numpy().tobytes(), values.dtype == torch.float64, op)
+            reduced = torch.frombuffer(bytearray(out), dtype=values.dtype)
+            with torch.no_grad():
+                values.copy_(reduced.view(values.shape))
+            return values
+        vals = [float(v) for v in values]
+        out = self._c.all_reduce(struct.pack(f"<{len(vals)}d", *vals), True, op)
+        return list(struct.unpack(f"<{len(vals)}d", out))
+
+    def broadcast(self, data: Any, root: int = 0) -> Any:
+        """Collective over every rank of the group: rank ``root``'s ``data`` on every rank.
+        A contiguous CPU tensor (any dtype) is overwritten in place and returned; ``bytes``
+        (or a bytearray) are returned as the root's bytes. Every rank passes as many bytes
+        (at most 64 MiB). Errors as ``all_reduce`` (a bad or differing root is named)."""
+        if _is_tensor(data):
+            torch = sys.modules["torch"]
+            if data.device.type != "cpu" or not data.is_contiguous():
+                raise InvalidArgumentError(
+                    f"broadcast: the tensor must be contiguous on the CPU (it is "
+                    f"{'on ' + str(data.device) if data.device.type != 'cpu' else 'strided'})")
+            raw = data.detach().reshape(-1).view(torch.uint8)
+            out = self._c.broadcast(raw.numpy().tobytes(), int(root))
+            with torch.no_grad():
+                raw.copy_(torch.frombuffer(bytearray(out), dtype=torch.uint8))
+            return data
+        return self._c.broadcast(bytes(data), int(root))
+
     def publish(self, module: str, name: str, dtype: Any = None,
                 reader_uids: Iterable[int] = (), reader_token: Optional[str] = None) -> Any:
         """Collective: publishes `module`'s committed step (the last ``commit()``; the
@@ -750,3 +795,10 @@ class Client:
 
     def __repr__(self) -> str:
         return f"flatshard.Client({self.address!r}, joined={self.joined})"
+
+
+def _is_tensor(x: Any) -> bool:
+    """Whether `x` is a torch tensor (without importing torch: a process without it passes
+    none)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)

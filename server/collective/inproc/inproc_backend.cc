@@ -141,6 +141,8 @@ absl::Status InprocCore::Execute(uint64_t op_seq, const OpDescriptor& desc,
   const size_t s = desc.bytes;
   std::vector<CopyTask> tasks;
   switch (desc.kind) {
+    case CollectiveKind::kAllReduce:  // composed above the Communicator; ValidateCall refuses it
+      return absl::InvalidArgumentError(FormatOp(desc) + " reached the inproc backend");
     case CollectiveKind::kReduceScatter:
       return ExecuteReduce(op_seq, desc, arrivals);
     case CollectiveKind::kAllGather: {

@@ -523,6 +523,9 @@ absl::Status NcclCore::LaunchData(const RendezvousOp& b) {
     Device& d = devices_[i];
     const std::string call = absl::StrCat(what, " rank ", d.rank);
     switch (desc.kind) {
+      case CollectiveKind::kAllReduce:  // composed above the Communicator; ValidateCall refuses it
+        first = absl::InvalidArgumentError(absl::StrCat(what, " reached the nccl backend"));
+        break;
       case CollectiveKind::kAllGather:
         first = NcclCheck(
             ncclAllGather(a.call.in.data, a.call.out.data, s, ncclUint8, d.comm, d.stream),

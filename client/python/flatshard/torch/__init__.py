@@ -13,6 +13,9 @@
 - ``keep_optimizer_state(optimizer, model)``: the optimizer's per-parameter state (Adam's
   moments and step, SGD's momentum) lives in the daemon next to the shards, commits and rolls
   back with them, and a restarted trainer resumes with it;
+- ``full_optim_state_dict(model, optim, rank0_only=True)`` / ``optim_state_dict(model, optim)``
+  and ``optim_state_dict_to_load(model, optim, osd)``: the optimizer's state keyed like the
+  unwrapped model's, for a plain ``torch.optim`` optimizer and back (optim_state_dicts.py);
 - ``summon_full_params(model, recurse=True, writeback=True, rank0_only=False,
   offload_to_cpu=False, with_grads=False)``; full and sharded state dicts on the wrapper;
 - ``model.publish(name, dtype=None, ...)``: the committed step as the next version of the
@@ -26,6 +29,8 @@ __all__ = [
     "transformer_auto_wrap_policy", "ERR_IN_FORWARD_BACKWARD", "ERR_NESTED_SUMMON",
     "FlatShardModule", "TrainingState", "summon_full_params", "keep_optimizer_state",
     "DaemonOptimizerState", "BackwardPrefetch", "MixedPrecision", "ShardingStrategy",
+    "full_optim_state_dict", "optim_state_dict", "optim_state_dict_to_load",
+    "shard_full_optim_state_dict",
 ]
 
 from .manifest import manifest_json, manifest_of  # noqa: F401
@@ -48,3 +53,15 @@ from .optim import DaemonOptimizerState, keep_optimizer_state  # noqa: F401
 from .mixed_precision import MixedPrecision  # noqa: F401
 from .prefetch import BackwardPrefetch  # noqa: F401
 from .strategies import ShardingStrategy  # noqa: F401
+from .optim_state_dicts import (  # noqa: F401
+    full_optim_state_dict,
+    optim_state_dict,
+    optim_state_dict_to_load,
+    shard_full_optim_state_dict,
+)
+
+# FSDP spells them as static methods of the wrapper class.
+FlatShardModule.full_optim_state_dict = staticmethod(full_optim_state_dict)
+FlatShardModule.optim_state_dict = staticmethod(optim_state_dict)
+FlatShardModule.optim_state_dict_to_load = staticmethod(optim_state_dict_to_load)
+FlatShardModule.shard_full_optim_state_dict = staticmethod(shard_full_optim_state_dict)

@@ -21,7 +21,6 @@ trainer holds no parameter memory of its own between uses:
 """
 import contextlib
 import json
-import warnings
 import weakref
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -436,56 +435,6 @@ class FlatShardModule(_Strategies, _TrainingRecipe, _StateDicts, _FullParams, nn
         self.reattached = True
         self.backward_error = None
         return self._generation
-
-    def _sync_buffers(self) -> None:
-        """sync_module_states for buffers: FSDP broadcasts them with the parameters, but the
-        daemon keeps parameters only and the client has no broadcast. So rank 0's buffer
-        bytes travel through the units' gradient buffers: each byte as a value 0..255 (exact
-        in every float dtype, so any buffer dtype arrives bit for bit), zeros on the other
-        ranks, a SUM reduce-scatter (x + 0 is exact) and a with_grads summon, which shows
-        every rank the whole sum. The gradients are zeroed afterwards (the first backward
-        overwrites them anyway: nothing points the optimizer at them yet). Collective."""
-        ignored = {id(b) for m in self._ignored for b in m.buffers()}
-        bufs = [b for b in self.module.buffers() if id(b) not in ignored]
-        units = [u for u in self._units if u.requires_grad]
-        if not bufs:
-            return
-        if not units:
-            warnings.warn("sync_module_states: no unit has a gradient buffer to carry the "
-                          "buffers; they were not broadcast from rank 0")
-            return
-        rank0 = self._rank() == 0
-        with torch.no_grad():
-            data = torch.cat([b.detach().reshape(-1).view(torch.uint8) for b in bufs])
-            if not rank0:
-                data.zero_()
-            total, pos = data.numel(), 0
-            while pos < total:  # one round unless the buffers outgrow the parameters
-                chunks = []  # (unit, start in data, count)
-                for u in units:
-                    n = min(u.padded_numel, total - pos)
-                    if n <= 0:
-                        break
-                    pending = self._client.begin_reduce_scatter(self._name, u.index, "sum",
-                                                                False)
-                    flat = _plain(pending.flat)
-                    flat.zero_()
-                    flat.narrow(0, 0, n).copy_(data.narrow(0, pos, n))
-                    pending.finish()
-                    chunks.append((u.index, pos, n))
-                    pos += n
-                with self._client.summon(self._name, "", recurse=True, writeback=False,
-                                         with_grads=True) as s:
-                    for unit, lo, n in chunks:
-                        data.narrow(0, lo, n).copy_(_plain(s.flat_grad(unit)).narrow(0, 0, n))
-            pos = 0
-            for b in bufs:
-                nb = b.numel() * b.element_size()
-                b.copy_(data.narrow(0, pos, nb).clone().view(b.dtype).view(b.shape))
-                pos += nb
-            for sh in self._client.shard_views(self._name):
-                if sh.grad is not None:
-                    sh.grad.zero_()
 
     @staticmethod
     def _shard_slice(u: _Unit, p: _Param, flat_shard: torch.Tensor) -> torch.Tensor:
