@@ -154,8 +154,8 @@ def strategy_kwargs(strategy):
 
 
 # Daemon answers that mean "this build has no runtime for the strategy" (not a wrong result).
-_NOT_BUILT = ("needs an all-reduce", "unknown sharding_strategy", "unknown sharding strategy",
-              "not supported", "unimplemented")
+_NOT_BUILT = ("needs an all-reduce", "does not serve", "unknown sharding_strategy",
+              "unknown sharding strategy", "not supported", "unimplemented")
 
 
 def _missing_runtime(strategy, e):
