@@ -366,9 +366,22 @@ absl::Status Records::AdoptModule(const state::GroupRecord& rec, const state::Mo
   for (const state::RankRecord& rr : m.ranks) ranks.push_back(rr.rank);
   if (!FinishCommitUnderWay(rec, m, ranks, reg)) return absl::OkStatus();
   if (!reg.initialized) return absl::OkStatus();  // its buffers go: it was never initialised
+  // Ranks that voted for a Commit the kill left undecided keep their shards: the first
+  // formation rolls them forward or back (commit_votes.cc).
+  reg.voted.assign(rec.world_size, 0);
+  std::set<int32_t> voted;
+  if (m.voted != 0) {
+    for (int32_t r : ranks) {
+      // A GPU rank's shards died with the daemon: its host copy is the committed one.
+      if (from_host.contains(r) || reg.generation[r] + 1 != m.voted) continue;
+      reg.voted[r] = m.voted;
+      voted.insert(r);
+    }
+    if (!voted.empty()) reg.voted_commit = m.voted;
+  }
   std::map<uint64_t, std::vector<int32_t>> by_generation;
   for (int32_t r : ranks) by_generation[reg.generation[r]].push_back(r);
-  if (by_generation.size() > 1) {
+  if (by_generation.size() > 1 && !internal::MixedGenerations(reg).empty()) {
     std::vector<std::string> parts;
     for (const auto& [gen, rs] : by_generation) {
       parts.push_back(absl::StrCat(internal::RankListText(rs), ": generation ", gen));
@@ -386,13 +399,15 @@ absl::Status Records::AdoptModule(const state::GroupRecord& rec, const state::Mo
   // Shards as of the last commit: a writeback or an optimizer step may have torn them.
   for (int32_t r : ranks) {
     if (from_host.contains(r)) continue;  // fresh copies of the committed copy already
+    if (voted.contains(r)) continue;      // the first formation decides
     for (const internal::DurablePair& d : internal::DurableBuffers(reg, r)) {
       CopyHost(*d.committed, *d.live);
     }
   }
   const uint64_t generation = ranks.empty() ? 0 : reg.generation[ranks.front()];
   lines->push_back(absl::StrCat(Display(m.name), " (", units, " units, ranks ",
-                                absl::StrJoin(ranks, ","), ", generation ", generation, ")"));
+                                absl::StrJoin(ranks, ","), ", generation ", generation,
+                                voted.empty() ? "" : absl::StrCat(", voted ", m.voted), ")"));
   // A trainer that has not noticed the kill may still write into these shards: the
   // group owes a rollback at its first formation and every adopted rank is stale until
   // it reads its views after it (mixfix).

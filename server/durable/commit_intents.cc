@@ -50,14 +50,23 @@ void Records::CommitReady(const Caller& caller, const std::string& module, uint6
 }
 
 void Records::CommitDone(const Caller& caller, const std::string& module, uint64_t generation) {
-  EditAndRecord(caller.group, module, [&](Registered& reg) {
-    MarkCommitDoneLocked(reg, caller.rank, generation);
-    return true;
-  });
+  // One fsync per commit, the intent's: the end is written (it survives the daemon's death,
+  // which the restart needs) but not fsynced. After a machine crash the shared-memory shards
+  // it describes are gone anyway, and an intent without its end is finished from the shards.
+  EditAndRecord(
+      caller.group, module,
+      [&](Registered& reg) {
+        MarkCommitDoneLocked(reg, caller.rank, generation);
+        return true;
+      },
+      /*sync=*/false);
 }
 
 void Records::MarkCommitDoneLocked(Registered& reg, int32_t rank, uint64_t generation) {
   reg.generation[rank] = generation;
+  if (rank < static_cast<int32_t>(reg.voted.size()) && reg.voted[rank] <= generation) {
+    ClearVoteLocked(reg, rank);
+  }
   if (!reg.pending_commit.has_value() || reg.pending_commit->generation != generation) return;
   std::vector<int32_t>& done = reg.pending_commit->done_ranks;
   if (std::find(done.begin(), done.end(), rank) == done.end()) {

@@ -182,6 +182,7 @@ std::optional<state::ModuleRecord> Records::ModuleSnapshot(const std::string& na
   m.name = name;
   m.initialized = reg.initialized;
   m.pending = reg.pending_commit;
+  m.voted = reg.voted_commit;
   // Device memory dies with the process (README "Restarts": what a GPU daemon keeps): a
   // rank with device buffers is recorded only with its host copies (KeepDeviceShards).
   bool unkept = false;
@@ -242,9 +243,9 @@ void Records::PersistModuleLater(Group& g, const std::string& module, AfterUnloc
   run->Call([this, module, rec = SnapshotModuleLocked(g, module)] { WriteModule(rec, module); });
 }
 
-bool Records::WriteModule(const state::GroupRecord& record, const std::string& module) {
+bool Records::WriteModule(const state::GroupRecord& record, const std::string& module, bool sync) {
   if (state_dir_ == nullptr || StateForgotten()) return false;
-  absl::Status s = state_dir_->WriteModules(record, {module});
+  absl::Status s = state_dir_->WriteModules(record, {module}, sync);
   if (s.ok()) return true;
   // As WriteRecord: without a record the group is not kept across a restart, never adopted
   // wrong.
@@ -319,7 +320,7 @@ Registered* Records::FindModuleLocked(Group& g, const std::string& module) {
 }
 
 bool Records::EditAndRecord(const std::string& group, const std::string& module,
-                            absl::FunctionRef<bool(Registered&)> edit) {
+                            absl::FunctionRef<bool(Registered&)> edit, bool sync) {
   state::GroupRecord rec;
   {
     std::shared_ptr<Group> held = table_.FindOrGone(group);
@@ -330,7 +331,7 @@ bool Records::EditAndRecord(const std::string& group, const std::string& module,
     if (state_dir_ == nullptr || StateForgotten()) return false;
     rec = SnapshotModuleLocked(g, module);  // O(this module): a commit's record
   }
-  return WriteModule(rec, module);
+  return WriteModule(rec, module, sync);
 }
 
 void Records::LoadRecordedLocked(Group& g, Registered& reg, bool changed, AfterUnlock* run) {

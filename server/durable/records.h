@@ -87,8 +87,9 @@ class Records {
   // Under the group's lock, runs `edit` on `group`'s registration of `module` (nothing when
   // either is gone); when it returns true and the daemon keeps records, snapshots the group
   // and writes its record once the lock is released. Returns whether a record was written.
+  // `sync` false: written without an fsync (StateDir::WriteModules).
   bool EditAndRecord(const std::string& group, const std::string& module,
-                     absl::FunctionRef<bool(Registered&)> edit);
+                     absl::FunctionRef<bool(Registered&)> edit, bool sync = true);
   // Group `id` was removed (under its lock): its record goes at the next FlushRemoved.
   void NoteRemoved(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
   // Deletes the records of removed groups; call after the group's lock.
@@ -132,6 +133,31 @@ class Records {
                              bool to_committed) const;
   // GroupManagerOptions::testing_commit_copy_pause.
   void TestingPauseMidCopy(int32_t rank, const std::vector<DurablePair>& durable) const;
+
+  // ---- Votes: no module lost to a daemon kill (commit_votes.cc) ----
+  // `caller` votes yes to committing `module` to `generation` (its shards hold it): the
+  // module's record says so ("voted", written without an fsync) before `then` sends the
+  // vote, so that a restart knows its ranks' shards may hold it. On the durable worker when
+  // records are kept, else at once.
+  void RecordVote(const Caller& caller, const std::string& module, uint64_t generation,
+                  absl::AnyInvocable<void()> then);
+  // `caller`'s vote was refused (the Commit was not committed on any rank): forgets it, in
+  // the record too, before `then` answers.
+  void VoteRefused(const Caller& caller, const std::string& module,
+                   absl::AnyInvocable<void()> then);
+  // Under the group's lock: `rank` no longer holds a vote; true when that cleared the
+  // module's recorded vote (Registered::voted_commit).
+  static bool ClearVoteLocked(Registered& reg, int32_t rank);
+  // The re-form resolved `module` to `target` (Modules::RollbackNow): each rank of `forward`
+  // voted for it and its shards hold it; they are copied into the committed copies,
+  // bracketed by a "commit" intent (the ranks of `at_target` already hold it: done), as a
+  // Commit's copies. REQUIRES: the caller holds `busy`; runs without the lock.
+  absl::Status RollForward(const std::string& group, const std::string& module, uint64_t target,
+                           const std::vector<std::pair<int32_t, std::vector<DurablePair>>>& forward,
+                           const std::vector<int32_t>& at_target);
+
+  // --testing_pause_before_commit_intent (commit_votes.cc): sleeps when it names `generation`.
+  static void TestingPauseBeforeIntent(uint64_t generation);
 
   // ---- Checkpoint loads ----
   // Before the copies into the committed copies, records a "load" intent to `generation` for
@@ -216,7 +242,7 @@ class Records {
                                                            Registered& reg);
   // Writes `module` of a SnapshotModuleLocked (dropping it when the snapshot lacks it); a
   // failed write removes the group's record, as WriteRecord.
-  bool WriteModule(const state::GroupRecord& record, const std::string& module);
+  bool WriteModule(const state::GroupRecord& record, const std::string& module, bool sync = true);
   // Writes a snapshot (or removes the record when it holds no module); a failed write
   // removes the record (the group is then not kept across a restart) and is logged.
   bool WriteRecord(const state::GroupRecord& record);

@@ -97,7 +97,8 @@ absl::StatusOr<std::vector<StateSpec>> StateSpecsFrom(const Json& v, const JsonP
 
 absl::StatusOr<ModuleRecord> ModuleFrom(const Json& v, const JsonPath& p) {
   FS_RETURN_IF_ERROR(ExpectObject(
-      v, p, {"name", "plan", "manifest", "initialized", "pending", "ranks", "state_specs"}));
+      v, p,
+      {"name", "plan", "manifest", "initialized", "pending", "voted", "ranks", "state_specs"}));
   ModuleRecord m;
   FS_ASSIGN_OR_RETURN(m.name, GetString(v, "name", p));
   FS_ASSIGN_OR_RETURN(m.plan_json, GetString(v, "plan", p));
@@ -105,6 +106,10 @@ absl::StatusOr<ModuleRecord> ModuleFrom(const Json& v, const JsonPath& p) {
   FS_ASSIGN_OR_RETURN(m.initialized, GetBool(v, "initialized", p));
   if (v.contains("pending") && !v.at("pending").is_null()) {
     FS_ASSIGN_OR_RETURN(m.pending, PendingFrom(v.at("pending"), p.Key("pending")));
+  }
+  if (v.contains("voted")) {
+    FS_ASSIGN_OR_RETURN(int64_t voted, GetInt(v, "voted", p, 0));
+    m.voted = static_cast<uint64_t>(voted);
   }
   if (v.contains("state_specs")) {
     FS_ASSIGN_OR_RETURN(m.state_specs, StateSpecsFrom(v.at("state_specs"), p.Key("state_specs")));
@@ -216,6 +221,7 @@ OJson ModuleOJson(const ModuleRecord& m) {
   } else {
     mj["pending"] = nullptr;
   }
+  if (m.voted != 0) mj["voted"] = m.voted;
   OJson ranks = OJson::array();
   for (const RankRecord& r : m.ranks) {
     OJson rj;
@@ -471,7 +477,7 @@ absl::Status StateDir::Write(const GroupRecord& record) {
 }
 
 absl::Status StateDir::WriteModules(const GroupRecord& record,
-                                    const std::vector<std::string>& touched) {
+                                    const std::vector<std::string>& touched, bool sync) {
   std::shared_ptr<PerGroup> g = GroupState(record.id);
   absl::MutexLock lock(&g->mu);
   const uint64_t seq = record.sequence;
@@ -503,7 +509,7 @@ absl::Status StateDir::WriteModules(const GroupRecord& record,
   if (modules <= 0) {
     FS_RETURN_IF_ERROR(RemoveFiles(*g, record.id));  // its last module dropped
   } else {
-    FS_RETURN_IF_ERROR(Append(*g, std::move(frame)));
+    FS_RETURN_IF_ERROR(Append(*g, std::move(frame), sync));
   }
   g->last = std::max(g->last, seq);
   if (fields) g->fields = seq;
@@ -511,7 +517,7 @@ absl::Status StateDir::WriteModules(const GroupRecord& record,
   return absl::OkStatus();
 }
 
-absl::Status StateDir::Append(PerGroup& g, JournalFrame frame) {
+absl::Status StateDir::Append(PerGroup& g, JournalFrame frame, bool sync) {
   const bool compact = g.journal_bytes > std::max<int64_t>(min_compact_bytes_.load(), g.base_bytes);
   if (!g.current.has_value() || !g.journal_clean || g.journal == nullptr || compact) {
     GroupRecord merged = g.current.value_or(GroupRecord());
@@ -522,7 +528,7 @@ absl::Status StateDir::Append(PerGroup& g, JournalFrame frame) {
   frame.base = g.base;
   const std::string bytes = EncodeJournalFrame(frame);
   absl::Status s = g.journal->Append(bytes);
-  if (s.ok() && sync_) s = g.journal->Sync();
+  if (s.ok() && sync_ && sync) s = g.journal->Sync();
   if (!s.ok()) {
     // The frame may be on disk in part: the next write starts a new base instead.
     g.journal_clean = false;

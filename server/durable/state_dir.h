@@ -113,6 +113,10 @@ struct ModuleRecord {
   std::string manifest_json;  // ManifestToJson, dumped
   bool initialized = false;
   std::optional<PendingCommit> pending;
+  // The generation of a Commit this daemon's ranks voted for (their shards hold it) whose
+  // outcome they had not learnt (Registered::voted_commit; JSON "voted", absent when 0):
+  // a restart may roll them forward to it when another daemon holds it (commit_votes.cc).
+  uint64_t voted = 0;
   std::vector<RankRecord> ranks;  // the local ranks holding shards, ascending
   // The module's optimizer state spec (Registered::state_specs; JSON "state_specs":
   // [{"name","dtype","shape"}], shape "shard" or "scalar"); empty: no state registered.
@@ -186,8 +190,11 @@ class StateDir {
   // are put in place, the others dropped (a group left with no module is removed). Same
   // ordering and errors as Write; one journal append and one fsync, unless the journal is due
   // for compaction or the group has no record yet (then the base is written).
-  absl::Status WriteModules(const GroupRecord& record, const std::vector<std::string>& touched)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // `sync` false: the append is written (it survives the daemon's death, as the page cache
+  // outlives the process) but not fsynced (a machine crash may lose it; the shared-memory
+  // shards it describes die with the machine too).
+  absl::Status WriteModules(const GroupRecord& record, const std::vector<std::string>& touched,
+                            bool sync = true) ABSL_LOCKS_EXCLUDED(mu_);
   // Removes the group's record (OK when there is none), unless a later write happened.
   absl::Status Remove(const std::string& group, uint64_t sequence) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -241,7 +248,7 @@ class StateDir {
   // Appends `frame` (the group's fields and the modules it changes) to the journal and
   // fsyncs once; or, when the group has no record yet, the journal is not clean or it is due
   // for compaction, writes a new base with the frame applied. REQUIRES: g.mu held.
-  absl::Status Append(PerGroup& g, JournalFrame frame);
+  absl::Status Append(PerGroup& g, JournalFrame frame, bool sync);
   absl::Status RewriteBase(PerGroup& g, GroupRecord merged);
   absl::Status RemoveFiles(PerGroup& g, const std::string& group);
   std::shared_ptr<PerGroup> GroupState(const std::string& group) ABSL_LOCKS_EXCLUDED(mu_);

@@ -93,6 +93,12 @@ void Modules::CommitWritten(const Caller& caller, const std::string& module, abs
                              record.text, sizeof(record.text));
           coll = g.coll;
           world_size = g.world_size;
+          if (record.ok) {
+            // Its shards hold the next generation until it learns the outcome
+            // (server/durable/commit_votes.cc).
+            if (reg.voted.size() < reg.generation.size()) reg.voted.resize(reg.generation.size());
+            reg.voted[caller.rank] = record.generation + 1;
+          }
         }
       }
     }
@@ -101,19 +107,41 @@ void Modules::CommitWritten(const Caller& caller, const std::string& module, abs
     done(error);
     return;
   }
-  Agree(coll, caller, record, world_size, internal::kCommitAgreeUnit,
-        absl::StrCat("the commit of module ", Display(module)), deadline,
-        [this, caller, module, generation = record.generation, done = std::move(done)](
-            absl::Status s, bool stale) mutable {
-          if (!s.ok()) {
-            if (stale) RollbackRank(caller, module);
-            done(absl::Status(s.code(),
-                              absl::StrCat("generation ", generation + 1,
-                                           " was not committed on any rank: ", s.message())));
-            return;
-          }
-          CommitAgreed(caller, module, generation, std::move(done));
-        });
+  auto agree = [this, coll, caller, module, record, world_size, deadline,
+                done = std::move(done)]() mutable {
+    Agree(coll, caller, record, world_size, internal::kCommitAgreeUnit,
+          absl::StrCat("the commit of module ", Display(module)), deadline,
+          [this, caller, module, generation = record.generation, done = std::move(done)](
+              absl::Status s, bool stale) mutable {
+            if (s.ok()) {
+              CommitAgreed(caller, module, generation, std::move(done));
+              return;
+            }
+            if (!s.GetPayload(internal::kAgreeRefusedPayload).has_value()) {
+              // The all-gather failed here (a daemon died, the group re-forms): other ranks
+              // may have committed. The shards keep the vote; the re-form resolves it.
+              done(absl::Status(s.code(),
+                                absl::StrCat("the commit of generation ", generation + 1,
+                                             " did not complete on this rank: ", s.message(),
+                                             "; the group's next formation rolls every rank to "
+                                             "one committed generation (re-join)")));
+              return;
+            }
+            records_.VoteRefused(
+                caller, module,
+                [this, caller, module, stale, generation, s, done = std::move(done)]() mutable {
+                  if (stale) RollbackRank(caller, module);
+                  done(absl::Status(s.code(),
+                                    absl::StrCat("generation ", generation + 1,
+                                                 " was not committed on any rank: ", s.message())));
+                });
+          });
+  };
+  if (record.ok && devices_.DeviceOf(caller.rank) == nullptr) {
+    records_.RecordVote(caller, module, record.generation + 1, std::move(agree));
+  } else {
+    agree();
+  }
 }
 
 void Modules::CommitAgreed(const Caller& caller, const std::string& module, uint64_t generation,
@@ -158,6 +186,7 @@ void Modules::CommitAgreed(const Caller& caller, const std::string& module, uint
       [this, caller, module, generation, bytes, durable = std::move(durable)] {
         // Restarts: the intent is durable before the committed copy is overwritten,
         // the new generation before the trainer is answered (server/durable/).
+        Records::TestingPauseBeforeIntent(generation + 1);
         records_.CommitReady(caller, module, generation + 1, "commit");
         records_.TestingPauseMidCopy(caller.rank, durable);
         absl::Status s = records_.CopyCommitted(caller.rank, durable, /*to_committed=*/true);
@@ -234,16 +263,32 @@ void Modules::RollbackNow(Group& g, const std::string& module, Registered& reg, 
   // Taking `busy` here keeps every other copy out until the rollback is done; the copies run
   // from `run`, after mu_ is released (before the join callbacks queued after them).
   ++reg.busy;
-  std::vector<std::pair<int32_t, std::vector<internal::DurablePair>>> work;
+  // Ranks that voted for a Commit whose outcome they never learnt go to the generation the
+  // daemons resolved the module to (ReconcileModules), or with one daemon the lowest its
+  // local ranks can all end at: forward from their shards or back (commit_votes.cc).
+  const uint64_t target = std::max(internal::PossibleGenerations(reg).lo, reg.resolved_generation);
+  reg.resolved_generation = 0;
+  const bool had_vote = reg.voted_commit != 0;
+  std::vector<std::pair<int32_t, std::vector<internal::DurablePair>>> work, forward;
+  std::vector<int32_t> at_target;
   for (int32_t r : g.local_ranks) {
     if (r >= static_cast<int32_t>(reg.shards_by_rank.size()) || reg.shards_by_rank[r].empty()) {
       continue;
     }
-    work.emplace_back(r, internal::DurableBuffers(reg, r));
+    if (internal::VotedOf(reg, r) == target && reg.generation[r] + 1 == target) {
+      forward.emplace_back(r, internal::DurableBuffers(reg, r));
+    } else {
+      if (reg.generation[r] == target) at_target.push_back(r);
+      work.emplace_back(r, internal::DurableBuffers(reg, r));
+    }
+    Records::ClearVoteLocked(reg, r);
     reg.stale[r] = true;
   }
-  run->Call([this, group = g.id, module, work = std::move(work)] {
+  if (forward.empty()) at_target.clear();
+  run->Call([this, group = g.id, module, target, had_vote, work = std::move(work),
+             forward = std::move(forward), at_target = std::move(at_target)] {
     absl::Status status;
+    if (!forward.empty()) status = records_.RollForward(group, module, target, forward, at_target);
     for (size_t i = 0; i < work.size(); ++i) {
       absl::Status s =
           records_.CopyCommitted(work[i].first, work[i].second, /*to_committed=*/false);
@@ -258,7 +303,10 @@ void Modules::RollbackNow(Group& g, const std::string& module, Registered& reg, 
       auto reg = g.registered.find(module);
       if (reg == g.registered.end()) return;
       reg->second.rollback_pending = false;
-      const uint64_t generation = work.empty() ? 0 : reg->second.generation[work.front().first];
+      // A vote the rollback cleared leaves the record (RollForward wrote its own).
+      if (had_vote && forward.empty()) records_.PersistModuleLater(g, module, &more);
+      const uint64_t generation =
+          work.empty() ? target : reg->second.generation[work.front().first];
       if (status.ok()) {
         FS_LOG(INFO) << "group=" << group << " module=" << Display(module)
                      << " rolled back to generation " << generation << " on ranks " << work.size()

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 #include <vector>
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
@@ -437,21 +438,27 @@ void Modules::Agree(const std::shared_ptr<collective::CollectiveGroup>& coll, co
           done(std::move(s), false);
           return;
         }
+        // A refusal is every rank's verdict (each got the same records): marked as such,
+        // unlike a failed all-gather, whose outcome other ranks may not share.
+        auto refused = [](absl::Status s) {
+          s.SetPayload(internal::kAgreeRefusedPayload, absl::Cord("refused"));
+          return s;
+        };
         for (size_t k = 0; k < st->all.size(); ++k) {
           const internal::AgreeRecord& r = st->all[k];
           if (r.ok) continue;
-          done(absl::FailedPreconditionError(
+          done(refused(absl::FailedPreconditionError(
                    absl::StrCat("group ", group, ": ", what, " was refused by rank ", k, ": ",
-                                internal::TextOf(r.text, sizeof(r.text)))),
+                                internal::TextOf(r.text, sizeof(r.text))))),
                std::any_of(st->all.begin(), st->all.end(),
                            [](const internal::AgreeRecord& x) { return x.stale != 0; }));
           return;
         }
         for (size_t k = 1; k < st->all.size(); ++k) {
           if (st->all[k].generation == st->all[0].generation) continue;
-          done(absl::FailedPreconditionError(absl::StrCat(
+          done(refused(absl::FailedPreconditionError(absl::StrCat(
                    "group ", group, ": ", what, " was refused: rank 0 holds generation ",
-                   st->all[0].generation, ", rank ", k, " generation ", st->all[k].generation)),
+                   st->all[0].generation, ", rank ", k, " generation ", st->all[k].generation))),
                false);
           return;
         }

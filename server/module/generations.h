@@ -8,11 +8,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/after_unlock.h"
 #include "common/logging.h"
 #include "server/group/group.h"
@@ -42,21 +45,35 @@ uint64_t HeldGeneration(const R& reg) {
   if (reg.pending_commit.has_value()) g = std::max(g, reg.pending_commit->generation);
   return g;
 }
-// The generations of the ranks of `reg` held here (those with shards) when they differ and
-// no commit's copies are under way: "rank 0: generation 2, rank 1: generation 1"; empty when
-// they agree. Such a module is a mix (a commit reached some local ranks only) and is never
-// handed out: it is dropped as lost at the next re-form (ReconcileModules, HeldKey).
+// The generation rank `r`'s shards hold since it voted yes to a Commit whose outcome it has
+// not learnt (Registered::voted); 0: none.
 template <typename R>
-std::string MixedGenerations(const R& reg) {
-  if (!reg.initialized) return "";
-  std::vector<std::string> parts;
-  bool mixed = false;
-  uint64_t first = 0;
+uint64_t VotedOf(const R& reg, size_t r) {
+  return r < reg.voted.size() ? reg.voted[r] : 0;
+}
+
+// The generations the ranks of `reg` held here (those with shards) can all end at, [lo, hi]:
+// a rank holds its committed generation, or the generation of a commit under way whose copy
+// started (ready: it completes whatever happens, a restart finishes it from the shards), or,
+// when it voted yes to a Commit whose outcome it has not learnt (VotedOf), either its
+// committed generation (rolled back) or the voted one (rolled forward from its shards). A
+// Commit reaches one rank only once every rank voted yes with its shards written, so a voted
+// rank's shards hold what the others committed. `mixed`: no generation is possible for
+// every rank ("rank 0: generation 2, rank 1: generation 1"); never handed out.
+struct Possible {
+  uint64_t lo = 0;
+  uint64_t hi = 0;
   bool any = false;
+  std::string mixed;
+};
+template <typename R>
+Possible PossibleGenerations(const R& reg) {
+  Possible p;
+  if (!reg.initialized) return p;
+  std::vector<std::string> parts;
+  uint64_t lo = 0, hi = UINT64_MAX;
   for (size_t r = 0; r < reg.generation.size() && r < reg.shards_by_rank.size(); ++r) {
     if (reg.shards_by_rank[r].empty()) continue;
-    // A rank whose shards hold a commit under way (ready) counts at that generation: its
-    // copy completes whatever happens (a restart finishes it from the shards).
     uint64_t gen = reg.generation[r];
     bool committing = false;
     if (reg.pending_commit.has_value()) {
@@ -67,24 +84,65 @@ std::string MixedGenerations(const R& reg) {
         committing = true;
       }
     }
-    if (any && gen != first) mixed = true;
-    if (!any) first = gen;
-    any = true;
-    parts.push_back(
-        absl::StrCat("rank ", r, ": generation ", gen, committing ? " (committing)" : ""));
+    const bool voted = !committing && VotedOf(reg, r) == gen + 1;
+    lo = std::max(lo, gen);
+    hi = std::min(hi, voted ? gen + 1 : gen);
+    p.any = true;
+    parts.push_back(absl::StrCat("rank ", r, ": generation ", gen,
+                                 committing ? " (committing)"
+                                 : voted    ? absl::StrCat(" (voted ", gen + 1, ")")
+                                            : ""));
   }
-  return mixed ? absl::StrJoin(parts, ", ") : std::string();
+  if (!p.any) return p;
+  p.lo = lo;
+  p.hi = hi;
+  if (lo > hi) p.mixed = absl::StrJoin(parts, ", ");
+  return p;
+}
+// The generations of the ranks of `reg` held here when no generation is possible for all of
+// them (PossibleGenerations); empty otherwise. Such a module is a mix (a commit reached some
+// local ranks only) and is never handed out: it is dropped as lost at the next re-form
+// (ReconcileModules, HeldKey).
+template <typename R>
+std::string MixedGenerations(const R& reg) {
+  return PossibleGenerations(reg).mixed;
 }
 // A module whose local ranks hold different generations is reported under the generation
 // "mixed (rank 0: generation 2, ...)", which no other daemon holds, so every daemon of the
-// group drops it as lost and names each rank's generation (ReconcileModules).
+// group drops it as lost and names each rank's generation (ReconcileModules). One whose voted
+// ranks may end at either of two generations is reported as "G|G+1": the daemons resolve it
+// to the lowest generation every daemon can end at (ResolveHeld).
 template <typename R>
 std::string HeldKey(const std::string& module, const R& reg) {
-  const std::string mixed = MixedGenerations(reg);
-  if (!mixed.empty()) {
-    return absl::StrCat(module, "\x1f", reg.plan.fingerprint, "\x1fmixed (", mixed, ")");
+  const Possible p = PossibleGenerations(reg);
+  if (!p.mixed.empty()) {
+    return absl::StrCat(module, "\x1f", reg.plan.fingerprint, "\x1fmixed (", p.mixed, ")");
   }
-  return absl::StrCat(module, "\x1f", reg.plan.fingerprint, "\x1f", HeldGeneration(reg));
+  const uint64_t held = HeldGeneration(reg);
+  if (p.any && p.lo < p.hi && held < p.hi) {
+    return absl::StrCat(module, "\x1f", reg.plan.fingerprint, "\x1f", p.lo, "|", p.hi);
+  }
+  return absl::StrCat(module, "\x1f", reg.plan.fingerprint, "\x1f", std::max(held, p.lo));
+}
+// The generation every daemon resolves a module to from what each reported (HeldKey's
+// generations: "G" or "G|G+1"): the lowest one all of them can end at; none when they share
+// none (a "mixed" report, or "2" against "0").
+inline std::optional<uint64_t> ResolveHeld(const std::vector<std::string>& generations) {
+  uint64_t lo = 0, hi = UINT64_MAX;
+  for (const std::string& g : generations) {
+    const size_t bar = g.find('|');
+    uint64_t a = 0, b = 0;
+    if (!absl::SimpleAtoi(g.substr(0, bar), &a)) return std::nullopt;
+    if (bar == std::string::npos) {
+      b = a;
+    } else if (!absl::SimpleAtoi(g.substr(bar + 1), &b)) {
+      return std::nullopt;
+    }
+    lo = std::max(lo, a);
+    hi = std::min(hi, b);
+  }
+  if (lo > hi) return std::nullopt;
+  return lo;
 }
 template <typename M>
 std::vector<std::string> HeldModules(const M& registered,

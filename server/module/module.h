@@ -191,6 +191,18 @@ struct Registered {
   // copies need not write it again (a "commit" intent covers every rank; see
   // server/durable/commit_intents.cc). 0: none.
   uint64_t durable_commit_intent = 0;
+  // ---- No module lost to a daemon kill (server/durable/commit_votes.cc) ----
+  // Per rank: the generation its shards hold since it voted yes to a Commit whose outcome it
+  // has not learnt (0: none; may be shorter than `generation`). Such a rank is rolled forward
+  // (its shards into its committed copy) or back at the next formation, to whichever
+  // generation every daemon resolves the module to (internal::PossibleGenerations).
+  std::vector<uint64_t> voted;
+  // The Commit generation recorded as voted here ("voted" in the record), written before the
+  // first local rank's vote went out: after a kill every local rank may hold it. 0: none.
+  uint64_t voted_commit = 0;
+  // ReconcileModules: the generation every daemon resolved the module to at the last re-form
+  // (0: none); the rollback that follows rolls voted ranks forward to it.
+  uint64_t resolved_generation = 0;
   // GPU daemons, per rank and unit: host copies of the device committed copies, made at
   // SIGTERM with --keep_shards (KeepDeviceShards) or adopted at start (then copied into
   // fresh device memory and dropped). Empty otherwise.

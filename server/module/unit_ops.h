@@ -71,6 +71,9 @@ inline std::string TextOf(const char* text, size_t size) {
 // ends a summon while another commits fails with a mismatch instead of agreeing).
 inline constexpr int64_t kEndAgreeUnit = -2;
 inline constexpr int64_t kCommitAgreeUnit = -3;
+// The payload Modules::Agree puts on a refusal (a verdict every rank got alike), which a
+// failed all-gather lacks (its outcome may differ between ranks).
+inline constexpr char kAgreeRefusedPayload[] = "flatshard.agree/refused";
 
 // Failed writeback Ends remembered per group for repeated Ends.
 inline constexpr size_t kFailedEndsKept = 256;

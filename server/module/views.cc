@@ -193,6 +193,21 @@ void Modules::ReconcileModules(Group& g, const peer::PeerTable& table, AfterUnlo
           absl::StrCat("rank ", r, " (daemon ", node, ")"));
     }
     if (all_hold && by_generation.size() > 1) {
+      // A Commit that reached some daemons while others' ranks only voted for it (a daemon
+      // killed between its agreement and its intent, or an agreement torn by the kill): one
+      // generation every daemon can end at, the voted ranks rolled forward or back to it by
+      // the rollback that follows (RollbackNow).
+      std::vector<std::string> generations;
+      for (const auto& [gen, who] : by_generation) generations.push_back(gen);
+      if (std::optional<uint64_t> to = internal::ResolveHeld(generations)) {
+        if (auto it = g.registered.find(module); it != g.registered.end()) {
+          it->second.resolved_generation = *to;
+        }
+        FS_LOG(INFO) << "group=" << Short(g.id) << " module=" << Display(module)
+                     << " resolved to generation " << *to << " at epoch " << table.epoch
+                     << " (its daemons held " << absl::StrJoin(generations, ", ") << ")";
+        continue;
+      }
       std::vector<std::string> parts;
       for (const auto& [gen, who] : by_generation) {
         parts.push_back(absl::StrCat("generation ", gen, ": ", absl::StrJoin(who, ", ")));

@@ -4,8 +4,9 @@
 // frame of the committed module, one fsync) against the whole-file rewrite it replaced (the
 // group's record encoded whole, written to a temp file, fsync, rename, fsync of the directory:
 // WriteFileAtomically, as StateDir::Write did per commit) and a plain write+fsync of the
-// journal frame's bytes, in the same run on the same disk. A plain main (no Google
-// Benchmark). Full run:
+// journal frame's bytes, in the same run on the same disk; and a whole Commit's three frames
+// as the daemon writes them (vote and end without an fsync, the intent with one). A plain main (no
+// Google Benchmark). Full run:
 //   build/tests/bench/flatshard_records_benchmark --dir /var/tmp
 // The directory's file system decides the fsync cost: pass one on the disk that matters.
 
@@ -135,6 +136,30 @@ int Main(int argc, char** argv) {
         failed = true;
       }
     });
+    // A whole Commit's records as the daemon writes them (server/durable/commit_votes.cc,
+    // commit_intents.cc): the vote (no fsync), the intent (one fsync), the end (no fsync).
+    const Stats commit = Time(commits, [&](int i) {
+      GroupRecord one;
+      one.id = group.id;
+      one.world_size = group.world_size;
+      one.token = group.token;
+      one.local_ranks = group.local_ranks;
+      ModuleRecord m = Module(i % n, ranks, units, i + 2);
+      const uint64_t next = m.ranks.empty() ? 1 : m.ranks[0].generation + 1;
+      m.voted = next;
+      one.modules = {m};
+      one.sequence = ++seq;
+      bool ok = (*d)->WriteModules(one, {m.name}, /*sync=*/false).ok();
+      one.modules[0].pending = PendingCommit{next, "commit", {0}, {}};
+      one.sequence = ++seq;
+      ok = ok && (*d)->WriteModules(one, {m.name}, /*sync=*/true).ok();
+      for (RankRecord& r : one.modules[0].ranks) r.generation = next;
+      one.modules[0].pending.reset();
+      one.modules[0].voted = 0;
+      one.sequence = ++seq;
+      ok = ok && (*d)->WriteModules(one, {m.name}, /*sync=*/false).ok();
+      if (!ok) failed = true;
+    });
     // The same frame's bytes, appended with a plain write + fsync (the floor).
     const std::string plain_file = dir + "/plain";
     const int fd = ::open(plain_file.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
@@ -159,6 +184,8 @@ int Main(int argc, char** argv) {
     });
     std::printf("%8d  %-34s %10.3f %10.3f %12zu\n", n, "journal (WriteModules)", journal.median_ms,
                 journal.p99_ms, frame_bytes);
+    std::printf("%8d  %-34s %10.3f %10.3f %12zu\n", n, "commit: vote+intent(fsync)+end",
+                commit.median_ms, commit.p99_ms, 3 * frame_bytes);
     std::printf("%8d  %-34s %10.3f %10.3f %12zu\n", n, "plain write+fsync of the frame",
                 plain.median_ms, plain.p99_ms, frame_bytes);
     std::printf("%8d  %-34s %10.3f %10.3f %12zu\n", n, "whole-file rewrite (before)",

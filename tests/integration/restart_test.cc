@@ -586,6 +586,8 @@ class TwoDaemonRestartTest : public ::testing::Test {
       o.peer = true;
       o.node_name = absl::StrCat("node", i);
       o.extra_flags = {"--state_dir=" + dirs_.back().string(), "--peer_timeout=2s"};
+      if (i == 1)
+        o.extra_flags.insert(o.extra_flags.end(), daemon1_flags_.begin(), daemon1_flags_.end());
       daemons_.push_back(std::make_unique<DaemonProcess>(o));
     }
   }
@@ -644,6 +646,7 @@ class TwoDaemonRestartTest : public ::testing::Test {
 
   std::vector<std::filesystem::path> dirs_;
   std::vector<std::unique_ptr<DaemonProcess>> daemons_;
+  std::vector<std::string> daemon1_flags_;  // set by a subclass before SetUp
   static inline int counter_ = 0;
 };
 
@@ -721,6 +724,72 @@ TEST_F(TwoDaemonRestartTest, DaemonsAtDifferentGenerationsDropTheModuleNamingThe
   }
   Register(ranks, 0);  // afresh
   Commit(ranks, 1);
+}
+
+// Issue 24, "no module lost to a single daemon kill": daemon 1 is killed between commit 2's
+// agreement and its intent record (--testing_pause_before_commit_intent), after daemon 0
+// committed generation 2 and answered rank 0. Daemon 1 comes back with generation 1 in its
+// committed copies and its rank's vote for 2 in its record (its shards hold 2); at the re-form
+// every daemon resolves the module to 2 and daemon 1 rolls its rank forward from its shards.
+// Was: the module dropped as lost ("its daemons hold different committed generations").
+class VoteRestartTest : public TwoDaemonRestartTest {
+ protected:
+  void SetUp() override {
+    daemon1_flags_ = {"--testing_pause_before_commit_intent=" + std::string(kPausedAt)};
+    TwoDaemonRestartTest::SetUp();
+  }
+  static constexpr char kPausedAt[] = "2:60s";
+};
+
+TEST_F(VoteRestartTest, ADaemonKilledBetweenAgreementAndIntentIsRolledForward) {
+  std::vector<Rank> ranks;
+  JoinAll(ranks);
+  Register(ranks, 0);
+  Commit(ranks, 1);
+  absl::StatusOr<uint64_t> answers[2] = {absl::UnknownError("none"), absl::UnknownError("none")};
+  std::thread rank1([&] {
+    WriteShards(*ranks[1].client, 1, 2);
+    answers[1] = ranks[1].client->Commit("");
+  });
+  WriteShards(*ranks[0].client, 0, 2);
+  answers[0] = ranks[0].client->Commit("");
+  ASSERT_TRUE(answers[0].ok()) << answers[0].status();
+  EXPECT_EQ(*answers[0], 2u);  // daemon 0 committed 2 and told its trainer
+  const absl::Time until = absl::Now() + absl::Seconds(20);
+  while (daemons_[1]->Log().find("paused between its agreement and its intent") ==
+             std::string::npos &&
+         absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_THAT(daemons_[1]->Log(), HasSubstr("paused between its agreement and its intent"));
+  daemons_[1]->Kill();
+  rank1.join();
+  EXPECT_FALSE(answers[1].ok());
+  ranks[1] = Rank();
+  ASSERT_TRUE(RestartDaemon1());
+  EXPECT_THAT(daemons_[1]->Log(), HasSubstr("voted 2"));
+  JoinAll(ranks);
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    EXPECT_THAT(ranks[r].client->lost_modules(), IsEmpty());
+    EXPECT_THAT(ranks[r].client->registered_modules(), SizeIs(1));
+  }
+  Register(ranks, 2);
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    Snapshot now = Take(*ranks[r].client);
+    EXPECT_EQ(now.generation, 2u);
+    absl::StatusOr<ShardViews> views = ranks[r].client->GetShardViews("");
+    ASSERT_TRUE(views.ok()) << views.status();
+    for (const UnitShardView& u : *views) {
+      const float* data = static_cast<const float*>(u.data);
+      for (int64_t i = 0; i < u.shard_numel; ++i) {
+        ASSERT_EQ(data[i], Value(2, r, u.unit, i)) << "unit " << u.unit << " element " << i;
+      }
+    }
+  }
+  EXPECT_THAT(daemons_[1]->Log(), HasSubstr("rolled forward to generation 2"));
+  Commit(ranks, 3);  // and the group goes on
 }
 
 // ---- Optimizer state in the restart records (RegisterState buffers) ----

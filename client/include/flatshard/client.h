@@ -674,7 +674,10 @@ class Client {
   // - A step commits on every rank or on none. After any failure of the group's collectives
   //   (a rank died or left, a deadline, a daemon lost), the group re-forms once every rank
   //   has joined again and every rank's shards are rolled back to the last committed
-  //   generation; Register (re-attach) and GetShardViews report it (generation()).
+  //   generation; Register (re-attach) and GetShardViews report it (generation()). A step
+  //   another rank committed while this rank's answer was lost (its daemon was killed after
+  //   the agreement) is that generation: this rank's shards, which voted for it, are rolled
+  //   forward to it. So after a failed Commit do not write the shards before re-joining.
   // - An End() with writeback also commits (the writeback applies on every rank or none).
   // - After a failure, every rank (also the survivors) reads its views again with
   //   GetShardViews or Register before it commits, and redoes the steps since the reported
@@ -683,7 +686,9 @@ class Client {
   // Errors: UNAVAILABLE naming the rank whose session ended (at once, not at the deadline);
   // DEADLINE_EXCEEDED naming the ranks that did not call; FAILED_PRECONDITION for a stale
   // rank (named), an uninitialised module, or when not joined; NOT_FOUND for a module this
-  // client did not register. No rank commits when any error is returned by the agreement.
+  // client did not register. No rank commits when the agreement refuses the step (a refusal
+  // names the refusing rank); when the agreement itself fails (a daemon killed), the step
+  // may have committed elsewhere: generation() after the re-form says which.
   absl::StatusOr<uint64_t> Commit(const std::string& registered_module);
 
   // Local (not collective): the optimizer state of `registered_module` for this rank. The

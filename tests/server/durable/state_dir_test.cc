@@ -154,6 +154,23 @@ TEST(StateRecordTest, StateSpecsRoundTripAndRecordsWithoutThemLoad) {
   EXPECT_TRUE(back->modules[0].state_specs.empty());
 }
 
+// A module's recorded vote (issue 24, server/durable/commit_votes.cc): round-trips, is absent
+// when there is none (records without the key load with none), and a bad one is refused.
+TEST(StateRecordTest, AVoteRoundTripsAndRecordsWithoutItLoad) {
+  GroupRecord r = Sample();
+  r.modules[0].voted = 6;
+  const std::string bytes = EncodeGroupRecord(r);
+  EXPECT_THAT(bytes, HasSubstr(R"("voted":6)"));
+  absl::StatusOr<GroupRecord> back = DecodeGroupRecord(bytes);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->modules[0].voted, 6u);
+  const std::string none = EncodeGroupRecord(Sample());
+  EXPECT_THAT(none, Not(HasSubstr("voted")));
+  back = DecodeGroupRecord(none);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->modules[0].voted, 0u);
+}
+
 TEST(StateRecordTest, BadStateSpecsAreRefusedNamingThePath) {
   auto why = [](std::vector<StateSpec> specs, const std::string& from, const std::string& to) {
     GroupRecord r = Sample();
