@@ -175,7 +175,8 @@ class Publisher {
   // One rank's arrival at a collective publish; `done` runs once (on the worker thread or
   // here) when every rank of the group arrived and the version is in the table, or with the
   // error: INVALID_ARGUMENT (a bad name or dtype; ranks that disagree, naming the rank and the
-  // field), CheckCaller's errors, FAILED_PRECONDITION (multi-daemon group; nothing committed),
+  // field), CheckCaller's errors, FAILED_PRECONDITION (nothing committed; a multi-daemon group
+  // on a daemon without peer channels),
   // RESOURCE_EXHAUSTED (quota or memory limit: uid, quota, usage), DEADLINE_EXCEEDED naming
   // the ranks that did not arrive by args.deadline, UNAVAILABLE after Shutdown.
   void Publish(PublishArgs args, PublishDone done);

@@ -5,8 +5,8 @@
 //     descriptor round trips, the bytes into a fresh sealed segment, the open);
 //   - tcp: the same bytes over one plain TCP connection between two threads, into fresh
 //     memory (page faults included, as the pull's fresh segment has them);
-//   - mpi: MPI_Bcast of the same bytes between 2 processes (mpirun, Open MPI's own choice of
-//     transport; touched buffers).
+//   - mpi: MPI_Bcast of the same bytes between 2 processes (mpirun; over TCP by default,
+//     --mpi_args chooses; touched buffers).
 //
 //   build/tests/bench/flatshard_weights_pull_benchmark [--bytes 1073741824] [--repeats 3]
 
@@ -36,6 +36,9 @@ ABSL_FLAG(int64_t, bytes, int64_t{1} << 30, "bytes of the published model (float
 ABSL_FLAG(int, repeats, 3, "pulls, TCP copies and MPI_Bcasts measured (medians reported)");
 ABSL_FLAG(std::string, flatshardd, FS_BINARY_DIR "/server/flatshardd", "the daemon binary");
 ABSL_FLAG(std::string, mpirun, FS_MPIEXEC, "mpirun (empty: no MPI row)");
+ABSL_FLAG(std::string, mpi_args, "--mca pml ob1 --mca btl tcp,self",
+          "mpirun arguments choosing MPI's transport (default: TCP, the pull's link; empty: "
+          "Open MPI's own choice, shared memory on one host)");
 ABSL_FLAG(std::string, mpi_baseline, FS_MPI_BCAST_BASELINE,
           "the flatshard_mpi_bcast_baseline binary (empty: not built)");
 
@@ -59,8 +62,9 @@ int FreePort() {
   return ntohs(addr.sin_port);
 }
 
-// `bytes` over one loopback TCP connection, sender and receiver threads, into fresh memory.
-double TcpMs(const char* src, int64_t bytes) {
+// `bytes` over one loopback TCP connection, sender and receiver threads, into fresh memory
+// (or memory already touched).
+double TcpMs(const char* src, int64_t bytes, bool fresh) {
   const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr = {};
   addr.sin_family = AF_INET;
@@ -71,6 +75,7 @@ double TcpMs(const char* src, int64_t bytes) {
   ::listen(lfd, 1);
   char* dst = static_cast<char*>(
       ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (!fresh) std::memset(dst, 0, static_cast<size_t>(bytes));
   const Clock::time_point t0 = Clock::now();
   std::thread sender([&] {
     const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -107,8 +112,9 @@ absl::StatusOr<double> MpiBcastMs(int64_t bytes, int repeats) {
         "flatshard_mpi_bcast_baseline)");
   }
   const std::string cmd =
-      absl::StrCat(mpirun, " --oversubscribe", ::geteuid() == 0 ? " --allow-run-as-root" : "",
-                   " -np 2 ", baseline, " --bytes=", bytes, " --iters=", repeats, " 2>&1");
+      absl::StrCat(mpirun, " --oversubscribe", ::geteuid() == 0 ? " --allow-run-as-root" : "", " ",
+                   absl::GetFlag(FLAGS_mpi_args), " -np 2 ", baseline, " --bytes=", bytes,
+                   " --iters=", repeats, " 2>&1");
   std::string out;
   if (FILE* p = ::popen(cmd.c_str(), "r")) {
     char buf[4096];
@@ -166,7 +172,7 @@ int Run() {
   ro.call_timeout = absl::Seconds(600);
   absl::StatusOr<std::unique_ptr<WeightsReader>> r = WeightsReader::Connect(ro);
   if (!r.ok()) return 1;
-  std::vector<double> pull, local, tcp;
+  std::vector<double> pull, local, tcp, tcp_touched;
   std::vector<char> src(static_cast<size_t>(bytes), 0x3f);
   for (int i = 0; i < repeats; ++i) {
     if (absl::StatusOr<client::PublishedVersion> v = (*trainer)->Publish("", "w"); !v.ok()) {
@@ -185,7 +191,8 @@ int Run() {
     v = (*r)->Open("w");  // the same version again: one "not newer" round trip, no copy
     local.push_back(MicrosSince(t0, Clock::now()) / 1000);
     if (v.ok()) (void)(*v)->Release();
-    tcp.push_back(TcpMs(src.data(), bytes));
+    tcp.push_back(TcpMs(src.data(), bytes, /*fresh=*/true));
+    tcp_touched.push_back(TcpMs(src.data(), bytes, /*fresh=*/false));
   }
   src.clear();
   src.shrink_to_fit();
@@ -195,19 +202,22 @@ int Run() {
       "cross-daemon pull of %s: %.1f ms median of %d (%.2f GB/s); open of the local "
       "copy afterwards %.2f ms\n",
       SizeName(bytes).c_str(), p, repeats, bytes / p / 1e6, Median(local));
+  const double tt = Median(tcp_touched);
   std::printf(
-      "plain TCP point-to-point of %s (loopback, into fresh memory): %.1f ms: pull is "
-      "%.2fx\n",
-      SizeName(bytes).c_str(), t, p / t);
+      "plain TCP point-to-point of %s (loopback): into fresh memory %.1f ms (pull is %.2fx), "
+      "into touched memory %.1f ms (pull is %.2fx)\n",
+      SizeName(bytes).c_str(), t, p / t, tt, p / tt);
   if (mpi.ok()) {
-    std::printf("MPI_Bcast of %s between 2 processes: %.1f ms: pull is %.2fx\n",
-                SizeName(bytes).c_str(), *mpi, p / *mpi);
+    std::printf("MPI_Bcast of %s between 2 processes (%s): %.1f ms: pull is %.2fx\n",
+                SizeName(bytes).c_str(), absl::GetFlag(FLAGS_mpi_args).c_str(), *mpi, p / *mpi);
   } else {
     std::printf("MPI_Bcast: skipped: %s\n", std::string(mpi.status().message()).c_str());
   }
   PrintFigure("weights_pull.pull_ms", p, "ms");
   PrintFigure("weights_pull.tcp_ms", t, "ms", true, /*context=*/true);
   PrintFigure("weights_pull.pull_over_tcp", p / t, "x");
+  PrintFigure("weights_pull.tcp_touched_ms", tt, "ms", true, /*context=*/true);
+  PrintFigure("weights_pull.pull_over_tcp_touched", p / tt, "x");
   if (mpi.ok()) {
     PrintFigure("weights_pull.mpi_bcast_ms", *mpi, "ms", true, /*context=*/true);
     PrintFigure("weights_pull.pull_over_mpi_bcast", p / *mpi, "x");

@@ -740,10 +740,13 @@ class Client {
   // --weights_keep versions of each name plus those a reader holds.
   // Errors: INVALID_ARGUMENT for an empty or over-long name, a non-floating options.dtype or
   // ranks passing different arguments (naming the rank and field); NOT_FOUND for a module
-  // the group has not registered; FAILED_PRECONDITION when not joined, or for a group spread
-  // over several daemons (not supported yet: named); RESOURCE_EXHAUSTED naming the uid, the
-  // quota and its usage when the version does not fit the uid's quota or the daemon's memory
-  // limit (nothing is published); DEADLINE_EXCEEDED naming the ranks that did not call.
+  // the group has not registered; FAILED_PRECONDITION when not joined; RESOURCE_EXHAUSTED
+  // naming the uid, the quota and its usage when the version does not fit the uid's quota or
+  // the daemon's memory limit (nothing is published); DEADLINE_EXCEEDED naming the ranks that
+  // did not call (a group on several daemons: naming the daemon whose ranks did not call, or
+  // the leader, rank 0's daemon, that did not read this daemon's shards). A group on several
+  // daemons gets the version on every one of them (README "Published weights across
+  // daemons").
   absl::StatusOr<PublishedVersion> Publish(const std::string& registered_module,
                                            const std::string& name,
                                            const PublishOptions& options = {});
