@@ -53,22 +53,7 @@ def _id(cell):
     return f"{s}-{p}-{r}-{ranks}r{daemons}d"
 
 
-# A known bug, kept visible (strict: the cells fail the run once it is fixed, so that this
-# mark goes): clip_grad_norm_ (flatshard/torch/recipe.py) sums every rank's gradient shard,
-# and under NO_SHARD each rank's shard is the whole unit, so the norm comes out sqrt(world)
-# times the true one (measured 0.699 for 0.350 with 4 ranks, 1.008 for 0.713 with 2): the
-# replicas must count once (divide the sum by world / shard_world_size; max for inf is right).
-_NO_SHARD_CLIP = pytest.mark.xfail(
-    strict=True, reason="clip_grad_norm_ counts NO_SHARD's replicated gradients once per rank")
-
-
-def _marked(cell):
-    if cell[0] == "NO_SHARD" and cell[2] == "clip":
-        return pytest.param(cell, marks=_NO_SHARD_CLIP, id=_id(cell))
-    return pytest.param(cell, id=_id(cell))
-
-
-@pytest.mark.parametrize("cell", [_marked(c) for c in CELLS])
+@pytest.mark.parametrize("cell", [pytest.param(c, id=_id(c)) for c in CELLS])
 def test_strategy_precision_recipe_trains_like_the_reference(cell):
     strategy, precision, recipe, (ranks, daemons) = cell
     try:

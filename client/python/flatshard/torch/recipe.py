@@ -60,6 +60,10 @@ class _TrainingRecipe:
             local = torch.stack(norms).max()
         else:
             local = torch.linalg.vector_norm(torch.stack(norms), norm_type) ** norm_type
+        if not inf and self._replica_index() > 0:
+            # NO_SHARD and HYBRID_*: the ranks of other replicas hold the same shards; each
+            # shard counts once (the max of inf is not changed by copies).
+            local = torch.zeros((), dtype=torch.float32)
         total = self._client.all_reduce(local.reshape(1).clone(), "max" if inf else "sum")[0]
         if not inf:
             total = total ** (1.0 / norm_type)
@@ -72,6 +76,12 @@ class _TrainingRecipe:
                     if low is not None and low.data_ptr() != u.grad_shard.data_ptr():
                         low.mul_(clip_coef.to(low.dtype))
         return total
+
+    def _replica_index(self) -> int:
+        """Which copy of its shard this rank holds: rank // shard_world_size (0 for every rank
+        of FULL_SHARD and SHARD_GRAD_OP; the rank itself under NO_SHARD)."""
+        sws = int(self._plan.get("shard_world_size", 0) or 0)
+        return self._rank() // sws if sws > 0 else 0
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
