@@ -6,6 +6,7 @@
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <algorithm>
 
 #include <cstdio>
 #include <string>
@@ -340,7 +341,11 @@ TEST(PolicyProtoTest, MixedPrecisionDTypePresenceSurvives) {
 }
 
 TEST(PolicyProtoTest, UnspecifiedKindOrStrategyIsRefused) {
-  v1::Policy proto = ToProto(EveryKindPolicies()[5]);
+  const std::vector<Policy> policies = EveryKindPolicies();
+  auto any = std::find_if(policies.begin(), policies.end(),
+                          [](const Policy& p) { return p.auto_wrap.kind == AutoWrapKind::kAny; });
+  ASSERT_NE(any, policies.end());
+  v1::Policy proto = ToProto(*any);
   proto.mutable_auto_wrap()->mutable_policies(1)->set_kind(v1::AUTO_WRAP_KIND_UNSPECIFIED);
   absl::StatusOr<Policy> p = FromProto(proto);
   ASSERT_FALSE(p.ok());
