@@ -365,7 +365,7 @@ TEST(PolicyProtoTest, UnspecifiedKindOrStrategyIsRefused) {
   p = FromProto(proto);
   ASSERT_FALSE(p.ok());
   EXPECT_EQ(Msg(p.status()), "policy: sharding_strategy is unspecified or unknown");
-  proto.set_sharding_strategy(static_cast<v1::ShardingStrategy>(5));
+  proto.set_sharding_strategy(static_cast<v1::ShardingStrategy>(6));
   EXPECT_EQ(Msg(FromProto(proto).status()), "policy: sharding_strategy is unspecified or unknown");
 }
 
