@@ -451,6 +451,7 @@ class Client:
         if not isinstance(address, str):
             raise InvalidArgumentError(f"Client: address must be a str, got {type(address).__name__}")
         self._plans: dict[str, dict[str, Any]] = {}
+        self._rank: int | None = None
         self._cuda_stream = int(getattr(cuda_stream, "cuda_stream", cuda_stream) or 0)
         self._c = _C.Client(address, float(call_timeout), float(join_timeout), int(max_attempts),
                             float(initial_backoff), float(max_backoff), tls_ca_file,
@@ -474,6 +475,7 @@ class Client:
              coordinator: str = "") -> None:
         """Joins rank `rank` of `group`; waits (join_timeout) until every rank joined."""
         self._c.join(group, int(world_size), int(rank), token, coordinator)
+        self._rank = int(rank)
 
     def save_checkpoint(self, module: str, directory: str | os.PathLike,
                         progress: ProgressCallback = None) -> dict[str, Any]:
@@ -551,6 +553,11 @@ class Client:
     @property
     def joined(self) -> bool:
         return self._c.joined
+
+    @property
+    def rank(self) -> int | None:
+        """The rank of the last successful join (None before one)."""
+        return self._rank
 
     @property
     def closed(self) -> bool:

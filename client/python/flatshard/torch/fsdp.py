@@ -835,7 +835,8 @@ class FlatShardModule(_Strategies, _TrainingRecipe, _StateDicts, _FullParams, nn
             yield
 
     def _rank(self) -> int:
-        return int(getattr(self._client, "rank", self._plan_rank()))
+        rank = getattr(self._client, "rank", None)
+        return int(rank) if rank is not None else self._plan_rank()
 
     def _plan_rank(self) -> int:
         u = self._units[0]
