@@ -2,6 +2,7 @@
 // status 0, the flags listed, and nothing that names the build host's source tree.
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -43,17 +44,24 @@ struct DaemonRun {
 };
 
 DaemonRun RunDaemon(const std::string& flags) {
+  // Files of this process's own: ctest runs each test of this file as a process of its own, in
+  // parallel, and TempDir() is the same /tmp for all of them.
   const std::filesystem::path dir = ::testing::TempDir();
-  const std::string out = (dir / "flatshardd_help_out").string();
-  const std::string err = (dir / "flatshardd_help_err").string();
+  const std::string tag = absl::StrCat("flatshardd_help_", getpid());
+  const std::string out = (dir / (tag + "_out")).string();
+  const std::string err = (dir / (tag + "_err")).string();
   // A socket that no test uses, in case a flag is not taken as a help request and it starts.
   const std::string cmd =
       absl::StrCat("timeout 20 ", FS_BINARY_DIR,
-                   "/server/flatshardd --ephemeral --socket=", (dir / "help.sock").string(), " ",
-                   flags, " >", out, " 2>", err, " </dev/null");
+                   "/server/flatshardd --ephemeral --socket=", (dir / (tag + ".sock")).string(),
+                   " ", flags, " >", out, " 2>", err, " </dev/null");
   const int status = std::system(cmd.c_str());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128, testing::ReadFile(out),
-          testing::ReadFile(err)};
+  DaemonRun run{WIFEXITED(status) ? WEXITSTATUS(status) : 128, testing::ReadFile(out),
+                testing::ReadFile(err)};
+  std::error_code ignored;
+  std::filesystem::remove(out, ignored);
+  std::filesystem::remove(err, ignored);
+  return run;
 }
 
 TEST(FlatshardHelpTest, DaemonHelpExitsZeroListingItsFlagsOnly) {

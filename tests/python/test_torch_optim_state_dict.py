@@ -136,6 +136,39 @@ def test_full_optim_state_dict_round_trips(daemon, orig, keep):
         assert torch.allclose(v, got[0][3][name], rtol=1e-5, atol=1e-6), name
 
 
+def test_loaded_state_survives_another_rank_registering_first(daemon):
+    # Optimizer state in the daemon, loaded into a fresh wrapper: rank 1's first step
+    # registers the state spec before rank 0's first step. Rank 0's loaded state must go to
+    # the daemon, not be replaced by the daemon's fresh zeros (CI saw this order by chance).
+    registered = threading.Event()
+
+    def fn(rank, c):
+        model, opt = wrapped(c, "a", True, True)
+        train(model, opt, rank, range(STEPS))
+        osd = FlatShardModule.optim_state_dict(model, opt)
+        sd = {k: v.clone() for k, v in model.state_dict().items()}
+        train(model, opt, rank, range(STEPS, STEPS + MORE))
+        final_a = [p.detach().clone() for p in model.sharded_parameters()]
+        fresh, fresh_opt = wrapped(c, "b", True, True)
+        fresh.load_state_dict(sd)
+        fresh_opt.load_state_dict(optim_state_dict_to_load(fresh, fresh_opt, osd))
+        for step in range(STEPS, STEPS + MORE):
+            fresh_opt.zero_grad()
+            fresh(batch(rank, step)).square().sum().backward()
+            if step == STEPS and rank == 0:
+                assert registered.wait(60), "rank 1 never stepped"
+            fresh_opt.step()
+            if step == STEPS and rank == 1:
+                registered.set()
+            fresh.commit()
+        final_b = [p.detach().clone() for p in fresh.sharded_parameters()]
+        return final_a, final_b
+
+    for rank, (final_a, final_b) in run_group(daemon.address, WORLD, fn).items():
+        for a, b in zip(final_a, final_b):
+            assert torch.equal(a, b), rank
+
+
 def test_a_plain_optimizers_state_dict_loads_into_the_wrapper(daemon):
     # Trained in one process, continued sharded: the same values as continuing in one process.
     plain = net()

@@ -121,6 +121,12 @@ class DaemonOptimizerState:
                 if slot is not None:
                     yield (p, slot, group) if with_group else (p, slot)
 
+    def _holds_state(self) -> bool:
+        """Whether the optimizer holds a state tensor for one of this model's parameters."""
+        return any(isinstance(v, torch.Tensor)
+                   for p, _slot in self._params()
+                   for v in self.optimizer.state.get(p, {}).values())
+
     def _derive_specs(self) -> List[Tuple[str, str, str]]:
         found: Dict[str, Tuple[str, str]] = {}
         local = set()
@@ -219,11 +225,13 @@ class DaemonOptimizerState:
 
     def _step(self, *args, **kwargs):
         if self.specs is None:
-            # State registered since this link was made (a checkpoint load into a module
-            # without state creates it): the daemon's values win, as on a re-attach.
+            # State registered since this link was made: by a checkpoint load into a module
+            # without state, or by another rank's first step (ranks register the same spec).
+            # The daemon's values win, as on a re-attach, unless this optimizer holds state
+            # already (optimizer.load_state_dict): then its values go to the daemon.
             existing = self._registered_specs()
             if existing:
-                self._attach(existing, initial=True)
+                self._attach(existing, initial=not self._holds_state())
         if self.specs is not None:
             # Tensors the trainer replaced (load_state_dict) go to the daemon; the scalars
             # come from it (after a rollback it holds the committed step's).
