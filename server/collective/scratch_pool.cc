@@ -7,9 +7,22 @@
 
 namespace flatshard::collective {
 
-ScratchPool::Scratch::~Scratch() {
+ScratchPool::Scratch& ScratchPool::Scratch::operator=(Scratch&& other) noexcept {
+  if (this != &other) {
+    GiveBack();
+    pool_ = std::move(other.pool_);
+    buf_ = std::move(other.buf_);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+void ScratchPool::Scratch::GiveBack() {
   if (buf_ == nullptr) return;
+  // Without a pool (it is gone) the buffer is freed here.
   if (std::shared_ptr<ScratchPool> pool = pool_.lock()) pool->Release(std::move(buf_), bytes_);
+  buf_.reset();
+  bytes_ = 0;
 }
 
 std::shared_ptr<ScratchPool> ScratchPool::Create(std::shared_ptr<DeadlineTimer> timer,

@@ -35,13 +35,15 @@ class ScratchPool : public std::enable_shared_from_this<ScratchPool> {
    public:
     Scratch() = default;
     Scratch(Scratch&&) = default;
-    Scratch& operator=(Scratch&&) = default;
-    ~Scratch();
+    // Gives this handle's buffer back before taking the other's.
+    Scratch& operator=(Scratch&& other) noexcept;
+    ~Scratch() { GiveBack(); }
     uint8_t* data() const { return buf_.get(); }
     size_t bytes() const { return bytes_; }
 
    private:
     friend class ScratchPool;
+    void GiveBack();
     std::weak_ptr<ScratchPool> pool_;
     std::unique_ptr<uint8_t[]> buf_;
     size_t bytes_ = 0;
