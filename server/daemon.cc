@@ -445,7 +445,8 @@ absl::Status Daemon::StartPeerServer(std::shared_ptr<grpc::ServerCredentials> cr
   collective::BackendRegistry registry;
   FS_RETURN_IF_ERROR(collective::RegisterBuiltinBackends(registry));
   absl::StatusOr<std::unique_ptr<collective::CollectiveBackend>> ucx =
-      registry.Create("ucx", {{"error_handling", config_.ucx_error_handling}});
+      registry.Create("ucx", {{"error_handling", config_.ucx_error_handling},
+                              {"hierarchical", config_.ucx_hierarchical ? "on" : "off"}});
   if (!ucx.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "--peer_address needs the UCX backend, which this build lacks: ", ucx.status().message()));

@@ -76,6 +76,7 @@ struct DaemonConfig {
   // Prometheus /metrics over HTTP (host:port; port 0 picks a free one). Empty: off.
   std::string metrics_address;
   std::string ucx_error_handling = "auto";  // UcxBackendOptions::error_handling
+  bool ucx_hierarchical = true;             // UcxBackendOptions::hierarchical
   // GPU backend (README "GPU nodes"): the GPUs ranks live on: "" (none: host memory, the
   // default), "all", or device ordinals "0,1,3". Rank r of a group uses the (r mod n)-th.
   std::string gpus;

@@ -52,6 +52,7 @@ enum class KeptUse : uint8_t {
   kGrads = 1,          // the full padded gradient (summons with_grads)
   kGradInput = 2,      // the full gradient a trainer writes for ReduceScatterGrads
   kComputeParams = 3,  // the full padded parameters in the unit's compute dtype
+  kGradScratch = 4,    // the reduced gradient shard before it is applied (ReduceScatterGrads)
 };
 
 struct KeptKey {

@@ -58,6 +58,10 @@ ABSL_FLAG(std::string, ucx_error_handling, "auto",
           "over shared memory (their death is found by the heartbeats, --peer_timeout); "
           "'peer': UCX detects every dead peer itself (on one host UCX 1.13 then uses TCP "
           "loopback between daemons); 'none': no endpoint has UCX peer error handling");
+ABSL_FLAG(bool, ucx_hierarchical, true,
+          "groups whose daemons each host the same number (>= 2) of ranks run all-gather and "
+          "reduce-scatter hierarchically (copies within a daemon, each daemon's bytes over the "
+          "network once); false: the flat ring. Every daemon of a group must agree");
 ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Milliseconds(500),
           "heartbeats between daemons of multi-daemon groups");
 ABSL_FLAG(absl::Duration, peer_timeout, absl::Seconds(3),
@@ -291,6 +295,7 @@ int main(int argc, char** argv) {
   config.peer_timeout = absl::GetFlag(FLAGS_peer_timeout);
   config.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   config.ucx_error_handling = absl::GetFlag(FLAGS_ucx_error_handling);
+  config.ucx_hierarchical = absl::GetFlag(FLAGS_ucx_hierarchical);
   config.gpus = absl::GetFlag(FLAGS_gpus);
   if (const int64_t mib = absl::GetFlag(FLAGS_gpu_memory_limit_mib); mib > 0) {
     config.gpu_memory_limit_bytes = mib << 20;

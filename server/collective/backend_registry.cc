@@ -52,7 +52,8 @@ absl::StatusOr<std::unique_ptr<CollectiveBackend>> MakeInproc(const BackendParam
 
 #if FS_HAVE_UCX
 // Keys: tls, net_devices (UCX_TLS / UCX_NET_DEVICES, overriding the environment),
-// poll_before_sleep_us, drain_for_ms, broadcast_chunk_bytes; see UcxBackendOptions.
+// poll_before_sleep_us, drain_for_ms, broadcast_chunk_bytes, error_handling,
+// hierarchical (on|off); see UcxBackendOptions.
 absl::StatusOr<std::unique_ptr<CollectiveBackend>> MakeUcx(const BackendParams& params) {
   UcxBackendOptions options;
   for (const auto& [key, value] : params) {
@@ -81,11 +82,17 @@ absl::StatusOr<std::unique_ptr<CollectiveBackend>> MakeUcx(const BackendParams& 
         return absl::InvalidArgumentError(absl::StrCat(
             "ucx backend: error_handling must be 'auto', 'peer' or 'none', got '", value, "'"));
       }
+    } else if (key == "hierarchical") {
+      if (value != "on" && value != "off") {
+        return absl::InvalidArgumentError(
+            absl::StrCat("ucx backend: hierarchical must be 'on' or 'off', got '", value, "'"));
+      }
+      options.hierarchical = value == "on";
     } else {
       return absl::InvalidArgumentError(
           absl::StrCat("ucx backend: unknown parameter '", key,
                        "' (known: tls, net_devices, poll_before_sleep_us, drain_for_ms, "
-                       "broadcast_chunk_bytes, error_handling)"));
+                       "broadcast_chunk_bytes, error_handling, hierarchical)"));
     }
   }
   return CreateUcxBackend(options);

@@ -45,8 +45,8 @@ class BackendRegistry {
 // Registers every backend this build has: "inproc" always (params: copy_threads,
 // parallel_min_bytes, piece_bytes; see InprocBackendOptions); "ucx" when FS_HAVE_UCX (params:
 // tls, net_devices, poll_before_sleep_us, drain_for_ms, broadcast_chunk_bytes, error_handling
-// (auto|peer|none); see UcxBackendOptions); "nccl" once it exists. ALREADY_EXISTS if called twice
-// on one registry.
+// (auto|peer|none), hierarchical (on|off); see UcxBackendOptions); "nccl" once it exists.
+// ALREADY_EXISTS if called twice on one registry.
 absl::Status RegisterBuiltinBackends(BackendRegistry& registry);
 
 }  // namespace flatshard::collective

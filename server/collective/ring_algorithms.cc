@@ -15,9 +15,12 @@
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "server/collective/hierarchical_algorithms.h"
 #include "server/collective/local_rendezvous.h"
 #include "server/collective/op_descriptor.h"
 #include "server/collective/reduce.h"
+#include "server/collective/ring_step.h"
+#include "server/collective/scratch_pool.h"
 
 namespace flatshard::collective {
 namespace {
@@ -29,39 +32,13 @@ int Mod(int a, int n) { return ((a % n) + n) % n; }
 
 class RingCore;
 
-// One transfer of a step.
-struct Xfer {
-  bool send = false;
-  int peer = 0;
-  uint32_t sub = 0;
-  ConstBuffer src;    // send
-  MutableBuffer dst;  // recv
-  bool fingerprint = false;
-};
-
 // One local rank's part of one op: a small state machine that runs step after step. Steps
 // are sequential, so the step fields are only touched by whichever thread drives the current
 // step; completion of a step is handed over through `outstanding`.
 class RankOp : public std::enable_shared_from_this<RankOp> {
  public:
   RankOp(std::shared_ptr<RingCore> core, int rank, int world, OpCall call, const OpOptions& o,
-         bool fingerprints, size_t chunk_bytes, DoneCallback done)
-      : core_(std::move(core)),
-        rank_(rank),
-        world_(world),
-        op_seq_(o.op_seq),
-        call_(call),
-        name_(o.name),
-        arrived_at_(absl::Now()),
-        deadline_(o.deadline),
-        fingerprints_(fingerprints && world > 1),
-        chunk_bytes_(std::max<size_t>(chunk_bytes, 1)),
-        done_(std::move(done)),
-        got_(world, false) {
-    got_[rank] = true;
-    mine_ = EncodeDescriptor(op_seq_, call_.desc);
-    theirs_.resize(world);
-  }
+         bool fingerprints, size_t chunk_bytes, DoneCallback done);
 
   uint64_t op_seq() const { return op_seq_; }
   int rank() const { return rank_; }
@@ -130,20 +107,32 @@ class RankOp : public std::enable_shared_from_this<RankOp> {
   std::atomic<int> outstanding_{0};
   WireDescriptor mine_;
   std::vector<WireDescriptor> theirs_;
-  std::vector<uint8_t> send_tmp_, recv_tmp_;
+  // Flat reduce-scatter: the partial sum to send, then the one received (2 blocks).
+  ScratchPool::Scratch tmp_;
+  uint8_t* SendTmp() const { return tmp_.data(); }
+  uint8_t* RecvTmp() const { return tmp_.data() + call_.desc.bytes; }
+  std::optional<HierarchicalSteps> hier_;  // AllGather and ReduceScatter over nodes
 };
 
 // Shared by the Communicator, its ops and timer callbacks.
 class RingCore : public std::enable_shared_from_this<RingCore> {
  public:
-  RingCore(GroupSpec spec, std::shared_ptr<Transport> transport, RingOptions options)
-      : spec_(std::move(spec)), transport_(std::move(transport)), options_(std::move(options)) {
+  RingCore(GroupSpec spec, std::shared_ptr<Transport> transport, RingOptions options,
+           std::optional<NodeLayout> layout)
+      : spec_(std::move(spec)),
+        transport_(std::move(transport)),
+        options_(std::move(options)),
+        layout_(std::move(layout)) {
     if (options_.timer == nullptr) options_.timer = std::make_shared<DeadlineTimer>();
+    if (options_.scratch == nullptr) options_.scratch = ScratchPool::Create(options_.timer);
   }
 
   const GroupSpec& spec() const { return spec_; }
   Transport& transport() { return *transport_; }
   absl::string_view backend_name() const { return options_.backend_name; }
+  // Null: the flat ring runs every op.
+  const NodeLayout* layout() const { return layout_ ? &*layout_ : nullptr; }
+  ScratchPool& scratch() { return *options_.scratch; }
 
   void Start(int rank, OpCall call, const OpOptions& o, DoneCallback done);
   // `quiet`: no warning unless ops were in flight (the communicator is being destroyed).
@@ -160,6 +149,7 @@ class RingCore : public std::enable_shared_from_this<RingCore> {
   const GroupSpec spec_;
   const std::shared_ptr<Transport> transport_;
   RingOptions options_;
+  const std::optional<NodeLayout> layout_;
 
   mutable absl::Mutex mu_;
   absl::Status sticky_ ABSL_GUARDED_BY(mu_);
@@ -169,6 +159,28 @@ class RingCore : public std::enable_shared_from_this<RingCore> {
 };
 
 // --- RankOp ---------------------------------------------------------------------------------
+
+RankOp::RankOp(std::shared_ptr<RingCore> core, int rank, int world, OpCall call, const OpOptions& o,
+               bool fingerprints, size_t chunk_bytes, DoneCallback done)
+    : core_(std::move(core)),
+      rank_(rank),
+      world_(world),
+      op_seq_(o.op_seq),
+      call_(call),
+      name_(o.name),
+      arrived_at_(absl::Now()),
+      deadline_(o.deadline),
+      fingerprints_(fingerprints && world > 1),
+      chunk_bytes_(std::max<size_t>(chunk_bytes, 1)),
+      done_(std::move(done)),
+      got_(world, false) {
+  got_[rank] = true;
+  if (const NodeLayout* layout = core_->layout(); layout && RunsHierarchically(call_.desc)) {
+    hier_.emplace(*layout, rank, call_, core_->scratch());
+  }
+  mine_ = EncodeDescriptor(op_seq_, call_.desc);
+  theirs_.resize(world);
+}
 
 bool RankOp::BuildStep(std::vector<Xfer>* xfers) {
   if (fingerprints_ && step_ == 0) {
@@ -190,6 +202,7 @@ bool RankOp::BuildStep(std::vector<Xfer>* xfers) {
     return true;
   }
   const int s = AlgorithmStep();
+  if (hier_) return hier_->Build(s, xfers);
   const OpDescriptor& d = call_.desc;
   const size_t bytes = d.bytes;
   const int next = Mod(rank_ + 1, world_);
@@ -224,20 +237,17 @@ bool RankOp::BuildStep(std::vector<Xfer>* xfers) {
         return false;
       }
       if (s >= world_ - 1) return false;
-      if (s == 0) {
-        send_tmp_.resize(bytes);
-        recv_tmp_.resize(bytes);
-      }
+      if (s == 0) tmp_ = core_->scratch().Acquire(2 * bytes);
       Xfer x;
       x.send = true;
       x.peer = next;
       x.sub = static_cast<uint32_t>(s);
-      x.src = ConstBuffer{s == 0 ? InBlock(Mod(rank_ - 1, world_)) : send_tmp_.data(), bytes};
+      x.src = ConstBuffer{s == 0 ? InBlock(Mod(rank_ - 1, world_)) : SendTmp(), bytes};
       xfers->push_back(x);
       Xfer r;
       r.peer = prev;
       r.sub = static_cast<uint32_t>(s);
-      r.dst = MutableBuffer{recv_tmp_.data(), bytes};
+      r.dst = MutableBuffer{RecvTmp(), bytes};
       xfers->push_back(r);
       return true;
     }
@@ -318,16 +328,21 @@ absl::Status RankOp::AfterStep() {
     fingerprints_done_ = true;
     return absl::OkStatus();
   }
+  if (hier_) {
+    hier_->After(AlgorithmStep());
+    return absl::OkStatus();
+  }
   const OpDescriptor& d = call_.desc;
   if (d.kind == CollectiveKind::kReduceScatter) {
     const int s = AlgorithmStep();
     const int block = Mod(rank_ - s - 2, world_);
-    const void* srcs[2] = {recv_tmp_.data(), InBlock(block)};
+    const void* srcs[2] = {RecvTmp(), InBlock(block)};
     const size_t count = d.bytes / ItemSize(d.dtype);
     if (s < world_ - 2) {
-      ReduceInto(d.dtype, srcs, send_tmp_.data(), count, ReduceOp::kSum, 1);
+      ReduceInto(d.dtype, srcs, SendTmp(), count, ReduceOp::kSum, 1);
     } else {
       ReduceInto(d.dtype, srcs, call_.out.data, count, d.reduce_op, world_);
+      tmp_ = ScratchPool::Scratch();  // back to the pool for the next op
     }
   }
   return absl::OkStatus();
@@ -573,8 +588,17 @@ absl::StatusOr<std::unique_ptr<Communicator>> NewRingCommunicator(
         absl::StrCat("group ", group.group_id, ": transport world_size ",
                      transport == nullptr ? 0 : transport->world_size(), " != ", group.world_size));
   }
-  return std::make_unique<RingCommunicator>(
-      std::make_shared<RingCore>(group, std::move(transport), std::move(options)));
+  std::optional<NodeLayout> layout;
+  if (!options.node_of_rank.empty()) {
+    if (static_cast<int>(options.node_of_rank.size()) != group.world_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group ", group.group_id, ": node_of_rank has ", options.node_of_rank.size(),
+                       " entries for world_size ", group.world_size));
+    }
+    layout = HierarchicalLayout(options.node_of_rank);
+  }
+  return std::make_unique<RingCommunicator>(std::make_shared<RingCore>(
+      group, std::move(transport), std::move(options), std::move(layout)));
 }
 
 }  // namespace flatshard::collective

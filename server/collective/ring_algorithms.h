@@ -18,6 +18,10 @@
 //      block, divides for kAvg and writes `out`.
 //    - Broadcast: a pipelined chain root -> root+1 -> ... in RingOptions::chunk_bytes pieces.
 //    - Gather: direct; every rank sends its shard to root.
+//    With RingOptions::node_of_rank naming several nodes of equally many (>= 2) ranks,
+//    AllGather and ReduceScatter run hierarchically instead (hierarchical_algorithms.h: the
+//    intra-node part by copies, each node's bytes over the network once; its sum order).
+//    Reduce-scatter scratch comes from a ScratchPool (scratch_pool.h), reused across ops.
 // Each step waits for its sends and receives before the next starts; any failure aborts the
 // communicator (sticky) and with it the Transport.
 //
@@ -28,10 +32,12 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "server/collective/backend.h"
 #include "server/collective/deadline_timer.h"
+#include "server/collective/scratch_pool.h"
 #include "server/collective/transport.h"
 
 namespace flatshard::collective {
@@ -47,11 +53,17 @@ struct RingOptions {
   std::shared_ptr<DeadlineTimer> timer;
   // Communicator::backend_name(): the backend whose Transport the ring runs over.
   std::string backend_name = "ring";
+  // Which node hosts each rank (any ids; equal ids share a node; NodesOfAddresses makes them
+  // from GroupSpec::rank_addresses). Empty, or a layout HierarchicalLayout refuses: the flat
+  // ring runs every op. The same on every daemon of the group, or ops never match.
+  std::vector<int> node_of_rank;
+  // Reused scratch; null: the communicator makes its own (on `timer`).
+  std::shared_ptr<ScratchPool> scratch;
 };
 
 // A Communicator for `group`'s local ranks over `transport`, which the communicator aborts
-// when it fails and keeps alive while it needs it. INVALID_ARGUMENT for a malformed spec or a
-// transport of a different world size.
+// when it fails and keeps alive while it needs it. INVALID_ARGUMENT for a malformed spec, a
+// transport of a different world size or a node_of_rank without one entry per rank.
 absl::StatusOr<std::unique_ptr<Communicator>> NewRingCommunicator(
     const GroupSpec& group, std::shared_ptr<Transport> transport, RingOptions options = {});
 

@@ -130,6 +130,8 @@ struct Modules::GradFinish {
   strategy::GradReduction reduction = strategy::GradReduction::kReduceScatter;
   int32_t world_size = 1;  // of `coll`
   std::shared_ptr<collective::CollectiveGroup> coll;
+  std::shared_ptr<KeptBuffers> kept;  // the module's, for the reduced shard's scratch
+  int32_t kept_unit = 0;
 };
 
 void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string& module,
@@ -167,25 +169,24 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
       (all_reduce ? strategy::AllReduceElements(shard_numel, f.world_size) : shard_numel) *
       ItemSize(rd);
   const collective::ConstBuffer staged_grad = ConstOf(*f.staging, rd);
+  // A kept buffer (no page faults per step once it has been touched; decommitted while idle),
+  // unless the kept one is too small: then a fresh one, as before.
   std::shared_ptr<Buffer> scratch_buffer;
-  std::shared_ptr<std::vector<char>> scratch_host;
-  collective::MutableBuffer scratch{nullptr, static_cast<size_t>(scratch_bytes), rd};
-  if (grad->on_device()) {
-    absl::StatusOr<std::shared_ptr<Buffer>> b =
-        store_->Allocate(BufferKind::kStaging, scratch_bytes,
-                         absl::StrCat("group=", caller.group, " unit=", unit, " rank=", caller.rank,
-                                      " reduce-scatter scratch"),
-                         -1, grad->placement());
-    if (!b.ok()) {
-      done(b.status());
-      return;
-    }
-    scratch_buffer = *std::move(b);
-    scratch = MutableOf(scratch_buffer.get(), rd);
-  } else {
-    scratch_host = std::make_shared<std::vector<char>>(scratch_bytes);
-    scratch.data = scratch_host->data();
+  const std::string scratch_label = absl::StrCat("group=", caller.group, " unit=", unit,
+                                                 " rank=", caller.rank, " reduce-scatter scratch");
+  absl::StatusOr<std::shared_ptr<Buffer>> b =
+      f.kept->Get(KeptKey::Rank(caller.rank, f.kept_unit, KeptUse::kGradScratch),
+                  BufferKind::kStaging, scratch_bytes, scratch_label, -1, grad->placement());
+  if (b.ok() && (*b)->bytes() < scratch_bytes) {
+    b = store_->Allocate(BufferKind::kStaging, scratch_bytes, scratch_label, -1, grad->placement());
   }
+  if (!b.ok()) {
+    done(b.status());
+    return;
+  }
+  scratch_buffer = *std::move(b);
+  collective::MutableBuffer scratch = MutableOf(scratch_buffer.get(), rd);
+  scratch.bytes = static_cast<size_t>(scratch_bytes);
   const collective::ReduceOp reduce =
       op == ReduceOp::kAvg ? collective::ReduceOp::kAvg : collective::ReduceOp::kSum;
   std::vector<collective::CollectiveOp> ops;
@@ -199,9 +200,8 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
   // for GPU ranks: on the device's worker, not on the engine's thread), then the outcome is
   // recorded under the group's lock.
   auto settle = [this, caller, module, unit, staging = f.staging, grad, fresh, scratch_buffer,
-                 scratch_host, done = std::move(done)](absl::Status s) mutable {
+                 done = std::move(done)](absl::Status s) mutable {
     scratch_buffer.reset();
-    scratch_host.reset();
     staging.reset();  // the staging buffer's pages go back until the next step
     SettleReduceScatter(caller, module, unit, grad, fresh, s);
     done(s);
@@ -212,28 +212,28 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
   const collective::ConstBuffer reduced{
       scratch.data, static_cast<size_t>(shard_numel * ItemSize(rd)), rd, scratch.kind};
   auto submit = [this, rank = caller.rank, coll = std::move(coll), ops = std::move(ops), deadline,
-                 grad, fresh, reduced, scratch_buffer, scratch_host, dtype, accumulate,
+                 grad, fresh, reduced, scratch_buffer, dtype, accumulate,
                  settle = std::move(settle)](absl::Status copied) mutable {
     if (!copied.ok()) {
       settle(std::move(copied));
       return;
     }
-    coll->SubmitAll(
-        rank, std::move(ops), deadline - clock_->Now(),
-        [this, rank, grad, fresh, reduced, scratch_buffer, scratch_host, dtype, accumulate,
-         settle = std::move(settle)](absl::Status s) mutable {
-          if (!s.ok()) {
-            settle(std::move(s));
-            return;
-          }
-          // The scratch buffers stay alive in this job until the copy is done.
-          devices_.RunBlocking(
-              rank,
-              [this, rank, grad, fresh, reduced, scratch_buffer, scratch_host, dtype, accumulate] {
-                return devices_.ApplyReducedGrad(rank, reduced, *grad, dtype, accumulate && !fresh);
-              },
-              std::move(settle));
-        });
+    coll->SubmitAll(rank, std::move(ops), deadline - clock_->Now(),
+                    [this, rank, grad, fresh, reduced, scratch_buffer, dtype, accumulate,
+                     settle = std::move(settle)](absl::Status s) mutable {
+                      if (!s.ok()) {
+                        settle(std::move(s));
+                        return;
+                      }
+                      // The scratch buffers stay alive in this job until the copy is done.
+                      devices_.RunBlocking(
+                          rank,
+                          [this, rank, grad, fresh, reduced, scratch_buffer, dtype, accumulate] {
+                            return devices_.ApplyReducedGrad(rank, reduced, *grad, dtype,
+                                                             accumulate && !fresh);
+                          },
+                          std::move(settle));
+                    });
   };
   if (!all_reduce) {
     submit(absl::OkStatus());
@@ -279,6 +279,8 @@ absl::Status Modules::TakeGradStagingLocked(Group& g, const Caller& caller,
   out->reduction = strategy::GradReductionOf(reg.plan);
   out->world_size = reg.plan.world_size;
   out->coll = g.coll;
+  out->kept = KeptOf(reg);
+  out->kept_unit = KeptUnit(reg, unit);
   return absl::OkStatus();
 }
 

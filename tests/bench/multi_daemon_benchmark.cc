@@ -10,7 +10,9 @@
 // that node as well (mpirun in node 0, an `ip netns exec` rsh agent for the others); a "line
 // rate" row per table. --ops reduce_scatter: ReduceScatterGrads' Finish (the gradient written
 // before the barrier) against MPI_Reduce_scatter. --ranks_per_node: rank r on daemon
-// r / ranks_per_node, MPI with as many processes per node.
+// r / ranks_per_node, MPI with as many processes per node; with several ranks per node the
+// flatshard row runs again on daemons with --ucx_hierarchical=false (the flat ring, same run):
+// "flatshard flat ring" and the ratio flat/hierarchical (--flat_ring_baseline=false: not).
 //
 // Several flatshardd processes on this host stand in for nodes: each has its own Unix socket,
 // segment prefix, node name and PeerService port (127.0.0.1, picked free here); bytes move
@@ -147,6 +149,9 @@ ABSL_FLAG(std::string, link_delay, "50us",
 ABSL_FLAG(std::vector<std::string>, ranks_per_node, std::vector<std::string>({"1"}),
           "ranks per daemon (node) of the collective rows, comma-separated (rank r on daemon "
           "r / ranks_per_node; MPI: the same number of processes per node)");
+ABSL_FLAG(bool, flat_ring_baseline, true,
+          "rows with several ranks per daemon run flatshard twice: hierarchical (the daemons' "
+          "default) and the flat ring (--ucx_hierarchical=false), and print the ratio");
 ABSL_FLAG(std::vector<std::string>, ops, std::vector<std::string>({"allgather"}),
           "collectives of the rows: allgather (Summon vs MPI_Allgather) and/or reduce_scatter "
           "(ReduceScatterGrads vs MPI_Reduce_scatter)");
@@ -155,6 +160,8 @@ namespace flatshard {
 namespace {
 
 namespace fs = std::filesystem;
+// The daemons' --ucx_hierarchical (false for a row's flat-ring baseline run).
+bool g_ucx_hierarchical = true;
 using bench::BenchDaemon;
 using bench::Clock;
 using bench::ExecLoggedChild;
@@ -255,7 +262,8 @@ class DaemonSet {
       const std::string peer = absl::StrCat("127.0.0.1:", port);
       last = d->Start(binary, absl::StrCat(tag_base, "n", index, "a", attempt),
                       {"--peer_address=" + peer, absl::StrCat("--node_name=node", index),
-                       "--ucx_error_handling=" + absl::GetFlag(FLAGS_ucx_error_handling)},
+                       "--ucx_error_handling=" + absl::GetFlag(FLAGS_ucx_error_handling),
+                       absl::StrCat("--ucx_hierarchical=", g_ucx_hierarchical)},
                       env, port);
       if (last.ok()) {
         daemons_.push_back(std::move(d));
@@ -291,7 +299,8 @@ class DaemonSet {
         binary, tag,
         {"--peer_address=" + testing::EmulatedLinks::address(index) + ":0",
          "--peer_address_file=" + peer_file.string(), absl::StrCat("--node_name=node", index),
-         "--ucx_error_handling=" + absl::GetFlag(FLAGS_ucx_error_handling), "--allow_insecure_tcp"},
+         "--ucx_error_handling=" + absl::GetFlag(FLAGS_ucx_error_handling), "--allow_insecure_tcp",
+         absl::StrCat("--ucx_hierarchical=", g_ucx_hierarchical)},
         env);
     std::string peer;
     for (int i = 0; st.ok() && i < 1000 && peer.empty(); ++i) {
@@ -1401,6 +1410,26 @@ absl::Status Run() {
         PrintRow(world, ag ? "flatshard Summon" : "flatshard ReduceScatter", size, t, bus, base,
                  absl::StrCat(ag ? "unshard, writeback=0; " : "Finish; ", verdict,
                               "; per iter (ms): ", Millis(f->part.summon_max_us)));
+        // Several ranks per daemon: the flat ring in the same run, for the ratio.
+        if (rpn > 1 && absl::GetFlag(FLAGS_flat_ring_baseline)) {
+          g_ucx_hierarchical = false;
+          absl::StatusOr<FlatshardResult> flat =
+              RunFlatshard(d, row_numel, false, iters, warmup, ucx_env, tag_base, dir, timeout, rpn,
+                           op, links.get());
+          g_ucx_hierarchical = true;
+          if (flat.ok()) {
+            const double tf = Median(flat->part.summon_max_us);
+            PrintRow(world, "flatshard flat ring", size, tf, bus, base,
+                     absl::StrFormat("--ucx_hierarchical=false; hierarchical %.2fx faster "
+                                     "(target >= 1.6); per iter (ms): %s",
+                                     tf / t, Millis(flat->part.summon_max_us)));
+            bench::PrintFigure(
+                absl::StrCat(links != nullptr ? "links." : "", row, ".flat_over_hierarchical"),
+                tf / t, "x", /*lower_is_better=*/false);
+          } else {
+            fail(absl::StrCat("flatshard flat ring ", row), flat.status());
+          }
+        }
         if (ag) {
           PrintRow(world, "flatshard Summon+End", size, t_end, bus, base,
                    absl::StrCat("mmaps in measured summons (all ranks): ", f->part.maps,

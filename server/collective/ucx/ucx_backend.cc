@@ -9,10 +9,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -29,10 +29,12 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/collective/deadline_timer.h"
+#include "server/collective/hierarchical_algorithms.h"
 #include "server/collective/inproc/inproc_transport.h"
 #include "server/collective/op_descriptor.h"
 #include "server/collective/ring_algorithms.h"
 #include "server/collective/ucx/ucx_address.h"
+#include "server/collective/ucx/ucx_endpoint.h"
 #include "server/collective/ucx/ucx_tag.h"
 
 namespace flatshard::collective {
@@ -253,16 +255,9 @@ absl::Status Worker::Init() {
     return absl::UnavailableError(
         absl::StrCat("UCX: reading the configuration failed: ", ucs_status_string(s)));
   }
-  std::map<std::string, std::string> settings = options_.ucx_config;
-  // UCX aborts the process when a CMA read finds the peer of an endpoint without peer error
-  // handling gone (process_vm_readv: ESRCH is fatal there), i.e. when a same-host daemon dies
-  // mid-transfer. Unless the user picked transports, same-host endpoints use shared memory
-  // (sysv, posix) without CMA.
-  if (options_.error_handling != UcxBackendOptions::ErrorHandling::kPeer &&
-      !settings.contains("TLS") && std::getenv("UCX_TLS") == nullptr) {
-    settings["TLS"] = "^cma";
-  }
-  for (const auto& [key, value] : settings) {
+  // Same-host endpoints use shared memory (sysv, posix) without CMA (ucx_endpoint.h).
+  for (const auto& [key, value] :
+       WithEndpointTransports(options_.error_handling, options_.ucx_config)) {
     s = ucp_config_modify(config, key.c_str(), value.c_str());
     if (s != UCS_OK) {
       ucp_config_release(config);
@@ -494,20 +489,9 @@ absl::StatusOr<std::shared_ptr<Peer>> Worker::PeerFor(const std::string& address
   auto peer = std::make_shared<Peer>();
   peer->worker = this;
   peer->address = address;
-  using Mode = UcxBackendOptions::ErrorHandling;
-  const bool same_host = !decoded.host.empty() && decoded.host == host_;
-  peer->error_handling = options_.error_handling == Mode::kPeer ||
-                         (options_.error_handling == Mode::kAuto && !same_host);
-  ucp_ep_params_t p{};
-  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
-  p.address = reinterpret_cast<const ucp_address_t*>(decoded.worker.data());
-  p.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-  if (peer->error_handling) {
-    p.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    p.err_handler.cb = &Worker::EndpointError;
-    p.err_handler.arg = peer.get();
-  }
+  peer->error_handling = WantsPeerErrorHandling(options_.error_handling, decoded, host_);
+  const ucp_ep_params_t p =
+      EndpointParams(decoded, peer->error_handling, &Worker::EndpointError, peer.get());
   ucs_status_t s = ucp_ep_create(worker_, &p, &peer->ep);
   if (s != UCS_OK) {
     return absl::UnavailableError(
@@ -987,6 +971,15 @@ absl::StatusOr<std::unique_ptr<Communicator>> UcxBackendImpl::Connect(const Grou
   options.timer = worker_->timer();
   options.chunk_bytes = worker_->options().broadcast_chunk_bytes;
   options.backend_name = "ucx";
+  // Several ranks on some daemons: hierarchical all-gather and reduce-scatter (the layout is
+  // the same on every daemon, from the group's addresses).
+  if (worker_->options().hierarchical) {
+    options.node_of_rank = NodesOfAddresses(spec.rank_addresses);
+    if (std::optional<NodeLayout> l = HierarchicalLayout(options.node_of_rank)) {
+      FS_LOG(INFO) << "UCX: " << name << ": hierarchical all-gather and reduce-scatter, "
+                   << l->nodes << " daemons x " << l->per_node << " ranks";
+    }
+  }
   return NewRingCommunicator(spec, *std::move(transport), options);
 }
 

@@ -8,6 +8,8 @@
 // messages between two local ranks are copied with memcpy (InprocTransport); messages to or
 // from remote ranks go straight from and into the caller's buffers with ucp_tag_send_nbx /
 // ucp_tag_recv_nbx (eager for small messages, UCX rendezvous for large ones; no staging).
+// Groups whose daemons host several ranks each run all-gather and reduce-scatter hierarchically
+// (UcxBackendOptions::hierarchical).
 //
 // UCX configuration comes from the environment as UCX itself reads it (UCX_TLS,
 // UCX_NET_DEVICES, ...); UcxBackendOptions::ucx_config overrides single keys. The default
@@ -75,6 +77,12 @@ struct UcxBackendOptions {
   // once with the abort's status. Transfers to a peer that answers finish well within it: the
   // peer drains what an aborted group sends.
   absl::Duration abort_grace = absl::Seconds(1);
+  // Groups whose daemons each host the same number (>= 2) of ranks run all-gather and
+  // reduce-scatter hierarchically (hierarchical_algorithms.h: copies within a daemon, each
+  // daemon's bytes over the network once); false: the flat ring of every rank. Every daemon of
+  // a group must agree (a daemon flag, --ucx_hierarchical): ops of daemons that differ never
+  // match and fail (a message size mismatch, or the deadline).
+  bool hierarchical = true;
 };
 
 // Counters for diagnostics and tests; a snapshot taken on the progress thread.

@@ -59,6 +59,10 @@ TEST(BackendRegistryTest, UcxIsRegisteredAndItsParamsAreChecked) {
   EXPECT_THAT(std::string(unknown.message()), HasSubstr("unknown parameter 'rails'"));
   absl::Status bad_tls = registry.Create("ucx", {{"tls", "no-such-transport"}}).status();
   EXPECT_TRUE(absl::IsUnavailable(bad_tls)) << bad_tls;
+  EXPECT_TRUE(registry.Create("ucx", {{"hierarchical", "off"}}).ok());
+  absl::Status bad_hier = registry.Create("ucx", {{"hierarchical", "maybe"}}).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(bad_hier)) << bad_hier;
+  EXPECT_THAT(std::string(bad_hier.message()), HasSubstr("hierarchical must be 'on' or 'off'"));
 }
 #endif
 

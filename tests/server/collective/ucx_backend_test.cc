@@ -243,8 +243,18 @@ INSTANTIATE_TEST_SUITE_P(UcxTwoDaemons, BackendConformanceTest,
 INSTANTIATE_TEST_SUITE_P(UcxThreeDaemons, BackendConformanceTest,
                          Combine(Values(&kThreeDaemons), Values(4), ValuesIn(AllShardSizes())),
                          ConformanceName);
-INSTANTIATE_TEST_SUITE_P(Ucx, BackendFailureTest, Values(&kTwoDaemons, &kThreeDaemons),
-                         FailureName);
+// World 4 and 6 with rank r on daemon r % 2: hierarchical across interleaved placements (the
+// world-4 case of kTwoDaemons, ranks 0,1 | 2,3, is hierarchical too).
+const BackendUnderTest kInterleaved = SplitBackend("UcxInterleaved", [](int world) {
+  std::vector<int> l(world);
+  for (int r = 0; r < world; ++r) l[r] = r % 2;
+  return l;
+});
+INSTANTIATE_TEST_SUITE_P(UcxInterleaved, BackendConformanceTest,
+                         Combine(Values(&kInterleaved), Values(4, 6), ValuesIn(AllShardSizes())),
+                         ConformanceName);
+INSTANTIATE_TEST_SUITE_P(Ucx, BackendFailureTest,
+                         Values(&kTwoDaemons, &kThreeDaemons, &kInterleaved), FailureName);
 
 // --- What only the UCX backend promises ----------------------------------------------------
 
@@ -456,6 +466,83 @@ TEST(UcxBackendTest, LargeAllGatherBetweenTwoDaemons) {
       "64 MiB AllGather, 2 UCX backends in one process: %.2f ms, algbw %.2f GB/s, "
       "busbw %.2f GB/s\n",
       seconds * 1e3, (64 << 20) / seconds / 1e9, (64 << 20) / seconds / 1e9 / 2);
+}
+
+// 2 daemons x 2 ranks: the hierarchical collectives give the flat ring's results to the element
+// (values whose sums are exact in float32), for 1 MiB shards, in the same run.
+TEST(UcxBackendTest, HierarchicalEqualsTheFlatRingOnTwoDaemonsOfTwoRanks) {
+  constexpr size_t kShard = (size_t{1} << 20) / 4;
+  const std::vector<int> layout = {0, 0, 1, 1};
+  UcxBackendOptions flat_options;
+  flat_options.hierarchical = false;
+  auto fa = NewBackend(flat_options);
+  auto fb = NewBackend(flat_options);
+  std::vector<std::vector<float>> in(4, std::vector<float>(4 * kShard));
+  for (int r = 0; r < 4; ++r) {
+    for (size_t i = 0; i < in[r].size(); ++i)
+      in[r][i] = static_cast<float>((i * 7 + r) % 97) * 0.25f;
+  }
+  // AllGather of each rank's first shard, then ReduceScatter (avg) of its whole input.
+  auto run = [&](const std::vector<std::unique_ptr<Communicator>>& comms) {
+    std::vector<std::vector<float>> out(4, std::vector<float>(5 * kShard));
+    RunRanks(4, [&](int r) {
+      DoneRecorder gathered, reduced;
+      comms[layout[r]]->AllGather(ConstBuffer{in[r].data(), kShard * 4, DType::kFloat32},
+                                  MutableBuffer{out[r].data(), 4 * kShard * 4, DType::kFloat32},
+                                  Opts(r, 1), gathered.Callback());
+      EXPECT_TRUE(gathered.Wait().ok()) << gathered.status();
+      comms[layout[r]]->ReduceScatter(
+          ConstBuffer{in[r].data(), 4 * kShard * 4, DType::kFloat32},
+          MutableBuffer{out[r].data() + 4 * kShard, kShard * 4, DType::kFloat32}, ReduceOp::kAvg,
+          Opts(r, 2), reduced.Callback());
+      EXPECT_TRUE(reduced.Wait().ok()) << reduced.status();
+    });
+    return out;
+  };
+  const auto hierarchical = run(ConnectAll("hier", NextEpoch(), layout, Daemons()));
+  const auto flat = run(ConnectAll("flat", NextEpoch(), layout, {fa.get(), fb.get()}));
+  for (int r = 0; r < 4; ++r) {
+    for (size_t i = 0; i < 5 * kShard; ++i) {
+      ASSERT_EQ(hierarchical[r][i], flat[r][i]) << "rank " << r << " element " << i;
+    }
+    EXPECT_EQ(hierarchical[r][kShard], in[1][0]);  // rank 1's shard landed in block 1
+  }
+}
+
+// A daemon of a 2 x 2 group destroyed while the other daemon's ranks wait in a hierarchical
+// all-gather: they fail with UNAVAILABLE naming the dead daemon's ranks, and stay failed.
+TEST(UcxBackendTest, DaemonDestroyedMidHierarchicalOpFailsItsPeers) {
+  UcxBackendOptions peer_mode;
+  peer_mode.error_handling = UcxBackendOptions::ErrorHandling::kPeer;
+  auto a = NewBackend(peer_mode);
+  auto b = NewBackend(peer_mode);
+  const std::vector<int> layout = {0, 0, 1, 1};
+  auto comms = ConnectAll("dies2x2", NextEpoch(), layout, {a.get(), b.get()});
+  std::vector<std::vector<float>> in(4, std::vector<float>(1024, 1));
+  std::vector<std::vector<float>> out(4, std::vector<float>(4096));
+  auto issue = [&](int r, uint64_t op_seq, DoneCallback done) {
+    comms[layout[r]]->AllGather(ConstBuffer{in[r].data(), 4096, DType::kFloat32},
+                                MutableBuffer{out[r].data(), 16384, DType::kFloat32},
+                                Opts(r, op_seq), std::move(done));
+  };
+  std::vector<DoneRecorder> done(4);
+  for (int r : {0, 1}) issue(r, 1, done[r].Callback());
+  // Both local ranks are in the op (their fingerprints posted) before daemon b goes.
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < give_up) {
+    std::vector<PendingOpInfo> p = comms[0]->PendingOps();
+    if (!p.empty() && p[0].arrived_ranks.size() >= 2) break;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  b.reset();
+  for (int r : {0, 1}) {
+    absl::Status s = done[r].Wait(absl::Seconds(30));
+    EXPECT_TRUE(absl::IsUnavailable(s)) << "rank " << r << ": " << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("UCX peer of ranks 2, 3 failed: "));
+  }
+  DoneRecorder later;
+  issue(0, 2, later.Callback());
+  EXPECT_EQ(later.Wait(absl::Seconds(30)), done[0].status());
 }
 
 TEST(UcxBackendTest, AbortReleasesRequestsAndStraysAreDrained) {
