@@ -1,12 +1,14 @@
 // HYBRID_SHARD and _HYBRID_SHARD_ZERO2 across daemons: two real flatshardd processes stand in
 // for two nodes with two ranks each (ranks 0, 1 on daemon 0; 2, 3 on daemon 1), trainers are
 // threads with their own Client. The plan shards within a daemon's ranks (shard_world_size 2)
-// and replicates across daemons; summons, gradient reductions (sum and average), commits,
+// and replicates across daemons; summons (float32, and bfloat16 compute summons), gradient
+// reductions (sum and average, in float32), commits,
 // checkpoint save and load, and publishing are checked to the element against references
 // computed here. Values are small integers or quarters: every sum is exact in float32.
 // A group whose daemons host non-consecutive ranks is refused at register, naming them.
 
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -60,9 +62,29 @@ struct Rank {
   RegisteredModule model;
 };
 
+// bfloat16 compute (compute_precision summons), float32 shards and gradient reduction.
 std::string Policy(const std::string& strategy) {
   return absl::StrCat(R"({"format": "flatshard.policy/1", "sharding_strategy": ")", strategy,
-                      R"(", "auto_wrap": {"kind": "module_types", "types": ["Block"]}})");
+                      R"(", "auto_wrap": {"kind": "module_types", "types": ["Block"]},
+ "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}})");
+}
+
+// `v` rounded to bfloat16 (to nearest, ties to even), as a float.
+float RoundToBFloat16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// A bfloat16 element as a float.
+float FromBFloat16(uint16_t h) {
+  const uint32_t bits = uint32_t{h} << 16;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
 }
 
 // Joins every rank; rank r on daemon daemon_of(r).
@@ -183,6 +205,27 @@ TEST_P(HybridTest, PlanShardsWithinADaemonAndSummonsGatherTheShardGroup) {
   }
   WriteValues(0);
   ExpectValues(0);
+  // A compute summon: each shard cast to bfloat16, then the world all-gather.
+  RunRanks(kWorld, [&](int r) {
+    SummonOptions compute;
+    compute.writeback = false;
+    compute.compute_precision = true;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks_[r].client->Summon("", "", compute);
+    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+    for (const PlanUnit& u : plan().units) {
+      for (const PlanParam& p : u.params) {
+        const ParamView* v = (*s)->Find(p.fqn);
+        ASSERT_NE(v, nullptr) << p.fqn;
+        ASSERT_EQ(v->dtype, DType::kBFloat16) << p.fqn;
+        const uint16_t* data = static_cast<const uint16_t*>(v->data);
+        for (int64_t i = 0; i < p.numel; ++i) {
+          ASSERT_EQ(FromBFloat16(data[i]), RoundToBFloat16(Value(p.fqn, i, 0)))
+              << "rank " << r << " " << p.fqn << "[" << i << "]";
+        }
+      }
+    }
+    EXPECT_TRUE((*s)->End().ok()) << "rank " << r;
+  });
 }
 
 TEST_P(HybridTest, GradientsAreReducedOverEveryRankIntoEachShard) {
@@ -262,7 +305,7 @@ TEST_P(HybridTest, CommitsCheckpointsAndPublishesTheReplicatedShards) {
   std::filesystem::remove_all(dir, ignored);
   absl::StatusOr<Client::CheckpointInfo> saved = ranks_[0].client->SaveCheckpoint("", dir.string());
   ASSERT_TRUE(saved.ok()) << saved.status();
-  EXPECT_EQ(saved->ranks, kWorld);  // rank 0's daemon asks the other one for its ranks
+  EXPECT_EQ(saved->files, kWorld);  // rank 0's daemon asks the other one to write its ranks
 
   WriteValues(2);
   ExpectValues(2);
