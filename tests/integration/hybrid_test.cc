@@ -226,6 +226,31 @@ TEST_P(HybridTest, PlanShardsWithinADaemonAndSummonsGatherTheShardGroup) {
     }
     EXPECT_TRUE((*s)->End().ok()) << "rank " << r;
   });
+  // rank0_only with writeback: a world gather to rank 0, whose edits reach every replica.
+  RunRanks(kWorld, [&](int r) {
+    SummonOptions rank0;
+    rank0.rank0_only = true;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks_[r].client->Summon("", "", rank0);
+    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+    for (const PlanUnit& u : plan().units) {
+      for (const PlanParam& p : u.params) {
+        const ParamView* v = (*s)->Find(p.fqn);
+        if (r != 0) {
+          EXPECT_EQ(v, nullptr) << "rank " << r << " " << p.fqn;
+          continue;
+        }
+        ASSERT_NE(v, nullptr) << p.fqn;
+        float* data = static_cast<float*>(v->data);
+        for (int64_t i = 0; i < p.numel; ++i) {
+          ASSERT_EQ(data[i], Value(p.fqn, i, 0)) << p.fqn << "[" << i << "]";
+          data[i] = Value(p.fqn, i, 3);
+        }
+      }
+    }
+    absl::Status ended = (*s)->End();
+    ASSERT_TRUE(ended.ok()) << "rank " << r << ": " << ended;
+  });
+  ExpectValues(3);
 }
 
 TEST_P(HybridTest, GradientsAreReducedOverEveryRankIntoEachShard) {
