@@ -54,7 +54,6 @@ absl::StatusOr<std::shared_ptr<Buffer>> Modules::BeginReduceScatter(const Caller
         return absl::NotFoundError(absl::StrCat("module ", Display(module), " has no unit ", unit,
                                                 " (it has ", reg.plan.units.size(), ")"));
       }
-      FS_RETURN_IF_ERROR(strategy::CheckServed(reg.plan, "ReduceScatterGrads"));
       const PlanUnit& u = reg.plan.units[unit];
       const std::pair<int32_t, int32_t> key{caller.rank, unit};
       need_grad = !reg.shards_by_rank[caller.rank][unit].grad && !reg.new_grads.contains(key);
@@ -128,7 +127,8 @@ struct Modules::GradFinish {
   DType dtype = DType::kFloat32;  // of the gradient shard
   DType reduce_dtype = DType::kFloat32;  // of the staging buffer and the collective
   strategy::GradReduction reduction = strategy::GradReduction::kReduceScatter;
-  int32_t world_size = 1;  // of `coll`
+  int32_t world_size = 1;      // of `coll`
+  int64_t reduced_offset = 0;  // kAllReduce: where this rank's shard starts, in elements
   std::shared_ptr<collective::CollectiveGroup> coll;
   std::shared_ptr<KeptBuffers> kept;  // the module's, for the reduced shard's scratch
   int32_t kept_unit = 0;
@@ -161,12 +161,14 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
   // reduced shard into the full-precision gradient shard, as FSDP casts the sharded gradient
   // back to the parameters' dtype.
   const DType rd = f.reduce_dtype;
-  // Reduce-scatter: the reduced shard. All-reduce (NO_SHARD: the shard is the whole unit): the
-  // trainer's gradient copied in, padded to a multiple of the world size, reduced in place.
+  // Reduce-scatter: the reduced shard. All-reduce (NO_SHARD, HYBRID_* over shard groups
+  // smaller than the world): the trainer's whole gradient copied in, padded to a multiple of
+  // the world size, reduced in place; the rank keeps its shard of it (f.reduced_offset).
   const bool all_reduce = f.reduction == strategy::GradReduction::kAllReduce;
   const int64_t shard_numel = grad->bytes() / ItemSize(dtype);
+  const int64_t full_numel = f.staging->bytes() / ItemSize(rd);
   const int64_t scratch_bytes =
-      (all_reduce ? strategy::AllReduceElements(shard_numel, f.world_size) : shard_numel) *
+      (all_reduce ? strategy::AllReduceElements(full_numel, f.world_size) : shard_numel) *
       ItemSize(rd);
   const collective::ConstBuffer staged_grad = ConstOf(*f.staging, rd);
   // A kept buffer (no page faults per step once it has been touched; decommitted while idle),
@@ -207,10 +209,12 @@ void Modules::FinishReduceScatterWritten(const Caller& caller, const std::string
     done(s);
   };
   std::shared_ptr<collective::CollectiveGroup> coll = std::move(f.coll);
+  const int64_t reduced_offset = all_reduce ? f.reduced_offset : 0;
   f = GradFinish{};  // the staging buffer lives in `settle` (and the op) only
-  // The reduced gradient: the whole scratch shard, or the all-reduce's unpadded prefix.
+  // The reduced gradient: the whole scratch shard, or the rank's shard of the all-reduce.
   const collective::ConstBuffer reduced{
-      scratch.data, static_cast<size_t>(shard_numel * ItemSize(rd)), rd, scratch.kind};
+      static_cast<const char*>(scratch.data) + reduced_offset * ItemSize(rd),
+      static_cast<size_t>(shard_numel * ItemSize(rd)), rd, scratch.kind};
   auto submit = [this, rank = caller.rank, coll = std::move(coll), ops = std::move(ops), deadline,
                  grad, fresh, reduced, scratch_buffer, dtype, accumulate,
                  settle = std::move(settle)](absl::Status copied) mutable {
@@ -277,6 +281,7 @@ absl::Status Modules::TakeGradStagingLocked(Group& g, const Caller& caller,
   out->dtype = reg.plan.units[unit].dtype;
   out->reduce_dtype = reg.plan.units[unit].ReduceDType();
   out->reduction = strategy::GradReductionOf(reg.plan);
+  out->reduced_offset = strategy::ReducedOffset(reg.plan, reg.plan.units[unit], caller.rank);
   out->world_size = reg.plan.world_size;
   out->coll = g.coll;
   out->kept = KeptOf(reg);

@@ -13,6 +13,7 @@
 #include "common/status_macros.h"
 #include "server/durable/records.h"
 #include "server/messages.h"
+#include "server/module/strategy_collectives.h"
 #include "server/module/unit_ops.h"
 #include "server/registration.h"
 
@@ -56,12 +57,16 @@ void Modules::Register(const Caller& caller, const std::string& module,
   }
   Group& g = *held;
   const int32_t world_size = g.world_size;
+  std::vector<std::string> rank_nodes;  // multi-daemon groups: the node of each rank
   {
     absl::Status s;
     {
       absl::ReaderMutexLock lock(&g.mu);
       s = shutdown_ ? absl::UnavailableError("flatshardd is shutting down")
                     : CheckCallerLocked(g, caller);
+      if (s.ok() && g.multi() && policy.ok()) {
+        for (const peer::DaemonIdentity& d : g.table.rank_daemons) rank_nodes.push_back(d.node);
+      }
     }
     if (!s.ok()) {
       done(s);  // after the lock
@@ -69,11 +74,18 @@ void Modules::Register(const Caller& caller, const std::string& module,
     }
   }
   // Planning can take milliseconds on a large model: do it outside the lock.
+  // HYBRID_*: a node is a daemon, its ranks one shard group (strategy_collectives.h).
   PlanOptions options;
   options.world_size = world_size;
-  absl::StatusOr<Plan> plan = !manifest.ok() ? absl::StatusOr<Plan>(manifest.status())
-                              : !policy.ok() ? absl::StatusOr<Plan>(policy.status())
-                                             : BuildPlan(*manifest, *policy, options);
+  absl::StatusOr<int32_t> per_node =
+      policy.ok()
+          ? strategy::RanksPerNode(caller.group, policy->sharding_strategy, world_size, rank_nodes)
+          : absl::StatusOr<int32_t>(0);
+  if (per_node.ok()) options.ranks_per_node = *per_node;
+  absl::StatusOr<Plan> plan = !manifest.ok()   ? absl::StatusOr<Plan>(manifest.status())
+                              : !policy.ok()   ? absl::StatusOr<Plan>(policy.status())
+                              : !per_node.ok() ? absl::StatusOr<Plan>(per_node.status())
+                                               : BuildPlan(*manifest, *policy, options);
 
   auto x = std::make_shared<RegisterExchange>();
   std::shared_ptr<collective::CollectiveGroup> coll;  // the group's, when the checks passed

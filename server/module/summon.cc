@@ -166,6 +166,22 @@ void Modules::SummonWritten(const Caller& caller, const std::string& module,
     done(error);
     return;
   }
+  // HYBRID_* over part of the world: each all-gather's scratch, without mu_ (like the view:
+  // shared memory, pinned or device memory).
+  for (SummonRegroup& r : start->regroups) {
+    absl::StatusOr<std::shared_ptr<Buffer>> b = store_->Allocate(
+        BufferKind::kStaging, r.scratch_bytes,
+        absl::StrCat("group=", caller.group, " rank=", caller.rank, " summon scratch"), -1,
+        r.view->placement());
+    if (!b.ok()) {
+      // Nothing was handed out: end the summon without writeback.
+      FinishEnd(caller, start->result.summon, b.status(),
+                [done = std::move(done), s = b.status()](absl::Status) mutable { done(s); });
+      return;
+    }
+    r.scratch = *std::move(b);
+    start->ops[r.op].output = MutableOf(r.scratch.get(), r.dtype);
+  }
   if (start->copies.empty() && start->casts.empty()) {
     StartUnshard(caller, deadline, std::move(start), std::move(done));
     return;
@@ -237,10 +253,11 @@ absl::Status Modules::DecideSummon(Group& g, const Caller& caller, const std::st
                      ": compute_precision is for forward/backward summons; a summon with ",
                      options.writeback ? "writeback" : "rank0_only", " is always full precision"));
   }
-  FS_RETURN_IF_ERROR(strategy::CheckServed(reg.plan, "summon"));
   d->sharded = reg.plan.shard_world_size > 1;
-  // One read-only copy per node; GPU ranks each need theirs on their own device.
-  d->shared = !options.writeback && !options.rank0_only && d->sharded && gpus_.empty();
+  // One read-only copy per node; GPU ranks each need theirs on their own device. A regrouping
+  // all-gather (HYBRID_* over part of the world) copies into each rank's own view.
+  d->shared = !options.writeback && !options.rank0_only && d->sharded && gpus_.empty() &&
+              strategy::UnshardOf(reg.plan) != strategy::Unshard::kRegroup;
   // GPU ranks: device views, or pinned host views under offload_to_cpu (the collective
   // stages them through the device).
   d->placement = gpus_.empty() || !options.offload_to_cpu ? PlacementOf(rank) : Placement::Pinned();
@@ -328,9 +345,21 @@ void Modules::OpenSummonLocked(Group& g, const Caller& caller, const std::string
     }
     return got.at({u, use});
   };
+  const bool regroup = strategy::UnshardOf(reg.plan) == strategy::Unshard::kRegroup;
   for (int32_t u : d.units) {
     const PlanUnit& unit = reg.plan.units[u];
     const UnitShard& shard = reg.shards_by_rank[rank][u];
+    // HYBRID_* over part of the world: the op's output is a scratch of world_size shards
+    // (allocated after mu_, SummonRegroup), this rank's shard group's copy goes to `to`.
+    auto target = [&](const std::shared_ptr<Buffer>& to, DType dtype) {
+      if (!regroup || to == nullptr) return MutableOf(to.get(), dtype);
+      const int64_t item = ItemSize(dtype);
+      out->regroups.push_back({out->ops.size(), to,
+                               strategy::RegroupOffset(reg.plan, unit, rank) * item,
+                               strategy::RegroupScratchElements(reg.plan, unit) * item,
+                               unit.padded_numel * item, dtype, nullptr});
+      return collective::MutableBuffer{nullptr, 0, dtype, MutableOf(to.get(), dtype).kind};
+    };
     // Sharded: the all-gather (a gather to rank 0 under rank0_only) fills the view; NO_SHARD:
     // the shard is the whole buffer, copied after mu_ (CopyUnsharded).
     auto unshard = [&](const std::shared_ptr<Buffer>& from, const std::shared_ptr<Buffer>& to) {
@@ -338,11 +367,11 @@ void Modules::OpenSummonLocked(Group& g, const Caller& caller, const std::string
         if (to != nullptr) out->copies.emplace_back(to, from);
         return;
       }
-      out->ops.push_back(options.rank0_only
-                             ? collective::CollectiveOp::Gather(u, ConstOf(*from, unit.dtype),
-                                                                MutableOf(to.get(), unit.dtype), 0)
-                             : collective::CollectiveOp::AllGather(
-                                   u, ConstOf(*from, unit.dtype), MutableOf(to.get(), unit.dtype)));
+      collective::MutableBuffer full = target(to, unit.dtype);
+      out->ops.push_back(
+          options.rank0_only
+              ? collective::CollectiveOp::Gather(u, ConstOf(*from, unit.dtype), full, 0)
+              : collective::CollectiveOp::AllGather(u, ConstOf(*from, unit.dtype), full));
     };
     SummonedUnit view{u, nullptr, nullptr};
     if (CastsForCompute(options, unit) && d.sharded) {
@@ -356,7 +385,7 @@ void Modules::OpenSummonLocked(Group& g, const Caller& caller, const std::string
       collective::ConstBuffer own{static_cast<const char*>(all.data) + offset,
                                   static_cast<size_t>(unit.shard_numel * ItemSize(cd)), cd,
                                   all.kind};
-      out->ops.push_back(collective::CollectiveOp::AllGather(u, own, all));
+      out->ops.push_back(collective::CollectiveOp::AllGather(u, own, target(view.params, cd)));
     } else if (CastsForCompute(options, unit)) {
       // NO_SHARD: the whole shard cast into the view.
       view.params = view_of(u, KeptUse::kComputeParams);
@@ -392,8 +421,8 @@ void Modules::OpenSummonLocked(Group& g, const Caller& caller, const std::string
 void Modules::StartUnshard(const Caller& caller, absl::Time deadline,
                            std::shared_ptr<SummonStart> start, SummonCallback done) {
   const uint64_t id = start->result.summon;
-  auto finish = [this, caller, id, result = std::move(start->result),
-                 done = std::move(done)](absl::Status s) mutable {
+  collective::DoneCallback finish = [this, caller, id, result = std::move(start->result),
+                                     done = std::move(done)](absl::Status s) mutable {
     if (!s.ok()) {
       // Nothing was handed out: end the summon without writeback.
       FinishEnd(caller, id, s, [done = std::move(done), s](absl::Status) mutable { done(s); });
@@ -407,6 +436,34 @@ void Modules::StartUnshard(const Caller& caller, absl::Time deadline,
     result.ready = RecordReady(caller.rank);  // cudaEventRecord: no host wait
     done(std::move(result));
   };
+  if (!start->regroups.empty()) {
+    // HYBRID_* over part of the world: once the all-gathers completed, this rank's shard
+    // group's copy of each unit from the scratch into the view (on the device's worker for
+    // GPU ranks); the scratch goes after.
+    finish = [this, rank = caller.rank, regroups = std::move(start->regroups),
+              finish = std::move(finish)](absl::Status s) mutable {
+      if (!s.ok()) {
+        finish(std::move(s));
+        return;
+      }
+      auto keep = std::make_shared<std::vector<SummonRegroup>>(std::move(regroups));
+      devices_.RunBlocking(
+          rank,
+          [this, rank, keep] {
+            for (const SummonRegroup& r : *keep) {
+              FS_RETURN_IF_ERROR(
+                  devices_.CopyBytes(rank, r.view->data(),
+                                     static_cast<const char*>(r.scratch->data()) + r.scratch_offset,
+                                     static_cast<size_t>(r.bytes)));
+            }
+            return absl::OkStatus();
+          },
+          [keep, finish = std::move(finish)](absl::Status copied) mutable {
+            keep.reset();
+            finish(std::move(copied));
+          });
+    };
+  }
   std::shared_ptr<SummonSlot> shared_slot = std::move(start->shared_slot);
   if (shared_slot == nullptr) {
     start->coll->SubmitAll(caller.rank, std::move(start->ops), deadline - clock_->Now(),

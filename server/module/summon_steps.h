@@ -50,6 +50,19 @@ struct SummonCast {
   int64_t count = 0;
 };
 
+// HYBRID_* over 1 < s < world ranks per shard group (strategy::Unshard::kRegroup): op `op`
+// all-gathers the world into `scratch` (allocated after mu_, like the view's placement), and
+// `scratch_offset` onwards, this rank's shard group's copy of the unit, goes into `view`.
+struct SummonRegroup {
+  size_t op = 0;
+  std::shared_ptr<Buffer> view;
+  int64_t scratch_offset = 0;  // bytes
+  int64_t scratch_bytes = 0;
+  int64_t bytes = 0;  // of the unit in `dtype`: what goes into `view`
+  DType dtype = DType::kFloat32;
+  std::shared_ptr<Buffer> scratch;
+};
+
 // A summon OpenSummonLocked opened: what the steps after mu_ need.
 struct Modules::SummonStart {
   SummonResult result;
@@ -62,6 +75,7 @@ struct Modules::SummonStart {
   // Compute summons of mixed-precision units: each shard into its low-precision view, before
   // the all-gather (the ops read what the casts wrote).
   std::vector<SummonCast> casts;
+  std::vector<SummonRegroup> regroups;
 };
 
 namespace summon_steps {

@@ -562,7 +562,11 @@ class Client {
   // Collective: registers a model at `module` ("" = whole model) with a manifest and policy
   // in their JSON forms (spec/formats.md). Both are parsed here first, so bad input fails
   // with the same INVALID_ARGUMENT message as `flatshardctl plan`, before any RPC.
-  // Errors: INVALID_ARGUMENT for bad JSON; FAILED_PRECONDITION when not joined; the RPC's
+  // HYBRID_SHARD and _HYBRID_SHARD_ZERO2 shard within a node, the ranks of one daemon (the
+  // plan's shard_world_size: the group's ranks per daemon; a group on one daemon is one node).
+  // Errors: INVALID_ARGUMENT for bad JSON; FAILED_PRECONDITION when not joined, or for a
+  // HYBRID_* policy on a group whose daemons host unequal numbers of ranks or ranks that are
+  // not consecutive (naming the group, the nodes and their ranks); the RPC's
   // (ALREADY_EXISTS, plan mismatch across ranks, RESOURCE_EXHAUSTED, ...); INTERNAL when the
   // daemon's reply is unusable (bad plan or memory handles).
   absl::StatusOr<RegisteredModule> Register(std::string module, absl::string_view manifest_json,
@@ -635,10 +639,13 @@ class Client {
   // full gradient. `op` and `accumulate` (add into the sharded gradient instead of
   // overwriting it) are sent with both phases. With NO_SHARD (a plan whose shard_world_size
   // is 1) the reduction is an all-reduce over the group: every rank's gradient shard, the
-  // whole unit, holds the sum (or average) of every rank's gradient.
-  // Errors: NOT_FOUND for an unknown module or unit; FAILED_PRECONDITION when not joined, or
-  // for a HYBRID_SHARD plan whose shard groups are neither one rank nor the whole group (not
-  // served yet); the RPC's.
+  // whole unit, holds the sum (or average) of every rank's gradient. With HYBRID_* over
+  // several daemons (1 < shard_world_size < world size) every rank's gradient shard holds
+  // the sum over every rank of the group of its gradient restricted to that shard (FSDP's
+  // reduce-scatter within the node then all-reduce across nodes); AVG divides by the world
+  // size. The full gradient is the whole padded unit in every case.
+  // Errors: NOT_FOUND for an unknown module or unit; FAILED_PRECONDITION when not joined;
+  // the RPC's.
   absl::StatusOr<std::unique_ptr<PendingReduceScatter>> BeginReduceScatter(
       const std::string& registered_module, int32_t unit, ReduceOp op, bool accumulate);
 

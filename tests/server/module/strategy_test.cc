@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "server/collective/reduce.h"
 #include "server/group_manager.h"
+#include "server/module/strategy_collectives.h"
 #include "server/shard_store.h"
 #include "tests/server/testing/group_manager_harness.h"
 
@@ -153,6 +154,35 @@ INSTANTIATE_TEST_SUITE_P(WorldsDevicesDTypes, NoShardTest,
                                std::get<1>(info.param) ? "_simulated_gpus" : "_host", "_reduce_",
                                DTypeName(std::get<2>(info.param)));
                          });
+
+// HYBRID_*'s ranks per node: a daemon's ranks, uniform and consecutive (FSDP's device mesh).
+TEST(RanksPerNodeTest, IsTheRunOfEachNodeOrANamedRefusal) {
+  using strategy::RanksPerNode;
+  const ShardingStrategy hybrid = ShardingStrategy::kHybridShard;
+  EXPECT_EQ(*RanksPerNode("g", hybrid, 4, {}), 0);  // a local group: one node (the world)
+  EXPECT_EQ(*RanksPerNode("g", ShardingStrategy::kFullShard, 4, {"a", "b", "a", "b"}), 0);
+  EXPECT_EQ(*RanksPerNode("g", hybrid, 4, {"a", "a", "b", "b"}), 2);
+  EXPECT_EQ(*RanksPerNode("g", ShardingStrategy::kHybridShardZero2, 4, {"a", "a", "b", "b"}), 2);
+  EXPECT_EQ(*RanksPerNode("g", hybrid, 3, {"a", "b", "c"}), 1);
+  EXPECT_EQ(*RanksPerNode("g", hybrid, 2, {"a", "a"}), 2);
+  struct Refused {
+    std::vector<std::string> nodes;
+    std::string names;
+  };
+  for (const Refused& c : std::vector<Refused>{
+           {{"a", "b", "a", "b"}, "a: ranks 0, 2; b: ranks 1, 3"},
+           {{"a", "a", "a", "b"}, "a: ranks 0, 1, 2; b: ranks 3"},
+           {{"a", "b", "b", "a"}, "a: ranks 0, 3; b: ranks 1, 2"},
+           {{"a", "a", "b", "b", "a", "a"}, "a: ranks 0, 1, 4, 5; b: ranks 2, 3"},
+       }) {
+    absl::StatusOr<int32_t> got =
+        RanksPerNode("g", hybrid, static_cast<int32_t>(c.nodes.size()), c.nodes);
+    ASSERT_FALSE(got.ok()) << c.names;
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(got.status().message(), ::testing::HasSubstr("group g: HYBRID_SHARD"));
+    EXPECT_THAT(got.status().message(), ::testing::HasSubstr(c.names));
+  }
+}
 
 }  // namespace
 }  // namespace flatshard::server
