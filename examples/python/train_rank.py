@@ -140,7 +140,9 @@ def main():
     mp = gpt.PRECISIONS[args.precision]
     # FULL_SHARD is the default (and the only strategy of builds without the argument).
     strategy = {} if args.strategy == "FULL_SHARD" else {"sharding_strategy": args.strategy}
-    fs = register(model, client, auto_wrap_policy=policy, **strategy,
+    # A restarted rank of a multi-daemon group may register while the re-formed group is
+    # still rolling back: FlatShardModule registers again by itself (register_timeout).
+    fs = FlatShardModule(model, client, auto_wrap_policy=policy, **strategy,
                          sync_module_states=args.sync_module_states,
                          use_orig_params=args.use_orig_params,
                          mixed_precision=None if mp is None else MixedPrecision(
@@ -204,21 +206,6 @@ def main():
          seconds=time.monotonic() - t0, peak_rss_kib=peak)
     client.leave()
     client.close()
-
-
-def register(model, client, **kw):
-    """FlatShardModule(model, client, **kw), registering again while the daemon says so: in a
-    group over several daemons a re-formed group may still be rolling the module back to its
-    committed generation when a restarted trainer registers (UNAVAILABLE "... register
-    again"). Nothing of the module changed before the refused register."""
-    deadline = time.monotonic() + 60.0
-    while True:
-        try:
-            return FlatShardModule(model, client, **kw)
-        except flatshard.UnavailableError as e:
-            if "register again" not in str(e) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def publish(args, fs, step):

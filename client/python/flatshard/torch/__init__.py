@@ -18,6 +18,9 @@
   unwrapped model's, for a plain ``torch.optim`` optimizer and back (optim_state_dicts.py);
 - ``summon_full_params(model, recurse=True, writeback=True, rank0_only=False,
   offload_to_cpu=False, with_grads=False)``; full and sharded state dicts on the wrapper;
+- ``fully_shard(module, client=..., reshard_after_forward=True, mp_policy=None)``: FSDP2's
+  entry point (bottom-up: units first, the root with ``client`` last) over FlatShardModule
+  (fully_shard.py);
 - ``model.publish(name, dtype=None, ...)``: the committed step as the next version of the
   published weights ``name``, for inference processes (``flatshard.weights.open(name)``).
 
@@ -30,7 +33,7 @@ __all__ = [
     "FlatShardModule", "TrainingState", "summon_full_params", "keep_optimizer_state",
     "DaemonOptimizerState", "BackwardPrefetch", "MixedPrecision", "ShardingStrategy",
     "full_optim_state_dict", "optim_state_dict", "optim_state_dict_to_load",
-    "shard_full_optim_state_dict",
+    "shard_full_optim_state_dict", "fully_shard", "FlatShardFSDPModule", "MixedPrecisionPolicy",
 ]
 
 from .manifest import manifest_json, manifest_of  # noqa: F401
@@ -59,6 +62,7 @@ from .optim_state_dicts import (  # noqa: F401
     optim_state_dict_to_load,
     shard_full_optim_state_dict,
 )
+from .fully_shard import FlatShardFSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: F401
 
 # FSDP spells them as static methods of the wrapper class.
 FlatShardModule.full_optim_state_dict = staticmethod(full_optim_state_dict)

@@ -1,9 +1,12 @@
 """What the wrapper's parts share: its training state, the plain-tensor view and small
-helpers of its hooks."""
+helpers of its hooks, and registration retried while the daemon says "register again"."""
 import enum
+import time
 from typing import Any, List
 
 import torch
+
+from ..errors import UnavailableError
 
 
 class TrainingState(enum.Enum):
@@ -46,3 +49,22 @@ def _flatten(x: Any) -> List[Any]:
     if isinstance(x, dict):
         return [y for e in x.values() for y in _flatten(e)]
     return []
+
+
+def register_retrying(client: Any, name: str, manifest: str, policy: str, init: str,
+                      timeout: float) -> Any:
+    """``client.register``, again while the daemon refuses it with UNAVAILABLE "... register
+    again": in a group over several daemons a re-formed group may still be rolling the module
+    back to its committed generation when a restarted trainer registers. A refused register
+    changed nothing (the daemon refuses before it attaches or allocates), so it is safe to
+    repeat; after ``timeout`` seconds the last refusal is raised. Other errors at once."""
+    deadline = time.monotonic() + timeout
+    delay = 0.02
+    while True:
+        try:
+            return client.register(name, manifest, policy, init=init)
+        except UnavailableError as e:
+            if "register again" not in str(e) or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)  # a back-off between attempts (not a synchronisation)
+        delay = min(2 * delay, 0.5)

@@ -30,7 +30,7 @@ import torch.nn as nn
 from ..errors import ShardsLostError
 from . import manifest as _manifest
 from . import wrap as _wrap
-from ._shared import TrainingState, _flatten, _in_backward, _plain
+from ._shared import TrainingState, _flatten, _in_backward, _plain, register_retrying
 from .full_params import ERR_IN_FORWARD_BACKWARD, ERR_NESTED_SUMMON, _FullParams
 from .mixed_precision import MixedPrecision, _cast_floating, _Precision, _set_grad
 from .prefetch import BackwardPrefetch, _Prefetcher
@@ -145,6 +145,9 @@ class FlatShardModule(_Strategies, _TrainingRecipe, _StateDicts, _FullParams, nn
     - ``require_reattach``: True for a trainer that restarts and expects to find its module
       registered: if the group no longer has it (e.g. the daemon restarted without
       ``--state_dir``), ``flatshard.ShardsLostError`` instead of a fresh registration.
+    - ``register_timeout`` (seconds, default 60): how long registering (here and in
+      ``reattach()``) retries while the daemon answers UNAVAILABLE "... register again" (a
+      re-formed group over several daemons still rolling the module back); then that error.
 
     A module already registered in the group (a trainer that crashed and came back, see
     ``reattached``) is re-attached: the live shards win over the module's current values.
@@ -174,7 +177,7 @@ class FlatShardModule(_Strategies, _TrainingRecipe, _StateDicts, _FullParams, nn
                  backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
                  forward_prefetch: bool = False, limit_all_gathers: bool = False,
                  mixed_precision: Optional[MixedPrecision] = None,
-                 sharding_strategy: Any = None):
+                 sharding_strategy: Any = None, register_timeout: float = 60.0):
         super().__init__()
         self.module = module
         self._client = client
@@ -183,6 +186,10 @@ class FlatShardModule(_Strategies, _TrainingRecipe, _StateDicts, _FullParams, nn
         self._reduce_op = reduce_op
         self._state = TrainingState.IDLE
         self._ignored = list(ignored_modules or [])
+        if not (isinstance(register_timeout, (int, float)) and register_timeout > 0):
+            raise ValueError(f"FlatShardModule: register_timeout must be > 0 seconds, got "
+                             f"{register_timeout!r}")
+        self._register_timeout = float(register_timeout)
         if not getattr(client, "joined", False):
             raise RuntimeError("FlatShardModule: the client has not joined a group "
                                "(call client.join(group, world_size, rank) first)")
@@ -222,7 +229,8 @@ class FlatShardModule(_Strategies, _TrainingRecipe, _StateDicts, _FullParams, nn
         self._recomputing: Dict[int, int] = {}  # unit -> layers recomputed in backward now
         self._accum: Dict[int, torch.Tensor] = {}  # unit -> its full gradient summed locally
         self._seen_versions: List[int] = []
-        reg = client.register(name, manifest, self.policy_json, init=init)
+        reg = register_retrying(client, name, manifest, self.policy_json, init,
+                                self._register_timeout)
         self._plan = reg.plan
         self._generation = int(getattr(reg, "generation", 0))
         self._build_units(reg.plan)
@@ -421,8 +429,8 @@ class FlatShardModule(_Strategies, _TrainingRecipe, _StateDicts, _FullParams, nn
                 f"(client.leave(); client.join(...) first). Registering would start over "
                 f"from the initial values at generation 0: load a checkpoint into a new "
                 f"FlatShardModule instead")
-        reg = self._client.register(self._name, self._manifest_json, self.policy_json,
-                                    init=self._init)
+        reg = register_retrying(self._client, self._name, self._manifest_json, self.policy_json,
+                                self._init, self._register_timeout)
         if reg.plan.get("fingerprint") != self._plan.get("fingerprint"):
             raise RuntimeError(f"reattach: the group's module {self._name!r} has another plan "
                                f"(fingerprint {reg.plan.get('fingerprint')}, this wrapper's "
