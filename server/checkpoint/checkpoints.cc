@@ -245,7 +245,6 @@ void Checkpoints::ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
 absl::Status Checkpoints::AllocateStateForLoad(CheckpointHold& hold,
                                                const std::vector<StateSpec>& specs) {
   // Allocation (shm creation, device memory) without the lock; the hold keeps the module.
-  const size_t n = specs.size();
   std::vector<std::vector<std::shared_ptr<Buffer>>> live(hold.ranks.size()),
       kept(hold.ranks.size());
   for (size_t i = 0; i < hold.ranks.size(); ++i) {
