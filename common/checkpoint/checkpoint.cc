@@ -165,6 +165,14 @@ struct Fd {
   Fd& operator=(const Fd&) = delete;
 };
 
+// A data file's size against its metadata's.
+absl::Status CheckFileSize(const std::string& path, int64_t size, int64_t want) {
+  if (size == want) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat(path, ": ", size, " bytes, the metadata says ", want,
+                   size < want ? " (truncated)" : " (longer than written)"));
+}
+
 // ---- Metadata parsing ----
 
 absl::StatusOr<uint32_t> ParseHex32(const std::string& s, const JsonPath& path) {
@@ -673,13 +681,55 @@ absl::StatusOr<Checkpoint> OpenCheckpoint(const std::string& dir) {
       return absl::FailedPreconditionError(
           absl::StrCat(path, ": missing (", std::strerror(errno), "); metadata.json lists it"));
     }
-    if (st.st_size != e.bytes) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(path, ": ", st.st_size, " bytes, the metadata says ", e.bytes,
-                       st.st_size < e.bytes ? " (truncated)" : " (longer than written)"));
-    }
+    FS_RETURN_IF_ERROR(CheckFileSize(path, st.st_size, e.bytes));
   }
   return c;
+}
+
+absl::Status ReadRankFile(const Checkpoint& ckpt, int32_t rank,
+                          const std::vector<TensorDestination>& dests, const ProgressFn& progress) {
+  const FileEntry& e = ckpt.meta.files.at(rank);
+  const std::string path = absl::StrCat(ckpt.dir, "/", e.name);
+  Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (f.fd < 0) return absl::FailedPreconditionError(Errno("open", path, errno));
+  struct stat st;
+  if (::fstat(f.fd, &st) != 0) return absl::InternalError(Errno("fstat", path, errno));
+  FS_RETURN_IF_ERROR(CheckFileSize(path, st.st_size, e.bytes));
+  std::vector<TensorDestination> order = dests;
+  std::sort(order.begin(), order.end(),
+            [](const auto& a, const auto& b) { return a.entry->offset < b.entry->offset; });
+  // Sequential 8 MiB reads (mapping the file instead was slower from a cold page cache:
+  // page-fault-driven readahead; measured with checkpoint_benchmark.py --drop-caches).
+  constexpr int64_t kChunk = int64_t{8} << 20;
+  ::posix_fadvise(f.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+  std::unique_ptr<char[]> scratch;  // for the bytes no destination takes
+  uint32_t crc = 0;
+  size_t next = 0;  // the first destination not wholly behind `off`
+  for (int64_t off = 0; off < e.bytes;) {
+    while (next < order.size() && order[next].entry->offset + order[next].entry->bytes <= off) {
+      ++next;
+    }
+    int64_t n = std::min(kChunk, e.bytes - off);
+    char* dst;
+    if (next < order.size() && order[next].entry->offset <= off) {
+      const TensorEntry& t = *order[next].entry;
+      n = std::min(n, t.offset + t.bytes - off);
+      dst = static_cast<char*>(order[next].data) + (off - t.offset);
+    } else {
+      if (next < order.size()) n = std::min(n, order[next].entry->offset - off);
+      if (scratch == nullptr) scratch.reset(new char[kChunk]);
+      dst = scratch.get();
+    }
+    FS_RETURN_IF_ERROR(internal::ReadAll(f.fd, dst, n, off, path));
+    crc = Crc32c(crc, dst, n);
+    off += n;
+    if (progress) progress(n);
+  }
+  if (crc != e.crc32c) {
+    return absl::DataLossError(absl::StrCat(path, ": CRC-32C ", Hex32(crc), ", the metadata says ",
+                                            Hex32(e.crc32c), " (corrupt)"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status VerifyFiles(const Checkpoint& ckpt, const std::vector<int32_t>& ranks,
@@ -691,33 +741,8 @@ absl::Status VerifyFiles(const Checkpoint& ckpt, const std::vector<int32_t>& ran
   std::vector<absl::Status> results(todo.size());
   std::atomic<size_t> next{0};
   auto work = [&] {
-    std::unique_ptr<char[]> buf(new char[size_t{8} << 20]);
     for (size_t i = next++; i < todo.size(); i = next++) {
-      const FileEntry& e = ckpt.meta.files.at(todo[i]);
-      const std::string path = absl::StrCat(ckpt.dir, "/", e.name);
-      Fd f(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-      if (f.fd < 0) {
-        results[i] = absl::FailedPreconditionError(Errno("open", path, errno));
-        continue;
-      }
-      uint32_t crc = 0;
-      absl::Status s;
-      ::posix_fadvise(f.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
-      // Sequential 8 MiB reads (mapping the file instead was slower from a cold page cache:
-      // page-fault-driven readahead; measured with checkpoint_benchmark.py --drop-caches).
-      for (int64_t off = 0; off < e.bytes && s.ok();) {
-        const int64_t n = std::min<int64_t>(int64_t{8} << 20, e.bytes - off);
-        s = internal::ReadAll(f.fd, buf.get(), n, off, path);
-        if (!s.ok()) break;
-        crc = Crc32c(crc, buf.get(), n);
-        off += n;
-        if (progress) progress(n);
-      }
-      if (s.ok() && crc != e.crc32c) {
-        s = absl::DataLossError(absl::StrCat(path, ": CRC-32C ", Hex32(crc), ", the metadata says ",
-                                             Hex32(e.crc32c), " (corrupt)"));
-      }
-      results[i] = s;
+      results[i] = ReadRankFile(ckpt, todo[i], {}, progress);
     }
   };
   const int n = std::max(1, std::min<int>(threads, static_cast<int>(todo.size())));

@@ -152,10 +152,26 @@ struct Checkpoint {
 // the metadata says 4096 (truncated)".
 absl::StatusOr<Checkpoint> OpenCheckpoint(const std::string& dir);
 // Reads the data files of `ranks` (empty: all) whole and compares their CRC-32C with the
-// metadata's, one thread per file (at most `threads`). DATA_LOSS naming the file:
+// metadata's (ReadRankFile without destinations), one thread per file (at most `threads`).
+// DATA_LOSS naming the file:
 // "<file>: CRC-32C 1a2b3c4d, the metadata says 5e6f7a8b (corrupt)".
 absl::Status VerifyFiles(const Checkpoint& ckpt, const std::vector<int32_t>& ranks,
                          const ProgressFn& progress = nullptr, int threads = 8);
+// Where ReadRankFile puts one tensor of a rank's file: `entry` (one of the rank's
+// Metadata::tensors) goes to `data`, host memory of at least entry->bytes.
+struct TensorDestination {
+  const TensorEntry* entry = nullptr;
+  void* data = nullptr;
+};
+// Reads `rank`'s data file once, front to back (8 MiB reads), each tensor of `dests` straight
+// into its memory and every other byte (alignment padding, tensors not asked for) into a
+// scratch buffer, computing the CRC-32C of each read while it is in cache, and checks the
+// file's size and CRC-32C against the metadata (errors as OpenCheckpoint's and VerifyFiles').
+// A load's one pass: the destinations hold the file's tensors when it returns OK, and bytes of
+// a file that failed otherwise (so they must be staging memory). `progress` gets every read.
+absl::Status ReadRankFile(const Checkpoint& ckpt, int32_t rank,
+                          const std::vector<TensorDestination>& dests,
+                          const ProgressFn& progress = nullptr);
 // Reads `bytes` at `offset` of `rank`'s file into `dst`.
 absl::Status ReadFileRange(const Checkpoint& ckpt, int32_t rank, int64_t offset, int64_t bytes,
                            void* dst);

@@ -245,7 +245,6 @@ void Checkpoints::ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
 absl::Status Checkpoints::AllocateStateForLoad(CheckpointHold& hold,
                                                const std::vector<StateSpec>& specs) {
   // Allocation (shm creation, device memory) without the lock; the hold keeps the module.
-  const size_t n = specs.size();
   std::vector<std::vector<std::shared_ptr<Buffer>>> live(hold.ranks.size()),
       kept(hold.ranks.size());
   for (size_t i = 0; i < hold.ranks.size(); ++i) {
@@ -274,6 +273,14 @@ absl::Status Checkpoints::AllocateStateForLoad(CheckpointHold& hold,
       }
     }
   }
+  hold.state_specs = specs;
+  hold.state_live = std::move(live);
+  hold.state_committed = std::move(kept);
+  return absl::OkStatus();
+}
+
+absl::Status Checkpoints::InstallLoadedState(const CheckpointHold& hold) {
+  const size_t n = hold.state_specs.size();
   std::shared_ptr<Group> held = table_.FindOrGone(hold.group);
   Group& g = *held;
   absl::MutexLock lock(&g.mu);
@@ -291,22 +298,19 @@ absl::Status Checkpoints::AllocateStateForLoad(CheckpointHold& hold,
         "group ", g.id, " module ", Display(hold.module),
         ": a rank registered optimizer state while the checkpoint was being loaded; load again"));
   }
-  reg.state_specs = specs;
+  reg.state_specs = hold.state_specs;
   reg.committed_state.resize(g.world_size);
-  hold.state_specs = specs;
-  hold.state_live.clear();
-  hold.state_committed.clear();
   for (size_t i = 0; i < hold.ranks.size(); ++i) {
     const int32_t rank = hold.ranks[i];
+    const auto& live = hold.state_live[i];
+    const auto& kept = hold.state_committed[i];
     std::vector<UnitShard>& shards = reg.shards_by_rank[rank];
     auto& committed = reg.committed_state[rank];
     committed.assign(shards.size(), {});
     for (size_t u = 0; u < shards.size(); ++u) {
-      shards[u].state.assign(live[i].begin() + u * n, live[i].begin() + (u + 1) * n);
-      committed[u].assign(kept[i].begin() + u * n, kept[i].begin() + (u + 1) * n);
+      shards[u].state.assign(live.begin() + u * n, live.begin() + (u + 1) * n);
+      committed[u].assign(kept.begin() + u * n, kept.begin() + (u + 1) * n);
     }
-    hold.state_live.push_back(live[i]);
-    hold.state_committed.push_back(kept[i]);
   }
   FS_LOG(INFO) << "group=" << g.id << " module=" << Display(hold.module)
                << ": optimizer state created by a checkpoint load (" << n << " state(s) x "

@@ -141,9 +141,11 @@ class Checkpoints {
   void ReleaseCheckpointHold(const CheckpointHold& hold, bool load,
                              std::optional<uint64_t> generation);
   // A load of a checkpoint with optimizer state into a module without any: allocates the
-  // state buffers (and committed copies) of `specs` for the hold's ranks, installs them in the
-  // module and in `hold` (README "Checkpoints").
+  // state buffers (and committed copies) of `specs` for the hold's ranks into `hold`; once
+  // they hold the loaded values, InstallLoadedState installs them in the module (README
+  // "Checkpoints"), so a load that fails leaves the module without state, as it was.
   absl::Status AllocateStateForLoad(CheckpointHold& hold, const std::vector<StateSpec>& specs);
+  absl::Status InstallLoadedState(const CheckpointHold& hold);
   // SaveCheckpoint's steps (server/checkpoint/save.cc): one local rank's file of the held
   // committed copies, and the metadata of every daemon's files (checked complete).
   absl::StatusOr<checkpoint::WrittenFile> WriteRank(size_t i, const CheckpointArgs& args,
@@ -152,18 +154,33 @@ class Checkpoints {
   static absl::StatusOr<checkpoint::Metadata> MetadataOf(const CheckpointHold& hold,
                                                          CheckpointResult result);
   // LoadCheckpoint's steps (server/checkpoint/load.cc): what is read, how the optimizer state
-  // is loaded (checked and prepared before any shard changes), and one local rank's fill.
+  // is loaded (checked and prepared before any shard changes), the checksums not checked while
+  // reading, the bytes a load reports, and one local rank's fill of its committed copies
+  // (the staging area): one pass over its file under the saved plan, else by FQN.
   struct LoadSource;
   struct StateLoad;
-  static absl::Status OpenLoadSource(const CheckpointArgs& args, CheckpointProgress* progress,
-                                     LoadSource* src);
+  static absl::Status OpenLoadSource(const CheckpointArgs& args, LoadSource* src);
   absl::Status PlanStateLoad(const CheckpointArgs& args, CheckpointHold& hold,
                              const LoadSource& src, StateLoad* state);
   static absl::Status PrepareStateReshard(const CheckpointArgs& args, const CheckpointHold& hold,
                                           const LoadSource& src, StateLoad* state);
+  static absl::Status VerifyOtherFiles(const CheckpointHold& hold, LoadSource* src,
+                                       CheckpointProgress* progress);
+  static int64_t LoadBytes(const CheckpointHold& hold, const LoadSource& src,
+                           const StateLoad& state);
   absl::Status FillRank(size_t i, const CheckpointArgs& args, const CheckpointHold& hold,
                         const LoadSource& src, const StateLoad& state,
                         CheckpointProgress* progress) const;
+  static absl::Status ReadSavedLayout(const CheckpointArgs& args, const CheckpointHold& hold,
+                                      size_t i, const LoadSource& src, const StateLoad& state,
+                                      const std::vector<std::shared_ptr<Buffer>>& host,
+                                      const std::vector<std::shared_ptr<Buffer>>& host_state,
+                                      CheckpointProgress* progress);
+  static absl::Status FillResharded(const CheckpointHold& hold, size_t i, const LoadSource& src,
+                                    const StateLoad& state,
+                                    const std::vector<std::shared_ptr<Buffer>>& host,
+                                    const std::vector<std::shared_ptr<Buffer>>& host_state,
+                                    CheckpointProgress* progress);
   // Multi-daemon groups: every other daemon's part of `hold`'s checkpoint, asked in parallel.
   std::vector<absl::StatusOr<CheckpointResult>> AskPeers(const CheckpointHold& hold,
                                                          const CheckpointArgs& args, bool load);

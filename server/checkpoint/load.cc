@@ -1,4 +1,5 @@
-// Checkpoints: loads (resharded by FQN and element range), checked before any shard changes.
+// Checkpoints: loads (resharded by FQN and element range), staged in the committed copies and
+// checked before any shard changes, then copied into the shards.
 
 #include "server/checkpoint/checkpoints.h"
 
@@ -61,6 +62,13 @@ std::pair<int32_t, const PlanParam*> SavedParam(const checkpoint::Metadata& meta
   return {-1, nullptr};
 }
 
+// The checkpoint was saved under `plan` by `world_size` ranks: rank r's file holds exactly
+// rank r's shards (and optimizer state) in the same layout.
+bool SavedUnderPlan(const checkpoint::Metadata& meta, const Plan& plan, int32_t world_size) {
+  return meta.world_size == world_size && !plan.fingerprint.empty() &&
+         meta.plan.fingerprint == plan.fingerprint;
+}
+
 }  // namespace
 
 // What a load reads: a flatshard checkpoint directory (with its metadata) or a safetensors
@@ -72,6 +80,10 @@ struct Checkpoints::LoadSource {
   std::vector<checkpoint::Binding> bindings;  // once the module is held
   int64_t unused = 0;                         // source tensors no parameter takes
   int32_t files = 1;
+  // A checkpoint saved under the module's plan: each local rank's file is read once, straight
+  // into that rank's committed copies, its CRC-32C checked on the way (ReadSavedLayout).
+  // Otherwise the files are verified first and the shards filled by FQN (FillResharded).
+  bool one_pass = false;
 };
 
 // How the module's optimizer state is loaded (README "Checkpoints"), decided before anything
@@ -87,6 +99,7 @@ struct Checkpoints::LoadSource {
 struct Checkpoints::StateLoad {
   enum Mode { kNone, kZero, kCopy, kReshard };
   Mode mode = kNone;
+  bool install = false;  // the state buffers are the load's (AllocateStateForLoad)
   std::vector<std::unique_ptr<checkpoint::ParamSource>> sources;  // by spec (SHARD, kReshard)
   std::vector<std::vector<checkpoint::Binding>> bindings;         // by spec (SHARD, kReshard)
   std::vector<std::vector<std::vector<char>>> scalars;            // [spec][unit] (SCALAR)
@@ -111,9 +124,9 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(const CheckpointArg
         absl::StrCat("the path must be absolute, got \"", Truncated(from), "\""));
   }
   if (!args.from_peer) FS_RETURN_IF_ERROR(CheckOwner(args, from, /*parent_if_missing=*/false));
-  // 1. Everything that can be checked without the module: the source itself.
+  // 1. Everything that can be checked without the module: the source itself (checksums aside).
   LoadSource src;
-  FS_RETURN_IF_ERROR(OpenLoadSource(args, progress, &src));
+  FS_RETURN_IF_ERROR(OpenLoadSource(args, &src));
   // 2. The module: hold it, then check the source fits its plan before any shard changes.
   FS_ASSIGN_OR_RETURN(CheckpointHold hold, HoldForCheckpoint(args, /*load=*/true, progress));
   absl::StatusOr<std::vector<checkpoint::Binding>> bindings = checkpoint::Bind(
@@ -126,14 +139,14 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(const CheckpointArg
   }
   src.bindings = *std::move(bindings);
   StateLoad state;
-  if (absl::Status st = PlanStateLoad(args, hold, src, &state); !st.ok()) {
+  absl::Status s = PlanStateLoad(args, hold, src, &state);
+  if (s.ok()) s = VerifyOtherFiles(hold, &src, progress);
+  if (!s.ok()) {
     ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
-    return st;
+    return s;
   }
-  const int64_t per_rank = RankBytes(
-      hold.plan, state.mode == StateLoad::kNone ? std::vector<StateSpec>{} : hold.state_specs);
   progress->done_bytes = 0;
-  progress->total_bytes = per_rank * static_cast<int64_t>(hold.ranks.size());
+  progress->total_bytes = LoadBytes(hold, src, state);
   progress->phase = CheckpointProgress::kLoading;
   // A multi-daemon group: the other daemons load their ranks meanwhile (each checks the same
   // files against the same plan first, so they reach the same verdict but for I/O errors).
@@ -142,17 +155,22 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(const CheckpointArg
   if (!args.from_peer && !hold.peers.empty()) {
     asking = std::thread([&] { remote = AskPeers(hold, args, /*load=*/true); });
   }
-  // 3. Shards first; the committed copies only once every rank's shards are written, so a
-  // failure (an I/O error: everything else was checked) restores the shards from them.
-  absl::Status s = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
+  // 3. Stage: the loaded values go into the committed copies (invisible to the trainers, who
+  // map the shards), checked as they are read; the shards do not change. Restarts: the intent
+  // says the shards are whole at the held generation, so a daemon killed now restores the
+  // committed copies from them (server/durable/adoption.cc), as a failure does below.
+  records_.NoteLoadCopying(hold.group, hold.module, hold.ranks, hold.generation);
+  s = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
     return FillRank(i, args, hold, src, state, progress);
   });
+  if (s.ok() && state.install) s = InstallLoadedState(hold);
   const bool filled = s.ok();
   const uint64_t generation =
       src.ckpt.has_value() ? src.ckpt->meta.generation : hold.generation + 1;
-  // Restarts: the load's intent is durable before any committed copy changes (a daemon killed
-  // during the copies finishes them from the shards; server/durable/commit_intents.cc).
-  if (filled) records_.NoteLoadCopying(hold.group, hold.module, hold.ranks, generation);
+  // 4. Swap: every file was read and checked; the record says the committed copies hold the
+  // loaded generation (a daemon killed during the copies restores the shards from them), then
+  // the shards take their values. A failure restores the committed copies from the shards.
+  if (filled) records_.NoteLoadStaged(hold.group, hold.module, hold.ranks, generation);
   absl::Status copied = ParallelFor(hold.ranks.size(), [&](size_t i) -> absl::Status {
     std::vector<std::shared_ptr<Buffer>> shards;
     for (const UnitShard& sh : hold.shards[i]) shards.push_back(sh.shard);
@@ -163,11 +181,18 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(const CheckpointArg
                        hold.state_committed[i].end());
     }
     // Host or device alike (a GPU rank's copies stay on its device).
-    return filled ? devices_.CopyEach(hold.ranks[i], Raw(shards), Raw(committed))
-                  : devices_.CopyEach(hold.ranks[i], Raw(committed), Raw(shards));
+    return filled ? devices_.CopyEach(hold.ranks[i], Raw(committed), Raw(shards))
+                  : devices_.CopyEach(hold.ranks[i], Raw(shards), Raw(committed));
   });
-  if (s.ok()) s = copied;
   if (asking.joinable()) asking.join();
+  if (filled && !copied.ok()) {
+    // The committed copies (and the record) hold the loaded generation; some shards do not.
+    ReleaseCheckpointHold(hold, /*load=*/true, generation);
+    FS_LOG(ERROR) << "group=" << hold.group << " module=" << Display(hold.module) << ": load of "
+                  << from << ": the shards could not take the loaded values: " << copied;
+    return copied;
+  }
+  if (s.ok()) s = copied;
   for (size_t k = 0; k < remote.size(); ++k) {
     if (!remote[k].ok()) {
       // This daemon's ranks are loaded; that one's are not: their generations now differ, so
@@ -188,7 +213,7 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(const CheckpointArg
   if (!s.ok()) {
     ReleaseCheckpointHold(hold, /*load=*/true, std::nullopt);
     FS_LOG(ERROR) << "group=" << hold.group << " module=" << Display(hold.module) << ": load of "
-                  << from << " failed (shards restored): " << s;
+                  << from << " failed (nothing changed): " << s;
     return s;
   }
   ReleaseCheckpointHold(hold, /*load=*/true, generation);
@@ -205,8 +230,7 @@ absl::StatusOr<CheckpointResult> Checkpoints::LoadCheckpoint(const CheckpointArg
   return result;
 }
 
-absl::Status Checkpoints::OpenLoadSource(const CheckpointArgs& args, CheckpointProgress* progress,
-                                         LoadSource* src) {
+absl::Status Checkpoints::OpenLoadSource(const CheckpointArgs& args, LoadSource* src) {
   if (args.dir.empty()) {
     absl::StatusOr<std::unique_ptr<checkpoint::ParamSource>> st =
         checkpoint::SafetensorsSource(args.safetensors);
@@ -215,13 +239,50 @@ absl::Status Checkpoints::OpenLoadSource(const CheckpointArgs& args, CheckpointP
     return absl::OkStatus();
   }
   FS_ASSIGN_OR_RETURN(src->ckpt, checkpoint::OpenCheckpoint(args.dir));
-  progress->phase = CheckpointProgress::kVerifying;
-  progress->total_bytes = src->ckpt->meta.total_bytes();
-  FS_RETURN_IF_ERROR(checkpoint::VerifyFiles(*src->ckpt, {},
-                                             [progress](int64_t n) { progress->done_bytes += n; }));
   src->params = checkpoint::CheckpointSource(*src->ckpt);
   src->files = static_cast<int32_t>(src->ckpt->meta.files.size());
   return absl::OkStatus();
+}
+
+absl::Status Checkpoints::VerifyOtherFiles(const CheckpointHold& hold, LoadSource* src,
+                                           CheckpointProgress* progress) {
+  if (!src->ckpt.has_value()) return absl::OkStatus();
+  const checkpoint::Metadata& meta = src->ckpt->meta;
+  src->one_pass = SavedUnderPlan(meta, hold.plan, hold.world_size);
+  // Resharding reads ranges of several files per shard: every file is checked first. One
+  // pass checks the local ranks' files as it reads them; the other daemons' ranks' files
+  // (a multi-daemon group) are checked here, so every daemon reaches the same verdict.
+  std::vector<int32_t> files;
+  for (const checkpoint::FileEntry& e : meta.files) {
+    if (!src->one_pass ||
+        std::find(hold.ranks.begin(), hold.ranks.end(), e.rank) == hold.ranks.end()) {
+      files.push_back(e.rank);
+    }
+  }
+  if (files.empty()) return absl::OkStatus();
+  progress->phase = CheckpointProgress::kVerifying;
+  progress->done_bytes = 0;
+  int64_t total = 0;
+  for (int32_t r : files) total += meta.files.at(r).bytes;
+  progress->total_bytes = total;
+  return checkpoint::VerifyFiles(*src->ckpt, files,
+                                 [progress](int64_t n) { progress->done_bytes += n; });
+}
+
+int64_t Checkpoints::LoadBytes(const CheckpointHold& hold, const LoadSource& src,
+                               const StateLoad& state) {
+  const bool with_state = state.mode != StateLoad::kNone;
+  const int64_t ranks = static_cast<int64_t>(hold.ranks.size());
+  if (!src.one_pass) {
+    return RankBytes(hold.plan, with_state ? hold.state_specs : std::vector<StateSpec>{}) * ranks;
+  }
+  // The local ranks' files as read, and the optimizer state zeroed where they have none.
+  int64_t bytes = 0;
+  for (int32_t r : hold.ranks) bytes += src.ckpt->meta.files.at(r).bytes;
+  if (state.mode == StateLoad::kZero) {
+    bytes += (RankBytes(hold.plan, hold.state_specs) - RankBytes(hold.plan, {})) * ranks;
+  }
+  return bytes;
 }
 
 absl::Status Checkpoints::PlanStateLoad(const CheckpointArgs& args, CheckpointHold& hold,
@@ -243,13 +304,12 @@ absl::Status Checkpoints::PlanStateLoad(const CheckpointArgs& args, CheckpointHo
     // keeps its optimizer's state in the daemon (keep_optimizer_state) re-attaches to the
     // loaded values.
     FS_RETURN_IF_ERROR(AllocateStateForLoad(hold, ckpt->meta.state_specs));
+    state->install = true;
   } else {
     return absl::OkStatus();  // kNone
   }
-  const bool same_plan = ckpt->meta.world_size == hold.world_size &&
-                         !hold.plan.fingerprint.empty() &&
-                         ckpt->meta.plan.fingerprint == hold.plan.fingerprint;
-  state->mode = same_plan ? StateLoad::kCopy : StateLoad::kReshard;
+  state->mode = SavedUnderPlan(ckpt->meta, hold.plan, hold.world_size) ? StateLoad::kCopy
+                                                                       : StateLoad::kReshard;
   for (const checkpoint::TensorEntry& t : ckpt->meta.tensors) {
     if (t.name != checkpoint::kShardTensor) state->saved[{t.rank, t.unit, t.name}] = &t;
   }
@@ -318,63 +378,101 @@ absl::Status Checkpoints::FillRank(size_t i, const CheckpointArgs& args, const C
                                    const LoadSource& src, const StateLoad& state,
                                    CheckpointProgress* progress) const {
   const int32_t rank = hold.ranks[i];
-  const int32_t shard_rank = hold.plan.ShardRank(rank);
-  std::vector<std::shared_ptr<Buffer>> shards;
-  for (const UnitShard& sh : hold.shards[i]) shards.push_back(sh.shard);
-  // GPU ranks: filled in host memory, then copied to the device.
+  // The committed copies are the staging area; GPU ranks' are filled in host memory, then
+  // copied to the device.
   FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host,
-                      HostCopies(rank, shards, /*copy_in=*/false));
+                      HostCopies(rank, hold.committed[i], /*copy_in=*/false));
+  std::vector<std::shared_ptr<Buffer>> host_state;
+  if (state.mode != StateLoad::kNone) {
+    FS_ASSIGN_OR_RETURN(host_state, HostCopies(rank, hold.state_committed[i], /*copy_in=*/false));
+  }
+  for (const PlanUnit& u : hold.plan.units) FS_RETURN_IF_ERROR(CheckSize(*host[u.index], u));
+  const size_t n = hold.state_specs.size();
+  for (size_t j = 0; j < host_state.size(); ++j) {
+    const PlanUnit& u = hold.plan.units[j / n];
+    const StateSpec& spec = hold.state_specs[j % n];
+    FS_RETURN_IF_ERROR(CheckStateSize(*host_state[j], u, spec));
+    if (state.mode == StateLoad::kZero) {
+      const int64_t bytes = spec.Numel(u.shard_numel) * ItemSize(spec.dtype);
+      std::memset(host_state[j]->data(), 0, bytes);
+      progress->done_bytes += bytes;
+    }
+  }
+  FS_RETURN_IF_ERROR(src.one_pass
+                         ? ReadSavedLayout(args, hold, i, src, state, host, host_state, progress)
+                         : FillResharded(hold, i, src, state, host, host_state, progress));
+  if (host != hold.committed[i]) {
+    FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(host), Raw(hold.committed[i])));
+  }
+  if (!host_state.empty() && host_state != hold.state_committed[i]) {
+    FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(host_state), Raw(hold.state_committed[i])));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Checkpoints::ReadSavedLayout(const CheckpointArgs& args, const CheckpointHold& hold,
+                                          size_t i, const LoadSource& src, const StateLoad& state,
+                                          const std::vector<std::shared_ptr<Buffer>>& host,
+                                          const std::vector<std::shared_ptr<Buffer>>& host_state,
+                                          CheckpointProgress* progress) {
+  const int32_t rank = hold.ranks[i];
+  std::map<std::pair<int32_t, std::string>, const checkpoint::TensorEntry*> saved;
+  for (const checkpoint::TensorEntry& t : src.ckpt->meta.tensors) {
+    if (t.rank == rank) saved[{t.unit, t.name}] = &t;
+  }
+  std::vector<checkpoint::TensorDestination> dests;
+  auto take = [&](const PlanUnit& u, const std::string& name, int64_t bytes,
+                  const Buffer& b) -> absl::Status {
+    auto found = saved.find({u.index, name});
+    if (found == saved.end() || found->second->bytes != bytes) {
+      return absl::InternalError(absl::StrCat(args.dir, ": tensor \"", name, "\" of rank ", rank,
+                                              " unit ", u.index, " is missing or not ", bytes,
+                                              " bytes"));
+    }
+    dests.push_back({found->second, b.data()});
+    return absl::OkStatus();
+  };
+  const size_t n = hold.state_specs.size();
   for (const PlanUnit& u : hold.plan.units) {
-    const Buffer& b = *host[u.index];
-    FS_RETURN_IF_ERROR(CheckSize(b, u));
     FS_RETURN_IF_ERROR(
-        checkpoint::FillShard(*src.params, src.bindings, hold.plan, u.index, shard_rank, b.data()));
+        take(u, checkpoint::kShardTensor, u.shard_numel * ItemSize(u.dtype), *host[u.index]));
+    if (state.mode != StateLoad::kCopy) continue;
+    for (size_t k = 0; k < n; ++k) {
+      const StateSpec& spec = hold.state_specs[k];
+      FS_RETURN_IF_ERROR(take(u, spec.name, spec.Numel(u.shard_numel) * ItemSize(spec.dtype),
+                              *host_state[u.index * n + k]));
+    }
+  }
+  return checkpoint::ReadRankFile(*src.ckpt, rank, dests,
+                                  [progress](int64_t b) { progress->done_bytes += b; });
+}
+
+absl::Status Checkpoints::FillResharded(const CheckpointHold& hold, size_t i, const LoadSource& src,
+                                        const StateLoad& state,
+                                        const std::vector<std::shared_ptr<Buffer>>& host,
+                                        const std::vector<std::shared_ptr<Buffer>>& host_state,
+                                        CheckpointProgress* progress) {
+  const int32_t shard_rank = hold.plan.ShardRank(hold.ranks[i]);
+  for (const PlanUnit& u : hold.plan.units) {
+    FS_RETURN_IF_ERROR(checkpoint::FillShard(*src.params, src.bindings, hold.plan, u.index,
+                                             shard_rank, host[u.index]->data()));
     progress->done_bytes += u.shard_numel * ItemSize(u.dtype);
   }
-  if (host != shards) FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(host), Raw(shards)));
-  // Optimizer state (StateLoad); its committed copies follow with the shards'.
-  if (state.mode == StateLoad::kNone) return absl::OkStatus();
-  FS_ASSIGN_OR_RETURN(std::vector<std::shared_ptr<Buffer>> host_state,
-                      HostCopies(rank, hold.state_live[i], /*copy_in=*/false));
+  if (state.mode != StateLoad::kReshard) return absl::OkStatus();  // none, or zeroed
   const size_t n = hold.state_specs.size();
   for (const PlanUnit& u : hold.plan.units) {
     for (size_t k = 0; k < n; ++k) {
       const StateSpec& spec = hold.state_specs[k];
-      const Buffer& b = *host_state[u.index * n + k];
-      FS_RETURN_IF_ERROR(CheckStateSize(b, u, spec));
+      void* data = host_state[u.index * n + k]->data();
       const int64_t bytes = spec.Numel(u.shard_numel) * ItemSize(spec.dtype);
-      switch (state.mode) {
-        case StateLoad::kNone:
-          break;
-        case StateLoad::kZero:
-          std::memset(b.data(), 0, bytes);
-          break;
-        case StateLoad::kCopy: {
-          const checkpoint::TensorEntry* t = state.Saved(rank, u.index, spec.name);
-          if (t == nullptr || t->bytes != bytes) {
-            return absl::InternalError(absl::StrCat(args.dir, ": optimizer state \"", spec.name,
-                                                    "\" of rank ", rank, " unit ", u.index,
-                                                    " is missing or not ", bytes, " bytes"));
-          }
-          FS_RETURN_IF_ERROR(
-              checkpoint::ReadFileRange(*src.ckpt, rank, t->offset, bytes, b.data()));
-          break;
-        }
-        case StateLoad::kReshard:
-          if (spec.shape == StateShape::kShard) {
-            FS_RETURN_IF_ERROR(checkpoint::FillShard(*state.sources[k], state.bindings[k],
-                                                     hold.plan, u.index, shard_rank, b.data(),
-                                                     spec.dtype));
-          } else {
-            std::memcpy(b.data(), state.scalars[k][u.index].data(), bytes);
-          }
-          break;
+      if (spec.shape == StateShape::kShard) {
+        FS_RETURN_IF_ERROR(checkpoint::FillShard(*state.sources[k], state.bindings[k], hold.plan,
+                                                 u.index, shard_rank, data, spec.dtype));
+      } else {
+        std::memcpy(data, state.scalars[k][u.index].data(), bytes);
       }
       progress->done_bytes += bytes;
     }
-  }
-  if (host_state != hold.state_live[i]) {
-    FS_RETURN_IF_ERROR(devices_.CopyEach(rank, Raw(host_state), Raw(hold.state_live[i])));
   }
   return absl::OkStatus();
 }

@@ -306,9 +306,20 @@ void Records::NoteLoadCopying(const std::string& group, const std::string& modul
                       << " is recorded under way: the load's copies run without an intent";
       return false;
     }
-    // Every loaded rank's shards hold the loaded values completely ("ready").
+    // Every loaded rank's shards hold `generation` completely ("ready").
     std::sort(ranks.begin(), ranks.end());
     reg.pending_commit = state::PendingCommit{generation, "load", std::move(ranks), {}};
+    return true;
+  });
+}
+
+void Records::NoteLoadStaged(const std::string& group, const std::string& module,
+                             const std::vector<int32_t>& ranks, uint64_t generation) {
+  EditAndRecord(group, module, [&](Registered& reg) {
+    if (reg.pending_commit.has_value() && reg.pending_commit->kind == "load") {
+      reg.pending_commit.reset();
+    }
+    for (int32_t r : ranks) reg.generation[r] = generation;
     return true;
   });
 }

@@ -160,12 +160,20 @@ class Records {
   static void TestingPauseBeforeIntent(uint64_t generation);
 
   // ---- Checkpoint loads ----
-  // Before the copies into the committed copies, records a "load" intent to `generation` for
-  // `ranks` (their shards hold the loaded values completely) and writes the record; then, at
-  // the hold's release, LoadRecordedLocked drops the intent and queues the record's write
-  // into `run` (`changed`: the load set the generation).
+  // A load stages the loaded values in the committed copies of `ranks`, then copies them into
+  // the shards (server/checkpoint/load.cc). Before the committed copies change, records a
+  // "load" intent to `generation`, the generation their shards hold completely, and writes the
+  // record: a daemon killed while they are written finishes (restores) them from the shards at
+  // restart. At the hold's release, LoadRecordedLocked drops an intent left (a failed load) and
+  // queues the record's write into `run` (`changed`: the load set the generation).
   void NoteLoadCopying(const std::string& group, const std::string& module,
                        std::vector<int32_t> ranks, uint64_t generation);
+  // The committed copies of `ranks` hold the loaded values (`generation`) completely, before
+  // the shards are written from them: drops the load intent and records `generation` as the
+  // ranks' committed generation, so a daemon killed while the shards are written restores them
+  // from the committed copies at restart, as after any commit.
+  void NoteLoadStaged(const std::string& group, const std::string& module,
+                      const std::vector<int32_t>& ranks, uint64_t generation);
   void LoadRecordedLocked(Group& g, Registered& reg, bool changed, AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
 

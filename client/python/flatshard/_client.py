@@ -503,8 +503,9 @@ class Client:
         copies are written and the module's generation becomes the checkpoint's. Not
         collective: one rank asks, with no summon of the module open; every rank must then
         read its views again (``shard_views``/``register``) before it commits. Returns a dict
-        as ``save_checkpoint``; `progress` as there (the bytes verified, then the bytes
-        loaded)."""
+        as ``save_checkpoint``; `progress` as there (under another plan the bytes verified,
+        then the bytes loaded; under the saved plan the bytes read, each file once, verified as
+        they are read)."""
         return self._checkpoint("load", module, directory, progress)
 
     def import_safetensors(self, module: str, path: str | os.PathLike,

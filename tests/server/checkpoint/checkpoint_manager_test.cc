@@ -335,6 +335,68 @@ TEST_F(CheckpointManagerTest, DamagedCheckpointIsRefusedNamingTheFileAndChangesN
   EXPECT_EQ(l->generation, 1u);
 }
 
+// A load reads each file once into the committed copies (its staging area), checking it on the
+// way, and only then copies them into the shards: a file damaged near its end (read after the
+// other rank's file and the same file's first tensors landed) leaves the shards, the committed
+// copies (a save after it writes the last commit) and the module's optimizer state (none: a
+// checkpoint with state creates it only when it loads) as they were.
+TEST_F(CheckpointManagerTest, ARefusedLoadLeavesTheCommittedCopiesAndTheStateAsTheyWere) {
+  Start();
+  std::vector<RegisterResult> regs;
+  std::vector<Caller> c = JoinAndRegister("g", 2, &regs);
+  const std::vector<StateSpec> specs = {{"exp_avg", DType::kFloat32, StateShape::kShard}};
+  for (int r = 0; r < 2; ++r) {
+    absl::StatusOr<RegisterStateResult> s = gm_->RegisterState(c[r], "", specs);
+    ASSERT_TRUE(s.ok()) << s.status();
+    WriteStep(regs[r].shards, 1, r);
+  }
+  for (absl::StatusOr<uint64_t>& g : CommitAll(c)) ASSERT_TRUE(g.ok()) << g.status();
+  const std::string dir = MakeTempDir("ckpt") + "/ckpt";
+  ASSERT_TRUE(Save("g", dir).ok());
+  // Group "h": the same model without optimizer state, at generation 2 holding step 2.
+  std::vector<RegisterResult> h_regs;
+  std::vector<Caller> h = JoinAndRegister("h", 2, &h_regs);
+  for (uint64_t step = 1; step <= 2; ++step) {
+    for (int r = 0; r < 2; ++r) WriteStep(h_regs[r].shards, step, r);
+    for (absl::StatusOr<uint64_t>& g : CommitAll(h)) ASSERT_TRUE(g.ok()) << g.status();
+  }
+  const std::string file1 = dir + "/rank-00001-of-00002.bin";
+  const std::string bytes = ::flatshard::testing::ReadFile(file1);
+  ASSERT_FALSE(bytes.empty());
+  std::string flipped = bytes;
+  flipped[flipped.size() - 1] ^= 0x01;
+  std::ofstream(file1, std::ios::binary | std::ios::trunc) << flipped;
+  absl::StatusOr<CheckpointResult> l = Load("h", dir);
+  EXPECT_EQ(l.status().code(), absl::StatusCode::kDataLoss) << l.status();
+  EXPECT_THAT(l.status().message(), HasSubstr("rank-00001-of-00002.bin: CRC-32C"));
+  EXPECT_EQ(GenerationOf("h"), 2u);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(HoldsStep(h_regs[r].shards, 2, r));
+    absl::StatusOr<RegisterResult> v = gm_->GetShards(h[r], "");
+    ASSERT_TRUE(v.ok()) << v.status();
+    for (const UnitShard& sh : v->shards) EXPECT_TRUE(sh.state.empty()) << "rank " << r;
+  }
+  const std::string after = MakeTempDir("after") + "/ckpt";
+  ASSERT_TRUE(Save("h", after).ok());
+  EXPECT_TRUE(CheckpointHoldsStep(after, 2));
+  // Not stale: the ranks commit on.
+  for (absl::StatusOr<uint64_t>& g : CommitAll(h)) {
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_EQ(*g, 3u);
+  }
+  // Repaired, it loads: step 1's shards and the checkpoint's optimizer state.
+  std::ofstream(file1, std::ios::binary | std::ios::trunc) << bytes;
+  l = Load("h", dir);
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(l->generation, 1u);
+  for (int r = 0; r < 2; ++r) {
+    absl::StatusOr<RegisterResult> v = gm_->GetShards(h[r], "");
+    ASSERT_TRUE(v.ok()) << v.status();
+    EXPECT_TRUE(HoldsStep(v->shards, 1, r));
+    for (const UnitShard& sh : v->shards) EXPECT_EQ(sh.state.size(), 1u) << "rank " << r;
+  }
+}
+
 // A save never reads a committed copy while a commit copies into it: a commit whose copies are
 // in flight (held mid-copy by --testing_commit_copy_pause, its intent visible in the state
 // directory) is waited for, and the save holds its generation completely.
