@@ -127,6 +127,11 @@ TEST(WeightsDeviceTest, AHeldDeviceVersionOutlivesKeepAndItsReleaseFreesIt) {
   EXPECT_THAT(Versions(*r, "gpt"), ::testing::ElementsAre(1, 2)) << "version 1 is held";
   ExpectHolds(*t.plan, t.manifest, **v1, 1);
   ASSERT_TRUE((*v1)->Release().ok());
+  // The daemon sees the lease end when the stream's cancellation reaches it: poll.
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (Versions(*r, "gpt").size() != 1 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
   EXPECT_THAT(Versions(*r, "gpt"), ::testing::ElementsAre(2));
   // Two open versions in one slab share the reader's one mapping of it.
   absl::StatusOr<std::unique_ptr<WeightsVersion>> a = r->Open("gpt");
