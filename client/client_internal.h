@@ -20,4 +20,11 @@ struct GpuApis {
 // Client::Connect, with `apis` instead of the CUDA runtime. Same errors.
 absl::StatusOr<std::unique_ptr<Client>> ConnectWithGpuApis(ClientOptions options, GpuApis apis);
 
+// WeightsReader::Connect with `opener` instead of CUDA IPC (device versions of a daemon with
+// simulated GPUs). Same errors.
+struct WeightsReaderAccess {
+  static absl::StatusOr<std::unique_ptr<WeightsReader>> Connect(
+      ClientOptions options, std::unique_ptr<DeviceMemoryOpener> opener);
+};
+
 }  // namespace flatshard::client::internal

@@ -3,12 +3,15 @@
 #include "client/weights_reader.h"
 
 #include <atomic>
+#include <map>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/channel_target.h"
+#include "client/client_internal.h"
+#include "client/cuda_ipc.h"
 #include "common/grpc_status.h"
 #include "common/limits.h"
 #include "common/shm_segment.h"
@@ -58,6 +61,7 @@ PublishedVersion FromProto(const v1::PublishedVersion& v) {
   out.generation = v.generation();
   out.bytes = v.bytes();
   out.tensors = v.tensors();
+  out.device = v.has_device() ? v.device() : -1;
   return out;
 }
 
@@ -68,6 +72,10 @@ absl::StatusOr<PublishedVersion> PublishCall(const std::shared_ptr<grpc::Channel
   FS_RETURN_IF_ERROR(CheckName("Publish", name));
   FS_RETURN_IF_ERROR(
       CheckLength("Publish", "options.reader_token", options.reader_token, kMaxTokenBytes));
+  if (options.device < -1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "Publish: options.device must be a GPU ordinal >= 0 or -1 (host), got ", options.device));
+  }
   if (options.dtype.has_value() && !IsFloatingPoint(*options.dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "Publish: options.dtype ", DTypeName(*options.dtype), " is not a floating type"));
@@ -79,6 +87,7 @@ absl::StatusOr<PublishedVersion> PublishCall(const std::shared_ptr<grpc::Channel
   if (options.dtype.has_value()) request.mutable_options()->set_dtype(ToProtoDType(*options.dtype));
   for (int64_t uid : options.reader_uids) request.mutable_options()->add_reader_uids(uid);
   request.mutable_options()->set_reader_token(options.reader_token);
+  if (options.device >= 0) request.mutable_options()->set_device(options.device);
   auto stub = v1::WeightsService::NewStub(channel);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, timeout);
@@ -122,6 +131,26 @@ absl::Status WeightsVersion::Release() {
 struct WeightsReader::Channel {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::WeightsService::Stub> stub;
+  // Device versions: each pool slab is opened once while versions in it are open (CUDA IPC
+  // refuses a second open of one allocation in a process), by (GPU uuid, handle).
+  std::unique_ptr<internal::DeviceMemoryOpener> opener;
+  absl::Mutex mu;
+  std::map<std::string, std::weak_ptr<internal::DeviceMapping>> slabs ABSL_GUARDED_BY(mu);
+
+  absl::StatusOr<std::shared_ptr<internal::DeviceMapping>> OpenSlab(const std::string& handle,
+                                                                    const std::string& uuid) {
+    absl::MutexLock lock(&mu);  // held across Open: two opens of one slab must not race
+    const std::string key = absl::StrCat(uuid, "/", handle);
+    if (std::shared_ptr<internal::DeviceMapping> m = slabs[key].lock()) return m;
+    FS_ASSIGN_OR_RETURN(std::unique_ptr<internal::DeviceMapping> opened,
+                        opener->Open(handle, uuid));
+    std::shared_ptr<internal::DeviceMapping> m = std::move(opened);
+    slabs[key] = m;
+    for (auto it = slabs.begin(); it != slabs.end();) {  // forget slabs no version holds
+      it = it->second.expired() ? slabs.erase(it) : std::next(it);
+    }
+    return m;
+  }
 };
 
 WeightsReader::WeightsReader(ClientOptions options, std::unique_ptr<Channel> channel)
@@ -130,6 +159,16 @@ WeightsReader::WeightsReader(ClientOptions options, std::unique_ptr<Channel> cha
 WeightsReader::~WeightsReader() = default;
 
 absl::StatusOr<std::unique_ptr<WeightsReader>> WeightsReader::Connect(ClientOptions options) {
+  return Connect(std::move(options), internal::NewCudaIpcOpener());
+}
+
+absl::StatusOr<std::unique_ptr<WeightsReader>> internal::WeightsReaderAccess::Connect(
+    ClientOptions options, std::unique_ptr<DeviceMemoryOpener> opener) {
+  return WeightsReader::Connect(std::move(options), std::move(opener));
+}
+
+absl::StatusOr<std::unique_ptr<WeightsReader>> WeightsReader::Connect(
+    ClientOptions options, std::unique_ptr<internal::DeviceMemoryOpener> opener) {
   FS_ASSIGN_OR_RETURN(options.address, internal::ChannelTarget(options.address));
   if (options.call_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError(
@@ -148,6 +187,7 @@ absl::StatusOr<std::unique_ptr<WeightsReader>> WeightsReader::Connect(ClientOpti
                                                absl::FormatDuration(options.call_timeout)));
   }
   channel->stub = v1::WeightsService::NewStub(channel->channel);
+  channel->opener = std::move(opener);
   return std::unique_ptr<WeightsReader>(new WeightsReader(std::move(options), std::move(channel)));
 }
 
@@ -192,13 +232,37 @@ absl::StatusOr<std::unique_ptr<WeightsVersion>> WeightsReader::Open(
       return s;
     }
   }
-  auto segment = std::make_shared<ShmSegment>();
-  FS_ASSIGN_OR_RETURN(*segment, ShmSegment::Open(d.segment(), d.segment_bytes(), false));
   std::unique_ptr<WeightsVersion> v(new WeightsVersion());
   v->info_ = internal::FromProto(d.version());
-  const char* base = static_cast<const char*>(segment->data());
+  const char* base = nullptr;
+  int device = -1;
+  if (v->info_.device >= 0) {
+    // In the daemon's GPU memory: the pool slab through CUDA IPC, the version inside it.
+    absl::StatusOr<std::shared_ptr<internal::DeviceMapping>> slab =
+        channel_->OpenSlab(d.ipc_handle(), d.device_uuid());
+    if (!slab.ok()) {
+      return absl::Status(
+          slab.status().code(),
+          absl::StrCat("Open of weights \"", name, "\" version ", v->info_.version,
+                       ": it is in device memory of the daemon's GPU ", v->info_.device, " (",
+                       d.device_uuid(), "): ", slab.status().message()));
+    }
+    if (d.offset() > d.segment_bytes()) {
+      return absl::InternalError(absl::StrCat("OpenWeights: offset ", d.offset(),
+                                              " is outside the ", d.segment_bytes(), "-byte slab"));
+    }
+    base = static_cast<const char*>((*slab)->data()) + d.offset();
+    device = (*slab)->device();
+    v->mapping_ = std::shared_ptr<const void>(*slab, (*slab)->data());
+  } else {
+    auto segment = std::make_shared<ShmSegment>();
+    FS_ASSIGN_OR_RETURN(*segment, ShmSegment::Open(d.segment(), d.segment_bytes(), false));
+    base = static_cast<const char*>(segment->data());
+    v->mapping_ = std::shared_ptr<const void>(segment, segment->data());
+  }
+  const uint64_t limit = d.segment_bytes() - (v->info_.device >= 0 ? d.offset() : 0);
   for (const v1::WeightsTensor& t : d.tensors()) {
-    if (t.offset() + t.bytes() > d.segment_bytes() || t.offset() + t.bytes() < t.offset()) {
+    if (t.offset() + t.bytes() > limit || t.offset() + t.bytes() < t.offset()) {
       return absl::InternalError(absl::StrCat("OpenWeights: tensor \"", t.name(), "\" at ",
                                               t.offset(), "+", t.bytes(), " is outside the ",
                                               d.segment_bytes(), "-byte segment"));
@@ -209,9 +273,9 @@ absl::StatusOr<std::unique_ptr<WeightsVersion>> WeightsReader::Open(
     w.shape.assign(t.shape().begin(), t.shape().end());
     w.data = base == nullptr ? nullptr : base + t.offset();
     w.bytes = static_cast<int64_t>(t.bytes());
+    w.device = device;
     v->tensors_.push_back(std::move(w));
   }
-  v->mapping_ = std::shared_ptr<const void>(segment, segment->data());
   v->lease_ = std::move(lease);
   return v;
 }

@@ -87,10 +87,11 @@ absl::StatusOr<std::unique_ptr<InstanceLock>> PrepareSocketPath(const std::strin
 // Out of line: inlined into Create it trips GCC 12's -Wmaybe-uninitialized on an absl::Cleanup.
 [[gnu::noinline]] absl::StatusOr<std::unique_ptr<Publisher>> MakePublisher(
     const DaemonConfig& config, ShardStore* store, GroupManager* groups,
-    DistributedPublish* distributed) {
+    DistributedPublish* distributed, std::vector<std::shared_ptr<gpu::DeviceContext>> gpus) {
   PublisherOptions o;
   o.store = store;
   o.groups = groups;
+  o.gpus = std::move(gpus);
   o.distributed = distributed;
   o.keep = config.weights_keep;
   o.daemon_uid = static_cast<int64_t>(::getuid());
@@ -139,6 +140,9 @@ absl::Status SetUpDescriptorBudget(const DaemonConfig& config, ShardStoreOptions
   if (config.memory_quota_bytes_per_uid < 0) {
     return absl::InvalidArgumentError("--memory_quota_mib_per_uid must be >= 0 (0: none)");
   }
+  if (config.gpu_memory_quota_bytes_per_uid < 0) {
+    return absl::InvalidArgumentError("--gpu_memory_quota_mib_per_uid must be >= 0 (0: none)");
+  }
   if (config.max_segments_per_uid < -1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_segments_per_uid must be -1 (auto), 0 (none) or more, got ",
@@ -168,6 +172,7 @@ absl::Status SetUpDescriptorBudget(const DaemonConfig& config, ShardStoreOptions
   const int64_t budget = std::max(soft - config.fd_reserve, soft / 2);
   store->max_segments = std::max<int64_t>(budget, 1);
   store->memory_quota_bytes_per_uid = config.memory_quota_bytes_per_uid;
+  store->device_quota_bytes_per_uid = config.gpu_memory_quota_bytes_per_uid;
   store->max_segments_per_uid = config.max_segments_per_uid < 0 ? std::max<int64_t>(budget / 2, 1)
                                                                 : config.max_segments_per_uid;
   FS_LOG(INFO) << "descriptors: limit " << soft
@@ -357,6 +362,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
                                                    absl::FormatDuration(config.lease_timeout)));
   }
   group_options.lease_timeout = config.lease_timeout;
+  const std::vector<std::shared_ptr<gpu::DeviceContext>> gpus = group_options.gpus;  // publisher
   d->groups_ = std::make_unique<GroupManager>(d->store_.get(), std::move(group_options));
   if (d->state_dir_ != nullptr) d->groups_->AdoptGroups(loaded.groups);
   if (d->checkpoint_peer_) d->checkpoint_peer_->SetGroups(d->groups_.get());
@@ -374,7 +380,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
     d->distributed_publish_ = std::make_unique<DistributedPublish>(d->weights_peer_client_.get());
   }
   FS_ASSIGN_OR_RETURN(d->publisher_, MakePublisher(config, d->store_.get(), d->groups_.get(),
-                                                   d->distributed_publish_.get()));
+                                                   d->distributed_publish_.get(), gpus));
   if (d->weights_peer_) {
     d->weights_peer_->SetTargets(d->groups_.get(), d->publisher_.get(),
                                  &d->distributed_publish_->rounds());

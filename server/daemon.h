@@ -93,6 +93,9 @@ struct DaemonConfig {
   int32_t max_groups_per_uid = 64;
   int64_t memory_quota_bytes_per_uid = 0;
   int64_t max_segments_per_uid = -1;
+  // Per uid: committed device memory (buffers allocated for the uid: published device
+  // versions, device shards), all GPUs together (0: none).
+  int64_t gpu_memory_quota_bytes_per_uid = 0;
   // Descriptors kept for everything but segments (sockets, gRPC, UCX, files): the segment
   // budget is the descriptor limit (raised to its hard limit at start) minus this.
   int64_t fd_reserve = 1024;

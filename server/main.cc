@@ -109,6 +109,9 @@ ABSL_FLAG(int32_t, max_groups_per_uid, 64,
 ABSL_FLAG(int64_t, memory_quota_mib_per_uid, 0,
           "host memory (shards and buffers) one uid's groups may hold, in MiB (0: no quota; "
           "--memory_limit_mib bounds all uids together)");
+ABSL_FLAG(int64_t, gpu_memory_quota_mib_per_uid, 0,
+          "device memory one uid may hold on this daemon's GPUs together, in MiB (published "
+          "device versions, device shards; 0: no quota; --gpu_memory_limit_mib bounds each GPU)");
 ABSL_FLAG(int64_t, max_segments_per_uid, -1,
           "shared-memory segments (one descriptor each) one uid's groups may hold; -1: half of "
           "the daemon's segment budget; 0: no quota");
@@ -283,6 +286,12 @@ int main(int argc, char** argv) {
     config.memory_quota_bytes_per_uid = mib << 20;
   } else {
     std::cerr << "flatshardd: --memory_quota_mib_per_uid must be >= 0, got " << mib << "\n";
+    return 1;
+  }
+  if (const int64_t mib = absl::GetFlag(FLAGS_gpu_memory_quota_mib_per_uid); mib >= 0) {
+    config.gpu_memory_quota_bytes_per_uid = mib << 20;
+  } else {
+    std::cerr << "flatshardd: --gpu_memory_quota_mib_per_uid must be >= 0, got " << mib << "\n";
     return 1;
   }
   config.max_segments_per_uid = absl::GetFlag(FLAGS_max_segments_per_uid);

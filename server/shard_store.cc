@@ -28,7 +28,8 @@ class StoreState {
       : limit_bytes_(options.memory_limit_bytes),
         uid_quota_bytes_(options.memory_quota_bytes_per_uid),
         max_segments_(options.max_segments),
-        uid_quota_segments_(options.max_segments_per_uid) {}
+        uid_quota_segments_(options.max_segments_per_uid),
+        uid_quota_device_bytes_(options.device_quota_bytes_per_uid) {}
 
   // Adds `bytes` of `kind` for `uid` unless that would exceed the limit, the uid's memory
   // quota or (`new_segment`: one more segment, i.e. one more open descriptor) the segment
@@ -129,11 +130,37 @@ class StoreState {
     return UsageLocked();
   }
 
-  // Device buffers: counted here for Usage(), limited by their pool.
-  void AddDevice(int64_t bytes, int64_t buffers) ABSL_LOCKS_EXCLUDED(mu_) {
+  // Device buffers: counted here for Usage() and for `uid`'s device quota (each GPU's pool
+  // limits its own bytes). `buffers`: 1 for a new buffer. Nothing changes on refusal.
+  absl::Status ChargeDevice(int64_t uid, int64_t bytes, int64_t buffers, BufferKind kind,
+                            absl::string_view label) ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
+    auto found = device_by_uid_.find(uid);
+    const int64_t mine = found == device_by_uid_.end() ? 0 : found->second;
+    if (uid_quota_device_bytes_ > 0 && bytes > uid_quota_device_bytes_ - mine) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("uid ", UidText(uid), " cannot allocate ", bytes, " bytes of ",
+                       BufferKindName(kind), " device memory", LabelSuffix(label), ": it uses ",
+                       mine, " bytes of its GPU memory quota of ", uid_quota_device_bytes_,
+                       " bytes (--gpu_memory_quota_mib_per_uid)"));
+    }
+    device_by_uid_[uid] += bytes;
     device_bytes_ += bytes;
     device_buffers_ += buffers;
+    return absl::OkStatus();
+  }
+  // Undoes ChargeDevice (`buffers`: 1 when the buffer is gone).
+  void UnchargeDevice(int64_t uid, int64_t bytes, int64_t buffers) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    device_bytes_ -= bytes;
+    device_buffers_ -= buffers;
+    auto it = device_by_uid_.find(uid);
+    if (it != device_by_uid_.end() && (it->second -= bytes) == 0) device_by_uid_.erase(it);
+  }
+  int64_t DeviceBytesOf(int64_t uid) const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    auto it = device_by_uid_.find(uid);
+    return it == device_by_uid_.end() ? 0 : it->second;
   }
   bool shut_down() const ABSL_LOCKS_EXCLUDED(mu_) {
     absl::MutexLock lock(&mu_);
@@ -204,10 +231,12 @@ class StoreState {
   }
 
   const int64_t limit_bytes_;
-  const int64_t uid_quota_bytes_;     // 0: none
-  const int64_t max_segments_;        // 0: none
-  const int64_t uid_quota_segments_;  // 0: none
+  const int64_t uid_quota_bytes_;         // 0: none
+  const int64_t max_segments_;            // 0: none
+  const int64_t uid_quota_segments_;      // 0: none
+  const int64_t uid_quota_device_bytes_;  // 0: none
   mutable absl::Mutex mu_;
+  absl::flat_hash_map<int64_t, int64_t> device_by_uid_ ABSL_GUARDED_BY(mu_);  // committed
   int64_t segments_ ABSL_GUARDED_BY(mu_) = 0;  // charged host segments (live or being made)
   absl::flat_hash_map<int64_t, UidUsage> by_uid_ ABSL_GUARDED_BY(mu_);
   std::array<int64_t, kNumBufferKinds> bytes_by_kind_ ABSL_GUARDED_BY(mu_){};
@@ -268,7 +297,7 @@ Buffer::~Buffer() {
     block_.reset();  // back to its pool
   }
   if (on_device()) {
-    state_->AddDevice(committed ? -bytes_ : 0, -1);
+    state_->UnchargeDevice(owner_uid_, committed ? bytes_ : 0, 1);
     FS_VLOG(2) << "freed kind=" << BufferKindName(kind_) << " bytes=" << bytes_
                << " device=" << placement_.device << " " << label_;
     return;
@@ -338,7 +367,7 @@ absl::Status Buffer::Decommit() {
   if (on_device()) {
     block_.reset();  // the slab stays in the pool: trainers' IPC mappings stay valid
     committed_ = false;
-    state_->AddDevice(-bytes_, 0);
+    state_->UnchargeDevice(owner_uid_, bytes_, 0);
     return absl::OkStatus();
   }
   absl::Status status = segment_.Decommit(0, segment_.size());
@@ -360,12 +389,15 @@ absl::Status Buffer::Commit() {
                                                         " buffer (", label_,
                                                         "): the shard store is shut down"));
     }
+    FS_RETURN_IF_ERROR(state_->ChargeDevice(owner_uid_, bytes_, 0, kind_, label_));
     absl::StatusOr<std::shared_ptr<gpu::DeviceBlock>> block =
         pool_->Allocate(static_cast<size_t>(bytes_), label_);
-    if (!block.ok()) return block.status();
+    if (!block.ok()) {
+      state_->UnchargeDevice(owner_uid_, bytes_, 0);
+      return block.status();
+    }
     block_ = *std::move(block);
     committed_ = true;
-    state_->AddDevice(bytes_, 0);
     return absl::OkStatus();
   }
   FS_RETURN_IF_ERROR(state_->Charge(kind_, bytes(), label_, /*recommit=*/true, owner_uid_,
@@ -387,11 +419,12 @@ absl::Status ShardStore::ValidateOptions(const ShardStoreOptions& options) {
         absl::StrCat("memory limit must be >= 0 bytes, got ", options.memory_limit_bytes));
   }
   if (options.memory_quota_bytes_per_uid < 0 || options.max_segments < 0 ||
-      options.max_segments_per_uid < 0) {
+      options.max_segments_per_uid < 0 || options.device_quota_bytes_per_uid < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("quotas must be >= 0 (0: none), got memory_quota_bytes_per_uid=",
                      options.memory_quota_bytes_per_uid, " max_segments=", options.max_segments,
-                     " max_segments_per_uid=", options.max_segments_per_uid));
+                     " max_segments_per_uid=", options.max_segments_per_uid,
+                     " device_quota_bytes_per_uid=", options.device_quota_bytes_per_uid));
   }
   return absl::OkStatus();
 }
@@ -413,7 +446,7 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, in
                                                    BufferKindName(kind), " memory (", label,
                                                    "): negative size"));
   }
-  if (placement.on_device()) return AllocateOnDevice(kind, bytes, label, placement);
+  if (placement.on_device()) return AllocateOnDevice(kind, bytes, label, placement, owner_uid);
   // Charge first so concurrent allocations can never overshoot the limit together; the
   // syscalls (fallocate of a large segment is slow) then run without the lock.
   FS_RETURN_IF_ERROR(
@@ -471,7 +504,8 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Allocate(BufferKind kind, in
 
 absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::AllocateOnDevice(BufferKind kind, int64_t bytes,
                                                                      absl::string_view label,
-                                                                     Placement placement) {
+                                                                     Placement placement,
+                                                                     int64_t owner_uid) {
   const int device = placement.device;
   if (device < 0 || device >= static_cast<int>(options_.device_pools.size()) ||
       options_.device_pools[device] == nullptr) {
@@ -485,21 +519,26 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::AllocateOnDevice(BufferKind 
                                                       "): the shard store is shut down"));
   }
   const std::shared_ptr<gpu::DevicePool>& pool = options_.device_pools[device];
-  FS_ASSIGN_OR_RETURN(std::shared_ptr<gpu::DeviceBlock> block,
-                      pool->Allocate(static_cast<size_t>(bytes), label));
-  state_->AddDevice(bytes, 1);
+  FS_RETURN_IF_ERROR(state_->ChargeDevice(owner_uid, bytes, 1, kind, label));
+  absl::StatusOr<std::shared_ptr<gpu::DeviceBlock>> block =
+      pool->Allocate(static_cast<size_t>(bytes), label);
+  if (!block.ok()) {
+    state_->UnchargeDevice(owner_uid, bytes, 1);
+    return block.status();
+  }
   FS_VLOG(2) << "allocated kind=" << BufferKindName(kind) << " bytes=" << bytes
              << " device=" << device << " slab=" << block->slab_id() << "+" << block->offset()
              << " " << label;
   return std::shared_ptr<Buffer>(new Buffer(state_, kind, placement, bytes, ShmSegment(),
-                                            std::move(block), pool, std::string(label), -1));
+                                            *std::move(block), pool, std::string(label),
+                                            owner_uid));
 }
 
 MemoryUsage ShardStore::Usage() const { return state_->Usage(); }
 
 ShardStore::UidUsage ShardStore::UsageOf(int64_t uid) const {
   const auto [bytes, segments] = state_->UidBytesAndSegments(uid);
-  return UidUsage{bytes, segments};
+  return UidUsage{bytes, segments, state_->DeviceBytesOf(uid)};
 }
 
 void Buffer::Disown() {

@@ -94,6 +94,9 @@ struct ShardStoreOptions {
   // Live host segments of all uids together: the daemon's descriptor budget for segments,
   // below its RLIMIT_NOFILE so that sockets and files still open when it is reached.
   int64_t max_segments = 0;
+  // Committed device bytes of one uid, all GPUs together (--gpu_memory_quota_mib_per_uid):
+  // buffers Allocate places on a device for that uid. 0: none.
+  int64_t device_quota_bytes_per_uid = 0;
 };
 
 // Where Allocate puts a buffer.
@@ -188,7 +191,7 @@ class Buffer {
   const BufferKind kind_;
   const Placement placement_;
   const int64_t bytes_;
-  const int64_t owner_uid_;  // whose quotas it counts against (-1 for device buffers: none)
+  const int64_t owner_uid_;  // whose quotas it counts against (device buffers: device quota)
   // Host: immutable after construction except for its pages (Commit/Decommit, under mu_).
   ShmSegment segment_;
   bool pinned_ = false;  // segment_ is page-locked (cudaHostRegister); set by Allocate
@@ -224,8 +227,10 @@ class ShardStore {
   // CAP_CHOWN (PERMISSION_DENIED otherwise). -1: the daemon's uid keeps it.
   // `placement`: host (default), pinned host (needs CUDA: FAILED_PRECONDITION without) or a
   // device of options().device_pools (FAILED_PRECONDITION for a device without a pool; the
-  // pool's RESOURCE_EXHAUSTED over its limit). owner_uid applies to host segments only (CUDA
-  // IPC has no owner; the daemon's socket admission is the check there).
+  // pool's RESOURCE_EXHAUSTED over its limit). On a device, owner_uid gives no ownership
+  // (CUDA IPC has none; the daemon's socket admission is the check there) but its bytes count
+  // against that uid's device_quota_bytes_per_uid (RESOURCE_EXHAUSTED naming the uid, the
+  // quota and its usage).
   absl::StatusOr<std::shared_ptr<Buffer>> Allocate(BufferKind kind, int64_t bytes,
                                                    absl::string_view label = "",
                                                    int64_t owner_uid = -1,
@@ -234,8 +239,9 @@ class ShardStore {
   MemoryUsage Usage() const;
   // What one uid holds of the per-uid quotas.
   struct UidUsage {
-    int64_t bytes = 0;     // committed host bytes
-    int64_t segments = 0;  // live host segments
+    int64_t bytes = 0;         // committed host bytes
+    int64_t segments = 0;      // live host segments
+    int64_t device_bytes = 0;  // committed device bytes (device_quota_bytes_per_uid)
   };
   UidUsage UsageOf(int64_t uid) const;
 
@@ -262,7 +268,7 @@ class ShardStore {
  private:
   absl::StatusOr<std::shared_ptr<Buffer>> AllocateOnDevice(BufferKind kind, int64_t bytes,
                                                            absl::string_view label,
-                                                           Placement placement);
+                                                           Placement placement, int64_t owner_uid);
 
   const ShardStoreOptions options_;
   const absl::Status options_status_;  // ValidateOptions(options_)

@@ -27,12 +27,17 @@ constexpr char kUsage[] =
     "           once no reader holds it. The owner, root or the daemon's uid only.\n"
     "Run 'flatshardctl weights SUBCOMMAND --help' for the flags.\n";
 
+// "host" (shared memory) or "gpu:N" (device memory of the daemon's GPU N).
+std::string Placement(const v1::PublishedVersion& v) {
+  return v.has_device() ? absl::StrCat("gpu:", v.device()) : "host";
+}
+
 nlohmann::json VersionJson(const v1::PublishedVersion& v) {
   return {{"name", v.name()},       {"owner_uid", v.owner_uid()},
           {"version", v.version()}, {"generation", v.generation()},
           {"bytes", v.bytes()},     {"tensors", v.tensors()},
           {"readers", v.readers()}, {"group", v.group()},
-          {"module", v.module()}};
+          {"module", v.module()},   {"placement", Placement(v)}};
 }
 
 std::vector<std::string> Row(const v1::PublishedVersion& v) {
@@ -43,11 +48,12 @@ std::vector<std::string> Row(const v1::PublishedVersion& v) {
           HumanBytes(v.bytes()),
           std::to_string(v.tensors()),
           std::to_string(v.readers()),
-          absl::StrCat(v.group(), "/", ModuleName(v.module()))};
+          absl::StrCat(v.group(), "/", ModuleName(v.module())),
+          Placement(v)};
 }
 
-const std::vector<std::string> kHeader = {"NAME",  "OWNER",   "VERSION", "GENERATION",
-                                          "BYTES", "TENSORS", "READERS", "FROM"};
+const std::vector<std::string> kHeader = {"NAME",    "OWNER",   "VERSION", "GENERATION", "BYTES",
+                                          "TENSORS", "READERS", "FROM",    "PLACEMENT"};
 
 const char* DTypeText(v1::DType d) {
   static const char* kNames[] = {"?",    "float32", "float16", "bfloat16", "float64",
@@ -84,7 +90,8 @@ int List(const std::vector<std::string>& args) {
   spec.description =
       "The published versions this caller may read (every version for root or the daemon's\n"
       "uid), of NAME or of every name: owner uid, version, committed generation, bytes,\n"
-      "tensors, open readers and the group/module it came from.\n";
+      "tensors, open readers, the group/module it came from and its placement (host shared\n"
+      "memory, or gpu:N: device memory of the daemon's GPU N).\n";
   spec.max_args = 1;
   spec.args_name = "NAME";
   return RunAdminCommand(spec, args, [](AdminCall& call) {
@@ -149,12 +156,21 @@ int Inspect(const std::vector<std::string>& args) {
       }
       nlohmann::json out = VersionJson(w.version());
       out["segment"] = w.segment();
+      if (w.version().has_device()) {
+        out["device_uuid"] = w.device_uuid();
+        out["offset"] = w.offset();
+      }
       out["tensor_list"] = tensors;
       std::cout << out.dump(2) << "\n";
       return 0;
     }
     std::cout << FormatTable({kHeader, Row(w.version())}) << "segment " << w.segment() << " ("
-              << HumanBytes(static_cast<int64_t>(w.segment_bytes())) << ")\n";
+              << HumanBytes(static_cast<int64_t>(w.segment_bytes())) << ")";
+    if (w.version().has_device()) {
+      std::cout << " on GPU " << w.version().device() << " " << w.device_uuid() << " at offset "
+                << w.offset();
+    }
+    std::cout << "\n";
     std::vector<std::vector<std::string>> rows = {{"TENSOR", "DTYPE", "SHAPE", "OFFSET", "BYTES"}};
     for (const auto& t : w.tensors()) {
       rows.push_back({t.name(), DTypeText(t.dtype()),

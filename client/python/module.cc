@@ -493,8 +493,8 @@ class PyClient {
   // Collective: publishes `module`'s committed step as the next version of `name`.
   client::PublishedVersion Publish(const std::string& module, const std::string& name,
                                    const std::string& dtype, const std::vector<int64_t>& uids,
-                                   const std::string& token) {
-    const client::PublishOptions options = MakePublishOptions(dtype, uids, token);
+                                   const std::string& token, int device) {
+    const client::PublishOptions options = MakePublishOptions(dtype, uids, token, device);
     const ClientRef c = Get("publish");
     absl::StatusOr<client::PublishedVersion> v;
     {
@@ -669,7 +669,7 @@ PYBIND11_MODULE(_C, m) {
       .def("checkpoint", &PyClient::Checkpoint, py::arg("kind"), py::arg("module"), py::arg("path"),
            py::arg("progress") = py::none())
       .def("publish", &PyClient::Publish, py::arg("module"), py::arg("name"), py::arg("dtype"),
-           py::arg("reader_uids"), py::arg("reader_token"))
+           py::arg("reader_uids"), py::arg("reader_token"), py::arg("device") = -1)
       .def("leave", &PyClient::Leave)
       .def("close", &PyClient::Close)
       .def_property_readonly("closed", &PyClient::closed)

@@ -16,10 +16,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "client/client_internal.h"
 #include "client/python/binding_util.h"
 #include "client/python/dlpack_export.h"
 #include "client/python/memoryview_export.h"
 #include "flatshard/dtype.h"
+#include "tests/testing/simulated_gpu.h"
 
 namespace flatshard::python {
 namespace {
@@ -44,8 +46,10 @@ OpenWeightsOptions MakeOpenOptions(std::optional<uint64_t> version, int64_t owne
 // reads), and after release() (the lease ends at once) they still point at mapped memory.
 class PyWeightsVersion {
  public:
-  explicit PyWeightsVersion(std::unique_ptr<WeightsVersion> v)
-      : v_(std::shared_ptr<WeightsVersion>(v.release())),
+  // `device_as_host`: device versions of simulated GPUs (host pointers) export as host memory.
+  PyWeightsVersion(std::unique_ptr<WeightsVersion> v, bool device_as_host)
+      : device_as_host_(device_as_host),
+        v_(std::shared_ptr<WeightsVersion>(v.release())),
         info_(v_->info()),
         keep_(std::make_shared<const std::vector<std::shared_ptr<const void>>>(
             std::vector<std::shared_ptr<const void>>{v_->mapping(), v_})) {}
@@ -86,17 +90,23 @@ class PyWeightsVersion {
   }
   py::list Dlpack() const {
     py::list out;
-    for (const WeightsTensor& t : Live()) out.append(ToDlpack(RegionOf(t), keep_, false));
+    for (const WeightsTensor& t : Live()) {
+      out.append(ToDlpack(RegionOf(t), keep_, device_as_host_));
+    }
     return out;
   }
   py::list Numpy() const {
     py::list out;
-    for (const WeightsTensor& t : Live()) out.append(ToNumpy(RegionOf(t), keep_, false));
+    for (const WeightsTensor& t : Live()) {
+      out.append(ToNumpy(RegionOf(t), keep_, false, device_as_host_));
+    }
     return out;
   }
   py::list Memoryviews() const {
     py::list out;
-    for (const WeightsTensor& t : Live()) out.append(ToMemoryview(RegionOf(t), keep_, false));
+    for (const WeightsTensor& t : Live()) {
+      out.append(ToMemoryview(RegionOf(t), keep_, false, device_as_host_));
+    }
     return out;
   }
 
@@ -114,6 +124,7 @@ class PyWeightsVersion {
   }
 
   mutable std::mutex mu_;  // guards released_ and Release
+  const bool device_as_host_;
   std::shared_ptr<WeightsVersion> v_;
   const PublishedVersion info_;
   Keepalive keep_;
@@ -123,7 +134,9 @@ class PyWeightsVersion {
 class PyWeightsReader {
  public:
   PyWeightsReader(std::string address, double call_timeout, int max_attempts,
-                  std::string tls_ca_file, std::string tls_cert_file, std::string tls_key_file) {
+                  std::string tls_ca_file, std::string tls_cert_file, std::string tls_key_file,
+                  bool simulated_gpus)
+      : simulated_gpus_(simulated_gpus) {
     client::ClientOptions options;
     options.address = std::move(address);
     options.call_timeout = Seconds(call_timeout, "call_timeout");
@@ -134,7 +147,9 @@ class PyWeightsReader {
     absl::StatusOr<std::unique_ptr<WeightsReader>> r;
     {
       py::gil_scoped_release release;
-      r = WeightsReader::Connect(std::move(options));
+      r = simulated_gpus ? client::internal::WeightsReaderAccess::Connect(
+                               std::move(options), std::make_unique<testing::SimulatedOpener>())
+                         : WeightsReader::Connect(std::move(options));
     }
     reader_ = std::shared_ptr<WeightsReader>(Unwrap(std::move(r)).release());
   }
@@ -152,7 +167,7 @@ class PyWeightsReader {
       py::gil_scoped_release release;
       v = r->Open(name, o);
       // Made here: a failure below must destroy the version (a Release RPC) without the GIL.
-      if (v.ok()) out = std::make_shared<PyWeightsVersion>(*std::move(v));
+      if (v.ok()) out = std::make_shared<PyWeightsVersion>(*std::move(v), simulated_gpus_);
     }
     if (out == nullptr) throw StatusError(v.status());
     return out;
@@ -203,6 +218,7 @@ class PyWeightsReader {
   }
 
   mutable std::mutex mu_;  // never held across a call into the reader
+  const bool simulated_gpus_;
   std::shared_ptr<WeightsReader> reader_;
 };
 
@@ -210,8 +226,9 @@ class PyWeightsReader {
 
 client::PublishOptions MakePublishOptions(const std::string& dtype,
                                           const std::vector<int64_t>& reader_uids,
-                                          const std::string& reader_token) {
+                                          const std::string& reader_token, int device) {
   client::PublishOptions o;
+  o.device = device;
   if (!dtype.empty()) {
     o.dtype = ParseDType(dtype);
     if (!o.dtype) {
@@ -231,7 +248,8 @@ void DefineWeights(py::module_& m) {
       .def_readonly("version", &PublishedVersion::version)
       .def_readonly("generation", &PublishedVersion::generation)
       .def_readonly("bytes", &PublishedVersion::bytes)
-      .def_readonly("tensors", &PublishedVersion::tensors);
+      .def_readonly("tensors", &PublishedVersion::tensors)
+      .def_readonly("device", &PublishedVersion::device);
 
   py::class_<PyWeightsVersion, std::shared_ptr<PyWeightsVersion>>(m, "WeightsVersion")
       .def_property_readonly("info", &PyWeightsVersion::info)
@@ -243,9 +261,10 @@ void DefineWeights(py::module_& m) {
       .def("memoryviews", &PyWeightsVersion::Memoryviews);
 
   py::class_<PyWeightsReader, std::shared_ptr<PyWeightsReader>>(m, "WeightsReader")
-      .def(py::init<std::string, double, int, std::string, std::string, std::string>(),
+      .def(py::init<std::string, double, int, std::string, std::string, std::string, bool>(),
            py::arg("address"), py::arg("call_timeout"), py::arg("max_attempts"),
-           py::arg("tls_ca_file"), py::arg("tls_cert_file"), py::arg("tls_key_file"))
+           py::arg("tls_ca_file"), py::arg("tls_cert_file"), py::arg("tls_key_file"),
+           py::arg("simulated_gpus") = false)
       .def("open", &PyWeightsReader::Open, py::arg("name"), py::arg("version"),
            py::arg("owner_uid"), py::arg("token"))
       .def("wait_for_version", &PyWeightsReader::WaitForVersion, py::arg("name"), py::arg("after"),

@@ -18,8 +18,9 @@ void DefineWeights(pybind11::module_& m);
 
 // PublishOptions from Python's arguments: `dtype` a flatshard dtype name, "" for the
 // parameters' own; throws StatusError (INVALID_ARGUMENT naming dtype) for an unknown one.
+// `device`: PublishOptions::device (-1: host memory).
 client::PublishOptions MakePublishOptions(const std::string& dtype,
                                           const std::vector<int64_t>& reader_uids,
-                                          const std::string& reader_token);
+                                          const std::string& reader_token, int device = -1);
 
 }  // namespace flatshard::python

@@ -70,6 +70,7 @@ struct WeightsMetrics {
   metrics::CounterFamily& copied;
   metrics::CounterFamily& reused;
   metrics::GaugeFamily& spare_bytes;
+  metrics::GaugeFamily& device_bytes;
 };
 
 const WeightsMetrics& Metrics() {
@@ -89,7 +90,10 @@ const WeightsMetrics& Metrics() {
                      "Publishes that copied into the spare segment of an earlier version "
                      "instead of a fresh one"),
         r.AddGauge("flatshard_weights_spare_bytes",
-                   "Bytes of the spare segments kept for the next version of their names")};
+                   "Bytes of the spare segments kept for the next version of their names"),
+        r.AddGauge("flatshard_weights_device_bytes",
+                   "Bytes of the published versions alive in GPU memory (also in "
+                   "flatshard_weights_bytes)")};
   }();
   return *m;
 }
@@ -103,6 +107,11 @@ WeightsDescriptor DescriptorOf(const WeightsInfo& info, const Buffer& b,
   d.segment = b.segment_name();
   d.segment_bytes = b.segment_bytes();
   d.tensors = layout.entries;
+  if (b.on_device()) {
+    d.ipc_handle = b.ipc_handle();
+    d.device_uuid = b.device_uuid();
+    d.offset = b.offset();
+  }
   return d;
 }
 
@@ -123,6 +132,7 @@ absl::Status Compare(const PublishArgs& first, const PublishArgs& a) {
   if (a.dtype != first.dtype) return Disagree(first, a, "options.dtype");
   if (a.reader_uids != first.reader_uids) return Disagree(first, a, "options.reader_uids");
   if (a.reader_token != first.reader_token) return Disagree(first, a, "options.reader_token");
+  if (a.device != first.device) return Disagree(first, a, "options.device");
   return absl::OkStatus();
 }
 
@@ -140,7 +150,10 @@ absl::Status Publisher::ValidateOptions(const PublisherOptions& options) {
 }
 
 Publisher::Publisher(PublisherOptions options)
-    : options_(std::move(options)), files_(options_.files_dir), worker_([this] { Run(); }) {
+    : options_(std::move(options)),
+      files_(options_.files_dir),
+      devices_(options_.store, options_.gpus),
+      worker_([this] { Run(); }) {
   Metrics();  // every family shows (at 0) from the first scrape
 }
 
@@ -180,9 +193,24 @@ void Publisher::Publish(PublishArgs args, PublishDone done) {
                                                  "bfloat16)")));
     return;
   }
+  if (args.device != -1) {
+    if (absl::Status s =
+            devices_.Check(args.name, args.device, args.reader_uids, args.reader_token);
+        !s.ok()) {
+      done(s);
+      return;
+    }
+  }
   absl::StatusOr<GroupManager::PublisherGroup> group = options_.groups->CheckPublisher(args.caller);
   if (!group.ok()) {
     done(group.status());
+    return;
+  }
+  if (group->multi && args.device >= 0) {
+    done(absl::FailedPreconditionError(absl::StrCat(
+        "Publish: options.device: group ", args.caller.group,
+        " has ranks on several daemons; its versions are host memory only (device versions "
+        "of such groups are not built)")));
     return;
   }
   if (group->multi && options_.distributed == nullptr) {
@@ -307,9 +335,12 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const
   auto v = std::make_shared<Version>();
   FS_RETURN_IF_ERROR(options_.groups->ReadCommitted(hold, [&](const CommittedCopies& c) {
     FS_ASSIGN_OR_RETURN(v->layout, LayOutWeights(c.plan, c.manifest, a.dtype));
-    // The spare segment of an earlier version when one fits (spare_segments.h).
-    v->buffer = spares_.Take(Key{c.owner_uid, a.name}, v->layout.bytes,
-                             Version::GrantsOf(a.reader_uids, a.reader_token, false));
+    // The spare segment of an earlier version when one fits (spare_segments.h); device
+    // versions fill a fresh host buffer and copy it to the GPU afterwards.
+    if (a.device < 0) {
+      v->buffer = spares_.Take(Key{c.owner_uid, a.name}, v->layout.bytes,
+                               Version::GrantsOf(a.reader_uids, a.reader_token, false));
+    }
     const bool reused = v->buffer != nullptr;
     Metrics().spare_bytes.WithLabels({}).Set(static_cast<double>(spares_.bytes()));
     absl::StatusOr<std::shared_ptr<Buffer>> buffer =
@@ -346,6 +377,19 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const
     v->info.module = c.module;
     return absl::OkStatus();
   }));
+  if (a.device >= 0) {  // once filled, with the committed copies released again
+    absl::StatusOr<std::shared_ptr<Buffer>> device = devices_.Upload(
+        *v->buffer, a.device, absl::StrCat("weights name=", a.name, " group=", v->info.group),
+        v->info.owner_uid);
+    if (!device.ok()) {
+      return absl::Status(device.status().code(),
+                          absl::StrCat("Publish of weights ", Quoted(a.name), " (", v->layout.bytes,
+                                       " bytes for ", OwnerText(v->info.owner_uid), ") to GPU ",
+                                       a.device, ": ", device.status().message()));
+    }
+    v->buffer = *std::move(device);  // the host buffer is freed here
+    v->info.device = a.device;
+  }
   // Read-only from now on, for everybody (the daemon keeps its read-write descriptor).
   const int fd = v->buffer->segment_fd();
   if (fd >= 0) {
@@ -446,6 +490,12 @@ void Publisher::InsertLocked(
 
 void Publisher::Store(const Version& v) {
   if (!files_.enabled()) return;
+  if (v.buffer->on_device()) {
+    // Not stored (a restart loses it); the name's older stored version must not come back
+    // in its place after a restart.
+    files_.Remove(v.info.owner_uid, v.info.name, 0);
+    return;
+  }
   {
     StoredWeights meta{v.info.name,
                        v.info.owner_uid,
@@ -511,6 +561,12 @@ absl::StatusOr<ExportedVersion> Publisher::Export(const WeightsSelector& selecto
                                                   int64_t uid) const {
   absl::MutexLock lock(&mu_);
   FS_ASSIGN_OR_RETURN(std::shared_ptr<Version> v, FindLocked(selector, uid));
+  if (v->info.device >= 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("weights ", Quoted(v->info.name), " version ", v->info.version, " of ",
+                     OwnerText(v->info.owner_uid), " is in device memory of GPU ", v->info.device,
+                     " of its daemon: device versions are not copied to other daemons"));
+  }
   ExportedVersion out;
   out.descriptor = DescriptorOf(v->info, *v->buffer, v->layout);
   out.reader_uids = v->reader_uids;
@@ -613,7 +669,8 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::FindLocked(
                                             OwnerText(owner),
                                             " on this daemon (published versions survive a daemon "
                                             "restart unless it runs with --ephemeral, "
-                                            "and then only the newest of each name)"));
+                                            "and then only the newest of each name; versions in "
+                                            "GPU memory never do)"));
   }
   std::shared_ptr<Version> v;
   if (selector.version == 0) {
@@ -778,7 +835,8 @@ void Publisher::Recycle(std::vector<std::shared_ptr<Version>>* freed) {
   for (std::shared_ptr<Version>& v : *freed) {
     // Only a segment nobody else holds (a file write in progress, a descriptor being built)
     // is reused; the daemon's own mapping then is the only one besides lapsed readers'.
-    if (v.use_count() == 1 && !v->dropped && v->buffer != nullptr && v->buffer.use_count() == 1) {
+    if (v.use_count() == 1 && !v->dropped && v->buffer != nullptr && !v->buffer->on_device() &&
+        v->buffer.use_count() == 1) {
       spares_.Offer(Key{v->info.owner_uid, v->info.name}, std::move(v->buffer), v->Grants());
     }
   }
@@ -788,9 +846,11 @@ void Publisher::Recycle(std::vector<std::shared_ptr<Version>>* freed) {
 
 void Publisher::UpdateGaugesLocked() {
   std::set<const Version*> alive;
-  int64_t bytes = 0, readers = 0;
+  int64_t bytes = 0, device_bytes = 0, readers = 0;
   auto add = [&](const std::shared_ptr<Version>& v) {
-    if (alive.insert(v.get()).second) bytes += v->info.bytes;
+    if (!alive.insert(v.get()).second) return;
+    bytes += v->info.bytes;
+    if (v->info.device >= 0) device_bytes += v->info.bytes;
   };
   for (const auto& [key, versions] : table_) {
     for (const auto& [n, v] : versions) add(v);
@@ -802,6 +862,7 @@ void Publisher::UpdateGaugesLocked() {
   const WeightsMetrics& m = Metrics();
   m.versions.WithLabels({}).Set(static_cast<double>(alive.size()));
   m.bytes.WithLabels({}).Set(static_cast<double>(bytes));
+  m.device_bytes.WithLabels({}).Set(static_cast<double>(device_bytes));
   m.readers.WithLabels({}).Set(static_cast<double>(readers));
 }
 

@@ -38,6 +38,10 @@
 //   of its name (spare_segments.h): the next version of that name is copied into it, memory
 //   already backed and mapped, at about memcpy speed (a fresh segment's page faults cost 20x
 //   the copy on the VMs measured). Readers must not read a version past its lease.
+// - GPU daemons (PublishArgs::device, device_versions.h): a version may be placed in device
+//   memory of one of the daemon's GPUs instead (filled on the host, then copied once), read
+//   through CUDA IPC by the owner uid only; such versions are never stored, copied to other
+//   daemons or reused as spares, and do not survive a restart.
 //
 // Thread safety: thread-safe. One lock (mu_), a leaf: never held across a copy, an allocation,
 // a group's lock, a callback or gRPC. Builds run on the publisher's own worker thread (never
@@ -63,6 +67,7 @@
 #include "absl/time/time.h"
 #include "common/dtype.h"
 #include "common/rpc_types.h"
+#include "server/publish/device_versions.h"
 #include "server/publish/spare_segments.h"
 #include "server/publish/weights_files.h"
 #include "server/publish/weights_layout.h"
@@ -84,14 +89,19 @@ struct WeightsInfo {
   int32_t readers = 0;  // open leases now
   std::string group;
   std::string module;
+  int32_t device = -1;  // the daemon's GPU holding it; -1: host shared memory
 };
 
-// What a reader maps: the segment and the index.
+// What a reader maps: the segment (device versions: the pool slab, opened through CUDA IPC
+// with `ipc_handle` on `device_uuid`, the version `offset` bytes into it) and the index.
 struct WeightsDescriptor {
   WeightsInfo info;
   std::string segment;
   int64_t segment_bytes = 0;
   std::vector<WeightsEntry> tensors;
+  std::string ipc_handle;
+  std::string device_uuid;
+  int64_t offset = 0;
 };
 
 // Which version a reader means.
@@ -109,6 +119,7 @@ struct PublishArgs {
   std::optional<DType> dtype;
   std::vector<int64_t> reader_uids;
   std::string reader_token;
+  int device = -1;  // >= 0: into device memory of the daemon's GPU with this ordinal
   absl::Time deadline = absl::InfiniteFuture();  // for the other ranks' arrivals
 };
 
@@ -153,6 +164,8 @@ struct PublisherOptions {
   std::string files_dir;
   // Multi-daemon groups (the daemon's peer channels); null: such groups are refused.
   DistributedPublish* distributed = nullptr;
+  // The daemon's GPUs (device versions); empty: host versions only.
+  std::vector<std::shared_ptr<gpu::DeviceContext>> gpus;
 };
 
 class Publisher {
@@ -175,8 +188,9 @@ class Publisher {
   // One rank's arrival at a collective publish; `done` runs once (on the worker thread or
   // here) when every rank of the group arrived and the version is in the table, or with the
   // error: INVALID_ARGUMENT (a bad name or dtype; ranks that disagree, naming the rank and the
-  // field), CheckCaller's errors, FAILED_PRECONDITION (nothing committed; a multi-daemon group
-  // on a daemon without peer channels),
+  // field; DeviceVersions::Check's), CheckCaller's errors, FAILED_PRECONDITION (nothing
+  // committed; a multi-daemon group on a daemon without peer channels, or asking for a device
+  // version; a GPU the daemon does not use),
   // RESOURCE_EXHAUSTED (quota or memory limit: uid, quota, usage), DEADLINE_EXCEEDED naming
   // the ranks that did not arrive by args.deadline, UNAVAILABLE after Shutdown.
   void Publish(PublishArgs args, PublishDone done);
@@ -211,7 +225,8 @@ class Publisher {
   // dropped). Returns what is in the table. UNAVAILABLE after Shutdown. Copies are not
   // written to the state directory (a restarted daemon copies them again).
   absl::StatusOr<WeightsInfo> AddCopy(CopiedVersion copy);
-  // The selected version held for another daemon, checked for reader `uid` (Open's errors).
+  // The selected version held for another daemon, checked for reader `uid` (Open's errors;
+  // FAILED_PRECONDITION for a device version: they are not copied between daemons).
   absl::StatusOr<ExportedVersion> Export(const WeightsSelector& selector, int64_t uid) const;
   // The newest version number of (owner uid, name) here; 0: none.
   uint64_t Newest(int64_t owner_uid, const std::string& name) const;
@@ -254,6 +269,7 @@ class Publisher {
 
   const PublisherOptions options_;
   WeightsFiles files_;  // used by the worker and Adopt only
+  const DeviceVersions devices_;
   SpareSegments spares_;
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

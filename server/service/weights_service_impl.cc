@@ -30,12 +30,16 @@ void FillInfo(const WeightsInfo& i, v1::PublishedVersion* out) {
   out->set_readers(i.readers);
   out->set_group(i.group);
   out->set_module(i.module);
+  if (i.device >= 0) out->set_device(i.device);
 }
 
 void FillDescriptor(const WeightsDescriptor& d, v1::OpenWeightsResponse* out) {
   FillInfo(d.info, out->mutable_version());
   out->set_segment(d.segment);
   out->set_segment_bytes(static_cast<uint64_t>(d.segment_bytes));
+  out->set_ipc_handle(d.ipc_handle);
+  out->set_device_uuid(d.device_uuid);
+  out->set_offset(static_cast<uint64_t>(d.offset));
   for (const WeightsEntry& e : d.tensors) {
     v1::WeightsTensor* t = out->add_tensors();
     t->set_name(e.name);
@@ -311,6 +315,14 @@ grpc::ServerUnaryReactor* WeightsServiceImpl::Publish(grpc::CallbackServerContex
   args.reader_uids.assign(request->options().reader_uids().begin(),
                           request->options().reader_uids().end());
   args.reader_token = request->options().reader_token();
+  if (request->options().has_device()) {
+    if (request->options().device() < 0) {
+      return Refuse(reactor, absl::InvalidArgumentError(absl::StrCat(
+                                 "Publish: options.device must be a GPU ordinal >= 0, got ",
+                                 request->options().device())));
+    }
+    args.device = request->options().device();
+  }
   // Answer a little before the client gives up, so it gets the message naming missing ranks.
   const absl::Time now = absl::Now();
   absl::Time deadline = std::min(absl::FromChrono(ctx->deadline()), now + default_wait_);

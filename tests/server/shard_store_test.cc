@@ -517,6 +517,52 @@ TEST_F(ShardStoreDeviceTest, RefusalsNameTheDeviceAndChangeNothing) {
   EXPECT_EQ(store.Usage().buffers, 0);
 }
 
+// Device bytes count per uid (--gpu_memory_quota_mib_per_uid), apart from host bytes, and
+// come back with Decommit, Commit and the buffer's end.
+TEST_F(ShardStoreDeviceTest, DeviceBytesCountAgainstTheUidsDeviceQuota) {
+  ShardStoreOptions o = DeviceOptions(8 << 20);
+  o.device_quota_bytes_per_uid = 12288;
+  ShardStore store(o);
+  const int64_t uid = static_cast<int64_t>(::geteuid());
+  absl::StatusOr<std::shared_ptr<Buffer>> a =
+      store.Allocate(BufferKind::kShard, 8192, "unit=0", uid, Placement::Device(1));
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(store.UsageOf(uid).device_bytes, 8192);
+  EXPECT_EQ(store.UsageOf(uid).bytes, 0) << "device bytes are not host bytes";
+  absl::StatusOr<std::shared_ptr<Buffer>> over =
+      store.Allocate(BufferKind::kStaging, 8192, "weights name=w", uid, Placement::Device(1));
+  ASSERT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  EXPECT_THAT(over.status().message(),
+              HasSubstr(absl::StrCat("uid ", uid,
+                                     " cannot allocate 8192 bytes of staging device "
+                                     "memory (weights name=w): it uses 8192 bytes of its GPU "
+                                     "memory quota of 12288 bytes "
+                                     "(--gpu_memory_quota_mib_per_uid)")));
+  EXPECT_EQ(store.UsageOf(uid).device_bytes, 8192) << "a refusal changes nothing";
+  EXPECT_EQ(store.Usage().device_bytes, 8192);
+  // Another uid has a quota of its own; host memory is not limited by it.
+  ASSERT_TRUE(store.Allocate(BufferKind::kShard, 8192, "other", -1, Placement::Device(1)).ok());
+  ASSERT_TRUE(store.Allocate(BufferKind::kShard, 65536, "host", uid).ok());
+  // Decommit returns the bytes to the quota, Commit charges them again (and may be refused).
+  absl::StatusOr<std::shared_ptr<Buffer>> u =
+      store.Allocate(BufferKind::kUnsharded, 4096, "full", uid, Placement::Device(1));
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ(store.UsageOf(uid).device_bytes, 12288);
+  ASSERT_TRUE((*u)->Decommit().ok());
+  EXPECT_EQ(store.UsageOf(uid).device_bytes, 8192);
+  absl::StatusOr<std::shared_ptr<Buffer>> fill =
+      store.Allocate(BufferKind::kStaging, 4096, "fill", uid, Placement::Device(1));
+  ASSERT_TRUE(fill.ok()) << fill.status();
+  EXPECT_EQ((*u)->Commit().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_FALSE((*u)->committed());
+  fill->reset();
+  ASSERT_TRUE((*u)->Commit().ok());
+  EXPECT_EQ(store.UsageOf(uid).device_bytes, 12288);
+  a->reset();
+  u->reset();
+  EXPECT_EQ(store.UsageOf(uid).device_bytes, 0);
+}
+
 TEST_F(ShardStoreTest, PinnedHostMemoryNeedsCudaAndLeavesNothingWithout) {
   ShardStore store(Options());
   absl::StatusOr<std::shared_ptr<Buffer>> b =

@@ -96,6 +96,8 @@ namespace client {
 
 namespace internal {
 class ClientCore;
+class DeviceMemoryOpener;
+struct WeightsReaderAccess;
 class ModuleLayout;
 class RidingEnds;
 class ShardViewsBuilder;
@@ -508,6 +510,12 @@ struct PublishOptions {
   // Non-empty: a reader presenting it (OpenWeightsOptions::token) may open them, whatever
   // its uid, also over TCP.
   std::string reader_token;
+  // >= 0: the version goes to device memory of the daemon's GPU with this ordinal (as the
+  // daemon numbers its GPUs: --gpus, --simulate_gpus) instead of host shared memory; readers
+  // open it through CUDA IPC (README "Versions in GPU memory"). Such a version is read by the
+  // publisher's uid only (reader_uids and reader_token must be empty), counts against the
+  // uid's --gpu_memory_quota_mib_per_uid and does not survive a daemon restart. -1: host.
+  int device = -1;
 };
 
 // One published version; also what WeightsReader::WaitForVersion and List report.
@@ -518,6 +526,7 @@ struct PublishedVersion {
   uint64_t generation = 0;  // the module's committed generation it holds
   int64_t bytes = 0;        // the version's segment: tensors and alignment
   int32_t tensors = 0;      // state_dict keys (tied parameters count under every key)
+  int device = -1;          // the daemon's GPU holding it (PublishOptions::device); -1: host
 };
 
 // A connection to one daemon. Thread-safe. One gRPC channel and stub per Client, one
@@ -753,7 +762,10 @@ class Client {
   // did not call (a group on several daemons: naming the daemon whose ranks did not call, or
   // the leader, rank 0's daemon, that did not read this daemon's shards). A group on several
   // daemons gets the version on every one of them (README "Published weights across
-  // daemons").
+  // daemons"). options.device (a version in GPU memory): INVALID_ARGUMENT for a negative
+  // ordinal or non-empty reader_uids/reader_token; FAILED_PRECONDITION naming the GPU when
+  // the daemon does not use it, or for a group on several daemons; RESOURCE_EXHAUSTED naming
+  // the uid for --gpu_memory_quota_mib_per_uid (and the GPU's pool limit).
   absl::StatusOr<PublishedVersion> Publish(const std::string& registered_module,
                                            const std::string& name,
                                            const PublishOptions& options = {});
@@ -820,9 +832,11 @@ struct WeightsTensor {
   std::string name;  // the state_dict key (FQN)
   DType dtype = DType::kFloat32;
   std::vector<int64_t> shape;  // empty for a scalar
-  const void* data = nullptr;  // mapped PROT_READ: writes fault
+  // Host versions: mapped PROT_READ (writes fault). Device versions: a device pointer into
+  // the daemon's memory mapped through CUDA IPC, which cannot be write-protected: never write.
+  const void* data = nullptr;
   int64_t bytes = 0;
-  int device = -1;  // CUDA ordinal in this process; -1: host memory
+  int device = -1;  // CUDA ordinal in this process of a device version's GPU; -1: host memory
 };
 
 // An open version (WeightsReader::Open): holds the reader's lease on it and the read-only
@@ -884,10 +898,15 @@ class WeightsReader {
 
   // Opens a version of `name` (latest, or options.version) read-only: maps its segment once
   // (O_RDONLY, PROT_READ) and holds a lease on it until the returned object is released or
-  // destroyed, or this process dies. No bytes are copied.
+  // destroyed, or this process dies. No bytes are copied. A version in the daemon's GPU
+  // memory (PublishedVersion::device >= 0) is opened through CUDA IPC instead: its tensors
+  // are device pointers on this process's ordinal of that GPU (WeightsTensor::device); the
+  // reader opens each pool slab once while versions in it are open.
   // Errors: NOT_FOUND naming the owner uid and name, or the version (and which versions
   // exist); PERMISSION_DENIED when the caller's uid or token is not granted; the RPC's;
-  // the mapping's (e.g. PERMISSION_DENIED, NOT_FOUND naming the segment).
+  // the mapping's (e.g. PERMISSION_DENIED, NOT_FOUND naming the segment); for a device
+  // version, FAILED_PRECONDITION naming the version and GPU when this process has no usable
+  // GPU (or was built without CUDA), NOT_FOUND when it cannot see that GPU.
   absl::StatusOr<std::unique_ptr<WeightsVersion>> Open(const std::string& name,
                                                        const OpenWeightsOptions& options = {});
   // Blocks until a version of `name` newer than `after` exists and returns it (at once when
@@ -903,8 +922,11 @@ class WeightsReader {
   const ClientOptions& options() const { return options_; }
 
  private:
+  friend struct internal::WeightsReaderAccess;  // tests: another DeviceMemoryOpener
   struct Channel;
   WeightsReader(ClientOptions options, std::unique_ptr<Channel> channel);
+  static absl::StatusOr<std::unique_ptr<WeightsReader>> Connect(
+      ClientOptions options, std::unique_ptr<internal::DeviceMemoryOpener> opener);
 
   ClientOptions options_;
   std::unique_ptr<Channel> channel_;

@@ -771,7 +771,8 @@ class Client:
         return self._c.broadcast(bytes(data), int(root))
 
     def publish(self, module: str, name: str, dtype: Any = None,
-                reader_uids: Iterable[int] = (), reader_token: Optional[str] = None) -> Any:
+                reader_uids: Iterable[int] = (), reader_token: Optional[str] = None,
+                device: Optional[int] = None) -> Any:
         """Collective: publishes `module`'s committed step (the last ``commit()``; the
         daemon builds it from its committed copies, so training may go on at once) as the
         next version of the weights `name`, for readers on this node
@@ -779,7 +780,10 @@ class Client:
         cast to `dtype` (a torch dtype or a flatshard dtype name such as "bfloat16"; None:
         the parameters' own). Readers: the publisher's uid, the uids in `reader_uids`, and
         whoever presents `reader_token`. Returns the ``flatshard.weights.PublishedVersion``
-        (every rank gets the same). Steps not committed are not in it: commit first."""
+        (every rank gets the same). Steps not committed are not in it: commit first.
+        `device` (an int): the version goes to device memory of the daemon's GPU with this
+        ordinal (README "Versions in GPU memory"; readers get CUDA tensors), read by this uid
+        only (no `reader_uids` / `reader_token`); None: host shared memory."""
         from .weights import PublishedVersion
         if dtype is None:
             dtype_name = ""
@@ -788,8 +792,13 @@ class Client:
         else:
             dtype_name = tensors("publish(dtype=torch dtype)").dtype_name(dtype)
         uids = [int(u) for u in reader_uids]
+        if device is not None and (isinstance(device, bool) or not isinstance(device, int)
+                                   or device < 0):
+            raise InvalidArgumentError(
+                f"publish: device must be a GPU ordinal (int >= 0) or None, got {device!r}")
         return PublishedVersion._of(
-            self._c.publish(module, name, dtype_name, uids, reader_token or ""))
+            self._c.publish(module, name, dtype_name, uids, reader_token or "",
+                            -1 if device is None else int(device)))
 
     def _unit(self, module: str, unit: int) -> dict[str, Any]:
         plan = self._plans.get(module)

@@ -68,11 +68,12 @@ class PublishedVersion:
     generation: int
     bytes: int
     tensors: int
+    device: int = -1  # the daemon's GPU holding it (publish(device=...)); -1: host memory
 
     @classmethod
     def _of(cls, v: Any) -> PublishedVersion:
         return cls(v.name, int(v.owner_uid), int(v.version), int(v.generation), int(v.bytes),
-                   int(v.tensors))
+                   int(v.tensors), int(v.device))
 
 
 def _version_arg(version: Union[str, int, None]) -> Optional[int]:
@@ -99,10 +100,13 @@ class Weights(Mapping):
     Holds the version (a lease) until ``close()``, the end of a ``with`` block, or garbage
     collection. Tensors handed out stay mapped after ``close()`` (no crash), but the daemon
     may then free the version or copy a newer version of the name into its memory: copy what
-    must outlive it (load_state_dict does)."""
+    must outlive it (load_state_dict does). A version in the daemon's GPU memory
+    (``info.device >= 0``) gives CUDA tensors on this process's ordinal of that GPU (CUDA IPC;
+    never write them: device memory cannot be mapped read-only)."""
 
-    def __init__(self, v: Any) -> None:
+    def __init__(self, v: Any, simulated_gpus: bool = False) -> None:
         self._v = v
+        self._simulated = simulated_gpus
         self._info = PublishedVersion._of(v.info)
         self._desc = builtins.list(v.describe())  # (name, dtype name, shape, device)
         self._index = {d[0]: i for i, d in enumerate(self._desc)}
@@ -155,6 +159,14 @@ class Weights(Mapping):
                     raise FailedPreconditionError(
                         f"weights {self.name!r} version {self.version}: closed")
                 t = tensors("flatshard.weights")
+                if self._info.device >= 0 and not self._simulated:
+                    import torch
+                    if not torch.cuda.is_available():
+                        raise FailedPreconditionError(
+                            f"weights {self.name!r} version {self.version} is in GPU memory "
+                            f"(the daemon's GPU {self._info.device}) and this torch has no "
+                            "CUDA: open it from a process with CUDA, or publish it to host "
+                            "memory (device=None)")
                 caps = self._v.dlpack()
                 self._tensors = {d[0]: t.from_capsule(c, d[1], writable=False)
                                  for d, c in zip(self._desc, caps)}
@@ -181,13 +193,27 @@ class Weights(Mapping):
     def shape(self, fqn: str) -> tuple[int, ...]:
         return tuple(self._desc[self._index[fqn]][2])
 
+    @property
+    def device(self) -> int:
+        """The daemon's GPU holding this version (-1: host shared memory)."""
+        return self._info.device
+
+    def _host_only(self, what: str) -> None:
+        if self._info.device >= 0 and not self._simulated:
+            raise FailedPreconditionError(
+                f"weights {self.name!r} version {self.version}: {what}() reads host memory and "
+                f"this version is in GPU memory (the daemon's GPU {self._info.device}): use "
+                "the tensors (w[name], CUDA)")
+
     def memoryviews(self) -> dict[str, memoryview]:
         """FQN -> read-only memoryview over the same bytes (format of the dtype, bfloat16 as
         "H"; host memory); needs neither torch nor numpy."""
+        self._host_only("memoryviews")
         return dict(zip((d[0] for d in self._desc), self._v.memoryviews()))
 
     def numpy(self) -> dict[str, np.ndarray]:
         """FQN -> read-only numpy array over the same bytes (bfloat16 as uint16)."""
+        self._host_only("numpy")
         return dict(zip((d[0] for d in self._desc), self._v.numpy()))
 
     def __repr__(self) -> str:
@@ -204,18 +230,22 @@ class Reader:
 
     def __init__(self, address: Optional[str] = None, call_timeout: float = 30.0,
                  max_attempts: int = 5, *, tls_ca_file: str = "", tls_cert_file: str = "",
-                 tls_key_file: str = "") -> None:
+                 tls_key_file: str = "", _simulated_gpus: bool = False) -> None:
         self.address = default_address() if address is None else address
         if not isinstance(self.address, str):
             raise InvalidArgumentError(
                 f"weights: address must be a str, got {type(self.address).__name__}")
+        # _simulated_gpus (tests only): open device versions of a `flatshardd --simulate_gpus`
+        # daemon (host shared memory) and present them as CPU tensors.
+        self._simulated = bool(_simulated_gpus)
         self._r = _C.WeightsReader(self.address, float(call_timeout), int(max_attempts),
-                                   tls_ca_file, tls_cert_file, tls_key_file)
+                                   tls_ca_file, tls_cert_file, tls_key_file, self._simulated)
 
     def open(self, name: str, version: Union[str, int] = "latest", *,
              owner: Optional[int] = None, token: Optional[str] = None) -> Weights:
         """Version ``version`` ("latest" or a number) of ``name``, held until closed."""
-        return Weights(self._r.open(name, _version_arg(version), _owner_arg(owner), token or ""))
+        return Weights(self._r.open(name, _version_arg(version), _owner_arg(owner), token or ""),
+                       self._simulated)
 
     def wait_for_version(self, name: str, after: int = 0, timeout: float = 60.0, *,
                          owner: Optional[int] = None,

@@ -197,7 +197,8 @@ class _StateDicts:
     # ------------------------------------------------------------------ publishing
     # (README "Publishing weights"). Collective: every rank calls it, with the same arguments.
     def publish(self, name: str, dtype: Any = None, *, reader_uids: Iterable[int] = (),
-                reader_token: Optional[str] = None, commit: bool = False) -> Any:
+                reader_token: Optional[str] = None, commit: bool = False,
+                device: Optional[int] = None) -> Any:
         """Publishes this module's committed step as the next version of the weights
         ``name`` for inference processes on the node (``flatshard.weights.open(name)``):
         the full parameters under the unwrapped module's ``state_dict()`` keys (tied
@@ -206,7 +207,8 @@ class _StateDicts:
         as trained). Nothing is gathered here: the daemon builds the version from its
         committed copies, and training may go on at once. Readers: this uid, the uids in
         ``reader_uids`` and whoever presents ``reader_token``. Returns the
-        ``flatshard.weights.PublishedVersion``.
+        ``flatshard.weights.PublishedVersion``. ``device``: a GPU ordinal of the daemon to
+        place the version in device memory (``Client.publish``); None: host memory.
 
         Only committed steps are published. A trainer that ends each step with
         ``model.step(optimizer)`` (or ``commit()``) publishes its last step as is. One that
@@ -233,7 +235,7 @@ class _StateDicts:
                     f"{self._generation}, not what was trained. Pass commit=True (on every "
                     f"rank), or end each step with model.step(optimizer)")
         return self._client.publish(self._name, name, dtype=dtype, reader_uids=reader_uids,
-                                    reader_token=reader_token)
+                                    reader_token=reader_token, device=device)
 
 
 def _load_post_hook(module: Any, incompatible_keys: Any) -> None:
