@@ -396,14 +396,12 @@ absl::Status Records::AdoptModule(const state::GroupRecord& rec, const state::Mo
     ++summary->lost_modules;
     return absl::OkStatus();
   }
-  // Shards as of the last commit: a writeback or an optimizer step may have torn them.
-  for (int32_t r : ranks) {
-    if (from_host.contains(r)) continue;  // fresh copies of the committed copy already
-    if (voted.contains(r)) continue;      // the first formation decides
-    for (const internal::DurablePair& d : internal::DurableBuffers(reg, r)) {
-      CopyHost(*d.committed, *d.live);
-    }
-  }
+  // The shards are adopted as they lie, uncopied: a writeback or an optimizer step may have
+  // torn them, and a trainer that missed the kill may still write into them, so the group's
+  // first formation restores them from the committed copies (rollback_due below; a voted
+  // rank is rolled forward or back there) before any rank re-joins. Copying them here too
+  // would only double the restart's bytes; a kill before that formation finds the same
+  // record, and the next daemon adopts it the same way.
   const uint64_t generation = ranks.empty() ? 0 : reg.generation[ranks.front()];
   lines->push_back(absl::StrCat(Display(m.name), " (", units, " units, ranks ",
                                 absl::StrJoin(ranks, ","), ", generation ", generation,

@@ -2,12 +2,14 @@
 // rank's shard of --bytes (one unit, world size 1) after a commit is killed with SIGKILL and
 // started again; measured from the restarted daemon's exec to the trainer's successful
 // re-register (join + Register re-attaching at the committed generation), and to its first
-// Summon (read-only, the full unit) after it. Baselines from the same run: a fresh daemon
-// (empty state directory) to a registered model of zeros of the same size and its first
-// Summon, and a plain memcpy of the same bytes in this process.
+// Summon (read-only, the full unit) after it; that Summon's own time against a Summon of the
+// same daemon before the kill (its second: buffers warm), as a ratio. Baselines from the same
+// run: a fresh daemon (empty state directory) to a registered model of zeros of the same size
+// and its first Summon, and a plain memcpy of the same bytes in this process.
 //
 //   build/tests/bench/flatshard_restart_benchmark [--bytes 1073741824] [--repeats 3]
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -33,9 +35,11 @@ using client::Client;
 using client::ClientOptions;
 
 struct Times {
-  double ready_ms = 0;     // exec to the socket accepting
-  double register_ms = 0;  // exec to Register answered (join + register)
-  double summon_ms = 0;    // exec to the first Summon answered
+  double ready_ms = 0;              // exec to the socket accepting
+  double register_ms = 0;           // exec to Register answered (join + register)
+  double summon_ms = 0;             // exec to the first Summon answered
+  double first_summon_call_ms = 0;  // the first Summon call alone
+  double warm_summon_call_ms = 0;   // a second Summon call alone (before the kill)
 };
 
 absl::StatusOr<Times> Attach(BenchDaemon& d, const std::string& binary, const std::string& tag,
@@ -62,10 +66,14 @@ absl::StatusOr<Times> Attach(BenchDaemon& d, const std::string& binary, const st
   }
   client::SummonOptions read;
   read.writeback = false;
-  {
+  // The first Summon; before a kill (`commit`) a second one too, the steady state's.
+  for (int i = 0; i < (commit ? 2 : 1); ++i) {
+    const Clock::time_point s0 = Clock::now();
     absl::StatusOr<std::unique_ptr<client::SummonedParams>> s = (*c)->Summon("", "", read);
     if (!s.ok()) return s.status();
-    t.summon_ms = MicrosSince(t0, Clock::now()) / 1000;
+    const Clock::time_point s1 = Clock::now();
+    (i == 0 ? t.first_summon_call_ms : t.warm_summon_call_ms) = MicrosSince(s0, s1) / 1000;
+    if (i == 0) t.summon_ms = MicrosSince(t0, s1) / 1000;
     if (absl::Status e = (*s)->End(); !e.ok()) return e;
   }
   if (commit) {
@@ -140,7 +148,7 @@ int Main() {
                  d.LogTail().c_str());
     return 1;
   }
-  std::vector<double> ready, reg, summon;
+  std::vector<double> ready, reg, summon, summon_call;
   for (int i = 0; i < repeats; ++i) {
     d.Kill();
     absl::StatusOr<Times> t = Attach(d, binary, tag, flags, numel, 1, /*commit=*/false);
@@ -152,6 +160,7 @@ int Main() {
     ready.push_back(t->ready_ms);
     reg.push_back(t->register_ms);
     summon.push_back(t->summon_ms);
+    summon_call.push_back(t->first_summon_call_ms);
   }
   d.Stop();
   std::filesystem::remove_all(state);
@@ -174,6 +183,11 @@ int Main() {
       "%.1f / %.1f / %.1f ms (median of %d; min re-registered %.1f, max %.1f)\n",
       Median(ready), Median(reg), Median(summon), repeats, Percentile(reg, 0),
       Percentile(reg, 100));
+  std::printf(
+      "Summon call: before the kill (second, warm) %.1f ms; first after the restart %.1f ms "
+      "(median): %.2fx\n",
+      fresh->warm_summon_call_ms, Median(summon_call),
+      Median(summon_call) / std::max(fresh->warm_summon_call_ms, 1e-3));
   if (without.ok() && with.ok() && with_nosync.ok()) {
     std::printf(
         "Commit of a 4 KiB model, 200 times: without --state_dir %.0f us median "

@@ -138,6 +138,27 @@ class AdoptionTest : public testing::GroupManagerHarness {
     }
   }
 
+  // Whether every kept `role` segment of `rank` named by `record` holds step `step`'s values.
+  static bool KeptHolds(const state::GroupRecord& record, int rank, const std::string& role,
+                        uint64_t step) {
+    for (const state::RankRecord& r : record.modules.at(0).ranks) {
+      if (r.rank != rank) continue;
+      for (const state::UnitRecord& u : r.units) {
+        for (const state::BufferRecord& b : u.buffers) {
+          if (b.role != role) continue;
+          absl::StatusOr<ShmSegment> seg =
+              ShmSegment::Open(b.segment, static_cast<size_t>(b.bytes), /*writable=*/false);
+          if (!seg.ok()) return false;
+          const float* data = static_cast<const float*>(seg->data());
+          for (int64_t i = 0; i < b.bytes / 4; ++i) {
+            if (data[i] != StepValue(step, rank, u.unit, i)) return false;
+          }
+        }
+      }
+    }
+    return true;
+  }
+
   // Every rank of "g" joins (their join results in `joins`) and re-attaches to module "" as a
   // restarted trainer does; returns the registrations (every step must succeed).
   std::vector<RegisterResult> Reattach(std::vector<Caller>* callers,
@@ -227,6 +248,26 @@ TEST_F(AdoptionTest, AdoptedGroupComesBackWithItsCommittedShardsGradientsAndGene
     ASSERT_TRUE(g.ok()) << g.status();
     EXPECT_EQ(*g, 3u);
   }
+}
+
+// Adoption copies no shard (issue 24): the shards stay as the kill left them (step 2 written on
+// top of the committed step 1) until the group's first formation restores them from the
+// committed copies, once; a daemon stopped again before that adopts the same record the same way.
+TEST_F(AdoptionTest, AdoptionLeavesTheShardsAsTheyLayUntilTheFirstFormation) {
+  DieAfterAStepAndAWrite();
+  absl::StatusOr<state::GroupRecord> rec = ReadRecord("g");
+  ASSERT_TRUE(rec.ok()) << rec.status();
+  for (int again = 0; again < 2; ++again) {
+    if (again == 1) StopKeepingShards();
+    EXPECT_EQ(Adopt().groups, 1) << "adoption " << again;
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_TRUE(KeptHolds(*rec, r, state::kRoleShard, 2))
+          << "adoption " << again << " rank " << r;
+      EXPECT_TRUE(KeptHolds(*rec, r, state::kRoleCommitted, 1))
+          << "adoption " << again << " rank " << r;
+    }
+  }
+  ExpectReattachedAt(1);
 }
 
 TEST_F(AdoptionTest, CommittedOptimizerStateComesBackWithTheShards) {

@@ -1,0 +1,238 @@
+#pragma once
+// The restart tests' fixture and helpers (restart_test.cc, restart_adopt_test.cc): real
+// flatshardd processes with a state directory, two ranks of the example GPT model, values
+// distinct per generation, rank, unit and element, and snapshots of every shard bit for bit.
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/plan.h"
+#include "common/shm_segment.h"
+#include "flatshard/client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/durable/journal.h"
+#include "server/durable/state_dir.h"
+#include "tests/testing/cluster.h"
+#include "tests/testing/daemon_process.h"
+#include "tests/testing/files.h"
+#include "tests/testing/rank_group.h"
+#include "tests/testing/simulated_gpu.h"
+
+namespace flatshard::client::restart_testing {
+
+using ::flatshard::testing::DaemonOptions;
+using ::flatshard::testing::DaemonProcess;
+using ::flatshard::testing::ExampleModelFile;
+using ::flatshard::testing::RunRanks;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Not;
+using ::testing::SizeIs;
+
+constexpr char kToken[] = "restart-t0k";
+constexpr int kWorld = 2;
+
+// `simulated_gpus`: the trainer side of flatshardd --simulate_gpus (tests/testing/simulated_gpu.h).
+inline std::unique_ptr<Client> Connect(const std::string& address, bool simulated_gpus = false) {
+  ClientOptions options;
+  options.address = address;
+  options.call_timeout = absl::Seconds(20);
+  options.join_timeout = absl::Seconds(20);
+  options.max_attempts = 1;
+  absl::StatusOr<std::unique_ptr<Client>> client =
+      simulated_gpus
+          ? internal::ConnectWithGpuApis(options, ::flatshard::testing::SimulatedGpuApis())
+          : Client::Connect(options);
+  EXPECT_TRUE(client.ok()) << client.status();
+  return client.ok() ? *std::move(client) : nullptr;
+}
+
+// The value of shard element `i` of unit `u` of `rank` at generation `g`: distinct between
+// generations, units and ranks (so a mix or a swap is seen), never zero.
+inline float Value(uint64_t g, int rank, int32_t u, int64_t i) {
+  return static_cast<float>(g * 100000 + rank * 10000 + u * 1000 + 1 + i % 997);
+}
+
+struct Rank {
+  std::unique_ptr<Client> client;
+  RegisteredModule model;
+};
+
+// Bytes of every shard and gradient shard of one rank, per unit.
+struct Snapshot {
+  std::vector<std::string> shards;
+  std::vector<std::string> grads;
+  uint64_t generation = 0;
+};
+
+inline Snapshot Take(Client& c) {
+  Snapshot s;
+  absl::StatusOr<ShardViews> views = c.GetShardViews("");
+  EXPECT_TRUE(views.ok()) << views.status();
+  if (!views.ok()) return s;
+  s.generation = views->generation();
+  for (const UnitShardView& u : *views) {
+    const size_t bytes = static_cast<size_t>(u.shard_numel) * 4;
+    s.shards.emplace_back(static_cast<const char*>(u.data), bytes);
+    s.grads.emplace_back(u.grad == nullptr ? std::string()
+                                           : std::string(static_cast<const char*>(u.grad), bytes));
+  }
+  return s;
+}
+
+// Writes generation `g`'s values into every shard of `rank` (the optimizer, in place).
+inline void WriteShards(Client& c, int rank, uint64_t g) {
+  absl::StatusOr<ShardViews> views = c.GetShardViews("");
+  ASSERT_TRUE(views.ok()) << views.status();
+  for (const UnitShardView& u : *views) {
+    float* data = static_cast<float*>(u.data);
+    for (int64_t i = 0; i < u.shard_numel; ++i) data[i] = Value(g, rank, u.unit, i);
+  }
+}
+
+class RestartTest : public ::testing::Test {
+ protected:
+  // Waits (at most 20 s) until the daemon, started with --testing_commit_copy_pause, has torn
+  // a committed copy and paused, then kills it with SIGKILL. False if it never paused.
+  static bool KillOnceACommitCopyPaused(DaemonProcess& d) {
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    auto paused = [&] { return absl::StrContains(d.Log(), "testing: commit copy"); };
+    while (!paused() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(20));
+    const bool was_paused = paused();
+    d.Kill();
+    return was_paused;
+  }
+  // A daemon with a state directory in the test's temp dir (kept across restarts).
+  std::unique_ptr<DaemonProcess> StartDaemon(std::vector<std::string> extra = {}) {
+    state_dir_ = std::filesystem::temp_directory_path() /
+                 absl::StrCat("fsrestart-state.", getpid(), ".", counter_++);
+    DaemonOptions o;
+    o.tag_prefix = "fsrst";
+    o.extra_flags = {"--state_dir=" + state_dir_.string()};
+    for (std::string& f : extra) o.extra_flags.push_back(std::move(f));
+    return std::make_unique<DaemonProcess>(o);
+  }
+  void TearDown() override {
+    std::error_code ignored;
+    if (!state_dir_.empty()) std::filesystem::remove_all(state_dir_, ignored);
+  }
+
+  // Every rank connects and joins; `expect_modules`: what Join reports to re-attach.
+  void JoinAll(DaemonProcess& d, std::vector<Rank>& ranks, size_t expect_modules) {
+    ranks.resize(kWorld);
+    RunRanks(kWorld, [&](int r) {
+      ranks[r].client = Connect(d.address(), simulated_gpus_);
+      ASSERT_NE(ranks[r].client, nullptr);
+      absl::Status joined = ranks[r].client->Join("g", kWorld, r, kToken);
+      ASSERT_TRUE(joined.ok()) << "rank " << r << ": " << joined;
+      EXPECT_THAT(ranks[r].client->registered_modules(), SizeIs(expect_modules)) << "rank " << r;
+    });
+  }
+  void RegisterAll(std::vector<Rank>& ranks, uint64_t want_generation) {
+    const std::string manifest = ExampleModelFile("gpt_tied", "manifest");
+    const std::string policy = ExampleModelFile("gpt_tied", "policy");
+    RunRanks(kWorld, [&](int r) {
+      absl::StatusOr<RegisteredModule> m =
+          ranks[r].client->Register("", manifest, policy, InitMode::kZeros);
+      ASSERT_TRUE(m.ok()) << "rank " << r << ": " << m.status();
+      EXPECT_EQ(m->generation, want_generation) << "rank " << r;
+      ranks[r].model = *std::move(m);
+    });
+  }
+  // Steps 1..n: write generation g's values, a gradient for every unit, commit.
+  void Train(std::vector<Rank>& ranks, uint64_t from, uint64_t to) {
+    for (uint64_t g = from; g <= to; ++g) {
+      RunRanks(kWorld, [&](int r) {
+        WriteShards(*ranks[r].client, r, g);
+        for (const PlanUnit& u : ranks[r].model.plan->units) {
+          absl::Status s = ranks[r].client->ReduceScatterGrads(
+              "", u.index, ReduceOp::kSum, false, [&](PendingReduceScatter& p) {
+                float* data = static_cast<float*>(p.data());
+                for (int64_t i = 0; i < p.numel(); ++i) data[i] = static_cast<float>(g + i % 7);
+                return absl::OkStatus();
+              });
+          ASSERT_TRUE(s.ok()) << "rank " << r << " unit " << u.index << ": " << s;
+        }
+        absl::StatusOr<uint64_t> c = ranks[r].client->Commit("");
+        ASSERT_TRUE(c.ok()) << "rank " << r << ": " << c.status();
+        EXPECT_EQ(*c, g);
+      });
+    }
+  }
+  // After a restart: joins, re-attaches at `generation` and finds `want` bit for bit; a
+  // read-only summon and one more commit work.
+  void ExpectReattached(DaemonProcess& d, std::vector<Rank>& ranks, uint64_t generation,
+                        const std::vector<Snapshot>& want, bool commit_after = true,
+                        bool grads_kept = true) {
+    JoinAll(d, ranks, 1);
+    RegisterAll(ranks, generation);
+    for (int r = 0; r < kWorld; ++r) {
+      SCOPED_TRACE(absl::StrCat("rank ", r));
+      Snapshot now = Take(*ranks[r].client);
+      EXPECT_EQ(now.generation, generation);
+      ASSERT_EQ(now.shards.size(), want[r].shards.size());
+      for (size_t u = 0; u < now.shards.size(); ++u) {
+        EXPECT_TRUE(now.shards[u] == want[r].shards[u]) << "unit " << u << ": shard differs";
+        if (grads_kept) {
+          EXPECT_TRUE(now.grads[u] == want[r].grads[u]) << "unit " << u << ": gradient differs";
+        } else {
+          EXPECT_TRUE(now.grads[u].empty()) << "unit " << u << ": a gradient shard came back";
+        }
+      }
+    }
+    RunRanks(kWorld, [&](int r) {
+      SummonOptions read;
+      read.writeback = false;
+      absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", read);
+      ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+      ASSERT_TRUE((*s)->End().ok());
+    });
+    if (commit_after) Train(ranks, generation + 1, generation + 1);
+  }
+  // Restarts `d` and waits until it has adopted what its state directory holds (it listens
+  // on its socket a little before).
+  bool Restart(DaemonProcess& d) {
+    auto count = [&] {
+      const std::string log = d.Log();
+      int n = 0;
+      for (size_t at = log.find("restart: adopted"); at != std::string::npos;
+           at = log.find("restart: adopted", at + 1)) {
+        ++n;
+      }
+      return n;
+    };
+    const int before = count();
+    if (!d.Restart()) return false;
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    while (count() <= before && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
+    return count() > before;
+  }
+
+  std::filesystem::path state_dir_;
+  bool simulated_gpus_ = false;
+  static inline int counter_ = 0;
+};
+
+// The expected state of every rank: generation g's values and the gradients of step g.
+inline std::vector<Snapshot> Expected(std::vector<Rank>& ranks) {
+  std::vector<Snapshot> out;
+  for (Rank& r : ranks) out.push_back(Take(*r.client));
+  return out;
+}
+
+}  // namespace flatshard::client::restart_testing
