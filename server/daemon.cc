@@ -324,7 +324,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   // that fails from here on removes it (under the lock: never another daemon's).
   FS_ASSIGN_OR_RETURN(std::unique_ptr<access::UnixSocketAcceptor> acceptor,
                       access::UnixSocketAcceptor::Listen(config.socket_path, config.socket_group));
-  absl::Cleanup remove_socket = [&config] { ::unlink(config.socket_path.c_str()); };
+  // The path as a plain pointer (`config` outlives Create): GCC 12 sees a string captured by
+  // reference here as maybe-uninitialized (-Werror) depending on DaemonConfig's layout.
+  absl::Cleanup remove_socket = [path = config.socket_path.c_str()] { ::unlink(path); };
   // Restarts: the records of the previous daemon's groups; their segments stay, every other
   // segment it left goes (refused records' segments are left alone too).
   std::unique_ptr<state::StateDir> state_dir;
