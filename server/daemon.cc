@@ -329,7 +329,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   // that fails from here on removes it (under the lock: never another daemon's).
   FS_ASSIGN_OR_RETURN(std::unique_ptr<access::UnixSocketAcceptor> acceptor,
                       access::UnixSocketAcceptor::Listen(config.socket_path, config.socket_group));
-  absl::Cleanup remove_socket = [&config] { ::unlink(config.socket_path.c_str()); };
+  // A plain guard, not absl::Cleanup: GCC 12 reports absl::Cleanup's stored callback here as
+  // maybe-uninitialized (-Werror), depending on DaemonConfig's layout.
+  struct SocketGuard {
+    const char* path;
+    bool armed = true;
+    ~SocketGuard() {
+      if (armed) ::unlink(path);
+    }
+  } remove_socket{config.socket_path.c_str()};
   // Restarts: the records of the previous daemon's groups; their segments stay, every other
   // segment it left goes (refused records' segments are left alone too).
   std::unique_ptr<state::StateDir> state_dir;
@@ -416,7 +424,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
                << (config.tcp_address.empty() ? "" : " and " + config.tcp_address)
                << ", segments /dev/shm/" << config.segment_prefix << ".*"
                << (d->peer_address_.empty() ? "" : ", peers on " + d->peer_address_);
-  std::move(remove_socket).Cancel();
+  remove_socket.armed = false;
   d->socket_lock_ = std::move(socket_lock);
   d->state_dir_lock_ = std::move(state_dir_lock);
   d->started_ = true;
