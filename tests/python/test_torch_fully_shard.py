@@ -15,7 +15,8 @@ import torch.nn as nn
 import flatshard
 import flatshard.testing
 from flatshard.torch import (FlatShardModule, MixedPrecision, MixedPrecisionPolicy,
-                             ModuleWrapPolicy, ShardingStrategy, fully_shard)
+                             ModuleWrapPolicy, ShardingStrategy, fully_shard,
+                             summon_full_params)
 from conftest import run_group
 from small_torch_models import Block, Net, batch
 
@@ -65,6 +66,11 @@ def with_fully_shard(daemon, reshard, mp_policy=None):
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         out = train(model, opt, rank, model.step, list(model.named_parameters()))
         assert len(out[1]) == 12 and model.generation == STEPS
+        full = model.flatshard.state_dict()
+        with summon_full_params(model):  # the root itself names its wrapper
+            assert torch.equal(model.blocks[0].fc.weight, full["blocks.0.fc.weight"])
+        own = model.state_dict()  # the module's own: this rank's 1-D parts
+        assert torch.equal(own["inp.weight"], model.inp.weight.detach().reshape(-1))
         return out + ([u.path for u in model.flatshard._units],
                       model.flatshard.sharding_strategy, model.flatshard.state_dict())
 
