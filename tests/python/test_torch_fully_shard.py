@@ -15,7 +15,8 @@ import torch.nn as nn
 import flatshard
 import flatshard.testing
 from flatshard.torch import (FlatShardModule, MixedPrecision, MixedPrecisionPolicy,
-                             ModuleWrapPolicy, ShardingStrategy, fully_shard)
+                             ModuleWrapPolicy, ShardingStrategy, fully_shard,
+                             summon_full_params)
 from conftest import run_group
 from small_torch_models import Block, Net, batch
 
@@ -35,8 +36,9 @@ def daemon():
         yield d
 
 
-def train(model, opt, rank, step_fn):
-    """STEPS committed SGD steps; the losses, then the parameters and gradients."""
+def train(model, opt, rank, step_fn, named=()):
+    """STEPS committed SGD steps; the losses, then the parameters and gradients of `named`
+    ((fqn, parameter) pairs), in fqn order."""
     losses = []
     for step in range(STEPS):
         x, y = batch(10 * rank + step)
@@ -45,8 +47,9 @@ def train(model, opt, rank, step_fn):
         loss.backward()
         losses.append(loss.detach().clone())
         step_fn(opt)
-    params = [p.detach().clone() for p in opt.param_groups[0]["params"]]
-    grads = [p.grad.clone() for p in opt.param_groups[0]["params"]]
+    named = sorted(named, key=lambda np: np[0])
+    params = [p.detach().clone() for _, p in named]
+    grads = [p.grad.clone() for _, p in named]
     return losses, params, grads
 
 
@@ -61,8 +64,13 @@ def with_fully_shard(daemon, reshard, mp_policy=None):
         assert isinstance(model, Net) and type(model).__name__ == "FlatShardNet"
         assert [id(p) for p in model.parameters()] == before  # the same Parameter objects
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        out = train(model, opt, rank, model.step)
-        assert model.generation == STEPS
+        out = train(model, opt, rank, model.step, list(model.named_parameters()))
+        assert len(out[1]) == 12 and model.generation == STEPS
+        full = model.flatshard.state_dict()
+        with summon_full_params(model):  # the root itself names its wrapper
+            assert torch.equal(model.blocks[0].fc.weight, full["blocks.0.fc.weight"])
+        own = model.state_dict()  # the module's own: this rank's 1-D parts
+        assert torch.equal(own["inp.weight"], model.inp.weight.detach().reshape(-1))
         return out + ([u.path for u in model.flatshard._units],
                       model.flatshard.sharding_strategy, model.flatshard.state_dict())
 
@@ -75,7 +83,7 @@ def with_wrapper(daemon, strategy, mixed_precision=None):
                                 use_orig_params=True, sharding_strategy=strategy,
                                 mixed_precision=mixed_precision)
         opt = torch.optim.SGD(model.sharded_parameters(), lr=0.1, momentum=0.9)
-        out = train(model, opt, rank, model.step)
+        out = train(model, opt, rank, model.step, model.named_sharded_parameters())
         return out + ([u.path for u in model._units], model.sharding_strategy,
                       model.state_dict())
 
