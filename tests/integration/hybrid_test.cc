@@ -374,7 +374,8 @@ INSTANTIATE_TEST_SUITE_P(Strategies, HybridTest,
                          });
 
 // Ranks of one daemon that are not consecutive (rank r on daemon r % 2): no node is a block of
-// the device mesh, so every rank's register is refused, naming the daemons and their ranks.
+// the device mesh, so every rank's register is refused (FAILED_PRECONDITION, the refusing
+// rank's code), naming the daemons and their ranks.
 TEST(HybridRefusedTest, NonConsecutiveRanksOfADaemonAreRefusedAtRegister) {
   Cluster c(Layout::kTwoDaemons, Options());
   std::vector<Rank> ranks = JoinAll(c, [](int r) { return r % 2; });
