@@ -31,7 +31,9 @@ struct RegisterRecord {
   uint8_t planned;    // 1: the rank's manifest and policy were accepted
   uint8_t allocated;  // 1: the rank's shards (and init buffers) are allocated
   uint8_t init;
-  uint8_t reserved;
+  // A refused plan's absl::StatusCode (INVALID_ARGUMENT for bad input, FAILED_PRECONDITION
+  // for a group HYBRID_* cannot shard over); 0 from daemons that never set it: INVALID_ARGUMENT.
+  uint8_t refused_code;
   char text[440];  // why planning or allocation failed; NUL-padded, truncated
 };
 static_assert(sizeof(RegisterRecord) == 512);
@@ -73,6 +75,7 @@ class RegistrationExchange : public std::enable_shared_from_this<RegistrationExc
     mine_.planned = plan.ok() ? 1 : 0;
     mine_.allocated = p_.allocation.ok() ? 1 : 0;
     mine_.init = static_cast<uint8_t>(p_.init);
+    mine_.refused_code = plan.ok() ? 0 : static_cast<uint8_t>(plan.status().code());
     if (plan.ok()) {
       std::memcpy(mine_.fingerprint, plan->fingerprint.data(),
                   std::min<size_t>(plan->fingerprint.size(), sizeof(mine_.fingerprint)));
@@ -120,11 +123,15 @@ class RegistrationExchange : public std::enable_shared_from_this<RegistrationExc
   void OnRecords() {
     for (int32_t k = 0; k < p_.world_size; ++k) {
       if (all_[k].planned) continue;
-      Finish(k == p_.rank ? p_.plan->status()
-                          : absl::InvalidArgumentError(absl::StrCat(
-                                "group ", p_.group, ": rank ", k, "'s registration of module ",
-                                Display(p_.module),
-                                " was refused: ", TextOf(all_[k].text, sizeof(all_[k].text)))));
+      const absl::StatusCode code = all_[k].refused_code == 0
+                                        ? absl::StatusCode::kInvalidArgument
+                                        : static_cast<absl::StatusCode>(all_[k].refused_code);
+      Finish(k == p_.rank
+                 ? p_.plan->status()
+                 : absl::Status(code, absl::StrCat("group ", p_.group, ": rank ", k,
+                                                   "'s registration of module ", Display(p_.module),
+                                                   " was refused: ",
+                                                   TextOf(all_[k].text, sizeof(all_[k].text)))));
       return;
     }
     for (int32_t k = 0; k < p_.world_size; ++k) {

@@ -1,11 +1,11 @@
 // HYBRID_SHARD and _HYBRID_SHARD_ZERO2 across daemons: two real flatshardd processes stand in
 // for two nodes with two ranks each (ranks 0, 1 on daemon 0; 2, 3 on daemon 1), trainers are
 // threads with their own Client. The plan shards within a daemon's ranks (shard_world_size 2)
-// and replicates across daemons; summons (float32, and bfloat16 compute summons), gradient
-// reductions (sum and average, in float32), commits,
-// checkpoint save and load, and publishing are checked to the element against references
-// computed here. Values are small integers or quarters: every sum is exact in float32.
-// A group whose daemons host non-consecutive ranks is refused at register, naming them.
+// and replicates across daemons; summons (float32, bfloat16 compute, rank0_only), gradient
+// reductions (sum and average, in float32), commits, checkpoint save and load, and publishing
+// are checked to the element against references computed here. Values are small integers or
+// quarters: every sum is exact in float32. A group whose daemons host non-consecutive ranks
+// is refused at register, naming them.
 
 #include <cstdint>
 #include <cstring>
@@ -374,7 +374,8 @@ INSTANTIATE_TEST_SUITE_P(Strategies, HybridTest,
                          });
 
 // Ranks of one daemon that are not consecutive (rank r on daemon r % 2): no node is a block of
-// the device mesh, so every rank's register is refused, naming the daemons and their ranks.
+// the device mesh, so every rank's register is refused (FAILED_PRECONDITION, the refusing
+// rank's code), naming the daemons and their ranks.
 TEST(HybridRefusedTest, NonConsecutiveRanksOfADaemonAreRefusedAtRegister) {
   Cluster c(Layout::kTwoDaemons, Options());
   std::vector<Rank> ranks = JoinAll(c, [](int r) { return r % 2; });

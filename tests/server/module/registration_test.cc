@@ -114,6 +114,21 @@ TEST_F(RegistrationTest, ARefusedPlanFailsEveryRankNamingIt) {
   EXPECT_EQ(v[1], refused->status());
 }
 
+// A plan refused for the group rather than the input (HYBRID_* over daemons whose ranks are
+// not consecutive) fails every rank with the refusing rank's code.
+TEST_F(RegistrationTest, ARefusalKeepsItsCodeOnEveryRank) {
+  Form(2);
+  auto good = PlanOf("gpt_tied", 2);
+  auto refused = std::make_shared<const absl::StatusOr<Plan>>(
+      absl::FailedPreconditionError("group g: HYBRID_SHARD shards within a node's ranks"));
+  std::vector<absl::Status> v = Agree({Proposal(0, 2, good), Proposal(1, 2, refused)});
+  EXPECT_EQ(v[0].code(), absl::StatusCode::kFailedPrecondition) << v[0];
+  EXPECT_EQ(v[0].message(),
+            "group g: rank 1's registration of module \"model\" was refused: group g: "
+            "HYBRID_SHARD shards within a node's ranks");
+  EXPECT_EQ(v[1], refused->status());
+}
+
 TEST_F(RegistrationTest, DifferentModelsNameTheFirstDifferingUnitOnEveryRank) {
   Form(2);
   auto a = PlanOf("gpt_tied", 2);
