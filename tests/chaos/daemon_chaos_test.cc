@@ -273,8 +273,10 @@ std::optional<Failure> Iteration(const TrainerConfig& cfg, Reporter& out, Sessio
 }
 
 // The trainer: attach, train to the target, and after any error attach again (a fresh
-// client: re-join, re-register) and go on from the generation found. At most 6 attaches and
-// 150 s in all; the last line says how it ended: "done G", "verified G" (verify only),
+// client: re-join, re-register) and go on from the generation found. At most 40 attaches, 20 ms
+// apart doubling to 640 ms (a restarted daemon or a re-forming group can take seconds under
+// load: a fixed handful of quick attaches gave up while the coordinator came back), and 150 s
+// in all; the last line says how it ended: "done G", "verified G" (verify only),
 // "bad ..." (a check failed) or "fatal ..." (gave up).
 int RunTrainer() {
   TrainerConfig cfg;
@@ -289,8 +291,8 @@ int RunTrainer() {
   Reporter out(EnvInt("FS_CHAOS_FD", -1), EnvInt("FS_CHAOS_GO_FD", -1));
   const absl::Time give_up = absl::Now() + absl::Seconds(150);
   std::string last_error = "none";
-  for (int attach = 0; attach < 6 && absl::Now() < give_up; ++attach) {
-    if (attach > 0) absl::SleepFor(absl::Milliseconds(20));
+  for (int attach = 0; attach < 40 && absl::Now() < give_up; ++attach) {
+    if (attach > 0) absl::SleepFor(absl::Milliseconds(20 << std::min(attach - 1, 5)));
     auto s = std::make_unique<Session>();
     out.Say("attaching");
     std::optional<Failure> f = Attach(cfg, out, *s);
