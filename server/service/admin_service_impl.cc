@@ -184,8 +184,10 @@ class DrainReactor final : public grpc::ServerWriteReactor<v1::DrainProgress> {
 };
 
 // Runs a checkpoint save or load on a thread of its own and streams its progress: a message
-// every 200 ms while it runs (and when its phase changes), the result last. One operation (a
-// write or an alarm) is outstanding at a time.
+// every 200 ms while it runs and when its phase changes, the result last, within a tick (10 ms)
+// of the work's end: a result waiting for the next 200 ms message would add 100 ms on average
+// to every call (a fifth of a 1 GiB load). One operation (a write or an alarm) is outstanding
+// at a time.
 class CheckpointReactor final : public grpc::ServerWriteReactor<v1::CheckpointProgress> {
  public:
   using Work = std::function<absl::StatusOr<GroupManager::CheckpointResult>(
@@ -218,9 +220,7 @@ class CheckpointReactor final : public grpc::ServerWriteReactor<v1::CheckpointPr
       Finish(grpc::Status::OK);
       return;
     }
-    alarm_ = std::make_unique<grpc::Alarm>();
-    alarm_->Set(absl::ToChronoTime(absl::Now() + absl::Milliseconds(200)),
-                [this](bool) { Next(); });
+    Wait();
   }
   void OnDone() override { delete this; }
 
@@ -245,7 +245,28 @@ class CheckpointReactor final : public grpc::ServerWriteReactor<v1::CheckpointPr
         return "done";
     }
   }
+  // The next tick (replacing the alarm inside its own callback is safe: gRPC keeps the alarm's
+  // state alive until its callback returns).
+  void Wait() {
+    alarm_ = std::make_unique<grpc::Alarm>();
+    alarm_->Set(absl::ToChronoTime(absl::Now() + absl::Milliseconds(10)), [this](bool) { Tick(); });
+  }
+  void Tick() {
+    bool finished;
+    {
+      absl::MutexLock lock(&state_->mu);
+      finished = state_->finished;
+    }
+    if (finished || state_->progress.phase.load() != last_phase_ ||
+        absl::Now() - last_write_ >= absl::Milliseconds(200)) {
+      Next();
+    } else {
+      Wait();
+    }
+  }
   void Next() {
+    last_write_ = absl::Now();
+    last_phase_ = state_->progress.phase.load();
     bool finished;
     absl::StatusOr<GroupManager::CheckpointResult> result;
     {
@@ -254,7 +275,7 @@ class CheckpointReactor final : public grpc::ServerWriteReactor<v1::CheckpointPr
       if (finished) result = state_->result;
     }
     msg_.Clear();
-    msg_.set_phase(PhaseName(state_->progress.phase.load()));
+    msg_.set_phase(PhaseName(last_phase_));
     msg_.set_done_bytes(state_->progress.done_bytes.load());
     msg_.set_total_bytes(state_->progress.total_bytes.load());
     msg_.set_elapsed_seconds(absl::ToDoubleSeconds(absl::Now() - start_));
@@ -282,6 +303,8 @@ class CheckpointReactor final : public grpc::ServerWriteReactor<v1::CheckpointPr
   v1::CheckpointProgress msg_;
   bool finishing_ = false;
   std::unique_ptr<grpc::Alarm> alarm_;
+  absl::Time last_write_;  // of the last progress message
+  int last_phase_ = -1;    // the phase it reported
 };
 
 class RefusedCheckpoint final : public grpc::ServerWriteReactor<v1::CheckpointProgress> {
