@@ -362,7 +362,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
                                                    absl::FormatDuration(config.lease_timeout)));
   }
   group_options.lease_timeout = config.lease_timeout;
-  const std::vector<std::shared_ptr<gpu::DeviceContext>> gpus = group_options.gpus;  // publisher
+  d->gpus_ = group_options.gpus;  // the publisher's too (a member: a local here trips GCC 12)
   d->groups_ = std::make_unique<GroupManager>(d->store_.get(), std::move(group_options));
   if (d->state_dir_ != nullptr) d->groups_->AdoptGroups(loaded.groups);
   if (d->checkpoint_peer_) d->checkpoint_peer_->SetGroups(d->groups_.get());
@@ -380,7 +380,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
     d->distributed_publish_ = std::make_unique<DistributedPublish>(d->weights_peer_client_.get());
   }
   FS_ASSIGN_OR_RETURN(d->publisher_, MakePublisher(config, d->store_.get(), d->groups_.get(),
-                                                   d->distributed_publish_.get(), gpus));
+                                                   d->distributed_publish_.get(), d->gpus_));
   if (d->weights_peer_) {
     d->weights_peer_->SetTargets(d->groups_.get(), d->publisher_.get(),
                                  &d->distributed_publish_->rounds());

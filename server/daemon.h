@@ -19,6 +19,10 @@
 #include "absl/time/time.h"
 #include "server/access/tls_config.h"
 
+namespace flatshard::gpu {
+class DeviceContext;
+}  // namespace flatshard::gpu
+
 namespace flatshard::server {
 
 class AdminServiceImpl;
@@ -180,8 +184,9 @@ class Daemon {
   // before publisher_, which uses them.
   std::unique_ptr<WeightsPeerClient> weights_peer_client_;
   std::unique_ptr<DistributedPublish> distributed_publish_;
-  std::unique_ptr<Publisher> publisher_;           // after groups_: it reads through them
-  std::unique_ptr<WeightsPuller> weights_puller_;  // null without --weights_sources
+  std::vector<std::shared_ptr<gpu::DeviceContext>> gpus_;  // --gpus (also in groups_)
+  std::unique_ptr<Publisher> publisher_;                   // after groups_: it reads through them
+  std::unique_ptr<WeightsPuller> weights_puller_;          // null without --weights_sources
   std::unique_ptr<ShardServiceImpl> shard_service_;
   std::unique_ptr<WeightsServiceImpl> weights_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;
