@@ -159,6 +159,8 @@ class Daemon {
   // Create's steps: the peer port (the coordinator role, UCX and this daemon's identity in
   // `group_options`), and the trainers' and operators' server (Unix socket, --tcp_address,
   // health, metrics).
+  // groups_ (and gpus_) from `options`.
+  void MakeGroups(GroupManagerOptions options);
   absl::Status StartPeerServer(std::shared_ptr<grpc::ServerCredentials> credentials,
                                GroupManagerOptions* group_options);
   absl::Status StartServer(std::shared_ptr<grpc::ServerCredentials> tcp_credentials);
