@@ -87,11 +87,11 @@ absl::StatusOr<std::unique_ptr<InstanceLock>> PrepareSocketPath(const std::strin
 // Out of line: inlined into Create it trips GCC 12's -Wmaybe-uninitialized on an absl::Cleanup.
 [[gnu::noinline]] absl::StatusOr<std::unique_ptr<Publisher>> MakePublisher(
     const DaemonConfig& config, ShardStore* store, GroupManager* groups,
-    DistributedPublish* distributed, std::vector<std::shared_ptr<gpu::DeviceContext>> gpus) {
+    DistributedPublish* distributed, const std::vector<std::shared_ptr<gpu::DeviceContext>>& gpus) {
   PublisherOptions o;
   o.store = store;
   o.groups = groups;
-  o.gpus = std::move(gpus);
+  o.gpus = gpus;
   o.distributed = distributed;
   o.keep = config.weights_keep;
   o.daemon_uid = static_cast<int64_t>(::getuid());
@@ -139,9 +139,6 @@ absl::Status SetUpDescriptorBudget(const DaemonConfig& config, ShardStoreOptions
   }
   if (config.memory_quota_bytes_per_uid < 0) {
     return absl::InvalidArgumentError("--memory_quota_mib_per_uid must be >= 0 (0: none)");
-  }
-  if (config.gpu_memory_quota_bytes_per_uid < 0) {
-    return absl::InvalidArgumentError("--gpu_memory_quota_mib_per_uid must be >= 0 (0: none)");
   }
   if (config.max_segments_per_uid < -1) {
     return absl::InvalidArgumentError(
