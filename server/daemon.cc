@@ -87,11 +87,11 @@ absl::StatusOr<std::unique_ptr<InstanceLock>> PrepareSocketPath(const std::strin
 // Out of line: inlined into Create it trips GCC 12's -Wmaybe-uninitialized on an absl::Cleanup.
 [[gnu::noinline]] absl::StatusOr<std::unique_ptr<Publisher>> MakePublisher(
     const DaemonConfig& config, ShardStore* store, GroupManager* groups,
-    DistributedPublish* distributed, std::vector<std::shared_ptr<gpu::DeviceContext>> gpus) {
+    DistributedPublish* distributed, const std::vector<std::shared_ptr<gpu::DeviceContext>>& gpus) {
   PublisherOptions o;
   o.store = store;
   o.groups = groups;
-  o.gpus = std::move(gpus);
+  o.gpus = gpus;
   o.distributed = distributed;
   o.keep = config.weights_keep;
   o.daemon_uid = static_cast<int64_t>(::getuid());
@@ -139,9 +139,6 @@ absl::Status SetUpDescriptorBudget(const DaemonConfig& config, ShardStoreOptions
   }
   if (config.memory_quota_bytes_per_uid < 0) {
     return absl::InvalidArgumentError("--memory_quota_mib_per_uid must be >= 0 (0: none)");
-  }
-  if (config.gpu_memory_quota_bytes_per_uid < 0) {
-    return absl::InvalidArgumentError("--gpu_memory_quota_mib_per_uid must be >= 0 (0: none)");
   }
   if (config.max_segments_per_uid < -1) {
     return absl::InvalidArgumentError(
@@ -299,6 +296,13 @@ absl::Status SetUpGpus(const DaemonConfig& config, ShardStoreOptions* store_opti
 
 }  // namespace
 
+// Out of line (noinline): more inlined into Create trips GCC 12's -Wmaybe-uninitialized on its
+// absl::Cleanup.
+[[gnu::noinline]] void Daemon::MakeGroups(GroupManagerOptions options) {
+  gpus_ = options.gpus;  // the publisher's too
+  groups_ = std::make_unique<GroupManager>(store_.get(), std::move(options));
+}
+
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& config) {
   if (config.socket_path.empty()) return absl::InvalidArgumentError("--socket must not be empty");
   // Access control (README "Access control"): TCP ports use mutual TLS when configured and
@@ -370,8 +374,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
                                                    absl::FormatDuration(config.lease_timeout)));
   }
   group_options.lease_timeout = config.lease_timeout;
-  const std::vector<std::shared_ptr<gpu::DeviceContext>> gpus = group_options.gpus;  // publisher
-  d->groups_ = std::make_unique<GroupManager>(d->store_.get(), std::move(group_options));
+  d->MakeGroups(std::move(group_options));
   if (d->state_dir_ != nullptr) d->groups_->AdoptGroups(loaded.groups);
   if (d->checkpoint_peer_) d->checkpoint_peer_->SetGroups(d->groups_.get());
   d->acceptor_ = std::move(acceptor);
@@ -388,7 +391,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
     d->distributed_publish_ = std::make_unique<DistributedPublish>(d->weights_peer_client_.get());
   }
   FS_ASSIGN_OR_RETURN(d->publisher_, MakePublisher(config, d->store_.get(), d->groups_.get(),
-                                                   d->distributed_publish_.get(), gpus));
+                                                   d->distributed_publish_.get(), d->gpus_));
   if (d->weights_peer_) {
     d->weights_peer_->SetTargets(d->groups_.get(), d->publisher_.get(),
                                  &d->distributed_publish_->rounds());

@@ -19,6 +19,10 @@
 #include "absl/time/time.h"
 #include "server/access/tls_config.h"
 
+namespace flatshard::gpu {
+class DeviceContext;
+}  // namespace flatshard::gpu
+
 namespace flatshard::server {
 
 class AdminServiceImpl;
@@ -156,6 +160,8 @@ class Daemon {
   // Create's steps: the peer port (the coordinator role, UCX and this daemon's identity in
   // `group_options`), and the trainers' and operators' server (Unix socket, --tcp_address,
   // health, metrics).
+  // groups_ (and gpus_) from `options`.
+  void MakeGroups(GroupManagerOptions options);
   absl::Status StartPeerServer(std::shared_ptr<grpc::ServerCredentials> credentials,
                                GroupManagerOptions* group_options);
   absl::Status StartServer(std::shared_ptr<grpc::ServerCredentials> tcp_credentials);
@@ -181,8 +187,9 @@ class Daemon {
   // before publisher_, which uses them.
   std::unique_ptr<WeightsPeerClient> weights_peer_client_;
   std::unique_ptr<DistributedPublish> distributed_publish_;
-  std::unique_ptr<Publisher> publisher_;           // after groups_: it reads through them
-  std::unique_ptr<WeightsPuller> weights_puller_;  // null without --weights_sources
+  std::vector<std::shared_ptr<gpu::DeviceContext>> gpus_;  // --gpus (also in groups_)
+  std::unique_ptr<Publisher> publisher_;                   // after groups_: it reads through them
+  std::unique_ptr<WeightsPuller> weights_puller_;          // null without --weights_sources
   std::unique_ptr<ShardServiceImpl> shard_service_;
   std::unique_ptr<WeightsServiceImpl> weights_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;

@@ -527,7 +527,7 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::AllocateOnDevice(BufferKind 
     return block.status();
   }
   FS_VLOG(2) << "allocated kind=" << BufferKindName(kind) << " bytes=" << bytes
-             << " device=" << device << " slab=" << block->slab_id() << "+" << block->offset()
+             << " device=" << device << " slab=" << (*block)->slab_id() << "+" << (*block)->offset()
              << " " << label;
   return std::shared_ptr<Buffer>(new Buffer(state_, kind, placement, bytes, ShmSegment(),
                                             *std::move(block), pool, std::string(label),

@@ -30,7 +30,7 @@ def gpu_daemon():
 @pytest.fixture
 def trainer(gpu_daemon, group):
     """One rank with device shards (simulated GPU 0): fc1.weight = 0..14, fc1.bias = -3,
-    committed; then live-only changes that no version may show."""
+    committed (live-only changes never in a version: weights_device_test)."""
     c = flatshard.Client(gpu_daemon.address, call_timeout=30, join_timeout=30,
                          _simulated_gpus=True)
     c.join(group, 1, 0)
@@ -41,8 +41,6 @@ def trainer(gpu_daemon, group):
     reg.init_summon.params["fc1.bias"].fill_(-3.0)
     reg.init_summon.end()
     c.commit("")
-    with c.summon("") as s:  # written back, not committed
-        s.params["fc1.bias"].fill_(9.0)
     yield c
     c.close()
 
