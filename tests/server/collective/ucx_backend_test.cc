@@ -689,6 +689,11 @@ TEST(UcxBackendTest, SameHostEndpointsSkipPeerErrorHandlingUnlessAskedFor) {
 TEST(UcxBackendTest, SameHostPeerDestroyedMidTransferEndsAtTheAbort) {
   UcxBackendOptions options;
   options.abort_grace = absl::Milliseconds(300);
+  // Shared memory only: UCX 1.13 asserts ("got REP message") when a worker is destroyed while
+  // a wireup reply is queued on a TCP lane, which destroying `b` mid-transfer can hit (in
+  // about 1 of 10 runs). A dead daemon's process never runs ucp_worker_destroy; what is under
+  // test is the survivors' side.
+  options.ucx_config["TLS"] = "sm,self";
   auto a = NewBackend(options);
   auto b = NewBackend(options);
   auto c = NewBackend(options);
@@ -715,8 +720,9 @@ TEST(UcxBackendTest, SameHostPeerDestroyedMidTransferEndsAtTheAbort) {
   for (int r : {0, 2}) comms[r]->Abort(reason);
   for (int r : {0, 2}) {
     absl::Status s = done[r].Wait(absl::Seconds(10));
-    // A survivor whose transfers all finished before the abort succeeds; none may hang.
-    EXPECT_TRUE(s.ok() || s == reason) << "rank " << r << ": " << s;
+    // A survivor whose transfers all finished before the abort succeeds, one whose send to the
+    // dead peer failed first says so (UNAVAILABLE, "UCX send ... failed"); none may hang.
+    EXPECT_TRUE(s.ok() || absl::IsUnavailable(s)) << "rank " << r << ": " << s;
   }
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
   EXPECT_EQ(StatsOf(*a).inflight_requests, 0u);
