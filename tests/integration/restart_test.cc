@@ -892,9 +892,10 @@ TEST_F(RestartTest, KillNineAfterACheckpointLoadReattachesAtTheLoadedGeneration)
   std::filesystem::remove_all(ckpt, ignored);
 }
 
-// A daemon killed during a load's copies into the committed copies (its record says a "load"
-// intent, every loaded rank's shards hold the loaded values) finishes the copies from the
-// shards at restart: the loaded generation, never a torn committed copy.
+// A record with a "load" intent (Records::NoteLoadCopying: the generation the shards hold
+// completely, written before a load stages its values in the committed copies) is finished from
+// the shards at restart: the committed copies are restored from them, never left torn. The
+// test writes such an intent by hand, at a generation (7) the shards are made to hold.
 TEST_F(RestartTest, ALoadIntentInTheRecordIsFinishedFromTheShards) {
   std::unique_ptr<DaemonProcess> d = StartDaemon();
   std::vector<Rank> ranks;
