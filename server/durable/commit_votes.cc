@@ -14,6 +14,15 @@
 // (Modules::RollbackNow, RollForward). So the daemons end at one committed generation:
 // G when any rank committed it (then every rank voted), G-1 when none did (then no trainer
 // was answered G).
+//
+// A writeback End of a group over several daemons votes the same way, one round later: its
+// ranks write back into their shards only after the first agreement (every rank's End), so
+// once every local rank has written back the daemon records its vote ("voted": G), then the
+// ranks exchange votes (a second agreement, Modules::VoteEnd), and only then does any daemon
+// copy into the committed copies (intent, copies, end, as Records::EndArrive). A daemon killed
+// before its vote: no daemon copied, every daemon resolves to G-1; after it: its shards hold
+// G, it is rolled forward or back with the others. Cost: one more all-gather of the ranks'
+// votes per committing writeback End on several daemons (one daemon: unchanged).
 
 #include <algorithm>
 #include <string>
@@ -22,6 +31,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
@@ -36,22 +46,37 @@ ABSL_FLAG(std::string, testing_pause_before_commit_intent, "",
           "DURATION after every rank agreed and before its intent is recorded (a kill then "
           "leaves its ranks voted, its record one generation behind).");
 
+// Testing only: kill points of a writeback End on several daemons.
+ABSL_FLAG(std::string, testing_pause_end_vote, "",
+          "Testing only: \"POINT:G:DURATION\" pauses this daemon's writeback End of "
+          "generation G for DURATION at POINT: before_vote (its ranks wrote back, their vote is "
+          "not recorded), after_vote (recorded, not sent) or before_intent (every rank voted "
+          "yes, the intent is not recorded).");
+
 namespace flatshard::server {
 
 using internal::Display;
 
+namespace {
+
+// A testing pause "G:DURATION" (`flag` names it in the error); {0, 0} when unset or invalid.
+std::pair<uint64_t, absl::Duration> ParsePause(const std::string& v, const char* flag) {
+  std::pair<uint64_t, absl::Duration> p{0, absl::ZeroDuration()};
+  std::vector<std::string> parts = absl::StrSplit(v, absl::MaxSplits(':', 1));
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &p.first) ||
+      !absl::ParseDuration(parts[1], &p.second)) {
+    if (!v.empty()) FS_LOG(ERROR) << "--" << flag << "=" << v << " ignored";
+    return {0, absl::ZeroDuration()};
+  }
+  return p;
+}
+
+}  // namespace
+
 void Records::TestingPauseBeforeIntent(uint64_t generation) {
-  static const std::pair<uint64_t, absl::Duration> pause = [] {
-    std::pair<uint64_t, absl::Duration> p{0, absl::ZeroDuration()};
-    const std::string v = absl::GetFlag(FLAGS_testing_pause_before_commit_intent);
-    std::vector<std::string> parts = absl::StrSplit(v, absl::MaxSplits(':', 1));
-    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &p.first) ||
-        !absl::ParseDuration(parts[1], &p.second)) {
-      if (!v.empty()) FS_LOG(ERROR) << "--testing_pause_before_commit_intent=" << v << " ignored";
-      return std::pair<uint64_t, absl::Duration>{0, absl::ZeroDuration()};
-    }
-    return p;
-  }();
+  static const std::pair<uint64_t, absl::Duration> pause =
+      ParsePause(absl::GetFlag(FLAGS_testing_pause_before_commit_intent),
+                 "testing_pause_before_commit_intent");
   if (pause.first == 0 || pause.first != generation) return;
   FS_LOG(WARNING) << "testing: commit of generation " << generation
                   << " paused between its agreement and its intent for "
@@ -149,6 +174,87 @@ absl::Status Records::RollForward(
                  << " from their shards (they voted for it; another rank committed it)";
   }
   return status;
+}
+
+void Records::TestingPauseEndVote(const char* point, uint64_t generation) {
+  static const std::pair<std::string, std::pair<uint64_t, absl::Duration>> pause = [] {
+    const std::string v = absl::GetFlag(FLAGS_testing_pause_end_vote);
+    const size_t colon = v.find(':');
+    if (colon == std::string::npos) {
+      if (!v.empty()) FS_LOG(ERROR) << "--testing_pause_end_vote=" << v << " ignored";
+      return std::make_pair(std::string(), std::make_pair(uint64_t{0}, absl::ZeroDuration()));
+    }
+    return std::make_pair(v.substr(0, colon),
+                          ParsePause(v.substr(colon + 1), "testing_pause_end_vote"));
+  }();
+  if (pause.second.first == 0 || pause.second.first != generation || pause.first != point) return;
+  FS_LOG(WARNING) << "testing: writeback End of generation " << generation << " paused at " << point
+                  << " for " << absl::FormatDuration(pause.second.second);
+  absl::SleepFor(pause.second.second);
+}
+
+void Records::EndVoteArrive(const Caller& caller, const std::string& module, uint64_t k,
+                            uint64_t generation, bool applying, absl::Status status,
+                            absl::AnyInvocable<void(absl::Status)> vote) {
+  std::vector<EndArrival> batch;
+  EndArrival mine{caller.rank, applying, std::move(status), {}, std::move(vote)};
+  {
+    std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (Registered* reg = FindModuleLocked(g, module)) {
+      std::vector<EndArrival>& arrived = reg->end_votes[k];
+      arrived.push_back(std::move(mine));
+      size_t local = 0;
+      for (const std::vector<UnitShard>& s : reg->shards_by_rank) local += s.empty() ? 0 : 1;
+      if (arrived.size() < local) return;  // the last local rank records the daemon's vote
+      batch = std::move(arrived);
+      reg->end_votes.erase(k);
+      while (!reg->end_votes.empty() && reg->end_votes.begin()->first + 64 < k) {
+        reg->end_votes.erase(reg->end_votes.begin());
+      }
+    } else {
+      batch.push_back(std::move(mine));
+    }
+  }
+  RunDurable(caller.group,
+             [this, group = caller.group, module, generation, batch = std::move(batch)]() mutable {
+               ProcessEndVotes(group, module, generation, std::move(batch));
+             });
+}
+
+void Records::ProcessEndVotes(const std::string& group, const std::string& module,
+                              uint64_t generation, std::vector<EndArrival> batch) {
+  // The record's vote covers every local rank (a restart may roll each forward from its
+  // shards), so it is written only when every local rank wrote back; else every local rank
+  // votes no, naming the first that did not.
+  absl::Status no;
+  for (const EndArrival& a : batch) {
+    if (a.applying && a.status.ok()) continue;
+    no = absl::FailedPreconditionError(
+        absl::StrCat("rank ", a.rank, " did not write back into its shards",
+                     a.applying ? absl::StrCat(": ", a.status.message())
+                                : std::string(" (its agreement failed)")));
+    break;
+  }
+  if (no.ok()) {
+    TestingPauseEndVote("before_vote", generation);
+    EditAndRecord(
+        group, module,
+        [&](Registered& reg) {
+          if (reg.voted.size() < reg.generation.size()) reg.voted.resize(reg.generation.size());
+          for (const EndArrival& a : batch) {
+            if (a.rank < static_cast<int32_t>(reg.voted.size())) reg.voted[a.rank] = generation;
+          }
+          reg.voted_commit = generation;
+          return true;
+        },
+        /*sync=*/false);
+    TestingPauseEndVote("after_vote", generation);
+  }
+  for (EndArrival& a : batch) {
+    if (a.finish) a.finish(no);
+  }
 }
 
 }  // namespace flatshard::server

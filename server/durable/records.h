@@ -159,6 +159,20 @@ class Records {
   // --testing_pause_before_commit_intent (commit_votes.cc): sleeps when it names `generation`.
   static void TestingPauseBeforeIntent(uint64_t generation);
 
+  // A writeback End of a group over several daemons (Modules::VoteEnd): its shards are
+  // written after the first agreement, so the daemon votes once they are. Rank `caller`
+  // wrote back into its shards for the module's k-th summon (`status`; `applying` false: its
+  // agreement failed, it wrote nothing). Once every local rank of the module has arrived,
+  // and only when all wrote back, one record says they voted for `generation` ("voted", as a
+  // Commit's vote), then each arrival's `vote` runs with the rank's vote (OK: yes; else
+  // why not). On the durable worker, after EndVoteArrive returns.
+  void EndVoteArrive(const Caller& caller, const std::string& module, uint64_t k,
+                     uint64_t generation, bool applying, absl::Status status,
+                     absl::AnyInvocable<void(absl::Status)> vote);
+  // --testing_pause_end_vote (commit_votes.cc): sleeps when it names `point` ("before_vote",
+  // "after_vote", "before_intent") and `generation`.
+  static void TestingPauseEndVote(const char* point, uint64_t generation);
+
   // ---- Checkpoint loads ----
   // A load stages the loaded values in the committed copies of `ranks`, then copies them into
   // the shards (server/checkpoint/load.cc). Before the committed copies change, records a
@@ -257,6 +271,8 @@ class Records {
   // `g`'s registration of `module`; null when either is gone.
   static Registered* FindModuleLocked(Group& g, const std::string& module)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  void ProcessEndVotes(const std::string& group, const std::string& module, uint64_t generation,
+                       std::vector<EndArrival> batch);
   void ProcessEndBatch(const std::string& group, const std::string& module, uint64_t target,
                        const char* kind, std::vector<EndArrival> batch);
   bool StateForgotten() const ABSL_LOCKS_EXCLUDED(mu_);

@@ -19,6 +19,7 @@
 #include "server/module/generations.h"
 #include "server/module/summon_steps.h"
 #include "server/module/unit_ops.h"
+#include "server/module/writeback_end.h"
 
 namespace flatshard::server {
 
@@ -107,31 +108,12 @@ struct Modules::EndStart {
   internal::AgreeRecord record{};
   int32_t world_size = 0;
   bool is_init = false;
-  absl::Status reformed;  // the summon predates the group's re-form
+  bool other_daemons = false;  // other daemons host ranks of the group
+  absl::Status reformed;       // the summon predates the group's re-form
   // rank0_only writeback: the buffers rank 0's broadcast lands in that are not at hand yet.
   std::vector<ViewNeed> rank0_needs;
   std::shared_ptr<KeptBuffers> rank0_kept;
   int64_t owner_uid = -1;
-};
-
-// A writeback End every step after the agreement shares (read-only once made).
-struct Modules::WritebackEnd {
-  Caller caller;
-  uint64_t summon = 0;
-  std::string module;
-  uint64_t k = 0;
-  const Plan* plan = nullptr;
-  std::vector<UnitShard> shards;
-  std::vector<internal::DurablePair> durable;
-  bool is_init = false;
-  uint64_t generation = 0;  // the rank's committed generation when the End started
-  // Restarts, host daemons with a state directory: the copies into the committed copies wait
-  // until every local rank has written back into its shards (EndArrive), so that a daemon
-  // killed during them comes back with every rank at one generation.
-  bool batched = false;
-
-  uint64_t target() const { return is_init ? generation : generation + 1; }
-  const char* kind() const { return is_init ? "init" : "end"; }
 };
 
 void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time deadline,
@@ -182,6 +164,10 @@ void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time
   end->is_init = start.is_init;
   end->generation = start.record.generation;
   end->batched = records_.enabled() && gpus_.empty();
+  end->vote = end->batched && start.other_daemons && !start.is_init;
+  end->coll = start.coll;
+  end->world_size = start.world_size;
+  end->deadline = deadline;
   if (!options.rank0_only) {
     AgreeEnd(std::move(end), start.coll, start.record, start.world_size, deadline, std::move(owned),
              std::move(done));
@@ -249,6 +235,7 @@ absl::Status Modules::StartEndLocked(Group& g, const Caller& caller, uint64_t su
   out->coll = g.coll;
   out->world_size = g.world_size;
   out->is_init = !reg.initialized;
+  out->other_daemons = static_cast<int32_t>(g.local_ranks.size()) < g.world_size;
   internal::AgreeRecord& record = out->record;
   std::memset(&record, 0, sizeof(record));
   record.ok = local.ok() && !reg.stale[caller.rank] ? 1 : 0;
@@ -297,6 +284,10 @@ void Modules::AgreeEnd(std::shared_ptr<const WritebackEnd> end,
             return;
           }
           owned.reset();
+          if (end->vote) {
+            records_.EndVoteArrive(end->caller, end->module, end->k, end->target(),
+                                   /*applying=*/false, absl::OkStatus(), nullptr);
+          }
           if (end->batched) records_.EndNotApplied(end->caller, end->module, end->k);
           if (stale) RollbackRank(end->caller, end->module);
           FinishEnd(end->caller, end->summon,
@@ -325,7 +316,8 @@ void Modules::ApplyEnd(std::shared_ptr<const WritebackEnd> end, std::unique_ptr<
         return;
       }
       ++reg.busy;
-      Records::NoteCommitAgreed(reg, end->target(), end->kind());
+      // With a vote, the daemons agree to it only once every rank voted (VoteEnd).
+      if (!end->vote) Records::NoteCommitAgreed(reg, end->target(), end->kind());
     }
   }
   auto finish = [this, end, done = std::move(done)](absl::Status s) mutable {
@@ -336,6 +328,10 @@ void Modules::ApplyEnd(std::shared_ptr<const WritebackEnd> end, std::unique_ptr<
     // records; the fsync'd records and the commit copies, which wait for the other local
     // ranks, run on the durable worker (Records::EndArrive).
     absl::Status s = WriteBack(*end, std::move(owned));
+    if (end->vote) {
+      VoteEnd(std::move(end), std::move(s), std::move(finish));
+      return;
+    }
     records_.EndArrive(end->caller, end->module, end->k, end->target(), end->kind(), std::move(s),
                        end->durable, std::move(finish));
     return;

@@ -210,6 +210,10 @@ struct Registered {
   // Host daemons with a state directory: the local ranks' arrivals at the k-th writeback End
   // (EndArrive), by k; the copies into the committed copies start once every local rank is in.
   std::map<uint64_t, std::vector<EndArrival>> end_batches;
+  // Host daemons with a state directory, groups over several daemons: the local ranks'
+  // writebacks into their shards for the k-th writeback End, by k, before the daemon records
+  // its vote for it (Records::EndVoteArrive, server/durable/commit_votes.cc).
+  std::map<uint64_t, std::vector<EndArrival>> end_votes;
   // ---- Checkpoints (server/checkpoint/) ----
   // Saves and loads holding the committed copies still. While > 0 no copy into them starts
   // (commits, writeback Ends and a refused commit's rollback queue in `after_ckpt` and run

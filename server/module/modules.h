@@ -276,6 +276,13 @@ class Modules {
                 StatusCallback done);
   absl::Status WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSummon> copy);
   void FinishAppliedEnd(const WritebackEnd& end, absl::Status s, StatusCallback done);
+  // A writeback End over several daemons (end_vote.cc): once every local rank wrote back
+  // (`written`: this rank's), the daemon records its vote and the ranks exchange votes;
+  // EndVoted copies (all voted yes) or answers `finish` with the failure.
+  void VoteEnd(std::shared_ptr<const WritebackEnd> end, absl::Status written,
+               absl::AnyInvocable<void(absl::Status)> finish);
+  void EndVoted(std::shared_ptr<const WritebackEnd> end, absl::Status s,
+                absl::AnyInvocable<void(absl::Status)> finish);
   void FinishReduceScatterWritten(const Caller& caller, const std::string& module, int32_t unit,
                                   ReduceOp op, bool accumulate, absl::Time deadline,
                                   StatusCallback done);

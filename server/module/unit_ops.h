@@ -71,6 +71,7 @@ inline std::string TextOf(const char* text, size_t size) {
 // ends a summon while another commits fails with a mismatch instead of agreeing).
 inline constexpr int64_t kEndAgreeUnit = -2;
 inline constexpr int64_t kCommitAgreeUnit = -3;
+inline constexpr int64_t kEndVoteAgreeUnit = -4;  // a writeback End's votes (end_vote.cc)
 // The payload Modules::Agree puts on a refusal (a verdict every rank got alike), which a
 // failed all-gather lacks (its outcome may differ between ranks).
 inline constexpr char kAgreeRefusedPayload[] = "flatshard.agree/refused";

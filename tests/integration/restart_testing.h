@@ -1,7 +1,8 @@
 #pragma once
-// The restart tests' fixture and helpers (restart_test.cc, restart_adopt_test.cc): real
-// flatshardd processes with a state directory, two ranks of the example GPT model, values
-// distinct per generation, rank, unit and element, and snapshots of every shard bit for bit.
+// The restart tests' fixtures and helpers (restart_test.cc, restart_adopt_test.cc,
+// end_vote_restart_test.cc): real flatshardd processes with a state directory, two ranks of
+// the example GPT model, values distinct per generation, rank, unit and element, and
+// snapshots of every shard bit for bit.
 
 #include <signal.h>
 #include <sys/stat.h>
@@ -234,5 +235,82 @@ inline std::vector<Snapshot> Expected(std::vector<Rank>& ranks) {
   for (Rank& r : ranks) out.push_back(Take(*r.client));
   return out;
 }
+
+// Two daemons (rank r on daemon r), each with its own state directory; the tests kill daemon 1
+// (not the coordinator) with SIGKILL and restart it (RestartDaemon1).
+class TwoDaemonRestartTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (int i = 0; i < 2; ++i) {
+      dirs_.push_back(std::filesystem::temp_directory_path() /
+                      absl::StrCat("fsrestart2-state.", getpid(), ".", counter_++));
+      DaemonOptions o;
+      o.tag_prefix = "fsrst2";
+      o.peer = true;
+      o.node_name = absl::StrCat("node", i);
+      o.extra_flags = {"--state_dir=" + dirs_.back().string(), "--peer_timeout=2s"};
+      if (i == 1)
+        o.extra_flags.insert(o.extra_flags.end(), daemon1_flags_.begin(), daemon1_flags_.end());
+      daemons_.push_back(std::make_unique<DaemonProcess>(o));
+    }
+  }
+  void TearDown() override {
+    daemons_.clear();
+    std::error_code ignored;
+    for (const auto& d : dirs_) std::filesystem::remove_all(d, ignored);
+  }
+  // Every rank (re-)joins through its daemon; survivors leave first.
+  void JoinAll(std::vector<Rank>& ranks) {
+    ranks.resize(2);
+    // Survivors leave before any rank joins again (README "Groups over several daemons": a
+    // survivor's leave after the replacement joined fails the re-formed group once more, and
+    // the replacement's join may complete at a table the survivor never reported to).
+    for (Rank& rank : ranks) {
+      if (rank.client != nullptr) (void)rank.client->Leave();
+    }
+    RunRanks(2, [&](int r) {
+      if (ranks[r].client == nullptr) {
+        ranks[r].client = Connect(daemons_[r]->address());
+        ASSERT_NE(ranks[r].client, nullptr);
+      }
+      absl::Status joined = ranks[r].client->Join("g", 2, r, kToken, daemons_[0]->peer_address());
+      ASSERT_TRUE(joined.ok()) << "rank " << r << ": " << joined;
+    });
+  }
+  void Register(std::vector<Rank>& ranks, uint64_t generation) {
+    const std::string manifest = ExampleModelFile("gpt_tied", "manifest");
+    const std::string policy = ExampleModelFile("gpt_tied", "policy");
+    RunRanks(2, [&](int r) {
+      absl::StatusOr<RegisteredModule> m =
+          ranks[r].client->Register("", manifest, policy, InitMode::kZeros);
+      ASSERT_TRUE(m.ok()) << "rank " << r << ": " << m.status();
+      EXPECT_EQ(m->generation, generation) << "rank " << r;
+      ranks[r].model = *std::move(m);
+    });
+  }
+  void Commit(std::vector<Rank>& ranks, uint64_t g) {
+    RunRanks(2, [&](int r) {
+      WriteShards(*ranks[r].client, r, g);
+      absl::StatusOr<uint64_t> c = ranks[r].client->Commit("");
+      ASSERT_TRUE(c.ok()) << "rank " << r << ": " << c.status();
+      EXPECT_EQ(*c, g);
+    });
+  }
+  bool RestartDaemon1() {
+    DaemonProcess& d = *daemons_[1];
+    const size_t before = d.Log().size();
+    if (!d.Restart()) return false;
+    const absl::Time until = absl::Now() + absl::Seconds(20);
+    while (d.Log().find("restart: adopted", before) == std::string::npos && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return d.Log().find("restart: adopted", before) != std::string::npos;
+  }
+
+  std::vector<std::filesystem::path> dirs_;
+  std::vector<std::unique_ptr<DaemonProcess>> daemons_;
+  std::vector<std::string> daemon1_flags_;  // set by a subclass before SetUp
+  static inline int counter_ = 0;
+};
 
 }  // namespace flatshard::client::restart_testing
