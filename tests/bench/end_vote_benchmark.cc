@@ -123,7 +123,7 @@ int Main() {
       const bool is_baseline = (side == 0) == (round % 2 == 0);
       absl::StatusOr<std::vector<double>> t =
           RunEnds(is_baseline ? baseline : binary,
-                  absl::StrCat("fsendvote.", getpid(), ".", round, is_baseline ? "b" : "a"), numel,
+                  absl::StrCat("fsendvote-", getpid(), "-", round, is_baseline ? "b" : "a"), numel,
                   warmup, iters);
       if (!t.ok()) {
         std::fprintf(stderr, "%s: %s\n", is_baseline ? "baseline" : "flatshardd",
