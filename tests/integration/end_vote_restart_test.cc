@@ -3,13 +3,15 @@
 // daemon r, each with a state directory. Daemon 1 is killed with SIGKILL at each point of
 // generation 2's writeback End (--testing_pause_end_vote): after its rank wrote back but
 // before its vote is recorded, after the vote is recorded but before it went out, and after
-// every rank voted but before its intent (daemon 0 committed 2 and answered). After the
-// restart and the re-join every rank finds one generation, to the element (1 when daemon 1's
-// vote never went out, 2 when it did), nothing is lost, and the group goes on.
+// every rank voted but before its intent (daemon 0 committed 2 and answered); each with a
+// plain writeback and a rank0_only one (rank 0's buffers broadcast first). After the restart
+// and the re-join every rank finds one generation, to the element (1 when daemon 1's vote
+// never went out, 2 when it did), nothing is lost, and the group goes on.
 
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -31,11 +33,16 @@ using namespace restart_testing;  // NOLINT: the fixture and its helpers
 // distinct per generation and element, never zero).
 float EndValue(uint64_t g, int64_t i) { return static_cast<float>(g * 1000 + 1 + i % 997); }
 
-// Opens a writeback summon on rank `r` and writes generation `g`'s values into every view.
-std::unique_ptr<SummonedParams> SummonAndWrite(Rank& rank, uint64_t g) {
-  absl::StatusOr<std::unique_ptr<SummonedParams>> s = rank.client->Summon("", "", {});
+// Opens a writeback summon on `rank` (number `r`) and writes generation `g`'s values into
+// every view (`rank0_only`: rank 0 alone writes, its buffers are broadcast at the End).
+std::unique_ptr<SummonedParams> SummonAndWrite(Rank& rank, int r, uint64_t g,
+                                               bool rank0_only = false) {
+  SummonOptions options;
+  options.rank0_only = rank0_only;
+  absl::StatusOr<std::unique_ptr<SummonedParams>> s = rank.client->Summon("", "", options);
   EXPECT_TRUE(s.ok()) << s.status();
   if (!s.ok()) return nullptr;
+  if (rank0_only && r != 0) return *std::move(s);
   for (const PlanUnit& u : rank.model.plan->units) {
     for (const PlanParam& p : u.params) {
       float* data = static_cast<float*>((*s)->Find(p.fqn)->data);
@@ -45,17 +52,18 @@ std::unique_ptr<SummonedParams> SummonAndWrite(Rank& rank, uint64_t g) {
   return *std::move(s);
 }
 
+// (kill point, rank0_only)
 class EndVoteRestartTest : public TwoDaemonRestartTest,
-                           public ::testing::WithParamInterface<const char*> {
+                           public ::testing::WithParamInterface<std::tuple<const char*, bool>> {
  protected:
   void SetUp() override {
-    daemon1_flags_ = {absl::StrCat("--testing_pause_end_vote=", GetParam(), ":2:60s")};
+    daemon1_flags_ = {absl::StrCat("--testing_pause_end_vote=", std::get<0>(GetParam()), ":2:60s")};
     TwoDaemonRestartTest::SetUp();
   }
   // Every rank's writeback End of generation `g`, answered with `g` everywhere.
   void EndAll(std::vector<Rank>& ranks, uint64_t g) {
     RunRanks(2, [&](int r) {
-      std::unique_ptr<SummonedParams> s = SummonAndWrite(ranks[r], g);
+      std::unique_ptr<SummonedParams> s = SummonAndWrite(ranks[r], r, g);
       ASSERT_NE(s, nullptr);
       absl::Status ended = s->End();
       ASSERT_TRUE(ended.ok()) << "rank " << r << ": " << ended;
@@ -83,13 +91,14 @@ class EndVoteRestartTest : public TwoDaemonRestartTest,
 };
 
 TEST_P(EndVoteRestartTest, ADaemonKilledInsideAWritebackEndLosesNothing) {
-  const std::string point = GetParam();
+  const std::string point = std::get<0>(GetParam());
+  const bool rank0_only = std::get<1>(GetParam());
   std::vector<Rank> ranks;
   JoinAll(ranks);
   Register(ranks, 0);
   EndAll(ranks, 1);
   std::vector<std::unique_ptr<SummonedParams>> summons(2);
-  RunRanks(2, [&](int r) { summons[r] = SummonAndWrite(ranks[r], 2); });
+  RunRanks(2, [&](int r) { summons[r] = SummonAndWrite(ranks[r], r, 2, rank0_only); });
   ASSERT_NE(summons[0], nullptr);
   ASSERT_NE(summons[1], nullptr);
   absl::Status answers[2];
@@ -143,12 +152,15 @@ TEST_P(EndVoteRestartTest, ADaemonKilledInsideAWritebackEndLosesNothing) {
 }
 
 INSTANTIATE_TEST_SUITE_P(KillPoints, EndVoteRestartTest,
-                         ::testing::Values("before_vote", "after_vote", "before_intent"),
-                         [](const ::testing::TestParamInfo<const char*>& info) {
-                           const std::string p = info.param;
-                           return p == "before_vote"  ? std::string("BeforeItsVote")
-                                  : p == "after_vote" ? std::string("AfterItsVoteBeforeItWentOut")
-                                                      : std::string("AfterEveryVoteBeforeIntent");
+                         ::testing::Combine(::testing::Values("before_vote", "after_vote",
+                                                              "before_intent"),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<const char*, bool>>& info) {
+                           const std::string p = std::get<0>(info.param);
+                           return std::string(p == "before_vote"  ? "BeforeItsVote"
+                                              : p == "after_vote" ? "AfterItsVoteBeforeItWentOut"
+                                                                  : "AfterEveryVoteBeforeIntent") +
+                                  (std::get<1>(info.param) ? "Rank0Only" : "");
                          });
 
 }  // namespace
