@@ -2,9 +2,10 @@
 // vote once their ranks wrote back, one more all-gather before the copies; README
 // "Restarts"). Two daemons (one rank each, rank r on daemon r, 127.0.0.1 peers), one unit of
 // --bytes, --warmup + --iters writeback Summon+End per rank; an iteration's End time is the
-// max over the ranks. The same client code runs against --baseline_flatshardd (a build before
-// the vote; default: --flatshardd itself) and --flatshardd in one run, alternated for
-// --rounds, and the medians and their ratio are printed (# FIGURE lines, as bench_ab.sh reads).
+// max over the ranks. Then the same with both ranks on one daemon (no vote: its cost must not
+// change). The same client code runs against --baseline_flatshardd (a build before the vote;
+// default: --flatshardd itself) and --flatshardd in one run, alternated for --rounds, and the
+// medians and their ratio are printed (# FIGURE lines, as bench_ab.sh reads).
 //
 //   build/tests/bench/flatshard_end_vote_benchmark [--flatshardd PATH]
 //       [--baseline_flatshardd PATH] [--bytes 4096] [--iters 40] [--warmup 5] [--rounds 2]
@@ -42,13 +43,13 @@ namespace {
 using client::Client;
 using client::ClientOptions;
 
-// One run: two fresh daemons of `binary`; returns each timed iteration's End time (ms, the
-// max over the two ranks).
+// One run: `ndaemons` (1 or 2) fresh daemons of `binary`, rank r on daemon r % ndaemons;
+// returns each timed iteration's End time (ms, the max over the two ranks).
 absl::StatusOr<std::vector<double>> RunEnds(const std::string& binary, const std::string& tag,
-                                            int64_t numel, int warmup, int iters) {
+                                            int ndaemons, int64_t numel, int warmup, int iters) {
   BenchDaemon daemons[2];
   std::string peers[2];
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < ndaemons; ++i) {
     const int port = PickFreeLoopbackPort();
     if (port <= 0) return absl::InternalError("no free TCP port on 127.0.0.1");
     peers[i] = absl::StrCat("127.0.0.1:", port);
@@ -66,7 +67,7 @@ absl::StatusOr<std::vector<double>> RunEnds(const std::string& binary, const std
   absl::Status failed[2];
   auto rank = [&](int r) {
     ClientOptions options;
-    options.address = daemons[r].address();
+    options.address = daemons[r % ndaemons].address();
     options.call_timeout = absl::Seconds(120);
     options.join_timeout = absl::Seconds(120);
     absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(options);
@@ -74,7 +75,7 @@ absl::StatusOr<std::vector<double>> RunEnds(const std::string& binary, const std
       failed[r] = c.status();
       return;
     }
-    if (absl::Status s = (*c)->Join("bench", 2, r, "tok", peers[0]); !s.ok()) {
+    if (absl::Status s = (*c)->Join("bench", 2, r, "tok", ndaemons == 1 ? "" : peers[0]); !s.ok()) {
       failed[r] = s;
       return;
     }
@@ -117,33 +118,39 @@ int Main() {
   const int64_t numel = std::max<int64_t>(1, absl::GetFlag(FLAGS_bytes) / 4);
   const int iters = std::max(1, absl::GetFlag(FLAGS_iters));
   const int warmup = std::max(0, absl::GetFlag(FLAGS_warmup));
-  std::vector<double> before, after;
-  for (int round = 0; round < std::max(1, absl::GetFlag(FLAGS_rounds)); ++round) {
-    for (int side = 0; side < 2; ++side) {
-      const bool is_baseline = (side == 0) == (round % 2 == 0);
-      absl::StatusOr<std::vector<double>> t =
-          RunEnds(is_baseline ? baseline : binary,
-                  absl::StrCat("fsendvote-", getpid(), "-", round, is_baseline ? "b" : "a"), numel,
-                  warmup, iters);
-      if (!t.ok()) {
-        std::fprintf(stderr, "%s: %s\n", is_baseline ? "baseline" : "flatshardd",
-                     std::string(t.status().message()).c_str());
-        return 1;
+  for (int ndaemons : {2, 1}) {
+    std::vector<double> before, after;
+    for (int round = 0; round < std::max(1, absl::GetFlag(FLAGS_rounds)); ++round) {
+      for (int side = 0; side < 2; ++side) {
+        const bool is_baseline = (side == 0) == (round % 2 == 0);
+        absl::StatusOr<std::vector<double>> t =
+            RunEnds(is_baseline ? baseline : binary,
+                    absl::StrCat("fsendvote-", getpid(), "-", ndaemons, "-", round,
+                                 is_baseline ? "b" : "a"),
+                    ndaemons, numel, warmup, iters);
+        if (!t.ok()) {
+          std::fprintf(stderr, "%s, %d daemon(s): %s\n", is_baseline ? "baseline" : "flatshardd",
+                       ndaemons, std::string(t.status().message()).c_str());
+          return 1;
+        }
+        std::vector<double>& into = is_baseline ? before : after;
+        into.insert(into.end(), t->begin(), t->end());
       }
-      (is_baseline ? before : after)
-          .insert((is_baseline ? before : after).end(), t->begin(), t->end());
     }
+    const double b = Median(before), a = Median(after);
+    std::printf(
+        "writeback End, %s, --state_dir, %lld-byte unit (median of %zu, max over ranks): "
+        "baseline %.3f ms (p90 %.3f), this %.3f ms (p90 %.3f), ratio this/baseline %.2f "
+        "(load %s)\n",
+        ndaemons == 2 ? "2 daemons x 1 rank" : "1 daemon x 2 ranks",
+        static_cast<long long>(numel * 4), after.size(), b, Percentile(before, 90), a,
+        Percentile(after, 90), a / std::max(b, 1e-6), LoadAverage().c_str());
+    const std::string name =
+        ndaemons == 2 ? "end_vote.writeback_end_2daemons" : "end_vote.writeback_end_1daemon";
+    PrintFigure(name + "_ms", a, "ms");
+    PrintFigure(name + "_baseline_ms", b, "ms", true, /*context=*/true);
+    PrintFigure(name + "_ratio_to_baseline", a / std::max(b, 1e-6), "x");
   }
-  const double b = Median(before), a = Median(after);
-  std::printf(
-      "writeback End, 2 daemons x 1 rank, --state_dir, %lld-byte unit (median of %zu, max over "
-      "ranks): baseline %.3f ms (p90 %.3f), this %.3f ms (p90 %.3f), ratio this/baseline %.2f "
-      "(load %s)\n",
-      static_cast<long long>(numel * 4), after.size(), b, Percentile(before, 90), a,
-      Percentile(after, 90), a / std::max(b, 1e-6), LoadAverage().c_str());
-  PrintFigure("end_vote.writeback_end_2daemons_ms", a, "ms");
-  PrintFigure("end_vote.writeback_end_2daemons_baseline_ms", b, "ms", true, /*context=*/true);
-  PrintFigure("end_vote.ratio_to_baseline", a / std::max(b, 1e-6), "x");
   return 0;
 }
 
