@@ -192,12 +192,13 @@ struct Registered {
   // server/durable/commit_intents.cc). 0: none.
   uint64_t durable_commit_intent = 0;
   // ---- No module lost to a daemon kill (server/durable/commit_votes.cc) ----
-  // Per rank: the generation its shards hold since it voted yes to a Commit whose outcome it
-  // has not learnt (0: none; may be shorter than `generation`). Such a rank is rolled forward
-  // (its shards into its committed copy) or back at the next formation, to whichever
-  // generation every daemon resolves the module to (internal::PossibleGenerations).
+  // Per rank: the generation its shards hold since it voted yes to a Commit (or a writeback
+  // End over several daemons) whose outcome it has not learnt (0: none; may be shorter than
+  // `generation`). Such a rank is rolled forward (its shards into its committed copy) or back
+  // at the next formation, to whichever generation every daemon resolves the module to
+  // (internal::PossibleGenerations).
   std::vector<uint64_t> voted;
-  // The Commit generation recorded as voted here ("voted" in the record), written before the
+  // The Commit (or End) generation recorded as voted here ("voted" in the record), before the
   // first local rank's vote went out: after a kill every local rank may hold it. 0: none.
   uint64_t voted_commit = 0;
   // ReconcileModules: the generation every daemon resolved the module to at the last re-form
