@@ -180,12 +180,13 @@ void Records::TestingPauseEndVote(const char* point, uint64_t generation) {
   static const std::pair<std::string, std::pair<uint64_t, absl::Duration>> pause = [] {
     const std::string v = absl::GetFlag(FLAGS_testing_pause_end_vote);
     const size_t colon = v.find(':');
-    if (colon == std::string::npos) {
+    const std::string at = v.substr(0, colon);
+    if (colon == std::string::npos ||
+        (at != "before_vote" && at != "after_vote" && at != "before_intent")) {
       if (!v.empty()) FS_LOG(ERROR) << "--testing_pause_end_vote=" << v << " ignored";
       return std::make_pair(std::string(), std::make_pair(uint64_t{0}, absl::ZeroDuration()));
     }
-    return std::make_pair(v.substr(0, colon),
-                          ParsePause(v.substr(colon + 1), "testing_pause_end_vote"));
+    return std::make_pair(at, ParsePause(v.substr(colon + 1), "testing_pause_end_vote"));
   }();
   if (pause.second.first == 0 || pause.second.first != generation || pause.first != point) return;
   FS_LOG(WARNING) << "testing: writeback End of generation " << generation << " paused at " << point
