@@ -260,11 +260,12 @@ class SummonedParams {
   // missed the deadline (DEADLINE_EXCEEDED naming it), no rank's is. The init summon of a
   // registration commits the initial values the same way; until it did on every rank the
   // module is not usable (Register it again on every rank).
-  // Over several daemons with a state directory a daemon killed after every rank's End
-  // agreed fails the other ranks' End with "the writeback of summon S (generation G) did not
-  // complete on this rank: ..."; as after a failed Commit, re-join before writing the shards:
-  // the next formation puts every rank at one generation, G when any rank committed it (its
-  // shards are rolled forward), else G-1 (README "Restarts").
+  // Over several daemons with a state directory a failure of the group after every rank's
+  // End agreed (a daemon killed, a rank's session ended) may fail the other ranks' End with
+  // "the writeback of summon S (generation G) did not complete on this rank: ..."; the shards
+  // may then hold G's writes until the next formation, which puts every rank at one
+  // generation: G when any rank committed it (rolled forward), else G-1 (rolled back). As
+  // after a failed Commit, re-join before writing the shards (README "Restarts").
   // Errors: the RPC's (e.g. DEADLINE_EXCEEDED naming missing ranks, ABORTED); a failed
   // writeback leaves the old shards intact. FAILED_PRECONDITION when the Client was destroyed
   // or left first (the daemon then ended the summon without writeback) or the lease broke.
