@@ -30,8 +30,11 @@ const PullMetrics& Metrics() {
 }  // namespace
 
 WeightsPuller::WeightsPuller(Publisher* publisher, WeightsPeerClient* client,
-                             std::vector<std::string> sources)
-    : publisher_(publisher), client_(client), sources_(std::move(sources)) {
+                             std::vector<std::string> sources, FollowerOptions follow)
+    : publisher_(publisher),
+      client_(client),
+      sources_(sources),
+      follower_(publisher, this, client, std::move(sources), follow) {
   Metrics();  // every family shows (at 0) from the first scrape
 }
 
@@ -108,6 +111,9 @@ void WeightsPuller::RefreshAsync(WeightsSelector selector, int64_t uid,
       threads_[id] = std::thread(
           [this, id, selector = std::move(selector), uid, done = std::move(done)]() mutable {
             done(Refresh(selector, uid));
+            // After the reader is answered: the newest copy survives a restart (file I/O).
+            publisher_->StoreNewest(selector.owner_uid == -2 ? uid : selector.owner_uid,
+                                    selector.name);
             absl::MutexLock lock(&mu_);
             finished_.push_back(id);
           });
@@ -119,6 +125,7 @@ void WeightsPuller::RefreshAsync(WeightsSelector selector, int64_t uid,
 }
 
 void WeightsPuller::Shutdown() {
+  follower_.Shutdown();
   std::map<uint64_t, std::thread> threads;
   {
     absl::MutexLock lock(&mu_);
