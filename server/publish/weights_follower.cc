@@ -20,6 +20,13 @@ metrics::GaugeFamily& FollowedGauge() {
   return g;
 }
 
+metrics::GaugeFamily& StreamsGauge() {
+  static metrics::GaugeFamily& g = metrics::DefaultRegistry().AddGauge(
+      "flatshard_weights_follow_streams",
+      "WatchVersions streams open at --weights_sources (the source registered the watch)");
+  return g;
+}
+
 }  // namespace
 
 WeightsFollower::WeightsFollower(Publisher* publisher, WeightsPuller* puller,
@@ -31,6 +38,7 @@ WeightsFollower::WeightsFollower(Publisher* publisher, WeightsPuller* puller,
       sources_(std::move(sources)),
       options_(options) {
   FollowedGauge().WithLabels({}).Set(0);  // shows from the first scrape
+  StreamsGauge().WithLabels({}).Set(0);
 }
 
 uint64_t WeightsFollower::Follow(const WeightsSelector& selector, int64_t uid) {
@@ -103,9 +111,8 @@ absl::Status WeightsFollower::Pull(const Key& key, const Entry& e, uint64_t vers
 }
 
 void WeightsFollower::Loop(const Key& key, const std::shared_ptr<Entry>& e) {
-  const auto followed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return !stopped_ && e->refs > 0;
-  };
+  const auto followed = [&]()
+                            ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !stopped_ && e->refs > 0; };
   size_t at = 0;  // the source asked now
   absl::Duration backoff = options_.min_backoff;
   std::string last_error;
@@ -123,11 +130,17 @@ void WeightsFollower::Loop(const Key& key, const std::shared_ptr<Entry>& e) {
     }
     const std::string& source = sources_[at % sources_.size()];
     WeightsPeerClient::Watch w{key.second, key.first, publisher_->Newest(key.first, key.second),
-                               e->uid, e->token, options_.wait};
+                               e->uid,     e->token,  options_.wait};
     absl::Status pulled;
+    bool open = false;
     absl::Status s = client_->WatchVersions(
         source, w,
         [&](uint64_t version) {
+          if (version == 0) {
+            open = true;
+            StreamsGauge().WithLabels({}).Add(1);
+            return;
+          }
           if (!pulled.ok()) return;
           pulled = Pull(key, *e, version);
           if (pulled.ok()) return;
@@ -140,6 +153,7 @@ void WeightsFollower::Loop(const Key& key, const std::shared_ptr<Entry>& e) {
           e->call = call;
           return true;
         });
+    if (open) StreamsGauge().WithLabels({}).Add(-1);
     if (!pulled.ok()) s = pulled;
     if (s.ok() || (s.code() == absl::StatusCode::kCancelled && pulled.ok())) {
       backoff = options_.min_backoff;  // the stream's wait ended, or no local watch is left
@@ -147,8 +161,8 @@ void WeightsFollower::Loop(const Key& key, const std::shared_ptr<Entry>& e) {
     }
     if (s.ToString() != last_error) {  // once per distinct error, not once per retry
       last_error = s.ToString();
-      FS_LOG(WARNING) << "following weights \"" << key.second << "\" of uid " << key.first
-                      << ": " << s << "; trying again in " << backoff
+      FS_LOG(WARNING) << "following weights \"" << key.second << "\" of uid " << key.first << ": "
+                      << s << "; trying again in " << backoff
                       << (sources_.size() > 1 ? " at the next source" : "");
     }
     ++at;

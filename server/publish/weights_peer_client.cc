@@ -359,15 +359,15 @@ absl::Status WeightsPeerClient::WatchVersions(
     std::unique_ptr<grpc::ClientReader<v1::PublishedVersion>> reader =
         stub->WatchVersions(&ctx, request);
     v1::PublishedVersion v;
-    while (reader->Read(&v)) on_version(v.version());
+    while (reader->Read(&v)) on_version(v.version());  // the first: 0
     status = FromGrpcStatus(reader->Finish());
     Untrack(&ctx);
   }
   attach(nullptr);
   if (status.ok()) return status;
-  return absl::Status(status.code(), absl::StrCat("watching weights \"", watch.name, "\" of uid ",
-                                                  watch.owner_uid, " at daemon ", source, ": ",
-                                                  status.message()));
+  return absl::Status(status.code(),
+                      absl::StrCat("watching weights \"", watch.name, "\" of uid ", watch.owner_uid,
+                                   " at daemon ", source, ": ", status.message()));
 }
 
 }  // namespace flatshard::server

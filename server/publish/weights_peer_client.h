@@ -86,10 +86,10 @@ class WeightsPeerClient {
     absl::Duration wait = absl::Seconds(30);  // the source ends the stream after this
   };
   // Streams `source`'s new versions of watch.name into `on_version` (on this thread, in
-  // order) until the source ends the stream (OK, after watch.wait) or it fails (the source's
-  // error, UNAVAILABLE for a source that is gone; CANCELLED), naming the source. `attach`
-  // gets the call's context before the call (false: not started, CANCELLED) and null before
-  // the context goes, so its owner may TryCancel it meanwhile.
+  // order; first 0 once the source registered the watch) until the source ends the stream (OK,
+  // after watch.wait) or it fails (the source's error, UNAVAILABLE for a source that is gone;
+  // CANCELLED), naming the source. `attach` gets the call's context before the call (false: not
+  // started, CANCELLED) and null before the context goes, so its owner may TryCancel it meanwhile.
   absl::Status WatchVersions(const std::string& source, const Watch& watch,
                              absl::FunctionRef<void(uint64_t version)> on_version,
                              absl::FunctionRef<bool(grpc::ClientContext*)> attach);

@@ -166,9 +166,9 @@ grpc::Status WeightsPeerServiceImpl::FetchVersion(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
-grpc::Status WeightsPeerServiceImpl::WatchVersions(grpc::ServerContext* ctx,
-                                                   const v1::WatchVersionsRequest* request,
-                                                   grpc::ServerWriter<v1::PublishedVersion>* writer) {
+grpc::Status WeightsPeerServiceImpl::WatchVersions(
+    grpc::ServerContext* ctx, const v1::WatchVersionsRequest* request,
+    grpc::ServerWriter<v1::PublishedVersion>* writer) {
   Publisher* publisher = publisher_.load();
   if (publisher == nullptr || stopped_.load()) {
     return ToGrpcStatus(absl::UnavailableError("flatshardd is not serving published weights"));
@@ -180,7 +180,9 @@ grpc::Status WeightsPeerServiceImpl::WatchVersions(grpc::ServerContext* ctx,
                        request->reader_uid(), request->after(), queue);
   if (!id.ok()) return ToGrpcStatus(id.status());
   grpc::Status status = grpc::Status::OK;
-  while (absl::Now() < deadline) {
+  // The watch is registered: the follower counts the stream open (version 0).
+  if (!writer->Write(v1::PublishedVersion())) status = grpc::Status::CANCELLED;
+  while (status.ok() && absl::Now() < deadline) {
     if (ctx->IsCancelled()) {
       status = grpc::Status::CANCELLED;
       break;

@@ -1,9 +1,9 @@
 #pragma once
 // WeightsPeerService (proto/flatshard/v1/weights_peer.proto) on the peer port: other daemons
 // read this daemon's committed shards of a publish (ReadShards) and copy its versions
-// (FetchVersion), and hear of new versions (WatchVersions). gRPC's synchronous API: a call is a thread of the server's pool that sends
-// chunks as fast as the stream takes them, holding the copies (a hold on the committed shards,
-// a reference on the version) until the last one is sent.
+// (FetchVersion), and hear of new versions (WatchVersions). gRPC's synchronous API: a call is a
+// thread of the server's pool that sends chunks as fast as the stream takes them, holding the
+// copies (a hold on the committed shards, a reference on the version) until the last one is sent.
 //
 // Peers are trusted as for checkpoints: calls about a group carry its token; copies of a
 // version by name carry the reader's uid (or token) and are checked as OpenWeights checks

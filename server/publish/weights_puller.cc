@@ -108,15 +108,14 @@ void WeightsPuller::RefreshAsync(WeightsSelector selector, int64_t uid,
     finished_.clear();
     if (!stopped_) {
       const uint64_t id = next_thread_++;
-      threads_[id] = std::thread(
-          [this, id, selector = std::move(selector), uid, done = std::move(done)]() mutable {
-            done(Refresh(selector, uid));
-            // After the reader is answered: the newest copy survives a restart (file I/O).
-            publisher_->StoreNewest(selector.owner_uid == -2 ? uid : selector.owner_uid,
-                                    selector.name);
-            absl::MutexLock lock(&mu_);
-            finished_.push_back(id);
-          });
+      threads_[id] = std::thread([this, id, selector = std::move(selector), uid,
+                                  done = std::move(done)]() mutable {
+        done(Refresh(selector, uid));
+        // After the reader is answered: the newest copy survives a restart (file I/O).
+        publisher_->StoreNewest(selector.owner_uid == -2 ? uid : selector.owner_uid, selector.name);
+        absl::MutexLock lock(&mu_);
+        finished_.push_back(id);
+      });
       done = nullptr;
     }
   }

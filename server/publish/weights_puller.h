@@ -82,7 +82,7 @@ class WeightsPuller {
   uint64_t next_thread_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uint64_t, std::thread> threads_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> finished_ ABSL_GUARDED_BY(mu_);  // threads to join
-  WeightsFollower follower_;  // last: its threads call Refresh
+  WeightsFollower follower_;                             // last: its threads call Refresh
 };
 
 }  // namespace flatshard::server
