@@ -101,8 +101,9 @@ void WeightsFollower::Shutdown() {
 
 absl::Status WeightsFollower::Pull(const Key& key, const Entry& e, uint64_t version) {
   if (version <= publisher_->Newest(key.first, key.second)) return absl::OkStatus();
-  absl::Status s = puller_->Refresh(WeightsSelector{key.second, key.first, 0, e.token}, e.uid);
-  // Refresh keeps an older local copy serving when the sources fail; a follower tries again.
+  absl::Status s = puller_->Refresh(WeightsSelector{key.second, key.first, 0, e.token}, e.uid,
+                                    /*local_fallback=*/false);
+  // A copy an Open led may have fallen back on the local one: a follower tries again.
   if (s.ok() && publisher_->Newest(key.first, key.second) < version) {
     s = absl::UnavailableError(absl::StrCat("version ", version, " was not copied"));
   }

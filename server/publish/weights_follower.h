@@ -15,7 +15,8 @@
 // a source that restarts is followed again, and versions published meanwhile come at once
 // (the newest one; older ones are skipped). The stream and copies run as the uid (and with
 // the reader token) of the local watch that started following, so the sources only tell of
-// versions that reader may open. The last local watch ending cancels the stream.
+// versions that reader may open (and never of versions in a source's GPU memory: those are
+// not copied between daemons). The last local watch ending cancels the stream.
 //
 // Thread-safe. One leaf lock, never held across a call or a copy.
 

@@ -194,6 +194,7 @@ grpc::Status WeightsPeerServiceImpl::WatchVersions(
     v1::PublishedVersion out;
     for (const WeightsInfo& v :
          queue->Take(std::min(absl::Milliseconds(100), deadline - absl::Now()))) {
+      if (v.device >= 0) continue;  // in GPU memory: never copied to other daemons
       out.set_name(v.name);
       out.set_owner_uid(v.owner_uid);
       out.set_version(v.version);

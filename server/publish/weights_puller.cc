@@ -51,7 +51,8 @@ absl::Status WeightsPuller::ValidateSources(const std::vector<std::string>& sour
   return absl::OkStatus();
 }
 
-absl::Status WeightsPuller::Refresh(const WeightsSelector& selector, int64_t uid) {
+absl::Status WeightsPuller::Refresh(const WeightsSelector& selector, int64_t uid,
+                                    bool local_fallback) {
   const int64_t owner = selector.owner_uid == -2 ? uid : selector.owner_uid;
   const Key key{owner, selector.name};
   std::shared_ptr<Flight> flight;
@@ -74,13 +75,14 @@ absl::Status WeightsPuller::Refresh(const WeightsSelector& selector, int64_t uid
       // One copy per name at a time: this reader maps what it brings.
       mu_.Await(absl::Condition(
           +[](Flight* x) { return x->done; }, flight.get()));
-      return flight->status.ok() || publisher_->Newest(owner, selector.name) == 0
+      return flight->status.ok() || !local_fallback || publisher_->Newest(owner, selector.name) == 0
                  ? flight->status
                  : absl::OkStatus();
     }
   }
   absl::Status s = Copy(selector, owner, uid);
-  if (!s.ok() && selector.version == 0 && publisher_->Newest(owner, selector.name) > 0) {
+  if (!s.ok() && local_fallback && selector.version == 0 &&
+      publisher_->Newest(owner, selector.name) > 0) {
     FS_LOG(WARNING) << "weights \"" << selector.name << "\": " << s
                     << "; readers open the newest local copy";
     s = absl::OkStatus();

@@ -51,9 +51,9 @@ class WeightsPuller {
 
   // Makes the version `selector` names (for reader `uid`) local when a source has it newer
   // than this daemon's (latest) or this daemon lacks it; blocks while the copy runs. OK
-  // when there is nothing to copy or a local copy serves; the copy's error otherwise
-  // (naming the sources and the version).
-  absl::Status Refresh(const WeightsSelector& selector, int64_t uid);
+  // when there is nothing to copy or a local copy serves (`latest` only, and only with
+  // `local_fallback`); the copy's error otherwise (naming the sources and the version).
+  absl::Status Refresh(const WeightsSelector& selector, int64_t uid, bool local_fallback = true);
   // Refresh on a thread of the puller's (never a gRPC reactor's); `done` runs there.
   // After Shutdown, `done` gets UNAVAILABLE at once.
   void RefreshAsync(WeightsSelector selector, int64_t uid,
