@@ -480,8 +480,11 @@ void Publisher::InsertLocked(
   last = std::max(last, v->info.version);
   table_[key][v->info.version] = v;
   TrimLocked(key, freed);
-  for (const auto& [id, w] : watches_) {
-    if (w.key == key && CheckReader(*v, w.uid, w.token, Admin(w.uid)).ok()) {
+  for (auto& [id, w] : watches_) {
+    // Copies may come out of order (a version asked by number): never one it told of already.
+    if (w.key == key && v->info.version > w.after &&
+        CheckReader(*v, w.uid, w.token, Admin(w.uid)).ok()) {
+      w.after = v->info.version;
       notify->emplace_back(w.watcher, v->info);
     }
   }
@@ -764,11 +767,12 @@ absl::StatusOr<uint64_t> Publisher::Watch(const WeightsSelector& selector, int64
     const int64_t owner = selector.owner_uid == -2 ? uid : selector.owner_uid;
     const Key key{owner, selector.name};
     id = next_id_++;
-    watches_[id] = WatchEntry{key, uid, selector.token, watcher};
+    WatchEntry& w = watches_[id] = WatchEntry{key, uid, selector.token, watcher, after};
     if (auto it = table_.find(key); it != table_.end() && !it->second.empty()) {
       const Version& v = *it->second.rbegin()->second;
       if (v.info.version > after && CheckReader(v, uid, selector.token, Admin(uid)).ok()) {
         now = v.info;
+        w.after = v.info.version;
       }
     }
   }

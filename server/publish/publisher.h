@@ -205,7 +205,8 @@ class Publisher {
   void Release(uint64_t lease);
 
   // Watches the selected key (selector.version is ignored): `watcher` receives the newest
-  // version newer than `after` now (if any, before this returns) and each later one, but only
+  // version newer than `after` now (if any, before this returns) and each later one newer
+  // than every one it received (copies from other daemons may arrive out of order), but only
   // versions `uid` (or selector.token) may open, so a key may be watched before its first
   // version exists. Returns the watch's id for Unwatch. No errors today.
   absl::StatusOr<uint64_t> Watch(const WeightsSelector& selector, int64_t uid, uint64_t after,
@@ -291,6 +292,7 @@ class Publisher {
     int64_t uid = -1;
     std::string token;
     std::shared_ptr<WeightsWatcher> watcher;
+    uint64_t after = 0;  // the newest version told of (or asked to be newer than)
   };
   std::map<uint64_t, WatchEntry> watches_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;

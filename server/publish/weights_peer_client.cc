@@ -82,6 +82,10 @@ std::shared_ptr<grpc::Channel> WeightsPeerClient::ChannelTo(const std::string& p
   if (ch == nullptr) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(kMaxMessage);
+    // Bounded reconnect backoff (gRPC's default grows to 120 s, failing calls at once
+    // meanwhile): a source that restarts is reached again within a second (as peer_client.cc).
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     ch = grpc::CreateCustomChannel(peer, credentials_, args);
   }
   return ch;

@@ -3,7 +3,7 @@
 //   - a reader watching on a daemon with no rank of the group gets each of 3 publishes,
 //     copied there without an Open, element for element, one copy per version (metrics);
 //   - the source killed and restarted while a reader waits: the name is followed again and
-//     the next version arrives;
+//     the next version arrives; a source that dies is replaced by the next one;
 //   - the reader's daemon restarted with its state directory serves the newest copy without
 //     copying it again, pulls a newer one, and keeps serving its copy when the source is gone.
 
@@ -55,6 +55,17 @@ struct TempDir {
   }
 };
 
+// A thread joined when it goes out of scope (also when an ASSERT returns early).
+struct JoinedThread {
+  std::thread t;
+  template <typename F>
+  explicit JoinedThread(F f) : t(std::move(f)) {}
+  ~JoinedThread() { join(); }
+  void join() {
+    if (t.joinable()) t.join();
+  }
+};
+
 OpenWeightsOptions AtVersion(uint64_t v) {
   OpenWeightsOptions o;
   o.version = v;
@@ -68,14 +79,26 @@ void ExpectAllPublished(const std::vector<absl::StatusOr<PublishedVersion>>& p, 
   }
 }
 
-// Polls the reader daemon's metrics until `line` shows (the follower's state is asynchronous).
-bool MetricsShow(const ReaderDaemon& x, const std::string& line) {
+// Polls `text()` until it holds `line` (the follower's state is asynchronous).
+template <typename Text>
+bool Shows(Text text, const std::string& line) {
   const absl::Time deadline = absl::Now() + kWait;
   while (absl::Now() < deadline) {
-    if (x.Metrics().find(line) != std::string::npos) return true;
+    if (text().find(line) != std::string::npos) return true;
     absl::SleepFor(absl::Milliseconds(20));
   }
   return false;
+}
+
+bool MetricsShow(const ReaderDaemon& x, const std::string& line) {
+  return Shows([&] { return x.Metrics(); }, line);
+}
+
+// What the reader's daemon logs when its stream at `source` broke.
+std::string BrokenStream(const std::string& source) {
+  return absl::StrCat("following weights \"gpt\" of uid ", getuid(),
+                      ": UNAVAILABLE: watching weights \"gpt\" of uid ", getuid(), " at daemon ",
+                      source);
 }
 
 TEST(WeightsFollowTest, AWatchingReaderGetsEachPublishCopiedOnceWithoutAnOpen) {
@@ -89,7 +112,7 @@ TEST(WeightsFollowTest, AWatchingReaderGetsEachPublishCopiedOnceWithoutAnOpen) {
   for (int s = 1; s <= 3; ++s) {
     // The reader waits on its own daemon (which copies nothing until it hears of a version).
     absl::StatusOr<PublishedVersion> got = absl::UnknownError("unset");
-    std::thread waiting([&] { got = r->WaitForVersion("gpt", s - 1, kWait); });
+    JoinedThread waiting([&] { got = r->WaitForVersion("gpt", s - 1, kWait); });
     t.Step(s);
     std::vector<absl::StatusOr<PublishedVersion>> p = t.Publish("gpt");
     waiting.join();
@@ -137,7 +160,7 @@ TEST(WeightsFollowTest, ASourceKilledAndRestartedWhileFollowedIsFollowedAgain) {
 
   // A reader waits for the next version; its daemon follows the name at the source.
   absl::StatusOr<PublishedVersion> got = absl::UnknownError("unset");
-  std::thread waiting([&] { got = r->WaitForVersion("gpt", 1, kWait); });
+  JoinedThread waiting([&] { got = r->WaitForVersion("gpt", 1, kWait); });
   // Its stream at the source is open (the source registered the watch) when the source dies.
   ASSERT_TRUE(MetricsShow(x, "\nflatshard_weights_follow_streams 1\n")) << x.Metrics();
   d0->Kill();
@@ -156,11 +179,45 @@ TEST(WeightsFollowTest, ASourceKilledAndRestartedWhileFollowedIsFollowedAgain) {
   ExpectHolds(*t.plan, **v, 2);
   EXPECT_THAT(x.Metrics(), HasSubstr("\nflatshard_weights_pulls_total{code=\"OK\"} 2\n"));
   // The broken stream was logged, naming the source.
-  EXPECT_THAT(x.d->Log(), HasSubstr(absl::StrCat("following weights \"gpt\" of uid ", getuid(),
-                                                 ": UNAVAILABLE: watching weights \"gpt\" of uid ",
-                                                 getuid(), " at daemon ", d0->peer_address())));
+  EXPECT_THAT(x.d->Log(), HasSubstr(BrokenStream(d0->peer_address())));
   t.c.clear();
   d0.reset();
+}
+
+TEST(WeightsFollowTest, AFollowedSourceThatDiesIsReplacedByTheNextOne) {
+  std::unique_ptr<DaemonProcess> d0 = GroupDaemon(0);
+  std::unique_ptr<DaemonProcess> d1 = GroupDaemon(1);
+  ReaderDaemon x({d1->peer_address(), d0->peer_address()});  // followed at d1 first
+  std::unique_ptr<WeightsReader> r = Reader(*x.d);
+  ASSERT_NE(r, nullptr);
+  {
+    Trainers t({d0.get(), d1.get()}, "first");
+    ASSERT_NE(t.plan, nullptr);
+    t.Step(1);
+    ExpectAllPublished(t.Publish("gpt"), 1);
+  }
+  absl::StatusOr<PublishedVersion> got = absl::UnknownError("unset");
+  JoinedThread waiting([&] { got = r->WaitForVersion("gpt", 1, kWait); });
+  ASSERT_TRUE(MetricsShow(x, "\nflatshard_weights_follow_streams 1\n")) << x.Metrics();
+  const std::string dead = d1->peer_address();
+  d1->Kill();
+  // The stream at d1 broke (logged by name); the follower now streams from d0.
+  EXPECT_TRUE(Shows([&] { return x.d->Log(); }, BrokenStream(dead))) << x.d->Log();
+  EXPECT_TRUE(MetricsShow(x, "\nflatshard_weights_follow_streams 1\n")) << x.Metrics();
+  // d1 back (a new peer address, not among the sources): the next publish comes through d0.
+  ASSERT_TRUE(d1->Restart());
+  Trainers t({d0.get(), d1.get()}, "second");
+  ASSERT_NE(t.plan, nullptr);
+  t.Step(2);
+  std::vector<absl::StatusOr<PublishedVersion>> p = t.Publish("gpt");
+  waiting.join();
+  ExpectAllPublished(p, 2);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->version, 2u);
+  EXPECT_EQ(got->generation, p[0]->generation);
+  absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r->Open("gpt", AtVersion(2));
+  ASSERT_TRUE(v.ok()) << v.status();
+  ExpectHolds(*t.plan, **v, 2);
 }
 
 TEST(WeightsFollowTest, AReaderDaemonRestartedWithItsStateDirServesItsCopyWithoutAPull) {
