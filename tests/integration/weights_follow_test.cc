@@ -90,6 +90,24 @@ bool Shows(Text text, const std::string& line) {
   return false;
 }
 
+// Whether `state_dir` holds a stored version of weights (written after Publish or a copy is
+// answered, renamed into place whole), polled until it does.
+bool StoredWeights(const std::string& state_dir) {
+  const std::filesystem::path dir = std::filesystem::path(state_dir) / "weights";
+  const auto stored = [&] {
+    std::error_code ec;
+    for (const auto& f : std::filesystem::directory_iterator(dir, ec)) {
+      if (f.path().extension() == ".weights") return true;
+    }
+    return false;
+  };
+  for (const absl::Time deadline = absl::Now() + kWait; absl::Now() < deadline;) {
+    if (stored()) return true;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return false;
+}
+
 bool MetricsShow(const ReaderDaemon& x, const std::string& line) {
   return Shows([&] { return x.Metrics(); }, line);
 }
@@ -163,6 +181,9 @@ TEST(WeightsFollowTest, ASourceKilledAndRestartedWhileFollowedIsFollowedAgain) {
   JoinedThread waiting([&] { got = r->WaitForVersion("gpt", 1, kWait); });
   // Its stream at the source is open (the source registered the watch) when the source dies.
   ASSERT_TRUE(MetricsShow(x, "\nflatshard_weights_follow_streams 1\n")) << x.Metrics();
+  // Version 1 is stored after Publish returned: once it is, the restart keeps it (and the
+  // numbering).
+  ASSERT_TRUE(StoredWeights(state.path));
   d0->Kill();
   ASSERT_TRUE(d0->Restart());
   Trainers t({d0.get()}, "after");
@@ -198,6 +219,8 @@ TEST(WeightsFollowTest, AFollowedSourceThatDiesIsReplacedByTheNextOne) {
   }
   absl::StatusOr<PublishedVersion> got = absl::UnknownError("unset");
   JoinedThread waiting([&] { got = r->WaitForVersion("gpt", 1, kWait); });
+  // Following at d1: version 1 copied (not reported: the reader waits for a newer one).
+  ASSERT_TRUE(MetricsShow(x, "\nflatshard_weights_pulls_total{code=\"OK\"} 1\n")) << x.Metrics();
   ASSERT_TRUE(MetricsShow(x, "\nflatshard_weights_follow_streams 1\n")) << x.Metrics();
   const std::string dead = d1->peer_address();
   d1->Kill();
@@ -235,20 +258,9 @@ TEST(WeightsFollowTest, AReaderDaemonRestartedWithItsStateDirServesItsCopyWithou
     ASSERT_TRUE(v.ok()) << v.status();
     ExpectHolds(*t.plan, **v, 1);
   }
-  // The copy is written after the reader was answered: wait for its file (renamed into place
-  // whole), then kill the daemon.
-  const std::filesystem::path dir = std::filesystem::path(state.path) / "weights";
-  const auto stored = [&] {
-    std::error_code ec;
-    for (const auto& f : std::filesystem::directory_iterator(dir, ec)) {
-      if (f.path().extension() == ".weights") return true;
-    }
-    return false;
-  };
-  for (const absl::Time deadline = absl::Now() + kWait; !stored() && absl::Now() < deadline;) {
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  ASSERT_TRUE(stored()) << "no .weights file in " << dir;
+  // The copy is written after the reader was answered: wait for its file, then kill the
+  // daemon.
+  ASSERT_TRUE(StoredWeights(state.path));
   std::filesystem::remove(x.dir + "/m");  // the restarted daemon writes its metrics address
   ASSERT_TRUE(x.d->Restart());
 
