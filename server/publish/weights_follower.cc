@@ -155,12 +155,16 @@ void WeightsFollower::Loop(const Key& key, const std::shared_ptr<Entry>& e) {
           return true;
         });
     if (open) StreamsGauge().WithLabels({}).Add(-1);
+    if (open && pulled.ok()) {  // the source answered: a failure now is a new one
+      backoff = options_.min_backoff;
+      last_error.clear();
+    }
     if (!pulled.ok()) s = pulled;
     if (s.ok() || (s.code() == absl::StatusCode::kCancelled && pulled.ok())) {
       backoff = options_.min_backoff;  // the stream's wait ended, or no local watch is left
       continue;
     }
-    if (s.ToString() != last_error) {  // once per distinct error, not once per retry
+    if (s.ToString() != last_error) {  // not once per retry of the same failure
       last_error = s.ToString();
       FS_LOG(WARNING) << "following weights \"" << key.second << "\" of uid " << key.first << ": "
                       << s << "; trying again in " << backoff
