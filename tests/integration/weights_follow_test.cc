@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -90,14 +91,22 @@ bool Shows(Text text, const std::string& line) {
   return false;
 }
 
-// Whether `state_dir` holds a stored version of weights (written after Publish or a copy is
-// answered, renamed into place whole), polled until it does.
-bool StoredWeights(const std::string& state_dir) {
+// Whether `state_dir` holds a stored version of weights (`version`; 0: any), written after
+// Publish or a copy is answered and renamed into place whole; polled until it does.
+bool StoredWeights(const std::string& state_dir, uint64_t version = 0) {
   const std::filesystem::path dir = std::filesystem::path(state_dir) / "weights";
   const auto stored = [&] {
     std::error_code ec;
     for (const auto& f : std::filesystem::directory_iterator(dir, ec)) {
-      if (f.path().extension() == ".weights") return true;
+      if (f.path().extension() != ".weights") continue;
+      if (version == 0) return true;
+      std::string head(4096, '\0');  // the header (magic, JSON summary line) is in 4 KiB
+      std::ifstream(f.path()).read(head.data(), head.size());
+      for (const char* end : {",", "}"}) {
+        if (head.find(absl::StrCat("\"version\":", version, end)) != std::string::npos) {
+          return true;
+        }
+      }
     }
     return false;
   };
@@ -124,7 +133,8 @@ TEST(WeightsFollowTest, AWatchingReaderGetsEachPublishCopiedOnceWithoutAnOpen) {
   std::unique_ptr<DaemonProcess> d1 = GroupDaemon(1);
   Trainers t({d0.get(), d1.get()}, "follow");
   ASSERT_NE(t.plan, nullptr);
-  ReaderDaemon x({d0->peer_address(), d1->peer_address()});
+  TempDir state("fswf-follower");
+  ReaderDaemon x({d0->peer_address(), d1->peer_address()}, {"--state_dir=" + state.path});
   std::unique_ptr<WeightsReader> r = Reader(*x.d);
   ASSERT_NE(r, nullptr);
   for (int s = 1; s <= 3; ++s) {
@@ -156,6 +166,18 @@ TEST(WeightsFollowTest, AWatchingReaderGetsEachPublishCopiedOnceWithoutAnOpen) {
   // No watch is left: the daemon stops following.
   EXPECT_TRUE(MetricsShow(x, "\nflatshard_weights_followed 0\n")) << x.Metrics();
   EXPECT_TRUE(MetricsShow(x, "\nflatshard_weights_follow_streams 0\n")) << x.Metrics();
+  // The follower stored its copies: a restart serves version 3 with nothing copied.
+  ASSERT_TRUE(StoredWeights(state.path, 3));
+  latest->reset();
+  std::filesystem::remove(x.dir + "/m");  // the restarted daemon writes its metrics address
+  ASSERT_TRUE(x.d->Restart());
+  r = Reader(*x.d);
+  ASSERT_NE(r, nullptr);
+  absl::StatusOr<PublishedVersion> kept = r->WaitForVersion("gpt", 2, kWait);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->version, 3u);
+  ASSERT_TRUE(MetricsShow(x, "\nflatshard_weights_versions 1\n")) << x.Metrics();
+  EXPECT_THAT(x.Metrics(), Not(HasSubstr("flatshard_weights_pulls_total{")));
 }
 
 TEST(WeightsFollowTest, ASourceKilledAndRestartedWhileFollowedIsFollowedAgain) {
