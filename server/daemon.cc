@@ -557,10 +557,10 @@ void Daemon::Shutdown() {
   const auto deadline =
       std::chrono::system_clock::now() + absl::ToChronoNanoseconds(config_.shutdown_grace);
   if (peer_service_) peer_service_->Shutdown();  // pending rendezvous fail, streams end
+  if (weights_peer_) weights_peer_->Stop();      // other daemons' WatchVersions streams end
   if (peer_server_) peer_server_->Shutdown(deadline);
   if (checkpoint_peer_) checkpoint_peer_->Stop();  // its calls use groups_
-  if (weights_peer_) weights_peer_->Stop();
-  if (acceptor_) acceptor_->Stop();  // no new connections while the server drains
+  if (acceptor_) acceptor_->Stop();                // no new connections while the server drains
   if (server_ != nullptr) server_->Shutdown(deadline);
   // --keep_shards (with --state_dir): shards, gradient shards and committed copies stay with
   // their records for the next daemon; otherwise the records go first, then the segments.

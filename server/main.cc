@@ -133,8 +133,9 @@ ABSL_FLAG(int32_t, weights_keep, 2,
 ABSL_FLAG(std::vector<std::string>, weights_sources, {},
           "published weights across daemons: comma-separated peer addresses (host:port of their "
           "--peer_address) of daemons of the publishing group; a reader that opens a name here "
-          "gets a local copy of the newest (or asked) version, copied once from them (README "
-          "\"Published weights across daemons\")");
+          "gets a local copy of the newest (or asked) version, copied once from them; names "
+          "that local readers watch are followed there and each new version copied as it "
+          "appears (README \"Published weights across daemons\")");
 ABSL_FLAG(bool, keep_shards, true,
           "unless --ephemeral: SIGTERM leaves shards, gradient shards and committed copies "
           "(and their records) for the next daemon; false: SIGTERM frees everything");

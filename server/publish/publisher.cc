@@ -480,20 +480,40 @@ void Publisher::InsertLocked(
   last = std::max(last, v->info.version);
   table_[key][v->info.version] = v;
   TrimLocked(key, freed);
-  for (const auto& [id, w] : watches_) {
-    if (w.key == key && CheckReader(*v, w.uid, w.token, Admin(w.uid)).ok()) {
+  for (auto& [id, w] : watches_) {
+    // Copies may come out of order (a version asked by number): never one it told of already.
+    if (w.key == key && v->info.version > w.after &&
+        CheckReader(*v, w.uid, w.token, Admin(w.uid)).ok()) {
+      w.after = v->info.version;
       notify->emplace_back(w.watcher, v->info);
     }
   }
   UpdateGaugesLocked();
 }
 
+void Publisher::StoreNewest(int64_t owner_uid, const std::string& name) {
+  if (!files_.enabled()) return;
+  std::shared_ptr<Version> v;  // held: its bytes stay while they are written
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = table_.find(Key{owner_uid, name});
+    if (it == table_.end() || it->second.empty()) return;
+    v = it->second.rbegin()->second;
+  }
+  Store(*v);
+}
+
 void Publisher::Store(const Version& v) {
   if (!files_.enabled()) return;
+  absl::MutexLock lock(&files_mu_);
+  const Key key{v.info.owner_uid, v.info.name};
+  // Writers race (the worker, pullers): the file never goes back to an older version.
+  if (auto it = stored_.find(key); it != stored_.end() && it->second >= v.info.version) return;
   if (v.buffer->on_device()) {
     // Not stored (a restart loses it); the name's older stored version must not come back
     // in its place after a restart.
     files_.Remove(v.info.owner_uid, v.info.name, 0);
+    stored_.erase(key);
     return;
   }
   {
@@ -510,7 +530,9 @@ void Publisher::Store(const Version& v) {
                        0};
     if (absl::Status s = files_.Write(meta, v.buffer->data()); !s.ok()) {
       FS_LOG(WARNING) << "weights " << Quoted(v.info.name) << " version " << v.info.version
-                      << " was published but will not survive a restart: " << s;
+                      << " is here but will not survive a restart: " << s;
+    } else {
+      stored_[key] = v.info.version;
     }
   }
 }
@@ -622,6 +644,7 @@ int Publisher::Adopt() {
     table_[key][m.version] = v;
     last_version_[key] = std::max(last_version_[key], m.version);
     UpdateGaugesLocked();
+    stored_[key] = m.version;  // Adopt runs before any writer: files_mu_ is not needed
     ++adopted;
     FS_LOG(INFO) << "adopted published weights " << Quoted(m.name) << " version " << m.version
                  << " of " << OwnerText(m.owner_uid) << " (" << m.layout.bytes << " bytes)";
@@ -744,11 +767,12 @@ absl::StatusOr<uint64_t> Publisher::Watch(const WeightsSelector& selector, int64
     const int64_t owner = selector.owner_uid == -2 ? uid : selector.owner_uid;
     const Key key{owner, selector.name};
     id = next_id_++;
-    watches_[id] = WatchEntry{key, uid, selector.token, watcher};
+    WatchEntry& w = watches_[id] = WatchEntry{key, uid, selector.token, watcher, after};
     if (auto it = table_.find(key); it != table_.end() && !it->second.empty()) {
       const Version& v = *it->second.rbegin()->second;
       if (v.info.version > after && CheckReader(v, uid, selector.token, Admin(uid)).ok()) {
         now = v.info;
+        w.after = v.info.version;
       }
     }
   }
@@ -820,7 +844,14 @@ absl::StatusOr<int> Publisher::Drop(const WeightsSelector& selector, int64_t uid
   }
   // The stored newest version goes with it (file I/O: after the lock).
   const int64_t owner = selector.owner_uid == -2 ? uid : selector.owner_uid;
-  files_.Remove(owner, selector.name, selector.version);
+  {
+    absl::MutexLock lock(&files_mu_);
+    files_.Remove(owner, selector.name, selector.version);
+    auto it = stored_.find(Key{owner, selector.name});
+    if (it != stored_.end() && (selector.version == 0 || it->second == selector.version)) {
+      stored_.erase(it);
+    }
+  }
   if (selector.version == 0) {
     spares_.Forget(Key{owner, selector.name});
     Metrics().spare_bytes.WithLabels({}).Set(static_cast<double>(spares_.bytes()));

@@ -11,8 +11,9 @@
 //   numbers included; across restarts only with a state directory).
 // - Restarts: with a state directory, the newest version of each key is written to
 //   `<state_dir>/weights/` (weights_files.h) by the worker right after Publish is answered
-//   (the write costs far more than the copy; the next publish waits for it), and adopted at
-//   start (numbering goes on after it). Without one, versions do not survive a
+//   (the write costs far more than the copy; the next publish waits for it), or by the
+//   puller after a copy from --weights_sources (StoreNewest), and adopted at start
+//   (numbering goes on after it). Without one, versions do not survive a
 //   restart and readers get NOT_FOUND saying so.
 // - A version is built from the committed copies (Checkpoints::ReadCommitted holds them still,
 //   so commits that land meanwhile wait and trainers that go on training change nothing):
@@ -204,7 +205,8 @@ class Publisher {
   void Release(uint64_t lease);
 
   // Watches the selected key (selector.version is ignored): `watcher` receives the newest
-  // version newer than `after` now (if any, before this returns) and each later one, but only
+  // version newer than `after` now (if any, before this returns) and each later one newer
+  // than every one it received (copies from other daemons may arrive out of order), but only
   // versions `uid` (or selector.token) may open, so a key may be watched before its first
   // version exists. Returns the watch's id for Unwatch. No errors today.
   absl::StatusOr<uint64_t> Watch(const WeightsSelector& selector, int64_t uid, uint64_t after,
@@ -222,9 +224,13 @@ class Publisher {
 
   // Inserts a version copied from another daemon under its own number (seals it and grants
   // its reader uids first). A number this daemon has already is kept as it is (the copy is
-  // dropped). Returns what is in the table. UNAVAILABLE after Shutdown. Copies are not
-  // written to the state directory (a restarted daemon copies them again).
+  // dropped). Returns what is in the table. UNAVAILABLE after Shutdown. Not written to the
+  // state directory here (the caller answers its readers first, then StoreNewest).
   absl::StatusOr<WeightsInfo> AddCopy(CopiedVersion copy);
+  // Writes the newest version of (owner uid, name) to the state directory (when there is one
+  // and a newer one is not stored already): blocking file I/O, never on a reactor. Logs
+  // failures.
+  void StoreNewest(int64_t owner_uid, const std::string& name);
   // The selected version held for another daemon, checked for reader `uid` (Open's errors;
   // FAILED_PRECONDITION for a device version: they are not copied between daemons).
   absl::StatusOr<ExportedVersion> Export(const WeightsSelector& selector, int64_t uid) const;
@@ -264,11 +270,16 @@ class Publisher {
   void InsertLocked(const std::shared_ptr<Version>& v, std::vector<std::shared_ptr<Version>>* freed,
                     std::vector<std::pair<std::shared_ptr<WeightsWatcher>, WeightsInfo>>* notify)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Writes the newest version to the state directory (when there is one); logs failures.
-  void Store(const Version& v);
+  // Writes `v` to the state directory (when there is one, and no newer version of its key is
+  // stored); logs failures.
+  void Store(const Version& v) ABSL_LOCKS_EXCLUDED(files_mu_);
 
   const PublisherOptions options_;
-  WeightsFiles files_;  // used by the worker and Adopt only
+  // The state directory's files: writes by the worker and the pullers' threads, removals
+  // by Drop, serialized by files_mu_ (never held with mu_).
+  absl::Mutex files_mu_;
+  WeightsFiles files_;
+  std::map<Key, uint64_t> stored_ ABSL_GUARDED_BY(files_mu_);  // the version in each file
   const DeviceVersions devices_;
   SpareSegments spares_;
   mutable absl::Mutex mu_;
@@ -281,6 +292,7 @@ class Publisher {
     int64_t uid = -1;
     std::string token;
     std::shared_ptr<WeightsWatcher> watcher;
+    uint64_t after = 0;  // the newest version told of (or asked to be newer than)
   };
   std::map<uint64_t, WatchEntry> watches_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;

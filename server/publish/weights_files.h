@@ -5,8 +5,8 @@
 // version's summary, grants and index), zero padding to 4 KiB, then the version's bytes.
 // Written under a temp name, fsynced and renamed over the key's previous file (AtomicFile), so
 // a daemon killed mid-write leaves the previous version's file; read back at start.
-// Blocking file I/O: called from the publisher's worker and its constructor, never a reactor.
-// Thread-compatible (the publisher serializes its calls on its worker).
+// Blocking file I/O: called from the publisher's worker, pullers and Adopt, never a reactor.
+// Thread-compatible (the publisher serializes its calls with a lock of its own).
 
 #include <cstdint>
 #include <string>

@@ -82,6 +82,10 @@ std::shared_ptr<grpc::Channel> WeightsPeerClient::ChannelTo(const std::string& p
   if (ch == nullptr) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(kMaxMessage);
+    // Bounded reconnect backoff (gRPC's default grows to 120 s, failing calls at once
+    // meanwhile): a source that restarts is reached again within a second (as peer_client.cc).
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     ch = grpc::CreateCustomChannel(peer, credentials_, args);
   }
   return ch;
@@ -334,6 +338,40 @@ absl::StatusOr<std::optional<CopiedVersion>> WeightsPeerClient::FetchVersion(
     }
   }
   return copy;
+}
+
+absl::Status WeightsPeerClient::WatchVersions(
+    const std::string& source, const Watch& watch,
+    absl::FunctionRef<void(uint64_t version)> on_version,
+    absl::FunctionRef<bool(grpc::ClientContext*)> attach) {
+  auto stub = v1::WeightsPeerService::NewStub(ChannelTo(source));
+  v1::WatchVersionsRequest request;
+  request.set_name(watch.name);
+  request.set_owner_uid(watch.owner_uid);
+  request.set_after(watch.after);
+  request.set_reader_uid(watch.reader_uid);
+  request.set_reader_token(watch.reader_token);
+  request.set_wait_ms(absl::ToInt64Milliseconds(watch.wait));
+  grpc::ClientContext ctx;
+  // The source ends the stream at watch.wait; a source that hangs past it is given up on.
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + watch.wait + absl::Seconds(10)));
+  if (!attach(&ctx)) return absl::CancelledError("no longer followed");
+  absl::Status status;
+  if (!Track(&ctx)) {
+    status = absl::UnavailableError("flatshardd is shutting down");
+  } else {
+    std::unique_ptr<grpc::ClientReader<v1::PublishedVersion>> reader =
+        stub->WatchVersions(&ctx, request);
+    v1::PublishedVersion v;
+    while (reader->Read(&v)) on_version(v.version());  // the first: 0
+    status = FromGrpcStatus(reader->Finish());
+    Untrack(&ctx);
+  }
+  attach(nullptr);
+  if (status.ok()) return status;
+  return absl::Status(status.code(),
+                      absl::StrCat("watching weights \"", watch.name, "\" of uid ", watch.owner_uid,
+                                   " at daemon ", source, ": ", status.message()));
 }
 
 }  // namespace flatshard::server

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -73,6 +74,25 @@ class WeightsPeerClient {
   // source that went away mid-copy; RESOURCE_EXHAUSTED from the store.
   absl::StatusOr<std::optional<CopiedVersion>> FetchVersion(const std::vector<std::string>& sources,
                                                             const Fetch& fetch);
+
+  // Which name to hear of (WatchVersions): versions newer than `after` that the reader may
+  // open.
+  struct Watch {
+    std::string name;
+    int64_t owner_uid = -1;
+    uint64_t after = 0;
+    int64_t reader_uid = -1;
+    std::string reader_token;
+    absl::Duration wait = absl::Seconds(30);  // the source ends the stream after this
+  };
+  // Streams `source`'s new versions of watch.name into `on_version` (on this thread, in
+  // order; first 0 once the source registered the watch) until the source ends the stream (OK,
+  // after watch.wait) or it fails (the source's error, UNAVAILABLE for a source that is gone;
+  // CANCELLED), naming the source. `attach` gets the call's context before the call (false: not
+  // started, CANCELLED) and null before the context goes, so its owner may TryCancel it meanwhile.
+  absl::Status WatchVersions(const std::string& source, const Watch& watch,
+                             absl::FunctionRef<void(uint64_t version)> on_version,
+                             absl::FunctionRef<bool(grpc::ClientContext*)> attach);
 
   // Bytes received into versions and shards so far (for tests and metrics).
   int64_t bytes_received() const;

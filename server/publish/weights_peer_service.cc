@@ -1,9 +1,12 @@
 #include "server/publish/weights_peer_service.h"
 
 #include <algorithm>
+#include <deque>
+#include <memory>
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
@@ -21,6 +24,27 @@ v1::DType ToProtoDType(DType d) { return static_cast<v1::DType>(static_cast<int>
 absl::Time DeadlineOf(int64_t wait_ms) {
   return absl::Now() + absl::Milliseconds(std::max<int64_t>(0, wait_ms));
 }
+
+// A WatchVersions stream's queue: the publisher delivers on its threads, the handler writes.
+class QueuedVersions final : public WeightsWatcher {
+ public:
+  void Deliver(const WeightsInfo& version) override {
+    absl::MutexLock lock(&mu_);
+    queue_.push_back(version);
+  }
+  // The versions delivered so far; waits up to `wait` for one.
+  std::deque<WeightsInfo> Take(absl::Duration wait) {
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(
+                             +[](std::deque<WeightsInfo>* q) { return !q->empty(); }, &queue_),
+                         wait);
+    return std::exchange(queue_, {});
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::deque<WeightsInfo> queue_ ABSL_GUARDED_BY(mu_);
+};
 
 }  // namespace
 
@@ -140,6 +164,51 @@ grpc::Status WeightsPeerServiceImpl::FetchVersion(grpc::ServerContext* ctx,
     if (ctx->IsCancelled() || !writer->Write(chunk)) return grpc::Status::CANCELLED;
   }
   return grpc::Status::OK;
+}
+
+grpc::Status WeightsPeerServiceImpl::WatchVersions(
+    grpc::ServerContext* ctx, const v1::WatchVersionsRequest* request,
+    grpc::ServerWriter<v1::PublishedVersion>* writer) {
+  Publisher* publisher = publisher_.load();
+  if (publisher == nullptr || stopped_.load()) {
+    return ToGrpcStatus(absl::UnavailableError("flatshardd is not serving published weights"));
+  }
+  const absl::Time deadline = DeadlineOf(request->wait_ms());
+  auto queue = std::make_shared<QueuedVersions>();
+  absl::StatusOr<uint64_t> id =
+      publisher->Watch({request->name(), request->owner_uid(), 0, request->reader_token()},
+                       request->reader_uid(), request->after(), queue);
+  if (!id.ok()) return ToGrpcStatus(id.status());
+  grpc::Status status = grpc::Status::OK;
+  // The watch is registered: the follower counts the stream open (version 0).
+  if (!writer->Write(v1::PublishedVersion())) status = grpc::Status::CANCELLED;
+  while (status.ok() && absl::Now() < deadline) {
+    if (ctx->IsCancelled()) {
+      status = grpc::Status::CANCELLED;
+      break;
+    }
+    if (stopped_.load()) {
+      status = ToGrpcStatus(absl::UnavailableError("flatshardd is shutting down"));
+      break;
+    }
+    v1::PublishedVersion out;
+    for (const WeightsInfo& v :
+         queue->Take(std::min(absl::Milliseconds(100), deadline - absl::Now()))) {
+      if (v.device >= 0) continue;  // in GPU memory: never copied to other daemons
+      out.set_name(v.name);
+      out.set_owner_uid(v.owner_uid);
+      out.set_version(v.version);
+      out.set_generation(v.generation);
+      out.set_bytes(v.bytes);
+      if (!writer->Write(out)) {
+        status = grpc::Status::CANCELLED;
+        break;
+      }
+    }
+    if (!status.ok()) break;
+  }
+  publisher->Unwatch(*id);
+  return status;
 }
 
 }  // namespace flatshard::server

@@ -1,9 +1,9 @@
 #pragma once
 // WeightsPeerService (proto/flatshard/v1/weights_peer.proto) on the peer port: other daemons
 // read this daemon's committed shards of a publish (ReadShards) and copy its versions
-// (FetchVersion). gRPC's synchronous API: a call is a thread of the server's pool that sends
-// chunks as fast as the stream takes them, holding the copies (a hold on the committed shards,
-// a reference on the version) until the last one is sent.
+// (FetchVersion), and hear of new versions (WatchVersions). gRPC's synchronous API: a call is a
+// thread of the server's pool that sends chunks as fast as the stream takes them, holding the
+// copies (a hold on the committed shards, a reference on the version) until the last one is sent.
 //
 // Peers are trusted as for checkpoints: calls about a group carry its token; copies of a
 // version by name carry the reader's uid (or token) and are checked as OpenWeights checks
@@ -38,6 +38,10 @@ class WeightsPeerServiceImpl final : public v1::WeightsPeerService::Service {
                           grpc::ServerWriter<v1::ShardChunk>* writer) override;
   grpc::Status FetchVersion(grpc::ServerContext* ctx, const v1::FetchVersionRequest* request,
                             grpc::ServerWriter<v1::VersionChunk>* writer) override;
+  // Holds a server thread for the stream's life (up to wait_ms); checks for a cancel or Stop
+  // every 100 ms while no version comes.
+  grpc::Status WatchVersions(grpc::ServerContext* ctx, const v1::WatchVersionsRequest* request,
+                             grpc::ServerWriter<v1::PublishedVersion>* writer) override;
 
  private:
   std::atomic<GroupManager*> groups_{nullptr};

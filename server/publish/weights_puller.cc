@@ -30,8 +30,11 @@ const PullMetrics& Metrics() {
 }  // namespace
 
 WeightsPuller::WeightsPuller(Publisher* publisher, WeightsPeerClient* client,
-                             std::vector<std::string> sources)
-    : publisher_(publisher), client_(client), sources_(std::move(sources)) {
+                             std::vector<std::string> sources, FollowerOptions follow)
+    : publisher_(publisher),
+      client_(client),
+      sources_(sources),
+      follower_(publisher, this, client, std::move(sources), follow) {
   Metrics();  // every family shows (at 0) from the first scrape
 }
 
@@ -48,7 +51,8 @@ absl::Status WeightsPuller::ValidateSources(const std::vector<std::string>& sour
   return absl::OkStatus();
 }
 
-absl::Status WeightsPuller::Refresh(const WeightsSelector& selector, int64_t uid) {
+absl::Status WeightsPuller::Refresh(const WeightsSelector& selector, int64_t uid,
+                                    bool local_fallback) {
   const int64_t owner = selector.owner_uid == -2 ? uid : selector.owner_uid;
   const Key key{owner, selector.name};
   std::shared_ptr<Flight> flight;
@@ -71,13 +75,14 @@ absl::Status WeightsPuller::Refresh(const WeightsSelector& selector, int64_t uid
       // One copy per name at a time: this reader maps what it brings.
       mu_.Await(absl::Condition(
           +[](Flight* x) { return x->done; }, flight.get()));
-      return flight->status.ok() || publisher_->Newest(owner, selector.name) == 0
+      return flight->status.ok() || !local_fallback || publisher_->Newest(owner, selector.name) == 0
                  ? flight->status
                  : absl::OkStatus();
     }
   }
   absl::Status s = Copy(selector, owner, uid);
-  if (!s.ok() && selector.version == 0 && publisher_->Newest(owner, selector.name) > 0) {
+  if (!s.ok() && local_fallback && selector.version == 0 &&
+      publisher_->Newest(owner, selector.name) > 0) {
     FS_LOG(WARNING) << "weights \"" << selector.name << "\": " << s
                     << "; readers open the newest local copy";
     s = absl::OkStatus();
@@ -105,12 +110,14 @@ void WeightsPuller::RefreshAsync(WeightsSelector selector, int64_t uid,
     finished_.clear();
     if (!stopped_) {
       const uint64_t id = next_thread_++;
-      threads_[id] = std::thread(
-          [this, id, selector = std::move(selector), uid, done = std::move(done)]() mutable {
-            done(Refresh(selector, uid));
-            absl::MutexLock lock(&mu_);
-            finished_.push_back(id);
-          });
+      threads_[id] = std::thread([this, id, selector = std::move(selector), uid,
+                                  done = std::move(done)]() mutable {
+        done(Refresh(selector, uid));
+        // After the reader is answered: the newest copy survives a restart (file I/O).
+        publisher_->StoreNewest(selector.owner_uid == -2 ? uid : selector.owner_uid, selector.name);
+        absl::MutexLock lock(&mu_);
+        finished_.push_back(id);
+      });
       done = nullptr;
     }
   }
@@ -119,6 +126,7 @@ void WeightsPuller::RefreshAsync(WeightsSelector selector, int64_t uid,
 }
 
 void WeightsPuller::Shutdown() {
+  follower_.Shutdown();
   std::map<uint64_t, std::thread> threads;
   {
     absl::MutexLock lock(&mu_);

@@ -187,15 +187,18 @@ class WatchSink final : public WeightsWatcher {
 
 class WatchReactor final : public grpc::ServerWriteReactor<v1::PublishedVersion> {
  public:
-  WatchReactor(Publisher* publisher, absl::StatusOr<int64_t> uid,
+  // `follower` (may be null: no --weights_sources): the name is followed at the sources
+  // while this watch is open (weights_follower.h).
+  WatchReactor(Publisher* publisher, WeightsFollower* follower, absl::StatusOr<int64_t> uid,
                const v1::WatchWeightsRequest& request)
-      : publisher_(publisher), sink_(std::make_shared<WatchSink>(this)) {
+      : publisher_(publisher), follower_(follower), sink_(std::make_shared<WatchSink>(this)) {
     absl::StatusOr<WeightsSelector> sel = SelectorOf("WatchWeights", request.selector());
     absl::Status s = uid.ok() ? sel.status() : uid.status();
     if (s.ok()) {
       absl::StatusOr<uint64_t> id = publisher_->Watch(*sel, *uid, sel->version, sink_);
       if (id.ok()) {
         watch_ = *id;
+        if (follower_ != nullptr) follow_ = follower_->Follow(*sel, *uid);
       } else {
         s = id.status();
       }
@@ -219,10 +222,13 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::PublishedVersion>
  private:
   void Unwatch() {
     if (watch_ != 0) publisher_->Unwatch(std::exchange(watch_, 0));
+    if (follow_ != 0) follower_->Unfollow(std::exchange(follow_, 0));
   }
   Publisher* const publisher_;
+  WeightsFollower* const follower_;
   const std::shared_ptr<WatchSink> sink_;
   uint64_t watch_ = 0;
+  uint64_t follow_ = 0;
 };
 
 void WatchSink::Deliver(const WeightsInfo& version) {
@@ -342,7 +348,8 @@ grpc::ServerWriteReactor<v1::OpenWeightsResponse>* WeightsServiceImpl::OpenWeigh
 
 grpc::ServerWriteReactor<v1::PublishedVersion>* WeightsServiceImpl::WatchWeights(
     grpc::CallbackServerContext* ctx, const v1::WatchWeightsRequest* request) {
-  return new WatchReactor(publisher_, CallerUid(ctx), *request);
+  return new WatchReactor(publisher_, puller_ != nullptr ? puller_->follower() : nullptr,
+                          CallerUid(ctx), *request);
 }
 
 grpc::ServerUnaryReactor* WeightsServiceImpl::ListWeights(grpc::CallbackServerContext* ctx,

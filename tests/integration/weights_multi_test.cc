@@ -38,6 +38,7 @@
 #include "flatshard/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/integration/weights_multi_testing.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
@@ -50,161 +51,17 @@ using ::flatshard::testing::DaemonProcess;
 using ::flatshard::testing::ExampleModelFile;
 using ::flatshard::testing::RunRanks;
 using ::testing::HasSubstr;
-
-constexpr char kToken[] = "mult1";
-constexpr int kWorld = 4;
-
-ClientOptions Options(const std::string& address, absl::Duration call_timeout = absl::Seconds(20)) {
-  ClientOptions o;
-  o.address = address;
-  o.call_timeout = call_timeout;
-  o.join_timeout = absl::Seconds(10);
-  o.max_attempts = 1;
-  return o;
-}
-
-std::unique_ptr<WeightsReader> Reader(const DaemonProcess& d) {
-  absl::StatusOr<std::unique_ptr<WeightsReader>> r = WeightsReader::Connect(Options(d.address()));
-  EXPECT_TRUE(r.ok()) << r.status();
-  return r.ok() ? *std::move(r) : nullptr;
-}
-
-// A daemon of the group: a peer port (fixed when `port` > 0, so a restart keeps it).
-std::unique_ptr<DaemonProcess> GroupDaemon(int i, std::vector<std::string> flags = {}) {
-  DaemonOptions o;
-  o.tag_prefix = "fswm";
-  o.peer = true;
-  o.node_name = absl::StrCat("node", i);
-  o.extra_flags = std::move(flags);
-  return std::make_unique<DaemonProcess>(std::move(o));
-}
-
-// A daemon with no rank of the group that copies from `sources` (and serves metrics).
-struct ReaderDaemon {
-  std::string dir;
-  std::unique_ptr<DaemonProcess> d;
-  explicit ReaderDaemon(const std::vector<std::string>& sources) {
-    char tmpl[] = "/tmp/fswm-reader.XXXXXX";
-    EXPECT_NE(::mkdtemp(tmpl), nullptr);
-    dir = tmpl;
-    DaemonOptions o;
-    o.tag_prefix = "fswr";
-    o.extra_flags = {"--weights_sources=" + absl::StrJoin(sources, ","),
-                     "--metrics_address=127.0.0.1:0", "--metrics_address_file=" + dir + "/m"};
-    d = std::make_unique<DaemonProcess>(std::move(o));
-  }
-  ~ReaderDaemon() {
-    d.reset();
-    std::error_code ignored;
-    std::filesystem::remove_all(dir, ignored);
-  }
-  // GET /metrics.
-  std::string Metrics() const {
-    std::string host_port;
-    std::getline(std::ifstream(dir + "/m"), host_port);
-    int port = 0;
-    if (!absl::SimpleAtoi(host_port.substr(host_port.rfind(':') + 1), &port)) return "";
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr = {};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    std::string out;
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-      const std::string req = "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n";
-      ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
-      char buf[8192];
-      for (ssize_t n; (n = ::recv(fd, buf, sizeof(buf), 0)) > 0;) out.append(buf, n);
-    }
-    ::close(fd);
-    return out;
-  }
-};
-
-// Element e of unit u's flat buffer at step s: small multiples of 0.5 (exact).
-float Pattern(int32_t u, int64_t e, int s) {
-  return static_cast<float>((e * 7 + u * 3 + s) % 64) * 0.5f;
-}
-
-void FillShards(const ShardViews& views, int step) {
-  for (const UnitShardView& u : views) {
-    ASSERT_EQ(u.dtype, DType::kFloat32);
-    float* p = static_cast<float*>(u.data);
-    for (int64_t i = 0; i < u.shard_numel; ++i) p[i] = Pattern(u.unit, u.shard_offset + i, step);
-  }
-}
-
-// kWorld ranks of `group`, rank r on daemons[r % 2], gpt_tied registered.
-struct Trainers {
-  std::vector<std::unique_ptr<Client>> c;
-  std::shared_ptr<const Plan> plan;
-
-  Trainers(const std::vector<const DaemonProcess*>& daemons, const std::string& group,
-           absl::Duration call_timeout = absl::Seconds(20))
-      : c(kWorld) {
-    RunRanks(kWorld, [&](int r) {
-      const DaemonProcess& d = *daemons[r % daemons.size()];
-      absl::StatusOr<std::unique_ptr<Client>> client =
-          Client::Connect(Options(d.address(), call_timeout));
-      ASSERT_TRUE(client.ok()) << client.status();
-      c[r] = *std::move(client);
-      absl::Status joined = c[r]->Join(group, kWorld, r, kToken, daemons[0]->peer_address());
-      ASSERT_TRUE(joined.ok()) << "rank " << r << ": " << joined;
-      absl::StatusOr<RegisteredModule> m =
-          c[r]->Register("", ExampleModelFile("gpt_tied", "manifest"),
-                         ExampleModelFile("gpt_tied", "policy"), InitMode::kZeros);
-      ASSERT_TRUE(m.ok()) << m.status();
-      if (r == 0) plan = m->plan;
-    });
-  }
-  void Step(int s) {
-    RunRanks(kWorld, [&](int r) {
-      absl::StatusOr<ShardViews> v = c[r]->GetShardViews("");
-      ASSERT_TRUE(v.ok()) << v.status();
-      FillShards(*v, s);
-      ASSERT_TRUE(c[r]->Commit("").ok());
-    });
-  }
-  std::vector<absl::StatusOr<PublishedVersion>> Publish(const std::string& name) {
-    std::vector<absl::StatusOr<PublishedVersion>> out(kWorld, absl::UnknownError("unset"));
-    RunRanks(kWorld, [&](int r) { out[r] = c[r]->Publish("", name, {}); });
-    return out;
-  }
-};
-
-// Every state_dict key of `v` holds step `step` of gpt_tied; tied keys alias their parameter.
-void ExpectHolds(const Plan& plan, const WeightsVersion& v, int step) {
-  size_t params = 0;
-  for (const PlanUnit& u : plan.units) {
-    for (const PlanParam& p : u.params) {
-      ++params;
-      const WeightsTensor* t = v.Find(p.fqn);
-      ASSERT_NE(t, nullptr) << p.fqn;
-      EXPECT_EQ(t->shape, p.shape) << p.fqn;
-      ASSERT_EQ(t->bytes, p.numel * 4) << p.fqn;
-      for (int64_t j = 0; j < p.numel; ++j) {
-        ASSERT_EQ(static_cast<const float*>(t->data)[j], Pattern(u.index, p.offset + j, step))
-            << p.fqn << "[" << j << "]";
-      }
-    }
-  }
-  absl::StatusOr<Manifest> manifest = ManifestFromJson(ExampleModelFile("gpt_tied", "manifest"));
-  ASSERT_TRUE(manifest.ok()) << manifest.status();
-  std::vector<SharedParam> tied = checkpoint::TiedAliases(*manifest, plan);
-  for (const PlanUnit& u : plan.units) tied.insert(tied.end(), u.shared.begin(), u.shared.end());
-  for (const SharedParam& s : tied) {
-    const WeightsTensor* a = v.Find(s.fqn);
-    const WeightsTensor* b = v.Find(s.same_as);
-    ASSERT_NE(a, nullptr) << s.fqn;
-    ASSERT_NE(b, nullptr) << s.same_as;
-    EXPECT_EQ(a->data, b->data) << s.fqn << " must alias " << s.same_as;
-  }
-  EXPECT_EQ(v.tensors().size(), params + tied.size());
-}
-
-std::string MetricLine(const std::string& name, double value) {
-  return absl::StrCat("\n", name, " ", value, "\n");
-}
+using weights_testing::ExpectHolds;
+using weights_testing::FillShards;
+using weights_testing::FreePort;
+using weights_testing::GroupDaemon;
+using weights_testing::kToken;
+using weights_testing::kWorld;
+using weights_testing::MetricLine;
+using weights_testing::Options;
+using weights_testing::Reader;
+using weights_testing::ReaderDaemon;
+using weights_testing::Trainers;
 
 TEST(WeightsMultiTest, TwoDaemonsPublishAndAThirdCopiesOnceForFourReaders) {
   std::unique_ptr<DaemonProcess> d0 = GroupDaemon(0);
@@ -305,19 +162,6 @@ TEST(WeightsMultiTest, APublishOnlyOneDaemonsRanksCalledFailsByNameAndTheNextOne
     ASSERT_TRUE(v.ok()) << v.status();
     ExpectHolds(*t.plan, **v, 2);
   }
-}
-
-// A free TCP port on loopback (for a daemon that must get the same one after a restart).
-int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr = {};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
 }
 
 TEST(WeightsMultiTest, ASourceKilledMidCopyIsNamedLeavesNothingAndARetryCopies) {
