@@ -239,8 +239,8 @@ TEST_F(RestartTest, DeleteGroupRemovesTheRecord) {
 
 // A GPU daemon (simulated GPUs: the daemon's device code paths over host shared memory): its
 // device memory dies with it, so SIGTERM with --keep_shards copies each rank's committed device
-// shards into host segments and the next daemon copies them into fresh device memory; a kill -9
-// keeps nothing of a device module.
+// shards into host segments and the next daemon copies them into fresh device memory. A kill -9
+// after it finds the host copy made after the next commit (gpu_host_copies_test has more).
 TEST_F(RestartTest, GpuDaemonKeepsHostCopiesOfItsCommittedShardsOnSigterm) {
   simulated_gpus_ = true;
   std::unique_ptr<DaemonProcess> d = StartDaemon({"--simulate_gpus=2"});
@@ -258,10 +258,12 @@ TEST_F(RestartTest, GpuDaemonKeepsHostCopiesOfItsCommittedShardsOnSigterm) {
   EXPECT_THAT(d->Log(), HasSubstr("group=g adopted from"));
   // The shards are back on the (simulated) devices at generation 2; gradients are not kept.
   ExpectReattached(*d, ranks, 2, committed, /*commit_after=*/true, /*grads_kept=*/false);
+  ASSERT_TRUE(WaitForLog(*d, HostCopyRecorded(3)));
   ranks.clear();
   d->Kill();
   ASSERT_TRUE(Restart(*d));
-  JoinAll(*d, ranks, 0);  // device memory died with the process
+  JoinAll(*d, ranks, 1);  // from the host copy of generation 3
+  RegisterAll(ranks, 3);
 }
 
 // Breaks the record or a segment of a trained group, restarts, and checks that the group was
@@ -834,7 +836,7 @@ TEST_F(StateRefusedTest, ARankWithSomeButNotAllOfItsStateBuffers) {
 
 // A GPU daemon (simulated GPUs) keeps host copies of the committed device optimizer state at
 // SIGTERM with --keep_shards, next to the shards', and the next daemon puts them back on the
-// devices; kill -9 keeps nothing of it (device memory dies with the process).
+// devices; a kill -9 after it finds the host copy made after the next commit.
 TEST_F(StateRestartTest, GpuDaemonKeepsHostCopiesOfItsCommittedStateOnSigterm) {
   simulated_gpus_ = true;
   std::unique_ptr<DaemonProcess> d = StartDaemon({"--simulate_gpus=2"});
@@ -855,10 +857,14 @@ TEST_F(StateRestartTest, GpuDaemonKeepsHostCopiesOfItsCommittedStateOnSigterm) {
   RegisterAll(ranks, 2);
   ExpectStateReattached(ranks, 2, state);
   TrainWithState(ranks, 3, 3);
+  const std::vector<std::vector<std::string>> state3 = StateOf(ranks);
+  ASSERT_TRUE(WaitForLog(*d, HostCopyRecorded(3)));
   ranks.clear();
   d->Kill();
   ASSERT_TRUE(Restart(*d));
-  JoinAll(*d, ranks, 0);
+  JoinAll(*d, ranks, 1);
+  RegisterAll(ranks, 3);
+  ExpectStateReattached(ranks, 3, state3);
 }
 
 // ---- Checkpoint loads write the group's record ----

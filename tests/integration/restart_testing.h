@@ -117,6 +117,23 @@ class RestartTest : public ::testing::Test {
     d.Kill();
     return was_paused;
   }
+  // How many times `text` is in the daemon's log (every run of it so far).
+  static int LogCount(DaemonProcess& d, const std::string& text) {
+    const std::string log = d.Log();
+    int n = 0;
+    for (size_t at = log.find(text); at != std::string::npos; at = log.find(text, at + 1)) ++n;
+    return n;
+  }
+  // Waits (at most 60 s) until `text` is in the log at least `n` times; false if not.
+  static bool WaitForLog(DaemonProcess& d, const std::string& text, int n = 1) {
+    const absl::Time until = absl::Now() + absl::Seconds(60);
+    while (LogCount(d, text) < n && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
+    return LogCount(d, text) >= n;
+  }
+  // GPU daemons (--gpu_host_copies): the log line of generation `g`'s host copy, recorded.
+  static std::string HostCopyRecorded(uint64_t g) {
+    return absl::StrCat("host copy of generation ", g, " recorded");
+  }
   // A daemon with a state directory in the test's temp dir (kept across restarts).
   std::unique_ptr<DaemonProcess> StartDaemon(std::vector<std::string> extra = {}) {
     state_dir_ = std::filesystem::temp_directory_path() /
