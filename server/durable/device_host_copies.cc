@@ -93,8 +93,7 @@ void DeviceHostCopies::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-void DeviceHostCopies::NoteCopiesDoneLocked(Group& g, const std::string& module,
-                                            Registered& reg) {
+void DeviceHostCopies::NoteCopiesDoneLocked(Group& g, const std::string& module, Registered& reg) {
   if (!enabled_ || !reg.initialized || reg.busy > 0) return;
   bool due = false;
   for (int32_t r : g.local_ranks) {
@@ -117,11 +116,7 @@ void DeviceHostCopies::Loop() {
     std::pair<std::string, std::string> next;
     {
       absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
-          +[](DeviceHostCopies* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
-            return self->stopped_ || !self->queue_.empty();
-          },
-          this));
+      mu_.Await(absl::Condition(this, &DeviceHostCopies::Ready));
       if (stopped_) return;
       next = std::move(queue_.front());
       queue_.pop_front();
@@ -215,6 +210,8 @@ void DeviceHostCopies::CopyModule(const std::string& group, const std::string& m
       reg.host_spare[r] = std::move(job.spare[i]);
       reg.host_spare_state[r] = std::move(job.spare_state[i]);
     }
+    // The commits that waited for the copy go on first (their copies do not touch the host
+    // slots), then the record naming the new slot is written.
     if (--reg.ckpt_hold == 0) {
       for (auto& f : reg.after_ckpt) run.Call(std::move(f));
       reg.after_ckpt.clear();
@@ -228,9 +225,7 @@ void DeviceHostCopies::CopyModule(const std::string& group, const std::string& m
     run.Run();
     return;
   }
-  // The record is written first (run: the module's record, fsync'd), then the commits that
-  // waited for the copy go on.
-  run.Run();
+  run.Run();  // the record is written (fsync'd) when this returns
   FS_LOG(INFO) << "group=" << group << " module=" << Display(module) << ": host copy of generation "
                << job.generation << " recorded (" << job.ranks.size() << " rank(s), " << job.bytes
                << " bytes, " << absl::FormatDuration(absl::Now() - start) << ")";
@@ -266,11 +261,11 @@ absl::Status DeviceHostCopies::CopyToSpare(Job& job) {
       spare_state[u].resize(state[u].size());
       for (size_t k = 0; k < state[u].size(); ++k) {
         if (state[u][k] == nullptr) continue;
-        FS_RETURN_IF_ERROR(fit(spare_state[u][k], *state[u][k],
-                               absl::StrCat(where, " unit=", u, " rank=", rank, " state=",
-                                            k < job.state_names.size() ? job.state_names[k]
-                                                                       : std::to_string(k),
-                                            " host copy")));
+        FS_RETURN_IF_ERROR(
+            fit(spare_state[u][k], *state[u][k],
+                absl::StrCat(where, " unit=", u, " rank=", rank, " state=",
+                             k < job.state_names.size() ? job.state_names[k] : std::to_string(k),
+                             " host copy")));
         job.bytes += spare_state[u][k]->bytes();
         if (state[u][k]->on_device()) {
           from.push_back(state[u][k].get());

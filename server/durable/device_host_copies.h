@@ -21,7 +21,6 @@
 // Thread-safe. Its lock is a leaf: taken under a group's lock (NoteCopiesDoneLocked), never
 // held while taking one.
 
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <set>
@@ -66,6 +65,7 @@ class DeviceHostCopies {
 
  private:
   struct Job;
+  bool Ready() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopped_ || !queue_.empty(); }
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
   // One module: takes the hold and the committed buffers (under the lock), copies into the
   // spare slots, swaps and records.
@@ -82,8 +82,7 @@ class DeviceHostCopies {
   std::deque<std::pair<std::string, std::string>> queue_ ABSL_GUARDED_BY(mu_);
   std::set<std::pair<std::string, std::string>> queued_ ABSL_GUARDED_BY(mu_);
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
-  bool copying_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;  // started by the first request
+  std::thread thread_;  // when enabled; joined by Stop
 };
 
 }  // namespace flatshard::server

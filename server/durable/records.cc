@@ -45,9 +45,12 @@ Records::Records(RecordsOptions options)
     state_sequence_ = state_dir_->max_loaded_sequence();
     workers_ = std::make_unique<BlockingWorkers>(kDurableThreads);
     if (!gpus_.empty()) {
-      host_copies_ = std::make_unique<DeviceHostCopies>(DeviceHostCopies::Options{
-          .records = this, .store = store_, .devices = &devices_, .table = &table_,
-          .enabled = true});
+      host_copies_ =
+          std::make_unique<DeviceHostCopies>(DeviceHostCopies::Options{.records = this,
+                                                                       .store = store_,
+                                                                       .devices = &devices_,
+                                                                       .table = &table_,
+                                                                       .enabled = true});
     }
   }
 }

@@ -67,10 +67,9 @@ absl::StatusOr<Figures> Run(bool copies, int64_t numel, int iters) {
   const std::string tag = absl::StrCat("fshcb", getpid(), copies ? "on" : "off");
   const std::filesystem::path state = std::filesystem::temp_directory_path() / (tag + ".state");
   BenchDaemon d;
-  absl::Status started =
-      d.Start(absl::GetFlag(FLAGS_flatshardd), tag,
-              {"--state_dir=" + state.string(), "--simulate_gpus=1",
-               absl::StrCat("--gpu_host_copies=", copies ? "true" : "false")});
+  absl::Status started = d.Start(absl::GetFlag(FLAGS_flatshardd), tag,
+                                 {"--state_dir=" + state.string(), "--simulate_gpus=1",
+                                  absl::StrCat("--gpu_host_copies=", copies ? "true" : "false")});
   if (!started.ok()) return started;
   ClientOptions options;
   options.address = d.address();
