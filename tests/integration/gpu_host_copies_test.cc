@@ -70,6 +70,47 @@ TEST_F(RestartTest, GpuDaemonKilledBeforeTheLastHostCopyResumesFromThePreviousOn
   ExpectReattached(*d, ranks, 2, step2, /*commit_after=*/false, /*grads_kept=*/false);
 }
 
+// SIGTERM after the host copy of the last commit is recorded: it is not made again, and the
+// next daemon puts it back on the devices.
+TEST_F(RestartTest, GpuDaemonSigtermAfterItsHostCopyKeepsThatCopy) {
+  simulated_gpus_ = true;
+  std::unique_ptr<DaemonProcess> d = StartDaemon({"--simulate_gpus=2"});
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  Train(ranks, 1, 2);
+  ASSERT_TRUE(WaitForLog(*d, HostCopyRecorded(2)));
+  const std::vector<Snapshot> step2 = Expected(ranks);
+  RunRanks(kWorld, [&](int r) { ASSERT_TRUE(ranks[r].client->Leave().ok()); });
+  ranks.clear();
+  EXPECT_EQ(d->Terminate(), 0);
+  EXPECT_EQ(LogCount(*d, "kept host copies of the committed device shards"), 0);
+  ASSERT_TRUE(Restart(*d));
+  ExpectReattached(*d, ranks, 2, step2, /*commit_after=*/true, /*grads_kept=*/false);
+}
+
+// The committed optimizer state is copied with the shards: after kill -9 every rank finds the
+// state of the newest recorded copy bit for bit, not the uncommitted writes on top.
+TEST_F(StateRestartTest, GpuDaemonKilledAfterCommitsKeepsItsCommittedOptimizerState) {
+  simulated_gpus_ = true;
+  std::unique_ptr<DaemonProcess> d = StartDaemon({"--simulate_gpus=2"});
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  RegisterStateAll(ranks);
+  TrainWithState(ranks, 1, 2);
+  ASSERT_TRUE(WaitForLog(*d, HostCopyRecorded(2)));
+  const std::vector<std::vector<std::string>> state = StateOf(ranks);
+  RunRanks(kWorld, [&](int r) { optstate::WriteState(*ranks[r].client, r, 55); });
+  ranks.clear();
+  d->Kill();
+  ASSERT_TRUE(Restart(*d));
+  JoinAll(*d, ranks, 1);
+  RegisterAll(ranks, 2);
+  ExpectStateReattached(ranks, 2, state);
+  TrainWithState(ranks, 3, 3);
+}
+
 // --gpu_host_copies=false: nothing of a device module is recorded, so kill -9 loses it (the
 // daemon before issue 24's host copies).
 TEST_F(RestartTest, GpuDaemonWithoutHostCopiesLosesItsShardsToKillNine) {
