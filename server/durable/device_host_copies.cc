@@ -24,8 +24,8 @@ ABSL_FLAG(bool, gpu_host_copies, true,
           "memory (asynchronously, two slots per rank: 2x the committed bytes) and record it, "
           "so that a restart after kill -9 resumes from the newest complete copy");
 ABSL_FLAG(std::string, testing_pause_host_copy, "",
-          "testing only: G:DURATION pauses the host copy of generation G for DURATION before "
-          "it starts (the copy of G is then not recorded until the pause ends)");
+          "testing only: G:DURATION pauses the host copy of generation G for DURATION once "
+          "its first local rank's copy is written (the others' not yet, nothing recorded)");
 
 namespace flatshard::server {
 
@@ -174,7 +174,6 @@ void DeviceHostCopies::CopyModule(const std::string& group, const std::string& m
     }
     ++reg.ckpt_hold;  // the committed copies stay still: a commit waits in after_ckpt
   }
-  PauseIfTesting(group, module, job.generation);
   const absl::Time start = absl::Now();
   absl::Status s = CopyToSpare(job);
   AfterUnlock run;
@@ -277,6 +276,7 @@ absl::Status DeviceHostCopies::CopyToSpare(Job& job) {
       }
     }
     FS_RETURN_IF_ERROR(devices_.CopyEach(rank, from, to));
+    if (i == 0) PauseIfTesting(job.group, job.module, job.generation);  // half written
   }
   return absl::OkStatus();
 }

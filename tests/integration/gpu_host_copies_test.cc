@@ -3,8 +3,8 @@
 // committed device shards to host segments on a thread of its own and records the copy once
 // complete; a daemon killed with SIGKILL and restarted puts the newest complete copy back on the
 // devices and every rank re-attaches at its generation, bit for bit. A kill while the copy of the
-// last commit is held (--testing_pause_host_copy) resumes from the copy before it. Real flatshardd
-// processes, a state directory, two ranks of the example GPT model.
+// last commit is half written (--testing_pause_host_copy) resumes from the copy before it. Real
+// flatshardd processes, a state directory, two ranks of the example GPT model.
 
 #include <memory>
 #include <string>
@@ -48,8 +48,9 @@ TEST_F(RestartTest, GpuDaemonKilledAfterCommitsResumesFromTheNewestHostCopy) {
   ExpectReattached(*d, ranks, 4, step4, /*commit_after=*/false, /*grads_kept=*/false);
 }
 
-// Killed right after commit 3, while its host copy is held before it starts: generation 3 was
-// never recorded, so the daemon resumes from the complete copy of generation 2, never a mix.
+// Killed right after commit 3, while its host copy is half written (rank 0's slot holds 3, rank
+// 1's not yet; --testing_pause_host_copy): generation 3 was never recorded, so the daemon resumes
+// from the complete copy of generation 2 on both ranks, never a mix.
 TEST_F(RestartTest, GpuDaemonKilledBeforeTheLastHostCopyResumesFromThePreviousOne) {
   simulated_gpus_ = true;
   std::unique_ptr<DaemonProcess> d =
