@@ -111,6 +111,19 @@ void DeviceHostCopies::NoteCopiesDoneLocked(Group& g, const std::string& module,
   if (queued_.emplace(g.id, module).second) queue_.emplace_back(g.id, module);
 }
 
+void DeviceHostCopies::ReplacedLocked(Registered& reg, int32_t rank) {
+  const size_t r = static_cast<size_t>(rank);
+  if (r >= reg.host_committed.size() || reg.host_committed[r].empty()) return;
+  if (reg.host_spare.size() <= r) reg.host_spare.resize(r + 1);
+  if (reg.host_spare_state.size() <= r) reg.host_spare_state.resize(r + 1);
+  reg.host_spare[r] = std::move(reg.host_committed[r]);
+  reg.host_committed[r].clear();
+  if (r < reg.host_committed_state.size()) {
+    reg.host_spare_state[r] = std::move(reg.host_committed_state[r]);
+    reg.host_committed_state[r].clear();
+  }
+}
+
 void DeviceHostCopies::Loop() {
   for (;;) {
     std::pair<std::string, std::string> next;

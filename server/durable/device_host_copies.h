@@ -60,6 +60,10 @@ class DeviceHostCopies {
   // queues a host copy of `module` when it has device ranks whose host copy is older.
   void NoteCopiesDoneLocked(Group& g, const std::string& module, Registered& reg)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu) ABSL_LOCKS_EXCLUDED(mu_);
+  // Under the group's lock: `rank`'s committed buffers were replaced (a fresh registration),
+  // so its host copy is of other buffers: it becomes the spare slot (the record keeps naming
+  // it until the module's next record, so it is not freed here).
+  static void ReplacedLocked(Registered& reg, int32_t rank);
   // No new copies; waits for the running one (SIGTERM's own copies, or shutdown, follow).
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -71,6 +71,24 @@ TEST_F(RestartTest, GpuDaemonKilledBeforeTheLastHostCopyResumesFromThePreviousOn
   ExpectReattached(*d, ranks, 2, step2, /*commit_after=*/false, /*grads_kept=*/false);
 }
 
+// A model of zeros is committed at its registration (generation 0): its host copy is made then,
+// so a kill -9 before the first Commit keeps the module too.
+TEST_F(RestartTest, GpuDaemonKilledBeforeAnyCommitKeepsItsModelOfZeros) {
+  simulated_gpus_ = true;
+  std::unique_ptr<DaemonProcess> d = StartDaemon({"--simulate_gpus=2"});
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  // Both ranks in one copy (a copy made while only rank 0 had registered holds rank 0 alone).
+  ASSERT_TRUE(WaitForLog(*d, "host copy of generation 0 recorded (2 rank(s)"));
+  const std::vector<Snapshot> zeros = Expected(ranks);
+  RunRanks(kWorld, [&](int r) { WriteShards(*ranks[r].client, r, 99); });  // not committed
+  ranks.clear();
+  d->Kill();
+  ASSERT_TRUE(Restart(*d));
+  ExpectReattached(*d, ranks, 0, zeros, /*commit_after=*/true, /*grads_kept=*/false);
+}
+
 // SIGTERM after the host copy of the last commit is recorded: it is not made again, and the
 // next daemon puts it back on the devices.
 TEST_F(RestartTest, GpuDaemonSigtermAfterItsHostCopyKeepsThatCopy) {
