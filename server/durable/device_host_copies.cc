@@ -199,9 +199,12 @@ void DeviceHostCopies::CopyModule(const std::string& group, const std::string& m
     if (it == g.registered.end()) return;
     Registered& reg = it->second;
     // A roll forward (the only other writer of the committed copies: it takes `busy`, not
-    // the hold) ran during the copy: the copy may mix two generations, never swapped in.
-    for (int32_t r : job.ranks) {
-      if (reg.busy > 0 || reg.generation[r] != job.generation) {
+    // the hold) ran during the copy, or a rank registered afresh (other buffers): the copy
+    // may mix two generations or be of the old buffers, never swapped in.
+    for (size_t i = 0; i < job.ranks.size(); ++i) {
+      const int32_t r = job.ranks[i];
+      if (reg.busy > 0 || reg.generation[r] != job.generation ||
+          reg.committed[r] != job.committed[i]) {
         s = absl::AbortedError("the committed copies changed during the copy");
       }
     }
