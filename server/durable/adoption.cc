@@ -37,6 +37,7 @@ bool Contains(const std::vector<int32_t>& v, int32_t x) {
 struct Records::KeepJob {
   std::string group, module;
   int32_t rank = 0;
+  uint64_t generation = 0;
   int64_t owner_uid = -1;
   std::vector<std::shared_ptr<Buffer>> committed;
   // Per unit, the committed optimizer state buffers (state_specs order), if any.
@@ -49,6 +50,9 @@ struct Records::KeepJob {
 
 void Records::KeepDeviceShards() {
   if (state_dir_ == nullptr || gpus_.empty()) return;
+  // The copies made at each commit end first (the running one completes): a rank whose
+  // recorded host copy holds its committed generation is not copied again.
+  if (host_copies_ != nullptr) host_copies_->Stop();
   std::vector<KeepJob> jobs = CollectKeepJobs();
   // The copies run without any group's lock (device to host, as large as the shards).
   std::set<std::string> touched;
@@ -71,6 +75,8 @@ void Records::KeepDeviceShards() {
     Registered& reg = it->second;
     reg.host_committed.resize(reg.committed.size());
     reg.host_committed[job.rank] = std::move(job.hosts);
+    reg.host_generation.resize(reg.committed.size(), 0);
+    reg.host_generation[job.rank] = job.generation;
     if (!job.host_state.empty()) {
       reg.host_committed_state.resize(reg.committed.size());
       reg.host_committed_state[job.rank] = std::move(job.host_state);
@@ -115,10 +121,16 @@ std::vector<Records::KeepJob> Records::CollectKeepJobs() {
             !reg.committed[r][0]->on_device()) {
           continue;
         }
+        if (r < static_cast<int32_t>(reg.host_committed.size()) && !reg.host_committed[r].empty() &&
+            r < static_cast<int32_t>(reg.host_generation.size()) &&
+            reg.host_generation[r] == reg.generation[r]) {
+          continue;  // its host copy (DeviceHostCopies) is current and recorded
+        }
         KeepJob job;
         job.group = g.id;
         job.module = module;
         job.rank = r;
+        job.generation = reg.generation[r];
         job.owner_uid = g.owner_uid;
         job.committed = reg.committed[r];
         if (r < static_cast<int32_t>(reg.committed_state.size())) {
@@ -246,7 +258,6 @@ absl::Status Records::StateFromHost(Registered& reg, const state::GroupRecord& r
       }
     }
   }
-  reg.host_committed_state[rank].clear();
   return absl::OkStatus();
 }
 
@@ -527,7 +538,16 @@ absl::Status Records::DeviceCopiesFromHost(const state::GroupRecord& rec,
     }
     FS_RETURN_IF_ERROR(StateFromHost(reg, rec, m.name, rr.rank));
     from_host->insert(rr.rank);
-    reg.host_committed[rr.rank].clear();
+    if (KeepsHostCopies()) {
+      // Still the recorded complete copy: a kill before the next commit's copy finds it.
+      reg.host_generation.resize(reg.committed.size(), 0);
+      reg.host_generation[rr.rank] = rr.generation;
+    } else {
+      reg.host_committed[rr.rank].clear();
+      if (static_cast<size_t>(rr.rank) < reg.host_committed_state.size()) {
+        reg.host_committed_state[rr.rank].clear();
+      }
+    }
   }
   return absl::OkStatus();
 }

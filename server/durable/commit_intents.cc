@@ -29,6 +29,9 @@ void Records::NoteCommitAgreed(Registered& reg, uint64_t generation, const char*
 void Records::CommitReady(const Caller& caller, const std::string& module, uint64_t generation,
                           const char* kind) {
   const bool commit = std::string(kind) == "commit";
+  // GPU ranks: their record is their host copy (DeviceHostCopies), which a commit of the device
+  // copies does not change, so their intents are not written (nor their ends, CommitDone).
+  const bool device = devices_.DeviceOf(caller.rank) != nullptr;
   const bool written = EditAndRecord(caller.group, module, [&](Registered& reg) {
     NoteCommitAgreed(reg, generation, kind);
     std::vector<int32_t>& ready = reg.pending_commit->ready_ranks;
@@ -37,7 +40,7 @@ void Records::CommitReady(const Caller& caller, const std::string& module, uint6
       std::sort(ready.begin(), ready.end());
     }
     // A "commit" intent on disk covers every local rank: the others skip its write.
-    return !(commit && reg.durable_commit_intent == generation);
+    return !device && !(commit && reg.durable_commit_intent == generation);
   });
   if (written && commit) {
     std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
@@ -53,11 +56,12 @@ void Records::CommitDone(const Caller& caller, const std::string& module, uint64
   // One fsync per commit, the intent's: the end is written (it survives the daemon's death,
   // which the restart needs) but not fsynced. After a machine crash the shared-memory shards
   // it describes are gone anyway, and an intent without its end is finished from the shards.
+  const bool device = devices_.DeviceOf(caller.rank) != nullptr;  // see CommitReady
   EditAndRecord(
       caller.group, module,
       [&](Registered& reg) {
         MarkCommitDoneLocked(reg, caller.rank, generation);
-        return true;
+        return !device;
       },
       /*sync=*/false);
 }

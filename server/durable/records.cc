@@ -44,6 +44,14 @@ Records::Records(RecordsOptions options)
   if (state_dir_ != nullptr) {
     state_sequence_ = state_dir_->max_loaded_sequence();
     workers_ = std::make_unique<BlockingWorkers>(kDurableThreads);
+    if (!gpus_.empty()) {
+      host_copies_ =
+          std::make_unique<DeviceHostCopies>(DeviceHostCopies::Options{.records = this,
+                                                                       .store = store_,
+                                                                       .devices = &devices_,
+                                                                       .table = &table_,
+                                                                       .enabled = true});
+    }
   }
 }
 
@@ -184,8 +192,9 @@ std::optional<state::ModuleRecord> Records::ModuleSnapshot(const std::string& na
   m.pending = reg.pending_commit;
   m.voted = reg.voted_commit;
   // Device memory dies with the process (README "Restarts": what a GPU daemon keeps): a
-  // rank with device buffers is recorded only with its host copies (KeepDeviceShards).
-  bool unkept = false;
+  // rank with device buffers is recorded only with its host copies (KeepDeviceShards,
+  // DeviceHostCopies), at their generation; what is under way on the device is not recorded.
+  bool unkept = false, device_ranks = false;
   for (int32_t r = 0; r < static_cast<int32_t>(reg.shards_by_rank.size()); ++r) {
     if (reg.shards_by_rank[r].empty()) continue;
     state::RankRecord rr;
@@ -215,11 +224,19 @@ std::optional<state::ModuleRecord> Records::ModuleSnapshot(const std::string& na
       }
       if (device && !host_copy) unkept = true;
       if (device_state && host_states < reg.shards_by_rank[r][u].state.size()) unkept = true;
+      if (device && host_copy && r < static_cast<int32_t>(reg.host_generation.size())) {
+        rr.generation = reg.host_generation[r];
+      }
+      device_ranks = device_ranks || device;
       rr.units.push_back(std::move(ur));
     }
     m.ranks.push_back(std::move(rr));
   }
   if (unkept || m.ranks.empty()) return std::nullopt;
+  if (device_ranks) {
+    m.pending.reset();  // a commit of the device copies: the host copies hold the older one
+    m.voted = 0;
+  }
   if (reg.plan_json.empty()) reg.plan_json = PlanToJsonText(reg.plan);
   if (reg.manifest_json.empty()) reg.manifest_json = ManifestToJson(reg.manifest).dump();
   m.plan_json = reg.plan_json;
@@ -357,6 +374,7 @@ void Records::LoadRecordedLocked(Group& g, Registered& reg, bool changed, AfterU
 
 void Records::Forget() {
   if (state_dir_ == nullptr) return;
+  if (host_copies_ != nullptr) host_copies_->Stop();  // no record written after this
   std::vector<std::pair<std::string, uint64_t>> removed;
   if (StateForgotten()) return;
   for (const std::shared_ptr<Group>& g : table_.All())

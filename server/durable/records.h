@@ -30,6 +30,7 @@
 #include "common/after_unlock.h"
 #include "common/clock.h"
 #include "server/durable/blocking_workers.h"
+#include "server/durable/device_host_copies.h"
 #include "server/durable/state_dir.h"
 #include "server/gpu/device_context.h"
 #include "server/group/group.h"
@@ -191,6 +192,17 @@ class Records {
   void LoadRecordedLocked(Group& g, Registered& reg, bool changed, AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
 
+  // ---- GPU daemons: a host copy at each commit (device_host_copies.h) ----
+  // Under the group's lock, once no copy into `reg`'s committed copies is in flight
+  // (Modules::DoneCopying): queues the host copy of its committed generation if due.
+  void NoteCopiesDoneLocked(Group& g, const std::string& module, Registered& reg)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu) {
+    if (host_copies_ != nullptr) host_copies_->NoteCopiesDoneLocked(g, module, reg);
+  }
+
+  // Whether adopted host copies stay as the recorded ones (--gpu_host_copies).
+  bool KeepsHostCopies() const { return host_copies_ != nullptr && host_copies_->enabled(); }
+
   // ---- Restarts ----
   // GroupManager::AdoptGroups.
   AdoptSummary AdoptGroups(const std::vector<state::GroupRecord>& records);
@@ -290,8 +302,10 @@ class Records {
   // The sequence of the next snapshot: a stale snapshot never overwrites a newer record.
   std::atomic<uint64_t> state_sequence_{0};
   std::vector<std::pair<std::string, uint64_t>> removed_records_ ABSL_GUARDED_BY(mu_);
-  // RunDurable's threads; null without a state directory. Last: joined first.
+  // RunDurable's threads; null without a state directory. Joined before the fields above.
   std::unique_ptr<BlockingWorkers> workers_;
+  // GPU daemons with a state directory: the host copies at each commit. Last: stopped first.
+  std::unique_ptr<DeviceHostCopies> host_copies_;
 };
 
 }  // namespace flatshard::server

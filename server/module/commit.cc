@@ -223,12 +223,16 @@ void Modules::CommitAgreed(const Caller& caller, const std::string& module, uint
 
 void Modules::DoneCopying(Group& g, Registered& reg, AfterUnlock* run) {
   --reg.busy;
-  if (reg.busy > 0 || !reg.rollback_pending) return;
+  if (reg.busy > 0) return;
   for (auto& [module, r] : g.registered) {
-    if (&r == &reg) {
+    if (&r != &reg) continue;
+    if (reg.rollback_pending) {
       RollbackNow(g, module, reg, run);
-      return;
+    } else {
+      // GPU daemons: the committed copies are still; their host copy may be due.
+      records_.NoteCopiesDoneLocked(g, module, reg);
     }
+    return;
   }
 }
 

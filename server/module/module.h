@@ -205,8 +205,9 @@ struct Registered {
   // (0: none); the rollback that follows rolls voted ranks forward to it.
   uint64_t resolved_generation = 0;
   // GPU daemons, per rank and unit: host copies of the device committed copies, made at
-  // SIGTERM with --keep_shards (KeepDeviceShards) or adopted at start (then copied into
-  // fresh device memory and dropped). Empty otherwise.
+  // SIGTERM with --keep_shards (KeepDeviceShards), after each commit (DeviceHostCopies), or
+  // adopted at start (then copied into fresh device memory; kept, still recorded, when
+  // --gpu_host_copies is on, else dropped). Empty otherwise.
   std::vector<std::vector<std::shared_ptr<Buffer>>> host_committed;
   // Host daemons with a state directory: the local ranks' arrivals at the k-th writeback End
   // (EndArrive), by k; the copies into the committed copies start once every local rank is in.
@@ -225,6 +226,12 @@ struct Registered {
   // GPU daemons, per rank, unit and state (state_specs order): host copies of the device
   // committed state buffers (committed_state), made with host_committed. Empty otherwise.
   std::vector<std::vector<std::vector<std::shared_ptr<Buffer>>>> host_committed_state;
+  // GPU daemons keeping a host copy at each commit (server/durable/device_host_copies.h), per
+  // rank: the generation host_committed(_state) hold (valid where host_committed is set), and
+  // the spare slot the next copy is written into (unrecorded until complete).
+  std::vector<uint64_t> host_generation;
+  std::vector<std::vector<std::shared_ptr<Buffer>>> host_spare;
+  std::vector<std::vector<std::vector<std::shared_ptr<Buffer>>>> host_spare_state;
 
   void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok,
               absl::Time now) {

@@ -245,6 +245,7 @@ void Modules::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status s
         }
         reg.shards_by_rank[caller.rank] = x->buffers.shards;
         reg.committed[caller.rank] = x->buffers.committed;
+        DeviceHostCopies::ReplacedLocked(reg, caller.rank);
         reg.generation[caller.rank] = 0;
         reg.stale[caller.rank] = false;
         reg.attached_session[caller.rank] = caller.session;
@@ -256,6 +257,7 @@ void Modules::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status s
         // Restarts: a model of zeros is initialised now (the FROM_* modes record theirs
         // when their init commits); a re-registration replaces the recorded buffers.
         records_.PersistModuleLater(g, x->module, &persist);
+        if (reg.initialized) records_.NoteCopiesDoneLocked(g, x->module, reg);  // GPU: zeros
         RegisterResult r{reg.plan, x->buffers.shards, std::nullopt, 0};
         if (x->init != InitMode::kZeros) {
           // Initial values come through a summon that is already open: each rank (or rank 0)

@@ -239,11 +239,12 @@ TEST_F(RestartTest, DeleteGroupRemovesTheRecord) {
 
 // A GPU daemon (simulated GPUs: the daemon's device code paths over host shared memory): its
 // device memory dies with it, so SIGTERM with --keep_shards copies each rank's committed device
-// shards into host segments and the next daemon copies them into fresh device memory; a kill -9
-// keeps nothing of a device module.
+// shards into host segments and the next daemon copies them into fresh device memory. Without
+// the host copies made at each commit (--gpu_host_copies=false; gpu_host_copies_test has them)
+// a kill -9 keeps nothing of a device module.
 TEST_F(RestartTest, GpuDaemonKeepsHostCopiesOfItsCommittedShardsOnSigterm) {
   simulated_gpus_ = true;
-  std::unique_ptr<DaemonProcess> d = StartDaemon({"--simulate_gpus=2"});
+  std::unique_ptr<DaemonProcess> d = StartDaemon({"--simulate_gpus=2", "--gpu_host_copies=false"});
   std::vector<Rank> ranks;
   JoinAll(*d, ranks, 0);
   RegisterAll(ranks, 0);
@@ -376,8 +377,8 @@ TEST_F(RestartTest, SegmentsNoRecordReferencesAreRemovedAtStart) {
   ExpectReattached(*d, ranks, 0, zeros);
 }
 
-// Two daemons: TwoDaemonRestartTest (restart_testing.h).
-
+// Two daemons (rank r on daemon r), each with its own state directory; daemon 1 (not the
+// coordinator) is killed with SIGKILL after two commits and restarted.
 TEST_F(TwoDaemonRestartTest, TheGroupReformsWithTheRestartedDaemonsShardsIntact) {
   std::vector<Rank> ranks;
   JoinAll(ranks);
@@ -521,88 +522,6 @@ TEST_F(VoteRestartTest, ADaemonKilledBetweenAgreementAndIntentIsRolledForward) {
 }
 
 // ---- Optimizer state in the restart records (RegisterState buffers) ----
-
-namespace optstate {
-
-// Adam's state: two element-wise moments and a scalar step of another dtype.
-std::vector<StateSpec> Specs() {
-  return {{"exp_avg", DType::kFloat32, StateShape::kShard},
-          {"exp_avg_sq", DType::kFloat32, StateShape::kShard},
-          {"step", DType::kInt64, StateShape::kScalar}};
-}
-
-// Writes step g's state values of `rank` into its state views (distinct per state, unit,
-// rank and step; never zero).
-void WriteState(Client& c, int rank, uint64_t g) {
-  absl::StatusOr<ShardViews> views = c.GetShardViews("");
-  ASSERT_TRUE(views.ok()) << views.status();
-  for (const UnitShardView& u : *views) {
-    ASSERT_EQ(u.states.size(), 3u) << "unit " << u.unit;
-    float* m = static_cast<float*>(u.state("exp_avg")->data);
-    float* v = static_cast<float*>(u.state("exp_avg_sq")->data);
-    for (int64_t i = 0; i < u.shard_numel; ++i) {
-      m[i] = Value(g, rank, u.unit, i) + 0.5f;
-      v[i] = Value(g, rank, u.unit, i) * 3.0f;
-    }
-    *static_cast<int64_t*>(u.state("step")->data) = static_cast<int64_t>(g * 1000 + u.unit);
-  }
-}
-
-// The bytes of every state buffer of one rank, per unit, in spec order.
-std::vector<std::string> TakeState(const ShardViews& views) {
-  std::vector<std::string> out;
-  for (const UnitShardView& u : views) {
-    for (const StateView& s : u.states) {
-      out.emplace_back(static_cast<const char*>(s.data),
-                       static_cast<size_t>(s.numel * ItemSize(s.dtype)));
-    }
-  }
-  return out;
-}
-
-}  // namespace optstate
-
-class StateRestartTest : public RestartTest {
- protected:
-  void RegisterStateAll(std::vector<Rank>& ranks) {
-    RunRanks(kWorld, [&](int r) {
-      absl::StatusOr<ShardViews> v = ranks[r].client->RegisterState("", optstate::Specs());
-      ASSERT_TRUE(v.ok()) << "rank " << r << ": " << v.status();
-    });
-  }
-  // Steps from..to: shards, gradients and optimizer state of step g, committed.
-  void TrainWithState(std::vector<Rank>& ranks, uint64_t from, uint64_t to) {
-    for (uint64_t g = from; g <= to; ++g) {
-      RunRanks(kWorld, [&](int r) { optstate::WriteState(*ranks[r].client, r, g); });
-      Train(ranks, g, g);
-    }
-  }
-  std::vector<std::vector<std::string>> StateOf(std::vector<Rank>& ranks) {
-    std::vector<std::vector<std::string>> out;
-    for (Rank& r : ranks) {
-      absl::StatusOr<ShardViews> v = r.client->GetShardViews("");
-      EXPECT_TRUE(v.ok()) << v.status();
-      out.push_back(v.ok() ? optstate::TakeState(*v) : std::vector<std::string>());
-    }
-    return out;
-  }
-  // After a restart: every rank re-registers the module and its state and finds `want`.
-  void ExpectStateReattached(std::vector<Rank>& ranks, uint64_t generation,
-                             const std::vector<std::vector<std::string>>& want) {
-    RunRanks(kWorld, [&](int r) {
-      absl::StatusOr<ShardViews> v = ranks[r].client->RegisterState("", optstate::Specs());
-      ASSERT_TRUE(v.ok()) << "rank " << r << ": " << v.status();
-      EXPECT_EQ(v->generation(), generation) << "rank " << r;
-      const std::vector<std::string> now = optstate::TakeState(*v);
-      ASSERT_EQ(now.size(), want[r].size()) << "rank " << r;
-      for (size_t i = 0; i < now.size(); ++i) {
-        EXPECT_TRUE(now[i] == want[r][i])
-            << "rank " << r << " state buffer " << i << " (unit " << i / 3 << ", "
-            << optstate::Specs()[i % 3].name << ") differs from its committed value";
-      }
-    });
-  }
-};
 
 // kill -9 after commits, with uncommitted optimizer state (and shard) writes on top: the
 // restarted daemon gives every rank its committed optimizer state bit for bit, as a restarted
@@ -759,10 +678,11 @@ TEST_F(StateRefusedTest, ARankWithSomeButNotAllOfItsStateBuffers) {
 
 // A GPU daemon (simulated GPUs) keeps host copies of the committed device optimizer state at
 // SIGTERM with --keep_shards, next to the shards', and the next daemon puts them back on the
-// devices; kill -9 keeps nothing of it (device memory dies with the process).
+// devices; without the host copies made at each commit (--gpu_host_copies=false) kill -9 keeps
+// nothing of it (device memory dies with the process).
 TEST_F(StateRestartTest, GpuDaemonKeepsHostCopiesOfItsCommittedStateOnSigterm) {
   simulated_gpus_ = true;
-  std::unique_ptr<DaemonProcess> d = StartDaemon({"--simulate_gpus=2"});
+  std::unique_ptr<DaemonProcess> d = StartDaemon({"--simulate_gpus=2", "--gpu_host_copies=false"});
   std::vector<Rank> ranks;
   JoinAll(*d, ranks, 0);
   RegisterAll(ranks, 0);

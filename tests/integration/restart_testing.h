@@ -106,6 +106,24 @@ inline void WriteShards(Client& c, int rank, uint64_t g) {
   }
 }
 
+// How many times `text` is in the daemon's log (every run of it so far).
+inline int LogCount(DaemonProcess& d, const std::string& text) {
+  const std::string log = d.Log();
+  int n = 0;
+  for (size_t at = log.find(text); at != std::string::npos; at = log.find(text, at + 1)) ++n;
+  return n;
+}
+// Waits (at most 60 s) until `text` is in the log at least `n` times; false if not.
+inline bool WaitForLog(DaemonProcess& d, const std::string& text, int n = 1) {
+  const absl::Time until = absl::Now() + absl::Seconds(60);
+  while (LogCount(d, text) < n && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
+  return LogCount(d, text) >= n;
+}
+// GPU daemons (--gpu_host_copies): the log line of generation `g`'s host copy, recorded.
+inline std::string HostCopyRecorded(uint64_t g) {
+  return absl::StrCat("host copy of generation ", g, " recorded");
+}
+
 class RestartTest : public ::testing::Test {
  protected:
   // Waits (at most 20 s) until the daemon, started with --testing_commit_copy_pause, has torn
@@ -229,15 +247,7 @@ class RestartTest : public ::testing::Test {
   static inline int counter_ = 0;
 };
 
-// The expected state of every rank: generation g's values and the gradients of step g.
-inline std::vector<Snapshot> Expected(std::vector<Rank>& ranks) {
-  std::vector<Snapshot> out;
-  for (Rank& r : ranks) out.push_back(Take(*r.client));
-  return out;
-}
-
-// Two daemons (rank r on daemon r), each with its own state directory; the tests kill daemon 1
-// (not the coordinator) with SIGKILL and restart it (RestartDaemon1).
+// Two daemons (peers), one rank each, a state directory each: daemon 1 is the one killed.
 class TwoDaemonRestartTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -270,7 +280,7 @@ class TwoDaemonRestartTest : public ::testing::Test {
     }
     RunRanks(2, [&](int r) {
       if (ranks[r].client == nullptr) {
-        ranks[r].client = Connect(daemons_[r]->address());
+        ranks[r].client = Connect(daemons_[r]->address(), r == 1 && simulated_gpu1_);
         ASSERT_NE(ranks[r].client, nullptr);
       }
       absl::Status joined = ranks[r].client->Join("g", 2, r, kToken, daemons_[0]->peer_address());
@@ -310,7 +320,98 @@ class TwoDaemonRestartTest : public ::testing::Test {
   std::vector<std::filesystem::path> dirs_;
   std::vector<std::unique_ptr<DaemonProcess>> daemons_;
   std::vector<std::string> daemon1_flags_;  // set by a subclass before SetUp
+  bool simulated_gpu1_ = false;             // rank 1's daemon has --simulate_gpus (its client too)
   static inline int counter_ = 0;
 };
+
+// Optimizer state (RegisterState) across restarts: the specs, values and helpers.
+namespace optstate {
+
+// Adam's state: two element-wise moments and a scalar step of another dtype.
+inline std::vector<StateSpec> Specs() {
+  return {{"exp_avg", DType::kFloat32, StateShape::kShard},
+          {"exp_avg_sq", DType::kFloat32, StateShape::kShard},
+          {"step", DType::kInt64, StateShape::kScalar}};
+}
+
+// Writes step g's state values of `rank` into its state views (distinct per state, unit,
+// rank and step; never zero).
+inline void WriteState(Client& c, int rank, uint64_t g) {
+  absl::StatusOr<ShardViews> views = c.GetShardViews("");
+  ASSERT_TRUE(views.ok()) << views.status();
+  for (const UnitShardView& u : *views) {
+    ASSERT_EQ(u.states.size(), 3u) << "unit " << u.unit;
+    float* m = static_cast<float*>(u.state("exp_avg")->data);
+    float* v = static_cast<float*>(u.state("exp_avg_sq")->data);
+    for (int64_t i = 0; i < u.shard_numel; ++i) {
+      m[i] = Value(g, rank, u.unit, i) + 0.5f;
+      v[i] = Value(g, rank, u.unit, i) * 3.0f;
+    }
+    *static_cast<int64_t*>(u.state("step")->data) = static_cast<int64_t>(g * 1000 + u.unit);
+  }
+}
+
+// The bytes of every state buffer of one rank, per unit, in spec order.
+inline std::vector<std::string> TakeState(const ShardViews& views) {
+  std::vector<std::string> out;
+  for (const UnitShardView& u : views) {
+    for (const StateView& s : u.states) {
+      out.emplace_back(static_cast<const char*>(s.data),
+                       static_cast<size_t>(s.numel * ItemSize(s.dtype)));
+    }
+  }
+  return out;
+}
+
+}  // namespace optstate
+
+class StateRestartTest : public RestartTest {
+ protected:
+  void RegisterStateAll(std::vector<Rank>& ranks) {
+    RunRanks(kWorld, [&](int r) {
+      absl::StatusOr<ShardViews> v = ranks[r].client->RegisterState("", optstate::Specs());
+      ASSERT_TRUE(v.ok()) << "rank " << r << ": " << v.status();
+    });
+  }
+  // Steps from..to: shards, gradients and optimizer state of step g, committed.
+  void TrainWithState(std::vector<Rank>& ranks, uint64_t from, uint64_t to) {
+    for (uint64_t g = from; g <= to; ++g) {
+      RunRanks(kWorld, [&](int r) { optstate::WriteState(*ranks[r].client, r, g); });
+      Train(ranks, g, g);
+    }
+  }
+  std::vector<std::vector<std::string>> StateOf(std::vector<Rank>& ranks) {
+    std::vector<std::vector<std::string>> out;
+    for (Rank& r : ranks) {
+      absl::StatusOr<ShardViews> v = r.client->GetShardViews("");
+      EXPECT_TRUE(v.ok()) << v.status();
+      out.push_back(v.ok() ? optstate::TakeState(*v) : std::vector<std::string>());
+    }
+    return out;
+  }
+  // After a restart: every rank re-registers the module and its state and finds `want`.
+  void ExpectStateReattached(std::vector<Rank>& ranks, uint64_t generation,
+                             const std::vector<std::vector<std::string>>& want) {
+    RunRanks(kWorld, [&](int r) {
+      absl::StatusOr<ShardViews> v = ranks[r].client->RegisterState("", optstate::Specs());
+      ASSERT_TRUE(v.ok()) << "rank " << r << ": " << v.status();
+      EXPECT_EQ(v->generation(), generation) << "rank " << r;
+      const std::vector<std::string> now = optstate::TakeState(*v);
+      ASSERT_EQ(now.size(), want[r].size()) << "rank " << r;
+      for (size_t i = 0; i < now.size(); ++i) {
+        EXPECT_TRUE(now[i] == want[r][i])
+            << "rank " << r << " state buffer " << i << " (unit " << i / 3 << ", "
+            << optstate::Specs()[i % 3].name << ") differs from its committed value";
+      }
+    });
+  }
+};
+
+// The expected state of every rank: generation g's values and the gradients of step g.
+inline std::vector<Snapshot> Expected(std::vector<Rank>& ranks) {
+  std::vector<Snapshot> out;
+  for (Rank& r : ranks) out.push_back(Take(*r.client));
+  return out;
+}
 
 }  // namespace flatshard::client::restart_testing
