@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/limits.h"
+#include "common/manifest_reader.h"
 #include "common/status_macros.h"
 
 namespace flatshard {
@@ -277,6 +278,9 @@ absl::StatusOr<Manifest> ManifestFromJsonValue(const Json& doc) {
 absl::StatusOr<Manifest> ManifestFromJson(absl::string_view text) {
   // Refused before parsing: parsing costs time and memory in proportion to the text.
   FS_RETURN_IF_ERROR(CheckLength("manifest", "the JSON text", text, kMaxManifestJsonBytes));
+  if (std::optional<Manifest> m = ReadValidManifest(text)) return *std::move(m);
+  // Not valid (or spelled with escapes the fast reader leaves alone): the DOM reader gives the
+  // result and names the error.
   FS_ASSIGN_OR_RETURN(Json doc, ParseJson(text, "manifest"));
   return ManifestFromJsonValue(doc);
 }
