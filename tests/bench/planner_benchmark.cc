@@ -9,10 +9,11 @@
 // The argument is B: 800 blocks give 10,407 module instances, 8000 give 104,007. Each
 // benchmark reports `modules` (instances) and `params` (parameter registrations) as counters.
 //
-// Benchmarks: ManifestFromJson (and on a flat model: root -> N Linear), PolicyFromJson, BuildPlan
+// Benchmarks: ManifestFromJson (and on a flat model: root -> N Linear; _Dom: the DOM reader, the
+// baseline of the same run), PolicyFromJson, BuildPlan
 // under size_based / module_types / always, PlanToJson + dump, PlanToJsonText (the same bytes,
 // written directly), PlanFromJson, and the whole pipeline (text in -> plan text out, with
-// PlanToJsonText).
+// PlanToJsonText; EndToEnd_Always_Dom: the same with the DOM reader).
 
 #include <cstdint>
 #include <cstdio>
@@ -193,6 +194,25 @@ void BM_ManifestFromJson(benchmark::State& state) {
   SetCounters(state, model);
 }
 
+// The strict DOM reader ManifestFromJson used before its one-pass reader (ParseJson +
+// ManifestFromJsonValue), and still uses for an invalid manifest's message: the baseline of
+// the same run.
+absl::StatusOr<Manifest> ManifestFromJsonViaDom(absl::string_view text) {
+  absl::StatusOr<Json> doc = ParseJson(text, "manifest");
+  if (!doc.ok()) return doc.status();
+  return ManifestFromJsonValue(*doc);
+}
+
+void BM_ManifestFromJson_Dom(benchmark::State& state) {
+  const Model& model = GetModel(static_cast<int>(state.range(0)));
+  for (auto _ : state) {
+    absl::StatusOr<Manifest> m = ManifestFromJsonViaDom(model.text);
+    benchmark::DoNotOptimize(m);
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * model.text.size()));
+  SetCounters(state, model);
+}
+
 // The same parse on one wide array of modules (10,000 and 40,000 children of the root):
 // linear JSON reading takes 4x as long for 4x the children.
 void BM_ManifestFromJson_Flat(benchmark::State& state) {
@@ -275,11 +295,12 @@ void BM_PlanFromJson(benchmark::State& state) {
 }
 
 // flatshardctl plan's work: manifest and policy text in, plan text out.
-void EndToEnd(benchmark::State& state, const char* policy_text) {
+void EndToEnd(benchmark::State& state, const char* policy_text, bool dom = false) {
   const Model& model = GetModel(static_cast<int>(state.range(0)));
   size_t out_bytes = 0;
   for (auto _ : state) {
-    absl::StatusOr<Manifest> manifest = ManifestFromJson(model.text);
+    absl::StatusOr<Manifest> manifest =
+        dom ? ManifestFromJsonViaDom(model.text) : ManifestFromJson(model.text);
     absl::StatusOr<Policy> policy = PolicyFromJson(policy_text);
     if (!manifest.ok() || !policy.ok()) {
       state.SkipWithError("input refused");
@@ -300,12 +321,15 @@ void EndToEnd(benchmark::State& state, const char* policy_text) {
 
 void BM_EndToEnd_ModuleTypes(benchmark::State& state) { EndToEnd(state, kModuleTypesPolicy); }
 void BM_EndToEnd_Always(benchmark::State& state) { EndToEnd(state, kAlwaysPolicy); }
+// The baseline: the same pipeline reading the manifest with the DOM reader.
+void BM_EndToEnd_Always_Dom(benchmark::State& state) { EndToEnd(state, kAlwaysPolicy, true); }
 
 // 800 blocks: 10,407 modules; 8000 blocks: 104,007 modules.
 #define FS_MODEL_SIZES(b) \
   b->ArgName("blocks")->Arg(800)->Arg(8000)->Unit(benchmark::kMillisecond)->UseRealTime()
 
 FS_MODEL_SIZES(BENCHMARK(BM_ManifestFromJson));
+FS_MODEL_SIZES(BENCHMARK(BM_ManifestFromJson_Dom));
 BENCHMARK(BM_ManifestFromJson_Flat)
     ->ArgName("children")
     ->Arg(10000)
@@ -321,6 +345,7 @@ FS_MODEL_SIZES(BENCHMARK(BM_PlanToJsonText));
 FS_MODEL_SIZES(BENCHMARK(BM_PlanFromJson));
 FS_MODEL_SIZES(BENCHMARK(BM_EndToEnd_ModuleTypes));
 FS_MODEL_SIZES(BENCHMARK(BM_EndToEnd_Always));
+FS_MODEL_SIZES(BENCHMARK(BM_EndToEnd_Always_Dom));
 
 }  // namespace
 }  // namespace flatshard
