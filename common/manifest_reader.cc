@@ -2,19 +2,15 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
-#include <limits>
 #include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "common/json_util.h"
+#include "common/json_scanner.h"
 #include "common/limits.h"
 
 namespace flatshard {
 namespace {
-
-bool IsDigit(char c) { return c >= '0' && c <= '9'; }
 
 // PyTorch refuses empty attribute names and names containing '.' (as CheckAttributeName).
 bool IsAttributeName(absl::string_view name) {
@@ -27,8 +23,7 @@ bool IsAttributeName(absl::string_view name) {
 // message alone, and the message comes from the DOM reader.
 class ManifestReader {
  public:
-  explicit ManifestReader(absl::string_view text)
-      : p_(text.data()), end_(text.data() + text.size()) {}
+  explicit ManifestReader(absl::string_view text) : in_(text) {}
 
   std::optional<Manifest> Read() {
     if (!ReadDocument()) return std::nullopt;
@@ -36,129 +31,14 @@ class ManifestReader {
   }
 
  private:
-  // --- JSON lexing: only the spellings a writer of manifests uses. ---
-
-  void SkipWs() {
-    while (p_ < end_ && (*p_ == ' ' || *p_ == '\n' || *p_ == '\r' || *p_ == '\t')) ++p_;
-  }
-  bool Consume(char c) {
-    if (p_ == end_ || *p_ != c) return false;
-    ++p_;
-    return true;
-  }
-  // A string without escapes, control characters or non-ASCII bytes (those go to the DOM
-  // reader, which decodes escapes and checks UTF-8).
-  bool String(absl::string_view* out) {
-    if (!Consume('"')) return false;
-    const char* start = p_;
-    while (p_ < end_) {
-      const auto c = static_cast<unsigned char>(*p_);
-      if (c == '"') {
-        *out = absl::string_view(start, static_cast<size_t>(p_ - start));
-        ++p_;
-        return true;
-      }
-      if (c < 0x20 || c == '\\' || c >= 0x80) return false;
-      ++p_;
-    }
-    return false;
-  }
-  // A JSON integer that fits int64: no fraction, exponent or leading zero (a number that
-  // does not end at a delimiter fails where the caller expects one).
-  bool Int(int64_t* out) {
-    const bool negative = Consume('-');
-    if (p_ == end_ || !IsDigit(*p_)) return false;
-    uint64_t v = 0;
-    if (*p_ == '0') {
-      ++p_;
-    } else {
-      const char* start = p_;
-      while (p_ < end_ && IsDigit(*p_)) {
-        if (p_ - start == 19) return false;  // 19 digits cannot overflow uint64
-        v = v * 10 + static_cast<uint64_t>(*p_ - '0');
-        ++p_;
-      }
-    }
-    const auto max = static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
-    if (v > max + (negative ? 1 : 0)) return false;
-    *out = negative ? static_cast<int64_t>(0 - v) : static_cast<int64_t>(v);
-    return true;
-  }
-  bool Bool(bool* out) {
-    auto literal = [&](absl::string_view word) {
-      if (static_cast<size_t>(end_ - p_) < word.size() ||
-          std::memcmp(p_, word.data(), word.size()) != 0) {
-        return false;
-      }
-      p_ += word.size();
-      return true;
-    };
-    if (literal("true")) {
-      *out = true;
-      return true;
-    }
-    if (literal("false")) {
-      *out = false;
-      return true;
-    }
-    return false;
-  }
-  bool Open(char c) {
-    if (!Consume(c)) return false;
-    return ++depth_ <= kMaxJsonDepth;  // ParseJson's limit on bracket nesting
-  }
-  // An object: member(key) is called with the cursor on each value and must read it.
-  template <typename F>
-  bool Object(F&& member) {
-    if (!Open('{')) return false;
-    SkipWs();
-    if (!Consume('}')) {
-      do {
-        SkipWs();
-        absl::string_view key;
-        if (!String(&key)) return false;
-        SkipWs();
-        if (!Consume(':')) return false;
-        SkipWs();
-        if (!member(key)) return false;
-        SkipWs();
-      } while (Consume(','));
-      if (!Consume('}')) return false;
-    }
-    --depth_;
-    return true;
-  }
-  // An array: element() is called with the cursor on each element and must read it.
-  template <typename F>
-  bool Array(F&& element) {
-    if (!Open('[')) return false;
-    SkipWs();
-    if (!Consume(']')) {
-      do {
-        SkipWs();
-        if (!element()) return false;
-        SkipWs();
-      } while (Consume(','));
-      if (!Consume(']')) return false;
-    }
-    --depth_;
-    return true;
-  }
-  // Marks member `bit` of an object as present; false when it was already (a duplicate key).
-  static bool Once(uint32_t* seen, int bit) {
-    if (*seen & (1u << bit)) return false;
-    *seen |= 1u << bit;
-    return true;
-  }
-
   // --- The manifest (formats.md): the rules of ManifestParser. ---
 
   bool ReadDocument() {
     uint32_t seen = 0;
-    bool ok = Object([&](absl::string_view key) {
+    bool ok = in_.Object([&](absl::string_view key) {
       if (key == "format") {
         absl::string_view format;
-        return Once(&seen, 0) && String(&format) && format == kManifestFormat;
+        return Once(&seen, 0) && in_.String(&format) && format == kManifestFormat;
       }
       if (key == "root") {
         int32_t root = 0;
@@ -166,8 +46,7 @@ class ManifestReader {
       }
       return false;
     });
-    SkipWs();
-    return ok && seen == 0b11 && p_ == end_;
+    return ok && seen == 0b11 && in_.AtEnd();
   }
 
   // A module value: a module object or {"ref": ID} (ref only below the root). Its instance
@@ -177,12 +56,12 @@ class ManifestReader {
     int32_t self = -1;
     int64_t ref = 0;
     uint32_t seen = 0;
-    bool ok = Object([&](absl::string_view key) {
+    bool ok = in_.Object([&](absl::string_view key) {
       if (kind == kRef) return false;  // a ref has no other keys
       if (kind == kEmpty) {
         if (key == "ref") {
           kind = kRef;
-          return depth > 1 && Int(&ref);
+          return depth > 1 && in_.Int(&ref);
         }
         kind = kModule;
         if (depth > kMaxModuleDepth ||
@@ -213,28 +92,28 @@ class ManifestReader {
   bool ModuleMember(absl::string_view key, int32_t self, int depth, uint32_t* seen) {
     if (key == "id") {
       int64_t id = 0;
-      if (!Once(seen, 0) || !Int(&id)) return false;
+      if (!Once(seen, 0) || !in_.Int(&id)) return false;
       manifest_.modules[self].id = id;
       return index_of_id_.emplace(id, self).second;  // ids are unique
     }
     if (key == "type") {
       absl::string_view type;
-      if (!Once(seen, 1) || !String(&type) || type.empty()) return false;
+      if (!Once(seen, 1) || !in_.String(&type) || type.empty()) return false;
       manifest_.modules[self].type = std::string(type);
       return true;
     }
     if (key == "bases") {
-      return Once(seen, 2) && Array([&] {
-               absl::string_view base;
-               if (!String(&base)) return false;
-               manifest_.modules[self].bases.emplace_back(base);
-               return true;
-             });
+      return Once(seen, 2) && in_.Array([&] {
+        absl::string_view base;
+        if (!in_.String(&base)) return false;
+        manifest_.modules[self].bases.emplace_back(base);
+        return true;
+      });
     }
     if (key == "params") return Once(seen, 3) && ReadTensors(self, /*is_param=*/true);
     if (key == "buffers") return Once(seen, 4) && ReadTensors(self, /*is_param=*/false);
     if (key == "children") {
-      return Once(seen, 5) && Array([&] { return ReadChild(self, depth); });
+      return Once(seen, 5) && in_.Array([&] { return ReadChild(self, depth); });
     }
     return false;
   }
@@ -242,10 +121,10 @@ class ManifestReader {
   bool ReadChild(int32_t self, int depth) {
     ChildDecl child;
     uint32_t seen = 0;
-    bool ok = Object([&](absl::string_view key) {
+    bool ok = in_.Object([&](absl::string_view key) {
       if (key == "name") {
         absl::string_view name;
-        if (!Once(&seen, 0) || !String(&name) || !IsAttributeName(name)) return false;
+        if (!Once(&seen, 0) || !in_.String(&name) || !IsAttributeName(name)) return false;
         child.name = std::string(name);
         return true;
       }
@@ -269,34 +148,34 @@ class ManifestReader {
   }
 
   bool ReadTensors(int32_t self, bool is_param) {
-    return Array([&] {
+    return in_.Array([&] {
       TensorDecl decl;
       uint32_t seen = 0;
-      bool ok = Object([&](absl::string_view key) {
+      bool ok = in_.Object([&](absl::string_view key) {
         if (key == "name") {
           absl::string_view name;
-          if (!Once(&seen, 0) || !String(&name) || !IsAttributeName(name)) return false;
+          if (!Once(&seen, 0) || !in_.String(&name) || !IsAttributeName(name)) return false;
           decl.name = std::string(name);
           return true;
         }
-        if (key == "id") return Once(&seen, 1) && Int(&decl.id);
+        if (key == "id") return Once(&seen, 1) && in_.Int(&decl.id);
         if (key == "shape") {
-          return Once(&seen, 2) && Array([&] {
-                   int64_t dim = 0;
-                   if (!Int(&dim) || dim < 0) return false;
-                   decl.shape.push_back(dim);
-                   return true;
-                 });
+          return Once(&seen, 2) && in_.Array([&] {
+            int64_t dim = 0;
+            if (!in_.Int(&dim) || dim < 0) return false;
+            decl.shape.push_back(dim);
+            return true;
+          });
         }
         if (key == "dtype") {
           absl::string_view name;
-          if (!Once(&seen, 3) || !String(&name)) return false;
+          if (!Once(&seen, 3) || !in_.String(&name)) return false;
           std::optional<DType> dtype = ParseDType(name);
           if (!dtype) return false;
           decl.dtype = *dtype;
           return true;
         }
-        if (key == "requires_grad") return Once(&seen, 4) && Bool(&decl.requires_grad);
+        if (key == "requires_grad") return Once(&seen, 4) && in_.Bool(&decl.requires_grad);
         return false;
       });
       if (!ok || (seen & 0b1111) != 0b1111) return false;
@@ -332,15 +211,15 @@ class ManifestReader {
     return std::adjacent_find(names_.begin(), names_.end()) == names_.end();
   }
 
+  static bool Once(uint32_t* seen, int bit) { return JsonScanner::Once(seen, bit); }
+
   // Where a tensor id was first declared.
   struct TensorRef {
     int32_t module;
     size_t slot;
   };
 
-  const char* p_;
-  const char* const end_;
-  int depth_ = 0;
+  JsonScanner in_;
   Manifest manifest_;
   absl::flat_hash_map<int64_t, int32_t> index_of_id_;
   std::vector<int> height_;  // levels of each module's subtree, itself included; 0 while open
