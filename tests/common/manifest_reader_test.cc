@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/json_util.h"
 #include "common/manifest.h"
+#include "common/manifest_json_writer.h"
 #include "gtest/gtest.h"
 
 namespace flatshard {
@@ -246,6 +247,33 @@ TEST(ManifestReaderTest, MutatedDocumentsGetTheDomReadersAnswer) {
   // Some mutants stay valid (a changed digit of a shape, a space): the fast path saw them.
   EXPECT_GT(accepted, 0);
   EXPECT_LT(accepted, total);
+}
+
+// ValidateManifest's fast path writes the document ManifestToJson holds as text and reads it
+// back; strings that would need an escape take the DOM path.
+TEST(ManifestReaderTest, PlainTextIsTheDocumentManifestToJsonHolds) {
+  for (const std::string& text : {std::string(kModel), SortedKeys(kModel)}) {
+    absl::StatusOr<Manifest> m = ManifestFromJson(text);
+    ASSERT_TRUE(m.ok()) << m.status();
+    std::optional<std::string> plain = ManifestToPlainJsonText(*m);
+    ASSERT_TRUE(plain.has_value());
+    EXPECT_EQ(Json::parse(*plain), ManifestToJson(*m));
+    EXPECT_TRUE(ValidateManifest(*m).ok());
+  }
+  absl::StatusOr<Manifest> m = ManifestFromJson(kModel);
+  ASSERT_TRUE(m.ok());
+  for (const std::string& odd :
+       {std::string("a\"b"), std::string("\\"), std::string("\x01"), std::string("N\xc3\xa9t")}) {
+    Manifest copy = *m;
+    copy.modules[0].type = odd;
+    EXPECT_FALSE(ManifestToPlainJsonText(copy).has_value()) << odd;
+    EXPECT_TRUE(ValidateManifest(copy).ok()) << odd;  // the DOM path reads it
+  }
+  Manifest bad = *m;
+  bad.modules[1].params[0].name = "a.b";
+  EXPECT_EQ(ValidateManifest(bad).message(),
+            "manifest: $.root.children[0].module.params[0].name: parameter name \"a.b\" must not "
+            "contain \".\"");
 }
 
 }  // namespace
