@@ -9,7 +9,8 @@
 // The argument is B: 800 blocks give 10,407 module instances, 8000 give 104,007. Each
 // benchmark reports `modules` (instances) and `params` (parameter registrations) as counters.
 //
-// Benchmarks: ManifestFromJson (and on a flat model: root -> N Linear), PolicyFromJson,
+// Benchmarks: ManifestFromJson (and on a flat model: root -> N Linear), ValidateManifest (the
+// daemon's check of a manifest that came as protobuf), PolicyFromJson,
 // BuildPlan under size_based / module_types / always, PlanToJson + dump, PlanToJsonText (the
 // same bytes, written directly), PlanFromJson, and the whole pipeline (text in -> plan text
 // out, with PlanToJsonText). The _Dom rows are the same run's baselines: the strict DOM readers
@@ -213,6 +214,28 @@ void BM_ManifestFromJson_Dom(benchmark::State& state) {
   SetCounters(state, model);
 }
 
+// The daemon's check of a manifest that came as protobuf (FromProto): the JSON rules applied to
+// the module tree, by writing it as JSON and reading it back.
+void BM_ValidateManifest(benchmark::State& state) {
+  const Model& model = GetModel(static_cast<int>(state.range(0)));
+  for (auto _ : state) {
+    absl::Status s = ValidateManifest(model.manifest);
+    benchmark::DoNotOptimize(s);
+  }
+  SetCounters(state, model);
+}
+
+// The baseline: the DOM round trip ValidateManifest ran in full before (and still runs for an
+// invalid manifest's message).
+void BM_ValidateManifest_Dom(benchmark::State& state) {
+  const Model& model = GetModel(static_cast<int>(state.range(0)));
+  for (auto _ : state) {
+    absl::StatusOr<Manifest> m = ManifestFromJsonValue(ManifestToJson(model.manifest));
+    benchmark::DoNotOptimize(m);
+  }
+  SetCounters(state, model);
+}
+
 // The same parse on one wide array of modules (10,000 and 40,000 children of the root):
 // linear JSON reading takes 4x as long for 4x the children.
 void BM_ManifestFromJson_Flat(benchmark::State& state) {
@@ -345,6 +368,8 @@ void BM_EndToEnd_Always_Dom(benchmark::State& state) { EndToEnd(state, kAlwaysPo
 
 FS_MODEL_SIZES(BENCHMARK(BM_ManifestFromJson));
 FS_MODEL_SIZES(BENCHMARK(BM_ManifestFromJson_Dom));
+FS_MODEL_SIZES(BENCHMARK(BM_ValidateManifest));
+FS_MODEL_SIZES(BENCHMARK(BM_ValidateManifest_Dom));
 BENCHMARK(BM_ManifestFromJson_Flat)
     ->ArgName("children")
     ->Arg(10000)
