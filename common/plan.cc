@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
+#include "common/plan_reader.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
 
@@ -145,6 +146,15 @@ nlohmann::ordered_json PlanToJson(const Plan& plan) {
 
 namespace {
 
+// The product of `shape`, -1 when it overflows int64.
+int64_t ShapeNumel(const std::vector<int64_t>& shape) {
+  int64_t numel = 1;
+  for (int64_t d : shape) {
+    if (__builtin_mul_overflow(numel, d, &numel)) return -1;
+  }
+  return numel;
+}
+
 absl::StatusOr<std::vector<int64_t>> GetShape(const Json& obj, const JsonPath& path) {
   auto it = obj.find("shape");
   if (it == obj.end()) return path.Error("missing required key \"shape\"");
@@ -199,11 +209,7 @@ absl::StatusOr<PlanUnit> ParseUnit(const Json& v, const JsonPath& path) {
     FS_ASSIGN_OR_RETURN(p.shape, GetShape(pj, ppath));
     FS_ASSIGN_OR_RETURN(p.numel, GetInt(pj, "numel", ppath, 0, kMax));
     FS_ASSIGN_OR_RETURN(p.offset, GetInt(pj, "offset", ppath, 0, kMax));
-    int64_t numel = 1;
-    for (int64_t d : p.shape) {
-      if (__builtin_mul_overflow(numel, d, &numel)) numel = -1;
-    }
-    if (numel != p.numel) {
+    if (ShapeNumel(p.shape) != p.numel) {
       return ppath.Key("numel").Error(absl::StrCat("numel ", p.numel, " does not match shape [",
                                                    absl::StrJoin(p.shape, ", "), "]"));
     }
@@ -225,6 +231,92 @@ absl::StatusOr<PlanUnit> ParseUnit(const Json& v, const JsonPath& path) {
   FS_ASSIGN_OR_RETURN(u.padded_numel, GetInt(v, "padded_numel", path, 0, kMax));
   FS_ASSIGN_OR_RETURN(u.shard_numel, GetInt(v, "shard_numel", path, 0, kMax));
   return u;
+}
+
+// The shard world `strategy` allows (shard_world already in [1, world_size]).
+absl::Status CheckShardWorld(ShardingStrategy strategy, int64_t world_size, int64_t shard_world,
+                             const JsonPath& path) {
+  switch (strategy) {
+    case ShardingStrategy::kNoShard:
+      if (shard_world != 1) {
+        return path.Key("shard_world_size").Error("must be 1 for NO_SHARD");
+      }
+      break;
+    case ShardingStrategy::kHybridShard:
+    case ShardingStrategy::kHybridShardZero2:
+      if (world_size % shard_world != 0) {
+        return path.Key("shard_world_size")
+            .Error(absl::StrCat(shard_world, " does not divide world_size ", world_size));
+      }
+      break;
+    default:
+      if (shard_world != world_size) {
+        return path.Key("shard_world_size")
+            .Error(absl::StrCat("must equal world_size ", world_size, " for ",
+                                ShardingStrategyName(strategy)));
+      }
+  }
+  return absl::OkStatus();
+}
+
+// Unit `i` of `plan` (its index, offsets and sizes) against the layout rules.
+absl::Status CheckUnit(const Plan& plan, const PlanUnit& u, size_t i, const JsonPath& upath) {
+  if (u.index != static_cast<int32_t>(i)) {
+    return upath.Key("index").Error(absl::StrCat("must be ", i, ", got ", u.index));
+  }
+  absl::StatusOr<FlatLayout> made = UnitLayout(plan, u);
+  if (!made.ok()) return upath.Error(made.status().message());
+  const FlatLayout& layout = *made;
+  for (size_t p = 0; p < u.params.size(); ++p) {
+    if (u.params[p].offset != layout.offsets()[p]) {
+      return upath.Key("params").Index(p).Key("offset").Error(
+          absl::StrCat("offset ", u.params[p].offset, " does not match the layout rules (want ",
+                       layout.offsets()[p], ")"));
+    }
+  }
+  if (u.numel != layout.numel() || u.padded_numel != layout.padded_numel() ||
+      u.shard_numel != layout.shard_numel()) {
+    return upath.Error(absl::StrCat("numel/padded_numel/shard_numel ", u.numel, "/", u.padded_numel,
+                                    "/", u.shard_numel, " do not match the layout rules (want ",
+                                    layout.numel(), "/", layout.padded_numel(), "/",
+                                    layout.shard_numel(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckFingerprint(const Plan& plan, const JsonPath& path) {
+  if (std::string want = Fingerprint(plan); plan.fingerprint != want) {
+    return path.Key("fingerprint")
+        .Error(absl::StrCat("fingerprint ", Quote(plan.fingerprint),
+                            " does not match the plan's content (", want, ")"));
+  }
+  return absl::OkStatus();
+}
+
+// The rules of PlanFromJsonValue that ScanPlan leaves (the fields together); any error means
+// "give the document to the DOM path", which words it.
+absl::Status CheckScannedPlan(ScannedPlan& scanned) {
+  Plan& plan = scanned.plan;
+  const JsonPath path("plan");
+  std::optional<ShardingStrategy> strategy =
+      ParseShardingStrategy(scanned.sharding_strategy.value_or(
+          std::string(ShardingStrategyName(plan.sharding_strategy))));
+  if (!strategy) return absl::InvalidArgumentError("sharding_strategy");
+  plan.sharding_strategy = *strategy;
+  const int64_t shard_world = scanned.shard_world_size.value_or(
+      plan.sharding_strategy == ShardingStrategy::kNoShard ? 1 : plan.world_size);
+  if (shard_world < 1 || shard_world > plan.world_size) {
+    return absl::InvalidArgumentError("shard_world_size");
+  }
+  FS_RETURN_IF_ERROR(CheckShardWorld(plan.sharding_strategy, plan.world_size, shard_world, path));
+  plan.shard_world_size = static_cast<int32_t>(shard_world);
+  for (size_t i = 0; i < plan.units.size(); ++i) {
+    for (const PlanParam& p : plan.units[i].params) {
+      if (ShapeNumel(p.shape) != p.numel) return absl::InvalidArgumentError("numel");
+    }
+    FS_RETURN_IF_ERROR(CheckUnit(plan, plan.units[i], i, path));  // the path of no message
+  }
+  return CheckFingerprint(plan, path);
 }
 
 }  // namespace
@@ -253,26 +345,7 @@ absl::StatusOr<Plan> PlanFromJsonValue(const Json& doc) {
   plan.sharding_strategy = *parsed;
   int64_t shard_world = plan.sharding_strategy == ShardingStrategy::kNoShard ? 1 : world_size;
   FS_RETURN_IF_ERROR(GetOptionalInt(doc, "shard_world_size", path, 1, world_size, &shard_world));
-  switch (plan.sharding_strategy) {
-    case ShardingStrategy::kNoShard:
-      if (shard_world != 1) {
-        return path.Key("shard_world_size").Error("must be 1 for NO_SHARD");
-      }
-      break;
-    case ShardingStrategy::kHybridShard:
-    case ShardingStrategy::kHybridShardZero2:
-      if (world_size % shard_world != 0) {
-        return path.Key("shard_world_size")
-            .Error(absl::StrCat(shard_world, " does not divide world_size ", world_size));
-      }
-      break;
-    default:
-      if (shard_world != world_size) {
-        return path.Key("shard_world_size")
-            .Error(absl::StrCat("must equal world_size ", world_size, " for ",
-                                ShardingStrategyName(plan.sharding_strategy)));
-      }
-  }
+  FS_RETURN_IF_ERROR(CheckShardWorld(plan.sharding_strategy, world_size, shard_world, path));
   plan.shard_world_size = static_cast<int32_t>(shard_world);
   FS_RETURN_IF_ERROR(GetOptionalBool(doc, "use_orig_params", path, &plan.use_orig_params));
   auto units = doc.find("units");
@@ -282,40 +355,22 @@ absl::StatusOr<Plan> PlanFromJsonValue(const Json& doc) {
   for (size_t i = 0; i < units->size(); ++i) {
     JsonPath upath = units_path.Index(i);
     FS_ASSIGN_OR_RETURN(PlanUnit u, ParseUnit((*units)[i], upath));
-    if (u.index != static_cast<int32_t>(i)) {
-      return upath.Key("index").Error(absl::StrCat("must be ", i, ", got ", u.index));
-    }
-    absl::StatusOr<FlatLayout> made = UnitLayout(plan, u);
-    if (!made.ok()) return upath.Error(made.status().message());
-    const FlatLayout& layout = *made;
-    for (size_t p = 0; p < u.params.size(); ++p) {
-      if (u.params[p].offset != layout.offsets()[p]) {
-        return upath.Key("params").Index(p).Key("offset").Error(
-            absl::StrCat("offset ", u.params[p].offset, " does not match the layout rules (want ",
-                         layout.offsets()[p], ")"));
-      }
-    }
-    if (u.numel != layout.numel() || u.padded_numel != layout.padded_numel() ||
-        u.shard_numel != layout.shard_numel()) {
-      return upath.Error(absl::StrCat("numel/padded_numel/shard_numel ", u.numel, "/",
-                                      u.padded_numel, "/", u.shard_numel,
-                                      " do not match the layout rules (want ", layout.numel(), "/",
-                                      layout.padded_numel(), "/", layout.shard_numel(), ")"));
-    }
+    FS_RETURN_IF_ERROR(CheckUnit(plan, u, i, upath));
     plan.units.push_back(std::move(u));
   }
   FS_RETURN_IF_ERROR(GetOptionalStringList(doc, "ignored_params", path, &plan.ignored_params));
   FS_RETURN_IF_ERROR(GetOptionalStringList(doc, "warnings", path, &plan.warnings));
   FS_ASSIGN_OR_RETURN(plan.fingerprint, GetString(doc, "fingerprint", path));
-  if (std::string want = Fingerprint(plan); plan.fingerprint != want) {
-    return path.Key("fingerprint")
-        .Error(absl::StrCat("fingerprint ", Quote(plan.fingerprint),
-                            " does not match the plan's content (", want, ")"));
-  }
+  FS_RETURN_IF_ERROR(CheckFingerprint(plan, path));
   return plan;
 }
 
 absl::StatusOr<Plan> PlanFromJson(absl::string_view text) {
+  if (std::optional<ScannedPlan> scanned = ScanPlan(text)) {
+    if (CheckScannedPlan(*scanned).ok()) return std::move(scanned->plan);
+  }
+  // Not valid (or spelled with escapes the scanner leaves alone): the DOM path gives the
+  // result and names the error.
   FS_ASSIGN_OR_RETURN(Json doc, ParseJson(text, "plan"));
   return PlanFromJsonValue(doc);
 }

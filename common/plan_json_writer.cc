@@ -12,7 +12,8 @@ namespace {
 
 class Writer {
  public:
-  explicit Writer(std::string* out) : out_(*out) {}
+  Writer(std::string* out, nlohmann::detail::error_handler_t on_invalid_utf8)
+      : out_(*out), on_invalid_utf8_(on_invalid_utf8) {}
 
   void Raw(absl::string_view s) { out_.append(s.data(), s.size()); }
   void Int(int64_t v) { absl::StrAppend(&out_, v); }
@@ -23,7 +24,7 @@ class Writer {
     for (char c : s) {
       const auto u = static_cast<unsigned char>(c);
       if (u < 0x20 || u >= 0x7f || c == '"' || c == '\\') {
-        Raw(nlohmann::ordered_json(std::string(s)).dump());
+        Raw(nlohmann::ordered_json(std::string(s)).dump(-1, ' ', false, on_invalid_utf8_));
         return;
       }
     }
@@ -55,11 +56,12 @@ class Writer {
 
  private:
   std::string& out_;
+  const nlohmann::detail::error_handler_t on_invalid_utf8_;
 };
 
 }  // namespace
 
-std::string PlanToJsonText(const Plan& plan) {
+std::string PlanToJsonText(const Plan& plan, nlohmann::detail::error_handler_t on_invalid_utf8) {
   std::string out;
   size_t estimate = 512;
   for (const PlanUnit& u : plan.units) {
@@ -67,7 +69,7 @@ std::string PlanToJsonText(const Plan& plan) {
     for (const PlanParam& p : u.params) estimate += 64 + 2 * p.fqn.size();
   }
   out.reserve(estimate);
-  Writer w(&out);
+  Writer w(&out, on_invalid_utf8);
   w.Raw("{");
   w.Key("format", true);
   w.String(kPlanFormat);

@@ -7,8 +7,10 @@
 
 namespace flatshard {
 
-// Byte for byte PlanToJson(plan).dump(), without building the ordered_json tree (several times
-// faster on large plans).
-std::string PlanToJsonText(const Plan& plan);
+// Byte for byte PlanToJson(plan).dump(-1, ' ', false, on_invalid_utf8), without building the
+// ordered_json tree (several times faster on large plans). With the default, strings that are
+// not valid UTF-8 throw as dump() does; `replace` writes U+FFFD for them and never throws.
+std::string PlanToJsonText(const Plan& plan, nlohmann::detail::error_handler_t on_invalid_utf8 =
+                                                 nlohmann::detail::error_handler_t::strict);
 
 }  // namespace flatshard

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/limits.h"
+#include "common/plan_json_writer.h"
 #include "common/status_macros.h"
 
 namespace flatshard {
@@ -288,8 +289,8 @@ absl::StatusOr<Plan> FromProto(const v1::Plan& proto) {
   plan.fingerprint = proto.fingerprint();
   // One set of consistency rules: those of the JSON reader. Invalid UTF-8 is replaced in the
   // text, so the plan read back differs and is refused.
-  FS_ASSIGN_OR_RETURN(Plan reparsed, PlanFromJson(PlanToJson(plan).dump(
-                                         -1, ' ', false, Json::error_handler_t::replace)));
+  FS_ASSIGN_OR_RETURN(Plan reparsed,
+                      PlanFromJson(PlanToJsonText(plan, Json::error_handler_t::replace)));
   if (!(reparsed == plan)) {
     return absl::InvalidArgumentError("plan: strings must be valid UTF-8");
   }

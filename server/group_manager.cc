@@ -78,6 +78,7 @@ GroupManager::GroupManager(ShardStore* store, GroupManagerOptions options)
   if (!g.self.peer_address.empty() && comms_->has_remote()) {
     g.self.backend_address = comms_->RemoteAddress();
     g.self.nccl = comms_->has_nccl();
+    g.self.collective_settings = comms_->RemoteSettings();
     peer_credentials = options.peer.credentials;
   }
   const peer::DaemonIdentity self = g.self;

@@ -175,6 +175,9 @@ class CollectiveBackend {
   // What peers need to reach this backend (the UCX worker address), published at rendezvous
   // as GroupSpec::rank_addresses; empty for backends without remote peers.
   virtual std::string LocalAddress() const { return ""; }
+  // Settings every daemon of a multi-daemon group must share for their ops to match, as
+  // "key=value" words (UCX: "hierarchical=on"), published at rendezvous; "" for none.
+  virtual std::string GroupSettings() const { return ""; }
   // A Communicator for `group`'s local ranks. INVALID_ARGUMENT for a malformed spec,
   // FAILED_PRECONDITION when this backend cannot host the group (e.g. inproc with remote ranks).
   virtual absl::StatusOr<std::unique_ptr<Communicator>> Connect(const GroupSpec& group) = 0;

@@ -72,6 +72,10 @@ std::string CommunicatorFactory::RemoteAddress() const {
   return remote_ == nullptr ? std::string() : remote_->LocalAddress();
 }
 
+std::string CommunicatorFactory::RemoteSettings() const {
+  return remote_ == nullptr ? std::string() : remote_->GroupSettings();
+}
+
 absl::StatusOr<BackendChoice> CommunicatorFactory::Choose(
     const CommunicatorRequest& request) const {
   const GroupSpec& spec = request.spec;

@@ -99,6 +99,8 @@ class CommunicatorFactory {
   bool has_nccl() const { return nccl_ != nullptr; }
   // The remote backend's address (published at the rendezvous); empty without one.
   std::string RemoteAddress() const;
+  // The remote backend's GroupSettings (published at the rendezvous); empty without one.
+  std::string RemoteSettings() const;
 
   // Which backend `request` gets (no I/O). INVALID_ARGUMENT for a malformed request
   // (local_devices not one per local rank); FAILED_PRECONDITION for a multi-daemon group

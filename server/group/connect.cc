@@ -19,6 +19,7 @@
 #include "common/status_macros.h"
 #include "server/durable/records.h"
 #include "server/group/access.h"
+#include "server/group/daemon_agreement.h"
 #include "server/group/group.h"
 #include "server/messages.h"
 #include "server/module/modules.h"
@@ -50,6 +51,7 @@ void Membership::OnRendezvous(const std::string& group, int32_t rank, uint64_t s
                                            "place rank ",
                                            rank, " on this daemon"));
     }
+    if (s.ok()) s = CheckDaemonsAgree(*table);  // every daemon's joins fail alike
     if (s.ok() && TableApplied(g, *table)) {
       // Another local rank's rendezvous (or OnTable) connected this epoch already.
       if (g.rollback_due) {
@@ -324,6 +326,13 @@ void Membership::OnTable(const std::string& coordinator, const peer::PeerTable& 
     if (g.removed || shutdown_) return;
     if (g.coll == nullptr || table.epoch <= g.epoch) return;  // joins in flight apply it
     if (static_cast<int32_t>(table.rank_daemons.size()) != g.world_size) return;
+    if (absl::Status s = CheckDaemonsAgree(table); !s.ok()) {
+      // A daemon of the group restarted with other settings: the group cannot re-form.
+      FS_LOG(WARNING) << "group=" << g.id << " cannot re-form at epoch " << table.epoch << ": "
+                      << s;
+      g.coll->Abort(s);
+      return;
+    }
     // Connected outside the lock; FinishConnect installs it (or aborts the group's
     // collectives with the failure) and starts the rollback a re-form owes.
     StartConnect(g, &table, /*from_table=*/true, &run);

@@ -32,6 +32,9 @@ struct DaemonIdentity {
   std::string peer_address;     // host:port its PeerService listens on
   std::string backend_address;  // CollectiveBackend::LocalAddress (UCX worker address bytes)
   bool nccl = false;            // hosts GPU ranks and can run NCCL communicators
+  // CollectiveBackend::GroupSettings of its remote backend: equal on every daemon of a group
+  // (CheckDaemonsAgree).
+  std::string collective_settings{};
 
   friend bool operator==(const DaemonIdentity&, const DaemonIdentity&) = default;
 };

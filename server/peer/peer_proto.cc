@@ -8,10 +8,12 @@ void ToProto(const DaemonIdentity& d, v1::DaemonInfo* out) {
   out->set_peer_address(d.peer_address);
   out->set_backend_address(d.backend_address);
   out->set_nccl(d.nccl);
+  out->set_collective_settings(d.collective_settings);
 }
 
 DaemonIdentity FromProto(const v1::DaemonInfo& d) {
-  return DaemonIdentity{d.node(), d.daemon_id(), d.peer_address(), d.backend_address(), d.nccl()};
+  return DaemonIdentity{d.node(), d.daemon_id(),          d.peer_address(), d.backend_address(),
+                        d.nccl(), d.collective_settings()};
 }
 
 void ToProto(const PeerTable& t, v1::PeerTable* out) {

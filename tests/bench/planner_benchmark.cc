@@ -9,10 +9,12 @@
 // The argument is B: 800 blocks give 10,407 module instances, 8000 give 104,007. Each
 // benchmark reports `modules` (instances) and `params` (parameter registrations) as counters.
 //
-// Benchmarks: ManifestFromJson (and on a flat model: root -> N Linear), PolicyFromJson, BuildPlan
-// under size_based / module_types / always, PlanToJson + dump, PlanToJsonText (the same bytes,
-// written directly), PlanFromJson, and the whole pipeline (text in -> plan text out, with
-// PlanToJsonText).
+// Benchmarks: ManifestFromJson (and on a flat model: root -> N Linear), ValidateManifest (the
+// daemon's check of a manifest that came as protobuf), PolicyFromJson,
+// BuildPlan under size_based / module_types / always, PlanToJson + dump, PlanToJsonText (the
+// same bytes, written directly), PlanFromJson, and the whole pipeline (text in -> plan text
+// out, with PlanToJsonText). The _Dom rows are the same run's baselines: the strict DOM readers
+// the one-pass readers replaced (and that still word every error).
 
 #include <cstdint>
 #include <cstdio>
@@ -193,6 +195,47 @@ void BM_ManifestFromJson(benchmark::State& state) {
   SetCounters(state, model);
 }
 
+// The strict DOM reader ManifestFromJson used before its one-pass reader (ParseJson +
+// ManifestFromJsonValue), and still uses for an invalid manifest's message: the baseline of
+// the same run.
+absl::StatusOr<Manifest> ManifestFromJsonViaDom(absl::string_view text) {
+  absl::StatusOr<Json> doc = ParseJson(text, "manifest");
+  if (!doc.ok()) return doc.status();
+  return ManifestFromJsonValue(*doc);
+}
+
+void BM_ManifestFromJson_Dom(benchmark::State& state) {
+  const Model& model = GetModel(static_cast<int>(state.range(0)));
+  for (auto _ : state) {
+    absl::StatusOr<Manifest> m = ManifestFromJsonViaDom(model.text);
+    benchmark::DoNotOptimize(m);
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * model.text.size()));
+  SetCounters(state, model);
+}
+
+// The daemon's check of a manifest that came as protobuf (FromProto): the JSON rules applied to
+// the module tree, by writing it as JSON and reading it back.
+void BM_ValidateManifest(benchmark::State& state) {
+  const Model& model = GetModel(static_cast<int>(state.range(0)));
+  for (auto _ : state) {
+    absl::Status s = ValidateManifest(model.manifest);
+    benchmark::DoNotOptimize(s);
+  }
+  SetCounters(state, model);
+}
+
+// The baseline: the DOM round trip ValidateManifest ran in full before (and still runs for an
+// invalid manifest's message).
+void BM_ValidateManifest_Dom(benchmark::State& state) {
+  const Model& model = GetModel(static_cast<int>(state.range(0)));
+  for (auto _ : state) {
+    absl::StatusOr<Manifest> m = ManifestFromJsonValue(ManifestToJson(model.manifest));
+    benchmark::DoNotOptimize(m);
+  }
+  SetCounters(state, model);
+}
+
 // The same parse on one wide array of modules (10,000 and 40,000 children of the root):
 // linear JSON reading takes 4x as long for 4x the children.
 void BM_ManifestFromJson_Flat(benchmark::State& state) {
@@ -274,12 +317,28 @@ void BM_PlanFromJson(benchmark::State& state) {
   SetCounters(state, model);
 }
 
+// The DOM path PlanFromJson used before its one-pass reader (and still uses for an invalid
+// plan's message): the baseline of the same run.
+void BM_PlanFromJson_Dom(benchmark::State& state) {
+  const Model& model = GetModel(static_cast<int>(state.range(0)));
+  const Plan plan = *BuildPlan(model.manifest, *PolicyFromJson(kAlwaysPolicy), Options());
+  const std::string text = PlanToJson(plan).dump();
+  for (auto _ : state) {
+    absl::StatusOr<Json> doc = ParseJson(text, "plan");
+    absl::StatusOr<Plan> p = PlanFromJsonValue(*doc);
+    benchmark::DoNotOptimize(p);
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * text.size()));
+  SetCounters(state, model);
+}
+
 // flatshardctl plan's work: manifest and policy text in, plan text out.
-void EndToEnd(benchmark::State& state, const char* policy_text) {
+void EndToEnd(benchmark::State& state, const char* policy_text, bool dom = false) {
   const Model& model = GetModel(static_cast<int>(state.range(0)));
   size_t out_bytes = 0;
   for (auto _ : state) {
-    absl::StatusOr<Manifest> manifest = ManifestFromJson(model.text);
+    absl::StatusOr<Manifest> manifest =
+        dom ? ManifestFromJsonViaDom(model.text) : ManifestFromJson(model.text);
     absl::StatusOr<Policy> policy = PolicyFromJson(policy_text);
     if (!manifest.ok() || !policy.ok()) {
       state.SkipWithError("input refused");
@@ -300,12 +359,17 @@ void EndToEnd(benchmark::State& state, const char* policy_text) {
 
 void BM_EndToEnd_ModuleTypes(benchmark::State& state) { EndToEnd(state, kModuleTypesPolicy); }
 void BM_EndToEnd_Always(benchmark::State& state) { EndToEnd(state, kAlwaysPolicy); }
+// The baseline: the same pipeline reading the manifest with the DOM reader.
+void BM_EndToEnd_Always_Dom(benchmark::State& state) { EndToEnd(state, kAlwaysPolicy, true); }
 
 // 800 blocks: 10,407 modules; 8000 blocks: 104,007 modules.
 #define FS_MODEL_SIZES(b) \
   b->ArgName("blocks")->Arg(800)->Arg(8000)->Unit(benchmark::kMillisecond)->UseRealTime()
 
 FS_MODEL_SIZES(BENCHMARK(BM_ManifestFromJson));
+FS_MODEL_SIZES(BENCHMARK(BM_ManifestFromJson_Dom));
+FS_MODEL_SIZES(BENCHMARK(BM_ValidateManifest));
+FS_MODEL_SIZES(BENCHMARK(BM_ValidateManifest_Dom));
 BENCHMARK(BM_ManifestFromJson_Flat)
     ->ArgName("children")
     ->Arg(10000)
@@ -319,8 +383,10 @@ FS_MODEL_SIZES(BENCHMARK(BM_BuildPlan_Always));
 FS_MODEL_SIZES(BENCHMARK(BM_PlanToJson));
 FS_MODEL_SIZES(BENCHMARK(BM_PlanToJsonText));
 FS_MODEL_SIZES(BENCHMARK(BM_PlanFromJson));
+FS_MODEL_SIZES(BENCHMARK(BM_PlanFromJson_Dom));
 FS_MODEL_SIZES(BENCHMARK(BM_EndToEnd_ModuleTypes));
 FS_MODEL_SIZES(BENCHMARK(BM_EndToEnd_Always));
+FS_MODEL_SIZES(BENCHMARK(BM_EndToEnd_Always_Dom));
 
 }  // namespace
 }  // namespace flatshard

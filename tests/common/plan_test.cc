@@ -255,6 +255,10 @@ TEST(PlanJsonTest, DirectWriterEqualsTheDumpedDocument) {
   plan.units[0].reduce_dtype = DType::kFloat32;
   plan.units[0].module_type = "Ty/pe\"";
   EXPECT_EQ(PlanToJsonText(plan), PlanToJson(plan).dump());
+  // Invalid UTF-8: U+FFFD with `replace` (proto_convert's FromProto), as dump() writes it.
+  plan.warnings.push_back("bad \xff\xfe byte");
+  EXPECT_EQ(PlanToJsonText(plan, Json::error_handler_t::replace),
+            PlanToJson(plan).dump(-1, ' ', false, Json::error_handler_t::replace));
   plan.warnings = {};
   plan.ignored_params = {};
   EXPECT_EQ(PlanToJsonText(plan), PlanToJson(plan).dump());

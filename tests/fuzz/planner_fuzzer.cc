@@ -15,6 +15,8 @@
 //     padded_numel, and shard_numel * shard_world_size == padded_numel;
 //   - UnitLayout agrees with the plan, shard ranges tile the buffer, ShardRank stays in the
 //     shard group and SummarizeMemory neither overflows nor goes negative.
+//   - the one-pass readers (ManifestFromJson, PlanFromJson) answer exactly as the strict DOM
+//     readers (ParseJson + ManifestFromJsonValue / PlanFromJsonValue), message included.
 // The whole raw input is also fed to PlanFromJson (with its fingerprint corrected, so that
 // mutated plans can be accepted and checked too).
 
@@ -26,6 +28,7 @@
 #include "absl/strings/string_view.h"
 #include "common/flat_layout.h"
 #include "common/json_util.h"
+#include "common/limits.h"
 #include "common/manifest.h"
 #include "common/plan.h"
 #include "common/plan_json_writer.h"
@@ -108,9 +111,23 @@ void CheckPlanRoundTrip(const Plan& plan) {
   FS_FUZZ_CHECK(*reparsed == plan);
 }
 
+// `fast` (a one-pass reader's answer) equals what the DOM reader answers for `text`.
+template <typename T, typename FromValue>
+void CheckSameAsDom(const absl::StatusOr<T>& fast, absl::string_view text, absl::string_view doc,
+                    FromValue from_value) {
+  absl::StatusOr<Json> value = ParseJson(text, doc);
+  const absl::StatusOr<T> dom = value.ok() ? from_value(*value) : value.status();
+  FS_FUZZ_CHECK(fast.status() == dom.status());
+  FS_FUZZ_CHECK(!fast.ok() || *fast == *dom);
+}
+
 void FuzzPlanner(absl::string_view manifest_text, absl::string_view policy_text,
                  const PlanOptions& options) {
   absl::StatusOr<Manifest> manifest = ManifestFromJson(manifest_text);
+  if (manifest_text.size() <= kMaxManifestJsonBytes) {  // beyond it refused before reading
+    CheckSameAsDom(manifest, manifest_text, "manifest",
+                   [](const Json& v) { return ManifestFromJsonValue(v); });
+  }
   absl::StatusOr<Policy> policy = PolicyFromJson(policy_text);
   if (manifest.ok()) {
     FS_FUZZ_CHECK(!manifest->modules.empty());
@@ -156,6 +173,8 @@ absl::StatusOr<Plan> ReadPlanFixingFingerprint(absl::string_view text) {
 }
 
 void FuzzPlanReader(absl::string_view text) {
+  CheckSameAsDom(PlanFromJson(text), text, "plan",
+                 [](const Json& v) { return PlanFromJsonValue(v); });
   absl::StatusOr<Plan> plan = ReadPlanFixingFingerprint(text);
   if (!plan.ok()) return;
   CheckPlanInvariants(*plan);

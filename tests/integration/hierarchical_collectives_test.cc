@@ -146,5 +146,37 @@ TEST(HierarchicalCollectivesTest, TwoDaemonsOfTwoRanksEqualTheFlatRingToTheEleme
   }
 }
 
+// Daemons started with different --ucx_hierarchical would run different algorithms for one
+// all-gather: the group does not form, and every rank's Join names both daemons and settings.
+TEST(HierarchicalCollectivesTest, DaemonsThatDisagreeOnHierarchicalDoNotFormAGroup) {
+  ::flatshard::testing::ClusterOptions options;
+  options.tag_prefix = "fshiermix";
+  options.daemon_flags = {{}, {"--ucx_hierarchical=false"}};
+  Cluster c(Layout::kTwoDaemons, options);
+  std::vector<absl::Status> joined(kWorld);
+  RunRanks(kWorld, [&](int r) {
+    ClientOptions o;
+    o.address = c.AddressFor(r);
+    o.call_timeout = absl::Seconds(60);
+    o.join_timeout = absl::Seconds(60);
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(o);
+    ASSERT_TRUE(client.ok()) << client.status();
+    joined[r] = (*client)->Join("g", kWorld, r, "t0k", c.coordinator());
+  });
+  RecordProperty("rank0", std::string(joined[0].message()));
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(joined[r].code(), absl::StatusCode::kFailedPrecondition)
+        << "rank " << r << ": " << joined[r];
+    EXPECT_THAT(joined[r].message(),
+                ::testing::AllOf(::testing::HasSubstr("group g: its daemons disagree"),
+                                 ::testing::HasSubstr("daemon node0 ("),
+                                 ::testing::HasSubstr("ranks 0, 2) has hierarchical=on"),
+                                 ::testing::HasSubstr("daemon node1 ("),
+                                 ::testing::HasSubstr("ranks 1, 3) has hierarchical=off"),
+                                 ::testing::HasSubstr("--ucx_hierarchical")))
+        << "rank " << r;
+  }
+}
+
 }  // namespace
 }  // namespace flatshard::client

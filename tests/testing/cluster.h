@@ -75,6 +75,8 @@ struct ClusterOptions {
   std::string default_wait = "10s";
   // Extra flags for every daemon, e.g. {"--peer_timeout=2s"}.
   std::vector<std::string> extra_flags;
+  // Flags for one daemon, by index, after extra_flags.
+  std::vector<std::vector<std::string>> daemon_flags;
 };
 
 class Cluster {
@@ -86,6 +88,10 @@ class Cluster {
       o.tag_prefix = options.tag_prefix;
       o.default_wait = options.default_wait;
       o.extra_flags = options.extra_flags;
+      if (static_cast<size_t>(i) < options.daemon_flags.size()) {
+        o.extra_flags.insert(o.extra_flags.end(), options.daemon_flags[i].begin(),
+                             options.daemon_flags[i].end());
+      }
       if (multi()) {
         o.peer = true;
         o.node_name = "node" + std::to_string(i);

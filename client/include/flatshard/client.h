@@ -557,8 +557,10 @@ class Client {
   // calls then fail as described at the top.
   // Errors: INVALID_ARGUMENT for an empty group, world_size < 1 or rank outside
   // [0, world_size); FAILED_PRECONDITION when already joined (Leave first); the RPC's,
-  // e.g. DEADLINE_EXCEEDED naming the missing ranks, PERMISSION_DENIED for a bad token; the
-  // lease's when the daemon refused it at once.
+  // e.g. DEADLINE_EXCEEDED naming the missing ranks, PERMISSION_DENIED for a bad token,
+  // FAILED_PRECONDITION naming two daemons of the group started with different
+  // --ucx_hierarchical (every rank's Join fails so); the lease's when the daemon refused it at
+  // once.
   // Multi-daemon groups (ranks on several nodes, each joining through its node's daemon):
   // `coordinator` is the peer address (host:port, the daemon's --peer_address) of the
   // group's coordinator daemon, normally rank 0's, the same on every rank. Empty: every rank

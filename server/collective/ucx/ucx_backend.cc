@@ -33,6 +33,10 @@ class UcxBackendImpl final : public UcxBackend {
   bool IsViable() const override { return true; }
   bool Supports(MemoryKind kind) const override { return kind != MemoryKind::kCuda; }
   std::string LocalAddress() const override { return worker_->address(); }
+  // Daemons that differ would run different algorithms for one op (CheckDaemonsAgree).
+  std::string GroupSettings() const override {
+    return worker_->options().hierarchical ? "hierarchical=on" : "hierarchical=off";
+  }
   absl::StatusOr<std::unique_ptr<Communicator>> Connect(const GroupSpec& spec) override;
   absl::StatusOr<UcxBackendStats> Stats() const override;
 

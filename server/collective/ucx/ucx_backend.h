@@ -80,8 +80,9 @@ struct UcxBackendOptions {
   // Groups whose daemons each host the same number (>= 2) of ranks run all-gather and
   // reduce-scatter hierarchically (hierarchical_algorithms.h: copies within a daemon, each
   // daemon's bytes over the network once); false: the flat ring of every rank. Every daemon of
-  // a group must agree (a daemon flag, --ucx_hierarchical): ops of daemons that differ never
-  // match and fail (a message size mismatch, or the deadline).
+  // a group must agree (a daemon flag, --ucx_hierarchical): the backend publishes it
+  // (GroupSettings) and a group whose daemons differ does not form
+  // (server/group/daemon_agreement.h).
   bool hierarchical = true;
 };
 
