@@ -75,6 +75,7 @@ struct ClusterOptions {
   std::string default_wait = "10s";
   // Extra flags for every daemon, e.g. {"--peer_timeout=2s"}.
   std::vector<std::string> extra_flags;
+  bool metrics = false;  // DaemonOptions::metrics on every daemon
 };
 
 class Cluster {
@@ -86,6 +87,7 @@ class Cluster {
       o.tag_prefix = options.tag_prefix;
       o.default_wait = options.default_wait;
       o.extra_flags = options.extra_flags;
+      o.metrics = options.metrics;
       if (multi()) {
         o.peer = true;
         o.node_name = "node" + std::to_string(i);
