@@ -57,4 +57,19 @@ void NodeAssembly::Arrive(const std::shared_ptr<SummonSlot>& slot, int32_t rank,
   for (auto& f : ready) f(verdict);
 }
 
+void NodeAssembly::Fail(const std::shared_ptr<SummonSlot>& slot, int32_t rank,
+                        const absl::Status& why) {
+  std::vector<absl::AnyInvocable<void(absl::Status)>> ready;
+  absl::Status verdict;
+  {
+    absl::MutexLock lock(&slot->assembly_mu);
+    if (slot->assembled.contains(rank) || !slot->assembly_error.ok()) return;
+    slot->assembly_error = why;
+    verdict = why;
+    ready.swap(slot->waiting);
+    timer_->Cancel(std::exchange(slot->assembly_timer, collective::DeadlineTimer::kNoTimer));
+  }
+  for (auto& f : ready) f(verdict);
+}
+
 }  // namespace flatshard::server

@@ -9,7 +9,8 @@
 //
 // Deadlines: a collective's deadline bounds a part that ran one (it fails, and that failure
 // answers). A part that ran none passes its summon's deadline: a rank still waiting then is
-// answered DEADLINE_EXCEEDED naming the local ranks that did not arrive, never left hanging.
+// answered DEADLINE_EXCEEDED naming the local ranks that did not arrive, never left hanging;
+// a local rank whose session ends (Modules::DropSummons) fails the wait at once (Fail).
 //
 // Thread safety: thread-safe. Answers run on the arriving thread or the assembly's deadline
 // thread, never under a lock.
@@ -40,6 +41,10 @@ class NodeAssembly {
               const std::vector<int32_t>& locals, absl::Status part,
               std::optional<absl::Time> deadline, const std::string& what,
               absl::AnyInvocable<void(absl::Status)> answer);
+
+  // Local rank `rank` will not arrive at `slot` (its session ended): unless it arrived already
+  // or the copy is whole, `why` answers every waiting rank and every later arrival.
+  void Fail(const std::shared_ptr<SummonSlot>& slot, int32_t rank, const absl::Status& why);
 
  private:
   const std::shared_ptr<collective::DeadlineTimer> timer_;

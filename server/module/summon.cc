@@ -257,6 +257,17 @@ absl::Status Modules::DecideSummon(Group& g, const Caller& caller, const std::st
   // One read-only copy per node; GPU ranks each need theirs on their own device. HYBRID_*
   // across daemons assembles it from the local ranks' shards (kShardGroupGather).
   d->shared = !options.writeback && !options.rank0_only && d->sharded && gpus_.empty();
+  if (d->shared && strategy::UnshardOf(reg.plan, true) == strategy::Unshard::kShardGroupGather) {
+    // The node's copy needs every local rank's shard: fail now, as the group's collectives do
+    // once a rank left, rather than wait for one that is gone.
+    for (int32_t r : g.local_ranks) {
+      if (g.session_of_rank[r] != 0) continue;
+      return absl::UnavailableError(absl::StrCat(
+          "group ", g.id, ": summon of ", Display(path), " in module ", Display(module),
+          " needs every local rank's shard (HYBRID_* shard group) but rank ", r,
+          " has no session (it left or has not joined again)"));
+    }
+  }
   // GPU ranks: device views, or pinned host views under offload_to_cpu (the collective
   // stages them through the device).
   d->placement = gpus_.empty() || !options.offload_to_cpu ? PlacementOf(rank) : Placement::Pinned();
@@ -590,6 +601,20 @@ void Modules::DropSummons(Group& g, int32_t rank, AfterUnlock* run) {
                     << " ended without writeback (session ended)";
     ReleaseBuffers(open, run);  // as FinishEnd
     it = g.open_summons.erase(it);
+  }
+  // Read-only node copies the rank did not add its part to yet: the other local ranks would
+  // wait for it until their deadline; they fail now, naming it.
+  std::vector<std::shared_ptr<SummonSlot>> slots;
+  for (auto& [module, reg] : g.registered) {
+    for (auto& [k, slot] : reg.slots) slots.push_back(slot);
+  }
+  if (!slots.empty()) {
+    run->Call([this, rank, slots = std::move(slots),
+               why = absl::UnavailableError(absl::StrCat(
+                   "group ", g.id, ": local rank ", rank,
+                   "'s session ended before it added its part to the node's summon copy"))] {
+      for (const std::shared_ptr<SummonSlot>& slot : slots) assembly_.Fail(slot, rank, why);
+    });
   }
   for (auto& [module, reg] : g.registered) {
     for (auto s = reg.grad_staging.begin(); s != reg.grad_staging.end();) {

@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -436,6 +437,23 @@ TEST_P(HybridTest, ReadOnlySummonsRunNoCollectiveAndGradientsOneAllReducePerUnit
     EXPECT_EQ(after["ReduceScatter"], before[d]["ReduceScatter"]) << "daemon " << d;
     EXPECT_EQ(after["bytes"] - before[d]["bytes"], kPerNode * unit_bytes) << "daemon " << d;
   }
+}
+
+TEST_P(HybridTest, ALocalRankThatLeavesFailsTheOtherLocalRanksSummonNamingIt) {
+  // Rank 0 summons read-only; rank 1, its daemon's other rank, leaves instead. The node copy
+  // can never be whole: rank 0 is answered at once (waiting: the session's end fails it;
+  // not arrived yet: the summon is refused), not at its deadline.
+  absl::Status summoned;
+  std::thread rank0([&] {
+    SummonOptions read_only;
+    read_only.writeback = false;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks_[0].client->Summon("", "", read_only);
+    summoned = s.status();
+  });
+  ranks_[1].client.reset();  // its session ends
+  rank0.join();
+  EXPECT_TRUE(absl::IsUnavailable(summoned)) << summoned;
+  EXPECT_THAT(summoned.message(), HasSubstr("rank 1")) << summoned;
 }
 
 TEST(HybridRefusedTest, NonConsecutiveRanksOfADaemonAreRefusedAtRegister) {

@@ -81,5 +81,21 @@ TEST(NodeAssemblyTest, APassedDeadlineNamesTheLocalRanksThatDidNotArrive) {
   EXPECT_TRUE(absl::IsDeadlineExceeded(late.status)) << late.status;
 }
 
+TEST(NodeAssemblyTest, ALocalRankThatLeftFailsTheWaitUnlessItArrived) {
+  NodeAssembly assembly;
+  auto slot = std::make_shared<SummonSlot>();
+  const std::vector<int32_t> locals = {0, 1, 2};
+  Answer a, b;
+  assembly.Arrive(slot, 0, locals, absl::OkStatus(), absl::InfiniteFuture(), "", a.Callback());
+  assembly.Fail(slot, 0, absl::UnavailableError("rank 0 left"));  // arrived: changes nothing
+  EXPECT_FALSE(a.done.HasBeenNotified());
+  assembly.Fail(slot, 1, absl::UnavailableError("rank 1 left"));
+  ASSERT_TRUE(a.done.HasBeenNotified());
+  EXPECT_THAT(a.status.message(), HasSubstr("rank 1 left"));
+  assembly.Arrive(slot, 2, locals, absl::OkStatus(), absl::InfiniteFuture(), "", b.Callback());
+  ASSERT_TRUE(b.done.HasBeenNotified());
+  EXPECT_THAT(b.status.message(), HasSubstr("rank 1 left"));
+}
+
 }  // namespace
 }  // namespace flatshard::server
