@@ -21,8 +21,17 @@
 //   differs from the flat ring's (ranks r+1, r+2, ..., r): results are equal to the element
 //   where the sums are exact (integers, as in the conformance tests), otherwise they may
 //   differ in the last bits. Scratch: W*S bytes per rank, from the ScratchPool.
+// - AllReduce (NO_SHARD and HYBRID_* gradients): CollectiveGroup runs it as a ReduceScatter
+//   then an AllGather of the reduced block (collective_engine.h), so both halves run here:
+//   the local ranks' buffers summed by node (local index ascending), the N node partials
+//   reduce-scattered and all-gathered around the ring of nodes (one column per local rank),
+//   the result copied to every local rank. Its sum order is the ReduceScatter's above, and
+//   every rank gets the block owner's bits. No separate all-reduce algorithm: that one would
+//   move the same inter-node bytes.
 // Inter-node bytes sent per node and op: (N-1)*L*S, against (N*L-1)*S on the flat ring of
-// contiguously placed ranks and more when ranks are interleaved.
+// contiguously placed ranks and more when ranks are interleaved; an all-reduce of B = W*S
+// bytes sends 2*(N-1)/N*B per node (each node's partial once), the flat ring up to 2*(W-1)/W*B
+// per rank.
 //
 // Thread safety: a HierarchicalSteps belongs to one op of one rank; its steps run one at a
 // time (the ring's RankOp drives them).

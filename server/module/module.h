@@ -77,14 +77,16 @@ struct SummonSlot {
   std::map<int32_t, std::shared_ptr<Buffer>> rank0_params;
   std::map<int32_t, std::shared_ptr<Buffer>> rank0_grads;
   int32_t ended = 0;  // local ranks that ended this summon
-  // Read-only summons: local ranks whose all-gathers into the shared copy completed, the
-  // first failure among them, and the answers held until every one did (Summon).
-  // Guarded by `assembly_mu` (a leaf; not the group's lock: the ops' completions run without
-  // it and must not wait for a busy group).
+  // Read-only summons (NodeAssembly): local ranks whose parts of the shared copy are done,
+  // the first failure among them, the answers held until every one is, and the deadline of a
+  // wait no collective bounds. Guarded by `assembly_mu` (a leaf; not the group's lock: the
+  // ops' completions run without it and must not wait for a busy group).
   absl::Mutex assembly_mu;
-  int32_t assembled ABSL_GUARDED_BY(assembly_mu) = 0;
+  std::set<int32_t> assembled ABSL_GUARDED_BY(assembly_mu);
   absl::Status assembly_error ABSL_GUARDED_BY(assembly_mu);
   std::vector<absl::AnyInvocable<void(absl::Status)>> waiting ABSL_GUARDED_BY(assembly_mu);
+  collective::DeadlineTimer::TimerId assembly_timer ABSL_GUARDED_BY(assembly_mu) =
+      collective::DeadlineTimer::kNoTimer;
   // Read-only summons: node copies (unit, use) a local rank is getting without mu_, and the
   // other local ranks' summons waiting for them (run again, after mu_, once they are made or
   // the maker gave up), so that the node allocates each copy once.

@@ -36,6 +36,7 @@
 #include "server/group/group_table.h"
 #include "server/kept_buffers.h"
 #include "server/module/module.h"
+#include "server/module/node_assembly.h"
 #include "server/rank_devices.h"
 #include "server/shard_store.h"
 
@@ -313,6 +314,7 @@ class Modules {
   Clock* const clock_;
   const std::vector<std::shared_ptr<gpu::DeviceContext>> gpus_;
   const std::shared_ptr<KeptBufferPool> kept_pool_;
+  NodeAssembly assembly_;  // read-only summons' node copies (summon.cc)
   GroupTable& table_;
   Records& records_;
   const std::atomic<bool>& shutdown_;

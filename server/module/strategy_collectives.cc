@@ -70,9 +70,10 @@ GradReduction GradReductionOf(const Plan& plan) {
              : GradReduction::kReduceScatter;
 }
 
-Unshard UnshardOf(const Plan& plan) {
+Unshard UnshardOf(const Plan& plan, bool node_copy) {
   if (plan.shard_world_size == 1) return Unshard::kCopy;
-  return Regroups(plan) ? Unshard::kRegroup : Unshard::kAllGather;
+  if (!Regroups(plan)) return Unshard::kAllGather;
+  return node_copy ? Unshard::kShardGroupGather : Unshard::kRegroup;
 }
 
 int64_t AllReduceElements(int64_t numel, int32_t world_size) {

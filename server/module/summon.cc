@@ -254,10 +254,20 @@ absl::Status Modules::DecideSummon(Group& g, const Caller& caller, const std::st
                      options.writeback ? "writeback" : "rank0_only", " is always full precision"));
   }
   d->sharded = reg.plan.shard_world_size > 1;
-  // One read-only copy per node; GPU ranks each need theirs on their own device. A regrouping
-  // all-gather (HYBRID_* over part of the world) copies into each rank's own view.
-  d->shared = !options.writeback && !options.rank0_only && d->sharded && gpus_.empty() &&
-              strategy::UnshardOf(reg.plan) != strategy::Unshard::kRegroup;
+  // One read-only copy per node; GPU ranks each need theirs on their own device. HYBRID_*
+  // across daemons assembles it from the local ranks' shards (kShardGroupGather).
+  d->shared = !options.writeback && !options.rank0_only && d->sharded && gpus_.empty();
+  if (d->shared && strategy::UnshardOf(reg.plan, true) == strategy::Unshard::kShardGroupGather) {
+    // The node's copy needs every local rank's shard: fail now, as the group's collectives do
+    // once a rank left, rather than wait for one that is gone.
+    for (int32_t r : g.local_ranks) {
+      if (g.session_of_rank[r] != 0) continue;
+      return absl::UnavailableError(absl::StrCat(
+          "group ", g.id, ": summon of ", Display(path), " in module ", Display(module),
+          " needs every local rank's shard (HYBRID_* shard group) but rank ", r,
+          " has no session (it left or has not joined again)"));
+    }
+  }
   // GPU ranks: device views, or pinned host views under offload_to_cpu (the collective
   // stages them through the device).
   d->placement = gpus_.empty() || !options.offload_to_cpu ? PlacementOf(rank) : Placement::Pinned();
@@ -345,7 +355,11 @@ void Modules::OpenSummonLocked(Group& g, const Caller& caller, const std::string
     }
     return got.at({u, use});
   };
-  const bool regroup = strategy::UnshardOf(reg.plan) == strategy::Unshard::kRegroup;
+  const strategy::Unshard how = strategy::UnshardOf(reg.plan, d.shared);
+  const bool regroup = how == strategy::Unshard::kRegroup;
+  // HYBRID_* across daemons, node copy: the shard group is this daemon's ranks; each copies
+  // its own shard into its block of the copy (after mu_), no collective.
+  const bool in_node = how == strategy::Unshard::kShardGroupGather;
   for (int32_t u : d.units) {
     const PlanUnit& unit = reg.plan.units[u];
     const UnitShard& shard = reg.shards_by_rank[rank][u];
@@ -367,6 +381,12 @@ void Modules::OpenSummonLocked(Group& g, const Caller& caller, const std::string
         if (to != nullptr) out->copies.emplace_back(to, from);
         return;
       }
+      if (in_node) {
+        const int64_t offset = int64_t{reg.plan.ShardRank(rank)} * unit.shard_numel;
+        out->casts.push_back(
+            {from, unit.dtype, to, offset * ItemSize(unit.dtype), unit.dtype, unit.shard_numel});
+        return;
+      }
       collective::MutableBuffer full = target(to, unit.dtype);
       out->ops.push_back(
           options.rank0_only
@@ -385,7 +405,9 @@ void Modules::OpenSummonLocked(Group& g, const Caller& caller, const std::string
       collective::ConstBuffer own{static_cast<const char*>(all.data) + offset,
                                   static_cast<size_t>(unit.shard_numel * ItemSize(cd)), cd,
                                   all.kind};
-      out->ops.push_back(collective::CollectiveOp::AllGather(u, own, target(view.params, cd)));
+      if (!in_node) {
+        out->ops.push_back(collective::CollectiveOp::AllGather(u, own, target(view.params, cd)));
+      }
     } else if (CastsForCompute(options, unit)) {
       // NO_SHARD: the whole shard cast into the view.
       view.params = view_of(u, KeptUse::kComputeParams);
@@ -412,15 +434,19 @@ void Modules::OpenSummonLocked(Group& g, const Caller& caller, const std::string
   if (!options.rank0_only || rank == 0) result.views = open.views;
   g.open_summons.emplace(open.id, std::move(open));
   out->coll = g.coll;
-  if (d.shared && !out->ops.empty() && g.local_ranks.size() > 1) {
+  out->shard_group_gather = in_node && !d.units.empty();
+  if (d.shared && (!out->ops.empty() || out->shard_group_gather) && g.local_ranks.size() > 1) {
     out->shared_slot = slot;
-    out->shared_locals = static_cast<int32_t>(g.local_ranks.size());
+    out->shared_ranks = g.local_ranks;
   }
 }
 
 void Modules::StartUnshard(const Caller& caller, absl::Time deadline,
                            std::shared_ptr<SummonStart> start, SummonCallback done) {
   const uint64_t id = start->result.summon;
+  const std::string what =
+      absl::StrCat("group ", caller.group, " rank ", caller.rank, ": summon of units ",
+                   absl::StrJoin(start->result.units, ", "));
   collective::DoneCallback finish = [this, caller, id, result = std::move(start->result),
                                      done = std::move(done)](absl::Status s) mutable {
     if (!s.ok()) {
@@ -470,29 +496,21 @@ void Modules::StartUnshard(const Caller& caller, absl::Time deadline,
                            std::move(finish));
     return;
   }
-  // The node's one read-only copy is assembled by every local rank's op together (each
-  // block lands once, through whichever local rank receives it), so one rank's op may
-  // complete before the copy is whole: every local rank answers once all of theirs have
-  // completed, with the first error if any did not (bounded by the ops' deadlines).
+  // The node's one read-only copy is assembled by every local rank's part together (each
+  // block lands once, through whichever local rank receives or copies it), so one rank's part
+  // may be done before the copy is whole: NodeAssembly answers every local rank once all of
+  // theirs are. Without a collective (kShardGroupGather) the summon's deadline bounds that
+  // wait, and a group whose collectives failed fails the summon as its all-gather would.
+  if (start->shard_group_gather) {
+    assembly_.Arrive(shared_slot, caller.rank, start->shared_ranks, start->coll->status(), deadline,
+                     what, std::move(finish));
+    return;
+  }
   start->coll->SubmitAll(caller.rank, std::move(start->ops), deadline - clock_->Now(),
-                         [this, shared_slot, local = start->shared_locals,
+                         [this, shared_slot, caller, ranks = std::move(start->shared_ranks),
                           finish = std::move(finish)](absl::Status s) mutable {
-                           std::vector<absl::AnyInvocable<void(absl::Status)>> ready;
-                           absl::Status verdict;
-                           {
-                             absl::MutexLock lock(&shared_slot->assembly_mu);
-                             if (!s.ok() && shared_slot->assembly_error.ok())
-                               shared_slot->assembly_error = s;
-                             ++shared_slot->assembled;
-                             shared_slot->waiting.push_back(std::move(finish));
-                             // A failure answers at once (a rank that died never submits: nobody
-                             // waits for it); success waits for the last local rank.
-                             if (shared_slot->assembly_error.ok() && shared_slot->assembled < local)
-                               return;
-                             ready.swap(shared_slot->waiting);
-                             verdict = shared_slot->assembly_error;
-                           }
-                           for (auto& f : ready) f(verdict);
+                           assembly_.Arrive(shared_slot, caller.rank, ranks, std::move(s),
+                                            std::nullopt, "", std::move(finish));
                          });
 }
 
@@ -583,6 +601,20 @@ void Modules::DropSummons(Group& g, int32_t rank, AfterUnlock* run) {
                     << " ended without writeback (session ended)";
     ReleaseBuffers(open, run);  // as FinishEnd
     it = g.open_summons.erase(it);
+  }
+  // Read-only node copies the rank did not add its part to yet: the other local ranks would
+  // wait for it until their deadline; they fail now, naming it.
+  std::vector<std::shared_ptr<SummonSlot>> slots;
+  for (auto& [module, reg] : g.registered) {
+    for (auto& [k, slot] : reg.slots) slots.push_back(slot);
+  }
+  if (!slots.empty()) {
+    run->Call([this, rank, slots = std::move(slots),
+               why = absl::UnavailableError(absl::StrCat(
+                   "group ", g.id, ": local rank ", rank,
+                   "'s session ended before it added its part to the node's summon copy"))] {
+      for (const std::shared_ptr<SummonSlot>& slot : slots) assembly_.Fail(slot, rank, why);
+    });
   }
   for (auto& [module, reg] : g.registered) {
     for (auto s = reg.grad_staging.begin(); s != reg.grad_staging.end();) {

@@ -69,7 +69,9 @@ struct Modules::SummonStart {
   std::vector<collective::CollectiveOp> ops;
   std::shared_ptr<collective::CollectiveGroup> coll;
   std::shared_ptr<SummonSlot> shared_slot;  // a read-only copy several local ranks assemble
-  int32_t shared_locals = 0;
+  std::vector<int32_t> shared_ranks;        // they are the group's local ranks
+  // HYBRID_* across daemons (kShardGroupGather): no ops, each rank's shard copied (`casts`).
+  bool shard_group_gather = false;
   // NO_SHARD: the whole shard into the view (dst, src).
   std::vector<std::pair<std::shared_ptr<Buffer>, std::shared_ptr<Buffer>>> copies;
   // Compute summons of mixed-precision units: each shard into its low-precision view, before

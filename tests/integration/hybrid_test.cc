@@ -11,12 +11,15 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/plan.h"
 #include "flatshard/client.h"
@@ -43,6 +46,7 @@ constexpr int kPerNode = 2;
 ::flatshard::testing::ClusterOptions Options() {
   ::flatshard::testing::ClusterOptions o;
   o.tag_prefix = "fshy";
+  o.metrics = true;  // collective counts: what a summon or a reduction ran
   return o;
 }
 
@@ -205,7 +209,8 @@ TEST_P(HybridTest, PlanShardsWithinADaemonAndSummonsGatherTheShardGroup) {
   }
   WriteValues(0);
   ExpectValues(0);
-  // A compute summon: each shard cast to bfloat16, then the world all-gather.
+  // A compute summon: each local rank's shard cast to bfloat16 into its block of the node's
+  // copy (the shard group is the daemon's ranks: no collective).
   RunRanks(kWorld, [&](int r) {
     SummonOptions compute;
     compute.writeback = false;
@@ -376,6 +381,81 @@ INSTANTIATE_TEST_SUITE_P(Strategies, HybridTest,
 // Ranks of one daemon that are not consecutive (rank r on daemon r % 2): no node is a block of
 // the device mesh, so every rank's register is refused (FAILED_PRECONDITION, the refusing
 // rank's code), naming the daemons and their ranks.
+// flatshard_collectives_total by kind (summed over statuses) and the UCX collective bytes.
+std::map<std::string, double> CollectiveCounts(const ::flatshard::testing::DaemonProcess& d) {
+  std::map<std::string, double> out;
+  for (const auto& [name, value] : d.Metrics()) {
+    if (absl::StartsWith(name, "flatshard_collectives_total{")) {
+      const size_t k = name.find("kind=\"") + 6;
+      out[name.substr(k, name.find('"', k) - k)] += value;
+    } else if (name == "flatshard_collective_bytes_total{backend=\"ucx\"}") {
+      out["bytes"] += value;
+    }
+  }
+  return out;
+}
+
+TEST_P(HybridTest, ReadOnlySummonsRunNoCollectiveAndGradientsOneAllReducePerUnit) {
+  WriteValues(0);  // a writeback summon: the world all-gather (kRegroup)
+  std::vector<std::map<std::string, double>> before;
+  for (int d = 0; d < 2; ++d) before.push_back(CollectiveCounts(cluster_->daemon(d)));
+  ASSERT_GT(before[0]["AllGather"], 0);  // the counters are there
+  // Read-only summons, full and compute precision: assembled on each daemon from its local
+  // ranks' shards, no collective at all, so no byte between the daemons.
+  ExpectValues(0);
+  RunRanks(kWorld, [&](int r) {
+    SummonOptions compute;
+    compute.writeback = false;
+    compute.compute_precision = true;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks_[r].client->Summon("", "", compute);
+    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+    EXPECT_TRUE((*s)->End().ok()) << "rank " << r;
+  });
+  for (int d = 0; d < 2; ++d) {
+    EXPECT_EQ(CollectiveCounts(cluster_->daemon(d)), before[d]) << "daemon " << d;
+  }
+  // Gradients: one all-reduce of the padded unit per rank and unit (its halves hierarchical:
+  // each daemon sends the other 2 * 1/2 of the unit, collective_hierarchical_algorithms_test).
+  double unit_bytes = 0;
+  for (const PlanUnit& u : plan().units) {
+    RunRanks(kWorld, [&](int r) {
+      absl::Status s = ranks_[r].client->ReduceScatterGrads(
+          "", u.index, ReduceOp::kSum, /*accumulate=*/false, [&](PendingReduceScatter& pending) {
+            float* data = static_cast<float*>(pending.data());
+            for (int64_t k = 0; k < pending.numel(); ++k) data[k] = Given(r, k);
+            return absl::OkStatus();
+          });
+      ASSERT_TRUE(s.ok()) << "rank " << r << " unit " << u.index << ": " << s;
+    });
+    unit_bytes += static_cast<double>((u.padded_numel + kWorld - 1) / kWorld * kWorld * 4);
+  }
+  const double units = static_cast<double>(plan().units.size());
+  for (int d = 0; d < 2; ++d) {
+    std::map<std::string, double> after = CollectiveCounts(cluster_->daemon(d));
+    EXPECT_EQ(after["AllReduce"] - before[d]["AllReduce"], kPerNode * units) << "daemon " << d;
+    EXPECT_EQ(after["AllGather"], before[d]["AllGather"]) << "daemon " << d;
+    EXPECT_EQ(after["ReduceScatter"], before[d]["ReduceScatter"]) << "daemon " << d;
+    EXPECT_EQ(after["bytes"] - before[d]["bytes"], kPerNode * unit_bytes) << "daemon " << d;
+  }
+}
+
+TEST_P(HybridTest, ALocalRankThatLeavesFailsTheOtherLocalRanksSummonNamingIt) {
+  // Rank 0 summons read-only; rank 1, its daemon's other rank, leaves instead. The node copy
+  // can never be whole: rank 0 is answered at once (waiting: the session's end fails it;
+  // not arrived yet: the summon is refused), not at its deadline.
+  absl::Status summoned;
+  std::thread rank0([&] {
+    SummonOptions read_only;
+    read_only.writeback = false;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks_[0].client->Summon("", "", read_only);
+    summoned = s.status();
+  });
+  ranks_[1].client.reset();  // its session ends
+  rank0.join();
+  EXPECT_TRUE(absl::IsUnavailable(summoned)) << summoned;
+  EXPECT_THAT(summoned.message(), HasSubstr("rank 1")) << summoned;
+}
+
 TEST(HybridRefusedTest, NonConsecutiveRanksOfADaemonAreRefusedAtRegister) {
   Cluster c(Layout::kTwoDaemons, Options());
   std::vector<Rank> ranks = JoinAll(c, [](int r) { return r % 2; });

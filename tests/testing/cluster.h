@@ -77,6 +77,7 @@ struct ClusterOptions {
   std::vector<std::string> extra_flags;
   // Flags for one daemon, by index, after extra_flags.
   std::vector<std::vector<std::string>> daemon_flags;
+  bool metrics = false;  // DaemonOptions::metrics on every daemon
 };
 
 class Cluster {
@@ -92,6 +93,7 @@ class Cluster {
         o.extra_flags.insert(o.extra_flags.end(), options.daemon_flags[i].begin(),
                              options.daemon_flags[i].end());
       }
+      o.metrics = options.metrics;
       if (multi()) {
         o.peer = true;
         o.node_name = "node" + std::to_string(i);

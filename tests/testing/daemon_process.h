@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -34,6 +35,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
+#include "tests/testing/metrics_scrape.h"
 #include "tests/testing/shm_testing.h"
 
 namespace flatshard::testing {
@@ -61,6 +63,8 @@ struct DaemonOptions {
   std::string peer_host = "127.0.0.1";
   // "NAME=value" entries added to the daemon's environment (e.g. UCX_NET_DEVICES).
   std::vector<std::string> env;
+  // --metrics_address=127.0.0.1:0 and its address file: Metrics() scrapes it.
+  bool metrics = false;
 };
 
 class DaemonProcess {
@@ -136,6 +140,12 @@ class DaemonProcess {
   // host:port of the PeerService ("" without DaemonOptions::peer).
   const std::string& peer_address() const { return peer_address_; }
   const std::string& node_name() const { return options_.node_name; }
+  // Samples of GET /metrics (DaemonOptions::metrics; empty without), by name with labels.
+  std::map<std::string, double> Metrics() const {
+    std::string host_port;
+    std::getline(std::ifstream(dir_ / "metrics_address"), host_port);
+    return ParseMetrics(ScrapeMetrics(host_port));
+  }
   // Everything the daemon wrote to stderr so far (all its runs).
   std::string Log() const {
     std::ifstream in(log_);
@@ -176,6 +186,10 @@ class DaemonProcess {
       args.push_back("--peer_address_file=" + peer_file_);
     }
     if (!options_.node_name.empty()) args.push_back("--node_name=" + options_.node_name);
+    if (options_.metrics) {
+      args.push_back("--metrics_address=127.0.0.1:0");
+      args.push_back("--metrics_address_file=" + (dir_ / "metrics_address").string());
+    }
     bool state_flag = options_.default_state_dir;
     for (const std::string& f : options_.extra_flags) {
       state_flag = state_flag || f.rfind("--state_dir", 0) == 0 || f.rfind("--ephemeral", 0) == 0;

@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/collective/collective_engine.h"
 #include "server/collective/inproc/inproc_transport.h"
 #include "server/collective/ring_algorithms.h"
 #include "tests/server/collective/backend_conformance.h"
@@ -177,6 +178,74 @@ TEST(HierarchicalTrafficTest, EachNodeSendsItsBytesOncePerOtherNode) {
               ElementsAre(2 * 2 * kShard * 4 + fp, 2 * 2 * kShard * 4 + fp));
   EXPECT_THAT(InterNodeBytes(interleaved, false, kShard),
               ElementsAre(2 * 6 * kShard * 4 + fp, 2 * 6 * kShard * 4 + fp));
+}
+
+// CollectiveGroup's all-reduce (a ReduceScatter then an AllGather over the communicator) of
+// `floats` elements, every rank's element k = (rank + 1) * (k % 7 + 1): each node's
+// inter-node bytes; every rank's result checked to the element (the sums are exact).
+std::vector<size_t> AllReduceInterNodeBytes(const std::vector<int>& node_of, bool hierarchical,
+                                            size_t floats) {
+  const int world = static_cast<int>(node_of.size());
+  auto transport = std::make_shared<CountingTransport>(node_of);
+  RingOptions o;
+  if (hierarchical) o.node_of_rank = node_of;
+  const GroupSpec spec = GroupSpec::AllLocal("g", world);
+  CollectiveEngine engine;
+  std::shared_ptr<CollectiveGroup> group =
+      engine.AddGroup(spec, NewRingCommunicator(spec, transport, o).value()).value();
+  std::vector<std::vector<float>> buf(world, std::vector<float>(floats));
+  for (int r = 0; r < world; ++r) {
+    for (size_t k = 0; k < floats; ++k) buf[r][k] = static_cast<float>((r + 1) * (k % 7 + 1));
+  }
+  RunRanks(world, [&](int r) {
+    DoneRecorder done;
+    group->Submit(r,
+                  CollectiveOp::AllReduce(
+                      3, MutableBuffer{buf[r].data(), floats * 4, DType::kFloat32}, ReduceOp::kSum),
+                  done.Callback());
+    EXPECT_TRUE(done.Wait().ok()) << done.status();
+  });
+  const float ranks_sum = static_cast<float>(world * (world + 1) / 2);
+  size_t wrong = 0;  // elements off the exact sum, over every rank
+  for (int r = 0; r < world; ++r) {
+    for (size_t k = 0; k < floats; ++k) {
+      wrong += buf[r][k] != ranks_sum * static_cast<float>(k % 7 + 1) ? 1 : 0;
+    }
+  }
+  EXPECT_EQ(wrong, 0u);
+  std::vector<size_t> out;
+  for (int n = 0; n <= *std::max_element(node_of.begin(), node_of.end()); ++n) {
+    out.push_back(transport->SentBy(n));
+  }
+  return out;
+}
+
+TEST(HierarchicalTrafficTest, AllReduceSendsEachNodesPartialOnce) {
+  // The all-reduce's halves run hierarchically: each node sends 2 * (N-1)/N of the buffer (its
+  // node partial's reduce-scatter and all-gather among the N nodes), whatever L; the flat ring
+  // 2 * (W-1)/W per rank that sends across (one per node when contiguous, every rank when
+  // interleaved). Fingerprints: 2 ops x L local x (W-L) remote ranks x 32 bytes.
+  constexpr size_t kFloats = 4800;  // a multiple of every world size below
+  constexpr size_t kBytes = kFloats * 4;
+  constexpr size_t kFingerprint = 32;
+  // 2 nodes x 2 ranks: hierarchical 2 * 1/2 * B per node, the flat ring 2 * 3/4 * B.
+  const size_t fp = 8 * kFingerprint;
+  EXPECT_THAT(AllReduceInterNodeBytes({0, 0, 1, 1}, true, kFloats),
+              ElementsAre(kBytes + fp, kBytes + fp));
+  EXPECT_THAT(AllReduceInterNodeBytes({0, 0, 1, 1}, false, kFloats),
+              ElementsAre(3 * kBytes / 2 + fp, 3 * kBytes / 2 + fp));
+  // Interleaved: the same hierarchical bytes; the flat ring's every hop crosses nodes.
+  EXPECT_THAT(AllReduceInterNodeBytes({0, 1, 0, 1}, true, kFloats),
+              ElementsAre(kBytes + fp, kBytes + fp));
+  EXPECT_THAT(AllReduceInterNodeBytes({0, 1, 0, 1}, false, kFloats),
+              ElementsAre(3 * kBytes + fp, 3 * kBytes + fp));
+  // 3 nodes x 2 ranks: 2 * 2/3 * B per node; 2 nodes x 3 ranks: 2 * 1/2 * B per node.
+  const size_t fp3 = 2 * 2 * 4 * kFingerprint;
+  EXPECT_THAT(AllReduceInterNodeBytes({0, 0, 1, 1, 2, 2}, true, kFloats),
+              ElementsAre(4 * kBytes / 3 + fp3, 4 * kBytes / 3 + fp3, 4 * kBytes / 3 + fp3));
+  const size_t fp2x3 = 2 * 3 * 3 * kFingerprint;
+  EXPECT_THAT(AllReduceInterNodeBytes({0, 0, 0, 1, 1, 1}, true, kFloats),
+              ElementsAre(kBytes + fp2x3, kBytes + fp2x3));
 }
 
 // ReduceScatter of values whose float32 sum depends on the order: the result is the one the

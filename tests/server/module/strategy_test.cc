@@ -184,5 +184,23 @@ TEST(RanksPerNodeTest, IsTheRunOfEachNodeOrANamedRefusal) {
   }
 }
 
+// Which unshard each plan runs: HYBRID_* over part of the world gathers within the daemon for
+// a node copy and regroups a world all-gather otherwise.
+TEST(UnshardOfTest, HybridAcrossDaemonsGathersTheShardGroupForANodeCopy) {
+  using strategy::Unshard;
+  using strategy::UnshardOf;
+  Plan p;
+  p.world_size = 4;
+  p.shard_world_size = 2;  // 2 daemons x 2 ranks
+  EXPECT_EQ(UnshardOf(p, /*node_copy=*/true), Unshard::kShardGroupGather);
+  EXPECT_EQ(UnshardOf(p, /*node_copy=*/false), Unshard::kRegroup);
+  EXPECT_EQ(strategy::GradReductionOf(p), strategy::GradReduction::kAllReduce);
+  p.shard_world_size = 4;  // one node
+  EXPECT_EQ(UnshardOf(p, true), Unshard::kAllGather);
+  EXPECT_EQ(UnshardOf(p, false), Unshard::kAllGather);
+  p.shard_world_size = 1;  // one rank per node, or NO_SHARD
+  EXPECT_EQ(UnshardOf(p, true), Unshard::kCopy);
+}
+
 }  // namespace
 }  // namespace flatshard::server
