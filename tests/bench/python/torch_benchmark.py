@@ -366,6 +366,7 @@ def run_mode(mode, args, precision="fp32", out="", strategy="FULL_SHARD", commit
         if "every" in args.commits.split(","):  # durable commits: every row keeps records
             state_dir = tempfile.TemporaryDirectory(prefix="flatshard-bench-state-")
             daemon_args.append(f"--state_dir={state_dir.name}")
+        daemon_args += args.daemon_args.split()
         daemon = LocalDaemon(extra_args=daemon_args).start()
         extra_pids.append(daemon.proc.pid)
         common += ["--address", daemon.address, "--group", "b-" + uuid.uuid4().hex[:8],
@@ -439,6 +440,9 @@ def main():
                          "step; see the module docstring)")
     ap.add_argument("--optimizer-state", default="trainer", choices=("trainer", "daemon"),
                     help="daemon: keep_optimizer_state (flatshard modes)")
+    ap.add_argument("--daemon-args", default="",
+                    help="extra flatshardd flags for the flatshard modes' daemon, space-separated "
+                         "(e.g. --daemon-args=--state_fsync=false)")
     ap.add_argument("--group", default="")
     ap.add_argument("--timeout", type=float, default=500)
     ap.add_argument("--json", default="", help="also write the results here")
