@@ -23,6 +23,14 @@ flatshard_collective_bytes_total (every local rank's all-gathers and reduce-scat
 counted at its full unit size) over the steps after --warmup, per step, read from its
 Prometheus endpoint by rank 0 after its step's optimizer update (its reduce-scatters, which
 complete together with every rank's, are done by then).
+
+--commits never,every (flatshard modes): once without commits and once with
+``model.commit()`` after every optimizer step (inside the timed step); "commit ms/step": the
+median time of that call. When any row commits, every flatshard row's daemon keeps records in a
+fresh --state_dir (a commit then pays its intent's fsync, as in production), so both rows run
+alike. --optimizer-state daemon: ``keep_optimizer_state`` keeps AdamW's state in the daemon, so
+a commit copies it into the committed copy too. "commit cost": the commit row's step time less
+the no-commit row's, over the no-commit row's step (same run).
 """
 import argparse
 import json
@@ -116,7 +124,10 @@ def worker(args):
     if args.mode == "single" and gpt.PRECISIONS[args.precision] is not None:
         fwd = _SameCasts(model, gpt.PRECISIONS[args.precision])
     opt = gpt.make_optimizer(params)
-    times, losses = [], []
+    if args.optimizer_state == "daemon" and client is not None:
+        from flatshard.torch import keep_optimizer_state
+        keep_optimizer_state(opt, fwd)
+    times, losses, commits = [], [], []
     profiler = None
     waited = 0.0
     moved = None
@@ -137,6 +148,10 @@ def worker(args):
         if isinstance(fwd, _SameCasts):
             fwd.grads_to(model)
         opt.step()
+        if args.commit == "every" and client is not None:
+            t1 = time.perf_counter()
+            fwd.commit()
+            commits.append(time.perf_counter() - t1)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
     if moved is not None:
@@ -153,7 +168,7 @@ def worker(args):
               else fwd.state_dict() if args.mode == "fsdp" else model.state_dict())
         if rank == 0:
             torch.save({k: v.detach().clone() for k, v in sd.items()}, args.out)
-    print(json.dumps({"rank": rank, "times": times, "losses": losses,
+    print(json.dumps({"rank": rank, "times": times, "losses": losses, "commits": commits,
                       "summon_wait_s": waited / max(args.steps - args.warmup, 1),
                       "moved_bytes": moved,
                       "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}),
@@ -322,11 +337,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_mode(mode, args, precision="fp32", out="", strategy="FULL_SHARD"):
+def run_mode(mode, args, precision="fp32", out="", strategy="FULL_SHARD", commit="never"):
     """Runs one configuration; returns a dict with step time, peak PSS, losses, or an error.
     `out`: rank 0 saves the final full state dict there. `strategy`: FSDP's sharding strategy
-    (fsdp and flatshard modes; single and ddp have none)."""
-    what = {"mode": mode, "precision": precision, "strategy": strategy}
+    (fsdp and flatshard modes; single and ddp have none). `commit`: "every" commits after each
+    step (flatshard modes)."""
+    what = {"mode": mode, "precision": precision, "strategy": strategy, "commit": commit}
     if mode == "ddp" and precision != "fp32":
         return dict(what, error="DistributedDataParallel has no MixedPrecision (float32 only "
                                 "here)")
@@ -336,15 +352,22 @@ def run_mode(mode, args, precision="fp32", out="", strategy="FULL_SHARD"):
     common = [sys.executable, __file__, "--worker", "--mode", mode, "--steps", str(args.steps),
               "--precision", precision, "--out", out, "--strategy", strategy,
               "--warmup", str(args.warmup), "--profile", args.profile,
+              "--commit", commit, "--optimizer-state", args.optimizer_state,
               "--batch", str(args.batch), "--world-size", str(world), "--n-layer",
               str(args.n_layer), "--n-embd", str(args.n_embd), "--block-size",
               str(args.block_size)]
     daemon = None
     extra_pids = []
+    state_dir = None
     if mode.startswith("flatshard"):
         from flatshard.testing import LocalDaemon
         port = free_port()
-        daemon = LocalDaemon(extra_args=[f"--metrics_address=127.0.0.1:{port}"]).start()
+        daemon_args = [f"--metrics_address=127.0.0.1:{port}"]
+        if "every" in args.commits.split(","):  # durable commits: every row keeps records
+            state_dir = tempfile.TemporaryDirectory(prefix="flatshard-bench-state-")
+            daemon_args.append(f"--state_dir={state_dir.name}")
+        daemon_args += args.daemon_args.split()
+        daemon = LocalDaemon(extra_args=daemon_args).start()
         extra_pids.append(daemon.proc.pid)
         common += ["--address", daemon.address, "--group", "b-" + uuid.uuid4().hex[:8],
                    "--metrics", f"http://127.0.0.1:{port}/metrics"]
@@ -372,12 +395,16 @@ def run_mode(mode, args, precision="fp32", out="", strategy="FULL_SHARD"):
     finally:
         if daemon is not None:
             daemon.stop()
+        if state_dir is not None:
+            state_dir.cleanup()
     per_rank = [statistics.median(r["times"][args.warmup:]) for r in results]
     losses = [sum(r["losses"][i] for r in results) / world for i in range(args.steps)]
     return {**what, "ranks": world, "step_s": max(per_rank),
             "peak_pss_mib": sampler.peak / 1024.0, "final_loss": losses[-1], "losses": losses,
             "summon_wait_s": max(r.get("summon_wait_s", 0.0) for r in results),
-            "moved_bytes": results[0].get("moved_bytes")}
+            "moved_bytes": results[0].get("moved_bytes"),
+            "commit_s": max((statistics.median(r["commits"][args.warmup:]) for r in results
+                             if r.get("commits")), default=None)}
 
 
 def main():
@@ -407,6 +434,15 @@ def main():
                     help="comma-separated FSDP sharding strategies (FULL_SHARD, SHARD_GRAD_OP, "
                          "NO_SHARD, HYBRID_SHARD, _HYBRID_SHARD_ZERO2): fsdp and flatshard run "
                          "once per strategy (single and ddp once)")
+    ap.add_argument("--commit", default="never", help="(worker) never or every")
+    ap.add_argument("--commits", default="never",
+                    help="comma-separated: never, every (flatshard modes: commit after every "
+                         "step; see the module docstring)")
+    ap.add_argument("--optimizer-state", default="trainer", choices=("trainer", "daemon"),
+                    help="daemon: keep_optimizer_state (flatshard modes)")
+    ap.add_argument("--daemon-args", default="",
+                    help="extra flatshardd flags for the flatshard modes' daemon, space-separated "
+                         "(e.g. --daemon-args=--state_fsync=false)")
     ap.add_argument("--group", default="")
     ap.add_argument("--timeout", type=float, default=500)
     ap.add_argument("--json", default="", help="also write the results here")
@@ -429,32 +465,44 @@ def main():
         for m in args.modes.split(","):
             # single and ddp have no sharding strategy: once, listed under the first.
             for st in (strategies if m.startswith(("fsdp", "flatshard")) else strategies[:1]):
-                rows.append(run_mode(m, args, p, strategy=st))
+                for c in (args.commits.split(",") if m.startswith("flatshard") else ["never"]):
+                    rows.append(run_mode(m, args, p, strategy=st, commit=c))
     ok = [r for r in rows if "error" not in r]
     print(f"{'mode':<20} {'strategy':<19} {'precision':<11} {'ranks':>5} {'step ms':>9} "
           f"{'peak MiB/node':>14} {'final loss':>10}  {'flatshard/this (time)':>22} "
-          f"{'(memory)':>9} {'summon wait ms/step':>20} {'MiB moved/step':>15}")
+          f"{'(memory)':>9} {'summon wait ms/step':>20} {'MiB moved/step':>15} {'commit':>7} "
+          f"{'commit ms/step':>15}")
     for r in rows:
         st = r["strategy"] if r["mode"].startswith(("fsdp", "flatshard")) else "-"
         if "error" in r:
             print(f"{r['mode']:<20} {st:<19} {r['precision']:<11} did not run: {r['error']}")
             continue
         fs = next((x for x in ok if x["mode"] == "flatshard" and x["precision"] == r["precision"]
-                   and x["strategy"] == r["strategy"]), None)
+                   and x["strategy"] == r["strategy"] and x["commit"] == r["commit"]), None)
         ratio_t = f"{fs['step_s'] / r['step_s']:.2f}x" if fs else "-"
         ratio_m = f"{fs['peak_pss_mib'] / r['peak_pss_mib']:.2f}x" if fs else "-"
         wait = f"{r['summon_wait_s'] * 1e3:.1f}" if r["mode"].startswith("flatshard") else "-"
         moved = f"{r['moved_bytes'] / 2**20:.3f}" if r.get("moved_bytes") else "-"
+        commit_ms = f"{r['commit_s'] * 1e3:.2f}" if r.get("commit_s") is not None else "-"
         print(f"{r['mode']:<20} {st:<19} {r['precision']:<11} {r['ranks']:>5} "
               f"{r['step_s'] * 1e3:>9.1f} "
               f"{r['peak_pss_mib']:>14.1f} {r['final_loss']:>10.4f}  {ratio_t:>22} "
-              f"{ratio_m:>9} {wait:>20} {moved:>15}")
+              f"{ratio_m:>9} {wait:>20} {moved:>15} {r['commit']:>7} {commit_ms:>15}")
     moved = {(r["strategy"], r["precision"]): r["moved_bytes"] for r in ok
-             if r["mode"] == "flatshard" and r.get("moved_bytes")}
+             if r["mode"] == "flatshard" and r["commit"] == "never" and r.get("moved_bytes")}
     for (st, p), b in moved.items():
         if p != "fp32" and (st, "fp32") in moved:
             print(f"flatshard bytes moved per step, {st}, {p} / fp32: "
                   f"{b / moved[(st, 'fp32')]:.3f}")
+    for r in ok:  # commit cost: the committing row against the same row without commits
+        base = next((x for x in ok if x["commit"] == "never" and r["commit"] != "never" and
+                     all(x[k] == r[k] for k in ("mode", "precision", "strategy"))), None)
+        if base is not None:
+            print(f"commit cost, {r['mode']} {r['strategy']} {r['precision']} optimizer state "
+                  f"in the {args.optimizer_state}: step {base['step_s'] * 1e3:.1f} -> "
+                  f"{r['step_s'] * 1e3:.1f} ms ({(r['step_s'] - base['step_s']) / base['step_s']:+.2%}"
+                  f"); the commit call {r['commit_s'] * 1e3:.2f} ms = "
+                  f"{r['commit_s'] / base['step_s']:.2%} of the step without commits")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if any(r["mode"] == "flatshard" for r in ok) else 1
