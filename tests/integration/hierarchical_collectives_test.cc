@@ -9,8 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/plan.h"
 #include "flatshard/client.h"
 #include "gmock/gmock.h"
@@ -176,6 +179,76 @@ TEST(HierarchicalCollectivesTest, DaemonsThatDisagreeOnHierarchicalDoNotFormAGro
                                  ::testing::HasSubstr("--ucx_hierarchical")))
         << "rank " << r;
   }
+}
+
+// The re-form path: daemon node1 crashes and comes back with --ucx_hierarchical=false while
+// the survivors keep their sessions. Its ranks' joins fail naming both settings, and daemon
+// node0, handed the new epoch's table by the coordinator (Membership::OnTable), aborts the
+// group instead of connecting it: the survivors' next op fails, it does not hang.
+TEST(HierarchicalCollectivesTest, ADaemonRestartedWithTheOtherSettingDoesNotReFormTheGroup) {
+  ::flatshard::testing::ClusterOptions options;
+  options.tag_prefix = "fshierre";
+  Cluster c(Layout::kTwoDaemons, options);
+  std::vector<std::unique_ptr<Client>> clients(kWorld);
+  auto connect = [&](int r) {
+    ClientOptions o;
+    o.address = c.AddressFor(r);
+    o.call_timeout = absl::Seconds(60);
+    o.join_timeout = absl::Seconds(60);
+    o.max_attempts = 1;
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(o);
+    EXPECT_TRUE(client.ok()) << client.status();
+    if (client.ok()) clients[r] = *std::move(client);
+  };
+  RunRanks(kWorld, [&](int r) {
+    connect(r);
+    ASSERT_NE(clients[r], nullptr);
+    ASSERT_TRUE(clients[r]->Join("g", kWorld, r, "t0k", c.coordinator()).ok());
+    absl::StatusOr<RegisteredModule> m =
+        clients[r]->Register("", ExampleModelFile("gpt_tied", "manifest"),
+                             ExampleModelFile("gpt_tied", "policy"), InitMode::kZeros);
+    ASSERT_TRUE(m.ok()) << "rank " << r << ": " << m.status();
+  });
+  if (::testing::Test::HasFatalFailure()) return;
+
+  c.Kill(1);
+  clients[1] = nullptr;
+  clients[3] = nullptr;
+  ASSERT_TRUE(c.Restart(1, {"--ucx_hierarchical=false"}));
+  std::vector<absl::Status> joined(kWorld);
+  RunRanks(kWorld, [&](int r) {
+    if (c.DaemonOf(r) != 1) return;  // survivors keep their sessions
+    connect(r);
+    ASSERT_NE(clients[r], nullptr);
+    joined[r] = clients[r]->Join("g", kWorld, r, "t0k", c.coordinator());
+  });
+  for (int r : {1, 3}) {
+    EXPECT_EQ(joined[r].code(), absl::StatusCode::kFailedPrecondition)
+        << "rank " << r << ": " << joined[r];
+    EXPECT_THAT(joined[r].message(),
+                ::testing::AllOf(::testing::HasSubstr("group g: its daemons disagree"),
+                                 ::testing::HasSubstr("ranks 0, 2) has hierarchical=on"),
+                                 ::testing::HasSubstr("ranks 1, 3) has hierarchical=off")))
+        << "rank " << r;
+  }
+  // The coordinator's table reaches node0 on its own stream, in no fixed order with the joins'
+  // answers: wait (generously) for node0 to refuse it.
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while (!absl::StrContains(c.daemon(0).Log(), "group=g cannot re-form at epoch") &&
+         absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  const std::string log = c.daemon(0).Log();
+  ASSERT_THAT(log, ::testing::HasSubstr("group=g cannot re-form at epoch"));
+  EXPECT_THAT(log.substr(log.find("group=g cannot re-form at epoch")),
+              ::testing::HasSubstr("ranks 1, 3) has hierarchical=off"));
+  RunRanks(kWorld, [&](int r) {
+    if (c.DaemonOf(r) != 0) return;
+    SummonOptions read_only;
+    read_only.writeback = false;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = clients[r]->Summon("", "", read_only);
+    EXPECT_FALSE(s.ok()) << "rank " << r << ": the group was not re-formed, yet its summon worked";
+  });
 }
 
 }  // namespace

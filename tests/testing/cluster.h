@@ -128,6 +128,9 @@ class Cluster {
   // SIGKILL of daemon i (a crashed node); Restart brings it back with the same node name.
   void Kill(int i) { daemon(i).Kill(); }
   bool Restart(int i) { return daemon(i).Restart(); }
+  bool Restart(int i, const std::vector<std::string>& more_flags) {
+    return daemon(i).Restart(more_flags);
+  }
 
   void PrintLogs() const {
     for (const auto& d : daemons_) d->PrintLogTail();

@@ -125,6 +125,12 @@ class DaemonProcess {
     if (pid_ > 0) Kill();
     return Start();
   }
+  // Restart with `more_flags` appended to its flags from now on (a daemon restarted with
+  // other settings).
+  bool Restart(const std::vector<std::string>& more_flags) {
+    options_.extra_flags.insert(options_.extra_flags.end(), more_flags.begin(), more_flags.end());
+    return Restart();
+  }
   bool running() const { return pid_ > 0; }
   pid_t pid() const { return pid_; }
 
