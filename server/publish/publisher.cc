@@ -161,6 +161,7 @@ Publisher::~Publisher() { Shutdown(); }
 
 void Publisher::Shutdown() {
   std::vector<PublishDone> failed;
+  std::map<uint64_t, WatchEntry> watches;
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return;
@@ -173,10 +174,14 @@ void Publisher::Shutdown() {
       for (PublishDone& done : job.done) failed.push_back(std::move(done));
     }
     jobs_.clear();
+    watches.swap(watches_);
   }
   for (PublishDone& done : failed) {
     done(absl::UnavailableError("flatshardd is shutting down: nothing was published"));
   }
+  const absl::Status ended = absl::UnavailableError(
+      "flatshardd is shutting down: the watch ended; watch again once it is back");
+  for (auto& [id, w] : watches) w.watcher->End(ended);
   if (worker_.joinable()) worker_.join();
   spares_.Clear();
 }
@@ -764,6 +769,10 @@ absl::StatusOr<uint64_t> Publisher::Watch(const WeightsSelector& selector, int64
   uint64_t id = 0;
   {
     absl::MutexLock lock(&mu_);
+    if (stopping_) {
+      return absl::UnavailableError(absl::StrCat(
+          "flatshardd is shutting down: cannot watch weights \"", selector.name, "\""));
+    }
     const int64_t owner = selector.owner_uid == -2 ? uid : selector.owner_uid;
     const Key key{owner, selector.name};
     id = next_id_++;
