@@ -125,11 +125,14 @@ struct PublishArgs {
 };
 
 // A Watch's receiver (the service's stream). Deliver runs on the publisher's threads, never
-// under its lock, possibly after the watch was removed (it must then do nothing).
+// under its lock, possibly after the watch was removed (it must then do nothing). End comes
+// once, from Shutdown (outside the lock): the stream ends now with `why` (UNAVAILABLE), so a
+// stopping daemon does not wait its grace for watchers.
 class WeightsWatcher {
  public:
   virtual ~WeightsWatcher() = default;
   virtual void Deliver(const WeightsInfo& version) = 0;
+  virtual void End(const absl::Status& why) = 0;
 };
 
 // A whole version copied from another daemon (weights_peer_client.h); its number and
@@ -208,7 +211,8 @@ class Publisher {
   // version newer than `after` now (if any, before this returns) and each later one newer
   // than every one it received (copies from other daemons may arrive out of order), but only
   // versions `uid` (or selector.token) may open, so a key may be watched before its first
-  // version exists. Returns the watch's id for Unwatch. No errors today.
+  // version exists. Returns the watch's id for Unwatch. UNAVAILABLE after Shutdown (which
+  // ends every watch: WeightsWatcher::End).
   absl::StatusOr<uint64_t> Watch(const WeightsSelector& selector, int64_t uid, uint64_t after,
                                  std::shared_ptr<WeightsWatcher> watcher);
   void Unwatch(uint64_t id);
@@ -237,7 +241,8 @@ class Publisher {
   // The newest version number of (owner uid, name) here; 0: none.
   uint64_t Newest(int64_t owner_uid, const std::string& name) const;
 
-  // Fails pending arrivals (UNAVAILABLE) and stops the worker. Idempotent.
+  // Fails pending arrivals and ends every watch (UNAVAILABLE), then stops the worker.
+  // Idempotent.
   void Shutdown();
 
  private:

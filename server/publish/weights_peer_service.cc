@@ -32,18 +32,26 @@ class QueuedVersions final : public WeightsWatcher {
     absl::MutexLock lock(&mu_);
     queue_.push_back(version);
   }
-  // The versions delivered so far; waits up to `wait` for one.
-  std::deque<WeightsInfo> Take(absl::Duration wait) {
+  void End(const absl::Status& why) override {
     absl::MutexLock lock(&mu_);
-    mu_.AwaitWithTimeout(absl::Condition(
-                             +[](std::deque<WeightsInfo>* q) { return !q->empty(); }, &queue_),
-                         wait);
+    if (end_.ok()) end_ = why;
+  }
+  // The versions delivered so far; waits up to `wait` for one or for End (then `*end` is its
+  // status, else OK).
+  std::deque<WeightsInfo> Take(absl::Duration wait, absl::Status* end) {
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(this, &QueuedVersions::ReadyLocked), wait);
+    *end = end_;
     return std::exchange(queue_, {});
   }
 
  private:
+  bool ReadyLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !queue_.empty() || !end_.ok();
+  }
   absl::Mutex mu_;
   std::deque<WeightsInfo> queue_ ABSL_GUARDED_BY(mu_);
+  absl::Status end_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
@@ -192,8 +200,9 @@ grpc::Status WeightsPeerServiceImpl::WatchVersions(
       break;
     }
     v1::PublishedVersion out;
+    absl::Status end;
     for (const WeightsInfo& v :
-         queue->Take(std::min(absl::Milliseconds(100), deadline - absl::Now()))) {
+         queue->Take(std::min(absl::Milliseconds(100), deadline - absl::Now()), &end)) {
       if (v.device >= 0) continue;  // in GPU memory: never copied to other daemons
       out.set_name(v.name);
       out.set_owner_uid(v.owner_uid);
@@ -205,6 +214,7 @@ grpc::Status WeightsPeerServiceImpl::WatchVersions(
         break;
       }
     }
+    if (status.ok() && !end.ok()) status = ToGrpcStatus(end);  // the publisher stopped
     if (!status.ok()) break;
   }
   publisher->Unwatch(*id);

@@ -166,9 +166,11 @@ class WatchSink final : public WeightsWatcher {
  public:
   explicit WatchSink(WatchReactor* reactor) : reactor_(reactor) {}
   void Deliver(const WeightsInfo& version) override;
+  // The daemon stops: the stream ends with `why` (after the write in flight, if any).
+  void End(const absl::Status& why) override { Close(ToGrpcStatus(why)); }
   // The reactor's callbacks (serialized per reactor by the state below).
   void WriteDone(bool ok);
-  void Cancel();
+  void Cancel() { Close(grpc::Status::CANCELLED); }
   void Done() {
     absl::MutexLock lock(&mu_);
     reactor_ = nullptr;
@@ -176,9 +178,11 @@ class WatchSink final : public WeightsWatcher {
   }
 
  private:
-  void FinishOutside();
+  // Ends the stream with `status` unless it has ended (or is ending) already.
+  void Close(const grpc::Status& status);
   absl::Mutex mu_;
   WatchReactor* reactor_ ABSL_GUARDED_BY(mu_);
+  grpc::Status end_ ABSL_GUARDED_BY(mu_);                        // what Finish reports once closed_
   std::deque<v1::PublishedVersion> queue_ ABSL_GUARDED_BY(mu_);  // front: being written
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
@@ -252,13 +256,18 @@ void WatchSink::WriteDone(bool ok) {
   WatchReactor* reactor = nullptr;
   const v1::PublishedVersion* next = nullptr;
   bool finish = false;
+  grpc::Status end;
   {
     absl::MutexLock lock(&mu_);
     if (!queue_.empty()) queue_.pop_front();
-    if (!ok) closed_ = true;
+    if (!ok && !closed_) {
+      closed_ = true;
+      end_ = grpc::Status::CANCELLED;
+    }
     if (closed_) {
       writing_ = false;
       if (!finished_) finish = finished_ = true;
+      end = end_;
     } else if (!queue_.empty()) {
       next = &queue_.front();
     } else {
@@ -266,20 +275,22 @@ void WatchSink::WriteDone(bool ok) {
     }
     reactor = reactor_;
   }
-  if (finish && reactor != nullptr) reactor->Finish(grpc::Status::CANCELLED);
+  if (finish && reactor != nullptr) reactor->Finish(end);
   if (next != nullptr && reactor != nullptr) reactor->StartWrite(next);
 }
 
-void WatchSink::Cancel() {
+void WatchSink::Close(const grpc::Status& status) {
   WatchReactor* reactor = nullptr;
   {
     absl::MutexLock lock(&mu_);
+    if (closed_) return;  // the first reason stands
     closed_ = true;
+    end_ = status;
     if (writing_ || finished_) return;  // WriteDone finishes
     finished_ = true;
     reactor = reactor_;
   }
-  if (reactor != nullptr) reactor->Finish(grpc::Status::CANCELLED);
+  if (reactor != nullptr) reactor->Finish(status);
 }
 
 }  // namespace

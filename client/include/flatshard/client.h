@@ -918,10 +918,10 @@ class WeightsReader {
   absl::StatusOr<std::unique_ptr<WeightsVersion>> Open(const std::string& name,
                                                        const OpenWeightsOptions& options = {});
   // Blocks until a version of `name` newer than `after` exists and returns it (at once when
-  // one already does). options.version is ignored. On a daemon with --weights_sources, the
-  // daemon follows the name at its sources while this waits, and the version returned is
-  // already copied there (README "Readers on other nodes"). Errors: DEADLINE_EXCEEDED after
-  // `timeout`; PERMISSION_DENIED as Open; the RPC's.
+  // one already does); options.version is ignored. With --weights_sources the daemon follows
+  // the name at its sources meanwhile; the version returned is copied there (README "Readers
+  // on other nodes"). Errors: DEADLINE_EXCEEDED after `timeout`; PERMISSION_DENIED as Open;
+  // UNAVAILABLE "flatshardd is shutting down" at once if SIGTERM stops it; the RPC's.
   absl::StatusOr<PublishedVersion> WaitForVersion(const std::string& name, uint64_t after,
                                                   absl::Duration timeout,
                                                   const OpenWeightsOptions& options = {});

@@ -251,7 +251,8 @@ class Reader:
                          owner: Optional[int] = None,
                          token: Optional[str] = None) -> PublishedVersion:
         """The first version of ``name`` newer than ``after``, as soon as it appears
-        (DeadlineExceededError after ``timeout`` seconds)."""
+        (DeadlineExceededError after ``timeout`` seconds; UnavailableError at once when the
+        daemon stops: SIGTERM ends the wait, wait again once it is back)."""
         return PublishedVersion._of(
             self._r.wait_for_version(name, int(after), float(timeout), _owner_arg(owner),
                                      token or ""))
@@ -261,7 +262,8 @@ class Reader:
               token: Optional[str] = None) -> Iterator[PublishedVersion]:
         """Yields each version of ``name`` newer than ``after`` as it appears. Ends (returns)
         when none appeared for ``timeout`` seconds; None waits forever. A version published
-        and dropped between two waits is skipped: each yield is the newest one."""
+        and dropped between two waits is skipped: each yield is the newest one. Raises
+        UnavailableError when the daemon stops (SIGTERM), as wait_for_version."""
         last = int(after)
         while True:
             try:
