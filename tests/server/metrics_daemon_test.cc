@@ -3,9 +3,6 @@
 // the RPCs, collectives, memory, groups, clients, commits, checkpoints and process metrics
 // move. Also checks --log_format=json lines and the daemon's log level flag.
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -31,45 +28,15 @@
 #include "gtest/gtest.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/files.h"
+#include "tests/testing/metrics_scrape.h"
 
 namespace flatshard {
 namespace {
 
 using ::testing::HasSubstr;
 
-std::string Scrape(const std::string& host_port) {
-  const size_t colon = host_port.rfind(':');
-  int port = 0;
-  if (!absl::SimpleAtoi(host_port.substr(colon + 1), &port)) return "";
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr = {};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string out;
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string req = "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n";
-    ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
-    char buf[8192];
-    ssize_t n;
-    while ((n = ::recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return out;
-}
-
-// Sample name with labels -> value, from an exposition body.
-std::map<std::string, double> Parse(const std::string& text) {
-  std::map<std::string, double> out;
-  const size_t body = text.find("\r\n\r\n");
-  for (absl::string_view line : absl::StrSplit(text.substr(body + 4), '\n', absl::SkipEmpty())) {
-    if (line[0] == '#') continue;
-    const size_t sp = line.rfind(' ');
-    double v = 0;
-    if (absl::SimpleAtod(line.substr(sp + 1), &v)) out[std::string(line.substr(0, sp))] = v;
-  }
-  return out;
-}
+using ::flatshard::testing::ParseMetrics;
+using ::flatshard::testing::ScrapeMetrics;
 
 void ForEachRank(int world, const std::function<void(int)>& fn) {
   std::vector<std::thread> threads;
@@ -95,10 +62,10 @@ TEST(MetricsDaemonTest, ScrapesShowRpcsCollectivesMemoryGroupsAndClients) {
   std::getline(std::ifstream(address_file), metrics_address);
   ASSERT_THAT(metrics_address, ::testing::StartsWith("127.0.0.1:"));
 
-  const std::string before_text = Scrape(metrics_address);
+  const std::string before_text = ScrapeMetrics(metrics_address);
   ASSERT_THAT(before_text, ::testing::StartsWith("HTTP/1.1 200 OK"));
   ASSERT_THAT(before_text, HasSubstr("text/plain; version=0.0.4"));
-  std::map<std::string, double> before = Parse(before_text);
+  std::map<std::string, double> before = ParseMetrics(before_text);
   EXPECT_EQ(before["flatshard_groups"], 0);
   EXPECT_EQ(before["flatshard_clients"], 0);
   EXPECT_EQ(before["flatshard_memory_bytes{kind=\"shard\"}"], 0);
@@ -170,7 +137,7 @@ TEST(MetricsDaemonTest, ScrapesShowRpcsCollectivesMemoryGroupsAndClients) {
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   EXPECT_FALSE(clients[0]->LoadCheckpoint("", (dir / "no-such-ckpt").string()).ok());
 
-  std::map<std::string, double> after = Parse(Scrape(metrics_address));
+  std::map<std::string, double> after = ParseMetrics(ScrapeMetrics(metrics_address));
   EXPECT_EQ(after["flatshard_rpcs_total{method=\"JoinGroup\",code=\"OK\"}"], kWorld);
   EXPECT_EQ(after["flatshard_rpcs_total{method=\"RegisterModule\",code=\"OK\"}"], kWorld);
   EXPECT_EQ(after["flatshard_rpcs_total{method=\"Summon\",code=\"OK\"}"], kWorld);
@@ -208,7 +175,7 @@ TEST(MetricsDaemonTest, ScrapesShowRpcsCollectivesMemoryGroupsAndClients) {
 
   // A refused call is counted with its code.
   EXPECT_FALSE(clients[0]->Summon("", "no.such.unit", client::SummonOptions()).ok());
-  std::map<std::string, double> refused = Parse(Scrape(metrics_address));
+  std::map<std::string, double> refused = ParseMetrics(ScrapeMetrics(metrics_address));
   double refused_calls = 0;
   for (const auto& [name, v] : refused) {
     if (name.rfind("flatshard_rpcs_total{method=\"Summon\"", 0) == 0 &&
@@ -220,10 +187,10 @@ TEST(MetricsDaemonTest, ScrapesShowRpcsCollectivesMemoryGroupsAndClients) {
 
   clients.clear();  // leases end
   for (int i = 0; i < 200; ++i) {
-    if (Parse(Scrape(metrics_address))["flatshard_clients"] == 0) break;
+    if (ParseMetrics(ScrapeMetrics(metrics_address))["flatshard_clients"] == 0) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  EXPECT_EQ(Parse(Scrape(metrics_address))["flatshard_clients"], 0);
+  EXPECT_EQ(ParseMetrics(ScrapeMetrics(metrics_address))["flatshard_clients"], 0);
 
   EXPECT_EQ(daemon.Terminate(), 0);
   // --log_format=json: every line of the log is one JSON object; ids have their own keys.
