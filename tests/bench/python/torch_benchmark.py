@@ -349,10 +349,14 @@ def run_mode(mode, args, precision="fp32", out="", strategy="FULL_SHARD", commit
     if mode == "fsdp" and strategy not in TORCH_FSDP_STRATEGIES:
         return dict(what, error=f"torch {torch_version()}'s FSDP has no {strategy}")
     world = 1 if mode == "single" else args.ranks
+    # Callers that build `args` by hand (the package's tests) may leave out the newer options.
+    optimizer_state = getattr(args, "optimizer_state", "trainer")
+    commits = getattr(args, "commits", "never")
+    daemon_extra = getattr(args, "daemon_args", "")
     common = [sys.executable, __file__, "--worker", "--mode", mode, "--steps", str(args.steps),
               "--precision", precision, "--out", out, "--strategy", strategy,
               "--warmup", str(args.warmup), "--profile", args.profile,
-              "--commit", commit, "--optimizer-state", args.optimizer_state,
+              "--commit", commit, "--optimizer-state", optimizer_state,
               "--batch", str(args.batch), "--world-size", str(world), "--n-layer",
               str(args.n_layer), "--n-embd", str(args.n_embd), "--block-size",
               str(args.block_size)]
@@ -363,10 +367,10 @@ def run_mode(mode, args, precision="fp32", out="", strategy="FULL_SHARD", commit
         from flatshard.testing import LocalDaemon
         port = free_port()
         daemon_args = [f"--metrics_address=127.0.0.1:{port}"]
-        if "every" in args.commits.split(","):  # durable commits: every row keeps records
+        if "every" in commits.split(","):  # durable commits: every row keeps records
             state_dir = tempfile.TemporaryDirectory(prefix="flatshard-bench-state-")
             daemon_args.append(f"--state_dir={state_dir.name}")
-        daemon_args += args.daemon_args.split()
+        daemon_args += daemon_extra.split()
         daemon = LocalDaemon(extra_args=daemon_args).start()
         extra_pids.append(daemon.proc.pid)
         common += ["--address", daemon.address, "--group", "b-" + uuid.uuid4().hex[:8],
