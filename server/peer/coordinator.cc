@@ -212,7 +212,11 @@ void Coordinator::CompleteLocked(Group& g, Effects& fx) {
     // group's previous incarnation while the new one connects, and UCX tags carry only a 16-bit
     // hash of (group, epoch) (ucx_tag.h): skip epochs whose hash equals the previous one's, so
     // a re-form never fails on that collision ("collides with live group").
-    const uint64_t previous = g.epoch;
+    uint64_t previous = g.epoch;
+    if (auto forgotten = forgotten_epochs_.find(g.name); forgotten != forgotten_epochs_.end()) {
+      if (previous == 0) previous = forgotten->second;
+      forgotten_epochs_.erase(forgotten);
+    }
     g.epoch = ++last_epoch_;
     while (previous != 0 && collective::ucx::GroupTagHash(g.name, g.epoch) ==
                                 collective::ucx::GroupTagHash(g.name, previous)) {
@@ -334,6 +338,7 @@ void Coordinator::ForgetIfEmptyLocked(const std::string& group) {
   if (it == groups_.end() || !it->second.pending.empty()) return;
   if (!it->second.members.empty()) return;
   FS_LOG(INFO) << "group=" << group << ": no members left, forgotten";
+  if (it->second.epoch != 0) forgotten_epochs_[group] = it->second.epoch;
   groups_.erase(it);
 }
 

@@ -230,6 +230,10 @@ class Coordinator {
   std::map<std::string, Group> groups_ ABSL_GUARDED_BY(mu_);
   // The last epoch handed out by any group (see CompleteLocked).
   uint64_t last_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  // The last epoch of each group forgotten with no members (ForgetIfEmptyLocked): its daemons
+  // may still run that incarnation when the name forms again, so CompleteLocked avoids its UCX
+  // tag hash too. An entry goes when its name forms again.
+  std::map<std::string, uint64_t> forgotten_epochs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Watcher> watchers_ ABSL_GUARDED_BY(mu_);  // by daemon_id
   absl::flat_hash_map<WatcherId, std::string> watcher_daemon_ ABSL_GUARDED_BY(mu_);
 };
