@@ -25,8 +25,10 @@
 #include "common/plan.h"
 #include "flatshard/client.h"
 #include "gtest/gtest.h"
+#include "tests/integration/weights_pattern.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/files.h"
+#include "tests/testing/metrics_scrape.h"
 #include "tests/testing/rank_group.h"
 
 namespace flatshard::client::weights_testing {
@@ -90,37 +92,9 @@ struct ReaderDaemon {
   std::string Metrics() const {
     std::string host_port;
     std::getline(std::ifstream(dir + "/m"), host_port);
-    int port = 0;
-    if (!absl::SimpleAtoi(host_port.substr(host_port.rfind(':') + 1), &port)) return "";
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr = {};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    std::string out;
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-      const std::string req = "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n";
-      ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
-      char buf[8192];
-      for (ssize_t n; (n = ::recv(fd, buf, sizeof(buf), 0)) > 0;) out.append(buf, n);
-    }
-    ::close(fd);
-    return out;
+    return ::flatshard::testing::ScrapeMetrics(host_port);
   }
 };
-
-// Element e of unit u's flat buffer at step s: small multiples of 0.5 (exact).
-inline float Pattern(int32_t u, int64_t e, int s) {
-  return static_cast<float>((e * 7 + u * 3 + s) % 64) * 0.5f;
-}
-
-inline void FillShards(const ShardViews& views, int step) {
-  for (const UnitShardView& u : views) {
-    ASSERT_EQ(u.dtype, DType::kFloat32);
-    float* p = static_cast<float*>(u.data);
-    for (int64_t i = 0; i < u.shard_numel; ++i) p[i] = Pattern(u.unit, u.shard_offset + i, step);
-  }
-}
 
 // kWorld ranks of `group`, rank r on daemons[r % 2], gpt_tied registered.
 struct Trainers {

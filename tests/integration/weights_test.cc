@@ -47,6 +47,7 @@
 #include "tests/testing/cluster.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/files.h"
+#include "tests/testing/metrics_scrape.h"
 #include "tests/testing/rank_group.h"
 #include "tests/testing/run_as_user.h"
 #include "tests/testing/simulated_gpu.h"
@@ -386,24 +387,7 @@ TEST(WeightsTest, WithAStateDirTheNewestVersionSurvivesAKill) {
 }
 
 // GET /metrics of a daemon's --metrics_address ("127.0.0.1:port").
-std::string Scrape(const std::string& host_port) {
-  int port = 0;
-  if (!absl::SimpleAtoi(host_port.substr(host_port.rfind(':') + 1), &port)) return "";
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr = {};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string out;
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-    const std::string req = "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n";
-    ::send(fd, req.data(), req.size(), MSG_NOSIGNAL);
-    char buf[8192];
-    for (ssize_t n; (n = ::recv(fd, buf, sizeof(buf), 0)) > 0;) out.append(buf, n);
-  }
-  ::close(fd);
-  return out;
-}
+using ::flatshard::testing::ScrapeMetrics;
 
 TEST(WeightsTest, MetricsCountVersionsBytesReadersAndPublishes) {
   char tmpl[] = "/tmp/fsw-metrics.XXXXXX";
@@ -421,7 +405,7 @@ TEST(WeightsTest, MetricsCountVersionsBytesReadersAndPublishes) {
   ASSERT_TRUE(v.ok());
   std::string address;
   std::getline(std::ifstream(file), address);
-  const std::string text = Scrape(address);
+  const std::string text = ScrapeMetrics(address);
   EXPECT_THAT(text, HasSubstr("\nflatshard_weights_versions 1\n"));
   EXPECT_THAT(text, HasSubstr(absl::StrCat("\nflatshard_weights_bytes ", p[0]->bytes, "\n")));
   EXPECT_THAT(text, HasSubstr("\nflatshard_weights_readers 1\n"));
@@ -474,7 +458,8 @@ TEST(WeightsTest, ReusesTheSegmentOfAVersionThatFellOutAndCopiesOncePerVersion) 
   int64_t bytes = 0;
   for (int s = 1; s <= 3; ++s) {
     // The previous version's lease ends when the daemon sees its stream close.
-    for (int i = 0; i < 200 && MetricValue(Scrape(address), "flatshard_weights_readers") > 0; ++i) {
+    for (int i = 0; i < 200 && MetricValue(ScrapeMetrics(address), "flatshard_weights_readers") > 0;
+         ++i) {
       absl::SleepFor(absl::Milliseconds(10));
     }
     t.Step(s, true);
@@ -499,7 +484,7 @@ TEST(WeightsTest, ReusesTheSegmentOfAVersionThatFellOutAndCopiesOncePerVersion) 
     EXPECT_EQ(SegmentOf((*v)->tensors()[0].data), segment[3]);
     held.push_back(*std::move(v));
   }
-  std::string text = Scrape(address);
+  std::string text = ScrapeMetrics(address);
   EXPECT_EQ(MetricValue(text, "flatshard_weights_copied_bytes_total"), 3.0 * bytes) << text;
   EXPECT_EQ(MetricValue(text, "flatshard_weights_segment_reuses_total"), 1.0);
   EXPECT_EQ(MetricValue(text, "flatshard_weights_readers"), 4.0);
@@ -515,7 +500,7 @@ TEST(WeightsTest, ReusesTheSegmentOfAVersionThatFellOutAndCopiesOncePerVersion) 
   ASSERT_TRUE(v.ok()) << v.status();
   ExpectHolds(*t.plan, t.manifest, **v, 4);
   EXPECT_NE(SegmentOf((*v)->tensors()[0].data), segment[2]);
-  text = Scrape(address);
+  text = ScrapeMetrics(address);
   EXPECT_EQ(MetricValue(text, "flatshard_weights_copied_bytes_total"), 4.0 * bytes);
   EXPECT_EQ(MetricValue(text, "flatshard_weights_segment_reuses_total"), 1.0);
   std::error_code ignored;

@@ -22,6 +22,7 @@
 #include "common/plan.h"
 #include "flatshard/client.h"
 #include "gtest/gtest.h"
+#include "tests/integration/weights_pattern.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
@@ -57,20 +58,6 @@ inline std::unique_ptr<WeightsReader> Reader(const std::string& address) {
   absl::StatusOr<std::unique_ptr<WeightsReader>> r = WeightsReader::Connect(Options(address));
   EXPECT_TRUE(r.ok()) << r.status();
   return r.ok() ? *std::move(r) : nullptr;
-}
-
-// Element e of unit u's flat buffer at "step" s: small multiples of 0.5, exact in bfloat16.
-inline float Pattern(int32_t u, int64_t e, int s) {
-  return static_cast<float>((e * 7 + u * 3 + s) % 64) * 0.5f;
-}
-
-// Writes Pattern(.., step) into this rank's live shards.
-inline void FillShards(const ShardViews& views, int step) {
-  for (const UnitShardView& u : views) {
-    ASSERT_EQ(u.dtype, DType::kFloat32);
-    float* p = static_cast<float*>(u.data);
-    for (int64_t i = 0; i < u.shard_numel; ++i) p[i] = Pattern(u.unit, u.shard_offset + i, step);
-  }
 }
 
 // A group of `world` ranks on one daemon with the gpt_tied model registered.
