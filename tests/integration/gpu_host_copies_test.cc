@@ -172,11 +172,7 @@ TEST_F(GpuTwoDaemonTest, TheGroupReformsAtTheRestartedGpuDaemonsHostCopy) {
   ranks[1] = Rank();
   ASSERT_TRUE(RestartDaemon1());
   JoinAll(ranks);
-  for (int r = 0; r < 2; ++r) {
-    SCOPED_TRACE(absl::StrCat("rank ", r));
-    EXPECT_THAT(ranks[r].client->lost_modules(), IsEmpty());
-    EXPECT_THAT(ranks[r].client->registered_modules(), SizeIs(1));
-  }
+  ExpectEveryRankKeptItsModule(ranks);
   Register(ranks, 2);
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE(absl::StrCat("rank ", r));

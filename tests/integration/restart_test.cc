@@ -392,11 +392,7 @@ TEST_F(TwoDaemonRestartTest, TheGroupReformsWithTheRestartedDaemonsShardsIntact)
   ranks[1] = Rank();
   ASSERT_TRUE(RestartDaemon1());
   JoinAll(ranks);
-  for (int r = 0; r < 2; ++r) {
-    SCOPED_TRACE(absl::StrCat("rank ", r));
-    EXPECT_THAT(ranks[r].client->lost_modules(), IsEmpty());
-    EXPECT_THAT(ranks[r].client->registered_modules(), SizeIs(1));
-  }
+  ExpectEveryRankKeptItsModule(ranks);
   Register(ranks, 2);  // re-attach on both daemons
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE(absl::StrCat("rank ", r));
@@ -498,11 +494,7 @@ TEST_F(VoteRestartTest, ADaemonKilledBetweenAgreementAndIntentIsRolledForward) {
   ASSERT_TRUE(RestartDaemon1());
   EXPECT_THAT(daemons_[1]->Log(), HasSubstr("voted 2"));
   JoinAll(ranks);
-  for (int r = 0; r < 2; ++r) {
-    SCOPED_TRACE(absl::StrCat("rank ", r));
-    EXPECT_THAT(ranks[r].client->lost_modules(), IsEmpty());
-    EXPECT_THAT(ranks[r].client->registered_modules(), SizeIs(1));
-  }
+  ExpectEveryRankKeptItsModule(ranks);
   Register(ranks, 2);
   for (int r = 0; r < 2; ++r) {
     SCOPED_TRACE(absl::StrCat("rank ", r));

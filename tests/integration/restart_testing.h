@@ -407,6 +407,15 @@ class StateRestartTest : public RestartTest {
   }
 };
 
+// After a re-join: every rank of a two-daemon group holds its one module, none lost.
+inline void ExpectEveryRankKeptItsModule(std::vector<Rank>& ranks) {
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    SCOPED_TRACE(absl::StrCat("rank ", r));
+    EXPECT_THAT(ranks[r].client->lost_modules(), ::testing::IsEmpty());
+    EXPECT_THAT(ranks[r].client->registered_modules(), ::testing::SizeIs(1));
+  }
+}
+
 // The expected state of every rank: generation g's values and the gradients of step g.
 inline std::vector<Snapshot> Expected(std::vector<Rank>& ranks) {
   std::vector<Snapshot> out;
