@@ -40,6 +40,7 @@
 #include "server/metrics/process_metrics.h"
 #include "server/peer/peer_service_impl.h"
 #include "server/publish/distributed_publish.h"
+#include "server/publish/ucx_weights_link.h"
 #include "server/publish/weights_peer_client.h"
 #include "server/publish/weights_peer_service.h"
 #include "server/publish/weights_puller.h"
@@ -366,6 +367,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   group_options.state_dir = d->state_dir_.get();
   group_options.testing_commit_copy_pause = config.testing_commit_copy_pause;
 
+  if (!config.peer_address.empty() || !config.weights_sources.empty()) {
+    FS_ASSIGN_OR_RETURN(d->weights_link_,
+                        OpenWeightsLink(config.weights_transport, config.ucx_error_handling));
+  }
   if (!config.peer_address.empty()) {
     FS_RETURN_IF_ERROR(d->StartPeerServer(peer_credentials, &group_options));
   }
@@ -387,7 +392,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   {
     FS_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> creds,
                         access::PeerChannelCredentials(config.tls));
-    d->weights_peer_client_ = std::make_unique<WeightsPeerClient>(creds, d->store_.get());
+    d->weights_peer_client_ =
+        std::make_unique<WeightsPeerClient>(creds, d->store_.get(), d->weights_link_.get());
     d->distributed_publish_ = std::make_unique<DistributedPublish>(d->weights_peer_client_.get());
   }
   FS_ASSIGN_OR_RETURN(d->publisher_, MakePublisher(config, d->store_.get(), d->groups_.get(),
@@ -449,7 +455,8 @@ absl::Status Daemon::StartPeerServer(std::shared_ptr<grpc::ServerCredentials> cr
   peer_builder.RegisterService(peer_service_.get());
   checkpoint_peer_ = std::make_unique<CheckpointPeerServiceImpl>();
   peer_builder.RegisterService(checkpoint_peer_.get());
-  weights_peer_ = std::make_unique<WeightsPeerServiceImpl>(config_.testing_weights_copy_pause);
+  weights_peer_ = std::make_unique<WeightsPeerServiceImpl>(config_.testing_weights_copy_pause,
+                                                           weights_link_.get());
   peer_builder.RegisterService(weights_peer_.get());
   peer_server_ = peer_builder.BuildAndStart();
   if (peer_server_ == nullptr || peer_port == 0) {
@@ -562,6 +569,7 @@ void Daemon::Shutdown() {
   if (checkpoint_peer_) checkpoint_peer_->Stop();  // its calls use groups_
   if (acceptor_) acceptor_->Stop();                // no new connections while the server drains
   if (server_ != nullptr) server_->Shutdown(deadline);
+  if (weights_link_) weights_link_->Shutdown();  // after the copies that use it ended
   // --keep_shards (with --state_dir): shards, gradient shards and committed copies stay with
   // their records for the next daemon; otherwise the records go first, then the segments.
   const bool keep = (config_.keep_shards || !served) && state_dir_ != nullptr;

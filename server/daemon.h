@@ -35,6 +35,7 @@ class Publisher;
 class WeightsPeerClient;
 class WeightsPeerServiceImpl;
 class WeightsPuller;
+class UcxWeightsLink;
 class ShardServiceImpl;
 class WeightsServiceImpl;
 class ShardStore;
@@ -123,6 +124,8 @@ struct DaemonConfig {
   std::vector<std::string> weights_sources;
   // Testing only: WeightsPeerServiceImpl's testing_copy_pause.
   absl::Duration testing_weights_copy_pause = absl::ZeroDuration();
+  // How versions move between daemons: "ucx" (gets, gRPC where UCX cannot) or "grpc".
+  std::string weights_transport = "ucx";
   // fsync each record and the state directory (crash-consistent across a machine crash too;
   // a process's death, the case restarts serve, needs only the atomic rename).
   bool state_fsync = true;
@@ -173,6 +176,8 @@ class Daemon {
   std::string peer_address_;
   std::unique_ptr<ShardStore> store_;
   std::unique_ptr<state::StateDir> state_dir_;  // null without --state_dir; outlives groups_
+  // UCX copies of published weights (null: gRPC); outlives the weights peer service and client.
+  std::unique_ptr<UcxWeightsLink> weights_link_;
   std::unique_ptr<peer::PeerServiceImpl> peer_service_;
   // Checkpoints of multi-daemon groups: the other daemons' requests, on the peer port.
   std::unique_ptr<CheckpointPeerServiceImpl> checkpoint_peer_;

@@ -144,6 +144,11 @@ ABSL_FLAG(bool, state_fsync, true,
           "false: no fsync, appends and renames alone (records then "
           "survive the daemon's death, kill -9 or OOM, but not a machine crash, which the "
           "shared-memory shards do not survive either); saves the fsyncs of every commit");
+ABSL_FLAG(std::string, weights_transport, "ucx",
+          "how versions of published weights move between daemons (--weights_sources, the "
+          "publish leader to the group's other daemons): 'ucx' (the copier reads the source's "
+          "registered segment with UCX gets; gRPC where either side cannot do UCX) or 'grpc' "
+          "(the bytes in the FetchVersion stream)");
 ABSL_FLAG(absl::Duration, testing_weights_copy_pause, absl::ZeroDuration(),
           "testing only: a copy of published weights to another daemon sends its descriptor, "
           "then waits this long before the bytes");
@@ -335,6 +340,7 @@ int main(int argc, char** argv) {
   config.state_fsync = absl::GetFlag(FLAGS_state_fsync);
   config.testing_commit_copy_pause = absl::GetFlag(FLAGS_testing_commit_copy_pause);
   config.testing_weights_copy_pause = absl::GetFlag(FLAGS_testing_weights_copy_pause);
+  config.weights_transport = absl::GetFlag(FLAGS_weights_transport);
   config.socket_group = absl::GetFlag(FLAGS_socket_group);
   if (auto uids = flatshard::server::access::ParseUidList(absl::GetFlag(FLAGS_allowed_uids));
       uids.ok()) {

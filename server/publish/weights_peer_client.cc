@@ -9,11 +9,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/notification.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "flatshard/v1/weights_peer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "server/publish/ucx_weights_link.h"
 #include "server/shard_store.h"
 
 namespace flatshard::server {
@@ -59,9 +61,10 @@ CopiedVersion MetaOf(const v1::VersionChunk& h) {
 }  // namespace
 
 WeightsPeerClient::WeightsPeerClient(std::shared_ptr<grpc::ChannelCredentials> credentials,
-                                     ShardStore* store)
+                                     ShardStore* store, UcxWeightsLink* ucx)
     : credentials_(credentials ? std::move(credentials) : grpc::InsecureChannelCredentials()),
-      store_(store) {}
+      store_(store),
+      ucx_(ucx) {}
 
 WeightsPeerClient::~WeightsPeerClient() { Shutdown(); }
 
@@ -198,7 +201,7 @@ absl::StatusOr<WeightsPeerClient::Shards> WeightsPeerClient::ReadShards(
 
 absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetch& f,
                                            int64_t offset, int64_t length, char* dst,
-                                           Header* header) {
+                                           Header* header, Moved* moved) {
   auto stub = v1::WeightsPeerService::NewStub(ChannelTo(source));
   v1::FetchVersionRequest request;
   request.set_name(f.name);
@@ -214,12 +217,15 @@ absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetc
   request.set_wait_ms(std::max<int64_t>(0, absl::ToInt64Milliseconds(f.deadline - absl::Now())));
   request.set_offset(offset);
   request.set_length(length);
+  request.set_ucx(ucx_ != nullptr && dst != nullptr && length > 0);
   grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(
-      (f.deadline == absl::InfiniteFuture() ? absl::Now() : f.deadline) + kTransfer));
+  const absl::Time deadline =
+      (f.deadline == absl::InfiniteFuture() ? absl::Now() : f.deadline) + kTransfer;
+  ctx.set_deadline(absl::ToChronoTime(deadline));
   if (!Track(&ctx)) return absl::UnavailableError("flatshardd is shutting down");
   absl::Status status;
   int64_t got = 0;
+  bool over_ucx = false;
   {
     std::unique_ptr<grpc::ClientReader<v1::VersionChunk>> reader =
         stub->FetchVersion(&ctx, request);
@@ -232,6 +238,25 @@ absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetc
         header->not_newer = chunk.not_newer();
         continue;
       }
+      if (!chunk.ucx_rkey().empty() && request.ucx()) {
+        // The source holds the version registered while the stream is open: read the range,
+        // then end the call. A stream that ends first (the source died) abandons the get.
+        over_ucx = true;
+        absl::Notification ended;
+        std::thread watch([&] {
+          v1::VersionChunk more;
+          while (reader->Read(&more)) {
+          }
+          ended.Notify();
+        });
+        status = ucx_->Get(chunk.ucx_address(), chunk.ucx_rkey(),
+                           chunk.ucx_base() + static_cast<uint64_t>(offset), dst + offset,
+                           static_cast<size_t>(length), deadline, &ended);
+        ctx.TryCancel();
+        watch.join();
+        if (status.ok()) got = length;
+        break;
+      }
       const int64_t n = static_cast<int64_t>(chunk.data().size());
       if (dst == nullptr || chunk.offset() < offset || chunk.offset() + n > offset + length) {
         status = absl::DataLossError(absl::StrCat("bytes [", chunk.offset(), ", ",
@@ -242,8 +267,8 @@ absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetc
       std::memcpy(dst + chunk.offset(), chunk.data().data(), static_cast<size_t>(n));
       got += n;
     }
-    const grpc::Status finished = reader->Finish();
-    if (status.ok() && !finished.ok()) status = FromGrpcStatus(finished);
+    const grpc::Status finished = reader->Finish();  // CANCELLED after a UCX read: ours
+    if (status.ok() && !finished.ok() && !over_ucx) status = FromGrpcStatus(finished);
     if (status.ok() && first) status = absl::DataLossError("the stream ended before its header");
     if (status.ok() && length > 0 && got != length) {
       status = absl::DataLossError(
@@ -251,20 +276,24 @@ absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetc
     }
   }
   Untrack(&ctx);
+  if (moved != nullptr && status.ok()) (over_ucx ? moved->ucx : moved->grpc) += got;
   absl::MutexLock lock(&mu_);
   received_ += got;
+  if (!status.ok() && over_ucx) {
+    return absl::Status(status.code(), absl::StrCat("over UCX: ", status.message()));
+  }
   return status;
 }
 
 absl::StatusOr<std::optional<CopiedVersion>> WeightsPeerClient::FetchVersion(
-    const std::vector<std::string>& sources, const Fetch& fetch) {
+    const std::vector<std::string>& sources, const Fetch& fetch, Moved* moved) {
   if (sources.empty()) return absl::FailedPreconditionError("no source daemon to copy from");
   // The descriptor, from the first source that has it.
   Header header;
   size_t first = sources.size();
   std::vector<std::string> errors;
   for (size_t k = 0; k < sources.size(); ++k) {
-    absl::Status s = FetchRange(sources[k], fetch, 0, -1, nullptr, &header);
+    absl::Status s = FetchRange(sources[k], fetch, 0, -1, nullptr, &header, nullptr);
     if (s.ok()) {
       first = k;
       break;
@@ -303,6 +332,7 @@ absl::StatusOr<std::optional<CopiedVersion>> WeightsPeerClient::FetchVersion(
   const int64_t n = static_cast<int64_t>(from.size());
   const int64_t step = (bytes / n + 4095) / 4096 * 4096;
   std::vector<absl::Status> results(from.size());
+  std::vector<Moved> by_range(from.size());
   std::vector<std::thread> threads;
   for (int64_t k = 0; k < n; ++k) {
     const int64_t lo = std::min(bytes, k * step);
@@ -310,7 +340,7 @@ absl::StatusOr<std::optional<CopiedVersion>> WeightsPeerClient::FetchVersion(
     if (len <= 0) continue;
     threads.emplace_back([&, k, lo, len] {
       Header h;
-      absl::Status s = FetchRange(from[k], pinned, lo, len, dst, &h);
+      absl::Status s = FetchRange(from[k], pinned, lo, len, dst, &h, &by_range[k]);
       if (s.ok() && (h.meta.info.version != copy.info.version ||
                      h.meta.info.generation != copy.info.generation)) {
         s = absl::FailedPreconditionError(absl::StrCat(
@@ -323,13 +353,19 @@ absl::StatusOr<std::optional<CopiedVersion>> WeightsPeerClient::FetchVersion(
         FS_LOG(WARNING) << "copying weights \"" << copy.info.name << "\" version "
                         << copy.info.version << " from " << from[k] << " failed (" << s
                         << "); that range comes from " << from[j];
-        s = FetchRange(from[j], pinned, lo, len, dst, &h);
+        s = FetchRange(from[j], pinned, lo, len, dst, &h, &by_range[k]);
       }
       results[k] =
           s.ok() ? s : absl::Status(s.code(), absl::StrCat("daemon ", from[k], ": ", s.message()));
     });
   }
   for (auto& t : threads) t.join();
+  if (moved != nullptr) {
+    for (const Moved& m : by_range) {
+      moved->ucx += m.ucx;
+      moved->grpc += m.grpc;
+    }
+  }
   for (const absl::Status& s : results) {
     if (!s.ok()) {
       return absl::Status(

@@ -33,11 +33,15 @@ class ClientContext;
 namespace flatshard::server {
 
 class ShardStore;
+class UcxWeightsLink;
 
 class WeightsPeerClient {
  public:
-  // `credentials`: how this daemon reaches the others' peer ports (null: insecure).
-  WeightsPeerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, ShardStore* store);
+  // `credentials`: how this daemon reaches the others' peer ports (null: insecure). `ucx`
+  // (null: none): versions are copied with UCX gets where the source offers them
+  // (--weights_transport=ucx), else over the gRPC stream. Must outlive this.
+  WeightsPeerClient(std::shared_ptr<grpc::ChannelCredentials> credentials, ShardStore* store,
+                    UcxWeightsLink* ucx = nullptr);
   ~WeightsPeerClient();
 
   // Another daemon's ranks' committed shards of publish `seq`.
@@ -72,8 +76,17 @@ class WeightsPeerClient {
   // coming from the others in turn). nullopt: not newer than fetch.newer_than. Errors name the
   // source and the version: its own (NOT_FOUND, PERMISSION_DENIED) or UNAVAILABLE/DATA_LOSS for a
   // source that went away mid-copy; RESOURCE_EXHAUSTED from the store.
+  // `moved` (optional): the bytes that came over each transport ("ucx", "grpc"), so a
+  // source that fell back shows.
+  struct Moved {
+    int64_t ucx = 0;
+    int64_t grpc = 0;
+  };
   absl::StatusOr<std::optional<CopiedVersion>> FetchVersion(const std::vector<std::string>& sources,
-                                                            const Fetch& fetch);
+                                                            const Fetch& fetch,
+                                                            Moved* moved = nullptr);
+  // "ucx" when this client asks for UCX gets, else "grpc".
+  const char* transport() const { return ucx_ != nullptr ? "ucx" : "grpc"; }
 
   // Which name to hear of (WatchVersions): versions newer than `after` that the reader may
   // open.
@@ -111,12 +124,14 @@ class WeightsPeerClient {
   bool Track(grpc::ClientContext* ctx);
   void Untrack(grpc::ClientContext* ctx);
   // One FetchVersion stream: the descriptor into `*header` and the bytes of [offset, offset +
-  // length) of the segment into dst + offset (length -1, dst null: the descriptor only).
+  // length) of the segment into dst + offset (length -1, dst null: the descriptor only), over
+  // UCX where the source offers it; the bytes moved are added to `*moved`.
   absl::Status FetchRange(const std::string& source, const Fetch& fetch, int64_t offset,
-                          int64_t length, char* dst, Header* header);
+                          int64_t length, char* dst, Header* header, Moved* moved);
 
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   ShardStore* const store_;
+  UcxWeightsLink* const ucx_;
   mutable absl::Mutex mu_;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);

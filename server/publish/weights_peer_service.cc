@@ -9,10 +9,12 @@
 #include "absl/synchronization/mutex.h"
 #include "common/dtype.h"
 #include "common/grpc_status.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/group_manager.h"
 #include "server/publish/publish_rounds.h"
 #include "server/publish/publisher.h"
+#include "server/publish/ucx_weights_link.h"
 
 namespace flatshard::server {
 namespace {
@@ -163,6 +165,27 @@ grpc::Status WeightsPeerServiceImpl::FetchVersion(grpc::ServerContext* ctx,
     absl::SleepFor(testing_copy_pause_);
   }
   const int64_t bytes = d.info.bytes;
+  if (request->ucx() && ucx_ != nullptr && bytes > 0) {
+    // The fetcher reads the bytes itself; access was checked above (Export), so only a reader
+    // allowed to open the version gets the rkey. Unmapped when this call ends.
+    absl::StatusOr<UcxWeightsLink::Exposure> exposed = ucx_->Expose(v->data, bytes);
+    if (exposed.ok()) {
+      v1::VersionChunk where;
+      where.set_ucx_address(exposed->address);
+      where.set_ucx_rkey(exposed->rkey);
+      where.set_ucx_base(exposed->base);
+      if (!writer->Write(where)) return grpc::Status::CANCELLED;
+      const absl::Time until = absl::FromChrono(ctx->deadline());
+      while (!ctx->IsCancelled() && !stopped_.load() && absl::Now() < until) {
+        absl::SleepFor(absl::Milliseconds(5));
+      }
+      return ctx->IsCancelled() ? grpc::Status::CANCELLED
+                                : ToGrpcStatus(absl::UnavailableError(
+                                      "the hold on the version ended (deadline or shutdown)"));
+    }
+    FS_LOG(WARNING) << "weights \"" << d.info.name << "\" version " << d.info.version
+                    << ": sending the bytes over gRPC: " << exposed.status();
+  }
   const int64_t lo = std::clamp<int64_t>(request->offset(), 0, bytes);
   const int64_t hi = request->length() == 0 ? bytes : std::min(bytes, lo + request->length());
   v1::VersionChunk chunk;

@@ -19,14 +19,18 @@ namespace flatshard::server {
 class GroupManager;
 class Publisher;
 class PublishRounds;
+class UcxWeightsLink;
 
 class WeightsPeerServiceImpl final : public v1::WeightsPeerService::Service {
  public:
   // `testing_copy_pause` (tests only, --testing_weights_copy_pause): a copy of a version by
   // name sends its descriptor, then waits this long before the bytes (a source daemon can
   // be killed mid-copy).
-  explicit WeightsPeerServiceImpl(absl::Duration testing_copy_pause = absl::ZeroDuration())
-      : testing_copy_pause_(testing_copy_pause) {}
+  // `ucx` (null: none, --weights_transport=grpc or UCX unavailable): copies asked with `ucx`
+  // get the segment's rkey instead of its bytes. Must outlive the server.
+  explicit WeightsPeerServiceImpl(absl::Duration testing_copy_pause = absl::ZeroDuration(),
+                                  UcxWeightsLink* ucx = nullptr)
+      : testing_copy_pause_(testing_copy_pause), ucx_(ucx) {}
 
   // Until set (the daemon makes them after the peer port), calls answer UNAVAILABLE. The
   // pointers must outlive the server (or Stop first).
@@ -36,6 +40,9 @@ class WeightsPeerServiceImpl final : public v1::WeightsPeerService::Service {
 
   grpc::Status ReadShards(grpc::ServerContext* ctx, const v1::ReadShardsRequest* request,
                           grpc::ServerWriter<v1::ShardChunk>* writer) override;
+  // Asked with `ucx` (and this daemon has a UCX link): registers the segment, sends its rkey
+  // and holds the version (and the registration) until the caller ends the call (its gets
+  // done), Stop, or the call's deadline; checks every 5 ms.
   grpc::Status FetchVersion(grpc::ServerContext* ctx, const v1::FetchVersionRequest* request,
                             grpc::ServerWriter<v1::VersionChunk>* writer) override;
   // Holds a server thread for the stream's life (up to wait_ms); checks for a cancel or Stop
@@ -49,6 +56,7 @@ class WeightsPeerServiceImpl final : public v1::WeightsPeerService::Service {
   std::atomic<PublishRounds*> rounds_{nullptr};
   std::atomic<bool> stopped_{false};
   const absl::Duration testing_copy_pause_;
+  UcxWeightsLink* const ucx_;
 };
 
 }  // namespace flatshard::server

@@ -22,7 +22,9 @@ const PullMetrics& Metrics() {
         r.AddCounter("flatshard_weights_pulls_total",
                      "Versions of weights copied from --weights_sources, by result", {"code"}),
         r.AddCounter("flatshard_weights_pulled_bytes_total",
-                     "Bytes of versions of weights copied from --weights_sources")};
+                     "Bytes of versions of weights copied from --weights_sources, by transport "
+                     "(ucx: UCX gets, grpc: the FetchVersion stream)",
+                     {"transport"})};
   }();
   return *m;
 }
@@ -147,16 +149,21 @@ absl::Status WeightsPuller::Copy(const WeightsSelector& selector, int64_t owner,
   f.reader_token = selector.token;
   f.deadline = absl::Now();  // versions by name: no waiting at the source
   const absl::Time start = absl::Now();
-  absl::StatusOr<std::optional<CopiedVersion>> copy = client_->FetchVersion(sources_, f);
+  WeightsPeerClient::Moved moved;
+  absl::StatusOr<std::optional<CopiedVersion>> copy = client_->FetchVersion(sources_, f, &moved);
   if (copy.ok() && !copy->has_value()) return absl::OkStatus();  // nothing newer
   absl::StatusOr<WeightsInfo> added =
       copy.ok() ? publisher_->AddCopy(**std::move(copy)) : copy.status();
   Metrics().pulls.WithLabels({absl::StatusCodeToString(added.status().code())}).Increment();
   if (!added.ok()) return added.status();
-  Metrics().bytes.WithLabels({}).Increment(static_cast<double>(added->bytes));
+  if (moved.ucx > 0) Metrics().bytes.WithLabels({"ucx"}).Increment(static_cast<double>(moved.ucx));
+  if (moved.grpc > 0) {
+    Metrics().bytes.WithLabels({"grpc"}).Increment(static_cast<double>(moved.grpc));
+  }
   FS_LOG(INFO) << "copied weights \"" << added->name << "\" version " << added->version
                << " generation " << added->generation << " of uid " << added->owner_uid << " ("
-               << added->bytes << " bytes) from --weights_sources in "
+               << added->bytes << " bytes: " << moved.ucx << " over UCX, " << moved.grpc
+               << " over gRPC) from --weights_sources in "
                << absl::ToDoubleMilliseconds(absl::Now() - start) << " ms";
   return absl::OkStatus();
 }

@@ -1,0 +1,70 @@
+#pragma once
+// UcxWeightsLink: the UCX worker of this daemon's copies of published weights between daemons
+// (--weights_transport=ucx; README "Published weights across daemons"). A source registers a
+// sealed version's segment (Expose) and hands a puller its worker address and packed rkey in
+// the FetchVersion stream; the puller reads its share with one-sided gets (Get) straight into
+// its destination buffer. A worker of its own, not the collective backend's: the pulling
+// daemon is no member of the group, and the copies need UCX's RMA feature.
+//
+// Endpoints follow --ucx_error_handling as the backend's do (ucx_endpoint.h), with the same
+// transports (CMA left out where endpoints without peer error handling may exist): with peer
+// error handling (other hosts, by default) a source that dies fails the get; without it (a
+// source on this host) the caller's `abandon` (its gRPC stream to the source ended)
+// force-closes the endpoint, which fails the get. Every wait has a deadline.
+//
+// Thread-safe: UCS_THREAD_MODE_MULTI, one progress thread that sleeps on the worker's event fd
+// (a source's worker must progress for gets that UCX emulates with messages, e.g. over TCP).
+// Built without UCX, Create answers UNAVAILABLE.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+
+namespace flatshard::server {
+
+class UcxWeightsLink {
+ public:
+  // `error_handling`: "auto", "peer" or "none", as --ucx_error_handling.
+  static absl::StatusOr<std::unique_ptr<UcxWeightsLink>> Create(const std::string& error_handling);
+  ~UcxWeightsLink();
+
+  // A segment readable by remote gets until this is destroyed (ucp_mem_unmap).
+  struct Exposure {
+    std::string address;  // this worker's address (ucx_address.h form)
+    std::string rkey;     // packed remote key of the segment
+    uint64_t base = 0;    // the segment's first byte, as the puller addresses it
+    std::shared_ptr<void> mapping;
+  };
+  absl::StatusOr<Exposure> Expose(const void* data, size_t bytes);
+
+  // Reads `bytes` at `remote` of the segment that `rkey` of the worker at `address` covers into
+  // `dst`. Returns once the bytes are there or the get failed; after `deadline`, or once
+  // `abandon` is notified, the endpoint is force-closed and the get fails (DEADLINE_EXCEEDED,
+  // UNAVAILABLE). Never returns while UCX may still write into `dst`.
+  absl::Status Get(const std::string& address, const std::string& rkey, uint64_t remote, void* dst,
+                   size_t bytes, absl::Time deadline, const absl::Notification* abandon);
+
+  // Closes the endpoints and stops the progress thread; later calls fail UNAVAILABLE.
+  // Idempotent.
+  void Shutdown();
+
+  struct Impl;
+
+ private:
+  explicit UcxWeightsLink(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The daemon's choice (--weights_transport, "ucx" or "grpc"): a link for "ucx", null for
+// "grpc" or when UCX cannot start here (then copies use gRPC; logged with the reason). The
+// choice shows as flatshard_weights_transport{transport} 1. INVALID_ARGUMENT naming the flag
+// for another value.
+absl::StatusOr<std::unique_ptr<UcxWeightsLink>> OpenWeightsLink(const std::string& transport,
+                                                                const std::string& error_handling);
+
+}  // namespace flatshard::server
