@@ -367,10 +367,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   group_options.state_dir = d->state_dir_.get();
   group_options.testing_commit_copy_pause = config.testing_commit_copy_pause;
 
-  if (!config.peer_address.empty() || !config.weights_sources.empty()) {
-    FS_ASSIGN_OR_RETURN(d->weights_link_,
-                        OpenWeightsLink(config.weights_transport, config.ucx_error_handling));
-  }
+  FS_ASSIGN_OR_RETURN(
+      d->weights_link_,
+      OpenWeightsLink(config.weights_transport, config.ucx_error_handling,
+                      !config.peer_address.empty() || !config.weights_sources.empty()));
   if (!config.peer_address.empty()) {
     FS_RETURN_IF_ERROR(d->StartPeerServer(peer_credentials, &group_options));
   }

@@ -8,12 +8,14 @@
 namespace flatshard::server {
 
 absl::StatusOr<std::unique_ptr<UcxWeightsLink>> OpenWeightsLink(const std::string& transport,
-                                                                const std::string& error_handling) {
+                                                                const std::string& error_handling,
+                                                                bool copies) {
   if (transport != "ucx" && transport != "grpc") {
     return absl::InvalidArgumentError(
         absl::StrCat("--weights_transport must be 'ucx' or 'grpc', got '", transport, "'"));
   }
   std::unique_ptr<UcxWeightsLink> link;
+  if (!copies) return link;
   if (transport == "ucx") {
     absl::StatusOr<std::unique_ptr<UcxWeightsLink>> made = UcxWeightsLink::Create(error_handling);
     if (made.ok()) {

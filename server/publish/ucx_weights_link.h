@@ -61,10 +61,12 @@ class UcxWeightsLink {
 };
 
 // The daemon's choice (--weights_transport, "ucx" or "grpc"): a link for "ucx", null for
-// "grpc" or when UCX cannot start here (then copies use gRPC; logged with the reason). The
-// choice shows as flatshard_weights_transport{transport} 1. INVALID_ARGUMENT naming the flag
-// for another value.
+// "grpc", when UCX cannot start here (then copies use gRPC; logged with the reason) or when
+// `copies` is false (the daemon copies nothing between daemons). The choice shows as
+// flatshard_weights_transport{transport} 1. INVALID_ARGUMENT naming the flag for another
+// value (also without `copies`).
 absl::StatusOr<std::unique_ptr<UcxWeightsLink>> OpenWeightsLink(const std::string& transport,
-                                                                const std::string& error_handling);
+                                                                const std::string& error_handling,
+                                                                bool copies);
 
 }  // namespace flatshard::server

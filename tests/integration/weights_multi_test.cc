@@ -104,7 +104,7 @@ TEST(WeightsMultiTest, TwoDaemonsPublishAndAThirdCopiesOnceForFourReaders) {
   std::string m = x.Metrics();
   EXPECT_THAT(m, HasSubstr("\nflatshard_weights_pulls_total{code=\"OK\"} 1\n"));
   EXPECT_THAT(m, HasSubstr(MetricLine("flatshard_weights_pulled_bytes_total{transport=\"ucx\"}",
-                                       p[0]->bytes)));
+                                      p[0]->bytes)));
   EXPECT_THAT(m, HasSubstr(MetricLine("flatshard_weights_versions", 1)));
   EXPECT_THAT(m, HasSubstr(MetricLine("flatshard_weights_readers", 4)));
 
