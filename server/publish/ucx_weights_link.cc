@@ -131,8 +131,15 @@ struct UcxWeightsLink::Impl {
   }
 
   void Loop() {
+    // Polls while transfers move (gets that UCX emulates with messages need this side's
+    // progress for each fragment); sleeps on the event fd after kSpin without progress.
+    constexpr absl::Duration kSpin = absl::Microseconds(200);
+    absl::Time last_progress = absl::InfinitePast();
     while (true) {
-      while (ucp_worker_progress(worker) != 0) {
+      if (ucp_worker_progress(worker) != 0) {
+        while (ucp_worker_progress(worker) != 0) {
+        }
+        last_progress = absl::Now();
       }
       std::vector<ucp_ep_h> to_close;
       {
@@ -155,6 +162,7 @@ struct UcxWeightsLink::Impl {
         continue;
       }
       if (!closing.empty() || !to_close.empty()) continue;  // keep progressing the closes
+      if (absl::Now() - last_progress < kSpin) continue;
       const ucs_status_t armed = ucp_worker_arm(worker);
       if (armed == UCS_ERR_BUSY) continue;
       pollfd pfd{efd, POLLIN, 0};
