@@ -202,7 +202,11 @@ struct UcxWeightsLink::Impl {
 absl::StatusOr<std::unique_ptr<UcxWeightsLink>> UcxWeightsLink::Create(
     const std::string& error_handling) {
   auto impl = std::make_unique<Impl>();
-  if (error_handling == "peer") {
+  // "auto" is "peer" here: every endpoint of these copies gets peer error handling (a source
+  // on this host too), so the gets may use CMA (process_vm_readv: one copy, no bounce through
+  // messages) without UCX aborting when that source dies; the backend's "auto" leaves it out
+  // for its same-host endpoints without error handling (ucx_endpoint.h).
+  if (error_handling == "peer" || error_handling == "auto") {
     impl->mode = Mode::kPeer;
   } else if (error_handling == "none") {
     impl->mode = Mode::kNone;

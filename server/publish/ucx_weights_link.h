@@ -6,11 +6,11 @@
 // its destination buffer. A worker of its own, not the collective backend's: the pulling
 // daemon is no member of the group, and the copies need UCX's RMA feature.
 //
-// Endpoints follow --ucx_error_handling as the backend's do (ucx_endpoint.h), with the same
-// transports (CMA left out where endpoints without peer error handling may exist): with peer
-// error handling (other hosts, by default) a source that dies fails the get; without it (a
-// source on this host) the caller's `abandon` (its gRPC stream to the source ended)
-// force-closes the endpoint, which fails the get. Every wait has a deadline.
+// Endpoints: UCX peer error handling on every one (--ucx_error_handling auto or peer; none:
+// none), transports by the backend's rule (ucx_endpoint.h: CMA left out only where endpoints
+// without error handling exist). A source that dies fails the get; the caller's `abandon`
+// (its gRPC stream to the source ended) also force-closes the endpoint, which fails the get
+// where UCX cannot tell. Every wait has a deadline.
 //
 // Thread-safe: UCS_THREAD_MODE_MULTI, one progress thread that sleeps on the worker's event fd
 // (a source's worker must progress for gets that UCX emulates with messages, e.g. over TCP).
