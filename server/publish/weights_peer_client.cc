@@ -15,6 +15,7 @@
 #include "common/status_macros.h"
 #include "flatshard/v1/weights_peer.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "server/metrics/registry.h"
 #include "server/publish/ucx_weights_link.h"
 #include "server/shard_store.h"
 
@@ -24,6 +25,17 @@ namespace {
 // Bytes move for an hour at most after the source's wait (a daemon that dies ends a call).
 constexpr absl::Duration kTransfer = absl::Hours(1);
 constexpr int64_t kMaxMessage = 64 << 20;
+
+// Every whole version this daemon copied from another (a reader's pull, or the publish
+// leader's version on the group's other daemons), by the transport its bytes took.
+metrics::CounterFamily& CopiedBytes() {
+  static metrics::CounterFamily& f = metrics::DefaultRegistry().AddCounter(
+      "flatshard_weights_peer_copied_bytes_total",
+      "Bytes of versions of weights this daemon copied from other daemons (pulls for "
+      "--weights_sources and a multi-daemon publish's copies from its leader), by transport",
+      {"transport"});
+  return f;
+}
 
 std::string VersionText(const WeightsPeerClient::Fetch& f) {
   if (f.seq > 0) {
@@ -360,11 +372,14 @@ absl::StatusOr<std::optional<CopiedVersion>> WeightsPeerClient::FetchVersion(
     });
   }
   for (auto& t : threads) t.join();
+  Moved all;
+  for (const Moved& m : by_range) {
+    all.ucx += m.ucx;
+    all.grpc += m.grpc;
+  }
   if (moved != nullptr) {
-    for (const Moved& m : by_range) {
-      moved->ucx += m.ucx;
-      moved->grpc += m.grpc;
-    }
+    moved->ucx += all.ucx;
+    moved->grpc += all.grpc;
   }
   for (const absl::Status& s : results) {
     if (!s.ok()) {
@@ -373,6 +388,8 @@ absl::StatusOr<std::optional<CopiedVersion>> WeightsPeerClient::FetchVersion(
                                  copy.info.version, ": ", s.message(), " (nothing was kept)"));
     }
   }
+  if (all.ucx > 0) CopiedBytes().WithLabels({"ucx"}).Increment(static_cast<double>(all.ucx));
+  if (all.grpc > 0) CopiedBytes().WithLabels({"grpc"}).Increment(static_cast<double>(all.grpc));
   return copy;
 }
 

@@ -57,9 +57,12 @@ inline std::unique_ptr<WeightsReader> Reader(const DaemonProcess& d) {
   return r.ok() ? *std::move(r) : nullptr;
 }
 
-// A daemon of the group: a peer port (fixed when `port` > 0, so a restart keeps it).
-inline std::unique_ptr<DaemonProcess> GroupDaemon(int i, std::vector<std::string> flags = {}) {
+// A daemon of the group: a peer port (fixed when `port` > 0, so a restart keeps it); with
+// `metrics`, DaemonProcess::Metrics scrapes it.
+inline std::unique_ptr<DaemonProcess> GroupDaemon(int i, std::vector<std::string> flags = {},
+                                                  bool metrics = false) {
   DaemonOptions o;
+  o.metrics = metrics;
   o.tag_prefix = "fswm";
   o.peer = true;
   o.node_name = absl::StrCat("node", i);

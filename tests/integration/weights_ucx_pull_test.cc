@@ -1,7 +1,8 @@
 // A reader's daemon pulling versions over UCX (issue 25, README "Published weights across
 // daemons", --weights_transport): real flatshardd processes on this host stand in for nodes.
 //   - four readers on a daemon with no rank of the group: one copy, read with UCX gets from
-//     both sources, element for element; the bytes counted under transport="ucx";
+//     both sources, element for element; the bytes counted under transport="ucx"; the
+//     group's other daemon copies the leader's version over UCX too;
 //   - a source (or the reader's daemon) with --weights_transport=grpc: its share comes over
 //     the gRPC stream (the other source's over UCX), values exact, both counted;
 //   - a source killed while its share is pending: the share is read from the other source;
@@ -58,7 +59,7 @@ struct Published {
   Published(const std::vector<std::string>& flags0, const std::vector<std::string>& flags1,
             const std::string& group, int step) {
     d0 = GroupDaemon(0, flags0);
-    d1 = GroupDaemon(1, flags1);
+    d1 = GroupDaemon(1, flags1, /*metrics=*/true);
     t = std::make_unique<Trainers>(std::vector<const DaemonProcess*>{d0.get(), d1.get()}, group);
     if (t->plan == nullptr) return;
     t->Step(step);
@@ -93,11 +94,17 @@ TEST(WeightsUcxPullTest, FourReadersGetOneCopyReadWithUcxGetsFromBothSources) {
   EXPECT_EQ(Value(m, kUcxBytes), static_cast<double>(g.bytes));
   EXPECT_EQ(m.count(kGrpcBytes), 0u);
   EXPECT_EQ(Value(m, "flatshard_weights_transport{transport=\"ucx\"}"), 1);
+  EXPECT_EQ(Value(m, "flatshard_weights_peer_copied_bytes_total{transport=\"ucx\"}"),
+            static_cast<double>(g.bytes));
   // The group's other daemon got its copy from the leader over UCX too.
   std::unique_ptr<WeightsReader> r1 = Reader(*g.d1);
   absl::StatusOr<std::unique_ptr<WeightsVersion>> v1 = r1->Open("gpt");
   ASSERT_TRUE(v1.ok()) << v1.status();
   ExpectHolds(*g.t->plan, **v1, 1);
+  const std::map<std::string, double> m1 = g.d1->Metrics();
+  EXPECT_EQ(Value(m1, "flatshard_weights_peer_copied_bytes_total{transport=\"ucx\"}"),
+            static_cast<double>(g.bytes));
+  EXPECT_EQ(m1.count("flatshard_weights_peer_copied_bytes_total{transport=\"grpc\"}"), 0u);
 }
 
 TEST(WeightsUcxPullTest, ASourceWithoutUcxSendsItsShareOverGrpc) {
@@ -112,6 +119,11 @@ TEST(WeightsUcxPullTest, ASourceWithoutUcxSendsItsShareOverGrpc) {
   EXPECT_GT(Value(m, kUcxBytes), 0);
   EXPECT_GT(Value(m, kGrpcBytes), 0);
   EXPECT_EQ(Value(m, kUcxBytes) + Value(m, kGrpcBytes), static_cast<double>(g.bytes));
+
+  // Daemon 1 (gRPC only) got the leader's version in the stream.
+  const std::map<std::string, double> m1 = g.d1->Metrics();
+  EXPECT_EQ(Value(m1, "flatshard_weights_peer_copied_bytes_total{transport=\"grpc\"}"),
+            static_cast<double>(g.bytes));
 
   // A reader's daemon that asks for gRPC gets every byte in the streams.
   ReaderDaemon y({g.d0->peer_address(), g.d1->peer_address()}, {"--weights_transport=grpc"});
