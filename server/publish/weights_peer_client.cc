@@ -213,7 +213,7 @@ absl::StatusOr<WeightsPeerClient::Shards> WeightsPeerClient::ReadShards(
 
 absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetch& f,
                                            int64_t offset, int64_t length, char* dst,
-                                           Header* header, Moved* moved) {
+                                           Header* header, Moved* moved, bool ucx) {
   auto stub = v1::WeightsPeerService::NewStub(ChannelTo(source));
   v1::FetchVersionRequest request;
   request.set_name(f.name);
@@ -229,7 +229,7 @@ absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetc
   request.set_wait_ms(std::max<int64_t>(0, absl::ToInt64Milliseconds(f.deadline - absl::Now())));
   request.set_offset(offset);
   request.set_length(length);
-  request.set_ucx(ucx_ != nullptr && dst != nullptr && length > 0);
+  request.set_ucx(ucx && ucx_ != nullptr && dst != nullptr && length > 0);
   grpc::ClientContext ctx;
   const absl::Time deadline =
       (f.deadline == absl::InfiniteFuture() ? absl::Now() : f.deadline) + kTransfer;
@@ -238,6 +238,7 @@ absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetc
   absl::Status status;
   int64_t got = 0;
   bool over_ucx = false;
+  bool source_alive = false;  // after a UCX get: the stream was still open when it ended
   {
     std::unique_ptr<grpc::ClientReader<v1::VersionChunk>> reader =
         stub->FetchVersion(&ctx, request);
@@ -264,6 +265,7 @@ absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetc
         status = ucx_->Get(chunk.ucx_address(), chunk.ucx_rkey(),
                            chunk.ucx_base() + static_cast<uint64_t>(offset), dst + offset,
                            static_cast<size_t>(length), deadline, &ended);
+        source_alive = !ended.HasBeenNotified();
         ctx.TryCancel();
         watch.join();
         if (status.ok()) got = length;
@@ -289,8 +291,17 @@ absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetc
   }
   Untrack(&ctx);
   if (moved != nullptr && status.ok()) (over_ucx ? moved->ucx : moved->grpc) += got;
-  absl::MutexLock lock(&mu_);
-  received_ += got;
+  {
+    absl::MutexLock lock(&mu_);
+    received_ += got;
+  }
+  if (!status.ok() && over_ucx && source_alive) {
+    // The source is there but UCX cannot read from it (no common transport, a firewall):
+    // the same range from it in the stream.
+    FS_LOG(WARNING) << "copying " << VersionText(f) << " from daemon " << source
+                    << " over UCX failed (" << status << "); that range comes over gRPC";
+    return FetchRange(source, f, offset, length, dst, header, moved, /*ucx=*/false);
+  }
   if (!status.ok() && over_ucx) {
     return absl::Status(status.code(), absl::StrCat("over UCX: ", status.message()));
   }

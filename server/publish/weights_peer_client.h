@@ -125,9 +125,10 @@ class WeightsPeerClient {
   void Untrack(grpc::ClientContext* ctx);
   // One FetchVersion stream: the descriptor into `*header` and the bytes of [offset, offset +
   // length) of the segment into dst + offset (length -1, dst null: the descriptor only), over
-  // UCX where the source offers it; the bytes moved are added to `*moved`.
+  // UCX where `ucx` and the source offers it (a get that fails while the source's stream is
+  // still open: that range again in the stream); the bytes moved are added to `*moved`.
   absl::Status FetchRange(const std::string& source, const Fetch& fetch, int64_t offset,
-                          int64_t length, char* dst, Header* header, Moved* moved);
+                          int64_t length, char* dst, Header* header, Moved* moved, bool ucx = true);
 
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   ShardStore* const store_;

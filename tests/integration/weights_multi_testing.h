@@ -70,12 +70,14 @@ inline std::unique_ptr<DaemonProcess> GroupDaemon(int i, std::vector<std::string
   return std::make_unique<DaemonProcess>(std::move(o));
 }
 
-// A daemon with no rank of the group that copies from `sources` (and serves metrics).
+// A daemon with no rank of the group that copies from `sources` (and serves metrics); `env`:
+// "NAME=value" entries added to its environment.
 struct ReaderDaemon {
   std::string dir;
   std::unique_ptr<DaemonProcess> d;
   explicit ReaderDaemon(const std::vector<std::string>& sources,
-                        const std::vector<std::string>& flags = {}) {
+                        const std::vector<std::string>& flags = {},
+                        const std::vector<std::string>& env = {}) {
     char tmpl[] = "/tmp/fswm-reader.XXXXXX";
     EXPECT_NE(::mkdtemp(tmpl), nullptr);
     dir = tmpl;
@@ -84,6 +86,7 @@ struct ReaderDaemon {
     o.extra_flags = {"--weights_sources=" + absl::StrJoin(sources, ","),
                      "--metrics_address=127.0.0.1:0", "--metrics_address_file=" + dir + "/m"};
     o.extra_flags.insert(o.extra_flags.end(), flags.begin(), flags.end());
+    o.env = env;
     d = std::make_unique<DaemonProcess>(std::move(o));
   }
   ~ReaderDaemon() {

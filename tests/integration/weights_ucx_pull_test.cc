@@ -5,6 +5,7 @@
 //     group's other daemon copies the leader's version over UCX too;
 //   - a source (or the reader's daemon) with --weights_transport=grpc: its share comes over
 //     the gRPC stream (the other source's over UCX), values exact, both counted;
+//   - a reader's daemon whose UCX reaches no source: every range again over gRPC;
 //   - a source killed while its share is pending: the share is read from the other source;
 //   - a bad --weights_transport: the daemon refuses to start, naming the flag.
 
@@ -132,6 +133,19 @@ TEST(WeightsUcxPullTest, ASourceWithoutUcxSendsItsShareOverGrpc) {
   EXPECT_EQ(Value(m, kGrpcBytes), static_cast<double>(g.bytes));
   EXPECT_EQ(m.count(kUcxBytes), 0u);
   EXPECT_EQ(Value(m, "flatshard_weights_transport{transport=\"grpc\"}"), 1);
+}
+
+TEST(WeightsUcxPullTest, AReaderDaemonWhoseUcxCannotReachTheSourcesGetsTheBytesOverGrpc) {
+  Published g({}, {}, "unreach", 4);
+  ASSERT_NE(g.t->plan, nullptr);
+  // UCX starts there, but with no transport towards other processes.
+  ReaderDaemon x({g.d0->peer_address(), g.d1->peer_address()}, {}, {"UCX_TLS=self"});
+  ExpectReadersSee(x, *g.t->plan, 2, 4);
+  const std::map<std::string, double> m = ParseMetrics(x.Metrics());
+  EXPECT_EQ(Value(m, "flatshard_weights_pulls_total{code=\"OK\"}"), 1);
+  EXPECT_EQ(Value(m, kGrpcBytes), static_cast<double>(g.bytes));
+  EXPECT_EQ(m.count(kUcxBytes), 0u);
+  EXPECT_THAT(x.d->Log(), HasSubstr("over UCX failed"));
 }
 
 TEST(WeightsUcxPullTest, ASourceKilledWhileItsSharePendsHasItReadFromTheOther) {
