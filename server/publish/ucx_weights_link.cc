@@ -106,19 +106,31 @@ struct UcxWeightsLink::Impl {
   std::map<std::string, ucp_ep_h> eps ABSL_GUARDED_BY(mu);  // by encoded address
   std::vector<ucp_ep_h> failed ABSL_GUARDED_BY(mu);         // to force-close on the loop
   std::vector<void*> closing;                               // progress thread only
+  std::vector<ucp_ep_h> errored;                            // progress thread only
 
+  // Runs inside ucp_worker_progress on the loop (under UCX's worker lock): takes no lock of
+  // ours (EndpointTo holds mu across ucp_ep_create); the loop retires the endpoint after.
   static void EndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
     auto* self = static_cast<Impl*>(arg);
     FS_LOG(WARNING) << "UCX weights link: an endpoint to a source failed: "
                     << ucs_status_string(status);
-    absl::MutexLock lock(&self->mu);
-    for (auto it = self->eps.begin(); it != self->eps.end(); ++it) {
-      if (it->second == ep) {
-        self->eps.erase(it);
-        self->failed.push_back(ep);
-        break;
+    self->errored.push_back(ep);
+  }
+
+  // Endpoints that failed: out of the cache and onto `failed` (once: Fail may have done it).
+  void RetireErrored() {
+    if (errored.empty()) return;
+    absl::MutexLock lock(&mu);
+    for (ucp_ep_h ep : errored) {
+      for (auto it = eps.begin(); it != eps.end(); ++it) {
+        if (it->second == ep) {
+          eps.erase(it);
+          failed.push_back(ep);
+          break;
+        }
       }
     }
+    errored.clear();
   }
 
   // Force-closes `ep` (its requests complete with an error); the loop finishes the close.
@@ -141,6 +153,7 @@ struct UcxWeightsLink::Impl {
         }
         last_progress = absl::Now();
       }
+      RetireErrored();
       std::vector<ucp_ep_h> to_close;
       {
         absl::MutexLock lock(&mu);
