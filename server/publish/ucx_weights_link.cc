@@ -107,6 +107,15 @@ struct UcxWeightsLink::Impl {
   std::vector<ucp_ep_h> failed ABSL_GUARDED_BY(mu);         // to force-close on the loop
   std::vector<void*> closing;                               // progress thread only
   std::vector<ucp_ep_h> errored;                            // progress thread only
+  // Readers: gets using a cached endpoint; writer: the loop closing endpoints. Before mu.
+  absl::Mutex use_mu;
+
+  // Whether `ep` is still the cached endpoint to `encoded` (not failed, not closed).
+  bool Cached(const std::string& encoded, ucp_ep_h ep) {
+    absl::MutexLock lock(&mu);
+    auto it = eps.find(encoded);
+    return it != eps.end() && it->second == ep;
+  }
 
   // Runs inside ucp_worker_progress on the loop (under UCX's worker lock): takes no lock of
   // ours (EndpointTo holds mu across ucp_ep_create); the loop retires the endpoint after.
@@ -159,7 +168,10 @@ struct UcxWeightsLink::Impl {
         absl::MutexLock lock(&mu);
         to_close.swap(failed);
       }
-      for (ucp_ep_h ep : to_close) CloseOnLoop(ep);
+      if (!to_close.empty()) {
+        absl::WriterMutexLock use(&use_mu);
+        for (ucp_ep_h ep : to_close) CloseOnLoop(ep);
+      }
       for (size_t i = 0; i < closing.size();) {
         if (ucp_request_check_status(closing[i]) != UCS_INPROGRESS) {
           ucp_request_free(closing[i]);
@@ -332,16 +344,27 @@ absl::Status UcxWeightsLink::Get(const std::string& address, const std::string& 
   absl::StatusOr<ucp_ep_h> ep = impl_->EndpointTo(address);
   if (!ep.ok()) return ep.status();
   ucp_rkey_h rkey = nullptr;
-  ucs_status_t s = ucp_ep_rkey_unpack(*ep, rkey_bytes.data(), &rkey);
-  if (s != UCS_OK) {
-    return UcxError(absl::StatusCode::kDataLoss, "the source's remote key (ucp_ep_rkey_unpack)", s);
-  }
   GetOp op;
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.send = &GetDone;
-  p.user_data = &op;
-  void* r = ucp_get_nbx(*ep, dst, bytes, remote, rkey, &p);
+  void* r = nullptr;
+  {
+    // The endpoint is used only while it is cached (the loop closes failed ones under the
+    // writer lock), so another get's failure cannot free it under this one.
+    absl::ReaderMutexLock use(&impl_->use_mu);
+    if (!impl_->Cached(address, *ep)) {
+      return absl::UnavailableError("the endpoint to the source failed (another get on it)");
+    }
+    ucs_status_t s = ucp_ep_rkey_unpack(*ep, rkey_bytes.data(), &rkey);
+    if (s != UCS_OK) {
+      return UcxError(absl::StatusCode::kDataLoss, "the source's remote key (ucp_ep_rkey_unpack)",
+                      s);
+    }
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = &GetDone;
+    p.user_data = &op;
+    r = ucp_get_nbx(*ep, dst, bytes, remote, rkey, &p);
+  }
+  ucs_status_t s = UCS_OK;
   if (r == nullptr) {
     ucp_rkey_destroy(rkey);
     return absl::OkStatus();
