@@ -29,6 +29,7 @@ struct Publisher::Batch {
   int32_t world_size = 0;
   absl::Time deadline = absl::InfiniteFuture();
   std::map<int32_t, PublishDone> arrived;  // by rank
+  absl::Status refusal;                    // multi-daemon: this daemon lacks the GPU
 };
 
 struct Publisher::Job {
@@ -41,6 +42,9 @@ struct Publisher::Job {
   std::string leader;
   std::string token;
   int64_t owner_uid = -1;
+  // Why this daemon cannot take the version (a GPU it does not use): the publish fails on
+  // every daemon with it (the leader reads every daemon's batch first, PublishRounds).
+  absl::Status refusal;
 };
 
 namespace {
@@ -162,11 +166,12 @@ void Publisher::Publish(PublishArgs args, PublishDone done) {
                                                  "bfloat16)")));
     return;
   }
+  absl::Status refusal;  // a GPU this daemon does not use
   if (args.device != -1) {
-    if (absl::Status s =
-            devices_.Check(args.name, args.device, args.reader_uids, args.reader_token);
-        !s.ok()) {
-      done(s);
+    refusal = devices_.Check(args.name, args.device, args.reader_uids, args.reader_token);
+    if (refusal.code() != absl::StatusCode::kOk &&
+        refusal.code() != absl::StatusCode::kFailedPrecondition) {
+      done(refusal);  // bad arguments: every daemon refuses them alike
       return;
     }
   }
@@ -175,11 +180,8 @@ void Publisher::Publish(PublishArgs args, PublishDone done) {
     done(group.status());
     return;
   }
-  if (group->multi && args.device >= 0) {
-    done(absl::FailedPreconditionError(absl::StrCat(
-        "Publish: options.device: group ", args.caller.group,
-        " has ranks on several daemons; its versions are host memory only (device versions "
-        "of such groups are not built)")));
+  if (!refusal.ok() && !group->multi) {
+    done(refusal);
     return;
   }
   if (group->multi && options_.distributed == nullptr) {
@@ -222,15 +224,23 @@ void Publisher::Publish(PublishArgs args, PublishDone done) {
         }
         batch->deadline = std::min(batch->deadline, args.deadline);
         batch->arrived[args.caller.rank] = std::move(done);
+        // Multi-daemon groups: the batch still forms, so the leader fails it everywhere.
+        if (!refusal.ok()) batch->refusal = refusal;
         if (static_cast<int32_t>(batch->arrived.size()) == batch->world_size) {
           Job job;
           job.args = batch->first;
           for (auto& [rank, d] : batch->arrived) job.done.push_back(std::move(d));
           if (group->multi) {
             job.multi = true;
-            job.seq = options_.distributed->rounds().Arrived(bkey.first, bkey.second, group->token,
-                                                             group->leader.empty());
             job.leader = group->leader;
+            job.refusal = batch->refusal;
+            if (!job.refusal.ok() && job.leader.empty()) {
+              job.refusal = absl::Status(
+                  job.refusal.code(),
+                  absl::StrCat("rank 0's daemon (the publish leader): ", job.refusal.message()));
+            }
+            job.seq = options_.distributed->rounds().Arrived(bkey.first, bkey.second, group->token,
+                                                             job.leader.empty(), job.refusal);
             job.token = group->token;
             job.owner_uid = group->owner_uid;
           }
@@ -294,6 +304,20 @@ void Publisher::Run() {
   }
 }
 
+absl::StatusOr<std::shared_ptr<Buffer>> Publisher::ToDevice(const Buffer& host,
+                                                            const PublishArgs& a, int64_t owner_uid,
+                                                            const std::string& group) const {
+  absl::StatusOr<std::shared_ptr<Buffer>> device = devices_.Upload(
+      host, a.device, absl::StrCat("weights name=", a.name, " group=", group), owner_uid);
+  if (!device.ok()) {
+    return absl::Status(
+        device.status().code(),
+        absl::StrCat("Publish of weights ", Quoted(a.name), " (", host.bytes(), " bytes for ",
+                     OwnerText(owner_uid), ") to GPU ", a.device, ": ", device.status().message()));
+  }
+  return device;
+}
+
 absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const Job& job) {
   const PublishArgs& a = job.args;
   CheckpointArgs hold;
@@ -304,6 +328,14 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const
   auto v = std::make_shared<Version>();
   FS_RETURN_IF_ERROR(options_.groups->ReadCommitted(hold, [&](const CommittedCopies& c) {
     FS_ASSIGN_OR_RETURN(v->layout, LayOutWeights(c.plan, c.manifest, a.dtype));
+    std::vector<int32_t> ranks = c.ranks;
+    std::vector<std::vector<std::shared_ptr<Buffer>>> by_unit = c.by_unit;
+    if (!c.peers.empty()) {  // the leader of a multi-daemon group: the others' shards too
+      FS_RETURN_IF_ERROR(
+          options_.distributed->GatherShards(c, job.seq, a.deadline, &ranks, &by_unit));
+    }
+    // The other daemons' batches are paired now: they get this error from here.
+    FS_RETURN_IF_ERROR(job.refusal);
     // The spare segment of an earlier version when one fits (spare_segments.h); device
     // versions fill a fresh host buffer and copy it to the GPU afterwards.
     if (a.device < 0) {
@@ -330,12 +362,6 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const
     if (!reused && v->layout.bytes > 0) {
       (void)::madvise(v->buffer->data(), static_cast<size_t>(v->layout.bytes), kPopulateWrite);
     }
-    std::vector<int32_t> ranks = c.ranks;
-    std::vector<std::vector<std::shared_ptr<Buffer>>> by_unit = c.by_unit;
-    if (!c.peers.empty()) {  // the leader of a multi-daemon group: the others' shards too
-      FS_RETURN_IF_ERROR(
-          options_.distributed->GatherShards(c, job.seq, a.deadline, &ranks, &by_unit));
-    }
     FS_RETURN_IF_ERROR(
         FillWeights(c.plan, v->layout, ranks, by_unit, v->buffer->data(), options_.fill_threads));
     Metrics().copied.WithLabels({}).Increment(static_cast<double>(v->layout.bytes));
@@ -347,16 +373,11 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const
     return absl::OkStatus();
   }));
   if (a.device >= 0) {  // once filled, with the committed copies released again
-    absl::StatusOr<std::shared_ptr<Buffer>> device = devices_.Upload(
-        *v->buffer, a.device, absl::StrCat("weights name=", a.name, " group=", v->info.group),
-        v->info.owner_uid);
-    if (!device.ok()) {
-      return absl::Status(device.status().code(),
-                          absl::StrCat("Publish of weights ", Quoted(a.name), " (", v->layout.bytes,
-                                       " bytes for ", OwnerText(v->info.owner_uid), ") to GPU ",
-                                       a.device, ": ", device.status().message()));
-    }
-    v->buffer = *std::move(device);  // the host buffer is freed here
+    FS_ASSIGN_OR_RETURN(std::shared_ptr<Buffer> device,
+                        ToDevice(*v->buffer, a, v->info.owner_uid, v->info.group));
+    // The group's other daemons copy the host bytes (Export); otherwise they are freed here.
+    if (job.multi) v->peer_copy = std::move(v->buffer);
+    v->buffer = std::move(device);
     v->info.device = a.device;
   }
   // Read-only from now on, for everybody (the daemon keeps its read-write descriptor).
@@ -390,6 +411,18 @@ void Publisher::Build(Job job) {
     absl::StatusOr<CopiedVersion> copy = options_.distributed->FetchFromLeader(
         {job.leader, job.args.caller.group, job.token, job.args.module, job.seq, job.args.name,
          job.owner_uid, job.args.deadline});
+    // The leader got this daemon's refusal when it read its shards: it cannot have built it.
+    if (copy.ok() && !job.refusal.ok()) copy = job.refusal;
+    if (copy.ok() && job.args.device >= 0) {  // each daemon uploads to its own GPU
+      absl::StatusOr<std::shared_ptr<Buffer>> device =
+          ToDevice(*copy->buffer, job.args, copy->info.owner_uid, copy->info.group);
+      if (device.ok()) {
+        copy->buffer = *std::move(device);  // the copied host bytes are freed here
+        copy->info.device = job.args.device;
+      } else {
+        copy = device.status();
+      }
+    }
     made = copy.ok() ? FromCopy(*std::move(copy)) : copy.status();
   } else {
     made = MakeVersion(job);
@@ -447,7 +480,9 @@ void Publisher::InsertLocked(
   uint64_t& last = last_version_[key];
   if (v->info.version == 0) v->info.version = last + 1;
   last = std::max(last, v->info.version);
-  table_[key][v->info.version] = v;
+  auto& versions = table_[key];
+  for (auto& [n, old] : versions) old->peer_copy.reset();  // the group copied those by now
+  versions[v->info.version] = v;
   TrimLocked(key, freed);
   for (auto& [id, w] : watches_) {
     // Copies may come out of order (a version asked by number): never one it told of already.
