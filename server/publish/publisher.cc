@@ -60,6 +60,7 @@ struct WeightsMetrics {
   metrics::CounterFamily& reused;
   metrics::GaugeFamily& spare_bytes;
   metrics::GaugeFamily& device_bytes;
+  metrics::GaugeFamily& watches;
 };
 
 const WeightsMetrics& Metrics() {
@@ -82,7 +83,10 @@ const WeightsMetrics& Metrics() {
                    "Bytes of the spare segments kept for the next version of their names"),
         r.AddGauge("flatshard_weights_device_bytes",
                    "Bytes of the published versions alive in GPU memory (also in "
-                   "flatshard_weights_bytes)")};
+                   "flatshard_weights_bytes)"),
+        r.AddGauge("flatshard_weights_watches",
+                   "Open watches of published weights (WaitForVersion, other daemons' follow "
+                   "streams)")};
   }();
   return *m;
 }
@@ -130,6 +134,7 @@ Publisher::~Publisher() { Shutdown(); }
 void Publisher::Shutdown() {
   std::vector<PublishDone> failed;
   std::map<uint64_t, WatchEntry> watches;
+  std::map<uint64_t, std::shared_ptr<WeightsLeaseHolder>> holders;
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return;
@@ -143,6 +148,8 @@ void Publisher::Shutdown() {
     }
     jobs_.clear();
     watches.swap(watches_);
+    holders.swap(holders_);
+    UpdateGaugesLocked();
   }
   for (PublishDone& done : failed) {
     done(absl::UnavailableError("flatshardd is shutting down: nothing was published"));
@@ -150,6 +157,10 @@ void Publisher::Shutdown() {
   const absl::Status ended = absl::UnavailableError(
       "flatshardd is shutting down: the watch ended; watch again once it is back");
   for (auto& [id, w] : watches) w.watcher->End(ended);
+  const absl::Status lease_ended = absl::UnavailableError(
+      "flatshardd is shutting down: the lease's stream ended; the version stays mapped until "
+      "the reader unmaps it (open it again once the daemon is back)");
+  for (auto& [id, h] : holders) h->End(lease_ended);
   if (worker_.joinable()) worker_.join();
   spares_.Clear();
 }
@@ -440,11 +451,17 @@ void Publisher::Build(Job job) {
       made.ok() ? absl::StatusOr<WeightsInfo>(WeightsInfo{}) : made.status();
   std::vector<std::shared_ptr<Version>> freed;
   std::vector<std::pair<std::shared_ptr<WeightsWatcher>, WeightsInfo>> notify;
+  std::vector<std::shared_ptr<Buffer>> old_copies;  // freed after the lock
   if (made.ok()) {
     std::shared_ptr<Version> v = *made;
     absl::MutexLock lock(&mu_);
     InsertLocked(v, &freed, &notify);
     result = v->info;
+    // Older versions' host copies: the group's other daemons copied them before their ranks'
+    // Publish returned, so before the ranks could publish again.
+    for (auto& [n, old] : table_[Key{v->info.owner_uid, v->info.name}]) {
+      if (old != v && old->peer_copy != nullptr) old_copies.push_back(std::move(old->peer_copy));
+    }
   }
   if (job.multi && job.leader.empty()) {  // the other daemons copy it now (or fail with it)
     options_.distributed->rounds().Done(
@@ -480,9 +497,7 @@ void Publisher::InsertLocked(
   uint64_t& last = last_version_[key];
   if (v->info.version == 0) v->info.version = last + 1;
   last = std::max(last, v->info.version);
-  auto& versions = table_[key];
-  for (auto& [n, old] : versions) old->peer_copy.reset();  // the group copied those by now
-  versions[v->info.version] = v;
+  table_[key][v->info.version] = v;
   TrimLocked(key, freed);
   for (auto& [id, w] : watches_) {
     // Copies may come out of order (a version asked by number): never one it told of already.
@@ -555,8 +570,13 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::FindLocked(
 }
 
 absl::StatusOr<WeightsDescriptor> Publisher::Open(const WeightsSelector& selector, int64_t uid,
-                                                  uint64_t* lease) {
+                                                  uint64_t* lease,
+                                                  std::shared_ptr<WeightsLeaseHolder> holder) {
   absl::MutexLock lock(&mu_);
+  if (stopping_) {
+    return absl::UnavailableError(
+        absl::StrCat("flatshardd is shutting down: cannot open weights ", Quoted(selector.name)));
+  }
   FS_ASSIGN_OR_RETURN(std::shared_ptr<Version> v, FindLocked(selector, uid));
   const int fd = v->buffer->segment_fd();
   // Admit the reader's uid to the segment (the kernel checks it at shm_open). Cheap
@@ -575,6 +595,7 @@ absl::StatusOr<WeightsDescriptor> Publisher::Open(const WeightsSelector& selecto
   ++v->readers;
   *lease = next_id_++;
   leases_[*lease] = v;
+  if (holder != nullptr) holders_[*lease] = std::move(holder);
   UpdateGaugesLocked();
   WeightsDescriptor d = DescriptorOf(v->info, *v->buffer, v->layout);
   d.info.readers = v->readers;
@@ -589,6 +610,7 @@ void Publisher::Release(uint64_t lease) {
     if (it == leases_.end()) return;
     std::shared_ptr<Version> v = std::move(it->second);
     leases_.erase(it);
+    holders_.erase(lease);
     if (--v->readers == 0) {
       if (v->in_table) {
         TrimLocked(Key{v->info.owner_uid, v->info.name}, &freed);
@@ -615,6 +637,7 @@ absl::StatusOr<uint64_t> Publisher::Watch(const WeightsSelector& selector, int64
     const Key key{owner, selector.name};
     id = next_id_++;
     WatchEntry& w = watches_[id] = WatchEntry{key, uid, selector.token, watcher, after};
+    UpdateGaugesLocked();
     if (auto it = table_.find(key); it != table_.end() && !it->second.empty()) {
       const Version& v = *it->second.rbegin()->second;
       if (v.info.version > after && CheckReader(v, uid, selector.token, Admin(uid)).ok()) {
@@ -633,6 +656,7 @@ void Publisher::Unwatch(uint64_t id) {
   if (auto it = watches_.find(id); it != watches_.end()) {
     gone = std::move(it->second.watcher);
     watches_.erase(it);
+    UpdateGaugesLocked();
   }
 }
 
@@ -742,6 +766,7 @@ void Publisher::UpdateGaugesLocked() {
   m.bytes.WithLabels({}).Set(static_cast<double>(bytes));
   m.device_bytes.WithLabels({}).Set(static_cast<double>(device_bytes));
   m.readers.WithLabels({}).Set(static_cast<double>(readers));
+  m.watches.WithLabels({}).Set(static_cast<double>(watches_.size()));
 }
 
 }  // namespace flatshard::server

@@ -142,6 +142,16 @@ class WeightsWatcher {
   virtual void End(const absl::Status& why) = 0;
 };
 
+// An open lease's stream (the service's OpenWeights call). End comes at most once, from
+// Shutdown (outside the lock): the stream ends now with `why` (UNAVAILABLE), so a stopping
+// daemon does not wait its grace for readers. The lease stays until Release; the reader's
+// mapping stays valid (the segment is its until it unmaps).
+class WeightsLeaseHolder {
+ public:
+  virtual ~WeightsLeaseHolder() = default;
+  virtual void End(const absl::Status& why) = 0;
+};
+
 // A whole version copied from another daemon (weights_peer_client.h); its number and
 // generation are the source's. The buffer is filled, not yet sealed.
 struct CopiedVersion {
@@ -207,10 +217,12 @@ class Publisher {
   void Publish(PublishArgs args, PublishDone done);
 
   // Admits `uid` to the selected version and takes a lease on it (`*lease`): the version is
-  // not freed before Release(*lease). NOT_FOUND naming the owner uid, name and version (and
-  // the versions there are); PERMISSION_DENIED naming the uid when it is not granted.
+  // not freed before Release(*lease). `holder` (may be null) is told when Shutdown ends the
+  // lease's stream. NOT_FOUND naming the owner uid, name and version (and the versions there
+  // are); PERMISSION_DENIED naming the uid when it is not granted; UNAVAILABLE after Shutdown.
   absl::StatusOr<WeightsDescriptor> Open(const WeightsSelector& selector, int64_t uid,
-                                         uint64_t* lease);
+                                         uint64_t* lease,
+                                         std::shared_ptr<WeightsLeaseHolder> holder = nullptr);
   // Ends a lease; the version is freed once no lease holds it and it is not kept. Idempotent.
   void Release(uint64_t lease);
 
@@ -249,8 +261,8 @@ class Publisher {
   // The newest version number of (owner uid, name) here; 0: none.
   uint64_t Newest(int64_t owner_uid, const std::string& name) const;
 
-  // Fails pending arrivals and ends every watch (UNAVAILABLE), then stops the worker.
-  // Idempotent.
+  // Fails pending arrivals and ends every watch and every lease's stream (UNAVAILABLE; the
+  // leases themselves end at Release), then stops the worker. Idempotent.
   void Shutdown();
 
  private:
@@ -304,6 +316,7 @@ class Publisher {
   std::map<Key, std::map<uint64_t, std::shared_ptr<Version>>> table_ ABSL_GUARDED_BY(mu_);
   std::map<Key, uint64_t> last_version_ ABSL_GUARDED_BY(mu_);  // never reused
   std::map<uint64_t, std::shared_ptr<Version>> leases_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::shared_ptr<WeightsLeaseHolder>> holders_ ABSL_GUARDED_BY(mu_);
   struct WatchEntry {
     Key key;
     int64_t uid = -1;

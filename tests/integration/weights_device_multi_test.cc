@@ -163,7 +163,7 @@ TEST(WeightsDeviceMultiTest, TheLeaderKilledMidPublishLeavesOnlyWholeVersionsOnT
         failed[r] = v.status();
         if (!v.ok()) return;
         weights_testing::FillShards(*v, s);
-        failed[r] = t.c[r]->Commit("");
+        failed[r] = t.c[r]->Commit("").status();
         if (failed[r].ok()) failed[r] = t.c[r]->Publish("", "gpt", OnDevice(1)).status();
       });
       for (const absl::Status& f : failed) {
