@@ -2,13 +2,15 @@
 // real flatshardd processes with simulated GPUs (--simulate_gpus: device memory is host shared
 // memory) and peer ports, trainers on both, readers through each daemon's (simulated) CUDA IPC.
 //   - one publish with options.device = 1 places the version in GPU 1 of each daemon, same
-//     number and generation, element for element (and cast), read through each own daemon;
+//     number and generation, element for element (and cast to bfloat16), read through each
+//     daemon;
 //   - a daemon without that GPU (the leader or another one) fails the publish on every rank,
 //     naming the daemon and the GPU, and nothing is published anywhere; the next one works;
 //   - the leader killed with SIGKILL at a random point of a publish loop leaves only whole
 //     versions on the other daemon.
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -83,10 +85,13 @@ TEST(WeightsDeviceMultiTest, APublishPlacesTheVersionInTheGpuOfEachDaemon) {
     ExpectHolds(*t.plan, **v, 3);  // simulated device pointers are host pointers
     held.push_back(*std::move(v));
   }
-  // The next step to GPU 0, then a host version: each daemon numbers and places them alike,
-  // and the held version 1 is unchanged.
+  // The next step to GPU 0 cast to bfloat16 (on the leader, before the copies), then as a
+  // host version: each daemon numbers and places them alike, the cast version holds the
+  // host one's values rounded (the pattern is exact in bfloat16), and version 1 is unchanged.
   t.Step(4);
-  for (const auto& x : t.Publish("gpt", OnDevice(0))) ASSERT_TRUE(x.ok()) << x.status();
+  PublishOptions cast = OnDevice(0);
+  cast.dtype = DType::kBFloat16;
+  for (const auto& x : t.Publish("gpt", cast)) ASSERT_TRUE(x.ok()) << x.status();
   for (const auto& x : t.Publish("gpt")) ASSERT_TRUE(x.ok()) << x.status();
   for (const DaemonProcess* d : {d0.get(), d1.get()}) {
     std::vector<int> devices;
@@ -95,10 +100,24 @@ TEST(WeightsDeviceMultiTest, APublishPlacesTheVersionInTheGpuOfEachDaemon) {
     std::unique_ptr<WeightsReader> r = SimulatedReader(*d);
     OpenWeightsOptions two;
     two.version = 2;
-    absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r->Open("gpt", two);
-    ASSERT_TRUE(v.ok()) << v.status();
-    EXPECT_EQ((*v)->info().device, 0);
-    ExpectHolds(*t.plan, **v, 4);
+    absl::StatusOr<std::unique_ptr<WeightsVersion>> bf16 = r->Open("gpt", two);
+    absl::StatusOr<std::unique_ptr<WeightsVersion>> host = r->Open("gpt");
+    ASSERT_TRUE(bf16.ok() && host.ok()) << bf16.status() << " / " << host.status();
+    EXPECT_EQ((*bf16)->info().device, 0);
+    ExpectHolds(*t.plan, **host, 4);
+    ASSERT_EQ((*bf16)->tensors().size(), (*host)->tensors().size());
+    for (const WeightsTensor& f : (*host)->tensors()) {
+      const WeightsTensor* b = (*bf16)->Find(f.name);
+      ASSERT_NE(b, nullptr) << f.name;
+      EXPECT_EQ(b->dtype, DType::kBFloat16) << f.name;
+      ASSERT_EQ(b->bytes * 2, f.bytes) << f.name;
+      for (int64_t j = 0; j < f.bytes / 4; ++j) {
+        uint32_t bits = 0;
+        std::memcpy(&bits, static_cast<const char*>(f.data) + j * 4, 4);
+        ASSERT_EQ(static_cast<const uint16_t*>(b->data)[j], static_cast<uint16_t>(bits >> 16))
+            << f.name << "[" << j << "]";
+      }
+    }
   }
   for (const auto& v : held) ExpectHolds(*t.plan, *v, 3);
 }
