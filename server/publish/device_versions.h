@@ -11,8 +11,9 @@
 // - CUDA IPC maps a whole pool slab read-write for every process holding its handle, so a
 //   device version grants no other reader: reader_uids and reader_token are refused
 //   (INVALID_ARGUMENT naming the field); only the owner uid and admins open it;
-// - groups on several daemons, copies to other daemons and the state directory are host only
-//   (device versions do not survive a daemon restart).
+// - a group on several daemons places the version in GPU N of each daemon (each uploads the
+//   leader's host bytes itself, publisher.h); copies to readers' daemons (--weights_sources)
+//   and the state directory are host only (device versions do not survive a daemon restart).
 //
 // Thread safety: thread-safe (immutable after construction; the contexts are thread-safe).
 

@@ -16,12 +16,16 @@ void Trim(M& m) {
 }  // namespace
 
 uint64_t PublishRounds::Arrived(const std::string& group, const std::string& module,
-                                const std::string& token, bool leader) {
+                                const std::string& token, bool leader, absl::Status refusal) {
   absl::MutexLock lock(&mu_);
   Round& r = rounds_[Key{group, module}];
   r.token = token;
   ++r.last;
   if (!leader) r.unread.push_back(r.last);
+  if (!refusal.ok()) {
+    r.refused[r.last] = std::move(refusal);
+    Trim(r.refused);
+  }
   return r.last;
 }
 
@@ -29,11 +33,14 @@ absl::Status PublishRounds::TakeArrival(const std::string& group, const std::str
                                         uint64_t seq, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   Round& r = rounds_[Key{group, module}];
-  auto paired = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return std::any_of(r.leader_seq.begin(), r.leader_seq.end(),
-                       [&](const auto& p) { return p.second == seq; });
+  // The batch's refusal (Arrived), else OK.
+  auto verdict = [&](uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = r.refused.find(id);
+    return it == r.refused.end() ? absl::OkStatus() : it->second;
   };
-  if (paired()) return absl::OkStatus();  // the leader reads again (a generation changed)
+  for (const auto& [id, s] : r.leader_seq) {
+    if (s == seq) return verdict(id);  // the leader reads again (a generation changed)
+  }
   auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopped_ || !r.unread.empty(); };
   mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
   if (stopped_) return absl::UnavailableError("flatshardd is shutting down");
@@ -42,10 +49,11 @@ absl::Status PublishRounds::TakeArrival(const std::string& group, const std::str
         "group ", group, " module \"", module, "\": this daemon's ranks did not call Publish ",
         "(the leader's publish #", seq, ") in time (it is collective: every rank calls it)"));
   }
-  r.leader_seq[r.unread.front()] = seq;
+  const uint64_t id = r.unread.front();
+  r.leader_seq[id] = seq;
   r.unread.pop_front();
   Trim(r.leader_seq);
-  return absl::OkStatus();
+  return verdict(id);
 }
 
 absl::StatusOr<uint64_t> PublishRounds::AwaitLeaderSeq(const std::string& group,

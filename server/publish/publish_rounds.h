@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -29,12 +30,14 @@ class PublishRounds {
  public:
   // This daemon's ranks of (group, module) all arrived at a publish: its number here.
   // `token`: the group's (other daemons' AwaitDone present it). `leader`: this daemon builds
-  // it (nobody reads it).
+  // it (nobody reads it). `refusal`: why this daemon cannot take the version (a GPU it does
+  // not use); the leader's read gets it, so the publish fails on every daemon.
   uint64_t Arrived(const std::string& group, const std::string& module, const std::string& token,
-                   bool leader);
+                   bool leader, absl::Status refusal = absl::OkStatus());
   // Another daemon's side of the leader's publish `seq`: the batch paired with it already,
   // else the oldest batch the leader has not read, waiting for one until `deadline`.
-  // DEADLINE_EXCEEDED naming the group, module and seq; UNAVAILABLE after Shutdown.
+  // DEADLINE_EXCEEDED naming the group, module and seq; UNAVAILABLE after Shutdown; the
+  // batch's refusal (Arrived) once paired.
   absl::Status TakeArrival(const std::string& group, const std::string& module, uint64_t seq,
                            absl::Time deadline);
   // The leader's publish number that batch `id` was paired with, waiting until `deadline`
@@ -56,8 +59,9 @@ class PublishRounds {
   struct Round {
     uint64_t last = 0;  // the last batch number given here
     std::string token;
-    std::deque<uint64_t> unread;              // batches the leader has not read yet
-    std::map<uint64_t, uint64_t> leader_seq;  // batch -> the leader's publish (the newest few)
+    std::deque<uint64_t> unread;               // batches the leader has not read yet
+    std::map<uint64_t, uint64_t> leader_seq;   // batch -> the leader's publish (the newest few)
+    std::map<uint64_t, absl::Status> refused;  // batch -> its refusal (the newest few)
     std::map<uint64_t, absl::StatusOr<uint64_t>> results;  // leader: by seq (the newest few)
   };
   absl::Mutex mu_;

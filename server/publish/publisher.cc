@@ -29,6 +29,7 @@ struct Publisher::Batch {
   int32_t world_size = 0;
   absl::Time deadline = absl::InfiniteFuture();
   std::map<int32_t, PublishDone> arrived;  // by rank
+  absl::Status refusal;                    // multi-daemon: this daemon lacks the GPU
 };
 
 struct Publisher::Job {
@@ -41,6 +42,9 @@ struct Publisher::Job {
   std::string leader;
   std::string token;
   int64_t owner_uid = -1;
+  // Why this daemon cannot take the version (a GPU it does not use): the publish fails on
+  // every daemon with it (the leader reads every daemon's batch first, PublishRounds).
+  absl::Status refusal;
 };
 
 namespace {
@@ -56,6 +60,7 @@ struct WeightsMetrics {
   metrics::CounterFamily& reused;
   metrics::GaugeFamily& spare_bytes;
   metrics::GaugeFamily& device_bytes;
+  metrics::GaugeFamily& watches;
 };
 
 const WeightsMetrics& Metrics() {
@@ -78,7 +83,10 @@ const WeightsMetrics& Metrics() {
                    "Bytes of the spare segments kept for the next version of their names"),
         r.AddGauge("flatshard_weights_device_bytes",
                    "Bytes of the published versions alive in GPU memory (also in "
-                   "flatshard_weights_bytes)")};
+                   "flatshard_weights_bytes)"),
+        r.AddGauge("flatshard_weights_watches",
+                   "Open watches of published weights (WaitForVersion, other daemons' follow "
+                   "streams)")};
   }();
   return *m;
 }
@@ -126,6 +134,7 @@ Publisher::~Publisher() { Shutdown(); }
 void Publisher::Shutdown() {
   std::vector<PublishDone> failed;
   std::map<uint64_t, WatchEntry> watches;
+  std::map<uint64_t, std::shared_ptr<WeightsLeaseHolder>> holders;
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return;
@@ -139,6 +148,8 @@ void Publisher::Shutdown() {
     }
     jobs_.clear();
     watches.swap(watches_);
+    holders.swap(holders_);
+    UpdateGaugesLocked();
   }
   for (PublishDone& done : failed) {
     done(absl::UnavailableError("flatshardd is shutting down: nothing was published"));
@@ -146,6 +157,10 @@ void Publisher::Shutdown() {
   const absl::Status ended = absl::UnavailableError(
       "flatshardd is shutting down: the watch ended; watch again once it is back");
   for (auto& [id, w] : watches) w.watcher->End(ended);
+  const absl::Status lease_ended = absl::UnavailableError(
+      "flatshardd is shutting down: the lease's stream ended; the version stays mapped until "
+      "the reader unmaps it (open it again once the daemon is back)");
+  for (auto& [id, h] : holders) h->End(lease_ended);
   if (worker_.joinable()) worker_.join();
   spares_.Clear();
 }
@@ -162,11 +177,12 @@ void Publisher::Publish(PublishArgs args, PublishDone done) {
                                                  "bfloat16)")));
     return;
   }
+  absl::Status refusal;  // a GPU this daemon does not use
   if (args.device != -1) {
-    if (absl::Status s =
-            devices_.Check(args.name, args.device, args.reader_uids, args.reader_token);
-        !s.ok()) {
-      done(s);
+    refusal = devices_.Check(args.name, args.device, args.reader_uids, args.reader_token);
+    if (refusal.code() != absl::StatusCode::kOk &&
+        refusal.code() != absl::StatusCode::kFailedPrecondition) {
+      done(refusal);  // bad arguments: every daemon refuses them alike
       return;
     }
   }
@@ -175,11 +191,8 @@ void Publisher::Publish(PublishArgs args, PublishDone done) {
     done(group.status());
     return;
   }
-  if (group->multi && args.device >= 0) {
-    done(absl::FailedPreconditionError(absl::StrCat(
-        "Publish: options.device: group ", args.caller.group,
-        " has ranks on several daemons; its versions are host memory only (device versions "
-        "of such groups are not built)")));
+  if (!refusal.ok() && !group->multi) {
+    done(refusal);
     return;
   }
   if (group->multi && options_.distributed == nullptr) {
@@ -222,15 +235,23 @@ void Publisher::Publish(PublishArgs args, PublishDone done) {
         }
         batch->deadline = std::min(batch->deadline, args.deadline);
         batch->arrived[args.caller.rank] = std::move(done);
+        // Multi-daemon groups: the batch still forms, so the leader fails it everywhere.
+        if (!refusal.ok()) batch->refusal = refusal;
         if (static_cast<int32_t>(batch->arrived.size()) == batch->world_size) {
           Job job;
           job.args = batch->first;
           for (auto& [rank, d] : batch->arrived) job.done.push_back(std::move(d));
           if (group->multi) {
             job.multi = true;
-            job.seq = options_.distributed->rounds().Arrived(bkey.first, bkey.second, group->token,
-                                                             group->leader.empty());
             job.leader = group->leader;
+            job.refusal = batch->refusal;
+            if (!job.refusal.ok() && job.leader.empty()) {
+              job.refusal = absl::Status(
+                  job.refusal.code(),
+                  absl::StrCat("rank 0's daemon (the publish leader): ", job.refusal.message()));
+            }
+            job.seq = options_.distributed->rounds().Arrived(bkey.first, bkey.second, group->token,
+                                                             job.leader.empty(), job.refusal);
             job.token = group->token;
             job.owner_uid = group->owner_uid;
           }
@@ -294,6 +315,20 @@ void Publisher::Run() {
   }
 }
 
+absl::StatusOr<std::shared_ptr<Buffer>> Publisher::ToDevice(const Buffer& host,
+                                                            const PublishArgs& a, int64_t owner_uid,
+                                                            const std::string& group) const {
+  absl::StatusOr<std::shared_ptr<Buffer>> device = devices_.Upload(
+      host, a.device, absl::StrCat("weights name=", a.name, " group=", group), owner_uid);
+  if (!device.ok()) {
+    return absl::Status(
+        device.status().code(),
+        absl::StrCat("Publish of weights ", Quoted(a.name), " (", host.bytes(), " bytes for ",
+                     OwnerText(owner_uid), ") to GPU ", a.device, ": ", device.status().message()));
+  }
+  return device;
+}
+
 absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const Job& job) {
   const PublishArgs& a = job.args;
   CheckpointArgs hold;
@@ -304,6 +339,14 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const
   auto v = std::make_shared<Version>();
   FS_RETURN_IF_ERROR(options_.groups->ReadCommitted(hold, [&](const CommittedCopies& c) {
     FS_ASSIGN_OR_RETURN(v->layout, LayOutWeights(c.plan, c.manifest, a.dtype));
+    std::vector<int32_t> ranks = c.ranks;
+    std::vector<std::vector<std::shared_ptr<Buffer>>> by_unit = c.by_unit;
+    if (!c.peers.empty()) {  // the leader of a multi-daemon group: the others' shards too
+      FS_RETURN_IF_ERROR(
+          options_.distributed->GatherShards(c, job.seq, a.deadline, &ranks, &by_unit));
+    }
+    // The other daemons' batches are paired now: they get this error from here.
+    FS_RETURN_IF_ERROR(job.refusal);
     // The spare segment of an earlier version when one fits (spare_segments.h); device
     // versions fill a fresh host buffer and copy it to the GPU afterwards.
     if (a.device < 0) {
@@ -330,12 +373,6 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const
     if (!reused && v->layout.bytes > 0) {
       (void)::madvise(v->buffer->data(), static_cast<size_t>(v->layout.bytes), kPopulateWrite);
     }
-    std::vector<int32_t> ranks = c.ranks;
-    std::vector<std::vector<std::shared_ptr<Buffer>>> by_unit = c.by_unit;
-    if (!c.peers.empty()) {  // the leader of a multi-daemon group: the others' shards too
-      FS_RETURN_IF_ERROR(
-          options_.distributed->GatherShards(c, job.seq, a.deadline, &ranks, &by_unit));
-    }
     FS_RETURN_IF_ERROR(
         FillWeights(c.plan, v->layout, ranks, by_unit, v->buffer->data(), options_.fill_threads));
     Metrics().copied.WithLabels({}).Increment(static_cast<double>(v->layout.bytes));
@@ -347,16 +384,11 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::MakeVersion(const
     return absl::OkStatus();
   }));
   if (a.device >= 0) {  // once filled, with the committed copies released again
-    absl::StatusOr<std::shared_ptr<Buffer>> device = devices_.Upload(
-        *v->buffer, a.device, absl::StrCat("weights name=", a.name, " group=", v->info.group),
-        v->info.owner_uid);
-    if (!device.ok()) {
-      return absl::Status(device.status().code(),
-                          absl::StrCat("Publish of weights ", Quoted(a.name), " (", v->layout.bytes,
-                                       " bytes for ", OwnerText(v->info.owner_uid), ") to GPU ",
-                                       a.device, ": ", device.status().message()));
-    }
-    v->buffer = *std::move(device);  // the host buffer is freed here
+    FS_ASSIGN_OR_RETURN(std::shared_ptr<Buffer> device,
+                        ToDevice(*v->buffer, a, v->info.owner_uid, v->info.group));
+    // The group's other daemons copy the host bytes (Export); otherwise they are freed here.
+    if (job.multi) v->peer_copy = std::move(v->buffer);
+    v->buffer = std::move(device);
     v->info.device = a.device;
   }
   // Read-only from now on, for everybody (the daemon keeps its read-write descriptor).
@@ -390,6 +422,18 @@ void Publisher::Build(Job job) {
     absl::StatusOr<CopiedVersion> copy = options_.distributed->FetchFromLeader(
         {job.leader, job.args.caller.group, job.token, job.args.module, job.seq, job.args.name,
          job.owner_uid, job.args.deadline});
+    // The leader got this daemon's refusal when it read its shards: it cannot have built it.
+    if (copy.ok() && !job.refusal.ok()) copy = job.refusal;
+    if (copy.ok() && job.args.device >= 0) {  // each daemon uploads to its own GPU
+      absl::StatusOr<std::shared_ptr<Buffer>> device =
+          ToDevice(*copy->buffer, job.args, copy->info.owner_uid, copy->info.group);
+      if (device.ok()) {
+        copy->buffer = *std::move(device);  // the copied host bytes are freed here
+        copy->info.device = job.args.device;
+      } else {
+        copy = device.status();
+      }
+    }
     made = copy.ok() ? FromCopy(*std::move(copy)) : copy.status();
   } else {
     made = MakeVersion(job);
@@ -407,11 +451,17 @@ void Publisher::Build(Job job) {
       made.ok() ? absl::StatusOr<WeightsInfo>(WeightsInfo{}) : made.status();
   std::vector<std::shared_ptr<Version>> freed;
   std::vector<std::pair<std::shared_ptr<WeightsWatcher>, WeightsInfo>> notify;
+  std::vector<std::shared_ptr<Buffer>> old_copies;  // freed after the lock
   if (made.ok()) {
     std::shared_ptr<Version> v = *made;
     absl::MutexLock lock(&mu_);
     InsertLocked(v, &freed, &notify);
     result = v->info;
+    // Older versions' host copies: the group's other daemons copied them before their ranks'
+    // Publish returned, so before the ranks could publish again.
+    for (auto& [n, old] : table_[Key{v->info.owner_uid, v->info.name}]) {
+      if (old != v && old->peer_copy != nullptr) old_copies.push_back(std::move(old->peer_copy));
+    }
   }
   if (job.multi && job.leader.empty()) {  // the other daemons copy it now (or fail with it)
     options_.distributed->rounds().Done(
@@ -520,8 +570,13 @@ absl::StatusOr<std::shared_ptr<Publisher::Version>> Publisher::FindLocked(
 }
 
 absl::StatusOr<WeightsDescriptor> Publisher::Open(const WeightsSelector& selector, int64_t uid,
-                                                  uint64_t* lease) {
+                                                  uint64_t* lease,
+                                                  std::shared_ptr<WeightsLeaseHolder> holder) {
   absl::MutexLock lock(&mu_);
+  if (stopping_) {
+    return absl::UnavailableError(
+        absl::StrCat("flatshardd is shutting down: cannot open weights ", Quoted(selector.name)));
+  }
   FS_ASSIGN_OR_RETURN(std::shared_ptr<Version> v, FindLocked(selector, uid));
   const int fd = v->buffer->segment_fd();
   // Admit the reader's uid to the segment (the kernel checks it at shm_open). Cheap
@@ -540,6 +595,7 @@ absl::StatusOr<WeightsDescriptor> Publisher::Open(const WeightsSelector& selecto
   ++v->readers;
   *lease = next_id_++;
   leases_[*lease] = v;
+  if (holder != nullptr) holders_[*lease] = std::move(holder);
   UpdateGaugesLocked();
   WeightsDescriptor d = DescriptorOf(v->info, *v->buffer, v->layout);
   d.info.readers = v->readers;
@@ -554,6 +610,7 @@ void Publisher::Release(uint64_t lease) {
     if (it == leases_.end()) return;
     std::shared_ptr<Version> v = std::move(it->second);
     leases_.erase(it);
+    holders_.erase(lease);
     if (--v->readers == 0) {
       if (v->in_table) {
         TrimLocked(Key{v->info.owner_uid, v->info.name}, &freed);
@@ -580,6 +637,7 @@ absl::StatusOr<uint64_t> Publisher::Watch(const WeightsSelector& selector, int64
     const Key key{owner, selector.name};
     id = next_id_++;
     WatchEntry& w = watches_[id] = WatchEntry{key, uid, selector.token, watcher, after};
+    UpdateGaugesLocked();
     if (auto it = table_.find(key); it != table_.end() && !it->second.empty()) {
       const Version& v = *it->second.rbegin()->second;
       if (v.info.version > after && CheckReader(v, uid, selector.token, Admin(uid)).ok()) {
@@ -598,6 +656,7 @@ void Publisher::Unwatch(uint64_t id) {
   if (auto it = watches_.find(id); it != watches_.end()) {
     gone = std::move(it->second.watcher);
     watches_.erase(it);
+    UpdateGaugesLocked();
   }
 }
 
@@ -707,6 +766,7 @@ void Publisher::UpdateGaugesLocked() {
   m.bytes.WithLabels({}).Set(static_cast<double>(bytes));
   m.device_bytes.WithLabels({}).Set(static_cast<double>(device_bytes));
   m.readers.WithLabels({}).Set(static_cast<double>(readers));
+  m.watches.WithLabels({}).Set(static_cast<double>(watches_.size()));
 }
 
 }  // namespace flatshard::server

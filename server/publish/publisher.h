@@ -41,8 +41,12 @@
 //   the copy on the VMs measured). Readers must not read a version past its lease.
 // - GPU daemons (PublishArgs::device, device_versions.h): a version may be placed in device
 //   memory of one of the daemon's GPUs instead (filled on the host, then copied once), read
-//   through CUDA IPC by the owner uid only; such versions are never stored, copied to other
-//   daemons or reused as spares, and do not survive a restart.
+//   through CUDA IPC by the owner uid only; such versions are never stored, copied to readers'
+//   daemons or reused as spares, and do not survive a restart. Multi-daemon groups: the leader
+//   keeps the filled host buffer (Version::peer_copy) beside its device copy, the group's other
+//   daemons copy it (Export with group_peer) and each uploads it to its own GPU; the host copy
+//   goes when a newer version of the name is inserted or the version leaves. A daemon without
+//   the GPU refuses the batch through PublishRounds, so the leader fails the publish everywhere.
 //
 // Thread safety: thread-safe. One lock (mu_), a leaf: never held across a copy, an allocation,
 // a group's lock, a callback or gRPC. Builds run on the publisher's own worker thread (never
@@ -111,6 +115,9 @@ struct WeightsSelector {
   int64_t owner_uid = -2;  // -2: the caller's own uid
   uint64_t version = 0;    // 0: the latest
   std::string token;
+  // A daemon of the version's group copying the version the leader built (FetchVersion with
+  // a seq): a device version then gives the host copy kept for those daemons (Export).
+  bool group_peer = false;
 };
 
 struct PublishArgs {
@@ -132,6 +139,16 @@ class WeightsWatcher {
  public:
   virtual ~WeightsWatcher() = default;
   virtual void Deliver(const WeightsInfo& version) = 0;
+  virtual void End(const absl::Status& why) = 0;
+};
+
+// An open lease's stream (the service's OpenWeights call). End comes at most once, from
+// Shutdown (outside the lock): the stream ends now with `why` (UNAVAILABLE), so a stopping
+// daemon does not wait its grace for readers. The lease stays until Release; the reader's
+// mapping stays valid (the segment is its until it unmaps).
+class WeightsLeaseHolder {
+ public:
+  virtual ~WeightsLeaseHolder() = default;
   virtual void End(const absl::Status& why) = 0;
 };
 
@@ -193,17 +210,19 @@ class Publisher {
   // here) when every rank of the group arrived and the version is in the table, or with the
   // error: INVALID_ARGUMENT (a bad name or dtype; ranks that disagree, naming the rank and the
   // field; DeviceVersions::Check's), CheckCaller's errors, FAILED_PRECONDITION (nothing
-  // committed; a multi-daemon group on a daemon without peer channels, or asking for a device
-  // version; a GPU the daemon does not use),
+  // committed; a multi-daemon group on a daemon without peer channels; a GPU the daemon does
+  // not use: multi-daemon groups on every daemon, naming the daemon that lacks it),
   // RESOURCE_EXHAUSTED (quota or memory limit: uid, quota, usage), DEADLINE_EXCEEDED naming
   // the ranks that did not arrive by args.deadline, UNAVAILABLE after Shutdown.
   void Publish(PublishArgs args, PublishDone done);
 
   // Admits `uid` to the selected version and takes a lease on it (`*lease`): the version is
-  // not freed before Release(*lease). NOT_FOUND naming the owner uid, name and version (and
-  // the versions there are); PERMISSION_DENIED naming the uid when it is not granted.
+  // not freed before Release(*lease). `holder` (may be null) is told when Shutdown ends the
+  // lease's stream. NOT_FOUND naming the owner uid, name and version (and the versions there
+  // are); PERMISSION_DENIED naming the uid when it is not granted; UNAVAILABLE after Shutdown.
   absl::StatusOr<WeightsDescriptor> Open(const WeightsSelector& selector, int64_t uid,
-                                         uint64_t* lease);
+                                         uint64_t* lease,
+                                         std::shared_ptr<WeightsLeaseHolder> holder = nullptr);
   // Ends a lease; the version is freed once no lease holds it and it is not kept. Idempotent.
   void Release(uint64_t lease);
 
@@ -236,13 +255,14 @@ class Publisher {
   // failures.
   void StoreNewest(int64_t owner_uid, const std::string& name);
   // The selected version held for another daemon, checked for reader `uid` (Open's errors;
-  // FAILED_PRECONDITION for a device version: they are not copied between daemons).
+  // FAILED_PRECONDITION for a device version: they are not copied to readers' daemons; for
+  // selector.group_peer, its host copy while the leader keeps it).
   absl::StatusOr<ExportedVersion> Export(const WeightsSelector& selector, int64_t uid) const;
   // The newest version number of (owner uid, name) here; 0: none.
   uint64_t Newest(int64_t owner_uid, const std::string& name) const;
 
-  // Fails pending arrivals and ends every watch (UNAVAILABLE), then stops the worker.
-  // Idempotent.
+  // Fails pending arrivals and ends every watch and every lease's stream (UNAVAILABLE; the
+  // leases themselves end at Release), then stops the worker. Idempotent.
   void Shutdown();
 
  private:
@@ -266,6 +286,10 @@ class Publisher {
   void Run();
   void Build(Job job);
   absl::StatusOr<std::shared_ptr<Version>> MakeVersion(const Job& job);
+  // A copy of the filled `host` version in GPU a.device's memory (errors name the publish).
+  absl::StatusOr<std::shared_ptr<Buffer>> ToDevice(const Buffer& host, const PublishArgs& a,
+                                                   int64_t owner_uid,
+                                                   const std::string& group) const;
   // Hands what `freed` solely owns to spares_ (after mu_), and frees the rest.
   void Recycle(std::vector<std::shared_ptr<Version>>* freed);
   // A copied version sealed read-only with its reader uids granted, ready to insert.
@@ -292,6 +316,7 @@ class Publisher {
   std::map<Key, std::map<uint64_t, std::shared_ptr<Version>>> table_ ABSL_GUARDED_BY(mu_);
   std::map<Key, uint64_t> last_version_ ABSL_GUARDED_BY(mu_);  // never reused
   std::map<uint64_t, std::shared_ptr<Version>> leases_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::shared_ptr<WeightsLeaseHolder>> holders_ ABSL_GUARDED_BY(mu_);
   struct WatchEntry {
     Key key;
     int64_t uid = -1;

@@ -108,6 +108,16 @@ absl::StatusOr<ExportedVersion> Publisher::Export(const WeightsSelector& selecto
                                                   int64_t uid) const {
   absl::MutexLock lock(&mu_);
   FS_ASSIGN_OR_RETURN(std::shared_ptr<Version> v, FindLocked(selector, uid));
+  if (v->info.device >= 0 && selector.group_peer && v->peer_copy != nullptr) {
+    // The group's other daemons copy the host bytes the leader uploaded (each to its GPU).
+    ExportedVersion out;
+    out.descriptor = DescriptorOf(v->info, *v->peer_copy, v->layout);
+    out.reader_uids = v->reader_uids;
+    out.token = v->token;
+    out.data = static_cast<const char*>(v->peer_copy->data());
+    out.hold = v->peer_copy;  // kept while the copy is sent, even once a newer one replaced it
+    return out;
+  }
   if (v->info.device >= 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("weights ", Quoted(v->info.name), " version ", v->info.version, " of ",

@@ -19,6 +19,9 @@ namespace flatshard::server {
 struct Publisher::Version {
   WeightsInfo info;
   std::shared_ptr<Buffer> buffer;
+  // A device version of a multi-daemon group on its leader: the host bytes it was uploaded
+  // from, for the group's other daemons to copy (null once a newer version is inserted).
+  std::shared_ptr<Buffer> peer_copy;
   WeightsLayout layout;
   std::vector<int64_t> reader_uids;
   std::string token;

@@ -134,6 +134,7 @@ grpc::Status WeightsPeerServiceImpl::FetchVersion(grpc::ServerContext* ctx,
     if (!built.ok()) return ToGrpcStatus(built.status());
     selector.version = *built;
     uid = 0;  // one of the group's daemons: the token above was the group's
+    selector.group_peer = true;
   }
   absl::StatusOr<ExportedVersion> v = publisher->Export(selector, uid);
   if (!v.ok()) return ToGrpcStatus(v.status());

@@ -65,22 +65,51 @@ Reactor* Refuse(Reactor* reactor, const absl::Status& status) {
   return reactor;
 }
 
-// A reader's lease: writes the descriptor, then holds the version until the call ends.
+class OpenReactor;
+
+// What the publisher holds of a lease's stream (and the stream's state, which the reactor's
+// callbacks and the publisher's Shutdown share): it outlives the reactor. Finish runs once,
+// by whichever of them sets finished_; the reactor lives until then.
+class LeaseStream final : public WeightsLeaseHolder {
+ public:
+  explicit LeaseStream(OpenReactor* reactor) : reactor_(reactor) {}
+  // The daemon stops: the stream ends with `why` (after the descriptor's write, if under way).
+  void End(const absl::Status& why) override;
+  // The reactor's callbacks. Each returns true when the caller finishes the stream now,
+  // with `*status`.
+  bool Opened(const absl::Status& refused, grpc::Status* status);
+  bool WriteDone(bool ok, grpc::Status* status);
+  bool Cancel(grpc::Status* status);
+  void Done() {
+    absl::MutexLock lock(&mu_);
+    reactor_ = nullptr;
+    finished_ = true;
+  }
+
+ private:
+  absl::Mutex mu_;
+  OpenReactor* reactor_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = true;  // the descriptor, from the constructor on
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status end_ ABSL_GUARDED_BY(mu_);  // End's reason, once it came
+};
+
+// A reader's lease: writes the descriptor, then holds the version until the call ends (or
+// the daemon stops: LeaseStream::End).
 class OpenReactor final : public grpc::ServerWriteReactor<v1::OpenWeightsResponse> {
  public:
   // `puller` (may be null): the version is first copied from --weights_sources when needed,
   // on the puller's thread; the call counts as writing meanwhile (a cancel waits for it).
   OpenReactor(Publisher* publisher, WeightsPuller* puller, absl::StatusOr<int64_t> uid,
               const v1::OpenWeightsRequest& request)
-      : publisher_(publisher) {
+      : publisher_(publisher), stream_(std::make_shared<LeaseStream>(this)) {
     absl::StatusOr<WeightsSelector> sel = SelectorOf("OpenWeights", request.selector());
     absl::Status s = uid.ok() ? sel.status() : uid.status();
     if (!s.ok()) {
-      finished_ = true;
-      Finish(ToGrpcStatus(s));
+      OpenNow(WeightsSelector(), -1, s);
       return;
     }
-    writing_ = true;
     if (puller == nullptr) {
       OpenNow(*sel, *uid, absl::OkStatus());
       return;
@@ -90,40 +119,32 @@ class OpenReactor final : public grpc::ServerWriteReactor<v1::OpenWeightsRespons
     });
   }
   void OnWriteDone(bool ok) override {
-    bool finish = false;
-    {
-      absl::MutexLock lock(&mu_);
-      writing_ = false;
-      if ((!ok || cancelled_) && !finished_) finish = finished_ = true;
-    }
-    if (finish) End(grpc::Status::CANCELLED);
+    grpc::Status status;
+    if (stream_->WriteDone(ok, &status)) End(status);
   }
   void OnCancel() override {
-    bool finish = false;
-    {
-      absl::MutexLock lock(&mu_);
-      cancelled_ = true;
-      if (!writing_ && !finished_) finish = finished_ = true;
-    }
-    if (finish) End(grpc::Status::CANCELLED);
+    grpc::Status status;
+    if (stream_->Cancel(&status)) End(status);
   }
   void OnDone() override {
     Release();
+    stream_->Done();
     delete this;
+  }
+  // Releases the lease and finishes the call (once: see LeaseStream).
+  void End(grpc::Status status) {
+    Release();
+    Finish(std::move(status));
   }
 
  private:
   void Release() {
     if (lease_ != 0) publisher_->Release(std::exchange(lease_, 0));
   }
-  void End(grpc::Status status) {
-    Release();
-    Finish(std::move(status));
-  }
-  // Takes the lease and writes the descriptor (REQUIRES: writing_, set by the constructor).
+  // Takes the lease and writes the descriptor (unless `s` refused it already).
   void OpenNow(const WeightsSelector& sel, int64_t uid, absl::Status s) {
     if (s.ok()) {
-      absl::StatusOr<WeightsDescriptor> d = publisher_->Open(sel, uid, &lease_);
+      absl::StatusOr<WeightsDescriptor> d = publisher_->Open(sel, uid, &lease_, stream_);
       if (d.ok()) {
         FillDescriptor(*d, &response_);
       } else {
@@ -131,32 +152,62 @@ class OpenReactor final : public grpc::ServerWriteReactor<v1::OpenWeightsRespons
         lease_ = 0;
       }
     }
-    bool cancelled = false;
-    {
-      absl::MutexLock lock(&mu_);
-      cancelled = cancelled_;
-      if (!s.ok() || cancelled) {
-        writing_ = false;
-        finished_ = true;
-      }
-    }
-    if (!s.ok()) {
-      End(ToGrpcStatus(s));
-    } else if (cancelled) {
-      End(grpc::Status::CANCELLED);
+    grpc::Status status;
+    if (stream_->Opened(s, &status)) {
+      End(status);
     } else {
       StartWrite(&response_);
     }
   }
 
   Publisher* const publisher_;
+  const std::shared_ptr<LeaseStream> stream_;
   v1::OpenWeightsResponse response_;
   uint64_t lease_ = 0;  // 0: none (refused, or released)
-  absl::Mutex mu_;
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
+
+bool LeaseStream::Opened(const absl::Status& refused, grpc::Status* status) {
+  absl::MutexLock lock(&mu_);
+  if (refused.ok() && !cancelled_ && end_.ok()) return false;  // the descriptor goes out
+  writing_ = false;
+  finished_ = true;
+  *status = !refused.ok() ? ToGrpcStatus(refused)
+            : cancelled_  ? grpc::Status::CANCELLED
+                          : ToGrpcStatus(end_);
+  return true;
+}
+
+bool LeaseStream::WriteDone(bool ok, grpc::Status* status) {
+  absl::MutexLock lock(&mu_);
+  writing_ = false;
+  if (finished_ || (ok && !cancelled_ && end_.ok())) return false;  // held until the call ends
+  finished_ = true;
+  *status = !ok || cancelled_ ? grpc::Status::CANCELLED : ToGrpcStatus(end_);
+  return true;
+}
+
+bool LeaseStream::Cancel(grpc::Status* status) {
+  absl::MutexLock lock(&mu_);
+  cancelled_ = true;
+  if (writing_ || finished_) return false;  // WriteDone or Opened finishes
+  finished_ = true;
+  *status = grpc::Status::CANCELLED;
+  return true;
+}
+
+void LeaseStream::End(const absl::Status& why) {
+  OpenReactor* reactor = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (finished_ || !end_.ok()) return;
+    end_ = why;
+    if (writing_) return;  // WriteDone (or Opened) finishes with it
+    finished_ = true;
+    reactor = reactor_;
+  }
+  // Alive: it is deleted in OnDone, after the Finish only this call makes now.
+  if (reactor != nullptr) reactor->End(ToGrpcStatus(why));
+}
 
 class WatchReactor;
 

@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "client/client_internal.h"
 #include "common/checkpoint/checkpoint.h"
 #include "common/plan.h"
 #include "flatshard/client.h"
@@ -30,6 +31,7 @@
 #include "tests/testing/files.h"
 #include "tests/testing/metrics_scrape.h"
 #include "tests/testing/rank_group.h"
+#include "tests/testing/simulated_gpu.h"
 
 namespace flatshard::client::weights_testing {
 
@@ -107,13 +109,17 @@ struct Trainers {
   std::vector<std::unique_ptr<Client>> c;
   std::shared_ptr<const Plan> plan;
 
+  // `simulated_gpus`: daemons with --simulate_gpus (the trainers open device shards through
+  // the test harness).
   Trainers(const std::vector<const DaemonProcess*>& daemons, const std::string& group,
-           absl::Duration call_timeout = absl::Seconds(20))
+           absl::Duration call_timeout = absl::Seconds(20), bool simulated_gpus = false)
       : c(kWorld) {
     RunRanks(kWorld, [&](int r) {
       const DaemonProcess& d = *daemons[r % daemons.size()];
       absl::StatusOr<std::unique_ptr<Client>> client =
-          Client::Connect(Options(d.address(), call_timeout));
+          simulated_gpus ? internal::ConnectWithGpuApis(Options(d.address(), call_timeout),
+                                                        ::flatshard::testing::SimulatedGpuApis())
+                         : Client::Connect(Options(d.address(), call_timeout));
       ASSERT_TRUE(client.ok()) << client.status();
       c[r] = *std::move(client);
       absl::Status joined = c[r]->Join(group, kWorld, r, kToken, daemons[0]->peer_address());
@@ -133,9 +139,10 @@ struct Trainers {
       ASSERT_TRUE(c[r]->Commit("").ok());
     });
   }
-  std::vector<absl::StatusOr<PublishedVersion>> Publish(const std::string& name) {
+  std::vector<absl::StatusOr<PublishedVersion>> Publish(const std::string& name,
+                                                        const PublishOptions& options = {}) {
     std::vector<absl::StatusOr<PublishedVersion>> out(kWorld, absl::UnknownError("unset"));
-    RunRanks(kWorld, [&](int r) { out[r] = c[r]->Publish("", name, {}); });
+    RunRanks(kWorld, [&](int r) { out[r] = c[r]->Publish("", name, options); });
     return out;
   }
 };

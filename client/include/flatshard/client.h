@@ -520,7 +520,8 @@ struct PublishOptions {
   // daemon numbers its GPUs: --gpus, --simulate_gpus) instead of host shared memory; readers
   // open it through CUDA IPC (README "Versions in GPU memory"). Such a version is read by the
   // publisher's uid only (reader_uids and reader_token must be empty), counts against the
-  // uid's --gpu_memory_quota_mib_per_uid and does not survive a daemon restart. -1: host.
+  // uid's --gpu_memory_quota_mib_per_uid and does not survive a daemon restart. A group on
+  // several daemons gets it in this GPU of each of its daemons. -1: host.
   int device = -1;
 };
 
@@ -772,8 +773,9 @@ class Client {
   // daemons gets the version on every one of them (README "Published weights across
   // daemons"). options.device (a version in GPU memory): INVALID_ARGUMENT for a negative
   // ordinal or non-empty reader_uids/reader_token; FAILED_PRECONDITION naming the GPU when
-  // the daemon does not use it, or for a group on several daemons; RESOURCE_EXHAUSTED naming
-  // the uid for --gpu_memory_quota_mib_per_uid (and the GPU's pool limit).
+  // the daemon does not use it (a group on several daemons: on every rank, naming the daemon
+  // that lacks it; nothing is published anywhere); RESOURCE_EXHAUSTED naming the uid for
+  // --gpu_memory_quota_mib_per_uid (and the GPU's pool limit).
   absl::StatusOr<PublishedVersion> Publish(const std::string& registered_module,
                                            const std::string& name,
                                            const PublishOptions& options = {});
@@ -906,10 +908,11 @@ class WeightsReader {
 
   // Opens a version of `name` (latest, or options.version) read-only: maps its segment once
   // (O_RDONLY, PROT_READ) and holds a lease on it until the returned object is released or
-  // destroyed, or this process dies. No bytes are copied. A version in the daemon's GPU
-  // memory (PublishedVersion::device >= 0) is opened through CUDA IPC instead: its tensors
-  // are device pointers on this process's ordinal of that GPU (WeightsTensor::device); the
-  // reader opens each pool slab once while versions in it are open.
+  // destroyed, or this process dies (SIGTERM of the daemon ends the lease's stream at once;
+  // the mapping stays valid until released). No bytes are copied. A version in the daemon's
+  // GPU memory (PublishedVersion::device >= 0) is opened through CUDA IPC instead: its
+  // tensors are device pointers on this process's ordinal of that GPU (WeightsTensor::device);
+  // the reader opens each pool slab once while versions in it are open.
   // Errors: NOT_FOUND naming the owner uid and name, or the version (and which versions
   // exist); PERMISSION_DENIED when the caller's uid or token is not granted; the RPC's;
   // the mapping's (e.g. PERMISSION_DENIED, NOT_FOUND naming the segment); for a device

@@ -783,7 +783,8 @@ class Client:
         (every rank gets the same). Steps not committed are not in it: commit first.
         `device` (an int): the version goes to device memory of the daemon's GPU with this
         ordinal (README "Versions in GPU memory"; readers get CUDA tensors), read by this uid
-        only (no `reader_uids` / `reader_token`); None: host shared memory."""
+        only (no `reader_uids` / `reader_token`); a group on several daemons gets it in that
+        GPU of each of its daemons; None: host shared memory."""
         from .weights import PublishedVersion
         if dtype is None:
             dtype_name = ""

@@ -98,7 +98,8 @@ class Weights(Mapping):
     daemon's order (units, each unit's parameters in flat order, then tied aliases). ``items()`` is the ``(name, tensor)`` iterator
     an engine's ``load_weights`` takes; ``model.load_state_dict(w)`` copies it into a model.
     Holds the version (a lease) until ``close()``, the end of a ``with`` block, or garbage
-    collection. Tensors handed out stay mapped after ``close()`` (no crash), but the daemon
+    collection (a SIGTERM of the daemon ends the lease's stream at once; the tensors stay
+    mapped). Tensors handed out stay mapped after ``close()`` (no crash), but the daemon
     may then free the version or copy a newer version of the name into its memory: copy what
     must outlive it (load_state_dict does). A version in the daemon's GPU memory
     (``info.device >= 0``) gives CUDA tensors on this process's ordinal of that GPU (CUDA IPC;
