@@ -29,19 +29,26 @@ void UcxTransport::Recv(int dst, int src, MessageTag tag, MutableBuffer data, Do
   Remote(true, src, dst, tag, data.data, data.bytes, std::move(done));
 }
 
-void UcxTransport::Remote(bool recv, int src, int dst, MessageTag tag, void* data, size_t bytes,
-                          DoneCallback done) {
+Request* UcxTransport::NewRequest(bool recv, int src, int dst, MessageTag tag, void* data,
+                                  size_t bytes) {
   auto* req = new Request;
   req->worker = worker_.get();
   req->transport = shared_from_this();
   req->peer = peers_[recv ? src : dst];
-  req->done = std::move(done);
   req->recv = recv;
+  req->data = data;
   req->bytes = bytes;
   req->src = src;
   req->dst = dst;
   req->tag = tag;
-  absl::AnyInvocable<void()> fn = [req, data] { req->transport->Start(req, data); };
+  return req;
+}
+
+void UcxTransport::Remote(bool recv, int src, int dst, MessageTag tag, void* data, size_t bytes,
+                          DoneCallback done) {
+  Request* req = NewRequest(recv, src, dst, tag, data, bytes);
+  req->done = std::move(done);
+  absl::AnyInvocable<void()> fn = [req] { req->transport->Start(req); };
   if (worker_->Post(fn)) return;
   absl::Status status;
   {
@@ -54,18 +61,20 @@ void UcxTransport::Remote(bool recv, int src, int dst, MessageTag tag, void* dat
   std::move(cb)(std::move(status));
 }
 
-void UcxTransport::Start(Request* req, void* data) {
+void UcxTransport::Start(Request* req) {
   if (!sticky_.ok() || req->peer->ep == nullptr) {
     req->status = UCS_ERR_CANCELED;
     worker_->Submit(req, UCS_STATUS_PTR(UCS_ERR_CANCELED));
     return;
   }
+  if (!req->recv && UseCopy(*req)) return SendByCopy(req);
+  void* data = req->data;
   ucp_request_param_t p{};
   p.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
   p.memory_type = UCS_MEMORY_TYPE_HOST;  // skips UCX's memory-type detection per call
   p.user_data = req;
-  const uint64_t wire = MakeTag(hash_, req->src, req->dst, req->tag);
+  const uint64_t wire = MakeTag(hash_, req->src, req->dst, req->tag, req->control);
   ucs_status_ptr_t r;
   if (req->recv) {
     // UCX 1.13 leaves recv_info unset on immediate completion, and the length is needed to
@@ -135,6 +144,7 @@ void UcxTransport::AbortOnLoop(const absl::Status& reason) {
   if (!sticky_.ok()) return;
   sticky_ = reason;
   worker_->CancelRecvsOf(this);
+  worker_->StopCopiesOf(this, reason);
   worker_->GroupAborted(hash_, this);
   // What UCX could not cancel must still finish (a frozen peer never answers): looked at
   // again after the grace, on the progress thread.

@@ -276,8 +276,9 @@ TEST(UcxTagTest, FieldsLandInTheirBits) {
   EXPECT_EQ(tag >> 48, h);
   EXPECT_EQ((tag >> 38) & 0x3FF, 1023u);
   EXPECT_EQ((tag >> 28) & 0x3FF, 5u);
-  EXPECT_EQ((tag >> 12) & 0xFFFF, 0x2345u);
+  EXPECT_EQ((tag >> 12) & 0x7FFF, 0x2345u);  // bit 27: the control bit, 0 for data
   EXPECT_EQ(tag & 0xFFF, 3u);
+  EXPECT_EQ(ucx::MakeTag(h, 1023, 5, MessageTag{0x12345, 3}, true), tag | uint64_t{1} << 27);
   // The ring's fingerprint sub has its own value; data subs never reach it.
   EXPECT_EQ(ucx::MakeTag(h, 0, 1, MessageTag{1, 0x80000000u}) & 0xFFF, 0xFFFu);
   EXPECT_EQ(ucx::MakeTag(h, 0, 1, MessageTag{1, 0xFFFu}) & 0xFFF, 0u);
