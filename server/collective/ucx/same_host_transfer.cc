@@ -42,7 +42,8 @@ std::string UcxTransport::Describe(const Request& req) const {
 bool UcxTransport::UseCopy(const Request& req) const {
   const size_t min = worker_->options().same_host_copy_min_bytes;
   return !req.control && !req.plain && min > 0 && req.bytes >= min &&
-         req.bytes > sizeof(CopyHeader) && req.peer->same_host && !req.peer->copy_denied;
+         req.bytes > sizeof(CopyHeader) && req.peer->same_host && !req.peer->copy_denied &&
+         (!req.peer->same_process || worker_->options().testing_same_process_copy);
 }
 
 void UcxTransport::SendByCopy(Request* req) {

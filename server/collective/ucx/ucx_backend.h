@@ -95,6 +95,10 @@ struct UcxBackendOptions {
   // Tests only: this backend's receives answer every header kDenied, as if ptrace rules
   // forbade the read (root can read any process, so tests cannot provoke EPERM).
   bool testing_deny_same_host_copy = false;
+  // Tests only: same-host copies to backends of this same process too. Off, those stay on UCX:
+  // the header lands in the receiver's buffer before the copy, and "daemons" of one process
+  // may share a buffer that is the sender's source as well (a real daemon's peers never do).
+  bool testing_same_process_copy = false;
 };
 
 // Counters for diagnostics and tests; a snapshot taken on the progress thread.

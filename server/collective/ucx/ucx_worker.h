@@ -56,6 +56,7 @@ struct Peer {
   // On this host (same host identity): large messages go by same-host copy, until the peer
   // answers that it may not read this process (`copy_denied`, then UCX as usual).
   bool same_host = false;
+  bool same_process = false;  // another backend of this process (tests)
   bool copy_denied = false;
   bool copy_denied_logged = false;  // this side may not read the peer: logged once
   ucs_status_t failure = UCS_OK;    // set once the endpoint failed; ep is then closed

@@ -119,7 +119,9 @@ TEST(ProcessCopyTest, AnotherPidNamespaceIsDeniedBeforeAnyRead) {
 
 // --- Through the UCX backend ------------------------------------------------------------------
 
-std::unique_ptr<CollectiveBackend> NewBackend(const UcxBackendOptions& options) {
+// Both "daemons" live in this process; their buffers are distinct, as between processes.
+std::unique_ptr<CollectiveBackend> NewBackend(UcxBackendOptions options) {
+  options.testing_same_process_copy = true;
   absl::StatusOr<std::unique_ptr<CollectiveBackend>> b = CreateUcxBackend(options);
   FS_CHECK(b.ok()) << b.status();
   return *std::move(b);
