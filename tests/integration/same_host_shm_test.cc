@@ -176,17 +176,20 @@ TEST(SameHostCopyTest, OneCopyGivesTheExactValuesAndIsCounted) {
 struct Rank {
   std::unique_ptr<Client> client;
   std::atomic<int> summons{0};
+  std::atomic<bool> failed{false};
   absl::Status failure;
   absl::Time failed_at = absl::InfiniteFuture();
 };
 
-// 0: the coordinator is killed; 1: the other daemon.
+// 0: the coordinator is killed; 1: the other daemon; 2: the other daemon is frozen (SIGSTOP:
+// its sockets stay open, only the heartbeats find it).
 class SameHostKillTest : public ::testing::TestWithParam<int> {};
 
 // Two daemons x one rank summon a 64 MiB unit back to back (256 MiB with FS_SHM_TEST_MIB=256);
-// a daemon is killed with SIGKILL while they do. The survivor's
+// a daemon is killed with SIGKILL (or frozen) while they do. The survivor's
 // summon in flight fails with UNAVAILABLE naming the cause within the heartbeat timeout
-// (3 s by default, 5 s allowed here), never hangs; the daemons' UCX endpoints to each other
+// (3 s by default, 5 s allowed here; 10 s for the frozen daemon, found only by the heartbeats,
+// whose survivor may wait for its ack), never hangs; the daemons' UCX endpoints to each other
 // were shared-memory ones (their log says so at UCX_LOG_LEVEL=info).
 TEST_P(SameHostKillTest, SurvivorFailsWithUnavailableWithinTheHeartbeatTimeout) {
   ::flatshard::testing::ClusterOptions options;
@@ -197,7 +200,8 @@ TEST_P(SameHostKillTest, SurvivorFailsWithUnavailableWithinTheHeartbeatTimeout) 
   const std::string dir = TempDir();
   options.daemon_flags = MetricsFlags(dir);
   Cluster c(Layout::kTwoDaemons, options);
-  const int victim = GetParam();
+  const bool freeze = GetParam() == 2;
+  const int victim = freeze ? 1 : GetParam();
   const int survivor = 1 - victim;
   std::vector<Rank> ranks(2);
   std::vector<std::thread> threads;
@@ -218,6 +222,7 @@ TEST_P(SameHostKillTest, SurvivorFailsWithUnavailableWithinTheHeartbeatTimeout) 
       }
       ranks[r].failed_at = absl::Now();
       ranks[r].failure = s;
+      ranks[r].failed = true;
     });
   }
   // Let a few summons complete, then kill while the next one moves data.
@@ -238,13 +243,19 @@ TEST_P(SameHostKillTest, SurvivorFailsWithUnavailableWithinTheHeartbeatTimeout) 
   EXPECT_GE(CopiesOf(dir, survivor, "ok"), 1);
   absl::SleepFor(absl::Milliseconds(30));  // into the next summon's transfer
   const absl::Time killed = absl::Now();
+  if (freeze) {
+    ASSERT_EQ(::kill(c.daemon(victim).pid(), SIGSTOP), 0);
+    // Its trainer waits on the frozen daemon: end it once the survivor has its answer.
+    const absl::Time limit = absl::Now() + absl::Seconds(30);
+    while (!ranks[survivor].failed && absl::Now() < limit) absl::SleepFor(absl::Milliseconds(5));
+  }
   c.Kill(victim);
   for (std::thread& t : threads) t.join();
   const Rank& s = ranks[survivor];
   std::printf("survivor's failure after %s: %s\n",
               absl::FormatDuration(s.failed_at - killed).c_str(), s.failure.ToString().c_str());
   EXPECT_EQ(s.failure.code(), absl::StatusCode::kUnavailable) << s.failure;
-  EXPECT_LT(s.failed_at - killed, absl::Seconds(5))
+  EXPECT_LT(s.failed_at - killed, absl::Seconds(freeze ? 10 : 5))
       << "failed " << absl::FormatDuration(s.failed_at - killed)
       << " after the kill: " << s.failure;
 
@@ -257,10 +268,11 @@ TEST_P(SameHostKillTest, SurvivorFailsWithUnavailableWithinTheHeartbeatTimeout) 
   std::filesystem::remove_all(dir, ignored);
 }
 
-INSTANTIATE_TEST_SUITE_P(Kill, SameHostKillTest, ::testing::Values(0, 1),
+INSTANTIATE_TEST_SUITE_P(Kill, SameHostKillTest, ::testing::Values(0, 1, 2),
                          [](const ::testing::TestParamInfo<int>& info) {
-                           return info.param == 0 ? std::string("Coordinator")
-                                                  : std::string("Peer");
+                           return info.param == 0   ? std::string("Coordinator")
+                                  : info.param == 1 ? std::string("Peer")
+                                                    : std::string("FrozenPeer");
                          });
 
 }  // namespace

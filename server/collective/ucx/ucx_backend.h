@@ -7,7 +7,9 @@
 // rank r. Connect returns the ring algorithms (ring_algorithms.h) over a per-group Transport:
 // messages between two local ranks are copied with memcpy (InprocTransport); messages to or
 // from remote ranks go straight from and into the caller's buffers with ucp_tag_send_nbx /
-// ucp_tag_recv_nbx (eager for small messages, UCX rendezvous for large ones; no staging).
+// ucp_tag_recv_nbx (eager for small messages, UCX rendezvous for large ones; no staging),
+// except large messages between daemons of one host: those are read once by the receiver
+// with process_vm_readv (same_host_copy.h, UcxBackendOptions::same_host_copy_min_bytes).
 // Groups whose daemons host several ranks each run all-gather and reduce-scatter hierarchically
 // (UcxBackendOptions::hierarchical).
 //
