@@ -37,6 +37,10 @@
 
 namespace flatshard::collective::ucx {
 
+// Messages below this size never go by same-host copy, whatever the options say: receivers of
+// larger ones from same-host peers keep room for a header (Request::head).
+inline constexpr size_t kMinCopyBytes = size_t{64} << 10;
+
 inline constexpr uint64_t kCopyHeaderMagic = 0x3179706f63736621ull;  // "!fscopy1"
 
 // What the sender sends on the message's own tag instead of the bytes (little-endian host

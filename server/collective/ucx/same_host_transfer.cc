@@ -39,11 +39,14 @@ std::string UcxTransport::Describe(const Request& req) const {
                       ", sub ", req.tag.sub, ", ", req.bytes, " bytes)");
 }
 
+bool UcxTransport::MayGetHeader(const Request& req) const {
+  return req.bytes >= kMinCopyBytes && req.peer->same_host;
+}
+
 bool UcxTransport::UseCopy(const Request& req) const {
   const size_t min = worker_->options().same_host_copy_min_bytes;
-  return !req.control && !req.plain && min > 0 && req.bytes >= min &&
-         req.bytes > sizeof(CopyHeader) && req.peer->same_host && !req.peer->copy_denied &&
-         (!req.peer->same_process || worker_->options().testing_same_process_copy);
+  return !req.control && !req.plain && min > 0 && req.bytes >= min && MayGetHeader(req) &&
+         !req.peer->copy_denied;
 }
 
 void UcxTransport::SendByCopy(Request* req) {
@@ -130,7 +133,7 @@ void UcxTransport::SendAck(const Request& recv, const CopyAck& ack) {
 
 bool UcxTransport::TakeCopyHeader(Request* req) {
   CopyHeader h;
-  std::memcpy(&h, req->data, sizeof(h));
+  std::memcpy(&h, req->head, sizeof(h));
   if (h.magic != kCopyHeaderMagic) return false;  // a 48-byte message: a size mismatch
   // Tests: a header from another pid namespace is denied before anything is read.
   if (worker_->options().testing_deny_same_host_copy) h.pid_namespace = ~PidNamespace();

@@ -90,17 +90,14 @@ struct UcxBackendOptions {
   // ucx_address.h) skip UCX's two shared-memory copies: the receiver reads them straight out
   // of the sender's buffer with process_vm_readv (same_host_copy.h), in chunks of
   // `same_host_copy_chunk_bytes` so that an abort stops it. A dead peer fails that op with a
-  // named error, never the process. 0: off (a daemon flag, --ucx_same_host_copy=false).
+  // named error, never the process. 0: off (a daemon flag, --ucx_same_host_copy=false);
+  // values below 64 KiB act as 64 KiB (kMinCopyBytes).
   // Daemons need not agree: a receiver takes either form.
   size_t same_host_copy_min_bytes = size_t{256} << 10;
   size_t same_host_copy_chunk_bytes = size_t{4} << 20;
   // Tests only: this backend's receives answer every header kDenied, as if ptrace rules
   // forbade the read (root can read any process, so tests cannot provoke EPERM).
   bool testing_deny_same_host_copy = false;
-  // Tests only: same-host copies to backends of this same process too. Off, those stay on UCX:
-  // the header lands in the receiver's buffer before the copy, and "daemons" of one process
-  // may share a buffer that is the sender's source as well (a real daemon's peers never do).
-  bool testing_same_process_copy = false;
 };
 
 // Counters for diagnostics and tests; a snapshot taken on the progress thread.

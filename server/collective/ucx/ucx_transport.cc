@@ -81,7 +81,20 @@ void UcxTransport::Start(Request* req) {
     // catch size mismatches: always complete through the callback.
     p.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     p.cb.recv = &Worker::RecvCallback;
-    r = ucp_tag_recv_nbx(worker_->ucp(), data, req->bytes, wire, kFullMask, &p);
+    size_t count = req->bytes;
+    if (!req->control && MayGetHeader(*req)) {
+      // A CopyHeader may come instead of the bytes: its place is req->head, never the
+      // caller's buffer, which other local ranks may be reading (a shared all-gather output).
+      req->split = true;
+      req->iov[0] = {req->head, sizeof(CopyHeader)};
+      req->iov[1] = {static_cast<char*>(data) + sizeof(CopyHeader),
+                     req->bytes - sizeof(CopyHeader)};
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+      p.datatype = ucp_dt_make_iov();
+      data = req->iov;
+      count = 2;
+    }
+    r = ucp_tag_recv_nbx(worker_->ucp(), data, count, wire, kFullMask, &p);
   } else {
     p.cb.send = &Worker::SendCallback;
     r = ucp_tag_send_nbx(req->peer->ep, data, req->bytes, wire, &p);

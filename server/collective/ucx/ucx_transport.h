@@ -61,6 +61,8 @@ class UcxTransport final : public Transport, public std::enable_shared_from_this
               DoneCallback done);
   Request* NewRequest(bool recv, int src, int dst, MessageTag tag, void* data, size_t bytes);
   void Start(Request* req);
+  // Whether the peer may send `req` by same-host copy (UseCopy on its side implies it).
+  bool MayGetHeader(const Request& req) const;
   bool UseCopy(const Request& req) const;
   // Sends `req` as a CopyHeader and completes it on the receiver's CopyAck.
   void SendByCopy(Request* req);

@@ -3,17 +3,6 @@
 #include "server/collective/ucx/ucx_transport.h"
 
 namespace flatshard::collective::ucx {
-namespace {
-
-// The addresses of this process's live workers: peers among them are never sent to by
-// same-host copy (UcxBackendOptions::testing_same_process_copy).
-absl::Mutex local_workers_mu(absl::kConstInit);
-absl::flat_hash_set<std::string>& LocalWorkers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(local_workers_mu) {
-  static auto* workers = new absl::flat_hash_set<std::string>;
-  return *workers;
-}
-
-}  // namespace
 
 // --- Worker ---------------------------------------------------------------------------------
 
@@ -70,10 +59,6 @@ absl::Status Worker::Init() {
   host_ = LocalHostIdentity();
   address_ = EncodeUcxAddress(host_, absl::string_view(reinterpret_cast<const char*>(addr), len));
   ucp_worker_release_address(worker_, addr);
-  {
-    absl::MutexLock lock(&local_workers_mu);
-    LocalWorkers().insert(address_);
-  }
   s = ucp_worker_get_efd(worker_, &worker_fd_);
   if (s != UCS_OK) {
     return absl::UnavailableError(
@@ -96,10 +81,6 @@ absl::Status Worker::Init() {
 }
 
 Worker::~Worker() {
-  {
-    absl::MutexLock lock(&local_workers_mu);
-    LocalWorkers().erase(address_);
-  }
   // The loop frees UCX when it ends; a failed Init() leaves partial state here.
   if (thread_.joinable()) Shutdown();
   if (worker_ != nullptr) ucp_worker_destroy(worker_);
@@ -241,11 +222,11 @@ void Worker::Complete(Request* req) {
   inflight_.erase(req);
   if (req->ucx != nullptr) ucp_request_free(req->ucx);
   req->ucx = nullptr;
-  // A same-host sender's header instead of the bytes: the transport reads them itself.
-  if (req->recv && !req->control && req->status == UCS_OK &&
-      req->info.length == sizeof(CopyHeader) && req->bytes != sizeof(CopyHeader) &&
-      req->transport->TakeCopyHeader(req)) {
-    return;
+  if (req->split && req->status == UCS_OK) {
+    req->split = false;
+    // A same-host sender's header instead of the bytes: the transport reads them itself.
+    if (req->info.length == sizeof(CopyHeader) && req->transport->TakeCopyHeader(req)) return;
+    std::memcpy(req->data, req->head, std::min(sizeof(CopyHeader), req->info.length));
   }
   absl::Status status = req->transport->Outcome(*req);
   DoneCallback done = std::move(req->done);
@@ -284,10 +265,6 @@ absl::StatusOr<std::shared_ptr<Peer>> Worker::PeerFor(const std::string& address
   peer->address = address;
   peer->error_handling = WantsPeerErrorHandling(options_.error_handling, decoded, host_);
   peer->same_host = !decoded.host.empty() && decoded.host == host_;
-  {
-    absl::MutexLock lock(&local_workers_mu);
-    peer->same_process = LocalWorkers().contains(address);
-  }
   const ucp_ep_params_t p =
       EndpointParams(decoded, peer->error_handling, &Worker::EndpointError, peer.get());
   ucs_status_t s = ucp_ep_create(worker_, &p, &peer->ep);

@@ -56,7 +56,6 @@ struct Peer {
   // On this host (same host identity): large messages go by same-host copy, until the peer
   // answers that it may not read this process (`copy_denied`, then UCX as usual).
   bool same_host = false;
-  bool same_process = false;  // another backend of this process (tests)
   bool copy_denied = false;
   bool copy_denied_logged = false;  // this side may not read the peer: logged once
   ucs_status_t failure = UCS_OK;    // set once the endpoint failed; ep is then closed
@@ -75,6 +74,11 @@ struct Request {
   bool recv = false;
   bool control = false;  // a same-host copy's ack (control bit of the wire tag)
   bool plain = false;    // never by same-host copy (a fallback)
+  // A receive that may get a CopyHeader: its first bytes land in `head` (iov[0]), the rest
+  // in place (iov[1]); Worker::Complete moves them into `data` unless they are a header.
+  bool split = false;
+  uint8_t head[sizeof(CopyHeader)];
+  ucp_dt_iov_t iov[2];
   size_t bytes = 0;
   int src = 0;
   int dst = 0;

@@ -119,9 +119,8 @@ TEST(ProcessCopyTest, AnotherPidNamespaceIsDeniedBeforeAnyRead) {
 
 // --- Through the UCX backend ------------------------------------------------------------------
 
-// Both "daemons" live in this process; their buffers are distinct, as between processes.
-std::unique_ptr<CollectiveBackend> NewBackend(UcxBackendOptions options) {
-  options.testing_same_process_copy = true;
+// Both "daemons" live in this process (one host identity): copies read this process.
+std::unique_ptr<CollectiveBackend> NewBackend(const UcxBackendOptions& options) {
   absl::StatusOr<std::unique_ptr<CollectiveBackend>> b = CreateUcxBackend(options);
   FS_CHECK(b.ok()) << b.status();
   return *std::move(b);

@@ -1,7 +1,7 @@
 // The UCX backend. Several UcxBackend instances in one process stand in for daemons (each
 // has its own UCX worker, so remote ranks really go through UCX: shared memory, CMA or TCP
-// between the workers); one test runs a second process so cross-process transports are
-// exercised too.
+// between the workers, and messages >= 256 KiB by same-host copy, which then reads this very
+// process); one test runs a second process so cross-process transports are exercised too.
 //
 // The shared conformance suites see one Communicator for all ranks; SplitCommunicator
 // provides it over one Communicator per daemon and, like the daemons' group manager, aborts
@@ -438,7 +438,7 @@ TEST(UcxBackendTest, DeadlineOnOneDaemonNamesRanksMissingOnOthers) {
 }
 
 TEST(UcxBackendTest, LargeAllGatherBetweenTwoDaemons) {
-  // 64 MiB assembled per rank (2 x 32 MiB shards): UCX rendezvous straight into `out`.
+  // 64 MiB assembled per rank (2 x 32 MiB shards), read once straight into `out`.
   constexpr size_t kShard = (size_t{32} << 20) / 4;
   const std::vector<int> layout = {0, 1};
   auto comms = ConnectAll("large", NextEpoch(), layout, Daemons());
@@ -459,6 +459,8 @@ TEST(UcxBackendTest, LargeAllGatherBetweenTwoDaemons) {
     });
     best = std::min(best, absl::Now() - start);
   }
+  // One host identity: the 32 MiB blocks went by same-host copy (same_host_copy.h).
+  EXPECT_GT(StatsOf(*Daemons()[1]).same_host_copies, 0u);
   for (int r = 0; r < 2; ++r) {
     for (int k = 0; k < 2; ++k) ASSERT_TRUE(BlockHolds(out[r].data() + k * kShard, k, kShard));
   }
