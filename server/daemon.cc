@@ -470,7 +470,8 @@ absl::Status Daemon::StartPeerServer(std::shared_ptr<grpc::ServerCredentials> cr
   FS_RETURN_IF_ERROR(collective::RegisterBuiltinBackends(registry));
   absl::StatusOr<std::unique_ptr<collective::CollectiveBackend>> ucx =
       registry.Create("ucx", {{"error_handling", config_.ucx_error_handling},
-                              {"hierarchical", config_.ucx_hierarchical ? "on" : "off"}});
+                              {"hierarchical", config_.ucx_hierarchical ? "on" : "off"},
+                              {"same_host_copy", config_.ucx_same_host_copy ? "on" : "off"}});
   if (!ucx.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "--peer_address needs the UCX backend, which this build lacks: ", ucx.status().message()));

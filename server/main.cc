@@ -62,6 +62,10 @@ ABSL_FLAG(bool, ucx_hierarchical, true,
           "groups whose daemons each host the same number (>= 2) of ranks run all-gather and "
           "reduce-scatter hierarchically (copies within a daemon, each daemon's bytes over the "
           "network once); false: the flat ring. Every daemon of a group must agree");
+ABSL_FLAG(bool, ucx_same_host_copy, true,
+          "messages of 256 KiB and more to a daemon on this host are copied once, straight out "
+          "of the sender's buffer (process_vm_readv), instead of twice through UCX shared "
+          "memory; a dead peer fails only that op. false: UCX shared memory for every size");
 ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Milliseconds(500),
           "heartbeats between daemons of multi-daemon groups");
 ABSL_FLAG(absl::Duration, peer_timeout, absl::Seconds(3),
@@ -311,6 +315,7 @@ int main(int argc, char** argv) {
   config.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   config.ucx_error_handling = absl::GetFlag(FLAGS_ucx_error_handling);
   config.ucx_hierarchical = absl::GetFlag(FLAGS_ucx_hierarchical);
+  config.ucx_same_host_copy = absl::GetFlag(FLAGS_ucx_same_host_copy);
   config.gpus = absl::GetFlag(FLAGS_gpus);
   if (const int64_t mib = absl::GetFlag(FLAGS_gpu_memory_limit_mib); mib > 0) {
     config.gpu_memory_limit_bytes = mib << 20;

@@ -53,7 +53,8 @@ absl::StatusOr<std::unique_ptr<CollectiveBackend>> MakeInproc(const BackendParam
 #if FS_HAVE_UCX
 // Keys: tls, net_devices (UCX_TLS / UCX_NET_DEVICES, overriding the environment),
 // poll_before_sleep_us, drain_for_ms, broadcast_chunk_bytes, error_handling,
-// hierarchical (on|off); see UcxBackendOptions.
+// hierarchical (on|off), same_host_copy (on|off), same_host_copy_min_bytes,
+// same_host_copy_chunk_bytes; see UcxBackendOptions.
 absl::StatusOr<std::unique_ptr<CollectiveBackend>> MakeUcx(const BackendParams& params) {
   UcxBackendOptions options;
   for (const auto& [key, value] : params) {
@@ -88,11 +89,24 @@ absl::StatusOr<std::unique_ptr<CollectiveBackend>> MakeUcx(const BackendParams& 
             absl::StrCat("ucx backend: hierarchical must be 'on' or 'off', got '", value, "'"));
       }
       options.hierarchical = value == "on";
+    } else if (key == "same_host_copy") {
+      if (value != "on" && value != "off") {
+        return absl::InvalidArgumentError(
+            absl::StrCat("ucx backend: same_host_copy must be 'on' or 'off', got '", value, "'"));
+      }
+      if (value == "off") options.same_host_copy_min_bytes = 0;
+    } else if (key == "same_host_copy_min_bytes") {
+      FS_ASSIGN_OR_RETURN(int64_t v, ParseInt("ucx", key, value, 0));
+      options.same_host_copy_min_bytes = static_cast<size_t>(v);
+    } else if (key == "same_host_copy_chunk_bytes") {
+      FS_ASSIGN_OR_RETURN(int64_t v, ParseInt("ucx", key, value, 4096));
+      options.same_host_copy_chunk_bytes = static_cast<size_t>(v);
     } else {
       return absl::InvalidArgumentError(
           absl::StrCat("ucx backend: unknown parameter '", key,
                        "' (known: tls, net_devices, poll_before_sleep_us, drain_for_ms, "
-                       "broadcast_chunk_bytes, error_handling, hierarchical)"));
+                       "broadcast_chunk_bytes, error_handling, hierarchical, same_host_copy, "
+                       "same_host_copy_min_bytes, same_host_copy_chunk_bytes)"));
     }
   }
   return CreateUcxBackend(options);

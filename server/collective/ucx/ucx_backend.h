@@ -7,7 +7,9 @@
 // rank r. Connect returns the ring algorithms (ring_algorithms.h) over a per-group Transport:
 // messages between two local ranks are copied with memcpy (InprocTransport); messages to or
 // from remote ranks go straight from and into the caller's buffers with ucp_tag_send_nbx /
-// ucp_tag_recv_nbx (eager for small messages, UCX rendezvous for large ones; no staging).
+// ucp_tag_recv_nbx (eager for small messages, UCX rendezvous for large ones; no staging),
+// except large messages between daemons of one host: those are read once by the receiver
+// with process_vm_readv (same_host_copy.h, UcxBackendOptions::same_host_copy_min_bytes).
 // Groups whose daemons host several ranks each run all-gather and reduce-scatter hierarchically
 // (UcxBackendOptions::hierarchical).
 //
@@ -23,8 +25,8 @@
 // UcxBackendOptions::error_handling), so that UCX may pick shared memory for them.
 //
 // Wire tags (64 bits, see ucx_tag.h): 16 bits hash(group_id, epoch) | 10 bits src rank |
-// 10 bits dst rank | 16 bits op_seq | 12 bits sub. Groups (or epochs of one group) whose hash
-// collides with a live group on this backend are refused, so live groups never see each
+// 10 bits dst rank | 1 control bit | 15 bits op_seq | 12 bits sub. Groups (or epochs of one group)
+// whose hash collides with a live group on this backend are refused, so live groups never see each
 // other's messages.
 //
 // Thread safety: thread-safe. All UCX calls and all transport state changes happen on the
@@ -84,16 +86,31 @@ struct UcxBackendOptions {
   // (GroupSettings) and a group whose daemons differ does not form
   // (server/group/daemon_agreement.h).
   bool hierarchical = true;
+  // Messages of at least this many bytes to a daemon on this host (same host identity,
+  // ucx_address.h) skip UCX's two shared-memory copies: the receiver reads them straight out
+  // of the sender's buffer with process_vm_readv (same_host_copy.h), in chunks of
+  // `same_host_copy_chunk_bytes` so that an abort stops it. A dead peer fails that op with a
+  // named error, never the process. 0: off (a daemon flag, --ucx_same_host_copy=false);
+  // values below 64 KiB act as 64 KiB (kMinCopyBytes).
+  // Daemons need not agree: a receiver takes either form.
+  size_t same_host_copy_min_bytes = size_t{256} << 10;
+  size_t same_host_copy_chunk_bytes = size_t{4} << 20;
+  // Tests only: this backend's receives answer every header kDenied, as if ptrace rules
+  // forbade the read (root can read any process, so tests cannot provoke EPERM).
+  bool testing_deny_same_host_copy = false;
 };
 
 // Counters for diagnostics and tests; a snapshot taken on the progress thread.
 struct UcxBackendStats {
-  size_t endpoints = 0;            // live endpoints to remote workers
-  size_t same_host_endpoints = 0;  // of those, endpoints without peer error handling
-  size_t live_groups = 0;          // transports alive (connected and not destroyed)
-  size_t draining_groups = 0;      // aborted or closed groups whose stray messages are dropped
-  size_t inflight_requests = 0;    // UCX sends and receives not completed yet
-  size_t dropped_messages = 0;     // stray messages drained so far
+  size_t endpoints = 0;              // live endpoints to remote workers
+  size_t same_host_endpoints = 0;    // of those, endpoints without peer error handling
+  size_t live_groups = 0;            // transports alive (connected and not destroyed)
+  size_t draining_groups = 0;        // aborted or closed groups whose stray messages are dropped
+  size_t inflight_requests = 0;      // UCX sends and receives not completed yet
+  size_t dropped_messages = 0;       // stray messages drained so far
+  size_t same_host_copies = 0;       // messages received with one process_vm_readv copy
+  size_t same_host_copy_denied = 0;  // headers answered kDenied (then sent over UCX)
+  size_t same_host_copy_failed = 0;  // copies that failed (dead peer, aborted sender)
 };
 
 // The concrete backend, for callers that want its stats. Name() is "ucx".

@@ -4,13 +4,14 @@
 //   bits 63..48  16  hash(group_id, epoch)     which group incarnation
 //   bits 47..38  10  src rank                  world_size <= 1024
 //   bits 37..28  10  dst rank
-//   bits 27..12  16  op_seq mod 2^16           which collective
+//   bit  27       1  control: a same-host copy's ack (same_host_copy.h), else 0
+//   bits 26..12  15  op_seq mod 2^15           which collective
 //   bits 11..0   12  sub: 0xFFF for the ring's fingerprint (sub >= 0x80000000),
 //                    else sub mod 0xFFF (data step or broadcast chunk)
 //
 // Folding op_seq and sub is safe because UCX matches messages with equal tags from one sender
 // in the order they were sent, and the ring algorithms send and receive every (src, dst,
-// sub) stream in the same increasing order: the only requirement is that fewer than 2^16 ops
+// sub) stream in the same increasing order: the only requirement is that fewer than 2^15 ops
 // of one group are in flight at once. Pure functions; thread-safe.
 
 #include <cstdint>
@@ -40,9 +41,11 @@ inline uint16_t GroupTagHash(absl::string_view group_id, uint64_t epoch) {
 inline uint64_t WireSub(uint32_t sub) { return (sub & 0x80000000u) != 0 ? 0xFFFu : sub % 0xFFFu; }
 
 // REQUIRES: 0 <= src, dst < kMaxWorldSize.
-inline uint64_t MakeTag(uint16_t group_hash, int src, int dst, MessageTag tag) {
+inline uint64_t MakeTag(uint16_t group_hash, int src, int dst, MessageTag tag,
+                        bool control = false) {
   return uint64_t{group_hash} << 48 | static_cast<uint64_t>(src) << 38 |
-         static_cast<uint64_t>(dst) << 28 | (tag.op_seq & 0xFFFFu) << 12 | WireSub(tag.sub);
+         static_cast<uint64_t>(dst) << 28 | uint64_t{control} << 27 | (tag.op_seq & 0x7FFFu) << 12 |
+         WireSub(tag.sub);
 }
 
 }  // namespace flatshard::collective::ucx

@@ -29,19 +29,26 @@ void UcxTransport::Recv(int dst, int src, MessageTag tag, MutableBuffer data, Do
   Remote(true, src, dst, tag, data.data, data.bytes, std::move(done));
 }
 
-void UcxTransport::Remote(bool recv, int src, int dst, MessageTag tag, void* data, size_t bytes,
-                          DoneCallback done) {
+Request* UcxTransport::NewRequest(bool recv, int src, int dst, MessageTag tag, void* data,
+                                  size_t bytes) {
   auto* req = new Request;
   req->worker = worker_.get();
   req->transport = shared_from_this();
   req->peer = peers_[recv ? src : dst];
-  req->done = std::move(done);
   req->recv = recv;
+  req->data = data;
   req->bytes = bytes;
   req->src = src;
   req->dst = dst;
   req->tag = tag;
-  absl::AnyInvocable<void()> fn = [req, data] { req->transport->Start(req, data); };
+  return req;
+}
+
+void UcxTransport::Remote(bool recv, int src, int dst, MessageTag tag, void* data, size_t bytes,
+                          DoneCallback done) {
+  Request* req = NewRequest(recv, src, dst, tag, data, bytes);
+  req->done = std::move(done);
+  absl::AnyInvocable<void()> fn = [req] { req->transport->Start(req); };
   if (worker_->Post(fn)) return;
   absl::Status status;
   {
@@ -54,25 +61,40 @@ void UcxTransport::Remote(bool recv, int src, int dst, MessageTag tag, void* dat
   std::move(cb)(std::move(status));
 }
 
-void UcxTransport::Start(Request* req, void* data) {
+void UcxTransport::Start(Request* req) {
   if (!sticky_.ok() || req->peer->ep == nullptr) {
     req->status = UCS_ERR_CANCELED;
     worker_->Submit(req, UCS_STATUS_PTR(UCS_ERR_CANCELED));
     return;
   }
+  if (!req->recv && UseCopy(*req)) return SendByCopy(req);
+  void* data = req->data;
   ucp_request_param_t p{};
   p.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
   p.memory_type = UCS_MEMORY_TYPE_HOST;  // skips UCX's memory-type detection per call
   p.user_data = req;
-  const uint64_t wire = MakeTag(hash_, req->src, req->dst, req->tag);
+  const uint64_t wire = MakeTag(hash_, req->src, req->dst, req->tag, req->control);
   ucs_status_ptr_t r;
   if (req->recv) {
     // UCX 1.13 leaves recv_info unset on immediate completion, and the length is needed to
     // catch size mismatches: always complete through the callback.
     p.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     p.cb.recv = &Worker::RecvCallback;
-    r = ucp_tag_recv_nbx(worker_->ucp(), data, req->bytes, wire, kFullMask, &p);
+    size_t count = req->bytes;
+    if (!req->control && MayGetHeader(*req)) {
+      // A CopyHeader may come instead of the bytes: its place is req->head, never the
+      // caller's buffer, which other local ranks may be reading (a shared all-gather output).
+      req->split = true;
+      req->iov[0] = {req->head, sizeof(CopyHeader)};
+      req->iov[1] = {static_cast<char*>(data) + sizeof(CopyHeader),
+                     req->bytes - sizeof(CopyHeader)};
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+      p.datatype = ucp_dt_make_iov();
+      data = req->iov;
+      count = 2;
+    }
+    r = ucp_tag_recv_nbx(worker_->ucp(), data, count, wire, kFullMask, &p);
   } else {
     p.cb.send = &Worker::SendCallback;
     r = ucp_tag_send_nbx(req->peer->ep, data, req->bytes, wire, &p);
@@ -135,6 +157,7 @@ void UcxTransport::AbortOnLoop(const absl::Status& reason) {
   if (!sticky_.ok()) return;
   sticky_ = reason;
   worker_->CancelRecvsOf(this);
+  worker_->StopCopiesOf(this, reason);
   worker_->GroupAborted(hash_, this);
   // What UCX could not cancel must still finish (a frozen peer never answers): looked at
   // again after the grace, on the progress thread.

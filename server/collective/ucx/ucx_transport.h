@@ -48,13 +48,26 @@ class UcxTransport final : public Transport, public std::enable_shared_from_this
   void PeerFailed(const Peer& peer);
   // The status a finished UCX request reports to its caller.
   absl::Status Outcome(const Request& req) const;
+  // Same-host copy (same_host_copy.h), receiving side. TakeCopyHeader: `req` got a
+  // CopyHeader; true once the transport owns `req` (copying, or finished). FinishCopy: the
+  // copy of `req` ended (`stopped`: the abort that stopped it); acks and completes `req`.
+  bool TakeCopyHeader(Request* req);
+  void FinishCopy(Request* req, const ProcessCopy& copy, const absl::Status& stopped);
 
  private:
   bool IsLocal(int rank) const { return peers_[rank] == nullptr; }
   absl::Status CheckRanks(int local, int other) const;
   void Remote(bool recv, int src, int dst, MessageTag tag, void* data, size_t bytes,
               DoneCallback done);
-  void Start(Request* req, void* data);
+  Request* NewRequest(bool recv, int src, int dst, MessageTag tag, void* data, size_t bytes);
+  void Start(Request* req);
+  // Whether the peer may send `req` by same-host copy (UseCopy on its side implies it).
+  bool MayGetHeader(const Request& req) const;
+  bool UseCopy(const Request& req) const;
+  // Sends `req` as a CopyHeader and completes it on the receiver's CopyAck.
+  void SendByCopy(Request* req);
+  void SendAck(const Request& recv, const CopyAck& ack);
+  std::string Describe(const Request& req) const;
   absl::Status PeerStatus(const Peer& peer) const;
 
   const std::shared_ptr<Worker> worker_;

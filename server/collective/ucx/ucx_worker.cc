@@ -147,6 +147,7 @@ void Worker::Loop() {
     if (stop_) break;
     while (ucp_worker_progress(worker_) != 0) busy = true;
     if (ProcessEvents()) busy = true;
+    if (!copies_.empty() && StepCopies()) busy = true;
     if (!groups_.empty() || !drains_.empty()) DrainStrays();
     if (busy) {
       last_progress = absl::Now();
@@ -220,6 +221,13 @@ void Worker::Submit(Request* req, ucs_status_ptr_t r) {
 void Worker::Complete(Request* req) {
   inflight_.erase(req);
   if (req->ucx != nullptr) ucp_request_free(req->ucx);
+  req->ucx = nullptr;
+  if (req->split && req->status == UCS_OK) {
+    req->split = false;
+    // A same-host sender's header instead of the bytes: the transport reads them itself.
+    if (req->info.length == sizeof(CopyHeader) && req->transport->TakeCopyHeader(req)) return;
+    std::memcpy(req->data, req->head, std::min(sizeof(CopyHeader), req->info.length));
+  }
   absl::Status status = req->transport->Outcome(*req);
   DoneCallback done = std::move(req->done);
   delete req;
@@ -256,6 +264,7 @@ absl::StatusOr<std::shared_ptr<Peer>> Worker::PeerFor(const std::string& address
   peer->worker = this;
   peer->address = address;
   peer->error_handling = WantsPeerErrorHandling(options_.error_handling, decoded, host_);
+  peer->same_host = !decoded.host.empty() && decoded.host == host_;
   const ucp_ep_params_t p =
       EndpointParams(decoded, peer->error_handling, &Worker::EndpointError, peer.get());
   ucs_status_t s = ucp_ep_create(worker_, &p, &peer->ep);
@@ -375,6 +384,36 @@ void Worker::CancelRecvsOf(const UcxTransport* t) {
   }
 }
 
+void Worker::AddCopy(std::unique_ptr<ActiveCopy> copy) { copies_.push_back(std::move(copy)); }
+
+bool Worker::StepCopies() {
+  std::vector<std::unique_ptr<ActiveCopy>> finished;
+  for (auto it = copies_.begin(); it != copies_.end();) {
+    if ((*it)->copy.Step() == ProcessCopy::State::kCopying) {
+      ++it;
+      continue;
+    }
+    finished.push_back(std::move(*it));
+    it = copies_.erase(it);
+  }
+  // Callbacks may start new copies: only after the list is consistent again.
+  for (auto& c : finished) c->req->transport->FinishCopy(c->req, c->copy, absl::OkStatus());
+  return true;
+}
+
+void Worker::StopCopiesOf(const UcxTransport* t, const absl::Status& reason) {
+  std::vector<std::unique_ptr<ActiveCopy>> stopped;
+  for (auto it = copies_.begin(); it != copies_.end();) {
+    if ((*it)->req->transport.get() != t) {
+      ++it;
+      continue;
+    }
+    stopped.push_back(std::move(*it));
+    it = copies_.erase(it);
+  }
+  for (auto& c : stopped) c->req->transport->FinishCopy(c->req, c->copy, reason);
+}
+
 void Worker::DrainStrays() {
   for (auto it = drains_.begin(); it != drains_.end();) {
     Drain* d = *it;
@@ -435,6 +474,7 @@ void Worker::BeginShutdown() {
   }
   for (auto& t : live) t->Abort(reason);
   live.clear();
+  while (!copies_.empty()) StopCopiesOf(copies_.front()->req->transport.get(), reason);
   // Closing lets peers see their endpoint fail at once instead of after a keepalive timeout.
   // A flush would wait for sends a peer may never receive: those endpoints are forced.
   absl::flat_hash_set<const Peer*> sending;
@@ -507,6 +547,9 @@ UcxBackendStats Worker::StatsOnLoop() const {
   }
   s.inflight_requests = inflight_.size();
   s.dropped_messages = dropped_;
+  s.same_host_copies = copy_counts_.ok;
+  s.same_host_copy_denied = copy_counts_.denied;
+  s.same_host_copy_failed = copy_counts_.failed;
   return s;
 }
 

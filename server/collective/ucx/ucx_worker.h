@@ -34,6 +34,7 @@
 #include "server/collective/inproc/inproc_transport.h"
 #include "server/collective/op_descriptor.h"
 #include "server/collective/ring_algorithms.h"
+#include "server/collective/ucx/same_host_copy.h"
 #include "server/collective/ucx/ucx_address.h"
 #include "server/collective/ucx/ucx_backend.h"
 #include "server/collective/ucx/ucx_endpoint.h"
@@ -52,7 +53,12 @@ struct Peer {
   // UCP_ERR_HANDLING_MODE_PEER: UCX reports the peer's death. Without it (a peer on this host,
   // reached over shared memory), the heartbeats do, and an abort abandons stuck transfers.
   bool error_handling = true;
-  ucs_status_t failure = UCS_OK;  // set once the endpoint failed; ep is then closed
+  // On this host (same host identity): large messages go by same-host copy, until the peer
+  // answers that it may not read this process (`copy_denied`, then UCX as usual).
+  bool same_host = false;
+  bool copy_denied = false;
+  bool copy_denied_logged = false;  // this side may not read the peer: logged once
+  ucs_status_t failure = UCS_OK;    // set once the endpoint failed; ep is then closed
   absl::flat_hash_map<const UcxTransport*, std::weak_ptr<UcxTransport>> users;
 };
 
@@ -64,7 +70,15 @@ struct Request {
   std::shared_ptr<Peer> peer;
   DoneCallback done;
   void* ucx = nullptr;
+  void* data = nullptr;
   bool recv = false;
+  bool control = false;  // a same-host copy's ack (control bit of the wire tag)
+  bool plain = false;    // never by same-host copy (a fallback)
+  // A receive that may get a CopyHeader: its first bytes land in `head` (iov[0]), the rest
+  // in place (iov[1]); Worker::Complete moves them into `data` unless they are a header.
+  bool split = false;
+  uint8_t head[sizeof(CopyHeader)];
+  ucp_dt_iov_t iov[2];
   size_t bytes = 0;
   int src = 0;
   int dst = 0;
@@ -79,6 +93,12 @@ struct Drain {
   std::vector<uint8_t> buf;
   void* ucx = nullptr;
   bool finished = false;
+};
+
+// A receive whose sender sent a CopyHeader: its bytes are being read (Worker::StepCopies).
+struct ActiveCopy {
+  Request* req;
+  ProcessCopy copy;
 };
 
 struct GroupEntry {
@@ -125,6 +145,14 @@ class Worker {
   // Takes a request that ucp_*_nbx returned `r` for: completes it now or tracks it.
   void Submit(Request* req, ucs_status_ptr_t r);
   void CancelRecvsOf(const UcxTransport* t);
+  // Same-host copies: started by the transport, a chunk each per loop turn, stopped (with
+  // `reason`) when their transport aborts.
+  void AddCopy(std::unique_ptr<ActiveCopy> copy);
+  void StopCopiesOf(const UcxTransport* t, const absl::Status& reason);
+  struct CopyCounts {
+    size_t ok = 0, denied = 0, failed = 0;
+  };
+  CopyCounts& copy_counts() { return copy_counts_; }
   // Finishes the transfers of aborted transport `t` still in flight (abort_grace after its
   // abort): their peers do not answer. See UcxBackendOptions::abort_grace.
   void FinishStuck(const UcxTransport* t, const std::string& group);
@@ -150,6 +178,7 @@ class Worker {
   bool ProcessEvents();
   void Complete(Request* req);
   void DrainStrays();
+  bool StepCopies();
   void BeginShutdown();
   void Wake();
 
@@ -180,6 +209,8 @@ class Worker {
   absl::flat_hash_set<Drain*> drains_;
   absl::flat_hash_map<uint16_t, GroupEntry> groups_;
   size_t dropped_ = 0;
+  std::vector<std::unique_ptr<ActiveCopy>> copies_;
+  CopyCounts copy_counts_;
 };
 
 }  // namespace flatshard::collective::ucx

@@ -1,7 +1,7 @@
 // The UCX backend. Several UcxBackend instances in one process stand in for daemons (each
 // has its own UCX worker, so remote ranks really go through UCX: shared memory, CMA or TCP
-// between the workers); one test runs a second process so cross-process transports are
-// exercised too.
+// between the workers, and messages >= 256 KiB by same-host copy, which then reads this very
+// process); one test runs a second process so cross-process transports are exercised too.
 //
 // The shared conformance suites see one Communicator for all ranks; SplitCommunicator
 // provides it over one Communicator per daemon and, like the daemons' group manager, aborts
@@ -276,8 +276,9 @@ TEST(UcxTagTest, FieldsLandInTheirBits) {
   EXPECT_EQ(tag >> 48, h);
   EXPECT_EQ((tag >> 38) & 0x3FF, 1023u);
   EXPECT_EQ((tag >> 28) & 0x3FF, 5u);
-  EXPECT_EQ((tag >> 12) & 0xFFFF, 0x2345u);
+  EXPECT_EQ((tag >> 12) & 0x7FFF, 0x2345u);  // bit 27: the control bit, 0 for data
   EXPECT_EQ(tag & 0xFFF, 3u);
+  EXPECT_EQ(ucx::MakeTag(h, 1023, 5, MessageTag{0x12345, 3}, true), tag | uint64_t{1} << 27);
   // The ring's fingerprint sub has its own value; data subs never reach it.
   EXPECT_EQ(ucx::MakeTag(h, 0, 1, MessageTag{1, 0x80000000u}) & 0xFFF, 0xFFFu);
   EXPECT_EQ(ucx::MakeTag(h, 0, 1, MessageTag{1, 0xFFFu}) & 0xFFF, 0u);
@@ -437,7 +438,7 @@ TEST(UcxBackendTest, DeadlineOnOneDaemonNamesRanksMissingOnOthers) {
 }
 
 TEST(UcxBackendTest, LargeAllGatherBetweenTwoDaemons) {
-  // 64 MiB assembled per rank (2 x 32 MiB shards): UCX rendezvous straight into `out`.
+  // 64 MiB assembled per rank (2 x 32 MiB shards), read once straight into `out`.
   constexpr size_t kShard = (size_t{32} << 20) / 4;
   const std::vector<int> layout = {0, 1};
   auto comms = ConnectAll("large", NextEpoch(), layout, Daemons());
@@ -458,6 +459,8 @@ TEST(UcxBackendTest, LargeAllGatherBetweenTwoDaemons) {
     });
     best = std::min(best, absl::Now() - start);
   }
+  // One host identity: the 32 MiB blocks went by same-host copy (same_host_copy.h).
+  EXPECT_GT(StatsOf(*Daemons()[1]).same_host_copies, 0u);
   for (int r = 0; r < 2; ++r) {
     for (int k = 0; k < 2; ++k) ASSERT_TRUE(BlockHolds(out[r].data() + k * kShard, k, kShard));
   }
