@@ -1,5 +1,7 @@
 #include "common/gpu/simulated_stream.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstring>
 #include <new>
@@ -47,6 +49,9 @@ absl::StatusOr<std::shared_ptr<SimulatedEvent>> SimulatedEvent::Create(
         absl::StrCat("simulated event: segment name ", segment.name(), " is too long"));
   }
   handle.resize(kIpcHandleBytes, '\0');
+  // Readable by every uid (a daemon and its trainers may differ): an event carries no data,
+  // and its waiters only read it.
+  ::chmod(absl::StrCat("/dev/shm", segment.name()).c_str(), 0644);
   Shared* s = new (segment.data()) Shared{};
   s->magic.store(kMagic);
   return std::shared_ptr<SimulatedEvent>(new SimulatedEvent(std::move(segment), std::move(handle)));
@@ -60,7 +65,7 @@ absl::StatusOr<std::shared_ptr<SimulatedEvent>> SimulatedEvent::Open(absl::strin
   }
   std::string name(ipc_handle.substr(kHandlePrefix.size()));
   name.resize(std::strlen(name.c_str()));
-  FS_ASSIGN_OR_RETURN(ShmSegment segment, ShmSegment::Open(name, sizeof(Shared), true));
+  FS_ASSIGN_OR_RETURN(ShmSegment segment, ShmSegment::Open(name, sizeof(Shared), /*writable=*/false));
   auto event = std::shared_ptr<SimulatedEvent>(
       new SimulatedEvent(std::move(segment), std::string(ipc_handle)));
   if (event->shared()->magic.load() != kMagic) {
