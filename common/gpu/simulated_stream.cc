@@ -202,8 +202,13 @@ void SimulatedStream::Loop() {
       delay = delay_;
       failed = !error_.ok();
     }
-    // The test knob, not ordering. A failed stream runs nothing more but its records.
-    if (!failed && delay > absl::ZeroDuration()) absl::SleepFor(delay);
+    // The test knob, not ordering (cut short when the stream is destroyed). A failed stream
+    // runs nothing more but its records.
+    if (!failed && delay > absl::ZeroDuration()) {
+      absl::MutexLock lock(&mu_);
+      auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+      mu_.AwaitWithTimeout(absl::Condition(&stopping), delay);
+    }
     absl::Status s = op(failed);
     absl::MutexLock lock(&mu_);
     if (!s.ok() && error_.ok()) error_ = s;

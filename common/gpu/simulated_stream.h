@@ -77,7 +77,8 @@ class SimulatedStream {
   SimulatedStream(const SimulatedStream&) = delete;
   SimulatedStream& operator=(const SimulatedStream&) = delete;
 
-  // Test knob: each operation starts `delay` after the worker reached it.
+  // Test knob: each operation starts `delay` after the worker reached it (at once once the
+  // stream is being destroyed).
   void set_delay(absl::Duration delay);
   // How long a stream wait on an event may take before the stream fails (2 minutes).
   void set_wait_timeout(absl::Duration timeout);
