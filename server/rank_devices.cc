@@ -121,10 +121,9 @@ absl::Status RankDevices::CheckStream(int32_t rank) const {
   if (d == nullptr) return absl::OkStatus();
   absl::Status s = d->StreamError();
   if (s.ok()) return s;
-  return absl::FailedPreconditionError(absl::StrCat("rank ", rank, ": work on GPU ", d->device(),
-                                                    " (", d->uuid(),
-                                                    ") that was answered already failed: ",
-                                                    s.message()));
+  return absl::FailedPreconditionError(
+      absl::StrCat("rank ", rank, ": work on GPU ", d->device(), " (", d->uuid(),
+                   ") that was answered already failed: ", s.message()));
 }
 
 absl::Status RankDevices::OrderOnDevice(int32_t rank, const gpu::IpcEventRef& written) {

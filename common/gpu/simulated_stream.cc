@@ -65,7 +65,8 @@ absl::StatusOr<std::shared_ptr<SimulatedEvent>> SimulatedEvent::Open(absl::strin
   }
   std::string name(ipc_handle.substr(kHandlePrefix.size()));
   name.resize(std::strlen(name.c_str()));
-  FS_ASSIGN_OR_RETURN(ShmSegment segment, ShmSegment::Open(name, sizeof(Shared), /*writable=*/false));
+  FS_ASSIGN_OR_RETURN(ShmSegment segment,
+                      ShmSegment::Open(name, sizeof(Shared), /*writable=*/false));
   auto event = std::shared_ptr<SimulatedEvent>(
       new SimulatedEvent(std::move(segment), std::string(ipc_handle)));
   if (event->shared()->magic.load() != kMagic) {
@@ -149,8 +150,9 @@ void SimulatedStream::EnqueueWait(std::shared_ptr<const SimulatedEvent> event) {
         return absl::CancelledError(absl::StrCat(what_, ": destroyed while waiting for an event"));
       }
       if (absl::Now() >= deadline) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            what_, ": the event waited for did not complete within ", absl::FormatDuration(timeout)));
+        return absl::DeadlineExceededError(
+            absl::StrCat(what_, ": the event waited for did not complete within ",
+                         absl::FormatDuration(timeout)));
       }
       absl::SleepFor(nap);
       nap = std::min(nap * 2, absl::Milliseconds(1));
@@ -176,7 +178,8 @@ absl::Status SimulatedStream::Synchronize(absl::Duration timeout) {
   const uint64_t target = enqueued_;
   auto done = [this, target]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done_ >= target; };
   if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) {
-    return absl::DeadlineExceededError(absl::StrCat(what_, ": not done within ", absl::FormatDuration(timeout),
+    return absl::DeadlineExceededError(absl::StrCat(what_, ": not done within ",
+                                                    absl::FormatDuration(timeout),
                                                     " (it may wait for an event never recorded)"));
   }
   return error_;

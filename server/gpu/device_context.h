@@ -16,9 +16,10 @@
 // FAILED_PRECONDITION "built without CUDA".
 //
 // CreateSimulated() makes a context whose "device memory" is host shared memory and whose
-// copies are memcpy on a simulated asynchronous stream (flatshardd --simulate_gpus): the daemon's GPU code paths (placement,
-// staging, offload, events plumbing) run and are tested on machines without a GPU. Trainers
-// then open its slabs by shm name (tests/testing/simulated_gpu.h), not through CUDA IPC.
+// copies are memcpy on a simulated asynchronous stream (flatshardd --simulate_gpus): the daemon's
+// GPU code paths (placement, staging, offload, events plumbing) run and are tested on machines
+// without a GPU. Trainers then open its slabs by shm name (tests/testing/simulated_gpu.h), not
+// through CUDA IPC.
 //
 // Thread safety: DeviceContext is thread-safe. Copy() and Synchronize() wait for everything
 // enqueued on the context's stream, also by other threads.

@@ -130,8 +130,8 @@ class SimulatedDeviceContext final : public DeviceContext {
     absl::StatusOr<std::shared_ptr<SimulatedEvent>> opened = SimulatedEvent::Open(event.ipc_handle);
     if (!opened.ok()) {
       return absl::Status(opened.status().code(),
-                          absl::StrCat("simulated GPU ", device(), ": ", what, ": event ",
-                                       event.id, ": ", opened.status().message()));
+                          absl::StrCat("simulated GPU ", device(), ": ", what, ": event ", event.id,
+                                       ": ", opened.status().message()));
     }
     if (opened_.size() >= 256) opened_.clear();  // trainers long gone (live ones reopen)
     opened_.emplace(event.ipc_handle, *opened);

@@ -225,8 +225,8 @@ class Modules {
                      const SummonOptions& options, absl::Time deadline, SummonCallback done,
                      const gpu::IpcEventRef& unwaited = {});
   // A decided summon's copies and casts (on the rank's device worker), then StartUnshard.
-  void UnshardWritten(const Caller& caller, absl::Time deadline,
-                      std::shared_ptr<SummonStart> start, SummonCallback done);
+  void UnshardWritten(const Caller& caller, absl::Time deadline, std::shared_ptr<SummonStart> start,
+                      SummonCallback done);
   absl::Status DecideSummon(Group& g, const Caller& caller, const std::string& module,
                             const std::string& path, const SummonOptions& options,
                             SummonDecision* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);

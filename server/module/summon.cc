@@ -122,11 +122,10 @@ void Modules::SummonWritten(const Caller& caller, const std::string& module,
       if (error.ok() && decision.wait) {
         // Another local rank is making a node copy this summon shares: decide again once it
         // made it (or gave up), instead of allocating a second one.
-        decision.slot->on_made.push_back(
-            [this, caller, module, path, options, deadline, done = std::move(done),
-             unwaited]() mutable {
-              SummonWritten(caller, module, path, options, deadline, std::move(done), unwaited);
-            });
+        decision.slot->on_made.push_back([this, caller, module, path, options, deadline,
+                                          done = std::move(done), unwaited]() mutable {
+          SummonWritten(caller, module, path, options, deadline, std::move(done), unwaited);
+        });
         parked = true;
       } else if (error.ok()) {
         // The steady state (every buffer kept, committed and unused) needs no allocation: the
@@ -223,8 +222,8 @@ void Modules::SummonWritten(const Caller& caller, const std::string& module,
                            static_cast<size_t>(src->bytes()));
   }
   // The buffers stay alive until the stream is past the copies (a group dropped meanwhile).
-  devices_.ReleaseAfterStream(caller.rank, std::make_shared<decltype(start->copies)>(
-                                               std::move(start->copies)));
+  devices_.ReleaseAfterStream(caller.rank,
+                              std::make_shared<decltype(start->copies)>(std::move(start->copies)));
   start->copies.clear();
   if (!s.ok()) {
     FinishEnd(caller, start->result.summon, s,

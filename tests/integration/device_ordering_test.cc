@@ -154,9 +154,9 @@ TEST_P(DeviceOrderingTest, SummonReadsTheWritesStillQueuedOnTheTrainersStream) {
 INSTANTIATE_TEST_SUITE_P(OrderingAndWorld, DeviceOrderingTest,
                          ::testing::Combine(::testing::Bool(), ::testing::Values(1, 2)),
                          [](const ::testing::TestParamInfo<std::tuple<bool, int>>& info) {
-                           return absl::StrCat(std::get<0>(info.param) ? "DeviceOrdered"
-                                                                       : "HostWait",
-                                               "World", std::get<1>(info.param));
+                           return absl::StrCat(
+                               std::get<0>(info.param) ? "DeviceOrdered" : "HostWait", "World",
+                               std::get<1>(info.param));
                          });
 
 }  // namespace
