@@ -209,7 +209,8 @@ absl::Status SetUpGpus(const DaemonConfig& config, ShardStoreOptions* store_opti
       gpu::DevicePoolOptions pool;
       pool.limit_bytes = config.gpu_memory_limit_bytes;
       FS_ASSIGN_OR_RETURN(std::unique_ptr<gpu::DeviceContext> context,
-                          gpu::DeviceContext::CreateSimulated(i, pool, config.segment_prefix));
+                          gpu::DeviceContext::CreateSimulated(i, pool, config.segment_prefix,
+                                                              config.simulate_gpu_delay));
       std::shared_ptr<gpu::DeviceContext> shared = std::move(context);
       store_options->device_pools[i] = shared->pool();
       group_options->gpus.push_back(std::move(shared));
@@ -360,6 +361,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   group_options.group_idle_timeout = config.group_idle_timeout;
   group_options.max_groups_per_uid = config.max_groups_per_uid;
   FS_RETURN_IF_ERROR(SetUpGpus(config, &store_options, &group_options));
+  group_options.gpu_device_ordering = config.gpu_device_ordering;
 
   std::unique_ptr<Daemon> d(new Daemon(config));
   d->store_ = std::make_unique<ShardStore>(store_options);

@@ -108,6 +108,10 @@ struct DaemonConfig {
   // Testing only: N simulated GPUs whose "device memory" is host shared memory (no CUDA,
   // no NCCL), so the GPU code paths run where there is no GPU. Excludes `gpus`.
   int simulate_gpus = 0;
+  // Testing only: each operation of a simulated GPU's stream starts this late.
+  absl::Duration simulate_gpu_delay = absl::ZeroDuration();
+  // Device-side ordering of summons that are device copies only (RankDevices::OrderOnDevice).
+  bool gpu_device_ordering = true;
   // Restarts (README "Restarts"): where the groups' records go (flatshardd picks a default,
   // server/durable/default_state_dir.h). Empty: --ephemeral, nothing is recorded, a restart
   // loses the shards.

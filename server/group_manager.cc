@@ -49,7 +49,7 @@ GroupManager::GroupManager(ShardStore* store, GroupManagerOptions options)
     : store_(store),
       gpus_(options.gpus),
       clock_(options.clock != nullptr ? options.clock : Clock::Real()),
-      devices_(gpus_),
+      devices_(gpus_, options.gpu_device_ordering),
       comms_(MakeFactory(options)),
       kept_pool_(KeptBufferPool::Create(store, clock_)),
       records_(RecordsOptionsOf(options, store, &devices_, clock_, &table_)) {

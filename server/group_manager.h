@@ -85,6 +85,8 @@ struct GroupManagerOptions {
   // gradients and unsharded buffers are device memory there; the ShardStore has the same
   // contexts' pools). Empty: host memory only (the default).
   std::vector<std::shared_ptr<gpu::DeviceContext>> gpus;
+  // RankDevices' device_ordering (flatshardd --gpu_device_ordering).
+  bool gpu_device_ordering = false;
   // NCCL for groups whose local ranks are each on their own GPU; null (no NCCL build, or
   // --gpu_collectives=host): device groups move bytes over the host path, staged.
   std::unique_ptr<collective::CollectiveBackend> nccl_backend;

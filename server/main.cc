@@ -104,6 +104,13 @@ ABSL_FLAG(int, simulate_gpus, 0,
           "testing only: N simulated GPUs whose device memory is host shared memory (no CUDA, "
           "no NCCL), to run the GPU code paths without a GPU; trainers must open it through "
           "the test harness");
+ABSL_FLAG(bool, gpu_device_ordering, true,
+          "a summon whose work is device copies only (world 1, NO_SHARD) waits for the trainer's "
+          "event on the GPU's stream and is answered once its copies are enqueued (no host wait); "
+          "false: the host waits for the trainer's event first, as for collectives");
+ABSL_FLAG(absl::Duration, simulate_gpu_delay, absl::ZeroDuration(),
+          "testing only, with --simulate_gpus: each operation of a simulated GPU's stream starts "
+          "this late, so that work not ordered after it sees old bytes");
 // Resources (README "Resources and quotas").
 ABSL_FLAG(absl::Duration, group_idle_timeout, absl::Hours(1),
           "a group in which no rank has had a session for this long is removed with its shards "
@@ -325,6 +332,8 @@ int main(int argc, char** argv) {
   }
   config.gpu_collectives = absl::GetFlag(FLAGS_gpu_collectives);
   config.simulate_gpus = absl::GetFlag(FLAGS_simulate_gpus);
+  config.gpu_device_ordering = absl::GetFlag(FLAGS_gpu_device_ordering);
+  config.simulate_gpu_delay = absl::GetFlag(FLAGS_simulate_gpu_delay);
   absl::StatusOr<flatshard::server::state::StateDirChoice> state_dir =
       flatshard::server::state::ChooseStateDir(
           absl::GetFlag(FLAGS_state_dir), absl::GetFlag(FLAGS_ephemeral),

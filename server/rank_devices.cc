@@ -11,8 +11,9 @@
 
 namespace flatshard::server {
 
-RankDevices::RankDevices(std::vector<std::shared_ptr<gpu::DeviceContext>> gpus)
-    : gpus_(std::move(gpus)) {
+RankDevices::RankDevices(std::vector<std::shared_ptr<gpu::DeviceContext>> gpus,
+                         bool device_ordering)
+    : gpus_(std::move(gpus)), device_ordering_(device_ordering) {
   for (const auto& d : gpus_) {
     FS_CHECK(d != nullptr) << "RankDevices: null GPU context";
     lanes_.push_back(std::make_unique<Lane>());
@@ -89,6 +90,10 @@ void RankDevices::AfterTrainerWrites(int32_t rank, const gpu::IpcEventRef& writt
     done(absl::OkStatus());
     return;
   }
+  if (absl::Status s = CheckStream(rank); !s.ok()) {
+    done(std::move(s));
+    return;
+  }
   // The host waits on the event itself (a stream wait on an interprocess event plus a stream
   // synchronize took about 200 us on an H100 even for a completed event). Usually it has
   // completed already: one query on the caller's thread, no thread hop.
@@ -108,6 +113,46 @@ void RankDevices::AfterTrainerWrites(int32_t rank, const gpu::IpcEventRef& writt
                                               id, ": ", s.message()));
     }
     done(std::move(s));
+  });
+}
+
+absl::Status RankDevices::CheckStream(int32_t rank) const {
+  gpu::DeviceContext* d = DeviceOf(rank);
+  if (d == nullptr) return absl::OkStatus();
+  absl::Status s = d->StreamError();
+  if (s.ok()) return s;
+  return absl::FailedPreconditionError(
+      absl::StrCat("rank ", rank, ": work on GPU ", d->device(), " (", d->uuid(),
+                   ") that was answered already failed: ", s.message()));
+}
+
+absl::Status RankDevices::OrderOnDevice(int32_t rank, const gpu::IpcEventRef& written) {
+  gpu::DeviceContext* d = DeviceOf(rank);
+  if (d == nullptr) return absl::OkStatus();
+  FS_RETURN_IF_ERROR(CheckStream(rank));
+  if (written.id == 0) return absl::OkStatus();
+  absl::Status s = d->WaitFor(written);  // a stream wait: no host wait
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat("rank ", rank, ": ordering after the trainer's event ",
+                                             written.id, ": ", s.message()));
+}
+
+absl::Status RankDevices::CopyAsync(int32_t rank, void* dst, const void* src, size_t bytes) const {
+  if (bytes == 0) return absl::OkStatus();
+  gpu::DeviceContext* d = DeviceOf(rank);
+  if (d == nullptr) {
+    std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+  return d->CopyAsync(dst, src, bytes);
+}
+
+void RankDevices::ReleaseAfterStream(int32_t rank, std::shared_ptr<void> keep) {
+  gpu::DeviceContext* d = DeviceOf(rank);
+  if (d == nullptr) return;
+  Post(rank, [d, keep = std::move(keep)]() mutable {
+    d->Synchronize().IgnoreError();
+    keep.reset();
   });
 }
 

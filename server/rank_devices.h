@@ -39,7 +39,11 @@ namespace flatshard::server {
 class RankDevices {
  public:
   // `gpus` empty: every rank is a host rank. Null entries are not allowed.
-  explicit RankDevices(std::vector<std::shared_ptr<gpu::DeviceContext>> gpus);
+  // `device_ordering` (flatshardd --gpu_device_ordering): whether work that runs entirely on a
+  // rank's stream is ordered after the trainer's event on the device (OrderOnDevice) rather
+  // than by a host wait.
+  explicit RankDevices(std::vector<std::shared_ptr<gpu::DeviceContext>> gpus,
+                       bool device_ordering = false);
   // As Stop().
   ~RankDevices();
   RankDevices(const RankDevices&) = delete;
@@ -59,11 +63,31 @@ class RankDevices {
   // Orders `rank`'s work after the trainer's event `written` and calls `done` once the host
   // has seen the device get past it (the collectives run on the backend's own streams, so a
   // stream-side wait alone would not order them). Host ranks and id 0: `done(OK)` inline. GPU
-  // ranks: the stream wait is enqueued on the caller's thread (no host wait); the host wait
-  // (bounded by the context's sync_timeout) runs on the device's worker, which then calls
-  // `done` with its status (a CUDA error or DEADLINE_EXCEEDED naming the rank).
+  // ranks: CheckStream's error first; a completed event calls `done(OK)` inline; otherwise the
+  // host wait (bounded by the context's sync_timeout) runs on the device's worker, which then
+  // calls `done` with its status (a CUDA error or DEADLINE_EXCEEDED naming the rank).
   void AfterTrainerWrites(int32_t rank, const gpu::IpcEventRef& written,
                           absl::AnyInvocable<void(absl::Status)> done);
+  // Device-side ordering (device_ordering(), GPU ranks, the work all on `rank`'s stream):
+  // enqueues a stream wait for the trainer's event `written` (nothing for id 0) and returns,
+  // with no host wait; copies enqueued next (CopyAsync) and a RecordReady after them are
+  // ordered after the trainer's writes. Host ranks: OK, nothing to do.
+  // Errors: CheckStream's; WaitFor's (INVALID_ARGUMENT for a bad event), naming the rank.
+  absl::Status OrderOnDevice(int32_t rank, const gpu::IpcEventRef& written);
+  // Enqueues a copy on `rank`'s stream (memcpy for host ranks) and returns without waiting.
+  absl::Status CopyAsync(int32_t rank, void* dst, const void* src, size_t bytes) const;
+  // Errors of `rank`'s earlier device work that failed after its operation was answered (a
+  // device-ordered copy, a stream wait that timed out): FAILED_PRECONDITION "rank R: work on
+  // <device> that was answered already failed: ...". Sticky, as CUDA's stream errors: every
+  // later operation of a rank on that device fails. AfterTrainerWrites and OrderOnDevice check
+  // it first. OK for host ranks.
+  absl::Status CheckStream(int32_t rank) const;
+  // Keeps `keep` (buffers that work enqueued on `rank`'s stream uses) alive until that work
+  // has run: dropped on the device's worker after a stream synchronize, off the caller's path
+  // (an error there is CheckStream's). Host ranks: dropped now.
+  void ReleaseAfterStream(int32_t rank, std::shared_ptr<void> keep);
+  bool device_ordering() const { return device_ordering_; }
+
   // Runs `work` (which may wait on `rank`'s device) and hands its status to `done`: inline for
   // host ranks, on the device's worker for GPU ranks.
   void RunBlocking(int32_t rank, absl::AnyInvocable<absl::Status()> work,
@@ -108,6 +132,7 @@ class RankDevices {
   static void LaneLoop(Lane* lane);
 
   const std::vector<std::shared_ptr<gpu::DeviceContext>> gpus_;
+  const bool device_ordering_;
   // Guards starting the lanes' threads. Lock order: lanes_mu_, then a Lane::mu.
   absl::Mutex lanes_mu_;
   bool destroying_ ABSL_GUARDED_BY(lanes_mu_) = false;

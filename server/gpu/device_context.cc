@@ -142,6 +142,27 @@ absl::Status DeviceContext::Copy(void* dst, const void* src, size_t bytes) {
   return Synchronize();
 }
 
+absl::Status DeviceContext::CopyAsync(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  if (stream_ == nullptr) return Copy(dst, src, bytes);  // a subclass without a CUDA stream
+  ScopedCudaDevice scoped(gpu_.ordinal);
+  FS_RETURN_IF_ERROR(scoped.status());
+  FS_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, AsStream(stream_)),
+                          absl::StrCat("device ", gpu_.ordinal, " (", gpu_.uuid,
+                                       "): cudaMemcpyAsync of ", bytes, " bytes"));
+  return absl::OkStatus();
+}
+
+absl::Status DeviceContext::StreamError() {
+  if (stream_ == nullptr) return absl::OkStatus();  // a subclass without a CUDA stream
+  ScopedCudaDevice scoped(gpu_.ordinal);
+  FS_RETURN_IF_ERROR(scoped.status());
+  const cudaError_t err = cudaStreamQuery(AsStream(stream_));
+  if (err == cudaSuccess || err == cudaErrorNotReady) return absl::OkStatus();
+  cudaGetLastError();
+  return CudaStatus(err, absl::StrCat("device ", gpu_.ordinal, " (", gpu_.uuid, "): stream"));
+}
+
 absl::Status DeviceContext::Synchronize() {
   absl::Duration timeout;
   {
@@ -284,6 +305,10 @@ void DeviceContext::set_sync_timeout(absl::Duration timeout) {
 }
 absl::Status DeviceContext::Copy(void*, const void*, size_t) { return NoCuda("Copy"); }
 absl::Status DeviceContext::Synchronize() { return NoCuda("Synchronize"); }
+absl::Status DeviceContext::CopyAsync(void* dst, const void* src, size_t bytes) {
+  return Copy(dst, src, bytes);  // Copy's error, or a subclass's synchronous copy
+}
+absl::Status DeviceContext::StreamError() { return absl::OkStatus(); }  // nothing ran
 absl::StatusOr<IpcEventRef> DeviceContext::RecordReady() { return NoCuda("RecordReady"); }
 absl::Status DeviceContext::WaitFor(const IpcEventRef&) { return NoCuda("WaitFor"); }
 absl::Status DeviceContext::WaitOnHost(const IpcEventRef&, absl::Duration) {
@@ -295,6 +320,10 @@ void UnpinHostMemory(void*) {}
 #endif  // FS_HAVE_CUDA
 
 int DeviceContext::device() const { return gpu_.ordinal; }
+absl::Duration DeviceContext::sync_timeout() const {
+  absl::MutexLock lock(&mu_);
+  return sync_timeout_;
+}
 const std::string& DeviceContext::uuid() const { return gpu_.uuid; }
 const std::shared_ptr<DevicePool>& DeviceContext::pool() const { return pool_; }
 void* DeviceContext::stream() const { return stream_; }

@@ -16,9 +16,10 @@
 // FAILED_PRECONDITION "built without CUDA".
 //
 // CreateSimulated() makes a context whose "device memory" is host shared memory and whose
-// copies are memcpy (flatshardd --simulate_gpus): the daemon's GPU code paths (placement,
-// staging, offload, events plumbing) run and are tested on machines without a GPU. Trainers
-// then open its slabs by shm name (tests/testing/simulated_gpu.h), not through CUDA IPC.
+// copies are memcpy on a simulated asynchronous stream (flatshardd --simulate_gpus): the daemon's
+// GPU code paths (placement, staging, offload, events plumbing) run and are tested on machines
+// without a GPU. Trainers then open its slabs by shm name (tests/testing/simulated_gpu.h), not
+// through CUDA IPC.
 //
 // Thread safety: DeviceContext is thread-safe. Copy() and Synchronize() wait for everything
 // enqueued on the context's stream, also by other threads.
@@ -55,9 +56,13 @@ class DeviceContext {
                                                                DevicePoolOptions pool_options);
   // A simulated GPU `ordinal` with uuid "SIM-GPU-<ordinal>": its slabs are shm segments named
   // with `segment_prefix` (their "IPC handle" is "SIMGPU" + the shm name); copies are memcpy;
-  // events are tokens. Errors: INVALID_ARGUMENT for a bad prefix.
+  // events are simulated interprocess events, its stream a worker thread
+  // (common/gpu/simulated_stream.h) whose operations each start `stream_delay` late (a test
+  // knob: work not ordered after them sees old bytes). Errors: INVALID_ARGUMENT for a bad
+  // prefix; ShmSegment's for the ready event's segment.
   static absl::StatusOr<std::unique_ptr<DeviceContext>> CreateSimulated(
-      int ordinal, DevicePoolOptions pool_options, const std::string& segment_prefix);
+      int ordinal, DevicePoolOptions pool_options, const std::string& segment_prefix,
+      absl::Duration stream_delay = absl::ZeroDuration());
   // Waits (up to sync_timeout) for the stream, then releases the events and the stream. The
   // pool lives on while blocks of it do.
   virtual ~DeviceContext();
@@ -76,6 +81,15 @@ class DeviceContext {
   // pinned) on this context's stream and waits until done. The copy is ordered after every
   // WaitFor() issued before it. Errors: CUDA errors naming the device; DEADLINE_EXCEEDED.
   virtual absl::Status Copy(void* dst, const void* src, size_t bytes);
+  // Enqueues the copy on the stream and returns: no host wait. Ordered after every WaitFor()
+  // and copy issued before it; RecordReady() after it completes after it. An error that shows
+  // only later (a failed copy, a wait that timed out) is StreamError()'s.
+  // Errors: CUDA errors at enqueue naming the device. (A subclass without a CUDA stream that
+  // does not override it gets its Copy(): synchronous, which orders as much.)
+  virtual absl::Status CopyAsync(void* dst, const void* src, size_t bytes);
+  // The stream's error, if its asynchronous work failed (sticky); OK while it runs or is idle.
+  // Never waits.
+  virtual absl::Status StreamError();
   // Waits until everything enqueued on the stream so far has completed.
   // Errors: DEADLINE_EXCEEDED after sync_timeout; the stream's CUDA error.
   virtual absl::Status Synchronize();
@@ -100,6 +114,7 @@ class DeviceContext {
 
  protected:
   DeviceContext(GpuDevice gpu, std::shared_ptr<DevicePool> pool);
+  absl::Duration sync_timeout() const;
 
  private:
   struct OpenedEvent;

@@ -1,6 +1,7 @@
 // DeviceContext::CreateSimulated: a "GPU" whose memory is host shared memory, for running the
 // daemon's GPU code paths where no GPU exists (flatshardd --simulate_gpus; tests). Nothing here
-// calls CUDA, so it works in builds without CUDA too.
+// calls CUDA, so it works in builds without CUDA too. Its stream and events are asynchronous
+// (common/gpu/simulated_stream.h), so ordering bugs show.
 
 #include <atomic>
 #include <cstring>
@@ -9,8 +10,10 @@
 #include <string>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/gpu/simulated_stream.h"
 #include "common/shm_segment.h"
 #include "common/status_macros.h"
 #include "server/gpu/device_context.h"
@@ -65,42 +68,88 @@ class SimulatedSlabAllocator final : public SlabAllocator {
 
 std::atomic<uint64_t> next_simulated_event{1};
 
+// Its "stream" is a SimulatedStream (asynchronous, like CUDA's), its events SimulatedEvents
+// (interprocess, through shm), so that an ordering bug shows as wrong values. Trainers' events
+// that are not simulated events (an old trainer's tokens) count as completed.
 class SimulatedDeviceContext final : public DeviceContext {
  public:
-  SimulatedDeviceContext(GpuDevice gpu, std::shared_ptr<DevicePool> pool)
-      : DeviceContext(gpu, std::move(pool)) {
+  SimulatedDeviceContext(GpuDevice gpu, std::shared_ptr<DevicePool> pool,
+                         std::shared_ptr<SimulatedEvent> ready, absl::Duration delay)
+      : DeviceContext(gpu, std::move(pool)),
+        stream_(absl::StrCat("simulated GPU ", gpu.ordinal, ": stream")),
+        ready_event_(std::move(ready)) {
     ready_.id = next_simulated_event.fetch_add(1);
-    ready_.ipc_handle = std::string(kIpcHandleBytes, '\0');
-    ready_.ipc_handle.replace(0, 8, "SIMEVENT");
+    ready_.ipc_handle = ready_event_->handle();
     ready_.device_uuid = gpu.uuid;
+    stream_.set_delay(delay);
   }
 
   absl::Status Copy(void* dst, const void* src, size_t bytes) override {
-    if (bytes > 0) std::memmove(dst, src, bytes);
+    CopyAsync(dst, src, bytes).IgnoreError();  // never fails
+    return Synchronize();
+  }
+  absl::Status CopyAsync(void* dst, const void* src, size_t bytes) override {
+    if (bytes > 0) stream_.EnqueueCopy(dst, src, bytes);
     return absl::OkStatus();
   }
-  absl::Status Synchronize() override { return absl::OkStatus(); }
-  absl::StatusOr<IpcEventRef> RecordReady() override { return ready_; }
-  absl::Status WaitFor(const IpcEventRef& event) override {
-    if (event.id == 0 || event.ipc_handle.size() != kIpcHandleBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "simulated GPU ", device(), ": WaitFor: event ", event.id, " with a ",
-          event.ipc_handle.size(), "-byte handle (want id > 0 and ", kIpcHandleBytes, " bytes)"));
-    }
-    return absl::OkStatus();  // the trainer's "stream" is the host: its writes are done
+  absl::Status Synchronize() override { return stream_.Synchronize(sync_timeout()); }
+  absl::Status StreamError() override { return stream_.error(); }
+  absl::StatusOr<IpcEventRef> RecordReady() override {
+    stream_.EnqueueRecord(ready_event_);
+    return ready_;
   }
-  absl::Status WaitOnHost(const IpcEventRef& event, absl::Duration) override {
-    return WaitFor(event);
+  absl::Status WaitFor(const IpcEventRef& event) override {
+    FS_ASSIGN_OR_RETURN(std::shared_ptr<SimulatedEvent> opened, Open(event, "WaitFor"));
+    if (opened == nullptr) return absl::OkStatus();
+    stream_.set_wait_timeout(sync_timeout());
+    stream_.EnqueueWait(std::move(opened));
+    return absl::OkStatus();
+  }
+  absl::Status WaitOnHost(const IpcEventRef& event, absl::Duration timeout) override {
+    FS_ASSIGN_OR_RETURN(std::shared_ptr<SimulatedEvent> opened, Open(event, "WaitOnHost"));
+    if (opened == nullptr) return absl::OkStatus();
+    if (timeout == absl::InfiniteDuration()) timeout = sync_timeout();
+    return opened->WaitOnHost(
+        opened->recorded(), timeout,
+        absl::StrCat("simulated GPU ", device(), ": WaitOnHost: the trainer's event ", event.id));
   }
 
  private:
+  // The trainer's event, opened once per handle; null for a token that is not an event.
+  absl::StatusOr<std::shared_ptr<SimulatedEvent>> Open(const IpcEventRef& event,
+                                                       absl::string_view what) {
+    if (event.id == 0 || event.ipc_handle.size() != kIpcHandleBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "simulated GPU ", device(), ": ", what, ": event ", event.id, " with a ",
+          event.ipc_handle.size(), "-byte handle (want id > 0 and ", kIpcHandleBytes, " bytes)"));
+    }
+    if (!SimulatedEvent::IsHandle(event.ipc_handle)) return nullptr;
+    absl::MutexLock lock(&mu_);
+    auto it = opened_.find(event.ipc_handle);
+    if (it != opened_.end()) return it->second;
+    absl::StatusOr<std::shared_ptr<SimulatedEvent>> opened = SimulatedEvent::Open(event.ipc_handle);
+    if (!opened.ok()) {
+      return absl::Status(opened.status().code(),
+                          absl::StrCat("simulated GPU ", device(), ": ", what, ": event ", event.id,
+                                       ": ", opened.status().message()));
+    }
+    if (opened_.size() >= 256) opened_.clear();  // trainers long gone (live ones reopen)
+    opened_.emplace(event.ipc_handle, *opened);
+    return *opened;
+  }
+
+  SimulatedStream stream_;
+  const std::shared_ptr<SimulatedEvent> ready_event_;
   IpcEventRef ready_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<SimulatedEvent>> opened_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DeviceContext>> DeviceContext::CreateSimulated(
-    int ordinal, DevicePoolOptions pool_options, const std::string& segment_prefix) {
+    int ordinal, DevicePoolOptions pool_options, const std::string& segment_prefix,
+    absl::Duration stream_delay) {
   FS_RETURN_IF_ERROR(ValidateSegmentPrefix(segment_prefix));
   GpuDevice gpu;
   gpu.ordinal = ordinal;
@@ -110,7 +159,10 @@ absl::StatusOr<std::unique_ptr<DeviceContext>> DeviceContext::CreateSimulated(
   pool_options.device_uuid = gpu.uuid;
   std::shared_ptr<DevicePool> pool = DevicePool::Create(
       std::move(pool_options), std::make_unique<SimulatedSlabAllocator>(segment_prefix));
-  return std::unique_ptr<DeviceContext>(new SimulatedDeviceContext(gpu, std::move(pool)));
+  FS_ASSIGN_OR_RETURN(std::shared_ptr<SimulatedEvent> ready,
+                      SimulatedEvent::Create(segment_prefix));
+  return std::unique_ptr<DeviceContext>(
+      new SimulatedDeviceContext(gpu, std::move(pool), std::move(ready), stream_delay));
 }
 
 }  // namespace flatshard::gpu

@@ -219,8 +219,14 @@ class Modules {
   // The public collective calls continue here once the trainer's `written` event was reached
   // (RankDevices::AfterTrainerWrites; `local` is that wait's status where a failure is the
   // rank's "no" in an agreement).
+  // Summon: `unwaited` is the trainer's event not waited for yet (--gpu_device_ordering: a
+  // stream wait where the summon's work is all on the rank's stream, else a host wait).
   void SummonWritten(const Caller& caller, const std::string& module, const std::string& path,
-                     const SummonOptions& options, absl::Time deadline, SummonCallback done);
+                     const SummonOptions& options, absl::Time deadline, SummonCallback done,
+                     const gpu::IpcEventRef& unwaited = {});
+  // A decided summon's copies and casts (on the rank's device worker), then StartUnshard.
+  void UnshardWritten(const Caller& caller, absl::Time deadline, std::shared_ptr<SummonStart> start,
+                      SummonCallback done);
   absl::Status DecideSummon(Group& g, const Caller& caller, const std::string& module,
                             const std::string& path, const SummonOptions& options,
                             SummonDecision* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);

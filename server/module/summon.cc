@@ -66,6 +66,12 @@ void Modules::Summon(const Caller& caller, const std::string& module, const std:
                      const SummonOptions& options, absl::Time deadline, SummonCallback done,
                      const gpu::IpcEventRef& written) {
   // The trainer's last writes to its shards (an optimizer step) land before they are read.
+  // Device-side ordering: whether the wait is a stream wait or a host wait depends on the
+  // summon's work, known once it is decided (SummonWritten); nothing reads the shards before.
+  if (devices_.device_ordering()) {
+    SummonWritten(caller, module, path, options, deadline, std::move(done), written);
+    return;
+  }
   devices_.AfterTrainerWrites(caller.rank, written,
                               [this, caller, module, path, options, deadline,
                                done = std::move(done)](absl::Status s) mutable {
@@ -88,7 +94,8 @@ void Modules::UnmarkMaking(std::shared_ptr<SummonSlot> slot,
 
 void Modules::SummonWritten(const Caller& caller, const std::string& module,
                             const std::string& path, const SummonOptions& options,
-                            absl::Time deadline, SummonCallback done) {
+                            absl::Time deadline, SummonCallback done,
+                            const gpu::IpcEventRef& unwaited) {
   auto start = std::make_shared<SummonStart>();
   ViewBuffers got;  // held across rounds; dropped (back to the cache, unused) when done
   // The slot whose node copies this summon is making without mu_ (SummonSlot::making), and
@@ -115,10 +122,10 @@ void Modules::SummonWritten(const Caller& caller, const std::string& module,
       if (error.ok() && decision.wait) {
         // Another local rank is making a node copy this summon shares: decide again once it
         // made it (or gave up), instead of allocating a second one.
-        decision.slot->on_made.push_back(
-            [this, caller, module, path, options, deadline, done = std::move(done)]() mutable {
-              SummonWritten(caller, module, path, options, deadline, std::move(done));
-            });
+        decision.slot->on_made.push_back([this, caller, module, path, options, deadline,
+                                          done = std::move(done), unwaited]() mutable {
+          SummonWritten(caller, module, path, options, deadline, std::move(done), unwaited);
+        });
         parked = true;
       } else if (error.ok()) {
         // The steady state (every buffer kept, committed and unused) needs no allocation: the
@@ -182,6 +189,52 @@ void Modules::SummonWritten(const Caller& caller, const std::string& module,
     r.scratch = *std::move(b);
     start->ops[r.op].output = MutableOf(r.scratch.get(), r.dtype);
   }
+  if (unwaited.id == 0) {
+    UnshardWritten(caller, deadline, std::move(start), std::move(done));
+    return;
+  }
+  const bool on_stream = start->ops.empty() && start->casts.empty() && start->regroups.empty() &&
+                         start->shared_slot == nullptr && !start->shard_group_gather;
+  if (!on_stream || devices_.DeviceOf(caller.rank) == nullptr) {
+    // Collectives and casts read the shards off the rank's stream (the backends' streams, the
+    // host): the host waits for the trainer's event.
+    devices_.AfterTrainerWrites(
+        caller.rank, unwaited,
+        [this, caller, deadline, start, done = std::move(done)](absl::Status s) mutable {
+          if (!s.ok()) {
+            // Nothing was handed out: end the summon without writeback.
+            FinishEnd(caller, start->result.summon, s,
+                      [done = std::move(done), s](absl::Status) mutable { done(s); });
+            return;
+          }
+          UnshardWritten(caller, deadline, std::move(start), std::move(done));
+        });
+    return;
+  }
+  // Device-side ordering (a world-1 or NO_SHARD unshard: device copies only): the rank's stream
+  // waits for the trainer's event, the copies follow, StartUnshard records the ready event
+  // after them, and the summon is answered at enqueue: no host wait, no synchronize. An error
+  // of these copies that shows later fails the rank's next operation (CheckStream).
+  absl::Status s = devices_.OrderOnDevice(caller.rank, unwaited);
+  for (const auto& [dst, src] : start->copies) {
+    if (!s.ok()) break;
+    s = devices_.CopyAsync(caller.rank, dst->data(), src->data(),
+                           static_cast<size_t>(src->bytes()));
+  }
+  // The buffers stay alive until the stream is past the copies (a group dropped meanwhile).
+  devices_.ReleaseAfterStream(caller.rank,
+                              std::make_shared<decltype(start->copies)>(std::move(start->copies)));
+  start->copies.clear();
+  if (!s.ok()) {
+    FinishEnd(caller, start->result.summon, s,
+              [done = std::move(done), s](absl::Status) mutable { done(s); });
+    return;
+  }
+  StartUnshard(caller, deadline, std::move(start), std::move(done));
+}
+
+void Modules::UnshardWritten(const Caller& caller, absl::Time deadline,
+                             std::shared_ptr<SummonStart> start, SummonCallback done) {
   if (start->copies.empty() && start->casts.empty()) {
     StartUnshard(caller, deadline, std::move(start), std::move(done));
     return;

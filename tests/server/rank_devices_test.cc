@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "common/gpu/simulated_stream.h"
 #include "common/manifest.h"
 #include "common/plan.h"
 #include "common/planner.h"
@@ -279,6 +280,65 @@ TEST_F(RankDevicesSimulatedTest, DeviceCopiesRunOffTheCallersThread) {
                              [&](absl::Status s) { bad = std::move(s); });
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(bad.message(), HasSubstr("rank 0"));
+}
+
+// Device-side ordering on a simulated GPU (asynchronous stream): the copy waits on the
+// daemon's stream for the trainer's writes still queued on the trainer's (delayed) stream, no
+// host wait, and the ready event recorded after it completes once the copy ran.
+TEST_F(RankDevicesSimulatedTest, DeviceOrderedCopyWaitsForTheTrainersQueuedWrites) {
+  RankDevices devices(gpus_, /*device_ordering=*/true);
+  ASSERT_TRUE(devices.device_ordering());
+  auto shard = *store_->Allocate(BufferKind::kShard, 4096, "shard", -1, devices.PlacementOf(0));
+  auto view = *store_->Allocate(BufferKind::kUnsharded, 4096, "view", -1, devices.PlacementOf(0));
+  Fill(*shard, 1.0f);
+  // The trainer: a write of 2.0 queued on its stream (held back), then its event.
+  gpu::SimulatedStream trainer("trainer");
+  trainer.set_delay(absl::Milliseconds(50));
+  std::vector<float> twos(1024, 2.0f);
+  trainer.EnqueueCopy(shard->data(), twos.data(), 4096);
+  std::shared_ptr<gpu::SimulatedEvent> written = *gpu::SimulatedEvent::Create(Prefix("e"));
+  trainer.EnqueueRecord(written);
+  ASSERT_TRUE(devices.OrderOnDevice(0, gpu::IpcEventRef{3, written->handle(), "SIM-GPU-0"}).ok());
+  ASSERT_TRUE(devices.CopyAsync(0, view->data(), shard->data(), 4096).ok());
+  const gpu::IpcEventRef ready = devices.RecordReady(0);
+  std::shared_ptr<gpu::SimulatedEvent> opened = *gpu::SimulatedEvent::Open(ready.ipc_handle);
+  ASSERT_TRUE(opened->WaitOnHost(opened->recorded(), absl::Minutes(1), "ready").ok());
+  for (float f : Floats(*view)) ASSERT_EQ(f, 2.0f);
+  ASSERT_TRUE(devices.CheckStream(0).ok());
+  ASSERT_TRUE(trainer.Synchronize(absl::Minutes(1)).ok());
+}
+
+// An error of device-ordered work after its answer (here: the stream's wait for a trainer's
+// event that does not complete in time) is not lost: the rank's next operations fail with it,
+// and waiters on the ready event recorded after it fail instead of hanging.
+TEST_F(RankDevicesSimulatedTest, AnErrorAfterTheAnswerFailsTheNextOperation) {
+  gpus_[1]->set_sync_timeout(absl::Milliseconds(20));
+  RankDevices devices(gpus_, /*device_ordering=*/true);
+  gpu::SimulatedStream trainer("trainer");
+  trainer.set_delay(absl::Hours(1));  // never reached: cut short when `trainer` goes
+  std::shared_ptr<gpu::SimulatedEvent> written = *gpu::SimulatedEvent::Create(Prefix("e"));
+  trainer.EnqueueRecord(written);
+  auto a = *store_->Allocate(BufferKind::kShard, 64, "a", -1, devices.PlacementOf(1));
+  auto b = *store_->Allocate(BufferKind::kShard, 64, "b", -1, devices.PlacementOf(1));
+  ASSERT_TRUE(devices.OrderOnDevice(1, gpu::IpcEventRef{4, written->handle(), "SIM-GPU-1"}).ok());
+  ASSERT_TRUE(devices.CopyAsync(1, b->data(), a->data(), 64).ok());
+  const gpu::IpcEventRef ready = devices.RecordReady(1);
+  std::shared_ptr<gpu::SimulatedEvent> opened = *gpu::SimulatedEvent::Open(ready.ipc_handle);
+  absl::Status waited = opened->WaitOnHost(opened->recorded(), absl::Minutes(1), "ready");
+  EXPECT_EQ(waited.code(), absl::StatusCode::kInternal) << waited;
+  absl::Status next = devices.CheckStream(1);
+  EXPECT_EQ(next.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(next.message(), HasSubstr("rank 1: work on GPU 1"));
+  EXPECT_THAT(next.message(), HasSubstr("answered already failed"));
+  EXPECT_THAT(next.message(), HasSubstr("did not complete within"));
+  absl::Status after = absl::UnknownError("not called");
+  devices.AfterTrainerWrites(1, gpu::IpcEventRef{5, written->handle(), "SIM-GPU-1"},
+                             [&](absl::Status s) { after = std::move(s); });
+  EXPECT_EQ(after.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(devices.OrderOnDevice(1, gpu::IpcEventRef{}).code(),
+            absl::StatusCode::kFailedPrecondition);
+  // The other GPU is untouched.
+  EXPECT_TRUE(devices.CheckStream(0).ok());
 }
 
 TEST(RankDevicesGatedTest, TheHostWaitForATrainerNeverBlocksTheCaller) {

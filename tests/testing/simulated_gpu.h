@@ -1,11 +1,11 @@
 #pragma once
 // The trainer side of flatshardd --simulate_gpus: a DeviceMemoryOpener that maps a simulated
-// slab by the shm name its "IPC handle" carries ("SIMGPU" + name, zero-padded), and event calls
-// that do nothing (the simulated daemon's copies are synchronous memcpy). With these a Client
+// slab by the shm name its "IPC handle" carries ("SIMGPU" + name, zero-padded), and events
+// that are simulated interprocess events (SimulatedEvents below). With these a Client
 // runs its device-memory code paths (IPC open-once cache, `written`/`ready` plumbing, device
 // views) against a real daemon on a machine without a GPU. Simulated GPU ordinal i is
 // "SIM-GPU-i"; its "device pointers" are host pointers.
-// Thread-safe (the opener and event API hold no state but a counter).
+// Thread-safe.
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -26,6 +26,7 @@
 #include "absl/strings/string_view.h"
 #include "client/client_internal.h"
 #include "common/gpu/cuda_util.h"
+#include "common/gpu/simulated_stream.h"
 
 namespace flatshard::testing {
 
@@ -79,6 +80,15 @@ class SimulatedOpener final : public client::internal::DeviceMemoryOpener {
   }
 };
 
+// The trainer's events are simulated interprocess events (common/gpu/simulated_stream.h) that
+// the simulated daemon opens by handle. ClientOptions::cuda_stream selects the trainer's
+// "stream":
+// - nullptr (the default): the host. A record completes at once (the host's writes are done);
+//   a wait on the daemon's `ready` event waits on the host, so views read right after Summon
+//   or Finish returns see the daemon's bytes (as cudaMemcpy on the legacy default stream).
+// - a gpu::SimulatedStream*: records and waits are enqueued on it; the test writes and reads
+//   device views through it (EnqueueCopy, Synchronize), and its set_delay() makes a daemon
+//   that does not wait for the trainer's event read old bytes.
 class SimulatedEvents final : public client::internal::CudaEventApi {
  public:
   absl::StatusOr<int> DeviceForUuid(absl::string_view uuid) override {
@@ -88,20 +98,39 @@ class SimulatedEvents final : public client::internal::CudaEventApi {
     return absl::StrCat("SIM-GPU-", device);
   }
   absl::StatusOr<std::pair<void*, std::string>> CreateInterprocessEvent(int) override {
-    std::string handle(gpu::kIpcHandleBytes, '\0');
-    handle.replace(0, 9, "SIMCLIENT");
-    const std::string n = absl::StrCat(::getpid(), ".", ++created_);
-    handle.replace(9, n.size(), n);
-    return std::make_pair(static_cast<void*>(&token_), handle);
+    absl::StatusOr<std::shared_ptr<gpu::SimulatedEvent>> e = gpu::SimulatedEvent::Create("fssimev");
+    if (!e.ok()) return e.status();
+    auto* held = new std::shared_ptr<gpu::SimulatedEvent>(*std::move(e));
+    return std::make_pair(static_cast<void*>(held), (*held)->handle());
   }
-  absl::StatusOr<void*> OpenEvent(absl::string_view, int) override { return &token_; }
-  absl::Status Record(void*, void*, int) override { return absl::OkStatus(); }
-  absl::Status StreamWait(void*, void*, int) override { return absl::OkStatus(); }
-  void Destroy(void*, int) override {}
+  absl::StatusOr<void*> OpenEvent(absl::string_view handle, int) override {
+    absl::StatusOr<std::shared_ptr<gpu::SimulatedEvent>> e = gpu::SimulatedEvent::Open(handle);
+    if (!e.ok()) return e.status();
+    return static_cast<void*>(new std::shared_ptr<gpu::SimulatedEvent>(*std::move(e)));
+  }
+  absl::Status Record(void* event, void* stream, int) override {
+    std::shared_ptr<gpu::SimulatedEvent>& e = Held(event);
+    if (stream == nullptr) {
+      e->RecordCompleted();
+    } else {
+      static_cast<gpu::SimulatedStream*>(stream)->EnqueueRecord(e);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status StreamWait(void* stream, void* event, int) override {
+    std::shared_ptr<gpu::SimulatedEvent>& e = Held(event);
+    if (stream != nullptr) {
+      static_cast<gpu::SimulatedStream*>(stream)->EnqueueWait(e);
+      return absl::OkStatus();
+    }
+    return e->WaitOnHost(e->recorded(), absl::Minutes(2), "the daemon's simulated ready event");
+  }
+  void Destroy(void* event, int) override { delete &Held(event); }
 
  private:
-  std::atomic<int> created_{0};
-  char token_ = 0;
+  static std::shared_ptr<gpu::SimulatedEvent>& Held(void* event) {
+    return *static_cast<std::shared_ptr<gpu::SimulatedEvent>*>(event);
+  }
 };
 
 inline client::internal::GpuApis SimulatedGpuApis() {

@@ -54,7 +54,8 @@
 //     sees the bytes (the views; the updated gradient shard): the client made cuda_stream
 //     wait (cudaStreamWaitEvent) on the daemon's `ready` event, or found that event already
 //     completed (then nothing is enqueued). The host does not wait: read device views from
-//     the stream, not from a host thread that has not synchronized it.
+//     the stream, not from a host thread that has not synchronized it (a daemon ordering on
+//     the device answers a world-1 summon before its copies ran).
 //   - before Summon (when the session has device shards: the optimizer may have written
 //     them), SummonedParams::End and PendingReduceScatter::Finish, the client records its
 //     own interprocess event on cuda_stream and sends it, so the daemon reads nothing before
