@@ -13,11 +13,37 @@
 #include "common/logging.h"
 #include "common/manifest.h"
 #include "common/plan.h"
+#include "server/durable/parallel_copier.h"
 #include "server/messages.h"
 
 namespace flatshard::server {
 
 using internal::Display;
+
+namespace {
+
+// A host rank's copies between its live buffers and its committed copies, appended to `out`
+// (nothing appended on a size mismatch: RankDevices::CopyEach's check and message).
+absl::Status AppendHostCopies(int32_t rank, const std::vector<internal::DurablePair>& durable,
+                              bool to_committed, std::vector<ParallelCopier::Copy>* out) {
+  std::vector<ParallelCopier::Copy> copies;
+  for (size_t i = 0; i < durable.size(); ++i) {
+    const internal::DurablePair& d = durable[i];
+    if (d.live == nullptr || d.committed == nullptr) continue;
+    const Buffer& from = to_committed ? *d.live : *d.committed;
+    const Buffer& to = to_committed ? *d.committed : *d.live;
+    if (from.bytes() != to.bytes()) {
+      return absl::InternalError(absl::StrCat("rank ", rank, " unit ", d.unit, " ", d.what,
+                                              ": copy of ", from.bytes(),
+                                              " bytes into a buffer of ", to.bytes()));
+    }
+    copies.push_back({to.data(), from.data(), static_cast<size_t>(from.bytes())});
+  }
+  out->insert(out->end(), copies.begin(), copies.end());
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 void Records::NoteCommitAgreed(Registered& reg, uint64_t generation, const char* kind) {
   if (!reg.pending_commit.has_value() || reg.pending_commit->generation != generation ||
@@ -184,9 +210,14 @@ void Records::ProcessEndBatch(const std::string& group, const std::string& modul
     // committed copy is overwritten, one after all of them are.
     record(/*ready=*/true);
     TestingPauseMidCopy(applying.front()->rank, applying.front()->durable);
+    // Every host rank's copies in one batch, on several threads (ParallelCopier).
+    std::vector<ParallelCopier::Copy> host;
     for (EndArrival* a : applying) {
-      a->status = CopyCommitted(a->rank, a->durable, /*to_committed=*/true);
+      a->status = devices_.DeviceOf(a->rank) == nullptr
+                      ? AppendHostCopies(a->rank, a->durable, /*to_committed=*/true, &host)
+                      : CopyCommitted(a->rank, a->durable, /*to_committed=*/true);
     }
+    ParallelCopier::Shared().Run(host);
     record(/*ready=*/false);
   }
   for (EndArrival& a : batch) {
@@ -211,6 +242,12 @@ void Records::TestingPauseMidCopy(int32_t rank,
 
 absl::Status Records::CopyCommitted(int32_t rank, const std::vector<internal::DurablePair>& durable,
                                     bool to_committed) const {
+  if (devices_.DeviceOf(rank) == nullptr) {
+    std::vector<ParallelCopier::Copy> host;
+    absl::Status s = AppendHostCopies(rank, durable, to_committed, &host);
+    ParallelCopier::Shared().Run(host);
+    return s;
+  }
   std::vector<const Buffer*> live, kept;
   for (const internal::DurablePair& d : durable) {
     if (d.live == nullptr || d.committed == nullptr) continue;

@@ -11,9 +11,12 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/flat_layout.h"
 #include "common/logging.h"
+#include "common/plan.h"
 #include "common/status_macros.h"
 #include "server/collective/reduce.h"
+#include "server/durable/parallel_copier.h"
 #include "server/durable/records.h"
 #include "server/messages.h"
 #include "server/module/generations.h"
@@ -30,6 +33,33 @@ using internal::Display;
 using internal::kAlreadyUnsharding;
 using internal::MutableOf;
 using internal::SelectUnits;
+
+namespace {
+
+// Host ranks: RankDevices::CopyOwnRange as a copy for ParallelCopier (appended to `out`), so
+// that every unit's writeback runs on several threads at once.
+absl::Status AppendOwnRange(int32_t rank, const Plan& plan, const PlanUnit& unit, int32_t r,
+                            const Buffer& full, const Buffer& shard,
+                            std::vector<ParallelCopier::Copy>* out) {
+  absl::StatusOr<FlatLayout> layout = UnitLayout(plan, unit);
+  FS_CHECK(layout.ok()) << layout.status();  // the plan was validated when it was made
+  const ElementRange range = layout->UnpaddedShardRange(r);
+  if (range.empty()) return absl::OkStatus();
+  const int64_t item = ItemSize(unit.dtype);
+  const int64_t offset = (range.begin - layout->ShardRange(r).begin) * item;
+  const int64_t bytes = range.size() * item;
+  if (offset + bytes > shard.bytes() || (range.begin * item) + bytes > full.bytes()) {
+    return absl::InternalError(
+        absl::StrCat("rank ", rank, " unit ", unit.index, ": shard rank ", r, "'s range [",
+                     range.begin, ", ", range.begin + range.size(), ") does not fit its buffers"));
+  }
+  out->push_back({static_cast<char*>(shard.data()) + offset,
+                  static_cast<const char*>(full.data()) + range.begin * item,
+                  static_cast<size_t>(bytes)});
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::Status Modules::PrepareRank0Broadcast(const Caller& caller, uint64_t summon, const Plan& plan,
                                             const std::vector<UnitShard>& shards,
@@ -351,6 +381,8 @@ absl::Status Modules::WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSum
   const Caller& caller = end.caller;
   const Plan& plan = *end.plan;
   const int32_t r = plan.ShardRank(caller.rank);
+  const bool host = devices_.DeviceOf(caller.rank) == nullptr;
+  std::vector<ParallelCopier::Copy> host_copies;
   absl::Status status;
   for (size_t i = 0; i < copy->units.size() && status.ok(); ++i) {
     const int32_t u = copy->units[i];
@@ -363,13 +395,17 @@ absl::Status Modules::WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSum
       const auto& map = what == 0 ? copy->slot->rank0_params : copy->slot->rank0_grads;
       return map.contains(u) ? map.at(u).get() : nullptr;
     };
+    auto write_back = [&](const Buffer& full, const Buffer& into) {
+      return host ? AppendOwnRange(caller.rank, plan, unit, r, full, into, &host_copies)
+                  : devices_.CopyOwnRange(caller.rank, plan, unit, r, full, into);
+    };
     const Buffer* params = from_rank0 ? rank0_copy(0) : copy->views[i].params.get();
-    status = devices_.CopyOwnRange(caller.rank, plan, unit, r, *params, *shard.shard);
+    status = write_back(*params, *shard.shard);
     const Buffer* grads = from_rank0 ? rank0_copy(1) : copy->views[i].grads.get();
-    if (status.ok() && grads != nullptr && shard.grad) {
-      status = devices_.CopyOwnRange(caller.rank, plan, unit, r, *grads, *shard.grad);
-    }
+    if (status.ok() && grads != nullptr && shard.grad) status = write_back(*grads, *shard.grad);
   }
+  // Host ranks: every unit's range at once, on several threads, before the views go.
+  if (status.ok()) ParallelCopier::Shared().Run(host_copies);
   copy.reset();
   if (end.batched) return status;  // EndArrive copies, once every local rank got here
   // Restarts: this rank's shards hold the new generation completely; recorded durably before
