@@ -10,6 +10,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/after_unlock.h"
@@ -17,6 +18,7 @@
 #include "common/status_macros.h"
 #include "server/durable/records.h"
 #include "server/messages.h"
+#include "server/module/generations.h"
 
 ABSL_FLAG(bool, gpu_host_copies, true,
           "GPU daemons with a state directory: after each change of a module's committed "
@@ -118,6 +120,7 @@ void DeviceHostCopies::ReplacedLocked(Registered& reg, int32_t rank) {
   if (reg.host_spare_state.size() <= r) reg.host_spare_state.resize(r + 1);
   reg.host_spare[r] = std::move(reg.host_committed[r]);
   reg.host_committed[r].clear();
+  if (r < reg.host_spare_generation.size()) reg.host_spare_generation[r] = -1;
   if (r < reg.host_committed_state.size()) {
     reg.host_spare_state[r] = std::move(reg.host_committed_state[r]);
     reg.host_committed_state[r].clear();
@@ -175,7 +178,9 @@ void DeviceHostCopies::CopyModule(const std::string& group, const std::string& m
     const size_t n = reg.committed.size();
     reg.host_spare.resize(n);
     reg.host_spare_state.resize(n);
+    reg.host_spare_generation.resize(n, -1);
     for (int32_t r : job.ranks) {
+      reg.host_spare_generation[r] = -1;  // being written: no re-form falls back to it
       job.committed.push_back(reg.committed[r]);
       job.committed_state.push_back(r < static_cast<int32_t>(reg.committed_state.size())
                                         ? reg.committed_state[r]
@@ -214,10 +219,15 @@ void DeviceHostCopies::CopyModule(const std::string& group, const std::string& m
     reg.host_generation.resize(n, 0);
     reg.host_spare.resize(n);
     reg.host_spare_state.resize(n);
+    reg.host_spare_generation.resize(n, -1);
     for (size_t i = 0; i < job.ranks.size(); ++i) {
       const int32_t r = job.ranks[i];
       if (s.ok()) {
-        // The complete copy becomes the recorded slot; the previous one the spare.
+        // The complete copy becomes the recorded slot; the previous one the spare, which still
+        // holds its generation completely: a re-form rolls back to it when another daemon's
+        // copy of this generation never completed (internal::HostFallback).
+        reg.host_spare_generation[r] =
+            reg.host_committed[r].empty() ? -1 : static_cast<int64_t>(reg.host_generation[r]);
         std::swap(reg.host_committed[r], job.spare[i]);
         std::swap(reg.host_committed_state[r], job.spare_state[i]);
         reg.host_generation[r] = job.generation;
@@ -294,6 +304,89 @@ absl::Status DeviceHostCopies::CopyToSpare(Job& job) {
     FS_RETURN_IF_ERROR(devices_.CopyEach(rank, from, to));
     if (i == 0) PauseIfTesting(job.group, job.module, job.generation);  // half written
   }
+  return absl::OkStatus();
+}
+
+absl::Status DeviceHostCopies::RollBack(const std::string& group, const std::string& module,
+                                        uint64_t target, const std::vector<int32_t>& ranks) {
+  // Per rank, the host slot's buffers and where they go (kept alive by `hold`).
+  std::vector<std::vector<const Buffer*>> from(ranks.size()), to(ranks.size());
+  std::vector<std::shared_ptr<Buffer>> hold;
+  absl::Status refused;
+  bool edited = false;
+  records_->EditAndRecord(group, module, [&](Registered& reg) {
+    for (int32_t r : ranks) {
+      const std::optional<internal::HostSlot> slot = internal::HostFallback(reg, r);
+      if (!slot.has_value() || slot->generation != target) {
+        refused = absl::FailedPreconditionError(
+            absl::StrCat("rank ", r, " holds no complete host copy of generation ", target));
+        return false;
+      }
+    }
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      const size_t r = static_cast<size_t>(ranks[i]);
+      if (internal::HostFallback(reg, r)->spare) {
+        std::swap(reg.host_committed[r], reg.host_spare[r]);
+        reg.host_committed_state.resize(std::max(reg.host_committed_state.size(), r + 1));
+        reg.host_spare_state.resize(std::max(reg.host_spare_state.size(), r + 1));
+        std::swap(reg.host_committed_state[r], reg.host_spare_state[r]);
+      }
+      reg.host_spare_generation[r] = -1;  // the newer copy: of a generation given up
+      reg.host_generation[r] = target;    // recorded from here on (SnapshotModuleLocked)
+      auto pair = [&](const std::shared_ptr<Buffer>& host, const std::shared_ptr<Buffer>& dst) {
+        if (host == nullptr || dst == nullptr) return;
+        from[i].push_back(host.get());
+        to[i].push_back(dst.get());
+        hold.push_back(host);
+        hold.push_back(dst);
+      };
+      for (size_t u = 0; u < reg.host_committed[r].size(); ++u) {
+        pair(reg.host_committed[r][u], reg.committed[r][u]);
+        pair(reg.host_committed[r][u], reg.shards_by_rank[r][u].shard);
+        if (r >= reg.host_committed_state.size() || u >= reg.host_committed_state[r].size()) {
+          continue;
+        }
+        const auto& host = reg.host_committed_state[r][u];
+        for (size_t k = 0; k < host.size(); ++k) {
+          if (r < reg.committed_state.size() && u < reg.committed_state[r].size() &&
+              k < reg.committed_state[r][u].size()) {
+            pair(host[k], reg.committed_state[r][u][k]);
+          }
+          if (k < reg.shards_by_rank[r][u].state.size()) {
+            pair(host[k], reg.shards_by_rank[r][u].state[k]);
+          }
+        }
+      }
+    }
+    edited = true;
+    return true;
+  });
+  if (!refused.ok()) return refused;
+  if (!edited) return absl::NotFoundError("the module is gone");
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    std::vector<const Buffer*> device_from, device_to;
+    for (size_t j = 0; j < from[i].size(); ++j) {
+      if (to[i][j]->on_device()) {
+        device_from.push_back(from[i][j]);
+        device_to.push_back(to[i][j]);
+      } else if (to[i][j]->bytes() > 0) {  // host optimizer state (a scalar)
+        std::memcpy(to[i][j]->data(), from[i][j]->data(), static_cast<size_t>(to[i][j]->bytes()));
+      }
+    }
+    FS_RETURN_IF_ERROR(devices_.CopyEach(ranks[i], device_from, device_to));
+  }
+  {
+    std::shared_ptr<Group> held = table_.FindOrGone(group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    auto it = g.registered.find(module);
+    if (g.removed || it == g.registered.end()) return absl::NotFoundError("the module is gone");
+    for (int32_t r : ranks) it->second.generation[r] = target;
+  }
+  FS_LOG(INFO) << "group=" << group << " module=" << Display(module) << " rank(s) "
+               << absl::StrJoin(ranks, ",") << " rolled back to generation " << target
+               << " from their host copy (another daemon's copy of generation " << target + 1
+               << " never completed)";
   return absl::OkStatus();
 }
 

@@ -66,6 +66,15 @@ class DeviceHostCopies {
   static void ReplacedLocked(Registered& reg, int32_t rank);
   // No new copies; waits for the running one (SIGTERM's own copies, or shutdown, follow).
   void Stop() ABSL_LOCKS_EXCLUDED(mu_);
+  // A re-form resolved `module` to `target`, one generation below what `ranks` hold on their
+  // devices, because another daemon's host copy of the newer one never completed (README
+  // "Restarts": GPU daemons): each rank's host slot at `target` (internal::HostFallback)
+  // becomes the recorded one and the record is written (fsync'd) first, so a kill from here
+  // on resumes at `target`; then it is copied into the rank's device committed copies, shards
+  // and optimizer state, and the ranks' generation set. REQUIRES: the caller holds the
+  // module's `busy` (Modules::RollbackNow); runs without the group's lock.
+  absl::Status RollBack(const std::string& group, const std::string& module, uint64_t target,
+                        const std::vector<int32_t>& ranks);
 
  private:
   struct Job;

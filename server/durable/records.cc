@@ -394,4 +394,12 @@ void Records::Forget() {
                << state_dir_->path() << " (the shards are not kept)";
 }
 
+absl::Status Records::RollBackFromHost(const std::string& group, const std::string& module,
+                                       uint64_t target, const std::vector<int32_t>& ranks) {
+  if (host_copies_ == nullptr || !host_copies_->enabled()) {
+    return absl::FailedPreconditionError("this daemon keeps no host copies");
+  }
+  return host_copies_->RollBack(group, module, target, ranks);
+}
+
 }  // namespace flatshard::server

@@ -202,6 +202,10 @@ class Records {
 
   // Whether adopted host copies stay as the recorded ones (--gpu_host_copies).
   bool KeepsHostCopies() const { return host_copies_ != nullptr && host_copies_->enabled(); }
+  // The re-form resolved `module` to `target`, one below what `ranks` (GPU ranks) hold
+  // (Modules::RollbackNow): DeviceHostCopies::RollBack.
+  absl::Status RollBackFromHost(const std::string& group, const std::string& module,
+                                uint64_t target, const std::vector<int32_t>& ranks);
 
   // ---- Restarts ----
   // GroupManager::AdoptGroups.

@@ -264,14 +264,52 @@ void Modules::RollbackNow(Group& g, const std::string& module, Registered& reg, 
       internal::DropMixedModules(g, absl::StrCat("at the rollback of epoch ", g.epoch), run) > 0) {
     return;
   }
+  // Ranks that voted for a Commit whose outcome they never learnt go to the generation the
+  // daemons resolved the module to (ReconcileModules), or with one daemon the lowest its
+  // local ranks can all end at: forward from their shards or back (commit_votes.cc). GPU
+  // ranks above it go back from their host copy (another daemon's copy of their generation
+  // never completed: internal::HostFallback, DeviceHostCopies::RollBack).
+  const uint64_t target = reg.resolved_generation.value_or(internal::PossibleGenerations(reg).lo);
+  reg.resolved_generation.reset();
+  std::vector<int32_t> back, behind;
+  for (int32_t r : g.local_ranks) {
+    if (r >= static_cast<int32_t>(reg.shards_by_rank.size()) || reg.shards_by_rank[r].empty() ||
+        reg.generation[r] <= target) {
+      continue;
+    }
+    const std::optional<internal::HostSlot> slot = internal::HostFallback(reg, r);
+    (slot.has_value() && slot->generation == target ? back : behind).push_back(r);
+  }
+  if (!behind.empty()) {
+    // Its host copy went since the daemons resolved (never expected): dropped, never a mix.
+    std::string why = absl::StrCat(
+        "group ", g.id, ": module ", Display(module),
+        " lost: the daemons resolved it to generation ", target, " and ",
+        internal::RankListText(behind),
+        " on this daemon hold a newer one without a host copy of it; dropped at the rollback of "
+        "epoch ",
+        g.epoch, ": register it afresh on every rank (or restore it)");
+    FS_LOG(WARNING) << why;
+    g.lost[module] = std::move(why);
+    reg.rollback_pending = false;
+    // Not erased here: the caller may be walking the registered modules.
+    run->Call([this, group = g.id, module] {
+      AfterUnlock more;
+      {
+        std::shared_ptr<Group> held = table_.FindOrGone(group);
+        Group& g = *held;
+        absl::MutexLock lock(&g.mu);
+        if (auto it = g.registered.find(module); !g.removed && it != g.registered.end()) {
+          more.Destroy(g.registered.extract(it));
+        }
+      }
+      more.Run();
+    });
+    return;
+  }
   // Taking `busy` here keeps every other copy out until the rollback is done; the copies run
   // from `run`, after mu_ is released (before the join callbacks queued after them).
   ++reg.busy;
-  // Ranks that voted for a Commit whose outcome they never learnt go to the generation the
-  // daemons resolved the module to (ReconcileModules), or with one daemon the lowest its
-  // local ranks can all end at: forward from their shards or back (commit_votes.cc).
-  const uint64_t target = std::max(internal::PossibleGenerations(reg).lo, reg.resolved_generation);
-  reg.resolved_generation = 0;
   const bool had_vote = reg.voted_commit != 0;
   std::vector<std::pair<int32_t, std::vector<internal::DurablePair>>> work, forward;
   std::vector<int32_t> at_target;
@@ -279,7 +317,9 @@ void Modules::RollbackNow(Group& g, const std::string& module, Registered& reg, 
     if (r >= static_cast<int32_t>(reg.shards_by_rank.size()) || reg.shards_by_rank[r].empty()) {
       continue;
     }
-    if (internal::VotedOf(reg, r) == target && reg.generation[r] + 1 == target) {
+    if (std::find(back.begin(), back.end(), r) != back.end()) {
+      // Its committed copies and shards come from the host copy (RollBackFromHost).
+    } else if (internal::VotedOf(reg, r) == target && reg.generation[r] + 1 == target) {
       forward.emplace_back(r, internal::DurableBuffers(reg, r));
     } else {
       if (reg.generation[r] == target) at_target.push_back(r);
@@ -290,9 +330,14 @@ void Modules::RollbackNow(Group& g, const std::string& module, Registered& reg, 
   }
   if (forward.empty()) at_target.clear();
   run->Call([this, group = g.id, module, target, had_vote, work = std::move(work),
-             forward = std::move(forward), at_target = std::move(at_target)] {
+             forward = std::move(forward), at_target = std::move(at_target),
+             back = std::move(back)] {
     absl::Status status;
-    if (!forward.empty()) status = records_.RollForward(group, module, target, forward, at_target);
+    if (!back.empty()) status = records_.RollBackFromHost(group, module, target, back);
+    if (!forward.empty()) {
+      absl::Status s = records_.RollForward(group, module, target, forward, at_target);
+      if (status.ok()) status = s;
+    }
     for (size_t i = 0; i < work.size(); ++i) {
       absl::Status s =
           records_.CopyCommitted(work[i].first, work[i].second, /*to_committed=*/false);

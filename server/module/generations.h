@@ -107,11 +107,61 @@ template <typename R>
 std::string MixedGenerations(const R& reg) {
   return PossibleGenerations(reg).mixed;
 }
+// GPU daemons keeping host copies (server/durable/device_host_copies.h): a complete host copy of
+// generation G-1 that rank `r`, whose device committed copies hold G, can be rolled back to
+// when another daemon's host copy of G never completed (it was killed between the commit and
+// the end of its copy): the recorded slot while the copy of G is under way, else the spare
+// slot (Registered::host_spare_generation). `spare`: which one. None for host ranks.
+struct HostSlot {
+  uint64_t generation = 0;
+  bool spare = false;
+};
+template <typename R>
+std::optional<HostSlot> HostFallback(const R& reg, size_t r) {
+  if (r >= reg.generation.size() || reg.generation[r] == 0 || r >= reg.committed.size() ||
+      reg.committed[r].empty() || reg.committed[r][0] == nullptr ||
+      !reg.committed[r][0]->on_device()) {
+    return std::nullopt;
+  }
+  const uint64_t want = reg.generation[r] - 1;
+  if (r < reg.host_committed.size() && !reg.host_committed[r].empty() &&
+      r < reg.host_generation.size() && reg.host_generation[r] == want) {
+    return HostSlot{want, false};
+  }
+  if (r < reg.host_spare.size() && !reg.host_spare[r].empty() &&
+      r < reg.host_spare_generation.size() &&
+      reg.host_spare_generation[r] == static_cast<int64_t>(want)) {
+    return HostSlot{want, true};
+  }
+  return std::nullopt;
+}
+// The generation every local rank of `reg` can be rolled back to from its host copy (one
+// below the one they all hold, nothing under way); none otherwise.
+template <typename R>
+std::optional<uint64_t> ModuleHostFallback(const R& reg) {
+  if (!reg.initialized || reg.pending_commit.has_value() || reg.voted_commit != 0) {
+    return std::nullopt;
+  }
+  std::optional<uint64_t> out;
+  for (size_t r = 0; r < reg.generation.size() && r < reg.shards_by_rank.size(); ++r) {
+    if (reg.shards_by_rank[r].empty()) continue;
+    const std::optional<HostSlot> slot = HostFallback(reg, r);
+    if (!slot.has_value() || VotedOf(reg, r) != 0 ||
+        (out.has_value() && *out != slot->generation)) {
+      return std::nullopt;
+    }
+    out = slot->generation;
+  }
+  return out;
+}
+
 // A module whose local ranks hold different generations is reported under the generation
 // "mixed (rank 0: generation 2, ...)", which no other daemon holds, so every daemon of the
 // group drops it as lost and names each rank's generation (ReconcileModules). One whose voted
 // ranks may end at either of two generations is reported as "G|G+1": the daemons resolve it
-// to the lowest generation every daemon can end at (ResolveHeld).
+// to the lowest generation every daemon can end at (ResolveHeld). A GPU daemon's module that
+// holds G and can be rolled back to G-1 from its host copies (ModuleHostFallback) is reported
+// as "G-1<G": resolved to G unless another daemon can only end at G-1.
 template <typename R>
 std::string HeldKey(const std::string& module, const R& reg) {
   const Possible p = PossibleGenerations(reg);
@@ -122,27 +172,35 @@ std::string HeldKey(const std::string& module, const R& reg) {
   if (p.any && p.lo < p.hi && held < p.hi) {
     return absl::StrCat(module, "\x1f", reg.plan.fingerprint, "\x1f", p.lo, "|", p.hi);
   }
-  return absl::StrCat(module, "\x1f", reg.plan.fingerprint, "\x1f", std::max(held, p.lo));
+  const uint64_t at = std::max(held, p.lo);
+  if (const std::optional<uint64_t> back = ModuleHostFallback(reg); back && *back + 1 == at) {
+    return absl::StrCat(module, "\x1f", reg.plan.fingerprint, "\x1f", *back, "<", at);
+  }
+  return absl::StrCat(module, "\x1f", reg.plan.fingerprint, "\x1f", at);
 }
 // The generation every daemon resolves a module to from what each reported (HeldKey's
-// generations: "G" or "G|G+1"): the lowest one all of them can end at; none when they share
-// none (a "mixed" report, or "2" against "0").
+// generations: "G", "G|G+1" or "G<G+1"): one all of them can end at; none when they share
+// none (a "mixed" report, or "2" against "0"). Voted reports ("G|G+1") prefer the lower one (no
+// trainer was answered G+1 unless some daemon holds it), the others the generation they hold
+// (a host copy is a fallback, not a reason to undo a commit): the lowest preference of the
+// reports that are not votes, within the range all allow; the range's bottom when all are.
 inline std::optional<uint64_t> ResolveHeld(const std::vector<std::string>& generations) {
-  uint64_t lo = 0, hi = UINT64_MAX;
+  uint64_t lo = 0, hi = UINT64_MAX, preferred = UINT64_MAX;
   for (const std::string& g : generations) {
-    const size_t bar = g.find('|');
+    const size_t sep = g.find_first_of("|<");
     uint64_t a = 0, b = 0;
-    if (!absl::SimpleAtoi(g.substr(0, bar), &a)) return std::nullopt;
-    if (bar == std::string::npos) {
+    if (!absl::SimpleAtoi(g.substr(0, sep), &a)) return std::nullopt;
+    if (sep == std::string::npos) {
       b = a;
-    } else if (!absl::SimpleAtoi(g.substr(bar + 1), &b)) {
+    } else if (!absl::SimpleAtoi(g.substr(sep + 1), &b)) {
       return std::nullopt;
     }
     lo = std::max(lo, a);
     hi = std::min(hi, b);
+    if (sep == std::string::npos || g[sep] == '<') preferred = std::min(preferred, b);
   }
   if (lo > hi) return std::nullopt;
-  return lo;
+  return preferred == UINT64_MAX ? lo : std::clamp(preferred, lo, hi);
 }
 template <typename M>
 std::vector<std::string> HeldModules(const M& registered,

@@ -204,8 +204,9 @@ struct Registered {
   // first local rank's vote went out: after a kill every local rank may hold it. 0: none.
   uint64_t voted_commit = 0;
   // ReconcileModules: the generation every daemon resolved the module to at the last re-form
-  // (0: none); the rollback that follows rolls voted ranks forward to it.
-  uint64_t resolved_generation = 0;
+  // (none: no re-form resolved it); the rollback that follows rolls voted ranks forward to
+  // it, and GPU ranks back from their host copy (internal::HostFallback).
+  std::optional<uint64_t> resolved_generation;
   // GPU daemons, per rank and unit: host copies of the device committed copies, made at
   // SIGTERM with --keep_shards (KeepDeviceShards), after each commit (DeviceHostCopies), or
   // adopted at start (then copied into fresh device memory; kept, still recorded, when
@@ -234,6 +235,10 @@ struct Registered {
   std::vector<uint64_t> host_generation;
   std::vector<std::vector<std::shared_ptr<Buffer>>> host_spare;
   std::vector<std::vector<std::vector<std::shared_ptr<Buffer>>>> host_spare_state;
+  // Per rank: the generation the spare slot still holds completely (the copy recorded before
+  // the current one), -1 when none (being written, or of other buffers). A re-form may roll
+  // the rank back to it (internal::HostFallback) when another daemon's host copy is behind.
+  std::vector<int64_t> host_spare_generation;
 
   void NoteOp(const std::vector<int32_t>& units, const char* op, int32_t rank, bool ok,
               absl::Time now) {

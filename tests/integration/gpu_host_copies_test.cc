@@ -187,8 +187,8 @@ TEST_F(GpuTwoDaemonTest, TheGroupReformsAtTheRestartedGpuDaemonsHostCopy) {
 }
 
 // Killed between commit 2 and the end of its host copy: daemon 1 can offer generation 1 only,
-// daemon 0 holds 2, so the module is dropped as lost, naming both (re-forming at generation 1
-// is not done: README "Restarts", GPU daemons).
+// daemon 0 (a host daemon) holds 2 and keeps no older copy, so the module is dropped as lost,
+// naming both (README "Restarts", GPU daemons: a group of GPU daemons resumes at 1, below).
 class GpuTwoDaemonPausedTest : public GpuTwoDaemonTest {
  protected:
   void SetUp() override {
@@ -217,6 +217,98 @@ TEST_F(GpuTwoDaemonPausedTest, KilledBeforeItsHostCopyTheModuleIsLostNamingTheGe
     EXPECT_THAT(why, HasSubstr("generation 1: rank 1 (daemon node1)"));
     EXPECT_THAT(why, HasSubstr("generation 2: rank 0 (daemon node0)"));
   }
+}
+
+// Both daemons on simulated GPUs; daemon 1's host copy of generation 2 is held half written
+// (--testing_pause_host_copy) and it is killed there: it comes back at generation 1, daemon 0
+// (whose copy of 2 is recorded) reports that it can go back to 1 from its previous host slot,
+// the group resolves to 1 and every rank holds generation 1 to the element, nothing lost; the
+// group then trains on, and a later kill resumes at the newer copy.
+class GpuGroupTest : public TwoDaemonRestartTest {
+ protected:
+  void SetUp() override {
+    daemon0_flags_ = {"--simulate_gpus=1"};
+    daemon0_flags_.insert(daemon0_flags_.end(), extra0_.begin(), extra0_.end());
+    daemon1_flags_ = {"--simulate_gpus=1", "--testing_pause_host_copy=2:600s"};
+    simulated_gpu0_ = simulated_gpu1_ = true;
+    TwoDaemonRestartTest::SetUp();
+  }
+  // Commits 1 and 2; daemon 1 killed while its host copy of 2 is half written. Returns every
+  // rank's state at generation 1.
+  std::vector<Snapshot> KillDaemon1BeforeItsCopyOf2(std::vector<Rank>& ranks,
+                                                    const std::string& daemon0_waits_for) {
+    JoinAll(ranks);
+    Register(ranks, 0);
+    Commit(ranks, 1);
+    for (auto& d : daemons_) EXPECT_TRUE(WaitForLog(*d, HostCopyRecorded(1)));
+    std::vector<Snapshot> step1;
+    for (Rank& r : ranks) step1.push_back(Take(*r.client));
+    Commit(ranks, 2);
+    EXPECT_TRUE(WaitForLog(*daemons_[0], daemon0_waits_for));
+    EXPECT_TRUE(WaitForLog(*daemons_[1], "generation 2 paused"));
+    daemons_[1]->Kill();
+    EXPECT_EQ(LogCount(*daemons_[1], HostCopyRecorded(2)), 0);
+    ranks[1] = Rank();
+    EXPECT_TRUE(RestartDaemon1({"--testing_pause_host_copy="}));  // its next copy of 2 runs
+    JoinAll(ranks);
+    ExpectEveryRankKeptItsModule(ranks);
+    return step1;
+  }
+  void ExpectAt(std::vector<Rank>& ranks, uint64_t generation,
+                const std::vector<Snapshot>& expected) {
+    Register(ranks, generation);
+    for (int r = 0; r < 2; ++r) {
+      SCOPED_TRACE(absl::StrCat("rank ", r));
+      Snapshot now = Take(*ranks[r].client);
+      EXPECT_EQ(now.generation, generation);
+      ASSERT_EQ(now.shards.size(), expected[r].shards.size());
+      for (size_t u = 0; u < now.shards.size(); ++u) {
+        EXPECT_TRUE(now.shards[u] == expected[r].shards[u]) << "unit " << u;
+      }
+    }
+  }
+  std::vector<std::string> extra0_;
+};
+
+TEST_F(GpuGroupTest, KilledBeforeItsHostCopyTheGroupResumesAtTheCommonGeneration) {
+  std::vector<Rank> ranks;
+  const std::vector<Snapshot> step1 = KillDaemon1BeforeItsCopyOf2(ranks, HostCopyRecorded(2));
+  EXPECT_TRUE(WaitForLog(*daemons_[0], "rolled back to generation 1 from their host copy"));
+  EXPECT_THAT(daemons_[0]->Log(), HasSubstr("resolved to generation 1"));
+  ExpectAt(ranks, 1, step1);
+  // It trains on: commit 2 again (other values), and daemon 1's next copy is recorded.
+  Commit(ranks, 2);
+  Commit(ranks, 3);
+  ASSERT_TRUE(WaitForLog(*daemons_[0], HostCopyRecorded(3)));
+  ASSERT_TRUE(WaitForLog(*daemons_[1], HostCopyRecorded(3)));
+  std::vector<Snapshot> step3;
+  for (Rank& r : ranks) step3.push_back(Take(*r.client));
+  // Killed after its copy of 3 is recorded: no rollback, the group re-forms at 3.
+  daemons_[1]->Kill();
+  ranks[1] = Rank();
+  ASSERT_TRUE(RestartDaemon1());
+  JoinAll(ranks);
+  ExpectEveryRankKeptItsModule(ranks);
+  ExpectAt(ranks, 3, step3);
+  EXPECT_EQ(LogCount(*daemons_[0], "rolled back to generation 1 from their host copy"), 1);
+  EXPECT_EQ(LogCount(*daemons_[0], "rolled back to generation 2 from their host copy"), 0);
+}
+
+// Daemon 0's own copy of 2 is still under way too (held): its recorded slot holds 1, which is
+// what it goes back to.
+class GpuGroupBothPausedTest : public GpuGroupTest {
+ protected:
+  void SetUp() override {
+    extra0_ = {"--testing_pause_host_copy=2:600s"};
+    GpuGroupTest::SetUp();
+  }
+};
+
+TEST_F(GpuGroupBothPausedTest, TheSurvivorGoesBackToItsRecordedHostCopy) {
+  std::vector<Rank> ranks;
+  const std::vector<Snapshot> step1 = KillDaemon1BeforeItsCopyOf2(ranks, "generation 2 paused");
+  EXPECT_TRUE(WaitForLog(*daemons_[0], "rolled back to generation 1 from their host copy"));
+  ExpectAt(ranks, 1, step1);
 }
 
 }  // namespace

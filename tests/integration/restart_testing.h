@@ -259,8 +259,8 @@ class TwoDaemonRestartTest : public ::testing::Test {
       o.peer = true;
       o.node_name = absl::StrCat("node", i);
       o.extra_flags = {"--state_dir=" + dirs_.back().string(), "--peer_timeout=2s"};
-      if (i == 1)
-        o.extra_flags.insert(o.extra_flags.end(), daemon1_flags_.begin(), daemon1_flags_.end());
+      const std::vector<std::string>& extra = i == 1 ? daemon1_flags_ : daemon0_flags_;
+      o.extra_flags.insert(o.extra_flags.end(), extra.begin(), extra.end());
       daemons_.push_back(std::make_unique<DaemonProcess>(o));
     }
   }
@@ -280,7 +280,8 @@ class TwoDaemonRestartTest : public ::testing::Test {
     }
     RunRanks(2, [&](int r) {
       if (ranks[r].client == nullptr) {
-        ranks[r].client = Connect(daemons_[r]->address(), r == 1 && simulated_gpu1_);
+        ranks[r].client =
+            Connect(daemons_[r]->address(), r == 1 ? simulated_gpu1_ : simulated_gpu0_);
         ASSERT_NE(ranks[r].client, nullptr);
       }
       absl::Status joined = ranks[r].client->Join("g", 2, r, kToken, daemons_[0]->peer_address());
@@ -306,10 +307,11 @@ class TwoDaemonRestartTest : public ::testing::Test {
       EXPECT_EQ(*c, g);
     });
   }
-  bool RestartDaemon1() {
+  // `more_flags`: added to daemon 1's flags from this run on (a later one wins).
+  bool RestartDaemon1(const std::vector<std::string>& more_flags = {}) {
     DaemonProcess& d = *daemons_[1];
     const size_t before = d.Log().size();
-    if (!d.Restart()) return false;
+    if (!d.Restart(more_flags)) return false;
     const absl::Time until = absl::Now() + absl::Seconds(20);
     while (d.Log().find("restart: adopted", before) == std::string::npos && absl::Now() < until) {
       absl::SleepFor(absl::Milliseconds(10));
@@ -319,8 +321,9 @@ class TwoDaemonRestartTest : public ::testing::Test {
 
   std::vector<std::filesystem::path> dirs_;
   std::vector<std::unique_ptr<DaemonProcess>> daemons_;
-  std::vector<std::string> daemon1_flags_;  // set by a subclass before SetUp
-  bool simulated_gpu1_ = false;             // rank 1's daemon has --simulate_gpus (its client too)
+  std::vector<std::string> daemon0_flags_, daemon1_flags_;  // set by a subclass before SetUp
+  // Rank 0's / rank 1's daemon has --simulate_gpus (its client too).
+  bool simulated_gpu0_ = false, simulated_gpu1_ = false;
   static inline int counter_ = 0;
 };
 

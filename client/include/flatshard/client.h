@@ -709,6 +709,10 @@ class Client {
   //   GetShardViews or Register before it commits, and redoes the steps since the reported
   //   generation. A Commit from a rank that did not is refused on every rank and rolls
   //   every rank back, so in-place writes that straddle a rollback are never committed.
+  // - GPU daemons (kill -9): a daemon killed before its host copy of the last committed
+  //   generation G was complete comes back at G-1; a group of GPU daemons then re-forms with
+  //   every rank at G-1 (restored from their host copies), so the reported generation may be
+  //   one before the last Commit answered: redo step G (README "Restarts", GPU daemons).
   // Errors: UNAVAILABLE naming the rank whose session ended (at once, not at the deadline);
   // DEADLINE_EXCEEDED naming the ranks that did not call; FAILED_PRECONDITION for a stale
   // rank (named), an uninitialised module, or when not joined; NOT_FOUND for a module this
