@@ -152,11 +152,11 @@ StepOutcome RunStep(const std::vector<std::string>& flags) {
 }
 
 TEST(SameHostCopyTest, OneCopyGivesTheExactValuesAndIsCounted) {
-  const StepOutcome copy = RunStep({});
+  const StepOutcome copy = RunStep({"--ucx_same_host_copy=true"});
   const StepOutcome ucx = RunStep({"--ucx_same_host_copy=false"});
   if (::testing::Test::HasFatalFailure()) return;
   for (int d = 0; d < 2; ++d) {
-    // Chosen automatically for same-host daemons, and only there where not turned off.
+    // Used for same-host daemons where turned on, and only there.
     EXPECT_GE(copy.copies[d], 2) << "daemon " << d;  // at least the all-gather and the grads
     EXPECT_EQ(copy.failed[d], 0) << "daemon " << d;
     EXPECT_EQ(ucx.copies[d], 0) << "daemon " << d;
@@ -199,6 +199,9 @@ TEST_P(SameHostKillTest, SurvivorFailsWithUnavailableWithinTheHeartbeatTimeout) 
   options.default_wait = "60s";
   const std::string dir = TempDir();
   options.daemon_flags = MetricsFlags(dir);
+  for (std::vector<std::string>& flags : options.daemon_flags) {
+    flags.push_back("--ucx_same_host_copy=true");  // off by default
+  }
   Cluster c(Layout::kTwoDaemons, options);
   const bool freeze = GetParam() == 2;
   const int victim = freeze ? 1 : GetParam();
