@@ -62,11 +62,12 @@ ABSL_FLAG(bool, ucx_hierarchical, true,
           "groups whose daemons each host the same number (>= 2) of ranks run all-gather and "
           "reduce-scatter hierarchically (copies within a daemon, each daemon's bytes over the "
           "network once); false: the flat ring. Every daemon of a group must agree");
-ABSL_FLAG(bool, ucx_same_host_copy, false,
-          "messages of 256 KiB and more to a daemon on this host are copied once, straight out "
-          "of the sender's buffer (process_vm_readv), instead of twice through UCX shared "
-          "memory; a dead peer fails only that op. Off by default until a rare stall of a restarted "
-          "peer is understood (README). false: UCX shared memory for every size");
+ABSL_FLAG(
+    bool, ucx_same_host_copy, false,
+    "messages of 256 KiB and more to a daemon on this host are copied once, straight out "
+    "of the sender's buffer (process_vm_readv), instead of twice through UCX shared "
+    "memory; a dead peer fails only that op. Off by default until a rare stall of a restarted "
+    "peer is understood (README). false: UCX shared memory for every size");
 ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Milliseconds(500),
           "heartbeats between daemons of multi-daemon groups");
 ABSL_FLAG(absl::Duration, peer_timeout, absl::Seconds(3),
