@@ -188,12 +188,14 @@ absl::Status RankDevices::CopyBytes(int32_t rank, void* dst, const void* src, si
   return d->Copy(dst, src, bytes);  // cudaMemcpy with the default kind: any direction
 }
 
-absl::Status RankDevices::CopyOwnRange(int32_t rank, const Plan& plan, const PlanUnit& unit,
-                                       int32_t r, const Buffer& full, const Buffer& shard) const {
+absl::StatusOr<RankDevices::OwnRangeBytes> RankDevices::OwnRange(int32_t rank, const Plan& plan,
+                                                                 const PlanUnit& unit, int32_t r,
+                                                                 const Buffer& full,
+                                                                 const Buffer& shard) {
   absl::StatusOr<FlatLayout> layout = UnitLayout(plan, unit);
   FS_CHECK(layout.ok()) << layout.status();  // the plan was validated when it was made
   const ElementRange range = layout->UnpaddedShardRange(r);
-  if (range.empty()) return absl::OkStatus();
+  if (range.empty()) return OwnRangeBytes{};
   const int64_t item = ItemSize(unit.dtype);
   const int64_t offset = (range.begin - layout->ShardRange(r).begin) * item;
   const int64_t bytes = range.size() * item;
@@ -202,9 +204,15 @@ absl::Status RankDevices::CopyOwnRange(int32_t rank, const Plan& plan, const Pla
         absl::StrCat("rank ", rank, " unit ", unit.index, ": shard rank ", r, "'s range [",
                      range.begin, ", ", range.begin + range.size(), ") does not fit its buffers"));
   }
-  return CopyBytes(rank, static_cast<char*>(shard.data()) + offset,
-                   static_cast<const char*>(full.data()) + range.begin * item,
-                   static_cast<size_t>(bytes));
+  return OwnRangeBytes{static_cast<char*>(shard.data()) + offset,
+                       static_cast<const char*>(full.data()) + range.begin * item,
+                       static_cast<size_t>(bytes)};
+}
+
+absl::Status RankDevices::CopyOwnRange(int32_t rank, const Plan& plan, const PlanUnit& unit,
+                                       int32_t r, const Buffer& full, const Buffer& shard) const {
+  FS_ASSIGN_OR_RETURN(OwnRangeBytes copy, OwnRange(rank, plan, unit, r, full, shard));
+  return CopyBytes(rank, copy.dst, copy.src, copy.bytes);
 }
 
 absl::Status RankDevices::CastBytes(int32_t rank, const void* src, DType from, void* dst, DType to,

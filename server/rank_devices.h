@@ -100,6 +100,17 @@ class RankDevices {
   // Copies between buffers of any placement (memcpy, or a device copy on `rank`'s stream,
   // waited for).
   absl::Status CopyBytes(int32_t rank, void* dst, const void* src, size_t bytes) const;
+  // Where shard rank `r`'s unpadded range of the full padded buffer `full` lies in `full` and
+  // in `shard` (bytes 0 when `r` holds no real elements); INTERNAL naming `rank`, the unit and
+  // `r` when it does not fit the buffers.
+  struct OwnRangeBytes {
+    void* dst = nullptr;
+    const void* src = nullptr;
+    size_t bytes = 0;
+  };
+  static absl::StatusOr<OwnRangeBytes> OwnRange(int32_t rank, const Plan& plan,
+                                                const PlanUnit& unit, int32_t r, const Buffer& full,
+                                                const Buffer& shard);
   // Writes shard rank `r`'s unpadded range of the full padded buffer `full` into `shard`.
   absl::Status CopyOwnRange(int32_t rank, const Plan& plan, const PlanUnit& unit, int32_t r,
                             const Buffer& full, const Buffer& shard) const;

@@ -11,7 +11,6 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/flat_layout.h"
 #include "common/logging.h"
 #include "common/plan.h"
 #include "common/status_macros.h"
@@ -41,21 +40,9 @@ namespace {
 absl::Status AppendOwnRange(int32_t rank, const Plan& plan, const PlanUnit& unit, int32_t r,
                             const Buffer& full, const Buffer& shard,
                             std::vector<ParallelCopier::Copy>* out) {
-  absl::StatusOr<FlatLayout> layout = UnitLayout(plan, unit);
-  FS_CHECK(layout.ok()) << layout.status();  // the plan was validated when it was made
-  const ElementRange range = layout->UnpaddedShardRange(r);
-  if (range.empty()) return absl::OkStatus();
-  const int64_t item = ItemSize(unit.dtype);
-  const int64_t offset = (range.begin - layout->ShardRange(r).begin) * item;
-  const int64_t bytes = range.size() * item;
-  if (offset + bytes > shard.bytes() || (range.begin * item) + bytes > full.bytes()) {
-    return absl::InternalError(
-        absl::StrCat("rank ", rank, " unit ", unit.index, ": shard rank ", r, "'s range [",
-                     range.begin, ", ", range.begin + range.size(), ") does not fit its buffers"));
-  }
-  out->push_back({static_cast<char*>(shard.data()) + offset,
-                  static_cast<const char*>(full.data()) + range.begin * item,
-                  static_cast<size_t>(bytes)});
+  FS_ASSIGN_OR_RETURN(RankDevices::OwnRangeBytes copy,
+                      RankDevices::OwnRange(rank, plan, unit, r, full, shard));
+  if (copy.bytes > 0) out->push_back({copy.dst, copy.src, copy.bytes});
   return absl::OkStatus();
 }
 
