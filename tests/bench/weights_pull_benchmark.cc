@@ -82,18 +82,6 @@ using client::ClientOptions;
 using client::WeightsReader;
 using client::WeightsVersion;
 
-int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr = {};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
 // The emulated nodes of --link_rate (null: loopback).
 const testing::EmulatedLinks* g_links = nullptr;
 
@@ -233,7 +221,7 @@ absl::StatusOr<double> UcxGetMs(int64_t bytes, int repeats) {
     client_env = ShellLine(InNode(*g_links, 0, env)) + " ";
     host = testing::EmulatedLinks::address(1);
   }
-  const int port = FreePort();
+  const int port = PickFreeLoopbackPort();
   // The server serves one test and exits; the client retries until the server listens.
   const std::string cmd =
       absl::StrCat(server_env, "timeout 300 ", perftest, " -p ", port,
@@ -307,7 +295,7 @@ int Run() {
     }
     std::string address;
     if (peer) {
-      address = absl::StrCat("127.0.0.1:", FreePort());
+      address = absl::StrCat("127.0.0.1:", PickFreeLoopbackPort());
       flags.push_back("--peer_address=" + address);
     }
     FS_RETURN_IF_ERROR(d.Start(binary, tag, flags));
