@@ -458,7 +458,8 @@ absl::Status Daemon::StartPeerServer(std::shared_ptr<grpc::ServerCredentials> cr
   checkpoint_peer_ = std::make_unique<CheckpointPeerServiceImpl>();
   peer_builder.RegisterService(checkpoint_peer_.get());
   weights_peer_ = std::make_unique<WeightsPeerServiceImpl>(config_.testing_weights_copy_pause,
-                                                           weights_link_.get());
+                                                           weights_link_.get(),
+                                                           config_.testing_weights_ucx_stall_after);
   peer_builder.RegisterService(weights_peer_.get());
   peer_server_ = peer_builder.BuildAndStart();
   if (peer_server_ == nullptr || peer_port == 0) {

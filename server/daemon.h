@@ -127,8 +127,9 @@ struct DaemonConfig {
   // Published weights across daemons: peer addresses of daemons this one copies versions
   // from when a local reader asks (--weights_sources; empty: none).
   std::vector<std::string> weights_sources;
-  // Testing only: WeightsPeerServiceImpl's testing_copy_pause.
+  // Testing only: WeightsPeerServiceImpl's testing_copy_pause and testing_ucx_stall_after.
   absl::Duration testing_weights_copy_pause = absl::ZeroDuration();
+  int testing_weights_ucx_stall_after = 0;
   // How versions move between daemons: "ucx" (gets, gRPC where UCX cannot) or "grpc".
   std::string weights_transport = "ucx";
   // fsync each record and the state directory (crash-consistent across a machine crash too;

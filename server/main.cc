@@ -165,6 +165,10 @@ ABSL_FLAG(std::string, weights_transport, "ucx",
 ABSL_FLAG(absl::Duration, testing_weights_copy_pause, absl::ZeroDuration(),
           "testing only: a copy of published weights to another daemon sends its descriptor, "
           "then waits this long before the bytes");
+ABSL_FLAG(int, testing_weights_ucx_stall_after, 0,
+          "testing only: sending its Nth UCX rkey to a copier, this daemon's UCX weights worker "
+          "stops progressing for good (a get that needs this side's progress, e.g. over TCP, "
+          "stays in flight until the daemon dies; its own later copies hang); 0: never");
 ABSL_FLAG(absl::Duration, testing_commit_copy_pause, absl::ZeroDuration(),
           "testing only: each commit copy tears its committed copy and pauses this long");
 ABSL_FLAG(std::string, log_level, "info",
@@ -356,6 +360,7 @@ int main(int argc, char** argv) {
   config.state_fsync = absl::GetFlag(FLAGS_state_fsync);
   config.testing_commit_copy_pause = absl::GetFlag(FLAGS_testing_commit_copy_pause);
   config.testing_weights_copy_pause = absl::GetFlag(FLAGS_testing_weights_copy_pause);
+  config.testing_weights_ucx_stall_after = absl::GetFlag(FLAGS_testing_weights_ucx_stall_after);
   config.weights_transport = absl::GetFlag(FLAGS_weights_transport);
   config.socket_group = absl::GetFlag(FLAGS_socket_group);
   if (auto uids = flatshard::server::access::ParseUidList(absl::GetFlag(FLAGS_allowed_uids));

@@ -100,6 +100,7 @@ struct UcxWeightsLink::Impl {
   int efd = -1;
   std::thread thread;
   std::atomic<bool> stop{false};
+  std::atomic<bool> stalled{false};  // StallForTesting
 
   absl::Mutex mu;
   bool closed ABSL_GUARDED_BY(mu) = false;
@@ -157,6 +158,12 @@ struct UcxWeightsLink::Impl {
     constexpr absl::Duration kSpin = absl::Microseconds(200);
     absl::Time last_progress = absl::InfinitePast();
     while (true) {
+      if (stalled.load()) {
+        // Nothing progresses (not even closes) until the process dies or shuts down.
+        if (stop.load()) return;
+        absl::SleepFor(absl::Milliseconds(10));
+        continue;
+      }
       if (ucp_worker_progress(worker) != 0) {
         while (ucp_worker_progress(worker) != 0) {
         }
@@ -337,9 +344,11 @@ absl::StatusOr<UcxWeightsLink::Exposure> UcxWeightsLink::Expose(const void* data
   return out;
 }
 
+void UcxWeightsLink::StallForTesting() { impl_->stalled.store(true); }
+
 absl::Status UcxWeightsLink::Get(const std::string& address, const std::string& rkey_bytes,
                                  uint64_t remote, void* dst, size_t bytes, absl::Time deadline,
-                                 const absl::Notification* abandon) {
+                                 const absl::Notification* abandon, absl::string_view source) {
   if (bytes == 0) return absl::OkStatus();
   absl::StatusOr<ucp_ep_h> ep = impl_->EndpointTo(address);
   if (!ep.ok()) return ep.status();
@@ -375,6 +384,8 @@ absl::Status UcxWeightsLink::Get(const std::string& address, const std::string& 
     return UcxError(absl::StatusCode::kUnavailable, "ucp_get_nbx", UCS_PTR_STATUS(r));
   }
   ucp_worker_signal(impl_->worker);  // the loop may sleep: the get needs progress
+  FS_VLOG(1) << "UCX weights link: a get of " << bytes << " bytes from " << source
+             << " is in flight";
   absl::Status why;
   {
     absl::MutexLock lock(&op.mu);
@@ -427,8 +438,9 @@ void UcxWeightsLink::Shutdown() {}
 absl::StatusOr<UcxWeightsLink::Exposure> UcxWeightsLink::Expose(const void*, size_t) {
   return absl::UnavailableError("this flatshardd was built without UCX");
 }
+void UcxWeightsLink::StallForTesting() {}
 absl::Status UcxWeightsLink::Get(const std::string&, const std::string&, uint64_t, void*, size_t,
-                                 absl::Time, const absl::Notification*) {
+                                 absl::Time, const absl::Notification*, absl::string_view) {
   return absl::UnavailableError("this flatshardd was built without UCX");
 }
 

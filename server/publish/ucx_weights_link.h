@@ -22,6 +22,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 
@@ -45,9 +46,16 @@ class UcxWeightsLink {
   // Reads `bytes` at `remote` of the segment that `rkey` of the worker at `address` covers into
   // `dst`. Returns once the bytes are there or the get failed; after `deadline`, or once
   // `abandon` is notified, the endpoint is force-closed and the get fails (DEADLINE_EXCEEDED,
-  // UNAVAILABLE). Never returns while UCX may still write into `dst`.
+  // UNAVAILABLE). Never returns while UCX may still write into `dst`. `source` names the
+  // source in the log line (--v=1) saying the get is in flight.
   absl::Status Get(const std::string& address, const std::string& rkey, uint64_t remote, void* dst,
-                   size_t bytes, absl::Time deadline, const absl::Notification* abandon);
+                   size_t bytes, absl::Time deadline, const absl::Notification* abandon,
+                   absl::string_view source = "");
+
+  // Tests only (--testing_weights_ucx_stall_after): the progress thread stops progressing the
+  // worker for good, so gets that need this side's progress (UCX emulates them with messages,
+  // e.g. over TCP) stay in flight until this process dies. Shutdown still returns.
+  void StallForTesting();
 
   // Closes the endpoints and stops the progress thread; later calls fail UNAVAILABLE.
   // Idempotent.

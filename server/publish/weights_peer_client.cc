@@ -264,7 +264,8 @@ absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetc
         });
         status = ucx_->Get(chunk.ucx_address(), chunk.ucx_rkey(),
                            chunk.ucx_base() + static_cast<uint64_t>(offset), dst + offset,
-                           static_cast<size_t>(length), deadline, &ended);
+                           static_cast<size_t>(length), deadline, &ended,
+                           absl::StrCat("daemon ", source));
         source_alive = !ended.HasBeenNotified();
         ctx.TryCancel();
         watch.join();

@@ -175,6 +175,13 @@ grpc::Status WeightsPeerServiceImpl::FetchVersion(grpc::ServerContext* ctx,
       where.set_ucx_address(exposed->address);
       where.set_ucx_rkey(exposed->rkey);
       where.set_ucx_base(exposed->base);
+      if (testing_ucx_stall_after_ > 0 && ++rkeys_sent_ == testing_ucx_stall_after_) {
+        // Before the rkey leaves: none of the copier's get can be served.
+        FS_LOG(WARNING) << "testing: this daemon's UCX weights worker stops progressing "
+                           "(--testing_weights_ucx_stall_after="
+                        << testing_ucx_stall_after_ << ")";
+        ucx_->StallForTesting();
+      }
       if (!writer->Write(where)) return grpc::Status::CANCELLED;
       const absl::Time until = absl::FromChrono(ctx->deadline());
       while (!ctx->IsCancelled() && !stopped_.load() && absl::Now() < until) {

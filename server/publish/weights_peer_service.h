@@ -28,9 +28,14 @@ class WeightsPeerServiceImpl final : public v1::WeightsPeerService::Service {
   // be killed mid-copy).
   // `ucx` (null: none, --weights_transport=grpc or UCX unavailable): copies asked with `ucx`
   // get the segment's rkey instead of its bytes. Must outlive the server.
+  // `testing_ucx_stall_after` (tests only, --testing_weights_ucx_stall_after; 0: never): the
+  // Nth rkey this daemon sends stalls `ucx` first (UcxWeightsLink::StallForTesting), so the
+  // copier's get stays in flight until this daemon is killed.
   explicit WeightsPeerServiceImpl(absl::Duration testing_copy_pause = absl::ZeroDuration(),
-                                  UcxWeightsLink* ucx = nullptr)
-      : testing_copy_pause_(testing_copy_pause), ucx_(ucx) {}
+                                  UcxWeightsLink* ucx = nullptr, int testing_ucx_stall_after = 0)
+      : testing_copy_pause_(testing_copy_pause),
+        ucx_(ucx),
+        testing_ucx_stall_after_(testing_ucx_stall_after) {}
 
   // Until set (the daemon makes them after the peer port), calls answer UNAVAILABLE. The
   // pointers must outlive the server (or Stop first).
@@ -57,6 +62,8 @@ class WeightsPeerServiceImpl final : public v1::WeightsPeerService::Service {
   std::atomic<bool> stopped_{false};
   const absl::Duration testing_copy_pause_;
   UcxWeightsLink* const ucx_;
+  const int testing_ucx_stall_after_;
+  std::atomic<int> rkeys_sent_{0};
 };
 
 }  // namespace flatshard::server

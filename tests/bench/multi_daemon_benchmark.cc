@@ -105,6 +105,7 @@
 #include "common/status_macros.h"
 #include "flatshard/client.h"
 #include "tests/bench/bench_support.h"
+#include "tests/bench/emulated_nodes.h"
 #include "tests/testing/emulated_links.h"
 
 ABSL_FLAG(int64_t, bytes, int64_t{1} << 30,
@@ -278,9 +279,8 @@ class DaemonSet {
     return absl::Status(last.code(), absl::StrCat("daemon ", index, ": ", last.message()));
   }
 
-  // Daemon `index` in emulated node `index`'s namespace, its PeerService on the node's address
-  // (a port it picks, read back from --peer_address_file) and UCX on the node's link only
-  // (UCX_TLS=tcp unless --ucx_tls: shared memory between the namespaces would bypass it).
+  // Daemon `index` in emulated node `index` (bench::StartDaemonOnNode: UCX on the node's
+  // link only, UCX_TLS=tcp unless --ucx_tls).
   absl::Status StartOnNode(const std::string& binary, const std::string& tag_base, int index,
                            std::vector<std::string> env, const testing::EmulatedLinks& links) {
     auto d = std::make_unique<BenchDaemon>();
@@ -289,35 +289,20 @@ class DaemonSet {
       absl::MutexLock lock(&c.mu);
       c.daemons.insert(d.get());
     }
-    const std::string tag = absl::StrCat(tag_base, "n", index, "l");
-    const fs::path peer_file = fs::temp_directory_path() / tag / "peer_address";
-    d->launcher = {"ip", "netns", "exec", links.ns(index)};
-    env.push_back(absl::StrCat("UCX_NET_DEVICES=", testing::EmulatedLinks::kInterface));
-    if (absl::GetFlag(FLAGS_ucx_tls).empty()) env.push_back("UCX_TLS=tcp");
-    // No TLS: the links exist only between this run's private namespaces.
-    absl::Status st = d->Start(
-        binary, tag,
-        {"--peer_address=" + testing::EmulatedLinks::address(index) + ":0",
-         "--peer_address_file=" + peer_file.string(), absl::StrCat("--node_name=node", index),
-         "--ucx_error_handling=" + absl::GetFlag(FLAGS_ucx_error_handling), "--allow_insecure_tcp",
+    absl::StatusOr<std::string> peer = bench::StartDaemonOnNode(
+        *d, binary, absl::StrCat(tag_base, "n", index, "l"), index,
+        {absl::StrCat("--node_name=node", index),
+         "--ucx_error_handling=" + absl::GetFlag(FLAGS_ucx_error_handling),
          absl::StrCat("--ucx_hierarchical=", g_ucx_hierarchical)},
-        env);
-    std::string peer;
-    for (int i = 0; st.ok() && i < 1000 && peer.empty(); ++i) {
-      peer = std::string(absl::StripAsciiWhitespace(bench::ReadText(peer_file.string())));
-      if (peer.empty()) absl::SleepFor(absl::Milliseconds(10));
-    }
-    if (st.ok() && peer.empty()) st = absl::UnavailableError("no --peer_address_file written");
-    if (!st.ok()) {
+        std::move(env), links, /*keep_tls=*/!absl::GetFlag(FLAGS_ucx_tls).empty());
+    if (!peer.ok()) {
       Children& c = children();
       absl::MutexLock lock(&c.mu);
       c.daemons.erase(d.get());
-      d->Stop();
-      return absl::Status(st.code(), absl::StrCat("daemon ", index, " (emulated node ", index,
-                                                  "): ", st.message()));
+      return peer.status();
     }
     daemons_.push_back(std::move(d));
-    peer_addresses_.push_back(peer);
+    peer_addresses_.push_back(*std::move(peer));
     return absl::OkStatus();
   }
 
@@ -447,64 +432,6 @@ std::string VaderSingleCopy(const fs::path& dir) {
   return "";
 }
 
-// Open MPI over the emulated links: mpirun runs in node 0's namespace with a hostfile of the
-// nodes' addresses (ranks_per_node slots each, filled in rank order as flatshard places its
-// ranks), and reaches the other nodes through an rsh agent that runs their orted with
-// `ip netns exec`; its out-of-band channel and the TCP BTL use the links only, ob1 over
-// tcp (between nodes), vader (within a node) and self. The launch prefix.
-absl::StatusOr<std::vector<std::string>> MpiOverLinks(const std::string& mpirun, int rpn,
-                                                      const testing::EmulatedLinks& links,
-                                                      const fs::path& dir) {
-  const fs::path hostfile = dir / "mpi_hosts";
-  const fs::path agent = dir / "mpi_netns_agent.sh";
-  std::string hosts, cases;
-  for (int i = 0; i < links.nodes(); ++i) {
-    absl::StrAppend(&hosts, testing::EmulatedLinks::address(i), " slots=", rpn, "\n");
-    // vader names its segments by host name and local rank: the nodes share this host's
-    // name and /dev/shm, so every node but 0 (whose ranks mpirun starts) gets a directory.
-    const fs::path vader = dir / absl::StrCat("vader_node", i);
-    if (i > 0) fs::create_directories(vader);
-    absl::StrAppend(&cases, "  ", testing::EmulatedLinks::address(i), ") ns=", links.ns(i),
-                    i > 0 ? absl::StrCat(" vader=", vader.string()) : "", " ;;\n");
-  }
-  const std::string script = absl::StrCat(
-      "#!/bin/sh\n# mpirun's rsh agent: runs the command for host $1 in its namespace\n",
-      "host=\"$1\"; shift\ncase \"$host\" in\n", cases,
-      "  *) echo \"no emulated node $host\" >&2; exit 1 ;;\nesac\n",
-      "exec ip netns exec \"$ns\" env OMPI_MCA_btl_vader_backing_directory=\"$vader\" "
-      "/bin/sh -c \"$*\"\n");
-  {
-    std::ofstream h(hostfile), a(agent);
-    h << hosts;
-    a << script;
-    if (!h || !a) return absl::InternalError(absl::StrCat("cannot write ", hostfile.string()));
-  }
-  fs::permissions(agent, fs::perms::owner_all);
-  const std::string dev = testing::EmulatedLinks::kInterface;
-  return std::vector<std::string>{"ip",
-                                  "netns",
-                                  "exec",
-                                  links.ns(0),
-                                  mpirun,
-                                  "--hostfile",
-                                  hostfile.string(),
-                                  "--mca",
-                                  "plm_rsh_agent",
-                                  agent.string(),
-                                  "--mca",
-                                  "oob_tcp_if_include",
-                                  dev,
-                                  "--mca",
-                                  "pml",
-                                  "ob1",
-                                  "--mca",
-                                  "btl",
-                                  "tcp,vader,self",
-                                  "--mca",
-                                  "btl_tcp_if_include",
-                                  dev};
-}
-
 absl::StatusOr<MpiResult> RunMpi(int np, int64_t bytes, int iters, int warmup, const fs::path& dir,
                                  absl::Duration timeout, const std::string& op = "allgather",
                                  int rpn = 1, const testing::EmulatedLinks* links = nullptr) {
@@ -518,7 +445,7 @@ absl::StatusOr<MpiResult> RunMpi(int np, int64_t bytes, int iters, int warmup, c
   }
   std::vector<std::string> launch = {mpirun};
   if (links != nullptr) {
-    FS_ASSIGN_OR_RETURN(launch, MpiOverLinks(mpirun, rpn, *links, dir));
+    FS_ASSIGN_OR_RETURN(launch, bench::MpiOverLinks(mpirun, rpn, *links, dir));
   }
   launch.push_back("--oversubscribe");
   if (::geteuid() == 0) launch.push_back("--allow-run-as-root");

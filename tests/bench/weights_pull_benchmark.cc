@@ -13,10 +13,19 @@
 //     --mpi_args chooses; touched buffers).
 //
 //   build/tests/bench/flatshard_weights_pull_benchmark [--bytes 67108864,1073741824]
-//       [--repeats 3]
+//       [--repeats 3] [--link_rate 10gbit [--link_delay 50us]]
+//
+// --link_rate: over emulated nodes (tests/testing/emulated_links.h, as
+// flatshard_multi_daemon_benchmark's): the source daemon in node 0, the reader daemons in node
+// 1, UCX on the node's link only (UCX_TLS=tcp unless the environment sets it); ucx_perftest's
+// server in node 1 and client in node 0; the TCP threads each in its node; MPI_Bcast's two
+// ranks one per node (mpirun in node 0, `ip netns exec` as its rsh agent, ob1 over tcp); and a
+// "line time" row: the bytes over one link at the rate. Needs root and iproute2.
 
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -24,6 +33,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <future>
 #include <memory>
 #include <string>
 #include <thread>
@@ -39,6 +50,8 @@
 #include "common/status_macros.h"
 #include "flatshard/client.h"
 #include "tests/bench/bench_support.h"
+#include "tests/bench/emulated_nodes.h"
+#include "tests/testing/emulated_links.h"
 
 ABSL_FLAG(std::vector<std::string>, bytes, std::vector<std::string>({"67108864", "1073741824"}),
           "bytes of the published models (float32 x 4), one module and name each");
@@ -52,6 +65,14 @@ ABSL_FLAG(std::string, ucx_perftest, "ucx_perftest",
           "ucx_perftest for the UCX point-to-point row (empty: no row)");
 ABSL_FLAG(std::string, mpi_baseline, FS_MPI_BCAST_BASELINE,
           "the flatshard_mpi_bcast_baseline binary (empty: not built)");
+ABSL_FLAG(std::string, link_rate, "",
+          "two emulated nodes (README \"Multi-node links\"): the source daemon in one, the "
+          "reader daemons in the other, joined by veth links shaped to this rate per direction "
+          "(tc tbf: 10gbit, 1gbit); the baselines over the same links (--mpi_args unused); "
+          "empty: one host's loopback. Needs root and iproute2");
+ABSL_FLAG(std::string, link_delay, "",
+          "one-way latency of the emulated links (tc netem; where the kernel has no sch_netem "
+          "the links run without it and the header says so); empty: none");
 
 namespace flatshard::bench {
 namespace {
@@ -61,62 +82,89 @@ using client::ClientOptions;
 using client::WeightsReader;
 using client::WeightsVersion;
 
-int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr = {};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
+// The emulated nodes of --link_rate (null: loopback).
+const testing::EmulatedLinks* g_links = nullptr;
 
-// `bytes` over one loopback TCP connection, sender and receiver threads, into fresh memory
-// (or memory already touched).
-double TcpMs(const char* src, int64_t bytes, bool fresh) {
-  const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+// `bytes` over one plain TCP connection between two threads into fresh memory (page faults
+// included, as the pull's fresh segment has them): on loopback, or with g_links from node 0
+// to node 1 over the link (each thread enters its node: setns changes the calling thread's
+// namespace only). -1 on failure.
+double TcpMs(const char* src, int64_t bytes) {
   sockaddr_in addr = {};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(lfd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(lfd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::listen(lfd, 1);
+  if (g_links != nullptr) {
+    ::inet_pton(AF_INET, testing::EmulatedLinks::address(1).c_str(), &addr.sin_addr);
+  }
   char* dst = static_cast<char*>(
       ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
-  if (!fresh) std::memset(dst, 0, static_cast<size_t>(bytes));
-  const Clock::time_point t0 = Clock::now();
-  std::thread sender([&] {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return;
-    for (int64_t off = 0; off < bytes;) {
-      const ssize_t n = ::send(fd, src + off, static_cast<size_t>(bytes - off), MSG_NOSIGNAL);
-      if (n <= 0) break;
-      off += n;
-    }
-    ::close(fd);
-  });
-  const int cfd = ::accept(lfd, nullptr, nullptr);
+  std::promise<int> listening;  // the port, or -1
   int64_t got = 0;
-  while (got < bytes) {
-    const ssize_t n = ::recv(cfd, dst + got, static_cast<size_t>(bytes - got), 0);
-    if (n <= 0) break;
-    got += n;
+  std::thread receiver([&] {
+    if (g_links != nullptr && ::setns(g_links->fd(1), CLONE_NEWNET) != 0) {
+      listening.set_value(-1);
+      return;
+    }
+    sockaddr_in bound = addr;
+    socklen_t len = sizeof(bound);
+    const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (::bind(lfd, reinterpret_cast<sockaddr*>(&bound), sizeof(bound)) != 0 ||
+        ::getsockname(lfd, reinterpret_cast<sockaddr*>(&bound), &len) != 0 ||
+        ::listen(lfd, 1) != 0) {
+      ::close(lfd);
+      listening.set_value(-1);
+      return;
+    }
+    listening.set_value(ntohs(bound.sin_port));
+    const int cfd = ::accept(lfd, nullptr, nullptr);
+    while (cfd >= 0 && got < bytes) {
+      const ssize_t n = ::recv(cfd, dst + got, static_cast<size_t>(bytes - got), 0);
+      if (n <= 0) break;
+      got += n;
+    }
+    if (cfd >= 0) ::close(cfd);
+    ::close(lfd);
+  });
+  const int port = listening.get_future().get();
+  const Clock::time_point t0 = Clock::now();
+  if (port > 0) {
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    std::thread sender([&] {
+      if (g_links != nullptr && ::setns(g_links->fd(0), CLONE_NEWNET) != 0) return;
+      const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+      if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+        for (int64_t off = 0; off < bytes;) {
+          const ssize_t n = ::send(fd, src + off, static_cast<size_t>(bytes - off), MSG_NOSIGNAL);
+          if (n <= 0) break;
+          off += n;
+        }
+      }
+      ::close(fd);
+    });
+    sender.join();
   }
-  sender.join();
+  receiver.join();
   const double ms = MicrosSince(t0, Clock::now()) / 1000;
-  ::close(cfd);
-  ::close(lfd);
   ::munmap(dst, bytes);
   return got == bytes ? ms : -1;
 }
 
+// `argv` as one shell command line (each word single-quoted).
+std::string ShellLine(const std::vector<std::string>& argv) {
+  std::string out;
+  for (const std::string& a : argv) {
+    std::string q = "'";
+    for (char c : a) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    absl::StrAppend(&out, out.empty() ? "" : " ", q, "'");
+  }
+  return out;
+}
+
 std::string Output(const std::string& cmd);
 
-// MPI_Bcast of `bytes` between 2 processes: median ms, or an error saying why not.
-absl::StatusOr<double> MpiBcastMs(int64_t bytes, int repeats) {
+// MPI_Bcast of `bytes` between 2 processes (with g_links: one per node, `dir` holds mpirun's
+// hostfile and agent): median ms, or an error saying why not.
+absl::StatusOr<double> MpiBcastMs(int64_t bytes, int repeats, const std::filesystem::path& dir) {
   const std::string mpirun = absl::GetFlag(FLAGS_mpirun);
   const std::string baseline = absl::GetFlag(FLAGS_mpi_baseline);
   if (mpirun.empty() || baseline.empty() || ::access(baseline.c_str(), X_OK) != 0) {
@@ -124,10 +172,15 @@ absl::StatusOr<double> MpiBcastMs(int64_t bytes, int repeats) {
         "no MPI baseline (install libopenmpi-dev, build "
         "flatshard_mpi_bcast_baseline)");
   }
+  std::string launch = absl::StrCat(mpirun, " ", absl::GetFlag(FLAGS_mpi_args));
+  if (g_links != nullptr) {
+    absl::StatusOr<std::vector<std::string>> prefix = MpiOverLinks(mpirun, 1, *g_links, dir);
+    if (!prefix.ok()) return prefix.status();
+    launch = ShellLine(*prefix);
+  }
   const std::string cmd =
-      absl::StrCat(mpirun, " --oversubscribe", ::geteuid() == 0 ? " --allow-run-as-root" : "", " ",
-                   absl::GetFlag(FLAGS_mpi_args), " -np 2 ", baseline, " --bytes=", bytes,
-                   " --iters=", repeats, " 2>&1");
+      absl::StrCat(launch, " --oversubscribe", ::geteuid() == 0 ? " --allow-run-as-root" : "",
+                   " -np 2 ", baseline, " --bytes=", bytes, " --iters=", repeats, " 2>&1");
   const std::string out = Output(cmd);
   const size_t at = out.find("median_s=");
   double s = 0;
@@ -150,21 +203,31 @@ std::string Output(const std::string& cmd) {
   return out;
 }
 
-// ucx_perftest's ucp_get of `bytes` between a server and a client process on loopback:
-// the overall latency per get in ms, or an error saying why not.
+// ucx_perftest's ucp_get of `bytes` between a server and a client process on loopback (with
+// g_links: the server in node 1, the client in node 0, UCX on the link): the overall latency
+// per get in ms, or an error saying why not.
 absl::StatusOr<double> UcxGetMs(int64_t bytes, int repeats) {
   const std::string perftest = absl::GetFlag(FLAGS_ucx_perftest);
   if (perftest.empty() || Output(absl::StrCat("command -v ", perftest)).empty()) {
     return absl::NotFoundError("no ucx_perftest (install ucx-utils)");
   }
   const char* tls = std::getenv("UCX_TLS");
-  const std::string env = absl::StrCat("UCX_TLS='", tls != nullptr ? tls : "^cma", "' ");
-  const int port = FreePort();
+  std::string server_env = absl::StrCat("UCX_TLS='", tls != nullptr ? tls : "^cma", "' ");
+  std::string client_env = server_env;
+  std::string host = "127.0.0.1";
+  if (g_links != nullptr) {
+    const std::vector<std::string> env = UcxOnLinkEnv(/*keep_tls=*/tls != nullptr);
+    server_env = ShellLine(InNode(*g_links, 1, env)) + " ";
+    client_env = ShellLine(InNode(*g_links, 0, env)) + " ";
+    host = testing::EmulatedLinks::address(1);
+  }
+  const int port = PickFreeLoopbackPort();
   // The server serves one test and exits; the client retries until the server listens.
-  const std::string cmd = absl::StrCat(
-      env, "timeout 300 ", perftest, " -p ", port, " >/dev/null 2>&1 & for i in $(seq 50); do ",
-      env, "timeout 300 ", perftest, " 127.0.0.1 -p ", port, " -t ucp_get -s ", bytes, " -n ",
-      repeats, " -w 1 2>&1 | grep Final: && break; sleep 0.2; done; wait");
+  const std::string cmd =
+      absl::StrCat(server_env, "timeout 300 ", perftest, " -p ", port,
+                   " >/dev/null 2>&1 & for i in $(seq 50); do ", client_env, "timeout 300 ",
+                   perftest, " ", host, " -p ", port, " -t ucp_get -s ", bytes, " -n ", repeats,
+                   " -w 1 2>&1 | grep Final: && break; sleep 0.2; done; wait");
   const std::string out = Output(cmd);
   // "Final: iters p50 avg overall(usec) bw_avg bw_overall(MB/s) rate_avg rate_overall"
   std::vector<std::string> words = absl::StrSplit(out, ' ', absl::SkipWhitespace());
@@ -193,21 +256,65 @@ int Run() {
     rows.push_back(row);
   }
   const int repeats = absl::GetFlag(FLAGS_repeats);
-  const std::string peer = absl::StrCat("127.0.0.1:", FreePort());
+  const std::string link_rate = absl::GetFlag(FLAGS_link_rate);
+  std::unique_ptr<testing::EmulatedLinks> links;
+  if (!link_rate.empty()) {
+    testing::LinkOptions lo;
+    lo.nodes = 2;
+    lo.rate = link_rate;
+    lo.delay = absl::GetFlag(FLAGS_link_delay);
+    absl::StatusOr<std::unique_ptr<testing::EmulatedLinks>> l = testing::EmulatedLinks::Create(lo);
+    if (!l.ok()) {
+      std::fprintf(stderr, "--link_rate: %s\n", std::string(l.status().message()).c_str());
+      return 1;
+    }
+    links = *std::move(l);
+    g_links = links.get();
+    std::printf("# links: %s; UCX_TLS %s\n", links->Describe().c_str(),
+                std::getenv("UCX_TLS") != nullptr ? std::getenv("UCX_TLS") : "tcp");
+  }
+  // mpirun's hostfile and agent over the links.
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / absl::StrCat("fswpbench", ::getpid());
+  std::filesystem::create_directories(dir);
+  struct RemoveDir {
+    std::filesystem::path p;
+    ~RemoveDir() {
+      std::error_code ec;
+      std::filesystem::remove_all(p, ec);
+    }
+  } remove_dir{dir};
+  const std::string binary = absl::GetFlag(FLAGS_flatshardd);
+  const bool keep_tls = std::getenv("UCX_TLS") != nullptr;
+  // A daemon on loopback, or in emulated node `node`: its peer address ("" where it has none).
+  auto start = [&](BenchDaemon& d, const std::string& tag, int node, bool peer,
+                   std::vector<std::string> flags) -> absl::StatusOr<std::string> {
+    flags.insert(flags.begin(), "--weights_keep=1");
+    if (links != nullptr) {
+      return StartDaemonOnNode(d, binary, tag, node, flags, {}, *links, keep_tls);
+    }
+    std::string address;
+    if (peer) {
+      address = absl::StrCat("127.0.0.1:", PickFreeLoopbackPort());
+      flags.push_back("--peer_address=" + address);
+    }
+    FS_RETURN_IF_ERROR(d.Start(binary, tag, flags));
+    return address;
+  };
   BenchDaemon source, ucx_reader, grpc_reader;
   ScopedStopOnSignal stop_source(&source), stop_ucx(&ucx_reader), stop_grpc(&grpc_reader);
-  if (absl::Status s = source.Start(absl::GetFlag(FLAGS_flatshardd), "fswpsrc",
-                                    {"--weights_keep=1", "--peer_address=" + peer});
-      !s.ok()) {
-    std::fprintf(stderr, "source: %s\n", std::string(s.message()).c_str());
+  absl::StatusOr<std::string> peer = start(source, "fswpsrc", 0, true, {});
+  if (!peer.ok()) {
+    std::fprintf(stderr, "source: %s\n", std::string(peer.status().message()).c_str());
     return 1;
   }
   for (auto [d, transport] : {std::pair{&ucx_reader, "ucx"}, std::pair{&grpc_reader, "grpc"}}) {
-    if (absl::Status s = d->Start(absl::GetFlag(FLAGS_flatshardd), absl::StrCat("fswp", transport),
-                                  {"--weights_keep=1", "--weights_sources=" + peer,
-                                   absl::StrCat("--weights_transport=", transport)});
+    if (absl::StatusOr<std::string> s =
+            start(*d, absl::StrCat("fswp", transport), 1, false,
+                  {"--weights_sources=" + *peer, absl::StrCat("--weights_transport=", transport)});
         !s.ok()) {
-      std::fprintf(stderr, "reader daemon (%s): %s\n", transport, std::string(s.message()).c_str());
+      std::fprintf(stderr, "reader daemon (%s): %s\n", transport,
+                   std::string(s.status().message()).c_str());
       return 1;
     }
   }
@@ -264,23 +371,35 @@ int Run() {
           if (v.ok()) (void)(*v)->Release();
         }
       }
-      row.tcp.push_back(TcpMs(src.data(), row.bytes, /*fresh=*/true));
+      row.tcp.push_back(TcpMs(src.data(), row.bytes));
     }
   }
   for (const Row& row : rows) {
     const std::string size = SizeName(row.bytes);
     const double u = Median(row.ucx), g = Median(row.grpc), t = Median(row.tcp);
     absl::StatusOr<double> p2p = UcxGetMs(row.bytes, repeats);
-    absl::StatusOr<double> mpi = MpiBcastMs(row.bytes, repeats);
+    absl::StatusOr<double> mpi = MpiBcastMs(row.bytes, repeats, dir);
     std::printf(
         "cross-daemon pull of %s, median of %d: over UCX %.1f ms (%.2f GB/s), over gRPC %.1f ms "
         "(%.2f GB/s): UCX/gRPC %.2fx; open of the local copy afterwards %.2f ms\n",
         size.c_str(), repeats, u, row.bytes / u / 1e6, g, row.bytes / g / 1e6, u / g,
         Median(row.local));
+    const std::string where = g_links != nullptr ? "over the link" : "loopback";
     std::printf(
-        "plain TCP point-to-point of %s (loopback, fresh memory): %.1f ms: pull over UCX "
-        "is %.2fx, over gRPC %.2fx\n",
-        size.c_str(), t, u / t, g / t);
+        "plain TCP point-to-point of %s (%s, fresh memory): %.1f ms: pull over UCX is %.2fx, "
+        "over gRPC %.2fx\n",
+        size.c_str(), where.c_str(), t, u / t, g / t);
+    // The bytes over one link at its rate (with the links).
+    const double line = g_links != nullptr
+                            ? static_cast<double>(row.bytes) * 8 / g_links->rate_bits_per_s() * 1e3
+                            : 0;
+    if (line > 0) {
+      std::printf(
+          "line time of %s at %s: %.1f ms: pull over UCX is %.2fx (%.0f%% of line rate), over "
+          "gRPC %.2fx (%.0f%%)\n",
+          size.c_str(), link_rate.c_str(), line, u / line, 100 * line / u, g / line,
+          100 * line / g);
+    }
     if (p2p.ok()) {
       std::printf("ucx_perftest ucp_get of %s: %.1f ms: pull over UCX is %.2fx, over gRPC %.2fx\n",
                   size.c_str(), *p2p, u / *p2p, g / *p2p);
@@ -291,11 +410,14 @@ int Run() {
       std::printf(
           "MPI_Bcast of %s between 2 processes (%s): %.1f ms: pull over UCX is %.2fx, over gRPC "
           "%.2fx\n",
-          size.c_str(), absl::GetFlag(FLAGS_mpi_args).c_str(), *mpi, u / *mpi, g / *mpi);
+          size.c_str(),
+          g_links != nullptr ? "one per node, ob1 over tcp" : absl::GetFlag(FLAGS_mpi_args).c_str(),
+          *mpi, u / *mpi, g / *mpi);
     } else {
       std::printf("MPI_Bcast: skipped: %s\n", std::string(mpi.status().message()).c_str());
     }
-    const std::string f = absl::StrCat("weights_pull.", size, ".");
+    const std::string f = absl::StrCat(
+        "weights_pull.", g_links != nullptr ? absl::StrCat(link_rate, ".") : "", size, ".");
     PrintFigure(f + "ucx_ms", u, "ms");
     PrintFigure(f + "grpc_ms", g, "ms", true, /*context=*/true);
     PrintFigure(f + "ucx_over_grpc", u / g, "x");
@@ -309,6 +431,7 @@ int Run() {
       PrintFigure(f + "mpi_bcast_ms", *mpi, "ms", true, /*context=*/true);
       PrintFigure(f + "ucx_over_mpi_bcast", u / *mpi, "x");
     }
+    if (line > 0) PrintFigure(f + "ucx_over_line_time", u / line, "x");
   }
   return 0;
 }

@@ -60,10 +60,13 @@ inline std::unique_ptr<WeightsReader> Reader(const DaemonProcess& d) {
 }
 
 // A daemon of the group: a peer port (fixed when `port` > 0, so a restart keeps it); with
-// `metrics`, DaemonProcess::Metrics scrapes it.
+// `metrics`, DaemonProcess::Metrics scrapes it; `env`: "NAME=value" entries added to its
+// environment.
 inline std::unique_ptr<DaemonProcess> GroupDaemon(int i, std::vector<std::string> flags = {},
-                                                  bool metrics = false) {
+                                                  bool metrics = false,
+                                                  std::vector<std::string> env = {}) {
   DaemonOptions o;
+  o.env = std::move(env);
   o.metrics = metrics;
   o.tag_prefix = "fswm";
   o.peer = true;

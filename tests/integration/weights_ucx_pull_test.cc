@@ -7,6 +7,9 @@
 //     the gRPC stream (the other source's over UCX), values exact, both counted;
 //   - a reader's daemon whose UCX reaches no source: every range again over gRPC;
 //   - a source killed while its share is pending: the share is read from the other source;
+//   - a source killed while a UCX get from it is in flight (over TCP, the source's progress
+//     stalled as it sent the rkey): the range from the other source; with no other source
+//     the open fails UNAVAILABLE naming it, nothing kept, the reader's daemon still serving;
 //   - a bad --weights_transport: the daemon refuses to start, naming the flag.
 
 #include <sys/wait.h>
@@ -57,12 +60,17 @@ struct Published {
   std::unique_ptr<DaemonProcess> d1;
   std::unique_ptr<Trainers> t;
   int64_t bytes = 0;
+  // `env`: both daemons' extra environment.
   Published(const std::vector<std::string>& flags0, const std::vector<std::string>& flags1,
-            const std::string& group, int step) {
-    d0 = GroupDaemon(0, flags0);
-    d1 = GroupDaemon(1, flags1, /*metrics=*/true);
+            const std::string& group, int step, const std::vector<std::string>& env = {}) {
+    d0 = GroupDaemon(0, flags0, /*metrics=*/false, env);
+    d1 = GroupDaemon(1, flags1, /*metrics=*/true, env);
     t = std::make_unique<Trainers>(std::vector<const DaemonProcess*>{d0.get(), d1.get()}, group);
     if (t->plan == nullptr) return;
+    PublishStep(step);
+  }
+  // Commits step `step` and publishes it as the next version of "gpt".
+  void PublishStep(int step) {
     t->Step(step);
     std::vector<absl::StatusOr<PublishedVersion>> p = t->Publish("gpt");
     for (int r = 0; r < kWorld; ++r) {
@@ -71,6 +79,34 @@ struct Published {
     }
   }
 };
+
+// Gets over TCP need the source's own progress (UCX emulates them with messages), so a source
+// with --testing_weights_ucx_stall_after keeps the copier's get in flight until it dies.
+const std::vector<std::string> kOverTcp = {"UCX_TLS=tcp"};
+
+// The reader's daemon's log line (--v=1) for each UCX get from `source` that is in flight.
+std::string InFlightLine(const DaemonProcess& source) {
+  return absl::StrCat("from daemon ", source.peer_address(), " is in flight");
+}
+
+// Occurrences of `what` in `d`'s log.
+int Count(const DaemonProcess& d, const std::string& what) {
+  const std::string log = d.Log();
+  int n = 0;
+  for (size_t at = log.find(what); at != std::string::npos; at = log.find(what, at + 1)) ++n;
+  return n;
+}
+
+// Whether `d`'s log holds `n` occurrences of `what` within `within` (polled: the line is the
+// event waited for, not a delay).
+bool AwaitCount(const DaemonProcess& d, const std::string& what, int n, absl::Duration within) {
+  const absl::Time until = absl::Now() + within;
+  while (Count(d, what) < n) {
+    if (absl::Now() > until) return false;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return true;
+}
 
 // `x`'s readers open "gpt" (version 1, step `step`) element for element.
 void ExpectReadersSee(const ReaderDaemon& x, const Plan& plan, int readers, int step) {
@@ -168,6 +204,65 @@ TEST(WeightsUcxPullTest, ASourceKilledWhileItsSharePendsHasItReadFromTheOther) {
   const std::map<std::string, double> m = ParseMetrics(x.Metrics());
   EXPECT_EQ(Value(m, "flatshard_weights_pulls_total{code=\"OK\"}"), 1);
   EXPECT_EQ(Value(m, kUcxBytes), static_cast<double>(g.bytes));
+  g.t->c.clear();
+}
+
+TEST(WeightsUcxPullTest, ASourceKilledDuringAUcxGetFromItHasItsRangeReadFromTheOther) {
+  // Daemon 1's second rkey (version 2's share; the first, version 1's, connected the reader's
+  // daemon to it) stalls its UCX worker: that get cannot finish until daemon 1 dies.
+  Published g({}, {"--testing_weights_ucx_stall_after=2"}, "midget", 5, kOverTcp);
+  ASSERT_NE(g.t->plan, nullptr);
+  ReaderDaemon x({g.d1->peer_address(), g.d0->peer_address()}, {"--v=1"}, kOverTcp);
+  ExpectReadersSee(x, *g.t->plan, 1, 5);
+  ASSERT_EQ(Count(*x.d, InFlightLine(*g.d1)), 1) << x.d->Log();
+  g.PublishStep(6);
+  std::unique_ptr<WeightsReader> r = Reader(*x.d);
+  ASSERT_NE(r, nullptr);
+  absl::StatusOr<std::unique_ptr<WeightsVersion>> v = absl::UnknownError("unset");
+  std::thread reading([&] { v = r->Open("gpt"); });
+  // Killed once the get of version 2 from it is posted (and cannot have finished).
+  const bool posted = AwaitCount(*x.d, InFlightLine(*g.d1), 2, absl::Seconds(120));
+  g.d1->Kill();
+  reading.join();
+  ASSERT_TRUE(posted) << x.d->Log();
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ((*v)->info().version, 2u);
+  ExpectHolds(*g.t->plan, **v, 6);
+  EXPECT_THAT(x.d->Log(), HasSubstr(absl::StrCat("from ", g.d1->peer_address(), " failed (")));
+  const std::map<std::string, double> m = ParseMetrics(x.Metrics());
+  EXPECT_EQ(Value(m, "flatshard_weights_pulls_total{code=\"OK\"}"), 2);
+  // Version 2's every byte counted once: the failed get's range counts as daemon 0's.
+  EXPECT_EQ(Value(m, kUcxBytes), 2.0 * static_cast<double>(g.bytes));
+  EXPECT_EQ(m.count(kGrpcBytes), 0u);
+  g.t->c.clear();
+}
+
+TEST(WeightsUcxPullTest, TheOnlySourceKilledDuringAUcxGetFailsTheOpenByNameKeepingNothing) {
+  Published g({}, {"--testing_weights_ucx_stall_after=1"}, "midget1", 7, kOverTcp);
+  ASSERT_NE(g.t->plan, nullptr);
+  ReaderDaemon x({g.d1->peer_address()}, {"--v=1"}, kOverTcp);
+  const size_t segments = x.d->Segments().size();
+  std::unique_ptr<WeightsReader> r = Reader(*x.d);
+  ASSERT_NE(r, nullptr);
+  absl::StatusOr<std::unique_ptr<WeightsVersion>> v = absl::UnknownError("unset");
+  std::thread reading([&] { v = r->Open("gpt"); });
+  const bool posted = AwaitCount(*x.d, InFlightLine(*g.d1), 1, absl::Seconds(120));
+  g.d1->Kill();
+  reading.join();
+  ASSERT_TRUE(posted) << x.d->Log();
+  ASSERT_FALSE(v.ok());
+  EXPECT_EQ(v.status().code(), absl::StatusCode::kUnavailable) << v.status();
+  EXPECT_THAT(v.status().message(), HasSubstr(g.d1->peer_address()));
+  EXPECT_THAT(v.status().message(), HasSubstr("nothing was kept"));
+  // Nothing partial: no segment left, no version; the daemon still runs and answers.
+  EXPECT_EQ(x.d->Segments().size(), segments);
+  int status = 0;
+  EXPECT_EQ(::waitpid(x.d->pid(), &status, WNOHANG), 0) << "the reader's daemon exited";
+  absl::StatusOr<std::unique_ptr<WeightsVersion>> again = r->Open("gpt");
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kUnavailable) << again.status();
+  const std::map<std::string, double> m = ParseMetrics(x.Metrics());
+  EXPECT_EQ(Value(m, "flatshard_weights_pulls_total{code=\"OK\"}"), 0);
+  EXPECT_EQ(m.count(kUcxBytes), 0u);
   g.t->c.clear();
 }
 
