@@ -82,7 +82,7 @@ struct DaemonConfig {
   std::string metrics_address;
   std::string ucx_error_handling = "auto";  // UcxBackendOptions::error_handling
   bool ucx_hierarchical = true;             // UcxBackendOptions::hierarchical
-  bool ucx_same_host_copy = false;  // false: UcxBackendOptions::same_host_copy_min_bytes = 0
+  bool ucx_same_host_copy = true;  // false: UcxBackendOptions::same_host_copy_min_bytes = 0
   // GPU backend (README "GPU nodes"): the GPUs ranks live on: "" (none: host memory, the
   // default), "all", or device ordinals "0,1,3". Rank r of a group uses the (r mod n)-th.
   std::string gpus;

@@ -54,20 +54,21 @@ ABSL_FLAG(std::string, peer_address_file, "",
           "(for scripts and tests that start daemons on port 0)");
 ABSL_FLAG(std::string, node_name, "", "this daemon's node name in peer tables (empty: host name)");
 ABSL_FLAG(std::string, ucx_error_handling, "auto",
-          "'auto': UCX detects dead peers on other hosts itself, and daemons on this host talk "
-          "over shared memory (their death is found by the heartbeats, --peer_timeout); "
-          "'peer': UCX detects every dead peer itself (on one host UCX 1.13 then uses TCP "
-          "loopback between daemons); 'none': no endpoint has UCX peer error handling");
+          "'auto' and 'peer': UCX detects every dead peer itself; daemons on this host talk over "
+          "TCP loopback (UCX 1.13's shared memory cannot report a dead peer, and a daemon killed "
+          "mid-send wedges its peers' shared-memory receive queue for good); 'none': no endpoint "
+          "has UCX peer error handling, daemons on this host use shared memory and their death "
+          "is found by the heartbeats (--peer_timeout). Daemons of one host must not mix 'none' "
+          "with the others");
 ABSL_FLAG(bool, ucx_hierarchical, true,
           "groups whose daemons each host the same number (>= 2) of ranks run all-gather and "
           "reduce-scatter hierarchically (copies within a daemon, each daemon's bytes over the "
           "network once); false: the flat ring. Every daemon of a group must agree");
-ABSL_FLAG(
-    bool, ucx_same_host_copy, false,
-    "messages of 256 KiB and more to a daemon on this host are copied once, straight out "
-    "of the sender's buffer (process_vm_readv), instead of twice through UCX shared "
-    "memory; a dead peer fails only that op. Off by default until a rare stall of a restarted "
-    "peer is understood (README). false: UCX shared memory for every size");
+ABSL_FLAG(bool, ucx_same_host_copy, true,
+          "messages of 256 KiB and more to a daemon on this host are copied once, straight out "
+          "of the sender's buffer (process_vm_readv), instead of through UCX (TCP loopback, or "
+          "shared memory with --ucx_error_handling=none); a dead peer fails only that op. "
+          "false: UCX for every size");
 ABSL_FLAG(absl::Duration, heartbeat_interval, absl::Milliseconds(500),
           "heartbeats between daemons of multi-daemon groups");
 ABSL_FLAG(absl::Duration, peer_timeout, absl::Seconds(3),

@@ -120,9 +120,9 @@ ABSL_FLAG(std::string, ucx_tls, "",
           "UCX_TLS for the daemons and ucx_perftest alike (empty: unset, UCX's default "
           "selection; an UCX_TLS already in the environment is passed on to both)");
 ABSL_FLAG(std::string, ucx_error_handling, "auto",
-          "the daemons' --ucx_error_handling: 'auto' (their default: shared memory "
-          "between daemons on one host, dead peers found by heartbeats), 'peer' (UCX 1.13 then "
-          "uses TCP loopback between daemons on one host) or 'none'");
+          "the daemons' --ucx_error_handling: 'auto' (their default) or 'peer' (TCP loopback "
+          "between daemons on one host, UCX reports dead peers), or 'none' (shared memory "
+          "between daemons on one host, dead peers found by heartbeats)");
 ABSL_FLAG(int32_t, settle_ms, 0,
           "untimed pause of every rank after each End (0: none; summons back to back as in a "
           "training loop)");

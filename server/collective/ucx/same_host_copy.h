@@ -1,8 +1,10 @@
 #pragma once
 // Single-copy transfers between daemons on one host (UcxBackendOptions::same_host_copy_min_bytes).
 //
-// UCX's shared-memory transports copy a large message twice (into a segment, out of it), and
-// its single-copy transport (CMA) aborts the whole process when a read finds the peer dead.
+// Daemons on one host talk over TCP loopback by default (UcxBackendOptions::error_handling:
+// UCX's shared memory can be wedged by a killed peer), which copies through the kernel; UCX's
+// shared-memory transports copy a large message twice (into a segment, out of it), and its
+// single-copy transport (CMA) aborts the whole process when a read finds the peer dead.
 // This path moves the bytes once, with process_vm_readv driven by flatshard itself, so a dead
 // peer is an error of one op:
 //

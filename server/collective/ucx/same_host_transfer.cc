@@ -76,7 +76,7 @@ void UcxTransport::SendByCopy(Request* req) {
         FS_LOG(WARNING) << "UCX: " << self->group_ << ": rank " << dst
                         << " may not read this daemon's memory (process_vm_readv: "
                         << std::strerror(op->ack.error)
-                        << "); messages to its daemon go over UCX shared memory instead";
+                        << "); messages to its daemon go over UCX instead";
       }
       op->finished = true;
       op->slot.Release();
@@ -175,7 +175,7 @@ void UcxTransport::FinishCopy(Request* req, const ProcessCopy& copy, const absl:
         req->peer->copy_denied_logged = true;
         FS_LOG(WARNING) << "UCX: " << group_ << ": may not read the memory of rank " << req->src
                         << "'s daemon (process_vm_readv: " << std::strerror(copy.Ack().error)
-                        << "); its messages come over UCX shared memory instead";
+                        << "); its messages come over UCX instead";
       }
       // The sender answers the ack with the bytes over UCX: the same receive again (Start
       // may complete it at once, so the ack goes first; UCX keeps what arrives early).

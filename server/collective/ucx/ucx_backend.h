@@ -15,14 +15,14 @@
 //
 // UCX configuration comes from the environment as UCX itself reads it (UCX_TLS,
 // UCX_NET_DEVICES, ...); UcxBackendOptions::ucx_config overrides single keys. The default
-// works between processes of one host (shared memory, CMA, TCP over loopback).
+// works between processes of one host (TCP over loopback; shared memory with kNone).
 //
 // LocalAddress() is the worker address prefixed with this host's identity (ucx_address.h).
 // Endpoints: one per remote worker address, created on first use and shared by every group.
-// Those to other hosts have peer error handling: when a peer fails (its daemon died, the
+// By default every endpoint has peer error handling: when a peer fails (its daemon died, the
 // connection reset), every group using that endpoint is aborted with UNAVAILABLE "UCX peer of
-// ranks 2, 3 failed: ...". Those to daemons on this host do not (by default, see
-// UcxBackendOptions::error_handling), so that UCX may pick shared memory for them.
+// ranks 2, 3 failed: ...". Daemons on this host then talk over TCP loopback, never UCX shared
+// memory (UcxBackendOptions::error_handling, kNone to have it).
 //
 // Wire tags (64 bits, see ucx_tag.h): 16 bits hash(group_id, epoch) | 10 bits src rank |
 // 10 bits dst rank | 1 control bit | 15 bits op_seq | 12 bits sub. Groups (or epochs of one group)
@@ -61,13 +61,20 @@ struct UcxBackendOptions {
   size_t broadcast_chunk_bytes = size_t{1} << 20;
   // Which endpoints get UCP_ERR_HANDLING_MODE_PEER (UCX itself reports a dead peer and fails
   // the transfers to it). UCX 1.13's shared-memory transports cannot do that: with it, daemons
-  // on one host talk over TCP loopback. kAuto (the default): peers on this host (same boot id
-  // and namespaces, ucx_address.h) get endpoints without it, so shared memory (sysv, posix)
-  // carries their bytes; remote peers keep it. A dead same-host peer is then found by the
-  // daemons' heartbeats (the coordinator aborts the group), and the abort finishes its
-  // transfers (abort_grace). kPeer: every endpoint has it; kNone: none has. Except with kPeer,
-  // CMA is left out (UCX_TLS=^cma) unless UCX_TLS or ucx_config["TLS"] picks the transports:
-  // UCX 1.13 aborts the whole process when a CMA read finds the peer of such an endpoint dead.
+  // on one host talk over TCP loopback. kAuto (the default) and kPeer: every endpoint has it.
+  // kAuto gave same-host peers (same boot id and namespaces, ucx_address.h) endpoints without
+  // it, over shared memory (sysv, posix), until issue 27: a daemon killed between claiming a
+  // slot of a peer's shared-memory receive FIFO and publishing it (UCX's mm transport) leaves
+  // that FIFO stuck at the slot for good, so the peer receives nothing more from anyone, epoch
+  // after epoch; a killed TCP sender only closes its connection. Large same-host messages keep
+  // a single copy (same_host_copy_min_bytes). kNone: no endpoint has it, so same-host peers use
+  // shared memory (with that risk); a dead same-host peer is then found by the daemons'
+  // heartbeats (the coordinator aborts the group), and the abort finishes its transfers
+  // (abort_grace). Except with kPeer, CMA is left out (UCX_TLS=^cma) unless UCX_TLS or
+  // ucx_config["TLS"] picks the transports: UCX 1.13 aborts the whole process when a CMA read
+  // finds the peer of an endpoint without peer error handling dead. Both ends of an endpoint
+  // must agree (UCX refuses "asymmetric endpoint configuration"): every daemon of a host needs
+  // the same mode.
   enum class ErrorHandling { kAuto, kPeer, kNone };
   ErrorHandling error_handling = ErrorHandling::kAuto;
   // Abort finishes every transfer of the group: receives not yet moving data are cancelled
@@ -87,8 +94,9 @@ struct UcxBackendOptions {
   // (server/group/daemon_agreement.h).
   bool hierarchical = true;
   // Messages of at least this many bytes to a daemon on this host (same host identity,
-  // ucx_address.h) skip UCX's two shared-memory copies: the receiver reads them straight out
-  // of the sender's buffer with process_vm_readv (same_host_copy.h), in chunks of
+  // ucx_address.h) skip UCX (TCP loopback, or two shared-memory copies with kNone): the
+  // receiver reads them straight out of the sender's buffer with process_vm_readv
+  // (same_host_copy.h), in chunks of
   // `same_host_copy_chunk_bytes` so that an abort stops it. A dead peer fails that op with a
   // named error, never the process. 0: off (a daemon flag, --ucx_same_host_copy=false);
   // values below 64 KiB act as 64 KiB (kMinCopyBytes).

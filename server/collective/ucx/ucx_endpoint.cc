@@ -6,10 +6,10 @@
 namespace flatshard::collective::ucx {
 
 bool WantsPeerErrorHandling(UcxBackendOptions::ErrorHandling mode, const UcxPeerAddress& peer,
-                            absl::string_view local_host) {
+                            absl::string_view local_host, bool same_host_shared_memory) {
   using Mode = UcxBackendOptions::ErrorHandling;
   const bool same_host = !peer.host.empty() && peer.host == local_host;
-  return mode == Mode::kPeer || (mode == Mode::kAuto && !same_host);
+  return mode == Mode::kPeer || (mode == Mode::kAuto && (!same_host || !same_host_shared_memory));
 }
 
 std::map<std::string, std::string> WithEndpointTransports(

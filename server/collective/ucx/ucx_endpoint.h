@@ -15,9 +15,13 @@
 namespace flatshard::collective::ucx {
 
 // Whether the endpoint to `peer` gets UCP_ERR_HANDLING_MODE_PEER: every one with kPeer, none
-// with kNone, those to other hosts than `local_host` with kAuto.
+// with kNone; with kAuto those to other hosts than `local_host`, and those to this host too
+// unless `same_host_shared_memory`. The collective backend passes false (issue 27): a daemon
+// killed while it writes into a peer's UCX shared-memory receive queue (UCX 1.13's mm FIFO:
+// a slot claimed, never published) wedges that queue for good, for every sender, so the peer
+// never receives anything again; over TCP loopback a killed sender only closes its connection.
 bool WantsPeerErrorHandling(UcxBackendOptions::ErrorHandling mode, const UcxPeerAddress& peer,
-                            absl::string_view local_host);
+                            absl::string_view local_host, bool same_host_shared_memory = true);
 
 // `settings` (UCX keys without the prefix) with CMA left out where endpoints without peer
 // error handling may exist and neither `settings` nor the environment picks the transports:

@@ -263,7 +263,8 @@ absl::StatusOr<std::shared_ptr<Peer>> Worker::PeerFor(const std::string& address
   auto peer = std::make_shared<Peer>();
   peer->worker = this;
   peer->address = address;
-  peer->error_handling = WantsPeerErrorHandling(options_.error_handling, decoded, host_);
+  peer->error_handling = WantsPeerErrorHandling(options_.error_handling, decoded, host_,
+                                                /*same_host_shared_memory=*/false);
   peer->same_host = !decoded.host.empty() && decoded.host == host_;
   const ucp_ep_params_t p =
       EndpointParams(decoded, peer->error_handling, &Worker::EndpointError, peer.get());
