@@ -76,8 +76,7 @@ INSTANTIATE_TEST_SUITE_P(ThreeNodes, BackendConformanceTest,
                          ConformanceName);
 // Pipelined: chunks of different phases in flight in one step.
 INSTANTIATE_TEST_SUITE_P(PairsChunked, BackendConformanceTest,
-                         Combine(Values(&kPairsChunked), Values(4, 6, 8),
-                                 ValuesIn(AllShardSizes())),
+                         Combine(Values(&kPairsChunked), Values(4, 6), ValuesIn(AllShardSizes())),
                          ConformanceName);
 INSTANTIATE_TEST_SUITE_P(ThreeNodesChunked, BackendConformanceTest,
                          Combine(Values(&kThreeNodesChunked), Values(6), ValuesIn(AllShardSizes())),
