@@ -1,5 +1,6 @@
 #include "server/collective/hierarchical_algorithms.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <utility>
@@ -70,102 +71,137 @@ bool RunsHierarchically(const OpDescriptor& desc) {
          (desc.kind == CollectiveKind::kAllGather || desc.kind == CollectiveKind::kReduceScatter);
 }
 
+namespace {
+
+// The pipeline's chunk for shard bytes S: a multiple of 8 (so of every item size), at least 8,
+// at most S, and large enough that the sub-tags of every chunk stay below kIntraSub.
+size_t ChunkFor(size_t requested, size_t shard_bytes, int nodes) {
+  const size_t fit = shard_bytes / (kIntraSub / static_cast<size_t>(nodes)) + 1;
+  size_t chunk = std::max(std::max<size_t>(requested, fit), size_t{8});
+  chunk = (chunk + 7) / 8 * 8;
+  return std::max<size_t>(std::min(chunk, shard_bytes), 1);
+}
+
+}  // namespace
+
 HierarchicalSteps::HierarchicalSteps(const NodeLayout& layout, int rank, const OpCall& call,
-                                     ScratchPool& pool)
+                                     ScratchPool& pool, size_t chunk_bytes)
     : layout_(layout),
       rank_(rank),
       node_(layout.node_of[rank]),
       index_(layout.index_of[rank]),
       call_(call),
-      pool_(pool) {}
+      pool_(pool),
+      chunk_(ChunkFor(chunk_bytes, call.desc.bytes, layout.nodes)),
+      chunks_(static_cast<int>((call.desc.bytes + chunk_ - 1) / chunk_)),
+      slots_(std::min(layout.nodes, chunks_)),
+      slot_bytes_(static_cast<size_t>(layout.nodes) * layout.per_node * chunk_) {}
 
-bool HierarchicalSteps::Build(int s, std::vector<Xfer>* xfers) {
-  return call_.desc.kind == CollectiveKind::kAllGather ? BuildAllGather(s, xfers)
-                                                       : BuildReduceScatter(s, xfers);
+uint32_t HierarchicalSteps::RingSub(int c, int p) const {
+  return static_cast<uint32_t>(c) * static_cast<uint32_t>(layout_.nodes) + static_cast<uint32_t>(p);
 }
 
-bool HierarchicalSteps::BuildAllGather(int s, std::vector<Xfer>* xfers) {
-  const int n = layout_.nodes;
-  const size_t bytes = call_.desc.bytes;
-  if (s == 0 && call_.in.begin() != OutBlock(rank_)) {
-    std::memcpy(OutBlock(rank_), call_.in.begin(), bytes);
+uint32_t HierarchicalSteps::IntraSub(int c, int m) const { return kIntraSub | RingSub(c, m); }
+
+bool HierarchicalSteps::Build(int s, std::vector<Xfer>* xfers) {
+  const bool ag = call_.desc.kind == CollectiveKind::kAllGather;
+  if (s == 0) {
+    if (ag && call_.in.begin() != OutBlock(rank_)) {
+      std::memcpy(OutBlock(rank_), call_.in.begin(), call_.desc.bytes);
+    }
+    if (!ag) scratch_ = pool_.Acquire(static_cast<size_t>(slots_) * slot_bytes_);
   }
-  if (s < n - 1) {  // the column ring across nodes, straight in `out`
-    const int next = layout_.Rank(Mod(node_ + 1, n), index_);
-    const int prev = layout_.Rank(Mod(node_ - 1, n), index_);
-    const uint32_t sub = static_cast<uint32_t>(s);
-    xfers->push_back(Send(next, sub, OutBlock(layout_.Rank(Mod(node_ - s, n), index_)), bytes));
-    xfers->push_back(Recv(prev, sub, OutBlock(layout_.Rank(Mod(node_ - s - 1, n), index_)), bytes));
-    return true;
-  }
-  if (s > n - 1) return false;
-  // The node's other ranks get this column's blocks (no copy where they share `out`).
-  for (int j = 0; j < layout_.per_node; ++j) {
-    if (j == index_) continue;
-    const int peer = layout_.Rank(node_, j);
-    for (int m = 0; m < n; ++m) {
-      const uint32_t sub = kIntraSub | static_cast<uint32_t>(m);
-      xfers->push_back(Send(peer, sub, OutBlock(layout_.Rank(m, index_)), bytes));
-      xfers->push_back(Recv(peer, sub, OutBlock(layout_.Rank(m, j)), bytes));
+  if (FirstChunk(s) > LastChunk(s)) return false;
+  for (int c = FirstChunk(s); c <= LastChunk(s); ++c) {
+    if (ag) {
+      BuildAllGather(c, s - c, xfers);
+    } else {
+      BuildReduceScatter(c, s - c, xfers);
     }
   }
   return true;
 }
 
-bool HierarchicalSteps::BuildReduceScatter(int s, std::vector<Xfer>* xfers) {
+void HierarchicalSteps::BuildAllGather(int c, int p, std::vector<Xfer>* xfers) {
   const int n = layout_.nodes;
-  const size_t bytes = call_.desc.bytes;
-  if (s == 0) {
-    scratch_ = pool_.Acquire(static_cast<size_t>(n) * layout_.per_node * bytes);
-    // Every other local rank gets its column's blocks of this rank's input.
+  const size_t off = ChunkOffset(c), len = ChunkLen(c);
+  if (p < n - 1) {  // the column ring across nodes, straight in `out`
+    const int next = layout_.Rank(Mod(node_ + 1, n), index_);
+    const int prev = layout_.Rank(Mod(node_ - 1, n), index_);
+    xfers->push_back(
+        Send(next, RingSub(c, p), OutBlock(layout_.Rank(Mod(node_ - p, n), index_)) + off, len));
+    xfers->push_back(Recv(prev, RingSub(c, p),
+                          OutBlock(layout_.Rank(Mod(node_ - p - 1, n), index_)) + off, len));
+    return;
+  }
+  // The node's other ranks get this column's chunks (no copy where they share `out`).
+  for (int j = 0; j < layout_.per_node; ++j) {
+    if (j == index_) continue;
+    const int peer = layout_.Rank(node_, j);
+    for (int m = 0; m < n; ++m) {
+      xfers->push_back(Send(peer, IntraSub(c, m), OutBlock(layout_.Rank(m, index_)) + off, len));
+      xfers->push_back(Recv(peer, IntraSub(c, m), OutBlock(layout_.Rank(m, j)) + off, len));
+    }
+  }
+}
+
+void HierarchicalSteps::BuildReduceScatter(int c, int p, std::vector<Xfer>* xfers) {
+  const int n = layout_.nodes;
+  const size_t off = ChunkOffset(c), len = ChunkLen(c);
+  if (p == 0) {
+    // Every other local rank gets its column's chunks of this rank's input.
     for (int j = 0; j < layout_.per_node; ++j) {
       if (j == index_) continue;
       const int peer = layout_.Rank(node_, j);
       const int k = j < index_ ? j : j - 1;
       for (int m = 0; m < n; ++m) {
-        const uint32_t sub = kIntraSub | static_cast<uint32_t>(m);
-        xfers->push_back(Send(peer, sub, InBlock(layout_.Rank(m, j)), bytes));
-        xfers->push_back(Recv(peer, sub, Received(k, m), bytes));
+        xfers->push_back(Send(peer, IntraSub(c, m), InBlock(layout_.Rank(m, j)) + off, len));
+        xfers->push_back(Recv(peer, IntraSub(c, m), Received(c, k, m), len));
       }
     }
-    return true;
+    return;
   }
-  const int t = s - 1;  // column ring step, as the flat ring over the N node partials
-  if (t >= n - 1) return false;
+  const int t = p - 1;  // column ring step, as the flat ring over the N node partials
   const int next = layout_.Rank(Mod(node_ + 1, n), index_);
   const int prev = layout_.Rank(Mod(node_ - 1, n), index_);
-  const uint32_t sub = static_cast<uint32_t>(t);
-  xfers->push_back(Send(next, sub, t == 0 ? Partial(Mod(node_ - 1, n)) : RingSend(), bytes));
-  xfers->push_back(Recv(prev, sub, RingRecv(), bytes));
-  return true;
+  xfers->push_back(
+      Send(next, RingSub(c, t), t == 0 ? Partial(c, Mod(node_ - 1, n)) : RingSend(c), len));
+  xfers->push_back(Recv(prev, RingSub(c, t), RingRecv(c), len));
 }
 
 void HierarchicalSteps::After(int s) {
   if (call_.desc.kind != CollectiveKind::kReduceScatter) return;
+  for (int c = FirstChunk(s); c <= LastChunk(s); ++c) AfterReduceScatter(c, s - c);
+  if (s == chunks_ + layout_.nodes - 2) {
+    scratch_ = ScratchPool::Scratch();  // back to the pool for the next op
+  }
+}
+
+void HierarchicalSteps::AfterReduceScatter(int c, int p) {
   const OpDescriptor& d = call_.desc;
-  const size_t count = d.bytes / ItemSize(d.dtype);
+  const size_t off = ChunkOffset(c);
+  const size_t count = ChunkLen(c) / ItemSize(d.dtype);
   const int n = layout_.nodes;
-  if (s == 0) {
+  if (p == 0) {
     // Node partials of this column, summed over the node's ranks by local index.
     std::vector<const void*> srcs(layout_.per_node);
     for (int m = 0; m < n; ++m) {
       for (int j = 0; j < layout_.per_node; ++j) {
-        srcs[j] = j == index_ ? static_cast<const void*>(InBlock(layout_.Rank(m, index_)))
-                              : Received(j < index_ ? j : j - 1, m);
+        srcs[j] = j == index_ ? static_cast<const void*>(InBlock(layout_.Rank(m, index_)) + off)
+                              : Received(c, j < index_ ? j : j - 1, m);
       }
-      ReduceInto(d.dtype, srcs, Partial(m), count, ReduceOp::kSum, 1);
+      ReduceInto(d.dtype, srcs, Partial(c, m), count, ReduceOp::kSum, 1);
     }
     return;
   }
-  const int t = s - 1;
+  const int t = p - 1;
   const int block = Mod(node_ - t - 2, n);
-  const void* srcs[2] = {RingRecv(), Partial(block)};
+  const void* srcs[2] = {RingRecv(c), Partial(c, block)};
   if (t < n - 2) {
-    ReduceInto(d.dtype, srcs, RingSend(), count, ReduceOp::kSum, 1);
+    ReduceInto(d.dtype, srcs, RingSend(c), count, ReduceOp::kSum, 1);
   } else {
-    ReduceInto(d.dtype, srcs, call_.out.data, count, d.reduce_op,
+    ReduceInto(d.dtype, srcs, call_.out.begin() + off, count, d.reduce_op,
                static_cast<int>(layout_.node_of.size()));
-    scratch_ = ScratchPool::Scratch();  // back to the pool for the next op
   }
 }
 

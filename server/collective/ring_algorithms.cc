@@ -3,14 +3,17 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/any_invocable.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
@@ -31,6 +34,50 @@ constexpr uint32_t kFingerprintSub = 0x80000000u;
 int Mod(int a, int n) { return ((a % n) + n) % n; }
 
 class RingCore;
+
+// One thread that runs the local work of steps in order (ring_algorithms.h). Started on first
+// use; the thread owns the queue, so the runner's owner may go away (even on that thread)
+// while it drains: it ends once stopped and empty.
+class StepRunner {
+ public:
+  StepRunner() : state_(std::make_shared<State>()) {}
+  ~StepRunner() {
+    absl::MutexLock lock(&state_->mu);
+    state_->stop = true;
+  }
+  void Post(absl::AnyInvocable<void() &&> fn) {
+    absl::MutexLock lock(&state_->mu);
+    state_->queue.push_back(std::move(fn));
+    if (state_->started) return;
+    state_->started = true;
+    std::thread([state = state_] { Loop(*state); }).detach();
+  }
+
+ private:
+  struct State {
+    absl::Mutex mu;
+    std::deque<absl::AnyInvocable<void() &&>> queue ABSL_GUARDED_BY(mu);
+    bool started ABSL_GUARDED_BY(mu) = false;
+    bool stop ABSL_GUARDED_BY(mu) = false;
+  };
+  static void Loop(State& s) {
+    while (true) {
+      absl::AnyInvocable<void() &&> fn;
+      {
+        absl::MutexLock lock(&s.mu);
+        s.mu.Await(absl::Condition(
+            +[](State* st)
+                 ABSL_EXCLUSIVE_LOCKS_REQUIRED(st->mu) { return st->stop || !st->queue.empty(); },
+            &s));
+        if (s.queue.empty()) return;
+        fn = std::move(s.queue.front());
+        s.queue.pop_front();
+      }
+      std::move(fn)();
+    }
+  }
+  const std::shared_ptr<State> state_;
+};
 
 // One local rank's part of one op: a small state machine that runs step after step. Steps
 // are sequential, so the step fields are only touched by whichever thread drives the current
@@ -73,6 +120,10 @@ class RankOp : public std::enable_shared_from_this<RankOp> {
   void OnXferDone(const Xfer& x, absl::Status status);
   // The step's transfers are done: check, post-process, advance. Returns whether to go on.
   bool CompleteStep();
+  // Whether the step's local work is the step runner's (a reduction), and this is not it.
+  bool RunsElsewhere() const;
+  // Completes the step and drives on, on the step runner.
+  void ContinueOnRunner();
 
   int AlgorithmStep() const { return step_ - (fingerprints_ ? 1 : 0); }
   uint8_t* OutBlock(int b) const { return call_.out.begin() + b * call_.desc.bytes; }
@@ -133,6 +184,8 @@ class RingCore : public std::enable_shared_from_this<RingCore> {
   // Null: the flat ring runs every op.
   const NodeLayout* layout() const { return layout_ ? &*layout_ : nullptr; }
   ScratchPool& scratch() { return *options_.scratch; }
+  size_t hierarchical_chunk_bytes() const { return options_.hierarchical_chunk_bytes; }
+  StepRunner& runner() { return runner_; }
 
   void Start(int rank, OpCall call, const OpOptions& o, DoneCallback done);
   // `quiet`: no warning unless ops were in flight (the communicator is being destroyed).
@@ -150,6 +203,7 @@ class RingCore : public std::enable_shared_from_this<RingCore> {
   const std::shared_ptr<Transport> transport_;
   RingOptions options_;
   const std::optional<NodeLayout> layout_;
+  StepRunner runner_;
 
   mutable absl::Mutex mu_;
   absl::Status sticky_ ABSL_GUARDED_BY(mu_);
@@ -176,7 +230,7 @@ RankOp::RankOp(std::shared_ptr<RingCore> core, int rank, int world, OpCall call,
       got_(world, false) {
   got_[rank] = true;
   if (const NodeLayout* layout = core_->layout(); layout && RunsHierarchically(call_.desc)) {
-    hier_.emplace(*layout, rank, call_, core_->scratch());
+    hier_.emplace(*layout, rank, call_, core_->scratch(), core_->hierarchical_chunk_bytes());
   }
   mine_ = EncodeDescriptor(op_seq_, call_.desc);
   theirs_.resize(world);
@@ -371,8 +425,25 @@ void RankOp::Drive() {
       }
     }
     if (outstanding_.fetch_sub(1) != 1) return;  // the last transfer callback continues
+    if (RunsElsewhere()) return ContinueOnRunner();
     if (!CompleteStep()) return;
   }
+}
+
+// The thread on which the runner's work runs (null elsewhere).
+thread_local const StepRunner* t_runner = nullptr;
+
+bool RankOp::RunsElsewhere() const {
+  return call_.desc.kind == CollectiveKind::kReduceScatter && !(fingerprints_ && step_ == 0) &&
+         t_runner != &core_->runner();
+}
+
+void RankOp::ContinueOnRunner() {
+  core_->runner().Post([self = shared_from_this()] {
+    t_runner = &self->core().runner();
+    if (self->CompleteStep()) self->Drive();
+    t_runner = nullptr;
+  });
 }
 
 void RankOp::OnXferDone(const Xfer& x, absl::Status status) {
@@ -382,6 +453,7 @@ void RankOp::OnXferDone(const Xfer& x, absl::Status status) {
     if (status.ok() && x.fingerprint) got_[x.peer] = true;
   }
   if (outstanding_.fetch_sub(1) != 1) return;
+  if (RunsElsewhere()) return ContinueOnRunner();
   if (CompleteStep()) Drive();
 }
 

@@ -23,7 +23,10 @@
 //    intra-node part by copies, each node's bytes over the network once; its sum order).
 //    Reduce-scatter scratch comes from a ScratchPool (scratch_pool.h), reused across ops.
 // Each step waits for its sends and receives before the next starts; any failure aborts the
-// communicator (sticky) and with it the Transport.
+// communicator (sticky) and with it the Transport. A reduce-scatter step's local work (its
+// reduction, then posting the next step) runs on a thread of the communicator's own, not on
+// the thread that completed the transfer: a transport's progress thread (UCX) keeps moving
+// the other ranks' and chunks' bytes meanwhile.
 //
 // Thread safety: the returned Communicator is thread-safe and follows the contract in
 // backend.h. Callbacks run on whatever thread completes the last transfer of an op (for
@@ -59,6 +62,9 @@ struct RingOptions {
   std::vector<int> node_of_rank;
   // Reused scratch; null: the communicator makes its own (on `timer`).
   std::shared_ptr<ScratchPool> scratch;
+  // The hierarchical algorithms' pipeline chunk (hierarchical_algorithms.h); the same on
+  // every daemon of the group.
+  size_t hierarchical_chunk_bytes = size_t{4} << 20;
 };
 
 // A Communicator for `group`'s local ranks over `transport`, which the communicator aborts

@@ -4,9 +4,20 @@
 // a command run in a node with UCX on its link only, and Open MPI's launch over the links.
 // Header-only; needs root (as EmulatedLinks).
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -74,6 +85,94 @@ inline absl::StatusOr<std::string> StartDaemonOnNode(BenchDaemon& d, const std::
         st.code(), absl::StrCat("daemon ", index, " (emulated node ", index, "): ", st.message()));
   }
   return peer;
+}
+
+// Plain TCP streams, as iperf measures a link: for each (from, to) of `pairs` at once, `bytes`
+// of `src` over one TCP connection from a thread in node `from` to a thread in node `to`
+// (setns changes the calling thread's namespace only), received into fresh memory (page
+// faults included, as a fresh segment has them); without `links`, one stream over loopback.
+// `window` > 0: `src` holds `window` bytes, sent again and again, and each receiver reuses a
+// buffer of that size (as iperf: the link's rate, not memory's). The milliseconds until the
+// last stream ended, or -1 when one failed.
+inline double TcpStreamsMs(const testing::EmulatedLinks* links,
+                           const std::vector<std::pair<int, int>>& pairs, const char* src,
+                           int64_t bytes, int64_t window = 0) {
+  if (window <= 0 || window > bytes) window = bytes;
+  const size_t n = links != nullptr ? pairs.size() : 1;
+  std::vector<sockaddr_in> addr(n);
+  std::vector<std::promise<int>> listening(n);  // the port, or -1
+  std::vector<int64_t> got(n, 0);
+  std::vector<int> lfds(n, -1);  // set before `listening`
+  std::vector<std::thread> threads;
+  auto enter = [links](int node) {
+    return links == nullptr || ::setns(links->fd(node), CLONE_NEWNET) == 0;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    addr[i].sin_family = AF_INET;
+    addr[i].sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (links != nullptr) {
+      ::inet_pton(AF_INET, testing::EmulatedLinks::address(pairs[i].second).c_str(),
+                  &addr[i].sin_addr);
+    }
+    threads.emplace_back([&, i] {
+      char* dst = static_cast<char*>(
+          ::mmap(nullptr, window, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+      const int lfd = dst == MAP_FAILED || !enter(links ? pairs[i].second : 0)
+                          ? -1
+                          : ::socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in bound = addr[i];
+      socklen_t len = sizeof(bound);
+      if (lfd < 0 || ::bind(lfd, reinterpret_cast<sockaddr*>(&bound), sizeof(bound)) != 0 ||
+          ::getsockname(lfd, reinterpret_cast<sockaddr*>(&bound), &len) != 0 ||
+          ::listen(lfd, 1) != 0) {
+        if (lfd >= 0) ::close(lfd);
+        if (dst != MAP_FAILED) ::munmap(dst, window);
+        listening[i].set_value(-1);
+        return;
+      }
+      lfds[i] = lfd;
+      listening[i].set_value(ntohs(bound.sin_port));
+      const int cfd = ::accept(lfd, nullptr, nullptr);
+      while (cfd >= 0 && got[i] < bytes) {
+        const int64_t at = got[i] % window;
+        const ssize_t r =
+            ::recv(cfd, dst + at, static_cast<size_t>(std::min(bytes - got[i], window - at)), 0);
+        if (r <= 0) break;
+        got[i] += r;
+      }
+      if (cfd >= 0) ::close(cfd);
+      ::close(lfd);
+      ::munmap(dst, window);
+    });
+  }
+  std::vector<int> ports(n);
+  for (size_t i = 0; i < n; ++i) ports[i] = listening[i].get_future().get();
+  const Clock::time_point t0 = Clock::now();
+  for (size_t i = 0; i < n; ++i) {
+    if (ports[i] <= 0) continue;
+    addr[i].sin_port = htons(static_cast<uint16_t>(ports[i]));
+    threads.emplace_back([&, i] {
+      const int fd = enter(links ? pairs[i].first : 0) ? ::socket(AF_INET, SOCK_STREAM, 0) : -1;
+      if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&addr[i]), sizeof(addr[i])) == 0) {
+        for (int64_t off = 0; off < bytes;) {
+          const int64_t at = off % window;
+          const ssize_t w = ::send(
+              fd, src + at, static_cast<size_t>(std::min(bytes - off, window - at)), MSG_NOSIGNAL);
+          if (w <= 0) break;
+          off += w;
+        }
+      } else {
+        ::shutdown(lfds[i], SHUT_RDWR);  // never connected: the receiver's accept returns
+      }
+      if (fd >= 0) ::close(fd);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  const double ms = MicrosSince(t0, Clock::now()) / 1000;
+  for (size_t i = 0; i < n; ++i) {
+    if (got[i] != bytes) return -1;
+  }
+  return ms;
 }
 
 // Open MPI over the links: mpirun runs in node 0's namespace with a hostfile of the nodes'

@@ -1273,6 +1273,31 @@ absl::Status Run() {
       }
     } unregister{links.get()};
     if (links != nullptr) std::printf("\n# links: %s\n", links->Describe().c_str());
+    // What the links carry without flatshard: one TCP stream per node to the next at once
+    // (each link one out, one in, as a ring step), (d-1)/d of the unit each; median of 3.
+    double tcp_us = 0;
+    if (links != nullptr) {
+      const int64_t per_link = bytes / d * (d - 1);
+      const int64_t window = std::min<int64_t>(per_link, int64_t{64} << 20);
+      std::vector<char> src(static_cast<size_t>(window), 1);
+      std::vector<std::pair<int, int>> pairs;
+      for (int i = 0; i < d; ++i) pairs.emplace_back(i, (i + 1) % d);
+      std::vector<double> runs;
+      for (int k = 0; k < 3; ++k) {
+        runs.push_back(bench::TcpStreamsMs(links.get(), pairs, src.data(), per_link, window) * 1e3);
+      }
+      tcp_us = *std::min_element(runs.begin(), runs.end()) < 0 ? 0 : Median(runs);
+      if (tcp_us == 0)
+        fail(absl::StrCat("plain TCP n=", d), absl::InternalError("a stream failed"));
+      std::printf(
+          "# plain TCP, %d streams (node i -> i+1), %" PRId64 " bytes each: %s ms%s\n", d, per_link,
+          Millis(runs).c_str(),
+          tcp_us > 0 && links->rate_bits_per_s() > 0
+              ? absl::StrFormat(" (median %.0f%% of line rate)",
+                                100 * per_link * 8 / links->rate_bits_per_s() / (tcp_us / 1e6))
+                    .c_str()
+              : "");
+    }
     for (int rpn : rpns) {
       for (const std::string& op : ops) {
         const bool ag = op == "allgather";
@@ -1315,6 +1340,11 @@ absl::Status Run() {
           PrintRow(world, "line rate", size, line_us, bus, 0,
                    absl::StrCat("(d-1)/d of the unit over one ", link_rate, " link"));
         }
+        if (tcp_us > 0) {
+          PrintRow(world, "plain TCP", size, tcp_us, bus, 0,
+                   absl::StrFormat("one stream per link, as iperf; %.0f%% of line rate",
+                                   100 * line_us / tcp_us));
+        }
         if (absl::GetFlag(FLAGS_skip_flatshard)) continue;
         absl::StatusOr<FlatshardResult> f =
             RunFlatshard(d, row_numel, false, iters, warmup, ucx_env, tag_base, dir, timeout, rpn,
@@ -1333,6 +1363,9 @@ absl::Status Run() {
         if (line_us > 0) {
           absl::StrAppend(&verdict, absl::StrFormat("; %.0f%% of line rate (target >= 90%%)",
                                                     100 * line_us / t));
+        }
+        if (tcp_us > 0) {
+          absl::StrAppend(&verdict, absl::StrFormat("; %.0f%% of plain TCP", 100 * tcp_us / t));
         }
         PrintRow(world, ag ? "flatshard Summon" : "flatshard ReduceScatter", size, t, bus, base,
                  absl::StrCat(ag ? "unshard, writeback=0; " : "Finish; ", verdict,
@@ -1373,9 +1406,10 @@ absl::Status Run() {
           bench::PrintFigure(absl::StrCat("allgather.n", d, ".summon_end"), t_end, "us");
         }
         summary.push_back(absl::StrFormat(
-            "%s flatshard size=%d time_us=%.1f ratio/MPI=%s%s", row, size, t,
+            "%s flatshard size=%d time_us=%.1f ratio/MPI=%s%s%s", row, size, t,
             base > 0 ? absl::StrFormat("%.3f", t / base) : "-",
-            line_us > 0 ? absl::StrFormat(" line_rate_fraction=%.3f", line_us / t) : ""));
+            line_us > 0 ? absl::StrFormat(" line_rate_fraction=%.3f", line_us / t) : "",
+            tcp_us > 0 ? absl::StrFormat(" plain_tcp_fraction=%.3f", tcp_us / t) : ""));
         std::fflush(stdout);
       }
     }

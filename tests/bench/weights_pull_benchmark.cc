@@ -85,68 +85,10 @@ using client::WeightsVersion;
 // The emulated nodes of --link_rate (null: loopback).
 const testing::EmulatedLinks* g_links = nullptr;
 
-// `bytes` over one plain TCP connection between two threads into fresh memory (page faults
-// included, as the pull's fresh segment has them): on loopback, or with g_links from node 0
-// to node 1 over the link (each thread enters its node: setns changes the calling thread's
-// namespace only). -1 on failure.
+// `bytes` over one plain TCP connection between two threads into fresh memory: on loopback, or
+// with g_links from node 0 to node 1 over the link. -1 on failure.
 double TcpMs(const char* src, int64_t bytes) {
-  sockaddr_in addr = {};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (g_links != nullptr) {
-    ::inet_pton(AF_INET, testing::EmulatedLinks::address(1).c_str(), &addr.sin_addr);
-  }
-  char* dst = static_cast<char*>(
-      ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
-  std::promise<int> listening;  // the port, or -1
-  int64_t got = 0;
-  std::thread receiver([&] {
-    if (g_links != nullptr && ::setns(g_links->fd(1), CLONE_NEWNET) != 0) {
-      listening.set_value(-1);
-      return;
-    }
-    sockaddr_in bound = addr;
-    socklen_t len = sizeof(bound);
-    const int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (::bind(lfd, reinterpret_cast<sockaddr*>(&bound), sizeof(bound)) != 0 ||
-        ::getsockname(lfd, reinterpret_cast<sockaddr*>(&bound), &len) != 0 ||
-        ::listen(lfd, 1) != 0) {
-      ::close(lfd);
-      listening.set_value(-1);
-      return;
-    }
-    listening.set_value(ntohs(bound.sin_port));
-    const int cfd = ::accept(lfd, nullptr, nullptr);
-    while (cfd >= 0 && got < bytes) {
-      const ssize_t n = ::recv(cfd, dst + got, static_cast<size_t>(bytes - got), 0);
-      if (n <= 0) break;
-      got += n;
-    }
-    if (cfd >= 0) ::close(cfd);
-    ::close(lfd);
-  });
-  const int port = listening.get_future().get();
-  const Clock::time_point t0 = Clock::now();
-  if (port > 0) {
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    std::thread sender([&] {
-      if (g_links != nullptr && ::setns(g_links->fd(0), CLONE_NEWNET) != 0) return;
-      const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-      if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
-        for (int64_t off = 0; off < bytes;) {
-          const ssize_t n = ::send(fd, src + off, static_cast<size_t>(bytes - off), MSG_NOSIGNAL);
-          if (n <= 0) break;
-          off += n;
-        }
-      }
-      ::close(fd);
-    });
-    sender.join();
-  }
-  receiver.join();
-  const double ms = MicrosSince(t0, Clock::now()) / 1000;
-  ::munmap(dst, bytes);
-  return got == bytes ? ms : -1;
+  return bench::TcpStreamsMs(g_links, {{0, 1}}, src, bytes);
 }
 
 // `argv` as one shell command line (each word single-quoted).

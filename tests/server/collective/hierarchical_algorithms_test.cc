@@ -1,7 +1,7 @@
 // Hierarchical AllGather and ReduceScatter (hierarchical_algorithms.h) run by the ring
 // communicator over InprocTransport: the conformance suites with ranks on 2-rank nodes
-// (contiguous and interleaved), the layouts that apply, the bytes that cross nodes, and the
-// documented order of float sums.
+// (contiguous and interleaved; pipelined in small chunks too), the layouts that apply, the
+// bytes that cross nodes, and the documented order of float sums.
 
 #include "server/collective/hierarchical_algorithms.h"
 
@@ -37,9 +37,15 @@ std::vector<int> Nodes(int world, int (*node)(int)) {
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<Communicator>> Connect(const GroupSpec& g, int (*node)(int)) {
+// A pipeline chunk that divides no shard size of the suites (1 element, 4097, 1 MiB), so
+// that every op runs many chunks, a short last one among them.
+constexpr size_t kSmallChunk = 4000;
+
+absl::StatusOr<std::unique_ptr<Communicator>> Connect(
+    const GroupSpec& g, int (*node)(int), size_t chunk = RingOptions{}.hierarchical_chunk_bytes) {
   RingOptions o;
   o.node_of_rank = Nodes(g.world_size, node);
+  o.hierarchical_chunk_bytes = chunk;
   return NewRingCommunicator(g, std::make_shared<InprocTransport>(g.world_size), o);
 }
 
@@ -53,6 +59,11 @@ const BackendUnderTest kTwoNodes{"HierarchicalTwoNodes",
                                  [](const GroupSpec& g) { return Connect(g, &TwoNodes); }};
 const BackendUnderTest kThreeNodes{"HierarchicalThreeNodes",
                                    [](const GroupSpec& g) { return Connect(g, &ThreeNodes); }};
+const BackendUnderTest kPairsChunked{
+    "HierarchicalPairsChunked", [](const GroupSpec& g) { return Connect(g, &Pairs, kSmallChunk); }};
+const BackendUnderTest kThreeNodesChunked{"HierarchicalThreeNodesChunked", [](const GroupSpec& g) {
+                                            return Connect(g, &ThreeNodes, kSmallChunk);
+                                          }};
 
 INSTANTIATE_TEST_SUITE_P(Pairs, BackendConformanceTest,
                          Combine(Values(&kPairs), Range(1, 9), ValuesIn(AllShardSizes())),
@@ -63,9 +74,16 @@ INSTANTIATE_TEST_SUITE_P(TwoNodes, BackendConformanceTest,
 INSTANTIATE_TEST_SUITE_P(ThreeNodes, BackendConformanceTest,
                          Combine(Values(&kThreeNodes), Values(6), ValuesIn(AllShardSizes())),
                          ConformanceName);
+// Pipelined: chunks of different phases in flight in one step.
+INSTANTIATE_TEST_SUITE_P(PairsChunked, BackendConformanceTest,
+                         Combine(Values(&kPairsChunked), Values(4, 6), ValuesIn(AllShardSizes())),
+                         ConformanceName);
+INSTANTIATE_TEST_SUITE_P(ThreeNodesChunked, BackendConformanceTest,
+                         Combine(Values(&kThreeNodesChunked), Values(6), ValuesIn(AllShardSizes())),
+                         ConformanceName);
 // World 4: two nodes of two ranks, so the failure contract is checked on the hierarchical path.
-INSTANTIATE_TEST_SUITE_P(Hierarchical, BackendFailureTest, Values(&kPairs, &kTwoNodes),
-                         FailureName);
+INSTANTIATE_TEST_SUITE_P(Hierarchical, BackendFailureTest,
+                         Values(&kPairs, &kTwoNodes, &kPairsChunked), FailureName);
 
 TEST(HierarchicalLayoutTest, NumbersNodesByLowestRankAndIndexesRanksAscending) {
   std::optional<NodeLayout> l = HierarchicalLayout(std::vector<int>{7, 3, 7, 3});
@@ -250,7 +268,8 @@ TEST(HierarchicalTrafficTest, AllReduceSendsEachNodesPartialOnce) {
 
 // ReduceScatter of values whose float32 sum depends on the order: the result is the one the
 // header documents (node partials by local index, folded over nodes m+1, ..., m-1, then m).
-void ExpectDocumentedSumOrder(const std::vector<int>& node_of) {
+void ExpectDocumentedSumOrder(const std::vector<int>& node_of,
+                              size_t chunk = RingOptions{}.hierarchical_chunk_bytes) {
   const int world = static_cast<int>(node_of.size());
   const NodeLayout l = HierarchicalLayout(node_of).value();
   constexpr size_t kShard = 64;
@@ -266,6 +285,7 @@ void ExpectDocumentedSumOrder(const std::vector<int>& node_of) {
   std::vector<std::vector<float>> out(world, std::vector<float>(kShard));
   RingOptions o;
   o.node_of_rank = node_of;
+  o.hierarchical_chunk_bytes = chunk;
   auto comm = NewRingCommunicator(GroupSpec::AllLocal("g", world),
                                   std::make_shared<InprocTransport>(world), o)
                   .value();
@@ -296,6 +316,11 @@ TEST(HierarchicalSumOrderTest, TwoNodesOfTwoRanks) { ExpectDocumentedSumOrder({0
 TEST(HierarchicalSumOrderTest, ThreeInterleavedNodesOfTwoRanks) {
   ExpectDocumentedSumOrder({0, 1, 2, 0, 1, 2});
 }
+// Chunks of 40 bytes (10 floats; 7 chunks, the last of 4 floats): the same order.
+TEST(HierarchicalSumOrderTest, PipelinedInChunks) {
+  ExpectDocumentedSumOrder({0, 0, 1, 1}, 40);
+  ExpectDocumentedSumOrder({0, 1, 2, 0, 1, 2}, 40);
+}
 
 TEST(HierarchicalScratchTest, ReduceScatterScratchGoesBackToThePool) {
   constexpr int kWorld = 4;
@@ -320,6 +345,30 @@ TEST(HierarchicalScratchTest, ReduceScatterScratchGoesBackToThePool) {
     // Each rank's W*S scratch is back; later ops reuse it instead of allocating more.
     EXPECT_EQ(o.scratch->idle_bytes(), kWorld * kWorld * kShard * 4) << "op " << op;
   }
+}
+
+TEST(HierarchicalScratchTest, PipelinedReduceScatterHoldsOneSlotPerChunkInFlight) {
+  constexpr int kWorld = 4;
+  constexpr size_t kShard = 256;  // floats: 16 chunks of 64 bytes
+  RingOptions o;
+  o.node_of_rank = {0, 0, 1, 1};
+  o.scratch = ScratchPool::Create(nullptr);
+  o.hierarchical_chunk_bytes = 64;
+  auto comm = NewRingCommunicator(GroupSpec::AllLocal("g", kWorld),
+                                  std::make_shared<InprocTransport>(kWorld), o)
+                  .value();
+  std::vector<std::vector<float>> in(kWorld, std::vector<float>(kShard * kWorld, 1.0f));
+  std::vector<std::vector<float>> out(kWorld, std::vector<float>(kShard));
+  RunRanks(kWorld, [&](int r) {
+    DoneRecorder done;
+    comm->ReduceScatter(ConstBuffer{in[r].data(), kShard * kWorld * 4, DType::kFloat32},
+                        MutableBuffer{out[r].data(), kShard * 4, DType::kFloat32}, ReduceOp::kSum,
+                        Opts(r, 1), done.Callback());
+    EXPECT_TRUE(done.Wait().ok()) << done.status();
+    EXPECT_THAT(out[r], ::testing::Each(4.0f));
+  });
+  // 2 nodes: 2 chunks in flight, each with W chunks of scratch, per rank.
+  EXPECT_EQ(o.scratch->idle_bytes(), kWorld * 2 * kWorld * 64);
 }
 
 }  // namespace
