@@ -733,6 +733,14 @@ absl::StatusOr<int> Publisher::Drop(const WeightsSelector& selector, int64_t uid
   return dropped;
 }
 
+std::shared_ptr<Buffer> Publisher::TakeSpare(const CopiedVersion& copy) {
+  std::shared_ptr<Buffer> spare =
+      spares_.Take(Key{copy.info.owner_uid, copy.info.name}, copy.layout.bytes,
+                   Version::GrantsOf(copy.reader_uids, copy.token, false));
+  Metrics().spare_bytes.WithLabels({}).Set(static_cast<double>(spares_.bytes()));
+  return spare;
+}
+
 void Publisher::Recycle(std::vector<std::shared_ptr<Version>>* freed) {
   for (std::shared_ptr<Version>& v : *freed) {
     // Only a segment nobody else holds (a file write in progress, a descriptor being built)
