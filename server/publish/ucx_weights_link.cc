@@ -423,9 +423,9 @@ absl::Status UcxWeightsLink::Get(const std::string& address, const std::string& 
     issued += n;
     return true;
   };
-  FS_VLOG(1) << "UCX weights link: gets of " << bytes << " bytes from " << source << " ("
-             << std::min(kGetChunk, bytes) << "-byte chunks, up to " << kGetsInFlight
-             << " in flight) start";
+  FS_VLOG(1) << "UCX weights link: a get of " << bytes << " bytes (" << kGetChunk
+             << "-byte chunks, up to " << kGetsInFlight << " in flight) from " << source
+             << " is in flight";
   ucs_status_t failed = UCS_OK;
   while (true) {
     // Keeps kGetsInFlight gets in flight while chunks remain and nothing failed.

@@ -259,6 +259,7 @@ absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetc
   request.set_length(length);
   request.set_ucx(ucx && ucx_ != nullptr && dst != nullptr && length > 0);
   grpc::ClientContext ctx;
+  const absl::Time asked = absl::Now();
   const absl::Time deadline =
       (f.deadline == absl::InfiniteFuture() ? absl::Now() : f.deadline) + kTransfer;
   ctx.set_deadline(absl::ToChronoTime(deadline));
@@ -283,6 +284,9 @@ absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetc
         // The source holds the version registered while the stream is open: read the range,
         // then end the call. A stream that ends first (the source died) abandons the get.
         over_ucx = true;
+        if (moved != nullptr) {
+          moved->source_ready = std::max(moved->source_ready, absl::Now() - asked);
+        }
         absl::Notification ended;
         std::thread watch([&] {
           v1::VersionChunk more;
@@ -340,6 +344,7 @@ absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetc
 absl::StatusOr<std::optional<CopiedVersion>> WeightsPeerClient::FetchVersion(
     const std::vector<std::string>& sources, const Fetch& fetch, Moved* moved) {
   if (sources.empty()) return absl::FailedPreconditionError("no source daemon to copy from");
+  const absl::Time asked = absl::Now();
   // The descriptor, from the first source that has it.
   Header header;
   size_t first = sources.size();
@@ -358,7 +363,7 @@ absl::StatusOr<std::optional<CopiedVersion>> WeightsPeerClient::FetchVersion(
     }
   }
   if (header.not_newer) return std::nullopt;
-  const absl::Time started = absl::Now();
+  const absl::Time described = absl::Now();
   CopiedVersion copy = std::move(header.meta);
   const int64_t bytes = copy.layout.bytes;
   std::shared_ptr<Buffer> spare = fetch.spare ? fetch.spare(copy) : nullptr;
@@ -393,6 +398,7 @@ absl::StatusOr<std::optional<CopiedVersion>> WeightsPeerClient::FetchVersion(
     }
   }
   const UcxWeightsLink::Registration* local = registered ? &*registered : nullptr;
+  const absl::Time ready = absl::Now();
   // Every source copies an equal range (from now on: this exact version number).
   Fetch pinned = fetch;
   if (pinned.seq == 0) {
@@ -434,19 +440,21 @@ absl::StatusOr<std::optional<CopiedVersion>> WeightsPeerClient::FetchVersion(
   for (auto& t : threads) t.join();
   if (prefault) prefault->Stop();
   registered.reset();  // before the buffer goes anywhere (sealed, freed)
-  FS_VLOG(1) << "copying " << VersionText(fetch) << ": " << bytes << " bytes from " << from.size()
-             << " source(s) into a " << (into_spare ? "spare" : "fresh") << " buffer in "
-             << absl::ToDoubleMilliseconds(absl::Now() - started) << " ms";
   Moved all;
   all.into_spare = into_spare;
+  all.descriptor = described - asked;
+  all.destination = ready - described;
+  all.transfer = absl::Now() - ready;
   for (const Moved& m : by_range) {
     all.ucx += m.ucx;
     all.grpc += m.grpc;
+    all.source_ready = std::max(all.source_ready, m.source_ready);
   }
   if (moved != nullptr) {
-    moved->ucx += all.ucx;
-    moved->grpc += all.grpc;
-    moved->into_spare = all.into_spare;
+    const int64_t ucx = moved->ucx + all.ucx, grpc = moved->grpc + all.grpc;
+    *moved = all;
+    moved->ucx = ucx;
+    moved->grpc = grpc;
   }
   for (const absl::Status& s : results) {
     if (!s.ok()) {

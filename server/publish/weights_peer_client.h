@@ -87,6 +87,10 @@ class WeightsPeerClient {
     int64_t ucx = 0;
     int64_t grpc = 0;
     bool into_spare = false;  // the bytes went into fetch.spare's buffer
+    // Where the time went (logged): the descriptor's round trip; the destination (allocated
+    // or the spare, registered with UCX); the longest wait of a range for its source's
+    // registration (rkey); the bytes (every range asked until the last arrived).
+    absl::Duration descriptor, destination, source_ready, transfer;
   };
   absl::StatusOr<std::optional<CopiedVersion>> FetchVersion(const std::vector<std::string>& sources,
                                                             const Fetch& fetch,

@@ -166,7 +166,12 @@ absl::Status WeightsPuller::Copy(const WeightsSelector& selector, int64_t owner,
                << added->bytes << " bytes: " << moved.ucx << " over UCX, " << moved.grpc
                << " over gRPC" << (moved.into_spare ? ", into the name's spare segment" : "")
                << ") from --weights_sources in " << absl::ToDoubleMilliseconds(absl::Now() - start)
-               << " ms";
+               << " ms (descriptor " << absl::ToDoubleMilliseconds(moved.descriptor)
+               << " ms, destination " << absl::ToDoubleMilliseconds(moved.destination)
+               << " ms, bytes " << absl::ToDoubleMilliseconds(moved.transfer)
+               << " ms, of which waiting for "
+               << "the sources' UCX registration " << absl::ToDoubleMilliseconds(moved.source_ready)
+               << " ms)";
   return absl::OkStatus();
 }
 
