@@ -11,7 +11,8 @@
 //     stalled as it sent the rkey): the range from the other source; with no other source
 //     the open fails UNAVAILABLE naming it, nothing kept, the reader's daemon still serving;
 //   - with --weights_keep=1, pulls from the third on land in the name's spare segment (the
-//     released version two before), element for element;
+//     released version two before), element for element; the group's other daemon copies
+//     the leader's version 4 into its spare too;
 //   - a bad --weights_transport: the daemon refuses to start, naming the flag.
 
 #include <sys/wait.h>
@@ -289,6 +290,18 @@ TEST(WeightsUcxPullTest, LaterPullsLandInTheNamesSpareSegmentElementForElement) 
   const std::map<std::string, double> m = ParseMetrics(x.Metrics());
   EXPECT_EQ(Value(m, "flatshard_weights_pulls_total{code=\"OK\"}"), kVersions);
   EXPECT_EQ(Value(m, kUcxBytes), static_cast<double>(kVersions * g.bytes));
+  // The group's other daemon (--weights_keep=2) copied the leader's version 4 into the
+  // segment of its version 1, and holds each version element for element.
+  EXPECT_EQ(Value(g.d1->Metrics(), "flatshard_weights_segment_reuses_total"), 1);
+  std::unique_ptr<WeightsReader> r1 = Reader(*g.d1);
+  ASSERT_NE(r1, nullptr);
+  for (int step = kVersions - 1; step <= kVersions; ++step) {
+    OpenWeightsOptions which;
+    which.version = static_cast<uint64_t>(step);
+    absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r1->Open("gpt", which);
+    ASSERT_TRUE(v.ok()) << "version " << step << " on the group's other daemon: " << v.status();
+    ExpectHolds(*g.t->plan, **v, step);
+  }
 }
 
 TEST(WeightsUcxPullTest, ABadTransportIsRefusedByName) {
