@@ -48,6 +48,7 @@ absl::StatusOr<CopiedVersion> DistributedPublish::FetchFromLeader(const LeaderVe
   f.name = which.name;
   f.owner_uid = which.owner_uid;
   f.deadline = which.deadline;
+  f.spare = which.spare;
   absl::StatusOr<std::optional<CopiedVersion>> copy = client_->FetchVersion({which.leader}, f);
   if (!copy.ok()) return copy.status();
   if (!copy->has_value()) return absl::InternalError("the leader answered \"not newer\"");

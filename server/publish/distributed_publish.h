@@ -19,6 +19,7 @@
 // Thread-safe.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,6 +62,8 @@ class DistributedPublish {
     std::string name;
     int64_t owner_uid = -1;
     absl::Time deadline;
+    // Where the bytes may land (WeightsPeerClient::Fetch::spare); null: a fresh buffer.
+    std::function<std::shared_ptr<Buffer>(const CopiedVersion&)> spare;
   };
   absl::StatusOr<CopiedVersion> FetchFromLeader(const LeaderVersion& which);
 

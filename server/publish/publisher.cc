@@ -419,11 +419,22 @@ void Publisher::Build(Job job) {
     // Not the leader: the version the leader built for this publish, copied here.
     // Not the leader: once the leader read this daemon's shards (pairing this batch with its
     // publish), the version it built for it, copied here.
+    // A host version lands in the name's spare segment when one fits, as a pull does.
+    std::function<std::shared_ptr<Buffer>(const CopiedVersion&)> spare;
+    bool reused = false;
+    if (job.args.device < 0) {
+      spare = [this, &reused](const CopiedVersion& c) {
+        std::shared_ptr<Buffer> b = TakeSpare(c);
+        reused = b != nullptr;
+        return b;
+      };
+    }
     absl::StatusOr<CopiedVersion> copy = options_.distributed->FetchFromLeader(
         {job.leader, job.args.caller.group, job.token, job.args.module, job.seq, job.args.name,
-         job.owner_uid, job.args.deadline});
+         job.owner_uid, job.args.deadline, std::move(spare)});
     // The leader got this daemon's refusal when it read its shards: it cannot have built it.
     if (copy.ok() && !job.refusal.ok()) copy = job.refusal;
+    if (copy.ok() && reused) Metrics().reused.WithLabels({}).Increment();
     if (copy.ok() && job.args.device >= 0) {  // each daemon uploads to its own GPU
       absl::StatusOr<std::shared_ptr<Buffer>> device =
           ToDevice(*copy->buffer, job.args, copy->info.owner_uid, copy->info.group);
@@ -731,6 +742,14 @@ absl::StatusOr<int> Publisher::Drop(const WeightsSelector& selector, int64_t uid
   FS_LOG(INFO) << "dropped " << dropped << " version(s) of weights " << Quoted(selector.name)
                << " (by " << OwnerText(uid) << ")";
   return dropped;
+}
+
+std::shared_ptr<Buffer> Publisher::TakeSpare(const CopiedVersion& copy) {
+  std::shared_ptr<Buffer> spare =
+      spares_.Take(Key{copy.info.owner_uid, copy.info.name}, copy.layout.bytes,
+                   Version::GrantsOf(copy.reader_uids, copy.token, false));
+  Metrics().spare_bytes.WithLabels({}).Set(static_cast<double>(spares_.bytes()));
+  return spare;
 }
 
 void Publisher::Recycle(std::vector<std::shared_ptr<Version>>* freed) {

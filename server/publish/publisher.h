@@ -250,6 +250,9 @@ class Publisher {
   // dropped). Returns what is in the table. UNAVAILABLE after Shutdown. Not written to the
   // state directory here (the caller answers its readers first, then StoreNewest).
   absl::StatusOr<WeightsInfo> AddCopy(CopiedVersion copy);
+  // The spare segment of `copy`'s name when it fits its size and grants (spare_segments.h),
+  // for the copy's bytes to land in; null otherwise.
+  std::shared_ptr<Buffer> TakeSpare(const CopiedVersion& copy);
   // Writes the newest version of (owner uid, name) to the state directory (when there is one
   // and a newer one is not stored already): blocking file I/O, never on a reactor. Logs
   // failures.

@@ -75,18 +75,18 @@ absl::Status UcxError(absl::StatusCode code, absl::string_view what, ucs_status_
   return absl::Status(code, absl::StrCat("UCX: ", what, ": ", ucs_status_string(s)));
 }
 
-// One get in flight; lives on Get's stack until UCX completed it.
-struct GetOp {
+// The gets of one Get call in flight; lives on Get's stack until UCX completed them all.
+struct GetBatch {
   absl::Mutex mu;
-  bool done = false;  // guarded by mu (read through absl::Condition)
-  ucs_status_t status = UCS_OK;
+  int in_flight = 0;             // guarded by mu (read through absl::Condition)
+  ucs_status_t status = UCS_OK;  // the first failure; guarded by mu
 };
 
 void GetDone(void* /*request*/, ucs_status_t status, void* user_data) {
-  auto* op = static_cast<GetOp*>(user_data);
-  absl::MutexLock lock(&op->mu);
-  op->done = true;
-  op->status = status;
+  auto* batch = static_cast<GetBatch*>(user_data);
+  absl::MutexLock lock(&batch->mu);
+  --batch->in_flight;
+  if (batch->status == UCS_OK) batch->status = status;
 }
 
 }  // namespace
@@ -313,34 +313,44 @@ void UcxWeightsLink::Shutdown() {
   impl_->thread.join();
 }
 
-absl::StatusOr<UcxWeightsLink::Exposure> UcxWeightsLink::Expose(const void* data, size_t bytes) {
+absl::StatusOr<UcxWeightsLink::Registration> UcxWeightsLink::Register(void* data, size_t bytes) {
   {
     absl::MutexLock lock(&impl_->mu);
     if (impl_->closed) return absl::UnavailableError("flatshardd is shutting down");
   }
   ucp_mem_map_params_t mp{};
   mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-  mp.address = const_cast<void*>(data);
+  mp.address = data;
   mp.length = bytes;
   ucp_mem_h mem = nullptr;
-  ucs_status_t s = ucp_mem_map(impl_->context, &mp, &mem);
+  const ucs_status_t s = ucp_mem_map(impl_->context, &mp, &mem);
   if (s != UCS_OK) {
     return UcxError(absl::StatusCode::kUnavailable,
                     absl::StrCat("registering ", bytes, " bytes (ucp_mem_map)"), s);
   }
   ucp_context_h context = impl_->context;
-  std::shared_ptr<void> mapping(
+  Registration out;
+  out.base = reinterpret_cast<uint64_t>(data);
+  out.bytes = bytes;
+  out.mapping = std::shared_ptr<void>(
       mem, [context](void* m) { ucp_mem_unmap(context, static_cast<ucp_mem_h>(m)); });
+  return out;
+}
+
+absl::StatusOr<UcxWeightsLink::Exposure> UcxWeightsLink::Expose(const void* data, size_t bytes) {
+  absl::StatusOr<Registration> reg = Register(const_cast<void*>(data), bytes);
+  if (!reg.ok()) return reg.status();
   void* packed = nullptr;
   size_t packed_len = 0;
-  s = ucp_rkey_pack(impl_->context, mem, &packed, &packed_len);
+  const ucs_status_t s = ucp_rkey_pack(impl_->context, static_cast<ucp_mem_h>(reg->mapping.get()),
+                                       &packed, &packed_len);
   if (s != UCS_OK) return UcxError(absl::StatusCode::kUnavailable, "ucp_rkey_pack", s);
   Exposure out;
   out.address = impl_->address;
   out.rkey.assign(static_cast<const char*>(packed), packed_len);
   ucp_rkey_buffer_release(packed);
-  out.base = reinterpret_cast<uint64_t>(data);
-  out.mapping = std::move(mapping);
+  out.base = reg->base;
+  out.mapping = std::move(reg->mapping);
   return out;
 }
 
@@ -348,75 +358,130 @@ void UcxWeightsLink::StallForTesting() { impl_->stalled.store(true); }
 
 absl::Status UcxWeightsLink::Get(const std::string& address, const std::string& rkey_bytes,
                                  uint64_t remote, void* dst, size_t bytes, absl::Time deadline,
-                                 const absl::Notification* abandon, absl::string_view source) {
+                                 const absl::Notification* abandon, absl::string_view source,
+                                 const Registration* local) {
   if (bytes == 0) return absl::OkStatus();
+  const uint64_t first = reinterpret_cast<uint64_t>(dst);
+  if (local != nullptr && (first < local->base || first + bytes > local->base + local->bytes)) {
+    return absl::InvalidArgumentError("the get's destination is outside its registration");
+  }
   absl::StatusOr<ucp_ep_h> ep = impl_->EndpointTo(address);
   if (!ep.ok()) return ep.status();
   ucp_rkey_h rkey = nullptr;
-  GetOp op;
-  void* r = nullptr;
   {
-    // The endpoint is used only while it is cached (the loop closes failed ones under the
-    // writer lock), so another get's failure cannot free it under this one.
     absl::ReaderMutexLock use(&impl_->use_mu);
     if (!impl_->Cached(address, *ep)) {
       return absl::UnavailableError("the endpoint to the source failed (another get on it)");
     }
-    ucs_status_t s = ucp_ep_rkey_unpack(*ep, rkey_bytes.data(), &rkey);
+    const ucs_status_t s = ucp_ep_rkey_unpack(*ep, rkey_bytes.data(), &rkey);
     if (s != UCS_OK) {
       return UcxError(absl::StatusCode::kDataLoss, "the source's remote key (ucp_ep_rkey_unpack)",
                       s);
     }
+  }
+  GetBatch batch;
+  std::vector<void*> requests;  // freed once none is in flight
+  absl::Status why;             // ours: the endpoint failed, the stream ended, the deadline
+  size_t issued = 0;
+  // Issues the next chunk's get; false when none was issued (why set on a failure).
+  auto issue = [&]() -> bool {
+    const size_t n = std::min(kGetChunk, bytes - issued);
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send = &GetDone;
-    p.user_data = &op;
-    r = ucp_get_nbx(*ep, dst, bytes, remote, rkey, &p);
-  }
-  ucs_status_t s = UCS_OK;
-  if (r == nullptr) {
-    ucp_rkey_destroy(rkey);
-    return absl::OkStatus();
-  }
-  if (UCS_PTR_IS_ERR(r)) {
-    ucp_rkey_destroy(rkey);
-    impl_->Fail(address, *ep);
-    return UcxError(absl::StatusCode::kUnavailable, "ucp_get_nbx", UCS_PTR_STATUS(r));
-  }
-  ucp_worker_signal(impl_->worker);  // the loop may sleep: the get needs progress
-  FS_VLOG(1) << "UCX weights link: a get of " << bytes << " bytes from " << source
-             << " is in flight";
-  absl::Status why;
-  {
-    absl::MutexLock lock(&op.mu);
-    const absl::Condition done(
-        +[](GetOp* o) { return o->done; }, &op);
-    // The stream to the source is checked every 50 ms (abandon); the get completes meanwhile.
-    while (!op.done) {
-      op.mu.AwaitWithDeadline(done, std::min(deadline, absl::Now() + absl::Milliseconds(50)));
-      if (op.done) break;
-      if (abandon != nullptr && abandon->HasBeenNotified()) {
-        why = absl::UnavailableError("the source's stream ended during the get");
-      } else if (absl::Now() >= deadline) {
-        why = absl::DeadlineExceededError("the get did not finish before its deadline");
-      } else {
-        continue;
-      }
-      // Force-closing the endpoint completes the get with an error; until then UCX may
-      // still write into dst, so wait for it.
-      op.mu.Unlock();
-      impl_->Fail(address, *ep);
-      op.mu.Lock();
-      op.mu.Await(done);
+    p.user_data = &batch;
+    if (local != nullptr) {
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      p.memh = static_cast<ucp_mem_h>(local->mapping.get());
     }
-    s = op.status;
+    {
+      absl::MutexLock lock(&batch.mu);
+      ++batch.in_flight;  // before the get: its callback may run at once on the loop
+    }
+    void* r = nullptr;
+    {
+      // The endpoint is used only while it is cached (the loop closes failed ones under the
+      // writer lock), so another get's failure cannot free it under this one.
+      absl::ReaderMutexLock use(&impl_->use_mu);
+      if (!impl_->Cached(address, *ep)) {
+        why = absl::UnavailableError("the endpoint to the source failed (another get on it)");
+      } else {
+        r = ucp_get_nbx(*ep, static_cast<char*>(dst) + issued, n, remote + issued, rkey, &p);
+      }
+    }
+    if (!why.ok() || r == nullptr || UCS_PTR_IS_ERR(r)) {
+      absl::MutexLock lock(&batch.mu);
+      --batch.in_flight;  // completed at once, failed, or never issued: no callback
+    }
+    if (!why.ok()) return false;
+    if (UCS_PTR_IS_ERR(r)) {
+      why = UcxError(absl::StatusCode::kUnavailable, "ucp_get_nbx", UCS_PTR_STATUS(r));
+      impl_->Fail(address, *ep);
+      return false;
+    }
+    if (r != nullptr) requests.push_back(r);
+    issued += n;
+    return true;
+  };
+  FS_VLOG(1) << "UCX weights link: a get of " << bytes << " bytes (" << kGetChunk
+             << "-byte chunks, up to " << kGetsInFlight << " in flight) from " << source
+             << " is in flight";
+  ucs_status_t failed = UCS_OK;
+  while (true) {
+    // Keeps kGetsInFlight gets in flight while chunks remain and nothing failed.
+    while (issued < bytes && why.ok()) {
+      {
+        absl::MutexLock lock(&batch.mu);
+        if (batch.in_flight >= kGetsInFlight || batch.status != UCS_OK) break;
+      }
+      if (!issue()) break;
+    }
+    ucp_worker_signal(impl_->worker);  // the loop may sleep: the gets need progress
+    absl::MutexLock lock(&batch.mu);
+    const bool more = issued < bytes && why.ok() && batch.status == UCS_OK;
+    if (!more && batch.in_flight == 0) {
+      failed = batch.status;
+      break;
+    }
+    // Wakes for a free slot (or the last completion); the stream to the source and the
+    // deadline are checked every 50 ms meanwhile.
+    struct Want {
+      GetBatch* b;
+      bool more;
+    } want{&batch, more};
+    const absl::Condition ready(
+        +[](Want* w) {
+          return w->b->in_flight == 0 ||
+                 (w->more && w->b->in_flight < kGetsInFlight && w->b->status == UCS_OK);
+        },
+        &want);
+    if (batch.mu.AwaitWithDeadline(ready,
+                                   std::min(deadline, absl::Now() + absl::Milliseconds(50)))) {
+      continue;
+    }
+    if (abandon != nullptr && abandon->HasBeenNotified()) {
+      why = absl::UnavailableError("the source's stream ended during the get");
+    } else if (absl::Now() >= deadline) {
+      why = absl::DeadlineExceededError("the get did not finish before its deadline");
+    } else {
+      continue;
+    }
+    // Force-closing the endpoint completes the gets with an error; until then UCX may still
+    // write into dst, so wait for every one.
+    batch.mu.Unlock();
+    impl_->Fail(address, *ep);
+    batch.mu.Lock();
+    batch.mu.Await(absl::Condition(
+        +[](GetBatch* b) { return b->in_flight == 0; }, &batch));
+    failed = batch.status;
+    break;
   }
-  ucp_request_free(r);
+  for (void* r : requests) ucp_request_free(r);
   ucp_rkey_destroy(rkey);
   if (!why.ok()) return why;
-  if (s != UCS_OK) {
+  if (failed != UCS_OK) {
     impl_->Fail(address, *ep);
-    return UcxError(absl::StatusCode::kUnavailable, "the get failed", s);
+    return UcxError(absl::StatusCode::kUnavailable, "the get failed", failed);
   }
   return absl::OkStatus();
 }
@@ -438,9 +503,13 @@ void UcxWeightsLink::Shutdown() {}
 absl::StatusOr<UcxWeightsLink::Exposure> UcxWeightsLink::Expose(const void*, size_t) {
   return absl::UnavailableError("this flatshardd was built without UCX");
 }
+absl::StatusOr<UcxWeightsLink::Registration> UcxWeightsLink::Register(void*, size_t) {
+  return absl::UnavailableError("this flatshardd was built without UCX");
+}
 void UcxWeightsLink::StallForTesting() {}
 absl::Status UcxWeightsLink::Get(const std::string&, const std::string&, uint64_t, void*, size_t,
-                                 absl::Time, const absl::Notification*, absl::string_view) {
+                                 absl::Time, const absl::Notification*, absl::string_view,
+                                 const Registration*) {
   return absl::UnavailableError("this flatshardd was built without UCX");
 }
 

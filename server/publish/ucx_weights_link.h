@@ -34,6 +34,16 @@ class UcxWeightsLink {
   static absl::StatusOr<std::unique_ptr<UcxWeightsLink>> Create(const std::string& error_handling);
   ~UcxWeightsLink();
 
+  // Memory registered with UCX (ucp_mem_map of the existing pages) until the last copy of
+  // `mapping` is dropped (ucp_mem_unmap). A get's destination inside one skips UCX's
+  // registration (cache lookup, or a bounce buffer) per get; over RDMA its gets go zero-copy.
+  struct Registration {
+    uint64_t base = 0;
+    size_t bytes = 0;
+    std::shared_ptr<void> mapping;  // the ucp_mem_h
+  };
+  absl::StatusOr<Registration> Register(void* data, size_t bytes);
+
   // A segment readable by remote gets until this is destroyed (ucp_mem_unmap).
   struct Exposure {
     std::string address;  // this worker's address (ucx_address.h form)
@@ -44,13 +54,18 @@ class UcxWeightsLink {
   absl::StatusOr<Exposure> Expose(const void* data, size_t bytes);
 
   // Reads `bytes` at `remote` of the segment that `rkey` of the worker at `address` covers into
-  // `dst`. Returns once the bytes are there or the get failed; after `deadline`, or once
-  // `abandon` is notified, the endpoint is force-closed and the get fails (DEADLINE_EXCEEDED,
-  // UNAVAILABLE). Never returns while UCX may still write into `dst`. `source` names the
-  // source in the log line (--v=1) saying the get is in flight.
+  // `dst`: gets of kGetChunk bytes, up to kGetsInFlight at once (one large get is one request
+  // that some transports, e.g. TCP's emulated gets, serve a fragment per round trip). Returns
+  // once the bytes are there or a get failed; after `deadline`, or once `abandon` is
+  // notified, the endpoint is force-closed and the gets fail (DEADLINE_EXCEEDED,
+  // UNAVAILABLE). Never returns while UCX may still write into `dst`. `local` (optional): a
+  // registration holding all of [dst, dst + bytes). `source` names the source in the log line
+  // (--v=1) saying the gets are in flight.
+  static constexpr size_t kGetChunk = 8 << 20;
+  static constexpr int kGetsInFlight = 8;
   absl::Status Get(const std::string& address, const std::string& rkey, uint64_t remote, void* dst,
                    size_t bytes, absl::Time deadline, const absl::Notification* abandon,
-                   absl::string_view source = "");
+                   absl::string_view source = "", const Registration* local = nullptr);
 
   // Tests only (--testing_weights_ucx_stall_after): the progress thread stops progressing the
   // worker for good, so gets that need this side's progress (UCX emulates them with messages,

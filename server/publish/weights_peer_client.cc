@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -69,6 +70,32 @@ CopiedVersion MetaOf(const v1::VersionChunk& h) {
   c.token = h.reader_token();
   return c;
 }
+
+// Faults a fresh destination's pages in (MADV_POPULATE_WRITE, Linux 5.14; older kernels
+// refuse it and the copy faults them in) on a thread of its own, from the end backwards in
+// 8 MiB steps, while the bytes arrive from the start (the copy runs into fewer faults, each
+// page is faulted about once, and a first touch costs far more than the bytes on some VMs:
+// README "Publishing weights"). Stop() ends it once the copy is done.
+class BackwardPrefault {
+ public:
+  BackwardPrefault(char* data, int64_t bytes)
+      : thread_([this, data, bytes] {
+          constexpr int64_t kStep = 8 << 20;
+          for (int64_t end = bytes; end > 0 && !stop_.load(); end -= kStep) {
+            const int64_t lo = std::max<int64_t>(0, end - kStep) / 4096 * 4096;
+            (void)::madvise(data + lo, static_cast<size_t>(end - lo), 23 /*MADV_POPULATE_WRITE*/);
+          }
+        }) {}
+  ~BackwardPrefault() { Stop(); }
+  void Stop() {
+    stop_.store(true);
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
 
 }  // namespace
 
@@ -213,7 +240,8 @@ absl::StatusOr<WeightsPeerClient::Shards> WeightsPeerClient::ReadShards(
 
 absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetch& f,
                                            int64_t offset, int64_t length, char* dst,
-                                           Header* header, Moved* moved, bool ucx) {
+                                           Header* header, Moved* moved, bool ucx,
+                                           const UcxWeightsLink::Registration* local) {
   auto stub = v1::WeightsPeerService::NewStub(ChannelTo(source));
   v1::FetchVersionRequest request;
   request.set_name(f.name);
@@ -231,6 +259,7 @@ absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetc
   request.set_length(length);
   request.set_ucx(ucx && ucx_ != nullptr && dst != nullptr && length > 0);
   grpc::ClientContext ctx;
+  const absl::Time asked = absl::Now();
   const absl::Time deadline =
       (f.deadline == absl::InfiniteFuture() ? absl::Now() : f.deadline) + kTransfer;
   ctx.set_deadline(absl::ToChronoTime(deadline));
@@ -255,6 +284,9 @@ absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetc
         // The source holds the version registered while the stream is open: read the range,
         // then end the call. A stream that ends first (the source died) abandons the get.
         over_ucx = true;
+        if (moved != nullptr) {
+          moved->source_ready = std::max(moved->source_ready, absl::Now() - asked);
+        }
         absl::Notification ended;
         std::thread watch([&] {
           v1::VersionChunk more;
@@ -265,7 +297,7 @@ absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetc
         status = ucx_->Get(chunk.ucx_address(), chunk.ucx_rkey(),
                            chunk.ucx_base() + static_cast<uint64_t>(offset), dst + offset,
                            static_cast<size_t>(length), deadline, &ended,
-                           absl::StrCat("daemon ", source));
+                           absl::StrCat("daemon ", source), local);
         source_alive = !ended.HasBeenNotified();
         ctx.TryCancel();
         watch.join();
@@ -312,6 +344,7 @@ absl::Status WeightsPeerClient::FetchRange(const std::string& source, const Fetc
 absl::StatusOr<std::optional<CopiedVersion>> WeightsPeerClient::FetchVersion(
     const std::vector<std::string>& sources, const Fetch& fetch, Moved* moved) {
   if (sources.empty()) return absl::FailedPreconditionError("no source daemon to copy from");
+  const absl::Time asked = absl::Now();
   // The descriptor, from the first source that has it.
   Header header;
   size_t first = sources.size();
@@ -330,12 +363,17 @@ absl::StatusOr<std::optional<CopiedVersion>> WeightsPeerClient::FetchVersion(
     }
   }
   if (header.not_newer) return std::nullopt;
+  const absl::Time described = absl::Now();
   CopiedVersion copy = std::move(header.meta);
   const int64_t bytes = copy.layout.bytes;
-  absl::StatusOr<std::shared_ptr<Buffer>> buffer = store_->Allocate(
-      BufferKind::kStaging, bytes,
-      absl::StrCat("weights name=", copy.info.name, " version=", copy.info.version, " copied"),
-      copy.info.owner_uid);
+  std::shared_ptr<Buffer> spare = fetch.spare ? fetch.spare(copy) : nullptr;
+  const bool into_spare = spare != nullptr;
+  absl::StatusOr<std::shared_ptr<Buffer>> buffer =
+      into_spare ? absl::StatusOr<std::shared_ptr<Buffer>>(std::move(spare))
+                 : store_->Allocate(BufferKind::kStaging, bytes,
+                                    absl::StrCat("weights name=", copy.info.name,
+                                                 " version=", copy.info.version, " copied"),
+                                    copy.info.owner_uid);
   if (!buffer.ok()) {
     return absl::Status(
         buffer.status().code(),
@@ -344,7 +382,23 @@ absl::StatusOr<std::optional<CopiedVersion>> WeightsPeerClient::FetchVersion(
   }
   copy.buffer = *std::move(buffer);
   char* dst = static_cast<char*>(copy.buffer->data());
-  if (bytes > 0) (void)::madvise(dst, static_cast<size_t>(bytes), 23 /*MADV_POPULATE_WRITE*/);
+  // A fresh buffer's pages are faulted in meanwhile (a spare's are there already).
+  std::optional<BackwardPrefault> prefault;
+  if (!into_spare) prefault.emplace(dst, bytes);
+  // Gets land in registered memory (no registration or bounce buffer per get in UCX).
+  std::optional<UcxWeightsLink::Registration> registered;
+  if (ucx_ != nullptr && bytes > 0) {
+    absl::StatusOr<UcxWeightsLink::Registration> r =
+        ucx_->Register(dst, static_cast<size_t>(bytes));
+    if (r.ok()) {
+      registered = *std::move(r);
+    } else {
+      FS_LOG(WARNING) << "copying " << VersionText(fetch) << ": " << r.status()
+                      << "; the gets register their destinations themselves";
+    }
+  }
+  const UcxWeightsLink::Registration* local = registered ? &*registered : nullptr;
+  const absl::Time ready = absl::Now();
   // Every source copies an equal range (from now on: this exact version number).
   Fetch pinned = fetch;
   if (pinned.seq == 0) {
@@ -364,7 +418,7 @@ absl::StatusOr<std::optional<CopiedVersion>> WeightsPeerClient::FetchVersion(
     if (len <= 0) continue;
     threads.emplace_back([&, k, lo, len] {
       Header h;
-      absl::Status s = FetchRange(from[k], pinned, lo, len, dst, &h, &by_range[k]);
+      absl::Status s = FetchRange(from[k], pinned, lo, len, dst, &h, &by_range[k], true, local);
       if (s.ok() && (h.meta.info.version != copy.info.version ||
                      h.meta.info.generation != copy.info.generation)) {
         s = absl::FailedPreconditionError(absl::StrCat(
@@ -377,21 +431,30 @@ absl::StatusOr<std::optional<CopiedVersion>> WeightsPeerClient::FetchVersion(
         FS_LOG(WARNING) << "copying weights \"" << copy.info.name << "\" version "
                         << copy.info.version << " from " << from[k] << " failed (" << s
                         << "); that range comes from " << from[j];
-        s = FetchRange(from[j], pinned, lo, len, dst, &h, &by_range[k]);
+        s = FetchRange(from[j], pinned, lo, len, dst, &h, &by_range[k], true, local);
       }
       results[k] =
           s.ok() ? s : absl::Status(s.code(), absl::StrCat("daemon ", from[k], ": ", s.message()));
     });
   }
   for (auto& t : threads) t.join();
+  if (prefault) prefault->Stop();
+  registered.reset();  // before the buffer goes anywhere (sealed, freed)
   Moved all;
+  all.into_spare = into_spare;
+  all.descriptor = described - asked;
+  all.destination = ready - described;
+  all.transfer = absl::Now() - ready;
   for (const Moved& m : by_range) {
     all.ucx += m.ucx;
     all.grpc += m.grpc;
+    all.source_ready = std::max(all.source_ready, m.source_ready);
   }
   if (moved != nullptr) {
-    moved->ucx += all.ucx;
-    moved->grpc += all.grpc;
+    const int64_t ucx = moved->ucx + all.ucx, grpc = moved->grpc + all.grpc;
+    *moved = all;
+    moved->ucx = ucx;
+    moved->grpc = grpc;
   }
   for (const absl::Status& s : results) {
     if (!s.ok()) {

@@ -9,6 +9,7 @@
 // Thread-safe. One leaf lock (the channels and the calls in flight), never held across a call.
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -23,6 +24,7 @@
 #include "absl/time/time.h"
 #include "common/plan.h"
 #include "server/publish/publisher.h"
+#include "server/publish/ucx_weights_link.h"
 
 namespace grpc {
 class Channel;
@@ -70,6 +72,9 @@ class WeightsPeerClient {
     std::string module;
     uint64_t seq = 0;
     absl::Time deadline = absl::InfiniteFuture();  // the source's wait for the version
+    // The copy's destination when it has one (the name's spare segment: memory already
+    // written, no page to fault in); null or returning null: a fresh buffer.
+    std::function<std::shared_ptr<Buffer>(const CopiedVersion&)> spare;
   };
   // Copies the version from `sources` (tried in order for the descriptor; with several, each
   // from the first that answered on copies an equal byte range in parallel, a failed range
@@ -81,6 +86,11 @@ class WeightsPeerClient {
   struct Moved {
     int64_t ucx = 0;
     int64_t grpc = 0;
+    bool into_spare = false;  // the bytes went into fetch.spare's buffer
+    // Where the time went (logged): the descriptor's round trip; the destination (allocated
+    // or the spare, registered with UCX); the longest wait of a range for its source's
+    // registration (rkey); the bytes (every range asked until the last arrived).
+    absl::Duration descriptor, destination, source_ready, transfer;
   };
   absl::StatusOr<std::optional<CopiedVersion>> FetchVersion(const std::vector<std::string>& sources,
                                                             const Fetch& fetch,
@@ -127,8 +137,10 @@ class WeightsPeerClient {
   // length) of the segment into dst + offset (length -1, dst null: the descriptor only), over
   // UCX where `ucx` and the source offers it (a get that fails while the source's stream is
   // still open: that range again in the stream); the bytes moved are added to `*moved`.
+  // `local` (optional): dst's UCX registration.
   absl::Status FetchRange(const std::string& source, const Fetch& fetch, int64_t offset,
-                          int64_t length, char* dst, Header* header, Moved* moved, bool ucx = true);
+                          int64_t length, char* dst, Header* header, Moved* moved, bool ucx = true,
+                          const UcxWeightsLink::Registration* local = nullptr);
 
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   ShardStore* const store_;

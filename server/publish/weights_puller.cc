@@ -148,6 +148,7 @@ absl::Status WeightsPuller::Copy(const WeightsSelector& selector, int64_t owner,
   f.reader_uid = uid;
   f.reader_token = selector.token;
   f.deadline = absl::Now();  // versions by name: no waiting at the source
+  f.spare = [this](const CopiedVersion& c) { return publisher_->TakeSpare(c); };
   const absl::Time start = absl::Now();
   WeightsPeerClient::Moved moved;
   absl::StatusOr<std::optional<CopiedVersion>> copy = client_->FetchVersion(sources_, f, &moved);
@@ -163,8 +164,14 @@ absl::Status WeightsPuller::Copy(const WeightsSelector& selector, int64_t owner,
   FS_LOG(INFO) << "copied weights \"" << added->name << "\" version " << added->version
                << " generation " << added->generation << " of uid " << added->owner_uid << " ("
                << added->bytes << " bytes: " << moved.ucx << " over UCX, " << moved.grpc
-               << " over gRPC) from --weights_sources in "
-               << absl::ToDoubleMilliseconds(absl::Now() - start) << " ms";
+               << " over gRPC" << (moved.into_spare ? ", into the name's spare segment" : "")
+               << ") from --weights_sources in " << absl::ToDoubleMilliseconds(absl::Now() - start)
+               << " ms (descriptor " << absl::ToDoubleMilliseconds(moved.descriptor)
+               << " ms, destination " << absl::ToDoubleMilliseconds(moved.destination)
+               << " ms, bytes " << absl::ToDoubleMilliseconds(moved.transfer)
+               << " ms, of which waiting for "
+               << "the sources' UCX registration " << absl::ToDoubleMilliseconds(moved.source_ready)
+               << " ms)";
   return absl::OkStatus();
 }
 

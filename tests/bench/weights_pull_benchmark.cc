@@ -181,9 +181,14 @@ absl::StatusOr<double> UcxGetMs(int64_t bytes, int repeats) {
 }
 
 // The figures of one size.
+// With --weights_keep=1, pull i >= kFreshPulls of a name lands in the spare segment of the
+// version two before it (memory the reader's daemon has written); the first ones in fresh
+// memory, whose first touch is costly on some VMs (README "Publishing weights").
+constexpr int kFreshPulls = 2;
 struct Row {
   int64_t bytes = 0;
   std::vector<double> ucx, grpc, local, tcp;
+  std::vector<double> ucx_steady, grpc_steady;  // pulls kFreshPulls, kFreshPulls + 1, ...
 };
 
 int Run() {
@@ -300,7 +305,9 @@ int Run() {
       for (size_t t = 0; t < readers.size(); ++t) {
         Clock::time_point t0 = Clock::now();
         absl::StatusOr<std::unique_ptr<WeightsVersion>> v = readers[t]->Open(name);
-        (t == 0 ? row.ucx : row.grpc).push_back(MicrosSince(t0, Clock::now()) / 1000);
+        const double ms = MicrosSince(t0, Clock::now()) / 1000;
+        (t == 0 ? row.ucx : row.grpc).push_back(ms);
+        if (i >= kFreshPulls) (t == 0 ? row.ucx_steady : row.grpc_steady).push_back(ms);
         if (!v.ok() || (*v)->info().bytes < row.bytes) {
           std::fprintf(stderr, "pull: %s\n", v.status().ToString().c_str());
           return 1;
@@ -358,8 +365,32 @@ int Run() {
     } else {
       std::printf("MPI_Bcast: skipped: %s\n", std::string(mpi.status().message()).c_str());
     }
+    // Steady state (an RL loop's pulls): into the spare segment, against the same baselines.
+    double us = 0;
+    if (!row.ucx_steady.empty()) {
+      us = Median(row.ucx_steady);
+      const double gs = Median(row.grpc_steady);
+      std::printf(
+          "steady-state pull of %s (pulls %d..%d, into the name's spare segment), median of %zu: "
+          "over UCX %.1f ms (%.2f GB/s), over gRPC %.1f ms: UCX/gRPC %.2fx",
+          size.c_str(), kFreshPulls + 1, repeats, row.ucx_steady.size(), us, row.bytes / us / 1e6,
+          gs, us / gs);
+      if (line > 0) std::printf("; %.0f%% of line rate", 100 * line / us);
+      if (p2p.ok()) std::printf("; %.2fx ucp_get", us / *p2p);
+      if (mpi.ok()) std::printf("; %.2fx MPI_Bcast", us / *mpi);
+      std::printf("; %.2fx TCP\n", us / t);
+    } else {
+      std::printf("steady-state pull of %s: not measured (--repeats %d <= %d)\n", size.c_str(),
+                  repeats, kFreshPulls);
+    }
     const std::string f = absl::StrCat(
         "weights_pull.", g_links != nullptr ? absl::StrCat(link_rate, ".") : "", size, ".");
+    if (us > 0) {
+      PrintFigure(f + "ucx_steady_ms", us, "ms");
+      if (line > 0) PrintFigure(f + "ucx_steady_over_line_time", us / line, "x");
+      if (p2p.ok()) PrintFigure(f + "ucx_steady_over_ucx_get", us / *p2p, "x");
+      if (mpi.ok()) PrintFigure(f + "ucx_steady_over_mpi_bcast", us / *mpi, "x");
+    }
     PrintFigure(f + "ucx_ms", u, "ms");
     PrintFigure(f + "grpc_ms", g, "ms", true, /*context=*/true);
     PrintFigure(f + "ucx_over_grpc", u / g, "x");

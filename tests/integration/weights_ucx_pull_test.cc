@@ -10,6 +10,9 @@
 //   - a source killed while a UCX get from it is in flight (over TCP, the source's progress
 //     stalled as it sent the rkey): the range from the other source; with no other source
 //     the open fails UNAVAILABLE naming it, nothing kept, the reader's daemon still serving;
+//   - with --weights_keep=1, pulls from the third on land in the name's spare segment (the
+//     released version two before), element for element; the group's other daemon copies
+//     the leader's version 4 into its spare too;
 //   - a bad --weights_transport: the daemon refuses to start, naming the flag.
 
 #include <sys/wait.h>
@@ -264,6 +267,41 @@ TEST(WeightsUcxPullTest, TheOnlySourceKilledDuringAUcxGetFailsTheOpenByNameKeepi
   EXPECT_EQ(Value(m, "flatshard_weights_pulls_total{code=\"OK\"}"), 0);
   EXPECT_EQ(m.count(kUcxBytes), 0u);
   g.t->c.clear();
+}
+
+TEST(WeightsUcxPullTest, LaterPullsLandInTheNamesSpareSegmentElementForElement) {
+  Published g({}, {}, "ucxspare", 1);
+  ASSERT_NE(g.t->plan, nullptr);
+  // --weights_keep=1: pull n >= 3 takes the segment of version n - 2 (released, trimmed).
+  ReaderDaemon x({g.d0->peer_address(), g.d1->peer_address()}, {"--weights_keep=1"});
+  std::unique_ptr<WeightsReader> r = Reader(*x.d);
+  ASSERT_NE(r, nullptr);
+  constexpr int kVersions = 4;
+  for (int step = 1; step <= kVersions; ++step) {
+    if (step > 1) g.PublishStep(step);
+    absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r->Open("gpt");
+    ASSERT_TRUE(v.ok()) << "version " << step << ": " << v.status();
+    EXPECT_EQ((*v)->info().version, static_cast<uint64_t>(step));
+    // Not a byte of the spare's older version left: every element is this step's.
+    ExpectHolds(*g.t->plan, **v, step);
+    ASSERT_TRUE((*v)->Release().ok());
+  }
+  EXPECT_EQ(Count(*x.d, "into the name's spare segment"), kVersions - 2) << x.d->Log();
+  const std::map<std::string, double> m = ParseMetrics(x.Metrics());
+  EXPECT_EQ(Value(m, "flatshard_weights_pulls_total{code=\"OK\"}"), kVersions);
+  EXPECT_EQ(Value(m, kUcxBytes), static_cast<double>(kVersions * g.bytes));
+  // The group's other daemon (--weights_keep=2) copied the leader's version 4 into the
+  // segment of its version 1, and holds each version element for element.
+  EXPECT_EQ(Value(g.d1->Metrics(), "flatshard_weights_segment_reuses_total"), 1);
+  std::unique_ptr<WeightsReader> r1 = Reader(*g.d1);
+  ASSERT_NE(r1, nullptr);
+  for (int step = kVersions - 1; step <= kVersions; ++step) {
+    OpenWeightsOptions which;
+    which.version = static_cast<uint64_t>(step);
+    absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r1->Open("gpt", which);
+    ASSERT_TRUE(v.ok()) << "version " << step << " on the group's other daemon: " << v.status();
+    ExpectHolds(*g.t->plan, **v, step);
+  }
 }
 
 TEST(WeightsUcxPullTest, ABadTransportIsRefusedByName) {

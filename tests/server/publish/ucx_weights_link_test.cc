@@ -1,6 +1,7 @@
 // UcxWeightsLink (server/publish/ucx_weights_link.h): a range of a registered segment read
-// with a UCX get, byte for byte; a source process killed with SIGKILL fails the next get
-// (within its deadline, no hang); a shut-down link refuses; a bad --ucx_error_handling named.
+// with UCX gets, byte for byte (also a range of many chunks into a registered destination); a
+// source process killed with SIGKILL fails the next get (within its deadline, no hang); a
+// shut-down link refuses; a bad --ucx_error_handling named.
 
 #include "server/publish/ucx_weights_link.h"
 
@@ -126,6 +127,39 @@ TEST(UcxWeightsLinkTest, AGetReadsTheRangeOfTheRegisteredSegmentByteForByte) {
                         deadline, nullptr)
                   .ok());
   EXPECT_EQ(dst, src);
+  puller->Shutdown();
+  source->Shutdown();
+}
+
+TEST(UcxWeightsLinkTest, ARangeOfManyChunksLandsInARegisteredDestinationByteForByte) {
+  std::unique_ptr<UcxWeightsLink> source = MakeLink();
+  if (source == nullptr) GTEST_SKIP() << "UCX is not available in this build";
+  std::unique_ptr<UcxWeightsLink> puller = MakeLink();
+  ASSERT_NE(puller, nullptr);
+  // More chunks than gets in flight, and a partial last chunk.
+  const size_t bytes = UcxWeightsLink::kGetChunk * (UcxWeightsLink::kGetsInFlight + 3) + 12345;
+  std::vector<uint8_t> src(bytes);
+  for (size_t i = 0; i < bytes; ++i) src[i] = static_cast<uint8_t>((i * 131 + i / 4099) % 251);
+  absl::StatusOr<UcxWeightsLink::Exposure> e = source->Expose(src.data(), src.size());
+  ASSERT_TRUE(e.ok()) << e.status();
+  std::vector<uint8_t> dst(bytes + 8192, 0);
+  absl::StatusOr<UcxWeightsLink::Registration> reg = puller->Register(dst.data(), dst.size());
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(120);
+  // At an offset inside the registration, as a source's share of a segment.
+  const absl::Status got = puller->Get(e->address, e->rkey, e->base, dst.data() + 4096, bytes,
+                                       deadline, nullptr, "test", &*reg);
+  ASSERT_TRUE(got.ok()) << got;
+  EXPECT_TRUE(std::memcmp(dst.data() + 4096, src.data(), bytes) == 0);
+  EXPECT_EQ(dst[4095], 0);
+  EXPECT_EQ(dst[4096 + bytes], 0);
+  // A destination outside the registration is refused before any byte moves.
+  std::vector<uint8_t> other(4096, 0);
+  const absl::Status outside = puller->Get(e->address, e->rkey, e->base, other.data(), other.size(),
+                                           deadline, nullptr, "test", &*reg);
+  EXPECT_EQ(outside.code(), absl::StatusCode::kInvalidArgument) << outside;
+  EXPECT_THAT(outside.message(), HasSubstr("outside its registration"));
+  reg->mapping.reset();
   puller->Shutdown();
   source->Shutdown();
 }
