@@ -66,8 +66,8 @@ absl::StatusOr<Times> Attach(BenchDaemon& d, const std::string& binary, const st
   }
   if (commit) {
     // A step's values, written before its summons: the Commit below follows the summons as
-    // in a training loop (kept buffers used within the last second are recorded committed,
-    // so the restart adopts them with their pages).
+    // in a training loop, so its record lists the kept summon buffers (adopted at the restart
+    // with their pages).
     absl::StatusOr<client::ShardViews> v = (*c)->GetShardViews("");
     if (!v.ok()) return v.status();
     for (const client::UnitShardView& u : *v) {
