@@ -177,7 +177,7 @@ absl::StatusOr<ShmSegment> ShmSegment::Open(absl::string_view name, size_t bytes
   return ShmSegment(std::move(n), /*fd=*/-1, data, bytes, /*creator=*/false, writable);
 }
 
-absl::StatusOr<ShmSegment> ShmSegment::Adopt(absl::string_view name, size_t bytes) {
+absl::StatusOr<ShmSegment> ShmSegment::Adopt(absl::string_view name, size_t bytes, bool populate) {
   FS_RETURN_IF_ERROR(ValidateName(name));
   FS_RETURN_IF_ERROR(ValidateBytes(name, bytes));
   std::string n(name);
@@ -198,7 +198,8 @@ absl::StatusOr<ShmSegment> ShmSegment::Adopt(absl::string_view name, size_t byte
   if (bytes > 0) {
     // MAP_POPULATE: the adopter reads all of it at once (a restore), faster than faulting
     // the pages in one by one.
-    data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                  MAP_SHARED | (populate ? MAP_POPULATE : 0), fd, 0);
     if (data == MAP_FAILED) {
       const int err = errno;
       ::close(fd);

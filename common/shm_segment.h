@@ -58,7 +58,10 @@ class ShmSegment {
   // re-adoption): opens `name` read-write, requires its size to be exactly `bytes`, maps it
   // and owns the name from now on (unlinked when destroyed, like Create's) and keeps its
   // descriptor. Errors: as Open; FAILED_PRECONDITION naming both sizes when the size differs.
-  static absl::StatusOr<ShmSegment> Adopt(absl::string_view name, size_t bytes);
+  // `populate`: map with MAP_POPULATE (the adopter reads all of it now); without it the pages
+  // are faulted in as touched.
+  static absl::StatusOr<ShmSegment> Adopt(absl::string_view name, size_t bytes,
+                                          bool populate = true);
 
   ShmSegment() = default;  // empty: no name, nothing mapped
   ShmSegment(ShmSegment&& other) noexcept;

@@ -125,6 +125,19 @@ std::vector<std::shared_ptr<Buffer>> KeptBuffers::TakeAll() {
   return out;
 }
 
+std::vector<std::pair<KeptKey, std::shared_ptr<Buffer>>> KeptBuffers::HostBuffers() const {
+  std::vector<std::pair<KeptKey, std::shared_ptr<Buffer>>> out;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, kept] : kept_) {
+    // Also a decommitted one: it may be in use again at the kill (the restart adopts only a
+    // segment whose pages are there).
+    if (kept.buffer && !kept.buffer->on_device()) {
+      out.emplace_back(key.first, kept.buffer);
+    }
+  }
+  return out;
+}
+
 int KeptBuffers::size() const {
   absl::MutexLock lock(&mu_);
   int n = 0;

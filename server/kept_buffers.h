@@ -20,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -118,6 +119,12 @@ class KeptBuffers {
   std::vector<std::shared_ptr<Buffer>> TakeAll();
   // Buffers held (for tests and status).
   int size() const;
+  // The host buffers kept, with their keys: what the module's record lists, so that a restart
+  // after kill -9 adopts their segments, pages and all (README "Restarts").
+  std::vector<std::pair<KeptKey, std::shared_ptr<Buffer>>> HostBuffers() const;
+  // Keeps `buffer`, adopted at a restart, under a vacant copy of `key`; in use until the next
+  // Release, so its pages stay until the module's first summon after the restart.
+  void Adopt(const KeptKey& key, const std::shared_ptr<Buffer>& buffer) { Keep(key, buffer); }
 
  private:
   struct Kept {

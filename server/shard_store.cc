@@ -548,7 +548,7 @@ void Buffer::Disown() {
 absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Adopt(BufferKind kind,
                                                           const std::string& segment_name,
                                                           int64_t bytes, absl::string_view label,
-                                                          int64_t owner_uid) {
+                                                          int64_t owner_uid, bool populate) {
   FS_RETURN_IF_ERROR(options_status_);
   const std::string prefix = absl::StrCat("/", options_.segment_prefix, ".");
   if (segment_name.compare(0, prefix.size(), prefix) != 0) {
@@ -561,7 +561,8 @@ absl::StatusOr<std::shared_ptr<Buffer>> ShardStore::Adopt(BufferKind kind,
   }
   FS_RETURN_IF_ERROR(
       state_->Charge(kind, bytes, label, /*recommit=*/false, owner_uid, /*new_segment=*/true));
-  absl::StatusOr<ShmSegment> segment = ShmSegment::Adopt(segment_name, static_cast<size_t>(bytes));
+  absl::StatusOr<ShmSegment> segment =
+      ShmSegment::Adopt(segment_name, static_cast<size_t>(bytes), populate);
   if (segment.ok()) {
     // Allocate gives a segment to its owner uid (remote callers: the daemon's uid keeps it).
     const uid_t expected = owner_uid >= 0 ? static_cast<uid_t>(owner_uid) : ::geteuid();

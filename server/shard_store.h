@@ -258,10 +258,11 @@ class ShardStore {
   // for `owner_uid` >= 0, it must belong to that uid. Charged as Allocate charges. The buffer
   // owns the name from now on. Errors: INVALID_ARGUMENT for another prefix; NOT_FOUND for a
   // missing segment; FAILED_PRECONDITION for a size or owner that differs; Allocate's
-  // RESOURCE_EXHAUSTED. On error the segment is left as it was.
+  // RESOURCE_EXHAUSTED. On error the segment is left as it was. `populate`: as
+  // ShmSegment::Adopt's.
   absl::StatusOr<std::shared_ptr<Buffer>> Adopt(BufferKind kind, const std::string& segment_name,
                                                 int64_t bytes, absl::string_view label = "",
-                                                int64_t owner_uid = -1);
+                                                int64_t owner_uid = -1, bool populate = true);
 
   const ShardStoreOptions& options() const { return options_; }
 

@@ -3,6 +3,7 @@
 
 #include "server/durable/records.h"
 
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <algorithm>
 #include <cstring>
@@ -29,6 +30,23 @@ void CopyHost(const Buffer& from, const Buffer& to) {
 
 bool Contains(const std::vector<int32_t>& v, int32_t x) {
   return std::find(v.begin(), v.end(), x) != v.end();
+}
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
+
+// Faults in an adopted kept buffer's pages (resident in /dev/shm, not yet mapped here) in
+// chunks, stopping once the buffer is gone. Holds no reference: a summon takes a kept buffer
+// only while nobody else holds it. A chunk racing the buffer's destruction touches an unmapped
+// range (ENOMEM) or another mapping's pages, and populating changes no byte either way; on an
+// older kernel (EINVAL) the summon faults them in itself.
+void PrefaultKept(const std::weak_ptr<Buffer>& weak, char* data, int64_t bytes) {
+  constexpr int64_t kChunk = int64_t{64} << 20;
+  for (int64_t at = 0; at < bytes && !weak.expired(); at += kChunk) {
+    const int64_t n = std::min(kChunk, bytes - at);
+    if (::madvise(data + at, static_cast<size_t>(n), MADV_POPULATE_WRITE) != 0) return;
+  }
 }
 
 }  // namespace
@@ -263,7 +281,18 @@ absl::Status Records::StateFromHost(Registered& reg, const state::GroupRecord& r
 
 AdoptSummary Records::AdoptGroups(const std::vector<state::GroupRecord>& records) {
   AdoptSummary summary;
+  recorded_segments_.clear();
+  for (const state::GroupRecord& rec : records) {
+    for (const state::ModuleRecord& m : rec.modules) {
+      for (const state::RankRecord& rr : m.ranks) {
+        for (const state::UnitRecord& u : rr.units) {
+          for (const state::BufferRecord& b : u.buffers) recorded_segments_.insert(b.segment);
+        }
+      }
+    }
+  }
   for (const state::GroupRecord& rec : records) AdoptGroup(rec, &summary);
+  recorded_segments_.clear();
   FS_LOG(INFO) << "restart: adopted " << summary.groups << " group(s), " << summary.modules
                << " module(s), " << summary.buffers << " buffers, " << summary.bytes
                << " bytes; refused " << summary.refused_groups << " record(s); "
@@ -372,6 +401,7 @@ absl::Status Records::AdoptModule(const state::GroupRecord& rec, const state::Mo
   }
   std::set<int32_t> from_host;
   FS_RETURN_IF_ERROR(DeviceCopiesFromHost(rec, m, where, reg, &from_host));
+  AdoptKeptBuffers(rec, m, reg, adopted);
 
   std::vector<int32_t> ranks;
   for (const state::RankRecord& rr : m.ranks) ranks.push_back(rr.rank);
@@ -424,6 +454,51 @@ absl::Status Records::AdoptModule(const state::GroupRecord& rec, const state::Mo
   g.rollback_due = true;
   g.registered.emplace(m.name, std::move(reg));
   return absl::OkStatus();
+}
+
+void Records::AdoptKeptBuffers(const state::GroupRecord& rec, const state::ModuleRecord& m,
+                               Registered& reg, std::vector<std::shared_ptr<Buffer>>* adopted) {
+  // Not part of the committed state: one that cannot be adopted (gone, resized) is skipped,
+  // and the first summon allocates a fresh one as it would have.
+  int64_t bytes = 0;
+  for (const state::KeptRecord& k : m.kept) {
+    if (recorded_segments_.contains(k.segment)) continue;  // stale: another buffer's name now
+    // Gone (a SIGTERM unlinks them, --keep_shards or not): nothing to say.
+    struct stat st;
+    if (::stat(absl::StrCat("/dev/shm", k.segment).c_str(), &st) != 0) continue;
+    // Decommitted before the kill (idle): mapping it would allocate its pages here, at the
+    // restart, for nothing; it goes, and the first summon allocates one as it would have.
+    if (static_cast<int64_t>(st.st_blocks) * 512 < k.bytes) {
+      ::shm_unlink(k.segment.c_str());
+      continue;
+    }
+    // Mapped without MAP_POPULATE: the restart's cost stays independent of these bytes; a
+    // durable worker faults them in meanwhile (PrefaultKept).
+    absl::StatusOr<std::shared_ptr<Buffer>> b = store_->Adopt(
+        static_cast<BufferKind>(k.kind), k.segment, k.bytes,
+        absl::StrCat("group=", rec.id, " module=", m.name, " kept unit=", k.unit), rec.owner_uid,
+        /*populate=*/false);
+    if (!b.ok()) {
+      FS_LOG(WARNING) << "group=" << rec.id << " module=" << Display(m.name)
+                      << ": kept buffer not adopted (the first summon allocates one): "
+                      << b.status();
+      continue;
+    }
+    adopted->push_back(*b);
+    bytes += k.bytes;
+    if (workers_ != nullptr && k.bytes > 0) {
+      workers_->Post("(kept prefault)",
+                     [weak = std::weak_ptr<Buffer>(*b), data = static_cast<char*>((*b)->data()),
+                      n = k.bytes] { PrefaultKept(weak, data, n); });
+    }
+    reg.adopted_kept.emplace_back(
+        KeptKey{static_cast<KeptOwner>(k.owner), k.rank, k.unit, static_cast<KeptUse>(k.use)},
+        *std::move(b));
+  }
+  if (!reg.adopted_kept.empty()) {
+    FS_LOG(INFO) << "group=" << rec.id << " module=" << Display(m.name) << ": adopted "
+                 << reg.adopted_kept.size() << " kept summon buffer(s), " << bytes << " bytes";
+  }
 }
 
 absl::Status Records::AdoptRankBuffers(const state::GroupRecord& rec, const state::ModuleRecord& m,

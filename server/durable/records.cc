@@ -233,6 +233,16 @@ std::optional<state::ModuleRecord> Records::ModuleSnapshot(const std::string& na
     m.ranks.push_back(std::move(rr));
   }
   if (unkept || m.ranks.empty()) return std::nullopt;
+  std::vector<std::pair<KeptKey, std::shared_ptr<Buffer>>> kept = reg.adopted_kept;
+  if (reg.kept) {
+    std::vector<std::pair<KeptKey, std::shared_ptr<Buffer>>> more = reg.kept->HostBuffers();
+    kept.insert(kept.end(), more.begin(), more.end());
+  }
+  for (const auto& [key, b] : kept) {
+    m.kept.push_back({static_cast<int32_t>(key.owner), key.rank, key.unit,
+                      static_cast<int32_t>(key.use), static_cast<int32_t>(b->kind()),
+                      b->segment_name(), b->bytes()});
+  }
   if (device_ranks) {
     m.pending.reset();  // a commit of the device copies: the host copies hold the older one
     m.voted = 0;

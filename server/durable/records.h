@@ -240,6 +240,10 @@ class Records {
   absl::Status AdoptRankBuffers(const state::GroupRecord& rec, const state::ModuleRecord& m,
                                 const state::RankRecord& rr, const std::string& where,
                                 Registered& reg, std::vector<std::shared_ptr<Buffer>>* adopted);
+  // Takes over the module's recorded kept summon buffers (state::KeptRecord) into
+  // `reg.adopted_kept`; one that cannot be is skipped (logged), never a refusal.
+  void AdoptKeptBuffers(const state::GroupRecord& rec, const state::ModuleRecord& m,
+                        Registered& reg, std::vector<std::shared_ptr<Buffer>>* adopted);
   // A recorded buffer's size against what the plan (a shard) or the state spec (an optimizer
   // state buffer) says it holds; `bw` names the buffer.
   static absl::Status CheckRecordedSize(const Registered& reg, int32_t unit,
@@ -310,6 +314,10 @@ class Records {
   std::unique_ptr<BlockingWorkers> workers_;
   // GPU daemons with a state directory: the host copies at each commit. Last: stopped first.
   std::unique_ptr<DeviceHostCopies> host_copies_;
+  // AdoptGroups: every segment the records name as a shard, committed copy or state buffer.
+  // A kept record naming one is stale (its name was reused by a later daemon of the same pid)
+  // and is never adopted nor unlinked.
+  std::set<std::string> recorded_segments_;
 };
 
 }  // namespace flatshard::server

@@ -95,10 +95,44 @@ absl::StatusOr<std::vector<StateSpec>> StateSpecsFrom(const Json& v, const JsonP
   return out;
 }
 
+absl::Status CheckSegmentName(const std::string& segment, const JsonPath& p) {
+  if (segment.size() < 2 || segment[0] != '/' || segment.find('/', 1) != std::string::npos) {
+    return p.Error(absl::StrCat("must be a shm name \"/name\", got ", Quote(segment)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<KeptRecord>> KeptFrom(const Json& v, const JsonPath& p) {
+  FS_RETURN_IF_ERROR(ExpectArray(v, p));
+  std::vector<KeptRecord> out;
+  for (size_t i = 0; i < v.size(); ++i) {
+    const JsonPath q = p.Index(i);
+    FS_RETURN_IF_ERROR(
+        ExpectObject(v[i], q, {"owner", "rank", "unit", "use", "kind", "segment", "bytes"}));
+    KeptRecord k;
+    // KeptOwner, KeptUse and BufferKind (kUnsharded, kStaging) values.
+    FS_ASSIGN_OR_RETURN(int64_t owner, GetInt(v[i], "owner", q, 0, 3));
+    FS_ASSIGN_OR_RETURN(int64_t rank, GetInt(v[i], "rank", q, -1, INT32_MAX));
+    FS_ASSIGN_OR_RETURN(int64_t unit, GetInt(v[i], "unit", q, 0, INT32_MAX));
+    FS_ASSIGN_OR_RETURN(int64_t use, GetInt(v[i], "use", q, 0, 4));
+    FS_ASSIGN_OR_RETURN(int64_t kind, GetInt(v[i], "kind", q, 2, 3));
+    k.owner = static_cast<int32_t>(owner);
+    k.rank = static_cast<int32_t>(rank);
+    k.unit = static_cast<int32_t>(unit);
+    k.use = static_cast<int32_t>(use);
+    k.kind = static_cast<int32_t>(kind);
+    FS_ASSIGN_OR_RETURN(k.segment, GetString(v[i], "segment", q));
+    FS_RETURN_IF_ERROR(CheckSegmentName(k.segment, q.Key("segment")));
+    FS_ASSIGN_OR_RETURN(k.bytes, GetInt(v[i], "bytes", q, 0));
+    out.push_back(std::move(k));
+  }
+  return out;
+}
+
 absl::StatusOr<ModuleRecord> ModuleFrom(const Json& v, const JsonPath& p) {
-  FS_RETURN_IF_ERROR(ExpectObject(
-      v, p,
-      {"name", "plan", "manifest", "initialized", "pending", "voted", "ranks", "state_specs"}));
+  FS_RETURN_IF_ERROR(ExpectObject(v, p,
+                                  {"name", "plan", "manifest", "initialized", "pending", "voted",
+                                   "ranks", "state_specs", "kept"}));
   ModuleRecord m;
   FS_ASSIGN_OR_RETURN(m.name, GetString(v, "name", p));
   FS_ASSIGN_OR_RETURN(m.plan_json, GetString(v, "plan", p));
@@ -113,6 +147,9 @@ absl::StatusOr<ModuleRecord> ModuleFrom(const Json& v, const JsonPath& p) {
   }
   if (v.contains("state_specs")) {
     FS_ASSIGN_OR_RETURN(m.state_specs, StateSpecsFrom(v.at("state_specs"), p.Key("state_specs")));
+  }
+  if (v.contains("kept")) {
+    FS_ASSIGN_OR_RETURN(m.kept, KeptFrom(v.at("kept"), p.Key("kept")));
   }
   const JsonPath rp = p.Key("ranks");
   if (!v.contains("ranks")) return rp.Error("missing");
@@ -148,11 +185,7 @@ absl::StatusOr<ModuleRecord> ModuleFrom(const Json& v, const JsonPath& p) {
         FS_ASSIGN_OR_RETURN(b.segment, GetString(buffers[k], "segment", bq));
         FS_ASSIGN_OR_RETURN(b.bytes, GetInt(buffers[k], "bytes", bq, 0));
         if (b.role.empty()) return bq.Key("role").Error("must not be empty");
-        if (b.segment.size() < 2 || b.segment[0] != '/' ||
-            b.segment.find('/', 1) != std::string::npos) {
-          return bq.Key("segment").Error(
-              absl::StrCat("must be a shm name \"/name\", got ", Quote(b.segment)));
-        }
+        FS_RETURN_IF_ERROR(CheckSegmentName(b.segment, bq.Key("segment")));
         u.buffers.push_back(std::move(b));
       }
       r.units.push_back(std::move(u));
@@ -250,6 +283,19 @@ OJson ModuleOJson(const ModuleRecord& m) {
                             {"shape", StateShapeName(spec.shape)}});
     }
     mj["state_specs"] = std::move(specs);
+  }
+  if (!m.kept.empty()) {
+    OJson kept = OJson::array();
+    for (const KeptRecord& k : m.kept) {
+      kept.push_back(OJson{{"owner", k.owner},
+                           {"rank", k.rank},
+                           {"unit", k.unit},
+                           {"use", k.use},
+                           {"kind", k.kind},
+                           {"segment", k.segment},
+                           {"bytes", k.bytes}});
+    }
+    mj["kept"] = std::move(kept);
   }
   return mj;
 }
@@ -719,6 +765,7 @@ std::vector<std::string> StateDir::SegmentsNamedBy(const Loaded& loaded,
           for (const BufferRecord& b : u.buffers) keep.push_back(b.segment);
         }
       }
+      for (const KeptRecord& k : m.kept) keep.push_back(k.segment);
     }
   }
   FS_LOG(INFO) << "state dir " << path_ << ": " << loaded.groups.size() << " group record(s), "

@@ -107,6 +107,21 @@ struct PendingCommit {
   friend bool operator==(const PendingCommit&, const PendingCommit&) = default;
 };
 
+// A host buffer a module's summons keep (KeptBuffers: unsharded and staging buffers), recorded
+// so that a restart after kill -9 adopts its segment, pages and all, instead of the first
+// summon allocating and faulting in a fresh one (JSON "kept": [{"owner","rank","unit","use",
+// "kind","segment","bytes"}], absent when empty; KeptKey's and BufferKind's values).
+struct KeptRecord {
+  int32_t owner = 0;
+  int32_t rank = -1;
+  int32_t unit = 0;
+  int32_t use = 0;
+  int32_t kind = 0;
+  std::string segment;
+  int64_t bytes = 0;
+  friend bool operator==(const KeptRecord&, const KeptRecord&) = default;
+};
+
 struct ModuleRecord {
   std::string name;           // the registered path
   std::string plan_json;      // PlanToJson, dumped
@@ -122,6 +137,7 @@ struct ModuleRecord {
   // [{"name","dtype","shape"}], shape "shard" or "scalar"); empty: no state registered.
   // Records written before state was recorded have no key: they load with none.
   std::vector<StateSpec> state_specs;
+  std::vector<KeptRecord> kept;  // KeptRecord; records without the key load with none
   friend bool operator==(const ModuleRecord&, const ModuleRecord&) = default;
 };
 

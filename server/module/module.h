@@ -141,6 +141,9 @@ struct Registered {
   // summon or reduce-scatter (KeptOf). shared_ptr: a call that allocates
   // outside mu_ keeps it alive while the module may be dropped.
   std::shared_ptr<KeptBuffers> kept;
+  // Kept host buffers adopted at a restart (state::KeptRecord), handed to `kept` when the
+  // first summon makes it (Modules::KeptOf); recorded meanwhile as they were.
+  std::vector<std::pair<KeptKey, std::shared_ptr<Buffer>>> adopted_kept;
   // Units of one padded size and dtype (Modules::KeptUnit): per unit its class, and per
   // class its units in plan order. Empty until first needed.
   std::vector<int32_t> kept_class;

@@ -36,7 +36,11 @@ using internal::MutableOf;
 using internal::SelectUnits;
 
 std::shared_ptr<KeptBuffers> Modules::KeptOf(Registered& reg) {
-  if (!reg.kept) reg.kept = kept_pool_->NewSet();
+  if (!reg.kept) {
+    reg.kept = kept_pool_->NewSet();
+    for (const auto& [key, buffer] : reg.adopted_kept) reg.kept->Adopt(key, buffer);
+    reg.adopted_kept.clear();
+  }
   return reg.kept;
 }
 

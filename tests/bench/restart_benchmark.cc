@@ -64,6 +64,16 @@ absl::StatusOr<Times> Attach(BenchDaemon& d, const std::string& binary, const st
     return absl::InternalError(
         absl::StrCat("registered at generation ", m->generation, ", want ", want_generation));
   }
+  if (commit) {
+    // A step's values, written before its summons: the Commit below follows the summons as
+    // in a training loop, so its record lists the kept summon buffers (adopted at the restart
+    // with their pages).
+    absl::StatusOr<client::ShardViews> v = (*c)->GetShardViews("");
+    if (!v.ok()) return v.status();
+    for (const client::UnitShardView& u : *v) {
+      std::memset(u.data, 0x3f, static_cast<size_t>(u.shard_numel) * 4);
+    }
+  }
   client::SummonOptions read;
   read.writeback = false;
   // The first Summon; before a kill (`commit`) a second one too, the steady state's.
@@ -77,11 +87,6 @@ absl::StatusOr<Times> Attach(BenchDaemon& d, const std::string& binary, const st
     if (absl::Status e = (*s)->End(); !e.ok()) return e;
   }
   if (commit) {
-    absl::StatusOr<client::ShardViews> v = (*c)->GetShardViews("");
-    if (!v.ok()) return v.status();
-    for (const client::UnitShardView& u : *v) {
-      std::memset(u.data, 0x3f, static_cast<size_t>(u.shard_numel) * 4);  // a step's values
-    }
     absl::StatusOr<uint64_t> g = (*c)->Commit("");
     if (!g.ok()) return g.status();
   }

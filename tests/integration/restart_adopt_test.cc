@@ -66,5 +66,59 @@ TEST_F(RestartTest, ATrainerWritingAfterTheAdoptionIsRolledBackAtTheFirstFormati
   ExpectReattached(*d, ranks, 3, committed);
 }
 
+// Every rank's full parameters as one read-only Summon hands them out, bytes per FQN.
+std::vector<std::vector<std::string>> SummonedBytes(std::vector<Rank>& ranks) {
+  std::vector<std::vector<std::string>> out(kWorld);
+  RunRanks(kWorld, [&](int r) {
+    SummonOptions read;
+    read.writeback = false;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", read);
+    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+    for (const ParamView& p : **s) {
+      out[r].emplace_back(static_cast<const char*>(p.data),
+                          static_cast<size_t>(p.numel * ItemSize(p.dtype)));
+    }
+    ASSERT_TRUE((*s)->End().ok());
+  });
+  return out;
+}
+
+// Kept summon buffers outlive kill -9 (README "Restarts"): the record a commit writes lists
+// the module's kept summon buffers (here a read-only summon held open over the commit, so they
+// hold the step before), the restarted daemon adopts their segments, and the first summon
+// after the restart is served from them with the committed step's values.
+TEST_F(RestartTest, KeptSummonBuffersAreAdoptedAtARestart) {
+  std::unique_ptr<DaemonProcess> d = StartDaemon();
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  Train(ranks, 1, 1);
+  std::vector<std::unique_ptr<SummonedParams>> open(kWorld);
+  RunRanks(kWorld, [&](int r) {
+    SummonOptions read;
+    read.writeback = false;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", read);
+    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+    open[r] = *std::move(s);
+  });
+  Train(ranks, 2, 2);
+  open.clear();
+  const std::vector<Snapshot> committed = Expected(ranks);
+  const std::vector<std::vector<std::string>> want = SummonedBytes(ranks);
+  // An uncommitted step in the shards: rolled back at the first formation, never summoned.
+  RunRanks(kWorld, [&](int r) { WriteShards(*ranks[r].client, r, 99); });
+  ranks.clear();
+  d->Kill();
+  ASSERT_TRUE(Restart(*d));
+  EXPECT_THAT(d->Log(), HasSubstr("kept summon buffer(s)"));
+  EXPECT_EQ(LogCount(*d, "kept buffer not adopted"), 0);
+  JoinAll(*d, ranks, 1);
+  RegisterAll(ranks, 2);
+  EXPECT_TRUE(SummonedBytes(ranks) == want) << "the first summon after the restart differs";
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_TRUE(Take(*ranks[r].client).shards == committed[r].shards) << "rank " << r;
+  }
+}
+
 }  // namespace
 }  // namespace flatshard::client

@@ -96,6 +96,7 @@ TEST_F(ShardStoreTest, KeptSegmentsAreAdoptedByTheNextStore) {
     std::shared_ptr<Buffer> grad = *first.Allocate(BufferKind::kGradShard, 100, "g");
     std::shared_ptr<Buffer> staging = *first.Allocate(BufferKind::kStaging, 100, "t");
     std::memset(shard->data(), 0x5a, 4096);
+    std::memset(grad->data(), 0x33, 100);
     shard_name = shard->segment_name();
     grad_name = grad->segment_name();
     staging_name = staging->segment_name();
@@ -124,9 +125,11 @@ TEST_F(ShardStoreTest, KeptSegmentsAreAdoptedByTheNextStore) {
   ASSERT_TRUE(shard.ok()) << shard.status();
   EXPECT_EQ((*shard)->segment_name(), shard_name);
   EXPECT_EQ(static_cast<const uint8_t*>((*shard)->data())[4095], 0x5a);
+  // Unpopulated (kept summon buffers): the same bytes, faulted in as read.
   absl::StatusOr<std::shared_ptr<Buffer>> grad =
-      second.Adopt(BufferKind::kGradShard, grad_name, 100, "g");
+      second.Adopt(BufferKind::kGradShard, grad_name, 100, "g", -1, /*populate=*/false);
   ASSERT_TRUE(grad.ok()) << grad.status();
+  EXPECT_EQ(static_cast<const uint8_t*>((*grad)->data())[99], 0x33);
   EXPECT_EQ(second.Usage().bytes(BufferKind::kShard), 4096);
   EXPECT_EQ(second.Usage().bytes(BufferKind::kGradShard), 100);
   EXPECT_EQ(second.Usage().buffers, 2);

@@ -171,6 +171,39 @@ TEST(StateRecordTest, AVoteRoundTripsAndRecordsWithoutItLoad) {
   EXPECT_EQ(back->modules[0].voted, 0u);
 }
 
+// A module's kept summon buffers (adopted at a restart with their pages): round-trip, absent
+// when none (older records load with none), their segments are the record's, and a bad one
+// is refused naming the field.
+TEST(StateRecordTest, KeptBuffersRoundTripAndBadOnesAreRefused) {
+  GroupRecord r = Sample();
+  r.modules[0].kept = {{1, -1, 2, 0, 2, "/fs.1.900", 4096}, {0, 1, 0, 2, 2, "/fs.1.901", 64}};
+  const std::string bytes = EncodeGroupRecord(r);
+  absl::StatusOr<GroupRecord> back = DecodeGroupRecord(bytes);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->modules[0].kept, r.modules[0].kept);
+  EXPECT_THAT(SegmentNamesIn(bytes, "fs"), ::testing::Contains("/fs.1.900"));
+  const std::string none = EncodeGroupRecord(Sample());
+  EXPECT_THAT(none, Not(HasSubstr("kept")));
+  back = DecodeGroupRecord(none);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->modules[0].kept.empty());
+  auto refused = [&](const std::string& from, const std::string& to) {
+    std::string body = bytes.substr(bytes.find('\n') + 1);
+    const size_t at = body.find(from);
+    if (at == std::string::npos) return std::string("not found: ") + from;
+    body.replace(at, from.size(), to);
+    const std::string header =
+        absl::StrCat(R"({"format":"flatshard.state/1","body_bytes":)", body.size(),
+                     R"(,"body_sha256":")", Sha256Hex(body), "\"}\n");
+    absl::StatusOr<GroupRecord> b = DecodeGroupRecord(header + body);
+    return b.ok() ? std::string("accepted") : std::string(b.status().message());
+  };
+  EXPECT_THAT(refused(R"("segment":"/fs.1.900")", R"("segment":"fs.1.900")"),
+              HasSubstr("$.modules[0].kept[0].segment"));
+  EXPECT_THAT(refused(R"("kind":2,"segment":"/fs.1.900")", R"("kind":0,"segment":"/fs.1.900")"),
+              HasSubstr("$.modules[0].kept[0].kind"));
+}
+
 TEST(StateRecordTest, BadStateSpecsAreRefusedNamingThePath) {
   auto why = [](std::vector<StateSpec> specs, const std::string& from, const std::string& to) {
     GroupRecord r = Sample();
