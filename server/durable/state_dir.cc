@@ -344,12 +344,12 @@ absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes, bool* jo
   const JsonPath hp("header");
   FS_RETURN_IF_ERROR(ExpectObject(*header, hp, {"format", "body_bytes", "body_sha256"}));
   FS_ASSIGN_OR_RETURN(std::string format, GetString(*header, "format", hp));
-  if (format != kStateFormat && format != kStateFormatV1) {
+  if (format != kStateFormat && format != kStateFormatV2 && format != kStateFormatV1) {
     return absl::InvalidArgumentError(absl::StrCat("version: format is ", Quote(format),
-                                                   ", this daemon reads ", kStateFormat, " and ",
-                                                   kStateFormatV1));
+                                                   ", this daemon reads ", kStateFormat, ", ",
+                                                   kStateFormatV2, " and ", kStateFormatV1));
   }
-  if (journaled != nullptr) *journaled = format == kStateFormat;
+  if (journaled != nullptr) *journaled = format != kStateFormatV1;
   FS_ASSIGN_OR_RETURN(int64_t body_bytes, GetInt(*header, "body_bytes", hp, 0));
   FS_ASSIGN_OR_RETURN(std::string sha, GetString(*header, "body_sha256", hp));
   const std::string body = bytes.substr(nl + 1);

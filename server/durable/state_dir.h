@@ -17,9 +17,9 @@
 // hold group tokens. All file access goes through a FileSystem, so unit tests run it on
 // InMemoryFileSystem.
 //
-// Base file format (flatshard.state/2; /1, read too, is the same without a journal): a header
-// line, then the body:
-//   {"format":"flatshard.state/2","body_bytes":N,"body_sha256":"<hex>"}\n<body: N bytes of JSON>
+// Base file format (flatshard.state/3; /2, read too, is the same without "kept"; /1 also
+// without a journal): a header line, then the body:
+//   {"format":"flatshard.state/3","body_bytes":N,"body_sha256":"<hex>"}\n<body: N bytes of JSON>
 // The checksum covers the body's exact bytes. LoadAll refuses a record whose header, size,
 // checksum or body does not check out, naming the file and the check. A torn last journal
 // frame (a kill mid-append) is ignored, with every frame before it applied.
@@ -53,9 +53,12 @@
 
 namespace flatshard::server::state {
 
-// What this daemon writes: a base whose journal (journal.h) holds the later writes. A daemon
-// from before the journal refuses it (reading the base alone would adopt an older state).
-inline constexpr char kStateFormat[] = "flatshard.state/2";
+// What this daemon writes: a base whose journal (journal.h) holds the later writes, whose module
+// records may list kept summon buffers ("kept"). A daemon from before the journal refuses it
+// (reading the base alone would adopt an older state), and so does one from before "kept".
+inline constexpr char kStateFormat[] = "flatshard.state/3";
+// Read too: a journaled base from before "kept" (its modules list none).
+inline constexpr char kStateFormatV2[] = "flatshard.state/2";
 // Read too: a base written whole at every change, by a daemon from before the journal.
 inline constexpr char kStateFormatV1[] = "flatshard.state/1";
 

@@ -82,7 +82,7 @@ class StateDirTest : public ::testing::Test {
 TEST(StateRecordTest, RoundTrips) {
   const GroupRecord r = Sample();
   const std::string bytes = EncodeGroupRecord(r);
-  EXPECT_TRUE(absl::StartsWith(bytes, R"({"format":"flatshard.state/2")")) << bytes;
+  EXPECT_TRUE(absl::StartsWith(bytes, R"({"format":"flatshard.state/3")")) << bytes;
   absl::StatusOr<GroupRecord> back = DecodeGroupRecord(bytes);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, r);
@@ -110,12 +110,18 @@ TEST(StateRecordTest, TruncatedAppendedWrongVersionAndGarbageAreRefusedNamingThe
   EXPECT_THAT(why(bytes + " "), HasSubstr("size:"));
   EXPECT_THAT(why(bytes.substr(0, bytes.find('\n') - 3)), HasSubstr("header"));
   EXPECT_THAT(why(""), HasSubstr("header"));
-  std::string v3 = bytes;
-  v3.replace(v3.find("flatshard.state/2"), 17, "flatshard.state/3");
-  EXPECT_THAT(why(v3), HasSubstr("version:"));
+  std::string v4 = bytes;
+  v4.replace(v4.find("flatshard.state/3"), 17, "flatshard.state/4");
+  EXPECT_THAT(why(v4), HasSubstr("version:"));
+  // A journaled base from before "kept" (/2) still loads, with its journal.
+  std::string v2 = bytes;
+  v2.replace(v2.find("flatshard.state/3"), 17, "flatshard.state/2");
+  bool v2_journaled = false;
+  EXPECT_TRUE(DecodeGroupRecord(v2, &v2_journaled).ok());
+  EXPECT_TRUE(v2_journaled);
   // A base from before the journal (/1) still loads, and says it has no journal.
   std::string v1 = bytes;
-  v1.replace(v1.find("flatshard.state/2"), 17, "flatshard.state/1");
+  v1.replace(v1.find("flatshard.state/3"), 17, "flatshard.state/1");
   bool journaled = true;
   EXPECT_TRUE(DecodeGroupRecord(v1, &journaled).ok());
   EXPECT_FALSE(journaled);
