@@ -46,6 +46,43 @@ absl::Status AppendOwnRange(int32_t rank, const Plan& plan, const PlanUnit& unit
   return absl::OkStatus();
 }
 
+// Without records (no crash to order against), the writeback's bytes go into each shard and its
+// committed copy in one pass (ParallelCopier::Copy::also): `copies` get their committed
+// destinations, and the committed copies' other bytes (padding, optimizer state) are appended.
+// Returns whether every durable pair could be covered so; if not, `copies` is left unchanged.
+bool FuseCommitCopies(const std::vector<internal::DurablePair>& durable,
+                      std::vector<ParallelCopier::Copy>* copies) {
+  std::vector<ParallelCopier::Copy> fused = *copies;
+  for (const internal::DurablePair& d : durable) {
+    if (d.live == nullptr || d.committed == nullptr) continue;
+    if (d.live->bytes() != d.committed->bytes()) return false;
+    char* live = static_cast<char*>(d.live->data());
+    char* kept = static_cast<char*>(d.committed->data());
+    const size_t bytes = static_cast<size_t>(d.live->bytes());
+    // The writeback ranges inside this buffer, in order; the bytes between them copied as before.
+    std::vector<ParallelCopier::Copy*> inside;
+    for (ParallelCopier::Copy& c : fused) {
+      char* dst = static_cast<char*>(c.dst);
+      if (dst >= live && dst + c.bytes <= live + bytes) inside.push_back(&c);
+    }
+    std::sort(inside.begin(), inside.end(),
+              [](const auto* a, const auto* b) { return a->dst < b->dst; });
+    size_t at = 0;
+    std::vector<ParallelCopier::Copy> gaps;
+    for (ParallelCopier::Copy* c : inside) {
+      const size_t off = static_cast<size_t>(static_cast<char*>(c->dst) - live);
+      if (off < at) return false;  // overlapping ranges: not expected, copy as before
+      if (off > at) gaps.push_back({kept + at, live + at, off - at});
+      c->also = kept + off;
+      at = off + c->bytes;
+    }
+    if (at < bytes) gaps.push_back({kept + at, live + at, bytes - at});
+    fused.insert(fused.end(), gaps.begin(), gaps.end());
+  }
+  *copies = std::move(fused);
+  return true;
+}
+
 }  // namespace
 
 absl::Status Modules::PrepareRank0Broadcast(const Caller& caller, uint64_t summon, const Plan& plan,
@@ -391,10 +428,18 @@ absl::Status Modules::WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSum
     const Buffer* grads = from_rank0 ? rank0_copy(1) : copy->views[i].grads.get();
     if (status.ok() && grads != nullptr && shard.grad) status = write_back(*grads, *shard.grad);
   }
+  // Without records and on the host, the committed copies are written in the same pass.
+  const bool fused = status.ok() && host && !end.batched && !records_.enabled() &&
+                     FuseCommitCopies(end.durable, &host_copies);
+  if (fused) records_.CommitReady(caller, end.module, end.target(), end.kind());
   // Host ranks: every unit's range at once, on several threads, before the views go.
   if (status.ok()) ParallelCopier::Shared().Run(host_copies);
   copy.reset();
   if (end.batched) return status;  // EndArrive copies, once every local rank got here
+  if (fused) {
+    records_.CommitDone(caller, end.module, end.target());
+    return status;
+  }
   // Restarts: this rank's shards hold the new generation completely; recorded durably before
   // its committed copy is overwritten (server/durable/).
   if (status.ok()) records_.CommitReady(caller, end.module, end.target(), end.kind());
