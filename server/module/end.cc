@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 #include "absl/strings/cord.h"
@@ -355,12 +356,18 @@ void Modules::AgreeEnd(std::shared_ptr<const WritebackEnd> end,
 void Modules::ApplyEnd(std::shared_ptr<const WritebackEnd> end, std::unique_ptr<OpenSummon> owned,
                        StatusCallback done) {
   // Every rank agreed: this rank applies (the daemon does, whatever its trainer does now).
+  std::optional<std::string> dropped;
   {
     std::shared_ptr<Group> held = table_.FindOrGone(end->caller.group);
     Group& g = *held;
     absl::MutexLock lock(&g.mu);
-    if (!g.removed) {
-      Registered& reg = g.registered.at(end->module);
+    auto found = g.removed ? g.registered.end() : g.registered.find(end->module);
+    if (!g.removed && found == g.registered.end()) {
+      // Dropped (lost at a re-form) since the agreement: nothing to write back into.
+      auto lost = g.lost.find(end->module);
+      dropped = lost != g.lost.end() ? lost->second : "its module was dropped";
+    } else if (!g.removed) {
+      Registered& reg = found->second;
       if (reg.ckpt_hold > 0) {
         // A checkpoint holds the committed copies: run again once it is done.
         reg.after_ckpt.push_back(
@@ -373,6 +380,20 @@ void Modules::ApplyEnd(std::shared_ptr<const WritebackEnd> end, std::unique_ptr<
       // With a vote, the daemons agree to it only once every rank voted (VoteEnd).
       if (!end->vote) Records::NoteCommitAgreed(reg, end->target(), end->kind());
     }
+  }
+  if (dropped.has_value()) {
+    owned.reset();
+    // As when the agreement fails: the other local ranks' batch and vote do not wait for it.
+    if (end->vote) {
+      records_.EndVoteArrive(end->caller, end->module, end->k, end->target(),
+                             /*applying=*/false, absl::OkStatus(), nullptr);
+    }
+    if (end->batched) records_.EndNotApplied(end->caller, end->module, end->k);
+    FinishEnd(end->caller, end->summon,
+              absl::UnavailableError(absl::StrCat("summon ", end->summon,
+                                                  ": no rank's writeback was applied: ", *dropped)),
+              std::move(done));
+    return;
   }
   auto finish = [this, end, done = std::move(done)](absl::Status s) mutable {
     FinishAppliedEnd(*end, std::move(s), std::move(done));
@@ -459,8 +480,9 @@ void Modules::FinishAppliedEnd(const WritebackEnd& end, absl::Status s, StatusCa
     std::shared_ptr<Group> held = table_.FindOrGone(end.caller.group);
     Group& g = *held;
     absl::MutexLock lock(&g.mu);
-    if (!g.removed) {
-      Registered& reg = g.registered.at(end.module);
+    auto found = g.removed ? g.registered.end() : g.registered.find(end.module);
+    if (found != g.registered.end()) {  // not dropped (lost at a re-form) meanwhile
+      Registered& reg = found->second;
       if (s.ok()) {
         if (end.is_init) {
           reg.initialized = true;
