@@ -23,6 +23,9 @@ class ParallelCopier {
     void* dst = nullptr;
     const void* src = nullptr;
     size_t bytes = 0;
+    // If set, the same bytes go here too, copied while `src` is still in cache: one read of
+    // `src` for two destinations (a writeback into the shard and its committed copy at once).
+    void* also = nullptr;
   };
 
   // `helpers` threads besides each caller; batches under 2 chunks are copied by the caller.
@@ -31,7 +34,8 @@ class ParallelCopier {
   ParallelCopier(const ParallelCopier&) = delete;
   ParallelCopier& operator=(const ParallelCopier&) = delete;
 
-  // Copies every range (they must not overlap one another) and returns when all are done.
+  // Copies every range (no destination may overlap another or a source) and returns when all
+  // are done.
   void Run(const std::vector<Copy>& copies) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The daemon's: min(4, hardware threads) - 1 helpers, at least 1.

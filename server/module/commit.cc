@@ -152,7 +152,8 @@ void Modules::CommitAgreed(const Caller& caller, const std::string& module, uint
     std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
     Group& g = *held;
     absl::MutexLock lock(&g.mu);
-    gone = g.removed;
+    // Also gone: the module, dropped (lost at a re-form) since the agreement.
+    gone = g.removed || !g.registered.contains(module);
     if (gone) {
       // answered below, after the lock
     } else {
@@ -172,7 +173,8 @@ void Modules::CommitAgreed(const Caller& caller, const std::string& module, uint
     }
   }
   if (gone) {
-    done(absl::UnavailableError(absl::StrCat("group ", caller.group, " is gone")));
+    done(absl::UnavailableError(
+        absl::StrCat("group ", caller.group, " or its module ", Display(module), " is gone")));
     return;
   }
   // The copies run without the lock, on a worker (RunDurableWork). Invariant: `busy`
@@ -202,7 +204,7 @@ void Modules::CommitAgreed(const Caller& caller, const std::string& module, uint
           std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
           Group& g = *held;
           absl::MutexLock lock(&g.mu);
-          if (!g.removed) {
+          if (!g.removed && g.registered.contains(module)) {  // not dropped meanwhile
             Registered& reg = g.registered.at(module);
             if (s.ok()) reg.generation[caller.rank] = generation + 1;
             DoneCopying(g, reg, &run);

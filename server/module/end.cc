@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 #include "absl/strings/cord.h"
@@ -44,6 +45,43 @@ absl::Status AppendOwnRange(int32_t rank, const Plan& plan, const PlanUnit& unit
                       RankDevices::OwnRange(rank, plan, unit, r, full, shard));
   if (copy.bytes > 0) out->push_back({copy.dst, copy.src, copy.bytes});
   return absl::OkStatus();
+}
+
+// Without records (no crash to order against), the writeback's bytes go into each shard and its
+// committed copy in one pass (ParallelCopier::Copy::also): `copies` get their committed
+// destinations, and the committed copies' other bytes (padding, optimizer state) are appended.
+// Returns whether every durable pair could be covered so; if not, `copies` is left unchanged.
+bool FuseCommitCopies(const std::vector<internal::DurablePair>& durable,
+                      std::vector<ParallelCopier::Copy>* copies) {
+  std::vector<ParallelCopier::Copy> fused = *copies;
+  for (const internal::DurablePair& d : durable) {
+    if (d.live == nullptr || d.committed == nullptr) continue;
+    if (d.live->bytes() != d.committed->bytes()) return false;
+    char* live = static_cast<char*>(d.live->data());
+    char* kept = static_cast<char*>(d.committed->data());
+    const size_t bytes = static_cast<size_t>(d.live->bytes());
+    // The writeback ranges inside this buffer, in order; the bytes between them copied as before.
+    std::vector<ParallelCopier::Copy*> inside;
+    for (ParallelCopier::Copy& c : fused) {
+      char* dst = static_cast<char*>(c.dst);
+      if (dst >= live && dst + c.bytes <= live + bytes) inside.push_back(&c);
+    }
+    std::sort(inside.begin(), inside.end(),
+              [](const auto* a, const auto* b) { return a->dst < b->dst; });
+    size_t at = 0;
+    std::vector<ParallelCopier::Copy> gaps;
+    for (ParallelCopier::Copy* c : inside) {
+      const size_t off = static_cast<size_t>(static_cast<char*>(c->dst) - live);
+      if (off < at) return false;  // overlapping ranges: not expected, copy as before
+      if (off > at) gaps.push_back({kept + at, live + at, off - at});
+      c->also = kept + off;
+      at = off + c->bytes;
+    }
+    if (at < bytes) gaps.push_back({kept + at, live + at, bytes - at});
+    fused.insert(fused.end(), gaps.begin(), gaps.end());
+  }
+  *copies = std::move(fused);
+  return true;
 }
 
 }  // namespace
@@ -318,12 +356,18 @@ void Modules::AgreeEnd(std::shared_ptr<const WritebackEnd> end,
 void Modules::ApplyEnd(std::shared_ptr<const WritebackEnd> end, std::unique_ptr<OpenSummon> owned,
                        StatusCallback done) {
   // Every rank agreed: this rank applies (the daemon does, whatever its trainer does now).
+  std::optional<std::string> dropped;
   {
     std::shared_ptr<Group> held = table_.FindOrGone(end->caller.group);
     Group& g = *held;
     absl::MutexLock lock(&g.mu);
-    if (!g.removed) {
-      Registered& reg = g.registered.at(end->module);
+    auto found = g.removed ? g.registered.end() : g.registered.find(end->module);
+    if (!g.removed && found == g.registered.end()) {
+      // Dropped (lost at a re-form) since the agreement: nothing to write back into.
+      auto lost = g.lost.find(end->module);
+      dropped = lost != g.lost.end() ? lost->second : "its module was dropped";
+    } else if (!g.removed) {
+      Registered& reg = found->second;
       if (reg.ckpt_hold > 0) {
         // A checkpoint holds the committed copies: run again once it is done.
         reg.after_ckpt.push_back(
@@ -336,6 +380,20 @@ void Modules::ApplyEnd(std::shared_ptr<const WritebackEnd> end, std::unique_ptr<
       // With a vote, the daemons agree to it only once every rank voted (VoteEnd).
       if (!end->vote) Records::NoteCommitAgreed(reg, end->target(), end->kind());
     }
+  }
+  if (dropped.has_value()) {
+    owned.reset();
+    // As when the agreement fails: the other local ranks' batch and vote do not wait for it.
+    if (end->vote) {
+      records_.EndVoteArrive(end->caller, end->module, end->k, end->target(),
+                             /*applying=*/false, absl::OkStatus(), nullptr);
+    }
+    if (end->batched) records_.EndNotApplied(end->caller, end->module, end->k);
+    FinishEnd(end->caller, end->summon,
+              absl::UnavailableError(absl::StrCat("summon ", end->summon,
+                                                  ": no rank's writeback was applied: ", *dropped)),
+              std::move(done));
+    return;
   }
   auto finish = [this, end, done = std::move(done)](absl::Status s) mutable {
     FinishAppliedEnd(*end, std::move(s), std::move(done));
@@ -391,10 +449,18 @@ absl::Status Modules::WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSum
     const Buffer* grads = from_rank0 ? rank0_copy(1) : copy->views[i].grads.get();
     if (status.ok() && grads != nullptr && shard.grad) status = write_back(*grads, *shard.grad);
   }
+  // Without records and on the host, the committed copies are written in the same pass.
+  const bool fused = status.ok() && host && !end.batched && !records_.enabled() &&
+                     FuseCommitCopies(end.durable, &host_copies);
+  if (fused) records_.CommitReady(caller, end.module, end.target(), end.kind());
   // Host ranks: every unit's range at once, on several threads, before the views go.
   if (status.ok()) ParallelCopier::Shared().Run(host_copies);
   copy.reset();
   if (end.batched) return status;  // EndArrive copies, once every local rank got here
+  if (fused) {
+    records_.CommitDone(caller, end.module, end.target());
+    return status;
+  }
   // Restarts: this rank's shards hold the new generation completely; recorded durably before
   // its committed copy is overwritten (server/durable/).
   if (status.ok()) records_.CommitReady(caller, end.module, end.target(), end.kind());
@@ -414,8 +480,9 @@ void Modules::FinishAppliedEnd(const WritebackEnd& end, absl::Status s, StatusCa
     std::shared_ptr<Group> held = table_.FindOrGone(end.caller.group);
     Group& g = *held;
     absl::MutexLock lock(&g.mu);
-    if (!g.removed) {
-      Registered& reg = g.registered.at(end.module);
+    auto found = g.removed ? g.registered.end() : g.registered.find(end.module);
+    if (found != g.registered.end()) {  // not dropped (lost at a re-form) meanwhile
+      Registered& reg = found->second;
       if (s.ok()) {
         if (end.is_init) {
           reg.initialized = true;

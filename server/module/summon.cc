@@ -608,17 +608,24 @@ void Modules::FinishEnd(const Caller& caller, uint64_t summon, absl::Status stat
     auto it = g.removed ? g.open_summons.end() : g.open_summons.find(summon);
     if (it != g.open_summons.end()) {
       OpenSummon& open = it->second;
-      Registered& reg = g.registered.at(open.module);
-      for (int32_t u : open.units) reg.summoned[open.rank][u] = false;
-      // A summon that never became ready failed before anything was handed out.
-      reg.NoteOp(open.units, open.ready ? "end" : "summon", open.rank, status.ok(), clock_->Now());
-      if (++open.slot->ended == static_cast<int32_t>(g.local_ranks.size())) {
-        if (auto slot = reg.slots.find(open.k); slot != reg.slots.end()) {
-          after.Destroy(reg.slots.extract(slot));
+      // The module may have been dropped (lost at a re-form) while the summon was open.
+      auto found = g.registered.find(open.module);
+      Registered* reg = found == g.registered.end() ? nullptr : &found->second;
+      if (reg != nullptr) {
+        for (int32_t u : open.units) reg->summoned[open.rank][u] = false;
+        // A summon that never became ready failed before anything was handed out.
+        reg->NoteOp(open.units, open.ready ? "end" : "summon", open.rank, status.ok(),
+                    clock_->Now());
+        if (++open.slot->ended == static_cast<int32_t>(g.local_ranks.size())) {
+          if (auto slot = reg->slots.find(open.k); slot != reg->slots.end()) {
+            after.Destroy(reg->slots.extract(slot));
+          }
         }
       }
       if (!status.ok() && open.ready && open.options.writeback) {
-        if (!reg.initialized) reg.uninitialized_why = std::string(status.message());
+        if (reg != nullptr && !reg->initialized) {
+          reg->uninitialized_why = std::string(status.message());
+        }
         g.failed_ends[summon] = {open.rank, status};
         while (g.failed_ends.size() > internal::kFailedEndsKept) {
           g.failed_ends.erase(g.failed_ends.begin());
@@ -628,7 +635,7 @@ void Modules::FinishEnd(const Caller& caller, uint64_t summon, absl::Status stat
       // nobody uses any more; a last reference (the kept set dropped it) goes after the lock.
       ReleaseBuffers(open, &after);
       g.open_summons.erase(it);
-      ReleaseKept(reg);
+      if (reg != nullptr) ReleaseKept(*reg);
     }
   }
   after.Run();
@@ -642,7 +649,13 @@ void Modules::DropSummons(Group& g, int32_t rank, AfterUnlock* run) {
       ++it;
       continue;
     }
-    Registered& reg = g.registered.at(open.module);
+    auto found = g.registered.find(open.module);
+    if (found == g.registered.end()) {  // dropped (lost at a re-form) while it was open
+      ReleaseBuffers(open, run);
+      it = g.open_summons.erase(it);
+      continue;
+    }
+    Registered& reg = found->second;
     for (int32_t u : open.units) reg.summoned[rank][u] = false;
     if (!reg.initialized && open.options.writeback && !open.ending) {
       reg.uninitialized_why = absl::StrCat("rank ", rank,

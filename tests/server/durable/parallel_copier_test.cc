@@ -1,5 +1,6 @@
 // ParallelCopier: every byte of every range lands, whatever the chunking; small batches and a
-// copier without helpers copy on the caller; callers on several threads share the helpers.
+// copier without helpers copy on the caller; callers on several threads share the helpers;
+// Copy::also writes a second destination.
 #include "server/durable/parallel_copier.h"
 
 #include <algorithm>
@@ -58,6 +59,21 @@ TEST(ParallelCopierTest, CallersOnSeveralThreadsShareTheHelpers) {
     });
   }
   for (std::thread& t : callers) t.join();
+}
+
+// Copy::also: the same bytes land in a second destination, chunk by chunk (a range larger than
+// the 256 KiB pieces the copier splits its chunks into, and ragged ends), nothing past either.
+TEST(ParallelCopierTest, AlsoWritesASecondDestination) {
+  ParallelCopier copier(2, /*chunk_bytes=*/300000);
+  for (size_t bytes : {size_t{1}, size_t{299999}, size_t{1} << 20, (size_t{1} << 20) + 17}) {
+    const std::vector<uint8_t> src = Pattern(bytes, 3);
+    std::vector<uint8_t> dst(bytes + 1, 0xEE), also(bytes + 1, 0xDD);
+    copier.Run({{dst.data(), src.data(), bytes, also.data()}});
+    EXPECT_TRUE(std::equal(src.begin(), src.end(), dst.begin())) << bytes;
+    EXPECT_TRUE(std::equal(src.begin(), src.end(), also.begin())) << bytes;
+    EXPECT_EQ(dst.back(), 0xEE) << bytes;
+    EXPECT_EQ(also.back(), 0xDD) << bytes;
+  }
 }
 
 TEST(ParallelCopierTest, SharedCopierCopies) {

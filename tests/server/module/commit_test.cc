@@ -2,6 +2,7 @@
 // of a re-form to the last commit, a stale rank's commit refused; and the crash-consistency
 // rules of writeback Ends and commits when a rank's session ends.
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -25,13 +26,18 @@ using testing::Async;
 using testing::CommitCall;
 using ::testing::ElementsAre;
 using testing::Fill;
+using testing::FloatCount;
+using testing::Floats;
 using ::testing::HasSubstr;
 using testing::Holds;
+using testing::IdsOf;
 using testing::kTestPolicy;
 using testing::RegisterCall;
 using testing::StatusCall;
 using testing::SummonCall;
 using testing::TestManifest;
+using testing::WriteRankPattern;
+using testing::WriteStep;
 
 using GroupManagerTest = testing::GroupManagerHarness;
 
@@ -92,6 +98,42 @@ TEST_F(GroupManagerTest, CommitsCountGenerationsAndAReformRollsBackToTheLast) {
   CommitCall unknown;
   gm_->Commit(c[0], "nope", Deadline(), unknown.Callback());
   EXPECT_EQ(unknown.Wait().status().code(), absl::StatusCode::kNotFound);
+}
+
+// A writeback End commits what it wrote back (the own ranges, written into the shard and its
+// committed copy in one pass without records) and the shard's other bytes (its padding, as the
+// optimizer left them): a re-form after a later uncommitted step restores exactly that shard.
+TEST_F(GroupManagerTest, AReformRollsBackToWhatTheLastWritebackEndWrote) {
+  Start();
+  std::vector<RegisterResult> regs;
+  std::vector<Caller> c = JoinAndRegister("g", 2, &regs);
+  for (int r = 0; r < 2; ++r) WriteStep(regs[r].shards, 1, r);
+  for (absl::StatusOr<uint64_t>& g : CommitAll(c)) ASSERT_TRUE(g.ok()) << g.status();
+  std::vector<absl::StatusOr<SummonResult>> s = SummonAll(c, "", SummonOptions{});
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(s[r].ok()) << s[r].status();
+    WriteRankPattern(*s[r], r);
+  }
+  for (const absl::Status& e : EndAll(c, IdsOf(s))) ASSERT_TRUE(e.ok()) << e;
+  s.clear();
+  std::vector<std::vector<std::vector<float>>> ended(2);  // [rank][unit]: the shard after End
+  for (int r = 0; r < 2; ++r) {
+    for (const UnitShard& u : regs[r].shards) {
+      ended[r].emplace_back(Floats(*u.shard), Floats(*u.shard) + FloatCount(*u.shard));
+    }
+    WriteStep(regs[r].shards, 3, r);  // the next step, never committed
+  }
+  ASSERT_TRUE(gm_->Leave(c[1]).ok());
+  std::vector<std::string> modules;
+  c[1] = Rejoin("g", 2, 1, &modules);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(gm_->GetShards(c[r], "")->generation, 2u);
+    for (size_t u = 0; u < regs[r].shards.size(); ++u) {
+      const UnitShard& shard = regs[r].shards[u];
+      EXPECT_TRUE(std::equal(ended[r][u].begin(), ended[r][u].end(), Floats(*shard.shard)))
+          << "rank " << r << " unit " << u << " was not rolled back to its writeback End";
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
