@@ -274,10 +274,19 @@ absl::Status Modules::StartEndLocked(Group& g, const Caller& caller, uint64_t su
                      it->second.coll->status().message()));
     return absl::OkStatus();
   }
+  auto found = g.registered.find(it->second.module);
+  if (found == g.registered.end()) {
+    // Dropped (lost at a re-form) while this summon was open: nothing to end into.
+    auto lost = g.lost.find(it->second.module);
+    return absl::FailedPreconditionError(
+        absl::StrCat("group ", g.id, " rank ", caller.rank, ": summon ", summon, " of module ",
+                     Display(it->second.module), " cannot end: the module was dropped (",
+                     lost != g.lost.end() ? lost->second : "lost at a re-form", ")"));
+  }
   it->second.ending = true;
   OpenSummon& copy = out->copy;
   copy = it->second;
-  Registered& reg = g.registered.at(copy.module);
+  Registered& reg = found->second;
   if (copy.options.writeback && reg.rollback_pending) {
     it->second.ending = false;
     return absl::UnavailableError(
