@@ -25,6 +25,16 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 using ::testing::UnorderedElementsAre;
 
+// Decodes an edited record body re-sealed under a valid header, so only the body checks can
+// refuse it: "accepted" or the refusal's message.
+std::string WhyRefused(const std::string& body) {
+  const std::string header =
+      absl::StrCat(R"({"format":"flatshard.state/1","body_bytes":)", body.size(),
+                   R"(,"body_sha256":")", Sha256Hex(body), "\"}\n");
+  absl::StatusOr<GroupRecord> back = DecodeGroupRecord(header + body);
+  return back.ok() ? std::string("accepted") : std::string(back.status().message());
+}
+
 GroupRecord Sample(const std::string& id = "job-17", uint64_t sequence = 7) {
   GroupRecord r;
   r.id = id;
@@ -198,11 +208,7 @@ TEST(StateRecordTest, KeptBuffersRoundTripAndBadOnesAreRefused) {
     const size_t at = body.find(from);
     if (at == std::string::npos) return std::string("not found: ") + from;
     body.replace(at, from.size(), to);
-    const std::string header =
-        absl::StrCat(R"({"format":"flatshard.state/1","body_bytes":)", body.size(),
-                     R"(,"body_sha256":")", Sha256Hex(body), "\"}\n");
-    absl::StatusOr<GroupRecord> b = DecodeGroupRecord(header + body);
-    return b.ok() ? std::string("accepted") : std::string(b.status().message());
+    return WhyRefused(body);
   };
   EXPECT_THAT(refused(R"("segment":"/fs.1.900")", R"("segment":"fs.1.900")"),
               HasSubstr("$.modules[0].kept[0].segment"));
@@ -219,12 +225,7 @@ TEST(StateRecordTest, BadStateSpecsAreRefusedNamingThePath) {
     const size_t at = body.find(from);
     if (at == std::string::npos) return std::string("not found: ") + from;
     body.replace(at, from.size(), to);
-    // Re-seal the edited body so only the body checks can refuse it.
-    const std::string header =
-        absl::StrCat(R"({"format":"flatshard.state/1","body_bytes":)", body.size(),
-                     R"(,"body_sha256":")", Sha256Hex(body), "\"}\n");
-    absl::StatusOr<GroupRecord> back = DecodeGroupRecord(header + body);
-    return back.ok() ? std::string("accepted") : std::string(back.status().message());
+    return WhyRefused(body);
   };
   const std::vector<StateSpec> one = {{"exp_avg", DType::kFloat32, StateShape::kShard}};
   EXPECT_EQ(why(one, "", ""), "accepted");
