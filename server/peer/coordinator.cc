@@ -475,6 +475,14 @@ void Coordinator::Heartbeat(WatcherId id) {
   watchers_[it->second].last_heard = Now();
 }
 
+bool Coordinator::HeartbeatOf(const std::string& daemon_id) {
+  absl::MutexLock lock(&mu_);
+  Watcher* w = FindWatcher(daemon_id);
+  if (w == nullptr) return false;
+  w->last_heard = Now();
+  return true;
+}
+
 void Coordinator::Unwatch(WatcherId id, absl::string_view why) {
   Effects fx;
   {

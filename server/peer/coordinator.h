@@ -140,6 +140,9 @@ class Coordinator {
   absl::StatusOr<WatcherId> Watch(const DaemonIdentity& daemon, std::shared_ptr<WatchSink> sink);
   // A message arrived on stream `id`.
   void Heartbeat(WatcherId id);
+  // A Ping of `daemon_id` arrived (PeerService.Ping, outside its stream): as Heartbeat for
+  // its current stream. False when the daemon has no stream here (none yet, or declared dead).
+  bool HeartbeatOf(const std::string& daemon_id);
   // Stream `id` ended (`why`: broken, closed). If it is still its daemon's current stream the
   // daemon is dead: its ranks are cleared in every group, those groups are marked dirty, the
   // other watching daemons of each get UNAVAILABLE "group g: daemon <node> (<address>)

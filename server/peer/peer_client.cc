@@ -16,6 +16,7 @@
 #include "common/logging.h"
 #include "flatshard/v1/peer_service.grpc.pb.h"
 #include "server/peer/peer_proto.h"
+#include "server/peer/pinger.h"
 
 namespace flatshard::server::peer {
 namespace {
@@ -181,6 +182,12 @@ class WatchStream final : public grpc::ClientBidiReactor<v1::WatchRequest, v1::W
     return last_heard_;
   }
 
+  // The coordinator answered a Ping (Pinger): it is alive, as if a message had arrived.
+  void Heard() {
+    absl::MutexLock lock(&mu_);
+    last_heard_ = absl::Now();
+  }
+
   // Silent too long: reports the coordinator lost (once) and cancels the stream.
   void DeclareLost(absl::string_view why) {
     {
@@ -324,8 +331,10 @@ void ClientState::RemoveWatch(const std::string& coordinator, const WatchStream*
 
 class PeerClient::Impl {
  public:
-  explicit Impl(std::shared_ptr<ClientState> state) : state_(std::move(state)) {
-    heartbeat_ = std::thread([state = state_] { HeartbeatLoop(state); });
+  explicit Impl(std::shared_ptr<ClientState> state)
+      : state_(std::move(state)),
+        pinger_(std::make_shared<Pinger>(state_->self.daemon_id, state_->options.peer_timeout)) {
+    heartbeat_ = std::thread([state = state_, pinger = pinger_] { HeartbeatLoop(state, pinger); });
   }
 
   ~Impl() {
@@ -340,6 +349,7 @@ class PeerClient::Impl {
     }
     for (const auto& s : streams) s->CloseQuietly();
     for (const auto& c : calls) c->ctx.TryCancel();
+    pinger_->Close();
 
     ClientState* st = state_.get();
     // Destroyed from one of our own callbacks: that callback cannot finish first.
@@ -366,24 +376,31 @@ class PeerClient::Impl {
     }
   }
 
-  static void HeartbeatLoop(std::shared_ptr<ClientState> state) {
+  // Every interval: declares a stream silent for peer_timeout lost, else sends a heartbeat
+  // on it and pings its coordinator (whichever answer comes first counts).
+  static void HeartbeatLoop(std::shared_ptr<ClientState> state, std::shared_ptr<Pinger> pinger) {
     while (true) {
-      std::vector<std::shared_ptr<WatchStream>> streams;
+      std::vector<std::pair<std::shared_ptr<WatchStream>, v1::PeerService::Stub*>> streams;
       {
         absl::MutexLock lock(&state->mu);
         ClientState* st = state.get();
         auto closed = [st]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(st->mu) { return st->closed; };
         state->mu.AwaitWithTimeout(absl::Condition(&closed), state->options.heartbeat_interval);
         if (state->closed) break;
-        for (auto& [address, s] : state->watches) streams.push_back(s);
+        for (auto& [address, s] : state->watches) {
+          streams.emplace_back(s, state->StubLocked(address));
+        }
       }
       const absl::Time now = absl::Now();
-      for (const auto& s : streams) {
+      for (const auto& [s, stub] : streams) {
         const absl::Duration silent = now - s->last_heard();
         if (silent > state->options.peer_timeout) {
           s->DeclareLost(absl::StrCat("no message for ", absl::FormatDuration(silent)));
         } else {
           s->SendHeartbeat();
+          pinger->Ping(s.get(), stub, [weak = std::weak_ptr<WatchStream>(s)] {
+            if (auto alive = weak.lock()) alive->Heard();
+          });
         }
       }
     }
@@ -422,6 +439,8 @@ class PeerClient::Impl {
   }
 
   const std::shared_ptr<ClientState> state_;
+  // Shared with the heartbeat thread, which may outlive a destructor that runs on it.
+  const std::shared_ptr<Pinger> pinger_;
   std::thread heartbeat_;
 };
 

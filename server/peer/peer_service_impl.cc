@@ -304,4 +304,11 @@ grpc::ServerUnaryReactor* PeerServiceImpl::ReportFailure(grpc::CallbackServerCon
   return reactor;
 }
 
+grpc::Status PeerServiceImpl::Ping(grpc::ServerContext*, const v1::PeerPingRequest* request,
+                                   v1::PeerPingResponse*) {
+  if (coordinator_.HeartbeatOf(request->daemon_id())) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                      absl::StrCat("ping: daemon ", request->daemon_id(), " has no watch stream"));
+}
+
 }  // namespace flatshard::server::peer

@@ -3,7 +3,8 @@
 // it converts requests and hands them to a Coordinator. Rendezvous answers from the
 // coordinator's callback, so no gRPC thread waits while ranks gather. Watch is a bidi stream
 // per daemon: the first message names the daemon, then heartbeats flow both ways every
-// `heartbeat_interval`; pushed tables and failures share the stream. One internal thread sends
+// `heartbeat_interval`; pushed tables and failures share the stream. The daemon also Pings
+// every interval outside the stream (see PeerServiceBase). One internal thread sends
 // the heartbeats and runs the coordinator's deadlines (rendezvous deadlines, silent daemons).
 //
 // Thread safety: thread-safe.
@@ -25,7 +26,14 @@
 
 namespace flatshard::server::peer {
 
-class PeerServiceImpl final : public v1::PeerService::CallbackService {
+// Every method on gRPC's callback API but Ping, which is synchronous: it runs on the server's
+// own synchronous threads, so a daemon's liveness is heard even while every callback thread of
+// this process is busy in a long handler.
+using PeerServiceBase = v1::PeerService::WithCallbackMethod_Rendezvous<
+    v1::PeerService::WithCallbackMethod_Depart<v1::PeerService::WithCallbackMethod_Watch<
+        v1::PeerService::WithCallbackMethod_ReportFailure<v1::PeerService::Service>>>>;
+
+class PeerServiceImpl final : public PeerServiceBase {
  public:
   // Rendezvous calls without an RPC deadline wait at most this long.
   static constexpr absl::Duration kDefaultRendezvousWait = absl::Seconds(60);
@@ -56,6 +64,9 @@ class PeerServiceImpl final : public v1::PeerService::CallbackService {
   grpc::ServerUnaryReactor* ReportFailure(grpc::CallbackServerContext* ctx,
                                           const v1::ReportFailureRequest* request,
                                           v1::ReportFailureResponse* response) override;
+  // OK when `daemon_id` has a Watch stream here (its heartbeat is counted), NOT_FOUND otherwise.
+  grpc::Status Ping(grpc::ServerContext* ctx, const v1::PeerPingRequest* request,
+                    v1::PeerPingResponse* response) override;
 
  private:
   class WatchReactor;

@@ -559,6 +559,22 @@ TEST_F(CoordinatorTest, StaleFailureDoesNotDirtyTheGroup) {
   EXPECT_FALSE(Group("g")->dirty);
 }
 
+// A Ping (PeerService.Ping) counts as a heartbeat of the daemon's current stream; a daemon
+// without one is not found, and a ping cannot bring a daemon declared dead back.
+TEST_F(CoordinatorTest, PingOfAWatchingDaemonKeepsItAlive) {
+  FormAB();
+  auto sa = std::make_shared<FakeSink>(), sb = std::make_shared<FakeSink>();
+  WatchWith(kA, sa);
+  WatchWith(kB, sb);
+  EXPECT_FALSE(coordinator_.HeartbeatOf("nobody"));
+  Advance(absl::Seconds(2));
+  EXPECT_TRUE(coordinator_.HeartbeatOf(kA.daemon_id));
+  Advance(absl::Seconds(1));  // b silent for 3 s, a pinged 1 s ago
+  EXPECT_THAT(coordinator_.Snapshot().watching, ElementsAre(kA));
+  EXPECT_FALSE(coordinator_.HeartbeatOf(kB.daemon_id));
+  EXPECT_THAT(coordinator_.Snapshot().watching, ElementsAre(kA));
+}
+
 TEST_F(CoordinatorTest, SilentDaemonIsDeclaredDead) {
   Result r0, r1, r2;
   Join(r0, kA, 0, 3);

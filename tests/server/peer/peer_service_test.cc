@@ -6,6 +6,8 @@
 #include <grpcpp/server.h>
 #include <grpcpp/server_builder.h>
 
+#include <atomic>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -393,6 +395,80 @@ TEST_F(PeerServiceTest, SilentDaemonIsDeclaredDeadAfterPeerTimeout) {
   grpc::Status end = stream->Finish();
   EXPECT_EQ(end.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_THAT(end.error_message(), HasSubstr("daemon mute declared dead: no heartbeat for 1s"));
+}
+
+// Holds every Depart call until Release(): a handler that keeps a gRPC callback thread busy,
+// as a trainer's call that allocates a GiB there does (issue 27).
+class BusyService final : public v1::PeerService::CallbackService {
+ public:
+  grpc::ServerUnaryReactor* Depart(grpc::CallbackServerContext* ctx, const v1::DepartRequest*,
+                                   v1::DepartResponse*) override {
+    ++started_;
+    release_.WaitForNotification();
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+  int started() const { return started_.load(); }
+  void Release() { release_.Notify(); }
+
+ private:
+  std::atomic<int> started_{0};
+  absl::Notification release_;
+};
+
+// Every gRPC callback thread of the process busy for 3 peer timeouts: Watch stream heartbeats
+// cannot move, but the pings (synchronous on the coordinator, a thread of their own on the
+// daemon) keep both daemons and the coordinator alive to each other.
+TEST_F(PeerServiceTest, BusyCallbackThreadsDoNotMakeLiveDaemonsDead) {
+  RecordingEvents ea, eb;
+  auto a = Client("a", "a-1", &ea);
+  auto b = Client("b", "b-1", &eb);
+  auto r0 = Join(*a, address_, 2, 0);
+  ASSERT_TRUE(Join(*b, address_, 2, 1)->Get().ok());
+  ASSERT_TRUE(r0->Get().ok());
+  ASSERT_TRUE(Watching(2));
+
+  BusyService busy;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&busy);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::PeerService::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  // More calls than gRPC has callback threads (at most 16): the extra ones queue.
+  constexpr int kCalls = 32;
+  struct Call {
+    grpc::ClientContext ctx;
+    v1::DepartRequest request;
+    v1::DepartResponse response;
+  };
+  std::vector<std::unique_ptr<Call>> calls;
+  std::atomic<int> answered{0};
+  for (int i = 0; i < kCalls; ++i) {
+    calls.push_back(std::make_unique<Call>());
+    Call& c = *calls.back();
+    stub->async()->Depart(&c.ctx, &c.request, &c.response, [&](grpc::Status) { ++answered; });
+  }
+  ASSERT_TRUE(Eventually([&] { return busy.started() > 0; }));
+  // The stall under test, not a synchronization: 3 peer timeouts of it.
+  absl::SleepFor(3 * FastOptions().peer_timeout);
+  const int held = busy.started();
+  const std::vector<absl::Status> lost_a = ea.lost(), lost_b = eb.lost();
+  const size_t watching = service_->coordinator().Snapshot().watching.size();
+  busy.Release();
+  ASSERT_TRUE(Eventually([&] { return answered.load() == kCalls; }, absl::Seconds(30)));
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  server->Wait();
+
+  EXPECT_LT(held, kCalls) << "the callback threads were not all busy";
+  EXPECT_THAT(lost_a, IsEmpty());
+  EXPECT_THAT(lost_b, IsEmpty());
+  EXPECT_EQ(watching, 2u);
+  EXPECT_THAT(ea.failures(), IsEmpty());
+  EXPECT_THAT(eb.failures(), IsEmpty());
 }
 
 TEST_F(PeerServiceTest, CoordinatorShutdownIsNoticedWithin5s) {
