@@ -106,6 +106,9 @@
 #include "flatshard/client.h"
 #include "tests/bench/bench_support.h"
 #include "tests/bench/emulated_nodes.h"
+#include "tests/bench/multi_daemon_mpi.h"
+#include "tests/bench/multi_daemon_processes.h"
+#include "tests/bench/multi_daemon_ucx_perftest.h"
 #include "tests/testing/emulated_links.h"
 
 ABSL_FLAG(int64_t, bytes, int64_t{1} << 30,
@@ -170,63 +173,22 @@ using bench::ExecVectors;
 using bench::Median;
 using bench::MicrosSince;
 
+using bench::md::children;
+using bench::md::Children;
+using bench::md::FindInPath;
+using bench::md::g_interrupted;
+using bench::md::JoinOrNone;
+using bench::md::KillTool;
+using bench::md::MpiResult;
+using bench::md::RunMpi;
+using bench::md::RunUcxPerftest;
+using bench::md::SignalThread;
+using bench::md::SpawnTool;
+using bench::md::UcxEndpointConfigs;
+using bench::md::UcxPerfResult;
+using bench::md::WaitTool;
+
 constexpr char kToken[] = "bench";
-
-// ---- Child processes and cleanup --------------------------------------------------------------
-
-// Every process this benchmark started, for the signal thread. Daemons are stopped through
-// their BenchDaemon; ranks get SIGKILL; tools (mpirun, ucx_perftest) run in their own process
-// groups and get SIGTERM, then SIGKILL.
-struct Children {
-  absl::Mutex mu;
-  std::set<BenchDaemon*> daemons ABSL_GUARDED_BY(mu);
-  std::set<pid_t> ranks ABSL_GUARDED_BY(mu);
-  std::set<pid_t> tool_groups ABSL_GUARDED_BY(mu);
-  fs::path temp_dir ABSL_GUARDED_BY(mu);                        // tool logs; removed at exit
-  std::set<testing::EmulatedLinks*> links ABSL_GUARDED_BY(mu);  // torn down last
-};
-Children& children() {
-  static Children* c = new Children;
-  return *c;
-}
-std::atomic<bool> g_interrupted{false};
-
-// Sends SIGTERM to the process group `pgid`, SIGKILL after `grace`, and reaps its leader.
-void EndToolGroup(pid_t pgid, absl::Duration grace) {
-  ::kill(-pgid, SIGTERM);
-  const absl::Time give_up = absl::Now() + grace;
-  while (absl::Now() < give_up) {
-    if (::waitpid(pgid, nullptr, WNOHANG) == pgid) {
-      ::kill(-pgid, SIGKILL);  // stragglers of the group, if any
-      return;
-    }
-    absl::SleepFor(absl::Milliseconds(20));
-  }
-  ::kill(-pgid, SIGKILL);
-  ::waitpid(pgid, nullptr, 0);
-}
-
-// SIGINT and SIGTERM are blocked in every thread; this one waits for them, ends every child,
-// removes the daemons' segments and directories, and exits 128 + signal.
-void SignalThread(sigset_t signals) {
-  int sig = 0;
-  if (sigwait(&signals, &sig) != 0) return;
-  g_interrupted = true;
-  std::fprintf(stderr, "flatshard_multi_daemon_benchmark: signal %d: ending child processes\n",
-               sig);
-  Children& c = children();
-  absl::MutexLock lock(&c.mu);
-  for (pid_t pid : c.ranks) ::kill(pid, SIGKILL);
-  for (pid_t pid : c.ranks) ::waitpid(pid, nullptr, 0);
-  for (pid_t pgid : c.tool_groups) EndToolGroup(pgid, absl::Seconds(3));
-  for (BenchDaemon* d : c.daemons) d->Stop();
-  for (testing::EmulatedLinks* l : c.links) l->Teardown();
-  if (!c.temp_dir.empty()) {
-    std::error_code ec;
-    fs::remove_all(c.temp_dir, ec);
-  }
-  _exit(128 + sig);
-}
 
 // The daemons of one part, registered for the signal thread; stopped (segments removed) when
 // destroyed.
@@ -334,281 +296,6 @@ class DaemonSet {
   std::vector<std::unique_ptr<BenchDaemon>> daemons_;
   std::vector<std::string> peer_addresses_;
 };
-
-// The distinct UCX endpoint configurations in `log` ("tag(sysv/memory cma/memory)"), from the
-// ep_cfg lines UCX prints at UCX_LOG_LEVEL=info.
-std::set<std::string> UcxEndpointConfigs(absl::string_view log) {
-  std::set<std::string> out;
-  for (absl::string_view line : absl::StrSplit(log, '\n')) {
-    const size_t at = line.find("ep_cfg[");
-    if (at == absl::string_view::npos) continue;
-    const size_t colon = line.find(": ", at);
-    if (colon == absl::string_view::npos) continue;
-    std::string cfg(line.substr(colon + 2));
-    while (!cfg.empty() && (cfg.back() == '\r' || cfg.back() == ' ')) cfg.pop_back();
-    out.insert(cfg);
-  }
-  return out;
-}
-
-std::string JoinOrNone(const std::set<std::string>& s) {
-  return s.empty() ? "(none reported)" : absl::StrJoin(s, ", ");
-}
-
-// ---- Tools: mpirun, ucx_perftest ------------------------------------------------------------
-
-// A tool in its own process group, stdout and stderr to `log_path`; registered for cleanup.
-absl::StatusOr<pid_t> SpawnTool(const std::vector<std::string>& argv_in,
-                                const std::vector<std::string>& env_in,
-                                const std::string& log_path) {
-  const ExecVectors exec(argv_in, env_in);
-  const pid_t parent = ::getpid();
-  Children& c = children();
-  absl::MutexLock lock(&c.mu);  // registered before the signal thread could miss it
-  const pid_t pid = ::fork();
-  if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
-  if (pid == 0) ExecLoggedChild(parent, log_path.c_str(), exec, /*own_group=*/true);
-  ::setpgid(pid, pid);  // also here: no window in which a kill(-pid) misses the child
-  c.tool_groups.insert(pid);
-  return pid;
-}
-
-// Waits for the tool until `deadline`; past it, ends its group. The wait status.
-absl::StatusOr<int> WaitTool(pid_t pid, absl::Time deadline, absl::string_view what) {
-  int status = 0;
-  pid_t got = 0;
-  while ((got = ::waitpid(pid, &status, WNOHANG)) == 0 && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  Children& c = children();
-  absl::MutexLock lock(&c.mu);
-  c.tool_groups.erase(pid);
-  if (got == pid) {
-    ::kill(-pid, SIGKILL);  // whatever it left in its group
-    return status;
-  }
-  EndToolGroup(pid, absl::Seconds(3));
-  return absl::DeadlineExceededError(absl::StrCat(what, " did not finish in time: killed"));
-}
-
-// Ends a tool early (error paths).
-void KillTool(pid_t pid) {
-  Children& c = children();
-  absl::MutexLock lock(&c.mu);
-  if (c.tool_groups.erase(pid) > 0) EndToolGroup(pid, absl::Seconds(3));
-}
-
-// Whether `name` is an executable file (a path) or one on $PATH.
-bool FindInPath(const std::string& name) {
-  if (name.find('/') != std::string::npos) return ::access(name.c_str(), X_OK) == 0;
-  const char* path = std::getenv("PATH");
-  for (absl::string_view d : absl::StrSplit(path != nullptr ? path : "", ':', absl::SkipEmpty())) {
-    if (::access(absl::StrCat(d, "/", name).c_str(), X_OK) == 0) return true;
-  }
-  return false;
-}
-
-struct MpiResult {
-  double median_s = 0;
-  int64_t bytes = 0;
-  std::string pml, btl, single_copy;
-};
-
-// `ompi_info`'s btl_vader_single_copy_mechanism ("" when unknown).
-std::string VaderSingleCopy(const fs::path& dir) {
-  const std::string log = (dir / "ompi_info.log").string();
-  absl::StatusOr<pid_t> pid =
-      SpawnTool({"ompi_info", "--param", "btl", "vader", "--level", "3"}, {}, log);
-  if (!pid.ok()) return "";
-  absl::StatusOr<int> st = WaitTool(*pid, absl::Now() + absl::Seconds(30), "ompi_info");
-  if (!st.ok()) return "";
-  for (absl::string_view line : absl::StrSplit(bench::ReadText(log), '\n')) {
-    if (!absl::StrContains(line, "btl_vader_single_copy_mechanism")) continue;
-    const size_t at = line.find("current value: \"");
-    if (at == absl::string_view::npos) continue;
-    absl::string_view rest = line.substr(at + 16);
-    return std::string(rest.substr(0, rest.find('"')));
-  }
-  return "";
-}
-
-absl::StatusOr<MpiResult> RunMpi(int np, int64_t bytes, int iters, int warmup, const fs::path& dir,
-                                 absl::Duration timeout, const std::string& op = "allgather",
-                                 int rpn = 1, const testing::EmulatedLinks* links = nullptr) {
-  const std::string mpirun = absl::GetFlag(FLAGS_mpirun);
-  const std::string baseline = absl::GetFlag(FLAGS_mpi_baseline);
-  if (mpirun.empty() || !FindInPath(mpirun) || baseline.empty() ||
-      ::access(baseline.c_str(), X_OK) != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("no MPI baseline (mpirun \"", mpirun, "\", baseline \"", baseline,
-                     "\"): install libopenmpi-dev and build flatshard_mpi_allgather_baseline"));
-  }
-  std::vector<std::string> launch = {mpirun};
-  if (links != nullptr) {
-    FS_ASSIGN_OR_RETURN(launch, bench::MpiOverLinks(mpirun, rpn, *links, dir));
-  }
-  launch.push_back("--oversubscribe");
-  if (::geteuid() == 0) launch.push_back("--allow-run-as-root");
-  launch.insert(launch.end(), {"-np", absl::StrCat(np)});
-  // Which PML and BTL carry the bytes: a tiny probe run with verbose selection output (the same
-  // per-peer choice as the timed run, which runs without the verbosity).
-  std::vector<std::string> probe = launch;
-  probe.insert(probe.end(),
-               {"--mca", "pml_base_verbose", "10", "--mca", "btl_base_verbose", "100", baseline,
-                absl::StrCat("--bytes=", 4096 * np), "--iters=1", "--warmup=0", "--op=" + op});
-  std::vector<std::string> timed = launch;
-  timed.insert(timed.end(),
-               {baseline, absl::StrCat("--bytes=", bytes), absl::StrCat("--iters=", iters),
-                absl::StrCat("--warmup=", warmup), "--op=" + op});
-  const absl::Time deadline = absl::Now() + timeout;
-  auto run = [&](const std::vector<std::string>& argv,
-                 absl::string_view name) -> absl::StatusOr<std::string> {
-    const std::string log = (dir / absl::StrCat("mpi_", op, "_np", np, "_", name, ".log")).string();
-    FS_ASSIGN_OR_RETURN(pid_t pid, SpawnTool(argv, {}, log));
-    FS_ASSIGN_OR_RETURN(int status, WaitTool(pid, deadline, "mpirun"));
-    std::string out = bench::ReadText(log);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      return absl::InternalError(absl::StrCat(absl::StrJoin(argv, " "), ": ",
-                                              bench::DescribeWaitStatus(status), "; output:\n",
-                                              bench::Tail(out, 3000)));
-    }
-    return out;
-  };
-  FS_ASSIGN_OR_RETURN(const std::string probe_out, run(probe, "probe"));
-  FS_ASSIGN_OR_RETURN(const std::string out, run(timed, "timed"));
-  MpiResult r;
-  std::set<std::string> pmls, btls;
-  for (absl::string_view line : absl::StrSplit(probe_out, '\n')) {
-    // "[host:pid] select: component ob1 selected"
-    if (size_t at = line.find("select: component ");
-        at != absl::string_view::npos && absl::EndsWith(line, " selected")) {
-      absl::string_view rest = line.substr(at + 18);
-      pmls.insert(std::string(rest.substr(0, rest.find(' '))));
-    }
-    // "[host:pid] mca: bml: Using vader btl for send to [[...],1] on node host"
-    if (size_t at = line.find("bml: Using "); at != absl::string_view::npos) {
-      absl::string_view rest = line.substr(at + 11);
-      std::string btl(rest.substr(0, rest.find(' ')));
-      if (btl != "self") btls.insert(btl);  // self: a rank to itself
-    }
-  }
-  for (absl::string_view line : absl::StrSplit(out, '\n')) {
-    if (!absl::StartsWith(line, absl::StrCat("mpi_", op, " "))) continue;
-    for (absl::string_view kv : absl::StrSplit(line, ' ')) {
-      if (absl::ConsumePrefix(&kv, "median_s=")) {
-        if (!absl::SimpleAtod(kv, &r.median_s)) r.median_s = 0;
-      } else if (absl::ConsumePrefix(&kv, "bytes=")) {
-        if (!absl::SimpleAtoi(kv, &r.bytes)) r.bytes = 0;
-      }
-    }
-  }
-  if (r.median_s <= 0) {
-    return absl::InternalError(
-        absl::StrCat("no median_s in the MPI baseline's output:\n", bench::Tail(out, 3000)));
-  }
-  r.pml = pmls.empty() ? "?" : absl::StrJoin(pmls, "+");
-  r.btl = btls.empty() ? "?" : absl::StrJoin(btls, "+");
-  r.single_copy = VaderSingleCopy(dir);
-  return r;
-}
-
-// Whether something listens on TCP `port` (IPv4 or IPv6, any address), from /proc/net: a probe
-// connection would count as ucx_perftest's one client.
-bool PortListening(int port) {
-  const std::string hex_port = absl::StrCat(":", absl::Hex(port, absl::kZeroPad4));
-  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    std::ifstream in(table);
-    std::string line;
-    std::getline(in, line);  // header
-    while (std::getline(in, line)) {
-      std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
-      // sl local_address rem_address st ...; st 0A = LISTEN
-      if (f.size() > 3 && f[3] == "0A" &&
-          absl::EndsWith(absl::AsciiStrToUpper(f[1]), absl::AsciiStrToUpper(hex_port))) {
-        return true;
-      }
-    }
-  }
-  return false;
-}
-
-struct UcxPerfResult {
-  double time_us = 0;  // per message, averaged over the measured iterations
-  std::set<std::string> server_cfg, client_cfg;
-};
-
-// `error_handling`: endpoints with peer error handling (-e), as the daemons create theirs; UCX
-// then selects from the transports that support it (UCX 1.13 on one host: tcp, not shm/cma).
-absl::StatusOr<UcxPerfResult> RunUcxPerftest(int64_t size, int iters, int warmup,
-                                             bool error_handling,
-                                             const std::vector<std::string>& env,
-                                             const fs::path& dir, absl::Duration timeout) {
-  const std::string bin = absl::GetFlag(FLAGS_ucx_perftest);
-  if (!FindInPath(bin)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(bin, " not found (install ucx-utils, or pass --ucx_perftest)"));
-  }
-  const absl::Time deadline = absl::Now() + timeout;
-  absl::Status last;
-  for (int attempt = 0; attempt < 3; ++attempt) {
-    const int port = bench::PickFreeLoopbackPort();
-    if (port <= 0) return absl::InternalError("no free TCP port on 127.0.0.1");
-    const std::string server_log = (dir / "ucx_perftest_server.log").string();
-    const std::string client_log = (dir / "ucx_perftest_client.log").string();
-    FS_ASSIGN_OR_RETURN(pid_t server, SpawnTool({bin, "-p", absl::StrCat(port)}, env, server_log));
-    while (!PortListening(port) && absl::Now() < deadline) {
-      int st = 0;
-      if (::waitpid(server, &st, WNOHANG) == server) break;
-      absl::SleepFor(absl::Milliseconds(10));
-    }
-    if (!PortListening(port)) {
-      KillTool(server);
-      last = absl::UnavailableError(absl::StrCat("ucx_perftest server did not listen on port ",
-                                                 port, "; its output:\n",
-                                                 bench::Tail(bench::ReadText(server_log), 2000)));
-      continue;
-    }
-    std::vector<std::string> args = {
-        bin,  "127.0.0.1",        "-p", absl::StrCat(port),  "-t", "tag_bw",
-        "-s", absl::StrCat(size), "-n", absl::StrCat(iters), "-w", absl::StrCat(warmup)};
-    if (error_handling) args.push_back("-e");
-    absl::StatusOr<pid_t> client = SpawnTool(args, env, client_log);
-    if (!client.ok()) {
-      KillTool(server);
-      return client.status();
-    }
-    absl::StatusOr<int> cst = WaitTool(*client, deadline, "ucx_perftest client");
-    absl::StatusOr<int> sst =
-        WaitTool(server, absl::Now() + absl::Seconds(20), "ucx_perftest server");
-    const std::string cout_text = bench::ReadText(client_log);
-    const std::string sout_text = bench::ReadText(server_log);
-    if (!cst.ok() || !WIFEXITED(*cst) || WEXITSTATUS(*cst) != 0) {
-      return absl::InternalError(absl::StrCat(
-          "ucx_perftest client failed (",
-          cst.ok() ? bench::DescribeWaitStatus(*cst) : std::string(cst.status().message()),
-          "); its output:\n", bench::Tail(cout_text, 2000), "\n-- server:\n",
-          bench::Tail(sout_text, 1000)));
-    }
-    (void)sst;  // the server's exit does not change the client's figure
-    UcxPerfResult r;
-    // "Final:   <iters> <p50> <avg overhead us> <overall overhead us> <bw avg> <bw overall>
-    //  <msgrate avg> <msgrate overall>": the overall overhead is the time per message over
-    // every measured iteration.
-    for (absl::string_view line : absl::StrSplit(cout_text, '\n')) {
-      if (!absl::StartsWith(line, "Final:")) continue;
-      std::vector<absl::string_view> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
-      if (f.size() >= 5 && !absl::SimpleAtod(f[4], &r.time_us)) r.time_us = 0;
-    }
-    if (r.time_us <= 0) {
-      return absl::InternalError(absl::StrCat("no \"Final:\" line in ucx_perftest's output:\n",
-                                              bench::Tail(cout_text, 2000)));
-    }
-    r.client_cfg = UcxEndpointConfigs(cout_text);
-    r.server_cfg = UcxEndpointConfigs(sout_text);
-    return r;
-  }
-  return last;
-}
 
 // ---- Ranks -------------------------------------------------------------------------------------
 
@@ -1318,7 +1005,8 @@ absl::Status Run() {
         std::optional<MpiResult> mpi;
         if (!absl::GetFlag(FLAGS_skip_mpi)) {
           absl::StatusOr<MpiResult> m =
-              RunMpi(world, size, iters, warmup, dir, timeout, op, rpn, links.get());
+              RunMpi(absl::GetFlag(FLAGS_mpirun), absl::GetFlag(FLAGS_mpi_baseline), world, size,
+                     iters, warmup, dir, timeout, op, rpn, links.get());
           if (m.ok()) {
             mpi = *m;
             const std::string note = absl::StrCat(
@@ -1442,8 +1130,9 @@ absl::Status Run() {
                          {"ucx_perftest tag_bw", false, std::nullopt}};
     if (!absl::GetFlag(FLAGS_skip_ucx_perftest)) {
       for (UcxRow& row : ucx_rows) {
-        absl::StatusOr<UcxPerfResult> u = RunUcxPerftest(tsize, std::max(iters, 10), warmup,
-                                                         row.error_handling, ucx_env, dir, timeout);
+        absl::StatusOr<UcxPerfResult> u =
+            RunUcxPerftest(absl::GetFlag(FLAGS_ucx_perftest), tsize, std::max(iters, 10), warmup,
+                           row.error_handling, ucx_env, dir, timeout);
         if (u.ok()) {
           row.result = *u;
           const std::string note = absl::StrCat(
