@@ -2,8 +2,8 @@
 // The daemon side of the peer control plane (proto/flatshard/v1/peer_service.proto): a
 // daemon hosting ranks of a multi-daemon group meets the group's coordinator (another
 // daemon's PeerService, or its own) to learn the peer table, keeps a Watch stream with
-// heartbeats to every coordinator it uses, reports its groups' failures and hears of the
-// others' (DESIGN.md "Lifecycles", "Collective order and failure").
+// heartbeats (and Pings beside it, pinger.h) to every coordinator it uses, reports its groups'
+// failures and hears of the others' (DESIGN.md "Lifecycles", "Collective order and failure").
 //
 // Thread safety: thread-safe. Callbacks and PeerEvents run on the client's own threads (gRPC
 // callback threads or its heartbeat thread), never under its locks, and may call back into
@@ -58,8 +58,9 @@ struct PeerTable {
 struct PeerOptions {
   // Heartbeats on every Watch stream, both ways.
   absl::Duration heartbeat_interval = absl::Milliseconds(500);
-  // No message on a Watch stream for this long: the other side is dead. Together with the
-  // interval this bounds failure detection well inside DESIGN's 5 s.
+  // No message on a Watch stream and no answered Ping (pinger.h) for this long: the other
+  // side is dead. Together with the interval this bounds failure detection well inside
+  // DESIGN's 5 s.
   absl::Duration peer_timeout = absl::Seconds(3);
   // Credentials of every channel to a coordinator; null: insecure (loopback / trusted net).
   std::shared_ptr<grpc::ChannelCredentials> credentials;
