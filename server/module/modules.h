@@ -206,6 +206,12 @@ class Modules {
   void FinishEnd(const Caller& caller, uint64_t summon, absl::Status status, StatusCallback done);
   void RollbackNow(Group& g, const std::string& module, Registered& reg, AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // ReconcileModules: a daemon was killed during `module`'s initialisation and not every
+  // daemon holds its initial values (internal::InitUndoneEverywhere): it is not initialised
+  // here any more (`why`), so every rank's next Register runs the init again; its record goes.
+  // An init End still copying here fails when it finishes (Registered::init_undone).
+  void UndoInitLocked(Group& g, const std::string& module, const std::string& why,
+                      AfterUnlock* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // A refused agreement with a stale rank: rolls the caller's shards of `module` back.
   void RollbackRank(const Caller& caller, const std::string& module);
   // Runs the agreement all-gather of a writeback End or a Commit; `done` gets OK when every

@@ -166,6 +166,18 @@ void Modules::ReconcileModules(Group& g, const peer::PeerTable& table, AfterUnlo
     }
     if (lacking.empty()) continue;
     const std::string module = key.substr(0, key.find('\x1f'));
+    std::vector<const std::vector<std::string>*> reports;
+    for (const auto& [r, held] : known) reports.push_back(held);
+    if (internal::InitUndoneEverywhere(module, reports)) {
+      // A daemon killed during the module's initialisation: undone on every daemon.
+      UndoInitLocked(g, module,
+                     absl::StrCat("its initialisation was undone at the re-form at epoch ",
+                                  table.epoch,
+                                  ": a daemon was killed during it and not every daemon held "
+                                  "its initial values"),
+                     run);
+      continue;
+    }
     std::set<std::string> daemons;
     for (int32_t r : lacking) {
       if (r < static_cast<int32_t>(table.rank_daemons.size())) {
