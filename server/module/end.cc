@@ -19,8 +19,8 @@
 #include "server/durable/parallel_copier.h"
 #include "server/durable/records.h"
 #include "server/messages.h"
-#include "server/module/init_undo.h"
 #include "server/module/generations.h"
+#include "server/module/init_undo.h"
 #include "server/module/summon_steps.h"
 #include "server/module/unit_ops.h"
 #include "server/module/writeback_end.h"
@@ -502,9 +502,8 @@ void Modules::FinishAppliedEnd(const WritebackEnd& end, absl::Status s, StatusCa
         reg.initialized = false;
         reg.pending_commit.reset();
         records_.PersistModuleLater(g, end.module, &run);
-        s = absl::FailedPreconditionError(absl::StrCat("summon ", end.summon, ": module ",
-                                                       Display(end.module), " ",
-                                                       reg.uninitialized_why));
+        s = absl::FailedPreconditionError(absl::StrCat(
+            "summon ", end.summon, ": module ", Display(end.module), " ", reg.uninitialized_why));
       }
       if (s.ok()) {
         if (end.is_init) {

@@ -161,7 +161,8 @@ std::optional<uint64_t> ModuleHostFallback(const R& reg) {
 // ranks may end at either of two generations is reported as "G|G+1": the daemons resolve it
 // to the lowest generation every daemon can end at (ResolveHeld). A GPU daemon's module that
 // holds G and can be rolled back to G-1 from its host copies (ModuleHostFallback) is reported
-// as "G-1<G": resolved to G unless another daemon can only end at G-1.
+// as "G-1<G": resolved to G unless another daemon can only end at G-1. One not initialised here
+// (InitHeld) is reported as kNotInitialised (InitUndoneEverywhere).
 // What a module not initialised here reports instead of a generation (HeldKey): no initial
 // values are committed, nor will be by an init whose copies are under way on every local rank.
 inline constexpr char kNotInitialised[] = "uninit";

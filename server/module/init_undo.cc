@@ -17,8 +17,11 @@
 #include "absl/time/time.h"
 #include "common/logging.h"
 #include "server/durable/records.h"
+#include "server/messages.h"
+#include "server/module/generations.h"
 #include "server/module/init_undo.h"
 #include "server/module/modules.h"
+#include "server/module/unit_ops.h"
 
 ABSL_FLAG(std::string, testing_pause_init, "",
           "Testing only: \"POINT:DURATION\" pauses this daemon for DURATION inside every "

@@ -92,9 +92,11 @@ std::string Describe(const absl::Status& s) {
 
 // ---- The trainer (a child process) ----
 
-// Lines to the parent through a pipe. Final() is the last word: it waits (up to 30 s) until
-// the parent lets every trainer go, so that one trainer's exit (its session ending) does not
-// fail a collective another is still in.
+// Lines to the parent through a pipe. Final() is the last word: it waits until the parent lets
+// every trainer go, so that one trainer's exit (its session ending) does not fail a collective
+// another is still in. Up to 200 s, longer than the parent pumps a trial (170 s): a trainer
+// that gave up waiting sooner (it was 30 s) left while another, re-attaching slowly under
+// load, still needed it to re-join (AskDoneRanksToRejoin), and that one then gave up too.
 class Reporter {
  public:
   Reporter(int fd, int go_fd) : fd_(fd), go_fd_(go_fd) {}
@@ -112,7 +114,7 @@ class Reporter {
   bool FinalOrRejoin(const std::string& line) {
     Say(line);
     pollfd p{go_fd_, POLLIN, 0};
-    if (poll(&p, 1, 30000) <= 0) return false;
+    if (poll(&p, 1, 200000) <= 0) return false;
     char c = 0;
     return read(go_fd_, &c, 1) == 1 && c == 'r';
   }
@@ -389,13 +391,7 @@ class Trainers {
   bool Pump(absl::Duration timeout, const std::function<bool(int, const std::string&)>& stop) {
     const absl::Time deadline = absl::Now() + timeout;
     for (;;) {
-      std::vector<pollfd> fds;
-      std::vector<int> who;
-      for (int r = 0; r < kWorld; ++r) {
-        if (trainers_[r].eof) continue;
-        fds.push_back(pollfd{trainers_[r].fd, POLLIN, 0});
-        who.push_back(r);
-      }
+      std::vector<pollfd> fds = OpenPipes();
       if (fds.empty()) return true;
       const absl::Duration left = deadline - absl::Now();
       if (left <= absl::ZeroDuration()) return false;
@@ -403,16 +399,14 @@ class Trainers {
           0) {
         continue;
       }
-      for (size_t i = 0; i < fds.size(); ++i) {
-        if (fds[i].revents == 0) continue;
-        Trainer& t = trainers_[who[i]];
-        char buf[4096];
-        const ssize_t n = read(t.fd, buf, sizeof(buf));
-        if (n <= 0) {
-          t.eof = true;
-          continue;
-        }
-        t.buffer.append(buf, n);
+      // Every line said by now, on every pipe, before deciding anything on them: a rank's
+      // "verified" said before another's "done" may still sit unread in its own pipe, and
+      // deciding on the "done" alone asked that rank to re-join for nothing (a stale
+      // "attaching", AskDoneRanksToRejoin).
+      ReadEverythingSaid();
+      bool stopped = false;
+      for (int r = 0; r < kWorld; ++r) {
+        Trainer& t = trainers_[r];
         size_t nl;
         while ((nl = t.buffer.find('\n')) != std::string::npos) {
           std::string line = t.buffer.substr(0, nl);
@@ -427,10 +421,11 @@ class Trainers {
           }
           t.lines.push_back(Line{absl::Now(), sent, line});
           if (!absl::StartsWith(line, "done ")) t.asked_to_rejoin = false;
-          if (mode_ == "train") AskDoneRanksToRejoin();
-          if (stop(who[i], line)) return true;
+          if (!stopped && stop(r, line)) stopped = true;
         }
       }
+      if (mode_ == "train") AskDoneRanksToRejoin();
+      if (stopped) return true;
     }
   }
 
@@ -493,6 +488,34 @@ class Trainers {
       if (absl::StartsWith(t.lines.back().text, "done ")) {
         (void)!write(t.go, "r", 1);
         t.asked_to_rejoin = true;
+      }
+    }
+  }
+  // The pipes of the trainers still writing.
+  std::vector<pollfd> OpenPipes() const {
+    std::vector<pollfd> fds;
+    for (const Trainer& t : trainers_) {
+      if (!t.eof) fds.push_back(pollfd{t.fd, POLLIN, 0});
+    }
+    return fds;
+  }
+  // Reads whatever every pipe holds now into its trainer's buffer (no wait).
+  void ReadEverythingSaid() {
+    for (;;) {
+      std::vector<pollfd> fds = OpenPipes();
+      if (fds.empty() || poll(fds.data(), fds.size(), 0) <= 0) return;
+      for (const pollfd& p : fds) {
+        if (p.revents == 0) continue;
+        for (Trainer& t : trainers_) {
+          if (t.fd != p.fd || t.eof) continue;
+          char buf[4096];
+          const ssize_t n = read(t.fd, buf, sizeof(buf));
+          if (n <= 0) {
+            t.eof = true;
+          } else {
+            t.buffer.append(buf, n);
+          }
+        }
       }
     }
   }

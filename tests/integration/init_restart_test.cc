@@ -45,16 +45,20 @@ class InitRestartTest : public TwoDaemonRestartTest,
 
   void SetUp() override {
     if (window() != "init_summon_open") {
-      (victim() == 1 ? daemon1_flags_ : daemon0_flags_) = {
-          absl::StrCat("--testing_pause_init=", window(), ":60s")};
+      std::vector<std::string>& flags = victim() == 1 ? daemon1_flags_ : daemon0_flags_;
+      flags.push_back("--testing_pause_init=" + window() + ":60s");
     }
     TwoDaemonRestartTest::SetUp();
   }
-  // Restarts the victim without the pause; true once it adopted its records.
+  // Restarts the victim without the pause (the coordinator on its peer address, which the
+  // survivor's group names); true once it adopted its records.
   bool RestartVictim() {
     DaemonProcess& d = *daemons_[victim()];
     const size_t before = d.Log().size();
-    if (!d.Restart({"--testing_pause_init="})) return false;
+    std::vector<std::string> flags;
+    if (window() != "init_summon_open") flags.push_back("--testing_pause_init=");
+    if (victim() == 0) flags.push_back("--peer_address=" + d.peer_address());
+    if (!d.Restart(flags)) return false;
     const absl::Time until = absl::Now() + absl::Seconds(20);
     while (d.Log().find("restart: adopted", before) == std::string::npos && absl::Now() < until) {
       absl::SleepFor(absl::Milliseconds(10));
@@ -184,18 +188,19 @@ TEST_P(InitRestartTest, ADaemonKilledDuringTheInitialisationLosesNothing) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    KillWindows, InitRestartTest,
-    ::testing::Combine(::testing::Values(0, 1),
-                       ::testing::Values("register_before_record", "init_summon_open",
-                                         "end_before_intent")),
-    [](const ::testing::TestParamInfo<std::tuple<int, const char*>>& info) {
-      const std::string w = std::get<1>(info.param);
-      return absl::StrCat(std::get<0>(info.param) == 0 ? "Coordinator" : "OtherDaemon",
-                          w == "register_before_record" ? "AfterTheZerosRegistrationAgreed"
-                          : w == "init_summon_open"     ? "WhileTheInitSummonIsOpen"
-                                                        : "AfterTheInitEndAgreed");
-    });
+INSTANTIATE_TEST_SUITE_P(KillWindows, InitRestartTest,
+                         ::testing::Combine(::testing::Values(0, 1),
+                                            ::testing::Values("register_before_record",
+                                                              "init_summon_open",
+                                                              "end_before_intent")),
+                         [](const ::testing::TestParamInfo<std::tuple<int, const char*>>& info) {
+                           const std::string w = std::get<1>(info.param);
+                           return absl::StrCat(
+                               std::get<0>(info.param) == 0 ? "Coordinator" : "OtherDaemon",
+                               w == "register_before_record" ? "AfterTheZerosRegistrationAgreed"
+                               : w == "init_summon_open"     ? "WhileTheInitSummonIsOpen"
+                                                             : "AfterTheInitEndAgreed");
+                         });
 
 }  // namespace
 }  // namespace flatshard::client

@@ -46,7 +46,10 @@ TEST(ResolveHeldTest, HostCopyFallbacksPreferTheGenerationHeld) {
 bool Undone(const std::vector<std::string>& generations, const std::string& fingerprint = "fp") {
   std::vector<std::vector<std::string>> held;
   for (const std::string& g : generations) {
-    held.push_back({"other\x1f" "fp\x1f" "4"});
+    held.push_back(
+        {"other\x1f"
+         "fp\x1f"
+         "4"});
     if (!g.empty()) held.back().push_back("m\x1f" + fingerprint + "\x1f" + g);
   }
   std::vector<const std::vector<std::string>*> reports;
@@ -73,8 +76,18 @@ TEST(InitUndoneEverywhereTest, NeverUndoesATrainedOrAgreedModule) {
   EXPECT_FALSE(Undone({"1", ""}));
   EXPECT_FALSE(Undone({"0|1", ""}));
   EXPECT_FALSE(Undone({"0", "1"}));
-  std::vector<std::string> a = {"m\x1f" "fp\x1f" "0"}, b = {"m\x1f" "fp2\x1f" "0"},
-                           lost = {"m\x1f" "lost"}, none;
+  std::vector<std::string> a =
+                               {"m\x1f"
+                                "fp\x1f"
+                                "0"},
+                           b =
+                               {"m\x1f"
+                                "fp2\x1f"
+                                "0"},
+                           lost =
+                               {"m\x1f"
+                                "lost"},
+                           none;
   EXPECT_FALSE(InitUndoneEverywhere("m", {&a, &b}));
   EXPECT_FALSE(InitUndoneEverywhere("m", {&a, &lost}));
   EXPECT_TRUE(InitUndoneEverywhere("m", {&a, &none}));
