@@ -502,8 +502,9 @@ void Modules::FinishAppliedEnd(const WritebackEnd& end, absl::Status s, StatusCa
         reg.initialized = false;
         reg.pending_commit.reset();
         records_.PersistModuleLater(g, end.module, &run);
-        s = absl::FailedPreconditionError(absl::StrCat(
-            "summon ", end.summon, ": module ", Display(end.module), " ", reg.uninitialized_why));
+        s = absl::FailedPreconditionError(absl::StrCat("summon ", end.summon, ": module ",
+                                                       Display(end.module), ": ",
+                                                       reg.uninitialized_why, "; register again"));
       }
       if (s.ok()) {
         if (end.is_init) {

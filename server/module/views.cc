@@ -167,9 +167,9 @@ void Modules::ReconcileModules(Group& g, const peer::PeerTable& table, AfterUnlo
     }
     if (lacking.empty()) continue;
     const std::string module = key.substr(0, key.find('\x1f'));
+    if (undone.contains(module)) continue;
     std::vector<const std::vector<std::string>*> reports;
     for (const auto& [r, held] : known) reports.push_back(held);
-    if (undone.contains(module)) continue;
     if (internal::InitUndoneEverywhere(module, reports)) {
       // A daemon killed during the module's initialisation: undone on every daemon.
       undone.insert(module);
