@@ -4,11 +4,14 @@
 // each window of the initialisation: a kZeros Register agreed on every rank but not recorded by
 // the victim (--testing_pause_init=register_before_record), the survivor's rank answered; an
 // init summon (kFromRank0) open, not ended; its End agreed on every rank but not recorded by
-// the victim (end_before_intent), the survivor's rank answered "initialised". After the restart
+// the victim (end_before_intent), the survivor's rank answered "initialised"; and, as a daemon
+// that keeps nothing, after the init completed everywhere with the victim's state directory
+// removed before its restart (state_dir_wiped). After the restart
 // and the re-join no module is lost: the initialisation was undone on every daemon, every
 // rank's Register runs it again, and every rank then holds its values, to the element, and
 // trains on.
 
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -34,7 +37,7 @@ using namespace restart_testing;  // NOLINT: the fixture and its helpers
 float InitValue(int64_t i) { return static_cast<float>(7 + i % 991); }
 
 // (victim daemon, kill window: "register_before_record", "init_summon_open",
-// "end_before_intent")
+// "end_before_intent", "state_dir_wiped")
 class InitRestartTest : public TwoDaemonRestartTest,
                         public ::testing::WithParamInterface<std::tuple<int, const char*>> {
  protected:
@@ -42,9 +45,13 @@ class InitRestartTest : public TwoDaemonRestartTest,
   int survivor() const { return 1 - victim(); }
   std::string window() const { return std::get<1>(GetParam()); }
   bool zeros() const { return window() == "register_before_record"; }
+  // Held by --testing_pause_init at the window.
+  bool paused() const {
+    return window() == "register_before_record" || window() == "end_before_intent";
+  }
 
   void SetUp() override {
-    if (window() != "init_summon_open") {
+    if (paused()) {
       std::vector<std::string>& flags = victim() == 1 ? daemon1_flags_ : daemon0_flags_;
       flags.push_back("--testing_pause_init=" + window() + ":60s");
     }
@@ -56,7 +63,7 @@ class InitRestartTest : public TwoDaemonRestartTest,
     DaemonProcess& d = *daemons_[victim()];
     const size_t before = d.Log().size();
     std::vector<std::string> flags;
-    if (window() != "init_summon_open") flags.push_back("--testing_pause_init=");
+    if (paused()) flags.push_back("--testing_pause_init=");
     if (victim() == 0) flags.push_back("--peer_address=" + d.peer_address());
     if (!d.Restart(flags)) return false;
     const absl::Time until = absl::Now() + absl::Seconds(20);
@@ -137,9 +144,14 @@ TEST_P(InitRestartTest, ADaemonKilledDuringTheInitialisationLosesNothing) {
       for (int r = 0; r < 2; ++r) {
         threads.emplace_back([&, r] { ended[r] = ranks[r].model.init_summon->End(); });
       }
+    } else if (window() == "state_dir_wiped") {
+      RunRanks(2, [&](int r) {
+        absl::Status e = ranks[r].model.init_summon->End();
+        ASSERT_TRUE(e.ok()) << "rank " << r << ": " << e;
+      });
     }
   }
-  if (window() != "init_summon_open") {
+  if (paused()) {
     // The victim's rank agreed with the survivor's, which is answered; the victim recorded
     // nothing.
     ASSERT_TRUE(WaitForLog(*daemons_[victim()], "initialisation paused at " + window()));
@@ -158,9 +170,11 @@ TEST_P(InitRestartTest, ADaemonKilledDuringTheInitialisationLosesNothing) {
     EXPECT_FALSE(registered[victim()].ok());
   } else if (window() == "end_before_intent") {
     EXPECT_FALSE(ended[victim()].ok());
-  } else {
+  } else if (window() == "init_summon_open") {
     // The open init summon cannot end any more (its agreement fails on the survivor).
     EXPECT_FALSE(ranks[survivor()].model.init_summon->End().ok());
+  } else {
+    std::filesystem::remove_all(dirs_[victim()]);  // it comes back knowing nothing
   }
   for (Rank& rank : ranks) rank.model = RegisteredModule();
   ranks[victim()] = Rank();
@@ -188,19 +202,19 @@ TEST_P(InitRestartTest, ADaemonKilledDuringTheInitialisationLosesNothing) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(KillWindows, InitRestartTest,
-                         ::testing::Combine(::testing::Values(0, 1),
-                                            ::testing::Values("register_before_record",
-                                                              "init_summon_open",
-                                                              "end_before_intent")),
-                         [](const ::testing::TestParamInfo<std::tuple<int, const char*>>& info) {
-                           const std::string w = std::get<1>(info.param);
-                           return absl::StrCat(
-                               std::get<0>(info.param) == 0 ? "Coordinator" : "OtherDaemon",
-                               w == "register_before_record" ? "AfterTheZerosRegistrationAgreed"
-                               : w == "init_summon_open"     ? "WhileTheInitSummonIsOpen"
-                                                             : "AfterTheInitEndAgreed");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    KillWindows, InitRestartTest,
+    ::testing::Combine(::testing::Values(0, 1),
+                       ::testing::Values("register_before_record", "init_summon_open",
+                                         "end_before_intent", "state_dir_wiped")),
+    [](const ::testing::TestParamInfo<std::tuple<int, const char*>>& info) {
+      const std::string w = std::get<1>(info.param);
+      return absl::StrCat(std::get<0>(info.param) == 0 ? "Coordinator" : "OtherDaemon",
+                          w == "register_before_record" ? "AfterTheZerosRegistrationAgreed"
+                          : w == "init_summon_open"     ? "WhileTheInitSummonIsOpen"
+                          : w == "end_before_intent"    ? "AfterTheInitEndAgreed"
+                                                        : "AfterTheInitWithoutItsStateDir");
+    });
 
 }  // namespace
 }  // namespace flatshard::client
