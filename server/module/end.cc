@@ -20,6 +20,7 @@
 #include "server/durable/records.h"
 #include "server/messages.h"
 #include "server/module/generations.h"
+#include "server/module/init_undo.h"
 #include "server/module/summon_steps.h"
 #include "server/module/unit_ops.h"
 #include "server/module/writeback_end.h"
@@ -412,6 +413,10 @@ void Modules::ApplyEnd(std::shared_ptr<const WritebackEnd> end, std::unique_ptr<
     // records; the fsync'd records and the commit copies, which wait for the other local
     // ranks, run on the durable worker (Records::EndArrive).
     absl::Status s = WriteBack(*end, std::move(owned));
+    if (end->is_init) {  // testing only, on the strand before the init's records
+      records_.RunDurable(end->caller.group,
+                          [] { internal::TestingPauseInit("end_before_intent"); });
+    }
     if (end->vote) {
       VoteEnd(std::move(end), std::move(s), std::move(finish));
       return;
@@ -492,6 +497,15 @@ void Modules::FinishAppliedEnd(const WritebackEnd& end, absl::Status s, StatusCa
     auto found = g.removed ? g.registered.end() : g.registered.find(end.module);
     if (found != g.registered.end()) {  // not dropped (lost at a re-form) meanwhile
       Registered& reg = found->second;
+      if (s.ok() && end.is_init && reg.init_undone) {
+        // The re-form undid the initialisation while this End copied (UndoInitLocked).
+        reg.initialized = false;
+        reg.pending_commit.reset();
+        records_.PersistModuleLater(g, end.module, &run);
+        s = absl::FailedPreconditionError(absl::StrCat("summon ", end.summon, ": module ",
+                                                       Display(end.module), ": ",
+                                                       reg.uninitialized_why, "; register again"));
+      }
       if (s.ok()) {
         if (end.is_init) {
           reg.initialized = true;

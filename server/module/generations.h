@@ -161,9 +161,32 @@ std::optional<uint64_t> ModuleHostFallback(const R& reg) {
 // ranks may end at either of two generations is reported as "G|G+1": the daemons resolve it
 // to the lowest generation every daemon can end at (ResolveHeld). A GPU daemon's module that
 // holds G and can be rolled back to G-1 from its host copies (ModuleHostFallback) is reported
-// as "G-1<G": resolved to G unless another daemon can only end at G-1.
+// as "G-1<G": resolved to G unless another daemon can only end at G-1. One not initialised here
+// (InitHeld) is reported as kNotInitialised (InitUndoneEverywhere).
+// What a module not initialised here reports instead of a generation (HeldKey): no initial
+// values are committed, nor will be by an init whose copies are under way on every local rank.
+inline constexpr char kNotInitialised[] = "uninit";
+// Whether `reg`'s initial values are committed here, or will be whatever happens (its init's
+// copies started on every local rank: a restart finishes them from the shards).
+template <typename R>
+bool InitHeld(const R& reg) {
+  if (reg.initialized) return true;
+  if (!reg.pending_commit.has_value() || reg.pending_commit->kind != "init") return false;
+  const auto& ready = reg.pending_commit->ready_ranks;
+  for (size_t r = 0; r < reg.shards_by_rank.size(); ++r) {
+    if (!reg.shards_by_rank[r].empty() &&
+        std::find(ready.begin(), ready.end(), static_cast<int32_t>(r)) == ready.end()) {
+      return false;
+    }
+  }
+  return true;
+}
+
 template <typename R>
 std::string HeldKey(const std::string& module, const R& reg) {
+  if (!InitHeld(reg)) {
+    return absl::StrCat(module, "\x1f", reg.plan.fingerprint, "\x1f", kNotInitialised);
+  }
   const Possible p = PossibleGenerations(reg);
   if (!p.mixed.empty()) {
     return absl::StrCat(module, "\x1f", reg.plan.fingerprint, "\x1fmixed (", p.mixed, ")");
@@ -202,6 +225,39 @@ inline std::optional<uint64_t> ResolveHeld(const std::vector<std::string>& gener
   if (lo > hi) return std::nullopt;
   return preferred == UINT64_MAX ? lo : std::clamp(preferred, lo, hi);
 }
+// Restarts, a daemon killed during a module's initialisation (its registration, or its init
+// End before its record): it comes back without the module, or holds it initialised while
+// another daemon's init never completed. No step was trained on it (a daemon's ranks commit a
+// step only after every daemon recorded the init) and its initial values are the trainers', so
+// the daemons undo the initialisation everywhere (every rank registers and initialises again)
+// rather than drop the module as lost. True when the daemons' reports of `module` (`reports`:
+// each daemon's HeldModules) differ, yet each either lacks it or holds it with one plan at
+// generation 0 or not initialised (kNotInitialised).
+inline bool InitUndoneEverywhere(const std::string& module,
+                                 const std::vector<const std::vector<std::string>*>& reports) {
+  const std::string prefix = absl::StrCat(module, "\x1f");
+  std::optional<std::string> fingerprint;
+  bool differ = false;
+  std::optional<std::string> first;
+  for (const std::vector<std::string>* held : reports) {
+    auto it = std::find_if(held->begin(), held->end(), [&](const std::string& k) {
+      return k.compare(0, prefix.size(), prefix) == 0;
+    });
+    const std::string key = it == held->end() ? std::string() : *it;
+    if (first.has_value() && *first != key) differ = true;
+    if (!first.has_value()) first = key;
+    if (key.empty()) continue;
+    const size_t sep = key.rfind('\x1f');
+    if (sep < prefix.size()) return false;  // "lost": no plan
+    const std::string generation = key.substr(sep + 1);
+    if (generation != "0" && generation != kNotInitialised) return false;
+    const std::string fp = key.substr(prefix.size(), sep - prefix.size());
+    if (fingerprint.has_value() && *fingerprint != fp) return false;  // another plan
+    fingerprint = fp;
+  }
+  return differ && fingerprint.has_value();
+}
+
 template <typename M>
 std::vector<std::string> HeldModules(const M& registered,
                                      const std::map<std::string, std::string>* lost = nullptr) {

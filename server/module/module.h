@@ -160,6 +160,9 @@ struct Registered {
   // GetShards and reduce-scatters are refused and registering again re-runs the init.
   bool initialized = false;
   std::string uninitialized_why;  // the init's failure, for the refusals
+  // A re-form undid the initialisation (Modules::UndoInitLocked) while an init End was copying
+  // here: that End fails instead of initialising it. Cleared by the next registration.
+  bool init_undone = false;
   // Per rank: the generation (committed step) its shards hold in `committed`. Commit and
   // every agreed writeback End add one; all ranks of a group move together.
   std::vector<uint64_t> generation;

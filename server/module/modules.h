@@ -158,6 +158,8 @@ class Modules {
   // A new table of a multi-daemon group: a registered module some rank's daemon no longer
   // holds (it restarted) is dropped here too and remembered as lost, so every daemon agrees
   // that it must be registered afresh (never half re-attached, never a collective mismatch).
+  // Except one a daemon killed during its initialisation left initialised on some daemons
+  // only: that initialisation is undone everywhere (UndoInitLocked), nothing is lost.
   void ReconcileModules(Group& g, const peer::PeerTable& table, AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Releases one `busy` of `reg` and starts a pending rollback when none is left.
@@ -205,6 +207,12 @@ class Modules {
   static void ReleaseBuffers(OpenSummon& open, AfterUnlock* after);
   void FinishEnd(const Caller& caller, uint64_t summon, absl::Status status, StatusCallback done);
   void RollbackNow(Group& g, const std::string& module, Registered& reg, AfterUnlock* run)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
+  // ReconcileModules: a daemon was killed during `module`'s initialisation and not every
+  // daemon holds its initial values (internal::InitUndoneEverywhere): it is not initialised
+  // here any more (`why`), so every rank's next Register runs the init again; its record goes.
+  // An init End still copying here fails when it finishes (Registered::init_undone).
+  void UndoInitLocked(Group& g, const std::string& module, const std::string& why, AfterUnlock* run)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // A refused agreement with a stale rank: rolls the caller's shards of `module` back.
   void RollbackRank(const Caller& caller, const std::string& module);

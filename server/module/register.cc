@@ -13,6 +13,7 @@
 #include "common/status_macros.h"
 #include "server/durable/records.h"
 #include "server/messages.h"
+#include "server/module/init_undo.h"
 #include "server/module/strategy_collectives.h"
 #include "server/module/unit_ops.h"
 #include "server/registration.h"
@@ -253,6 +254,7 @@ void Modules::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status s
         // agreed on every rank (EndSummon).
         reg.initialized = x->init == InitMode::kZeros;
         if (!reg.initialized) reg.uninitialized_why.clear();
+        reg.init_undone = false;
         reg.pending_commit.reset();
         // Restarts: a model of zeros is initialised now (the FROM_* modes record theirs
         // when their init commits); a re-registration replaces the recorded buffers.
@@ -305,6 +307,7 @@ void Modules::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status s
   // The record (fsync) before the answer, on the durable worker.
   records_.RunDurable(x->caller.group,
                       [x, persist = std::move(persist), result = std::move(result)]() mutable {
+                        internal::TestingPauseInit("register_before_record");
                         persist.Run();
                         x->done(std::move(result));
                       });

@@ -159,6 +159,7 @@ void Modules::ReconcileModules(Group& g, const peer::PeerTable& table, AfterUnlo
   for (int32_t r : g.local_ranks) known[r] = &mine;
   std::set<std::string> keys;
   for (const auto& [r, held] : known) keys.insert(held->begin(), held->end());
+  std::set<std::string> undone;  // modules whose initialisation this re-form undid
   for (const std::string& key : keys) {
     std::vector<int32_t> lacking, holding;
     for (const auto& [r, held] : known) {
@@ -166,6 +167,20 @@ void Modules::ReconcileModules(Group& g, const peer::PeerTable& table, AfterUnlo
     }
     if (lacking.empty()) continue;
     const std::string module = key.substr(0, key.find('\x1f'));
+    if (undone.contains(module)) continue;
+    std::vector<const std::vector<std::string>*> reports;
+    for (const auto& [r, held] : known) reports.push_back(held);
+    if (internal::InitUndoneEverywhere(module, reports)) {
+      // A daemon killed during the module's initialisation: undone on every daemon.
+      undone.insert(module);
+      UndoInitLocked(
+          g, module,
+          absl::StrCat("its initialisation was undone at the re-form at epoch ", table.epoch,
+                       ": a daemon was killed during it and not every daemon held "
+                       "its initial values"),
+          run);
+      continue;
+    }
     std::set<std::string> daemons;
     for (int32_t r : lacking) {
       if (r < static_cast<int32_t>(table.rank_daemons.size())) {

@@ -17,6 +17,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -174,21 +175,42 @@ inline bool SocketAccepts(const std::string& address) {
   return ok;
 }
 
-// A free loopback TCP port (bound and released; a daemon takes it right after).
+// A free loopback TCP port (bound and released; a daemon takes it right after), below the
+// kernel's ephemeral range when there is room: a killed daemon comes back on the same port,
+// and one the kernel may hand to any outgoing connection meanwhile was taken by another
+// process in the ~100 ms before a restart ("cannot listen on --peer_address", soak seed 24002).
 inline int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+  auto bound = [](int port) {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    int got = -1;
+    if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+      socklen_t len = sizeof(a);
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+      got = ntohs(a.sin_port);
+    }
     close(fd);
-    return -1;
+    return got;
+  };
+  int low = 32768;  // the ephemeral range's first port (/proc/sys/net/ipv4/ip_local_port_range)
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    if (std::fscanf(f, "%d", &low) != 1) low = 32768;
+    std::fclose(f);
   }
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
+  if (low > 12000) {
+    // A pseudo-random start (pid and time), so that concurrent test processes differ.
+    const int span = std::min(low, 65536) - 10000;
+    const int start = static_cast<int>(
+        (static_cast<uint64_t>(getpid()) * 7919 + absl::ToUnixMicros(absl::Now())) % span);
+    for (int i = 0; i < 256; ++i) {
+      const int port = bound(10000 + (start + i * 97) % span);
+      if (port > 0) return port;
+    }
+  }
+  return bound(0);
 }
 
 // Whether the built flatshardd knows --state_dir (branch `restart` merged).

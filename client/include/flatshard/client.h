@@ -576,6 +576,10 @@ class Client {
   // Groups over several daemons: modules whose shards a daemon of the group lost (it was
   // restarted), one line each naming the ranks and daemons; they were dropped on every daemon
   // and must be registered afresh (Register then initialises them again). Empty before Join.
+  // A daemon killed during a module's initialisation (before any step was committed) loses
+  // nothing: the initialisation is undone on every daemon, the module is not listed here, and
+  // every rank's next Register runs it again (an init summon for the FROM_* modes), also on a
+  // rank whose init End or kZeros Register was answered before the kill (README "Restarts").
   std::vector<std::string> lost_modules() const;
 
   // Collective: registers a model at `module` ("" = whole model) with a manifest and policy

@@ -1,5 +1,6 @@
 // internal::ResolveHeld (server/module/generations.h): the generation the daemons of a group
-// resolve a module to at a re-form from what each reported.
+// resolve a module to at a re-form from what each reported; and internal::InitUndoneEverywhere:
+// when a daemon killed during the initialisation makes every daemon undo it instead.
 
 #include <optional>
 #include <string>
@@ -39,6 +40,57 @@ TEST(ResolveHeldTest, HostCopyFallbacksPreferTheGenerationHeld) {
   // With a vote: a daemon that holds G (committed) keeps every daemon at G, as before.
   EXPECT_EQ(Resolve({"1<2", "1|2"}), 2u);
   EXPECT_EQ(Resolve({"1|2", "1<2", "1"}), 1u);
+}
+
+// Each daemon's report of module "m" (HeldModules): "" when it holds none.
+bool Undone(const std::vector<std::string>& generations, const std::string& fingerprint = "fp") {
+  std::vector<std::vector<std::string>> held;
+  for (const std::string& g : generations) {
+    held.push_back(
+        {"other\x1f"
+         "fp\x1f"
+         "4"});
+    if (!g.empty()) held.back().push_back("m\x1f" + fingerprint + "\x1f" + g);
+  }
+  std::vector<const std::vector<std::string>*> reports;
+  for (const auto& h : held) reports.push_back(&h);
+  return InitUndoneEverywhere("m", reports);
+}
+
+// A daemon killed during the initialisation comes back without the module, or one holds it
+// initialised (generation 0) while another's init never completed: undone everywhere.
+TEST(InitUndoneEverywhereTest, UndoesAnInitNotHeldByEveryDaemon) {
+  EXPECT_TRUE(Undone({"0", ""}));
+  EXPECT_TRUE(Undone({"", "0", "0"}));
+  EXPECT_TRUE(Undone({"uninit", ""}));
+  EXPECT_TRUE(Undone({"0", "uninit"}));
+  EXPECT_TRUE(Undone({"uninit", "0", ""}));
+}
+
+// Reports that agree need nothing; a trained generation, a vote, another plan or a loss is
+// never undone (those are resolved or dropped as before).
+TEST(InitUndoneEverywhereTest, NeverUndoesATrainedOrAgreedModule) {
+  EXPECT_FALSE(Undone({"0", "0"}));
+  EXPECT_FALSE(Undone({"uninit", "uninit"}));
+  EXPECT_FALSE(Undone({"", ""}));
+  EXPECT_FALSE(Undone({"1", ""}));
+  EXPECT_FALSE(Undone({"0|1", ""}));
+  EXPECT_FALSE(Undone({"0", "1"}));
+  std::vector<std::string> a =
+                               {"m\x1f"
+                                "fp\x1f"
+                                "0"},
+                           b =
+                               {"m\x1f"
+                                "fp2\x1f"
+                                "0"},
+                           lost =
+                               {"m\x1f"
+                                "lost"},
+                           none;
+  EXPECT_FALSE(InitUndoneEverywhere("m", {&a, &b}));
+  EXPECT_FALSE(InitUndoneEverywhere("m", {&a, &lost}));
+  EXPECT_TRUE(InitUndoneEverywhere("m", {&a, &none}));
 }
 
 }  // namespace
