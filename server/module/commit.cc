@@ -158,13 +158,18 @@ void Modules::CommitAgreed(const Caller& caller, const std::string& module, uint
       // answered below, after the lock
     } else {
       Registered& reg = g.registered.at(module);
-      if (reg.ckpt_hold > 0) {
-        // A checkpoint is reading (or loading) the committed copies: this copy waits
-        // for it (ReleaseCheckpointHold runs it again).
-        reg.after_ckpt.push_back(
-            [this, caller, module, generation, done = std::move(done)]() mutable {
-              CommitAgreed(caller, module, generation, std::move(done));
-            });
+      if (reg.ckpt_hold > 0 || reg.pending_committed.InFlight(caller.rank)) {
+        // A checkpoint is reading (or loading) the committed copies, or the rank's last
+        // writeback End still copies into them: this copy waits for it (ReleaseCheckpointHold
+        // or PendingCommitted::Done runs it again).
+        auto retry = [this, caller, module, generation, done = std::move(done)]() mutable {
+          CommitAgreed(caller, module, generation, std::move(done));
+        };
+        if (reg.ckpt_hold > 0) {
+          reg.after_ckpt.push_back(std::move(retry));
+        } else {
+          reg.pending_committed.Wait(std::move(retry));
+        }
         return;
       }
       ++reg.busy;  // every rank agreed: this rank commits, whatever its trainer does now
@@ -386,6 +391,10 @@ void Modules::RollbackRank(const Caller& caller, const std::string& module) {
     Registered& r = reg->second;
     if (r.ckpt_hold > 0) {  // a checkpoint holds the copies still: roll back after it
       r.after_ckpt.push_back([this, caller, module] { RollbackRank(caller, module); });
+      return;
+    }
+    if (r.pending_committed.InFlight(caller.rank)) {  // its last End still copies into them
+      r.pending_committed.Wait([this, caller, module] { RollbackRank(caller, module); });
       return;
     }
     ++r.busy;

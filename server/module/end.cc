@@ -50,9 +50,13 @@ absl::Status AppendOwnRange(int32_t rank, const Plan& plan, const PlanUnit& unit
 // Without records (no crash to order against), the writeback's bytes go into each shard and its
 // committed copy in one pass (ParallelCopier::Copy::also): `copies` get their committed
 // destinations, and the committed copies' other bytes (padding, optimizer state) are appended.
+// With `later`, the committed destinations go there instead, read from the same sources (the
+// summon's buffers, never the shards), for a copy after the End answered (CommitInBackground).
 // Returns whether every durable pair could be covered so; if not, `copies` is left unchanged.
 bool FuseCommitCopies(const std::vector<internal::DurablePair>& durable,
-                      std::vector<ParallelCopier::Copy>* copies) {
+                      std::vector<ParallelCopier::Copy>* copies,
+                      std::vector<ParallelCopier::Copy>* later) {
+  std::vector<ParallelCopier::Copy> deferred;
   std::vector<ParallelCopier::Copy> fused = *copies;
   for (const internal::DurablePair& d : durable) {
     if (d.live == nullptr || d.committed == nullptr) continue;
@@ -74,13 +78,18 @@ bool FuseCommitCopies(const std::vector<internal::DurablePair>& durable,
       const size_t off = static_cast<size_t>(static_cast<char*>(c->dst) - live);
       if (off < at) return false;  // overlapping ranges: not expected, copy as before
       if (off > at) gaps.push_back({kept + at, live + at, off - at});
-      c->also = kept + off;
+      if (later != nullptr) {
+        deferred.push_back({kept + off, c->src, c->bytes});
+      } else {
+        c->also = kept + off;
+      }
       at = off + c->bytes;
     }
     if (at < bytes) gaps.push_back({kept + at, live + at, bytes - at});
     fused.insert(fused.end(), gaps.begin(), gaps.end());
   }
   *copies = std::move(fused);
+  if (later != nullptr) *later = std::move(deferred);
   return true;
 }
 
@@ -377,12 +386,17 @@ void Modules::ApplyEnd(std::shared_ptr<const WritebackEnd> end, std::unique_ptr<
       dropped = lost != g.lost.end() ? lost->second : "its module was dropped";
     } else if (!g.removed) {
       Registered& reg = found->second;
-      if (reg.ckpt_hold > 0) {
-        // A checkpoint holds the committed copies: run again once it is done.
-        reg.after_ckpt.push_back(
-            [this, end, owned = std::move(owned), done = std::move(done)]() mutable {
-              ApplyEnd(std::move(end), std::move(owned), std::move(done));
-            });
+      if (reg.ckpt_hold > 0 || reg.pending_committed.InFlight(end->caller.rank)) {
+        // A checkpoint holds the committed copies, or the rank's last End still copies into
+        // them: run again once it is done.
+        auto retry = [this, end, owned = std::move(owned), done = std::move(done)]() mutable {
+          ApplyEnd(std::move(end), std::move(owned), std::move(done));
+        };
+        if (reg.ckpt_hold > 0) {
+          reg.after_ckpt.push_back(std::move(retry));
+        } else {
+          reg.pending_committed.Wait(std::move(retry));
+        }
         return;
       }
       ++reg.busy;
@@ -458,12 +472,28 @@ absl::Status Modules::WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSum
     const Buffer* grads = from_rank0 ? rank0_copy(1) : copy->views[i].grads.get();
     if (status.ok() && grads != nullptr && shard.grad) status = write_back(*grads, *shard.grad);
   }
-  // Without records and on the host, the committed copies are written in the same pass.
-  const bool fused = status.ok() && host && !end.batched && !records_.enabled() &&
-                     FuseCommitCopies(end.durable, &host_copies);
-  if (fused) records_.CommitReady(caller, end.module, end.target(), end.kind());
+  // Without records and on the host, the committed copies are written from the summon's
+  // buffers after the End answered (pending_committed.h); an init, whose End completes the
+  // registration, and a rank0_only End, whose source is the node's shared copy of rank 0's
+  // buffers, write them in the same pass instead.
+  const bool plain = status.ok() && host && !end.batched && !records_.enabled();
+  std::vector<ParallelCopier::Copy> later;
+  const bool background = plain && !end.is_init && !copy->options.rank0_only &&
+                          FuseCommitCopies(end.durable, &host_copies, &later);
+  const bool fused = plain && !background && FuseCommitCopies(end.durable, &host_copies, nullptr);
+  if (fused || background) records_.CommitReady(caller, end.module, end.target(), end.kind());
   // Host ranks: every unit's range at once, on several threads, before the views go.
   if (status.ok()) ParallelCopier::Shared().Run(host_copies);
+  if (background) {
+    std::vector<std::shared_ptr<Buffer>> sources;
+    for (const SummonedUnit& v : copy->views) {
+      if (v.params) sources.push_back(v.params);
+      if (v.grads) sources.push_back(v.grads);
+    }
+    copy.reset();
+    CommitInBackground(end, std::move(later), std::move(sources));
+    return status;
+  }
   copy.reset();
   if (end.batched) return status;  // EndArrive copies, once every local rank got here
   if (fused) {

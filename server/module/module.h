@@ -28,6 +28,7 @@
 #include "server/collective/collective_engine.h"
 #include "server/durable/state_dir.h"
 #include "server/kept_buffers.h"
+#include "server/module/pending_committed.h"
 #include "server/shard_store.h"
 
 namespace flatshard::server {
@@ -174,6 +175,9 @@ struct Registered {
   // reads or writes a shard another copy is writing.
   int busy = 0;
   bool rollback_pending = false;
+  // Copies into committed copies a writeback End left running after it answered (each also
+  // holds a `busy`), and the per-rank operations waiting for them (pending_committed.h).
+  PendingCommitted pending_committed;
 
   // ---- Optimizer state (RegisterState) ----
   // The spec the first RegisterState fixed on this daemon (the order of UnitShard::state);
