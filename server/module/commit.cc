@@ -158,18 +158,13 @@ void Modules::CommitAgreed(const Caller& caller, const std::string& module, uint
       // answered below, after the lock
     } else {
       Registered& reg = g.registered.at(module);
-      if (reg.ckpt_hold > 0 || reg.pending_committed.InFlight(caller.rank)) {
-        // A checkpoint is reading (or loading) the committed copies, or the rank's last
-        // writeback End still copies into them: this copy waits for it (ReleaseCheckpointHold
-        // or PendingCommitted::Done runs it again).
-        auto retry = [this, caller, module, generation, done = std::move(done)]() mutable {
-          CommitAgreed(caller, module, generation, std::move(done));
-        };
-        if (reg.ckpt_hold > 0) {
-          reg.after_ckpt.push_back(std::move(retry));
-        } else {
-          reg.pending_committed.Wait(std::move(retry));
-        }
+      if (reg.ckpt_hold > 0) {
+        // A checkpoint is reading (or loading) the committed copies: this copy waits
+        // for it (ReleaseCheckpointHold runs it again).
+        reg.after_ckpt.push_back(
+            [this, caller, module, generation, done = std::move(done)]() mutable {
+              CommitAgreed(caller, module, generation, std::move(done));
+            });
         return;
       }
       ++reg.busy;  // every rank agreed: this rank commits, whatever its trainer does now
@@ -194,6 +189,7 @@ void Modules::CommitAgreed(const Caller& caller, const std::string& module, uint
         // Restarts: the intent is durable before the committed copy is overwritten,
         // the new generation before the trainer is answered (server/durable/).
         Records::TestingPauseBeforeIntent(generation + 1);
+        FinishPendingCopies(caller.group, module, caller.rank);  // a writeback End's, first
         records_.CommitReady(caller, module, generation + 1, "commit");
         records_.TestingPauseMidCopy(caller.rank, durable);
         absl::Status s = records_.CopyCommitted(caller.rank, durable, /*to_committed=*/true);
@@ -339,6 +335,7 @@ void Modules::RollbackNow(Group& g, const std::string& module, Registered& reg, 
   run->Call([this, group = g.id, module, target, had_vote, work = std::move(work),
              forward = std::move(forward), at_target = std::move(at_target),
              back = std::move(back)] {
+    FinishPendingCopies(group, module, -1);  // writeback Ends' copies into what is read here
     absl::Status status;
     if (!back.empty()) status = records_.RollBackFromHost(group, module, target, back);
     if (!forward.empty()) {
@@ -393,13 +390,10 @@ void Modules::RollbackRank(const Caller& caller, const std::string& module) {
       r.after_ckpt.push_back([this, caller, module] { RollbackRank(caller, module); });
       return;
     }
-    if (r.pending_committed.InFlight(caller.rank)) {  // its last End still copies into them
-      r.pending_committed.Wait([this, caller, module] { RollbackRank(caller, module); });
-      return;
-    }
     ++r.busy;
     r.stale[caller.rank] = true;
     run.Call([this, caller, module, durable = internal::DurableBuffers(r, caller.rank)] {
+      FinishPendingCopies(caller.group, module, caller.rank);  // a writeback End's, first
       absl::Status s = records_.CopyCommitted(caller.rank, durable, /*to_committed=*/false);
       if (!s.ok()) {
         FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank

@@ -386,17 +386,12 @@ void Modules::ApplyEnd(std::shared_ptr<const WritebackEnd> end, std::unique_ptr<
       dropped = lost != g.lost.end() ? lost->second : "its module was dropped";
     } else if (!g.removed) {
       Registered& reg = found->second;
-      if (reg.ckpt_hold > 0 || reg.pending_committed.InFlight(end->caller.rank)) {
-        // A checkpoint holds the committed copies, or the rank's last End still copies into
-        // them: run again once it is done.
-        auto retry = [this, end, owned = std::move(owned), done = std::move(done)]() mutable {
-          ApplyEnd(std::move(end), std::move(owned), std::move(done));
-        };
-        if (reg.ckpt_hold > 0) {
-          reg.after_ckpt.push_back(std::move(retry));
-        } else {
-          reg.pending_committed.Wait(std::move(retry));
-        }
+      if (reg.ckpt_hold > 0) {
+        // A checkpoint holds the committed copies: run again once it is done.
+        reg.after_ckpt.push_back(
+            [this, end, owned = std::move(owned), done = std::move(done)]() mutable {
+              ApplyEnd(std::move(end), std::move(owned), std::move(done));
+            });
         return;
       }
       ++reg.busy;
@@ -450,6 +445,8 @@ absl::Status Modules::WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSum
   const Plan& plan = *end.plan;
   const int32_t r = plan.ShardRank(caller.rank);
   const bool host = devices_.DeviceOf(caller.rank) == nullptr;
+  // The rank's last End's committed copy first: this one writes the committed copies too.
+  FinishPendingCopies(caller.group, end.module, caller.rank);
   std::vector<ParallelCopier::Copy> host_copies;
   absl::Status status;
   for (size_t i = 0; i < copy->units.size() && status.ok(); ++i) {
@@ -492,6 +489,8 @@ absl::Status Modules::WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSum
     }
     copy.reset();
     CommitInBackground(end, std::move(later), std::move(sources));
+    // Done for every reader: each finishes the copy before it reads the committed copies.
+    records_.CommitDone(caller, end.module, end.target());
     return status;
   }
   copy.reset();

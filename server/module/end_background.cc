@@ -1,5 +1,6 @@
-// Modules::CommitInBackground: the copy into a rank's committed copies a writeback End without a
-// state directory leaves running after it answered (server/module/pending_committed.h).
+// Modules::CommitInBackground and FinishPendingCopies: the copy into a rank's committed copies a
+// writeback End without a state directory leaves to finish after it answered
+// (server/module/pending_committed.h).
 
 #include <memory>
 #include <utility>
@@ -17,51 +18,50 @@ namespace flatshard::server {
 void Modules::CommitInBackground(const WritebackEnd& end, std::vector<ParallelCopier::Copy> later,
                                  std::vector<std::shared_ptr<Buffer>> sources) {
   const Caller caller = end.caller;
+  for (const internal::DurablePair& d : end.durable) sources.push_back(d.committed);
+  auto copy = std::make_shared<PendingCopy>(std::move(later), std::move(sources));
   {
     std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
     Group& g = *held;
     absl::MutexLock lock(&g.mu);
     auto found = g.removed ? g.registered.end() : g.registered.find(end.module);
     if (found == g.registered.end()) return;  // dropped since: nothing to commit into
-    // Held until the copy is done: `busy` keeps re-form rollbacks and checkpoints out, the
-    // rank's entry its Commit, next writeback End and rollback (pending_committed.h). Taken
-    // before the End answers (FinishAppliedEnd), so the trainer's next call sees it.
-    ++found->second.busy;
-    found->second.pending_committed.Start(caller.rank);
+    // Before the End answers (FinishAppliedEnd), so the trainer's next call finds it.
+    found->second.pending_committed.Add(caller.rank, copy);
   }
-  background_.Post(
-      absl::StrCat(caller.group, "\x1f", caller.rank),
-      [this, caller, module = end.module, target = end.target(), later = std::move(later),
-       sources = std::move(sources), durable = end.durable]() mutable {
-        // `sources` (the summon's buffers) and `durable` (the committed copies) stay alive
-        // until here whatever happens to the summon or the module meanwhile.
-        if (const absl::Duration pause = records_.testing_commit_copy_pause();
-            pause > absl::ZeroDuration()) {
-          FS_LOG(WARNING) << "testing: background commit copy of rank " << caller.rank
-                          << " held for " << absl::FormatDuration(pause);
-          absl::SleepFor(pause);
-        }
-        ParallelCopier::Shared().Run(later);
-        records_.CommitDone(caller, module, target);
-        // The summon's buffers go before ReleaseKept, so the kept set sees them unused; a last
-        // reference (the set dropped one meanwhile) unmaps here, off the lock.
-        sources.clear();
-        durable.clear();
-        AfterUnlock run;
-        {
-          std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
-          Group& g = *held;
-          absl::MutexLock lock(&g.mu);
-          auto found = g.removed ? g.registered.end() : g.registered.find(module);
-          if (found != g.registered.end()) {
-            Registered& reg = found->second;
-            for (auto& retry : reg.pending_committed.Done(caller.rank)) run.Call(std::move(retry));
-            ReleaseKept(reg);
-            DoneCopying(g, reg, &run);
-          }
-        }
-        run.Run();
-      });
+  background_.Post(absl::StrCat(caller.group, "\x1f", caller.rank),
+                   [this, caller, module = end.module, copy = std::move(copy)] {
+                     if (const absl::Duration pause = records_.testing_commit_copy_pause();
+                         pause > absl::ZeroDuration()) {
+                       FS_LOG(WARNING) << "testing: background commit copy of rank " << caller.rank
+                                       << " held for " << absl::FormatDuration(pause);
+                       absl::SleepFor(pause);
+                     }
+                     copy->Finish();
+                     // The summon's buffers are free again (Finish let them go): the kept set
+                     // may count them idle.
+                     std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
+                     Group& g = *held;
+                     absl::MutexLock lock(&g.mu);
+                     auto found = g.removed ? g.registered.end() : g.registered.find(module);
+                     if (found == g.registered.end()) return;
+                     found->second.pending_committed.Prune();
+                     ReleaseKept(found->second);
+                   });
+}
+
+void Modules::FinishPendingCopies(const std::string& group, const std::string& module,
+                                  int32_t rank) {
+  std::vector<std::shared_ptr<PendingCopy>> pending;
+  {
+    std::shared_ptr<Group> held = table_.FindOrGone(group);
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    auto found = g.removed ? g.registered.end() : g.registered.find(module);
+    if (found == g.registered.end()) return;
+    pending = found->second.pending_committed.Of(rank);
+  }
+  for (const std::shared_ptr<PendingCopy>& p : pending) p->Finish();
 }
 
 }  // namespace flatshard::server

@@ -175,8 +175,8 @@ struct Registered {
   // reads or writes a shard another copy is writing.
   int busy = 0;
   bool rollback_pending = false;
-  // Copies into committed copies a writeback End left running after it answered (each also
-  // holds a `busy`), and the per-rank operations waiting for them (pending_committed.h).
+  // Copies into committed copies that writeback Ends left to finish after they answered
+  // (pending_committed.h); whoever needs those committed copies finishes them first.
   PendingCommitted pending_committed;
 
   // ---- Optimizer state (RegisterState) ----

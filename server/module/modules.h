@@ -290,6 +290,9 @@ class Modules {
   // background_, while the End answers (server/module/pending_committed.h).
   void CommitInBackground(const WritebackEnd& end, std::vector<ParallelCopier::Copy> later,
                           std::vector<std::shared_ptr<Buffer>> sources);
+  // Runs (or waits for) the copies into `rank`'s committed copies of `module` that writeback
+  // Ends left pending (every local rank's for -1). Without the group's lock.
+  void FinishPendingCopies(const std::string& group, const std::string& module, int32_t rank);
   // A writeback End over several daemons (end_vote.cc): once every local rank wrote back
   // (`written`: this rank's), the daemon records its vote and the ranks exchange votes;
   // EndVoted copies (all voted yes) or answers `finish` with the failure.

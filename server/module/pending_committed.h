@@ -1,50 +1,68 @@
 #pragma once
-// PendingCommitted: per module, the copies into a rank's committed copies that a writeback End
-// left running after it answered (issue 24: no full copy on the End's critical path).
+// Copies into a rank's committed copies that a writeback End left to finish after it answered
+// (issue 24: no full copy on the End's critical path).
 //
 // Without a state directory, a host rank's writeback End copies its own range from the summon's
 // buffers into its shards, copies the shards' other bytes (other units, padding, optimizer
 // state) into the committed copies, and answers; the own range reaches the committed copies
-// afterwards, on a worker (Modules::CommitInBackground), read from the same summon buffers: the
-// trainer stops using them at End (its views are invalid from then on) and the copy holds them,
-// so no later summon reuses them before it is done, and it never reads the shards (the trainer
-// may step its optimizer on them at once).
+// afterwards (a PendingCopy, run on a worker by Modules::CommitInBackground), read from the same
+// summon buffers: the trainer stops using them at End (its views are invalid from then on) and
+// the PendingCopy holds them, so no later summon reuses them before it is done, and it never
+// reads the shards (the trainer may step its optimizer on them at once).
 //
-// Who waits for such a copy: every operation that reads or writes that rank's committed copies
-// or would change what they must hold. A Commit, the next writeback End and a refused
-// commit's rollback of the rank queue here (Wait) and run again once it is done; the copy also
-// holds the module's `busy`, which keeps rollbacks at a re-form (rollback_pending) and
-// checkpoint saves and loads (they hold only at busy == 0) out until it is done.
+// Whoever needs the rank's committed copies complete runs the copy first if the worker has not
+// started it, or waits for it if it has (PendingCopy::Finish), off the group's lock: a Commit
+// and the next writeback End of the rank before they write the committed copies, a rollback (a
+// refused commit's or a re-form's) before it reads them. Checkpoints hold the committed copies
+// only once no copy is pending (Checkpoints: `still`).
 //
 // Kills: nothing here is recorded. Without a state directory a killed daemon keeps nothing,
-// and a trainer's session ending is a rollback, which waits as above; with a state directory
-// the End keeps copying before it answers, bracketed by its records (Records::EndArrive).
-//
-// Not thread-safe: lives in Registered, under the group's mu.
+// and a trainer's session ending is a rollback, which finishes the copy first; with a state
+// directory the End copies before it answers, bracketed by its records (Records::EndArrive).
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <vector>
 
-#include "absl/functional/any_invocable.h"
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "server/durable/parallel_copier.h"
+#include "server/shard_store.h"
 
 namespace flatshard::server {
 
-class PendingCommitted {
+// One End's copies into one rank's committed copies. Thread-safe.
+class PendingCopy {
  public:
-  // Whether a copy into `rank`'s committed copies is still running.
-  bool InFlight(int32_t rank) const { return in_flight_.contains(rank); }
-  bool Any() const { return !in_flight_.empty(); }
-  void Start(int32_t rank) { ++in_flight_[rank]; }
-  // Runs `retry` (from Done's caller, after the lock) once a copy finishes; the operation
-  // checks again then.
-  void Wait(absl::AnyInvocable<void()> retry) { waiting_.push_back(std::move(retry)); }
-  // One copy of `rank` finished: returns every waiting operation, to run after the lock.
-  std::vector<absl::AnyInvocable<void()>> Done(int32_t rank);
+  // `hold`: the buffers the copies read and write, kept alive until they are done.
+  PendingCopy(std::vector<ParallelCopier::Copy> copies, std::vector<std::shared_ptr<Buffer>> hold);
+  // Runs the copies if nobody has started them, else waits until they are done.
+  void Finish() ABSL_LOCKS_EXCLUDED(mu_);
+  bool done() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  std::map<int32_t, int> in_flight_;
-  std::vector<absl::AnyInvocable<void()>> waiting_;
+  mutable absl::Mutex mu_;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<ParallelCopier::Copy> copies_;  // read by the one thread that starts them
+  std::vector<std::shared_ptr<Buffer>> hold_ ABSL_GUARDED_BY(mu_);
+};
+
+// Per module (in Registered, under the group's mu): the PendingCopy of each rank not yet known
+// to be done.
+class PendingCommitted {
+ public:
+  void Add(int32_t rank, std::shared_ptr<PendingCopy> copy) {
+    by_rank_[rank].push_back(std::move(copy));
+  }
+  // `rank`'s (every rank's for -1), to Finish after the lock.
+  std::vector<std::shared_ptr<PendingCopy>> Of(int32_t rank) const;
+  // Forgets the done ones; whether any is left.
+  bool Prune();
+
+ private:
+  std::map<int32_t, std::vector<std::shared_ptr<PendingCopy>>> by_rank_;
 };
 
 }  // namespace flatshard::server

@@ -1,9 +1,9 @@
 // Writeback Ends without a state directory answer once their bytes are in the shards and copy
-// them into the committed copies afterwards (server/module/pending_committed.h). Here that copy
-// is held (--testing_commit_copy_pause) while the trainers go on at once: a Commit, a rollback
-// (another rank's session ends), a second writeback End of the unit and a checkpoint save each
-// wait for it, and the trainers' in-place writes right after the End never reach it. Values are
-// compared to the element. (With a state directory the End copies before it answers, bracketed
+// them into the committed copies afterwards (server/module/pending_committed.h). Here the
+// worker's copy is held (--testing_commit_copy_pause) while the trainers go on at once: a
+// Commit, a rollback (another rank's session ends) and a second writeback End of the unit each
+// finish it first, a checkpoint save waits for it, and the trainers' in-place writes right after
+// the End never reach it. Values are compared to the element. (With a state directory the End copies before it answers, bracketed
 // by its records: restart_test, crash_commit_test.)
 
 #include <algorithm>
