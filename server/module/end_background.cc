@@ -31,7 +31,9 @@ void Modules::CommitInBackground(const WritebackEnd& end, std::vector<ParallelCo
   }
   background_.Post(absl::StrCat(caller.group, "\x1f", caller.rank),
                    [this, caller, module = end.module, copy = std::move(copy)] {
-                     if (const absl::Duration pause = records_.testing_commit_copy_pause();
+                     // Testing: twice a commit copy's pause, so that a Commit right after
+                     // the End would overtake this copy unless it finishes it first.
+                     if (const absl::Duration pause = 2 * records_.testing_commit_copy_pause();
                          pause > absl::ZeroDuration()) {
                        FS_LOG(WARNING) << "testing: background commit copy of rank " << caller.rank
                                        << " held for " << absl::FormatDuration(pause);

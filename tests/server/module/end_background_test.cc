@@ -3,8 +3,8 @@
 // worker's copy is held (--testing_commit_copy_pause) while the trainers go on at once: a
 // Commit, a rollback (another rank's session ends) and a second writeback End of the unit each
 // finish it first, a checkpoint save waits for it, and the trainers' in-place writes right after
-// the End never reach it. Values are compared to the element. (With a state directory the End copies before it answers, bracketed
-// by its records: restart_test, crash_commit_test.)
+// the End never reach it. Values are compared to the element. (With a state directory the End
+// copies before it answers, bracketed by its records: restart_test, crash_commit_test.)
 
 #include <algorithm>
 #include <string>
@@ -73,6 +73,19 @@ class EndBackgroundTest : public testing::GroupManagerHarness {
     for (int r = 0; r < 2; ++r) ASSERT_TRUE(gm_->GetShards(c_[r], "").ok());
   }
   // `params_only`: the padding is left out (a checkpoint holds the parameters only).
+  // Saves a checkpoint of module "" (it holds the committed copies only once no End's copy into
+  // them is pending).
+  absl::StatusOr<CheckpointResult> Save(bool load = false) {
+    if (ckpt_.dir.empty()) {
+      ckpt_.group = "g";
+      ckpt_.module = "";
+      ckpt_.dir = MakeTempDir("ckpt") + "/ckpt";
+      ckpt_.privileged = true;
+      ckpt_.wait = absl::Seconds(10);
+    }
+    CheckpointProgress progress;
+    return load ? gm_->LoadCheckpoint(ckpt_, &progress) : gm_->SaveCheckpoint(ckpt_, &progress);
+  }
   ::testing::AssertionResult ShardsAre(const Shards& want, bool params_only = false) const {
     const Shards got = Snapshot();
     for (int r = 0; r < 2; ++r) {
@@ -93,6 +106,7 @@ class EndBackgroundTest : public testing::GroupManagerHarness {
 
   std::vector<RegisterResult> regs_;
   std::vector<Caller> c_;
+  CheckpointArgs ckpt_;
 };
 
 // The optimizer steps the shards in place at once; a re-form right after restores exactly what
@@ -107,14 +121,18 @@ TEST_F(EndBackgroundTest, ARollbackRightAfterTheEndRestoresWhatItWrote) {
 }
 
 // A Commit at once copies the stepped shards only after the End's copy: a re-form after it
-// restores the Commit's step, not the End's values.
-TEST_F(EndBackgroundTest, ACommitRightAfterTheEndWaitsForItsCopy) {
+// restores the Commit's step, not the End's values (the save waits until the worker is done
+// with the End's copy, so a copy landing after the Commit's would show).
+TEST_F(EndBackgroundTest, ACommitRightAfterTheEndFinishesItsCopyFirst) {
   StartAndEnd();
   for (int r = 0; r < 2; ++r) WriteStep(regs_[r].shards, 3, r);
   for (absl::StatusOr<uint64_t>& g : CommitAll(c_)) {
     ASSERT_TRUE(g.ok()) << g.status();
     EXPECT_EQ(*g, 3u);
   }
+  absl::StatusOr<CheckpointResult> saved = Save();
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(saved->generation, 3u);
   for (int r = 0; r < 2; ++r) WriteStep(regs_[r].shards, 4, r);  // never committed
   Reform();
   EXPECT_EQ(GenerationOf("g"), 3u);
@@ -139,19 +157,12 @@ TEST_F(EndBackgroundTest, ASecondWritebackEndLandsAfterTheFirstOnesCopy) {
 TEST_F(EndBackgroundTest, ACheckpointSavedRightAfterTheEndHoldsItsGeneration) {
   StartAndEnd();
   const Shards ended = Snapshot();
-  CheckpointArgs args;
-  args.group = "g";
-  args.module = "";
-  args.dir = MakeTempDir("ckpt") + "/ckpt";
-  args.privileged = true;
-  args.wait = absl::Seconds(10);
-  CheckpointProgress progress;
-  absl::StatusOr<CheckpointResult> saved = gm_->SaveCheckpoint(args, &progress);
+  absl::StatusOr<CheckpointResult> saved = Save();
   ASSERT_TRUE(saved.ok()) << saved.status();
   EXPECT_EQ(saved->generation, 2u);
   for (int r = 0; r < 2; ++r) WriteStep(regs_[r].shards, 3, r);
   for (absl::StatusOr<uint64_t>& g : CommitAll(c_)) ASSERT_TRUE(g.ok()) << g.status();
-  absl::StatusOr<CheckpointResult> loaded = gm_->LoadCheckpoint(args, &progress);
+  absl::StatusOr<CheckpointResult> loaded = Save(/*load=*/true);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   EXPECT_EQ(loaded->generation, 2u);
   for (int r = 0; r < 2; ++r) ASSERT_TRUE(gm_->GetShards(c_[r], "").ok());
