@@ -2,6 +2,9 @@
 // writeback End without a state directory leaves to finish after it answered
 // (server/module/pending_committed.h).
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <memory>
 #include <utility>
 #include <vector>
@@ -39,7 +42,11 @@ void Modules::CommitInBackground(const WritebackEnd& end, std::vector<ParallelCo
                                        << " held for " << absl::FormatDuration(pause);
                        absl::SleepFor(pause);
                      }
-                     copy->Finish();
+                     // The lowest priority for this worker thread (Linux: per thread), so
+                     // its chunks yield to the copies on an End's critical path.
+                     ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 19);
+                     copy->CopyInBackground();
+                     copy->Finish();  // waits for a chunk another thread took, if any
                      // The summon's buffers are free again (Finish let them go): the kept set
                      // may count them idle.
                      std::shared_ptr<Group> held = table_.FindOrGone(caller.group);

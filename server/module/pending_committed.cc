@@ -1,36 +1,56 @@
 #include "server/module/pending_committed.h"
 
 #include <algorithm>
+#include <cstring>
+#include <iterator>
 #include <utility>
 
 namespace flatshard::server {
 
-PendingCopy::PendingCopy(std::vector<ParallelCopier::Copy> copies,
-                         std::vector<std::shared_ptr<Buffer>> hold)
-    : copies_(std::move(copies)), hold_(std::move(hold)) {}
+PendingCopy::PendingCopy(const std::vector<ParallelCopier::Copy>& copies,
+                         std::vector<std::shared_ptr<Buffer>> hold, size_t chunk_bytes)
+    : hold_(std::move(hold)) {
+  for (const ParallelCopier::Copy& c : copies) {
+    for (size_t at = 0; at < c.bytes; at += chunk_bytes) {
+      chunks_.push_back({static_cast<char*>(c.dst) + at, static_cast<const char*>(c.src) + at,
+                         std::min(chunk_bytes, c.bytes - at)});
+    }
+  }
+  if (chunks_.empty()) hold_.clear();
+}
+
+void PendingCopy::CopyInBackground() {
+  for (size_t i = next_.fetch_add(1); i < chunks_.size(); i = next_.fetch_add(1)) {
+    std::memcpy(chunks_[i].dst, chunks_[i].src, chunks_[i].bytes);
+    Done(1);
+  }
+}
 
 void PendingCopy::Finish() {
-  {
-    absl::MutexLock lock(&mu_);
-    if (started_) {
-      mu_.Await(absl::Condition(&done_));
-      return;
-    }
-    started_ = true;
+  // Claims every chunk not started: the worker's next fetch_add finds none left.
+  const size_t from = std::min(next_.exchange(chunks_.size()), chunks_.size());
+  if (from < chunks_.size()) {
+    ParallelCopier::Shared().Run(
+        std::vector<ParallelCopier::Copy>(chunks_.begin() + from, chunks_.end()));
+    Done(chunks_.size() - from);
   }
-  ParallelCopier::Shared().Run(copies_);
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(this, &PendingCopy::AllDone));
+}
+
+void PendingCopy::Done(size_t chunks) {
   std::vector<std::shared_ptr<Buffer>> release;
   {
     absl::MutexLock lock(&mu_);
-    done_ = true;
-    release = std::move(hold_);
+    done_ += chunks;
+    if (AllDone()) release = std::move(hold_);
   }
   // A last reference (the kept set dropped a summon buffer meanwhile) unmaps here, unlocked.
 }
 
 bool PendingCopy::done() const {
   absl::MutexLock lock(&mu_);
-  return done_;
+  return AllDone();
 }
 
 std::vector<std::shared_ptr<PendingCopy>> PendingCommitted::Of(int32_t rank) const {

@@ -10,16 +10,22 @@
 // the PendingCopy holds them, so no later summon reuses them before it is done, and it never
 // reads the shards (the trainer may step its optimizer on them at once).
 //
-// Whoever needs the rank's committed copies complete runs the copy first if the worker has not
-// started it, or waits for it if it has (PendingCopy::Finish), off the group's lock: a Commit
-// and the next writeback End of the rank before they write the committed copies, a rollback (a
-// refused commit's or a re-form's) before it reads them. Checkpoints hold the committed copies
-// only once no copy is pending (Checkpoints: `still`).
+// The worker copies at the lowest CPU priority, one chunk at a time, so that it does not slow
+// the other local ranks' writebacks still on the End's critical path. Whoever needs the rank's
+// committed copies complete takes the chunks the worker has not started and copies them on the
+// copy pool, then waits for the worker's one chunk in flight (PendingCopy::Finish), off the
+// group's lock: a Commit and the next writeback End of the rank before they write the committed
+// copies, a rollback (a refused commit's or a re-form's) before it reads them, the rank's next
+// writeback summon (so that the kept buffers the copy holds are handed out again, not new
+// ones). Checkpoints hold the committed copies only once no copy is pending (Checkpoints:
+// `still`).
 //
 // Kills: nothing here is recorded. Without a state directory a killed daemon keeps nothing,
 // and a trainer's session ending is a rollback, which finishes the copy first; with a state
 // directory the End copies before it answers, bracketed by its records (Records::EndArrive).
 
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -32,20 +38,26 @@
 
 namespace flatshard::server {
 
-// One End's copies into one rank's committed copies. Thread-safe.
+// One End's copies into one rank's committed copies, in chunks. Thread-safe.
 class PendingCopy {
  public:
   // `hold`: the buffers the copies read and write, kept alive until they are done.
-  PendingCopy(std::vector<ParallelCopier::Copy> copies, std::vector<std::shared_ptr<Buffer>> hold);
-  // Runs the copies if nobody has started them, else waits until they are done.
+  PendingCopy(const std::vector<ParallelCopier::Copy>& copies,
+              std::vector<std::shared_ptr<Buffer>> hold, size_t chunk_bytes = size_t{4} << 20);
+  // The worker: copies chunk after chunk on the calling thread until none is left.
+  void CopyInBackground() ABSL_LOCKS_EXCLUDED(mu_);
+  // Copies every chunk nobody has started (on the copy pool), then waits until all are done.
   void Finish() ABSL_LOCKS_EXCLUDED(mu_);
   bool done() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  void Done(size_t chunks) ABSL_LOCKS_EXCLUDED(mu_);
+  bool AllDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done_ == chunks_.size(); }
+
+  std::vector<ParallelCopier::Copy> chunks_;  // read-only once made
+  std::atomic<size_t> next_{0};               // the first chunk nobody has claimed
   mutable absl::Mutex mu_;
-  bool started_ ABSL_GUARDED_BY(mu_) = false;
-  bool done_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<ParallelCopier::Copy> copies_;  // read by the one thread that starts them
+  size_t done_ ABSL_GUARDED_BY(mu_) = 0;  // chunks copied
   std::vector<std::shared_ptr<Buffer>> hold_ ABSL_GUARDED_BY(mu_);
 };
 
