@@ -19,6 +19,7 @@
 #include "server/durable/parallel_copier.h"
 #include "server/durable/records.h"
 #include "server/messages.h"
+#include "server/module/foreground_copies.h"
 #include "server/module/generations.h"
 #include "server/module/summon_steps.h"
 #include "server/module/unit_ops.h"
@@ -479,8 +480,12 @@ absl::Status Modules::WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSum
                           FuseCommitCopies(end.durable, &host_copies, &later);
   const bool fused = plain && !background && FuseCommitCopies(end.durable, &host_copies, nullptr);
   if (fused || background) records_.CommitReady(caller, end.module, end.target(), end.kind());
-  // Host ranks: every unit's range at once, on several threads, before the views go.
-  if (status.ok()) ParallelCopier::Shared().Run(host_copies);
+  // Host ranks: every unit's range at once, on several threads, before the views go; the
+  // copies Ends left for later wait meanwhile.
+  if (status.ok()) {
+    ForegroundCopies::Scope foreground(ForegroundCopies::Shared());
+    ParallelCopier::Shared().Run(host_copies);
+  }
   if (background) {
     std::vector<std::shared_ptr<Buffer>> sources;
     for (const SummonedUnit& v : copy->views) {

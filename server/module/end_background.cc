@@ -2,9 +2,6 @@
 // writeback End without a state directory leaves to finish after it answered
 // (server/module/pending_committed.h).
 
-#include <sys/resource.h>
-#include <unistd.h>
-
 #include <memory>
 #include <utility>
 #include <vector>
@@ -42,9 +39,6 @@ void Modules::CommitInBackground(const WritebackEnd& end, std::vector<ParallelCo
                                        << " held for " << absl::FormatDuration(pause);
                        absl::SleepFor(pause);
                      }
-                     // The lowest priority for this worker thread (Linux: per thread), so
-                     // its chunks yield to the copies on an End's critical path.
-                     ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 19);
                      copy->CopyInBackground();
                      copy->Finish();  // waits for a chunk another thread took, if any
                      // The summon's buffers are free again (Finish let them go): the kept set

@@ -5,6 +5,8 @@
 #include <iterator>
 #include <utility>
 
+#include "server/module/foreground_copies.h"
+
 namespace flatshard::server {
 
 PendingCopy::PendingCopy(const std::vector<ParallelCopier::Copy>& copies,
@@ -20,7 +22,11 @@ PendingCopy::PendingCopy(const std::vector<ParallelCopier::Copy>& copies,
 }
 
 void PendingCopy::CopyInBackground() {
-  for (size_t i = next_.fetch_add(1); i < chunks_.size(); i = next_.fetch_add(1)) {
+  // Each chunk once no End's writeback is copying (ForegroundCopies), claimed only then.
+  for (ForegroundCopies::Shared().WaitIdle(); next_.load() < chunks_.size();
+       ForegroundCopies::Shared().WaitIdle()) {
+    const size_t i = next_.fetch_add(1);
+    if (i >= chunks_.size()) break;
     std::memcpy(chunks_[i].dst, chunks_[i].src, chunks_[i].bytes);
     Done(1);
   }

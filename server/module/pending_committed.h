@@ -10,8 +10,9 @@
 // the PendingCopy holds them, so no later summon reuses them before it is done, and it never
 // reads the shards (the trainer may step its optimizer on them at once).
 //
-// The worker copies at the lowest CPU priority, one chunk at a time, so that it does not slow
-// the other local ranks' writebacks still on the End's critical path. Whoever needs the rank's
+// The worker copies one chunk at a time, each once no End's writeback into the shards runs
+// (ForegroundCopies), so that it does not slow the other local ranks' writebacks still on the
+// End's critical path. Whoever needs the rank's
 // committed copies complete takes the chunks the worker has not started and copies them on the
 // copy pool, then waits for the worker's one chunk in flight (PendingCopy::Finish), off the
 // group's lock: a Commit and the next writeback End of the rank before they write the committed
