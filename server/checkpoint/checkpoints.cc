@@ -98,13 +98,14 @@ absl::StatusOr<Checkpoints::CheckpointHold> Checkpoints::HoldForCheckpoint(
       }
       // A copy into (or out of) the committed copies is in flight, a rollback is due, or a
       // commit has reached some ranks and not yet others: look again shortly.
-      const bool still =
-          reg.busy == 0 && !reg.rollback_pending && lo == hi && (!load || reg.ckpt_hold == 0);
+      const bool still = reg.busy == 0 && !reg.rollback_pending && lo == hi &&
+                         (!load || reg.ckpt_hold == 0) && !reg.pending_committed.Prune();
       if (still) return HoldLocked(g, args.module, reg, load, lo, std::move(peers));
       last_wait = absl::DeadlineExceededError(absl::StrCat(
           "group ", g.id, " module ", Display(args.module),
           ": its committed shards did not come to rest within the wait (", reg.busy,
-          " copies in flight", reg.rollback_pending ? ", a rollback pending" : "",
+          " copies in flight", reg.pending_committed.Prune() ? ", a writeback End's copy" : "",
+          reg.rollback_pending ? ", a rollback pending" : "",
           lo != hi ? absl::StrCat(", ranks at generations ", lo, " to ", hi) : std::string(),
           reg.ckpt_hold > 0 ? ", another checkpoint running" : "", ")"));
     }

@@ -134,6 +134,9 @@ class Records {
                              bool to_committed) const;
   // GroupManagerOptions::testing_commit_copy_pause.
   void TestingPauseMidCopy(int32_t rank, const std::vector<DurablePair>& durable) const;
+  // Also holds (twice as long) the copies a writeback End leaves running without a state
+  // directory (Modules::CommitInBackground), so tests see the operations after it finish them.
+  absl::Duration testing_commit_copy_pause() const { return testing_commit_copy_pause_; }
 
   // ---- Votes: no module lost to a daemon kill (commit_votes.cc) ----
   // `caller` votes yes to committing `module` to `generation` (its shards hold it): the

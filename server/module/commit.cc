@@ -189,6 +189,7 @@ void Modules::CommitAgreed(const Caller& caller, const std::string& module, uint
         // Restarts: the intent is durable before the committed copy is overwritten,
         // the new generation before the trainer is answered (server/durable/).
         Records::TestingPauseBeforeIntent(generation + 1);
+        FinishPendingCopies(caller.group, module, caller.rank);  // a writeback End's, first
         records_.CommitReady(caller, module, generation + 1, "commit");
         records_.TestingPauseMidCopy(caller.rank, durable);
         absl::Status s = records_.CopyCommitted(caller.rank, durable, /*to_committed=*/true);
@@ -334,6 +335,7 @@ void Modules::RollbackNow(Group& g, const std::string& module, Registered& reg, 
   run->Call([this, group = g.id, module, target, had_vote, work = std::move(work),
              forward = std::move(forward), at_target = std::move(at_target),
              back = std::move(back)] {
+    FinishPendingCopies(group, module, -1);  // writeback Ends' copies into what is read here
     absl::Status status;
     if (!back.empty()) status = records_.RollBackFromHost(group, module, target, back);
     if (!forward.empty()) {
@@ -391,6 +393,7 @@ void Modules::RollbackRank(const Caller& caller, const std::string& module) {
     ++r.busy;
     r.stale[caller.rank] = true;
     run.Call([this, caller, module, durable = internal::DurableBuffers(r, caller.rank)] {
+      FinishPendingCopies(caller.group, module, caller.rank);  // a writeback End's, first
       absl::Status s = records_.CopyCommitted(caller.rank, durable, /*to_committed=*/false);
       if (!s.ok()) {
         FS_LOG(ERROR) << "group=" << caller.group << " rank=" << caller.rank

@@ -19,6 +19,7 @@
 #include "server/durable/parallel_copier.h"
 #include "server/durable/records.h"
 #include "server/messages.h"
+#include "server/module/foreground_copies.h"
 #include "server/module/generations.h"
 #include "server/module/init_undo.h"
 #include "server/module/summon_steps.h"
@@ -51,9 +52,13 @@ absl::Status AppendOwnRange(int32_t rank, const Plan& plan, const PlanUnit& unit
 // Without records (no crash to order against), the writeback's bytes go into each shard and its
 // committed copy in one pass (ParallelCopier::Copy::also): `copies` get their committed
 // destinations, and the committed copies' other bytes (padding, optimizer state) are appended.
+// With `later`, the committed destinations go there instead, read from the same sources (the
+// summon's buffers, never the shards), for a copy after the End answered (CommitInBackground).
 // Returns whether every durable pair could be covered so; if not, `copies` is left unchanged.
 bool FuseCommitCopies(const std::vector<internal::DurablePair>& durable,
-                      std::vector<ParallelCopier::Copy>* copies) {
+                      std::vector<ParallelCopier::Copy>* copies,
+                      std::vector<ParallelCopier::Copy>* later) {
+  std::vector<ParallelCopier::Copy> deferred;
   std::vector<ParallelCopier::Copy> fused = *copies;
   for (const internal::DurablePair& d : durable) {
     if (d.live == nullptr || d.committed == nullptr) continue;
@@ -75,13 +80,18 @@ bool FuseCommitCopies(const std::vector<internal::DurablePair>& durable,
       const size_t off = static_cast<size_t>(static_cast<char*>(c->dst) - live);
       if (off < at) return false;  // overlapping ranges: not expected, copy as before
       if (off > at) gaps.push_back({kept + at, live + at, off - at});
-      c->also = kept + off;
+      if (later != nullptr) {
+        deferred.push_back({kept + off, c->src, c->bytes});
+      } else {
+        c->also = kept + off;
+      }
       at = off + c->bytes;
     }
     if (at < bytes) gaps.push_back({kept + at, live + at, bytes - at});
     fused.insert(fused.end(), gaps.begin(), gaps.end());
   }
   *copies = std::move(fused);
+  if (later != nullptr) *later = std::move(deferred);
   return true;
 }
 
@@ -441,6 +451,8 @@ absl::Status Modules::WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSum
   const Plan& plan = *end.plan;
   const int32_t r = plan.ShardRank(caller.rank);
   const bool host = devices_.DeviceOf(caller.rank) == nullptr;
+  // The rank's last End's committed copy first: this one writes the committed copies too.
+  FinishPendingCopies(caller.group, end.module, caller.rank);
   std::vector<ParallelCopier::Copy> host_copies;
   absl::Status status;
   for (size_t i = 0; i < copy->units.size() && status.ok(); ++i) {
@@ -463,12 +475,34 @@ absl::Status Modules::WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSum
     const Buffer* grads = from_rank0 ? rank0_copy(1) : copy->views[i].grads.get();
     if (status.ok() && grads != nullptr && shard.grad) status = write_back(*grads, *shard.grad);
   }
-  // Without records and on the host, the committed copies are written in the same pass.
-  const bool fused = status.ok() && host && !end.batched && !records_.enabled() &&
-                     FuseCommitCopies(end.durable, &host_copies);
-  if (fused) records_.CommitReady(caller, end.module, end.target(), end.kind());
-  // Host ranks: every unit's range at once, on several threads, before the views go.
-  if (status.ok()) ParallelCopier::Shared().Run(host_copies);
+  // Without records and on the host, the committed copies are written from the summon's
+  // buffers after the End answered (pending_committed.h); an init, whose End completes the
+  // registration, and a rank0_only End, whose source is the node's shared copy of rank 0's
+  // buffers, write them in the same pass instead.
+  const bool plain = status.ok() && host && !end.batched && !records_.enabled();
+  std::vector<ParallelCopier::Copy> later;
+  const bool background = plain && !end.is_init && !copy->options.rank0_only &&
+                          FuseCommitCopies(end.durable, &host_copies, &later);
+  const bool fused = plain && !background && FuseCommitCopies(end.durable, &host_copies, nullptr);
+  if (fused || background) records_.CommitReady(caller, end.module, end.target(), end.kind());
+  // Host ranks: every unit's range at once, on several threads, before the views go; the
+  // copies Ends left for later wait meanwhile.
+  if (status.ok()) {
+    ForegroundCopies::Scope foreground(ForegroundCopies::Shared());
+    ParallelCopier::Shared().Run(host_copies);
+  }
+  if (background) {
+    std::vector<std::shared_ptr<Buffer>> sources;
+    for (const SummonedUnit& v : copy->views) {
+      if (v.params) sources.push_back(v.params);
+      if (v.grads) sources.push_back(v.grads);
+    }
+    copy.reset();
+    CommitInBackground(end, std::move(later), std::move(sources));
+    // Done for every reader: each finishes the copy before it reads the committed copies.
+    records_.CommitDone(caller, end.module, end.target());
+    return status;
+  }
   copy.reset();
   if (end.batched) return status;  // EndArrive copies, once every local rank got here
   if (fused) {

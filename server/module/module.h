@@ -28,6 +28,7 @@
 #include "server/collective/collective_engine.h"
 #include "server/durable/state_dir.h"
 #include "server/kept_buffers.h"
+#include "server/module/pending_committed.h"
 #include "server/shard_store.h"
 
 namespace flatshard::server {
@@ -177,6 +178,9 @@ struct Registered {
   // reads or writes a shard another copy is writing.
   int busy = 0;
   bool rollback_pending = false;
+  // Copies into committed copies that writeback Ends left to finish after they answered
+  // (pending_committed.h); whoever needs those committed copies finishes them first.
+  PendingCommitted pending_committed;
 
   // ---- Optimizer state (RegisterState) ----
   // The spec the first RegisterState fixed on this daemon (the order of UnitShard::state);

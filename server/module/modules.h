@@ -31,6 +31,8 @@
 #include "common/rpc_types.h"
 #include "common/state_spec.h"
 #include "server/collective/collective_engine.h"
+#include "server/durable/blocking_workers.h"
+#include "server/durable/parallel_copier.h"
 #include "server/gpu/device_context.h"
 #include "server/group/group.h"
 #include "server/group/group_table.h"
@@ -291,6 +293,14 @@ class Modules {
                 StatusCallback done);
   absl::Status WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSummon> copy);
   void FinishAppliedEnd(const WritebackEnd& end, absl::Status s, StatusCallback done);
+  // Without a state directory, after `end` wrote its own range into its shards: copies it into
+  // its committed copies too (`later`: from the summon's buffers `sources`, held till then) on
+  // background_, while the End answers (server/module/pending_committed.h).
+  void CommitInBackground(const WritebackEnd& end, std::vector<ParallelCopier::Copy> later,
+                          std::vector<std::shared_ptr<Buffer>> sources);
+  // Runs (or waits for) the copies into `rank`'s committed copies of `module` that writeback
+  // Ends left pending (every local rank's for -1). Without the group's lock.
+  void FinishPendingCopies(const std::string& group, const std::string& module, int32_t rank);
   // A writeback End over several daemons (end_vote.cc): once every local rank wrote back
   // (`written`: this rank's), the daemon records its vote and the ranks exchange votes;
   // EndVoted copies (all voted yes) or answers `finish` with the failure.
@@ -332,6 +342,9 @@ class Modules {
   GroupTable& table_;
   Records& records_;
   const std::atomic<bool>& shutdown_;
+  // CommitInBackground's copies, one strand per group and rank. Last: destroyed first, running
+  // the copies still queued while the rest is whole.
+  BlockingWorkers background_{2};
 };
 
 }  // namespace flatshard::server

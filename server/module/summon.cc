@@ -156,7 +156,13 @@ void Modules::SummonWritten(const Caller& caller, const std::string& module,
           Display(path), " changed ", kSummonRounds, " times while being allocated; summon again"));
     }
     // Without mu_: the kept-buffer cache allocates what is missing. The cache outlives the
-    // module if that is dropped meanwhile (the next round then fails with NOT_FOUND).
+    // module if that is dropped meanwhile (the next round then fails with NOT_FOUND). A
+    // writeback summon first finishes the rank's last writeback End's copy, which holds that
+    // End's buffers (pending_committed.h): the cache hands them out again instead of making
+    // new ones.
+    if (error.ok() && options.writeback && round == 0) {
+      FinishPendingCopies(caller.group, module, caller.rank);
+    }
     if (error.ok()) {
       error = GetViewBuffers(*decision.kept, decision.needs, BufferKind::kUnsharded,
                              decision.owner_uid, decision.placement, &got);

@@ -2,7 +2,7 @@
 //
 //   build/tests/bench/flatshard_daemon_benchmark [--bytes N] [--iters N] [--world_sizes 2,4]
 //       [--commit_bytes 4KiB,64MiB] [--commit_iters N] [--state_dir_root DIR]
-//       [--skip_latency] [--skip_unshard] [--skip_commit]
+//       [--skip_latency] [--skip_unshard] [--skip_commit] [--unshard_state_dir]
 //
 // Starts flatshardd on a private socket and segment prefix, then measures, side by side in the
 // same run (DESIGN.md "Performance targets"):
@@ -45,7 +45,8 @@
 // daemon's /dev/shm footprint once every End returned.
 //
 // Usage: --flatshardd PATH runs another daemon build (e.g. an older commit) against the same
-// client code.
+// client code. --unshard_state_dir gives the daemon of parts 1 and 2 a --state_dir (records
+// around every writeback End's commit) instead of --ephemeral.
 //
 // Exits non-zero with a message on any error. The daemons, their socket and state
 // directories and every /dev/shm/<prefix>.* are removed at exit (also on error and on
@@ -121,6 +122,9 @@ ABSL_FLAG(std::string, state_dir_root, "",
           "where the Commit benchmark's second daemon gets its --state_dir (a fresh "
           "subdirectory, removed at exit; pick the disk a deployment would use); empty: $TMPDIR");
 ABSL_FLAG(bool, skip_commit, false, "skip the Commit / writeback End benchmark");
+ABSL_FLAG(bool, unshard_state_dir, false,
+          "run the latency and unshard benchmarks on a daemon with a --state_dir (a fresh "
+          "subdirectory of --state_dir_root, removed at exit) instead of an --ephemeral one");
 ABSL_FLAG(std::string, flatshardd, FS_BINARY_DIR "/server/flatshardd", "the daemon binary");
 
 namespace flatshard {
@@ -961,12 +965,23 @@ absl::Status Run() {
 
   DaemonProcess daemon;
   const bench::ScopedStopOnSignal stop_on_signal(&daemon);
-  FS_RETURN_IF_ERROR(
-      daemon.Start(absl::GetFlag(FLAGS_flatshardd), absl::StrCat("fsbench", ::getpid())));
+  const std::string tag = absl::StrCat("fsbench", ::getpid());
+  std::vector<std::string> flags;
+  if (absl::GetFlag(FLAGS_unshard_state_dir)) {
+    std::string root = absl::GetFlag(FLAGS_state_dir_root);
+    if (root.empty()) root = fs::temp_directory_path().string();
+    const fs::path state_dir = fs::path(root) / absl::StrCat(tag, "-unshard-state");
+    std::error_code ec;
+    fs::remove_all(state_dir, ec);
+    daemon.RemoveOnStop(state_dir);
+    flags.push_back("--state_dir=" + state_dir.string());
+  }
+  FS_RETURN_IF_ERROR(daemon.Start(absl::GetFlag(FLAGS_flatshardd), tag, flags));
   std::printf(
-      "# flatshard daemon benchmark: flatshardd at %s, segments /dev/shm/%s.*; %u "
+      "# flatshard daemon benchmark: flatshardd at %s, segments /dev/shm/%s.*; %s; %u "
       "hardware threads; load %s\n",
-      daemon.address().c_str(), daemon.tag().c_str(), std::thread::hardware_concurrency(),
+      daemon.address().c_str(), daemon.tag().c_str(),
+      flags.empty() ? "--ephemeral" : flags[0].c_str(), std::thread::hardware_concurrency(),
       LoadAverage().c_str());
   absl::Status status = absl::OkStatus();
   if (!absl::GetFlag(FLAGS_skip_latency)) status = RunLatency(daemon, warmup, iters);
@@ -1002,6 +1017,7 @@ int main(int argc, char** argv) {
       "Usage: flatshard_daemon_benchmark [--bytes N] [--iters N] [--world_sizes 2,4] "
       "[--warmup N] [--reps N] [--commit_bytes 4096,64MiB] [--commit_iters N] "
       "[--state_dir_root DIR] [--skip_latency] [--skip_unshard] [--skip_commit] "
+      "[--unshard_state_dir] "
       "[--flatshardd PATH]");
   absl::ParseCommandLine(argc, argv);
   // Before any thread starts, so that every thread inherits the mask.
