@@ -8,6 +8,11 @@ the size given) with the same global batches and rank count.
         /usr/bin/python3 tests/bench/python/torch_benchmark.py --ranks 2 --steps 20
 
 Step time: per rank, the median of the steps after --warmup; the slowest rank counts.
+"CPU ms/step": the CPU time the whole job spent per step: every rank's process (all its
+threads, median over the steps after --warmup), summed over the ranks, plus for flatshard the
+daemon's (its mean over those steps). On a machine with other tenants, wall-clock step times
+move with their load; CPU time much less, so "(CPU)", flatshard's over the row's, shows what
+each mode costs when the cores are not the ranks' alone.
 Peak memory per node: the peak over the run of the summed PSS (proportional set size, from
 /proc/PID/smaps_rollup, sampled every 20 ms) of every process of the job on this host: the
 ranks and, for flatshard, the daemon. PSS splits shared pages between the processes mapping
@@ -127,13 +132,16 @@ def worker(args):
     if args.optimizer_state == "daemon" and client is not None:
         from flatshard.torch import keep_optimizer_state
         keep_optimizer_state(opt, fwd)
-    times, losses, commits = [], [], []
+    times, cpu, losses, commits = [], [], [], []
+    daemon_cpu = None
     profiler = None
     waited = 0.0
     moved = None
     for step in range(args.steps):
         if step == args.warmup and rank == 0 and args.metrics:
             moved = -collective_bytes(args.metrics)
+        if step == args.warmup and rank == 0 and args.daemon_pid:
+            daemon_cpu = -proc_cpu_s(args.daemon_pid)
         if step == args.warmup and hasattr(fwd, "prefetch_stats"):
             waited = -fwd.prefetch_stats["waited_s"]
         if args.profile and step == args.warmup:
@@ -141,7 +149,7 @@ def worker(args):
             profiler = cProfile.Profile()
             profiler.enable()
         x, y = gpt.local_batch(step, args.batch, model.cfg, rank, world)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = fwd(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -153,7 +161,10 @@ def worker(args):
             fwd.commit()
             commits.append(time.perf_counter() - t1)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         losses.append(float(loss))
+    if daemon_cpu is not None:
+        daemon_cpu = (daemon_cpu + proc_cpu_s(args.daemon_pid)) / max(args.steps - args.warmup, 1)
     if moved is not None:
         moved = (moved + collective_bytes(args.metrics)) / max(args.steps - args.warmup, 1)
     if profiler is not None:
@@ -168,7 +179,8 @@ def worker(args):
               else fwd.state_dict() if args.mode == "fsdp" else model.state_dict())
         if rank == 0:
             torch.save({k: v.detach().clone() for k, v in sd.items()}, args.out)
-    print(json.dumps({"rank": rank, "times": times, "losses": losses, "commits": commits,
+    print(json.dumps({"rank": rank, "times": times, "cpu": cpu, "losses": losses,
+                      "commits": commits, "daemon_cpu_s": daemon_cpu,
                       "summon_wait_s": waited / max(args.steps - args.warmup, 1),
                       "moved_bytes": moved,
                       "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}),
@@ -176,6 +188,13 @@ def worker(args):
     if client is not None:
         client.leave()
         client.close()
+
+
+def proc_cpu_s(pid):
+    """CPU seconds (user + system, every thread) process `pid` used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def mixed_precision(precision, fsdp=False):
@@ -374,6 +393,7 @@ def run_mode(mode, args, precision="fp32", out="", strategy="FULL_SHARD", commit
         daemon = LocalDaemon(extra_args=daemon_args).start()
         extra_pids.append(daemon.proc.pid)
         common += ["--address", daemon.address, "--group", "b-" + uuid.uuid4().hex[:8],
+                   "--daemon-pid", str(daemon.proc.pid),
                    "--metrics", f"http://127.0.0.1:{port}/metrics"]
     else:
         common += ["--port", str(free_port())]
@@ -402,13 +422,21 @@ def run_mode(mode, args, precision="fp32", out="", strategy="FULL_SHARD", commit
         if state_dir is not None:
             state_dir.cleanup()
     per_rank = [statistics.median(r["times"][args.warmup:]) for r in results]
+    cpu_rank = [statistics.median(r["cpu"][args.warmup:]) for r in results]
     losses = [sum(r["losses"][i] for r in results) / world for i in range(args.steps)]
-    return {**what, "ranks": world, "step_s": max(per_rank),
+    return {**what, "ranks": world, "step_s": max(per_rank), "cpu_s": sum(cpu_rank),
+            "daemon_cpu_s": results[0].get("daemon_cpu_s"),
             "peak_pss_mib": sampler.peak / 1024.0, "final_loss": losses[-1], "losses": losses,
             "summon_wait_s": max(r.get("summon_wait_s", 0.0) for r in results),
             "moved_bytes": results[0].get("moved_bytes"),
             "commit_s": max((statistics.median(r["commits"][args.warmup:]) for r in results
                              if r.get("commits")), default=None)}
+
+
+def cpu_per_step(row):
+    """CPU seconds per step of the whole job: every rank's (median over the steps after
+    --warmup, summed over ranks) and, for flatshard, the daemon's (its mean over those steps)."""
+    return row["cpu_s"] + (row.get("daemon_cpu_s") or 0.0)
 
 
 def main():
@@ -428,6 +456,8 @@ def main():
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--address", default="")
     ap.add_argument("--metrics", default="", help="(worker) the daemon's /metrics URL")
+    ap.add_argument("--daemon-pid", type=int, default=0,
+                    help="(worker) rank 0 reads the daemon's CPU time per step")
     ap.add_argument("--out", default="", help="(worker) rank 0 saves the final state dict")
     ap.add_argument("--precision", default="fp32", help="(worker) one of --precisions")
     ap.add_argument("--precisions", default="fp32",
@@ -475,7 +505,7 @@ def main():
     print(f"{'mode':<20} {'strategy':<19} {'precision':<11} {'ranks':>5} {'step ms':>9} "
           f"{'peak MiB/node':>14} {'final loss':>10}  {'flatshard/this (time)':>22} "
           f"{'(memory)':>9} {'summon wait ms/step':>20} {'MiB moved/step':>15} {'commit':>7} "
-          f"{'commit ms/step':>15}")
+          f"{'commit ms/step':>15} {'CPU ms/step':>12} {'(CPU)':>6}")
     for r in rows:
         st = r["strategy"] if r["mode"].startswith(("fsdp", "flatshard")) else "-"
         if "error" in r:
@@ -485,13 +515,15 @@ def main():
                    and x["strategy"] == r["strategy"] and x["commit"] == r["commit"]), None)
         ratio_t = f"{fs['step_s'] / r['step_s']:.2f}x" if fs else "-"
         ratio_m = f"{fs['peak_pss_mib'] / r['peak_pss_mib']:.2f}x" if fs else "-"
+        ratio_c = f"{cpu_per_step(fs) / cpu_per_step(r):.2f}x" if fs else "-"
         wait = f"{r['summon_wait_s'] * 1e3:.1f}" if r["mode"].startswith("flatshard") else "-"
         moved = f"{r['moved_bytes'] / 2**20:.3f}" if r.get("moved_bytes") else "-"
         commit_ms = f"{r['commit_s'] * 1e3:.2f}" if r.get("commit_s") is not None else "-"
         print(f"{r['mode']:<20} {st:<19} {r['precision']:<11} {r['ranks']:>5} "
               f"{r['step_s'] * 1e3:>9.1f} "
               f"{r['peak_pss_mib']:>14.1f} {r['final_loss']:>10.4f}  {ratio_t:>22} "
-              f"{ratio_m:>9} {wait:>20} {moved:>15} {r['commit']:>7} {commit_ms:>15}")
+              f"{ratio_m:>9} {wait:>20} {moved:>15} {r['commit']:>7} {commit_ms:>15} "
+              f"{cpu_per_step(r) * 1e3:>12.1f} {ratio_c:>6}")
     moved = {(r["strategy"], r["precision"]): r["moved_bytes"] for r in ok
              if r["mode"] == "flatshard" and r["commit"] == "never" and r.get("moved_bytes")}
     for (st, p), b in moved.items():

@@ -288,6 +288,7 @@ class FlatShardModule(_Strategies, _TrainingRecipe, _StateDicts, _FullParams, nn
             raise AssertionError("FlatShardModule.commit: called inside "
                                  + ("summon_full_params" if self._state ==
                                     TrainingState.SUMMON_FULL_PARAMS else "forward/backward"))
+        self._release_kept(end_now=True)  # as summon_full_params: a backward summons again
         self._generation = int(self._client.commit(self._name))
         self._mark_committed()
         return self._generation

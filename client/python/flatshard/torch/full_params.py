@@ -28,6 +28,10 @@ class _FullParams:
             raise AssertionError(ERR_IN_FORWARD_BACKWARD)
         if self._state == TrainingState.SUMMON_FULL_PARAMS:
             raise AssertionError(ERR_NESTED_SUMMON)
+        # Between a forward and its backward: the summons kept for the backward (the root's,
+        # SHARD_GRAD_OP's) end here, as the daemon unshards a unit once per rank; a backward
+        # that follows summons them again.
+        self._release_kept(end_now=True)
         if offload_to_cpu and not rank0_only and writeback:
             # FSDP warns always; flatshard only when more than one host copy may exist (a
             # writeback summon gives every rank its own copy; read-only ones share one).

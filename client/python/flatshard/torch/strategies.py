@@ -8,7 +8,7 @@ What each strategy changes:
   (they differ in the trainer only), and daemons without the newer name plan it too;
 - the trainer side is when a unit is resharded: FULL_SHARD and HYBRID_SHARD release a unit's
   forward summon after its forward and summon it again for its backward (two all-gathers per
-  unit and step); SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2 and NO_SHARD keep the forward summon open
+  unit and step), except the root unit's, kept for its backward as FSDP's; SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2 and NO_SHARD keep the forward summon open
   until the unit's backward has used it (one all-gather per unit and step, more memory: every
   unit's full parameters from its forward until its backward, as FSDP's).
 """
@@ -66,8 +66,14 @@ class _Strategies:
 
     def _keep_after_forward(self, unit: int, got: Tuple[Any, ...]) -> bool:
         """After a unit's forward: True when its summon stays open for its backward (only
-        when a backward will follow: gradients are recorded)."""
-        if self.sharding_strategy not in _KEEP_AFTER_FORWARD or not torch.is_grad_enabled():
+        when a backward will follow: gradients are recorded). The root unit's always does,
+        as FSDP's root is not resharded after forward: its backward starts right away, so a
+        second all-gather would only make every rank wait for it (nothing runs before it to
+        hide it behind)."""
+        root = self._units[unit].module is self.module
+        if not (root or self.sharding_strategy in _KEEP_AFTER_FORWARD):
+            return False
+        if not torch.is_grad_enabled():
             return False
         if not self._units[unit].requires_grad or not self._in_forward:
             return False
