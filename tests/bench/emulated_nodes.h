@@ -175,11 +175,17 @@ inline double TcpStreamsMs(const testing::EmulatedLinks* links,
   return ms;
 }
 
+// The TMPDIR (where Open MPI puts its session directory) of node `index`'s MPI processes.
+inline std::filesystem::path MpiNodeTmp(const std::filesystem::path& dir, int index) {
+  return dir / absl::StrCat("ompi_node", index);
+}
+
 // Open MPI over the links: mpirun runs in node 0's namespace with a hostfile of the nodes'
 // addresses (ranks_per_node slots each, filled in rank order as flatshard places its ranks),
 // and reaches the other nodes through an rsh agent (written to `dir`) that runs their orted
 // with `ip netns exec`; its out-of-band channel and the TCP BTL use the links only, ob1 over
-// tcp (between nodes), vader (within a node) and self. The launch prefix (then -np etc.).
+// tcp (between nodes), vader (within a node) and self; every node's processes get a TMPDIR of
+// their own under `dir` (MpiNodeTmp). The launch prefix (then -np etc.).
 inline absl::StatusOr<std::vector<std::string>> MpiOverLinks(const std::string& mpirun, int rpn,
                                                              const testing::EmulatedLinks& links,
                                                              const std::filesystem::path& dir) {
@@ -192,7 +198,11 @@ inline absl::StatusOr<std::vector<std::string>> MpiOverLinks(const std::string& 
     // name and /dev/shm, so every node but 0 (whose ranks mpirun starts) gets a directory.
     const std::filesystem::path vader = dir / absl::StrCat("vader_node", i);
     if (i > 0) std::filesystem::create_directories(vader);
+    // Each node's session directory under a TMPDIR of its own, as on separate hosts: orteds
+    // of one host name sharing one tree race creating it ("File exists", exit 213).
+    std::filesystem::create_directories(MpiNodeTmp(dir, i));
     absl::StrAppend(&cases, "  ", testing::EmulatedLinks::address(i), ") ns=", links.ns(i),
+                    " tmp=", MpiNodeTmp(dir, i).string(),
                     i > 0 ? absl::StrCat(" vader=", vader.string()) : "", " ;;\n");
   }
   const std::string script = absl::StrCat(
@@ -200,7 +210,7 @@ inline absl::StatusOr<std::vector<std::string>> MpiOverLinks(const std::string& 
       "host=\"$1\"; shift\ncase \"$host\" in\n", cases,
       "  *) echo \"no emulated node $host\" >&2; exit 1 ;;\nesac\n",
       "exec ip netns exec \"$ns\" env OMPI_MCA_btl_vader_backing_directory=\"$vader\" "
-      "/bin/sh -c \"$*\"\n");
+      "TMPDIR=\"$tmp\" /bin/sh -c \"$*\"\n");
   {
     std::ofstream h(hostfile), a(agent);
     h << hosts;
@@ -209,7 +219,7 @@ inline absl::StatusOr<std::vector<std::string>> MpiOverLinks(const std::string& 
   }
   std::filesystem::permissions(agent, std::filesystem::perms::owner_all);
   const std::string dev = testing::EmulatedLinks::kInterface;
-  std::vector<std::string> launch = InNode(links, 0);
+  std::vector<std::string> launch = InNode(links, 0, {"TMPDIR=" + MpiNodeTmp(dir, 0).string()});
   launch.insert(launch.end(),
                 {mpirun, "--hostfile", hostfile.string(), "--mca", "plm_rsh_agent", agent.string(),
                  "--mca", "oob_tcp_if_include", dev, "--mca", "pml", "ob1", "--mca", "btl",

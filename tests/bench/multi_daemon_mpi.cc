@@ -54,12 +54,14 @@ absl::StatusOr<MpiResult> RunMpi(const std::string& mpirun, const std::string& b
   if (links != nullptr) {
     FS_ASSIGN_OR_RETURN(launch, bench::MpiOverLinks(mpirun, rpn, *links, dir));
   }
-  // A session directory of this run's own (orted's on every node too, from the command line):
-  // two runs sharing /tmp/ompi.<host>.<uid> clash ("File exists", exit 213).
+  // A session directory of this run's own: two runs sharing /tmp/ompi.<host>.<uid> clash
+  // ("File exists", exit 213). Over links every node has its own (bench::MpiOverLinks).
   const fs::path session = dir / "ompi";
-  std::error_code ec;
-  fs::create_directories(session, ec);
-  launch.insert(launch.end(), {"--mca", "orte_tmpdir_base", session.string()});
+  if (links == nullptr) {
+    std::error_code ec;
+    fs::create_directories(session, ec);
+    launch.insert(launch.end(), {"--mca", "orte_tmpdir_base", session.string()});
+  }
   launch.push_back("--oversubscribe");
   if (::geteuid() == 0) launch.push_back("--allow-run-as-root");
   launch.insert(launch.end(), {"-np", absl::StrCat(np)});
@@ -77,7 +79,7 @@ absl::StatusOr<MpiResult> RunMpi(const std::string& mpirun, const std::string& b
   auto run = [&](const std::vector<std::string>& argv,
                  absl::string_view name) -> absl::StatusOr<std::string> {
     const std::string log = (dir / absl::StrCat("mpi_", op, "_np", np, "_", name, ".log")).string();
-    FS_ASSIGN_OR_RETURN(pid_t pid, SpawnTool(argv, {"TMPDIR=" + session.string()}, log));
+    FS_ASSIGN_OR_RETURN(pid_t pid, SpawnTool(argv, {}, log));
     FS_ASSIGN_OR_RETURN(int status, WaitTool(pid, deadline, "mpirun"));
     std::string out = bench::ReadText(log);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {

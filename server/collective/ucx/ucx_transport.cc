@@ -102,15 +102,24 @@ void UcxTransport::Start(Request* req) {
   worker_->Submit(req, r);
 }
 
-absl::Status UcxTransport::PeerStatus(const Peer& peer) const {
+absl::Status UcxTransport::PeerStatus(const Peer& peer, ucs_status_t request_status) const {
   std::vector<int> ranks;
   for (int r = 0; r < world_; ++r) {
     if (peers_[r].get() == &peer) ranks.push_back(r);
   }
-  return absl::UnavailableError(absl::StrCat(
-      "UCX peer of ", FormatRanks(ranks),
-      " failed: ", peer.failure == UCS_OK ? "endpoint closed" : ucs_status_string(peer.failure)));
+  const ucs_status_t why = peer.failure != UCS_OK ? peer.failure : request_status;
+  return absl::UnavailableError(
+      absl::StrCat("UCX peer of ", FormatRanks(ranks),
+                   " failed: ", why == UCS_OK ? "endpoint closed" : ucs_status_string(why)));
 }
+
+namespace {
+// A request's status that says its endpoint's peer is gone (the endpoint's error callback,
+// which names the peer, may run after the request completes).
+bool IsPeerGone(ucs_status_t s) {
+  return s == UCS_ERR_ENDPOINT_TIMEOUT || s == UCS_ERR_CONNECTION_RESET || s == UCS_ERR_UNREACHABLE;
+}
+}  // namespace
 
 absl::Status UcxTransport::Outcome(const Request& req) const {
   if (req.status == UCS_OK) {
@@ -123,7 +132,9 @@ absl::Status UcxTransport::Outcome(const Request& req) const {
     return absl::OkStatus();
   }
   if (!sticky_.ok()) return sticky_;
-  if (req.peer->failure != UCS_OK) return PeerStatus(*req.peer);
+  if (req.peer->failure != UCS_OK || IsPeerGone(req.status)) {
+    return PeerStatus(*req.peer, req.status);
+  }
   if (req.status == UCS_ERR_MESSAGE_TRUNCATED) {
     return absl::InvalidArgumentError(absl::StrCat(
         "message size mismatch at op_seq ", req.tag.op_seq, " (sub ", req.tag.sub, "): rank ",

@@ -68,7 +68,9 @@ class UcxTransport final : public Transport, public std::enable_shared_from_this
   void SendByCopy(Request* req);
   void SendAck(const Request& recv, const CopyAck& ack);
   std::string Describe(const Request& req) const;
-  absl::Status PeerStatus(const Peer& peer) const;
+  // UNAVAILABLE "UCX peer of ranks 2, 3 failed: <why>"; `why`: the peer's failure, or
+  // `request_status` when the endpoint's error callback has not run yet.
+  absl::Status PeerStatus(const Peer& peer, ucs_status_t request_status = UCS_OK) const;
 
   const std::shared_ptr<Worker> worker_;
   const std::string group_;
