@@ -46,12 +46,22 @@ void PendingCopy::Finish() {
 
 void PendingCopy::Done(size_t chunks) {
   std::vector<std::shared_ptr<Buffer>> release;
+  bool last = false;
   {
     absl::MutexLock lock(&mu_);
-    done_ += chunks;
-    if (AllDone()) release = std::move(hold_);
+    last = done_ + chunks == chunks_.size();
+    if (last) {
+      release = std::move(hold_);
+    } else {
+      done_ += chunks;
+    }
   }
-  // A last reference (the kept set dropped a summon buffer meanwhile) unmaps here, unlocked.
+  if (!last) return;
+  // The buffers go before anyone sees the copy done: a summon that finished it finds the kept
+  // buffers unused. A last reference (the kept set dropped one meanwhile) unmaps here, unlocked.
+  release.clear();
+  absl::MutexLock lock(&mu_);
+  done_ += chunks;
 }
 
 bool PendingCopy::done() const {
