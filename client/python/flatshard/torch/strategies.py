@@ -8,8 +8,9 @@ What each strategy changes:
   (they differ in the trainer only), and daemons without the newer name plan it too;
 - the trainer side is when a unit is resharded: FULL_SHARD and HYBRID_SHARD release a unit's
   forward summon after its forward and summon it again for its backward (two all-gathers per
-  unit and step), except the root unit's, kept for its backward as FSDP's; SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2 and NO_SHARD keep the forward summon open
-  until the unit's backward has used it (one all-gather per unit and step, more memory: every
+  unit and step), except the root unit's, kept for its backward as FSDP's; SHARD_GRAD_OP,
+  _HYBRID_SHARD_ZERO2 and NO_SHARD keep the forward summon open until the unit's backward
+  has used it (one all-gather per unit and step, more memory: every
   unit's full parameters from its forward until its backward, as FSDP's).
 """
 import enum
