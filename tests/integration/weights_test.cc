@@ -32,6 +32,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -706,6 +707,11 @@ TEST(WeightsTest, APublisherKilledAtRandomPointsLeavesNoPartialVersion) {
   }
   for (const PublishedVersion& p : *all) {
     absl::StatusOr<std::unique_ptr<WeightsVersion>> v = r->Open(p.name, At(p.version));
+    if (absl::IsNotFound(v.status()) && !absl::c_linear_search(Versions(*r, "gpt"), p.version)) {
+      // A publish the killed trainer had already sent can still land after the List, and the
+      // retention then drops the oldest listed version: gone whole, never partial.
+      continue;
+    }
     ASSERT_TRUE(v.ok()) << v.status();
     ExpectHolds(*plan, ExampleModelFile("gpt_tied", "manifest"), **v,
                 static_cast<int>(p.generation));
