@@ -71,22 +71,8 @@ class EndVoteRestartTest : public TwoDaemonRestartTest,
   }
   // Every rank finds generation `g`'s values in every element (a read-only summon).
   void ExpectEveryElement(std::vector<Rank>& ranks, uint64_t g) {
-    RunRanks(2, [&](int r) {
-      EXPECT_THAT(ranks[r].client->lost_modules(), IsEmpty()) << "rank " << r;
-      SummonOptions read;
-      read.writeback = false;
-      absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", read);
-      ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
-      for (const PlanUnit& u : ranks[r].model.plan->units) {
-        for (const PlanParam& p : u.params) {
-          const float* data = static_cast<const float*>((*s)->Find(p.fqn)->data);
-          for (int64_t i = 0; i < p.numel; ++i) {
-            ASSERT_EQ(data[i], EndValue(g, i)) << "rank " << r << " " << p.fqn << " " << i;
-          }
-        }
-      }
-      ASSERT_TRUE((*s)->End().ok());
-    });
+    for (Rank& rank : ranks) EXPECT_THAT(rank.client->lost_modules(), IsEmpty());
+    restart_testing::ExpectEveryElement(ranks, [g](int64_t i) { return EndValue(g, i); });
   }
 };
 

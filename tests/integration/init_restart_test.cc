@@ -103,22 +103,7 @@ class InitRestartTest : public TwoDaemonRestartTest,
   }
   // Every rank finds the initial values in every element (a read-only summon).
   void ExpectInitialValues(std::vector<Rank>& ranks) {
-    RunRanks(2, [&](int r) {
-      SummonOptions read;
-      read.writeback = false;
-      absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", read);
-      ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
-      for (const PlanUnit& u : ranks[r].model.plan->units) {
-        for (const PlanParam& p : u.params) {
-          const float* data = static_cast<const float*>((*s)->Find(p.fqn)->data);
-          for (int64_t i = 0; i < p.numel; ++i) {
-            ASSERT_EQ(data[i], zeros() ? 0.0f : InitValue(i))
-                << "rank " << r << " " << p.fqn << " " << i;
-          }
-        }
-      }
-      ASSERT_TRUE((*s)->End().ok());
-    });
+    ExpectEveryElement(ranks, [&](int64_t i) { return zeros() ? 0.0f : InitValue(i); });
   }
 };
 

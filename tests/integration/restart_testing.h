@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -73,6 +74,27 @@ struct Rank {
   std::unique_ptr<Client> client;
   RegisteredModule model;
 };
+
+// A read-only summon of the whole module on every rank of `ranks` (2): element i of every
+// parameter holds value(i).
+inline void ExpectEveryElement(std::vector<Rank>& ranks,
+                               const std::function<float(int64_t)>& value) {
+  RunRanks(2, [&](int r) {
+    SummonOptions read;
+    read.writeback = false;
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", read);
+    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+    for (const PlanUnit& u : ranks[r].model.plan->units) {
+      for (const PlanParam& p : u.params) {
+        const float* data = static_cast<const float*>((*s)->Find(p.fqn)->data);
+        for (int64_t i = 0; i < p.numel; ++i) {
+          ASSERT_EQ(data[i], value(i)) << "rank " << r << " " << p.fqn << " " << i;
+        }
+      }
+    }
+    ASSERT_TRUE((*s)->End().ok());
+  });
+}
 
 // Bytes of every shard and gradient shard of one rank, per unit.
 struct Snapshot {
