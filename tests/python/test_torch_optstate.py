@@ -16,7 +16,6 @@ By hand: PYTHONPATH=build/python FLATSHARD_DAEMON=build/server/flatshardd \
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ import torch.nn as nn
 
 import flatshard
 from flatshard.torch import FlatShardModule, ModuleWrapPolicy, keep_optimizer_state
-from conftest import Barrier, connect, run_ranks
+from conftest import Barrier, connect, rejoin, run_ranks
 from small_torch_models import Block, Net, batch
 
 SOURCE_DIR = Path(os.environ.get("FS_SOURCE_DIR", Path(__file__).resolve().parents[2]))
@@ -68,19 +67,6 @@ def _wrapped(client, use_orig_params):
         net = Net()
     return FlatShardModule(net, client, auto_wrap_policy=ModuleWrapPolicy({Block}),
                            use_orig_params=use_orig_params)
-
-
-def _rejoin(c, group, world=1, rank=0, timeout=30.0):
-    """Joins `rank` again once the daemon has seen the old session end (a closed client's
-    lease ends asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return c.join(group, world, rank)
-        except flatshard.AlreadyExistsError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def _full(fs):
@@ -159,7 +145,7 @@ def test_restarted_trainer_resumes_with_the_committed_optimizer_state(daemon, gr
     c.close()
 
     back = connect(daemon)
-    _rejoin(back, group)
+    rejoin(back, group)
     fs2 = _wrapped(back, use_orig_params)
     assert fs2.reattached and fs2.generation == 2
     opt2 = OPTIMIZERS["adamw"](fs2.sharded_parameters())
@@ -202,7 +188,7 @@ def test_daemon_killed_mid_training_keeps_the_committed_optimizer_state(tmp_path
         c.close()
 
         back = connect(d)
-        _rejoin(back, group)
+        rejoin(back, group)
         fs2 = _wrapped(back, False)
         assert fs2.reattached and fs2.generation == 2
         opt2 = OPTIMIZERS["adamw"](fs2.sharded_parameters())
@@ -294,7 +280,7 @@ def test_survivor_and_restarted_rank_resume_with_the_committed_optimizer_state(d
             died.wait()
             assert left.wait(60), "the survivor did not leave"
             back = connect(daemon)
-            _rejoin(back, group, world=2, rank=1)
+            rejoin(back, group, rank=1, world=2)
             fs = _wrapped(back, False)
             assert fs.reattached and fs.generation == 2
             opt = OPTIMIZERS["adamw"](fs.sharded_parameters())
