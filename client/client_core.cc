@@ -140,7 +140,11 @@ void ClientCore::Shutdown() {
     modules_.clear();
     shard_device_ = -1;
   }
-  if (lease != nullptr) lease->Stop();
+  if (lease != nullptr) lease->Stop(LeaseEndWait());
+}
+
+absl::Duration ClientCore::LeaseEndWait() const {
+  return std::min(options_.call_timeout, absl::Seconds(5));
 }
 
 absl::Status ClientCore::Join(std::string group, int world_size, int rank, std::string token,
@@ -548,7 +552,7 @@ absl::Status ClientCore::Leave() {
   v1::LeaveResponse response;
   const absl::Status status =
       Call("Leave", &Stub::Leave, request, &response, options_.call_timeout);
-  if (lease != nullptr) lease->Stop();
+  if (lease != nullptr) lease->Stop(LeaseEndWait());
   {
     absl::MutexLock lock(&mu_);
     state_ = State::kIdle;

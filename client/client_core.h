@@ -53,8 +53,12 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   void DropUnlinked();
   int64_t ipc_open_calls() const { return cache_.ipc_open_calls(); }
 
-  // Ends the session locally: closes the lease, forgets modules. No RPC.
+  // Ends the session locally: closes the lease (waiting up to LeaseEndWait() for the daemon
+  // to end the session), forgets modules. No other RPC.
   void Shutdown();
+  // How long closing a lease waits for the daemon to confirm the session ended:
+  // min(call_timeout, 5 s).
+  absl::Duration LeaseEndWait() const;
 
   absl::Status Join(std::string group, int world_size, int rank, std::string token,
                     std::string coordinator);

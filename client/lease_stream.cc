@@ -19,12 +19,17 @@ void LeaseStream::Run() {
     {
       absl::MutexLock lock(&mu_);
       written_ = true;
+      stream_ = stream.get();
     }
     // The daemon sends nothing, or acknowledgements we need not act on; Read returns false
     // when the stream ends (the daemon finished it, the connection broke, or Stop()).
     v1::LeaseResponse response;
     while (stream->Read(&response)) {
     }
+    absl::MutexLock lock(&mu_);
+    stream_ = nullptr;
+    mu_.Await(absl::Condition(
+        +[](bool* running) { return !*running; }, &writes_done_running_));
   }
   const grpc::Status s = stream->Finish();
   absl::MutexLock lock(&mu_);
@@ -39,6 +44,27 @@ void LeaseStream::Run() {
   if (!stopping_) {
     FS_LOG(WARNING) << "lease of " << SessionLabel(caller_) << " ended: " << end_status_;
   }
+}
+
+void LeaseStream::Stop(absl::Duration wait_for_end) {
+  grpc::ClientReaderWriter<v1::LeaseRequest, v1::LeaseResponse>* open = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    if (wait_for_end > absl::ZeroDuration() && !done_ && stream_ != nullptr) {
+      open = stream_;
+      writes_done_running_ = true;
+    }
+  }
+  if (open != nullptr) {
+    // A write beside Run's read is allowed; Run finishes the stream only after this returned.
+    open->WritesDone();
+    absl::MutexLock lock(&mu_);
+    writes_done_running_ = false;
+    mu_.AwaitWithTimeout(absl::Condition(&done_), wait_for_end);
+  }
+  context_.TryCancel();  // before the call started: cancels it when it starts
+  if (thread_.joinable()) thread_.join();
 }
 
 }  // namespace flatshard::client::internal

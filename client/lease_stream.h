@@ -48,15 +48,11 @@ class LeaseStream {
     return done_ ? end_status_ : absl::OkStatus();
   }
 
-  // Cancels the stream and joins the thread. Idempotent; not concurrently with itself.
-  void Stop() {
-    {
-      absl::MutexLock lock(&mu_);
-      stopping_ = true;
-    }
-    context_.TryCancel();  // before the call started: cancels it when it starts
-    if (thread_.joinable()) thread_.join();
-  }
+  // Ends the stream and joins the thread. Idempotent; not concurrently with itself.
+  // `wait_for_end` > 0: first half-closes the stream and waits up to that long for the daemon
+  // to finish it, which it does once it ended the session (so the rank can join again at
+  // once); then cancels whatever is left.
+  void Stop(absl::Duration wait_for_end = absl::ZeroDuration());
 
  private:
   void Run();
@@ -68,6 +64,11 @@ class LeaseStream {
   bool written_ ABSL_GUARDED_BY(mu_) = false;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // The open stream while Run reads it; Stop half-closes it (writes_done_running_) only then,
+  // and Run does not Finish it until that WritesDone returned.
+  grpc::ClientReaderWriter<v1::LeaseRequest, v1::LeaseResponse>* stream_ ABSL_GUARDED_BY(mu_) =
+      nullptr;
+  bool writes_done_running_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status end_status_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;  // last: starts after everything it uses exists
 };

@@ -29,7 +29,9 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -48,11 +50,13 @@
 
 namespace flatshard::client::testing {
 
-class FakeShardService final : public v1::ShardService::Service {
+class FakeShardService final
+    : public v1::ShardService::WithCallbackMethod_Lease<v1::ShardService::Service> {
  public:
   static constexpr uint64_t kSession = 42;
   static constexpr uint64_t kFirstOffset = 128;
   static constexpr uint64_t kReadyEventId = 100;
+  class LeaseReactor;
 
   struct Unit {
     PlanUnit plan;
@@ -109,43 +113,10 @@ class FakeShardService final : public v1::ShardService::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Lease(
-      grpc::ServerContext* context,
-      grpc::ServerReaderWriter<v1::LeaseResponse, v1::LeaseRequest>* stream) override {
-    v1::LeaseRequest first;
-    if (!stream->Read(&first)) return grpc::Status(grpc::StatusCode::CANCELLED, "no caller");
-    {
-      absl::MutexLock lock(&mu);
-      if (first.caller().session() != kSession) {
-        return grpc::Status(grpc::StatusCode::NOT_FOUND, "fake: unknown session");
-      }
-      if (!refuse_lease.ok()) return ToGrpcStatus(refuse_lease);
-      lease_caller = first.caller();
-      ++open_leases;
-    }
-    bool ack;
-    {
-      absl::MutexLock lock(&mu);
-      ack = ack_lease;
-    }
-    if (ack) stream->Write(v1::LeaseResponse());
-    // Hold the lease until the client cancels it or the test breaks it.
-    absl::Status end;
-    while (!context->IsCancelled()) {
-      absl::MutexLock lock(&mu);
-      if (!break_lease.ok()) {
-        end = break_lease;
-        break;
-      }
-      mu.AwaitWithTimeout(absl::Condition(
-                              +[](absl::Status* s) { return !s->ok(); }, &break_lease),
-                          absl::Milliseconds(5));
-    }
-    absl::MutexLock lock(&mu);
-    --open_leases;
-    ++closed_leases;
-    return ToGrpcStatus(end);
-  }
+  // The lease, as the daemon's: a callback stream (so that a half-close is seen), held until
+  // the client half-closes or cancels it, or the test breaks it.
+  grpc::ServerBidiReactor<v1::LeaseRequest, v1::LeaseResponse>* Lease(
+      grpc::CallbackServerContext*) override;
 
   grpc::Status RegisterModule(grpc::ServerContext*, const v1::RegisterModuleRequest* request,
                               v1::RegisterModuleResponse* response) override {
@@ -355,6 +326,113 @@ class FakeShardService final : public v1::ShardService::Service {
 };
 
 // The fake service behind a gRPC server on a fresh unix socket.
+// FakeShardService::Lease's stream. Ends once: by the client (half-close: OK, as the daemon
+// after it ended the session; cancel), by a refused caller, or by `break_lease`, which a
+// watcher thread waits for.
+// FakeShardService::Lease's stream. Ends once: by the client (half-close: OK, as the daemon
+// after it ended the session; cancel), by a refused caller, or by `break_lease`, which a
+// watcher thread waits for. Finish runs outside the fake's lock, and after the ack's write.
+class FakeShardService::LeaseReactor final
+    : public grpc::ServerBidiReactor<v1::LeaseRequest, v1::LeaseResponse> {
+ public:
+  explicit LeaseReactor(FakeShardService* fake) : fake_(fake) { StartRead(&request_); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      FinishOnce(opened_ ? grpc::Status::OK
+                         : grpc::Status(grpc::StatusCode::CANCELLED, "no caller"));
+      return;
+    }
+    if (!opened_) {
+      bool ack = false;
+      std::optional<grpc::Status> refused;
+      {
+        absl::MutexLock lock(&fake_->mu);
+        if (request_.caller().session() != kSession) {
+          refused = grpc::Status(grpc::StatusCode::NOT_FOUND, "fake: unknown session");
+        } else if (!fake_->refuse_lease.ok()) {
+          refused = ToGrpcStatus(fake_->refuse_lease);
+        } else {
+          fake_->lease_caller = request_.caller();
+          ++fake_->open_leases;
+          opened_ = true;
+          ack = fake_->ack_lease;
+          writing_ = ack;
+        }
+      }
+      if (refused.has_value()) {
+        FinishOnce(*refused);
+        return;
+      }
+      watcher_ = std::thread([this] { WatchForBreak(); });
+      if (ack) StartWrite(&ack_);
+    }
+    StartRead(&request_);
+  }
+  void OnWriteDone(bool) override {
+    std::optional<grpc::Status> finish;
+    {
+      absl::MutexLock lock(&fake_->mu);
+      writing_ = false;
+      finish.swap(finish_after_write_);
+    }
+    if (finish.has_value()) Finish(*finish);
+  }
+  void OnCancel() override { FinishOnce(grpc::Status::CANCELLED); }
+  void OnDone() override {
+    {
+      absl::MutexLock lock(&fake_->mu);
+      finished_ = true;  // also ends the watcher when nothing finished the stream through us
+      if (opened_) {
+        --fake_->open_leases;
+        ++fake_->closed_leases;
+      }
+    }
+    if (watcher_.joinable()) watcher_.join();
+    delete this;
+  }
+
+ private:
+  void WatchForBreak() {
+    grpc::Status broken;
+    {
+      absl::MutexLock lock(&fake_->mu);
+      fake_->mu.Await(absl::Condition(
+          +[](LeaseReactor* r) { return r->finished_ || !r->fake_->break_lease.ok(); }, this));
+      if (finished_) return;
+      broken = ToGrpcStatus(fake_->break_lease);
+    }
+    FinishOnce(broken);
+  }
+  void FinishOnce(const grpc::Status& status) {
+    {
+      absl::MutexLock lock(&fake_->mu);
+      if (finished_) return;
+      finished_ = true;
+      if (writing_) {
+        finish_after_write_ = status;  // OnWriteDone finishes
+        return;
+      }
+    }
+    Finish(status);
+  }
+
+  FakeShardService* const fake_;
+  v1::LeaseRequest request_;
+  v1::LeaseResponse ack_;
+  bool opened_ = false;  // the reactor's serialized read callbacks, then OnDone
+  // Under fake_->mu:
+  bool writing_ = false;
+  bool finished_ = false;
+  std::optional<grpc::Status> finish_after_write_;
+  std::thread watcher_;
+};
+
+inline grpc::ServerBidiReactor<v1::LeaseRequest, v1::LeaseResponse>* FakeShardService::Lease(
+    grpc::CallbackServerContext*) {
+  return new LeaseReactor(this);
+}
+
 class FakeShardServer {
  public:
   FakeShardServer() : FakeShardServer(std::string()) {}

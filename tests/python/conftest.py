@@ -139,20 +139,6 @@ def shard_views_when_ready(c, timeout=30.0):
             time.sleep(0.05)
 
 
-def rejoin(c, group, rank=0, world=1, timeout=30.0):
-    """Joins `rank` of `group` again once the daemon has seen the rank's old session end: a
-    closed Client's lease ends asynchronously (client.h: ~Client does not wait for the daemon),
-    so until then the rank still has a live session and Join answers ALREADY_EXISTS."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return c.join(group, world, rank)
-        except flatshard.AlreadyExistsError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
 def connect(daemon, **kw):
     kw.setdefault("call_timeout", 30.0)
     kw.setdefault("join_timeout", 30.0)

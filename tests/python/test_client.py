@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flatshard
-from conftest import (MLP_POLICY, Barrier, connect, mlp_manifest, read_model, rejoin, run_ranks,
+from conftest import (MLP_POLICY, Barrier, connect, mlp_manifest, read_model, run_ranks,
                       shard_views_when_ready, unit_of)
 
 
@@ -374,7 +374,7 @@ def test_rejoin_lists_registered_modules(daemon, group):
         s.params["fc1.bias"].fill_(9.0)
     c.close()
     c2 = connect(daemon)
-    rejoin(c2, group)
+    c2.join(group, 1, 0)
     assert c2.registered_modules == [""]
     c2.register("", mlp_manifest(), MLP_POLICY)  # re-attach
     with c2.summon("", writeback=False) as s:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flatshard
-from conftest import MLP_POLICY, connect, mlp_manifest, rejoin, run_ranks
+from conftest import MLP_POLICY, connect, mlp_manifest, run_ranks
 
 ADAM = [("exp_avg", torch.float32, "shard"), ("exp_avg_sq", "float32", "shard"),
         ("step", "float64", "scalar")]
@@ -88,7 +88,7 @@ def test_state_views_round_trip_and_reattach(daemon, group):
     # A restarted trainer (new client, same rank) re-attaches to the same values.
     clients[1].close()
     back = connect(daemon)
-    rejoin(back, group, 1, world=2)
+    back.join(group, 2, 1)
     reg = back.register("", mlp_manifest(), MLP_POLICY)
     assert [s[0] for s in reg.state_specs] == ["exp_avg", "exp_avg_sq", "step"]
     assert all(s.state_names == ["exp_avg", "exp_avg_sq", "step"] for s in reg.shards)
@@ -118,7 +118,7 @@ def test_state_commits_and_rolls_back_with_the_shards(daemon, group):
     with pytest.raises(flatshard.UnavailableError, match="rank 1"):
         clients[0].commit("")
     back = connect(daemon)
-    rejoin(back, group, 1, world=2)
+    back.join(group, 2, 1)
     reg = back.register("", mlp_manifest(), MLP_POLICY)
     assert reg.generation == 1
     now = [clients[0], back]
@@ -174,7 +174,7 @@ def test_state_lives_on_the_ranks_gpu_and_rolls_back(gpu_daemon, group):
         clients[0].commit("")
     back = flatshard.Client(gpu_daemon.address, call_timeout=30, join_timeout=30,
                             _simulated_gpus=True)
-    rejoin(back, group, 1, world=2)
+    back.join(group, 2, 1)
     reg = back.register("", mlp_manifest(), MLP_POLICY)
     assert reg.generation == 1
     assert _holds(_views_when_ready(back), 4.0)

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 import flatshard
 from flatshard.torch import FlatShardModule, ModuleWrapPolicy, keep_optimizer_state
-from conftest import Barrier, connect, rejoin, run_ranks
+from conftest import Barrier, connect, run_ranks
 from small_torch_models import Block, Net, batch
 
 SOURCE_DIR = Path(os.environ.get("FS_SOURCE_DIR", Path(__file__).resolve().parents[2]))
@@ -145,7 +145,7 @@ def test_restarted_trainer_resumes_with_the_committed_optimizer_state(daemon, gr
     c.close()
 
     back = connect(daemon)
-    rejoin(back, group)
+    back.join(group, 1, 0)
     fs2 = _wrapped(back, use_orig_params)
     assert fs2.reattached and fs2.generation == 2
     opt2 = OPTIMIZERS["adamw"](fs2.sharded_parameters())
@@ -188,7 +188,7 @@ def test_daemon_killed_mid_training_keeps_the_committed_optimizer_state(tmp_path
         c.close()
 
         back = connect(d)
-        rejoin(back, group)
+        back.join(group, 1, 0)
         fs2 = _wrapped(back, False)
         assert fs2.reattached and fs2.generation == 2
         opt2 = OPTIMIZERS["adamw"](fs2.sharded_parameters())
@@ -280,7 +280,7 @@ def test_survivor_and_restarted_rank_resume_with_the_committed_optimizer_state(d
             died.wait()
             assert left.wait(60), "the survivor did not leave"
             back = connect(daemon)
-            rejoin(back, group, rank=1, world=2)
+            back.join(group, 2, 1)
             fs = _wrapped(back, False)
             assert fs.reattached and fs.generation == 2
             opt = OPTIMIZERS["adamw"](fs.sharded_parameters())

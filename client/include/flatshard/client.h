@@ -550,7 +550,9 @@ class Client {
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
   // Closes the lease (the daemon ends the session's open summons without writeback; the
-  // shards stay). Does not wait for, or call, the daemon otherwise.
+  // shards stay) and waits until the daemon confirms the session ended, at most
+  // min(call_timeout, 5 s), so a new Client may Join the same rank at once. Makes no other
+  // call to the daemon.
   ~Client();
 
   // Joins rank `rank` of `group`; waits (join_timeout) until every rank has joined, then

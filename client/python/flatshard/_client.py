@@ -537,7 +537,9 @@ class Client:
 
     def close(self) -> None:
         """Destroys the C++ Client: the lease ends (the daemon ends this session's summons
-        without writeback). Idempotent. Views handed out stay mapped."""
+        without writeback); waits until the daemon confirms the session ended (at most
+        min(call_timeout, 5 s)), so a new Client may join the same rank at once. Idempotent.
+        Views handed out stay mapped."""
         self._c.close()
 
     def __enter__(self) -> Client:
