@@ -11,28 +11,9 @@
 namespace flatshard::collective {
 namespace {
 
-// Sub-tags of the intra-node step: apart from the column ring's steps (0..N-2) and the
-// fingerprint (0x80000000). Block m of the step travels as kIntraSub | m.
-constexpr uint32_t kIntraSub = 0x40000000u;
-
-int Mod(int a, int n) { return ((a % n) + n) % n; }
-
-Xfer Send(int peer, uint32_t sub, const uint8_t* src, size_t bytes) {
-  Xfer x;
-  x.send = true;
-  x.peer = peer;
-  x.sub = sub;
-  x.src = ConstBuffer{src, bytes};
-  return x;
-}
-
-Xfer Recv(int peer, uint32_t sub, uint8_t* dst, size_t bytes) {
-  Xfer x;
-  x.peer = peer;
-  x.sub = sub;
-  x.dst = MutableBuffer{dst, bytes};
-  return x;
-}
+// Sub-tags of the intra-node step: apart from the column ring's (below kPipelineSubLimit) and
+// the fingerprint (0x80000000). Block m of the step travels as kIntraSub | m.
+constexpr uint32_t kIntraSub = kPipelineSubLimit;
 
 }  // namespace
 
@@ -71,19 +52,6 @@ bool RunsHierarchically(const OpDescriptor& desc) {
          (desc.kind == CollectiveKind::kAllGather || desc.kind == CollectiveKind::kReduceScatter);
 }
 
-namespace {
-
-// The pipeline's chunk for shard bytes S: a multiple of 8 (so of every item size), at least 8,
-// at most S, and large enough that the sub-tags of every chunk stay below kIntraSub.
-size_t ChunkFor(size_t requested, size_t shard_bytes, int nodes) {
-  const size_t fit = shard_bytes / (kIntraSub / static_cast<size_t>(nodes)) + 1;
-  size_t chunk = std::max(std::max<size_t>(requested, fit), size_t{8});
-  chunk = (chunk + 7) / 8 * 8;
-  return std::max<size_t>(std::min(chunk, shard_bytes), 1);
-}
-
-}  // namespace
-
 HierarchicalSteps::HierarchicalSteps(const NodeLayout& layout, int rank, const OpCall& call,
                                      ScratchPool& pool, size_t chunk_bytes)
     : layout_(layout),
@@ -92,7 +60,7 @@ HierarchicalSteps::HierarchicalSteps(const NodeLayout& layout, int rank, const O
       index_(layout.index_of[rank]),
       call_(call),
       pool_(pool),
-      chunk_(ChunkFor(chunk_bytes, call.desc.bytes, layout.nodes)),
+      chunk_(PipelineChunkBytes(chunk_bytes, call.desc.bytes, layout.nodes)),
       chunks_(static_cast<int>((call.desc.bytes + chunk_ - 1) / chunk_)),
       slots_(std::min(layout.nodes, chunks_)),
       slot_bytes_(static_cast<size_t>(layout.nodes) * layout.per_node * chunk_) {}
@@ -128,10 +96,10 @@ void HierarchicalSteps::BuildAllGather(int c, int p, std::vector<Xfer>* xfers) {
   if (p < n - 1) {  // the column ring across nodes, straight in `out`
     const int next = layout_.Rank(Mod(node_ + 1, n), index_);
     const int prev = layout_.Rank(Mod(node_ - 1, n), index_);
-    xfers->push_back(
-        Send(next, RingSub(c, p), OutBlock(layout_.Rank(Mod(node_ - p, n), index_)) + off, len));
-    xfers->push_back(Recv(prev, RingSub(c, p),
-                          OutBlock(layout_.Rank(Mod(node_ - p - 1, n), index_)) + off, len));
+    xfers->push_back(SendXfer(next, RingSub(c, p),
+                              OutBlock(layout_.Rank(Mod(node_ - p, n), index_)) + off, len));
+    xfers->push_back(RecvXfer(prev, RingSub(c, p),
+                              OutBlock(layout_.Rank(Mod(node_ - p - 1, n), index_)) + off, len));
     return;
   }
   // The node's other ranks get this column's chunks (no copy where they share `out`).
@@ -139,8 +107,9 @@ void HierarchicalSteps::BuildAllGather(int c, int p, std::vector<Xfer>* xfers) {
     if (j == index_) continue;
     const int peer = layout_.Rank(node_, j);
     for (int m = 0; m < n; ++m) {
-      xfers->push_back(Send(peer, IntraSub(c, m), OutBlock(layout_.Rank(m, index_)) + off, len));
-      xfers->push_back(Recv(peer, IntraSub(c, m), OutBlock(layout_.Rank(m, j)) + off, len));
+      xfers->push_back(
+          SendXfer(peer, IntraSub(c, m), OutBlock(layout_.Rank(m, index_)) + off, len));
+      xfers->push_back(RecvXfer(peer, IntraSub(c, m), OutBlock(layout_.Rank(m, j)) + off, len));
     }
   }
 }
@@ -155,8 +124,8 @@ void HierarchicalSteps::BuildReduceScatter(int c, int p, std::vector<Xfer>* xfer
       const int peer = layout_.Rank(node_, j);
       const int k = j < index_ ? j : j - 1;
       for (int m = 0; m < n; ++m) {
-        xfers->push_back(Send(peer, IntraSub(c, m), InBlock(layout_.Rank(m, j)) + off, len));
-        xfers->push_back(Recv(peer, IntraSub(c, m), Received(c, k, m), len));
+        xfers->push_back(SendXfer(peer, IntraSub(c, m), InBlock(layout_.Rank(m, j)) + off, len));
+        xfers->push_back(RecvXfer(peer, IntraSub(c, m), Received(c, k, m), len));
       }
     }
     return;
@@ -165,8 +134,8 @@ void HierarchicalSteps::BuildReduceScatter(int c, int p, std::vector<Xfer>* xfer
   const int next = layout_.Rank(Mod(node_ + 1, n), index_);
   const int prev = layout_.Rank(Mod(node_ - 1, n), index_);
   xfers->push_back(
-      Send(next, RingSub(c, t), t == 0 ? Partial(c, Mod(node_ - 1, n)) : RingSend(c), len));
-  xfers->push_back(Recv(prev, RingSub(c, t), RingRecv(c), len));
+      SendXfer(next, RingSub(c, t), t == 0 ? Partial(c, Mod(node_ - 1, n)) : RingSend(c), len));
+  xfers->push_back(RecvXfer(prev, RingSub(c, t), RingRecv(c), len));
 }
 
 void HierarchicalSteps::After(int s) {

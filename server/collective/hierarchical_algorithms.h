@@ -9,7 +9,7 @@
 // Notation: N nodes, L ranks on each (every node the same L >= 2, N >= 2), R(m, i) the i-th
 // rank (ascending) of node m, S the shard bytes. The ranks with local index i form "column" i:
 // R(0, i), ..., R(N-1, i).
-// Pipelining: both split every block into chunks of RingOptions::hierarchical_chunk_bytes
+// Pipelining: both split every block into chunks of RingOptions::pipeline_chunk_bytes
 // (C chunks) and run one chunk's phases behind the previous chunk's, so the intra-node copies
 // and reductions of one chunk overlap the inter-node transfer of the next: algorithm step s
 // runs phase s - c of every chunk c in flight, C + N - 1 steps in all (1 chunk: the unpipelined
@@ -84,8 +84,8 @@ bool RunsHierarchically(const OpDescriptor& desc);
 // outlives it, the call passed ValidateCall.
 class HierarchicalSteps {
  public:
-  // `chunk_bytes`: the pipeline's chunk (rounded down to a multiple of 8, at least 8); the same
-  // on every rank of the group (message tags depend on it).
+  // `chunk_bytes`: the pipeline's chunk (PipelineChunkBytes, ring_step.h); the same on every
+  // rank of the group (message tags depend on it).
   HierarchicalSteps(const NodeLayout& layout, int rank, const OpCall& call, ScratchPool& pool,
                     size_t chunk_bytes = kDefaultChunkBytes);
   static constexpr size_t kDefaultChunkBytes = size_t{4} << 20;

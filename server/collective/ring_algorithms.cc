@@ -22,6 +22,7 @@
 #include "server/collective/local_rendezvous.h"
 #include "server/collective/op_descriptor.h"
 #include "server/collective/reduce.h"
+#include "server/collective/ring_reduce_scatter.h"
 #include "server/collective/ring_step.h"
 #include "server/collective/scratch_pool.h"
 
@@ -30,8 +31,6 @@ namespace {
 
 // Message sub-tags: data messages use the step or chunk index, the fingerprint its own value.
 constexpr uint32_t kFingerprintSub = 0x80000000u;
-
-int Mod(int a, int n) { return ((a % n) + n) % n; }
 
 class RingCore;
 
@@ -127,7 +126,6 @@ class RankOp : public std::enable_shared_from_this<RankOp> {
 
   int AlgorithmStep() const { return step_ - (fingerprints_ ? 1 : 0); }
   uint8_t* OutBlock(int b) const { return call_.out.begin() + b * call_.desc.bytes; }
-  const uint8_t* InBlock(int b) const { return call_.in.begin() + b * call_.desc.bytes; }
   void CopyOwn(uint8_t* dst) const {
     if (call_.desc.bytes > 0 && dst != call_.in.begin()) {
       std::memcpy(dst, call_.in.begin(), call_.desc.bytes);
@@ -158,11 +156,8 @@ class RankOp : public std::enable_shared_from_this<RankOp> {
   std::atomic<int> outstanding_{0};
   WireDescriptor mine_;
   std::vector<WireDescriptor> theirs_;
-  // Flat reduce-scatter: the partial sum to send, then the one received (2 blocks).
-  ScratchPool::Scratch tmp_;
-  uint8_t* SendTmp() const { return tmp_.data(); }
-  uint8_t* RecvTmp() const { return tmp_.data() + call_.desc.bytes; }
-  std::optional<HierarchicalSteps> hier_;  // AllGather and ReduceScatter over nodes
+  std::optional<HierarchicalSteps> hier_;          // AllGather and ReduceScatter over nodes
+  std::optional<RingReduceScatterSteps> flat_rs_;  // ReduceScatter, flat ring, W >= 2
 };
 
 // Shared by the Communicator, its ops and timer callbacks.
@@ -184,7 +179,7 @@ class RingCore : public std::enable_shared_from_this<RingCore> {
   // Null: the flat ring runs every op.
   const NodeLayout* layout() const { return layout_ ? &*layout_ : nullptr; }
   ScratchPool& scratch() { return *options_.scratch; }
-  size_t hierarchical_chunk_bytes() const { return options_.hierarchical_chunk_bytes; }
+  size_t pipeline_chunk_bytes() const { return options_.pipeline_chunk_bytes; }
   StepRunner& runner() { return runner_; }
 
   void Start(int rank, OpCall call, const OpOptions& o, DoneCallback done);
@@ -230,7 +225,10 @@ RankOp::RankOp(std::shared_ptr<RingCore> core, int rank, int world, OpCall call,
       got_(world, false) {
   got_[rank] = true;
   if (const NodeLayout* layout = core_->layout(); layout && RunsHierarchically(call_.desc)) {
-    hier_.emplace(*layout, rank, call_, core_->scratch(), core_->hierarchical_chunk_bytes());
+    hier_.emplace(*layout, rank, call_, core_->scratch(), core_->pipeline_chunk_bytes());
+  } else if (call_.desc.kind == CollectiveKind::kReduceScatter && world > 1 &&
+             call_.desc.bytes > 0) {
+    flat_rs_.emplace(rank, world, call_, core_->scratch(), core_->pipeline_chunk_bytes());
   }
   mine_ = EncodeDescriptor(op_seq_, call_.desc);
   theirs_.resize(world);
@@ -240,16 +238,10 @@ bool RankOp::BuildStep(std::vector<Xfer>* xfers) {
   if (fingerprints_ && step_ == 0) {
     for (int k = 0; k < world_; ++k) {
       if (k == rank_) continue;
-      Xfer s;
-      s.send = true;
-      s.peer = k;
-      s.sub = kFingerprintSub;
-      s.src = ConstBuffer{&mine_, sizeof(mine_)};
-      xfers->push_back(s);
-      Xfer r;
-      r.peer = k;
-      r.sub = kFingerprintSub;
-      r.dst = MutableBuffer{&theirs_[k], sizeof(WireDescriptor)};
+      xfers->push_back(
+          SendXfer(k, kFingerprintSub, reinterpret_cast<const uint8_t*>(&mine_), sizeof(mine_)));
+      Xfer r = RecvXfer(k, kFingerprintSub, reinterpret_cast<uint8_t*>(&theirs_[k]),
+                        sizeof(WireDescriptor));
       r.fingerprint = true;
       xfers->push_back(r);
     }
@@ -257,6 +249,7 @@ bool RankOp::BuildStep(std::vector<Xfer>* xfers) {
   }
   const int s = AlgorithmStep();
   if (hier_) return hier_->Build(s, xfers);
+  if (flat_rs_) return flat_rs_->Build(s, xfers);
   const OpDescriptor& d = call_.desc;
   const size_t bytes = d.bytes;
   const int next = Mod(rank_ + 1, world_);
@@ -267,43 +260,20 @@ bool RankOp::BuildStep(std::vector<Xfer>* xfers) {
     case CollectiveKind::kAllGather: {
       if (s == 0) CopyOwn(OutBlock(rank_));
       if (world_ == 1 || bytes == 0 || s >= world_ - 1) return false;
-      Xfer x;
-      x.send = true;
-      x.peer = next;
-      x.sub = static_cast<uint32_t>(s);
-      x.src = ConstBuffer{OutBlock(Mod(rank_ - s, world_)), bytes};
-      xfers->push_back(x);
-      Xfer r;
-      r.peer = prev;
-      r.sub = static_cast<uint32_t>(s);
-      r.dst = MutableBuffer{OutBlock(Mod(rank_ - s - 1, world_)), bytes};
-      xfers->push_back(r);
+      const uint32_t sub = static_cast<uint32_t>(s);
+      xfers->push_back(SendXfer(next, sub, OutBlock(Mod(rank_ - s, world_)), bytes));
+      xfers->push_back(RecvXfer(prev, sub, OutBlock(Mod(rank_ - s - 1, world_)), bytes));
       return true;
     }
     case CollectiveKind::kReduceScatter: {
       if (bytes == 0) return false;
-      if (world_ == 1) {
-        if (s == 0) {
-          const void* src = call_.in.data;
-          ReduceInto(d.dtype, absl::MakeConstSpan(&src, 1), call_.out.data,
-                     bytes / ItemSize(d.dtype), d.reduce_op, 1);
-        }
-        return false;
+      // world 1 here (ring_reduce_scatter.h runs the others)
+      if (s == 0) {
+        const void* src = call_.in.data;
+        ReduceInto(d.dtype, absl::MakeConstSpan(&src, 1), call_.out.data, bytes / ItemSize(d.dtype),
+                   d.reduce_op, 1);
       }
-      if (s >= world_ - 1) return false;
-      if (s == 0) tmp_ = core_->scratch().Acquire(2 * bytes);
-      Xfer x;
-      x.send = true;
-      x.peer = next;
-      x.sub = static_cast<uint32_t>(s);
-      x.src = ConstBuffer{s == 0 ? InBlock(Mod(rank_ - 1, world_)) : SendTmp(), bytes};
-      xfers->push_back(x);
-      Xfer r;
-      r.peer = prev;
-      r.sub = static_cast<uint32_t>(s);
-      r.dst = MutableBuffer{RecvTmp(), bytes};
-      xfers->push_back(r);
-      return true;
+      return false;
     }
     case CollectiveKind::kBroadcast: {
       if (world_ == 1 || bytes == 0) return false;
@@ -311,26 +281,17 @@ bool RankOp::BuildStep(std::vector<Xfer>* xfers) {
       const int p = Mod(rank_ - d.root, world_);
       const int64_t chunks = static_cast<int64_t>((bytes + chunk_bytes_ - 1) / chunk_bytes_);
       if (s >= chunks + world_ - 2) return false;
-      auto chunk = [&](int64_t c) {
-        const size_t off = static_cast<size_t>(c) * chunk_bytes_;
-        return MutableBuffer{call_.out.begin() + off, std::min(chunk_bytes_, bytes - off)};
-      };
+      auto off = [&](int64_t c) { return static_cast<size_t>(c) * chunk_bytes_; };
+      auto len = [&](int64_t c) { return std::min(chunk_bytes_, bytes - off(c)); };
       const int64_t recv_chunk = s - p + 1;
       if (p > 0 && recv_chunk >= 0 && recv_chunk < chunks) {
-        Xfer r;
-        r.peer = prev;
-        r.sub = static_cast<uint32_t>(recv_chunk);
-        r.dst = chunk(recv_chunk);
-        xfers->push_back(r);
+        xfers->push_back(RecvXfer(prev, static_cast<uint32_t>(recv_chunk),
+                                  call_.out.begin() + off(recv_chunk), len(recv_chunk)));
       }
       const int64_t send_chunk = s - p;
       if (p < world_ - 1 && send_chunk >= 0 && send_chunk < chunks) {
-        Xfer x;
-        x.send = true;
-        x.peer = next;
-        x.sub = static_cast<uint32_t>(send_chunk);
-        x.src = chunk(send_chunk).AsConst();
-        xfers->push_back(x);
+        xfers->push_back(SendXfer(next, static_cast<uint32_t>(send_chunk),
+                                  call_.out.begin() + off(send_chunk), len(send_chunk)));
       }
       return true;
     }
@@ -341,17 +302,10 @@ bool RankOp::BuildStep(std::vector<Xfer>* xfers) {
       if (rank_ == d.root) {
         for (int k = 0; k < world_; ++k) {
           if (k == rank_) continue;
-          Xfer r;
-          r.peer = k;
-          r.dst = MutableBuffer{OutBlock(k), bytes};
-          xfers->push_back(r);
+          xfers->push_back(RecvXfer(k, 0, OutBlock(k), bytes));
         }
       } else {
-        Xfer x;
-        x.send = true;
-        x.peer = d.root;
-        x.src = ConstBuffer{call_.in.data, bytes};
-        xfers->push_back(x);
+        xfers->push_back(SendXfer(d.root, 0, call_.in.begin(), bytes));
       }
       return true;
     }
@@ -382,23 +336,8 @@ absl::Status RankOp::AfterStep() {
     fingerprints_done_ = true;
     return absl::OkStatus();
   }
-  if (hier_) {
-    hier_->After(AlgorithmStep());
-    return absl::OkStatus();
-  }
-  const OpDescriptor& d = call_.desc;
-  if (d.kind == CollectiveKind::kReduceScatter) {
-    const int s = AlgorithmStep();
-    const int block = Mod(rank_ - s - 2, world_);
-    const void* srcs[2] = {RecvTmp(), InBlock(block)};
-    const size_t count = d.bytes / ItemSize(d.dtype);
-    if (s < world_ - 2) {
-      ReduceInto(d.dtype, srcs, SendTmp(), count, ReduceOp::kSum, 1);
-    } else {
-      ReduceInto(d.dtype, srcs, call_.out.data, count, d.reduce_op, world_);
-      tmp_ = ScratchPool::Scratch();  // back to the pool for the next op
-    }
-  }
+  if (hier_) hier_->After(AlgorithmStep());
+  if (flat_rs_) flat_rs_->After(AlgorithmStep());
   return absl::OkStatus();
 }
 
@@ -424,6 +363,9 @@ void RankOp::Drive() {
         core_->transport().Recv(rank_, x.peer, MessageTag{op_seq_, x.sub}, x.dst, cb);
       }
     }
+    // The previous step's reduction, while this step's bytes move (the count above keeps the
+    // step from completing meanwhile).
+    if (flat_rs_ && !(fingerprints_ && step_ == 0)) flat_rs_->Overlap();
     if (outstanding_.fetch_sub(1) != 1) return;  // the last transfer callback continues
     if (RunsElsewhere()) return ContinueOnRunner();
     if (!CompleteStep()) return;

@@ -13,20 +13,23 @@
 // 2. Data, with S the shard bytes and W the world size:
 //    - AllGather: ring, W-1 steps; step s sends block (r-s) to r+1 and receives block
 //      (r-s-1) from r-1, straight into `out` (no staging).
-//    - ReduceScatter: ring, W-1 steps with two S-byte staging buffers; partial sums travel
-//      in the buffer's dtype (half types round at every step), the last step adds the own
-//      block, divides for kAvg and writes `out`.
+//    - ReduceScatter: ring, W-1 ring steps; partial sums travel in the buffer's dtype (half
+//      types round at every step), the last adds the own block, divides for kAvg and writes
+//      `out`. Pipelined in RingOptions::pipeline_chunk_bytes chunks, each chunk's reduction
+//      running while the next chunk moves; sum order and results as unchunked, scratch a few
+//      chunks (ring_reduce_scatter.h).
 //    - Broadcast: a pipelined chain root -> root+1 -> ... in RingOptions::chunk_bytes pieces.
 //    - Gather: direct; every rank sends its shard to root.
 //    With RingOptions::node_of_rank naming several nodes of equally many (>= 2) ranks,
 //    AllGather and ReduceScatter run hierarchically instead (hierarchical_algorithms.h: the
 //    intra-node part by copies, each node's bytes over the network once; its sum order).
 //    Reduce-scatter scratch comes from a ScratchPool (scratch_pool.h), reused across ops.
-// Each step waits for its sends and receives before the next starts; any failure aborts the
-// communicator (sticky) and with it the Transport. A reduce-scatter step's local work (its
-// reduction, then posting the next step) runs on a thread of the communicator's own, not on
-// the thread that completed the transfer: a transport's progress thread (UCX) keeps moving
-// the other ranks' and chunks' bytes meanwhile.
+// Each step waits for its sends and receives before the next starts (the flat reduce-scatter
+// reduces the previous step's chunk meanwhile); any failure aborts the communicator (sticky)
+// and with it the Transport. A reduce-scatter step's local work (its reduction, then posting
+// the next step) runs on a thread of the communicator's own, not on the thread that completed
+// the transfer: a transport's progress thread (UCX) keeps moving the other ranks' and chunks'
+// bytes meanwhile.
 //
 // Thread safety: the returned Communicator is thread-safe and follows the contract in
 // backend.h. Callbacks run on whatever thread completes the last transfer of an op (for
@@ -62,9 +65,9 @@ struct RingOptions {
   std::vector<int> node_of_rank;
   // Reused scratch; null: the communicator makes its own (on `timer`).
   std::shared_ptr<ScratchPool> scratch;
-  // The hierarchical algorithms' pipeline chunk (hierarchical_algorithms.h); the same on
-  // every daemon of the group.
-  size_t hierarchical_chunk_bytes = size_t{4} << 20;
+  // The reduce-scatter's and the hierarchical algorithms' pipeline chunk
+  // (ring_reduce_scatter.h, hierarchical_algorithms.h); the same on every daemon of the group.
+  size_t pipeline_chunk_bytes = size_t{4} << 20;
 };
 
 // A Communicator for `group`'s local ranks over `transport`, which the communicator aborts

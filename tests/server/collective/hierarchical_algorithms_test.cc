@@ -42,10 +42,10 @@ std::vector<int> Nodes(int world, int (*node)(int)) {
 constexpr size_t kSmallChunk = 4000;
 
 absl::StatusOr<std::unique_ptr<Communicator>> Connect(
-    const GroupSpec& g, int (*node)(int), size_t chunk = RingOptions{}.hierarchical_chunk_bytes) {
+    const GroupSpec& g, int (*node)(int), size_t chunk = RingOptions{}.pipeline_chunk_bytes) {
   RingOptions o;
   o.node_of_rank = Nodes(g.world_size, node);
-  o.hierarchical_chunk_bytes = chunk;
+  o.pipeline_chunk_bytes = chunk;
   return NewRingCommunicator(g, std::make_shared<InprocTransport>(g.world_size), o);
 }
 
@@ -269,7 +269,7 @@ TEST(HierarchicalTrafficTest, AllReduceSendsEachNodesPartialOnce) {
 // ReduceScatter of values whose float32 sum depends on the order: the result is the one the
 // header documents (node partials by local index, folded over nodes m+1, ..., m-1, then m).
 void ExpectDocumentedSumOrder(const std::vector<int>& node_of,
-                              size_t chunk = RingOptions{}.hierarchical_chunk_bytes) {
+                              size_t chunk = RingOptions{}.pipeline_chunk_bytes) {
   const int world = static_cast<int>(node_of.size());
   const NodeLayout l = HierarchicalLayout(node_of).value();
   constexpr size_t kShard = 64;
@@ -285,7 +285,7 @@ void ExpectDocumentedSumOrder(const std::vector<int>& node_of,
   std::vector<std::vector<float>> out(world, std::vector<float>(kShard));
   RingOptions o;
   o.node_of_rank = node_of;
-  o.hierarchical_chunk_bytes = chunk;
+  o.pipeline_chunk_bytes = chunk;
   auto comm = NewRingCommunicator(GroupSpec::AllLocal("g", world),
                                   std::make_shared<InprocTransport>(world), o)
                   .value();
@@ -353,7 +353,7 @@ TEST(HierarchicalScratchTest, PipelinedReduceScatterHoldsOneSlotPerChunkInFlight
   RingOptions o;
   o.node_of_rank = {0, 0, 1, 1};
   o.scratch = ScratchPool::Create(nullptr);
-  o.hierarchical_chunk_bytes = 64;
+  o.pipeline_chunk_bytes = 64;
   auto comm = NewRingCommunicator(GroupSpec::AllLocal("g", kWorld),
                                   std::make_shared<InprocTransport>(kWorld), o)
                   .value();
