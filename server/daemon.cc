@@ -387,7 +387,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   d->acceptor_ = std::move(acceptor);
   d->access_ = std::make_unique<access::AccessControl>(d->acceptor_.get(), config.allowed_uids);
   d->shard_service_ =
-      std::make_unique<ShardServiceImpl>(d->groups_.get(), config.default_wait, d->access_.get());
+      std::make_unique<ShardServiceImpl>(d->groups_.get(), config.default_wait, d->access_.get(),
+                                         config.testing_hold_begin_reduce_scatter);
   // Published weights: copies between daemons over the peer channels (README "Published
   // weights across daemons").
   FS_RETURN_IF_ERROR(WeightsPuller::ValidateSources(config.weights_sources));

@@ -137,6 +137,9 @@ struct DaemonConfig {
   bool state_fsync = true;
   // Testing only: GroupManagerOptions::testing_commit_copy_pause.
   absl::Duration testing_commit_copy_pause = absl::ZeroDuration();
+  // Testing only: FIFOs (PATH and PATH.held) each ReduceScatterGrads begin waits on before
+  // it allocates (ShardServiceImpl::HoldForTesting). Empty: none.
+  std::string testing_hold_begin_reduce_scatter;
 };
 
 // The gRPC health service name that answers SERVING as long as the process serves, also while
