@@ -11,4 +11,9 @@ void RequestWorkers::Post(const Caller& caller, absl::AnyInvocable<void()> body)
   workers_.Post(absl::StrCat(caller.rank, ":", caller.group), std::move(body));
 }
 
+void RequestWorkers::Post(absl::string_view strand, absl::AnyInvocable<void()> body) {
+  // A letter first: never a caller's strand.
+  workers_.Post(absl::StrCat("op:", strand), std::move(body));
+}
+
 }  // namespace flatshard::server

@@ -1,6 +1,7 @@
 #pragma once
-// RequestWorkers: the threads on which ShardService runs the bodies of trainers' calls, so
-// that no gRPC callback thread does their possibly slow work.
+// RequestWorkers: the threads on which the daemon's services (ShardService; AdminService's
+// DeleteGroup, WeightsService's DropWeights) run the bodies of calls that may take long, so that
+// no gRPC callback thread does that work. One per daemon (Daemon owns it).
 //
 // Why: gRPC runs every callback handler and stream of the process (ShardService, admin,
 // weights, the peer streams) on a few shared threads (as many as cores, at most 16). A body
@@ -12,7 +13,8 @@
 //
 // Order: each caller (group, rank) is a strand of BlockingWorkers: its bodies run one at a time
 // in the order the handlers posted them, as one trainer's calls took effect when each ran on
-// the thread that received it; different callers run in parallel. A body must not wait for
+// the thread that received it; different callers run in parallel. Operators' calls name a
+// strand of their own (never a caller's). A body must not wait for
 // another caller's body (collectives complete through callbacks, never by blocking), or a
 // full pool could wait on itself.
 // Thread-safe. The destructor runs the bodies still queued, then joins the threads.
@@ -20,6 +22,7 @@
 #include <string>
 
 #include "absl/functional/any_invocable.h"
+#include "absl/strings/string_view.h"
 #include "common/rpc_types.h"
 #include "server/durable/blocking_workers.h"
 
@@ -35,6 +38,8 @@ class RequestWorkers {
 
   // Runs `body` on a worker after every body posted earlier for `caller`'s (group, rank).
   void Post(const Caller& caller, absl::AnyInvocable<void()> body);
+  // Runs `body` after every body posted earlier for `strand` (an operator's kind of call).
+  void Post(absl::string_view strand, absl::AnyInvocable<void()> body);
 
  private:
   BlockingWorkers workers_;

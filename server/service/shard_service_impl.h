@@ -25,13 +25,15 @@ class AccessControl;
 class ShardServiceImpl final : public v1::ShardService::CallbackService {
  public:
   // `default_wait` bounds collective waits whose RPC carries no deadline.
-  // `access` (may be null: every caller has uid -1) tells each call's uid; it must outlive
-  // the service. `testing_hold_begin` (testing only, DaemonConfig): a FIFO every
-  // ReduceScatterGrads begin waits on (HoldForTesting) before it allocates.
-  ShardServiceImpl(GroupManager* groups, absl::Duration default_wait,
+  // `access` (may be null: every caller has uid -1) tells each call's uid. `workers` runs
+  // the calls' bodies. Both must outlive the service. `testing_hold_begin` (testing only,
+  // DaemonConfig): a FIFO every ReduceScatterGrads begin waits on (HoldForTesting) before it
+  // allocates.
+  ShardServiceImpl(GroupManager* groups, RequestWorkers* workers, absl::Duration default_wait,
                    const access::AccessControl* access = nullptr,
                    std::string testing_hold_begin = "")
       : groups_(groups),
+        workers_(*workers),
         default_wait_(default_wait),
         access_(access),
         testing_hold_begin_(std::move(testing_hold_begin)) {}
@@ -91,11 +93,10 @@ class ShardServiceImpl final : public v1::ShardService::CallbackService {
   static void HoldForTesting(const std::string& fifo);
 
   GroupManager* const groups_;
+  RequestWorkers& workers_;
   const absl::Duration default_wait_;
   const access::AccessControl* const access_;
   const std::string testing_hold_begin_;
-  // Last member: destroyed first, running the bodies still queued while the rest is whole.
-  RequestWorkers workers_;
 };
 
 }  // namespace flatshard::server
