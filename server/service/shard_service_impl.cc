@@ -410,15 +410,23 @@ grpc::ServerUnaryReactor* ShardServiceImpl::ReduceScatterGrads(
   if (!checked.ok()) return Refuse(reactor, checked.status());
   const Caller caller = *std::move(checked);
   if (request->begin()) {
-    // Posted: the first begin of a unit allocates its gradient buffers (a GiB: seconds).
-    workers_.Post(caller, [this, reactor, request, response, caller] {
-      if (!testing_hold_begin_.empty()) HoldForTesting(testing_hold_begin_);
-      absl::StatusOr<std::shared_ptr<Buffer>> buffer =
-          groups_->BeginReduceScatter(caller, request->registered_module(), request->unit());
+    auto answer = [reactor, response](absl::StatusOr<std::shared_ptr<Buffer>> buffer) {
       if (buffer.ok()) FillHandle(**buffer, response->mutable_full_grad());
       const grpc::Status status = ToGrpcStatus(buffer.status());
       buffer = absl::CancelledError();  // as in Summon: no reference outlives the answer
       reactor->Finish(status);
+    };
+    // Inline in the steady state (the unit's buffers are at hand: a lookup); posted where the
+    // first begin of a unit allocates them (a GiB: seconds).
+    absl::StatusOr<std::shared_ptr<Buffer>> at_hand = groups_->BeginReduceScatter(
+        caller, request->registered_module(), request->unit(), /*may_allocate=*/false);
+    if (!at_hand.ok() || *at_hand != nullptr) {
+      answer(std::move(at_hand));
+      return reactor;
+    }
+    workers_.Post(caller, [this, request, caller, answer = std::move(answer)]() mutable {
+      if (!testing_hold_begin_.empty()) HoldForTesting(testing_hold_begin_);
+      answer(groups_->BeginReduceScatter(caller, request->registered_module(), request->unit()));
     });
     return reactor;
   }
@@ -453,19 +461,15 @@ grpc::ServerUnaryReactor* ShardServiceImpl::GetShardViews(grpc::CallbackServerCo
   }
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
-  // Posted (a lookup, but it marks the rank's shards current): in order with the rank's
-  // other calls.
-  workers_.Post(*caller, [this, reactor, request, response, caller = *caller] {
-    absl::StatusOr<RegisterResult> result =
-        groups_->GetShards(caller, request->registered_module());
-    if (result.ok()) {
-      FillShards(result->shards, response->mutable_shards());
-      *response->mutable_plan() = flatshard::ToProto(result->plan);
-      response->set_generation(result->generation);
-      FillStateSpecs(result->state_specs, response->mutable_state_specs());
-    }
-    reactor->Finish(ToGrpcStatus(result.status()));
-  });
+  // Inline: a lookup under the group's lock, which no one holds across slow work.
+  absl::StatusOr<RegisterResult> result = groups_->GetShards(*caller, request->registered_module());
+  if (result.ok()) {
+    FillShards(result->shards, response->mutable_shards());
+    *response->mutable_plan() = flatshard::ToProto(result->plan);
+    response->set_generation(result->generation);
+    FillStateSpecs(result->state_specs, response->mutable_state_specs());
+  }
+  reactor->Finish(ToGrpcStatus(result.status()));
   return reactor;
 }
 

@@ -2,9 +2,10 @@
 // ShardService over gRPC's callback API: validate, convert, call GroupManager, finish.
 // Collective calls (JoinGroup, RegisterModule, Summon, EndSummon, ReduceScatterGrads) finish
 // from the manager's completion callback, so no gRPC thread blocks while ranks gather.
-// Every call but Ping is validated on the gRPC thread and runs its GroupManager part on
-// RequestWorkers (request_workers.h): allocations, planning and waits never hold one of the
-// few callback threads that every service of the daemon shares.
+// Each call is validated on the gRPC thread; its GroupManager part runs on RequestWorkers
+// (request_workers.h), so that allocations, planning, copies and waits never hold one of the
+// few callback threads every service of the daemon shares. Inline: Ping, GetShardViews (a
+// lookup) and a ReduceScatterGrads begin whose buffers are at hand (the steady state).
 // Thread-safe.
 
 #include <string>
