@@ -386,8 +386,10 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   if (d->checkpoint_peer_) d->checkpoint_peer_->SetGroups(d->groups_.get());
   d->acceptor_ = std::move(acceptor);
   d->access_ = std::make_unique<access::AccessControl>(d->acceptor_.get(), config.allowed_uids);
-  d->shard_service_ =
-      std::make_unique<ShardServiceImpl>(d->groups_.get(), config.default_wait, d->access_.get());
+  d->request_workers_ = std::make_unique<RequestWorkers>();
+  d->shard_service_ = std::make_unique<ShardServiceImpl>(
+      d->groups_.get(), d->request_workers_.get(), config.default_wait, d->access_.get(),
+      config.testing_hold_begin_reduce_scatter);
   // Published weights: copies between daemons over the peer channels (README "Published
   // weights across daemons").
   FS_RETURN_IF_ERROR(WeightsPuller::ValidateSources(config.weights_sources));
@@ -409,13 +411,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
         d->publisher_.get(), d->weights_peer_client_.get(), config.weights_sources);
   }
   d->weights_service_ = std::make_unique<WeightsServiceImpl>(
-      d->publisher_.get(), d->access_.get(), config.default_wait, d->weights_puller_.get());
+      d->publisher_.get(), d->request_workers_.get(), d->access_.get(), config.default_wait,
+      d->weights_puller_.get());
   AdminServiceOptions admin_options;
   admin_options.store = d->store_.get();
   admin_options.peer_address = d->peer_address_;
   admin_options.node = config.node_name;
   admin_options.state_dir = config.state_dir;
   admin_options.access = d->access_.get();
+  admin_options.workers = d->request_workers_.get();
   // Draining: the overall health ("") answers NOT_SERVING, so readiness probes take the node
   // out; kLivenessHealthService stays SERVING, so liveness probes do not restart it meanwhile.
   // Undrain sets it SERVING again (after Shutdown the health service ignores it).
@@ -573,6 +577,9 @@ void Daemon::Shutdown() {
   if (checkpoint_peer_) checkpoint_peer_->Stop();  // its calls use groups_
   if (acceptor_) acceptor_->Stop();                // no new connections while the server drains
   if (server_ != nullptr) server_->Shutdown(deadline);
+  // The calls are finished; the bodies that finish none (a lease's EndSession) run now, before
+  // the groups and the store go.
+  request_workers_.reset();
   if (weights_link_) weights_link_->Shutdown();  // after the copies that use it ended
   // --keep_shards (with --state_dir): shards, gradient shards and committed copies stay with
   // their records for the next daemon; otherwise the records go first, then the segments.

@@ -36,6 +36,7 @@ class WeightsPeerClient;
 class WeightsPeerServiceImpl;
 class WeightsPuller;
 class UcxWeightsLink;
+class RequestWorkers;
 class ShardServiceImpl;
 class WeightsServiceImpl;
 class ShardStore;
@@ -137,6 +138,9 @@ struct DaemonConfig {
   bool state_fsync = true;
   // Testing only: GroupManagerOptions::testing_commit_copy_pause.
   absl::Duration testing_commit_copy_pause = absl::ZeroDuration();
+  // Testing only: FIFOs (PATH and PATH.held) each ReduceScatterGrads begin waits on before
+  // it allocates (ShardServiceImpl::HoldForTesting). Empty: none.
+  std::string testing_hold_begin_reduce_scatter;
 };
 
 // The gRPC health service name that answers SERVING as long as the process serves, also while
@@ -201,6 +205,10 @@ class Daemon {
   std::vector<std::shared_ptr<gpu::DeviceContext>> gpus_;  // --gpus (also in groups_)
   std::unique_ptr<Publisher> publisher_;                   // after groups_: it reads through them
   std::unique_ptr<WeightsPuller> weights_puller_;          // null without --weights_sources
+  // The services' slow call bodies (request_workers.h): outlives server_->Shutdown, which waits
+  // for the calls they finish; reset by Shutdown (running what is queued) before the groups
+  // and the store stop.
+  std::unique_ptr<RequestWorkers> request_workers_;
   std::unique_ptr<ShardServiceImpl> shard_service_;
   std::unique_ptr<WeightsServiceImpl> weights_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;

@@ -196,8 +196,9 @@ void GroupManager::EndSummon(const Caller& caller, uint64_t summon, absl::Time d
 }
 absl::StatusOr<std::shared_ptr<Buffer>> GroupManager::BeginReduceScatter(const Caller& caller,
                                                                          const std::string& module,
-                                                                         int32_t unit) {
-  return modules_->BeginReduceScatter(caller, module, unit);
+                                                                         int32_t unit,
+                                                                         bool may_allocate) {
+  return modules_->BeginReduceScatter(caller, module, unit, may_allocate);
 }
 void GroupManager::FinishReduceScatter(const Caller& caller, const std::string& module,
                                        int32_t unit, ReduceOp op, bool accumulate,

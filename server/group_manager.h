@@ -183,10 +183,12 @@ class GroupManager : public peer::PeerEvents {
                  const gpu::IpcEventRef& written = {});
 
   // Phase 1 of ReduceScatterGrads: a private buffer the caller writes the unit's full padded
-  // gradient into.
+  // gradient into. Without `may_allocate`: null (and nothing changed) where a buffer would
+  // have to be allocated (a thread that must not block asks; the steady state needs none).
   absl::StatusOr<std::shared_ptr<Buffer>> BeginReduceScatter(const Caller& caller,
                                                              const std::string& module,
-                                                             int32_t unit);
+                                                             int32_t unit,
+                                                             bool may_allocate = true);
   // Phase 2 (collective): reduce-scatters what was written; each rank's gradient shard gets
   // its slice (SUM or AVG), added to it when `accumulate`, else replacing it.
   void FinishReduceScatter(const Caller& caller, const std::string& module, int32_t unit,

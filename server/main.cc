@@ -172,6 +172,9 @@ ABSL_FLAG(int, testing_weights_ucx_stall_after, 0,
           "stays in flight until the daemon dies; its own later copies hang); 0: never");
 ABSL_FLAG(absl::Duration, testing_commit_copy_pause, absl::ZeroDuration(),
           "testing only: each commit copy tears its committed copy and pauses this long");
+ABSL_FLAG(std::string, testing_hold_begin_reduce_scatter, "",
+          "testing only: a FIFO; each ReduceScatterGrads begin writes a line to the FIFO "
+          "<FIFO>.held, then waits until a writer opens <FIFO>, before it allocates");
 ABSL_FLAG(std::string, log_level, "info",
           "lowest severity logged: info, warning or error (changeable at run time)");
 ABSL_FLAG(int, v, 0, "verbose logging level (per-op lines at 2)");
@@ -360,6 +363,7 @@ int main(int argc, char** argv) {
   config.weights_sources = absl::GetFlag(FLAGS_weights_sources);
   config.state_fsync = absl::GetFlag(FLAGS_state_fsync);
   config.testing_commit_copy_pause = absl::GetFlag(FLAGS_testing_commit_copy_pause);
+  config.testing_hold_begin_reduce_scatter = absl::GetFlag(FLAGS_testing_hold_begin_reduce_scatter);
   config.testing_weights_copy_pause = absl::GetFlag(FLAGS_testing_weights_copy_pause);
   config.testing_weights_ucx_stall_after = absl::GetFlag(FLAGS_testing_weights_ucx_stall_after);
   config.weights_transport = absl::GetFlag(FLAGS_weights_transport);

@@ -135,7 +135,8 @@ class Modules {
                  const gpu::IpcEventRef& written = {});
   absl::StatusOr<std::shared_ptr<Buffer>> BeginReduceScatter(const Caller& caller,
                                                              const std::string& module,
-                                                             int32_t unit);
+                                                             int32_t unit,
+                                                             bool may_allocate = true);
   void FinishReduceScatter(const Caller& caller, const std::string& module, int32_t unit,
                            ReduceOp op, bool accumulate, absl::Time deadline, StatusCallback done,
                            const gpu::IpcEventRef& written = {});

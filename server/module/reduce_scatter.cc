@@ -31,7 +31,8 @@ using internal::SelectUnits;
 
 absl::StatusOr<std::shared_ptr<Buffer>> Modules::BeginReduceScatter(const Caller& caller,
                                                                     const std::string& module,
-                                                                    int32_t unit) {
+                                                                    int32_t unit,
+                                                                    bool may_allocate) {
   // Decide under mu_, allocate without it, install under mu_ again. The buffers are only
   // installed in the last step, after every check ran afresh, so a failed allocation changes
   // nothing, and a buffer another call installed in the gap (a repeated begin) wins.
@@ -74,6 +75,7 @@ absl::StatusOr<std::shared_ptr<Buffer>> Modules::BeginReduceScatter(const Caller
         if (need_staging) installed = std::move(staging_got);
         return installed;
       }
+      if (!may_allocate) return std::shared_ptr<Buffer>();  // nothing changed
       // The gradient shard keeps the shards' precision; the trainer's full gradient comes in
       // the unit's reduce dtype (mixed precision), which the collective reduces in.
       grad_bytes = u.shard_numel * ItemSize(u.dtype);

@@ -13,6 +13,7 @@
 #include "flatshard/v1/admin_service.grpc.pb.h"
 #include "server/access/access_control.h"
 #include "server/group_manager.h"
+#include "server/service/request_workers.h"
 #include "server/shard_store.h"
 
 namespace flatshard::server {
@@ -31,6 +32,9 @@ struct AdminServiceOptions {
   // Who may change the daemon (Drain, SetLogLevel): over the Unix socket only root and the
   // daemon's own uid; over TCP whoever got through (loopback, or mutual TLS). Null: anyone.
   const access::AccessControl* access = nullptr;
+  // Runs DeleteGroup (the group's segments unmapped and unlinked, its records removed).
+  // Required; must outlive the service.
+  RequestWorkers* workers = nullptr;
 };
 
 class AdminServiceImpl final : public v1::AdminService::CallbackService {

@@ -1,5 +1,8 @@
 #include "server/service/shard_service_impl.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <tuple>
 #include <utility>
@@ -87,8 +90,8 @@ void FillSummon(const SummonResult& result, v1::SummonResponse* response) {
 class LeaseReactor final : public grpc::ServerBidiReactor<v1::LeaseRequest, v1::LeaseResponse> {
  public:
   // `uid`: the caller's uid, or why it may not call (answered to its first message).
-  LeaseReactor(GroupManager* groups, absl::StatusOr<int64_t> uid)
-      : groups_(groups), uid_(std::move(uid)) {
+  LeaseReactor(GroupManager* groups, RequestWorkers* workers, absl::StatusOr<int64_t> uid)
+      : groups_(groups), workers_(workers), uid_(std::move(uid)) {
     StartRead(&request_);
   }
 
@@ -123,11 +126,18 @@ class LeaseReactor final : public grpc::ServerBidiReactor<v1::LeaseRequest, v1::
     EndSession();
     if (!finished_.exchange(true)) Finish(status);
   }
+  // On the rank's strand: after the calls it made before its lease ended, and off the gRPC
+  // thread (the rank's summons' buffers may be unmapped).
   void EndSession() {
-    if (attached_ && !ended_.exchange(true)) groups_->EndSession(caller_.group, caller_.session);
+    if (attached_ && !ended_.exchange(true)) {
+      workers_->Post(caller_, [groups = groups_, group = caller_.group, session = caller_.session] {
+        groups->EndSession(group, session);
+      });
+    }
   }
 
   GroupManager* const groups_;
+  RequestWorkers* const workers_;
   const absl::StatusOr<int64_t> uid_;
   v1::LeaseRequest request_;
   Caller caller_;
@@ -137,6 +147,16 @@ class LeaseReactor final : public grpc::ServerBidiReactor<v1::LeaseRequest, v1::
 };
 
 }  // namespace
+
+void ShardServiceImpl::HoldForTesting(const std::string& fifo) {
+  // Each open blocks until the test opened the other end: no polling on either side.
+  if (const int held = ::open((fifo + ".held").c_str(), O_WRONLY); held >= 0) {
+    const ssize_t wrote = ::write(held, "held\n", 5);
+    (void)wrote;
+    ::close(held);
+  }
+  if (const int fd = ::open(fifo.c_str(), O_RDONLY); fd >= 0) ::close(fd);
+}
 
 absl::StatusOr<int64_t> ShardServiceImpl::CallerUid(const grpc::CallbackServerContext* ctx) const {
   if (access_ == nullptr) return access::kRemoteUid;
@@ -193,22 +213,28 @@ grpc::ServerUnaryReactor* ShardServiceImpl::JoinGroup(grpc::CallbackServerContex
   } else {
     return Refuse(reactor, uid.status());
   }
-  groups_->Join(args, WaitDeadline(ctx), [reactor, response](absl::StatusOr<JoinResult> result) {
-    if (result.ok()) {
-      response->set_session(result->session);
-      for (const auto& m : result->registered_modules) {
-        response->add_registered_modules(m);
-      }
-      for (const auto& m : result->lost_modules) response->add_lost_modules(m);
-    }
-    reactor->Finish(ToGrpcStatus(result.status()));
-  });
+  Caller strand;
+  strand.group = args.group;
+  strand.rank = args.rank;
+  workers_.Post(
+      strand, [this, reactor, response, args = std::move(args), deadline = WaitDeadline(ctx)] {
+        groups_->Join(args, deadline, [reactor, response](absl::StatusOr<JoinResult> result) {
+          if (result.ok()) {
+            response->set_session(result->session);
+            for (const auto& m : result->registered_modules) {
+              response->add_registered_modules(m);
+            }
+            for (const auto& m : result->lost_modules) response->add_lost_modules(m);
+          }
+          reactor->Finish(ToGrpcStatus(result.status()));
+        });
+      });
   return reactor;
 }
 
 grpc::ServerBidiReactor<v1::LeaseRequest, v1::LeaseResponse>* ShardServiceImpl::Lease(
     grpc::CallbackServerContext* ctx) {
-  return new LeaseReactor(groups_, CallerUid(ctx));
+  return new LeaseReactor(groups_, &workers_, CallerUid(ctx));
 }
 
 grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(grpc::CallbackServerContext* ctx,
@@ -239,19 +265,24 @@ grpc::ServerUnaryReactor* ShardServiceImpl::RegisterModule(grpc::CallbackServerC
   }
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
-  groups_->Register(*caller, request->module(), manifest, policy, *init, WaitDeadline(ctx),
-                    [reactor, response](absl::StatusOr<RegisterResult> result) {
-                      if (result.ok()) {
-                        *response->mutable_plan() = flatshard::ToProto(result->plan);
-                        FillShards(result->shards, response->mutable_shards());
-                        response->set_generation(result->generation);
-                        FillStateSpecs(result->state_specs, response->mutable_state_specs());
-                        if (result->init_summon) {
-                          FillSummon(*result->init_summon, response->mutable_init_summon());
-                        }
-                      }
-                      reactor->Finish(ToGrpcStatus(result.status()));
-                    });
+  // Posted: planning a large model and allocating the rank's shards take long.
+  workers_.Post(
+      *caller, [this, reactor, request, response, caller = *caller, manifest = std::move(manifest),
+                policy = std::move(policy), init = *init, deadline = WaitDeadline(ctx)] {
+        groups_->Register(caller, request->module(), manifest, policy, init, deadline,
+                          [reactor, response](absl::StatusOr<RegisterResult> result) {
+                            if (result.ok()) {
+                              *response->mutable_plan() = flatshard::ToProto(result->plan);
+                              FillShards(result->shards, response->mutable_shards());
+                              response->set_generation(result->generation);
+                              FillStateSpecs(result->state_specs, response->mutable_state_specs());
+                              if (result->init_summon) {
+                                FillSummon(*result->init_summon, response->mutable_init_summon());
+                              }
+                            }
+                            reactor->Finish(ToGrpcStatus(result.status()));
+                          });
+      });
   return reactor;
 }
 
@@ -297,7 +328,11 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Summon(grpc::CallbackServerContext* 
         },
         EventOf(request->written()));
   };
-  EndFirst(*caller, request, 0, deadline, std::move(summon));
+  // Posted: a summon allocates its views and may wait for the rank's last writeback copy.
+  workers_.Post(*caller,
+                [this, request, caller = *caller, deadline, summon = std::move(summon)]() mutable {
+                  EndFirst(caller, request, 0, deadline, std::move(summon));
+                });
   return reactor;
 }
 
@@ -330,20 +365,23 @@ grpc::ServerUnaryReactor* ShardServiceImpl::EndSummon(grpc::CallbackServerContex
   }
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
-  // The answer carries the generation the rank's shards hold once the End is done (a
-  // writeback End commits), so that the trainer needs no second call to learn it.
-  absl::StatusOr<std::string> module = groups_->ModuleOfSummon(*caller, request->summon());
-  groups_->EndSummon(
-      *caller, request->summon(), WaitDeadline(ctx),
-      [this, reactor, response, caller = *caller, module](absl::Status s) {
-        if (s.ok() && module.ok()) {
-          if (absl::StatusOr<uint64_t> g = groups_->Generation(caller, *module); g.ok()) {
-            response->set_generation(*g);
-          }
-        }
-        reactor->Finish(ToGrpcStatus(s));
-      },
-      EventOf(request->written()));
+  workers_.Post(
+      *caller, [this, reactor, request, response, caller = *caller, deadline = WaitDeadline(ctx)] {
+        // The answer carries the generation the rank's shards hold once the End is done (a
+        // writeback End commits), so that the trainer needs no second call to learn it.
+        absl::StatusOr<std::string> module = groups_->ModuleOfSummon(caller, request->summon());
+        groups_->EndSummon(
+            caller, request->summon(), deadline,
+            [this, reactor, response, caller, module](absl::Status s) {
+              if (s.ok() && module.ok()) {
+                if (absl::StatusOr<uint64_t> g = groups_->Generation(caller, *module); g.ok()) {
+                  response->set_generation(*g);
+                }
+              }
+              reactor->Finish(ToGrpcStatus(s));
+            },
+            EventOf(request->written()));
+      });
   return reactor;
 }
 
@@ -372,25 +410,40 @@ grpc::ServerUnaryReactor* ShardServiceImpl::ReduceScatterGrads(
   if (!checked.ok()) return Refuse(reactor, checked.status());
   const Caller caller = *std::move(checked);
   if (request->begin()) {
-    absl::StatusOr<std::shared_ptr<Buffer>> buffer =
-        groups_->BeginReduceScatter(caller, request->registered_module(), request->unit());
-    if (buffer.ok()) FillHandle(**buffer, response->mutable_full_grad());
-    const grpc::Status status = ToGrpcStatus(buffer.status());
-    buffer = absl::CancelledError();  // as in Summon: no reference outlives the answer
-    reactor->Finish(status);
+    auto answer = [reactor, response](absl::StatusOr<std::shared_ptr<Buffer>> buffer) {
+      if (buffer.ok()) FillHandle(**buffer, response->mutable_full_grad());
+      const grpc::Status status = ToGrpcStatus(buffer.status());
+      buffer = absl::CancelledError();  // as in Summon: no reference outlives the answer
+      reactor->Finish(status);
+    };
+    // Inline in the steady state (the unit's buffers are at hand: a lookup); posted where the
+    // first begin of a unit allocates them (a GiB: seconds).
+    absl::StatusOr<std::shared_ptr<Buffer>> at_hand = groups_->BeginReduceScatter(
+        caller, request->registered_module(), request->unit(), /*may_allocate=*/false);
+    if (!at_hand.ok() || *at_hand != nullptr) {
+      answer(std::move(at_hand));
+      return reactor;
+    }
+    workers_.Post(caller, [this, request, caller, answer = std::move(answer)]() mutable {
+      if (!testing_hold_begin_.empty()) HoldForTesting(testing_hold_begin_);
+      answer(groups_->BeginReduceScatter(caller, request->registered_module(), request->unit()));
+    });
     return reactor;
   }
-  groups_->FinishReduceScatter(
-      caller, request->registered_module(), request->unit(), op, request->accumulate(),
-      WaitDeadline(ctx),
-      [this, reactor, response, rank = caller.rank](absl::Status s) {
-        if (s.ok()) {
-          const gpu::IpcEventRef ready = groups_->RecordReady(rank);
-          if (ready.id != 0) FillEvent(ready, response->mutable_ready());
-        }
-        reactor->Finish(ToGrpcStatus(s));
-      },
-      EventOf(request->written()));
+  // Posted: finishing takes (or allocates) the reduced shard's scratch buffer.
+  workers_.Post(caller, [this, reactor, request, response, caller, op,
+                         deadline = WaitDeadline(ctx)] {
+    groups_->FinishReduceScatter(
+        caller, request->registered_module(), request->unit(), op, request->accumulate(), deadline,
+        [this, reactor, response, rank = caller.rank](absl::Status s) {
+          if (s.ok()) {
+            const gpu::IpcEventRef ready = groups_->RecordReady(rank);
+            if (ready.id != 0) FillEvent(ready, response->mutable_ready());
+          }
+          reactor->Finish(ToGrpcStatus(s));
+        },
+        EventOf(request->written()));
+  });
   return reactor;
 }
 
@@ -408,6 +461,7 @@ grpc::ServerUnaryReactor* ShardServiceImpl::GetShardViews(grpc::CallbackServerCo
   }
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
+  // Inline: a lookup under the group's lock, which no one holds across slow work.
   absl::StatusOr<RegisterResult> result = groups_->GetShards(*caller, request->registered_module());
   if (result.ok()) {
     FillShards(result->shards, response->mutable_shards());
@@ -425,13 +479,16 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Commit(grpc::CallbackServerContext* 
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "Commit");
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
-  groups_->Commit(
-      *caller, request->registered_module(), WaitDeadline(ctx),
-      [reactor, response](absl::StatusOr<uint64_t> generation) {
-        if (generation.ok()) response->set_generation(*generation);
-        reactor->Finish(ToGrpcStatus(generation.status()));
-      },
-      EventOf(request->written()));
+  workers_.Post(*caller,
+                [this, reactor, request, response, caller = *caller, deadline = WaitDeadline(ctx)] {
+                  groups_->Commit(
+                      caller, request->registered_module(), deadline,
+                      [reactor, response](absl::StatusOr<uint64_t> generation) {
+                        if (generation.ok()) response->set_generation(*generation);
+                        reactor->Finish(ToGrpcStatus(generation.status()));
+                      },
+                      EventOf(request->written()));
+                });
   return reactor;
 }
 
@@ -453,11 +510,15 @@ grpc::ServerUnaryReactor* ShardServiceImpl::AllReduceValues(
                       : request->op() == v1::VALUES_REDUCE_OP_MAX ? ValuesOp::kMax
                       : request->op() == v1::VALUES_REDUCE_OP_MIN ? ValuesOp::kMin
                                                                   : ValuesOp{0};
-  groups_->AllReduceValues(*caller, type, op, request->values(), WaitDeadline(ctx),
-                           [reactor, response](absl::StatusOr<std::string> values) {
-                             if (values.ok()) *response->mutable_values() = std::move(*values);
-                             reactor->Finish(ToGrpcStatus(values.status()));
-                           });
+  // Posted: the group's collectives of one rank are matched in the order it calls them.
+  workers_.Post(*caller, [this, reactor, request, response, caller = *caller, type, op,
+                          deadline = WaitDeadline(ctx)] {
+    groups_->AllReduceValues(caller, type, op, request->values(), deadline,
+                             [reactor, response](absl::StatusOr<std::string> values) {
+                               if (values.ok()) *response->mutable_values() = std::move(*values);
+                               reactor->Finish(ToGrpcStatus(values.status()));
+                             });
+  });
   return reactor;
 }
 
@@ -470,11 +531,15 @@ grpc::ServerUnaryReactor* ShardServiceImpl::BroadcastBytes(grpc::CallbackServerC
   }
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
-  groups_->BroadcastBytes(*caller, request->root(), request->data(), WaitDeadline(ctx),
-                          [reactor, response](absl::StatusOr<std::string> data) {
-                            if (data.ok()) *response->mutable_data() = std::move(*data);
-                            reactor->Finish(ToGrpcStatus(data.status()));
-                          });
+  workers_.Post(*caller,
+                [this, reactor, request, response, caller = *caller, deadline = WaitDeadline(ctx)] {
+                  groups_->BroadcastBytes(caller, request->root(), request->data(), deadline,
+                                          [reactor, response](absl::StatusOr<std::string> data) {
+                                            if (data.ok())
+                                              *response->mutable_data() = std::move(*data);
+                                            reactor->Finish(ToGrpcStatus(data.status()));
+                                          });
+                });
   return reactor;
 }
 
@@ -494,7 +559,10 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Leave(grpc::CallbackServerContext* c
   }
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
   if (!caller.ok()) return Refuse(reactor, caller.status());
-  reactor->Finish(ToGrpcStatus(groups_->Leave(*caller)));
+  // Posted: after the rank's earlier calls; its buffers may be unmapped.
+  workers_.Post(*caller, [this, reactor, caller = *caller] {
+    reactor->Finish(ToGrpcStatus(groups_->Leave(caller)));
+  });
   return reactor;
 }
 
@@ -517,15 +585,19 @@ grpc::ServerUnaryReactor* ShardServiceImpl::RegisterState(grpc::CallbackServerCo
     return Refuse(reactor, absl::InvalidArgumentError(
                                absl::StrCat("RegisterState: ", specs.status().message())));
   }
-  absl::StatusOr<RegisterStateResult> result =
-      groups_->RegisterState(*caller, request->registered_module(), *specs);
-  if (result.ok()) {
-    FillShards(result->shards, response->mutable_shards());
-    FillStateSpecs(result->specs, response->mutable_state_specs());
-    response->set_generation(result->generation);
-    response->set_created(result->created);
-  }
-  reactor->Finish(ToGrpcStatus(result.status()));
+  // Posted: allocates the rank's optimizer state (shard-sized buffers).
+  workers_.Post(*caller,
+                [this, reactor, request, response, caller = *caller, specs = *std::move(specs)] {
+                  absl::StatusOr<RegisterStateResult> result =
+                      groups_->RegisterState(caller, request->registered_module(), specs);
+                  if (result.ok()) {
+                    FillShards(result->shards, response->mutable_shards());
+                    FillStateSpecs(result->specs, response->mutable_state_specs());
+                    response->set_generation(result->generation);
+                    response->set_created(result->created);
+                  }
+                  reactor->Finish(ToGrpcStatus(result.status()));
+                });
   return reactor;
 }
 

@@ -2,13 +2,20 @@
 // ShardService over gRPC's callback API: validate, convert, call GroupManager, finish.
 // Collective calls (JoinGroup, RegisterModule, Summon, EndSummon, ReduceScatterGrads) finish
 // from the manager's completion callback, so no gRPC thread blocks while ranks gather.
+// Each call is validated on the gRPC thread; its GroupManager part runs on RequestWorkers
+// (request_workers.h), so that allocations, planning, copies and waits never hold one of the
+// few callback threads every service of the daemon shares. Inline: Ping, GetShardViews (a
+// lookup) and a ReduceScatterGrads begin whose buffers are at hand (the steady state).
 // Thread-safe.
+
+#include <string>
 
 #include <functional>
 
 #include "absl/time/time.h"
 #include "flatshard/v1/shard_service.grpc.pb.h"
 #include "server/group_manager.h"
+#include "server/service/request_workers.h"
 
 namespace flatshard::server {
 
@@ -19,11 +26,18 @@ class AccessControl;
 class ShardServiceImpl final : public v1::ShardService::CallbackService {
  public:
   // `default_wait` bounds collective waits whose RPC carries no deadline.
-  // `access` (may be null: every caller has uid -1) tells each call's uid; it must outlive
-  // the service.
-  ShardServiceImpl(GroupManager* groups, absl::Duration default_wait,
-                   const access::AccessControl* access = nullptr)
-      : groups_(groups), default_wait_(default_wait), access_(access) {}
+  // `access` (may be null: every caller has uid -1) tells each call's uid. `workers` runs
+  // the calls' bodies. Both must outlive the service. `testing_hold_begin` (testing only,
+  // DaemonConfig): a FIFO every ReduceScatterGrads begin waits on (HoldForTesting) before it
+  // allocates.
+  ShardServiceImpl(GroupManager* groups, RequestWorkers* workers, absl::Duration default_wait,
+                   const access::AccessControl* access = nullptr,
+                   std::string testing_hold_begin = "")
+      : groups_(groups),
+        workers_(*workers),
+        default_wait_(default_wait),
+        access_(access),
+        testing_hold_begin_(std::move(testing_hold_begin)) {}
 
   grpc::ServerUnaryReactor* JoinGroup(grpc::CallbackServerContext* ctx,
                                       const v1::JoinGroupRequest* request,
@@ -75,9 +89,15 @@ class ShardServiceImpl final : public v1::ShardService::CallbackService {
   void EndFirst(const Caller& caller, const v1::SummonRequest* request, int next,
                 absl::Time deadline, std::function<void(absl::Status)> then);
 
+  // Testing only: writes a line to the FIFO `fifo`.held (the test counts the calls held),
+  // then opens the FIFO `fifo` for reading, which blocks until the test opens it for writing.
+  static void HoldForTesting(const std::string& fifo);
+
   GroupManager* const groups_;
+  RequestWorkers& workers_;
   const absl::Duration default_wait_;
   const access::AccessControl* const access_;
+  const std::string testing_hold_begin_;
 };
 
 }  // namespace flatshard::server

@@ -7,6 +7,7 @@
 #include "absl/time/time.h"
 #include "flatshard/v1/weights_service.grpc.pb.h"
 #include "server/publish/publisher.h"
+#include "server/service/request_workers.h"
 
 namespace flatshard::server {
 
@@ -21,9 +22,15 @@ class WeightsServiceImpl final : public v1::WeightsService::CallbackService {
   // outlive the service. `default_wait` bounds a Publish whose RPC carries no deadline.
   // `puller` (may be null: no --weights_sources): OpenWeights copies versions from the
   // sources first (weights_puller.h).
-  WeightsServiceImpl(Publisher* publisher, const access::AccessControl* access,
-                     absl::Duration default_wait, WeightsPuller* puller = nullptr)
-      : publisher_(publisher), access_(access), default_wait_(default_wait), puller_(puller) {}
+  // `workers` (must outlive the service) runs DropWeights (files removed, segments unmapped).
+  WeightsServiceImpl(Publisher* publisher, RequestWorkers* workers,
+                     const access::AccessControl* access, absl::Duration default_wait,
+                     WeightsPuller* puller = nullptr)
+      : publisher_(publisher),
+        workers_(workers),
+        access_(access),
+        default_wait_(default_wait),
+        puller_(puller) {}
 
   grpc::ServerUnaryReactor* Publish(grpc::CallbackServerContext* ctx,
                                     const v1::PublishRequest* request,
@@ -46,6 +53,7 @@ class WeightsServiceImpl final : public v1::WeightsService::CallbackService {
   absl::StatusOr<int64_t> CallerUid(const grpc::CallbackServerContext* ctx) const;
 
   Publisher* const publisher_;
+  RequestWorkers* const workers_;
   const access::AccessControl* const access_;
   const absl::Duration default_wait_;
   WeightsPuller* const puller_;

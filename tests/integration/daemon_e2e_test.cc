@@ -4,7 +4,9 @@
 // (a local group), or several daemons on this host standing in for nodes, each rank's stubs
 // talking to its own rank's daemon and every join naming daemon 0 as the coordinator.
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -19,6 +21,7 @@
 
 #include <grpcpp/grpcpp.h>
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
 #include "common/manifest.h"
 #include "common/planner.h"
@@ -45,7 +48,8 @@ using ::flatshard::testing::ReadFile;
 // talks to rank `rank`'s daemon.
 class DaemonProcess : public ::flatshard::testing::Cluster {
  public:
-  explicit DaemonProcess(Layout layout) : ::flatshard::testing::Cluster(layout, Options()) {
+  explicit DaemonProcess(Layout layout, std::vector<std::string> extra_flags = {})
+      : ::flatshard::testing::Cluster(layout, Options(std::move(extra_flags))) {
     for (int i = 0; i < daemon_count(); ++i) {
       channels_.push_back(
           grpc::CreateChannel(daemon(i).address(), grpc::InsecureChannelCredentials()));
@@ -56,9 +60,10 @@ class DaemonProcess : public ::flatshard::testing::Cluster {
   }
 
  private:
-  static ::flatshard::testing::ClusterOptions Options() {
+  static ::flatshard::testing::ClusterOptions Options(std::vector<std::string> extra_flags) {
     ::flatshard::testing::ClusterOptions o;
     o.tag_prefix = "fse2e";
+    o.extra_flags = std::move(extra_flags);
     return o;
   }
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
@@ -457,18 +462,19 @@ float* MapFloats(const v1::MemoryHandle& h, std::vector<ShmSegment>* keep) {
   return reinterpret_cast<float*>(static_cast<char*>(keep->back().data()) + h.offset());
 }
 
-// A group of `world` ranks with examples/models/<model> registered (zeros).
+// A group `group` of `world` ranks with examples/models/<model> registered (zeros).
 struct Fixture {
   std::vector<v1::Caller> callers;
   Plan plan;
 };
 
-Fixture JoinAndRegister(DaemonProcess& d, int world, const std::string& model = "gpt_tied") {
+Fixture JoinAndRegister(DaemonProcess& d, int world, const std::string& model = "gpt_tied",
+                        const std::string& group = "g") {
   Fixture f;
-  std::vector<uint64_t> s = JoinAll(d, "g", world);
+  std::vector<uint64_t> s = JoinAll(d, group, world);
   std::vector<v1::RegisterModuleRequest> reqs;
   for (int r = 0; r < world; ++r) {
-    f.callers.push_back(MakeCaller("g", r, s[r]));
+    f.callers.push_back(MakeCaller(group, r, s[r]));
     reqs.push_back(RegisterRequest(f.callers.back(), model));
   }
   std::vector<Registered> out = RegisterAll(d, reqs);
@@ -710,6 +716,93 @@ TEST_P(DaemonGradTest, ReduceScatterSumAvgAccumulateAndWithGrads) {
   check(2.0f);
   ReduceScatterAll(d, f, unit, v1::REDUCE_OP_SUM, true, [](int) { return 0.5f; });
   check(3.5f);  // 2 + 1.5
+}
+
+// Issue 27: a trainer's call that allocates (held here by the daemon's testing hook) holds no
+// gRPC callback thread (gRPC has as many as cores, at most 16, shared by every service): while
+// one rank's begins are held, another trainer's calls are answered. Blocking opens of the
+// hook's FIFOs synchronize; without RequestWorkers the other calls end DEADLINE_EXCEEDED.
+TEST(DaemonBusyTest, HeldBeginsOfOneRankDoNotStallOtherTrainers) {
+  const fs::path dir = fs::temp_directory_path() / absl::StrCat("fse2e_hold", getpid());
+  fs::create_directories(dir);
+  const std::string fifo = (dir / "hold").string();
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  ASSERT_EQ(mkfifo((fifo + ".held").c_str(), 0600), 0);
+  DaemonProcess d(Layout::kSingle,
+                  {"--testing_hold_begin_reduce_scatter=" + fifo, "--lease_timeout=300s"});
+  Fixture slow = JoinAndRegister(d, 1, "gpt_tied", "slow");
+  Fixture other = JoinAndRegister(d, 1, "gpt_tied", "other");
+  auto stub = d.Stub(0);
+
+  // More begins of one rank than gRPC has callback threads.
+  constexpr int kBegins = 32;
+  struct Call {
+    grpc::ClientContext ctx;
+    v1::ReduceScatterGradsRequest request;
+    v1::ReduceScatterGradsResponse response;
+    grpc::Status status;
+  };
+  std::vector<std::unique_ptr<Call>> begins;
+  absl::Mutex mu;
+  int answered = 0;
+  for (int i = 0; i < kBegins; ++i) {
+    begins.push_back(std::make_unique<Call>());
+    Call* c = begins.back().get();
+    c->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+    *c->request.mutable_caller() = slow.callers[0];
+    c->request.set_unit(0);
+    c->request.set_begin(true);
+    stub->async()->ReduceScatterGrads(&c->ctx, &c->request, &c->response,
+                                      [&mu, &answered, c](grpc::Status s) {
+                                        absl::MutexLock lock(&mu);
+                                        c->status = std::move(s);
+                                        ++answered;
+                                      });
+  }
+  // Returns once a begin reached the hook; its line follows.
+  const int held = open((fifo + ".held").c_str(), O_RDONLY);
+  ASSERT_GE(held, 0);
+  char line[5];
+  ASSERT_EQ(read(held, line, sizeof(line)), 5);
+
+  // Another trainer, while the begin is held.
+  grpc::ClientContext ping_ctx;
+  ping_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::PingResponse pong;
+  const grpc::Status ping = stub->Ping(&ping_ctx, v1::PingRequest(), &pong);
+  grpc::ClientContext views_ctx;
+  views_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::GetShardViewsRequest views_req;
+  *views_req.mutable_caller() = other.callers[0];
+  v1::GetShardViewsResponse views;
+  const grpc::Status viewed = stub->GetShardViews(&views_ctx, views_req, &views);
+  std::vector<Summoned> summoned = SummonAll(d, other.callers, Options(false, false, false));
+  std::vector<grpc::Status> ended = EndAll(d, other.callers, summoned);
+  // One rank's calls run one at a time, in order: the others wait behind the held one.
+  int queued_bytes = -1;
+  EXPECT_EQ(ioctl(held, FIONREAD, &queued_bytes), 0);
+
+  const int release = open(fifo.c_str(), O_WRONLY);  // the held begin is the reader
+  ASSERT_GE(release, 0);
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_TRUE(mu.AwaitWithTimeout(absl::Condition(
+                                        +[](int* n) { return *n == kBegins; }, &answered),
+                                    absl::Seconds(120)));
+  }
+  close(release);
+  close(held);
+  fs::remove_all(dir);
+
+  EXPECT_TRUE(ping.ok()) << ping.error_message();
+  EXPECT_TRUE(viewed.ok()) << viewed.error_message();
+  ASSERT_TRUE(summoned[0].status.ok()) << summoned[0].status.error_message();
+  EXPECT_TRUE(ended[0].ok()) << ended[0].error_message();
+  EXPECT_EQ(queued_bytes, 0);
+  absl::MutexLock lock(&mu);
+  for (int i = 0; i < answered; ++i) {
+    EXPECT_TRUE(begins[i]->status.ok()) << i << ": " << begins[i]->status.error_message();
+  }
 }
 
 // Runs only as the child of KilledClientFreesItsRankAndShardsOutliveIt: joins rank
