@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <set>
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -67,7 +68,21 @@ struct Records::KeepJob {
 };
 
 void Records::KeepDeviceShards() {
-  if (state_dir_ == nullptr || gpus_.empty()) return;
+  if (state_dir_ == nullptr) return;
+  // Writeback Ends' copies from their summon buffers first: those segments are unlinked at
+  // shutdown, so each copy completes (and its record entries go) before (issue 24).
+  std::vector<std::shared_ptr<PendingCopy>> pending;
+  for (const std::shared_ptr<Group>& held : table_.All()) {
+    Group& g = *held;
+    absl::MutexLock lock(&g.mu);
+    if (g.removed) continue;
+    for (auto& [module, reg] : g.registered) {
+      std::vector<std::shared_ptr<PendingCopy>> more = reg.pending_committed.Of(-1);
+      pending.insert(pending.end(), more.begin(), more.end());
+    }
+  }
+  for (const std::shared_ptr<PendingCopy>& p : pending) p->Finish();
+  if (gpus_.empty()) return;
   // The copies made at each commit end first (the running one completes): a rank whose
   // recorded host copy holds its committed generation is not copied again.
   if (host_copies_ != nullptr) host_copies_->Stop();
@@ -401,6 +416,16 @@ absl::Status Records::AdoptModule(const state::GroupRecord& rec, const state::Mo
   }
   std::set<int32_t> from_host;
   FS_RETURN_IF_ERROR(DeviceCopiesFromHost(rec, m, where, reg, &from_host));
+  // Before the kept buffers: a deferred copy's segment is often one of them.
+  if (absl::Status s = FinishDeferredCopies(rec, m, reg, adopted); !s.ok()) {
+    std::string why = absl::StrCat("group ", rec.id, ": module ", Display(m.name),
+                                   " lost: after the daemon restarted ", s.message(),
+                                   "; register it afresh on every rank");
+    FS_LOG(WARNING) << why;
+    g.lost[m.name] = std::move(why);
+    ++summary->lost_modules;
+    return absl::OkStatus();
+  }
   AdoptKeptBuffers(rec, m, reg, adopted);
 
   std::vector<int32_t> ranks;
@@ -453,6 +478,64 @@ absl::Status Records::AdoptModule(const state::GroupRecord& rec, const state::Mo
   for (int32_t r : ranks) reg.stale[r] = true;
   g.rollback_due = true;
   g.registered.emplace(m.name, std::move(reg));
+  return absl::OkStatus();
+}
+
+absl::Status Records::FinishDeferredCopies(const state::GroupRecord& rec,
+                                           const state::ModuleRecord& m, Registered& reg,
+                                           std::vector<std::shared_ptr<Buffer>>* adopted) {
+  // A writeback End answered before these parts of its committed copies were copied from its
+  // summon buffers (state::DeferredRecord); its trainer may have stepped the shard since, so
+  // only those segments hold them. Without them the committed copy is torn: a named loss.
+  std::map<std::string, std::shared_ptr<Buffer>> segments;
+  int64_t bytes = 0;
+  for (const state::DeferredRecord& d : m.deferred) {
+    const std::string what =
+        absl::StrCat("rank ", d.rank, " unit ", d.unit, "'s committed copy of generation ",
+                     d.generation, " was still to be copied from summon segment ", d.segment);
+    if (d.rank < 0 || d.rank >= static_cast<int32_t>(reg.generation.size()) ||
+        reg.generation[d.rank] != d.generation) {
+      continue;  // superseded: a later commit's copy of the rank is recorded done
+    }
+    const std::vector<std::shared_ptr<Buffer>>& committed = reg.committed[d.rank];
+    if (d.unit >= static_cast<int32_t>(committed.size()) || committed[d.unit] == nullptr ||
+        committed[d.unit]->on_device() || d.dst_offset + d.bytes > committed[d.unit]->bytes()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(what, ", at offset ", d.dst_offset, ", ", d.bytes,
+                       " bytes: not inside the rank's recorded committed copy"));
+    }
+    std::shared_ptr<Buffer>& from = segments[d.segment];
+    if (from == nullptr) {
+      absl::StatusOr<std::shared_ptr<Buffer>> b = store_->Adopt(
+          static_cast<BufferKind>(d.kind), d.segment, d.segment_bytes,
+          absl::StrCat("group=", rec.id, " module=", m.name, " deferred copy"), rec.owner_uid);
+      if (!b.ok()) {
+        return absl::Status(b.status().code(), absl::StrCat(what, ", which cannot be read (",
+                                                            b.status().message(), ")"));
+      }
+      from = *std::move(b);
+    }
+    std::memcpy(static_cast<char*>(committed[d.unit]->data()) + d.dst_offset,
+                static_cast<const char*>(from->data()) + d.src_offset,
+                static_cast<size_t>(d.bytes));
+    bytes += d.bytes;
+  }
+  for (auto& [name, b] : segments) {
+    // A kept buffer's segment is adopted as such next (AdoptKeptBuffers); another goes once
+    // the restored record, without the entries, is written (AdoptGroup drops `adopted` last).
+    const bool kept = std::any_of(m.kept.begin(), m.kept.end(),
+                                  [&](const state::KeptRecord& k) { return k.segment == name; });
+    if (kept) {
+      b->Disown();
+    } else {
+      adopted->push_back(b);
+    }
+  }
+  if (bytes > 0) {
+    FS_LOG(INFO) << "group=" << rec.id << " module=" << Display(m.name) << ": finished "
+                 << m.deferred.size() << " deferred copy(ies) into committed copies from "
+                 << segments.size() << " summon segment(s), " << bytes << " bytes";
+  }
   return absl::OkStatus();
 }
 

@@ -15,6 +15,7 @@
 #include "common/plan.h"
 #include "server/durable/parallel_copier.h"
 #include "server/messages.h"
+#include "server/module/foreground_copies.h"
 
 namespace flatshard::server {
 
@@ -118,7 +119,7 @@ void Records::MarkCommitDoneLocked(Registered& reg, int32_t rank, uint64_t gener
 void Records::EndArrive(const Caller& caller, const std::string& module, uint64_t k,
                         uint64_t target, const char* kind, absl::Status status,
                         std::vector<internal::DurablePair> durable,
-                        absl::AnyInvocable<void(absl::Status)> finish) {
+                        absl::AnyInvocable<void(absl::Status)> finish, DeferredCommit deferred) {
   std::vector<EndArrival> batch;
   {
     std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
@@ -127,8 +128,8 @@ void Records::EndArrive(const Caller& caller, const std::string& module, uint64_
     if (Registered* found = FindModuleLocked(g, module)) {
       Registered& reg = *found;
       std::vector<EndArrival>& arrived = reg.end_batches[k];
-      arrived.push_back(
-          EndArrival{caller.rank, true, std::move(status), std::move(durable), std::move(finish)});
+      arrived.push_back(EndArrival{caller.rank, true, std::move(status), std::move(durable),
+                                   std::move(finish), std::move(deferred)});
       size_t local = 0;
       for (const std::vector<UnitShard>& s : reg.shards_by_rank) local += s.empty() ? 0 : 1;
       if (arrived.size() < local) return;  // the last local rank copies for every rank
@@ -139,8 +140,8 @@ void Records::EndArrive(const Caller& caller, const std::string& module, uint64_
         reg.end_batches.erase(reg.end_batches.begin());
       }
     } else {
-      batch.push_back(
-          EndArrival{caller.rank, true, std::move(status), std::move(durable), std::move(finish)});
+      batch.push_back(EndArrival{caller.rank, true, std::move(status), std::move(durable),
+                                 std::move(finish), std::move(deferred)});
     }
   }
   // The records and the commit copies are blocking work: the durable worker runs them.
@@ -199,25 +200,57 @@ void Records::ProcessEndBatch(const std::string& group, const std::string& modul
         std::sort(r.begin(), r.end());
       } else {
         for (EndArrival* a : applying) {
-          if (a->status.ok()) MarkCommitDoneLocked(reg, a->rank, target);
+          if (!a->status.ok()) continue;
+          MarkCommitDoneLocked(reg, a->rank, target);
+          // Listed in this record (ModuleSnapshot), so a restart copies them from the summon's
+          // segments; the caller runs the copy once the End answered.
+          if (a->deferred.copy) reg.pending_committed.Add(a->rank, a->deferred.copy);
         }
       }
       return true;
     });
   };
+  for (EndArrival& a : batch) {
+    // A deferred copy runs only for a rank whose End is applied here.
+    if (!(a.applying && a.status.ok())) a.deferred = {};
+  }
   if (!applying.empty()) {
+    // An earlier End's copies still pending into these committed copies complete first
+    // (recorded done), so they never overwrite what this one copies.
+    std::vector<std::shared_ptr<PendingCopy>> pending;
+    {
+      std::shared_ptr<Group> held = table_.FindOrGone(group);
+      Group& g = *held;
+      absl::MutexLock lock(&g.mu);
+      if (Registered* reg = FindModuleLocked(g, module)) {
+        for (EndArrival* a : applying) {
+          std::vector<std::shared_ptr<PendingCopy>> more = reg->pending_committed.Of(a->rank);
+          pending.insert(pending.end(), more.begin(), more.end());
+        }
+      }
+    }
+    for (const std::shared_ptr<PendingCopy>& p : pending) p->Finish();
     // Every local rank's shards hold the new generation: one record says so before any
-    // committed copy is overwritten, one after all of them are.
+    // committed copy is overwritten, one after all of them are (the deferred own ranges:
+    // after they are listed in it, issue 24).
     record(/*ready=*/true);
-    TestingPauseMidCopy(applying.front()->rank, applying.front()->durable);
+    TestingPauseMidCopy(applying.front()->rank, applying.front()->durable,
+                        applying.front()->deferred.copy != nullptr);
     // Every host rank's copies in one batch, on several threads (ParallelCopier).
     std::vector<ParallelCopier::Copy> host;
     for (EndArrival* a : applying) {
+      if (a->deferred.copy) {
+        host.insert(host.end(), a->deferred.gaps.begin(), a->deferred.gaps.end());
+        continue;
+      }
       a->status = devices_.DeviceOf(a->rank) == nullptr
                       ? AppendHostCopies(a->rank, a->durable, /*to_committed=*/true, &host)
                       : CopyCommitted(a->rank, a->durable, /*to_committed=*/true);
     }
-    ParallelCopier::Shared().Run(host);
+    {
+      ForegroundCopies::Scope foreground(ForegroundCopies::Shared());
+      ParallelCopier::Shared().Run(host);
+    }
     record(/*ready=*/false);
   }
   for (EndArrival& a : batch) {
@@ -229,14 +262,17 @@ void Records::ProcessEndBatch(const std::string& group, const std::string& modul
   }
 }
 
-void Records::TestingPauseMidCopy(int32_t rank,
-                                  const std::vector<internal::DurablePair>& durable) const {
+void Records::TestingPauseMidCopy(int32_t rank, const std::vector<internal::DurablePair>& durable,
+                                  bool deferred) const {
   if (testing_commit_copy_pause_ <= absl::ZeroDuration() || durable.empty()) return;
-  // Tears the committed copy on purpose: the first buffer is copied, the others not yet.
-  devices_.CopyEach(rank, {durable[0].live.get()}, {durable[0].committed.get()}).IgnoreError();
+  // Tears the committed copy on purpose: the first buffer is copied, the others not yet. Not
+  // when its own range is deferred: that copy comes from the summon's buffer, after the answer.
+  if (!deferred) {
+    devices_.CopyEach(rank, {durable[0].live.get()}, {durable[0].committed.get()}).IgnoreError();
+  }
   FS_LOG(WARNING) << "testing: commit copy of rank " << rank << " paused for "
                   << absl::FormatDuration(testing_commit_copy_pause_)
-                  << " with its committed copy torn";
+                  << (deferred ? "" : " with its committed copy torn");
   absl::SleepFor(testing_commit_copy_pause_);
 }
 

@@ -50,8 +50,10 @@ ABSL_FLAG(std::string, testing_pause_before_commit_intent, "",
 ABSL_FLAG(std::string, testing_pause_end_vote, "",
           "Testing only: \"POINT:G:DURATION\" pauses this daemon's writeback End of "
           "generation G for DURATION at POINT: before_vote (its ranks wrote back, their vote is "
-          "not recorded), after_vote (recorded, not sent) or before_intent (every rank voted "
-          "yes, the intent is not recorded).");
+          "not recorded), after_vote (recorded, not sent), before_intent (every rank voted "
+          "yes, the intent is not recorded) or deferred_copy (with a state directory, also on "
+          "one daemon: the End answered, its own ranges' copy from the summon buffers into the "
+          "committed copies, recorded, not started).");
 
 namespace flatshard::server {
 
@@ -181,8 +183,8 @@ void Records::TestingPauseEndVote(const char* point, uint64_t generation) {
     const std::string v = absl::GetFlag(FLAGS_testing_pause_end_vote);
     const size_t colon = v.find(':');
     const std::string at = v.substr(0, colon);
-    if (colon == std::string::npos ||
-        (at != "before_vote" && at != "after_vote" && at != "before_intent")) {
+    if (colon == std::string::npos || (at != "before_vote" && at != "after_vote" &&
+                                       at != "before_intent" && at != "deferred_copy")) {
       if (!v.empty()) FS_LOG(ERROR) << "--testing_pause_end_vote=" << v << " ignored";
       return std::make_pair(std::string(), std::make_pair(uint64_t{0}, absl::ZeroDuration()));
     }
@@ -198,7 +200,7 @@ void Records::EndVoteArrive(const Caller& caller, const std::string& module, uin
                             uint64_t generation, bool applying, absl::Status status,
                             absl::AnyInvocable<void(absl::Status)> vote) {
   std::vector<EndArrival> batch;
-  EndArrival mine{caller.rank, applying, std::move(status), {}, std::move(vote)};
+  EndArrival mine{caller.rank, applying, std::move(status), {}, std::move(vote), {}};
   {
     std::shared_ptr<Group> held = table_.FindOrGone(caller.group);
     Group& g = *held;

@@ -243,6 +243,7 @@ std::optional<state::ModuleRecord> Records::ModuleSnapshot(const std::string& na
                       static_cast<int32_t>(key.use), static_cast<int32_t>(b->kind()),
                       b->segment_name(), b->bytes()});
   }
+  m.deferred = reg.pending_committed.Recorded();
   if (device_ranks) {
     m.pending.reset();  // a commit of the device copies: the host copies hold the older one
     m.voted = 0;

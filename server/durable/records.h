@@ -120,9 +120,12 @@ class Records {
   // done, and every arrival is answered. So a kill during the copies finds every rank's
   // shards complete: the restart finishes them all, never a mix. The records, the copies and
   // the answers run on the durable worker (RunDurable), after EndArrive returns.
+  // With `deferred.copy` (issue 24) only `deferred.gaps` are copied before the answer; the
+  // "done" record lists the copy's entries (state::DeferredRecord) and the copy joins the
+  // module's pending_committed, for the caller to run once `finish` gets OK.
   void EndArrive(const Caller& caller, const std::string& module, uint64_t k, uint64_t target,
                  const char* kind, absl::Status status, std::vector<DurablePair> durable,
-                 absl::AnyInvocable<void(absl::Status)> finish);
+                 absl::AnyInvocable<void(absl::Status)> finish, DeferredCommit deferred = {});
   // The rank's End agreement failed: it counts as arrived (it applies nothing). As
   // EndArrive, a batch it completes is processed on the durable worker.
   void EndNotApplied(const Caller& caller, const std::string& module, uint64_t k);
@@ -133,7 +136,9 @@ class Records {
   absl::Status CopyCommitted(int32_t rank, const std::vector<DurablePair>& durable,
                              bool to_committed) const;
   // GroupManagerOptions::testing_commit_copy_pause.
-  void TestingPauseMidCopy(int32_t rank, const std::vector<DurablePair>& durable) const;
+  // `deferred`: the rank's own ranges are a DeferredCommit's, so nothing is torn.
+  void TestingPauseMidCopy(int32_t rank, const std::vector<DurablePair>& durable,
+                           bool deferred = false) const;
   // Also holds (twice as long) the copies a writeback End leaves running without a state
   // directory (Modules::CommitInBackground), so tests see the operations after it finish them.
   absl::Duration testing_commit_copy_pause() const { return testing_commit_copy_pause_; }
@@ -174,7 +179,7 @@ class Records {
                      uint64_t generation, bool applying, absl::Status status,
                      absl::AnyInvocable<void(absl::Status)> vote);
   // --testing_pause_end_vote (commit_votes.cc): sleeps when it names `point` ("before_vote",
-  // "after_vote", "before_intent") and `generation`.
+  // "after_vote", "before_intent", "deferred_copy") and `generation`.
   static void TestingPauseEndVote(const char* point, uint64_t generation);
 
   // ---- Checkpoint loads ----
@@ -243,6 +248,12 @@ class Records {
   absl::Status AdoptRankBuffers(const state::GroupRecord& rec, const state::ModuleRecord& m,
                                 const state::RankRecord& rr, const std::string& where,
                                 Registered& reg, std::vector<std::shared_ptr<Buffer>>* adopted);
+  // Copies the parts of committed copies a writeback End left in summon segments (the
+  // module's "deferred", state::DeferredRecord) into `reg`'s adopted committed copies; an
+  // error (a segment gone or resized) says why the module is lost. Segments not kept go with
+  // `adopted`.
+  absl::Status FinishDeferredCopies(const state::GroupRecord& rec, const state::ModuleRecord& m,
+                                    Registered& reg, std::vector<std::shared_ptr<Buffer>>* adopted);
   // Takes over the module's recorded kept summon buffers (state::KeptRecord) into
   // `reg.adopted_kept`; one that cannot be is skipped (logged), never a refusal.
   void AdoptKeptBuffers(const state::GroupRecord& rec, const state::ModuleRecord& m,

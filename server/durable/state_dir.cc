@@ -129,10 +129,42 @@ absl::StatusOr<std::vector<KeptRecord>> KeptFrom(const Json& v, const JsonPath& 
   return out;
 }
 
+absl::StatusOr<std::vector<DeferredRecord>> DeferredFrom(const Json& v, const JsonPath& p) {
+  FS_RETURN_IF_ERROR(ExpectArray(v, p));
+  std::vector<DeferredRecord> out;
+  for (size_t i = 0; i < v.size(); ++i) {
+    const JsonPath q = p.Index(i);
+    FS_RETURN_IF_ERROR(ExpectObject(v[i], q,
+                                    {"rank", "unit", "generation", "segment", "kind",
+                                     "segment_bytes", "src_offset", "dst_offset", "bytes"}));
+    DeferredRecord d;
+    FS_ASSIGN_OR_RETURN(int64_t rank, GetInt(v[i], "rank", q, 0, INT32_MAX));
+    FS_ASSIGN_OR_RETURN(int64_t unit, GetInt(v[i], "unit", q, 0, INT32_MAX));
+    FS_ASSIGN_OR_RETURN(int64_t generation, GetInt(v[i], "generation", q, 0));
+    FS_ASSIGN_OR_RETURN(int64_t kind, GetInt(v[i], "kind", q, 0, 3));  // BufferKind
+    d.rank = static_cast<int32_t>(rank);
+    d.unit = static_cast<int32_t>(unit);
+    d.generation = static_cast<uint64_t>(generation);
+    d.kind = static_cast<int32_t>(kind);
+    FS_ASSIGN_OR_RETURN(d.segment, GetString(v[i], "segment", q));
+    FS_RETURN_IF_ERROR(CheckSegmentName(d.segment, q.Key("segment")));
+    FS_ASSIGN_OR_RETURN(d.segment_bytes, GetInt(v[i], "segment_bytes", q, 0));
+    FS_ASSIGN_OR_RETURN(d.src_offset, GetInt(v[i], "src_offset", q, 0));
+    FS_ASSIGN_OR_RETURN(d.dst_offset, GetInt(v[i], "dst_offset", q, 0));
+    FS_ASSIGN_OR_RETURN(d.bytes, GetInt(v[i], "bytes", q, 0));
+    if (d.src_offset + d.bytes > d.segment_bytes) {
+      return q.Error(absl::StrCat("src_offset ", d.src_offset, " + bytes ", d.bytes,
+                                  " is past the segment's ", d.segment_bytes, " bytes"));
+    }
+    out.push_back(std::move(d));
+  }
+  return out;
+}
+
 absl::StatusOr<ModuleRecord> ModuleFrom(const Json& v, const JsonPath& p) {
   FS_RETURN_IF_ERROR(ExpectObject(v, p,
                                   {"name", "plan", "manifest", "initialized", "pending", "voted",
-                                   "ranks", "state_specs", "kept"}));
+                                   "ranks", "state_specs", "kept", "deferred"}));
   ModuleRecord m;
   FS_ASSIGN_OR_RETURN(m.name, GetString(v, "name", p));
   FS_ASSIGN_OR_RETURN(m.plan_json, GetString(v, "plan", p));
@@ -150,6 +182,9 @@ absl::StatusOr<ModuleRecord> ModuleFrom(const Json& v, const JsonPath& p) {
   }
   if (v.contains("kept")) {
     FS_ASSIGN_OR_RETURN(m.kept, KeptFrom(v.at("kept"), p.Key("kept")));
+  }
+  if (v.contains("deferred")) {
+    FS_ASSIGN_OR_RETURN(m.deferred, DeferredFrom(v.at("deferred"), p.Key("deferred")));
   }
   const JsonPath rp = p.Key("ranks");
   if (!v.contains("ranks")) return rp.Error("missing");
@@ -297,6 +332,21 @@ OJson ModuleOJson(const ModuleRecord& m) {
     }
     mj["kept"] = std::move(kept);
   }
+  if (!m.deferred.empty()) {
+    OJson deferred = OJson::array();
+    for (const DeferredRecord& d : m.deferred) {
+      deferred.push_back(OJson{{"rank", d.rank},
+                               {"unit", d.unit},
+                               {"generation", d.generation},
+                               {"segment", d.segment},
+                               {"kind", d.kind},
+                               {"segment_bytes", d.segment_bytes},
+                               {"src_offset", d.src_offset},
+                               {"dst_offset", d.dst_offset},
+                               {"bytes", d.bytes}});
+    }
+    mj["deferred"] = std::move(deferred);
+  }
   return mj;
 }
 
@@ -344,10 +394,11 @@ absl::StatusOr<GroupRecord> DecodeGroupRecord(const std::string& bytes, bool* jo
   const JsonPath hp("header");
   FS_RETURN_IF_ERROR(ExpectObject(*header, hp, {"format", "body_bytes", "body_sha256"}));
   FS_ASSIGN_OR_RETURN(std::string format, GetString(*header, "format", hp));
-  if (format != kStateFormat && format != kStateFormatV2 && format != kStateFormatV1) {
-    return absl::InvalidArgumentError(absl::StrCat("version: format is ", Quote(format),
-                                                   ", this daemon reads ", kStateFormat, ", ",
-                                                   kStateFormatV2, " and ", kStateFormatV1));
+  if (format != kStateFormat && format != kStateFormatV3 && format != kStateFormatV2 &&
+      format != kStateFormatV1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("version: format is ", Quote(format), ", this daemon reads ", kStateFormat,
+                     ", ", kStateFormatV3, ", ", kStateFormatV2, " and ", kStateFormatV1));
   }
   if (journaled != nullptr) *journaled = format != kStateFormatV1;
   FS_ASSIGN_OR_RETURN(int64_t body_bytes, GetInt(*header, "body_bytes", hp, 0));
@@ -766,6 +817,7 @@ std::vector<std::string> StateDir::SegmentsNamedBy(const Loaded& loaded,
         }
       }
       for (const KeptRecord& k : m.kept) keep.push_back(k.segment);
+      for (const DeferredRecord& d : m.deferred) keep.push_back(d.segment);
     }
   }
   FS_LOG(INFO) << "state dir " << path_ << ": " << loaded.groups.size() << " group record(s), "

@@ -17,9 +17,9 @@
 // hold group tokens. All file access goes through a FileSystem, so unit tests run it on
 // InMemoryFileSystem.
 //
-// Base file format (flatshard.state/3; /2, read too, is the same without "kept"; /1 also
-// without a journal): a header line, then the body:
-//   {"format":"flatshard.state/3","body_bytes":N,"body_sha256":"<hex>"}\n<body: N bytes of JSON>
+// Base file format (flatshard.state/4; /3, read too, is the same without "deferred"; /2 also
+// without "kept"; /1 also without a journal): a header line, then the body:
+//   {"format":"flatshard.state/4","body_bytes":N,"body_sha256":"<hex>"}\n<body: N bytes of JSON>
 // The checksum covers the body's exact bytes. LoadAll refuses a record whose header, size,
 // checksum or body does not check out, naming the file and the check. A torn last journal
 // frame (a kill mid-append) is ignored, with every frame before it applied.
@@ -54,9 +54,13 @@
 namespace flatshard::server::state {
 
 // What this daemon writes: a base whose journal (journal.h) holds the later writes, whose module
-// records may list kept summon buffers ("kept"). A daemon from before the journal refuses it
-// (reading the base alone would adopt an older state), and so does one from before "kept".
-inline constexpr char kStateFormat[] = "flatshard.state/3";
+// records may list kept summon buffers ("kept") and copies into committed copies still to
+// finish from a summon buffer ("deferred"). A daemon from before the journal refuses it
+// (reading the base alone would adopt an older state), and so does one from before "kept"
+// or "deferred" (adopting without finishing a deferred copy would adopt a torn one).
+inline constexpr char kStateFormat[] = "flatshard.state/4";
+// Read too: a journaled base from before "deferred" (its modules list none).
+inline constexpr char kStateFormatV3[] = "flatshard.state/3";
 // Read too: a journaled base from before "kept" (its modules list none).
 inline constexpr char kStateFormatV2[] = "flatshard.state/2";
 // Read too: a base written whole at every change, by a daemon from before the journal.
@@ -125,6 +129,29 @@ struct KeptRecord {
   friend bool operator==(const KeptRecord&, const KeptRecord&) = default;
 };
 
+// Part of a rank's committed copy that a writeback End left to copy after it answered
+// (pending_committed.h): the committed copy of (`rank`, `unit`) holds generation `generation`
+// completely once `bytes` bytes at `dst_offset` are copied from the summon buffer in `segment`
+// (shm name, `segment_bytes` long, BufferKind `kind`) at `src_offset`. The End's trainer may
+// step its shard in place, so only that segment holds those bytes: a restart copies them
+// before it adopts the rank at `generation` (superseded, and skipped, when the rank's recorded
+// generation is another one), and names the module lost when the segment is gone or resized.
+// The daemon keeps the segment, never handed to another summon, until a record without the
+// entry is written. JSON "deferred": [{"rank","unit","generation","segment","kind",
+// "segment_bytes","src_offset","dst_offset","bytes"}], absent when empty.
+struct DeferredRecord {
+  int32_t rank = 0;
+  int32_t unit = 0;
+  uint64_t generation = 0;
+  std::string segment;
+  int32_t kind = 0;
+  int64_t segment_bytes = 0;
+  int64_t src_offset = 0;
+  int64_t dst_offset = 0;
+  int64_t bytes = 0;
+  friend bool operator==(const DeferredRecord&, const DeferredRecord&) = default;
+};
+
 struct ModuleRecord {
   std::string name;           // the registered path
   std::string plan_json;      // PlanToJson, dumped
@@ -140,7 +167,8 @@ struct ModuleRecord {
   // [{"name","dtype","shape"}], shape "shard" or "scalar"); empty: no state registered.
   // Records written before state was recorded have no key: they load with none.
   std::vector<StateSpec> state_specs;
-  std::vector<KeptRecord> kept;  // KeptRecord; records without the key load with none
+  std::vector<KeptRecord> kept;          // KeptRecord; records without the key load with none
+  std::vector<DeferredRecord> deferred;  // DeferredRecord; records without the key: none
   friend bool operator==(const ModuleRecord&, const ModuleRecord&) = default;
 };
 

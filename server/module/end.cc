@@ -55,10 +55,14 @@ absl::Status AppendOwnRange(int32_t rank, const Plan& plan, const PlanUnit& unit
 // With `later`, the committed destinations go there instead, read from the same sources (the
 // summon's buffers, never the shards), for a copy after the End answered (CommitInBackground).
 // Returns whether every durable pair could be covered so; if not, `copies` is left unchanged.
+// With `gaps_out` the committed copies' other bytes go there instead of into `copies` (with a
+// state directory they are copied only after the End's "ready" record).
 bool FuseCommitCopies(const std::vector<internal::DurablePair>& durable,
                       std::vector<ParallelCopier::Copy>* copies,
-                      std::vector<ParallelCopier::Copy>* later) {
+                      std::vector<ParallelCopier::Copy>* later,
+                      std::vector<ParallelCopier::Copy>* gaps_out = nullptr) {
   std::vector<ParallelCopier::Copy> deferred;
+  std::vector<ParallelCopier::Copy> all_gaps;
   std::vector<ParallelCopier::Copy> fused = *copies;
   for (const internal::DurablePair& d : durable) {
     if (d.live == nullptr || d.committed == nullptr) continue;
@@ -88,10 +92,47 @@ bool FuseCommitCopies(const std::vector<internal::DurablePair>& durable,
       at = off + c->bytes;
     }
     if (at < bytes) gaps.push_back({kept + at, live + at, bytes - at});
-    fused.insert(fused.end(), gaps.begin(), gaps.end());
+    std::vector<ParallelCopier::Copy>& into = gaps_out != nullptr ? all_gaps : fused;
+    into.insert(into.end(), gaps.begin(), gaps.end());
   }
   *copies = std::move(fused);
   if (later != nullptr) *later = std::move(deferred);
+  if (gaps_out != nullptr) *gaps_out = std::move(all_gaps);
+  return true;
+}
+
+// What a state record says of `later` (FuseCommitCopies' deferred copies of `rank` at
+// `generation`): for each, the unit whose committed copy it writes and where its bytes lie in
+// a segment of `sources`. False when one cannot be said (then nothing is deferred).
+bool DeferredRecordsOf(int32_t rank, uint64_t generation,
+                       const std::vector<internal::DurablePair>& durable,
+                       const std::vector<ParallelCopier::Copy>& later,
+                       const std::vector<std::shared_ptr<Buffer>>& sources,
+                       std::vector<state::DeferredRecord>* out) {
+  auto inside = [](const void* p, size_t n, const Buffer& b) {
+    const char* at = static_cast<const char*>(p);
+    const char* data = static_cast<const char*>(b.data());
+    return data != nullptr && at >= data && at + n <= data + b.bytes();
+  };
+  for (const ParallelCopier::Copy& c : later) {
+    const internal::DurablePair* to = nullptr;
+    for (const internal::DurablePair& d : durable) {
+      if (d.what == "shard" && d.committed != nullptr && inside(c.dst, c.bytes, *d.committed)) {
+        to = &d;
+      }
+    }
+    const Buffer* from = nullptr;
+    for (const std::shared_ptr<Buffer>& b : sources) {
+      if (!b->on_device() && inside(c.src, c.bytes, *b)) from = b.get();
+    }
+    if (to == nullptr || from == nullptr) return false;
+    out->push_back(state::DeferredRecord{
+        rank, to->unit, generation, from->segment_name(), static_cast<int32_t>(from->kind()),
+        from->segment_bytes(),
+        from->offset() + (static_cast<const char*>(c.src) - static_cast<const char*>(from->data())),
+        static_cast<const char*>(c.dst) - static_cast<const char*>(to->committed->data()),
+        static_cast<int64_t>(c.bytes)});
+  }
   return true;
 }
 
@@ -415,24 +456,35 @@ void Modules::ApplyEnd(std::shared_ptr<const WritebackEnd> end, std::unique_ptr<
               std::move(done));
     return;
   }
-  auto finish = [this, end, done = std::move(done)](absl::Status s) mutable {
+  absl::AnyInvocable<void(absl::Status)> finish = [this, end,
+                                                   done = std::move(done)](absl::Status s) mutable {
     FinishAppliedEnd(*end, std::move(s), std::move(done));
   };
   if (end->batched) {
     // Host ranks keeping records: the writeback is a host copy and runs here, as without
     // records; the fsync'd records and the commit copies, which wait for the other local
     // ranks, run on the durable worker (Records::EndArrive).
-    absl::Status s = WriteBack(*end, std::move(owned));
+    DeferredCommit deferred;
+    absl::Status s = WriteBack(*end, std::move(owned), &deferred);
     if (end->is_init) {  // testing only, on the strand before the init's records
       records_.RunDurable(end->caller.group,
                           [] { internal::TestingPauseInit("end_before_intent"); });
     }
+    if (deferred.copy) {
+      // OK only once the "done" record listed the copy (Records::ProcessEndBatch): it runs
+      // while the End answers.
+      finish = [this, caller = end->caller, module = end->module, copy = deferred.copy,
+                generation = end->target(), finish = std::move(finish)](absl::Status s) mutable {
+        if (s.ok()) RunPendingInBackground(caller, module, copy, generation);
+        finish(std::move(s));
+      };
+    }
     if (end->vote) {
-      VoteEnd(std::move(end), std::move(s), std::move(finish));
+      VoteEnd(std::move(end), std::move(s), std::move(finish), std::move(deferred));
       return;
     }
     records_.EndArrive(end->caller, end->module, end->k, end->target(), end->kind(), std::move(s),
-                       end->durable, std::move(finish));
+                       end->durable, std::move(finish), std::move(deferred));
     return;
   }
   // The copies run without the lock (GPU ranks: on the device's worker, not on the engine's
@@ -444,7 +496,8 @@ void Modules::ApplyEnd(std::shared_ptr<const WritebackEnd> end, std::unique_ptr<
       std::move(finish));
 }
 
-absl::Status Modules::WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSummon> copy) {
+absl::Status Modules::WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSummon> copy,
+                                DeferredCommit* deferral) {
   // Writes back this rank's ranges and commits its shards. Takes the copy and lets its
   // buffer references go, so FinishEnd sees which kept buffers nobody uses any more.
   const Caller& caller = end.caller;
@@ -484,6 +537,19 @@ absl::Status Modules::WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSum
   const bool background = plain && !end.is_init && !copy->options.rank0_only &&
                           FuseCommitCopies(end.durable, &host_copies, &later);
   const bool fused = plain && !background && FuseCommitCopies(end.durable, &host_copies, nullptr);
+  // With a state directory the same split, its other bytes copied after the "ready" record
+  // (Records::ProcessEndBatch) and the own ranges recorded where they lie (issue 24).
+  std::vector<ParallelCopier::Copy> gaps;
+  std::vector<std::shared_ptr<Buffer>> sources;
+  for (const SummonedUnit& v : copy->views) {
+    if (v.params) sources.push_back(v.params);
+    if (v.grads) sources.push_back(v.grads);
+  }
+  std::vector<state::DeferredRecord> recorded;
+  const bool deferred =
+      deferral != nullptr && status.ok() && host && end.batched && !end.is_init &&
+      !copy->options.rank0_only && FuseCommitCopies(end.durable, &host_copies, &later, &gaps) &&
+      DeferredRecordsOf(caller.rank, end.target(), end.durable, later, sources, &recorded);
   if (fused || background) records_.CommitReady(caller, end.module, end.target(), end.kind());
   // Host ranks: every unit's range at once, on several threads, before the views go; the
   // copies Ends left for later wait meanwhile.
@@ -491,12 +557,21 @@ absl::Status Modules::WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSum
     ForegroundCopies::Scope foreground(ForegroundCopies::Shared());
     ParallelCopier::Shared().Run(host_copies);
   }
+  if (deferred) {
+    copy.reset();
+    for (const internal::DurablePair& d : end.durable) sources.push_back(d.committed);
+    deferral->copy = std::make_shared<PendingCopy>(std::move(later), std::move(sources));
+    deferral->copy->SetRecorded(
+        std::move(recorded), [this, group = caller.group, module = end.module] {
+          // The copy is complete: a record without its entries, before its segments may be
+          // reused. Not fsynced: the segments die with the machine, as the record's shards.
+          records_.EditAndRecord(
+              group, module, [](Registered&) { return true; }, /*sync=*/false);
+        });
+    deferral->gaps = std::move(gaps);
+    return status;
+  }
   if (background) {
-    std::vector<std::shared_ptr<Buffer>> sources;
-    for (const SummonedUnit& v : copy->views) {
-      if (v.params) sources.push_back(v.params);
-      if (v.grads) sources.push_back(v.grads);
-    }
     copy.reset();
     CommitInBackground(end, std::move(later), std::move(sources));
     // Done for every reader: each finishes the copy before it reads the committed copies.

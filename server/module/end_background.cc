@@ -1,5 +1,5 @@
-// Modules::CommitInBackground and FinishPendingCopies: the copy into a rank's committed copies a
-// writeback End without a state directory leaves to finish after it answered
+// Modules::CommitInBackground, RunPendingInBackground and FinishPendingCopies: the copy into a
+// rank's committed copies a writeback End leaves to finish after it answered
 // (server/module/pending_committed.h).
 
 #include <memory>
@@ -29,10 +29,17 @@ void Modules::CommitInBackground(const WritebackEnd& end, std::vector<ParallelCo
     // Before the End answers (FinishAppliedEnd), so the trainer's next call finds it.
     found->second.pending_committed.Add(caller.rank, copy);
   }
+  RunPendingInBackground(caller, end.module, std::move(copy));
+}
+
+void Modules::RunPendingInBackground(const Caller& caller, const std::string& module,
+                                     std::shared_ptr<PendingCopy> copy, uint64_t generation) {
   background_.Post(absl::StrCat(caller.group, "\x1f", caller.rank),
-                   [this, caller, module = end.module, copy = std::move(copy)] {
+                   [this, caller, module, copy = std::move(copy), generation] {
+                     if (generation != 0) Records::TestingPauseEndVote("deferred_copy", generation);
                      // Testing: twice a commit copy's pause, so that a Commit right after
-                     // the End would overtake this copy unless it finishes it first.
+                     // the End would overtake this copy unless it finishes it first (and a
+                     // kill finds it recorded, with a state directory).
                      if (const absl::Duration pause = 2 * records_.testing_commit_copy_pause();
                          pause > absl::ZeroDuration()) {
                        FS_LOG(WARNING) << "testing: background commit copy of rank " << caller.rank

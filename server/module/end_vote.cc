@@ -19,14 +19,15 @@
 namespace flatshard::server {
 
 void Modules::VoteEnd(std::shared_ptr<const WritebackEnd> end, absl::Status written,
-                      absl::AnyInvocable<void(absl::Status)> finish) {
+                      absl::AnyInvocable<void(absl::Status)> finish, DeferredCommit deferred) {
   const Caller caller = end->caller;
   const std::string module = end->module;
   const uint64_t k = end->k;
   const uint64_t target = end->target();
   records_.EndVoteArrive(
       caller, module, k, target, /*applying=*/true, std::move(written),
-      [this, end = std::move(end), finish = std::move(finish)](absl::Status yes) mutable {
+      [this, end = std::move(end), finish = std::move(finish),
+       deferred = std::move(deferred)](absl::Status yes) mutable {
         // This daemon's record holds the vote (or every local rank votes no): it goes out.
         internal::AgreeRecord record;
         std::memset(&record, 0, sizeof(record));
@@ -38,16 +39,16 @@ void Modules::VoteEnd(std::shared_ptr<const WritebackEnd> end, absl::Status writ
         const absl::Time deadline = end->deadline;
         const Caller caller = end->caller;
         const std::string what = absl::StrCat("the writeback of summon ", end->summon);
-        Agree(
-            coll, caller, record, world_size, internal::kEndVoteAgreeUnit, what, deadline,
-            [this, end = std::move(end), finish = std::move(finish)](absl::Status s, bool) mutable {
-              EndVoted(std::move(end), std::move(s), std::move(finish));
-            });
+        Agree(coll, caller, record, world_size, internal::kEndVoteAgreeUnit, what, deadline,
+              [this, end = std::move(end), finish = std::move(finish),
+               deferred = std::move(deferred)](absl::Status s, bool) mutable {
+                EndVoted(std::move(end), std::move(s), std::move(finish), std::move(deferred));
+              });
       });
 }
 
 void Modules::EndVoted(std::shared_ptr<const WritebackEnd> end, absl::Status s,
-                       absl::AnyInvocable<void(absl::Status)> finish) {
+                       absl::AnyInvocable<void(absl::Status)> finish, DeferredCommit deferred) {
   const Caller& caller = end->caller;
   if (s.ok()) {
     // Every rank voted yes, so every daemon's record holds its vote: the End commits
@@ -66,7 +67,7 @@ void Modules::EndVoted(std::shared_ptr<const WritebackEnd> end, absl::Status s,
       Records::TestingPauseEndVote("before_intent", target);
     });
     records_.EndArrive(caller, end->module, end->k, end->target(), end->kind(), absl::OkStatus(),
-                       end->durable, std::move(finish));
+                       end->durable, std::move(finish), std::move(deferred));
     return;
   }
   records_.EndNotApplied(caller, end->module, end->k);

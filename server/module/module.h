@@ -114,6 +114,15 @@ struct OpenSummon {
   bool ending = false;  // EndSummon under way
 };
 
+// Host ranks with a state directory (not an init nor rank0_only): a writeback End's own ranges
+// reach its committed copies after the answer, from the summon's buffers (`copy`,
+// pending_committed.h); before it only the committed copies' other bytes are copied from the
+// live buffers (`gaps`). No `copy`: every byte from the live buffers before the answer.
+struct DeferredCommit {
+  std::shared_ptr<PendingCopy> copy;
+  std::vector<ParallelCopier::Copy> gaps;
+};
+
 // A local rank's arrival at a writeback End's copies (EndArrive).
 struct EndArrival {
   int32_t rank = 0;
@@ -121,6 +130,7 @@ struct EndArrival {
   absl::Status status;                            // its writeback into its shards
   std::vector<DurablePair> durable;               // what its copies commit
   absl::AnyInvocable<void(absl::Status)> finish;  // answers its End
+  DeferredCommit deferred;
 };
 
 struct Registered {

@@ -292,13 +292,20 @@ class Modules {
                 std::unique_ptr<OpenSummon> owned, StatusCallback done);
   void ApplyEnd(std::shared_ptr<const WritebackEnd> end, std::unique_ptr<OpenSummon> owned,
                 StatusCallback done);
-  absl::Status WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSummon> copy);
+  // `deferral` (batched Ends, host ranks): receives the own ranges' copy into the committed
+  // copies when it can be deferred (DeferredCommit).
+  absl::Status WriteBack(const WritebackEnd& end, std::unique_ptr<OpenSummon> copy,
+                         DeferredCommit* deferral = nullptr);
   void FinishAppliedEnd(const WritebackEnd& end, absl::Status s, StatusCallback done);
   // Without a state directory, after `end` wrote its own range into its shards: copies it into
   // its committed copies too (`later`: from the summon's buffers `sources`, held till then) on
   // background_, while the End answers (server/module/pending_committed.h).
   void CommitInBackground(const WritebackEnd& end, std::vector<ParallelCopier::Copy> later,
                           std::vector<std::shared_ptr<Buffer>> sources);
+  // Runs `copy` (already in the module's pending_committed) on background_; `generation`
+  // (a recorded one's): --testing_pause_end_vote=deferred_copy:G pauses it first.
+  void RunPendingInBackground(const Caller& caller, const std::string& module,
+                              std::shared_ptr<PendingCopy> copy, uint64_t generation = 0);
   // Runs (or waits for) the copies into `rank`'s committed copies of `module` that writeback
   // Ends left pending (every local rank's for -1). Without the group's lock.
   void FinishPendingCopies(const std::string& group, const std::string& module, int32_t rank);
@@ -306,9 +313,9 @@ class Modules {
   // (`written`: this rank's), the daemon records its vote and the ranks exchange votes;
   // EndVoted copies (all voted yes) or answers `finish` with the failure.
   void VoteEnd(std::shared_ptr<const WritebackEnd> end, absl::Status written,
-               absl::AnyInvocable<void(absl::Status)> finish);
+               absl::AnyInvocable<void(absl::Status)> finish, DeferredCommit deferred);
   void EndVoted(std::shared_ptr<const WritebackEnd> end, absl::Status s,
-                absl::AnyInvocable<void(absl::Status)> finish);
+                absl::AnyInvocable<void(absl::Status)> finish, DeferredCommit deferred);
   void FinishReduceScatterWritten(const Caller& caller, const std::string& module, int32_t unit,
                                   ReduceOp op, bool accumulate, absl::Time deadline,
                                   StatusCallback done);

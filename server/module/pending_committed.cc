@@ -21,6 +21,11 @@ PendingCopy::PendingCopy(const std::vector<ParallelCopier::Copy>& copies,
   if (chunks_.empty()) hold_.clear();
 }
 
+std::vector<state::DeferredRecord> PendingCopy::Recorded() const {
+  absl::MutexLock lock(&mu_);
+  return copied_ || chunks_.empty() ? std::vector<state::DeferredRecord>() : records_;
+}
+
 void PendingCopy::CopyInBackground() {
   // Each chunk once no End's writeback is copying (ForegroundCopies), claimed only then.
   for (ForegroundCopies::Shared().WaitIdle(); next_.load() < chunks_.size();
@@ -52,11 +57,15 @@ void PendingCopy::Done(size_t chunks) {
     last = done_ + chunks == chunks_.size();
     if (last) {
       release = std::move(hold_);
+      copied_ = true;
     } else {
       done_ += chunks;
     }
   }
   if (!last) return;
+  // The record without this copy's entries is written before the summon's segments may be
+  // handed out again (or unlinked), and before anyone sees the copy done.
+  if (on_copied_) on_copied_();
   // The buffers go before anyone sees the copy done: a summon that finished it finds the kept
   // buffers unused. A last reference (the kept set dropped one meanwhile) unmaps here, unlocked.
   release.clear();
@@ -73,6 +82,17 @@ std::vector<std::shared_ptr<PendingCopy>> PendingCommitted::Of(int32_t rank) con
   std::vector<std::shared_ptr<PendingCopy>> out;
   for (const auto& [r, copies] : by_rank_) {
     if (rank < 0 || r == rank) out.insert(out.end(), copies.begin(), copies.end());
+  }
+  return out;
+}
+
+std::vector<state::DeferredRecord> PendingCommitted::Recorded() const {
+  std::vector<state::DeferredRecord> out;
+  for (const auto& [r, copies] : by_rank_) {
+    for (const std::shared_ptr<PendingCopy>& c : copies) {
+      std::vector<state::DeferredRecord> more = c->Recorded();
+      out.insert(out.end(), more.begin(), more.end());
+    }
   }
   return out;
 }

@@ -21,9 +21,15 @@
 // ones). Checkpoints hold the committed copies only once no copy is pending (Checkpoints:
 // `still`).
 //
-// Kills: nothing here is recorded. Without a state directory a killed daemon keeps nothing,
-// and a trainer's session ending is a rollback, which finishes the copy first; with a state
-// directory the End copies before it answers, bracketed by its records (Records::EndArrive).
+// Kills. Without a state directory nothing here is recorded: a killed daemon keeps nothing,
+// and a trainer's session ending is a rollback, which finishes the copy first. With a state
+// directory (host ranks, Records::EndArrive) the End's records bracket the copies of the
+// shards' other bytes, and its "done" record lists the PendingCopy's `records`
+// (state::DeferredRecord: which summon segment holds which part of the committed copy), so a
+// restart after kill -9 copies them from the segment, never from the shard the trainer may
+// have stepped since. Once the copy is complete, `on_copied` writes a record without them
+// (they stop being listed, Recorded, from then on), and only then are the summon buffers let
+// go: no later summon writes a segment a record still names.
 
 #include <atomic>
 #include <cstddef>
@@ -33,8 +39,10 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
 #include "absl/synchronization/mutex.h"
 #include "server/durable/parallel_copier.h"
+#include "server/durable/state_dir.h"
 #include "server/shard_store.h"
 
 namespace flatshard::server {
@@ -45,6 +53,16 @@ class PendingCopy {
   // `hold`: the buffers the copies read and write, kept alive until they are done.
   PendingCopy(const std::vector<ParallelCopier::Copy>& copies,
               std::vector<std::shared_ptr<Buffer>> hold, size_t chunk_bytes = size_t{4} << 20);
+  // With a state directory: what the records say of the copy until it is complete, and what
+  // runs once it is (before the buffers go; on the thread that copied the last chunk, without
+  // locks: it writes the record that drops them). Set before the copy is shared.
+  void SetRecorded(std::vector<state::DeferredRecord> records,
+                   absl::AnyInvocable<void()> on_copied) {
+    records_ = std::move(records);
+    on_copied_ = std::move(on_copied);
+  }
+  // `records` while the copy is not complete; none after.
+  std::vector<state::DeferredRecord> Recorded() const ABSL_LOCKS_EXCLUDED(mu_);
   // The worker: copies chunk after chunk on the calling thread until none is left.
   void CopyInBackground() ABSL_LOCKS_EXCLUDED(mu_);
   // Copies every chunk nobody has started (on the copy pool), then waits until all are done.
@@ -60,6 +78,9 @@ class PendingCopy {
   mutable absl::Mutex mu_;
   size_t done_ ABSL_GUARDED_BY(mu_) = 0;  // chunks copied
   std::vector<std::shared_ptr<Buffer>> hold_ ABSL_GUARDED_BY(mu_);
+  std::vector<state::DeferredRecord> records_;  // read-only once shared
+  absl::AnyInvocable<void()> on_copied_;        // run once, by the last chunk's Done
+  bool copied_ ABSL_GUARDED_BY(mu_) = false;    // every chunk copied: `records_` are stale
 };
 
 // Per module (in Registered, under the group's mu): the PendingCopy of each rank not yet known
@@ -73,6 +94,8 @@ class PendingCommitted {
   std::vector<std::shared_ptr<PendingCopy>> Of(int32_t rank) const;
   // Forgets the done ones; whether any is left.
   bool Prune();
+  // The records of the copies not complete yet (the module's "deferred").
+  std::vector<state::DeferredRecord> Recorded() const;
 
  private:
   std::map<int32_t, std::vector<std::shared_ptr<PendingCopy>>> by_rank_;

@@ -413,6 +413,40 @@ TEST_F(AdoptionTest, EndIntentFinishesReadyRanksAndTakesDoneRanksAsCommitted) {
   ExpectReattachedAt(2);
 }
 
+// A writeback End answered before its own ranges reached the committed copies lists where
+// they lie (state::DeferredRecord). Its summon segment gone (or resized): the committed copy
+// would be torn, so the module is lost, named.
+TEST_F(AdoptionTest, ADeferredCopyWhoseSegmentIsGoneLosesTheModuleNamingIt) {
+  DieAfterAStepAndAWrite();
+  const GroupManager::AdoptSummary summary = Adopt([](std::vector<state::GroupRecord>& recs) {
+    const std::string gone = SegmentOf(recs[0], 0, 0, state::kRoleShard) + "77";
+    recs.at(0).modules.at(0).deferred = {
+        {0, 0, 1, gone, static_cast<int32_t>(BufferKind::kUnsharded), 4096, 0, 0, 16}};
+  });
+  EXPECT_EQ(summary.lost_modules, 1);
+  EXPECT_EQ(summary.refused_groups, 0);
+  std::vector<JoinResult> joins;
+  JoinAll("g", 2, -1, &joins);
+  ASSERT_THAT(joins[0].lost_modules, SizeIs(1));
+  EXPECT_THAT(joins[0].lost_modules[0],
+              HasSubstr("rank 0 unit 0's committed copy of generation 1 was still to be copied "
+                        "from summon segment"));
+  EXPECT_THAT(joins[0].lost_modules[0], HasSubstr("register it afresh"));
+}
+
+// An entry of another generation than the rank's recorded one was superseded by a later
+// commit (recorded done): skipped, the module comes back as recorded.
+TEST_F(AdoptionTest, ADeferredCopyOfAnotherGenerationIsSuperseded) {
+  DieAfterAStepAndAWrite();
+  const GroupManager::AdoptSummary summary = Adopt([](std::vector<state::GroupRecord>& recs) {
+    const std::string gone = SegmentOf(recs[0], 0, 0, state::kRoleShard) + "77";
+    recs.at(0).modules.at(0).deferred = {
+        {0, 0, 0, gone, static_cast<int32_t>(BufferKind::kUnsharded), 4096, 0, 0, 16}};
+  });
+  EXPECT_EQ(summary.lost_modules, 0);
+  ExpectReattachedAt(1);
+}
+
 // A record whose ranks hold different committed generations (the daemon died between their
 // copies of one commit): the module is never adopted as a mix. It is dropped as lost, named
 // with each rank's generation to every joining rank, and can be registered afresh.

@@ -223,7 +223,7 @@ TEST_F(JournalTest, ABaseFromBeforeTheJournalIgnoresAJournalBesideIt) {
   EXPECT_EQ(Generations(Loaded()), (std::vector<uint64_t>{2, 1}));
   // The base rewritten whole by a daemon from before the journal (/1): it holds everything.
   std::string v1 = *fs_.ReadFile(File());
-  v1.replace(v1.find("flatshard.state/3"), 17, "flatshard.state/1");
+  v1.replace(v1.find("flatshard.state/4"), 17, "flatshard.state/1");
   fs_.SetFile(File(), v1);
   EXPECT_EQ(Generations(Loaded()), (std::vector<uint64_t>{1, 1}));
 }

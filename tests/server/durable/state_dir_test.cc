@@ -92,7 +92,7 @@ class StateDirTest : public ::testing::Test {
 TEST(StateRecordTest, RoundTrips) {
   const GroupRecord r = Sample();
   const std::string bytes = EncodeGroupRecord(r);
-  EXPECT_TRUE(absl::StartsWith(bytes, R"({"format":"flatshard.state/3")")) << bytes;
+  EXPECT_TRUE(absl::StartsWith(bytes, R"({"format":"flatshard.state/4")")) << bytes;
   absl::StatusOr<GroupRecord> back = DecodeGroupRecord(bytes);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, r);
@@ -120,18 +120,22 @@ TEST(StateRecordTest, TruncatedAppendedWrongVersionAndGarbageAreRefusedNamingThe
   EXPECT_THAT(why(bytes + " "), HasSubstr("size:"));
   EXPECT_THAT(why(bytes.substr(0, bytes.find('\n') - 3)), HasSubstr("header"));
   EXPECT_THAT(why(""), HasSubstr("header"));
-  std::string v4 = bytes;
-  v4.replace(v4.find("flatshard.state/3"), 17, "flatshard.state/4");
-  EXPECT_THAT(why(v4), HasSubstr("version:"));
+  std::string v5 = bytes;
+  v5.replace(v5.find("flatshard.state/4"), 17, "flatshard.state/5");
+  EXPECT_THAT(why(v5), HasSubstr("version:"));
+  // A base from before "deferred" (/3) still loads.
+  std::string v3 = bytes;
+  v3.replace(v3.find("flatshard.state/4"), 17, "flatshard.state/3");
+  EXPECT_TRUE(DecodeGroupRecord(v3).ok());
   // A journaled base from before "kept" (/2) still loads, with its journal.
   std::string v2 = bytes;
-  v2.replace(v2.find("flatshard.state/3"), 17, "flatshard.state/2");
+  v2.replace(v2.find("flatshard.state/4"), 17, "flatshard.state/2");
   bool v2_journaled = false;
   EXPECT_TRUE(DecodeGroupRecord(v2, &v2_journaled).ok());
   EXPECT_TRUE(v2_journaled);
   // A base from before the journal (/1) still loads, and says it has no journal.
   std::string v1 = bytes;
-  v1.replace(v1.find("flatshard.state/3"), 17, "flatshard.state/1");
+  v1.replace(v1.find("flatshard.state/4"), 17, "flatshard.state/1");
   bool journaled = true;
   EXPECT_TRUE(DecodeGroupRecord(v1, &journaled).ok());
   EXPECT_FALSE(journaled);
@@ -214,6 +218,31 @@ TEST(StateRecordTest, KeptBuffersRoundTripAndBadOnesAreRefused) {
               HasSubstr("$.modules[0].kept[0].segment"));
   EXPECT_THAT(refused(R"("kind":2,"segment":"/fs.1.900")", R"("kind":0,"segment":"/fs.1.900")"),
               HasSubstr("$.modules[0].kept[0].kind"));
+}
+
+// A module's deferred copies (a writeback End's own ranges still to copy from a summon buffer
+// into the committed copies): round-trip, absent when none, their segments are kept at
+// startup, and a bad one is refused naming the field.
+TEST(StateRecordTest, DeferredCopiesRoundTripAndBadOnesAreRefused) {
+  GroupRecord r = Sample();
+  r.modules[0].deferred = {{1, 0, 7, "/fs.1.950", 2, 8192, 4096, 0, 4096}};
+  const std::string bytes = EncodeGroupRecord(r);
+  absl::StatusOr<GroupRecord> back = DecodeGroupRecord(bytes);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->modules[0].deferred, r.modules[0].deferred);
+  EXPECT_THAT(SegmentNamesIn(bytes, "fs"), ::testing::Contains("/fs.1.950"));
+  EXPECT_THAT(EncodeGroupRecord(Sample()), Not(HasSubstr("deferred")));
+  auto refused = [&](const std::string& from, const std::string& to) {
+    std::string body = bytes.substr(bytes.find('\n') + 1);
+    const size_t at = body.find(from);
+    if (at == std::string::npos) return std::string("not found: ") + from;
+    body.replace(at, from.size(), to);
+    return WhyRefused(body);
+  };
+  EXPECT_THAT(refused(R"("segment":"/fs.1.950")", R"("segment":"fs.1.950")"),
+              HasSubstr("$.modules[0].deferred[0].segment"));
+  EXPECT_THAT(refused(R"("src_offset":4096)", R"("src_offset":4097)"),
+              HasSubstr("$.modules[0].deferred[0]: src_offset 4097 + bytes 4096 is past"));
 }
 
 TEST(StateRecordTest, BadStateSpecsAreRefusedNamingThePath) {

@@ -1,10 +1,11 @@
-// Writeback Ends without a state directory answer once their bytes are in the shards and copy
-// them into the committed copies afterwards (server/module/pending_committed.h). Here the
+// Writeback Ends answer once their bytes are in the shards and copy them into the committed
+// copies afterwards (server/module/pending_committed.h). Here the
 // worker's copy is held (--testing_commit_copy_pause) while the trainers go on at once: a
 // Commit, a rollback (another rank's session ends) and a second writeback End of the unit each
 // finish it first, a checkpoint save waits for it, and the trainers' in-place writes right after
-// the End never reach it. Values are compared to the element. (With a state directory the End
-// copies before it answers, bracketed by its records: restart_test, crash_commit_test.)
+// the End never reach it. Values are compared to the element. Each test runs without and with
+// a state directory (then the End's "done" record lists the held copy, state::DeferredRecord;
+// kills while it is held: end_deferred_restart_test).
 
 #include <algorithm>
 #include <string>
@@ -30,13 +31,16 @@ using testing::WriteStep;
 // [rank][unit]: every element of a rank's shards.
 using Shards = std::vector<std::vector<std::vector<float>>>;
 
-class EndBackgroundTest : public testing::GroupManagerHarness {
+// The parameter: with a state directory.
+class EndBackgroundTest : public testing::GroupManagerHarness,
+                          public ::testing::WithParamInterface<bool> {
  protected:
   // Two ranks at generation 1, then a writeback End of every unit (generation 2) whose copy
   // into the committed copies is held for a while after the End answered.
   void StartAndEnd() {
     GroupManagerOptions options;
     options.testing_commit_copy_pause = absl::Milliseconds(200);
+    if (GetParam()) UseStateDir();
     Start(std::move(options));
     c_ = JoinAndRegister("g", 2, &regs_);
     for (int r = 0; r < 2; ++r) WriteStep(regs_[r].shards, 1, r);
@@ -111,7 +115,7 @@ class EndBackgroundTest : public testing::GroupManagerHarness {
 
 // The optimizer steps the shards in place at once; a re-form right after restores exactly what
 // the End wrote (the held copy neither read the shards nor was overtaken by the rollback).
-TEST_F(EndBackgroundTest, ARollbackRightAfterTheEndRestoresWhatItWrote) {
+TEST_P(EndBackgroundTest, ARollbackRightAfterTheEndRestoresWhatItWrote) {
   StartAndEnd();
   const Shards ended = Snapshot();
   for (int r = 0; r < 2; ++r) WriteStep(regs_[r].shards, 3, r);  // never committed
@@ -123,7 +127,7 @@ TEST_F(EndBackgroundTest, ARollbackRightAfterTheEndRestoresWhatItWrote) {
 // A Commit at once copies the stepped shards only after the End's copy: a re-form after it
 // restores the Commit's step, not the End's values (the save waits until the worker is done
 // with the End's copy, so a copy landing after the Commit's would show).
-TEST_F(EndBackgroundTest, ACommitRightAfterTheEndFinishesItsCopyFirst) {
+TEST_P(EndBackgroundTest, ACommitRightAfterTheEndFinishesItsCopyFirst) {
   StartAndEnd();
   for (int r = 0; r < 2; ++r) WriteStep(regs_[r].shards, 3, r);
   for (absl::StatusOr<uint64_t>& g : CommitAll(c_)) {
@@ -141,7 +145,7 @@ TEST_F(EndBackgroundTest, ACommitRightAfterTheEndFinishesItsCopyFirst) {
 
 // A second writeback End of the unit at once lands after the first one's copy, so the
 // committed copies end at the second End's values.
-TEST_F(EndBackgroundTest, ASecondWritebackEndLandsAfterTheFirstOnesCopy) {
+TEST_P(EndBackgroundTest, ASecondWritebackEndLandsAfterTheFirstOnesCopy) {
   StartAndEnd();
   EndWriting(0.5f);
   EXPECT_EQ(GenerationOf("g"), 3u);
@@ -154,7 +158,7 @@ TEST_F(EndBackgroundTest, ASecondWritebackEndLandsAfterTheFirstOnesCopy) {
 
 // A checkpoint saved at once holds the End's generation completely: loaded after another
 // committed step, it gives back exactly what the End wrote.
-TEST_F(EndBackgroundTest, ACheckpointSavedRightAfterTheEndHoldsItsGeneration) {
+TEST_P(EndBackgroundTest, ACheckpointSavedRightAfterTheEndHoldsItsGeneration) {
   StartAndEnd();
   const Shards ended = Snapshot();
   absl::StatusOr<CheckpointResult> saved = Save();
@@ -171,7 +175,7 @@ TEST_F(EndBackgroundTest, ACheckpointSavedRightAfterTheEndHoldsItsGeneration) {
 
 // Steps back to back (summon, write, End, in-place step, Commit), the copies held each time:
 // every generation counts once and the last commit is what a re-form restores.
-TEST_F(EndBackgroundTest, StepsBackToBackCommitEachGenerationOnce) {
+TEST_P(EndBackgroundTest, StepsBackToBackCommitEachGenerationOnce) {
   StartAndEnd();
   for (uint64_t step = 3; step <= 6; step += 2) {
     EndWriting(static_cast<float>(step));
@@ -185,6 +189,11 @@ TEST_F(EndBackgroundTest, StepsBackToBackCommitEachGenerationOnce) {
   EXPECT_EQ(GenerationOf("g"), 6u);
   for (int r = 0; r < 2; ++r) EXPECT_TRUE(HoldsStep(regs_[r].shards, 6, r));
 }
+
+INSTANTIATE_TEST_SUITE_P(StateDir, EndBackgroundTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "WithStateDir" : "Ephemeral";
+                         });
 
 }  // namespace
 }  // namespace flatshard::server
