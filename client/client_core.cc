@@ -74,6 +74,12 @@ flatshard::StateSpec ToCommon(const StateSpec& s) {
   return flatshard::StateSpec{s.name, s.dtype, static_cast<flatshard::StateShape>(s.shape)};
 }
 
+// The lane key of a unit's started phase twos (StartFinish): BeginReduceScatter of the unit
+// waits for them, and only them.
+std::string FinishKey(const std::string& module, int32_t unit) {
+  return absl::StrCat(unit, ":", module);
+}
+
 // A fraction in [0.5, 1] of `backoff`, so that ranks retrying together spread out.
 absl::Duration Jittered(absl::Duration backoff) {
   thread_local std::mt19937_64 rng{std::random_device{}()};
@@ -290,14 +296,17 @@ absl::StatusOr<std::unique_ptr<FinishingReduceScatter>> ClientCore::StartFinish(
         "StartFinish: the reduce-scatter is null or already finished");
   }
   const int32_t unit = pending->unit();
+  std::string key = FinishKey(pending->module_, unit);
   auto job = std::make_shared<FinishJob>();
   std::shared_ptr<PendingReduceScatter> owned = std::move(pending);
-  ordered_.Submit([job, owned] {
-    const absl::Status status = owned->Finish();
-    absl::MutexLock lock(&job->mu);
-    job->status = status;
-    job->done = true;
-  });
+  ordered_.Submit(
+      [job, owned] {
+        const absl::Status status = owned->Finish();
+        absl::MutexLock lock(&job->mu);
+        job->status = status;
+        job->done = true;
+      },
+      std::move(key));
   return std::unique_ptr<FinishingReduceScatter>(new FinishingReduceScatter(job, unit));
 }
 
@@ -405,7 +414,11 @@ absl::Status ClientCore::EndSummon(uint64_t session, const std::string& module, 
 
 absl::StatusOr<std::unique_ptr<PendingReduceScatter>> ClientCore::BeginReduceScatter(
     const std::string& module, int32_t unit, ReduceOp op, bool accumulate) {
-  ordered_.Drain();
+  // Phase one runs no collective and changes no group state, so it need not wait for the
+  // started summons and other units' phase twos (which would expose their collectives on
+  // the backward's critical path). Only the unit's own started phase two must be done: a
+  // Begin that reached the daemon before it would be handed the buffer it then reduces.
+  ordered_.DrainKey(FinishKey(module, unit));
   FS_ASSIGN_OR_RETURN(v1::Caller caller, CurrentCaller(0));
   FS_ASSIGN_OR_RETURN(std::shared_ptr<const ModuleLayout> layout, FindModule(module));
   layout = ModuleLayout::Reduce(layout);  // the gradient comes in the unit's reduce dtype

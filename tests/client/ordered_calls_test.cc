@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
@@ -36,6 +37,61 @@ TEST(OrderedCallsTest, RunsJobsInSubmitOrderAndDrainWaitsForThem) {
   release.Notify();
   waiter.join();
   EXPECT_TRUE(drained);
+  EXPECT_THAT(order, ElementsAre(1, 2, 3));
+  EXPECT_EQ(lane.pending(), 0);
+}
+
+TEST(OrderedCallsTest, DrainKeyWaitsForTheLastJobOfItsKeyOnly) {
+  OrderedCalls lane;
+  absl::Notification release_first, release_second;
+  std::vector<int> order;  // written only by the lane's thread until a drain covers it
+  lane.Submit(
+      [&] {
+        release_first.WaitForNotification();
+        order.push_back(1);
+      },
+      "a");
+  lane.Submit(
+      [&] {
+        release_second.WaitForNotification();
+        order.push_back(2);
+      },
+      "b");
+  // No job of key "c": at once, although both jobs are blocked.
+  lane.DrainKey("c");
+  EXPECT_EQ(lane.pending(), 2);
+  std::atomic<bool> drained_a{false};
+  std::thread waiter([&] {
+    lane.DrainKey("a");
+    drained_a = true;
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(drained_a) << "DrainKey returned while its job was still blocked";
+  release_first.Notify();
+  waiter.join();
+  EXPECT_TRUE(drained_a);
+  EXPECT_THAT(order, ElementsAre(1));  // "b" still blocked: DrainKey("a") did not wait for it
+  EXPECT_EQ(lane.pending(), 1);
+  release_second.Notify();
+  lane.DrainKey("b");
+  EXPECT_THAT(order, ElementsAre(1, 2));
+  EXPECT_EQ(lane.pending(), 0);
+  lane.DrainKey("a");  // finished keys are forgotten: at once
+}
+
+TEST(OrderedCallsTest, DrainKeyWaitsForTheJobsBeforeItsJobToo) {
+  OrderedCalls lane;
+  absl::Notification release;
+  std::vector<int> order;
+  lane.Submit([&] {
+    release.WaitForNotification();
+    order.push_back(1);
+  });
+  lane.Submit([&] { order.push_back(2); }, "k");
+  lane.Submit([&] { order.push_back(3); }, "k");
+  std::thread releaser([&] { release.Notify(); });
+  lane.DrainKey("k");  // the last "k" job ran, and so everything before it
+  releaser.join();
   EXPECT_THAT(order, ElementsAre(1, 2, 3));
   EXPECT_EQ(lane.pending(), 0);
 }

@@ -38,6 +38,7 @@
 #include "flatshard/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/integration/client_e2e_testing.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
@@ -47,13 +48,16 @@
 namespace flatshard::client {
 namespace {
 
+using e2e::Connect;
+using e2e::JoinAndRegister;
+using e2e::kToken;
+using e2e::Rank;
+using e2e::ReadOnly;
 using ::flatshard::testing::SnapshotShards;
 
 namespace fs = std::filesystem;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
-
-constexpr char kToken[] = "t0k";
 
 using ::flatshard::testing::ReadFile;
 
@@ -90,42 +94,6 @@ class ClientE2ETest : public ::testing::TestWithParam<Layout> {
   }
 };
 
-std::unique_ptr<Client> Connect(const std::string& address) {
-  ClientOptions options;
-  options.address = address;
-  options.call_timeout = absl::Seconds(10);
-  options.join_timeout = absl::Seconds(10);
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
-  EXPECT_TRUE(client.ok()) << client.status();
-  return client.ok() ? *std::move(client) : nullptr;
-}
-
-// One rank: its Client and its registration of the whole model (module "").
-struct Rank {
-  std::unique_ptr<Client> client;
-  RegisteredModule model;
-};
-
-// Connects `world` clients, joins them to `group` and registers examples/models/<model>
-// (zeros) on every rank.
-std::vector<Rank> JoinAndRegister(const Cluster& d, const std::string& group, int world,
-                                  const std::string& model = "gpt_tied") {
-  std::vector<Rank> ranks(world);
-  const std::string manifest = ExampleModelFile(model, "manifest");
-  const std::string policy = ExampleModelFile(model, "policy");
-  ::flatshard::testing::RunRanks(world, [&](int r) {
-    ranks[r].client = Connect(d.AddressFor(r));
-    ASSERT_NE(ranks[r].client, nullptr);
-    absl::Status joined = ranks[r].client->Join(group, world, r, kToken, d.coordinator());
-    ASSERT_TRUE(joined.ok()) << joined;
-    absl::StatusOr<RegisteredModule> registered =
-        ranks[r].client->Register("", manifest, policy, InitMode::kZeros);
-    ASSERT_TRUE(registered.ok()) << registered.status();
-    ranks[r].model = *std::move(registered);
-  });
-  return ranks;
-}
-
 using Summons = std::vector<std::unique_ptr<SummonedParams>>;
 
 // Every rank summons `path` with `options`; a failed rank's entry is null (and the test fails).
@@ -147,13 +115,6 @@ void EndAll(Summons& summons) {
     absl::Status s = summons[r]->End();
     EXPECT_TRUE(s.ok()) << "rank " << r << ": " << s;
   });
-}
-
-SummonOptions ReadOnly(bool with_grads = false) {
-  SummonOptions o;
-  o.writeback = false;
-  o.with_grads = with_grads;
-  return o;
 }
 
 // Deterministic values: element i of parameter `fqn`, exact in float32.
@@ -553,45 +514,6 @@ TEST_P(ClientE2ETest, TransitionsThatFailStillEndThePreviousSummonAndChangeNothi
   ExpectValues(plan, *all[0]);
   EndAll(all);
   EXPECT_EQ(SnapshotShards(*ranks[0].client), before0);
-}
-
-TEST_P(ClientE2ETest, StartedReduceScattersSumLikeFinishAndKeepTheOrder) {
-  Cluster d(GetParam(), Options());
-  std::vector<Rank> ranks = JoinAndRegister(d, "started-rs", 2);
-  const Plan& plan = *ranks[0].model.plan;
-  absl::StatusOr<std::unique_ptr<FinishingReduceScatter>> none =
-      ranks[0].client->StartFinish(nullptr);
-  EXPECT_EQ(none.status().code(), absl::StatusCode::kFailedPrecondition);
-  ::flatshard::testing::RunRanks(2, [&](int r) {
-    Client& c = *ranks[r].client;
-    // Every unit's phase two started, none waited for: each next Begin waits for the one
-    // before (rank 1 late, so that an overtaking call would pair different units).
-    std::vector<std::unique_ptr<FinishingReduceScatter>> started;
-    for (const PlanUnit& u : plan.units) {
-      absl::StatusOr<std::unique_ptr<PendingReduceScatter>> p =
-          c.BeginReduceScatter("", u.index, ReduceOp::kSum, false);
-      ASSERT_TRUE(p.ok()) << p.status();
-      float* data = static_cast<float*>((*p)->data());
-      for (int64_t i = 0; i < (*p)->numel(); ++i) data[i] = 1.0f + r;
-      if (r == 1) absl::SleepFor(absl::Milliseconds(20));
-      absl::StatusOr<std::unique_ptr<FinishingReduceScatter>> f = c.StartFinish(*std::move(p));
-      ASSERT_TRUE(f.ok()) << f.status();
-      EXPECT_EQ((*f)->unit(), u.index);
-      started.push_back(*std::move(f));
-    }
-    for (std::unique_ptr<FinishingReduceScatter>& f : started) {
-      const absl::Status s = f->Wait();
-      EXPECT_TRUE(s.ok()) << "rank " << r << " unit " << f->unit() << ": " << s;
-      EXPECT_TRUE(f->ready());
-      EXPECT_EQ(f->Wait(), s);
-    }
-    absl::StatusOr<ShardViews> views = c.GetShardViews("");
-    ASSERT_TRUE(views.ok()) << views.status();
-    for (const UnitShardView& u : *views) {
-      ASSERT_NE(u.grad, nullptr) << "unit " << u.unit;
-      EXPECT_EQ(static_cast<const float*>(u.grad)[0], 3.0f) << "rank " << r << " unit " << u.unit;
-    }
-  });
 }
 
 // ---- Refused requests ----

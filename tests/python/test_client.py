@@ -250,6 +250,20 @@ def test_started_summons_and_reduce_scatters(daemon, group):
             p.finish()
         sh = {v.unit: v for v in c.shard_views("")}[fc2["index"]]
         assert torch.equal(sh.grad, torch.full((sh.shard_numel,), 3.0))
+        # The same unit's next phase one waits for its started phase two (and only for that:
+        # tests/integration/client_overlap_test.cc), so the two gradients never mix.
+        p = c.begin_reduce_scatter("", fc2["index"], op="sum")
+        p.flat.fill_(float(rank + 1))
+        f = p.finish_async()
+        again = c.begin_reduce_scatter("", fc2["index"], op="sum")
+        assert f.ready
+        again.flat.fill_(10.0 * (rank + 1))
+        f.wait()
+        sh = {v.unit: v for v in c.shard_views("")}[fc2["index"]]
+        assert torch.equal(sh.grad, torch.full((sh.shard_numel,), 3.0))
+        again.finish()
+        sh = {v.unit: v for v in c.shard_views("")}[fc2["index"]]
+        assert torch.equal(sh.grad, torch.full((sh.shard_numel,), 30.0))
         c.leave()
         c.close()
         return rank

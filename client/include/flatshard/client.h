@@ -638,10 +638,13 @@ class Client {
   // once; PendingSummon::Wait() gives its result. Use it to prefetch: start the next unit's
   // all-gather, compute, then wait (FSDP's forward and backward prefetch).
   // Order: every rank must issue its collectives in one order, so the calls this client makes
-  // after StartSummon that act on the group (Summon, StartSummon, SummonedParams::End,
-  // BeginReduceScatter, PendingReduceScatter::Finish, Commit, Register, RegisterState, Join,
-  // Leave, SaveCheckpoint, LoadCheckpoint) first wait for the summons started before them.
-  // GetShardViews, Ping-like reads and the views themselves never wait.
+  // after StartSummon that act on the group (Summon, StartSummon, StartFinish,
+  // PendingReduceScatter::Finish, a writeback SummonedParams::End, Commit, Register,
+  // RegisterState, Join, Leave, SaveCheckpoint, LoadCheckpoint, AllReduce, Broadcast) go after
+  // the calls started before them: the started ones run after them, the others first wait
+  // for them. BeginReduceScatter waits only for its unit's started phase two (see there); a
+  // read-only End (local to the daemon), GetShardViews, Ping-like reads and the views
+  // themselves never wait.
   // Device shards: `written` is recorded on cuda_stream here, at the start; the trainer's
   // stream is made to wait for the daemon's `ready` before Wait() returns.
   // Errors: those Summon finds before any RPC are returned here (NOT_FOUND for a module this
@@ -669,6 +672,13 @@ class Client {
   // the sum over every rank of the group of its gradient restricted to that shard (FSDP's
   // reduce-scatter within the node then all-reduce across nodes); AVG divides by the world
   // size. The full gradient is the whole padded unit in every case.
+  // Order: phase one runs no collective, so it does not wait for the summons and other units'
+  // phase twos started before it (StartSummon, StartFinish): their all-gathers and
+  // reduce-scatters go on while the trainer writes this gradient. It waits only for the last
+  // phase two of the same module and unit started before it (and, as started calls complete
+  // in order, for the calls started before that one), so the buffer it returns is never one
+  // a running phase two still reads: that reduce-scatter's values are never mixed with this
+  // gradient's.
   // Errors: NOT_FOUND for an unknown module or unit; FAILED_PRECONDITION when not joined;
   // the RPC's.
   absl::StatusOr<std::unique_ptr<PendingReduceScatter>> BeginReduceScatter(
@@ -677,8 +687,9 @@ class Client {
   // Phase two, asynchronously (collective): starts `pending`->Finish() and returns at once;
   // FinishingReduceScatter::Wait() gives its result. The gradient shard is updated once Wait()
   // returned OK (read it, or step the optimizer, only then). Ordered with this client's other
-  // group calls as StartSummon: later calls that act on the group (BeginReduceScatter
-  // included) first wait for it. Device memory: `written` is recorded on cuda_stream when the
+  // group calls as StartSummon: it is sent after the calls started before it, and later calls
+  // that act on the group wait for it; a later BeginReduceScatter only if it is of the same
+  // module and unit. Device memory: `written` is recorded on cuda_stream when the
   // RPC is sent, and cuda_stream waits for the daemon's `ready` before Wait() returns.
   // Errors: FAILED_PRECONDITION for a null or already finished `pending` (at once).
   absl::StatusOr<std::unique_ptr<FinishingReduceScatter>> StartFinish(

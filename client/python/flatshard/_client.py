@@ -377,7 +377,8 @@ class PendingReduceScatter:
 
     def finish_async(self) -> _C.FinishingReduceScatter:
         """Starts ``finish()`` and returns a ``FinishingReduceScatter`` at once. Ordered with
-        the client's other group calls as ``Client.summon_async``."""
+        the client's other group calls as ``Client.summon_async`` (a later
+        ``begin_reduce_scatter`` waits for it only if it is of the same unit)."""
         if self._client is None:
             raise InvalidArgumentError("finish_async: this PendingReduceScatter has no client")
         return self._client.finish_async(self._p)
@@ -630,9 +631,11 @@ class Client:
                      compute_precision: bool = False) -> PendingSummon:
         """Collective, asynchronous: starts ``summon`` and returns a ``PendingSummon`` at
         once (prefetch: start the next unit's all-gather, compute, then ``wait()``). Calls
-        this client makes afterwards that act on the group (summon, end, reduce-scatter,
-        commit, register, checkpoints, leave) first wait for the summons started before
-        them, so every rank's collectives keep one order. Errors found before any RPC
+        this client makes afterwards that act on the group (summon, writeback end, a
+        reduce-scatter's ``finish``, commit, register, checkpoints, all_reduce, broadcast,
+        leave) first wait for the calls started before them, so every rank's collectives
+        keep one order; ``begin_reduce_scatter`` waits only for its unit's started
+        ``finish_async``. Errors found before any RPC
         (unknown module, not joined) raise here; the rest at ``wait()``. ``end_first`` as
         in ``summon``: its End goes with the started summon."""
         p = self._c.summon_async(module, path, bool(recurse), bool(writeback), bool(rank0_only),
@@ -642,7 +645,11 @@ class Client:
 
     def begin_reduce_scatter(self, module: str, unit: int, op: str = "avg",
                              accumulate: bool = False) -> PendingReduceScatter:
-        """Phase one of a gradient reduce-scatter of plan unit `unit`."""
+        """Phase one of a gradient reduce-scatter of plan unit `unit`. Local to the daemon
+        (no collective): it does not wait for started summons nor for other units'
+        ``finish_async``, only for the last ``finish_async`` of the same module and unit
+        (and what was started before it), so the buffer it hands out is never one a running
+        reduce-scatter still reads."""
         p = self._c.begin_reduce_scatter(module, int(unit), op, bool(accumulate))
         return PendingReduceScatter(p, self._c)
 
