@@ -7,6 +7,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
@@ -122,18 +123,26 @@ class LeaseReactor final : public grpc::ServerBidiReactor<v1::LeaseRequest, v1::
   }
 
  private:
+  // The stream finishes only once the session ended: a client that closed its lease waits
+  // for that answer (~Client), then may join the rank again at once (client.h).
   void End(const grpc::Status& status) {
-    EndSession();
-    if (!finished_.exchange(true)) Finish(status);
+    if (finished_.exchange(true)) {
+      EndSession();
+      return;
+    }
+    if (!EndSession([this, status] { Finish(status); })) Finish(status);
   }
   // On the rank's strand: after the calls it made before its lease ended, and off the gRPC
-  // thread (the rank's summons' buffers may be unmapped).
-  void EndSession() {
-    if (attached_ && !ended_.exchange(true)) {
-      workers_->Post(caller_, [groups = groups_, group = caller_.group, session = caller_.session] {
-        groups->EndSession(group, session);
-      });
-    }
+  // thread (the rank's summons' buffers may be unmapped). Runs `then` after it; false (and
+  // `then` not run) when there is no session to end, or it is ended already.
+  bool EndSession(absl::AnyInvocable<void()> then = nullptr) {
+    if (!attached_ || ended_.exchange(true)) return false;
+    workers_->Post(caller_, [groups = groups_, group = caller_.group, session = caller_.session,
+                             then = std::move(then)]() mutable {
+      groups->EndSession(group, session);
+      if (then) then();
+    });
+    return true;
   }
 
   GroupManager* const groups_;
