@@ -365,7 +365,7 @@ void RankOp::Drive() {
     }
     // The previous step's reduction, while this step's bytes move (the count above keeps the
     // step from completing meanwhile).
-    if (flat_rs_ && !(fingerprints_ && step_ == 0)) flat_rs_->Overlap();
+    if (flat_rs_) flat_rs_->Overlap();
     if (outstanding_.fetch_sub(1) != 1) return;  // the last transfer callback continues
     if (RunsElsewhere()) return ContinueOnRunner();
     if (!CompleteStep()) return;

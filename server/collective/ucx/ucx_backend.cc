@@ -102,6 +102,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> UcxBackendImpl::Connect(const Grou
   RingOptions options;
   options.timer = worker_->timer();
   options.chunk_bytes = worker_->options().broadcast_chunk_bytes;
+  options.pipeline_chunk_bytes = worker_->options().pipeline_chunk_bytes;
   options.backend_name = "ucx";
   // Several ranks on some daemons: hierarchical all-gather and reduce-scatter (the layout is
   // the same on every daemon, from the group's addresses).

@@ -59,6 +59,10 @@ struct UcxBackendOptions {
   absl::Duration drain_for = absl::Seconds(30);
   // Broadcast pipeline piece (RingOptions::chunk_bytes).
   size_t broadcast_chunk_bytes = size_t{1} << 20;
+  // The reduce-scatter's and hierarchical collectives' pipeline chunk
+  // (RingOptions::pipeline_chunk_bytes). Message tags depend on it: the same on every daemon
+  // of a group (no daemon flag sets it; tests do).
+  size_t pipeline_chunk_bytes = size_t{4} << 20;
   // Which endpoints get UCP_ERR_HANDLING_MODE_PEER (UCX itself reports a dead peer and fails
   // the transfers to it). UCX 1.13's shared-memory transports cannot do that: with it, daemons
   // on one host talk over TCP loopback. kAuto (the default) and kPeer: every endpoint has it.

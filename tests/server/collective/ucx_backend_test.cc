@@ -28,6 +28,8 @@
 #include "common/logging.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/collective/inproc/inproc_transport.h"
+#include "server/collective/ring_algorithms.h"
 #include "server/collective/ucx/ucx_address.h"
 #include "server/collective/ucx/ucx_tag.h"
 #include "tests/server/collective/backend_conformance.h"
@@ -510,6 +512,53 @@ TEST(UcxBackendTest, HierarchicalEqualsTheFlatRingOnTwoDaemonsOfTwoRanks) {
     }
     EXPECT_EQ(hierarchical[r][kShard], in[1][0]);  // rank 1's shard landed in block 1
   }
+}
+
+// 4 daemons x 1 rank, the flat ring's reduce-scatter pipelined in 256 KiB chunks over UCX
+// (full chunks by same-host copy, the short last one through UCX): every rank's result has the
+// bits of the unchunked ring over InprocTransport, for float32 values whose sums depend on
+// their order, sum and avg.
+TEST(UcxBackendTest, PipelinedFlatReduceScatterHasTheUnchunkedRingsBits) {
+  constexpr int kWorld = 4;
+  constexpr size_t kShard = (size_t{1} << 20) / 4 + 3;  // floats: 4 full chunks and a short one
+  UcxBackendOptions chunked;
+  chunked.pipeline_chunk_bytes = size_t{256} << 10;
+  std::vector<std::unique_ptr<CollectiveBackend>> daemons;
+  std::vector<CollectiveBackend*> raw;
+  for (int d = 0; d < kWorld; ++d) {
+    daemons.push_back(NewBackend(chunked));
+    raw.push_back(daemons.back().get());
+  }
+  std::vector<std::vector<float>> in(kWorld, std::vector<float>(kWorld * kShard));
+  const float values[] = {3e7f, -2.9e7f, 0.7f, 0.013f, 1.1e7f, -3.7f};
+  for (int r = 0; r < kWorld; ++r) {
+    for (size_t i = 0; i < in[r].size(); ++i) in[r][i] = values[(r * 7 + i * 3) % 6] * (i % 5 + 1);
+  }
+  auto run = [&](const std::vector<std::unique_ptr<Communicator>>& comms, ReduceOp op) {
+    std::vector<std::vector<float>> out(kWorld, std::vector<float>(kShard, -1.0f));
+    RunRanks(kWorld, [&](int r) {
+      DoneRecorder done;
+      Communicator& c = comms.size() == 1 ? *comms[0] : *comms[r];
+      c.ReduceScatter(ConstBuffer{in[r].data(), kWorld * kShard * 4, DType::kFloat32},
+                      MutableBuffer{out[r].data(), kShard * 4, DType::kFloat32}, op, Opts(r, 1),
+                      done.Callback());
+      EXPECT_TRUE(done.Wait().ok()) << "rank " << r << ": " << done.status();
+    });
+    return out;
+  };
+  for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg}) {
+    SCOPED_TRACE(ReduceOpName(op));
+    std::vector<std::unique_ptr<Communicator>> unchunked;
+    unchunked.push_back(NewRingCommunicator(GroupSpec::AllLocal("ref", kWorld),
+                                            std::make_shared<InprocTransport>(kWorld))
+                            .value());
+    const auto want = run(unchunked, op);
+    const auto got = run(ConnectAll("pipelined", NextEpoch(), {0, 1, 2, 3}, raw), op);
+    for (int r = 0; r < kWorld; ++r) {
+      ASSERT_EQ(std::memcmp(got[r].data(), want[r].data(), kShard * 4), 0) << "rank " << r;
+    }
+  }
+  EXPECT_GT(StatsOf(*raw[1]).same_host_copies, 0u);
 }
 
 // A daemon of a 2 x 2 group destroyed while the other daemon's ranks wait in a hierarchical
