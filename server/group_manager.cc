@@ -213,6 +213,16 @@ absl::StatusOr<std::string> GroupManager::ModuleOfSummon(const Caller& caller,
   return modules_->ModuleOfSummon(caller, summon);
 }
 
+absl::StatusOr<int64_t> GroupManager::SummonBytes(const Caller& caller, const std::string& module,
+                                                  const std::string& path,
+                                                  const SummonOptions& options) const {
+  return modules_->SummonBytes(caller, module, path, options);
+}
+absl::StatusOr<int64_t> GroupManager::OpenSummonBytes(const Caller& caller, uint64_t summon,
+                                                      bool* writeback) const {
+  return modules_->OpenSummonBytes(caller, summon, writeback);
+}
+
 absl::StatusOr<uint64_t> GroupManager::Generation(const Caller& caller,
                                                   const std::string& module) const {
   return modules_->Generation(caller, module);

@@ -210,6 +210,14 @@ class GroupManager : public peer::PeerEvents {
   // NOT_FOUND for an unknown group, summon or module.
   absl::StatusOr<std::string> ModuleOfSummon(const Caller& caller, uint64_t summon) const;
   absl::StatusOr<uint64_t> Generation(const Caller& caller, const std::string& module) const;
+  // Read-only lookups for where ShardService runs a Summon or an End (its RPC thread only for
+  // small ones): the bytes of the unsharded views a Summon of `path` in `module` with
+  // `options` makes, and of the caller's open summon `summon`'s views (and whether its End
+  // writes back). NOT_FOUND as above.
+  absl::StatusOr<int64_t> SummonBytes(const Caller& caller, const std::string& module,
+                                      const std::string& path, const SummonOptions& options) const;
+  absl::StatusOr<int64_t> OpenSummonBytes(const Caller& caller, uint64_t summon,
+                                          bool* writeback) const;
 
   // Collective: closes the current step of `module`. Trainers update shards in place (the
   // optimizer); when every rank has called Commit (an agreement all-gather, as EndSummon),

@@ -144,6 +144,10 @@ class Modules {
   absl::StatusOr<RegisterResult> GetShards(const Caller& caller, const std::string& module);
   absl::StatusOr<std::string> ModuleOfSummon(const Caller& caller, uint64_t summon) const;
   absl::StatusOr<uint64_t> Generation(const Caller& caller, const std::string& module) const;
+  absl::StatusOr<int64_t> SummonBytes(const Caller& caller, const std::string& module,
+                                      const std::string& path, const SummonOptions& options) const;
+  absl::StatusOr<int64_t> OpenSummonBytes(const Caller& caller, uint64_t summon,
+                                          bool* writeback) const;
   void Commit(const Caller& caller, const std::string& module, absl::Time deadline,
               CommitCallback done, const gpu::IpcEventRef& written = {});
   absl::StatusOr<RegisterStateResult> RegisterState(const Caller& caller, const std::string& module,

@@ -22,6 +22,7 @@
 #include "server/group/group.h"
 #include "server/messages.h"
 #include "server/module/generations.h"
+#include "server/module/unit_ops.h"
 
 namespace flatshard::server {
 
@@ -65,6 +66,45 @@ absl::StatusOr<std::string> Modules::ModuleOfSummon(const Caller& caller, uint64
         absl::StrCat("group ", caller.group, " rank ", caller.rank, ": no open summon ", summon));
   }
   return it->second.module;
+}
+
+absl::StatusOr<int64_t> Modules::SummonBytes(const Caller& caller, const std::string& module,
+                                             const std::string& path,
+                                             const SummonOptions& options) const {
+  std::shared_ptr<Group> held = table_.Find(caller.group);
+  if (held == nullptr) return absl::NotFoundError(absl::StrCat("unknown group ", caller.group));
+  absl::MutexLock lock(&held->mu);
+  auto it = held->registered.find(module);
+  if (it == held->registered.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("group ", caller.group, ": module ", Display(module), " is not registered"));
+  }
+  const Plan& plan = it->second.plan;
+  int64_t bytes = 0;
+  for (int32_t u : internal::SelectUnits(plan, path, options.recurse)) {
+    const PlanUnit& unit = plan.units[u];
+    bytes += unit.padded_numel * ItemSize(unit.dtype) * (options.with_grads ? 2 : 1);
+  }
+  return bytes;
+}
+
+absl::StatusOr<int64_t> Modules::OpenSummonBytes(const Caller& caller, uint64_t summon,
+                                                 bool* writeback) const {
+  std::shared_ptr<Group> held = table_.Find(caller.group);
+  if (held == nullptr) return absl::NotFoundError(absl::StrCat("unknown group ", caller.group));
+  absl::MutexLock lock(&held->mu);
+  auto it = held->open_summons.find(summon);
+  if (it == held->open_summons.end() || it->second.rank != caller.rank) {
+    return absl::NotFoundError(
+        absl::StrCat("group ", caller.group, " rank ", caller.rank, ": no open summon ", summon));
+  }
+  *writeback = it->second.options.writeback;
+  int64_t bytes = 0;
+  for (const SummonedUnit& v : it->second.views) {
+    if (v.params) bytes += v.params->bytes();
+    if (v.grads) bytes += v.grads->bytes();
+  }
+  return bytes;
 }
 
 absl::StatusOr<uint64_t> Modules::Generation(const Caller& caller,

@@ -14,9 +14,10 @@
 // Order: each caller (group, rank) is a strand of BlockingWorkers: its bodies run one at a time
 // in the order the handlers posted them, as one trainer's calls took effect when each ran on
 // the thread that received it; different callers run in parallel. Operators' calls name a
-// strand of their own (never a caller's). A body must not wait for
-// another caller's body (collectives complete through callbacks, never by blocking), or a
-// full pool could wait on itself.
+// strand of their own (never a caller's). A body must not wait for another caller's body
+// (collectives complete through callbacks, never by blocking), or a full pool could wait on
+// itself. What stays inline (ShardServiceImpl) is what costs less than the hop here (30-40 us
+// p50 on a loaded 2-core host): lookups, and steady-state or small read-only calls.
 // Thread-safe. The destructor runs the bodies still queued, then joins the threads.
 
 #include <string>

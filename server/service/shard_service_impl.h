@@ -5,7 +5,8 @@
 // Each call is validated on the gRPC thread; its GroupManager part runs on RequestWorkers
 // (request_workers.h), so that allocations, planning, copies and waits never hold one of the
 // few callback threads every service of the daemon shares. Inline: Ping, GetShardViews (a
-// lookup) and a ReduceScatterGrads begin whose buffers are at hand (the steady state).
+// lookup), a ReduceScatterGrads begin whose buffers are at hand (the steady state), and
+// read-only Summons and Ends of at most 1 MiB of views (the hop would cost more than them).
 // Thread-safe.
 
 #include <string>
@@ -88,6 +89,13 @@ class ShardServiceImpl final : public v1::ShardService::CallbackService {
   // `request` lives until the call's reactor finishes, which `then` does.
   void EndFirst(const Caller& caller, const v1::SummonRequest* request, int next,
                 absl::Time deadline, std::function<void(absl::Status)> then);
+  // Whether a Summon (with its end_first Ends) is small enough for the RPC thread
+  // (kInlineBytes, no writeback); looked up under the group's lock, nothing changed.
+  bool SmallSummon(const Caller& caller, const v1::SummonRequest& request,
+                   const SummonOptions& options) const;
+  // The view bytes of the End of the caller's open `summon`; more than kInlineBytes where it
+  // writes back or is unknown (the End itself then answers on a worker).
+  int64_t SmallEndBytes(const Caller& caller, uint64_t summon) const;
 
   // Testing only: writes a line to the FIFO `fifo`.held (the test counts the calls held),
   // then opens the FIFO `fifo` for reading, which blocks until the test opens it for writing.
