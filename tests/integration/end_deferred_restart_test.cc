@@ -5,7 +5,8 @@
 // trainer steps its shard in place as an optimizer would, the daemon is killed with SIGKILL,
 // and after the restart every rank reads exactly the End's generation, element by element:
 // the restart copied the own ranges from the summon segments, never from the stepped shards.
-// One daemon (two local ranks) and two daemons (the vote path, daemon 1 killed).
+// One daemon (two local ranks) and two daemons (the vote path, daemon 1 killed); and SIGTERM
+// while the copies are held.
 
 #include <filesystem>
 #include <memory>
@@ -78,6 +79,28 @@ TEST_F(RestartTest, KillNineWhileAnEndsOwnRangesAreStillToCopyRestoresThemFromTh
   // And it goes on: the next End copies in the background unpaused (another generation).
   RunRanks(kWorld, [&](int r) { SummonWriteEnd(ranks[r], r, 2); });
   ExpectEveryElement(ranks, [](int64_t i) { return EndValue(2, i); });
+}
+
+// SIGTERM (shards kept for the next daemon) unlinks the summon segments: the held copies are
+// finished first (Records::KeepDeviceShards; the exit also waits for the held worker, whose
+// mappings outlive the names), so the next daemon finds every committed copy complete. (Held
+// for 5 s: a test slower than that between the pause and the SIGTERM finds the copy done on
+// its own, with the same values.)
+TEST_F(RestartTest, SigtermWhileAnEndsOwnRangesAreStillToCopyFinishesThemFirst) {
+  std::unique_ptr<DaemonProcess> d = StartDaemon({"--testing_pause_end_vote=deferred_copy:1:5s"});
+  std::vector<Rank> ranks;
+  JoinAll(*d, ranks, 0);
+  RegisterAll(ranks, 0);
+  RunRanks(kWorld, [&](int r) { SummonWriteEnd(ranks[r], r, 1); });
+  ASSERT_TRUE(WaitForLog(*d, "paused at deferred_copy", kWorld)) << d->Log();
+  RunRanks(kWorld, [&](int r) { WriteShards(*ranks[r].client, r, kStepped); });
+  EXPECT_EQ(d->Terminate(), 0);
+  ranks.clear();
+  ASSERT_TRUE(Restart(*d));
+  JoinAll(*d, ranks, 1);
+  RegisterAll(ranks, 1);
+  for (Rank& rank : ranks) EXPECT_THAT(rank.client->lost_modules(), IsEmpty());
+  ExpectEveryElement(ranks, [](int64_t i) { return EndValue(1, i); });
 }
 
 class EndDeferredTwoDaemonTest : public TwoDaemonRestartTest {

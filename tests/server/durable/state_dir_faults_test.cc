@@ -311,7 +311,7 @@ TEST_F(StateDirFaultsTest, ARecordOfTheOldWriterIsAdoptedAndWrittenByteForByte) 
   ASSERT_TRUE(again.ok());
   ASSERT_TRUE((*again)->Write(OldRecordsGroup()).ok());
   std::string now = kOldRecord;
-  now.replace(now.find("flatshard.state/1"), 17, "flatshard.state/3");
+  now.replace(now.find("flatshard.state/1"), 17, "flatshard.state/4");
   EXPECT_EQ(*fresh.ReadFile(FileOf("job-1")), now);
 }
 
