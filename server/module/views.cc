@@ -56,16 +56,28 @@ absl::StatusOr<RegisterResult> Modules::GetShards(const Caller& caller, const st
   return result;
 }
 
+namespace {
+
+// `caller`'s open summon `summon` in `g` (under g.mu), or NOT_FOUND naming it.
+absl::StatusOr<const OpenSummon*> FindOpenSummonLocked(const Group& g, const Caller& caller,
+                                                       uint64_t summon)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu) {
+  auto it = g.open_summons.find(summon);
+  if (it == g.open_summons.end() || it->second.rank != caller.rank) {
+    return absl::NotFoundError(
+        absl::StrCat("group ", caller.group, " rank ", caller.rank, ": no open summon ", summon));
+  }
+  return &it->second;
+}
+
+}  // namespace
+
 absl::StatusOr<std::string> Modules::ModuleOfSummon(const Caller& caller, uint64_t summon) const {
   std::shared_ptr<Group> held = table_.Find(caller.group);
   if (held == nullptr) return absl::NotFoundError(absl::StrCat("unknown group ", caller.group));
   absl::MutexLock lock(&held->mu);
-  auto it = held->open_summons.find(summon);
-  if (it == held->open_summons.end() || it->second.rank != caller.rank) {
-    return absl::NotFoundError(
-        absl::StrCat("group ", caller.group, " rank ", caller.rank, ": no open summon ", summon));
-  }
-  return it->second.module;
+  FS_ASSIGN_OR_RETURN(const OpenSummon* open, FindOpenSummonLocked(*held, caller, summon));
+  return open->module;
 }
 
 absl::StatusOr<int64_t> Modules::SummonBytes(const Caller& caller, const std::string& module,
@@ -93,14 +105,10 @@ absl::StatusOr<int64_t> Modules::OpenSummonBytes(const Caller& caller, uint64_t 
   std::shared_ptr<Group> held = table_.Find(caller.group);
   if (held == nullptr) return absl::NotFoundError(absl::StrCat("unknown group ", caller.group));
   absl::MutexLock lock(&held->mu);
-  auto it = held->open_summons.find(summon);
-  if (it == held->open_summons.end() || it->second.rank != caller.rank) {
-    return absl::NotFoundError(
-        absl::StrCat("group ", caller.group, " rank ", caller.rank, ": no open summon ", summon));
-  }
-  *writeback = it->second.options.writeback;
+  FS_ASSIGN_OR_RETURN(const OpenSummon* open, FindOpenSummonLocked(*held, caller, summon));
+  *writeback = open->options.writeback;
   int64_t bytes = 0;
-  for (const SummonedUnit& v : it->second.views) {
+  for (const SummonedUnit& v : open->views) {
     if (v.params) bytes += v.params->bytes();
     if (v.grads) bytes += v.grads->bytes();
   }
