@@ -35,6 +35,16 @@ std::string WhyRefused(const std::string& body) {
   return back.ok() ? std::string("accepted") : std::string(back.status().message());
 }
 
+// WhyRefused of the body of the encoded record `bytes` with its first `from` replaced by `to`.
+std::string WhyEditedRefused(const std::string& bytes, const std::string& from,
+                             const std::string& to) {
+  std::string body = bytes.substr(bytes.find('\n') + 1);
+  const size_t at = body.find(from);
+  if (at == std::string::npos) return std::string("not found: ") + from;
+  body.replace(at, from.size(), to);
+  return WhyRefused(body);
+}
+
 GroupRecord Sample(const std::string& id = "job-17", uint64_t sequence = 7) {
   GroupRecord r;
   r.id = id;
@@ -208,11 +218,7 @@ TEST(StateRecordTest, KeptBuffersRoundTripAndBadOnesAreRefused) {
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_TRUE(back->modules[0].kept.empty());
   auto refused = [&](const std::string& from, const std::string& to) {
-    std::string body = bytes.substr(bytes.find('\n') + 1);
-    const size_t at = body.find(from);
-    if (at == std::string::npos) return std::string("not found: ") + from;
-    body.replace(at, from.size(), to);
-    return WhyRefused(body);
+    return WhyEditedRefused(bytes, from, to);
   };
   EXPECT_THAT(refused(R"("segment":"/fs.1.900")", R"("segment":"fs.1.900")"),
               HasSubstr("$.modules[0].kept[0].segment"));
@@ -233,11 +239,7 @@ TEST(StateRecordTest, DeferredCopiesRoundTripAndBadOnesAreRefused) {
   EXPECT_THAT(SegmentNamesIn(bytes, "fs"), ::testing::Contains("/fs.1.950"));
   EXPECT_THAT(EncodeGroupRecord(Sample()), Not(HasSubstr("deferred")));
   auto refused = [&](const std::string& from, const std::string& to) {
-    std::string body = bytes.substr(bytes.find('\n') + 1);
-    const size_t at = body.find(from);
-    if (at == std::string::npos) return std::string("not found: ") + from;
-    body.replace(at, from.size(), to);
-    return WhyRefused(body);
+    return WhyEditedRefused(bytes, from, to);
   };
   EXPECT_THAT(refused(R"("segment":"/fs.1.950")", R"("segment":"fs.1.950")"),
               HasSubstr("$.modules[0].deferred[0].segment"));
@@ -249,12 +251,7 @@ TEST(StateRecordTest, BadStateSpecsAreRefusedNamingThePath) {
   auto why = [](std::vector<StateSpec> specs, const std::string& from, const std::string& to) {
     GroupRecord r = Sample();
     r.modules[1].state_specs = std::move(specs);
-    std::string body = EncodeGroupRecord(r);
-    body = body.substr(body.find('\n') + 1);
-    const size_t at = body.find(from);
-    if (at == std::string::npos) return std::string("not found: ") + from;
-    body.replace(at, from.size(), to);
-    return WhyRefused(body);
+    return WhyEditedRefused(EncodeGroupRecord(r), from, to);
   };
   const std::vector<StateSpec> one = {{"exp_avg", DType::kFloat32, StateShape::kShard}};
   EXPECT_EQ(why(one, "", ""), "accepted");
