@@ -80,7 +80,10 @@ class StepRunner {
 
 // One local rank's part of one op: a small state machine that runs step after step. Steps
 // are sequential, so the step fields are only touched by whichever thread drives the current
-// step; completion of a step is handed over through `outstanding`.
+// step; completion of a step is handed over through `outstanding`. The flat ring's
+// ReduceScatter runs its steps in lanes instead (ring_reduce_scatter.h), after the fingerprint
+// step: each lane a chain of such steps with its own count, the op finished by the last lane
+// to stop.
 class RankOp : public std::enable_shared_from_this<RankOp> {
  public:
   RankOp(std::shared_ptr<RingCore> core, int rank, int world, OpCall call, const OpOptions& o,
@@ -124,6 +127,20 @@ class RankOp : public std::enable_shared_from_this<RankOp> {
   // Completes the step and drives on, on the step runner.
   void ContinueOnRunner();
 
+  // The flat ReduceScatter's lanes: Lanes starts them; DriveLane posts lane `lane`'s step `s`
+  // and those after it until one has to wait; the last LaneStopped finishes the op.
+  struct Lane {
+    int step = 0;  // the step in flight (its index in RingReduceScatterSteps)
+    std::atomic<int> outstanding{0};
+  };
+  void Lanes();
+  void DriveLane(int lane, int s);
+  void OnLaneXferDone(int lane, absl::Status status);
+  // Lane `lane`'s step is done (on the step runner): reduce and drive on, or stop on an error.
+  void CompleteLaneStep(int lane);
+  void PostCompleteLaneStep(int lane);
+  void LaneStopped();
+
   int AlgorithmStep() const { return step_ - (fingerprints_ ? 1 : 0); }
   uint8_t* OutBlock(int b) const { return call_.out.begin() + b * call_.desc.bytes; }
   void CopyOwn(uint8_t* dst) const {
@@ -158,6 +175,8 @@ class RankOp : public std::enable_shared_from_this<RankOp> {
   std::vector<WireDescriptor> theirs_;
   std::optional<HierarchicalSteps> hier_;          // AllGather and ReduceScatter over nodes
   std::optional<RingReduceScatterSteps> flat_rs_;  // ReduceScatter, flat ring, W >= 2
+  Lane lanes_[RingReduceScatterSteps::kWindow];
+  std::atomic<int> running_lanes_{0};
 };
 
 // Shared by the Communicator, its ops and timer callbacks.
@@ -249,7 +268,6 @@ bool RankOp::BuildStep(std::vector<Xfer>* xfers) {
   }
   const int s = AlgorithmStep();
   if (hier_) return hier_->Build(s, xfers);
-  if (flat_rs_) return flat_rs_->Build(s, xfers);
   const OpDescriptor& d = call_.desc;
   const size_t bytes = d.bytes;
   const int next = Mod(rank_ + 1, world_);
@@ -337,7 +355,6 @@ absl::Status RankOp::AfterStep() {
     return absl::OkStatus();
   }
   if (hier_) hier_->After(AlgorithmStep());
-  if (flat_rs_) flat_rs_->After(AlgorithmStep());
   return absl::OkStatus();
 }
 
@@ -347,6 +364,7 @@ void RankOp::Drive() {
       absl::MutexLock lock(&mu_);
       if (finished_) return;
     }
+    if (flat_rs_ && !(fingerprints_ && step_ == 0)) return Lanes();
     std::vector<Xfer> xfers;
     if (!BuildStep(&xfers)) {
       Finish(absl::OkStatus());
@@ -363,9 +381,6 @@ void RankOp::Drive() {
         core_->transport().Recv(rank_, x.peer, MessageTag{op_seq_, x.sub}, x.dst, cb);
       }
     }
-    // The previous step's reduction, while this step's bytes move (the count above keeps the
-    // step from completing meanwhile).
-    if (flat_rs_) flat_rs_->Overlap();
     if (outstanding_.fetch_sub(1) != 1) return;  // the last transfer callback continues
     if (RunsElsewhere()) return ContinueOnRunner();
     if (!CompleteStep()) return;
@@ -386,6 +401,96 @@ void RankOp::ContinueOnRunner() {
     if (self->CompleteStep()) self->Drive();
     t_runner = nullptr;
   });
+}
+
+void RankOp::Lanes() {
+  flat_rs_->Start();
+  const int n = flat_rs_->lanes();
+  running_lanes_.store(n);
+  for (int lane = 0; lane < n; ++lane) DriveLane(lane, flat_rs_->FirstStep(lane));
+}
+
+void RankOp::DriveLane(int lane, int s) {
+  Lane& l = lanes_[lane];
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!step_error_.ok()) s = flat_rs_->steps();  // another lane failed: stop here
+    }
+    if (s >= flat_rs_->steps()) return LaneStopped();
+    std::vector<Xfer> xfers;
+    flat_rs_->Build(s, &xfers);
+    l.step = s;
+    // One extra count so the step cannot complete while transfers are still being posted.
+    l.outstanding.store(static_cast<int>(xfers.size()) + 1);
+    std::shared_ptr<RankOp> self = shared_from_this();
+    for (const Xfer& x : xfers) {
+      auto cb = [self, lane](absl::Status st) { self->OnLaneXferDone(lane, std::move(st)); };
+      if (x.send) {
+        core_->transport().Send(rank_, x.peer, MessageTag{op_seq_, x.sub}, x.src, cb);
+      } else {
+        core_->transport().Recv(rank_, x.peer, MessageTag{op_seq_, x.sub}, x.dst, cb);
+      }
+    }
+    if (l.outstanding.fetch_sub(1) != 1) return;  // the last transfer callback continues
+    if (t_runner != &core_->runner()) return PostCompleteLaneStep(lane);
+    // On the runner: reduce and go on here rather than recursing.
+    absl::Status failed;
+    {
+      absl::MutexLock lock(&mu_);
+      failed = step_error_;
+    }
+    if (!failed.ok()) return LaneStopped();
+    flat_rs_->Reduce(s);
+    s = flat_rs_->NextStep(s);
+  }
+}
+
+void RankOp::OnLaneXferDone(int lane, absl::Status status) {
+  if (!status.ok()) {
+    bool first = false;
+    {
+      absl::MutexLock lock(&mu_);
+      first = step_error_.ok();
+      if (first) step_error_ = status;
+    }
+    // The other lanes' transfers fail too (their sticky status), so they stop soon.
+    if (first) core_->Abort(status);
+  }
+  if (lanes_[lane].outstanding.fetch_sub(1) != 1) return;
+  PostCompleteLaneStep(lane);
+}
+
+void RankOp::PostCompleteLaneStep(int lane) {
+  core_->runner().Post([self = shared_from_this(), lane] {
+    t_runner = &self->core().runner();
+    self->CompleteLaneStep(lane);
+    t_runner = nullptr;
+  });
+}
+
+void RankOp::CompleteLaneStep(int lane) {
+  const int s = lanes_[lane].step;
+  bool failed;
+  {
+    absl::MutexLock lock(&mu_);
+    failed = !step_error_.ok();
+  }
+  if (failed) return LaneStopped();
+  flat_rs_->Reduce(s);
+  DriveLane(lane, flat_rs_->NextStep(s));
+}
+
+void RankOp::LaneStopped() {
+  if (running_lanes_.fetch_sub(1) != 1) return;
+  // Every lane's transfers are done: the scratch and the caller's buffers are free.
+  flat_rs_->Stop();
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    status = step_error_;
+  }
+  Finish(std::move(status));
 }
 
 void RankOp::OnXferDone(const Xfer& x, absl::Status status) {

@@ -15,17 +15,18 @@
 //      (r-s-1) from r-1, straight into `out` (no staging).
 //    - ReduceScatter: ring, W-1 ring steps; partial sums travel in the buffer's dtype (half
 //      types round at every step), the last adds the own block, divides for kAvg and writes
-//      `out`. Pipelined in RingOptions::pipeline_chunk_bytes chunks, each chunk's reduction
-//      running while the next chunk moves; sum order and results as unchunked, scratch a few
-//      chunks (ring_reduce_scatter.h).
+//      `out`. Pipelined in RingOptions::pipeline_chunk_bytes chunks on two lanes, so one
+//      chunk moves while the other's reduction runs and each link has two messages in
+//      flight; sum order and results as unchunked, scratch a few chunks
+//      (ring_reduce_scatter.h).
 //    - Broadcast: a pipelined chain root -> root+1 -> ... in RingOptions::chunk_bytes pieces.
 //    - Gather: direct; every rank sends its shard to root.
 //    With RingOptions::node_of_rank naming several nodes of equally many (>= 2) ranks,
 //    AllGather and ReduceScatter run hierarchically instead (hierarchical_algorithms.h: the
 //    intra-node part by copies, each node's bytes over the network once; its sum order).
 //    Reduce-scatter scratch comes from a ScratchPool (scratch_pool.h), reused across ops.
-// Each step waits for its sends and receives before the next starts (the flat reduce-scatter
-// reduces the previous step's chunk meanwhile); any failure aborts the communicator (sticky)
+// Each step waits for its sends and receives before the next starts (for the flat
+// reduce-scatter: the next step of its lane); any failure aborts the communicator (sticky)
 // and with it the Transport. A reduce-scatter step's local work (its reduction, then posting
 // the next step) runs on a thread of the communicator's own, not on the thread that completed
 // the transfer: a transport's progress thread (UCX) keeps moving the other ranks' and chunks'

@@ -25,34 +25,29 @@ RingReduceScatterSteps::Item RingReduceScatterSteps::ItemOf(int s) const {
   return Item{q / size, group * kWindow + j, j};
 }
 
-bool RingReduceScatterSteps::Build(int s, std::vector<Xfer>* xfers) {
-  if (s == 0) {
-    scratch_ = pool_.Acquire(2 * static_cast<size_t>(std::min(kWindow, chunks_)) * chunk_);
+int RingReduceScatterSteps::NextOfSlot(int slot, int after) const {
+  // A slot recurs every kWindow steps within a group (its chunks interleave), so this is short.
+  for (int s = after + 1; s < steps_; ++s) {
+    if (ItemOf(s).slot == slot) return s;
   }
-  // Step s reuses the slot of the pending reduction's chunk only when its group has one chunk.
-  if (pending_ >= 0 && (s >= steps_ || ItemOf(pending_).slot == ItemOf(s).slot)) Overlap();
-  if (s >= steps_) {
-    scratch_ = ScratchPool::Scratch();  // back to the pool for the next op
-    return false;
-  }
+  return steps_;
+}
+
+void RingReduceScatterSteps::Start() {
+  scratch_ = pool_.Acquire(2 * static_cast<size_t>(lanes()) * chunk_);
+}
+
+void RingReduceScatterSteps::Stop() {
+  scratch_ = ScratchPool::Scratch();  // back to the pool for the next op
+}
+
+void RingReduceScatterSteps::Build(int s, std::vector<Xfer>* xfers) const {
   const Item it = ItemOf(s);
   const size_t off = ChunkOffset(it.chunk), len = ChunkLen(it.chunk);
   const uint32_t sub = static_cast<uint32_t>(s);
   const uint8_t* src = it.t == 0 ? InBlock(Mod(rank_ - 1, world_)) + off : SendChunk(it.slot);
   xfers->push_back(SendXfer(Mod(rank_ + 1, world_), sub, src, len));
   xfers->push_back(RecvXfer(Mod(rank_ - 1, world_), sub, RecvChunk(it.slot), len));
-  return true;
-}
-
-void RingReduceScatterSteps::Overlap() {
-  if (pending_ < 0) return;
-  Reduce(pending_);
-  pending_ = -1;
-}
-
-void RingReduceScatterSteps::After(int s) {
-  Overlap();  // normally done during step s already
-  pending_ = s;
 }
 
 void RingReduceScatterSteps::Reduce(int s) {

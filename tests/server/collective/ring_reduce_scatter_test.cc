@@ -250,6 +250,80 @@ TEST(RingReduceScatterTest, AChunksReductionRunsAfterTheNextChunkIsPosted) {
   for (size_t j = 0; j < kShard; ++j) EXPECT_EQ(out[0][j], in[0][j] + in[1][j]) << j;
 }
 
+// InprocTransport that holds rank 0's send of sub-tag `held` until rank 0 sends `release`.
+class HoldingTransport final : public Transport {
+ public:
+  HoldingTransport(int world, uint32_t held, uint32_t release)
+      : inner_(world), held_(held), release_(release) {}
+  int world_size() const override { return inner_.world_size(); }
+  void Send(int src, int dst, MessageTag tag, ConstBuffer data, DoneCallback done) override {
+    if (src == 0 && tag.sub == held_) {
+      absl::MutexLock lock(&mu_);
+      pending_ = [this, dst, tag, data, done = std::move(done)]() mutable {
+        inner_.Send(0, dst, tag, data, std::move(done));
+      };
+      return;
+    }
+    if (src == 0 && tag.sub == release_) {
+      absl::AnyInvocable<void() &&> held;
+      {
+        absl::MutexLock lock(&mu_);
+        released_ = true;
+        held = std::move(pending_);
+      }
+      if (held) std::move(held)();
+    }
+    inner_.Send(src, dst, tag, data, std::move(done));
+  }
+  void Recv(int dst, int src, MessageTag tag, MutableBuffer data, DoneCallback done) override {
+    inner_.Recv(dst, src, tag, data, std::move(done));
+  }
+  void Abort(absl::Status reason) override { inner_.Abort(std::move(reason)); }
+  bool released() const {
+    absl::MutexLock lock(&mu_);
+    return released_;
+  }
+
+ private:
+  InprocTransport inner_;
+  const uint32_t held_, release_;
+  mutable absl::Mutex mu_;
+  absl::AnyInvocable<void() &&> pending_ ABSL_GUARDED_BY(mu_);
+  bool released_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+TEST(RingReduceScatterTest, OneLaneMovesOnWhileTheOtherLanesChunkIsHeld) {
+  // 2 ranks, 4 chunks of 4 floats: lane 0 carries steps 0 (chunk 0) and 2 (chunk 2), lane 1
+  // steps 1 and 3. Rank 0's send of step 0 is held until rank 0 sends step 3: lane 1 must
+  // finish step 1 and post step 3 while lane 0's first chunk is still on its way. A driver
+  // that runs one step at a time never gets there (the op would miss its deadline).
+  constexpr int kWorld = 2;
+  constexpr size_t kShard = 16;  // floats
+  std::vector<std::vector<float>> in(kWorld, std::vector<float>(kShard * kWorld));
+  for (int r = 0; r < kWorld; ++r) {
+    for (size_t j = 0; j < in[r].size(); ++j) in[r][j] = static_cast<float>(r * 100 + j);
+  }
+  std::vector<std::vector<float>> out(kWorld, std::vector<float>(kShard));
+  auto transport = std::make_shared<HoldingTransport>(kWorld, /*held=*/0, /*release=*/3);
+  RingOptions o;
+  o.pipeline_chunk_bytes = 16;
+  o.check_fingerprints = false;
+  auto comm = NewRingCommunicator(GroupSpec::AllLocal("g", kWorld), transport, o).value();
+  RunRanks(kWorld, [&](int r) {
+    DoneRecorder done;
+    comm->ReduceScatter(ConstBuffer{in[r].data(), kShard * kWorld * 4, DType::kFloat32},
+                        MutableBuffer{out[r].data(), kShard * 4, DType::kFloat32}, ReduceOp::kSum,
+                        Opts(r, 1, 3, absl::Seconds(20)), done.Callback());
+    EXPECT_TRUE(done.Wait().ok()) << done.status();
+  });
+  EXPECT_TRUE(transport->released());
+  for (int r = 0; r < kWorld; ++r) {
+    for (size_t j = 0; j < kShard; ++j) {
+      EXPECT_EQ(out[r][j], in[0][r * kShard + j] + in[1][r * kShard + j]) << r << " " << j;
+    }
+  }
+}
+
 // --- Failures mid-pipeline -------------------------------------------------------------------
 
 constexpr int kWorld = 4;
