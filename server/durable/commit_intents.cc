@@ -189,26 +189,32 @@ void Records::ProcessEndBatch(const std::string& group, const std::string& modul
   for (EndArrival& a : batch) {
     if (a.applying && a.status.ok()) applying.push_back(&a);
   }
+  // One fsync per End, as per Commit (CommitDone): the "ready" record's. The "done" record is
+  // written but not fsynced: it survives the daemon's death, and after a machine crash the
+  // shared-memory shards and summon segments it lists are gone anyway.
   auto record = [&](bool ready) {
-    EditAndRecord(group, module, [&](Registered& reg) {
-      if (ready) {
-        NoteCommitAgreed(reg, target, kind);
-        std::vector<int32_t>& r = reg.pending_commit->ready_ranks;
-        for (EndArrival* a : applying) {
-          if (std::find(r.begin(), r.end(), a->rank) == r.end()) r.push_back(a->rank);
-        }
-        std::sort(r.begin(), r.end());
-      } else {
-        for (EndArrival* a : applying) {
-          if (!a->status.ok()) continue;
-          MarkCommitDoneLocked(reg, a->rank, target);
-          // Listed in this record (ModuleSnapshot), so a restart copies them from the summon's
-          // segments; the caller runs the copy once the End answered.
-          if (a->deferred.copy) reg.pending_committed.Add(a->rank, a->deferred.copy);
-        }
-      }
-      return true;
-    });
+    EditAndRecord(
+        group, module,
+        [&](Registered& reg) {
+          if (ready) {
+            NoteCommitAgreed(reg, target, kind);
+            std::vector<int32_t>& r = reg.pending_commit->ready_ranks;
+            for (EndArrival* a : applying) {
+              if (std::find(r.begin(), r.end(), a->rank) == r.end()) r.push_back(a->rank);
+            }
+            std::sort(r.begin(), r.end());
+          } else {
+            for (EndArrival* a : applying) {
+              if (!a->status.ok()) continue;
+              MarkCommitDoneLocked(reg, a->rank, target);
+              // Listed in this record (ModuleSnapshot), so a restart copies them from the summon's
+              // segments; the caller runs the copy once the End answered.
+              if (a->deferred.copy) reg.pending_committed.Add(a->rank, a->deferred.copy);
+            }
+          }
+          return true;
+        },
+        /*sync=*/ready);
   };
   for (EndArrival& a : batch) {
     // A deferred copy runs only for a rank whose End is applied here.
