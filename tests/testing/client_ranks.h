@@ -154,7 +154,9 @@ inline void RegisterRanks(std::vector<Rank>& ranks, const std::string& manifest,
     absl::StatusOr<client::RegisteredModule> m =
         ranks[r].client->Register("", manifest, policy, client::InitMode::kZeros);
     ASSERT_TRUE(m.ok()) << "rank " << r << ": " << m.status();
-    if (generation.has_value()) EXPECT_EQ(m->generation, *generation) << "rank " << r;
+    if (generation.has_value()) {
+      EXPECT_EQ(m->generation, *generation) << "rank " << r;
+    }
     ranks[r].model = *std::move(m);
   });
 }
