@@ -15,11 +15,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <memory>
 #include <set>
@@ -43,6 +41,7 @@
 #include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
 #include "tests/testing/shard_snapshot.h"
+#include "tests/testing/shm_mappings.h"
 #include "tests/testing/shm_testing.h"
 
 namespace flatshard::client {
@@ -64,22 +63,7 @@ using ::flatshard::testing::ReadFile;
 using ::flatshard::testing::ExampleModelFile;
 
 using ::flatshard::testing::SegmentExists;
-
-// The shared-memory segment ("/name") mapped at `p` in this process, from /proc/self/maps;
-// "" when `p` is in no /dev/shm mapping.
-std::string SegmentOf(const void* p) {
-  std::ifstream maps("/proc/self/maps");
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
-  std::string line;
-  while (std::getline(maps, line)) {
-    unsigned long begin = 0, end = 0;
-    if (std::sscanf(line.c_str(), "%lx-%lx", &begin, &end) != 2) continue;
-    if (addr < begin || addr >= end) continue;
-    const size_t at = line.find("/dev/shm/");
-    return at == std::string::npos ? "" : line.substr(at + 8);
-  }
-  return "";
-}
+using ::flatshard::testing::SegmentOf;
 
 using ::flatshard::testing::Cluster;
 using ::flatshard::testing::Layout;

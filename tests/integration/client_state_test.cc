@@ -9,8 +9,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,16 +19,24 @@
 #include "flatshard/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/client_ranks.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
+#include "tests/testing/shm_mappings.h"
 
 namespace flatshard::client {
 namespace {
 
 using ::flatshard::testing::Cluster;
+using ::flatshard::testing::ConnectClient;
 using ::flatshard::testing::ExampleModelFile;
+using ::flatshard::testing::JoinRanks;
 using ::flatshard::testing::Layout;
+using ::flatshard::testing::OnCluster;
+using ::flatshard::testing::Rank;
+using ::flatshard::testing::RegisterExample;
+using ::flatshard::testing::SegmentOf;
 using ::testing::HasSubstr;
 
 constexpr char kToken[] = "st4te";
@@ -48,34 +54,9 @@ class ClientStateTest : public ::testing::TestWithParam<Layout> {
   }
 };
 
-std::unique_ptr<Client> Connect(const std::string& address) {
-  ClientOptions options;
-  options.address = address;
-  options.call_timeout = absl::Seconds(10);
-  options.join_timeout = absl::Seconds(10);
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
-  EXPECT_TRUE(client.ok()) << client.status();
-  return client.ok() ? *std::move(client) : nullptr;
-}
-
 absl::StatusOr<RegisteredModule> RegisterModel(Client& c) {
   return c.Register("", ExampleModelFile("gpt_tied", "manifest"),
                     ExampleModelFile("gpt_tied", "policy"), InitMode::kZeros);
-}
-
-// The /dev/shm segment mapped at `p` in this process ("" when none).
-std::string SegmentOf(const void* p) {
-  std::ifstream maps("/proc/self/maps");
-  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
-  std::string line;
-  while (std::getline(maps, line)) {
-    unsigned long begin = 0, end = 0;
-    if (std::sscanf(line.c_str(), "%lx-%lx", &begin, &end) != 2) continue;
-    if (addr < begin || addr >= end) continue;
-    const size_t at = line.find("/dev/shm/");
-    return at == std::string::npos ? "" : line.substr(at + 8);
-  }
-  return "";
 }
 
 // Fills every state of every unit: exp_avg = v, exp_avg_sq = v + 0.5, step = v as int64.
@@ -117,21 +98,16 @@ bool Zeros(const ShardViews& views) {
 
 TEST_P(ClientStateTest, StateBuffersAreCheckedZeroedAndReturnedWithTheViews) {
   Cluster d(GetParam(), Options());
-  std::vector<std::unique_ptr<Client>> c(2);
-  ::flatshard::testing::RunRanks(2, [&](int r) {
-    c[r] = Connect(d.AddressFor(r));
-    ASSERT_NE(c[r], nullptr);
-    ASSERT_TRUE(c[r]->Join("views", 2, r, kToken, d.coordinator()).ok());
-    ASSERT_TRUE(RegisterModel(*c[r]).ok());
-  });
-  absl::StatusOr<ShardViews> bad = c[0]->RegisterState("", {{"bad name", DType::kFloat32}});
+  std::vector<Rank> c = JoinRanks(2, OnCluster(d, "views", kToken));
+  RegisterExample(c);
+  absl::StatusOr<ShardViews> bad = c[0].client->RegisterState("", {{"bad name", DType::kFloat32}});
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(bad.status().message(), HasSubstr("specs[0].name"));
-  bad = c[0]->RegisterState("not.registered", kAdam);
+  bad = c[0].client->RegisterState("not.registered", kAdam);
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kNotFound) << bad.status();
 
   for (int r = 0; r < 2; ++r) {
-    absl::StatusOr<ShardViews> views = c[r]->RegisterState("", kAdam);
+    absl::StatusOr<ShardViews> views = c[r].client->RegisterState("", kAdam);
     ASSERT_TRUE(views.ok()) << views.status();
     ASSERT_EQ(views->state_specs().size(), 3u);
     EXPECT_EQ(views->state_specs()[2].name, "step");
@@ -154,11 +130,11 @@ TEST_P(ClientStateTest, StateBuffersAreCheckedZeroedAndReturnedWithTheViews) {
   // Another spec on rank 1's daemon names the differing state and field.
   std::vector<StateSpec> other = kAdam;
   other[0].shape = StateShape::kScalar;
-  absl::StatusOr<ShardViews> differs = c[1]->RegisterState("", other);
+  absl::StatusOr<ShardViews> differs = c[1].client->RegisterState("", other);
   EXPECT_EQ(differs.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(differs.status().message(), HasSubstr("\"exp_avg\": shape scalar"));
   // GetShardViews returns the same buffers with the spec.
-  absl::StatusOr<ShardViews> again = c[0]->GetShardViews("");
+  absl::StatusOr<ShardViews> again = c[0].client->GetShardViews("");
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->state_specs().size(), 3u);
   EXPECT_TRUE(Holds(*again, 2.0f));
@@ -166,50 +142,47 @@ TEST_P(ClientStateTest, StateBuffersAreCheckedZeroedAndReturnedWithTheViews) {
 
 TEST_P(ClientStateTest, RestartedTrainerGetsTheCommittedState) {
   Cluster d(GetParam(), Options());
-  std::vector<std::unique_ptr<Client>> c(2);
+  std::vector<Rank> c = JoinRanks(2, OnCluster(d, "restart", kToken));
+  RegisterExample(c);
   std::vector<ShardViews> views(2);
   ::flatshard::testing::RunRanks(2, [&](int r) {
-    c[r] = Connect(d.AddressFor(r));
-    ASSERT_NE(c[r], nullptr);
-    ASSERT_TRUE(c[r]->Join("restart", 2, r, kToken, d.coordinator()).ok());
-    ASSERT_TRUE(RegisterModel(*c[r]).ok());
-    absl::StatusOr<ShardViews> v = c[r]->RegisterState("", kAdam);
+    absl::StatusOr<ShardViews> v = c[r].client->RegisterState("", kAdam);
     ASSERT_TRUE(v.ok()) << v.status();
     Fill(*v, 1.0f);
-    absl::StatusOr<uint64_t> g = c[r]->Commit("");
+    absl::StatusOr<uint64_t> g = c[r].client->Commit("");
     ASSERT_TRUE(g.ok()) << g.status();
     EXPECT_EQ(*g, 1u);
     Fill(*v, 5.0f);  // in place, never committed
     views[r] = *std::move(v);
   });
-  c[1].reset();  // rank 1's trainer is gone
-  absl::StatusOr<uint64_t> failed = c[0]->Commit("");
+  c[1] = Rank();  // rank 1's trainer is gone
+  absl::StatusOr<uint64_t> failed = c[0].client->Commit("");
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable) << failed.status();
 
   // As the README asks of a survivor: leave, then join again (join is what waits until the
   // replacement is back and the group re-formed; only views read after that are rolled back).
-  ASSERT_TRUE(c[0]->Leave().ok());
+  ASSERT_TRUE(c[0].client->Leave().ok());
   ::flatshard::testing::RunRanks(2, [&](int r) {
     if (r == 1) {
-      c[1] = Connect(d.AddressFor(1));
-      ASSERT_NE(c[1], nullptr);
+      c[1].client = ConnectClient(d.AddressFor(1));
+      ASSERT_NE(c[1].client, nullptr);
     }
     absl::Status joined;
     const absl::Time start = absl::Now();
     do {
-      joined = c[r]->Join("restart", 2, r, kToken, d.coordinator());
+      joined = c[r].client->Join("restart", 2, r, kToken, d.coordinator());
       if (!joined.ok()) absl::SleepFor(absl::Milliseconds(20));
     } while (!joined.ok() && absl::Now() - start < absl::Seconds(5));
     ASSERT_TRUE(joined.ok()) << "rank " << r << ": " << joined;
   });
-  absl::StatusOr<RegisteredModule> back = RegisterModel(*c[1]);
+  absl::StatusOr<RegisteredModule> back = RegisterModel(*c[1].client);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->generation, 1u);
   EXPECT_EQ(back->shards.state_specs().size(), 3u);
   EXPECT_TRUE(Holds(back->shards, 1.0f)) << "the restarted rank's state is not generation 1's";
   // The survivor's state was rolled back in place (its old views show it) once the group
   // re-formed.
-  absl::StatusOr<RegisteredModule> survivor = RegisterModel(*c[0]);  // re-attaches
+  absl::StatusOr<RegisteredModule> survivor = RegisterModel(*c[0].client);  // re-attaches
   ASSERT_TRUE(survivor.ok()) << survivor.status();
   EXPECT_EQ(survivor->generation, 1u);
   EXPECT_TRUE(Holds(survivor->shards, 1.0f));

@@ -23,23 +23,32 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "common/plan.h"
 #include "flatshard/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/client_ranks.h"
 #include "tests/testing/cluster.h"
-#include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
 
 namespace flatshard::client {
 namespace {
 
 using ::flatshard::testing::Cluster;
+using ::flatshard::testing::ConnectClient;
+using ::flatshard::testing::ConnectOptions;
 using ::flatshard::testing::DaemonOptions;
 using ::flatshard::testing::DaemonProcess;
-using ::flatshard::testing::ExampleModelFile;
+using ::flatshard::testing::ExpectEveryRankLostItsModule;
+using ::flatshard::testing::ExpectParams;
+using ::flatshard::testing::GroupOptions;
+using ::flatshard::testing::JoinRanks;
 using ::flatshard::testing::Layout;
+using ::flatshard::testing::LeaveSurvivors;
+using ::flatshard::testing::OnCluster;
+using ::flatshard::testing::Rank;
+using ::flatshard::testing::RegisterExample;
 using ::flatshard::testing::RunRanks;
+using ::flatshard::testing::WriteParams;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
@@ -47,59 +56,20 @@ using ::testing::SizeIs;
 
 constexpr char kToken[] = "t0k";
 
-std::unique_ptr<Client> Connect(const std::string& address,
-                                absl::Duration call_timeout = absl::Seconds(20)) {
-  ClientOptions options;
-  options.address = address;
-  options.call_timeout = call_timeout;
-  options.join_timeout = absl::Seconds(20);
-  options.max_attempts = 1;
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
-  EXPECT_TRUE(client.ok()) << client.status();
-  return client.ok() ? *std::move(client) : nullptr;
+// No retries: each call's own outcome.
+ConnectOptions NoRetries(absl::Duration call_timeout = absl::Seconds(20)) {
+  return {call_timeout, absl::Seconds(20), 1};
 }
 
-struct Rank {
-  std::unique_ptr<Client> client;
-  RegisteredModule model;
-};
-
-float Value(int64_t i) { return 1.0f + static_cast<float>(i % 97) * 0.5f; }
+float Value(const std::string& /*fqn*/, int64_t i) {
+  return 1.0f + static_cast<float>(i % 97) * 0.5f;
+}
 
 // Registers (gpt_tied, zeros) on every rank, writes Value() everywhere and checks it back.
 void RegisterAndInit(std::vector<Rank>& ranks) {
-  const std::string manifest = ExampleModelFile("gpt_tied", "manifest");
-  const std::string policy = ExampleModelFile("gpt_tied", "policy");
-  RunRanks(static_cast<int>(ranks.size()), [&](int r) {
-    absl::StatusOr<RegisteredModule> m =
-        ranks[r].client->Register("", manifest, policy, InitMode::kZeros);
-    ASSERT_TRUE(m.ok()) << "rank " << r << ": " << m.status();
-    ranks[r].model = *std::move(m);
-    absl::StatusOr<std::unique_ptr<SummonedParams>> s =
-        ranks[r].client->Summon("", "", SummonOptions());
-    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
-    for (const PlanUnit& u : ranks[r].model.plan->units) {
-      for (const PlanParam& p : u.params) {
-        float* data = static_cast<float*>((*s)->Find(p.fqn)->data);
-        for (int64_t i = 0; i < p.numel; ++i) data[i] = Value(i);
-      }
-    }
-    absl::Status ended = (*s)->End();
-    ASSERT_TRUE(ended.ok()) << "rank " << r << ": " << ended;
-  });
-  RunRanks(static_cast<int>(ranks.size()), [&](int r) {
-    SummonOptions read;
-    read.writeback = false;
-    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", read);
-    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
-    for (const PlanUnit& u : ranks[r].model.plan->units) {
-      for (const PlanParam& p : u.params) {
-        const float* data = static_cast<const float*>((*s)->Find(p.fqn)->data);
-        for (int64_t i = 0; i < p.numel; ++i) ASSERT_EQ(data[i], Value(i)) << p.fqn;
-      }
-    }
-    ASSERT_TRUE((*s)->End().ok());
-  });
+  RegisterExample(ranks);
+  WriteParams(ranks, Value);
+  ExpectParams(ranks, Value);
 }
 
 class RestartedDaemonLosesShardsTest : public ::testing::TestWithParam<Layout> {};
@@ -114,13 +84,8 @@ TEST_P(RestartedDaemonLosesShardsTest, EveryRankIsToldByNameAndRegistersAfresh) 
   Cluster c(GetParam(), options);
   const int world = GetParam() == Layout::kTwoDaemons ? 2 : 4;
   const int victim = c.daemon_count() - 1;
-  std::vector<Rank> ranks(world);
-  RunRanks(world, [&](int r) {
-    ranks[r].client = Connect(c.AddressFor(r));
-    ASSERT_NE(ranks[r].client, nullptr);
-    absl::Status joined = ranks[r].client->Join("g", world, r, kToken, c.coordinator());
-    ASSERT_TRUE(joined.ok()) << "rank " << r << ": " << joined;
-  });
+  const GroupOptions group = OnCluster(c, "g", kToken, NoRetries());
+  std::vector<Rank> ranks = JoinRanks(world, group);
   RegisterAndInit(ranks);
   std::vector<int> lost_ranks;
   for (int r = 0; r < world; ++r) {
@@ -130,33 +95,14 @@ TEST_P(RestartedDaemonLosesShardsTest, EveryRankIsToldByNameAndRegistersAfresh) 
   c.Kill(victim);
   for (int r : lost_ranks) ranks[r] = Rank();
   ASSERT_TRUE(c.Restart(victim));
-  // Survivors leave before any rank joins again (README "Groups over several daemons": a
-  // survivor's leave after the replacement joined fails the re-formed group once more, and the
-  // replacement's join may then complete at a table the survivors never reported to).
-  for (int r = 0; r < world; ++r) {
-    if (ranks[r].client == nullptr) continue;
-    absl::Status left = ranks[r].client->Leave();
-    EXPECT_TRUE(left.ok()) << "rank " << r << " Leave: " << left;
-  }
-  RunRanks(world, [&](int r) {
-    if (ranks[r].client == nullptr) {
-      ranks[r].client = Connect(c.AddressFor(r));
-      ASSERT_NE(ranks[r].client, nullptr);
-    }
-    absl::Status joined = ranks[r].client->Join("g", world, r, kToken, c.coordinator());
-    ASSERT_TRUE(joined.ok()) << "rank " << r << " rejoining: " << joined;
-  });
+  const absl::Status left = LeaveSurvivors(ranks);
+  EXPECT_TRUE(left.ok()) << left;
+  JoinRanks(ranks, group);
   const std::string lost_text =
       absl::StrCat("group g: module \"\" (the root) lost the shards of ",
                    lost_ranks.size() == 1 ? "rank " : "ranks ", lost_ranks[0], " (daemon node",
                    victim, ": restarted without them");
-  for (int r = 0; r < world; ++r) {
-    SCOPED_TRACE(absl::StrCat("rank ", r));
-    EXPECT_THAT(ranks[r].client->registered_modules(), IsEmpty());
-    ASSERT_THAT(ranks[r].client->lost_modules(), SizeIs(1));
-    EXPECT_THAT(ranks[r].client->lost_modules()[0], HasSubstr(lost_text));
-    EXPECT_THAT(ranks[r].client->lost_modules()[0], HasSubstr("register it afresh"));
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectEveryRankLostItsModule(ranks, {lost_text, "register it afresh"}));
   // Registering afresh initialises the module again on every rank: no collective mismatch.
   RegisterAndInit(ranks);
 }
@@ -213,14 +159,12 @@ TEST(RestartedCoordinatorTest, SurvivorsFirstRejoinReachesItOnTheSamePort) {
   o1.node_name = "node1";
   o1.extra_flags = {"--peer_timeout=2s"};
   DaemonProcess d1(o1);
-  std::vector<Rank> ranks(2);
   const std::vector<std::string> address = {d0.address(), d1.address()};
-  RunRanks(2, [&](int r) {
-    ranks[r].client = Connect(address[r]);
-    ASSERT_NE(ranks[r].client, nullptr);
-    absl::Status joined = ranks[r].client->Join("g", 2, r, kToken, coordinator);
-    ASSERT_TRUE(joined.ok()) << "rank " << r << ": " << joined;
-  });
+  GroupOptions group;
+  group.token = kToken;
+  group.coordinator = coordinator;
+  group.connect = [&](int r) { return ConnectClient(address[r], NoRetries()); };
+  std::vector<Rank> ranks = JoinRanks(2, group);
   RegisterAndInit(ranks);
 
   d0.Kill();
@@ -232,7 +176,7 @@ TEST(RestartedCoordinatorTest, SurvivorsFirstRejoinReachesItOnTheSamePort) {
   ASSERT_TRUE(WaitForFile(peer_file)) << "the coordinator did not listen again";
   RunRanks(2, [&](int r) {
     if (r == 0) {
-      ranks[0].client = Connect(address[0]);
+      ranks[0].client = ConnectClient(address[0], NoRetries());
       ASSERT_NE(ranks[0].client, nullptr);
     } else {
       EXPECT_TRUE(ranks[1].client->Leave().ok());
@@ -282,7 +226,8 @@ TEST(FrozenPeerTest, SurvivorFailsSoonWhenThePeerFreezesMidTransfer) {
   Cluster c(Layout::kTwoDaemons, options);
   std::vector<Rank> ranks(2);
   RunRanks(2, [&](int r) {
-    ranks[r].client = Connect(c.AddressFor(r), r == 0 ? absl::Seconds(60) : absl::Seconds(8));
+    ranks[r].client =
+        ConnectClient(c.AddressFor(r), NoRetries(r == 0 ? absl::Seconds(60) : absl::Seconds(8)));
     ASSERT_NE(ranks[r].client, nullptr);
     ASSERT_TRUE(ranks[r].client->Join("g", 2, r, kToken, c.coordinator()).ok());
     absl::StatusOr<RegisteredModule> m = ranks[r].client->Register(

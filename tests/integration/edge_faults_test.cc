@@ -46,14 +46,20 @@
 #include "flatshard/v1/shard_service.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/client_ranks.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/rank_group.h"
 
 namespace flatshard::client {
 namespace {
 
+using ::flatshard::testing::ClientsOf;
 using ::flatshard::testing::DaemonOptions;
 using ::flatshard::testing::DaemonProcess;
+using ::flatshard::testing::GroupOptions;
+using ::flatshard::testing::JoinRanks;
+using ::flatshard::testing::Rank;
+using ::flatshard::testing::RegisterRanks;
 using ::testing::HasSubstr;
 
 constexpr char kToken[] = "t0k";
@@ -76,31 +82,22 @@ std::string LinearStack(int blocks, int64_t rows = 24) {
                       R"("bases": ["Module"], "params": [], "children": [)", children, "]}}");
 }
 
+// 20 s deadlines, with the client's retries.
 std::unique_ptr<Client> Connect(const std::string& address) {
-  ClientOptions options;
-  options.address = address;
-  options.call_timeout = absl::Seconds(20);
-  options.join_timeout = absl::Seconds(20);
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
-  EXPECT_TRUE(client.ok()) << client.status();
-  return client.ok() ? *std::move(client) : nullptr;
+  return ::flatshard::testing::ConnectClient(address, {absl::Seconds(20), absl::Seconds(20)});
 }
 
 // `world` clients joined to `group` with `manifest` registered (zeros) at "".
 std::vector<std::unique_ptr<Client>> JoinAndRegister(const DaemonProcess& d,
                                                      const std::string& group, int world,
                                                      const std::string& manifest) {
-  std::vector<std::unique_ptr<Client>> clients(world);
-  ::flatshard::testing::RunRanks(world, [&](int r) {
-    clients[r] = Connect(d.address());
-    ASSERT_NE(clients[r], nullptr);
-    absl::Status joined = clients[r]->Join(group, world, r, kToken);
-    ASSERT_TRUE(joined.ok()) << "rank " << r << ": " << joined;
-    absl::StatusOr<RegisteredModule> m =
-        clients[r]->Register("", manifest, kLinearPolicy, InitMode::kZeros);
-    ASSERT_TRUE(m.ok()) << "rank " << r << ": " << m.status();
-  });
-  return clients;
+  GroupOptions g;
+  g.group = group;
+  g.token = kToken;
+  g.connect = [&d](int) { return Connect(d.address()); };
+  std::vector<Rank> ranks = JoinRanks(world, g);
+  RegisterRanks(ranks, manifest, kLinearPolicy);
+  return ClientsOf(std::move(ranks));
 }
 
 // A channel to the daemon, connected: raw calls fail fast (no wait_for_ready), and the

@@ -209,14 +209,8 @@ TEST_F(GpuTwoDaemonPausedTest, KilledBeforeItsHostCopyTheModuleIsLostNamingTheGe
   ranks[1] = Rank();
   ASSERT_TRUE(RestartDaemon1());
   JoinAll(ranks);
-  for (int r = 0; r < 2; ++r) {
-    SCOPED_TRACE(absl::StrCat("rank ", r));
-    EXPECT_THAT(ranks[r].client->registered_modules(), IsEmpty());
-    ASSERT_THAT(ranks[r].client->lost_modules(), SizeIs(1));
-    const std::string why = ranks[r].client->lost_modules()[0];
-    EXPECT_THAT(why, HasSubstr("generation 1: rank 1 (daemon node1)"));
-    EXPECT_THAT(why, HasSubstr("generation 2: rank 0 (daemon node0)"));
-  }
+  ExpectEveryRankLostItsModule(
+      ranks, {"generation 1: rank 1 (daemon node1)", "generation 2: rank 0 (daemon node0)"});
 }
 
 // Both daemons on simulated GPUs; daemon 1's host copy of generation 2 is held half written

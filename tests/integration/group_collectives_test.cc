@@ -17,29 +17,24 @@
 #include "flatshard/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/client_ranks.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/rank_group.h"
 
 namespace flatshard::client {
 namespace {
 
+using ::flatshard::testing::ClientsOf;
 using ::flatshard::testing::Cluster;
+using ::flatshard::testing::ConnectClient;
+using ::flatshard::testing::JoinRanks;
 using ::flatshard::testing::Layout;
+using ::flatshard::testing::OnCluster;
 using ::flatshard::testing::RunRanks;
 using ::testing::HasSubstr;
 
 constexpr int kWorld = 3;
 constexpr char kToken[] = "c0ll";
-
-std::unique_ptr<Client> Connect(const std::string& address, absl::Duration timeout) {
-  ClientOptions options;
-  options.address = address;
-  options.call_timeout = timeout;
-  options.join_timeout = absl::Seconds(10);
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
-  EXPECT_TRUE(client.ok()) << client.status();
-  return client.ok() ? *std::move(client) : nullptr;
-}
 
 class GroupCollectivesTest : public ::testing::TestWithParam<Layout> {
  protected:
@@ -49,13 +44,8 @@ class GroupCollectivesTest : public ::testing::TestWithParam<Layout> {
     ::flatshard::testing::ClusterOptions o;
     o.tag_prefix = "fsgc";
     cluster_ = std::make_unique<Cluster>(GetParam(), o);
-    std::vector<std::unique_ptr<Client>> c(kWorld);
-    RunRanks(kWorld, [&](int r) {
-      c[r] = Connect(cluster_->AddressFor(r), timeout);
-      ASSERT_NE(c[r], nullptr);
-      ASSERT_TRUE(c[r]->Join(group, kWorld, r, kToken, cluster_->coordinator()).ok());
-    });
-    return c;
+    return ClientsOf(
+        JoinRanks(kWorld, OnCluster(*cluster_, group, kToken, {timeout, absl::Seconds(10)})));
   }
 
   std::unique_ptr<Cluster> cluster_;
@@ -177,7 +167,8 @@ TEST_P(GroupCollectivesTest, ARankThatDoesNotCallIsNamedAtTheDeadline) {
     EXPECT_THAT(status[r].message(), HasSubstr("rank 2"));
   }
   // Not joined: refused at once.
-  std::unique_ptr<Client> lone = Connect(cluster_->AddressFor(0), absl::Seconds(2));
+  std::unique_ptr<Client> lone =
+      ConnectClient(cluster_->AddressFor(0), {absl::Seconds(2), absl::Seconds(10)});
   float f = 1;
   EXPECT_EQ(lone->AllReduce(&f, 1).code(), absl::StatusCode::kFailedPrecondition);
 }

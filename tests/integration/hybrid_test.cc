@@ -25,6 +25,7 @@
 #include "flatshard/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/client_ranks.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
@@ -33,8 +34,14 @@ namespace flatshard::client {
 namespace {
 
 using ::flatshard::testing::Cluster;
+using ::flatshard::testing::ConnectClient;
 using ::flatshard::testing::ExampleModelFile;
+using ::flatshard::testing::GroupOptions;
+using ::flatshard::testing::JoinRanks;
 using ::flatshard::testing::Layout;
+using ::flatshard::testing::OnCluster;
+using ::flatshard::testing::Rank;
+using ::flatshard::testing::RegisterRanks;
 using ::flatshard::testing::RunRanks;
 using ::testing::HasSubstr;
 
@@ -49,22 +56,6 @@ constexpr int kPerNode = 2;
   o.metrics = true;  // collective counts: what a summon or a reduction ran
   return o;
 }
-
-std::unique_ptr<Client> Connect(const std::string& address) {
-  ClientOptions options;
-  options.address = address;
-  options.call_timeout = absl::Seconds(60);
-  options.join_timeout = absl::Seconds(60);
-  options.max_attempts = 1;
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
-  EXPECT_TRUE(client.ok()) << client.status();
-  return client.ok() ? *std::move(client) : nullptr;
-}
-
-struct Rank {
-  std::unique_ptr<Client> client;
-  RegisteredModule model;
-};
 
 // bfloat16 compute (compute_precision summons), float32 shards and gradient reduction.
 std::string Policy(const std::string& strategy) {
@@ -91,16 +82,14 @@ float FromBFloat16(uint16_t h) {
   return out;
 }
 
-// Joins every rank; rank r on daemon daemon_of(r).
+// Joins every rank (no retries); rank r on daemon daemon_of(r).
 std::vector<Rank> JoinAll(Cluster& c, const std::function<int(int)>& daemon_of) {
-  std::vector<Rank> ranks(kWorld);
-  RunRanks(kWorld, [&](int r) {
-    ranks[r].client = Connect(c.daemon(daemon_of(r)).address());
-    ASSERT_NE(ranks[r].client, nullptr);
-    absl::Status joined = ranks[r].client->Join(kGroup, kWorld, r, kToken, c.coordinator());
-    ASSERT_TRUE(joined.ok()) << "rank " << r << ": " << joined;
-  });
-  return ranks;
+  GroupOptions g = OnCluster(c, kGroup, kToken);
+  g.connect = [&](int r) {
+    return ConnectClient(c.daemon(daemon_of(r)).address(),
+                         {absl::Seconds(60), absl::Seconds(60), 1});
+  };
+  return JoinRanks(kWorld, g);
 }
 
 int Consecutive(int r) { return r / kPerNode; }
@@ -129,14 +118,7 @@ class HybridTest : public ::testing::TestWithParam<std::string> {
     cluster_ = std::make_unique<Cluster>(Layout::kTwoDaemons, Options());
     ranks_ = JoinAll(*cluster_, Consecutive);
     ASSERT_EQ(ranks_.size(), static_cast<size_t>(kWorld));
-    const std::string manifest = ExampleModelFile("gpt_tied", "manifest");
-    RunRanks(kWorld, [&](int r) {
-      ASSERT_NE(ranks_[r].client, nullptr);
-      absl::StatusOr<RegisteredModule> m =
-          ranks_[r].client->Register("", manifest, Policy(GetParam()), InitMode::kZeros);
-      ASSERT_TRUE(m.ok()) << "rank " << r << ": " << m.status();
-      ranks_[r].model = *std::move(m);
-    });
+    RegisterRanks(ranks_, ExampleModelFile("gpt_tied", "manifest"), Policy(GetParam()));
   }
 
   const Plan& plan() const { return *ranks_[0].model.plan; }

@@ -21,19 +21,24 @@
 #include "flatshard/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/client_ranks.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/emulated_links.h"
-#include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
 
 namespace flatshard::client {
 namespace {
 
+using ::flatshard::testing::ConnectClient;
 using ::flatshard::testing::DaemonOptions;
 using ::flatshard::testing::DaemonProcess;
 using ::flatshard::testing::EmulatedLinks;
-using ::flatshard::testing::ExampleModelFile;
+using ::flatshard::testing::GroupOptions;
+using ::flatshard::testing::JoinRanks;
+using ::flatshard::testing::LeaveSurvivors;
 using ::flatshard::testing::LinkOptions;
+using ::flatshard::testing::Rank;
+using ::flatshard::testing::RegisterExample;
 using ::flatshard::testing::RunRanks;
 using ::testing::IsEmpty;
 using ::testing::SizeIs;
@@ -49,22 +54,6 @@ float Param(uint64_t g, int32_t u, int64_t k) {
 // Every rank's gradient in step g is g + rank: their sum, g + (g + 1), is what a reduce-scatter
 // leaves in every gradient shard.
 float GradSum(uint64_t g) { return static_cast<float>(2 * g + 1); }
-
-std::unique_ptr<Client> Connect(const std::string& address) {
-  ClientOptions options;
-  options.address = address;
-  options.call_timeout = absl::Seconds(30);
-  options.join_timeout = absl::Seconds(30);
-  options.max_attempts = 1;
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
-  EXPECT_TRUE(client.ok()) << client.status();
-  return client.ok() ? *std::move(client) : nullptr;
-}
-
-struct Rank {
-  std::unique_ptr<Client> client;
-  RegisteredModule model;
-};
 
 class LinksTest : public ::testing::Test {
  protected:
@@ -100,31 +89,18 @@ class LinksTest : public ::testing::Test {
     for (const auto& d : dirs_) std::filesystem::remove_all(d, ignored);
   }
 
-  // Every rank (re-)joins through its own daemon, naming daemon 0 as the coordinator;
-  // survivors leave first (README "Groups over several daemons").
+  // Every rank (re-)joins through its own daemon (no retries), naming daemon 0 as the
+  // coordinator; survivors leave first.
   void JoinAll(std::vector<Rank>& ranks) {
     ranks.resize(kWorld);
-    for (Rank& rank : ranks) {
-      if (rank.client != nullptr) (void)rank.client->Leave();
-    }
-    RunRanks(kWorld, [&](int r) {
-      if (ranks[r].client == nullptr) ranks[r].client = Connect(daemons_[r]->address());
-      ASSERT_NE(ranks[r].client, nullptr);
-      absl::Status joined =
-          ranks[r].client->Join("g", kWorld, r, kToken, daemons_[0]->peer_address());
-      ASSERT_TRUE(joined.ok()) << "rank " << r << ": " << joined;
-    });
-  }
-  void Register(std::vector<Rank>& ranks, uint64_t generation) {
-    const std::string manifest = ExampleModelFile("gpt_tied", "manifest");
-    const std::string policy = ExampleModelFile("gpt_tied", "policy");
-    RunRanks(kWorld, [&](int r) {
-      absl::StatusOr<RegisteredModule> m =
-          ranks[r].client->Register("", manifest, policy, InitMode::kZeros);
-      ASSERT_TRUE(m.ok()) << "rank " << r << ": " << m.status();
-      EXPECT_EQ(m->generation, generation) << "rank " << r;
-      ranks[r].model = *std::move(m);
-    });
+    (void)LeaveSurvivors(ranks);
+    GroupOptions g;
+    g.token = kToken;
+    g.coordinator = daemons_[0]->peer_address();
+    g.connect = [&](int r) {
+      return ConnectClient(daemons_[r]->address(), {absl::Seconds(30), absl::Seconds(30), 1});
+    };
+    JoinRanks(ranks, g);
   }
   // This rank's shards hold step g's parameters and the gradient sums of step `grad_step`
   // (0: no gradient yet), element for element.
@@ -210,7 +186,7 @@ TEST_F(LinksTest, GroupAcrossNamespacesTrainsAndSurvivesADaemonKill) {
   }
   std::vector<Rank> ranks;
   JoinAll(ranks);
-  Register(ranks, 0);
+  RegisterExample(ranks, "gpt_tied", 0);
   Train(ranks, 1, 3);
   for (int r = 0; r < kWorld; ++r) ExpectShards(*ranks[r].client, r, 3, 3);
 
@@ -232,7 +208,7 @@ TEST_F(LinksTest, GroupAcrossNamespacesTrainsAndSurvivesADaemonKill) {
     EXPECT_THAT(ranks[r].client->lost_modules(), IsEmpty()) << "rank " << r;
     EXPECT_THAT(ranks[r].client->registered_modules(), SizeIs(1)) << "rank " << r;
   }
-  Register(ranks, 3);  // re-attach at the last commit on both daemons
+  RegisterExample(ranks, "gpt_tied", 3);  // re-attach at the last commit on both daemons
   for (int r = 0; r < kWorld; ++r) ExpectShards(*ranks[r].client, r, 3, 3);
   Train(ranks, 4, 5);  // the group works across the link again
   for (int r = 0; r < kWorld; ++r) ExpectShards(*ranks[r].client, r, 5, 5);

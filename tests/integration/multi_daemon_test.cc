@@ -27,8 +27,8 @@
 #include "flatshard/v1/admin_service.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/client_ranks.h"
 #include "tests/testing/cluster.h"
-#include "tests/testing/files.h"
 #include "tests/testing/rank_group.h"
 #include "tests/testing/shard_snapshot.h"
 #include "tests/testing/shm_testing.h"
@@ -39,9 +39,16 @@ namespace {
 using ::flatshard::testing::SnapshotShards;
 
 using ::flatshard::testing::Cluster;
-using ::flatshard::testing::ExampleModelFile;
+using ::flatshard::testing::ConnectClient;
+using ::flatshard::testing::ConnectOptions;
+using ::flatshard::testing::ExpectParams;
+using ::flatshard::testing::JoinRanks;
 using ::flatshard::testing::Layout;
+using ::flatshard::testing::OnCluster;
+using ::flatshard::testing::Rank;
+using ::flatshard::testing::RegisterExample;
 using ::flatshard::testing::RunRanks;
+using ::flatshard::testing::WriteParams;
 using ::testing::AllOf;
 using ::testing::Contains;
 using ::testing::HasSubstr;
@@ -57,23 +64,10 @@ constexpr char kToken[] = "t0k";
 }
 
 // A client without retries (the tests look at each call's own outcome).
-std::unique_ptr<Client> Connect(const std::string& address,
-                                absl::Duration call_timeout = absl::Seconds(10),
-                                absl::Duration join_timeout = absl::Seconds(10)) {
-  ClientOptions options;
-  options.address = address;
-  options.call_timeout = call_timeout;
-  options.join_timeout = join_timeout;
-  options.max_attempts = 1;
-  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
-  EXPECT_TRUE(client.ok()) << client.status();
-  return client.ok() ? *std::move(client) : nullptr;
+ConnectOptions NoRetries(absl::Duration call_timeout = absl::Seconds(10),
+                         absl::Duration join_timeout = absl::Seconds(10)) {
+  return {call_timeout, join_timeout, 1};
 }
-
-struct Rank {
-  std::unique_ptr<Client> client;
-  RegisteredModule model;
-};
 
 // Threads joined on every path out of a test (a failed ASSERT included).
 class Threads {
@@ -99,27 +93,7 @@ class Threads {
 // Connects a client per rank (to its daemon) and joins every rank of `group` concurrently.
 std::vector<Rank> JoinAll(const Cluster& c, const std::string& group, int world,
                           absl::Duration call_timeout = absl::Seconds(10)) {
-  std::vector<Rank> ranks(world);
-  RunRanks(world, [&](int r) {
-    ranks[r].client = Connect(c.AddressFor(r), call_timeout);
-    ASSERT_NE(ranks[r].client, nullptr);
-    absl::Status joined = ranks[r].client->Join(group, world, r, kToken, c.coordinator());
-    ASSERT_TRUE(joined.ok()) << "rank " << r << ": " << joined;
-  });
-  return ranks;
-}
-
-// Every rank registers examples/models/gpt_tied (zeros) concurrently.
-void RegisterAll(std::vector<Rank>& ranks) {
-  const std::string manifest = ExampleModelFile("gpt_tied", "manifest");
-  const std::string policy = ExampleModelFile("gpt_tied", "policy");
-  RunRanks(static_cast<int>(ranks.size()), [&](int r) {
-    ASSERT_NE(ranks[r].client, nullptr);
-    absl::StatusOr<RegisteredModule> m =
-        ranks[r].client->Register("", manifest, policy, InitMode::kZeros);
-    ASSERT_TRUE(m.ok()) << "rank " << r << ": " << m.status();
-    ranks[r].model = *std::move(m);
-  });
+  return JoinRanks(world, OnCluster(c, group, kToken, NoRetries(call_timeout)));
 }
 
 SummonOptions ReadOnly() {
@@ -136,43 +110,10 @@ float Value(const std::string& fqn, int64_t i) {
 }
 
 // Every rank writes Value() into a writeback summon of the whole model and ends it.
-void InitValues(std::vector<Rank>& ranks) {
-  RunRanks(static_cast<int>(ranks.size()), [&](int r) {
-    SummonOptions writeback;
-    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", writeback);
-    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
-    for (const PlanUnit& u : ranks[r].model.plan->units) {
-      for (const PlanParam& p : u.params) {
-        const ParamView* v = (*s)->Find(p.fqn);
-        ASSERT_NE(v, nullptr) << p.fqn;
-        float* data = static_cast<float*>(v->data);
-        for (int64_t i = 0; i < p.numel; ++i) data[i] = Value(p.fqn, i);
-      }
-    }
-    absl::Status ended = (*s)->End();
-    ASSERT_TRUE(ended.ok()) << "rank " << r << ": " << ended;
-  });
-}
+void InitValues(std::vector<Rank>& ranks) { WriteParams(ranks, Value); }
 
 // Every rank summons the whole model read-only and checks Value() everywhere.
-void ExpectValuesEverywhere(std::vector<Rank>& ranks) {
-  RunRanks(static_cast<int>(ranks.size()), [&](int r) {
-    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", ReadOnly());
-    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
-    for (const PlanUnit& u : ranks[r].model.plan->units) {
-      for (const PlanParam& p : u.params) {
-        const ParamView* v = (*s)->Find(p.fqn);
-        ASSERT_NE(v, nullptr) << p.fqn;
-        const float* data = static_cast<const float*>(v->data);
-        for (int64_t i = 0; i < p.numel; ++i) {
-          ASSERT_EQ(data[i], Value(p.fqn, i)) << "rank " << r << " " << p.fqn << "[" << i << "]";
-        }
-      }
-    }
-    absl::Status ended = (*s)->End();
-    EXPECT_TRUE(ended.ok()) << "rank " << r << ": " << ended;
-  });
-}
+void ExpectValuesEverywhere(std::vector<Rank>& ranks) { ExpectParams(ranks, Value); }
 
 // Names the first difference between two SnapshotShards() results ("" when equal).
 std::string SnapshotDiff(const std::vector<std::vector<float>>& got,
@@ -240,7 +181,7 @@ void RejoinAndReattach(const Cluster& c, std::vector<Rank>& ranks, const std::st
     ASSERT_TRUE(joined.ok()) << "rank " << r << " joining again: " << joined;
     EXPECT_THAT(ranks[r].client->registered_modules(), ::testing::ElementsAre(""));
   });
-  RegisterAll(ranks);
+  RegisterExample(ranks);
 }
 
 // ---- (a) A daemon killed with SIGKILL mid-collective ----
@@ -269,7 +210,7 @@ TEST_P(KilledDaemonTest, SurvivorsFailWithinFiveSecondsAndLeakNothing) {
   constexpr int kWorld = 4;
   // The call timeout is far beyond 5 s: the error must come from the dead peer, not a deadline.
   std::vector<Rank> ranks = JoinAll(c, "g", kWorld, absl::Seconds(30));
-  RegisterAll(ranks);
+  RegisterExample(ranks);
   InitValues(ranks);
   std::vector<int> survivors;
   for (int r = 0; r < kWorld; ++r) {
@@ -364,7 +305,7 @@ TEST_P(MismatchTest, DifferentUnitsAbortEveryRankAndChangeNothing) {
   Cluster c(GetParam(), Options());
   const int world = c.layout() == Layout::kTwoDaemons ? 2 : 4;
   std::vector<Rank> ranks = JoinAll(c, "g", world);
-  RegisterAll(ranks);
+  RegisterExample(ranks);
   InitValues(ranks);
   const Plan& plan = *ranks[0].model.plan;
   const int32_t h0 = UnitOf(plan, "h.0");
@@ -397,7 +338,7 @@ TEST_P(MismatchTest, SummonVersusReduceScatterAbortsEveryRankAndChangesNothing) 
   Cluster c(GetParam(), Options());
   constexpr int kWorld = 2;
   std::vector<Rank> ranks = JoinAll(c, "g", kWorld);
-  RegisterAll(ranks);
+  RegisterExample(ranks);
   InitValues(ranks);
   const int32_t h0 = UnitOf(*ranks[0].model.plan, "h.0");
   std::vector<std::vector<std::vector<float>>> before(kWorld);
@@ -455,7 +396,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, MismatchTest,
 TEST(RestartedDaemonTest, JoinsANewGroupAndTheOldGroupReforms) {
   Cluster c(Layout::kTwoDaemons, Options());
   std::vector<Rank> old_ranks = JoinAll(c, "old", 2, absl::Seconds(20));
-  RegisterAll(old_ranks);
+  RegisterExample(old_ranks);
   InitValues(old_ranks);
   absl::StatusOr<v1::ListPendingCollectivesResponse> before =
       ListPending(c.daemon(0).address(), "old");
@@ -476,13 +417,13 @@ TEST(RestartedDaemonTest, JoinsANewGroupAndTheOldGroupReforms) {
   // A new group across daemon 0 and the restarted daemon works end to end.
   {
     std::vector<Rank> fresh = JoinAll(c, "new", 2);
-    RegisterAll(fresh);
+    RegisterExample(fresh);
     InitValues(fresh);
     ExpectValuesEverywhere(fresh);
   }
   // The old group re-forms once every rank joins again: rank 0 (still on daemon 0) and a new
   // rank-1 trainer on the restarted daemon.
-  old_ranks[1].client = Connect(c.AddressFor(1));
+  old_ranks[1].client = ConnectClient(c.AddressFor(1), NoRetries());
   ASSERT_NE(old_ranks[1].client, nullptr);
   RunRanks(2, [&](int r) {
     if (r == 0) {
@@ -511,7 +452,7 @@ TEST(AdminTest, ListPendingCollectivesShowsArrivedAndMissingRanks) {
   Cluster c(Layout::kThreeDaemonsUneven, Options());
   constexpr int kWorld = 4;
   std::vector<Rank> ranks = JoinAll(c, "g", kWorld);
-  RegisterAll(ranks);
+  RegisterExample(ranks);
   std::vector<std::unique_ptr<SummonedParams>> summons(kWorld);
   std::vector<absl::Status> status(kWorld);
   auto summon = [&](int r) {
@@ -612,7 +553,8 @@ TEST(JoinAcrossDaemonsTest, DeadlineNamesTheMissingRanks) {
     Threads threads;
     for (int r : which) {
       threads.Start([&, r] {
-        std::unique_ptr<Client> client = Connect(c.AddressFor(r), absl::Seconds(10), timeout);
+        std::unique_ptr<Client> client =
+            ConnectClient(c.AddressFor(r), NoRetries(absl::Seconds(10), timeout));
         if (client == nullptr) return;
         out[r] = client->Join("g", kWorld, r, kToken, c.coordinator());
       });
@@ -644,7 +586,7 @@ TEST(JoinAcrossDaemonsTest, WrongTokenAtTheCoordinatorIsPermissionDenied) {
   constexpr int kWorld = 4;
   std::vector<Rank> ranks(kWorld);
   for (int r = 0; r < kWorld; ++r) {
-    ranks[r].client = Connect(c.AddressFor(r));
+    ranks[r].client = ConnectClient(c.AddressFor(r), NoRetries());
     ASSERT_NE(ranks[r].client, nullptr);
   }
   absl::Status first;

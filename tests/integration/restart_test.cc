@@ -76,19 +76,10 @@ TEST_F(RestartTest, KillNineWhileACommitCopyIsTornFinishesTheCommitFromTheShards
   RegisterAll(ranks, 0);
   RunRanks(kWorld, [&](int r) { WriteShards(*ranks[r].client, r, 1); });
   const std::vector<Snapshot> step1 = Expected(ranks);
-  std::vector<std::thread> committing;
-  for (int r = 0; r < kWorld; ++r) {
-    committing.emplace_back([&, r] { (void)ranks[r].client->Commit(""); });
-  }
   // The first rank's copy has torn its committed copy (unit 0 copied) and paused; the other
   // rank's copy waits behind it (host ranks copy on the agreement's completion thread), so
   // its record says only that every rank agreed.
-  const bool was_paused = KillOnceACommitCopyPaused(*d);
-  for (std::thread& t : committing) t.join();
-  ASSERT_TRUE(was_paused) << d->Log();
-  ranks.clear();
-  ASSERT_TRUE(Restart(*d));
-  EXPECT_THAT(d->Log(), HasSubstr("finished the commit of generation 1 from its shards"));
+  ASSERT_NO_FATAL_FAILURE(KillDuringACommitCopyAndRestart(*d, ranks, 1));
   // Every unit holds generation 1 (the torn copy was finished, never adopted as it was); no
   // gradient was ever reduced.
   ExpectReattached(*d, ranks, 1, step1, /*commit_after=*/false);  // commits pause here
@@ -167,13 +158,9 @@ TEST_F(RestartTest, LocalRanksAtDifferentGenerationsAreDroppedAsLostNamingThem) 
   }
   ASSERT_TRUE(Restart(*d));
   JoinAll(*d, ranks, 0);
-  for (int r = 0; r < kWorld; ++r) {
-    SCOPED_TRACE(absl::StrCat("rank ", r));
-    ASSERT_THAT(ranks[r].client->lost_modules(), SizeIs(1));
-    EXPECT_THAT(ranks[r].client->lost_modules()[0],
-                HasSubstr("its ranks hold different committed generations (rank 1: generation "
-                          "0; rank 0: generation 1)"));
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectEveryRankLostItsModule(
+      ranks, {"its ranks hold different committed generations (rank 1: generation 0; rank 0: "
+              "generation 1)"}));
   RegisterAll(ranks, 0);  // afresh
 }
 
@@ -439,15 +426,9 @@ TEST_F(TwoDaemonRestartTest, DaemonsAtDifferentGenerationsDropTheModuleNamingThe
   }
   ASSERT_TRUE(RestartDaemon1());
   JoinAll(ranks);
-  for (int r = 0; r < 2; ++r) {
-    SCOPED_TRACE(absl::StrCat("rank ", r));
-    EXPECT_THAT(ranks[r].client->registered_modules(), IsEmpty());
-    ASSERT_THAT(ranks[r].client->lost_modules(), SizeIs(1));
-    const std::string why = ranks[r].client->lost_modules()[0];
-    EXPECT_THAT(why, HasSubstr("different committed generations"));
-    EXPECT_THAT(why, HasSubstr("generation 1: rank 1 (daemon node1)"));
-    EXPECT_THAT(why, HasSubstr("generation 2: rank 0 (daemon node0)"));
-  }
+  ASSERT_NO_FATAL_FAILURE(ExpectEveryRankLostItsModule(
+      ranks, {"different committed generations", "generation 1: rank 1 (daemon node1)",
+              "generation 2: rank 0 (daemon node0)"}));
   Register(ranks, 0);  // afresh
   Commit(ranks, 1);
 }
@@ -579,16 +560,7 @@ TEST_F(StateRestartTest, KillNineDuringACommitCopyFinishesTheStateFromItsLiveBuf
     optstate::WriteState(*ranks[r].client, r, 1);
   });
   const std::vector<std::vector<std::string>> step1 = StateOf(ranks);
-  std::vector<std::thread> committing;
-  for (int r = 0; r < kWorld; ++r) {
-    committing.emplace_back([&, r] { (void)ranks[r].client->Commit(""); });
-  }
-  const bool was_paused = KillOnceACommitCopyPaused(*d);
-  for (std::thread& t : committing) t.join();
-  ASSERT_TRUE(was_paused) << d->Log();
-  ranks.clear();
-  ASSERT_TRUE(Restart(*d));
-  EXPECT_THAT(d->Log(), HasSubstr("finished the commit of generation 1 from its shards"));
+  ASSERT_NO_FATAL_FAILURE(KillDuringACommitCopyAndRestart(*d, ranks, 1));
   JoinAll(*d, ranks, 1);
   RegisterAll(ranks, 1);
   ExpectStateReattached(ranks, 1, step1);

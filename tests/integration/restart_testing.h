@@ -29,6 +29,7 @@
 #include "gtest/gtest.h"
 #include "server/durable/journal.h"
 #include "server/durable/state_dir.h"
+#include "tests/testing/client_ranks.h"
 #include "tests/testing/cluster.h"
 #include "tests/testing/daemon_process.h"
 #include "tests/testing/files.h"
@@ -49,19 +50,14 @@ using ::testing::SizeIs;
 constexpr char kToken[] = "restart-t0k";
 constexpr int kWorld = 2;
 
-// `simulated_gpus`: the trainer side of flatshardd --simulate_gpus (tests/testing/simulated_gpu.h).
+// No retries. `simulated_gpus`: the trainer side of flatshardd --simulate_gpus
+// (tests/testing/simulated_gpu.h).
+inline ::flatshard::testing::ConnectOptions Connecting(bool simulated_gpus = false) {
+  return {absl::Seconds(20), absl::Seconds(20), 1,
+          simulated_gpus ? &::flatshard::testing::SimulatedGpuApis : nullptr};
+}
 inline std::unique_ptr<Client> Connect(const std::string& address, bool simulated_gpus = false) {
-  ClientOptions options;
-  options.address = address;
-  options.call_timeout = absl::Seconds(20);
-  options.join_timeout = absl::Seconds(20);
-  options.max_attempts = 1;
-  absl::StatusOr<std::unique_ptr<Client>> client =
-      simulated_gpus
-          ? internal::ConnectWithGpuApis(options, ::flatshard::testing::SimulatedGpuApis())
-          : Client::Connect(options);
-  EXPECT_TRUE(client.ok()) << client.status();
-  return client.ok() ? *std::move(client) : nullptr;
+  return ::flatshard::testing::ConnectClient(address, Connecting(simulated_gpus));
 }
 
 // The value of shard element `i` of unit `u` of `rank` at generation `g`: distinct between
@@ -70,30 +66,14 @@ inline float Value(uint64_t g, int rank, int32_t u, int64_t i) {
   return static_cast<float>(g * 100000 + rank * 10000 + u * 1000 + 1 + i % 997);
 }
 
-struct Rank {
-  std::unique_ptr<Client> client;
-  RegisteredModule model;
-};
+using ::flatshard::testing::Rank;
 
 // A read-only summon of the whole module on every rank of `ranks` (2): element i of every
 // parameter holds value(i).
 inline void ExpectEveryElement(std::vector<Rank>& ranks,
                                const std::function<float(int64_t)>& value) {
-  RunRanks(2, [&](int r) {
-    SummonOptions read;
-    read.writeback = false;
-    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", read);
-    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
-    for (const PlanUnit& u : ranks[r].model.plan->units) {
-      for (const PlanParam& p : u.params) {
-        const float* data = static_cast<const float*>((*s)->Find(p.fqn)->data);
-        for (int64_t i = 0; i < p.numel; ++i) {
-          ASSERT_EQ(data[i], value(i)) << "rank " << r << " " << p.fqn << " " << i;
-        }
-      }
-    }
-    ASSERT_TRUE((*s)->End().ok());
-  });
+  ::flatshard::testing::ExpectParams(ranks,
+                                     [&](const std::string&, int64_t i) { return value(i); });
 }
 
 // Bytes of every shard and gradient shard of one rank, per unit.
@@ -158,6 +138,22 @@ class RestartTest : public ::testing::Test {
     d.Kill();
     return was_paused;
   }
+  // Every rank commits on a thread of its own; the daemon (--testing_commit_copy_pause) is
+  // killed once a committed copy is torn and paused, and restarted once the trainers are
+  // gone: it must finish generation `g`'s commit from the shards.
+  void KillDuringACommitCopyAndRestart(DaemonProcess& d, std::vector<Rank>& ranks, uint64_t g) {
+    std::vector<std::thread> committing;
+    for (int r = 0; r < kWorld; ++r) {
+      committing.emplace_back([&, r] { (void)ranks[r].client->Commit(""); });
+    }
+    const bool was_paused = KillOnceACommitCopyPaused(d);
+    for (std::thread& t : committing) t.join();
+    ASSERT_TRUE(was_paused) << d.Log();
+    ranks.clear();
+    ASSERT_TRUE(Restart(d));
+    EXPECT_THAT(d.Log(), HasSubstr(absl::StrCat("finished the commit of generation ", g,
+                                                " from its shards")));
+  }
   // A daemon with a state directory in the test's temp dir (kept across restarts).
   std::unique_ptr<DaemonProcess> StartDaemon(std::vector<std::string> extra = {}) {
     state_dir_ = std::filesystem::temp_directory_path() /
@@ -185,15 +181,7 @@ class RestartTest : public ::testing::Test {
     });
   }
   void RegisterAll(std::vector<Rank>& ranks, uint64_t want_generation) {
-    const std::string manifest = ExampleModelFile("gpt_tied", "manifest");
-    const std::string policy = ExampleModelFile("gpt_tied", "policy");
-    RunRanks(kWorld, [&](int r) {
-      absl::StatusOr<RegisteredModule> m =
-          ranks[r].client->Register("", manifest, policy, InitMode::kZeros);
-      ASSERT_TRUE(m.ok()) << "rank " << r << ": " << m.status();
-      EXPECT_EQ(m->generation, want_generation) << "rank " << r;
-      ranks[r].model = *std::move(m);
-    });
+    ::flatshard::testing::RegisterExample(ranks, "gpt_tied", want_generation);
   }
   // Steps 1..n: write generation g's values, a gradient for every unit, commit.
   void Train(std::vector<Rank>& ranks, uint64_t from, uint64_t to) {
@@ -294,32 +282,17 @@ class TwoDaemonRestartTest : public ::testing::Test {
   // Every rank (re-)joins through its daemon; survivors leave first.
   void JoinAll(std::vector<Rank>& ranks) {
     ranks.resize(2);
-    // Survivors leave before any rank joins again (README "Groups over several daemons": a
-    // survivor's leave after the replacement joined fails the re-formed group once more, and
-    // the replacement's join may complete at a table the survivor never reported to).
-    for (Rank& rank : ranks) {
-      if (rank.client != nullptr) (void)rank.client->Leave();
-    }
-    RunRanks(2, [&](int r) {
-      if (ranks[r].client == nullptr) {
-        ranks[r].client =
-            Connect(daemons_[r]->address(), r == 1 ? simulated_gpu1_ : simulated_gpu0_);
-        ASSERT_NE(ranks[r].client, nullptr);
-      }
-      absl::Status joined = ranks[r].client->Join("g", 2, r, kToken, daemons_[0]->peer_address());
-      ASSERT_TRUE(joined.ok()) << "rank " << r << ": " << joined;
-    });
+    (void)::flatshard::testing::LeaveSurvivors(ranks);
+    ::flatshard::testing::GroupOptions g;
+    g.token = kToken;
+    g.coordinator = daemons_[0]->peer_address();
+    g.connect = [&](int r) {
+      return Connect(daemons_[r]->address(), r == 1 ? simulated_gpu1_ : simulated_gpu0_);
+    };
+    ::flatshard::testing::JoinRanks(ranks, g);
   }
   void Register(std::vector<Rank>& ranks, uint64_t generation) {
-    const std::string manifest = ExampleModelFile("gpt_tied", "manifest");
-    const std::string policy = ExampleModelFile("gpt_tied", "policy");
-    RunRanks(2, [&](int r) {
-      absl::StatusOr<RegisteredModule> m =
-          ranks[r].client->Register("", manifest, policy, InitMode::kZeros);
-      ASSERT_TRUE(m.ok()) << "rank " << r << ": " << m.status();
-      EXPECT_EQ(m->generation, generation) << "rank " << r;
-      ranks[r].model = *std::move(m);
-    });
+    ::flatshard::testing::RegisterExample(ranks, "gpt_tied", generation);
   }
   void Commit(std::vector<Rank>& ranks, uint64_t g) {
     RunRanks(2, [&](int r) {
@@ -431,6 +404,8 @@ class StateRestartTest : public RestartTest {
     });
   }
 };
+
+using ::flatshard::testing::ExpectEveryRankLostItsModule;
 
 // After a re-join: every rank of a two-daemon group holds its one module, none lost.
 inline void ExpectEveryRankKeptItsModule(std::vector<Rank>& ranks) {

@@ -20,6 +20,7 @@
 #include "server/collective/inproc/inproc_transport.h"
 #include "server/collective/ring_algorithms.h"
 #include "tests/server/collective/backend_conformance.h"
+#include "tests/server/collective/ring_scratch_testing.h"
 #include "tests/testing/rank_group.h"
 
 namespace flatshard::collective::testing {
@@ -328,22 +329,11 @@ TEST(HierarchicalScratchTest, ReduceScatterScratchGoesBackToThePool) {
   RingOptions o;
   o.node_of_rank = {0, 0, 1, 1};
   o.scratch = ScratchPool::Create(nullptr);
-  auto comm = NewRingCommunicator(GroupSpec::AllLocal("g", kWorld),
-                                  std::make_shared<InprocTransport>(kWorld), o)
-                  .value();
-  std::vector<std::vector<float>> in(kWorld, std::vector<float>(kShard * kWorld, 1.0f));
-  std::vector<std::vector<float>> out(kWorld, std::vector<float>(kShard));
-  for (uint64_t op = 1; op <= 3; ++op) {
-    RunRanks(kWorld, [&](int r) {
-      DoneRecorder done;
-      comm->ReduceScatter(ConstBuffer{in[r].data(), kShard * kWorld * 4, DType::kFloat32},
-                          MutableBuffer{out[r].data(), kShard * 4, DType::kFloat32}, ReduceOp::kSum,
-                          Opts(r, op), done.Callback());
-      EXPECT_TRUE(done.Wait().ok()) << done.status();
-      EXPECT_EQ(out[r][0], 4.0f);
-    });
+  const std::vector<size_t> idle = IdleScratchAfterReduceScatters(o, kWorld, kShard, 3);
+  ASSERT_EQ(idle.size(), 3u);
+  for (size_t op = 0; op < idle.size(); ++op) {
     // Each rank's W*S scratch is back; later ops reuse it instead of allocating more.
-    EXPECT_EQ(o.scratch->idle_bytes(), kWorld * kWorld * kShard * 4) << "op " << op;
+    EXPECT_EQ(idle[op], kWorld * kWorld * kShard * 4) << "op " << op + 1;
   }
 }
 
@@ -354,21 +344,10 @@ TEST(HierarchicalScratchTest, PipelinedReduceScatterHoldsOneSlotPerChunkInFlight
   o.node_of_rank = {0, 0, 1, 1};
   o.scratch = ScratchPool::Create(nullptr);
   o.pipeline_chunk_bytes = 64;
-  auto comm = NewRingCommunicator(GroupSpec::AllLocal("g", kWorld),
-                                  std::make_shared<InprocTransport>(kWorld), o)
-                  .value();
-  std::vector<std::vector<float>> in(kWorld, std::vector<float>(kShard * kWorld, 1.0f));
-  std::vector<std::vector<float>> out(kWorld, std::vector<float>(kShard));
-  RunRanks(kWorld, [&](int r) {
-    DoneRecorder done;
-    comm->ReduceScatter(ConstBuffer{in[r].data(), kShard * kWorld * 4, DType::kFloat32},
-                        MutableBuffer{out[r].data(), kShard * 4, DType::kFloat32}, ReduceOp::kSum,
-                        Opts(r, 1), done.Callback());
-    EXPECT_TRUE(done.Wait().ok()) << done.status();
-    EXPECT_THAT(out[r], ::testing::Each(4.0f));
-  });
+  const std::vector<size_t> idle = IdleScratchAfterReduceScatters(o, kWorld, kShard, 1);
+  ASSERT_EQ(idle.size(), 1u);
   // 2 nodes: 2 chunks in flight, each with W chunks of scratch, per rank.
-  EXPECT_EQ(o.scratch->idle_bytes(), kWorld * 2 * kWorld * 64);
+  EXPECT_EQ(idle[0], kWorld * 2 * kWorld * 64);
 }
 
 }  // namespace

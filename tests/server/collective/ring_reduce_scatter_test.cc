@@ -18,6 +18,7 @@
 #include "server/collective/inproc/inproc_transport.h"
 #include "server/collective/ring_algorithms.h"
 #include "tests/server/collective/backend_conformance.h"
+#include "tests/server/collective/ring_scratch_testing.h"
 #include "tests/testing/rank_group.h"
 
 namespace flatshard::collective::testing {
@@ -175,24 +176,12 @@ TEST(RingReduceScatterTest, ScratchIsAFewChunksNotTwoBlocks) {
   RingOptions o;
   o.scratch = ScratchPool::Create(nullptr);
   o.pipeline_chunk_bytes = 64;
-  auto comm = NewRingCommunicator(GroupSpec::AllLocal("g", kWorld),
-                                  std::make_shared<InprocTransport>(kWorld), o)
-                  .value();
-  std::vector<std::vector<float>> in(kWorld, std::vector<float>(kShard * kWorld, 1.0f));
-  std::vector<std::vector<float>> out(kWorld, std::vector<float>(kShard));
-  for (uint64_t op = 1; op <= 2; ++op) {
-    RunRanks(kWorld, [&](int r) {
-      DoneRecorder done;
-      comm->ReduceScatter(ConstBuffer{in[r].data(), kShard * kWorld * 4, DType::kFloat32},
-                          MutableBuffer{out[r].data(), kShard * 4, DType::kFloat32}, ReduceOp::kSum,
-                          Opts(r, op), done.Callback());
-      EXPECT_TRUE(done.Wait().ok()) << done.status();
-      EXPECT_THAT(out[r], ::testing::Each(4.0f));
-    });
+  const std::vector<size_t> idle = IdleScratchAfterReduceScatters(o, kWorld, kShard, 2);
+  ASSERT_EQ(idle.size(), 2u);
+  for (size_t op = 0; op < idle.size(); ++op) {
     // Per rank a send and a receive chunk for each of the window's 2 chunks, back in the pool
     // (and reused by the second op) instead of 2 blocks of 1 KiB.
-    EXPECT_EQ(o.scratch->idle_bytes(), kWorld * 2 * RingReduceScatterSteps::kWindow * 64)
-        << "op " << op;
+    EXPECT_EQ(idle[op], kWorld * 2 * RingReduceScatterSteps::kWindow * 64) << "op " << op + 1;
   }
 }
 
