@@ -395,6 +395,11 @@ void Modules::AgreeEnd(std::shared_ptr<const WritebackEnd> end,
         absl::StrCat("the writeback of summon ", summon), deadline,
         [this, end = std::move(end), owned = std::move(owned), done = std::move(done)](
             absl::Status s, bool stale) mutable {
+          if (s.ok() && end->is_init && internal::TestingInitAgreementFails(end->caller.rank)) {
+            s = absl::UnavailableError(absl::StrCat(
+                "group ", end->caller.group, ": the agreement's all-gather failed on rank ",
+                end->caller.rank, " alone (--testing_init_end_fails)"));
+          }
           if (s.ok()) {
             ApplyEnd(std::move(end), std::move(owned), std::move(done));
             return;

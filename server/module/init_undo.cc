@@ -7,6 +7,7 @@
 // (internal::InitUndoneEverywhere) and every rank's next Register runs it again, instead of
 // dropping the module as lost.
 
+#include <atomic>
 #include <string>
 #include <utility>
 #include <vector>
@@ -29,9 +30,20 @@ ABSL_FLAG(std::string, testing_pause_init, "",
           "registration, this daemon has not recorded it) or end_before_intent (every rank "
           "agreed to an init End, this daemon has not recorded it).");
 
+ABSL_FLAG(int, testing_init_end_fails, -1,
+          "Testing only: the first init End of rank R on this daemon fails as if the "
+          "agreement's all-gather had failed on that rank alone (as when a peer daemon dies "
+          "mid-collective), although every rank agreed and the others apply. -1: never.");
+
 namespace flatshard::server {
 
 using internal::Display;
+
+bool internal::TestingInitAgreementFails(int32_t rank) {
+  static std::atomic<bool> fired{false};
+  if (rank != absl::GetFlag(FLAGS_testing_init_end_fails)) return false;
+  return !fired.exchange(true);
+}
 
 void internal::TestingPauseInit(const char* point) {
   static const std::pair<std::string, absl::Duration> pause = [] {
