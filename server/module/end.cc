@@ -215,8 +215,9 @@ struct Modules::EndStart {
   internal::AgreeRecord record{};
   int32_t world_size = 0;
   bool is_init = false;
-  bool other_daemons = false;  // other daemons host ranks of the group
-  absl::Status reformed;       // the summon predates the group's re-form
+  std::vector<int32_t> init_locals;  // an init End: the daemon's local ranks
+  bool other_daemons = false;        // other daemons host ranks of the group
+  absl::Status reformed;             // the summon predates the group's re-form
   // rank0_only writeback: the buffers rank 0's broadcast lands in that are not at hand yet.
   std::vector<ViewNeed> rank0_needs;
   std::shared_ptr<KeptBuffers> rank0_kept;
@@ -269,6 +270,10 @@ void Modules::EndSummonWritten(const Caller& caller, uint64_t summon, absl::Time
   end->shards = std::move(start.shards);
   end->durable = std::move(start.durable);
   end->is_init = start.is_init;
+  if (start.is_init) {
+    end->slot = owned->slot;
+    end->locals = std::move(start.init_locals);
+  }
   end->generation = start.record.generation;
   end->batched = records_.enabled() && gpus_.empty();
   end->vote = end->batched && start.other_daemons && !start.is_init;
@@ -351,6 +356,8 @@ absl::Status Modules::StartEndLocked(Group& g, const Caller& caller, uint64_t su
   out->coll = g.coll;
   out->world_size = g.world_size;
   out->is_init = !reg.initialized;
+  // Every local rank: the registration before an init is collective over every rank.
+  if (out->is_init) out->init_locals = g.local_ranks;
   out->other_daemons = static_cast<int32_t>(g.local_ranks.size()) < g.world_size;
   internal::AgreeRecord& record = out->record;
   std::memset(&record, 0, sizeof(record));
@@ -395,6 +402,11 @@ void Modules::AgreeEnd(std::shared_ptr<const WritebackEnd> end,
         absl::StrCat("the writeback of summon ", summon), deadline,
         [this, end = std::move(end), owned = std::move(owned), done = std::move(done)](
             absl::Status s, bool stale) mutable {
+          if (s.ok() && end->is_init && internal::TestingInitAgreementFails(end->caller.rank)) {
+            s = absl::UnavailableError(absl::StrCat(
+                "group ", end->caller.group, ": the agreement's all-gather failed on rank ",
+                end->caller.rank, " alone (--testing_init_end_fails)"));
+          }
           if (s.ok()) {
             ApplyEnd(std::move(end), std::move(owned), std::move(done));
             return;
@@ -406,11 +418,16 @@ void Modules::AgreeEnd(std::shared_ptr<const WritebackEnd> end,
           }
           if (end->batched) records_.EndNotApplied(end->caller, end->module, end->k);
           if (stale) RollbackRank(end->caller, end->module);
-          FinishEnd(end->caller, end->summon,
-                    absl::Status(s.code(),
-                                 absl::StrCat("summon ", end->summon,
-                                              ": no rank's writeback was applied: ", s.message())),
-                    std::move(done));
+          absl::Status failed(s.code(),
+                              absl::StrCat("summon ", end->summon,
+                                           ": no rank's writeback was applied: ", s.message()));
+          if (end->is_init) {
+            // Another local rank's agreement may have passed (a torn all-gather): it must
+            // not initialise the module here alone.
+            end->SettleInit(*this, std::move(failed), std::move(done));
+            return;
+          }
+          FinishEnd(end->caller, end->summon, std::move(failed), std::move(done));
         });
 }
 
@@ -450,10 +467,13 @@ void Modules::ApplyEnd(std::shared_ptr<const WritebackEnd> end, std::unique_ptr<
                              /*applying=*/false, absl::OkStatus(), nullptr);
     }
     if (end->batched) records_.EndNotApplied(end->caller, end->module, end->k);
-    FinishEnd(end->caller, end->summon,
-              absl::UnavailableError(absl::StrCat("summon ", end->summon,
-                                                  ": no rank's writeback was applied: ", *dropped)),
-              std::move(done));
+    absl::Status failed = absl::UnavailableError(
+        absl::StrCat("summon ", end->summon, ": no rank's writeback was applied: ", *dropped));
+    if (end->is_init) {
+      end->SettleInit(*this, std::move(failed), std::move(done));
+      return;
+    }
+    FinishEnd(end->caller, end->summon, std::move(failed), std::move(done));
     return;
   }
   absl::AnyInvocable<void(absl::Status)> finish = [this, end,
@@ -615,21 +635,16 @@ void Modules::FinishAppliedEnd(const WritebackEnd& end, absl::Status s, StatusCa
                                                        Display(end.module), ": ",
                                                        reg.uninitialized_why, "; register again"));
       }
-      if (s.ok()) {
-        if (end.is_init) {
-          reg.initialized = true;
-          reg.uninitialized_why.clear();
-          FS_LOG(INFO) << "group=" << end.caller.group << " rank=" << end.caller.rank
-                       << " module=" << Display(end.module)
-                       << " initialised on every rank (generation 0)";
-        } else {
-          reg.generation[end.caller.rank] = end.generation + 1;
-        }
-      }
+      if (s.ok() && !end.is_init) reg.generation[end.caller.rank] = end.generation + 1;
       DoneCopying(g, reg, &run);
     }
   }
   run.Run();
+  if (end.is_init) {
+    // Initialised here only once every local rank's init End applied (init_undo.cc).
+    end.SettleInit(*this, std::move(s), std::move(done));
+    return;
+  }
   FinishEnd(end.caller, end.summon, std::move(s), std::move(done));
 }
 

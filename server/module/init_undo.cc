@@ -6,7 +6,14 @@
 // initial values, so the re-form undoes the initialisation on every daemon
 // (internal::InitUndoneEverywhere) and every rank's next Register runs it again, instead of
 // dropping the module as lost.
+// Within one daemon the init is decided once for all its local ranks (SettleInit): their init
+// Ends may split (an all-gather torn by a peer's death completes on one rank and fails on
+// another, or one rank's writeback fails), and a rank whose init never applied must not see
+// the module as usable (its shard holds zeros, not the model). A daemon left so reports the
+// module not initialised, and the re-form undoes the init on the daemons that completed it.
 
+#include <atomic>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,6 +29,7 @@
 #include "server/module/init_undo.h"
 #include "server/module/modules.h"
 #include "server/module/unit_ops.h"
+#include "server/module/writeback_end.h"
 
 ABSL_FLAG(std::string, testing_pause_init, "",
           "Testing only: \"POINT:DURATION\" pauses this daemon for DURATION inside every "
@@ -29,9 +37,61 @@ ABSL_FLAG(std::string, testing_pause_init, "",
           "registration, this daemon has not recorded it) or end_before_intent (every rank "
           "agreed to an init End, this daemon has not recorded it).");
 
+ABSL_FLAG(int, testing_init_end_fails, -1,
+          "Testing only: the first init End of rank R on this daemon fails as if the "
+          "agreement's all-gather had failed on that rank alone (as when a peer daemon dies "
+          "mid-collective), although every rank agreed and the others apply. -1: never.");
+
 namespace flatshard::server {
 
 using internal::Display;
+
+bool internal::TestingInitAgreementFails(int32_t rank) {
+  static std::atomic<bool> fired{false};
+  if (rank != absl::GetFlag(FLAGS_testing_init_end_fails)) return false;
+  return !fired.exchange(true);
+}
+
+void Modules::WritebackEnd::SettleInit(Modules& modules, absl::Status own,
+                                       StatusCallback done) const {
+  // Every local rank's init End gets here once it agreed (applied, failed, or its module
+  // dropped), so no wait outlasts the slowest local rank's End; a failure answers at once.
+  absl::Status part =
+      own.ok() ? own
+               : absl::Status(own.code(), absl::StrCat("rank ", caller.rank,
+                                                       "'s init End failed: ", own.message()));
+  modules.assembly_.Arrive(
+      slot, caller.rank, locals, std::move(part), std::nullopt,
+      absl::StrCat("group ", caller.group, ": the init End of summon ", summon),
+      [&modules, caller = caller, summon = summon, module = module, own = std::move(own),
+       done = std::move(done)](absl::Status verdict) mutable {
+        absl::Status answer = std::move(own);  // a rank whose own End failed keeps its error
+        {
+          std::shared_ptr<Group> held = modules.table_.FindOrGone(caller.group);
+          Group& g = *held;
+          absl::MutexLock lock(&g.mu);
+          auto found = g.removed ? g.registered.end() : g.registered.find(module);
+          if (answer.ok() && found != g.registered.end()) {
+            Registered& reg = found->second;
+            // With records, initialized is already set once every local rank's copies are
+            // (Records::MarkCommitDoneLocked): every local rank applied then.
+            if (verdict.ok() || reg.initialized) {
+              reg.initialized = true;
+              reg.uninitialized_why.clear();
+              FS_LOG(INFO) << "group=" << caller.group << " rank=" << caller.rank
+                           << " module=" << Display(module)
+                           << " initialised (generation 0): every local rank's init End applied";
+            } else {
+              answer = absl::FailedPreconditionError(
+                  absl::StrCat("summon ", summon, ": module ", Display(module),
+                               ": its initial values did not commit on every rank of this daemon (",
+                               verdict.message(), "); register it again on every rank"));
+            }
+          }
+        }
+        modules.FinishEnd(caller, summon, std::move(answer), std::move(done));
+      });
+}
 
 void internal::TestingPauseInit(const char* point) {
   static const std::pair<std::string, absl::Duration> pause = [] {

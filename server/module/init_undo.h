@@ -1,7 +1,10 @@
 #pragma once
-// A module's initialisation across daemons (init_undo.cc): what a daemon killed during it
-// leaves is undone on every daemon at the re-form (Modules::UndoInitLocked), and the testing
-// kill points inside it.
+// A module's initialisation across local ranks and daemons (init_undo.cc): decided once per
+// daemon for all its local ranks (Modules::WritebackEnd::SettleInit); what a daemon killed
+// during it leaves is undone on every daemon at the re-form (Modules::UndoInitLocked); and the
+// testing kill and failure points inside it.
+
+#include <cstdint>
 
 namespace flatshard::server::internal {
 
@@ -10,5 +13,9 @@ namespace flatshard::server::internal {
 // recorded it) or "end_before_intent" (every rank agreed to the init End, this daemon has not
 // recorded its init intent).
 void TestingPauseInit(const char* point);
+
+// --testing_init_end_fails=R: true once, for the first init End of rank `rank` == R on this
+// daemon whose agreement passed: it then fails as if its all-gather had failed on it alone.
+bool TestingInitAgreementFails(int32_t rank);
 
 }  // namespace flatshard::server::internal

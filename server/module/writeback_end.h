@@ -1,6 +1,6 @@
 #pragma once
 // Modules::WritebackEnd: the state every step of a writeback End after its agreement shares
-// (end.cc, end_vote.cc).
+// (end.cc, end_vote.cc; an init End settles in init_undo.cc).
 
 #include <cstdint>
 #include <memory>
@@ -33,6 +33,16 @@ struct Modules::WritebackEnd {
   std::shared_ptr<collective::CollectiveGroup> coll;  // the vote's
   int32_t world_size = 0;
   absl::Time deadline;
+  // An init End: its summon's slot, where the daemon's local ranks' init Ends meet
+  // (NodeAssembly), and those ranks.
+  std::shared_ptr<SummonSlot> slot;
+  std::vector<int32_t> locals;
+
+  // An init End of this rank ended here with `own` (OK: applied into its shards). The daemon
+  // decides the initialisation once for all its local ranks: initialised when every one's
+  // applied, else no local rank's End is OK. `done` gets this rank's answer once decided
+  // (init_undo.cc).
+  void SettleInit(Modules& modules, absl::Status own, StatusCallback done) const;
 
   uint64_t target() const { return is_init ? generation : generation + 1; }
   const char* kind() const { return is_init ? "init" : "end"; }

@@ -260,7 +260,10 @@ class SummonedParams {
   // committed, see Client::Commit), or, if a rank died (UNAVAILABLE naming it, at once) or
   // missed the deadline (DEADLINE_EXCEEDED naming it), no rank's is. The init summon of a
   // registration commits the initial values the same way; until it did on every rank the
-  // module is not usable (Register it again on every rank).
+  // module is not usable (Register it again on every rank). A daemon decides it once for all
+  // its ranks: if one of them fails its init End although every rank agreed (its agreement
+  // torn by a daemon's death), no init End of that daemon's ranks is OK (FAILED_PRECONDITION
+  // naming that rank) and none of them sees the module as initialised.
   // Over several daemons with a state directory a failure of the group after every rank's
   // End agreed (a daemon killed, a rank's session ended) may fail the other ranks' End with
   // "the writeback of summon S (generation G) did not complete on this rank: ..."; the shards
