@@ -577,8 +577,8 @@ void Daemon::Shutdown() {
   if (checkpoint_peer_) checkpoint_peer_->Stop();  // its calls use groups_
   if (acceptor_) acceptor_->Stop();                // no new connections while the server drains
   if (server_ != nullptr) server_->Shutdown(deadline);
-  // The calls are finished; the bodies that finish none (a lease's EndSession) run now, before
-  // the groups and the store go.
+  // The calls are finished; the bodies that finish none (a lease's EndSession, a weights
+  // lease's release) run now, before the groups and the store go.
   request_workers_.reset();
   if (weights_link_) weights_link_->Shutdown();  // after the copies that use it ended
   // --keep_shards (with --state_dir): shards, gradient shards and committed copies stay with

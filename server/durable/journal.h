@@ -3,7 +3,7 @@
 // that a commit's durability costs one append of the modules it changed and one fsync,
 // whatever the number of modules (README "Restarts"; StateDir writes and reads it).
 //
-// The record file "group-<hex>.json" (state_dir.h) is the base; "group-<hex>.journal" beside
+// The record file "group-<hex>.json" (record_codec.h) is the base; "group-<hex>.journal" beside
 // it is a sequence of frames, each a header line and a body:
 //   {"journal":"flatshard.journal/1","base":B,"sequence":S,"body_bytes":N,"body_sha256":"<hex>"}\n
 //   {"group":{<the record's fields but "sequence" and "modules">},
@@ -21,7 +21,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "server/durable/state_dir.h"
+#include "common/file_system.h"
+#include "server/durable/record_codec.h"
 
 namespace flatshard::server::state {
 

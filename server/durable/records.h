@@ -1,6 +1,6 @@
 #pragma once
 // Records: the durability owner. It keeps each group's crash-consistent record in the state
-// directory (--state_dir; server/durable/state_dir.h has the format): snapshots of a group's
+// directory (--state_dir; server/durable/record_codec.h has the format): snapshots of a group's
 // durable buffers and commit intents, written after the group's lock in the order they were
 // taken; the commit intents of Commit, writeback Ends and checkpoint loads (a torn committed
 // copy is never adopted); the copies into the committed copies; adoption of the records a

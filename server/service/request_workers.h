@@ -1,7 +1,8 @@
 #pragma once
 // RequestWorkers: the threads on which the daemon's services (ShardService; AdminService's
-// DeleteGroup, WeightsService's DropWeights) run the bodies of calls that may take long, so that
-// no gRPC callback thread does that work. One per daemon (Daemon owns it).
+// DeleteGroup, WeightsService's DropWeights and OpenWeights' lease releases) run the bodies of
+// calls that may take long, so that no gRPC callback thread does that work. One per daemon
+// (Daemon owns it).
 //
 // Why: gRPC runs every callback handler and stream of the process (ShardService, admin,
 // weights, the peer streams) on a few shared threads (as many as cores, at most 16). A body

@@ -101,9 +101,9 @@ class OpenReactor final : public grpc::ServerWriteReactor<v1::OpenWeightsRespons
  public:
   // `puller` (may be null): the version is first copied from --weights_sources when needed,
   // on the puller's thread; the call counts as writing meanwhile (a cancel waits for it).
-  OpenReactor(Publisher* publisher, WeightsPuller* puller, absl::StatusOr<int64_t> uid,
-              const v1::OpenWeightsRequest& request)
-      : publisher_(publisher), stream_(std::make_shared<LeaseStream>(this)) {
+  OpenReactor(Publisher* publisher, RequestWorkers* workers, WeightsPuller* puller,
+              absl::StatusOr<int64_t> uid, const v1::OpenWeightsRequest& request)
+      : publisher_(publisher), workers_(workers), stream_(std::make_shared<LeaseStream>(this)) {
     absl::StatusOr<WeightsSelector> sel = SelectorOf("OpenWeights", request.selector());
     absl::Status s = uid.ok() ? sel.status() : uid.status();
     if (!s.ok()) {
@@ -138,8 +138,15 @@ class OpenReactor final : public grpc::ServerWriteReactor<v1::OpenWeightsRespons
   }
 
  private:
+  // The last lease of a dropped or trimmed version frees it: an munmap of up to GiBs
+  // (0.16 s/GiB), so the release runs on a request worker (a strand per lease), never on the
+  // gRPC thread or the publisher's Shutdown that ended the stream. Posted by OnDone at the
+  // latest, so Daemon::Shutdown runs it after the server stopped, before the store stops.
   void Release() {
-    if (lease_ != 0) publisher_->Release(std::exchange(lease_, 0));
+    if (lease_ == 0) return;
+    const uint64_t lease = std::exchange(lease_, 0);
+    workers_->Post(absl::StrCat("OpenWeights lease ", lease),
+                   [publisher = publisher_, lease] { publisher->Release(lease); });
   }
   // Takes the lease and writes the descriptor (unless `s` refused it already).
   void OpenNow(const WeightsSelector& sel, int64_t uid, absl::Status s) {
@@ -161,6 +168,7 @@ class OpenReactor final : public grpc::ServerWriteReactor<v1::OpenWeightsRespons
   }
 
   Publisher* const publisher_;
+  RequestWorkers* const workers_;
   const std::shared_ptr<LeaseStream> stream_;
   v1::OpenWeightsResponse response_;
   uint64_t lease_ = 0;  // 0: none (refused, or released)
@@ -405,7 +413,7 @@ grpc::ServerUnaryReactor* WeightsServiceImpl::Publish(grpc::CallbackServerContex
 
 grpc::ServerWriteReactor<v1::OpenWeightsResponse>* WeightsServiceImpl::OpenWeights(
     grpc::CallbackServerContext* ctx, const v1::OpenWeightsRequest* request) {
-  return new OpenReactor(publisher_, puller_, CallerUid(ctx), *request);
+  return new OpenReactor(publisher_, workers_, puller_, CallerUid(ctx), *request);
 }
 
 grpc::ServerWriteReactor<v1::PublishedVersion>* WeightsServiceImpl::WatchWeights(

@@ -1,8 +1,9 @@
 #pragma once
 // WeightsService over gRPC's callback API (README "Publishing weights"): validate, convert,
 // call the Publisher, finish. Publish finishes from the publisher's completion callback; the
-// OpenWeights stream is a reader's lease (its end, however it comes, releases it) and
-// WatchWeights streams new versions as the publisher reports them. Thread-safe.
+// OpenWeights stream is a reader's lease (its end, however it comes, releases it, on the
+// request workers) and WatchWeights streams new versions as the publisher reports them.
+// Thread-safe.
 
 #include "absl/time/time.h"
 #include "flatshard/v1/weights_service.grpc.pb.h"
@@ -22,7 +23,8 @@ class WeightsServiceImpl final : public v1::WeightsService::CallbackService {
   // outlive the service. `default_wait` bounds a Publish whose RPC carries no deadline.
   // `puller` (may be null: no --weights_sources): OpenWeights copies versions from the
   // sources first (weights_puller.h).
-  // `workers` (must outlive the service) runs DropWeights (files removed, segments unmapped).
+  // `workers` (must outlive the service) runs DropWeights (files removed, segments unmapped)
+  // and the release of each OpenWeights lease (its version's last one unmaps it).
   WeightsServiceImpl(Publisher* publisher, RequestWorkers* workers,
                      const access::AccessControl* access, absl::Duration default_wait,
                      WeightsPuller* puller = nullptr)
