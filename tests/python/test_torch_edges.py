@@ -229,6 +229,8 @@ def test_save_checkpoint_refuses_uncommitted_steps(daemon, tmp_path):
 
     def check(rank, c):
         fs = wrap(c)
+        # A load needs no summon open on any rank: every rank's wrap (its summons) first.
+        barrier.wait(20)
         if rank == 0:
             fs.load_checkpoint(str(tmp_path / "good"))
         barrier.wait(20)
