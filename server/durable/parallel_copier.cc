@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/bulk_copy.h"
+
 namespace flatshard::server {
 
 ParallelCopier::ParallelCopier(int helpers, size_t chunk_bytes)
@@ -31,14 +33,16 @@ void ParallelCopier::Work(Batch& batch) {
   for (size_t i = batch.next.fetch_add(1); i < batch.chunks.size(); i = batch.next.fetch_add(1)) {
     const Copy& c = batch.chunks[i];
     if (c.also == nullptr) {
-      std::memcpy(c.dst, c.src, c.bytes);
+      BulkCopy(c.dst, c.src, c.bytes, batch.stream);
     } else {
       // Pieces small enough to stay in L2 between the two copies.
       constexpr size_t kPiece = size_t{256} << 10;
       for (size_t at = 0; at < c.bytes; at += kPiece) {
         const size_t n = std::min(kPiece, c.bytes - at);
-        std::memcpy(static_cast<char*>(c.dst) + at, static_cast<const char*>(c.src) + at, n);
-        std::memcpy(static_cast<char*>(c.also) + at, static_cast<const char*>(c.src) + at, n);
+        BulkCopy(static_cast<char*>(c.dst) + at, static_cast<const char*>(c.src) + at, n,
+                 batch.stream);
+        BulkCopy(static_cast<char*>(c.also) + at, static_cast<const char*>(c.src) + at, n,
+                 batch.stream);
       }
     }
     ++copied;
@@ -50,7 +54,9 @@ void ParallelCopier::Work(Batch& batch) {
 
 void ParallelCopier::Run(const std::vector<Copy>& copies) {
   auto batch = std::make_shared<Batch>();
+  size_t total = 0;
   for (const Copy& c : copies) {
+    total += c.also == nullptr ? c.bytes : 2 * c.bytes;
     for (size_t at = 0; at < c.bytes; at += chunk_bytes_) {
       batch->chunks.push_back(Copy{static_cast<char*>(c.dst) + at,
                                    static_cast<const char*>(c.src) + at,
@@ -58,6 +64,7 @@ void ParallelCopier::Run(const std::vector<Copy>& copies) {
                                    c.also == nullptr ? nullptr : static_cast<char*>(c.also) + at});
     }
   }
+  batch->stream = BulkShouldStream(total);
   const size_t n = batch->chunks.size();
   if (n >= 2 && helpers_ > 0) {
     absl::MutexLock lock(&mu_);

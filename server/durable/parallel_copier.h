@@ -44,6 +44,7 @@ class ParallelCopier {
  private:
   struct Batch {
     std::vector<Copy> chunks;
+    bool stream = false;  // a large batch: its stores bypass the caches (common/bulk_copy.h)
     std::atomic<size_t> next{0};
     absl::Mutex mu;
     size_t done ABSL_GUARDED_BY(mu) = 0;

@@ -5,6 +5,7 @@
 #include <iterator>
 #include <utility>
 
+#include "common/bulk_copy.h"
 #include "server/module/foreground_copies.h"
 
 namespace flatshard::server {
@@ -18,6 +19,9 @@ PendingCopy::PendingCopy(const std::vector<ParallelCopier::Copy>& copies,
                          std::min(chunk_bytes, c.bytes - at)});
     }
   }
+  size_t total = 0;
+  for (const ParallelCopier::Copy& c : chunks_) total += c.bytes;
+  stream_ = BulkShouldStream(total);
   if (chunks_.empty()) hold_.clear();
 }
 
@@ -32,7 +36,7 @@ void PendingCopy::CopyInBackground() {
        ForegroundCopies::Shared().WaitIdle()) {
     const size_t i = next_.fetch_add(1);
     if (i >= chunks_.size()) break;
-    std::memcpy(chunks_[i].dst, chunks_[i].src, chunks_[i].bytes);
+    BulkCopy(chunks_[i].dst, chunks_[i].src, chunks_[i].bytes, stream_);
     Done(1);
   }
 }

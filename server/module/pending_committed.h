@@ -74,7 +74,8 @@ class PendingCopy {
   bool AllDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done_ == chunks_.size(); }
 
   std::vector<ParallelCopier::Copy> chunks_;  // read-only once made
-  std::atomic<size_t> next_{0};               // the first chunk nobody has claimed
+  bool stream_ = false;  // a large copy: streamed stores (common/bulk_copy.h); set once made
+  std::atomic<size_t> next_{0};  // the first chunk nobody has claimed
   mutable absl::Mutex mu_;
   size_t done_ ABSL_GUARDED_BY(mu_) = 0;  // chunks copied
   std::vector<std::shared_ptr<Buffer>> hold_ ABSL_GUARDED_BY(mu_);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/bulk_copy.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/collective/deadline_timer.h"
@@ -196,8 +197,9 @@ absl::Status InprocCore::ExecuteCopies(uint64_t op_seq, const OpDescriptor& desc
   }
   FS_RETURN_IF_ERROR(CheckOverlaps(std::move(writes), reads, false, op_seq, desc));
 
+  const bool stream = BulkShouldStream(total);
   if (pool_ == nullptr || pool_->num_helpers() == 0 || total < options_.parallel_min_bytes) {
-    for (const CopyTask& t : tasks) std::memcpy(t.dst, t.src, t.bytes);
+    for (const CopyTask& t : tasks) BulkCopy(t.dst, t.src, t.bytes, stream);
     return absl::OkStatus();
   }
   const size_t piece = std::max<size_t>(options_.piece_bytes, 4096);
@@ -207,8 +209,9 @@ absl::Status InprocCore::ExecuteCopies(uint64_t op_seq, const OpDescriptor& desc
       pieces.push_back(CopyTask{t.dst + off, t.src + off, std::min(piece, t.bytes - off)});
     }
   }
-  pool_->ParallelFor(pieces.size(),
-                     [&](size_t i) { std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].bytes); });
+  pool_->ParallelFor(pieces.size(), [&](size_t i) {
+    BulkCopy(pieces[i].dst, pieces[i].src, pieces[i].bytes, stream);
+  });
   return absl::OkStatus();
 }
 
