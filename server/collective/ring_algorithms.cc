@@ -14,6 +14,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/functional/any_invocable.h"
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/logging.h"
@@ -122,6 +123,12 @@ class RankOp : public std::enable_shared_from_this<RankOp> {
   void OnXferDone(const Xfer& x, absl::Status status);
   // The step's transfers are done: check, post-process, advance. Returns whether to go on.
   bool CompleteStep();
+  // Posts `xfers` with `outstanding` counting them plus one for this call, so that their step
+  // cannot complete while they are still being posted; `on_done(x)` makes x's callback.
+  // Returns whether every one of them already finished: then the caller completes the step,
+  // otherwise the last transfer's callback does.
+  bool PostXfers(const std::vector<Xfer>& xfers, std::atomic<int>& outstanding,
+                 absl::FunctionRef<DoneCallback(const Xfer&)> on_done);
   // Whether the step's local work is the step runner's (a reduction), and this is not it.
   bool RunsElsewhere() const;
   // Completes the step and drives on, on the step runner.
@@ -370,21 +377,28 @@ void RankOp::Drive() {
       Finish(absl::OkStatus());
       return;
     }
-    // One extra count so the step cannot complete while transfers are still being posted.
-    outstanding_.store(static_cast<int>(xfers.size()) + 1);
     std::shared_ptr<RankOp> self = shared_from_this();
-    for (const Xfer& x : xfers) {
-      auto cb = [self, x](absl::Status s) { self->OnXferDone(x, std::move(s)); };
-      if (x.send) {
-        core_->transport().Send(rank_, x.peer, MessageTag{op_seq_, x.sub}, x.src, cb);
-      } else {
-        core_->transport().Recv(rank_, x.peer, MessageTag{op_seq_, x.sub}, x.dst, cb);
-      }
+    if (!PostXfers(xfers, outstanding_, [&self](const Xfer& x) -> DoneCallback {
+          return [self, x](absl::Status s) { self->OnXferDone(x, std::move(s)); };
+        })) {
+      return;  // the last transfer callback continues
     }
-    if (outstanding_.fetch_sub(1) != 1) return;  // the last transfer callback continues
     if (RunsElsewhere()) return ContinueOnRunner();
     if (!CompleteStep()) return;
   }
+}
+
+bool RankOp::PostXfers(const std::vector<Xfer>& xfers, std::atomic<int>& outstanding,
+                       absl::FunctionRef<DoneCallback(const Xfer&)> on_done) {
+  outstanding.store(static_cast<int>(xfers.size()) + 1);
+  for (const Xfer& x : xfers) {
+    if (x.send) {
+      core_->transport().Send(rank_, x.peer, MessageTag{op_seq_, x.sub}, x.src, on_done(x));
+    } else {
+      core_->transport().Recv(rank_, x.peer, MessageTag{op_seq_, x.sub}, x.dst, on_done(x));
+    }
+  }
+  return outstanding.fetch_sub(1) == 1;
 }
 
 // The thread on which the runner's work runs (null elsewhere).
@@ -421,18 +435,12 @@ void RankOp::DriveLane(int lane, int s) {
     std::vector<Xfer> xfers;
     flat_rs_->Build(s, &xfers);
     l.step = s;
-    // One extra count so the step cannot complete while transfers are still being posted.
-    l.outstanding.store(static_cast<int>(xfers.size()) + 1);
     std::shared_ptr<RankOp> self = shared_from_this();
-    for (const Xfer& x : xfers) {
-      auto cb = [self, lane](absl::Status st) { self->OnLaneXferDone(lane, std::move(st)); };
-      if (x.send) {
-        core_->transport().Send(rank_, x.peer, MessageTag{op_seq_, x.sub}, x.src, cb);
-      } else {
-        core_->transport().Recv(rank_, x.peer, MessageTag{op_seq_, x.sub}, x.dst, cb);
-      }
+    if (!PostXfers(xfers, l.outstanding, [&self, lane](const Xfer&) -> DoneCallback {
+          return [self, lane](absl::Status st) { self->OnLaneXferDone(lane, std::move(st)); };
+        })) {
+      return;  // the last transfer callback continues
     }
-    if (l.outstanding.fetch_sub(1) != 1) return;  // the last transfer callback continues
     if (t_runner != &core_->runner()) return PostCompleteLaneStep(lane);
     // On the runner: reduce and go on here rather than recursing.
     absl::Status failed;
