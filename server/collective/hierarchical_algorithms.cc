@@ -5,6 +5,7 @@
 #include <map>
 #include <utility>
 
+#include "common/bulk_copy.h"
 #include "common/logging.h"
 #include "server/collective/reduce.h"
 
@@ -75,7 +76,8 @@ bool HierarchicalSteps::Build(int s, std::vector<Xfer>* xfers) {
   const bool ag = call_.desc.kind == CollectiveKind::kAllGather;
   if (s == 0) {
     if (ag && call_.in.begin() != OutBlock(rank_)) {
-      std::memcpy(OutBlock(rank_), call_.in.begin(), call_.desc.bytes);
+      BulkCopy(OutBlock(rank_), call_.in.begin(), call_.desc.bytes,
+               BulkShouldStream(call_.desc.bytes));
     }
     if (!ag) scratch_ = pool_.Acquire(static_cast<size_t>(slots_) * slot_bytes_);
   }

@@ -17,6 +17,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/bulk_copy.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "server/collective/hierarchical_algorithms.h"
@@ -152,7 +153,7 @@ class RankOp : public std::enable_shared_from_this<RankOp> {
   uint8_t* OutBlock(int b) const { return call_.out.begin() + b * call_.desc.bytes; }
   void CopyOwn(uint8_t* dst) const {
     if (call_.desc.bytes > 0 && dst != call_.in.begin()) {
-      std::memcpy(dst, call_.in.begin(), call_.desc.bytes);
+      BulkCopy(dst, call_.in.begin(), call_.desc.bytes, BulkShouldStream(call_.desc.bytes));
     }
   }
 

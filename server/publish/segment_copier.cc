@@ -6,6 +6,7 @@
 #include <cstring>
 #include <thread>
 
+#include "common/bulk_copy.h"
 #include "server/collective/reduce.h"
 
 namespace flatshard::server {
@@ -51,9 +52,9 @@ void Store(DType t, void* p, int64_t i, double v) {
 
 }  // namespace
 
-void ConvertRange(DType from, const void* src, DType to, void* dst, int64_t n) {
+void ConvertRange(DType from, const void* src, DType to, void* dst, int64_t n, bool stream) {
   if (from == to) {
-    std::memcpy(dst, src, static_cast<size_t>(n * ItemSize(from)));
+    BulkCopy(dst, src, static_cast<size_t>(n * ItemSize(from)), stream);
     return;
   }
   if (from == DType::kFloat32 && to == DType::kBFloat16) {
@@ -84,19 +85,22 @@ void CopyRanges(const std::vector<CopyRange>& ranges, int threads, int64_t chunk
     int64_t n;
   };
   std::vector<Chunk> chunks;
+  size_t total = 0;
   for (const CopyRange& r : ranges) {
+    total += static_cast<size_t>(r.n * ItemSize(r.to));
     const int64_t per = std::max<int64_t>(1, chunk_bytes / std::max<int64_t>(1, ItemSize(r.from)));
     for (int64_t first = 0; first < r.n; first += per) {
       chunks.push_back(Chunk{&r, first, std::min(per, r.n - first)});
     }
   }
+  const bool stream = BulkShouldStream(total);
   std::atomic<size_t> next{0};
   auto work = [&] {
     for (size_t k = next++; k < chunks.size(); k = next++) {
       const Chunk& c = chunks[k];
       const CopyRange& r = *c.range;
       ConvertRange(r.from, static_cast<const char*>(r.src) + c.first * ItemSize(r.from), r.to,
-                   static_cast<char*>(r.dst) + c.first * ItemSize(r.to), c.n);
+                   static_cast<char*>(r.dst) + c.first * ItemSize(r.to), c.n, stream);
     }
   };
   const int extra =

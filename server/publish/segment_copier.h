@@ -31,8 +31,9 @@ inline constexpr int64_t kCopyChunkBytes = int64_t{8} << 20;
 void CopyRanges(const std::vector<CopyRange>& ranges, int threads,
                 int64_t chunk_bytes = kCopyChunkBytes);
 
-// Converts `n` elements (memcpy when `from` == `to`). REQUIRES: IsFloatingPoint of both
-// where they differ.
-void ConvertRange(DType from, const void* src, DType to, void* dst, int64_t n);
+// Converts `n` elements (memcpy when `from` == `to`, with streamed stores when `stream`: part
+// of a large transfer, common/bulk_copy.h). REQUIRES: IsFloatingPoint of both where they
+// differ.
+void ConvertRange(DType from, const void* src, DType to, void* dst, int64_t n, bool stream = false);
 
 }  // namespace flatshard::server
