@@ -15,9 +15,11 @@
 
 namespace flatshard {
 
-// Transfers of at least this many bytes in all stream their stores (the caches hold at most a
-// few MiB per core; below it the destination may still be read from them).
-inline constexpr size_t kBulkStreamMinBytes = size_t{8} << 20;
+// Transfers of at least this many bytes in all stream their stores: about a server's
+// last-level cache, beyond which the destination cannot stay cached for its reader (the
+// trainer reads a summoned unit, the optimizer its shards, right after). Below it a copy
+// stays as before, so that a mid-sized unit still reaches its reader through the cache.
+inline constexpr size_t kBulkStreamMinBytes = size_t{32} << 20;
 
 // Copies `bytes` from `src` to `dst` (which must not overlap), as memcpy. With `stream` the
 // stores are non-temporal where the CPU has them (x86-64; elsewhere memcpy), and are ordered
