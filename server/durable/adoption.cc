@@ -432,6 +432,37 @@ absl::Status Records::AdoptModule(const state::GroupRecord& rec, const state::Mo
   for (const state::RankRecord& rr : m.ranks) ranks.push_back(rr.rank);
   if (!FinishCommitUnderWay(rec, m, ranks, reg)) return absl::OkStatus();
   if (!reg.initialized) return absl::OkStatus();  // its buffers go: it was never initialised
+  // A registration of zeros installs (and records) one local rank at a time: a kill between
+  // two leaves an initialised record without some local rank, which could then neither
+  // re-attach nor register (ALREADY_EXISTS). Nothing was committed on it yet (generation 0,
+  // zeros everywhere), so it is not adopted, as when no rank's install was recorded: every
+  // rank registers it again (other daemons undo theirs at the re-form, init_undo.cc).
+  std::vector<int32_t> missing;
+  for (int32_t r : rec.local_ranks) {
+    if (std::find(ranks.begin(), ranks.end(), r) == ranks.end()) missing.push_back(r);
+  }
+  if (!missing.empty()) {
+    bool untrained = m.voted == 0 && !m.pending.has_value();
+    for (int32_t r : ranks) untrained = untrained && reg.generation[r] == 0;
+    if (untrained) {
+      FS_LOG(WARNING) << "group=" << rec.id << ": module " << Display(m.name)
+                      << " not adopted: its registration was recorded for "
+                      << internal::RankListText(ranks) << " but not for "
+                      << internal::RankListText(missing)
+                      << " (the daemon died between their installs); every rank registers it "
+                         "again";
+      return absl::OkStatus();
+    }
+    std::string why =
+        absl::StrCat("group ", rec.id, ": module ", Display(m.name),
+                     " lost: after the daemon restarted its record holds no shards "
+                     "of local ",
+                     internal::RankListText(missing), "; register it afresh on every rank");
+    FS_LOG(WARNING) << why;
+    g.lost[m.name] = std::move(why);
+    ++summary->lost_modules;
+    return absl::OkStatus();
+  }
   // Ranks that voted for a Commit the kill left undecided keep their shards: the first
   // formation rolls them forward or back (commit_votes.cc).
   reg.voted.assign(rec.world_size, 0);

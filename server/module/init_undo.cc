@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -42,9 +43,30 @@ ABSL_FLAG(int, testing_init_end_fails, -1,
           "agreement's all-gather had failed on that rank alone (as when a peer daemon dies "
           "mid-collective), although every rank agreed and the others apply. -1: never.");
 
+ABSL_FLAG(std::string, testing_pause_register_install, "",
+          "Testing only: \"R:DURATION\" makes the registration of local rank R wait DURATION, "
+          "once every rank agreed, before this daemon installs it, while its other local ranks "
+          "install, record and answer theirs.");
+
 namespace flatshard::server {
 
 using internal::Display;
+
+absl::Duration internal::TestingRegisterInstallPause(int32_t rank) {
+  static const std::pair<int32_t, absl::Duration> pause = [] {
+    const std::string v = absl::GetFlag(FLAGS_testing_pause_register_install);
+    const size_t colon = v.find(':');
+    int32_t r = -1;
+    absl::Duration d;
+    if (colon == std::string::npos || !absl::SimpleAtoi(v.substr(0, colon), &r) || r < 0 ||
+        !absl::ParseDuration(v.substr(colon + 1), &d)) {
+      if (!v.empty()) FS_LOG(ERROR) << "--testing_pause_register_install=" << v << " ignored";
+      return std::make_pair(-1, absl::ZeroDuration());
+    }
+    return std::make_pair(r, d);
+  }();
+  return rank == pause.first ? pause.second : absl::ZeroDuration();
+}
 
 bool internal::TestingInitAgreementFails(int32_t rank) {
   static std::atomic<bool> fired{false};

@@ -195,7 +195,9 @@ class Modules {
                                    std::optional<RegisterResult>* reattached, AfterUnlock* after)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(g.mu);
   // Commits (or drops) a registration once its agreement (server/registration.h) ended.
+  // (--testing_pause_register_install may delay a rank's install: init_undo.h.)
   void FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status);
+  void InstallRegistration(std::shared_ptr<RegisterExchange> x, absl::Status status);
   // The kept-buffer cache of `reg` (made on first use).
   // REQUIRES: the lock of `reg`'s group (KeptOf, ReleaseKept).
   std::shared_ptr<KeptBuffers> KeptOf(Registered& reg);

@@ -6,8 +6,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/logging.h"
 #include "common/planner.h"
 #include "common/status_macros.h"
@@ -204,6 +207,22 @@ absl::Status Modules::StartRegisterLocked(Group& g, const Caller& caller, const 
 }
 
 void Modules::FinishRegister(std::shared_ptr<RegisterExchange> x, absl::Status status) {
+  if (const absl::Duration pause = internal::TestingRegisterInstallPause(x->caller.rank);
+      pause > absl::ZeroDuration() && status.ok()) {
+    // Testing only: on a thread of its own, so whichever thread runs the other local ranks'
+    // installs is not held.
+    FS_LOG(WARNING) << "testing: rank " << x->caller.rank << "'s registration install paused for "
+                    << absl::FormatDuration(pause);
+    std::thread([this, x = std::move(x), pause]() mutable {
+      absl::SleepFor(pause);
+      InstallRegistration(std::move(x), absl::OkStatus());
+    }).detach();
+    return;
+  }
+  InstallRegistration(std::move(x), std::move(status));
+}
+
+void Modules::InstallRegistration(std::shared_ptr<RegisterExchange> x, absl::Status status) {
   const Caller& caller = x->caller;
   AfterUnlock persist;  // the group's record, after mu_
   absl::StatusOr<RegisterResult> result =

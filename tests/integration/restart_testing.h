@@ -233,9 +233,9 @@ class RestartTest : public ::testing::Test {
     });
     if (commit_after) Train(ranks, generation + 1, generation + 1);
   }
-  // Restarts `d` and waits until it has adopted what its state directory holds (it listens
-  // on its socket a little before).
-  bool Restart(DaemonProcess& d) {
+  // Restarts `d` (with `more_flags` added to its flags) and waits until it has adopted what
+  // its state directory holds (it listens on its socket a little before).
+  bool Restart(DaemonProcess& d, const std::vector<std::string>& more_flags = {}) {
     auto count = [&] {
       const std::string log = d.Log();
       int n = 0;
@@ -246,7 +246,7 @@ class RestartTest : public ::testing::Test {
       return n;
     };
     const int before = count();
-    if (!d.Restart()) return false;
+    if (!d.Restart(more_flags)) return false;
     const absl::Time until = absl::Now() + absl::Seconds(20);
     while (count() <= before && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
     return count() > before;
