@@ -373,8 +373,13 @@ absl::StatusOr<std::unique_ptr<SummonedParams>> ClientCore::CallSummon(
     const PreparedSummon& prepared) {
   DropUnlinked();  // views dropped since the last call (e.g. ShardViews) free theirs now
   v1::SummonResponse response;
-  if (absl::Status s =
-          Call("Summon", &Stub::Summon, prepared.request, &response, options_.call_timeout);
+  // The transition lane when it takes the request (one stream message, cheaper than a call),
+  // the unary call otherwise; the daemon runs both alike.
+  std::optional<absl::Status> on_lane =
+      lane_.Summon(prepared.request, &response, options_.call_timeout);
+  if (absl::Status s = on_lane.has_value() ? *on_lane
+                                           : Call("Summon", &Stub::Summon, prepared.request,
+                                                  &response, options_.call_timeout);
       !s.ok()) {
     prepared.end_first.EndEach(PlainEnd());
     return s;

@@ -24,6 +24,7 @@
 #include "client/ordered_calls.h"
 #include "client/riding_ends.h"
 #include "client/segment_cache.h"
+#include "client/transition_lane.h"
 #include "flatshard/client.h"
 #include "flatshard/v1/shard_service.grpc.pb.h"
 
@@ -37,6 +38,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       : options_(std::move(options)),
         channel_(std::move(channel)),
         stub_(v1::ShardService::NewStub(channel_)),
+        lane_(channel_),
         cache_(/*max_entries=*/4096, std::move(apis.opener)),
         events_(std::move(apis.events)) {}
   ~ClientCore();
@@ -176,6 +178,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   const ClientOptions options_;
   const std::shared_ptr<grpc::Channel> channel_;
   const std::unique_ptr<Stub> stub_;  // thread-safe; reused by every call
+  TransitionLane lane_;               // Summons (CallSummon); the unary call when it declines
   SegmentCache cache_;
   StreamEvents events_;
   OrderedCalls ordered_;  // StartSummon's RPCs, in issue order

@@ -47,6 +47,7 @@
 #include "server/service/admin_service_impl.h"
 #include "server/service/answer_interceptor.h"
 #include "server/service/shard_service_impl.h"
+#include "server/service/transition_lane_service.h"
 #include "server/service/weights_service_impl.h"
 #include "server/shard_store.h"
 
@@ -390,6 +391,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(const DaemonConfig& confi
   d->shard_service_ = std::make_unique<ShardServiceImpl>(
       d->groups_.get(), d->request_workers_.get(), config.default_wait, d->access_.get(),
       config.testing_hold_begin_reduce_scatter);
+  d->transition_lane_ = std::make_unique<TransitionLaneService>(d->shard_service_.get());
   // Published weights: copies between daemons over the peer channels (README "Published
   // weights across daemons").
   FS_RETURN_IF_ERROR(WeightsPuller::ValidateSources(config.weights_sources));
@@ -502,6 +504,7 @@ absl::Status Daemon::StartServer(std::shared_ptr<grpc::ServerCredentials> tcp_cr
     builder.AddListeningPort(config_.tcp_address, tcp_credentials, &tcp_port);
   }
   builder.RegisterService(shard_service_.get());
+  builder.RegisterService(transition_lane_.get());
   builder.RegisterService(admin_service_.get());
   builder.RegisterService(weights_service_.get());
   // Plans of large models exceed gRPC's 4 MiB default; bytes never travel here anyway. A
@@ -574,8 +577,9 @@ void Daemon::Shutdown() {
   if (peer_service_) peer_service_->Shutdown();  // pending rendezvous fail, streams end
   if (weights_peer_) weights_peer_->Stop();      // other daemons' WatchVersions streams end
   if (peer_server_) peer_server_->Shutdown(deadline);
-  if (checkpoint_peer_) checkpoint_peer_->Stop();  // its calls use groups_
-  if (acceptor_) acceptor_->Stop();                // no new connections while the server drains
+  if (checkpoint_peer_) checkpoint_peer_->Stop();      // its calls use groups_
+  if (acceptor_) acceptor_->Stop();                    // no new connections while the server drains
+  if (transition_lane_) transition_lane_->Shutdown();  // clients keep lanes open: end them
   if (server_ != nullptr) server_->Shutdown(deadline);
   // The calls are finished; the bodies that finish none (a lease's EndSession, a weights
   // lease's release) run now, before the groups and the store go.

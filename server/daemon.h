@@ -38,6 +38,7 @@ class WeightsPuller;
 class UcxWeightsLink;
 class RequestWorkers;
 class ShardServiceImpl;
+class TransitionLaneService;
 class WeightsServiceImpl;
 class ShardStore;
 namespace access {
@@ -210,6 +211,7 @@ class Daemon {
   // and the store stop.
   std::unique_ptr<RequestWorkers> request_workers_;
   std::unique_ptr<ShardServiceImpl> shard_service_;
+  std::unique_ptr<TransitionLaneService> transition_lane_;  // runs its requests through it
   std::unique_ptr<WeightsServiceImpl> weights_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;
   std::unique_ptr<grpc::Server> server_;

@@ -188,9 +188,12 @@ absl::StatusOr<Caller> ShardServiceImpl::CallerOf(const grpc::CallbackServerCont
 }
 
 absl::Time ShardServiceImpl::WaitDeadline(const grpc::CallbackServerContext* ctx) const {
+  return WaitDeadline(absl::FromChrono(ctx->deadline()));
+}
+
+absl::Time ShardServiceImpl::WaitDeadline(absl::Time client) const {
   const absl::Time now = absl::Now();
   const absl::Time fallback = now + default_wait_;
-  absl::Time client = absl::FromChrono(ctx->deadline());
   // Answer a little before the client gives up, so it gets our message naming the missing
   // ranks rather than a bare "Deadline Exceeded".
   // gRPC rounds the timeout it sends, so the margin grows with the wait (up to a second).
@@ -305,41 +308,66 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Summon(grpc::CallbackServerContext* 
                                                    const v1::SummonRequest* request,
                                                    v1::SummonResponse* response) {
   metrics::MeteredReactor* reactor = metrics::MeteredReactor::New(ctx, "Summon");
+  RunSummon(ctx, request, response, absl::FromChrono(ctx->deadline()),
+            [reactor](grpc::Status status) { reactor->Finish(std::move(status)); });
+  return reactor;
+}
+
+void ShardServiceImpl::RunSummon(const grpc::CallbackServerContext* ctx,
+                                 const v1::SummonRequest* request, v1::SummonResponse* response,
+                                 absl::Time client_deadline,
+                                 std::function<void(grpc::Status)> finish) {
   for (const auto& [field, value] : {std::pair<const char*, const std::string&>{
                                          "registered_module", request->registered_module()},
                                      {"path", request->path()}}) {
     if (absl::Status s = CheckLength("Summon", field, value, kMaxModulePathBytes); !s.ok()) {
-      return Refuse(reactor, s);
+      finish(ToGrpcStatus(s));
+      return;
     }
   }
   if (absl::Status s = CheckCallerBounds("Summon", request->caller()); !s.ok()) {
-    return Refuse(reactor, s);
+    finish(ToGrpcStatus(s));
+    return;
   }
   if (request->end_first_size() > kMaxEndFirst) {
-    return Refuse(reactor, absl::InvalidArgumentError(
-                               absl::StrCat("Summon: end_first names ", request->end_first_size(),
-                                            " summons, the limit is ", kMaxEndFirst)));
+    finish(ToGrpcStatus(absl::InvalidArgumentError(
+        absl::StrCat("Summon: end_first names ", request->end_first_size(),
+                     " summons, the limit is ", kMaxEndFirst))));
+    return;
   }
   const SummonOptions options = flatshard::FromProto(request->options());
   absl::StatusOr<Caller> caller = CallerOf(ctx, request->caller());
-  if (!caller.ok()) return Refuse(reactor, caller.status());
-  const absl::Time deadline = WaitDeadline(ctx);
-  auto summon = [this, reactor, request, response, caller = *caller, options,
+  if (!caller.ok()) {
+    finish(ToGrpcStatus(caller.status()));
+    return;
+  }
+  const absl::Time deadline = WaitDeadline(client_deadline);
+  auto summon = [this, ctx, finish, request, response, caller = *caller, options,
                  deadline](absl::Status ended) {
     if (!ended.ok()) {
-      reactor->Finish(ToGrpcStatus(ended));
+      finish(ToGrpcStatus(ended));
       return;
     }
     groups_->Summon(
         caller, request->registered_module(), request->path(), options, deadline,
-        [reactor, response](absl::StatusOr<SummonResult> result) {
+        [this, ctx, caller, writeback = options.writeback, finish,
+         response](absl::StatusOr<SummonResult> result) {
+          if (result.ok() && !writeback && ctx->IsCancelled()) {
+            // Its caller gave up first (its deadline, a frozen daemon, a dead client).
+            const uint64_t id = result->summon;
+            result = absl::CancelledError();  // the views' buffers go first
+            EndUnanswered(caller, id);
+            finish(grpc::Status(grpc::StatusCode::CANCELLED,
+                                "the caller gave up before the answer; the summon was ended"));
+            return;
+          }
           if (result.ok()) FillSummon(*result, response);
           const grpc::Status status = ToGrpcStatus(result.status());
           // Drop the buffer references before answering: a client that ends and
           // summons again at once must find the kept buffers free, or the daemon
           // allocates fresh segments.
           result = absl::CancelledError();
-          reactor->Finish(status);
+          finish(status);
         },
         EventOf(request->written()));
   };
@@ -353,7 +381,28 @@ grpc::ServerUnaryReactor* ShardServiceImpl::Summon(grpc::CallbackServerContext* 
   } else {
     workers_.Post(*caller, std::move(body));
   }
-  return reactor;
+}
+
+void ShardServiceImpl::EndUnanswered(const Caller& caller, uint64_t summon) {
+  // No one will end a summon whose id never reached its caller, and it would refuse the
+  // units' next summon on this session. A read-only End is local to the daemon.
+  FS_LOG(WARNING) << "group=" << caller.group << " rank=" << caller.rank << " summon " << summon
+                  << " ended: its caller gave up before the answer";
+  groups_->EndSummon(caller, summon, WaitDeadline(absl::InfiniteFuture()),
+                     [caller, summon](absl::Status s) {
+                       if (!s.ok() && !absl::IsNotFound(s)) {
+                         FS_LOG(WARNING) << "group=" << caller.group << " rank=" << caller.rank
+                                         << " summon " << summon << " (answer lost): " << s;
+                       }
+                     });
+}
+
+void ShardServiceImpl::EndUnanswered(const grpc::CallbackServerContext* ctx,
+                                     const v1::SummonRequest& request,
+                                     const v1::SummonResponse& response) {
+  if (request.options().writeback() || response.summon() == 0) return;
+  absl::StatusOr<Caller> caller = CallerOf(ctx, request.caller());
+  if (caller.ok()) EndUnanswered(*caller, response.summon());
 }
 
 bool ShardServiceImpl::SmallSummon(const Caller& caller, const v1::SummonRequest& request,

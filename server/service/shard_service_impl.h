@@ -77,8 +77,25 @@ class ShardServiceImpl final : public v1::ShardService::CallbackService {
   grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* ctx, const v1::LeaveRequest* request,
                                   v1::LeaveResponse* response) override;
 
+  // Summon's body, shared by the unary call and the transition lane
+  // (server/service/transition_lane_service.h): checks `request`, runs it, and calls
+  // `finish` once with the call's status (`response` filled when OK), on whichever thread
+  // ends it. `request` and `response` must live until `finish` ran. `client_deadline`: when
+  // the client gives up (the collective's wait ends a little before; InfiniteFuture: the
+  // default wait).
+  void RunSummon(const grpc::CallbackServerContext* ctx, const v1::SummonRequest* request,
+                 v1::SummonResponse* response, absl::Time client_deadline,
+                 std::function<void(grpc::Status)> finish);
+  // A read-only Summon answered OK whose answer never reached its caller (the transition
+  // lane's reply could not be written): ends it, as its caller cannot. Writeback summons
+  // (whose End is a collective) are left to the session's end.
+  void EndUnanswered(const grpc::CallbackServerContext* ctx, const v1::SummonRequest& request,
+                     const v1::SummonResponse& response);
+
  private:
+  void EndUnanswered(const Caller& caller, uint64_t summon);
   absl::Time WaitDeadline(const grpc::CallbackServerContext* ctx) const;
+  absl::Time WaitDeadline(absl::Time client_deadline) const;
   // The calling process's uid (access::AccessControl), or why it may not call.
   absl::StatusOr<int64_t> CallerUid(const grpc::CallbackServerContext* ctx) const;
   // `c` with the caller's uid.

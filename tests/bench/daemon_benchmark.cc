@@ -11,11 +11,13 @@
 //    iterations (after --warmup) of Summon(writeback=false) + End, alternated A/B, B/A with the
 //    same number of empty `Ping` RPCs to the same socket (two per iteration: Summon+End is two
 //    RPCs). Once through the client library (what a trainer sees: RPC + segment mapping + views;
-//    its Pings go over a raw stub on a channel with the library's arguments), once through raw
-//    stubs (RPCs only, Pings on the same channel). Then the steady-state unit transition: a
-//    Summon that ends the previous summon in the same RPC (SummonRequest.end_first), alternated
-//    with one Ping. Prints p50/p99 of each RPC and the ratios to Ping (target: p50 <= 1.2x,
-//    p99 <= 1.5x).
+//    its Pings go over a raw stub on a channel with the library's arguments; its Summons take
+//    the transition lane, a stream message each), once more with the lane off
+//    (FLATSHARD_NO_TRANSITION_LANE=1: unary Summons, "lib-unary"), once through raw stubs
+//    (unary RPCs only, Pings on the same channel). Then the steady-state unit transition: a
+//    Summon that ends the previous summon in the same request (SummonRequest.end_first),
+//    alternated with one Ping. Prints p50/p99 of each RPC and the ratios to Ping (target: p50
+//    <= 1.2x, p99 <= 1.5x).
 // 2. Unshard bandwidth. For each world size, every rank a thread with its own channel: one unit
 //    of --bytes float32 (default 1 GiB; shrunk with a note when /dev/shm or memory is short).
 //    Summon(writeback=false) (the all-gather into one shared node copy) as seen by the clients:
@@ -56,6 +58,7 @@
 #include <grpcpp/grpcpp.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -450,22 +453,31 @@ absl::Status RunLatency(const DaemonProcess& d, int warmup, int iters) {
       "%d iterations after %d warm-up, A/B alternated\n",
       iters, warmup);
   std::printf(
-      "# lib: flatshard::client (RPC + segment mapping + views); Pings on a raw stub, "
-      "same socket. raw: raw stubs, one channel for all.\n");
+      "# lib: flatshard::client (RPC + segment mapping + views; Summons on its transition "
+      "lane); Pings on a raw stub, same socket. lib-unary: the same with "
+      "FLATSHARD_NO_TRANSITION_LANE=1 (unary Summons). raw: raw stubs (unary), one channel "
+      "for all.\n");
   std::printf(
       "# targets: p50 <= 1.2x, p99 <= 1.5x the base (per RPC: base Ping; the pair: two "
       "Pings). load: %s\n",
       LoadAverage().c_str());
-  LatencySamples lib, raw;
-  int64_t map_calls = 0;
-  std::pair<int64_t, int64_t> retained;
+  LatencySamples lib, lib_unary, raw;
+  int64_t map_calls = 0, unary_map_calls = 0;
+  std::pair<int64_t, int64_t> retained, unary_retained;
   FS_RETURN_IF_ERROR(LatencyWithClientLibrary(d, warmup, iters, &lib, &map_calls, &retained));
+  ::setenv("FLATSHARD_NO_TRANSITION_LANE", "1", 1);  // read when the Client connects
+  const absl::Status unary =
+      LatencyWithClientLibrary(d, warmup, iters, &lib_unary, &unary_map_calls, &unary_retained);
+  ::unsetenv("FLATSHARD_NO_TRANSITION_LANE");
+  FS_RETURN_IF_ERROR(unary);
   FS_RETURN_IF_ERROR(LatencyWithRawStubs(d, warmup, iters, &raw));
   PrintLatencyHeader();
   PrintLatency("lib", lib, 4096);
+  PrintLatency("lib-unary", lib_unary, 4096);
   PrintLatency("raw", raw, 4096);
-  for (const auto& [variant, samples] :
-       {std::pair<const char*, const LatencySamples*>{"lib", &lib}, {"raw", &raw}}) {
+  for (const auto& [variant, samples] : {std::pair<const char*, const LatencySamples*>{"lib", &lib},
+                                         {"lib_unary", &lib_unary},
+                                         {"raw", &raw}}) {
     PrintFigure(absl::StrCat("latency.", variant, ".summon_end.p50"),
                 Percentile(samples->summon_end, 50), "us");
     PrintFigure(absl::StrCat("latency.", variant, ".summon_end.p99"),
