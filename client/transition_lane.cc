@@ -27,15 +27,20 @@ TransitionLane::~TransitionLane() {
   {
     absl::MutexLock lock(&watch_mu_);
     stop_ = true;
+    // A request still in flight on another thread returns now rather than wait for a
+    // watchdog that is going away.
+    if (watched_ != nullptr) watched_->TryCancel();
   }
   if (watchdog_.joinable()) watchdog_.join();
   absl::MutexLock lock(&mu_);
-  if (stream_ != nullptr) CloseStream();
+  if (stream_ != nullptr) CloseStream(/*cancel=*/true);
 }
 
-grpc::Status TransitionLane::CloseStream() {
-  // Cancelled first: Finish would otherwise wait for a daemon that may never answer.
-  context_->TryCancel();
+grpc::Status TransitionLane::CloseStream(bool cancel) {
+  // Cancelled first where the stream may still be open: Finish would otherwise wait for a
+  // daemon that may never answer. A stream whose Write or Read failed has ended: its Finish
+  // returns at once with the daemon's status (e.g. UNIMPLEMENTED from an older daemon).
+  if (cancel) context_->TryCancel();
   grpc::Status status = stream_->Finish();
   stream_.reset();
   context_.reset();
@@ -80,7 +85,7 @@ std::optional<absl::Status> TransitionLane::SummonLocked(const v1::SummonRequest
   lane_request.set_timeout_ms(static_cast<uint64_t>(absl::ToInt64Milliseconds(timeout)));
   if (!stream_->Write(lane_request)) {
     // The stream had ended (a restarted daemon, a shutdown): the request never went out.
-    const grpc::Status ended = CloseStream();
+    const grpc::Status ended = CloseStream(/*cancel=*/false);
     FS_VLOG(1) << "transition lane closed (" << ended.error_message() << "); unary Summon";
     if (ended.error_code() == grpc::StatusCode::UNIMPLEMENTED) unsupported_ = true;
     return std::nullopt;
@@ -106,7 +111,7 @@ std::optional<absl::Status> TransitionLane::SummonLocked(const v1::SummonRequest
     *response = std::move(*reply.mutable_summon());
     return absl::OkStatus();
   }
-  const grpc::Status ended = CloseStream();
+  const grpc::Status ended = CloseStream(/*cancel=*/false);
   if (ended.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
     unsupported_ = true;  // the daemon refused the stream: nothing ran
     return std::nullopt;

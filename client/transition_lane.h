@@ -47,8 +47,8 @@ class TransitionLane {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Cancels the stream of a request past its deadline; polls (kWatchPeriod) while one runs.
   void Watch();
-  // Ends the stream and returns its final status. REQUIRES: mu_.
-  grpc::Status CloseStream() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the stream (cancelling it first when `cancel`) and returns its final status.
+  grpc::Status CloseStream(bool cancel) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::shared_ptr<grpc::Channel> channel_;
   const std::unique_ptr<v1::TransitionLane::Stub> stub_;

@@ -94,12 +94,17 @@ std::vector<Rank> Join(const DaemonProcess& d, int world, absl::Duration call_ti
   return ::flatshard::testing::JoinRanks(world, g);
 }
 
+SummonOptions ReadOnly() {
+  SummonOptions read;
+  read.writeback = false;
+  return read;
+}
+
 // Every rank walks the model's units in plan order, one transition each (the previous unit
 // ends in the same request), and finds Value() in every element of each unit's parameters.
 void WalkUnits(std::vector<Rank>& ranks) {
   RunRanks(static_cast<int>(ranks.size()), [&](int r) {
-    SummonOptions read;
-    read.writeback = false;
+    const SummonOptions read = ReadOnly();
     std::unique_ptr<SummonedParams> held;
     for (const PlanUnit& u : ranks[r].model.plan->units) {
       absl::StatusOr<std::unique_ptr<SummonedParams>> s =
@@ -117,6 +122,19 @@ void WalkUnits(std::vector<Rank>& ranks) {
     }
     ASSERT_TRUE(held->End().ok()) << "rank " << r;
   });
+}
+
+// `world` ranks join `d` and register the example model; each then summons and ends it once,
+// so that its lane is open.
+std::vector<Rank> ReadyRanks(const DaemonProcess& d, int world, absl::Duration call_timeout) {
+  std::vector<Rank> ranks = Join(d, world, call_timeout);
+  ::flatshard::testing::RegisterExample(ranks);
+  RunRanks(world, [&](int r) {
+    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", ReadOnly());
+    ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s.status();
+    ASSERT_TRUE((*s)->End().ok()) << "rank " << r;
+  });
+  return ranks;
 }
 
 TEST(TransitionLaneTest, LibrarySummonsTakeTheLaneAndMatchTheUnaryCallToTheElement) {
@@ -147,16 +165,9 @@ TEST(TransitionLaneTest, LibrarySummonsTakeTheLaneAndMatchTheUnaryCallToTheEleme
 
 TEST(TransitionLaneTest, ACollectiveThatNeverCompletesFailsAtItsDeadlineNamingTheMissingRank) {
   std::unique_ptr<DaemonProcess> d = StartDaemon();
-  std::vector<Rank> ranks = Join(*d, 2, absl::Seconds(3));
-  ::flatshard::testing::RegisterExample(ranks);
-  SummonOptions read;
-  read.writeback = false;
-  // Both ranks once, so that rank 0's lane is open; then rank 0 alone.
-  RunRanks(2, [&](int r) {
-    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", read);
-    ASSERT_TRUE(s.ok()) << s.status();
-    ASSERT_TRUE((*s)->End().ok());
-  });
+  std::vector<Rank> ranks = ReadyRanks(*d, 2, absl::Seconds(3));
+  const SummonOptions read = ReadOnly();
+  // Rank 0 alone.
   const absl::Time start = absl::Now();
   absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[0].client->Summon("", "", read);
   const absl::Duration took = absl::Now() - start;
@@ -168,15 +179,8 @@ TEST(TransitionLaneTest, ACollectiveThatNeverCompletesFailsAtItsDeadlineNamingTh
 
 TEST(TransitionLaneTest, AKilledDaemonFailsTheSummonOnTheLaneWithUnavailable) {
   std::unique_ptr<DaemonProcess> d = StartDaemon();
-  std::vector<Rank> ranks = Join(*d, 2, absl::Seconds(20));
-  ::flatshard::testing::RegisterExample(ranks);
-  SummonOptions read;
-  read.writeback = false;
-  RunRanks(2, [&](int r) {
-    absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[r].client->Summon("", "", read);
-    ASSERT_TRUE(s.ok()) << s.status();
-    ASSERT_TRUE((*s)->End().ok());
-  });
+  std::vector<Rank> ranks = ReadyRanks(*d, 2, absl::Seconds(20));
+  const SummonOptions read = ReadOnly();
   // Rank 0's Summon waits on the lane for rank 1, which never comes; the daemon dies.
   absl::StatusOr<std::unique_ptr<SummonedParams>> waiting = absl::UnknownError("unset");
   absl::Time answered;
@@ -197,8 +201,7 @@ TEST(TransitionLaneTest, AFrozenDaemonFailsTheSummonWithinTheCallTimeout) {
   std::unique_ptr<DaemonProcess> d = StartDaemon();
   std::vector<Rank> ranks = Join(*d, 1, absl::Seconds(2));
   ::flatshard::testing::RegisterExample(ranks);
-  SummonOptions read;
-  read.writeback = false;
+  const SummonOptions read = ReadOnly();
   absl::StatusOr<std::unique_ptr<SummonedParams>> first = ranks[0].client->Summon("", "", read);
   ASSERT_TRUE(first.ok()) << first.status();
   ASSERT_GT(LaneRequests(*d), 0);
@@ -223,13 +226,7 @@ TEST(TransitionLaneTest, AFrozenDaemonFailsTheSummonWithinTheCallTimeout) {
 
 TEST(TransitionLaneTest, SigtermWithALaneOpenStopsWithoutWaitingTheShutdownGrace) {
   std::unique_ptr<DaemonProcess> d = StartDaemon({"--shutdown_grace=60s"});
-  std::vector<Rank> ranks = Join(*d, 1, absl::Seconds(20));
-  ::flatshard::testing::RegisterExample(ranks);
-  SummonOptions read;
-  read.writeback = false;
-  absl::StatusOr<std::unique_ptr<SummonedParams>> s = ranks[0].client->Summon("", "", read);
-  ASSERT_TRUE(s.ok()) << s.status();
-  ASSERT_TRUE((*s)->End().ok());
+  std::vector<Rank> ranks = ReadyRanks(*d, 1, absl::Seconds(20));
   ASSERT_TRUE(ranks[0].client->Leave().ok());
   // The Client lives on, its lane open and idle.
   const absl::Time start = absl::Now();
