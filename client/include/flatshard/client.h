@@ -617,7 +617,8 @@ class Client {
   // Summon (SummonRequest.end_first) and the daemon frees its buffers before this summon
   // takes buffers of its own. Summons travel as messages on the Client's transition lane (one
   // gRPC stream, proto/flatshard/v1/transition_lane.proto; README "The transition lane"),
-  // else as unary calls; the daemon runs both alike. `end_first` is ended whatever the outcome: its views are
+  // else as unary calls; the daemon runs both alike.
+  // `end_first` is ended whatever the outcome: its views are
   // dropped here, before the RPC, and if the Summon fails the client ends it on its own (a
   // plain End, whose error is only logged) unless the daemon already did.
   // Only a read-only summon of this Client's current session rides along. A writeback one
