@@ -11,6 +11,10 @@
 namespace flatshard::server {
 namespace {
 
+grpc::Status ShuttingDown() {
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE, "flatshardd is shutting down");
+}
+
 // Requests answered on lanes (also counted in flatshard_rpcs_total{method="Summon"}): how a
 // stranger sees that the client library's transitions take the lane.
 metrics::CounterFamily& LaneRequests() {
@@ -31,8 +35,8 @@ class LaneReactor final : public grpc::ServerBidiReactor<v1::LaneRequest, v1::La
   LaneReactor(TransitionLaneService* service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx) {
     if (!service_->Add(this)) {
-      finished_ = true;
-      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "flatshardd is shutting down"));
+      absl::MutexLock lock(&mu_);
+      FinishLocked(ShuttingDown());
       return;
     }
     registered_ = true;
@@ -45,9 +49,7 @@ class LaneReactor final : public grpc::ServerBidiReactor<v1::LaneRequest, v1::La
       if (finished_) return;
       if (!ok || ending_) {
         // The client closed its side (or the daemon is shutting down): nothing in flight.
-        finished_ = true;
-        Finish(ending_ ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "flatshardd is shutting down")
-                       : grpc::Status::OK);
+        FinishLocked(ending_ ? ShuttingDown() : grpc::Status::OK);
         return;
       }
       busy_ = true;
@@ -71,9 +73,7 @@ class LaneReactor final : public grpc::ServerBidiReactor<v1::LaneRequest, v1::La
     busy_ = false;
     if (finished_) return;
     if (!ok || ending_) {
-      finished_ = true;
-      Finish(ok ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "flatshardd is shutting down")
-                : grpc::Status::CANCELLED);
+      FinishLocked(ok ? ShuttingDown() : grpc::Status::CANCELLED);
       return;
     }
     StartRead(&request_);
@@ -89,8 +89,7 @@ class LaneReactor final : public grpc::ServerBidiReactor<v1::LaneRequest, v1::La
     absl::MutexLock lock(&mu_);
     ending_ = true;
     if (finished_ || busy_) return;
-    finished_ = true;
-    Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "flatshardd is shutting down"));
+    FinishLocked(ShuttingDown());
   }
 
  private:
@@ -108,6 +107,12 @@ class LaneReactor final : public grpc::ServerBidiReactor<v1::LaneRequest, v1::La
       reply_.set_message(status.error_message());
     }
     StartWrite(&reply_);
+  }
+
+  // Finish exactly once (every caller checked finished_ first).
+  void FinishLocked(grpc::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    finished_ = true;
+    Finish(std::move(status));
   }
 
   TransitionLaneService* const service_;
